@@ -1,0 +1,3 @@
+"""tokenprobe: an OpenAI-compatible measuring reverse proxy."""
+
+__version__ = "0.1.0"

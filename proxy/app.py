@@ -1,0 +1,198 @@
+"""create_app(settings) -> the proxy's ASGI app.
+
+Routes: `/v1/...` is forwarded (chat and text completions measured), `/metrics`,
+`/healthz` (the process is up), `/readyz` (the upstream answers). The lifespan owns the
+upstream client, the model-list refresher and the tokenizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import Callable
+from time import monotonic
+from typing import Any
+
+import httpx
+import orjson
+from prometheus_client import CollectorRegistry, make_asgi_app
+
+from proxy.forward import Forwarder, UpstreamBroke
+from proxy.labels import ModelLabels
+from proxy.measurement import Measurement
+from proxy.metrics import Metrics
+from proxy.settings import Settings, require_upstream
+from proxy.sinks import RequestTracer, Sinks
+from proxy.tokens import TokenCounter
+from proxy.types import Receive, Scope, Send
+from proxy.upstream import create_client
+
+log = logging.getLogger("tokenprobe")
+
+
+class _HideUpstreamBroke(logging.Filter):
+    """An UpstreamBroke is how the proxy asks uvicorn to drop a client connection after
+    the upstream broke mid-stream; it is expected and already measured, not a crash."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, UpstreamBroke)
+
+
+logging.getLogger("uvicorn.error").addFilter(_HideUpstreamBroke())
+
+
+class ProxyApp:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        registry: CollectorRegistry | None = None,
+        tracer: RequestTracer | None = None,
+        consumers: list[Callable[[Measurement, str], None]] | None = None,
+        metrics_app: Any = None,
+    ) -> None:
+        self.settings = settings
+        self.upstream = require_upstream(settings)
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = Metrics(self.registry)
+        self.labels = ModelLabels(settings.model_allowlist)
+        self.sinks = Sinks(self.metrics, self.labels, tracer=tracer, consumers=consumers or [])
+        self.metrics_app = metrics_app or make_asgi_app(self.registry)
+        self.client: httpx.AsyncClient | None = None
+        self.forwarder: Forwarder | None = None
+        self.counter: TokenCounter | None = None
+        self._refresher: asyncio.Task[None] | None = None
+        self._ready_at = -1e9
+        self._ready = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            path: str = scope["path"]
+            if path.startswith("/v1/"):
+                assert self.forwarder is not None, "lifespan did not run"
+                await self.forwarder(scope, receive, send)
+            elif path == "/metrics" and self.settings.metrics_port is None:
+                await self.serve_metrics(scope, receive, send)
+            elif path == "/healthz":
+                await _json(send, 200, {"status": "ok"})
+            elif path == "/readyz":
+                ready = await self._upstream_ready()
+                await _json(send, 200 if ready else 503, {"ready": ready, "upstream": self.upstream})
+            else:
+                await _json(send, 404, _error(f"no route {path!r}: tokenprobe forwards /v1/...", "not_found", 404))  # fmt: skip
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def serve_metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        token = self.settings.metrics_token
+        if token is not None:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, b"Bearer " + token.encode()):
+                await _json(send, 401, _error("metrics need a bearer token", "auth", 401))
+                return
+        await self.metrics_app(scope, receive, send)
+
+    # -- lifespan ---------------------------------------------------------------------
+
+    async def startup(self) -> None:
+        settings = self.settings
+        self.client = create_client(settings)
+        if settings.tokenizer:
+            self.counter = TokenCounter(settings.tokenizer)
+        self.forwarder = Forwarder(
+            client=self.client,
+            upstream=self.upstream,
+            sinks=self.sinks,
+            counter=self.counter,
+            inject_usage=settings.inject_usage,
+            max_body_bytes=settings.max_body_bytes,
+            body_timeout=settings.body_timeout,
+            first_byte_timeout=settings.first_byte_timeout,
+        )
+        if settings.models_refresh:
+            self._refresher = asyncio.create_task(self._refresh_models(settings.models_refresh))
+
+    async def shutdown(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresher
+        if self.client is not None:
+            await self.client.aclose()
+        if self.counter is not None:
+            self.counter.close()
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as exc:
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # -- upstream checks --------------------------------------------------------------
+
+    async def fetch_models(self) -> list[str] | None:
+        assert self.client is not None
+        try:
+            response = await self.client.get(self.upstream + "/v1/models", timeout=5.0)
+        except httpx.HTTPError as exc:
+            log.warning("could not list upstream models: %s", type(exc).__name__)
+            return None
+        if response.status_code != 200:
+            log.warning(
+                "upstream /v1/models answered %s; set --model-allowlist to label models",
+                response.status_code,
+            )
+            return None
+        try:
+            data = orjson.loads(response.content)["data"]
+            return [str(item["id"]) for item in data]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            return None
+
+    async def _refresh_models(self, every: float) -> None:
+        while True:
+            ids = await self.fetch_models()
+            if ids is not None:
+                self.labels.update_from_upstream(ids)
+            await asyncio.sleep(every)
+
+    async def _upstream_ready(self) -> bool:
+        """Ready when the upstream answers HTTP at all; cached for a second."""
+        if monotonic() - self._ready_at < 1.0:
+            return self._ready
+        assert self.client is not None
+        try:
+            response = await self.client.get(self.upstream + "/v1/models", timeout=2.0)
+            self._ready = response.status_code < 500
+        except httpx.HTTPError:
+            self._ready = False
+        self._ready_at = monotonic()
+        return self._ready
+
+
+def create_app(settings: Settings, **kwargs: Any) -> ProxyApp:
+    return ProxyApp(settings, **kwargs)
+
+
+def _error(message: str, kind: str, code: int) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+async def _json(send: Send, status: int, payload: object) -> None:
+    body = orjson.dumps(payload)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

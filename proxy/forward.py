@@ -1,0 +1,315 @@
+"""The hot path: relay one request upstream and its response back, byte for byte.
+
+Each chunk goes to the client first; only then does the observer see it, with the time of
+the network read. Observer failures are caught here, in one place: the stream carries on
+unmeasured and a counter says so. A client that goes away (seen on `receive()`, because a
+send to a gone client can succeed silently) cancels the upstream request at once, so the
+backend aborts the generation and frees its KV cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from time import perf_counter, time
+from typing import Any
+
+import httpx
+import orjson
+
+from proxy.labels import route_template
+from proxy.measurement import ErrorType
+from proxy.observe import StreamObserver, TokenCounts
+from proxy.request import MEASURED_ENDPOINTS, RequestInfo, parse_request, with_usage_requested
+from proxy.sinks import Sinks
+from proxy.strip import UsageEventStripper
+from proxy.tokens import TokenCounter
+from proxy.types import Receive, Scope, Send
+from proxy.upstream import classify_exception, describe
+
+log = logging.getLogger("tokenprobe")
+
+_HOP_BY_HOP = frozenset(
+    {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+     b"trailer", b"trailers", b"transfer-encoding", b"upgrade"}
+)  # fmt: skip
+_REQUEST_DROP = _HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding"}
+_STATUS_FOR_ERROR = {
+    ErrorType.UPSTREAM_UNREACHABLE: 502,
+    ErrorType.UPSTREAM_ERROR: 502,
+    ErrorType.UPSTREAM_TIMEOUT: 504,
+}
+
+
+class UpstreamBroke(Exception):
+    """Raised to the server after relaying a partial body, so it drops the client's
+    connection instead of ending the body cleanly: the client sees the break, as it
+    would have without the proxy."""
+
+
+class ClientGone(Exception):
+    pass
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class _Watch:
+    __slots__ = ("finished", "gone")
+
+    def __init__(self) -> None:
+        self.finished = False
+        self.gone = False
+
+
+class Forwarder:
+    def __init__(
+        self,
+        *,
+        client: httpx.AsyncClient,
+        upstream: str,
+        sinks: Sinks,
+        counter: TokenCounter | None,
+        inject_usage: bool,
+        max_body_bytes: int,
+        body_timeout: float,
+        first_byte_timeout: float,
+    ) -> None:
+        self.client = client
+        self.upstream = upstream
+        self.sinks = sinks
+        self.counter = counter
+        self.inject_usage = inject_usage
+        self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout
+        self.first_byte_timeout = first_byte_timeout
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        start = perf_counter()
+        started_at = time()
+        path: str = scope["path"]
+        measured = scope["method"] == "POST" and path in MEASURED_ENDPOINTS
+        try:
+            body = await self._read_body(scope, receive)
+        except BodyTooLarge:
+            await _send_error(send, 413, "request_too_large", f"request body over {self.max_body_bytes} bytes")
+            self._count_refusal(path, measured, 413, start, started_at)
+            return
+        except TimeoutError:
+            await _send_error(send, 408, "request_timeout", "request body not received in time")
+            self._count_refusal(path, measured, 408, start, started_at)
+            return
+        except ClientGone:
+            if measured:
+                info, _ = parse_request(path, b"")
+                self.sinks.refused(info, ErrorType.CLIENT_CANCELLED, 0, start, started_at)
+            return
+
+        if not measured:
+            await self._relay(scope, receive, send, body, None, None, start, started_at)
+            return
+        info, obj = parse_request(path, body)
+        stripper = None
+        if self.inject_usage and info.stream and not info.usage_requested and obj is not None:
+            body = with_usage_requested(obj)
+            stripper = UsageEventStripper()
+        await self._relay(scope, receive, send, body, info, stripper, start, started_at)
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_body_bytes:
+                raise BodyTooLarge
+        chunks: list[bytes] = []
+        size = 0
+        async with asyncio.timeout(self.body_timeout):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientGone
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    raise BodyTooLarge
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def _relay(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        body: bytes,
+        info: RequestInfo | None,
+        stripper: UsageEventStripper | None,
+        start: float,
+        started_at: float,
+    ) -> None:
+        rs = self.sinks.begin(info, scope["headers"])
+        headers = _upstream_headers(scope["headers"], measured=info is not None)
+        headers.extend(rs.upstream_headers)
+        query = scope.get("query_string", b"")
+        url = self.upstream + scope["path"] + ("?" + query.decode("latin-1") if query else "")
+        observer = None
+        if info is not None:
+            observer = StreamObserver(info, start, collect_text=self.counter is not None)
+
+        task = asyncio.current_task()
+        assert task is not None
+        watch = _Watch()
+        watcher = asyncio.create_task(_watch_disconnect(receive, task, watch))
+        response: httpx.Response | None = None
+        status = 0  # what the client got
+        error: ErrorType | None = None
+        message: str | None = None
+        broke = False
+        try:
+            request = self.client.build_request(scope["method"], url, headers=headers, content=body)
+            async with asyncio.timeout(self.first_byte_timeout):
+                response = await self.client.send(request, stream=True)
+            status = response.status_code
+            content_type = response.headers.get("content-type", "")
+            if observer is not None:
+                observer.open(status, content_type, perf_counter())
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": status,
+                    "headers": _client_headers(response, content_type, stripper is not None),
+                }
+            )
+            stripping = stripper is not None and status < 400
+            async for chunk in response.aiter_raw():
+                now = perf_counter()
+                out = stripper.feed(chunk) if stripping else chunk  # type: ignore[union-attr]
+                if out:
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+                if observer is not None:
+                    try:
+                        observer.feed(chunk, now)
+                    except Exception:
+                        observer = self._observer_failed(info)
+            if stripping and (rest := stripper.flush()):  # type: ignore[union-attr]
+                await send({"type": "http.response.body", "body": rest, "more_body": True})
+            watch.finished = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            if observer is not None:
+                observer.end_of_stream(perf_counter())
+        except asyncio.CancelledError:
+            if not watch.gone:
+                raise
+            task.uncancel()
+            error, message = ErrorType.CLIENT_CANCELLED, "client disconnected"
+        except Exception as exc:  # noqa: BLE001 - every upstream failure has a defined outcome
+            watch.finished = True
+            started = status != 0
+            error, message = classify_exception(exc, after_headers=started), describe(exc)
+            if started:
+                broke = True  # the client already has part of a body: drop its connection
+            else:
+                status = _STATUS_FOR_ERROR.get(error, 502)
+                await _send_error(send, status, error.value, f"upstream: {message}")
+        finally:
+            watch.finished = True
+            watcher.cancel()
+            if response is not None:
+                await response.aclose()
+        end = perf_counter()
+
+        if info is None:
+            self.sinks.passthrough(route_template(scope["path"]), status)
+        elif observer is not None:
+            await self._finish(rs, observer, status, error, message, end, started_at)
+        if broke:
+            raise UpstreamBroke(message)
+
+    async def _finish(
+        self,
+        rs: Any,
+        observer: StreamObserver,
+        status: int,
+        error: ErrorType | None,
+        message: str | None,
+        end: float,
+        started_at: float,
+    ) -> None:
+        try:
+            if error is None:
+                error, message = observer.outcome()
+            counts = observer.counts_from_usage()
+            if counts is None and self.counter is not None and error is None:
+                counts = await self.counter.count(observer)
+            if counts is None:
+                counts = observer.counts_from_chunks()
+            measurement = observer.measurement(
+                end=end,
+                started_at=started_at,
+                status_code=status,
+                counts=counts,
+                error_type=error,
+                error_message=message,
+                trace_id=rs.trace_id,
+            )
+        except Exception:
+            log.exception("measuring a request failed")
+            self.sinks.failed("finish")
+            self.sinks.end(rs, None)
+            return
+        self.sinks.end(rs, measurement)
+
+    def _observer_failed(self, info: RequestInfo | None) -> None:
+        log.exception("observer failed; the stream goes on unmeasured")
+        self.sinks.failed("observe")
+
+    def _count_refusal(self, path: str, measured: bool, status: int, start: float, started_at: float) -> None:
+        if measured:
+            info, _ = parse_request(path, b"")
+            self.sinks.refused(info, ErrorType.BAD_REQUEST, status, start, started_at)
+        else:
+            self.sinks.passthrough(route_template(path), status)
+
+
+async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any], watch: _Watch) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            if not watch.finished:
+                watch.gone = True
+                task.cancel()
+            return
+
+
+def _upstream_headers(headers: list[tuple[bytes, bytes]], *, measured: bool) -> list[tuple[bytes, bytes]]:
+    out = [(k, v) for k, v in headers if k not in _REQUEST_DROP]
+    if measured:
+        # The observer must read the stream, so measured responses come uncompressed
+        # (vLLM does not compress them anyway).
+        out.append((b"accept-encoding", b"identity"))
+    else:
+        out.extend((k, v) for k, v in headers if k == b"accept-encoding")
+    return out
+
+
+def _client_headers(response: httpx.Response, content_type: str, body_changes: bool) -> list[tuple[bytes, bytes]]:
+    drop = _HOP_BY_HOP | {b"content-length"} if body_changes else _HOP_BY_HOP
+    out = [(k.lower(), v) for k, v in response.headers.raw if k.lower() not in drop]
+    if content_type.startswith("text/event-stream"):
+        out.append((b"x-accel-buffering", b"no"))  # so an nginx in front does not buffer
+    return out
+
+
+async def _send_error(send: Send, status: int, kind: str, message: str) -> None:
+    """An OpenAI-shaped error from the proxy itself (only before any byte was sent)."""
+    body = orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+__all__ = ["Forwarder", "TokenCounts", "UpstreamBroke"]

@@ -1,0 +1,89 @@
+"""The frozen per-request record that every sink consumes, and the closed set of error types.
+
+Instants (all `time.perf_counter()` seconds, taken by the proxy):
+  start        the proxy received the request line and headers (ASGI call began)
+  first_byte   the upstream's response headers arrived
+  first_token  the first network read that carried an event with generated content: a
+               non-empty delta `content`, `reasoning_content`/`reasoning` or `tool_calls`
+               (chat), or non-empty `text` (completions). vLLM's role-only first chunk is
+               not a token.
+  last_token   the last network read that carried generated content
+  end          the response finished (last byte relayed, error, or client gone)
+
+Derived durations:
+  ttfb   first_byte - start
+  ttft   first_token - start
+  itl    each gap between consecutive content events (0 when two arrive in one read)
+  tpot   (last_token - first_token) / (output_tokens - 1), needs >= 2 output tokens
+  decode_tokens_per_second   (output_tokens - 1) / (last_token - first_token)
+  e2e    end - start
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class ErrorType(enum.StrEnum):
+    """Why a request did not succeed. Exactly one per failed request; a closed set."""
+
+    AUTH = "auth"  # 401/403, or a body saying the key/token is invalid or its exchange failed
+    CONTEXT_LENGTH = "context_length"  # prompt + max_tokens exceed the model's context
+    RATE_LIMIT = "rate_limit"  # 429
+    BAD_REQUEST = "bad_request"  # any other 4xx (and requests the proxy itself refuses)
+    NOT_FOUND = "not_found"  # 404: unknown model or route
+    UPSTREAM_ERROR = "upstream_error"  # 5xx
+    UPSTREAM_UNREACHABLE = "upstream_unreachable"  # connect failed
+    UPSTREAM_TIMEOUT = "upstream_timeout"  # connect, first byte or idle gap timed out
+    STREAM_ERROR = "stream_error"  # an `error` object inside a 200 stream
+    STREAM_TRUNCATED = "stream_truncated"  # stream ended without [DONE] or a finish_reason
+    CLIENT_CANCELLED = "client_cancelled"  # the client went away first
+
+
+class TokenSource(enum.StrEnum):
+    """Where the token counts of a record came from, most trusted first."""
+
+    USAGE = "usage"  # the backend's `usage` object
+    TOKENIZER = "tokenizer"  # counted by the configured tokenizer
+    CHUNKS = "chunks"  # output = number of content events; prompt unknown
+    NONE = "none"  # nothing to count (error before any output)
+
+
+#: Label value for "no error" and "no finish_reason".
+NONE_LABEL = "none"
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """Everything measured about one proxied request. Durations in seconds, None if unknown."""
+
+    endpoint: str  # "/v1/chat/completions" or "/v1/completions"
+    model: str  # the requested model as sent by the client ("" if none)
+    stream: bool
+    status_code: int  # what the client received (0 if nothing was sent)
+    started_at: float  # wall clock (time.time()) at `start`, for logs and traces
+    ttfb: float | None
+    ttft: float | None
+    tpot: float | None
+    decode_tokens_per_second: float | None
+    e2e: float
+    inter_token_latencies: tuple[float, ...]
+    prompt_tokens: int | None
+    output_tokens: int | None
+    cached_prompt_tokens: int | None
+    token_source: TokenSource
+    content_events: int
+    finish_reason: str  # as the client saw it; NONE_LABEL when there was none
+    error_type: ErrorType | None
+    error_message: str | None = None  # short, secret-free description
+    response_id: str | None = None
+    response_model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    trace_id: str | None = None  # 32 hex digits when the request was traced and sampled
+    extra: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.error_type is None

@@ -1,0 +1,111 @@
+"""Where finished measurements go: metrics, traces, logs, cost. Sink failures stop here.
+
+The relay calls `begin` when a request starts (in-flight gauge, trace span) and `end` once
+with the frozen record. A failing sink is logged and counted in
+`tokenprobe_measurement_failures_total{stage="sink"}`; it never fails the request.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from time import perf_counter
+from typing import Any, Protocol
+
+from proxy.labels import ModelLabels
+from proxy.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
+from proxy.metrics import Metrics
+from proxy.request import RequestInfo
+
+log = logging.getLogger("tokenprobe")
+
+Headers = list[tuple[bytes, bytes]]
+
+
+class RequestTracer(Protocol):
+    def start(self, info: RequestInfo, headers: Headers) -> tuple[Any, str | None, Headers]:
+        """Open a span: (span, trace id if sampled, headers to send upstream)."""
+
+    def finish(self, span: Any, measurement: Measurement | None) -> None: ...
+
+
+class RequestScope:
+    __slots__ = ("info", "model_label", "span", "trace_id", "upstream_headers")
+
+    def __init__(self, info: RequestInfo | None, model_label: str) -> None:
+        self.info = info
+        self.model_label = model_label
+        self.span: Any = None
+        self.trace_id: str | None = None
+        self.upstream_headers: Headers = []
+
+
+class Sinks:
+    def __init__(
+        self,
+        metrics: Metrics,
+        labels: ModelLabels,
+        *,
+        tracer: RequestTracer | None = None,
+        consumers: Sequence[Callable[[Measurement, str], None]] = (),
+    ) -> None:
+        self.metrics = metrics
+        self.labels = labels
+        self.tracer = tracer
+        # Each consumer gets the record and its bounded model label (logs, cost, ...).
+        self.consumers = list(consumers)
+
+    def begin(self, info: RequestInfo | None, headers: Headers) -> RequestScope:
+        if info is None:
+            return RequestScope(None, "")
+        rs = RequestScope(info, self.labels(info.model))
+        self.metrics.in_flight.labels(rs.model_label, info.endpoint).inc()
+        if self.tracer is not None:
+            try:
+                rs.span, rs.trace_id, rs.upstream_headers = self.tracer.start(info, headers)
+            except Exception:
+                log.exception("starting a trace span failed")
+                self.failed("trace")
+        return rs
+
+    def end(self, rs: RequestScope, measurement: Measurement | None) -> None:
+        info = rs.info
+        if info is None:
+            return
+        self.metrics.in_flight.labels(rs.model_label, info.endpoint).dec()
+        if self.tracer is not None and rs.span is not None:
+            self._safely(self.tracer.finish, rs.span, measurement)
+        if measurement is None:
+            return
+        self._safely(self.metrics.record, measurement, rs.model_label)
+        for consumer in self.consumers:
+            self._safely(consumer, measurement, rs.model_label)
+
+    def refused(
+        self, info: RequestInfo, error: ErrorType, status: int, start: float, started_at: float
+    ) -> None:
+        """A measured request that never went upstream (too large, too slow, client gone)."""
+        m = Measurement(
+            endpoint=info.endpoint, model=info.model, stream=info.stream, status_code=status,
+            started_at=started_at, ttfb=None, ttft=None, tpot=None, decode_tokens_per_second=None,
+            e2e=perf_counter() - start, inter_token_latencies=(), prompt_tokens=None,
+            output_tokens=None, cached_prompt_tokens=None, token_source=TokenSource.NONE,
+            content_events=0, finish_reason=NONE_LABEL, error_type=error,
+        )  # fmt: skip
+        label = self.labels(info.model)
+        self._safely(self.metrics.record, m, label)
+        for consumer in self.consumers:
+            self._safely(consumer, m, label)
+
+    def passthrough(self, route: str, status: int) -> None:
+        self.metrics.passthrough.labels(route, str(status)).inc()
+
+    def failed(self, stage: str) -> None:
+        self.metrics.measurement_failures.labels(stage).inc()
+
+    def _safely(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("a measurement sink failed")
+            self.failed("sink")

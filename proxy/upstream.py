@@ -1,0 +1,79 @@
+"""The upstream HTTP client, and what its exceptions mean.
+
+httpx is the client; its transport is either httpx's own or aiohttp's (httpx-aiohttp),
+chosen by `--upstream-transport` after benchmarking (see the README's performance section).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import aiohttp
+import httpx
+
+from proxy.measurement import ErrorType
+from proxy.settings import Settings
+
+
+def create_client(settings: Settings) -> httpx.AsyncClient:
+    timeout = httpx.Timeout(
+        connect=settings.connect_timeout,
+        read=settings.idle_timeout,  # applies to each read: the idle gap between chunks
+        write=settings.idle_timeout,
+        pool=settings.connect_timeout,
+    )
+    # A proxy must not queue streams behind a connection cap the backend doesn't have.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024, keepalive_expiry=60)
+    transport: httpx.AsyncBaseTransport
+    if settings.upstream_transport == "aiohttp":
+        from httpx_aiohttp import AiohttpTransport
+
+        def session() -> aiohttp.ClientSession:
+            return aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
+                auto_decompress=False,
+                # Send exactly the client's headers: no added Accept-Encoding (the reply
+                # would come compressed to a client that did not ask), User-Agent or Accept.
+                skip_auto_headers=("Accept-Encoding", "User-Agent", "Accept"),
+            )
+
+        transport = AiohttpTransport(client=session)
+    else:
+        transport = httpx.AsyncHTTPTransport(limits=limits)
+    client = httpx.AsyncClient(transport=transport, timeout=timeout, limits=limits)
+    client.headers.clear()  # forward the client's headers, not httpx's defaults
+    return client
+
+
+_TIMEOUTS = (TimeoutError, asyncio.TimeoutError, httpx.TimeoutException, aiohttp.ServerTimeoutError)
+_CONNECT = (httpx.ConnectError, aiohttp.ClientConnectorError, ConnectionRefusedError)
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    # httpx-aiohttp re-raises aiohttp's errors as httpx ones, not always the right ones
+    # (a dropped connection becomes ConnectTimeout): when there is a cause, trust the cause.
+    seen = exc if exc.__cause__ is None else exc.__cause__
+    current: BaseException | None = seen
+    while current is not None:
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def classify_exception(exc: BaseException, *, after_headers: bool) -> ErrorType:
+    causes = list(_causes(exc))
+    if any(isinstance(e, _TIMEOUTS) for e in causes):
+        return ErrorType.UPSTREAM_TIMEOUT
+    if after_headers:
+        return ErrorType.STREAM_TRUNCATED
+    if any(isinstance(e, _CONNECT) for e in causes):
+        return ErrorType.UPSTREAM_UNREACHABLE
+    return ErrorType.UPSTREAM_ERROR
+
+
+def describe(exc: BaseException) -> str:
+    """A one-line description without URLs' credentials or headers."""
+    causes = list(_causes(exc))
+    root = causes[-1] if causes else exc
+    text = str(root) or type(root).__name__
+    return f"{type(root).__name__}: {text}"[:300]
