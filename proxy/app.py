@@ -27,7 +27,7 @@ from proxy.settings import Settings, require_upstream
 from proxy.sinks import RequestTracer, Sinks
 from proxy.tokens import TokenCounter
 from proxy.types import Receive, Scope, Send
-from proxy.upstream import create_client
+from proxy.upstream import create_client, describe
 
 log = logging.getLogger("tokenprobe")
 
@@ -148,7 +148,7 @@ class ProxyApp:
         try:
             response = await self.client.get(self.upstream + "/v1/models", timeout=5.0)
         except httpx.HTTPError as exc:
-            log.warning("could not list upstream models: %s", type(exc).__name__)
+            log.warning("could not list upstream models: %s", describe(exc))
             return None
         if response.status_code != 200:
             log.warning(

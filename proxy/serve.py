@@ -1,42 +1,106 @@
-"""`tokenprobe serve`: settings -> app -> uvicorn (uvloop and httptools when installed)."""
+"""`tokenprobe serve`: settings -> app -> uvicorn (uvloop and httptools when installed).
+
+With `--workers N` uvicorn runs N processes sharing the port. Their metrics go through
+prometheus-client's multiprocess mode: every process writes its values to files in one
+directory (wiped at start), and whichever process answers a scrape sums them all. Live
+gauges of processes that died are dropped at each scrape.
+"""
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
+import re
+import shutil
 import sys
+import tempfile
+from typing import Any
 
 import uvicorn
 
-from proxy.app import create_app
-from proxy.settings import Settings, SettingsError, parse, require_upstream
+from proxy.app import ProxyApp, create_app
+from proxy.settings import SPECS, Settings, SettingsError, parse, require_upstream
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
-def uvicorn_config(app: object, settings: Settings, **overrides: object) -> uvicorn.Config:
-    options: dict[str, object] = {
+def uvicorn_options(settings: Settings) -> dict[str, Any]:
+    return {
         "host": settings.host,
         "port": settings.port,
         "log_level": settings.log_level,
         "access_log": False,  # tokenprobe writes its own access log
         "timeout_graceful_shutdown": settings.drain_timeout,
-        "server_header": False,
+        "server_header": False,  # the upstream's headers pass through; add none of ours
         "date_header": False,
         "loop": "auto",
         "http": "auto",
     }
-    options.update(overrides)
-    return uvicorn.Config(app, **options)  # type: ignore[arg-type]
+
+
+def build_app(settings: Settings) -> ProxyApp:
+    """The app with every sink the settings ask for."""
+    from proxy.wiring import build
+
+    return build(settings, os.environ)
+
+
+def worker_app() -> ProxyApp:
+    """Factory for each worker process: settings arrive through TOKENPROBE_* variables."""
+    return build_app(parse([], os.environ))
 
 
 def main(argv: list[str]) -> int:
     try:
         settings = parse(argv, os.environ)
         require_upstream(settings)
+        if settings.workers > 1:
+            return _run_workers(settings)
+        app = build_app(settings)
     except SettingsError as exc:
         print(f"tokenprobe serve: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    app = create_app(settings)
-    server = uvicorn.Server(uvicorn_config(app, settings))
-    server.run()
+    _configure_logging(settings)
+    uvicorn.Server(uvicorn.Config(app, **uvicorn_options(settings))).run()
     return 0
+
+
+def _configure_logging(settings: Settings) -> None:
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+
+
+def _run_workers(settings: Settings) -> int:
+    directory = os.environ.get(MULTIPROC_ENV) or tempfile.mkdtemp(prefix="tokenprobe-metrics-")
+    shutil.rmtree(directory, ignore_errors=True)  # stale files from a previous run would add up
+    os.makedirs(directory)
+    os.environ[MULTIPROC_ENV] = directory
+    for spec in SPECS:  # hand the resolved settings to the worker processes
+        value = getattr(settings, spec.name)
+        if value is not None:
+            os.environ[spec.env] = ",".join(value) if isinstance(value, tuple) else str(value)
+    _configure_logging(settings)
+    uvicorn.run("proxy.serve:worker_app", factory=True, workers=settings.workers, **uvicorn_options(settings))
+    return 0
+
+
+_PID = re.compile(r"_(\d+)\.db$")
+
+
+def drop_dead_workers(directory: str) -> None:
+    """Remove live-gauge files of worker processes that no longer exist."""
+    from prometheus_client import multiprocess
+
+    for path in glob.glob(os.path.join(directory, "gauge_live*_*.db")):
+        match = _PID.search(path)
+        if match is None:
+            continue
+        pid = int(match.group(1))
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            multiprocess.mark_process_dead(pid, directory)
+        except PermissionError:
+            pass

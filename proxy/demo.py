@@ -1,0 +1,153 @@
+"""`tokenprobe demo`: the simulated backend, the proxy in front of it, and a little traffic.
+
+Everything runs in this one process on loopback: the simulator on an ephemeral port, the
+proxy on --port (4000). The traffic shows each kind of outcome the proxy tells apart; the
+table printed afterwards comes from the proxy's own measurement records, and /metrics is
+live for as long as the demo keeps serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import socket
+import sys
+from dataclasses import dataclass
+
+import httpx
+import uvicorn
+from prometheus_client import CollectorRegistry
+
+from proxy.app import create_app
+from proxy.measurement import Measurement
+from proxy.settings import Settings
+from proxy.sim.app import create_sim_app
+from proxy.sim.config import SimConfig
+
+MODEL = "sim-model"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    stream: bool = True
+    endpoint: str = "/v1/chat/completions"
+    headers: tuple[tuple[str, str], ...] = ()
+    max_tokens: int = 48
+
+
+SCENARIOS = (
+    Scenario("fast stream", headers=(("x-sim-ttft", "0.08"), ("x-sim-tps", "120"))),
+    Scenario("slow prefill", headers=(("x-sim-ttft", "0.6"), ("x-sim-tps", "60"))),
+    Scenario("slow decode", headers=(("x-sim-ttft", "0.1"), ("x-sim-tps", "15"), ("x-sim-output-tokens", "20"))),  # fmt: skip
+    Scenario("cut off by max_tokens", max_tokens=12, headers=(("x-sim-output-tokens", "40"),)),
+    Scenario("text completion", endpoint="/v1/completions", headers=(("x-sim-ttft", "0.1"),)),
+    Scenario("non-streaming", stream=False, headers=(("x-sim-ttft", "0.1"), ("x-sim-output-tokens", "16"))),  # fmt: skip
+    Scenario("context too long", max_tokens=1_000_000),
+    Scenario("bad API key", headers=(("x-sim-error", "auth"),)),
+    Scenario("token exchange failed", headers=(("x-sim-error", "token_exchange"),)),
+    Scenario("rate limited", headers=(("x-sim-error", "rate_limit"),)),
+    Scenario("error mid-stream", headers=(("x-sim-fault", "error_event"), ("x-sim-fault-after", "5"))),  # fmt: skip
+    Scenario("stream cut short", headers=(("x-sim-fault", "close_no_done"), ("x-sim-fault-after", "5"))),  # fmt: skip
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _body(s: Scenario, i: int) -> dict[str, object]:
+    body: dict[str, object] = {"model": MODEL, "stream": s.stream, "max_tokens": s.max_tokens}
+    if s.endpoint == "/v1/completions":
+        body["prompt"] = f"Write a haiku about request number {i}."
+    else:
+        body["messages"] = [{"role": "user", "content": f"Tell me about measuring latency ({i})."}]
+    return body
+
+
+async def _traffic(base: str, rounds: int, records: list[tuple[Measurement, str]]) -> dict[int, str]:
+    """Each scenario's requests run together; returns record index -> scenario name."""
+    names: dict[int, str] = {}
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        for s in SCENARIOS:
+            first = len(records)
+            await asyncio.gather(
+                *(client.post(s.endpoint, json=_body(s, i), headers=dict(s.headers)) for i in range(rounds)),
+                return_exceptions=True,
+            )
+            await asyncio.sleep(0.05)  # the record lands just after the last byte
+            names.update((i, s.name) for i in range(first, len(records)))
+    return names
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f}"
+
+
+def _table(records: list[tuple[Measurement, str]], names: dict[int, str]) -> str:
+    head = f"{'':24} {'ttft ms':>8} {'tpot ms':>8} {'tok/s':>6} {'e2e ms':>7} {'out':>4} {'source':>8} {'finish':>8}  outcome"  # fmt: skip
+    lines = [head, "-" * len(head)]
+    for i, (m, _) in enumerate(records):
+        speed = "-" if m.decode_tokens_per_second is None else f"{m.decode_tokens_per_second:.0f}"
+        out = "-" if m.output_tokens is None else str(m.output_tokens)
+        outcome = m.error_type.value if m.error_type else "ok"
+        lines.append(
+            f"{names.get(i, m.endpoint)[:24]:24} {_ms(m.ttft):>8} {_ms(m.tpot):>8} {speed:>6} "
+            f"{_ms(m.e2e):>7} {out:>4} {m.token_source.value:>8} {m.finish_reason:>8}  {outcome}"
+        )
+    return "\n".join(lines)
+
+
+async def run(port: int, rounds: int, serve_after: bool, out: object = sys.stdout) -> int:
+    records: list[tuple[Measurement, str]] = []
+    sim_port = _free_port()
+    sim = uvicorn.Server(uvicorn.Config(create_sim_app(SimConfig(models=(MODEL,))), host="127.0.0.1", port=sim_port, log_level="warning"))  # fmt: skip
+    settings = Settings(upstream=f"http://127.0.0.1:{sim_port}", host="127.0.0.1", port=port, model_allowlist=(MODEL,), models_refresh=None)  # fmt: skip
+    app = create_app(settings, registry=CollectorRegistry(), consumers=[lambda m, label: records.append((m, label))])  # fmt: skip
+    proxy = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", server_header=False, date_header=False))  # fmt: skip
+    tasks = [asyncio.create_task(sim.serve()), asyncio.create_task(proxy.serve())]
+    while not (sim.started and proxy.started):
+        if any(t.done() for t in tasks):
+            print(f"tokenprobe demo: could not start (is port {port} free? try --port 0)", file=sys.stderr)  # fmt: skip
+            return 1
+        await asyncio.sleep(0.02)
+    port = proxy.servers[0].sockets[0].getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    print(f"simulated vLLM backend   http://127.0.0.1:{sim_port}/v1", file=out)  # type: ignore[call-overload]
+    print(f"tokenprobe proxy         {base}/v1   (clients point here)", file=out)  # type: ignore[call-overload]
+    print(f"\nsending {rounds} round(s) of {len(SCENARIOS)} requests through the proxy...\n", file=out)  # type: ignore[call-overload]
+    names = await _traffic(base, rounds, records)
+    print(_table(records, names), file=out)  # type: ignore[call-overload]
+    print(
+        f"\nmetrics:   curl {base}/metrics | grep '^tokenprobe_'\n"
+        f"try it:    curl -N {base}/v1/chat/completions -H 'content-type: application/json' "
+        f"""-d '{{"model":"{MODEL}","stream":true,"messages":[{{"role":"user","content":"hi"}}]}}'""",
+        file=out,  # type: ignore[call-overload]
+    )
+    if serve_after:
+        print("\nserving until Ctrl-C ...", file=out)  # type: ignore[call-overload]
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*tasks)
+    else:
+        async with httpx.AsyncClient() as client:
+            metrics = (await client.get(f"{base}/metrics")).text
+        total = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith("tokenprobe_requests_total{"))  # fmt: skip
+        print(f"\n/metrics counted {total:.0f} measured requests", file=out)  # type: ignore[call-overload]
+    proxy.should_exit = sim.should_exit = True
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="tokenprobe demo", description=__doc__)
+    parser.add_argument("--port", type=int, default=4000, help="proxy port (0: any free port)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of traffic to send")
+    parser.add_argument("--serve", action="store_true", help="keep serving after the traffic, until Ctrl-C")  # fmt: skip
+    args = parser.parse_args(argv)
+    try:
+        return asyncio.run(run(args.port, args.rounds, args.serve))
+    except KeyboardInterrupt:
+        return 0
