@@ -53,8 +53,8 @@ _CONNECT = (httpx.ConnectError, aiohttp.ClientConnectorError, ConnectionRefusedE
 def _causes(exc: BaseException) -> Iterator[BaseException]:
     # httpx-aiohttp re-raises aiohttp's errors as httpx ones, not always the right ones
     # (a dropped connection becomes ConnectTimeout): when there is a cause, trust the cause.
-    seen = exc if exc.__cause__ is None else exc.__cause__
-    current: BaseException | None = seen
+    wrapper = isinstance(exc, httpx.HTTPError) and exc.__cause__ is not None
+    current: BaseException | None = exc.__cause__ if wrapper else exc
     while current is not None:
         yield current
         current = current.__cause__ or current.__context__

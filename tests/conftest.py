@@ -1,0 +1,94 @@
+"""Shared fixtures: the simulator and the proxy, each on real uvicorn on loopback."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from proxy.app import ProxyApp, create_app
+from proxy.measurement import Measurement
+from proxy.settings import Settings
+from proxy.sim.app import SimApp, create_sim_app
+from proxy.sim.config import SimConfig
+from tests.servers import ThreadedServer
+
+MODEL = "sim-model"
+
+
+class Running:
+    """A started server plus the app object behind it."""
+
+    def __init__(self, server: ThreadedServer, app: Any) -> None:
+        self.server = server
+        self.app = app
+        self.url = server.url
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+@pytest.fixture
+def start_sim() -> Iterator[Callable[..., Running]]:
+    started: list[Running] = []
+
+    def start(**config: Any) -> Running:
+        config.setdefault("models", (MODEL,))
+        app: SimApp = create_sim_app(SimConfig(**config))
+        running = Running(ThreadedServer(app).start(), app)
+        started.append(running)
+        return running
+
+    yield start
+    for running in started:
+        running.stop()
+
+
+@pytest.fixture
+def sim(start_sim: Callable[..., Running]) -> Running:
+    return start_sim(ttft=0.05, tokens_per_second=200.0, output_tokens=16, record_bodies=True)
+
+
+class ProxyUnderTest(Running):
+    app: ProxyApp
+
+    def __init__(self, server: ThreadedServer, app: ProxyApp, records: list[Measurement]) -> None:
+        super().__init__(server, app)
+        self.records = records
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        return self.app.registry
+
+    def sample(self, name: str, **labels: str) -> float:
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+
+@pytest.fixture
+def start_proxy() -> Iterator[Callable[..., ProxyUnderTest]]:
+    started: list[ProxyUnderTest] = []
+
+    def start(upstream: str, **settings: Any) -> ProxyUnderTest:
+        settings.setdefault("model_allowlist", (MODEL,))
+        settings.setdefault("models_refresh", None)
+        records: list[Measurement] = []
+        app = create_app(
+            Settings(upstream=upstream, **settings),
+            registry=CollectorRegistry(),
+            consumers=[lambda m, _label: records.append(m)],
+        )
+        server = ThreadedServer(app, server_header=False, date_header=False).start()
+        running = ProxyUnderTest(server, app, records)
+        started.append(running)
+        return running
+
+    yield start
+    for running in started:
+        running.stop()
+
+
+@pytest.fixture
+def proxy(sim: Running, start_proxy: Callable[..., ProxyUnderTest]) -> ProxyUnderTest:
+    return start_proxy(sim.url)
