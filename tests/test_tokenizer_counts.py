@@ -1,0 +1,74 @@
+"""Token counts from a local tokenizer when the backend sends no usage."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+from proxy.measurement import TokenSource
+from proxy.tokens import count_output, load_tokenizer
+from tests.conftest import MODEL, ProxyUnderTest, Running
+from tests.tokenizers_local import build_tiny_tokenizer, mistral_tokenizer_dir
+
+NO_USAGE = {"x-sim-usage-mode": "ignore", "x-sim-output-tokens": "24"}
+
+
+def streamed_text(raw: bytes) -> str:
+    text = []
+    for line in raw.split(b"\n"):
+        if line.startswith(b"data: {"):
+            for choice in orjson.loads(line[6:]).get("choices", []):
+                text.append(choice.get("delta", {}).get("content") or "")
+    return "".join(text)
+
+
+@pytest.fixture(params=["tiny-bpe", "mistral-sentencepiece"])
+def tokenizer_dir(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
+    if request.param == "tiny-bpe":
+        return build_tiny_tokenizer(tmp_path)
+    return mistral_tokenizer_dir(tmp_path)
+
+
+def test_tokenizer_counts_when_backend_sends_no_usage(
+    sim: Running, start_proxy: Callable[..., ProxyUnderTest], tokenizer_dir: Path
+) -> None:
+    proxy = start_proxy(sim.url, tokenizer=str(tokenizer_dir))
+    deadline = time.monotonic() + 30
+    while not (proxy.app.counter and proxy.app.counter.ready) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    raw = httpx.post(
+        proxy.url + "/v1/chat/completions",
+        json={"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "你好 hello"}]},
+        headers=NO_USAGE,
+    ).content
+    while not proxy.records and time.monotonic() < deadline:
+        time.sleep(0.01)
+    m = proxy.records[0]
+    expected = count_output(load_tokenizer(str(tokenizer_dir)), [streamed_text(raw)])
+    assert m.token_source is TokenSource.TOKENIZER
+    assert m.output_tokens == expected and expected > 0
+    assert m.prompt_tokens is not None and m.prompt_tokens > 0
+    assert proxy.sample("tokenprobe_generation_tokens_total", model=MODEL, endpoint="/v1/chat/completions", source="tokenizer") == expected  # fmt: skip
+
+
+def test_usage_wins_over_the_tokenizer(sim: Running, start_proxy: Callable[..., ProxyUnderTest], tmp_path: Path) -> None:  # fmt: skip
+    proxy = start_proxy(sim.url, tokenizer=str(build_tiny_tokenizer(tmp_path)))
+    httpx.post(proxy.url + "/v1/chat/completions", json={"model": MODEL, "stream": True, "messages": []})  # fmt: skip
+    deadline = time.monotonic() + 5
+    while not proxy.records and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert proxy.records[0].token_source is TokenSource.USAGE
+
+
+def test_transformers_is_not_imported_without_a_tokenizer() -> None:
+    import subprocess
+    import sys
+
+    code = "import proxy.app, proxy.serve, sys; print('transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
