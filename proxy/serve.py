@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 from typing import Any
@@ -62,6 +63,9 @@ def main(argv: list[str]) -> int:
         print(f"tokenprobe serve: {exc}", file=sys.stderr)
         return 2
     _configure_logging(settings)
+    # uvicorn drains on SIGTERM, then re-raises the signal it caught; with a handler in
+    # place that re-raise is a no-op and a clean drain exits 0, as orchestrators expect.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     uvicorn.Server(uvicorn.Config(app, **uvicorn_options(settings))).run()
     return 0
 

@@ -1,0 +1,132 @@
+"""`tokenprobe serve` as a real process: start-up, graceful drain on SIGTERM, workers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.servers import free_port
+
+CHAT = "/v1/chat/completions"
+BODY = {"model": "sim-model", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def spawn(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "proxy", *args],
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+def wait_http(url: str, timeout: float = 20.0) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        try:
+            if httpx.get(url, timeout=0.5).status_code < 500:
+                return time.monotonic() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.02)
+    raise AssertionError(f"{url} did not come up")
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+@pytest.fixture
+def sim_url() -> Iterator[str]:
+    port = free_port()
+    process = spawn("sim", "--port", str(port))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url + "/health")
+        yield url
+    finally:
+        stop(process)
+
+
+def test_sigterm_lets_an_in_flight_stream_finish_then_exits_zero(sim_url: str) -> None:
+    port = free_port()
+    proxy = spawn("serve", "--upstream", sim_url, "--port", str(port), "--drain-timeout", "10", "--access-log", "off")  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(base + "/healthz")
+        result: dict[str, bytes] = {}
+
+        def long_stream() -> None:
+            headers = {"x-sim-ttft": "0.1", "x-sim-tps": "20", "x-sim-output-tokens": "40"}  # ~2 s
+            result["body"] = httpx.post(base + CHAT, json=BODY, headers=headers, timeout=30).content
+
+        client = threading.Thread(target=long_stream)
+        client.start()
+        time.sleep(0.5)  # the stream is under way
+        proxy.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(base + "/healthz", timeout=1)  # no longer accepting
+        client.join(15)
+        assert proxy.wait(15) == 0
+        body = result["body"]
+        assert body.endswith(b"data: [DONE]\n\n") and body.count(b'"finish_reason":"stop"') == 1
+    finally:
+        stop(proxy)
+
+
+def test_serve_starts_fast_without_a_tokenizer(sim_url: str) -> None:
+    port = free_port()
+    started = time.monotonic()
+    proxy = spawn("serve", "--upstream", sim_url, "--port", str(port))
+    try:
+        wait_http(f"http://127.0.0.1:{port}/healthz")
+        assert time.monotonic() - started < 3.0  # generous for a loaded CI box; the benchmark reports the real figure
+    finally:
+        stop(proxy)
+
+
+def test_two_workers_report_exact_totals_on_every_scrape(sim_url: str, tmp_path: object) -> None:
+    port = free_port()
+    proxy = spawn(
+        "serve", "--upstream", sim_url, "--port", str(port), "--workers", "2", "--access-log", "off",
+        env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)},
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(base + "/healthz")
+        n = 30
+        with httpx.Client(base_url=base, timeout=10) as client:
+            for _ in range(n):
+                # a fresh connection each time, so both workers take requests
+                httpx.post(base + CHAT, json=BODY, headers={"x-sim-ttft": "0", "x-sim-output-tokens": "3", "connection": "close"})  # fmt: skip
+            counts = []
+            for _ in range(10):
+                text = httpx.get(base + "/metrics", headers={"connection": "close"}).text
+                counts.append(
+                    sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("tokenprobe_requests_total{"))  # fmt: skip
+                )
+            del client
+        assert counts == [n] * 10
+    finally:
+        stop(proxy)
+
+
+def test_serve_without_upstream_says_what_to_set() -> None:
+    out = subprocess.run([sys.executable, "-m", "proxy", "serve"], capture_output=True, text=True, env={k: v for k, v in os.environ.items() if not k.startswith("TOKENPROBE_")})  # fmt: skip
+    assert out.returncode == 2
+    assert "TOKENPROBE_UPSTREAM" in out.stderr and "--upstream" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
