@@ -20,6 +20,7 @@ import orjson
 from prometheus_client import CollectorRegistry, make_asgi_app
 
 from proxy.forward import Forwarder, UpstreamBroke
+from proxy.keys import KeyLabels
 from proxy.labels import ModelLabels
 from proxy.measurement import Measurement
 from proxy.metrics import Metrics
@@ -59,12 +60,15 @@ class ProxyApp:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = Metrics(self.registry)
         self.labels = ModelLabels(settings.model_allowlist)
-        self.sinks = Sinks(self.metrics, self.labels, tracer=tracer, consumers=consumers or [])
+        keys = KeyLabels(settings.key_salt) if settings.key_label == "hash" else None
+        self.sinks = Sinks(self.metrics, self.labels, tracer=tracer, consumers=consumers or [], keys=keys)
         self.metrics_app = metrics_app or make_asgi_app(self.registry)
         self.client: httpx.AsyncClient | None = None
         self.forwarder: Forwarder | None = None
         self.counter: TokenCounter | None = None
         self._refresher: asyncio.Task[None] | None = None
+        self._metrics_server: Any = None
+        self._metrics_task: asyncio.Task[None] | None = None
         self._ready_at = -1e9
         self._ready = False
 
@@ -115,8 +119,36 @@ class ProxyApp:
         )
         if settings.models_refresh:
             self._refresher = asyncio.create_task(self._refresh_models(settings.models_refresh))
+        if settings.metrics_port is not None:
+            await self._start_metrics_listener(settings.metrics_host or settings.host, settings.metrics_port)
+
+    async def _start_metrics_listener(self, host: str, port: int) -> None:
+        """/metrics on its own address, so it can stay off the network clients reach."""
+        import uvicorn
+
+        async def metrics_only(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != "http":
+                return
+            if scope["path"] == "/metrics":
+                await self.serve_metrics(scope, receive, send)
+            else:
+                await _json(send, 404, _error("only /metrics is served here", "not_found", 404))
+
+        config = uvicorn.Config(metrics_only, host=host, port=port, lifespan="off", access_log=False, log_level="warning")  # fmt: skip
+        server = uvicorn.Server(config)
+        server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]  # the main server owns signals
+        self._metrics_server = server
+        self._metrics_task = asyncio.create_task(server.serve())
+        while not server.started:
+            if self._metrics_task.done():
+                self._metrics_task.result()  # raises what failed (e.g. port in use)
+                raise RuntimeError(f"metrics listener on {host}:{port} did not start")
+            await asyncio.sleep(0.01)
 
     async def shutdown(self) -> None:
+        if self._metrics_server is not None and self._metrics_task is not None:
+            self._metrics_server.should_exit = True
+            await self._metrics_task
         if self._refresher is not None:
             self._refresher.cancel()
             with contextlib.suppress(asyncio.CancelledError):

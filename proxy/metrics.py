@@ -142,6 +142,18 @@ class Metrics:
             ("route", "code"),
             registry=registry,
         )
+        self.key_requests = Counter(
+            "tokenprobe_key_requests",
+            "Measured requests by API key label (a short salted hash; with --key-label hash).",
+            ("key", "model", "error_type"),
+            registry=registry,
+        )
+        self.key_tokens = Counter(
+            "tokenprobe_key_tokens",
+            "Prompt and output tokens by API key label (with --key-label hash).",
+            ("key", "model", "kind"),
+            registry=registry,
+        )
         self._children: dict[tuple[str, str], tuple[Any, ...]] = {}
 
     def _bound(self, model: str, endpoint: str) -> tuple[Any, ...]:
@@ -156,6 +168,14 @@ class Metrics:
             )  # fmt: skip
             self._children[key] = children
         return children
+
+    def record_key(self, m: Measurement, model_label: str, key_label: str) -> None:
+        error = m.error_type.value if m.error_type is not None else NONE_LABEL
+        self.key_requests.labels(key_label, model_label, error).inc()
+        if m.prompt_tokens:
+            self.key_tokens.labels(key_label, model_label, "prompt").inc(m.prompt_tokens)
+        if m.output_tokens:
+            self.key_tokens.labels(key_label, model_label, "output").inc(m.output_tokens)
 
     def record(self, m: Measurement, model_label: str) -> None:
         ttfb, ttft, itl, tpot, speed, e2e, prompt, generation, cached = self._bound(

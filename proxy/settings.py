@@ -39,7 +39,7 @@ def _port(value: str) -> int:
 
 def _seconds(value: str) -> float:
     seconds = float(value)
-    if seconds <= 0:
+    if not seconds > 0:  # also refuses nan, which compares false with everything
         raise ValueError("must be a positive number of seconds")
     return seconds
 
@@ -111,6 +111,7 @@ SPECS: tuple[Spec, ...] = (
     Spec("access_log", _choice("json", "text", "off"), "json", "Per-request log line on stdout: json, text or off."),
     Spec("trace_content", _bool, False, "Put prompt and completion text in trace spans.", is_flag=True),
     Spec("metrics_port", _port, None, "Serve /metrics on this separate port instead of the proxy port."),
+    Spec("metrics_host", str, None, "Address for --metrics-port (default: the same as --host)."),
     Spec("metrics_token", str, None, "Require 'Authorization: Bearer <token>' on /metrics."),
     Spec("key_label", _choice("none", "hash"), "none", "Attribute requests to API keys by a short salted hash (hash) or not at all (none)."),
     Spec("key_salt", str, None, "Salt for --key-label hash (default: random per process)."),
@@ -140,6 +141,7 @@ class Settings:
     access_log: str = "json"
     trace_content: bool = False
     metrics_port: int | None = None
+    metrics_host: str | None = None
     metrics_token: str | None = None
     key_label: str = "none"
     key_salt: str | None = None

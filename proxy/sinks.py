@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from time import perf_counter
 from typing import Any, Protocol
 
+from proxy.keys import KeyLabels
 from proxy.labels import ModelLabels
 from proxy.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
 from proxy.metrics import Metrics
@@ -30,11 +31,12 @@ class RequestTracer(Protocol):
 
 
 class RequestScope:
-    __slots__ = ("info", "model_label", "span", "trace_id", "upstream_headers")
+    __slots__ = ("info", "key_label", "model_label", "span", "trace_id", "upstream_headers")
 
     def __init__(self, info: RequestInfo | None, model_label: str) -> None:
         self.info = info
         self.model_label = model_label
+        self.key_label: str | None = None
         self.span: Any = None
         self.trace_id: str | None = None
         self.upstream_headers: Headers = []
@@ -48,18 +50,22 @@ class Sinks:
         *,
         tracer: RequestTracer | None = None,
         consumers: Sequence[Callable[[Measurement, str], None]] = (),
+        keys: KeyLabels | None = None,
     ) -> None:
         self.metrics = metrics
         self.labels = labels
         self.tracer = tracer
         # Each consumer gets the record and its bounded model label (logs, cost, ...).
         self.consumers = list(consumers)
+        self.keys = keys
 
     def begin(self, info: RequestInfo | None, headers: Headers) -> RequestScope:
         if info is None:
             return RequestScope(None, "")
         rs = RequestScope(info, self.labels(info.model))
         self.metrics.in_flight.labels(rs.model_label, info.endpoint).inc()
+        if self.keys is not None:
+            rs.key_label = self.keys(headers)
         if self.tracer is not None:
             try:
                 rs.span, rs.trace_id, rs.upstream_headers = self.tracer.start(info, headers)
@@ -78,6 +84,8 @@ class Sinks:
         if measurement is None:
             return
         self._safely(self.metrics.record, measurement, rs.model_label)
+        if rs.key_label is not None:
+            self._safely(self.metrics.record_key, measurement, rs.model_label, rs.key_label)
         for consumer in self.consumers:
             self._safely(consumer, measurement, rs.model_label)
 

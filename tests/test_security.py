@@ -1,0 +1,82 @@
+"""Secrets stay secret, labels stay bounded, /metrics can be fenced off."""
+
+from __future__ import annotations
+
+import random
+import string
+import time
+from collections.abc import Callable
+
+import httpx
+
+from tests.conftest import MODEL, ProxyUnderTest, Running
+from tests.servers import free_port
+
+CHAT = "/v1/chat/completions"
+
+
+def body(model: str = MODEL) -> dict[str, object]:
+    return {"model": model, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def series_count(metrics_text: str) -> int:
+    return sum(1 for line in metrics_text.splitlines() if line and not line.startswith("#"))
+
+
+def test_key_label_is_a_salted_hash_never_the_key(sim: Running, start_proxy: Callable[..., ProxyUnderTest]) -> None:  # fmt: skip
+    proxy = start_proxy(sim.url, key_label="hash", key_salt="pepper")
+    for key in ("sk-alpha-SECRET", "sk-beta-SECRET", "sk-alpha-SECRET"):
+        httpx.post(proxy.url + CHAT, json=body(), headers={"authorization": f"Bearer {key}"})
+    deadline = time.monotonic() + 5
+    while len(proxy.records) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    text = httpx.get(proxy.url + "/metrics").text
+    assert "SECRET" not in text and "sk-" not in text
+    key_lines = [line for line in text.splitlines() if line.startswith("tokenprobe_key_requests_total{")]  # fmt: skip
+    assert sorted(float(line.rsplit(" ", 1)[1]) for line in key_lines) == [1.0, 2.0]
+
+
+def test_key_labels_are_bounded() -> None:
+    from proxy.keys import MAX_KEYS, KeyLabels
+
+    labels = KeyLabels("salt")
+    seen = {labels([(b"authorization", f"Bearer k{i}".encode())]) for i in range(MAX_KEYS * 3)}
+    assert len(seen) == MAX_KEYS + 1 and "other" in seen
+
+
+def test_random_models_and_paths_leave_series_bounded(sim: Running, start_proxy: Callable[..., ProxyUnderTest]) -> None:  # fmt: skip
+    """10,000 requests with random model names and paths: the series count stays fixed."""
+    proxy = start_proxy(sim.url, key_label="hash")
+    rng = random.Random(7)
+
+    def word() -> str:
+        return "".join(rng.choices(string.ascii_letters, k=12))
+
+    with httpx.Client(base_url=proxy.url, timeout=10) as client:
+        for i in range(200):  # warm-up: every label combination the traffic below can make
+            client.post(CHAT, json=body(word()), headers={"authorization": f"Bearer {word()}"})
+            client.get(f"/v1/{word()}/{i}")
+        before = series_count(client.get("/metrics").text)
+        for i in range(10_000):
+            if i % 2:
+                client.post(CHAT, json=body(word()), headers={"authorization": f"Bearer {word()}", "x-sim-error": "not_found"})  # fmt: skip
+            else:
+                client.get(f"/v1/{word()}/{word()}")
+        after = series_count(client.get("/metrics").text)
+    assert after == before
+    assert after < 1000
+
+
+def test_metrics_port_serves_metrics_apart_from_the_proxy(sim: Running, start_proxy: Callable[..., ProxyUnderTest]) -> None:  # fmt: skip
+    port = free_port()
+    proxy = start_proxy(sim.url, metrics_port=port)
+    assert httpx.get(proxy.url + "/metrics").status_code == 404
+    reply = httpx.get(f"http://127.0.0.1:{port}/metrics")
+    assert reply.status_code == 200 and "tokenprobe_requests_total" in reply.text
+
+
+def test_metrics_token_is_required_when_set(sim: Running, start_proxy: Callable[..., ProxyUnderTest]) -> None:  # fmt: skip
+    proxy = start_proxy(sim.url, metrics_token="let-me-in")
+    assert httpx.get(proxy.url + "/metrics").status_code == 401
+    assert httpx.get(proxy.url + "/metrics", headers={"authorization": "Bearer nope"}).status_code == 401  # fmt: skip
+    assert httpx.get(proxy.url + "/metrics", headers={"authorization": "Bearer let-me-in"}).status_code == 200  # fmt: skip
