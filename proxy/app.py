@@ -114,6 +114,7 @@ class ProxyApp:
             counter=self.counter,
             inject_usage=settings.inject_usage,
             max_body_bytes=settings.max_body_bytes,
+            max_header_bytes=settings.max_header_bytes,
             body_timeout=settings.body_timeout,
             first_byte_timeout=settings.first_byte_timeout,
         )

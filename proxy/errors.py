@@ -23,6 +23,7 @@ _BODY_RULES: tuple[tuple[re.Pattern[str], ErrorType], ...] = (
             r"|longer than the maximum model length"  # vLLM: decoder prompt too long
             r"|prompt is too long|input is too long|too many (?:input )?tokens"
             r"|must be <= \d+"  # TGI: `inputs` tokens + `max_new_tokens` must be <= N
+            r"|must have less than \d+ tokens"  # TGI: `inputs` must have less than N tokens
             r"|context window"
         ),
         ErrorType.CONTEXT_LENGTH,
@@ -61,7 +62,7 @@ def classify_response(status: int, body: bytes) -> ErrorType | None:
     return ErrorType.BAD_REQUEST if status < 500 else ErrorType.UPSTREAM_ERROR
 
 
-_SECRET = re.compile(r"(?i)(bearer\s+)\S+|\b(sk|pk|rk)-[A-Za-z0-9_\-*]{6,}|\bey[A-Za-z0-9_\-]{20,}\.\S+")
+_SECRET = re.compile(r"(?i)(bearer\s+)\S+|\b(sk|pk|rk)-[A-Za-z0-9_\-*]{6,}|\bey[A-Za-z0-9_\-]{16,}\.\S+")
 
 
 def scrub(text: str) -> str:

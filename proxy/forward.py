@@ -55,6 +55,10 @@ class BodyTooLarge(Exception):
     pass
 
 
+class HeadersTooLarge(Exception):
+    pass
+
+
 class _Watch:
     __slots__ = ("finished", "gone")
 
@@ -73,6 +77,7 @@ class Forwarder:
         counter: TokenCounter | None,
         inject_usage: bool,
         max_body_bytes: int,
+        max_header_bytes: int,
         body_timeout: float,
         first_byte_timeout: float,
     ) -> None:
@@ -82,6 +87,7 @@ class Forwarder:
         self.counter = counter
         self.inject_usage = inject_usage
         self.max_body_bytes = max_body_bytes
+        self.max_header_bytes = max_header_bytes
         self.body_timeout = body_timeout
         self.first_byte_timeout = first_byte_timeout
 
@@ -92,6 +98,10 @@ class Forwarder:
         measured = scope["method"] == "POST" and path in MEASURED_ENDPOINTS
         try:
             body = await self._read_body(scope, receive)
+        except HeadersTooLarge:
+            await _send_error(send, 431, "request_header_fields_too_large", f"request headers over {self.max_header_bytes} bytes")  # fmt: skip
+            self._count_refusal(path, measured, 431, start, started_at)
+            return
         except BodyTooLarge:
             await _send_error(send, 413, "request_too_large", f"request body over {self.max_body_bytes} bytes")
             self._count_refusal(path, measured, 413, start, started_at)
@@ -117,9 +127,13 @@ class Forwarder:
         await self._relay(scope, receive, send, body, info, stripper, start, started_at)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        header_bytes = 0
         for name, value in scope["headers"]:
+            header_bytes += len(name) + len(value)
             if name == b"content-length" and value.isdigit() and int(value) > self.max_body_bytes:
                 raise BodyTooLarge
+        if header_bytes > self.max_header_bytes:
+            raise HeadersTooLarge
         chunks: list[bytes] = []
         size = 0
         async with asyncio.timeout(self.body_timeout):

@@ -103,6 +103,7 @@ SPECS: tuple[Spec, ...] = (
     Spec("idle_timeout", _seconds, 300.0, "Seconds allowed between two chunks of an upstream response."),
     Spec("body_timeout", _seconds, 60.0, "Seconds a client may take to send its request body."),
     Spec("max_body_bytes", _positive_int, 32 * 1024 * 1024, "Largest request body accepted (413 above it)."),
+    Spec("max_header_bytes", _positive_int, 64 * 1024, "Largest total size of request headers accepted (431 above it)."),
     Spec("tokenizer", str, None, "Local tokenizer directory (transformers.AutoTokenizer), used when the backend sends no usage."),
     Spec("inject_usage", _bool, True, "Ask the upstream for usage on streams whose client did not, and remove that extra chunk from the client's stream.", is_flag=True),
     Spec("model_allowlist", _csv, (), "Comma-separated model names allowed as metric labels, besides those the upstream lists at /v1/models."),
@@ -133,6 +134,7 @@ class Settings:
     idle_timeout: float = 300.0
     body_timeout: float = 60.0
     max_body_bytes: int = 32 * 1024 * 1024
+    max_header_bytes: int = 64 * 1024
     tokenizer: str | None = None
     inject_usage: bool = True
     model_allowlist: tuple[str, ...] = ()

@@ -28,6 +28,8 @@ class SSEDecoder:
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """Decode `chunk`; return the data payloads of the events it completed."""
+        if not chunk:  # an empty read must not forget a pending CR
+            return []
         if self._skip_lf:
             self._skip_lf = False
             if chunk[:1] == b"\n":

@@ -59,7 +59,14 @@ def _last_event_end(data: bytes) -> int:
 
 
 _CHOICES_EMPTY = re.compile(rb'"choices"\s*:\s*\[\s*\]')
+# An object, not `"usage": null`: OpenAI and Azure put a null usage on every chunk once
+# include_usage is set, and Azure's prompt-filter chunk also has empty choices.
+_USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
 
 
 def _is_usage_only(event: bytes) -> bool:
-    return _MARKER in event and _CHOICES_EMPTY.search(event) is not None
+    return (
+        _MARKER in event
+        and _CHOICES_EMPTY.search(event) is not None
+        and _USAGE_OBJECT.search(event) is not None
+    )

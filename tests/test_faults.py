@@ -1,0 +1,230 @@
+"""Faults and hostile input: each has a defined outcome, a metric, and leaves nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from proxy.measurement import ErrorType
+from tests.conftest import MODEL, ProxyUnderTest, Running
+
+CHAT = "/v1/chat/completions"
+BODY = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def wait_records(proxy: ProxyUnderTest, n: int, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while len(proxy.records) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(proxy.records) >= n
+
+
+def proxy_tasks(proxy: ProxyUnderTest) -> int:
+    loop = proxy.server.loop
+    assert loop is not None
+
+    async def count() -> int:
+        return len(asyncio.all_tasks())
+
+    return asyncio.run_coroutine_threadsafe(count(), loop).result(5)
+
+
+def settle(sim: Running, proxy: ProxyUnderTest, baseline_tasks: int) -> None:
+    """Upstream requests, in-flight gauges and tasks all back to where they started."""
+    state = sim.app.state
+    assert state.wait_for(lambda: state.active == 0, timeout=3), "sim still has requests open"
+    deadline = time.monotonic() + 3
+    while proxy_tasks(proxy) > baseline_tasks and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert proxy_tasks(proxy) <= baseline_tasks
+    assert proxy.sample("tokenprobe_requests_in_flight", model=MODEL, endpoint=CHAT) == 0
+
+
+def raw_request(port: int, payload: bytes) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(payload)
+    return sock
+
+
+# -- client disconnects at every phase --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("phase", "headers", "stream", "wait"),
+    [
+        ("before first byte", {"x-sim-stall-before-headers": "5"}, True, 0.3),
+        ("before first token", {"x-sim-ttft": "5"}, True, 0.3),
+        ("mid-stream", {"x-sim-ttft": "0.05", "x-sim-tps": "20", "x-sim-output-tokens": "500"}, True, 0.4),  # fmt: skip
+        ("non-streaming wait", {"x-sim-ttft": "5"}, False, 0.3),
+    ],
+)
+def test_client_disconnect_cancels_upstream_within_100ms(
+    sim: Running, proxy: ProxyUnderTest, phase: str, headers: dict[str, str], stream: bool, wait: float
+) -> None:
+    baseline = proxy_tasks(proxy)
+    body = {**BODY, "stream": stream}
+    import orjson
+
+    payload = orjson.dumps(body)
+    extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    sock = raw_request(
+        proxy.server.port,
+        f"POST {CHAT} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n{extra}content-length: {len(payload)}\r\n\r\n".encode()  # fmt: skip
+        + payload,
+    )
+    time.sleep(wait)
+    state = sim.app.state
+    assert state.last() is not None and state.last().outcome == "in_progress", phase  # type: ignore[union-attr]
+    sock.close()
+    closed = time.monotonic()
+    assert state.wait_for(lambda: state.last().outcome == "aborted", timeout=2), phase  # type: ignore[union-attr]
+    assert state.last().aborted_at - closed < 0.1, phase  # type: ignore[union-attr,operator]
+    wait_records(proxy, 1)
+    assert proxy.records[0].error_type is ErrorType.CLIENT_CANCELLED
+    assert proxy.sample("tokenprobe_requests_total", model=MODEL, endpoint=CHAT, code=str(proxy.records[0].status_code), finish_reason="none", error_type="client_cancelled") == 1  # fmt: skip
+    settle(sim, proxy, baseline)
+
+
+def test_client_disconnect_while_sending_the_body(sim: Running, proxy: ProxyUnderTest) -> None:
+    baseline = proxy_tasks(proxy)
+    sock = raw_request(proxy.server.port, f"POST {CHAT} HTTP/1.1\r\nhost: x\r\ncontent-length: 5000\r\n\r\n{{\"model\": ".encode())  # fmt: skip
+    time.sleep(0.2)
+    sock.close()
+    wait_records(proxy, 1)
+    assert proxy.records[0].error_type is ErrorType.CLIENT_CANCELLED
+    assert sim.app.state.last() is None  # nothing was sent upstream
+    settle(sim, proxy, baseline)
+
+
+# -- upstream faults ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fault", "error"),
+    [
+        ("malformed", None),
+        ("non_utf8", None),
+        ("huge_event", None),
+        ("error_string", ErrorType.STREAM_ERROR),
+        ("error_event", ErrorType.STREAM_ERROR),
+        ("close_no_done", ErrorType.STREAM_TRUNCATED),
+    ],
+)
+def test_stream_faults_relay_the_bytes_and_are_measured(
+    sim: Running, proxy: ProxyUnderTest, fault: str, error: ErrorType | None
+) -> None:
+    import hashlib
+
+    headers = {"x-sim-fault": fault, "x-sim-fault-after": "3", "x-sim-huge-bytes": str(6 * 1024 * 1024)}  # fmt: skip
+    received = httpx.post(proxy.url + CHAT, json={**BODY, "stream_options": {"include_usage": True}}, headers=headers, timeout=30).content  # fmt: skip
+    sent = sim.app.state.last()
+    assert sent is not None and sent.body_sha256 == hashlib.sha256(received).hexdigest()
+    wait_records(proxy, 1)
+    assert proxy.records[0].error_type is error
+    assert httpx.get(proxy.url + "/healthz").status_code == 200
+
+
+def test_html_error_page_from_a_load_balancer_is_relayed_and_classified(sim: Running, proxy: ProxyUnderTest) -> None:  # fmt: skip
+    reply = httpx.post(proxy.url + CHAT, json=BODY, headers={"x-sim-error": "html_502"})
+    assert reply.status_code == 502 and reply.headers["content-type"].startswith("text/html")
+    wait_records(proxy, 1)
+    assert proxy.records[0].error_type is ErrorType.UPSTREAM_ERROR
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_memory_returns_to_baseline_after_huge_events(sim: Running) -> None:
+    """A proxy process relaying 6 MiB single events ends up where it started."""
+    import subprocess
+    import sys
+
+    from tests.servers import free_port
+    from tests.test_serve import stop, wait_http
+
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "serve", "--upstream", sim.url, "--port", str(port), "--access-log", "off"],  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(base + "/healthz")
+        headers = {"x-sim-fault": "huge_event", "x-sim-fault-after": "2", "x-sim-huge-bytes": str(6 * 1024 * 1024)}  # fmt: skip
+        with httpx.Client(timeout=30) as client:
+            for _ in range(3):  # warm-up: imports, pools, first allocations
+                client.post(base + CHAT, json=BODY, headers=headers)
+            baseline = rss_kib(process.pid)
+            for _ in range(20):
+                client.post(base + CHAT, json=BODY, headers=headers)
+            time.sleep(0.5)
+            after = rss_kib(process.pid)
+        assert after - baseline < 16 * 1024, f"RSS grew {after - baseline} KiB"
+    finally:
+        stop(process)
+
+
+# -- hostile input from clients ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("content", "content_type"),
+    [
+        (b"", "application/json"),
+        (b"{not json", "application/json"),
+        (b'{"model": 42, "stream": true}', "application/json"),
+        (b'{"model": ["a"], "messages": "x"}', "application/json"),
+        (b"\xff\xfe\x00garbage", "application/json"),
+        (b"model=x", "application/x-www-form-urlencoded"),
+        (b"[1, 2, 3]", "text/plain"),
+    ],
+)
+def test_bad_client_bodies_are_forwarded_and_never_crash_the_proxy(
+    sim: Running, proxy: ProxyUnderTest, content: bytes, content_type: str
+) -> None:
+    reply = httpx.post(proxy.url + CHAT, content=content, headers={"content-type": content_type})
+    assert reply.status_code == 400  # the backend judged it; the proxy relayed the verdict
+    assert sim.app.state.last().path == CHAT  # type: ignore[union-attr]
+    wait_records(proxy, 1)
+    assert proxy.records[0].error_type is ErrorType.BAD_REQUEST
+    assert proxy.sample("tokenprobe_measurement_failures_total", stage="observe") == 0
+
+
+def test_huge_headers_get_431_and_are_not_forwarded(sim: Running, proxy: ProxyUnderTest) -> None:
+    reply = httpx.post(proxy.url + CHAT, json=BODY, headers={"x-big": "a" * 2_000_000})
+    assert reply.status_code == 431 and reply.json()["error"]["type"] == "request_header_fields_too_large"  # fmt: skip
+    assert sim.app.state.last() is None
+    wait_records(proxy, 1)
+    assert proxy.records[0].error_type is ErrorType.BAD_REQUEST
+    assert httpx.get(proxy.url + "/healthz").status_code == 200
+
+
+def test_slowloris_body_is_cut_off_by_the_body_timeout(sim: Running, start_proxy: Callable[..., ProxyUnderTest]) -> None:  # fmt: skip
+    proxy = start_proxy(sim.url, body_timeout=0.5)
+    sock = raw_request(proxy.server.port, f"POST {CHAT} HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{{".encode())  # fmt: skip
+    sock.settimeout(3)
+    started = time.monotonic()
+    reply = sock.recv(4096)
+    sock.close()
+    assert reply.startswith(b"HTTP/1.1 408") and time.monotonic() - started < 2
+    assert sim.app.state.last() is None
+
+
+def test_paths_outside_v1_are_not_forwarded(sim: Running, proxy: ProxyUnderTest) -> None:
+    for path in ("/", "/admin", "/v2/chat/completions", "/v1", "/../v1/models", "/v1/../admin"):
+        sock = raw_request(proxy.server.port, f"GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n".encode())  # fmt: skip
+        sock.settimeout(3)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 404"), path
+        sock.close()
+    assert sim.app.state.last() is None

@@ -1,0 +1,83 @@
+"""Label values from clients and backends stay within bounded sets."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.labels import MAX_MODELS, OTHER, ModelLabels, route_template
+
+
+def test_unknown_model_is_other() -> None:
+    assert ModelLabels()("gpt-4o") == OTHER
+
+
+def test_allowlisted_model_is_its_own_label() -> None:
+    assert ModelLabels(("llama", "qwen"))("qwen") == "qwen"
+
+
+def test_model_listed_by_upstream_is_its_own_label() -> None:
+    labels = ModelLabels()
+    labels.update_from_upstream(["meta-llama/Llama-3.1-8B-Instruct"])
+    assert labels("meta-llama/Llama-3.1-8B-Instruct") == "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def test_empty_model_is_other() -> None:
+    assert ModelLabels(("llama",))("") == OTHER
+
+
+def test_model_match_is_exact() -> None:
+    labels = ModelLabels(("llama",))
+    assert [labels("Llama"), labels("llama "), labels("llama2")] == [OTHER] * 3
+
+
+def test_upstream_update_replaces_earlier_upstream_models() -> None:
+    labels = ModelLabels()
+    labels.update_from_upstream(["old"])
+    labels.update_from_upstream(["new"])
+    assert (labels("old"), labels("new")) == (OTHER, "new")
+
+
+def test_allowlist_survives_an_upstream_update() -> None:
+    labels = ModelLabels(("pinned",))
+    labels.update_from_upstream([])
+    assert labels("pinned") == "pinned"
+
+
+def test_upstream_models_are_capped() -> None:
+    labels = ModelLabels(("pinned",))
+    labels.update_from_upstream([f"m{i}" for i in range(MAX_MODELS * 3)])
+    assert len(labels.known) == MAX_MODELS
+    assert "pinned" in labels.known
+
+
+def test_allowlist_is_capped() -> None:
+    labels = ModelLabels(tuple(f"a{i}" for i in range(MAX_MODELS + 50)))
+    labels.update_from_upstream(["upstream"])
+    assert len(labels.known) == MAX_MODELS
+    assert labels("upstream") == OTHER
+
+
+@pytest.mark.parametrize(
+    ("path", "want"),
+    [
+        ("/v1/models", "/v1/models"),
+        ("/v1/embeddings", "/v1/embeddings"),
+        ("/v1/models/llama", "/v1/models/{model}"),
+        ("/v1/files/file-abc123", "/v1/files/{id}"),
+        ("/v1/files/file-abc123/content", "/v1/files/{id}"),
+        ("/v1/batches/batch_1/cancel", "/v1/batches/{id}"),
+        ("/v1/responses/resp_9", "/v1/responses/{id}"),
+        ("/v1/unknown", "/v1/other"),
+        ("/v1/embeddingsX", "/v1/other"),
+        ("/v1", "/v1/other"),
+        ("/", "/v1/other"),
+    ],
+)
+def test_route_template(path: str, want: str) -> None:
+    assert route_template(path) == want
+
+
+def test_route_templates_stay_bounded_for_arbitrary_paths() -> None:
+    paths = [f"/v1/{kind}/{i}/{i}" for kind in ("files", "x", "models", "a/b") for i in range(500)]
+    templates = {route_template(p) for p in paths}
+    assert templates <= {"/v1/files/{id}", "/v1/other", "/v1/models/{id}"}

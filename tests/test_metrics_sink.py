@@ -1,0 +1,195 @@
+"""The Prometheus sink: a fresh registry per test, values read back with get_sample_value."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from proxy.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
+from proxy.metrics import FINISH_REASONS, Metrics, token_buckets
+
+CHAT = "/v1/chat/completions"
+MODEL_LABEL = "llama"
+TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+
+
+def stream_record(**overrides: object) -> Measurement:
+    base = Measurement(
+        endpoint=CHAT,
+        model="meta-llama/Llama-3.1-8B-Instruct",
+        stream=True,
+        status_code=200,
+        started_at=1_718_000_000.0,
+        ttfb=0.125,
+        ttft=0.5,
+        tpot=0.25,
+        decode_tokens_per_second=4.0,
+        e2e=1.5,
+        inter_token_latencies=(0.25, 0.25, 0.0),
+        prompt_tokens=12,
+        output_tokens=4,
+        cached_prompt_tokens=8,
+        token_source=TokenSource.USAGE,
+        content_events=4,
+        finish_reason="stop",
+        error_type=None,
+    )
+    return replace(base, **overrides)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+@pytest.fixture
+def metrics(registry: CollectorRegistry) -> Metrics:
+    return Metrics(registry)
+
+
+def value(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
+    return registry.get_sample_value(name, {"model": MODEL_LABEL, "endpoint": CHAT, **labels})
+
+
+def requests_total(
+    registry: CollectorRegistry, reason: str, error: str = NONE_LABEL, code: str = "200"
+) -> float | None:
+    return value(
+        registry, "tokenprobe_requests_total", code=code, finish_reason=reason, error_type=error
+    )
+
+
+@pytest.mark.parametrize(
+    ("histogram", "observed"),
+    [
+        ("tokenprobe_time_to_first_byte_seconds", 0.125),
+        ("tokenprobe_time_to_first_token_seconds", 0.5),
+        ("tokenprobe_request_time_per_output_token_seconds", 0.25),
+        ("tokenprobe_request_decode_tokens_per_second", 4.0),
+        ("tokenprobe_e2e_request_latency_seconds", 1.5),
+        ("tokenprobe_request_prompt_tokens", 12.0),
+        ("tokenprobe_request_generation_tokens", 4.0),
+    ],
+)
+def test_each_duration_and_count_is_observed_once(
+    registry: CollectorRegistry, metrics: Metrics, histogram: str, observed: float
+) -> None:
+    metrics.record(stream_record(), MODEL_LABEL)
+    assert value(registry, histogram + "_count") == 1.0
+    assert value(registry, histogram + "_sum") == observed
+
+
+def test_every_inter_token_latency_is_observed(
+    registry: CollectorRegistry, metrics: Metrics
+) -> None:
+    metrics.record(stream_record(), MODEL_LABEL)
+    name = "tokenprobe_inter_token_latency_seconds"
+    assert value(registry, name + "_count") == 3.0
+    assert value(registry, name + "_sum") == 0.5
+    assert value(registry, name + "_bucket", le="0.01") == 1.0  # the 0.0 gap
+
+
+def test_ttft_lands_in_its_vllm_bucket(registry: CollectorRegistry, metrics: Metrics) -> None:
+    metrics.record(stream_record(ttft=0.3), MODEL_LABEL)
+    name = "tokenprobe_time_to_first_token_seconds_bucket"
+    assert value(registry, name, le="0.25") == 0.0
+    assert value(registry, name, le="0.5") == 1.0
+
+
+def test_token_totals_are_labelled_by_source(registry: CollectorRegistry, metrics: Metrics) -> None:
+    metrics.record(stream_record(), MODEL_LABEL)
+    metrics.record(
+        stream_record(prompt_tokens=None, output_tokens=7, token_source=TokenSource.CHUNKS),
+        MODEL_LABEL,
+    )
+    assert value(registry, "tokenprobe_prompt_tokens_total", source="usage") == 12.0
+    assert value(registry, "tokenprobe_generation_tokens_total", source="usage") == 4.0
+    assert value(registry, "tokenprobe_generation_tokens_total", source="chunks") == 7.0
+    assert value(registry, "tokenprobe_prompt_tokens_total", source="chunks") is None
+
+
+def test_cached_prompt_tokens_are_counted(registry: CollectorRegistry, metrics: Metrics) -> None:
+    metrics.record(stream_record(), MODEL_LABEL)
+    metrics.record(stream_record(cached_prompt_tokens=None), MODEL_LABEL)
+    assert value(registry, "tokenprobe_cached_prompt_tokens_total") == 8.0
+
+
+def test_successful_request_is_counted_with_none_error(
+    registry: CollectorRegistry, metrics: Metrics
+) -> None:
+    metrics.record(stream_record(), MODEL_LABEL)
+    assert requests_total(registry, "stop") == 1.0
+
+
+def test_failed_request_is_counted_with_its_error_type(
+    registry: CollectorRegistry, metrics: Metrics
+) -> None:
+    failed = stream_record(
+        status_code=400,
+        ttft=None,
+        tpot=None,
+        decode_tokens_per_second=None,
+        inter_token_latencies=(),
+        prompt_tokens=None,
+        output_tokens=None,
+        token_source=TokenSource.NONE,
+        finish_reason=NONE_LABEL,
+        error_type=ErrorType.CONTEXT_LENGTH,
+    )
+    metrics.record(failed, MODEL_LABEL)
+    assert requests_total(registry, NONE_LABEL, "context_length", "400") == 1.0
+    assert value(registry, "tokenprobe_time_to_first_token_seconds_count") == 0.0
+    assert value(registry, "tokenprobe_request_generation_tokens_count") == 0.0
+
+
+def test_finish_reason_outside_the_known_set_becomes_other(
+    registry: CollectorRegistry, metrics: Metrics
+) -> None:
+    metrics.record(stream_record(finish_reason="eos_token_from_some_backend"), MODEL_LABEL)
+    assert requests_total(registry, "other") == 1.0
+    assert requests_total(registry, "eos_token_from_some_backend") is None
+
+
+@pytest.mark.parametrize("reason", sorted(FINISH_REASONS))
+def test_known_finish_reason_is_its_own_label(
+    registry: CollectorRegistry, metrics: Metrics, reason: str
+) -> None:
+    metrics.record(stream_record(finish_reason=reason), MODEL_LABEL)
+    assert requests_total(registry, reason) == 1.0
+
+
+def test_model_label_is_the_one_given_not_the_requested_model(
+    registry: CollectorRegistry, metrics: Metrics
+) -> None:
+    metrics.record(stream_record(model="random-client-string"), "other")
+    sample = registry.get_sample_value(
+        "tokenprobe_e2e_request_latency_seconds_count", {"model": "other", "endpoint": CHAT}
+    )
+    assert sample == 1.0
+
+
+def test_records_accumulate(registry: CollectorRegistry, metrics: Metrics) -> None:
+    for _ in range(3):
+        metrics.record(stream_record(), MODEL_LABEL)
+    assert requests_total(registry, "stop") == 3.0
+    assert value(registry, "tokenprobe_e2e_request_latency_seconds_sum") == 4.5
+
+
+def test_trace_id_becomes_an_exemplar_on_ttft(
+    registry: CollectorRegistry, metrics: Metrics
+) -> None:
+    metrics.record(stream_record(trace_id=TRACE_ID), MODEL_LABEL)
+    exemplars = [
+        sample.exemplar
+        for family in registry.collect()
+        if family.name == "tokenprobe_time_to_first_token_seconds"
+        for sample in family.samples
+        if sample.exemplar is not None
+    ]
+    assert [(e.labels, e.value) for e in exemplars] == [({"trace_id": TRACE_ID}, 0.5)]
+
+
+def test_token_buckets_are_the_1_2_5_series() -> None:
+    assert token_buckets(1000) == (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0)

@@ -1,0 +1,437 @@
+"""The stream observer: recorded vLLM-shaped streams with synthetic read times, compared
+with the exact Measurement they must give.
+
+Times are multiples of 1/8 s, exact in binary, so durations compare with `==`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import orjson
+import pytest
+
+from proxy.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
+from proxy.observe import StreamObserver, TokenCounts
+from proxy.request import CHAT, COMPLETIONS, RequestInfo
+
+FIXTURES = Path(__file__).parent / "fixtures"
+START = 100.0  # perf_counter at request start
+OPENED = 100.125  # response headers arrived
+STARTED_AT = 1_718_000_000.0  # wall clock
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+CHAT_ID = "chatcmpl-7c1e5b0a9d2f4e8b"
+
+
+def events(name: str) -> list[bytes]:
+    """A recorded stream cut into one read per event (an unfinished tail is a read too)."""
+    raw = (FIXTURES / "streams" / name).read_bytes()
+    parts = raw.split(b"\n\n")
+    reads = [p + b"\n\n" for p in parts[:-1]]
+    return [*reads, parts[-1]] if parts[-1] else reads
+
+
+def request(endpoint: str = CHAT, stream: bool = True) -> RequestInfo:
+    return RequestInfo(endpoint, MODEL, stream, False, 256, 0.7)
+
+
+def finish(observer: StreamObserver, end: float, status: int = 200) -> Measurement:
+    """What the relay does when the upstream body ended cleanly."""
+    observer.end_of_stream(end)
+    error, message = observer.outcome()
+    counts = observer.counts_from_usage() or observer.counts_from_chunks()
+    return observer.measurement(
+        end=end,
+        started_at=STARTED_AT,
+        status_code=status,
+        counts=counts,
+        error_type=error,
+        error_message=message,
+    )
+
+
+def replay(
+    reads: list[bytes], times: list[float], end: float, endpoint: str = CHAT
+) -> tuple[StreamObserver, Measurement]:
+    assert len(reads) == len(times)
+    observer = StreamObserver(request(endpoint), start=START)
+    observer.open(200, "text/event-stream; charset=utf-8", OPENED)
+    for chunk, now in zip(reads, times, strict=True):
+        observer.feed(chunk, now)
+    return observer, finish(observer, end)
+
+
+def expected(**fields: object) -> Measurement:
+    base = Measurement(
+        endpoint=CHAT,
+        model=MODEL,
+        stream=True,
+        status_code=200,
+        started_at=STARTED_AT,
+        ttfb=0.125,
+        ttft=None,
+        tpot=None,
+        decode_tokens_per_second=None,
+        e2e=0.0,
+        inter_token_latencies=(),
+        prompt_tokens=None,
+        output_tokens=None,
+        cached_prompt_tokens=None,
+        token_source=TokenSource.CHUNKS,
+        content_events=0,
+        finish_reason=NONE_LABEL,
+        error_type=None,
+        response_id=CHAT_ID,
+        response_model=MODEL,
+        max_tokens=256,
+        temperature=0.7,
+    )
+    return replace(base, **fields)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Case:
+    fixture: str
+    times: list[float]  # one per read
+    end: float
+    want: Measurement
+    endpoint: str = CHAT
+
+
+CASES = {
+    "vllm_chat_with_usage": Case(
+        "vllm_chat.sse",
+        # role, "Hello", " there", "!", finish, usage, [DONE]
+        [100.25, 100.5, 100.75, 101.0, 101.125, 101.25, 101.25],
+        101.5,
+        expected(
+            ttft=0.5,
+            inter_token_latencies=(0.25, 0.25),
+            tpot=0.5 / 3,  # (last - first) / (usage's 4 tokens - 1), not content events
+            decode_tokens_per_second=6.0,
+            e2e=1.5,
+            prompt_tokens=12,
+            output_tokens=4,
+            cached_prompt_tokens=8,
+            token_source=TokenSource.USAGE,
+            content_events=3,
+            finish_reason="stop",
+        ),
+    ),
+    "vllm_completions": Case(
+        "vllm_completions.sse",
+        # " Paris", ".", " It", " is" + length, usage, [DONE]
+        [100.25, 100.5, 100.75, 101.0, 101.0, 101.0],
+        101.0,
+        expected(
+            endpoint=COMPLETIONS,
+            ttft=0.25,
+            inter_token_latencies=(0.25, 0.25, 0.25),
+            tpot=0.25,
+            decode_tokens_per_second=4.0,
+            e2e=1.0,
+            prompt_tokens=6,
+            output_tokens=4,
+            token_source=TokenSource.USAGE,
+            content_events=4,
+            finish_reason="length",
+            response_id="cmpl-5d0b8e2c41a74f6e",
+        ),
+        endpoint=COMPLETIONS,
+    ),
+    "reasoning_content_counts_as_tokens": Case(
+        "vllm_reasoning.sse",
+        # role, reasoning x2, content x2, finish, [DONE]; no usage
+        [100.25, 100.5, 100.75, 101.0, 101.25, 101.5, 101.5],
+        101.5,
+        expected(
+            ttft=0.5,
+            inter_token_latencies=(0.25, 0.25, 0.25),
+            tpot=0.25,
+            decode_tokens_per_second=4.0,
+            e2e=1.5,
+            output_tokens=4,
+            content_events=4,
+            finish_reason="stop",
+        ),
+    ),
+    "tool_calls": Case(
+        "vllm_tool_calls.sse",
+        # role, name, arguments x2, finish, usage, [DONE]
+        [100.25, 100.5, 100.75, 101.0, 101.125, 101.25, 101.25],
+        101.25,
+        expected(
+            ttft=0.5,
+            inter_token_latencies=(0.25, 0.25),
+            tpot=0.5 / 17,
+            decode_tokens_per_second=34.0,
+            e2e=1.25,
+            prompt_tokens=180,
+            output_tokens=18,
+            token_source=TokenSource.USAGE,
+            content_events=3,
+            finish_reason="tool_calls",
+        ),
+    ),
+    "in_stream_error_object": Case(
+        "vllm_stream_error.sse",
+        # role, "Once", " upon", error, [DONE]
+        [100.25, 100.5, 100.75, 101.0, 101.0],
+        101.0,
+        expected(
+            ttft=0.5,
+            inter_token_latencies=(0.25,),
+            tpot=0.25,
+            decode_tokens_per_second=4.0,
+            e2e=1.0,
+            output_tokens=2,
+            content_events=2,
+            error_type=ErrorType.STREAM_ERROR,
+            error_message=(
+                "EngineCore encountered an issue. See stack trace (above) for the root cause."
+            ),
+        ),
+    ),
+    "in_stream_error_string": Case(
+        "plain_string_error.sse",
+        # role, "Once", error, [DONE]
+        [100.25, 100.5, 100.75, 100.75],
+        100.75,
+        expected(
+            ttft=0.5,
+            e2e=0.75,
+            output_tokens=1,
+            content_events=1,
+            error_type=ErrorType.STREAM_ERROR,
+            error_message="model worker crashed",
+        ),
+    ),
+    "finish_chunk_ends_stream_without_done": Case(
+        "no_done_finish_ends.sse",
+        # role, "Yes", ".", finish (no blank line, no [DONE])
+        [100.25, 100.5, 100.75, 101.0],
+        101.0,
+        expected(
+            ttft=0.5,
+            inter_token_latencies=(0.25,),
+            tpot=0.25,
+            decode_tokens_per_second=4.0,
+            e2e=1.0,
+            output_tokens=2,
+            content_events=2,
+            finish_reason="stop",
+        ),
+    ),
+    "usage_on_last_content_chunk": Case(
+        "usage_on_last_content.sse",
+        # role, "Four", "." + finish + usage, [DONE]
+        [100.25, 100.5, 100.75, 100.75],
+        100.75,
+        expected(
+            ttft=0.5,
+            inter_token_latencies=(0.25,),
+            tpot=0.125,
+            decode_tokens_per_second=8.0,
+            e2e=0.75,
+            prompt_tokens=20,
+            output_tokens=3,
+            token_source=TokenSource.USAGE,
+            content_events=2,
+            finish_reason="stop",
+        ),
+    ),
+    "stream_cut_off_midway": Case(
+        "cut_off.sse",
+        # role, "The", " answer", half an event
+        [100.25, 100.5, 100.75, 101.0],
+        101.0,
+        expected(
+            ttft=0.5,
+            inter_token_latencies=(0.25,),
+            tpot=0.25,
+            decode_tokens_per_second=4.0,
+            e2e=1.0,
+            output_tokens=2,
+            content_events=2,
+            error_type=ErrorType.STREAM_TRUNCATED,
+            error_message="stream ended without [DONE] or finish_reason",
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_recorded_stream_gives_exact_measurement(case: Case) -> None:
+    _, measurement = replay(events(case.fixture), case.times, case.end, case.endpoint)
+    assert measurement == case.want
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_byte_at_a_time_gives_the_same_counts_and_outcome(case: Case) -> None:
+    raw = b"".join(events(case.fixture))
+    reads = [raw[i : i + 1] for i in range(len(raw))]
+    _, measurement = replay(reads, [101.0] * len(reads), 101.0, case.endpoint)
+    for field in ("output_tokens", "prompt_tokens", "content_events", "finish_reason"):
+        assert getattr(measurement, field) == getattr(case.want, field), field
+    assert measurement.error_type == case.want.error_type
+
+
+# -- first token, gaps, per-token time --------------------------------------------------------
+
+
+def test_role_only_first_chunk_is_not_first_token() -> None:
+    role, hello, *_ = events("vllm_chat.sse")
+    observer = StreamObserver(request(), start=START)
+    observer.open(200, "text/event-stream", OPENED)
+    observer.feed(role, 100.25)
+    assert observer.first_token is None
+    observer.feed(hello, 100.75)
+    assert observer.first_token == 100.75
+
+
+def test_empty_content_finish_chunk_is_not_a_token() -> None:
+    reads = events("vllm_chat.sse")
+    observer, _ = replay(reads, [100.25, 100.5, 100.75, 101.0, 102.0, 102.0, 102.0], 102.0)
+    assert observer.last_token == 101.0
+
+
+def test_two_content_events_in_one_read_give_an_itl_of_zero() -> None:
+    role, hello, there, bang, *rest = events("vllm_chat.sse")
+    reads = [role, hello, there + bang, *rest]
+    _, m = replay(reads, [100.25, 100.5, 100.75, 101.0, 101.0, 101.0], 101.0)
+    assert m.inter_token_latencies == (0.25, 0.0)
+
+
+def test_tpot_is_first_to_last_token_over_usage_tokens_minus_one() -> None:
+    reads = [
+        b'data: {"choices":[{"index":0,"delta":{"content":"a b c"}}]}\n\n',
+        b'data: {"choices":[{"index":0,"delta":{"content":" d e f"}}]}\n\n',
+        b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":11}}\n\n',
+        b"data: [DONE]\n\n",
+    ]
+    _, m = replay(reads, [101.0, 102.0, 102.0, 102.0], 102.0)
+    assert (m.tpot, m.decode_tokens_per_second) == (0.1, 10.0)
+
+
+def test_one_output_token_gives_no_tpot() -> None:
+    reads = [
+        b'data: {"choices":[{"index":0,"delta":{"content":"Yes"},"finish_reason":"stop"}]}\n\n',
+        b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\n',
+    ]
+    _, m = replay(reads, [101.0, 101.0], 101.0)
+    assert (m.tpot, m.decode_tokens_per_second) == (None, None)
+
+
+def test_all_tokens_in_one_read_gives_zero_tpot_and_no_decode_speed() -> None:
+    reads = [
+        b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+        b'data: {"choices":[{"index":0,"delta":{"content":"b"},"finish_reason":"stop"}]}\n\n'
+        b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}\n\n'
+    ]
+    _, m = replay(reads, [101.0], 101.0)
+    assert (m.tpot, m.decode_tokens_per_second) == (0.0, None)
+
+
+# -- what the observer tolerates --------------------------------------------------------------
+
+
+def test_malformed_event_is_counted_and_the_stream_goes_on() -> None:
+    reads = [
+        b"data: {not json\n\n",
+        b"data: [1, 2]\n\n",
+        b'data: {"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":"stop"}]}\n\n',
+    ]
+    observer, m = replay(reads, [100.5, 100.75, 101.0], 101.0)
+    assert observer.malformed_events == 2
+    assert (m.content_events, m.finish_reason, m.error_type) == (1, "stop", None)
+
+
+def test_cut_off_tail_counts_as_malformed() -> None:
+    observer, _ = replay(events("cut_off.sse"), [100.25, 100.5, 100.75, 101.0], 101.0)
+    assert observer.malformed_events == 1
+
+
+def test_done_without_finish_reason_is_not_truncated() -> None:
+    reads = [b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n', b"data: [DONE]\n\n"]
+    _, m = replay(reads, [100.5, 100.5], 100.5)
+    assert (m.error_type, m.finish_reason) == (None, NONE_LABEL)
+
+
+def test_collected_text_includes_reasoning_and_tool_call_parts() -> None:
+    observer = StreamObserver(request(), start=START, collect_text=True)
+    observer.open(200, "text/event-stream", OPENED)
+    for name in ("vllm_reasoning.sse", "vllm_tool_calls.sse"):
+        for chunk in events(name):
+            observer.feed(chunk, 101.0)
+    assert observer.texts == [
+        *("The user", " greets.", "Hi", "!"),
+        *("get_weather", '{"city": "', 'Paris"}'),
+    ]
+
+
+# -- non-streaming and error bodies -----------------------------------------------------------
+
+
+def _body_observer(
+    status: int, content_type: str, body: bytes, stream: bool = False
+) -> StreamObserver:
+    observer = StreamObserver(request(stream=stream), start=START)
+    observer.open(status, content_type, OPENED)
+    half = len(body) // 2
+    observer.feed(body[:half], 100.5)
+    observer.feed(body[half:], 100.75)
+    return observer
+
+
+def test_non_streaming_body_gives_usage_finish_reason_and_identity() -> None:
+    body = (FIXTURES / "streams" / "vllm_chat_response.json").read_bytes()
+    observer = _body_observer(200, "application/json", body)
+    m = finish(observer, 101.0)
+    assert m == expected(
+        stream=False,
+        e2e=1.0,
+        prompt_tokens=12,
+        output_tokens=16,
+        token_source=TokenSource.USAGE,
+        finish_reason="length",
+        response_id="chatcmpl-0b6f3d9e8a7c4b21",
+    )
+
+
+def test_non_streaming_body_without_usage_has_no_counts() -> None:
+    body = orjson.dumps({"id": "x", "choices": [{"index": 0, "finish_reason": "stop"}]})
+    observer = _body_observer(200, "application/json", body)
+    observer.outcome()
+    assert observer.counts_from_usage() is None
+    assert observer.counts_from_chunks() == TokenCounts(None, None, None, TokenSource.NONE)
+    assert observer.finish_reason == "stop"
+
+
+def test_non_json_success_body_is_counted_as_malformed() -> None:
+    observer = _body_observer(200, "text/plain", b"OK")
+    assert observer.outcome() == (None, None)
+    assert observer.malformed_events == 1
+
+
+def test_error_body_is_classified_with_its_message() -> None:
+    body = (FIXTURES / "errors" / "vllm_context_length_legacy.json").read_bytes()
+    observer = _body_observer(400, "application/json", body)
+    error, message = observer.outcome()
+    assert error is ErrorType.CONTEXT_LENGTH
+    assert message is not None
+    assert message.startswith("This model's maximum context length is 4096 tokens.")
+
+
+def test_error_status_with_event_stream_type_is_read_as_a_body() -> None:
+    body = (FIXTURES / "errors" / "vllm_model_not_found.json").read_bytes()
+    observer = _body_observer(404, "text/event-stream", body, stream=True)
+    assert observer.streaming is False
+    assert observer.outcome() == (ErrorType.NOT_FOUND, "The model `x` does not exist.")
+
+
+def test_error_response_measurement_has_no_token_timing() -> None:
+    body = (FIXTURES / "errors" / "openai_rate_limit.json").read_bytes()
+    m = finish(_body_observer(429, "application/json", body), 100.75, status=429)
+    assert (m.ttft, m.tpot, m.output_tokens, m.token_source) == (None, None, None, TokenSource.NONE)
+    assert (m.status_code, m.error_type) == (429, ErrorType.RATE_LIMIT)

@@ -1,0 +1,137 @@
+"""Reading a client's request body, and asking upstream for usage without changing the rest."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from proxy.request import CHAT, COMPLETIONS, RequestInfo, parse_request, with_usage_requested
+
+MESSAGES = [{"role": "user", "content": "Hi"}]
+
+
+def body(**fields: object) -> bytes:
+    return orjson.dumps({"model": "llama", "messages": MESSAGES, **fields})
+
+
+def test_chat_request_fields_are_read() -> None:
+    info, obj = parse_request(CHAT, body(stream=True, max_tokens=64, temperature=0.2))
+    assert info == RequestInfo(
+        endpoint=CHAT,
+        model="llama",
+        stream=True,
+        usage_requested=False,
+        max_tokens=64,
+        temperature=0.2,
+        prompt=MESSAGES,
+    )
+    assert obj is not None and obj["messages"] == MESSAGES
+
+
+def test_completions_prompt_is_the_prompt_field() -> None:
+    raw = orjson.dumps({"model": "llama", "prompt": "Paris is", "messages": MESSAGES})
+    info, _ = parse_request(COMPLETIONS, raw)
+    assert info.prompt == "Paris is"
+
+
+def test_max_completion_tokens_wins_over_max_tokens() -> None:
+    info, _ = parse_request(CHAT, body(max_tokens=10, max_completion_tokens=20))
+    assert info.max_tokens == 20
+
+
+def test_usage_requested_only_when_include_usage_is_true() -> None:
+    on, _ = parse_request(CHAT, body(stream=True, stream_options={"include_usage": True}))
+    off, _ = parse_request(CHAT, body(stream=True, stream_options={"include_usage": False}))
+    truthy, _ = parse_request(CHAT, body(stream=True, stream_options={"include_usage": 1}))
+    assert (on.usage_requested, off.usage_requested, truthy.usage_requested) == (
+        True,
+        False,
+        False,
+    )
+
+
+@pytest.mark.parametrize("stream", ["true", 1, None])
+def test_stream_must_be_literally_true(stream: object) -> None:
+    info, _ = parse_request(CHAT, body(stream=stream))
+    assert info.stream is False
+
+
+@pytest.mark.parametrize(
+    ("fields", "max_tokens", "temperature"),
+    [
+        ({"max_tokens": True, "temperature": True}, None, None),
+        ({"max_tokens": 12.5, "temperature": "hot"}, None, None),
+        ({"temperature": 1}, None, 1.0),
+    ],
+)
+def test_numbers_of_the_wrong_type_are_dropped(
+    fields: dict[str, object], max_tokens: int | None, temperature: float | None
+) -> None:
+    info, _ = parse_request(CHAT, body(**fields))
+    assert (info.max_tokens, info.temperature) == (max_tokens, temperature)
+
+
+@pytest.mark.parametrize("model", [None, 42, ["llama"], {"name": "llama"}])
+def test_non_string_model_becomes_empty(model: object) -> None:
+    info, obj = parse_request(CHAT, body(model=model))
+    assert info.model == ""
+    assert info.valid_json is True
+    assert obj is not None
+
+
+@pytest.mark.parametrize("raw", [b"", b"{", b"not json", b'{"model": "llama",}', b"\xff\xfe"])
+def test_malformed_body_gives_defaults(raw: bytes) -> None:
+    info, obj = parse_request(CHAT, raw)
+    assert obj is None
+    assert info == RequestInfo(CHAT, "", False, False, None, None, valid_json=False)
+
+
+@pytest.mark.parametrize("raw", [b"[]", b'"llama"', b"42", b"null"])
+def test_json_that_is_not_an_object_gives_defaults(raw: bytes) -> None:
+    info, obj = parse_request(CHAT, raw)
+    assert obj is None
+    assert info.valid_json is False
+
+
+# -- with_usage_requested ---------------------------------------------------------------------
+
+
+def test_usage_request_is_added_and_everything_else_kept() -> None:
+    original = {"model": "llama", "messages": MESSAGES, "stream": True, "n": 2, "seed": 7}
+    assert orjson.loads(with_usage_requested(dict(original))) == {
+        **original,
+        "stream_options": {"include_usage": True},
+    }
+
+
+def test_existing_stream_options_are_kept() -> None:
+    obj = {"model": "llama", "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    sent = orjson.loads(with_usage_requested(obj))
+    assert sent["stream_options"] == {"continuous_usage_stats": True, "include_usage": True}
+
+
+def test_include_usage_false_is_turned_on() -> None:
+    obj = {"model": "llama", "stream": True, "stream_options": {"include_usage": False}}
+    assert orjson.loads(with_usage_requested(obj))["stream_options"] == {"include_usage": True}
+
+
+def test_non_object_stream_options_is_replaced() -> None:
+    obj = {"model": "llama", "stream": True, "stream_options": None}
+    assert orjson.loads(with_usage_requested(obj))["stream_options"] == {"include_usage": True}
+
+
+def test_caller_object_is_not_mutated() -> None:
+    options = {"continuous_usage_stats": True}
+    obj = {"model": "llama", "stream_options": options}
+    with_usage_requested(obj)
+    assert obj == {"model": "llama", "stream_options": {"continuous_usage_stats": True}}
+
+
+def test_field_order_is_kept() -> None:
+    obj = {"stream": True, "model": "llama", "messages": MESSAGES}
+    assert list(orjson.loads(with_usage_requested(obj))) == [
+        "stream",
+        "model",
+        "messages",
+        "stream_options",
+    ]

@@ -1,0 +1,139 @@
+"""Settings: a flag wins over its TOKENPROBE_* variable, which wins over the default; a bad
+value fails at start naming the flag or variable it came from."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.settings import SPECS, Settings, SettingsError, parse, require_upstream, resolve
+
+UPSTREAM = ["--upstream", "http://vllm:8000"]
+
+
+def test_defaults_when_nothing_is_given() -> None:
+    assert parse([], {}) == Settings()
+
+
+def test_spec_defaults_match_the_settings_defaults() -> None:
+    defaults = Settings()
+    for spec in SPECS:
+        assert getattr(defaults, spec.name) == spec.default, spec.name
+
+
+def test_env_var_overrides_default() -> None:
+    assert parse([], {"TOKENPROBE_PORT": "5000"}).port == 5000
+
+
+def test_flag_overrides_env_var() -> None:
+    assert parse(["--port", "6000"], {"TOKENPROBE_PORT": "5000"}).port == 6000
+
+
+def test_negated_switch_overrides_env_var() -> None:
+    settings = parse(["--no-inject-usage"], {"TOKENPROBE_INJECT_USAGE": "true"})
+    assert settings.inject_usage is False
+
+
+def test_switch_is_read_from_env_var() -> None:
+    assert parse([], {"TOKENPROBE_TRACE_CONTENT": "yes"}).trace_content is True
+
+
+def test_resolve_accepts_a_plain_mapping_of_flags() -> None:
+    assert resolve({"port": "7000"}, {"TOKENPROBE_PORT": "5000"}).port == 7000
+
+
+def test_unrelated_env_vars_are_ignored() -> None:
+    assert parse([], {"PORT": "1", "TOKENPROBE": "x"}) == Settings()
+
+
+@pytest.mark.parametrize(
+    ("raw", "want"),
+    [
+        ("http://vllm:8000", "http://vllm:8000"),
+        ("http://vllm:8000/", "http://vllm:8000"),
+        ("https://vllm.example/v1", "https://vllm.example"),
+        ("http://vllm:8000/v1/", "http://vllm:8000"),
+        ("http://gw/tenant-a", "http://gw/tenant-a"),
+    ],
+)
+def test_upstream_is_normalised_without_v1(raw: str, want: str) -> None:
+    assert parse(["--upstream", raw], {}).upstream == want
+
+
+@pytest.mark.parametrize(
+    ("raw", "want"), [("a, b,,c ", ("a", "b", "c")), ("", ()), ("solo", ("solo",))]
+)
+def test_comma_lists_are_split_and_trimmed(raw: str, want: tuple[str, ...]) -> None:
+    assert parse(["--model-allowlist", raw], {}).model_allowlist == want
+
+
+@pytest.mark.parametrize("raw", ["0", "off", "none", ""])
+def test_models_refresh_can_be_disabled(raw: str) -> None:
+    assert parse([], {"TOKENPROBE_MODELS_REFRESH": raw}).models_refresh is None
+
+
+# -- every validator names what was wrong -----------------------------------------------------
+
+BAD_VALUES = [
+    ("upstream", "vllm:8000", "http:// or https://"),
+    ("upstream", "ftp://vllm", "http:// or https://"),
+    ("upstream", "http://vllm:99999", "bad port"),
+    ("port", "70000", "between 0 and 65535"),
+    ("port", "http", "invalid literal"),
+    ("connect_timeout", "0", "positive number of seconds"),
+    ("idle_timeout", "-5", "positive number of seconds"),
+    ("first_byte_timeout", "nan", "positive number of seconds"),
+    ("models_refresh", "-1", "positive number of seconds"),
+    ("max_body_bytes", "0", "at least 1"),
+    ("workers", "two", "invalid literal"),
+    ("upstream_transport", "curl", "expected one of aiohttp, httpx"),
+    ("access_log", "xml", "expected one of json, text, off"),
+    ("key_label", "plain", "expected one of none, hash"),
+    ("log_level", "INFO", "expected one of debug"),
+    ("metrics_port", "-1", "between 0 and 65535"),
+]
+
+
+@pytest.mark.parametrize(("name", "raw", "reason"), BAD_VALUES)
+def test_bad_flag_value_error_names_the_flag(name: str, raw: str, reason: str) -> None:
+    flag = "--" + name.replace("_", "-")
+    with pytest.raises(SettingsError) as info:
+        parse([*UPSTREAM, flag, raw] if name != "upstream" else [flag, raw], {})
+    assert str(info.value).startswith(f"{flag}={raw!r}: ")
+    assert reason in str(info.value)
+
+
+@pytest.mark.parametrize(("name", "raw", "reason"), BAD_VALUES)
+def test_bad_env_value_error_names_the_variable(name: str, raw: str, reason: str) -> None:
+    env = "TOKENPROBE_" + name.upper()
+    with pytest.raises(SettingsError) as info:
+        parse([], {env: raw})
+    assert str(info.value).startswith(f"{env}={raw!r}: ")
+    assert reason in str(info.value)
+
+
+def test_bad_switch_env_value_names_the_variable() -> None:
+    with pytest.raises(SettingsError, match=r"^TOKENPROBE_INJECT_USAGE='maybe': expected true"):
+        parse([], {"TOKENPROBE_INJECT_USAGE": "maybe"})
+
+
+def test_a_good_flag_hides_a_bad_env_var() -> None:
+    assert parse(["--port", "4001"], {"TOKENPROBE_PORT": "bad"}).port == 4001
+
+
+def test_settings_error_is_a_value_error() -> None:
+    assert issubclass(SettingsError, ValueError)
+
+
+# -- the upstream is required to serve --------------------------------------------------------
+
+
+def test_require_upstream_returns_it() -> None:
+    assert require_upstream(parse(UPSTREAM, {})) == "http://vllm:8000"
+
+
+def test_require_upstream_message_names_flag_and_variable() -> None:
+    with pytest.raises(SettingsError) as info:
+        require_upstream(parse([], {}))
+    message = str(info.value)
+    assert "--upstream" in message
+    assert "TOKENPROBE_UPSTREAM" in message

@@ -1,0 +1,116 @@
+"""The usage stripper: exactly the usage-only event goes, every other byte passes unchanged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.strip import UsageEventStripper
+
+STREAMS = Path(__file__).parent / "fixtures" / "streams"
+
+
+def fixture(name: str) -> bytes:
+    return (STREAMS / name).read_bytes()
+
+
+def usage_only_event(stream: bytes, sep: bytes = b"\n\n") -> bytes:
+    (event,) = [e + sep for e in stream.split(sep) if b'"choices":[],"usage"' in e]
+    return event
+
+
+def relay(*chunks: bytes) -> bytes:
+    stripper = UsageEventStripper()
+    return b"".join(stripper.feed(c) for c in chunks) + stripper.flush()
+
+
+def _split(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted(min(c, len(data)) for c in cuts)
+    return [data[a:b] for a, b in zip([0, *points], [*points, len(data)], strict=True)]
+
+
+VLLM_CHAT = fixture("vllm_chat.sse")
+VLLM_CHAT_STRIPPED = VLLM_CHAT.replace(usage_only_event(VLLM_CHAT), b"")
+
+
+@pytest.mark.parametrize("name", ["vllm_chat.sse", "vllm_completions.sse", "vllm_tool_calls.sse"])
+def test_only_the_usage_only_event_is_removed(name: str) -> None:
+    stream = fixture(name)
+    expected = stream.replace(usage_only_event(stream), b"")
+    assert relay(stream) == expected
+    assert expected.endswith(b"data: [DONE]\n\n")
+
+
+def test_every_two_way_split_removes_exactly_the_usage_event() -> None:
+    for i in range(len(VLLM_CHAT) + 1):
+        assert relay(VLLM_CHAT[:i], VLLM_CHAT[i:]) == VLLM_CHAT_STRIPPED, i
+
+
+def test_every_two_way_split_of_a_crlf_stream_removes_exactly_the_usage_event() -> None:
+    crlf = VLLM_CHAT.replace(b"\n", b"\r\n")
+    expected = crlf.replace(usage_only_event(crlf, b"\r\n\r\n"), b"")
+    for i in range(len(crlf) + 1):
+        assert relay(crlf[:i], crlf[i:]) == expected, i
+
+
+def test_byte_at_a_time_removes_exactly_the_usage_event() -> None:
+    chunks = [VLLM_CHAT[i : i + 1] for i in range(len(VLLM_CHAT))]
+    assert relay(*chunks) == VLLM_CHAT_STRIPPED
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    line_end=st.sampled_from([b"\n", b"\r\n", b"\r"]),
+    cuts=st.lists(st.integers(min_value=0, max_value=len(VLLM_CHAT) * 2), max_size=30),
+)
+def test_random_splits_remove_exactly_the_usage_event(line_end: bytes, cuts: list[int]) -> None:
+    stream = VLLM_CHAT.replace(b"\n", line_end)
+    expected = VLLM_CHAT_STRIPPED.replace(b"\n", line_end)
+    assert relay(*_split(stream, cuts)) == expected
+
+
+@pytest.mark.parametrize("name", ["vllm_reasoning.sse", "no_done_finish_ends.sse", "cut_off.sse"])
+def test_stream_without_usage_passes_byte_for_byte(name: str) -> None:
+    stream = fixture(name)
+    assert relay(stream) == stream
+
+
+def test_usage_attached_to_a_content_chunk_is_kept() -> None:
+    stream = fixture("usage_on_last_content.sse")
+    assert b'"usage"' in stream
+    assert relay(stream) == stream
+
+
+def test_empty_choices_with_null_usage_is_kept() -> None:
+    # Azure OpenAI's prompt-filter chunk, with the `"usage": null` every chunk carries
+    # once include_usage is set: it is not usage-only and the client expects it.
+    stream = (
+        b'data: {"choices":[],"prompt_filter_results":[{"prompt_index":0}],"usage":null}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    assert relay(stream) == stream
+
+
+def test_keepalive_comments_pass_unchanged() -> None:
+    stream = b": ping\n\n" + VLLM_CHAT + b": ping\n\n"
+    assert relay(stream) == b": ping\n\n" + VLLM_CHAT_STRIPPED + b": ping\n\n"
+
+
+def test_incomplete_event_waits_for_its_blank_line() -> None:
+    stripper = UsageEventStripper()
+    assert stripper.feed(b'data: {"choices":[{"delta":{"content":"a"}}]}\n') == b""
+    assert stripper.feed(b"\n") == b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
+
+
+def test_flush_relays_an_unfinished_last_event() -> None:
+    stripper = UsageEventStripper()
+    assert stripper.feed(b"data: [DONE]") == b""
+    assert stripper.flush() == b"data: [DONE]"
+
+
+def test_flush_drops_an_unfinished_usage_only_event() -> None:
+    event = usage_only_event(VLLM_CHAT).rstrip(b"\n")
+    assert relay(event) == b""
