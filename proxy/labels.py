@@ -50,7 +50,7 @@ _ROUTES = (
     "/v1/files",
     "/v1/batches",
 )
-_MODEL_ROUTE = re.compile(r"^/v1/models/[^/]+$")
+_MODEL_ROUTE = re.compile(r"^/v1/models/.+$")  # ids may hold a slash (org/name)
 
 
 def route_template(path: str) -> str:

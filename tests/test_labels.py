@@ -80,4 +80,4 @@ def test_route_template(path: str, want: str) -> None:
 def test_route_templates_stay_bounded_for_arbitrary_paths() -> None:
     paths = [f"/v1/{kind}/{i}/{i}" for kind in ("files", "x", "models", "a/b") for i in range(500)]
     templates = {route_template(p) for p in paths}
-    assert templates <= {"/v1/files/{id}", "/v1/other", "/v1/models/{id}"}
+    assert templates <= {"/v1/files/{id}", "/v1/other", "/v1/models/{model}"}
