@@ -61,7 +61,9 @@ class ProxyApp:
         self.metrics = Metrics(self.registry)
         self.labels = ModelLabels(settings.model_allowlist)
         keys = KeyLabels(settings.key_salt) if settings.key_label == "hash" else None
-        self.sinks = Sinks(self.metrics, self.labels, tracer=tracer, consumers=consumers or [], keys=keys)
+        self.sinks = Sinks(
+            self.metrics, self.labels, tracer=tracer, consumers=consumers or [], keys=keys
+        )
         self.metrics_app = metrics_app or make_asgi_app(self.registry)
         self.client: httpx.AsyncClient | None = None
         self.forwarder: Forwarder | None = None
@@ -85,9 +87,15 @@ class ProxyApp:
                 await _json(send, 200, {"status": "ok"})
             elif path == "/readyz":
                 ready = await self._upstream_ready()
-                await _json(send, 200 if ready else 503, {"ready": ready, "upstream": self.upstream})
+                await _json(
+                    send, 200 if ready else 503, {"ready": ready, "upstream": self.upstream}
+                )
             else:
-                await _json(send, 404, _error(f"no route {path!r}: tokenprobe forwards /v1/...", "not_found", 404))  # fmt: skip
+                await _json(
+                    send,
+                    404,
+                    _error(f"no route {path!r}: tokenprobe forwards /v1/...", "not_found", 404),
+                )
         elif kind == "lifespan":
             await self._lifespan(receive, send)
 
@@ -117,11 +125,14 @@ class ProxyApp:
             max_header_bytes=settings.max_header_bytes,
             body_timeout=settings.body_timeout,
             first_byte_timeout=settings.first_byte_timeout,
+            secret_headers=settings.secret_headers,
         )
         if settings.models_refresh:
             self._refresher = asyncio.create_task(self._refresh_models(settings.models_refresh))
         if settings.metrics_port is not None:
-            await self._start_metrics_listener(settings.metrics_host or settings.host, settings.metrics_port)
+            await self._start_metrics_listener(
+                settings.metrics_host or settings.host, settings.metrics_port
+            )
 
     async def _start_metrics_listener(self, host: str, port: int) -> None:
         """/metrics on its own address, so it can stay off the network clients reach."""
@@ -135,7 +146,14 @@ class ProxyApp:
             else:
                 await _json(send, 404, _error("only /metrics is served here", "not_found", 404))
 
-        config = uvicorn.Config(metrics_only, host=host, port=port, lifespan="off", access_log=False, log_level="warning")  # fmt: skip
+        config = uvicorn.Config(
+            metrics_only,
+            host=host,
+            port=port,
+            lifespan="off",
+            access_log=False,
+            log_level="warning",
+        )
         server = uvicorn.Server(config)
         server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]  # the main server owns signals
         self._metrics_server = server
@@ -158,6 +176,8 @@ class ProxyApp:
             await self.client.aclose()
         if self.counter is not None:
             self.counter.close()
+        if self.sinks.tracer is not None:
+            await asyncio.to_thread(self.sinks.tracer.shutdown)  # flush queued spans
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

@@ -40,16 +40,27 @@ class Scenario:
 SCENARIOS = (
     Scenario("fast stream", headers=(("x-sim-ttft", "0.08"), ("x-sim-tps", "120"))),
     Scenario("slow prefill", headers=(("x-sim-ttft", "0.6"), ("x-sim-tps", "60"))),
-    Scenario("slow decode", headers=(("x-sim-ttft", "0.1"), ("x-sim-tps", "15"), ("x-sim-output-tokens", "20"))),  # fmt: skip
+    Scenario(
+        "slow decode",
+        headers=(("x-sim-ttft", "0.1"), ("x-sim-tps", "15"), ("x-sim-output-tokens", "20")),
+    ),
     Scenario("cut off by max_tokens", max_tokens=12, headers=(("x-sim-output-tokens", "40"),)),
     Scenario("text completion", endpoint="/v1/completions", headers=(("x-sim-ttft", "0.1"),)),
-    Scenario("non-streaming", stream=False, headers=(("x-sim-ttft", "0.1"), ("x-sim-output-tokens", "16"))),  # fmt: skip
+    Scenario(
+        "non-streaming",
+        stream=False,
+        headers=(("x-sim-ttft", "0.1"), ("x-sim-output-tokens", "16")),
+    ),
     Scenario("context too long", max_tokens=1_000_000),
     Scenario("bad API key", headers=(("x-sim-error", "auth"),)),
     Scenario("token exchange failed", headers=(("x-sim-error", "token_exchange"),)),
     Scenario("rate limited", headers=(("x-sim-error", "rate_limit"),)),
-    Scenario("error mid-stream", headers=(("x-sim-fault", "error_event"), ("x-sim-fault-after", "5"))),  # fmt: skip
-    Scenario("stream cut short", headers=(("x-sim-fault", "close_no_done"), ("x-sim-fault-after", "5"))),  # fmt: skip
+    Scenario(
+        "error mid-stream", headers=(("x-sim-fault", "error_event"), ("x-sim-fault-after", "5"))
+    ),
+    Scenario(
+        "stream cut short", headers=(("x-sim-fault", "close_no_done"), ("x-sim-fault-after", "5"))
+    ),
 )
 
 
@@ -68,14 +79,19 @@ def _body(s: Scenario, i: int) -> dict[str, object]:
     return body
 
 
-async def _traffic(base: str, rounds: int, records: list[tuple[Measurement, str]]) -> dict[int, str]:
+async def _traffic(
+    base: str, rounds: int, records: list[tuple[Measurement, str]]
+) -> dict[int, str]:
     """Each scenario's requests run together; returns record index -> scenario name."""
     names: dict[int, str] = {}
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
         for s in SCENARIOS:
             first = len(records)
             await asyncio.gather(
-                *(client.post(s.endpoint, json=_body(s, i), headers=dict(s.headers)) for i in range(rounds)),
+                *(
+                    client.post(s.endpoint, json=_body(s, i), headers=dict(s.headers))
+                    for i in range(rounds)
+                ),
                 return_exceptions=True,
             )
             await asyncio.sleep(0.05)  # the record lands just after the last byte
@@ -88,7 +104,7 @@ def _ms(value: float | None) -> str:
 
 
 def _table(records: list[tuple[Measurement, str]], names: dict[int, str]) -> str:
-    head = f"{'':24} {'ttft ms':>8} {'tpot ms':>8} {'tok/s':>6} {'e2e ms':>7} {'out':>4} {'source':>8} {'finish':>8}  outcome"  # fmt: skip
+    head = f"{'':24} {'ttft ms':>8} {'tpot ms':>8} {'tok/s':>6} {'e2e ms':>7} {'out':>4} {'source':>8} {'finish':>8}  outcome"
     lines = [head, "-" * len(head)]
     for i, (m, _) in enumerate(records):
         speed = "-" if m.decode_tokens_per_second is None else f"{m.decode_tokens_per_second:.0f}"
@@ -104,21 +120,52 @@ def _table(records: list[tuple[Measurement, str]], names: dict[int, str]) -> str
 async def run(port: int, rounds: int, serve_after: bool, out: object = sys.stdout) -> int:
     records: list[tuple[Measurement, str]] = []
     sim_port = _free_port()
-    sim = uvicorn.Server(uvicorn.Config(create_sim_app(SimConfig(models=(MODEL,))), host="127.0.0.1", port=sim_port, log_level="warning"))  # fmt: skip
-    settings = Settings(upstream=f"http://127.0.0.1:{sim_port}", host="127.0.0.1", port=port, model_allowlist=(MODEL,), models_refresh=None)  # fmt: skip
-    app = create_app(settings, registry=CollectorRegistry(), consumers=[lambda m, label: records.append((m, label))])  # fmt: skip
-    proxy = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", server_header=False, date_header=False))  # fmt: skip
+    sim = uvicorn.Server(
+        uvicorn.Config(
+            create_sim_app(SimConfig(models=(MODEL,))),
+            host="127.0.0.1",
+            port=sim_port,
+            log_level="warning",
+        )
+    )
+    settings = Settings(
+        upstream=f"http://127.0.0.1:{sim_port}",
+        host="127.0.0.1",
+        port=port,
+        model_allowlist=(MODEL,),
+        models_refresh=None,
+    )
+    app = create_app(
+        settings,
+        registry=CollectorRegistry(),
+        consumers=[lambda m, label: records.append((m, label))],
+    )
+    proxy = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            server_header=False,
+            date_header=False,
+        )
+    )
     tasks = [asyncio.create_task(sim.serve()), asyncio.create_task(proxy.serve())]
     while not (sim.started and proxy.started):
         if any(t.done() for t in tasks):
-            print(f"tokenprobe demo: could not start (is port {port} free? try --port 0)", file=sys.stderr)  # fmt: skip
+            print(
+                f"tokenprobe demo: could not start (is port {port} free? try --port 0)",
+                file=sys.stderr,
+            )
             return 1
         await asyncio.sleep(0.02)
     port = proxy.servers[0].sockets[0].getsockname()[1]
     base = f"http://127.0.0.1:{port}"
     print(f"simulated vLLM backend   http://127.0.0.1:{sim_port}/v1", file=out)  # type: ignore[call-overload]
     print(f"tokenprobe proxy         {base}/v1   (clients point here)", file=out)  # type: ignore[call-overload]
-    print(f"\nsending {rounds} round(s) of {len(SCENARIOS)} requests through the proxy...\n", file=out)  # type: ignore[call-overload]
+    print(
+        f"\nsending {rounds} round(s) of {len(SCENARIOS)} requests through the proxy...\n", file=out
+    )  # type: ignore[call-overload]
     names = await _traffic(base, rounds, records)
     print(_table(records, names), file=out)  # type: ignore[call-overload]
     print(
@@ -134,7 +181,11 @@ async def run(port: int, rounds: int, serve_after: bool, out: object = sys.stdou
     else:
         async with httpx.AsyncClient() as client:
             metrics = (await client.get(f"{base}/metrics")).text
-        total = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith("tokenprobe_requests_total{"))  # fmt: skip
+        total = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines()
+            if line.startswith("tokenprobe_requests_total{")
+        )
         print(f"\n/metrics counted {total:.0f} measured requests", file=out)  # type: ignore[call-overload]
     proxy.should_exit = sim.should_exit = True
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -145,7 +196,9 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="tokenprobe demo", description=__doc__)
     parser.add_argument("--port", type=int, default=4000, help="proxy port (0: any free port)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of traffic to send")
-    parser.add_argument("--serve", action="store_true", help="keep serving after the traffic, until Ctrl-C")  # fmt: skip
+    parser.add_argument(
+        "--serve", action="store_true", help="keep serving after the traffic, until Ctrl-C"
+    )
     args = parser.parse_args(argv)
     try:
         return asyncio.run(run(args.port, args.rounds, args.serve))

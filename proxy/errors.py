@@ -62,7 +62,9 @@ def classify_response(status: int, body: bytes) -> ErrorType | None:
     return ErrorType.BAD_REQUEST if status < 500 else ErrorType.UPSTREAM_ERROR
 
 
-_SECRET = re.compile(r"(?i)(bearer\s+)\S+|\b(sk|pk|rk)-[A-Za-z0-9_\-*]{6,}|\bey[A-Za-z0-9_\-]{16,}\.\S+")
+_SECRET = re.compile(
+    r"(?i)(bearer\s+)\S+|\b(sk|pk|rk)-[A-Za-z0-9_\-*]{6,}|\bey[A-Za-z0-9_\-]{16,}\.\S+"
+)
 
 
 def scrub(text: str) -> str:

@@ -30,10 +30,23 @@ from proxy.upstream import classify_exception, describe
 log = logging.getLogger("tokenprobe")
 
 _HOP_BY_HOP = frozenset(
-    {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
-     b"trailer", b"trailers", b"transfer-encoding", b"upgrade"}
-)  # fmt: skip
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"trailers",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
 _REQUEST_DROP = _HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding"}
+#: Request headers whose values never appear in logs, traces, metrics or error messages.
+SECRET_HEADERS = frozenset(
+    {b"authorization", b"proxy-authorization", b"api-key", b"x-api-key", b"cookie", b"set-cookie"}
+)
 _STATUS_FOR_ERROR = {
     ErrorType.UPSTREAM_UNREACHABLE: 502,
     ErrorType.UPSTREAM_ERROR: 502,
@@ -80,6 +93,7 @@ class Forwarder:
         max_header_bytes: int,
         body_timeout: float,
         first_byte_timeout: float,
+        secret_headers: tuple[str, ...] = (),
     ) -> None:
         self.client = client
         self.upstream = upstream
@@ -90,6 +104,7 @@ class Forwarder:
         self.max_header_bytes = max_header_bytes
         self.body_timeout = body_timeout
         self.first_byte_timeout = first_byte_timeout
+        self.secret_headers = SECRET_HEADERS | {h.lower().encode() for h in secret_headers}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         start = perf_counter()
@@ -99,11 +114,18 @@ class Forwarder:
         try:
             body = await self._read_body(scope, receive)
         except HeadersTooLarge:
-            await _send_error(send, 431, "request_header_fields_too_large", f"request headers over {self.max_header_bytes} bytes")  # fmt: skip
+            await _send_error(
+                send,
+                431,
+                "request_header_fields_too_large",
+                f"request headers over {self.max_header_bytes} bytes",
+            )
             self._count_refusal(path, measured, 431, start, started_at)
             return
         except BodyTooLarge:
-            await _send_error(send, 413, "request_too_large", f"request body over {self.max_body_bytes} bytes")
+            await _send_error(
+                send, 413, "request_too_large", f"request body over {self.max_body_bytes} bytes"
+            )
             self._count_refusal(path, measured, 413, start, started_at)
             return
         except TimeoutError:
@@ -160,9 +182,14 @@ class Forwarder:
         start: float,
         started_at: float,
     ) -> None:
-        rs = self.sinks.begin(info, scope["headers"])
+        rs = self.sinks.begin(info, scope["headers"], started_at)
         headers = _upstream_headers(scope["headers"], measured=info is not None)
-        headers.extend(rs.upstream_headers)
+        if rs.upstream_headers:
+            # The proxy's span replaces the client's trace headers (it is the client's
+            # span's child), so the backend sees exactly one traceparent.
+            names = {name for name, _ in rs.upstream_headers}
+            headers = [(k, v) for k, v in headers if k not in names and k != b"tracestate"]
+            headers.extend(rs.upstream_headers)
         query = scope.get("query_string", b"")
         url = self.upstream + scope["path"] + ("?" + query.decode("latin-1") if query else "")
         observer = None
@@ -203,7 +230,8 @@ class Forwarder:
                     try:
                         observer.feed(chunk, now)
                     except Exception:
-                        observer = self._observer_failed(info)
+                        self._observer_failed()
+                        observer = None
             if stripping and (rest := stripper.flush()):  # type: ignore[union-attr]
                 await send({"type": "http.response.body", "body": rest, "more_body": True})
             watch.finished = True
@@ -215,7 +243,7 @@ class Forwarder:
                 raise
             task.uncancel()
             error, message = ErrorType.CLIENT_CANCELLED, "client disconnected"
-        except Exception as exc:  # noqa: BLE001 - every upstream failure has a defined outcome
+        except Exception as exc:
             watch.finished = True
             started = status != 0
             error, message = classify_exception(exc, after_headers=started), describe(exc)
@@ -234,7 +262,9 @@ class Forwarder:
         if info is None:
             self.sinks.passthrough(route_template(scope["path"]), status)
         elif observer is not None:
-            await self._finish(rs, observer, status, error, message, end, started_at)
+            await self._finish(
+                rs, observer, status, error, message, end, started_at, scope["headers"]
+            )
         if broke:
             raise UpstreamBroke(message)
 
@@ -247,10 +277,13 @@ class Forwarder:
         message: str | None,
         end: float,
         started_at: float,
+        headers: list[tuple[bytes, bytes]],
     ) -> None:
         try:
             if error is None:
                 error, message = observer.outcome()
+            if message is not None:
+                message = self._redact(message, headers)
             counts = observer.counts_from_usage()
             if counts is None and self.counter is not None and error is None:
                 counts = await self.counter.count(observer)
@@ -272,11 +305,24 @@ class Forwarder:
             return
         self.sinks.end(rs, measurement)
 
-    def _observer_failed(self, info: RequestInfo | None) -> None:
+    def _redact(self, message: str, headers: list[tuple[bytes, bytes]]) -> str:
+        """Upstreams sometimes echo credentials in error text: mask every secret header's value."""
+        for name, value in headers:
+            if name in self.secret_headers and len(value) >= 4:
+                text = value.decode("latin-1")
+                message = message.replace(text, "[redacted]")
+                token = text.partition(" ")[2]
+                if len(token) >= 4:
+                    message = message.replace(token, "[redacted]")
+        return message
+
+    def _observer_failed(self) -> None:
         log.exception("observer failed; the stream goes on unmeasured")
         self.sinks.failed("observe")
 
-    def _count_refusal(self, path: str, measured: bool, status: int, start: float, started_at: float) -> None:
+    def _count_refusal(
+        self, path: str, measured: bool, status: int, start: float, started_at: float
+    ) -> None:
         if measured:
             info, _ = parse_request(path, b"")
             self.sinks.refused(info, ErrorType.BAD_REQUEST, status, start, started_at)
@@ -294,7 +340,9 @@ async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any], watch: _W
             return
 
 
-def _upstream_headers(headers: list[tuple[bytes, bytes]], *, measured: bool) -> list[tuple[bytes, bytes]]:
+def _upstream_headers(
+    headers: list[tuple[bytes, bytes]], *, measured: bool
+) -> list[tuple[bytes, bytes]]:
     out = [(k, v) for k, v in headers if k not in _REQUEST_DROP]
     if measured:
         # The observer must read the stream, so measured responses come uncompressed
@@ -305,7 +353,9 @@ def _upstream_headers(headers: list[tuple[bytes, bytes]], *, measured: bool) -> 
     return out
 
 
-def _client_headers(response: httpx.Response, content_type: str, body_changes: bool) -> list[tuple[bytes, bytes]]:
+def _client_headers(
+    response: httpx.Response, content_type: str, body_changes: bool
+) -> list[tuple[bytes, bytes]]:
     drop = _HOP_BY_HOP | {b"content-length"} if body_changes else _HOP_BY_HOP
     out = [(k.lower(), v) for k, v in response.headers.raw if k.lower() not in drop]
     if content_type.startswith("text/event-stream"):
@@ -315,12 +365,17 @@ def _client_headers(response: httpx.Response, content_type: str, body_changes: b
 
 async def _send_error(send: Send, status: int, kind: str, message: str) -> None:
     """An OpenAI-shaped error from the proxy itself (only before any byte was sent)."""
-    body = orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}})
+    body = orjson.dumps(
+        {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    )
     await send(
         {
             "type": "http.response.start",
             "status": status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
         }
     )
     await send({"type": "http.response.body", "body": body})

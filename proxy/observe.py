@@ -147,7 +147,9 @@ class StreamObserver:
                 function = call.get("function") if type(call) is dict else None
                 if type(function) is dict:
                     self.texts.extend(
-                        v for v in (function.get("name"), function.get("arguments")) if type(v) is str
+                        v
+                        for v in (function.get("name"), function.get("arguments"))
+                        if type(v) is str
                     )
 
     def _identify(self, obj: dict[str, Any]) -> None:

@@ -48,7 +48,9 @@ def parse_request(endpoint: str, body: bytes) -> tuple[RequestInfo, dict[str, An
         stream=obj.get("stream") is True,
         usage_requested=isinstance(options, dict) and options.get("include_usage") is True,
         max_tokens=max_tokens if type(max_tokens) is int else None,
-        temperature=float(temperature) if type(temperature) in (int, float) else None,
+        temperature=float(temperature)
+        if isinstance(temperature, int | float) and not isinstance(temperature, bool)
+        else None,
         prompt=obj.get("messages") if endpoint == CHAT else obj.get("prompt"),
     )
     return info, obj

@@ -20,7 +20,7 @@ from typing import Any
 
 import uvicorn
 
-from proxy.app import ProxyApp, create_app
+from proxy.app import ProxyApp
 from proxy.settings import SPECS, Settings, SettingsError, parse, require_upstream
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -72,7 +72,9 @@ def main(argv: list[str]) -> int:
 
 def _configure_logging(settings: Settings) -> None:
     logging.basicConfig(
-        level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
+        level=settings.log_level.upper(),
+        format="%(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
     )
 
 
@@ -86,7 +88,12 @@ def _run_workers(settings: Settings) -> int:
         if value is not None:
             os.environ[spec.env] = ",".join(value) if isinstance(value, tuple) else str(value)
     _configure_logging(settings)
-    uvicorn.run("proxy.serve:worker_app", factory=True, workers=settings.workers, **uvicorn_options(settings))
+    uvicorn.run(
+        "proxy.serve:worker_app",
+        factory=True,
+        workers=settings.workers,
+        **uvicorn_options(settings),
+    )
     return 0
 
 
@@ -105,6 +112,6 @@ def drop_dead_workers(directory: str) -> None:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            multiprocess.mark_process_dead(pid, directory)
+            multiprocess.mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
         except PermissionError:
             pass

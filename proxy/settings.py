@@ -95,33 +95,115 @@ class Spec:
 
 
 SPECS: tuple[Spec, ...] = (
-    Spec("upstream", _url, None, "Base URL of the OpenAI-compatible backend, e.g. http://vllm:8000 (required)."),
+    Spec(
+        "upstream",
+        _url,
+        None,
+        "Base URL of the OpenAI-compatible backend, e.g. http://vllm:8000 (required).",
+    ),
     Spec("host", str, "127.0.0.1", "Address to listen on (0.0.0.0 for all interfaces)."),
     Spec("port", _port, 4000, "Port to listen on."),
     Spec("connect_timeout", _seconds, 10.0, "Seconds to open a connection to the upstream."),
-    Spec("first_byte_timeout", _seconds, 600.0, "Seconds from sending a request upstream to its response headers (covers queueing and prefill)."),
-    Spec("idle_timeout", _seconds, 300.0, "Seconds allowed between two chunks of an upstream response."),
+    Spec(
+        "first_byte_timeout",
+        _seconds,
+        600.0,
+        "Seconds from sending a request upstream to its response headers (covers queueing and prefill).",
+    ),
+    Spec(
+        "idle_timeout",
+        _seconds,
+        300.0,
+        "Seconds allowed between two chunks of an upstream response.",
+    ),
     Spec("body_timeout", _seconds, 60.0, "Seconds a client may take to send its request body."),
-    Spec("max_body_bytes", _positive_int, 32 * 1024 * 1024, "Largest request body accepted (413 above it)."),
-    Spec("max_header_bytes", _positive_int, 64 * 1024, "Largest total size of request headers accepted (431 above it)."),
-    Spec("tokenizer", str, None, "Local tokenizer directory (transformers.AutoTokenizer), used when the backend sends no usage."),
-    Spec("inject_usage", _bool, True, "Ask the upstream for usage on streams whose client did not, and remove that extra chunk from the client's stream.", is_flag=True),
-    Spec("model_allowlist", _csv, (), "Comma-separated model names allowed as metric labels, besides those the upstream lists at /v1/models."),
-    Spec("models_refresh", _optional_seconds, 60.0, "Seconds between refreshes of the upstream's /v1/models (0 disables)."),
-    Spec("upstream_transport", _choice("aiohttp", "httpx"), "aiohttp", "httpx transport for upstream requests: aiohttp (httpx-aiohttp, faster) or httpx (its default)."),
-    Spec("access_log", _choice("json", "text", "off"), "json", "Per-request log line on stdout: json, text or off."),
-    Spec("trace_content", _bool, False, "Put prompt and completion text in trace spans.", is_flag=True),
-    Spec("metrics_port", _port, None, "Serve /metrics on this separate port instead of the proxy port."),
+    Spec(
+        "max_body_bytes",
+        _positive_int,
+        32 * 1024 * 1024,
+        "Largest request body accepted (413 above it).",
+    ),
+    Spec(
+        "max_header_bytes",
+        _positive_int,
+        64 * 1024,
+        "Largest total size of request headers accepted (431 above it).",
+    ),
+    Spec(
+        "tokenizer",
+        str,
+        None,
+        "Local tokenizer directory (transformers.AutoTokenizer), used when the backend sends no usage.",
+    ),
+    Spec(
+        "inject_usage",
+        _bool,
+        True,
+        "Ask the upstream for usage on streams whose client did not, and remove that extra chunk from the client's stream.",
+        is_flag=True,
+    ),
+    Spec(
+        "model_allowlist",
+        _csv,
+        (),
+        "Comma-separated model names allowed as metric labels, besides those the upstream lists at /v1/models.",
+    ),
+    Spec(
+        "models_refresh",
+        _optional_seconds,
+        60.0,
+        "Seconds between refreshes of the upstream's /v1/models (0 disables).",
+    ),
+    Spec(
+        "upstream_transport",
+        _choice("aiohttp", "httpx"),
+        "aiohttp",
+        "httpx transport for upstream requests: aiohttp (httpx-aiohttp, faster) or httpx (its default).",
+    ),
+    Spec(
+        "access_log",
+        _choice("json", "text", "off"),
+        "json",
+        "Per-request log line on stdout: json, text or off.",
+    ),
+    Spec(
+        "trace_content",
+        _bool,
+        False,
+        "Put prompt and completion text in trace spans.",
+        is_flag=True,
+    ),
+    Spec(
+        "metrics_port",
+        _port,
+        None,
+        "Serve /metrics on this separate port instead of the proxy port.",
+    ),
     Spec("metrics_host", str, None, "Address for --metrics-port (default: the same as --host)."),
     Spec("metrics_token", str, None, "Require 'Authorization: Bearer <token>' on /metrics."),
-    Spec("key_label", _choice("none", "hash"), "none", "Attribute requests to API keys by a short salted hash (hash) or not at all (none)."),
+    Spec(
+        "key_label",
+        _choice("none", "hash"),
+        "none",
+        "Attribute requests to API keys by a short salted hash (hash) or not at all (none).",
+    ),
     Spec("key_salt", str, None, "Salt for --key-label hash (default: random per process)."),
-    Spec("secret_headers", _csv, (), "Extra request headers to treat as secret (never logged or traced)."),
+    Spec(
+        "secret_headers",
+        _csv,
+        (),
+        "Extra request headers to treat as secret (never logged or traced).",
+    ),
     Spec("prices", str, None, "Price table (YAML or JSON) for tokenprobe_cost_total."),
     Spec("workers", _positive_int, 1, "Worker processes; /metrics aggregates them all."),
     Spec("drain_timeout", _seconds, 30.0, "On SIGTERM, seconds in-flight requests get to finish."),
-    Spec("log_level", _choice("debug", "info", "warning", "error"), "info", "Log level for the proxy's own messages."),
-)  # fmt: skip
+    Spec(
+        "log_level",
+        _choice("debug", "info", "warning", "error"),
+        "info",
+        "Log level for the proxy's own messages.",
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -162,9 +244,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for spec in SPECS:
         help_text = f"{spec.help} [env {spec.env}; default {spec.default!r}]"
         if spec.is_flag:
-            parser.add_argument(spec.flag, dest=spec.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            parser.add_argument(
+                spec.flag,
+                dest=spec.name,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=help_text,
+            )
         else:
-            parser.add_argument(spec.flag, dest=spec.name, default=None, metavar=spec.name.upper(), help=help_text)  # fmt: skip
+            parser.add_argument(
+                spec.flag, dest=spec.name, default=None, metavar=spec.name.upper(), help=help_text
+            )
 
 
 def resolve(args: argparse.Namespace | Mapping[str, Any], environ: Mapping[str, str]) -> Settings:

@@ -24,10 +24,16 @@ Headers = list[tuple[bytes, bytes]]
 
 
 class RequestTracer(Protocol):
-    def start(self, info: RequestInfo, headers: Headers) -> tuple[Any, str | None, Headers]:
-        """Open a span: (span, trace id if sampled, headers to send upstream)."""
+    def start(
+        self, info: RequestInfo, headers: Headers, start_time_ns: int | None = None
+    ) -> tuple[Any, str | None, Headers]:
+        """Open a span that began at start_time_ns (wall clock): (span, trace id if
+        sampled, trace headers to send upstream in place of the client's)."""
 
     def finish(self, span: Any, measurement: Measurement | None) -> None: ...
+
+    def shutdown(self) -> None:
+        """Flush what is queued; blocking, called off the event loop at exit."""
 
 
 class RequestScope:
@@ -59,7 +65,9 @@ class Sinks:
         self.consumers = list(consumers)
         self.keys = keys
 
-    def begin(self, info: RequestInfo | None, headers: Headers) -> RequestScope:
+    def begin(
+        self, info: RequestInfo | None, headers: Headers, started_at: float = 0.0
+    ) -> RequestScope:
         if info is None:
             return RequestScope(None, "")
         rs = RequestScope(info, self.labels(info.model))
@@ -68,7 +76,9 @@ class Sinks:
             rs.key_label = self.keys(headers)
         if self.tracer is not None:
             try:
-                rs.span, rs.trace_id, rs.upstream_headers = self.tracer.start(info, headers)
+                rs.span, rs.trace_id, rs.upstream_headers = self.tracer.start(
+                    info, headers, int(started_at * 1e9) if started_at else None
+                )
             except Exception:
                 log.exception("starting a trace span failed")
                 self.failed("trace")
@@ -94,12 +104,25 @@ class Sinks:
     ) -> None:
         """A measured request that never went upstream (too large, too slow, client gone)."""
         m = Measurement(
-            endpoint=info.endpoint, model=info.model, stream=info.stream, status_code=status,
-            started_at=started_at, ttfb=None, ttft=None, tpot=None, decode_tokens_per_second=None,
-            e2e=perf_counter() - start, inter_token_latencies=(), prompt_tokens=None,
-            output_tokens=None, cached_prompt_tokens=None, token_source=TokenSource.NONE,
-            content_events=0, finish_reason=NONE_LABEL, error_type=error,
-        )  # fmt: skip
+            endpoint=info.endpoint,
+            model=info.model,
+            stream=info.stream,
+            status_code=status,
+            started_at=started_at,
+            ttfb=None,
+            ttft=None,
+            tpot=None,
+            decode_tokens_per_second=None,
+            e2e=perf_counter() - start,
+            inter_token_latencies=(),
+            prompt_tokens=None,
+            output_tokens=None,
+            cached_prompt_tokens=None,
+            token_source=TokenSource.NONE,
+            content_events=0,
+            finish_reason=NONE_LABEL,
+            error_type=error,
+        )
         label = self.labels(info.model)
         self._safely(self.metrics.record, m, label)
         for consumer in self.consumers:

@@ -32,9 +32,11 @@ def count_prompt(tokenizer: Any, prompt: Any) -> int | None:
     if isinstance(prompt, list) and prompt and all(isinstance(p, dict) for p in prompt):
         if getattr(tokenizer, "chat_template", None):
             try:
-                ids = tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)
+                ids = tokenizer.apply_chat_template(
+                    prompt, tokenize=True, add_generation_prompt=True
+                )
                 return len(ids["input_ids"] if isinstance(ids, dict) else ids)
-            except Exception:  # noqa: BLE001 - odd messages: fall back to plain text
+            except Exception:
                 pass
         texts = [m.get("content") for m in prompt]
         text = "\n".join(t for t in texts if isinstance(t, str))

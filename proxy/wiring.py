@@ -8,36 +8,35 @@ from typing import Any
 from prometheus_client import CollectorRegistry, make_asgi_app
 
 from proxy.app import ProxyApp, create_app
+from proxy.logs import AccessLog
 from proxy.measurement import Measurement
-from proxy.settings import Settings
+from proxy.settings import Settings, require_upstream
+from proxy.tracing import tracing_from_env
 from proxy.types import Receive, Scope, Send
 
 
 def build(settings: Settings, environ: Mapping[str, str]) -> ProxyApp:
+    """Every sink the settings ask for. In a worker process this runs after the fork,
+    so exporters' connections and threads belong to the process that uses them."""
     registry = CollectorRegistry()
-    metrics_app: Any = None
-    multiproc_dir = environ.get("PROMETHEUS_MULTIPROC_DIR")
-    if multiproc_dir:
-        metrics_app = _multiprocess_metrics_app(multiproc_dir)
     consumers: list[Callable[[Measurement, str], None]] = []
-    tracer = None
-    try:
-        from proxy.logs import AccessLog
-    except ImportError:  # pragma: no cover - during development
-        AccessLog = None  # type: ignore[assignment,misc]  # noqa: N806
-    if AccessLog is not None and settings.access_log != "off":
+    if settings.access_log != "off":
         consumers.append(AccessLog(settings.access_log))
-    try:
-        from proxy.tracing import tracing_from_env
-    except ImportError:  # pragma: no cover
-        tracing_from_env = None  # type: ignore[assignment]
-    if tracing_from_env is not None:
-        tracer = tracing_from_env(environ, trace_content=settings.trace_content, registry=registry, upstream=settings.upstream)  # type: ignore[call-arg]
     if settings.prices:
         from proxy.cost import CostSink, load_prices
 
         cost = CostSink(load_prices(settings.prices), registry)
         consumers.append(lambda m, _label: cost.record(m))
+    tracer = tracing_from_env(
+        environ,
+        upstream=require_upstream(settings),
+        registry=registry,
+        trace_content=settings.trace_content,
+    )
+    metrics_app: Any = None
+    multiproc_dir = environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if multiproc_dir:
+        metrics_app = _multiprocess_metrics_app(multiproc_dir)
     return create_app(
         settings, registry=registry, tracer=tracer, consumers=consumers, metrics_app=metrics_app
     )
@@ -49,7 +48,7 @@ def _multiprocess_metrics_app(directory: str) -> Any:
     from proxy.serve import drop_dead_workers
 
     scrape_registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(scrape_registry, path=directory)
+    multiprocess.MultiProcessCollector(scrape_registry, path=directory)  # type: ignore[no-untyped-call]
     inner = make_asgi_app(scrape_registry)
 
     async def metrics(scope: Scope, receive: Receive, send: Send) -> None:
@@ -57,6 +56,3 @@ def _multiprocess_metrics_app(directory: str) -> Any:
         await inner(scope, receive, send)
 
     return metrics
-
-
-

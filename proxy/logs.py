@@ -1,0 +1,128 @@
+"""The access-log sink: one line per measured request, as JSON or as logfmt text.
+
+Keys, in this order, stable (a key without a value is null in JSON, left out in text):
+
+  ts             when the proxy received the request, ISO-8601 UTC with ms ("...T12:00:00.123Z")
+  model          the model the client asked for (first 200 characters)
+  endpoint       /v1/chat/completions or /v1/completions
+  status         HTTP status the client got (0: nothing was sent)
+  error_type     the proxy's error type (see ErrorType), null on success
+  finish_reason  as the client saw it, null when there was none
+  prompt_tokens, output_tokens, cached_tokens, token_source   counts and where they came from
+  ttfb_ms, ttft_ms, tpot_ms, e2e_ms   latencies in milliseconds
+  decode_tps     single-stream decode speed, tokens per second
+  stream         whether the client asked for a stream
+  trace_id       the request's trace id when traced and sampled
+  response_id    the backend's response id
+  error          a short, secret-free description of the error
+
+Only these values reach the log: no header value, no prompt, no completion.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, TextIO
+
+import orjson
+
+from proxy.measurement import NONE_LABEL, Measurement
+
+KEYS = (
+    "ts",
+    "model",
+    "endpoint",
+    "status",
+    "error_type",
+    "finish_reason",
+    "prompt_tokens",
+    "output_tokens",
+    "cached_tokens",
+    "token_source",
+    "ttfb_ms",
+    "ttft_ms",
+    "tpot_ms",
+    "decode_tps",
+    "e2e_ms",
+    "stream",
+    "trace_id",
+    "response_id",
+    "error",
+)
+
+_MAX_MODEL_CHARS = 200
+_PLAIN = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_./:+@")
+
+
+class AccessLog:
+    """A consumer `(measurement, model_label) -> None` writing one line per request."""
+
+    def __init__(self, mode: str, stream: TextIO = sys.stdout) -> None:
+        if mode not in ("json", "text"):
+            raise ValueError(f"access log mode {mode!r}: expected json or text")
+        self.stream = stream
+        self.format = _json_line if mode == "json" else _text_line
+
+    def __call__(self, m: Measurement, model_label: str) -> None:
+        # One write and one flush per line: a line reaches the log when its request
+        # ends, and lines from several workers on one pipe do not interleave.
+        self.stream.write(self.format(record(m)))
+        self.stream.flush()
+
+
+def record(m: Measurement) -> dict[str, Any]:
+    """The log record of one request, keys as in KEYS."""
+    return {
+        "ts": iso_utc(m.started_at),
+        "model": m.model[:_MAX_MODEL_CHARS],
+        "endpoint": m.endpoint,
+        "status": m.status_code,
+        "error_type": m.error_type.value if m.error_type is not None else None,
+        "finish_reason": None if m.finish_reason == NONE_LABEL else m.finish_reason,
+        "prompt_tokens": m.prompt_tokens,
+        "output_tokens": m.output_tokens,
+        "cached_tokens": m.cached_prompt_tokens,
+        "token_source": m.token_source.value,
+        "ttfb_ms": _ms(m.ttfb),
+        "ttft_ms": _ms(m.ttft),
+        "tpot_ms": _ms(m.tpot),
+        "decode_tps": None
+        if m.decode_tokens_per_second is None
+        else round(m.decode_tokens_per_second, 2),
+        "e2e_ms": _ms(m.e2e),
+        "stream": m.stream,
+        "trace_id": m.trace_id,
+        "response_id": m.response_id,
+        "error": m.error_message,
+    }
+
+
+def iso_utc(seconds: float) -> str:
+    """1700000000.1234 -> '2023-11-14T22:13:20.123Z'."""
+    whole, ms = divmod(int(seconds * 1000), 1000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole)) + f".{ms:03d}Z"
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)
+
+
+def _json_line(rec: dict[str, Any]) -> str:
+    return orjson.dumps(rec, option=orjson.OPT_APPEND_NEWLINE).decode()
+
+
+def _text_line(rec: dict[str, Any]) -> str:
+    """logfmt: `key=value` pairs, values with spaces, quotes or '=' JSON-quoted."""
+    parts = []
+    for key, value in rec.items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, str):
+            text = value if value and _PLAIN.issuperset(value) else orjson.dumps(value).decode()
+        else:
+            text = str(value)
+        parts.append(f"{key}={text}")
+    return " ".join(parts) + "\n"

@@ -1,0 +1,437 @@
+"""The OpenTelemetry sink: one CLIENT span per measured request, exported in the background.
+
+The span follows the GenAI client-inference conventions (name `{operation} {model}`,
+`gen_ai.*` attributes) and adds the proxy's own measurements as `tokenprobe.*`
+attributes (seconds) and two events, `first_byte` and `first_token`, at their instants.
+No event per chunk. Prompt text only with `trace_content`; header values never, except
+the W3C `traceparent`/`tracestate` a client sends, which the span joins.
+
+Off by default: `tracing_from_env` returns None unless the standard OTEL_* variables ask
+for traces, and then the proxy does no tracing work at all. When on, spans go through a
+batch processor on its own thread, so a slow or dead collector never holds up a stream;
+the spans it loses are counted in `tokenprobe_trace_export_failures_total`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import orjson
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.sampling import (
+    ALWAYS_OFF,
+    ALWAYS_ON,
+    ParentBased,
+    Sampler,
+    TraceIdRatioBased,
+)
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_context
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from prometheus_client import CollectorRegistry, Counter
+
+from proxy.measurement import NONE_LABEL, Measurement
+from proxy.request import CHAT, COMPLETIONS, RequestInfo
+from proxy.settings import SettingsError
+
+log = logging.getLogger("tokenprobe")
+
+Headers = list[tuple[bytes, bytes]]
+
+#: gen_ai.operation.name per measured endpoint.
+OPERATIONS = {CHAT: "chat", COMPLETIONS: "text_completion"}
+#: vLLM speaks the OpenAI API; the registry's value for that telemetry flavour is "openai".
+PROVIDER = "openai"
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+_TRACE_HEADERS = frozenset({b"traceparent", b"tracestate"})
+_MAX_MODEL_CHARS = 200
+
+
+class Tracing:
+    """The RequestTracer: opens a span when a request starts, fills and ends it at the end."""
+
+    def __init__(
+        self,
+        processors: Sequence[SpanProcessor],
+        *,
+        upstream: str,
+        sampler: Sampler | None = None,
+        service_name: str = "tokenprobe",
+        trace_content: bool = False,
+    ) -> None:
+        # Its own provider: the process-wide global one stays whatever the host app set.
+        self.provider = TracerProvider(
+            sampler=sampler or ParentBased(ALWAYS_ON),
+            resource=Resource.create({"service.name": service_name}),
+        )
+        for processor in processors:
+            self.provider.add_span_processor(processor)
+        self.tracer = self.provider.get_tracer("tokenprobe")
+        self.trace_content = trace_content
+        parts = urlsplit(upstream)
+        self.server_address = parts.hostname or ""
+        self.server_port = parts.port or (443 if parts.scheme == "https" else 80)
+
+    def start(
+        self, info: RequestInfo, headers: Headers, start_time_ns: int | None = None
+    ) -> tuple[Span, str | None, Headers]:
+        carrier = {k.decode(): v.decode("latin-1") for k, v in headers if k in _TRACE_HEADERS}
+        # An explicit empty context: without a client traceparent the span is a root,
+        # whatever happens to be current on this task.
+        parent = _PROPAGATOR.extract(carrier, context=Context()) if carrier else Context()
+        operation = OPERATIONS.get(info.endpoint, "chat")
+        model = info.model[:_MAX_MODEL_CHARS]
+        attributes: dict[str, Any] = {
+            "gen_ai.operation.name": operation,
+            "gen_ai.provider.name": PROVIDER,
+            "server.address": self.server_address,
+            "server.port": self.server_port,
+        }
+        if model:
+            attributes["gen_ai.request.model"] = model
+        if info.stream:
+            attributes["gen_ai.request.stream"] = True  # unset means not streaming
+        if info.max_tokens is not None:
+            attributes["gen_ai.request.max_tokens"] = info.max_tokens
+        if info.temperature is not None:
+            attributes["gen_ai.request.temperature"] = info.temperature
+        if self.trace_content and (messages := _input_messages(info)) is not None:
+            attributes["gen_ai.input.messages"] = messages
+        span = self.tracer.start_span(
+            f"{operation} {model}" if model else operation,
+            context=parent,
+            kind=SpanKind.CLIENT,
+            attributes=attributes,
+            start_time=start_time_ns,
+        )
+        out: dict[str, str] = {}
+        _PROPAGATOR.inject(out, context=set_span_in_context(span))
+        upstream = [(k.encode(), v.encode("latin-1")) for k, v in out.items()]
+        ctx = span.get_span_context()
+        trace_id = format(ctx.trace_id, "032x") if ctx.trace_flags.sampled else None
+        return span, trace_id, upstream
+
+    def finish(self, span: Span, measurement: Measurement | None) -> None:
+        if not span.is_recording():
+            span.end()
+            return
+        m = measurement
+        if m is None:
+            span.set_status(Status(StatusCode.ERROR, "measuring the request failed"))
+            span.end()
+            return
+        start_ns = int(m.started_at * 1e9)
+        span.set_attributes(_finish_attributes(m))
+        if m.ttfb is not None:
+            span.add_event("first_byte", timestamp=start_ns + int(m.ttfb * 1e9))
+        if m.ttft is not None:
+            span.add_event("first_token", timestamp=start_ns + int(m.ttft * 1e9))
+        if m.error_type is not None:
+            span.set_status(Status(StatusCode.ERROR, m.error_message or m.error_type.value))
+        span.end(end_time=start_ns + int(m.e2e * 1e9))
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return self.provider.force_flush(timeout_millis)
+
+    def shutdown(self) -> None:
+        """Export what is queued (bounded by the exporter's timeout) and stop. Blocking."""
+        self.provider.shutdown()
+
+
+def _finish_attributes(m: Measurement) -> dict[str, Any]:
+    attributes: dict[str, Any] = {
+        "tokenprobe.e2e": m.e2e,
+        "tokenprobe.token_source": m.token_source.value,
+    }
+    optional: dict[str, Any] = {
+        "gen_ai.response.id": m.response_id,
+        "gen_ai.response.model": m.response_model,
+        "gen_ai.usage.input_tokens": m.prompt_tokens,
+        "gen_ai.usage.output_tokens": m.output_tokens,
+        "gen_ai.usage.cache_read.input_tokens": m.cached_prompt_tokens,
+        "http.response.status_code": m.status_code or None,
+        "error.type": m.error_type.value if m.error_type is not None else None,
+        "tokenprobe.time_to_first_byte": m.ttfb,
+        "tokenprobe.time_to_first_token": m.ttft,
+        "tokenprobe.time_per_output_token": m.tpot,
+        "tokenprobe.decode_tokens_per_second": m.decode_tokens_per_second,
+    }
+    attributes.update((k, v) for k, v in optional.items() if v is not None)
+    if m.finish_reason != NONE_LABEL:
+        attributes["gen_ai.response.finish_reasons"] = (m.finish_reason,)
+    elif m.error_type is not None:
+        # The conventions: a finish reason expected but not received is reported as "error".
+        attributes["gen_ai.response.finish_reasons"] = ("error",)
+    return attributes
+
+
+def _input_messages(info: RequestInfo) -> str | None:
+    """The prompt as `gen_ai.input.messages` (JSON text), only with trace_content on."""
+    prompt = info.prompt
+    if info.endpoint == COMPLETIONS:
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+            return None
+        messages = [{"role": "user", "parts": [{"type": "text", "content": t}]} for t in texts]
+    elif isinstance(prompt, list):
+        messages = [_message(item) for item in prompt if isinstance(item, dict)]
+    else:
+        return None
+    return orjson.dumps(messages).decode()
+
+
+def _message(item: dict[str, Any]) -> dict[str, Any]:
+    content = item.get("content")
+    parts: list[dict[str, Any]] = []
+    if isinstance(content, str):
+        parts.append({"type": "text", "content": content})
+    elif isinstance(content, list):
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text":
+                parts.append({"type": "text", "content": part.get("text", "")})
+            elif isinstance(part, dict):
+                parts.append({"type": str(part.get("type", "unknown"))})  # no media payloads
+    return {"role": str(item.get("role", "user")), "parts": parts}
+
+
+# -- export -------------------------------------------------------------------------------
+
+
+def export_failures(registry: CollectorRegistry) -> Counter:
+    """`tokenprobe_trace_export_failures_total{reason}`, registered once per registry."""
+    return Counter(
+        "tokenprobe_trace_export_failures",
+        "Trace spans lost before reaching the collector, by reason: export (the exporter "
+        "failed or timed out) or queue_full (spans ended faster than the collector took "
+        "them and the oldest queued ones were dropped).",
+        ("reason",),
+        registry=registry,
+    )
+
+
+class CountingBatchProcessor(SpanProcessor):
+    """A BatchSpanProcessor that counts the spans it loses.
+
+    Two ways to lose a span: the exporter fails or times out (`reason="export"`), or spans
+    end faster than the collector takes them and the queue drops the oldest
+    (`reason="queue_full"`). The SDK only logs the second, so the queue length is mirrored
+    here: +1 when a sampled span ends, -n when the worker takes a batch of n.
+    """
+
+    def __init__(
+        self,
+        exporter: SpanExporter,
+        failures: Counter,
+        *,
+        max_queue_size: int = 2048,
+        schedule_delay_millis: float = 5000,
+        max_export_batch_size: int = 512,
+    ) -> None:
+        self._failed = failures.labels("export")
+        self._dropped = failures.labels("queue_full")
+        self._lock = threading.Lock()
+        self._queued = 0
+        self._limit = max_queue_size
+        self._batch = BatchSpanProcessor(
+            _CountingExporter(exporter, self),
+            max_queue_size=max_queue_size,
+            schedule_delay_millis=schedule_delay_millis,
+            max_export_batch_size=min(max_export_batch_size, max_queue_size),
+        )
+
+    def on_start(self, span: Any, parent_context: Context | None = None) -> None:
+        pass
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if span.context is None or not span.context.trace_flags.sampled:
+            return  # the batch processor ignores these too
+        with self._lock:
+            if self._queued >= self._limit:
+                self._dropped.inc()  # the batch queue drops its oldest to take this one
+            else:
+                self._queued += 1
+        self._batch.on_end(span)
+
+    def taken(self, count: int) -> None:
+        with self._lock:
+            self._queued = max(0, self._queued - count)
+
+    def failed(self, count: int) -> None:
+        self._failed.inc(count)
+
+    def shutdown(self) -> None:
+        self._batch.shutdown()  # type: ignore[no-untyped-call]
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return self._batch.force_flush(timeout_millis)
+
+
+class _CountingExporter(SpanExporter):
+    def __init__(self, exporter: SpanExporter, counts: CountingBatchProcessor) -> None:
+        self.exporter = exporter
+        self.counts = counts
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.counts.taken(len(spans))
+        try:
+            result = self.exporter.export(spans)
+        except Exception:
+            log.exception("exporting trace spans failed")
+            result = SpanExportResult.FAILURE
+        if result is not SpanExportResult.SUCCESS:
+            self.counts.failed(len(spans))
+        return result
+
+    def shutdown(self) -> None:
+        self.exporter.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return self.exporter.force_flush(timeout_millis)
+
+
+# -- configuration from the standard OTEL_* variables ----------------------------------------
+
+
+def tracing_from_env(
+    environ: Mapping[str, str],
+    *,
+    upstream: str,
+    registry: CollectorRegistry,
+    trace_content: bool = False,
+) -> Tracing | None:
+    """A Tracing configured by OTEL_* variables, or None when they do not ask for traces.
+
+    Traces are on when OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
+    is set, or OTEL_TRACES_EXPORTER names an exporter; off when OTEL_TRACES_EXPORTER is
+    "none" or OTEL_SDK_DISABLED is true. Raises SettingsError, naming the variable, for a
+    value it cannot use.
+    """
+    env = {k: v.strip() for k, v in environ.items() if k.startswith("OTEL_") and v.strip()}
+    names = [n.strip().lower() for n in env.get("OTEL_TRACES_EXPORTER", "").split(",") if n.strip()]
+    endpoint_set = (
+        "OTEL_EXPORTER_OTLP_ENDPOINT" in env or "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT" in env
+    )
+    if env.get("OTEL_SDK_DISABLED", "").lower() == "true" or "none" in names:
+        return None
+    if not names and not endpoint_set:
+        return None
+    exporters = [_exporter(name, env) for name in (names or ["otlp"])]
+    failures = export_failures(registry)
+    processors = [
+        CountingBatchProcessor(
+            exporter,
+            failures,
+            max_queue_size=_int(env, "OTEL_BSP_MAX_QUEUE_SIZE", 2048),
+            schedule_delay_millis=_int(env, "OTEL_BSP_SCHEDULE_DELAY", 5000),
+            max_export_batch_size=_int(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512),
+        )
+        for exporter in exporters
+    ]
+    return Tracing(
+        processors,
+        upstream=upstream,
+        sampler=_sampler(env),
+        service_name=_service_name(env),
+        trace_content=trace_content,
+    )
+
+
+def _exporter(name: str, env: Mapping[str, str]) -> SpanExporter:
+    if name == "console":
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+        return ConsoleSpanExporter()
+    if name != "otlp":
+        raise SettingsError(f"OTEL_TRACES_EXPORTER={name!r}: expected otlp, console or none")
+    key = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+    if key not in env:
+        key = "OTEL_EXPORTER_OTLP_PROTOCOL"
+    protocol = env.get(key, "http/protobuf")
+    headers = _headers(env)
+    timeout = _float(env, "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", None) or _float(
+        env, "OTEL_EXPORTER_OTLP_TIMEOUT", 10.0
+    )
+    if protocol == "http/protobuf":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        if endpoint is None:
+            base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "http://localhost:4318")
+            endpoint = base.rstrip("/") + "/v1/traces"
+        return OTLPSpanExporter(endpoint=endpoint, headers=headers, timeout=timeout)
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            OTLPSpanExporter as GrpcSpanExporter,
+        )
+
+        endpoint = env.get(
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "http://localhost:4317"),
+        )
+        return GrpcSpanExporter(endpoint=endpoint, headers=headers, timeout=timeout)
+    raise SettingsError(f"{key}={protocol!r}: expected http/protobuf or grpc")
+
+
+def _sampler(env: Mapping[str, str]) -> Sampler:
+    name = env.get("OTEL_TRACES_SAMPLER", "parentbased_always_on").lower()
+    fixed: dict[str, Sampler] = {
+        "always_on": ALWAYS_ON,
+        "always_off": ALWAYS_OFF,
+        "parentbased_always_on": ParentBased(ALWAYS_ON),
+        "parentbased_always_off": ParentBased(ALWAYS_OFF),
+    }
+    if name in fixed:
+        return fixed[name]
+    if name not in ("traceidratio", "parentbased_traceidratio"):
+        choices = ", ".join([*fixed, "traceidratio", "parentbased_traceidratio"])
+        raise SettingsError(f"OTEL_TRACES_SAMPLER={name!r}: expected one of {choices}")
+    ratio = _float(env, "OTEL_TRACES_SAMPLER_ARG", 1.0)
+    if ratio is None or not 0.0 <= ratio <= 1.0:
+        raise SettingsError(f"OTEL_TRACES_SAMPLER_ARG={ratio}: expected a ratio from 0 to 1")
+    ratio_sampler = TraceIdRatioBased(ratio)
+    return ratio_sampler if name == "traceidratio" else ParentBased(ratio_sampler)
+
+
+def _service_name(env: Mapping[str, str]) -> str:
+    if name := env.get("OTEL_SERVICE_NAME"):
+        return name
+    for item in env.get("OTEL_RESOURCE_ATTRIBUTES", "").split(","):
+        key, _, value = item.partition("=")
+        if key.strip() == "service.name" and value.strip():
+            return value.strip()
+    return "tokenprobe"
+
+
+def _headers(env: Mapping[str, str]) -> dict[str, str] | None:
+    from opentelemetry.util.re import parse_env_headers
+
+    raw = env.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS") or env.get("OTEL_EXPORTER_OTLP_HEADERS")
+    return dict(parse_env_headers(raw, liberal=True)) if raw else None
+
+
+def _float(env: Mapping[str, str], key: str, default: float | None) -> float | None:
+    if key not in env:
+        return default
+    try:
+        return float(env[key])
+    except ValueError:
+        raise SettingsError(f"{key}={env[key]!r}: expected a number") from None
+
+
+def _int(env: Mapping[str, str], key: str, default: int) -> int:
+    if key not in env:
+        return default
+    try:
+        value = int(env[key])
+    except ValueError:
+        raise SettingsError(f"{key}={env[key]!r}: expected a whole number") from None
+    if value < 1:
+        raise SettingsError(f"{key}={value}: must be at least 1")
+    return value

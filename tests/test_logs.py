@@ -1,0 +1,215 @@
+"""The access log: one stable line per request, and no secret anywhere the proxy writes."""
+
+from __future__ import annotations
+
+import io
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import CollectorRegistry
+
+from proxy.app import create_app
+from proxy.logs import KEYS, AccessLog, iso_utc
+from proxy.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
+from proxy.settings import Settings
+from proxy.tracing import Tracing
+from tests.conftest import MODEL, Running
+from tests.servers import ThreadedServer
+
+ISO_MS_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
+
+
+def record(**changes: Any) -> Measurement:
+    fields: dict[str, Any] = {
+        "endpoint": "/v1/chat/completions",
+        "model": MODEL,
+        "stream": True,
+        "status_code": 200,
+        "started_at": 1_700_000_000.1239,
+        "ttfb": 0.0101234,
+        "ttft": 0.05,
+        "tpot": 0.005,
+        "decode_tokens_per_second": 199.99999,
+        "e2e": 0.125,
+        "inter_token_latencies": (),
+        "prompt_tokens": 12,
+        "output_tokens": 16,
+        "cached_prompt_tokens": None,
+        "token_source": TokenSource.USAGE,
+        "content_events": 16,
+        "finish_reason": "stop",
+        "error_type": None,
+        "response_id": "chatcmpl-1",
+        "trace_id": "4bf92f3577b34da6a3ce929d0e0e4736",
+    }
+    return Measurement(**{**fields, **changes})
+
+
+def log_lines(mode: str, *records: Measurement) -> list[str]:
+    out = io.StringIO()
+    log = AccessLog(mode, out)
+    for m in records:
+        log(m, MODEL)
+    return out.getvalue().splitlines(keepends=True)
+
+
+# -- format -------------------------------------------------------------------------------
+
+
+def test_json_mode_writes_one_object_per_line_with_the_documented_keys_in_order() -> None:
+    lines = log_lines("json", record(), record(error_type=ErrorType.RATE_LIMIT))
+    assert len(lines) == 2 and all(line.endswith("\n") for line in lines)
+    for line in lines:
+        assert tuple(orjson.loads(line)) == KEYS
+
+
+def test_json_values_are_in_ms_with_nulls_for_unknowns() -> None:
+    (line,) = log_lines("json", record())
+    assert orjson.loads(line) == {
+        "ts": "2023-11-14T22:13:20.123Z",
+        "model": MODEL,
+        "endpoint": "/v1/chat/completions",
+        "status": 200,
+        "error_type": None,
+        "finish_reason": "stop",
+        "prompt_tokens": 12,
+        "output_tokens": 16,
+        "cached_tokens": None,
+        "token_source": "usage",
+        "ttfb_ms": 10.123,
+        "ttft_ms": 50.0,
+        "tpot_ms": 5.0,
+        "decode_tps": 200.0,
+        "e2e_ms": 125.0,
+        "stream": True,
+        "trace_id": "4bf92f3577b34da6a3ce929d0e0e4736",
+        "response_id": "chatcmpl-1",
+        "error": None,
+    }
+
+
+def test_failed_request_logs_its_error_type_and_message() -> None:
+    m = record(
+        status_code=502,
+        finish_reason=NONE_LABEL,
+        error_type=ErrorType.UPSTREAM_UNREACHABLE,
+        error_message="connect failed",
+    )
+    obj = orjson.loads(log_lines("json", m)[0])
+    assert (obj["error_type"], obj["finish_reason"], obj["error"]) == (
+        "upstream_unreachable",
+        None,
+        "connect failed",
+    )
+
+
+@pytest.mark.parametrize(
+    ("seconds", "expected"),
+    [
+        (0.0, "1970-01-01T00:00:00.000Z"),
+        (1_700_000_000.9999, "2023-11-14T22:13:20.999Z"),
+        (time.time(), None),
+    ],
+)
+def test_timestamps_are_iso8601_utc_with_milliseconds(seconds: float, expected: str | None) -> None:
+    stamp = iso_utc(seconds)
+    assert ISO_MS_UTC.match(stamp)
+    if expected is not None:
+        assert stamp == expected
+
+
+def test_text_mode_is_one_logfmt_line_without_nulls() -> None:
+    (line,) = log_lines("text", record(model="my model", cached_prompt_tokens=None))
+    assert line == (
+        'ts=2023-11-14T22:13:20.123Z model="my model" endpoint=/v1/chat/completions status=200 '
+        "finish_reason=stop prompt_tokens=12 output_tokens=16 token_source=usage ttfb_ms=10.123 "
+        "ttft_ms=50.0 tpot_ms=5.0 decode_tps=200.0 e2e_ms=125.0 stream=true "
+        "trace_id=4bf92f3577b34da6a3ce929d0e0e4736 response_id=chatcmpl-1\n"
+    )
+
+
+@pytest.mark.parametrize("mode", ["json", "text"])
+def test_a_newline_in_client_input_cannot_forge_a_line(mode: str) -> None:
+    lines = log_lines(mode, record(model='x\nts=forged "'))
+    assert len(lines) == 1
+
+
+def test_unknown_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="json or text"):
+        AccessLog("xml")
+
+
+# -- no secret anywhere -------------------------------------------------------------------
+
+
+class Observed:
+    def __init__(self, url: str, log: io.StringIO, spans: InMemorySpanExporter) -> None:
+        self.url = url
+        self.log = log
+        self.spans = spans
+
+
+@pytest.fixture
+def observed(sim: Running) -> Iterator[Observed]:
+    log, spans = io.StringIO(), InMemorySpanExporter()
+    tracing = Tracing([SimpleSpanProcessor(spans)], upstream=sim.url)
+    app = create_app(
+        Settings(upstream=sim.url, models_refresh=None, model_allowlist=(MODEL,)),
+        registry=CollectorRegistry(),
+        tracer=tracing,
+        consumers=[AccessLog("json", log)],
+    )
+    server = ThreadedServer(app, server_header=False, date_header=False).start()
+    try:
+        yield Observed(server.url, log, spans)
+    finally:
+        server.stop()
+        tracing.shutdown()
+
+
+def wait_lines(log: io.StringIO, n: int, timeout: float = 5.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while len(lines := log.getvalue().splitlines()) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return lines
+
+
+def test_a_real_request_logs_one_line_that_matches_its_span(observed: Observed) -> None:
+    body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    assert httpx.post(observed.url + "/v1/chat/completions", json=body).status_code == 200
+    (line,) = wait_lines(observed.log, 1)
+    obj = orjson.loads(line)
+    (span,) = observed.spans.get_finished_spans()
+    assert obj["trace_id"] == format(span.context.trace_id, "032x")
+    assert (obj["status"], obj["finish_reason"], obj["token_source"]) == (200, "stop", "usage")
+    assert obj["output_tokens"] == 16 and obj["ttft_ms"] >= 50.0
+
+
+def test_secrets_in_headers_reach_no_log_span_or_metric(observed: Observed) -> None:
+    headers = {
+        "Authorization": "Bearer sk-SECRET123",
+        "api-key": "sk-SECRET123",
+        "Cookie": "session=sk-SECRET123",
+        "x-api-key": "sk-SECRET123",
+    }
+    for stream in (True, False):
+        body = {"model": MODEL, "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
+        response = httpx.post(observed.url + "/v1/chat/completions", json=body, headers=headers)
+        assert response.status_code == 200
+    wait_lines(observed.log, 2)
+    spans = observed.spans.get_finished_spans()
+    assert len(spans) == 2
+    assert "SECRET123" not in observed.log.getvalue()
+    for span in spans:
+        assert "SECRET123" not in span.to_json()
+    for accept in ("text/plain", "application/openmetrics-text"):
+        metrics = httpx.get(observed.url + "/metrics", headers={"Accept": accept}).text
+        assert "tokenprobe_requests_total" in metrics
+        assert "SECRET123" not in metrics

@@ -1,0 +1,425 @@
+"""The tracing sink on its own: in-memory exporter, hand-made requests and records."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, TraceIdRatioBased
+from opentelemetry.trace import SpanKind, StatusCode
+from prometheus_client import CollectorRegistry
+
+from proxy.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
+from proxy.request import CHAT, COMPLETIONS, RequestInfo
+from proxy.settings import SettingsError
+from proxy.tracing import CountingBatchProcessor, Tracing, export_failures, tracing_from_env
+from tests.servers import free_port
+
+UPSTREAM = "http://vllm.internal:8000"
+CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
+CLIENT_SPAN = "b7ad6b7169203331"
+CLIENT_TRACEPARENT = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01".encode()
+STARTED_AT = 1_700_000_000.25
+
+
+def info(endpoint: str = CHAT, **changes: Any) -> RequestInfo:
+    fields: dict[str, Any] = {
+        "endpoint": endpoint,
+        "model": "sim-model",
+        "stream": True,
+        "usage_requested": False,
+        "max_tokens": 64,
+        "temperature": 0.7,
+        "prompt": [{"role": "user", "content": "the secret plan is purple"}],
+    }
+    return RequestInfo(**{**fields, **changes})
+
+
+def record(**changes: Any) -> Measurement:
+    fields: dict[str, Any] = {
+        "endpoint": CHAT,
+        "model": "sim-model",
+        "stream": True,
+        "status_code": 200,
+        "started_at": STARTED_AT,
+        "ttfb": 0.010,
+        "ttft": 0.050,
+        "tpot": 0.005,
+        "decode_tokens_per_second": 200.0,
+        "e2e": 0.125,
+        "inter_token_latencies": (0.005,) * 15,
+        "prompt_tokens": 12,
+        "output_tokens": 16,
+        "cached_prompt_tokens": 4,
+        "token_source": TokenSource.USAGE,
+        "content_events": 16,
+        "finish_reason": "stop",
+        "error_type": None,
+        "response_id": "chatcmpl-123",
+        "response_model": "sim-model",
+        "max_tokens": 64,
+        "temperature": 0.7,
+    }
+    return Measurement(**{**fields, **changes})
+
+
+@pytest.fixture
+def exporter() -> InMemorySpanExporter:
+    return InMemorySpanExporter()
+
+
+@pytest.fixture
+def tracing(exporter: InMemorySpanExporter) -> Iterator[Tracing]:
+    t = Tracing([SimpleSpanProcessor(exporter)], upstream=UPSTREAM)
+    yield t
+    t.shutdown()
+
+
+def traced(
+    tracing: Tracing,
+    exporter: InMemorySpanExporter,
+    request: RequestInfo | None = None,
+    measurement: Measurement | None = None,
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> tuple[ReadableSpan, str | None, list[tuple[bytes, bytes]]]:
+    m = measurement or record()
+    span, trace_id, upstream = tracing.start(
+        request or info(), headers or [], int(m.started_at * 1e9)
+    )
+    tracing.finish(span, m)
+    (finished,) = exporter.get_finished_spans()
+    return finished, trace_id, upstream
+
+
+# -- the span -----------------------------------------------------------------------------
+
+
+def test_span_is_a_client_span_named_operation_and_model(
+    tracing: Tracing, exporter: InMemorySpanExporter
+) -> None:
+    span, _, _ = traced(tracing, exporter)
+    assert span.name == "chat sim-model"
+    assert span.kind is SpanKind.CLIENT
+    assert span.resource.attributes["service.name"] == "tokenprobe"
+
+
+def test_completions_are_text_completion_operations(
+    tracing: Tracing, exporter: InMemorySpanExporter
+) -> None:
+    span, _, _ = traced(
+        tracing, exporter, info(COMPLETIONS, prompt="hi"), record(endpoint=COMPLETIONS)
+    )
+    assert span.name == "text_completion sim-model"
+    assert span.attributes is not None
+    assert span.attributes["gen_ai.operation.name"] == "text_completion"
+
+
+def test_attributes_follow_the_genai_conventions(
+    tracing: Tracing, exporter: InMemorySpanExporter
+) -> None:
+    span, _, _ = traced(tracing, exporter)
+    assert dict(span.attributes or {}) == {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.provider.name": "openai",
+        "gen_ai.request.model": "sim-model",
+        "gen_ai.request.stream": True,
+        "gen_ai.request.max_tokens": 64,
+        "gen_ai.request.temperature": 0.7,
+        "gen_ai.response.id": "chatcmpl-123",
+        "gen_ai.response.model": "sim-model",
+        "gen_ai.response.finish_reasons": ("stop",),
+        "gen_ai.usage.input_tokens": 12,
+        "gen_ai.usage.output_tokens": 16,
+        "gen_ai.usage.cache_read.input_tokens": 4,
+        "server.address": "vllm.internal",
+        "server.port": 8000,
+        "http.response.status_code": 200,
+        "tokenprobe.time_to_first_byte": 0.010,
+        "tokenprobe.time_to_first_token": 0.050,
+        "tokenprobe.time_per_output_token": 0.005,
+        "tokenprobe.decode_tokens_per_second": 200.0,
+        "tokenprobe.e2e": 0.125,
+        "tokenprobe.token_source": "usage",
+    }
+    assert span.status.status_code is StatusCode.UNSET
+
+
+def test_non_streaming_request_has_no_stream_attribute(
+    tracing: Tracing, exporter: InMemorySpanExporter
+) -> None:
+    span, _, _ = traced(tracing, exporter, info(stream=False), record(stream=False, ttft=None))
+    assert "gen_ai.request.stream" not in (span.attributes or {})
+    assert "tokenprobe.time_to_first_token" not in (span.attributes or {})
+
+
+def test_span_runs_from_request_start_for_e2e_with_events_at_their_instants(
+    tracing: Tracing, exporter: InMemorySpanExporter
+) -> None:
+    span, _, _ = traced(tracing, exporter)
+    start = int(STARTED_AT * 1e9)
+    assert span.start_time == start
+    assert span.end_time == start + 125_000_000
+    assert [(e.name, e.timestamp) for e in span.events] == [
+        ("first_byte", start + 10_000_000),
+        ("first_token", start + 50_000_000),
+    ]
+
+
+def test_error_sets_error_type_status_and_error_finish_reason(
+    tracing: Tracing, exporter: InMemorySpanExporter
+) -> None:
+    m = record(
+        status_code=504,
+        ttft=None,
+        tpot=None,
+        decode_tokens_per_second=None,
+        finish_reason=NONE_LABEL,
+        error_type=ErrorType.UPSTREAM_TIMEOUT,
+        error_message="no response headers within 600s",
+    )
+    span, _, _ = traced(tracing, exporter, measurement=m)
+    attributes = span.attributes or {}
+    assert attributes["error.type"] == "upstream_timeout"
+    assert attributes["gen_ai.response.finish_reasons"] == ("error",)
+    assert span.status.status_code is StatusCode.ERROR
+    assert span.status.description == "no response headers within 600s"
+    assert [e.name for e in span.events] == ["first_byte"]
+
+
+def test_a_failed_measurement_still_ends_the_span_as_an_error(
+    tracing: Tracing, exporter: InMemorySpanExporter
+) -> None:
+    span, _, _ = tracing.start(info(), [])
+    tracing.finish(span, None)
+    (finished,) = exporter.get_finished_spans()
+    assert finished.status.status_code is StatusCode.ERROR
+
+
+# -- propagation --------------------------------------------------------------------------
+
+
+def test_client_traceparent_makes_the_proxy_span_its_child(
+    tracing: Tracing, exporter: InMemorySpanExporter
+) -> None:
+    headers = [(b"traceparent", CLIENT_TRACEPARENT), (b"tracestate", b"vendor=abc")]
+    span, trace_id, _ = traced(tracing, exporter, headers=headers)
+    assert format(span.context.trace_id, "032x") == CLIENT_TRACE == trace_id
+    assert span.parent is not None and format(span.parent.span_id, "016x") == CLIENT_SPAN
+    assert span.parent.is_remote
+    assert span.context.trace_state.to_header() == "vendor=abc"
+
+
+def test_upstream_traceparent_names_the_proxy_span(
+    tracing: Tracing, exporter: InMemorySpanExporter
+) -> None:
+    headers = [(b"traceparent", CLIENT_TRACEPARENT), (b"tracestate", b"vendor=abc")]
+    span, _, upstream = traced(tracing, exporter, headers=headers)
+    sent = dict(upstream)
+    ctx = span.context
+    assert sent[b"traceparent"] == f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-01".encode()
+    assert sent[b"tracestate"] == b"vendor=abc"
+
+
+def test_without_a_client_traceparent_the_span_is_a_root(
+    tracing: Tracing, exporter: InMemorySpanExporter
+) -> None:
+    span, trace_id, upstream = traced(tracing, exporter)
+    assert span.parent is None
+    assert trace_id == format(span.context.trace_id, "032x")
+    assert dict(upstream)[b"traceparent"].startswith(f"00-{trace_id}-".encode())
+
+
+def test_malformed_traceparent_starts_a_new_trace(
+    tracing: Tracing, exporter: InMemorySpanExporter
+) -> None:
+    span, _, _ = traced(tracing, exporter, headers=[(b"traceparent", b"00-nonsense-01")])
+    assert span.parent is None
+
+
+def test_unsampled_request_has_no_trace_id_but_still_propagates(
+    exporter: InMemorySpanExporter,
+) -> None:
+    tracing = Tracing(
+        [SimpleSpanProcessor(exporter)], upstream=UPSTREAM, sampler=ParentBased(ALWAYS_OFF)
+    )
+    span, trace_id, upstream = tracing.start(info(), [])
+    tracing.finish(span, record())
+    assert trace_id is None
+    assert exporter.get_finished_spans() == ()
+    flags = int(dict(upstream)[b"traceparent"].rsplit(b"-", 1)[1], 16)
+    assert flags & 0x01 == 0  # the sampled bit
+
+
+# -- privacy ------------------------------------------------------------------------------
+
+
+def _all_text(span: ReadableSpan) -> str:
+    values = [str(v) for v in (span.attributes or {}).values()]
+    values += [str(v) for e in span.events for v in (e.attributes or {}).values()]
+    return " ".join([span.name, *values])
+
+
+def test_prompt_text_is_not_traced_by_default(
+    tracing: Tracing, exporter: InMemorySpanExporter
+) -> None:
+    span, _, _ = traced(tracing, exporter)
+    assert "purple" not in _all_text(span)
+    assert "gen_ai.input.messages" not in (span.attributes or {})
+
+
+def test_trace_content_puts_the_prompt_in_input_messages(exporter: InMemorySpanExporter) -> None:
+    tracing = Tracing([SimpleSpanProcessor(exporter)], upstream=UPSTREAM, trace_content=True)
+    span, _, _ = traced(tracing, exporter)
+    assert (span.attributes or {})["gen_ai.input.messages"] == (
+        '[{"role":"user","parts":[{"type":"text","content":"the secret plan is purple"}]}]'
+    )
+
+
+def test_header_values_never_reach_the_span(
+    tracing: Tracing, exporter: InMemorySpanExporter
+) -> None:
+    headers = [
+        (b"authorization", b"Bearer sk-SECRET123"),
+        (b"api-key", b"SECRET123"),
+        (b"cookie", b"session=SECRET123"),
+        (b"traceparent", CLIENT_TRACEPARENT),
+    ]
+    span, _, upstream = traced(tracing, exporter, headers=headers)
+    assert "SECRET123" not in _all_text(span)
+    assert {name for name, _ in upstream} == {b"traceparent"}
+
+
+# -- configuration from the environment ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [
+        {},
+        {"OTEL_SERVICE_NAME": "x", "OTEL_TRACES_SAMPLER": "always_on"},
+        {"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1"},
+        {"OTEL_SDK_DISABLED": "true", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1"},
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": "  "},
+    ],
+)
+def test_tracing_is_off_unless_otel_variables_ask_for_it(environ: dict[str, str]) -> None:
+    assert tracing_from_env(environ, upstream=UPSTREAM, registry=CollectorRegistry()) is None
+
+
+def test_endpoint_turns_tracing_on_with_otel_settings() -> None:
+    environ = {
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:4318/v1/traces",
+        "OTEL_SERVICE_NAME": "edge-proxy",
+        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+        "OTEL_TRACES_SAMPLER_ARG": "0.25",
+    }
+    tracing = tracing_from_env(environ, upstream=UPSTREAM, registry=CollectorRegistry())
+    assert tracing is not None
+    try:
+        assert tracing.provider.resource.attributes["service.name"] == "edge-proxy"
+        sampler = tracing.provider.sampler
+        assert isinstance(sampler, ParentBased)
+        assert isinstance(sampler._root, TraceIdRatioBased) and sampler._root.rate == 0.25
+    finally:
+        tracing.shutdown()
+
+
+def test_grpc_protocol_is_supported() -> None:
+    environ = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+    }
+    tracing = tracing_from_env(environ, upstream=UPSTREAM, registry=CollectorRegistry())
+    assert tracing is not None
+    tracing.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json"),
+        ("OTEL_TRACES_SAMPLER", "sometimes"),
+        ("OTEL_TRACES_EXPORTER", "zipkin"),
+        ("OTEL_BSP_MAX_QUEUE_SIZE", "lots"),
+    ],
+)
+def test_unusable_otel_value_fails_naming_the_variable(variable: str, value: str) -> None:
+    environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318", variable: value}
+    with pytest.raises(SettingsError, match=variable):
+        tracing_from_env(environ, upstream=UPSTREAM, registry=CollectorRegistry())
+
+
+# -- losing spans, counted ----------------------------------------------------------------
+
+
+def test_dead_collector_never_raises_into_finish_and_is_counted() -> None:
+    registry = CollectorRegistry()
+    environ = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{free_port()}",  # nothing listens
+        "OTEL_EXPORTER_OTLP_TIMEOUT": "0.5",
+    }
+    tracing = tracing_from_env(environ, upstream=UPSTREAM, registry=registry)
+    assert tracing is not None
+    try:
+        began = time.monotonic()
+        span, _, _ = tracing.start(info(), [])
+        tracing.finish(span, record())
+        assert time.monotonic() - began < 0.1  # finish only queues the span
+        tracing.force_flush()
+        lost = registry.get_sample_value(
+            "tokenprobe_trace_export_failures_total", {"reason": "export"}
+        )
+        assert lost == 1.0
+    finally:
+        tracing.shutdown()
+
+
+class _GatedExporter(SpanExporter):
+    """Holds its first export until released, like a collector that hangs."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.exported = 0
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.entered.set()
+        self.release.wait(10)
+        self.exported += len(spans)
+        return SpanExportResult.SUCCESS
+
+
+def test_spans_dropped_by_a_full_queue_are_counted() -> None:
+    registry = CollectorRegistry()
+    gated = _GatedExporter()
+    processor = CountingBatchProcessor(
+        gated,
+        export_failures(registry),
+        max_queue_size=2,
+        max_export_batch_size=2,
+        schedule_delay_millis=60_000,
+    )
+    tracing = Tracing([processor], upstream=UPSTREAM)
+
+    def one() -> None:
+        span, _, _ = tracing.start(info(), [])
+        tracing.finish(span, record())
+
+    one()
+    one()  # a full batch: the worker takes both and hangs in export
+    assert gated.entered.wait(5)
+    for _ in range(4):  # two fit in the queue, two push out the oldest
+        one()
+    gated.release.set()
+    tracing.force_flush()
+    dropped = registry.get_sample_value(
+        "tokenprobe_trace_export_failures_total", {"reason": "queue_full"}
+    )
+    assert (dropped, gated.exported) == (2.0, 4)
+    tracing.shutdown()
