@@ -28,17 +28,9 @@ class ThreadedServer:
 
     def __init__(self, app: Any, **config: Any) -> None:
         self.port = free_port()
-        cfg = uvicorn.Config(
-            app,
-            host="127.0.0.1",
-            port=self.port,
-            log_level="warning",
-            lifespan="on",
-            access_log=False,
-            **config,
-        )
+        options: dict[str, Any] = {"log_level": "warning", "lifespan": "on", "access_log": False}
+        cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, **{**options, **config})
         self.server = uvicorn.Server(cfg)
-        self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.loop: asyncio.AbstractEventLoop | None = None
 

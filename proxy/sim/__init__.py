@@ -1,0 +1,13 @@
+"""A simulated OpenAI-compatible backend that behaves like vLLM on the wire.
+
+Used by the demo, the end-to-end tests (with the proxy in front of it) and the
+benchmarks. Timing, output and failures are set by `SimConfig` and per request by
+`x-sim-*` headers (see `controls.py`); `SimState` records what it saw and did.
+"""
+
+from proxy.sim.app import SimApp, create_sim_app
+from proxy.sim.config import SimConfig
+from proxy.sim.state import SimRequest, SimState
+from proxy.sim.tokens import completion_text
+
+__all__ = ["SimApp", "SimConfig", "SimRequest", "SimState", "completion_text", "create_sim_app"]

@@ -1,0 +1,103 @@
+"""`tokenprobe sim`: run the simulated vLLM server on uvicorn.
+
+Every flag has an environment variable TOKENPROBE_SIM_<NAME> (e.g. TOKENPROBE_SIM_TTFT);
+a flag on the command line wins. TOKENPROBE_SIM_MODEL takes a comma-separated list.
+uvicorn's "auto" loop and parser pick uvloop and httptools when they are installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from proxy.sim.app import create_sim_app
+from proxy.sim.config import SimConfig
+
+ENV_PREFIX = "TOKENPROBE_SIM_"
+_TRUE = ("1", "true", "yes", "on")
+
+
+def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
+    defaults = SimConfig()
+    parser = argparse.ArgumentParser(
+        prog="tokenprobe sim",
+        description="A simulated OpenAI-compatible backend that behaves like vLLM on the wire.",
+    )
+
+    def env(name: str, conv: Callable[[str], Any], default: Any) -> Any:
+        key = ENV_PREFIX + name
+        raw = environ.get(key)
+        if raw is None or raw == "":
+            return default
+        try:
+            return conv(raw)
+        except ValueError:
+            parser.error(f"{key}: invalid value {raw!r}")
+
+    def flag(raw: str) -> bool:
+        return raw.lower() in _TRUE
+
+    def models(raw: str) -> list[str]:
+        return [m.strip() for m in raw.split(",") if m.strip()]
+
+    add = parser.add_argument
+    add("--host", default=env("HOST", str, "127.0.0.1"))
+    add("--port", type=int, default=env("PORT", int, 8000))
+    add(
+        "--model",
+        action="append",
+        default=None,
+        help=f"served model name, repeatable (default: {defaults.models[0]})",
+    )
+    add("--ttft", type=float, default=env("TTFT", float, defaults.ttft), help="seconds")
+    add("--tps", type=float, default=env("TPS", float, defaults.tokens_per_second))
+    add("--output-tokens", type=int, default=env("OUTPUT_TOKENS", int, defaults.output_tokens))
+    add("--max-model-len", type=int, default=env("MAX_MODEL_LEN", int, defaults.max_model_len))
+    add("--api-key", default=env("API_KEY", str, None))
+    add("--step-ms", type=float, default=env("STEP_MS", float, None), help="lockstep mode")
+    add("--stamp", action="store_true", default=env("STAMP", flag, False))
+    add("--record-bodies", action="store_true", default=env("RECORD_BODIES", flag, False))
+    add("--log-level", default=env("LOG_LEVEL", str, "warning"))
+    parser.set_defaults(env_models=env("MODEL", models, None))
+    return parser
+
+
+def parse(
+    argv: list[str] | None, environ: Mapping[str, str]
+) -> tuple[SimConfig, argparse.Namespace]:
+    parser = build_parser(environ)
+    args = parser.parse_args(argv)
+    try:
+        config = SimConfig(
+            models=tuple(args.model or args.env_models or SimConfig().models),
+            ttft=args.ttft,
+            tokens_per_second=args.tps,
+            output_tokens=args.output_tokens,
+            max_model_len=args.max_model_len,
+            api_key=args.api_key,
+            step_ms=args.step_ms,
+            stamp=args.stamp,
+            record_bodies=args.record_bodies,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    return config, args
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    config, args = parse(argv, os.environ)
+    uvicorn.run(
+        create_sim_app(config),
+        host=args.host,
+        port=args.port,
+        loop="auto",
+        http="auto",
+        lifespan="on",
+        access_log=False,
+        log_level=args.log_level,
+    )
+    return 0

@@ -1,0 +1,51 @@
+"""How the simulated backend behaves when a request does not say otherwise.
+
+Every timing and size here can be overridden per request with an `x-sim-*` header
+(see `controls.py`); the config is the default a whole test or benchmark shares.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SimConfig:
+    """Defaults of the simulated vLLM server. Times in seconds unless named `_ms`."""
+
+    #: Served model names; the first one is used when a request names none.
+    models: tuple[str, ...] = ("sim-model",)
+    #: Request received -> first content token.
+    ttft: float = 0.05
+    #: Decode speed of one stream after its first token (free-running mode only).
+    tokens_per_second: float = 50.0
+    #: Planned completion length; the text ends with an EOS (`finish_reason` "stop").
+    output_tokens: int = 32
+    #: Prompt tokens + max_tokens above this is vLLM's 400 context-length error.
+    max_model_len: int = 4096
+    #: When set, /v1/* requests need `Authorization: Bearer <api_key>` (else vLLM's 401).
+    api_key: str | None = None
+    #: Lockstep mode: one global decode step every `step_ms`, like continuous batching;
+    #: every active stream gets its next chunk on the same tick. None = free-running.
+    step_ms: float | None = None
+    #: Put `"sent_ns": time.time_ns()` as the first key of every content chunk.
+    stamp: bool = False
+    #: Keep a running SHA-256 of every response-body byte in each request's record.
+    record_bodies: bool = False
+    #: How many request records `SimState` keeps (oldest dropped), so long benchmarks
+    #: do not grow memory without bound.
+    max_records: int = 10_000
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ValueError("SimConfig.models must name at least one model")
+        if self.ttft < 0:
+            raise ValueError(f"SimConfig.ttft must be >= 0, got {self.ttft}")
+        if self.tokens_per_second <= 0:
+            raise ValueError(
+                f"SimConfig.tokens_per_second must be > 0, got {self.tokens_per_second}"
+            )
+        if self.output_tokens < 0:
+            raise ValueError(f"SimConfig.output_tokens must be >= 0, got {self.output_tokens}")
+        if self.step_ms is not None and self.step_ms <= 0:
+            raise ValueError(f"SimConfig.step_ms must be > 0, got {self.step_ms}")

@@ -1,0 +1,191 @@
+"""One request's plan: what the simulator will send, decided before it sends anything.
+
+Inputs are the JSON body, the request headers and the `SimConfig`. Per-request
+headers (the openai SDK sends them with `extra_headers`) override the config:
+
+  x-sim-ttft                 seconds from request received to the first content token
+  x-sim-tps                  tokens per second after the first (free-running mode)
+  x-sim-output-tokens        planned completion length (ends with EOS: "stop")
+  x-sim-tokens-per-chunk     tokens per content chunk (default 1); chunks come every
+                             tokens_per_chunk / tps seconds, so tps stays tokens/s
+  x-sim-finish-reason        force the finish_reason sent (stop, length, tool_calls, ...)
+  x-sim-cached-tokens        report usage.prompt_tokens_details.cached_tokens (clamped)
+  x-sim-error                an error instead of a response: see errors.FORCED_ERRORS
+  x-sim-fault                a fault in a 200 stream: see FAULTS (streaming only)
+  x-sim-fault-after          content tokens sent before the fault fires (default 0)
+  x-sim-stall                seconds of silence for the `stall` fault (default 1)
+  x-sim-huge-bytes           size of the `huge_event` event (default 4 MiB)
+  x-sim-stall-before-headers seconds to wait before the status line (any response)
+  x-sim-no-done: 1           never send `data: [DONE]`
+  x-sim-usage-mode           when `stream_options.include_usage` asks for usage:
+                             separate (vLLM, default): a last chunk with "choices": [];
+                             last_chunk: on the finish chunk; ignore: never streamed
+  x-sim-stamp: 1             stamp content chunks with "sent_ns" (as SimConfig.stamp)
+
+Faults: error_event (vLLM's `data: {"error": {...}}` then [DONE]), error_string
+(`data: {"error": "<text>"}` then [DONE]), reset (connection dropped mid-body),
+close_no_done (body ends cleanly, no finish chunk, no [DONE]) end the stream; stall,
+malformed (`data: {not json`), non_utf8 (a content chunk whose text is the raw bytes
+ff fe) and huge_event (an extra valid content chunk of exactly x-sim-huge-bytes bytes,
+text "xxx...") are inserted and the stream then goes on. `stream_options.
+continuous_usage_stats` puts usage on every chunk, as in vLLM.
+
+Output length: the planned length, cut to `max_completion_tokens`/`max_tokens` (or, when
+neither is given, to what the context has left) with finish_reason "length".
+`ignore_eos` generates exactly up to that limit, as vLLM does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from proxy.sim import errors
+from proxy.sim.config import SimConfig
+from proxy.sim.tokens import count_prompt_tokens
+
+Kind = Literal["chat", "completion"]
+UsageMode = Literal["separate", "last_chunk", "ignore"]
+
+#: Faults that end the stream where they fire.
+ENDING_FAULTS = frozenset({"error_event", "error_string", "reset", "close_no_done"})
+#: Faults after which the stream carries on normally.
+PASSING_FAULTS = frozenset({"stall", "malformed", "non_utf8", "huge_event"})
+FAULTS = ENDING_FAULTS | PASSING_FAULTS
+USAGE_MODES: tuple[UsageMode, ...] = ("separate", "last_chunk", "ignore")
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    kind: Kind
+    model: str
+    stream: bool
+    prompt_tokens: int
+    cached_tokens: int | None
+    output_tokens: int
+    finish_reason: str
+    ttft: float
+    tokens_per_second: float
+    tokens_per_chunk: int
+    include_usage: bool
+    continuous_usage: bool
+    usage_mode: UsageMode
+    no_done: bool
+    fault: str | None
+    fault_after: int
+    stall: float
+    huge_bytes: int
+
+
+class ControlError(ValueError):
+    """A malformed request or x-sim-* header; answered with a 400."""
+
+
+T = TypeVar("T", int, float)
+
+
+def plan_request(
+    kind: Kind, body: Any, headers: Mapping[str, str], config: SimConfig
+) -> Plan | errors.ErrorReply:
+    """The plan for a generation request, or the error reply vLLM would give instead."""
+    try:
+        return _plan(kind, body, headers, config)
+    except ControlError as exc:
+        return errors.bad_request(str(exc))
+
+
+def stall_before_headers(headers: Mapping[str, str]) -> float:
+    try:
+        return _number(headers, "x-sim-stall-before-headers", float, 0.0, 0.0)
+    except ControlError:
+        return 0.0
+
+
+def _plan(
+    kind: Kind, body: Any, headers: Mapping[str, str], config: SimConfig
+) -> Plan | errors.ErrorReply:
+    if not isinstance(body, dict):
+        raise ControlError("The request body must be a JSON object.")
+    if kind == "chat" and not isinstance(body.get("messages"), list):
+        raise ControlError("Field required: messages")
+    if kind == "completion" and body.get("prompt") is None:
+        raise ControlError("Field required: prompt")
+    model = str(body.get("model") or config.models[0])
+    prompt_tokens = count_prompt_tokens(body)
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ControlError(f"max_tokens must be at least 1, got {max_tokens}.")
+
+    forced = headers.get("x-sim-error")
+    if forced is not None:
+        if forced not in errors.FORCED_ERRORS:
+            raise ControlError(f"x-sim-error: unknown value {forced!r}")
+        return errors.forced_error(
+            forced,
+            model=model,
+            max_model_len=config.max_model_len,
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+        )
+    if model not in config.models:
+        return errors.model_not_found(model)
+    room = config.max_model_len - prompt_tokens
+    if room <= 0 or (max_tokens is not None and max_tokens > room):
+        return errors.context_length(config.max_model_len, prompt_tokens, max_tokens)
+
+    planned = _number(headers, "x-sim-output-tokens", int, config.output_tokens, 0)
+    limit = max_tokens if max_tokens is not None else room
+    finish = "stop"
+    if body.get("ignore_eos") or planned > limit:
+        planned, finish = limit, "length"
+
+    options = body.get("stream_options") or {}
+    include_usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
+    usage_mode = headers.get("x-sim-usage-mode", "separate")
+    if usage_mode not in USAGE_MODES:
+        raise ControlError(f"x-sim-usage-mode: unknown value {usage_mode!r}")
+    fault = headers.get("x-sim-fault")
+    if fault is not None and fault not in FAULTS:
+        raise ControlError(f"x-sim-fault: unknown value {fault!r}")
+    cached = headers.get("x-sim-cached-tokens")
+
+    return Plan(
+        kind=kind,
+        model=model,
+        stream=bool(body.get("stream")),
+        prompt_tokens=prompt_tokens,
+        cached_tokens=None
+        if cached is None
+        else min(prompt_tokens, _number(headers, "x-sim-cached-tokens", int, 0, 0)),
+        output_tokens=planned,
+        finish_reason=headers.get("x-sim-finish-reason", finish),
+        ttft=_number(headers, "x-sim-ttft", float, config.ttft, 0.0),
+        tokens_per_second=_number(headers, "x-sim-tps", float, config.tokens_per_second, 1e-9),
+        tokens_per_chunk=_number(headers, "x-sim-tokens-per-chunk", int, 1, 1),
+        include_usage=include_usage and usage_mode != "ignore",
+        continuous_usage=include_usage
+        and usage_mode != "ignore"
+        and bool(options.get("continuous_usage_stats")),
+        usage_mode=usage_mode,
+        no_done=headers.get("x-sim-no-done", "0").lower() in ("1", "true", "yes"),
+        fault=fault,
+        fault_after=_number(headers, "x-sim-fault-after", int, 0, 0),
+        stall=_number(headers, "x-sim-stall", float, 1.0, 0.0),
+        huge_bytes=_number(headers, "x-sim-huge-bytes", int, 4 * 1024 * 1024, 1024),
+    )
+
+
+def _number(
+    headers: Mapping[str, str], name: str, conv: Callable[[str], T], default: T, minimum: T
+) -> T:
+    raw = headers.get(name)
+    if raw is None:
+        return default
+    try:
+        value = conv(raw)
+    except ValueError:
+        raise ControlError(f"{name}: not a number: {raw!r}") from None
+    if value < minimum:
+        raise ControlError(f"{name}: must be >= {minimum}, got {raw!r}")
+    return value

@@ -1,0 +1,111 @@
+"""Error responses, shaped like vLLM's (and, for `html_502`, like a load balancer's).
+
+vLLM's body is `{"error": {"message", "type", "param", "code"}}` with `code` the HTTP
+status as an int; its API-key middleware answers a bare `{"error": "Unauthorized"}`.
+After a 200 stream has begun, vLLM reports failures as an SSE event
+`data: {"error": {...}}` followed by `data: [DONE]` (see `stream.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import orjson
+
+JSON = b"application/json"
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReply:
+    status: int
+    body: bytes
+    content_type: bytes = JSON
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+
+
+def error_json(message: str, err_type: str, code: int, param: str | None = None) -> bytes:
+    return orjson.dumps(
+        {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+    )
+
+
+def bad_request(message: str, param: str | None = None) -> ErrorReply:
+    return ErrorReply(400, error_json(message, "BadRequestError", 400, param))
+
+
+def unauthorized() -> ErrorReply:
+    return ErrorReply(401, b'{"error":"Unauthorized"}')
+
+
+def model_not_found(model: str) -> ErrorReply:
+    return ErrorReply(
+        404, error_json(f"The model `{model}` does not exist.", "NotFoundError", 404, "model")
+    )
+
+
+def route_not_found() -> ErrorReply:
+    # vLLM is a FastAPI app: unknown routes get FastAPI's body, not an OpenAI error.
+    return ErrorReply(404, b'{"detail":"Not Found"}')
+
+
+def method_not_allowed() -> ErrorReply:
+    return ErrorReply(405, b'{"detail":"Method Not Allowed"}')
+
+
+def context_length(max_model_len: int, prompt_tokens: int, max_tokens: int | None) -> ErrorReply:
+    """vLLM's 400 when the prompt plus `max_tokens` cannot fit in the context."""
+    if max_tokens is None:
+        message = (
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_tokens} tokens in the messages, Please reduce the length of "
+            "the messages."
+        )
+    else:
+        message = (
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
+            f"{max_tokens} in the completion). Please reduce the length of the messages or "
+            "completion."
+        )
+    return bad_request(message)
+
+
+_HTML_502 = (
+    b"<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r\n"
+    b"<center><h1>502 Bad Gateway</h1></center>\r\n<hr><center>nginx</center>\r\n"
+    b"</body>\r\n</html>\r\n"
+)
+
+#: `x-sim-error` values, besides `context_length` and `not_found` which need the request.
+_FIXED: dict[str, ErrorReply] = {
+    "auth": unauthorized(),
+    "forbidden": ErrorReply(403, error_json("Forbidden", "PermissionDeniedError", 403)),
+    "token_exchange": ErrorReply(
+        500, error_json("token exchange failed", "InternalServerError", 500)
+    ),
+    "rate_limit": ErrorReply(
+        429,
+        error_json("Rate limit exceeded, retry later.", "RateLimitError", 429),
+        headers=((b"retry-after", b"1"),),
+    ),
+    "bad_request": bad_request("temperature must be non-negative, got -1.0.", "temperature"),
+    "server_error": ErrorReply(
+        500, error_json("Internal server error", "InternalServerError", 500)
+    ),
+    "html_502": ErrorReply(502, _HTML_502, b"text/html"),
+}
+
+FORCED_ERRORS: frozenset[str] = frozenset({*_FIXED, "context_length", "not_found"})
+
+
+def forced_error(
+    name: str, *, model: str, max_model_len: int, prompt_tokens: int, max_tokens: int | None
+) -> ErrorReply:
+    """The reply for `x-sim-error: <name>`; `name` must be in FORCED_ERRORS."""
+    if name == "context_length":
+        # Ask for one token more than fits, so the numbers in the message are consistent.
+        over = max(max_tokens or 0, max_model_len - prompt_tokens + 1)
+        return context_length(max_model_len, prompt_tokens, over)
+    if name == "not_found":
+        return model_not_found(model)
+    return _FIXED[name]

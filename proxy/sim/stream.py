@@ -1,0 +1,128 @@
+"""Generate one completion as vLLM would: streamed event by event, or all at once.
+
+Streamed chat: the role-only chunk goes out with the headers (time ~0, long before
+the first token, so a proxy that takes the first chunk for the first token is
+visibly wrong; real vLLM sends it with its first engine output, just before the
+first token); content chunks follow on the pacer's schedule; then the finish chunk
+(right after the last token), the usage chunk if asked for, and `data: [DONE]`.
+Completions have no role chunk.
+
+Faults fire at the slot where the next content chunk is due, once `fault_after`
+tokens have been sent (after the last token if there are fewer). Ending faults stop
+the stream there; passing ones insert their event (or silence) and the stream
+carries on as planned. `reset` returns without finishing the body: uvicorn then
+closes the connection without the last chunk of the chunked body (the client sees
+"incomplete chunked read") and logs one line, "ASGI callable returned without
+completing response".
+"""
+
+from __future__ import annotations
+
+import time
+
+from proxy.sim import wire
+from proxy.sim.controls import ENDING_FAULTS, Plan
+from proxy.sim.exchange import Exchange
+from proxy.sim.pacing import Pacer
+from proxy.sim.state import Outcome
+from proxy.sim.tokens import completion_text, text_json
+
+SSE = b"text/event-stream; charset=utf-8"
+_NON_UTF8 = b"\xff\xfe"
+
+
+async def stream(ex: Exchange, plan: Plan, sse: wire.StreamWire, pacer: Pacer) -> Outcome:
+    record = ex.record
+    await ex.start(200, SSE)
+    usage_every = plan.continuous_usage
+    if plan.kind == "chat":
+        await ex.write(sse.role(_usage(plan, 0) if usage_every else None))
+
+    n, per_chunk = plan.output_tokens, plan.tokens_per_chunk
+    pending = plan.fault
+    sent = 0
+    slots = 0
+    while sent < n:
+        await (pacer.first() if slots == 0 else pacer.next())
+        slots += 1
+        if pending is not None and sent >= plan.fault_after:
+            record.fault, pending = pending, None
+            if not await _fire(ex, plan, sse, pacer, record.fault):
+                return "fault"
+        count = min(per_chunk, n - sent)
+        data = sse.content(
+            text_json(count, sent), _usage(plan, sent + count) if usage_every else None
+        )
+        sent += count
+        record.completion_tokens = sent
+        if record.first_token_at is None:
+            record.first_token_at = time.monotonic()
+        await ex.write(data)
+    if pending is not None:
+        await (pacer.first() if slots == 0 else pacer.next())
+        slots += 1
+        record.fault = pending
+        if not await _fire(ex, plan, sse, pacer, pending):
+            return "fault"
+    if slots == 0:
+        await pacer.first()  # an empty completion still ends when its EOS token is due
+
+    record.finish_reason = plan.finish_reason
+    usage = _usage(plan, sent)
+    on_finish = (
+        usage if usage_every or (plan.include_usage and plan.usage_mode == "last_chunk") else None
+    )
+    await ex.write(sse.finish(plan.finish_reason, on_finish))
+    if plan.include_usage and plan.usage_mode == "separate":
+        await ex.write(sse.usage(usage))
+    outcome: Outcome = "fault" if record.fault else "completed"
+    await ex.end(b"" if plan.no_done else wire.DONE, outcome)
+    return outcome
+
+
+async def _fire(ex: Exchange, plan: Plan, sse: wire.StreamWire, pacer: Pacer, fault: str) -> bool:
+    """Inject `fault`; return whether the stream goes on."""
+    if fault == "stall":
+        await pacer.pause(plan.stall)
+    elif fault == "malformed":
+        await ex.write(wire.MALFORMED_EVENT)
+    elif fault == "non_utf8":
+        await ex.write(sse.content(_NON_UTF8))
+    elif fault == "huge_event":
+        overhead = len(sse.content(b""))
+        await ex.write(sse.content(b"x" * max(0, plan.huge_bytes - overhead)))
+    elif fault in ("error_event", "error_string"):
+        event = wire.ERROR_EVENT if fault == "error_event" else wire.ERROR_STRING_EVENT
+        await ex.end(event if plan.no_done else event + wire.DONE, "fault")
+    elif fault == "close_no_done":
+        await ex.end(b"", "fault")
+    # "reset": send nothing more and leave the body unfinished.
+    return fault not in ENDING_FAULTS
+
+
+async def complete(
+    ex: Exchange, plan: Plan, pacer: Pacer, response_id: str, created: int
+) -> Outcome:
+    """The non-streamed response: all tokens' time passes, then one JSON body."""
+    chunks = -(-plan.output_tokens // plan.tokens_per_chunk)
+    await pacer.first()
+    for _ in range(chunks - 1):
+        await pacer.next()
+    ex.record.completion_tokens = plan.output_tokens
+    ex.record.finish_reason = plan.finish_reason
+    ex.record.first_token_at = time.monotonic()  # the tokens leave with the body
+    body = wire.full_completion(
+        plan.kind == "chat",
+        response_id,
+        created,
+        plan.model,
+        completion_text(plan.output_tokens),
+        plan.finish_reason,
+        _usage(plan, plan.output_tokens),
+    )
+    await ex.reply(200, body)
+    return "completed"
+
+
+def _usage(plan: Plan, completion_tokens: int) -> bytes:
+    return wire.usage_json(plan.prompt_tokens, completion_tokens, plan.cached_tokens)

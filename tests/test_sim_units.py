@@ -1,0 +1,268 @@
+"""The simulator's I/O-free parts: tokens, request plans, wire templates, config, CLI, state."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from proxy.sim import SimConfig, SimRequest, SimState, completion_text, errors, wire
+from proxy.sim.cli import parse
+from proxy.sim.controls import Plan, plan_request
+from proxy.sim.tokens import VOCAB, count_prompt_tokens, text_json
+
+# -- tokens ----------------------------------------------------------------------
+
+
+def test_completion_text_cycles_the_vocabulary() -> None:
+    assert completion_text(3) == VOCAB[0] + VOCAB[1] + VOCAB[2]
+    assert completion_text(2, start=len(VOCAB)) == completion_text(2)
+
+
+def test_vocabulary_has_multibyte_and_escaped_tokens() -> None:
+    widths = {len(ch.encode()) for token in VOCAB for ch in token}
+    assert {1, 3, 4} <= widths
+    assert any('"' in t for t in VOCAB) and any("\n" in t for t in VOCAB)
+
+
+@pytest.mark.parametrize("count", [1, 2, 5, 40])
+@pytest.mark.parametrize("start", [0, 7, 13])
+def test_text_json_is_the_json_escaped_text(count: int, start: int) -> None:
+    text = completion_text(count, start)
+    assert json.loads(b'"' + text_json(count, start) + b'"') == text
+
+
+@pytest.mark.parametrize(
+    ("body", "tokens"),
+    [
+        ({"messages": [{"role": "user", "content": "12345678"}]}, 2),
+        ({"messages": [{"role": "user", "content": "123456789"}]}, 3),
+        (
+            {
+                "messages": [
+                    {"role": "system", "content": "1234"},
+                    {"role": "user", "content": "5678"},
+                ]
+            },
+            2,
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": "12345"}, {"type": "image_url"}],
+                    }
+                ]
+            },
+            2,
+        ),
+        ({"messages": []}, 1),
+        ({"prompt": "1234"}, 1),
+        ({"prompt": ["1234", "5678"]}, 2),
+        ({"prompt": [1, 2, 3]}, 3),
+        ({"prompt": [[1, 2], [3]]}, 3),
+        ({"input": "12345678"}, 2),
+    ],
+)
+def test_prompt_tokens_are_a_quarter_of_the_characters(
+    body: dict[str, object], tokens: int
+) -> None:
+    assert count_prompt_tokens(body) == tokens
+
+
+# -- plans -----------------------------------------------------------------------
+
+CONFIG = SimConfig(ttft=0.5, tokens_per_second=10, output_tokens=20, max_model_len=100)
+BODY = {"model": "sim-model", "messages": [{"role": "user", "content": "x" * 40}]}
+
+
+def plan(body: object = BODY, **headers: str) -> Plan:
+    result = plan_request(
+        "chat", body, {k.replace("_", "-"): v for k, v in headers.items()}, CONFIG
+    )
+    assert isinstance(result, Plan), result
+    return result
+
+
+def error(body: object = BODY, **headers: str) -> errors.ErrorReply:
+    result = plan_request(
+        "chat", body, {k.replace("_", "-"): v for k, v in headers.items()}, CONFIG
+    )
+    assert isinstance(result, errors.ErrorReply), result
+    return result
+
+
+def test_plan_defaults_come_from_the_config() -> None:
+    p = plan()
+    assert (p.ttft, p.tokens_per_second, p.output_tokens, p.finish_reason) == (0.5, 10, 20, "stop")
+    assert (p.prompt_tokens, p.stream, p.include_usage, p.fault) == (10, False, False, None)
+
+
+def test_headers_override_the_config() -> None:
+    p = plan(x_sim_ttft="0.1", x_sim_tps="99", x_sim_output_tokens="3", x_sim_tokens_per_chunk="2")
+    assert (p.ttft, p.tokens_per_second, p.output_tokens, p.tokens_per_chunk) == (0.1, 99, 3, 2)
+
+
+def test_output_is_cut_to_what_the_context_has_left() -> None:
+    p = plan({**BODY, "messages": [{"role": "user", "content": "x" * 360}]})
+    assert (p.output_tokens, p.finish_reason) == (10, "length")
+
+
+def test_prompt_filling_the_context_is_vllms_400() -> None:
+    reply = error({**BODY, "messages": [{"role": "user", "content": "x" * 400}]})
+    assert reply.status == 400
+    assert b"However, you requested 100 tokens in the messages" in reply.body
+
+
+def test_forced_context_length_error_has_consistent_numbers() -> None:
+    body = json.loads(error(x_sim_error="context_length").body)
+    assert body["error"]["message"].startswith(
+        "This model's maximum context length is 100 tokens. However, you requested 101 tokens "
+        "(10 in the messages, 91 in the completion)."
+    )
+
+
+@pytest.mark.parametrize(
+    ("headers", "needle"),
+    [
+        ({"x_sim_ttft": "soon"}, "x-sim-ttft"),
+        ({"x_sim_tps": "0"}, "x-sim-tps"),
+        ({"x_sim_output_tokens": "-1"}, "x-sim-output-tokens"),
+        ({"x_sim_error": "nope"}, "x-sim-error"),
+        ({"x_sim_usage_mode": "sometimes"}, "x-sim-usage-mode"),
+    ],
+)
+def test_bad_control_headers_are_400s_naming_the_header(
+    headers: dict[str, str], needle: str
+) -> None:
+    reply = error(**headers)
+    assert reply.status == 400 and needle in json.loads(reply.body)["error"]["message"]
+
+
+@pytest.mark.parametrize("body", [[], {"model": "sim-model"}, {**BODY, "max_tokens": 0}])
+def test_malformed_requests_are_400s(body: object) -> None:
+    assert error(body).status == 400
+
+
+def test_cached_tokens_are_clamped_to_the_prompt() -> None:
+    assert plan(x_sim_cached_tokens="1000").cached_tokens == 10
+
+
+# -- wire ------------------------------------------------------------------------
+
+
+def event_json(event: bytes) -> dict[str, object]:
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+    result: dict[str, object] = json.loads(event[6:-2])
+    return result
+
+
+@pytest.mark.parametrize("chat", [True, False])
+@pytest.mark.parametrize("stamp", [True, False])
+def test_every_template_event_is_one_valid_json_event(chat: bool, stamp: bool) -> None:
+    sse = wire.StreamWire(chat, 'id"1', 1700000000, "m\\odel", stamp)
+    usage = wire.usage_json(3, 4, 2)
+    events = [
+        sse.role(),
+        sse.role(usage),
+        sse.content(text_json(5)),
+        sse.content(text_json(5), usage),
+        sse.finish("length"),
+        sse.finish("stop", usage),
+        sse.usage(usage),
+    ]
+    for event in events:
+        assert event.count(b"\n\n") == 1
+        data = event_json(event)
+        assert data["id"] == 'id"1' and data["model"] == "m\\odel" and data["created"] == 1700000000
+    assert (next(iter(event_json(events[2]))) == "sent_ns") is stamp
+    assert event_json(events[6])["usage"] == {
+        "prompt_tokens": 3,
+        "total_tokens": 7,
+        "completion_tokens": 4,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
+
+
+def test_error_event_is_vllms_shape() -> None:
+    error = event_json(wire.ERROR_EVENT)["error"]
+    assert isinstance(error, dict) and set(error) == {"message", "type", "param", "code"}
+
+
+def test_full_completion_is_valid_json_with_usage() -> None:
+    body = json.loads(
+        wire.full_completion(True, "c1", 1, "m", 'a"b', "stop", wire.usage_json(1, 2, None))
+    )
+    assert body["choices"][0]["message"]["content"] == 'a"b'
+    assert body["usage"] == {"prompt_tokens": 1, "total_tokens": 3, "completion_tokens": 2}
+
+
+# -- config and CLI --------------------------------------------------------------
+
+
+def test_config_rejects_nonsense() -> None:
+    with pytest.raises(ValueError, match="tokens_per_second"):
+        SimConfig(tokens_per_second=0)
+    with pytest.raises(ValueError, match="models"):
+        SimConfig(models=())
+
+
+def test_cli_reads_environment_and_flags_win() -> None:
+    environ = {
+        "TOKENPROBE_SIM_TTFT": "0.2",
+        "TOKENPROBE_SIM_TPS": "80",
+        "TOKENPROBE_SIM_MODEL": "a, b",
+        "TOKENPROBE_SIM_STAMP": "true",
+        "TOKENPROBE_SIM_PORT": "9000",
+    }
+    config, args = parse(["--tps", "90", "--step-ms", "15"], environ)
+    assert config.ttft == 0.2 and config.tokens_per_second == 90 and config.step_ms == 15
+    assert config.models == ("a", "b") and config.stamp is True
+    assert (args.host, args.port) == ("127.0.0.1", 9000)
+    config, _ = parse(["--model", "x", "--model", "y", "--api-key", "k"], environ)
+    assert config.models == ("x", "y") and config.api_key == "k"
+
+
+def test_cli_names_the_bad_environment_variable(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse([], {"TOKENPROBE_SIM_TTFT": "soon"})
+    assert "TOKENPROBE_SIM_TTFT" in capsys.readouterr().err
+
+
+# -- state -----------------------------------------------------------------------
+
+
+def record() -> SimRequest:
+    return SimRequest("r1", "/v1/x", "POST", {"authorization": "Bearer k"}, None, time.monotonic())
+
+
+def test_wait_for_wakes_on_a_lifecycle_step_from_another_thread() -> None:
+    state = SimState()
+    r = record()
+    state.begin(r)
+    timer = threading.Timer(0.05, state.end, (r, "completed"))
+    timer.start()
+    t0 = time.monotonic()
+    assert state.wait_for(lambda: r.outcome == "completed", timeout=2)
+    assert time.monotonic() - t0 < 1
+    assert state.active == 0 and state.max_active == 1
+
+
+def test_wait_for_returns_false_on_timeout() -> None:
+    assert SimState().wait_for(lambda: False, timeout=0.05) is False
+
+
+def test_state_keeps_at_most_max_records_and_resets() -> None:
+    state = SimState(max_records=2)
+    for _ in range(3):
+        state.begin(record())
+    assert len(state.requests()) == 2 and state.total == 3
+    state.reset()
+    assert state.requests() == [] and state.last() is None and state.active == 3
+
+
+def test_record_json_masks_the_authorization_header() -> None:
+    assert record().to_json()["headers"] == {"authorization": "***"}
