@@ -1,0 +1,160 @@
+"""What the requests cost: a price table, and a sink that turns each record into spend.
+
+Prices are per million tokens, in the table's currency. For one request:
+
+  input         (prompt_tokens - cached_prompt_tokens) * input
+  cached_input  cached_prompt_tokens * cached_input
+  output        output_tokens * output
+
+Cached prompt tokens are a part of the prompt tokens (OpenAI's
+`usage.prompt_tokens_details.cached_tokens`), so they are billed at the cached price
+only, never also at the input price. A count the proxy does not know (None) costs
+nothing; models missing from the table cost nothing and never become a label value,
+so the `model` label stays bounded by the table.
+
+The table file, YAML or JSON:
+
+  currency: USD            # optional, default USD
+  models:
+    my-model: {input: 0.5, cached_input: 0.25, output: 1.5}   # cached_input optional
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from prometheus_client import CollectorRegistry, Counter
+
+from proxy.measurement import Measurement
+
+PER_TOKENS = 1_000_000
+_PRICE_KEYS = ("input", "cached_input", "output")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelPrice:
+    """Prices of one model, per million tokens."""
+
+    input: float
+    cached_input: float
+    output: float
+
+
+@dataclass(frozen=True, slots=True)
+class PriceTable:
+    currency: str
+    models: Mapping[str, ModelPrice]
+
+    def get(self, model: str) -> ModelPrice | None:
+        return self.models.get(model)
+
+
+def load_prices(path: str | Path) -> PriceTable:
+    """Read a price table; ValueError naming the file and the offending key if it is wrong."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+        data: Any = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:  # UnicodeDecodeError is a ValueError
+        raise ValueError(f"{path}: not valid {_format(path)}: {exc}") from None
+    return parse_prices(data, source=str(path))
+
+
+def parse_prices(data: Any, source: str = "<prices>") -> PriceTable:
+    """Build a PriceTable from already-parsed data; `source` names it in errors."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: expected a mapping with 'models', got {_kind(data)}")
+    unknown = sorted(set(data) - {"currency", "models"})
+    if unknown:
+        raise ValueError(f"{source}: unknown key {unknown[0]!r} (expected currency, models)")
+    currency = data.get("currency", "USD")
+    if not isinstance(currency, str) or not currency.strip():
+        raise ValueError(f"{source}: currency: expected a non-empty string, got {currency!r}")
+    models = data.get("models")
+    if not isinstance(models, dict):
+        raise ValueError(f"{source}: models: expected a mapping of model name to prices")
+    table: dict[str, ModelPrice] = {}
+    for name, prices in models.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{source}: models: model names must be non-empty strings")
+        table[name] = _parse_model(prices, f"{source}: models.{name}")
+    return PriceTable(currency=currency.strip(), models=table)
+
+
+def _parse_model(prices: Any, where: str) -> ModelPrice:
+    if not isinstance(prices, dict):
+        raise ValueError(f"{where}: expected a mapping of input/cached_input/output prices")
+    unknown = sorted(set(prices) - set(_PRICE_KEYS))
+    if unknown:
+        # A typo such as "ouput" must not silently make a model's output free.
+        raise ValueError(f"{where}.{unknown[0]}: unknown price key (expected {_PRICE_KEYS})")
+    for key in ("input", "output"):
+        if key not in prices:
+            raise ValueError(f"{where}.{key}: missing (price per million tokens)")
+    values = {key: _price(prices[key], f"{where}.{key}") for key in prices}
+    return ModelPrice(
+        input=values["input"],
+        cached_input=values.get("cached_input", values["input"]),
+        output=values["output"],
+    )
+
+
+def _price(value: Any, where: str) -> float:
+    # bool is an int subclass: `output: yes` is a mistake, not a price of 1.
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{where}: expected a number (per million tokens), got {value!r}")
+    price = float(value)
+    if not math.isfinite(price) or price < 0:
+        raise ValueError(f"{where}: expected a finite price >= 0, got {value!r}")
+    return price
+
+
+def _format(path: Path) -> str:
+    return "JSON" if path.suffix == ".json" else "YAML"
+
+
+def _kind(value: Any) -> str:
+    return "nothing" if value is None else type(value).__name__
+
+
+class CostSink:
+    """Adds each request's spend to `tokenprobe_cost_total{model, kind}`."""
+
+    def __init__(self, prices: PriceTable, registry: CollectorRegistry) -> None:
+        self.prices = prices
+        counter = Counter(
+            "tokenprobe_cost",
+            "Spend on requests, in the price table's currency, from the token counts the "
+            "proxy recorded when each request ended. kind: input (uncached prompt tokens), "
+            "cached_input (cached prompt tokens), output (generated tokens).",
+            ["model", "kind"],
+            registry=registry,
+        )
+        # Children resolved once: every priced model's series exists (at 0) from the start,
+        # so a rate() over it reads 0 rather than "no data" before its first request.
+        self._children = {
+            model: tuple(counter.labels(model=model, kind=kind) for kind in _PRICE_KEYS)
+            for model in prices.models
+        }
+
+    def record(self, m: Measurement) -> None:
+        price = self.prices.get(m.model)
+        if price is None:
+            return
+        input_child, cached_child, output_child = self._children[m.model]
+        cached = max(m.cached_prompt_tokens or 0, 0)
+        prompt = max(m.prompt_tokens or 0, 0)
+        uncached = max(prompt - cached, 0)
+        output = max(m.output_tokens or 0, 0)
+        if uncached:
+            input_child.inc(uncached * price.input / PER_TOKENS)
+        if cached:
+            cached_child.inc(cached * price.cached_input / PER_TOKENS)
+        if output:
+            output_child.inc(output * price.output / PER_TOKENS)

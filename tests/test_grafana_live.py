@@ -1,0 +1,479 @@
+"""Every dashboard expression, and every rule, evaluated on a real Prometheus ("no dead panels").
+
+Two sources of metrics:
+
+1. `ContractExporter`: a registry exporting exactly the metric names, labels and bucket
+   boundaries the proxy promises (and vLLM's own), fed with traffic of every outcome.
+   It runs today and pins the dashboards and rules to that contract: a renamed metric,
+   a wrong label or an `le` that is not a bucket boundary leaves a panel or rule empty.
+2. The real proxy in front of the simulator, as processes on loopback: skipped until
+   `proxy.app` exists (see `test_no_dead_panels_with_the_proxy_in_front_of_the_simulator`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_asgi_app
+
+from proxy.cost import CostSink, parse_prices
+from proxy.measurement import Measurement, TokenSource
+from tests.prom import Prometheus, finite_values, require_binary
+from tests.servers import ThreadedServer, free_port
+from tests.test_grafana import DASHBOARDS, ROOT, iter_targets, load, substitute
+
+RULE_FILES = sorted((ROOT / "deploy" / "prometheus" / "rules").glob("*.yaml"))
+MODELS = ("llama", "qwen")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+
+# vLLM's bucket boundaries, which the proxy mirrors.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]  # fmt: skip
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0]  # fmt: skip
+E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
+TOKEN_BUCKETS = [m * 10**e for e in range(6) for m in (1, 2, 5)]
+SPEED_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000]
+
+#: (code, finish_reason, error_type); successes repeated so they dominate, as in life.
+OUTCOMES = [("200", "stop", "none")] * 6 + [
+    ("200", "length", "none"),
+    ("200", "tool_calls", "none"),
+    ("401", "none", "auth"),
+    ("400", "none", "context_length"),
+    ("429", "none", "rate_limit"),
+    ("400", "none", "bad_request"),
+    ("404", "none", "not_found"),
+    ("502", "none", "upstream_error"),
+    ("502", "none", "upstream_unreachable"),
+    ("504", "none", "upstream_timeout"),
+    ("200", "none", "stream_error"),
+    ("200", "none", "stream_truncated"),
+    ("200", "none", "client_cancelled"),
+]
+
+
+class ContractExporter:
+    """The proxy's metric contract in a registry, fed by a thread until `stop()`."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        me, vl = ["model", "endpoint"], ["model_name", "engine"]
+
+        def hist(name: str, buckets: list[float], labels: list[str] = me) -> Histogram:
+            return Histogram(name, "", labels, buckets=buckets, registry=r)
+
+        def counter(name: str, labels: list[str]) -> Counter:
+            return Counter(name, "", labels, registry=r)
+
+        def gauge(name: str, labels: list[str]) -> Gauge:
+            return Gauge(name, "", labels, registry=r)
+
+        self.ttfb = hist("tokenprobe_time_to_first_byte_seconds", TTFT_BUCKETS)
+        self.ttft = hist("tokenprobe_time_to_first_token_seconds", TTFT_BUCKETS)
+        self.itl = hist("tokenprobe_inter_token_latency_seconds", ITL_BUCKETS)
+        self.tpot = hist("tokenprobe_request_time_per_output_token_seconds", ITL_BUCKETS)
+        self.speed = hist("tokenprobe_request_decode_tokens_per_second", SPEED_BUCKETS)
+        self.e2e = hist("tokenprobe_e2e_request_latency_seconds", E2E_BUCKETS)
+        self.prompt = hist("tokenprobe_request_prompt_tokens", TOKEN_BUCKETS)
+        self.generation = hist("tokenprobe_request_generation_tokens", TOKEN_BUCKETS)
+        self.requests = counter("tokenprobe_requests", [*me, "code", "finish_reason", "error_type"])
+        self.prompt_total = counter("tokenprobe_prompt_tokens", [*me, "source"])
+        self.generation_total = counter("tokenprobe_generation_tokens", [*me, "source"])
+        self.cached_total = counter("tokenprobe_cached_prompt_tokens", me)
+        self.in_flight = gauge("tokenprobe_requests_in_flight", me)
+        self.failures = counter("tokenprobe_measurement_failures", ["stage"])
+        self.passthrough = counter("tokenprobe_passthrough_requests", ["route", "code"])
+        prices = {m: {"input": 0.5, "cached_input": 0.25, "output": 1.5} for m in MODELS}
+        self.cost = CostSink(parse_prices({"models": prices}), r)
+        self.vllm_ttft = hist("vllm:time_to_first_token_seconds", TTFT_BUCKETS, vl)
+        self.vllm_itl = hist("vllm:inter_token_latency_seconds", ITL_BUCKETS, vl)
+        self.vllm_e2e = hist("vllm:e2e_request_latency_seconds", E2E_BUCKETS, vl)
+        self.vllm_running = gauge("vllm:num_requests_running", vl)
+        self.vllm_waiting = gauge("vllm:num_requests_waiting", vl)
+        self.vllm_kv = gauge("vllm:kv_cache_usage_perc", vl)
+        self._rng = random.Random(4)
+        self._n = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> ContractExporter:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self.feed_once()
+
+    def feed_once(self) -> None:
+        rng, n = self._rng, self._n
+        self._n += 1
+        model, endpoint = MODELS[n % 2], ENDPOINTS[(n // 2) % 2]
+        code, finish_reason, error_type = OUTCOMES[n % len(OUTCOMES)]
+        labels = {"model": model, "endpoint": endpoint}
+        trace = {"trace_id": f"{rng.getrandbits(128):032x}"}
+        self.requests.labels(
+            **labels, code=code, finish_reason=finish_reason, error_type=error_type
+        ).inc()
+        self.in_flight.labels(**labels).set(rng.randint(0, 8))
+        self.passthrough.labels(route="/v1/models", code="200").inc()
+        if n % 50 == 0:
+            self.failures.labels(stage="observe").inc()
+        if error_type not in ("none", "stream_error", "stream_truncated", "client_cancelled"):
+            self.e2e.labels(**labels).observe(rng.uniform(0.001, 0.05), exemplar=trace)
+            return
+        output, prompt, cached = rng.randint(2, 800), rng.randint(10, 4000), rng.randint(0, 8) * 16
+        ttft, tpot = rng.lognormvariate(-1.5, 0.8), rng.uniform(0.01, 0.08)
+        self.ttfb.labels(**labels).observe(ttft * 0.3)
+        self.ttft.labels(**labels).observe(ttft, exemplar=trace)
+        self.tpot.labels(**labels).observe(tpot, exemplar=trace)
+        for _ in range(5):
+            self.itl.labels(**labels).observe(max(0.0, rng.gauss(tpot, tpot / 3)))
+        self.speed.labels(**labels).observe(1 / tpot)
+        e2e = ttft + tpot * (output - 1)
+        self.e2e.labels(**labels).observe(e2e, exemplar=trace)
+        self.prompt.labels(**labels).observe(prompt)
+        self.generation.labels(**labels).observe(output)
+        source = ("usage", "tokenizer", "chunks")[n % 3]
+        self.prompt_total.labels(**labels, source=source).inc(prompt)
+        self.generation_total.labels(**labels, source=source).inc(output)
+        self.cached_total.labels(**labels).inc(cached)
+        self.cost.record(_measurement(model, endpoint, prompt, output, cached, e2e, finish_reason))
+        vllm = {"model_name": model, "engine": "0"}
+        self.vllm_ttft.labels(**vllm).observe(ttft * 0.9)
+        self.vllm_itl.labels(**vllm).observe(tpot * 0.95)
+        self.vllm_e2e.labels(**vllm).observe(e2e * 0.97)
+        self.vllm_running.labels(**vllm).set(rng.randint(0, 32))
+        self.vllm_waiting.labels(**vllm).set(rng.randint(0, 4))
+        self.vllm_kv.labels(**vllm).set(rng.random())
+
+
+def _measurement(
+    model: str, endpoint: str, prompt: int, output: int, cached: int, e2e: float, finish: str
+) -> Measurement:
+    return Measurement(
+        endpoint=endpoint,
+        model=model,
+        stream=True,
+        status_code=200,
+        started_at=time.time(),
+        ttfb=None,
+        ttft=None,
+        tpot=None,
+        decode_tokens_per_second=None,
+        e2e=e2e,
+        inter_token_latencies=(),
+        prompt_tokens=prompt,
+        output_tokens=output,
+        cached_prompt_tokens=cached,
+        token_source=TokenSource.USAGE,
+        content_events=output,
+        finish_reason=finish,
+        error_type=None,
+    )
+
+
+def _with_lifespan(app: Any) -> Any:
+    """prometheus_client's ASGI app refuses lifespan events; uvicorn runs with lifespan on."""
+
+    async def wrapped(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "lifespan":
+            return await app(scope, receive, send)
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+
+    return wrapped
+
+
+@pytest.fixture(scope="module")
+def contract_prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
+    require_binary("prometheus")
+    exporter = ContractExporter()
+    server = ThreadedServer(_with_lifespan(make_asgi_app(exporter.registry))).start()
+    exporter.start()
+    prom = Prometheus(
+        tmp_path_factory.mktemp("prometheus"),
+        {"tokenprobe": [f"127.0.0.1:{server.port}"]},
+        rule_files=RULE_FILES,
+    )
+    try:
+        prom.start()
+        prom.wait_for_targets_up()
+        prom.wait_for("sum(rate(tokenprobe_requests_total[1m])) > 0")
+        # Recording rules run every second; alerts read them in the next evaluation.
+        prom.wait_for('count({__name__=~".+:.+:.+", __name__!~"vllm:.*"})', timeout=20)
+        time.sleep(2)
+        yield prom
+    finally:
+        prom.stop()
+        exporter.stop()
+        server.stop()
+
+
+def _targets() -> list[tuple[str, str]]:
+    found = []
+    for path in DASHBOARDS:
+        for panel, target in iter_targets(load(path)):
+            found.append((f"{path.stem}: {panel['title']} [{target['refId']}]", target["expr"]))
+    return found
+
+
+TARGETS = _targets()
+
+
+@pytest.mark.parametrize(("where", "expr"), TARGETS, ids=[w for w, _ in TARGETS])
+def test_panel_returns_data_from_the_metric_contract(
+    contract_prometheus: Prometheus, where: str, expr: str
+) -> None:
+    result = contract_prometheus.query(substitute(expr))
+    assert finite_values(result), f"{where}: no finite value from {substitute(expr)!r}: {result}"
+
+
+def _rule_names(kind: str) -> list[str]:
+    names = []
+    for path in RULE_FILES:
+        for group in yaml.safe_load(path.read_text())["groups"]:
+            names.extend(rule[kind] for rule in group["rules"] if kind in rule)
+    return sorted(set(names))
+
+
+@pytest.mark.parametrize("record", _rule_names("record"))
+def test_recording_rule_has_data(contract_prometheus: Prometheus, record: str) -> None:
+    result = contract_prometheus.wait_for(record, finite_values, timeout=10)
+    assert finite_values(result)
+
+
+def test_rules_evaluate_without_errors(contract_prometheus: Prometheus) -> None:
+    groups = contract_prometheus.rule_groups()
+    rules = [rule for group in groups for rule in group["rules"]]
+    assert {r["name"] for r in rules} >= set(_rule_names("record")) | set(_rule_names("alert"))
+    broken = [(r["name"], r.get("lastError")) for r in rules if r.get("health") != "ok"]
+    assert not broken, broken
+
+
+def test_latency_exemplars_carry_a_trace_id(contract_prometheus: Prometheus) -> None:
+    expr = substitute(
+        'histogram_quantile(0.95, sum by (le) (rate(tokenprobe_time_to_first_token_seconds_bucket{model=~"$model"}[$__rate_interval])))'
+    )
+    now = time.time()
+    series = contract_prometheus.query_exemplars(expr, now - 120, now + 1)
+    trace_ids = [e["labels"].get("trace_id", "") for s in series for e in s["exemplars"]]
+    assert trace_ids and all(re.fullmatch(r"[0-9a-f]{32}", t) for t in trace_ids), series[:1]
+
+
+# --- The real thing: proxy processes in front of the simulator ---------------------------
+
+#: scenario -> (x-sim-* request headers, request shapes, the error_type the proxy must record);
+#: shapes: "all" of SHAPES, "stream" (faults inside a 200 stream), "one" (slow: a timeout).
+SCENARIOS: dict[str, tuple[dict[str, str], str, str]] = {
+    "ok": ({}, "all", "none"),
+    "length": ({"x-sim-finish-reason": "length"}, "all", "none"),
+    "auth": ({"x-sim-error": "auth"}, "all", "auth"),
+    "context_length": ({"x-sim-error": "context_length"}, "all", "context_length"),
+    "rate_limit": ({"x-sim-error": "rate_limit"}, "all", "rate_limit"),
+    "bad_request": ({"x-sim-error": "bad_request"}, "all", "bad_request"),
+    "not_found": ({"x-sim-error": "not_found"}, "all", "not_found"),
+    "upstream_error": ({"x-sim-error": "server_error"}, "all", "upstream_error"),
+    "upstream_timeout": ({"x-sim-stall-before-headers": "2"}, "one", "upstream_timeout"),
+    "stream_error": ({"x-sim-fault": "error_event", "x-sim-fault-after": "2"}, "stream", "stream_error"),
+    "stream_truncated": ({"x-sim-fault": "close_no_done", "x-sim-fault-after": "2"}, "stream", "stream_truncated"),
+}  # fmt: skip
+#: (endpoint, stream, stream_options.include_usage)
+SHAPES = [
+    ("/v1/chat/completions", True, True),
+    ("/v1/chat/completions", True, False),
+    ("/v1/chat/completions", False, False),
+    ("/v1/completions", True, True),
+    ("/v1/completions", False, False),
+]
+#: Besides the scenarios: the client leaving mid-stream, and a proxy whose upstream is closed.
+OTHER_ERRORS = {"client_cancelled", "upstream_unreachable"}
+FIRST_BYTE_TIMEOUT = "1"  # below the upstream_timeout scenario's stall
+
+
+def is_vllm(expr: str) -> bool:
+    return re.search(r"\bvllm[:_\[]", expr) is not None
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "proxy", *args]
+
+
+@contextlib.contextmanager
+def _process(args: list[str], url: str, log: Path, ready_path: str) -> Iterator[None]:
+    with log.open("wb") as out:
+        process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"{args} exited:\n{log.read_text(errors='replace')[-3000:]}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(url + ready_path, timeout=1).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url}{ready_path} not 200 after 30 s")
+            time.sleep(0.1)
+        yield
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=40)  # the proxy drains first
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _request(
+    client: httpx.Client,
+    url: str,
+    model: str,
+    endpoint: str,
+    stream: bool,
+    usage: bool,
+    headers: dict[str, str],
+) -> None:
+    body: dict[str, Any] = {"model": model, "stream": stream, "max_tokens": 16}
+    if endpoint == "/v1/chat/completions":
+        body["messages"] = [{"role": "user", "content": "hello"}]
+    else:
+        body["prompt"] = "hello"
+    if stream and usage:
+        body["stream_options"] = {"include_usage": True}
+    with client.stream("POST", url + endpoint, json=body, headers=headers) as response:
+        response.read()
+
+
+def _drive_traffic(proxy: str, dead_proxy: str, model: str) -> None:
+    with httpx.Client(timeout=30) as client:
+        for headers, shapes, _ in SCENARIOS.values():
+            chosen = {"all": SHAPES, "stream": [s for s in SHAPES if s[1]], "one": SHAPES[:1]}
+            for endpoint, stream, usage in chosen[shapes]:
+                _request(client, proxy, model, endpoint, stream, usage, headers)
+        for _ in range(3):  # the client goes away after the first chunk of a long answer
+            body = {
+                "model": model,
+                "stream": True,
+                "max_tokens": 2000,
+                "messages": [{"role": "user", "content": "a long answer please"}],
+            }
+            with client.stream(
+                "POST",
+                proxy + "/v1/chat/completions",
+                json=body,
+                headers={"x-sim-output-tokens": "2000", "x-sim-tps": "50"},
+            ) as response:
+                next(response.iter_raw(), None)
+        client.get(proxy + "/v1/models")  # an unmeasured route, passed through
+        for _ in range(3):
+            client.post(dead_proxy + "/v1/chat/completions", json={"model": model, "messages": []})
+
+
+@pytest.fixture(scope="module")
+def proxy_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
+    """`tokenprobe sim`, a proxy in front of it, one in front of a closed port, Prometheus."""
+    pytest.importorskip("proxy.app", reason="proxy.app is not written yet")
+    require_binary("prometheus")
+    tmp = tmp_path_factory.mktemp("stack")
+    sim_port, proxy_port, dead_port, closed_port = (free_port() for _ in range(4))
+    sim, proxy, dead = (f"http://127.0.0.1:{p}" for p in (sim_port, proxy_port, dead_port))
+    sim_args = _cli(
+        "sim",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(sim_port),
+        "--ttft",
+        "0.01",
+        "--tps",
+        "2000",
+        "--output-tokens",
+        "24",
+    )
+    with _process(sim_args, sim, tmp / "sim.log", "/v1/models"):
+        model = httpx.get(sim + "/v1/models").json()["data"][0]["id"]
+        prices = tmp / "prices.yaml"
+        prices.write_text(yaml.safe_dump({"models": {model: {"input": 1, "output": 2}}}))
+
+        def serve(port: int, upstream: str) -> list[str]:
+            return _cli(
+                "serve",
+                "--upstream",
+                upstream,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--prices",
+                str(prices),
+                "--first-byte-timeout",
+                FIRST_BYTE_TIMEOUT,
+                "--access-log",
+                "off",
+            )
+
+        with (
+            _process(serve(proxy_port, sim), proxy, tmp / "proxy.log", "/readyz"),
+            _process(
+                serve(dead_port, f"http://127.0.0.1:{closed_port}"),
+                dead,
+                tmp / "dead.log",
+                "/healthz",
+            ),
+            Prometheus(
+                tmp,
+                {
+                    "tokenprobe": [f"127.0.0.1:{proxy_port}", f"127.0.0.1:{dead_port}"],
+                    "vllm": [f"127.0.0.1:{sim_port}"],
+                },
+                rule_files=RULE_FILES,
+            ) as prom,
+        ):
+            prom.wait_for('up{job="tokenprobe"} == 1', lambda r: len(r) == 2)
+            _drive_traffic(proxy, dead, model)
+            time.sleep(2.5)  # scrapes between the two rounds: rate() needs an increase
+            _drive_traffic(proxy, dead, model)
+            prom.wait_for("sum(rate(tokenprobe_requests_total[1m])) > 0")
+            time.sleep(2.5)  # the last requests scraped, the rules evaluated
+            yield prom
+
+
+def test_the_proxy_records_every_error_type_the_stack_produces(proxy_stack: Prometheus) -> None:
+    result = proxy_stack.query("sum by (error_type) (tokenprobe_requests_total)")
+    seen = {sample["metric"]["error_type"] for sample in result}
+    expected = {error for _, _, error in SCENARIOS.values()} | OTHER_ERRORS
+    assert expected <= seen, f"never recorded: {sorted(expected - seen)}"
+
+
+def test_no_dead_panels_with_the_proxy_in_front_of_the_simulator(proxy_stack: Prometheus) -> None:
+    vllm_scraped = bool(proxy_stack.query('count({__name__=~"vllm[:_].+"})'))
+    dead = []
+    for where, expr in TARGETS:
+        if is_vllm(expr) and not vllm_scraped:
+            continue  # the vLLM row is empty without vLLM, as its panels say
+        if not finite_values(proxy_stack.query(substitute(expr))):
+            dead.append(f"{where}: {substitute(expr)}")
+    assert not dead, "panels without data:\n" + "\n".join(dead)
+
+
+def test_recording_rules_have_data_from_the_proxy(proxy_stack: Prometheus) -> None:
+    empty = [name for name in _rule_names("record") if not finite_values(proxy_stack.query(name))]
+    assert not empty, empty
