@@ -59,12 +59,22 @@ def raw_request(port: int, payload: bytes) -> socket.socket:
     [
         ("before first byte", {"x-sim-stall-before-headers": "5"}, True, 0.3),
         ("before first token", {"x-sim-ttft": "5"}, True, 0.3),
-        ("mid-stream", {"x-sim-ttft": "0.05", "x-sim-tps": "20", "x-sim-output-tokens": "500"}, True, 0.4),  # fmt: skip
+        (
+            "mid-stream",
+            {"x-sim-ttft": "0.05", "x-sim-tps": "20", "x-sim-output-tokens": "500"},
+            True,
+            0.4,
+        ),
         ("non-streaming wait", {"x-sim-ttft": "5"}, False, 0.3),
     ],
 )
 def test_client_disconnect_cancels_upstream_within_100ms(
-    sim: Running, proxy: ProxyUnderTest, phase: str, headers: dict[str, str], stream: bool, wait: float
+    sim: Running,
+    proxy: ProxyUnderTest,
+    phase: str,
+    headers: dict[str, str],
+    stream: bool,
+    wait: float,
 ) -> None:
     baseline = proxy_tasks(proxy)
     body = {**BODY, "stream": stream}
@@ -74,7 +84,7 @@ def test_client_disconnect_cancels_upstream_within_100ms(
     extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
     sock = raw_request(
         proxy.server.port,
-        f"POST {CHAT} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n{extra}content-length: {len(payload)}\r\n\r\n".encode()  # fmt: skip
+        f"POST {CHAT} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n{extra}content-length: {len(payload)}\r\n\r\n".encode()
         + payload,
     )
     time.sleep(wait)
@@ -86,13 +96,26 @@ def test_client_disconnect_cancels_upstream_within_100ms(
     assert state.last().aborted_at - closed < 0.1, phase  # type: ignore[union-attr,operator]
     wait_records(proxy, 1)
     assert proxy.records[0].error_type is ErrorType.CLIENT_CANCELLED
-    assert proxy.sample("tokenprobe_requests_total", model=MODEL, endpoint=CHAT, code=str(proxy.records[0].status_code), finish_reason="none", error_type="client_cancelled") == 1  # fmt: skip
+    assert (
+        proxy.sample(
+            "tokenprobe_requests_total",
+            model=MODEL,
+            endpoint=CHAT,
+            code=str(proxy.records[0].status_code),
+            finish_reason="none",
+            error_type="client_cancelled",
+        )
+        == 1
+    )
     settle(sim, proxy, baseline)
 
 
 def test_client_disconnect_while_sending_the_body(sim: Running, proxy: ProxyUnderTest) -> None:
     baseline = proxy_tasks(proxy)
-    sock = raw_request(proxy.server.port, f"POST {CHAT} HTTP/1.1\r\nhost: x\r\ncontent-length: 5000\r\n\r\n{{\"model\": ".encode())  # fmt: skip
+    sock = raw_request(
+        proxy.server.port,
+        f'POST {CHAT} HTTP/1.1\r\nhost: x\r\ncontent-length: 5000\r\n\r\n{{"model": '.encode(),
+    )
     time.sleep(0.2)
     sock.close()
     wait_records(proxy, 1)
@@ -120,8 +143,17 @@ def test_stream_faults_relay_the_bytes_and_are_measured(
 ) -> None:
     import hashlib
 
-    headers = {"x-sim-fault": fault, "x-sim-fault-after": "3", "x-sim-huge-bytes": str(6 * 1024 * 1024)}  # fmt: skip
-    received = httpx.post(proxy.url + CHAT, json={**BODY, "stream_options": {"include_usage": True}}, headers=headers, timeout=30).content  # fmt: skip
+    headers = {
+        "x-sim-fault": fault,
+        "x-sim-fault-after": "3",
+        "x-sim-huge-bytes": str(6 * 1024 * 1024),
+    }
+    received = httpx.post(
+        proxy.url + CHAT,
+        json={**BODY, "stream_options": {"include_usage": True}},
+        headers=headers,
+        timeout=30,
+    ).content
     sent = sim.app.state.last()
     assert sent is not None and sent.body_sha256 == hashlib.sha256(received).hexdigest()
     wait_records(proxy, 1)
@@ -129,7 +161,9 @@ def test_stream_faults_relay_the_bytes_and_are_measured(
     assert httpx.get(proxy.url + "/healthz").status_code == 200
 
 
-def test_html_error_page_from_a_load_balancer_is_relayed_and_classified(sim: Running, proxy: ProxyUnderTest) -> None:  # fmt: skip
+def test_html_error_page_from_a_load_balancer_is_relayed_and_classified(
+    sim: Running, proxy: ProxyUnderTest
+) -> None:
     reply = httpx.post(proxy.url + CHAT, json=BODY, headers={"x-sim-error": "html_502"})
     assert reply.status_code == 502 and reply.headers["content-type"].startswith("text/html")
     wait_records(proxy, 1)
@@ -154,14 +188,29 @@ def test_memory_returns_to_baseline_after_huge_events(sim: Running) -> None:
 
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "proxy", "serve", "--upstream", sim.url, "--port", str(port), "--access-log", "off"],  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "proxy",
+            "serve",
+            "--upstream",
+            sim.url,
+            "--port",
+            str(port),
+            "--access-log",
+            "off",
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     base = f"http://127.0.0.1:{port}"
     try:
         wait_http(base + "/healthz")
-        headers = {"x-sim-fault": "huge_event", "x-sim-fault-after": "2", "x-sim-huge-bytes": str(6 * 1024 * 1024)}  # fmt: skip
+        headers = {
+            "x-sim-fault": "huge_event",
+            "x-sim-fault-after": "2",
+            "x-sim-huge-bytes": str(6 * 1024 * 1024),
+        }
         with httpx.Client(timeout=30) as client:
             for _ in range(3):  # warm-up: imports, pools, first allocations
                 client.post(base + CHAT, json=BODY, headers=headers)
@@ -203,16 +252,24 @@ def test_bad_client_bodies_are_forwarded_and_never_crash_the_proxy(
 
 def test_huge_headers_get_431_and_are_not_forwarded(sim: Running, proxy: ProxyUnderTest) -> None:
     reply = httpx.post(proxy.url + CHAT, json=BODY, headers={"x-big": "a" * 2_000_000})
-    assert reply.status_code == 431 and reply.json()["error"]["type"] == "request_header_fields_too_large"  # fmt: skip
+    assert (
+        reply.status_code == 431
+        and reply.json()["error"]["type"] == "request_header_fields_too_large"
+    )
     assert sim.app.state.last() is None
     wait_records(proxy, 1)
     assert proxy.records[0].error_type is ErrorType.BAD_REQUEST
     assert httpx.get(proxy.url + "/healthz").status_code == 200
 
 
-def test_slowloris_body_is_cut_off_by_the_body_timeout(sim: Running, start_proxy: Callable[..., ProxyUnderTest]) -> None:  # fmt: skip
+def test_slowloris_body_is_cut_off_by_the_body_timeout(
+    sim: Running, start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
     proxy = start_proxy(sim.url, body_timeout=0.5)
-    sock = raw_request(proxy.server.port, f"POST {CHAT} HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{{".encode())  # fmt: skip
+    sock = raw_request(
+        proxy.server.port,
+        f"POST {CHAT} HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{{".encode(),
+    )
     sock.settimeout(3)
     started = time.monotonic()
     reply = sock.recv(4096)
@@ -223,7 +280,10 @@ def test_slowloris_body_is_cut_off_by_the_body_timeout(sim: Running, start_proxy
 
 def test_paths_outside_v1_are_not_forwarded(sim: Running, proxy: ProxyUnderTest) -> None:
     for path in ("/", "/admin", "/v2/chat/completions", "/v1", "/../v1/models", "/v1/../admin"):
-        sock = raw_request(proxy.server.port, f"GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n".encode())  # fmt: skip
+        sock = raw_request(
+            proxy.server.port,
+            f"GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n".encode(),
+        )
         sock.settimeout(3)
         assert sock.recv(4096).startswith(b"HTTP/1.1 404"), path
         sock.close()

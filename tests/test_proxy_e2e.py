@@ -18,7 +18,12 @@ CHAT = "/v1/chat/completions"
 
 
 def chat(stream: bool = True, **extra: object) -> dict[str, object]:
-    return {"model": MODEL, "stream": stream, "messages": [{"role": "user", "content": "hello there"}], **extra}  # fmt: skip
+    return {
+        "model": MODEL,
+        "stream": stream,
+        "messages": [{"role": "user", "content": "hello there"}],
+        **extra,
+    }
 
 
 def wait_records(proxy: ProxyUnderTest, n: int, timeout: float = 5.0) -> None:
@@ -50,7 +55,9 @@ def test_client_receives_exactly_the_bytes_the_backend_sent(
     assert sent.body_sha256 == hashlib.sha256(received).hexdigest()
 
 
-def test_openai_sdk_sees_the_same_stream_direct_and_proxied(sim: Running, proxy: ProxyUnderTest) -> None:
+def test_openai_sdk_sees_the_same_stream_direct_and_proxied(
+    sim: Running, proxy: ProxyUnderTest
+) -> None:
     def collect(base: str) -> tuple[list[str], str | None]:
         client = openai.OpenAI(base_url=base + "/v1", api_key="sk-test", max_retries=0)
         pieces, finish = [], None
@@ -68,7 +75,9 @@ def test_openai_sdk_sees_the_same_stream_direct_and_proxied(sim: Running, proxy:
 
 def test_openai_sdk_non_streaming_and_completions_through_proxy(proxy: ProxyUnderTest) -> None:
     client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-test", max_retries=0)
-    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}]
+    )
     assert reply.choices[0].message.content and reply.usage is not None
     text = client.completions.create(model=MODEL, prompt="hi", max_tokens=5)
     assert text.choices[0].finish_reason == "length" and text.usage.completion_tokens == 5  # type: ignore[union-attr]
@@ -84,7 +93,9 @@ def test_usage_chunk_the_proxy_asked_for_is_removed(sim: Running, proxy: ProxyUn
     assert m.token_source is TokenSource.USAGE and m.output_tokens == 16 and m.prompt_tokens
 
 
-def test_without_usage_injection_counts_come_from_chunks(sim: Running, start_proxy: Callable[..., ProxyUnderTest]) -> None:  # fmt: skip
+def test_without_usage_injection_counts_come_from_chunks(
+    sim: Running, start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
     proxy = start_proxy(sim.url, inject_usage=False)
     httpx.post(proxy.url + CHAT, json=chat())
     assert "stream_options" not in sim.app.state.last().body  # type: ignore[union-attr]
@@ -96,7 +107,12 @@ def test_without_usage_injection_counts_come_from_chunks(sim: Running, start_pro
 def test_streamed_response_is_not_buffered(sim: Running, proxy: ProxyUnderTest) -> None:
     """The first event reaches the client long before the stream ends."""
     start = time.perf_counter()
-    with httpx.stream("POST", proxy.url + CHAT, json=chat(), headers={"x-sim-ttft": "0.3", "x-sim-tps": "10", "x-sim-output-tokens": "5"}) as r:  # fmt: skip
+    with httpx.stream(
+        "POST",
+        proxy.url + CHAT,
+        json=chat(),
+        headers={"x-sim-ttft": "0.3", "x-sim-tps": "10", "x-sim-output-tokens": "5"},
+    ) as r:
         assert r.headers["x-accel-buffering"] == "no"
         chunks = r.iter_raw()
         first = next(chunks)
@@ -112,7 +128,11 @@ def test_streamed_response_is_not_buffered(sim: Running, proxy: ProxyUnderTest) 
 
 
 def test_role_only_first_chunk_is_not_first_token(sim: Running, proxy: ProxyUnderTest) -> None:
-    httpx.post(proxy.url + CHAT, json=chat(), headers={"x-sim-ttft": "0.25", "x-sim-tps": "50", "x-sim-output-tokens": "20"})  # fmt: skip
+    httpx.post(
+        proxy.url + CHAT,
+        json=chat(),
+        headers={"x-sim-ttft": "0.25", "x-sim-tps": "50", "x-sim-output-tokens": "20"},
+    )
     wait_records(proxy, 1)
     m = proxy.records[0]
     assert m.ttfb is not None and m.ttfb < 0.05  # headers and the role chunk come at once
@@ -123,7 +143,9 @@ def test_role_only_first_chunk_is_not_first_token(sim: Running, proxy: ProxyUnde
     assert m.finish_reason == "stop" and m.error_type is None
 
 
-def test_metrics_count_each_error_type_and_finish_reason(sim: Running, proxy: ProxyUnderTest) -> None:
+def test_metrics_count_each_error_type_and_finish_reason(
+    sim: Running, proxy: ProxyUnderTest
+) -> None:
     cases = {
         "context_length": ({"x-sim-error": "context_length"}, "400"),
         "auth": ({"x-sim-error": "auth"}, "401"),
@@ -141,18 +163,51 @@ def test_metrics_count_each_error_type_and_finish_reason(sim: Running, proxy: Pr
     wait_records(proxy, len(cases) + 2)
     labels = {"model": MODEL, "endpoint": CHAT}
     for error, (_, code) in cases.items():
-        value = proxy.sample("tokenprobe_requests_total", **labels, code=code, finish_reason="none", error_type=error)  # fmt: skip
+        value = proxy.sample(
+            "tokenprobe_requests_total", **labels, code=code, finish_reason="none", error_type=error
+        )
         assert value == 1, error
-    assert proxy.sample("tokenprobe_requests_total", **labels, code="200", finish_reason="length", error_type="none") == 1  # fmt: skip
-    assert proxy.sample("tokenprobe_requests_total", **labels, code="500", finish_reason="none", error_type="auth") == 1  # fmt: skip
+    assert (
+        proxy.sample(
+            "tokenprobe_requests_total",
+            **labels,
+            code="200",
+            finish_reason="length",
+            error_type="none",
+        )
+        == 1
+    )
+    assert (
+        proxy.sample(
+            "tokenprobe_requests_total",
+            **labels,
+            code="500",
+            finish_reason="none",
+            error_type="auth",
+        )
+        == 1
+    )
     text = httpx.get(proxy.url + "/metrics").text
-    assert 'tokenprobe_requests_total{code="401",endpoint="/v1/chat/completions",error_type="auth",finish_reason="none",model="sim-model"} 1.0' in text  # fmt: skip
+    assert (
+        'tokenprobe_requests_total{code="401",endpoint="/v1/chat/completions",error_type="auth",finish_reason="none",model="sim-model"} 1.0'
+        in text
+    )
 
 
 def test_unknown_model_names_become_other(sim: Running, proxy: ProxyUnderTest) -> None:
     httpx.post(proxy.url + CHAT, json={**chat(), "model": "no-such-model-123"})
     wait_records(proxy, 1)
-    assert proxy.sample("tokenprobe_requests_total", model="other", endpoint=CHAT, code="404", finish_reason="none", error_type="not_found") == 1  # fmt: skip
+    assert (
+        proxy.sample(
+            "tokenprobe_requests_total",
+            model="other",
+            endpoint=CHAT,
+            code="404",
+            finish_reason="none",
+            error_type="not_found",
+        )
+        == 1
+    )
 
 
 def test_passthrough_paths_are_forwarded_and_counted(sim: Running, proxy: ProxyUnderTest) -> None:
@@ -161,11 +216,18 @@ def test_passthrough_paths_are_forwarded_and_counted(sim: Running, proxy: ProxyU
     assert sim.app.state.last().path == "/v1/models"  # type: ignore[union-attr]
     emb = httpx.post(proxy.url + "/v1/embeddings", json={"model": MODEL, "input": "hi"})
     assert emb.status_code == 200
-    assert proxy.sample("tokenprobe_passthrough_requests_total", route="/v1/models", code="200") == 1
-    assert proxy.sample("tokenprobe_passthrough_requests_total", route="/v1/embeddings", code="200") == 1
+    assert (
+        proxy.sample("tokenprobe_passthrough_requests_total", route="/v1/models", code="200") == 1
+    )
+    assert (
+        proxy.sample("tokenprobe_passthrough_requests_total", route="/v1/embeddings", code="200")
+        == 1
+    )
 
 
-def test_authorization_is_forwarded(start_sim: Callable[..., Running], start_proxy: Callable[..., ProxyUnderTest]) -> None:  # fmt: skip
+def test_authorization_is_forwarded(
+    start_sim: Callable[..., Running], start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
     sim = start_sim(api_key="sk-right")
     proxy = start_proxy(sim.url)
     ok = httpx.post(proxy.url + CHAT, json=chat(), headers={"authorization": "Bearer sk-right"})
@@ -178,7 +240,9 @@ def test_authorization_is_forwarded(start_sim: Callable[..., Running], start_pro
 # -- failures have defined outcomes ---------------------------------------------------
 
 
-def test_dead_upstream_gives_502_json_and_counts_unreachable(start_proxy: Callable[..., ProxyUnderTest]) -> None:  # fmt: skip
+def test_dead_upstream_gives_502_json_and_counts_unreachable(
+    start_proxy: Callable[..., ProxyUnderTest],
+) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
@@ -187,7 +251,17 @@ def test_dead_upstream_gives_502_json_and_counts_unreachable(start_proxy: Callab
     assert reply.status_code == 502
     assert reply.json()["error"]["type"] == "upstream_unreachable"
     wait_records(proxy, 1)
-    assert proxy.sample("tokenprobe_requests_total", model=MODEL, endpoint=CHAT, code="502", finish_reason="none", error_type="upstream_unreachable") == 1  # fmt: skip
+    assert (
+        proxy.sample(
+            "tokenprobe_requests_total",
+            model=MODEL,
+            endpoint=CHAT,
+            code="502",
+            finish_reason="none",
+            error_type="upstream_unreachable",
+        )
+        == 1
+    )
 
 
 def test_client_disconnect_mid_stream_cancels_upstream(sim: Running, proxy: ProxyUnderTest) -> None:
@@ -208,52 +282,80 @@ def test_client_disconnect_mid_stream_cancels_upstream(sim: Running, proxy: Prox
     assert proxy.sample("tokenprobe_requests_in_flight", model=MODEL, endpoint=CHAT) == 0
 
 
-def test_client_disconnect_before_first_token_cancels_upstream(sim: Running, proxy: ProxyUnderTest) -> None:  # fmt: skip
+def test_client_disconnect_before_first_token_cancels_upstream(
+    sim: Running, proxy: ProxyUnderTest
+) -> None:
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(proxy.url + CHAT, json=chat(stream=False), headers={"x-sim-ttft": "5"}, timeout=0.3)  # fmt: skip
+        httpx.post(
+            proxy.url + CHAT, json=chat(stream=False), headers={"x-sim-ttft": "5"}, timeout=0.3
+        )
     state = sim.app.state
-    assert state.wait_for(lambda: state.last() is not None and state.last().outcome == "aborted", timeout=2)  # type: ignore[union-attr]  # fmt: skip
+    assert state.wait_for(
+        lambda: state.last() is not None and state.last().outcome == "aborted", timeout=2
+    )  # type: ignore[union-attr]
     wait_records(proxy, 1)
     assert proxy.records[0].error_type is ErrorType.CLIENT_CANCELLED
 
 
-def test_upstream_reset_mid_stream_reaches_the_client_as_a_break(sim: Running, proxy: ProxyUnderTest) -> None:  # fmt: skip
+def test_upstream_reset_mid_stream_reaches_the_client_as_a_break(
+    sim: Running, proxy: ProxyUnderTest
+) -> None:
     with pytest.raises(httpx.RemoteProtocolError):
-        httpx.post(proxy.url + CHAT, json=chat(), headers={"x-sim-fault": "reset", "x-sim-fault-after": "3"})  # fmt: skip
+        httpx.post(
+            proxy.url + CHAT,
+            json=chat(),
+            headers={"x-sim-fault": "reset", "x-sim-fault-after": "3"},
+        )
     wait_records(proxy, 1)
     assert proxy.records[0].error_type is ErrorType.STREAM_TRUNCATED
     assert httpx.get(proxy.url + "/healthz").status_code == 200
 
 
-def test_first_byte_timeout_gives_504(sim: Running, start_proxy: Callable[..., ProxyUnderTest]) -> None:
+def test_first_byte_timeout_gives_504(
+    sim: Running, start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
     proxy = start_proxy(sim.url, first_byte_timeout=0.2)
     reply = httpx.post(proxy.url + CHAT, json=chat(), headers={"x-sim-stall-before-headers": "2"})
     assert reply.status_code == 504 and reply.json()["error"]["type"] == "upstream_timeout"
 
 
-def test_idle_timeout_mid_stream_breaks_the_stream(sim: Running, start_proxy: Callable[..., ProxyUnderTest]) -> None:  # fmt: skip
+def test_idle_timeout_mid_stream_breaks_the_stream(
+    sim: Running, start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
     proxy = start_proxy(sim.url, idle_timeout=0.3)
     with pytest.raises(httpx.RemoteProtocolError):
-        httpx.post(proxy.url + CHAT, json=chat(), headers={"x-sim-fault": "stall", "x-sim-stall": "3", "x-sim-fault-after": "2"})  # fmt: skip
+        httpx.post(
+            proxy.url + CHAT,
+            json=chat(),
+            headers={"x-sim-fault": "stall", "x-sim-stall": "3", "x-sim-fault-after": "2"},
+        )
     wait_records(proxy, 1)
     assert proxy.records[0].error_type is ErrorType.UPSTREAM_TIMEOUT
 
 
-def test_malformed_client_json_is_forwarded_for_the_backend_to_judge(sim: Running, proxy: ProxyUnderTest) -> None:  # fmt: skip
-    reply = httpx.post(proxy.url + CHAT, content=b"{not json", headers={"content-type": "application/json"})  # fmt: skip
+def test_malformed_client_json_is_forwarded_for_the_backend_to_judge(
+    sim: Running, proxy: ProxyUnderTest
+) -> None:
+    reply = httpx.post(
+        proxy.url + CHAT, content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert reply.status_code == 400  # the simulator's verdict, relayed
     wait_records(proxy, 1)
     assert proxy.records[0].error_type is ErrorType.BAD_REQUEST
 
 
-def test_body_over_the_limit_gets_413(sim: Running, start_proxy: Callable[..., ProxyUnderTest]) -> None:
+def test_body_over_the_limit_gets_413(
+    sim: Running, start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
     proxy = start_proxy(sim.url, max_body_bytes=1000)
     reply = httpx.post(proxy.url + CHAT, json=chat(padding="x" * 5000))
     assert reply.status_code == 413 and "1000" in reply.json()["error"]["message"]
     assert sim.app.state.last() is None  # never forwarded
 
 
-def test_health_ready_and_unknown_paths(sim: Running, proxy: ProxyUnderTest, start_proxy: Callable[..., ProxyUnderTest]) -> None:  # fmt: skip
+def test_health_ready_and_unknown_paths(
+    sim: Running, proxy: ProxyUnderTest, start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
     assert httpx.get(proxy.url + "/healthz").status_code == 200
     assert httpx.get(proxy.url + "/readyz").status_code == 200
     assert httpx.get(proxy.url + "/admin").status_code == 404

@@ -23,7 +23,9 @@ def series_count(metrics_text: str) -> int:
     return sum(1 for line in metrics_text.splitlines() if line and not line.startswith("#"))
 
 
-def test_key_label_is_a_salted_hash_never_the_key(sim: Running, start_proxy: Callable[..., ProxyUnderTest]) -> None:  # fmt: skip
+def test_key_label_is_a_salted_hash_never_the_key(
+    sim: Running, start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
     proxy = start_proxy(sim.url, key_label="hash", key_salt="pepper")
     for key in ("sk-alpha-SECRET", "sk-beta-SECRET", "sk-alpha-SECRET"):
         httpx.post(proxy.url + CHAT, json=body(), headers={"authorization": f"Bearer {key}"})
@@ -32,7 +34,9 @@ def test_key_label_is_a_salted_hash_never_the_key(sim: Running, start_proxy: Cal
         time.sleep(0.01)
     text = httpx.get(proxy.url + "/metrics").text
     assert "SECRET" not in text and "sk-" not in text
-    key_lines = [line for line in text.splitlines() if line.startswith("tokenprobe_key_requests_total{")]  # fmt: skip
+    key_lines = [
+        line for line in text.splitlines() if line.startswith("tokenprobe_key_requests_total{")
+    ]
     assert sorted(float(line.rsplit(" ", 1)[1]) for line in key_lines) == [1.0, 2.0]
 
 
@@ -44,7 +48,9 @@ def test_key_labels_are_bounded() -> None:
     assert len(seen) == MAX_KEYS + 1 and "other" in seen
 
 
-def test_random_models_and_paths_leave_series_bounded(sim: Running, start_proxy: Callable[..., ProxyUnderTest]) -> None:  # fmt: skip
+def test_random_models_and_paths_leave_series_bounded(
+    sim: Running, start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
     """10,000 requests with random model names and paths: the series count stays fixed."""
     proxy = start_proxy(sim.url, key_label="hash")
     rng = random.Random(7)
@@ -59,7 +65,11 @@ def test_random_models_and_paths_leave_series_bounded(sim: Running, start_proxy:
         before = series_count(client.get("/metrics").text)
         for i in range(10_000):
             if i % 2:
-                client.post(CHAT, json=body(word()), headers={"authorization": f"Bearer {word()}", "x-sim-error": "not_found"})  # fmt: skip
+                client.post(
+                    CHAT,
+                    json=body(word()),
+                    headers={"authorization": f"Bearer {word()}", "x-sim-error": "not_found"},
+                )
             else:
                 client.get(f"/v1/{word()}/{word()}")
         after = series_count(client.get("/metrics").text)
@@ -67,7 +77,9 @@ def test_random_models_and_paths_leave_series_bounded(sim: Running, start_proxy:
     assert after < 1000
 
 
-def test_metrics_port_serves_metrics_apart_from_the_proxy(sim: Running, start_proxy: Callable[..., ProxyUnderTest]) -> None:  # fmt: skip
+def test_metrics_port_serves_metrics_apart_from_the_proxy(
+    sim: Running, start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
     port = free_port()
     proxy = start_proxy(sim.url, metrics_port=port)
     assert httpx.get(proxy.url + "/metrics").status_code == 404
@@ -75,8 +87,57 @@ def test_metrics_port_serves_metrics_apart_from_the_proxy(sim: Running, start_pr
     assert reply.status_code == 200 and "tokenprobe_requests_total" in reply.text
 
 
-def test_metrics_token_is_required_when_set(sim: Running, start_proxy: Callable[..., ProxyUnderTest]) -> None:  # fmt: skip
+def test_metrics_token_is_required_when_set(
+    sim: Running, start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
     proxy = start_proxy(sim.url, metrics_token="let-me-in")
     assert httpx.get(proxy.url + "/metrics").status_code == 401
-    assert httpx.get(proxy.url + "/metrics", headers={"authorization": "Bearer nope"}).status_code == 401  # fmt: skip
-    assert httpx.get(proxy.url + "/metrics", headers={"authorization": "Bearer let-me-in"}).status_code == 200  # fmt: skip
+    assert (
+        httpx.get(proxy.url + "/metrics", headers={"authorization": "Bearer nope"}).status_code
+        == 401
+    )
+    assert (
+        httpx.get(proxy.url + "/metrics", headers={"authorization": "Bearer let-me-in"}).status_code
+        == 200
+    )
+
+
+def test_secret_headers_echoed_by_the_upstream_are_redacted_from_error_messages(
+    start_proxy: Callable[..., ProxyUnderTest],
+) -> None:
+    """A backend that repeats the caller's credentials in its error text."""
+    from tests.servers import serve
+
+    async def echoing_upstream(scope: dict, receive: Callable, send: Callable) -> None:  # type: ignore[type-arg]
+        if scope["type"] != "http":
+            return
+        await receive()
+        headers = dict(scope["headers"])
+        text = (
+            b"bad credentials: "
+            + headers.get(b"authorization", b"")
+            + b" and "
+            + headers.get(b"x-tenant-token", b"")
+        )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 403,
+                "headers": [(b"content-type", b"text/plain")],
+            }
+        )
+        await send({"type": "http.response.body", "body": text})
+
+    with serve(echoing_upstream, lifespan="off") as upstream:
+        proxy = start_proxy(upstream.url, secret_headers=("x-tenant-token",))
+        httpx.post(
+            proxy.url + CHAT,
+            json=body(),
+            headers={"authorization": "Bearer sk-TOPSECRET-1", "x-tenant-token": "tenant-SECRET-2"},
+        )
+        deadline = time.monotonic() + 5
+        while not proxy.records and time.monotonic() < deadline:
+            time.sleep(0.01)
+    message = proxy.records[0].error_message or ""
+    assert "bad credentials" in message
+    assert "SECRET" not in message

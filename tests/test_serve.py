@@ -63,7 +63,17 @@ def sim_url() -> Iterator[str]:
 
 def test_sigterm_lets_an_in_flight_stream_finish_then_exits_zero(sim_url: str) -> None:
     port = free_port()
-    proxy = spawn("serve", "--upstream", sim_url, "--port", str(port), "--drain-timeout", "10", "--access-log", "off")  # fmt: skip
+    proxy = spawn(
+        "serve",
+        "--upstream",
+        sim_url,
+        "--port",
+        str(port),
+        "--drain-timeout",
+        "10",
+        "--access-log",
+        "off",
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         wait_http(base + "/healthz")
@@ -94,7 +104,9 @@ def test_serve_starts_fast_without_a_tokenizer(sim_url: str) -> None:
     proxy = spawn("serve", "--upstream", sim_url, "--port", str(port))
     try:
         wait_http(f"http://127.0.0.1:{port}/healthz")
-        assert time.monotonic() - started < 3.0  # generous for a loaded CI box; the benchmark reports the real figure
+        assert (
+            time.monotonic() - started < 3.0
+        )  # generous for a loaded CI box; the benchmark reports the real figure
     finally:
         stop(proxy)
 
@@ -102,9 +114,17 @@ def test_serve_starts_fast_without_a_tokenizer(sim_url: str) -> None:
 def test_two_workers_report_exact_totals_on_every_scrape(sim_url: str, tmp_path: object) -> None:
     port = free_port()
     proxy = spawn(
-        "serve", "--upstream", sim_url, "--port", str(port), "--workers", "2", "--access-log", "off",
+        "serve",
+        "--upstream",
+        sim_url,
+        "--port",
+        str(port),
+        "--workers",
+        "2",
+        "--access-log",
+        "off",
         env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)},
-    )  # fmt: skip
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         wait_http(base + "/healthz")
@@ -112,12 +132,20 @@ def test_two_workers_report_exact_totals_on_every_scrape(sim_url: str, tmp_path:
         with httpx.Client(base_url=base, timeout=10) as client:
             for _ in range(n):
                 # a fresh connection each time, so both workers take requests
-                httpx.post(base + CHAT, json=BODY, headers={"x-sim-ttft": "0", "x-sim-output-tokens": "3", "connection": "close"})  # fmt: skip
+                httpx.post(
+                    base + CHAT,
+                    json=BODY,
+                    headers={"x-sim-ttft": "0", "x-sim-output-tokens": "3", "connection": "close"},
+                )
             counts = []
             for _ in range(10):
                 text = httpx.get(base + "/metrics", headers={"connection": "close"}).text
                 counts.append(
-                    sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("tokenprobe_requests_total{"))  # fmt: skip
+                    sum(
+                        float(line.rsplit(" ", 1)[1])
+                        for line in text.splitlines()
+                        if line.startswith("tokenprobe_requests_total{")
+                    )
                 )
             del client
         assert counts == [n] * 10
@@ -126,7 +154,12 @@ def test_two_workers_report_exact_totals_on_every_scrape(sim_url: str, tmp_path:
 
 
 def test_serve_without_upstream_says_what_to_set() -> None:
-    out = subprocess.run([sys.executable, "-m", "proxy", "serve"], capture_output=True, text=True, env={k: v for k, v in os.environ.items() if not k.startswith("TOKENPROBE_")})  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "proxy", "serve"],
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if not k.startswith("TOKENPROBE_")},
+    )
     assert out.returncode == 2
     assert "TOKENPROBE_UPSTREAM" in out.stderr and "--upstream" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1

@@ -43,7 +43,11 @@ def test_tokenizer_counts_when_backend_sends_no_usage(
         time.sleep(0.05)
     raw = httpx.post(
         proxy.url + "/v1/chat/completions",
-        json={"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "你好 hello"}]},
+        json={
+            "model": MODEL,
+            "stream": True,
+            "messages": [{"role": "user", "content": "你好 hello"}],
+        },
         headers=NO_USAGE,
     ).content
     while not proxy.records and time.monotonic() < deadline:
@@ -53,12 +57,24 @@ def test_tokenizer_counts_when_backend_sends_no_usage(
     assert m.token_source is TokenSource.TOKENIZER
     assert m.output_tokens == expected and expected > 0
     assert m.prompt_tokens is not None and m.prompt_tokens > 0
-    assert proxy.sample("tokenprobe_generation_tokens_total", model=MODEL, endpoint="/v1/chat/completions", source="tokenizer") == expected  # fmt: skip
+    assert (
+        proxy.sample(
+            "tokenprobe_generation_tokens_total",
+            model=MODEL,
+            endpoint="/v1/chat/completions",
+            source="tokenizer",
+        )
+        == expected
+    )
 
 
-def test_usage_wins_over_the_tokenizer(sim: Running, start_proxy: Callable[..., ProxyUnderTest], tmp_path: Path) -> None:  # fmt: skip
+def test_usage_wins_over_the_tokenizer(
+    sim: Running, start_proxy: Callable[..., ProxyUnderTest], tmp_path: Path
+) -> None:
     proxy = start_proxy(sim.url, tokenizer=str(build_tiny_tokenizer(tmp_path)))
-    httpx.post(proxy.url + "/v1/chat/completions", json={"model": MODEL, "stream": True, "messages": []})  # fmt: skip
+    httpx.post(
+        proxy.url + "/v1/chat/completions", json={"model": MODEL, "stream": True, "messages": []}
+    )
     deadline = time.monotonic() + 5
     while not proxy.records and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -39,6 +39,13 @@ def mistral_tokenizer_dir(directory: Path) -> Path:
     data = Path(mistral_common.__file__).parent / "data"
     shutil.copy(data / "tokenizer.model.v1", directory / "tokenizer.model")
     (directory / "tokenizer_config.json").write_text(
-        json.dumps({"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})  # fmt: skip
+        json.dumps(
+            {
+                "tokenizer_class": "LlamaTokenizer",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+            }
+        )
     )
     return directory
