@@ -40,9 +40,9 @@ FRAGMENTS = [
     b"data",
 ]
 
-streams = st.lists(
-    st.one_of(st.sampled_from(FRAGMENTS), st.binary(max_size=40)), max_size=30
-).map(b"".join)
+streams = st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.binary(max_size=40)), max_size=30).map(
+    b"".join
+)
 
 
 def split(data: bytes, cuts: list[int]) -> list[bytes]:
@@ -65,7 +65,14 @@ def test_observer_never_raises_on_any_bytes(data: bytes, cuts: list[int], chat: 
     observer.end_of_stream(100.0)
     observer.outcome()
     counts = observer.counts_from_usage() or observer.counts_from_chunks()
-    observer.measurement(end=101.0, started_at=0.0, status_code=200, counts=counts, error_type=None, error_message=None)  # fmt: skip
+    observer.measurement(
+        end=101.0,
+        started_at=0.0,
+        status_code=200,
+        counts=counts,
+        error_type=None,
+        error_message=None,
+    )
 
 
 @settings(max_examples=400, deadline=None)
@@ -98,14 +105,22 @@ class ScriptedUpstream:
         self.chunks: list[bytes] = []
         self.lock = threading.Lock()
 
-    async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:  # fmt: skip
+    async def __call__(
+        self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]
+    ) -> None:
         if scope["type"] != "http":
             return
         while (await receive()).get("more_body"):
             pass
         with self.lock:
             chunks = list(self.chunks)
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
         for chunk in chunks:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
@@ -118,15 +133,20 @@ def scripted() -> Iterator[tuple[ScriptedUpstream, str]]:
         yield upstream, server.url
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=streams, cuts=st.lists(st.integers(min_value=0), max_size=8))
 def test_proxy_relays_any_stream_byte_for_byte(
-    scripted: tuple[ScriptedUpstream, str], start_proxy: Callable[..., ProxyUnderTest], data: bytes, cuts: list[int]  # fmt: skip
+    scripted: tuple[ScriptedUpstream, str],
+    start_proxy: Callable[..., ProxyUnderTest],
+    data: bytes,
+    cuts: list[int],
 ) -> None:
     upstream, url = scripted
     upstream.chunks = [p for p in split(data, cuts) if p]
     proxy = _shared_proxy(start_proxy, url)
-    body = {"model": "m", "stream": True, "stream_options": {"include_usage": True}, "messages": []}  # fmt: skip
+    body = {"model": "m", "stream": True, "stream_options": {"include_usage": True}, "messages": []}
     received = httpx.post(proxy.url + CHAT, json=body).content
     assert received == data
     assert proxy.sample("tokenprobe_measurement_failures_total", stage="observe") == 0
