@@ -25,7 +25,7 @@ from proxy.sinks import Sinks
 from proxy.strip import UsageEventStripper
 from proxy.tokens import TokenCounter
 from proxy.types import Receive, Scope, Send
-from proxy.upstream import classify_exception, describe
+from proxy.upstream import body_reader, classify_exception, describe, send_upstream
 
 log = logging.getLogger("tokenprobe")
 
@@ -206,9 +206,8 @@ class Forwarder:
         message: str | None = None
         broke = False
         try:
-            request = self.client.build_request(scope["method"], url, headers=headers, content=body)
             async with asyncio.timeout(self.first_byte_timeout):
-                response = await self.client.send(request, stream=True)
+                response = await send_upstream(self.client, scope["method"], url, headers, body)
             status = response.status_code
             content_type = response.headers.get("content-type", "")
             if observer is not None:
@@ -221,7 +220,8 @@ class Forwarder:
                 }
             )
             stripping = stripper is not None and status < 400
-            async for chunk in response.aiter_raw():
+            read = body_reader(response)
+            while chunk := await read():
                 now = perf_counter()
                 out = stripper.feed(chunk) if stripping else chunk  # type: ignore[union-attr]
                 if out:
@@ -239,10 +239,19 @@ class Forwarder:
             if observer is not None:
                 observer.end_of_stream(perf_counter())
         except asyncio.CancelledError:
-            if not watch.gone:
-                raise
             task.uncancel()
-            error, message = ErrorType.CLIENT_CANCELLED, "client disconnected"
+            if watch.gone:
+                error, message = ErrorType.CLIENT_CANCELLED, "client disconnected"
+            else:
+                # The server cancels what is left when the drain time runs out. Record the
+                # request, then end it like a broken upstream: the client sees the cut.
+                watch.finished = True
+                message = "cut off: the proxy shut down before the response ended"
+                if status:
+                    error, broke = ErrorType.STREAM_TRUNCATED, True
+                else:
+                    error, status = ErrorType.UPSTREAM_ERROR, 503
+                    await _send_error(send, status, "proxy_shutting_down", message)
         except Exception as exc:
             watch.finished = True
             started = status != 0

@@ -19,11 +19,13 @@ CHAT = "/v1/chat/completions"
 BODY = {"model": "sim-model", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
 
 
-def spawn(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+def spawn(
+    *args: str, env: dict[str, str] | None = None, stdout: int = subprocess.DEVNULL
+) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "proxy", *args],
         env={**os.environ, **(env or {})},
-        stdout=subprocess.DEVNULL,
+        stdout=stdout,
         stderr=subprocess.PIPE,
     )
 
@@ -163,3 +165,38 @@ def test_serve_without_upstream_says_what_to_set() -> None:
     assert out.returncode == 2
     assert "TOKENPROBE_UPSTREAM" in out.stderr and "--upstream" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_streams_outliving_the_drain_are_cut_counted_and_not_logged_as_crashes(
+    sim_url: str,
+) -> None:
+    port = free_port()
+    proxy = spawn(
+        "serve", "--upstream", sim_url, "--port", str(port), "--drain-timeout", "1",
+        "--access-log", "json", "--log-level", "warning", stdout=subprocess.PIPE,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(base + "/healthz")
+        errors: list[BaseException] = []
+
+        def long_stream() -> None:
+            headers = {"x-sim-ttft": "0.05", "x-sim-tps": "10", "x-sim-output-tokens": "100"}
+            try:
+                httpx.post(base + CHAT, json=BODY, headers=headers, timeout=30)
+            except httpx.HTTPError as exc:
+                errors.append(exc)
+
+        client = threading.Thread(target=long_stream)
+        client.start()
+        time.sleep(0.5)
+        proxy.send_signal(signal.SIGTERM)
+        client.join(15)
+        assert proxy.wait(15) == 0
+        assert len(errors) == 1 and isinstance(errors[0], httpx.RemoteProtocolError)
+        stderr = proxy.stderr.read().decode() if proxy.stderr else ""
+        assert "Traceback" not in stderr and "Exception in ASGI application" not in stderr
+        log = proxy.stdout.read().decode() if proxy.stdout else ""
+        assert '"error_type":"stream_truncated"' in log, log
+    finally:
+        stop(proxy)
