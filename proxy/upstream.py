@@ -7,7 +7,7 @@ chosen by `--upstream-transport` after benchmarking (see the README's performanc
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import aiohttp
 import httpx
@@ -33,6 +33,8 @@ def create_client(settings: Settings) -> httpx.AsyncClient:
             return aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
                 auto_decompress=False,
+                # No cookie jar: one client's Set-Cookie must not go out on other clients' requests.
+                cookie_jar=aiohttp.DummyCookieJar(),
                 # Send exactly the client's headers: no added Accept-Encoding (the reply
                 # would come compressed to a client that did not ask), User-Agent or Accept.
                 skip_auto_headers=("Accept-Encoding", "User-Agent", "Accept"),
@@ -41,9 +43,55 @@ def create_client(settings: Settings) -> httpx.AsyncClient:
         transport = AiohttpTransport(client=session)
     else:
         transport = httpx.AsyncHTTPTransport(limits=limits)
-    client = httpx.AsyncClient(transport=transport, timeout=timeout, limits=limits)
+    client = UpstreamClient(transport=transport, timeout=timeout, limits=limits)
     client.headers.clear()  # forward the client's headers, not httpx's defaults
     return client
+
+
+class UpstreamClient(httpx.AsyncClient):
+    """httpx's client, keeping a handle on its transport for `send` below."""
+
+    def __init__(self, *, transport: httpx.AsyncBaseTransport, **kwargs: object) -> None:
+        super().__init__(transport=transport, **kwargs)  # type: ignore[arg-type]
+        self.upstream_transport = transport
+
+
+async def send_upstream(
+    client: httpx.AsyncClient, method: str, url: str, headers: list[tuple[bytes, bytes]], body: bytes
+) -> httpx.Response:
+    """Send one proxied request; the response comes back with its body unread.
+
+    It goes straight to the transport: a reverse proxy needs none of the client's
+    per-request layers (auth flow, redirects, event hooks, an INFO log line, the cookie
+    jar), which cost more CPU than the rest of the request. The cookie jar would even be
+    wrong here: it would replay one client's Set-Cookie on every later client's request.
+    """
+    request = httpx.Request(
+        method, url, headers=headers, content=body, extensions={"timeout": client.timeout.as_dict()}
+    )
+    if not isinstance(client, UpstreamClient):
+        return await client.send(request, stream=True)
+    response = await client.upstream_transport.handle_async_request(request)
+    response.request = request
+    return response
+
+
+def body_reader(response: httpx.Response) -> Callable[[], Awaitable[bytes]]:
+    """A coroutine function giving the next raw chunk of the body on each call, b"" at its end.
+
+    With the aiohttp transport it reads aiohttp's stream itself: httpx would pass each
+    chunk through three more async iterators for the same bytes. aiohttp's errors then
+    arrive unwrapped, and `classify_exception` knows them.
+    """
+    inner = getattr(response.stream, "_aiohttp_response", None)  # httpx-aiohttp's stream
+    if isinstance(inner, aiohttp.ClientResponse):
+        return inner.content.readany
+    chunks = response.aiter_raw()
+
+    async def read() -> bytes:
+        return await anext(chunks, b"")
+
+    return read
 
 
 _TIMEOUTS = (TimeoutError, asyncio.TimeoutError, httpx.TimeoutException, aiohttp.ServerTimeoutError)
