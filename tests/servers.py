@@ -41,7 +41,10 @@ class ThreadedServer:
     def _run(self) -> None:
         self.loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self.loop)
-        self.loop.run_until_complete(self.server.serve())
+        try:
+            self.loop.run_until_complete(self.server.serve())
+        finally:
+            self.loop.close()
 
     def start(self) -> ThreadedServer:
         self.thread.start()

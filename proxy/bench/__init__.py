@@ -1,0 +1,14 @@
+"""`tokenprobe bench`: a load generator that measures an OpenAI-compatible backend.
+
+It measures with the proxy's own core (the SSE decoder, the stream observer, the error
+table), so a figure from the bench and the same figure from the proxy mean the same thing.
+
+  options.py   flags -> a validated, frozen Options
+  prompts.py   built-in, file and exact-length synthetic prompts
+  client.py    one streamed request -> one Measurement
+  load.py      closed loop (concurrency sweep) and open loop (Poisson arrivals)
+  stats.py     per-level summaries: quantiles, throughput, goodput
+  report.py    the table, the JSON file, and the one-line diagnosis of a failed run
+  compare.py   the bench's figures next to a tokenprobe proxy's /metrics
+  plot.py      throughput vs latency charts (matplotlib, imported only when asked)
+"""

@@ -1,0 +1,178 @@
+"""`tokenprobe bench`: flags in; progress on stderr, a table on stdout, JSON and a chart on request.
+
+Exit status: 0 when requests succeeded, 1 when none did (the first line on stderr says
+why), 2 for bad flags, 130 when interrupted (what was measured is still reported).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from proxy.bench import compare, report
+from proxy.bench.client import Call, prepare
+from proxy.bench.load import Level, Runner
+from proxy.bench.options import Options, OptionsError, parse
+from proxy.bench.progress import Progress
+from proxy.bench.prompts import BUILTIN, PromptError, load_file, synthetic
+from proxy.bench.stats import summarize
+from proxy.measurement import ErrorType
+from proxy.metrics import TTFT_BUCKETS
+
+PROG = "tokenprobe bench"
+#: Synthetic prompts made for --input-tokens: enough that no two nearby requests share one.
+SYNTHETIC_PROMPTS = 64
+
+
+@dataclass(slots=True)
+class Run:
+    levels: list[Level]
+    stop_reason: str | None
+    problem: str | None
+    compare: dict[str, Any] | None
+    compare_text: str | None
+
+
+def main(argv: Sequence[str]) -> int:
+    try:
+        options = parse(argv)
+        _check_outputs(options)
+        tokenizer = _tokenizer(options)
+        calls = [prepare(options, p) for p in _prompts(options, tokenizer)]
+    except (OptionsError, PromptError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    try:
+        run = _run_loop(_bench(options, calls, tokenizer))
+    except KeyboardInterrupt:  # before the run could install its own handler
+        return 130
+    if run.stop_reason == "interrupted":
+        print(f"{PROG}: interrupted; reporting what was measured", file=sys.stderr)
+    summaries = [summarize(level, options.slo) for level in run.levels]
+    if any(s.ok for s in summaries):  # else the one-line problem below says it all
+        print(report.table(summaries))
+    if run.compare_text:
+        print("\nbench vs proxy (--compare-metrics)\n" + run.compare_text)
+    if run.problem:
+        print(f"{PROG}: error: {run.problem}", file=sys.stderr)
+    status = {"interrupted": "interrupted", "failing": "failing"}.get(
+        run.stop_reason or "", "complete"
+    )
+    if options.out:
+        doc = report.document(
+            options, run.levels, summaries, status=status, problem=run.problem, compare=run.compare
+        )
+        report.write_json(options.out, doc)
+        print(f"{PROG}: wrote {options.out}", file=sys.stderr)
+    if options.plot and summaries:
+        from proxy.bench.plot import draw
+
+        draw(options.plot, run.levels, summaries)
+        print(f"{PROG}: wrote {options.plot}", file=sys.stderr)
+    if status == "interrupted":
+        return 130
+    return 0 if any(s.ok for s in summaries) else 1
+
+
+def _check_outputs(options: Options) -> None:
+    """Fail before the run, not after it, when its results could not be written."""
+    for flag, path in (("--out", options.out), ("--plot", options.plot)):
+        if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+            raise OptionsError(f"{flag}: cannot write to {os.path.dirname(os.path.abspath(path))}")
+    if options.plot and importlib.util.find_spec("matplotlib") is None:
+        raise OptionsError("--plot needs matplotlib: pip install 'tokenprobe[plot]'")
+
+
+def _tokenizer(options: Options) -> Any:
+    if not options.tokenizer:
+        return None
+    # transformers warns on import that PyTorch is missing; a tokenizer needs no PyTorch.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from proxy.tokens import load_tokenizer
+
+    try:
+        return load_tokenizer(options.tokenizer)
+    except Exception as exc:  # transformers raises many kinds
+        raise OptionsError(f"--tokenizer: cannot load {options.tokenizer}: {exc}") from None
+
+
+def _prompts(options: Options, tokenizer: Any) -> list[Any]:
+    if options.input_tokens is not None:
+        return synthetic(
+            tokenizer, options.input_tokens, SYNTHETIC_PROMPTS, options.endpoint, options.seed
+        )
+    if options.prompts_file:
+        return load_file(options.prompts_file)
+    return list(BUILTIN)
+
+
+def _run_loop(coro: Any) -> Run:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)  # type: ignore[no-any-return]
+    return uvloop.run(coro)  # type: ignore[no-any-return]
+
+
+async def _bench(options: Options, calls: list[Call], tokenizer: Any) -> Run:
+    progress = Progress(options.requests, enabled=options.progress)
+    runner = Runner(options, calls, tokenizer, on_result=progress.result)
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, runner.interrupt)
+    problem = compare_doc = compare_text = None
+    try:
+        before = await compare.scrape(options.compare_metrics) if options.compare_metrics else None
+        progress.start()
+        try:
+            await runner.run()
+        finally:
+            progress.close()
+        if runner.stop_reason == "failing" and runner.failure is not None:
+            served = (
+                await _served_models(options)
+                if runner.failure.m.error_type is ErrorType.NOT_FOUND
+                else []
+            )
+            problem = report.diagnose(runner.failure, options, served)
+        if options.compare_metrics and before is not None and runner.stop_reason != "interrupted":
+            results = [r for level in runner.levels for r in level.results]
+            after = await compare.settled(
+                options.compare_metrics, before, options.endpoint, options.model, len(results)
+            )
+            bench = compare.bench_figures(results, TTFT_BUCKETS)
+            proxy = compare.proxy_figures(before, after, options.endpoint, options.model)
+            compare_doc = compare.as_json(bench, proxy)
+            compare_text = compare.side_by_side(bench, proxy)
+    except compare.ScrapeError as exc:
+        problem = str(exc)
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+    return Run(runner.levels, runner.stop_reason, problem, compare_doc, compare_text)
+
+
+async def _served_models(options: Options) -> list[str]:
+    """The backend's /v1/models, to suggest a name after an unknown-model failure."""
+    headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
+    try:
+        timeout = aiohttp.ClientTimeout(total=5)
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as s,
+            s.get(f"{options.base_url}/v1/models", headers=headers) as r,
+        ):
+            data = orjson.loads(await r.read())
+        return [str(m["id"]) for m in data["data"]][:10]
+    except Exception:  # a hint only
+        return []

@@ -1,0 +1,244 @@
+"""Load shapes: a closed-loop concurrency sweep, or open-loop Poisson arrivals at fixed rates.
+
+Closed loop: N workers, each sending its next request when the last one ends; the
+backend's speed sets the arrival rate. Open loop: requests are due at Poisson arrival
+times whatever the backend does; each one is measured from the time it was due, so a
+slow backend (or a busy client) shows up in the latencies instead of silently thinning
+the load (coordinated omission). How late sends actually were is kept per request.
+
+A run stops early when the first requests all fail the same way (a wrong key, an
+unknown model, an unreachable URL): more of them would measure nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import random
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from time import perf_counter
+from typing import Any
+
+import aiohttp
+import yarl
+
+from proxy.bench.client import Call, Result, finalize, headers, measure, needs_tokenizer, session
+from proxy.bench.options import Options
+
+#: Stop the run when this many first requests all fail with the same error type.
+FAIL_FAST = 3
+
+
+@dataclass(slots=True)
+class Level:
+    index: int
+    value: float  # the concurrency (closed loop) or the rate per second (open loop)
+    label: str
+    start: float = 0.0  # perf_counter(): first request due
+    end: float = 0.0  # perf_counter(): last request done
+    results: list[Result] = field(default_factory=list)
+    cancelled: int = 0  # requests in flight when the run was stopped, not recorded
+    loop_lag: list[float] = field(default_factory=list)  # see LoopLag
+
+
+class LoopLag:
+    """How late the bench's own event loop wakes up. A busy client timestamps every read
+    late, so its latencies grow with its own load; this says when that happened."""
+
+    INTERVAL = 0.02
+
+    def __init__(self, samples: list[float]) -> None:
+        self.samples = samples
+        self._task = asyncio.create_task(self._watch())
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+    async def _watch(self) -> None:
+        while True:
+            before = perf_counter()
+            await asyncio.sleep(self.INTERVAL)
+            self.samples.append(max(0.0, perf_counter() - before - self.INTERVAL))
+
+
+def label(mode: str, value: float) -> str:
+    return f"c={int(value)}" if mode == "closed" else f"rate={value:g}/s"
+
+
+class Runner:
+    """Runs every level of `options` in turn; `interrupt()` stops it cleanly from a signal handler."""
+
+    def __init__(
+        self,
+        options: Options,
+        calls: list[Call],
+        tokenizer: Any = None,
+        on_result: Callable[[Level, Result], None] | None = None,
+    ) -> None:
+        self.options = options
+        self.calls = calls
+        self.tokenizer = tokenizer
+        self.on_result = on_result
+        self.levels: list[Level] = []
+        self.stop_reason: str | None = None  # "interrupted" or "failing"
+        self.failure: Result | None = None  # the first failed request, while all failed alike
+        self._judging = True  # until the first success, or failures of different types
+        self._failures = 0
+        self._headers = headers(options)
+        self._url = yarl.URL(options.url)  # parsed once, not on every request
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._active = 0  # requests begun and not yet recorded
+        self._cancelled = 0
+        self._stopped = asyncio.Event()
+        self._client: aiohttp.ClientSession | None = None
+
+    @property
+    def stopping(self) -> bool:
+        return self.stop_reason is not None
+
+    def interrupt(self) -> None:
+        self._stop("interrupted")
+
+    async def run(self) -> list[Level]:
+        async with session(self.options) as client:
+            self._client = client
+            for index, value in enumerate(self.options.levels):
+                if self.stopping:
+                    break
+                level = Level(index, value, label(self.options.mode, value))
+                self.levels.append(level)
+                lag = LoopLag(level.loop_lag)
+                level.start = perf_counter()
+                try:
+                    if self.options.mode == "closed":
+                        await self._closed(level, int(value))
+                    else:
+                        await self._open(level, value)
+                finally:
+                    level.end = perf_counter()
+                    lag.stop()
+                for result in level.results:
+                    finalize(result, self.tokenizer)
+        return self.levels
+
+    # -- load shapes ------------------------------------------------------------------
+
+    async def _closed(self, level: Level, concurrency: int) -> None:
+        n, deadline = self.options.max_requests, self._deadline(level)
+        numbers = itertools.count()
+        ramp = self.options.ramp_up / concurrency
+
+        async def worker(number: int) -> None:
+            if ramp and number:
+                await self._sleep_until(level.start + number * ramp)
+            while not self.stopping:
+                index = next(numbers)
+                if index >= n or perf_counter() >= deadline:
+                    return
+                await self._one(level, index, perf_counter())
+
+        await self._gather(level, [worker(k) for k in range(min(concurrency, n))])
+
+    async def _open(self, level: Level, rate: float) -> None:
+        rng = random.Random(self.options.seed * 1_000_003 + level.index)
+        cap = self.options.max_concurrency
+        slots = asyncio.Semaphore(cap) if cap else None
+        deadline = self._deadline(level)
+        due = level.start
+        for index in range(self.options.max_requests):
+            if index:
+                due += rng.expovariate(rate)
+            if due >= deadline:
+                break
+            await self._sleep_until(due)
+            if self.stopping:
+                break
+            self._spawn(self._one(level, index, due, slots))
+        await self._gather(level, [])
+
+    async def _sleep_until(self, instant: float) -> None:
+        """Sleep until the perf_counter() `instant`, or until the run is stopped."""
+        delay = instant - perf_counter()
+        if delay > 0 and not self.stopping:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopped.wait(), delay)
+
+    def _deadline(self, level: Level) -> float:
+        duration = self.options.duration
+        return level.start + duration if duration is not None else float("inf")
+
+    # -- one request ------------------------------------------------------------------
+
+    async def _one(
+        self, level: Level, index: int, due: float, slots: asyncio.Semaphore | None = None
+    ) -> None:
+        call = self.calls[(level.index * 7919 + index) % len(self.calls)]
+        keep_text = self.tokenizer is not None
+        assert self._client is not None, "run() opens the client"
+        self._active += 1
+        try:
+            if slots is not None:
+                await slots.acquire()
+            try:
+                sent = perf_counter()
+                m, observer = await measure(
+                    self._client, self._url, self._headers, call, due, keep_text
+                )
+            finally:
+                if slots is not None:
+                    slots.release()
+        finally:
+            self._active -= 1
+        keep = observer if keep_text and needs_tokenizer(m) else None
+        result = Result(level.index, index, due, sent, m, keep)
+        level.results.append(result)
+        self._judge(result)
+        if self.on_result is not None:
+            self.on_result(level, result)
+
+    def _judge(self, result: Result) -> None:
+        """Stop when the first requests of the run all failed with the same error type."""
+        if not self._judging:
+            return
+        if result.m.ok:
+            self._judging, self.failure = False, None
+            return
+        if self.failure is None:
+            self.failure = result
+        elif result.m.error_type is not self.failure.m.error_type:
+            self._judging, self.failure = False, None  # mixed failures: no one clear problem
+            return
+        self._failures += 1
+        if self._failures >= min(FAIL_FAST, self.options.max_requests):
+            self._stop("failing")
+
+    # -- tasks ------------------------------------------------------------------------
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _gather(self, level: Level, coros: list[Coroutine[Any, Any, None]]) -> None:
+        for coro in coros:
+            self._spawn(coro)
+        while self._tasks:
+            done, _ = await asyncio.wait(set(self._tasks))
+            for task in done:
+                if not task.cancelled() and (error := task.exception()) is not None:
+                    raise error  # a bug in the bench itself: say so rather than lose results
+        if self.stopping:
+            level.cancelled += self._cancelled
+            self._cancelled = 0
+
+    def _stop(self, reason: str) -> None:
+        if self.stopping:
+            return
+        self.stop_reason = reason
+        self._stopped.set()
+        self._cancelled = self._active
+        for task in self._tasks:
+            task.cancel()

@@ -1,0 +1,210 @@
+"""`tokenprobe bench` flags -> a frozen, validated Options. Bad values fail here, with the flag named."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from proxy.request import CHAT, COMPLETIONS
+
+#: SLO names `--slo` accepts, all in seconds.
+SLO_NAMES = ("ttft", "tpot", "e2e")
+
+
+class OptionsError(ValueError):
+    """A flag has a bad value; the message names it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    base_url: str  # scheme://host:port[/prefix], without a trailing /v1
+    model: str
+    endpoint: str  # CHAT or COMPLETIONS
+    api_key: str | None
+    mode: str  # "closed" (concurrency sweep) or "open" (Poisson arrivals)
+    levels: tuple[float, ...]  # concurrencies (closed) or request rates per second (open)
+    max_concurrency: int | None  # open loop: at most this many requests in flight
+    ramp_up: float  # closed loop: seconds over which the workers start, evenly spaced
+    requests: int | None  # per level
+    duration: float | None  # seconds per level
+    max_tokens: int
+    ignore_eos: bool
+    prompts_file: str | None
+    input_tokens: int | None
+    tokenizer: str | None
+    seed: int
+    slo: dict[str, float]
+    timeout: float  # the longest silence allowed within one response
+    headers: tuple[tuple[str, str], ...]
+    out: str | None
+    plot: str | None
+    compare_metrics: str | None
+    progress: bool
+
+    @property
+    def url(self) -> str:
+        return self.base_url + self.endpoint
+
+    @property
+    def max_requests(self) -> int:
+        """The per-level request cap: `--requests`, or a bound for duration-only runs."""
+        return self.requests if self.requests is not None else 1_000_000
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tokenprobe bench",
+        description="Measure an OpenAI-compatible backend: time to first token, per-stream "
+        "decode speed and aggregate throughput, at each load level.",
+    )
+    a = p.add_argument
+    a("--url", required=True, help="the backend's base URL, e.g. http://localhost:8000/v1")
+    a("--model", required=True, help="the model name to request")
+    a("--endpoint", choices=("chat", "completions"), default="chat")
+    a("--api-key", help="bearer token (default: $OPENAI_API_KEY)")
+    load = p.add_mutually_exclusive_group()
+    load.add_argument(
+        "--concurrency", help="closed loop: comma-separated concurrencies (default 1)"
+    )
+    load.add_argument(
+        "--rate", help="open loop: comma-separated request rates per second (Poisson)"
+    )
+    a("--max-concurrency", type=int, help="open loop: cap on requests in flight (default: none)")
+    a(
+        "--ramp-up",
+        type=float,
+        default=0.0,
+        help="closed loop: start the workers evenly over S seconds",
+    )
+    a("--requests", type=int, help="requests per level (default 100 unless --duration is set)")
+    a("--duration", type=float, help="seconds per level (requests started by then finish)")
+    a("--max-tokens", type=int, default=256, help="output tokens per request (default 256)")
+    a(
+        "--no-ignore-eos",
+        action="store_true",
+        help="do not send ignore_eos (for backends that reject it)",
+    )
+    a(
+        "--prompts",
+        dest="prompts_file",
+        help="JSONL ({prompt} or {messages}) or plain text, one per line",
+    )
+    a("--input-tokens", type=int, help="synthetic prompts of exactly N tokens (needs --tokenizer)")
+    a(
+        "--tokenizer",
+        help="local tokenizer directory: counts tokens when the backend sends no usage",
+    )
+    a("--seed", type=int, default=0, help="seed for open-loop arrival times and synthetic prompts")
+    a("--slo", default="", help="goodput targets in seconds, e.g. ttft=0.5,tpot=0.05")
+    a("--timeout", type=float, default=300.0, help="longest silence within a response (s)")
+    a("--header", action="append", default=[], metavar="'NAME: VALUE'", help="extra request header")
+    a("--out", help="write every per-request record and the summary to this JSON file")
+    a("--plot", help="draw throughput-vs-latency charts to this PNG (needs matplotlib)")
+    a("--compare-metrics", metavar="URL", help="a tokenprobe proxy's /metrics to cross-check")
+    a("--quiet", action="store_true", help="no live progress line")
+    return p
+
+
+def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Options:
+    """Flags -> Options. argparse exits on unknown flags; bad values raise OptionsError."""
+    env = os.environ if env is None else env
+    ns = parser().parse_args(list(argv))
+    mode = "open" if ns.rate else "closed"
+    if mode == "open":
+        levels = _numbers("--rate", ns.rate, float)
+    else:
+        levels = _numbers("--concurrency", ns.concurrency or "1", int)
+    if ns.requests is None and ns.duration is None:
+        ns.requests = 100
+    _at_least("--requests", ns.requests, 1)
+    _at_least("--max-tokens", ns.max_tokens, 1)
+    _at_least("--input-tokens", ns.input_tokens, 1)
+    _at_least("--max-concurrency", ns.max_concurrency, 1)
+    if ns.duration is not None and ns.duration <= 0:
+        raise OptionsError("--duration must be a positive number of seconds")
+    if ns.ramp_up < 0:
+        raise OptionsError("--ramp-up must be zero or a positive number of seconds")
+    if ns.timeout <= 0:
+        raise OptionsError("--timeout must be a positive number of seconds")
+    if ns.max_concurrency is not None and mode == "closed":
+        raise OptionsError("--max-concurrency applies to --rate (open loop) only")
+    if ns.input_tokens is not None and not ns.tokenizer:
+        raise OptionsError("--input-tokens needs --tokenizer to build prompts of exact length")
+    if ns.input_tokens is not None and ns.prompts_file:
+        raise OptionsError("--input-tokens and --prompts exclude each other")
+    return Options(
+        base_url=_base_url(ns.url),
+        model=ns.model,
+        endpoint=CHAT if ns.endpoint == "chat" else COMPLETIONS,
+        api_key=ns.api_key or env.get("OPENAI_API_KEY") or None,
+        mode=mode,
+        levels=levels,
+        max_concurrency=ns.max_concurrency,
+        ramp_up=ns.ramp_up,
+        requests=ns.requests,
+        duration=ns.duration,
+        max_tokens=ns.max_tokens,
+        ignore_eos=not ns.no_ignore_eos,
+        prompts_file=ns.prompts_file,
+        input_tokens=ns.input_tokens,
+        tokenizer=ns.tokenizer,
+        seed=ns.seed,
+        slo=parse_slo(ns.slo),
+        timeout=ns.timeout,
+        headers=tuple(_header(h) for h in ns.header),
+        out=ns.out,
+        plot=ns.plot,
+        compare_metrics=ns.compare_metrics,
+        progress=not ns.quiet,
+    )
+
+
+def parse_slo(text: str) -> dict[str, float]:
+    slo: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        name = name.strip().lower()
+        if not sep or name not in SLO_NAMES:
+            raise OptionsError(
+                f"--slo: expected NAME=SECONDS with NAME in {', '.join(SLO_NAMES)}, got {item!r}"
+            )
+        try:
+            seconds = float(value)
+        except ValueError:
+            raise OptionsError(f"--slo: {name} is not a number: {value!r}") from None
+        if seconds <= 0:
+            raise OptionsError(f"--slo: {name} must be positive")
+        slo[name] = seconds
+    return slo
+
+
+def _base_url(value: str) -> str:
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise OptionsError(f"--url: expected an http:// or https:// URL with a host, got {value!r}")
+    return value.rstrip("/").removesuffix("/v1")
+
+
+def _numbers(flag: str, text: str, kind: type[int] | type[float]) -> tuple[float, ...]:
+    try:
+        values = tuple(kind(item) for item in text.split(",") if item.strip())
+    except ValueError:
+        raise OptionsError(f"{flag}: expected comma-separated numbers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise OptionsError(f"{flag}: values must be positive, got {text!r}")
+    return values
+
+
+def _at_least(flag: str, value: int | None, minimum: int) -> None:
+    if value is not None and value < minimum:
+        raise OptionsError(f"{flag} must be at least {minimum}")
+
+
+def _header(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition(":")
+    if not sep or not name.strip():
+        raise OptionsError(f"--header: expected 'NAME: VALUE', got {text!r}")
+    return name.strip(), value.strip()

@@ -1,0 +1,197 @@
+"""What a run leaves behind: the table on stdout, the JSON file, and a one-line diagnosis
+when every request failed the same way."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import orjson
+
+from proxy.bench.client import Result
+from proxy.bench.load import Level
+from proxy.bench.options import Options
+from proxy.bench.stats import Summary
+from proxy.measurement import ErrorType
+
+Cell = Callable[[Summary], str]
+
+#: Event-loop lag (p99, seconds) above which the table warns that the bench was the bottleneck.
+LAG_WARNING = 0.005
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.1f}"
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _num(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+# (group, column, cell). Three figures kept apart: TTFT, one stream's decode speed, and
+# the output throughput of all streams together.
+COLUMNS: tuple[tuple[str, str, Cell], ...] = (
+    ("", "level", lambda s: s.label),
+    ("requests", "ok", lambda s: str(s.ok)),
+    ("requests", "errors", lambda s: str(s.requests - s.ok)),
+    ("requests", "length", lambda s: str(s.truncated)),
+    ("TTFT ms", "p50", lambda s: _ms(s.ttft["p50"])),
+    ("TTFT ms", "p95", lambda s: _ms(s.ttft["p95"])),
+    ("TTFT ms", "p99", lambda s: _ms(s.ttft["p99"])),
+    ("TPOT ms", "p50", lambda s: _ms(s.tpot["p50"])),
+    ("TPOT ms", "p95", lambda s: _ms(s.tpot["p95"])),
+    ("ITL ms", "p95", lambda s: _ms(s.itl["p95"])),
+    ("e2e s", "p50", lambda s: _s(s.e2e["p50"])),
+    ("e2e s", "p95", lambda s: _s(s.e2e["p95"])),
+    ("per-stream", "tok/s p50", lambda s: _num(s.decode_tokens_per_second["p50"])),
+    ("all streams", "out tok/s", lambda s: _num(s.output_throughput)),
+    ("all streams", "req/s", lambda s: _num(s.request_throughput, 2)),
+    ("all streams", "goodput/s", lambda s: _num(s.goodput, 2)),
+)
+
+LEGEND = """\
+length: finish_reason "length", cut at --max-tokens (all of them when ignore_eos is sent).
+TTFT: request due -> first generated token. TPOT: (last token - first token) / (tokens - 1), per request.
+per-stream tok/s: one request's decode speed after its first token (median over requests).
+all streams out tok/s: output tokens of every request / wall time of the level (aggregate throughput)."""
+GOODPUT = "goodput/s: requests per second that met every --slo target."
+
+
+def table(summaries: Sequence[Summary]) -> str:
+    goodput = any(s.goodput is not None for s in summaries)
+    columns = COLUMNS if goodput else COLUMNS[:-1]
+    rows = [[cell(s) for _, _, cell in columns] for s in summaries]
+    widths = [
+        max(len(name), *(len(row[i]) for row in rows)) if rows else len(name)
+        for i, (_, name, _) in enumerate(columns)
+    ]
+    groups, names = [], []
+    for i, (group, name, _) in enumerate(columns):
+        first = i == 0 or columns[i - 1][0] != group
+        groups.append((group if first else "").ljust(widths[i]))
+        names.append(name.ljust(widths[i]) if i == 0 else name.rjust(widths[i]))
+    lines = ["  ".join(groups).rstrip(), "  ".join(names)]
+    for row in rows:
+        lines.append(
+            "  ".join(
+                v.ljust(w) if i == 0 else v.rjust(w)
+                for i, (v, w) in enumerate(zip(row, widths, strict=True))
+            )
+        )
+    lines.append("")
+    lines.append(LEGEND)
+    if goodput:
+        lines.append(GOODPUT)
+    lines.extend(_notes(summaries))
+    return "\n".join(lines)
+
+
+def _notes(summaries: Sequence[Summary]) -> list[str]:
+    notes = []
+    for s in summaries:
+        for kind, count in sorted(s.errors.items()):
+            example = s.error_examples.get(kind)
+            notes.append(
+                f"{s.label}: {count} failed with {kind}" + (f": {example}" if example else "")
+            )
+        if s.cancelled:
+            notes.append(f"{s.label}: {s.cancelled} requests in flight when stopped (not counted)")
+        lag = s.loop_lag["p99"]
+        if lag is not None and lag > LAG_WARNING:
+            notes.append(
+                f"{s.label}: warning: the bench's own event loop ran {_ms(lag)} ms late (p99); "
+                "its timestamps are late by as much: use fewer streams per bench process"
+            )
+        if s.label.startswith("rate=") and s.send_delay["p50"] is not None:
+            d = s.send_delay
+            notes.append(
+                f"{s.label}: sends were late by p50 {_ms(d['p50'])} ms, p99 {_ms(d['p99'])} ms, "
+                f"max {_ms(d['max'])} ms (latencies count from the scheduled time)"
+            )
+    return notes
+
+
+def record(result: Result, label: str, origin: float) -> dict[str, Any]:
+    m = result.m
+    out: dict[str, Any] = {
+        "level": label,
+        "index": result.index,
+        "scheduled": result.scheduled - origin,  # seconds since the run began
+        "send_delay": result.sent - result.scheduled,
+    }
+    for f in dataclasses.fields(m):
+        if f.name != "extra":
+            out[f.name] = getattr(m, f.name)
+    return out
+
+
+def document(
+    options: Options,
+    levels: Sequence[Level],
+    summaries: Sequence[Summary],
+    *,
+    status: str,
+    problem: str | None,
+    compare: dict[str, Any] | None,
+) -> dict[str, Any]:
+    config = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+    config["api_key"] = "***" if options.api_key else None
+    config["headers"] = [
+        [k, "***" if k.lower() == "authorization" else v] for k, v in options.headers
+    ]
+    origin = levels[0].start if levels else 0.0
+    return {
+        "tool": "tokenprobe bench",
+        "status": status,  # complete | interrupted | failing
+        "problem": problem,
+        "config": config,
+        # perf_counter() at the first level's start: `scheduled` + `ttft` + this is the
+        # first token's instant on the machine's monotonic clock (CLOCK_MONOTONIC on Linux).
+        "clock_origin": origin,
+        "summary": [dataclasses.asdict(s) for s in summaries],
+        "compare": compare,
+        "records": [record(r, level.label, origin) for level in levels for r in level.results],
+    }
+
+
+def write_json(path: str, doc: dict[str, Any]) -> None:
+    """Write atomically: a reader never sees half a file, and an old file survives a failure."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
+    os.replace(tmp, path)
+
+
+def diagnose(result: Result, options: Options, served: Sequence[str] = ()) -> str:
+    """One line naming why every request failed."""
+    m = result.m
+    kind = m.error_type
+    said = " ".join((m.error_message or "").split()) or "no details"
+    http = f"HTTP {m.status_code}: " if m.status_code else ""
+    if kind is ErrorType.AUTH:
+        hint = (
+            "check --api-key or OPENAI_API_KEY"
+            if options.api_key
+            else "no API key was sent: pass --api-key or set OPENAI_API_KEY"
+        )
+        return f"auth: the backend rejected the API key ({http}{said}); {hint}"
+    if kind is ErrorType.UPSTREAM_UNREACHABLE:
+        return f"upstream_unreachable: cannot connect to {options.base_url} ({said})"
+    if kind is ErrorType.UPSTREAM_TIMEOUT:
+        return f"upstream_timeout: {options.url} went silent for over {options.timeout:g}s ({said})"
+    if kind is ErrorType.NOT_FOUND:
+        known = f"; served models: {', '.join(served)}" if served else ""
+        return f"not_found: unknown model {options.model!r} or wrong URL {options.url} ({http}{said}){known}"
+    if kind is ErrorType.CONTEXT_LENGTH:
+        return (
+            f"context_length: the prompt plus --max-tokens {options.max_tokens} exceed the "
+            f"model's context length ({http}{said})"
+        )
+    name = kind.value if kind is not None else "error"
+    return f"{name}: every request failed the same way ({http}{said})"

@@ -1,0 +1,120 @@
+"""Per-level summaries. Three figures that are easy to confuse are kept apart by name:
+
+  ttft                    time to first token, per request (s)
+  decode_tokens_per_second  one stream's generation speed after its first token (tok/s)
+  output_throughput       all streams together: output tokens / wall time of the level (tok/s)
+
+Latency and speed figures are over successful requests; failed ones are counted by type.
+Quantiles interpolate linearly between the two nearest ranks (numpy's default).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from proxy.bench.client import Result
+from proxy.bench.load import Level
+
+QUANTILES = (50, 90, 95, 99)
+
+
+def quantile(ordered: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100) of an already sorted sequence."""
+    if not ordered:
+        return None
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def distribution(values: Iterable[float | None]) -> dict[str, float | None]:
+    """{"mean", "p50", "p90", "p95", "p99", "max"} of the non-None values (None when there are none)."""
+    ordered = sorted(v for v in values if v is not None)
+    out: dict[str, float | None] = {"mean": sum(ordered) / len(ordered) if ordered else None}
+    for q in QUANTILES:
+        out[f"p{q}"] = quantile(ordered, q)
+    out["max"] = ordered[-1] if ordered else None
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    label: str
+    value: float  # the concurrency or the rate
+    requests: int  # finished and recorded
+    ok: int
+    errors: dict[str, int]  # error type -> count
+    error_examples: dict[str, str]  # error type -> the first such request's message
+    truncated: int  # finish_reason "length" (every request, with ignore_eos)
+    cancelled: int  # in flight when the run was stopped; not in any other figure
+    duration: float  # wall time of the level (s)
+    ttft: dict[str, float | None]
+    tpot: dict[str, float | None]
+    itl: dict[str, float | None]
+    e2e: dict[str, float | None]
+    decode_tokens_per_second: dict[str, float | None]  # per request, single stream
+    send_delay: dict[str, float | None]  # how late requests were sent after they were due
+    loop_lag: dict[str, float | None]  # how late the bench's own event loop woke up
+    prompt_tokens: int
+    output_tokens: int
+    token_sources: dict[str, int]
+    output_throughput: float  # all streams: output tokens / duration
+    request_throughput: float  # successful requests / duration
+    goodput: float | None  # requests meeting every SLO / duration (None without --slo)
+    slo_met: int | None
+
+
+def summarize(level: Level, slo: dict[str, float]) -> Summary:
+    results = level.results
+    good = [r.m for r in results if r.m.ok]
+    duration = max(level.end - level.start, 1e-9)
+    output = sum(m.output_tokens or 0 for m in good)
+    met = sum(1 for r in results if meets(r, slo)) if slo else None
+    return Summary(
+        label=level.label,
+        value=level.value,
+        requests=len(results),
+        ok=len(good),
+        errors=dict(Counter(r.m.error_type.value for r in results if r.m.error_type is not None)),
+        error_examples=_examples(results),
+        truncated=sum(1 for r in results if r.m.finish_reason == "length"),
+        cancelled=level.cancelled,
+        duration=duration,
+        ttft=distribution(m.ttft for m in good),
+        tpot=distribution(m.tpot for m in good),
+        itl=distribution(gap for m in good for gap in m.inter_token_latencies),
+        e2e=distribution(m.e2e for m in good),
+        decode_tokens_per_second=distribution(m.decode_tokens_per_second for m in good),
+        send_delay=distribution(r.sent - r.scheduled for r in results),
+        loop_lag=distribution(level.loop_lag),
+        prompt_tokens=sum(m.prompt_tokens or 0 for m in good),
+        output_tokens=output,
+        token_sources=dict(Counter(m.token_source.value for m in good)),
+        output_throughput=output / duration,
+        request_throughput=len(good) / duration,
+        goodput=None if met is None else met / duration,
+        slo_met=met,
+    )
+
+
+def meets(result: Result, slo: dict[str, float]) -> bool:
+    """A successful request within every SLO. A figure a request lacks (TPOT of a one-token
+    answer) cannot miss its target."""
+    m = result.m
+    if not m.ok:
+        return False
+    figures = {"ttft": m.ttft, "tpot": m.tpot, "e2e": m.e2e}
+    return all(figures[name] is None or figures[name] <= limit for name, limit in slo.items())  # type: ignore[operator]
+
+
+def _examples(results: Iterable[Result], limit: int = 160) -> dict[str, str]:
+    examples: dict[str, str] = {}
+    for r in results:
+        kind = r.m.error_type
+        if kind is not None and kind.value not in examples and r.m.error_message:
+            examples[kind.value] = " ".join(r.m.error_message.split())[:limit]
+    return examples

@@ -1,0 +1,278 @@
+"""`tokenprobe bench` end to end, against the simulator (and the proxy) on real loopback servers.
+
+Timing bounds come from what the simulator is told to do; per request, the simulator's
+own record of when it sent the first token separates the bench's overhead from the
+simulator's. Both clocks are CLOCK_MONOTONIC, so instants compare across processes.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from proxy.bench.cli import main
+from proxy.bench.compare import bucket_index
+from proxy.metrics import TTFT_BUCKETS
+from proxy.sim.tokens import completion_text
+from proxy.tokens import count_output, load_tokenizer
+from tests.conftest import MODEL, ProxyUnderTest, Running
+from tests.servers import free_port
+from tests.tokenizers_local import build_tiny_tokenizer
+
+StartSim = Callable[..., Running]
+
+
+def bench(capsys: pytest.CaptureFixture[str], url: str, out: Path, *flags: str) -> tuple[int, dict[str, Any], str, str]:  # fmt: skip
+    rc = main(["--url", url, "--model", MODEL, "--out", str(out), "--quiet", *flags])
+    captured = capsys.readouterr()
+    return rc, orjson.loads(out.read_bytes()), captured.out, captured.err
+
+
+def bench_process(url: str, out: Path, *flags: str) -> tuple[int, dict[str, Any], str, str]:
+    """The bench in its own process, as it runs for real: timing tests need it, because in
+    this process the servers' threads would hold the GIL while the bench wants to read."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "proxy.bench", "--url", url, "--model", MODEL, "--out", str(out),
+         "--quiet", *flags],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    return proc.returncode, orjson.loads(out.read_bytes()), proc.stdout, proc.stderr
+
+
+def sim_ttft(sim: Running) -> dict[str, float]:
+    """The simulator's own TTFT per response id: request received -> first token sent."""
+    return {
+        r.id: r.first_token_at - r.started
+        for r in sim.app.state.requests()
+        if r.first_token_at is not None
+    }
+
+
+def test_measures_the_programmed_ttft_tpot_decode_speed_and_length(
+    start_sim: StartSim, tmp_path: Path
+) -> None:
+    sim = start_sim(ttft=0.2, tokens_per_second=50.0, output_tokens=40)
+    plot = tmp_path / "bench.png"
+    rc, doc, out, _ = bench_process(
+        sim.url + "/v1", tmp_path / "r.json",
+        "--concurrency", "1,4", "--requests", "4", "--max-tokens", "40", "--plot", str(plot),
+    )  # fmt: skip
+    assert rc == 0 and doc["status"] == "complete" and len(doc["records"]) == 8
+    sent = sim_ttft(sim)
+    for r in doc["records"]:
+        assert r["error_type"] is None and r["finish_reason"] == "length"
+        assert (r["output_tokens"], r["token_source"]) == (40, "usage")
+        # What the bench saw against what the simulator did: no earlier, and not much later.
+        assert 0 <= r["ttft"] - sent[r["response_id"]] < 0.015, (r["ttft"], sent[r["response_id"]])
+        assert abs(r["ttft"] - 0.2) < 0.05  # the simulator's timer may also run late on a busy box
+        assert r["tpot"] == pytest.approx(0.02, rel=0.05)
+        assert r["decode_tokens_per_second"] == pytest.approx(50.0, rel=0.05)
+        assert len(r["inter_token_latencies"]) == 39
+    assert abs(statistics.median(r["ttft"] for r in doc["records"]) - 0.2) < 0.015
+    c1, c4 = doc["summary"]
+    assert c4["output_throughput"] == pytest.approx(4 * c1["output_throughput"], rel=0.15)
+    assert c4["decode_tokens_per_second"]["p50"] == pytest.approx(50.0, rel=0.05)
+    assert "c=1" in out and "c=4" in out and "all streams" in out
+    assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize("tokenizer", [True, False], ids=["tokenizer", "chunks"])
+def test_counts_tokens_without_usage_by_tokenizer_else_chunks(
+    start_sim: StartSim, tmp_path: Path, capsys: pytest.CaptureFixture[str], tokenizer: bool
+) -> None:
+    sim = start_sim(ttft=0.01, tokens_per_second=1000.0)
+    flags = ["--header", "x-sim-usage-mode: ignore", "--max-tokens", "12", "--requests", "2"]
+    flags += ["--endpoint", "completions"]
+    if tokenizer:
+        flags += ["--tokenizer", str(build_tiny_tokenizer(tmp_path))]
+    rc, doc, _, _ = bench(capsys, sim.url, tmp_path / "r.json", *flags)
+    assert rc == 0
+    if tokenizer:
+        tok = load_tokenizer(str(tmp_path))
+        expected = count_output(tok, [completion_text(12)])
+        assert expected != 12  # the tiny tokenizer does not split like the simulator
+        assert {(r["output_tokens"], r["token_source"]) for r in doc["records"]} == {(expected, "tokenizer")}  # fmt: skip
+        assert all(r["prompt_tokens"] > 0 for r in doc["records"])
+    else:
+        assert {(r["output_tokens"], r["token_source"]) for r in doc["records"]} == {(12, "chunks")}
+
+
+def test_agrees_with_the_proxy_metrics(
+    start_sim: StartSim, start_proxy: Callable[..., ProxyUnderTest], tmp_path: Path
+) -> None:
+    """The bench's clock starts one hop before the proxy's, so the bench's TTFT is a little
+    longer; the programmed TTFT sits inside a wide bucket, (0.1, 0.25], so "within one
+    bucket" tests the counting and bucketing rather than this box's scheduling noise."""
+    sim = start_sim(ttft=0.15, tokens_per_second=400.0)
+    proxy = start_proxy(sim.url)
+    rc, doc, out, _ = bench_process(
+        proxy.url + "/v1", tmp_path / "r.json",
+        "--compare-metrics", proxy.url + "/metrics", "--concurrency", "4,8", "--requests", "16",
+        "--max-tokens", "10",
+    )  # fmt: skip
+    assert rc == 0
+    b, p = doc["compare"]["bench"], doc["compare"]["proxy"]
+    assert b["requests"] == p["requests"] == 32
+    assert b["output_tokens"] == p["output_tokens"] == 320
+    assert b["prompt_tokens"] == p["prompt_tokens"] > 0
+    assert b["errors"] == p["errors"] == {}
+    for q in ("p50", "p90", "p99"):
+        bench_bucket = bucket_index(b["ttft_buckets"][q], TTFT_BUCKETS)
+        proxy_bucket = bucket_index(p["ttft_buckets"][q], TTFT_BUCKETS)
+        assert bench_bucket is not None and proxy_bucket is not None
+        assert abs(bench_bucket - proxy_bucket) <= 1, (q, b["ttft"], p["ttft"])
+    assert "bench vs proxy" in out and "proxy /metrics" in out
+
+
+def test_own_overhead_at_64_concurrent_streams(start_sim: StartSim, tmp_path: Path) -> None:
+    """64 streams in flight, started evenly over one request's duration (so requests do not
+    reach the server in one burst that it must parse one after another). The bench runs in
+    its own process, as it would for real; the simulator records when it sent each first
+    token, so the bench's share of the measured TTFT can be told apart from the
+    simulator's timer and request parsing."""
+    sim = start_sim(ttft=0.2, tokens_per_second=20.0, output_tokens=10)
+    rc, doc, _, err = bench_process(
+        sim.url, tmp_path / "r.json",
+        "--concurrency", "64", "--requests", "192", "--ramp-up", "0.65", "--max-tokens", "10",
+    )  # fmt: skip
+    assert rc == 0, err
+    sims = {r.id: r for r in sim.app.state.requests()}
+    origin = doc["clock_origin"]
+    ttft, over_sent, response_path = [], [], []
+    for r in doc["records"]:
+        s = sims[r["response_id"]]
+        first_token = origin + r["scheduled"] + r["ttft"]
+        ttft.append(r["ttft"])
+        over_sent.append(r["ttft"] - (s.first_token_at - s.started))
+        response_path.append(first_token - s.first_token_at)
+    p50 = statistics.median
+    print(
+        f"\n64 streams: TTFT p50 {p50(ttft) * 1e3:.2f} ms (programmed 200), "
+        f"client-seen minus sim-sent p50 {p50(over_sent) * 1e3:.2f} ms, "
+        f"first token sent -> timestamped p50 {p50(response_path) * 1e3:.3f} ms"
+    )
+    assert len(ttft) == 192 and sims[doc["records"][0]["response_id"]].outcome == "completed"
+    assert p50(response_path) < 0.001  # the bench's own reading side
+    assert p50(over_sent) < 0.002  # plus its sending side and the simulator's request parsing
+    assert abs(p50(ttft) - 0.2) < 0.003  # plus the simulator's timer
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("unreachable", "upstream_unreachable: cannot connect to"),
+        ("wrong_key", "auth: the backend rejected the API key"),
+        ("unknown_model", "not_found: unknown model 'nope'"),
+        ("context_length", "context_length: the prompt plus --max-tokens 100 exceed"),
+    ],
+)
+def test_bad_input_stops_early_with_one_line_naming_the_problem(
+    start_sim: StartSim,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    case: str,
+    expected: str,
+) -> None:
+    sim = start_sim(api_key="right-key", max_model_len=64, ttft=0.01)
+    url = f"http://127.0.0.1:{free_port()}/v1" if case == "unreachable" else sim.url
+    flags = [
+        "--concurrency",
+        "2",
+        "--requests",
+        "50",
+        "--api-key",
+        "right-key",
+        "--max-tokens",
+        "4",
+    ]
+    flags += ["--prompts", str(_prompts(tmp_path))]
+    if case == "wrong_key":
+        flags += ["--api-key", "wrong-key"]
+    if case == "context_length":
+        flags += ["--max-tokens", "100"]
+    args = ["--model", "nope"] if case == "unknown_model" else []
+    rc, doc, _, err = bench(capsys, url, tmp_path / "r.json", *flags, *args)
+    problem = [line for line in err.splitlines() if "error:" in line]
+    assert rc == 1 and len(problem) == 1 and expected in problem[0], err
+    assert doc["status"] == "failing" and doc["problem"] in problem[0]
+    assert 1 <= len(doc["records"]) < 10  # stopped early, what was measured kept
+    if case == "unknown_model":
+        assert "served models: sim-model" in problem[0]
+    if case == "wrong_key":
+        assert "wrong-key" not in err and "right-key" not in err
+
+
+def _prompts(tmp_path: Path) -> Path:
+    path = tmp_path / "prompts.txt"
+    path.write_text("hello there\nhow are you\n")
+    return path
+
+
+def test_sigint_stops_cleanly_and_writes_what_was_measured(start_sim: StartSim, tmp_path: Path) -> None:  # fmt: skip
+    sim = start_sim(ttft=0.02, tokens_per_second=100.0)
+    out = tmp_path / "r.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy.bench", "--url", sim.url, "--model", MODEL,
+         "--concurrency", "4", "--requests", "1000", "--max-tokens", "20", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        state = sim.app.state
+        assert state.wait_for(lambda: sum(r.outcome == "completed" for r in state.requests()) >= 8, timeout=20)  # fmt: skip
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr
+    doc = orjson.loads(out.read_bytes())
+    assert doc["status"] == "interrupted"
+    assert 4 <= len(doc["records"]) < 1000 and all(r["error_type"] is None for r in doc["records"])
+    assert doc["summary"][0]["requests"] == len(doc["records"])
+    assert "c=4" in stdout
+    # The requests in flight were abandoned, not left running on the backend.
+    assert state.wait_for(lambda: state.active == 0, timeout=5)
+
+
+def test_open_loop_measures_from_the_scheduled_time(start_sim: StartSim, tmp_path: Path) -> None:
+    """Requests are due every ~50 ms, but the backend serves one at a time and each takes
+    ~100 ms: later requests wait, and their TTFT must include the wait."""
+    sim = start_sim(ttft=0.1, tokens_per_second=1000.0)
+    rc, doc, out, _ = bench_process(
+        sim.url, tmp_path / "r.json",
+        "--rate", "20", "--requests", "8", "--max-concurrency", "1", "--max-tokens", "2", "--seed", "3",
+    )  # fmt: skip
+    assert rc == 0
+    records, sent = doc["records"], sim_ttft(sim)
+    for r in records:
+        waited = r["ttft"] - sent[r["response_id"]]
+        assert r["send_delay"] <= waited < r["send_delay"] + 0.015
+    last = max(records, key=lambda r: r["scheduled"])
+    assert last["send_delay"] > 0.15 and last["ttft"] > 0.25
+    assert max(r["ttft"] for r in records) > 2 * min(r["ttft"] for r in records)
+    assert "rate=20/s: sends were late by" in out
+    assert not math.isnan(doc["summary"][0]["send_delay"]["max"])
+
+
+def test_duration_bounds_each_level_by_time(
+    start_sim: StartSim, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sim = start_sim(ttft=0.02, tokens_per_second=500.0)
+    rc, doc, _, _ = bench(
+        capsys, sim.url, tmp_path / "r.json",
+        "--concurrency", "2,4", "--duration", "0.4", "--max-tokens", "5",
+    )  # fmt: skip
+    assert rc == 0
+    for summary in doc["summary"]:
+        assert summary["requests"] >= 4 and 0.4 <= summary["duration"] < 0.6
+    origin = {s["label"]: min(r["scheduled"] for r in doc["records"] if r["level"] == s["label"]) for s in doc["summary"]}  # fmt: skip
+    assert all(r["scheduled"] - origin[r["level"]] < 0.4 for r in doc["records"])
