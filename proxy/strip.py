@@ -32,12 +32,19 @@ class UsageEventStripper:
         complete = data if end == len(data) else data[:end]
         if _MARKER not in complete:
             return complete
-        return b"".join(e for e in _events(complete) if not _is_usage_only(e))
+        return b"".join(_without_usage(e) for e in _events(complete))
 
     def flush(self) -> bytes:
         """End of stream: whatever is pending goes out unchanged."""
         rest, self._pending = self._pending, b""
-        return rest if not _is_usage_only(rest) else b""
+        return _without_usage(rest)
+
+
+def _without_usage(event: bytes) -> bytes:
+    if not _is_usage_only(event):
+        return event
+    # Blank lines before the event are not part of it: they stay, wherever a read split them.
+    return event[: len(event) - len(event.lstrip(b"\r\n"))]
 
 
 def _events(data: bytes) -> list[bytes]:
@@ -45,6 +52,10 @@ def _events(data: bytes) -> list[bytes]:
     for match in _EVENT_END.finditer(data):
         events.append(data[pos : match.end()])
         pos = match.end()
+    if pos < len(data):
+        # A stray line end after the last event ("\n\n\n"): not an event, but its bytes
+        # are the client's all the same.
+        events.append(data[pos:])
     return events
 
 
