@@ -8,6 +8,8 @@ endpoint is one of two paths, error types and token sources are enums.
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -283,8 +285,7 @@ class Metrics:
             ttfb.observe(m.ttfb)
         if m.ttft is not None:
             ttft.observe(m.ttft, exemplar)
-        for gap in m.inter_token_latencies:
-            itl.observe(gap)
+        observe_all(itl, m.inter_token_latencies)
         if m.tpot is not None:
             tpot.observe(m.tpot, exemplar)
         if m.decode_tokens_per_second is not None:
@@ -304,6 +305,31 @@ class Metrics:
         error = m.error_type.value if m.error_type is not None else NONE_LABEL
         reason = m.finish_reason if m.finish_reason in FINISH_REASONS else "other"
         self.requests.labels(model_label, m.endpoint, str(m.status_code), reason, error).inc()
+
+
+def observe_all(histogram: Any, values: Sequence[float]) -> None:
+    """Observe every value, with one increment per bucket touched instead of two per value.
+
+    A stream's inter-token latencies are tens to thousands of values that mostly land in
+    one or two buckets. prometheus-client has no bulk observe, so this counts them against
+    the child's own bucket bounds (what `observe` does one value at a time) and adds each
+    count once; the exposed histogram is the same.
+    """
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if bounds is None or buckets is None or total is None:  # a prometheus-client without them
+        for value in values:
+            histogram.observe(value)
+        return
+    counts = [0] * len(bounds)
+    for value in values:
+        counts[bisect_left(bounds, value)] += 1  # the first bound >= value, as observe does
+    for bucket, count in zip(buckets, counts, strict=True):
+        if count:
+            bucket.inc(count)
+    if values:
+        total.inc(sum(values))
 
 
 def _factory(kind: Any, registry: CollectorRegistry) -> Any:

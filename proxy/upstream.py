@@ -57,7 +57,11 @@ class UpstreamClient(httpx.AsyncClient):
 
 
 async def send_upstream(
-    client: httpx.AsyncClient, method: str, url: str, headers: list[tuple[bytes, bytes]], body: bytes
+    client: httpx.AsyncClient,
+    method: str,
+    url: str,
+    headers: list[tuple[bytes, bytes]],
+    body: bytes,
 ) -> httpx.Response:
     """Send one proxied request; the response comes back with its body unread.
 
@@ -66,8 +70,12 @@ async def send_upstream(
     jar), which cost more CPU than the rest of the request. The cookie jar would even be
     wrong here: it would replay one client's Set-Cookie on every later client's request.
     """
+    # The relay times the gaps between chunks itself (forward._IdleTimer): a transport's
+    # read timeout would cost a timer per chunk, and would also cut the wait for the
+    # response headers, which first_byte_timeout governs.
+    timeout = {**client.timeout.as_dict(), "read": None}
     request = httpx.Request(
-        method, url, headers=headers, content=body, extensions={"timeout": client.timeout.as_dict()}
+        method, url, headers=headers, content=body, extensions={"timeout": timeout}
     )
     if not isinstance(client, UpstreamClient):
         return await client.send(request, stream=True)
