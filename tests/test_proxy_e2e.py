@@ -216,13 +216,14 @@ def test_passthrough_paths_are_forwarded_and_counted(sim: Running, proxy: ProxyU
     assert sim.app.state.last().path == "/v1/models"  # type: ignore[union-attr]
     emb = httpx.post(proxy.url + "/v1/embeddings", json={"model": MODEL, "input": "hi"})
     assert emb.status_code == 200
-    assert (
-        proxy.sample("tokenprobe_passthrough_requests_total", route="/v1/models", code="200") == 1
-    )
-    assert (
-        proxy.sample("tokenprobe_passthrough_requests_total", route="/v1/embeddings", code="200")
-        == 1
-    )
+    # Counted just after the last byte went out, so give the proxy a moment.
+    for route in ("/v1/models", "/v1/embeddings"):
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            if proxy.sample("tokenprobe_passthrough_requests_total", route=route, code="200"):
+                break
+            time.sleep(0.01)
+        assert proxy.sample("tokenprobe_passthrough_requests_total", route=route, code="200") == 1
 
 
 def test_authorization_is_forwarded(
