@@ -1,0 +1,492 @@
+"""The processes of a benchmark: the simulator, the load generator and each arm in front.
+
+Every child is pinned with `os.sched_setaffinity` (the proxy under test on its own core,
+the simulator and the load generator on the others), gets a high file-descriptor limit,
+and dies with the benchmark (PR_SET_PDEATHSIG), so nothing outlives a crashed run.
+CPU time is read from /proc: utime+stime of /proc/<pid>/stat (10 ms ticks, threads that
+exited included) and the ns-resolution sum of /proc/<pid>/task/*/schedstat.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import http.client
+import json
+import os
+import resource
+import secrets
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+PY = sys.executable
+NGINX = "/usr/sbin/nginx"
+NGINX_HINT = "nginx not found: install it with `apt-get install nginx-light` to add the nginx arm"
+LITELLM_VENV = HERE / ".litellm-venv"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cores() -> tuple[set[int], set[int], set[int]]:
+    """(proxy, simulator, load generator) cores: the proxy alone where there are two or more."""
+    available = sorted(os.sched_getaffinity(0))
+    if len(available) < 2:
+        return set(available), set(available), set(available)
+    proxy, rest = {available[0]}, available[1:]
+    return proxy, {rest[0]}, {rest[-1]}
+
+
+def _child_setup(cpus: set[int]) -> Callable[[], None]:
+    def setup() -> None:
+        os.sched_setaffinity(0, cpus)
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 65536), hard))
+        with contextlib.suppress(OSError, AttributeError):  # die with the benchmark
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+    return setup
+
+
+def spawn(
+    cmd: list[str],
+    cpus: set[int],
+    *,
+    log: Path,
+    env: dict[str, str] | None = None,
+    stdout: Any = subprocess.DEVNULL,
+    stdin: Any = subprocess.DEVNULL,
+    tree: Path = ROOT,
+) -> subprocess.Popen[Any]:
+    full_env = {**os.environ, "PYTHONPATH": str(tree), **(env or {})}
+    return subprocess.Popen(
+        cmd,
+        cwd=tree,
+        env=full_env,
+        stdin=stdin,
+        stdout=stdout,
+        stderr=log.open("ab"),
+        preexec_fn=_child_setup(cpus),
+    )
+
+
+def stop(proc: subprocess.Popen[Any], timeout: float = 5.0) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout)
+
+
+# -- /proc --------------------------------------------------------------------------------------
+
+
+def descendants(pid: int) -> list[int]:
+    """pid and every live process below it."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for tid in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except OSError:
+            continue
+    return out
+
+
+def cpu(pids: list[int]) -> tuple[int, int]:
+    """(schedstat ns summed over live threads, stat utime+stime in ns) of these processes."""
+    sched = ticks = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    sched += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return sched, ticks * 1_000_000_000 // CLK_TCK
+
+
+def system_busy_ns() -> int:
+    """CPU time every core spent busy (not idle or iowait), from /proc/stat, in ns."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) * 1_000_000_000 // CLK_TCK
+
+
+def rss_bytes(pids: list[int]) -> int:
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return total
+
+
+# -- readiness ------------------------------------------------------------------------------------
+
+
+def probe(
+    port: int,
+    path: str = "/v1/chat/completions",
+    timeout: float = 2.0,
+    headers: dict[str, str] | None = None,
+) -> bool:
+    """One short non-streaming completion through `port`; True when it answers 200."""
+    body = json.dumps({"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]})
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request(
+            "POST",
+            path,
+            body,
+            {
+                "content-type": "application/json",
+                "x-sim-output-tokens": "1",
+                "x-sim-ttft": "0",
+                **(headers or {}),
+            },
+        )
+        response = conn.getresponse()
+        response.read()
+        return response.status == 200
+    except OSError:
+        return False
+    finally:
+        conn.close()
+
+
+def wait_ready(
+    proc: subprocess.Popen[Any],
+    port: int,
+    path: str,
+    limit: float,
+    headers: dict[str, str] | None = None,
+) -> float:
+    """Seconds from now until the first request through `port` succeeds."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before serving")
+        if probe(port, path, timeout=1.0, headers=headers):
+            return time.monotonic() - t0
+        time.sleep(0.005)
+    raise RuntimeError(f"nothing served on port {port} within {limit:.0f} s")
+
+
+# -- arms -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Arm:
+    """Something the load goes through. `direct` has no process: the client hits the sim."""
+
+    name: str
+    port: int
+    path: str = "/v1/chat/completions"
+    headers: dict[str, str] = field(default_factory=dict)  # sent on every request
+    proc: subprocess.Popen[Any] | None = None
+    start: Callable[[], subprocess.Popen[Any]] | None = None
+    start_limit: float = 30.0
+    notes: list[str] = field(default_factory=list)
+    start_s: list[float] = field(default_factory=list)
+
+    def pids(self) -> list[int]:
+        return [] if self.proc is None else descendants(self.proc.pid)
+
+    def launch(self) -> None:
+        """Start it and time start-to-first-request."""
+        if self.start is None:
+            return
+        t0 = time.monotonic()
+        self.proc = self.start()
+        try:
+            wait_ready(self.proc, self.port, self.path, self.start_limit, self.headers)
+        except RuntimeError:
+            stop(self.proc)
+            raise
+        self.start_s.append(time.monotonic() - t0)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop(self.proc)
+            self.proc = None
+
+
+class Stack:
+    """The simulator, the load generator and the arms, created and torn down together."""
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        self.proxy_cpus, self.sim_cpus, self.gen_cpus = cores()
+        self.sim_port, self.otlp_port = free_port(), free_port()
+        self.sim: subprocess.Popen[Any] | None = None
+        self.gen: subprocess.Popen[Any] | None = None
+        self.arms: list[Arm] = []
+
+    @property
+    def sim_url(self) -> str:
+        return f"http://127.0.0.1:{self.sim_port}"
+
+    def start_backend(self) -> None:
+        self.sim = spawn(
+            [
+                PY,
+                str(HERE / "sim_server.py"),
+                "--port",
+                str(self.sim_port),
+                "--otlp-port",
+                str(self.otlp_port),
+            ],
+            self.sim_cpus,
+            log=self.work / "sim.log",
+        )
+        wait_ready(self.sim, self.sim_port, "/v1/chat/completions", 30)
+        self.gen = spawn(
+            [PY, str(HERE / "loadgen.py")],
+            self.gen_cpus,
+            log=self.work / "loadgen.log",
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        if self.read_gen(30).get("event") != "ready":
+            raise RuntimeError("load generator did not start")
+
+    def generator_pids(self) -> list[int]:
+        return [p.pid for p in (self.sim, self.gen) if p is not None]
+
+    def tell_gen(self, cmd: dict[str, Any]) -> None:
+        assert self.gen is not None and self.gen.stdin is not None
+        self.gen.stdin.write((json.dumps(cmd) + "\n").encode())
+        self.gen.stdin.flush()
+
+    def read_gen(self, timeout: float) -> dict[str, Any]:
+        assert self.gen is not None and self.gen.stdout is not None
+        ready, _, _ = select.select([self.gen.stdout], [], [], timeout)
+        if not ready:
+            raise TimeoutError(f"load generator silent for {timeout:.0f} s")
+        line = self.gen.stdout.readline()
+        if not line:
+            raise RuntimeError(f"load generator exited ({self.work / 'loadgen.log'})")
+        return json.loads(line)  # type: ignore[no-any-return]
+
+    def otlp_exports(self) -> int:
+        conn = http.client.HTTPConnection("127.0.0.1", self.otlp_port, timeout=2)
+        try:
+            conn.request("GET", "/count")
+            return int(conn.getresponse().read() or 0)
+        except (OSError, ValueError):
+            return -1
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        for arm in self.arms:
+            arm.stop()
+        if self.gen is not None and self.gen.poll() is None:
+            try:
+                self.tell_gen({"op": "quit"})
+                self.gen.wait(5)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        for proc in (self.gen, self.sim):
+            if proc is not None:
+                stop(proc)
+
+    # -- the arms ---------------------------------------------------------------------------------
+
+    def direct(self) -> Arm:
+        return Arm("direct", self.sim_port)
+
+    def tokenprobe(
+        self, name: str, transport: str, full: bool, tree: Path = ROOT, log_level: str | None = None
+    ) -> Arm:
+        """tokenprobe from this checkout, or from another source tree (A/B of a change)."""
+        port = free_port()
+        cmd = [
+            PY,
+            "-m",
+            "proxy",
+            "serve",
+            "--upstream",
+            self.sim_url,
+            "--port",
+            str(port),
+            "--upstream-transport",
+            transport,
+            "--access-log",
+            "json" if full else "off",
+        ]
+        if log_level is not None:
+            cmd += ["--log-level", log_level]
+        env: dict[str, str] = {}
+        arm = Arm(name, port)
+        arm.notes.append(
+            f"transport {transport}, access log {'json to /dev/null' if full else 'off'}"
+        )
+        if full:
+            if (ROOT / "proxy" / "tracing.py").exists():
+                env = {
+                    "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{self.otlp_port}",
+                    "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+                    "OTEL_SERVICE_NAME": "tokenprobe-bench",
+                }
+                arm.notes.append("tracing: every request sampled, OTLP/HTTP to a local sink")
+            else:
+                arm.notes.append("tracing: proxy/tracing.py absent, so no tracing")
+        log = self.work / f"{name}.log"
+        arm.start = lambda: spawn(cmd, self.proxy_cpus, log=log, env=env, tree=tree)
+        if tree != ROOT:
+            arm.notes.append(f"code from {tree}")
+        return arm
+
+    def byte_relay(self) -> Arm:
+        port = free_port()
+        cmd = [
+            PY,
+            str(HERE / "byte_relay.py"),
+            "--port",
+            str(port),
+            "--upstream-port",
+            str(self.sim_port),
+        ]
+        arm = Arm("relay", port)
+        arm.start = lambda: spawn(cmd, self.proxy_cpus, log=self.work / "relay.log")
+        return arm
+
+    def nginx(self) -> Arm | None:
+        if not os.path.exists(NGINX):
+            return None
+        port = free_port()
+        prefix = self.work / "nginx"
+        prefix.mkdir(exist_ok=True)
+        conf = prefix / "nginx.conf"
+        user = "user root;" if os.geteuid() == 0 else ""
+        conf.write_text(NGINX_CONF.format(user=user, prefix=prefix, port=port, sim=self.sim_port))
+        cmd = [NGINX, "-p", str(prefix), "-c", str(conf), "-e", str(prefix / "error.log")]
+        arm = Arm("nginx", port)
+        arm.notes.append("1 worker, proxy_buffering off, HTTP/1.1 keep-alive upstream")
+        arm.start = lambda: spawn(cmd, self.proxy_cpus, log=self.work / "nginx.log")
+        return arm
+
+    def litellm(self) -> Arm:
+        python = ensure_litellm()
+        port = free_port()
+        config = self.work / "litellm.yaml"
+        key = "sk-bench-" + secrets.token_hex(16)
+        config.write_text(LITELLM_CONF.format(sim=self.sim_url, key=key))
+        cmd = [
+            str(python.parent / "litellm"),
+            "--config",
+            str(config),
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            "--num_workers",
+            "1",
+        ]
+        arm = Arm(
+            "litellm",
+            port,
+            path="/sim/v1/chat/completions",
+            start_limit=120,
+            headers={"authorization": f"Bearer {key}"},
+        )
+        arm.notes.append("pass-through endpoint /sim -> simulator, prometheus callback on")
+        # Everything stays on 127.0.0.1: no fetch of the remote model price map, no telemetry.
+        env = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_TELEMETRY": "False"}
+        arm.start = lambda: spawn(cmd, self.proxy_cpus, log=self.work / "litellm.log", env=env)
+        return arm
+
+
+NGINX_CONF = """\
+{user}
+worker_processes 1;
+daemon off;
+pid {prefix}/nginx.pid;
+worker_rlimit_nofile 65536;
+events {{ worker_connections 16384; }}
+http {{
+    access_log off;
+    client_body_temp_path {prefix}/body;
+    proxy_temp_path {prefix}/proxy;
+    fastcgi_temp_path {prefix}/fastcgi;
+    uwsgi_temp_path {prefix}/uwsgi;
+    scgi_temp_path {prefix}/scgi;
+    upstream sim {{ server 127.0.0.1:{sim}; keepalive 1024; }}
+    server {{
+        listen 127.0.0.1:{port} backlog=4096;
+        location / {{
+            proxy_pass http://sim;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_request_buffering off;
+            proxy_read_timeout 600s;
+        }}
+    }}
+}}
+"""
+
+LITELLM_CONF = """\
+model_list: []
+litellm_settings:
+  callbacks: ["prometheus"]
+  telemetry: false
+general_settings:
+  master_key: "{key}"
+  pass_through_endpoints:
+    - path: "/sim"
+      target: "{sim}"
+      include_subpath: true
+      forward_headers: true
+"""
+
+
+def ensure_litellm() -> Path:
+    """LiteLLM's proxy in its own venv under benchmarks/.litellm-venv (created on first use)."""
+    python = LITELLM_VENV / "bin" / "python"
+    if not (LITELLM_VENV / "bin" / "litellm").exists():
+        print(f"installing LiteLLM into {LITELLM_VENV} (once) ...", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "venv", str(LITELLM_VENV)], check=True)
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", "litellm[proxy]", "prometheus-client"],
+            check=True,
+        )
+    return python
+
+
+def workdir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="tokenprobe-bench-"))
+
+
+def remove(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
