@@ -15,6 +15,8 @@ import httpx
 from proxy.measurement import ErrorType
 from proxy.settings import Settings
 
+KEEPALIVE_SECONDS = 4.0
+
 
 def create_client(settings: Settings) -> httpx.AsyncClient:
     timeout = httpx.Timeout(
@@ -24,14 +26,18 @@ def create_client(settings: Settings) -> httpx.AsyncClient:
         pool=settings.connect_timeout,
     )
     # A proxy must not queue streams behind a connection cap the backend doesn't have.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024, keepalive_expiry=60)
+    # Idle connections are dropped before the backend drops them: uvicorn (vLLM's server)
+    # closes keep-alive connections after 5 s, and reusing one it just closed fails a request.
+    limits = httpx.Limits(
+        max_connections=None, max_keepalive_connections=1024, keepalive_expiry=KEEPALIVE_SECONDS
+    )
     transport: httpx.AsyncBaseTransport
     if settings.upstream_transport == "aiohttp":
         from httpx_aiohttp import AiohttpTransport
 
         def session() -> aiohttp.ClientSession:
             return aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_SECONDS),
                 auto_decompress=False,
                 # No cookie jar: one client's Set-Cookie must not go out on other clients' requests.
                 cookie_jar=aiohttp.DummyCookieJar(),
