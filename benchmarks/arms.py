@@ -326,7 +326,13 @@ class Stack:
         return Arm("direct", self.sim_port)
 
     def tokenprobe(
-        self, name: str, transport: str, full: bool, tree: Path = ROOT, log_level: str | None = None
+        self,
+        name: str,
+        transport: str,
+        full: bool,
+        tree: Path = ROOT,
+        log_level: str | None = None,
+        traced: bool | None = None,
     ) -> Arm:
         """tokenprobe from this checkout, or from another source tree (A/B of a change)."""
         port = free_port()
@@ -351,7 +357,7 @@ class Stack:
         arm.notes.append(
             f"transport {transport}, access log {'json to /dev/null' if full else 'off'}"
         )
-        if full:
+        if full if traced is None else traced:
             if (ROOT / "proxy" / "tracing.py").exists():
                 env = {
                     "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{self.otlp_port}",

@@ -11,6 +11,7 @@ the arm under test, which gets a core to itself. Arms, interleaved in rounds:
   tokenprobe        metrics only (--access-log off), aiohttp transport
   tokenprobe-full   metrics + JSON access log to /dev/null + tracing to a local OTLP sink
   tokenprobe-httpx  metrics only, httpx's own transport
+  tokenprobe-traced metrics + tracing, access log off (only with --arms): tracing's own cost
   litellm           only with --with-litellm (own venv, pass-through endpoint, prometheus)
 
 Per arm: proxy CPU per relayed chunk and per request (from /proc of the arm's processes
@@ -38,6 +39,8 @@ from arms import NGINX_HINT, ROOT, Arm, Stack, cpu, remove, rss_bytes, system_bu
 from report import chart, markdown, summarize
 
 ALL_ARMS = ("direct", "relay", "nginx", "tokenprobe", "tokenprobe-full", "tokenprobe-httpx")
+#: Arms run only when named with --arms.
+EXTRA_ARMS = ("tokenprobe-traced",)
 P99_LIMIT_US = 5000.0
 
 
@@ -249,6 +252,9 @@ def make_arms(args: argparse.Namespace, stack: Stack, notes: list[str]) -> list[
             if arm is None:
                 notes.append(NGINX_HINT)
                 print(NGINX_HINT, file=sys.stderr)
+        elif name == "tokenprobe-traced":  # tracing on, access log off: tracing's own cost
+            tree = args.tree.resolve() if args.tree else ROOT
+            arm = stack.tokenprobe(name, "aiohttp", full=False, tree=tree, traced=True)
         elif name in ("tokenprobe", "tokenprobe-full", "tokenprobe-httpx"):
             transport = "httpx" if name == "tokenprobe-httpx" else "aiohttp"
             tree = args.tree.resolve() if args.tree else ROOT
