@@ -366,7 +366,7 @@ class Stack:
                 }
                 arm.notes.append("tracing: every request sampled, OTLP/HTTP to a local sink")
             else:
-                arm.notes.append("tracing: proxy/tracing.py absent, so no tracing")
+                arm.notes.append("tracing: proxy/sinks/tracing.py absent, so no tracing")
         log = self.work / f"{name}.log"
         arm.start = lambda: spawn(cmd, self.proxy_cpus, log=log, env=env, tree=tree)
         if tree != ROOT:

@@ -19,7 +19,7 @@ commands:
 
 def _command(name: str) -> Callable[[list[str]], int] | None:
     if name == "serve":
-        from proxy.serve import main as serve
+        from proxy.server.serve import main as serve
 
         return serve
     if name == "demo":

@@ -19,8 +19,8 @@ import httpx
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from proxy.app import create_app
-from proxy.measurement import Measurement
+from proxy.core.measurement import Measurement
+from proxy.server.app import create_app
 from proxy.settings import Settings
 from proxy.sim.app import create_sim_app
 from proxy.sim.config import SimConfig

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from proxy.app import ProxyApp, create_app
-from proxy.measurement import Measurement
+from proxy.core.measurement import Measurement
+from proxy.server.app import ProxyApp, create_app
 from proxy.settings import Settings
 from proxy.sim.app import SimApp, create_sim_app
 from proxy.sim.config import SimConfig

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from proxy.cost import CostSink, ModelPrice, PriceTable, load_prices, parse_prices
-from proxy.measurement import ErrorType, Measurement, TokenSource
+from proxy.core.measurement import ErrorType, Measurement, TokenSource
+from proxy.sinks.cost import CostSink, ModelPrice, PriceTable, load_prices, parse_prices
 
 PRICES_YAML = """\
 currency: EUR

@@ -365,7 +365,7 @@ def test_pod_runs_non_root_on_a_read_only_root_filesystem() -> None:
 
 
 def test_configmap_holds_known_settings_and_a_valid_price_table() -> None:
-    from proxy.cost import parse_prices
+    from proxy.sinks.cost import parse_prices
 
     objects = manifests()
     env = objects["ConfigMap/tokenprobe-env"]["data"]

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy.errors import MAX_ERROR_BODY, classify_response, error_message, scrub
-from proxy.measurement import ErrorType
+from proxy.core.errors import MAX_ERROR_BODY, classify_response, error_message, scrub
+from proxy.core.measurement import ErrorType
 
 ERRORS = Path(__file__).parent / "fixtures" / "errors"
 

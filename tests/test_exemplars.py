@@ -14,9 +14,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
-from proxy.app import create_app
+from proxy.server.app import create_app
 from proxy.settings import Settings
-from proxy.tracing import Tracing
+from proxy.sinks.tracing import Tracing
 from tests.conftest import MODEL, Running
 from tests.prom import Prometheus, require_binary
 from tests.servers import ThreadedServer

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from proxy.measurement import ErrorType
+from proxy.core.measurement import ErrorType
 from tests.conftest import MODEL, ProxyUnderTest, Running
 
 CHAT = "/v1/chat/completions"

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.observe import StreamObserver
-from proxy.request import CHAT, COMPLETIONS, RequestInfo
-from proxy.sse import SSEDecoder
-from proxy.strip import UsageEventStripper
+from proxy.core.observe import StreamObserver
+from proxy.core.request import CHAT, COMPLETIONS, RequestInfo
+from proxy.core.sse import SSEDecoder
+from proxy.core.strip import UsageEventStripper
 from tests.conftest import ProxyUnderTest
 from tests.servers import serve
 

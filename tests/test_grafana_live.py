@@ -7,7 +7,7 @@ Two sources of metrics:
    It runs today and pins the dashboards and rules to that contract: a renamed metric,
    a wrong label or an `le` that is not a bucket boundary leaves a panel or rule empty.
 2. The real proxy in front of the simulator, as processes on loopback: skipped until
-   `proxy.app` exists (see `test_no_dead_panels_with_the_proxy_in_front_of_the_simulator`).
+   `proxy.server.app` exists (see `test_no_dead_panels_with_the_proxy_in_front_of_the_simulator`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_asgi_app
 
-from proxy.cost import CostSink, parse_prices
-from proxy.measurement import Measurement, TokenSource
+from proxy.core.measurement import Measurement, TokenSource
+from proxy.sinks.cost import CostSink, parse_prices
 from tests.prom import Prometheus, finite_values, require_binary
 from tests.servers import ThreadedServer, free_port
 from tests.test_grafana import DASHBOARDS, ROOT, iter_targets, load, substitute
@@ -390,7 +390,7 @@ def _drive_traffic(proxy: str, dead_proxy: str, model: str) -> None:
 @pytest.fixture(scope="module")
 def proxy_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
     """`tokenprobe sim`, a proxy in front of it, one in front of a closed port, Prometheus."""
-    pytest.importorskip("proxy.app", reason="proxy.app is not written yet")
+    pytest.importorskip("proxy.server.app", reason="proxy.server.app is not written yet")
     require_binary("prometheus")
     tmp = tmp_path_factory.mktemp("stack")
     sim_port, proxy_port, dead_port, closed_port = (free_port() for _ in range(4))

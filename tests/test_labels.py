@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.labels import MAX_MODELS, OTHER, ModelLabels, route_template
+from proxy.core.labels import MAX_MODELS, OTHER, ModelLabels, route_template
 
 
 def test_unknown_model_is_other() -> None:

@@ -15,11 +15,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
-from proxy.app import create_app
-from proxy.logs import KEYS, AccessLog, iso_utc
-from proxy.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
+from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
+from proxy.server.app import create_app
 from proxy.settings import Settings
-from proxy.tracing import Tracing
+from proxy.sinks.logs import KEYS, AccessLog, iso_utc
+from proxy.sinks.tracing import Tracing
 from tests.conftest import MODEL, Running
 from tests.servers import ThreadedServer
 

@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 from prometheus_client import CollectorRegistry
 
-from proxy.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
-from proxy.metrics import FINISH_REASONS, Metrics, token_buckets
+from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
+from proxy.sinks.metrics import FINISH_REASONS, Metrics, token_buckets
 
 CHAT = "/v1/chat/completions"
 MODEL_LABEL = "llama"

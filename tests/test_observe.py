@@ -12,9 +12,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from proxy.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
-from proxy.observe import StreamObserver, TokenCounts
-from proxy.request import CHAT, COMPLETIONS, RequestInfo
+from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
+from proxy.core.observe import StreamObserver, TokenCounts
+from proxy.core.request import CHAT, COMPLETIONS, RequestInfo
 
 FIXTURES = Path(__file__).parent / "fixtures"
 START = 100.0  # perf_counter at request start

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from proxy.measurement import ErrorType, TokenSource
+from proxy.core.measurement import ErrorType, TokenSource
 from tests.conftest import MODEL, ProxyUnderTest, Running
 
 CHAT = "/v1/chat/completions"

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from proxy.metrics import Metrics
 from proxy.settings import SPECS
+from proxy.sinks.metrics import Metrics
 
 README = (Path(__file__).parent.parent / "README.md").read_text()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from proxy.request import CHAT, COMPLETIONS, RequestInfo, parse_request, with_usage_requested
+from proxy.core.request import CHAT, COMPLETIONS, RequestInfo, parse_request, with_usage_requested
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 

@@ -41,7 +41,7 @@ def test_key_label_is_a_salted_hash_never_the_key(
 
 
 def test_key_labels_are_bounded() -> None:
-    from proxy.keys import MAX_KEYS, KeyLabels
+    from proxy.sinks.keys import MAX_KEYS, KeyLabels
 
     labels = KeyLabels("salt")
     seen = {labels([(b"authorization", f"Bearer k{i}".encode())]) for i in range(MAX_KEYS * 3)}

@@ -10,10 +10,10 @@ from collections.abc import Callable
 import httpx
 from prometheus_client import CollectorRegistry
 
-from proxy.app import create_app
-from proxy.measurement import Measurement
+from proxy.core.measurement import Measurement
+from proxy.server.app import create_app
 from proxy.settings import Settings
-from proxy.tracing import tracing_from_env
+from proxy.sinks.tracing import tracing_from_env
 from tests.conftest import MODEL, ProxyUnderTest, Running
 from tests.servers import ThreadedServer, free_port
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.sse import SSEDecoder
+from proxy.core.sse import SSEDecoder
 
 STREAMS = Path(__file__).parent / "fixtures" / "streams"
 VLLM_CHAT = (STREAMS / "vllm_chat.sse").read_bytes()

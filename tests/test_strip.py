@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.strip import UsageEventStripper
+from proxy.core.strip import UsageEventStripper
 
 STREAMS = Path(__file__).parent / "fixtures" / "streams"
 

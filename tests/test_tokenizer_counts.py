@@ -10,8 +10,8 @@ import httpx
 import orjson
 import pytest
 
-from proxy.measurement import TokenSource
-from proxy.tokens import count_output, load_tokenizer
+from proxy.core.measurement import TokenSource
+from proxy.core.tokens import count_output, load_tokenizer
 from tests.conftest import MODEL, ProxyUnderTest, Running
 from tests.tokenizers_local import build_tiny_tokenizer, mistral_tokenizer_dir
 
@@ -85,6 +85,6 @@ def test_transformers_is_not_imported_without_a_tokenizer() -> None:
     import subprocess
     import sys
 
-    code = "import proxy.app, proxy.serve, sys; print('transformers' in sys.modules)"
+    code = "import proxy.server.app, proxy.server.serve, sys; print('transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

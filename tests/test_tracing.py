@@ -15,10 +15,10 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, TraceIdRat
 from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client import CollectorRegistry
 
-from proxy.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
-from proxy.request import CHAT, COMPLETIONS, RequestInfo
+from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
+from proxy.core.request import CHAT, COMPLETIONS, RequestInfo
 from proxy.settings import SettingsError
-from proxy.tracing import CountingBatchProcessor, Tracing, export_failures, tracing_from_env
+from proxy.sinks.tracing import CountingBatchProcessor, Tracing, export_failures, tracing_from_env
 from tests.servers import free_port
 
 UPSTREAM = "http://vllm.internal:8000"

@@ -10,9 +10,9 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from proxy.app import create_app
+from proxy.server.app import create_app
 from proxy.settings import Settings
-from proxy.tracing import Tracing, tracing_from_env
+from proxy.sinks.tracing import Tracing, tracing_from_env
 from tests.conftest import MODEL, Running
 from tests.otlp_receiver import SPAN_KIND_CLIENT, STATUS_CODE_ERROR, OtlpReceiver
 from tests.servers import ThreadedServer, serve

@@ -25,8 +25,8 @@ from proxy.bench.options import Options, OptionsError, parse
 from proxy.bench.progress import Progress
 from proxy.bench.prompts import BUILTIN, PromptError, load_file, synthetic
 from proxy.bench.stats import summarize
-from proxy.measurement import ErrorType
-from proxy.metrics import TTFT_BUCKETS
+from proxy.core.measurement import ErrorType
+from proxy.sinks.metrics import TTFT_BUCKETS
 
 PROG = "tokenprobe bench"
 #: Synthetic prompts made for --input-tokens: enough that no two nearby requests share one.
@@ -99,7 +99,7 @@ def _tokenizer(options: Options) -> Any:
         return None
     # transformers warns on import that PyTorch is missing; a tokenizer needs no PyTorch.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from proxy.tokens import load_tokenizer
+    from proxy.core.tokens import load_tokenizer
 
     try:
         return load_tokenizer(options.tokenizer)

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from proxy.request import CHAT, COMPLETIONS
+from proxy.core.request import CHAT, COMPLETIONS
 
 #: SLO names `--slo` accepts, all in seconds.
 SLO_NAMES = ("ttft", "tpot", "e2e")

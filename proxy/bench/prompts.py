@@ -2,7 +2,7 @@
 
 A prompt is either a plain text or a chat `messages` list; `payload()` turns it into what
 the chosen endpoint takes. Exact-length prompts are measured the way the proxy counts a
-prompt (`proxy.tokens.count_prompt`: the chat template when the tokenizer has one).
+prompt (`proxy.core.tokens.count_prompt`: the chat template when the tokenizer has one).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 
 import orjson
 
-from proxy.request import CHAT
-from proxy.tokens import count_prompt
+from proxy.core.request import CHAT
+from proxy.core.tokens import count_prompt
 
 
 class PromptError(ValueError):

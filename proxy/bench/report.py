@@ -14,7 +14,7 @@ from proxy.bench.client import Result
 from proxy.bench.load import Level
 from proxy.bench.options import Options
 from proxy.bench.stats import Summary
-from proxy.measurement import ErrorType
+from proxy.core.measurement import ErrorType
 
 Cell = Callable[[Summary], str]
 

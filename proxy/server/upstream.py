@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Iterator
 import aiohttp
 import httpx
 
-from proxy.measurement import ErrorType
+from proxy.core.measurement import ErrorType
 from proxy.settings import Settings
 
 KEEPALIVE_SECONDS = 4.0

@@ -20,7 +20,7 @@ from typing import Any
 
 import uvicorn
 
-from proxy.app import ProxyApp
+from proxy.server.app import ProxyApp
 from proxy.settings import SPECS, Settings, SettingsError, parse, require_upstream
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -42,7 +42,7 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
 
 def build_app(settings: Settings) -> ProxyApp:
     """The app with every sink the settings ask for."""
-    from proxy.wiring import build
+    from proxy.server.wiring import build
 
     return build(settings, os.environ)
 
@@ -89,7 +89,7 @@ def _run_workers(settings: Settings) -> int:
             os.environ[spec.env] = ",".join(value) if isinstance(value, tuple) else str(value)
     _configure_logging(settings)
     uvicorn.run(
-        "proxy.serve:worker_app",
+        "proxy.server.serve:worker_app",
         factory=True,
         workers=settings.workers,
         **uvicorn_options(settings),

@@ -14,10 +14,10 @@ from typing import Any
 
 import orjson
 
-from proxy.errors import classify_response, error_message
-from proxy.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
-from proxy.request import CHAT, RequestInfo
-from proxy.sse import SSEDecoder
+from proxy.core.errors import classify_response, error_message
+from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
+from proxy.core.request import CHAT, RequestInfo
+from proxy.core.sse import SSEDecoder
 
 #: The most of a non-streaming or error body kept for parsing. Bigger bodies are still
 #: relayed in full; they are only measured from what fits.

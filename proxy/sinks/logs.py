@@ -27,7 +27,7 @@ from typing import Any, TextIO
 
 import orjson
 
-from proxy.measurement import NONE_LABEL, Measurement
+from proxy.core.measurement import NONE_LABEL, Measurement
 
 KEYS = (
     "ts",

@@ -14,7 +14,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from proxy.measurement import NONE_LABEL, Measurement
+from proxy.core.measurement import NONE_LABEL, Measurement
 
 # vLLM's boundaries (vllm/v1/metrics/loggers.py), so the two can be compared bucket for bucket.
 # fmt: off

@@ -11,7 +11,7 @@ import re
 
 import orjson
 
-from proxy.measurement import ErrorType
+from proxy.core.measurement import ErrorType
 
 # (pattern over the lower-cased body, error type). First match wins.
 _BODY_RULES: tuple[tuple[re.Pattern[str], ErrorType], ...] = (

@@ -17,15 +17,15 @@ from typing import Any
 import httpx
 import orjson
 
-from proxy.labels import route_template
-from proxy.measurement import ErrorType
-from proxy.observe import StreamObserver, TokenCounts
-from proxy.request import MEASURED_ENDPOINTS, RequestInfo, parse_request, with_usage_requested
-from proxy.sinks import Sinks
-from proxy.strip import UsageEventStripper
-from proxy.tokens import TokenCounter
+from proxy.core.labels import route_template
+from proxy.core.measurement import ErrorType
+from proxy.core.observe import StreamObserver, TokenCounts
+from proxy.core.request import MEASURED_ENDPOINTS, RequestInfo, parse_request, with_usage_requested
+from proxy.core.strip import UsageEventStripper
+from proxy.core.tokens import TokenCounter
+from proxy.server.upstream import body_reader, classify_exception, describe, send_upstream
+from proxy.sinks.dispatch import Sinks
 from proxy.types import Receive, Scope, Send
-from proxy.upstream import body_reader, classify_exception, describe, send_upstream
 
 log = logging.getLogger("tokenprobe")
 

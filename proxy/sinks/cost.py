@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 from prometheus_client import CollectorRegistry, Counter
 
-from proxy.measurement import Measurement
+from proxy.core.measurement import Measurement
 
 PER_TOKENS = 1_000_000
 _PRICE_KEYS = ("input", "cached_input", "output")

@@ -36,8 +36,8 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CollectorRegistry, Counter
 
-from proxy.measurement import NONE_LABEL, Measurement
-from proxy.request import CHAT, COMPLETIONS, RequestInfo
+from proxy.core.measurement import NONE_LABEL, Measurement
+from proxy.core.request import CHAT, COMPLETIONS, RequestInfo
 from proxy.settings import SettingsError
 
 log = logging.getLogger("tokenprobe")

@@ -7,11 +7,11 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, make_asgi_app
 
-from proxy.app import ProxyApp, create_app
-from proxy.logs import AccessLog
-from proxy.measurement import Measurement
+from proxy.core.measurement import Measurement
+from proxy.server.app import ProxyApp, create_app
 from proxy.settings import Settings, require_upstream
-from proxy.tracing import tracing_from_env
+from proxy.sinks.logs import AccessLog
+from proxy.sinks.tracing import tracing_from_env
 from proxy.types import Receive, Scope, Send
 
 
@@ -23,7 +23,7 @@ def build(settings: Settings, environ: Mapping[str, str]) -> ProxyApp:
     if settings.access_log != "off":
         consumers.append(AccessLog(settings.access_log))
     if settings.prices:
-        from proxy.cost import CostSink, load_prices
+        from proxy.sinks.cost import CostSink, load_prices
 
         cost = CostSink(load_prices(settings.prices), registry)
         consumers.append(lambda m, _label: cost.record(m))
@@ -45,7 +45,7 @@ def build(settings: Settings, environ: Mapping[str, str]) -> ProxyApp:
 def _multiprocess_metrics_app(directory: str) -> Any:
     from prometheus_client import multiprocess
 
-    from proxy.serve import drop_dead_workers
+    from proxy.server.serve import drop_dead_workers
 
     scrape_registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(scrape_registry, path=directory)  # type: ignore[no-untyped-call]

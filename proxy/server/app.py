@@ -19,16 +19,16 @@ import httpx
 import orjson
 from prometheus_client import CollectorRegistry, make_asgi_app
 
-from proxy.forward import Forwarder, UpstreamBroke
-from proxy.keys import KeyLabels
-from proxy.labels import ModelLabels
-from proxy.measurement import Measurement
-from proxy.metrics import Metrics
+from proxy.core.labels import ModelLabels
+from proxy.core.measurement import Measurement
+from proxy.core.tokens import TokenCounter
+from proxy.server.forward import Forwarder, UpstreamBroke
+from proxy.server.upstream import create_client, describe
 from proxy.settings import Settings, require_upstream
-from proxy.sinks import RequestTracer, Sinks
-from proxy.tokens import TokenCounter
+from proxy.sinks.dispatch import RequestTracer, Sinks
+from proxy.sinks.keys import KeyLabels
+from proxy.sinks.metrics import Metrics
 from proxy.types import Receive, Scope, Send
-from proxy.upstream import create_client, describe
 
 log = logging.getLogger("tokenprobe")
 

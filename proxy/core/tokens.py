@@ -13,8 +13,8 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from proxy.measurement import TokenSource
-from proxy.observe import StreamObserver, TokenCounts
+from proxy.core.measurement import TokenSource
+from proxy.core.observe import StreamObserver, TokenCounts
 
 log = logging.getLogger("tokenprobe")
 

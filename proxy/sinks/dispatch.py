@@ -12,11 +12,11 @@ from collections.abc import Callable, Sequence
 from time import perf_counter
 from typing import Any, Protocol
 
-from proxy.keys import KeyLabels
-from proxy.labels import ModelLabels
-from proxy.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
-from proxy.metrics import Metrics
-from proxy.request import RequestInfo
+from proxy.core.labels import ModelLabels
+from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
+from proxy.core.request import RequestInfo
+from proxy.sinks.keys import KeyLabels
+from proxy.sinks.metrics import Metrics
 
 log = logging.getLogger("tokenprobe")
 

@@ -1,0 +1,1 @@
+"""The I/O-free core: request reading, stream decoding, observing, the record, error classification."""

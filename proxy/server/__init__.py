@@ -1,0 +1,1 @@
+"""The server: the ASGI app, the relay, the upstream client, process management."""

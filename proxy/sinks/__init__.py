@@ -1,0 +1,1 @@
+"""Where finished measurements go: Prometheus metrics, OpenTelemetry traces, the access log, cost."""
