@@ -8,10 +8,8 @@ gauges of processes that died are dropped at each scrape.
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
-import re
 import shutil
 import signal
 import sys
@@ -95,23 +93,3 @@ def _run_workers(settings: Settings) -> int:
         **uvicorn_options(settings),
     )
     return 0
-
-
-_PID = re.compile(r"_(\d+)\.db$")
-
-
-def drop_dead_workers(directory: str) -> None:
-    """Remove live-gauge files of worker processes that no longer exist."""
-    from prometheus_client import multiprocess
-
-    for path in glob.glob(os.path.join(directory, "gauge_live*_*.db")):
-        match = _PID.search(path)
-        if match is None:
-            continue
-        pid = int(match.group(1))
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            multiprocess.mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
-        except PermissionError:
-            pass

@@ -5,14 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, make_asgi_app
+from prometheus_client import CollectorRegistry
 
 from proxy.core.measurement import Measurement
 from proxy.server.app import ProxyApp, create_app
+from proxy.server.multiproc import multiprocess_metrics_app
 from proxy.settings import Settings, require_upstream
 from proxy.sinks.logs import AccessLog
 from proxy.sinks.tracing import tracing_from_env
-from proxy.types import Receive, Scope, Send
 
 
 def build(settings: Settings, environ: Mapping[str, str]) -> ProxyApp:
@@ -36,23 +36,7 @@ def build(settings: Settings, environ: Mapping[str, str]) -> ProxyApp:
     metrics_app: Any = None
     multiproc_dir = environ.get("PROMETHEUS_MULTIPROC_DIR")
     if multiproc_dir:
-        metrics_app = _multiprocess_metrics_app(multiproc_dir)
+        metrics_app = multiprocess_metrics_app(multiproc_dir)
     return create_app(
         settings, registry=registry, tracer=tracer, consumers=consumers, metrics_app=metrics_app
     )
-
-
-def _multiprocess_metrics_app(directory: str) -> Any:
-    from prometheus_client import multiprocess
-
-    from proxy.server.serve import drop_dead_workers
-
-    scrape_registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(scrape_registry, path=directory)  # type: ignore[no-untyped-call]
-    inner = make_asgi_app(scrape_registry)
-
-    async def metrics(scope: Scope, receive: Receive, send: Send) -> None:
-        drop_dead_workers(directory)
-        await inner(scope, receive, send)
-
-    return metrics
