@@ -153,6 +153,24 @@ def test_vllm_max_tokens_param_alone_is_not_the_context() -> None:
     assert classify_response(400, reply) is ErrorType.BAD_REQUEST
 
 
+@pytest.mark.parametrize(
+    "message",
+    [
+        # vllm/renderers/params.py TokenizeParams.__post_init__, before and after the fix
+        # pinned by vLLM's tests/renderers/test_params_validation.py
+        "max_tokens=20000cannot be greater than max_model_len=max_total_tokens=8192.",
+        "max_tokens=20000 cannot be greater than max_model_len=8192",
+    ],
+)
+def test_vllm_max_tokens_over_the_model_length_is_context_length_by_param_or_words(
+    message: str,
+) -> None:
+    with_param = openai_shaped(message=message, type="BadRequestError", param="max_tokens")
+    words_only = openai_shaped(message=message, type="BadRequestError")
+    assert classify_response(400, with_param) is ErrorType.CONTEXT_LENGTH
+    assert classify_response(400, words_only) is ErrorType.CONTEXT_LENGTH
+
+
 def test_structure_wins_over_wording() -> None:
     reply = openai_shaped(message="your token has expired", code="context_length_exceeded")
     assert classify_response(401, reply) is ErrorType.CONTEXT_LENGTH
