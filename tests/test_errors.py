@@ -1,42 +1,188 @@
-"""Upstream error bodies -> error type: one row per real body, and secret scrubbing."""
+"""Upstream error bodies -> error type, the proxy's own error bodies, and secret scrubbing.
+
+The table is tests/fixtures/errors/index.toml: one row per real body, with its source.
+"""
 
 from __future__ import annotations
 
+import tomllib
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import anthropic
+import openai
+import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from proxy.core.errors import MAX_ERROR_BODY, classify_response, error_message, scrub
+from proxy.core.errors import (
+    MAX_ERROR_BODY,
+    classify_response,
+    error_body,
+    error_message,
+    error_shape,
+    scrub,
+)
 from proxy.core.measurement import ErrorType
+from tests.conftest import MODEL, ProxyUnderTest, Running
 
 ERRORS = Path(__file__).parent / "fixtures" / "errors"
+INDEX: list[dict[str, Any]] = tomllib.loads((ERRORS / "index.toml").read_text())["fixture"]
 
-# (fixture, status the backend sent, expected type)
-TABLE = [
-    ("vllm_context_length_legacy.json", 400, ErrorType.CONTEXT_LENGTH),
-    ("vllm_max_tokens_too_large.json", 400, ErrorType.CONTEXT_LENGTH),
-    ("vllm_decoder_prompt_too_long.json", 400, ErrorType.CONTEXT_LENGTH),
-    ("openai_context_length_exceeded.json", 400, ErrorType.CONTEXT_LENGTH),
-    ("tgi_max_total_tokens.json", 422, ErrorType.CONTEXT_LENGTH),
-    ("tgi_input_length.json", 422, ErrorType.CONTEXT_LENGTH),
-    ("openai_incorrect_api_key.json", 401, ErrorType.AUTH),
-    ("openai_unsupported_region.json", 403, ErrorType.AUTH),
-    ("gateway_token_exchange_failed.json", 500, ErrorType.AUTH),
-    ("openai_rate_limit.json", 429, ErrorType.RATE_LIMIT),
-    ("openai_insufficient_quota.json", 429, ErrorType.RATE_LIMIT),
-    ("vllm_model_not_found.json", 404, ErrorType.NOT_FOUND),
-    ("vllm_validation_error.json", 400, ErrorType.BAD_REQUEST),
-    ("tgi_temperature.json", 422, ErrorType.BAD_REQUEST),
-    ("vllm_engine_dead.json", 500, ErrorType.UPSTREAM_ERROR),
-    ("nginx_bad_gateway.html", 502, ErrorType.UPSTREAM_ERROR),
-]
+
+def body(name: str) -> bytes:
+    return (ERRORS / name).read_bytes()
+
+
+# -- the table of real bodies ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("row", INDEX, ids=[row["file"].rsplit(".", 1)[0] for row in INDEX])
+def test_real_upstream_error_body_is_classified(row: dict[str, Any]) -> None:
+    assert classify_response(row["status"], body(row["file"])) is ErrorType(row["expect"])
+
+
+def test_every_fixture_is_in_the_table_once_with_its_source() -> None:
+    files = sorted(p.name for p in ERRORS.iterdir() if p.name != "index.toml")
+    listed = [row["file"] for row in INDEX]
+    assert sorted(listed) == files  # no body without a row, no row without a body, no repeats
+    assert all(len(row["source"]) > 20 for row in INDEX)
+
+
+def test_current_vllm_max_tokens_larger_than_the_context_is_context_length() -> None:
+    # vllm/renderers/params.py: no "context" in the sentence; the old wording table said
+    # bad_request here. `param` and "max_model_len" decide.
+    reply = body("vllm_renderer_max_tokens_over_context.json")
+    assert b"context" not in reply
+    assert classify_response(400, reply) is ErrorType.CONTEXT_LENGTH
+
+
+def test_current_vllm_prompt_longer_than_the_context_is_context_length() -> None:
+    assert classify_response(400, body("vllm_renderer_prompt_too_long.json")) is (
+        ErrorType.CONTEXT_LENGTH
+    )
+    assert classify_response(400, body("vllm_prompt_too_long_input_tokens.json")) is (
+        ErrorType.CONTEXT_LENGTH
+    )
+
+
+# -- structure first ------------------------------------------------------------------------
+
+
+def openai_shaped(**error: object) -> bytes:
+    return orjson.dumps({"error": {"message": "x", **error}})
+
+
+def anthropic_shaped(error_type: str, message: str = "x") -> bytes:
+    return orjson.dumps({"type": "error", "error": {"type": error_type, "message": message}})
 
 
 @pytest.mark.parametrize(
-    ("fixture", "status", "want"), TABLE, ids=[row[0].rsplit(".", 1)[0] for row in TABLE]
+    ("code", "want"),
+    [
+        ("context_length_exceeded", ErrorType.CONTEXT_LENGTH),
+        ("invalid_api_key", ErrorType.AUTH),
+        ("rate_limit_exceeded", ErrorType.RATE_LIMIT),
+        ("insufficient_quota", ErrorType.RATE_LIMIT),
+        ("model_not_found", ErrorType.NOT_FOUND),
+    ],
 )
-def test_upstream_error_body_is_classified(fixture: str, status: int, want: ErrorType) -> None:
-    assert classify_response(status, (ERRORS / fixture).read_bytes()) is want
+def test_openai_code_decides_whatever_the_status(code: str, want: ErrorType) -> None:
+    for status in (400, 500):
+        assert classify_response(status, openai_shaped(code=code)) is want
+
+
+@pytest.mark.parametrize(
+    ("error_type", "want"),
+    [
+        ("authentication_error", ErrorType.AUTH),
+        ("permission_error", ErrorType.AUTH),
+        ("rate_limit_error", ErrorType.RATE_LIMIT),
+        ("billing_error", ErrorType.RATE_LIMIT),
+        ("not_found_error", ErrorType.NOT_FOUND),
+        ("overloaded_error", ErrorType.UPSTREAM_ERROR),
+        ("timeout_error", ErrorType.UPSTREAM_TIMEOUT),
+    ],
+)
+def test_anthropic_error_type_decides_whatever_the_status(error_type: str, want: ErrorType) -> None:
+    for status in (400, 500):
+        assert classify_response(status, anthropic_shaped(error_type)) is want
+
+
+@pytest.mark.parametrize(
+    ("status", "error_type", "message", "want"),
+    [
+        (400, "invalid_request_error", "max_tokens: Field required", ErrorType.BAD_REQUEST),
+        (400, "invalid_request_error", "prompt is too long: 9 tokens > 8 maximum", "context"),
+        (413, "request_too_large", "Request exceeds the maximum size", ErrorType.BAD_REQUEST),
+        (500, "api_error", "Internal server error", ErrorType.UPSTREAM_ERROR),
+        (401, "invalid_request_error", "x", ErrorType.AUTH),  # generic type: the status decides
+        (404, "invalid_request_error", "x", ErrorType.NOT_FOUND),
+    ],
+)
+def test_generic_anthropic_types_leave_it_to_wording_then_status(
+    status: int, error_type: str, message: str, want: ErrorType | str
+) -> None:
+    want = ErrorType.CONTEXT_LENGTH if want == "context" else want
+    assert classify_response(status, anthropic_shaped(error_type, message)) is want
+
+
+def test_llamacpp_type_decides_without_the_sentence() -> None:
+    reply = orjson.dumps(
+        {"error": {"code": 400, "message": "", "type": "exceed_context_size_error"}}
+    )
+    assert classify_response(400, reply) is ErrorType.CONTEXT_LENGTH
+
+
+def test_vllm_length_param_decides_without_the_sentence() -> None:
+    for param in ("input_tokens", "input_text"):
+        reply = openai_shaped(type="BadRequestError", param=param, code=400)
+        assert classify_response(400, reply) is ErrorType.CONTEXT_LENGTH
+
+
+def test_vllm_max_tokens_param_alone_is_not_the_context() -> None:
+    # Same param, other check: vllm/sampling_params.py SamplingParams._verify_args.
+    reply = openai_shaped(
+        message="max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+        type="BadRequestError",
+        param="max_tokens",
+        code=400,
+    )
+    assert classify_response(400, reply) is ErrorType.BAD_REQUEST
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        # vllm/renderers/params.py TokenizeParams.__post_init__, before and after the fix
+        # pinned by vLLM's tests/renderers/test_params_validation.py
+        "max_tokens=20000cannot be greater than max_model_len=max_total_tokens=8192.",
+        "max_tokens=20000 cannot be greater than max_model_len=8192",
+    ],
+)
+def test_vllm_max_tokens_over_the_model_length_is_context_length_by_param_or_words(
+    message: str,
+) -> None:
+    with_param = openai_shaped(message=message, type="BadRequestError", param="max_tokens")
+    words_only = openai_shaped(message=message, type="BadRequestError")
+    assert classify_response(400, with_param) is ErrorType.CONTEXT_LENGTH
+    assert classify_response(400, words_only) is ErrorType.CONTEXT_LENGTH
+
+
+def test_structure_wins_over_wording() -> None:
+    reply = openai_shaped(message="your token has expired", code="context_length_exceeded")
+    assert classify_response(401, reply) is ErrorType.CONTEXT_LENGTH
+
+
+def test_auth_wording_is_not_mistaken_for_context_length() -> None:
+    assert classify_response(500, body("gateway_token_exchange_failed.json")) is ErrorType.AUTH
+    assert classify_response(401, body("openai_incorrect_api_key.json")) is ErrorType.AUTH
+    assert classify_response(403, b"Forbidden") is ErrorType.AUTH
+
+
+# -- wording and status, as before ----------------------------------------------------------
 
 
 @pytest.mark.parametrize("status", [200, 204, 301, 399])
@@ -63,13 +209,50 @@ def test_empty_body_is_classified_by_status(status: int, want: ErrorType) -> Non
 
 def test_body_wording_wins_over_status() -> None:
     # Some servers answer a too-long prompt with 413 or 500; the words decide.
-    body = (ERRORS / "openai_context_length_exceeded.json").read_bytes()
-    assert classify_response(500, body) is ErrorType.CONTEXT_LENGTH
+    reply = b'{"detail": "This model\'s maximum context length is 8 tokens"}'
+    assert classify_response(500, reply) is ErrorType.CONTEXT_LENGTH
 
 
 def test_wording_past_the_read_limit_is_not_seen() -> None:
-    body = b" " * MAX_ERROR_BODY + b"maximum context length"
-    assert classify_response(400, body) is ErrorType.BAD_REQUEST
+    reply = b" " * MAX_ERROR_BODY + b"maximum context length"
+    assert classify_response(400, reply) is ErrorType.BAD_REQUEST
+
+
+def test_json_cut_at_the_read_limit_falls_back_to_wording_and_status() -> None:
+    reply = b'{"error": {"message": "' + b"x" * MAX_ERROR_BODY + b'", "code": "invalid_api_key"}}'
+    assert classify_response(400, reply) is ErrorType.BAD_REQUEST
+
+
+@given(status=st.integers(min_value=0, max_value=999), reply=st.binary(max_size=2048))
+def test_classification_never_raises_on_arbitrary_bytes(status: int, reply: bytes) -> None:
+    got = classify_response(status, reply)
+    assert (got is None) == (status < 400)
+    assert len(error_message(reply, limit=40)) <= 40
+
+
+JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    | st.floats(allow_nan=False)
+    | st.text(),
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.dictionaries(
+            st.sampled_from(["error", "type", "code", "param", "message", "error_type", "x"]),
+            children,
+            max_size=5,
+        )
+    ),
+    max_leaves=20,
+)
+
+
+@given(status=st.integers(min_value=400, max_value=599), tree=JSON)
+def test_classification_never_raises_on_any_json_shape(status: int, tree: object) -> None:
+    reply = orjson.dumps(tree)
+    assert isinstance(classify_response(status, reply), ErrorType)
+    assert isinstance(error_message(reply), str)
 
 
 # -- messages -------------------------------------------------------------------------------
@@ -88,6 +271,11 @@ def test_wording_past_the_read_limit_is_not_seen() -> None:
             "Input validation error: `temperature` must be strictly positive",
         ),
         (
+            "anthropic_prompt_too_long.json",  # {"type": "error", "error": {"type", "message"}}
+            "prompt is too long: 208310 tokens > 200000 maximum",
+        ),
+        ("ollama_model_not_found.json", 'model "llama3" not found, try pulling it first'),
+        (
             "nginx_bad_gateway.html",  # not JSON: the text, whitespace collapsed
             "<html> <head><title>502 Bad Gateway</title></head> <body> "
             "<center><h1>502 Bad Gateway</h1></center> <hr><center>nginx/1.25.3</center> "
@@ -96,7 +284,7 @@ def test_wording_past_the_read_limit_is_not_seen() -> None:
     ],
 )
 def test_error_message_is_taken_from_each_body_shape(fixture: str, want: str) -> None:
-    assert error_message((ERRORS / fixture).read_bytes()) == want
+    assert error_message(body(fixture)) == want
 
 
 def test_error_message_is_cut_to_the_limit() -> None:
@@ -104,9 +292,97 @@ def test_error_message_is_cut_to_the_limit() -> None:
 
 
 def test_error_message_hides_the_masked_openai_key() -> None:
-    message = error_message((ERRORS / "openai_incorrect_api_key.json").read_bytes())
+    message = error_message(body("openai_incorrect_api_key.json"))
     assert message.startswith("Incorrect API key provided: [redacted]. You can find")
     assert "sk-" not in message
+
+
+# -- the proxy's own bodies -----------------------------------------------------------------
+
+
+def test_openai_shaped_body_is_what_vllm_writes() -> None:
+    assert orjson.loads(error_body(413, "request_too_large", "too big")) == {
+        "error": {"message": "too big", "type": "request_too_large", "param": None, "code": 413}
+    }
+
+
+@pytest.mark.parametrize(
+    ("status", "want"),
+    [
+        (400, "invalid_request_error"),
+        (401, "authentication_error"),
+        (404, "not_found_error"),
+        (408, "invalid_request_error"),
+        (413, "request_too_large"),
+        (431, "invalid_request_error"),
+        (502, "api_error"),
+        (503, "api_error"),
+        (504, "timeout_error"),
+    ],
+)
+def test_anthropic_shaped_body_takes_its_type_from_the_status(status: int, want: str) -> None:
+    got = orjson.loads(error_body(status, "whatever", "said", shape="anthropic"))
+    assert got == {"type": "error", "error": {"type": want, "message": "said"}}
+
+
+@pytest.mark.parametrize(
+    ("status", "kind", "openai_want", "anthropic_want"),
+    [
+        (413, "request_too_large", ErrorType.BAD_REQUEST, ErrorType.BAD_REQUEST),
+        (401, "auth", ErrorType.AUTH, ErrorType.AUTH),
+        (404, "not_found", ErrorType.NOT_FOUND, ErrorType.NOT_FOUND),
+        (502, "upstream_unreachable", ErrorType.UPSTREAM_ERROR, ErrorType.UPSTREAM_ERROR),
+        # Anthropic's timeout_error says more than the status; the OpenAI shape keeps the
+        # proxy's own kind in `type`, which the classifier does not read (a closed set of
+        # backend types is, not the proxy's names).
+        (504, "upstream_timeout", ErrorType.UPSTREAM_ERROR, ErrorType.UPSTREAM_TIMEOUT),
+    ],
+)
+def test_own_bodies_are_classified_when_measured_through_the_proxy(
+    status: int, kind: str, openai_want: ErrorType, anthropic_want: ErrorType
+) -> None:
+    # What `tokenprobe bench` records when it measures through the proxy.
+    assert classify_response(status, error_body(status, kind, "m")) is openai_want
+    anthropic = error_body(status, kind, "m", shape="anthropic")
+    assert classify_response(status, anthropic) is anthropic_want
+
+
+@pytest.mark.parametrize(
+    ("path", "want"),
+    [
+        ("/v1/messages", "anthropic"),
+        ("/v1/messages/count_tokens", "anthropic"),
+        ("/v1/messagesx", "openai"),
+        ("/v1/chat/completions", "openai"),
+        ("/v1/responses", "openai"),
+    ],
+)
+def test_error_shape_follows_the_api(path: str, want: str) -> None:
+    assert error_shape(path) == want
+
+
+def test_official_clients_parse_the_proxys_own_errors(
+    sim: Running, start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    proxy = start_proxy(sim.url, max_body_bytes=2000)
+    big = "x" * 4000
+    claude = anthropic.Anthropic(base_url=proxy.url, api_key="k", max_retries=0)
+    with pytest.raises(anthropic.APIStatusError) as caught_a:
+        claude.messages.create(
+            model=MODEL, max_tokens=8, messages=[{"role": "user", "content": big}]
+        )
+    assert caught_a.value.status_code == 413
+    assert caught_a.value.body == {
+        "type": "error",
+        "error": {"type": "request_too_large", "message": "request body over 2000 bytes"},
+    }
+    gpt = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as caught_o:
+        gpt.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": big}])
+    assert caught_o.value.status_code == 413
+    assert caught_o.value.type == "request_too_large"  # the SDK reads error.type and .message
+    assert caught_o.value.message == "Error code: 413 - request body over 2000 bytes"
+    assert sim.app.state.last() is None  # refused before anything went upstream
 
 
 # -- scrub ----------------------------------------------------------------------------------

@@ -1,27 +1,136 @@
-"""Upstream status, body and exceptions -> one ErrorType. One table, read top to bottom.
+"""Upstream error responses -> one ErrorType; and the one writer of the proxy's own error bodies.
 
-Body wording is checked before status codes because backends disagree on codes: vLLM
-answers a too-long prompt with 400, others with 413 or 422, and an auth gateway in front
-of a model may turn a failed token exchange into a 500.
+An error body is read in three steps, each only when the one before did not decide:
+
+1. Structure. The fields a backend sets on purpose: OpenAI's `code` ("context_length_exceeded",
+   "invalid_api_key", ...), a specific `type` (Anthropic's "rate_limit_error", llama.cpp's
+   "exceed_context_size_error", ...), and vLLM's `param`, which names the input a validation
+   error is about ("input_tokens"). Generic types ("invalid_request_error", "BadRequestError",
+   "api_error", "internal_error") say no more than the status does and decide nothing.
+2. Wording. Sentences drift between releases (vLLM has worded "prompt too long" four ways), so
+   the patterns below are wide and each names where its phrasing comes from.
+3. Status. Backends disagree on codes (a too-long prompt is 400, 413 or 422; an auth gateway may
+   answer a failed token exchange with 500), so the status is the last word, not the first.
+
+The real bodies behind every rule, with their sources, are in tests/fixtures/errors/index.toml.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from typing import Literal
 
 import orjson
 
 from proxy.core.measurement import ErrorType
 
+#: How much of an error body is read for classification and messages.
+MAX_ERROR_BODY = 64 * 1024
+
+# -- 1. structure ---------------------------------------------------------------------------
+
+# OpenAI's `error.code` (a string; vLLM and llama.cpp put the HTTP status, an int, there).
+_CODES: dict[str, ErrorType] = {
+    "context_length_exceeded": ErrorType.CONTEXT_LENGTH,
+    "invalid_api_key": ErrorType.AUTH,
+    "rate_limit_exceeded": ErrorType.RATE_LIMIT,
+    "insufficient_quota": ErrorType.RATE_LIMIT,
+    "model_not_found": ErrorType.NOT_FOUND,
+}
+
+# `type` values specific enough to decide alone. Anthropic's list is ErrorType in
+# anthropic-sdk-python src/anthropic/types/shared/error_type.py; llama.cpp's are in
+# format_error_response, tools/server/server-common.cpp; vLLM's come from create_error_response.
+_TYPES: dict[str, ErrorType] = {
+    "authentication_error": ErrorType.AUTH,  # Anthropic, llama.cpp
+    "permission_error": ErrorType.AUTH,  # Anthropic, llama.cpp
+    "rate_limit_error": ErrorType.RATE_LIMIT,  # Anthropic
+    "insufficient_quota": ErrorType.RATE_LIMIT,  # OpenAI puts it in `type` too
+    "billing_error": ErrorType.RATE_LIMIT,  # Anthropic: out of credit, like OpenAI's quota
+    "not_found_error": ErrorType.NOT_FOUND,  # Anthropic, llama.cpp, Ollama's OpenAI layer
+    "NotFoundError": ErrorType.NOT_FOUND,  # vLLM
+    "overloaded_error": ErrorType.UPSTREAM_ERROR,  # Anthropic 529
+    "unavailable_error": ErrorType.UPSTREAM_ERROR,  # llama.cpp 503 (model loading)
+    "timeout_error": ErrorType.UPSTREAM_TIMEOUT,  # Anthropic 504
+    "exceed_context_size_error": ErrorType.CONTEXT_LENGTH,  # llama.cpp
+}
+
+# vLLM's `param` for a VLLMValidationError (vllm/entrypoints/openai/engine/serving.py
+# create_error_response). These two are only ever set by the length checks
+# (OpenAIServing._validate_input, TokenizeParams in vllm/renderers/params.py).
+_LENGTH_PARAMS = frozenset({"input_tokens", "input_text"})
+# These name the output budget; they are about the context only when the message says so,
+# because "max_tokens must be at least 1" carries the same param.
+_OUTPUT_PARAMS = frozenset(
+    {"max_tokens", "max_completion_tokens", "max_output_tokens", "max_new_tokens"}
+)
+_ABOUT_CONTEXT = re.compile(r"context|max_model_len|model length", re.IGNORECASE)
+
+
+@dataclass(frozen=True, slots=True)
+class _Fields:
+    """The structured fields of an error body, whichever shape carried them."""
+
+    type: str | None
+    code: str | None
+    param: str | None
+    message: str | None
+
+
+def _str(value: object) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _fields(obj: object) -> _Fields | None:
+    """Read the four fields from every known shape, or None if the body is no JSON object.
+
+    {"error": {...}} (OpenAI, vLLM >= 0.10, llama.cpp, Anthropic's {"type": "error", "error":
+    {...}}); a flat {"object": "error", "message", "type", "param", "code"} (vLLM before, SGLang);
+    {"error": "text", "error_type": ...} (TGI, Ollama's native API).
+    """
+    if not isinstance(obj, dict):
+        return None
+    inner = obj.get("error")
+    if isinstance(inner, dict):
+        obj = inner
+    elif inner is not None:
+        return _Fields(_str(obj.get("error_type")), None, None, _str(inner))
+    return _Fields(
+        _str(obj.get("type")),
+        _str(obj.get("code")),
+        _str(obj.get("param")),
+        _str(obj.get("message")),
+    )
+
+
+def _by_structure(f: _Fields) -> ErrorType | None:
+    if f.code is not None and f.code in _CODES:
+        return _CODES[f.code]
+    if f.type is not None and f.type in _TYPES:
+        return _TYPES[f.type]
+    if f.param in _LENGTH_PARAMS:
+        return ErrorType.CONTEXT_LENGTH
+    if f.param in _OUTPUT_PARAMS and f.message and _ABOUT_CONTEXT.search(f.message):
+        return ErrorType.CONTEXT_LENGTH
+    return None
+
+
+# -- 2. wording -----------------------------------------------------------------------------
+
 # (pattern over the lower-cased body, error type). First match wins.
 _BODY_RULES: tuple[tuple[re.Pattern[str], ErrorType], ...] = (
     (
         re.compile(
-            r"maximum context length"  # vLLM, OpenAI
-            r"|context_length_exceeded"  # OpenAI's error code
-            r"|context length (?:is )?exceeded|exceeds? (?:the )?(?:model'?s? )?(?:maximum )?context"
-            r"|longer than the maximum model length"  # vLLM: decoder prompt too long
-            r"|prompt is too long|input is too long|too many (?:input )?tokens"
+            r"maximum context length"  # vLLM (all releases), OpenAI, SGLang's total check
+            r"|context_length_exceeded"  # OpenAI's code, when the body is not JSON we can read
+            r"|context length (?:is )?exceeded"
+            r"|exceeds? (?:the )?(?:model'?s? )?(?:maximum |available )?context"  # llama.cpp, Ollama
+            r"|context length is only"  # vLLM renderers/params.py: "the model's context length is only"
+            r"|longer than the (?:maximum model length|model's context length)"  # vLLM, SGLang
+            r"|larger than the max context size"  # llama.cpp, unsplittable input
+            r"|(?:max_tokens|max_completion_tokens|max_output_tokens)=\d+ ?cannot be greater than"
+            r"|prompt is too long|input is too long|too many (?:input )?tokens"  # Anthropic, others
             r"|must be <= \d+"  # TGI: `inputs` tokens + `max_new_tokens` must be <= N
             r"|must have less than \d+ tokens"  # TGI: `inputs` must have less than N tokens
             r"|context window"
@@ -38,6 +147,8 @@ _BODY_RULES: tuple[tuple[re.Pattern[str], ErrorType], ...] = (
     ),
 )
 
+# -- 3. status ------------------------------------------------------------------------------
+
 _STATUS_RULES: dict[int, ErrorType] = {
     401: ErrorType.AUTH,
     403: ErrorType.AUTH,
@@ -45,15 +156,16 @@ _STATUS_RULES: dict[int, ErrorType] = {
     429: ErrorType.RATE_LIMIT,
 }
 
-#: How much of an error body is read for classification and messages.
-MAX_ERROR_BODY = 64 * 1024
-
 
 def classify_response(status: int, body: bytes) -> ErrorType | None:
-    """Classify an upstream HTTP response; None for success (< 400)."""
+    """Classify an upstream HTTP response; None for success (< 400). Never raises."""
     if status < 400:
         return None
-    text = body[:MAX_ERROR_BODY].decode("utf-8", "replace").lower()
+    raw = body[:MAX_ERROR_BODY]
+    fields = _parse(raw)
+    if fields is not None and (decided := _by_structure(fields)) is not None:
+        return decided
+    text = raw.decode("utf-8", "replace").lower()
     for pattern, error_type in _BODY_RULES:
         if pattern.search(text):
             return error_type
@@ -61,6 +173,18 @@ def classify_response(status: int, body: bytes) -> ErrorType | None:
         return _STATUS_RULES[status]
     return ErrorType.BAD_REQUEST if status < 500 else ErrorType.UPSTREAM_ERROR
 
+
+def _parse(raw: bytes) -> _Fields | None:
+    # Only a body that opens like a JSON object is parsed: HTML pages and plain text skip it.
+    if raw.lstrip()[:1] != b"{":
+        return None
+    try:
+        return _fields(orjson.loads(raw))
+    except orjson.JSONDecodeError:
+        return None  # cut at the read limit, or not JSON after all: wording and status decide
+
+
+# -- messages -------------------------------------------------------------------------------
 
 _SECRET = re.compile(
     r"(?i)(bearer\s+)\S+|\b(sk|pk|rk)-[A-Za-z0-9_\-*]{6,}|\bey[A-Za-z0-9_\-]{16,}\.\S+"
@@ -73,17 +197,67 @@ def scrub(text: str) -> str:
 
 
 def error_message(body: bytes, limit: int = 300) -> str:
-    """A short, secret-free message from an OpenAI/vLLM-shaped error body (or raw text)."""
+    """A short, secret-free message from an error body of any known shape (or its raw text).
+
+    Reads `error.message` (OpenAI, vLLM, llama.cpp, Anthropic's {"type": "error", "error": {...}}),
+    a flat `message` (vLLM before 0.10, SGLang) and a string `error` (TGI, Ollama).
+    """
     raw = body[:MAX_ERROR_BODY]
-    message: object = None
-    try:
-        obj = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        obj = None
-    if isinstance(obj, dict):
-        err = obj.get("error", obj)
-        message = err.get("message") if isinstance(err, dict) else err
-    if not isinstance(message, str) or not message:
+    fields = _parse(raw)
+    message = fields.message if fields is not None else None
+    if message is None:
         message = raw.decode("utf-8", "replace")
     text = " ".join(message.split())
     return scrub(text)[:limit]
+
+
+# -- the proxy's own error bodies -----------------------------------------------------------
+
+Shape = Literal["openai", "anthropic"]
+
+# Anthropic's `error.type` for each status, from https://docs.claude.com/en/api/errors
+# ("HTTP errors") and timeout_error from anthropic-sdk-python's ErrorType. Anthropic's SDK
+# picks its exception class from the status; the type is for people and classifiers.
+_ANTHROPIC_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+
+
+def error_shape(path: str) -> Shape:
+    """The error shape clients of `path` parse: Anthropic's for the Messages API, else OpenAI's."""
+    return "anthropic" if path == "/v1/messages" or path.startswith("/v1/messages/") else "openai"
+
+
+def error_body(status: int, kind: str, message: str, *, shape: Shape = "openai") -> bytes:
+    """The body of an error the proxy itself answers with (never a relayed upstream body).
+
+    OpenAI shape: {"error": {"message", "type": kind, "param": null, "code": status}}, as vLLM
+    writes its own. Anthropic shape: {"type": "error", "error": {"type", "message"}}, the type
+    chosen by status as Anthropic does (other 4xx are invalid_request_error, 5xx api_error).
+    """
+    if shape == "anthropic":
+        fallback = "invalid_request_error" if status < 500 else "api_error"
+        error_type = _ANTHROPIC_TYPES.get(status, fallback)
+        return orjson.dumps({"type": "error", "error": {"type": error_type, "message": message}})
+    return orjson.dumps(
+        {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    )
+
+
+__all__ = [
+    "MAX_ERROR_BODY",
+    "Shape",
+    "classify_response",
+    "error_body",
+    "error_message",
+    "error_shape",
+    "scrub",
+]

@@ -19,6 +19,7 @@ import httpx
 import orjson
 from prometheus_client import CollectorRegistry, make_asgi_app
 
+from proxy.core.errors import error_body
 from proxy.core.labels import ModelLabels
 from proxy.core.measurement import Measurement
 from proxy.core.tokens import TokenCounter
@@ -91,10 +92,8 @@ class ProxyApp:
                     send, 200 if ready else 503, {"ready": ready, "upstream": self.upstream}
                 )
             else:
-                await _json(
-                    send,
-                    404,
-                    _error(f"no route {path!r}: tokenprobe forwards /v1/...", "not_found", 404),
+                await _error(
+                    send, 404, "not_found", f"no route {path!r}: tokenprobe forwards /v1/..."
                 )
         elif kind == "lifespan":
             await self._lifespan(receive, send)
@@ -104,7 +103,7 @@ class ProxyApp:
         if token is not None:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, b"Bearer " + token.encode()):
-                await _json(send, 401, _error("metrics need a bearer token", "auth", 401))
+                await _error(send, 401, "auth", "metrics need a bearer token")
                 return
         await self.metrics_app(scope, receive, send)
 
@@ -144,7 +143,7 @@ class ProxyApp:
             if scope["path"] == "/metrics":
                 await self.serve_metrics(scope, receive, send)
             else:
-                await _json(send, 404, _error("only /metrics is served here", "not_found", 404))
+                await _error(send, 404, "not_found", "only /metrics is served here")
 
         config = uvicorn.Config(
             metrics_only,
@@ -240,12 +239,15 @@ def create_app(settings: Settings, **kwargs: Any) -> ProxyApp:
     return ProxyApp(settings, **kwargs)
 
 
-def _error(message: str, kind: str, code: int) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+async def _error(send: Send, status: int, kind: str, message: str) -> None:
+    await _send(send, status, error_body(status, kind, message))
 
 
 async def _json(send: Send, status: int, payload: object) -> None:
-    body = orjson.dumps(payload)
+    await _send(send, status, orjson.dumps(payload))
+
+
+async def _send(send: Send, status: int, body: bytes) -> None:
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

@@ -15,8 +15,8 @@ from time import perf_counter, time
 from typing import Any
 
 import httpx
-import orjson
 
+from proxy.core.errors import error_body, error_shape
 from proxy.core.labels import route_template
 from proxy.core.measurement import ErrorType
 from proxy.core.observe import StreamObserver, TokenCounts
@@ -119,17 +119,24 @@ class Forwarder:
                 431,
                 "request_header_fields_too_large",
                 f"request headers over {self.max_header_bytes} bytes",
+                path,
             )
             self._count_refusal(path, measured, 431, start, started_at)
             return
         except BodyTooLarge:
             await _send_error(
-                send, 413, "request_too_large", f"request body over {self.max_body_bytes} bytes"
+                send,
+                413,
+                "request_too_large",
+                f"request body over {self.max_body_bytes} bytes",
+                path,
             )
             self._count_refusal(path, measured, 413, start, started_at)
             return
         except TimeoutError:
-            await _send_error(send, 408, "request_timeout", "request body not received in time")
+            await _send_error(
+                send, 408, "request_timeout", "request body not received in time", path
+            )
             self._count_refusal(path, measured, 408, start, started_at)
             return
         except ClientGone:
@@ -262,7 +269,7 @@ class Forwarder:
                     error, broke = ErrorType.STREAM_TRUNCATED, True
                 else:
                     error, status = ErrorType.UPSTREAM_ERROR, 503
-                    await _send_error(send, status, "proxy_shutting_down", message)
+                    await _send_error(send, status, "proxy_shutting_down", message, scope["path"])
         except Exception as exc:
             watch.finished = True
             started = status != 0
@@ -271,7 +278,7 @@ class Forwarder:
                 broke = True  # the client already has part of a body: drop its connection
             else:
                 status = _STATUS_FOR_ERROR.get(error, 502)
-                await _send_error(send, status, error.value, f"upstream: {message}")
+                await _send_error(send, status, error.value, f"upstream: {message}", scope["path"])
         finally:
             watch.finished = True
             watcher.cancel()
@@ -421,11 +428,9 @@ def _client_headers(
     return out
 
 
-async def _send_error(send: Send, status: int, kind: str, message: str) -> None:
-    """An OpenAI-shaped error from the proxy itself (only before any byte was sent)."""
-    body = orjson.dumps(
-        {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    )
+async def _send_error(send: Send, status: int, kind: str, message: str, path: str) -> None:
+    """An error from the proxy itself (only before any byte was sent), shaped for `path`."""
+    body = error_body(status, kind, message, shape=error_shape(path))
     await send(
         {
             "type": "http.response.start",
