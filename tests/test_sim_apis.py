@@ -427,7 +427,7 @@ def test_openai_sdk_embeddings_with_usage(url: str, app: SimApp) -> None:
     [
         ("/pooling", {"input": ["abcd", "efgh"]}, "data"),
         ("/score", {"text_1": "abcd", "text_2": ["efgh", "ijkl"]}, "data"),
-        ("/v1/score", {"text_1": "abcd", "text_2": ["efgh", "ijkl"]}, "data"),
+        ("/v1/score", {"queries": "abcd", "documents": ["efgh", "ijkl"]}, "data"),
         ("/classify", {"input": ["abcd", "efgh"]}, "data"),
         ("/v1/classify", {"input": ["abcd", "efgh"]}, "data"),
         ("/rerank", {"query": "abcd", "documents": ["efgh", "ijkl"]}, "results"),

@@ -7,10 +7,14 @@ PoolingResponse, ScoreResponse, RerankResponse, ClassificationResponse):
   /pooling                 {id "pool-", object "list", created, model,
                             data [{index, object "pooling", data [floats]}], usage}
   /score, /v1/score        {id "score-", object "list", created, model,
-                            data [{index, object "score", score}], usage}
+                            data [{index, object "score", score}], usage}; the pair of
+                            inputs is text_1/text_2, queries/documents, queries/items
+                            or data_1/data_2 (pooling/score/protocol.py ScoreRequest)
   /rerank, /v1/rerank,     {id "rerank-", model, usage {prompt_tokens, total_tokens},
-  /v2/rerank                results [{index, document {text}, relevance_score}]}
-                            (sorted by score, best first; `top_n` keeps the first n)
+  /v2/rerank                results [{index, document {text, multi_modal: null},
+                            relevance_score}]} (sorted by score, best first; `top_n`
+                            > 0 keeps the first n; RerankUsage gained prompt_tokens in
+                            current vLLM, older releases send total_tokens only)
   /classify, /v1/classify  {id "classify-", object "list", created, model,
                             data [{index, label, probs, num_classes}], usage}
 
@@ -32,6 +36,15 @@ from proxy.sim.wire import usage_json
 
 #: Labels of the simulated classifier (vLLM reports the model's id2label names).
 LABELS = ("negative", "positive")
+
+
+#: The field pairs a score request may name (vLLM's ScoreRequest union, score/protocol.py).
+_SCORE_PAIRS = (
+    ("text_1", "text_2"),
+    ("queries", "documents"),
+    ("queries", "items"),
+    ("data_1", "data_2"),
+)
 
 
 class PoolingInputError(ValueError):
@@ -71,10 +84,13 @@ def _pairs_and_tokens(path: str, body: dict[str, Any]) -> tuple[list[tuple[str, 
             raise PoolingInputError("Field required: query and documents")
         pairs = [(_text(query), _text(d)) for d in _items(documents)]
     elif path.endswith("score"):
-        first = body.get("text_1", body.get("queries"))
-        second = body.get("text_2", body.get("documents", body.get("items")))
+        first, second = None, None
+        for left, right in _SCORE_PAIRS:
+            if left in body and right in body:
+                first, second = body[left], body[right]
+                break
         if first is None or second is None:
-            raise PoolingInputError("Field required: text_1 and text_2")
+            raise PoolingInputError("Field required: text_1 and text_2 (or queries and documents)")
         lefts, rights = _items(first), _items(second)
         if len(lefts) == 1:
             lefts = lefts * len(rights)
@@ -102,7 +118,11 @@ def reply(path: str, response_id: str, model: str, body: dict[str, Any]) -> byte
         scores = [_score(q, doc) for q, doc in pairs]
         order = sorted(range(len(pairs)), key=lambda i: -scores[i])
         results = [
-            {"index": i, "document": {"text": pairs[i][1]}, "relevance_score": scores[i]}
+            {
+                "index": i,
+                "document": {"text": pairs[i][1], "multi_modal": None},
+                "relevance_score": scores[i],
+            }
             for i in order
         ]
         top_n = body.get("top_n")
