@@ -604,3 +604,79 @@ def test_cli_sets_decode_speed_ttft_and_knobs() -> None:
         9.0,
         2,
     )
+
+
+# -- faults and pacing on the event-typed streams ---------------------------------
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/responses"])
+def test_stall_fault_delays_the_rest_of_an_event_stream(
+    client: httpx.Client, url: str, path: str
+) -> None:
+    body = message() if path == "/v1/messages" else response_body()
+    headers = {"x-sim-fault": "stall", "x-sim-fault-after": "2", "x-sim-stall": "0.3"}
+
+    def attempt() -> None:
+        got = read_named_events(client, url, path, body, headers)
+        deltas = [
+            e.at for e in got.events if e.name.endswith("delta") and "text" in e.data.decode()
+        ]
+        assert len(deltas) == TOKENS
+        assert deltas[2] - deltas[1] >= 0.3 - EARLY  # the silence sits before the 3rd token
+        assert got.names()[-1] in ("message_stop", "response.completed")
+
+    best_of(3, attempt)
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/responses"])
+def test_close_no_done_and_reset_cut_an_event_stream(
+    client: httpx.Client, url: str, app: SimApp, path: str
+) -> None:
+    body = message() if path == "/v1/messages" else response_body()
+    got = read_named_events(
+        client, url, path, body, {"x-sim-fault": "close_no_done", "x-sim-fault-after": "3"}
+    )
+    assert got.names()[-1].endswith("delta") and len(got.events) < 8
+    assert last_record(app).outcome == "fault"
+    with pytest.raises(httpx.RemoteProtocolError):
+        read_named_events(client, url, path, body, {"x-sim-fault": "reset"})
+
+
+def test_malformed_and_huge_events_are_inserted_and_the_stream_goes_on(
+    client: httpx.Client, url: str
+) -> None:
+    headers = {"x-sim-fault": "huge_event", "x-sim-huge-bytes": "100000"}
+    got = read_named_events(client, url, "/v1/messages", message(), headers)
+    deltas = [e for e in got.events if e.name == "content_block_delta"]
+    assert len(deltas) == TOKENS + 1
+    assert len(b"event: content_block_delta\ndata: " + deltas[0].data + b"\n\n") == 100000
+    assert got.names()[-1] == "message_stop"
+    reply = client.post(
+        url + "/v1/responses", json=response_body(), headers={"x-sim-fault": "malformed"}
+    )
+    assert b"data: {not json\n\n" in reply.content
+    assert reply.content.endswith(b'"type":"response.completed"}\n\n')
+
+
+def test_non_streamed_message_arrives_when_its_last_token_is_due(
+    client: httpx.Client, url: str
+) -> None:
+    def attempt() -> None:
+        started = time.monotonic()
+        client.post(url + "/v1/messages", json=message(False), headers={"x-sim-ttft": "0.2"})
+        elapsed = time.monotonic() - started
+        due = 0.2 + (TOKENS - 1) / 200
+        assert due - EARLY <= elapsed <= due + LATE, elapsed
+
+    best_of(3, attempt)
+
+
+def test_event_streams_follow_the_lockstep_clock() -> None:
+    with running(SimConfig(step_ms=20, ttft=0.05, output_tokens=4)) as (server, app):
+        with warm_client(server.url) as c:
+            got = read_named_events(c, server.url, "/v1/responses", response_body())
+        deltas = [e.at for e in got.events if e.name == "response.output_text.delta"]
+        assert len(deltas) == 4
+        # one token per 20 ms tick after the first (a late tick may shorten one gap)
+        assert deltas[-1] - deltas[0] >= 3 * 0.02 - EARLY, deltas
+        assert app.stats()["ticks"]
