@@ -520,11 +520,17 @@ def test_invocations_dispatch_by_body_shape(
     assert client.post(url + "/invocations", json={"model": "sim-model"}).status_code == 400
 
 
-def test_api_key_guards_v1_routes_only() -> None:
+def test_api_key_guards_every_route_but_the_public_ones() -> None:
+    # vLLM's AuthenticationMiddleware: PUBLIC_ENDPOINTS stay open, Bearer only.
     with running(SimConfig(api_key="k", ttft=0)) as (server, _), httpx.Client() as c:
-        assert c.post(server.url + "/v1/messages", json=message(False)).status_code == 401
-        assert c.post(server.url + "/tokenize", json={"prompt": "x"}).status_code == 200
-        assert c.get(server.url + "/version").status_code == 200
+        for path in ("/v1/messages", "/tokenize", "/v2/rerank", "/v1/unknown"):
+            reply = c.post(server.url + path, json=message(False))
+            assert reply.status_code == 401 and reply.json() == {"error": "Unauthorized"}
+        assert c.post(server.url + "/v1/messages", headers={"x-api-key": "k"}).status_code == 401
+        ok = {"authorization": "Bearer k"}
+        assert c.post(server.url + "/tokenize", json={"prompt": "x"}, headers=ok).status_code == 200
+        for path in ("/version", "/load", "/ping", "/health"):
+            assert c.get(server.url + path).status_code == 200
 
 
 # -- knobs ------------------------------------------------------------------------

@@ -16,8 +16,10 @@
   GET  /sim/stats                  load counters (active, max_active, total, lockstep ticks)
   POST /sim/reset                  forget the records
 
-Every API route is recorded in `app.state`; /health and /sim/* are not. As in vLLM,
-the API key guards /v1/* only. Generation routes take the x-sim-* controls of
+Every API route is recorded in `app.state`; /health and /sim/* are not. As in current
+vLLM (vllm/entrypoints/serve/utils/auth.py or openai/api_server.py, by release:
+AuthenticationMiddleware, PUBLIC_ENDPOINTS), the API key guards every route except
+/health, /ping, /load and /version, and is read from `Authorization: Bearer` only. Generation routes take the x-sim-* controls of
 controls.py; the non-generative ones take x-sim-error, x-sim-ttft (their latency,
 with x-sim-ttft-per-prompt-token) and x-sim-stall-before-headers.
 """
@@ -105,8 +107,11 @@ class SimApp:
         stall = stall_before_headers(record.headers)
         if stall > 0:
             await asyncio.sleep(stall)
-        guarded = record.path.startswith("/v1/")  # vLLM's API key guards /v1 only
-        if guarded and self._auth is not None and record.headers.get("authorization") != self._auth:
+        if (
+            _guarded(record.path)
+            and self._auth is not None
+            and record.headers.get("authorization") != self._auth
+        ):
             await ex.error(errors.unauthorized())
             return "error"
         route = _ROUTES.get(record.path)
@@ -372,6 +377,17 @@ _ID_PREFIX = {
     "/classify": "classify-",
     "/v1/classify": "classify-",
 }
+
+
+#: Routes vLLM serves without the API key, and the prefixes it always guards.
+_PUBLIC = frozenset({"/health", "/ping", "/load", "/version"})
+_ALWAYS_GUARDED = ("/v1", "/v2", "/inference", "/cohere")
+
+
+def _guarded(path: str) -> bool:
+    if path in _PUBLIC:
+        return False
+    return path in _ROUTES or path.startswith(_ALWAYS_GUARDED)
 
 
 def _parse_json(raw: bytes) -> tuple[Any, str | None]:

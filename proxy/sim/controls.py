@@ -235,9 +235,13 @@ def _flag(headers: Mapping[str, str], name: str) -> bool:
 
 
 def burn_cpu(seconds: float) -> None:
-    """Keep this core busy for `seconds` (a CPU-bound backend's work per token)."""
+    """Spend `seconds` of this thread's CPU in a busy loop (a CPU-bound backend's work).
+
+    Counted on the thread's CPU clock, not the wall clock: on a shared box the loop
+    takes longer but still costs exactly that much CPU.
+    """
     if seconds <= 0:
         return
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
         pass
