@@ -91,6 +91,8 @@ class Plan:
     cpu_per_token: float = 0.0
     #: The request's token limit as sent (max_tokens / max_output_tokens), if any.
     max_tokens: int | None = None
+    #: The limit generation runs under: `max_tokens`, else what the context has left.
+    token_limit: int = 0
     ping: bool = False
     incomplete_event: bool = False
 
@@ -210,6 +212,7 @@ def _plan(
         cpu_per_token=number(headers, "x-sim-cpu-per-token-us", float, config.cpu_per_token_us, 0.0)
         / 1e6,
         max_tokens=max_tokens,
+        token_limit=limit,
         ping=_flag(headers, "x-sim-ping"),
         incomplete_event=_flag(headers, "x-sim-incomplete-event"),
     )

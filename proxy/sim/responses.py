@@ -89,7 +89,8 @@ class ResponsesWire:
     def response(self, status: str, output: list[Any], usage: Any) -> dict[str, Any]:
         """vLLM's ResponsesResponse.from_request, in its field order."""
         body, plan = self._body, self._plan
-        max_output = plan.max_tokens
+        # vLLM reports the sampling limit: the request's, else what the context has left.
+        max_output = plan.max_tokens if plan.max_tokens is not None else plan.token_limit
         incomplete = (
             {"reason": self._incomplete}
             if status == "incomplete" and self._incomplete is not None
