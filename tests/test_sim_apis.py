@@ -686,3 +686,20 @@ def test_event_streams_follow_the_lockstep_clock() -> None:
         # one token per 20 ms tick after the first (a late tick may shorten one gap)
         assert deltas[-1] - deltas[0] >= 3 * 0.02 - EARLY, deltas
         assert app.stats()["ticks"]
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/responses"])
+def test_stamp_puts_sent_ns_first_in_every_text_delta(
+    client: httpx.Client, url: str, path: str
+) -> None:
+    body = message() if path == "/v1/messages" else response_body()
+    before = time.time_ns()
+    got = read_named_events(client, url, path, body, {"x-sim-stamp": "1"})
+    text_events = ("content_block_delta", "response.output_text.delta")
+    deltas = [e for e in got.events if e.name in text_events]
+    assert len(deltas) == TOKENS
+    for event in deltas:
+        assert event.data.startswith(b'{"sent_ns":')
+        assert before <= event.json["sent_ns"] <= time.time_ns()
+    others = [e for e in got.events if e.name not in text_events]
+    assert not any(b"sent_ns" in e.data for e in others)

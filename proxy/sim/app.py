@@ -160,18 +160,18 @@ class SimApp:
         else:
             pacer = FreePacer(t0, plan.ttft, plan.tokens_per_chunk / plan.tokens_per_second)
         created = int(time.time())
+        stamp = self.config.stamp or record.headers.get("x-sim-stamp", "0") in ("1", "true")
         if kind in ("messages", "responses"):
             events: MessagesWire | ResponsesWire = (
-                MessagesWire(plan, record.id)
+                MessagesWire(plan, record.id, stamp)
                 if kind == "messages"
-                else ResponsesWire(plan, body, record.id, created)
+                else ResponsesWire(plan, body, record.id, created, stamp)
             )
             if not plan.stream:
                 return await complete_events(ex, plan, events, pacer)
             return await stream_events(ex, plan, events, pacer)
         if not plan.stream:
             return await complete(ex, plan, pacer, record.id, created)
-        stamp = self.config.stamp or record.headers.get("x-sim-stamp", "0") in ("1", "true")
         sse = StreamWire(kind == "chat", record.id, created, plan.model, stamp)
         return await stream(ex, plan, sse, pacer)
 

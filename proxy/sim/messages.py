@@ -29,6 +29,8 @@ Errors: vLLM's OpenAI-style ErrorResponse rebuilt as {"type":"error","error":{"t
 failure is `event: error` with {"type":"error","error":{"type":"internal_error",...}}
 and the body ends (no message_stop).
 
+With `stamp`, each text delta starts with `"sent_ns":<time.time_ns()>`, as chat chunks do.
+
 Not vLLM: `cache_read_input_tokens` (Anthropic's field; vLLM's AnthropicUsage has it
 but never fills it) is sent when cached tokens are programmed; `x-sim-ping: 1` adds
 Anthropic's `event: ping` after message_start.
@@ -36,6 +38,7 @@ Anthropic's `event: ping` after message_start.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import orjson
@@ -66,9 +69,10 @@ def _event(name: bytes, data: bytes) -> bytes:
 class MessagesWire:
     """The events (or the body) of one Messages response."""
 
-    __slots__ = ("_id", "_model", "_plan", "_pre", "finish_reason")
+    __slots__ = ("_id", "_model", "_plan", "_pre", "_stamp", "finish_reason")
 
-    def __init__(self, plan: Plan, response_id: str) -> None:
+    def __init__(self, plan: Plan, response_id: str, stamp: bool = False) -> None:
+        self._stamp = stamp
         self._plan = plan
         self._id = orjson.dumps(response_id)
         self._model = orjson.dumps(plan.model)
@@ -103,6 +107,10 @@ class MessagesWire:
         ]
 
     def content(self, text: bytes) -> bytes:
+        if self._stamp:
+            stamped = b'data: {"sent_ns":%d,"type"' % time.time_ns()
+            pre = self._pre.replace(b'data: {"type"', stamped, 1)
+            return pre + text + b'"},"index":0}\n\n'
         return self._pre + text + b'"},"index":0}\n\n'
 
     def closing(self, sent: int, started: bool) -> list[bytes]:

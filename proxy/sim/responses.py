@@ -24,11 +24,13 @@ Cut short by `max_output_tokens` (finish "length"), vLLM still sends
 "max_output_tokens"}; `x-sim-incomplete-event: 1` sends `response.incomplete` instead,
 as OpenAI's own API does. An in-stream failure is an `error` event (openai-python
 ResponseErrorEvent: code, message, param, sequence_number, type) and the body ends.
-The response object keeps vLLM's field order (protocol.py ResponsesResponse).
+The response object keeps vLLM's field order (protocol.py ResponsesResponse). With
+`stamp`, each text delta starts with `"sent_ns":<time.time_ns()>`, as chat chunks do.
 """
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
@@ -48,7 +50,15 @@ def _event(name: bytes, data: bytes) -> bytes:
 class ResponsesWire:
     """The events (or the body) of one Responses response; numbers events as it goes."""
 
-    def __init__(self, plan: Plan, body: dict[str, Any], response_id: str, created: int):
+    def __init__(
+        self,
+        plan: Plan,
+        body: dict[str, Any],
+        response_id: str,
+        created: int,
+        stamp: bool = False,
+    ):
+        self._stamp = stamp
         self._plan = plan
         self._body = body
         self._id = response_id
@@ -165,11 +175,11 @@ class ResponsesWire:
         ]
 
     def content(self, text: bytes) -> bytes:
+        pre = self._pre
+        if self._stamp:
+            pre = pre.replace(b"data: {", b'data: {"sent_ns":%d,' % time.time_ns(), 1)
         return (
-            self._pre
-            + text
-            + self._post
-            + b'%d,"type":"response.output_text.delta"}\n\n' % self._next()
+            pre + text + self._post + b'%d,"type":"response.output_text.delta"}\n\n' % self._next()
         )
 
     def closing(self, sent: int, started: bool) -> list[bytes]:
