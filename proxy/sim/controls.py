@@ -40,8 +40,9 @@ ff fe) and huge_event (an extra valid content chunk of exactly x-sim-huge-bytes 
 text "xxx...") are inserted and the stream then goes on. `stream_options.
 continuous_usage_stats` puts usage on every chunk, as in vLLM.
 
-Output length: the planned length, cut to `max_completion_tokens`/`max_tokens` (or, when
-neither is given, to what the context has left) with finish_reason "length".
+Output length: the planned length, cut to `max_completion_tokens`/`max_tokens` (Messages:
+`max_tokens`, required; Responses: `max_output_tokens`) or, when none is given, to what
+the context has left, with finish_reason "length".
 `ignore_eos` generates exactly up to that limit, as vLLM does.
 """
 
