@@ -62,6 +62,8 @@ def parser() -> argparse.ArgumentParser:
         prog="tokenprobe bench",
         description="Measure an OpenAI-compatible backend: time to first token, per-stream "
         "decode speed and aggregate throughput, at each load level.",
+        epilog="'tokenprobe bench compare RUN.json RUN.json ...' compares saved runs "
+        "(--out files): see 'tokenprobe bench compare --help'.",
     )
     a = p.add_argument
     a("--url", required=True, help="the backend's base URL, e.g. http://localhost:8000/v1")
