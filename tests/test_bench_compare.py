@@ -24,7 +24,7 @@ from tests.conftest import MODEL
 from tests.servers import ThreadedServer
 
 SPEEDS = {"base": 200.0, "minus10": 180.0, "minus30": 140.0, "rerun": 200.0}
-FLAGS = ("--concurrency", "4", "--requests", "48", "--max-tokens", "16")
+FLAGS = ("--concurrency", "4", "--requests", "48", "--max-tokens", "32")
 
 
 def _bench(url: str, out: Path, *flags: str) -> None:
@@ -42,7 +42,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
     paths = {}
     for name, tps in SPEEDS.items():
         app = create_sim_app(
-            SimConfig(models=(MODEL,), ttft=0.02, tokens_per_second=tps, output_tokens=64)
+            SimConfig(models=(MODEL,), ttft=0.05, tokens_per_second=tps, output_tokens=64)
         )
         server = ThreadedServer(app).start()
         try:
@@ -109,14 +109,14 @@ def test_runs_with_different_settings_are_refused_naming_the_difference(
 ) -> None:
     other = tmp_path / "other.json"
     doc = orjson.loads(runs["rerun"].read_bytes())
-    doc["config"]["max_tokens"] = 32
+    doc["config"]["max_tokens"] = 64
     doc["config"]["model"] = "another-model"
     other.write_bytes(orjson.dumps(doc))
     assert main(["compare", str(runs["base"]), str(other)]) == 2
     err = capsys.readouterr().err
     assert "not comparable" in err
     assert "model: tps200 has 'sim-model', other has 'another-model'" in err
-    assert "max tokens: tps200 has 16, other has 32" in err
+    assert "max tokens: tps200 has 32, other has 64" in err
     assert main(["compare", str(runs["base"]), str(other), "--force"]) == 0
     assert "warning: max tokens" in capsys.readouterr().err
 
