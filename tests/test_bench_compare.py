@@ -143,3 +143,41 @@ def test_the_bootstrap_is_seeded_so_the_same_files_give_the_same_intervals(
     files = [load(str(runs[n])) for n in ("base", "minus10")]
     first, second = compare_runs(files, rounds=300), compare_runs(files, rounds=300)
     assert first[0].changes == second[0].changes
+
+
+def _records(n: int, ttft: float, failed: int = 0, length: int = 0) -> list[dict[str, object]]:
+    out: list[dict[str, object]] = []
+    for i in range(n):
+        ok = i >= failed
+        out.append({
+            "error_type": None if ok else "upstream_error",
+            "ttft": ttft * (1 + (i % 7) / 100) if ok else None,
+            "tpot": 0.01 if ok else None, "e2e": 0.5, "decode_tokens_per_second": 100.0,
+            "output_tokens": 32 if ok else 0,
+            "finish_reason": "length" if ok and i < failed + length else "stop",
+        })  # fmt: skip
+    return out
+
+
+def test_shares_change_in_points_and_goodput_follows_the_slo() -> None:
+    from proxy.bench.significance import compare, rows
+
+    slo = {"ttft": 0.15}
+    base = rows(_records(200, 0.1), slo)
+    worse = rows(_records(200, 0.2, failed=30, length=20), slo)
+    result = compare(base, 10.0, worse, 10.0, has_slo=True, rounds=500)
+    errors = result["error_share"]
+    assert errors.change == pytest.approx(0.15) and errors.verdict == "worse"
+    assert result["length_share"].change == pytest.approx(20 / 170)
+    assert result["goodput"].base == pytest.approx(20.0) and result["goodput"].value == 0.0
+    assert result["ttft_p50"].verdict == "worse" and result["ttft_p95"].low is not None
+
+
+def test_a_p95_gets_no_interval_from_fewer_than_100_requests() -> None:
+    from proxy.bench.significance import compare, rows
+
+    result = compare(rows(_records(99, 0.1), {}), 5.0, rows(_records(99, 0.3), {}), 5.0,
+                     has_slo=False, rounds=200)  # fmt: skip
+    assert result["ttft_p95"].verdict == "n/a" and result["ttft_p95"].low is None
+    assert result["ttft_p50"].verdict == "worse"
+    assert result["goodput"].verdict == "n/a"  # no --slo, no goodput
