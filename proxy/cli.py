@@ -12,6 +12,7 @@ commands:
   demo    run the built-in simulated backend, the proxy and a little traffic
   sim     run the simulated OpenAI-compatible backend (vLLM-shaped)
   bench   measure a backend: TTFT, per-stream speed and aggregate throughput
+          (bench compare RUN.json RUN.json ...: compare saved runs)
 
 'tokenprobe COMMAND --help' shows a command's options.
 """

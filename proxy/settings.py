@@ -55,6 +55,19 @@ def _positive_int(value: str) -> int:
     return n
 
 
+def _cost(value: str) -> float:
+    cost = float(value)
+    if not cost >= 0 or cost == float("inf"):  # also refuses nan
+        raise ValueError("must be a finite number >= 0 (cost per hour)")
+    return cost
+
+
+def _currency(value: str) -> str:
+    if not value.strip():
+        raise ValueError("must not be empty, e.g. USD")
+    return value.strip()
+
+
 def _bool(value: str) -> bool:
     lowered = value.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -195,6 +208,14 @@ SPECS: tuple[Spec, ...] = (
         "Extra request headers to treat as secret (never logged or traced).",
     ),
     Spec("prices", str, None, "Price table (YAML or JSON) for tokenprobe_cost_total."),
+    Spec(
+        "cost_per_hour",
+        _cost,
+        None,
+        "The deployment's cost per hour (GPUs behind the backend), exported as "
+        "tokenprobe_deployment_cost_per_hour for cost per million tokens at the observed throughput.",
+    ),
+    Spec("currency", _currency, "USD", "Currency of --cost-per-hour."),
     Spec("workers", _positive_int, 1, "Worker processes; /metrics aggregates them all."),
     Spec("drain_timeout", _seconds, 30.0, "On SIGTERM, seconds in-flight requests get to finish."),
     Spec(
@@ -231,6 +252,8 @@ class Settings:
     key_salt: str | None = None
     secret_headers: tuple[str, ...] = ()
     prices: str | None = None
+    cost_per_hour: float | None = None
+    currency: str = "USD"
     workers: int = 1
     drain_timeout: float = 30.0
     log_level: str = "info"

@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make
 
 from proxy.core.measurement import Measurement, TokenSource
 from proxy.sinks.cost import CostSink, parse_prices
+from proxy.sinks.metrics import cache_class, prompt_class
 from tests.prom import Prometheus, finite_values, require_binary
 from tests.servers import ThreadedServer, free_port
 from tests.test_grafana import DASHBOARDS, ROOT, iter_targets, load, substitute
@@ -47,6 +48,8 @@ E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
 TOKEN_BUCKETS = [m * 10**e for e in range(6) for m in (1, 2, 5)]
 SPEED_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000]
+TTFT_CLASS_BUCKETS = [0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0]
+COST_PER_HOUR = 2.5
 
 #: (code, finish_reason, error_type); successes repeated so they dominate, as in life.
 OUTCOMES = [("200", "stop", "none")] * 6 + [
@@ -90,6 +93,14 @@ class ContractExporter:
         self.e2e = hist("tokenprobe_e2e_request_latency_seconds", E2E_BUCKETS)
         self.prompt = hist("tokenprobe_request_prompt_tokens", TOKEN_BUCKETS)
         self.generation = hist("tokenprobe_request_generation_tokens", TOKEN_BUCKETS)
+        classes = [*me, "prompt_class", "cache_class"]
+        self.ttft_class = hist(
+            "tokenprobe_time_to_first_token_by_prompt_seconds", TTFT_CLASS_BUCKETS, classes
+        )
+        self.ttft_class_prompt = counter(
+            "tokenprobe_time_to_first_token_by_prompt_prompt_tokens", classes
+        )
+        gauge("tokenprobe_deployment_cost_per_hour", ["currency"]).labels("USD").set(COST_PER_HOUR)
         self.requests = counter("tokenprobe_requests", [*me, "code", "finish_reason", "error_type"])
         self.prompt_total = counter("tokenprobe_prompt_tokens", [*me, "source"])
         self.generation_total = counter("tokenprobe_generation_tokens", [*me, "source"])
@@ -143,6 +154,9 @@ class ContractExporter:
         ttft, tpot = rng.lognormvariate(-1.5, 0.8), rng.uniform(0.01, 0.08)
         self.ttfb.labels(**labels).observe(ttft * 0.3)
         self.ttft.labels(**labels).observe(ttft, exemplar=trace)
+        classes = {"prompt_class": prompt_class(prompt), "cache_class": cache_class(prompt, cached)}
+        self.ttft_class.labels(**labels, **classes).observe(ttft)
+        self.ttft_class_prompt.labels(**labels, **classes).inc(prompt)
         self.tpot.labels(**labels).observe(tpot, exemplar=trace)
         for _ in range(5):
             self.itl.labels(**labels).observe(max(0.0, rng.gauss(tpot, tpot / 3)))
@@ -424,6 +438,8 @@ def proxy_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus
                 str(port),
                 "--prices",
                 str(prices),
+                "--cost-per-hour",
+                str(COST_PER_HOUR),
                 "--first-byte-timeout",
                 FIRST_BYTE_TIMEOUT,
                 "--access-log",

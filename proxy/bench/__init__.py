@@ -10,5 +10,11 @@ table), so a figure from the bench and the same figure from the proxy mean the s
   stats.py     per-level summaries: quantiles, throughput, goodput
   report.py    the table, the JSON file, and the one-line diagnosis of a failed run
   compare.py   the bench's figures next to a tokenprobe proxy's /metrics
+  prefill.py   --input-tokens sweeps: TTFT against prompt length, implied prefill rate
   plot.py      throughput vs latency charts (matplotlib, imported only when asked)
+
+`tokenprobe bench compare` (saved runs against each other):
+  runs.py          saved run files read back; which settings make two runs comparable
+  significance.py  per-level figures and their seeded bootstrap intervals
+  compare_runs.py  the command: tables, --fail-if-worse, overlay plot
 """

@@ -7,6 +7,7 @@ why), 2 for bad flags, 130 when interrupted (what was measured is still reported
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import importlib.util
 import os
 import signal
@@ -18,7 +19,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from proxy.bench import compare, report
+from proxy.bench import compare, prefill, report
 from proxy.bench.client import Call, prepare
 from proxy.bench.load import Level, Runner
 from proxy.bench.options import Options, OptionsError, parse
@@ -36,6 +37,7 @@ SYNTHETIC_PROMPTS = 64
 @dataclass(slots=True)
 class Run:
     levels: list[Level]
+    input_tokens: list[int | None]  # per level: the prompt length of an --input-tokens sweep
     stop_reason: str | None
     problem: str | None
     compare: dict[str, Any] | None
@@ -43,25 +45,37 @@ class Run:
 
 
 def main(argv: Sequence[str]) -> int:
+    if argv and argv[0] == "compare":
+        from proxy.bench.compare_runs import main as compare_main
+
+        return compare_main(argv[1:])
     try:
         options = parse(argv)
         _check_outputs(options)
         tokenizer = _tokenizer(options)
-        calls = [prepare(options, p) for p in _prompts(options, tokenizer)]
+        sweep: list[tuple[int | None, list[Call]]] = [
+            (n, [prepare(options, p) for p in _prompts(options, tokenizer, n)])
+            for n in (options.input_tokens or (None,))
+        ]
     except (OptionsError, PromptError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
     try:
-        run = _run_loop(_bench(options, calls, tokenizer))
+        run = _run_loop(_bench(options, sweep, tokenizer))
     except KeyboardInterrupt:  # before the run could install its own handler
         return 130
     if run.stop_reason == "interrupted":
         print(f"{PROG}: interrupted; reporting what was measured", file=sys.stderr)
     summaries = [summarize(level, options.slo) for level in run.levels]
     if any(s.ok for s in summaries):  # else the one-line problem below says it all
-        print(report.table(summaries))
+        print(report.table(summaries, options.cost_per_hour, options.currency))
+        if options.input_tokens:
+            print(
+                "\nTTFT by input length (--input-tokens)\n"
+                + prefill.table(run.levels, run.input_tokens)
+            )
     if run.compare_text:
         print("\nbench vs proxy (--compare-metrics)\n" + run.compare_text)
     if run.problem:
@@ -71,7 +85,13 @@ def main(argv: Sequence[str]) -> int:
     )
     if options.out:
         doc = report.document(
-            options, run.levels, summaries, status=status, problem=run.problem, compare=run.compare
+            options,
+            run.levels,
+            summaries,
+            status=status,
+            problem=run.problem,
+            compare=run.compare,
+            prompts_sha256=_digest(sweep),
         )
         report.write_json(options.out, doc)
         print(f"{PROG}: wrote {options.out}", file=sys.stderr)
@@ -107,11 +127,9 @@ def _tokenizer(options: Options) -> Any:
         raise OptionsError(f"--tokenizer: cannot load {options.tokenizer}: {exc}") from None
 
 
-def _prompts(options: Options, tokenizer: Any) -> list[Any]:
-    if options.input_tokens is not None:
-        return synthetic(
-            tokenizer, options.input_tokens, SYNTHETIC_PROMPTS, options.endpoint, options.seed
-        )
+def _prompts(options: Options, tokenizer: Any, input_tokens: int | None) -> list[Any]:
+    if input_tokens is not None:
+        return synthetic(tokenizer, input_tokens, SYNTHETIC_PROMPTS, options.endpoint, options.seed)
     if options.prompts_file:
         return load_file(options.prompts_file)
     return list(BUILTIN)
@@ -125,18 +143,45 @@ def _run_loop(coro: Any) -> Run:
     return uvloop.run(coro)  # type: ignore[no-any-return]
 
 
-async def _bench(options: Options, calls: list[Call], tokenizer: Any) -> Run:
+def _digest(sweep: list[tuple[int | None, list[Call]]]) -> str:
+    """Identifies the prompts sent, so that `bench compare` can tell runs with other prompts."""
+    h = hashlib.sha256()
+    for _, calls in sweep:
+        for call in calls:
+            h.update(orjson.dumps(call.info.prompt))
+    return h.hexdigest()
+
+
+async def _bench(
+    options: Options, sweep: list[tuple[int | None, list[Call]]], tokenizer: Any
+) -> Run:
     progress = Progress(options.requests, enabled=options.progress)
-    runner = Runner(options, calls, tokenizer, on_result=progress.result)
+    runners = [Runner(options, calls, tokenizer, on_result=progress.result) for _, calls in sweep]
+    runner = runners[0]
+    levels: list[Level] = []
+    lengths: list[int | None] = []
+
+    def interrupt() -> None:
+        for r in runners:
+            r.interrupt()
+
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, runner.interrupt)
+        loop.add_signal_handler(signum, interrupt)
     problem = compare_doc = compare_text = None
     try:
         before = await compare.scrape(options.compare_metrics) if options.compare_metrics else None
         progress.start()
         try:
-            await runner.run()
+            for runner, (n, _) in zip(runners, sweep, strict=True):
+                await runner.run()
+                for level in runner.levels:
+                    if len(sweep) > 1:
+                        level.label = f"in={n} {level.label}"
+                    levels.append(level)
+                    lengths.append(n)
+                if runner.stop_reason:
+                    break
         finally:
             progress.close()
         if runner.stop_reason == "failing" and runner.failure is not None:
@@ -147,7 +192,7 @@ async def _bench(options: Options, calls: list[Call], tokenizer: Any) -> Run:
             )
             problem = report.diagnose(runner.failure, options, served)
         if options.compare_metrics and before is not None and runner.stop_reason != "interrupted":
-            results = [r for level in runner.levels for r in level.results]
+            results = [r for level in levels for r in level.results]
             after = await compare.settled(
                 options.compare_metrics, before, options.endpoint, options.model, len(results)
             )
@@ -160,7 +205,7 @@ async def _bench(options: Options, calls: list[Call], tokenizer: Any) -> Run:
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
-    return Run(runner.levels, runner.stop_reason, problem, compare_doc, compare_text)
+    return Run(levels, lengths, runner.stop_reason, problem, compare_doc, compare_text)
 
 
 async def _served_models(options: Options) -> list[str]:

@@ -33,7 +33,7 @@ class Options:
     max_tokens: int
     ignore_eos: bool
     prompts_file: str | None
-    input_tokens: int | None
+    input_tokens: tuple[int, ...] | None  # one prompt length, or a sweep over several
     tokenizer: str | None
     seed: int
     slo: dict[str, float]
@@ -43,6 +43,9 @@ class Options:
     plot: str | None
     compare_metrics: str | None
     progress: bool
+    label: str | None = None  # names the run in `tokenprobe bench compare`
+    cost_per_hour: float | None = None  # the deployment's cost, for cost per million tokens
+    currency: str = "USD"
 
     @property
     def url(self) -> str:
@@ -59,6 +62,8 @@ def parser() -> argparse.ArgumentParser:
         prog="tokenprobe bench",
         description="Measure an OpenAI-compatible backend: time to first token, per-stream "
         "decode speed and aggregate throughput, at each load level.",
+        epilog="'tokenprobe bench compare RUN.json RUN.json ...' compares saved runs "
+        "(--out files): see 'tokenprobe bench compare --help'.",
     )
     a = p.add_argument
     a("--url", required=True, help="the backend's base URL, e.g. http://localhost:8000/v1")
@@ -92,7 +97,11 @@ def parser() -> argparse.ArgumentParser:
         dest="prompts_file",
         help="JSONL ({prompt} or {messages}) or plain text, one per line",
     )
-    a("--input-tokens", type=int, help="synthetic prompts of exactly N tokens (needs --tokenizer)")
+    a(
+        "--input-tokens",
+        help="synthetic prompts of exactly N tokens (needs --tokenizer); several, e.g. "
+        "128,1024,4096, sweep prompt lengths and report TTFT and implied prefill rate by length",
+    )
     a(
         "--tokenizer",
         help="local tokenizer directory: counts tokens when the backend sends no usage",
@@ -104,6 +113,14 @@ def parser() -> argparse.ArgumentParser:
     a("--out", help="write every per-request record and the summary to this JSON file")
     a("--plot", help="draw throughput-vs-latency charts to this PNG (needs matplotlib)")
     a("--compare-metrics", metavar="URL", help="a tokenprobe proxy's /metrics to cross-check")
+    a("--label", help="name of this run in 'tokenprobe bench compare' (default: the file name)")
+    a(
+        "--cost-per-hour",
+        type=float,
+        help="the deployment's cost per hour: report cost per million output and input tokens "
+        "at each level's aggregate throughput",
+    )
+    a("--currency", default="USD", help="currency of --cost-per-hour (default USD)")
     a("--quiet", action="store_true", help="no live progress line")
     return p
 
@@ -121,7 +138,15 @@ def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Options:
         ns.requests = 100
     _at_least("--requests", ns.requests, 1)
     _at_least("--max-tokens", ns.max_tokens, 1)
-    _at_least("--input-tokens", ns.input_tokens, 1)
+    input_tokens = (
+        tuple(int(n) for n in _numbers("--input-tokens", ns.input_tokens, int))
+        if ns.input_tokens is not None
+        else None
+    )
+    if ns.cost_per_hour is not None and not ns.cost_per_hour >= 0:
+        raise OptionsError("--cost-per-hour must be zero or a positive number")
+    if not ns.currency.strip():
+        raise OptionsError("--currency must not be empty")
     _at_least("--max-concurrency", ns.max_concurrency, 1)
     if ns.duration is not None and ns.duration <= 0:
         raise OptionsError("--duration must be a positive number of seconds")
@@ -149,7 +174,7 @@ def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Options:
         max_tokens=ns.max_tokens,
         ignore_eos=not ns.no_ignore_eos,
         prompts_file=ns.prompts_file,
-        input_tokens=ns.input_tokens,
+        input_tokens=input_tokens,
         tokenizer=ns.tokenizer,
         seed=ns.seed,
         slo=parse_slo(ns.slo),
@@ -159,6 +184,9 @@ def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Options:
         plot=ns.plot,
         compare_metrics=ns.compare_metrics,
         progress=not ns.quiet,
+        label=ns.label,
+        cost_per_hour=ns.cost_per_hour,
+        currency=ns.currency.strip(),
     )
 
 

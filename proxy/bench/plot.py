@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from proxy.bench.load import Level
 from proxy.bench.stats import Summary
@@ -58,3 +59,38 @@ def draw(path: str, levels: Sequence[Level], summaries: Sequence[Summary]) -> No
 
 def _ms(value: float | None) -> float:
     return math.nan if value is None else value * 1000
+
+
+def overlay(path: str, levels: Sequence[Any]) -> None:
+    """`bench compare --plot`: aggregate output tok/s (x) against TTFT p95 and TPOT p95 (y),
+    one curve per run through its load levels. `levels`: compare_runs.LevelComparison."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = levels[0].runs if levels else []
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    for ax, key, title in zip(
+        axes, ("ttft_p95", "tpot_p95"), ("TTFT p95", "TPOT p95"), strict=True
+    ):
+        for run in runs:
+            points = [
+                (level.values[run]["output_tps"], _ms(level.values[run][key]), level.level)
+                for level in levels
+                if run in level.values and level.values[run]["output_tps"] is not None
+            ]
+            if not points:
+                continue
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=run)
+            for x, y, name in points:
+                ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.set_xlabel("aggregate output throughput (tokens/s, all streams)")
+        ax.set_ylabel(f"{title} (ms)")
+        ax.set_title(f"{title} vs aggregate throughput, per run")
+        ax.set_ylim(bottom=0)  # a zoomed axis makes a 2% difference look like 2x
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -15,6 +15,7 @@ from proxy.bench.load import Level
 from proxy.bench.options import Options
 from proxy.bench.stats import Summary
 from proxy.core.measurement import ErrorType
+from proxy.sinks.cost import per_million_tokens
 
 Cell = Callable[[Summary], str]
 
@@ -63,9 +64,26 @@ all streams out tok/s: output tokens of every request / wall time of the level (
 GOODPUT = "goodput/s: requests per second that met every --slo target."
 
 
-def table(summaries: Sequence[Summary]) -> str:
+def cost_columns(cost_per_hour: float, currency: str) -> tuple[tuple[str, str, Cell], ...]:
+    """Cost per million tokens at a level's aggregate throughput (see cost.per_million_tokens)."""
+    group = f"{currency} per 1M tok"
+
+    def cell(tokens: Callable[[Summary], int]) -> Cell:
+        return lambda s: _num(per_million_tokens(cost_per_hour, tokens(s) / s.duration), 3)
+
+    return (
+        (group, "output", cell(lambda s: s.output_tokens)),
+        (group, "input", cell(lambda s: s.prompt_tokens)),
+    )
+
+
+def table(
+    summaries: Sequence[Summary], cost_per_hour: float | None = None, currency: str = "USD"
+) -> str:
     goodput = any(s.goodput is not None for s in summaries)
     columns = COLUMNS if goodput else COLUMNS[:-1]
+    if cost_per_hour is not None:
+        columns = (*columns, *cost_columns(cost_per_hour, currency))
     rows = [[cell(s) for _, _, cell in columns] for s in summaries]
     widths = [
         max(len(name), *(len(row[i]) for row in rows)) if rows else len(name)
@@ -88,6 +106,11 @@ def table(summaries: Sequence[Summary]) -> str:
     lines.append(LEGEND)
     if goodput:
         lines.append(GOODPUT)
+    if cost_per_hour is not None:
+        lines.append(
+            f"{currency} per 1M tok: --cost-per-hour {cost_per_hour:g} / (tokens/s of all streams "
+            "* 3600) * 1e6, for output and input tokens each (each charges the whole hour)."
+        )
     lines.extend(_notes(summaries))
     return "\n".join(lines)
 
@@ -139,8 +162,10 @@ def document(
     status: str,
     problem: str | None,
     compare: dict[str, Any] | None,
+    prompts_sha256: str | None = None,
 ) -> dict[str, Any]:
     config = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+    config["prompts_sha256"] = prompts_sha256
     config["api_key"] = "***" if options.api_key else None
     config["headers"] = [
         [k, "***" if k.lower() == "authorization" else v] for k, v in options.headers
@@ -156,7 +181,25 @@ def document(
         "clock_origin": origin,
         "summary": [dataclasses.asdict(s) for s in summaries],
         "compare": compare,
+        "cost": _cost(options, summaries),
         "records": [record(r, level.label, origin) for level in levels for r in level.results],
+    }
+
+
+def _cost(options: Options, summaries: Sequence[Summary]) -> dict[str, Any] | None:
+    if options.cost_per_hour is None:
+        return None
+    hourly = options.cost_per_hour
+    return {
+        "cost_per_hour": hourly,
+        "currency": options.currency,
+        "per_million_tokens": {
+            s.label: {
+                "output": per_million_tokens(hourly, s.output_tokens / s.duration),
+                "input": per_million_tokens(hourly, s.prompt_tokens / s.duration),
+            }
+            for s in summaries
+        },
     }
 
 

@@ -27,6 +27,10 @@ def build(settings: Settings, environ: Mapping[str, str]) -> ProxyApp:
 
         cost = CostSink(load_prices(settings.prices), registry)
         consumers.append(lambda m, _label: cost.record(m))
+    if settings.cost_per_hour is not None:
+        from proxy.sinks.cost import export_cost_per_hour
+
+        export_cost_per_hour(registry, settings.cost_per_hour, settings.currency)
     tracer = tracing_from_env(
         environ,
         upstream=require_upstream(settings),

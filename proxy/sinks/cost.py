@@ -1,4 +1,13 @@
-"""What the requests cost: a price table, and a sink that turns each record into spend.
+"""What the requests cost: a price table, a sink that turns each record into spend, and the
+deployment's cost per hour turned into a cost per million tokens.
+
+Cost per hour (`--cost-per-hour`): what the GPUs behind the backend cost, whatever they
+serve. At an observed aggregate throughput of T tokens per second (all streams together):
+
+  cost per million tokens = cost_per_hour / (T * 3600) * 1e6
+
+computed for output tokens and for input (prompt) tokens separately; each figure charges
+the whole hour to that one kind of token, so the two are not to be added.
 
 Prices are per million tokens, in the table's currency. For one request:
 
@@ -29,11 +38,37 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from proxy.core.measurement import Measurement
 
 PER_TOKENS = 1_000_000
+SECONDS_PER_HOUR = 3600
+
+
+def per_million_tokens(cost_per_hour: float, tokens_per_second: float) -> float | None:
+    """cost_per_hour / (tokens_per_second * 3600) * 1e6; None without throughput."""
+    if tokens_per_second <= 0:
+        return None
+    return cost_per_hour / (tokens_per_second * SECONDS_PER_HOUR) * PER_TOKENS
+
+
+def export_cost_per_hour(registry: CollectorRegistry, cost_per_hour: float, currency: str) -> Gauge:
+    """`tokenprobe_deployment_cost_per_hour{currency}`: the recording rules divide it by the
+    observed token rate (deploy/prometheus/rules/tokenprobe-recording.yaml)."""
+    gauge = Gauge(
+        "tokenprobe_deployment_cost_per_hour",
+        "The deployment's cost per hour (--cost-per-hour), in `currency`. Cost per million "
+        "output tokens = this / (output tokens per second * 3600) * 1e6, at the observed "
+        "throughput of all streams; the same with prompt tokens for input.",
+        ["currency"],
+        registry=registry,
+        multiprocess_mode="max",  # every worker states the same figure: never sum them
+    )
+    gauge.labels(currency).set(cost_per_hour)
+    return gauge
+
+
 _PRICE_KEYS = ("input", "cached_input", "output")
 
 

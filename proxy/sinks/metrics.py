@@ -46,6 +46,34 @@ def token_buckets(max_value: int = 1_000_000) -> tuple[float, ...]:
 
 LABELS = ("model", "endpoint")
 
+# TTFT by prompt size and cache. Prompt classes end at common context sizes (1k, 4k, 8k,
+# 32k and 128k tokens): the first holds chat turns, the last long-context work.
+PROMPT_CLASS_BOUNDS = (1024, 4096, 8192, 32768, 131072)
+PROMPT_CLASSES = ("0-1k", "1k-4k", "4k-8k", "8k-32k", "32k-128k", "128k+", "unknown")
+#: Cache classes by the share of prompt tokens served from the prefix cache:
+#: none (0), part (below CACHE_MOST), most (CACHE_MOST or more), unknown (not reported).
+CACHE_CLASSES = ("none", "part", "most", "unknown")
+CACHE_MOST = 0.5
+# A subset of TTFT_BUCKETS: the classes multiply the series, so fewer, wider buckets.
+TTFT_CLASS_BUCKETS = (0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+def prompt_class(prompt_tokens: int | None) -> str:
+    """The PROMPT_CLASSES label of a prompt: each class holds prompts up to its bound."""
+    if prompt_tokens is None:
+        return "unknown"
+    return PROMPT_CLASSES[bisect_left(PROMPT_CLASS_BOUNDS, prompt_tokens)]
+
+
+def cache_class(prompt_tokens: int | None, cached_tokens: int | None) -> str:
+    """The CACHE_CLASSES label: how much of the prompt the backend said it had cached."""
+    if cached_tokens is None or not prompt_tokens:
+        return "unknown"
+    if cached_tokens <= 0:
+        return "none"
+    return "most" if cached_tokens >= CACHE_MOST * prompt_tokens else "part"
+
+
 #: finish_reason values kept as labels; a backend's anything-else becomes "other".
 FINISH_REASONS = frozenset(
     {
@@ -80,6 +108,22 @@ class Metrics:
             "network read carrying generated content (non-empty content, reasoning or "
             "tool_calls; not the role-only first chunk). Streaming requests only.",
             buckets=TTFT_BUCKETS,
+        )
+        self.ttft_by_prompt = h(
+            "tokenprobe_time_to_first_token_by_prompt_seconds",
+            "Time to first token as tokenprobe_time_to_first_token_seconds (proxy received the "
+            "request -> first read carrying generated content), split by prompt size class "
+            "(prompt tokens up to 1k, 4k, 8k, 32k, 128k, above; unknown) and prefix-cache class "
+            "(cached prompt tokens: none, part = under half, most = half or more; unknown).",
+            labels=("prompt_class", "cache_class"),
+            buckets=TTFT_CLASS_BUCKETS,
+        )
+        self.ttft_prompt_tokens = c(
+            "tokenprobe_time_to_first_token_by_prompt_prompt_tokens",
+            "Prompt tokens of the requests in tokenprobe_time_to_first_token_by_prompt_seconds, "
+            "by the same classes. Its rate over that histogram's _sum rate is the implied "
+            "prefill rate: prompt tokens per second of TTFT.",
+            labels=("prompt_class", "cache_class"),
         )
         self.itl = h(
             "tokenprobe_inter_token_latency_seconds",
@@ -168,6 +212,7 @@ class Metrics:
             registry=registry,
         )
         self._children: dict[tuple[str, str], tuple[Any, ...]] = {}
+        self._class_children: dict[tuple[str, str, str, str], tuple[Any, Any]] = {}
 
     def _bound(self, model: str, endpoint: str) -> tuple[Any, ...]:
         """Label children for one (model, endpoint), resolved once and cached."""
@@ -191,6 +236,23 @@ class Metrics:
             self._children[key] = children
         return children
 
+    def _record_ttft_class(self, m: Measurement, model_label: str, ttft: float) -> None:
+        """TTFT by prompt and cache class; label children resolved once per combination."""
+        key = (
+            model_label,
+            m.endpoint,
+            prompt_class(m.prompt_tokens),
+            cache_class(m.prompt_tokens, m.cached_prompt_tokens),
+        )
+        children = self._class_children.get(key)
+        if children is None:
+            children = (self.ttft_by_prompt.labels(*key), self.ttft_prompt_tokens.labels(*key))
+            self._class_children[key] = children
+        histogram, prompt = children
+        histogram.observe(ttft)
+        if m.prompt_tokens:
+            prompt.inc(m.prompt_tokens)
+
     def record_key(self, m: Measurement, model_label: str, key_label: str) -> None:
         error = m.error_type.value if m.error_type is not None else NONE_LABEL
         self.key_requests.labels(key_label, model_label, error).inc()
@@ -208,6 +270,7 @@ class Metrics:
             ttfb.observe(m.ttfb)
         if m.ttft is not None:
             ttft.observe(m.ttft, exemplar)
+            self._record_ttft_class(m, model_label, m.ttft)
         observe_all(itl, m.inter_token_latencies)
         if m.tpot is not None:
             tpot.observe(m.tpot, exemplar)

@@ -1,0 +1,105 @@
+"""Saved runs (`tokenprobe bench --out RUN.json`) read back, and whether two can be compared.
+
+Two runs compare when they asked the same question: the same model name, endpoint,
+prompts, output length, load shape and levels, and the same SLO (goodput depends on
+it). The backend URL may differ: that is usually the point (an FP16 and an INT4 build).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+
+class RunError(ValueError):
+    """A run file that cannot be read or compared; the message names the file."""
+
+
+@dataclass(frozen=True, slots=True)
+class SavedLevel:
+    label: str
+    value: float
+    duration: float  # wall time of the level (s), the denominator of every throughput
+    records: tuple[Mapping[str, Any], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SavedRun:
+    path: str
+    label: str  # --label at bench time, else the file name without .json
+    config: Mapping[str, Any]
+    levels: tuple[SavedLevel, ...]
+
+    @property
+    def slo(self) -> dict[str, float]:
+        return dict(self.config.get("slo") or {})
+
+
+def load(path: str) -> SavedRun:
+    try:
+        doc = orjson.loads(Path(path).read_bytes())
+    except OSError as exc:
+        raise RunError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except orjson.JSONDecodeError:
+        raise RunError(f"{path}: not JSON (expected a file from tokenprobe bench --out)") from None
+    if not isinstance(doc, dict) or doc.get("tool") != "tokenprobe bench":
+        raise RunError(f"{path}: not a tokenprobe bench result")
+    if "records" not in doc:
+        raise RunError(f"{path}: has no per-request records; rerun tokenprobe bench with --out")
+    config = doc.get("config") or {}
+    by_level: dict[str, list[Mapping[str, Any]]] = {}
+    for record in doc["records"]:
+        by_level.setdefault(record["level"], []).append(record)
+    levels = tuple(
+        SavedLevel(s["label"], s["value"], s["duration"], tuple(by_level.get(s["label"], ())))
+        for s in doc.get("summary") or ()
+    )
+    label = config.get("label") or Path(path).name.removesuffix(".json")
+    return SavedRun(path, str(label), config, levels)
+
+
+def _prompts(config: Mapping[str, Any]) -> Any:
+    """What identifies a run's prompts: their digest, else where they came from."""
+    if config.get("prompts_sha256"):
+        return config["prompts_sha256"]
+    return (config.get("prompts_file"), config.get("input_tokens"))
+
+
+#: (what the message calls it, how to read it from a run's config)
+COMPARED: tuple[tuple[str, Any], ...] = (
+    ("model", lambda c: c.get("model")),
+    ("endpoint", lambda c: c.get("endpoint")),
+    ("prompts", _prompts),
+    ("input tokens", lambda c: c.get("input_tokens")),
+    ("max tokens", lambda c: c.get("max_tokens")),
+    ("ignore_eos", lambda c: c.get("ignore_eos")),
+    ("load shape", lambda c: c.get("mode")),
+    ("SLO", lambda c: c.get("slo") or {}),
+)
+
+
+def differences(first: SavedRun, other: SavedRun) -> list[str]:
+    """Why `other` does not answer the same question as `first` (empty when it does)."""
+    found = []
+    for name, read in COMPARED:
+        a, b = read(first.config), read(other.config)
+        if a != b:
+            if name == "prompts":
+                found.append(f"prompts differ ({first.label} and {other.label} sent other prompts)")
+            else:
+                found.append(f"{name}: {first.label} has {_show(a)}, {other.label} has {_show(b)}")
+    a_levels = [level.label for level in first.levels]
+    b_levels = [level.label for level in other.levels]
+    if a_levels != b_levels:
+        found.append(f"levels: {first.label} has {a_levels}, {other.label} has {b_levels}")
+    return found
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, list | tuple):
+        return ",".join(str(v) for v in value)
+    return repr(value)

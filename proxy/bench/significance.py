@@ -1,0 +1,219 @@
+"""Is run B different from run A, or is it noise? A seeded bootstrap over per-request records.
+
+Each figure of a level (TTFT p50, aggregate output tok/s, error share, ...) is computed
+from that level's per-request records. To know how much of a difference between two runs
+is noise, both runs' records are resampled with replacement `rounds` times (independently,
+with a seeded generator, so the same files always give the same answer) and the figure's
+change is taken each time; the interval holds the central `confidence` share of those
+changes (the percentile bootstrap).
+
+Changes are relative (B / A - 1) for latencies and speeds, and in percentage points
+(B - A) for shares (errors, truncations), whose baseline is often 0.
+
+What the interval covers: request-to-request variation within each run. It does not see
+run-to-run drift of the machine (another job, a warmer cache): that is why a change must
+also be at least `min_change` before it is called a difference, and why a suspicious
+result is worth a rerun.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.bench.stats import quantile
+
+
+@dataclass(frozen=True, slots=True)
+class Figure:
+    name: str  # what --metric takes
+    title: str  # the table's row name
+    lower_is_better: bool
+    share: bool  # a fraction of requests: changes in percentage points
+    scale: float = 1.0  # for display: 1000 shows seconds as ms, 100 a fraction as %
+    unit: str = ""
+
+
+FIGURES: tuple[Figure, ...] = (
+    Figure("ttft_p50", "TTFT p50", True, False, 1000, "ms"),
+    Figure("ttft_p95", "TTFT p95", True, False, 1000, "ms"),
+    Figure("tpot_p50", "TPOT p50", True, False, 1000, "ms"),
+    Figure("tpot_p95", "TPOT p95", True, False, 1000, "ms"),
+    Figure("decode_tps_p50", "per-stream decode p50", False, False, 1, "tok/s"),
+    Figure("output_tps", "aggregate output", False, False, 1, "tok/s"),
+    Figure("goodput", "goodput", False, False, 1, "req/s"),
+    Figure("error_share", "errors", True, True, 100, "%"),
+    Figure("length_share", "finish=length", True, True, 100, "%"),
+)
+BY_NAME: Mapping[str, Figure] = {f.name: f for f in FIGURES}
+
+# One request as the bootstrap sees it: ok, ttft, tpot, decode tok/s, output tokens,
+# finished by length, met every SLO, e2e.
+Row = tuple[bool, float | None, float | None, float | None, int, bool, bool, float]
+
+#: A tail quantile gets an interval only with this many requests beyond it (p95: 100
+#: requests); with fewer, the bootstrap has too few tail values to resample.
+TAIL_REQUESTS = 5
+TAILS = {"ttft_p95": 0.95, "tpot_p95": 0.95}
+
+
+def rows(records: Sequence[Mapping[str, Any]], slo: Mapping[str, float]) -> list[Row]:
+    out: list[Row] = []
+    for r in records:
+        ok = r.get("error_type") is None
+        figures = {"ttft": r.get("ttft"), "tpot": r.get("tpot"), "e2e": r.get("e2e")}
+        met = ok and all(_within(figures[k], v) for k, v in slo.items())
+        out.append(
+            (
+                ok,
+                r.get("ttft") if ok else None,
+                r.get("tpot") if ok else None,
+                r.get("decode_tokens_per_second") if ok else None,
+                int(r.get("output_tokens") or 0) if ok else 0,
+                ok and r.get("finish_reason") == "length",
+                met,
+                float(r.get("e2e") or 0.0),
+            )
+        )
+    return out
+
+
+def _within(value: float | None, limit: float) -> bool:
+    """A figure a request lacks (TPOT of a one-token answer) cannot miss its target."""
+    return value is None or value <= limit
+
+
+def pace(sample: Sequence[Row]) -> float | None:
+    """Output tokens per second of request time: how a resample's throughput moves."""
+    busy = sum(row[7] for row in sample if row[0])
+    return sum(row[4] for row in sample if row[0]) / busy if busy > 0 else None
+
+
+def figures(
+    sample: Sequence[Row], duration: float, has_slo: bool, scale: float | None = None
+) -> dict[str, float | None]:
+    """Every figure of FIGURES from one level's requests (or a resample of them).
+
+    Aggregate throughput is output tokens / the level's wall time. A resample keeps the
+    wall time, which would hide that requests took longer or shorter; so a resample's
+    throughput is the observed one times how its pace (`pace`) differs from the observed
+    pace: `scale` = observed throughput / observed pace.
+    """
+    ok = [row for row in sample if row[0]]
+    ttft = sorted(row[1] for row in ok if row[1] is not None)
+    tpot = sorted(row[2] for row in ok if row[2] is not None)
+    speed = sorted(row[3] for row in ok if row[3] is not None)
+    n = len(sample)
+    return {
+        "ttft_p50": quantile(ttft, 50),
+        "ttft_p95": quantile(ttft, 95),
+        "tpot_p50": quantile(tpot, 50),
+        "tpot_p95": quantile(tpot, 95),
+        "decode_tps_p50": quantile(speed, 50),
+        "output_tps": _throughput(sample, duration, scale) if ok else None,
+        "goodput": sum(1 for row in sample if row[6]) / duration if has_slo else None,
+        "error_share": (n - len(ok)) / n if n else None,
+        "length_share": sum(1 for row in ok if row[5]) / len(ok) if ok else None,
+    }
+
+
+def _throughput(sample: Sequence[Row], duration: float, scale: float | None) -> float | None:
+    if scale is None:
+        return sum(row[4] for row in sample if row[0]) / duration
+    p = pace(sample)
+    return None if p is None else p * scale
+
+
+def _scale(sample: Sequence[Row], duration: float) -> float | None:
+    observed, p = _throughput(sample, duration, None), pace(sample)
+    return observed / p if observed is not None and p else None
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One figure of run B against run A. `change`, `low`, `high`: relative (0.1 = +10%)
+    or, for shares, in fractions of requests (0.01 = +1 percentage point)."""
+
+    figure: str
+    base: float | None
+    value: float | None
+    change: float | None
+    low: float | None
+    high: float | None
+    verdict: str  # "better", "worse", "same" (noise or below min_change), "n/a"
+
+    def worse_beyond(self, limit: float) -> bool:
+        """Worse by more than `limit` (same units as `change`) with the interval's confidence."""
+        if self.low is None or self.high is None:
+            return False
+        if BY_NAME[self.figure].lower_is_better:
+            return self.low > limit
+        return self.high < -limit
+
+
+def _delta(figure: Figure, base: float | None, value: float | None) -> float | None:
+    if base is None or value is None:
+        return None
+    if figure.share:
+        return value - base
+    return value / base - 1 if base else None
+
+
+def compare(
+    base: Sequence[Row],
+    base_duration: float,
+    other: Sequence[Row],
+    other_duration: float,
+    *,
+    has_slo: bool,
+    rounds: int = 2000,
+    confidence: float = 0.95,
+    min_change: float = 0.05,
+    seed: int = 0,
+) -> dict[str, Change]:
+    """Every figure of `other` against `base`, with its bootstrap interval and verdict."""
+    a = figures(base, base_duration, has_slo)
+    b = figures(other, other_duration, has_slo)
+    rng = random.Random(seed)
+    deltas: dict[str, list[float]] = {f.name: [] for f in FIGURES}
+    base_scale, other_scale = _scale(base, base_duration), _scale(other, other_duration)
+    if base and other:
+        for _ in range(rounds):
+            ra = figures(rng.choices(base, k=len(base)), base_duration, has_slo, base_scale)
+            rb = figures(rng.choices(other, k=len(other)), other_duration, has_slo, other_scale)
+            for f in FIGURES:
+                d = _delta(f, ra[f.name], rb[f.name])
+                if d is not None:
+                    deltas[f.name].append(d)
+    tail = (1 - confidence) / 2 * 100
+    out = {}
+    for f in FIGURES:
+        change = _delta(f, a[f.name], b[f.name])
+        spread = sorted(deltas[f.name])
+        # Fewer than half the resamples gave a figure, or too few tail values for a tail
+        # quantile: too little data for an interval.
+        tail_q = TAILS.get(f.name)
+        thin = tail_q is not None and min(len(base), len(other)) * (1 - tail_q) < TAIL_REQUESTS
+        if change is None or len(spread) < rounds / 2 or thin:
+            out[f.name] = Change(f.name, a[f.name], b[f.name], change, None, None, "n/a")
+            continue
+        low, high = quantile(spread, tail), quantile(spread, 100 - tail)
+        assert low is not None and high is not None
+        out[f.name] = Change(
+            f.name,
+            a[f.name],
+            b[f.name],
+            change,
+            low,
+            high,
+            _verdict(f, change, low, high, min_change),
+        )
+    return out
+
+
+def _verdict(figure: Figure, change: float, low: float, high: float, min_change: float) -> str:
+    if not (low > 0 or high < 0) or abs(change) < min_change:
+        return "same"
+    return "worse" if (change > 0) == figure.lower_is_better else "better"
