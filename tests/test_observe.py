@@ -15,6 +15,7 @@ import pytest
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
 from proxy.core.observe import StreamObserver, TokenCounts
 from proxy.core.request import CHAT, COMPLETIONS, RequestInfo
+from tests.factories import measurement
 
 FIXTURES = Path(__file__).parent / "fixtures"
 START = 100.0  # perf_counter at request start
@@ -63,11 +64,9 @@ def replay(
 
 
 def expected(**fields: object) -> Measurement:
-    base = Measurement(
-        endpoint=CHAT,
+    """The record a recorded stream of MODEL gives before any content event."""
+    base = measurement(
         model=MODEL,
-        stream=True,
-        status_code=200,
         started_at=STARTED_AT,
         ttfb=0.125,
         ttft=None,
@@ -77,17 +76,15 @@ def expected(**fields: object) -> Measurement:
         inter_token_latencies=(),
         prompt_tokens=None,
         output_tokens=None,
-        cached_prompt_tokens=None,
         token_source=TokenSource.CHUNKS,
         content_events=0,
         finish_reason=NONE_LABEL,
-        error_type=None,
         response_id=CHAT_ID,
         response_model=MODEL,
         max_tokens=256,
         temperature=0.7,
     )
-    return replace(base, **fields)  # type: ignore[arg-type]
+    return replace(base, **fields)
 
 
 @dataclass(frozen=True)
