@@ -290,7 +290,9 @@ def test_streamed_success_relays_each_read_unchanged_and_records_the_usage() -> 
             assert client.body == STREAM
             assert client.ended
             assert client.headers[b"content-type"] == b"text/event-stream"
-            assert upstream.requests[0].content == chat_request()
+            sent = upstream.requests[0]
+            assert sent.content == chat_request()
+            assert sent.headers["authorization"] == "Bearer " + SECRET.decode()
             assert body.closed
             record = proxy.record
             assert (record.status_code, record.error_type, record.finish_reason) == (
@@ -379,6 +381,22 @@ def test_connect_error_before_headers_answers_502_upstream_unreachable() -> None
                 ErrorType.UPSTREAM_UNREACHABLE,
             )
             assert proxy.requests(502, "none", "upstream_unreachable") == 1
+            assert proxy.in_flight == 0
+
+    asyncio.run(scenario())
+
+
+def test_no_headers_within_first_byte_timeout_answers_504_upstream_timeout() -> None:
+    async def scenario() -> None:
+        async with running(never_answering(), first_byte_timeout=0.05) as proxy:
+            client = Client(chat_request())
+            await proxy.call(client)
+
+            assert client.status == 504
+            assert orjson.loads(client.body)["error"]["type"] == "upstream_timeout"
+            record = proxy.record
+            assert (record.status_code, record.error_type) == (504, ErrorType.UPSTREAM_TIMEOUT)
+            assert record.e2e >= 0.05
             assert proxy.in_flight == 0
 
     asyncio.run(scenario())
