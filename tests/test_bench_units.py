@@ -16,10 +16,11 @@ from proxy.bench.load import Level
 from proxy.bench.options import Options, OptionsError, parse, parse_slo
 from proxy.bench.prompts import BUILTIN, Prompt, PromptError, load_file, synthetic
 from proxy.bench.stats import distribution, meets, quantile, summarize
-from proxy.core.measurement import ErrorType, Measurement, TokenSource
+from proxy.core.measurement import ErrorType, Measurement
 from proxy.core.request import CHAT, COMPLETIONS
 from proxy.core.tokens import count_prompt, load_tokenizer
 from proxy.sinks.metrics import TTFT_BUCKETS
+from tests import factories
 from tests.tokenizers_local import build_tiny_tokenizer
 
 BASE = ["--url", "http://127.0.0.1:8000/v1", "--model", "m"]
@@ -30,15 +31,23 @@ def options(*flags: str, env: dict[str, str] | None = None) -> Options:
 
 
 def measurement(**overrides: object) -> Measurement:
-    fields: dict[str, object] = dict(
-        endpoint=CHAT, model="m", stream=True, status_code=200, started_at=0.0, ttfb=0.01,
-        ttft=0.2, tpot=0.02, decode_tokens_per_second=50.0, e2e=1.0,
-        inter_token_latencies=(0.02, 0.02), prompt_tokens=10, output_tokens=40,
-        cached_prompt_tokens=None, token_source=TokenSource.USAGE, content_events=40,
-        finish_reason="length", error_type=None,
-    )  # fmt: skip
-    fields.update(overrides)
-    return Measurement(**fields)  # type: ignore[arg-type]
+    """40 tokens of model "m": the first at 0.2 s, 50 tokens/s after it, 1 s in all."""
+    return factories.measurement(
+        **{
+            "model": "m",
+            "started_at": 0.0,
+            "ttft": 0.2,
+            "tpot": 0.02,
+            "decode_tokens_per_second": 50.0,
+            "e2e": 1.0,
+            "inter_token_latencies": (0.02, 0.02),
+            "prompt_tokens": 10,
+            "output_tokens": 40,
+            "content_events": 40,
+            "finish_reason": "length",
+            **overrides,
+        }
+    )
 
 
 def result(index: int = 0, **overrides: object) -> Result:

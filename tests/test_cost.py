@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.core.measurement import ErrorType, Measurement, TokenSource
 from proxy.sinks.cost import CostSink, ModelPrice, PriceTable, load_prices, parse_prices
+from tests.factories import measurement
 
 PRICES_YAML = """\
 currency: EUR
@@ -24,27 +24,17 @@ models:
 
 
 def record(**overrides: object) -> Measurement:
-    base = Measurement(
-        endpoint="/v1/chat/completions",
-        model="llama",
-        stream=True,
-        status_code=200,
-        started_at=0.0,
-        ttfb=0.01,
-        ttft=0.05,
-        tpot=0.02,
-        decode_tokens_per_second=50.0,
-        e2e=1.0,
-        inter_token_latencies=(),
-        prompt_tokens=1000,
-        output_tokens=200,
-        cached_prompt_tokens=400,
-        token_source=TokenSource.USAGE,
-        content_events=200,
-        finish_reason="stop",
-        error_type=None,
+    """1000 prompt tokens (400 of them cached) and 200 output tokens of model "llama"."""
+    return measurement(
+        **{
+            "model": "llama",
+            "prompt_tokens": 1000,
+            "output_tokens": 200,
+            "cached_prompt_tokens": 400,
+            "content_events": 200,
+            **overrides,
+        }
     )
-    return replace(base, **overrides)  # type: ignore[arg-type]
 
 
 def cost(registry: CollectorRegistry, model: str, kind: str) -> float | None:

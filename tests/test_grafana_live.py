@@ -28,9 +28,10 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_asgi_app
 
-from proxy.core.measurement import Measurement, TokenSource
+from proxy.core.measurement import Measurement
 from proxy.sinks.cost import CostSink, parse_prices
 from proxy.sinks.metrics import cache_class, prompt_class
+from tests.factories import measurement
 from tests.prom import Prometheus, finite_values, require_binary
 from tests.servers import ThreadedServer, free_port
 from tests.test_grafana import DASHBOARDS, ROOT, iter_targets, load, substitute
@@ -182,11 +183,9 @@ class ContractExporter:
 def _measurement(
     model: str, endpoint: str, prompt: int, output: int, cached: int, e2e: float, finish: str
 ) -> Measurement:
-    return Measurement(
+    return measurement(
         endpoint=endpoint,
         model=model,
-        stream=True,
-        status_code=200,
         started_at=time.time(),
         ttfb=None,
         ttft=None,
@@ -197,10 +196,8 @@ def _measurement(
         prompt_tokens=prompt,
         output_tokens=output,
         cached_prompt_tokens=cached,
-        token_source=TokenSource.USAGE,
         content_events=output,
         finish_reason=finish,
-        error_type=None,
     )
 
 

@@ -15,41 +15,32 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
-from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
+from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement
 from proxy.server.app import create_app
 from proxy.settings import Settings
 from proxy.sinks.logs import KEYS, AccessLog, iso_utc
 from proxy.sinks.tracing import Tracing
 from tests.conftest import MODEL, Running
+from tests.factories import measurement
 from tests.servers import ThreadedServer
 
 ISO_MS_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 
 
 def record(**changes: Any) -> Measurement:
-    fields: dict[str, Any] = {
-        "endpoint": "/v1/chat/completions",
-        "model": MODEL,
-        "stream": True,
-        "status_code": 200,
-        "started_at": 1_700_000_000.1239,
-        "ttfb": 0.0101234,
-        "ttft": 0.05,
-        "tpot": 0.005,
-        "decode_tokens_per_second": 199.99999,
-        "e2e": 0.125,
-        "inter_token_latencies": (),
-        "prompt_tokens": 12,
-        "output_tokens": 16,
-        "cached_prompt_tokens": None,
-        "token_source": TokenSource.USAGE,
-        "content_events": 16,
-        "finish_reason": "stop",
-        "error_type": None,
-        "response_id": "chatcmpl-1",
-        "trace_id": "4bf92f3577b34da6a3ce929d0e0e4736",
-    }
-    return Measurement(**{**fields, **changes})
+    return measurement(
+        **{
+            "model": MODEL,
+            "started_at": 1_700_000_000.1239,
+            "ttfb": 0.0101234,
+            "ttft": 0.05,
+            "decode_tokens_per_second": 199.99999,
+            "inter_token_latencies": (),
+            "response_id": "chatcmpl-1",
+            "trace_id": "4bf92f3577b34da6a3ce929d0e0e4736",
+            **changes,
+        }
+    )
 
 
 def log_lines(mode: str, *records: Measurement) -> list[str]:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 from prometheus_client import CollectorRegistry
 
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
 from proxy.sinks.metrics import FINISH_REASONS, Metrics, token_buckets
+from tests.factories import measurement
 
 CHAT = "/v1/chat/completions"
 MODEL_LABEL = "llama"
@@ -16,27 +15,23 @@ TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 
 
 def stream_record(**overrides: object) -> Measurement:
-    base = Measurement(
-        endpoint=CHAT,
-        model="meta-llama/Llama-3.1-8B-Instruct",
-        stream=True,
-        status_code=200,
-        started_at=1_718_000_000.0,
-        ttfb=0.125,
-        ttft=0.5,
-        tpot=0.25,
-        decode_tokens_per_second=4.0,
-        e2e=1.5,
-        inter_token_latencies=(0.25, 0.25, 0.0),
-        prompt_tokens=12,
-        output_tokens=4,
-        cached_prompt_tokens=8,
-        token_source=TokenSource.USAGE,
-        content_events=4,
-        finish_reason="stop",
-        error_type=None,
+    """Four tokens: the first at 0.5 s, then gaps of 0.25, 0.25 and 0 s (two in one read)."""
+    return measurement(
+        **{
+            "model": "meta-llama/Llama-3.1-8B-Instruct",
+            "started_at": 1_718_000_000.0,
+            "ttfb": 0.125,
+            "ttft": 0.5,
+            "tpot": 0.25,
+            "decode_tokens_per_second": 4.0,
+            "e2e": 1.5,
+            "inter_token_latencies": (0.25, 0.25, 0.0),
+            "output_tokens": 4,
+            "cached_prompt_tokens": 8,
+            "content_events": 4,
+            **overrides,
+        }
     )
-    return replace(base, **overrides)  # type: ignore[arg-type]
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ Times are multiples of 1/8 s, exact in binary, so durations compare with `==`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
@@ -15,6 +15,7 @@ import pytest
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
 from proxy.core.observe import StreamObserver, TokenCounts
 from proxy.core.request import CHAT, COMPLETIONS, RequestInfo
+from tests.factories import measurement
 
 FIXTURES = Path(__file__).parent / "fixtures"
 START = 100.0  # perf_counter at request start
@@ -63,31 +64,27 @@ def replay(
 
 
 def expected(**fields: object) -> Measurement:
-    base = Measurement(
-        endpoint=CHAT,
-        model=MODEL,
-        stream=True,
-        status_code=200,
-        started_at=STARTED_AT,
-        ttfb=0.125,
-        ttft=None,
-        tpot=None,
-        decode_tokens_per_second=None,
-        e2e=0.0,
-        inter_token_latencies=(),
-        prompt_tokens=None,
-        output_tokens=None,
-        cached_prompt_tokens=None,
-        token_source=TokenSource.CHUNKS,
-        content_events=0,
-        finish_reason=NONE_LABEL,
-        error_type=None,
-        response_id=CHAT_ID,
-        response_model=MODEL,
-        max_tokens=256,
-        temperature=0.7,
-    )
-    return replace(base, **fields)  # type: ignore[arg-type]
+    """The record a recorded stream of MODEL gives before any content event, with `fields`."""
+    before_content = {
+        "model": MODEL,
+        "started_at": STARTED_AT,
+        "ttfb": 0.125,
+        "ttft": None,
+        "tpot": None,
+        "decode_tokens_per_second": None,
+        "e2e": 0.0,
+        "inter_token_latencies": (),
+        "prompt_tokens": None,
+        "output_tokens": None,
+        "token_source": TokenSource.CHUNKS,
+        "content_events": 0,
+        "finish_reason": NONE_LABEL,
+        "response_id": CHAT_ID,
+        "response_model": MODEL,
+        "max_tokens": 256,
+        "temperature": 0.7,
+    }
+    return measurement(**{**before_content, **fields})
 
 
 @dataclass(frozen=True)

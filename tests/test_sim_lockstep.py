@@ -65,9 +65,19 @@ async def _stream_stamps(client: httpx.AsyncClient, url: str, ttft: float) -> li
 def test_concurrent_streams_get_their_chunks_on_the_same_ticks(
     sim: tuple[ThreadedServer, SimApp],
 ) -> None:
+    """On a real server, the sends woken by one tick come out as one burst.
+
+    A timing check, so best of three like the others here: the bursts are told apart by
+    wall-clock gaps, and the simulator runs in a thread of this process, beside the
+    32-stream client. CPython hands the GIL from one thread to the other every 5 ms
+    (sys.getswitchinterval()), and a loaded box deschedules threads for longer, so a
+    tick's burst can be cut by a gap of over 3 ms and count twice. That is what failed
+    once in a loaded full run; the tick-sharing itself is pinned exactly, without wall
+    time, by test_streams_on_the_step_clock_wake_on_shared_consecutive_ticks.
+    """
     server, app = sim
-    assert app.clock is not None
-    fired_before = app.clock.fired
+    clock = app.clock
+    assert clock is not None
 
     async def run() -> list[list[int]]:
         async with httpx.AsyncClient(timeout=10) as client:
@@ -76,14 +86,59 @@ def test_concurrent_streams_get_their_chunks_on_the_same_ticks(
                 *(_stream_stamps(client, server.url, 0.01 * (i % 7)) for i in range(32))
             )
 
-    per_stream = asyncio.run(run())
-    assert all(len(s) == 8 for s in per_stream)
-    ticks = app.clock.fired - fired_before
-    stamps = sorted(ns for s in per_stream for ns in s)
-    # Sends of one tick come out back to back; ticks are a step apart.
-    bursts = 1 + sum(b - a > 3_000_000 for a, b in itertools.pairwise(stamps))
-    assert bursts <= ticks + 3, (bursts, ticks)
-    assert len(stamps) / bursts >= 8, "many streams share each tick"
+    def attempt() -> None:
+        fired_before = clock.fired
+        per_stream = asyncio.run(run())
+        assert all(len(s) == 8 for s in per_stream)
+        ticks = clock.fired - fired_before
+        stamps = sorted(ns for s in per_stream for ns in s)
+        # Sends of one tick come out back to back; ticks are a step apart.
+        bursts = 1 + sum(b - a > 3_000_000 for a, b in itertools.pairwise(stamps))
+        assert bursts <= ticks + 3, (bursts, ticks)
+        assert len(stamps) / bursts >= 8, "many streams share each tick"
+
+    best_of(3, attempt)
+
+
+def test_streams_on_the_step_clock_wake_on_shared_consecutive_ticks() -> None:
+    """The lockstep guarantee itself, with no wall-clock bound: a stream never wakes
+    before it is due; streams due at the same instant wake on the same tick; after that
+    each stream gets every following tick, none skipped, also when the loop was blocked
+    and the missed ticks fire back to back. (Ticks are told apart by `clock.fired`,
+    which counts them while anyone waits.)"""
+    step = 0.005
+
+    async def run() -> tuple[list[tuple[float, float, list[int]]], int]:
+        loop = asyncio.get_running_loop()
+        clock = StepClock(step)
+        base = loop.time()
+
+        async def stream(i: int) -> tuple[float, float, list[int]]:
+            due = base + step * 0.7 * (i % 7)
+            await clock.wait_until(due)
+            woke_at = loop.time()
+            ticks = [clock.fired]
+            for j in range(7):
+                if i == 0 and j == 3:
+                    time.sleep(3 * step)  # block the loop: the next ticks fire late
+                await clock.next_tick()
+                ticks.append(clock.fired)
+            return due, woke_at, ticks
+
+        try:
+            streams = await asyncio.gather(*(stream(i) for i in range(32)))
+        finally:
+            clock.close()
+        return streams, clock.late
+
+    streams, late = asyncio.run(run())
+    first_tick: dict[float, set[int]] = {}
+    for due, woke_at, ticks in streams:
+        assert woke_at >= due - 1e-6, "woke before it was due"
+        assert ticks == list(range(ticks[0], ticks[0] + 8)), "a tick was skipped"
+        first_tick.setdefault(due, set()).add(ticks[0])
+    assert all(len(firsts) == 1 for firsts in first_tick.values()), first_tick
+    assert late >= 2  # the blocked loop really made ticks late
 
 
 def test_step_clock_catches_up_after_the_loop_was_blocked() -> None:
@@ -91,17 +146,20 @@ def test_step_clock_catches_up_after_the_loop_was_blocked() -> None:
         async def run() -> tuple[float, float, int]:
             loop = asyncio.get_running_loop()
             clock = StepClock(0.01)
+            epoch = loop.time()  # the clock's grid starts at its first use, just after
             await clock.next_tick()
-            start = loop.time()
             time.sleep(0.035)  # block the loop for three and a half steps
             for _ in range(6):
                 await clock.next_tick()
             clock.close()
-            return start, loop.time(), clock.late
+            return epoch, loop.time(), clock.late
 
-        start, end, late = asyncio.run(run())
-        # Six steps still take six steps: the three missed ones fire back to back.
-        assert 0.06 - 0.012 <= end - start <= 0.06 + 0.02, end - start
+        epoch, end, late = asyncio.run(run())
+        # Seven ticks on the grid, however late the loop woke: never before epoch + 7
+        # steps (exact: ticks are not early), and the three missed ones fire back to
+        # back, so not much after it either (timing: best of three).
+        assert end - epoch >= 0.07 - 1e-6, end - epoch
+        assert end - epoch <= 0.07 + 0.02, end - epoch
         assert late >= 2
 
     best_of(3, attempt)

@@ -15,10 +15,11 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, TraceIdRat
 from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client import CollectorRegistry
 
-from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
+from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement
 from proxy.core.request import CHAT, COMPLETIONS, RequestInfo
 from proxy.settings import SettingsError
 from proxy.sinks.tracing import CountingBatchProcessor, Tracing, export_failures, tracing_from_env
+from tests.factories import measurement
 from tests.servers import free_port
 
 UPSTREAM = "http://vllm.internal:8000"
@@ -42,31 +43,17 @@ def info(endpoint: str = CHAT, **changes: Any) -> RequestInfo:
 
 
 def record(**changes: Any) -> Measurement:
-    fields: dict[str, Any] = {
-        "endpoint": CHAT,
-        "model": "sim-model",
-        "stream": True,
-        "status_code": 200,
-        "started_at": STARTED_AT,
-        "ttfb": 0.010,
-        "ttft": 0.050,
-        "tpot": 0.005,
-        "decode_tokens_per_second": 200.0,
-        "e2e": 0.125,
-        "inter_token_latencies": (0.005,) * 15,
-        "prompt_tokens": 12,
-        "output_tokens": 16,
-        "cached_prompt_tokens": 4,
-        "token_source": TokenSource.USAGE,
-        "content_events": 16,
-        "finish_reason": "stop",
-        "error_type": None,
-        "response_id": "chatcmpl-123",
-        "response_model": "sim-model",
-        "max_tokens": 64,
-        "temperature": 0.7,
-    }
-    return Measurement(**{**fields, **changes})
+    return measurement(
+        **{
+            "started_at": STARTED_AT,
+            "cached_prompt_tokens": 4,
+            "response_id": "chatcmpl-123",
+            "response_model": "sim-model",
+            "max_tokens": 64,
+            "temperature": 0.7,
+            **changes,
+        }
+    )
 
 
 @pytest.fixture
