@@ -21,9 +21,9 @@ import pytest
 
 from proxy.bench.cli import main
 from proxy.bench.compare import bucket_index
+from proxy.core.buckets import TTFT_BUCKETS
 from proxy.core.tokens import count_output, load_tokenizer
 from proxy.sim.tokens import completion_text
-from proxy.sinks.metrics import TTFT_BUCKETS
 from tests.conftest import MODEL, ProxyUnderTest, Running
 from tests.servers import free_port
 from tests.tokenizers_local import build_tiny_tokenizer

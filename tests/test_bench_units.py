@@ -16,10 +16,10 @@ from proxy.bench.load import Level
 from proxy.bench.options import Options, OptionsError, parse, parse_slo
 from proxy.bench.prompts import BUILTIN, Prompt, PromptError, load_file, synthetic
 from proxy.bench.stats import distribution, meets, quantile, summarize
+from proxy.core.buckets import TTFT_BUCKETS
 from proxy.core.measurement import ErrorType, Measurement
 from proxy.core.request import CHAT, COMPLETIONS
 from proxy.core.tokens import count_prompt, load_tokenizer
-from proxy.sinks.metrics import TTFT_BUCKETS
 from tests import factories
 from tests.tokenizers_local import build_tiny_tokenizer
 

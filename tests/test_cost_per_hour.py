@@ -17,9 +17,9 @@ from pathlib import Path
 import orjson
 import pytest
 
+from proxy.core.pricing import per_million_tokens
 from proxy.server.wiring import build
 from proxy.settings import SettingsError, parse
-from proxy.sinks.cost import per_million_tokens
 from tests.conftest import MODEL, Running
 
 COST = 2.5

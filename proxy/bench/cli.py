@@ -26,8 +26,8 @@ from proxy.bench.options import Options, OptionsError, parse
 from proxy.bench.progress import Progress
 from proxy.bench.prompts import BUILTIN, PromptError, load_file, synthetic
 from proxy.bench.stats import summarize
+from proxy.core.buckets import TTFT_BUCKETS
 from proxy.core.measurement import ErrorType
-from proxy.sinks.metrics import TTFT_BUCKETS
 
 PROG = "tokenprobe bench"
 #: Synthetic prompts made for --input-tokens: enough that no two nearby requests share one.

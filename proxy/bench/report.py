@@ -15,7 +15,7 @@ from proxy.bench.load import Level
 from proxy.bench.options import Options
 from proxy.bench.stats import Summary
 from proxy.core.measurement import ErrorType
-from proxy.sinks.cost import per_million_tokens
+from proxy.core.pricing import per_million_tokens
 
 Cell = Callable[[Summary], str]
 
@@ -65,7 +65,7 @@ GOODPUT = "goodput/s: requests per second that met every --slo target."
 
 
 def cost_columns(cost_per_hour: float, currency: str) -> tuple[tuple[str, str, Cell], ...]:
-    """Cost per million tokens at a level's aggregate throughput (see cost.per_million_tokens)."""
+    """Cost per million tokens at a level's aggregate throughput (see core.pricing.per_million_tokens)."""
     group = f"{currency} per 1M tok"
 
     def cell(tokens: Callable[[Summary], int]) -> Cell:

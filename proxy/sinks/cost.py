@@ -41,16 +41,7 @@ import yaml
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from proxy.core.measurement import Measurement
-
-PER_TOKENS = 1_000_000
-SECONDS_PER_HOUR = 3600
-
-
-def per_million_tokens(cost_per_hour: float, tokens_per_second: float) -> float | None:
-    """cost_per_hour / (tokens_per_second * 3600) * 1e6; None without throughput."""
-    if tokens_per_second <= 0:
-        return None
-    return cost_per_hour / (tokens_per_second * SECONDS_PER_HOUR) * PER_TOKENS
+from proxy.core.pricing import PER_TOKENS
 
 
 def export_cost_per_hour(registry: CollectorRegistry, cost_per_hour: float, currency: str) -> Gauge:

@@ -1,0 +1,34 @@
+"""Histogram bucket boundaries: part of what a figure means, so they live in the core.
+
+The Prometheus sink observes into them and the bench client's `--compare-metrics` bins
+its own records with the same edges, so the two compare bucket for bucket.
+"""
+
+from __future__ import annotations
+
+# vLLM's boundaries (vllm/v1/metrics/loggers.py), so the two can be compared bucket for bucket.
+# fmt: off
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                         2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# Sub-millisecond resolution matters for the time to first byte of a nearby backend.
+TTFB_BUCKETS = (0.0005, *TTFT_BUCKETS)
+DECODE_SPEED_BUCKETS = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 75.0, 100.0, 150.0,
+                        200.0, 300.0, 500.0, 1000.0, 2000.0)
+# fmt: on
+
+
+def token_buckets(max_value: int = 1_000_000) -> tuple[float, ...]:
+    """vLLM's 1-2-5 series up to max_value."""
+    out: list[float] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return tuple(out)
+            out.append(float(value))
+        exponent += 1
