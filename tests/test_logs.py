@@ -45,6 +45,7 @@ def record(**changes: Any) -> Measurement:
         "token_source": TokenSource.USAGE,
         "content_events": 16,
         "finish_reason": "stop",
+        "raw_finish_reason": "stop",
         "error_type": None,
         "response_id": "chatcmpl-1",
         "trace_id": "4bf92f3577b34da6a3ce929d0e0e4736",
@@ -79,6 +80,7 @@ def test_json_values_are_in_ms_with_nulls_for_unknowns() -> None:
         "status": 200,
         "error_type": None,
         "finish_reason": "stop",
+        "raw_finish_reason": "stop",
         "prompt_tokens": 12,
         "output_tokens": 16,
         "cached_tokens": None,
@@ -129,7 +131,7 @@ def test_text_mode_is_one_logfmt_line_without_nulls() -> None:
     (line,) = log_lines("text", record(model="my model", cached_prompt_tokens=None))
     assert line == (
         'ts=2023-11-14T22:13:20.123Z model="my model" endpoint=/v1/chat/completions status=200 '
-        "finish_reason=stop prompt_tokens=12 output_tokens=16 token_source=usage ttfb_ms=10.123 "
+        "finish_reason=stop raw_finish_reason=stop prompt_tokens=12 output_tokens=16 token_source=usage ttfb_ms=10.123 "
         "ttft_ms=50.0 tpot_ms=5.0 decode_tps=200.0 e2e_ms=125.0 stream=true "
         "trace_id=4bf92f3577b34da6a3ce929d0e0e4736 response_id=chatcmpl-1\n"
     )

@@ -87,6 +87,9 @@ def expected(**fields: object) -> Measurement:
         max_tokens=256,
         temperature=0.7,
     )
+    reason = fields.get("finish_reason", NONE_LABEL)
+    if reason != NONE_LABEL:  # the raw reason is the label itself for these OpenAI streams
+        fields.setdefault("raw_finish_reason", reason)
     return replace(base, **fields)  # type: ignore[arg-type]
 
 
