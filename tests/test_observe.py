@@ -6,6 +6,7 @@ Times are multiples of 1/8 s, exact in binary, so durations compare with `==`.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -37,17 +38,16 @@ def request(endpoint: str = CHAT, stream: bool = True) -> RequestInfo:
 
 
 def finish(observer: StreamObserver, end: float, status: int = 200) -> Measurement:
-    """What the relay does when the upstream body ended cleanly."""
+    """What the relay does when the upstream body ended cleanly: the one finish sequence."""
     observer.end_of_stream(end)
-    error, message = observer.outcome()
-    counts = observer.counts_from_usage() or observer.counts_from_chunks()
-    return observer.measurement(
-        end=end,
-        started_at=STARTED_AT,
-        status_code=status,
-        counts=counts,
-        error_type=error,
-        error_message=message,
+    return asyncio.run(
+        observer.finish(
+            end=end,
+            started_at=STARTED_AT,
+            status_code=status,
+            error_type=None,
+            error_message=None,
+        )
     )
 
 

@@ -122,15 +122,10 @@ async def measure(
         raise
     except Exception as exc:  # every failure becomes a measured error type
         error, message = classify_exception(exc, after_headers=status != 0), describe(exc)
-    end = perf_counter()
-    if error is None:
-        error, message = observer.outcome()
-    counts = observer.counts_from_usage() or observer.counts_from_chunks()
-    measurement = observer.measurement(
-        end=end,
+    measurement = await observer.finish(
+        end=perf_counter(),
         started_at=started_at,
         status_code=status,
-        counts=counts,
         error_type=error,
         error_message=message,
     )
