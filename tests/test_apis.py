@@ -244,7 +244,7 @@ def test_messages_request_reads_max_tokens_and_system() -> None:
             "max_tokens": 64,
             "stream": True,
             "messages": [{"role": "user", "content": "Hi"}],
-        }  # fmt: skip
+        }
     )
     request, _ = parse_request("/v1/messages", body)
     assert (request.endpoint, request.max_tokens, request.stream) == ("/v1/messages", 64, True)
