@@ -68,6 +68,7 @@ class StreamObserver:
         self.itl: list[float] = []
         self.content_events = 0
         self.choices: dict[int, _Choice] = {}
+        self._zero: _Choice | None = None  # choices[0], for the common event's fast path
         self.finish_reason: str | None = None  # raw, as the backend wrote it
         self.usage: dict[str, Any] | None = None
         self.stream_error: object = None
@@ -91,8 +92,18 @@ class StreamObserver:
     def feed(self, chunk: bytes, now: float) -> None:
         """A chunk that was just relayed to the client, read from the network at `now`."""
         if self.streaming:
+            event, collect = self.api.event, self._collect
             for payload in self._decoder.feed(chunk):
-                self._apply(self.api.event(payload, self._collect, self.response_id is None), now)
+                facts = event(payload, collect, self.response_id is None)
+                zero = self._zero
+                if facts.plain and zero is not None:  # the common event, inline: one choice
+                    self.content_events += 1
+                    self.last_token = now
+                    self.itl.append(now - zero.last)
+                    zero.last = now
+                    zero.events += 1
+                else:
+                    self._apply(facts, now)
         elif self._kept < MAX_KEPT_BODY:
             self._body.append(chunk)
             self._kept += len(chunk)
@@ -119,7 +130,9 @@ class StreamObserver:
             for index in facts.choices:
                 choice = choices.get(index)
                 if choice is None:
-                    choices[index] = _Choice(now)
+                    choice = choices[index] = _Choice(now)
+                    if index == 0:
+                        self._zero = choice
                 else:
                     self.itl.append(now - choice.last)
                     choice.last = now

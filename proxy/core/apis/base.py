@@ -64,6 +64,9 @@ class Facts:
     usage     the usage object as sent
     error     an in-stream error object (or the error event itself)
     end       the event ends the stream cleanly ([DONE], message_stop, response.completed)
+
+    An Api may answer with a shared instance (NOTHING, or a common content event): a
+    Facts is read, never changed, by whoever did not create it.
     """
 
     content: str | None = None
@@ -76,6 +79,7 @@ class Facts:
     response_id: str | None = None
     response_model: str | None = None
     malformed: bool = False
+    plain: bool = False  # content of choice 0 and nothing else: the observer's fast path
 
 
 #: Shared "nothing here" answer: never mutated, so one instance serves every event.

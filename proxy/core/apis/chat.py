@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import orjson
 
-from proxy.core.apis.base import END, MALFORMED, Api, Facts, identity
+from proxy.core.apis.base import END, MALFORMED, NOTHING, Api, Facts, identity
 
 _DELTA_KEYS = (
     ("content", "text"),
@@ -26,6 +26,11 @@ _DELTA_KEYS = (
     ("reasoning", "reasoning"),
     ("tool_calls", "tool"),
 )
+
+
+_FIRST = (0,)
+#: Shared answers for the common event: one choice (index 0) with content, nothing else.
+_CONTENT = {name: Facts(content=name, plain=True) for name in ("text", "reasoning", "tool")}
 
 
 class OpenAIGeneration(Api):
@@ -49,6 +54,8 @@ class OpenAIGeneration(Api):
         return orjson.dumps({**obj, "stream_options": merged})
 
     def event(self, payload: bytes, collect: bool, identify: bool) -> Facts:
+        # The hot path of the hot API: most events are one choice with one piece of
+        # content and nothing else, and get a shared, never-mutated answer.
         if payload == b"[DONE]":
             return END
         try:
@@ -57,39 +64,65 @@ class OpenAIGeneration(Api):
             return MALFORMED
         if type(obj) is not dict:
             return MALFORMED
-        facts = Facts(**identity(obj)) if identify else Facts()
+        kind: str | None = None
+        finish: Any = None
+        texts: list[str] | None = [] if collect else None
+        indices: tuple[int, ...] = _FIRST
         choices = obj.get("choices")
         if choices and type(choices) is list:
-            self._choices(choices, facts, collect)
+            if len(choices) == 1:  # vLLM sends one choice per chunk, even with n > 1
+                choice = choices[0]
+                if type(choice) is dict:
+                    kind = self._content(choice, texts)
+                    if kind is not None:
+                        index = choice.get("index", 0)
+                        if index != 0 and type(index) is int:
+                            indices = (index,)
+                    finish = choice.get("finish_reason")
+            else:
+                kind, indices, finish = self._choices(choices, texts)
+            if finish is not None and (not finish or type(finish) is not str):
+                finish = None
         usage = obj.get("usage")
-        if usage and type(usage) is dict:
-            facts.usage = usage
+        if not usage or type(usage) is not dict:
+            usage = None
         error = obj.get("error")
-        if error is not None:
-            facts.error = error
+        if (
+            usage is None
+            and finish is None
+            and error is None
+            and indices is _FIRST
+            and not identify
+            and not texts
+        ):
+            return NOTHING if kind is None else _CONTENT[kind]
+        facts = Facts(**identity(obj)) if identify else Facts()
+        facts.content, facts.choices, facts.finish = kind, indices, finish
+        facts.texts, facts.usage, facts.error = texts or None, usage, error
         return facts
 
-    def _choices(self, choices: list[Any], facts: Facts, collect: bool) -> None:
-        with_content: list[int] | None = None
+    def _choices(
+        self, choices: list[Any], texts: list[str] | None
+    ) -> tuple[str | None, tuple[int, ...], Any]:
+        """(content kind, indices of the choices with content, finish reason) of an event
+        that carries several choices."""
+        kind = finish = None
+        content_at: list[int] = []
         for choice in choices:
             if type(choice) is not dict:
                 continue
-            kind = self._content(choice, facts, collect)
-            if kind is not None:
-                facts.content = kind
+            found = self._content(choice, texts)
+            if found is not None:
+                kind = found
                 index = choice.get("index", 0)
-                index = index if type(index) is int else 0
-                if with_content is None:
-                    with_content = [index]
-                else:
-                    with_content.append(index)
+                content_at.append(index if type(index) is int else 0)
             reason = choice.get("finish_reason")
             if reason and type(reason) is str:
-                facts.finish = reason
-        if with_content is not None and with_content != [0]:
-            facts.choices = tuple(with_content)
+                finish = reason
+        return kind, tuple(content_at) if content_at else _FIRST, finish
 
-    def _content(self, choice: dict[str, Any], facts: Facts, collect: bool) -> str | None:
+    def _content(self, choice: dict[str, Any], texts: list[str] | None) -> str | None:
+        """The kind of content this choice carries (None: none), its text kept in `texts`."""
         raise NotImplementedError
 
     def body(self, obj: dict[str, Any], collect: bool) -> Facts:
@@ -106,7 +139,7 @@ class OpenAIGeneration(Api):
                     message = choice.get("message")
                     text = message.get("content") if type(message) is dict else choice.get("text")
                     if type(text) is str:
-                        keep_text(facts, text)
+                        keep(facts, text)
         return facts
 
 
@@ -123,24 +156,30 @@ class Chat(OpenAIGeneration):
     def prompt(self, obj: dict[str, Any]) -> Any:
         return obj.get("messages")
 
-    def _content(self, choice: dict[str, Any], facts: Facts, collect: bool) -> str | None:
+    def _content(self, choice: dict[str, Any], texts: list[str] | None) -> str | None:
         delta = choice.get("delta")
         if not delta or type(delta) is not dict:
             return None
+        if texts is None and delta.get("content"):
+            return "text"  # what the kind is matters, not which others came with it
         kind = None
         for key, name in _DELTA_KEYS:
             value = delta.get(key)
             if value:
                 kind = name
-                if collect:
-                    keep_text(facts, value)
+                if texts is not None:
+                    add_texts(texts, value)
         return kind
 
 
-def keep_text(facts: Facts, value: object) -> None:
-    texts = facts.texts
-    if texts is None:
-        texts = facts.texts = []
+def keep(facts: Facts, value: object) -> None:
+    """Keep generated text on `facts`, for a tokenizer to count."""
+    if facts.texts is None:
+        facts.texts = []
+    add_texts(facts.texts, value)
+
+
+def add_texts(texts: list[str], value: object) -> None:
     if type(value) is str:
         texts.append(value)
     elif type(value) is list:  # tool_calls: count the function names and arguments

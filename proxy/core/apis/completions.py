@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.core.apis.base import Facts
-from proxy.core.apis.chat import OpenAIGeneration, keep_text
+from proxy.core.apis.chat import OpenAIGeneration, add_texts
 
 
 class Completions(OpenAIGeneration):
@@ -24,10 +23,10 @@ class Completions(OpenAIGeneration):
     def prompt(self, obj: dict[str, Any]) -> Any:
         return obj.get("prompt")
 
-    def _content(self, choice: dict[str, Any], facts: Facts, collect: bool) -> str | None:
+    def _content(self, choice: dict[str, Any], texts: list[str] | None) -> str | None:
         text = choice.get("text")
         if not text:
             return None
-        if collect:
-            keep_text(facts, text)
+        if texts is not None:
+            add_texts(texts, text)
         return "text"

@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 
 from proxy.core.apis.base import MALFORMED, NOTHING, Api, Facts, TokenCounts, as_int, identity
-from proxy.core.apis.chat import keep_text
+from proxy.core.apis.chat import keep
 from proxy.core.measurement import TokenSource
 
 #: stop_reason -> finish_reason label (anything else: "other").
@@ -75,7 +75,7 @@ class Messages(Api):
                 return NOTHING
             facts = Facts(content=field[1])
             if collect:
-                keep_text(facts, value)
+                keep(facts, value)
             return facts
         if kind == "message_start":
             message = obj.get("message")
@@ -111,7 +111,7 @@ class Messages(Api):
                 if type(block) is dict:
                     text = block.get("text", block.get("thinking"))
                     if type(text) is str:
-                        keep_text(facts, text)
+                        keep(facts, text)
         return facts
 
     def finish_label(self, raw: str) -> str:

@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 
 from proxy.core.apis.base import MALFORMED, NOTHING, Api, Facts, TokenCounts, as_int, identity
-from proxy.core.apis.chat import keep_text
+from proxy.core.apis.chat import keep
 from proxy.core.measurement import TokenSource
 
 _DELTAS = {
@@ -72,7 +72,7 @@ class Responses(Api):
                 return NOTHING
             facts = Facts(content=content)
             if collect:
-                keep_text(facts, delta)
+                keep(facts, delta)
             return facts
         if kind in _IDENTIFYING:
             response = obj.get("response")
@@ -102,7 +102,7 @@ class Responses(Api):
         if collect:
             text = obj.get("output_text")  # the SDK's convenience field, when present
             if type(text) is str:
-                keep_text(facts, text)
+                keep(facts, text)
             else:
                 _output_texts(obj.get("output"), facts)
         return facts
@@ -133,4 +133,4 @@ def _output_texts(output: object, facts: Facts) -> None:
             for part in parts:
                 text = part.get("text") if type(part) is dict else None
                 if type(text) is str:
-                    keep_text(facts, text)
+                    keep(facts, text)
