@@ -121,3 +121,55 @@ def best_of(attempts: int, check: Callable[[], None]) -> None:
         except AssertionError:
             if attempt == attempts - 1:
                 raise
+
+
+@dataclass
+class NamedEvent:
+    """One `event: <name>\\ndata: <json>` block of a Messages or Responses stream."""
+
+    at: float  # seconds from just before the request was sent to the event's arrival
+    name: str
+    data: bytes
+
+    @property
+    def json(self) -> Any:
+        return json.loads(self.data)
+
+
+@dataclass
+class NamedStream:
+    status: int
+    events: list[NamedEvent]
+    raw: bytes
+
+    def names(self) -> list[str]:
+        return [e.name for e in self.events]
+
+    def first(self, name: str) -> NamedEvent:
+        return next(e for e in self.events if e.name == name)
+
+
+def read_named_events(
+    client: httpx.Client,
+    url: str,
+    path: str,
+    body: dict[str, Any],
+    headers: dict[str, str] | None = None,
+) -> NamedStream:
+    """POST and read a whole stream of named SSE events, timing every event's arrival."""
+    t0 = time.monotonic()
+    with client.stream("POST", url + path, json=body, headers=headers or {}) as response:
+        events: list[NamedEvent] = []
+        buffer = b""
+        raw = []
+        for piece in response.iter_raw():
+            now = time.monotonic() - t0
+            raw.append(piece)
+            buffer += piece
+            while b"\n\n" in buffer:
+                block, buffer = buffer.split(b"\n\n", 1)
+                head, _, data = block.partition(b"\n")
+                assert head.startswith(b"event: ") and data.startswith(b"data: "), block[:80]
+                events.append(NamedEvent(now, head[7:].decode(), data[6:]))
+        assert buffer == b"", buffer[:80]
+        return NamedStream(response.status_code, events, b"".join(raw))

@@ -65,6 +65,20 @@ def test_text_json_is_the_json_escaped_text(count: int, start: int) -> None:
         ({"prompt": [1, 2, 3]}, 3),
         ({"prompt": [[1, 2], [3]]}, 3),
         ({"input": "12345678"}, 2),
+        # Anthropic Messages: `system` (a string or text blocks) is read too
+        ({"system": "1234", "messages": [{"role": "user", "content": "5678"}]}, 2),
+        ({"system": [{"type": "text", "text": "12345678"}], "messages": []}, 2),
+        # Responses: `instructions` and input items with input_text parts
+        ({"instructions": "1234", "input": "5678"}, 2),
+        (
+            {
+                "input": [
+                    {"role": "user", "content": [{"type": "input_text", "text": "12345678"}]},
+                    {"role": "user", "content": "1234"},
+                ]
+            },
+            3,
+        ),
     ],
 )
 def test_prompt_tokens_are_a_quarter_of_the_characters(
@@ -149,6 +163,62 @@ def test_malformed_requests_are_400s(body: object) -> None:
 
 def test_cached_tokens_are_clamped_to_the_prompt() -> None:
     assert plan(x_sim_cached_tokens="1000").cached_tokens == 10
+
+
+def test_cached_tokens_default_from_the_config_and_absent_when_zero() -> None:
+    assert plan().cached_tokens is None  # chat usage then carries no details, like vLLM
+    with_cache = plan_request("chat", BODY, {}, SimConfig(cached_tokens=4))
+    assert isinstance(with_cache, Plan) and with_cache.cached_tokens == 4
+    assert plan(x_sim_cached_tokens="0").cached_tokens == 0
+
+
+def test_ttft_grows_per_prompt_token_from_config_or_header() -> None:
+    config = SimConfig(ttft=0.5, ttft_per_prompt_token=0.01)
+    p = plan_request("chat", BODY, {}, config)  # 10 prompt tokens
+    assert isinstance(p, Plan) and p.ttft == pytest.approx(0.6)
+    assert plan(x_sim_ttft_per_prompt_token="0.1").ttft == pytest.approx(1.5)
+
+
+def test_cpu_per_token_is_planned_in_seconds() -> None:
+    assert plan().cpu_per_token == 0
+    assert plan(x_sim_cpu_per_token_us="250").cpu_per_token == pytest.approx(0.00025)
+
+
+@pytest.mark.parametrize("name", ["ttft_per_prompt_token", "cached_tokens", "cpu_per_token_us"])
+def test_negative_knobs_are_refused(name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        SimConfig(**{name: -1})
+
+
+def test_messages_and_responses_read_their_own_limits_and_fields() -> None:
+    body = {"model": "sim-model", "messages": [{"role": "user", "content": "x" * 40}]}
+    messages = plan_request("messages", {**body, "max_tokens": 5}, {}, CONFIG)
+    assert isinstance(messages, Plan) and messages.output_tokens == 5
+    assert messages.finish_reason == "length"
+    missing = plan_request("messages", body, {}, CONFIG)  # Anthropic requires max_tokens
+    assert isinstance(missing, errors.ErrorReply) and missing.status == 400
+    responses = plan_request(
+        "responses", {"model": "sim-model", "input": "hi", "max_output_tokens": 3}, {}, CONFIG
+    )
+    assert isinstance(responses, Plan) and (responses.output_tokens, responses.max_tokens) == (3, 3)
+    unlimited = plan_request("responses", {"model": "sim-model", "input": "hi"}, {}, CONFIG)
+    assert isinstance(unlimited, Plan) and unlimited.token_limit == 99  # context left
+
+
+def test_messages_errors_are_translated_to_anthropic_shape() -> None:
+    body = {"model": "nope", "max_tokens": 5, "messages": []}
+    reply = plan_request("messages", body, {}, CONFIG)
+    assert isinstance(reply, errors.ErrorReply) and reply.status == 404
+    assert json.loads(reply.body) == {
+        "type": "error",
+        "error": {"type": "NotFoundError", "message": "The model `nope` does not exist."},
+    }
+    # Bodies vLLM never translates stay as they are.
+    assert errors.anthropic_error(errors.unauthorized()) == errors.unauthorized()
+    html = errors.forced_error(
+        "html_502", model="m", max_model_len=1, prompt_tokens=1, max_tokens=None
+    )
+    assert errors.anthropic_error(html) == html
 
 
 # -- wire ------------------------------------------------------------------------

@@ -1,4 +1,6 @@
-"""A simulated OpenAI-compatible backend that behaves like vLLM on the wire.
+"""A simulated backend that behaves like vLLM on the wire, for every API vLLM serves:
+chat, completions, Anthropic Messages, OpenAI Responses, embeddings and the pooling
+family, and the utility routes (see `app.py`).
 
 Used by the demo, the end-to-end tests (with the proxy in front of it) and the
 benchmarks. Timing, output and failures are set by `SimConfig` and per request by

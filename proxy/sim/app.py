@@ -1,15 +1,27 @@
 """The simulated vLLM server as a pure ASGI app: routes, auth, one record per request.
 
-  GET  /v1/models            vLLM's model list
-  POST /v1/chat/completions  streamed or not (see stream.py, controls.py)
-  POST /v1/completions       streamed or not
-  POST /v1/embeddings        tiny deterministic vectors
-  GET  /health               200, empty body
-  GET  /sim/requests         the records as JSON (authorization masked)
-  GET  /sim/stats            load counters (active, max_active, total, lockstep ticks)
-  POST /sim/reset            forget the records
+  GET  /v1/models                  vLLM's model list
+  POST /v1/chat/completions        streamed or not (see stream.py, controls.py)
+  POST /v1/completions             streamed or not
+  POST /v1/messages                Anthropic Messages, streamed or not (messages.py)
+  POST /v1/messages/count_tokens   {"input_tokens", ...}
+  POST /v1/responses               OpenAI Responses, streamed or not (responses.py)
+  POST /v1/embeddings              tiny deterministic vectors
+  POST /pooling /score /v1/score /rerank /v1/rerank /v2/rerank /classify /v1/classify
+                                   vLLM's pooling family (pooling.py)
+  POST /tokenize /detokenize       (utility.py)
+  GET|POST /ping, GET /version, GET /load, POST /invocations (SageMaker dispatch)
+  GET  /health                     200, empty body
+  GET  /sim/requests               the records as JSON (authorization masked)
+  GET  /sim/stats                  load counters (active, max_active, total, lockstep ticks)
+  POST /sim/reset                  forget the records
 
-/v1 requests are recorded in `app.state`; /health and /sim/* are not.
+Every API route is recorded in `app.state`; /health and /sim/* are not. As in current
+vLLM (vllm/entrypoints/serve/utils/auth.py or openai/api_server.py, by release:
+AuthenticationMiddleware, PUBLIC_ENDPOINTS), the API key guards every route except
+/health, /ping, /load and /version, and is read from `Authorization: Bearer` only. Generation routes take the x-sim-* controls of
+controls.py; the non-generative ones take x-sim-error, x-sim-ttft (their latency,
+with x-sim-ttft-per-prompt-token) and x-sim-stall-before-headers.
 """
 
 from __future__ import annotations
@@ -23,13 +35,18 @@ from typing import Any
 import orjson
 from starlette.types import Receive, Scope, Send
 
-from proxy.sim import catalog, errors
+from proxy.sim import catalog, errors, pooling, utility
 from proxy.sim.config import SimConfig
-from proxy.sim.controls import Kind, plan_request, stall_before_headers
+from proxy.sim.controls import ControlError, Kind, number, plan_request, stall_before_headers
+from proxy.sim.events import complete_events, stream_events
 from proxy.sim.exchange import Exchange
+from proxy.sim.messages import MessagesWire
+from proxy.sim.messages import count_tokens as messages_count_tokens
 from proxy.sim.pacing import FreePacer, LockstepPacer, Pacer, StepClock
+from proxy.sim.responses import ResponsesWire
 from proxy.sim.state import Outcome, SimRequest, SimState
 from proxy.sim.stream import complete, stream
+from proxy.sim.tokens import count_prompt_tokens
 from proxy.sim.wire import StreamWire
 
 Handler = Callable[["SimApp", Exchange, Any, float], Awaitable[Outcome]]
@@ -49,7 +66,7 @@ class SimApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            if scope["path"].startswith("/v1/"):
+            if scope["path"] in _ROUTES or scope["path"].startswith("/v1/"):
                 await self._api(scope, receive, send)
             else:
                 await self._admin(scope, send)
@@ -90,15 +107,19 @@ class SimApp:
         stall = stall_before_headers(record.headers)
         if stall > 0:
             await asyncio.sleep(stall)
-        if self._auth is not None and record.headers.get("authorization") != self._auth:
+        if (
+            _guarded(record.path)
+            and self._auth is not None
+            and record.headers.get("authorization") != self._auth
+        ):
             await ex.error(errors.unauthorized())
             return "error"
         route = _ROUTES.get(record.path)
         if route is None:
             await ex.error(errors.route_not_found())
             return "error"
-        method, handler = route
-        if record.method != method:
+        methods, handler = route
+        if record.method not in methods:
             await ex.error(errors.method_not_allowed())
             return "error"
         if bad_json is not None:
@@ -115,6 +136,12 @@ class SimApp:
 
     async def _completion(self, ex: Exchange, body: Any, t0: float) -> Outcome:
         return await self._generate("completion", ex, body, t0)
+
+    async def _messages(self, ex: Exchange, body: Any, t0: float) -> Outcome:
+        return await self._generate("messages", ex, body, t0)
+
+    async def _responses(self, ex: Exchange, body: Any, t0: float) -> Outcome:
+        return await self._generate("responses", ex, body, t0)
 
     async def _generate(self, kind: Kind, ex: Exchange, body: Any, t0: float) -> Outcome:
         record = ex.record
@@ -133,23 +160,131 @@ class SimApp:
         else:
             pacer = FreePacer(t0, plan.ttft, plan.tokens_per_chunk / plan.tokens_per_second)
         created = int(time.time())
+        stamp = self.config.stamp or record.headers.get("x-sim-stamp", "0") in ("1", "true")
+        if kind in ("messages", "responses"):
+            events: MessagesWire | ResponsesWire = (
+                MessagesWire(plan, record.id, stamp)
+                if kind == "messages"
+                else ResponsesWire(plan, body, record.id, created, stamp)
+            )
+            if not plan.stream:
+                return await complete_events(ex, plan, events, pacer)
+            return await stream_events(ex, plan, events, pacer)
         if not plan.stream:
             return await complete(ex, plan, pacer, record.id, created)
-        stamp = self.config.stamp or record.headers.get("x-sim-stamp", "0") in ("1", "true")
         sse = StreamWire(kind == "chat", record.id, created, plan.model, stamp)
         return await stream(ex, plan, sse, pacer)
 
-    async def _embeddings(self, ex: Exchange, body: Any, t0: float) -> Outcome:
-        if not isinstance(body, dict) or body.get("input") is None:
-            await ex.error(errors.bad_request("Field required: input"))
+    async def _count_tokens(self, ex: Exchange, body: Any, t0: float) -> Outcome:
+        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+            await ex.error(errors.bad_request("Field required: messages"))
             return "error"
         model = str(body.get("model") or self.config.models[0])
         if model not in self.config.models:
-            await ex.error(errors.model_not_found(model))
+            await ex.error(errors.anthropic_error(errors.model_not_found(model)))
             return "error"
         ex.record.model = model
-        await ex.reply(200, catalog.embeddings(ex.record.id, model, body))
+        ex.record.prompt_tokens = count_prompt_tokens(body)
+        await ex.reply(200, messages_count_tokens(ex.record.prompt_tokens))
         return "completed"
+
+    async def _embeddings(self, ex: Exchange, body: Any, t0: float) -> Outcome:
+        return await self._pooled(ex, body, t0)
+
+    async def _pooled(self, ex: Exchange, body: Any, t0: float) -> Outcome:
+        """Embeddings and the pooling family: one body after the prefill latency."""
+        record = ex.record
+        if not isinstance(body, dict):
+            await ex.error(errors.bad_request("The request body must be a JSON object."))
+            return "error"
+        try:
+            tokens = pooling.prompt_tokens(record.path, body)
+            ttft = number(record.headers, "x-sim-ttft", float, self.config.ttft, 0.0)
+            per_token = number(
+                record.headers,
+                "x-sim-ttft-per-prompt-token",
+                float,
+                self.config.ttft_per_prompt_token,
+                0.0,
+            )
+        except (pooling.PoolingInputError, ControlError) as exc:
+            await ex.error(errors.bad_request(str(exc)))
+            return "error"
+        model = str(body.get("model") or self.config.models[0])
+        record.model, record.prompt_tokens = model, tokens
+        forced = record.headers.get("x-sim-error")
+        if forced is not None:
+            if forced not in errors.FORCED_ERRORS:
+                await ex.error(errors.bad_request(f"x-sim-error: unknown value {forced!r}"))
+            else:
+                await ex.error(
+                    errors.forced_error(
+                        forced,
+                        model=model,
+                        max_model_len=self.config.max_model_len,
+                        prompt_tokens=tokens,
+                        max_tokens=None,
+                    )
+                )
+            return "error"
+        if model not in self.config.models:
+            await ex.error(errors.model_not_found(model))
+            return "error"
+        if tokens > self.config.max_model_len:
+            await ex.error(errors.context_length(self.config.max_model_len, tokens, None))
+            return "error"
+        delay = t0 + ttft + per_token * tokens - asyncio.get_running_loop().time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if record.path == "/v1/embeddings":
+            reply = catalog.embeddings(record.id, model, body)
+        else:
+            reply = pooling.reply(record.path, record.id, model, body)
+        record.first_token_at = time.monotonic()
+        await ex.reply(200, reply)
+        return "completed"
+
+    async def _tokenize(self, ex: Exchange, body: Any, t0: float) -> Outcome:
+        if not isinstance(body, dict) or ("prompt" not in body and "messages" not in body):
+            await ex.error(errors.bad_request("Field required: prompt or messages"))
+            return "error"
+        ex.record.prompt_tokens = count_prompt_tokens(body)
+        await ex.reply(200, utility.tokenize(body, self.config.max_model_len))
+        return "completed"
+
+    async def _detokenize(self, ex: Exchange, body: Any, t0: float) -> Outcome:
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            await ex.error(errors.bad_request("Field required: tokens (a list of token ids)"))
+            return "error"
+        await ex.reply(200, utility.detokenize(tokens))
+        return "completed"
+
+    async def _ping(self, ex: Exchange, body: Any, t0: float) -> Outcome:
+        await ex.reply(200, b"", b"")  # vLLM answers /ping as /health: no body, no type
+        return "completed"
+
+    async def _version(self, ex: Exchange, body: Any, t0: float) -> Outcome:
+        await ex.reply(200, utility.version())
+        return "completed"
+
+    async def _load(self, ex: Exchange, body: Any, t0: float) -> Outcome:
+        # vLLM counts the requests in flight on its generation routes; not this one.
+        await ex.reply(200, utility.load(self.state.active - 1))
+        return "completed"
+
+    async def _invocations(self, ex: Exchange, body: Any, t0: float) -> Outcome:
+        target = utility.invocation_route(body)
+        if target is None:
+            await ex.error(
+                errors.bad_request(
+                    "Cannot find suitable handler for request. Expected one of: "
+                    "messages (chat), prompt (completions), input (embeddings)."
+                )
+            )
+            return "error"
+        _, handler = _ROUTES[target]
+        return await handler(self, ex, body, t0)
 
     # -- everything else -----------------------------------------------------
 
@@ -195,18 +330,64 @@ class SimApp:
                 return
 
 
-_ROUTES: dict[str, tuple[str, Handler]] = {
-    "/v1/models": ("GET", SimApp._models_list),
-    "/v1/chat/completions": ("POST", SimApp._chat),
-    "/v1/completions": ("POST", SimApp._completion),
-    "/v1/embeddings": ("POST", SimApp._embeddings),
+_GET, _POST = frozenset({"GET"}), frozenset({"POST"})
+
+_ROUTES: dict[str, tuple[frozenset[str], Handler]] = {
+    "/v1/models": (_GET, SimApp._models_list),
+    "/v1/chat/completions": (_POST, SimApp._chat),
+    "/v1/completions": (_POST, SimApp._completion),
+    "/v1/messages": (_POST, SimApp._messages),
+    "/v1/messages/count_tokens": (_POST, SimApp._count_tokens),
+    "/v1/responses": (_POST, SimApp._responses),
+    "/v1/embeddings": (_POST, SimApp._embeddings),
+    **{
+        path: (_POST, SimApp._pooled)
+        for path in (
+            "/pooling",
+            "/score",
+            "/v1/score",
+            "/rerank",
+            "/v1/rerank",
+            "/v2/rerank",
+            "/classify",
+            "/v1/classify",
+        )
+    },
+    "/tokenize": (_POST, SimApp._tokenize),
+    "/detokenize": (_POST, SimApp._detokenize),
+    "/ping": (frozenset({"GET", "POST"}), SimApp._ping),
+    "/version": (_GET, SimApp._version),
+    "/load": (_GET, SimApp._load),
+    "/invocations": (_POST, SimApp._invocations),
 }
 
+# vLLM's id prefixes; its Anthropic layer reuses the chat completion's id.
 _ID_PREFIX = {
     "/v1/chat/completions": "chatcmpl-",
     "/v1/completions": "cmpl-",
+    "/v1/messages": "chatcmpl-",
+    "/v1/responses": "resp_",
     "/v1/embeddings": "embd-",
+    "/pooling": "pool-",
+    "/score": "score-",
+    "/v1/score": "score-",
+    "/rerank": "rerank-",
+    "/v1/rerank": "rerank-",
+    "/v2/rerank": "rerank-",
+    "/classify": "classify-",
+    "/v1/classify": "classify-",
 }
+
+
+#: Routes vLLM serves without the API key, and the prefixes it always guards.
+_PUBLIC = frozenset({"/health", "/ping", "/load", "/version"})
+_ALWAYS_GUARDED = ("/v1", "/v2", "/inference", "/cohere")
+
+
+def _guarded(path: str) -> bool:
+    if path in _PUBLIC:
+        return False
+    return path in _ROUTES or path.startswith(_ALWAYS_GUARDED)
 
 
 def _parse_json(raw: bytes) -> tuple[Any, str | None]:

@@ -52,7 +52,32 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help=f"served model name, repeatable (default: {defaults.models[0]})",
     )
     add("--ttft", type=float, default=env("TTFT", float, defaults.ttft), help="seconds")
-    add("--tps", type=float, default=env("TPS", float, defaults.tokens_per_second))
+    add(
+        "--ttft-per-prompt-token",
+        type=float,
+        default=env("TTFT_PER_PROMPT_TOKEN", float, defaults.ttft_per_prompt_token),
+        help="seconds added to the TTFT per prompt token (prefill)",
+    )
+    add(
+        "--tps",
+        "--tokens-per-second",
+        dest="tps",
+        type=float,
+        default=env("TPS", float, defaults.tokens_per_second),
+        help="decode speed of one stream, tokens/s",
+    )
+    add(
+        "--cached-tokens",
+        type=int,
+        default=env("CACHED_TOKENS", int, defaults.cached_tokens),
+        help="prompt tokens reported as cached (capped at the prompt)",
+    )
+    add(
+        "--cpu-per-token-us",
+        type=float,
+        default=env("CPU_PER_TOKEN_US", float, defaults.cpu_per_token_us),
+        help="busy-loop CPU per generated token, microseconds",
+    )
     add("--output-tokens", type=int, default=env("OUTPUT_TOKENS", int, defaults.output_tokens))
     add("--max-model-len", type=int, default=env("MAX_MODEL_LEN", int, defaults.max_model_len))
     add("--api-key", default=env("API_KEY", str, None))
@@ -74,6 +99,9 @@ def parse(
             models=tuple(args.model or args.env_models or SimConfig().models),
             ttft=args.ttft,
             tokens_per_second=args.tps,
+            ttft_per_prompt_token=args.ttft_per_prompt_token,
+            cached_tokens=args.cached_tokens,
+            cpu_per_token_us=args.cpu_per_token_us,
             output_tokens=args.output_tokens,
             max_model_len=args.max_model_len,
             api_key=args.api_key,

@@ -19,10 +19,20 @@ class SimConfig:
     ttft: float = 0.05
     #: Decode speed of one stream after its first token (free-running mode only).
     tokens_per_second: float = 50.0
+    #: Prefill model: TTFT grows by this many seconds per prompt token.
+    ttft_per_prompt_token: float = 0.0
     #: Planned completion length; the text ends with an EOS (`finish_reason` "stop").
     output_tokens: int = 32
     #: Prompt tokens + max_tokens above this is vLLM's 400 context-length error.
     max_model_len: int = 4096
+    #: Prompt tokens reported as served from the prefix cache (capped at the prompt):
+    #: chat/completions `prompt_tokens_details.cached_tokens`, Responses
+    #: `input_tokens_details.cached_tokens`, Messages `cache_read_input_tokens`.
+    #: 0 leaves chat/completions usage without details, as vLLM does by default.
+    cached_tokens: int = 0
+    #: CPU seconds burnt (a busy loop) per generated token, in microseconds, to
+    #: emulate a CPU-bound backend sharing cores with the proxy.
+    cpu_per_token_us: float = 0.0
     #: When set, /v1/* requests need `Authorization: Bearer <api_key>` (else vLLM's 401).
     api_key: str | None = None
     #: Lockstep mode: one global decode step every `step_ms`, like continuous batching;
@@ -45,6 +55,9 @@ class SimConfig:
             raise ValueError(
                 f"SimConfig.tokens_per_second must be > 0, got {self.tokens_per_second}"
             )
+        for name in ("ttft_per_prompt_token", "cached_tokens", "cpu_per_token_us"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"SimConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.output_tokens < 0:
             raise ValueError(f"SimConfig.output_tokens must be >= 0, got {self.output_tokens}")
         if self.step_ms is not None and self.step_ms <= 0:

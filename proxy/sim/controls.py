@@ -4,12 +4,17 @@ Inputs are the JSON body, the request headers and the `SimConfig`. Per-request
 headers (the openai SDK sends them with `extra_headers`) override the config:
 
   x-sim-ttft                 seconds from request received to the first content token
+  x-sim-ttft-per-prompt-token  seconds added to the TTFT per prompt token (prefill)
   x-sim-tps                  tokens per second after the first (free-running mode)
   x-sim-output-tokens        planned completion length (ends with EOS: "stop")
   x-sim-tokens-per-chunk     tokens per content chunk (default 1); chunks come every
                              tokens_per_chunk / tps seconds, so tps stays tokens/s
   x-sim-finish-reason        force the finish_reason sent (stop, length, tool_calls, ...)
-  x-sim-cached-tokens        report usage.prompt_tokens_details.cached_tokens (clamped)
+  x-sim-cached-tokens        prompt tokens reported as cached (capped at the prompt):
+                             prompt_tokens_details.cached_tokens (chat, completions),
+                             input_tokens_details.cached_tokens (Responses),
+                             cache_read_input_tokens (Messages)
+  x-sim-cpu-per-token-us     busy-loop CPU per generated token, in microseconds
   x-sim-error                an error instead of a response: see errors.FORCED_ERRORS
   x-sim-fault                a fault in a 200 stream: see FAULTS (streaming only)
   x-sim-fault-after          content tokens sent before the fault fires (default 0)
@@ -21,6 +26,11 @@ headers (the openai SDK sends them with `extra_headers`) override the config:
                              separate (vLLM, default): a last chunk with "choices": [];
                              last_chunk: on the finish chunk; ignore: never streamed
   x-sim-stamp: 1             stamp content chunks with "sent_ns" (as SimConfig.stamp)
+  x-sim-ping: 1              Messages: an `event: ping` right after message_start
+                             (Anthropic's API sends one; vLLM does not)
+  x-sim-incomplete-event: 1  Responses: end a cut-short response with
+                             `response.incomplete` (OpenAI's API) instead of vLLM's
+                             `response.completed` carrying status "incomplete"
 
 Faults: error_event (vLLM's `data: {"error": {...}}` then [DONE]), error_string
 (`data: {"error": "<text>"}` then [DONE]), reset (connection dropped mid-body),
@@ -30,13 +40,15 @@ ff fe) and huge_event (an extra valid content chunk of exactly x-sim-huge-bytes 
 text "xxx...") are inserted and the stream then goes on. `stream_options.
 continuous_usage_stats` puts usage on every chunk, as in vLLM.
 
-Output length: the planned length, cut to `max_completion_tokens`/`max_tokens` (or, when
-neither is given, to what the context has left) with finish_reason "length".
+Output length: the planned length, cut to `max_completion_tokens`/`max_tokens` (Messages:
+`max_tokens`, required; Responses: `max_output_tokens`) or, when none is given, to what
+the context has left, with finish_reason "length".
 `ignore_eos` generates exactly up to that limit, as vLLM does.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -45,7 +57,7 @@ from proxy.sim import errors
 from proxy.sim.config import SimConfig
 from proxy.sim.tokens import count_prompt_tokens
 
-Kind = Literal["chat", "completion"]
+Kind = Literal["chat", "completion", "messages", "responses"]
 UsageMode = Literal["separate", "last_chunk", "ignore"]
 
 #: Faults that end the stream where they fire.
@@ -76,6 +88,14 @@ class Plan:
     fault_after: int
     stall: float
     huge_bytes: int
+    #: CPU seconds to burn per generated token (0: none).
+    cpu_per_token: float = 0.0
+    #: The request's token limit as sent (max_tokens / max_output_tokens), if any.
+    max_tokens: int | None = None
+    #: The limit generation runs under: `max_tokens`, else what the context has left.
+    token_limit: int = 0
+    ping: bool = False
+    incomplete_event: bool = False
 
 
 class ControlError(ValueError):
@@ -90,14 +110,18 @@ def plan_request(
 ) -> Plan | errors.ErrorReply:
     """The plan for a generation request, or the error reply vLLM would give instead."""
     try:
-        return _plan(kind, body, headers, config)
+        plan = _plan(kind, body, headers, config)
     except ControlError as exc:
+        # vLLM's request-validation handler answers in OpenAI's shape on every route.
         return errors.bad_request(str(exc))
+    if kind == "messages" and isinstance(plan, errors.ErrorReply):
+        return errors.anthropic_error(plan)
+    return plan
 
 
 def stall_before_headers(headers: Mapping[str, str]) -> float:
     try:
-        return _number(headers, "x-sim-stall-before-headers", float, 0.0, 0.0)
+        return number(headers, "x-sim-stall-before-headers", float, 0.0, 0.0)
     except ControlError:
         return 0.0
 
@@ -109,11 +133,20 @@ def _plan(
         raise ControlError("The request body must be a JSON object.")
     if kind == "chat" and not isinstance(body.get("messages"), list):
         raise ControlError("Field required: messages")
+    if kind == "messages" and not isinstance(body.get("messages"), list):
+        raise ControlError("Field required: messages")
+    if kind == "messages" and body.get("max_tokens") is None:
+        raise ControlError("Field required: max_tokens")
     if kind == "completion" and body.get("prompt") is None:
         raise ControlError("Field required: prompt")
+    if kind == "responses" and body.get("input") is None:
+        raise ControlError("Field required: input")
     model = str(body.get("model") or config.models[0])
     prompt_tokens = count_prompt_tokens(body)
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    if kind == "responses":
+        max_tokens = body.get("max_output_tokens")
+    else:
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
     if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
         raise ControlError(f"max_tokens must be at least 1, got {max_tokens}.")
 
@@ -134,7 +167,7 @@ def _plan(
     if room <= 0 or (max_tokens is not None and max_tokens > room):
         return errors.context_length(config.max_model_len, prompt_tokens, max_tokens)
 
-    planned = _number(headers, "x-sim-output-tokens", int, config.output_tokens, 0)
+    planned = number(headers, "x-sim-output-tokens", int, config.output_tokens, 0)
     limit = max_tokens if max_tokens is not None else room
     finish = "stop"
     if body.get("ignore_eos") or planned > limit:
@@ -148,35 +181,45 @@ def _plan(
     fault = headers.get("x-sim-fault")
     if fault is not None and fault not in FAULTS:
         raise ControlError(f"x-sim-fault: unknown value {fault!r}")
-    cached = headers.get("x-sim-cached-tokens")
+    cached: int | None = number(headers, "x-sim-cached-tokens", int, config.cached_tokens, 0)
+    if cached == 0 and "x-sim-cached-tokens" not in headers:
+        cached = None  # vLLM sends no prompt_tokens_details unless something is cached
+    ttft = number(headers, "x-sim-ttft", float, config.ttft, 0.0)
+    ttft += prompt_tokens * number(
+        headers, "x-sim-ttft-per-prompt-token", float, config.ttft_per_prompt_token, 0.0
+    )
 
     return Plan(
         kind=kind,
         model=model,
         stream=bool(body.get("stream")),
         prompt_tokens=prompt_tokens,
-        cached_tokens=None
-        if cached is None
-        else min(prompt_tokens, _number(headers, "x-sim-cached-tokens", int, 0, 0)),
+        cached_tokens=None if cached is None else min(prompt_tokens, cached),
         output_tokens=planned,
         finish_reason=headers.get("x-sim-finish-reason", finish),
-        ttft=_number(headers, "x-sim-ttft", float, config.ttft, 0.0),
-        tokens_per_second=_number(headers, "x-sim-tps", float, config.tokens_per_second, 1e-9),
-        tokens_per_chunk=_number(headers, "x-sim-tokens-per-chunk", int, 1, 1),
+        ttft=ttft,
+        tokens_per_second=number(headers, "x-sim-tps", float, config.tokens_per_second, 1e-9),
+        tokens_per_chunk=number(headers, "x-sim-tokens-per-chunk", int, 1, 1),
         include_usage=include_usage and usage_mode != "ignore",
         continuous_usage=include_usage
         and usage_mode != "ignore"
         and bool(options.get("continuous_usage_stats")),
         usage_mode=usage_mode,
-        no_done=headers.get("x-sim-no-done", "0").lower() in ("1", "true", "yes"),
+        no_done=_flag(headers, "x-sim-no-done"),
         fault=fault,
-        fault_after=_number(headers, "x-sim-fault-after", int, 0, 0),
-        stall=_number(headers, "x-sim-stall", float, 1.0, 0.0),
-        huge_bytes=_number(headers, "x-sim-huge-bytes", int, 4 * 1024 * 1024, 1024),
+        fault_after=number(headers, "x-sim-fault-after", int, 0, 0),
+        stall=number(headers, "x-sim-stall", float, 1.0, 0.0),
+        huge_bytes=number(headers, "x-sim-huge-bytes", int, 4 * 1024 * 1024, 1024),
+        cpu_per_token=number(headers, "x-sim-cpu-per-token-us", float, config.cpu_per_token_us, 0.0)
+        / 1e6,
+        max_tokens=max_tokens,
+        token_limit=limit,
+        ping=_flag(headers, "x-sim-ping"),
+        incomplete_event=_flag(headers, "x-sim-incomplete-event"),
     )
 
 
-def _number(
+def number(
     headers: Mapping[str, str], name: str, conv: Callable[[str], T], default: T, minimum: T
 ) -> T:
     raw = headers.get(name)
@@ -189,3 +232,20 @@ def _number(
     if value < minimum:
         raise ControlError(f"{name}: must be >= {minimum}, got {raw!r}")
     return value
+
+
+def _flag(headers: Mapping[str, str], name: str) -> bool:
+    return headers.get(name, "0").lower() in ("1", "true", "yes")
+
+
+def burn_cpu(seconds: float) -> None:
+    """Spend `seconds` of this thread's CPU in a busy loop (a CPU-bound backend's work).
+
+    Counted on the thread's CPU clock, not the wall clock: on a shared box the loop
+    takes longer but still costs exactly that much CPU.
+    """
+    if seconds <= 0:
+        return
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass

@@ -109,3 +109,25 @@ def forced_error(
     if name == "not_found":
         return model_not_found(model)
     return _FIXED[name]
+
+
+def anthropic_error(reply: ErrorReply) -> ErrorReply:
+    """vLLM's `translate_error_response`: an OpenAI-style error body in Anthropic's shape.
+
+    Bodies that are not `{"error": {"type", "message", ...}}` (the API-key middleware's
+    `{"error":"Unauthorized"}`, FastAPI's `{"detail":...}`, a proxy's HTML page) never
+    reach that function in vLLM either, so they stay as they are.
+    """
+    if reply.content_type != JSON:
+        return reply
+    try:
+        parsed = orjson.loads(reply.body)
+    except orjson.JSONDecodeError:
+        return reply
+    error = parsed.get("error") if isinstance(parsed, dict) else None
+    if not isinstance(error, dict):
+        return reply
+    body = orjson.dumps(
+        {"type": "error", "error": {"type": error.get("type"), "message": error.get("message")}}
+    )
+    return ErrorReply(reply.status, body, reply.content_type, reply.headers)

@@ -85,13 +85,8 @@ class Exchange:
     async def start(
         self, status: int, content_type: bytes, extra: Sequence[tuple[bytes, bytes]] = ()
     ) -> None:
-        await self._send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [(b"content-type", content_type), *extra],
-            }
-        )
+        headers = [(b"content-type", content_type), *extra] if content_type else [*extra]
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
         self.record.status = status
         self.record.first_byte_at = time.monotonic()
 

@@ -40,7 +40,8 @@ class SimRequest:
     outcome: Outcome = "in_progress"
     aborted_at: float | None = None  # the client's disconnect was seen
     fault: str | None = None  # the x-sim-fault that fired, if any
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # as sent: chat's finish_reason, Messages' stop_reason,
+    # Responses' "completed" or its incomplete_details.reason
     prompt_tokens: int = 0
     completion_tokens: int = 0  # generated tokens actually sent
     chunks_sent: int = 0  # response-body writes (one per SSE event when streaming)

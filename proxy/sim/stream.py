@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 
 from proxy.sim import wire
-from proxy.sim.controls import ENDING_FAULTS, Plan
+from proxy.sim.controls import ENDING_FAULTS, Plan, burn_cpu
 from proxy.sim.exchange import Exchange
 from proxy.sim.pacing import Pacer
 from proxy.sim.state import Outcome
@@ -50,6 +50,7 @@ async def stream(ex: Exchange, plan: Plan, sse: wire.StreamWire, pacer: Pacer) -
             if not await _fire(ex, plan, sse, pacer, record.fault):
                 return "fault"
         count = min(per_chunk, n - sent)
+        burn_cpu(plan.cpu_per_token * count)
         data = sse.content(
             text_json(count, sent), _usage(plan, sent + count) if usage_every else None
         )
@@ -105,9 +106,12 @@ async def complete(
 ) -> Outcome:
     """The non-streamed response: all tokens' time passes, then one JSON body."""
     chunks = -(-plan.output_tokens // plan.tokens_per_chunk)
+    per_chunk = plan.tokens_per_chunk
     await pacer.first()
-    for _ in range(chunks - 1):
-        await pacer.next()
+    for i in range(chunks):
+        if i:
+            await pacer.next()
+        burn_cpu(plan.cpu_per_token * min(per_chunk, plan.output_tokens - i * per_chunk))
     ex.record.completion_tokens = plan.output_tokens
     ex.record.finish_reason = plan.finish_reason
     ex.record.first_token_at = time.monotonic()  # the tokens leave with the body

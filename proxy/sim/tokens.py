@@ -6,7 +6,8 @@ ASCII words, Chinese characters, a 4-byte emoji and JSON escapes (quote, newline
 that splitting UTF-8 or JSON at byte boundaries is exercised by real traffic.
 
 Prompt: ceil(characters / 4) over the text the model would read (message contents,
-text parts, or the completion prompt; a token-id list counts one per id), at least 1.
+text parts, an Anthropic `system`, Responses `instructions` and `input` items, or the
+completion prompt; a token-id list counts one per id), at least 1.
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ def text_json(count: int, start: int = 0) -> bytes:
 
 
 def count_prompt_tokens(body: dict[str, Any]) -> int:
-    """Prompt tokens of a chat (`messages`), completion (`prompt`) or embedding (`input`)."""
-    chars = 0
+    """Prompt tokens of a chat or Messages (`messages`), completion (`prompt`), embedding
+    or Responses (`input`) request."""
+    chars = _content_chars(body.get("system")) + _content_chars(body.get("instructions"))
     ids = 0
     if "messages" in body:
         for message in body["messages"] or ():
@@ -66,13 +68,18 @@ def count_prompt_tokens(body: dict[str, Any]) -> int:
         prompt = body.get("prompt", body.get("input"))
         items = prompt if isinstance(prompt, list) else [prompt]
         for item in items:
-            if isinstance(item, str):
+            if isinstance(item, dict):  # a Responses input item (a message)
+                chars += _content_chars(item.get("content"))
+            elif isinstance(item, str):
                 chars += len(item)
             elif isinstance(item, int):
                 ids += 1
             elif isinstance(item, list):
                 ids += len(item)
     return max(1, math.ceil(chars / 4) + ids)
+
+
+_TEXT_PARTS = ("text", "input_text", "output_text")
 
 
 def _content_chars(content: Any) -> int:
@@ -82,6 +89,6 @@ def _content_chars(content: Any) -> int:
         return sum(
             len(part.get("text") or "")
             for part in content
-            if isinstance(part, dict) and part.get("type") == "text"
+            if isinstance(part, dict) and part.get("type") in _TEXT_PARTS
         )
     return 0

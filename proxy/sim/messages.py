@@ -1,0 +1,157 @@
+"""Anthropic Messages (`POST /v1/messages`) as vLLM's Anthropic layer puts it on the wire.
+
+Source: vllm-project/vllm, vllm/entrypoints/anthropic/serving.py (message_stream_converter,
+messages_full_converter), protocol.py (AnthropicStreamEvent, AnthropicUsage, ...) and
+api_router.py (error translation). vLLM runs the request as a chat completion with
+`continuous_usage_stats` and converts each chat chunk; events are serialized with
+pydantic `model_dump_json(exclude_unset=True)`, so only the fields it sets appear, in
+the model's field order (event: type, message, delta, content_block, index, error,
+usage), and every event is `event: <type>\\ndata: <json>\\n\\n`:
+
+  message_start        with the role chunk (t~0): message {id, content: [], model,
+                       stop_reason: null, stop_sequence: null, usage {input_tokens,
+                       output_tokens: 0}} (no "type"/"role": they are defaults, unset)
+  content_block_start  lazily, just before the first text delta:
+                       {"type":"text","text":""} at index 0
+  content_block_delta  {"type":"text_delta","text":...} per chunk
+  content_block_stop   then message_delta {delta {stop_reason}, usage {input_tokens,
+                       output_tokens}} from the usage chunk, then message_stop ([DONE])
+
+stop_reason: vLLM maps finish_reason stop -> end_turn, length -> max_tokens,
+tool_calls -> tool_use, anything else -> null; an `x-sim-finish-reason` that is already
+an Anthropic stop reason (e.g. stop_sequence, refusal) is sent as it is.
+
+Non-streamed: `model_dump(exclude_none=True)` of {id, type: "message", role:
+"assistant", content: [{"type":"text","text"}], model, stop_reason, usage}.
+
+Errors: vLLM's OpenAI-style ErrorResponse rebuilt as {"type":"error","error":{"type":
+<vLLM's type, e.g. "BadRequestError">, "message"}} with the same status. In a stream a
+failure is `event: error` with {"type":"error","error":{"type":"internal_error",...}}
+and the body ends (no message_stop).
+
+With `stamp`, each text delta starts with `"sent_ns":<time.time_ns()>`, as chat chunks do.
+
+Not vLLM: `cache_read_input_tokens` (Anthropic's field; vLLM's AnthropicUsage has it
+but never fills it) is sent when cached tokens are programmed; `x-sim-ping: 1` adds
+Anthropic's `event: ping` after message_start.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+
+from proxy.sim.controls import Plan
+from proxy.sim.tokens import completion_text
+
+#: vLLM's stop_reason_map (finish_reason -> Anthropic stop_reason).
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+#: Anthropic's own stop reasons, passed through when forced with x-sim-finish-reason.
+ANTHROPIC_STOP_REASONS = frozenset(
+    {"end_turn", "max_tokens", "stop_sequence", "tool_use", "pause_turn", "refusal"}
+)
+
+PING = b'event: ping\ndata: {"type":"ping"}\n\n'
+
+
+def stop_reason(finish_reason: str) -> str | None:
+    if finish_reason in ANTHROPIC_STOP_REASONS:
+        return finish_reason
+    return STOP_REASONS.get(finish_reason)
+
+
+def _event(name: bytes, data: bytes) -> bytes:
+    return b"event: " + name + b"\ndata: " + data + b"\n\n"
+
+
+class MessagesWire:
+    """The events (or the body) of one Messages response."""
+
+    __slots__ = ("_id", "_model", "_plan", "_pre", "_stamp", "finish_reason")
+
+    def __init__(self, plan: Plan, response_id: str, stamp: bool = False) -> None:
+        self._stamp = stamp
+        self._plan = plan
+        self._id = orjson.dumps(response_id)
+        self._model = orjson.dumps(plan.model)
+        self.finish_reason = stop_reason(plan.finish_reason)
+        self._pre = (
+            b'event: content_block_delta\ndata: {"type":"content_block_delta",'
+            b'"delta":{"type":"text_delta","text":"'
+        )
+
+    def usage(self, output_tokens: int) -> bytes:
+        plan = self._plan
+        out = b'{"input_tokens":%d,"output_tokens":%d' % (plan.prompt_tokens, output_tokens)
+        if plan.cached_tokens is not None:
+            out += b',"cache_read_input_tokens":%d' % plan.cached_tokens
+        return out + b"}"
+
+    def opening(self) -> list[bytes]:
+        message = (
+            b'{"id":%s,"content":[],"model":%s,"stop_reason":null,"stop_sequence":null,'
+            b'"usage":%s}' % (self._id, self._model, self.usage(0))
+        )
+        start = _event(b"message_start", b'{"type":"message_start","message":%s}' % message)
+        return [start, PING] if self._plan.ping else [start]
+
+    def block_start(self) -> list[bytes]:
+        return [
+            _event(
+                b"content_block_start",
+                b'{"type":"content_block_start","content_block":{"type":"text","text":""},'
+                b'"index":0}',
+            )
+        ]
+
+    def content(self, text: bytes) -> bytes:
+        if self._stamp:
+            stamped = b'data: {"sent_ns":%d,"type"' % time.time_ns()
+            pre = self._pre.replace(b'data: {"type"', stamped, 1)
+            return pre + text + b'"},"index":0}\n\n'
+        return self._pre + text + b'"},"index":0}\n\n'
+
+    def closing(self, sent: int, started: bool) -> list[bytes]:
+        out = []
+        if started:
+            out.append(_event(b"content_block_stop", b'{"type":"content_block_stop","index":0}'))
+        out.append(
+            _event(
+                b"message_delta",
+                b'{"type":"message_delta","delta":{"stop_reason":%s},"usage":%s}'
+                % (orjson.dumps(self.finish_reason), self.usage(sent)),
+            )
+        )
+        out.append(_event(b"message_stop", b'{"type":"message_stop"}'))
+        return out
+
+    def error(self, message: str) -> bytes:
+        return _event(
+            b"error",
+            orjson.dumps(
+                {"type": "error", "error": {"type": "internal_error", "message": message}}
+            ),
+        )
+
+    def full(self, sent: int) -> bytes:
+        body: dict[str, Any] = {
+            "id": orjson.Fragment(self._id),
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "text", "text": completion_text(sent)}] if sent else [],
+            "model": self._plan.model,
+        }
+        if self.finish_reason is not None:
+            body["stop_reason"] = self.finish_reason
+        body["usage"] = orjson.Fragment(self.usage(sent))
+        return orjson.dumps(body)
+
+
+def count_tokens(prompt_tokens: int) -> bytes:
+    """vLLM's `/v1/messages/count_tokens` body (AnthropicCountTokensResponse)."""
+    return b'{"input_tokens":%d,"context_management":{"original_input_tokens":%d}}' % (
+        prompt_tokens,
+        prompt_tokens,
+    )

@@ -1,0 +1,238 @@
+"""OpenAI Responses (`POST /v1/responses`) as vLLM serves it (text output, no tools).
+
+Sources: vllm-project/vllm, vllm/entrypoints/openai/responses/serving.py
+(responses_stream_generator: sequence numbers from 0, one per event; response.created
+and response.in_progress first, then the events of the simple path, then
+response.completed built by responses_full_generator), simple_streaming_events.py (the
+output-text item events), protocol.py (ResponsesResponse, ResponseUsage). The events
+are the openai SDK's pydantic types, written as `event: <type>\\ndata: <json>\\n\\n`
+with every field (nulls included) in the SDK's field order (openai-python,
+src/openai/types/responses/*_event.py):
+
+  response.created, response.in_progress   with the headers (t~0), status in_progress
+  response.output_item.added               lazily, with the first text: the message
+  response.content_part.added              item and its empty output_text part
+  response.output_text.delta               one per chunk
+  response.output_text.done, response.content_part.done, response.output_item.done
+  response.completed                       the whole response with usage {input_tokens,
+                                           input_tokens_details {cached_tokens},
+                                           output_tokens, output_tokens_details
+                                           {reasoning_tokens}, total_tokens}
+
+Cut short by `max_output_tokens` (finish "length"), vLLM still sends
+`response.completed`, with status "incomplete" and incomplete_details {"reason":
+"max_output_tokens"}; `x-sim-incomplete-event: 1` sends `response.incomplete` instead,
+as OpenAI's own API does. An in-stream failure is an `error` event (openai-python
+ResponseErrorEvent: code, message, param, sequence_number, type) and the body ends.
+The response object keeps vLLM's field order (protocol.py ResponsesResponse). With
+`stamp`, each text delta starts with `"sent_ns":<time.time_ns()>`, as chat chunks do.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import orjson
+
+from proxy.sim.controls import Plan
+from proxy.sim.tokens import completion_text
+
+#: Finish reasons that make a response "incomplete", with the reason vLLM reports.
+INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
+
+
+def _event(name: bytes, data: bytes) -> bytes:
+    return b"event: " + name + b"\ndata: " + data + b"\n\n"
+
+
+class ResponsesWire:
+    """The events (or the body) of one Responses response; numbers events as it goes."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        body: dict[str, Any],
+        response_id: str,
+        created: int,
+        stamp: bool = False,
+    ):
+        self._stamp = stamp
+        self._plan = plan
+        self._body = body
+        self._id = response_id
+        self._created = created
+        self._item_id = f"msg_{uuid.uuid4().hex}"
+        self._seq = 0
+        self._incomplete = INCOMPLETE.get(plan.finish_reason)
+        self.finish_reason: str | None = self._incomplete or "completed"
+        item = orjson.dumps(self._item_id)
+        self._pre = b'event: response.output_text.delta\ndata: {"content_index":0,"delta":"'
+        self._post = b'","item_id":' + item + b',"logprobs":[],"output_index":0,"sequence_number":'
+
+    def _next(self) -> int:
+        seq = self._seq
+        self._seq += 1
+        return seq
+
+    def _typed(
+        self, name: str, fields: dict[str, Any], after: dict[str, Any] | None = None
+    ) -> bytes:
+        """An event: `fields`, then sequence_number, `after` and type (SDK field order)."""
+        fields["sequence_number"] = self._next()
+        if after:
+            fields.update(after)
+        fields["type"] = name
+        return _event(name.encode(), orjson.dumps(fields))
+
+    def usage(self, sent: int) -> dict[str, Any]:
+        plan = self._plan
+        return {
+            "input_tokens": plan.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": plan.cached_tokens or 0},
+            "output_tokens": sent,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": plan.prompt_tokens + sent,
+        }
+
+    def response(self, status: str, output: list[Any], usage: Any) -> dict[str, Any]:
+        """vLLM's ResponsesResponse.from_request, in its field order."""
+        body, plan = self._body, self._plan
+        # vLLM reports the sampling limit: the request's, else what the context has left.
+        max_output = plan.max_tokens if plan.max_tokens is not None else plan.token_limit
+        incomplete = (
+            {"reason": self._incomplete}
+            if status == "incomplete" and self._incomplete is not None
+            else None
+        )
+        return {
+            "id": self._id,
+            "created_at": self._created,
+            "incomplete_details": incomplete,
+            "instructions": body.get("instructions"),
+            "metadata": body.get("metadata"),
+            "model": plan.model,
+            "object": "response",
+            "output": output,
+            "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "temperature": body.get("temperature", 1.0),
+            "tool_choice": body.get("tool_choice", "auto"),
+            "tools": body.get("tools") or [],
+            "top_p": body.get("top_p", 1.0),
+            "background": bool(body.get("background", False)),
+            "max_output_tokens": max_output,
+            "max_tool_calls": body.get("max_tool_calls"),
+            "previous_response_id": body.get("previous_response_id"),
+            "prompt": None,
+            "reasoning": body.get("reasoning"),
+            "service_tier": body.get("service_tier", "auto"),
+            "status": status,
+            "text": body.get("text"),
+            "top_logprobs": body.get("top_logprobs"),
+            "truncation": body.get("truncation", "disabled"),
+            "usage": usage,
+            "user": body.get("user"),
+        }
+
+    def _message(self, text: str | None, status: str) -> dict[str, Any]:
+        content: list[dict[str, Any]] = (
+            []
+            if text is None
+            else [{"annotations": [], "text": text, "type": "output_text", "logprobs": None}]
+        )
+        return {
+            "id": self._item_id,
+            "content": content,
+            "role": "assistant",
+            "status": status,
+            "type": "message",
+        }
+
+    def _final_status(self) -> str:
+        return "completed" if self._incomplete is None else "incomplete"
+
+    # -- streamed ------------------------------------------------------------
+
+    def opening(self) -> list[bytes]:
+        initial = self.response("in_progress", [], None)
+        return [
+            self._typed("response.created", {"response": initial}),
+            self._typed("response.in_progress", {"response": initial}),
+        ]
+
+    def block_start(self) -> list[bytes]:
+        part = {"annotations": [], "text": "", "type": "output_text", "logprobs": []}
+        return [
+            self._typed(
+                "response.output_item.added",
+                {"item": self._message(None, "in_progress"), "output_index": 0},
+            ),
+            self._typed(
+                "response.content_part.added",
+                {"content_index": 0, "item_id": self._item_id, "output_index": 0, "part": part},
+            ),
+        ]
+
+    def content(self, text: bytes) -> bytes:
+        pre = self._pre
+        if self._stamp:
+            pre = pre.replace(b"data: {", b'data: {"sent_ns":%d,' % time.time_ns(), 1)
+        return (
+            pre + text + self._post + b'%d,"type":"response.output_text.delta"}\n\n' % self._next()
+        )
+
+    def closing(self, sent: int, started: bool) -> list[bytes]:
+        out = []
+        output = []
+        if started:
+            text = completion_text(sent)
+            part: dict[str, Any] = {
+                "annotations": [],
+                "text": text,
+                "type": "output_text",
+                "logprobs": None,
+            }
+            message = self._message(text, "completed")
+            output.append(message)
+            out += [
+                self._typed(
+                    "response.output_text.done",
+                    {
+                        "content_index": 0,
+                        "item_id": self._item_id,
+                        "logprobs": [],
+                        "output_index": 0,
+                    },
+                    {"text": text},
+                ),
+                self._typed(
+                    "response.content_part.done",
+                    {
+                        "content_index": 0,
+                        "item_id": self._item_id,
+                        "output_index": 0,
+                        "part": part,
+                    },
+                ),
+                self._typed("response.output_item.done", {"item": message, "output_index": 0}),
+            ]
+        status = self._final_status()
+        final = self.response(status, output, self.usage(sent))
+        name = (
+            "response.incomplete"
+            if status == "incomplete" and self._plan.incomplete_event
+            else "response.completed"
+        )
+        out.append(self._typed(name, {"response": final}))
+        return out
+
+    def error(self, message: str) -> bytes:
+        fields = {"code": "InternalServerError", "message": message, "param": None}
+        return self._typed("error", fields)
+
+    # -- not streamed --------------------------------------------------------
+
+    def full(self, sent: int) -> bytes:
+        output = [self._message(completion_text(sent), "completed")] if sent else []
+        return orjson.dumps(self.response(self._final_status(), output, self.usage(sent)))
