@@ -112,6 +112,7 @@ def test_every_vllm_route_has_its_api_and_label() -> None:
         "/v1/rerank": "/rerank",
         "/v2/rerank": "/rerank",
         "/classify": "/classify",
+        "/v1/classify": "/classify",
     }
     for path, label in labels.items():
         api = api_for(path)

@@ -3,7 +3,7 @@
 They answer one JSON body with a `usage` object (`prompt_tokens`, `total_tokens`), so what
 is measured is e2e latency, prompt tokens, the error type and the model (vllm-project/vllm:
 vllm/entrypoints/openai/api_server.py and vllm/entrypoints/pooling/*: `/v1/embeddings`,
-`/pooling`, `/classify`, `/score` with its older alias `/v1/score`, `/rerank` with
+`/pooling`, `/classify` (and `/v1/classify`), `/score` with its older alias `/v1/score`, `/rerank` with
 `/v1/rerank` and `/v2/rerank`). The rerank answer may carry only `total_tokens`, which for
 a model that generates nothing is the prompt.
 """
@@ -54,5 +54,5 @@ class Rerank(Score):
 
 class Classify(Pooling):
     endpoint = "/classify"
-    paths = ("/classify",)
+    paths: ClassVar[tuple[str, ...]] = ("/classify", "/v1/classify")
     operation = "classify"
