@@ -215,9 +215,9 @@ def test_passthrough_paths_are_forwarded_and_counted(sim: Running, proxy: ProxyU
     assert models.status_code == 200 and models.json()["data"][0]["id"] == MODEL
     assert sim.app.state.last().path == "/v1/models"  # type: ignore[union-attr]
     tokenize = httpx.post(proxy.url + "/tokenize", json={"model": MODEL, "prompt": "hi"})
-    assert tokenize.status_code == 404  # the simulator's own answer (it has no /tokenize)
+    assert tokenize.status_code == 200 and tokenize.json()["count"] > 0  # vLLM's route
     # Counted just after the last byte went out, so give the proxy a moment.
-    for route, code in (("/v1/models", "200"), ("/tokenize", "404")):
+    for route, code in (("/v1/models", "200"), ("/tokenize", "200")):
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
             if proxy.sample("tokenprobe_passthrough_requests_total", route=route, code=code):
