@@ -44,8 +44,9 @@ class ErrorType(enum.StrEnum):
     UPSTREAM_ERROR = "upstream_error"  # 5xx
     UPSTREAM_UNREACHABLE = "upstream_unreachable"  # connect failed
     UPSTREAM_TIMEOUT = "upstream_timeout"  # connect, first byte or idle gap timed out
-    STREAM_ERROR = "stream_error"  # an `error` object inside a 200 stream
-    STREAM_TRUNCATED = "stream_truncated"  # stream ended without [DONE] or a finish_reason
+    STREAM_ERROR = "stream_error"  # an `error` object or event inside a 200 stream
+    STREAM_TRUNCATED = "stream_truncated"  # stream ended without its API's end ([DONE] or a
+    # finish_reason, message_stop, response.completed/incomplete)
     CLIENT_CANCELLED = "client_cancelled"  # the client went away first
 
 
