@@ -1,8 +1,10 @@
 """The hot path: relay one request upstream and its response back, byte for byte.
 
 Each chunk goes to the client first; only then does the observer see it, with the time of
-the network read. Observer failures are caught here, in one place: the stream carries on
-unmeasured and a counter says so. A client that goes away (seen on `receive()`, because a
+the network read. Which requests are measured, and how, is the API seam's business
+(proxy/core/apis): a POST to a path with an Api. Observer failures are caught here, in one
+place: the stream carries on unmeasured, the request still ends in one record (status,
+e2e, the transport's error type) and a counter says so. A client that goes away (seen on `receive()`, because a
 send to a gone client can succeed silently) cancels the upstream request at once, so the
 backend aborts the generation and frees its KV cache.
 """

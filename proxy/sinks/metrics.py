@@ -149,7 +149,8 @@ class Metrics:
         )
         self.passthrough = Counter(
             "tokenprobe_passthrough_requests",
-            "Requests to unmeasured /v1 paths, by route template and HTTP status.",
+            "Requests forwarded unmeasured (any method and path without an API seam), by "
+            "bounded route template and HTTP status.",
             ("route", "code"),
             registry=registry,
         )
