@@ -200,3 +200,22 @@ def test_backend_routes_answer_exactly_what_the_backend_answers(
     assert (proxied.status_code, proxied.content) == (direct.status_code, direct.content)
     assert proxied.headers["content-type"] == direct.headers["content-type"]
     assert via.records == []  # forwarded, not measured
+
+
+# -- n > 1 choices -----------------------------------------------------------------------
+
+
+def test_n_choices_report_one_choice_speed_not_their_sum(
+    backend: tuple[VllmRoutes, ThreadedServer], start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    """Three choices decoding at 1/step tokens/s each: the request's decode speed is one
+    choice's (the median), not three times it as over the interleaved events."""
+    backend[0].gap = step = 0.06  # one decode step: a token for each choice
+    proxy = start_proxy(backend[1].url, model_allowlist=("m",))
+    body = {"model": "m", "n": 3, "stream": True, "messages": []}
+    httpx.post(proxy.url + "/v1/chat/completions", json=body, headers={"x-tokens": "8"})
+    (m,) = wait_records(proxy, 1)
+    assert (m.output_tokens, m.content_events, m.finish_reason) == (24, 24, "stop")
+    assert m.ttft is not None and m.ttft >= TTFT  # the role-only chunks are not tokens
+    assert m.decode_tokens_per_second == pytest.approx(1 / step, rel=0.25)
+    assert m.tpot == pytest.approx(step, rel=0.25)

@@ -92,6 +92,8 @@ class VllmRoutes:
             status = int(headers["x-status"])
             error = {"type": "error", "error": {"type": "rate_limit_error", "message": "slow down"}}
             await self._reply(send, status, b"application/json", orjson.dumps(error))
+        elif path == "/v1/chat/completions" and request.get("stream"):
+            await self._choices(send, int(request.get("n", 1)), int(headers["x-tokens"]))
         elif path == "/v1/messages" and request.get("stream"):
             await self._stream(send, headers.get("x-stream", "vllm_messages.sse"))
         elif path == "/v1/messages":
@@ -109,6 +111,38 @@ class VllmRoutes:
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
         self.sent.append(body)
+
+    async def _choices(self, send: Any, n: int, tokens: int) -> None:
+        """A chat stream with n choices, as vLLM interleaves them: one chunk per choice
+        (with its `index`) per decode step, one step every `gap` seconds."""
+        headers = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        sent = []
+
+        async def event(obj: dict[str, Any]) -> None:
+            data = b"data: " + orjson.dumps(obj) + b"\n\n"
+            sent.append(data)
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+
+        base = {"id": "chatcmpl-n", "object": "chat.completion.chunk", "model": "m"}
+        for index in range(n):
+            delta = {"role": "assistant", "content": ""}
+            await event({**base, "choices": [{"index": index, "delta": delta}]})
+        await asyncio.sleep(self.ttft)
+        for step in range(tokens):
+            for index in range(n):
+                finish = "stop" if step == tokens - 1 else None
+                choice = {"index": index, "delta": {"content": "x"}, "finish_reason": finish}
+                await event({**base, "choices": [choice]})
+            await asyncio.sleep(self.gap)
+        usage = {
+            "prompt_tokens": 5,
+            "completion_tokens": n * tokens,
+            "total_tokens": 5 + n * tokens,
+        }
+        await event({**base, "choices": [], "usage": usage})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+        self.sent.append(b"".join(sent) + b"data: [DONE]\n\n")
 
     async def _stream(self, send: Any, name: str) -> None:
         events = stream_events(name)
