@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -61,6 +62,21 @@ SCENARIOS = (
     Scenario(
         "stream cut short", headers=(("x-sim-fault", "close_no_done"), ("x-sim-fault-after", "5"))
     ),
+    # One row per other API the proxy measures (proxy/core/apis/).
+    Scenario("anthropic messages", endpoint="/v1/messages", headers=(("x-sim-ttft", "0.1"),)),
+    Scenario(
+        "messages max_tokens",
+        endpoint="/v1/messages",
+        max_tokens=8,
+        headers=(("x-sim-output-tokens", "40"),),
+    ),
+    Scenario("openai responses", endpoint="/v1/responses", headers=(("x-sim-ttft", "0.1"),)),
+    Scenario("responses, not streamed", endpoint="/v1/responses", stream=False),
+    Scenario("embeddings", endpoint="/v1/embeddings", stream=False),
+    Scenario("pooling", endpoint="/pooling", stream=False),
+    Scenario("score", endpoint="/score", stream=False),
+    Scenario("rerank", endpoint="/v2/rerank", stream=False),
+    Scenario("classify", endpoint="/classify", stream=False),
 )
 
 
@@ -71,12 +87,28 @@ def _free_port() -> int:
 
 
 def _body(s: Scenario, i: int) -> dict[str, object]:
-    body: dict[str, object] = {"model": MODEL, "stream": s.stream, "max_tokens": s.max_tokens}
+    text = f"Tell me about measuring latency ({i})."
+    if s.endpoint in _POOLING_BODIES:
+        return {"model": MODEL, **_POOLING_BODIES[s.endpoint](text)}
+    body: dict[str, object] = {"model": MODEL, "stream": s.stream}
+    if s.endpoint == "/v1/responses":
+        body.update(input=text, max_output_tokens=s.max_tokens)
+        return body
+    body["max_tokens"] = s.max_tokens
     if s.endpoint == "/v1/completions":
         body["prompt"] = f"Write a haiku about request number {i}."
     else:
-        body["messages"] = [{"role": "user", "content": f"Tell me about measuring latency ({i})."}]
+        body["messages"] = [{"role": "user", "content": text}]
     return body
+
+
+_POOLING_BODIES: dict[str, Callable[[str], dict[str, object]]] = {
+    "/v1/embeddings": lambda text: {"input": text},
+    "/pooling": lambda text: {"input": text},
+    "/classify": lambda text: {"input": text},
+    "/score": lambda text: {"text_1": text, "text_2": "latency"},
+    "/v2/rerank": lambda text: {"query": "latency", "documents": [text, "throughput"]},
+}
 
 
 async def _traffic(
@@ -104,14 +136,14 @@ def _ms(value: float | None) -> str:
 
 
 def _table(records: list[tuple[Measurement, str]], names: dict[int, str]) -> str:
-    head = f"{'':24} {'ttft ms':>8} {'tpot ms':>8} {'tok/s':>6} {'e2e ms':>7} {'out':>4} {'source':>8} {'finish':>8}  outcome"
+    head = f"{'':24} {'endpoint':20} {'ttft ms':>8} {'tpot ms':>8} {'tok/s':>6} {'e2e ms':>7} {'out':>4} {'source':>8} {'finish':>8}  outcome"
     lines = [head, "-" * len(head)]
     for i, (m, _) in enumerate(records):
         speed = "-" if m.decode_tokens_per_second is None else f"{m.decode_tokens_per_second:.0f}"
         out = "-" if m.output_tokens is None else str(m.output_tokens)
         outcome = m.error_type.value if m.error_type else "ok"
         lines.append(
-            f"{names.get(i, m.endpoint)[:24]:24} {_ms(m.ttft):>8} {_ms(m.tpot):>8} {speed:>6} "
+            f"{names.get(i, m.endpoint)[:24]:24} {m.endpoint:20} {_ms(m.ttft):>8} {_ms(m.tpot):>8} {speed:>6} "
             f"{_ms(m.e2e):>7} {out:>4} {m.token_source.value:>8} {m.finish_reason:>8}  {outcome}"
         )
     return "\n".join(lines)

@@ -32,6 +32,7 @@ DEFAULT = Measurement(
     token_source=TokenSource.USAGE,
     content_events=16,
     finish_reason="stop",
+    raw_finish_reason="stop",
     error_type=None,
 )
 

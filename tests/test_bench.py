@@ -276,3 +276,26 @@ def test_duration_bounds_each_level_by_time(
         assert summary["requests"] >= 4 and 0.4 <= summary["duration"] < 0.6
     origin = {s["label"]: min(r["scheduled"] for r in doc["records"] if r["level"] == s["label"]) for s in doc["summary"]}  # fmt: skip
     assert all(r["scheduled"] - origin[r["level"]] < 0.4 for r in doc["records"])
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "streamed"), [("messages", True), ("responses", True), ("embeddings", False)]
+)
+def test_every_api_is_benchmarked_with_the_same_definitions(
+    start_sim: StartSim, tmp_path: Path, capsys: pytest.CaptureFixture[str], endpoint: str,
+    streamed: bool,
+) -> None:  # fmt: skip
+    sim = start_sim(ttft=0.05, tokens_per_second=500.0)
+    flags = ("--endpoint", endpoint, "--max-tokens", "8", "--requests", "2")
+    rc, doc, _, _ = bench(capsys, sim.url, tmp_path / "r.json", *flags)
+    assert rc == 0
+    sent = sim.app.state.requests()
+    assert len(sent) == 2 and all(r.path == f"/v1/{endpoint}" for r in sent)
+    got = sorted(r["prompt_tokens"] for r in doc["records"])
+    assert got == sorted(r.prompt_tokens for r in sent)  # the backend's own usage
+    for record in doc["records"]:
+        assert record["error_type"] is None and record["token_source"] == "usage"
+        if streamed:  # the first text delta, not the opening events sent at once
+            assert record["output_tokens"] == 8 and record["ttft"] >= 0.05
+        else:
+            assert record["output_tokens"] is None and record["ttft"] is None

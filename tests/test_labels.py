@@ -69,8 +69,12 @@ def test_allowlist_is_capped() -> None:
         ("/v1/responses/resp_9", "/v1/responses/{id}"),
         ("/v1/unknown", "/v1/other"),
         ("/v1/embeddingsX", "/v1/other"),
-        ("/v1", "/v1/other"),
-        ("/", "/v1/other"),
+        ("/v1", "/other"),
+        ("/", "/other"),
+        ("/tokenize", "/tokenize"),
+        ("/v2/rerank", "/v2/rerank"),
+        ("/v1/messages/count_tokens", "/v1/messages/count_tokens"),
+        ("/admin/../../etc", "/other"),
     ],
 )
 def test_route_template(path: str, want: str) -> None:
@@ -79,5 +83,6 @@ def test_route_template(path: str, want: str) -> None:
 
 def test_route_templates_stay_bounded_for_arbitrary_paths() -> None:
     paths = [f"/v1/{kind}/{i}/{i}" for kind in ("files", "x", "models", "a/b") for i in range(500)]
+    paths += [f"/{kind}{i}/x" for kind in ("admin", "tokenize", "") for i in range(500)]
     templates = {route_template(p) for p in paths}
-    assert templates <= {"/v1/files/{id}", "/v1/other", "/v1/models/{model}"}
+    assert templates <= {"/v1/files/{id}", "/v1/other", "/v1/models/{model}", "/other"}

@@ -35,6 +35,7 @@ def record(**changes: Any) -> Measurement:
             "ttfb": 0.0101234,
             "ttft": 0.05,
             "decode_tokens_per_second": 199.99999,
+            "raw_finish_reason": "stop",
             "inter_token_latencies": (),
             "response_id": "chatcmpl-1",
             "trace_id": "4bf92f3577b34da6a3ce929d0e0e4736",
@@ -70,6 +71,7 @@ def test_json_values_are_in_ms_with_nulls_for_unknowns() -> None:
         "status": 200,
         "error_type": None,
         "finish_reason": "stop",
+        "raw_finish_reason": "stop",
         "prompt_tokens": 12,
         "output_tokens": 16,
         "cached_tokens": None,
@@ -120,7 +122,7 @@ def test_text_mode_is_one_logfmt_line_without_nulls() -> None:
     (line,) = log_lines("text", record(model="my model", cached_prompt_tokens=None))
     assert line == (
         'ts=2023-11-14T22:13:20.123Z model="my model" endpoint=/v1/chat/completions status=200 '
-        "finish_reason=stop prompt_tokens=12 output_tokens=16 token_source=usage ttfb_ms=10.123 "
+        "finish_reason=stop raw_finish_reason=stop prompt_tokens=12 output_tokens=16 token_source=usage ttfb_ms=10.123 "
         "ttft_ms=50.0 tpot_ms=5.0 decode_tps=200.0 e2e_ms=125.0 stream=true "
         "trace_id=4bf92f3577b34da6a3ce929d0e0e4736 response_id=chatcmpl-1\n"
     )

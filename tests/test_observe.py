@@ -6,6 +6,7 @@ Times are multiples of 1/8 s, exact in binary, so durations compare with `==`.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,17 +39,16 @@ def request(endpoint: str = CHAT, stream: bool = True) -> RequestInfo:
 
 
 def finish(observer: StreamObserver, end: float, status: int = 200) -> Measurement:
-    """What the relay does when the upstream body ended cleanly."""
+    """What the relay does when the upstream body ended cleanly: the one finish sequence."""
     observer.end_of_stream(end)
-    error, message = observer.outcome()
-    counts = observer.counts_from_usage() or observer.counts_from_chunks()
-    return observer.measurement(
-        end=end,
-        started_at=STARTED_AT,
-        status_code=status,
-        counts=counts,
-        error_type=error,
-        error_message=message,
+    return asyncio.run(
+        observer.finish(
+            end=end,
+            started_at=STARTED_AT,
+            status_code=status,
+            error_type=None,
+            error_message=None,
+        )
     )
 
 
@@ -79,11 +79,15 @@ def expected(**fields: object) -> Measurement:
         "token_source": TokenSource.CHUNKS,
         "content_events": 0,
         "finish_reason": NONE_LABEL,
+        "raw_finish_reason": None,
         "response_id": CHAT_ID,
         "response_model": MODEL,
         "max_tokens": 256,
         "temperature": 0.7,
     }
+    reason = fields.get("finish_reason", NONE_LABEL)
+    if reason != NONE_LABEL:  # the raw reason is the label itself for these OpenAI streams
+        fields.setdefault("raw_finish_reason", reason)
     return measurement(**{**before_content, **fields})
 
 

@@ -214,16 +214,27 @@ def test_passthrough_paths_are_forwarded_and_counted(sim: Running, proxy: ProxyU
     models = httpx.get(proxy.url + "/v1/models", params={"x": "1"})
     assert models.status_code == 200 and models.json()["data"][0]["id"] == MODEL
     assert sim.app.state.last().path == "/v1/models"  # type: ignore[union-attr]
-    emb = httpx.post(proxy.url + "/v1/embeddings", json={"model": MODEL, "input": "hi"})
-    assert emb.status_code == 200
+    tokenize = httpx.post(proxy.url + "/tokenize", json={"model": MODEL, "prompt": "hi"})
+    assert tokenize.status_code == 200 and tokenize.json()["count"] > 0  # vLLM's route
     # Counted just after the last byte went out, so give the proxy a moment.
-    for route in ("/v1/models", "/v1/embeddings"):
+    for route, code in (("/v1/models", "200"), ("/tokenize", "200")):
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
-            if proxy.sample("tokenprobe_passthrough_requests_total", route=route, code="200"):
+            if proxy.sample("tokenprobe_passthrough_requests_total", route=route, code=code):
                 break
             time.sleep(0.01)
-        assert proxy.sample("tokenprobe_passthrough_requests_total", route=route, code="200") == 1
+        assert proxy.sample("tokenprobe_passthrough_requests_total", route=route, code=code) == 1
+
+
+def test_embeddings_are_measured_as_non_generative(sim: Running, proxy: ProxyUnderTest) -> None:
+    emb = httpx.post(proxy.url + "/v1/embeddings", json={"model": MODEL, "input": "hi there"})
+    assert emb.status_code == 200
+    wait_records(proxy, 1)
+    m = proxy.records[0]
+    assert m.endpoint == "/v1/embeddings" and m.ok and not m.stream
+    assert m.prompt_tokens == emb.json()["usage"]["prompt_tokens"] > 0
+    assert m.output_tokens is None and m.ttft is None and m.token_source.value == "usage"
+    assert m.finish_reason == "none"
 
 
 def test_authorization_is_forwarded(
@@ -359,7 +370,7 @@ def test_health_ready_and_unknown_paths(
 ) -> None:
     assert httpx.get(proxy.url + "/healthz").status_code == 200
     assert httpx.get(proxy.url + "/readyz").status_code == 200
-    assert httpx.get(proxy.url + "/admin").status_code == 404
+    assert httpx.get(proxy.url + "/admin").status_code == 404  # the backend's answer
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = start_proxy(f"http://127.0.0.1:{s.getsockname()[1]}")

@@ -30,3 +30,23 @@ def test_readme_gives_the_two_commands() -> None:
     assert "pip install -e '.[dev]' && pytest" in README
     ci = (Path(__file__).parent.parent / ".ci" / "run").read_text()
     assert "pip install -e '.[dev]' && pytest" in ci
+
+
+def _apis_table() -> dict[str, str]:
+    """The endpoint label -> paths cell of each row of the README's "APIs measured" table."""
+    section = README.split("## APIs measured", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            label, paths = (cell.strip() for cell in line.strip("|").split("|")[:2])
+            rows[label.strip("`")] = paths
+    return rows
+
+
+def test_apis_measured_table_lists_exactly_the_registry() -> None:
+    from proxy.core.apis import APIS
+
+    rows = _apis_table()
+    assert sorted(rows) == sorted(api.endpoint for api in APIS)
+    for api in APIS:
+        assert rows[api.endpoint] == ", ".join(f"`{path}`" for path in api.paths), api.endpoint

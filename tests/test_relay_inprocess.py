@@ -512,7 +512,6 @@ def test_client_gone_mid_stream_closes_the_upstream_and_records_client_cancelled
 # -- measuring fails; the request does not ------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="fixed on branch seam")
 def test_observer_failure_keeps_the_stream_and_still_writes_a_record(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from proxy.core.request import CHAT, COMPLETIONS, RequestInfo, parse_request, with_usage_requested
+from proxy.core.apis.chat import Chat
+from proxy.core.request import CHAT, COMPLETIONS, RequestInfo, parse_request
+
+with_usage_requested = Chat().ask_for_usage
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 
@@ -93,7 +96,7 @@ def test_json_that_is_not_an_object_gives_defaults(raw: bytes) -> None:
     assert info.valid_json is False
 
 
-# -- with_usage_requested ---------------------------------------------------------------------
+# -- asking for usage (Chat.ask_for_usage) -----------------------------------------------------------------
 
 
 def test_usage_request_is_added_and_everything_else_kept() -> None:

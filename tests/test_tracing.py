@@ -107,6 +107,28 @@ def test_completions_are_text_completion_operations(
     assert span.attributes["gen_ai.operation.name"] == "text_completion"
 
 
+@pytest.mark.parametrize(
+    ("endpoint", "operation", "provider"),
+    [
+        ("/v1/messages", "chat", "anthropic"),
+        ("/v1/responses", "chat", "openai"),
+        ("/v1/embeddings", "embeddings", "openai"),
+        ("/rerank", "rerank", "openai"),
+    ],
+)
+def test_operation_and_provider_come_from_the_api(
+    tracing: Tracing, exporter: InMemorySpanExporter, endpoint: str, operation: str, provider: str
+) -> None:
+    m = record(endpoint=endpoint, finish_reason="length", raw_finish_reason="max_tokens")
+    span, _, _ = traced(tracing, exporter, info(endpoint), m)
+    attributes = span.attributes or {}
+    assert span.name == f"{operation} sim-model"
+    assert attributes["gen_ai.operation.name"] == operation
+    assert attributes["gen_ai.provider.name"] == provider
+    assert attributes["gen_ai.response.finish_reasons"] == ("length",)
+    assert attributes["tokenprobe.raw_finish_reason"] == "max_tokens"
+
+
 def test_attributes_follow_the_genai_conventions(
     tracing: Tracing, exporter: InMemorySpanExporter
 ) -> None:

@@ -20,6 +20,7 @@ import yarl
 
 from proxy.bench.options import Options
 from proxy.bench.prompts import Prompt
+from proxy.core.apis import api_of
 from proxy.core.measurement import Measurement, TokenSource
 from proxy.core.observe import StreamObserver, TokenCounts
 from proxy.core.request import RequestInfo
@@ -49,26 +50,46 @@ class Result:
 
 def prepare(options: Options, prompt: Prompt) -> Call:
     payload = prompt.payload(options.endpoint)
+    body = _body(options, payload)
+    stream = body.get("stream") is True
+    info = RequestInfo(
+        endpoint=api_of(options.endpoint).endpoint,
+        model=options.model,
+        stream=stream,
+        usage_requested=True,
+        max_tokens=options.max_tokens if stream else None,
+        temperature=0.0 if stream else None,
+        prompt=payload,
+    )
+    return Call(info, orjson.dumps(body))
+
+
+def _body(options: Options, payload: Any) -> dict[str, Any]:
+    """The request body each API takes; streamed with usage wherever the API can."""
+    endpoint = options.endpoint
+    if endpoint == "/v1/embeddings":
+        return {"model": options.model, "input": payload}
+    if endpoint == "/v1/responses":
+        return {
+            "model": options.model,
+            "input": payload,
+            "max_output_tokens": options.max_tokens,
+            "temperature": 0,
+            "stream": True,
+        }
     body: dict[str, Any] = {
         "model": options.model,
         "messages" if isinstance(payload, list) else "prompt": payload,
         "max_tokens": options.max_tokens,
         "temperature": 0,
         "stream": True,
-        "stream_options": {"include_usage": True},
     }
+    if endpoint == "/v1/messages":
+        return body  # Messages streams always carry usage
+    body["stream_options"] = {"include_usage": True}
     if options.ignore_eos:
         body["ignore_eos"] = True
-    info = RequestInfo(
-        endpoint=options.endpoint,
-        model=options.model,
-        stream=True,
-        usage_requested=True,
-        max_tokens=options.max_tokens,
-        temperature=0.0,
-        prompt=payload,
-    )
-    return Call(info, orjson.dumps(body))
+    return body
 
 
 def headers(options: Options) -> dict[str, str]:
@@ -122,15 +143,10 @@ async def measure(
         raise
     except Exception as exc:  # every failure becomes a measured error type
         error, message = classify_exception(exc, after_headers=status != 0), describe(exc)
-    end = perf_counter()
-    if error is None:
-        error, message = observer.outcome()
-    counts = observer.counts_from_usage() or observer.counts_from_chunks()
-    measurement = observer.measurement(
-        end=end,
+    measurement = await observer.finish(
+        end=perf_counter(),
         started_at=started_at,
         status_code=status,
-        counts=counts,
         error_type=error,
         error_message=message,
     )

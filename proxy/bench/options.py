@@ -10,6 +10,15 @@ from urllib.parse import urlsplit
 
 from proxy.core.request import CHAT, COMPLETIONS
 
+#: `--endpoint` choices -> the API's path (the proxy's `endpoint` label).
+ENDPOINTS = {
+    "chat": CHAT,
+    "completions": COMPLETIONS,
+    "messages": "/v1/messages",
+    "responses": "/v1/responses",
+    "embeddings": "/v1/embeddings",
+}
+
 #: SLO names `--slo` accepts, all in seconds.
 SLO_NAMES = ("ttft", "tpot", "e2e")
 
@@ -22,7 +31,7 @@ class OptionsError(ValueError):
 class Options:
     base_url: str  # scheme://host:port[/prefix], without a trailing /v1
     model: str
-    endpoint: str  # CHAT or COMPLETIONS
+    endpoint: str  # an API path, one of ENDPOINTS' values
     api_key: str | None
     mode: str  # "closed" (concurrency sweep) or "open" (Poisson arrivals)
     levels: tuple[float, ...]  # concurrencies (closed) or request rates per second (open)
@@ -68,7 +77,12 @@ def parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--url", required=True, help="the backend's base URL, e.g. http://localhost:8000/v1")
     a("--model", required=True, help="the model name to request")
-    a("--endpoint", choices=("chat", "completions"), default="chat")
+    a(
+        "--endpoint",
+        choices=tuple(ENDPOINTS),
+        default="chat",
+        help="the API to measure (embeddings: latency and prompt tokens only, not streamed)",
+    )
     a("--api-key", help="bearer token (default: $OPENAI_API_KEY)")
     load = p.add_mutually_exclusive_group()
     load.add_argument(
@@ -163,7 +177,7 @@ def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Options:
     return Options(
         base_url=_base_url(ns.url),
         model=ns.model,
-        endpoint=CHAT if ns.endpoint == "chat" else COMPLETIONS,
+        endpoint=ENDPOINTS[ns.endpoint],
         api_key=ns.api_key or env.get("OPENAI_API_KEY") or None,
         mode=mode,
         levels=levels,

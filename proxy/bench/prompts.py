@@ -17,6 +17,8 @@ import orjson
 from proxy.core.request import CHAT
 from proxy.core.tokens import count_prompt
 
+MESSAGES = "/v1/messages"
+
 
 class PromptError(ValueError):
     """A prompts file or a synthetic prompt that cannot be built; the message says why."""
@@ -28,8 +30,8 @@ class Prompt:
     messages: tuple[dict[str, Any], ...] | None = None
 
     def payload(self, endpoint: str) -> Any:
-        """`messages` for chat, `prompt` for completions."""
-        if endpoint == CHAT:
+        """`messages` for chat and Anthropic Messages, a text for the others."""
+        if endpoint in (CHAT, MESSAGES):
             if self.messages is not None:
                 return list(self.messages)
             return [{"role": "user", "content": self.text}]

@@ -33,7 +33,8 @@ class ModelLabels:
         return model if model in self._known else OTHER
 
 
-# Routes of the OpenAI API forwarded without measuring; anything else is "other".
+# Routes forwarded without measuring (OpenAI's and vLLM's); anything else collapses to a
+# fixed label, so clients sending random paths cannot grow the number of series.
 _ROUTES = (
     "/v1/models",
     "/v1/embeddings",
@@ -43,23 +44,47 @@ _ROUTES = (
     "/v1/tokenize",
     "/v1/detokenize",
     "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/chat/completions",
+    "/v1/completions",
     "/v1/audio/transcriptions",
     "/v1/audio/translations",
     "/v1/audio/speech",
     "/v1/images/generations",
     "/v1/files",
     "/v1/batches",
+    # vLLM's routes outside /v1 (vllm-project/vllm: vllm/entrypoints/openai/api_server.py)
+    "/tokenize",
+    "/detokenize",
+    "/health",
+    "/ping",
+    "/version",
+    "/metrics",
+    "/load",
+    "/invocations",
+    "/pooling",
+    "/score",
+    "/rerank",
+    "/v2/rerank",
+    "/classify",
+    "/server_info",
+    "/is_sleeping",
 )
+_ROUTE_SET = frozenset(_ROUTES)
 _MODEL_ROUTE = re.compile(r"^/v1/models/.+$")  # ids may hold a slash (org/name)
+#: The labels for paths that match no known route.
+OTHER_V1 = "/v1/other"
+OTHER_ROUTE = "/other"
 
 
 def route_template(path: str) -> str:
-    """A bounded route label for an unmeasured /v1 path."""
-    if path in _ROUTES:
+    """A bounded route label for an unmeasured path."""
+    if path in _ROUTE_SET:
         return path
     if _MODEL_ROUTE.match(path):
         return "/v1/models/{model}"
     for route in _ROUTES:
         if path.startswith(route + "/"):
             return route + "/{id}"
-    return "/v1/other"
+    return OTHER_V1 if path.startswith("/v1/") else OTHER_ROUTE

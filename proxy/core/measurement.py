@@ -3,20 +3,28 @@
 Instants (all `time.perf_counter()` seconds, taken by the proxy):
   start        the proxy received the request line and headers (ASGI call began)
   first_byte   the upstream's response headers arrived
-  first_token  the first network read that carried an event with generated content: a
-               non-empty delta `content`, `reasoning_content`/`reasoning` or `tool_calls`
-               (chat), or non-empty `text` (completions). vLLM's role-only first chunk is
-               not a token.
-  last_token   the last network read that carried generated content
+  first_token  the first network read that carried an event with generated content, as
+               the request's API defines it (proxy/core/apis/; the README's "APIs
+               measured" lists each): e.g. a non-empty chat delta `content`, `reasoning` or
+               `tool_calls`, never vLLM's role-only first chunk, Anthropic's
+               `message_start` or the Responses API's `response.created`. With n > 1
+               choices: the first content of any choice.
+  last_token   the last network read that carried generated content (any choice)
   end          the response finished (last byte relayed, error, or client gone)
 
 Derived durations:
   ttfb   first_byte - start
   ttft   first_token - start
-  itl    each gap between consecutive content events (0 when two arrive in one read)
+  itl    each gap between consecutive content events of the same choice (0 when two
+         arrive in one read)
   tpot   (last_token - first_token) / (output_tokens - 1), needs >= 2 output tokens
   decode_tokens_per_second   (output_tokens - 1) / (last_token - first_token)
   e2e    end - start
+
+With n > 1 choices, tpot and decode speed are computed per choice, from that choice's own
+first and last token and its share of the output tokens (in proportion to its content
+events), and the request's figures are those of the median choice by tpot (the lower
+median for an even n, so always one real choice). With one choice this is the formula above.
 """
 
 from __future__ import annotations
@@ -36,8 +44,9 @@ class ErrorType(enum.StrEnum):
     UPSTREAM_ERROR = "upstream_error"  # 5xx
     UPSTREAM_UNREACHABLE = "upstream_unreachable"  # connect failed
     UPSTREAM_TIMEOUT = "upstream_timeout"  # connect, first byte or idle gap timed out
-    STREAM_ERROR = "stream_error"  # an `error` object inside a 200 stream
-    STREAM_TRUNCATED = "stream_truncated"  # stream ended without [DONE] or a finish_reason
+    STREAM_ERROR = "stream_error"  # an `error` object or event inside a 200 stream
+    STREAM_TRUNCATED = "stream_truncated"  # stream ended without its API's end ([DONE] or a
+    # finish_reason, message_stop, response.completed/incomplete)
     CLIENT_CANCELLED = "client_cancelled"  # the client went away first
 
 
@@ -58,7 +67,7 @@ NONE_LABEL = "none"
 class Measurement:
     """Everything measured about one proxied request. Durations in seconds, None if unknown."""
 
-    endpoint: str  # "/v1/chat/completions" or "/v1/completions"
+    endpoint: str  # the Api's label: its canonical path (proxy/core/apis ENDPOINTS)
     model: str  # the requested model as sent by the client ("" if none)
     stream: bool
     status_code: int  # what the client received (0 if nothing was sent)
@@ -74,7 +83,7 @@ class Measurement:
     cached_prompt_tokens: int | None
     token_source: TokenSource
     content_events: int
-    finish_reason: str  # as the client saw it; NONE_LABEL when there was none
+    finish_reason: str  # the closed-set label (apis.FINISH_LABELS); NONE_LABEL when none
     error_type: ErrorType | None
     error_message: str | None = None  # short, secret-free description
     response_id: str | None = None
@@ -82,6 +91,7 @@ class Measurement:
     max_tokens: int | None = None
     temperature: float | None = None
     trace_id: str | None = None  # 32 hex digits when the request was traced and sampled
+    raw_finish_reason: str | None = None  # as the backend wrote it (end_turn, completed, ...)
     extra: dict[str, object] = field(default_factory=dict)
 
     @property

@@ -2,21 +2,27 @@
 
 The relay calls `feed(chunk, now)` after each chunk has gone to the client, with `now` the
 time of that network read, so this module never reads a clock and tests can replay
-recorded streams with synthetic timestamps. Only a few facts are taken from each event:
-whether it carries generated content, finish_reason, usage, an in-stream error, and the
-response id/model. Non-streaming bodies are kept (bounded) and parsed once at the end.
+recorded streams with synthetic timestamps. It knows no API: each event goes to the
+request's `Api` (proxy/core/apis/), which answers with `Facts` (content or not, finish
+reason, usage, in-stream error, clean end); non-streaming bodies are kept (bounded) and
+handed to the Api once at the end. `finish()` is the one sequence that turns what was
+seen into the record: outcome, then token counts from usage, else a tokenizer, else
+content events.
+
+With n > 1 choices, first/last token and content events are kept per choice (see
+proxy/core/measurement.py for how the request-level TPOT and decode speed are chosen).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import orjson
 
+from proxy.core.apis import Api, Facts, RequestInfo, TokenCounts, api_of
 from proxy.core.errors import classify_response, error_message
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
-from proxy.core.request import CHAT, RequestInfo
 from proxy.core.sse import SSEDecoder
 
 #: The most of a non-streaming or error body kept for parsing. Bigger bodies are still
@@ -24,30 +30,46 @@ from proxy.core.sse import SSEDecoder
 MAX_KEPT_BODY = 8 * 1024 * 1024
 
 
-@dataclass(slots=True)
-class TokenCounts:
-    prompt: int | None
-    output: int | None
-    cached: int | None
-    source: TokenSource
+class Counter(Protocol):
+    """A tokenizer-backed counter (proxy/core/tokens.py), as `finish` uses it."""
+
+    async def count(self, observer: StreamObserver) -> TokenCounts | None: ...
+
+
+class _Choice:
+    __slots__ = ("events", "first", "last")
+
+    def __init__(self, now: float) -> None:
+        self.first = now
+        self.last = now
+        self.events = 1
 
 
 class StreamObserver:
     """One per measured request. Not thread-safe; lives on the event loop."""
 
-    def __init__(self, request: RequestInfo, start: float, collect_text: bool = False) -> None:
+    def __init__(
+        self,
+        request: RequestInfo,
+        start: float,
+        collect_text: bool = False,
+        api: Api | None = None,
+    ) -> None:
         self.request = request
+        self.api = api if api is not None else api_of(request.endpoint)
         self.start = start
-        self._chat = request.endpoint == CHAT
         self._collect = collect_text
         self.status = 0
         self.streaming = False
+        self.failed = False  # measuring broke mid-stream: the record keeps only what is safe
         self.first_byte: float | None = None
         self.first_token: float | None = None
         self.last_token: float | None = None
         self.itl: list[float] = []
         self.content_events = 0
-        self.finish_reason: str | None = None
+        self.choices: dict[int, _Choice] = {}
+        self._zero: _Choice | None = None  # choices[0], for the common event's fast path
+        self.finish_reason: str | None = None  # raw, as the backend wrote it
         self.usage: dict[str, Any] | None = None
         self.stream_error: object = None
         self.done = False
@@ -70,8 +92,18 @@ class StreamObserver:
     def feed(self, chunk: bytes, now: float) -> None:
         """A chunk that was just relayed to the client, read from the network at `now`."""
         if self.streaming:
+            event, collect = self.api.event, self._collect
             for payload in self._decoder.feed(chunk):
-                self._event(payload, now)
+                facts = event(payload, collect, self.response_id is None)
+                zero = self._zero
+                if facts.plain and zero is not None:  # the common event, inline: one choice
+                    self.content_events += 1
+                    self.last_token = now
+                    self.itl.append(now - zero.last)
+                    zero.last = now
+                    zero.events += 1
+                else:
+                    self._apply(facts, now)
         elif self._kept < MAX_KEPT_BODY:
             self._body.append(chunk)
             self._kept += len(chunk)
@@ -80,82 +112,49 @@ class StreamObserver:
         """The upstream body ended cleanly: dispatch a final event that lacked its blank line."""
         if self.streaming:
             for payload in self._decoder.flush():
-                self._event(payload, now)
+                self._apply(self.api.event(payload, self._collect, self.response_id is None), now)
 
-    # -- event parsing ----------------------------------------------------------------
+    def fail(self) -> None:
+        """Measuring this response broke (the relay caught it): stop and keep what is safe."""
+        self.failed = True
 
-    def _event(self, payload: bytes, now: float) -> None:
-        if payload == b"[DONE]":
-            self.done = True
-            return
-        try:
-            obj = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            self.malformed_events += 1
-            return
-        if type(obj) is not dict:
-            self.malformed_events += 1
-            return
-        if self.response_id is None:
-            self._identify(obj)
-        choices = obj.get("choices")
-        if choices and type(choices) is list and self._choices(choices):
+    # -- facts ------------------------------------------------------------------------
+
+    def _apply(self, facts: Facts, now: float) -> None:
+        if facts.content is not None:
             self.content_events += 1
             if self.first_token is None:
                 self.first_token = now
-            else:
-                self.itl.append(now - self.last_token)  # type: ignore[operator]
             self.last_token = now
-        usage = obj.get("usage")
-        if usage and type(usage) is dict:
-            self.usage = usage
-        error = obj.get("error")
-        if error is not None:
-            self.stream_error = error
-
-    def _choices(self, choices: list[Any]) -> bool:
-        """Note finish_reason; True when any choice carries generated content."""
-        content = False
-        for choice in choices:
-            if type(choice) is not dict:
-                continue
-            if self._chat:
-                delta = choice.get("delta")
-                if delta and type(delta) is dict:
-                    for key in ("content", "reasoning_content", "reasoning", "tool_calls"):
-                        value = delta.get(key)
-                        if value:
-                            content = True
-                            if self._collect:
-                                self._keep_text(value)
-            else:
-                text = choice.get("text")
-                if text:
-                    content = True
-                    if self._collect:
-                        self._keep_text(text)
-            reason = choice.get("finish_reason")
-            if reason and type(reason) is str:
-                self.finish_reason = reason
-        return content
-
-    def _keep_text(self, value: object) -> None:
-        if type(value) is str:
-            self.texts.append(value)
-        elif type(value) is list:  # tool_calls: count the function names and arguments
-            for call in value:
-                function = call.get("function") if type(call) is dict else None
-                if type(function) is dict:
-                    self.texts.extend(
-                        v
-                        for v in (function.get("name"), function.get("arguments"))
-                        if type(v) is str
-                    )
-
-    def _identify(self, obj: dict[str, Any]) -> None:
-        rid, model = obj.get("id"), obj.get("model")
-        self.response_id = rid if type(rid) is str else ""
-        self.response_model = model if type(model) is str else None
+            choices = self.choices
+            for index in facts.choices:
+                choice = choices.get(index)
+                if choice is None:
+                    choice = choices[index] = _Choice(now)
+                    if index == 0:
+                        self._zero = choice
+                else:
+                    self.itl.append(now - choice.last)
+                    choice.last = now
+                    choice.events += 1
+        elif facts.malformed:
+            self.malformed_events += 1
+            return
+        if facts.texts is not None:
+            self.texts.extend(facts.texts)
+        if facts.finish is not None:
+            self.finish_reason = facts.finish
+        if facts.usage is not None:
+            self.usage = (
+                facts.usage if self.usage is None else self.api.merge_usage(self.usage, facts.usage)
+            )
+        if facts.error is not None:
+            self.stream_error = facts.error
+        if facts.end:
+            self.done = True
+        if facts.response_id is not None and self.response_id is None:
+            self.response_id = facts.response_id
+            self.response_model = facts.response_model
 
     # -- the end ----------------------------------------------------------------------
 
@@ -171,14 +170,16 @@ class StreamObserver:
         if self.streaming:
             if self.stream_error is not None:
                 return ErrorType.STREAM_ERROR, _stream_error_message(self.stream_error)
-            if not self.done and self.finish_reason is None:
-                return ErrorType.STREAM_TRUNCATED, "stream ended without [DONE] or finish_reason"
+            if not self.done and not (
+                self.api.finish_ends_stream and self.finish_reason is not None
+            ):
+                return ErrorType.STREAM_TRUNCATED, f"stream ended without {self.api.end_marker}"
             return None, None
         self._parse_body()
         return None, None
 
     def _parse_body(self) -> None:
-        """A non-streaming success: take usage, finish_reason and identity from the JSON."""
+        """A non-streaming success: the Api reads usage, finish reason and identity."""
         try:
             obj = orjson.loads(self.body())
         except orjson.JSONDecodeError:
@@ -186,42 +187,63 @@ class StreamObserver:
             return
         if type(obj) is not dict:
             return
-        self._identify(obj)
-        choices = obj.get("choices")
-        if type(choices) is list:
-            for choice in choices:
-                if type(choice) is not dict:
-                    continue
-                reason = choice.get("finish_reason")
-                if reason and type(reason) is str:
-                    self.finish_reason = reason
-                if self._collect:
-                    message = choice.get("message")
-                    text = message.get("content") if type(message) is dict else choice.get("text")
-                    if type(text) is str:
-                        self.texts.append(text)
-        usage = obj.get("usage")
-        if type(usage) is dict:
-            self.usage = usage
+        facts = self.api.body(obj, self._collect)
+        self.response_id = None  # the body's identity wins
+        self._apply(facts, 0.0)
 
     def counts_from_usage(self) -> TokenCounts | None:
         usage = self.usage
-        if not usage or type(usage.get("completion_tokens")) is not int:
-            return None
-        prompt = usage.get("prompt_tokens")
-        details = usage.get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if type(details) is dict else None
-        return TokenCounts(
-            prompt=prompt if type(prompt) is int else None,
-            output=usage["completion_tokens"],
-            cached=cached if type(cached) is int else None,
-            source=TokenSource.USAGE,
-        )
+        return self.api.counts(usage) if usage else None
 
     def counts_from_chunks(self) -> TokenCounts:
-        if not self.streaming:
+        if not self.streaming or not self.api.generative:
             return TokenCounts(None, None, None, TokenSource.NONE)
         return TokenCounts(None, self.content_events, None, TokenSource.CHUNKS)
+
+    async def finish(
+        self,
+        *,
+        end: float,
+        started_at: float,
+        status_code: int,
+        error_type: ErrorType | None,
+        error_message: str | None,
+        counter: Counter | None = None,
+        trace_id: str | None = None,
+        redact: Callable[[str], str] | None = None,
+    ) -> Measurement:
+        """The one finish sequence: outcome -> usage counts -> tokenizer -> content events.
+
+        `error_type` is what the transport decided (None when the body ended cleanly)."""
+        if self.failed:
+            return bare_record(
+                self.request,
+                status_code=status_code,
+                started_at=started_at,
+                e2e=end - self.start,
+                error_type=error_type,
+                error_message=error_message,
+                ttfb=None if self.first_byte is None else self.first_byte - self.start,
+                trace_id=trace_id,
+            )
+        if error_type is None:
+            error_type, error_message = self.outcome()
+        if error_message is not None and redact is not None:
+            error_message = redact(error_message)
+        counts = self.counts_from_usage()
+        if counts is None and counter is not None and error_type is None:
+            counts = await counter.count(self)
+        if counts is None:
+            counts = self.counts_from_chunks()
+        return self.measurement(
+            end=end,
+            started_at=started_at,
+            status_code=status_code,
+            counts=counts,
+            error_type=error_type,
+            error_message=error_message,
+            trace_id=trace_id,
+        )
 
     def measurement(
         self,
@@ -234,14 +256,10 @@ class StreamObserver:
         error_message: str | None,
         trace_id: str | None = None,
     ) -> Measurement:
-        output = counts.output
-        first, last = self.first_token, self.last_token
-        tpot = tps = None
-        if output is not None and output >= 2 and first is not None and last is not None:
-            span = last - first
-            tpot = span / (output - 1)
-            tps = (output - 1) / span if span > 0 else None
+        tpot, tps = self._decode_speed(counts.output)
+        first = self.first_token
         request = self.request
+        raw = self.finish_reason
         return Measurement(
             endpoint=request.endpoint,
             model=request.model,
@@ -255,11 +273,12 @@ class StreamObserver:
             e2e=end - self.start,
             inter_token_latencies=tuple(self.itl),
             prompt_tokens=counts.prompt,
-            output_tokens=output,
+            output_tokens=counts.output,
             cached_prompt_tokens=counts.cached,
             token_source=counts.source,
             content_events=self.content_events,
-            finish_reason=self.finish_reason or NONE_LABEL,
+            finish_reason=NONE_LABEL if raw is None else self.api.finish_label(raw),
+            raw_finish_reason=raw,
             error_type=error_type,
             error_message=error_message,
             response_id=self.response_id or None,
@@ -269,6 +288,66 @@ class StreamObserver:
             trace_id=trace_id,
         )
 
+    def _decode_speed(self, output: int | None) -> tuple[float | None, float | None]:
+        """(TPOT, decode tokens/s) of the median choice; each choice's share of the output
+        tokens is in proportion to its content events (all of them for one choice)."""
+        if output is None or not self.choices:
+            return None, None
+        total = sum(c.events for c in self.choices.values())
+        speeds: list[tuple[float, float | None]] = []
+        for choice in self.choices.values():
+            tokens = output * choice.events / total
+            if tokens < 2:
+                continue
+            span = choice.last - choice.first
+            speeds.append((span / (tokens - 1), (tokens - 1) / span if span > 0 else None))
+        if not speeds:
+            return None, None
+        speeds.sort(key=lambda s: s[0])
+        return speeds[(len(speeds) - 1) // 2]  # the lower median: always a real choice
+
+
+def bare_record(
+    request: RequestInfo,
+    *,
+    status_code: int,
+    started_at: float,
+    e2e: float,
+    error_type: ErrorType | None,
+    error_message: str | None = None,
+    ttfb: float | None = None,
+    trace_id: str | None = None,
+) -> Measurement:
+    """A record with only what is known without reading the response: for requests refused
+    before going upstream, and for responses whose measuring broke."""
+    return Measurement(
+        endpoint=request.endpoint,
+        model=request.model,
+        stream=request.stream,
+        status_code=status_code,
+        started_at=started_at,
+        ttfb=ttfb,
+        ttft=None,
+        tpot=None,
+        decode_tokens_per_second=None,
+        e2e=e2e,
+        inter_token_latencies=(),
+        prompt_tokens=None,
+        output_tokens=None,
+        cached_prompt_tokens=None,
+        token_source=TokenSource.NONE,
+        content_events=0,
+        finish_reason=NONE_LABEL,
+        error_type=error_type,
+        error_message=error_message,
+        max_tokens=request.max_tokens,
+        temperature=request.temperature,
+        trace_id=trace_id,
+    )
+
 
 def _stream_error_message(error: object) -> str:
     return error_message(orjson.dumps(error if isinstance(error, dict) else {"error": error}))
+
+
+__all__ = ["Counter", "StreamObserver", "TokenCounts", "bare_record"]

@@ -1,8 +1,10 @@
 """create_app(settings) -> the proxy's ASGI app.
 
-Routes: `/v1/...` is forwarded (chat and text completions measured), `/metrics`,
-`/healthz` (the process is up), `/readyz` (the upstream answers). The lifespan owns the
-upstream client, the model-list refresher and the tokenizer.
+Routes: the proxy's own are `/healthz` (the process is up), `/readyz` (the upstream
+answers) and `/metrics` while metrics are served on the proxy's port (vLLM's own
+`/metrics` is then shadowed: scrape vLLM directly). Every other path is forwarded to the
+backend byte for byte; POSTs to a path with an API seam (proxy/core/apis/) are measured.
+The lifespan owns the upstream client, the model-list refresher and the tokenizer.
 """
 
 from __future__ import annotations
@@ -79,10 +81,9 @@ class ProxyApp:
         kind = scope["type"]
         if kind == "http":
             path: str = scope["path"]
-            if path.startswith("/v1/"):
-                assert self.forwarder is not None, "lifespan did not run"
-                await self.forwarder(scope, receive, send)
-            elif path == "/metrics" and self.settings.metrics_port is None:
+            # The proxy's own routes first; everything else belongs to the backend.
+            # (The live view's routes, /ui, go here too.)
+            if path == "/metrics" and self.settings.metrics_port is None:
                 await self.serve_metrics(scope, receive, send)
             elif path == "/healthz":
                 await _json(send, 200, {"status": "ok"})
@@ -92,9 +93,8 @@ class ProxyApp:
                     send, 200 if ready else 503, {"ready": ready, "upstream": self.upstream}
                 )
             else:
-                await _error(
-                    send, 404, "not_found", f"no route {path!r}: tokenprobe forwards /v1/..."
-                )
+                assert self.forwarder is not None, "lifespan did not run"
+                await self.forwarder(scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
 

@@ -1,8 +1,10 @@
 """The hot path: relay one request upstream and its response back, byte for byte.
 
 Each chunk goes to the client first; only then does the observer see it, with the time of
-the network read. Observer failures are caught here, in one place: the stream carries on
-unmeasured and a counter says so. A client that goes away (seen on `receive()`, because a
+the network read. Which requests are measured, and how, is the API seam's business
+(proxy/core/apis): a POST to a path with an Api. Observer failures are caught here, in one
+place: the stream carries on unmeasured, the request still ends in one record (status,
+e2e, the transport's error type) and a counter says so. A client that goes away (seen on `receive()`, because a
 send to a gone client can succeed silently) cancels the upstream request at once, so the
 backend aborts the generation and frees its KV cache.
 """
@@ -16,11 +18,12 @@ from typing import Any
 
 import httpx
 
+from proxy.core.apis import Api, api_for
 from proxy.core.errors import error_body, error_shape
 from proxy.core.labels import route_template
 from proxy.core.measurement import ErrorType
-from proxy.core.observe import StreamObserver, TokenCounts
-from proxy.core.request import MEASURED_ENDPOINTS, RequestInfo, parse_request, with_usage_requested
+from proxy.core.observe import StreamObserver, TokenCounts, bare_record
+from proxy.core.request import RequestInfo, parse_request
 from proxy.core.strip import UsageEventStripper
 from proxy.core.tokens import TokenCounter
 from proxy.server.upstream import body_reader, classify_exception, describe, send_upstream
@@ -110,7 +113,8 @@ class Forwarder:
         start = perf_counter()
         started_at = time()
         path: str = scope["path"]
-        measured = scope["method"] == "POST" and path in MEASURED_ENDPOINTS
+        # The seam decides: a POST to a path that has an Api is measured, the rest is not.
+        api = api_for(path) if scope["method"] == "POST" else None
         try:
             body = await self._read_body(scope, receive)
         except HeadersTooLarge:
@@ -121,7 +125,7 @@ class Forwarder:
                 f"request headers over {self.max_header_bytes} bytes",
                 path,
             )
-            self._count_refusal(path, measured, 431, start, started_at)
+            self._count_refusal(path, api, 431, start, started_at)
             return
         except BodyTooLarge:
             await _send_error(
@@ -131,28 +135,29 @@ class Forwarder:
                 f"request body over {self.max_body_bytes} bytes",
                 path,
             )
-            self._count_refusal(path, measured, 413, start, started_at)
+            self._count_refusal(path, api, 413, start, started_at)
             return
         except TimeoutError:
             await _send_error(
                 send, 408, "request_timeout", "request body not received in time", path
             )
-            self._count_refusal(path, measured, 408, start, started_at)
+            self._count_refusal(path, api, 408, start, started_at)
             return
         except ClientGone:
-            if measured:
-                info, _ = parse_request(path, b"")
+            if api is not None:
+                info, _ = parse_request(api, b"")
                 self.sinks.refused(info, ErrorType.CLIENT_CANCELLED, 0, start, started_at)
             return
 
-        if not measured:
+        if api is None:
             await self._relay(scope, receive, send, body, None, None, start, started_at)
             return
-        info, obj = parse_request(path, body)
+        info, obj = parse_request(api, body)
         stripper = None
         if self.inject_usage and info.stream and not info.usage_requested and obj is not None:
-            body = with_usage_requested(obj)
-            stripper = UsageEventStripper()
+            asked = api.ask_for_usage(obj)
+            if asked is not None:  # the client gets the stream it asked for: strip the extra
+                body, stripper = asked, UsageEventStripper()
         await self._relay(scope, receive, send, body, info, stripper, start, started_at)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
@@ -202,6 +207,7 @@ class Forwarder:
         observer = None
         if info is not None:
             observer = StreamObserver(info, start, collect_text=self.counter is not None)
+        feeding = observer is not None
 
         task = asyncio.current_task()
         assert task is not None
@@ -240,18 +246,20 @@ class Forwarder:
                 out = stripper.feed(chunk) if stripping else chunk  # type: ignore[union-attr]
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
-                if observer is not None:
+                if feeding:
                     try:
-                        observer.feed(chunk, now)
+                        observer.feed(chunk, now)  # type: ignore[union-attr]
                     except Exception:
-                        self._observer_failed()
-                        observer = None
+                        feeding = self._observer_failed(observer)
             if stripping and (rest := stripper.flush()):  # type: ignore[union-attr]
                 await send({"type": "http.response.body", "body": rest, "more_body": True})
             watch.finished = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-            if observer is not None:
-                observer.end_of_stream(perf_counter())
+            if feeding:
+                try:
+                    observer.end_of_stream(perf_counter())  # type: ignore[union-attr]
+                except Exception:
+                    feeding = self._observer_failed(observer)
         except asyncio.CancelledError:
             task.uncancel()
             if watch.gone:
@@ -290,7 +298,8 @@ class Forwarder:
 
         if info is None:
             self.sinks.passthrough(route_template(scope["path"]), status)
-        elif observer is not None:
+        else:
+            assert observer is not None
             await self._finish(
                 rs, observer, status, error, message, end, started_at, scope["headers"]
             )
@@ -308,30 +317,34 @@ class Forwarder:
         started_at: float,
         headers: list[tuple[bytes, bytes]],
     ) -> None:
+        def redact(text: str) -> str:
+            return self._redact(text, headers)
+
         try:
-            if error is None:
-                error, message = observer.outcome()
-            if message is not None:
-                message = self._redact(message, headers)
-            counts = observer.counts_from_usage()
-            if counts is None and self.counter is not None and error is None:
-                counts = await self.counter.count(observer)
-            if counts is None:
-                counts = observer.counts_from_chunks()
-            measurement = observer.measurement(
+            measurement = await observer.finish(
                 end=end,
                 started_at=started_at,
                 status_code=status,
-                counts=counts,
                 error_type=error,
                 error_message=message,
+                counter=self.counter,
                 trace_id=rs.trace_id,
+                redact=redact,
             )
         except Exception:
+            # Still one record (status, e2e, the transport's error type), so the request
+            # is counted and the in-flight gauge comes down.
             log.exception("measuring a request failed")
             self.sinks.failed("finish")
-            self.sinks.end(rs, None)
-            return
+            measurement = bare_record(
+                observer.request,
+                status_code=status,
+                started_at=started_at,
+                e2e=end - observer.start,
+                error_type=error,
+                error_message=None if message is None else redact(message),
+                trace_id=rs.trace_id,
+            )
         self.sinks.end(rs, measurement)
 
     def _redact(self, message: str, headers: list[tuple[bytes, bytes]]) -> str:
@@ -345,15 +358,20 @@ class Forwarder:
                     message = message.replace(token, "[redacted]")
         return message
 
-    def _observer_failed(self) -> None:
+    def _observer_failed(self, observer: StreamObserver | None) -> bool:
+        """The one place observer failures stop: the stream goes on, the record is kept
+        to what is safe, and a counter says so. Returns the new `feeding` flag."""
         log.exception("observer failed; the stream goes on unmeasured")
         self.sinks.failed("observe")
+        if observer is not None:
+            observer.fail()
+        return False
 
     def _count_refusal(
-        self, path: str, measured: bool, status: int, start: float, started_at: float
+        self, path: str, api: Api | None, status: int, start: float, started_at: float
     ) -> None:
-        if measured:
-            info, _ = parse_request(path, b"")
+        if api is not None:
+            info, _ = parse_request(api, b"")
             self.sinks.refused(info, ErrorType.BAD_REQUEST, status, start, started_at)
         else:
             self.sinks.passthrough(route_template(path), status)

@@ -13,7 +13,8 @@ from time import perf_counter
 from typing import Any, Protocol
 
 from proxy.core.labels import ModelLabels
-from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
+from proxy.core.measurement import ErrorType, Measurement
+from proxy.core.observe import bare_record
 from proxy.core.request import RequestInfo
 from proxy.sinks.keys import KeyLabels
 from proxy.sinks.metrics import Metrics
@@ -103,24 +104,11 @@ class Sinks:
         self, info: RequestInfo, error: ErrorType, status: int, start: float, started_at: float
     ) -> None:
         """A measured request that never went upstream (too large, too slow, client gone)."""
-        m = Measurement(
-            endpoint=info.endpoint,
-            model=info.model,
-            stream=info.stream,
+        m = bare_record(
+            info,
             status_code=status,
             started_at=started_at,
-            ttfb=None,
-            ttft=None,
-            tpot=None,
-            decode_tokens_per_second=None,
             e2e=perf_counter() - start,
-            inter_token_latencies=(),
-            prompt_tokens=None,
-            output_tokens=None,
-            cached_prompt_tokens=None,
-            token_source=TokenSource.NONE,
-            content_events=0,
-            finish_reason=NONE_LABEL,
             error_type=error,
         )
         label = self.labels(info.model)

@@ -4,10 +4,11 @@ Keys, in this order, stable (a key without a value is null in JSON, left out in 
 
   ts             when the proxy received the request, ISO-8601 UTC with ms ("...T12:00:00.123Z")
   model          the model the client asked for (first 200 characters)
-  endpoint       /v1/chat/completions or /v1/completions
+  endpoint       the API's label, its canonical path (/v1/chat/completions, /v1/messages, ...)
   status         HTTP status the client got (0: nothing was sent)
   error_type     the proxy's error type (see ErrorType), null on success
-  finish_reason  as the client saw it, null when there was none
+  finish_reason  the closed-set label (stop, length, tool_calls, ...), null when there was none
+  raw_finish_reason  the backend's own value (end_turn, max_output_tokens, ...), null if none
   prompt_tokens, output_tokens, cached_tokens, token_source   counts and where they came from
   ttfb_ms, ttft_ms, tpot_ms, e2e_ms   latencies in milliseconds
   decode_tps     single-stream decode speed, tokens per second
@@ -36,6 +37,7 @@ KEYS = (
     "status",
     "error_type",
     "finish_reason",
+    "raw_finish_reason",
     "prompt_tokens",
     "output_tokens",
     "cached_tokens",
@@ -80,6 +82,7 @@ def record(m: Measurement) -> dict[str, Any]:
         "status": m.status_code,
         "error_type": m.error_type.value if m.error_type is not None else None,
         "finish_reason": None if m.finish_reason == NONE_LABEL else m.finish_reason,
+        "raw_finish_reason": m.raw_finish_reason,
         "prompt_tokens": m.prompt_tokens,
         "output_tokens": m.output_tokens,
         "cached_tokens": m.cached_prompt_tokens,

@@ -3,7 +3,10 @@
 Names mirror vLLM's own metrics with the `tokenprobe_` prefix and use vLLM's bucket
 boundaries, so a dashboard can put client-seen and server-side figures side by side.
 Labels come from closed sets only: the model label is bounded by `ModelLabels`, the
-endpoint is one of two paths, error types and token sources are enums.
+endpoint is one Api's canonical path (proxy/core/apis ENDPOINTS), finish reasons are
+mapped onto FINISH_LABELS by each Api, error types and token sources are enums.
+Non-generative APIs (embeddings, pooling, score, rerank, classify) observe only e2e
+latency, time to first byte, prompt tokens and the request counter.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from proxy.core.apis import FINISH_LABELS
 from proxy.core.buckets import (
     DECODE_SPEED_BUCKETS,
     E2E_BUCKETS,
@@ -54,19 +58,8 @@ def cache_class(prompt_tokens: int | None, cached_tokens: int | None) -> str:
     return "most" if cached_tokens >= CACHE_MOST * prompt_tokens else "part"
 
 
-#: finish_reason values kept as labels; a backend's anything-else becomes "other".
-FINISH_REASONS = frozenset(
-    {
-        "stop",
-        "length",
-        "tool_calls",
-        "function_call",
-        "content_filter",
-        "abort",
-        "error",
-        NONE_LABEL,
-    }
-)
+#: finish_reason label values (each Api maps its raw reasons onto them).
+FINISH_REASONS = FINISH_LABELS
 
 
 class Metrics:
@@ -85,8 +78,10 @@ class Metrics:
         self.ttft = h(
             "tokenprobe_time_to_first_token_seconds",
             "Client-seen time to first token: from the proxy receiving the request to the first "
-            "network read carrying generated content (non-empty content, reasoning or "
-            "tool_calls; not the role-only first chunk). Streaming requests only.",
+            "network read carrying generated content as the API defines it (chat: non-empty "
+            "content, reasoning or tool_calls, not the role-only first chunk; Messages: a "
+            "content_block_delta, not message_start; Responses: an output/reasoning/"
+            "arguments delta, not response.created). Streaming generative requests only.",
             buckets=TTFT_BUCKETS,
         )
         self.ttft_by_prompt = h(
@@ -107,14 +102,15 @@ class Metrics:
         )
         self.itl = h(
             "tokenprobe_inter_token_latency_seconds",
-            "Client-seen gap between consecutive content events of a stream, from the read "
-            "carrying one to the read carrying the next (0 when both came in one read).",
+            "Client-seen gap between consecutive content events of one choice of a stream, "
+            "from the read carrying one to the read carrying the next (0 when both came in "
+            "one read).",
             buckets=TOKEN_LATENCY_BUCKETS,
         )
         self.tpot = h(
             "tokenprobe_request_time_per_output_token_seconds",
             "Per request: (last token time - first token time) / (output tokens - 1); "
-            "requests with at least 2 output tokens.",
+            "requests with at least 2 output tokens; with n > 1 choices, the median choice's.",
             buckets=TOKEN_LATENCY_BUCKETS,
         )
         self.decode_speed = h(
@@ -141,8 +137,10 @@ class Metrics:
         )
         self.requests = c(
             "tokenprobe_requests",
-            "Measured requests finished, by HTTP status the client got, finish_reason as the "
-            "client saw it ('none' if absent) and error type ('none' on success).",
+            "Measured requests finished, by HTTP status the client got, finish_reason mapped "
+            "onto one closed set across APIs (Anthropic max_tokens and Responses "
+            "max_output_tokens are 'length'; 'none' if absent) and error type ('none' on "
+            "success).",
             labels=("code", "finish_reason", "error_type"),
         )
         self.prompt_tokens_total = c(
@@ -175,7 +173,8 @@ class Metrics:
         )
         self.passthrough = Counter(
             "tokenprobe_passthrough_requests",
-            "Requests to unmeasured /v1 paths, by route template and HTTP status.",
+            "Requests forwarded unmeasured (any method and path without an API seam), by "
+            "bounded route template and HTTP status.",
             ("route", "code"),
             registry=registry,
         )

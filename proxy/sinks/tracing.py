@@ -36,18 +36,15 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CollectorRegistry, Counter
 
+from proxy.core.apis import RequestInfo, api_of
 from proxy.core.measurement import NONE_LABEL, Measurement
-from proxy.core.request import CHAT, COMPLETIONS, RequestInfo
+from proxy.core.request import COMPLETIONS
 from proxy.settings import SettingsError
 
 log = logging.getLogger("tokenprobe")
 
 Headers = list[tuple[bytes, bytes]]
 
-#: gen_ai.operation.name per measured endpoint.
-OPERATIONS = {CHAT: "chat", COMPLETIONS: "text_completion"}
-#: vLLM speaks the OpenAI API; the registry's value for that telemetry flavour is "openai".
-PROVIDER = "openai"
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _TRACE_HEADERS = frozenset({b"traceparent", b"tracestate"})
@@ -86,11 +83,14 @@ class Tracing:
         # An explicit empty context: without a client traceparent the span is a root,
         # whatever happens to be current on this task.
         parent = _PROPAGATOR.extract(carrier, context=Context()) if carrier else Context()
-        operation = OPERATIONS.get(info.endpoint, "chat")
+        # gen_ai.operation.name and gen_ai.provider.name come from the request's API
+        # seam: "openai" for the OpenAI shapes, "anthropic" for Messages.
+        api = api_of(info.endpoint)
+        operation = api.operation
         model = info.model[:_MAX_MODEL_CHARS]
         attributes: dict[str, Any] = {
             "gen_ai.operation.name": operation,
-            "gen_ai.provider.name": PROVIDER,
+            "gen_ai.provider.name": api.provider,
             "server.address": self.server_address,
             "server.port": self.server_port,
         }
@@ -166,6 +166,8 @@ def _finish_attributes(m: Measurement) -> dict[str, Any]:
     attributes.update((k, v) for k, v in optional.items() if v is not None)
     if m.finish_reason != NONE_LABEL:
         attributes["gen_ai.response.finish_reasons"] = (m.finish_reason,)
+        if m.raw_finish_reason is not None and m.raw_finish_reason != m.finish_reason:
+            attributes["tokenprobe.raw_finish_reason"] = m.raw_finish_reason
     elif m.error_type is not None:
         # The conventions: a finish reason expected but not received is reported as "error".
         attributes["gen_ai.response.finish_reasons"] = ("error",)

@@ -1,0 +1,56 @@
+"""The per-API seams and their registry: adding an API is one module and one line here.
+
+`api_for(path)` answers for a normalised request path (no query); the relay measures a
+POST whose path has an Api and forwards everything else unmeasured. `ENDPOINTS` is the
+closed set of `endpoint` label values (each Api's canonical path).
+"""
+
+from __future__ import annotations
+
+from proxy.core.apis.base import FINISH_LABELS, Api, Facts, RequestInfo, TokenCounts
+from proxy.core.apis.chat import Chat
+from proxy.core.apis.completions import Completions
+from proxy.core.apis.messages import Messages
+from proxy.core.apis.pooling import Classify, Embeddings, Pooling, Rerank, Score
+from proxy.core.apis.responses import Responses
+
+#: Every measured API, one line each.
+APIS: tuple[Api, ...] = (
+    Chat(),
+    Completions(),
+    Messages(),
+    Responses(),
+    Embeddings(),
+    Pooling(),
+    Score(),
+    Rerank(),
+    Classify(),
+)
+
+_BY_PATH = {path: api for api in APIS for path in api.paths}
+_BY_ENDPOINT = {api.endpoint: api for api in APIS}
+#: The closed set of `endpoint` label values.
+ENDPOINTS = frozenset(_BY_ENDPOINT)
+
+
+def api_for(path: str) -> Api | None:
+    """The Api serving this normalised path, or None (forwarded unmeasured)."""
+    return _BY_PATH.get(path)
+
+
+def api_of(endpoint: str) -> Api:
+    """The Api behind an endpoint label (RequestInfo.endpoint, Measurement.endpoint)."""
+    return _BY_ENDPOINT[endpoint]
+
+
+__all__ = [
+    "APIS",
+    "ENDPOINTS",
+    "FINISH_LABELS",
+    "Api",
+    "Facts",
+    "RequestInfo",
+    "TokenCounts",
+    "api_for",
+    "api_of",
+]

@@ -1,0 +1,189 @@
+"""What every API seam provides, and the small records that cross the seam.
+
+An `Api` is one object per wire format (chat completions, Anthropic Messages, ...). The
+relay asks it whether and how to change the request (usage injection), the observer hands
+it each streamed event and each non-streaming body and gets back `Facts`: plain data, no
+API knowledge left on the other side. Subclasses override only what differs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from proxy.core.measurement import NONE_LABEL, TokenSource
+
+#: The closed finish_reason label set. Raw backend values are mapped onto it by each Api
+#: and kept as they came in `Measurement.raw_finish_reason` (logs and spans).
+FINISH_LABELS = frozenset(
+    {
+        "stop",
+        "length",
+        "tool_calls",
+        "function_call",
+        "content_filter",
+        "abort",
+        "error",
+        "other",
+        NONE_LABEL,
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """What the proxy needs to know about a client's request, read once from its body."""
+
+    endpoint: str  # the Api's label (its canonical path)
+    model: str  # "" when absent or not a string
+    stream: bool
+    usage_requested: bool  # the client itself asked for streamed usage (or the API always sends it)
+    max_tokens: int | None
+    temperature: float | None
+    prompt: Any = None  # what a tokenizer would count as the prompt (messages, prompt, input)
+    valid_json: bool = True
+
+
+@dataclass(slots=True)
+class TokenCounts:
+    prompt: int | None
+    output: int | None
+    cached: int | None
+    source: TokenSource
+
+
+@dataclass(slots=True)
+class Facts:
+    """What one event (or one non-streaming body) says. Every field is optional.
+
+    content   the kind of generated content it carries ("text", "reasoning", "tool"),
+              None when it carries none (role-only chunks, start events, pings)
+    choices   the choice indices the content belongs to (n > 1 chat/completions)
+    texts     the generated text pieces, only when the observer collects them
+    finish    the raw finish/stop reason, as the backend wrote it
+    usage     the usage object as sent
+    error     an in-stream error object (or the error event itself)
+    end       the event ends the stream cleanly ([DONE], message_stop, response.completed)
+
+    An Api may answer with a shared instance (NOTHING, or a common content event): a
+    Facts is read, never changed, by whoever did not create it.
+    """
+
+    content: str | None = None
+    choices: tuple[int, ...] = (0,)
+    texts: list[str] | None = None
+    finish: str | None = None
+    usage: dict[str, Any] | None = None
+    error: object = None
+    end: bool = False
+    response_id: str | None = None
+    response_model: str | None = None
+    malformed: bool = False
+    plain: bool = False  # content of choice 0 and nothing else: the observer's fast path
+
+
+#: Shared "nothing here" answer: never mutated, so one instance serves every event.
+NOTHING = Facts()
+MALFORMED = Facts(malformed=True)
+END = Facts(end=True)
+
+
+class Api:
+    """The base seam. Class attributes name the API; methods read its wire format."""
+
+    #: Label value of the `endpoint` metric label: the canonical path.
+    endpoint: ClassVar[str] = ""
+    #: Every path served by this API (normalised, no query), the label's path first.
+    paths: ClassVar[tuple[str, ...]] = ()
+    #: Whether the API generates tokens (TTFT, TPOT, output tokens make sense).
+    generative: ClassVar[bool] = True
+    #: GenAI semantic conventions: gen_ai.operation.name and gen_ai.provider.name.
+    operation: ClassVar[str] = "chat"
+    provider: ClassVar[str] = "openai"
+    #: What is missing when a stream ends without its clean end (for the error message).
+    end_marker: ClassVar[str] = "its end event"
+    #: A finish reason alone ends a stream cleanly (OpenAI streams may omit [DONE]).
+    finish_ends_stream: ClassVar[bool] = False
+    #: What the README says is measured, and the instants used (kept in sync by a test).
+    measures: ClassVar[str] = ""
+
+    # -- the request ------------------------------------------------------------------
+
+    def read_request(self, obj: dict[str, Any]) -> RequestInfo:
+        model = obj.get("model")
+        temperature = obj.get("temperature")
+        max_tokens = self.max_tokens(obj)
+        return RequestInfo(
+            endpoint=self.endpoint,
+            model=model if isinstance(model, str) else "",
+            stream=obj.get("stream") is True,
+            usage_requested=self.usage_requested(obj),
+            max_tokens=max_tokens if type(max_tokens) is int else None,
+            temperature=float(temperature)
+            if isinstance(temperature, int | float) and not isinstance(temperature, bool)
+            else None,
+            prompt=self.prompt(obj),
+        )
+
+    def max_tokens(self, obj: dict[str, Any]) -> object:
+        return obj.get("max_tokens")
+
+    def prompt(self, obj: dict[str, Any]) -> Any:
+        return obj.get("input")
+
+    def usage_requested(self, obj: dict[str, Any]) -> bool:
+        """True when the backend will send usage without the proxy asking for it."""
+        return True
+
+    def ask_for_usage(self, obj: dict[str, Any]) -> bytes | None:
+        """The request body re-encoded to ask the backend for usage, or None when this API
+        has no way to (or no need). The relay then strips what the client did not ask for."""
+        return None
+
+    # -- the response -----------------------------------------------------------------
+
+    def event(self, payload: bytes, collect: bool, identify: bool) -> Facts:
+        """Facts from one SSE `data` payload. `collect`: keep the generated text pieces
+        (for a tokenizer); `identify`: read the response id and model (until one is seen)."""
+        return NOTHING
+
+    def body(self, obj: dict[str, Any], collect: bool) -> Facts:
+        """Facts from a non-streaming success body (already parsed)."""
+        usage = obj.get("usage")
+        return Facts(usage=usage if type(usage) is dict else None, **identity(obj))
+
+    def finish_label(self, raw: str) -> str:
+        """The closed-set label for a raw finish/stop reason."""
+        return raw if raw in FINISH_LABELS else "other"
+
+    def merge_usage(self, old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+        """Usage seen twice in one stream: the later one wins unless an API says otherwise."""
+        return new
+
+    def counts(self, usage: dict[str, Any]) -> TokenCounts | None:
+        """Token counts from a usage object (OpenAI shape), None when it has none."""
+        output = usage.get("completion_tokens")
+        if type(output) is not int:
+            return None
+        prompt = usage.get("prompt_tokens")
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if type(details) is dict else None
+        return TokenCounts(
+            prompt=prompt if type(prompt) is int else None,
+            output=output,
+            cached=cached if type(cached) is int else None,
+            source=TokenSource.USAGE,
+        )
+
+
+def identity(obj: dict[str, Any]) -> dict[str, Any]:
+    """response_id ("" when absent, so it is looked for only once) and response_model."""
+    rid, model = obj.get("id"), obj.get("model")
+    return {
+        "response_id": rid if type(rid) is str else "",
+        "response_model": model if type(model) is str else None,
+    }
+
+
+def as_int(value: object) -> int | None:
+    return value if type(value) is int else None

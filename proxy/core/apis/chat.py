@@ -1,0 +1,191 @@
+"""OpenAI chat completions, `POST /v1/chat/completions`, as vLLM serves it.
+
+Wire facts (vllm-project/vllm: vllm/entrypoints/openai/chat_completion/serving.py and
+protocol.py): the first streamed chunk carries `delta: {role: "assistant", content: ""}`
+and is not a token; generated content arrives in `delta.content`, `delta.reasoning`
+(`reasoning_content` in older releases) or `delta.tool_calls`; with n > 1 each chunk
+carries one choice with its `index`; usage is streamed only when
+`stream_options.include_usage` is set, as a last chunk with `choices: []`; an error after
+the 200 is `data: {"error": {...}}` followed by `data: [DONE]`.
+
+The proxy may ask for usage itself (`stream_options.include_usage`) when the client did
+not, and the relay then removes that usage-only chunk (proxy/core/strip.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import orjson
+
+from proxy.core.apis.base import END, MALFORMED, NOTHING, Api, Facts, identity
+
+_DELTA_KEYS = (
+    ("content", "text"),
+    ("reasoning_content", "reasoning"),
+    ("reasoning", "reasoning"),
+    ("tool_calls", "tool"),
+)
+
+
+_FIRST = (0,)
+#: Shared answers for the common event: one choice (index 0) with content, nothing else.
+_CONTENT = {name: Facts(content=name, plain=True) for name in ("text", "reasoning", "tool")}
+
+
+class OpenAIGeneration(Api):
+    """What chat and text completions share: the `choices` stream, usage, [DONE]."""
+
+    finish_ends_stream: ClassVar[bool] = True
+    end_marker: ClassVar[str] = "[DONE] or finish_reason"
+
+    def usage_requested(self, obj: dict[str, Any]) -> bool:
+        options = obj.get("stream_options")
+        return isinstance(options, dict) and options.get("include_usage") is True
+
+    def max_tokens(self, obj: dict[str, Any]) -> object:
+        return obj.get("max_completion_tokens", obj.get("max_tokens"))
+
+    def ask_for_usage(self, obj: dict[str, Any]) -> bytes | None:
+        """The body re-encoded with `stream_options.include_usage: true`."""
+        options = obj.get("stream_options")
+        merged = dict(options) if isinstance(options, dict) else {}
+        merged["include_usage"] = True
+        return orjson.dumps({**obj, "stream_options": merged})
+
+    def event(self, payload: bytes, collect: bool, identify: bool) -> Facts:
+        # The hot path of the hot API: most events are one choice with one piece of
+        # content and nothing else, and get a shared, never-mutated answer.
+        if payload == b"[DONE]":
+            return END
+        try:
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return MALFORMED
+        if type(obj) is not dict:
+            return MALFORMED
+        kind: str | None = None
+        finish: Any = None
+        texts: list[str] | None = [] if collect else None
+        indices: tuple[int, ...] = _FIRST
+        choices = obj.get("choices")
+        if choices and type(choices) is list:
+            if len(choices) == 1:  # vLLM sends one choice per chunk, even with n > 1
+                choice = choices[0]
+                if type(choice) is dict:
+                    kind = self._content(choice, texts)
+                    if kind is not None:
+                        index = choice.get("index", 0)
+                        if index != 0 and type(index) is int:
+                            indices = (index,)
+                    finish = choice.get("finish_reason")
+            else:
+                kind, indices, finish = self._choices(choices, texts)
+            if finish is not None and (not finish or type(finish) is not str):
+                finish = None
+        usage = obj.get("usage")
+        if not usage or type(usage) is not dict:
+            usage = None
+        error = obj.get("error")
+        if (
+            usage is None
+            and finish is None
+            and error is None
+            and indices is _FIRST
+            and not identify
+            and not texts
+        ):
+            return NOTHING if kind is None else _CONTENT[kind]
+        facts = Facts(**identity(obj)) if identify else Facts()
+        facts.content, facts.choices, facts.finish = kind, indices, finish
+        facts.texts, facts.usage, facts.error = texts or None, usage, error
+        return facts
+
+    def _choices(
+        self, choices: list[Any], texts: list[str] | None
+    ) -> tuple[str | None, tuple[int, ...], Any]:
+        """(content kind, indices of the choices with content, finish reason) of an event
+        that carries several choices."""
+        kind = finish = None
+        content_at: list[int] = []
+        for choice in choices:
+            if type(choice) is not dict:
+                continue
+            found = self._content(choice, texts)
+            if found is not None:
+                kind = found
+                index = choice.get("index", 0)
+                content_at.append(index if type(index) is int else 0)
+            reason = choice.get("finish_reason")
+            if reason and type(reason) is str:
+                finish = reason
+        return kind, tuple(content_at) if content_at else _FIRST, finish
+
+    def _content(self, choice: dict[str, Any], texts: list[str] | None) -> str | None:
+        """The kind of content this choice carries (None: none), its text kept in `texts`."""
+        raise NotImplementedError
+
+    def body(self, obj: dict[str, Any], collect: bool) -> Facts:
+        facts = super().body(obj, collect)
+        choices = obj.get("choices")
+        if type(choices) is list:
+            for choice in choices:
+                if type(choice) is not dict:
+                    continue
+                reason = choice.get("finish_reason")
+                if reason and type(reason) is str:
+                    facts.finish = reason
+                if collect:
+                    message = choice.get("message")
+                    text = message.get("content") if type(message) is dict else choice.get("text")
+                    if type(text) is str:
+                        keep(facts, text)
+        return facts
+
+
+class Chat(OpenAIGeneration):
+    endpoint = "/v1/chat/completions"
+    paths = ("/v1/chat/completions",)
+    operation = "chat"
+    measures = (
+        "TTFT at the first chunk with non-empty delta content, reasoning or tool_calls "
+        "(not the role-only first chunk); TPOT, ITL, decode speed, tokens from usage "
+        "(asked for when the client did not), finish_reason, in-stream errors"
+    )
+
+    def prompt(self, obj: dict[str, Any]) -> Any:
+        return obj.get("messages")
+
+    def _content(self, choice: dict[str, Any], texts: list[str] | None) -> str | None:
+        delta = choice.get("delta")
+        if not delta or type(delta) is not dict:
+            return None
+        if texts is None and delta.get("content"):
+            return "text"  # what the kind is matters, not which others came with it
+        kind = None
+        for key, name in _DELTA_KEYS:
+            value = delta.get(key)
+            if value:
+                kind = name
+                if texts is not None:
+                    add_texts(texts, value)
+        return kind
+
+
+def keep(facts: Facts, value: object) -> None:
+    """Keep generated text on `facts`, for a tokenizer to count."""
+    if facts.texts is None:
+        facts.texts = []
+    add_texts(facts.texts, value)
+
+
+def add_texts(texts: list[str], value: object) -> None:
+    if type(value) is str:
+        texts.append(value)
+    elif type(value) is list:  # tool_calls: count the function names and arguments
+        for call in value:
+            function = call.get("function") if type(call) is dict else None
+            if type(function) is dict:
+                texts.extend(
+                    v for v in (function.get("name"), function.get("arguments")) if type(v) is str
+                )

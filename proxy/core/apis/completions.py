@@ -1,0 +1,32 @@
+"""OpenAI text completions, `POST /v1/completions`, as vLLM serves it.
+
+The same stream as chat (proxy/core/apis/chat.py) with the generated text in
+`choices[i].text` (vllm-project/vllm: vllm/entrypoints/openai/completion/serving.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from proxy.core.apis.chat import OpenAIGeneration, add_texts
+
+
+class Completions(OpenAIGeneration):
+    endpoint = "/v1/completions"
+    paths = ("/v1/completions",)
+    operation = "text_completion"
+    measures = (
+        "TTFT at the first chunk with non-empty choices[].text; TPOT, ITL, decode speed, "
+        "tokens from usage (asked for when the client did not), finish_reason, in-stream errors"
+    )
+
+    def prompt(self, obj: dict[str, Any]) -> Any:
+        return obj.get("prompt")
+
+    def _content(self, choice: dict[str, Any], texts: list[str] | None) -> str | None:
+        text = choice.get("text")
+        if not text:
+            return None
+        if texts is not None:
+            add_texts(texts, text)
+        return "text"

@@ -1,0 +1,134 @@
+"""Anthropic Messages, `POST /v1/messages`, as vLLM serves it (and Anthropic defines it).
+
+Wire facts (vllm-project/vllm: vllm/entrypoints/anthropic/serving.py, protocol.py): each
+event is `event: <type>` plus `data: {"type": "<type>", ...}`, so the `type` inside the
+data is enough. The order is `message_start` (message.id, model, usage.input_tokens,
+output_tokens 0), per block `content_block_start`, `content_block_delta`s,
+`content_block_stop`, then `message_delta` (delta.stop_reason, usage.output_tokens),
+`message_stop`; Anthropic also sends `ping`. Deltas carry `text_delta.text`,
+`thinking_delta.thinking`, `input_json_delta.partial_json` or `signature_delta` (not
+content). An error inside the stream is `{"type": "error", "error": {"type", "message"}}`.
+vLLM maps its finish reasons stop/length/tool_calls to end_turn/max_tokens/tool_use.
+Usage: Anthropic's `input_tokens` excludes cache reads and cache writes
+(`cache_read_input_tokens`, `cache_creation_input_tokens`); the prompt is their sum.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from proxy.core.apis.base import MALFORMED, NOTHING, Api, Facts, TokenCounts, as_int, identity
+from proxy.core.apis.chat import keep
+from proxy.core.measurement import TokenSource
+
+#: stop_reason -> finish_reason label (anything else: "other").
+STOP_REASONS = {
+    "end_turn": "stop",
+    "stop_sequence": "stop",
+    "max_tokens": "length",
+    "tool_use": "tool_calls",
+    "refusal": "content_filter",
+}
+_DELTA_CONTENT = {"text_delta": ("text", "text"), "thinking_delta": ("thinking", "reasoning"),
+                  "input_json_delta": ("partial_json", "tool")}  # fmt: skip
+
+
+class Messages(Api):
+    endpoint = "/v1/messages"
+    paths = ("/v1/messages",)
+    operation = "chat"
+    provider = "anthropic"
+    end_marker = "message_stop"
+    measures = (
+        "TTFT at the first content_block_delta with non-empty text, thinking or "
+        "partial_json (not message_start, content_block_start or ping); TPOT, ITL, decode "
+        "speed; tokens from message_start and message_delta usage (cache reads as cached); "
+        "stop_reason; error events; a clean end at message_stop"
+    )
+
+    def prompt(self, obj: dict[str, Any]) -> Any:
+        messages = obj.get("messages")
+        system = obj.get("system")
+        if isinstance(system, str) and isinstance(messages, list):
+            return [{"role": "system", "content": system}, *messages]
+        return messages
+
+    def event(self, payload: bytes, collect: bool, identify: bool) -> Facts:
+        try:
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return MALFORMED
+        if type(obj) is not dict:
+            return MALFORMED
+        kind = obj.get("type")
+        if kind == "content_block_delta":
+            delta = obj.get("delta")
+            if type(delta) is not dict:
+                return NOTHING
+            field = _DELTA_CONTENT.get(delta.get("type"))  # type: ignore[arg-type]
+            if field is None:
+                return NOTHING
+            value = delta.get(field[0])
+            if not value or type(value) is not str:
+                return NOTHING
+            facts = Facts(content=field[1])
+            if collect:
+                keep(facts, value)
+            return facts
+        if kind == "message_start":
+            message = obj.get("message")
+            if type(message) is not dict:
+                return NOTHING
+            usage = message.get("usage")
+            if type(usage) is dict:
+                # Its output_tokens is a placeholder (vLLM sends 0): only message_delta's
+                # counts the output, so a stream cut before it falls back to other counts.
+                usage = {k: v for k, v in usage.items() if k != "output_tokens"}
+            return Facts(usage=usage if type(usage) is dict else None, **identity(message))
+        if kind == "message_delta":
+            delta, usage = obj.get("delta"), obj.get("usage")
+            reason = delta.get("stop_reason") if type(delta) is dict else None
+            return Facts(
+                finish=reason if type(reason) is str else None,
+                usage=usage if type(usage) is dict else None,
+            )
+        if kind == "message_stop":
+            return Facts(end=True)
+        if kind == "error":
+            return Facts(error=obj)
+        return NOTHING  # ping, content_block_start/stop, future events
+
+    def body(self, obj: dict[str, Any], collect: bool) -> Facts:
+        facts = super().body(obj, collect)
+        reason = obj.get("stop_reason")
+        if type(reason) is str:
+            facts.finish = reason
+        content = obj.get("content")
+        if collect and type(content) is list:
+            for block in content:
+                if type(block) is dict:
+                    text = block.get("text", block.get("thinking"))
+                    if type(text) is str:
+                        keep(facts, text)
+        return facts
+
+    def finish_label(self, raw: str) -> str:
+        return STOP_REASONS.get(raw, "other")
+
+    def merge_usage(self, old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+        # message_start has the input side, message_delta the (cumulative) output side.
+        return {**old, **new}
+
+    def counts(self, usage: dict[str, Any]) -> TokenCounts | None:
+        output = as_int(usage.get("output_tokens"))
+        if output is None:
+            return None
+        parts = [as_int(usage.get(k)) for k in _PROMPT_PARTS]
+        read = parts[1]
+        prompt = None if parts[0] is None else sum(p or 0 for p in parts)
+        return TokenCounts(prompt=prompt, output=output, cached=read, source=TokenSource.USAGE)
+
+
+_PROMPT_PARTS = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")

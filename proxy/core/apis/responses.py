@@ -1,0 +1,136 @@
+"""OpenAI Responses, `POST /v1/responses`, as vLLM serves it.
+
+Wire facts (vllm-project/vllm: vllm/entrypoints/openai/responses/serving.py,
+simple_streaming_events.py, streaming_events.py; types from openai/openai-python
+src/openai/types/responses/): each event is `event: <type>` plus `data: {"type": ...}`.
+A stream opens with `response.created` and `response.in_progress` (the response object
+with id and model), then per output item `response.output_item.added`,
+`response.content_part.added`, deltas, and the matching `.done` events. Generated content
+is the `delta` string of `response.output_text.delta`, `response.reasoning_text.delta`,
+`response.reasoning_summary_text.delta` or `response.function_call_arguments.delta`.
+The stream ends with `response.completed` or `response.incomplete` (the response object
+with `status`, `incomplete_details.reason` and `usage`: input_tokens, output_tokens,
+input_tokens_details.cached_tokens) or `response.failed` (`response.error`); an `error`
+event carries code and message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from proxy.core.apis.base import MALFORMED, NOTHING, Api, Facts, TokenCounts, as_int, identity
+from proxy.core.apis.chat import keep
+from proxy.core.measurement import TokenSource
+
+_DELTAS = {
+    "response.output_text.delta": "text",
+    "response.reasoning_text.delta": "reasoning",
+    "response.reasoning_summary_text.delta": "reasoning",
+    "response.function_call_arguments.delta": "tool",
+}
+_IDENTIFYING = frozenset({"response.created", "response.in_progress"})
+_ENDS = frozenset({"response.completed", "response.incomplete"})
+#: status, or incomplete_details.reason -> finish_reason label (anything else: "other").
+FINISH = {
+    "completed": "stop",
+    "max_output_tokens": "length",
+    "content_filter": "content_filter",
+    "failed": "error",
+    "cancelled": "abort",
+}
+
+
+class Responses(Api):
+    endpoint = "/v1/responses"
+    paths = ("/v1/responses",)
+    operation = "chat"
+    end_marker = "response.completed or response.incomplete"
+    measures = (
+        "TTFT at the first non-empty output_text, reasoning_text, reasoning_summary_text "
+        "or function_call_arguments delta (not response.created, in_progress or "
+        "output_item.added); TPOT, ITL, decode speed; tokens and status from "
+        "response.completed / response.incomplete; response.failed and error events"
+    )
+
+    def max_tokens(self, obj: dict[str, Any]) -> object:
+        return obj.get("max_output_tokens")
+
+    def event(self, payload: bytes, collect: bool, identify: bool) -> Facts:
+        try:
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return MALFORMED
+        if type(obj) is not dict:
+            return MALFORMED
+        kind = obj.get("type")
+        content = _DELTAS.get(kind)  # type: ignore[arg-type]
+        if content is not None:
+            delta = obj.get("delta")
+            if not delta or type(delta) is not str:
+                return NOTHING
+            facts = Facts(content=content)
+            if collect:
+                keep(facts, delta)
+            return facts
+        if kind in _IDENTIFYING:
+            response = obj.get("response")
+            return Facts(**identity(response)) if identify and type(response) is dict else NOTHING
+        if kind in _ENDS:
+            response = obj.get("response")
+            facts = self.body(response, collect=False) if type(response) is dict else Facts()
+            facts.end = True
+            return facts
+        if kind == "response.failed":
+            response = obj.get("response")
+            error = response.get("error") if type(response) is dict else None
+            return Facts(error=error or obj, finish="failed")
+        if kind == "error":
+            return Facts(error=obj)
+        return NOTHING
+
+    def body(self, obj: dict[str, Any], collect: bool) -> Facts:
+        facts = super().body(obj, collect)
+        status = obj.get("status")
+        details = obj.get("incomplete_details")
+        reason = details.get("reason") if type(details) is dict else None
+        if type(reason) is str:
+            facts.finish = reason
+        elif type(status) is str:
+            facts.finish = status
+        if collect:
+            text = obj.get("output_text")  # the SDK's convenience field, when present
+            if type(text) is str:
+                keep(facts, text)
+            else:
+                _output_texts(obj.get("output"), facts)
+        return facts
+
+    def finish_label(self, raw: str) -> str:
+        return FINISH.get(raw, "other")
+
+    def counts(self, usage: dict[str, Any]) -> TokenCounts | None:
+        output = as_int(usage.get("output_tokens"))
+        if output is None:
+            return None
+        details = usage.get("input_tokens_details")
+        cached = as_int(details.get("cached_tokens")) if type(details) is dict else None
+        return TokenCounts(
+            prompt=as_int(usage.get("input_tokens")),
+            output=output,
+            cached=cached,
+            source=TokenSource.USAGE,
+        )
+
+
+def _output_texts(output: object, facts: Facts) -> None:
+    if type(output) is not list:
+        return
+    for item in output:
+        parts = item.get("content") if type(item) is dict else None
+        if type(parts) is list:
+            for part in parts:
+                text = part.get("text") if type(part) is dict else None
+                if type(text) is str:
+                    keep(facts, text)

@@ -1,0 +1,221 @@
+"""Every API end to end: the official clients, unmodified, through the proxy.
+
+Messages and Responses streams come from recorded vLLM streams replayed with programmed
+timing (tests/vllm_routes.py); embeddings from the simulator. Each test checks what the
+client got (bytes identical to what the backend sent) and what the proxy measured (TTFT
+within the programmed bounds, tokens equal to the backend's usage, the finish label).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Iterator
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from proxy.core.measurement import ErrorType, Measurement
+from tests.conftest import MODEL, ProxyUnderTest, Running
+from tests.servers import ThreadedServer
+from tests.vllm_routes import UTILITY, VllmRoutes
+
+TTFT, GAP = 0.3, 0.02
+# The opening events go out with the headers; the first content comes TTFT later. Under a
+# loaded machine the proxy may add a little; it can never take away.
+TTFT_SLACK = 0.25
+
+
+@pytest.fixture
+def backend() -> Iterator[tuple[VllmRoutes, ThreadedServer]]:
+    app = VllmRoutes(ttft=TTFT, gap=GAP)
+    server = ThreadedServer(app).start()
+    yield app, server
+    server.stop()
+
+
+@pytest.fixture
+def via(
+    backend: tuple[VllmRoutes, ThreadedServer], start_proxy: Callable[..., ProxyUnderTest]
+) -> ProxyUnderTest:
+    return start_proxy(backend[1].url, model_allowlist=(MODEL, "m"))
+
+
+def wait_records(proxy: ProxyUnderTest, n: int) -> list[Measurement]:
+    deadline = time.monotonic() + 5
+    while len(proxy.records) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(proxy.records) == n
+    return proxy.records
+
+
+def requests_total(proxy: ProxyUnderTest, endpoint: str, **labels: str) -> float:
+    return sum(
+        sample.value
+        for metric in proxy.registry.collect()
+        if metric.name == "tokenprobe_requests"
+        for sample in metric.samples
+        if sample.name == "tokenprobe_requests_total"
+        and sample.labels["endpoint"] == endpoint
+        and all(sample.labels[k] == v for k, v in labels.items())
+    )
+
+
+# -- Anthropic Messages ------------------------------------------------------------------
+
+
+def anthropic_client(proxy: ProxyUnderTest) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=proxy.url, api_key="sk-test", max_retries=0)
+
+
+def test_anthropic_sdk_messages_stream_is_measured(via: ProxyUnderTest) -> None:
+    client = anthropic_client(via)
+    with client.messages.stream(
+        model="m", max_tokens=64, messages=[{"role": "user", "content": "Hi"}]
+    ) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == "Hello there!" and final.stop_reason == "end_turn"
+    (m,) = wait_records(via, 1)
+    assert m.endpoint == "/v1/messages" and m.ok and m.stream
+    assert m.ttft is not None and TTFT <= m.ttft < TTFT + TTFT_SLACK
+    assert (m.prompt_tokens, m.output_tokens) == (12, 5)  # the stream's own usage
+    assert (m.finish_reason, m.raw_finish_reason) == ("stop", "end_turn")
+    assert requests_total(via, "/v1/messages", finish_reason="stop", error_type="none") == 1
+
+
+def test_anthropic_sdk_messages_create_is_measured(via: ProxyUnderTest) -> None:
+    message = anthropic_client(via).messages.create(
+        model="m", max_tokens=3, messages=[{"role": "user", "content": "Hi"}]
+    )
+    assert message.stop_reason == "max_tokens"
+    (m,) = wait_records(via, 1)
+    assert (m.endpoint, m.stream, m.ok) == ("/v1/messages", False, True)
+    assert (m.prompt_tokens, m.output_tokens, m.finish_reason) == (12, 3, "length")
+
+
+def test_messages_stream_bytes_reach_the_client_unchanged(
+    via: ProxyUnderTest, backend: tuple[VllmRoutes, ThreadedServer]
+) -> None:
+    body = {"model": "m", "max_tokens": 64, "stream": True, "messages": []}
+    received = httpx.post(via.url + "/v1/messages", json=body).content
+    wait_records(via, 1)
+    assert hashlib.sha256(received).digest() == hashlib.sha256(backend[0].sent[-1]).digest()
+
+
+def test_messages_error_classes_are_counted(via: ProxyUnderTest) -> None:
+    client = anthropic_client(via)
+    with pytest.raises(anthropic.RateLimitError):
+        client.messages.create(
+            model="m",
+            max_tokens=8,
+            messages=[{"role": "user", "content": "Hi"}],
+            extra_headers={"x-status": "429"},
+        )
+    # An `error` event inside the 200 stream (read to its end: the SDK would raise on it
+    # and hang up first, which is then counted as the client's cancel).
+    body = {"model": "m", "max_tokens": 8, "stream": True, "messages": []}
+    reply = httpx.post(
+        via.url + "/v1/messages", json=body, headers={"x-stream": "vllm_messages_error.sse"}
+    )
+    assert b"event: error" in reply.content
+    wait_records(via, 2)
+    assert requests_total(via, "/v1/messages", error_type="rate_limit", code="429") == 1
+    assert requests_total(via, "/v1/messages", error_type="stream_error", code="200") == 1
+
+
+# -- OpenAI Responses --------------------------------------------------------------------
+
+
+def openai_client(proxy: ProxyUnderTest) -> openai.OpenAI:
+    return openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-test", max_retries=0)
+
+
+def test_openai_sdk_responses_stream_is_measured(via: ProxyUnderTest) -> None:
+    stream = openai_client(via).responses.create(model="m", input="Hi", stream=True)
+    kinds = [event.type for event in stream]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    (m,) = wait_records(via, 1)
+    assert m.endpoint == "/v1/responses" and m.ok
+    assert m.ttft is not None and TTFT <= m.ttft < TTFT + TTFT_SLACK
+    assert (m.prompt_tokens, m.output_tokens, m.cached_prompt_tokens) == (12, 3, 8)
+    assert (m.finish_reason, m.raw_finish_reason) == ("stop", "completed")
+
+
+def test_openai_sdk_responses_create_is_measured(via: ProxyUnderTest) -> None:
+    response = openai_client(via).responses.create(model="m", input="Hi")
+    assert response.status == "incomplete"
+    (m,) = wait_records(via, 1)
+    assert (m.endpoint, m.stream, m.ok) == ("/v1/responses", False, True)
+    assert (m.prompt_tokens, m.output_tokens) == (12, 3)
+    assert (m.finish_reason, m.raw_finish_reason) == ("length", "max_output_tokens")
+    assert requests_total(via, "/v1/responses", finish_reason="length") == 1
+
+
+def test_responses_stream_bytes_reach_the_client_unchanged(
+    via: ProxyUnderTest, backend: tuple[VllmRoutes, ThreadedServer]
+) -> None:
+    body = {"model": "m", "input": "Hi", "stream": True}
+    received = httpx.post(via.url + "/v1/responses", json=body).content
+    wait_records(via, 1)
+    assert hashlib.sha256(received).digest() == hashlib.sha256(backend[0].sent[-1]).digest()
+
+
+def test_responses_error_status_is_counted(via: ProxyUnderTest) -> None:
+    with pytest.raises(openai.RateLimitError):
+        openai_client(via).responses.create(
+            model="m", input="Hi", extra_headers={"x-status": "429"}
+        )
+    (m,) = wait_records(via, 1)
+    assert (m.endpoint, m.error_type) == ("/v1/responses", ErrorType.RATE_LIMIT)
+
+
+# -- embeddings (the simulator) ----------------------------------------------------------
+
+
+def test_openai_sdk_embeddings_are_measured(sim: Running, proxy: ProxyUnderTest) -> None:
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-test", max_retries=0)
+    result = client.embeddings.create(model=MODEL, input=["hello there", "hi"])
+    (m,) = wait_records(proxy, 1)
+    assert (m.endpoint, m.ok, m.stream) == ("/v1/embeddings", True, False)
+    assert m.prompt_tokens == result.usage.prompt_tokens > 0
+    assert (m.output_tokens, m.ttft, m.finish_reason) == (None, None, "none")
+    labels = {"model": MODEL, "endpoint": "/v1/embeddings"}
+    assert proxy.sample("tokenprobe_e2e_request_latency_seconds_count", **labels) == 1
+    assert proxy.sample("tokenprobe_requests_in_flight", **labels) == 0
+
+
+# -- routes forwarded unmeasured ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(("method", "path"), sorted(UTILITY))
+def test_backend_routes_answer_exactly_what_the_backend_answers(
+    via: ProxyUnderTest, backend: tuple[VllmRoutes, ThreadedServer], method: str, path: str
+) -> None:
+    body = b'{"model":"m","prompt":"Hello there!","tokens":[1,2]}' if method == "POST" else None
+    direct = httpx.request(method, backend[1].url + path, content=body)
+    proxied = httpx.request(method, via.url + path, content=body)
+    assert (proxied.status_code, proxied.content) == (direct.status_code, direct.content)
+    assert proxied.headers["content-type"] == direct.headers["content-type"]
+    assert via.records == []  # forwarded, not measured
+
+
+# -- n > 1 choices -----------------------------------------------------------------------
+
+
+def test_n_choices_report_one_choice_speed_not_their_sum(
+    backend: tuple[VllmRoutes, ThreadedServer], start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    """Three choices decoding at 1/step tokens/s each: the request's decode speed is one
+    choice's (the median), not three times it as over the interleaved events."""
+    backend[0].gap = step = 0.06  # one decode step: a token for each choice
+    proxy = start_proxy(backend[1].url, model_allowlist=("m",))
+    body = {"model": "m", "n": 3, "stream": True, "messages": []}
+    httpx.post(proxy.url + "/v1/chat/completions", json=body, headers={"x-tokens": "8"})
+    (m,) = wait_records(proxy, 1)
+    assert (m.output_tokens, m.content_events, m.finish_reason) == (24, 24, "stop")
+    assert m.ttft is not None and m.ttft >= TTFT  # the role-only chunks are not tokens
+    assert m.decode_tokens_per_second == pytest.approx(1 / step, rel=0.25)
+    assert m.tpot == pytest.approx(step, rel=0.25)
