@@ -20,6 +20,7 @@ import orjson
 from proxy.core.labels import route_template
 from proxy.core.measurement import ErrorType
 from proxy.core.observe import StreamObserver, TokenCounts
+from proxy.core.paths import BadTarget, normalise
 from proxy.core.request import MEASURED_ENDPOINTS, RequestInfo, parse_request, with_usage_requested
 from proxy.core.strip import UsageEventStripper
 from proxy.core.tokens import TokenCounter
@@ -42,7 +43,9 @@ _HOP_BY_HOP = frozenset(
         b"upgrade",
     }
 )
-_REQUEST_DROP = _HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding"}
+# Expect: the proxy has read the whole body already (the server answered the client's
+# 100-continue when it did); passed on, the upstream client would wait for a 100 of its own.
+_REQUEST_DROP = _HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding", b"expect"}
 #: Request headers whose values never appear in logs, traces, metrics or error messages.
 SECRET_HEADERS = frozenset(
     {b"authorization", b"proxy-authorization", b"api-key", b"x-api-key", b"cookie", b"set-cookie"}
@@ -109,6 +112,15 @@ class Forwarder:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         start = perf_counter()
         started_at = time()
+        try:  # one normalised path: routed, measured and forwarded alike
+            target = normalise(
+                scope.get("raw_path") or scope["path"].encode(), scope["query_string"]
+            )
+        except BadTarget as exc:
+            await _send_error(send, 400, "invalid_request_target", str(exc))
+            self.sinks.passthrough(route_template(scope["path"]), 400)
+            return
+        scope = {**scope, "path": target.path, "query_string": target.query.encode()}
         path: str = scope["path"]
         measured = scope["method"] == "POST" and path in MEASURED_ENDPOINTS
         try:
@@ -220,7 +232,13 @@ class Forwarder:
                     "headers": _client_headers(response, content_type, stripper is not None),
                 }
             )
-            stripping = stripper is not None and status < 400
+            # Only an event stream has a usage event to drop: any other body (a JSON
+            # answer to a stream request) passes whole.
+            stripping = (
+                stripper is not None
+                and status < 400
+                and content_type.startswith("text/event-stream")
+            )
             idle = _IdleTimer(self.client.timeout.read, task)
             read = body_reader(response)
             while True:
@@ -401,7 +419,11 @@ async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any], watch: _W
 def _upstream_headers(
     headers: list[tuple[bytes, bytes]], *, measured: bool
 ) -> list[tuple[bytes, bytes]]:
-    out = [(k, v) for k, v in headers if k not in _REQUEST_DROP]
+    drop = _REQUEST_DROP
+    for name, value in headers:
+        if name == b"connection":  # the headers it names are hop-by-hop too (RFC 9110 §7.6.1)
+            drop = drop | {t.strip().lower() for t in value.split(b",")}
+    out = [(k, v) for k, v in headers if k not in drop]
     if measured:
         # The observer must read the stream, so measured responses come uncompressed
         # (vLLM does not compress them anyway).
