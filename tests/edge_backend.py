@@ -34,7 +34,9 @@ SSE_USAGE_STREAM = (
 )
 
 
-def sse_response(body: bytes = SSE_USAGE_STREAM, content_type: bytes = b"text/event-stream") -> bytes:
+def sse_response(
+    body: bytes = SSE_USAGE_STREAM, content_type: bytes = b"text/event-stream"
+) -> bytes:
     return (
         b"HTTP/1.1 200 OK\r\ncontent-type: " + content_type + b"\r\n"
         b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
