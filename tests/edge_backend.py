@@ -124,6 +124,12 @@ class RawBackend:
 @contextlib.contextmanager
 def serving(upstream: str, *flags: str) -> Iterator[str]:
     """A real `tokenprobe serve` process in front of `upstream`; yields its base URL."""
+    with serving_process(upstream, *flags) as (base, _):
+        yield base
+
+
+@contextlib.contextmanager
+def serving_process(upstream: str, *flags: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     port = free_port()
     process = spawn(
         "serve",
@@ -142,7 +148,7 @@ def serving(upstream: str, *flags: str) -> Iterator[str]:
     base = f"http://127.0.0.1:{port}"
     try:
         wait_http(base + "/healthz")
-        yield base
+        yield base, process
     finally:
         stop(process)
         if process.stderr is not None:
@@ -168,4 +174,9 @@ def metric(base: str, name: str, **labels: str) -> float:
     return 0.0
 
 
-__all__ = ["RawBackend", "Seen", "backend", "metric", "serving", "sse_response", "subprocess"]
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")

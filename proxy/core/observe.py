@@ -17,7 +17,7 @@ import orjson
 from proxy.core.errors import classify_response, error_message
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
 from proxy.core.request import CHAT, RequestInfo
-from proxy.core.sse import SSEDecoder
+from proxy.core.sse import DEFAULT_MAX_EVENT_BYTES, SSEDecoder
 
 #: The most of a non-streaming or error body kept for parsing. Bigger bodies are still
 #: relayed in full; they are only measured from what fits.
@@ -35,7 +35,13 @@ class TokenCounts:
 class StreamObserver:
     """One per measured request. Not thread-safe; lives on the event loop."""
 
-    def __init__(self, request: RequestInfo, start: float, collect_text: bool = False) -> None:
+    def __init__(
+        self,
+        request: RequestInfo,
+        start: float,
+        collect_text: bool = False,
+        max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+    ) -> None:
         self.request = request
         self.start = start
         self._chat = request.endpoint == CHAT
@@ -55,7 +61,7 @@ class StreamObserver:
         self.response_id: str | None = None
         self.response_model: str | None = None
         self.texts: list[str] = []
-        self._decoder = SSEDecoder()
+        self._decoder = SSEDecoder(max_event_bytes)
         self._body: list[bytes] = []
         self._kept = 0
 

@@ -126,6 +126,7 @@ class ProxyApp:
             body_timeout=settings.body_timeout,
             first_byte_timeout=settings.first_byte_timeout,
             secret_headers=settings.secret_headers,
+            max_event_bytes=settings.max_event_bytes,
         )
         if settings.models_refresh:
             self._refresher = asyncio.create_task(self._refresh_models(settings.models_refresh))

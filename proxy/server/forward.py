@@ -22,6 +22,7 @@ from proxy.core.measurement import ErrorType
 from proxy.core.observe import StreamObserver, TokenCounts
 from proxy.core.paths import BadTarget, normalise
 from proxy.core.request import MEASURED_ENDPOINTS, RequestInfo, parse_request, with_usage_requested
+from proxy.core.sse import DEFAULT_MAX_EVENT_BYTES, EventTooLarge
 from proxy.core.strip import UsageEventStripper
 from proxy.core.tokens import TokenCounter
 from proxy.server.upstream import body_reader, classify_exception, describe, send_upstream
@@ -97,7 +98,9 @@ class Forwarder:
         body_timeout: float,
         first_byte_timeout: float,
         secret_headers: tuple[str, ...] = (),
+        max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
     ) -> None:
+        self.max_event_bytes = max_event_bytes
         self.client = client
         self.upstream = upstream
         self.sinks = sinks
@@ -157,7 +160,7 @@ class Forwarder:
         stripper = None
         if self.inject_usage and info.stream and not info.usage_requested and obj is not None:
             body = with_usage_requested(obj)
-            stripper = UsageEventStripper()
+            stripper = UsageEventStripper(self.max_event_bytes)
         await self._relay(scope, receive, send, body, info, stripper, start, started_at)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
@@ -206,7 +209,9 @@ class Forwarder:
         url = self.upstream + scope["path"] + ("?" + query.decode("latin-1") if query else "")
         observer = None
         if info is not None:
-            observer = StreamObserver(info, start, collect_text=self.counter is not None)
+            observer = StreamObserver(
+                info, start, self.counter is not None, max_event_bytes=self.max_event_bytes
+            )
 
         task = asyncio.current_task()
         assert task is not None
@@ -225,19 +230,19 @@ class Forwarder:
             content_type = response.headers.get("content-type", "")
             if observer is not None:
                 observer.open(status, content_type, perf_counter())
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": status,
-                    "headers": _client_headers(response, content_type, stripper is not None),
-                }
-            )
             # Only an event stream has a usage event to drop: any other body (a JSON
             # answer to a stream request) passes whole.
             stripping = (
                 stripper is not None
                 and status < 400
                 and content_type.startswith("text/event-stream")
+            )
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": status,
+                    "headers": _client_headers(response, content_type, stripping),
+                }
             )
             idle = _IdleTimer(self.client.timeout.read, task)
             read = body_reader(response)
@@ -254,6 +259,9 @@ class Forwarder:
                 if observer is not None:
                     try:
                         observer.feed(chunk, now)
+                    except EventTooLarge:  # relayed all the same, unmeasured from here on
+                        self.sinks.failed("event_too_large")
+                        observer = None
                     except Exception:
                         self._observer_failed()
                         observer = None

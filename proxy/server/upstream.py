@@ -7,11 +7,14 @@ chosen by `--upstream-transport` after benchmarking (see the README's performanc
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable, Iterator
 
 import aiohttp
 import httpx
 import yarl
+from aiohttp.client_proto import ResponseHandler
+from aiohttp.helpers import _EXC_SENTINEL
 from httpx_aiohttp.transport import AiohttpResponseStream, AiohttpTransport
 from multidict import CIMultiDict
 
@@ -38,8 +41,10 @@ def create_client(settings: Settings) -> httpx.AsyncClient:
     if settings.upstream_transport == "aiohttp":
 
         def session() -> aiohttp.ClientSession:
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_SECONDS)
+            connector._factory = functools.partial(_BodyErrorsHandler, loop=connector._loop)  # type: ignore[assignment]
             return aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_SECONDS),
+                connector=connector,
                 auto_decompress=False,
                 # No cookie jar: one client's Set-Cookie must not go out on other clients' requests.
                 cookie_jar=aiohttp.DummyCookieJar(),
@@ -56,6 +61,22 @@ def create_client(settings: Settings) -> httpx.AsyncClient:
     client.limits = limits
     client.headers.clear()  # forward the client's headers, not httpx's defaults
     return client
+
+
+class _BodyErrorsHandler(ResponseHandler):
+    """aiohttp's connection protocol, failing the response body on a parse error.
+
+    With aiohttp's C parser, a malformed body (a chunk size that is not hex) makes the
+    protocol close the connection and record the error on itself, but the response's body
+    stream is never told: a reader waits for the idle timeout and the break is counted as
+    upstream_timeout. (The pure-Python parser fails the body itself.)
+    """
+
+    def set_exception(self, exc: BaseException, exc_cause: BaseException = _EXC_SENTINEL) -> None:
+        payload = self._payload
+        super().set_exception(exc, exc_cause)
+        if payload is not None and payload.exception() is None and not payload.is_eof():
+            payload.set_exception(aiohttp.ClientPayloadError(f"malformed response body: {exc}"))
 
 
 class UpstreamClient(httpx.AsyncClient):
