@@ -102,7 +102,14 @@ class RawBackend:
         return self
 
     def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.loop.stop()
+
+        asyncio.run_coroutine_threadsafe(cancel_all(), self.loop)
         self._thread.join(5)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -293,6 +293,8 @@ class Forwarder:
             watch.finished = True
             started = status != 0
             error, message = classify_exception(exc, after_headers=started), describe(exc)
+            if response is None and type(exc) is TimeoutError and not str(exc):  # our timeout
+                message = f"no response within {self.first_byte_timeout:g} s (--first-byte-timeout)"
             if started:
                 broke = True  # the client already has part of a body: drop its connection
             else:

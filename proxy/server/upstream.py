@@ -238,8 +238,23 @@ def classify_exception(exc: BaseException, *, after_headers: bool) -> ErrorType:
 
 
 def describe(exc: BaseException) -> str:
-    """A one-line description without URLs' credentials or headers."""
+    """A one-line description without URLs' credentials or headers.
+
+    Many of these exceptions carry no text (a timeout, a cancellation): then a phrase says
+    what happened, rather than the class name twice ("TimeoutError: TimeoutError")."""
     causes = list(_causes(exc))
     root = causes[-1] if causes else exc
-    text = str(root) or type(root).__name__
-    return f"{type(root).__name__}: {text}"[:300]
+    name = type(root).__name__
+    text = str(root).strip()
+    if not text or text == name:
+        text = next((p for kind, p in _PHRASES if isinstance(root, kind)), "no detail given")
+    return f"{name}: {text}"[:300]
+
+
+_PHRASES: tuple[tuple[type[BaseException], str], ...] = (
+    (aiohttp.ServerDisconnectedError, "the upstream closed the connection"),
+    (TimeoutError, "timed out"),
+    (asyncio.CancelledError, "cancelled before the upstream answered"),
+    (ConnectionResetError, "the upstream reset the connection"),
+    (httpx.RemoteProtocolError, "the upstream broke the HTTP protocol"),
+)
