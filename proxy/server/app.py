@@ -17,11 +17,12 @@ from typing import Any
 
 import httpx
 import orjson
-from prometheus_client import CollectorRegistry, make_asgi_app
+from prometheus_client import CollectorRegistry
 
 from proxy.core.labels import ModelLabels
 from proxy.core.measurement import Measurement
 from proxy.core.tokens import TokenCounter
+from proxy.server.exposition import Exposition
 from proxy.server.forward import Forwarder, UpstreamBroke
 from proxy.server.upstream import create_client, describe
 from proxy.settings import Settings, require_upstream
@@ -64,7 +65,7 @@ class ProxyApp:
         self.sinks = Sinks(
             self.metrics, self.labels, tracer=tracer, consumers=consumers or [], keys=keys
         )
-        self.metrics_app = metrics_app or make_asgi_app(self.registry)
+        self.metrics_app = metrics_app or Exposition(self.registry)
         self.client: httpx.AsyncClient | None = None
         self.forwarder: Forwarder | None = None
         self.counter: TokenCounter | None = None

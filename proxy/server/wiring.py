@@ -5,14 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, make_asgi_app
+from prometheus_client import CollectorRegistry
 
 from proxy.core.measurement import Measurement
 from proxy.server.app import ProxyApp, create_app
+from proxy.server.exposition import Exposition
 from proxy.settings import Settings, require_upstream
 from proxy.sinks.logs import AccessLog
 from proxy.sinks.tracing import tracing_from_env
-from proxy.types import Receive, Scope, Send
 
 
 def build(settings: Settings, environ: Mapping[str, str]) -> ProxyApp:
@@ -49,10 +49,4 @@ def _multiprocess_metrics_app(directory: str) -> Any:
 
     scrape_registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(scrape_registry, path=directory)  # type: ignore[no-untyped-call]
-    inner = make_asgi_app(scrape_registry)
-
-    async def metrics(scope: Scope, receive: Receive, send: Send) -> None:
-        drop_dead_workers(directory)
-        await inner(scope, receive, send)
-
-    return metrics
+    return Exposition(scrape_registry, before=lambda: drop_dead_workers(directory))
