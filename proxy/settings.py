@@ -140,7 +140,28 @@ SPECS: tuple[Spec, ...] = (
         "max_header_bytes",
         _positive_int,
         64 * 1024,
-        "Largest total size of request headers accepted (431 above it).",
+        "Largest total size of request headers accepted (431 above it; counted as they "
+        "arrive, with 8 KiB more for the request line and framing).",
+    ),
+    Spec(
+        "max_headers",
+        _positive_int,
+        100,
+        "Most request headers accepted (431 above it, counted as they arrive).",
+    ),
+    Spec(
+        "header_timeout",
+        _optional_seconds,
+        10.0,
+        "Seconds a client gets to send a complete request head, from the connection opening "
+        "or the previous response ending (408, or a close when nothing came; 0 disables).",
+    ),
+    Spec(
+        "max_event_bytes",
+        _positive_int,
+        4 * 1024 * 1024,
+        "Largest SSE event the proxy buffers to measure or strip; a stream with a larger one "
+        "is relayed unmeasured (counted in tokenprobe_measurement_failures_total).",
     ),
     Spec(
         "tokenizer",
@@ -238,6 +259,9 @@ class Settings:
     body_timeout: float = 60.0
     max_body_bytes: int = 32 * 1024 * 1024
     max_header_bytes: int = 64 * 1024
+    max_headers: int = 100
+    header_timeout: float | None = 10.0
+    max_event_bytes: int = 4 * 1024 * 1024
     tokenizer: str | None = None
     inject_usage: bool = True
     model_allowlist: tuple[str, ...] = ()

@@ -23,7 +23,7 @@ import orjson
 from proxy.core.apis import Api, Facts, RequestInfo, TokenCounts, api_of
 from proxy.core.errors import classify_response, error_message
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
-from proxy.core.sse import SSEDecoder
+from proxy.core.sse import DEFAULT_MAX_EVENT_BYTES, SSEDecoder
 
 #: The most of a non-streaming or error body kept for parsing. Bigger bodies are still
 #: relayed in full; they are only measured from what fits.
@@ -54,6 +54,7 @@ class StreamObserver:
         start: float,
         collect_text: bool = False,
         api: Api | None = None,
+        max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
     ) -> None:
         self.request = request
         self.api = api if api is not None else api_of(request.endpoint)
@@ -77,7 +78,7 @@ class StreamObserver:
         self.response_id: str | None = None
         self.response_model: str | None = None
         self.texts: list[str] = []
-        self._decoder = SSEDecoder()
+        self._decoder = SSEDecoder(max_event_bytes)
         self._body: list[bytes] = []
         self._kept = 0
 

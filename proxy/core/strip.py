@@ -14,29 +14,63 @@ from __future__ import annotations
 
 import re
 
+from proxy.core.sse import DEFAULT_MAX_EVENT_BYTES
+
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _MARKER = b'"usage"'
 
 
 class UsageEventStripper:
-    __slots__ = ("_pending",)
+    """Holds back at most `max_event_bytes` of an unfinished event. A larger event cannot
+    be the small usage event the proxy asked for: what is held goes out at once, and the
+    stripper steps aside for the rest of the stream (`gave_up`), so bytes keep flowing."""
 
-    def __init__(self) -> None:
-        self._pending = b""
+    __slots__ = ("_parts", "_pending", "gave_up", "max_event_bytes")
+
+    def __init__(self, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> None:
+        self.max_event_bytes = max_event_bytes
+        self._parts: list[bytes] = []  # an unfinished event, in pieces (never re-copied)
+        self._pending = 0
+        self.gave_up = False
 
     def feed(self, chunk: bytes) -> bytes:
         """Bytes to send to the client for this chunk (possibly empty)."""
-        data = self._pending + chunk if self._pending else chunk
-        end = _last_event_end(data)
-        self._pending = data[end:]
-        complete = data if end == len(data) else data[:end]
-        if _MARKER not in complete:
-            return complete
-        return b"".join(_without_usage(e) for e in _events(complete))
+        if self.gave_up:
+            return chunk
+        if self._parts:
+            # An event end may straddle the previous piece and this chunk ("\n" | "\n").
+            tail = b"".join(self._parts[-3:])[-3:]
+            end = _last_event_end(tail + chunk) - len(tail)
+            if end <= 0:
+                return self._hold(chunk)
+            self._parts.append(chunk[:end])
+            data = b"".join(self._parts)
+            self._parts, self._pending = [], 0
+            rest = chunk[end:]
+        else:
+            end = _last_event_end(chunk)
+            if end == 0:
+                return self._hold(chunk)
+            data, rest = (chunk, b"") if end == len(chunk) else (chunk[:end], chunk[end:])
+        if rest:
+            self._hold(rest)
+        if _MARKER not in data:
+            return data
+        return b"".join(_without_usage(e) for e in _events(data))
+
+    def _hold(self, piece: bytes) -> bytes:
+        self._parts.append(piece)
+        self._pending += len(piece)
+        if self._pending <= self.max_event_bytes:
+            return b""
+        self.gave_up = True
+        held, self._parts, self._pending = b"".join(self._parts), [], 0
+        return held
 
     def flush(self) -> bytes:
         """End of stream: whatever is pending goes out unchanged."""
-        rest, self._pending = self._pending, b""
+        rest = b"".join(self._parts)
+        self._parts, self._pending = [], 0
         return _without_usage(rest)
 
 

@@ -19,12 +19,13 @@ from typing import Any
 
 import httpx
 import orjson
-from prometheus_client import CollectorRegistry, make_asgi_app
+from prometheus_client import CollectorRegistry
 
 from proxy.core.errors import error_body
 from proxy.core.labels import ModelLabels
 from proxy.core.measurement import Measurement
 from proxy.core.tokens import TokenCounter
+from proxy.server.exposition import Exposition
 from proxy.server.forward import Forwarder, UpstreamBroke
 from proxy.server.upstream import create_client, describe
 from proxy.settings import Settings, require_upstream
@@ -67,7 +68,7 @@ class ProxyApp:
         self.sinks = Sinks(
             self.metrics, self.labels, tracer=tracer, consumers=consumers or [], keys=keys
         )
-        self.metrics_app = metrics_app or make_asgi_app(self.registry)
+        self.metrics_app = metrics_app or Exposition(self.registry)
         self.client: httpx.AsyncClient | None = None
         self.forwarder: Forwarder | None = None
         self.counter: TokenCounter | None = None
@@ -125,6 +126,7 @@ class ProxyApp:
             body_timeout=settings.body_timeout,
             first_byte_timeout=settings.first_byte_timeout,
             secret_headers=settings.secret_headers,
+            max_event_bytes=settings.max_event_bytes,
         )
         if settings.models_refresh:
             self._refresher = asyncio.create_task(self._refresh_models(settings.models_refresh))

@@ -23,7 +23,9 @@ from proxy.core.errors import error_body, error_shape
 from proxy.core.labels import route_template
 from proxy.core.measurement import ErrorType
 from proxy.core.observe import StreamObserver, TokenCounts, bare_record
+from proxy.core.paths import BadTarget, normalise
 from proxy.core.request import RequestInfo, parse_request
+from proxy.core.sse import DEFAULT_MAX_EVENT_BYTES, EventTooLarge
 from proxy.core.strip import UsageEventStripper
 from proxy.core.tokens import TokenCounter
 from proxy.server.upstream import body_reader, classify_exception, describe, send_upstream
@@ -45,7 +47,9 @@ _HOP_BY_HOP = frozenset(
         b"upgrade",
     }
 )
-_REQUEST_DROP = _HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding"}
+# Expect: the proxy has read the whole body already (the server answered the client's
+# 100-continue when it did); passed on, the upstream client would wait for a 100 of its own.
+_REQUEST_DROP = _HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding", b"expect"}
 #: Request headers whose values never appear in logs, traces, metrics or error messages.
 SECRET_HEADERS = frozenset(
     {b"authorization", b"proxy-authorization", b"api-key", b"x-api-key", b"cookie", b"set-cookie"}
@@ -97,7 +101,9 @@ class Forwarder:
         body_timeout: float,
         first_byte_timeout: float,
         secret_headers: tuple[str, ...] = (),
+        max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
     ) -> None:
+        self.max_event_bytes = max_event_bytes
         self.client = client
         self.upstream = upstream
         self.sinks = sinks
@@ -112,6 +118,15 @@ class Forwarder:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         start = perf_counter()
         started_at = time()
+        try:  # one normalised path: routed, measured and forwarded alike
+            target = normalise(
+                scope.get("raw_path") or scope["path"].encode(), scope["query_string"]
+            )
+        except BadTarget as exc:
+            await _send_error(send, 400, "invalid_request_target", str(exc), scope["path"])
+            self.sinks.passthrough(route_template(scope["path"]), 400)
+            return
+        scope = {**scope, "path": target.path, "query_string": target.query.encode()}
         path: str = scope["path"]
         # The seam decides: a POST to a path that has an Api is measured, the rest is not.
         api = api_for(path) if scope["method"] == "POST" else None
@@ -157,7 +172,7 @@ class Forwarder:
         if self.inject_usage and info.stream and not info.usage_requested and obj is not None:
             asked = api.ask_for_usage(obj)
             if asked is not None:  # the client gets the stream it asked for: strip the extra
-                body, stripper = asked, UsageEventStripper()
+                body, stripper = asked, UsageEventStripper(self.max_event_bytes)
         await self._relay(scope, receive, send, body, info, stripper, start, started_at)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
@@ -206,7 +221,12 @@ class Forwarder:
         url = self.upstream + scope["path"] + ("?" + query.decode("latin-1") if query else "")
         observer = None
         if info is not None:
-            observer = StreamObserver(info, start, collect_text=self.counter is not None)
+            observer = StreamObserver(
+                info,
+                start,
+                collect_text=self.counter is not None,
+                max_event_bytes=self.max_event_bytes,
+            )
         feeding = observer is not None
 
         task = asyncio.current_task()
@@ -226,14 +246,20 @@ class Forwarder:
             content_type = response.headers.get("content-type", "")
             if observer is not None:
                 observer.open(status, content_type, perf_counter())
+            # Only an event stream has a usage event to drop: any other body (a JSON
+            # answer to a stream request) passes whole.
+            stripping = (
+                stripper is not None
+                and status < 400
+                and content_type.startswith("text/event-stream")
+            )
             await send(
                 {
                     "type": "http.response.start",
                     "status": status,
-                    "headers": _client_headers(response, content_type, stripper is not None),
+                    "headers": _client_headers(response, content_type, stripping),
                 }
             )
-            stripping = stripper is not None and status < 400
             idle = _IdleTimer(self.client.timeout.read, task)
             read = body_reader(response)
             while True:
@@ -249,6 +275,8 @@ class Forwarder:
                 if feeding:
                     try:
                         observer.feed(chunk, now)  # type: ignore[union-attr]
+                    except EventTooLarge:  # relayed all the same, unmeasured from here on
+                        feeding = self._observer_failed(observer, "event_too_large")
                     except Exception:
                         feeding = self._observer_failed(observer)
             if stripping and (rest := stripper.flush()):  # type: ignore[union-attr]
@@ -282,6 +310,8 @@ class Forwarder:
             watch.finished = True
             started = status != 0
             error, message = classify_exception(exc, after_headers=started), describe(exc)
+            if response is None and type(exc) is TimeoutError and not str(exc):  # our timeout
+                message = f"no response within {self.first_byte_timeout:g} s (--first-byte-timeout)"
             if started:
                 broke = True  # the client already has part of a body: drop its connection
             else:
@@ -358,11 +388,14 @@ class Forwarder:
                     message = message.replace(token, "[redacted]")
         return message
 
-    def _observer_failed(self, observer: StreamObserver | None) -> bool:
+    def _observer_failed(self, observer: StreamObserver | None, stage: str = "observe") -> bool:
         """The one place observer failures stop: the stream goes on, the record is kept
         to what is safe, and a counter says so. Returns the new `feeding` flag."""
-        log.exception("observer failed; the stream goes on unmeasured")
-        self.sinks.failed("observe")
+        if stage == "observe":
+            log.exception("observer failed; the stream goes on unmeasured")
+        else:
+            log.warning("stream no longer measured (%s); it goes on unchanged", stage)
+        self.sinks.failed(stage)
         if observer is not None:
             observer.fail()
         return False
@@ -426,7 +459,11 @@ async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any], watch: _W
 def _upstream_headers(
     headers: list[tuple[bytes, bytes]], *, measured: bool
 ) -> list[tuple[bytes, bytes]]:
-    out = [(k, v) for k, v in headers if k not in _REQUEST_DROP]
+    drop = _REQUEST_DROP
+    for name, value in headers:
+        if name == b"connection":  # the headers it names are hop-by-hop too (RFC 9110 §7.6.1)
+            drop = drop | {t.strip().lower() for t in value.split(b",")}
+    out = [(k, v) for k, v in headers if k not in drop]
     if measured:
         # The observer must read the stream, so measured responses come uncompressed
         # (vLLM does not compress them anyway).

@@ -13,9 +13,9 @@ import os
 import re
 from typing import Any
 
-from prometheus_client import CollectorRegistry, make_asgi_app
+from prometheus_client import CollectorRegistry
 
-from proxy.types import Receive, Scope, Send
+from proxy.server.exposition import Exposition
 
 
 def multiprocess_metrics_app(directory: str) -> Any:
@@ -23,13 +23,7 @@ def multiprocess_metrics_app(directory: str) -> Any:
 
     scrape_registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(scrape_registry, path=directory)  # type: ignore[no-untyped-call]
-    inner = make_asgi_app(scrape_registry)
-
-    async def metrics(scope: Scope, receive: Receive, send: Send) -> None:
-        drop_dead_workers(directory)
-        await inner(scope, receive, send)
-
-    return metrics
+    return Exposition(scrape_registry, before=lambda: drop_dead_workers(directory))
 
 
 _PID = re.compile(r"_(\d+)\.db$")

@@ -34,15 +34,29 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
         "server_header": False,  # the upstream's headers pass through; add none of ours
         "date_header": False,
         "loop": "auto",
-        "http": "auto",
+        # httptools with limits on the request head while it arrives (proxy.server.protocol)
+        "http": "proxy.server.protocol:GuardedHttpToolsProtocol",
     }
 
 
 def build_app(settings: Settings) -> ProxyApp:
     """The app with every sink the settings ask for."""
+    from proxy.server.protocol import (
+        HEAD_SLACK,
+        GuardedHttpToolsProtocol,
+        HeadLimits,
+        connection_counter,
+    )
     from proxy.server.wiring import build
 
-    return build(settings, os.environ)
+    app = build(settings, os.environ)
+    limits = HeadLimits(
+        max_head_bytes=settings.max_header_bytes + HEAD_SLACK,
+        max_headers=settings.max_headers,
+        header_timeout=settings.header_timeout,
+    )
+    GuardedHttpToolsProtocol.configure(limits, connection_counter(app.registry))
+    return app
 
 
 def worker_app() -> ProxyApp:

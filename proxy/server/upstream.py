@@ -7,10 +7,16 @@ chosen by `--upstream-transport` after benchmarking (see the README's performanc
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable, Iterator
 
 import aiohttp
 import httpx
+import yarl
+from aiohttp.client_proto import ResponseHandler
+from aiohttp.helpers import _EXC_SENTINEL
+from httpx_aiohttp.transport import AiohttpResponseStream, AiohttpTransport
+from multidict import CIMultiDict
 
 from proxy.core.measurement import ErrorType
 from proxy.settings import Settings
@@ -33,25 +39,44 @@ def create_client(settings: Settings) -> httpx.AsyncClient:
     )
     transport: httpx.AsyncBaseTransport
     if settings.upstream_transport == "aiohttp":
-        from httpx_aiohttp import AiohttpTransport
 
         def session() -> aiohttp.ClientSession:
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_SECONDS)
+            connector._factory = functools.partial(_BodyErrorsHandler, loop=connector._loop)  # type: ignore[assignment]
             return aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_SECONDS),
+                connector=connector,
                 auto_decompress=False,
                 # No cookie jar: one client's Set-Cookie must not go out on other clients' requests.
                 cookie_jar=aiohttp.DummyCookieJar(),
                 # Send exactly the client's headers: no added Accept-Encoding (the reply
                 # would come compressed to a client that did not ask), User-Agent or Accept.
-                skip_auto_headers=("Accept-Encoding", "User-Agent", "Accept"),
+                # Nor a Content-Type the client did not send.
+                skip_auto_headers=("Accept-Encoding", "User-Agent", "Accept", "Content-Type"),
             )
 
         transport = AiohttpTransport(client=session)
     else:
         transport = httpx.AsyncHTTPTransport(limits=limits)
     client = UpstreamClient(transport=transport, timeout=timeout, limits=limits)
+    client.limits = limits
     client.headers.clear()  # forward the client's headers, not httpx's defaults
     return client
+
+
+class _BodyErrorsHandler(ResponseHandler):
+    """aiohttp's connection protocol, failing the response body on a parse error.
+
+    With aiohttp's C parser, a malformed body (a chunk size that is not hex) makes the
+    protocol close the connection and record the error on itself, but the response's body
+    stream is never told: a reader waits for the idle timeout and the break is counted as
+    upstream_timeout. (The pure-Python parser fails the body itself.)
+    """
+
+    def set_exception(self, exc: BaseException, exc_cause: BaseException = _EXC_SENTINEL) -> None:
+        payload = self._payload
+        super().set_exception(exc, exc_cause)
+        if payload is not None and payload.exception() is None and not payload.is_eof():
+            payload.set_exception(aiohttp.ClientPayloadError(f"malformed response body: {exc}"))
 
 
 class UpstreamClient(httpx.AsyncClient):
@@ -60,6 +85,21 @@ class UpstreamClient(httpx.AsyncClient):
     def __init__(self, *, transport: httpx.AsyncBaseTransport, **kwargs: object) -> None:
         super().__init__(transport=transport, **kwargs)  # type: ignore[arg-type]
         self.upstream_transport = transport
+        self.limits = httpx.Limits()
+        self._bytes_transport: httpx.AsyncHTTPTransport | None = None
+
+    def bytes_transport(self) -> httpx.AsyncBaseTransport:
+        """httpx's own transport, for requests aiohttp cannot send byte for byte."""
+        if isinstance(self.upstream_transport, httpx.AsyncHTTPTransport):
+            return self.upstream_transport
+        if self._bytes_transport is None:
+            self._bytes_transport = httpx.AsyncHTTPTransport(limits=self.limits)
+        return self._bytes_transport
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        if self._bytes_transport is not None:
+            await self._bytes_transport.aclose()
 
 
 async def send_upstream(
@@ -75,19 +115,83 @@ async def send_upstream(
     per-request layers (auth flow, redirects, event hooks, an INFO log line, the cookie
     jar), which cost more CPU than the rest of the request. The cookie jar would even be
     wrong here: it would replay one client's Set-Cookie on every later client's request.
+
+    `url` is sent exactly: its path is already normalised (proxy.core.paths), and neither
+    client may normalise or re-encode it again. Header values go out byte for byte.
     """
     # The relay times the gaps between chunks itself (forward._IdleTimer): a transport's
     # read timeout would cost a timer per chunk, and would also cut the wait for the
     # response headers, which first_byte_timeout governs.
     timeout = {**client.timeout.as_dict(), "read": None}
+    if not isinstance(client, UpstreamClient):
+        request = httpx.Request(method, url, headers=headers, content=body)
+        return await client.send(request, stream=True)
+    transport = client.upstream_transport
+    if isinstance(transport, AiohttpTransport):
+        text_headers = _utf8_headers(headers)
+        if text_headers is not None:
+            return await _send_aiohttp(transport, method, url, text_headers, body, timeout)
+        # aiohttp writes header values as UTF-8 text: other bytes go through httpcore,
+        # which writes them as they are.
+        transport = client.bytes_transport()
     request = httpx.Request(
         method, url, headers=headers, content=body, extensions={"timeout": timeout}
     )
-    if not isinstance(client, UpstreamClient):
-        return await client.send(request, stream=True)
-    response = await client.upstream_transport.handle_async_request(request)
+    # httpx.URL removes dot segments and re-quotes; httpcore sends this target instead.
+    request.extensions["target"] = _request_target(url)
+    response = await transport.handle_async_request(request)
     response.request = request
     return response
+
+
+def _request_target(url: str) -> bytes:
+    after_scheme = url.partition("//")[2]
+    slash = after_scheme.find("/")
+    return after_scheme[slash:].encode("ascii") if slash >= 0 else b"/"
+
+
+def _utf8_headers(headers: list[tuple[bytes, bytes]]) -> CIMultiDict[str] | None:
+    out: CIMultiDict[str] = CIMultiDict()
+    try:
+        for name, value in headers:
+            out.add(name.decode("latin-1"), value.decode("utf-8"))
+    except UnicodeDecodeError:
+        return None
+    return out
+
+
+async def _send_aiohttp(
+    transport: AiohttpTransport,
+    method: str,
+    url: str,
+    headers: CIMultiDict[str],
+    body: bytes,
+    timeout: dict[str, float | None],
+) -> httpx.Response:
+    """httpx-aiohttp's request, minus what changes the wire: it hands aiohttp the URL as
+    text (yarl then normalises and re-quotes it) and headers httpx decoded with one
+    guessed encoding for all of them."""
+    if not isinstance(transport.client, aiohttp.ClientSession):
+        transport.client = transport.get_client()
+    session = transport.client
+    response = await session.request(
+        method,
+        yarl.URL(url, encoded=True),
+        headers=headers,
+        data=body or None,
+        allow_redirects=False,
+        auto_decompress=False,
+        compress=False,
+        timeout=aiohttp.ClientTimeout(
+            sock_connect=timeout.get("connect"), connect=timeout.get("pool")
+        ),
+    ).__aenter__()
+    return httpx.Response(
+        status_code=response.status,
+        headers=response.raw_headers,
+        stream=AiohttpResponseStream(response),
+        extensions={"http_version": b"HTTP/1.1"},
+    )
 
 
 def body_reader(response: httpx.Response) -> Callable[[], Awaitable[bytes]]:
@@ -134,8 +238,23 @@ def classify_exception(exc: BaseException, *, after_headers: bool) -> ErrorType:
 
 
 def describe(exc: BaseException) -> str:
-    """A one-line description without URLs' credentials or headers."""
+    """A one-line description without URLs' credentials or headers.
+
+    Many of these exceptions carry no text (a timeout, a cancellation): then a phrase says
+    what happened, rather than the class name twice ("TimeoutError: TimeoutError")."""
     causes = list(_causes(exc))
     root = causes[-1] if causes else exc
-    text = str(root) or type(root).__name__
-    return f"{type(root).__name__}: {text}"[:300]
+    name = type(root).__name__
+    text = str(root).strip()
+    if not text or text == name:
+        text = next((p for kind, p in _PHRASES if isinstance(root, kind)), "no detail given")
+    return f"{name}: {text}"[:300]
+
+
+_PHRASES: tuple[tuple[type[BaseException], str], ...] = (
+    (aiohttp.ServerDisconnectedError, "the upstream closed the connection"),
+    (TimeoutError, "timed out"),
+    (asyncio.CancelledError, "cancelled before the upstream answered"),
+    (ConnectionResetError, "the upstream reset the connection"),
+    (httpx.RemoteProtocolError, "the upstream broke the HTTP protocol"),
+)

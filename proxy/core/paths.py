@@ -1,0 +1,105 @@
+"""One normalised request target: what the proxy routes and measures by, and forwards.
+
+The server hands the ASGI app a decoded `path` and the `raw_path` the client sent. Routing
+on one and forwarding the other (or letting an HTTP client re-normalise the URL) lets
+`/v1/x/../chat/completions` or `/v1/%2e%2e/x` reach the backend as a different path than
+the one the proxy decided on. So the proxy works from the raw bytes only, once:
+
+1. Percent-encodings of unreserved characters (ALPHA, DIGIT, `-._~`) are decoded and the
+   hex of every other percent-encoding is upper-cased (RFC 3986 §6.2.2.1-2), so
+   `/v1/chat/%63ompletions` is recognised as the endpoint it is.
+2. Dot segments are removed (RFC 3986 §5.2.4), after step 1, so `%2e%2e` counts as `..`.
+3. Bytes that may not appear raw in a path (space, quotes, braces, non-ASCII...) are
+   percent-encoded, so no HTTP client has a reason to re-encode the result.
+
+Refused (`BadTarget`, a 400): what cannot be normalised without guessing how the backend
+would read it: an encoded slash or backslash (`%2F`, `%5C`: one server splits segments
+there, another does not), an encoded NUL (`%00`), a malformed percent sign, a path not
+starting with `/`, and a `..` that would climb above the root.
+
+The query string is forwarded as received; only bytes that cannot go on a request line
+raw (controls, space, non-ASCII) are percent-encoded. Empty segments (`//`) are kept, as
+RFC 3986 keeps them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+class BadTarget(ValueError):
+    """The request target cannot be normalised safely; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    path: str  # normalised, percent-encoding preserved: route, measure and forward by it
+    query: str  # "" when none; forwarded as received
+
+    @property
+    def request_target(self) -> str:
+        return self.path + "?" + self.query if self.query else self.path
+
+
+_UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
+# pchar minus "%" plus "/": what may stay raw in a path (RFC 3986 §3.3).
+_PATH_SAFE = _UNRESERVED | frozenset(b"!$&'()*+,;=:@/")
+
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+_REFUSED_ESCAPES = {0x2F: "an encoded slash (%2F)", 0x5C: "an encoded backslash (%5C)", 0: "%00"}
+_QUERY_UNSAFE = re.compile(rb"[^\x21-\x22\x24-\x7e]")
+
+
+def normalise(raw_path: bytes, query: bytes = b"") -> Target:
+    """The normalised target for a raw path and query; raises BadTarget."""
+    if not raw_path.startswith(b"/"):
+        raise BadTarget("the request path must start with '/'")
+    path = _remove_dot_segments(_normalise_escapes(raw_path))
+    return Target(path, _encode_query(query))
+
+
+def _normalise_escapes(raw: bytes) -> str:
+    if b"%" not in raw and all(b in _PATH_SAFE for b in raw):
+        return raw.decode("ascii")  # the common case: nothing to do
+    out: list[str] = []
+    i, n = 0, len(raw)
+    while i < n:
+        byte = raw[i]
+        if byte == 0x25:  # "%"
+            pair = raw[i + 1 : i + 3]
+            if len(pair) < 2 or pair[0] not in _HEX or pair[1] not in _HEX:
+                raise BadTarget("malformed percent-encoding in the request path")
+            value = int(pair, 16)
+            if value in _REFUSED_ESCAPES:
+                raise BadTarget(f"the request path contains {_REFUSED_ESCAPES[value]}")
+            out.append(chr(value) if value in _UNRESERVED else "%" + pair.decode().upper())
+            i += 3
+            continue
+        out.append(chr(byte) if byte in _PATH_SAFE else f"%{byte:02X}")
+        i += 1
+    return "".join(out)
+
+
+def _remove_dot_segments(path: str) -> str:
+    segments = path.split("/")[1:]  # the path starts with "/": drop the empty first one
+    if "." not in segments and ".." not in segments:
+        return path
+    out: list[str] = []
+    for segment in segments:
+        if segment == "..":
+            if not out:
+                raise BadTarget("the request path climbs above the root ('..')")
+            out.pop()
+        elif segment != ".":
+            out.append(segment)
+    # A final "." or ".." leaves a directory: keep its trailing slash (RFC 3986 §5.2.4).
+    if segments[-1] in (".", ".."):
+        out.append("")
+    return "/" + "/".join(out)
+
+
+def _encode_query(query: bytes) -> str:
+    if _QUERY_UNSAFE.search(query) is None:
+        return query.decode("ascii")
+    return _QUERY_UNSAFE.sub(lambda m: b"%%%02X" % m.group()[0], query).decode("ascii")

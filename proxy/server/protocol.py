@@ -1,0 +1,171 @@
+"""uvicorn's httptools protocol with limits on the request head, enforced as it arrives.
+
+uvicorn hands the app a request only once its whole head is parsed, and httptools joins a
+header value piece by piece until its line ends; an app-level size check therefore comes
+after the memory and CPU are spent (a 64 MiB header value cost ~110 MiB and seconds of
+stalled streams). And uvicorn times nothing before the first request's head: a
+connection that sends nothing, or a byte a second, stays open until the file descriptors
+run out. Here, per connection:
+
+- the bytes of a request head are counted as they arrive, before the parser sees them:
+  over the cap the client gets a 431 and the connection closes;
+- the headers are counted too (431 over `max_headers`);
+- a head must be complete within `header_timeout` seconds of the connection opening or
+  of the previous response ending (which also bounds idle keep-alive connections):
+  otherwise a 408 (or, when not a byte came, a plain close).
+
+Each close is counted in `tokenprobe_connections_closed_total{reason}`. The limits live on
+the class (`configure`), because uvicorn builds the protocol itself, in every worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from prometheus_client import CollectorRegistry, Counter
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+#: Room for the request line and the header block's framing on top of --max-header-bytes,
+#: which the app checks as the sum of header names and values.
+HEAD_SLACK = 8 * 1024
+
+
+@dataclass(frozen=True)
+class HeadLimits:
+    max_head_bytes: int = 64 * 1024 + HEAD_SLACK
+    max_headers: int = 100
+    header_timeout: float | None = 10.0
+
+
+class _HeadRefused(Exception):
+    pass
+
+
+def connection_counter(registry: CollectorRegistry) -> Counter:
+    return Counter(
+        "tokenprobe_connections_closed",
+        "Client connections the proxy closed before a request reached the app, by reason: "
+        "header_timeout (no complete request head within --header-timeout of the connection "
+        "opening or the previous response ending), headers_too_large (head over "
+        "--max-header-bytes while it arrived), too_many_headers (over --max-headers).",
+        ("reason",),
+        registry=registry,
+    )
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    limits = HeadLimits()
+    on_close: Callable[[str], None] = staticmethod(lambda reason: None)
+
+    @classmethod
+    def configure(cls, limits: HeadLimits, counter: Counter | None = None) -> None:
+        cls.limits = limits
+        if counter is not None:
+            children = {r: counter.labels(r) for r in _REASONS}
+            cls.on_close = staticmethod(lambda reason: children[reason].inc())
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_head = True
+        self._head_bytes = 0
+        self._header_count = 0
+        self._refusal: tuple[str, str] | None = None
+        self._head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._start_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_head_timer()
+        super().connection_lost(exc)
+
+    def _start_head(self) -> None:
+        self._in_head = True
+        self._head_bytes = 0
+        self._header_count = 0
+        self._stop_head_timer()
+        timeout = self.limits.header_timeout
+        if timeout is not None:
+            self._head_timer = self.loop.call_later(timeout, self._head_timed_out)
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def data_received(self, data: bytes) -> None:
+        if self._in_head:
+            self._head_bytes += len(data)
+            if self._head_bytes > self.limits.max_head_bytes:
+                size = self.limits.max_head_bytes - HEAD_SLACK
+                self._refuse("headers_too_large", f"request headers over {size} bytes")
+                return
+        super().data_received(data)
+
+    def on_message_begin(self) -> None:
+        if not self._in_head:  # a pipelined request: its head is counted from here on
+            self._in_head, self._head_bytes, self._header_count = True, 0, 0
+        super().on_message_begin()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_count += 1
+        if self._header_count > self.limits.max_headers:
+            self._refusal = ("too_many_headers", f"over {self.limits.max_headers} request headers")
+            raise _HeadRefused
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._stop_head_timer()
+        super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        waiting = bool(self.pipeline)  # the next request's head is already in
+        super().on_response_complete()
+        if not waiting and not self.transport.is_closing():
+            self._start_head()
+
+    def send_400_response(self, msg: str) -> None:
+        if self._refusal is not None:  # the parser stopped at our callback's exception
+            reason, message = self._refusal
+            self._refuse(reason, message)
+        else:
+            super().send_400_response(msg)
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if not self._in_head or self.transport.is_closing():
+            return
+        self.on_close("header_timeout")
+        if self._head_bytes:
+            timeout = self.limits.header_timeout
+            self._write_error(
+                408, "request_timeout", f"request headers not received in {timeout:g} s"
+            )
+        self.transport.close()
+
+    def _refuse(self, reason: str, message: str) -> None:
+        self.on_close(reason)
+        self._stop_head_timer()
+        if self.cycle is not None and not self.cycle.response_complete:
+            # A response is under way on this connection: let it end, then close.
+            self.cycle.keep_alive = False
+            self.flow.pause_reading()
+            return
+        self._write_error(431, "request_header_fields_too_large", message)
+        self.transport.close()
+
+    def _write_error(self, status: int, kind: str, message: str) -> None:
+        body = orjson.dumps(
+            {"error": {"message": message, "type": kind, "param": None, "code": status}}
+        )
+        head = b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+        self.transport.write(STATUS_LINE[status] + head % len(body) + body)
+
+
+_REASONS = ("header_timeout", "headers_too_large", "too_many_headers")

@@ -1,0 +1,122 @@
+"""Defects 2 and 3: the request head is capped and timed while it arrives (proxy.server.protocol)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import pytest
+
+from tests.edge_backend import RawBackend, backend, metric, serving
+
+
+@pytest.fixture(scope="module")
+def edge() -> Iterator[tuple[RawBackend, str]]:
+    flags = ("--header-timeout", "0.5", "--max-headers", "50")
+    with backend() as upstream, serving(upstream.url, *flags) as base:
+        yield upstream, base
+
+
+def connect(base: str) -> socket.socket:
+    port = urlsplit(base).port
+    assert port is not None
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    return sock
+
+
+def read_all(sock: socket.socket) -> bytes:
+    chunks = []
+    try:
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    except ConnectionResetError:
+        pass
+    return b"".join(chunks)
+
+
+def test_a_huge_header_value_is_refused_with_431_while_it_is_still_arriving(
+    edge: tuple[RawBackend, str],
+) -> None:
+    upstream, base = edge
+    count = len(upstream.seen)
+    before = metric(base, "tokenprobe_connections_closed_total", reason="headers_too_large")
+    with connect(base) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nhost: x\r\nx-big: ")
+        try:  # far more than the cap, and no end of line: the head never completes
+            for _ in range(4):
+                sock.sendall(b"a" * 65536)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        response = read_all(sock)  # the proxy answers without waiting for the rest
+    assert response.startswith(b"HTTP/1.1 431 ")
+    assert b"request headers over 65536 bytes" in response
+    assert len(upstream.seen) == count
+    after = metric(base, "tokenprobe_connections_closed_total", reason="headers_too_large")
+    assert after == before + 1
+
+
+def test_too_many_headers_get_431(edge: tuple[RawBackend, str]) -> None:
+    upstream, base = edge
+    count = len(upstream.seen)
+    headers = b"".join(b"x-h%d: v\r\n" % i for i in range(51))
+    with connect(base) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n" + headers + b"\r\n")
+        response = read_all(sock)
+    assert response.startswith(b"HTTP/1.1 431 ") and b"over 50 request headers" in response
+    assert len(upstream.seen) == count
+
+
+def test_fifty_headers_are_still_fine(edge: tuple[RawBackend, str]) -> None:
+    _, base = edge
+    headers = b"".join(b"x-h%d: v\r\n" % i for i in range(48))
+    with connect(base) as sock:
+        sock.sendall(
+            b"GET /v1/models HTTP/1.1\r\nhost: x\r\nconnection: close\r\n" + headers + b"\r\n"
+        )
+        assert read_all(sock).startswith(b"HTTP/1.1 200 ")
+
+
+def test_a_silent_connection_is_closed_after_the_header_timeout(
+    edge: tuple[RawBackend, str],
+) -> None:
+    _, base = edge
+    before = metric(base, "tokenprobe_connections_closed_total", reason="header_timeout")
+    started = time.monotonic()
+    with connect(base) as sock:
+        assert read_all(sock) == b""  # closed, not answered: nothing was asked
+    assert 0.4 < time.monotonic() - started < 3
+    after = metric(base, "tokenprobe_connections_closed_total", reason="header_timeout")
+    assert after == before + 1
+
+
+def test_a_slowloris_head_gets_408_at_the_header_timeout(edge: tuple[RawBackend, str]) -> None:
+    _, base = edge
+    started = time.monotonic()
+    with connect(base) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\n")
+        response = b""
+        try:
+            for _ in range(50):  # one byte every 0.1 s: never a complete head
+                sock.sendall(b"x")
+                time.sleep(0.1)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        response = read_all(sock)
+    assert response.startswith(b"HTTP/1.1 408 ")
+    assert time.monotonic() - started < 3
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_the_header_timeout(
+    edge: tuple[RawBackend, str],
+) -> None:
+    _, base = edge
+    with connect(base) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n")
+        first = sock.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200 ")
+        started = time.monotonic()
+        rest = read_all(sock)
+    assert b"HTTP/1.1" not in rest  # closed without a second answer
+    assert time.monotonic() - started < 3

@@ -1,0 +1,189 @@
+"""Defect 8 and the acceptance load: hostile traffic on the side must not delay a stream.
+
+Timing is taken on one clock (time.monotonic) in the backend and in the client, which
+live in this process; the proxy is a real `tokenprobe serve` process. The scrapers run in
+a process of their own, so their work does not queue behind this process's GIL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from tests.edge_backend import RawBackend, backend, rss_bytes, serving_process
+
+CHAT = "/v1/chat/completions"
+MODELS = [f"model-{i}" for i in range(24)]
+MiB = 1024 * 1024
+
+
+class PacedStream:
+    """A backend responder: role event, then `events` content events `gap` s apart;
+    notes when each content event was written."""
+
+    def __init__(self, events: int, gap: float, first_after: float = 0.0) -> None:
+        self.events, self.gap, self.first_after = events, gap, first_after
+        self.sent: list[float] = []
+
+    async def __call__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+            b'data: {"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+        )
+        await writer.drain()
+        await asyncio.sleep(self.first_after)
+        for i in range(self.events):
+            writer.write(
+                b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"t%d "}}]}\n\n' % i
+            )
+            await writer.drain()
+            self.sent.append(time.monotonic())
+            await asyncio.sleep(self.gap)
+        writer.write(b"data: [DONE]\n\n")
+        await writer.drain()
+        writer.close()
+
+
+def stream_delays(base: str, model: str = "m") -> list[float]:
+    """Seconds from each content event leaving the backend to its reaching the client
+    (matched by order; the client reads line by line)."""
+    body = {"model": model, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    arrived: list[float] = []
+    with httpx.stream("POST", base + CHAT, json=body, timeout=30) as response:
+        for line in response.iter_lines():
+            if '"content":"t' in line:
+                arrived.append(time.monotonic())
+    return arrived
+
+
+def quantile(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100)[int(q * 100) - 1]
+
+
+SCRAPERS = """
+import asyncio, sys, time, httpx
+async def main(url, n, seconds, pause):
+    end = time.monotonic() + seconds
+    async def loop(client):
+        while time.monotonic() < end:
+            await client.get(url)
+            await asyncio.sleep(pause)
+    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=n)) as c:
+        await asyncio.gather(*(loop(c) for _ in range(n)))
+asyncio.run(main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])))
+"""
+
+
+@pytest.fixture
+def paced() -> Iterator[tuple[RawBackend, PacedStream]]:
+    responder = PacedStream(events=150, gap=0.01)
+    with backend(responder=responder) as upstream:
+        yield upstream, responder
+
+
+def test_concurrent_scrapes_do_not_stall_a_stream(paced: tuple[RawBackend, PacedStream]) -> None:
+    upstream, responder = paced
+    flags = ("--model-allowlist", ",".join(MODELS))
+    with serving_process(upstream.url, *flags) as (base, _):
+        responder.events = 3
+        for model in MODELS:  # every model gets its own label sets: a large exposition
+            stream_delays(base, model)
+        assert len(httpx.get(base + "/metrics").content) > 100_000
+
+        responder.events = 150
+        responder.sent = []
+        quiet = [a - s for a, s in zip(stream_delays(base), responder.sent, strict=True)]
+        scrapers = subprocess.Popen(
+            # 50 scrapers, each scraping again as soon as it has its answer
+            [sys.executable, "-c", SCRAPERS, base + "/metrics", "50", "4", "0"],
+            stdout=subprocess.DEVNULL,
+        )
+        try:
+            time.sleep(0.5)  # the scrapes are under way
+            responder.sent = []
+            busy = [a - s for a, s in zip(stream_delays(base), responder.sent, strict=True)]
+        finally:
+            scrapers.wait(20)
+    p50_quiet, p50_busy = statistics.median(quiet), statistics.median(busy)
+    _p95_quiet, _p95_busy = quantile(quiet, 0.95), quantile(busy, 0.95)
+    p99_quiet, p99_busy = quantile(quiet, 0.99), quantile(busy, 0.99)
+    print(
+        f"per-chunk delay ms: quiet p50 {p50_quiet * 1e3:.2f} p99 {p99_quiet * 1e3:.2f}; "
+        f"50 scrapers p50 {p50_busy * 1e3:.2f} p99 {p99_busy * 1e3:.2f}"
+    )
+    assert p50_busy < p50_quiet + 0.004
+    assert p99_busy < p99_quiet + 0.015
+
+
+def slowloris(port: int, count: int, stop: threading.Event) -> None:
+    socks = []
+    try:
+        for _ in range(count):
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-slow: ")
+            socks.append(sock)
+        while not stop.wait(0.2):
+            for sock in socks:
+                with contextlib.suppress(OSError):
+                    sock.send(b"a")
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def huge_header(port: int) -> None:
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        try:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-big: ")
+            piece = b"a" * MiB
+            for _ in range(64):
+                sock.sendall(piece)
+            sock.sendall(b"\r\n\r\n")
+        except OSError:
+            pass  # the proxy cut it off at its cap: that is the point
+
+
+def test_a_stream_keeps_its_first_token_under_a_huge_header_and_500_slowloris() -> None:
+    responder = PacedStream(events=5, gap=0.01, first_after=0.3)
+    with (
+        backend(responder=responder) as upstream,
+        serving_process(upstream.url) as (base, process),
+    ):
+        port = urlsplit(base).port
+        assert port is not None
+        stream_delays(base)  # warm: the upstream connection, the first imports
+        idle = rss_bytes(process.pid)
+        stop = threading.Event()
+        attackers = [
+            threading.Thread(target=slowloris, args=(port, 500, stop)),
+            threading.Thread(target=huge_header, args=(port,)),
+        ]
+        for thread in attackers:
+            thread.start()
+        try:
+            time.sleep(1.0)  # every slowloris connection open, the header on its way
+            responder.sent = []
+            arrived = stream_delays(base)
+            peak = rss_bytes(process.pid)
+        finally:
+            stop.set()
+            for thread in attackers:
+                thread.join(20)
+    first_token_delay = arrived[0] - responder.sent[0]
+    print(
+        f"first token {first_token_delay * 1e3:.1f} ms after the backend's; "
+        f"RSS {(peak - idle) / MiB:.1f} MiB over idle"
+    )
+    assert first_token_delay < 0.050
+    assert peak - idle < 64 * MiB
