@@ -29,6 +29,7 @@ from proxy.sinks.dispatch import RequestTracer, Sinks
 from proxy.sinks.keys import KeyLabels
 from proxy.sinks.metrics import Metrics
 from proxy.types import Receive, Scope, Send
+from proxy.ui import is_ui_path, serve_ui
 
 log = logging.getLogger("tokenprobe")
 
@@ -83,6 +84,8 @@ class ProxyApp:
                 await self.forwarder(scope, receive, send)
             elif path == "/metrics" and self.settings.metrics_port is None:
                 await self.serve_metrics(scope, receive, send)
+            elif is_ui_path(path) and self.settings.metrics_port is None:
+                await serve_ui(scope, receive, send)
             elif path == "/healthz":
                 await _json(send, 200, {"status": "ok"})
             elif path == "/readyz":
@@ -143,8 +146,12 @@ class ProxyApp:
                 return
             if scope["path"] == "/metrics":
                 await self.serve_metrics(scope, receive, send)
+            elif is_ui_path(scope["path"]):
+                await serve_ui(scope, receive, send)
             else:
-                await _json(send, 404, _error("only /metrics is served here", "not_found", 404))
+                await _json(
+                    send, 404, _error("only /metrics and /ui are served here", "not_found", 404)
+                )
 
         config = uvicorn.Config(
             metrics_only,
