@@ -219,7 +219,10 @@ class Page:
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
     if CHROMIUM is None:
-        pytest.skip("chromium not found (Debian: apt-get install chromium)")
+        why = "chromium not found (Debian: apt-get install chromium)"
+        if os.environ.get("CI") == "true":  # as tests/prom.py: CI must not skip silently
+            pytest.fail(f"{why}; CI must install it")
+        pytest.skip(why)
     sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
     with sync_api.sync_playwright() as playwright:
         launched = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
@@ -251,7 +254,7 @@ def _wait_records(proxy: ProxyUnderTest, n: int) -> None:
 
 
 def _traffic(client: httpx.Client) -> int:
-    """Successes at two speeds, answers cut off, and three kinds of error; returns the count."""
+    """Successes at seven first-token delays, two answers cut off, four errors; the count."""
     sent = 0
     for ttft in ("0.02", "0.03", "0.05", "0.07", "0.09", "0.15", "0.3"):
         client.post(CHAT, json=_chat(), headers={"x-sim-ttft": ttft, "x-sim-output-tokens": "4"})
@@ -297,8 +300,6 @@ def test_page_numbers_match_promql_over_the_same_scrapes(
     shot = tmp_path / "ui.png"
     page.page.screenshot(path=str(shot), full_page=True)
     assert shot.stat().st_size > 10_000
-    if target := os.environ.get("TOKENPROBE_UI_SCREENSHOT"):
-        shutil.copy(shot, target)
 
 
 def test_page_asks_for_the_metrics_token_and_keeps_it_in_memory_only(
@@ -366,3 +367,42 @@ def test_page_reads_the_aggregated_metrics_of_two_workers(
     finally:
         proxy.terminate()
         proxy.wait(10)
+
+
+def test_demo_serve_prints_the_live_view_first_and_keeps_it_busy(
+    open_page: Callable[[str], Page],
+) -> None:
+    """`tokenprobe demo --serve` leads with the /ui address and keeps traffic going.
+
+    TOKENPROBE_UI_SCREENSHOT=docs/ui.png (with TOKENPROBE_UI_SCREENSHOT_SECONDS=75 for a
+    fuller picture) saves the README's screenshot from this run."""
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "demo", "--serve", "--port", "0", "--rounds", "1"],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert demo.stdout is not None
+        first = demo.stdout.readline()
+        assert first.startswith("live view") and first.split()[2].endswith("/ui"), first
+        url = first.split()[2]
+        target = os.environ.get("TOKENPROBE_UI_SCREENSHOT")
+        page = open_page(url if target else url + "?interval=500")  # the picture: as shipped
+        deadline = time.monotonic() + 30
+        while not ({"success", "auth", "context_length"} <= set(page.outcomes())):
+            assert time.monotonic() < deadline, page.outcomes()
+            page.page.wait_for_timeout(200)
+        seen = page.outcomes()["success"]
+        page.wait_for_scrapes(page.scrapes() + 4)
+        assert page.outcomes()["success"] > seen  # traffic goes on after the table
+        if target:
+            page.page.wait_for_timeout(
+                1000 * float(os.environ.get("TOKENPROBE_UI_SCREENSHOT_SECONDS", "0"))
+            )
+            page.page.screenshot(path=target, full_page=True)
+        assert page.errors == []
+    finally:
+        demo.terminate()
+        demo.wait(10)

@@ -13,6 +13,7 @@
   const SHOW_SECONDS = 15 * 60;
 
   const $ = (id) => document.getElementById(id);
+  $("every").textContent = String(INTERVAL_MS / 1000);
   const state = {
     token: null,
     scrapes: [],
@@ -320,6 +321,10 @@
     }
   }
 
+  function clockTime(t) {
+    return new Date(t * 1000).toLocaleTimeString([], { hourCycle: "h23", hour: "2-digit", minute: "2-digit", second: "2-digit" });
+  }
+
   function finite(v) {
     return Number.isFinite(v) ? v : null;
   }
@@ -373,7 +378,7 @@
       height: 200,
       series,
       scales: { x: { time: true } },
-      axes: [{}, { size: 60, values: (u, ticks) => ticks.map((t) => fmt(t)) }],
+      axes: [{ space: 80, values: (u, ticks) => ticks.map(clockTime) }, { size: 60, values: (u, ticks) => ticks.map((t) => fmt(t)) }],
       legend: { live: true },
       cursor: { drag: { x: false, y: false } },
     };
