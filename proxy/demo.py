@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import socket
 import sys
 from collections.abc import Callable
@@ -131,6 +132,27 @@ async def _traffic(
     return names
 
 
+async def _keep_busy(base: str) -> None:
+    """A few requests a second, mostly successes, so the live view has something to show."""
+    mix = (*SCENARIOS[:3], *SCENARIOS[:3], *SCENARIOS)
+    pending: set[asyncio.Task[httpx.Response]] = set()  # held, so none is collected mid-flight
+
+    def done(task: asyncio.Task[httpx.Response]) -> None:
+        pending.discard(task)
+        if not task.cancelled():
+            task.exception()  # a failed request is shown by the proxy; nothing to raise here
+
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        for i in itertools.count():
+            s = mix[i % len(mix)]
+            task = asyncio.create_task(
+                client.post(s.endpoint, json=_body(s, i), headers=dict(s.headers))
+            )
+            pending.add(task)
+            task.add_done_callback(done)
+            await asyncio.sleep(0.25)
+
+
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f}"
 
@@ -193,6 +215,8 @@ async def run(port: int, rounds: int, serve_after: bool, out: object = sys.stdou
         await asyncio.sleep(0.02)
     port = proxy.servers[0].sockets[0].getsockname()[1]
     base = f"http://127.0.0.1:{port}"
+    if serve_after:
+        print(f"live view                {base}/ui   (open in a browser)", file=out)  # type: ignore[call-overload]
     print(f"simulated vLLM backend   http://127.0.0.1:{sim_port}/v1", file=out)  # type: ignore[call-overload]
     print(f"tokenprobe proxy         {base}/v1   (clients point here)", file=out)  # type: ignore[call-overload]
     print(
@@ -207,7 +231,8 @@ async def run(port: int, rounds: int, serve_after: bool, out: object = sys.stdou
         file=out,  # type: ignore[call-overload]
     )
     if serve_after:
-        print("\nserving until Ctrl-C ...", file=out)  # type: ignore[call-overload]
+        print(f"\nserving until Ctrl-C, with light traffic; watch {base}/ui", file=out)  # type: ignore[call-overload]
+        tasks.append(asyncio.create_task(_keep_busy(base)))
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.gather(*tasks)
     else:

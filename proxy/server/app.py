@@ -33,6 +33,7 @@ from proxy.sinks.dispatch import RequestTracer, Sinks
 from proxy.sinks.keys import KeyLabels
 from proxy.sinks.metrics import Metrics
 from proxy.types import Receive, Scope, Send
+from proxy.ui import is_ui_path, serve_ui
 
 log = logging.getLogger("tokenprobe")
 
@@ -83,9 +84,10 @@ class ProxyApp:
         if kind == "http":
             path: str = scope["path"]
             # The proxy's own routes first; everything else belongs to the backend.
-            # (The live view's routes, /ui, go here too.)
             if path == "/metrics" and self.settings.metrics_port is None:
                 await self.serve_metrics(scope, receive, send)
+            elif is_ui_path(path) and self.settings.metrics_port is None:
+                await serve_ui(scope, receive, send)
             elif path == "/healthz":
                 await _json(send, 200, {"status": "ok"})
             elif path == "/readyz":
@@ -144,8 +146,10 @@ class ProxyApp:
                 return
             if scope["path"] == "/metrics":
                 await self.serve_metrics(scope, receive, send)
+            elif is_ui_path(scope["path"]):
+                await serve_ui(scope, receive, send)
             else:
-                await _error(send, 404, "not_found", "only /metrics is served here")
+                await _error(send, 404, "not_found", "only /metrics and /ui are served here")
 
         config = uvicorn.Config(
             metrics_only,

@@ -1,0 +1,408 @@
+"""The live view (/ui): served where /metrics is, small, and right in a real browser.
+
+The browser tests drive Debian's `chromium` through Playwright (`executable_path`, no
+browser download) against the proxy in front of the simulator. They compare what the
+page shows with a PromQL-style evaluation of the same two scrapes, done here in Python
+with prometheus-client's own text parser and an independent histogram_quantile.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.ui import ASSETS
+from tests.conftest import MODEL, ProxyUnderTest, Running
+from tests.servers import free_port
+
+CHAT = "/v1/chat/completions"
+CHROMIUM = os.environ.get("TOKENPROBE_TEST_CHROMIUM") or shutil.which("chromium")
+ROOT = Path(__file__).resolve().parent.parent
+PIP_WHEEL = (sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q")
+SERVE = (sys.executable, "-m", "proxy", "serve", "--access-log", "off", "--model-allowlist", MODEL)
+
+
+def _chat(max_tokens: int = 32) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "stream": True,
+        "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+
+
+# -- no browser needed -----------------------------------------------------------------
+
+
+def test_page_weight_html_js_css_is_under_250_kb() -> None:
+    weight = sum(
+        len(body)
+        for name, (kind, body) in ASSETS.items()
+        if kind.split(b";")[0] in (b"text/html", b"text/javascript", b"text/css")
+    )
+    assert {"", "app.js", "prom.js", "ui.css", "uPlot.iife.min.js", "uPlot.LICENSE"} <= set(ASSETS)
+    assert 50_000 < weight < 250_000, weight
+
+
+def test_ui_is_served_on_the_proxy_port_with_a_same_origin_only_policy(
+    proxy: ProxyUnderTest,
+) -> None:
+    page = httpx.get(proxy.url + "/ui")
+    assert page.status_code == 200
+    assert page.headers["content-type"].startswith("text/html")
+    assert "default-src 'none'" in page.headers["content-security-policy"]
+    assert "connect-src 'self'" in page.headers["content-security-policy"]
+    for src in ('src="ui/app.js"', 'src="ui/prom.js"', 'src="ui/uPlot.iife.min.js"'):
+        assert src in page.text
+    assert "http" not in page.text.replace("https://github.com", "")  # nothing off-origin
+    script = httpx.get(proxy.url + "/ui/app.js")
+    assert script.headers["content-type"].startswith("text/javascript")
+    assert script.content == ASSETS["app.js"][1]
+    assert httpx.get(proxy.url + "/ui/../settings.py").status_code == 404
+    assert httpx.get(proxy.url + "/ui/nothing.js").status_code == 404
+    slash = httpx.get(proxy.url + "/ui/")
+    assert (slash.status_code, slash.headers["location"]) == (308, "/ui")
+    assert httpx.post(proxy.url + "/ui").status_code == 405
+
+
+def test_ui_moves_with_metrics_to_the_metrics_port(
+    sim: Running, start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    port = free_port()
+    proxy = start_proxy(sim.url, metrics_port=port)
+    assert httpx.get(f"http://127.0.0.1:{port}/ui").status_code == 200
+    assert httpx.get(f"http://127.0.0.1:{port}/ui/prom.js").status_code == 200
+    assert httpx.get(proxy.url + "/ui").status_code == 404
+
+
+def test_a_built_wheel_ships_the_ui_assets(tmp_path: Path) -> None:
+    """`pip install .` (not editable) must carry proxy/ui/static/*: package data.
+
+    Built from a copy of the sources, so the worktree gets no build/ or egg-info."""
+    pytest.importorskip("wheel", reason="pip install wheel (setuptools builds wheels with it)")
+    source = tmp_path / "src"
+    shutil.copytree(ROOT / "proxy", source / "proxy", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    out = subprocess.run(
+        [*PIP_WHEEL, "-w", str(tmp_path), str(source)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    (wheel,) = tmp_path.glob("tokenprobe-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    shipped = {f"proxy/ui/static/{p.name}" for p in (ROOT / "proxy/ui/static").iterdir()}
+    assert shipped <= names, shipped - names
+
+
+# -- PromQL over two scrapes, in Python --------------------------------------------------
+
+
+def _samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith("tokenprobe_") and not s.name.endswith("_created")
+    }
+
+
+def _increase(before: float | None, now: float) -> float:
+    """increase() between two samples; a series absent before counts from 0, a drop is a reset."""
+    if before is None:
+        return now
+    return now - before if now >= before else now
+
+
+def histogram_quantile(q: float, buckets: dict[float, float]) -> float:
+    """PromQL's classic-histogram quantile (prometheus/prometheus promql/quantile.go)."""
+    ordered = sorted(buckets.items())
+    if len(ordered) < 2 or ordered[-1][0] != math.inf:
+        return math.nan
+    counts = [c for _, c in ordered]
+    for i in range(1, len(counts)):
+        counts[i] = max(counts[i], counts[i - 1])
+    total = counts[-1]
+    if total == 0:
+        return math.nan
+    rank = q * total
+    b = next((i for i in range(len(counts) - 1) if counts[i] >= rank), len(counts) - 1)
+    if b == len(counts) - 1:
+        return ordered[-2][0]
+    if b == 0 and ordered[0][0] <= 0:
+        return ordered[0][0]
+    start, count = 0.0, counts[b]
+    if b > 0:
+        start = ordered[b - 1][0]
+        count -= counts[b - 1]
+        rank -= counts[b - 1]
+    return start + (ordered[b][0] - start) * (rank / count)
+
+
+def promql_window(before: str, now: str) -> tuple[dict[str, float], dict[float, float]]:
+    """sum by (error_type) (increase(requests_total)) and sum by (le) (increase(ttft_bucket))."""
+    old, new = _samples(before), _samples(now)
+    outcomes: dict[str, float] = {}
+    ttft: dict[float, float] = {}
+    for (name, labels), value in new.items():
+        delta = _increase(old.get((name, labels)), value)
+        tags = dict(labels)
+        if name == "tokenprobe_requests_total":
+            outcome = "success" if tags["error_type"] == "none" else tags["error_type"]
+            outcomes[outcome] = outcomes.get(outcome, 0.0) + delta
+        elif name == "tokenprobe_time_to_first_token_seconds_bucket":
+            le = float(tags["le"])
+            ttft[le] = ttft.get(le, 0.0) + delta
+    return {k: v for k, v in outcomes.items() if v > 0}, ttft
+
+
+def test_python_histogram_quantile_interpolates_like_promql() -> None:
+    # 10 observations: 4 in (0, 0.1], 6 in (0.1, 0.5]; the median is rank 5, 1 of 6 into
+    # the second bucket; the 0.99 quantile falls in +Inf and reads the highest finite bound.
+    buckets = {0.1: 4.0, 0.5: 10.0, math.inf: 10.0}
+    assert histogram_quantile(0.5, buckets) == pytest.approx(0.1 + 0.4 * (1 / 6))
+    assert histogram_quantile(0.2, buckets) == pytest.approx(0.05)
+    assert histogram_quantile(0.99, {0.1: 4.0, 0.5: 9.0, math.inf: 10.0}) == 0.5
+    assert math.isnan(histogram_quantile(0.5, {0.1: 0.0, math.inf: 0.0}))
+
+
+# -- in a real browser -------------------------------------------------------------------
+
+
+class Page:
+    """A Playwright page that records console errors and every URL it asks for."""
+
+    def __init__(self, page: Any) -> None:
+        self.page = page
+        self.errors: list[str] = []
+        self.urls: list[str] = []
+        page.on("pageerror", lambda exc: self.errors.append(f"page error: {exc}"))
+        page.on(
+            "console",
+            lambda msg: self.errors.append(msg.text) if msg.type in ("error", "warning") else None,
+        )
+        page.on("request", lambda request: self.urls.append(request.url))
+
+    def scrapes(self) -> int:
+        return int(self.page.get_attribute("body", "data-scrapes") or 0)
+
+    def wait_for_scrapes(self, at_least: int, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.scrapes() < at_least:
+            assert time.monotonic() < deadline, f"the page made {self.scrapes()} scrapes"
+            self.page.wait_for_timeout(50)
+
+    def outcomes(self) -> dict[str, float]:
+        return {
+            row.get_attribute("data-outcome"): float(row.get_attribute("data-count"))
+            for row in self.page.query_selector_all("#outcomes tbody tr[data-outcome]")
+        }
+
+    def stat(self, name: str) -> float:
+        return float(self.page.get_attribute(f'[data-stat="{name}"]', "data-value"))
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    if CHROMIUM is None:
+        why = "chromium not found (Debian: apt-get install chromium)"
+        if os.environ.get("CI") == "true":  # as tests/prom.py: CI must not skip silently
+            pytest.fail(f"{why}; CI must install it")
+        pytest.skip(why)
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    with sync_api.sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield launched
+        launched.close()
+
+
+@pytest.fixture
+def open_page(browser: Any) -> Iterator[Callable[[str], Page]]:
+    contexts: list[Any] = []
+
+    def open_(url: str) -> Page:
+        context = browser.new_context(viewport={"width": 1280, "height": 900})
+        contexts.append(context)
+        page = Page(context.new_page())
+        page.page.goto(url)
+        return page
+
+    yield open_
+    for context in contexts:
+        context.close()
+
+
+def _wait_records(proxy: ProxyUnderTest, n: int) -> None:
+    deadline = time.monotonic() + 10
+    while len(proxy.records) < n:
+        assert time.monotonic() < deadline, f"{len(proxy.records)} of {n} records"
+        time.sleep(0.01)
+
+
+def _traffic(client: httpx.Client) -> int:
+    """Successes at seven first-token delays, two answers cut off, four errors; the count."""
+    sent = 0
+    for ttft in ("0.02", "0.03", "0.05", "0.07", "0.09", "0.15", "0.3"):
+        client.post(CHAT, json=_chat(), headers={"x-sim-ttft": ttft, "x-sim-output-tokens": "4"})
+        sent += 1
+    for _ in range(2):
+        client.post(CHAT, json=_chat(max_tokens=3), headers={"x-sim-output-tokens": "20"})
+        sent += 1
+    for kind in ("auth", "auth", "rate_limit", "token_exchange"):
+        client.post(CHAT, json=_chat(), headers={"x-sim-error": kind})
+        sent += 1
+    client.post(CHAT, json=_chat(max_tokens=1_000_000))  # context_length
+    return sent + 1
+
+
+def test_page_numbers_match_promql_over_the_same_scrapes(
+    proxy: ProxyUnderTest, open_page: Callable[[str], Page], tmp_path: Path
+) -> None:
+    with httpx.Client(base_url=proxy.url, timeout=10) as client:
+        done = _traffic(client)  # before the page opens: its window must subtract these
+        _wait_records(proxy, done)
+        before = client.get("/metrics").text
+        page = open_page(proxy.url + "/ui?interval=300")
+        page.wait_for_scrapes(2)  # the window's oldest scrape is `before`'s state
+        done += _traffic(client)
+        _wait_records(proxy, done)
+        now = client.get("/metrics").text
+        seen = page.scrapes()
+        page.wait_for_scrapes(seen + 2)  # one whole poll after `now` was taken
+
+    outcomes, ttft = promql_window(before, now)
+    assert set(outcomes) == {"success", "auth", "rate_limit", "context_length"}
+    assert page.outcomes() == outcomes
+    expected_p50 = histogram_quantile(0.5, ttft)
+    assert 0.02 < expected_p50 < 0.3
+    assert page.stat("ttft_p50") / 1000 == pytest.approx(expected_p50, rel=1e-9)
+    assert page.stat("cut_off") == pytest.approx(100 * 2 / 14)
+    assert page.stat("in_flight") == 0
+
+    assert page.errors == []
+    assert {u.split("/", 3)[2] for u in page.urls} == {proxy.url.split("/", 3)[2]}
+    for chart in ("ttft", "itl", "speed", "throughput", "requests", "cutoff", "inflight"):
+        assert page.page.query_selector(f"#chart-{chart} canvas") is not None, chart
+    shot = tmp_path / "ui.png"
+    page.page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 10_000
+
+
+def test_page_asks_for_the_metrics_token_and_keeps_it_in_memory_only(
+    sim: Running, start_proxy: Callable[..., ProxyUnderTest], open_page: Callable[[str], Page]
+) -> None:
+    proxy = start_proxy(sim.url, metrics_token="s3cret-token")
+    page = open_page(proxy.url + "/ui?interval=300")
+    form = page.page.locator("#token-form")
+    form.wait_for(state="visible")
+    page.page.fill("#token", "wrong")
+    page.page.click("#token-form button")
+    page.page.wait_for_function(
+        "document.getElementById('token-why').textContent.includes('refused')"
+    )
+    assert page.scrapes() == 0
+    page.page.fill("#token", "s3cret-token")
+    page.page.click("#token-form button")
+    httpx.post(proxy.url + CHAT, json=_chat(), headers={"x-sim-output-tokens": "3"})
+    page.wait_for_scrapes(3)
+    assert form.is_hidden()
+    stored = page.page.evaluate(
+        "JSON.stringify([localStorage, sessionStorage, document.cookie, location.href])"
+    )
+    assert "s3cret" not in stored
+    # the only errors: the browser's own notes on the two refused /metrics fetches
+    assert [e for e in page.errors if "401" not in e] == []
+    assert len(page.errors) == 2
+
+
+def test_page_reads_the_aggregated_metrics_of_two_workers(
+    sim: Running, open_page: Callable[[str], Page], tmp_path: Path
+) -> None:
+    port = free_port()
+    proxy = subprocess.Popen(
+        [*SERVE, "--upstream", sim.url, "--port", str(port), "--workers", "2"],
+        env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(base + "/ui", timeout=0.5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and proxy.poll() is None, "serve did not start"
+            time.sleep(0.05)
+        page = open_page(base + "/ui?interval=300")
+        page.wait_for_scrapes(1)
+        n = 12
+        for _ in range(n):  # a fresh connection each, so both workers take requests
+            httpx.post(
+                base + CHAT,
+                json=_chat(),
+                headers={"x-sim-ttft": "0", "x-sim-output-tokens": "3", "connection": "close"},
+            )
+        deadline = time.monotonic() + 20
+        while page.outcomes().get("success") != n:
+            assert time.monotonic() < deadline, page.outcomes()
+            page.page.wait_for_timeout(100)
+        assert page.errors == []
+    finally:
+        proxy.terminate()
+        proxy.wait(10)
+
+
+def test_demo_serve_prints_the_live_view_first_and_keeps_it_busy(
+    open_page: Callable[[str], Page],
+) -> None:
+    """`tokenprobe demo --serve` leads with the /ui address and keeps traffic going.
+
+    TOKENPROBE_UI_SCREENSHOT=docs/ui.png (with TOKENPROBE_UI_SCREENSHOT_SECONDS=75 for a
+    fuller picture) saves the README's screenshot from this run."""
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "demo", "--serve", "--port", "0", "--rounds", "1"],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert demo.stdout is not None
+        first = demo.stdout.readline()
+        assert first.startswith("live view") and first.split()[2].endswith("/ui"), first
+        url = first.split()[2]
+        target = os.environ.get("TOKENPROBE_UI_SCREENSHOT")
+        page = open_page(url if target else url + "?interval=500")  # the picture: as shipped
+        deadline = time.monotonic() + 30
+        while not ({"success", "auth", "context_length"} <= set(page.outcomes())):
+            assert time.monotonic() < deadline, page.outcomes()
+            page.page.wait_for_timeout(200)
+        seen = page.outcomes()["success"]
+        page.wait_for_scrapes(page.scrapes() + 4)
+        assert page.outcomes()["success"] > seen  # traffic goes on after the table
+        if target:
+            page.page.wait_for_timeout(
+                1000 * float(os.environ.get("TOKENPROBE_UI_SCREENSHOT_SECONDS", "0"))
+            )
+            page.page.screenshot(path=target, full_page=True)
+        assert page.errors == []
+    finally:
+        demo.terminate()
+        demo.wait(10)
