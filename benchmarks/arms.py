@@ -19,7 +19,6 @@ import secrets
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import checkout  # noqa: F401  (this checkout's proxy/ first)
+
+from proxy.bench.ports import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
@@ -36,12 +39,6 @@ NGINX = "/usr/sbin/nginx"
 NGINX_HINT = "nginx not found: install it with `apt-get install nginx-light` to add the nginx arm"
 LITELLM_VENV = HERE / ".litellm-venv"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cores() -> tuple[set[int], set[int], set[int]]:
@@ -358,7 +355,7 @@ class Stack:
             f"transport {transport}, access log {'json to /dev/null' if full else 'off'}"
         )
         if full if traced is None else traced:
-            if (ROOT / "proxy" / "tracing.py").exists():
+            if any((tree / "proxy" / p).exists() for p in ("sinks/tracing.py", "tracing.py")):
                 env = {
                     "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{self.otlp_port}",
                     "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",

@@ -22,8 +22,11 @@ import sys
 import time
 from typing import Any
 
+import checkout  # noqa: F401  (this checkout's proxy/ first)
 import httptools
 import orjson
+
+from proxy.bench.stats import quantile
 
 STAMP = re.compile(rb'"sent_ns":(\d+),')
 MAX_CONNECTIONS = 4096
@@ -186,23 +189,22 @@ def build_request(
 
 
 def summary(values: list[int]) -> dict[str, float] | None:
-    """Percentiles in microseconds (nearest rank)."""
+    """Percentiles in microseconds of values in nanoseconds (proxy.bench.stats.quantile)."""
     if not values:
         return None
     ordered = sorted(values)
-    n = len(ordered)
 
     def at(q: float) -> float:
-        return ordered[min(n - 1, int(q * n))] / 1000
+        return (quantile(ordered, q) or 0) / 1000
 
     return {
-        "n": n,
-        "p50": at(0.5),
-        "p90": at(0.9),
-        "p99": at(0.99),
-        "p999": at(0.999),
+        "n": len(ordered),
+        "p50": at(50),
+        "p90": at(90),
+        "p99": at(99),
+        "p999": at(99.9),
         "max": ordered[-1] / 1000,
-        "mean": sum(ordered) / n / 1000,
+        "mean": sum(ordered) / len(ordered) / 1000,
     }
 
 

@@ -7,14 +7,15 @@ Every "added" figure is the arm's percentile minus direct's percentile in the sa
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 TARGETS_NOTE = "tokenprobe = metrics only; tokenprobe-full = metrics + JSON log + tracing"
 
 
-def stat(values: list[float]) -> dict[str, float] | None:
-    values = [v for v in values if v is not None]
+def stat(given: Iterable[float | None]) -> dict[str, float] | None:
+    values = [v for v in given if v is not None]
     if not values:
         return None
     return {
@@ -29,6 +30,11 @@ def _p(phase: dict[str, Any] | None, key: str, q: str) -> float | None:
     if phase is None or not phase.get(key):
         return None
     return float(phase[key][q])
+
+
+def _ms(phase: dict[str, Any] | None, key: str, q: str) -> float | None:
+    us = _p(phase, key, q)
+    return None if us is None else us / 1000
 
 
 def passes(kind: str, p: dict[str, Any], direct: dict[str, Any] | None, limit_us: float) -> bool:
@@ -141,18 +147,10 @@ def summarize(results: dict[str, Any], limit_us: float) -> dict[str, Any]:
                 "proxy_cpu_util": stat([p["proxy_cpu_util"] for p in mine]),
                 "generator_cpu_util": stat([p["generator_cpu_util"] for p in mine]),
                 "chunk_p50_ms": stat(
-                    [
-                        _p(p, "chunk_latency_us", "p50") / 1000
-                        for p in mine
-                        if p.get("chunk_latency_us")
-                    ]
+                    [_ms(p, "chunk_latency_us", "p50") for p in mine if p.get("chunk_latency_us")]
                 ),
                 "chunk_p99_ms": stat(
-                    [
-                        _p(p, "chunk_latency_us", "p99") / 1000
-                        for p in mine
-                        if p.get("chunk_latency_us")
-                    ]
+                    [_ms(p, "chunk_latency_us", "p99") for p in mine if p.get("chunk_latency_us")]
                 ),
                 "added_chunk_p50_ms": stat(
                     [_diff(p, d, "chunk_latency_us", "p50") for p, d in pairs]
@@ -181,7 +179,7 @@ def summarize(results: dict[str, Any], limit_us: float) -> dict[str, Any]:
             }
         ttft = [p for p in phases if p.get("kind") == "ttft" and p["arm"] == arm]
         tbase = {p["round"]: p for p in phases if p.get("kind") == "ttft" and p["arm"] == "direct"}
-        s["ttft_p50_ms"] = stat([_p(p, "ttft_us", "p50") / 1000 for p in ttft if p.get("ttft_us")])
+        s["ttft_p50_ms"] = stat([_ms(p, "ttft_us", "p50") for p in ttft if p.get("ttft_us")])
         s["added_ttft_p50_ms"] = stat(
             [_diff(p, tbase.get(p["round"]), "ttft_us", "p50") for p in ttft]
         )
