@@ -12,6 +12,7 @@ the arm under test, which gets a core to itself. Arms, interleaved in rounds:
   tokenprobe-full   metrics + JSON access log to /dev/null + tracing to a local OTLP sink
   tokenprobe-httpx  metrics only, httpx's own transport
   tokenprobe-traced metrics + tracing, access log off (only with --arms): tracing's own cost
+  fastrelay         protocol-level relay prototype (only with --arms): fastrelay.py
   litellm           only with --with-litellm (own venv, pass-through endpoint, prometheus)
 
 Per arm: proxy CPU per relayed chunk and per request (from /proc of the arm's processes
@@ -40,7 +41,7 @@ from report import chart, markdown, summarize
 
 ALL_ARMS = ("direct", "relay", "nginx", "tokenprobe", "tokenprobe-full", "tokenprobe-httpx")
 #: Arms run only when named with --arms.
-EXTRA_ARMS = ("tokenprobe-traced",)
+EXTRA_ARMS = ("tokenprobe-traced", "fastrelay")
 P99_LIMIT_US = 5000.0
 
 
@@ -252,6 +253,8 @@ def make_arms(args: argparse.Namespace, stack: Stack, notes: list[str]) -> list[
             if arm is None:
                 notes.append(NGINX_HINT)
                 print(NGINX_HINT, file=sys.stderr)
+        elif name == "fastrelay":
+            arm = stack.fastrelay()
         elif name == "tokenprobe-traced":  # tracing on, access log off: tracing's own cost
             tree = args.tree.resolve() if args.tree else ROOT
             arm = stack.tokenprobe(name, "aiohttp", full=False, tree=tree, traced=True)
