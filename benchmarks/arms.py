@@ -127,6 +127,24 @@ def cpu(pids: list[int]) -> tuple[int, int]:
     return sched, ticks * 1_000_000_000 // CLK_TCK
 
 
+def wakeups(pids: list[int]) -> int:
+    """Voluntary context switches summed over these processes' live threads.
+
+    For an event loop these are its sleeps in epoll_wait, each ended by a wakeup: relayed
+    chunks over them say how many chunks one wakeup found waiting."""
+    total = 0
+    for pid in pids:
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/status") as f:
+                    for line in f:
+                        if line.startswith("voluntary_ctxt_switches:"):
+                            total += int(line.split()[1])
+        except (OSError, ValueError):
+            continue
+    return total
+
+
 def system_busy_ns() -> int:
     """CPU time every core spent busy (not idle or iowait), from /proc/stat, in ns."""
     with open("/proc/stat") as f:
@@ -252,22 +270,22 @@ class Stack:
     def sim_url(self) -> str:
         return f"http://127.0.0.1:{self.sim_port}"
 
-    def start_backend(self) -> None:
-        self.sim = spawn(
-            [
-                PY,
-                str(HERE / "sim_server.py"),
-                "--port",
-                str(self.sim_port),
-                "--otlp-port",
-                str(self.otlp_port),
-            ],
-            self.sim_cpus,
-            log=self.work / "sim.log",
-        )
-        wait_ready(self.sim, self.sim_port, "/v1/chat/completions", 30)
+    def start_backend(self, shape: str = "apart") -> None:
+        """The simulator and the load generator: two processes (`apart`), or one process
+        whose event loop runs both (`together`, the load shape that costs the proxy more)."""
+        sim_cmd = ["--port", str(self.sim_port), "--otlp-port", str(self.otlp_port)]
+        gen_cmd = [PY, str(HERE / "loadgen.py")]
+        if shape == "together":
+            gen_cmd += ["--sim-port", str(self.sim_port), "--otlp-port", str(self.otlp_port)]
+        else:
+            self.sim = spawn(
+                [PY, str(HERE / "sim_server.py"), *sim_cmd],
+                self.sim_cpus,
+                log=self.work / "sim.log",
+            )
+            wait_ready(self.sim, self.sim_port, "/v1/chat/completions", 30)
         self.gen = spawn(
-            [PY, str(HERE / "loadgen.py")],
+            gen_cmd,
             self.gen_cpus,
             log=self.work / "loadgen.log",
             stdin=subprocess.PIPE,
@@ -275,6 +293,8 @@ class Stack:
         )
         if self.read_gen(30).get("event") != "ready":
             raise RuntimeError("load generator did not start")
+        if shape == "together":
+            wait_ready(self.gen, self.sim_port, "/v1/chat/completions", 30)
 
     def generator_pids(self) -> list[int]:
         return [p.pid for p in (self.sim, self.gen) if p is not None]

@@ -144,6 +144,9 @@ def summarize(results: dict[str, Any], limit_us: float) -> dict[str, Any]:
                     ]
                 ),
                 "cpu_us_per_request": stat([_cpu_per(p, "requests") for p in mine]),
+                "chunks_per_wakeup": stat(
+                    [p["chunks"] / p["proxy_wakeups"] for p in mine if p.get("proxy_wakeups")]
+                ),
                 "proxy_cpu_util": stat([p["proxy_cpu_util"] for p in mine]),
                 "generator_cpu_util": stat([p["generator_cpu_util"] for p in mine]),
                 "chunk_p50_ms": stat(
@@ -334,7 +337,8 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [
         f"Machine: {m['cpu_model']}, {m['cores']} cores, Python {m['python']}, Linux {m['kernel']}. "
         f"Arm on core {results['cores']['proxy']}, simulator and load generator on "
-        f"{sorted(set(results['cores']['simulator']) | set(results['cores']['load_generator']))}. "
+        f"{sorted(set(results['cores']['simulator']) | set(results['cores']['load_generator']))}"
+        f"{' (one process)' if cfg.get('shape') == 'together' else ' (two processes)'}. "
         f"Lockstep step {cfg['step_ms']:g} ms, {cfg['tokens']} chunks per request, "
         f"{cfg['rounds']} interleaved rounds: median (min–max).",
         "",
