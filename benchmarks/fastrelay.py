@@ -321,10 +321,12 @@ class Client(asyncio.Protocol):
             self.data_received(waiting)
 
 
-async def serve(port: int, upstream: tuple[str, int]) -> None:
+async def serve(port: int, upstream: tuple[str, int], reuse_port: bool = False) -> None:
     relay = Relay(upstream)
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: Client(relay), "127.0.0.1", port, backlog=4096)
+    server = await loop.create_server(
+        lambda: Client(relay), "127.0.0.1", port, backlog=4096, reuse_port=reuse_port
+    )
     async with server:
         await server.serve_forever()
 
@@ -334,10 +336,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--upstream-port", type=int, required=True)
     parser.add_argument("--upstream-host", default="127.0.0.1")
+    parser.add_argument("--reuse-port", action="store_true", help="share the port (N processes)")
     args = parser.parse_args()
     import uvloop
 
-    uvloop.run(serve(args.port, (args.upstream_host, args.upstream_port)))
+    uvloop.run(serve(args.port, (args.upstream_host, args.upstream_port), args.reuse_port))
 
 
 if __name__ == "__main__":

@@ -291,6 +291,7 @@ async def run_stream(cmd: dict[str, Any]) -> dict[str, Any]:
         "chunk_latency_us": summary(stats.chunk_lat),
         "ttft_us": summary(stats.ttft),
         "error_reasons": stats.why,
+        **({"chunk_latency_ns": stats.chunk_lat} if cmd.get("raw") else {}),
     }
 
 
