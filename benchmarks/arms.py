@@ -264,18 +264,33 @@ class Stack:
         self.sim_port, self.otlp_port = free_port(), free_port()
         self.sim: subprocess.Popen[Any] | None = None
         self.gen: subprocess.Popen[Any] | None = None
+        self.otlp_sink: subprocess.Popen[Any] | None = None  # beside the emitter backend
         self.arms: list[Arm] = []
 
     @property
     def sim_url(self) -> str:
         return f"http://127.0.0.1:{self.sim_port}"
 
-    def start_backend(self, shape: str = "apart") -> None:
-        """The simulator and the load generator: two processes (`apart`), or one process
-        whose event loop runs both (`together`, the load shape that costs the proxy more)."""
+    def start_backend(self, shape: str = "apart", backend: str = "sim") -> None:
+        """The backend and the load generator: two processes (`apart`), or one process
+        whose event loop runs both (`together`). The backend is tokenprobe's simulator
+        (`sim`), or the lean emitter.py (`emitter`), which writes each step's chunks back
+        to back, as a tight burst, where the simulator spaces them by its own cost."""
         sim_cmd = ["--port", str(self.sim_port), "--otlp-port", str(self.otlp_port)]
         gen_cmd = [PY, str(HERE / "loadgen.py")]
-        if shape == "together":
+        if backend == "emitter":
+            self.sim = spawn(
+                [PY, str(HERE / "emitter.py"), "--port", str(self.sim_port)],
+                self.sim_cpus,
+                log=self.work / "emitter.log",
+            )
+            wait_ready(self.sim, self.sim_port, "/v1/chat/completions", 30)
+            self.otlp_sink = spawn(
+                [PY, str(HERE / "sim_server.py"), "--port", str(free_port()), *sim_cmd[2:]],
+                self.sim_cpus,
+                log=self.work / "otlp.log",
+            )
+        elif shape == "together":
             gen_cmd += ["--sim-port", str(self.sim_port), "--otlp-port", str(self.otlp_port)]
         else:
             self.sim = spawn(
@@ -293,7 +308,7 @@ class Stack:
         )
         if self.read_gen(30).get("event") != "ready":
             raise RuntimeError("load generator did not start")
-        if shape == "together":
+        if shape == "together" and backend == "sim":
             wait_ready(self.gen, self.sim_port, "/v1/chat/completions", 30)
 
     def generator_pids(self) -> list[int]:
@@ -333,7 +348,7 @@ class Stack:
                 self.gen.wait(5)
             except (OSError, subprocess.TimeoutExpired):
                 pass
-        for proc in (self.gen, self.sim):
+        for proc in (self.gen, self.sim, self.otlp_sink):
             if proc is not None:
                 stop(proc)
 

@@ -7,7 +7,8 @@ emitter gets one chunk per step, each chunk its own write, stamped with `"sent_n
 just before the write. Chunks are shaped like vLLM's chat chunks (about 230 bytes).
 
 A request with `"stream":true` in its body streams `x-sim-output-tokens` content chunks
-(step from `x-bench-step-ms`, default 20 ms), a finish chunk and `data: [DONE]`; any other
+(step from `x-bench-step-ms`, else 1 / `x-sim-tps`, else 20 ms; the first after
+`x-sim-ttft` s when given), a finish chunk and `data: [DONE]`; any other
 request gets a small non-streaming completion at once. It is a load source, not a
 simulator: `proxy/sim` is the backend with the behaviours tokenprobe must handle.
 
@@ -99,7 +100,9 @@ class Conn(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.body = b""
         self.tokens = 1
-        self.step = b"20"
+        self.step = b""
+        self.tps = 0.0
+        self.ttft = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -111,7 +114,7 @@ class Conn(asyncio.Protocol):
             self.transport.close()
 
     def on_message_begin(self) -> None:
-        self.body, self.tokens, self.step = b"", 1, b"20"
+        self.body, self.tokens, self.step, self.tps, self.ttft = b"", 1, b"", 0.0, 0.0
 
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
@@ -119,6 +122,10 @@ class Conn(asyncio.Protocol):
             self.tokens = max(1, int(value))
         elif name == b"x-bench-step-ms":
             self.step = value
+        elif name == b"x-sim-tps":
+            self.tps = float(value)
+        elif name == b"x-sim-ttft":
+            self.ttft = float(value)
 
     def on_body(self, body: bytes) -> None:
         self.body += body
@@ -132,10 +139,15 @@ class Conn(asyncio.Protocol):
             return
         self.transport.pause_reading()  # one stream at a time on a connection
         self.transport.write(HEAD)
-        clock = self.clocks.get(self.step)
+        step = self.step or (b"%g" % (1000 / self.tps) if self.tps > 0 else b"20")
+        clock = self.clocks.get(step)
         if clock is None:
-            clock = self.clocks[self.step] = Clock(float(self.step) / 1000)
-        clock.add(Stream(self, self.tokens))
+            clock = self.clocks[step] = Clock(float(step) / 1000)
+        stream = Stream(self, self.tokens)
+        if self.ttft > 0:  # the first token after ttft, then on the clock
+            asyncio.get_running_loop().call_later(self.ttft, clock.add, stream)
+        else:
+            clock.add(stream)
 
     def idle(self) -> None:
         self.transport.resume_reading()

@@ -79,6 +79,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(together): the same chunks arrive at the proxy spread differently in time",
     )
     add(
+        "--backend",
+        choices=("sim", "emitter"),
+        default="sim",
+        help="tokenprobe's simulator, or the lean emitter.py (each step's chunks in a tight "
+        "burst, vLLM-shaped 240-byte chunks)",
+    )
+    add(
         "--client-us",
         type=float,
         default=0.0,
@@ -328,7 +335,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     notes: list[str] = []
     bench = Bench(args, stack)
     try:
-        stack.start_backend(args.shape)
+        stack.start_backend(args.shape, args.backend)
         arms = make_arms(args, stack, notes)
         stack.arms = arms
         for arm in list(arms):  # start-to-first-request, on fresh processes; the last one stays up
