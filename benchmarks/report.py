@@ -239,6 +239,21 @@ def targets(arms: dict[str, Any], streams_list: list[int]) -> list[dict[str, Any
     def cpu_chunk(arm: str) -> float | None:
         return _med(arms.get(arm, {}).get("sweep", {}).get(c, {}).get("cpu_us_per_chunk"))
 
+    # Issue 15: CPU per chunk against nginx (1 worker each) at 64 and 256 lockstep streams.
+    for streams in [s for s in streams_list if s >= 64]:
+        sweep = {a: arms.get(a, {}).get("sweep", {}).get(str(streams), {}) for a in arms}
+        base = _med(sweep.get("nginx", {}).get("cpu_us_per_chunk"))
+        for arm, limit in (("tokenprobe", 1.5), ("tokenprobe-full", 1.8), ("fastrelay", 1.5)):
+            mine = _med(sweep.get(arm, {}).get("cpu_us_per_chunk"))
+            if arm not in arms or mine is None or not base:
+                continue
+            add(
+                f"{arm} CPU per chunk vs nginx ({streams} streams)",
+                f"<= {limit}x",
+                mine / base,
+                mine / base <= limit,
+                f"{mine:.1f} us vs {base:.1f} us",
+            )
     relay = cpu_chunk("relay")
     for arm, limit in (("tokenprobe", 1.75), ("tokenprobe-full", 2.25)):
         mine = cpu_chunk(arm)
