@@ -19,7 +19,6 @@ import secrets
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import checkout  # noqa: F401  (this checkout's proxy/ first)
+
+from proxy.bench.ports import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
@@ -36,12 +39,6 @@ NGINX = "/usr/sbin/nginx"
 NGINX_HINT = "nginx not found: install it with `apt-get install nginx-light` to add the nginx arm"
 LITELLM_VENV = HERE / ".litellm-venv"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cores() -> tuple[set[int], set[int], set[int]]:
@@ -128,6 +125,24 @@ def cpu(pids: list[int]) -> tuple[int, int]:
         except (OSError, ValueError, IndexError):
             continue
     return sched, ticks * 1_000_000_000 // CLK_TCK
+
+
+def wakeups(pids: list[int]) -> int:
+    """Voluntary context switches summed over these processes' live threads.
+
+    For an event loop these are its sleeps in epoll_wait, each ended by a wakeup: relayed
+    chunks over them say how many chunks one wakeup found waiting."""
+    total = 0
+    for pid in pids:
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/status") as f:
+                    for line in f:
+                        if line.startswith("voluntary_ctxt_switches:"):
+                            total += int(line.split()[1])
+        except (OSError, ValueError):
+            continue
+    return total
 
 
 def system_busy_ns() -> int:
@@ -249,28 +264,43 @@ class Stack:
         self.sim_port, self.otlp_port = free_port(), free_port()
         self.sim: subprocess.Popen[Any] | None = None
         self.gen: subprocess.Popen[Any] | None = None
+        self.otlp_sink: subprocess.Popen[Any] | None = None  # beside the emitter backend
         self.arms: list[Arm] = []
 
     @property
     def sim_url(self) -> str:
         return f"http://127.0.0.1:{self.sim_port}"
 
-    def start_backend(self) -> None:
-        self.sim = spawn(
-            [
-                PY,
-                str(HERE / "sim_server.py"),
-                "--port",
-                str(self.sim_port),
-                "--otlp-port",
-                str(self.otlp_port),
-            ],
-            self.sim_cpus,
-            log=self.work / "sim.log",
-        )
-        wait_ready(self.sim, self.sim_port, "/v1/chat/completions", 30)
+    def start_backend(self, shape: str = "apart", backend: str = "sim") -> None:
+        """The backend and the load generator: two processes (`apart`), or one process
+        whose event loop runs both (`together`). The backend is tokenprobe's simulator
+        (`sim`), or the lean emitter.py (`emitter`), which writes each step's chunks back
+        to back, as a tight burst, where the simulator spaces them by its own cost."""
+        sim_cmd = ["--port", str(self.sim_port), "--otlp-port", str(self.otlp_port)]
+        gen_cmd = [PY, str(HERE / "loadgen.py")]
+        if backend == "emitter":
+            self.sim = spawn(
+                [PY, str(HERE / "emitter.py"), "--port", str(self.sim_port)],
+                self.sim_cpus,
+                log=self.work / "emitter.log",
+            )
+            wait_ready(self.sim, self.sim_port, "/v1/chat/completions", 30)
+            self.otlp_sink = spawn(
+                [PY, str(HERE / "sim_server.py"), "--port", str(free_port()), *sim_cmd[2:]],
+                self.sim_cpus,
+                log=self.work / "otlp.log",
+            )
+        elif shape == "together":
+            gen_cmd += ["--sim-port", str(self.sim_port), "--otlp-port", str(self.otlp_port)]
+        else:
+            self.sim = spawn(
+                [PY, str(HERE / "sim_server.py"), *sim_cmd],
+                self.sim_cpus,
+                log=self.work / "sim.log",
+            )
+            wait_ready(self.sim, self.sim_port, "/v1/chat/completions", 30)
         self.gen = spawn(
-            [PY, str(HERE / "loadgen.py")],
+            gen_cmd,
             self.gen_cpus,
             log=self.work / "loadgen.log",
             stdin=subprocess.PIPE,
@@ -278,6 +308,8 @@ class Stack:
         )
         if self.read_gen(30).get("event") != "ready":
             raise RuntimeError("load generator did not start")
+        if shape == "together" and backend == "sim":
+            wait_ready(self.gen, self.sim_port, "/v1/chat/completions", 30)
 
     def generator_pids(self) -> list[int]:
         return [p.pid for p in (self.sim, self.gen) if p is not None]
@@ -316,7 +348,7 @@ class Stack:
                 self.gen.wait(5)
             except (OSError, subprocess.TimeoutExpired):
                 pass
-        for proc in (self.gen, self.sim):
+        for proc in (self.gen, self.sim, self.otlp_sink):
             if proc is not None:
                 stop(proc)
 
@@ -358,7 +390,7 @@ class Stack:
             f"transport {transport}, access log {'json to /dev/null' if full else 'off'}"
         )
         if full if traced is None else traced:
-            if (ROOT / "proxy" / "tracing.py").exists():
+            if any((tree / "proxy" / p).exists() for p in ("sinks/tracing.py", "tracing.py")):
                 env = {
                     "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{self.otlp_port}",
                     "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
@@ -385,6 +417,16 @@ class Stack:
         ]
         arm = Arm("relay", port)
         arm.start = lambda: spawn(cmd, self.proxy_cpus, log=self.work / "relay.log")
+        return arm
+
+    def fastrelay(self) -> Arm:
+        """The protocol-level relay prototype (fastrelay.py), tokenprobe's measuring inside."""
+        port = free_port()
+        cmd = [PY, str(HERE / "fastrelay.py"), "--port", str(port)]
+        cmd += ["--upstream-port", str(self.sim_port)]
+        arm = Arm("fastrelay", port)
+        arm.notes.append("one callback per upstream read: httptools, observer, metrics sink")
+        arm.start = lambda: spawn(cmd, self.proxy_cpus, log=self.work / "fastrelay.log")
         return arm
 
     def nginx(self) -> Arm | None:

@@ -22,11 +22,15 @@ import sys
 import time
 from typing import Any
 
+import checkout  # noqa: F401  (this checkout's proxy/ first)
 import httptools
 import orjson
 
+from proxy.bench.stats import quantile
+
 STAMP = re.compile(rb'"sent_ns":(\d+),')
 MAX_CONNECTIONS = 4096
+BURN_NS = [0]  # CPU to burn per content chunk read, set per stream phase
 
 
 class Stats:
@@ -109,6 +113,10 @@ class Conn(asyncio.Protocol):
             end = match.end()
             found += 1
         if found:
+            if BURN_NS[0]:  # a streaming client's own work per chunk (--client-us)
+                until = time.perf_counter_ns() + BURN_NS[0] * found
+                while time.perf_counter_ns() < until:
+                    pass
             if not self.stamps:
                 self.first = now
             self.stamps += found
@@ -186,23 +194,22 @@ def build_request(
 
 
 def summary(values: list[int]) -> dict[str, float] | None:
-    """Percentiles in microseconds (nearest rank)."""
+    """Percentiles in microseconds of values in nanoseconds (proxy.bench.stats.quantile)."""
     if not values:
         return None
     ordered = sorted(values)
-    n = len(ordered)
 
     def at(q: float) -> float:
-        return ordered[min(n - 1, int(q * n))] / 1000
+        return (quantile(ordered, q) or 0) / 1000
 
     return {
-        "n": n,
-        "p50": at(0.5),
-        "p90": at(0.9),
-        "p99": at(0.99),
-        "p999": at(0.999),
+        "n": len(ordered),
+        "p50": at(50),
+        "p90": at(90),
+        "p99": at(99),
+        "p999": at(99.9),
         "max": ordered[-1] / 1000,
-        "mean": sum(ordered) / n / 1000,
+        "mean": sum(ordered) / len(ordered) / 1000,
     }
 
 
@@ -223,6 +230,7 @@ async def run_stream(cmd: dict[str, Any]) -> dict[str, Any]:
         tps=cmd.get("tps"),
         headers=cmd.get("headers"),
     )
+    BURN_NS[0] = int(cmd.get("client_us", 0.0) * 1000)
     start = time.time_ns()
     warm = cmd.get("warm", 0.0)
     stats = Stats(start + int(warm * 1e9), start + int(duration * 1e9))
@@ -283,6 +291,7 @@ async def run_stream(cmd: dict[str, Any]) -> dict[str, Any]:
         "chunk_latency_us": summary(stats.chunk_lat),
         "ttft_us": summary(stats.ttft),
         "error_reasons": stats.why,
+        **({"chunk_latency_ns": stats.chunk_lat} if cmd.get("raw") else {}),
     }
 
 
@@ -397,8 +406,16 @@ async def run_hold(cmd: dict[str, Any], out: Any) -> dict[str, Any]:
     return {"streams": n, "connected": len(live), "ok": ok, "errors": n - ok}
 
 
-async def serve() -> None:
+_BACKGROUND: set[asyncio.Task[None]] = set()  # the in-process simulator, kept referenced
+
+
+async def serve(sim_port: int | None = None, otlp_port: int | None = None) -> None:
+    """Read commands from stdin; with `sim_port`, also serve the simulator in this loop."""
     loop = asyncio.get_running_loop()
+    if sim_port is not None:
+        import sim_server
+
+        _BACKGROUND.add(loop.create_task(sim_server.serve(sim_port, otlp_port)))
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
 
@@ -427,9 +444,16 @@ async def serve() -> None:
 
 
 def main() -> None:
+    """`--sim-port P [--otlp-port Q]`: the one-process load shape (emitter and client together)."""
+    import argparse
+
     import uvloop
 
-    uvloop.run(serve())
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sim-port", type=int, default=None)
+    parser.add_argument("--otlp-port", type=int, default=None)
+    args = parser.parse_args()
+    uvloop.run(serve(args.sim_port, args.otlp_port))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ the arm under test, which gets a core to itself. Arms, interleaved in rounds:
   tokenprobe-full   metrics + JSON access log to /dev/null + tracing to a local OTLP sink
   tokenprobe-httpx  metrics only, httpx's own transport
   tokenprobe-traced metrics + tracing, access log off (only with --arms): tracing's own cost
+  fastrelay         protocol-level relay prototype (only with --arms): fastrelay.py
   litellm           only with --with-litellm (own venv, pass-through endpoint, prometheus)
 
 Per arm: proxy CPU per relayed chunk and per request (from /proc of the arm's processes
@@ -35,12 +36,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-from arms import NGINX_HINT, ROOT, Arm, Stack, cpu, remove, rss_bytes, system_busy_ns, workdir
+from arms import (
+    NGINX_HINT,
+    ROOT,
+    Arm,
+    Stack,
+    cpu,
+    remove,
+    rss_bytes,
+    system_busy_ns,
+    wakeups,
+    workdir,
+)
 from report import chart, markdown, summarize
 
 ALL_ARMS = ("direct", "relay", "nginx", "tokenprobe", "tokenprobe-full", "tokenprobe-httpx")
 #: Arms run only when named with --arms.
-EXTRA_ARMS = ("tokenprobe-traced",)
+EXTRA_ARMS = ("tokenprobe-traced", "fastrelay")
 P99_LIMIT_US = 5000.0
 
 
@@ -59,6 +71,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--chunk-rates", help="chunk rates to try in the rate search, chunks/s")
     add("--search-streams", type=int, default=64, help="streams in the chunk-rate search")
     add("--mem-streams", type=int, help="open streams for the memory figure (default 1000)")
+    add(
+        "--shape",
+        choices=("apart", "together"),
+        default="apart",
+        help="simulator and load generator as two processes (apart) or in one event loop "
+        "(together): the same chunks arrive at the proxy spread differently in time",
+    )
+    add(
+        "--backend",
+        choices=("sim", "emitter"),
+        default="sim",
+        help="tokenprobe's simulator, or the lean emitter.py (each step's chunks in a tight "
+        "burst, vLLM-shaped 240-byte chunks)",
+    )
+    add(
+        "--client-us",
+        type=float,
+        default=0.0,
+        help="CPU the load generator burns per content chunk it reads, as a real streaming "
+        "client does (with --shape together it also delays the simulator's writes)",
+    )
     add("--out", type=Path, default=Path("results.json"))
     add("--png", type=Path, default=None)
     add("--md", type=Path, default=None, help="also write the markdown tables here")
@@ -162,10 +195,12 @@ class Bench:
     def _phase_once(self, arm: Arm, cmd: dict[str, Any], timeout: float) -> dict[str, Any]:
         pids, gen = arm.pids(), self.stack.generator_pids()
         ours = [*pids, *gen, os.getpid()]
+        w0 = wakeups(pids)
         c0, g0, o0, b0, t0 = cpu(pids), cpu(gen), cpu(ours), system_busy_ns(), time.monotonic_ns()
         self.stack.tell_gen({**cmd, "port": arm.port, "path": arm.path, "headers": arm.headers})
         result = self.stack.read_gen(timeout)
         c1, g1, o1, b1 = cpu(pids), cpu(gen), cpu(ours), system_busy_ns()
+        w1 = wakeups(pids)
         wall = time.monotonic_ns() - t0
         result.update(
             arm=arm.name,
@@ -173,6 +208,7 @@ class Bench:
             proxy_cpu_ns=c1[0] - c0[0],
             proxy_cpu_stat_ns=c1[1] - c0[1],
             proxy_cpu_util=(c1[0] - c0[0]) / wall,
+            proxy_wakeups=w1 - w0,
             generator_cpu_util=(g1[0] - g0[0]) / wall,
             foreign_cpu_cores=max(0, (b1 - b0) - (o1[1] - o0[1])) / wall,
             phase_wall_s=wall / 1e9,
@@ -195,6 +231,7 @@ class Bench:
             "step_ms": step_ms,
             "duration": duration,
             "warm": self.args.warm,
+            "client_us": self.args.client_us,
         }
         if step_ms is None:  # free-running: as fast as the simulator goes, first token at once
             cmd.update(ttft=0.0, tps=2000.0)
@@ -252,6 +289,8 @@ def make_arms(args: argparse.Namespace, stack: Stack, notes: list[str]) -> list[
             if arm is None:
                 notes.append(NGINX_HINT)
                 print(NGINX_HINT, file=sys.stderr)
+        elif name == "fastrelay":
+            arm = stack.fastrelay()
         elif name == "tokenprobe-traced":  # tracing on, access log off: tracing's own cost
             tree = args.tree.resolve() if args.tree else ROOT
             arm = stack.tokenprobe(name, "aiohttp", full=False, tree=tree, traced=True)
@@ -296,7 +335,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     notes: list[str] = []
     bench = Bench(args, stack)
     try:
-        stack.start_backend()
+        stack.start_backend(args.shape, args.backend)
         arms = make_arms(args, stack, notes)
         stack.arms = arms
         for arm in list(arms):  # start-to-first-request, on fresh processes; the last one stays up

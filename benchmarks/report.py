@@ -7,14 +7,15 @@ Every "added" figure is the arm's percentile minus direct's percentile in the sa
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 TARGETS_NOTE = "tokenprobe = metrics only; tokenprobe-full = metrics + JSON log + tracing"
 
 
-def stat(values: list[float]) -> dict[str, float] | None:
-    values = [v for v in values if v is not None]
+def stat(given: Iterable[float | None]) -> dict[str, float] | None:
+    values = [v for v in given if v is not None]
     if not values:
         return None
     return {
@@ -29,6 +30,11 @@ def _p(phase: dict[str, Any] | None, key: str, q: str) -> float | None:
     if phase is None or not phase.get(key):
         return None
     return float(phase[key][q])
+
+
+def _ms(phase: dict[str, Any] | None, key: str, q: str) -> float | None:
+    us = _p(phase, key, q)
+    return None if us is None else us / 1000
 
 
 def passes(kind: str, p: dict[str, Any], direct: dict[str, Any] | None, limit_us: float) -> bool:
@@ -138,21 +144,16 @@ def summarize(results: dict[str, Any], limit_us: float) -> dict[str, Any]:
                     ]
                 ),
                 "cpu_us_per_request": stat([_cpu_per(p, "requests") for p in mine]),
+                "chunks_per_wakeup": stat(
+                    [p["chunks"] / p["proxy_wakeups"] for p in mine if p.get("proxy_wakeups")]
+                ),
                 "proxy_cpu_util": stat([p["proxy_cpu_util"] for p in mine]),
                 "generator_cpu_util": stat([p["generator_cpu_util"] for p in mine]),
                 "chunk_p50_ms": stat(
-                    [
-                        _p(p, "chunk_latency_us", "p50") / 1000
-                        for p in mine
-                        if p.get("chunk_latency_us")
-                    ]
+                    [_ms(p, "chunk_latency_us", "p50") for p in mine if p.get("chunk_latency_us")]
                 ),
                 "chunk_p99_ms": stat(
-                    [
-                        _p(p, "chunk_latency_us", "p99") / 1000
-                        for p in mine
-                        if p.get("chunk_latency_us")
-                    ]
+                    [_ms(p, "chunk_latency_us", "p99") for p in mine if p.get("chunk_latency_us")]
                 ),
                 "added_chunk_p50_ms": stat(
                     [_diff(p, d, "chunk_latency_us", "p50") for p, d in pairs]
@@ -181,7 +182,7 @@ def summarize(results: dict[str, Any], limit_us: float) -> dict[str, Any]:
             }
         ttft = [p for p in phases if p.get("kind") == "ttft" and p["arm"] == arm]
         tbase = {p["round"]: p for p in phases if p.get("kind") == "ttft" and p["arm"] == "direct"}
-        s["ttft_p50_ms"] = stat([_p(p, "ttft_us", "p50") / 1000 for p in ttft if p.get("ttft_us")])
+        s["ttft_p50_ms"] = stat([_ms(p, "ttft_us", "p50") for p in ttft if p.get("ttft_us")])
         s["added_ttft_p50_ms"] = stat(
             [_diff(p, tbase.get(p["round"]), "ttft_us", "p50") for p in ttft]
         )
@@ -238,6 +239,21 @@ def targets(arms: dict[str, Any], streams_list: list[int]) -> list[dict[str, Any
     def cpu_chunk(arm: str) -> float | None:
         return _med(arms.get(arm, {}).get("sweep", {}).get(c, {}).get("cpu_us_per_chunk"))
 
+    # Issue 15: CPU per chunk against nginx (1 worker each) at 64 and 256 lockstep streams.
+    for streams in [s for s in streams_list if s >= 64]:
+        sweep = {a: arms.get(a, {}).get("sweep", {}).get(str(streams), {}) for a in arms}
+        base = _med(sweep.get("nginx", {}).get("cpu_us_per_chunk"))
+        for arm, limit in (("tokenprobe", 1.5), ("tokenprobe-full", 1.8), ("fastrelay", 1.5)):
+            mine = _med(sweep.get(arm, {}).get("cpu_us_per_chunk"))
+            if arm not in arms or mine is None or not base:
+                continue
+            add(
+                f"{arm} CPU per chunk vs nginx ({streams} streams)",
+                f"<= {limit}x",
+                mine / base,
+                mine / base <= limit,
+                f"{mine:.1f} us vs {base:.1f} us",
+            )
     relay = cpu_chunk("relay")
     for arm, limit in (("tokenprobe", 1.75), ("tokenprobe-full", 2.25)):
         mine = cpu_chunk(arm)
@@ -336,7 +352,8 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [
         f"Machine: {m['cpu_model']}, {m['cores']} cores, Python {m['python']}, Linux {m['kernel']}. "
         f"Arm on core {results['cores']['proxy']}, simulator and load generator on "
-        f"{sorted(set(results['cores']['simulator']) | set(results['cores']['load_generator']))}. "
+        f"{sorted(set(results['cores']['simulator']) | set(results['cores']['load_generator']))}"
+        f"{' (one process)' if cfg.get('shape') == 'together' else ' (two processes)'}. "
         f"Lockstep step {cfg['step_ms']:g} ms, {cfg['tokens']} chunks per request, "
         f"{cfg['rounds']} interleaved rounds: median (min–max).",
         "",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from typing import Any
+from typing import Any, Literal
 
 import uvicorn
 
@@ -72,7 +72,7 @@ class OtlpSink:
 
 
 async def serve(port: int, otlp_port: int | None) -> None:
-    def server(app: Any, port: int, lifespan: str) -> uvicorn.Server:
+    def server(app: Any, port: int, lifespan: Literal["on", "off"]) -> uvicorn.Server:
         config = uvicorn.Config(
             app,
             host="127.0.0.1",

@@ -26,7 +26,6 @@ import contextlib
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,7 +37,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import checkout  # noqa: F401  (this checkout's proxy/ first)
 import httpx
+
+from proxy.bench.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAT = "/v1/chat/completions"
@@ -119,12 +121,6 @@ def looks_right(kind: Kind, status: int, data: bytes) -> str | None:
 
 
 # -- processes ----------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_http(url: str, timeout: float = 20.0) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -16,11 +15,7 @@ from typing import Any
 
 import uvicorn
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from proxy.bench.ports import free_port
 
 
 class ThreadedServer:

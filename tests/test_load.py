@@ -29,6 +29,7 @@ import aiohttp
 import httpx
 import pytest
 
+from proxy.bench.stats import quantile
 from tests.servers import free_port
 from tests.test_serve import stop, wait_http
 
@@ -205,8 +206,9 @@ def corrupted(results: list[Result], digests: dict[str, str | None]) -> list[Res
 
 
 def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+    """The q-quantile (0..1); NaN when there are no values."""
+    found = quantile(sorted(values), q * 100)
+    return float("nan") if found is None else found
 
 
 # -- 256 streams --------------------------------------------------------------------------

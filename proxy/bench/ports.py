@@ -1,0 +1,15 @@
+"""One free loopback port, for the tests' servers and the benchmarks' processes.
+
+The port is free when this returns, not reserved: the caller binds it soon after.
+"""
+
+from __future__ import annotations
+
+import socket
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (the kernel picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
