@@ -30,10 +30,11 @@ import checkout  # noqa: F401  (this checkout's proxy/ first)
 import httptools
 from prometheus_client import CollectorRegistry
 
+from proxy.core.apis import api_for
 from proxy.core.labels import ModelLabels
 from proxy.core.measurement import ErrorType
 from proxy.core.observe import StreamObserver
-from proxy.core.request import MEASURED_ENDPOINTS, RequestInfo, parse_request, with_usage_requested
+from proxy.core.request import RequestInfo, parse_request
 from proxy.core.strip import UsageEventStripper
 from proxy.sinks.dispatch import RequestScope, Sinks
 from proxy.sinks.metrics import Metrics
@@ -277,10 +278,13 @@ class Client(asyncio.Protocol):
         path = self.url.split(b"?", 1)[0].decode("latin-1")
         info: RequestInfo | None = None
         stripper = None
-        if method == b"POST" and path in MEASURED_ENDPOINTS:
-            info, obj = parse_request(path, body)
+        api = api_for(path) if method == b"POST" else None
+        if api is not None:
+            info, obj = parse_request(api, body)
             if self.relay.inject_usage and info.stream and not info.usage_requested and obj:
-                body, stripper = with_usage_requested(obj), UsageEventStripper()
+                asked = api.ask_for_usage(obj)
+                if asked is not None:
+                    body, stripper = asked, UsageEventStripper()
         rs = self.relay.sinks.begin(info, [], started_at)
         exchange = Exchange(info, rs, stripper, start, started_at)
         request = b"".join(
