@@ -201,14 +201,18 @@ def test_messages_non_streamed_body(client: httpx.Client, url: str, app: SimApp)
 
 
 def test_messages_cached_tokens_are_cache_read_input_tokens(client: httpx.Client, url: str) -> None:
-    headers = {"x-sim-cached-tokens": "1000"}  # capped at the prompt
-    got = read_named_events(client, url, "/v1/messages", message(), headers)
+    # Anthropic's input_tokens excludes cache reads: the prompt is input + cache_read.
+    plain = client.post(url + "/v1/messages", json=message(False)).json()["usage"]
+    prompt = plain["input_tokens"]
+    assert prompt > 2 and "cache_read_input_tokens" not in plain
+    got = read_named_events(client, url, "/v1/messages", message(), {"x-sim-cached-tokens": "2"})
     start_usage = got.first("message_start").json["message"]["usage"]
-    assert start_usage["cache_read_input_tokens"] == start_usage["input_tokens"]
+    assert (start_usage["input_tokens"], start_usage["cache_read_input_tokens"]) == (prompt - 2, 2)
     delta_usage = got.first("message_delta").json["usage"]
-    assert delta_usage["cache_read_input_tokens"] == start_usage["input_tokens"]
-    body = client.post(url + "/v1/messages", json=message(False), headers=headers).json()
-    assert body["usage"]["cache_read_input_tokens"] == body["usage"]["input_tokens"]
+    assert delta_usage["cache_read_input_tokens"] == 2
+    capped = {"x-sim-cached-tokens": "1000"}  # capped at the prompt
+    body = client.post(url + "/v1/messages", json=message(False), headers=capped).json()
+    assert (body["usage"]["input_tokens"], body["usage"]["cache_read_input_tokens"]) == (0, prompt)
 
 
 def test_messages_ping_knob_sends_anthropic_ping_after_start(

@@ -84,9 +84,14 @@ class MessagesWire:
 
     def usage(self, output_tokens: int) -> bytes:
         plan = self._plan
-        out = b'{"input_tokens":%d,"output_tokens":%d' % (plan.prompt_tokens, output_tokens)
+        # Anthropic's input_tokens excludes the cache reads: the prompt is their sum.
+        cached = plan.cached_tokens or 0
+        out = b'{"input_tokens":%d,"output_tokens":%d' % (
+            plan.prompt_tokens - cached,
+            output_tokens,
+        )
         if plan.cached_tokens is not None:
-            out += b',"cache_read_input_tokens":%d' % plan.cached_tokens
+            out += b',"cache_read_input_tokens":%d' % cached
         return out + b"}"
 
     def opening(self) -> list[bytes]:
