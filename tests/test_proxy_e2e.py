@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import socket
 import time
 from collections.abc import Callable
 
@@ -11,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+from proxy.bench.ports import free_port
 from proxy.core.measurement import ErrorType, TokenSource
 from tests.conftest import MODEL, ProxyUnderTest, Running
 
@@ -255,9 +255,7 @@ def test_authorization_is_forwarded(
 def test_dead_upstream_gives_502_json_and_counts_unreachable(
     start_proxy: Callable[..., ProxyUnderTest],
 ) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     proxy = start_proxy(dead)
     reply = httpx.post(proxy.url + CHAT, json=chat())
     assert reply.status_code == 502
@@ -371,7 +369,5 @@ def test_health_ready_and_unknown_paths(
     assert httpx.get(proxy.url + "/healthz").status_code == 200
     assert httpx.get(proxy.url + "/readyz").status_code == 200
     assert httpx.get(proxy.url + "/admin").status_code == 404  # the backend's answer
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = start_proxy(f"http://127.0.0.1:{s.getsockname()[1]}")
+    dead = start_proxy(f"http://127.0.0.1:{free_port()}")  # nothing listens there
     assert httpx.get(dead.url + "/readyz").status_code == 503
