@@ -25,6 +25,7 @@ from proxy.sinks.metrics import (
     prompt_class,
 )
 from tests.conftest import MODEL, ProxyUnderTest, Running
+from tests.test_proxy_e2e import wait_records
 from tests.tokenizers_local import build_tiny_tokenizer
 
 HISTOGRAM = "tokenprobe_time_to_first_token_by_prompt_seconds"
