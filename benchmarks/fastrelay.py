@@ -60,7 +60,8 @@ class Relay:
         self.host = b"%s:%d" % (upstream[0].encode(), upstream[1])
         self.inject_usage = inject_usage
         self.idle: list[Upstream] = []
-        self.sinks = Sinks(Metrics(CollectorRegistry()), ModelLabels())
+        metrics = Metrics(CollectorRegistry())
+        self.sinks = Sinks([metrics], metrics=metrics, models=ModelLabels())
 
     async def connection(self) -> Upstream:
         while self.idle:

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 
 import httpx
 import uvicorn
-from prometheus_client import CollectorRegistry
 
 from proxy.core.measurement import Measurement
-from proxy.server.app import create_app
+from proxy.server.assemble import assemble
 from proxy.settings import Settings
 from proxy.sim.app import create_sim_app
 from proxy.sim.config import SimConfig
+from proxy.sinks.sink import Recorder
 
 MODEL = "sim-model"
 
@@ -112,9 +112,7 @@ _POOLING_BODIES: dict[str, Callable[[str], dict[str, object]]] = {
 }
 
 
-async def _traffic(
-    base: str, rounds: int, records: list[tuple[Measurement, str]]
-) -> dict[int, str]:
+async def _traffic(base: str, rounds: int, records: list[Measurement]) -> dict[int, str]:
     """Each scenario's requests run together; returns record index -> scenario name."""
     names: dict[int, str] = {}
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
@@ -157,10 +155,10 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f}"
 
 
-def _table(records: list[tuple[Measurement, str]], names: dict[int, str]) -> str:
+def _table(records: list[Measurement], names: dict[int, str]) -> str:
     head = f"{'':24} {'endpoint':20} {'ttft ms':>8} {'tpot ms':>8} {'tok/s':>6} {'e2e ms':>7} {'out':>4} {'source':>8} {'finish':>8}  outcome"
     lines = [head, "-" * len(head)]
-    for i, (m, _) in enumerate(records):
+    for i, m in enumerate(records):
         speed = "-" if m.decode_tokens_per_second is None else f"{m.decode_tokens_per_second:.0f}"
         out = "-" if m.output_tokens is None else str(m.output_tokens)
         outcome = m.error_type.value if m.error_type else "ok"
@@ -172,7 +170,8 @@ def _table(records: list[tuple[Measurement, str]], names: dict[int, str]) -> str
 
 
 async def run(port: int, rounds: int, serve_after: bool, out: object = sys.stdout) -> int:
-    records: list[tuple[Measurement, str]] = []
+    recorder = Recorder()
+    records = recorder.records
     sim_port = _free_port()
     sim = uvicorn.Server(
         uvicorn.Config(
@@ -188,12 +187,9 @@ async def run(port: int, rounds: int, serve_after: bool, out: object = sys.stdou
         port=port,
         model_allowlist=(MODEL,),
         models_refresh=None,
+        access_log="off",  # the table below shows the records instead
     )
-    app = create_app(
-        settings,
-        registry=CollectorRegistry(),
-        consumers=[lambda m, label: records.append((m, label))],
-    )
+    app = assemble(settings, {}, extra_sinks=[recorder])
     proxy = uvicorn.Server(
         uvicorn.Config(
             app,

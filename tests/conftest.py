@@ -9,10 +9,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from proxy.core.measurement import Measurement
-from proxy.server.app import ProxyApp, create_app
+from proxy.server.app import ProxyApp
+from proxy.server.assemble import assemble
 from proxy.settings import Settings
 from proxy.sim.app import SimApp, create_sim_app
 from proxy.sim.config import SimConfig
+from proxy.sinks.sink import Recorder
 from tests.servers import ThreadedServer
 
 MODEL = "sim-model"
@@ -73,14 +75,16 @@ def start_proxy() -> Iterator[Callable[..., ProxyUnderTest]]:
     def start(upstream: str, **settings: Any) -> ProxyUnderTest:
         settings.setdefault("model_allowlist", (MODEL,))
         settings.setdefault("models_refresh", None)
-        records: list[Measurement] = []
-        app = create_app(
+        settings.setdefault("access_log", "off")  # the records are the recorder's
+        recorder = Recorder()
+        app = assemble(
             Settings(upstream=upstream, **settings),
+            {},
             registry=CollectorRegistry(),
-            consumers=[lambda m, _label: records.append(m)],
+            extra_sinks=[recorder],
         )
         server = ThreadedServer(app, server_header=False, date_header=False).start()
-        running = ProxyUnderTest(server, app, records)
+        running = ProxyUnderTest(server, app, recorder.records)
         started.append(running)
         return running
 

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.core.measurement import ErrorType, Measurement, TokenSource
 from proxy.sinks.cost import CostSink, ModelPrice, PriceTable, load_prices, parse_prices
+from proxy.sinks.sink import Labels
 from tests.factories import measurement
 
 PRICES_YAML = """\
@@ -21,6 +22,9 @@ models:
     output: 1.5
   qwen: {input: 2, output: 6}
 """
+
+#: The request's labels: the cost sink labels by its price table, so they do not matter.
+LABELS = Labels("other")
 
 
 def record(**overrides: object) -> Measurement:
@@ -108,7 +112,7 @@ def test_bad_json_names_the_file(tmp_path: Path) -> None:
 
 def test_cached_input_is_billed_at_cached_price_only(table: PriceTable) -> None:
     registry = CollectorRegistry()
-    CostSink(table, registry).record(record())
+    CostSink(table, registry).record(record(), LABELS)
     assert cost(registry, "llama", "input") == pytest.approx(600 * 0.5 / 1e6)
     assert cost(registry, "llama", "cached_input") == pytest.approx(400 * 0.25 / 1e6)
     assert cost(registry, "llama", "output") == pytest.approx(200 * 1.5 / 1e6)
@@ -117,15 +121,15 @@ def test_cached_input_is_billed_at_cached_price_only(table: PriceTable) -> None:
 def test_costs_accumulate_over_requests(table: PriceTable) -> None:
     registry = CollectorRegistry()
     sink = CostSink(table, registry)
-    sink.record(record(model="qwen", prompt_tokens=1_000_000, cached_prompt_tokens=None))
-    sink.record(record(model="qwen", prompt_tokens=500_000, cached_prompt_tokens=None))
+    sink.record(record(model="qwen", prompt_tokens=1_000_000, cached_prompt_tokens=None), LABELS)
+    sink.record(record(model="qwen", prompt_tokens=500_000, cached_prompt_tokens=None), LABELS)
     assert cost(registry, "qwen", "input") == pytest.approx(3.0)
     assert cost(registry, "qwen", "output") == pytest.approx(2 * 200 * 6 / 1e6)
 
 
 def test_model_missing_from_table_costs_nothing_and_is_not_labelled(table: PriceTable) -> None:
     registry = CollectorRegistry()
-    CostSink(table, registry).record(record(model="gpt-unknown"))
+    CostSink(table, registry).record(record(model="gpt-unknown"), LABELS)
     for kind in ("input", "cached_input", "output"):
         assert cost(registry, "gpt-unknown", kind) is None
     assert cost(registry, "llama", "output") == 0.0
@@ -140,7 +144,8 @@ def test_priced_models_are_exported_at_zero_before_any_request(table: PriceTable
 def test_unknown_token_counts_cost_nothing(table: PriceTable) -> None:
     registry = CollectorRegistry()
     CostSink(table, registry).record(
-        record(prompt_tokens=None, cached_prompt_tokens=None, token_source=TokenSource.CHUNKS)
+        record(prompt_tokens=None, cached_prompt_tokens=None, token_source=TokenSource.CHUNKS),
+        LABELS,
     )
     assert cost(registry, "llama", "input") == 0.0
     assert cost(registry, "llama", "output") == pytest.approx(200 * 1.5 / 1e6)
@@ -149,7 +154,8 @@ def test_unknown_token_counts_cost_nothing(table: PriceTable) -> None:
 def test_failed_request_is_billed_for_the_tokens_it_used(table: PriceTable) -> None:
     registry = CollectorRegistry()
     CostSink(table, registry).record(
-        record(error_type=ErrorType.CLIENT_CANCELLED, output_tokens=10, cached_prompt_tokens=0)
+        record(error_type=ErrorType.CLIENT_CANCELLED, output_tokens=10, cached_prompt_tokens=0),
+        LABELS,
     )
     assert cost(registry, "llama", "input") == pytest.approx(1000 * 0.5 / 1e6)
     assert cost(registry, "llama", "output") == pytest.approx(10 * 1.5 / 1e6)

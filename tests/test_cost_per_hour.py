@@ -18,7 +18,7 @@ import orjson
 import pytest
 
 from proxy.core.pricing import per_million_tokens
-from proxy.server.wiring import build
+from proxy.server.assemble import assemble
 from proxy.settings import SettingsError, parse
 from tests.conftest import MODEL, Running
 
@@ -47,11 +47,11 @@ def test_the_proxy_exports_its_cost_per_hour_with_the_currency() -> None:
     settings = parse(
         ["--upstream", "http://127.0.0.1:9", "--cost-per-hour", "2.5", "--currency", "EUR"], {}
     )
-    app = build(settings, {})
+    app = assemble(settings, {})
     assert app.registry.get_sample_value(
         "tokenprobe_deployment_cost_per_hour", {"currency": "EUR"}
     ) == pytest.approx(2.5)
-    without = build(parse(["--upstream", "http://127.0.0.1:9"], {}), {})
+    without = assemble(parse(["--upstream", "http://127.0.0.1:9"], {}), {})
     assert (
         without.registry.get_sample_value(
             "tokenprobe_deployment_cost_per_hour", {"currency": "USD"}

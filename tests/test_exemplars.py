@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
-from proxy.server.app import create_app
+from proxy.server.assemble import assemble
 from proxy.settings import Settings
 from proxy.sinks.tracing import Tracing
 from tests.conftest import MODEL, Running
@@ -48,8 +48,9 @@ class TracedProxy:
 def traced_proxy(sim: Running) -> Iterator[TracedProxy]:
     spans = InMemorySpanExporter()
     tracing = Tracing([SimpleSpanProcessor(spans)], upstream=sim.url)
-    app = create_app(
-        Settings(upstream=sim.url, models_refresh=None, model_allowlist=(MODEL,)),
+    app = assemble(
+        Settings(upstream=sim.url, models_refresh=None, model_allowlist=(MODEL,), access_log="off"),
+        {},
         registry=CollectorRegistry(),
         tracer=tracing,
     )

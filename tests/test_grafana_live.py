@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make
 from proxy.core.measurement import Measurement
 from proxy.sinks.cost import CostSink, parse_prices
 from proxy.sinks.metrics import cache_class, prompt_class
+from proxy.sinks.sink import Labels
 from tests.factories import measurement
 from tests.prom import Prometheus, finite_values, require_binary
 from tests.servers import ThreadedServer, free_port
@@ -170,7 +171,9 @@ class ContractExporter:
         self.prompt_total.labels(**labels, source=source).inc(prompt)
         self.generation_total.labels(**labels, source=source).inc(output)
         self.cached_total.labels(**labels).inc(cached)
-        self.cost.record(_measurement(model, endpoint, prompt, output, cached, e2e, finish_reason))
+        self.cost.record(
+            _measurement(model, endpoint, prompt, output, cached, e2e, finish_reason), Labels(model)
+        )
         vllm = {"model_name": model, "engine": "0"}
         self.vllm_ttft.labels(**vllm).observe(ttft * 0.9)
         self.vllm_itl.labels(**vllm).observe(tpot * 0.95)

@@ -16,9 +16,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import CollectorRegistry
 
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement
-from proxy.server.app import create_app
+from proxy.server.assemble import assemble
 from proxy.settings import Settings
 from proxy.sinks.logs import KEYS, AccessLog, iso_utc
+from proxy.sinks.sink import Labels
 from proxy.sinks.tracing import Tracing
 from tests.conftest import MODEL, Running
 from tests.factories import measurement
@@ -48,7 +49,7 @@ def log_lines(mode: str, *records: Measurement) -> list[str]:
     out = io.StringIO()
     log = AccessLog(mode, out)
     for m in records:
-        log(m, MODEL)
+        log.record(m, Labels(MODEL))
     return out.getvalue().splitlines(keepends=True)
 
 
@@ -153,11 +154,12 @@ class Observed:
 def observed(sim: Running) -> Iterator[Observed]:
     log, spans = io.StringIO(), InMemorySpanExporter()
     tracing = Tracing([SimpleSpanProcessor(spans)], upstream=sim.url)
-    app = create_app(
-        Settings(upstream=sim.url, models_refresh=None, model_allowlist=(MODEL,)),
+    app = assemble(
+        Settings(upstream=sim.url, models_refresh=None, model_allowlist=(MODEL,), access_log="off"),
+        {},
         registry=CollectorRegistry(),
         tracer=tracing,
-        consumers=[AccessLog("json", log)],
+        extra_sinks=[AccessLog("json", log)],
     )
     server = ThreadedServer(app, server_header=False, date_header=False).start()
     try:

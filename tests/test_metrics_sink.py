@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
 from proxy.sinks.metrics import FINISH_REASONS, Metrics, token_buckets
+from proxy.sinks.sink import Labels
 from tests.factories import measurement
 
 CHAT = "/v1/chat/completions"
@@ -71,7 +72,7 @@ def requests_total(
 def test_each_duration_and_count_is_observed_once(
     registry: CollectorRegistry, metrics: Metrics, histogram: str, observed: float
 ) -> None:
-    metrics.record(stream_record(), MODEL_LABEL)
+    metrics.record(stream_record(), Labels(MODEL_LABEL))
     assert value(registry, histogram + "_count") == 1.0
     assert value(registry, histogram + "_sum") == observed
 
@@ -79,7 +80,7 @@ def test_each_duration_and_count_is_observed_once(
 def test_every_inter_token_latency_is_observed(
     registry: CollectorRegistry, metrics: Metrics
 ) -> None:
-    metrics.record(stream_record(), MODEL_LABEL)
+    metrics.record(stream_record(), Labels(MODEL_LABEL))
     name = "tokenprobe_inter_token_latency_seconds"
     assert value(registry, name + "_count") == 3.0
     assert value(registry, name + "_sum") == 0.5
@@ -87,17 +88,17 @@ def test_every_inter_token_latency_is_observed(
 
 
 def test_ttft_lands_in_its_vllm_bucket(registry: CollectorRegistry, metrics: Metrics) -> None:
-    metrics.record(stream_record(ttft=0.3), MODEL_LABEL)
+    metrics.record(stream_record(ttft=0.3), Labels(MODEL_LABEL))
     name = "tokenprobe_time_to_first_token_seconds_bucket"
     assert value(registry, name, le="0.25") == 0.0
     assert value(registry, name, le="0.5") == 1.0
 
 
 def test_token_totals_are_labelled_by_source(registry: CollectorRegistry, metrics: Metrics) -> None:
-    metrics.record(stream_record(), MODEL_LABEL)
+    metrics.record(stream_record(), Labels(MODEL_LABEL))
     metrics.record(
         stream_record(prompt_tokens=None, output_tokens=7, token_source=TokenSource.CHUNKS),
-        MODEL_LABEL,
+        Labels(MODEL_LABEL),
     )
     assert value(registry, "tokenprobe_prompt_tokens_total", source="usage") == 12.0
     assert value(registry, "tokenprobe_generation_tokens_total", source="usage") == 4.0
@@ -106,15 +107,15 @@ def test_token_totals_are_labelled_by_source(registry: CollectorRegistry, metric
 
 
 def test_cached_prompt_tokens_are_counted(registry: CollectorRegistry, metrics: Metrics) -> None:
-    metrics.record(stream_record(), MODEL_LABEL)
-    metrics.record(stream_record(cached_prompt_tokens=None), MODEL_LABEL)
+    metrics.record(stream_record(), Labels(MODEL_LABEL))
+    metrics.record(stream_record(cached_prompt_tokens=None), Labels(MODEL_LABEL))
     assert value(registry, "tokenprobe_cached_prompt_tokens_total") == 8.0
 
 
 def test_successful_request_is_counted_with_none_error(
     registry: CollectorRegistry, metrics: Metrics
 ) -> None:
-    metrics.record(stream_record(), MODEL_LABEL)
+    metrics.record(stream_record(), Labels(MODEL_LABEL))
     assert requests_total(registry, "stop") == 1.0
 
 
@@ -133,7 +134,7 @@ def test_failed_request_is_counted_with_its_error_type(
         finish_reason=NONE_LABEL,
         error_type=ErrorType.CONTEXT_LENGTH,
     )
-    metrics.record(failed, MODEL_LABEL)
+    metrics.record(failed, Labels(MODEL_LABEL))
     assert requests_total(registry, NONE_LABEL, "context_length", "400") == 1.0
     assert value(registry, "tokenprobe_time_to_first_token_seconds_count") == 0.0
     assert value(registry, "tokenprobe_request_generation_tokens_count") == 0.0
@@ -142,7 +143,7 @@ def test_failed_request_is_counted_with_its_error_type(
 def test_finish_reason_outside_the_known_set_becomes_other(
     registry: CollectorRegistry, metrics: Metrics
 ) -> None:
-    metrics.record(stream_record(finish_reason="eos_token_from_some_backend"), MODEL_LABEL)
+    metrics.record(stream_record(finish_reason="eos_token_from_some_backend"), Labels(MODEL_LABEL))
     assert requests_total(registry, "other") == 1.0
     assert requests_total(registry, "eos_token_from_some_backend") is None
 
@@ -151,14 +152,14 @@ def test_finish_reason_outside_the_known_set_becomes_other(
 def test_known_finish_reason_is_its_own_label(
     registry: CollectorRegistry, metrics: Metrics, reason: str
 ) -> None:
-    metrics.record(stream_record(finish_reason=reason), MODEL_LABEL)
+    metrics.record(stream_record(finish_reason=reason), Labels(MODEL_LABEL))
     assert requests_total(registry, reason) == 1.0
 
 
 def test_model_label_is_the_one_given_not_the_requested_model(
     registry: CollectorRegistry, metrics: Metrics
 ) -> None:
-    metrics.record(stream_record(model="random-client-string"), "other")
+    metrics.record(stream_record(model="random-client-string"), Labels("other"))
     sample = registry.get_sample_value(
         "tokenprobe_e2e_request_latency_seconds_count", {"model": "other", "endpoint": CHAT}
     )
@@ -167,7 +168,7 @@ def test_model_label_is_the_one_given_not_the_requested_model(
 
 def test_records_accumulate(registry: CollectorRegistry, metrics: Metrics) -> None:
     for _ in range(3):
-        metrics.record(stream_record(), MODEL_LABEL)
+        metrics.record(stream_record(), Labels(MODEL_LABEL))
     assert requests_total(registry, "stop") == 3.0
     assert value(registry, "tokenprobe_e2e_request_latency_seconds_sum") == 4.5
 
@@ -175,7 +176,7 @@ def test_records_accumulate(registry: CollectorRegistry, metrics: Metrics) -> No
 def test_trace_id_becomes_an_exemplar_on_ttft(
     registry: CollectorRegistry, metrics: Metrics
 ) -> None:
-    metrics.record(stream_record(trace_id=TRACE_ID), MODEL_LABEL)
+    metrics.record(stream_record(trace_id=TRACE_ID), Labels(MODEL_LABEL))
     exemplars = [
         sample.exemplar
         for family in registry.collect()

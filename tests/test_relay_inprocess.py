@@ -28,10 +28,12 @@ from prometheus_client import CollectorRegistry
 from proxy.core.measurement import ErrorType, Measurement, TokenSource
 from proxy.core.observe import StreamObserver
 from proxy.core.request import CHAT
-from proxy.server.app import ProxyApp, create_app
+from proxy.server.app import ProxyApp
+from proxy.server.assemble import assemble
 from proxy.server.forward import UpstreamBroke
 from proxy.server.upstream import UpstreamClient
 from proxy.settings import Settings
+from proxy.sinks.sink import Labels, Recorder, Sink
 from proxy.types import Message
 
 STREAMS = Path(__file__).parent / "fixtures" / "streams"
@@ -251,25 +253,27 @@ async def use_upstream(app: ProxyApp, transport: httpx.AsyncBaseTransport) -> No
 async def running(
     upstream: Upstream,
     *,
-    consumers: Iterable[Callable[[Measurement, str], None]] = (),
+    sinks: Iterable[Sink] = (),
     **settings: Any,
 ) -> AsyncIterator[Proxy]:
-    records: list[Measurement] = []
-    app = create_app(
+    recorder = Recorder()
+    app = assemble(
         Settings(
             upstream=UPSTREAM,
             model_allowlist=(MODEL,),
             models_refresh=None,
             upstream_transport="httpx",
+            access_log="off",
             **settings,
         ),
+        {},
         registry=CollectorRegistry(),
-        consumers=[*consumers, lambda m, _label: records.append(m)],
+        extra_sinks=[*sinks, recorder],
     )
     await app.startup()
     try:
         await use_upstream(app, httpx.MockTransport(upstream.handle))
-        yield Proxy(app, records)
+        yield Proxy(app, recorder.records)
     finally:
         await app.shutdown()
 
@@ -535,11 +539,12 @@ def test_observer_failure_keeps_the_stream_and_still_writes_a_record(
 
 
 def test_sink_failure_is_counted_and_the_request_and_other_sinks_go_on() -> None:
-    def broken_sink(measurement: Measurement, label: str) -> None:
-        raise RuntimeError("sink bug")
+    class BrokenSink:
+        def record(self, measurement: Measurement, labels: Labels) -> None:
+            raise RuntimeError("sink bug")
 
     async def scenario() -> None:
-        async with running(streaming(UpstreamBody(*EVENTS)), consumers=[broken_sink]) as proxy:
+        async with running(streaming(UpstreamBody(*EVENTS)), sinks=[BrokenSink()]) as proxy:
             client = Client(chat_request())
             await proxy.call(client)
 

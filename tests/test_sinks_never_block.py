@@ -11,8 +11,9 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from proxy.core.measurement import Measurement
-from proxy.server.app import create_app
+from proxy.server.assemble import assemble
 from proxy.settings import Settings
+from proxy.sinks.sink import Recorder
 from proxy.sinks.tracing import tracing_from_env
 from tests.conftest import MODEL, ProxyUnderTest, Running
 from tests.servers import ThreadedServer, free_port
@@ -45,12 +46,14 @@ def test_dead_otlp_collector_costs_requests_nothing(sim: Running, proxy: ProxyUn
     }
     tracer = tracing_from_env(env, upstream=sim.url, registry=registry)
     assert tracer is not None
-    records: list[Measurement] = []
-    app = create_app(
-        Settings(upstream=sim.url, model_allowlist=(MODEL,), models_refresh=None),
+    recorder = Recorder()
+    records = recorder.records
+    app = assemble(
+        Settings(upstream=sim.url, model_allowlist=(MODEL,), models_refresh=None, access_log="off"),
+        {},
         registry=registry,
         tracer=tracer,
-        consumers=[lambda m, _: records.append(m)],
+        extra_sinks=[recorder],
     )
     traced = ThreadedServer(app, server_header=False, date_header=False).start()
     try:

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from proxy.server.app import create_app
+from proxy.server.assemble import assemble
 from proxy.settings import Settings
 from proxy.sinks.tracing import Tracing, tracing_from_env
 from tests.conftest import MODEL, Running
@@ -42,8 +42,9 @@ def traced_proxy(sim: Running, receiver: tuple[OtlpReceiver, str]) -> Iterator[T
     registry = CollectorRegistry()
     tracing = tracing_from_env(environ, upstream=sim.url, registry=registry)
     assert tracing is not None
-    proxy = create_app(
-        Settings(upstream=sim.url, models_refresh=None, model_allowlist=(MODEL,)),
+    proxy = assemble(
+        Settings(upstream=sim.url, models_refresh=None, model_allowlist=(MODEL,), access_log="off"),
+        {},
         registry=registry,
         tracer=tracing,
     )
@@ -123,8 +124,14 @@ def test_unreachable_upstream_marks_the_span_as_an_error(
         registry=CollectorRegistry(),
     )
     assert tracing is not None
-    proxy = create_app(
-        Settings(upstream="http://127.0.0.1:1", models_refresh=None, model_allowlist=(MODEL,)),
+    proxy = assemble(
+        Settings(
+            upstream="http://127.0.0.1:1",
+            models_refresh=None,
+            model_allowlist=(MODEL,),
+            access_log="off",
+        ),
+        {},
         registry=CollectorRegistry(),
         tracer=tracing,
     )
@@ -166,8 +173,14 @@ def test_upstream_gets_exactly_one_traceparent(receiver: tuple[OtlpReceiver, str
             registry=CollectorRegistry(),
         )
         assert tracing is not None
-        proxy = create_app(
-            Settings(upstream=upstream.url, models_refresh=None, model_allowlist=(MODEL,)),
+        proxy = assemble(
+            Settings(
+                upstream=upstream.url,
+                models_refresh=None,
+                model_allowlist=(MODEL,),
+                access_log="off",
+            ),
+            {},
             registry=CollectorRegistry(),
             tracer=tracing,
         )

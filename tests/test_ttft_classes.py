@@ -24,6 +24,7 @@ from proxy.sinks.metrics import (
     cache_class,
     prompt_class,
 )
+from proxy.sinks.sink import Labels
 from tests.conftest import MODEL, ProxyUnderTest, Running
 from tests.test_proxy_e2e import wait_records
 from tests.tokenizers_local import build_tiny_tokenizer
@@ -85,7 +86,7 @@ def test_series_stay_bounded_whatever_the_prompt_sizes_and_cache_hits() -> None:
         for n, prompt in enumerate(sizes):
             for share in (None, 0.0, 0.1, 0.9, 1.0):
                 cached = None if share is None else int((prompt or 0) * share)
-                metrics.record(_record(prompt, cached, 0.001 * (n % 900), endpoint), MODEL)
+                metrics.record(_record(prompt, cached, 0.001 * (n % 900), endpoint), Labels(MODEL))
     (family,) = [f for f in registry.collect() if f.name == HISTOGRAM]
     label_sets = {
         (s.labels["endpoint"], s.labels["prompt_class"], s.labels["cache_class"])

@@ -1,1 +1,2 @@
-"""The server: the ASGI app, the relay, the upstream client, process management."""
+"""The server: the assembly (assemble.py), the ASGI app, the relay, the control plane, the
+upstream client, process management."""

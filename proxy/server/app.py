@@ -1,10 +1,11 @@
-"""create_app(settings) -> the proxy's ASGI app.
+"""ProxyApp: the proxy's ASGI app, the relay beside the control plane.
 
-Routes: the proxy's own are `/healthz` (the process is up), `/readyz` (the upstream
-answers) and `/metrics` while metrics are served on the proxy's port (vLLM's own
-`/metrics` is then shadowed: scrape vLLM directly). Every other path is forwarded to the
-backend byte for byte; POSTs to a path with an API seam (proxy/core/apis/) are measured.
-The lifespan owns the upstream client, the model-list refresher and the tokenizer.
+Routes: the proxy's own (proxy/server/control.py) are `/healthz` (the process is up),
+`/readyz` (the upstream answers) and `/metrics` and `/ui` while metrics are served on the
+proxy's port (vLLM's own `/metrics` is then shadowed: scrape vLLM directly). Every other
+path is forwarded to the backend byte for byte; POSTs to a path with an API seam
+(proxy/core/apis/) are measured. The lifespan owns the upstream client, the model-list
+refresher and the tokenizer. proxy/server/assemble.py builds the app from settings.
 """
 
 from __future__ import annotations
@@ -12,28 +13,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
-from collections.abc import Callable
-from time import monotonic
 from typing import Any
 
 import httpx
 import orjson
 from prometheus_client import CollectorRegistry
 
-from proxy.core.errors import error_body
-from proxy.core.labels import ModelLabels
-from proxy.core.measurement import Measurement
 from proxy.core.tokens import TokenCounter
-from proxy.server.exposition import Exposition
+from proxy.server.control import ControlPlane
 from proxy.server.forward import Forwarder, UpstreamBroke
 from proxy.server.upstream import create_client, describe
 from proxy.settings import Settings, require_upstream
-from proxy.sinks.dispatch import RequestTracer, Sinks
-from proxy.sinks.keys import KeyLabels
-from proxy.sinks.metrics import Metrics
-from proxy.types import Receive, Scope, Send
-from proxy.ui import is_ui_path, serve_ui
+from proxy.sinks.dispatch import Sinks
+from proxy.types import ASGIApp, Receive, Scope, Send
 
 log = logging.getLogger("tokenprobe")
 
@@ -51,64 +43,42 @@ logging.getLogger("uvicorn.error").addFilter(_HideUpstreamBroke())
 
 
 class ProxyApp:
+    """The relay and the control plane side by side, built elsewhere (proxy/server/assemble.py):
+    this class routes, and owns what lives as long as the server (the upstream client,
+    the tokenizer, the model-list refresher, the --metrics-port listener)."""
+
     def __init__(
         self,
         settings: Settings,
         *,
-        registry: CollectorRegistry | None = None,
-        tracer: RequestTracer | None = None,
-        consumers: list[Callable[[Measurement, str], None]] | None = None,
-        metrics_app: Any = None,
+        registry: CollectorRegistry,
+        sinks: Sinks,
+        control: ControlPlane,
     ) -> None:
         self.settings = settings
         self.upstream = require_upstream(settings)
-        self.registry = registry if registry is not None else CollectorRegistry()
-        self.metrics = Metrics(self.registry)
-        self.labels = ModelLabels(settings.model_allowlist)
-        keys = KeyLabels(settings.key_salt) if settings.key_label == "hash" else None
-        self.sinks = Sinks(
-            self.metrics, self.labels, tracer=tracer, consumers=consumers or [], keys=keys
-        )
-        self.metrics_app = metrics_app or Exposition(self.registry)
+        self.registry = registry
+        self.sinks = sinks
+        self.control = control
         self.client: httpx.AsyncClient | None = None
         self.forwarder: Forwarder | None = None
         self.counter: TokenCounter | None = None
         self._refresher: asyncio.Task[None] | None = None
         self._metrics_server: Any = None
         self._metrics_task: asyncio.Task[None] | None = None
-        self._ready_at = -1e9
-        self._ready = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
-            path: str = scope["path"]
-            # The proxy's own routes first; everything else belongs to the backend.
-            if path == "/metrics" and self.settings.metrics_port is None:
-                await self.serve_metrics(scope, receive, send)
-            elif is_ui_path(path) and self.settings.metrics_port is None:
-                await serve_ui(scope, receive, send)
-            elif path == "/healthz":
-                await _json(send, 200, {"status": "ok"})
-            elif path == "/readyz":
-                ready = await self._upstream_ready()
-                await _json(
-                    send, 200 if ready else 503, {"ready": ready, "upstream": self.upstream}
-                )
+            # The proxy's own routes first; everything else belongs to the backend, and
+            # goes to the relay with no router or middleware in between.
+            if self.control.owns(scope["path"]):
+                await self.control(scope, receive, send)
             else:
                 assert self.forwarder is not None, "lifespan did not run"
                 await self.forwarder(scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
-
-    async def serve_metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
-        token = self.settings.metrics_token
-        if token is not None:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, b"Bearer " + token.encode()):
-                await _error(send, 401, "auth", "metrics need a bearer token")
-                return
-        await self.metrics_app(scope, receive, send)
 
     # -- lifespan ---------------------------------------------------------------------
 
@@ -130,29 +100,20 @@ class ProxyApp:
             secret_headers=settings.secret_headers,
             max_event_bytes=settings.max_event_bytes,
         )
+        self.control.readiness.client = self.client
         if settings.models_refresh:
             self._refresher = asyncio.create_task(self._refresh_models(settings.models_refresh))
-        if settings.metrics_port is not None:
+        if self.control.listener is not None and settings.metrics_port is not None:
             await self._start_metrics_listener(
-                settings.metrics_host or settings.host, settings.metrics_port
+                self.control.listener, settings.metrics_host or settings.host, settings.metrics_port
             )
 
-    async def _start_metrics_listener(self, host: str, port: int) -> None:
+    async def _start_metrics_listener(self, app: ASGIApp, host: str, port: int) -> None:
         """/metrics on its own address, so it can stay off the network clients reach."""
         import uvicorn
 
-        async def metrics_only(scope: Scope, receive: Receive, send: Send) -> None:
-            if scope["type"] != "http":
-                return
-            if scope["path"] == "/metrics":
-                await self.serve_metrics(scope, receive, send)
-            elif is_ui_path(scope["path"]):
-                await serve_ui(scope, receive, send)
-            else:
-                await _error(send, 404, "not_found", "only /metrics and /ui are served here")
-
         config = uvicorn.Config(
-            metrics_only,
+            app,
             host=host,
             port=port,
             lifespan="off",
@@ -224,36 +185,5 @@ class ProxyApp:
         while True:
             ids = await self.fetch_models()
             if ids is not None:
-                self.labels.update_from_upstream(ids)
+                self.sinks.models.update_from_upstream(ids)
             await asyncio.sleep(every)
-
-    async def _upstream_ready(self) -> bool:
-        """Ready when the upstream answers HTTP at all; cached for a second."""
-        if monotonic() - self._ready_at < 1.0:
-            return self._ready
-        assert self.client is not None
-        try:
-            response = await self.client.get(self.upstream + "/v1/models", timeout=2.0)
-            self._ready = response.status_code < 500
-        except httpx.HTTPError:
-            self._ready = False
-        self._ready_at = monotonic()
-        return self._ready
-
-
-def create_app(settings: Settings, **kwargs: Any) -> ProxyApp:
-    return ProxyApp(settings, **kwargs)
-
-
-async def _error(send: Send, status: int, kind: str, message: str) -> None:
-    await _send(send, status, error_body(status, kind, message))
-
-
-async def _json(send: Send, status: int, payload: object) -> None:
-    await _send(send, status, orjson.dumps(payload))
-
-
-async def _send(send: Send, status: int, body: bytes) -> None:
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})

@@ -17,6 +17,9 @@ from prometheus_client import CollectorRegistry
 
 from proxy.server.exposition import Exposition
 
+#: Where the workers' metric files go (prometheus-client reads the same variable).
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
 
 def multiprocess_metrics_app(directory: str) -> Any:
     from prometheus_client import multiprocess

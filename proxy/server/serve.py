@@ -19,9 +19,9 @@ from typing import Any
 import uvicorn
 
 from proxy.server.app import ProxyApp
+from proxy.server.assemble import assemble
+from proxy.server.multiproc import MULTIPROC_ENV
 from proxy.settings import SPECS, Settings, SettingsError, parse, require_upstream
-
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 def uvicorn_options(settings: Settings) -> dict[str, Any]:
@@ -47,9 +47,8 @@ def build_app(settings: Settings) -> ProxyApp:
         HeadLimits,
         connection_counter,
     )
-    from proxy.server.wiring import build
 
-    app = build(settings, os.environ)
+    app = assemble(settings, os.environ)
     limits = HeadLimits(
         max_head_bytes=settings.max_header_bytes + HEAD_SLACK,
         max_headers=settings.max_headers,

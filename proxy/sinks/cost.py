@@ -42,6 +42,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from proxy.core.measurement import Measurement
 from proxy.core.pricing import PER_TOKENS
+from proxy.sinks.sink import Labels
 
 
 def export_cost_per_hour(registry: CollectorRegistry, cost_per_hour: float, currency: str) -> Gauge:
@@ -150,7 +151,8 @@ def _kind(value: Any) -> str:
 
 
 class CostSink:
-    """Adds each request's spend to `tokenprobe_cost_total{model, kind}`."""
+    """A Sink adding each request's spend to `tokenprobe_cost_total{model, kind}`; its
+    model label is bounded by the price table, not by the request's Labels."""
 
     def __init__(self, prices: PriceTable, registry: CollectorRegistry) -> None:
         self.prices = prices
@@ -169,7 +171,7 @@ class CostSink:
             for model in prices.models
         }
 
-    def record(self, m: Measurement) -> None:
+    def record(self, m: Measurement, labels: Labels) -> None:
         price = self.prices.get(m.model)
         if price is None:
             return

@@ -1,8 +1,10 @@
-"""Where finished measurements go: metrics, traces, logs, cost. Sink failures stop here.
+"""Where finished measurements go: every sink, and the tracer. Sink failures stop here.
 
-The relay calls `begin` when a request starts (in-flight gauge, trace span) and `end` once
-with the frozen record. A failing sink is logged and counted in
-`tokenprobe_measurement_failures_total{stage="sink"}`; it never fails the request.
+The relay calls `begin` when a request starts (in-flight gauge, labels, trace span) and
+`end` once with the frozen record, which each sink in the list then gets with the
+request's Labels. A failing sink is logged and counted in
+`tokenprobe_measurement_failures_total{stage="sink"}`; it never fails the request, and
+the sinks after it still run.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from time import perf_counter
-from typing import Any, Protocol
+from typing import Any
 
 from proxy.core.labels import ModelLabels
 from proxy.core.measurement import ErrorType, Measurement
@@ -18,63 +20,55 @@ from proxy.core.observe import bare_record
 from proxy.core.request import RequestInfo
 from proxy.sinks.keys import KeyLabels
 from proxy.sinks.metrics import Metrics
+from proxy.sinks.sink import Headers, Labels, RequestTracer, Sink
 
 log = logging.getLogger("tokenprobe")
 
-Headers = list[tuple[bytes, bytes]]
-
-
-class RequestTracer(Protocol):
-    def start(
-        self, info: RequestInfo, headers: Headers, start_time_ns: int | None = None
-    ) -> tuple[Any, str | None, Headers]:
-        """Open a span that began at start_time_ns (wall clock): (span, trace id if
-        sampled, trace headers to send upstream in place of the client's)."""
-
-    def finish(self, span: Any, measurement: Measurement | None) -> None: ...
-
-    def shutdown(self) -> None:
-        """Flush what is queued; blocking, called off the event loop at exit."""
+_UNMEASURED = Labels(model="")
 
 
 class RequestScope:
-    __slots__ = ("info", "key_label", "model_label", "span", "trace_id", "upstream_headers")
+    __slots__ = ("info", "labels", "span", "trace_id", "upstream_headers")
 
-    def __init__(self, info: RequestInfo | None, model_label: str) -> None:
+    def __init__(self, info: RequestInfo | None, labels: Labels) -> None:
         self.info = info
-        self.model_label = model_label
-        self.key_label: str | None = None
+        self.labels = labels
         self.span: Any = None
         self.trace_id: str | None = None
         self.upstream_headers: Headers = []
 
 
 class Sinks:
+    """The sinks in order, the tracer, and the label resolvers they share.
+
+    `metrics` is also in `sinks` (it records each request like any sink); it is named
+    here too for what only the dispatcher does: the in-flight gauge, unmeasured
+    passthrough requests and measurement failures.
+    """
+
     def __init__(
         self,
-        metrics: Metrics,
-        labels: ModelLabels,
+        sinks: Sequence[Sink],
         *,
-        tracer: RequestTracer | None = None,
-        consumers: Sequence[Callable[[Measurement, str], None]] = (),
+        metrics: Metrics,
+        models: ModelLabels,
         keys: KeyLabels | None = None,
+        tracer: RequestTracer | None = None,
     ) -> None:
+        self.sinks = list(sinks)
         self.metrics = metrics
-        self.labels = labels
-        self.tracer = tracer
-        # Each consumer gets the record and its bounded model label (logs, cost, ...).
-        self.consumers = list(consumers)
+        self.models = models
         self.keys = keys
+        self.tracer = tracer
 
     def begin(
         self, info: RequestInfo | None, headers: Headers, started_at: float = 0.0
     ) -> RequestScope:
         if info is None:
-            return RequestScope(None, "")
-        rs = RequestScope(info, self.labels(info.model))
-        self.metrics.in_flight.labels(rs.model_label, info.endpoint).inc()
-        if self.keys is not None:
-            rs.key_label = self.keys(headers)
+            return RequestScope(None, _UNMEASURED)
+        key = self.keys(headers) if self.keys is not None else None
+        rs = RequestScope(info, Labels(self.models(info.model), key))
+        self.metrics.in_flight.labels(rs.labels.model, info.endpoint).inc()
         if self.tracer is not None:
             try:
                 rs.span, rs.trace_id, rs.upstream_headers = self.tracer.start(
@@ -89,16 +83,11 @@ class Sinks:
         info = rs.info
         if info is None:
             return
-        self.metrics.in_flight.labels(rs.model_label, info.endpoint).dec()
+        self.metrics.in_flight.labels(rs.labels.model, info.endpoint).dec()
         if self.tracer is not None and rs.span is not None:
             self._safely(self.tracer.finish, rs.span, measurement)
-        if measurement is None:
-            return
-        self._safely(self.metrics.record, measurement, rs.model_label)
-        if rs.key_label is not None:
-            self._safely(self.metrics.record_key, measurement, rs.model_label, rs.key_label)
-        for consumer in self.consumers:
-            self._safely(consumer, measurement, rs.model_label)
+        if measurement is not None:
+            self._record(measurement, rs.labels)
 
     def refused(
         self, info: RequestInfo, error: ErrorType, status: int, start: float, started_at: float
@@ -111,16 +100,17 @@ class Sinks:
             e2e=perf_counter() - start,
             error_type=error,
         )
-        label = self.labels(info.model)
-        self._safely(self.metrics.record, m, label)
-        for consumer in self.consumers:
-            self._safely(consumer, m, label)
+        self._record(m, Labels(self.models(info.model)))
 
     def passthrough(self, route: str, status: int) -> None:
         self.metrics.passthrough.labels(route, str(status)).inc()
 
     def failed(self, stage: str) -> None:
         self.metrics.measurement_failures.labels(stage).inc()
+
+    def _record(self, measurement: Measurement, labels: Labels) -> None:
+        for sink in self.sinks:
+            self._safely(sink.record, measurement, labels)
 
     def _safely(self, fn: Callable[..., None], *args: Any) -> None:
         try:

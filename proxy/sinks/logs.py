@@ -29,6 +29,7 @@ from typing import Any, TextIO
 import orjson
 
 from proxy.core.measurement import NONE_LABEL, Measurement
+from proxy.sinks.sink import Labels
 
 KEYS = (
     "ts",
@@ -58,7 +59,8 @@ _PLAIN = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01234567
 
 
 class AccessLog:
-    """A consumer `(measurement, model_label) -> None` writing one line per request."""
+    """A Sink writing one line per request (the raw model name, cut short: a log line
+    is no series, so it need not be bounded like a label)."""
 
     def __init__(self, mode: str, stream: TextIO = sys.stdout) -> None:
         if mode not in ("json", "text"):
@@ -66,7 +68,7 @@ class AccessLog:
         self.stream = stream
         self.format = _json_line if mode == "json" else _text_line
 
-    def __call__(self, m: Measurement, model_label: str) -> None:
+    def record(self, m: Measurement, labels: Labels) -> None:
         # One write and one flush per line: a line reaches the log when its request
         # ends, and lines from several workers on one pipe do not interleave.
         self.stream.write(self.format(record(m)))

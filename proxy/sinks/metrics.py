@@ -27,6 +27,7 @@ from proxy.core.buckets import (
     token_buckets,
 )
 from proxy.core.measurement import NONE_LABEL, Measurement
+from proxy.sinks.sink import Labels
 
 LABELS = ("model", "endpoint")
 
@@ -63,7 +64,11 @@ FINISH_REASONS = FINISH_LABELS
 
 
 class Metrics:
-    """All of tokenprobe's Prometheus metrics, registered on one registry."""
+    """All of tokenprobe's Prometheus metrics, registered on one registry; a Sink.
+
+    `record` observes one finished request, per-key counters included when the request
+    has a key label; the dispatcher (proxy/sinks/dispatch.py) also moves the in-flight
+    gauge and counts passthrough requests and measurement failures here."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
@@ -232,15 +237,8 @@ class Metrics:
         if m.prompt_tokens:
             prompt.inc(m.prompt_tokens)
 
-    def record_key(self, m: Measurement, model_label: str, key_label: str) -> None:
-        error = m.error_type.value if m.error_type is not None else NONE_LABEL
-        self.key_requests.labels(key_label, model_label, error).inc()
-        if m.prompt_tokens:
-            self.key_tokens.labels(key_label, model_label, "prompt").inc(m.prompt_tokens)
-        if m.output_tokens:
-            self.key_tokens.labels(key_label, model_label, "output").inc(m.output_tokens)
-
-    def record(self, m: Measurement, model_label: str) -> None:
+    def record(self, m: Measurement, labels: Labels) -> None:
+        model_label = labels.model
         ttfb, ttft, itl, tpot, speed, e2e, prompt, generation, cached = self._bound(
             model_label, m.endpoint
         )
@@ -270,6 +268,15 @@ class Metrics:
         error = m.error_type.value if m.error_type is not None else NONE_LABEL
         reason = m.finish_reason if m.finish_reason in FINISH_REASONS else "other"
         self.requests.labels(model_label, m.endpoint, str(m.status_code), reason, error).inc()
+        if labels.key is not None:
+            self._record_key(m, model_label, labels.key, error)
+
+    def _record_key(self, m: Measurement, model_label: str, key_label: str, error: str) -> None:
+        self.key_requests.labels(key_label, model_label, error).inc()
+        if m.prompt_tokens:
+            self.key_tokens.labels(key_label, model_label, "prompt").inc(m.prompt_tokens)
+        if m.output_tokens:
+            self.key_tokens.labels(key_label, model_label, "output").inc(m.output_tokens)
 
 
 def observe_all(histogram: Any, values: Sequence[float]) -> None:

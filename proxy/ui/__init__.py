@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from importlib.resources import files
 
-from proxy.types import Receive, Scope, Send
+from starlette.requests import Request
+from starlette.responses import Response
 
 _TYPES = {
     ".html": b"text/html; charset=utf-8",
@@ -26,8 +27,8 @@ _TYPES = {
 # Nothing outside this origin: no CDN, no fonts, no beacons. uPlot styles its elements
 # from script (CSSOM), which style-src does not restrict.
 _CSP = (
-    b"default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
-    b"img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+    "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
 
 
@@ -46,44 +47,37 @@ def _load() -> dict[str, tuple[bytes, bytes]]:
 ASSETS = _load()
 
 
-def is_ui_path(path: str) -> bool:
-    return path == "/ui" or path.startswith("/ui/")
-
-
-async def serve_ui(scope: Scope, receive: Receive, send: Send) -> None:
-    path: str = scope["path"]
-    if scope["method"] not in ("GET", "HEAD"):
-        await _send(send, 405, b"text/plain", b"GET only\n", [(b"allow", b"GET, HEAD")])
-        return
+def live_view(request: Request) -> Response:
+    """`/ui` and `/ui/<name>`, whatever the method (others get a 405 of our own)."""
+    method = request.method
+    if method not in ("GET", "HEAD"):
+        return _response(405, b"text/plain", b"GET only\n", {"allow": "GET, HEAD"})
+    path: str = request.scope["path"]
     if path == "/ui/":  # relative asset URLs resolve against /ui, not /ui/
-        await _send(send, 308, b"text/plain", b"", [(b"location", b"/ui")])
-        return
+        return _response(308, b"text/plain", b"", {"location": "/ui"})
     asset = ASSETS.get(path[len("/ui/") :] if path != "/ui" else "")
     if asset is None:
-        await _send(send, 404, b"text/plain", b"no such file in the live view\n")
-        return
+        return _response(404, b"text/plain", b"no such file in the live view\n")
     kind, body = asset
-    await _send(send, 200, kind, b"" if scope["method"] == "HEAD" else body, length=len(body))
+    return _response(200, kind, b"" if method == "HEAD" else body, length=len(body))
 
 
-async def _send(
-    send: Send,
+def _response(
     status: int,
     kind: bytes,
     body: bytes,
-    extra: list[tuple[bytes, bytes]] | None = None,
+    extra: dict[str, str] | None = None,
     *,
     length: int | None = None,
-) -> None:
-    headers = [
-        (b"content-type", kind),
-        (b"content-length", str(len(body) if length is None else length).encode()),
+) -> Response:
+    headers = {
+        "content-type": kind.decode(),  # as given: Starlette would append a charset
+        "content-length": str(len(body) if length is None else length),
         # Revalidate each load so an upgraded proxy never serves a stale script.
-        (b"cache-control", b"no-cache"),
-        (b"content-security-policy", _CSP),
-        (b"x-content-type-options", b"nosniff"),
-        (b"referrer-policy", b"no-referrer"),
-        *(extra or []),
-    ]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+        "cache-control": "no-cache",
+        "content-security-policy": _CSP,
+        "x-content-type-options": "nosniff",
+        "referrer-policy": "no-referrer",
+        **(extra or {}),
+    }
+    return Response(body, status, headers)

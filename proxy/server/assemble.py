@@ -1,0 +1,82 @@
+"""Assemble the proxy from settings and the environment: the one place that builds parts.
+
+In order: the registry and the Prometheus metrics, the label resolvers (models, API
+keys), the sinks each finished request goes to, the tracer (OTEL_* variables), the
+/metrics app (summing every worker's files in multi-process mode), the control plane;
+then ProxyApp, which only routes and runs them. In a worker process this runs after the
+fork, so exporters' connections and threads belong to the process that uses them.
+
+A new sink is a class with `record(measurement, labels)` (proxy/sinks/sink.py) and one
+line in `_sinks` below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from prometheus_client import CollectorRegistry
+
+from proxy.core.labels import ModelLabels
+from proxy.server.app import ProxyApp
+from proxy.server.control import ControlPlane, GuardedMetrics, Readiness
+from proxy.server.exposition import Exposition
+from proxy.server.multiproc import MULTIPROC_ENV, multiprocess_metrics_app
+from proxy.settings import Settings, require_upstream
+from proxy.sinks.cost import CostSink, export_cost_per_hour, load_prices
+from proxy.sinks.dispatch import Sinks
+from proxy.sinks.keys import KeyLabels
+from proxy.sinks.logs import AccessLog
+from proxy.sinks.metrics import Metrics
+from proxy.sinks.sink import RequestTracer, Sink
+from proxy.sinks.tracing import tracing_from_env
+from proxy.types import ASGIApp
+
+
+def assemble(
+    settings: Settings,
+    environ: Mapping[str, str],
+    *,
+    registry: CollectorRegistry | None = None,
+    tracer: RequestTracer | None = None,
+    extra_sinks: Sequence[Sink] = (),
+) -> ProxyApp:
+    """The proxy the settings ask for. `tracer` replaces the one OTEL_* would configure,
+    and `extra_sinks` record after the configured ones (the demo, tests)."""
+    upstream = require_upstream(settings)
+    registry = registry if registry is not None else CollectorRegistry()
+    metrics = Metrics(registry)
+    if settings.cost_per_hour is not None:
+        export_cost_per_hour(registry, settings.cost_per_hour, settings.currency)
+    if tracer is None:
+        tracer = tracing_from_env(
+            environ, upstream=upstream, registry=registry, trace_content=settings.trace_content
+        )
+    sinks = Sinks(
+        [metrics, *_sinks(settings, registry), *extra_sinks],
+        metrics=metrics,
+        models=ModelLabels(settings.model_allowlist),
+        keys=KeyLabels(settings.key_salt) if settings.key_label == "hash" else None,
+        tracer=tracer,
+    )
+    control = ControlPlane(
+        GuardedMetrics(_exposition(registry, environ), settings.metrics_token),
+        Readiness(upstream),
+        apart=settings.metrics_port is not None,
+    )
+    return ProxyApp(settings, registry=registry, sinks=sinks, control=control)
+
+
+def _sinks(settings: Settings, registry: CollectorRegistry) -> list[Sink]:
+    """The sinks besides Metrics that the settings turn on, in the order they record."""
+    sinks: list[Sink] = []
+    if settings.access_log != "off":
+        sinks.append(AccessLog(settings.access_log))
+    if settings.prices:
+        sinks.append(CostSink(load_prices(settings.prices), registry))
+    return sinks
+
+
+def _exposition(registry: CollectorRegistry, environ: Mapping[str, str]) -> ASGIApp:
+    """This process's registry, or with several workers every worker's values summed."""
+    directory = environ.get(MULTIPROC_ENV)
+    return multiprocess_metrics_app(directory) if directory else Exposition(registry)

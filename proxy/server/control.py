@@ -1,0 +1,122 @@
+"""The control plane: the proxy's own routes, a Starlette router beside the relay.
+
+`/healthz` (the process is up) and `/readyz` (the upstream answers) are always on the
+proxy's port. `/metrics` and the live view (`/ui`, `/ui/<asset>`) are there too, unless
+--metrics-port moves them to a listener of their own, which serves nothing else. Every
+route answers any method, as the hand-written routes did. The relay never goes through
+here: ProxyApp asks `owns(path)` and sends everything else straight to the forwarder.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Awaitable, Callable
+from time import monotonic
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route, Router, request_response
+
+from proxy.core.errors import error_body
+from proxy.types import ASGIApp, Receive, Scope, Send
+from proxy.ui import live_view
+
+_LIVE_VIEW = "/ui"
+
+
+class Readiness:
+    """Ready when the upstream answers HTTP at all; cached for a second. The lifespan
+    hands it the upstream client when it has made one."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.client: httpx.AsyncClient | None = None
+        self._checked_at = -1e9
+        self._ready = False
+
+    async def __call__(self) -> bool:
+        if monotonic() - self._checked_at < 1.0:
+            return self._ready
+        assert self.client is not None, "lifespan did not run"
+        try:
+            response = await self.client.get(self.upstream + "/v1/models", timeout=2.0)
+            self._ready = response.status_code < 500
+        except httpx.HTTPError:
+            self._ready = False
+        self._checked_at = monotonic()
+        return self._ready
+
+
+class GuardedMetrics:
+    """/metrics behind --metrics-token when one is set (a bearer token, compared in
+    constant time), else open."""
+
+    def __init__(self, exposition: ASGIApp, token: str | None) -> None:
+        self.exposition = exposition
+        self.expected = None if token is None else b"Bearer " + token.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.expected is not None:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                await _error(401, "auth", "metrics need a bearer token")(scope, receive, send)
+                return
+        await self.exposition(scope, receive, send)
+
+
+class ControlPlane:
+    """The routes on the proxy's port, and the --metrics-port listener's app if any."""
+
+    def __init__(self, metrics: GuardedMetrics, readiness: Readiness, *, apart: bool) -> None:
+        self.readiness = readiness
+        observing: list[BaseRoute] = [
+            Route("/metrics", metrics),
+            Route(_LIVE_VIEW, _AnyMethod(live_view)),
+            Route(_LIVE_VIEW + "/{asset:path}", _AnyMethod(live_view)),
+        ]
+        probes: list[BaseRoute] = [
+            Route("/healthz", _AnyMethod(_healthz)),
+            Route("/readyz", _AnyMethod(self._readyz)),
+        ]
+        here = probes if apart else [*probes, *observing]
+        self.router = Router(here, redirect_slashes=False)
+        self.paths = frozenset(
+            ("/healthz", "/readyz") if apart else ("/healthz", "/readyz", "/metrics", _LIVE_VIEW)
+        )
+        self.prefixes = () if apart else (_LIVE_VIEW + "/",)
+        self.listener: Router | None = None
+        if apart:
+            elsewhere = _error(404, "not_found", "only /metrics and /ui are served here")
+            self.listener = Router(observing, redirect_slashes=False, default=elsewhere)
+
+    def owns(self, path: str) -> bool:
+        """Whether a path is the proxy's own; every other one is the backend's."""
+        return path in self.paths or path.startswith(self.prefixes)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.router(scope, receive, send)
+
+    async def _readyz(self, request: Request) -> Response:
+        ready = await self.readiness()
+        payload = {"ready": ready, "upstream": self.readiness.upstream}
+        return JSONResponse(payload, 200 if ready else 503)
+
+
+class _AnyMethod:
+    """A request -> response endpoint for every method: Starlette routes a bare function
+    for GET and HEAD only, and an ASGI object for all."""
+
+    def __init__(self, endpoint: Callable[[Request], Awaitable[Response] | Response]) -> None:
+        self.app = request_response(endpoint)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.app(scope, receive, send)
+
+
+async def _healthz(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+def _error(status: int, kind: str, message: str) -> Response:
+    return Response(error_body(status, kind, message), status, media_type="application/json")

@@ -1,0 +1,57 @@
+"""What a sink is: one method, `record(measurement, labels)`, called once per finished request.
+
+Every sink (Prometheus metrics, the access log, cost, a test's recorder) takes the same
+frozen record and the same bounded labels, resolved once per request by `Sinks`; none of
+them sees a header, a raw model name as a label, or another sink's failure. Adding a sink
+is a class with this method plus one line in proxy/server/assemble.py.
+
+The tracer is the one part with two steps: a span must start when the request does (its
+trace headers go upstream), so it has `start` and `finish` instead of `record`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from proxy.core.measurement import Measurement
+from proxy.core.request import RequestInfo
+
+Headers = list[tuple[bytes, bytes]]
+
+
+@dataclass(frozen=True, slots=True)
+class Labels:
+    """A request's label values from closed sets, never the client's raw strings."""
+
+    model: str  # bounded by ModelLabels: an allowlisted or upstream-listed id, else "other"
+    key: str | None = None  # a salted hash bounded by KeyLabels; None without --key-label hash
+
+
+class Sink(Protocol):
+    def record(self, measurement: Measurement, labels: Labels) -> None:
+        """Consume one finished request; runs on the event loop, so keep it short. An
+        exception is logged and counted by `Sinks`, and never reaches the request."""
+
+
+class RequestTracer(Protocol):
+    def start(
+        self, info: RequestInfo, headers: Headers, start_time_ns: int | None = None
+    ) -> tuple[Any, str | None, Headers]:
+        """Open a span that began at start_time_ns (wall clock): (span, trace id if
+        sampled, trace headers to send upstream in place of the client's)."""
+
+    def finish(self, span: Any, measurement: Measurement | None) -> None: ...
+
+    def shutdown(self) -> None:
+        """Flush what is queued; blocking, called off the event loop at exit."""
+
+
+class Recorder:
+    """A sink that keeps every record in memory, in order: the demo's table, tests."""
+
+    def __init__(self) -> None:
+        self.records: list[Measurement] = []
+
+    def record(self, measurement: Measurement, labels: Labels) -> None:
+        self.records.append(measurement)
