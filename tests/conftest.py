@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -66,6 +67,16 @@ class ProxyUnderTest(Running):
 
     def sample(self, name: str, **labels: str) -> float:
         return self.registry.get_sample_value(name, labels) or 0.0
+
+    def wait_records(self, n: int, timeout: float = 5.0, exact: bool = False) -> list[Measurement]:
+        """The records once there are `n` (each lands just after its response's last byte)."""
+        deadline = time.monotonic() + timeout
+        while len(self.records) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(self.records) == n if exact else len(self.records) >= n, (
+            f"expected {n} records, got {len(self.records)}"
+        )
+        return self.records
 
 
 @pytest.fixture

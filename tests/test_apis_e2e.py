@@ -9,7 +9,6 @@ within the programmed bounds, tokens equal to the backend's usage, the finish la
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Callable, Iterator
 
 import anthropic
@@ -17,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from proxy.core.measurement import ErrorType, Measurement
+from proxy.core.measurement import ErrorType
 from tests.conftest import MODEL, ProxyUnderTest, Running
 from tests.servers import ThreadedServer
 from tests.vllm_routes import UTILITY, VllmRoutes
@@ -41,14 +40,6 @@ def via(
     backend: tuple[VllmRoutes, ThreadedServer], start_proxy: Callable[..., ProxyUnderTest]
 ) -> ProxyUnderTest:
     return start_proxy(backend[1].url, model_allowlist=(MODEL, "m"))
-
-
-def wait_records(proxy: ProxyUnderTest, n: int) -> list[Measurement]:
-    deadline = time.monotonic() + 5
-    while len(proxy.records) < n and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert len(proxy.records) == n
-    return proxy.records
 
 
 def requests_total(proxy: ProxyUnderTest, endpoint: str, **labels: str) -> float:
@@ -78,7 +69,7 @@ def test_anthropic_sdk_messages_stream_is_measured(via: ProxyUnderTest) -> None:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text == "Hello there!" and final.stop_reason == "end_turn"
-    (m,) = wait_records(via, 1)
+    (m,) = via.wait_records(1, exact=True)
     assert m.endpoint == "/v1/messages" and m.ok and m.stream
     assert m.ttft is not None and TTFT <= m.ttft < TTFT + TTFT_SLACK
     assert (m.prompt_tokens, m.output_tokens) == (12, 5)  # the stream's own usage
@@ -91,7 +82,7 @@ def test_anthropic_sdk_messages_create_is_measured(via: ProxyUnderTest) -> None:
         model="m", max_tokens=3, messages=[{"role": "user", "content": "Hi"}]
     )
     assert message.stop_reason == "max_tokens"
-    (m,) = wait_records(via, 1)
+    (m,) = via.wait_records(1, exact=True)
     assert (m.endpoint, m.stream, m.ok) == ("/v1/messages", False, True)
     assert (m.prompt_tokens, m.output_tokens, m.finish_reason) == (12, 3, "length")
 
@@ -101,7 +92,7 @@ def test_messages_stream_bytes_reach_the_client_unchanged(
 ) -> None:
     body = {"model": "m", "max_tokens": 64, "stream": True, "messages": []}
     received = httpx.post(via.url + "/v1/messages", json=body).content
-    wait_records(via, 1)
+    via.wait_records(1, exact=True)
     assert hashlib.sha256(received).digest() == hashlib.sha256(backend[0].sent[-1]).digest()
 
 
@@ -121,7 +112,7 @@ def test_messages_error_classes_are_counted(via: ProxyUnderTest) -> None:
         via.url + "/v1/messages", json=body, headers={"x-stream": "vllm_messages_error.sse"}
     )
     assert b"event: error" in reply.content
-    wait_records(via, 2)
+    via.wait_records(2, exact=True)
     assert requests_total(via, "/v1/messages", error_type="rate_limit", code="429") == 1
     assert requests_total(via, "/v1/messages", error_type="stream_error", code="200") == 1
 
@@ -137,7 +128,7 @@ def test_openai_sdk_responses_stream_is_measured(via: ProxyUnderTest) -> None:
     stream = openai_client(via).responses.create(model="m", input="Hi", stream=True)
     kinds = [event.type for event in stream]
     assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
-    (m,) = wait_records(via, 1)
+    (m,) = via.wait_records(1, exact=True)
     assert m.endpoint == "/v1/responses" and m.ok
     assert m.ttft is not None and TTFT <= m.ttft < TTFT + TTFT_SLACK
     assert (m.prompt_tokens, m.output_tokens, m.cached_prompt_tokens) == (12, 3, 8)
@@ -147,7 +138,7 @@ def test_openai_sdk_responses_stream_is_measured(via: ProxyUnderTest) -> None:
 def test_openai_sdk_responses_create_is_measured(via: ProxyUnderTest) -> None:
     response = openai_client(via).responses.create(model="m", input="Hi")
     assert response.status == "incomplete"
-    (m,) = wait_records(via, 1)
+    (m,) = via.wait_records(1, exact=True)
     assert (m.endpoint, m.stream, m.ok) == ("/v1/responses", False, True)
     assert (m.prompt_tokens, m.output_tokens) == (12, 3)
     assert (m.finish_reason, m.raw_finish_reason) == ("length", "max_output_tokens")
@@ -159,7 +150,7 @@ def test_responses_stream_bytes_reach_the_client_unchanged(
 ) -> None:
     body = {"model": "m", "input": "Hi", "stream": True}
     received = httpx.post(via.url + "/v1/responses", json=body).content
-    wait_records(via, 1)
+    via.wait_records(1, exact=True)
     assert hashlib.sha256(received).digest() == hashlib.sha256(backend[0].sent[-1]).digest()
 
 
@@ -168,7 +159,7 @@ def test_responses_error_status_is_counted(via: ProxyUnderTest) -> None:
         openai_client(via).responses.create(
             model="m", input="Hi", extra_headers={"x-status": "429"}
         )
-    (m,) = wait_records(via, 1)
+    (m,) = via.wait_records(1, exact=True)
     assert (m.endpoint, m.error_type) == ("/v1/responses", ErrorType.RATE_LIMIT)
 
 
@@ -178,7 +169,7 @@ def test_responses_error_status_is_counted(via: ProxyUnderTest) -> None:
 def test_openai_sdk_embeddings_are_measured(sim: Running, proxy: ProxyUnderTest) -> None:
     client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-test", max_retries=0)
     result = client.embeddings.create(model=MODEL, input=["hello there", "hi"])
-    (m,) = wait_records(proxy, 1)
+    (m,) = proxy.wait_records(1, exact=True)
     assert (m.endpoint, m.ok, m.stream) == ("/v1/embeddings", True, False)
     assert m.prompt_tokens == result.usage.prompt_tokens > 0
     assert (m.output_tokens, m.ttft, m.finish_reason) == (None, None, "none")
@@ -214,7 +205,7 @@ def test_n_choices_report_one_choice_speed_not_their_sum(
     proxy = start_proxy(backend[1].url, model_allowlist=("m",))
     body = {"model": "m", "n": 3, "stream": True, "messages": []}
     httpx.post(proxy.url + "/v1/chat/completions", json=body, headers={"x-tokens": "8"})
-    (m,) = wait_records(proxy, 1)
+    (m,) = proxy.wait_records(1, exact=True)
     assert (m.output_tokens, m.content_events, m.finish_reason) == (24, 24, "stop")
     assert m.ttft is not None and m.ttft >= TTFT  # the role-only chunks are not tokens
     assert m.decode_tokens_per_second == pytest.approx(1 / step, rel=0.25)

@@ -17,13 +17,6 @@ CHAT = "/v1/chat/completions"
 BODY = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
 
 
-def wait_records(proxy: ProxyUnderTest, n: int, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while len(proxy.records) < n and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert len(proxy.records) >= n
-
-
 def proxy_tasks(proxy: ProxyUnderTest) -> int:
     loop = proxy.server.loop
     assert loop is not None
@@ -94,7 +87,7 @@ def test_client_disconnect_cancels_upstream_within_100ms(
     closed = time.monotonic()
     assert state.wait_for(lambda: state.last().outcome == "aborted", timeout=2), phase  # type: ignore[union-attr]
     assert state.last().aborted_at - closed < 0.1, phase  # type: ignore[union-attr,operator]
-    wait_records(proxy, 1)
+    proxy.wait_records(1)
     assert proxy.records[0].error_type is ErrorType.CLIENT_CANCELLED
     assert (
         proxy.sample(
@@ -118,7 +111,7 @@ def test_client_disconnect_while_sending_the_body(sim: Running, proxy: ProxyUnde
     )
     time.sleep(0.2)
     sock.close()
-    wait_records(proxy, 1)
+    proxy.wait_records(1)
     assert proxy.records[0].error_type is ErrorType.CLIENT_CANCELLED
     assert sim.app.state.last() is None  # nothing was sent upstream
     settle(sim, proxy, baseline)
@@ -156,7 +149,7 @@ def test_stream_faults_relay_the_bytes_and_are_measured(
     ).content
     sent = sim.app.state.last()
     assert sent is not None and sent.body_sha256 == hashlib.sha256(received).hexdigest()
-    wait_records(proxy, 1)
+    proxy.wait_records(1)
     assert proxy.records[0].error_type is error
     assert httpx.get(proxy.url + "/healthz").status_code == 200
 
@@ -166,7 +159,7 @@ def test_html_error_page_from_a_load_balancer_is_relayed_and_classified(
 ) -> None:
     reply = httpx.post(proxy.url + CHAT, json=BODY, headers={"x-sim-error": "html_502"})
     assert reply.status_code == 502 and reply.headers["content-type"].startswith("text/html")
-    wait_records(proxy, 1)
+    proxy.wait_records(1)
     assert proxy.records[0].error_type is ErrorType.UPSTREAM_ERROR
 
 
@@ -245,7 +238,7 @@ def test_bad_client_bodies_are_forwarded_and_never_crash_the_proxy(
     reply = httpx.post(proxy.url + CHAT, content=content, headers={"content-type": content_type})
     assert reply.status_code == 400  # the backend judged it; the proxy relayed the verdict
     assert sim.app.state.last().path == CHAT  # type: ignore[union-attr]
-    wait_records(proxy, 1)
+    proxy.wait_records(1)
     assert proxy.records[0].error_type is ErrorType.BAD_REQUEST
     assert proxy.sample("tokenprobe_measurement_failures_total", stage="observe") == 0
 
@@ -257,7 +250,7 @@ def test_huge_headers_get_431_and_are_not_forwarded(sim: Running, proxy: ProxyUn
         and reply.json()["error"]["type"] == "request_header_fields_too_large"
     )
     assert sim.app.state.last() is None
-    wait_records(proxy, 1)
+    proxy.wait_records(1)
     assert proxy.records[0].error_type is ErrorType.BAD_REQUEST
     assert httpx.get(proxy.url + "/healthz").status_code == 200
 

@@ -26,13 +26,6 @@ def chat(stream: bool = True, **extra: object) -> dict[str, object]:
     }
 
 
-def wait_records(proxy: ProxyUnderTest, n: int, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while len(proxy.records) < n and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert len(proxy.records) >= n, f"expected {n} records, got {len(proxy.records)}"
-
-
 # -- the stream is sacred ---------------------------------------------------------------
 
 
@@ -88,7 +81,7 @@ def test_usage_chunk_the_proxy_asked_for_is_removed(sim: Running, proxy: ProxyUn
     upstream_body = sim.app.state.last().body  # type: ignore[union-attr]
     assert upstream_body["stream_options"] == {"include_usage": True}
     assert b'"usage"' not in received and received.endswith(b"data: [DONE]\n\n")
-    wait_records(proxy, 1)
+    proxy.wait_records(1)
     m = proxy.records[0]
     assert m.token_source is TokenSource.USAGE and m.output_tokens == 16 and m.prompt_tokens
 
@@ -99,7 +92,7 @@ def test_without_usage_injection_counts_come_from_chunks(
     proxy = start_proxy(sim.url, inject_usage=False)
     httpx.post(proxy.url + CHAT, json=chat())
     assert "stream_options" not in sim.app.state.last().body  # type: ignore[union-attr]
-    wait_records(proxy, 1)
+    proxy.wait_records(1)
     assert proxy.records[0].token_source is TokenSource.CHUNKS
     assert proxy.records[0].output_tokens == 16
 
@@ -133,7 +126,7 @@ def test_role_only_first_chunk_is_not_first_token(sim: Running, proxy: ProxyUnde
         json=chat(),
         headers={"x-sim-ttft": "0.25", "x-sim-tps": "50", "x-sim-output-tokens": "20"},
     )
-    wait_records(proxy, 1)
+    proxy.wait_records(1)
     m = proxy.records[0]
     assert m.ttfb is not None and m.ttfb < 0.05  # headers and the role chunk come at once
     assert m.ttft is not None and 0.25 <= m.ttft < 0.25 + 0.03
@@ -160,7 +153,7 @@ def test_metrics_count_each_error_type_and_finish_reason(
         httpx.post(proxy.url + CHAT, json=chat(), headers=headers)
     httpx.post(proxy.url + CHAT, json=chat(max_tokens=4))  # finish_reason length
     httpx.post(proxy.url + CHAT, json=chat(), headers={"x-sim-error": "token_exchange"})
-    wait_records(proxy, len(cases) + 2)
+    proxy.wait_records(len(cases) + 2)
     labels = {"model": MODEL, "endpoint": CHAT}
     for error, (_, code) in cases.items():
         value = proxy.sample(
@@ -196,7 +189,7 @@ def test_metrics_count_each_error_type_and_finish_reason(
 
 def test_unknown_model_names_become_other(sim: Running, proxy: ProxyUnderTest) -> None:
     httpx.post(proxy.url + CHAT, json={**chat(), "model": "no-such-model-123"})
-    wait_records(proxy, 1)
+    proxy.wait_records(1)
     assert (
         proxy.sample(
             "tokenprobe_requests_total",
@@ -229,7 +222,7 @@ def test_passthrough_paths_are_forwarded_and_counted(sim: Running, proxy: ProxyU
 def test_embeddings_are_measured_as_non_generative(sim: Running, proxy: ProxyUnderTest) -> None:
     emb = httpx.post(proxy.url + "/v1/embeddings", json={"model": MODEL, "input": "hi there"})
     assert emb.status_code == 200
-    wait_records(proxy, 1)
+    proxy.wait_records(1)
     m = proxy.records[0]
     assert m.endpoint == "/v1/embeddings" and m.ok and not m.stream
     assert m.prompt_tokens == emb.json()["usage"]["prompt_tokens"] > 0
@@ -245,7 +238,7 @@ def test_authorization_is_forwarded(
     ok = httpx.post(proxy.url + CHAT, json=chat(), headers={"authorization": "Bearer sk-right"})
     bad = httpx.post(proxy.url + CHAT, json=chat(), headers={"authorization": "Bearer sk-wrong"})
     assert ok.status_code == 200 and bad.status_code == 401
-    wait_records(proxy, 2)
+    proxy.wait_records(2)
     assert sorted(str(m.error_type) for m in proxy.records) == ["None", "auth"]
 
 
@@ -260,7 +253,7 @@ def test_dead_upstream_gives_502_json_and_counts_unreachable(
     reply = httpx.post(proxy.url + CHAT, json=chat())
     assert reply.status_code == 502
     assert reply.json()["error"]["type"] == "upstream_unreachable"
-    wait_records(proxy, 1)
+    proxy.wait_records(1)
     assert (
         proxy.sample(
             "tokenprobe_requests_total",
@@ -287,7 +280,7 @@ def test_client_disconnect_mid_stream_cancels_upstream(sim: Running, proxy: Prox
     assert state.wait_for(lambda: state.last().outcome == "aborted", timeout=2)  # type: ignore[union-attr]
     aborted_at = state.last().aborted_at  # type: ignore[union-attr]
     assert aborted_at is not None and aborted_at - closed_at < 0.1
-    wait_records(proxy, 1)
+    proxy.wait_records(1)
     assert proxy.records[0].error_type is ErrorType.CLIENT_CANCELLED
     assert proxy.sample("tokenprobe_requests_in_flight", model=MODEL, endpoint=CHAT) == 0
 
@@ -303,7 +296,7 @@ def test_client_disconnect_before_first_token_cancels_upstream(
     assert state.wait_for(
         lambda: state.last() is not None and state.last().outcome == "aborted", timeout=2
     )  # type: ignore[union-attr]
-    wait_records(proxy, 1)
+    proxy.wait_records(1)
     assert proxy.records[0].error_type is ErrorType.CLIENT_CANCELLED
 
 
@@ -316,7 +309,7 @@ def test_upstream_reset_mid_stream_reaches_the_client_as_a_break(
             json=chat(),
             headers={"x-sim-fault": "reset", "x-sim-fault-after": "3"},
         )
-    wait_records(proxy, 1)
+    proxy.wait_records(1)
     assert proxy.records[0].error_type is ErrorType.STREAM_TRUNCATED
     assert httpx.get(proxy.url + "/healthz").status_code == 200
 
@@ -339,7 +332,7 @@ def test_idle_timeout_mid_stream_breaks_the_stream(
             json=chat(),
             headers={"x-sim-fault": "stall", "x-sim-stall": "3", "x-sim-fault-after": "2"},
         )
-    wait_records(proxy, 1)
+    proxy.wait_records(1)
     assert proxy.records[0].error_type is ErrorType.UPSTREAM_TIMEOUT
 
 
@@ -350,7 +343,7 @@ def test_malformed_client_json_is_forwarded_for_the_backend_to_judge(
         proxy.url + CHAT, content=b"{not json", headers={"content-type": "application/json"}
     )
     assert reply.status_code == 400  # the simulator's verdict, relayed
-    wait_records(proxy, 1)
+    proxy.wait_records(1)
     assert proxy.records[0].error_type is ErrorType.BAD_REQUEST
 
 

@@ -26,7 +26,6 @@ from proxy.sinks.metrics import (
 )
 from proxy.sinks.sink import Labels
 from tests.conftest import MODEL, ProxyUnderTest, Running
-from tests.test_proxy_e2e import wait_records
 from tests.tokenizers_local import build_tiny_tokenizer
 
 HISTOGRAM = "tokenprobe_time_to_first_token_by_prompt_seconds"
@@ -136,6 +135,7 @@ def test_ttft_lands_in_the_bucket_of_its_prompt_and_cache_class(
             ) as response:  # fmt: skip
                 response.read()
                 assert response.status_code == 200
+    proxy.wait_records(len(CASES))  # each record lands just after its response's last byte
     assert [(r.prompt_tokens, r.cached_prompt_tokens) for r in proxy.records] == [
         (t, c) for t, c, *_ in CASES
     ]

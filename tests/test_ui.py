@@ -246,13 +246,6 @@ def open_page(browser: Any) -> Iterator[Callable[[str], Page]]:
         context.close()
 
 
-def _wait_records(proxy: ProxyUnderTest, n: int) -> None:
-    deadline = time.monotonic() + 10
-    while len(proxy.records) < n:
-        assert time.monotonic() < deadline, f"{len(proxy.records)} of {n} records"
-        time.sleep(0.01)
-
-
 def _traffic(client: httpx.Client) -> int:
     """Successes at seven first-token delays, two answers cut off, four errors; the count."""
     sent = 0
@@ -274,12 +267,12 @@ def test_page_numbers_match_promql_over_the_same_scrapes(
 ) -> None:
     with httpx.Client(base_url=proxy.url, timeout=10) as client:
         done = _traffic(client)  # before the page opens: its window must subtract these
-        _wait_records(proxy, done)
+        proxy.wait_records(done, timeout=10)
         before = client.get("/metrics").text
         page = open_page(proxy.url + "/ui?interval=300")
         page.wait_for_scrapes(2)  # the window's oldest scrape is `before`'s state
         done += _traffic(client)
-        _wait_records(proxy, done)
+        proxy.wait_records(done, timeout=10)
         now = client.get("/metrics").text
         seen = page.scrapes()
         page.wait_for_scrapes(seen + 2)  # one whole poll after `now` was taken
