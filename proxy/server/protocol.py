@@ -25,9 +25,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 from prometheus_client import CollectorRegistry, Counter
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from proxy.core.errors import error_body
 
 #: Room for the request line and the header block's framing on top of --max-header-bytes,
 #: which the app checks as the sum of header names and values.
@@ -161,9 +162,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.close()
 
     def _write_error(self, status: int, kind: str, message: str) -> None:
-        body = orjson.dumps(
-            {"error": {"message": message, "type": kind, "param": None, "code": status}}
-        )
+        body = error_body(status, kind, message)
         head = b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
         self.transport.write(STATUS_LINE[status] + head % len(body) + body)
 
