@@ -235,21 +235,21 @@ _FOREIGN_CONNECTS = frozenset({"httpx.ConnectError", "aiohttp.ClientConnectorErr
 _HTTPX_ERROR = "httpx.HTTPError"
 
 
-def foreign_names(exc: BaseException) -> frozenset[str]:
-    """ "package.Class" for the exception's class and each of its bases."""
-    return frozenset(f"{c.__module__.partition('.')[0]}.{c.__name__}" for c in type(exc).__mro__)
+def type_names(kind: type[BaseException]) -> frozenset[str]:
+    """ "package.Class" for an exception class and each of its bases."""
+    return frozenset(f"{c.__module__.partition('.')[0]}.{c.__name__}" for c in kind.__mro__)
 
 
 def _is(
     exc: BaseException, builtin: tuple[type[BaseException], ...], foreign: frozenset[str]
 ) -> bool:
-    return isinstance(exc, builtin) or not foreign.isdisjoint(foreign_names(exc))
+    return isinstance(exc, builtin) or not foreign.isdisjoint(type_names(type(exc)))
 
 
 def _causes(exc: BaseException) -> Iterator[BaseException]:
     # httpx-aiohttp re-raises aiohttp's errors as httpx ones, not always the right ones
     # (a dropped connection becomes ConnectTimeout): when there is a cause, trust the cause.
-    wrapper = exc.__cause__ is not None and _HTTPX_ERROR in foreign_names(exc)
+    wrapper = exc.__cause__ is not None and _HTTPX_ERROR in type_names(type(exc))
     current: BaseException | None = exc.__cause__ if wrapper else exc
     while current is not None:
         yield current
@@ -278,7 +278,7 @@ def describe(exc: BaseException) -> str:
     name = type(root).__name__
     text = str(root).strip()
     if not text or text == name:
-        names = foreign_names(root)
+        names = type_names(type(root))
         text = next((phrase for kind, phrase in PHRASES if kind in names), "no detail given")
     return f"{name}: {text}"[:300]
 
