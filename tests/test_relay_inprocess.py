@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -326,6 +327,29 @@ def test_streamed_success_relays_each_read_unchanged_and_records_the_usage() -> 
             assert record.ttfb <= record.ttft <= record.e2e
             assert proxy.requests(200, "stop", "none") == 1
             assert proxy.in_flight == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_finished_relay_is_freed_at_once_not_by_the_garbage_collector() -> None:
+    """A relay's buffers (up to --max-event-bytes in the observer and the stripper) must
+    go when the request ends: a reference cycle would keep them until a collection, and
+    RSS would climb under load (tests/test_faults.py checks the process's RSS)."""
+
+    def observers() -> int:
+        return sum(isinstance(o, StreamObserver) for o in gc.get_objects())
+
+    async def scenario() -> None:
+        async with running(streaming(UpstreamBody(*EVENTS))) as proxy:
+            gc.collect()
+            gc.disable()
+            try:
+                await proxy.call(Client(chat_request()))
+                for _ in range(3):  # let the cancelled client watcher finish
+                    await asyncio.sleep(0)
+                assert observers() == 0
+            finally:
+                gc.enable()
 
     asyncio.run(scenario())
 

@@ -1,15 +1,17 @@
 """Every error decided in one place, and the one writer of the proxy's own error bodies.
 
-Three questions, each answered here and nowhere else:
+Four questions, each answered here and nowhere else:
 
 - an upstream error *response* (status and body) -> ErrorType: `classify_response`;
+- a streamed success whose body carried an error event or stopped short: `classify_stream_end`;
 - an *exception* from an upstream client (httpx's, aiohttp's, the stdlib's) -> ErrorType
   and a one-line description: `classify_exception`, `describe`;
 - why a *relay stopped* before the body ended (`Cause`: client gone, idle or first-byte
   timeout, the drain cut by shutdown, the upstream broke) -> what the record says and what
   the client gets: `relay_failure`.
 
-An error body is read in three steps, each only when the one before did not decide:
+An upstream error body (`classify_response`) is read in three steps, each only when the one
+before did not decide:
 
 1. Structure. The fields a backend sets on purpose: OpenAI's `code` ("context_length_exceeded",
    "invalid_api_key", ...), a specific `type` (Anthropic's "rate_limit_error", llama.cpp's
@@ -183,6 +185,21 @@ def classify_response(status: int, body: bytes) -> ErrorType | None:
     if status in _STATUS_RULES:
         return _STATUS_RULES[status]
     return ErrorType.BAD_REQUEST if status < 500 else ErrorType.UPSTREAM_ERROR
+
+
+def classify_stream_end(
+    stream_error: object, ended: bool, end_marker: str
+) -> tuple[ErrorType | None, str | None]:
+    """A streamed success that reached the end of its body: an error event inside it
+    (vLLM's `data: {"error": ...}` after the 200) is stream_error; a body that stopped
+    before the API's end (`ended` false: no `end_marker`, nor a finish reason where that
+    ends the stream) is stream_truncated. Returns (error type, message), (None, None) if fine."""
+    if stream_error is not None:
+        wrapped = stream_error if isinstance(stream_error, dict) else {"error": stream_error}
+        return ErrorType.STREAM_ERROR, error_message(orjson.dumps(wrapped))
+    if not ended:
+        return ErrorType.STREAM_TRUNCATED, f"stream ended without {end_marker}"
+    return None, None
 
 
 def _parse(raw: bytes) -> _Fields | None:
@@ -415,6 +432,7 @@ __all__ = [
     "Shape",
     "classify_exception",
     "classify_response",
+    "classify_stream_end",
     "describe",
     "error_body",
     "error_message",

@@ -314,7 +314,10 @@ class Relay:
             self.done = True
             watcher.cancel()
             if self.idle is not None:
+                # Also breaks the cycle relay -> timer -> relay, so the relay and its
+                # buffers are freed now, not at the next garbage collection.
                 self.idle.cancel()
+                self.idle = None
             if self.response is not None:
                 await self.response.aclose()
         await self.finish(perf_counter(), failure)
