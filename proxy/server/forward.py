@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from time import perf_counter, time
+from typing import Any
 
 import httpx
 
@@ -239,15 +239,14 @@ class Relay:
     Per-request state lives here, never in the Forwarder, as uvicorn's RequestResponseCycle
     and Starlette's per-request responders keep theirs. Three things may cancel the task
     running a relay: the client leaving (`_watch_client`), the idle timer, and the server
-    when its drain time runs out. The first two name their `cause` before they cancel, so
-    a cancellation without one is the server's.
+    when its drain time runs out. The first two cancel through `cut`, which records their
+    cause, so a cancellation without one is the server's.
     """
 
     __slots__ = (
-        "cause",
         "client",
         "counter",
-        "done",
+        "cut",
         "idle",
         "info",
         "observer",
@@ -261,7 +260,6 @@ class Relay:
         "start",
         "started_at",
         "status",
-        "task",
     )
 
     def __init__(
@@ -290,9 +288,7 @@ class Relay:
         )
         task = asyncio.current_task()
         assert task is not None
-        self.task = task
-        self.cause: Cause | None = None  # why the relay was cancelled, when it was not the server
-        self.done = False  # the response is over: a client leaving now changes nothing
+        self.cut = _Cut(task)
         self.status = 0  # what the client got
         self.response: httpx.Response | None = None
         self.idle: _IdleTimer | None = None
@@ -300,24 +296,22 @@ class Relay:
 
     async def run(self, body: bytes, stripper: UsageEventStripper | None) -> None:
         self.rs = self.sinks.begin(self.info, self.scope["headers"], self.started_at)
-        watcher = asyncio.create_task(self._watch_client())
+        cut = self.cut
+        watcher = asyncio.create_task(_watch_client(self.receive, cut))
         failure: Failure | None = None
         try:
             stripper = await self.send_request(body, stripper)
             await self.stream(stripper)
         except asyncio.CancelledError:
-            self.task.uncancel()
-            failure = await self.fail(self.cause or Cause.SHUTDOWN)
+            cut.task.uncancel()
+            failure = await self.fail(cut.cause or Cause.SHUTDOWN)
         except Exception as exc:
-            failure = await self.fail(self.cause or Cause.UPSTREAM_BROKE, exc)
+            failure = await self.fail(cut.cause or Cause.UPSTREAM_BROKE, exc)
         finally:
-            self.done = True
+            cut.done = True
             watcher.cancel()
             if self.idle is not None:
-                # Also breaks the cycle relay -> timer -> relay, so the relay and its
-                # buffers are freed now, not at the next garbage collection.
                 self.idle.cancel()
-                self.idle = None
             if self.response is not None:
                 await self.response.aclose()
         await self.finish(perf_counter(), failure)
@@ -346,7 +340,7 @@ class Relay:
                 )
         except TimeoutError:
             if deadline.expired():
-                self.cause = Cause.FIRST_BYTE_TIMEOUT
+                self.cut.cause = Cause.FIRST_BYTE_TIMEOUT
             raise
         self.status = status = response.status_code
         content_type = response.headers.get("content-type", "")
@@ -373,7 +367,7 @@ class Relay:
         strip = None if stripper is None else stripper.feed
         feed = None if observer is None else observer.feed  # None: not (or no longer) measured
         read = body_reader(self.response)
-        idle = self.idle = _IdleTimer(self.settings.idle_timeout, self._idle_ran_out)
+        idle = self.idle = _IdleTimer(self.settings.idle_timeout, self.cut)
         while True:
             idle.waiting = perf_counter()
             chunk = await read()
@@ -395,7 +389,7 @@ class Relay:
                     feed = None
         if stripper is not None and (rest := stripper.flush()):
             await send({"type": "http.response.body", "body": rest, "more_body": True})
-        self.done = True
+        self.cut.done = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         if feed is not None and observer is not None:
             try:
@@ -407,7 +401,7 @@ class Relay:
         """The relay stopped early: what the record says is decided in one table
         (proxy.core.errors.relay_failure); a client that has no response head yet gets
         the proxy's own error answer."""
-        self.done = True
+        self.cut.done = True
         settings = self.settings
         limit = (
             settings.idle_timeout if cause is Cause.IDLE_TIMEOUT else settings.first_byte_timeout
@@ -456,20 +450,6 @@ class Relay:
 
     # -- beside the steps -------------------------------------------------------------
 
-    def _cancel(self, cause: Cause) -> None:
-        if self.cause is None and not self.done:
-            self.cause = cause
-            self.task.cancel()
-
-    def _idle_ran_out(self) -> None:
-        self._cancel(Cause.IDLE_TIMEOUT)
-
-    async def _watch_client(self) -> None:
-        # A send to a gone client can succeed silently: only receive() tells.
-        while (await self.receive())["type"] != "http.disconnect":
-            pass
-        self._cancel(Cause.CLIENT_GONE)
-
     def _observer_failed(self, stage: str) -> None:
         """The one place observer failures stop: the stream goes on, the record is kept
         to what is safe, and a counter says so."""
@@ -505,8 +485,32 @@ class Relay:
         return message
 
 
+class _Cut:
+    """Cancels a relay's task once, recording why. The client watcher and the idle timer
+    hold this, not the relay, so a pending one never keeps the relay's buffers alive."""
+
+    __slots__ = ("cause", "done", "task")
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self.task = task
+        self.cause: Cause | None = None  # None after a cancellation: the server's
+        self.done = False  # the response is over: a client leaving now changes nothing
+
+    def __call__(self, cause: Cause) -> None:
+        if self.cause is None and not self.done:
+            self.cause = cause
+            self.task.cancel()
+
+
+async def _watch_client(receive: Receive, cut: _Cut) -> None:
+    # A send to a gone client can succeed silently: only receive() tells.
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    cut(Cause.CLIENT_GONE)
+
+
 class _IdleTimer:
-    """Calls `ran_out` when the upstream sends nothing for `limit` seconds.
+    """Cuts the relay when the upstream sends nothing for `limit` seconds.
 
     One timer per response, not one per chunk as a transport's read timeout would arm
     (about 3 µs a chunk, a twentieth of relaying it): the relay only notes when it starts
@@ -515,18 +519,18 @@ class _IdleTimer:
     current wait is younger than `limit`.
     """
 
-    __slots__ = ("handle", "limit", "ran_out", "waiting")
+    __slots__ = ("cut", "handle", "limit", "waiting")
 
-    def __init__(self, limit: float, ran_out: Callable[[], None]) -> None:
+    def __init__(self, limit: float, cut: _Cut) -> None:
         self.limit = limit
-        self.ran_out = ran_out
+        self.cut = cut
         self.waiting: float | None = None
         self.handle = asyncio.get_running_loop().call_later(limit, self._check)
 
     def _check(self) -> None:
         waited = 0.0 if self.waiting is None else perf_counter() - self.waiting
         if waited >= self.limit:
-            self.ran_out()
+            self.cut(Cause.IDLE_TIMEOUT)
         else:  # loop timers may fire a little early: never re-arm for less than a millisecond
             delay = max(self.limit - waited, 0.001)
             self.handle = asyncio.get_running_loop().call_later(delay, self._check)
