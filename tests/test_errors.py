@@ -1,16 +1,21 @@
-"""Upstream error bodies -> error type, the proxy's own error bodies, and secret scrubbing.
+"""Upstream error bodies and exceptions -> error type, a relay's early ends, the proxy's own
+error bodies, and secret scrubbing.
 
 The table is tests/fixtures/errors/index.toml: one row per real body, with its source.
 """
 
 from __future__ import annotations
 
+import asyncio
+import importlib
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import anthropic
+import httpx
 import openai
 import orjson
 import pytest
@@ -18,12 +23,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy.core.errors import (
+    FOREIGN_NAMES,
     MAX_ERROR_BODY,
+    Cause,
+    Failure,
+    classify_exception,
     classify_response,
+    describe,
     error_body,
     error_message,
     error_shape,
+    relay_failure,
     scrub,
+    type_names,
 )
 from proxy.core.measurement import ErrorType
 from tests.conftest import MODEL, ProxyUnderTest, Running
@@ -416,3 +428,143 @@ def test_scrub_removes_credentials(text: str, want: str) -> None:
 )
 def test_scrub_leaves_ordinary_text_alone(text: str) -> None:
     assert scrub(text) == text
+
+
+# -- exceptions -----------------------------------------------------------------------------
+
+
+def test_every_foreign_exception_name_is_a_real_class() -> None:
+    """The core matches httpx's and aiohttp's exceptions by name: a rename upstream must
+    fail here, not silently turn timeouts into upstream_error."""
+    for name in FOREIGN_NAMES:
+        package, _, cls = name.partition(".")
+        found = getattr(importlib.import_module(package), cls)
+        assert isinstance(found, type) and issubclass(found, BaseException), name
+        assert name in type_names(found)
+
+
+def _wrapped(outer: Exception, cause: BaseException) -> Exception:
+    outer.__cause__ = cause
+    return outer
+
+
+def _connector_error() -> aiohttp.ClientConnectorError:
+    key = aiohttp.client_reqrep.ConnectionKey("h", 1, False, True, None, None, None)
+    return aiohttp.ClientConnectorError(key, ConnectionRefusedError(111, "refused"))
+
+
+@pytest.mark.parametrize(
+    ("exc", "before", "after"),
+    [
+        (httpx.ConnectError("refused"), "upstream_unreachable", "stream_truncated"),
+        (httpx.ConnectTimeout(""), "upstream_timeout", "upstream_timeout"),
+        (httpx.ReadTimeout(""), "upstream_timeout", "upstream_timeout"),
+        (httpx.ReadError("reset"), "upstream_error", "stream_truncated"),
+        (httpx.RemoteProtocolError("bad"), "upstream_error", "stream_truncated"),
+        (TimeoutError(), "upstream_timeout", "upstream_timeout"),
+        (ConnectionRefusedError(), "upstream_unreachable", "stream_truncated"),
+        (aiohttp.ServerTimeoutError(), "upstream_timeout", "upstream_timeout"),
+        (aiohttp.ServerDisconnectedError(), "upstream_error", "stream_truncated"),
+        (aiohttp.ClientPayloadError("bad chunk"), "upstream_error", "stream_truncated"),
+        (_connector_error(), "upstream_unreachable", "stream_truncated"),
+        # httpx-aiohttp calls a dropped connection ConnectTimeout: the cause decides.
+        (
+            _wrapped(httpx.ConnectTimeout(""), aiohttp.ServerDisconnectedError()),
+            "upstream_error",
+            "stream_truncated",
+        ),
+        (RuntimeError("bug"), "upstream_error", "stream_truncated"),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, BaseException) else None,
+)
+def test_exception_is_classified_before_and_after_the_response_head(
+    exc: BaseException, before: str, after: str
+) -> None:
+    assert classify_exception(exc, after_headers=False) is ErrorType(before)
+    assert classify_exception(exc, after_headers=True) is ErrorType(after)
+
+
+def test_describe_names_the_root_cause_without_repeating_it() -> None:
+    wrapped = _wrapped(httpx.ConnectTimeout(""), aiohttp.ServerDisconnectedError())
+    assert describe(wrapped) == "ServerDisconnectedError: Server disconnected"
+    assert describe(asyncio.CancelledError()) == (
+        "CancelledError: cancelled before the upstream answered"
+    )
+    assert describe(RuntimeError("x" * 400)) == ("RuntimeError: " + "x" * 400)[:300]
+
+
+# -- a relay's early ends -------------------------------------------------------------------
+
+_SHUTDOWN = "cut off: the proxy shut down before the response ended"
+
+
+@pytest.mark.parametrize(
+    ("cause", "after_headers", "exc", "want"),
+    [
+        (
+            Cause.CLIENT_GONE,
+            False,
+            None,
+            Failure(ErrorType.CLIENT_CANCELLED, "client disconnected"),
+        ),
+        (Cause.CLIENT_GONE, True, None, Failure(ErrorType.CLIENT_CANCELLED, "client disconnected")),
+        (
+            Cause.IDLE_TIMEOUT,
+            True,
+            None,
+            Failure(ErrorType.UPSTREAM_TIMEOUT, "no data from the upstream for 2.5 s", drop=True),
+        ),
+        (
+            Cause.FIRST_BYTE_TIMEOUT,
+            False,
+            TimeoutError(),
+            Failure(
+                ErrorType.UPSTREAM_TIMEOUT,
+                "no response within 2.5 s (--first-byte-timeout)",
+                (
+                    504,
+                    "upstream_timeout",
+                    "upstream: no response within 2.5 s (--first-byte-timeout)",
+                ),
+            ),
+        ),
+        (
+            Cause.SHUTDOWN,
+            False,
+            None,
+            Failure(ErrorType.UPSTREAM_ERROR, _SHUTDOWN, (503, "proxy_shutting_down", _SHUTDOWN)),
+        ),
+        (Cause.SHUTDOWN, True, None, Failure(ErrorType.STREAM_TRUNCATED, _SHUTDOWN, drop=True)),
+        (
+            Cause.UPSTREAM_BROKE,
+            False,
+            httpx.ConnectError("refused"),
+            Failure(
+                ErrorType.UPSTREAM_UNREACHABLE,
+                "ConnectError: refused",
+                (502, "upstream_unreachable", "upstream: ConnectError: refused"),
+            ),
+        ),
+        (
+            Cause.UPSTREAM_BROKE,
+            False,
+            httpx.ReadTimeout("read"),
+            Failure(
+                ErrorType.UPSTREAM_TIMEOUT,
+                "ReadTimeout: read",
+                (504, "upstream_timeout", "upstream: ReadTimeout: read"),
+            ),
+        ),
+        (
+            Cause.UPSTREAM_BROKE,
+            True,
+            httpx.ReadError("reset"),
+            Failure(ErrorType.STREAM_TRUNCATED, "ReadError: reset", drop=True),
+        ),
+    ],
+    ids=lambda v: v.value if isinstance(v, Cause) else None,
+)
+def test_each_early_end_of_a_relay_has_one_verdict(
+    cause: Cause, after_headers: bool, exc: BaseException | None, want: Failure
+) -> None:
+    assert relay_failure(cause, after_headers=after_headers, exc=exc, limit=2.5) == want

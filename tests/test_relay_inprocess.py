@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,7 @@ MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the model the recorded streams nam
 UPSTREAM = "http://upstream.test"
 SECRET = b"sk-relay-test-0123456789"
 
+ERRORS = Path(__file__).parent / "fixtures" / "errors"
 STREAM = (STREAMS / "vllm_chat.sse").read_bytes()
 #: The recorded stream as the backend wrote it: one network read per event.
 EVENTS = [part + b"\n\n" for part in STREAM.split(b"\n\n") if part]
@@ -87,10 +89,16 @@ class Upstream:
         self.requests: list[httpx.Request] = []
         self.reached = asyncio.Event()
 
+        self.cancelled = False
+
     async def handle(self, request: httpx.Request) -> httpx.Response:
         self.requests.append(request)
         self.reached.set()
-        return await self.respond(request)
+        try:
+            return await self.respond(request)
+        except asyncio.CancelledError:
+            self.cancelled = True  # the backend would abort the request here
+            raise
 
 
 def streaming(body: UpstreamBody) -> Upstream:
@@ -120,14 +128,17 @@ def never_answering() -> Upstream:
 
 class Client:
     """The fake ASGI server: delivers the request body on `receive`, then waits until
-    the client leaves (`leave()`, or by itself after `leave_after` body chunks) and
-    reports `http.disconnect`. Keeps every message the app sent."""
+    the client leaves (`leave()`, or by itself after `leave_after` body chunks, or once
+    the body has ended with `leave_at_end`) and reports `http.disconnect`. Keeps every message the app sent."""
 
-    def __init__(self, body: bytes, *, leave_after: int | None = None) -> None:
+    def __init__(
+        self, body: bytes, *, leave_after: int | None = None, leave_at_end: bool = False
+    ) -> None:
         self.messages: list[Message] = []
         self._pending = [{"type": "http.request", "body": body, "more_body": False}]
         self._gone = asyncio.Event()
         self._leave_after = leave_after
+        self._leave_at_end = leave_at_end
         self.got_body = asyncio.Event()
 
     async def receive(self) -> Message:
@@ -136,12 +147,18 @@ class Client:
         await self._gone.wait()
         return {"type": "http.disconnect"}
 
+    def leave(self) -> None:
+        self._gone.set()
+
     async def send(self, message: Message) -> None:
         self.messages.append(message)
         if message["type"] == "http.response.body" and message.get("body"):
             self.got_body.set()
             if self._leave_after is not None and len(self.chunks) >= self._leave_after:
                 self._gone.set()
+        if self._leave_at_end and self.ended:
+            self._gone.set()
+            await asyncio.sleep(0)  # the server sees the disconnect before the app goes on
 
     @property
     def status(self) -> int:
@@ -318,6 +335,29 @@ def test_streamed_success_relays_each_read_unchanged_and_records_the_usage() -> 
     asyncio.run(scenario())
 
 
+def test_a_finished_relay_is_freed_at_once_not_by_the_garbage_collector() -> None:
+    """A relay's buffers (up to --max-event-bytes in the observer and the stripper) must
+    go when the request ends: a reference cycle would keep them until a collection, and
+    RSS would climb under load (tests/test_faults.py checks the process's RSS)."""
+
+    def observers() -> int:
+        return sum(isinstance(o, StreamObserver) for o in gc.get_objects())
+
+    async def scenario() -> None:
+        async with running(streaming(UpstreamBody(*EVENTS))) as proxy:
+            gc.collect()
+            gc.disable()
+            try:
+                await proxy.call(Client(chat_request()))
+                for _ in range(3):  # let the cancelled client watcher finish
+                    await asyncio.sleep(0)
+                assert observers() == 0
+            finally:
+                gc.enable()
+
+    asyncio.run(scenario())
+
+
 def test_non_streamed_success_relays_the_body_unchanged_with_its_length() -> None:
     async def scenario() -> None:
         headers = {"content-type": "application/json", "content-length": str(len(BODY))}
@@ -392,15 +432,43 @@ def test_connect_error_before_headers_answers_502_upstream_unreachable() -> None
 
 def test_no_headers_within_first_byte_timeout_answers_504_upstream_timeout() -> None:
     async def scenario() -> None:
-        async with running(never_answering(), first_byte_timeout=0.05) as proxy:
+        upstream = never_answering()
+        async with running(upstream, first_byte_timeout=0.05) as proxy:
             client = Client(chat_request())
             await proxy.call(client)
 
             assert client.status == 504
-            assert orjson.loads(client.body)["error"]["type"] == "upstream_timeout"
+            error = orjson.loads(client.body)["error"]
+            assert error["type"] == "upstream_timeout"
+            message = "no response within 0.05 s (--first-byte-timeout)"
+            assert error["message"] == "upstream: " + message
             record = proxy.record
             assert (record.status_code, record.error_type) == (504, ErrorType.UPSTREAM_TIMEOUT)
+            assert record.error_message == message
             assert record.e2e >= 0.05
+            assert upstream.cancelled
+            assert proxy.in_flight == 0
+
+    asyncio.run(scenario())
+
+
+def test_error_status_is_relayed_unchanged_and_classified_from_its_body() -> None:
+    async def scenario() -> None:
+        reply = (ERRORS / "vllm_prompt_too_long_input_tokens.json").read_bytes()
+        headers = {"content-type": "application/json", "content-length": str(len(reply))}
+
+        async def respond(_: httpx.Request) -> httpx.Response:
+            return httpx.Response(400, headers=headers, stream=UpstreamBody(reply))
+
+        async with running(Upstream(respond)) as proxy:
+            client = Client(chat_request())
+            await proxy.call(client)
+
+            assert (client.status, client.body, client.ended) == (400, reply, True)
+            record = proxy.record
+            assert (record.status_code, record.error_type) == (400, ErrorType.CONTEXT_LENGTH)
+            assert record.error_message and "tokens" in record.error_message
+            assert proxy.requests(400, "none", "context_length") == 1
             assert proxy.in_flight == 0
 
     asyncio.run(scenario())
@@ -513,6 +581,40 @@ def test_client_gone_mid_stream_closes_the_upstream_and_records_client_cancelled
     asyncio.run(scenario())
 
 
+def test_client_gone_before_headers_cancels_the_upstream_request_and_sends_nothing() -> None:
+    async def scenario() -> None:
+        upstream = never_answering()
+        async with running(upstream) as proxy:
+            client = Client(chat_request())
+            task = proxy.start(client)
+            await upstream.reached.wait()
+            client.leave()
+            await task
+
+            assert client.messages == []  # no one is there to answer
+            assert upstream.cancelled
+            record = proxy.record
+            assert (record.status_code, record.error_type) == (0, ErrorType.CLIENT_CANCELLED)
+            assert record.error_message == "client disconnected"
+            assert proxy.requests(0, "none", "client_cancelled") == 1
+            assert proxy.in_flight == 0
+
+    asyncio.run(scenario())
+
+
+def test_client_leaving_after_the_body_ended_is_no_cancellation() -> None:
+    async def scenario() -> None:
+        async with running(streaming(UpstreamBody(*EVENTS))) as proxy:
+            client = Client(chat_request(), leave_at_end=True)
+            await proxy.call(client)
+
+            assert (client.body, client.ended) == (STREAM, True)
+            assert proxy.record.error_type is None
+            assert proxy.requests(200, "stop", "none") == 1
+
+    asyncio.run(scenario())
+
+
 # -- measuring fails; the request does not ------------------------------------------------
 
 
@@ -534,6 +636,52 @@ def test_observer_failure_keeps_the_stream_and_still_writes_a_record(
             assert proxy.failures("observe") == 1
             assert proxy.in_flight == 0
             assert proxy.record.status_code == 200
+
+    asyncio.run(scenario())
+
+
+def test_event_over_the_limit_is_relayed_unmeasured_and_counted() -> None:
+    async def scenario() -> None:
+        # Every event of the recorded stream is over 64 bytes: the first one stops measuring.
+        async with running(streaming(UpstreamBody(*EVENTS)), max_event_bytes=64) as proxy:
+            client = Client(chat_request())
+            await proxy.call(client)
+
+            assert client.chunks == EVENTS
+            assert client.ended
+            assert proxy.failures("event_too_large") == 1
+            assert proxy.failures("observe") == 0
+            record = proxy.record  # kept to what is safe: no tokens, no TTFT
+            assert (record.status_code, record.error_type) == (200, None)
+            assert (record.ttft, record.output_tokens) == (None, None)
+            assert record.token_source is TokenSource.NONE
+            assert proxy.in_flight == 0
+
+    asyncio.run(scenario())
+
+
+def test_failure_while_finishing_the_record_still_writes_a_bare_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def broken_finish(self: StreamObserver, **_: Any) -> NoReturn:
+        raise RuntimeError("finish bug")
+
+    monkeypatch.setattr(StreamObserver, "finish", broken_finish)
+
+    async def scenario() -> None:
+        body = UpstreamBody(EVENTS[0], httpx.ReadError("connection reset by peer"))
+        async with running(streaming(body)) as proxy:
+            client = Client(chat_request())
+            with pytest.raises(UpstreamBroke):
+                await proxy.call(client)
+
+            assert client.chunks == EVENTS[:1]
+            assert proxy.failures("finish") == 1
+            record = proxy.record  # the transport's verdict survives
+            assert (record.status_code, record.error_type) == (200, ErrorType.STREAM_TRUNCATED)
+            assert record.token_source is TokenSource.NONE
+            assert proxy.requests(200, "none", "stream_truncated") == 1
+            assert proxy.in_flight == 0
 
     asyncio.run(scenario())
 

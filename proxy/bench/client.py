@@ -21,11 +21,11 @@ import yarl
 from proxy.bench.options import Options
 from proxy.bench.prompts import Prompt
 from proxy.core.apis import api_of
+from proxy.core.errors import classify_exception, describe
 from proxy.core.measurement import Measurement, TokenSource
 from proxy.core.observe import StreamObserver, TokenCounts
 from proxy.core.request import RequestInfo
 from proxy.core.tokens import count_output, count_prompt
-from proxy.server.upstream import classify_exception, describe
 
 USER_AGENT = "tokenprobe-bench"
 

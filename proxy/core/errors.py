@@ -1,6 +1,17 @@
-"""Upstream error responses -> one ErrorType; and the one writer of the proxy's own error bodies.
+"""Every error decided in one place, and the one writer of the proxy's own error bodies.
 
-An error body is read in three steps, each only when the one before did not decide:
+Four questions, each answered here and nowhere else:
+
+- an upstream error *response* (status and body) -> ErrorType: `classify_response`;
+- a streamed success whose body carried an error event or stopped short: `classify_stream_end`;
+- an *exception* from an upstream client (httpx's, aiohttp's, the stdlib's) -> ErrorType
+  and a one-line description: `classify_exception`, `describe`;
+- why a *relay stopped* before the body ended (`Cause`: client gone, idle or first-byte
+  timeout, the drain cut by shutdown, the upstream broke) -> what the record says and what
+  the client gets: `relay_failure`.
+
+An upstream error body (`classify_response`) is read in three steps, each only when the one
+before did not decide:
 
 1. Structure. The fields a backend sets on purpose: OpenAI's `code` ("context_length_exceeded",
    "invalid_api_key", ...), a specific `type` (Anthropic's "rate_limit_error", llama.cpp's
@@ -18,7 +29,9 @@ The real bodies behind every rule, with their sources, are in tests/fixtures/err
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
+from enum import Enum
 from typing import Literal
 
 import orjson
@@ -174,6 +187,21 @@ def classify_response(status: int, body: bytes) -> ErrorType | None:
     return ErrorType.BAD_REQUEST if status < 500 else ErrorType.UPSTREAM_ERROR
 
 
+def classify_stream_end(
+    stream_error: object, ended: bool, end_marker: str
+) -> tuple[ErrorType | None, str | None]:
+    """A streamed success that reached the end of its body: an error event inside it
+    (vLLM's `data: {"error": ...}` after the 200) is stream_error; a body that stopped
+    before the API's end (`ended` false: no `end_marker`, nor a finish reason where that
+    ends the stream) is stream_truncated. Returns (error type, message), (None, None) if fine."""
+    if stream_error is not None:
+        wrapped = stream_error if isinstance(stream_error, dict) else {"error": stream_error}
+        return ErrorType.STREAM_ERROR, error_message(orjson.dumps(wrapped))
+    if not ended:
+        return ErrorType.STREAM_TRUNCATED, f"stream ended without {end_marker}"
+    return None, None
+
+
 def _parse(raw: bytes) -> _Fields | None:
     # Only a body that opens like a JSON object is parsed: HTML pages and plain text skip it.
     if raw.lstrip()[:1] != b"{":
@@ -209,6 +237,151 @@ def error_message(body: bytes, limit: int = 300) -> str:
         message = raw.decode("utf-8", "replace")
     text = " ".join(message.split())
     return scrub(text)[:limit]
+
+
+# -- exceptions -----------------------------------------------------------------------------
+
+# Foreign exception types are matched by name ("package.Class") along each exception's MRO,
+# so the core imports neither HTTP client; tests/test_errors.py checks every name still
+# names a real class. Builtin types are matched with isinstance.
+_TIMEOUTS = (TimeoutError,)  # asyncio.TimeoutError is TimeoutError since Python 3.11
+_FOREIGN_TIMEOUTS = frozenset({"httpx.TimeoutException", "aiohttp.ServerTimeoutError"})
+_CONNECTS = (ConnectionRefusedError,)
+_FOREIGN_CONNECTS = frozenset({"httpx.ConnectError", "aiohttp.ClientConnectorError"})
+#: httpx's own errors, which httpx-aiohttp raises in place of aiohttp's.
+_HTTPX_ERROR = "httpx.HTTPError"
+
+
+def type_names(kind: type[BaseException]) -> frozenset[str]:
+    """ "package.Class" for an exception class and each of its bases."""
+    return frozenset(f"{c.__module__.partition('.')[0]}.{c.__name__}" for c in kind.__mro__)
+
+
+def _is(
+    exc: BaseException, builtin: tuple[type[BaseException], ...], foreign: frozenset[str]
+) -> bool:
+    return isinstance(exc, builtin) or not foreign.isdisjoint(type_names(type(exc)))
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    # httpx-aiohttp re-raises aiohttp's errors as httpx ones, not always the right ones
+    # (a dropped connection becomes ConnectTimeout): when there is a cause, trust the cause.
+    wrapper = exc.__cause__ is not None and _HTTPX_ERROR in type_names(type(exc))
+    current: BaseException | None = exc.__cause__ if wrapper else exc
+    while current is not None:
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def classify_exception(exc: BaseException, *, after_headers: bool) -> ErrorType:
+    """What an upstream client's exception means, before or after the response head."""
+    causes = list(_causes(exc))
+    if any(_is(e, _TIMEOUTS, _FOREIGN_TIMEOUTS) for e in causes):
+        return ErrorType.UPSTREAM_TIMEOUT
+    if after_headers:
+        return ErrorType.STREAM_TRUNCATED
+    if any(_is(e, _CONNECTS, _FOREIGN_CONNECTS) for e in causes):
+        return ErrorType.UPSTREAM_UNREACHABLE
+    return ErrorType.UPSTREAM_ERROR
+
+
+def describe(exc: BaseException) -> str:
+    """A one-line description without URLs' credentials or headers.
+
+    Many of these exceptions carry no text (a timeout, a cancellation): then a phrase says
+    what happened, rather than the class name twice ("TimeoutError: TimeoutError")."""
+    causes = list(_causes(exc))
+    root = causes[-1] if causes else exc
+    name = type(root).__name__
+    text = str(root).strip()
+    if not text or text == name:
+        names = type_names(type(root))
+        text = next((phrase for kind, phrase in PHRASES if kind in names), "no detail given")
+    return f"{name}: {text}"[:300]
+
+
+#: Phrases for exceptions without text, by "package.Class", most specific first.
+PHRASES: tuple[tuple[str, str], ...] = (
+    ("aiohttp.ServerDisconnectedError", "the upstream closed the connection"),
+    ("builtins.TimeoutError", "timed out"),
+    ("asyncio.CancelledError", "cancelled before the upstream answered"),
+    ("builtins.ConnectionResetError", "the upstream reset the connection"),
+    ("httpx.RemoteProtocolError", "the upstream broke the HTTP protocol"),
+)
+
+#: Every foreign name above, for the test that keeps them real.
+FOREIGN_NAMES = (
+    _FOREIGN_TIMEOUTS | _FOREIGN_CONNECTS | {_HTTPX_ERROR} | {name for name, _ in PHRASES}
+)
+
+
+# -- a relay that stopped early -------------------------------------------------------------
+
+
+class Cause(Enum):
+    """Why a relay stopped before the upstream body ended."""
+
+    CLIENT_GONE = "client_gone"  # the client disconnected (seen on receive())
+    IDLE_TIMEOUT = "idle_timeout"  # the upstream sent nothing for --idle-timeout mid-body
+    FIRST_BYTE_TIMEOUT = "first_byte_timeout"  # no response head within --first-byte-timeout
+    SHUTDOWN = "shutdown"  # the server's drain time ran out and it cancelled the request
+    UPSTREAM_BROKE = "upstream_broke"  # the upstream client raised
+
+
+#: The status the proxy answers with when an upstream failure comes before any header.
+_STATUS_FOR_ERROR = {
+    ErrorType.UPSTREAM_UNREACHABLE: 502,
+    ErrorType.UPSTREAM_ERROR: 502,
+    ErrorType.UPSTREAM_TIMEOUT: 504,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """What a relay that stopped early records, and what its client gets.
+
+    Before the response head (`answer` set): the proxy answers with its own error body,
+    `answer` = (status, kind, message). After it: `drop` asks the server to drop the
+    client's connection, so the client sees the break as it would without the proxy. A
+    client that left gets neither."""
+
+    error: ErrorType
+    message: str
+    answer: tuple[int, str, str] | None = None
+    drop: bool = False
+
+
+def relay_failure(
+    cause: Cause,
+    *,
+    after_headers: bool,
+    exc: BaseException | None = None,
+    limit: float = 0.0,
+) -> Failure:
+    """The one table of a relay's early ends. `limit` is the timeout that ran out, `exc`
+    what the upstream client raised (for UPSTREAM_BROKE)."""
+    if cause is Cause.CLIENT_GONE:
+        return Failure(ErrorType.CLIENT_CANCELLED, "client disconnected")
+    if cause is Cause.IDLE_TIMEOUT:
+        message = f"no data from the upstream for {limit:g} s"
+        return Failure(ErrorType.UPSTREAM_TIMEOUT, message, drop=True)
+    if cause is Cause.SHUTDOWN:
+        message = "cut off: the proxy shut down before the response ended"
+        if after_headers:
+            return Failure(ErrorType.STREAM_TRUNCATED, message, drop=True)
+        return Failure(ErrorType.UPSTREAM_ERROR, message, (503, "proxy_shutting_down", message))
+    if cause is Cause.FIRST_BYTE_TIMEOUT:
+        error, message = (
+            ErrorType.UPSTREAM_TIMEOUT,
+            f"no response within {limit:g} s (--first-byte-timeout)",
+        )
+    else:
+        assert exc is not None, "an upstream break has an exception"
+        error, message = classify_exception(exc, after_headers=after_headers), describe(exc)
+    if after_headers:
+        return Failure(error, message, drop=True)
+    status = _STATUS_FOR_ERROR.get(error, 502)
+    return Failure(error, message, (status, error.value, f"upstream: {message}"))
 
 
 # -- the proxy's own error bodies -----------------------------------------------------------
@@ -254,10 +427,16 @@ def error_body(status: int, kind: str, message: str, *, shape: Shape = "openai")
 
 __all__ = [
     "MAX_ERROR_BODY",
+    "Cause",
+    "Failure",
     "Shape",
+    "classify_exception",
     "classify_response",
+    "classify_stream_end",
+    "describe",
     "error_body",
     "error_message",
     "error_shape",
+    "relay_failure",
     "scrub",
 ]

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import orjson
 
 from proxy.core.apis import Api, Facts, RequestInfo, TokenCounts, api_of
-from proxy.core.errors import classify_response, error_message
+from proxy.core.errors import classify_response, classify_stream_end, error_message
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
 from proxy.core.sse import DEFAULT_MAX_EVENT_BYTES, SSEDecoder
 
@@ -169,13 +169,9 @@ class StreamObserver:
             body = self.body()
             return classify_response(self.status, body), error_message(body)
         if self.streaming:
-            if self.stream_error is not None:
-                return ErrorType.STREAM_ERROR, _stream_error_message(self.stream_error)
-            if not self.done and not (
-                self.api.finish_ends_stream and self.finish_reason is not None
-            ):
-                return ErrorType.STREAM_TRUNCATED, f"stream ended without {self.api.end_marker}"
-            return None, None
+            api = self.api
+            ended = self.done or (api.finish_ends_stream and self.finish_reason is not None)
+            return classify_stream_end(self.stream_error, ended, api.end_marker)
         self._parse_body()
         return None, None
 
@@ -345,10 +341,6 @@ def bare_record(
         temperature=request.temperature,
         trace_id=trace_id,
     )
-
-
-def _stream_error_message(error: object) -> str:
-    return error_message(orjson.dumps(error if isinstance(error, dict) else {"error": error}))
 
 
 __all__ = ["Counter", "StreamObserver", "TokenCounts", "bare_record"]

@@ -87,18 +87,8 @@ class ProxyApp:
         self.client = create_client(settings)
         if settings.tokenizer:
             self.counter = TokenCounter(settings.tokenizer)
-        self.forwarder = Forwarder(
-            client=self.client,
-            upstream=self.upstream,
-            sinks=self.sinks,
-            counter=self.counter,
-            inject_usage=settings.inject_usage,
-            max_body_bytes=settings.max_body_bytes,
-            max_header_bytes=settings.max_header_bytes,
-            body_timeout=settings.body_timeout,
-            first_byte_timeout=settings.first_byte_timeout,
-            secret_headers=settings.secret_headers,
-            max_event_bytes=settings.max_event_bytes,
+        self.forwarder = Forwarder.from_settings(
+            settings, client=self.client, sinks=self.sinks, counter=self.counter
         )
         self.control.readiness.client = self.client
         if settings.models_refresh:

@@ -1,35 +1,43 @@
 """The hot path: relay one request upstream and its response back, byte for byte.
 
+`Forwarder` is the ASGI endpoint: it reads the request (refusing what is over the limits)
+and hands it to a `Relay`, one per request, whose steps are `send_request` (upstream
+request, response head), `stream` (the per-chunk loop), `fail` (an early end -> the
+record's error and the client's answer, decided by proxy.core.errors.relay_failure) and
+`finish` (one record to the sinks).
+
 Each chunk goes to the client first; only then does the observer see it, with the time of
 the network read. Which requests are measured, and how, is the API seam's business
 (proxy/core/apis): a POST to a path with an Api. Observer failures are caught here, in one
 place: the stream carries on unmeasured, the request still ends in one record (status,
-e2e, the transport's error type) and a counter says so. A client that goes away (seen on `receive()`, because a
-send to a gone client can succeed silently) cancels the upstream request at once, so the
-backend aborts the generation and frees its KV cache.
+e2e, the transport's error type) and a counter says so. A client that goes away (seen on
+`receive()`, because a send to a gone client can succeed silently) cancels the upstream
+request at once, so the backend aborts the generation and frees its KV cache.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from time import perf_counter, time
 from typing import Any
 
 import httpx
 
 from proxy.core.apis import Api, api_for
-from proxy.core.errors import error_body, error_shape
+from proxy.core.errors import Cause, Failure, error_body, error_shape, relay_failure
 from proxy.core.labels import route_template
 from proxy.core.measurement import ErrorType
 from proxy.core.observe import StreamObserver, TokenCounts, bare_record
 from proxy.core.paths import BadTarget, normalise
 from proxy.core.request import RequestInfo, parse_request
-from proxy.core.sse import DEFAULT_MAX_EVENT_BYTES, EventTooLarge
+from proxy.core.sse import EventTooLarge
 from proxy.core.strip import UsageEventStripper
 from proxy.core.tokens import TokenCounter
-from proxy.server.upstream import body_reader, classify_exception, describe, send_upstream
-from proxy.sinks.dispatch import Sinks
+from proxy.server.upstream import body_reader, send_upstream
+from proxy.settings import Settings, require_upstream
+from proxy.sinks.dispatch import RequestScope, Sinks
 from proxy.types import Receive, Scope, Send
 
 log = logging.getLogger("tokenprobe")
@@ -54,11 +62,35 @@ _REQUEST_DROP = _HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding", b
 SECRET_HEADERS = frozenset(
     {b"authorization", b"proxy-authorization", b"api-key", b"x-api-key", b"cookie", b"set-cookie"}
 )
-_STATUS_FOR_ERROR = {
-    ErrorType.UPSTREAM_UNREACHABLE: 502,
-    ErrorType.UPSTREAM_ERROR: 502,
-    ErrorType.UPSTREAM_TIMEOUT: 504,
-}
+
+
+@dataclass(frozen=True, slots=True)
+class RelaySettings:
+    """What the relay reads from the settings, once, at startup (`relay_settings`)."""
+
+    upstream: str  # base URL, no trailing path
+    inject_usage: bool  # ask a stream for usage when its client did not, and strip it back
+    max_body_bytes: int
+    max_header_bytes: int
+    max_event_bytes: int
+    body_timeout: float  # for the client's request body
+    first_byte_timeout: float  # from the upstream request to its response head
+    idle_timeout: float  # the longest gap between two chunks of an upstream body
+    secret_headers: frozenset[bytes]  # lower-case names whose values never leave the proxy
+
+
+def relay_settings(settings: Settings) -> RelaySettings:
+    return RelaySettings(
+        upstream=require_upstream(settings),
+        inject_usage=settings.inject_usage,
+        max_body_bytes=settings.max_body_bytes,
+        max_header_bytes=settings.max_header_bytes,
+        max_event_bytes=settings.max_event_bytes,
+        body_timeout=settings.body_timeout,
+        first_byte_timeout=settings.first_byte_timeout,
+        idle_timeout=settings.idle_timeout,
+        secret_headers=SECRET_HEADERS | {h.lower().encode() for h in settings.secret_headers},
+    )
 
 
 class UpstreamBroke(Exception):
@@ -79,41 +111,32 @@ class HeadersTooLarge(Exception):
     pass
 
 
-class _Watch:
-    __slots__ = ("finished", "gone")
-
-    def __init__(self) -> None:
-        self.finished = False
-        self.gone = False
-
-
 class Forwarder:
+    """The measured relay's ASGI endpoint: shared by all requests, holding no request's state."""
+
     def __init__(
         self,
         *,
         client: httpx.AsyncClient,
-        upstream: str,
         sinks: Sinks,
         counter: TokenCounter | None,
-        inject_usage: bool,
-        max_body_bytes: int,
-        max_header_bytes: int,
-        body_timeout: float,
-        first_byte_timeout: float,
-        secret_headers: tuple[str, ...] = (),
-        max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+        settings: RelaySettings,
     ) -> None:
-        self.max_event_bytes = max_event_bytes
         self.client = client
-        self.upstream = upstream
         self.sinks = sinks
         self.counter = counter
-        self.inject_usage = inject_usage
-        self.max_body_bytes = max_body_bytes
-        self.max_header_bytes = max_header_bytes
-        self.body_timeout = body_timeout
-        self.first_byte_timeout = first_byte_timeout
-        self.secret_headers = SECRET_HEADERS | {h.lower().encode() for h in secret_headers}
+        self.settings = settings
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: Settings,
+        *,
+        client: httpx.AsyncClient,
+        sinks: Sinks,
+        counter: TokenCounter | None,
+    ) -> Forwarder:
+        return cls(client=client, sinks=sinks, counter=counter, settings=relay_settings(settings))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         start = perf_counter()
@@ -130,6 +153,7 @@ class Forwarder:
         path: str = scope["path"]
         # The seam decides: a POST to a path that has an Api is measured, the rest is not.
         api = api_for(path) if scope["method"] == "POST" else None
+        limits = self.settings
         try:
             body = await self._read_body(scope, receive)
         except HeadersTooLarge:
@@ -137,7 +161,7 @@ class Forwarder:
                 send,
                 431,
                 "request_header_fields_too_large",
-                f"request headers over {self.max_header_bytes} bytes",
+                f"request headers over {limits.max_header_bytes} bytes",
                 path,
             )
             self._count_refusal(path, api, 431, start, started_at)
@@ -147,7 +171,7 @@ class Forwarder:
                 send,
                 413,
                 "request_too_large",
-                f"request body over {self.max_body_bytes} bytes",
+                f"request body over {limits.max_body_bytes} bytes",
                 path,
             )
             self._count_refusal(path, api, 413, start, started_at)
@@ -165,240 +189,39 @@ class Forwarder:
             return
 
         if api is None:
-            await self._relay(scope, receive, send, body, None, None, start, started_at)
+            await Relay(self, scope, receive, send, None, start, started_at).run(body, None)
             return
         info, obj = parse_request(api, body)
         stripper = None
-        if self.inject_usage and info.stream and not info.usage_requested and obj is not None:
+        if limits.inject_usage and info.stream and not info.usage_requested and obj is not None:
             asked = api.ask_for_usage(obj)
             if asked is not None:  # the client gets the stream it asked for: strip the extra
-                body, stripper = asked, UsageEventStripper(self.max_event_bytes)
-        await self._relay(scope, receive, send, body, info, stripper, start, started_at)
+                body, stripper = asked, UsageEventStripper(limits.max_event_bytes)
+        await Relay(self, scope, receive, send, info, start, started_at).run(body, stripper)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        limits = self.settings
         header_bytes = 0
         for name, value in scope["headers"]:
             header_bytes += len(name) + len(value)
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_body_bytes:
+            if name == b"content-length" and value.isdigit() and int(value) > limits.max_body_bytes:
                 raise BodyTooLarge
-        if header_bytes > self.max_header_bytes:
+        if header_bytes > limits.max_header_bytes:
             raise HeadersTooLarge
         chunks: list[bytes] = []
         size = 0
-        async with asyncio.timeout(self.body_timeout):
+        async with asyncio.timeout(limits.body_timeout):
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
                     raise ClientGone
                 chunk = message.get("body", b"")
                 size += len(chunk)
-                if size > self.max_body_bytes:
+                if size > limits.max_body_bytes:
                     raise BodyTooLarge
                 chunks.append(chunk)
                 if not message.get("more_body", False):
                     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-    async def _relay(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        body: bytes,
-        info: RequestInfo | None,
-        stripper: UsageEventStripper | None,
-        start: float,
-        started_at: float,
-    ) -> None:
-        rs = self.sinks.begin(info, scope["headers"], started_at)
-        headers = _upstream_headers(scope["headers"], measured=info is not None)
-        if rs.upstream_headers:
-            # The proxy's span replaces the client's trace headers (it is the client's
-            # span's child), so the backend sees exactly one traceparent.
-            names = {name for name, _ in rs.upstream_headers}
-            headers = [(k, v) for k, v in headers if k not in names and k != b"tracestate"]
-            headers.extend(rs.upstream_headers)
-        query = scope.get("query_string", b"")
-        url = self.upstream + scope["path"] + ("?" + query.decode("latin-1") if query else "")
-        observer = None
-        if info is not None:
-            observer = StreamObserver(
-                info,
-                start,
-                collect_text=self.counter is not None,
-                max_event_bytes=self.max_event_bytes,
-            )
-        feeding = observer is not None
-
-        task = asyncio.current_task()
-        assert task is not None
-        watch = _Watch()
-        watcher = asyncio.create_task(_watch_disconnect(receive, task, watch))
-        response: httpx.Response | None = None
-        idle: _IdleTimer | None = None
-        status = 0  # what the client got
-        error: ErrorType | None = None
-        message: str | None = None
-        broke = False
-        try:
-            async with asyncio.timeout(self.first_byte_timeout):
-                response = await send_upstream(self.client, scope["method"], url, headers, body)
-            status = response.status_code
-            content_type = response.headers.get("content-type", "")
-            if observer is not None:
-                observer.open(status, content_type, perf_counter())
-            # Only an event stream has a usage event to drop: any other body (a JSON
-            # answer to a stream request) passes whole.
-            stripping = (
-                stripper is not None
-                and status < 400
-                and content_type.startswith("text/event-stream")
-            )
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": status,
-                    "headers": _client_headers(response, content_type, stripping),
-                }
-            )
-            idle = _IdleTimer(self.client.timeout.read, task)
-            read = body_reader(response)
-            while True:
-                idle.waiting = perf_counter()
-                chunk = await read()
-                idle.waiting = None
-                if not chunk:
-                    break
-                now = perf_counter()
-                out = stripper.feed(chunk) if stripping else chunk  # type: ignore[union-attr]
-                if out:
-                    await send({"type": "http.response.body", "body": out, "more_body": True})
-                if feeding:
-                    try:
-                        observer.feed(chunk, now)  # type: ignore[union-attr]
-                    except EventTooLarge:  # relayed all the same, unmeasured from here on
-                        feeding = self._observer_failed(observer, "event_too_large")
-                    except Exception:
-                        feeding = self._observer_failed(observer)
-            if stripping and (rest := stripper.flush()):  # type: ignore[union-attr]
-                await send({"type": "http.response.body", "body": rest, "more_body": True})
-            watch.finished = True
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            if feeding:
-                try:
-                    observer.end_of_stream(perf_counter())  # type: ignore[union-attr]
-                except Exception:
-                    feeding = self._observer_failed(observer)
-        except asyncio.CancelledError:
-            task.uncancel()
-            if watch.gone:
-                error, message = ErrorType.CLIENT_CANCELLED, "client disconnected"
-            elif idle is not None and idle.fired:
-                watch.finished = True
-                error, broke = ErrorType.UPSTREAM_TIMEOUT, True
-                message = f"no data from the upstream for {idle.limit:g} s"
-            else:
-                # The server cancels what is left when the drain time runs out. Record the
-                # request, then end it like a broken upstream: the client sees the cut.
-                watch.finished = True
-                message = "cut off: the proxy shut down before the response ended"
-                if status:
-                    error, broke = ErrorType.STREAM_TRUNCATED, True
-                else:
-                    error, status = ErrorType.UPSTREAM_ERROR, 503
-                    await _send_error(send, status, "proxy_shutting_down", message, scope["path"])
-        except Exception as exc:
-            watch.finished = True
-            started = status != 0
-            error, message = classify_exception(exc, after_headers=started), describe(exc)
-            if response is None and type(exc) is TimeoutError and not str(exc):  # our timeout
-                message = f"no response within {self.first_byte_timeout:g} s (--first-byte-timeout)"
-            if started:
-                broke = True  # the client already has part of a body: drop its connection
-            else:
-                status = _STATUS_FOR_ERROR.get(error, 502)
-                await _send_error(send, status, error.value, f"upstream: {message}", scope["path"])
-        finally:
-            watch.finished = True
-            watcher.cancel()
-            if idle is not None:
-                idle.cancel()
-            if response is not None:
-                await response.aclose()
-        end = perf_counter()
-
-        if info is None:
-            self.sinks.passthrough(route_template(scope["path"]), status)
-        else:
-            assert observer is not None
-            await self._finish(
-                rs, observer, status, error, message, end, started_at, scope["headers"]
-            )
-        if broke:
-            raise UpstreamBroke(message)
-
-    async def _finish(
-        self,
-        rs: Any,
-        observer: StreamObserver,
-        status: int,
-        error: ErrorType | None,
-        message: str | None,
-        end: float,
-        started_at: float,
-        headers: list[tuple[bytes, bytes]],
-    ) -> None:
-        def redact(text: str) -> str:
-            return self._redact(text, headers)
-
-        try:
-            measurement = await observer.finish(
-                end=end,
-                started_at=started_at,
-                status_code=status,
-                error_type=error,
-                error_message=message,
-                counter=self.counter,
-                trace_id=rs.trace_id,
-                redact=redact,
-            )
-        except Exception:
-            # Still one record (status, e2e, the transport's error type), so the request
-            # is counted and the in-flight gauge comes down.
-            log.exception("measuring a request failed")
-            self.sinks.failed("finish")
-            measurement = bare_record(
-                observer.request,
-                status_code=status,
-                started_at=started_at,
-                e2e=end - observer.start,
-                error_type=error,
-                error_message=None if message is None else redact(message),
-                trace_id=rs.trace_id,
-            )
-        self.sinks.end(rs, measurement)
-
-    def _redact(self, message: str, headers: list[tuple[bytes, bytes]]) -> str:
-        """Upstreams sometimes echo credentials in error text: mask every secret header's value."""
-        for name, value in headers:
-            if name in self.secret_headers and len(value) >= 4:
-                text = value.decode("latin-1")
-                message = message.replace(text, "[redacted]")
-                token = text.partition(" ")[2]
-                if len(token) >= 4:
-                    message = message.replace(token, "[redacted]")
-        return message
-
-    def _observer_failed(self, observer: StreamObserver | None, stage: str = "observe") -> bool:
-        """The one place observer failures stop: the stream goes on, the record is kept
-        to what is safe, and a counter says so. Returns the new `feeding` flag."""
-        if stage == "observe":
-            log.exception("observer failed; the stream goes on unmeasured")
-        else:
-            log.warning("stream no longer measured (%s); it goes on unchanged", stage)
-        self.sinks.failed(stage)
-        if observer is not None:
-            observer.fail()
-        return False
 
     def _count_refusal(
         self, path: str, api: Api | None, status: int, start: float, started_at: float
@@ -410,8 +233,284 @@ class Forwarder:
             self.sinks.passthrough(route_template(path), status)
 
 
+class Relay:
+    """One request relayed upstream and its response back: `run` is the whole life.
+
+    Per-request state lives here, never in the Forwarder, as uvicorn's RequestResponseCycle
+    and Starlette's per-request responders keep theirs. Three things may cancel the task
+    running a relay: the client leaving (`_watch_client`), the idle timer, and the server
+    when its drain time runs out. The first two cancel through `cut`, which records their
+    cause, so a cancellation without one is the server's.
+    """
+
+    __slots__ = (
+        "client",
+        "counter",
+        "cut",
+        "idle",
+        "info",
+        "observer",
+        "receive",
+        "response",
+        "rs",
+        "scope",
+        "send",
+        "settings",
+        "sinks",
+        "start",
+        "started_at",
+        "status",
+    )
+
+    def __init__(
+        self,
+        forwarder: Forwarder,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        info: RequestInfo | None,
+        start: float,
+        started_at: float,
+    ) -> None:
+        self.client, self.sinks = forwarder.client, forwarder.sinks
+        self.counter, self.settings = forwarder.counter, forwarder.settings
+        self.scope, self.receive, self.send = scope, receive, send
+        self.info, self.start, self.started_at = info, start, started_at
+        self.observer = (
+            None
+            if info is None
+            else StreamObserver(
+                info,
+                start,
+                collect_text=self.counter is not None,
+                max_event_bytes=self.settings.max_event_bytes,
+            )
+        )
+        task = asyncio.current_task()
+        assert task is not None
+        self.cut = _Cut(task)
+        self.status = 0  # what the client got
+        self.response: httpx.Response | None = None
+        self.idle: _IdleTimer | None = None
+        self.rs: RequestScope | None = None
+
+    async def run(self, body: bytes, stripper: UsageEventStripper | None) -> None:
+        self.rs = self.sinks.begin(self.info, self.scope["headers"], self.started_at)
+        cut = self.cut
+        watcher = asyncio.create_task(_watch_client(self.receive, cut))
+        failure: Failure | None = None
+        try:
+            stripper = await self.send_request(body, stripper)
+            await self.stream(stripper)
+        except asyncio.CancelledError:
+            cut.task.uncancel()
+            failure = await self.fail(cut.cause or Cause.SHUTDOWN)
+        except Exception as exc:
+            failure = await self.fail(cut.cause or Cause.UPSTREAM_BROKE, exc)
+        finally:
+            cut.done = True
+            watcher.cancel()
+            if self.idle is not None:
+                self.idle.cancel()
+            if self.response is not None:
+                await self.response.aclose()
+        await self.finish(perf_counter(), failure)
+        if failure is not None and failure.drop:
+            raise UpstreamBroke(failure.message)
+
+    # -- the steps --------------------------------------------------------------------
+
+    async def send_request(
+        self, body: bytes, stripper: UsageEventStripper | None
+    ) -> UsageEventStripper | None:
+        """Send the request upstream and the response head to the client. Returns the
+        stripper if this response is one to strip."""
+        scope = self.scope
+        query = scope.get("query_string", b"")
+        url = (
+            self.settings.upstream
+            + scope["path"]
+            + ("?" + query.decode("latin-1") if query else "")
+        )
+        headers = self._upstream_headers()
+        try:
+            async with asyncio.timeout(self.settings.first_byte_timeout) as deadline:
+                self.response = response = await send_upstream(
+                    self.client, scope["method"], url, headers, body
+                )
+        except TimeoutError:
+            if deadline.expired():
+                self.cut.cause = Cause.FIRST_BYTE_TIMEOUT
+            raise
+        self.status = status = response.status_code
+        content_type = response.headers.get("content-type", "")
+        if self.observer is not None:
+            self.observer.open(status, content_type, perf_counter())
+        # Only an event stream has a usage event to drop: any other body (a JSON answer
+        # to a stream request) passes whole.
+        if not (status < 400 and content_type.startswith("text/event-stream")):
+            stripper = None
+        await self.send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": _client_headers(response, content_type, stripper is not None),
+            }
+        )
+        return stripper
+
+    async def stream(self, stripper: UsageEventStripper | None) -> None:
+        """The per-chunk loop: each read goes to the client, then to the observer. It
+        runs for every chunk of every stream; add nothing here that could run once."""
+        assert self.response is not None
+        send, observer = self.send, self.observer
+        strip = None if stripper is None else stripper.feed
+        feed = None if observer is None else observer.feed  # None: not (or no longer) measured
+        read = body_reader(self.response)
+        idle = self.idle = _IdleTimer(self.settings.idle_timeout, self.cut)
+        while True:
+            idle.waiting = perf_counter()
+            chunk = await read()
+            idle.waiting = None
+            if not chunk:
+                break
+            now = perf_counter()
+            out = chunk if strip is None else strip(chunk)
+            if out:
+                await send({"type": "http.response.body", "body": out, "more_body": True})
+            if feed is not None:
+                try:
+                    feed(chunk, now)
+                except EventTooLarge:  # relayed all the same, unmeasured from here on
+                    self._observer_failed("event_too_large")
+                    feed = None
+                except Exception:
+                    self._observer_failed("observe")
+                    feed = None
+        if stripper is not None and (rest := stripper.flush()):
+            await send({"type": "http.response.body", "body": rest, "more_body": True})
+        self.cut.done = True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if feed is not None and observer is not None:
+            try:
+                observer.end_of_stream(perf_counter())
+            except Exception:
+                self._observer_failed("observe")
+
+    async def fail(self, cause: Cause, exc: BaseException | None = None) -> Failure:
+        """The relay stopped early: what the record says is decided in one table
+        (proxy.core.errors.relay_failure); a client that has no response head yet gets
+        the proxy's own error answer."""
+        self.cut.done = True
+        settings = self.settings
+        limit = (
+            settings.idle_timeout if cause is Cause.IDLE_TIMEOUT else settings.first_byte_timeout
+        )
+        failure = relay_failure(cause, after_headers=self.status != 0, exc=exc, limit=limit)
+        if failure.answer is not None:
+            self.status, kind, message = failure.answer
+            await _send_error(self.send, self.status, kind, message, self.scope["path"])
+        return failure
+
+    async def finish(self, end: float, failure: Failure | None) -> None:
+        """The one finish sequence: a measured request's record goes to the sinks (from
+        the observer, or bare if measuring it broke); any other is counted by route."""
+        rs, observer = self.rs, self.observer
+        if observer is None or rs is None:
+            self.sinks.passthrough(route_template(self.scope["path"]), self.status)
+            return
+        error = None if failure is None else failure.error
+        message = None if failure is None else failure.message
+        try:
+            measurement = await observer.finish(
+                end=end,
+                started_at=self.started_at,
+                status_code=self.status,
+                error_type=error,
+                error_message=message,
+                counter=self.counter,
+                trace_id=rs.trace_id,
+                redact=self._redact,
+            )
+        except Exception:
+            # Still one record (status, e2e, the transport's error type), so the request
+            # is counted and the in-flight gauge comes down.
+            log.exception("measuring a request failed")
+            self.sinks.failed("finish")
+            measurement = bare_record(
+                observer.request,
+                status_code=self.status,
+                started_at=self.started_at,
+                e2e=end - observer.start,
+                error_type=error,
+                error_message=None if message is None else self._redact(message),
+                trace_id=rs.trace_id,
+            )
+        self.sinks.end(rs, measurement)
+
+    # -- beside the steps -------------------------------------------------------------
+
+    def _observer_failed(self, stage: str) -> None:
+        """The one place observer failures stop: the stream goes on, the record is kept
+        to what is safe, and a counter says so."""
+        if stage == "observe":
+            log.exception("observer failed; the stream goes on unmeasured")
+        else:
+            log.warning("stream no longer measured (%s); it goes on unchanged", stage)
+        self.sinks.failed(stage)
+        if self.observer is not None:
+            self.observer.fail()
+
+    def _upstream_headers(self) -> list[tuple[bytes, bytes]]:
+        headers = _upstream_headers(self.scope["headers"], measured=self.info is not None)
+        assert self.rs is not None
+        if self.rs.upstream_headers:
+            # The proxy's span replaces the client's trace headers (it is the client's
+            # span's child), so the backend sees exactly one traceparent.
+            names = {name for name, _ in self.rs.upstream_headers}
+            headers = [(k, v) for k, v in headers if k not in names and k != b"tracestate"]
+            headers.extend(self.rs.upstream_headers)
+        return headers
+
+    def _redact(self, message: str) -> str:
+        """Upstreams sometimes echo credentials in error text: mask every secret header's value."""
+        secret = self.settings.secret_headers
+        for name, value in self.scope["headers"]:
+            if name in secret and len(value) >= 4:
+                text = value.decode("latin-1")
+                message = message.replace(text, "[redacted]")
+                token = text.partition(" ")[2]
+                if len(token) >= 4:
+                    message = message.replace(token, "[redacted]")
+        return message
+
+
+class _Cut:
+    """Cancels a relay's task once, recording why. The client watcher and the idle timer
+    hold this, not the relay, so a pending one never keeps the relay's buffers alive."""
+
+    __slots__ = ("cause", "done", "task")
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self.task = task
+        self.cause: Cause | None = None  # None after a cancellation: the server's
+        self.done = False  # the response is over: a client leaving now changes nothing
+
+    def __call__(self, cause: Cause) -> None:
+        if self.cause is None and not self.done:
+            self.cause = cause
+            self.task.cancel()
+
+
+async def _watch_client(receive: Receive, cut: _Cut) -> None:
+    # A send to a gone client can succeed silently: only receive() tells.
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    cut(Cause.CLIENT_GONE)
+
+
 class _IdleTimer:
-    """Cancels the relay when the upstream sends nothing for `limit` seconds.
+    """Cuts the relay when the upstream sends nothing for `limit` seconds.
 
     One timer per response, not one per chunk as a transport's read timeout would arm
     (about 3 µs a chunk, a twentieth of relaying it): the relay only notes when it starts
@@ -420,40 +519,24 @@ class _IdleTimer:
     current wait is younger than `limit`.
     """
 
-    __slots__ = ("fired", "handle", "limit", "task", "waiting")
+    __slots__ = ("cut", "handle", "limit", "waiting")
 
-    def __init__(self, limit: float | None, task: asyncio.Task[Any]) -> None:
+    def __init__(self, limit: float, cut: _Cut) -> None:
         self.limit = limit
-        self.task = task
-        self.fired = False
+        self.cut = cut
         self.waiting: float | None = None
-        self.handle = (
-            None if limit is None else asyncio.get_running_loop().call_later(limit, self._check)
-        )
+        self.handle = asyncio.get_running_loop().call_later(limit, self._check)
 
     def _check(self) -> None:
-        assert self.limit is not None
         waited = 0.0 if self.waiting is None else perf_counter() - self.waiting
         if waited >= self.limit:
-            self.fired = True
-            self.task.cancel()
+            self.cut(Cause.IDLE_TIMEOUT)
         else:  # loop timers may fire a little early: never re-arm for less than a millisecond
             delay = max(self.limit - waited, 0.001)
             self.handle = asyncio.get_running_loop().call_later(delay, self._check)
 
     def cancel(self) -> None:
-        if self.handle is not None:
-            self.handle.cancel()
-
-
-async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any], watch: _Watch) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            if not watch.finished:
-                watch.gone = True
-                task.cancel()
-            return
+        self.handle.cancel()
 
 
 def _upstream_headers(

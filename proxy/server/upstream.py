@@ -1,4 +1,4 @@
-"""The upstream HTTP client, and what its exceptions mean.
+"""The upstream HTTP client. What its exceptions mean is decided in proxy/core/errors.py.
 
 httpx is the client; its transport is either httpx's own or aiohttp's (httpx-aiohttp),
 chosen by `--upstream-transport` after benchmarking (see the README's performance section).
@@ -6,9 +6,8 @@ chosen by `--upstream-transport` after benchmarking (see the README's performanc
 
 from __future__ import annotations
 
-import asyncio
 import functools
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 import httpx
@@ -18,7 +17,7 @@ from aiohttp.helpers import _EXC_SENTINEL
 from httpx_aiohttp.transport import AiohttpResponseStream, AiohttpTransport
 from multidict import CIMultiDict
 
-from proxy.core.measurement import ErrorType
+from proxy.core.errors import describe as describe  # re-exported: app.py reads it from here
 from proxy.settings import Settings
 
 KEEPALIVE_SECONDS = 4.0
@@ -27,7 +26,7 @@ KEEPALIVE_SECONDS = 4.0
 def create_client(settings: Settings) -> httpx.AsyncClient:
     timeout = httpx.Timeout(
         connect=settings.connect_timeout,
-        read=settings.idle_timeout,  # applies to each read: the idle gap between chunks
+        read=None,  # the relay times the gaps between chunks itself (RelaySettings.idle_timeout)
         write=settings.idle_timeout,
         pool=settings.connect_timeout,
     )
@@ -199,7 +198,7 @@ def body_reader(response: httpx.Response) -> Callable[[], Awaitable[bytes]]:
 
     With the aiohttp transport it reads aiohttp's stream itself: httpx would pass each
     chunk through three more async iterators for the same bytes. aiohttp's errors then
-    arrive unwrapped, and `classify_exception` knows them.
+    arrive unwrapped, and `proxy.core.errors.classify_exception` knows them.
     """
     inner = getattr(response.stream, "_aiohttp_response", None)  # httpx-aiohttp's stream
     if isinstance(inner, aiohttp.ClientResponse):
@@ -210,51 +209,3 @@ def body_reader(response: httpx.Response) -> Callable[[], Awaitable[bytes]]:
         return await anext(chunks, b"")
 
     return read
-
-
-_TIMEOUTS = (TimeoutError, asyncio.TimeoutError, httpx.TimeoutException, aiohttp.ServerTimeoutError)
-_CONNECT = (httpx.ConnectError, aiohttp.ClientConnectorError, ConnectionRefusedError)
-
-
-def _causes(exc: BaseException) -> Iterator[BaseException]:
-    # httpx-aiohttp re-raises aiohttp's errors as httpx ones, not always the right ones
-    # (a dropped connection becomes ConnectTimeout): when there is a cause, trust the cause.
-    wrapper = isinstance(exc, httpx.HTTPError) and exc.__cause__ is not None
-    current: BaseException | None = exc.__cause__ if wrapper else exc
-    while current is not None:
-        yield current
-        current = current.__cause__ or current.__context__
-
-
-def classify_exception(exc: BaseException, *, after_headers: bool) -> ErrorType:
-    causes = list(_causes(exc))
-    if any(isinstance(e, _TIMEOUTS) for e in causes):
-        return ErrorType.UPSTREAM_TIMEOUT
-    if after_headers:
-        return ErrorType.STREAM_TRUNCATED
-    if any(isinstance(e, _CONNECT) for e in causes):
-        return ErrorType.UPSTREAM_UNREACHABLE
-    return ErrorType.UPSTREAM_ERROR
-
-
-def describe(exc: BaseException) -> str:
-    """A one-line description without URLs' credentials or headers.
-
-    Many of these exceptions carry no text (a timeout, a cancellation): then a phrase says
-    what happened, rather than the class name twice ("TimeoutError: TimeoutError")."""
-    causes = list(_causes(exc))
-    root = causes[-1] if causes else exc
-    name = type(root).__name__
-    text = str(root).strip()
-    if not text or text == name:
-        text = next((p for kind, p in _PHRASES if isinstance(root, kind)), "no detail given")
-    return f"{name}: {text}"[:300]
-
-
-_PHRASES: tuple[tuple[type[BaseException], str], ...] = (
-    (aiohttp.ServerDisconnectedError, "the upstream closed the connection"),
-    (TimeoutError, "timed out"),
-    (asyncio.CancelledError, "cancelled before the upstream answered"),
-    (ConnectionResetError, "the upstream reset the connection"),
-    (httpx.RemoteProtocolError, "the upstream broke the HTTP protocol"),
-)
