@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.server.upstream import describe
+from proxy.core.errors import describe
 from tests.edge_backend import RawBackend, backend, serving
 
 CHAT_BODY = b'{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}'

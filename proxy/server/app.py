@@ -19,10 +19,11 @@ import httpx
 import orjson
 from prometheus_client import CollectorRegistry
 
+from proxy.core.errors import describe
 from proxy.core.tokens import TokenCounter
 from proxy.server.control import ControlPlane
 from proxy.server.forward import Forwarder, UpstreamBroke
-from proxy.server.upstream import create_client, describe
+from proxy.server.upstream import create_client
 from proxy.settings import Settings, require_upstream
 from proxy.sinks.dispatch import Sinks
 from proxy.types import ASGIApp, Receive, Scope, Send

@@ -17,7 +17,6 @@ from aiohttp.helpers import _EXC_SENTINEL
 from httpx_aiohttp.transport import AiohttpResponseStream, AiohttpTransport
 from multidict import CIMultiDict
 
-from proxy.core.errors import describe as describe  # re-exported: app.py reads it from here
 from proxy.settings import Settings
 
 KEEPALIVE_SECONDS = 4.0
