@@ -9,13 +9,14 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 
-from tests.servers import free_port
+from proxy.bench.ports import free_port
 from tests.test_serve import stop, wait_http
 
 ROOT = Path(__file__).parent.parent
@@ -23,10 +24,14 @@ README = (ROOT / "README.md").read_text()
 
 
 def readme_module(path: str) -> str:
-    """The README's Python block that starts with the comment `# <path>`."""
-    match = re.search(r"```python\n# " + re.escape(path) + r"\n(.*?)```", README, re.S)
+    """The README's Python block that starts with the comment `# <path>` (dedented when
+    the block sits in a list item)."""
+    match = re.search(
+        r"^( *)```python\n\1# " + re.escape(path) + r"\n(.*?)^\1```", README, re.S | re.M
+    )
     assert match is not None, f"the README has no worked example for {path}"
-    return match.group(1)
+    indent = len(match.group(1))
+    return "".join(line[indent:] for line in match.group(2).splitlines(keepends=True))
 
 
 def tree_copy(tmp: Path) -> Path:
@@ -61,6 +66,13 @@ def running(tree: Path, *args: str) -> Iterator[str]:
         stop(process)
 
 
+def insert_after(file: Path, anchor: str, code: str) -> None:
+    """Insert `code` right after the line `anchor` (the README names the place)."""
+    text = file.read_text()
+    assert text.count(anchor + "\n") == 1, f"{anchor!r} is not one line of {file}"
+    file.write_text(text.replace(anchor + "\n", anchor + "\n" + code, 1))
+
+
 def metric_lines(url: str, name: str) -> list[str]:
     text = httpx.get(url + "/metrics").text
     return [line for line in text.splitlines() if line.startswith(name)]
@@ -80,7 +92,16 @@ def test_a_new_api_is_one_module_and_its_registry_lines(tmp_path: Path) -> None:
     with (
         running(tree, "sim") as sim,
         running(
-            tree, "serve", "--upstream", sim, "--access-log", "off", "--models-refresh", "0"
+            tree,
+            "serve",
+            "--upstream",
+            sim,
+            "--access-log",
+            "off",
+            "--models-refresh",
+            "0",
+            "--model-allowlist",
+            "sim-model",
         ) as proxy,
     ):
         direct = httpx.post(sim + "/tokenize", json={"model": "sim-model", "prompt": "a b c d e f"})
@@ -95,3 +116,70 @@ def test_a_new_api_is_one_module_and_its_registry_lines(tmp_path: Path) -> None:
         assert any(
             'endpoint="/tokenize"' in line and line.endswith(f" {float(count)}") for line in prompt
         )
+
+
+def test_a_new_metric_is_declared_and_observed_in_the_metrics_sink(tmp_path: Path) -> None:
+    tree = tree_copy(tmp_path)
+    metrics = tree / "proxy" / "sinks" / "metrics.py"
+    declare = readme_module("proxy/sinks/metrics.py: Metrics.__init__")
+    observe = readme_module("proxy/sinks/metrics.py: Metrics.record")
+    insert_after(metrics, "    def __init__(self, registry: CollectorRegistry) -> None:", declare)
+    insert_after(metrics, "    def record(self, m: Measurement, labels: Labels) -> None:", observe)
+    body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}
+    with (
+        running(tree, "sim") as sim,
+        running(
+            tree,
+            "serve",
+            "--upstream",
+            sim,
+            "--access-log",
+            "off",
+            "--models-refresh",
+            "0",
+            "--model-allowlist",
+            "sim-model",
+        ) as proxy,
+    ):
+        httpx.post(proxy + "/v1/chat/completions", json={**body, "stream": True}).raise_for_status()
+        httpx.post(proxy + "/v1/chat/completions", json=body).raise_for_status()
+        lines = metric_lines(proxy, "tokenprobe_streamed_requests_total{")
+    assert lines == [
+        'tokenprobe_streamed_requests_total{endpoint="/v1/chat/completions",model="sim-model"} 1.0'
+    ]
+
+
+def test_a_new_sink_is_one_file_and_one_line_in_the_assembly(tmp_path: Path) -> None:
+    tree = tree_copy(tmp_path)
+    (tree / "proxy" / "sinks" / "slow_requests.py").write_text(
+        readme_module("proxy/sinks/slow_requests.py")
+    )
+    assemble = tree / "proxy" / "server" / "assemble.py"
+    add_line(
+        assemble,
+        "from proxy.sinks.logs import",
+        "from proxy.sinks.slow_requests import SlowRequests",
+    )
+    insert_after(assemble, "    sinks: list[Sink] = []", "    sinks.append(SlowRequests())\n")
+    port = free_port()
+    with running(tree, "sim", "--ttft", "1.1") as sim:
+        proxy = subprocess.Popen(
+            [sys.executable, "-m", "proxy", "serve", "--upstream", sim, "--port", str(port),
+             "--access-log", "off", "--models-refresh", "0", "--model-allowlist", "sim-model"],
+            cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_http(url + "/healthz")
+            body = {
+                "model": "sim-model",
+                "stream": True,
+                "messages": [{"role": "user", "content": "hi"}],
+            }
+            httpx.post(url + "/v1/chat/completions", json=body, timeout=10).raise_for_status()
+            time.sleep(0.2)  # the record lands just after the last byte
+        finally:
+            proxy.terminate()
+            _, stderr = proxy.communicate(timeout=10)
+    assert "slow first token: 1.1" in stderr
+    assert "(model sim-model, /v1/chat/completions)" in stderr
