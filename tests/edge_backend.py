@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.servers import free_port
-from tests.test_serve import spawn, stop, wait_http
+from tests.servers import free_port, spawn, stop, wait_http
 
 SSE_USAGE_STREAM = (
     b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,'

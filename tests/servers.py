@@ -1,21 +1,28 @@
-"""Real servers on loopback for tests: an ASGI app on uvicorn, on an ephemeral port.
+"""Real servers on loopback for tests: an ASGI app on uvicorn, on an ephemeral port, in a
+thread of this process (`ThreadedServer`), or `tokenprobe` itself as a process (`spawn`).
 
-Each server runs its own event loop in a daemon thread, like a separate process would,
-so a test's client traffic goes over real sockets.
+Each threaded server runs its own event loop in a daemon thread, like a separate process
+would, so a test's client traffic goes over real sockets.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import uvicorn
 
 from proxy.bench.ports import free_port
+
+__all__ = ["ThreadedServer", "free_port", "serve", "spawn", "stop", "wait_http"]
 
 
 class ThreadedServer:
@@ -62,3 +69,38 @@ def serve(app: Any, **config: Any) -> Iterator[ThreadedServer]:
         yield server
     finally:
         server.stop()
+
+
+# -- `python -m proxy ...` as a real process ---------------------------------------------
+
+
+def spawn(
+    *args: str, env: dict[str, str] | None = None, stdout: int = subprocess.DEVNULL
+) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "proxy", *args],
+        env={**os.environ, **(env or {})},
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+    )
+
+
+def wait_http(url: str, timeout: float = 20.0) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        try:
+            if httpx.get(url, timeout=0.5).status_code < 500:
+                return time.monotonic() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.02)
+    raise AssertionError(f"{url} did not come up")
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()

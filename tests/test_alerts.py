@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.paths import ROOT
 from tests.prom import require_binary
 
-ROOT = Path(__file__).resolve().parent.parent
 PROMETHEUS = ROOT / "deploy" / "prometheus"
 RULE_FILES = sorted((PROMETHEUS / "rules").glob("*.yaml"))
 RULE_TESTS = sorted((PROMETHEUS / "tests").glob("*.yaml"))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
-from pathlib import Path
 
 import orjson
 import pytest
@@ -23,8 +22,8 @@ from proxy.core.apis.messages import STOP_REASONS
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
 from proxy.core.observe import StreamObserver
 from proxy.core.request import RequestInfo, parse_request
+from tests.paths import STREAMS
 
-STREAMS = Path(__file__).parent / "fixtures" / "streams"
 START, OPENED, STARTED_AT = 100.0, 100.125, 1_718_000_000.0
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 

@@ -20,8 +20,8 @@ import httpx
 import pytest
 
 from proxy.bench.ports import free_port
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "relay.py"
 
 pytestmark = pytest.mark.timeout(240)

@@ -22,9 +22,9 @@ import pytest
 import yaml
 
 from proxy.settings import SPECS
+from tests.paths import ROOT
 from tests.servers import free_port, serve
 
-ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_DIR = ROOT / "deploy" / "compose"
 COMPOSE_FILES = [COMPOSE_DIR / "compose.yaml", COMPOSE_DIR / "compose.sim.yaml"]
 K8S_DIR = ROOT / "deploy" / "kubernetes"

@@ -10,7 +10,6 @@ import asyncio
 import importlib
 import tomllib
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -39,8 +38,8 @@ from proxy.core.errors import (
 )
 from proxy.core.measurement import ErrorType
 from tests.conftest import MODEL, ProxyUnderTest, Running
+from tests.paths import ERRORS
 
-ERRORS = Path(__file__).parent / "fixtures" / "errors"
 INDEX: list[dict[str, Any]] = tomllib.loads((ERRORS / "index.toml").read_text())["fixture"]
 
 

@@ -176,8 +176,7 @@ def test_memory_returns_to_baseline_after_huge_events(sim: Running) -> None:
     import subprocess
     import sys
 
-    from tests.servers import free_port
-    from tests.test_serve import stop, wait_http
+    from tests.servers import free_port, stop, wait_http
 
     port = free_port()
     process = subprocess.Popen(

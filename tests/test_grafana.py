@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.paths import ROOT
 from tests.prom import require_binary
 
-ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD_DIR = ROOT / "grafana" / "dashboards"
 PROVISIONING = ROOT / "grafana" / "provisioning"
 DASHBOARDS = sorted(DASHBOARD_DIR.glob("*.json"))

@@ -33,9 +33,10 @@ from proxy.sinks.cost import CostSink, parse_prices
 from proxy.sinks.metrics import cache_class, prompt_class
 from proxy.sinks.sink import Labels
 from tests.factories import measurement
+from tests.paths import ROOT
 from tests.prom import Prometheus, finite_values, require_binary
 from tests.servers import ThreadedServer, free_port
-from tests.test_grafana import DASHBOARDS, ROOT, iter_targets, load, substitute
+from tests.test_grafana import DASHBOARDS, iter_targets, load, substitute
 
 RULE_FILES = sorted((ROOT / "deploy" / "prometheus" / "rules").glob("*.yaml"))
 MODELS = ("llama", "qwen")

@@ -9,7 +9,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).parent.parent / "proxy"
+from tests.paths import ROOT
+
+PACKAGE = ROOT / "proxy"
 
 #: Which top-level parts of `proxy` each layer may import. Anything not listed is refused.
 ALLOWED: dict[str, frozenset[str]] = {

@@ -30,10 +30,9 @@ import httpx
 import pytest
 
 from proxy.bench.stats import quantile
-from tests.servers import free_port
-from tests.test_serve import stop, wait_http
+from tests.paths import ROOT
+from tests.servers import free_port, stop, wait_http
 
-ROOT = Path(__file__).resolve().parent.parent
 CHAT = "/v1/chat/completions"
 #: The client asks for usage itself, so the proxy injects nothing: the body it relays
 #: must be exactly the simulator's.

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from pathlib import Path
 
 import orjson
 import pytest
@@ -17,8 +16,8 @@ from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSour
 from proxy.core.observe import StreamObserver, TokenCounts
 from proxy.core.request import CHAT, COMPLETIONS, RequestInfo
 from tests.factories import measurement
+from tests.paths import FIXTURES
 
-FIXTURES = Path(__file__).parent / "fixtures"
 START = 100.0  # perf_counter at request start
 OPENED = 100.125  # response headers arrived
 STARTED_AT = 1_718_000_000.0  # wall clock

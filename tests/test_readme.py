@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from prometheus_client import CollectorRegistry
 
 from proxy.settings import SPECS
 from proxy.sinks.metrics import Metrics
+from tests.paths import ROOT
 
-README = (Path(__file__).parent.parent / "README.md").read_text()
+README = (ROOT / "README.md").read_text()
 
 
 def test_every_setting_is_documented_with_its_flag_and_variable() -> None:
@@ -28,7 +27,7 @@ def test_every_metric_is_documented() -> None:
 def test_readme_gives_the_two_commands() -> None:
     assert "pip install . && tokenprobe demo" in README
     assert "pip install -e '.[dev]' && pytest" in README
-    ci = (Path(__file__).parent.parent / ".ci" / "run").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
     assert "pip install -e '.[dev]' && pytest" in ci
 
 

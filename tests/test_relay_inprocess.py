@@ -18,7 +18,6 @@ import contextlib
 import gc
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NoReturn
 
 import httpx
@@ -36,13 +35,12 @@ from proxy.server.upstream import UpstreamClient
 from proxy.settings import Settings
 from proxy.sinks.sink import Labels, Recorder, Sink
 from proxy.types import Message
+from tests.paths import ERRORS, STREAMS
 
-STREAMS = Path(__file__).parent / "fixtures" / "streams"
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the model the recorded streams name
 UPSTREAM = "http://upstream.test"
 SECRET = b"sk-relay-test-0123456789"
 
-ERRORS = Path(__file__).parent / "fixtures" / "errors"
 STREAM = (STREAMS / "vllm_chat.sse").read_bytes()
 #: The recorded stream as the backend wrote it: one network read per event.
 EVENTS = [part + b"\n\n" for part in STREAM.split(b"\n\n") if part]

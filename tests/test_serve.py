@@ -13,42 +13,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.servers import free_port
+from tests.servers import free_port, spawn, stop, wait_http
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "sim-model", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
-
-
-def spawn(
-    *args: str, env: dict[str, str] | None = None, stdout: int = subprocess.DEVNULL
-) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "proxy", *args],
-        env={**os.environ, **(env or {})},
-        stdout=stdout,
-        stderr=subprocess.PIPE,
-    )
-
-
-def wait_http(url: str, timeout: float = 20.0) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        try:
-            if httpx.get(url, timeout=0.5).status_code < 500:
-                return time.monotonic() - start
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.02)
-    raise AssertionError(f"{url} did not come up")
-
-
-def stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 @pytest.fixture

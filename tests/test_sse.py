@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.core.sse import SSEDecoder
+from tests.paths import STREAMS
 
-STREAMS = Path(__file__).parent / "fixtures" / "streams"
 VLLM_CHAT = (STREAMS / "vllm_chat.sse").read_bytes()
 VLLM_CHAT_EVENTS = [
     line[len(b"data: ") :] for line in VLLM_CHAT.split(b"\n") if line.startswith(b"data: ")

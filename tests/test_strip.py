@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.core.strip import UsageEventStripper
-
-STREAMS = Path(__file__).parent / "fixtures" / "streams"
+from tests.paths import STREAMS
 
 
 def fixture(name: str) -> bytes:

@@ -25,11 +25,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.ui import ASSETS
 from tests.conftest import MODEL, ProxyUnderTest, Running
+from tests.paths import ROOT
 from tests.servers import free_port
 
 CHAT = "/v1/chat/completions"
 CHROMIUM = os.environ.get("TOKENPROBE_TEST_CHROMIUM") or shutil.which("chromium")
-ROOT = Path(__file__).resolve().parent.parent
 PIP_WHEEL = (sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q")
 SERVE = (sys.executable, "-m", "proxy", "serve", "--access-log", "off", "--model-allowlist", MODEL)
 

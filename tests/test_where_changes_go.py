@@ -17,9 +17,10 @@ from pathlib import Path
 import httpx
 
 from proxy.bench.ports import free_port
-from tests.test_serve import stop, wait_http
+from tests.paths import ROOT
+from tests.servers import stop, wait_http
 
-ROOT = Path(__file__).parent.parent
+ROOT = ROOT
 README = (ROOT / "README.md").read_text()
 
 

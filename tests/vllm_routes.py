@@ -15,12 +15,11 @@ vllm/entrypoints/openai/api_server.py for /version, /health, /ping).
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from typing import Any
 
 import orjson
 
-STREAMS = Path(__file__).parent / "fixtures" / "streams"
+from tests.paths import STREAMS
 
 #: The events of each stream sent with the headers, before the programmed wait.
 OPENING = {"vllm_messages.sse": 3, "vllm_messages_error.sse": 2, "vllm_responses.sse": 4}
