@@ -242,7 +242,7 @@ def error_message(body: bytes, limit: int = 300) -> str:
 # -- exceptions -----------------------------------------------------------------------------
 
 # Foreign exception types are matched by name ("package.Class") along each exception's MRO,
-# so the core imports neither HTTP client; tests/test_errors.py checks every name still
+# so the core imports neither HTTP client; tests/core/test_errors.py checks every name still
 # names a real class. Builtin types are matched with isinstance.
 _TIMEOUTS = (TimeoutError,)  # asyncio.TimeoutError is TimeoutError since Python 3.11
 _FOREIGN_TIMEOUTS = frozenset({"httpx.TimeoutException", "aiohttp.ServerTimeoutError"})

@@ -5,10 +5,10 @@ send)` with a fake server side written here (`Client`). Its upstream client is s
 one whose transport is `httpx.MockTransport` serving a scripted body (`UpstreamBody`), so
 the real relay code runs unchanged between the two, without sockets, in milliseconds.
 Each test asserts on what the client was sent, on the record the sinks got, and on the
-registry. The end-to-end tests (tests/test_proxy_e2e.py, tests/test_faults.py) keep
+registry. The end-to-end tests (tests/server/test_proxy_e2e.py, tests/server/test_faults.py) keep
 checking the same paths over real sockets.
 
-The streams are the recorded vLLM ones in tests/fixtures/streams (see tests/test_observe.py).
+The streams are the recorded vLLM ones in tests/fixtures/streams (see tests/core/test_observe.py).
 """
 
 from __future__ import annotations
@@ -336,7 +336,7 @@ def test_streamed_success_relays_each_read_unchanged_and_records_the_usage() -> 
 def test_a_finished_relay_is_freed_at_once_not_by_the_garbage_collector() -> None:
     """A relay's buffers (up to --max-event-bytes in the observer and the stripper) must
     go when the request ends: a reference cycle would keep them until a collection, and
-    RSS would climb under load (tests/test_faults.py checks the process's RSS)."""
+    RSS would climb under load (tests/server/test_faults.py checks the process's RSS)."""
 
     def observers() -> int:
         return sum(isinstance(o, StreamObserver) for o in gc.get_objects())

@@ -14,7 +14,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.test_load import Result, session, sim_headers, stack, stream_once
+from tests.server.test_load import Result, session, sim_headers, stack, stream_once
 
 STREAMS = 100
 DRAIN_TIMEOUT = 20.0

@@ -17,7 +17,7 @@ import pytest
 from proxy.sim import SimApp, SimConfig, completion_text
 from proxy.sim.pacing import StepClock
 from tests.servers import ThreadedServer, free_port
-from tests.test_sim_support import best_of, chat, read_events, running, warm_client
+from tests.sim.test_sim_support import best_of, chat, read_events, running, warm_client
 
 STEP = 0.025
 

@@ -5,7 +5,7 @@ overlap, datasources that resolve (the ${datasource} variable or a provisioned u
 an expression in every target that only uses defined variables, multi-value variables
 matched with =~, units and descriptions on every panel, exemplars on the latency
 panels whose histograms carry them. `test_expressions_are_valid_promql` parses every
-expression with promtool, offline. tests/test_grafana_live.py runs them on Prometheus.
+expression with promtool, offline. tests/deploy/test_grafana_live.py runs them on Prometheus.
 """
 
 from __future__ import annotations

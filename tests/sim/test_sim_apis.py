@@ -21,7 +21,7 @@ import pytest
 from proxy.sim import SimApp, SimConfig, completion_text
 from proxy.sim.cli import parse
 from tests.servers import ThreadedServer
-from tests.test_sim_support import (
+from tests.sim.test_sim_support import (
     best_of,
     chat,
     read_events,

@@ -13,7 +13,7 @@ import pytest
 
 from proxy.sim import SimApp, SimConfig, completion_text
 from tests.servers import ThreadedServer
-from tests.test_sim_support import best_of, chat, read_events, running, warm_client
+from tests.sim.test_sim_support import best_of, chat, read_events, running, warm_client
 
 # Timing bounds for a loaded 2-core box: a late wake-up is normal, an early one is a bug.
 EARLY = 0.003

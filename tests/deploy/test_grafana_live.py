@@ -32,11 +32,11 @@ from proxy.core.measurement import Measurement
 from proxy.sinks.cost import CostSink, parse_prices
 from proxy.sinks.metrics import cache_class, prompt_class
 from proxy.sinks.sink import Labels
+from tests.deploy.test_grafana import DASHBOARDS, iter_targets, load, substitute
 from tests.factories import measurement
 from tests.paths import ROOT
 from tests.prom import Prometheus, finite_values, require_binary
 from tests.servers import ThreadedServer, free_port
-from tests.test_grafana import DASHBOARDS, iter_targets, load, substitute
 
 RULE_FILES = sorted((ROOT / "deploy" / "prometheus" / "rules").glob("*.yaml"))
 MODELS = ("llama", "qwen")
