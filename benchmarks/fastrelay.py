@@ -196,19 +196,17 @@ class Upstream(asyncio.Protocol):
         if observer is None or self.failed:
             sinks.end(exchange.rs, None)
             return
-        error, message = (broke, "upstream broke") if broke else observer.outcome()
-        counts = observer.counts_from_usage() or observer.counts_from_chunks()
-        sinks.end(
-            exchange.rs,
-            observer.measurement(
+        # The relay's own finish sequence; it awaits only a tokenizer, which this arm has not.
+        finishing = asyncio.ensure_future(
+            observer.finish(
                 end=perf_counter(),
                 started_at=exchange.started_at,
                 status_code=self.status,
-                counts=counts,
-                error_type=error,
-                error_message=message,
-            ),
+                error_type=broke,
+                error_message="upstream broke" if broke else None,
+            )
         )
+        finishing.add_done_callback(lambda done: sinks.end(exchange.rs, done.result()))
 
     # -- backpressure: the client's socket is full ------------------------------------------
 

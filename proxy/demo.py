@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import contextlib
 import itertools
-import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 import httpx
 import uvicorn
 
+from proxy.bench.ports import free_port
 from proxy.core.measurement import Measurement
 from proxy.server.assemble import assemble
 from proxy.settings import Settings
@@ -79,12 +79,6 @@ SCENARIOS = (
     Scenario("rerank", endpoint="/v2/rerank", stream=False),
     Scenario("classify", endpoint="/classify", stream=False),
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _body(s: Scenario, i: int) -> dict[str, object]:
@@ -172,7 +166,7 @@ def _table(records: list[Measurement], names: dict[int, str]) -> str:
 async def run(port: int, rounds: int, serve_after: bool, out: object = sys.stdout) -> int:
     recorder = Recorder()
     records = recorder.records
-    sim_port = _free_port()
+    sim_port = free_port()
     sim = uvicorn.Server(
         uvicorn.Config(
             create_sim_app(SimConfig(models=(MODEL,))),
