@@ -50,8 +50,12 @@ def add_line(file: Path, after: str, line: str) -> None:
     file.write_text(head + after + rest_of_line + newline + line + "\n" + tail)
 
 
+SERVE = ("--access-log", "off", "--models-refresh", "0", "--model-allowlist", "sim-model")
+
+
 @contextmanager
-def running(tree: Path, *args: str) -> Iterator[str]:
+def running(tree: Path, *args: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """`python -m proxy ARGS` from the copy; its stderr is read once it has stopped."""
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "proxy", *args, "--port", str(port)],
@@ -62,9 +66,21 @@ def running(tree: Path, *args: str) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(url + ("/healthz" if args[0] == "serve" else "/health"))
-        yield url
+        yield url, process
     finally:
         stop(process)
+
+
+@contextmanager
+def proxy_before_sim(
+    tree: Path, *sim_args: str
+) -> Iterator[tuple[str, str, subprocess.Popen[bytes]]]:
+    """The copy's simulator, and the copy's proxy in front of it: (sim, proxy, proxy process)."""
+    with (
+        running(tree, "sim", *sim_args) as (sim, _),
+        running(tree, "serve", "--upstream", sim, *SERVE) as (proxy, process),
+    ):
+        yield sim, proxy, process
 
 
 def insert_after(file: Path, anchor: str, code: str) -> None:
@@ -90,33 +106,16 @@ def test_a_new_api_is_one_module_and_its_registry_lines(tmp_path: Path) -> None:
         "from proxy.core.apis.tokenize import Tokenize",
     )
     add_line(init, "    Classify(),", "    Tokenize(),")
-    with (
-        running(tree, "sim") as sim,
-        running(
-            tree,
-            "serve",
-            "--upstream",
-            sim,
-            "--access-log",
-            "off",
-            "--models-refresh",
-            "0",
-            "--model-allowlist",
-            "sim-model",
-        ) as proxy,
-    ):
-        direct = httpx.post(sim + "/tokenize", json={"model": "sim-model", "prompt": "a b c d e f"})
-        proxied = httpx.post(
-            proxy + "/tokenize", json={"model": "sim-model", "prompt": "a b c d e f"}
-        )
+    body = {"model": "sim-model", "prompt": "a b c d e f"}
+    with proxy_before_sim(tree) as (sim, proxy, _):
+        direct = httpx.post(sim + "/tokenize", json=body)
+        proxied = httpx.post(proxy + "/tokenize", json=body)
         assert proxied.status_code == 200 and proxied.content == direct.content
-        count = direct.json()["count"]
+        count = float(direct.json()["count"])
         requests = metric_lines(proxy, "tokenprobe_requests_total{")
-        assert any('endpoint="/tokenize"' in line and line.endswith(" 1.0") for line in requests)
         prompt = metric_lines(proxy, "tokenprobe_prompt_tokens_total{")
-        assert any(
-            'endpoint="/tokenize"' in line and line.endswith(f" {float(count)}") for line in prompt
-        )
+    assert any('endpoint="/tokenize"' in line and line.endswith(" 1.0") for line in requests)
+    assert any('endpoint="/tokenize"' in line and line.endswith(f" {count}") for line in prompt)
 
 
 def test_a_new_metric_is_declared_and_observed_in_the_metrics_sink(tmp_path: Path) -> None:
@@ -127,21 +126,7 @@ def test_a_new_metric_is_declared_and_observed_in_the_metrics_sink(tmp_path: Pat
     insert_after(metrics, "    def __init__(self, registry: CollectorRegistry) -> None:", declare)
     insert_after(metrics, "    def record(self, m: Measurement, labels: Labels) -> None:", observe)
     body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}
-    with (
-        running(tree, "sim") as sim,
-        running(
-            tree,
-            "serve",
-            "--upstream",
-            sim,
-            "--access-log",
-            "off",
-            "--models-refresh",
-            "0",
-            "--model-allowlist",
-            "sim-model",
-        ) as proxy,
-    ):
+    with proxy_before_sim(tree) as (_, proxy, _):
         httpx.post(proxy + "/v1/chat/completions", json={**body, "stream": True}).raise_for_status()
         httpx.post(proxy + "/v1/chat/completions", json=body).raise_for_status()
         lines = metric_lines(proxy, "tokenprobe_streamed_requests_total{")
@@ -152,9 +137,8 @@ def test_a_new_metric_is_declared_and_observed_in_the_metrics_sink(tmp_path: Pat
 
 def test_a_new_sink_is_one_file_and_one_line_in_the_assembly(tmp_path: Path) -> None:
     tree = tree_copy(tmp_path)
-    (tree / "proxy" / "sinks" / "slow_requests.py").write_text(
-        readme_module("proxy/sinks/slow_requests.py")
-    )
+    sink = readme_module("proxy/sinks/slow_requests.py")
+    (tree / "proxy" / "sinks" / "slow_requests.py").write_text(sink)
     assemble = tree / "proxy" / "server" / "assemble.py"
     add_line(
         assemble,
@@ -162,25 +146,11 @@ def test_a_new_sink_is_one_file_and_one_line_in_the_assembly(tmp_path: Path) -> 
         "from proxy.sinks.slow_requests import SlowRequests",
     )
     insert_after(assemble, "    sinks: list[Sink] = []", "    sinks.append(SlowRequests())\n")
-    port = free_port()
-    with running(tree, "sim", "--ttft", "1.1") as sim:
-        proxy = subprocess.Popen(
-            [sys.executable, "-m", "proxy", "serve", "--upstream", sim, "--port", str(port),
-             "--access-log", "off", "--models-refresh", "0", "--model-allowlist", "sim-model"],
-            cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        try:
-            url = f"http://127.0.0.1:{port}"
-            wait_http(url + "/healthz")
-            body = {
-                "model": "sim-model",
-                "stream": True,
-                "messages": [{"role": "user", "content": "hi"}],
-            }
-            httpx.post(url + "/v1/chat/completions", json=body, timeout=10).raise_for_status()
-            time.sleep(0.2)  # the record lands just after the last byte
-        finally:
-            proxy.terminate()
-            _, stderr = proxy.communicate(timeout=10)
+    body = {"model": "sim-model", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    with proxy_before_sim(tree, "--ttft", "1.1") as (_, proxy, process):
+        httpx.post(proxy + "/v1/chat/completions", json=body, timeout=10).raise_for_status()
+        time.sleep(0.2)  # the record lands just after the last byte
+    assert process.stderr is not None
+    stderr = process.stderr.read().decode()
     assert "slow first token: 1.1" in stderr
     assert "(model sim-model, /v1/chat/completions)" in stderr

@@ -27,23 +27,6 @@ def sim() -> Iterator[tuple[ThreadedServer, SimApp]]:
 
 
 @pytest.fixture
-def url(sim: tuple[ThreadedServer, SimApp]) -> str:
-    sim[1].state.reset()
-    return sim[0].url
-
-
-@pytest.fixture
-def app(sim: tuple[ThreadedServer, SimApp]) -> SimApp:
-    return sim[1]
-
-
-@pytest.fixture
-def client(url: str) -> Iterator[httpx.Client]:
-    with warm_client(url) as c:
-        yield c
-
-
-@pytest.fixture
 def sdk(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
 

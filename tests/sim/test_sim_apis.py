@@ -63,23 +63,6 @@ def sim() -> Iterator[tuple[ThreadedServer, SimApp]]:
         yield pair
 
 
-@pytest.fixture
-def url(sim: tuple[ThreadedServer, SimApp]) -> str:
-    sim[1].state.reset()
-    return sim[0].url
-
-
-@pytest.fixture
-def app(sim: tuple[ThreadedServer, SimApp]) -> SimApp:
-    return sim[1]
-
-
-@pytest.fixture
-def client(url: str) -> Iterator[httpx.Client]:
-    with warm_client(url) as c:
-        yield c
-
-
 def message(stream: bool = True, **extra: Any) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": "sim-model",

@@ -13,30 +13,13 @@ import pytest
 
 from proxy.sim import SimApp, SimConfig, completion_text
 from tests.servers import ThreadedServer
-from tests.sim.test_sim_support import best_of, chat, read_events, running, warm_client
+from tests.sim.test_sim_support import best_of, chat, read_events, running
 
 
 @pytest.fixture(scope="module")
 def sim() -> Iterator[tuple[ThreadedServer, SimApp]]:
     with running(SimConfig(ttft=0.02, tokens_per_second=200, output_tokens=6)) as pair:
         yield pair
-
-
-@pytest.fixture
-def url(sim: tuple[ThreadedServer, SimApp]) -> str:
-    sim[1].state.reset()
-    return sim[0].url
-
-
-@pytest.fixture
-def app(sim: tuple[ThreadedServer, SimApp]) -> SimApp:
-    return sim[1]
-
-
-@pytest.fixture
-def client(url: str) -> Iterator[httpx.Client]:
-    with warm_client(url) as c:
-        yield c
 
 
 def fault(name: str, after: int = 2, more: dict[str, str] | None = None) -> dict[str, str]:
