@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import orjson
+
 from proxy.core.measurement import NONE_LABEL, TokenSource
 
 #: The closed finish_reason label set. Raw backend values are mapped onto it by each Api
@@ -86,6 +88,15 @@ class Facts:
 NOTHING = Facts()
 MALFORMED = Facts(malformed=True)
 END = Facts(end=True)
+
+
+def json_object(payload: bytes) -> dict[str, Any] | None:
+    """One event's payload as a JSON object, or None when it is not one (MALFORMED)."""
+    try:
+        obj = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return None
+    return obj if type(obj) is dict else None
 
 
 class Api:

@@ -58,7 +58,7 @@ class OpenAIGeneration(Api):
         # content and nothing else, and get a shared, never-mutated answer.
         if payload == b"[DONE]":
             return END
-        try:
+        try:  # base.json_object, inlined: a call per chunk of every chat stream
             obj = orjson.loads(payload)
         except orjson.JSONDecodeError:
             return MALFORMED

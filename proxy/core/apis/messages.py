@@ -17,9 +17,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
-from proxy.core.apis.base import MALFORMED, NOTHING, Api, Facts, TokenCounts, as_int, identity
+from proxy.core.apis.base import (
+    MALFORMED,
+    NOTHING,
+    Api,
+    Facts,
+    TokenCounts,
+    as_int,
+    identity,
+    json_object,
+)
 from proxy.core.apis.chat import keep
 from proxy.core.measurement import TokenSource
 
@@ -56,11 +63,8 @@ class Messages(Api):
         return messages
 
     def event(self, payload: bytes, collect: bool, identify: bool) -> Facts:
-        try:
-            obj = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            return MALFORMED
-        if type(obj) is not dict:
+        obj = json_object(payload)
+        if obj is None:
             return MALFORMED
         kind = obj.get("type")
         if kind == "content_block_delta":

@@ -18,9 +18,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
-from proxy.core.apis.base import MALFORMED, NOTHING, Api, Facts, TokenCounts, as_int, identity
+from proxy.core.apis.base import (
+    MALFORMED,
+    NOTHING,
+    Api,
+    Facts,
+    TokenCounts,
+    as_int,
+    identity,
+    json_object,
+)
 from proxy.core.apis.chat import keep
 from proxy.core.measurement import TokenSource
 
@@ -58,11 +65,8 @@ class Responses(Api):
         return obj.get("max_output_tokens")
 
     def event(self, payload: bytes, collect: bool, identify: bool) -> Facts:
-        try:
-            obj = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            return MALFORMED
-        if type(obj) is not dict:
+        obj = json_object(payload)
+        if obj is None:
             return MALFORMED
         kind = obj.get("type")
         content = _DELTAS.get(kind)  # type: ignore[arg-type]
