@@ -20,14 +20,14 @@ in-stream error event and end the body; `reset`, `close_no_done`, `stall`,
 
 from __future__ import annotations
 
-import time
 from typing import Protocol
 
 from proxy.sim import wire
-from proxy.sim.controls import ENDING_FAULTS, Plan, burn_cpu
+from proxy.sim.controls import ENDING_FAULTS, Plan
 from proxy.sim.exchange import Exchange
 from proxy.sim.pacing import Pacer
 from proxy.sim.state import Outcome
+from proxy.sim.stream import paced_content, paced_whole
 from proxy.sim.tokens import text_json
 
 SSE = b"text/event-stream; charset=utf-8"
@@ -65,40 +65,20 @@ async def stream_events(ex: Exchange, plan: Plan, events: EventWire, pacer: Pace
     for data in events.opening():
         await ex.write(data)
 
-    n, per_chunk = plan.output_tokens, plan.tokens_per_chunk
-    pending = plan.fault
-    sent = slots = 0
-    started = False
-    while sent < n:
-        await (pacer.first() if slots == 0 else pacer.next())
-        slots += 1
-        if pending is not None and sent >= plan.fault_after:
-            record.fault, pending = pending, None
-            if not await _fire(ex, plan, events, pacer, record.fault):
-                return "fault"
-        count = min(per_chunk, n - sent)
-        burn_cpu(plan.cpu_per_token * count)
-        if not started:
-            started = True
-            for data in events.block_start():
-                await ex.write(data)
-        data = events.content(text_json(count, sent))
-        sent += count
-        record.completion_tokens = sent
-        if record.first_token_at is None:
-            record.first_token_at = time.monotonic()
-        await ex.write(data)
-    if pending is not None:
-        await (pacer.first() if slots == 0 else pacer.next())
-        slots += 1
-        record.fault = pending
-        if not await _fire(ex, plan, events, pacer, pending):
-            return "fault"
-    if slots == 0:
-        await pacer.first()  # an empty completion still ends when its EOS token is due
+    def content(count: int, sent: int) -> list[bytes]:
+        # vLLM opens the content block lazily, on the first text it sees (built first:
+        # the events are numbered as they are made).
+        opening = events.block_start() if sent == 0 else []
+        return [*opening, events.content(text_json(count, sent))]
 
+    async def fire(fault: str) -> bool:
+        return await _fire(ex, plan, events, pacer, fault)
+
+    sent = await paced_content(ex, plan, pacer, content, fire)
+    if sent is None:
+        return "fault"
     record.finish_reason = events.finish_reason
-    closing = events.closing(sent, started)
+    closing = events.closing(sent, sent > 0)
     if plan.no_done:
         closing = closing[:-1]
     for data in closing[:-1]:
@@ -110,16 +90,7 @@ async def stream_events(ex: Exchange, plan: Plan, events: EventWire, pacer: Pace
 
 async def complete_events(ex: Exchange, plan: Plan, events: EventWire, pacer: Pacer) -> Outcome:
     """The non-streamed response: all tokens' time passes, then one JSON body."""
-    chunks = -(-plan.output_tokens // plan.tokens_per_chunk)
-    await pacer.first()
-    per_chunk = plan.tokens_per_chunk
-    for i in range(chunks):
-        if i:
-            await pacer.next()
-        burn_cpu(plan.cpu_per_token * min(per_chunk, plan.output_tokens - i * per_chunk))
-    ex.record.completion_tokens = plan.output_tokens
-    ex.record.finish_reason = events.finish_reason
-    ex.record.first_token_at = time.monotonic()  # the tokens leave with the body
+    await paced_whole(ex, plan, pacer, events.finish_reason)
     await ex.reply(200, events.full(plan.output_tokens))
     return "completed"
 

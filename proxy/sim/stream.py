@@ -19,6 +19,7 @@ completing response".
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 
 from proxy.sim import wire
 from proxy.sim.controls import ENDING_FAULTS, Plan, burn_cpu
@@ -38,36 +39,16 @@ async def stream(ex: Exchange, plan: Plan, sse: wire.StreamWire, pacer: Pacer) -
     if plan.kind == "chat":
         await ex.write(sse.role(_usage(plan, 0) if usage_every else None))
 
-    n, per_chunk = plan.output_tokens, plan.tokens_per_chunk
-    pending = plan.fault
-    sent = 0
-    slots = 0
-    while sent < n:
-        await (pacer.first() if slots == 0 else pacer.next())
-        slots += 1
-        if pending is not None and sent >= plan.fault_after:
-            record.fault, pending = pending, None
-            if not await _fire(ex, plan, sse, pacer, record.fault):
-                return "fault"
-        count = min(per_chunk, n - sent)
-        burn_cpu(plan.cpu_per_token * count)
-        data = sse.content(
-            text_json(count, sent), _usage(plan, sent + count) if usage_every else None
-        )
-        sent += count
-        record.completion_tokens = sent
-        if record.first_token_at is None:
-            record.first_token_at = time.monotonic()
-        await ex.write(data)
-    if pending is not None:
-        await (pacer.first() if slots == 0 else pacer.next())
-        slots += 1
-        record.fault = pending
-        if not await _fire(ex, plan, sse, pacer, pending):
-            return "fault"
-    if slots == 0:
-        await pacer.first()  # an empty completion still ends when its EOS token is due
+    def content(count: int, sent: int) -> list[bytes]:
+        usage = _usage(plan, sent + count) if usage_every else None
+        return [sse.content(text_json(count, sent), usage)]
 
+    async def fire(fault: str) -> bool:
+        return await _fire(ex, plan, sse, pacer, fault)
+
+    sent = await paced_content(ex, plan, pacer, content, fire)
+    if sent is None:
+        return "fault"
     record.finish_reason = plan.finish_reason
     usage = _usage(plan, sent)
     on_finish = (
@@ -79,6 +60,61 @@ async def stream(ex: Exchange, plan: Plan, sse: wire.StreamWire, pacer: Pacer) -
     outcome: Outcome = "fault" if record.fault else "completed"
     await ex.end(b"" if plan.no_done else wire.DONE, outcome)
     return outcome
+
+
+async def paced_content(
+    ex: Exchange,
+    plan: Plan,
+    pacer: Pacer,
+    content: Callable[[int, int], list[bytes]],
+    fire: Callable[[str], Awaitable[bool]],
+) -> int | None:
+    """The token schedule every API shares: at each pacer slot, `content(count, sent)`
+    gives the writes for the next `count` tokens (after `sent`), and the planned fault
+    fires at its slot. Returns the tokens sent, or None when a fault ended the stream."""
+    record = ex.record
+    n, per_chunk = plan.output_tokens, plan.tokens_per_chunk
+    pending = plan.fault
+    sent = slots = 0
+    while sent < n:
+        await (pacer.first() if slots == 0 else pacer.next())
+        slots += 1
+        if pending is not None and sent >= plan.fault_after:
+            record.fault, pending = pending, None
+            if not await fire(record.fault):
+                return None
+        count = min(per_chunk, n - sent)
+        burn_cpu(plan.cpu_per_token * count)
+        writes = content(count, sent)
+        sent += count
+        record.completion_tokens = sent
+        if record.first_token_at is None:
+            record.first_token_at = time.monotonic()
+        for data in writes:
+            await ex.write(data)
+    if pending is not None:
+        await (pacer.first() if slots == 0 else pacer.next())
+        record.fault = pending
+        if not await fire(pending):
+            return None
+    elif slots == 0:
+        await pacer.first()  # an empty completion still ends when its EOS token is due
+    return sent
+
+
+async def paced_whole(ex: Exchange, plan: Plan, pacer: Pacer, finish_reason: str | None) -> None:
+    """A non-streamed response's time: every token's slot passes (and its CPU is burnt),
+    then the record says the tokens left, all at once, with the body."""
+    chunks = -(-plan.output_tokens // plan.tokens_per_chunk)
+    per_chunk = plan.tokens_per_chunk
+    await pacer.first()
+    for i in range(chunks):
+        if i:
+            await pacer.next()
+        burn_cpu(plan.cpu_per_token * min(per_chunk, plan.output_tokens - i * per_chunk))
+    ex.record.completion_tokens = plan.output_tokens
+    ex.record.finish_reason = finish_reason
+    ex.record.first_token_at = time.monotonic()  # the tokens leave with the body
 
 
 async def _fire(ex: Exchange, plan: Plan, sse: wire.StreamWire, pacer: Pacer, fault: str) -> bool:
@@ -105,16 +141,7 @@ async def complete(
     ex: Exchange, plan: Plan, pacer: Pacer, response_id: str, created: int
 ) -> Outcome:
     """The non-streamed response: all tokens' time passes, then one JSON body."""
-    chunks = -(-plan.output_tokens // plan.tokens_per_chunk)
-    per_chunk = plan.tokens_per_chunk
-    await pacer.first()
-    for i in range(chunks):
-        if i:
-            await pacer.next()
-        burn_cpu(plan.cpu_per_token * min(per_chunk, plan.output_tokens - i * per_chunk))
-    ex.record.completion_tokens = plan.output_tokens
-    ex.record.finish_reason = plan.finish_reason
-    ex.record.first_token_at = time.monotonic()  # the tokens leave with the body
+    await paced_whole(ex, plan, pacer, plan.finish_reason)
     body = wire.full_completion(
         plan.kind == "chat",
         response_id,
