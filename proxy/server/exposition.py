@@ -12,8 +12,9 @@ call (a convoy). So the render stays on the loop but in slices, and seldom:
 - the next render starts no sooner than nine times the CPU the last one took after it
   ended (at most a second): a scrape arriving in that pause waits for it. Rendering
   thus takes at most ~10% of the loop however large the exposition grows and however
-  many scrapers there are, and a scrape never gets values older than its own arrival
-  (a small exposition renders in about a millisecond: the pause is then ~10 ms).
+  many scrapers there are. A finished render is never reused: a scrape gets the render
+  in flight when it arrived (begun at most one render time earlier) or a later one (a
+  small exposition renders in about a millisecond: the pause is then ~10 ms).
 """
 
 from __future__ import annotations
