@@ -100,15 +100,19 @@ class UpstreamBroke(Exception):
 
 
 class ClientGone(Exception):
-    pass
+    """The client left while sending its request."""
 
 
-class BodyTooLarge(Exception):
-    pass
+class Refused(Exception):
+    """A request the proxy answers itself, before anything goes upstream."""
+
+    def __init__(self, status: int, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.message = status, kind, message
 
 
-class HeadersTooLarge(Exception):
-    pass
+def _body_too_large(limit: int) -> Refused:
+    return Refused(413, "request_too_large", f"request body over {limit} bytes")
 
 
 class Forwarder:
@@ -153,34 +157,11 @@ class Forwarder:
         path: str = scope["path"]
         # The seam decides: a POST to a path that has an Api is measured, the rest is not.
         api = api_for(path) if scope["method"] == "POST" else None
-        limits = self.settings
         try:
             body = await self._read_body(scope, receive)
-        except HeadersTooLarge:
-            await _send_error(
-                send,
-                431,
-                "request_header_fields_too_large",
-                f"request headers over {limits.max_header_bytes} bytes",
-                path,
-            )
-            self._count_refusal(path, api, 431, start, started_at)
-            return
-        except BodyTooLarge:
-            await _send_error(
-                send,
-                413,
-                "request_too_large",
-                f"request body over {limits.max_body_bytes} bytes",
-                path,
-            )
-            self._count_refusal(path, api, 413, start, started_at)
-            return
-        except TimeoutError:
-            await _send_error(
-                send, 408, "request_timeout", "request body not received in time", path
-            )
-            self._count_refusal(path, api, 408, start, started_at)
+        except Refused as refusal:
+            await _send_error(send, refusal.status, refusal.kind, refusal.message, path)
+            self._count_refusal(path, api, refusal.status, start, started_at)
             return
         except ClientGone:
             if api is not None:
@@ -193,6 +174,7 @@ class Forwarder:
             return
         info, obj = parse_request(api, body)
         stripper = None
+        limits = self.settings
         if limits.inject_usage and info.stream and not info.usage_requested and obj is not None:
             asked = api.ask_for_usage(obj)
             if asked is not None:  # the client gets the stream it asked for: strip the extra
@@ -200,28 +182,36 @@ class Forwarder:
         await Relay(self, scope, receive, send, info, start, started_at).run(body, stripper)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        """The whole request body, or `Refused` (431, 413, 408) or `ClientGone`."""
         limits = self.settings
         header_bytes = 0
         for name, value in scope["headers"]:
             header_bytes += len(name) + len(value)
             if name == b"content-length" and value.isdigit() and int(value) > limits.max_body_bytes:
-                raise BodyTooLarge
+                raise _body_too_large(limits.max_body_bytes)
         if header_bytes > limits.max_header_bytes:
-            raise HeadersTooLarge
+            raise Refused(
+                431,
+                "request_header_fields_too_large",
+                f"request headers over {limits.max_header_bytes} bytes",
+            )
         chunks: list[bytes] = []
         size = 0
-        async with asyncio.timeout(limits.body_timeout):
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    raise ClientGone
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > limits.max_body_bytes:
-                    raise BodyTooLarge
-                chunks.append(chunk)
-                if not message.get("more_body", False):
-                    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        try:
+            async with asyncio.timeout(limits.body_timeout):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        raise ClientGone
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > limits.max_body_bytes:
+                        raise _body_too_large(limits.max_body_bytes)
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        except TimeoutError:
+            raise Refused(408, "request_timeout", "request body not received in time") from None
 
     def _count_refusal(
         self, path: str, api: Api | None, status: int, start: float, started_at: float
