@@ -55,6 +55,7 @@ class TokenSource(enum.StrEnum):
 
     USAGE = "usage"  # the backend's `usage` object
     TOKENIZER = "tokenizer"  # counted by the configured tokenizer
+    TOKEN_IDS = "token_ids"  # output = the token ids streamed (exact), prompt = the ids sent
     CHUNKS = "chunks"  # output = number of content events; prompt unknown
     NONE = "none"  # nothing to count (error before any output)
 

@@ -6,6 +6,7 @@
   POST /v1/messages                Anthropic Messages, streamed or not (messages.py)
   POST /v1/messages/count_tokens   {"input_tokens", ...}
   POST /v1/responses               OpenAI Responses, streamed or not (responses.py)
+  POST /inference/v1/generate      vLLM's token-in/token-out generate (generate.py)
   POST /v1/embeddings              tiny deterministic vectors
   POST /pooling /score /v1/score /rerank /v1/rerank /v2/rerank /classify /v1/classify
                                    vLLM's pooling family (pooling.py)
@@ -40,6 +41,7 @@ from proxy.sim.config import SimConfig
 from proxy.sim.controls import ControlError, Kind, number, plan_request, stall_before_headers
 from proxy.sim.events import complete_events, stream_events
 from proxy.sim.exchange import Exchange
+from proxy.sim.generate import GenerateWire, complete_generate, stream_generate
 from proxy.sim.messages import MessagesWire
 from proxy.sim.messages import count_tokens as messages_count_tokens
 from proxy.sim.pacing import FreePacer, LockstepPacer, Pacer, StepClock
@@ -143,6 +145,9 @@ class SimApp:
     async def _responses(self, ex: Exchange, body: Any, t0: float) -> Outcome:
         return await self._generate("responses", ex, body, t0)
 
+    async def _tokens(self, ex: Exchange, body: Any, t0: float) -> Outcome:
+        return await self._generate("generate", ex, body, t0)
+
     async def _generate(self, kind: Kind, ex: Exchange, body: Any, t0: float) -> Outcome:
         record = ex.record
         plan = plan_request(kind, body, record.headers, self.config)
@@ -170,6 +175,11 @@ class SimApp:
             if not plan.stream:
                 return await complete_events(ex, plan, events, pacer)
             return await stream_events(ex, plan, events, pacer)
+        if kind == "generate":
+            gen = GenerateWire(plan, record.id)
+            if not plan.stream:
+                return await complete_generate(ex, plan, gen, pacer, created)
+            return await stream_generate(ex, plan, gen, pacer)
         if not plan.stream:
             return await complete(ex, plan, pacer, record.id, created)
         sse = StreamWire(kind == "chat", record.id, created, plan.model, stamp)
@@ -340,6 +350,7 @@ _ROUTES: dict[str, tuple[frozenset[str], Handler]] = {
     "/v1/messages/count_tokens": (_POST, SimApp._count_tokens),
     "/v1/responses": (_POST, SimApp._responses),
     "/v1/embeddings": (_POST, SimApp._embeddings),
+    "/inference/v1/generate": (_POST, SimApp._tokens),
     **{
         path: (_POST, SimApp._pooled)
         for path in (
@@ -368,6 +379,7 @@ _ID_PREFIX = {
     "/v1/messages": "chatcmpl-",
     "/v1/responses": "resp_",
     "/v1/embeddings": "embd-",
+    "/inference/v1/generate": "generate-tokens-",
     "/pooling": "pool-",
     "/score": "score-",
     "/v1/score": "score-",

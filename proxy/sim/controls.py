@@ -57,7 +57,7 @@ from proxy.sim import errors
 from proxy.sim.config import SimConfig
 from proxy.sim.tokens import count_prompt_tokens
 
-Kind = Literal["chat", "completion", "messages", "responses"]
+Kind = Literal["chat", "completion", "messages", "responses", "generate", "cohere"]
 UsageMode = Literal["separate", "last_chunk", "ignore"]
 
 #: Faults that end the stream where they fire.
@@ -141,6 +141,8 @@ def _plan(
         raise ControlError("Field required: prompt")
     if kind == "responses" and body.get("input") is None:
         raise ControlError("Field required: input")
+    if kind == "generate":
+        body = _generate_body(body)
     model = str(body.get("model") or config.models[0])
     prompt_tokens = count_prompt_tokens(body)
     if kind == "responses":
@@ -217,6 +219,26 @@ def _plan(
         ping=_flag(headers, "x-sim-ping"),
         incomplete_event=_flag(headers, "x-sim-incomplete-event"),
     )
+
+
+def _generate_body(body: dict[str, Any]) -> dict[str, Any]:
+    """A token-in/token-out request read as a completion: `token_ids` are the prompt and
+    `sampling_params` hold max_tokens and ignore_eos (vllm/entrypoints/scale_out/
+    token_in_token_out/protocol.py, GenerateRequest)."""
+    ids = body.get("token_ids")
+    if not isinstance(ids, list) or not ids or not all(type(i) is int for i in ids):
+        raise ControlError("Field required: token_ids (a list of token ids)")
+    params = body.get("sampling_params") or {}
+    if not isinstance(params, dict):
+        raise ControlError("sampling_params must be an object")
+    return {
+        "model": body.get("model"),
+        "stream": body.get("stream"),
+        "stream_options": body.get("stream_options"),
+        "prompt": ids,
+        "max_tokens": params.get("max_tokens"),
+        "ignore_eos": params.get("ignore_eos"),
+    }
 
 
 def number(

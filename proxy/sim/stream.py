@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from proxy.sim import wire
 from proxy.sim.controls import ENDING_FAULTS, Plan, burn_cpu
@@ -44,7 +45,7 @@ async def stream(ex: Exchange, plan: Plan, sse: wire.StreamWire, pacer: Pacer) -
         return [sse.content(text_json(count, sent), usage)]
 
     async def fire(fault: str) -> bool:
-        return await _fire(ex, plan, sse, pacer, fault)
+        return await fire_fault(ex, plan, sse, pacer, fault)
 
     sent = await paced_content(ex, plan, pacer, content, fire)
     if sent is None:
@@ -117,8 +118,14 @@ async def paced_whole(ex: Exchange, plan: Plan, pacer: Pacer, finish_reason: str
     ex.record.first_token_at = time.monotonic()  # the tokens leave with the body
 
 
-async def _fire(ex: Exchange, plan: Plan, sse: wire.StreamWire, pacer: Pacer, fault: str) -> bool:
-    """Inject `fault`; return whether the stream goes on."""
+class Chunks(Protocol):
+    def content(self, text: bytes, usage: bytes | None = None) -> bytes:
+        """A valid chunk carrying `text` (escaped for the inside of a JSON string)."""
+        ...
+
+
+async def fire_fault(ex: Exchange, plan: Plan, sse: Chunks, pacer: Pacer, fault: str) -> bool:
+    """Inject `fault` into a `data:`-chunk stream; return whether the stream goes on."""
     if fault == "stall":
         await pacer.pause(plan.stall)
     elif fault == "malformed":
