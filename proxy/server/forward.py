@@ -172,7 +172,7 @@ class Forwarder:
         if api is None:
             await Relay(self, scope, receive, send, None, start, started_at).run(body, None)
             return
-        info, obj = parse_request(api, body)
+        info, obj = parse_request(api, body, _header(scope, b"content-type"))
         stripper = None
         limits = self.settings
         if limits.inject_usage and info.stream and not info.usage_requested and obj is not None:
@@ -527,6 +527,10 @@ class _IdleTimer:
 
     def cancel(self) -> None:
         self.handle.cancel()
+
+
+def _header(scope: Scope, name: bytes) -> bytes:
+    return next((v for k, v in scope["headers"] if k == name), b"")
 
 
 def _upstream_headers(

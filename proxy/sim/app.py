@@ -7,6 +7,8 @@
   POST /v1/messages/count_tokens   {"input_tokens", ...}
   POST /v1/responses               OpenAI Responses, streamed or not (responses.py)
   POST /inference/v1/generate      vLLM's token-in/token-out generate (generate.py)
+  POST /v1/audio/transcriptions /v1/audio/translations
+                                   multipart forms, a programmed transcript (audio.py)
   POST /v1/embeddings              tiny deterministic vectors
   POST /pooling /score /v1/score /rerank /v1/rerank /v2/rerank /classify /v1/classify
                                    vLLM's pooling family (pooling.py)
@@ -36,7 +38,7 @@ from typing import Any
 import orjson
 from starlette.types import Receive, Scope, Send
 
-from proxy.sim import catalog, errors, pooling, utility
+from proxy.sim import audio, catalog, errors, pooling, utility
 from proxy.sim.config import SimConfig
 from proxy.sim.controls import ControlError, Kind, number, plan_request, stall_before_headers
 from proxy.sim.events import complete_events, stream_events
@@ -47,8 +49,8 @@ from proxy.sim.messages import count_tokens as messages_count_tokens
 from proxy.sim.pacing import FreePacer, LockstepPacer, Pacer, StepClock
 from proxy.sim.responses import ResponsesWire
 from proxy.sim.state import Outcome, SimRequest, SimState
-from proxy.sim.stream import complete, stream
-from proxy.sim.tokens import count_prompt_tokens
+from proxy.sim.stream import complete, paced_whole, stream
+from proxy.sim.tokens import completion_text, count_prompt_tokens
 from proxy.sim.wire import StreamWire
 
 Handler = Callable[["SimApp", Exchange, Any, float], Awaitable[Outcome]]
@@ -98,8 +100,12 @@ class SimApp:
                 record.aborted_at = time.monotonic()
                 outcome = "aborted"
                 return
-            body, bad_json = _parse_json(raw)
-            record.body = body
+            if path in _FORMS:
+                body, bad_json = _parse_form(raw, headers.get("content-type", "")), None
+                record.body = body if isinstance(body, dict) else None
+            else:
+                body, bad_json = _parse_json(raw)
+                record.body = body
             outcome = await ex.guard(lambda: self._route(ex, bad_json, t0))
         finally:
             ex.finish(outcome)  # a no-op when the response already ended
@@ -145,6 +151,18 @@ class SimApp:
     async def _responses(self, ex: Exchange, body: Any, t0: float) -> Outcome:
         return await self._generate("responses", ex, body, t0)
 
+    async def _transcription(self, ex: Exchange, body: Any, t0: float) -> Outcome:
+        return await self._audio("transcription", ex, body, t0)
+
+    async def _translation(self, ex: Exchange, body: Any, t0: float) -> Outcome:
+        return await self._audio("translation", ex, body, t0)
+
+    async def _audio(self, kind: Kind, ex: Exchange, body: Any, t0: float) -> Outcome:
+        if isinstance(body, str):  # the form could not be read: why
+            await ex.error(errors.bad_request(body))
+            return "error"
+        return await self._generate(kind, ex, body, t0)
+
     async def _tokens(self, ex: Exchange, body: Any, t0: float) -> Outcome:
         return await self._generate("generate", ex, body, t0)
 
@@ -180,6 +198,15 @@ class SimApp:
             if not plan.stream:
                 return await complete_generate(ex, plan, gen, pacer, created)
             return await stream_generate(ex, plan, gen, pacer)
+        if kind in ("transcription", "translation"):
+            translation = kind == "translation"
+            if not plan.stream:
+                await paced_whole(ex, plan, pacer, plan.finish_reason)
+                text = completion_text(plan.output_tokens)
+                await ex.reply(200, audio.full(translation, text, body["audio_seconds"]))
+                return "completed"
+            chunks = audio.AudioWire(translation, record.id, created, plan.model)
+            return await stream(ex, plan, chunks, pacer)
         if not plan.stream:
             return await complete(ex, plan, pacer, record.id, created)
         sse = StreamWire(kind == "chat", record.id, created, plan.model, stamp)
@@ -351,6 +378,8 @@ _ROUTES: dict[str, tuple[frozenset[str], Handler]] = {
     "/v1/responses": (_POST, SimApp._responses),
     "/v1/embeddings": (_POST, SimApp._embeddings),
     "/inference/v1/generate": (_POST, SimApp._tokens),
+    "/v1/audio/transcriptions": (_POST, SimApp._transcription),
+    "/v1/audio/translations": (_POST, SimApp._translation),
     **{
         path: (_POST, SimApp._pooled)
         for path in (
@@ -380,6 +409,8 @@ _ID_PREFIX = {
     "/v1/responses": "resp_",
     "/v1/embeddings": "embd-",
     "/inference/v1/generate": "generate-tokens-",
+    "/v1/audio/transcriptions": "trsc-",
+    "/v1/audio/translations": "trsl-",
     "/pooling": "pool-",
     "/score": "score-",
     "/v1/score": "score-",
@@ -400,6 +431,17 @@ def _guarded(path: str) -> bool:
     if path in _PUBLIC:
         return False
     return path in _ROUTES or path.startswith(_ALWAYS_GUARDED)
+
+
+_FORMS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
+
+
+def _parse_form(raw: bytes, content_type: str) -> dict[str, Any] | str:
+    """The audio form read as a request, or why it cannot be."""
+    try:
+        return audio.form_body(raw, content_type)
+    except audio.AudioInputError as exc:
+        return str(exc)
 
 
 def _parse_json(raw: bytes) -> tuple[Any, str | None]:

@@ -57,7 +57,16 @@ from proxy.sim import errors
 from proxy.sim.config import SimConfig
 from proxy.sim.tokens import count_prompt_tokens
 
-Kind = Literal["chat", "completion", "messages", "responses", "generate", "cohere"]
+Kind = Literal[
+    "chat",
+    "completion",
+    "messages",
+    "responses",
+    "generate",
+    "cohere",
+    "transcription",
+    "translation",
+]
 UsageMode = Literal["separate", "last_chunk", "ignore"]
 
 #: Faults that end the stream where they fire.

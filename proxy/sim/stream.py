@@ -33,11 +33,12 @@ SSE = b"text/event-stream; charset=utf-8"
 _NON_UTF8 = b"\xff\xfe"
 
 
-async def stream(ex: Exchange, plan: Plan, sse: wire.StreamWire, pacer: Pacer) -> Outcome:
+async def stream(ex: Exchange, plan: Plan, sse: StreamChunks, pacer: Pacer) -> Outcome:
+    """A `data:`-chunk stream: chat, completions, and the audio APIs' (proxy/sim/audio.py)."""
     record = ex.record
     await ex.start(200, SSE)
     usage_every = plan.continuous_usage
-    if plan.kind == "chat":
+    if plan.kind == "chat" and isinstance(sse, wire.StreamWire):
         await ex.write(sse.role(_usage(plan, 0) if usage_every else None))
 
     def content(count: int, sent: int) -> list[bytes]:
@@ -122,6 +123,12 @@ class Chunks(Protocol):
     def content(self, text: bytes, usage: bytes | None = None) -> bytes:
         """A valid chunk carrying `text` (escaped for the inside of a JSON string)."""
         ...
+
+
+class StreamChunks(Chunks, Protocol):
+    def finish(self, finish_reason: str, usage: bytes | None = None) -> bytes: ...
+
+    def usage(self, usage: bytes) -> bytes: ...
 
 
 async def fire_fault(ex: Exchange, plan: Plan, sse: Chunks, pacer: Pacer, fault: str) -> bool:

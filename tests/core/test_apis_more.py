@@ -10,6 +10,7 @@ import asyncio
 import orjson
 
 from proxy.core.apis import api_for
+from proxy.core.form import read_form
 from proxy.core.measurement import ErrorType, Measurement, TokenSource
 from proxy.core.observe import StreamObserver
 from proxy.core.request import parse_request
@@ -132,3 +133,123 @@ def test_generate_non_streaming_body() -> None:
     )
     assert (m.prompt_tokens, m.output_tokens, m.token_source) == (5, 5, TokenSource.USAGE)
     assert m.finish_reason == "length" and m.response_id == "generate-tokens-a273b8ba44e5e549"
+
+
+# -- multipart forms and the audio APIs ----------------------------------------------------
+
+FORM_CT = b"multipart/form-data; boundary=b0und"
+
+
+def form(*parts: tuple[str, bytes, str | None]) -> bytes:
+    out = b""
+    for name, value, filename in parts:
+        disposition = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename else "")
+        out += b"--b0und\r\nContent-Disposition: " + disposition.encode() + b"\r\n"
+        if filename:
+            out += b"Content-Type: audio/wav\r\n"
+        out += b"\r\n" + value + b"\r\n"
+    return out + b"--b0und--\r\n"
+
+
+AUDIO_FORM = form(
+    (
+        "file",
+        b"RIFF" + b"\x00\r\n--b0un" * 50,
+        "a.wav",
+    ),  # binary that almost looks like a delimiter
+    ("model", b"whisper", None),
+    ("stream", b"true", None),
+    ("temperature", b"0.25", None),
+)
+
+
+def test_form_fields_are_read_and_files_only_sized() -> None:
+    got = read_form(AUDIO_FORM, FORM_CT)
+    assert got == {"model": "whisper", "stream": "true", "temperature": "0.25"}
+    assert got is not None and got.file_bytes == 4 + 9 * 50
+
+
+def test_form_boundary_is_found_without_the_header() -> None:
+    assert read_form(AUDIO_FORM) == read_form(AUDIO_FORM, FORM_CT)
+
+
+def test_malformed_forms_read_as_none() -> None:
+    assert read_form(AUDIO_FORM[:-12], FORM_CT) is None  # no closing delimiter
+    assert read_form(AUDIO_FORM, b"multipart/form-data") is None  # no boundary
+    assert read_form(AUDIO_FORM, b"application/json") is None
+    assert read_form(b"--b0und\r\nX: y\r\n\r\nv\r\n--b0und--\r\n", FORM_CT) is None  # no name
+    info, obj = parse_request("/v1/audio/transcriptions", b"{}", b"application/json")
+    assert obj is None and not info.valid_json and info.endpoint == "/v1/audio/transcriptions"
+
+
+def test_usage_is_asked_for_by_one_more_part_and_every_client_byte_stays() -> None:
+    api = api_for("/v1/audio/transcriptions")
+    assert api is not None
+    info, obj = parse_request(api, AUDIO_FORM, FORM_CT)
+    assert (info.model, info.stream, info.temperature, info.usage_requested) == (
+        "whisper",
+        True,
+        0.25,
+        False,
+    )
+    assert obj is not None
+    asked = api.ask_for_usage(obj)
+    assert asked is not None
+    again = read_form(asked, FORM_CT)
+    assert again is not None and again["stream_include_usage"] == "true"
+    extra = (
+        b'\r\n--b0und\r\nContent-Disposition: form-data; name="stream_include_usage"\r\n\r\ntrue'
+    )
+    assert asked.replace(extra, b"") == AUDIO_FORM
+
+
+def test_a_client_that_chose_usage_itself_is_left_alone() -> None:
+    api = api_for("/v1/audio/translations")
+    assert api is not None
+    for value in (b"true", b"false"):
+        body = form(
+            ("file", b"RIFF", "a.wav"),
+            ("stream", b"1", None),
+            ("stream_include_usage", value, None),
+        )
+        info, obj = parse_request(api, body, FORM_CT)
+        assert obj is not None and api.ask_for_usage(obj) is None
+        assert info.usage_requested is (value == b"true")
+
+
+# vLLM's transcription stream (base/serving.py @ 00e2ed95ef60): content chunks, the finish
+# chunk, the usage chunk (stream_include_usage) and [DONE].
+TRANSCRIPTION = [
+    b'data: {"id":"trsc-1","object":"transcription.chunk","created":1,"model":"whisper","choices":[{"delta":{"content":" Hello"}}]}\n\n',
+    b'data: {"id":"trsc-1","object":"transcription.chunk","created":1,"model":"whisper","choices":[{"delta":{"content":" world"}}]}\n\n',
+    b'data: {"id":"trsc-1","object":"transcription.chunk","created":1,"model":"whisper","choices":[{"delta":{"content":"."},"finish_reason":"stop","stop_reason":null}]}\n\n',
+    b'data: {"id":"trsc-1","object":"transcription.chunk","created":1,"model":"whisper","choices":[],"usage":{"prompt_tokens":54,"total_tokens":58,"completion_tokens":4}}\n\n',
+    b"data: [DONE]\n\n",
+]
+
+
+def test_transcription_stream_gives_exact_record() -> None:
+    m = run(
+        "/v1/audio/transcriptions",
+        AUDIO_FORM,
+        TRANSCRIPTION,
+        [100.5, 100.75, 101.0, 101.0, 101.0],
+        101.125,
+        content_type=FORM_CT,
+    )
+    assert m.ok and m.ttft == 0.5 and m.content_events == 3
+    assert (m.prompt_tokens, m.output_tokens, m.token_source) == (54, 4, TokenSource.USAGE)
+    assert (m.finish_reason, m.response_id, m.response_model) == ("stop", "trsc-1", "whisper")
+    assert m.tpot == 0.5 / 3
+
+
+def test_transcription_stream_without_finish_or_done_is_truncated() -> None:
+    m = run(
+        "/v1/audio/transcriptions",
+        AUDIO_FORM,
+        TRANSCRIPTION[:2],
+        [100.5, 100.75],
+        101.0,
+        content_type=FORM_CT,
+    )
+    assert m.error_type is ErrorType.STREAM_TRUNCATED and m.output_tokens == 2

@@ -173,3 +173,133 @@ def test_generate_error_classes(
     m = proxy.record(n)
     assert sha(r.content) == sent(sim[1]).body_sha256
     assert (m["endpoint"], m["error_type"]) == ("/inference/v1/generate", error)
+
+
+# -- /v1/audio/transcriptions and /v1/audio/translations with the openai SDK ---------------
+
+
+def wav(seconds: float = 1.0) -> bytes:
+    """A small WAV file: 16 kHz PCM16 mono silence."""
+    import io
+    import wave
+
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16_000)
+        w.writeframes(b"\0\0" * int(16_000 * seconds))
+    return out.getvalue()
+
+
+def test_transcription_stream_with_the_openai_sdk(
+    sim: tuple[str, SimApp], proxy: Proxy, n: int
+) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0)
+    with client.audio.transcriptions.with_streaming_response.create(
+        model=MODEL, file=("a.wav", wav(), "audio/wav"), stream=True, extra_headers=PROGRAM
+    ) as response:
+        received = response.read()
+    m, backend = proxy.record(n), sent(sim[1])
+    # The proxy asked for usage (one more form field) and stripped the usage chunk again.
+    assert backend.body is not None and backend.body["stream_options"]["include_usage"] is True
+    assert b'"usage"' not in received and received.endswith(b"data: [DONE]\n\n")
+    assert received.count(b"transcription.chunk") == 9  # 8 content chunks and the finish
+    assert (m["endpoint"], m["error_type"], m["finish_reason"]) == (
+        "/v1/audio/transcriptions",
+        None,
+        "stop",
+    )
+    assert (m["prompt_tokens"], m["output_tokens"], m["token_source"]) == (
+        backend.prompt_tokens,
+        8,
+        "usage",
+    )
+    assert TTFT * 1000 <= m["ttft_ms"] < (TTFT + SLACK) * 1000
+
+
+def test_transcription_stream_events_parse_in_the_sdk(
+    sim: tuple[str, SimApp], proxy: Proxy, n: int
+) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0)
+    stream = client.audio.transcriptions.create(
+        model=MODEL, file=("a.wav", wav(), "audio/wav"), stream=True, extra_headers=PROGRAM
+    )
+    texts = [
+        choice["delta"]["content"]
+        for event in stream
+        for choice in (event.model_extra or {}).get("choices", [])
+    ]
+    from proxy.sim.tokens import completion_text
+
+    assert "".join(texts) == completion_text(8)
+    assert proxy.record(n)["output_tokens"] == 8
+
+
+def test_transcription_with_usage_asked_by_the_client_is_byte_identical(
+    sim: tuple[str, SimApp], proxy: Proxy, n: int
+) -> None:
+    files = {"file": ("a.wav", wav(0.5), "audio/wav")}
+    data = {"model": MODEL, "stream": "true", "stream_include_usage": "true"}
+    r = httpx.post(proxy.url + "/v1/audio/transcriptions", files=files, data=data, headers=PROGRAM)
+    m, backend = proxy.record(n), sent(sim[1])
+    assert sha(r.content) == backend.body_sha256 and b'"usage"' in r.content
+    assert (m["output_tokens"], m["token_source"]) == (8, "usage")
+
+
+def test_translation_with_the_openai_sdk(sim: tuple[str, SimApp], proxy: Proxy, n: int) -> None:
+    import openai
+
+    from proxy.sim.tokens import completion_text
+
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0)
+    with client.audio.translations.with_streaming_response.create(
+        model=MODEL, file=("a.wav", wav(), "audio/wav"), extra_headers=PROGRAM
+    ) as made:
+        content = made.read()
+    m, backend = proxy.record(n), sent(sim[1])
+    assert orjson.loads(content)["text"] == completion_text(8)
+    assert sha(content) == backend.body_sha256
+    assert (m["endpoint"], m["error_type"], m["stream"]) == ("/v1/audio/translations", None, False)
+    assert m["e2e_ms"] >= TTFT * 1000
+
+
+def test_translation_stream_faults(sim: tuple[str, SimApp], proxy: Proxy, n: int) -> None:
+    files = {"file": ("a.wav", wav(0.25), "audio/wav")}
+    data = {"model": MODEL, "stream": "true"}
+    cases = [
+        ({"x-sim-fault": "error_event", "x-sim-fault-after": "2"}, "stream_error"),
+        ({"x-sim-fault": "close_no_done", "x-sim-fault-after": "2"}, "stream_truncated"),
+        ({"x-sim-error": "rate_limit"}, "rate_limit"),
+    ]
+    for i, (headers, error) in enumerate(cases):
+        httpx.post(
+            proxy.url + "/v1/audio/translations",
+            files=files,
+            data=data,
+            headers={**PROGRAM, **headers},
+        )
+        m = proxy.record(n + i)
+        assert (m["endpoint"], m["error_type"]) == ("/v1/audio/translations", error), headers
+
+
+def test_malformed_multipart_is_forwarded_and_counted_bad(
+    sim: tuple[str, SimApp], proxy: Proxy, n: int
+) -> None:
+    body = b'--xyz\r\nContent-Disposition: form-data; name="model"\r\n\r\nsim-model\r\n'  # no end
+    r = httpx.post(
+        proxy.url + "/v1/audio/transcriptions",
+        content=body,
+        headers={"content-type": "multipart/form-data; boundary=xyz"},
+    )
+    m, backend = proxy.record(n), sent(sim[1])
+    assert r.status_code == 400 and sha(r.content) == backend.body_sha256
+    assert (m["endpoint"], m["error_type"], m["status"]) == (
+        "/v1/audio/transcriptions",
+        "bad_request",
+        400,
+    )

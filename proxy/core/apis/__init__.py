@@ -7,6 +7,7 @@ closed set of `endpoint` label values (each Api's canonical path).
 
 from __future__ import annotations
 
+from proxy.core.apis.audio import Transcriptions, Translations
 from proxy.core.apis.base import FINISH_LABELS, Api, Facts, RequestInfo, TokenCounts
 from proxy.core.apis.chat import Chat
 from proxy.core.apis.completions import Completions
@@ -27,6 +28,8 @@ APIS: tuple[Api, ...] = (
     Rerank(),
     Classify(),
     Generate(),
+    Transcriptions(),
+    Translations(),
 )
 
 _BY_PATH = {path: api for api in APIS for path in api.paths}

@@ -125,6 +125,11 @@ class Api:
 
     # -- the request ------------------------------------------------------------------
 
+    def decode(self, body: bytes, content_type: bytes) -> dict[str, Any] | None:
+        """The request body as an object (JSON unless the API says otherwise), or None
+        when it is not one (the request is then measured as a malformed one)."""
+        return json_object(body)
+
     def read_request(self, obj: dict[str, Any]) -> RequestInfo:
         model = obj.get("model")
         temperature = obj.get("temperature")
