@@ -9,6 +9,7 @@
   POST /inference/v1/generate      vLLM's token-in/token-out generate (generate.py)
   POST /v1/audio/transcriptions /v1/audio/translations
                                    multipart forms, a programmed transcript (audio.py)
+  POST /cohere/v2/chat             Cohere chat v2 events, streamed or not (cohere.py)
   POST /v1/embeddings              tiny deterministic vectors
   POST /pooling /score /v1/score /rerank /v1/rerank /v2/rerank /classify /v1/classify
                                    vLLM's pooling family (pooling.py)
@@ -39,6 +40,7 @@ import orjson
 from starlette.types import Receive, Scope, Send
 
 from proxy.sim import audio, catalog, errors, pooling, utility
+from proxy.sim.cohere import CohereWire
 from proxy.sim.config import SimConfig
 from proxy.sim.controls import ControlError, Kind, number, plan_request, stall_before_headers
 from proxy.sim.events import complete_events, stream_events
@@ -163,6 +165,9 @@ class SimApp:
             return "error"
         return await self._generate(kind, ex, body, t0)
 
+    async def _cohere(self, ex: Exchange, body: Any, t0: float) -> Outcome:
+        return await self._generate("cohere", ex, body, t0)
+
     async def _tokens(self, ex: Exchange, body: Any, t0: float) -> Outcome:
         return await self._generate("generate", ex, body, t0)
 
@@ -184,10 +189,12 @@ class SimApp:
             pacer = FreePacer(t0, plan.ttft, plan.tokens_per_chunk / plan.tokens_per_second)
         created = int(time.time())
         stamp = self.config.stamp or record.headers.get("x-sim-stamp", "0") in ("1", "true")
-        if kind in ("messages", "responses"):
-            events: MessagesWire | ResponsesWire = (
+        if kind in ("messages", "responses", "cohere"):
+            events: MessagesWire | ResponsesWire | CohereWire = (
                 MessagesWire(plan, record.id, stamp)
                 if kind == "messages"
+                else CohereWire(plan, record.id)
+                if kind == "cohere"
                 else ResponsesWire(plan, body, record.id, created, stamp)
             )
             if not plan.stream:
@@ -380,6 +387,7 @@ _ROUTES: dict[str, tuple[frozenset[str], Handler]] = {
     "/inference/v1/generate": (_POST, SimApp._tokens),
     "/v1/audio/transcriptions": (_POST, SimApp._transcription),
     "/v1/audio/translations": (_POST, SimApp._translation),
+    "/cohere/v2/chat": (_POST, SimApp._cohere),
     **{
         path: (_POST, SimApp._pooled)
         for path in (
@@ -411,6 +419,7 @@ _ID_PREFIX = {
     "/inference/v1/generate": "generate-tokens-",
     "/v1/audio/transcriptions": "trsc-",
     "/v1/audio/translations": "trsl-",
+    "/cohere/v2/chat": "chatcmpl-",
     "/pooling": "pool-",
     "/score": "score-",
     "/v1/score": "score-",

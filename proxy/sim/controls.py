@@ -140,7 +140,7 @@ def _plan(
 ) -> Plan | errors.ErrorReply:
     if not isinstance(body, dict):
         raise ControlError("The request body must be a JSON object.")
-    if kind == "chat" and not isinstance(body.get("messages"), list):
+    if kind in ("chat", "cohere") and not isinstance(body.get("messages"), list):
         raise ControlError("Field required: messages")
     if kind == "messages" and not isinstance(body.get("messages"), list):
         raise ControlError("Field required: messages")

@@ -253,3 +253,69 @@ def test_transcription_stream_without_finish_or_done_is_truncated() -> None:
         content_type=FORM_CT,
     )
     assert m.error_type is ErrorType.STREAM_TRUNCATED and m.output_tokens == 2
+
+
+# -- /cohere/v2/chat ------------------------------------------------------------------------
+
+COHERE_BODY = orjson.dumps({"model": "command", "stream": True, "max_tokens": 64, "messages": []})
+COHERE = [
+    b'data: {"type":"message-start","id":"chatcmpl-7","delta":{"message":{"role":"assistant"}}}\n\n',
+    b'data: {"type":"content-start","index":0,"delta":{"message":{"content":{"type":"thinking","thinking":""}}}}\n\n',
+    b'data: {"type":"content-delta","index":0,"delta":{"message":{"content":{"thinking":"Hm"}}}}\n\n',
+    b'data: {"type":"content-end","index":0}\n\n',
+    b'data: {"type":"content-start","index":1,"delta":{"message":{"content":{"type":"text","text":""}}}}\n\n',
+    b'data: {"type":"content-delta","index":1,"delta":{"message":{"content":{"text":"Hi"}}}}\n\n',
+    b'data: {"type":"content-delta","index":1,"delta":{"message":{"content":{"text":"!"}}}}\n\n',
+    b'data: {"type":"content-end","index":1}\n\n',
+    b'data: {"type":"message-end","id":"chatcmpl-7","delta":{"finish_reason":"MAX_TOKENS","usage":{"billed_units":{"input_tokens":9,"output_tokens":4},"tokens":{"input_tokens":9,"output_tokens":4},"cached_tokens":8}}}\n\n',
+    b"data: [DONE]\n\n",
+]
+COHERE_TIMES = [100.125, 100.125, 100.5, 100.5, 100.75, 100.75, 101.0, 101.0, 101.0, 101.0]
+
+
+def test_cohere_stream_gives_exact_record() -> None:
+    m = run("/cohere/v2/chat", COHERE_BODY, COHERE, COHERE_TIMES, 101.125)
+    assert m.ok and m.ttft == 0.5  # the thinking delta, not message-start or content-start
+    assert (m.prompt_tokens, m.output_tokens, m.cached_prompt_tokens) == (9, 4, 8)
+    assert (m.finish_reason, m.raw_finish_reason, m.response_id) == (
+        "length",
+        "MAX_TOKENS",
+        "chatcmpl-7",
+    )
+    assert m.content_events == 3 and m.tpot == 0.5 / 3
+
+
+def test_cohere_stream_byte_at_a_time_gives_the_same_record() -> None:
+    whole = run("/cohere/v2/chat", COHERE_BODY, COHERE, COHERE_TIMES, 102)
+    reads, times = byte_at_a_time(COHERE, COHERE_TIMES)
+    assert run("/cohere/v2/chat", COHERE_BODY, reads, times, 102) == whole
+
+
+def test_cohere_message_end_with_an_error_is_a_stream_error() -> None:
+    end = b'data: {"type":"message-end","delta":{"error":"boom","finish_reason":"ERROR"}}\n\n'
+    m = run(
+        "/cohere/v2/chat",
+        COHERE_BODY,
+        [*COHERE[:3], end, COHERE[-1]],
+        [100.1, 100.1, 100.5, 100.6, 100.6],
+        100.7,
+    )
+    assert m.error_type is ErrorType.STREAM_ERROR and m.finish_reason == "error"
+
+
+def test_cohere_without_message_end_is_truncated() -> None:
+    m = run("/cohere/v2/chat", COHERE_BODY, COHERE[:6], COHERE_TIMES[:6], 101.0)
+    assert m.error_type is ErrorType.STREAM_TRUNCATED and m.output_tokens == 2
+
+
+def test_cohere_tool_plan_and_tool_call_arguments_are_content() -> None:
+    plan = b'data: {"type":"tool-plan-delta","delta":{"message":{"tool_plan":"I will"}}}\n\n'
+    call = b'data: {"type":"tool-call-delta","index":0,"delta":{"message":{"tool_calls":{"function":{"arguments":"{}"}}}}}\n\n'
+    m = run(
+        "/cohere/v2/chat",
+        COHERE_BODY,
+        [COHERE[0], plan, call, COHERE[-2], COHERE[-1]],
+        [100.1, 100.5, 100.75, 101, 101],
+        101,
+    )
+    assert m.ttft == 0.5 and m.content_events == 2

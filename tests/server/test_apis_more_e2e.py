@@ -303,3 +303,72 @@ def test_malformed_multipart_is_forwarded_and_counted_bad(
         "bad_request",
         400,
     )
+
+
+# -- /cohere/v2/chat with the cohere SDK ----------------------------------------------------
+
+
+def cohere_client(proxy: Proxy) -> Any:
+    import cohere
+
+    return cohere.ClientV2(api_key="x", base_url=proxy.url + "/cohere", timeout=30)
+
+
+COHERE_MESSAGES: Any = [{"role": "user", "content": "Hello there"}]
+
+
+def test_cohere_chat_stream_with_the_cohere_sdk(
+    sim: tuple[str, SimApp], proxy: Proxy, n: int
+) -> None:
+    from proxy.sim.tokens import completion_text
+
+    client = cohere_client(proxy)
+    events = list(
+        client.chat_stream(
+            model=MODEL,
+            messages=COHERE_MESSAGES,
+            request_options={"additional_headers": PROGRAM},
+        )
+    )
+    m, backend = proxy.record(n), sent(sim[1])
+    text = "".join(e.delta.message.content.text for e in events if e.type == "content-delta")
+    assert text == completion_text(8)
+    end = next(e for e in events if e.type == "message-end")
+    assert end.delta.finish_reason == "COMPLETE"
+    assert (m["endpoint"], m["error_type"], m["finish_reason"]) == ("/cohere/v2/chat", None, "stop")
+    assert m["raw_finish_reason"] == "COMPLETE"
+    assert (m["prompt_tokens"], m["output_tokens"], m["token_source"]) == (
+        backend.prompt_tokens,
+        8,
+        "usage",
+    )
+    assert TTFT * 1000 <= m["ttft_ms"] < (TTFT + SLACK) * 1000  # message-start came at ~0
+
+
+def test_cohere_chat_with_the_cohere_sdk_cut_by_max_tokens(
+    sim: tuple[str, SimApp], proxy: Proxy, n: int
+) -> None:
+    client = cohere_client(proxy)
+    made = client.chat(model=MODEL, messages=COHERE_MESSAGES, max_tokens=3)
+    m = proxy.record(n)
+    assert made.finish_reason == "MAX_TOKENS"
+    assert (m["stream"], m["output_tokens"], m["finish_reason"], m["raw_finish_reason"]) == (
+        False, 3, "length", "MAX_TOKENS",
+    )  # fmt: skip
+
+
+def test_cohere_stream_bytes_and_error_classes(
+    sim: tuple[str, SimApp], proxy: Proxy, n: int
+) -> None:
+    body = {"model": MODEL, "stream": True, "messages": COHERE_MESSAGES}
+    cases = [
+        ({}, None),
+        ({"x-sim-fault": "error_event", "x-sim-fault-after": "2"}, "stream_error"),
+        ({"x-sim-fault": "close_no_done", "x-sim-fault-after": "2"}, "stream_truncated"),
+        ({"x-sim-error": "rate_limit"}, "rate_limit"),
+    ]
+    for i, (headers, error) in enumerate(cases):
+        r = httpx.post(proxy.url + "/cohere/v2/chat", json=body, headers={**PROGRAM, **headers})
+        m = proxy.record(n + i)
+        assert sha(r.content) == sent(sim[1]).body_sha256, headers
+        assert (m["endpoint"], m["error_type"]) == ("/cohere/v2/chat", error), headers

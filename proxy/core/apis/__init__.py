@@ -10,6 +10,7 @@ from __future__ import annotations
 from proxy.core.apis.audio import Transcriptions, Translations
 from proxy.core.apis.base import FINISH_LABELS, Api, Facts, RequestInfo, TokenCounts
 from proxy.core.apis.chat import Chat
+from proxy.core.apis.cohere import CohereChat
 from proxy.core.apis.completions import Completions
 from proxy.core.apis.generate import Generate
 from proxy.core.apis.messages import Messages
@@ -30,6 +31,7 @@ APIS: tuple[Api, ...] = (
     Generate(),
     Transcriptions(),
     Translations(),
+    CohereChat(),
 )
 
 _BY_PATH = {path: api for api in APIS for path in api.paths}
