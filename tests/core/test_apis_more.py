@@ -319,3 +319,51 @@ def test_cohere_tool_plan_and_tool_call_arguments_are_content() -> None:
         101,
     )
     assert m.ttft == 0.5 and m.content_events == 2
+
+
+# -- finish reasons and usage, rechecked at the source ---------------------------------------
+
+CHAT_BODY = orjson.dumps({"model": "m", "stream": True, "messages": []})
+
+
+def test_vllm_repetition_finish_reason_has_its_own_label() -> None:
+    # vllm/v1/engine/__init__.py FINISH_REASON_STRINGS: stop, length, abort, error, repetition
+    chunk = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"a"},"finish_reason":"repetition"}]}\n\n'
+    m = run("/v1/chat/completions", CHAT_BODY, [chunk, b"data: [DONE]\n\n"], [100.5, 100.5], 100.5)
+    assert (m.finish_reason, m.raw_finish_reason) == ("repetition", "repetition")
+
+
+def test_responses_failed_keeps_the_usage_it_carries() -> None:
+    failed = orjson.dumps(
+        {
+            "type": "response.failed",
+            "response": {
+                "id": "resp_1",
+                "status": "failed",
+                "error": {"code": "server_error", "message": "boom"},
+                "usage": {
+                    "input_tokens": 7,
+                    "output_tokens": 3,
+                    "input_tokens_details": {"cached_tokens": 4},
+                },
+            },
+        }
+    )
+    body = orjson.dumps({"model": "m", "stream": True, "input": "hi"})
+    m = run("/v1/responses", body, [b"data: " + failed + b"\n\n"], [100.5], 100.5)
+    assert m.error_type is ErrorType.STREAM_ERROR
+    assert (m.prompt_tokens, m.output_tokens, m.cached_prompt_tokens) == (7, 3, 4)
+
+
+def test_messages_usage_merges_field_by_field_and_a_null_erases_nothing() -> None:
+    start = b'data: {"type":"message_start","message":{"id":"m","usage":{"input_tokens":10,"cache_read_input_tokens":6,"cache_creation_input_tokens":2,"output_tokens":0}}}\n\n'
+    delta = b'data: {"type":"message_delta","delta":{"stop_reason":"end_turn"},"usage":{"input_tokens":null,"output_tokens":5,"cache_read_input_tokens":null}}\n\n'
+    body = orjson.dumps({"model": "m", "stream": True, "max_tokens": 9, "messages": []})
+    m = run(
+        "/v1/messages",
+        body,
+        [start, delta, b'data: {"type":"message_stop"}\n\n'],
+        [100.1, 100.5, 100.5],
+        100.5,
+    )
+    assert (m.prompt_tokens, m.cached_prompt_tokens, m.output_tokens) == (18, 6, 5)
