@@ -264,15 +264,16 @@ class FrameReader:
 class FrameBounds:
     """Where one direction's frames end, from their headers alone (no unmasking).
 
-    `at_boundary` is true when every frame fed so far is complete; `closed` when a close
-    frame has been seen. Anything that is not a frame header stops it (`lost`), and the
-    tunnel then treats the direction as never at a boundary again."""
+    `at_boundary` is true when every frame fed so far is complete; `closed` once a whole
+    close frame has passed. Anything that is not a frame header stops it (`lost`), and
+    the tunnel then treats the direction as never at a boundary again."""
 
-    __slots__ = ("_head", "_left", "closed", "lost")
+    __slots__ = ("_closing", "_head", "_left", "closed", "lost")
 
     def __init__(self) -> None:
         self._left = 0  # payload bytes of the current frame still to come
         self._head = b""  # a frame header split across reads
+        self._closing = False  # the current frame is a close frame
         self.closed = False
         self.lost = False
 
@@ -286,7 +287,9 @@ class FrameBounds:
         n = len(data)
         left = self._left
         if left >= n:  # the common case for large frames: all payload
-            self._left = left - n
+            self._left = left = left - n
+            if not left and self._closing:
+                self.closed = True
             return
         i = left
         if self._head:
@@ -294,6 +297,9 @@ class FrameBounds:
             n = len(data)
             self._head = b""
             i = 0
+        elif left and self._closing:
+            self.closed = True
+        closing = False
         while i < n:
             if n - i < 2:
                 self._head = data[i:]
@@ -312,13 +318,19 @@ class FrameBounds:
                 (length,) = struct.unpack_from("!H", data, i + 2)
             elif length == 127:
                 (length,) = struct.unpack_from("!Q", data, i + 2)
-            if b0 & 0x0F == 0x8:
-                self.closed = True
-            elif b0 & 0x0F not in (0, 1, 2, 9, 10):
+            opcode = b0 & 0x0F
+            if opcode not in _OPCODES:
                 self.lost = True
                 return
+            closing = opcode == 0x8
             i += size + length
+            if closing and i <= n:
+                self.closed = True
         self._left = i - n if i > n else 0
+        self._closing = closing and self._left > 0
+
+
+_OPCODES = frozenset((0x0, 0x1, 0x2, 0x8, 0x9, 0xA))
 
 
 def close_frame(code: int, reason: str, *, masked: bool) -> bytes:
