@@ -175,7 +175,9 @@ class _Side(asyncio.Protocol):
         self.from_client = from_client
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        pass  # the client's is already open; the upstream's is taken from create_connection
+        # Only the upstream's: the client's connection was open before the tunnel.
+        assert isinstance(transport, asyncio.Transport)
+        self.tunnel.upstream = transport
 
     def data_received(self, data: bytes) -> None:
         if self.from_client:
@@ -314,7 +316,7 @@ class Tunnel:
         if self.ended:
             transport.close()
             return
-        self.upstream = transport
+        assert self.upstream is transport
         self._last = self.loop.time()
         self._idle = self.loop.call_later(context.idle_timeout, self._check_idle)
         transport.write(first)
@@ -392,8 +394,10 @@ class Tunnel:
         if upstream is None:
             return
         self._last = self.loop.time()
-        if self._draining and True in self._drained:
-            self.client_bounds.feed(data)  # the client's answer to our close frame
+        if self._draining and False in self._drained:
+            # The upstream has our close frame: nothing may follow it. Only the client's
+            # answer to its own close frame is looked for.
+            self.client_bounds.feed(data)
             self._drain_step()
             return
         upstream.write(data)
@@ -411,7 +415,7 @@ class Tunnel:
 
     def from_upstream(self, data: bytes) -> None:
         self._last = self.loop.time()
-        if self._draining and False in self._drained:
+        if self._draining and True in self._drained:  # as above, the other way
             self.upstream_bounds.feed(data)
             self._drain_step()
             return

@@ -21,10 +21,11 @@ from typing import Any
 import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
+from wsproto.frame_protocol import FrameProtocol
 
 from proxy.core.observe import bare_record
 from proxy.core.request import RequestInfo
-from proxy.core.wsframes import WsMessage
+from proxy.core.wsframes import FrameReader, WsMessage, close_frame
 from proxy.core.wsseam import WsApi, WsSession
 from tests.ws_proxy import TunnelListener
 from tests.ws_upstream import REFUSAL_BODY, EchoUpstream, Session
@@ -609,5 +610,51 @@ def test_frames_the_reader_cannot_follow_stop_watching_not_the_bytes() -> None:
         client.close()
         _wait(lambda: proxy.open_tunnels() == 0, what="the tunnel to end")
         assert proxy.sample("tokenprobe_measurement_failures_total", stage="ws_frames") == 1
+    finally:
+        proxy.stop()
+
+
+def test_drain_waits_for_a_frame_boundary_before_its_close_frame() -> None:
+    """A shutdown while the client is halfway through a frame: the upstream gets the rest
+    of that frame and then the proxy's close frame, never a close frame inside a frame;
+    the client gets its close frame at once (nothing was in flight its way), and neither
+    side's answer reaches the other."""
+    frame = bytes(FrameProtocol(client=True, extensions=[]).send_data("x" * 20))  # masked text
+    their_close = close_frame(1000, "", masked=False)
+    mine_len = len(close_frame(1001, "proxy shutting down", masked=True))
+
+    def after(up: RawUpstream, conn: socket.socket) -> None:
+        up.received += _recv_exactly(conn, len(frame) + mine_len - len(up.received))
+        conn.sendall(their_close)  # the upstream's answer: the proxy must not relay it
+        while chunk := conn.recv(65536):
+            up.received += chunk
+
+    up = RawUpstream(SWITCH, after)
+    proxy = _proxy(f"http://127.0.0.1:{up.port}")
+    try:
+        client = _raw_client(proxy.port)
+        client.sendall(HANDSHAKE + frame[:9])
+        assert _recv_exactly(client, len(SWITCH)) == SWITCH
+        _wait(lambda: len(up.received) == 9, what="half a frame upstream")
+        proxy.shutdown_all()
+        going_away = close_frame(1001, "proxy shutting down", masked=False)
+        assert _recv_exactly(client, len(going_away)) == going_away
+        time.sleep(0.1)
+        assert len(up.received) == 9  # no close frame inside the unfinished frame
+        client.sendall(frame[9:])
+        _wait(lambda: len(up.received) >= len(frame) + mine_len, what="the frame, then close")
+        assert bytes(up.received[: len(frame)]) == frame
+        got = FrameReader(True, None).feed(bytes(up.received[len(frame) :]), 0.0)
+        assert [(m.kind, m.close_code, m.data) for m in got] == [
+            ("close", 1001, b"proxy shutting down")
+        ]
+        client.sendall(close_frame(1001, "", masked=True))  # the client's answer
+        assert client.recv(100) == b""  # closed, the upstream's answer not relayed
+        client.close()
+        _wait(lambda: proxy.open_tunnels() == 0, what="the tunnel to end")
+        assert (
+            proxy.sample("tokenprobe_websocket_sessions_total", route="other", outcome="shutdown")
+            == 1
+        )
     finally:
         proxy.stop()
