@@ -136,7 +136,7 @@ class TunnelHandle:
     """The wire's hold on one tunnel: `shutdown()` drains it, `closed` resolves with the
     outcome once it has ended (the client's connection is then no longer the wire's)."""
 
-    __slots__ = ("_tunnel",)
+    __slots__ = ("__weakref__", "_tunnel")
 
     def __init__(self, tunnel: Tunnel) -> None:
         self._tunnel = tunnel
