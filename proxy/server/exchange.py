@@ -207,8 +207,12 @@ class IdleTimer:
         self.waiting: float | None = None
         self.handle = asyncio.get_running_loop().call_later(limit, self._check)
 
+    def waited(self) -> float:
+        """How long the current wait on the upstream has lasted."""
+        return 0.0 if self.waiting is None else perf_counter() - self.waiting
+
     def _check(self) -> None:
-        waited = 0.0 if self.waiting is None else perf_counter() - self.waiting
+        waited = self.waited()
         if waited >= self.limit:
             self.cut(Cause.IDLE_TIMEOUT)
         else:  # loop timers may fire a little early: never re-arm for less than a millisecond
