@@ -243,6 +243,13 @@ SPECS: tuple[Spec, ...] = (
         "tokenprobe_deployment_cost_per_hour for cost per million tokens at the observed throughput.",
     ),
     Spec("currency", _currency, "USD", "Currency of --cost-per-hour."),
+    Spec(
+        "relay",
+        _choice("wire", "asgi"),
+        "wire",
+        "Data path: wire (protocol-level, the fast default) or asgi (the ASGI relay through "
+        "httpx, as under any ASGI server).",
+    ),
     Spec("workers", _positive_int, 1, "Worker processes; /metrics aggregates them all."),
     Spec("drain_timeout", _seconds, 30.0, "On SIGTERM, seconds in-flight requests get to finish."),
     Spec(
@@ -285,6 +292,7 @@ class Settings:
     prices: str | None = None
     cost_per_hour: float | None = None
     currency: str = "USD"
+    relay: str = "wire"
     workers: int = 1
     drain_timeout: float = 30.0
     log_level: str = "info"
