@@ -164,6 +164,12 @@ SPECS: tuple[Spec, ...] = (
         "is relayed unmeasured (counted in tokenprobe_measurement_failures_total).",
     ),
     Spec(
+        "ws_idle_timeout",
+        _seconds,
+        300.0,
+        "Seconds a WebSocket tunnel may carry no byte either way before the proxy closes it.",
+    ),
+    Spec(
         "tokenizer",
         str,
         None,
@@ -237,6 +243,13 @@ SPECS: tuple[Spec, ...] = (
         "tokenprobe_deployment_cost_per_hour for cost per million tokens at the observed throughput.",
     ),
     Spec("currency", _currency, "USD", "Currency of --cost-per-hour."),
+    Spec(
+        "relay",
+        _choice("wire", "asgi"),
+        "wire",
+        "Data path: wire (protocol-level, the fast default) or asgi (the ASGI relay through "
+        "httpx, as under any ASGI server).",
+    ),
     Spec("workers", _positive_int, 1, "Worker processes; /metrics aggregates them all."),
     Spec("drain_timeout", _seconds, 30.0, "On SIGTERM, seconds in-flight requests get to finish."),
     Spec(
@@ -262,6 +275,7 @@ class Settings:
     max_headers: int = 100
     header_timeout: float | None = 10.0
     max_event_bytes: int = 4 * 1024 * 1024
+    ws_idle_timeout: float = 300.0
     tokenizer: str | None = None
     inject_usage: bool = True
     model_allowlist: tuple[str, ...] = ()
@@ -278,6 +292,7 @@ class Settings:
     prices: str | None = None
     cost_per_hour: float | None = None
     currency: str = "USD"
+    relay: str = "wire"
     workers: int = 1
     drain_timeout: float = 30.0
     log_level: str = "info"

@@ -24,6 +24,7 @@ from proxy.core.tokens import TokenCounter
 from proxy.server.control import ControlPlane
 from proxy.server.forward import Forwarder, UpstreamBroke
 from proxy.server.upstream import create_client
+from proxy.server.wire import Wire
 from proxy.settings import Settings, require_upstream
 from proxy.sinks.dispatch import Sinks
 from proxy.types import ASGIApp, Receive, Scope, Send
@@ -63,6 +64,7 @@ class ProxyApp:
         self.control = control
         self.client: httpx.AsyncClient | None = None
         self.forwarder: Forwarder | None = None
+        self.wire: Wire | None = None  # the wire's shared state (proxy/server/wire/)
         self.counter: TokenCounter | None = None
         self._refresher: asyncio.Task[None] | None = None
         self._metrics_server: Any = None
@@ -70,7 +72,11 @@ class ProxyApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
-        if kind == "http":
+        if kind == "websocket":
+            # Only the wire tunnels WebSockets; here a clean refusal (403), not a 500.
+            log.warning("WebSocket %s refused: the ASGI relay does not tunnel them", scope["path"])
+            await send({"type": "websocket.close", "code": 1008})
+        elif kind == "http":
             # The proxy's own routes first; everything else belongs to the backend, and
             # goes to the relay with no router or middleware in between.
             if self.control.owns(scope["path"]):
@@ -91,6 +97,7 @@ class ProxyApp:
         self.forwarder = Forwarder.from_settings(
             settings, client=self.client, sinks=self.sinks, counter=self.counter
         )
+        self.wire = Wire(self.forwarder.context, self.control.owns, _tunnel_context(self))
         self.control.readiness.client = self.client
         if settings.models_refresh:
             self._refresher = asyncio.create_task(self._refresh_models(settings.models_refresh))
@@ -122,6 +129,8 @@ class ProxyApp:
             await asyncio.sleep(0.01)
 
     async def shutdown(self) -> None:
+        if self.wire is not None:  # the drain is over: cut what is still in flight
+            self.wire.close()
         if self._metrics_server is not None and self._metrics_task is not None:
             self._metrics_server.should_exit = True
             await self._metrics_task
@@ -178,3 +187,12 @@ class ProxyApp:
             if ids is not None:
                 self.sinks.models.update_from_upstream(ids)
             await asyncio.sleep(every)
+
+
+def _tunnel_context(app: ProxyApp) -> object:
+    """The WebSocket tunnel's context (proxy/server/tunnel.py), once, if it is there."""
+    try:
+        from proxy.server.tunnel import tunnel_context  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return None
+    return tunnel_context(app.settings, app.registry, app.sinks)

@@ -34,9 +34,16 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
         "server_header": False,  # the upstream's headers pass through; add none of ours
         "date_header": False,
         "loop": "auto",
-        # httptools with limits on the request head while it arrives (proxy.server.protocol)
-        "http": "proxy.server.protocol:GuardedHttpToolsProtocol",
+        # httptools with limits on the request head while it arrives (proxy.server.protocol);
+        # the wire is that protocol relaying itself (proxy.server.wire).
+        "http": _PROTOCOLS[settings.relay],
     }
+
+
+_PROTOCOLS = {
+    "wire": "proxy.server.wire:WireProtocol",
+    "asgi": "proxy.server.protocol:GuardedHttpToolsProtocol",
+}
 
 
 def build_app(settings: Settings) -> ProxyApp:

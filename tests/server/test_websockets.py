@@ -1,0 +1,660 @@
+"""WebSockets through the proxy: an unmodified `websockets` client, a real upstream.
+
+Each session runs once straight to the upstream and once through the proxy, and the two
+transcripts (what the client got, what the upstream saw) must be equal. The upstream is
+the `websockets` library's server with permessage-deflate on (tests/ws_upstream.py); the
+proxy is the tunnel (proxy/server/tunnel.py) behind the test listener (tests/ws_proxy.py),
+which is the wire's hand-over without the rest of the server. Byte-exactness and
+backpressure use raw sockets on both ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+from wsproto.frame_protocol import FrameProtocol
+
+from proxy.core.observe import bare_record
+from proxy.core.request import RequestInfo
+from proxy.core.wsframes import FrameReader, WsMessage, close_frame
+from proxy.core.wsseam import WsApi, WsSession
+from tests.ws_proxy import TunnelListener
+from tests.ws_upstream import REFUSAL_BODY, EchoUpstream, Session
+
+# -- fixtures --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def upstream() -> Iterator[EchoUpstream]:
+    server = EchoUpstream().start()
+    yield server
+    server.stop()
+
+
+def _proxy(upstream_url: str, **settings: Any) -> TunnelListener:
+    return TunnelListener(upstream_url.replace("ws://", "http://"), **settings).start()
+
+
+@pytest.fixture
+def proxy(upstream: EchoUpstream) -> Iterator[TunnelListener]:
+    listener = _proxy(upstream.url)
+    yield listener
+    listener.stop()
+
+
+def _run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def _headers_but_host_and_key(session: Session) -> list[tuple[str, str]]:
+    drop = {"host", "sec-websocket-key"}
+    return [(k, v) for k, v in session.headers if k.lower() not in drop]
+
+
+def _wait(condition: Any, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+# -- one full session, direct and through the proxy ------------------------------------------
+
+
+async def _full_session(url: str) -> dict[str, Any]:
+    big = bytes(range(256)) * 4096  # 1 MiB
+    got: dict[str, Any] = {}
+    async with connect(url + "/v1/echo?x=1", max_size=4 * 1024 * 1024) as ws:
+        got["extensions"] = ws.response.headers.get("Sec-WebSocket-Extensions")
+        got["status"] = ws.response.status_code
+        await ws.send("hello ✓")
+        got["text"] = await ws.recv()
+        await ws.send(big)
+        got["binary"] = (await ws.recv()) == big
+        await ws.send(iter(["frag-", "ment-", "ed"]))  # the client fragments
+        got["client_fragments"] = await ws.recv()
+        await ws.send("fragments")  # the upstream fragments
+        got["upstream_fragments"] = await ws.recv()
+        pong = await ws.ping(b"are you there")
+        await asyncio.wait_for(pong, 10)
+        got["pong"] = True
+        await ws.close(4000, "client says bye")
+        got["close"] = (ws.close_code, ws.close_reason)
+    return got
+
+
+def test_full_session_is_the_same_through_the_proxy(
+    upstream: EchoUpstream, proxy: TunnelListener
+) -> None:
+    direct = _run(_full_session(upstream.url))
+    proxied = _run(_full_session(proxy.url))
+    assert direct == proxied
+    assert proxied["extensions"].startswith("permessage-deflate")  # negotiated end to end
+    assert proxied["text"] == "hello ✓" and proxied["binary"] is True
+    assert proxied["client_fragments"] == proxied["upstream_fragments"] == "frag-ment-ed"
+    assert proxied["close"] == (4000, "client says bye")
+    a, b = upstream.wait_sessions(2)
+    assert a.received == b.received and a.received[0] == "hello ✓"
+    assert (
+        (a.close_code, a.close_reason)
+        == (b.close_code, b.close_reason)
+        == (
+            4000,
+            "client says bye",
+        )
+    )
+    # Handshake headers untouched (the offer of permessage-deflate among them), Host apart.
+    assert _headers_but_host_and_key(a) == _headers_but_host_and_key(b)
+    assert any(k.lower() == "sec-websocket-extensions" for k, _ in b.headers)
+    assert dict((k.lower(), v) for k, v in b.headers)["host"] == f"127.0.0.1:{upstream.port}"
+
+
+async def _upstream_closes(url: str) -> tuple[int | None, str | None]:
+    async with connect(url + "/v1/echo") as ws:
+        await ws.send("close 4001 upstream says bye")
+        with pytest.raises(ConnectionClosed):
+            await ws.recv()
+        return ws.close_code, ws.close_reason
+
+
+def test_upstream_close_code_and_reason_reach_the_client(
+    upstream: EchoUpstream, proxy: TunnelListener
+) -> None:
+    assert _run(_upstream_closes(upstream.url)) == (4001, "upstream says bye")
+    assert _run(_upstream_closes(proxy.url)) == (4001, "upstream says bye")
+    _wait(lambda: proxy.open_tunnels() == 0, what="the tunnel to end")
+    assert (
+        proxy.sample(
+            "tokenprobe_websocket_sessions_total", route="other", outcome="closed_by_upstream"
+        )
+        == 1
+    )
+
+
+async def _refused(url: str) -> tuple[int, bytes, str | None]:
+    with pytest.raises(InvalidStatus) as info:
+        async with connect(url + "/refuse"):
+            pass
+    response = info.value.response
+    return response.status_code, response.body, response.headers.get("X-Refused-By")
+
+
+def test_a_refused_upgrade_reaches_the_client_as_sent(
+    upstream: EchoUpstream, proxy: TunnelListener
+) -> None:
+    assert _run(_refused(upstream.url)) == _run(_refused(proxy.url)) == (403, REFUSAL_BODY, "test")
+    _wait(lambda: proxy.open_tunnels() == 0, what="the tunnel to end")
+    assert (
+        proxy.sample("tokenprobe_websocket_sessions_total", route="other", outcome="refused") == 1
+    )
+
+
+def test_a_client_that_vanishes_is_seen_upstream_within_2_s(
+    upstream: EchoUpstream, proxy: TunnelListener
+) -> None:
+    async def vanish(url: str) -> float:
+        async with connect(url + "/v1/echo") as ws:
+            await ws.send("hi")
+            assert await ws.recv() == "hi"
+            gone = time.monotonic()
+            ws.transport.abort()  # no close frame: the TCP connection just ends
+        return gone
+
+    for n, url in enumerate((upstream.url, proxy.url), start=1):
+        gone = _run(vanish(url))
+        session = upstream.wait_sessions(n)[-1]
+        assert session.ended_at is not None
+        assert session.ended_at - gone < 2.0
+        assert session.close_code is None  # neither direct nor proxied: no close frame
+    _wait(lambda: proxy.open_tunnels() == 0, what="the tunnel to end")
+    assert (
+        proxy.sample(
+            "tokenprobe_websocket_sessions_total", route="other", outcome="client_vanished"
+        )
+        == 1
+    )
+
+
+def test_50_concurrent_sessions(upstream: EchoUpstream, proxy: TunnelListener) -> None:
+    async def one(url: str, i: int) -> list[str]:
+        async with connect(url + f"/v1/echo?n={i}") as ws:
+            out = []
+            for j in range(20):
+                await ws.send(f"{i}:{j}")
+                out.append(await ws.recv())
+            return out
+
+    async def many(url: str) -> list[list[str]]:
+        return list(await asyncio.gather(*(one(url, i) for i in range(50))))
+
+    assert _run(many(upstream.url)) == _run(many(proxy.url))
+    upstream.wait_sessions(100)
+    _wait(lambda: proxy.open_tunnels() == 0, what="the tunnels to end")
+    assert (
+        proxy.sample(
+            "tokenprobe_websocket_sessions_total", route="other", outcome="closed_by_client"
+        )
+        == 50
+    )
+    assert proxy.sample("tokenprobe_websocket_sessions_in_flight", route="other") == 0
+    assert proxy.sample("tokenprobe_websocket_session_duration_seconds_count", route="other") == 50
+
+
+def test_an_idle_tunnel_is_closed_after_its_timeout(upstream: EchoUpstream) -> None:
+    proxy = _proxy(upstream.url, ws_idle_timeout=0.5)
+    try:
+
+        async def idle() -> float:
+            async with connect(proxy.url + "/v1/echo", ping_interval=None) as ws:
+                start = time.monotonic()
+                with pytest.raises(ConnectionClosed):
+                    await ws.recv()
+                return time.monotonic() - start
+
+        took = _run(idle())
+        assert 0.45 <= took < 10
+        _wait(lambda: proxy.open_tunnels() == 0, what="the tunnel to end")
+        assert (
+            proxy.sample(
+                "tokenprobe_websocket_sessions_total", route="other", outcome="idle_timeout"
+            )
+            == 1
+        )
+    finally:
+        proxy.stop()
+
+
+def test_traffic_keeps_a_tunnel_open_past_the_idle_timeout(upstream: EchoUpstream) -> None:
+    proxy = _proxy(upstream.url, ws_idle_timeout=0.6)
+    try:
+
+        async def busy() -> None:
+            async with connect(proxy.url + "/v1/echo", ping_interval=None) as ws:
+                start = time.monotonic()
+                while time.monotonic() - start < 1.5:  # 2.5 idle timeouts, never 0.2 s quiet
+                    await ws.send("tick")
+                    assert await ws.recv() == "tick"
+                    await asyncio.sleep(0.2)
+
+        _run(busy())
+    finally:
+        proxy.stop()
+
+
+def test_shutdown_sends_going_away_to_both_sides(
+    upstream: EchoUpstream, proxy: TunnelListener
+) -> None:
+    async def drained() -> tuple[int | None, str | None]:
+        async with connect(proxy.url + "/v1/echo") as ws:
+            await ws.send("hi")
+            assert await ws.recv() == "hi"
+            proxy.shutdown_all()
+            with pytest.raises(ConnectionClosed):
+                await ws.recv()
+            return ws.close_code, ws.close_reason
+
+    assert _run(drained()) == (1001, "proxy shutting down")
+    session = upstream.wait_sessions(1)[0]
+    assert (session.close_code, session.close_reason) == (1001, "proxy shutting down")
+    _wait(lambda: proxy.open_tunnels() == 0, what="the tunnel to end")
+    assert (
+        proxy.sample("tokenprobe_websocket_sessions_total", route="other", outcome="shutdown") == 1
+    )
+
+
+def test_an_unreachable_upstream_gets_the_client_a_502() -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proxy = _proxy(f"http://127.0.0.1:{port}")
+    try:
+
+        async def refused() -> int:
+            with pytest.raises(InvalidStatus) as info:
+                async with connect(proxy.url + "/v1/echo"):
+                    pass
+            assert b"upstream" in info.value.response.body
+            return info.value.response.status_code
+
+        assert _run(refused()) == 502
+        _wait(lambda: proxy.open_tunnels() == 0, what="the tunnel to end")
+        assert (
+            proxy.sample(
+                "tokenprobe_websocket_sessions_total", route="other", outcome="upstream_unreachable"
+            )
+            == 1
+        )
+    finally:
+        proxy.stop()
+
+
+# -- raw sockets: bytes unchanged, backpressure ------------------------------------------------
+
+
+class RawUpstream:
+    """Reads one request head, answers with `response`, then does what `after` says."""
+
+    def __init__(self, response: bytes, after: Any = None) -> None:
+        self.response = response
+        self.after = after
+        self.heads: list[bytes] = []
+        self.received = bytearray()
+        self.sent = 0
+        self.closed = threading.Event()
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        conn, _ = self.sock.accept()
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            head, _, rest = data.partition(b"\r\n\r\n")
+            self.heads.append(head + b"\r\n\r\n")
+            self.received += rest
+            conn.sendall(self.response)
+            if self.after is not None:
+                self.after(self, conn)
+            else:
+                while chunk := conn.recv(65536):
+                    self.received += chunk
+        self.closed.set()
+
+
+HANDSHAKE = (
+    b"GET /v1/echo?a=1 HTTP/1.1\r\nHost: proxy.example:80\r\nUpgrade: websocket\r\n"
+    b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+    b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Protocol: chat, superchat\r\n"
+    b"Sec-WebSocket-Extensions: permessage-deflate; client_max_window_bits\r\n"
+    b"X-Custom:  spaced   value \r\n\r\n"
+)
+SWITCH = (
+    b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+    b"Sec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=\r\nSec-WebSocket-Protocol: chat\r\n\r\n"
+)
+
+
+def _raw_client(port: int) -> socket.socket:
+    client = socket.create_connection(("127.0.0.1", port))
+    client.settimeout(10)
+    return client
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(min(1 << 20, n - len(out)))
+        if not chunk:
+            break
+        out += chunk
+    return bytes(out)
+
+
+def test_bytes_go_both_ways_unchanged_and_only_host_is_rewritten() -> None:
+    frames_up = os.urandom(5000)  # the tunnel does not care whether these are frames
+    frames_down = b"\x81\x05hello" + os.urandom(3000)
+
+    def after(up: RawUpstream, conn: socket.socket) -> None:
+        got = _recv_exactly(conn, len(frames_up) - len(up.received))
+        up.received += got
+        conn.sendall(frames_down)
+
+    up = RawUpstream(SWITCH, after)
+    proxy = _proxy(f"http://127.0.0.1:{up.port}")
+    try:
+        client = _raw_client(proxy.port)
+        client.sendall(HANDSHAKE + frames_up[:100])
+        client.sendall(frames_up[100:])
+        assert _recv_exactly(client, len(SWITCH) + len(frames_down)) == SWITCH + frames_down
+        assert up.closed.wait(10)
+        assert client.recv(1) == b""  # the upstream closed: so does the client's connection
+        client.close()
+        assert bytes(up.received) == frames_up
+        expected = HANDSHAKE.replace(
+            b"Host: proxy.example:80", f"Host: 127.0.0.1:{up.port}".encode()
+        )
+        assert up.heads == [expected]
+    finally:
+        proxy.stop()
+
+
+def test_a_slow_client_holds_the_upstream_back() -> None:
+    """The upstream writes 64 MiB; the client reads nothing for a while: the proxy must
+    not buffer it all (its write buffer stays near the high-water mark, the upstream's
+    sendall blocks), and once the client reads, every byte arrives in order."""
+    total = 64 * 1024 * 1024
+    payload = os.urandom(1 << 20)
+
+    def after(up: RawUpstream, conn: socket.socket) -> None:
+        for _ in range(total // len(payload)):
+            conn.sendall(payload)
+            up.sent += len(payload)
+
+    up = RawUpstream(SWITCH, after)
+    proxy = _proxy(f"http://127.0.0.1:{up.port}")
+    try:
+        client = _raw_client(proxy.port)
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 256 * 1024)
+        client.sendall(HANDSHAKE)
+        _wait(lambda: up.sent > 0, what="the upstream to start writing")
+        time.sleep(0.5)  # the client reads nothing; the upstream must stall well short
+        stalled = up.sent
+        time.sleep(0.5)
+        assert up.sent == stalled < total // 4
+        assert _recv_exactly(client, len(SWITCH)) == SWITCH
+        for _ in range(total // len(payload)):
+            assert _recv_exactly(client, len(payload)) == payload
+        client.close()
+    finally:
+        proxy.stop()
+
+
+def test_a_slow_upstream_holds_the_client_back() -> None:
+    total = 64 * 1024 * 1024
+    chunk = os.urandom(1 << 20)
+    reading = threading.Event()
+
+    def after(up: RawUpstream, conn: socket.socket) -> None:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 256 * 1024)
+        reading.wait(30)
+        while len(up.received) < total:
+            data = conn.recv(1 << 20)
+            if not data:
+                break
+            up.received += data
+
+    up = RawUpstream(SWITCH, after)
+    proxy = _proxy(f"http://127.0.0.1:{up.port}")
+    try:
+        client = _raw_client(proxy.port)
+        client.sendall(HANDSHAKE)
+        assert _recv_exactly(client, len(SWITCH)) == SWITCH
+        sent = 0
+        client.setblocking(False)
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and sent < total:
+            try:
+                sent += client.send(chunk)
+            except BlockingIOError:
+                time.sleep(0.01)
+        assert sent < total // 4  # held back: the proxy did not read it all into memory
+        client.setblocking(True)
+        reading.set()
+        while sent < total:
+            sent += client.send(chunk[: min(len(chunk), total - sent)])
+        _wait(lambda: len(up.received) >= total, what="every byte upstream")
+        assert bytes(up.received[: len(chunk)]) == chunk
+        client.close()
+    finally:
+        proxy.stop()
+
+
+def test_upstream_closing_after_101_closes_the_client_within_a_second() -> None:
+    def after(up: RawUpstream, conn: socket.socket) -> None:
+        time.sleep(0.2)
+        up.closed_at = time.monotonic()  # type: ignore[attr-defined]
+
+    up = RawUpstream(SWITCH, after)
+    proxy = _proxy(f"http://127.0.0.1:{up.port}")
+    try:
+        client = _raw_client(proxy.port)
+        client.sendall(HANDSHAKE)
+        assert _recv_exactly(client, len(SWITCH)) == SWITCH
+        assert client.recv(1) == b""
+        seen = time.monotonic()
+        assert up.closed.wait(5)
+        assert seen - up.closed_at < 1.0  # type: ignore[attr-defined]
+        client.close()
+        _wait(lambda: proxy.open_tunnels() == 0, what="the tunnel to end")
+        assert (
+            proxy.sample(
+                "tokenprobe_websocket_sessions_total", route="other", outcome="upstream_vanished"
+            )
+            == 1
+        )
+    finally:
+        proxy.stop()
+
+
+# -- the seam: messages to a WebSocket API, failures contained -------------------------------
+
+
+class _Recording(WsSession):
+    def __init__(self, api: _RecordingApi, record: Any, start: float) -> None:
+        self.api, self.record, self.start = api, record, start
+
+    def message(self, msg: WsMessage) -> None:
+        if self.api.fail_on is not None and msg.data == self.api.fail_on:
+            raise RuntimeError("the seam broke")
+        self.api.messages.append(msg)
+
+    def close(self, at: float, cause: str) -> None:
+        self.api.closes.append(cause)
+        info = RequestInfo("/v1/echo", "m", True, False, None, None)
+        self.record(
+            bare_record(info, status_code=101, started_at=0.0, e2e=at - self.start, error_type=None)
+        )
+
+
+class _RecordingApi(WsApi):
+    endpoint = "/v1/echo"
+    paths = ("/v1/echo",)
+
+    def __init__(self, fail_on: bytes | None = None) -> None:
+        self.messages: list[WsMessage] = []
+        self.closes: list[str] = []
+        self.opened: list[tuple[str, str]] = []
+        self.fail_on = fail_on
+
+    def open(
+        self, *, start: float, started_at: float, path: str, query: str, record: Any
+    ) -> WsSession:
+        self.opened.append((path, query))
+        return _Recording(self, record, start)
+
+
+def _seam_proxy(upstream: EchoUpstream, api: _RecordingApi) -> TunnelListener:
+    return TunnelListener(
+        upstream.url.replace("ws://", "http://"),
+        apis=lambda path: api if path in api.paths else None,
+    ).start()
+
+
+def test_the_seam_sees_both_directions_inflated_in_order(upstream: EchoUpstream) -> None:
+    api = _RecordingApi()
+    proxy = _seam_proxy(upstream, api)
+    try:
+        _run(_full_session(proxy.url))
+        _wait(lambda: api.closes, what="the session to close")
+        assert api.opened == [("/v1/echo", "x=1")]
+        seen = [
+            (m.from_client, m.kind, m.data if len(m.data) < 100 else len(m.data))
+            for m in api.messages
+        ]
+        assert seen[:8] == [
+            (True, "text", "hello ✓".encode()),
+            (False, "text", "hello ✓".encode()),
+            (True, "binary", 1 << 20),
+            (False, "binary", 1 << 20),
+            (True, "text", b"frag-ment-ed"),
+            (False, "text", b"frag-ment-ed"),
+            (True, "text", b"fragments"),
+            (False, "text", b"frag-ment-ed"),
+        ]
+        assert (True, "ping", b"are you there") in seen
+        assert (False, "pong", b"are you there") in seen
+        closes = [(m.from_client, m.close_code, m.data) for m in api.messages if m.kind == "close"]
+        assert closes == [(True, 4000, b"client says bye"), (False, 4000, b"client says bye")]
+        assert all(
+            a.at <= b.at
+            for a, b in zip(api.messages, api.messages[1:], strict=False)
+            if a.from_client == b.from_client
+        )
+        assert api.closes == ["closed_by_client"]
+        _wait(lambda: proxy.recorder.records, what="the session's record")
+        assert [r.endpoint for r in proxy.recorder.records] == ["/v1/echo"]
+        assert (
+            proxy.sample(
+                "tokenprobe_websocket_sessions_total", route="/v1/echo", outcome="closed_by_client"
+            )
+            == 1
+        )
+    finally:
+        proxy.stop()
+
+
+def test_a_failing_seam_stops_watching_and_the_session_goes_on(upstream: EchoUpstream) -> None:
+    api = _RecordingApi(fail_on=b"hello \xe2\x9c\x93")
+    proxy = _seam_proxy(upstream, api)
+    try:
+        direct = _run(_full_session(upstream.url))
+        assert _run(_full_session(proxy.url)) == direct
+        _wait(lambda: proxy.open_tunnels() == 0, what="the tunnel to end")
+        assert api.messages == []  # it broke at the first message and was not asked again
+        assert api.closes == []
+        assert proxy.sample("tokenprobe_measurement_failures_total", stage="observe") == 1
+    finally:
+        proxy.stop()
+
+
+def test_frames_the_reader_cannot_follow_stop_watching_not_the_bytes() -> None:
+    api = _RecordingApi()
+    garbage = b"\x83\x80abcd" + os.urandom(100)  # a masked frame with reserved opcode 3
+
+    def after(up: RawUpstream, conn: socket.socket) -> None:
+        up.received += _recv_exactly(conn, len(garbage) - len(up.received))
+
+    up = RawUpstream(SWITCH, after)
+    proxy = TunnelListener(
+        f"http://127.0.0.1:{up.port}", apis=lambda path: api if path in api.paths else None
+    ).start()
+    try:
+        client = _raw_client(proxy.port)
+        client.sendall(HANDSHAKE + garbage)
+        assert up.closed.wait(10)
+        assert bytes(up.received) == garbage
+        client.close()
+        _wait(lambda: proxy.open_tunnels() == 0, what="the tunnel to end")
+        assert proxy.sample("tokenprobe_measurement_failures_total", stage="ws_frames") == 1
+    finally:
+        proxy.stop()
+
+
+def test_drain_waits_for_a_frame_boundary_before_its_close_frame() -> None:
+    """A shutdown while the client is halfway through a frame: the upstream gets the rest
+    of that frame and then the proxy's close frame, never a close frame inside a frame;
+    the client gets its close frame at once (nothing was in flight its way), and neither
+    side's answer reaches the other."""
+    frame = bytes(FrameProtocol(client=True, extensions=[]).send_data("x" * 20))  # masked text
+    their_close = close_frame(1000, "", masked=False)
+    mine_len = len(close_frame(1001, "proxy shutting down", masked=True))
+
+    def after(up: RawUpstream, conn: socket.socket) -> None:
+        up.received += _recv_exactly(conn, len(frame) + mine_len - len(up.received))
+        conn.sendall(their_close)  # the upstream's answer: the proxy must not relay it
+        while chunk := conn.recv(65536):
+            up.received += chunk
+
+    up = RawUpstream(SWITCH, after)
+    proxy = _proxy(f"http://127.0.0.1:{up.port}")
+    try:
+        client = _raw_client(proxy.port)
+        client.sendall(HANDSHAKE + frame[:9])
+        assert _recv_exactly(client, len(SWITCH)) == SWITCH
+        _wait(lambda: len(up.received) == 9, what="half a frame upstream")
+        proxy.shutdown_all()
+        going_away = close_frame(1001, "proxy shutting down", masked=False)
+        assert _recv_exactly(client, len(going_away)) == going_away
+        time.sleep(0.1)
+        assert len(up.received) == 9  # no close frame inside the unfinished frame
+        client.sendall(frame[9:])
+        _wait(lambda: len(up.received) >= len(frame) + mine_len, what="the frame, then close")
+        assert bytes(up.received[: len(frame)]) == frame
+        got = FrameReader(True, None).feed(bytes(up.received[len(frame) :]), 0.0)
+        assert [(m.kind, m.close_code, m.data) for m in got] == [
+            ("close", 1001, b"proxy shutting down")
+        ]
+        client.sendall(close_frame(1001, "", masked=True))  # the client's answer
+        assert client.recv(100) == b""  # closed, the upstream's answer not relayed
+        client.close()
+        _wait(lambda: proxy.open_tunnels() == 0, what="the tunnel to end")
+        assert (
+            proxy.sample("tokenprobe_websocket_sessions_total", route="other", outcome="shutdown")
+            == 1
+        )
+    finally:
+        proxy.stop()
