@@ -678,3 +678,35 @@ def test_drain_waits_for_a_frame_boundary_before_its_close_frame(make_proxy: Mak
         _drained(proxy)
     finally:
         proxy.stop()
+
+
+def test_another_upgrade_is_not_tunnelled() -> None:
+    """`Upgrade: h2c` is an ordinary request to the HTTP relay: the upstream sees no
+    Upgrade (hop-by-hop, dropped), the client gets the upstream's plain answer."""
+    up = RawUpstream(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
+    proxy = ServedProxy(f"http://127.0.0.1:{up.port}").start()  # the wire decides this
+    try:
+        _ask_for_h2c(proxy, up)
+    finally:
+        proxy.stop()
+
+
+def _ask_for_h2c(proxy: ServedProxy, up: RawUpstream) -> None:
+    client = _raw_client(proxy.port)
+    client.sendall(
+        b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+        b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n"
+    )
+    answer = b""
+    while b"ok" not in answer:
+        chunk = client.recv(65536)
+        assert chunk, answer
+        answer += chunk
+    client.close()
+    assert answer.startswith(b"HTTP/1.1 200")
+    assert b"upgrade" not in up.heads[0].lower().split(b"\r\n\r\n")[0].replace(
+        b"http2-settings", b""
+    )
+    assert (
+        proxy.sample("tokenprobe_websocket_sessions_total", route="other", outcome="refused") == 0
+    )
