@@ -10,11 +10,14 @@ process with their metrics at hand.
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
+import httpx
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.bench.ports import free_port
 from proxy.core.labels import ModelLabels
@@ -24,6 +27,7 @@ from proxy.settings import Settings
 from proxy.sinks.dispatch import Sinks
 from proxy.sinks.metrics import Metrics
 from proxy.sinks.sink import Recorder
+from tests.servers import spawn, stop, wait_http
 
 
 class _Head(asyncio.Protocol):
@@ -33,8 +37,7 @@ class _Head(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         assert self.transport is not None
@@ -60,6 +63,8 @@ class _Head(asyncio.Protocol):
 
 class TunnelListener:
     """take_over behind a plain listener on 127.0.0.1:<free port>."""
+
+    kind = "listener"
 
     def __init__(
         self,
@@ -127,6 +132,52 @@ class TunnelListener:
         return generate_latest(self.registry).decode()
 
     def stop(self) -> None:
-        if self.loop is not None and self._stop is not None:
+        if self.loop is not None and self._stop is not None and self._thread.is_alive():
             self.loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(timeout=10)
+            self._thread.join(timeout=10)
+
+
+class ServedProxy:
+    """`tokenprobe serve` as a process in front of `upstream`, with the TunnelListener's
+    test-facing methods (metrics are scraped from its /metrics)."""
+
+    kind = "serve"
+
+    def __init__(self, upstream: str, **settings: Any) -> None:
+        self.port = free_port()
+        args = ["serve", "--upstream", upstream, "--port", str(self.port)]
+        args += ["--access-log", "off", "--models-refresh", "0"]
+        for name, value in settings.items():
+            args += ["--" + name.replace("_", "-"), str(value)]
+        self.process = spawn(*args)
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}"
+
+    def start(self) -> ServedProxy:
+        wait_http(self.base + "/healthz")
+        return self
+
+    def samples(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        text = httpx.get(self.base + "/metrics", timeout=10).text
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    def sample(self, name: str, **labels: str) -> float:
+        return self.samples().get((name, tuple(sorted(labels.items()))), 0.0)
+
+    def open_tunnels(self) -> int:
+        name = "tokenprobe_websocket_sessions_in_flight"
+        return int(sum(v for (n, _), v in self.samples().items() if n == name))
+
+    def shutdown_all(self) -> None:
+        """SIGTERM: the drain sends every tunnel its close frames."""
+        self.process.send_signal(signal.SIGTERM)
+
+    def stop(self) -> None:
+        stop(self.process)

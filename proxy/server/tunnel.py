@@ -40,6 +40,7 @@ import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter, time
+from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -176,8 +177,7 @@ class _Side(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # Only the upstream's: the client's connection was open before the tunnel.
-        assert isinstance(transport, asyncio.Transport)
-        self.tunnel.upstream = transport
+        self.tunnel.upstream = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
 
     def data_received(self, data: bytes) -> None:
         if self.from_client:
@@ -316,7 +316,6 @@ class Tunnel:
         if self.ended:
             transport.close()
             return
-        assert self.upstream is transport
         self._last = self.loop.time()
         self._idle = self.loop.call_later(context.idle_timeout, self._check_idle)
         transport.write(first)

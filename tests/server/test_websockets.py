@@ -15,7 +15,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -27,7 +27,7 @@ from proxy.core.observe import bare_record
 from proxy.core.request import RequestInfo
 from proxy.core.wsframes import FrameReader, WsMessage, close_frame
 from proxy.core.wsseam import WsApi, WsSession
-from tests.ws_proxy import TunnelListener
+from tests.ws_proxy import ServedProxy, TunnelListener
 from tests.ws_upstream import REFUSAL_BODY, EchoUpstream, Session
 
 # -- fixtures --------------------------------------------------------------------------------
@@ -40,15 +40,30 @@ def upstream() -> Iterator[EchoUpstream]:
     server.stop()
 
 
-def _proxy(upstream_url: str, **settings: Any) -> TunnelListener:
-    return TunnelListener(upstream_url.replace("ws://", "http://"), **settings).start()
+Proxy = TunnelListener | ServedProxy
+MakeProxy = Callable[..., Proxy]
+
+
+@pytest.fixture(params=["listener", "serve"])
+def make_proxy(request: pytest.FixtureRequest) -> Iterator[MakeProxy]:
+    """The tunnel behind the test listener, and behind `tokenprobe serve`'s wire."""
+    started: list[Proxy] = []
+
+    def make(upstream_url: str, **settings: Any) -> Proxy:
+        url = upstream_url.replace("ws://", "http://")
+        kind = TunnelListener if request.param == "listener" else ServedProxy
+        proxy = kind(url, **settings).start()
+        started.append(proxy)
+        return proxy
+
+    yield make
+    for proxy in started:
+        proxy.stop()
 
 
 @pytest.fixture
-def proxy(upstream: EchoUpstream) -> Iterator[TunnelListener]:
-    listener = _proxy(upstream.url)
-    yield listener
-    listener.stop()
+def proxy(upstream: EchoUpstream, make_proxy: MakeProxy) -> Proxy:
+    return make_proxy(upstream.url)
 
 
 def _run(coro: Any) -> Any:
@@ -93,9 +108,7 @@ async def _full_session(url: str) -> dict[str, Any]:
     return got
 
 
-def test_full_session_is_the_same_through_the_proxy(
-    upstream: EchoUpstream, proxy: TunnelListener
-) -> None:
+def test_full_session_is_the_same_through_the_proxy(upstream: EchoUpstream, proxy: Proxy) -> None:
     direct = _run(_full_session(upstream.url))
     proxied = _run(_full_session(proxy.url))
     assert direct == proxied
@@ -128,7 +141,7 @@ async def _upstream_closes(url: str) -> tuple[int | None, str | None]:
 
 
 def test_upstream_close_code_and_reason_reach_the_client(
-    upstream: EchoUpstream, proxy: TunnelListener
+    upstream: EchoUpstream, proxy: Proxy
 ) -> None:
     assert _run(_upstream_closes(upstream.url)) == (4001, "upstream says bye")
     assert _run(_upstream_closes(proxy.url)) == (4001, "upstream says bye")
@@ -149,9 +162,7 @@ async def _refused(url: str) -> tuple[int, bytes, str | None]:
     return response.status_code, response.body, response.headers.get("X-Refused-By")
 
 
-def test_a_refused_upgrade_reaches_the_client_as_sent(
-    upstream: EchoUpstream, proxy: TunnelListener
-) -> None:
+def test_a_refused_upgrade_reaches_the_client_as_sent(upstream: EchoUpstream, proxy: Proxy) -> None:
     assert _run(_refused(upstream.url)) == _run(_refused(proxy.url)) == (403, REFUSAL_BODY, "test")
     _wait(lambda: proxy.open_tunnels() == 0, what="the tunnel to end")
     assert (
@@ -160,7 +171,7 @@ def test_a_refused_upgrade_reaches_the_client_as_sent(
 
 
 def test_a_client_that_vanishes_is_seen_upstream_within_2_s(
-    upstream: EchoUpstream, proxy: TunnelListener
+    upstream: EchoUpstream, proxy: Proxy
 ) -> None:
     async def vanish(url: str) -> float:
         async with connect(url + "/v1/echo") as ws:
@@ -185,7 +196,7 @@ def test_a_client_that_vanishes_is_seen_upstream_within_2_s(
     )
 
 
-def test_50_concurrent_sessions(upstream: EchoUpstream, proxy: TunnelListener) -> None:
+def test_50_concurrent_sessions(upstream: EchoUpstream, proxy: Proxy) -> None:
     async def one(url: str, i: int) -> list[str]:
         async with connect(url + f"/v1/echo?n={i}") as ws:
             out = []
@@ -210,8 +221,10 @@ def test_50_concurrent_sessions(upstream: EchoUpstream, proxy: TunnelListener) -
     assert proxy.sample("tokenprobe_websocket_session_duration_seconds_count", route="other") == 50
 
 
-def test_an_idle_tunnel_is_closed_after_its_timeout(upstream: EchoUpstream) -> None:
-    proxy = _proxy(upstream.url, ws_idle_timeout=0.5)
+def test_an_idle_tunnel_is_closed_after_its_timeout(
+    upstream: EchoUpstream, make_proxy: MakeProxy
+) -> None:
+    proxy = make_proxy(upstream.url, ws_idle_timeout=0.5)
     try:
 
         async def idle() -> float:
@@ -234,8 +247,10 @@ def test_an_idle_tunnel_is_closed_after_its_timeout(upstream: EchoUpstream) -> N
         proxy.stop()
 
 
-def test_traffic_keeps_a_tunnel_open_past_the_idle_timeout(upstream: EchoUpstream) -> None:
-    proxy = _proxy(upstream.url, ws_idle_timeout=0.6)
+def test_traffic_keeps_a_tunnel_open_past_the_idle_timeout(
+    upstream: EchoUpstream, make_proxy: MakeProxy
+) -> None:
+    proxy = make_proxy(upstream.url, ws_idle_timeout=0.6)
     try:
 
         async def busy() -> None:
@@ -251,9 +266,7 @@ def test_traffic_keeps_a_tunnel_open_past_the_idle_timeout(upstream: EchoUpstrea
         proxy.stop()
 
 
-def test_shutdown_sends_going_away_to_both_sides(
-    upstream: EchoUpstream, proxy: TunnelListener
-) -> None:
+def test_shutdown_sends_going_away_to_both_sides(upstream: EchoUpstream, proxy: Proxy) -> None:
     async def drained() -> tuple[int | None, str | None]:
         async with connect(proxy.url + "/v1/echo") as ws:
             await ws.send("hi")
@@ -266,17 +279,26 @@ def test_shutdown_sends_going_away_to_both_sides(
     assert _run(drained()) == (1001, "proxy shutting down")
     session = upstream.wait_sessions(1)[0]
     assert (session.close_code, session.close_reason) == (1001, "proxy shutting down")
+    _drained(proxy)
+
+
+def _drained(proxy: Proxy) -> None:
+    """The tunnel ended as a shutdown: counted (the listener), or the process exited 0
+    (`tokenprobe serve`, whose /metrics is gone with it)."""
+    if isinstance(proxy, ServedProxy):
+        assert proxy.process.wait(15) == 0
+        return
     _wait(lambda: proxy.open_tunnels() == 0, what="the tunnel to end")
     assert (
         proxy.sample("tokenprobe_websocket_sessions_total", route="other", outcome="shutdown") == 1
     )
 
 
-def test_an_unreachable_upstream_gets_the_client_a_502() -> None:
+def test_an_unreachable_upstream_gets_the_client_a_502(make_proxy: MakeProxy) -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proxy = _proxy(f"http://127.0.0.1:{port}")
+    proxy = make_proxy(f"http://127.0.0.1:{port}")
     try:
 
         async def refused() -> int:
@@ -364,7 +386,7 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
     return bytes(out)
 
 
-def test_bytes_go_both_ways_unchanged_and_only_host_is_rewritten() -> None:
+def test_bytes_go_both_ways_unchanged_and_only_host_is_rewritten(make_proxy: MakeProxy) -> None:
     frames_up = os.urandom(5000)  # the tunnel does not care whether these are frames
     frames_down = b"\x81\x05hello" + os.urandom(3000)
 
@@ -374,7 +396,7 @@ def test_bytes_go_both_ways_unchanged_and_only_host_is_rewritten() -> None:
         conn.sendall(frames_down)
 
     up = RawUpstream(SWITCH, after)
-    proxy = _proxy(f"http://127.0.0.1:{up.port}")
+    proxy = make_proxy(f"http://127.0.0.1:{up.port}")
     try:
         client = _raw_client(proxy.port)
         client.sendall(HANDSHAKE + frames_up[:100])
@@ -392,7 +414,7 @@ def test_bytes_go_both_ways_unchanged_and_only_host_is_rewritten() -> None:
         proxy.stop()
 
 
-def test_a_slow_client_holds_the_upstream_back() -> None:
+def test_a_slow_client_holds_the_upstream_back(make_proxy: MakeProxy) -> None:
     """The upstream writes 64 MiB; the client reads nothing for a while: the proxy must
     not buffer it all (its write buffer stays near the high-water mark, the upstream's
     sendall blocks), and once the client reads, every byte arrives in order."""
@@ -405,7 +427,7 @@ def test_a_slow_client_holds_the_upstream_back() -> None:
             up.sent += len(payload)
 
     up = RawUpstream(SWITCH, after)
-    proxy = _proxy(f"http://127.0.0.1:{up.port}")
+    proxy = make_proxy(f"http://127.0.0.1:{up.port}")
     try:
         client = _raw_client(proxy.port)
         client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 256 * 1024)
@@ -423,7 +445,7 @@ def test_a_slow_client_holds_the_upstream_back() -> None:
         proxy.stop()
 
 
-def test_a_slow_upstream_holds_the_client_back() -> None:
+def test_a_slow_upstream_holds_the_client_back(make_proxy: MakeProxy) -> None:
     total = 64 * 1024 * 1024
     chunk = os.urandom(1 << 20)
     reading = threading.Event()
@@ -438,7 +460,7 @@ def test_a_slow_upstream_holds_the_client_back() -> None:
             up.received += data
 
     up = RawUpstream(SWITCH, after)
-    proxy = _proxy(f"http://127.0.0.1:{up.port}")
+    proxy = make_proxy(f"http://127.0.0.1:{up.port}")
     try:
         client = _raw_client(proxy.port)
         client.sendall(HANDSHAKE)
@@ -463,13 +485,15 @@ def test_a_slow_upstream_holds_the_client_back() -> None:
         proxy.stop()
 
 
-def test_upstream_closing_after_101_closes_the_client_within_a_second() -> None:
+def test_upstream_closing_after_101_closes_the_client_within_a_second(
+    make_proxy: MakeProxy,
+) -> None:
     def after(up: RawUpstream, conn: socket.socket) -> None:
         time.sleep(0.2)
         up.closed_at = time.monotonic()  # type: ignore[attr-defined]
 
     up = RawUpstream(SWITCH, after)
-    proxy = _proxy(f"http://127.0.0.1:{up.port}")
+    proxy = make_proxy(f"http://127.0.0.1:{up.port}")
     try:
         client = _raw_client(proxy.port)
         client.sendall(HANDSHAKE)
@@ -614,7 +638,7 @@ def test_frames_the_reader_cannot_follow_stop_watching_not_the_bytes() -> None:
         proxy.stop()
 
 
-def test_drain_waits_for_a_frame_boundary_before_its_close_frame() -> None:
+def test_drain_waits_for_a_frame_boundary_before_its_close_frame(make_proxy: MakeProxy) -> None:
     """A shutdown while the client is halfway through a frame: the upstream gets the rest
     of that frame and then the proxy's close frame, never a close frame inside a frame;
     the client gets its close frame at once (nothing was in flight its way), and neither
@@ -630,7 +654,7 @@ def test_drain_waits_for_a_frame_boundary_before_its_close_frame() -> None:
             up.received += chunk
 
     up = RawUpstream(SWITCH, after)
-    proxy = _proxy(f"http://127.0.0.1:{up.port}")
+    proxy = make_proxy(f"http://127.0.0.1:{up.port}")
     try:
         client = _raw_client(proxy.port)
         client.sendall(HANDSHAKE + frame[:9])
@@ -651,10 +675,38 @@ def test_drain_waits_for_a_frame_boundary_before_its_close_frame() -> None:
         client.sendall(close_frame(1001, "", masked=True))  # the client's answer
         assert client.recv(100) == b""  # closed, the upstream's answer not relayed
         client.close()
-        _wait(lambda: proxy.open_tunnels() == 0, what="the tunnel to end")
-        assert (
-            proxy.sample("tokenprobe_websocket_sessions_total", route="other", outcome="shutdown")
-            == 1
-        )
+        _drained(proxy)
     finally:
         proxy.stop()
+
+
+def test_another_upgrade_is_not_tunnelled() -> None:
+    """`Upgrade: h2c` is an ordinary request to the HTTP relay: the upstream sees no
+    Upgrade (hop-by-hop, dropped), the client gets the upstream's plain answer."""
+    up = RawUpstream(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
+    proxy = ServedProxy(f"http://127.0.0.1:{up.port}").start()  # the wire decides this
+    try:
+        _ask_for_h2c(proxy, up)
+    finally:
+        proxy.stop()
+
+
+def _ask_for_h2c(proxy: ServedProxy, up: RawUpstream) -> None:
+    client = _raw_client(proxy.port)
+    client.sendall(
+        b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+        b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n"
+    )
+    answer = b""
+    while b"ok" not in answer:
+        chunk = client.recv(65536)
+        assert chunk, answer
+        answer += chunk
+    client.close()
+    assert answer.startswith(b"HTTP/1.1 200")
+    assert b"upgrade" not in up.heads[0].lower().split(b"\r\n\r\n")[0].replace(
+        b"http2-settings", b""
+    )
+    assert (
+        proxy.sample("tokenprobe_websocket_sessions_total", route="other", outcome="refused") == 0
+    )
