@@ -1,5 +1,5 @@
-"""The /v1/realtime seam I/O-free: recorded frames (vLLM's event shapes, realtime/protocol.py
-@ c6088cb14ab5) fed as WsMessages with synthetic read times, compared with the records it
+"""The /v1/realtime seam I/O-free: recorded frames (vLLM's event shapes and flow,
+realtime/protocol.py @ c6088cb14ab5, connection.py @ 8ba6842cb276) fed as WsMessages with synthetic read times, compared with the records it
 must give: one per utterance, plus the session's own figures."""
 
 from __future__ import annotations
@@ -35,10 +35,16 @@ def session(query: str = "model=whisper") -> tuple[RealtimeSession, list[Measure
 
 
 def utterance(t: float, text: str) -> list[WsMessage]:
+    """Half a second of audio, the commit that starts the generation, the other half, the
+    final commit, then vLLM's deltas (one empty) and done."""
     usage = {"prompt_tokens": 50, "total_tokens": 53, "completion_tokens": 3}
+    cut = len(AUDIO) // 8 * 4  # on a base64 quantum
+    half = AUDIO[:cut]
     return [
-        c(t, type="input_audio_buffer.append", audio=AUDIO),
-        c(t + 0.125, type="input_audio_buffer.commit", final=False),
+        c(t, type="input_audio_buffer.append", audio=half),
+        c(t + 0.125, type="input_audio_buffer.commit"),
+        c(t + 0.125, type="input_audio_buffer.append", audio=AUDIO[cut:]),
+        c(t + 0.125, type="input_audio_buffer.commit", final=True),
         s(t + 0.25, type="transcription.delta", delta=""),  # empty: no token
         s(t + 0.5, type="transcription.delta", delta=text),
         s(t + 0.625, type="transcription.delta", delta=" a"),
@@ -74,21 +80,21 @@ def test_three_utterances_give_three_records_and_the_session_figures() -> None:
 
 def test_an_error_event_ends_the_open_utterance_as_a_stream_error() -> None:
     sess, records = session()
-    for frame in utterance(101.0, "x")[:4]:
+    for frame in utterance(101.0, "x")[:6]:
         sess.message(frame)
-    sess.message(s(101.6, type="error", error="decoder failed", code="internal_error"))
+    sess.message(s(101.6, type="error", error="decoder failed", code="processing_error"))
     sess.close(102.0, "closed_by_upstream")
     (m,) = records
     assert (
         m.error_type is ErrorType.STREAM_ERROR
-        and m.error_message == "internal_error: decoder failed"
+        and m.error_message == "processing_error: decoder failed"
     )
     assert m.ttft == 0.375 and (m.output_tokens, m.token_source) == (1, TokenSource.CHUNKS)
 
 
 def test_a_session_cut_mid_utterance_records_it_truncated() -> None:
     sess, records = session()
-    for frame in utterance(101.0, "x")[:5]:
+    for frame in utterance(101.0, "x")[:7]:
         sess.message(frame)
     sess.close(101.75, "client_vanished")
     (m,) = records
@@ -98,17 +104,33 @@ def test_a_session_cut_mid_utterance_records_it_truncated() -> None:
     assert m.e2e == 0.625 and m.output_tokens == 2
 
 
-def test_an_utterance_never_done_is_truncated_at_the_end_and_the_next_is_measured() -> None:
+def test_a_commit_while_a_generation_runs_is_ignored_as_vllm_ignores_it() -> None:
+    sess, records = session()
+    frames = utterance(101.0, "y")
+    for frame in [*frames[:2], c(101.2, type="input_audio_buffer.commit"), *frames[2:]]:
+        sess.message(frame)
+    sess.close(102.0, "closed_by_client")
+    (m,) = records
+    assert m.ok and m.ttft == 0.375
+
+
+def test_client_side_errors_are_records_of_their_own_and_open_no_utterance() -> None:
     sess, records = session()
     sess.message(c(101.0, type="input_audio_buffer.commit"))
-    for frame in utterance(102.0, "y")[:2]:
-        sess.message(frame)
-    sess.message(s(102.5, type="transcription.delta", delta="y"))
-    sess.message(s(102.75, type="transcription.done", text="y"))
-    sess.close(103.0, "closed_by_client")
-    first, second = records
-    assert first.ok and first.ttft == 1.5  # answers come in order: the first commit's
-    assert second.error_type is ErrorType.STREAM_TRUNCATED and second.ttft is None
+    sess.message(s(101.0, type="error", error="Model not validated.", code="model_not_validated"))
+    sess.message(c(101.1, type="session.update", model="nope"))
+    sess.message(
+        s(101.1, type="error", error="The model `nope` does not exist.", code="model_not_found")
+    )
+    sess.message(WsMessage(True, "text", b"{oops", 101.2))
+    sess.message(s(101.2, type="error", error="Invalid JSON", code="invalid_json"))
+    sess.close(102.0, "closed_by_client")
+    assert [m.error_type for m in records] == [
+        ErrorType.BAD_REQUEST,
+        ErrorType.NOT_FOUND,
+        ErrorType.BAD_REQUEST,
+    ]
+    assert sess.utterances == 0 and sess.malformed == 1
 
 
 def test_frames_that_are_not_json_objects_are_counted_and_ignored() -> None:

@@ -1,27 +1,29 @@
 """vLLM's realtime transcription, the WebSocket `/v1/realtime`, on the WebSocket seam.
 
 Wire facts (vllm-project/vllm vllm/entrypoints/speech_to_text/realtime/protocol.py @
-c6088cb14ab5, connection.py): every message is a JSON text frame with a `type`. The
-server opens with `session.created` (id, created); the client sends `session.update`
-(model), `input_audio_buffer.append` (`audio`: base64 PCM16, 16 kHz, mono) and
-`input_audio_buffer.commit` (`final`); the server answers `transcription.delta` (`delta`)
-and `transcription.done` (`text`, `usage`: prompt_tokens, completion_tokens), and
-`error` (`error`, `code`) when something fails.
+c6088cb14ab5 and connection.py @ 8ba6842cb276): every message is a JSON text frame with a
+`type`. The server opens with `session.created` (id, created); the client sends
+`session.update` (model), `input_audio_buffer.append` (`audio`: base64 PCM16, 16 kHz,
+mono) and `input_audio_buffer.commit`: a commit without `final` starts a generation (one
+at a time: a commit while one runs is ignored), `final: true` says the audio is over. The
+server streams `transcription.delta` (`delta`) and ends with `transcription.done`
+(`text`, `usage`: prompt_tokens, completion_tokens); it answers `error` (`error`, `code`)
+for a frame that is not JSON (invalid_json), an unknown event, bad audio, a model not
+validated or not found, and a failed generation (processing_error, then no done).
 
-One Measurement per utterance: from the client's commit (start) to the first non-empty
-`transcription.delta` (TTFT) and to `transcription.done` (e2e), tokens from its usage
-(else the deltas counted, source chunks), `audio_seconds` (appended since the previous
-commit) in `extra`. Utterances are answered in order, so deltas and done belong to the
-oldest open one. An `error` ends the oldest open utterance as `stream_error` (or, with none
-open, is recorded on its own); a session that ends with an utterance still open records it
-as `stream_truncated`, saying how the session ended. A frame that is not a JSON object is
-counted (`malformed`) and passes, as every byte does. The session keeps its own figures
-(`utterances`, `audio_bytes`, `audio_seconds`, `duration`) for the session metrics.
+One Measurement per utterance: from the client's commit that started the generation
+(start) to the first non-empty `transcription.delta` (TTFT) and to `transcription.done`
+(e2e), tokens from its usage (else the deltas counted, source chunks), the audio seconds
+appended for it in `extra["audio_seconds"]`. A `processing_error` ends the open utterance
+as `stream_error`; any other `error` is a record of its own (`not_found` for
+model_not_found, else `bad_request`; a refused commit opens no utterance); a session that
+ends with an utterance open records it as `stream_truncated`, saying how the session
+ended. A frame that is not a JSON object is counted (`malformed`) and passes, as every
+byte does. The session keeps its own figures (`utterances`, `audio_seconds`, `duration`).
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -65,10 +67,10 @@ class RealtimeSession(WsSession):
         self, start: float, started_at: float, model: str, record: Callable[[Measurement], None]
     ) -> None:
         self.start, self.started_at, self.model, self.record = start, started_at, model, record
-        self.open_utterances: deque[_Utterance] = deque()
+        self.current: _Utterance | None = None  # the generation running now
         self.utterances = 0
         self.audio_bytes = 0
-        self._pending_audio = 0  # appended since the last commit
+        self._pending_audio = 0  # appended while no generation runs
         self.malformed = 0
         self.duration: float | None = None
         self.session_id: str | None = None
@@ -85,15 +87,19 @@ class RealtimeSession(WsSession):
             self.malformed += 1
             return
         kind = obj.get("type")
+        u = self.current
         if msg.from_client:
             if kind == "input_audio_buffer.append":
                 audio = obj.get("audio")
                 if type(audio) is str:
                     size = _b64_size(audio)
                     self.audio_bytes += size
-                    self._pending_audio += size
-            elif kind == "input_audio_buffer.commit":
-                self.open_utterances.append(_Utterance(msg.at, self._pending_audio))
+                    if u is None:
+                        self._pending_audio += size
+                    else:
+                        u.audio += size
+            elif kind == "input_audio_buffer.commit" and u is None and obj.get("final") is not True:
+                self.current = _Utterance(msg.at, self._pending_audio)
                 self._pending_audio = 0
             elif kind == "session.update":
                 model = obj.get("model")
@@ -102,36 +108,41 @@ class RealtimeSession(WsSession):
             return
         if kind == "transcription.delta":
             delta = obj.get("delta")
-            if self.open_utterances and delta and type(delta) is str:
-                u = self.open_utterances[0]
+            if u is not None and delta and type(delta) is str:
                 if u.first is None:
                     u.first = msg.at
                 u.last = msg.at
                 u.deltas += 1
         elif kind == "transcription.done":
-            if self.open_utterances:
-                usage = obj.get("usage")
-                self._finish(self.open_utterances.popleft(), msg.at, usage, None, None)
+            if u is not None:
+                self.current = None
+                self._finish(u, msg.at, obj.get("usage"), None, None)
         elif kind == "error":
-            text = obj.get("error")
-            code = obj.get("code")
-            message = f"{code}: {text}" if code else str(text)
-            u = self.open_utterances.popleft() if self.open_utterances else _Utterance(msg.at, 0)
-            self._finish(u, msg.at, None, ErrorType.STREAM_ERROR, message[:200])
+            self._error(obj, msg.at)
         elif kind == "session.created":
             sid = obj.get("id")
             self.session_id = sid if type(sid) is str else None
 
+    def _error(self, obj: dict[str, Any], at: float) -> None:
+        code, text = obj.get("code"), obj.get("error")
+        message = (f"{code}: {text}" if code else str(text))[:200]
+        u = self.current
+        if u is not None and code == "processing_error":
+            self.current = None
+            self._finish(u, at, None, ErrorType.STREAM_ERROR, message)
+            return
+        if u is not None and code == "model_not_validated" and u.deltas == 0:
+            self.current = None  # the commit that opened it was refused
+            self._pending_audio += u.audio
+        error = ErrorType.NOT_FOUND if code == "model_not_found" else ErrorType.BAD_REQUEST
+        self._finish(_Utterance(at, 0), at, None, error, message, utterance=False)
+
     def close(self, at: float, cause: str) -> None:
         self.duration = at - self.start
-        while self.open_utterances:
-            self._finish(
-                self.open_utterances.popleft(),
-                at,
-                None,
-                ErrorType.STREAM_TRUNCATED,
-                f"session ended ({cause}) before transcription.done",
-            )
+        u, self.current = self.current, None
+        if u is not None:
+            message = f"session ended ({cause}) before transcription.done"
+            self._finish(u, at, None, ErrorType.STREAM_TRUNCATED, message)
 
     def _finish(
         self,
@@ -140,8 +151,9 @@ class RealtimeSession(WsSession):
         usage: Any,
         error: ErrorType | None,
         message: str | None,
+        utterance: bool = True,
     ) -> None:
-        self.utterances += 1
+        self.utterances += utterance
         prompt = output = None
         source = TokenSource.CHUNKS if u.deltas else TokenSource.NONE
         if type(usage) is dict and type(usage.get("completion_tokens")) is int:
