@@ -15,6 +15,7 @@
                                    vLLM's pooling family (pooling.py)
   POST /tokenize /detokenize       (utility.py)
   GET|POST /ping, GET /version, GET /load, POST /invocations (SageMaker dispatch)
+  WS   /v1/realtime                realtime transcription sessions (realtime.py)
   GET  /health                     200, empty body
   GET  /sim/requests               the records as JSON (authorization masked)
   GET  /sim/stats                  load counters (active, max_active, total, lockstep ticks)
@@ -49,6 +50,7 @@ from proxy.sim.generate import GenerateWire, complete_generate, stream_generate
 from proxy.sim.messages import MessagesWire
 from proxy.sim.messages import count_tokens as messages_count_tokens
 from proxy.sim.pacing import FreePacer, LockstepPacer, Pacer, StepClock
+from proxy.sim.realtime import RealtimeSession
 from proxy.sim.responses import ResponsesWire
 from proxy.sim.state import Outcome, SimRequest, SimState
 from proxy.sim.stream import complete, paced_whole, stream
@@ -69,6 +71,7 @@ class SimApp:
         self.clock = StepClock(config.step_ms / 1000) if config.step_ms else None
         self._models = catalog.models_list(config)
         self._auth = None if config.api_key is None else f"Bearer {config.api_key}"
+        self.realtime_sessions: list[RealtimeSession] = []  # what each one sent, for tests
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -76,8 +79,22 @@ class SimApp:
                 await self._api(scope, receive, send)
             else:
                 await self._admin(scope, send)
+        elif scope["type"] == "websocket":
+            await self._websocket(scope, receive, send)
         elif scope["type"] == "lifespan":
             await self._lifespan(receive, send)
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["path"] != "/v1/realtime":
+            await send({"type": "websocket.close", "code": 1008})  # uvicorn answers 403
+            return
+        try:
+            session = RealtimeSession(scope, receive, send, self.config)
+        except ControlError:
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        self.realtime_sessions.append(session)
+        await session.run()
 
     # -- /v1 -----------------------------------------------------------------
 

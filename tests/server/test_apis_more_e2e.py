@@ -372,3 +372,89 @@ def test_cohere_stream_bytes_and_error_classes(
         m = proxy.record(n + i)
         assert sha(r.content) == sent(sim[1]).body_sha256, headers
         assert (m["endpoint"], m["error_type"]) == ("/cohere/v2/chat", error), headers
+
+
+# -- /v1/realtime with a websockets client --------------------------------------------------
+
+
+def realtime_url(proxy: Proxy) -> str:
+    return proxy.url.replace("http://", "ws://") + "/v1/realtime"
+
+
+def pcm_b64(seconds: float) -> str:
+    import base64
+
+    return base64.b64encode(b"\0\0" * int(16_000 * seconds)).decode()
+
+
+def speak(ws: Any, received: list[str]) -> None:
+    """One utterance as vLLM's client does it: audio, commit, more audio, final commit,
+    then read up to transcription.done (or an error)."""
+    ws.send(orjson.dumps({"type": "input_audio_buffer.append", "audio": pcm_b64(0.5)}).decode())
+    ws.send(b'{"type":"input_audio_buffer.commit"}'.decode())
+    ws.send(orjson.dumps({"type": "input_audio_buffer.append", "audio": pcm_b64(0.5)}).decode())
+    ws.send(b'{"type":"input_audio_buffer.commit","final":true}'.decode())
+    while True:
+        text = ws.recv(timeout=10)
+        received.append(text)
+        if b'"transcription.done"' in text.encode() or b'"type":"error"' in text.encode():
+            return
+
+
+def test_realtime_three_utterances_with_a_websockets_client(
+    sim: tuple[str, SimApp], proxy: Proxy, n: int
+) -> None:
+    from websockets.sync.client import connect
+
+    from proxy.sim.tokens import completion_text
+
+    received: list[str] = []
+    with connect(realtime_url(proxy), additional_headers=PROGRAM) as ws:
+        received.append(ws.recv(timeout=10))  # session.created
+        ws.send(orjson.dumps({"type": "session.update", "model": MODEL}).decode())
+        for _ in range(3):
+            speak(ws, received)
+    assert received == sim[1].realtime_sessions[-1].sent  # every frame as the backend sent it
+    done = [orjson.loads(t) for t in received if '"transcription.done"' in t]
+    assert [d["text"] for d in done] == [completion_text(8)] * 3
+    records = [proxy.record(n + i) for i in range(3)]
+    for m in records:
+        assert (m["endpoint"], m["model"], m["error_type"]) == ("/v1/realtime", MODEL, None)
+        assert (m["output_tokens"], m["token_source"]) == (8, "usage")
+        assert m["prompt_tokens"] == done[0]["usage"]["prompt_tokens"] == 4 + 50
+        assert TTFT * 1000 <= m["ttft_ms"] < (TTFT + SLACK) * 1000  # from the commit
+        assert m["e2e_ms"] >= m["ttft_ms"] + 7 * 10  # 7 more deltas at 100/s
+
+
+def test_realtime_error_and_cut_sessions_are_classified(
+    sim: tuple[str, SimApp], proxy: Proxy, n: int
+) -> None:
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    fault = {**PROGRAM, "x-sim-fault": "error_event", "x-sim-fault-after": "2"}
+    with connect(realtime_url(proxy), additional_headers=fault) as ws:
+        ws.recv(timeout=10)
+        ws.send("{not json")  # the backend answers invalid_json; the frame still went through
+        assert '"invalid_json"' in ws.recv(timeout=10)
+        ws.send(orjson.dumps({"type": "session.update", "model": MODEL}).decode())
+        received: list[str] = []
+        speak(ws, received)
+        assert '"processing_error"' in received[-1]
+    first, second = proxy.record(n), proxy.record(n + 1)
+    assert (first["error_type"], second["error_type"]) == ("bad_request", "stream_error")
+    assert second["ttft_ms"] >= TTFT * 1000 and second["output_tokens"] == 2
+
+    cut = {**PROGRAM, "x-sim-fault": "close_no_done", "x-sim-fault-after": "3"}
+    with connect(realtime_url(proxy), additional_headers=cut) as ws:
+        ws.recv(timeout=10)
+        ws.send(orjson.dumps({"type": "session.update", "model": MODEL}).decode())
+        with pytest.raises(ConnectionClosed):
+            speak(ws, [])
+    m = proxy.record(n + 2)
+    assert (m["endpoint"], m["error_type"], m["output_tokens"]) == (
+        "/v1/realtime",
+        "stream_truncated",
+        3,
+    )
+    assert "before transcription.done" in m["error"]
