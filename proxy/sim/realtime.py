@@ -139,7 +139,8 @@ class RealtimeSession:
         for i in range(self.tokens):
             if self.fault is not None and i == self.fault_after and await self.fire():
                 return
-            await asyncio.sleep(max(0.0, due - loop.time()))
+            while loop.time() < due:  # never early: a timer may fire a little before
+                await asyncio.sleep(due - loop.time())
             piece = VOCAB[i % len(VOCAB)]
             pieces.append(piece)
             await self.send({"type": "transcription.delta", "delta": piece})
