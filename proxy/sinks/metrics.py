@@ -164,6 +164,13 @@ class Metrics:
             "Prompt tokens served from the backend's prefix cache "
             "(usage.prompt_tokens_details.cached_tokens).",
         )
+        self.audio_seconds_total = c(
+            "tokenprobe_audio_input_seconds",
+            "Seconds of audio clients sent to be transcribed, counted when each utterance's "
+            "record ends (from its commit to its transcription.done, error or cut): the "
+            "base64-decoded bytes of its input_audio_buffer.append events over 32000 "
+            "(PCM16, 16 kHz, mono). Divide the e2e seconds by it for the real-time factor.",
+        )
         self.in_flight = Gauge(
             "tokenprobe_requests_in_flight",
             "Measured requests between the proxy receiving them and their last byte.",
@@ -266,6 +273,9 @@ class Metrics:
             )
         if m.cached_prompt_tokens:
             cached.inc(m.cached_prompt_tokens)
+        audio = m.extra.get("audio_seconds") if m.extra else None
+        if audio:
+            self.audio_seconds_total.labels(model_label, m.endpoint).inc(audio)
         error = m.error_type.value if m.error_type is not None else NONE_LABEL
         reason = m.finish_reason if m.finish_reason in FINISH_REASONS else "other"
         self.requests.labels(model_label, m.endpoint, str(m.status_code), reason, error).inc()

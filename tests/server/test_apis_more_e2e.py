@@ -60,8 +60,17 @@ class Proxy:
         assert len(self.lines) >= n, self.lines
         return self.lines[n - 1]
 
-    def metrics(self) -> str:
-        return httpx.get(self.url + "/metrics").text
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample of the proxy's /metrics (0 when it has none yet)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(self.url + "/metrics").text
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name and labels.items() <= sample.labels.items()
+        )
 
 
 @pytest.fixture(scope="module")
@@ -408,6 +417,8 @@ def test_realtime_three_utterances_with_a_websockets_client(
 
     from proxy.sim.tokens import completion_text
 
+    audio = "tokenprobe_audio_input_seconds_total"
+    before = proxy.metric(audio, endpoint="/v1/realtime")
     received: list[str] = []
     with connect(realtime_url(proxy), additional_headers=PROGRAM) as ws:
         received.append(ws.recv(timeout=10))  # session.created
@@ -424,6 +435,9 @@ def test_realtime_three_utterances_with_a_websockets_client(
         assert m["prompt_tokens"] == done[0]["usage"]["prompt_tokens"] == 4 + 50
         assert TTFT * 1000 <= m["ttft_ms"] < (TTFT + SLACK) * 1000  # from the commit
         assert m["e2e_ms"] >= (TTFT + 7 / 100) * 1000  # 7 more deltas at 100/s, on schedule
+    assert proxy.metric(audio, endpoint="/v1/realtime", model=MODEL) - before == 3.0  # 1 s each
+    sessions = "tokenprobe_websocket_sessions_total"
+    assert proxy.metric(sessions, route="/v1/realtime", outcome="closed_by_client") >= 1
 
 
 def test_realtime_error_and_cut_sessions_are_classified(
