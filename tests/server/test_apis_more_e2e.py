@@ -472,3 +472,27 @@ def test_realtime_error_and_cut_sessions_are_classified(
         3,
     )
     assert "before transcription.done" in m["error"]
+
+
+# -- tokenprobe demo ------------------------------------------------------------------------
+
+
+def test_demo_prints_a_row_for_each_new_api() -> None:
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "proxy", "demo", "--port", "0", "--rounds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    for endpoint, source in [
+        ("/inference/v1/generate", "token_ids"),
+        ("/v1/audio/transcriptions", "usage"),
+        ("/v1/audio/translations", "none"),
+        ("/cohere/v2/chat", "usage"),
+        ("/v1/realtime", "usage"),
+    ]:
+        line = next(line for line in out.stdout.splitlines() if f" {endpoint} " in line)
+        assert line.split()[-1] == "ok" and f" {source} " in line, line
