@@ -24,6 +24,7 @@ import uvicorn
 
 from proxy.bench.ports import free_port
 from proxy.core.measurement import Measurement
+from proxy.core.wav import pcm16, wav
 from proxy.server.assemble import assemble
 from proxy.server.protocol import (
     HEAD_SLACK,
@@ -104,14 +105,8 @@ SCENARIOS = (
     ),
     Scenario("cohere chat v2", endpoint="/cohere/v2/chat", headers=(("x-sim-ttft", "0.1"),)),
 )
-#: Half a second of 16 kHz PCM16 mono silence, as a WAV file, for the audio rows.
-WAV = (
-    b"RIFF" + (36 + 16_000).to_bytes(4, "little") + b"WAVEfmt "
-    + (16).to_bytes(4, "little") + (1).to_bytes(2, "little") + (1).to_bytes(2, "little")
-    + (16_000).to_bytes(4, "little") + (32_000).to_bytes(4, "little")
-    + (2).to_bytes(2, "little") + (16).to_bytes(2, "little")
-    + b"data" + (16_000).to_bytes(4, "little") + b"\0" * 16_000
-)  # fmt: skip
+#: Half a second of audio, as a WAV file, for the audio rows.
+WAV = wav(0.5)
 
 
 def _request(s: Scenario, i: int) -> dict[str, Any]:
@@ -177,7 +172,7 @@ async def _realtime(base: str, records: list[Measurement]) -> dict[int, str]:
     except ImportError:
         return {}
     first = len(records)
-    audio = base64.b64encode(WAV[44:]).decode()  # the WAV's PCM samples
+    audio = base64.b64encode(pcm16(0.5)).decode()
     events = [
         {"type": "input_audio_buffer.append", "audio": audio},
         {"type": "input_audio_buffer.commit"},

@@ -29,8 +29,7 @@ from typing import Any
 import orjson
 
 from proxy.core.form import Form, read_form
-
-BYTES_PER_SECOND = 32_000
+from proxy.core.wav import BYTES_PER_SECOND
 
 
 class AudioInputError(ValueError):

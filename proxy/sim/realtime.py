@@ -37,11 +37,11 @@ from typing import Any
 import orjson
 from starlette.types import Receive, Scope, Send
 
+from proxy.core.wav import BYTES_PER_SECOND
 from proxy.sim.config import SimConfig
 from proxy.sim.controls import ControlError, number
 from proxy.sim.tokens import VOCAB
 
-BYTES_PER_SECOND = 32_000
 WS_FAULTS = frozenset({"error_event", "close_no_done", "malformed", "stall"})
 
 

@@ -29,11 +29,9 @@ from typing import Any
 
 from proxy.core.apis.base import json_object
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
+from proxy.core.wav import BYTES_PER_SECOND
 from proxy.core.wsbase import WsApi, WsSession
 from proxy.core.wsframes import WsMessage
-
-#: PCM16 at 16 kHz, mono.
-BYTES_PER_SECOND = 32_000
 
 
 class Realtime(WsApi):
