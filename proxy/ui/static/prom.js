@@ -145,6 +145,9 @@
       outputTokens: 0,
       cost: 0,
       priced: false,
+      audioSeconds: 0, // audio received on /v1/realtime
+      realtimeSeconds: 0, // e2e of its utterances
+      speech: false,
       inFlight: 0,
       buckets: {},
     };
@@ -158,6 +161,7 @@
         continue;
       }
       if (name === "tokenprobe_cost_total") out.priced = true;
+      if (name === "tokenprobe_audio_input_seconds_total") out.speech = true;
       if (!base) continue;
       const delta = increase(value, base.values.get(key));
       const hist = BY_BUCKET.get(name);
@@ -176,6 +180,10 @@
         out.outputTokens += delta;
       } else if (name === "tokenprobe_cost_total") {
         out.cost += delta;
+      } else if (name === "tokenprobe_audio_input_seconds_total") {
+        out.audioSeconds += delta;
+      } else if (name === "tokenprobe_e2e_request_latency_seconds_sum" && s.labels.endpoint === "/v1/realtime") {
+        out.realtimeSeconds += delta;
       }
     }
     return out;
