@@ -48,7 +48,7 @@ def _optional_seconds(value: str) -> float | None:
     return None if value.lower() in ("", "0", "none", "off") else _seconds(value)
 
 
-def _positive_int(value: str) -> int:
+def positive_int(value: str) -> int:
     n = int(value)
     if n < 1:
         raise ValueError("must be at least 1")
@@ -182,15 +182,15 @@ class Settings:
         _seconds, 60.0, "Seconds a client may take to send its request body (slow-body protection)."
     )
     max_body_bytes: int = setting(
-        _positive_int, 32 * 1024 * 1024, "Largest request body accepted (413 above it)."
+        positive_int, 32 * 1024 * 1024, "Largest request body accepted (413 above it)."
     )
     max_header_bytes: int = setting(
-        _positive_int,
+        positive_int,
         64 * 1024,
         "Largest total size of request headers, counted while they arrive (431 and close above it).",
     )
     max_headers: int = setting(
-        _positive_int,
+        positive_int,
         100,
         "Most request headers, counted while they arrive (431 and close above it).",
     )
@@ -200,7 +200,7 @@ class Settings:
         "Seconds a client gets to send a whole request head, from connecting or from the previous response's end (408, or a plain close when nothing came; 0 disables).",
     )
     max_event_bytes: int = setting(
-        _positive_int,
+        positive_int,
         4 * 1024 * 1024,
         'Largest SSE event buffered to measure or strip; a larger event is relayed all the same, and that stream goes unmeasured (`tokenprobe_measurement_failures_total{stage="event_too_large"}`).',
     )
@@ -265,7 +265,7 @@ class Settings:
     )
     currency: str = setting(_currency, "USD", "Currency of `--cost-per-hour`.")
     workers: int = setting(
-        _positive_int, 1, "Worker processes sharing the port; `/metrics` sums them all."
+        positive_int, 1, "Worker processes sharing the port; `/metrics` sums them all."
     )
     drain_timeout: float = setting(
         _seconds,
@@ -305,6 +305,23 @@ def settings_table() -> str:
     return "\n".join(rows) + "\n"
 
 
+def parse_value(source: str, raw: str, parse: Callable[[str], Any]) -> Any:
+    """One value parsed, or SettingsError naming where it came from (a flag or a variable).
+    The OTEL_* variables (proxy/sinks/otel_env.py) are read through this too."""
+    try:
+        return parse(raw)
+    except ValueError as exc:
+        raise SettingsError(f"{source}={raw!r}: {exc}") from None
+
+
+def number(value: str) -> float:
+    """A finite number."""
+    parsed = float(value)
+    if parsed != parsed or parsed in (float("inf"), float("-inf")):
+        raise ValueError("expected a finite number")
+    return parsed
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per setting; defaults stay None so `resolve` can tell 'not given'."""
     for spec in SPECS:
@@ -337,10 +354,7 @@ def resolve(args: argparse.Namespace | Mapping[str, Any], environ: Mapping[str, 
         if isinstance(raw, bool) or not isinstance(raw, str):
             values[spec.name] = raw
             continue
-        try:
-            values[spec.name] = spec.parse(raw)
-        except ValueError as exc:
-            raise SettingsError(f"{source}={raw!r}: {exc}") from None
+        values[spec.name] = parse_value(source, raw, spec.parse)
     if "upstream" not in values:
         raise SettingsError(
             "no upstream: set --upstream http://HOST:PORT or TOKENPROBE_UPSTREAM "
