@@ -14,7 +14,7 @@ validated or not found, and a failed generation (processing_error, then no done)
 One Measurement per utterance: from the client's commit that started the generation
 (start) to the first non-empty `transcription.delta` (TTFT) and to `transcription.done`
 (e2e), tokens from its usage (else the deltas counted, source chunks), the audio seconds
-appended for it in `extra["audio_seconds"]`. A `processing_error` ends the open utterance
+appended for it in `audio_seconds`. A `processing_error` ends the open utterance
 as `stream_error`; any other `error` is a record of its own (`not_found` for
 model_not_found, else `bad_request`; a refused commit opens no utterance); a session that
 ends with an utterance open records it as `stream_truncated`, saying how the session
@@ -186,7 +186,7 @@ class RealtimeSession(WsSession):
                 error_type=error,
                 error_message=message,
                 response_id=self.session_id,
-                extra={"audio_seconds": u.audio / BYTES_PER_SECOND},
+                audio_seconds=u.audio / BYTES_PER_SECOND,
             )
         )
 
