@@ -120,16 +120,15 @@ class SimApp:
                 outcome = "aborted"
                 return
             if path in _FORMS:
-                body, bad_json = _parse_form(raw, headers.get("content-type", "")), None
-                record.body = body if isinstance(body, dict) else None
+                body, bad_body = _parse_form(raw, headers.get("content-type", ""))
             else:
-                body, bad_json = _parse_json(raw)
-                record.body = body
-            outcome = await ex.guard(lambda: self._route(ex, bad_json, t0))
+                body, bad_body = _parse_json(raw)
+            record.body = body
+            outcome = await ex.guard(lambda: self._route(ex, bad_body, t0))
         finally:
             ex.finish(outcome)  # a no-op when the response already ended
 
-    async def _route(self, ex: Exchange, bad_json: str | None, t0: float) -> Outcome:
+    async def _route(self, ex: Exchange, bad_body: str | None, t0: float) -> Outcome:
         record = ex.record
         stall = stall_before_headers(record.headers)
         if stall > 0:
@@ -149,8 +148,8 @@ class SimApp:
         if record.method not in methods:
             await ex.error(errors.method_not_allowed())
             return "error"
-        if bad_json is not None:
-            await ex.error(errors.bad_request(f"JSON decode error: {bad_json}"))
+        if bad_body is not None:
+            await ex.error(errors.bad_request(bad_body))
             return "error"
         return await handler(self, ex, record.body, t0)
 
@@ -171,16 +170,10 @@ class SimApp:
         return await self._generate("responses", ex, body, t0)
 
     async def _transcription(self, ex: Exchange, body: Any, t0: float) -> Outcome:
-        return await self._audio("transcription", ex, body, t0)
+        return await self._generate("transcription", ex, body, t0)
 
     async def _translation(self, ex: Exchange, body: Any, t0: float) -> Outcome:
-        return await self._audio("translation", ex, body, t0)
-
-    async def _audio(self, kind: Kind, ex: Exchange, body: Any, t0: float) -> Outcome:
-        if isinstance(body, str):  # the form could not be read: why
-            await ex.error(errors.bad_request(body))
-            return "error"
-        return await self._generate(kind, ex, body, t0)
+        return await self._generate("translation", ex, body, t0)
 
     async def _cohere(self, ex: Exchange, body: Any, t0: float) -> Outcome:
         return await self._generate("cohere", ex, body, t0)
@@ -462,12 +455,12 @@ def _guarded(path: str) -> bool:
 _FORMS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
 
 
-def _parse_form(raw: bytes, content_type: str) -> dict[str, Any] | str:
-    """The audio form read as a request, or why it cannot be."""
+def _parse_form(raw: bytes, content_type: str) -> tuple[Any, str | None]:
+    """(the audio form read as a request or None, why it cannot be read or None)."""
     try:
-        return audio.form_body(raw, content_type)
+        return audio.form_body(raw, content_type), None
     except audio.AudioInputError as exc:
-        return str(exc)
+        return None, str(exc)
 
 
 def _parse_json(raw: bytes) -> tuple[Any, str | None]:
@@ -477,7 +470,7 @@ def _parse_json(raw: bytes) -> tuple[Any, str | None]:
     try:
         return orjson.loads(raw), None
     except orjson.JSONDecodeError as exc:
-        return None, str(exc)
+        return None, f"JSON decode error: {exc}"
 
 
 def _response_id(path: str, headers: dict[str, str]) -> str:
