@@ -132,17 +132,18 @@ class EchoUpstream:
             self._loop.call_soon_threadsafe(self._server.close)
         self._thread.join(timeout=10)
 
-    def wait_sessions(self, n: int, timeout: float = 10.0) -> list[Session]:
-        """The first n sessions, once each has ended."""
+    def wait_sessions(self, n: int, since: int = 0, timeout: float = 10.0) -> list[Session]:
+        """Sessions since..since+n, once each has ended (`since`: len(sessions) before)."""
         deadline = time.monotonic() + timeout
-        while len(self.sessions) < n:
+        while len(self.sessions) < since + n:
             if time.monotonic() > deadline:
-                raise AssertionError(f"{len(self.sessions)} sessions, expected {n}")
+                raise AssertionError(f"{len(self.sessions) - since} sessions, expected {n}")
             time.sleep(0.005)
-        for session in self.sessions[:n]:
+        chosen = self.sessions[since : since + n]
+        for session in chosen:
             if not session.done.wait(max(0.0, deadline - time.monotonic())):
                 raise AssertionError(f"session {session.path} did not end")
-        return self.sessions[:n]
+        return chosen
 
 
 def main(argv: list[str]) -> int:
