@@ -523,8 +523,10 @@ class Tunnel:
         self._idle = None
         if self.ended:
             return
-        if self._full or self.client.get_write_buffer_size() or (
-            self.upstream is not None and self.upstream.get_write_buffer_size()
+        if (
+            self._full
+            or self.client.get_write_buffer_size()
+            or (self.upstream is not None and self.upstream.get_write_buffer_size())
         ):
             self._last = self.loop.time()  # a side is slow to take its bytes: not idle
         quiet = self.loop.time() - self._last
