@@ -241,6 +241,26 @@ def test_the_session_metrics_are_on_metrics(upstream: EchoUpstream, proxy: Proxy
     assert 'tokenprobe_websocket_sessions_total{outcome="closed_by_upstream",route="other"}' in text
 
 
+def test_a_target_that_cannot_be_normalised_gets_a_400(
+    upstream: EchoUpstream, proxy: Proxy
+) -> None:
+    """An encoded slash is refused as the HTTP relay refuses it (proxy/core/paths.py),
+    before anything goes upstream."""
+    before = _count(proxy, "bad_request")
+    since = len(upstream.sessions)
+
+    async def refused() -> tuple[int, bytes]:
+        with pytest.raises(InvalidStatus) as info:
+            async with connect(proxy.url + "/v1/a%2Fb"):
+                pass
+        return info.value.response.status_code, info.value.response.body
+
+    status, body = _run(refused())
+    assert status == 400 and b"encoded slash" in body
+    _counted(proxy, "bad_request", before)
+    assert len(upstream.sessions) == since
+
+
 def test_an_idle_tunnel_is_closed_after_its_timeout(
     upstream: EchoUpstream, make_proxy: MakeProxy
 ) -> None:
