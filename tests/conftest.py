@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -79,6 +80,15 @@ class ProxyUnderTest(Running):
         return self.records
 
 
+def relay_config() -> dict[str, Any]:
+    """uvicorn's options for the data path TOKENPROBE_RELAY names (tests/server/conftest.py
+    runs every server test on both): the wire's protocol, or uvicorn's own for the ASGI relay."""
+    from proxy.server.wire import WireProtocol
+
+    relay = os.environ.get("TOKENPROBE_RELAY", "wire")
+    return {"http": WireProtocol} if relay == "wire" else {}
+
+
 @pytest.fixture
 def start_proxy() -> Iterator[Callable[..., ProxyUnderTest]]:
     started: list[ProxyUnderTest] = []
@@ -94,7 +104,7 @@ def start_proxy() -> Iterator[Callable[..., ProxyUnderTest]]:
             registry=CollectorRegistry(),
             extra_sinks=[recorder],
         )
-        server = ThreadedServer(app, server_header=False, date_header=False).start()
+        server = ThreadedServer(app, server_header=False, date_header=False, **relay_config()).start()
         running = ProxyUnderTest(server, app, recorder.records)
         started.append(running)
         return running

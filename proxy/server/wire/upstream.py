@@ -91,9 +91,10 @@ class UpstreamConnection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
+            request = self.request
             self.close()
-            if self.request is not None:
-                self.request.upstream_broke(exc)
+            if request is not None:
+                request.upstream_broke(exc)
 
     def on_body(self, body: bytes) -> None:
         out = body if self.strip is None else self.strip(body)
