@@ -17,7 +17,7 @@ from proxy.settings import Settings
 from proxy.sim.app import SimApp, create_sim_app
 from proxy.sim.config import SimConfig
 from proxy.sinks.sink import Recorder
-from tests.servers import ThreadedServer
+from tests.servers import ThreadedHypercorn, ThreadedServer
 
 MODEL = "sim-model"
 
@@ -25,7 +25,7 @@ MODEL = "sim-model"
 class Running:
     """A started server plus the app object behind it."""
 
-    def __init__(self, server: ThreadedServer, app: Any) -> None:
+    def __init__(self, server: ThreadedServer | ThreadedHypercorn, app: Any) -> None:
         self.server = server
         self.app = app
         self.url = server.url
@@ -58,7 +58,9 @@ def sim(start_sim: Callable[..., Running]) -> Running:
 class ProxyUnderTest(Running):
     app: ProxyApp
 
-    def __init__(self, server: ThreadedServer, app: ProxyApp, records: list[Measurement]) -> None:
+    def __init__(
+        self, server: ThreadedServer | ThreadedHypercorn, app: ProxyApp, records: list[Measurement]
+    ) -> None:
         super().__init__(server, app)
         self.records = records
 
@@ -78,6 +80,10 @@ class ProxyUnderTest(Running):
             f"expected {n} records, got {len(self.records)}"
         )
         return self.records
+
+
+#: Set to "hypercorn" to run the in-process proxy's ASGI app under hypercorn (tests/server).
+SERVER_ENV = "TOKENPROBE_TEST_SERVER"
 
 
 def relay_config() -> dict[str, Any]:
@@ -104,7 +110,12 @@ def start_proxy() -> Iterator[Callable[..., ProxyUnderTest]]:
             registry=CollectorRegistry(),
             extra_sinks=[recorder],
         )
-        server = ThreadedServer(app, server_header=False, date_header=False, **relay_config()).start()
+        server: Any
+        if os.environ.get(SERVER_ENV) == "hypercorn":
+            server = ThreadedHypercorn(app).start()
+        else:
+            server = ThreadedServer(app, server_header=False, date_header=False, **relay_config())
+            server.start()
         running = ProxyUnderTest(server, app, recorder.records)
         started.append(running)
         return running

@@ -13,11 +13,20 @@ import pytest
 
 @pytest.fixture(params=["wire", "asgi"], autouse=True)
 def relay(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    name: str = request.param
-    monkeypatch.setenv("TOKENPROBE_RELAY", name)
-    return name
+    return use_relay(request.param, monkeypatch)
 
 
 def only_on(relay: str, wanted: str, why: str) -> None:
     if relay != wanted:
         pytest.skip(f"{wanted} only: {why}")
+
+
+#: The end-to-end modules also run the ASGI app under hypercorn: the app is a product.
+WITH_HYPERCORN = ["wire", "asgi", "hypercorn"]
+
+
+def use_relay(name: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("TOKENPROBE_RELAY", "asgi" if name == "hypercorn" else name)
+    if name == "hypercorn":
+        monkeypatch.setenv("TOKENPROBE_TEST_SERVER", "hypercorn")
+    return name

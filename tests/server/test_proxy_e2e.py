@@ -13,8 +13,14 @@ import pytest
 from proxy.bench.ports import free_port
 from proxy.core.measurement import ErrorType, TokenSource
 from tests.conftest import MODEL, ProxyUnderTest, Running
+from tests.server.conftest import WITH_HYPERCORN, use_relay
 
 CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(params=WITH_HYPERCORN, autouse=True)
+def relay(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    return use_relay(request.param, monkeypatch)
 
 
 def chat(stream: bool = True, **extra: object) -> dict[str, object]:

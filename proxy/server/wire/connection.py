@@ -216,8 +216,15 @@ class WireProtocol(GuardedHttpToolsProtocol):
     def _take_over(self, data: bytes, offset: int) -> None:
         """Hand the connection to the WebSocket tunnel: the exact head the client sent
         and whatever came after it; from here on this protocol forwards nothing."""
-        from proxy.server.tunnel import take_over  # type: ignore[import-not-found,unused-ignore]
-
+        try:
+            from proxy.server.tunnel import (  # type: ignore[import-not-found,unused-ignore]
+                take_over,
+            )
+        except ImportError:  # a build without the tunnel: a clean refusal
+            log.warning("WebSocket refused: this build has no tunnel")
+            self._write_error(501, "not_implemented", "WebSockets are not tunnelled here")
+            self.transport.close()
+            return
         assert self.wire is not None
         raw = b"".join(self._raw_head)
         head, rest = raw[: len(raw) - len(data) + offset], data[offset:]
