@@ -8,12 +8,17 @@ the other with `only_on(relay, ...)`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 
-@pytest.fixture(params=["wire", "asgi"], autouse=True)
-def relay(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    return use_relay(request.param, monkeypatch)
+@pytest.fixture(scope="module", params=["wire", "asgi"], autouse=True)
+def relay(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Module-scoped, so a module's shared proxy (a module fixture that takes `relay`)
+    is started once per data path."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        yield use_relay(request.param, monkeypatch)
 
 
 def only_on(relay: str, wanted: str, why: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -28,9 +29,10 @@ PROGRAM = {"x-sim-ttft": str(TTFT), "x-sim-tps": "100", "x-sim-output-tokens": "
 MESSAGES: Any = [{"role": "user", "content": "Hello there"}]
 
 
-@pytest.fixture(params=WITH_HYPERCORN, autouse=True)
-def relay(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    return use_relay(request.param, monkeypatch)
+@pytest.fixture(scope="module", params=WITH_HYPERCORN, autouse=True)
+def relay(request: pytest.FixtureRequest) -> Iterator[str]:
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        yield use_relay(request.param, monkeypatch)
 
 
 def record(proxy: ProxyUnderTest, n: int = 1) -> Measurement:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import httpx
 import openai
@@ -18,9 +18,10 @@ from tests.server.conftest import WITH_HYPERCORN, use_relay
 CHAT = "/v1/chat/completions"
 
 
-@pytest.fixture(params=WITH_HYPERCORN, autouse=True)
-def relay(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    return use_relay(request.param, monkeypatch)
+@pytest.fixture(scope="module", params=WITH_HYPERCORN, autouse=True)
+def relay(request: pytest.FixtureRequest) -> Iterator[str]:
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        yield use_relay(request.param, monkeypatch)
 
 
 def chat(stream: bool = True, **extra: object) -> dict[str, object]:
