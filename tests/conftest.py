@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -16,7 +16,7 @@ from proxy.server.assemble import assemble
 from proxy.settings import Settings
 from proxy.sim.app import SimApp, create_sim_app
 from proxy.sim.config import SimConfig
-from proxy.sinks.sink import Recorder
+from proxy.sinks.sink import Recorder, Sink
 from tests.servers import ThreadedHypercorn, ThreadedServer
 
 MODEL = "sim-model"
@@ -99,7 +99,7 @@ def relay_config() -> dict[str, Any]:
 def start_proxy() -> Iterator[Callable[..., ProxyUnderTest]]:
     started: list[ProxyUnderTest] = []
 
-    def start(upstream: str, **settings: Any) -> ProxyUnderTest:
+    def start(upstream: str, *, sinks: Sequence[Sink] = (), **settings: Any) -> ProxyUnderTest:
         settings.setdefault("model_allowlist", (MODEL,))
         settings.setdefault("models_refresh", None)
         settings.setdefault("access_log", "off")  # the records are the recorder's
@@ -108,7 +108,7 @@ def start_proxy() -> Iterator[Callable[..., ProxyUnderTest]]:
             Settings(upstream=upstream, **settings),
             {},
             registry=CollectorRegistry(),
-            extra_sinks=[recorder],
+            extra_sinks=[*sinks, recorder],
         )
         server: Any
         if os.environ.get(SERVER_ENV) == "hypercorn":
