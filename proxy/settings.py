@@ -164,6 +164,12 @@ SPECS: tuple[Spec, ...] = (
         "is relayed unmeasured (counted in tokenprobe_measurement_failures_total).",
     ),
     Spec(
+        "ws_idle_timeout",
+        _seconds,
+        300.0,
+        "Seconds a WebSocket tunnel may carry no byte either way before the proxy closes it.",
+    ),
+    Spec(
         "tokenizer",
         str,
         None,
@@ -269,6 +275,7 @@ class Settings:
     max_headers: int = 100
     header_timeout: float | None = 10.0
     max_event_bytes: int = 4 * 1024 * 1024
+    ws_idle_timeout: float = 300.0
     tokenizer: str | None = None
     inject_usage: bool = True
     model_allowlist: tuple[str, ...] = ()

@@ -23,6 +23,7 @@ from proxy.core.errors import describe
 from proxy.core.tokens import TokenCounter
 from proxy.server.control import ControlPlane
 from proxy.server.forward import Forwarder, UpstreamBroke
+from proxy.server.tunnel import TunnelContext, tunnel_context
 from proxy.server.upstream import create_client
 from proxy.server.wire import Wire
 from proxy.settings import Settings, require_upstream
@@ -189,10 +190,6 @@ class ProxyApp:
             await asyncio.sleep(every)
 
 
-def _tunnel_context(app: ProxyApp) -> object:
-    """The WebSocket tunnel's context (proxy/server/tunnel.py), once, if it is there."""
-    try:
-        from proxy.server.tunnel import tunnel_context  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        return None
+def _tunnel_context(app: ProxyApp) -> TunnelContext:
+    """The WebSocket tunnel's context (proxy/server/tunnel.py), built once per server."""
     return tunnel_context(app.settings, app.registry, app.sinks)

@@ -206,8 +206,9 @@ class WireProtocol(GuardedHttpToolsProtocol):
 
     def shutdown(self) -> None:
         if self._tunnel is not None:
+            # The drain's close frames both ways; uvicorn waits for the tunnel's `closed`
+            # (its callback, set in _take_over, leaves the connection set) up to the drain.
             self._tunnel.shutdown()
-            self.connections.discard(self)
             return
         super().shutdown()
 
@@ -216,22 +217,17 @@ class WireProtocol(GuardedHttpToolsProtocol):
     def _take_over(self, data: bytes, offset: int) -> None:
         """Hand the connection to the WebSocket tunnel: the exact head the client sent
         and whatever came after it; from here on this protocol forwards nothing."""
-        try:
-            from proxy.server.tunnel import (  # type: ignore[import-not-found,unused-ignore]
-                take_over,
-            )
-        except ImportError:  # a build without the tunnel: a clean refusal
-            log.warning("WebSocket refused: this build has no tunnel")
-            self._write_error(501, "not_implemented", "WebSockets are not tunnelled here")
-            self.transport.close()
-            return
+        from proxy.server.tunnel import TunnelContext, take_over
+
         assert self.wire is not None
+        context = self.wire.tunnel_context
+        assert isinstance(context, TunnelContext)
         raw = b"".join(self._raw_head)
         head, rest = raw[: len(raw) - len(data) + offset], data[offset:]
         self._raw_head = []
         self._stop_head_timer()
         self._unset_keepalive_if_required()
-        tunnel = take_over(self.transport, head, rest, self.wire.tunnel_context)
+        tunnel = take_over(self.transport, head, rest, context)
         self._tunnel = tunnel
         self.wire.tunnels.add(tunnel)
         closed = getattr(tunnel, "closed", None)
