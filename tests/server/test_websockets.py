@@ -33,6 +33,7 @@ from tests.server.conftest import only_on
 from tests.ws_proxy import ServedProxy, TunnelListener
 from tests.ws_upstream import REFUSAL_BODY, EchoUpstream, Session
 
+
 @pytest.fixture(scope="module", autouse=True)
 def _wire_only(relay: str) -> None:
     only_on(
