@@ -4,8 +4,10 @@ Routes: the proxy's own (proxy/server/control.py) are `/healthz` (the process is
 `/readyz` (the upstream answers) and `/metrics` and `/ui` while metrics are served on the
 proxy's port (vLLM's own `/metrics` is then shadowed: scrape vLLM directly). Every other
 path is forwarded to the backend byte for byte; POSTs to a path with an API seam
-(proxy/core/apis/) are measured. The lifespan owns the upstream client, the model-list
-refresher and the tokenizer. proxy/server/assemble.py builds the app from settings.
+(proxy/core/apis/) are measured. On the wire (proxy/server/wire/) only the control
+paths reach this app; the wire reads its shared state from `wire`. The lifespan owns the
+upstream client, the wire's pool, the model-list refresher and the tokenizer.
+proxy/server/assemble.py builds the app from settings.
 """
 
 from __future__ import annotations

@@ -244,7 +244,6 @@ class WireRequest:
     drain); the rest is this request's own."""
 
     __slots__ = (
-        "__weakref__",
         "api",
         "body",
         "complete",
