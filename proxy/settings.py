@@ -198,7 +198,7 @@ SPECS: tuple[Spec, ...] = (
         "upstream_transport",
         _choice("aiohttp", "httpx"),
         "aiohttp",
-        "httpx transport for upstream requests: aiohttp (httpx-aiohttp, faster) or httpx (its default).",
+        "The ASGI relay's httpx transport (--relay asgi): aiohttp (httpx-aiohttp, faster) or httpx (its default).",
     ),
     Spec(
         "access_log",
