@@ -236,7 +236,7 @@ class Settings:
     upstream_transport: str = setting(
         _choice("aiohttp", "httpx"),
         "aiohttp",
-        "httpx transport: `aiohttp` (httpx-aiohttp) or `httpx` (its own). See Performance.",
+        "The ASGI relay's httpx transport (`--relay asgi`): `aiohttp` (httpx-aiohttp) or `httpx` (its own). See Performance.",
     )
     access_log: str = setting(
         _choice("json", "text", "off"), "json", "One line per request on stdout: json, text or off."

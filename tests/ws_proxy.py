@@ -160,8 +160,11 @@ class ServedProxy:
         wait_http(self.base + "/healthz")
         return self
 
+    def scrape(self) -> str:
+        return httpx.get(self.base + "/metrics", timeout=10).text
+
     def samples(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        text = httpx.get(self.base + "/metrics", timeout=10).text
+        text = self.scrape()
         return {
             (s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text)

@@ -44,14 +44,16 @@ class Session:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-async def _handler(ws: ServerConnection, sessions: list[Session]) -> None:
+async def _handler(ws: ServerConnection, sessions: list[Session] | None) -> None:
     request = ws.request
     assert request is not None
     session = Session(request.path, list(request.headers.raw_items()))
-    sessions.append(session)
+    if sessions is not None:
+        sessions.append(session)
     try:
         async for message in ws:
-            session.received.append(message)
+            if sessions is not None:
+                session.received.append(message)
             if message == "fragments":
                 await ws.send(iter(["frag-", "ment-", "ed"]))
             elif isinstance(message, str) and message.startswith("close "):
@@ -84,10 +86,13 @@ def _refuse(connection: ServerConnection, request: Request) -> Response | None:
 
 
 class EchoUpstream:
-    """The echo server on 127.0.0.1:<free port> with its own event loop in a daemon thread."""
+    """The echo server on 127.0.0.1:<free port> with its own event loop in a daemon thread.
 
-    def __init__(self, **options: Any) -> None:
+    `record=False` keeps nothing (a benchmark's long run); `options` go to `serve`."""
+
+    def __init__(self, record: bool = True, **options: Any) -> None:
         self.port = free_port()
+        self.record = record
         self.sessions: list[Session] = []
         self.options = {"max_size": 8 * 1024 * 1024, **options}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -106,7 +111,7 @@ class EchoUpstream:
 
     async def _serve(self) -> None:
         async with serve(
-            lambda ws: _handler(ws, self.sessions),
+            lambda ws: _handler(ws, self.sessions if self.record else None),
             "127.0.0.1",
             self.port,
             process_request=_refuse,
@@ -127,22 +132,23 @@ class EchoUpstream:
             self._loop.call_soon_threadsafe(self._server.close)
         self._thread.join(timeout=10)
 
-    def wait_sessions(self, n: int, timeout: float = 10.0) -> list[Session]:
-        """The first n sessions, once each has ended."""
+    def wait_sessions(self, n: int, since: int = 0, timeout: float = 10.0) -> list[Session]:
+        """Sessions since..since+n, once each has ended (`since`: len(sessions) before)."""
         deadline = time.monotonic() + timeout
-        while len(self.sessions) < n:
+        while len(self.sessions) < since + n:
             if time.monotonic() > deadline:
-                raise AssertionError(f"{len(self.sessions)} sessions, expected {n}")
+                raise AssertionError(f"{len(self.sessions) - since} sessions, expected {n}")
             time.sleep(0.005)
-        for session in self.sessions[:n]:
+        chosen = self.sessions[since : since + n]
+        for session in chosen:
             if not session.done.wait(max(0.0, deadline - time.monotonic())):
                 raise AssertionError(f"session {session.path} did not end")
-        return self.sessions[:n]
+        return chosen
 
 
 def main(argv: list[str]) -> int:
-    upstream = EchoUpstream()
-    upstream.port = int(argv[0]) if argv else upstream.port
+    upstream = EchoUpstream(record=False)
+    upstream.port = int(argv[0]) if argv and int(argv[0]) else upstream.port
     upstream.start()
     print(f"WebSocket echo upstream on {upstream.url}", flush=True)
     try:

@@ -4,8 +4,10 @@ Routes: the proxy's own (proxy/server/control.py) are `/healthz` (the process is
 `/readyz` (the upstream answers) and `/metrics` and `/ui` while metrics are served on the
 proxy's port (vLLM's own `/metrics` is then shadowed: scrape vLLM directly). Every other
 path is forwarded to the backend byte for byte; POSTs to a path with an API seam
-(proxy/core/apis/) are measured. The lifespan owns the upstream client, the model-list
-refresher and the tokenizer. proxy/server/assemble.py builds the app from settings.
+(proxy/core/apis/) are measured. On the wire (proxy/server/wire/) only the control
+paths reach this app; the wire reads its shared state from `wire`. The lifespan owns the
+upstream client, the wire's pool, the model-list refresher and the tokenizer.
+proxy/server/assemble.py builds the app from settings.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from proxy.core.errors import describe
 from proxy.core.tokens import TokenCounter
 from proxy.server.control import ControlPlane
 from proxy.server.forward import Forwarder, UpstreamBroke
+from proxy.server.tunnel import TunnelContext, tunnel_context
 from proxy.server.upstream import create_client
 from proxy.server.wire import Wire
 from proxy.settings import Settings
@@ -189,10 +192,6 @@ class ProxyApp:
             await asyncio.sleep(every)
 
 
-def _tunnel_context(app: ProxyApp) -> object:
-    """The WebSocket tunnel's context (proxy/server/tunnel.py), once, if it is there."""
-    try:
-        from proxy.server.tunnel import tunnel_context  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        return None
+def _tunnel_context(app: ProxyApp) -> TunnelContext:
+    """The WebSocket tunnel's context (proxy/server/tunnel.py), built once per server."""
     return tunnel_context(app.settings, app.registry, app.sinks)

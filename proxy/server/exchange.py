@@ -184,8 +184,12 @@ def run_soon(coroutine: Coroutine[Any, Any, None], *, now: bool) -> None:
             coroutine.send(None)
         except StopIteration:
             return
+        except Exception:  # finish contains its own failures; this is a last guard
+            log.exception("finishing a request failed")
+            return
         coroutine.close()
-        raise RuntimeError("the finish sequence awaited without a tokenizer")
+        log.error("the finish sequence awaited without a tokenizer; its record is lost")
+        return
     asyncio.get_running_loop().create_task(coroutine)
 
 

@@ -1,4 +1,6 @@
-"""`tokenprobe serve`: settings -> app -> uvicorn (uvloop and httptools when installed).
+"""`tokenprobe serve`: settings -> app -> uvicorn (uvloop and httptools when installed),
+relaying on the wire (proxy/server/wire/, uvicorn's protocol) or, with `--relay asgi`,
+through the ASGI relay.
 
 With `--workers N` uvicorn runs N processes sharing the port. Their metrics go through
 prometheus-client's multiprocess mode: every process writes its values to files in one

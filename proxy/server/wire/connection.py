@@ -244,7 +244,6 @@ class WireRequest:
     drain); the rest is this request's own."""
 
     __slots__ = (
-        "__weakref__",
         "api",
         "body",
         "complete",
@@ -539,8 +538,7 @@ class WireRequest:
         self.response_complete = True
         if not self.keep_alive:
             self.transport.close()
-        if self.proto.cycle is self:  # type: ignore[comparison-overlap]
-            self.proto.on_response_complete()
+        self.proto.on_response_complete()  # the next pipelined request, or keep-alive
 
     def _answer(self, status: int, kind: str, message: str) -> None:
         if self.transport.is_closing():

@@ -21,7 +21,7 @@ import asyncio
 import ssl
 from collections.abc import Callable
 from time import monotonic, perf_counter
-from typing import TYPE_CHECKING
+from typing import Protocol
 from urllib.parse import urlsplit
 
 import httptools
@@ -29,8 +29,15 @@ import httptools
 from proxy.server.headers import Headers
 from proxy.server.upstream import KEEPALIVE_SECONDS
 
-if TYPE_CHECKING:
-    from proxy.server.wire.connection import WireRequest
+
+class WireRequest(Protocol):
+    """What a connection tells the request it carries (proxy/server/wire/connection.py)."""
+
+    def response_head(self, status: int, headers: Headers, now: float) -> None: ...
+    def response_end(self, now: float, reusable: bool) -> None: ...
+    def upstream_lost(self, exc: Exception | None) -> None: ...
+    def upstream_broke(self, exc: BaseException) -> None: ...
+    def client_flow(self, *, pause: bool) -> None: ...
 
 
 def _discard(data: bytes) -> None:
@@ -91,9 +98,10 @@ class UpstreamConnection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
+            request = self.request
             self.close()
-            if self.request is not None:
-                self.request.upstream_broke(exc)
+            if request is not None:
+                request.upstream_broke(exc)
 
     def on_body(self, body: bytes) -> None:
         out = body if self.strip is None else self.strip(body)
