@@ -48,67 +48,71 @@ def read_form(body: bytes, content_type: bytes = b"") -> Form | None:
     boundary = boundary_of(content_type, body)
     if not boundary:
         return None
-    form = Form(body, boundary)
-    part: dict[str, Any] = {}
-    header = [b"", b""]
-
-    def on_part_begin() -> None:
-        part.clear()
-        part["data"] = []
-        part["size"] = 0
-
-    def on_header_field(data: bytes, start: int, end: int) -> None:
-        header[0] += data[start:end]
-
-    def on_header_value(data: bytes, start: int, end: int) -> None:
-        header[1] += data[start:end]
-
-    def on_header_end() -> None:
-        if header[0].lower() == b"content-disposition":
-            _, options = parse_options_header(header[1])
-            part["name"] = options.get(b"name")
-            part["file"] = b"filename" in options
-        header[0] = header[1] = b""
-
-    def on_part_data(data: bytes, start: int, end: int) -> None:
-        part["size"] += end - start
-        if not part.get("file") and part["size"] <= MAX_FIELD_BYTES:
-            part["data"].append(data[start:end])
-
-    def on_part_end() -> None:
-        name = part.get("name")
-        if name is None:
-            raise MultipartParseError("a part without a name")
-        if part.get("file"):
-            form.file_bytes += part["size"]
-        elif part["size"] <= MAX_FIELD_BYTES:
-            form[name.decode("utf-8", "replace")] = b"".join(part["data"]).decode(
-                "utf-8", "replace"
-            )
-
-    ended = [False]
-
-    def on_end() -> None:
-        ended[0] = True
-
-    parser = MultipartParser(
-        boundary,
-        {
-            "on_part_begin": on_part_begin,
-            "on_header_field": on_header_field,
-            "on_header_value": on_header_value,
-            "on_header_end": on_header_end,
-            "on_part_data": on_part_data,
-            "on_part_end": on_part_end,
-            "on_end": on_end,
-        },
-    )
+    reader = _Reader(Form(body, boundary))
+    parser = MultipartParser(boundary, reader.callbacks())
     try:
         parser.write(body)
         parser.finalize()
     except MultipartParseError:
         return None
-    return form if ended[0] else None
+    return reader.form if reader.ended else None
+
+
+class _Reader:
+    """python-multipart's callbacks for one body: each part's name, whether it is a file,
+    and its bytes (kept only for small text fields)."""
+
+    def __init__(self, form: Form) -> None:
+        self.form = form
+        self.ended = False
+        self.name: bytes | None = None
+        self.file = False
+        self.size = 0
+        self.data: list[bytes] = []
+        self.header = [b"", b""]
+
+    def callbacks(self) -> Any:
+        return {
+            "on_part_begin": self.part_begin,
+            "on_header_field": self.header_field,
+            "on_header_value": self.header_value,
+            "on_header_end": self.header_end,
+            "on_part_data": self.part_data,
+            "on_part_end": self.part_end,
+            "on_end": self.end,
+        }
+
+    def part_begin(self) -> None:
+        self.name, self.file, self.size, self.data = None, False, 0, []
+
+    def header_field(self, data: bytes, start: int, end: int) -> None:
+        self.header[0] += data[start:end]
+
+    def header_value(self, data: bytes, start: int, end: int) -> None:
+        self.header[1] += data[start:end]
+
+    def header_end(self) -> None:
+        if self.header[0].lower() == b"content-disposition":
+            _, options = parse_options_header(self.header[1])
+            self.name, self.file = options.get(b"name"), b"filename" in options
+        self.header = [b"", b""]
+
+    def part_data(self, data: bytes, start: int, end: int) -> None:
+        self.size += end - start
+        if not self.file and self.size <= MAX_FIELD_BYTES:
+            self.data.append(data[start:end])
+
+    def part_end(self) -> None:
+        if self.name is None:
+            raise MultipartParseError("a part without a name")
+        if self.file:
+            self.form.file_bytes += self.size
+        elif self.size <= MAX_FIELD_BYTES:
+            text = b"".join(self.data).decode("utf-8", "replace")
+            self.form[self.name.decode("utf-8", "replace")] = text
+
+    def end(self) -> None:
+        self.ended = True
 
 
 def with_field(form: Form, name: str, value: str) -> bytes | None:

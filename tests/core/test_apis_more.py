@@ -8,9 +8,11 @@ from __future__ import annotations
 import asyncio
 
 import orjson
+from hypothesis import given
+from hypothesis import strategies as st
 
 from proxy.core.apis import api_for
-from proxy.core.form import read_form
+from proxy.core.form import read_form, with_field
 from proxy.core.measurement import ErrorType, Measurement, TokenSource
 from proxy.core.observe import StreamObserver
 from proxy.core.request import parse_request
@@ -367,3 +369,24 @@ def test_messages_usage_merges_field_by_field_and_a_null_erases_nothing() -> Non
         100.5,
     )
     assert (m.prompt_tokens, m.cached_prompt_tokens, m.output_tokens) == (18, 6, 5)
+
+
+@given(
+    audio=st.binary(max_size=300),
+    model=st.text(
+        alphabet=st.characters(blacklist_characters="\r\n", blacklist_categories=("Cs",)),
+        max_size=30,
+    ),
+)
+def test_any_file_and_field_survive_reading_and_the_added_part(audio: bytes, model: str) -> None:
+    body = form(("file", audio, "a.wav"), ("model", model.encode(), None))
+    got = read_form(body, FORM_CT)
+    if got is None:  # the file's bytes held the delimiter itself: a client's boundary never does
+        assert b"\r\n--b0und" in b"\r\n" + audio + b"\r\n"
+        return
+    assert got == {"model": model} and got.file_bytes == len(audio)
+    asked = with_field(got, "stream_include_usage", "true")
+    assert asked is not None
+    again = read_form(asked, FORM_CT)
+    assert again == {"model": model, "stream_include_usage": "true"}
+    assert again is not None and again.file_bytes == len(audio)
