@@ -115,6 +115,8 @@ class OpenAIGeneration(Api):
         facts = Facts(**identity(obj)) if identify else Facts()
         facts.content, facts.choices, facts.finish = kind, indices, finish
         facts.texts, facts.usage, facts.error = texts or None, usage, error
+        if usage is not None:  # vLLM's per-request metrics ride on the usage chunk only
+            facts.engine = obj.get("metrics")
         return facts
 
     def _choices(
