@@ -163,6 +163,7 @@ class SimApp:
             plan.stream,
             plan.prompt_tokens,
         )
+        record.queued_at = time.monotonic()
         if self.slots is None:
             return await self._run(kind, ex, body, t0, plan)
         async with self.slots:

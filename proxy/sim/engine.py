@@ -3,7 +3,8 @@
 protocol.py, PerRequestMetrics and SpeculativeDecodingMetrics), in vLLM's field order.
 
 The simulator's figures are what it did, measured on its own clock: the queue time is
-the wait for a slot under `max_num_seqs` (request received -> scheduled), the engine's
+the wait for a slot under `max_num_seqs` (routed to generation -> scheduled; a stall
+before that, `x-sim-stall-before-headers`, is the front end's, outside the engine), the engine's
 time to first token runs from scheduling to the write of the first content chunk, the
 generation time from the first to the last content chunk. Speculative decoding is
 programmed: `spec_tokens` drafts per verify step, of which `round(acceptance_rate *

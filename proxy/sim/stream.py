@@ -164,12 +164,13 @@ def _metrics(ex: Exchange, plan: Plan, sent: int, streamed: bool) -> bytes | Non
     if not plan.metrics:
         return None
     record, now = ex.record, time.monotonic()
-    scheduled = record.scheduled_at if record.scheduled_at is not None else record.started
+    arrived = record.queued_at if record.queued_at is not None else record.started
+    scheduled = record.scheduled_at if record.scheduled_at is not None else arrived
     first = record.first_token_at if streamed else None
     if first is None:  # not streamed: the first token was due one TTFT after scheduling
         first = min(now, scheduled + plan.ttft)
     return metrics_json(
-        queue=scheduled - record.started,
+        queue=scheduled - arrived,
         first_token=max(0.0, first - scheduled),
         generation=max(0.0, now - first),
         output_tokens=sent,
