@@ -58,11 +58,13 @@ def form_body(raw: bytes, content_type: str) -> dict[str, Any]:
 
 
 class AudioWire:
-    """The chunks of one transcription or translation stream (chat's shape, no index)."""
+    """The chunks of one transcription or translation stream (chat's shape, no index; no
+    system_fingerprint and no metrics object: the speech protocol has neither)."""
 
-    __slots__ = ("_head",)
+    __slots__ = ("_head", "fingerprint")
 
     def __init__(self, translation: bool, response_id: str, created: int, model: str) -> None:
+        self.fingerprint: bytes | None = None
         obj = b"translation.chunk" if translation else b"transcription.chunk"
         self._head = b'data: {"id":%s,"object":"%s","created":%d,"model":%s' % (
             orjson.dumps(response_id),
@@ -74,7 +76,9 @@ class AudioWire:
     def content(self, text: bytes, usage: bytes | None = None) -> bytes:
         return self._head + b',"choices":[{"delta":{"content":"' + text + b'"}}]' + _tail(usage)
 
-    def finish(self, finish_reason: str, usage: bytes | None = None) -> bytes:
+    def finish(
+        self, finish_reason: str, usage: bytes | None = None, fingerprint: bytes | None = None
+    ) -> bytes:
         return (
             self._head
             + b',"choices":[{"delta":{"content":""},"finish_reason":%s,"stop_reason":null}]'
@@ -82,7 +86,9 @@ class AudioWire:
             + _tail(usage)
         )
 
-    def usage(self, usage: bytes) -> bytes:
+    def usage(
+        self, usage: bytes, fingerprint: bytes | None = None, metrics: bytes | None = None
+    ) -> bytes:
         return self._head + b',"choices":[],"usage":' + usage + b"}\n\n"
 
 

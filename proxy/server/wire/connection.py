@@ -260,6 +260,7 @@ class WireRequest:
         "proto",
         "query",
         "raw_path",
+        "read",
         "refused",
         "response_complete",
         "size",
@@ -304,6 +305,7 @@ class WireRequest:
         self.idle: _Idle | None = None
         self.refused: Refused | None = None
         self.api: Api | None = None
+        self.read = 0.0  # when the whole body was in: the proxy's own time starts (overhead)
         self.path = raw_path.decode("latin-1")
         self.query = query
         limits = wire.context.settings
@@ -375,6 +377,7 @@ class WireRequest:
         """The request goes upstream: admitted, measured, on a pooled connection."""
         wire = self.wire
         context = wire.context
+        self.read = perf_counter()
         body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
         self.body = []
         info = None
@@ -416,6 +419,9 @@ class WireRequest:
     def _on_upstream(self, conn: UpstreamConnection, head: bytes) -> None:
         self.upstream = conn
         conn.start(self, head)
+        observer = None if self.exchange is None else self.exchange.observer
+        if observer is not None:
+            observer.sent(self.read, perf_counter())
         if self.proto.flow.write_paused:
             conn.pause()
 
@@ -451,6 +457,8 @@ class WireRequest:
         lines.extend(b"%s: %s\r\n" % pair for pair in out)
         lines.append(b"\r\n")
         self.transport.write(b"".join(lines))
+        if exchange.observer is not None:
+            exchange.observer.relayed(perf_counter())
         if no_body:
             if self.head_only:  # llhttp would wait for the body a HEAD response has not
                 self.response_end(now, False)
