@@ -23,6 +23,7 @@ import pytest
 from proxy.sim import SimApp, SimConfig
 from proxy.sim.generate import token_ids
 from proxy.sim.state import SimRequest
+from tests.server.conftest import only_on
 from tests.servers import ThreadedServer, free_port, spawn, stop, wait_http
 
 MODEL = "sim-model"
@@ -84,7 +85,8 @@ def sim() -> Iterator[tuple[str, SimApp]]:
 
 
 @pytest.fixture(scope="module")
-def proxy(sim: tuple[str, SimApp]) -> Iterator[Proxy]:
+def proxy(sim: tuple[str, SimApp], relay: str) -> Iterator[Proxy]:
+    """One `tokenprobe serve` per data path (tests/server/conftest.py's `relay`)."""
     running = Proxy(sim[0])
     try:
         yield running
@@ -422,8 +424,9 @@ def speak(ws: Any, received: list[str]) -> None:
 
 
 def test_realtime_three_utterances_with_a_websockets_client(
-    sim: tuple[str, SimApp], proxy: Proxy, n: int
+    sim: tuple[str, SimApp], proxy: Proxy, n: int, relay: str
 ) -> None:
+    only_on(relay, "wire", "the wire tunnels WebSockets; the ASGI app refuses them")
     from websockets.sync.client import connect
 
     from proxy.sim.tokens import completion_text
@@ -452,8 +455,9 @@ def test_realtime_three_utterances_with_a_websockets_client(
 
 
 def test_realtime_error_and_cut_sessions_are_classified(
-    sim: tuple[str, SimApp], proxy: Proxy, n: int
+    sim: tuple[str, SimApp], proxy: Proxy, n: int, relay: str
 ) -> None:
+    only_on(relay, "wire", "the wire tunnels WebSockets; the ASGI app refuses them")
     from websockets.exceptions import ConnectionClosed
     from websockets.sync.client import connect
 
@@ -488,7 +492,8 @@ def test_realtime_error_and_cut_sessions_are_classified(
 # -- tokenprobe demo ------------------------------------------------------------------------
 
 
-def test_demo_prints_a_row_for_each_new_api() -> None:
+def test_demo_prints_a_row_for_each_new_api(relay: str) -> None:
+    only_on(relay, "wire", "the demo runs its proxy as serve does, on the wire")
     import sys
 
     out = subprocess.run(

@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.ui import ASSETS
 from tests.conftest import MODEL, ProxyUnderTest, Running
 from tests.paths import ROOT
+from tests.server.conftest import only_on
 from tests.servers import free_port
 
 CHAT = "/v1/chat/completions"
@@ -457,10 +458,11 @@ def test_demo_serve_prints_the_live_view_first_and_keeps_it_busy(
 
 
 def test_page_shows_the_real_time_factor_once_realtime_sessions_run(
-    sim: Running, open_page: Callable[[str], Page]
+    sim: Running, open_page: Callable[[str], Page], relay: str
 ) -> None:
     """Behind `tokenprobe serve` (the wire tunnels WebSockets): the chart waits with a line
     saying why, then draws once an utterance on /v1/realtime has ended."""
+    only_on(relay, "wire", "the wire tunnels WebSockets; the ASGI app refuses them")
     import base64
 
     import orjson
