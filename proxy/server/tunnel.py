@@ -57,7 +57,7 @@ from proxy.core.wsframes import (
     deflate_params,
 )
 from proxy.core.wsseam import CLOSE_CAUSES, WsApi, WsSession, ws_api_for
-from proxy.settings import Settings, require_upstream
+from proxy.settings import Settings
 from proxy.sinks.dispatch import Sinks
 from proxy.sinks.metrics import WsMetrics
 
@@ -93,7 +93,7 @@ class TunnelContext:
 
 def tunnel_context(settings: Settings, registry: CollectorRegistry, sinks: Sinks) -> TunnelContext:
     """The tunnels' shared parts for these settings; call once per registry."""
-    upstream = urlsplit(require_upstream(settings))
+    upstream = urlsplit(settings.upstream)
     https = upstream.scheme == "https"
     port = upstream.port or (443 if https else 80)
     host = upstream.hostname or ""
