@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from time import perf_counter
 from typing import Any
 
-from proxy.core.labels import ModelLabels
+from proxy.core.labels import NO_VALUE, HeaderLabels, ModelLabels
 from proxy.core.measurement import ErrorType, Measurement
 from proxy.core.observe import bare_record
 from proxy.core.request import RequestInfo
@@ -54,12 +54,22 @@ class Sinks:
         models: ModelLabels,
         keys: KeyLabels | None = None,
         tracer: RequestTracer | None = None,
+        attribution: tuple[tuple[str, str], ...] = (),
+        max_label_values: int = 50,
     ) -> None:
+        """`attribution`: the (header, label) pairs of --label-header."""
         self.sinks = list(sinks)
         self.metrics = metrics
         self.models = models
         self.keys = keys
         self.tracer = tracer
+        self.label_names = tuple(label for _, label in attribution)
+        self.header_labels = (
+            HeaderLabels(tuple(h for h, _ in attribution), max_label_values)
+            if attribution
+            else None
+        )
+        self._no_attribution = (NO_VALUE,) * len(attribution)
 
     def begin(
         self, info: RequestInfo | None, headers: Headers, started_at: float = 0.0
@@ -67,13 +77,16 @@ class Sinks:
         if info is None:
             return RequestScope(None, _UNMEASURED)
         key = self.keys(headers) if self.keys is not None else None
-        rs = RequestScope(info, Labels(self.models(info.model), key))
+        attribution = self.header_labels(headers) if self.header_labels is not None else ()
+        rs = RequestScope(info, Labels(self.models(info.model), key, attribution))
         self.metrics.in_flight.labels(rs.labels.model, info.endpoint).inc()
         if self.tracer is not None:
             try:
                 rs.span, rs.trace_id, rs.upstream_headers = self.tracer.start(
                     info, headers, int(started_at * 1e9) if started_at else None
                 )
+                if attribution and rs.span is not None:
+                    rs.span.set_attributes(dict(zip(self.label_names, attribution, strict=True)))
             except Exception:
                 log.exception("starting a trace span failed")
                 self.failed("trace")
@@ -100,7 +113,8 @@ class Sinks:
             e2e=perf_counter() - start,
             error_type=error,
         )
-        self._record(m, Labels(self.models(info.model)))
+        # No headers reach here: its attribution labels are "none".
+        self._record(m, Labels(self.models(info.model), attribution=self._no_attribution))
 
     def passthrough(self, route: str, status: int) -> None:
         self.metrics.passthrough.labels(route, str(status)).inc()

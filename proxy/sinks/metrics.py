@@ -70,10 +70,15 @@ class Metrics:
     has a key label; the dispatcher (proxy/sinks/dispatch.py) also moves the in-flight
     gauge and counts passthrough requests and measurement failures here."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, attribution: tuple[str, ...] = ()) -> None:
+        """`attribution`: the --label-header label names, added after model and endpoint
+        to the request and token counters and the latency histograms."""
         self.registry = registry
-        h = _factory(Histogram, registry)
-        c = _factory(Counter, registry)
+        self.attribution = attribution
+        h = _factory(Histogram, registry, attribution)
+        c = _factory(Counter, registry, attribution)
+        h_classes = _factory(Histogram, registry)  # by prompt and cache class: no attribution
+        c_classes = _factory(Counter, registry)
         self.ttfb = h(
             "tokenprobe_time_to_first_byte_seconds",
             "Client-seen time to first byte: from the proxy receiving the request to the "
@@ -89,7 +94,7 @@ class Metrics:
             "arguments delta, not response.created). Streaming generative requests only.",
             buckets=TTFT_BUCKETS,
         )
-        self.ttft_by_prompt = h(
+        self.ttft_by_prompt = h_classes(
             "tokenprobe_time_to_first_token_by_prompt_seconds",
             "Time to first token as tokenprobe_time_to_first_token_seconds (proxy received the "
             "request -> first read carrying generated content), split by prompt size class "
@@ -98,7 +103,7 @@ class Metrics:
             labels=("prompt_class", "cache_class"),
             buckets=TTFT_CLASS_BUCKETS,
         )
-        self.ttft_prompt_tokens = c(
+        self.ttft_prompt_tokens = c_classes(
             "tokenprobe_time_to_first_token_by_prompt_prompt_tokens",
             "Prompt tokens of the requests in tokenprobe_time_to_first_token_by_prompt_seconds, "
             "by the same classes. Its rate over that histogram's _sum rate is the implied "
@@ -195,16 +200,15 @@ class Metrics:
             ("key", "model", "kind"),
             registry=registry,
         )
-        self._children: dict[tuple[str, str], tuple[Any, ...]] = {}
+        self._children: dict[tuple[str, ...], tuple[Any, ...]] = {}
         self._class_children: dict[tuple[str, str, str, str], tuple[Any, Any]] = {}
 
-    def _bound(self, model: str, endpoint: str) -> tuple[Any, ...]:
-        """Label children for one (model, endpoint), resolved once and cached."""
-        key = (model, endpoint)
+    def _bound(self, key: tuple[str, ...]) -> tuple[Any, ...]:
+        """Label children for one (model, endpoint, *attribution), resolved once and cached."""
         children = self._children.get(key)
         if children is None:
             children = tuple(
-                m.labels(model, endpoint)
+                m.labels(*key)
                 for m in (
                     self.ttfb,
                     self.ttft,
@@ -239,9 +243,8 @@ class Metrics:
 
     def record(self, m: Measurement, labels: Labels) -> None:
         model_label = labels.model
-        ttfb, ttft, itl, tpot, speed, e2e, prompt, generation, cached = self._bound(
-            model_label, m.endpoint
-        )
+        key = (model_label, m.endpoint, *labels.attribution)
+        ttfb, ttft, itl, tpot, speed, e2e, prompt, generation, cached = self._bound(key)
         exemplar = {"trace_id": m.trace_id} if m.trace_id else None
         if m.ttfb is not None:
             ttfb.observe(m.ttfb)
@@ -257,17 +260,15 @@ class Metrics:
         source = m.token_source.value
         if m.prompt_tokens is not None:
             prompt.observe(m.prompt_tokens)
-            self.prompt_tokens_total.labels(model_label, m.endpoint, source).inc(m.prompt_tokens)
+            self.prompt_tokens_total.labels(*key, source).inc(m.prompt_tokens)
         if m.output_tokens is not None:
             generation.observe(m.output_tokens)
-            self.generation_tokens_total.labels(model_label, m.endpoint, source).inc(
-                m.output_tokens
-            )
+            self.generation_tokens_total.labels(*key, source).inc(m.output_tokens)
         if m.cached_prompt_tokens:
             cached.inc(m.cached_prompt_tokens)
         error = m.error_type.value if m.error_type is not None else NONE_LABEL
         reason = m.finish_reason if m.finish_reason in FINISH_REASONS else "other"
-        self.requests.labels(model_label, m.endpoint, str(m.status_code), reason, error).inc()
+        self.requests.labels(*key, str(m.status_code), reason, error).inc()
         if labels.key is not None:
             self._record_key(m, model_label, labels.key, error)
 
@@ -304,8 +305,8 @@ def observe_all(histogram: Any, values: Sequence[float]) -> None:
         total.inc(sum(values))
 
 
-def _factory(kind: Any, registry: CollectorRegistry) -> Any:
+def _factory(kind: Any, registry: CollectorRegistry, attribution: tuple[str, ...] = ()) -> Any:
     def make(name: str, doc: str, labels: tuple[str, ...] = (), **kw: Any) -> Any:
-        return kind(name, doc, (*LABELS, *labels), registry=registry, **kw)
+        return kind(name, doc, (*LABELS, *attribution, *labels), registry=registry, **kw)
 
     return make

@@ -40,6 +40,16 @@ from proxy.core.apis import RequestInfo, api_of
 from proxy.core.measurement import NONE_LABEL, Measurement
 from proxy.core.request import COMPLETIONS
 from proxy.settings import SettingsError
+from proxy.sinks.otel_env import (
+    exporter_names,
+    float_value,
+    int_value,
+    otel_env,
+    otlp_exporter_kwargs,
+    otlp_target,
+    resource,
+    sdk_disabled,
+)
 
 log = logging.getLogger("tokenprobe")
 
@@ -61,12 +71,13 @@ class Tracing:
         upstream: str,
         sampler: Sampler | None = None,
         service_name: str = "tokenprobe",
+        resource: Resource | None = None,
         trace_content: bool = False,
     ) -> None:
         # Its own provider: the process-wide global one stays whatever the host app set.
         self.provider = TracerProvider(
             sampler=sampler or ParentBased(ALWAYS_ON),
-            resource=Resource.create({"service.name": service_name}),
+            resource=resource or Resource.create({"service.name": service_name}),
         )
         for processor in processors:
             self.provider.add_span_processor(processor)
@@ -315,12 +326,12 @@ def tracing_from_env(
     "none" or OTEL_SDK_DISABLED is true. Raises SettingsError, naming the variable, for a
     value it cannot use.
     """
-    env = {k: v.strip() for k, v in environ.items() if k.startswith("OTEL_") and v.strip()}
-    names = [n.strip().lower() for n in env.get("OTEL_TRACES_EXPORTER", "").split(",") if n.strip()]
+    env = otel_env(environ)
+    names = exporter_names(env, "OTEL_TRACES_EXPORTER")
     endpoint_set = (
         "OTEL_EXPORTER_OTLP_ENDPOINT" in env or "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT" in env
     )
-    if env.get("OTEL_SDK_DISABLED", "").lower() == "true" or "none" in names:
+    if sdk_disabled(env) or "none" in names:
         return None
     if not names and not endpoint_set:
         return None
@@ -330,9 +341,9 @@ def tracing_from_env(
         CountingBatchProcessor(
             exporter,
             failures,
-            max_queue_size=_int(env, "OTEL_BSP_MAX_QUEUE_SIZE", 2048),
-            schedule_delay_millis=_int(env, "OTEL_BSP_SCHEDULE_DELAY", 5000),
-            max_export_batch_size=_int(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512),
+            max_queue_size=int_value(env, "OTEL_BSP_MAX_QUEUE_SIZE", 2048),
+            schedule_delay_millis=int_value(env, "OTEL_BSP_SCHEDULE_DELAY", 5000),
+            max_export_batch_size=int_value(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512),
         )
         for exporter in exporters
     ]
@@ -340,7 +351,7 @@ def tracing_from_env(
         processors,
         upstream=upstream,
         sampler=_sampler(env),
-        service_name=_service_name(env),
+        resource=resource(env),
         trace_content=trace_content,
     )
 
@@ -352,33 +363,16 @@ def _exporter(name: str, env: Mapping[str, str]) -> SpanExporter:
         return ConsoleSpanExporter()
     if name != "otlp":
         raise SettingsError(f"OTEL_TRACES_EXPORTER={name!r}: expected otlp, console or none")
-    key = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
-    if key not in env:
-        key = "OTEL_EXPORTER_OTLP_PROTOCOL"
-    protocol = env.get(key, "http/protobuf")
-    headers = _headers(env)
-    timeout = _float(env, "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", None) or _float(
-        env, "OTEL_EXPORTER_OTLP_TIMEOUT", 10.0
-    )
-    if protocol == "http/protobuf":
+    target = otlp_target(env, "traces")
+    if target.protocol == "http/protobuf":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-        endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-        if endpoint is None:
-            base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "http://localhost:4318")
-            endpoint = base.rstrip("/") + "/v1/traces"
-        return OTLPSpanExporter(endpoint=endpoint, headers=headers, timeout=timeout)
-    if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
-            OTLPSpanExporter as GrpcSpanExporter,
-        )
+        return OTLPSpanExporter(**otlp_exporter_kwargs(target))
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+        OTLPSpanExporter as GrpcSpanExporter,
+    )
 
-        endpoint = env.get(
-            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-            env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "http://localhost:4317"),
-        )
-        return GrpcSpanExporter(endpoint=endpoint, headers=headers, timeout=timeout)
-    raise SettingsError(f"{key}={protocol!r}: expected http/protobuf or grpc")
+    return GrpcSpanExporter(**otlp_exporter_kwargs(target))
 
 
 def _sampler(env: Mapping[str, str]) -> Sampler:
@@ -394,46 +388,8 @@ def _sampler(env: Mapping[str, str]) -> Sampler:
     if name not in ("traceidratio", "parentbased_traceidratio"):
         choices = ", ".join([*fixed, "traceidratio", "parentbased_traceidratio"])
         raise SettingsError(f"OTEL_TRACES_SAMPLER={name!r}: expected one of {choices}")
-    ratio = _float(env, "OTEL_TRACES_SAMPLER_ARG", 1.0)
+    ratio = float_value(env, "OTEL_TRACES_SAMPLER_ARG", 1.0)
     if ratio is None or not 0.0 <= ratio <= 1.0:
         raise SettingsError(f"OTEL_TRACES_SAMPLER_ARG={ratio}: expected a ratio from 0 to 1")
     ratio_sampler = TraceIdRatioBased(ratio)
     return ratio_sampler if name == "traceidratio" else ParentBased(ratio_sampler)
-
-
-def _service_name(env: Mapping[str, str]) -> str:
-    if name := env.get("OTEL_SERVICE_NAME"):
-        return name
-    for item in env.get("OTEL_RESOURCE_ATTRIBUTES", "").split(","):
-        key, _, value = item.partition("=")
-        if key.strip() == "service.name" and value.strip():
-            return value.strip()
-    return "tokenprobe"
-
-
-def _headers(env: Mapping[str, str]) -> dict[str, str] | None:
-    from opentelemetry.util.re import parse_env_headers
-
-    raw = env.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS") or env.get("OTEL_EXPORTER_OTLP_HEADERS")
-    return dict(parse_env_headers(raw, liberal=True)) if raw else None
-
-
-def _float(env: Mapping[str, str], key: str, default: float | None) -> float | None:
-    if key not in env:
-        return default
-    try:
-        return float(env[key])
-    except ValueError:
-        raise SettingsError(f"{key}={env[key]!r}: expected a number") from None
-
-
-def _int(env: Mapping[str, str], key: str, default: int) -> int:
-    if key not in env:
-        return default
-    try:
-        value = int(env[key])
-    except ValueError:
-        raise SettingsError(f"{key}={env[key]!r}: expected a whole number") from None
-    if value < 1:
-        raise SettingsError(f"{key}={value}: must be at least 1")
-    return value
