@@ -271,3 +271,45 @@ def test_without_the_variables_the_metrics_sdk_is_not_even_imported() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_each_worker_exports_its_own_series_under_its_own_instance_id(
+    start_sim: Any,
+) -> None:
+    sim = start_sim(ttft=0.0, tokens_per_second=5000.0, output_tokens=2)
+    receiver = OtlpReceiver()
+    with serve(receiver) as collector:
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": collector.url}
+        with tokenprobe(sim.url, env, "--workers", "2") as base:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+            sent = 0
+
+            def instances() -> dict[str, list[ReceivedPoint]]:
+                """The newest export of each worker, by service.instance.id."""
+                newest: dict[str, list[ReceivedPoint]] = {}
+                for request in receiver.metrics.requests:
+                    found = points(request)
+                    if found:
+                        newest[found[0].resource["service.instance.id"]] = found
+                return newest
+
+            # New connections until both workers have answered some (the kernel decides).
+            while sent < 400 and len(instances()) < 2:
+                for _ in range(10):
+                    assert httpx.post(base + "/v1/chat/completions", json=body).status_code == 200
+                sent += 10
+                time.sleep(0.2)  # an export interval
+            prom = scrape(base)  # the workers' values summed
+
+            def all_exported(_: list[Any]) -> bool:
+                return sum(total(p, GENAI[0]) for p in instances().values()) >= sent
+
+            receiver.metrics.wait_for(all_exported)
+            newest = instances()
+    assert len(newest) == 2, f"{sent} requests all went to one worker"
+    assert sum(total(p, GENAI[0]) for p in newest.values()) == sent
+    assert prom["tokenprobe_e2e_request_latency_seconds_count"] == sent
+    tokens = sum(
+        total(p, GENAI[1], "sum", **{"gen_ai.token.type": "output"}) for p in newest.values()
+    )
+    assert tokens == prom["tokenprobe_generation_tokens_total"] == 2 * sent
