@@ -21,7 +21,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from proxy.settings import SettingsError, label_pairs, resolve
+from proxy.settings import SettingsError, label_headers, parse_value
 from proxy.sinks.metrics import Metrics
 
 STOCK = Path("grafana/dashboards/tokenprobe.json")
@@ -110,11 +110,11 @@ def main(argv: list[str]) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        settings = resolve({"label_header": args.label_header}, {})
+        pairs = parse_value("--label-header", ",".join(args.label_header or ()), label_headers)
     except SettingsError as exc:
         print(f"tokenprobe dashboard: {exc}", file=sys.stderr)
         return 2
     dashboard = json.loads(Path(args.dashboard).read_text())
-    labels = tuple(label for _, label in label_pairs(settings))
+    labels = tuple(pair.partition("=")[2] for pair in pairs)
     sys.stdout.write(json.dumps(with_labels(dashboard, labels), indent=2) + "\n")
     return 0

@@ -1,55 +1,67 @@
-"""The standard OTEL_* variables, read once for every signal tokenprobe exports.
+"""The standard OpenTelemetry SDK variables (OTEL_*), read once at start-up.
 
-Traces (proxy/sinks/tracing.py) and metrics (proxy/sinks/otlp.py) share these rules:
-a signal's own variable wins over the general one (OTEL_EXPORTER_OTLP_METRICS_PROTOCOL
-over OTEL_EXPORTER_OTLP_PROTOCOL, and so on for ENDPOINT, HEADERS and TIMEOUT); the
-http/protobuf endpoint of the general variable gets the signal's path (/v1/traces,
-/v1/metrics), a signal's own endpoint is used as it is; grpc takes either as it is.
-A value that cannot be used raises SettingsError naming the variable.
-
-Nothing here imports the OpenTelemetry SDK at module level: deciding whether a signal
-is on must cost nothing when it is off.
+One home for what every signal shares: whether the SDK is disabled, which exporters a
+signal names (`OTEL_TRACES_EXPORTER`, `OTEL_METRICS_EXPORTER`), where OTLP goes and how
+(`OTEL_EXPORTER_OTLP_{SIGNAL}_*` first, then `OTEL_EXPORTER_OTLP_*`), and the service
+name. Values are parsed with the settings' parsers (`proxy.settings.parse_value`), so a
+bad one fails at start with the same message shape as a flag: the variable, its value,
+what was expected.
 """
 
 from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
-from proxy.settings import SettingsError
+from proxy.settings import SettingsError, number, parse_value, positive_int
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.resources import Resource
 
-PROTOCOLS = ("http/protobuf", "grpc")
-_DEFAULT_HTTP = "http://localhost:4318"
-_DEFAULT_GRPC = "http://localhost:4317"
+Signal = Literal["traces", "metrics"]
+
+#: The OTLP/HTTP path of each signal, appended to OTEL_EXPORTER_OTLP_ENDPOINT.
+_HTTP_PATHS: dict[Signal, str] = {"traces": "/v1/traces", "metrics": "/v1/metrics"}
+_PROTOCOLS = ("http/protobuf", "grpc")
+
+
+@dataclass(frozen=True, slots=True)
+class OtlpTarget:
+    """Where and how one signal's OTLP exporter sends."""
+
+    protocol: str  # http/protobuf or grpc
+    endpoint: str
+    headers: dict[str, str] | None
+    timeout: float  # seconds
 
 
 def otel_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The OTEL_* variables that are set to something, stripped."""
+    """The OTEL_* variables that are set to something (values stripped)."""
     return {k: v.strip() for k, v in environ.items() if k.startswith("OTEL_") and v.strip()}
 
 
-def sdk_disabled(env: Mapping[str, str]) -> bool:
-    return env.get("OTEL_SDK_DISABLED", "").lower() == "true"
-
-
-def exporter_names(env: Mapping[str, str], variable: str) -> list[str]:
-    """OTEL_TRACES_EXPORTER / OTEL_METRICS_EXPORTER as a list of lower-case names."""
-    return [n.strip().lower() for n in env.get(variable, "").split(",") if n.strip()]
+def exporters(env: Mapping[str, str], signal: Signal) -> list[str]:
+    """The exporters OTEL_{SIGNAL}_EXPORTER names (lower case); [] when the SDK is disabled
+    or the variable says none; ["otlp"] when only an OTLP endpoint is set. `traces` are on
+    with an endpoint alone (the SDK's default); `metrics` only when asked by name, so an
+    endpoint set for traces turns on nothing more."""
+    key = f"OTEL_{signal.upper()}_EXPORTER"
+    names = [n.strip().lower() for n in env.get(key, "").split(",") if n.strip()]
+    if env.get("OTEL_SDK_DISABLED", "").lower() == "true" or "none" in names:
+        return []
+    if names:
+        return names
+    endpoint_set = "OTEL_EXPORTER_OTLP_ENDPOINT" in env or _signal_key(signal, "ENDPOINT") in env
+    return ["otlp"] if signal == "traces" and endpoint_set else []
 
 
 def metrics_requested(environ: Mapping[str, str]) -> bool:
-    """Whether OTEL_METRICS_EXPORTER names otlp (or console). Prometheus is always on; OTLP
-    metrics only when asked for, not merely because a traces endpoint is set."""
-    env = otel_env(environ)
-    names = exporter_names(env, "OTEL_METRICS_EXPORTER")
-    if sdk_disabled(env) or "none" in names:
-        return False
+    """Whether OTEL_METRICS_EXPORTER asks for OTLP (or console) metrics. Prometheus is
+    always on, so `prometheus` there asks for nothing more; an unknown name is refused."""
+    names = exporters(otel_env(environ), "metrics")
     unknown = [n for n in names if n not in ("otlp", "console", "prometheus")]
     if unknown:
         raise SettingsError(
@@ -58,55 +70,35 @@ def metrics_requested(environ: Mapping[str, str]) -> bool:
     return "otlp" in names or "console" in names
 
 
-@dataclass(frozen=True, slots=True)
-class OtlpTarget:
-    """Where and how one signal goes: what an OTLP exporter's constructor takes."""
-
-    protocol: str  # http/protobuf or grpc
-    endpoint: str
-    headers: dict[str, str] | None
-    timeout: float  # seconds, per export
-
-
-def otlp_target(env: Mapping[str, str], signal: str) -> OtlpTarget:
-    """The OTLP target of `signal` ("traces" or "metrics")."""
-    upper = signal.upper()
-    key = f"OTEL_EXPORTER_OTLP_{upper}_PROTOCOL"
-    if key not in env:
-        key = "OTEL_EXPORTER_OTLP_PROTOCOL"
-    protocol = env.get(key, "http/protobuf")
-    if protocol not in PROTOCOLS:
-        raise SettingsError(f"{key}={protocol!r}: expected http/protobuf or grpc")
-    endpoint = env.get(f"OTEL_EXPORTER_OTLP_{upper}_ENDPOINT")
-    if endpoint is None and protocol == "http/protobuf":
-        base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", _DEFAULT_HTTP)
-        endpoint = base.rstrip("/") + f"/v1/{signal}"
-    elif endpoint is None:
-        endpoint = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", _DEFAULT_GRPC)
-    timeout = float_value(env, f"OTEL_EXPORTER_OTLP_{upper}_TIMEOUT", None)
-    if timeout is None:
-        timeout = float_value(env, "OTEL_EXPORTER_OTLP_TIMEOUT", 10.0)
-    assert timeout is not None
-    return OtlpTarget(protocol, endpoint, headers(env, signal), timeout)
-
-
-def headers(env: Mapping[str, str], signal: str) -> dict[str, str] | None:
-    """OTEL_EXPORTER_OTLP_{SIGNAL}_HEADERS, else OTEL_EXPORTER_OTLP_HEADERS (k=v,k=v)."""
-    from opentelemetry.util.re import parse_env_headers
-
-    raw = env.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_HEADERS") or env.get(
-        "OTEL_EXPORTER_OTLP_HEADERS"
+def otlp_target(env: Mapping[str, str], signal: Signal) -> OtlpTarget:
+    """The OTLP exporter's protocol, endpoint, headers and timeout for `signal`."""
+    protocol_key = _first_set(env, _signal_key(signal, "PROTOCOL"), "OTEL_EXPORTER_OTLP_PROTOCOL")
+    protocol = env.get(protocol_key, "http/protobuf")
+    if protocol not in _PROTOCOLS:
+        raise SettingsError(f"{protocol_key}={protocol!r}: expected http/protobuf or grpc")
+    endpoint = env.get(_signal_key(signal, "ENDPOINT"))
+    if endpoint is None:
+        if protocol == "grpc":
+            endpoint = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "http://localhost:4317")
+        else:
+            base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "http://localhost:4318")
+            endpoint = base.rstrip("/") + _HTTP_PATHS[signal]
+    timeout_key = _first_set(env, _signal_key(signal, "TIMEOUT"), "OTEL_EXPORTER_OTLP_TIMEOUT")
+    return OtlpTarget(
+        protocol=protocol,
+        endpoint=endpoint,
+        headers=_headers(env, signal),
+        timeout=value(env, timeout_key, number, 10.0),
     )
-    return dict(parse_env_headers(raw, liberal=True)) if raw else None
 
 
 def service_name(env: Mapping[str, str]) -> str:
     if name := env.get("OTEL_SERVICE_NAME"):
         return name
     for item in env.get("OTEL_RESOURCE_ATTRIBUTES", "").split(","):
-        key, _, value = item.partition("=")
-        if key.strip() == "service.name" and value.strip():
-            return value.strip()
+        key, _, raw = item.partition("=")
+        if key.strip() == "service.name" and raw.strip():
+            return raw.strip()
     return "tokenprobe"
 
 
@@ -115,7 +107,7 @@ _instance: tuple[int, str] | None = None
 
 def instance_id() -> str:
     """This process's `service.instance.id`: a random UUID, new in each worker process
-    (checked by pid, so a forked worker never inherits its parent's)."""
+    (checked by pid, so a forked worker never keeps its parent's)."""
     global _instance
     if _instance is None or _instance[0] != os.getpid():
         _instance = (os.getpid(), str(uuid.uuid4()))
@@ -123,8 +115,8 @@ def instance_id() -> str:
 
 
 def resource(env: Mapping[str, str]) -> Resource:
-    """The resource every signal of this process carries: service.name and
-    service.instance.id, so a collector can sum several workers' series."""
+    """service.name and this process's service.instance.id (OTEL_RESOURCE_ATTRIBUTES
+    merged by the SDK), so a collector tells several workers' series apart and sums them."""
     from opentelemetry.sdk.resources import Resource
 
     return Resource.create(
@@ -132,26 +124,28 @@ def resource(env: Mapping[str, str]) -> Resource:
     )
 
 
-def float_value(env: Mapping[str, str], key: str, default: float | None) -> float | None:
-    if key not in env:
-        return default
-    try:
-        return float(env[key])
-    except ValueError:
-        raise SettingsError(f"{key}={env[key]!r}: expected a number") from None
+def value(env: Mapping[str, str], key: str, parse: Callable[[str], Any], default: Any) -> Any:
+    """`env[key]` parsed, or `default` when unset; a bad value is a SettingsError naming it."""
+    return default if key not in env else parse_value(key, env[key], parse)
 
 
-def int_value(env: Mapping[str, str], key: str, default: int) -> int:
-    if key not in env:
-        return default
-    try:
-        value = int(env[key])
-    except ValueError:
-        raise SettingsError(f"{key}={env[key]!r}: expected a whole number") from None
-    if value < 1:
-        raise SettingsError(f"{key}={value}: must be at least 1")
-    return value
+def count(env: Mapping[str, str], key: str, default: int) -> int:
+    """A whole number of at least 1 (queue sizes, batch sizes, delays in ms)."""
+    result: int = value(env, key, positive_int, default)
+    return result
 
 
-def otlp_exporter_kwargs(target: OtlpTarget) -> dict[str, Any]:
-    return {"endpoint": target.endpoint, "headers": target.headers, "timeout": target.timeout}
+def _headers(env: Mapping[str, str], signal: Signal) -> dict[str, str] | None:
+    from opentelemetry.util.re import parse_env_headers
+
+    raw = env.get(_signal_key(signal, "HEADERS")) or env.get("OTEL_EXPORTER_OTLP_HEADERS")
+    return dict(parse_env_headers(raw, liberal=True)) if raw else None
+
+
+def _signal_key(signal: Signal, what: str) -> str:
+    return f"OTEL_EXPORTER_OTLP_{signal.upper()}_{what}"
+
+
+def _first_set(env: Mapping[str, str], *keys: str) -> str:
+    """The first of `keys` that is set, else the last (whose default then applies)."""
+    return next((k for k in keys if k in env), keys[-1])

@@ -64,17 +64,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from proxy.core.apis import api_of
 from proxy.core.measurement import Measurement
-from proxy.settings import SettingsError
+from proxy.settings import SettingsError, number, positive_int
+from proxy.sinks import otel_env
 from proxy.sinks.cost import PRICE_KEYS, PriceTable, spend
-from proxy.sinks.otel_env import (
-    exporter_names,
-    float_value,
-    int_value,
-    otel_env,
-    otlp_exporter_kwargs,
-    otlp_target,
-    resource,
-)
 from proxy.sinks.sink import Labels
 
 log = logging.getLogger("tokenprobe")
@@ -494,20 +486,22 @@ def otlp_metrics_from_env(
     in_flight: Gauge | None = None,
 ) -> OtlpMetrics:
     """The sink OTEL_* asks for, exporting already. Raises SettingsError naming a bad one."""
-    env = otel_env(environ)
-    names = exporter_names(env, "OTEL_METRICS_EXPORTER")
+    env = otel_env.otel_env(environ)
+    names = otel_env.exporters(env, "metrics")
     key = "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE"
     temporality = env.get(key, "cumulative").lower()
     if temporality not in TEMPORALITIES:
         raise SettingsError(f"{key}={env[key]!r}: expected one of {', '.join(TEMPORALITIES)}")
+    interval_ms: int = otel_env.value(env, "OTEL_METRIC_EXPORT_INTERVAL", positive_int, 60_000)
+    timeout_ms: float = otel_env.value(env, "OTEL_METRIC_EXPORT_TIMEOUT", number, 30_000.0)
     sink = OtlpMetrics(
         _exporter("otlp" if "otlp" in names else "console", env),
         upstream=upstream,
         failures=metric_export_failures(registry),
         models=models,
-        resource=resource(env),
-        interval=int_value(env, "OTEL_METRIC_EXPORT_INTERVAL", 60_000) / 1000,
-        export_timeout=(float_value(env, "OTEL_METRIC_EXPORT_TIMEOUT", 30_000) or 30_000) / 1000,
+        resource=otel_env.resource(env),
+        interval=interval_ms / 1000,
+        export_timeout=timeout_ms / 1000,
         # lowmemory is delta for counters and histograms, cumulative for up-down counters:
         # the same as delta here, where the one up-down counter is always cumulative.
         delta=temporality != "cumulative",
@@ -523,13 +517,18 @@ def _exporter(name: str, env: Mapping[str, str]) -> MetricExporter:
         from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
 
         return ConsoleMetricExporter()
-    target = otlp_target(env, "metrics")
+    target = otel_env.otlp_target(env, "metrics")
+    options: dict[str, Any] = {
+        "endpoint": target.endpoint,
+        "headers": target.headers,
+        "timeout": target.timeout,
+    }
     if target.protocol == "http/protobuf":
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
-        return OTLPMetricExporter(**otlp_exporter_kwargs(target))
+        return OTLPMetricExporter(**options)
     from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
         OTLPMetricExporter as GrpcMetricExporter,
     )
 
-    return GrpcMetricExporter(**otlp_exporter_kwargs(target))
+    return GrpcMetricExporter(**options)

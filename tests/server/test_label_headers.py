@@ -20,6 +20,7 @@ from tests.otlp_receiver import OtlpReceiver, points
 from tests.servers import free_port, serve, spawn, stop, wait_http
 
 N = 10  # --label-values
+UP = ["--upstream", "http://127.0.0.1:9"]
 
 
 def series(base: str, name: str) -> list[dict[str, str]]:
@@ -119,13 +120,13 @@ def test_a_secret_header_as_label_is_refused_at_start_up(header: str) -> None:
 
 def test_a_secret_header_named_by_secret_header_is_refused_too() -> None:
     with pytest.raises(SettingsError, match="is a --secret-header"):
-        parse(["--label-header", "x-tenant=tenant", "--secret-header", "X-Tenant"], {})
+        parse([*UP, "--label-header", "x-tenant=tenant", "--secret-headers", "X-Tenant"], {})
 
 
 def test_label_header_flags_repeat_and_combine_with_the_variable() -> None:
-    settings = parse(["--label-header", "X-Team=team", "--label-header", "x-app=app"], {})
+    settings = parse([*UP, "--label-header", "X-Team=team", "--label-header", "x-app=app"], {})
     assert settings.label_header == ("x-team=team", "x-app=app")
-    env = parse([], {"TOKENPROBE_LABEL_HEADER": "x-team=team,x-app=app"})
+    env = parse(UP, {"TOKENPROBE_LABEL_HEADER": "x-team=team,x-app=app"})
     assert env.label_header == settings.label_header
 
 
@@ -135,7 +136,7 @@ def test_label_header_flags_repeat_and_combine_with_the_variable() -> None:
 )
 def test_bad_label_headers_are_refused(value: str) -> None:
     with pytest.raises(SettingsError, match="--label-header"):
-        parse(["--label-header", value], {})
+        parse([*UP, "--label-header", value], {})
 
 
 def test_values_are_sanitised_cut_short_and_bounded() -> None:
