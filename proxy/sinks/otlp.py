@@ -18,7 +18,7 @@ streams. Attributes: gen_ai.operation.name, gen_ai.provider.name, gen_ai.request
 gen_ai.response.model (bounded like the Prometheus model label), server.address,
 server.port, error.type on the duration when the request failed (tokenprobe's closed set of
 error types), and each --label-header label. tokenprobe's own figures follow under
-tokenprobe.* (the table SECONDS and the counters in `_count`).
+tokenprobe.* (the table FIGURES and the counters in `_count`).
 
 Why not the SDK's meters: one `Histogram.record` costs about 10 us, and a stream records one
 value per chunk. Here a request takes one lock and a few dict look-ups, its chunk gaps one
@@ -63,6 +63,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from proxy.core.apis import api_of
+from proxy.core.buckets import DECODE_SPEED_BUCKETS
 from proxy.core.measurement import Measurement
 from proxy.settings import SettingsError, number, positive_int
 from proxy.sinks import otel_env
@@ -119,12 +120,13 @@ TIME_PER_OUTPUT_CHUNK = Instrument(
     DURATION_BUCKETS,
 )
 
-#: Histograms of one record field each, in seconds: (field, instrument). A new figure on
-#: the record (the engine split of TTFT, say) is one more row.
-SECONDS: tuple[tuple[str, Instrument], ...] = (
-    ("ttft", TIME_TO_FIRST_CHUNK),
+#: Histograms of one figure of the record each: (how to read it from the record,
+#: instrument); None is not observed. A new figure on the record (the engine split of
+#: TTFT, say) is one more row here and nothing else.
+FIGURES: tuple[tuple[Callable[[Measurement], float | None], Instrument], ...] = (
+    (attrgetter("ttft"), TIME_TO_FIRST_CHUNK),
     (
-        "ttfb",
+        attrgetter("ttfb"),
         Instrument(
             "tokenprobe.time_to_first_byte",
             "s",
@@ -133,12 +135,22 @@ SECONDS: tuple[tuple[str, Instrument], ...] = (
         ),
     ),
     (
-        "tpot",
+        attrgetter("tpot"),
         Instrument(
             "tokenprobe.time_per_output_token",
             "s",
             "Per request: (last token time - first token time) / (output tokens - 1).",
             DURATION_BUCKETS,
+        ),
+    ),
+    (
+        attrgetter("decode_tokens_per_second"),
+        Instrument(
+            "tokenprobe.decode_speed",
+            "{token}/s",
+            "Per request single-stream speed: (output tokens - 1) / (last token time - first "
+            "token time). Not aggregate throughput.",
+            tuple(DECODE_SPEED_BUCKETS),
         ),
     ),
 )
@@ -248,7 +260,6 @@ class OtlpMetrics:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._finalizer: Finalize | None = None
-        self._fields = tuple((attrgetter(f), i) for f, i in SECONDS)
 
     # -- recording (event loop) -------------------------------------------------------------
 
@@ -259,7 +270,7 @@ class OtlpMetrics:
             self._observe(
                 OPERATION_DURATION, (*base, ("error.type", error)) if error else base, (m.e2e,)
             )
-            for getter, instrument in self._fields:
+            for getter, instrument in FIGURES:
                 value = getter(m)
                 if value is not None:
                     self._observe(instrument, base, (value,))

@@ -133,6 +133,13 @@ def check_against_prometheus(found: list[ReceivedPoint], prom: dict[str, float])
         prom["tokenprobe_inter_token_latency_seconds_sum"], abs=1e-6
     )
     assert total(found, "tokenprobe.requests", "sum") == 6
+    for otlp, prometheus in (
+        ("tokenprobe.time_to_first_byte", "tokenprobe_time_to_first_byte_seconds"),
+        ("tokenprobe.time_per_output_token", "tokenprobe_request_time_per_output_token_seconds"),
+        ("tokenprobe.decode_speed", "tokenprobe_request_decode_tokens_per_second"),
+    ):
+        assert total(found, otlp) == prom[prometheus + "_count"] > 0, otlp
+        assert total(found, otlp, "sum") == pytest.approx(prom[prometheus + "_sum"], abs=1e-6)
 
 
 def check_conventions(found: list[ReceivedPoint], sim: Running) -> None:
