@@ -320,3 +320,19 @@ def test_each_worker_exports_its_own_series_under_its_own_instance_id(
         total(p, GENAI[1], "sum", **{"gen_ai.token.type": "output"}) for p in newest.values()
     )
     assert tokens == prom["tokenprobe_generation_tokens_total"] == 2 * sent
+
+
+def test_what_is_left_is_exported_when_the_proxy_stops(sim: Running) -> None:
+    receiver = OtlpReceiver()
+    with serve(receiver) as collector:
+        env = {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url,
+            "OTEL_METRIC_EXPORT_INTERVAL": "600000",
+        }
+        with tokenprobe(sim.url, env) as base:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+            assert httpx.post(base + "/v1/chat/completions", json=body).status_code == 200
+            assert receiver.metrics.requests == []  # the first interval is ten minutes away
+        # Stopped (SIGTERM): the last export ran on the way out.
+        (export,) = receiver.metrics.wait_for(bool)
+    assert total(points(export), GENAI[0]) == 1
