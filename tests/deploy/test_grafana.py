@@ -337,3 +337,14 @@ def test_each_label_gets_a_variable_and_a_matcher_on_the_metrics_that_carry_it()
             else:
                 assert "$team" not in inside, f"{panel['title']!r}: {expr}"
     assert filtered > 40
+
+
+def test_tokenprobe_dashboard_writes_it_and_refuses_a_secret_header() -> None:
+    import sys
+
+    args = [sys.executable, "-m", "proxy", "dashboard"]
+    labels = ["--label-header", "x-team=team", "--label-header", "x-app=app"]
+    out = subprocess.run([*args, *labels], cwd=ROOT, capture_output=True, check=True)
+    assert json.loads(out.stdout) == load(LABELLED)
+    refused = subprocess.run([*args, "--label-header", "cookie=c"], cwd=ROOT, capture_output=True)
+    assert refused.returncode == 2 and b"never becomes a label" in refused.stderr
