@@ -63,7 +63,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from proxy.core.apis import api_of
-from proxy.core.buckets import DECODE_SPEED_BUCKETS
+from proxy.core.buckets import DECODE_SPEED_BUCKETS, OVERHEAD_BUCKETS, TOKENS_PER_CHUNK_BUCKETS
 from proxy.core.measurement import Measurement
 from proxy.settings import SettingsError, number, positive_int
 from proxy.sinks import otel_env
@@ -141,6 +141,59 @@ FIGURES: tuple[tuple[Callable[[Measurement], float | None], Instrument], ...] = 
             "s",
             "Per request: (last token time - first token time) / (output tokens - 1).",
             DURATION_BUCKETS,
+        ),
+    ),
+    (
+        lambda m: m.ttft_parts()[0],
+        Instrument(
+            "tokenprobe.engine.queue_time",
+            "s",
+            "The engine's own queue time (vLLM per-request metrics queue_time_ms): from the "
+            "request entering the waiting queue to its first scheduling; for streams the "
+            "queue part of the client-seen TTFT (scaled with the engine TTFT when both "
+            "exceed it).",
+            DURATION_BUCKETS,
+        ),
+    ),
+    (
+        lambda m: m.ttft_parts()[1],
+        Instrument(
+            "tokenprobe.engine.time_to_first_token",
+            "s",
+            "The engine's own time to first token (time_to_first_token_ms): from the "
+            "request's scheduling to its first token.",
+            DURATION_BUCKETS,
+        ),
+    ),
+    (
+        lambda m: m.ttft_parts()[2],
+        Instrument(
+            "tokenprobe.time_to_first_token.outside_engine",
+            "s",
+            "Client-seen TTFT minus the engine's queue time and TTFT, never below 0: "
+            "network, the server's HTTP front end and tokenisation, the proxy. Streams "
+            "that carried the engine's per-request metrics.",
+            DURATION_BUCKETS,
+        ),
+    ),
+    (
+        attrgetter("proxy_overhead"),
+        Instrument(
+            "tokenprobe.proxy_overhead",
+            "s",
+            "The proxy's own time per request: body read -> request handed upstream, plus "
+            "response head from upstream -> sent to the client.",
+            OVERHEAD_BUCKETS,
+        ),
+    ),
+    (
+        lambda m: m.output_tokens_per_chunk(),
+        Instrument(
+            "tokenprobe.output_tokens_per_chunk",
+            "{token}",
+            "Per stream: output tokens (usage or tokenizer) / content events; above 1 with "
+            "speculative decoding or multi-token prediction.",
+            TOKENS_PER_CHUNK_BUCKETS,
         ),
     ),
     (

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -336,3 +337,55 @@ def test_what_is_left_is_exported_when_the_proxy_stops(sim: Running) -> None:
         # Stopped (SIGTERM): the last export ran on the way out.
         (export,) = receiver.metrics.wait_for(bool)
     assert total(points(export), GENAI[0]) == 1
+
+
+def test_the_ttft_split_and_proxy_overhead_match_prometheus(start_sim: Any) -> None:
+    sim = start_sim(
+        ttft=0.05,
+        tokens_per_second=200.0,
+        output_tokens=12,
+        per_request_metrics=True,
+        max_num_seqs=1,
+    )
+    receiver = OtlpReceiver()
+    with (
+        serve(receiver) as collector,
+        tokenprobe(sim.url, {"OTEL_EXPORTER_OTLP_ENDPOINT": collector.url}) as base,
+    ):
+        body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "x"}]}
+
+        statuses: list[int] = []
+
+        def chat() -> None:
+            statuses.append(
+                httpx.post(base + "/v1/chat/completions", json=body, timeout=30).status_code
+            )
+
+        threads = [threading.Thread(target=chat) for _ in range(3)]  # two of them queue
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert statuses == [200, 200, 200]
+        plain = {**body, "stream": False}
+        assert httpx.post(base + "/v1/chat/completions", json=plain, timeout=30).is_success
+        prom = scrape(base)
+        found = wait_for_requests(receiver.metrics, 4)
+    for otlp, prometheus, n in (
+        ("tokenprobe.engine.queue_time", "tokenprobe_engine_queue_time_seconds", 4),
+        (
+            "tokenprobe.engine.time_to_first_token",
+            "tokenprobe_engine_time_to_first_token_seconds",
+            4,
+        ),
+        (
+            "tokenprobe.time_to_first_token.outside_engine",
+            "tokenprobe_time_to_first_token_outside_engine_seconds",
+            3,
+        ),
+        ("tokenprobe.proxy_overhead", "tokenprobe_proxy_overhead_seconds", 4),
+        ("tokenprobe.output_tokens_per_chunk", "tokenprobe_request_output_tokens_per_chunk", 3),
+    ):
+        assert total(found, otlp) == prom[prometheus + "_count"] == n, otlp
+        assert total(found, otlp, "sum") == pytest.approx(prom[prometheus + "_sum"], abs=1e-6)
+    assert total(found, "tokenprobe.engine.queue_time", "sum") > 0.05  # two streams waited
