@@ -147,3 +147,20 @@ def test_values_are_sanitised_cut_short_and_bounded() -> None:
     assert labels([(b"x-team", b' a "b"\n{c} ')]) == ("a__b___c_",)  # admitted before
     assert labels([]) == ("none",) and labels([(b"x-team", b"  ")]) == ("none",)
     assert sanitise("é".encode()) == "__"  # latin-1 decoded, then not plain
+
+
+def test_the_access_log_carries_the_labels_in_json_and_logfmt() -> None:
+    import io
+
+    from proxy.sinks.logs import AccessLog
+    from proxy.sinks.sink import Labels
+    from tests.factories import measurement
+
+    def line(mode: str) -> str:
+        out = io.StringIO()
+        log = AccessLog(mode, out, ("team", "app"))
+        log.record(measurement(), Labels(MODEL, None, ("red", "none")))
+        return out.getvalue()
+
+    assert orjson.loads(line("json"))["labels"] == {"team": "red", "app": "none"}
+    assert " labels.team=red labels.app=none" in line("text")
