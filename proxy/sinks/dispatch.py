@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from time import perf_counter
 from typing import Any
 
@@ -113,8 +114,7 @@ class Sinks:
             e2e=perf_counter() - start,
             error_type=error,
         )
-        # No headers reach here: its attribution labels are "none".
-        self._record(m, Labels(self.models(info.model), attribution=self._no_attribution))
+        self._record(m, Labels(self.models(info.model)))
 
     def passthrough(self, route: str, status: int) -> None:
         self.metrics.passthrough.labels(route, str(status)).inc()
@@ -123,6 +123,10 @@ class Sinks:
         self.metrics.measurement_failures.labels(stage).inc()
 
     def _record(self, measurement: Measurement, labels: Labels) -> None:
+        if len(labels.attribution) != len(self.label_names):
+            # A record made without the request's headers (refused before they were
+            # resolved, say): its attribution labels are "none".
+            labels = replace(labels, attribution=self._no_attribution)
         for sink in self.sinks:
             self._safely(sink.record, measurement, labels)
 

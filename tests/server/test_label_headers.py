@@ -164,3 +164,21 @@ def test_the_access_log_carries_the_labels_in_json_and_logfmt() -> None:
 
     assert orjson.loads(line("json"))["labels"] == {"team": "red", "app": "none"}
     assert " labels.team=red labels.app=none" in line("text")
+
+
+def test_a_refused_request_is_counted_with_none_labels_and_no_sink_fails(
+    sim: Running, start_proxy: Callable[..., Any]
+) -> None:
+    proxy = start_proxy(sim.url, label_header=("x-team=team",), max_body_bytes=64)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 200}]}
+    response = httpx.post(proxy.url + "/v1/chat/completions", json=body, headers={"x-team": "red"})
+    assert response.status_code == 413
+    proxy.wait_records(1)
+    # Refused before its body was read: no model either.
+    labels = {"model": "other", "endpoint": "/v1/chat/completions", "team": "none"}
+    outcome = {"code": "413", "finish_reason": "none", "error_type": "bad_request"}
+    assert proxy.sample("tokenprobe_requests_total", **labels, **outcome) == 1
+    failures = proxy.registry.get_sample_value(
+        "tokenprobe_measurement_failures_total", {"stage": "sink"}
+    )
+    assert not failures
