@@ -405,7 +405,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not args.no_extras:
             extras["websocket"] = websocket_arms(args, work, t_begin)
             try:
-                extras["sidecar"] = sidecar.run(work, quick=args.quick)
+                tree = args.tree.resolve() if args.tree else ROOT
+                extras["sidecar"] = sidecar.run(work, quick=args.quick, tree=tree)
             except Exception as exc:  # reported in the table, never a crash at the end
                 extras["sidecar"] = {"error": f"{type(exc).__name__}: {exc}"}
             log(t_begin, "extras done")

@@ -104,7 +104,9 @@ def extra_rows(first: dict[str, Any], extras: dict[str, Any]) -> list[dict[str, 
             ratio,
             None if ratio is None else ratio >= 0.95,
             side.get("error")
-            or f"{side.get('proxied_tok_s', 0):.0f} vs {side.get('direct_tok_s', 0):.0f} tok/s",
+            or f"{side.get('proxied_tok_s', 0):.0f} vs {side.get('direct_tok_s', 0):.0f} tok/s "
+            f"(the better of direct {side.get('plain_direct_tok_s', 0):.0f} and through the "
+            f"byte relay {side.get('relay_tok_s', 0):.0f})",
         )
     )
     ws = extras.get("websocket") or {}
