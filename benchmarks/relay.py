@@ -32,7 +32,7 @@ only), added TTFT and added per-chunk latency against direct, delivered/offered
 throughput, whether every chunk arrived, the highest chunk rate and request rate held with
 added p99 under 5 ms, RSS per 1,000 open streams, and start-to-first-request time.
 
-    .venv/bin/python benchmarks/relay.py --ref 7105b20 --out results.json --md table.md  # ~13 min
+    .venv/bin/python benchmarks/relay.py --ref 7105b20 --out results.json --md table.md  # ~12 min
     .venv/bin/python benchmarks/relay.py --quick                              # ~2-3 min
 """
 
@@ -395,6 +395,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             shape_args.shape = "together" if shape == "together" else "apart"
             shape_args.backend = "emitter" if shape == "emitter" else "sim"
             shape_args.primary = i == 0
+            shape_args.retry_budget = args.retry_budget / len(args.shapes)  # one budget in all
             if shape == "together":
                 shape_args.tokens = args.together_tokens
             if i:
