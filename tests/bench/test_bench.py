@@ -72,9 +72,11 @@ def test_measures_the_programmed_ttft_tpot_decode_speed_and_length(
         assert r["error_type"] is None and r["finish_reason"] == "length"
         assert (r["output_tokens"], r["token_source"]) == (40, "usage")
         # What the bench saw against what the simulator did: no earlier, and not much later.
-        # (each record gets room for a scheduling hiccup on a loaded box; the median less)
-        assert 0 <= r["ttft"] - sent[r["response_id"]] < 0.05, (r["ttft"], sent[r["response_id"]])
-        assert abs(r["ttft"] - 0.2) < 0.05  # the simulator's timer may also run late on a busy box
+        # Each record gets room for a scheduling hiccup on a loaded box (70 ms seen with
+        # another job on the second core), still short of a wrong instant (the role chunk:
+        # -0.2 s; the last token: +0.8 s); the medians below hold the precision.
+        assert 0 <= r["ttft"] - sent[r["response_id"]] < 0.15, (r["ttft"], sent[r["response_id"]])
+        assert abs(r["ttft"] - 0.2) < 0.15
         assert r["tpot"] == pytest.approx(0.02, rel=0.05)
         assert r["decode_tokens_per_second"] == pytest.approx(50.0, rel=0.05)
         assert len(r["inter_token_latencies"]) == 39

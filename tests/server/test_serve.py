@@ -92,9 +92,10 @@ def test_serve_starts_fast_without_a_tokenizer(sim_url: str) -> None:
     proxy = spawn("serve", "--upstream", sim_url, "--port", str(port))
     try:
         wait_http(f"http://127.0.0.1:{port}/healthz")
-        assert (
-            time.monotonic() - started < 3.0
-        )  # generous for a loaded CI box; the benchmark reports the real figure
+        # Holds with another job on the second core (a cold start then takes 2-4 s here);
+        # loading a tokenizer or waiting on a hub would take longer. The figure itself is
+        # the benchmark's (relay.py: start -> first request).
+        assert time.monotonic() - started < 6.0
     finally:
         stop(proxy)
 
