@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -205,7 +206,9 @@ class Settings:
         'Largest SSE event buffered to measure or strip; a larger event is relayed all the same, and that stream goes unmeasured (`tokenprobe_measurement_failures_total{stage="event_too_large"}`).',
     )
     tokenizer: str | None = setting(
-        str, None, "Local tokenizer directory for counting when the backend sends no usage."
+        str,
+        None,
+        "Local tokenizer directory for counting when the backend sends no usage (and the prompt of abandoned streams). Needs `pip install 'tokenprobe[tokenizer]'`: without transformers the proxy refuses to start.",
     )
     inject_usage: bool = setting(
         _bool,
@@ -361,6 +364,27 @@ def resolve(args: argparse.Namespace | Mapping[str, Any], environ: Mapping[str, 
             "(the OpenAI-compatible backend, e.g. vLLM)"
         )
     return Settings(**values)
+
+
+#: What a user installs for --tokenizer (pyproject.toml's `tokenizer` extra).
+TOKENIZER_EXTRA = "pip install 'tokenprobe[tokenizer]'"
+
+
+def require_tokenizer_support(settings: Settings) -> None:
+    """--tokenizer without transformers installed cannot be honoured: refuse to start and
+    name the extra, instead of running on and counting nothing. Looked up, not imported:
+    transformers loads in the background when the proxy starts (proxy/core/tokens.py)."""
+    if not settings.tokenizer:
+        return
+    try:
+        found = importlib.util.find_spec("transformers") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise SettingsError(
+            f"--tokenizer {settings.tokenizer}: the tokenizer needs transformers, which is not "
+            f"installed; install the extra: {TOKENIZER_EXTRA}"
+        )
 
 
 def parse(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
