@@ -376,13 +376,14 @@ class WireRequest:
         """The request goes upstream: admitted, measured, on a pooled connection."""
         wire = self.wire
         context = wire.context
+        read = perf_counter()  # the request is in: the proxy's own time starts (overhead)
         body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
         self.body = []
         info = None
         if self.api is not None:
             info, body, self.stripper = admit(self.api, body, context.settings)
         exchange = self.exchange = Exchange(
-            context, self.path, self.headers, info, self.start, self.started_at
+            context, self.path, self.headers, info, self.start, self.started_at, read
         )
         wire.active.add(self)
         where = self.path.encode() + (b"?" + self.query if self.query else b"")
@@ -393,6 +394,7 @@ class WireRequest:
         lines.append(b"\r\n")
         lines.append(body)
         head = b"".join(lines)
+        exchange.sent(perf_counter())
         loop = self.proto.loop
         self.first_byte = loop.call_later(
             context.settings.first_byte_timeout, self.cut, Cause.FIRST_BYTE_TIMEOUT
@@ -455,6 +457,7 @@ class WireRequest:
         lines.extend(b"%s: %s\r\n" % pair for pair in out)
         lines.append(b"\r\n")
         self.transport.write(b"".join(lines))
+        exchange.relayed(perf_counter())
         if no_body:
             if self.head_only:  # llhttp would wait for the body a HEAD response has not
                 self.response_end(now, False)
