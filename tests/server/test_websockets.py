@@ -543,38 +543,42 @@ def test_a_slow_client_holds_the_upstream_back(raw: RawUpstream, raw_proxy: Prox
 
 
 def test_a_slow_upstream_holds_the_client_back(raw: RawUpstream, raw_proxy: Proxy) -> None:
-    total = 64 * 1024 * 1024
-    chunk = os.urandom(1 << 20)
+    """The client writes 128 MiB; the upstream reads nothing for a while: the client's
+    sendall must stall well short of the end (loopback buffers on the way hold tens of
+    MiB at most), and once the upstream reads, every byte arrives in order."""
+    total = 128 * 1024 * 1024
+    payload = os.urandom(1 << 20)
     reading = threading.Event()
+    sent = [0]
 
     def after(up: RawConn, conn: socket.socket) -> None:
-        reading.wait(30)
+        reading.wait(60)
         while len(up.received) < total:
             data = conn.recv(1 << 20)
             if not data:
                 break
             up.received += data
 
+    def send_all(client: socket.socket) -> None:
+        for _ in range(total // len(payload)):
+            client.sendall(payload)
+            sent[0] += len(payload)
+
     raw.route(b"/slow-upstream", SWITCH, after)
     client = _raw_client(raw_proxy.port)
+    client.settimeout(60)
     client.sendall(_handshake(b"/slow-upstream"))
     assert _recv_exactly(client, len(SWITCH)) == SWITCH
     up = raw.wait_conn(b"/slow-upstream")
-    sent = 0
-    client.setblocking(False)
-    deadline = time.monotonic() + 1.0
-    while time.monotonic() < deadline and sent < total:
-        try:
-            sent += client.send(chunk)
-        except BlockingIOError:
-            time.sleep(0.01)
-    assert sent < total // 4  # held back: the proxy did not read it all into memory
-    client.setblocking(True)
+    sender = threading.Thread(target=send_all, args=(client,), daemon=True)
+    sender.start()
+    _wait(lambda: sent[0] > 0, what="the client to start writing")
+    assert _stalled(lambda: sent[0]) < 48 * 1024 * 1024
     reading.set()
-    while sent < total:
-        sent += client.send(chunk[: min(len(chunk), total - sent)])
-    _wait(lambda: len(up.received) >= total, what="every byte upstream")
-    assert bytes(up.received[: len(chunk)]) == chunk
+    sender.join(60)
+    _wait(lambda: len(up.received) >= total, what="every byte upstream", timeout=60)
+    assert bytes(up.received[: len(payload)]) == payload
+    assert bytes(up.received[-len(payload) :]) == payload
     client.close()
 
 
