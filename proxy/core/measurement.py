@@ -30,7 +30,7 @@ median for an even n, so always one real choice). With one choice this is the fo
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 class ErrorType(enum.StrEnum):
@@ -92,7 +92,6 @@ class Measurement:
     temperature: float | None = None
     trace_id: str | None = None  # 32 hex digits when the request was traced and sampled
     raw_finish_reason: str | None = None  # as the backend wrote it (end_turn, completed, ...)
-    extra: dict[str, object] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

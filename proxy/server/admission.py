@@ -23,7 +23,7 @@ from proxy.core.paths import BadTarget, Target, normalise
 from proxy.core.request import RequestInfo, parse_request
 from proxy.core.strip import UsageEventStripper
 from proxy.server.headers import Headers, secret_names
-from proxy.settings import Settings, require_upstream
+from proxy.settings import Settings
 from proxy.sinks.dispatch import Sinks
 
 
@@ -45,7 +45,7 @@ class RelaySettings:
 
 def relay_settings(settings: Settings) -> RelaySettings:
     return RelaySettings(
-        upstream=require_upstream(settings),
+        upstream=settings.upstream,
         inject_usage=settings.inject_usage,
         max_body_bytes=settings.max_body_bytes,
         max_header_bytes=settings.max_header_bytes,

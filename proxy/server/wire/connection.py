@@ -70,6 +70,7 @@ class Wire:
         settings = context.settings
         self.pool = Pool(settings.upstream, settings.connect_timeout)
         self.active: set[WireRequest] = set()
+        self.connecting: set[asyncio.Task[None]] = set()
         self.tunnels: weakref.WeakSet[Any] = weakref.WeakSet()
         self.tunnel_context = tunnel_context
 
@@ -400,7 +401,10 @@ class WireRequest:
         if conn is not None:
             self._on_upstream(conn, head)
         else:
-            loop.create_task(self._connect(head))
+            connecting = wire.connecting  # a reference, or the loop may drop the task
+            task = loop.create_task(self._connect(head))
+            connecting.add(task)
+            task.add_done_callback(connecting.discard)
 
     async def _connect(self, head: bytes) -> None:
         try:
