@@ -123,8 +123,11 @@ def _wait(condition: Any, timeout: float = 10.0, what: str = "condition") -> Non
 async def _full_session(url: str) -> dict[str, Any]:
     big = bytes(range(256)) * 4096  # 1 MiB
     got: dict[str, Any] = {}
-    async with connect(url + "/v1/echo?x=1", max_size=4 * 1024 * 1024) as ws:
+    async with connect(
+        url + "/v1/echo?x=1", max_size=4 * 1024 * 1024, subprotocols=["chat.v2", "chat.v1"]
+    ) as ws:
         got["extensions"] = ws.response.headers.get("Sec-WebSocket-Extensions")
+        got["subprotocol"] = ws.subprotocol
         got["status"] = ws.response.status_code
         await ws.send("hello ✓")
         got["text"] = await ws.recv()
@@ -148,6 +151,7 @@ def test_full_session_is_the_same_through_the_proxy(upstream: EchoUpstream, prox
     proxied = _run(_full_session(proxy.url))
     assert direct == proxied
     assert proxied["extensions"].startswith("permessage-deflate")  # negotiated end to end
+    assert proxied["subprotocol"] == "chat.v1"  # so is the subprotocol
     assert proxied["text"] == "hello ✓" and proxied["binary"] is True
     assert proxied["client_fragments"] == proxied["upstream_fragments"] == "frag-ment-ed"
     assert proxied["close"] == (4000, "client says bye")
