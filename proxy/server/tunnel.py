@@ -237,6 +237,7 @@ class Tunnel:
         self._draining = False
         self._drained: set[bool] = set()  # sides a shutdown close frame was written to
         self._connect: asyncio.Task[None] | None = None
+        self._first: bytes | None = b""  # client bytes read while connecting; None: connected
         in_flight, self._duration, self._outcomes = context.metrics.for_route("other")
         self._in_flight = in_flight
 
@@ -318,7 +319,8 @@ class Tunnel:
             return
         self._last = self.loop.time()
         self._idle = self.loop.call_later(context.idle_timeout, self._check_idle)
-        transport.write(first)
+        transport.write(first + (self._first or b""))
+        self._first = None
         self._resume(True)
 
     def _keep_early(self, data: bytes) -> None:
@@ -390,7 +392,12 @@ class Tunnel:
 
     def from_client(self, data: bytes) -> None:
         upstream = self.upstream
-        if upstream is None:
+        if upstream is None or self._first is not None:
+            # Reading is paused until the head has gone upstream; a read already under
+            # way when it paused still goes, after the head.
+            self._first = (self._first or b"") + data
+            self.client_bounds.feed(data)
+            self._keep_early(data)
             return
         self._last = self.loop.time()
         if self._draining and False in self._drained:
