@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -332,6 +333,27 @@ def require_upstream(settings: Settings) -> str:
             "(the OpenAI-compatible backend, e.g. vLLM)"
         )
     return settings.upstream
+
+
+#: What a user installs for --tokenizer (pyproject.toml's `tokenizer` extra).
+TOKENIZER_EXTRA = "pip install 'tokenprobe[tokenizer]'"
+
+
+def require_tokenizer_support(settings: Settings) -> None:
+    """--tokenizer without transformers installed cannot be honoured: refuse to start and
+    name the extra, instead of running on and counting nothing. Looked up, not imported:
+    transformers loads in the background when the proxy starts (proxy/core/tokens.py)."""
+    if not settings.tokenizer:
+        return
+    try:
+        found = importlib.util.find_spec("transformers") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise SettingsError(
+            f"--tokenizer {settings.tokenizer}: the tokenizer needs transformers, which is not "
+            f"installed; install the extra: {TOKENIZER_EXTRA}"
+        )
 
 
 def parse(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:

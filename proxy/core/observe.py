@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import orjson
 
 from proxy.core.apis import Api, Facts, RequestInfo, TokenCounts, api_of
+from proxy.core.engine import engine_metrics
 from proxy.core.errors import classify_response, classify_stream_end, error_message
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
 from proxy.core.sse import DEFAULT_MAX_EVENT_BYTES, SSEDecoder
@@ -28,6 +29,11 @@ from proxy.core.sse import DEFAULT_MAX_EVENT_BYTES, SSEDecoder
 #: The most of a non-streaming or error body kept for parsing. Bigger bodies are still
 #: relayed in full; they are only measured from what fits.
 MAX_KEPT_BODY = 8 * 1024 * 1024
+
+
+#: Outcomes whose tokens a tokenizer counts: successes, and requests whose client walked
+#: away (no usage arrives; their prompt and partial output are compute nobody received).
+_COUNTED = frozenset({None, ErrorType.CLIENT_CANCELLED})
 
 
 class Counter(Protocol):
@@ -72,6 +78,8 @@ class StreamObserver:
         self._zero: _Choice | None = None  # choices[0], for the common event's fast path
         self.finish_reason: str | None = None  # raw, as the backend wrote it
         self.usage: dict[str, Any] | None = None
+        self.engine: object = None  # the engine's `metrics` object as sent
+        self.overhead: float | None = None  # the proxy's own time so far
         self.stream_error: object = None
         self.done = False
         self.malformed_events = 0
@@ -89,6 +97,15 @@ class StreamObserver:
         self.status = status
         self.first_byte = now
         self.streaming = status < 400 and content_type.startswith("text/event-stream")
+
+    def sent(self, read: float, now: float) -> None:
+        """The request, whose body was read at `read`, went to the upstream at `now`."""
+        self.overhead = now - read
+
+    def relayed(self, now: float) -> None:
+        """The response head, in at `first_byte`, went out to the client at `now`."""
+        if self.overhead is not None and self.first_byte is not None:
+            self.overhead += now - self.first_byte
 
     def feed(self, chunk: bytes, now: float) -> None:
         """A chunk that was just relayed to the client, read from the network at `now`."""
@@ -151,6 +168,8 @@ class StreamObserver:
             )
         if facts.error is not None:
             self.stream_error = facts.error
+        if facts.engine is not None:
+            self.engine = facts.engine
         if facts.end:
             self.done = True
         if facts.response_id is not None and self.response_id is None:
@@ -228,7 +247,7 @@ class StreamObserver:
         if error_message is not None and redact is not None:
             error_message = redact(error_message)
         counts = self.counts_from_usage()
-        if counts is None and counter is not None and error_type is None:
+        if counts is None and counter is not None and error_type in _COUNTED:
             counts = await counter.count(self)
         if counts is None:
             counts = self.counts_from_chunks()
@@ -283,6 +302,8 @@ class StreamObserver:
             max_tokens=request.max_tokens,
             temperature=request.temperature,
             trace_id=trace_id,
+            engine=None if self.engine is None else engine_metrics(self.engine),
+            proxy_overhead=self.overhead,
         )
 
     def _decode_speed(self, output: int | None) -> tuple[float | None, float | None]:

@@ -12,6 +12,12 @@ Keys, in this order, stable (a key without a value is null in JSON, left out in 
   prompt_tokens, output_tokens, cached_tokens, token_source   counts and where they came from
   ttfb_ms, ttft_ms, tpot_ms, e2e_ms   latencies in milliseconds
   decode_tps     single-stream decode speed, tokens per second
+  queue_ms, engine_ttft_ms, outside_engine_ms   where the first token's time went: the
+                 engine's queue time and TTFT (vLLM per-request metrics) and the rest of
+                 the client-seen TTFT (a stream's three sum to ttft_ms; null without them)
+  tokens_per_chunk   output tokens per content event (usage or tokenizer counts)
+  spec_draft_tokens, spec_accepted_tokens   speculative decoding, as the engine counted
+  proxy_overhead_ms   the proxy's own time (body read -> upstream, head in -> head out)
   stream         whether the client asked for a stream
   trace_id       the request's trace id when traced and sampled
   response_id    the backend's response id
@@ -48,6 +54,13 @@ KEYS = (
     "tpot_ms",
     "decode_tps",
     "e2e_ms",
+    "queue_ms",
+    "engine_ttft_ms",
+    "outside_engine_ms",
+    "tokens_per_chunk",
+    "spec_draft_tokens",
+    "spec_accepted_tokens",
+    "proxy_overhead_ms",
     "stream",
     "trace_id",
     "response_id",
@@ -77,6 +90,9 @@ class AccessLog:
 
 def record(m: Measurement) -> dict[str, Any]:
     """The log record of one request, keys as in KEYS."""
+    queue, engine_ttft, outside = m.ttft_parts()
+    spec = None if m.engine is None else m.engine.spec
+    per_chunk = m.output_tokens_per_chunk()
     return {
         "ts": iso_utc(m.started_at),
         "model": m.model[:_MAX_MODEL_CHARS],
@@ -96,6 +112,13 @@ def record(m: Measurement) -> dict[str, Any]:
         if m.decode_tokens_per_second is None
         else round(m.decode_tokens_per_second, 2),
         "e2e_ms": _ms(m.e2e),
+        "queue_ms": _ms(queue),
+        "engine_ttft_ms": _ms(engine_ttft),
+        "outside_engine_ms": _ms(outside),
+        "tokens_per_chunk": None if per_chunk is None else round(per_chunk, 3),
+        "spec_draft_tokens": None if spec is None else spec.draft_tokens,
+        "spec_accepted_tokens": None if spec is None else spec.accepted_tokens,
+        "proxy_overhead_ms": _ms(m.proxy_overhead),
         "stream": m.stream,
         "trace_id": m.trace_id,
         "response_id": m.response_id,

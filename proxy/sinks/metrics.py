@@ -19,9 +19,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from proxy.core.apis import FINISH_LABELS
 from proxy.core.buckets import (
+    ACCEPTANCE_LENGTH_BUCKETS,
     DECODE_SPEED_BUCKETS,
     E2E_BUCKETS,
+    OVERHEAD_BUCKETS,
+    QUEUE_TIME_BUCKETS,
     TOKEN_LATENCY_BUCKETS,
+    TOKENS_PER_CHUNK_BUCKETS,
     TTFB_BUCKETS,
     TTFT_BUCKETS,
     token_buckets,
@@ -195,8 +199,94 @@ class Metrics:
             ("key", "model", "kind"),
             registry=registry,
         )
+        self._engine_metrics(h, c)
         self._children: dict[tuple[str, str], tuple[Any, ...]] = {}
+        self._engine_children: dict[tuple[str, str, bool], tuple[Any, ...]] = {}
         self._class_children: dict[tuple[str, str, str, str], tuple[Any, Any]] = {}
+
+    def _engine_metrics(self, h: Any, c: Any) -> None:
+        """Where the first token's time goes, speculative decoding, cancelled work and the
+        proxy's own share (proxy/core/engine.py reads the engine's object)."""
+        self.engine_queue = h(
+            "tokenprobe_engine_queue_time_seconds",
+            "The engine's own queue time (vLLM per-request metrics queue_time_ms): from the "
+            "request entering the engine's waiting queue to its first scheduling. Streams: "
+            "the part of client-seen TTFT tokenprobe_time_to_first_token_outside_engine_seconds "
+            "explains (scaled with the engine TTFT when both exceed the client-seen TTFT). "
+            "`stream` says whether the answer was streamed.",
+            labels=("stream",),
+            buckets=QUEUE_TIME_BUCKETS,
+        )
+        self.engine_ttft = h(
+            "tokenprobe_engine_time_to_first_token_seconds",
+            "The engine's own time to first token (vLLM per-request metrics "
+            "time_to_first_token_ms): from the request's scheduling to its first token. "
+            "Streams: scaled with the queue time when both exceed the client-seen TTFT.",
+            labels=("stream",),
+            buckets=TTFT_BUCKETS,
+        )
+        self.outside_engine = h(
+            "tokenprobe_time_to_first_token_outside_engine_seconds",
+            "Client-seen TTFT (proxy received the request -> first read carrying content) "
+            "minus the engine's queue time minus the engine's TTFT, never below 0: network, "
+            "HTTP and tokenisation in the server's front end, and the proxy. Streams that "
+            "carried the engine's per-request metrics; for them the _sum of this, of "
+            'tokenprobe_engine_queue_time_seconds{stream="true"} and of '
+            'tokenprobe_engine_time_to_first_token_seconds{stream="true"} add up to their TTFT sum.',
+            buckets=TTFB_BUCKETS,
+        )
+        self.tokens_per_chunk = h(
+            "tokenprobe_request_output_tokens_per_chunk",
+            "Per stream: output tokens (usage or tokenizer) / content events, from the first "
+            "to the last event. Above 1 under speculative decoding or multi-token prediction, "
+            "which is why inter-chunk latency is not per-token latency.",
+            buckets=TOKENS_PER_CHUNK_BUCKETS,
+        )
+        self.spec_draft = c(
+            "tokenprobe_spec_decode_draft_tokens",
+            "Draft tokens the engine proposed (vLLM per-request metrics "
+            "speculative_decoding.num_draft_tokens), summed over finished requests.",
+        )
+        self.spec_accepted = c(
+            "tokenprobe_spec_decode_accepted_tokens",
+            "Draft tokens the target model accepted (speculative_decoding."
+            "num_accepted_draft_tokens), summed over finished requests.",
+        )
+        self.spec_acceptance_length = h(
+            "tokenprobe_spec_decode_mean_acceptance_length",
+            "Per request: the engine's mean acceptance length (speculative_decoding."
+            "mean_acceptance_length), tokens per verify step, from the request's first to "
+            "its last step.",
+            buckets=ACCEPTANCE_LENGTH_BUCKETS,
+        )
+        self.cancelled_prompt = c(
+            "tokenprobe_cancelled_prompt_tokens",
+            "Prompt tokens of requests whose client went away before the end (from the "
+            "proxy receiving the request to the client's disconnect): the prefill nobody "
+            "received. Needs usage or a tokenizer (`source`).",
+            labels=("source",),
+        )
+        self.cancelled_generation = c(
+            "tokenprobe_cancelled_generation_tokens",
+            "Output tokens the proxy saw for requests whose client went away before the end "
+            "(first content read to the disconnect), by where the count came from.",
+            labels=("source",),
+        )
+        self.proxy_overhead = h(
+            "tokenprobe_proxy_overhead_seconds",
+            "The proxy's own time per request: from its body being read to the request "
+            "being handed to the upstream connection, plus from the upstream's response "
+            "head arriving to that head being sent to the client.",
+            buckets=OVERHEAD_BUCKETS,
+        )
+        self.loop_lag = Histogram(
+            "tokenprobe_event_loop_lag_seconds",
+            "How late the proxy's event loop woke a sampler: from the instant a periodic "
+            "sleep should have ended to the instant it did (every request on that loop "
+            "waits as long).",
+            registry=self.registry,
+            buckets=OVERHEAD_BUCKETS,
+        )
 
     def _bound(self, model: str, endpoint: str) -> tuple[Any, ...]:
         """Label children for one (model, endpoint), resolved once and cached."""
@@ -270,6 +360,58 @@ class Metrics:
         self.requests.labels(model_label, m.endpoint, str(m.status_code), reason, error).inc()
         if labels.key is not None:
             self._record_key(m, model_label, labels.key, error)
+        if m.proxy_overhead is not None:
+            self.proxy_overhead.labels(model_label, m.endpoint).observe(m.proxy_overhead)
+        if m.engine is not None or m.cancelled or m.content_events:
+            self._record_engine(m, model_label)
+
+    def _record_engine(self, m: Measurement, model_label: str) -> None:
+        """The engine's figures, tokens per chunk and cancelled work: the few requests that
+        have them resolve their children here, once per (model, endpoint, stream)."""
+        key = (model_label, m.endpoint, m.stream)
+        children = self._engine_children.get(key)
+        if children is None:
+            stream = "true" if m.stream else "false"
+            children = (
+                self.engine_queue.labels(model_label, m.endpoint, stream),
+                self.engine_ttft.labels(model_label, m.endpoint, stream),
+                self.outside_engine.labels(model_label, m.endpoint),
+                self.tokens_per_chunk.labels(model_label, m.endpoint),
+                self.spec_draft.labels(model_label, m.endpoint),
+                self.spec_accepted.labels(model_label, m.endpoint),
+                self.spec_acceptance_length.labels(model_label, m.endpoint),
+            )
+            self._engine_children[key] = children
+        queue, first, outside, per_chunk, draft, accepted, length = children
+        engine = m.engine
+        if engine is not None:
+            split = m.ttft_split()
+            if split is not None:
+                queue.observe(split[0])
+                first.observe(split[1])
+                outside.observe(split[2])
+            elif not m.stream:  # no client TTFT to split: the engine's figures as they are
+                if engine.queue_time is not None:
+                    queue.observe(engine.queue_time)
+                if engine.time_to_first_token is not None:
+                    first.observe(engine.time_to_first_token)
+            spec = engine.spec
+            if spec is not None:
+                draft.inc(spec.draft_tokens)
+                accepted.inc(spec.accepted_tokens)
+                if spec.mean_acceptance_length is not None:
+                    length.observe(spec.mean_acceptance_length)
+        ratio = m.output_tokens_per_chunk()
+        if ratio is not None:
+            per_chunk.observe(ratio)
+        if m.cancelled:
+            source = m.token_source.value
+            if m.prompt_tokens:
+                self.cancelled_prompt.labels(model_label, m.endpoint, source).inc(m.prompt_tokens)
+            if m.output_tokens:
+                self.cancelled_generation.labels(model_label, m.endpoint, source).inc(
+                    m.output_tokens
+                )
 
     def _record_key(self, m: Measurement, model_label: str, key_label: str, error: str) -> None:
         self.key_requests.labels(key_label, model_label, error).inc()

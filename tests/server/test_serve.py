@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -168,3 +169,41 @@ def test_streams_outliving_the_drain_are_cut_counted_and_not_logged_as_crashes(
         assert '"error_type":"stream_truncated"' in log, log
     finally:
         stop(proxy)
+
+
+_WITHOUT_TRANSFORMERS = """
+import sys
+
+class HideTransformers:  # as if `pip install .` had not installed the tokenizer extra
+    def find_spec(self, name, path=None, target=None):
+        if name == "transformers" or name.startswith("transformers."):
+            raise ModuleNotFoundError("No module named 'transformers'")
+        return None
+
+sys.meta_path.insert(0, HideTransformers())
+from proxy.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_serve_refuses_a_tokenizer_it_cannot_load_and_names_the_extra(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _WITHOUT_TRANSFORMERS,
+            "serve",
+            "--upstream",
+            "http://127.0.0.1:9",
+            "--port",
+            "0",
+            "--tokenizer",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    message = result.stderr.decode()
+    assert "transformers" in message and "pip install 'tokenprobe[tokenizer]'" in message
+    assert str(tmp_path) in message
