@@ -56,14 +56,15 @@ def build(directory: Path) -> Path:
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=64,  # vLLM's CPU attention refuses head_dim 16
-
         max_position_embeddings=MAX_MODEL_LEN,
         bos_token_id=0,
         eos_token_id=0,
         tie_word_embeddings=True,
         dtype="bfloat16",
     )
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(str(partial), safe_serialization=True)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(
+        str(partial), safe_serialization=True
+    )
     (partial / MARK).write_text("built by tests/vllm_model.py\n")
     shutil.rmtree(directory, ignore_errors=True)
     partial.rename(directory)
