@@ -157,7 +157,6 @@ def _stop(server: Vllm) -> None:
 class Servers:
     base: Vllm
     spec: Vllm
-    startup_seconds: float
 
 
 @pytest.fixture(scope="session")
@@ -172,7 +171,6 @@ def vllm_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
         deadline = started + START_TIMEOUT
         for server in servers:
             _wait_healthy(server, deadline)
-        startup = time.monotonic() - started
         for server in servers:
             port = free_port()
             server.access_log = logs / f"proxy-{server.name}.jsonl"
@@ -190,7 +188,7 @@ def vllm_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
             server.proxy_url = f"http://127.0.0.1:{port}"
         for server in servers:
             wait_http(server.proxy_url + "/healthz")
-        yield Servers(servers[0], servers[1], startup)
+        yield Servers(servers[0], servers[1])
     finally:
         for server in servers:
             _stop(server)
