@@ -30,6 +30,7 @@ from proxy.core.buckets import (
     TTFT_BUCKETS,
     token_buckets,
 )
+from proxy.core.engine import EngineMetrics
 from proxy.core.measurement import NONE_LABEL, Measurement
 from proxy.sinks.sink import Labels
 
@@ -362,12 +363,17 @@ class Metrics:
             self._record_key(m, model_label, labels.key, error)
         if m.proxy_overhead is not None:
             self.proxy_overhead.labels(model_label, m.endpoint).observe(m.proxy_overhead)
-        if m.engine is not None or m.cancelled or m.content_events:
-            self._record_engine(m, model_label)
+        if m.engine is not None:
+            self._record_engine(m, model_label, m.engine)
+        ratio = m.output_tokens_per_chunk()
+        if ratio is not None:
+            self.tokens_per_chunk.labels(model_label, m.endpoint).observe(ratio)
+        if m.cancelled:
+            self._record_cancelled(m, model_label)
 
-    def _record_engine(self, m: Measurement, model_label: str) -> None:
-        """The engine's figures, tokens per chunk and cancelled work: the few requests that
-        have them resolve their children here, once per (model, endpoint, stream)."""
+    def _record_engine(self, m: Measurement, model_label: str, engine: EngineMetrics) -> None:
+        """The engine's figures: only requests that carried them touch these series, each
+        (model, endpoint, stream) resolving its children once."""
         key = (model_label, m.endpoint, m.stream)
         children = self._engine_children.get(key)
         if children is None:
@@ -376,42 +382,34 @@ class Metrics:
                 self.engine_queue.labels(model_label, m.endpoint, stream),
                 self.engine_ttft.labels(model_label, m.endpoint, stream),
                 self.outside_engine.labels(model_label, m.endpoint),
-                self.tokens_per_chunk.labels(model_label, m.endpoint),
-                self.spec_draft.labels(model_label, m.endpoint),
-                self.spec_accepted.labels(model_label, m.endpoint),
-                self.spec_acceptance_length.labels(model_label, m.endpoint),
             )
             self._engine_children[key] = children
-        queue, first, outside, per_chunk, draft, accepted, length = children
-        engine = m.engine
-        if engine is not None:
-            split = m.ttft_split()
-            if split is not None:
-                queue.observe(split[0])
-                first.observe(split[1])
-                outside.observe(split[2])
-            elif not m.stream:  # no client TTFT to split: the engine's figures as they are
-                if engine.queue_time is not None:
-                    queue.observe(engine.queue_time)
-                if engine.time_to_first_token is not None:
-                    first.observe(engine.time_to_first_token)
-            spec = engine.spec
-            if spec is not None:
-                draft.inc(spec.draft_tokens)
-                accepted.inc(spec.accepted_tokens)
-                if spec.mean_acceptance_length is not None:
-                    length.observe(spec.mean_acceptance_length)
-        ratio = m.output_tokens_per_chunk()
-        if ratio is not None:
-            per_chunk.observe(ratio)
-        if m.cancelled:
-            source = m.token_source.value
-            if m.prompt_tokens:
-                self.cancelled_prompt.labels(model_label, m.endpoint, source).inc(m.prompt_tokens)
-            if m.output_tokens:
-                self.cancelled_generation.labels(model_label, m.endpoint, source).inc(
-                    m.output_tokens
+        queue, first, outside = children
+        split = m.ttft_split()
+        if split is not None:
+            queue.observe(split[0])
+            first.observe(split[1])
+            outside.observe(split[2])
+        elif not m.stream:  # no client TTFT to split: the engine's figures as they are
+            if engine.queue_time is not None:
+                queue.observe(engine.queue_time)
+            if engine.time_to_first_token is not None:
+                first.observe(engine.time_to_first_token)
+        spec = engine.spec
+        if spec is not None:
+            self.spec_draft.labels(model_label, m.endpoint).inc(spec.draft_tokens)
+            self.spec_accepted.labels(model_label, m.endpoint).inc(spec.accepted_tokens)
+            if spec.mean_acceptance_length is not None:
+                self.spec_acceptance_length.labels(model_label, m.endpoint).observe(
+                    spec.mean_acceptance_length
                 )
+
+    def _record_cancelled(self, m: Measurement, model_label: str) -> None:
+        source = m.token_source.value
+        if m.prompt_tokens:
+            self.cancelled_prompt.labels(model_label, m.endpoint, source).inc(m.prompt_tokens)
+        if m.output_tokens:
+            self.cancelled_generation.labels(model_label, m.endpoint, source).inc(m.output_tokens)
 
     def _record_key(self, m: Measurement, model_label: str, key_label: str, error: str) -> None:
         self.key_requests.labels(key_label, model_label, error).inc()
