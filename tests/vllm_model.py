@@ -32,6 +32,9 @@ def build(directory: Path) -> Path:
         return directory
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from tests.tokenizers_local import build_tiny_tokenizer
