@@ -323,10 +323,9 @@ def test_generate_output_tokens_equal_vllms_generation_tokens_total(
     if api_for(GENERATE) is None:
         pytest.skip("the /inference/v1/generate seam (issue 18, branch apis) is not merged yet")
     server = vllm_servers.base
-    vllm_before = total(scrape(server.url), "vllm:generation_tokens_total")
+    before = scrape(server.url)
     delta = Delta(server.proxy_url)
-    seen = 0
-    requests = 0
+    seen = seen_streamed = prompt = requests = 0
     with httpx.Client(timeout=60) as client:
         for i, max_tokens in enumerate((5, 9, 3, 12)):
             body = {
@@ -335,19 +334,31 @@ def test_generate_output_tokens_equal_vllms_generation_tokens_total(
                 "sampling_params": {"max_tokens": max_tokens, "ignore_eos": True},
             }
             raw = fetch(client, server.proxy_url + GENERATE, {**body, "stream": True})
-            seen += sum(len(c["token_ids"]) for p in payloads(raw) for c in p["choices"])
+            streamed = sum(len(c["token_ids"]) for p in payloads(raw) for c in p["choices"])
+            seen += streamed
+            seen_streamed += streamed
             answer = client.post(server.proxy_url + GENERATE, json=body)
             assert answer.status_code == 200, answer.text
             seen += sum(len(c["token_ids"]) for c in answer.json()["choices"])
             requests += 2
+            prompt += 2 * len(body["token_ids"])
     d = delta.after(requests, endpoint=GENERATE)
     assert seen == 2 * (5 + 9 + 3 + 12)
     deadline = time.monotonic() + 30  # vLLM's logger counts an engine step's tokens after it
-    while (
-        counted := total(scrape(server.url), "vllm:generation_tokens_total") - vllm_before
-    ) < seen:
-        if time.monotonic() > deadline:
+    while True:
+        after = scrape(server.url)
+        counted = total(after, "vllm:generation_tokens_total") - total(
+            before, "vllm:generation_tokens_total"
+        )
+        if counted >= seen or time.monotonic() > deadline:
             break
         time.sleep(0.05)
     assert counted == seen
     assert d("tokenprobe_generation_tokens_total") == seen
+    # streamed: counted from the chunks' token_ids; not streamed: the body's usage
+    assert d("tokenprobe_generation_tokens_total", source="token_ids") == seen_streamed
+    assert d("tokenprobe_generation_tokens_total", source="usage") == seen - seen_streamed
+    # the prompt is len(token_ids), as vLLM counts it (cached prefix included)
+    prefilled = total(after, "vllm:prompt_tokens_total") - total(before, "vllm:prompt_tokens_total")
+    assert prefilled == prompt
+    assert d("tokenprobe_prompt_tokens_total") == prompt
