@@ -177,8 +177,7 @@ def record(result: Result, label: str, origin: float) -> dict[str, Any]:
         "send_delay": result.sent - result.scheduled,
     }
     for f in dataclasses.fields(m):
-        if f.name != "extra":
-            out[f.name] = getattr(m, f.name)
+        out[f.name] = getattr(m, f.name)
     return out
 
 

@@ -36,7 +36,7 @@ median for an even n, so always one real choice). With one choice this is the fo
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from proxy.core.engine import EngineMetrics, ttft_split
 
@@ -102,7 +102,6 @@ class Measurement:
     raw_finish_reason: str | None = None  # as the backend wrote it (end_turn, completed, ...)
     engine: EngineMetrics | None = None  # the engine's own per-request figures, if sent
     proxy_overhead: float | None = None  # seconds of the proxy's own time (see above)
-    extra: dict[str, object] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

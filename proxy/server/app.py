@@ -25,7 +25,7 @@ from proxy.server.control import ControlPlane
 from proxy.server.forward import Forwarder, UpstreamBroke
 from proxy.server.looplag import LoopLag
 from proxy.server.upstream import create_client
-from proxy.settings import Settings, require_upstream
+from proxy.settings import Settings
 from proxy.sinks.dispatch import Sinks
 from proxy.types import ASGIApp, Receive, Scope, Send
 
@@ -58,7 +58,7 @@ class ProxyApp:
         control: ControlPlane,
     ) -> None:
         self.settings = settings
-        self.upstream = require_upstream(settings)
+        self.upstream = settings.upstream
         self.registry = registry
         self.sinks = sinks
         self.control = control
