@@ -31,7 +31,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.vllm.conftest import SERVED, Servers, Vllm
 
-pytestmark = pytest.mark.vllm
+# the first test also waits for both servers to start (conftest's START_TIMEOUT)
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
