@@ -66,9 +66,12 @@ def body_for(path: str, prompt: str, usage: bool, max_tokens: int = 8, **extra: 
     return {**body, **extra}
 
 
-def fetch(client: httpx.Client, url: str, body: Any) -> bytes:
+def fetch(client: httpx.Client, url: str, body: Any, types: list[str] | None = None) -> bytes:
+    """A stream's raw body; its content-type is appended to `types` when given."""
     with client.stream("POST", url, json=body) as response:
         assert response.status_code == 200, response.read()
+        if types is not None:
+            types.append(response.headers["content-type"])
         return b"".join(response.iter_raw())
 
 
@@ -147,10 +150,12 @@ def compare_pair(client: httpx.Client, server: Vllm, path: str, body: Any) -> by
     """One stream direct and through the proxy, compared as the module docstring says;
     returns the proxied body."""
     for _ in range(3):
-        direct = fetch(client, server.url + path, body)
-        proxied = fetch(client, server.proxy_url + path, body)
+        types: list[str] = []
+        direct = fetch(client, server.url + path, body, types)
+        proxied = fetch(client, server.proxy_url + path, body, types)
         if len(events(direct)) == len(events(proxied)):
             break
+    assert types[0] == types[1] and types[0].startswith("text/event-stream"), types
     n = len(events(direct))
     assert len(events(proxied)) == n, (direct, proxied)
     (want, counts), (got, got_counts) = normalise(direct), normalise(proxied)
