@@ -18,10 +18,12 @@ asked for again, up to three times, and never accepted.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -29,7 +31,8 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.vllm.conftest import SERVED, Servers, Vllm
+from tests.servers import free_port, spawn, stop, wait_http
+from tests.vllm.conftest import MODEL, SERVED, Servers, Vllm
 
 # the first test also waits for both servers to start (conftest's START_TIMEOUT)
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -368,3 +371,89 @@ def test_generate_output_tokens_equal_vllms_generation_tokens_total(
     prefilled = total(after, "vllm:prompt_tokens_total") - total(before, "vllm:prompt_tokens_total")
     assert prefilled == prompt
     assert d("tokenprobe_prompt_tokens_total") == prompt
+
+
+# -- issue 22: the tokens nobody received ----------------------------------------------------
+
+
+def test_a_client_that_leaves_is_counted_and_vllm_stops(
+    vllm_servers: Servers, tmp_path: Path
+) -> None:
+    """A proxy with the model's own tokenizer counts the abandoned prompt as vLLM counted
+    it (completions: no chat template, the same tokenizer), and vLLM aborts the rest."""
+    server = vllm_servers.base
+    port = free_port()
+    log = tmp_path / "access.jsonl"
+    with log.open("wb") as out:
+        proxy = spawn(
+            "serve", "--upstream", server.url, "--port", str(port), "--access-log", "json",
+            "--tokenizer", str(MODEL), "--no-inject-usage", stdout=out.fileno(),
+        )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(base + "/healthz")
+        # the tokenizer loads in the background and nothing says when it is in: streams
+        # without usage (--no-inject-usage) until one is counted by the tokenizer
+        deadline = time.monotonic() + 60
+        with httpx.Client(timeout=60) as client:
+            while True:
+                warm = Delta(base)
+                fetch(client, base + COMPLETIONS, body_for(COMPLETIONS, TEXT_PROMPTS[0], False))
+                counted = warm.after(1, endpoint=COMPLETIONS)
+                if counted("tokenprobe_generation_tokens_total", source="tokenizer") > 0:
+                    break
+                assert time.monotonic() < deadline, "the proxy's tokenizer did not load"
+                time.sleep(0.2)
+        # vLLM is fast: when a stall lets it finish all 253 tokens before the client has
+        # read 3 events, the client got the whole answer and nothing was cancelled; such a
+        # try is logged as a success, and the client leaves again (5 tries)
+        left_after = 3
+        body = body_for(COMPLETIONS, TEXT_PROMPTS[1], False, max_tokens=253)
+        name = "tokenprobe_cancelled_prompt_tokens_total"
+        for _ in range(5):
+            vllm_before = scrape(server.url)
+            lines = len(log.read_text().splitlines())
+            seen = 0
+            with httpx.stream("POST", base + COMPLETIONS, json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    text = (
+                        line.startswith("data: {") and orjson.loads(line[6:])["choices"][0]["text"]
+                    )
+                    seen += bool(text)
+                    if seen == left_after:
+                        break  # leaving the block closes the connection
+            assert seen == left_after
+            deadline = time.monotonic() + 30
+            while len(records := log.read_text().splitlines()) == lines:
+                assert time.monotonic() < deadline, "the request was not recorded"
+                time.sleep(0.05)
+            record = json.loads(records[lines])
+            if record["error_type"] == "client_cancelled":
+                break
+        assert record["error_type"] == "client_cancelled", record
+        while total(now := scrape(base), name, source="tokenizer") == 0:
+            assert time.monotonic() < deadline, "no cancelled prompt tokens counted"
+            time.sleep(0.05)
+        prompt = total(now, name, source="tokenizer")
+        generated = total(now, "tokenprobe_cancelled_generation_tokens_total", source="tokenizer")
+        # vLLM's own counters: its logger counts an engine step's tokens after the step
+        while (
+            vllm_generated := _vllm_delta(server, vllm_before, "vllm:generation_tokens_total")
+        ) < generated:
+            assert time.monotonic() < deadline, (vllm_generated, generated)
+            time.sleep(0.05)
+        assert prompt == _vllm_delta(server, vllm_before, "vllm:prompt_tokens_total") > 0
+        # what the client got, at least; the engine stopped before its 253 tokens
+        assert left_after <= generated <= vllm_generated < 253
+        assert (prompt, generated) == (record["prompt_tokens"], record["output_tokens"])
+    finally:
+        stop(proxy)
+
+
+def _vllm_delta(
+    server: Vllm,
+    before: dict[tuple[str, frozenset[tuple[str, str]]], float],
+    name: str,
+    **labels: str,
+) -> float:
+    return total(scrape(server.url), name, **labels) - total(before, name, **labels)
