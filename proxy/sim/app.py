@@ -52,7 +52,7 @@ from proxy.sim.messages import count_tokens as messages_count_tokens
 from proxy.sim.pacing import FreePacer, LockstepPacer, Pacer, StepClock
 from proxy.sim.responses import ResponsesWire
 from proxy.sim.state import Outcome, SimRequest, SimState
-from proxy.sim.stream import complete, stream
+from proxy.sim.stream import complete, engine_metrics, stream
 from proxy.sim.tokens import count_prompt_tokens
 from proxy.sim.wire import StreamWire
 
@@ -186,6 +186,8 @@ class SimApp:
                 if kind == "messages"
                 else ResponsesWire(plan, body, record.id, created, stamp)
             )
+            if isinstance(events, ResponsesWire) and plan.metrics:
+                events.metrics = lambda sent, streamed: engine_metrics(ex, plan, sent, streamed)
             if not plan.stream:
                 return await complete_events(ex, plan, events, pacer)
             return await stream_events(ex, plan, events, pacer)

@@ -59,7 +59,7 @@ async def stream(ex: Exchange, plan: Plan, sse: wire.StreamWire, pacer: Pacer) -
     fingerprint = sse.fingerprint
     await ex.write(sse.finish(plan.finish_reason, on_finish, None if separate else fingerprint))
     if separate:
-        await ex.write(sse.usage(usage, fingerprint, _metrics(ex, plan, sent, streamed=True)))
+        await ex.write(sse.usage(usage, fingerprint, engine_metrics(ex, plan, sent, streamed=True)))
     outcome: Outcome = "fault" if record.fault else "completed"
     await ex.end(b"" if plan.no_done else wire.DONE, outcome)
     return outcome
@@ -153,13 +153,13 @@ async def complete(
         completion_text(plan.output_tokens),
         plan.finish_reason,
         _usage(plan, plan.output_tokens),
-        _metrics(ex, plan, plan.output_tokens, streamed=False),
+        engine_metrics(ex, plan, plan.output_tokens, streamed=False),
     )
     await ex.reply(200, body)
     return "completed"
 
 
-def _metrics(ex: Exchange, plan: Plan, sent: int, streamed: bool) -> bytes | None:
+def engine_metrics(ex: Exchange, plan: Plan, sent: int, streamed: bool) -> bytes | None:
     """vLLM's per-request `metrics`, from what this exchange did (proxy/sim/engine.py)."""
     if not plan.metrics:
         return None

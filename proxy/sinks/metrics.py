@@ -260,12 +260,14 @@ class Metrics:
         self.spec_draft = c(
             "tokenprobe_spec_decode_draft_tokens",
             "Draft tokens the engine proposed (vLLM per-request metrics "
-            "speculative_decoding.num_draft_tokens), summed over finished requests.",
+            "speculative_decoding.num_draft_tokens) from each request's first verify step to "
+            "its last, summed over finished requests.",
         )
         self.spec_accepted = c(
             "tokenprobe_spec_decode_accepted_tokens",
             "Draft tokens the target model accepted (speculative_decoding."
-            "num_accepted_draft_tokens), summed over finished requests.",
+            "num_accepted_draft_tokens) from each request's first verify step to its last, "
+            "summed over finished requests.",
         )
         self.spec_acceptance_length = h(
             "tokenprobe_spec_decode_mean_acceptance_length",

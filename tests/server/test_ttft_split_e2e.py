@@ -256,3 +256,24 @@ def test_a_backend_without_the_object_leaves_the_engine_metrics_untouched(
     text = httpx.get(proxy_without_object + "/metrics", timeout=5).text
     assert "tokenprobe_time_to_first_token_seconds_count{" in text
     assert ENGINE_SERIES.findall(text) == []
+
+
+def test_a_responses_stream_is_split_from_its_response_completed(proxy: str) -> None:
+    before = scrape(proxy)
+    payload = {"model": "sim-model", "stream": True, "input": "hello"}
+    body = httpx.post(proxy + "/v1/responses", json=payload, timeout=60).content
+    assert b'"metrics":{' in body  # the client asked for nothing: it gets the stream as sent
+    name = "tokenprobe_time_to_first_token_outside_engine_seconds_count"
+    labels = {"endpoint": "/v1/responses"}
+    after = wait_until(proxy, name, 1 + total(before, name, **labels), **labels)
+    assert total(after, name, **labels) - total(before, name, **labels) == 1
+
+    def grew(metric: str, **more: str) -> float:
+        return total(after, metric, **labels, **more) - total(before, metric, **labels, **more)
+
+    parts = (
+        grew("tokenprobe_engine_queue_time_seconds_sum", stream="true")
+        + grew("tokenprobe_engine_time_to_first_token_seconds_sum", stream="true")
+        + grew("tokenprobe_time_to_first_token_outside_engine_seconds_sum")
+    )
+    assert parts == pytest.approx(grew("tokenprobe_time_to_first_token_seconds_sum"), rel=1e-9)
