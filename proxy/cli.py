@@ -13,6 +13,7 @@ commands:
   sim     run the simulated OpenAI-compatible backend (vLLM-shaped)
   bench   measure a backend: TTFT, per-stream speed and aggregate throughput
           (bench compare RUN.json RUN.json ...: compare saved runs)
+  dashboard  print the Grafana dashboard with a variable per --label-header label
 
 'tokenprobe COMMAND --help' shows a command's options.
 """
@@ -31,6 +32,10 @@ def _command(name: str) -> Callable[[list[str]], int] | None:
         from proxy.sim.cli import main as sim
 
         return sim
+    if name == "dashboard":
+        from proxy.dashboard import main as dashboard
+
+        return dashboard
     if name == "bench":
         from proxy.bench.cli import main as bench
 

@@ -27,7 +27,7 @@ import httpx
 
 from proxy.core.apis import Api, api_for
 from proxy.core.errors import Cause, Failure, error_body, error_shape, relay_failure
-from proxy.core.labels import route_template
+from proxy.core.labels import SECRET_HEADERS, route_template
 from proxy.core.measurement import ErrorType
 from proxy.core.observe import StreamObserver, TokenCounts, bare_record
 from proxy.core.paths import BadTarget, normalise
@@ -58,10 +58,6 @@ _HOP_BY_HOP = frozenset(
 # Expect: the proxy has read the whole body already (the server answered the client's
 # 100-continue when it did); passed on, the upstream client would wait for a 100 of its own.
 _REQUEST_DROP = _HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding", b"expect"}
-#: Request headers whose values never appear in logs, traces, metrics or error messages.
-SECRET_HEADERS = frozenset(
-    {b"authorization", b"proxy-authorization", b"api-key", b"x-api-key", b"cookie", b"set-cookie"}
-)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,8 +22,11 @@ Keys, in this order, stable (a key without a value is null in JSON, left out in 
   trace_id       the request's trace id when traced and sampled
   response_id    the backend's response id
   error          a short, secret-free description of the error
+  labels         with --label-header only: {label: value}, the bounded values the metrics
+                 carry (logfmt: labels.team=...)
 
-Only these values reach the log: no header value, no prompt, no completion.
+Only these values reach the log: no header value (but a --label-header's bounded label),
+no prompt, no completion.
 """
 
 from __future__ import annotations
@@ -75,16 +78,22 @@ class AccessLog:
     """A Sink writing one line per request (the raw model name, cut short: a log line
     is no series, so it need not be bounded like a label)."""
 
-    def __init__(self, mode: str, stream: TextIO = sys.stdout) -> None:
+    def __init__(
+        self, mode: str, stream: TextIO = sys.stdout, attribution: tuple[str, ...] = ()
+    ) -> None:
         if mode not in ("json", "text"):
             raise ValueError(f"access log mode {mode!r}: expected json or text")
         self.stream = stream
         self.format = _json_line if mode == "json" else _text_line
+        self.attribution = attribution  # the --label-header label names
 
     def record(self, m: Measurement, labels: Labels) -> None:
+        rec = record(m)
+        if self.attribution:
+            rec["labels"] = dict(zip(self.attribution, labels.attribution, strict=True))
         # One write and one flush per line: a line reaches the log when its request
         # ends, and lines from several workers on one pipe do not interleave.
-        self.stream.write(self.format(record(m)))
+        self.stream.write(self.format(rec))
         self.stream.flush()
 
 
@@ -142,9 +151,12 @@ def _json_line(rec: dict[str, Any]) -> str:
 
 def _text_line(rec: dict[str, Any]) -> str:
     """logfmt: `key=value` pairs, values with spaces, quotes or '=' JSON-quoted."""
-    parts = []
+    parts: list[str] = []
     for key, value in rec.items():
         if value is None:
+            continue
+        if isinstance(value, dict):
+            parts.extend(f"{key}.{k}={v}" for k, v in value.items())  # sanitised label values
             continue
         if isinstance(value, bool):
             text = "true" if value else "false"
