@@ -201,6 +201,13 @@ SPECS: tuple[Spec, ...] = (
         "Per-request log line on stdout: json, text or off.",
     ),
     Spec(
+        "log_salt",
+        str,
+        None,
+        "Salt keying the access log's prefix hashes (never logged; default: random per "
+        "process). Set one value for every worker and replica whose logs are replayed together.",
+    ),
+    Spec(
         "trace_content",
         _bool,
         False,
@@ -268,6 +275,7 @@ class Settings:
     models_refresh: float | None = 60.0
     upstream_transport: str = "aiohttp"
     access_log: str = "json"
+    log_salt: str | None = None
     trace_content: bool = False
     metrics_port: int | None = None
     metrics_host: str | None = None

@@ -32,6 +32,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from proxy.core.fingerprint import Prefix
+
 
 class ErrorType(enum.StrEnum):
     """Why a request did not succeed. Exactly one per failed request; a closed set."""
@@ -92,6 +94,9 @@ class Measurement:
     temperature: float | None = None
     trace_id: str | None = None  # 32 hex digits when the request was traced and sampled
     raw_finish_reason: str | None = None  # as the backend wrote it (end_turn, completed, ...)
+    # The prompt's prefix fingerprint (core/fingerprint.py), unkeyed: only the access log
+    # shows it, keyed with the deployment's salt.
+    prefix: Prefix | None = None
     extra: dict[str, object] = field(default_factory=dict)
 
     @property

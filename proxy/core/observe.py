@@ -22,6 +22,7 @@ import orjson
 
 from proxy.core.apis import Api, Facts, RequestInfo, TokenCounts, api_of
 from proxy.core.errors import classify_response, classify_stream_end, error_message
+from proxy.core.fingerprint import of_prompt
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
 from proxy.core.sse import DEFAULT_MAX_EVENT_BYTES, SSEDecoder
 
@@ -283,6 +284,7 @@ class StreamObserver:
             max_tokens=request.max_tokens,
             temperature=request.temperature,
             trace_id=trace_id,
+            prefix=of_prompt(request.prompt),
         )
 
     def _decode_speed(self, output: int | None) -> tuple[float | None, float | None]:
@@ -340,6 +342,7 @@ def bare_record(
         max_tokens=request.max_tokens,
         temperature=request.temperature,
         trace_id=trace_id,
+        prefix=of_prompt(request.prompt),
     )
 
 

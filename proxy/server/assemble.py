@@ -70,7 +70,7 @@ def _sinks(settings: Settings, registry: CollectorRegistry) -> list[Sink]:
     """The sinks besides Metrics that the settings turn on, in the order they record."""
     sinks: list[Sink] = []
     if settings.access_log != "off":
-        sinks.append(AccessLog(settings.access_log))
+        sinks.append(AccessLog(settings.access_log, salt=settings.log_salt))
     if settings.prices:
         sinks.append(CostSink(load_prices(settings.prices), registry))
     return sinks
