@@ -12,9 +12,9 @@ import importlib.util
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import orjson
@@ -30,6 +30,7 @@ from proxy.core.buckets import TTFT_BUCKETS
 from proxy.core.measurement import ErrorType
 
 PROG = "tokenprobe bench"
+T = TypeVar("T")
 #: Synthetic prompts made for --input-tokens: enough that no two nearby requests share one.
 SYNTHETIC_PROMPTS = 64
 
@@ -49,6 +50,10 @@ def main(argv: Sequence[str]) -> int:
         from proxy.bench.compare_runs import main as compare_main
 
         return compare_main(argv[1:])
+    if argv and argv[0] == "replay":
+        from proxy.bench.replay import main as replay_main
+
+        return replay_main(argv[1:])
     try:
         options = parse(argv)
         _check_outputs(options)
@@ -135,12 +140,12 @@ def _prompts(options: Options, tokenizer: Any, input_tokens: int | None) -> list
     return list(BUILTIN)
 
 
-def _run_loop(coro: Any) -> Run:
+def _run_loop(coro: Coroutine[Any, Any, T]) -> T:
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(coro)  # type: ignore[no-any-return]
-    return uvloop.run(coro)  # type: ignore[no-any-return]
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 def _digest(sweep: list[tuple[int | None, list[Call]]]) -> str:

@@ -5,6 +5,7 @@ backend's speed sets the arrival rate. Open loop: requests are due at Poisson ar
 times whatever the backend does; each one is measured from the time it was due, so a
 slow backend (or a busy client) shows up in the latencies instead of silently thinning
 the load (coordinated omission). How late sends actually were is kept per request.
+Replay (a Schedule): each request at its recorded offset, open loop as well.
 
 A run stops early when the first requests all fail the same way (a wrong key, an
 unknown model, an unreachable URL): more of them would measure nothing.
@@ -16,7 +17,7 @@ import asyncio
 import contextlib
 import itertools
 import random
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
@@ -63,6 +64,18 @@ class LoopLag:
             self.samples.append(max(0.0, perf_counter() - before - self.INTERVAL))
 
 
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """A recorded workload's timing: call i is due `offsets[i]` seconds after the start
+    (`start_at`, a perf_counter() instant shared by every worker, else when the run
+    begins) and is recorded as request `indices[i]` of the whole workload."""
+
+    offsets: Sequence[float]
+    indices: Sequence[int]
+    start_at: float | None = None
+    on_send: Callable[[], None] | None = None
+
+
 def label(mode: str, value: float) -> str:
     return f"c={int(value)}" if mode == "closed" else f"rate={value:g}/s"
 
@@ -76,9 +89,11 @@ class Runner:
         calls: list[Call],
         tokenizer: Any = None,
         on_result: Callable[[Level, Result], None] | None = None,
+        schedule: Schedule | None = None,
     ) -> None:
         self.options = options
         self.calls = calls
+        self.schedule = schedule
         self.tokenizer = tokenizer
         self.on_result = on_result
         self.levels: list[Level] = []
@@ -87,7 +102,7 @@ class Runner:
         self._judging = True  # until the first success, or failures of different types
         self._failures = 0
         self._headers = headers(options)
-        self._url = yarl.URL(options.url)  # parsed once, not on every request
+        self._urls = {options.endpoint: yarl.URL(options.url)}  # parsed once per API
         self._tasks: set[asyncio.Task[Any]] = set()
         self._active = 0  # requests begun and not yet recorded
         self._cancelled = 0
@@ -110,9 +125,11 @@ class Runner:
                 level = Level(index, value, label(self.options.mode, value))
                 self.levels.append(level)
                 lag = LoopLag(level.loop_lag)
-                level.start = perf_counter()
+                level.start = self._origin()
                 try:
-                    if self.options.mode == "closed":
+                    if self.schedule is not None:
+                        await self._replay(level, self.schedule)
+                    elif self.options.mode == "closed":
                         await self._closed(level, int(value))
                     else:
                         await self._open(level, value)
@@ -158,6 +175,25 @@ class Runner:
             self._spawn(self._one(level, index, due, slots))
         await self._gather(level, [])
 
+    async def _replay(self, level: Level, schedule: Schedule) -> None:
+        """Each call at its own offset from the start (a recorded workload), open loop."""
+        for call, offset, index in zip(self.calls, schedule.offsets, schedule.indices, strict=True):
+            due = level.start + offset
+            await self._sleep_until(due)
+            if self.stopping:
+                break
+            if schedule.on_send is not None:
+                schedule.on_send()
+            self._spawn(self._one(level, index, due, call=call))
+        await self._gather(level, [])
+
+    def _origin(self) -> float:
+        """The run's start: now, or the instant every worker of one run shares."""
+        start_at = self.schedule.start_at if self.schedule is not None else None
+        if start_at is None:
+            return perf_counter()
+        return start_at
+
     async def _sleep_until(self, instant: float) -> None:
         """Sleep until the perf_counter() `instant`, or until the run is stopped."""
         delay = instant - perf_counter()
@@ -172,9 +208,20 @@ class Runner:
     # -- one request ------------------------------------------------------------------
 
     async def _one(
-        self, level: Level, index: int, due: float, slots: asyncio.Semaphore | None = None
+        self,
+        level: Level,
+        index: int,
+        due: float,
+        slots: asyncio.Semaphore | None = None,
+        call: Call | None = None,
     ) -> None:
-        call = self.calls[(level.index * 7919 + index) % len(self.calls)]
+        if call is None:
+            call = self.calls[(level.index * 7919 + index) % len(self.calls)]
+        url = self._urls.get(call.info.endpoint)
+        if url is None:
+            url = self._urls[call.info.endpoint] = yarl.URL(
+                self.options.base_url + call.info.endpoint
+            )
         keep_text = self.tokenizer is not None
         assert self._client is not None, "run() opens the client"
         self._active += 1
@@ -183,9 +230,7 @@ class Runner:
                 await slots.acquire()
             try:
                 sent = perf_counter()
-                m, observer = await measure(
-                    self._client, self._url, self._headers, call, due, keep_text
-                )
+                m, observer = await measure(self._client, url, self._headers, call, due, keep_text)
             finally:
                 if slots is not None:
                     slots.release()

@@ -1,0 +1,432 @@
+"""`tokenprobe bench replay LOG [LOG ...] --url URL`: a recorded workload, replayed on a candidate.
+
+Each request of the access logs (or of a Mooncake trace, `--mooncake`) is sent at its
+recorded offset (open loop, `--speed` scales time), to the same API with the same stream
+flag, with a synthetic prompt of its recorded token count and the recorded sharing of
+prefixes (synth.py), and `max_tokens` = its recorded output with `ignore_eos`. The
+output is the bench's table, the recorded figures beside the replayed ones, and with
+`--out` the run file `tokenprobe bench compare` reads.
+
+Exit status: 0 when requests succeeded, 1 when none did, 2 for bad flags or nothing to
+replay, 130 when interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from time import perf_counter
+from typing import Any
+
+import aiohttp
+import orjson
+
+from proxy.bench import report
+from proxy.bench.cli import PROG as BENCH
+from proxy.bench.cli import _run_loop
+from proxy.bench.client import Call, headers, session
+from proxy.bench.load import Runner, Schedule
+from proxy.bench.options import ENDPOINTS, Options, OptionsError, parse_slo
+from proxy.bench.progress import Progress
+from proxy.bench.stats import distribution, summarize
+from proxy.bench.synth import Builder, SynthError, body_fields
+from proxy.bench.trace import (
+    BLOCK,
+    TraceError,
+    Want,
+    read_logs,
+    read_mooncake,
+    to_mooncake,
+    write_mooncake,
+)
+from proxy.core.apis import RequestInfo
+from proxy.core.apis.chat import Chat
+from proxy.core.apis.completions import Completions
+from proxy.core.apis.responses import Responses
+
+PROG = f"{BENCH} replay"
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    index: int  # 0-based
+    count: int
+
+    def take(self, number: int) -> bool:
+        return number % self.count == self.index
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Replay the shape of recorded traffic (tokenprobe access logs, or a "
+        "Mooncake trace) against a backend: the recorded arrival offsets, APIs, stream flags, "
+        "prompt and output token counts and shared prefixes, with synthetic content.",
+    )
+    a = p.add_argument
+    a("logs", nargs="*", metavar="LOG", help="tokenprobe access logs (JSON lines)")
+    a("--url", help="the candidate's base URL, e.g. http://localhost:8000/v1")
+    a("--mooncake", metavar="TRACE", help="replay a Mooncake trace instead of access logs")
+    a("--export-mooncake", metavar="OUT", help="write the workload as a Mooncake trace")
+    a("--block-size", type=int, default=BLOCK, help=f"Mooncake tokens per hash id ({BLOCK})")
+    a("--speed", type=float, default=1.0, help="time runs X times faster (2: half the span)")
+    a("--window", metavar="FROM,TO", help="only the requests FROM..TO seconds into the log")
+    a("--max-requests", type=int, help="only the first N requests (after --window)")
+    a("--model-map", action="append", default=[], metavar="A=B", help="send model B for A")
+    a("--model", help="the model for a Mooncake trace (which names none), or for every request")
+    a("--endpoint", choices=tuple(ENDPOINTS)[:4], default="chat", help="API for a Mooncake trace")
+    a("--no-stream", action="store_true", help="a Mooncake trace's requests not streamed")
+    a(
+        "--tokenizer",
+        help="local tokenizer directory to size prompts (default: the target's /tokenize)",
+    )
+    a("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
+    a("--api-key", help="bearer token (default: $OPENAI_API_KEY)")
+    a("--header", action="append", default=[], metavar="'NAME: VALUE'", help="extra request header")
+    a("--timeout", type=float, default=300.0, help="longest silence within a response (s)")
+    a("--slo", default="", help="goodput targets in seconds, e.g. ttft=0.5,tpot=0.05")
+    a("--seed", type=int, default=0, help="seed of the synthetic prompts")
+    a("--shard", metavar="I/N", help="replay only share I of N (0-based) of the requests")
+    a("--start-at", type=float, help=argparse.SUPPRESS)  # a shared perf_counter() start
+    a("--out", help="write every per-request record and the summary to this JSON file")
+    a("--label", help="name of this run in 'tokenprobe bench compare'")
+    a("--quiet", action="store_true", help="no progress line")
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    try:
+        ns = parser().parse_args(list(argv))
+        shard = _check(ns)
+        wants, skipped = _workload(ns)
+    except (OptionsError, TraceError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    if skipped.count:
+        print(f"{PROG}: {skipped.describe()}", file=sys.stderr)
+    if not wants:
+        where = "the trace" if ns.mooncake else "the logs"
+        print(
+            f"{PROG}: error: nothing to replay: {where} hold no replayable request "
+            "(chat, completions, Messages or Responses lines with an arrival and a prompt "
+            "token count)" + (", or none falls in --window" if ns.window else ""),
+            file=sys.stderr,
+        )
+        return 2
+    if ns.export_mooncake:
+        write_mooncake(ns.export_mooncake, to_mooncake(wants, ns.block_size))
+        print(f"{PROG}: wrote {len(wants)} requests to {ns.export_mooncake}", file=sys.stderr)
+        if not ns.url:
+            return 0
+    try:
+        return _run_loop(_replay(ns, wants, shard))
+    except KeyboardInterrupt:
+        return 130
+
+
+def _check(ns: argparse.Namespace) -> Shard:
+    if not ns.logs and not ns.mooncake:
+        raise OptionsError("name the access logs to replay (or --mooncake TRACE)")
+    if ns.logs and ns.mooncake:
+        raise OptionsError("access logs and --mooncake exclude each other")
+    if not ns.url and not ns.export_mooncake:
+        raise OptionsError("--url is required (unless only --export-mooncake)")
+    if ns.mooncake and not ns.model:
+        raise OptionsError("--mooncake needs --model (a trace names no model)")
+    if not ns.speed > 0:
+        raise OptionsError("--speed must be a positive number")
+    if ns.max_requests is not None and ns.max_requests < 1:
+        raise OptionsError("--max-requests must be at least 1")
+    if ns.block_size < 1:
+        raise OptionsError("--block-size must be at least 1")
+    for item in ns.model_map:
+        if "=" not in item or not item.split("=", 1)[0]:
+            raise OptionsError(f"--model-map: expected A=B, got {item!r}")
+    if not ns.shard:
+        return Shard(0, 1)
+    try:
+        i, n = (int(x) for x in ns.shard.split("/"))
+    except ValueError:
+        raise OptionsError(f"--shard: expected I/N, got {ns.shard!r}") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise OptionsError(f"--shard: I must be in 0..N-1, got {ns.shard!r}")
+    return Shard(i, n)
+
+
+def window(wants: list[Want], text: str | None, most: int | None) -> list[Want]:
+    """The requests in FROM..TO seconds (offsets then counted from FROM), the first `most`."""
+    if text:
+        try:
+            low, high = (float(x) for x in text.split(","))
+        except ValueError:
+            raise OptionsError(f"--window: expected FROM,TO in seconds, got {text!r}") from None
+        if not 0 <= low < high:
+            raise OptionsError(f"--window: expected 0 <= FROM < TO, got {text!r}")
+        wants = [replace(w, offset=w.offset - low) for w in wants if low <= w.offset < high]
+    return wants[:most] if most is not None else wants
+
+
+def _workload(ns: argparse.Namespace) -> tuple[list[Want], Any]:
+    if ns.mooncake:
+        endpoint = ENDPOINTS[ns.endpoint]
+        wants, skipped = read_mooncake(
+            ns.mooncake, endpoint, ns.model, not ns.no_stream, ns.block_size
+        )
+    else:
+        wants, skipped = read_logs(ns.logs)
+    mapping = dict(item.split("=", 1) for item in ns.model_map)
+    wants = [
+        replace(w, model=ns.model if ns.model else mapping.get(w.model, w.model)) for w in wants
+    ]
+    return window(wants, ns.window, ns.max_requests), skipped
+
+
+def _options(ns: argparse.Namespace, wants: Sequence[Want]) -> Options:
+    from proxy.bench.options import _base_url, _header
+
+    endpoints = {w.endpoint for w in wants}
+    models = sorted({w.model for w in wants})
+    return Options(
+        base_url=_base_url(ns.url),
+        model=",".join(models),
+        endpoint=endpoints.pop() if len(endpoints) == 1 else Chat.endpoint,
+        api_key=ns.api_key or os.environ.get("OPENAI_API_KEY") or None,
+        mode="replay",
+        levels=(ns.speed,),
+        max_concurrency=None,
+        ramp_up=0.0,
+        requests=len(wants),
+        duration=None,
+        max_tokens=0,  # per request: its recorded output
+        ignore_eos=not ns.no_ignore_eos,
+        prompts_file=None,
+        input_tokens=None,
+        tokenizer=ns.tokenizer,
+        seed=ns.seed,
+        slo=parse_slo(ns.slo),
+        timeout=ns.timeout,
+        headers=tuple(_header(h) for h in ns.header),
+        out=ns.out,
+        plot=None,
+        compare_metrics=None,
+        progress=not ns.quiet,
+        label=ns.label,
+    )
+
+
+def request(want: Want, content: Any, ignore_eos: bool) -> Call:
+    body: dict[str, Any] = {"model": want.model, **body_fields(want.endpoint, content)}
+    limit = "max_output_tokens" if want.endpoint == Responses.endpoint else "max_tokens"
+    body[limit] = want.output_tokens
+    body["temperature"] = 0
+    if want.stream:
+        body["stream"] = True
+        if want.endpoint in (Chat.endpoint, Completions.endpoint):
+            body["stream_options"] = {"include_usage": True}
+    if ignore_eos:
+        body["ignore_eos"] = True
+    info = RequestInfo(
+        endpoint=want.endpoint,
+        model=want.model,
+        stream=want.stream,
+        usage_requested=True,
+        max_tokens=want.output_tokens,
+        temperature=0.0,
+        prompt=content,
+    )
+    return Call(info, orjson.dumps(body))
+
+
+async def _counter(ns: argparse.Namespace, options: Options, model: str, client: Any) -> Any:
+    """How the prompts are sized: a local tokenizer, else the target's /tokenize."""
+    if ns.tokenizer:
+        from proxy.bench.cli import _tokenizer
+        from proxy.core.tokens import count_prompt
+
+        tokenizer = _tokenizer(options)
+
+        async def local(endpoint: str, content: Any) -> int:
+            return count_prompt(tokenizer, content) or 0
+
+        return local
+    url = options.base_url + "/tokenize"
+    hdrs = {k: v for k, v in headers(options).items() if k != "Accept"}
+
+    async def remote(endpoint: str, content: Any) -> int:
+        key = "prompt" if isinstance(content, str) else "messages"
+        try:
+            async with client.post(url, json={"model": model, key: content}, headers=hdrs) as r:
+                data = await r.read()
+                if r.status != 200:
+                    raise SynthError(
+                        f"{url} answered HTTP {r.status} ({data[:200]!r}): the prompts are "
+                        "sized with the target's /tokenize; pass --tokenizer DIR instead"
+                    )
+                return int(orjson.loads(data)["count"])
+        except (aiohttp.ClientError, OSError) as exc:
+            raise SynthError(f"cannot reach {url} to size the prompts: {exc}") from None
+
+    return remote
+
+
+async def _replay(ns: argparse.Namespace, wants: list[Want], shard: Shard) -> int:
+    options = _options(ns, wants)
+    async with session(options) as client:
+        count = await _counter(ns, options, wants[0].model, client)
+        builder = Builder(count, ns.seed)
+        try:
+            await builder.calibrate(wants[0].endpoint)
+            contents = await builder.prompts(wants)
+        except SynthError as exc:
+            print(f"{PROG}: error: {exc}", file=sys.stderr)
+            return 2
+    if builder.missed:
+        print(
+            f"{PROG}: warning: {len(builder.missed)} prompts missed their recorded length by "
+            f"more than 3% (e.g. wanted {builder.missed[0][0]}, got {builder.missed[0][1]})",
+            file=sys.stderr,
+        )
+    calls = [request(w, c, options.ignore_eos) for w, c in zip(wants, contents, strict=True)]
+    digest = hashlib.sha256(b"".join(c.body for c in calls)).hexdigest()
+    mine = [i for i in range(len(wants)) if shard.take(i)]
+    progress = ReplayProgress(len(mine), enabled=options.progress)
+    schedule = Schedule(
+        offsets=[wants[i].offset / ns.speed for i in mine],
+        indices=mine,
+        start_at=ns.start_at,
+        on_send=progress.sent,
+    )
+    runner = Runner(options, [calls[i] for i in mine], on_result=progress.result, schedule=schedule)
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, runner.interrupt)
+    progress.schedule = schedule.offsets
+    progress.start()
+    try:
+        levels = await runner.run()
+    finally:
+        progress.close()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+    for level in levels:
+        level.label = "replay" if ns.speed == 1 else f"replay x{ns.speed:g}"
+    summaries = [summarize(level, options.slo) for level in levels]
+    if any(s.ok for s in summaries):
+        print(report.table(summaries))
+        print("\nrecorded vs replayed\n" + side_by_side([wants[i] for i in mine], levels))
+    status = "interrupted" if runner.stop_reason == "interrupted" else "complete"
+    problem = None
+    if runner.stop_reason == "failing" and runner.failure is not None:
+        problem = report.diagnose(runner.failure, options)
+        status = "failing"
+        print(f"{PROG}: error: {problem}", file=sys.stderr)
+    if options.out:
+        doc = report.document(
+            options, levels, summaries, status=status, problem=problem, compare=None,
+            prompts_sha256=digest,
+        )  # fmt: skip
+        doc["replay"] = {
+            "sources": list(ns.logs) or [ns.mooncake],
+            "requests": len(wants),
+            "shard": [shard.index, shard.count],
+            "speed": ns.speed,
+            "window": ns.window,
+            "recorded": recorded_figures([wants[i] for i in mine]),
+        }
+        report.write_json(options.out, doc)
+        print(f"{PROG}: wrote {options.out}", file=sys.stderr)
+    if status == "interrupted":
+        return 130
+    return 0 if any(s.ok for s in summaries) else 1
+
+
+# -- recorded against replayed ---------------------------------------------------------
+
+
+def recorded_figures(wants: Sequence[Want]) -> dict[str, Any]:
+    """The log's own TTFT, TPOT and e2e quantiles (s) and error and `length` shares."""
+    rec = [w.recorded for w in wants if w.recorded]
+    ok = [r for r in rec if r.get("error_type") is None]
+
+    def seconds(key: str) -> dict[str, float | None]:
+        return distribution(r[key] / 1000 if r.get(key) is not None else None for r in ok)
+
+    return {
+        "requests": len(rec),
+        "ttft": seconds("ttft_ms"),
+        "tpot": seconds("tpot_ms"),
+        "e2e": seconds("e2e_ms"),
+        "error_share": (len(rec) - len(ok)) / len(rec) if rec else None,
+        "length_share": sum(r.get("finish_reason") == "length" for r in rec) / len(rec)
+        if rec
+        else None,
+    }
+
+
+def replayed_figures(levels: Sequence[Any]) -> dict[str, Any]:
+    results = [r for level in levels for r in level.results]
+    ok = [r.m for r in results if r.m.ok]
+    n = len(results)
+    return {
+        "requests": n,
+        "ttft": distribution(m.ttft for m in ok),
+        "tpot": distribution(m.tpot for m in ok),
+        "e2e": distribution(m.e2e for m in ok),
+        "error_share": (n - len(ok)) / n if n else None,
+        "length_share": sum(r.m.finish_reason == "length" for r in results) / n if n else None,
+    }
+
+
+def side_by_side(wants: Sequence[Want], levels: Sequence[Any]) -> str:
+    rec, rep = recorded_figures(wants), replayed_figures(levels)
+    if not rec["requests"]:
+        return "(the workload holds no recorded latencies: a Mooncake trace)"
+    lines = [f"{'':<14}{'recorded':>10}{'replayed':>10}{'change':>9}"]
+    for name, unit in (("ttft", "ms"), ("tpot", "ms"), ("e2e", "ms")):
+        for q in ("p50", "p95", "p99"):
+            a, b = rec[name][q], rep[name][q]
+            lines.append(_row(f"{name.upper()} {unit} {q}", a, b, 1000))
+    for name in ("error_share", "length_share"):
+        lines.append(_row(name.replace("_", " ") + " %", rec[name], rep[name], 100))
+    return "\n".join(lines)
+
+
+def _row(name: str, a: float | None, b: float | None, scale: float) -> str:
+    def show(v: float | None) -> str:
+        return "-" if v is None else f"{v * scale:.1f}"
+
+    change = f"{(b - a) / a * 100:+.0f}%" if a and b is not None else ""
+    return f"{name:<14}{show(a):>10}{show(b):>10}{change:>9}"
+
+
+class ReplayProgress(Progress):
+    """The bench's progress line, saying how many requests were sent of those due by now."""
+
+    def __init__(self, planned: int, enabled: bool) -> None:
+        super().__init__(planned, enabled=enabled)
+        self.schedule: Sequence[float] = ()
+        self.sent_count = 0
+        self.began = 0.0
+
+    def start(self) -> None:
+        self.began = perf_counter()
+        super().start()
+
+    def sent(self) -> None:
+        self.sent_count += 1
+
+    def _line(self) -> str:
+        import bisect
+
+        due = bisect.bisect_right(self.schedule, perf_counter() - self.began)
+        errors = self.errors
+        return (
+            f"[replay] sent {self.sent_count}/{due} due of {self.planned}, "
+            f"{self.done} done, {errors} errors, {perf_counter() - self.began:.0f}s"
+        )
