@@ -50,6 +50,10 @@ def main(argv: Sequence[str]) -> int:
         from proxy.bench.compare_runs import main as compare_main
 
         return compare_main(argv[1:])
+    if argv and argv[0] == "merge":
+        from proxy.bench.merge import main as merge_main
+
+        return merge_main(argv[1:])
     if argv and argv[0] == "replay":
         from proxy.bench.replay import main as replay_main
 

@@ -45,6 +45,7 @@ from proxy.bench.trace import (
     to_mooncake,
     write_mooncake,
 )
+from proxy.bench.workers import wait_for_start
 from proxy.core.apis import RequestInfo
 from proxy.core.apis.chat import Chat
 from proxy.core.apis.completions import Completions
@@ -93,7 +94,8 @@ def parser() -> argparse.ArgumentParser:
     a("--slo", default="", help="goodput targets in seconds, e.g. ttft=0.5,tpot=0.05")
     a("--seed", type=int, default=0, help="seed of the synthetic prompts")
     a("--shard", metavar="I/N", help="replay only share I of N (0-based) of the requests")
-    a("--start-at", type=float, help=argparse.SUPPRESS)  # a shared perf_counter() start
+    a("--workers", type=int, default=1, help="replay on N processes, merged into one run")
+    a("--sync", action="store_true", help=argparse.SUPPRESS)  # a worker of --workers
     a("--out", help="write every per-request record and the summary to this JSON file")
     a("--label", help="name of this run in 'tokenprobe bench compare'")
     a("--quiet", action="store_true", help="no progress line")
@@ -124,10 +126,38 @@ def main(argv: Sequence[str]) -> int:
         print(f"{PROG}: wrote {len(wants)} requests to {ns.export_mooncake}", file=sys.stderr)
         if not ns.url:
             return 0
+    if ns.workers > 1:
+        return _parent(ns, argv, wants)
     try:
         return _run_loop(_replay(ns, wants, shard))
     except KeyboardInterrupt:
         return 130
+
+
+def _parent(ns: argparse.Namespace, argv: Sequence[str], wants: list[Want]) -> int:
+    """--workers N: the workers replay, this process merges and reports."""
+    from proxy.bench.merge import levels_of
+    from proxy.bench.workers import WorkerError, run
+
+    if not ns.quiet:
+        print(f"{PROG}: {len(wants)} requests on {ns.workers} workers", file=sys.stderr)
+    try:
+        doc = run(["replay"], argv, ns.workers)
+    except WorkerError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    levels = levels_of([doc])
+    summaries = [summarize(level, dict(doc["config"].get("slo") or {})) for level in levels]
+    if any(s.ok for s in summaries):
+        print(report.table(summaries))
+        print("\nrecorded vs replayed\n" + side_by_side(wants, levels))
+    if ns.out:
+        doc["config"]["workers"] = ns.workers
+        report.write_json(ns.out, doc)
+        print(f"{PROG}: wrote {ns.out}", file=sys.stderr)
+    return 0 if any(s.ok for s in summaries) else 1
 
 
 def _check(ns: argparse.Namespace) -> Shard:
@@ -141,6 +171,10 @@ def _check(ns: argparse.Namespace) -> Shard:
         raise OptionsError("--mooncake needs --model (a trace names no model)")
     if not ns.speed > 0:
         raise OptionsError("--speed must be a positive number")
+    if ns.workers < 1:
+        raise OptionsError("--workers must be at least 1")
+    if ns.workers > 1 and ns.shard:
+        raise OptionsError("--workers and --shard exclude each other (each worker is a shard)")
     if ns.max_requests is not None and ns.max_requests < 1:
         raise OptionsError("--max-requests must be at least 1")
     if ns.block_size < 1:
@@ -299,7 +333,7 @@ async def _replay(ns: argparse.Namespace, wants: list[Want], shard: Shard) -> in
     schedule = Schedule(
         offsets=[wants[i].offset / ns.speed for i in mine],
         indices=mine,
-        start_at=ns.start_at,
+        start_at=wait_for_start() if ns.sync else None,
         on_send=progress.sent,
     )
     runner = Runner(options, [calls[i] for i in mine], on_result=progress.result, schedule=schedule)
@@ -317,7 +351,7 @@ async def _replay(ns: argparse.Namespace, wants: list[Want], shard: Shard) -> in
     for level in levels:
         level.label = "replay" if ns.speed == 1 else f"replay x{ns.speed:g}"
     summaries = [summarize(level, options.slo) for level in levels]
-    if any(s.ok for s in summaries):
+    if any(s.ok for s in summaries) and not ns.sync:
         print(report.table(summaries))
         print("\nrecorded vs replayed\n" + side_by_side([wants[i] for i in mine], levels))
     status = "interrupted" if runner.stop_reason == "interrupted" else "complete"
@@ -334,7 +368,7 @@ async def _replay(ns: argparse.Namespace, wants: list[Want], shard: Shard) -> in
         doc["replay"] = {
             "sources": list(ns.logs) or [ns.mooncake],
             "requests": len(wants),
-            "shard": [shard.index, shard.count],
+            "shard": None if shard.count == 1 else [shard.index, shard.count],
             "speed": ns.speed,
             "window": ns.window,
             "recorded": recorded_figures([wants[i] for i in mine]),

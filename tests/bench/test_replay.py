@@ -237,3 +237,43 @@ def test_nothing_to_replay_exits_2_with_a_clear_message(tmp_path: Path) -> None:
     proc = replay(log, "http://127.0.0.1:9/v1", tmp_path / "r.json")
     assert proc.returncode == 2
     assert "nothing to replay" in proc.stderr and "empty.log:1" in proc.stderr
+
+
+def test_two_workers_replay_every_request_on_one_clock_into_one_run(
+    recorded: dict[str, Any], start_sim: StartSim, tmp_path: Path
+) -> None:
+    wants, _ = read_logs([str(recorded["log"])])
+    target = start_sim(ttft=0.02, tokens_per_second=500)
+    proc = replay(recorded["log"], target.url + "/v1", tmp_path / "w.json", "--workers", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "recorded vs replayed" in proc.stdout
+    doc = orjson.loads((tmp_path / "w.json").read_bytes())
+    records = doc["records"]
+    assert [r["index"] for r in records] == list(range(N))  # merged in schedule order
+    assert [r["scheduled"] for r in records] == pytest.approx([w.offset for w in wants], abs=1e-9)
+    assert doc["summary"][0]["requests"] == N and doc["config"]["shards"] == 2
+    received = {r.id: r.started for r in target.app.state.requests() if r.path.startswith("/v1/")}
+    first = min(received.values())
+    for r, want in zip(records, wants, strict=True):
+        assert abs(received[r["response_id"]] - first - want.offset) < 0.06
+
+
+def test_shards_run_apart_merge_into_one_run_and_other_runs_are_refused(
+    recorded: dict[str, Any], start_sim: StartSim, tmp_path: Path
+) -> None:
+    from proxy.bench.cli import main
+
+    target = start_sim(ttft=0.01, tokens_per_second=1000)
+    url = target.url + "/v1"
+    for i in (0, 1):
+        proc = replay(recorded["log"], url, tmp_path / f"s{i}.json", "--shard", f"{i}/2")
+        assert proc.returncode == 0, proc.stderr
+    assert main(["merge", str(tmp_path / "s0.json"), str(tmp_path / "s1.json"), "--out", str(tmp_path / "m.json")]) == 0  # fmt: skip
+    merged = orjson.loads((tmp_path / "m.json").read_bytes())
+    assert sorted(r["index"] for r in merged["records"]) == list(range(N))
+    assert merged["summary"][0]["requests"] == N
+    shards = [orjson.loads((tmp_path / f"s{i}.json").read_bytes()) for i in (0, 1)]
+    assert merged["summary"][0]["duration"] == max(s["summary"][0]["duration"] for s in shards)
+    other = replay(recorded["log"], url, tmp_path / "fast.json", "--shard", "1/2", "--speed", "2")
+    assert other.returncode == 0, other.stderr
+    assert main(["merge", str(tmp_path / "s0.json"), str(tmp_path / "fast.json"), "--out", str(tmp_path / "x.json")]) == 2  # fmt: skip
