@@ -61,6 +61,8 @@ def main(argv: Sequence[str]) -> int:
     try:
         options = parse(argv)
         _check_outputs(options)
+        if options.workers > 1:
+            return _parent(options, argv)
         tokenizer = _tokenizer(options)
         sweep: list[tuple[int | None, list[Call]]] = [
             (n, [prepare(options, p) for p in _prompts(options, tokenizer, n)])
@@ -111,6 +113,29 @@ def main(argv: Sequence[str]) -> int:
         print(f"{PROG}: wrote {options.plot}", file=sys.stderr)
     if status == "interrupted":
         return 130
+    return 0 if any(s.ok for s in summaries) else 1
+
+
+def _parent(options: Options, argv: Sequence[str]) -> int:
+    """--workers N: N worker processes run the load on one clock; this one merges them."""
+    from proxy.bench.merge import levels_of
+    from proxy.bench.workers import WorkerError, run
+
+    try:
+        doc = run([], argv, options.workers)
+    except WorkerError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
+    levels = levels_of([doc])
+    summaries = [summarize(level, options.slo) for level in levels]
+    if any(s.ok for s in summaries):
+        print(report.table(summaries, options.cost_per_hour, options.currency))
+    if doc.get("problem"):
+        print(f"{PROG}: error: {doc['problem']}", file=sys.stderr)
+    if options.out:
+        doc["config"]["workers"] = options.workers
+        report.write_json(options.out, doc)
+        print(f"{PROG}: wrote {options.out}", file=sys.stderr)
     return 0 if any(s.ok for s in summaries) else 1
 
 
@@ -180,6 +205,10 @@ async def _bench(
     problem = compare_doc = compare_text = None
     try:
         before = await compare.scrape(options.compare_metrics) if options.compare_metrics else None
+        if options.sync:
+            from proxy.bench.workers import wait_for_start
+
+            runners[0].start_at = wait_for_start()
         progress.start()
         try:
             for runner, (n, _) in zip(runners, sweep, strict=True):

@@ -67,12 +67,10 @@ class LoopLag:
 @dataclass(frozen=True, slots=True)
 class Schedule:
     """A recorded workload's timing: call i is due `offsets[i]` seconds after the start
-    (`start_at`, a perf_counter() instant shared by every worker, else when the run
-    begins) and is recorded as request `indices[i]` of the whole workload."""
+    and is recorded as request `indices[i]` of the whole workload."""
 
     offsets: Sequence[float]
     indices: Sequence[int]
-    start_at: float | None = None
     on_send: Callable[[], None] | None = None
 
 
@@ -90,10 +88,17 @@ class Runner:
         tokenizer: Any = None,
         on_result: Callable[[Level, Result], None] | None = None,
         schedule: Schedule | None = None,
+        start_at: float | None = None,
     ) -> None:
         self.options = options
         self.calls = calls
         self.schedule = schedule
+        # A shard (--shard I/N, --workers) sends only its share of the load: in an open
+        # loop the requests numbered I mod N of the shared schedule, in a closed loop its
+        # share of the streams; the first level starts at `start_at` (one instant for
+        # every worker), the later ones when this process finished the one before.
+        self.shard = options.shard or (0, 1)
+        self.start_at = start_at
         self.tokenizer = tokenizer
         self.on_result = on_result
         self.levels: list[Level] = []
@@ -144,8 +149,10 @@ class Runner:
 
     async def _closed(self, level: Level, concurrency: int) -> None:
         n, deadline = self.options.max_requests, self._deadline(level)
-        numbers = itertools.count()
+        mine, shards = self.shard
+        numbers = itertools.count(mine, shards)  # request numbers I, I+N, ...: this shard's
         ramp = self.options.ramp_up / concurrency
+        streams = range(mine, min(concurrency, n), shards)  # this shard's streams
 
         async def worker(number: int) -> None:
             if ramp and number:
@@ -156,7 +163,7 @@ class Runner:
                     return
                 await self._one(level, index, perf_counter())
 
-        await self._gather(level, [worker(k) for k in range(min(concurrency, n))])
+        await self._gather(level, [worker(k) for k in streams])
 
     async def _open(self, level: Level, rate: float) -> None:
         rng = random.Random(self.options.seed * 1_000_003 + level.index)
@@ -169,6 +176,8 @@ class Runner:
                 due += rng.expovariate(rate)
             if due >= deadline:
                 break
+            if index % self.shard[1] != self.shard[0]:
+                continue  # another shard's request
             await self._sleep_until(due)
             if self.stopping:
                 break
@@ -188,11 +197,9 @@ class Runner:
         await self._gather(level, [])
 
     def _origin(self) -> float:
-        """The run's start: now, or the instant every worker of one run shares."""
-        start_at = self.schedule.start_at if self.schedule is not None else None
-        if start_at is None:
-            return perf_counter()
-        return start_at
+        """The level's start: now, or (first level) the instant every worker shares."""
+        start_at, self.start_at = self.start_at, None
+        return perf_counter() if start_at is None else start_at
 
     async def _sleep_until(self, instant: float) -> None:
         """Sleep until the perf_counter() `instant`, or until the run is stopped."""

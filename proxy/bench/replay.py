@@ -32,7 +32,7 @@ from proxy.bench.cli import PROG as BENCH
 from proxy.bench.cli import _run_loop
 from proxy.bench.client import Call, headers, session
 from proxy.bench.load import Runner, Schedule
-from proxy.bench.options import ENDPOINTS, Options, OptionsError, parse_slo
+from proxy.bench.options import ENDPOINTS, Options, OptionsError, parse_shard, parse_slo
 from proxy.bench.progress import Progress
 from proxy.bench.stats import distribution, summarize
 from proxy.bench.synth import Builder, SynthError, body_fields
@@ -182,15 +182,7 @@ def _check(ns: argparse.Namespace) -> Shard:
     for item in ns.model_map:
         if "=" not in item or not item.split("=", 1)[0]:
             raise OptionsError(f"--model-map: expected A=B, got {item!r}")
-    if not ns.shard:
-        return Shard(0, 1)
-    try:
-        i, n = (int(x) for x in ns.shard.split("/"))
-    except ValueError:
-        raise OptionsError(f"--shard: expected I/N, got {ns.shard!r}") from None
-    if not (n >= 1 and 0 <= i < n):
-        raise OptionsError(f"--shard: I must be in 0..N-1, got {ns.shard!r}")
-    return Shard(i, n)
+    return Shard(*parse_shard(ns.shard)) if ns.shard else Shard(0, 1)
 
 
 def window(wants: list[Want], text: str | None, most: int | None) -> list[Want]:
@@ -331,12 +323,15 @@ async def _replay(ns: argparse.Namespace, wants: list[Want], shard: Shard) -> in
     mine = [i for i in range(len(wants)) if shard.take(i)]
     progress = ReplayProgress(len(mine), enabled=options.progress)
     schedule = Schedule(
-        offsets=[wants[i].offset / ns.speed for i in mine],
-        indices=mine,
-        start_at=wait_for_start() if ns.sync else None,
-        on_send=progress.sent,
+        offsets=[wants[i].offset / ns.speed for i in mine], indices=mine, on_send=progress.sent
     )
-    runner = Runner(options, [calls[i] for i in mine], on_result=progress.result, schedule=schedule)
+    runner = Runner(
+        options,
+        [calls[i] for i in mine],
+        on_result=progress.result,
+        schedule=schedule,
+        start_at=wait_for_start() if ns.sync else None,
+    )
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, runner.interrupt)
