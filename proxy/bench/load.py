@@ -19,7 +19,7 @@ import itertools
 import random
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from time import perf_counter
+from time import perf_counter, process_time
 from typing import Any
 
 import aiohttp
@@ -42,6 +42,7 @@ class Level:
     results: list[Result] = field(default_factory=list)
     cancelled: int = 0  # requests in flight when the run was stopped, not recorded
     loop_lag: list[float] = field(default_factory=list)  # see LoopLag
+    cpu: float = 0.0  # CPU seconds this process spent during the level (process_time)
 
 
 class LoopLag:
@@ -131,6 +132,7 @@ class Runner:
                 self.levels.append(level)
                 lag = LoopLag(level.loop_lag)
                 level.start = self._origin()
+                cpu = process_time()
                 try:
                     if self.schedule is not None:
                         await self._replay(level, self.schedule)
@@ -140,6 +142,7 @@ class Runner:
                         await self._open(level, value)
                 finally:
                     level.end = perf_counter()
+                    level.cpu = process_time() - cpu
                     lag.stop()
                 for result in level.results:
                     finalize(result, self.tokenizer)

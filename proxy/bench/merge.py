@@ -68,6 +68,7 @@ def levels_of(docs: Sequence[dict[str, Any]]) -> list[Level]:
             level.end = max(level.end, s["duration"])  # every shard's level starts at 0
             level.cancelled += s.get("cancelled") or 0
             level.loop_lag.extend(extra.get(s["label"], {}).get("loop_lag") or ())
+            level.cpu += extra.get(s["label"], {}).get("cpu_s") or 0.0
         for record in doc["records"]:
             level = merged[record["level"]]
             level.results.append(
@@ -104,7 +105,7 @@ def merge(docs: Sequence[dict[str, Any]], paths: Sequence[str]) -> dict[str, Any
         "config": {**first["config"], "shard": None, "shards": len(docs)},
         "clock_origin": first.get("clock_origin"),
         "summary": [dataclasses.asdict(s) for s in summaries],
-        "levels": [{"label": lv.label, "loop_lag": lv.loop_lag} for lv in levels],
+        "levels": [{"label": lv.label, "loop_lag": lv.loop_lag, "cpu_s": lv.cpu} for lv in levels],
         "records": [record_of(r, lv.label) for lv in levels for r in lv.results],
     }
     if "replay" in first:

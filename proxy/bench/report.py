@@ -182,8 +182,12 @@ def document(
         "summary": [dataclasses.asdict(s) for s in summaries],
         "compare": compare,
         "cost": _cost(options, summaries),
-        # What `bench merge` needs besides the records: each level's loop-lag samples.
-        "levels": [{"label": level.label, "loop_lag": level.loop_lag} for level in levels],
+        # What `bench merge` needs besides the records: each level's loop-lag samples;
+        # and the bench's own CPU seconds in the level (what a chunk costs the client).
+        "levels": [
+            {"label": level.label, "loop_lag": level.loop_lag, "cpu_s": level.cpu}
+            for level in levels
+        ],
         "records": [record(r, level.label, origin) for level in levels for r in level.results],
     }
 
