@@ -205,10 +205,12 @@ async def _bench(
     problem = compare_doc = compare_text = None
     try:
         before = await compare.scrape(options.compare_metrics) if options.compare_metrics else None
-        if options.sync:
-            from proxy.bench.workers import wait_for_start
+        if options.sync or options.start_at is not None:
+            from proxy.bench.workers import at_wall_clock, wait_for_start
 
-            runners[0].start_at = wait_for_start()
+            runners[0].start_at = (
+                wait_for_start() if options.sync else at_wall_clock(options.start_at or 0.0)
+            )
         progress.start()
         try:
             for runner, (n, _) in zip(runners, sweep, strict=True):

@@ -58,6 +58,7 @@ class Options:
     workers: int = 1  # processes of this machine sharing the load (workers.py)
     shard: tuple[int, int] | None = None  # (I, N): this process's share of the load
     sync: bool = False  # a worker of --workers: wait for the shared start on stdin
+    start_at: float | None = None  # wall-clock (Unix) start shared by shards on several machines
 
     @property
     def url(self) -> str:
@@ -150,6 +151,12 @@ def parser() -> argparse.ArgumentParser:
         metavar="I/N",
         help="only share I of N (0-based) of the load; join with bench merge",
     )
+    a(
+        "--start-at",
+        type=float,
+        metavar="UNIX",
+        help="start at this wall-clock time (shards on several machines)",
+    )
     a("--sync", action="store_true", help=argparse.SUPPRESS)
     return p
 
@@ -224,6 +231,7 @@ def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Options:
         workers=ns.workers,
         shard=parse_shard(ns.shard) if ns.shard else None,
         sync=ns.sync,
+        start_at=ns.start_at,
     )
 
 

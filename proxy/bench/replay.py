@@ -45,7 +45,7 @@ from proxy.bench.trace import (
     to_mooncake,
     write_mooncake,
 )
-from proxy.bench.workers import wait_for_start
+from proxy.bench.workers import at_wall_clock, wait_for_start
 from proxy.core.apis import RequestInfo
 from proxy.core.apis.chat import Chat
 from proxy.core.apis.completions import Completions
@@ -95,6 +95,12 @@ def parser() -> argparse.ArgumentParser:
     a("--seed", type=int, default=0, help="seed of the synthetic prompts")
     a("--shard", metavar="I/N", help="replay only share I of N (0-based) of the requests")
     a("--workers", type=int, default=1, help="replay on N processes, merged into one run")
+    a(
+        "--start-at",
+        type=float,
+        metavar="UNIX",
+        help="start at this wall-clock time (shards on several machines)",
+    )
     a("--sync", action="store_true", help=argparse.SUPPRESS)  # a worker of --workers
     a("--out", help="write every per-request record and the summary to this JSON file")
     a("--label", help="name of this run in 'tokenprobe bench compare'")
@@ -330,7 +336,11 @@ async def _replay(ns: argparse.Namespace, wants: list[Want], shard: Shard) -> in
         [calls[i] for i in mine],
         on_result=progress.result,
         schedule=schedule,
-        start_at=wait_for_start() if ns.sync else None,
+        start_at=wait_for_start()
+        if ns.sync
+        else at_wall_clock(ns.start_at)
+        if ns.start_at is not None
+        else None,
     )
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):

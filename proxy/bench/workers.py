@@ -21,7 +21,7 @@ from typing import Any
 from proxy.bench.merge import MergeError, merge, read
 
 #: Flags of the parent that its workers do not get (each gets its own).
-_DROPPED = {"--workers": 1, "--out": 1, "--quiet": 0, "--shard": 1, "--plot": 1}
+_DROPPED = {"--workers": 1, "--out": 1, "--quiet": 0, "--shard": 1, "--plot": 1, "--start-at": 1}
 #: Seconds between "all ready" and the shared start: time for the start line to arrive.
 LEAD = 0.05
 
@@ -92,6 +92,14 @@ def _stderr(proc: subprocess.Popen[bytes]) -> str:
     assert proc.stderr is not None
     text = proc.stderr.read().decode(errors="replace").strip().splitlines()
     return text[-1] if text else f"exit status {proc.returncode}"
+
+
+def at_wall_clock(unix: float) -> float:
+    """`--start-at UNIX`: that wall-clock instant as a perf_counter() instant (shards on
+    several machines start one schedule together, as far as their clocks agree)."""
+    from time import time
+
+    return perf_counter() + max(0.0, unix - time())
 
 
 def wait_for_start() -> float:
