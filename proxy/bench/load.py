@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 from time import perf_counter, process_time
 from typing import Any
 
-import aiohttp
 import yarl
 
-from proxy.bench.client import Call, Result, finalize, headers, measure, needs_tokenizer, session
+from proxy.bench.client import Call, Result, finalize, headers, measure_wire, needs_tokenizer
 from proxy.bench.options import Options
+from proxy.bench.wire import Pool
 
 #: Stop the run when this many first requests all fail with the same error type.
 FAIL_FAST = 3
@@ -113,7 +113,7 @@ class Runner:
         self._active = 0  # requests begun and not yet recorded
         self._cancelled = 0
         self._stopped = asyncio.Event()
-        self._client: aiohttp.ClientSession | None = None
+        self._client: Pool | None = None
 
     @property
     def stopping(self) -> bool:
@@ -123,8 +123,8 @@ class Runner:
         self._stop("interrupted")
 
     async def run(self) -> list[Level]:
-        async with session(self.options) as client:
-            self._client = client
+        self._client = Pool(yarl.URL(self.options.base_url), self.options.timeout)
+        try:
             for index, value in enumerate(self.options.levels):
                 if self.stopping:
                     break
@@ -146,6 +146,8 @@ class Runner:
                     lag.stop()
                 for result in level.results:
                     finalize(result, self.tokenizer)
+        finally:
+            self._client.close()
         return self.levels
 
     # -- load shapes ------------------------------------------------------------------
@@ -240,7 +242,9 @@ class Runner:
                 await slots.acquire()
             try:
                 sent = perf_counter()
-                m, observer = await measure(self._client, url, self._headers, call, due, keep_text)
+                m, observer = await measure_wire(
+                    self._client, url, self._headers, call, due, keep_text
+                )
             finally:
                 if slots is not None:
                     slots.release()
