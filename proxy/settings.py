@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -48,7 +48,7 @@ def _optional_seconds(value: str) -> float | None:
     return None if value.lower() in ("", "0", "none", "off") else _seconds(value)
 
 
-def _positive_int(value: str) -> int:
+def positive_int(value: str) -> int:
     n = int(value)
     if n < 1:
         raise ValueError("must be at least 1")
@@ -92,10 +92,13 @@ def _choice(*options: str) -> Callable[[str], str]:
 
 @dataclass(frozen=True)
 class Spec:
+    """How one Settings field is given: derived from its declaration, never written by hand."""
+
     name: str  # attribute of Settings; flag is --name-with-dashes, env TOKENPROBE_NAME
     parse: Callable[[str], Any]
-    default: Any
-    help: str
+    default: Any  # REQUIRED when it has none
+    help: str  # the --help text and the README table's "meaning"
+    shown: str  # the README table's "default" cell
     is_flag: bool = False  # a boolean switch: --name / --no-name
 
     @property
@@ -106,198 +109,230 @@ class Spec:
     def env(self) -> str:
         return "TOKENPROBE_" + self.name.upper()
 
+    @property
+    def flags(self) -> str:
+        """The flag as the README writes it: `--x`, or `--x` / `--no-x` for a switch."""
+        no = f" / `--no-{self.flag[2:]}`" if self.is_flag else ""
+        return f"`{self.flag}`{no}"
 
-SPECS: tuple[Spec, ...] = (
-    Spec(
-        "upstream",
-        _url,
-        None,
-        "Base URL of the OpenAI-compatible backend, e.g. http://vllm:8000 (required).",
-    ),
-    Spec("host", str, "127.0.0.1", "Address to listen on (0.0.0.0 for all interfaces)."),
-    Spec("port", _port, 4000, "Port to listen on."),
-    Spec("connect_timeout", _seconds, 10.0, "Seconds to open a connection to the upstream."),
-    Spec(
-        "first_byte_timeout",
-        _seconds,
-        600.0,
-        "Seconds from sending a request upstream to its response headers (covers queueing and prefill).",
-    ),
-    Spec(
-        "idle_timeout",
-        _seconds,
-        300.0,
-        "Seconds allowed between two chunks of an upstream response.",
-    ),
-    Spec("body_timeout", _seconds, 60.0, "Seconds a client may take to send its request body."),
-    Spec(
-        "max_body_bytes",
-        _positive_int,
-        32 * 1024 * 1024,
-        "Largest request body accepted (413 above it).",
-    ),
-    Spec(
-        "max_header_bytes",
-        _positive_int,
-        64 * 1024,
-        "Largest total size of request headers accepted (431 above it; counted as they "
-        "arrive, with 8 KiB more for the request line and framing).",
-    ),
-    Spec(
-        "max_headers",
-        _positive_int,
-        100,
-        "Most request headers accepted (431 above it, counted as they arrive).",
-    ),
-    Spec(
-        "header_timeout",
-        _optional_seconds,
-        10.0,
-        "Seconds a client gets to send a complete request head, from the connection opening "
-        "or the previous response ending (408, or a close when nothing came; 0 disables).",
-    ),
-    Spec(
-        "max_event_bytes",
-        _positive_int,
-        4 * 1024 * 1024,
-        "Largest SSE event the proxy buffers to measure or strip; a stream with a larger one "
-        "is relayed unmeasured (counted in tokenprobe_measurement_failures_total).",
-    ),
-    Spec(
-        "tokenizer",
-        str,
-        None,
-        "Local tokenizer directory (transformers.AutoTokenizer), used when the backend sends no usage.",
-    ),
-    Spec(
-        "inject_usage",
-        _bool,
-        True,
-        "Ask the upstream for usage on streams whose client did not, and remove that extra chunk from the client's stream.",
-        is_flag=True,
-    ),
-    Spec(
-        "model_allowlist",
-        _csv,
-        (),
-        "Comma-separated model names allowed as metric labels, besides those the upstream lists at /v1/models.",
-    ),
-    Spec(
-        "models_refresh",
-        _optional_seconds,
-        60.0,
-        "Seconds between refreshes of the upstream's /v1/models (0 disables).",
-    ),
-    Spec(
-        "upstream_transport",
-        _choice("aiohttp", "httpx"),
-        "aiohttp",
-        "httpx transport for upstream requests: aiohttp (httpx-aiohttp, faster) or httpx (its default).",
-    ),
-    Spec(
-        "access_log",
-        _choice("json", "text", "off"),
-        "json",
-        "Per-request log line on stdout: json, text or off.",
-    ),
-    Spec(
-        "log_salt",
-        str,
-        None,
-        "Salt keying the access log's prefix hashes (never logged; default: random per "
-        "process). Set one value for every worker and replica whose logs are replayed together.",
-    ),
-    Spec(
-        "trace_content",
-        _bool,
-        False,
-        "Put prompt and completion text in trace spans.",
-        is_flag=True,
-    ),
-    Spec(
-        "metrics_port",
-        _port,
-        None,
-        "Serve /metrics on this separate port instead of the proxy port.",
-    ),
-    Spec("metrics_host", str, None, "Address for --metrics-port (default: the same as --host)."),
-    Spec("metrics_token", str, None, "Require 'Authorization: Bearer <token>' on /metrics."),
-    Spec(
-        "key_label",
-        _choice("none", "hash"),
-        "none",
-        "Attribute requests to API keys by a short salted hash (hash) or not at all (none).",
-    ),
-    Spec("key_salt", str, None, "Salt for --key-label hash (default: random per process)."),
-    Spec(
-        "secret_headers",
-        _csv,
-        (),
-        "Extra request headers to treat as secret (never logged or traced).",
-    ),
-    Spec("prices", str, None, "Price table (YAML or JSON) for tokenprobe_cost_total."),
-    Spec(
-        "cost_per_hour",
-        _cost,
-        None,
-        "The deployment's cost per hour (GPUs behind the backend), exported as "
-        "tokenprobe_deployment_cost_per_hour for cost per million tokens at the observed throughput.",
-    ),
-    Spec("currency", _currency, "USD", "Currency of --cost-per-hour."),
-    Spec("workers", _positive_int, 1, "Worker processes; /metrics aggregates them all."),
-    Spec("drain_timeout", _seconds, 30.0, "On SIGTERM, seconds in-flight requests get to finish."),
-    Spec(
-        "log_level",
-        _choice("debug", "info", "warning", "error"),
-        "info",
-        "Log level for the proxy's own messages.",
-    ),
-)
+
+#: The default of a setting that must be given (only the upstream).
+REQUIRED: Any = object()
+
+
+def setting(
+    parse: Callable[[str], Any],
+    default: Any,
+    help: str,
+    *,
+    shown: str | None = None,
+    switch: bool = False,
+) -> Any:
+    """Declare one setting as a Settings field: how its text is parsed, its default, its
+    help (also the README's), how the README shows the default when not as written, and
+    whether it is a --x / --no-x switch."""
+    meta = {"parse": parse, "help": help, "shown": shown, "switch": switch}
+    if default is REQUIRED:
+        return field(metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _shown(default: Any) -> str:
+    if default is REQUIRED:
+        return "(required)"
+    if default is None:
+        return "(unset)"
+    if default == ():
+        return "(none)"
+    if isinstance(default, bool):
+        return "true" if default else "false"
+    if isinstance(default, float) and default.is_integer():
+        return str(int(default))
+    return str(default)
 
 
 @dataclass(frozen=True)
 class Settings:
-    upstream: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 4000
-    connect_timeout: float = 10.0
-    first_byte_timeout: float = 600.0
-    idle_timeout: float = 300.0
-    body_timeout: float = 60.0
-    max_body_bytes: int = 32 * 1024 * 1024
-    max_header_bytes: int = 64 * 1024
-    max_headers: int = 100
-    header_timeout: float | None = 10.0
-    max_event_bytes: int = 4 * 1024 * 1024
-    tokenizer: str | None = None
-    inject_usage: bool = True
-    model_allowlist: tuple[str, ...] = ()
-    models_refresh: float | None = 60.0
-    upstream_transport: str = "aiohttp"
-    access_log: str = "json"
-    log_salt: str | None = None
-    trace_content: bool = False
-    metrics_port: int | None = None
-    metrics_host: str | None = None
-    metrics_token: str | None = None
-    key_label: str = "none"
-    key_salt: str | None = None
-    secret_headers: tuple[str, ...] = ()
-    prices: str | None = None
-    cost_per_hour: float | None = None
-    currency: str = "USD"
-    workers: int = 1
-    drain_timeout: float = 30.0
-    log_level: str = "info"
+    """Every setting of `tokenprobe serve`, each declared once, here: its type, default,
+    parser, help and README row. The flag, the TOKENPROBE_* variable, argparse, the README
+    table (`settings_table`, kept equal by tests/test_readme.py) and the hand-over to
+    worker processes all come from these fields, through `SPECS`."""
+
+    upstream: str = setting(
+        _url,
+        REQUIRED,
+        "Base URL of the OpenAI-compatible backend, e.g. http://vllm:8000 (a trailing `/v1` is ignored).",
+    )
+    host: str = setting(str, "127.0.0.1", "Address to listen on (0.0.0.0 for all interfaces).")
+    port: int = setting(_port, 4000, "Port to listen on.")
+    connect_timeout: float = setting(
+        _seconds, 10.0, "Seconds to open a connection to the upstream."
+    )
+    first_byte_timeout: float = setting(
+        _seconds,
+        600.0,
+        "Seconds from sending a request upstream to its response headers (covers queueing and prefill).",
+    )
+    idle_timeout: float = setting(
+        _seconds,
+        300.0,
+        "Seconds allowed between two chunks of an upstream response. There is no total-time limit.",
+    )
+    body_timeout: float = setting(
+        _seconds, 60.0, "Seconds a client may take to send its request body (slow-body protection)."
+    )
+    max_body_bytes: int = setting(
+        positive_int, 32 * 1024 * 1024, "Largest request body accepted (413 above it)."
+    )
+    max_header_bytes: int = setting(
+        positive_int,
+        64 * 1024,
+        "Largest total size of request headers, counted while they arrive (431 and close above it).",
+    )
+    max_headers: int = setting(
+        positive_int,
+        100,
+        "Most request headers, counted while they arrive (431 and close above it).",
+    )
+    header_timeout: float | None = setting(
+        _optional_seconds,
+        10.0,
+        "Seconds a client gets to send a whole request head, from connecting or from the previous response's end (408, or a plain close when nothing came; 0 disables).",
+    )
+    max_event_bytes: int = setting(
+        positive_int,
+        4 * 1024 * 1024,
+        'Largest SSE event buffered to measure or strip; a larger event is relayed all the same, and that stream goes unmeasured (`tokenprobe_measurement_failures_total{stage="event_too_large"}`).',
+    )
+    tokenizer: str | None = setting(
+        str, None, "Local tokenizer directory for counting when the backend sends no usage."
+    )
+    inject_usage: bool = setting(
+        _bool,
+        True,
+        "Ask upstream for usage on streams whose client did not, and remove that chunk from the client's stream.",
+        switch=True,
+    )
+    model_allowlist: tuple[str, ...] = setting(
+        _csv,
+        (),
+        "Comma-separated model names allowed as labels, besides those the upstream lists. Set it when the upstream's `/v1/models` needs a key.",
+    )
+    models_refresh: float | None = setting(
+        _optional_seconds,
+        60.0,
+        "Seconds between refreshes of the upstream's `/v1/models` (0 disables).",
+    )
+    upstream_transport: str = setting(
+        _choice("aiohttp", "httpx"),
+        "aiohttp",
+        "httpx transport: `aiohttp` (httpx-aiohttp) or `httpx` (its own). See Performance.",
+    )
+    access_log: str = setting(
+        _choice("json", "text", "off"), "json", "One line per request on stdout: json, text or off."
+    )
+    log_salt: str | None = setting(
+        str,
+        None,
+        "Salt keying the access log's prefix hashes (never logged). Set one value for every "
+        "worker and replica whose logs are replayed together.",
+        shown="random",
+    )
+    trace_content: bool = setting(_bool, False, "Put the prompt in trace spans.", switch=True)
+    metrics_port: int | None = setting(
+        _port, None, "Serve `/metrics` on this separate port (and not on the proxy port)."
+    )
+    metrics_host: str | None = setting(str, None, "Address for `--metrics-port`.", shown="`--host`")
+    metrics_token: str | None = setting(
+        str, None, "Require `Authorization: Bearer <token>` on `/metrics`."
+    )
+    key_label: str = setting(
+        _choice("none", "hash"),
+        "none",
+        "`hash`: attribute requests to API keys by a short salted hash.",
+    )
+    key_salt: str | None = setting(
+        str,
+        None,
+        "Salt for `--key-label hash`; set it to keep labels stable across restarts and workers.",
+        shown="random",
+    )
+    secret_headers: tuple[str, ...] = setting(
+        _csv,
+        (),
+        "Extra request headers whose values are redacted wherever an upstream echoes them (`Authorization`, `api-key`, `x-api-key`, cookies always are).",
+    )
+    prices: str | None = setting(
+        str, None, "Price table (YAML or JSON) for `tokenprobe_cost_total`."
+    )
+    cost_per_hour: float | None = setting(
+        _cost,
+        None,
+        "The deployment's cost per hour, exported as `tokenprobe_deployment_cost_per_hour` for cost per million tokens at the observed throughput.",
+    )
+    currency: str = setting(_currency, "USD", "Currency of `--cost-per-hour`.")
+    workers: int = setting(
+        positive_int, 1, "Worker processes sharing the port; `/metrics` sums them all."
+    )
+    drain_timeout: float = setting(
+        _seconds,
+        30.0,
+        "On SIGTERM: stop accepting, let in-flight streams finish for up to this long, exit 0.",
+    )
+    log_level: str = setting(
+        _choice("debug", "info", "warning", "error"),
+        "info",
+        "Level of the proxy's own messages (stderr).",
+    )
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
 
 
+def _spec(f: dataclasses.Field[Any]) -> Spec:
+    meta = f.metadata
+    default = REQUIRED if f.default is dataclasses.MISSING else f.default
+    return Spec(
+        f.name,
+        meta["parse"],
+        default,
+        meta["help"],
+        meta["shown"] or _shown(default),
+        is_flag=meta["switch"],
+    )
+
+
+SPECS: tuple[Spec, ...] = tuple(_spec(f) for f in dataclasses.fields(Settings))
+
+
+def settings_table() -> str:
+    """The README's settings table, rendered from the declarations (`python -m proxy.settings`)."""
+    rows = ["| flag | variable | default | meaning |", "|---|---|---|---|"]
+    rows += [f"| {s.flags} | `{s.env}` | {s.shown} | {s.help} |" for s in SPECS]
+    return "\n".join(rows) + "\n"
+
+
+def parse_value(source: str, raw: str, parse: Callable[[str], Any]) -> Any:
+    """One value parsed, or SettingsError naming where it came from (a flag or a variable).
+    The OTEL_* variables (proxy/sinks/otel_env.py) are read through this too."""
+    try:
+        return parse(raw)
+    except ValueError as exc:
+        raise SettingsError(f"{source}={raw!r}: {exc}") from None
+
+
+def number(value: str) -> float:
+    """A finite number."""
+    parsed = float(value)
+    if parsed != parsed or parsed in (float("inf"), float("-inf")):
+        raise ValueError("expected a finite number")
+    return parsed
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per setting; defaults stay None so `resolve` can tell 'not given'."""
     for spec in SPECS:
-        help_text = f"{spec.help} [env {spec.env}; default {spec.default!r}]"
+        help_text = f"{spec.help} [env {spec.env}; default {spec.shown}]"
         if spec.is_flag:
             parser.add_argument(
                 spec.flag,
@@ -326,23 +361,20 @@ def resolve(args: argparse.Namespace | Mapping[str, Any], environ: Mapping[str, 
         if isinstance(raw, bool) or not isinstance(raw, str):
             values[spec.name] = raw
             continue
-        try:
-            values[spec.name] = spec.parse(raw)
-        except ValueError as exc:
-            raise SettingsError(f"{source}={raw!r}: {exc}") from None
-    return Settings(**values)
-
-
-def require_upstream(settings: Settings) -> str:
-    if not settings.upstream:
+        values[spec.name] = parse_value(source, raw, spec.parse)
+    if "upstream" not in values:
         raise SettingsError(
             "no upstream: set --upstream http://HOST:PORT or TOKENPROBE_UPSTREAM "
             "(the OpenAI-compatible backend, e.g. vLLM)"
         )
-    return settings.upstream
+    return Settings(**values)
 
 
 def parse(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
     parser = argparse.ArgumentParser(prog="tokenprobe serve")
     add_arguments(parser)
     return resolve(parser.parse_args(list(argv)), environ)
+
+
+if __name__ == "__main__":  # print the README's settings table
+    print(settings_table(), end="")

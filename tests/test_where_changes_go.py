@@ -5,12 +5,13 @@ it names), works in a real `tokenprobe serve` in front of the simulator.
 
 from __future__ import annotations
 
+import ast
 import re
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -41,13 +42,76 @@ def tree_copy(tmp: Path) -> Path:
     return copy
 
 
-def add_line(file: Path, after: str, line: str) -> None:
-    """Insert `line` after the first line containing `after` (the README names both)."""
+def add_import(file: Path, statement: str) -> None:
+    """Add an import statement after the module's last top-level import."""
     text = file.read_text()
-    assert after in text, f"{after!r} is not in {file}"
-    head, tail = text.split(after, 1)
-    rest_of_line, newline, tail = tail.partition("\n")
-    file.write_text(head + after + rest_of_line + newline + line + "\n" + tail)
+    tree = ast.parse(text)
+    last = max(node.end_lineno or 0 for node in tree.body if isinstance(node, IMPORTS))
+    _insert_lines(file, text, last, statement + "\n")
+
+
+def add_to_registry(file: Path, name: str, entry: str) -> None:
+    """Add `entry` as the last element of the module-level tuple or list assigned to `name`."""
+    text = file.read_text()
+    tree = ast.parse(text)
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        if isinstance(node, ast.Assign | ast.AnnAssign) and any(
+            isinstance(t, ast.Name) and t.id == name for t in targets
+        ):
+            value = node.value
+            assert isinstance(value, ast.Tuple | ast.List) and value.elts, f"{name} is no sequence"
+            last = value.elts[-1]
+            indent = " " * last.col_offset
+            _insert_lines(file, text, last.end_lineno or 0, f"{indent}{entry},\n")
+            return
+    raise AssertionError(f"{file} assigns no {name}")
+
+
+def add_to_function(file: Path, qualname: str, code: str, *, where: str) -> None:
+    """Add `code` (already indented for the body) to the function `qualname` (`f` or
+    `Class.method`): at its "top" (after a docstring) or just before its final "return"."""
+    text = file.read_text()
+    function = _find_function(ast.parse(text), qualname.split("."))
+    body = function.body
+    if where == "top":  # before the first statement that is not the docstring
+        first = body[1] if _is_docstring(body[0]) and len(body) > 1 else body[0]
+        line = first.lineno - 1
+    else:
+        assert where == "before return" and isinstance(body[-1], ast.Return), qualname
+        line = body[-1].lineno - 1
+    _insert_lines(file, text, line, code if code.endswith("\n") else code + "\n")
+
+
+IMPORTS = (ast.Import, ast.ImportFrom)
+
+
+def _find_function(tree: ast.Module, names: list[str]) -> ast.FunctionDef | ast.AsyncFunctionDef:
+    scope: list[ast.stmt] = tree.body
+    for i, name in enumerate(names):
+        kinds = (ast.FunctionDef, ast.AsyncFunctionDef) if i == len(names) - 1 else ast.ClassDef
+        found = [n for n in scope if isinstance(n, kinds) and n.name == name]
+        assert len(found) == 1, f"no single {name!r} in the tree"
+        node = found[0]
+        if isinstance(node, ast.ClassDef):
+            scope = node.body
+        else:
+            return node
+    raise AssertionError(f"no function {'.'.join(names)}")
+
+
+def _is_docstring(node: ast.stmt) -> bool:
+    return (
+        isinstance(node, ast.Expr)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
+    )
+
+
+def _insert_lines(file: Path, text: str, after_line: int, code: str) -> None:
+    """Insert `code` after the first `after_line` lines of `text` and write the file."""
+    lines = text.splitlines(keepends=True)
+    file.write_text("".join([*lines[:after_line], code, *lines[after_line:]]))
 
 
 SERVE = ("--access-log", "off", "--models-refresh", "0", "--model-allowlist", "sim-model")
@@ -83,11 +147,15 @@ def proxy_before_sim(
         yield sim, proxy, process
 
 
-def insert_after(file: Path, anchor: str, code: str) -> None:
-    """Insert `code` right after the line `anchor` (the README names the place)."""
-    text = file.read_text()
-    assert text.count(anchor + "\n") == 1, f"{anchor!r} is not one line of {file}"
-    file.write_text(text.replace(anchor + "\n", anchor + "\n" + code, 1))
+def requests_lines(url: str) -> list[str]:
+    return metric_lines(url, "tokenprobe_requests_total{")
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
 
 
 def metric_lines(url: str, name: str) -> list[str]:
@@ -100,12 +168,8 @@ def test_a_new_api_is_one_module_and_its_registry_lines(tmp_path: Path) -> None:
     apis = tree / "proxy" / "core" / "apis"
     (apis / "tokenize.py").write_text(readme_module("proxy/core/apis/tokenize.py"))
     init = apis / "__init__.py"
-    add_line(
-        init,
-        "from proxy.core.apis.responses import",
-        "from proxy.core.apis.tokenize import Tokenize",
-    )
-    add_line(init, "    Classify(),", "    Tokenize(),")
+    add_import(init, "from proxy.core.apis.tokenize import Tokenize")
+    add_to_registry(init, "APIS", "Tokenize()")
     body = {"model": "sim-model", "prompt": "a b c d e f"}
     with proxy_before_sim(tree) as (sim, proxy, _):
         direct = httpx.post(sim + "/tokenize", json=body)
@@ -123,8 +187,8 @@ def test_a_new_metric_is_declared_and_observed_in_the_metrics_sink(tmp_path: Pat
     metrics = tree / "proxy" / "sinks" / "metrics.py"
     declare = readme_module("proxy/sinks/metrics.py: Metrics.__init__")
     observe = readme_module("proxy/sinks/metrics.py: Metrics.record")
-    insert_after(metrics, "    def __init__(self, registry: CollectorRegistry) -> None:", declare)
-    insert_after(metrics, "    def record(self, m: Measurement, labels: Labels) -> None:", observe)
+    add_to_function(metrics, "Metrics.__init__", declare, where="top")
+    add_to_function(metrics, "Metrics.record", observe, where="top")
     body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}
     with proxy_before_sim(tree) as (_, proxy, _):
         httpx.post(proxy + "/v1/chat/completions", json={**body, "stream": True}).raise_for_status()
@@ -140,16 +204,14 @@ def test_a_new_sink_is_one_file_and_one_line_in_the_assembly(tmp_path: Path) -> 
     sink = readme_module("proxy/sinks/slow_requests.py")
     (tree / "proxy" / "sinks" / "slow_requests.py").write_text(sink)
     assemble = tree / "proxy" / "server" / "assemble.py"
-    add_line(
-        assemble,
-        "from proxy.sinks.logs import",
-        "from proxy.sinks.slow_requests import SlowRequests",
-    )
-    insert_after(assemble, "    sinks: list[Sink] = []", "    sinks.append(SlowRequests())\n")
+    add_import(assemble, "from proxy.sinks.slow_requests import SlowRequests")
+    add_to_function(assemble, "_sinks", "    sinks.append(SlowRequests())", where="before return")
     body = {"model": "sim-model", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
     with proxy_before_sim(tree, "--ttft", "1.1") as (_, proxy, process):
         httpx.post(proxy + "/v1/chat/completions", json=body, timeout=10).raise_for_status()
-        time.sleep(0.2)  # the record lands just after the last byte
+        # The record lands just after the last byte; the sinks get it in one call, the
+        # metrics sink first, so once /metrics counts it the new sink has written its line.
+        wait_until(lambda: any(line.endswith(" 1.0") for line in requests_lines(proxy)))
     assert process.stderr is not None
     stderr = process.stderr.read().decode()
     assert "slow first token: 1.1" in stderr

@@ -12,9 +12,9 @@ import importlib.util
 import os
 import signal
 import sys
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 import orjson
@@ -22,6 +22,7 @@ import orjson
 from proxy.bench import compare, prefill, report
 from proxy.bench.client import Call, prepare
 from proxy.bench.load import Level, Runner
+from proxy.bench.loop import run_loop, tokenizer
 from proxy.bench.options import Options, OptionsError, parse
 from proxy.bench.progress import Progress
 from proxy.bench.prompts import BUILTIN, PromptError, load_file, synthetic
@@ -30,7 +31,6 @@ from proxy.core.buckets import TTFT_BUCKETS
 from proxy.core.measurement import ErrorType
 
 PROG = "tokenprobe bench"
-T = TypeVar("T")
 #: Synthetic prompts made for --input-tokens: enough that no two nearby requests share one.
 SYNTHETIC_PROMPTS = 64
 
@@ -149,16 +149,7 @@ def _check_outputs(options: Options) -> None:
 
 
 def _tokenizer(options: Options) -> Any:
-    if not options.tokenizer:
-        return None
-    # transformers warns on import that PyTorch is missing; a tokenizer needs no PyTorch.
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from proxy.core.tokens import load_tokenizer
-
-    try:
-        return load_tokenizer(options.tokenizer)
-    except Exception as exc:  # transformers raises many kinds
-        raise OptionsError(f"--tokenizer: cannot load {options.tokenizer}: {exc}") from None
+    return tokenizer(options.tokenizer)
 
 
 def _prompts(options: Options, tokenizer: Any, input_tokens: int | None) -> list[Any]:
@@ -169,12 +160,7 @@ def _prompts(options: Options, tokenizer: Any, input_tokens: int | None) -> list
     return list(BUILTIN)
 
 
-def _run_loop(coro: Coroutine[Any, Any, T]) -> T:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
+_run_loop = run_loop
 
 
 def _digest(sweep: list[tuple[int | None, list[Call]]]) -> str:

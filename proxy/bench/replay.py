@@ -28,10 +28,10 @@ import aiohttp
 import orjson
 
 from proxy.bench import report
-from proxy.bench.cli import PROG as BENCH
-from proxy.bench.cli import _run_loop
 from proxy.bench.client import Call, headers, session
 from proxy.bench.load import Runner, Schedule
+from proxy.bench.loop import run_loop as _run_loop
+from proxy.bench.loop import tokenizer as load_tokenizer
 from proxy.bench.options import ENDPOINTS, Options, OptionsError, parse_shard, parse_slo
 from proxy.bench.progress import Progress
 from proxy.bench.stats import distribution, summarize
@@ -51,7 +51,7 @@ from proxy.core.apis.chat import Chat
 from proxy.core.apis.completions import Completions
 from proxy.core.apis.responses import Responses
 
-PROG = f"{BENCH} replay"
+PROG = "tokenprobe bench replay"
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,10 +278,9 @@ def request(want: Want, content: Any, ignore_eos: bool) -> Call:
 async def _counter(ns: argparse.Namespace, options: Options, model: str, client: Any) -> Any:
     """How the prompts are sized: a local tokenizer, else the target's /tokenize."""
     if ns.tokenizer:
-        from proxy.bench.cli import _tokenizer
         from proxy.core.tokens import count_prompt
 
-        tokenizer = _tokenizer(options)
+        tokenizer = load_tokenizer(options.tokenizer)
 
         async def local(endpoint: str, content: Any) -> int:
             return count_prompt(tokenizer, content) or 0

@@ -149,7 +149,7 @@ def record(result: Result, label: str, origin: float) -> dict[str, Any]:
         "send_delay": result.sent - result.scheduled,
     }
     for f in dataclasses.fields(m):
-        if f.name not in ("extra", "prefix"):  # the prefix digests leave only keyed (the log)
+        if f.name != "prefix":  # the prefix digests leave only keyed (the access log)
             out[f.name] = getattr(m, f.name)
     return out
 

@@ -30,7 +30,7 @@ median for an even n, so always one real choice). With one choice this is the fo
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from proxy.core.fingerprint import Prefix
 
@@ -97,7 +97,6 @@ class Measurement:
     # The prompt's prefix fingerprint (core/fingerprint.py), unkeyed: only the access log
     # shows it, keyed with the deployment's salt.
     prefix: Prefix | None = None
-    extra: dict[str, object] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

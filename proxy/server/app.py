@@ -24,7 +24,7 @@ from proxy.core.tokens import TokenCounter
 from proxy.server.control import ControlPlane
 from proxy.server.forward import Forwarder, UpstreamBroke
 from proxy.server.upstream import create_client
-from proxy.settings import Settings, require_upstream
+from proxy.settings import Settings
 from proxy.sinks.dispatch import Sinks
 from proxy.types import ASGIApp, Receive, Scope, Send
 
@@ -57,7 +57,7 @@ class ProxyApp:
         control: ControlPlane,
     ) -> None:
         self.settings = settings
-        self.upstream = require_upstream(settings)
+        self.upstream = settings.upstream
         self.registry = registry
         self.sinks = sinks
         self.control = control

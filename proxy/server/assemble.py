@@ -21,7 +21,7 @@ from proxy.server.app import ProxyApp
 from proxy.server.control import ControlPlane, GuardedMetrics, Readiness
 from proxy.server.exposition import Exposition
 from proxy.server.multiproc import MULTIPROC_ENV, multiprocess_metrics_app
-from proxy.settings import Settings, require_upstream
+from proxy.settings import Settings
 from proxy.sinks.cost import CostSink, export_cost_per_hour, load_prices
 from proxy.sinks.dispatch import Sinks
 from proxy.sinks.keys import KeyLabels
@@ -42,7 +42,7 @@ def assemble(
 ) -> ProxyApp:
     """The proxy the settings ask for. `tracer` replaces the one OTEL_* would configure,
     and `extra_sinks` record after the configured ones (the demo, tests)."""
-    upstream = require_upstream(settings)
+    upstream = settings.upstream
     registry = registry if registry is not None else CollectorRegistry()
     metrics = Metrics(registry)
     if settings.cost_per_hour is not None:

@@ -36,7 +36,7 @@ from proxy.core.sse import EventTooLarge
 from proxy.core.strip import UsageEventStripper
 from proxy.core.tokens import TokenCounter
 from proxy.server.upstream import body_reader, send_upstream
-from proxy.settings import Settings, require_upstream
+from proxy.settings import Settings
 from proxy.sinks.dispatch import RequestScope, Sinks
 from proxy.types import Receive, Scope, Send
 
@@ -81,7 +81,7 @@ class RelaySettings:
 
 def relay_settings(settings: Settings) -> RelaySettings:
     return RelaySettings(
-        upstream=require_upstream(settings),
+        upstream=settings.upstream,
         inject_usage=settings.inject_usage,
         max_body_bytes=settings.max_body_bytes,
         max_header_bytes=settings.max_header_bytes,

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
-from proxy.core.apis import FINISH_LABELS
 from proxy.core.buckets import (
     DECODE_SPEED_BUCKETS,
     E2E_BUCKETS,
@@ -57,10 +58,6 @@ def cache_class(prompt_tokens: int | None, cached_tokens: int | None) -> str:
     if cached_tokens <= 0:
         return "none"
     return "most" if cached_tokens >= CACHE_MOST * prompt_tokens else "part"
-
-
-#: finish_reason label values (each Api maps its raw reasons onto them).
-FINISH_REASONS = FINISH_LABELS
 
 
 class Metrics:
@@ -195,27 +192,24 @@ class Metrics:
             ("key", "model", "kind"),
             registry=registry,
         )
-        self._children: dict[tuple[str, str], tuple[Any, ...]] = {}
+        # Every metric labelled by (model, endpoint) alone: their children are resolved
+        # once per pair (`_bound`), so a new one is its declaration above and one line in
+        # `record`, nothing to keep in step by hand.
+        self._per_pair = {
+            name: metric
+            for name, metric in vars(self).items()
+            if isinstance(metric, MetricWrapperBase) and metric._labelnames == LABELS
+        }
+        self._children: dict[tuple[str, str], SimpleNamespace] = {}
         self._class_children: dict[tuple[str, str, str, str], tuple[Any, Any]] = {}
 
-    def _bound(self, model: str, endpoint: str) -> tuple[Any, ...]:
-        """Label children for one (model, endpoint), resolved once and cached."""
+    def _bound(self, model: str, endpoint: str) -> SimpleNamespace:
+        """This pair's children, as attributes named like the metrics (`.ttft`, ...)."""
         key = (model, endpoint)
         children = self._children.get(key)
         if children is None:
-            children = tuple(
-                m.labels(model, endpoint)
-                for m in (
-                    self.ttfb,
-                    self.ttft,
-                    self.itl,
-                    self.tpot,
-                    self.decode_speed,
-                    self.e2e,
-                    self.prompt_tokens,
-                    self.generation_tokens,
-                    self.cached_prompt_tokens_total,
-                )
+            children = SimpleNamespace(
+                **{name: metric.labels(model, endpoint) for name, metric in self._per_pair.items()}
             )
             self._children[key] = children
         return children
@@ -239,35 +233,35 @@ class Metrics:
 
     def record(self, m: Measurement, labels: Labels) -> None:
         model_label = labels.model
-        ttfb, ttft, itl, tpot, speed, e2e, prompt, generation, cached = self._bound(
-            model_label, m.endpoint
-        )
+        bound = self._bound(model_label, m.endpoint)
         exemplar = {"trace_id": m.trace_id} if m.trace_id else None
         if m.ttfb is not None:
-            ttfb.observe(m.ttfb)
+            bound.ttfb.observe(m.ttfb)
         if m.ttft is not None:
-            ttft.observe(m.ttft, exemplar)
+            bound.ttft.observe(m.ttft, exemplar)
             self._record_ttft_class(m, model_label, m.ttft)
-        observe_all(itl, m.inter_token_latencies)
+        observe_all(bound.itl, m.inter_token_latencies)
         if m.tpot is not None:
-            tpot.observe(m.tpot, exemplar)
+            bound.tpot.observe(m.tpot, exemplar)
         if m.decode_tokens_per_second is not None:
-            speed.observe(m.decode_tokens_per_second)
-        e2e.observe(m.e2e, exemplar)
+            bound.decode_speed.observe(m.decode_tokens_per_second)
+        bound.e2e.observe(m.e2e, exemplar)
         source = m.token_source.value
         if m.prompt_tokens is not None:
-            prompt.observe(m.prompt_tokens)
+            bound.prompt_tokens.observe(m.prompt_tokens)
             self.prompt_tokens_total.labels(model_label, m.endpoint, source).inc(m.prompt_tokens)
         if m.output_tokens is not None:
-            generation.observe(m.output_tokens)
+            bound.generation_tokens.observe(m.output_tokens)
             self.generation_tokens_total.labels(model_label, m.endpoint, source).inc(
                 m.output_tokens
             )
         if m.cached_prompt_tokens:
-            cached.inc(m.cached_prompt_tokens)
+            bound.cached_prompt_tokens_total.inc(m.cached_prompt_tokens)
         error = m.error_type.value if m.error_type is not None else NONE_LABEL
-        reason = m.finish_reason if m.finish_reason in FINISH_REASONS else "other"
-        self.requests.labels(model_label, m.endpoint, str(m.status_code), reason, error).inc()
+        # finish_reason is already the closed-set label (each Api maps raw values onto it).
+        self.requests.labels(
+            model_label, m.endpoint, str(m.status_code), m.finish_reason, error
+        ).inc()
         if labels.key is not None:
             self._record_key(m, model_label, labels.key, error)
 

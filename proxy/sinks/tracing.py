@@ -7,15 +7,13 @@ No event per chunk. Prompt text only with `trace_content`; header values never, 
 the W3C `traceparent`/`tracestate` a client sends, which the span joins.
 
 Off by default: `tracing_from_env` returns None unless the standard OTEL_* variables ask
-for traces, and then the proxy does no tracing work at all. When on, spans go through a
-batch processor on its own thread, so a slow or dead collector never holds up a stream;
-the spans it loses are counted in `tokenprobe_trace_export_failures_total`.
+for traces (read in proxy/sinks/otel_env.py), and then the proxy does no tracing work at
+all. When on, spans are exported in the background and their losses counted
+(proxy/sinks/span_export.py).
 """
 
 from __future__ import annotations
 
-import logging
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -23,8 +21,8 @@ from urllib.parse import urlsplit
 import orjson
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.sdk.trace.sampling import (
     ALWAYS_OFF,
     ALWAYS_ON,
@@ -34,14 +32,14 @@ from opentelemetry.sdk.trace.sampling import (
 )
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
 
 from proxy.core.apis import RequestInfo, api_of
 from proxy.core.measurement import NONE_LABEL, Measurement
 from proxy.core.request import COMPLETIONS
 from proxy.settings import SettingsError
-
-log = logging.getLogger("tokenprobe")
+from proxy.sinks import otel_env
+from proxy.sinks.span_export import CountingBatchProcessor, export_failures, otlp_span_exporter
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -203,102 +201,7 @@ def _message(item: dict[str, Any]) -> dict[str, Any]:
     return {"role": str(item.get("role", "user")), "parts": parts}
 
 
-# -- export -------------------------------------------------------------------------------
-
-
-def export_failures(registry: CollectorRegistry) -> Counter:
-    """`tokenprobe_trace_export_failures_total{reason}`, registered once per registry."""
-    return Counter(
-        "tokenprobe_trace_export_failures",
-        "Trace spans lost before reaching the collector, by reason: export (the exporter "
-        "failed or timed out) or queue_full (spans ended faster than the collector took "
-        "them and the oldest queued ones were dropped).",
-        ("reason",),
-        registry=registry,
-    )
-
-
-class CountingBatchProcessor(SpanProcessor):
-    """A BatchSpanProcessor that counts the spans it loses.
-
-    Two ways to lose a span: the exporter fails or times out (`reason="export"`), or spans
-    end faster than the collector takes them and the queue drops the oldest
-    (`reason="queue_full"`). The SDK only logs the second, so the queue length is mirrored
-    here: +1 when a sampled span ends, -n when the worker takes a batch of n.
-    """
-
-    def __init__(
-        self,
-        exporter: SpanExporter,
-        failures: Counter,
-        *,
-        max_queue_size: int = 2048,
-        schedule_delay_millis: float = 5000,
-        max_export_batch_size: int = 512,
-    ) -> None:
-        self._failed = failures.labels("export")
-        self._dropped = failures.labels("queue_full")
-        self._lock = threading.Lock()
-        self._queued = 0
-        self._limit = max_queue_size
-        self._batch = BatchSpanProcessor(
-            _CountingExporter(exporter, self),
-            max_queue_size=max_queue_size,
-            schedule_delay_millis=schedule_delay_millis,
-            max_export_batch_size=min(max_export_batch_size, max_queue_size),
-        )
-
-    def on_start(self, span: Any, parent_context: Context | None = None) -> None:
-        pass
-
-    def on_end(self, span: ReadableSpan) -> None:
-        if span.context is None or not span.context.trace_flags.sampled:
-            return  # the batch processor ignores these too
-        with self._lock:
-            if self._queued >= self._limit:
-                self._dropped.inc()  # the batch queue drops its oldest to take this one
-            else:
-                self._queued += 1
-        self._batch.on_end(span)
-
-    def taken(self, count: int) -> None:
-        with self._lock:
-            self._queued = max(0, self._queued - count)
-
-    def failed(self, count: int) -> None:
-        self._failed.inc(count)
-
-    def shutdown(self) -> None:
-        self._batch.shutdown()  # type: ignore[no-untyped-call]
-
-    def force_flush(self, timeout_millis: int = 30_000) -> bool:
-        return self._batch.force_flush(timeout_millis)
-
-
-class _CountingExporter(SpanExporter):
-    def __init__(self, exporter: SpanExporter, counts: CountingBatchProcessor) -> None:
-        self.exporter = exporter
-        self.counts = counts
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        self.counts.taken(len(spans))
-        try:
-            result = self.exporter.export(spans)
-        except Exception:
-            log.exception("exporting trace spans failed")
-            result = SpanExportResult.FAILURE
-        if result is not SpanExportResult.SUCCESS:
-            self.counts.failed(len(spans))
-        return result
-
-    def shutdown(self) -> None:
-        self.exporter.shutdown()
-
-    def force_flush(self, timeout_millis: int = 30_000) -> bool:
-        return self.exporter.force_flush(timeout_millis)
-
-
-# -- configuration from the standard OTEL_* variables ----------------------------------------
+# -- configured from the standard OTEL_* variables ------------------------------------------
 
 
 def tracing_from_env(
@@ -315,24 +218,19 @@ def tracing_from_env(
     "none" or OTEL_SDK_DISABLED is true. Raises SettingsError, naming the variable, for a
     value it cannot use.
     """
-    env = {k: v.strip() for k, v in environ.items() if k.startswith("OTEL_") and v.strip()}
-    names = [n.strip().lower() for n in env.get("OTEL_TRACES_EXPORTER", "").split(",") if n.strip()]
-    endpoint_set = (
-        "OTEL_EXPORTER_OTLP_ENDPOINT" in env or "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT" in env
-    )
-    if env.get("OTEL_SDK_DISABLED", "").lower() == "true" or "none" in names:
+    env = otel_env.otel_env(environ)
+    names = otel_env.exporters(env, "traces")
+    if not names:
         return None
-    if not names and not endpoint_set:
-        return None
-    exporters = [_exporter(name, env) for name in (names or ["otlp"])]
+    exporters = [_exporter(name, env) for name in names]
     failures = export_failures(registry)
     processors = [
         CountingBatchProcessor(
             exporter,
             failures,
-            max_queue_size=_int(env, "OTEL_BSP_MAX_QUEUE_SIZE", 2048),
-            schedule_delay_millis=_int(env, "OTEL_BSP_SCHEDULE_DELAY", 5000),
-            max_export_batch_size=_int(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512),
+            max_queue_size=otel_env.count(env, "OTEL_BSP_MAX_QUEUE_SIZE", 2048),
+            schedule_delay_millis=otel_env.count(env, "OTEL_BSP_SCHEDULE_DELAY", 5000),
+            max_export_batch_size=otel_env.count(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512),
         )
         for exporter in exporters
     ]
@@ -340,7 +238,7 @@ def tracing_from_env(
         processors,
         upstream=upstream,
         sampler=_sampler(env),
-        service_name=_service_name(env),
+        service_name=otel_env.service_name(env),
         trace_content=trace_content,
     )
 
@@ -352,33 +250,7 @@ def _exporter(name: str, env: Mapping[str, str]) -> SpanExporter:
         return ConsoleSpanExporter()
     if name != "otlp":
         raise SettingsError(f"OTEL_TRACES_EXPORTER={name!r}: expected otlp, console or none")
-    key = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
-    if key not in env:
-        key = "OTEL_EXPORTER_OTLP_PROTOCOL"
-    protocol = env.get(key, "http/protobuf")
-    headers = _headers(env)
-    timeout = _float(env, "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", None) or _float(
-        env, "OTEL_EXPORTER_OTLP_TIMEOUT", 10.0
-    )
-    if protocol == "http/protobuf":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-        endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-        if endpoint is None:
-            base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "http://localhost:4318")
-            endpoint = base.rstrip("/") + "/v1/traces"
-        return OTLPSpanExporter(endpoint=endpoint, headers=headers, timeout=timeout)
-    if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
-            OTLPSpanExporter as GrpcSpanExporter,
-        )
-
-        endpoint = env.get(
-            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-            env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "http://localhost:4317"),
-        )
-        return GrpcSpanExporter(endpoint=endpoint, headers=headers, timeout=timeout)
-    raise SettingsError(f"{key}={protocol!r}: expected http/protobuf or grpc")
+    return otlp_span_exporter(otel_env.otlp_target(env, "traces"))
 
 
 def _sampler(env: Mapping[str, str]) -> Sampler:
@@ -394,46 +266,13 @@ def _sampler(env: Mapping[str, str]) -> Sampler:
     if name not in ("traceidratio", "parentbased_traceidratio"):
         choices = ", ".join([*fixed, "traceidratio", "parentbased_traceidratio"])
         raise SettingsError(f"OTEL_TRACES_SAMPLER={name!r}: expected one of {choices}")
-    ratio = _float(env, "OTEL_TRACES_SAMPLER_ARG", 1.0)
-    if ratio is None or not 0.0 <= ratio <= 1.0:
-        raise SettingsError(f"OTEL_TRACES_SAMPLER_ARG={ratio}: expected a ratio from 0 to 1")
+    ratio: float = otel_env.value(env, "OTEL_TRACES_SAMPLER_ARG", _ratio, 1.0)
     ratio_sampler = TraceIdRatioBased(ratio)
     return ratio_sampler if name == "traceidratio" else ParentBased(ratio_sampler)
 
 
-def _service_name(env: Mapping[str, str]) -> str:
-    if name := env.get("OTEL_SERVICE_NAME"):
-        return name
-    for item in env.get("OTEL_RESOURCE_ATTRIBUTES", "").split(","):
-        key, _, value = item.partition("=")
-        if key.strip() == "service.name" and value.strip():
-            return value.strip()
-    return "tokenprobe"
-
-
-def _headers(env: Mapping[str, str]) -> dict[str, str] | None:
-    from opentelemetry.util.re import parse_env_headers
-
-    raw = env.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS") or env.get("OTEL_EXPORTER_OTLP_HEADERS")
-    return dict(parse_env_headers(raw, liberal=True)) if raw else None
-
-
-def _float(env: Mapping[str, str], key: str, default: float | None) -> float | None:
-    if key not in env:
-        return default
-    try:
-        return float(env[key])
-    except ValueError:
-        raise SettingsError(f"{key}={env[key]!r}: expected a number") from None
-
-
-def _int(env: Mapping[str, str], key: str, default: int) -> int:
-    if key not in env:
-        return default
-    try:
-        value = int(env[key])
-    except ValueError:
-        raise SettingsError(f"{key}={env[key]!r}: expected a whole number") from None
-    if value < 1:
-        raise SettingsError(f"{key}={value}: must be at least 1")
-    return value
+def _ratio(text: str) -> float:
+    ratio = float(text)
+    if not 0.0 <= ratio <= 1.0:  # also refuses nan
+        raise ValueError("expected a ratio from 0 to 1")
+    return ratio

@@ -3,46 +3,54 @@ value fails at start naming the flag or variable it came from."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from proxy.settings import SPECS, Settings, SettingsError, parse, require_upstream, resolve
+from proxy.settings import REQUIRED, SPECS, Settings, SettingsError, parse, resolve
 
 UPSTREAM = ["--upstream", "http://vllm:8000"]
 
 
-def test_defaults_when_nothing_is_given() -> None:
-    assert parse([], {}) == Settings()
+def test_defaults_when_only_the_upstream_is_given() -> None:
+    assert parse(UPSTREAM, {}) == Settings(upstream="http://vllm:8000")
 
 
-def test_spec_defaults_match_the_settings_defaults() -> None:
-    defaults = Settings()
-    for spec in SPECS:
+def test_every_field_is_one_spec_with_its_flag_variable_and_default() -> None:
+    defaults = Settings(upstream="http://vllm:8000")
+    assert [spec.name for spec in SPECS] == [f.name for f in dataclasses.fields(Settings)]
+    for spec in SPECS[1:]:
         assert getattr(defaults, spec.name) == spec.default, spec.name
+        assert spec.flag == "--" + spec.name.replace("_", "-")
+        assert spec.env == "TOKENPROBE_" + spec.name.upper()
+    assert SPECS[0].default is REQUIRED and SPECS[0].shown == "(required)"
 
 
 def test_env_var_overrides_default() -> None:
-    assert parse([], {"TOKENPROBE_PORT": "5000"}).port == 5000
+    assert parse(UPSTREAM, {"TOKENPROBE_PORT": "5000"}).port == 5000
 
 
 def test_flag_overrides_env_var() -> None:
-    assert parse(["--port", "6000"], {"TOKENPROBE_PORT": "5000"}).port == 6000
+    assert parse([*UPSTREAM, "--port", "6000"], {"TOKENPROBE_PORT": "5000"}).port == 6000
 
 
 def test_negated_switch_overrides_env_var() -> None:
-    settings = parse(["--no-inject-usage"], {"TOKENPROBE_INJECT_USAGE": "true"})
+    settings = parse([*UPSTREAM, "--no-inject-usage"], {"TOKENPROBE_INJECT_USAGE": "true"})
     assert settings.inject_usage is False
 
 
 def test_switch_is_read_from_env_var() -> None:
-    assert parse([], {"TOKENPROBE_TRACE_CONTENT": "yes"}).trace_content is True
+    assert parse(UPSTREAM, {"TOKENPROBE_TRACE_CONTENT": "yes"}).trace_content is True
 
 
 def test_resolve_accepts_a_plain_mapping_of_flags() -> None:
-    assert resolve({"port": "7000"}, {"TOKENPROBE_PORT": "5000"}).port == 7000
+    flags = {"port": "7000", "upstream": "http://vllm:8000"}
+    assert resolve(flags, {"TOKENPROBE_PORT": "5000"}).port == 7000
 
 
 def test_unrelated_env_vars_are_ignored() -> None:
-    assert parse([], {"PORT": "1", "TOKENPROBE": "x"}) == Settings()
+    env = {"PORT": "1", "TOKENPROBE": "x", "TOKENPROBE_UPSTREAM": "http://vllm:8000"}
+    assert parse([], env) == Settings(upstream="http://vllm:8000")
 
 
 @pytest.mark.parametrize(
@@ -63,12 +71,12 @@ def test_upstream_is_normalised_without_v1(raw: str, want: str) -> None:
     ("raw", "want"), [("a, b,,c ", ("a", "b", "c")), ("", ()), ("solo", ("solo",))]
 )
 def test_comma_lists_are_split_and_trimmed(raw: str, want: tuple[str, ...]) -> None:
-    assert parse(["--model-allowlist", raw], {}).model_allowlist == want
+    assert parse([*UPSTREAM, "--model-allowlist", raw], {}).model_allowlist == want
 
 
 @pytest.mark.parametrize("raw", ["0", "off", "none", ""])
 def test_models_refresh_can_be_disabled(raw: str) -> None:
-    assert parse([], {"TOKENPROBE_MODELS_REFRESH": raw}).models_refresh is None
+    assert parse(UPSTREAM, {"TOKENPROBE_MODELS_REFRESH": raw}).models_refresh is None
 
 
 # -- every validator names what was wrong -----------------------------------------------------
@@ -117,7 +125,7 @@ def test_bad_switch_env_value_names_the_variable() -> None:
 
 
 def test_a_good_flag_hides_a_bad_env_var() -> None:
-    assert parse(["--port", "4001"], {"TOKENPROBE_PORT": "bad"}).port == 4001
+    assert parse([*UPSTREAM, "--port", "4001"], {"TOKENPROBE_PORT": "bad"}).port == 4001
 
 
 def test_settings_error_is_a_value_error() -> None:
@@ -127,13 +135,13 @@ def test_settings_error_is_a_value_error() -> None:
 # -- the upstream is required to serve --------------------------------------------------------
 
 
-def test_require_upstream_returns_it() -> None:
-    assert require_upstream(parse(UPSTREAM, {})) == "http://vllm:8000"
+def test_the_upstream_is_taken_from_its_variable() -> None:
+    assert parse([], {"TOKENPROBE_UPSTREAM": "http://vllm:8000/v1"}).upstream == "http://vllm:8000"
 
 
-def test_require_upstream_message_names_flag_and_variable() -> None:
+def test_no_upstream_fails_naming_flag_and_variable() -> None:
     with pytest.raises(SettingsError) as info:
-        require_upstream(parse([], {}))
+        parse([], {})
     message = str(info.value)
     assert "--upstream" in message
     assert "TOKENPROBE_UPSTREAM" in message

@@ -29,10 +29,13 @@ HAND_COST = COST / (HAND_THROUGHPUT * 3600) * 1e6  # 3.4722 per million output t
 
 
 def test_flag_and_environment_variable_set_cost_and_currency() -> None:
-    assert parse(["--cost-per-hour", "2.5", "--currency", "EUR"], {}).cost_per_hour == 2.5
-    from_env = parse([], {"TOKENPROBE_COST_PER_HOUR": "4", "TOKENPROBE_CURRENCY": "EUR"})
+    upstream = ["--upstream", "http://127.0.0.1:9"]
+    flags = parse([*upstream, "--cost-per-hour", "2.5", "--currency", "EUR"], {})
+    assert flags.cost_per_hour == 2.5
+    from_env = parse(upstream, {"TOKENPROBE_COST_PER_HOUR": "4", "TOKENPROBE_CURRENCY": "EUR"})
     assert (from_env.cost_per_hour, from_env.currency) == (4.0, "EUR")
-    assert parse([], {}).cost_per_hour is None and parse([], {}).currency == "USD"
+    default = parse(upstream, {})
+    assert default.cost_per_hour is None and default.currency == "USD"
 
 
 @pytest.mark.parametrize("bad", ["-1", "nan", "inf", "cheap"])

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
+from proxy.core.apis import FINISH_LABELS
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
-from proxy.sinks.metrics import FINISH_REASONS, Metrics, token_buckets
+from proxy.sinks.metrics import Metrics, token_buckets
 from proxy.sinks.sink import Labels
 from tests.factories import measurement
 
@@ -140,15 +141,7 @@ def test_failed_request_is_counted_with_its_error_type(
     assert value(registry, "tokenprobe_request_generation_tokens_count") == 0.0
 
 
-def test_finish_reason_outside_the_known_set_becomes_other(
-    registry: CollectorRegistry, metrics: Metrics
-) -> None:
-    metrics.record(stream_record(finish_reason="eos_token_from_some_backend"), Labels(MODEL_LABEL))
-    assert requests_total(registry, "other") == 1.0
-    assert requests_total(registry, "eos_token_from_some_backend") is None
-
-
-@pytest.mark.parametrize("reason", sorted(FINISH_REASONS))
+@pytest.mark.parametrize("reason", sorted(FINISH_LABELS))
 def test_known_finish_reason_is_its_own_label(
     registry: CollectorRegistry, metrics: Metrics, reason: str
 ) -> None:

@@ -18,7 +18,8 @@ from prometheus_client import CollectorRegistry
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement
 from proxy.core.request import CHAT, COMPLETIONS, RequestInfo
 from proxy.settings import SettingsError
-from proxy.sinks.tracing import CountingBatchProcessor, Tracing, export_failures, tracing_from_env
+from proxy.sinks.span_export import CountingBatchProcessor, export_failures
+from proxy.sinks.tracing import Tracing, tracing_from_env
 from tests.factories import measurement
 from tests.servers import free_port
 
