@@ -1,16 +1,16 @@
 """The load generator's own cost: can `tokenprobe bench` (and `bench replay`) keep up with a
 busy production log, and how does it compare with `vllm bench serve`, AIPerf and guidellm?
 
-One programmed backend for every arm: `emitter.py` processes sharing one port (first
-token after 50 ms, then 100 tokens/s a stream on a shared decode clock, 64 tokens a
-request, each chunk its own write), pinned to every core but the client's. The client
-under test is alone on its core. Measured, per arm:
+The targets run on `emitter.py` processes sharing one port (first token after 50 ms,
+then 100 tokens/s a stream on a shared decode clock, 64 tokens a request, each chunk its
+own write), pinned to every core but the client's; the side-by-side runs on tokenprobe's
+simulator programmed alike (the peers send no emitter headers; the simulator reads
+max_tokens and ignore_eos). The client under test is alone on its core. Measured:
 
   client CPU per chunk   the client's CPU time / content chunks it read. tokenprobe: its
                          own process CPU during the level (run file `levels[].cpu_s`);
-                         peers: the whole process tree's rusage (startup included, so a
-                         peer's figure is an upper bound; each run is long enough for the
-                         startup to be a small part)
+                         peers: their process tree's rusage in a run of 2N requests minus
+                         a run of N, over the chunks between (start-up cancels out)
   TTFT p50               as the tool reports it
   share of ideal         output tokens/s / (streams * 64 / (0.05 + 63 / 100))
   loop lag p99           tokenprobe's own event-loop lateness (its `LoopLag`)
@@ -97,6 +97,34 @@ def emitters(count: int, cpus: set[int]) -> Iterator[str]:
             p.wait(10)
 
 
+@contextlib.contextmanager
+def simulator(cpus: set[int]) -> Iterator[str]:
+    """tokenprobe's simulator programmed as the issue's side-by-side: the peers send no
+    emitter headers, so they need a backend that reads max_tokens and ignore_eos."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "sim", "--port", str(port), "--ttft", str(TTFT),
+         "--tps", str(TPS), "--output-tokens", str(TOKENS), "--log-level", "warning"],
+        preexec_fn=pinned(cpus),
+    )  # fmt: skip
+    try:
+        import httpx
+
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/health")
+                break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def run_tracked(argv: list[str], cpus: set[int], timeout: float) -> tuple[int, float, str]:
     """Run `argv` pinned to `cpus`; (exit status, CPU seconds of it and its children, output)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -151,9 +179,8 @@ def tokenizer_dir(tmp: Path) -> Path:
     return Path(local.build_tiny_tokenizer(tmp / "tokenizer"))
 
 
-def peer_commands(venv: Path, url: str, streams: int, requests: int, tok: Path, tmp: Path) -> dict[str, list[str]]:  # fmt: skip
-    base = url.removesuffix("/v1")
-    header_kv = [f"{k}:{v}" for k, v in HEADERS.items()]
+def peer_commands(venv: Path, base: str, streams: int, requests: int, tok: Path, tmp: Path) -> dict[str, list[str]]:  # fmt: skip
+    """Each peer as its 2026 release takes it: `base` is the simulator's root URL."""
     return {
         "vllm bench serve": [
             str(venv / "bin" / "vllm"), "bench", "serve", "--backend", "openai-chat",
@@ -161,22 +188,24 @@ def peer_commands(venv: Path, url: str, streams: int, requests: int, tok: Path, 
             "--tokenizer", str(tok), "--dataset-name", "random", "--random-input-len", "32",
             "--random-output-len", str(TOKENS), "--ignore-eos", "--num-prompts", str(requests),
             "--max-concurrency", str(streams), "--save-result", "--result-dir", str(tmp),
-            "--result-filename", "vllm.json", "--header", *[f"{k}={v}" for k, v in HEADERS.items()],
+            "--result-filename", "vllm.json",
         ],
         "AIPerf": [
             str(venv / "bin" / "aiperf"), "profile", "--model", "sim-model", "--url", base,
             "--endpoint-type", "chat", "--streaming", "--concurrency", str(streams),
             "--request-count", str(requests), "--tokenizer", str(tok),
             "--synthetic-input-tokens-mean", "32", "--output-tokens-mean", str(TOKENS),
-            "--artifact-dir", str(tmp / "aiperf"),
-            *[arg for kv in header_kv for arg in ("--header", kv)],
+            "--extra-inputs", "ignore_eos:true", "--artifact-dir", str(tmp / "aiperf"),
         ],
         "guidellm": [
-            str(venv / "bin" / "guidellm"), "benchmark", "--target", base, "--profile",
-            "concurrent", "--rate", str(streams), "--max-requests", str(requests),
-            "--processor", str(tok), "--data", f"prompt_tokens=32,output_tokens={TOKENS}",
-            "--backend-kwargs", json.dumps({"extra_headers": HEADERS}),
-            "--output-path", str(tmp / "guidellm.json"),
+            str(venv / "bin" / "guidellm"), "run",
+            "--backend", f"kind=openai_http,target={base}",
+            "--profile", f"kind=concurrent,streams={streams}",
+            "--constraint", f"kind=max_requests,count={requests}",
+            "--data", f"kind=synthetic_text,prompt_tokens=32,output_tokens={TOKENS}",
+            "--tokenizer", f"kind=huggingface_auto,model={tok}",
+            "--output", f"kind=json,path={tmp / 'guidellm.json'}",
+            "--disable-console-interactive",
         ],
     }  # fmt: skip
 
@@ -187,7 +216,7 @@ def peer_ttft(name: str, tmp: Path) -> float | None:
         if name == "vllm bench serve":
             return float(json.loads((tmp / "vllm.json").read_text())["median_ttft_ms"])
         if name == "AIPerf":
-            found = next((tmp / "aiperf").rglob("*aiperf*.json"))
+            found = next((tmp / "aiperf").rglob("profile_export_aiperf.json"))
             doc = json.loads(found.read_text())
             return float(doc["time_to_first_token"]["p50"])
         if name == "guidellm":
@@ -200,29 +229,37 @@ def peer_ttft(name: str, tmp: Path) -> float | None:
 
 
 def peers(venv: Path | None, url: str, streams: int, requests: int, cpus: set[int]) -> dict[str, Any]:  # fmt: skip
+    """Each peer twice, with `requests` and twice as many: the CPU difference over the
+    chunk difference is its cost per chunk without its start-up (imports, tokenizer)."""
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as scratch:
         tmp = Path(scratch)
         tok = tokenizer_dir(tmp)
-        commands = peer_commands(venv or Path("/nonexistent"), url, streams, requests, tok, tmp)
-        for name, argv in commands.items():
-            if venv is None or not Path(argv[0]).exists():
-                results[name] = {"error": f"not installed ({argv[0]})"}
-                continue
-            started = time.monotonic()
-            rc, cpu, text = run_tracked(argv, cpus, 900)
-            wall = time.monotonic() - started
-            if rc != 0:
-                tail = [line for line in text.strip().splitlines() if line.strip()][-3:]
-                results[name] = {"error": f"exit {rc}: " + " | ".join(tail)[:300]}
-                continue
-            chunks = requests * TOKENS
-            results[name] = {
-                "cpu_us_per_chunk": cpu / chunks * 1e6,
-                "ttft_p50_ms": peer_ttft(name, tmp),
-                "wall_s": wall,
-                "note": "CPU of the whole process tree, startup included",
-            }
+        base = url.removesuffix("/v1")
+        for name in peer_commands(Path("/"), base, streams, requests, tok, tmp):
+            runs = []
+            for n in (requests, 2 * requests):
+                work = tmp / f"{name.split()[0]}-{n}"
+                work.mkdir()
+                argv = peer_commands(venv or Path("/nonexistent"), base, streams, n, tok, work)[
+                    name
+                ]
+                if venv is None or not Path(argv[0]).exists():
+                    results[name] = {"error": f"not installed ({argv[0]})"}
+                    break
+                rc, cpu, text = run_tracked(argv, cpus, 900)
+                if rc != 0:
+                    tail = [line for line in text.strip().splitlines() if line.strip()][-3:]
+                    results[name] = {"error": f"exit {rc}: " + " | ".join(tail)[:300]}
+                    break
+                runs.append((n, cpu, peer_ttft(name, work)))
+            if len(runs) == 2:
+                (n1, cpu1, _), (n2, cpu2, ttft) = runs
+                results[name] = {
+                    "cpu_us_per_chunk": (cpu2 - cpu1) / ((n2 - n1) * TOKENS) * 1e6,
+                    "ttft_p50_ms": ttft,
+                    "note": "process tree CPU, run of 2N requests minus run of N",
+                }
     return results
 
 
@@ -246,7 +283,11 @@ def main() -> None:
         one = tokenprobe(url, 96, 96 * rounds * 2, client)
         two = tokenprobe(url, 96, 96 * rounds * 2, client | backend, "--workers", "2")
         out["workers"] = {"one": one, "two": two}
-        out["peers"] = peers(ns.peers_venv, url, 192, 192 * rounds, client)
+    streams = 48 if ns.quick else 192  # the side-by-side, on the simulator
+    with simulator(backend) as url:
+        out["side_by_side_streams"] = streams
+        out["side_by_side_tokenprobe"] = tokenprobe(url, streams, streams * rounds, client)
+        out["peers"] = peers(ns.peers_venv, url, streams, streams * rounds, client)
     print(render(out))
     if ns.out:
         ns.out.write_text(json.dumps(out, indent=2))
@@ -269,13 +310,20 @@ def render(out: dict[str, Any]) -> str:
             f"| {name} | {r['streams']} | {f(r['cpu_us_per_chunk'])} | {f(r['ttft_p50_ms'])} | "
             f"{f(r['share_of_ideal'] * 100, 0)}% | {f(r['chunks_per_s'], 0)} | {f(r['loop_lag_p99_ms'])} |"
         )
+    n = out["side_by_side_streams"]
+    t = out["side_by_side_tokenprobe"]
+    side = ["", f"Side by side on the simulator ({n} streams):", ""]
+    side += ["| client | client CPU us/chunk | TTFT p50 ms | share of ideal |", "|---|---|---|---|"]
+    if "error" in t:
+        side.append(f"| tokenprobe bench | error: {t['error']} | | |")
+    else:
+        share = f(t["share_of_ideal"] * 100, 0)
+        side.append(f"| tokenprobe bench | {f(t['cpu_us_per_chunk'])} | {f(t['ttft_p50_ms'])} | {share}% |")  # fmt: skip
     for name, r in out["peers"].items():
         if "error" in r:
-            lines.append(f"| {name} | 192 | {r['error']} | | | | |")
+            side.append(f"| {name} | {r['error']} | | |")
         else:
-            lines.append(
-                f"| {name} | 192 | {f(r['cpu_us_per_chunk'])} (tree) | {f(r['ttft_p50_ms'])} | | | |"
-            )
+            side.append(f"| {name} | {f(r['cpu_us_per_chunk'])} (marginal) | {f(r['ttft_p50_ms'])} | |")  # fmt: skip
     one, two = out["workers"]["one"], out["workers"]["two"]
     if "error" not in one and "error" not in two:
         lines.append("")
@@ -286,7 +334,7 @@ def render(out: dict[str, Any]) -> str:
             )
     else:
         lines.append(f"workers: {one.get('error') or two.get('error')}")
-    return "\n".join(lines)
+    return "\n".join(lines + side)
 
 
 if __name__ == "__main__":
