@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from time import perf_counter
-from typing import Any
+from typing import Any, TextIO
 
 import aiohttp
 import orjson
@@ -446,8 +446,8 @@ def _row(name: str, a: float | None, b: float | None, scale: float) -> str:
 class ReplayProgress(Progress):
     """The bench's progress line, saying how many requests were sent of those due by now."""
 
-    def __init__(self, planned: int, enabled: bool) -> None:
-        super().__init__(planned, enabled=enabled)
+    def __init__(self, planned: int, enabled: bool, stream: TextIO = sys.stderr) -> None:
+        super().__init__(planned, stream, enabled=enabled)
         self.schedule: Sequence[float] = ()
         self.sent_count = 0
         self.began = 0.0
@@ -463,8 +463,7 @@ class ReplayProgress(Progress):
         import bisect
 
         due = bisect.bisect_right(self.schedule, perf_counter() - self.began)
-        errors = self.errors
         return (
-            f"[replay] sent {self.sent_count}/{due} due of {self.planned}, "
-            f"{self.done} done, {errors} errors, {perf_counter() - self.began:.0f}s"
+            f"[replay] {self.sent_count} sent / {due} due of {self.planned}, "
+            f"{self.done} done, {self.errors} errors, {perf_counter() - self.began:.0f}s"
         )

@@ -277,3 +277,27 @@ def test_shards_run_apart_merge_into_one_run_and_other_runs_are_refused(
     other = replay(recorded["log"], url, tmp_path / "fast.json", "--shard", "1/2", "--speed", "2")
     assert other.returncode == 0, other.stderr
     assert main(["merge", str(tmp_path / "s0.json"), str(tmp_path / "fast.json"), "--out", str(tmp_path / "x.json")]) == 2  # fmt: skip
+
+
+def test_a_target_that_refuses_is_reported_by_error_type(recorded: dict[str, Any], start_sim: StartSim, tmp_path: Path) -> None:  # fmt: skip
+    target = start_sim(ttft=0.01, api_key="secret")
+    proc = replay(recorded["log"], target.url + "/v1", tmp_path / "r.json", "--api-key", "wrong", "--tokenizer", str(tokenizer(tmp_path)))  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    assert "error: auth:" in proc.stderr and "wrong" not in proc.stderr
+    doc = orjson.loads((tmp_path / "r.json").read_bytes())
+    assert doc["status"] == "failing" and {r["error_type"] for r in doc["records"]} == {"auth"}
+
+
+def tokenizer(tmp_path: Path) -> Path:
+    from tests.tokenizers_local import build_tiny_tokenizer
+
+    return build_tiny_tokenizer(tmp_path / "tok")
+
+
+def test_prompts_sized_with_a_local_tokenizer_replay_like_the_log(recorded: dict[str, Any], start_sim: StartSim, tmp_path: Path) -> None:  # fmt: skip
+    target = start_sim(ttft=0.01, tokens_per_second=1000)
+    proc = replay(recorded["log"], target.url + "/v1", tmp_path / "r.json", "--tokenizer", str(tokenizer(tmp_path)), "--max-requests", "6")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    doc = orjson.loads((tmp_path / "r.json").read_bytes())
+    assert len(doc["records"]) == 6 and all(r["error_type"] is None for r in doc["records"])
+    assert "missed their recorded length" not in proc.stderr

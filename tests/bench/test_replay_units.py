@@ -132,3 +132,26 @@ def test_wire_client_reuses_connections_between_requests(tmp_path: Path, capsys:
         _, doc, _, _ = bench(capsys, server.url + "/v1", tmp_path / "r.json", "--requests", "6", "--max-tokens", "4")  # fmt: skip
     assert [r["error_type"] for r in doc["records"]] == [None] * 6
     assert len(clients) == 6 and len(set(clients)) == 1  # one keep-alive connection
+
+
+def test_progress_line_says_sent_due_done_and_errors() -> None:
+    import io
+    from time import perf_counter
+
+    from proxy.bench.client import Result
+    from proxy.bench.load import Level
+    from proxy.bench.replay import ReplayProgress
+    from proxy.core.measurement import ErrorType
+    from tests.factories import measurement
+
+    out = io.StringIO()
+    progress = ReplayProgress(3, enabled=True, stream=out)
+    progress.start()
+    progress.began = perf_counter() - 10  # ten seconds in: two of three requests are due
+    progress.schedule = [0.0, 1.0, 100.0]
+    level = Level(0, 1.0, "replay")
+    for m in (measurement(), measurement(error_type=ErrorType.RATE_LIMIT, status_code=429)):
+        progress.sent()
+        progress.result(level, Result(0, 0, 0.0, 0.0, m))
+    progress.close()
+    assert out.getvalue().startswith("[replay] 2 sent / 2 due of 3, 2 done, 1 errors, 10s")
