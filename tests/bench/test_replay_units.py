@@ -155,3 +155,14 @@ def test_progress_line_says_sent_due_done_and_errors() -> None:
         progress.result(level, Result(0, 0, 0.0, 0.0, m))
     progress.close()
     assert out.getvalue().startswith("[replay] 2 sent / 2 due of 3, 2 done, 1 errors, 10s")
+
+
+def test_model_map_window_and_max_requests_shape_the_workload(tmp_path: Path) -> None:
+    from proxy.bench.replay import _workload, parser
+
+    log = tmp_path / "a.log"
+    log.write_bytes(b"".join(line(arrival=100.0 + t, model=m) for t, m in ((0, "a"), (1, "b"), (2, "a"), (3, "c"))))  # fmt: skip
+    ns = parser().parse_args([str(log), "--url", "http://x", "--model-map", "a=A", "--model-map", "b=B", "--window", "1,4", "--max-requests", "2"])  # fmt: skip
+    wants, skipped = _workload(ns)
+    assert skipped.count == 0
+    assert [(w.offset, w.model) for w in wants] == [(0.0, "B"), (1.0, "A")]
