@@ -32,7 +32,15 @@ from proxy.bench.client import Call, headers, session
 from proxy.bench.load import Runner, Schedule
 from proxy.bench.loop import run_loop as _run_loop
 from proxy.bench.loop import tokenizer as load_tokenizer
-from proxy.bench.options import ENDPOINTS, Options, OptionsError, parse_shard, parse_slo
+from proxy.bench.options import (
+    ENDPOINTS,
+    Options,
+    OptionsError,
+    _base_url,
+    _header,
+    parse_shard,
+    parse_slo,
+)
 from proxy.bench.progress import Progress
 from proxy.bench.stats import distribution, summarize
 from proxy.bench.synth import Builder, SynthError, body_fields
@@ -220,8 +228,6 @@ def _workload(ns: argparse.Namespace) -> tuple[list[Want], Any]:
 
 
 def _options(ns: argparse.Namespace, wants: Sequence[Want]) -> Options:
-    from proxy.bench.options import _base_url, _header
-
     endpoints = {w.endpoint for w in wants}
     models = sorted({w.model for w in wants})
     return Options(
