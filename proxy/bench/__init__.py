@@ -18,7 +18,8 @@ table), so a figure from the bench and the same figure from the proxy mean the s
 `tokenprobe bench replay` (recorded traffic on a candidate):
   trace.py     access logs and Mooncake traces -> a workload of request shapes; Mooncake out
   synth.py     synthetic prompts of the recorded lengths that share the recorded prefixes
-  replay.py    the command: schedule, recorded vs replayed, the run file
+  replay.py    the command: the workload, its schedule, the run file
+  recorded.py  the recorded figures beside the replayed ones
 
 Several processes or machines:
   workers.py   --workers N: worker processes on one clock, merged

@@ -140,7 +140,7 @@ def test_progress_line_says_sent_due_done_and_errors() -> None:
 
     from proxy.bench.client import Result
     from proxy.bench.load import Level
-    from proxy.bench.replay import ReplayProgress
+    from proxy.bench.progress import ReplayProgress
     from proxy.core.measurement import ErrorType
     from tests.factories import measurement
 
