@@ -301,3 +301,35 @@ def test_prompts_sized_with_a_local_tokenizer_replay_like_the_log(recorded: dict
     doc = orjson.loads((tmp_path / "r.json").read_bytes())
     assert len(doc["records"]) == 6 and all(r["error_type"] is None for r in doc["records"])
     assert "missed their recorded length" not in proc.stderr
+
+
+def test_a_mooncake_trace_replays_with_its_lengths_and_shared_blocks(recorded: dict[str, Any], start_sim: StartSim, tmp_path: Path) -> None:  # fmt: skip
+    trace = tmp_path / "t.jsonl"
+    run = [sys.executable, "-m", "proxy.bench", "replay"]
+    assert subprocess.run([*run, str(recorded["log"]), "--export-mooncake", str(trace), "--block-size", "64"], capture_output=True).returncode == 0  # fmt: skip
+    entries = [orjson.loads(x) for x in trace.read_bytes().splitlines()]
+    target = start_sim(ttft=0.01, tokens_per_second=1000)
+    proc = subprocess.run(
+        [*run, "--mooncake", str(trace), "--model", MODEL, "--block-size", "64", "--url", target.url + "/v1",
+         "--endpoint", "completions", "--out", str(tmp_path / "m.json"), "--quiet"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    doc = orjson.loads((tmp_path / "m.json").read_bytes())
+    got = {r.id: r for r in target.app.state.requests() if r.path == "/v1/completions"}
+    assert len(doc["records"]) == len(entries) == len(got)
+    prompts = {}
+    for r in doc["records"]:
+        entry, sent = entries[r["index"]], got[r["response_id"]]
+        assert abs(sent.prompt_tokens - entry["input_length"]) <= max(
+            3, 0.03 * entry["input_length"]
+        )
+        assert sent.completion_tokens == entry["output_length"]
+        prompts[r["index"]] = sent.body["prompt"]
+    for i, a in enumerate(entries):
+        for j in range(i + 1, len(entries)):
+            shared = common_prefix(prompts[i], prompts[j])
+            if a["hash_ids"][0] == entries[j]["hash_ids"][0]:
+                assert shared >= 100, (i, j, shared)  # one 64-token block at least
+            else:
+                assert shared < 40, (i, j, shared)
