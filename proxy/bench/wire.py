@@ -41,7 +41,7 @@ class _Connection(asyncio.Protocol):
         self.done: asyncio.Future[int] | None = None
         self.status = 0
         self.content_type = b""
-        self.header_name = b""
+        self.framed = False  # Content-Length or Transfer-Encoding: else the body ends at close
         self.reusable = False
         self.last = 0.0
         self.timer: asyncio.TimerHandle | None = None
@@ -62,13 +62,20 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.reusable = False
         self.pool.forget(self)
+        if exc is None and self.done is not None and self.status and not self.framed:
+            self.on_message_complete()  # a body without length ends where the connection does
+            self.reusable = False
+            return
         self._fail(exc or Truncated("the upstream closed the connection"))
 
     # -- httptools callbacks -------------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if name.lower() == b"content-type":
+        name = name.lower()
+        if name == b"content-type":
             self.content_type = value
+        elif name in (b"content-length", b"transfer-encoding"):
+            self.framed = True
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
@@ -94,6 +101,7 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         loop = asyncio.get_running_loop()
         self.observer, self.status, self.content_type = observer, 0, b""
+        self.framed = False
         self.done = loop.create_future()
         self.reusable = False
         self.last = perf_counter()

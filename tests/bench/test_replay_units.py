@@ -166,3 +166,43 @@ def test_model_map_window_and_max_requests_shape_the_workload(tmp_path: Path) ->
     wants, skipped = _workload(ns)
     assert skipped.count == 0
     assert [(w.offset, w.model) for w in wants] == [(0.0, "B"), (1.0, "A")]
+
+
+def test_wire_client_reads_a_body_that_ends_with_the_connection() -> None:
+    """HTTP/1.0-style: no Content-Length, no chunking; the body is everything until close."""
+    import asyncio
+    import socket
+    import threading
+    from time import perf_counter
+
+    import yarl
+
+    from proxy.bench.wire import Pool, request_head
+    from proxy.core.apis import RequestInfo
+    from proxy.core.observe import StreamObserver
+
+    events = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\ndata: [DONE]\n\n'
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+
+    def answer() -> None:
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n" + events)
+        conn.close()
+
+    threading.Thread(target=answer, daemon=True).start()
+    url = yarl.URL(f"http://127.0.0.1:{listener.getsockname()[1]}/v1/chat/completions")
+    info = RequestInfo("/v1/chat/completions", "m", True, True, 4, 0.0)
+
+    async def go() -> StreamObserver:
+        pool = Pool(url, timeout=5)
+        observer = StreamObserver(info, perf_counter())
+        assert await pool.request(request_head(url, {}, 2), b"{}", observer) == 200
+        pool.close()
+        return observer
+
+    observer = asyncio.run(go())
+    listener.close()
+    assert observer.content_events == 1 and observer.first_token is not None
