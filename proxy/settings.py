@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
+
+from proxy.core.labels import SECRET_HEADERS
 
 
 class SettingsError(ValueError):
@@ -81,6 +85,47 @@ def _csv(value: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in value.split(",") if item.strip())
 
 
+# Label names the metrics already use (and Prometheus's own), which a --label-header
+# label may not take.
+_TAKEN_LABELS = frozenset(
+    {
+        *("model", "endpoint", "code", "finish_reason", "error_type", "source", "kind", "key"),
+        *("prompt_class", "cache_class", "route", "stage", "reason", "currency", "le"),
+        "quantile",
+    }
+)
+# Header names that carry credentials, besides SECRET_HEADERS: refused as label headers.
+_SECRET_WORDS = ("auth", "api-key", "apikey", "token", "secret", "password", "cookie", "session")
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+_LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+
+
+def label_headers(value: str) -> tuple[str, ...]:
+    """`x-team=team,x-app=app` -> ("x-team=team", "x-app=app"), each checked: a header
+    name, a label name no metric uses yet, and never a header that carries credentials."""
+    pairs: list[str] = []
+    headers: set[str] = set()
+    labels: set[str] = set()
+    for item in _csv(value):
+        header, sep, label = (part.strip() for part in item.partition("="))
+        header = header.lower()
+        if not sep or not _HEADER_NAME.match(header) or not _LABEL_NAME.match(label):
+            raise ValueError(f"{item!r}: expected HEADER=LABEL, e.g. x-team=team")
+        if header.encode() in SECRET_HEADERS or any(w in header for w in _SECRET_WORDS):
+            raise ValueError(
+                f"{header!r} carries credentials: a secret header never becomes a label "
+                "(its values never leave the proxy); pick a header without them"
+            )
+        if label in _TAKEN_LABELS or label.startswith("__") or label in labels:
+            raise ValueError(f"label {label!r} is taken; pick another name")
+        if header in headers:
+            raise ValueError(f"header {header!r} is named twice")
+        headers.add(header)
+        labels.add(label)
+        pairs.append(f"{header}={label}")
+    return tuple(pairs)
+
+
 def _choice(*options: str) -> Callable[[str], str]:
     def parse(value: str) -> str:
         if value not in options:
@@ -100,6 +145,7 @@ class Spec:
     help: str  # the --help text and the README table's "meaning"
     shown: str  # the README table's "default" cell
     is_flag: bool = False  # a boolean switch: --name / --no-name
+    repeat: bool = False  # a list: the flag may be given several times, values joined by ","
 
     @property
     def flag(self) -> str:
@@ -127,11 +173,12 @@ def setting(
     *,
     shown: str | None = None,
     switch: bool = False,
+    repeat: bool = False,
 ) -> Any:
     """Declare one setting as a Settings field: how its text is parsed, its default, its
     help (also the README's), how the README shows the default when not as written, and
-    whether it is a --x / --no-x switch."""
-    meta = {"parse": parse, "help": help, "shown": shown, "switch": switch}
+    whether it is a --x / --no-x switch or a flag that may be repeated."""
+    meta = {"parse": parse, "help": help, "shown": shown, "switch": switch, "repeat": repeat}
     if default is REQUIRED:
         return field(metadata=meta)
     return field(default=default, metadata=meta)
@@ -205,7 +252,9 @@ class Settings:
         'Largest SSE event buffered to measure or strip; a larger event is relayed all the same, and that stream goes unmeasured (`tokenprobe_measurement_failures_total{stage="event_too_large"}`).',
     )
     tokenizer: str | None = setting(
-        str, None, "Local tokenizer directory for counting when the backend sends no usage."
+        str,
+        None,
+        "Local tokenizer directory for counting when the backend sends no usage (and the prompt of abandoned streams). Needs `pip install 'tokenprobe[tokenizer]'`: without transformers the proxy refuses to start.",
     )
     inject_usage: bool = setting(
         _bool,
@@ -262,6 +311,17 @@ class Settings:
         (),
         "Extra request headers whose values are redacted wherever an upstream echoes them (`Authorization`, `api-key`, `x-api-key`, cookies always are).",
     )
+    label_header: tuple[str, ...] = setting(
+        label_headers,
+        (),
+        "`HEADER=LABEL` (repeatable, or comma-separated): the header's value becomes label `LABEL` on the request and token counters, latency histograms, spans, OTLP metrics and the access log, bounded by `--label-values`; secret headers are refused.",
+        repeat=True,
+    )
+    label_values: int = setting(
+        positive_int,
+        50,
+        "Distinct values each `--label-header` label may take; later ones share `other`.",
+    )
     prices: str | None = setting(
         str, None, "Price table (YAML or JSON) for `tokenprobe_cost_total`."
     )
@@ -299,6 +359,7 @@ def _spec(f: dataclasses.Field[Any]) -> Spec:
         meta["help"],
         meta["shown"] or _shown(default),
         is_flag=meta["switch"],
+        repeat=meta["repeat"],
     )
 
 
@@ -343,7 +404,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             )
         else:
             parser.add_argument(
-                spec.flag, dest=spec.name, default=None, metavar=spec.name.upper(), help=help_text
+                spec.flag,
+                dest=spec.name,
+                default=None,
+                metavar=spec.name.upper(),
+                help=help_text,
+                action="append" if spec.repeat else "store",
             )
 
 
@@ -358,6 +424,8 @@ def resolve(args: argparse.Namespace | Mapping[str, Any], environ: Mapping[str, 
             raw, source = environ[spec.env], spec.env
         if raw is None:
             continue
+        if isinstance(raw, list):  # a repeated flag
+            raw = ",".join(raw)
         if isinstance(raw, bool) or not isinstance(raw, str):
             values[spec.name] = raw
             continue
@@ -367,7 +435,46 @@ def resolve(args: argparse.Namespace | Mapping[str, Any], environ: Mapping[str, 
             "no upstream: set --upstream http://HOST:PORT or TOKENPROBE_UPSTREAM "
             "(the OpenAI-compatible backend, e.g. vLLM)"
         )
-    return Settings(**values)
+    settings = Settings(**values)
+    _check_label_headers(settings)
+    return settings
+
+
+def _check_label_headers(settings: Settings) -> None:
+    secret = {h.strip().lower() for h in settings.secret_headers}
+    for pair in settings.label_header:
+        header = pair.partition("=")[0]
+        if header in secret:
+            raise SettingsError(
+                f"--label-header {pair!r}: {header!r} is a --secret-header; a secret header "
+                "never becomes a label (its values never leave the proxy)"
+            )
+
+
+def label_pairs(settings: Settings) -> tuple[tuple[str, str], ...]:
+    """--label-header as (header, label) pairs, in the order given."""
+    return tuple((p.partition("=")[0], p.partition("=")[2]) for p in settings.label_header)
+
+
+#: What a user installs for --tokenizer (pyproject.toml's `tokenizer` extra).
+TOKENIZER_EXTRA = "pip install 'tokenprobe[tokenizer]'"
+
+
+def require_tokenizer_support(settings: Settings) -> None:
+    """--tokenizer without transformers installed cannot be honoured: refuse to start and
+    name the extra, instead of running on and counting nothing. Looked up, not imported:
+    transformers loads in the background when the proxy starts (proxy/core/tokens.py)."""
+    if not settings.tokenizer:
+        return
+    try:
+        found = importlib.util.find_spec("transformers") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise SettingsError(
+            f"--tokenizer {settings.tokenizer}: the tokenizer needs transformers, which is not "
+            f"installed; install the extra: {TOKENIZER_EXTRA}"
+        )
 
 
 def parse(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:

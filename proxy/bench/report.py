@@ -125,6 +125,7 @@ def _notes(summaries: Sequence[Summary]) -> list[str]:
             )
         if s.cancelled:
             notes.append(f"{s.label}: {s.cancelled} requests in flight when stopped (not counted)")
+        notes.extend(_engine_notes(s))
         lag = s.loop_lag["p99"]
         if lag is not None and lag > LAG_WARNING:
             notes.append(
@@ -137,6 +138,33 @@ def _notes(summaries: Sequence[Summary]) -> list[str]:
                 f"{s.label}: sends were late by p50 {_ms(d['p50'])} ms, p99 {_ms(d['p99'])} ms, "
                 f"max {_ms(d['max'])} ms (latencies count from the scheduled time)"
             )
+    return notes
+
+
+def _engine_notes(s: Summary) -> list[str]:
+    """Where the first token's time went, when the engine said (vLLM per-request metrics)."""
+    notes = []
+    split = s.ttft_split
+    if split is not None:
+        parts = (split["queue"], split["engine"], split["outside"])
+        whole = sum(parts) or 1.0
+        queue, engine, outside = (f"{_ms(p)} ms ({100 * p / whole:.0f}%)" for p in parts)
+        notes.append(
+            f"{s.label}: first token, mean of {split['requests']:g} streams the engine timed: "
+            f"queue {queue} + engine {engine} + outside the engine {outside} = {_ms(whole)} ms"
+        )
+    spec = s.spec_decode
+    if spec is not None:
+        notes.append(
+            f"{s.label}: speculative decoding: {spec['accepted']:g} of {spec['draft']:g} draft "
+            f"tokens accepted ({100 * spec['acceptance_rate']:.0f}%), mean acceptance length "
+            f"{spec['mean_acceptance_length']:.2f}"
+        )
+    if s.tokens_per_chunk is not None and s.tokens_per_chunk > 1.05:
+        notes.append(
+            f"{s.label}: {s.tokens_per_chunk:.2f} output tokens per content event: the "
+            "inter-chunk latency (ITL) is not the per-token latency"
+        )
     return notes
 
 

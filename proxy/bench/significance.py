@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.bench.stats import quantile
+from proxy.core.engine import EngineMetrics, ttft_split
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,14 +45,21 @@ FIGURES: tuple[Figure, ...] = (
     Figure("decode_tps_p50", "per-stream decode p50", False, False, 1, "tok/s"),
     Figure("output_tps", "aggregate output", False, False, 1, "tok/s"),
     Figure("goodput", "goodput", False, False, 1, "req/s"),
+    # Where the first token's time went (vLLM --enable-per-request-metrics; rows only
+    # when some run's requests carried the engine's object): means, so they add up.
+    Figure("queue_mean", "TTFT: engine queue, mean", True, False, 1000, "ms"),
+    Figure("engine_ttft_mean", "TTFT: engine prefill, mean", True, False, 1000, "ms"),
+    Figure("outside_mean", "TTFT: outside the engine, mean", True, False, 1000, "ms"),
     Figure("error_share", "errors", True, True, 100, "%"),
     Figure("length_share", "finish=length", True, True, 100, "%"),
 )
 BY_NAME: Mapping[str, Figure] = {f.name: f for f in FIGURES}
 
 # One request as the bootstrap sees it: ok, ttft, tpot, decode tok/s, output tokens,
-# finished by length, met every SLO, e2e.
-Row = tuple[bool, float | None, float | None, float | None, int, bool, bool, float]
+# finished by length, met every SLO, e2e, and the TTFT split (queue, engine, outside)
+# when the engine sent its per-request metrics.
+Split = tuple[float, float, float] | None
+Row = tuple[bool, float | None, float | None, float | None, int, bool, bool, float, Split]
 
 #: A tail quantile gets an interval only with this many requests beyond it (p95: 100
 #: requests); with fewer, the bootstrap has too few tail values to resample.
@@ -75,9 +83,27 @@ def rows(records: Sequence[Mapping[str, Any]], slo: Mapping[str, float]) -> list
                 ok and r.get("finish_reason") == "length",
                 met,
                 float(r.get("e2e") or 0.0),
+                _split(r) if ok else None,
             )
         )
     return out
+
+
+def _split(record: Mapping[str, Any]) -> Split:
+    """The saved record's TTFT split (proxy/core/engine.py), None without the engine's times."""
+    engine, ttft = record.get("engine"), record.get("ttft")
+    if not isinstance(engine, Mapping) or not isinstance(ttft, int | float):
+        return None
+    queue, first = engine.get("queue_time"), engine.get("time_to_first_token")
+    if not isinstance(queue, int | float) or not isinstance(first, int | float):
+        return None
+    return ttft_split(
+        float(ttft), EngineMetrics(float(queue), float(first), None, None, None, None)
+    )
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def _within(value: float | None, limit: float) -> bool:
@@ -106,6 +132,7 @@ def figures(
     tpot = sorted(row[2] for row in ok if row[2] is not None)
     speed = sorted(row[3] for row in ok if row[3] is not None)
     n = len(sample)
+    splits = [row[8] for row in ok if row[8] is not None]
     return {
         "ttft_p50": quantile(ttft, 50),
         "ttft_p95": quantile(ttft, 95),
@@ -114,6 +141,9 @@ def figures(
         "decode_tps_p50": quantile(speed, 50),
         "output_tps": _throughput(sample, duration, scale) if ok else None,
         "goodput": sum(1 for row in sample if row[6]) / duration if has_slo else None,
+        "queue_mean": _mean([s[0] for s in splits]),
+        "engine_ttft_mean": _mean([s[1] for s in splits]),
+        "outside_mean": _mean([s[2] for s in splits]),
         "error_share": (n - len(ok)) / n if n else None,
         "length_share": sum(1 for row in ok if row[5]) / len(ok) if ok else None,
     }

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from proxy.bench.client import Result
 from proxy.bench.load import Level
+from proxy.core.measurement import Measurement
 
 QUANTILES = (50, 90, 95, 99)
 
@@ -66,6 +67,15 @@ class Summary:
     request_throughput: float  # successful requests / duration
     goodput: float | None  # requests meeting every SLO / duration (None without --slo)
     slo_met: int | None
+    #: Where the first token's time went, over the streams whose engine sent vLLM's
+    #: per-request metrics: {"requests", "queue", "engine", "outside"} (mean seconds,
+    #: adding up to those requests' mean TTFT); None when none did.
+    ttft_split: dict[str, float] | None = None
+    #: Speculative decoding as the engine counted it: {"draft", "accepted",
+    #: "acceptance_rate", "mean_acceptance_length"}; None without it.
+    spec_decode: dict[str, float] | None = None
+    #: Output tokens per content event, mean over streams (usage or tokenizer counts).
+    tokens_per_chunk: float | None = None
 
 
 def summarize(level: Level, slo: dict[str, float]) -> Summary:
@@ -98,7 +108,42 @@ def summarize(level: Level, slo: dict[str, float]) -> Summary:
         request_throughput=len(good) / duration,
         goodput=None if met is None else met / duration,
         slo_met=met,
+        ttft_split=ttft_split(good),
+        spec_decode=spec_decode(good),
+        tokens_per_chunk=_mean([r for m in good if (r := m.output_tokens_per_chunk()) is not None]),
     )
+
+
+def ttft_split(records: Sequence[Measurement]) -> dict[str, float] | None:
+    splits = [s for m in records if (s := m.ttft_split()) is not None]
+    if not splits:
+        return None
+    n = len(splits)
+    return {
+        "requests": n,
+        "queue": sum(s[0] for s in splits) / n,
+        "engine": sum(s[1] for s in splits) / n,
+        "outside": sum(s[2] for s in splits) / n,
+    }
+
+
+def spec_decode(records: Sequence[Measurement]) -> dict[str, float] | None:
+    specs = [m.engine.spec for m in records if m.engine is not None and m.engine.spec is not None]
+    if not specs:
+        return None
+    draft, accepted = sum(s.draft_tokens for s in specs), sum(s.accepted_tokens for s in specs)
+    lengths = [s.mean_acceptance_length for s in specs if s.mean_acceptance_length is not None]
+    return {
+        "requests": len(specs),
+        "draft": draft,
+        "accepted": accepted,
+        "acceptance_rate": accepted / draft if draft else 0.0,
+        "mean_acceptance_length": sum(lengths) / len(lengths) if lengths else 0.0,
+    }
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def meets(result: Result, slo: dict[str, float]) -> bool:

@@ -18,6 +18,15 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 TTFB_BUCKETS = (0.0005, *TTFT_BUCKETS)
 DECODE_SPEED_BUCKETS = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 75.0, 100.0, 150.0,
                         200.0, 300.0, 500.0, 1000.0, 2000.0)
+# vLLM observes its request queue time into its request-time buckets (the e2e ones above).
+QUEUE_TIME_BUCKETS = E2E_BUCKETS
+# The proxy's own time and the event loop's lag: tens of microseconds to a stall.
+OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                    0.1, 0.25, 0.5, 1.0, 2.5)
+# Output tokens per content event: 1 without speculative decoding, up to k + 1 with it.
+TOKENS_PER_CHUNK_BUCKETS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0)
+# Mean acceptance length: tokens per verify step, the bonus token included.
+ACCEPTANCE_LENGTH_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
 # fmt: on
 
 

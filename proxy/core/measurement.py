@@ -11,6 +11,9 @@ Instants (all `time.perf_counter()` seconds, taken by the proxy):
                choices: the first content of any choice.
   last_token   the last network read that carried generated content (any choice)
   end          the response finished (last byte relayed, error, or client gone)
+  read         the request's whole body was read (the data path reports it)
+  sent         the request was handed to the upstream connection (the data path reports it)
+  relayed      the response head went out to the client (the data path reports it)
 
 Derived durations:
   ttfb   first_byte - start
@@ -20,6 +23,9 @@ Derived durations:
   tpot   (last_token - first_token) / (output_tokens - 1), needs >= 2 output tokens
   decode_tokens_per_second   (output_tokens - 1) / (last_token - first_token)
   e2e    end - start
+  proxy_overhead   (sent - read) + (relayed - first_byte): the proxy's own time
+  engine   the engine's per-request figures (proxy/core/engine.py), when it sent them;
+           the TTFT split (queue, engine TTFT, outside the engine) is `ttft_split`
 
 With n > 1 choices, tpot and decode speed are computed per choice, from that choice's own
 first and last token and its share of the output tokens (in proportion to its content
@@ -32,6 +38,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from proxy.core.engine import EngineMetrics, ttft_split
 from proxy.core.fingerprint import Prefix
 
 
@@ -94,6 +101,8 @@ class Measurement:
     temperature: float | None = None
     trace_id: str | None = None  # 32 hex digits when the request was traced and sampled
     raw_finish_reason: str | None = None  # as the backend wrote it (end_turn, completed, ...)
+    engine: EngineMetrics | None = None  # the engine's own per-request figures, if sent
+    proxy_overhead: float | None = None  # seconds of the proxy's own time (see above)
     # The prompt's prefix fingerprint (core/fingerprint.py), unkeyed: only the access log
     # shows it, keyed with the deployment's salt.
     prefix: Prefix | None = None
@@ -101,3 +110,39 @@ class Measurement:
     @property
     def ok(self) -> bool:
         return self.error_type is None
+
+    @property
+    def cancelled(self) -> bool:
+        """The client walked away before the end: what was computed, nobody received."""
+        return self.error_type is ErrorType.CLIENT_CANCELLED
+
+    def ttft_split(self) -> tuple[float, float, float] | None:
+        """(queue, engine TTFT, outside the engine), summing to `ttft`, for a stream whose
+        engine sent its queue time and TTFT; None otherwise."""
+        engine, ttft = self.engine, self.ttft
+        if engine is None or ttft is None or not self.stream:
+            return None
+        return ttft_split(ttft, engine)
+
+    def ttft_parts(self) -> tuple[float | None, float | None, float | None]:
+        """(queue, engine TTFT, outside the engine) as every sink reports them: the split
+        when there is one, else the engine's own figures and no outside part."""
+        split = self.ttft_split()
+        if split is not None:
+            return split
+        engine = self.engine
+        if engine is None:
+            return None, None, None
+        return engine.queue_time, engine.time_to_first_token, None
+
+    def output_tokens_per_chunk(self) -> float | None:
+        """Output tokens per content event of a stream, when the tokens were counted (usage
+        or tokenizer; counting chunks would make it 1 by definition)."""
+        if (
+            not self.stream
+            or not self.content_events
+            or self.output_tokens is None
+            or self.token_source not in (TokenSource.USAGE, TokenSource.TOKENIZER)
+        ):
+            return None
+        return self.output_tokens / self.content_events

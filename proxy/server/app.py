@@ -23,6 +23,7 @@ from proxy.core.errors import describe
 from proxy.core.tokens import TokenCounter
 from proxy.server.control import ControlPlane
 from proxy.server.forward import Forwarder, UpstreamBroke
+from proxy.server.looplag import LoopLag
 from proxy.server.upstream import create_client
 from proxy.settings import Settings
 from proxy.sinks.dispatch import Sinks
@@ -67,6 +68,7 @@ class ProxyApp:
         self._refresher: asyncio.Task[None] | None = None
         self._metrics_server: Any = None
         self._metrics_task: asyncio.Task[None] | None = None
+        self.loop_lag = LoopLag(sinks.metrics.loop_lag.observe)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -92,6 +94,7 @@ class ProxyApp:
             settings, client=self.client, sinks=self.sinks, counter=self.counter
         )
         self.control.readiness.client = self.client
+        self.loop_lag.start()
         if settings.models_refresh:
             self._refresher = asyncio.create_task(self._refresh_models(settings.models_refresh))
         if self.control.listener is not None and settings.metrics_port is not None:
@@ -122,6 +125,7 @@ class ProxyApp:
             await asyncio.sleep(0.01)
 
     async def shutdown(self) -> None:
+        await self.loop_lag.stop()
         if self._metrics_server is not None and self._metrics_task is not None:
             self._metrics_server.should_exit = True
             await self._metrics_task

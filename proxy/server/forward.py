@@ -27,7 +27,7 @@ import httpx
 
 from proxy.core.apis import Api, api_for
 from proxy.core.errors import Cause, Failure, error_body, error_shape, relay_failure
-from proxy.core.labels import route_template
+from proxy.core.labels import SECRET_HEADERS, route_template
 from proxy.core.measurement import ErrorType
 from proxy.core.observe import StreamObserver, TokenCounts, bare_record
 from proxy.core.paths import BadTarget, normalise
@@ -58,10 +58,6 @@ _HOP_BY_HOP = frozenset(
 # Expect: the proxy has read the whole body already (the server answered the client's
 # 100-continue when it did); passed on, the upstream client would wait for a 100 of its own.
 _REQUEST_DROP = _HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding", b"expect"}
-#: Request headers whose values never appear in logs, traces, metrics or error messages.
-SECRET_HEADERS = frozenset(
-    {b"authorization", b"proxy-authorization", b"api-key", b"x-api-key", b"cookie", b"set-cookie"}
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +168,7 @@ class Forwarder:
         if api is None:
             await Relay(self, scope, receive, send, None, start, started_at).run(body, None)
             return
+        read = perf_counter()  # the request is in: the proxy's own time starts (overhead)
         info, obj = parse_request(api, body)
         stripper = None
         limits = self.settings
@@ -179,7 +176,9 @@ class Forwarder:
             asked = api.ask_for_usage(obj)
             if asked is not None:  # the client gets the stream it asked for: strip the extra
                 body, stripper = asked, UsageEventStripper(limits.max_event_bytes)
-        await Relay(self, scope, receive, send, info, start, started_at).run(body, stripper)
+        relay = Relay(self, scope, receive, send, info, start, started_at)
+        relay.read = read
+        await relay.run(body, stripper)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         """The whole request body, or `Refused` (431, 413, 408) or `ClientGone`."""
@@ -240,6 +239,7 @@ class Relay:
         "idle",
         "info",
         "observer",
+        "read",
         "receive",
         "response",
         "rs",
@@ -266,6 +266,7 @@ class Relay:
         self.counter, self.settings = forwarder.counter, forwarder.settings
         self.scope, self.receive, self.send = scope, receive, send
         self.info, self.start, self.started_at = info, start, started_at
+        self.read = start  # when the body was read (the Forwarder sets it)
         self.observer = (
             None
             if info is None
@@ -323,6 +324,8 @@ class Relay:
             + ("?" + query.decode("latin-1") if query else "")
         )
         headers = self._upstream_headers()
+        if self.observer is not None:
+            self.observer.sent(self.read, perf_counter())
         try:
             async with asyncio.timeout(self.settings.first_byte_timeout) as deadline:
                 self.response = response = await send_upstream(
@@ -347,6 +350,8 @@ class Relay:
                 "headers": _client_headers(response, content_type, stripper is not None),
             }
         )
+        if self.observer is not None:
+            self.observer.relayed(perf_counter())
         return stripper
 
     async def stream(self, stripper: UsageEventStripper | None) -> None:

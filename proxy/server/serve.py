@@ -21,7 +21,7 @@ import uvicorn
 from proxy.server.app import ProxyApp
 from proxy.server.assemble import assemble
 from proxy.server.multiproc import MULTIPROC_ENV
-from proxy.settings import SPECS, Settings, SettingsError, parse
+from proxy.settings import SPECS, Settings, SettingsError, parse, require_tokenizer_support
 
 
 def uvicorn_options(settings: Settings) -> dict[str, Any]:
@@ -66,6 +66,7 @@ def worker_app() -> ProxyApp:
 def main(argv: list[str]) -> int:
     try:
         settings = parse(argv, os.environ)
+        require_tokenizer_support(settings)
         if settings.workers > 1:
             return _run_workers(settings)
         app = build_app(settings)

@@ -37,7 +37,14 @@ from starlette.types import Receive, Scope, Send
 
 from proxy.sim import catalog, errors, pooling, utility
 from proxy.sim.config import SimConfig
-from proxy.sim.controls import ControlError, Kind, number, plan_request, stall_before_headers
+from proxy.sim.controls import (
+    ControlError,
+    Kind,
+    Plan,
+    number,
+    plan_request,
+    stall_before_headers,
+)
 from proxy.sim.events import complete_events, stream_events
 from proxy.sim.exchange import Exchange
 from proxy.sim.messages import MessagesWire
@@ -45,7 +52,7 @@ from proxy.sim.messages import count_tokens as messages_count_tokens
 from proxy.sim.pacing import FreePacer, LockstepPacer, Pacer, StepClock
 from proxy.sim.responses import ResponsesWire
 from proxy.sim.state import Outcome, SimRequest, SimState
-from proxy.sim.stream import complete, stream
+from proxy.sim.stream import complete, engine_metrics, stream
 from proxy.sim.tokens import count_prompt_tokens
 from proxy.sim.wire import StreamWire
 
@@ -61,6 +68,8 @@ class SimApp:
         self.config = config
         self.state = state if state is not None else SimState(max_records=config.max_records)
         self.clock = StepClock(config.step_ms / 1000) if config.step_ms else None
+        #: vLLM's --max-num-seqs: a request waits here for a slot (its queue time).
+        self.slots = asyncio.Semaphore(config.max_num_seqs) if config.max_num_seqs else None
         self._models = catalog.models_list(config)
         self._auth = None if config.api_key is None else f"Bearer {config.api_key}"
 
@@ -154,6 +163,16 @@ class SimApp:
             plan.stream,
             plan.prompt_tokens,
         )
+        record.queued_at = time.monotonic()
+        if self.slots is None:
+            return await self._run(kind, ex, body, t0, plan)
+        async with self.slots:
+            record.scheduled_at = time.monotonic()
+            return await self._run(kind, ex, body, asyncio.get_running_loop().time(), plan)
+
+    async def _run(self, kind: Kind, ex: Exchange, body: Any, t0: float, plan: Plan) -> Outcome:
+        """Generate once scheduled: `t0` is when the request's TTFT starts."""
+        record = ex.record
         pacer: Pacer
         if self.clock is not None:
             pacer = LockstepPacer(self.clock, t0, plan.ttft)
@@ -167,12 +186,16 @@ class SimApp:
                 if kind == "messages"
                 else ResponsesWire(plan, body, record.id, created, stamp)
             )
+            if isinstance(events, ResponsesWire) and plan.metrics:
+                events.metrics = lambda sent, streamed: engine_metrics(ex, plan, sent, streamed)
             if not plan.stream:
                 return await complete_events(ex, plan, events, pacer)
             return await stream_events(ex, plan, events, pacer)
         if not plan.stream:
             return await complete(ex, plan, pacer, record.id, created)
-        sse = StreamWire(kind == "chat", record.id, created, plan.model, stamp)
+        sse = StreamWire(
+            kind == "chat", record.id, created, plan.model, stamp, self.config.system_fingerprint
+        )
         return await stream(ex, plan, sse, pacer)
 
     async def _count_tokens(self, ex: Exchange, body: Any, t0: float) -> Outcome:

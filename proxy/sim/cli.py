@@ -80,6 +80,35 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     add("--output-tokens", type=int, default=env("OUTPUT_TOKENS", int, defaults.output_tokens))
     add("--max-model-len", type=int, default=env("MAX_MODEL_LEN", int, defaults.max_model_len))
+    add(
+        "--per-request-metrics",
+        action="store_true",
+        default=env("PER_REQUEST_METRICS", flag, defaults.per_request_metrics),
+        help="vLLM's --enable-per-request-metrics: the metrics object on usage and bodies",
+    )
+    add(
+        "--max-num-seqs",
+        type=int,
+        default=env("MAX_NUM_SEQS", int, None),
+        help="requests beyond this many queue for a slot (their queue time)",
+    )
+    add(
+        "--spec-tokens",
+        type=int,
+        default=env("SPEC_TOKENS", int, defaults.spec_tokens),
+        help="speculative decoding: drafts per step (0: off)",
+    )
+    add(
+        "--acceptance-rate",
+        type=float,
+        default=env("ACCEPTANCE_RATE", float, defaults.acceptance_rate),
+        help="share of drafts accepted; chunks carry round(rate * k) + 1 tokens",
+    )
+    add(
+        "--system-fingerprint",
+        default=env("SYSTEM_FINGERPRINT", str, None),
+        help="vLLM 0.32's system_fingerprint (finish chunk, or the usage chunk with usage)",
+    )
     add("--api-key", default=env("API_KEY", str, None))
     add("--step-ms", type=float, default=env("STEP_MS", float, None), help="lockstep mode")
     add("--stamp", action="store_true", default=env("STAMP", flag, False))
@@ -105,6 +134,11 @@ def parse(
             output_tokens=args.output_tokens,
             max_model_len=args.max_model_len,
             api_key=args.api_key,
+            per_request_metrics=args.per_request_metrics,
+            max_num_seqs=args.max_num_seqs,
+            spec_tokens=args.spec_tokens,
+            acceptance_rate=args.acceptance_rate,
+            system_fingerprint=args.system_fingerprint,
             step_ms=args.step_ms,
             stamp=args.stamp,
             record_bodies=args.record_bodies,

@@ -42,6 +42,19 @@ class SimConfig:
     stamp: bool = False
     #: Keep a running SHA-256 of every response-body byte in each request's record.
     record_bodies: bool = False
+    #: vLLM's `--enable-per-request-metrics`: the `metrics` object on the usage chunk and
+    #: on non-streamed bodies (proxy/sim/engine.py). Also per request: `x-sim-metrics: 1`.
+    per_request_metrics: bool = False
+    #: vLLM's `--max-num-seqs`: requests beyond this many wait for a slot (their queue
+    #: time) before their TTFT starts. None = no limit.
+    max_num_seqs: int | None = None
+    #: Speculative decoding: drafts per verify step (0 = off) and the share of them the
+    #: target accepts; each content chunk then carries round(rate * k) + 1 tokens.
+    spec_tokens: int = 0
+    acceptance_rate: float = 0.0
+    #: vLLM 0.32's `system_fingerprint`: on the finish chunk, or with include_usage on the
+    #: usage chunk instead (vllm/entrypoints/openai/*/serving.py). None = never sent.
+    system_fingerprint: str | None = None
     #: How many request records `SimState` keeps (oldest dropped), so long benchmarks
     #: do not grow memory without bound.
     max_records: int = 10_000
@@ -60,5 +73,9 @@ class SimConfig:
                 raise ValueError(f"SimConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.output_tokens < 0:
             raise ValueError(f"SimConfig.output_tokens must be >= 0, got {self.output_tokens}")
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise ValueError(f"SimConfig.max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.spec_tokens < 0 or not 0.0 <= self.acceptance_rate <= 1.0:
+            raise ValueError("SimConfig.spec_tokens must be >= 0 and acceptance_rate in [0, 1]")
         if self.step_ms is not None and self.step_ms <= 0:
             raise ValueError(f"SimConfig.step_ms must be > 0, got {self.step_ms}")

@@ -9,6 +9,10 @@ headers (the openai SDK sends them with `extra_headers`) override the config:
   x-sim-output-tokens        planned completion length (ends with EOS: "stop")
   x-sim-tokens-per-chunk     tokens per content chunk (default 1); chunks come every
                              tokens_per_chunk / tps seconds, so tps stays tokens/s
+  x-sim-metrics: 1           vLLM's per-request `metrics` object (SimConfig.per_request_metrics)
+  x-sim-spec-tokens          speculative decoding: drafts per step (SimConfig.spec_tokens)
+  x-sim-acceptance-rate      share of drafts accepted; chunks carry round(rate * k) + 1
+                             tokens (overrides x-sim-tokens-per-chunk)
   x-sim-finish-reason        force the finish_reason sent (stop, length, tool_calls, ...)
   x-sim-cached-tokens        prompt tokens reported as cached (capped at the prompt):
                              prompt_tokens_details.cached_tokens (chat, completions),
@@ -55,6 +59,7 @@ from typing import Any, Literal, TypeVar
 
 from proxy.sim import errors
 from proxy.sim.config import SimConfig
+from proxy.sim.engine import Spec, spec_from
 from proxy.sim.tokens import count_prompt_tokens
 
 Kind = Literal["chat", "completion", "messages", "responses"]
@@ -96,6 +101,9 @@ class Plan:
     token_limit: int = 0
     ping: bool = False
     incomplete_event: bool = False
+    #: Send vLLM's per-request `metrics` object, and the programmed speculative decoding.
+    metrics: bool = False
+    spec: Spec | None = None
 
 
 class ControlError(ValueError):
@@ -189,6 +197,11 @@ def _plan(
         headers, "x-sim-ttft-per-prompt-token", float, config.ttft_per_prompt_token, 0.0
     )
 
+    spec = spec_from(
+        number(headers, "x-sim-spec-tokens", int, config.spec_tokens, 0),
+        number(headers, "x-sim-acceptance-rate", float, config.acceptance_rate, 0.0),
+    )
+    per_chunk = number(headers, "x-sim-tokens-per-chunk", int, 1, 1)
     return Plan(
         kind=kind,
         model=model,
@@ -199,7 +212,7 @@ def _plan(
         finish_reason=headers.get("x-sim-finish-reason", finish),
         ttft=ttft,
         tokens_per_second=number(headers, "x-sim-tps", float, config.tokens_per_second, 1e-9),
-        tokens_per_chunk=number(headers, "x-sim-tokens-per-chunk", int, 1, 1),
+        tokens_per_chunk=per_chunk if spec is None else spec.per_chunk,
         include_usage=include_usage and usage_mode != "ignore",
         continuous_usage=include_usage
         and usage_mode != "ignore"
@@ -216,6 +229,8 @@ def _plan(
         token_limit=limit,
         ping=_flag(headers, "x-sim-ping"),
         incomplete_event=_flag(headers, "x-sim-incomplete-event"),
+        metrics=config.per_request_metrics or _flag(headers, "x-sim-metrics"),
+        spec=spec,
     )
 
 

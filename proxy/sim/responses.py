@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -70,6 +71,9 @@ class ResponsesWire:
         item = orjson.dumps(self._item_id)
         self._pre = b'event: response.output_text.delta\ndata: {"content_index":0,"delta":"'
         self._post = b'","item_id":' + item + b',"logprobs":[],"output_index":0,"sequence_number":'
+        #: vLLM 0.32's per-request `metrics` for (tokens sent, streamed), when asked for
+        #: (proxy/sim/engine.py): in the response of `response.completed` and the body.
+        self.metrics: Callable[[int, bool], bytes | None] | None = None
 
     def _next(self) -> int:
         seq = self._seq
@@ -96,7 +100,9 @@ class ResponsesWire:
             "total_tokens": plan.prompt_tokens + sent,
         }
 
-    def response(self, status: str, output: list[Any], usage: Any) -> dict[str, Any]:
+    def response(
+        self, status: str, output: list[Any], usage: Any, metrics: bytes | None = None
+    ) -> dict[str, Any]:
         """vLLM's ResponsesResponse.from_request, in its field order."""
         body, plan = self._body, self._plan
         # vLLM reports the sampling limit: the request's, else what the context has left.
@@ -106,7 +112,7 @@ class ResponsesWire:
             if status == "incomplete" and self._incomplete is not None
             else None
         )
-        return {
+        out = {
             "id": self._id,
             "created_at": self._created,
             "incomplete_details": incomplete,
@@ -134,6 +140,9 @@ class ResponsesWire:
             "usage": usage,
             "user": body.get("user"),
         }
+        if metrics is not None:  # after `user`, as vLLM 0.32 writes it
+            out["metrics"] = orjson.Fragment(metrics)
+        return out
 
     def _message(self, text: str | None, status: str) -> dict[str, Any]:
         content: list[dict[str, Any]] = (
@@ -218,7 +227,8 @@ class ResponsesWire:
                 self._typed("response.output_item.done", {"item": message, "output_index": 0}),
             ]
         status = self._final_status()
-        final = self.response(status, output, self.usage(sent))
+        metrics = None if self.metrics is None else self.metrics(sent, True)
+        final = self.response(status, output, self.usage(sent), metrics)
         name = (
             "response.incomplete"
             if status == "incomplete" and self._plan.incomplete_event
@@ -235,4 +245,5 @@ class ResponsesWire:
 
     def full(self, sent: int) -> bytes:
         output = [self._message(completion_text(sent), "completed")] if sent else []
-        return orjson.dumps(self.response(self._final_status(), output, self.usage(sent)))
+        metrics = None if self.metrics is None else self.metrics(sent, False)
+        return orjson.dumps(self.response(self._final_status(), output, self.usage(sent), metrics))

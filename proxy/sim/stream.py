@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 
 from proxy.sim import wire
 from proxy.sim.controls import ENDING_FAULTS, Plan, burn_cpu
+from proxy.sim.engine import metrics_json
 from proxy.sim.exchange import Exchange
 from proxy.sim.pacing import Pacer
 from proxy.sim.state import Outcome
@@ -54,9 +55,11 @@ async def stream(ex: Exchange, plan: Plan, sse: wire.StreamWire, pacer: Pacer) -
     on_finish = (
         usage if usage_every or (plan.include_usage and plan.usage_mode == "last_chunk") else None
     )
-    await ex.write(sse.finish(plan.finish_reason, on_finish))
-    if plan.include_usage and plan.usage_mode == "separate":
-        await ex.write(sse.usage(usage))
+    separate = plan.include_usage and plan.usage_mode == "separate"
+    fingerprint = sse.fingerprint
+    await ex.write(sse.finish(plan.finish_reason, on_finish, None if separate else fingerprint))
+    if separate:
+        await ex.write(sse.usage(usage, fingerprint, engine_metrics(ex, plan, sent, streamed=True)))
     outcome: Outcome = "fault" if record.fault else "completed"
     await ex.end(b"" if plan.no_done else wire.DONE, outcome)
     return outcome
@@ -150,9 +153,31 @@ async def complete(
         completion_text(plan.output_tokens),
         plan.finish_reason,
         _usage(plan, plan.output_tokens),
+        engine_metrics(ex, plan, plan.output_tokens, streamed=False),
     )
     await ex.reply(200, body)
     return "completed"
+
+
+def engine_metrics(ex: Exchange, plan: Plan, sent: int, streamed: bool) -> bytes | None:
+    """vLLM's per-request `metrics`, from what this exchange did (proxy/sim/engine.py)."""
+    if not plan.metrics:
+        return None
+    record, now = ex.record, time.monotonic()
+    arrived = record.queued_at if record.queued_at is not None else record.started
+    scheduled = record.scheduled_at if record.scheduled_at is not None else arrived
+    first = record.first_token_at if streamed else None
+    if first is None:  # not streamed: the first token was due one TTFT after scheduling
+        first = min(now, scheduled + plan.ttft)
+    return metrics_json(
+        queue=scheduled - arrived,
+        first_token=max(0.0, first - scheduled),
+        generation=max(0.0, now - first),
+        output_tokens=sent,
+        chunks=-(-sent // plan.tokens_per_chunk),
+        spec=plan.spec,
+        null_spec=not streamed,
+    )
 
 
 def _usage(plan: Plan, completion_tokens: int) -> bytes:

@@ -52,9 +52,18 @@ def usage_json(prompt_tokens: int, completion_tokens: int, cached_tokens: int | 
 class StreamWire:
     """The events of one streamed response. Build once per request; call per chunk."""
 
-    __slots__ = ("_chat", "_head", "_post", "_pre", "_stamp", "_stamp_pre")
+    __slots__ = ("_chat", "_head", "_post", "_pre", "_stamp", "_stamp_pre", "fingerprint")
 
-    def __init__(self, chat: bool, response_id: str, created: int, model: str, stamp: bool):
+    def __init__(
+        self,
+        chat: bool,
+        response_id: str,
+        created: int,
+        model: str,
+        stamp: bool,
+        fingerprint: str | None = None,
+    ):
+        self.fingerprint = None if fingerprint is None else orjson.dumps(fingerprint)
         obj = b"chat.completion.chunk" if chat else b"text_completion"
         head = b'"id":%s,"object":"%s","created":%d,"model":%s' % (
             orjson.dumps(response_id),
@@ -91,7 +100,11 @@ class StreamWire:
             )
         return self._pre + text + self._post + tail
 
-    def finish(self, finish_reason: str, usage: bytes | None = None) -> bytes:
+    def finish(
+        self, finish_reason: str, usage: bytes | None = None, fingerprint: bytes | None = None
+    ) -> bytes:
+        """The terminal chunk; vLLM 0.32 stamps `fingerprint` (JSON) here only when no usage
+        chunk follows."""
         delta = b'"delta":{"content":""}' if self._chat else b'"text":""'
         return (
             self._head
@@ -99,11 +112,23 @@ class StreamWire:
             + delta
             + b',"logprobs":null,"finish_reason":%s,"stop_reason":null}]'
             % orjson.dumps(finish_reason)
-            + _usage_tail(usage)
+            + (b"" if usage is None else b',"usage":' + usage)
+            + (b"" if fingerprint is None else b',"system_fingerprint":' + fingerprint)
+            + b"}\n\n"
         )
 
-    def usage(self, usage: bytes) -> bytes:
-        return self._head + b',"choices":[],"usage":' + usage + b"}\n\n"
+    def usage(
+        self, usage: bytes, fingerprint: bytes | None = None, metrics: bytes | None = None
+    ) -> bytes:
+        """The usage chunk, with vLLM 0.32's fingerprint and per-request `metrics` after it."""
+        return (
+            self._head
+            + b',"choices":[],"usage":'
+            + usage
+            + (b"" if fingerprint is None else b',"system_fingerprint":' + fingerprint)
+            + (b"" if metrics is None else b',"metrics":' + metrics)
+            + b"}\n\n"
+        )
 
 
 def _usage_tail(usage: bytes | None) -> bytes:
@@ -118,8 +143,10 @@ def full_completion(
     text: str,
     finish_reason: str,
     usage: bytes,
+    metrics: bytes | None = None,
 ) -> bytes:
-    """A non-streamed chat completion or text completion, as vLLM returns it."""
+    """A non-streamed chat completion or text completion, as vLLM returns it (with vLLM
+    0.32's per-request `metrics` last, when asked for)."""
     choice: dict[str, Any]
     if chat:
         choice = {
@@ -147,4 +174,6 @@ def full_completion(
         "usage": orjson.Fragment(usage),
         "prompt_logprobs": None,
     }
+    if metrics is not None:
+        body["metrics"] = orjson.Fragment(metrics)
     return orjson.dumps(body)

@@ -13,6 +13,12 @@ Keys, in this order, stable (a key without a value is null in JSON, left out in 
   prompt_tokens, output_tokens, cached_tokens, token_source   counts and where they came from
   ttfb_ms, ttft_ms, tpot_ms, e2e_ms   latencies in milliseconds
   decode_tps     single-stream decode speed, tokens per second
+  queue_ms, engine_ttft_ms, outside_engine_ms   where the first token's time went: the
+                 engine's queue time and TTFT (vLLM per-request metrics) and the rest of
+                 the client-seen TTFT (a stream's three sum to ttft_ms; null without them)
+  tokens_per_chunk   output tokens per content event (usage or tokenizer counts)
+  spec_draft_tokens, spec_accepted_tokens   speculative decoding, as the engine counted
+  proxy_overhead_ms   the proxy's own time (body read -> upstream, head in -> head out)
   stream         whether the client asked for a stream
   max_tokens     the output limit the client asked for (max_tokens, max_output_tokens, ...)
   prefix         the prefix fingerprint: keyed hashes (16 hex digits) of the prompt's leading
@@ -24,11 +30,13 @@ Keys, in this order, stable (a key without a value is null in JSON, left out in 
   trace_id       the request's trace id when traced and sampled
   response_id    the backend's response id
   error          a short, secret-free description of the error
+  labels         with --label-header only: {label: value}, the bounded values the metrics
+                 carry (logfmt: labels.team=...)
 
-Only these values reach the log: no header value, no prompt, no completion. The
-fingerprint tells which requests began alike, never what they said: without the salt a
-guessed prompt cannot be tested against it, and with a random salt (the default, one per
-process) hashes compare only within one process's lines.
+Only these values reach the log: no header value (but a --label-header's bounded label),
+no prompt, no completion. The fingerprint tells which requests began alike, never what
+they said: without the salt a guessed prompt cannot be tested against it, and with a
+random salt (the default, one per process) hashes compare only within one process's lines.
 """
 
 from __future__ import annotations
@@ -63,6 +71,13 @@ KEYS = (
     "tpot_ms",
     "decode_tps",
     "e2e_ms",
+    "queue_ms",
+    "engine_ttft_ms",
+    "outside_engine_ms",
+    "tokens_per_chunk",
+    "spec_draft_tokens",
+    "spec_accepted_tokens",
+    "proxy_overhead_ms",
     "stream",
     "trace_id",
     "response_id",
@@ -81,17 +96,27 @@ class AccessLog:
     """A Sink writing one line per request (the raw model name, cut short: a log line
     is no series, so it need not be bounded like a label)."""
 
-    def __init__(self, mode: str, stream: TextIO = sys.stdout, salt: str | None = None) -> None:
+    def __init__(
+        self,
+        mode: str,
+        stream: TextIO = sys.stdout,
+        attribution: tuple[str, ...] = (),
+        salt: str | None = None,
+    ) -> None:
         if mode not in ("json", "text"):
             raise ValueError(f"access log mode {mode!r}: expected json or text")
         self.stream = stream
         self.format = _json_line if mode == "json" else _text_line
+        self.attribution = attribution  # the --label-header label names
         self.key = salt_key(salt)
 
     def record(self, m: Measurement, labels: Labels) -> None:
+        rec = record(m, self.key)
+        if self.attribution:
+            rec["labels"] = dict(zip(self.attribution, labels.attribution, strict=True))
         # One write and one flush per line: a line reaches the log when its request
         # ends, and lines from several workers on one pipe do not interleave.
-        self.stream.write(self.format(record(m, self.key)))
+        self.stream.write(self.format(rec))
         self.stream.flush()
 
 
@@ -105,6 +130,9 @@ def salt_key(salt: str | None) -> bytes:
 def record(m: Measurement, key: bytes) -> dict[str, Any]:
     """The log record of one request, keys as in KEYS; `key` keys the prefix hashes."""
     prefix = m.prefix
+    queue, engine_ttft, outside = m.ttft_parts()
+    spec = None if m.engine is None else m.engine.spec
+    per_chunk = m.output_tokens_per_chunk()
     return {
         "ts": iso_utc(m.started_at),
         "arrival": round(m.started_at, 6),
@@ -125,6 +153,13 @@ def record(m: Measurement, key: bytes) -> dict[str, Any]:
         if m.decode_tokens_per_second is None
         else round(m.decode_tokens_per_second, 2),
         "e2e_ms": _ms(m.e2e),
+        "queue_ms": _ms(queue),
+        "engine_ttft_ms": _ms(engine_ttft),
+        "outside_engine_ms": _ms(outside),
+        "tokens_per_chunk": None if per_chunk is None else round(per_chunk, 3),
+        "spec_draft_tokens": None if spec is None else spec.draft_tokens,
+        "spec_accepted_tokens": None if spec is None else spec.accepted_tokens,
+        "proxy_overhead_ms": _ms(m.proxy_overhead),
         "stream": m.stream,
         "trace_id": m.trace_id,
         "response_id": m.response_id,
@@ -152,9 +187,12 @@ def _json_line(rec: dict[str, Any]) -> str:
 
 def _text_line(rec: dict[str, Any]) -> str:
     """logfmt: `key=value` pairs, values with spaces, quotes or '=' JSON-quoted."""
-    parts = []
+    parts: list[str] = []
     for key, value in rec.items():
         if value is None:
+            continue
+        if isinstance(value, dict):
+            parts.extend(f"{key}.{k}={v}" for k, v in value.items())  # sanitised label values
             continue
         if isinstance(value, bool):
             text = "true" if value else "false"

@@ -20,13 +20,18 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
 from proxy.core.buckets import (
+    ACCEPTANCE_LENGTH_BUCKETS,
     DECODE_SPEED_BUCKETS,
     E2E_BUCKETS,
+    OVERHEAD_BUCKETS,
+    QUEUE_TIME_BUCKETS,
     TOKEN_LATENCY_BUCKETS,
+    TOKENS_PER_CHUNK_BUCKETS,
     TTFB_BUCKETS,
     TTFT_BUCKETS,
     token_buckets,
 )
+from proxy.core.engine import EngineMetrics
 from proxy.core.measurement import NONE_LABEL, Measurement
 from proxy.sinks.sink import Labels
 
@@ -67,10 +72,17 @@ class Metrics:
     has a key label; the dispatcher (proxy/sinks/dispatch.py) also moves the in-flight
     gauge and counts passthrough requests and measurement failures here."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, attribution: tuple[str, ...] = ()) -> None:
+        """`attribution`: the --label-header label names, added after model and endpoint
+        to the request and token counters and the latency histograms."""
         self.registry = registry
-        h = _factory(Histogram, registry)
-        c = _factory(Counter, registry)
+        self.attribution = attribution
+        h = _factory(Histogram, registry, attribution)
+        c = _factory(Counter, registry, attribution)
+        # (model, endpoint) and their own labels only: the prompt/cache classes and the
+        # engine's figures already multiply their series, attribution labels would more.
+        h_bare = _factory(Histogram, registry)
+        c_bare = _factory(Counter, registry)
         self.ttfb = h(
             "tokenprobe_time_to_first_byte_seconds",
             "Client-seen time to first byte: from the proxy receiving the request to the "
@@ -86,7 +98,7 @@ class Metrics:
             "arguments delta, not response.created). Streaming generative requests only.",
             buckets=TTFT_BUCKETS,
         )
-        self.ttft_by_prompt = h(
+        self.ttft_by_prompt = h_bare(
             "tokenprobe_time_to_first_token_by_prompt_seconds",
             "Time to first token as tokenprobe_time_to_first_token_seconds (proxy received the "
             "request -> first read carrying generated content), split by prompt size class "
@@ -95,7 +107,7 @@ class Metrics:
             labels=("prompt_class", "cache_class"),
             buckets=TTFT_CLASS_BUCKETS,
         )
-        self.ttft_prompt_tokens = c(
+        self.ttft_prompt_tokens = c_bare(
             "tokenprobe_time_to_first_token_by_prompt_prompt_tokens",
             "Prompt tokens of the requests in tokenprobe_time_to_first_token_by_prompt_seconds, "
             "by the same classes. Its rate over that histogram's _sum rate is the implied "
@@ -192,24 +204,115 @@ class Metrics:
             ("key", "model", "kind"),
             registry=registry,
         )
-        # Every metric labelled by (model, endpoint) alone: their children are resolved
-        # once per pair (`_bound`), so a new one is its declaration above and one line in
-        # `record`, nothing to keep in step by hand.
+        self.proxy_overhead = h(
+            "tokenprobe_proxy_overhead_seconds",
+            "The proxy's own time per request: from its body being read to the request "
+            "being handed to the upstream connection, plus from the upstream's response "
+            "head arriving to that head being sent to the client.",
+            buckets=OVERHEAD_BUCKETS,
+        )
+        # Every metric labelled by (model, endpoint, *attribution) alone: their children are
+        # resolved once per key (`_bound`), so a new one is its declaration above and one
+        # line in `record`, nothing to keep in step by hand.
+        per_request = (*LABELS, *attribution)
         self._per_pair = {
             name: metric
             for name, metric in vars(self).items()
-            if isinstance(metric, MetricWrapperBase) and metric._labelnames == LABELS
+            if isinstance(metric, MetricWrapperBase) and metric._labelnames == per_request
         }
-        self._children: dict[tuple[str, str], SimpleNamespace] = {}
+        self._children: dict[tuple[str, ...], SimpleNamespace] = {}
         self._class_children: dict[tuple[str, str, str, str], tuple[Any, Any]] = {}
+        self._engine_metrics(h_bare, c_bare)
+        self._engine_children: dict[tuple[str, str, bool], tuple[Any, ...]] = {}
 
-    def _bound(self, model: str, endpoint: str) -> SimpleNamespace:
-        """This pair's children, as attributes named like the metrics (`.ttft`, ...)."""
-        key = (model, endpoint)
+    def _engine_metrics(self, h: Any, c: Any) -> None:
+        """Where the first token's time goes, speculative decoding, cancelled work and the
+        event loop's lag (proxy/core/engine.py reads the engine's object). Declared apart
+        from the per-pair metrics: only the requests that have these figures resolve their
+        children, so a backend without the engine's object leaves the series absent."""
+        self.engine_queue = h(
+            "tokenprobe_engine_queue_time_seconds",
+            "The engine's own queue time (vLLM per-request metrics queue_time_ms): from the "
+            "request entering the engine's waiting queue to its first scheduling. Streams: "
+            "the part of client-seen TTFT tokenprobe_time_to_first_token_outside_engine_seconds "
+            "explains (scaled with the engine TTFT when both exceed the client-seen TTFT). "
+            "`stream` says whether the answer was streamed.",
+            labels=("stream",),
+            buckets=QUEUE_TIME_BUCKETS,
+        )
+        self.engine_ttft = h(
+            "tokenprobe_engine_time_to_first_token_seconds",
+            "The engine's own time to first token (vLLM per-request metrics "
+            "time_to_first_token_ms): from the request's scheduling to its first token. "
+            "Streams: scaled with the queue time when both exceed the client-seen TTFT.",
+            labels=("stream",),
+            buckets=TTFT_BUCKETS,
+        )
+        self.outside_engine = h(
+            "tokenprobe_time_to_first_token_outside_engine_seconds",
+            "Client-seen TTFT (proxy received the request -> first read carrying content) "
+            "minus the engine's queue time minus the engine's TTFT, never below 0: network, "
+            "HTTP and tokenisation in the server's front end, and the proxy. Streams that "
+            "carried the engine's per-request metrics; for them the _sum of this, of "
+            'tokenprobe_engine_queue_time_seconds{stream="true"} and of '
+            'tokenprobe_engine_time_to_first_token_seconds{stream="true"} add up to their TTFT sum.',
+            buckets=TTFB_BUCKETS,
+        )
+        self.tokens_per_chunk = h(
+            "tokenprobe_request_output_tokens_per_chunk",
+            "Per stream: output tokens (usage or tokenizer) / content events, from the first "
+            "to the last event. Above 1 under speculative decoding or multi-token prediction, "
+            "which is why inter-chunk latency is not per-token latency.",
+            buckets=TOKENS_PER_CHUNK_BUCKETS,
+        )
+        self.spec_draft = c(
+            "tokenprobe_spec_decode_draft_tokens",
+            "Draft tokens the engine proposed (vLLM per-request metrics "
+            "speculative_decoding.num_draft_tokens) from each request's first verify step to "
+            "its last, summed over finished requests.",
+        )
+        self.spec_accepted = c(
+            "tokenprobe_spec_decode_accepted_tokens",
+            "Draft tokens the target model accepted (speculative_decoding."
+            "num_accepted_draft_tokens) from each request's first verify step to its last, "
+            "summed over finished requests.",
+        )
+        self.spec_acceptance_length = h(
+            "tokenprobe_spec_decode_mean_acceptance_length",
+            "Per request: the engine's mean acceptance length (speculative_decoding."
+            "mean_acceptance_length), tokens per verify step, from the request's first to "
+            "its last step.",
+            buckets=ACCEPTANCE_LENGTH_BUCKETS,
+        )
+        self.cancelled_prompt = c(
+            "tokenprobe_cancelled_prompt_tokens",
+            "Prompt tokens of requests whose client went away before the end (from the "
+            "proxy receiving the request to the client's disconnect): the prefill nobody "
+            "received. Needs usage or a tokenizer (`source`).",
+            labels=("source",),
+        )
+        self.cancelled_generation = c(
+            "tokenprobe_cancelled_generation_tokens",
+            "Output tokens the proxy saw for requests whose client went away before the end "
+            "(first content read to the disconnect), by where the count came from.",
+            labels=("source",),
+        )
+        self.loop_lag = Histogram(
+            "tokenprobe_event_loop_lag_seconds",
+            "How late the proxy's event loop woke a sampler: from the instant a periodic "
+            "sleep should have ended to the instant it did (every request on that loop "
+            "waits as long).",
+            registry=self.registry,
+            buckets=OVERHEAD_BUCKETS,
+        )
+
+    def _bound(self, key: tuple[str, ...]) -> SimpleNamespace:
+        """The children of one (model, endpoint, *attribution), as attributes named like
+        the metrics (`.ttft`, ...)."""
         children = self._children.get(key)
         if children is None:
             children = SimpleNamespace(
-                **{name: metric.labels(model, endpoint) for name, metric in self._per_pair.items()}
+                **{name: metric.labels(*key) for name, metric in self._per_pair.items()}
             )
             self._children[key] = children
         return children
@@ -233,7 +336,8 @@ class Metrics:
 
     def record(self, m: Measurement, labels: Labels) -> None:
         model_label = labels.model
-        bound = self._bound(model_label, m.endpoint)
+        key = (model_label, m.endpoint, *labels.attribution)
+        bound = self._bound(key)
         exemplar = {"trace_id": m.trace_id} if m.trace_id else None
         if m.ttfb is not None:
             bound.ttfb.observe(m.ttfb)
@@ -249,21 +353,66 @@ class Metrics:
         source = m.token_source.value
         if m.prompt_tokens is not None:
             bound.prompt_tokens.observe(m.prompt_tokens)
-            self.prompt_tokens_total.labels(model_label, m.endpoint, source).inc(m.prompt_tokens)
+            self.prompt_tokens_total.labels(*key, source).inc(m.prompt_tokens)
         if m.output_tokens is not None:
             bound.generation_tokens.observe(m.output_tokens)
-            self.generation_tokens_total.labels(model_label, m.endpoint, source).inc(
-                m.output_tokens
-            )
+            self.generation_tokens_total.labels(*key, source).inc(m.output_tokens)
         if m.cached_prompt_tokens:
             bound.cached_prompt_tokens_total.inc(m.cached_prompt_tokens)
         error = m.error_type.value if m.error_type is not None else NONE_LABEL
         # finish_reason is already the closed-set label (each Api maps raw values onto it).
-        self.requests.labels(
-            model_label, m.endpoint, str(m.status_code), m.finish_reason, error
-        ).inc()
+        self.requests.labels(*key, str(m.status_code), m.finish_reason, error).inc()
         if labels.key is not None:
             self._record_key(m, model_label, labels.key, error)
+        if m.proxy_overhead is not None:
+            bound.proxy_overhead.observe(m.proxy_overhead)
+        if m.engine is not None:
+            self._record_engine(m, model_label, m.engine)
+        ratio = m.output_tokens_per_chunk()
+        if ratio is not None:
+            self.tokens_per_chunk.labels(model_label, m.endpoint).observe(ratio)
+        if m.cancelled:
+            self._record_cancelled(m, model_label)
+
+    def _record_engine(self, m: Measurement, model_label: str, engine: EngineMetrics) -> None:
+        """The engine's figures: only requests that carried them touch these series, each
+        (model, endpoint, stream) resolving its children once."""
+        key = (model_label, m.endpoint, m.stream)
+        children = self._engine_children.get(key)
+        if children is None:
+            stream = "true" if m.stream else "false"
+            children = (
+                self.engine_queue.labels(model_label, m.endpoint, stream),
+                self.engine_ttft.labels(model_label, m.endpoint, stream),
+                self.outside_engine.labels(model_label, m.endpoint),
+            )
+            self._engine_children[key] = children
+        queue, first, outside = children
+        split = m.ttft_split()
+        if split is not None:
+            queue.observe(split[0])
+            first.observe(split[1])
+            outside.observe(split[2])
+        elif not m.stream:  # no client TTFT to split: the engine's figures as they are
+            if engine.queue_time is not None:
+                queue.observe(engine.queue_time)
+            if engine.time_to_first_token is not None:
+                first.observe(engine.time_to_first_token)
+        spec = engine.spec
+        if spec is not None:
+            self.spec_draft.labels(model_label, m.endpoint).inc(spec.draft_tokens)
+            self.spec_accepted.labels(model_label, m.endpoint).inc(spec.accepted_tokens)
+            if spec.mean_acceptance_length is not None:
+                self.spec_acceptance_length.labels(model_label, m.endpoint).observe(
+                    spec.mean_acceptance_length
+                )
+
+    def _record_cancelled(self, m: Measurement, model_label: str) -> None:
+        source = m.token_source.value
+        if m.prompt_tokens:
+            self.cancelled_prompt.labels(model_label, m.endpoint, source).inc(m.prompt_tokens)
+        if m.output_tokens:
+            self.cancelled_generation.labels(model_label, m.endpoint, source).inc(m.output_tokens)
 
     def _record_key(self, m: Measurement, model_label: str, key_label: str, error: str) -> None:
         self.key_requests.labels(key_label, model_label, error).inc()
@@ -298,8 +447,8 @@ def observe_all(histogram: Any, values: Sequence[float]) -> None:
         total.inc(sum(values))
 
 
-def _factory(kind: Any, registry: CollectorRegistry) -> Any:
+def _factory(kind: Any, registry: CollectorRegistry, attribution: tuple[str, ...] = ()) -> Any:
     def make(name: str, doc: str, labels: tuple[str, ...] = (), **kw: Any) -> Any:
-        return kind(name, doc, (*LABELS, *labels), registry=registry, **kw)
+        return kind(name, doc, (*LABELS, *attribution, *labels), registry=registry, **kw)
 
     return make

@@ -160,7 +160,22 @@ def _finish_attributes(m: Measurement) -> dict[str, Any]:
         "tokenprobe.time_to_first_token": m.ttft,
         "tokenprobe.time_per_output_token": m.tpot,
         "tokenprobe.decode_tokens_per_second": m.decode_tokens_per_second,
+        "tokenprobe.proxy_overhead": m.proxy_overhead,
+        "tokenprobe.output_tokens_per_chunk": m.output_tokens_per_chunk(),
     }
+    if m.engine is not None:
+        queue, engine_ttft, outside = m.ttft_parts()
+        spec = m.engine.spec
+        optional["tokenprobe.engine.queue_time"] = queue
+        optional["tokenprobe.engine.time_to_first_token"] = engine_ttft
+        optional["tokenprobe.time_to_first_token_outside_engine"] = outside
+        optional["tokenprobe.engine.generation_time"] = m.engine.generation_time
+        if spec is not None:
+            optional["tokenprobe.engine.spec_decode.draft_tokens"] = spec.draft_tokens
+            optional["tokenprobe.engine.spec_decode.accepted_tokens"] = spec.accepted_tokens
+            optional["tokenprobe.engine.spec_decode.mean_acceptance_length"] = (
+                spec.mean_acceptance_length
+            )
     attributes.update((k, v) for k, v in optional.items() if v is not None)
     if m.finish_reason != NONE_LABEL:
         attributes["gen_ai.response.finish_reasons"] = (m.finish_reason,)

@@ -100,17 +100,31 @@ def test_json_that_is_not_an_object_gives_defaults(raw: bytes) -> None:
 
 
 def test_usage_request_is_added_and_everything_else_kept() -> None:
-    original = {"model": "llama", "messages": MESSAGES, "stream": True, "n": 2, "seed": 7}
+    original = {"model": "llama", "messages": MESSAGES, "stream": True, "n": 1, "seed": 7}
     assert orjson.loads(with_usage_requested(dict(original))) == {
         **original,
         "stream_options": {"include_usage": True},
     }
 
 
-def test_existing_stream_options_are_kept() -> None:
+def test_no_usage_is_asked_for_several_choices() -> None:
+    # vLLM stamps system_fingerprint on every choice's terminal chunk only without
+    # include_usage; the stripper can give it back to the last one alone.
+    assert with_usage_requested({"model": "llama", "stream": True, "n": 2}) is None
+
+
+def test_continuous_usage_is_turned_off_with_the_usage_the_proxy_asks_for() -> None:
+    # Without include_usage vLLM sends no per-chunk usage however continuous_usage_stats
+    # is set: the client would get none direct.
     obj = {"model": "llama", "stream": True, "stream_options": {"continuous_usage_stats": True}}
     sent = orjson.loads(with_usage_requested(obj))
-    assert sent["stream_options"] == {"continuous_usage_stats": True, "include_usage": True}
+    assert sent["stream_options"] == {"continuous_usage_stats": False, "include_usage": True}
+
+
+def test_other_stream_options_are_kept() -> None:
+    obj = {"model": "llama", "stream": True, "stream_options": {"x_vendor": 1}}
+    sent = orjson.loads(with_usage_requested(obj))
+    assert sent["stream_options"] == {"x_vendor": 1, "include_usage": True}
 
 
 def test_include_usage_false_is_turned_on() -> None:

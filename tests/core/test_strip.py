@@ -111,3 +111,85 @@ def test_flush_relays_an_unfinished_last_event() -> None:
 def test_flush_drops_an_unfinished_usage_only_event() -> None:
     event = usage_only_event(VLLM_CHAT).rstrip(b"\n")
     assert relay(event) == b""
+
+
+# -- the fingerprint vLLM moves to the usage chunk (real vLLM 0.32 captures) ----------------
+
+
+def _vllm032_pair(api: str) -> tuple[bytes, bytes]:
+    """(the include_usage stream with the no_usage stream's id, the no_usage stream): two
+    requests that differ in nothing else (tests/fixtures/streams/vllm-0.32/README.md)."""
+    asked = fixture(f"vllm-0.32/{api}_stream_include_usage.sse")
+    direct = fixture(f"vllm-0.32/{api}_stream_no_usage.sse")
+    ids = [s.split(b'"id":"', 1)[1].split(b'"', 1)[0] for s in (asked, direct)]
+    return asked.replace(ids[0], ids[1]), direct
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_include_usage_stream_becomes_the_direct_stream_at_every_split(api: str) -> None:
+    asked, direct = _vllm032_pair(api)
+    assert b'"system_fingerprint"' not in asked.split(b'"choices":[]')[0]  # moved by vLLM
+    assert relay(asked) == direct
+    for i in range(len(asked) + 1):
+        assert relay(asked[:i], asked[i:]) == direct, i
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_include_usage_stream_becomes_the_direct_stream_byte_at_a_time(api: str) -> None:
+    asked, direct = _vllm032_pair(api)
+    assert relay(*[asked[i : i + 1] for i in range(len(asked))]) == direct
+
+
+@settings(max_examples=100, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=0, max_value=4000), max_size=12))
+def test_include_usage_stream_becomes_the_direct_stream_at_random_splits(cuts: list[int]) -> None:
+    asked, direct = _vllm032_pair("chat")
+    assert relay(*_split(asked, cuts)) == direct
+
+
+def test_terminal_chunk_waits_only_for_the_next_event() -> None:
+    asked, _ = _vllm032_pair("chat")
+    events = [e + b"\n\n" for e in asked.split(b"\n\n") if e]
+    terminal = events[-3]
+    stripper = UsageEventStripper()
+    assert stripper.feed(b"".join(events[:-3])) == b"".join(events[:-3])
+    assert stripper.feed(terminal) == b""  # held: the usage chunk may follow
+    assert stripper.feed(b"data: [DONE]\n\n") == terminal + b"data: [DONE]\n\n"
+
+
+def test_terminal_chunk_without_a_fingerprint_on_the_usage_chunk_is_unchanged() -> None:
+    # Older vLLM writes no fingerprint anywhere: nothing to give back.
+    stream = fixture("vllm_chat.sse")
+    assert relay(stream) == VLLM_CHAT_STRIPPED
+    assert b"system_fingerprint" not in VLLM_CHAT_STRIPPED
+
+
+def test_terminal_chunk_that_has_its_fingerprint_is_not_stamped_twice() -> None:
+    terminal = (
+        b'data: {"choices":[{"index":0,"finish_reason":"stop"}],"system_fingerprint":"fp"}\n\n'
+    )
+    usage = b'data: {"choices":[],"usage":{"completion_tokens":1},"system_fingerprint":"fp"}\n\n'
+    assert relay(terminal + usage + b"data: [DONE]\n\n") == terminal + b"data: [DONE]\n\n"
+
+
+def test_a_held_terminal_chunk_goes_out_when_the_stream_ends() -> None:
+    terminal = b'data: {"choices":[{"index":0,"finish_reason":"stop"}]}\n\n'
+    stripper = UsageEventStripper()
+    assert stripper.feed(terminal) == b""
+    assert stripper.flush() == terminal
+
+
+def test_a_held_terminal_chunk_goes_out_first_when_the_stripper_gives_up() -> None:
+    terminal = b'data: {"choices":[{"index":0,"finish_reason":"stop"}]}\n\n'
+    stripper = UsageEventStripper(max_event_bytes=16)
+    assert stripper.feed(terminal) == b""
+    big = b"data: " + b"x" * 40
+    assert stripper.feed(big) == terminal + big
+    assert stripper.gave_up
+
+
+def test_a_large_unfinished_event_after_whole_ones_is_relayed_not_lost() -> None:
+    stripper = UsageEventStripper(max_event_bytes=16)
+    head = b'data: {"a":1}\n\n'
+    big = b"data: " + b"y" * 40
+    assert stripper.feed(head + big) == head + big

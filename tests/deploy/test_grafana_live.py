@@ -32,7 +32,7 @@ from proxy.core.measurement import Measurement
 from proxy.sinks.cost import CostSink, parse_prices
 from proxy.sinks.metrics import cache_class, prompt_class
 from proxy.sinks.sink import Labels
-from tests.deploy.test_grafana import DASHBOARDS, iter_targets, load, substitute
+from tests.deploy.test_grafana import CHECKED, iter_targets, load, substitute
 from tests.factories import measurement
 from tests.paths import ROOT
 from tests.prom import Prometheus, finite_values, require_binary
@@ -53,6 +53,9 @@ TOKEN_BUCKETS = [m * 10**e for e in range(6) for m in (1, 2, 5)]
 SPEED_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000]
 TTFT_CLASS_BUCKETS = [0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0]
 COST_PER_HOUR = 2.5
+OVERHEAD_BUCKETS = [0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                    0.1, 0.25, 0.5, 1.0, 2.5]  # fmt: skip
+PER_CHUNK_BUCKETS = [1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0]
 
 #: (code, finish_reason, error_type); successes repeated so they dominate, as in life.
 OUTCOMES = [("200", "stop", "none")] * 6 + [
@@ -113,6 +116,22 @@ class ContractExporter:
         self.passthrough = counter("tokenprobe_passthrough_requests", ["route", "code"])
         prices = {m: {"input": 0.5, "cached_input": 0.25, "output": 1.5} for m in MODELS}
         self.cost = CostSink(parse_prices({"models": prices}), r)
+        # Where the first token's time goes, speculative decoding, cancelled work, overhead.
+        self.queue = hist("tokenprobe_engine_queue_time_seconds", E2E_BUCKETS, [*me, "stream"])
+        self.engine = hist(
+            "tokenprobe_engine_time_to_first_token_seconds", TTFT_BUCKETS, [*me, "stream"]
+        )
+        self.outside = hist(
+            "tokenprobe_time_to_first_token_outside_engine_seconds", [0.0005, *TTFT_BUCKETS]
+        )
+        self.per_chunk = hist("tokenprobe_request_output_tokens_per_chunk", PER_CHUNK_BUCKETS)
+        self.acceptance = hist("tokenprobe_spec_decode_mean_acceptance_length", PER_CHUNK_BUCKETS)
+        self.draft = counter("tokenprobe_spec_decode_draft_tokens", me)
+        self.accepted = counter("tokenprobe_spec_decode_accepted_tokens", me)
+        self.cancelled_prompt = counter("tokenprobe_cancelled_prompt_tokens", [*me, "source"])
+        self.cancelled_output = counter("tokenprobe_cancelled_generation_tokens", [*me, "source"])
+        self.overhead = hist("tokenprobe_proxy_overhead_seconds", OVERHEAD_BUCKETS)
+        self.loop_lag = hist("tokenprobe_event_loop_lag_seconds", OVERHEAD_BUCKETS, [])
         self.vllm_ttft = hist("vllm:time_to_first_token_seconds", TTFT_BUCKETS, vl)
         self.vllm_itl = hist("vllm:inter_token_latency_seconds", ITL_BUCKETS, vl)
         self.vllm_e2e = hist("vllm:e2e_request_latency_seconds", E2E_BUCKETS, vl)
@@ -150,6 +169,11 @@ class ContractExporter:
         self.passthrough.labels(route="/v1/models", code="200").inc()
         if n % 50 == 0:
             self.failures.labels(stage="observe").inc()
+        self.overhead.labels(**labels).observe(rng.uniform(0.0001, 0.002))
+        self.loop_lag.observe(rng.uniform(0.0, 0.003))
+        if error_type == "client_cancelled":
+            self.cancelled_prompt.labels(**labels, source="tokenizer").inc(rng.randint(10, 400))
+            self.cancelled_output.labels(**labels, source="chunks").inc(rng.randint(1, 40))
         if error_type not in ("none", "stream_error", "stream_truncated", "client_cancelled"):
             self.e2e.labels(**labels).observe(rng.uniform(0.001, 0.05), exemplar=trace)
             return
@@ -161,6 +185,15 @@ class ContractExporter:
         self.ttft_class.labels(**labels, **classes).observe(ttft)
         self.ttft_class_prompt.labels(**labels, **classes).inc(prompt)
         self.tpot.labels(**labels).observe(tpot, exemplar=trace)
+        queue = ttft * rng.uniform(0.0, 0.6)
+        prefill = (ttft - queue) * rng.uniform(0.5, 0.95)
+        self.queue.labels(**labels, stream="true").observe(queue)
+        self.engine.labels(**labels, stream="true").observe(prefill)
+        self.outside.labels(**labels).observe(ttft - queue - prefill)
+        self.per_chunk.labels(**labels).observe(rng.choice([1.0, 2.5, 3.0]))
+        self.acceptance.labels(**labels).observe(rng.uniform(1.5, 3.5))
+        self.draft.labels(**labels).inc(21)
+        self.accepted.labels(**labels).inc(rng.randint(5, 21))
         for _ in range(5):
             self.itl.labels(**labels).observe(max(0.0, rng.gauss(tpot, tpot / 3)))
         self.speed.labels(**labels).observe(1 / tpot)
@@ -245,7 +278,7 @@ def contract_prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pr
 
 def _targets() -> list[tuple[str, str]]:
     found = []
-    for path in DASHBOARDS:
+    for path in CHECKED:
         for panel, target in iter_targets(load(path)):
             found.append((f"{path.stem}: {panel['title']} [{target['refId']}]", target["expr"]))
     return found
@@ -383,7 +416,7 @@ def _drive_traffic(proxy: str, dead_proxy: str, model: str) -> None:
             chosen = {"all": SHAPES, "stream": [s for s in SHAPES if s[1]], "one": SHAPES[:1]}
             for endpoint, stream, usage in chosen[shapes]:
                 _request(client, proxy, model, endpoint, stream, usage, headers)
-        for _ in range(3):  # the client goes away after the first chunk of a long answer
+        for _ in range(3):  # the client goes away after the first content of a long answer
             body = {
                 "model": model,
                 "stream": True,
@@ -396,7 +429,9 @@ def _drive_traffic(proxy: str, dead_proxy: str, model: str) -> None:
                 json=body,
                 headers={"x-sim-output-tokens": "2000", "x-sim-tps": "50"},
             ) as response:
-                next(response.iter_raw(), None)
+                for chunk in response.iter_raw():  # leave after the first content chunk
+                    if b'"delta":{"content"' in chunk:
+                        break
         client.get(proxy + "/v1/models")  # an unmeasured route, passed through
         for _ in range(3):
             client.post(dead_proxy + "/v1/chat/completions", json={"model": model, "messages": []})
@@ -422,6 +457,11 @@ def proxy_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus
         "2000",
         "--output-tokens",
         "24",
+        "--per-request-metrics",  # vLLM's per-request metrics object: the TTFT split
+        "--spec-tokens",
+        "3",
+        "--acceptance-rate",
+        "0.67",
     )
     with _process(sim_args, sim, tmp / "sim.log", "/v1/models"):
         model = httpx.get(sim + "/v1/models").json()["data"][0]["id"]

@@ -8,6 +8,7 @@ with prometheus-client's own text parser and an independent histogram_quantile.
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import os
 import shutil
@@ -293,6 +294,60 @@ def test_page_numbers_match_promql_over_the_same_scrapes(
     shot = tmp_path / "ui.png"
     page.page.screenshot(path=str(shot), full_page=True)
     assert shot.stat().st_size > 10_000
+
+
+def _split(before: str, now: str) -> dict[str, float]:
+    """Seconds of each part of the first token's time over the window, as PromQL's
+    sum(increase(...)) of the three _sum series would give them (streams only)."""
+    old, new = _samples(before), _samples(now)
+    parts = {
+        "tokenprobe_engine_queue_time_seconds_sum": "queue",
+        "tokenprobe_engine_time_to_first_token_seconds_sum": "engine",
+        "tokenprobe_time_to_first_token_outside_engine_seconds_sum": "outside",
+    }
+    out = dict.fromkeys(parts.values(), 0.0)
+    for (name, labels), value in new.items():
+        if name in parts and dict(labels).get("stream", "true") == "true":
+            out[parts[name]] += _increase(old.get((name, labels)), value)
+    return out
+
+
+def test_page_shows_where_the_first_tokens_time_goes(
+    start_sim: Callable[..., Running],
+    start_proxy: Callable[..., ProxyUnderTest],
+    open_page: Callable[[str], Page],
+) -> None:
+    sim = start_sim(
+        ttft=0.05,
+        tokens_per_second=200.0,
+        output_tokens=4,
+        per_request_metrics=True,
+        max_num_seqs=1,
+    )
+    proxy = start_proxy(sim.url)
+
+    def burst(client: httpx.Client) -> None:  # three at once on one slot: two of them queue
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            list(pool.map(lambda _: client.post(CHAT, json=_chat()), range(3)))
+
+    with httpx.Client(base_url=proxy.url, timeout=10) as client:
+        page = open_page(proxy.url + "/ui?interval=300")
+        page.wait_for_scrapes(1)
+        assert "--enable-per-request-metrics" in page.page.inner_text("#chart-split")
+        before = client.get("/metrics").text
+        page.wait_for_scrapes(page.scrapes() + 1)
+        burst(client)
+        proxy.wait_records(3, timeout=10)
+        now = client.get("/metrics").text
+        page.wait_for_scrapes(page.scrapes() + 2)
+
+    split = _split(before, now)
+    whole = sum(split.values())
+    assert split["queue"] > 0.05  # two of the three waited for the slot
+    assert page.stat("ttft_queue") == pytest.approx(100 * split["queue"] / whole, rel=1e-6)
+    assert page.stat("ttft_outside") == pytest.approx(100 * split["outside"] / whole, rel=1e-6)
+    assert page.page.query_selector("#chart-split canvas") is not None
+    assert page.errors == []
 
 
 def test_page_asks_for_the_metrics_token_and_keeps_it_in_memory_only(

@@ -84,6 +84,13 @@ def test_json_values_are_in_ms_with_nulls_for_unknowns() -> None:
         "tpot_ms": 5.0,
         "decode_tps": 200.0,
         "e2e_ms": 125.0,
+        "queue_ms": None,
+        "engine_ttft_ms": None,
+        "outside_engine_ms": None,
+        "tokens_per_chunk": 1.0,
+        "spec_draft_tokens": None,
+        "spec_accepted_tokens": None,
+        "proxy_overhead_ms": None,
         "stream": True,
         "trace_id": "4bf92f3577b34da6a3ce929d0e0e4736",
         "response_id": "chatcmpl-1",
@@ -130,7 +137,7 @@ def test_text_mode_is_one_logfmt_line_without_nulls() -> None:
     assert line == (
         'ts=2023-11-14T22:13:20.123Z arrival=1700000000.1239 model="my model" endpoint=/v1/chat/completions status=200 '
         "finish_reason=stop raw_finish_reason=stop prompt_tokens=12 output_tokens=16 token_source=usage ttfb_ms=10.123 "
-        "ttft_ms=50.0 tpot_ms=5.0 decode_tps=200.0 e2e_ms=125.0 stream=true "
+        "ttft_ms=50.0 tpot_ms=5.0 decode_tps=200.0 e2e_ms=125.0 tokens_per_chunk=1.0 stream=true "
         "trace_id=4bf92f3577b34da6a3ce929d0e0e4736 response_id=chatcmpl-1\n"
     )
 

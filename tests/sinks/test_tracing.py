@@ -154,6 +154,7 @@ def test_attributes_follow_the_genai_conventions(
         "tokenprobe.time_to_first_token": 0.050,
         "tokenprobe.time_per_output_token": 0.005,
         "tokenprobe.decode_tokens_per_second": 200.0,
+        "tokenprobe.output_tokens_per_chunk": 1.0,
         "tokenprobe.e2e": 0.125,
         "tokenprobe.token_source": "usage",
     }

@@ -65,6 +65,8 @@ class Facts:
     finish    the raw finish/stop reason, as the backend wrote it
     usage     the usage object as sent
     error     an in-stream error object (or the error event itself)
+    engine    the engine's per-request `metrics` object as sent (proxy/core/engine.py),
+              read only from the event or body that carries usage
     end       the event ends the stream cleanly ([DONE], message_stop, response.completed)
 
     An Api may answer with a shared instance (NOTHING, or a common content event): a
@@ -77,6 +79,7 @@ class Facts:
     finish: str | None = None
     usage: dict[str, Any] | None = None
     error: object = None
+    engine: object = None
     end: bool = False
     response_id: str | None = None
     response_model: str | None = None
@@ -117,6 +120,9 @@ class Api:
     finish_ends_stream: ClassVar[bool] = False
     #: What the README says is measured, and the instants used (kept in sync by a test).
     measures: ClassVar[str] = ""
+    #: The bytes that open a plain content event's text (`"content":"`): where the
+    #: observer may split a stream's repeating event (proxy/core/template.py). Empty: never.
+    text_openings: ClassVar[tuple[bytes, ...]] = ()
 
     # -- the request ------------------------------------------------------------------
 
@@ -161,7 +167,11 @@ class Api:
     def body(self, obj: dict[str, Any], collect: bool) -> Facts:
         """Facts from a non-streaming success body (already parsed)."""
         usage = obj.get("usage")
-        return Facts(usage=usage if type(usage) is dict else None, **identity(obj))
+        return Facts(
+            usage=usage if type(usage) is dict else None,
+            engine=obj.get("metrics"),
+            **identity(obj),
+        )
 
     def finish_label(self, raw: str) -> str:
         """The closed-set label for a raw finish/stop reason."""

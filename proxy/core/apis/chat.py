@@ -47,10 +47,26 @@ class OpenAIGeneration(Api):
         return obj.get("max_completion_tokens", obj.get("max_tokens"))
 
     def ask_for_usage(self, obj: dict[str, Any]) -> bytes | None:
-        """The body re-encoded with `stream_options.include_usage: true`."""
+        """The body re-encoded with `stream_options.include_usage: true`, or None where the
+        client's stream could not then be given back exactly as it would come direct:
+
+        - n > 1: vLLM stamps `system_fingerprint` on every choice's terminal chunk only
+          without include_usage; with it, on the usage chunk alone. Only the terminal chunk
+          right before the usage chunk can get it back (proxy/core/strip.py), so the proxy
+          does not ask (token counts come from the tokenizer or the chunks).
+
+        `continuous_usage_stats` is sent as false: vLLM puts usage on every chunk only
+        when include_usage is also set (vllm/entrypoints/utils.py, should_include_usage:
+        `include_continuous_usage = include_usage and bool(continuous_usage_stats)`), so
+        the client, which did not set include_usage, would get none direct."""
+        n = obj.get("n")
+        if type(n) is int and n > 1:
+            return None
         options = obj.get("stream_options")
         merged = dict(options) if isinstance(options, dict) else {}
         merged["include_usage"] = True
+        if merged.get("continuous_usage_stats"):
+            merged["continuous_usage_stats"] = False
         return orjson.dumps({**obj, "stream_options": merged})
 
     def event(self, payload: bytes, collect: bool, identify: bool) -> Facts:
@@ -99,6 +115,8 @@ class OpenAIGeneration(Api):
         facts = Facts(**identity(obj)) if identify else Facts()
         facts.content, facts.choices, facts.finish = kind, indices, finish
         facts.texts, facts.usage, facts.error = texts or None, usage, error
+        if usage is not None:  # vLLM's per-request metrics ride on the usage chunk only
+            facts.engine = obj.get("metrics")
         return facts
 
     def _choices(
@@ -147,6 +165,7 @@ class Chat(OpenAIGeneration):
     endpoint = "/v1/chat/completions"
     paths = ("/v1/chat/completions",)
     operation = "chat"
+    text_openings = (b'"delta":{"content":"', b'"delta":{"reasoning":"')
     measures = (
         "TTFT at the first chunk with non-empty delta content, reasoning or tool_calls "
         "(not the role-only first chunk); TPOT, ITL, decode speed, tokens from usage "

@@ -38,10 +38,15 @@
     stream_truncated: "#17becf",
     client_cancelled: "#bcbd22",
   };
+  const SPLIT_COLOURS = { queue: "#d62728", engine: "#1f77b4", outside: "#f08c00" };
   const SOURCE_COLOURS = { usage: "#2e9e44", tokenizer: "#1f77b4", chunks: "#f08c00", none: "#7f7f7f" };
   const LINE_COLOURS = ["#1f77b4", "#f08c00", "#d62728", "#7b3fc4"];
 
   const ms = (s) => s * 1000;
+  const share = (p, part) => {
+    const whole = p.split.queue + p.split.engine + p.split.outside;
+    return whole > 0 ? (100 * p.split[part]) / whole : NaN;
+  };
   const rate = (p, n) => (p.seconds > 0 ? n / p.seconds : NaN);
   const q = (p, hist, quant) => Prom.quantile(p, hist, quant);
 
@@ -51,6 +56,14 @@
       id: "ttft", title: "Time to first token", unit: "ms",
       caption: "From the proxy receiving the request to the first network read carrying generated content (the role-only first chunk is not a token). Streaming requests only.",
       lines: [["p50", (p) => ms(q(p, "ttft", 0.5))], ["p95", (p) => ms(q(p, "ttft", 0.95))], ["p99", (p) => ms(q(p, "ttft", 0.99))]],
+    },
+    {
+      id: "split", title: "Where the first token's time goes", unit: "ms per stream", stacked: true,
+      onlyIf: (p) => p.split.streams > 0,
+      absent: "No stream carried the engine's per-request metrics: start vLLM with --enable-per-request-metrics to see the split.",
+      caption: "Mean per stream, stacked to the client-seen TTFT, over the streams whose engine sent vLLM's per-request metrics: queue (the engine's queue_time_ms: waiting for a slot), engine (its time_to_first_token_ms from scheduling: prefill), outside the engine (the rest: network, the server's front end, the proxy).",
+      group: (p) => new Map(["queue", "engine", "outside"].map((k) => [k, p.split.streams > 0 ? ms(p.split[k] / p.split.streams) : 0])),
+      colours: SPLIT_COLOURS,
     },
     {
       id: "itl", title: "Inter-token latency and time per output token", unit: "ms",
@@ -244,6 +257,8 @@
     ["request_rate", "requests", "req/s", (p) => rate(p, p.requests)],
     ["cut_off", "cut off", "%", (p) => (p.requests > 0 ? (100 * p.cutOff) / p.requests : NaN)],
     ["in_flight", "in flight", "", (p) => p.inFlight],
+    ["ttft_queue", "TTFT queue", "%", (p) => share(p, "queue")],
+    ["ttft_outside", "TTFT outside engine", "%", (p) => share(p, "outside")],
     ["cost_hour", "cost", "/h", (p) => (p.priced ? rate(p, p.cost) * 3600 : NaN)],
   ];
 
@@ -295,7 +310,7 @@
     const times = state.scrapes.slice(first).map((s) => s.t);
     for (const spec of CHARTS) {
       if (spec.onlyIf && !points.some(spec.onlyIf)) {
-        if (!state.charts[spec.id]) chartBox(spec).querySelector(".plot").textContent = "No prices set: start the proxy with --prices FILE to see spend.";
+        if (!state.charts[spec.id]) chartBox(spec).querySelector(".plot").textContent = spec.absent || "No prices set: start the proxy with --prices FILE to see spend.";
         continue;
       }
       const names = spec.lines ? spec.lines.map((l) => l[0]) : groupNames(spec, points);

@@ -132,6 +132,12 @@
     tpot: "tokenprobe_request_time_per_output_token_seconds",
     speed: "tokenprobe_request_decode_tokens_per_second",
   };
+  const SPLIT = {
+    tokenprobe_engine_queue_time_seconds_sum: "queue",
+    tokenprobe_engine_time_to_first_token_seconds_sum: "engine",
+    tokenprobe_time_to_first_token_outside_engine_seconds_sum: "outside",
+    tokenprobe_time_to_first_token_outside_engine_seconds_count: "streams",
+  };
   const BY_BUCKET = new Map(Object.entries(HISTOGRAMS).map(([k, v]) => [v + "_bucket", k]));
 
   // Everything the page shows for one window: from scrape `base` to scrape `now`.
@@ -146,6 +152,9 @@
       cost: 0,
       priced: false,
       inFlight: 0,
+      // Where the first token's time went: seconds of each part over the streams whose
+      // engine sent vLLM's per-request metrics, and how many streams those were.
+      split: { queue: 0, engine: 0, outside: 0, streams: 0 },
       buckets: {},
     };
     for (const key in HISTOGRAMS) out.buckets[key] = new Map();
@@ -176,6 +185,8 @@
         out.outputTokens += delta;
       } else if (name === "tokenprobe_cost_total") {
         out.cost += delta;
+      } else if (SPLIT[name] !== undefined && (s.labels.stream === undefined || s.labels.stream === "true")) {
+        out.split[SPLIT[name]] += delta;
       }
     }
     return out;

@@ -1,0 +1,279 @@
+"""Issue 22 end to end: the simulator emits vLLM 0.32's per-request `metrics` object (queue
+time from `--max-num-seqs`, programmed speculative decoding), a real `tokenprobe serve`
+process sits in front, real httpx clients talk to it, and /metrics says where the first
+token's time went."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.servers import free_port, spawn, stop, wait_http
+from tests.tokenizers_local import build_tiny_tokenizer
+
+CHAT = "/v1/chat/completions"
+MESSAGES = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog."}]
+FINGERPRINT = "vllm-0.32.0-simfp"
+
+Series = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def started(*args: str) -> Iterator[str]:
+    """A sim and a proxy in front of it, as processes; yields the proxy's URL."""
+    sim_port, proxy_port = free_port(), free_port()
+    sim = spawn("sim", "--port", str(sim_port), *args)
+    sim_url = f"http://127.0.0.1:{sim_port}"
+    proxy = None
+    try:
+        wait_http(sim_url + "/health")
+        proxy = spawn(
+            "serve",
+            "--upstream",
+            sim_url,
+            "--port",
+            str(proxy_port),
+            "--access-log",
+            "off",
+        )
+        wait_http(f"http://127.0.0.1:{proxy_port}/healthz")
+        yield f"http://127.0.0.1:{proxy_port}"
+    finally:
+        if proxy is not None:
+            stop(proxy)
+        stop(sim)
+
+
+SIM_WITH_METRICS = (
+    "--per-request-metrics",
+    "--max-num-seqs",
+    "1",
+    "--system-fingerprint",
+    FINGERPRINT,
+    "--ttft",
+    "0.05",
+    "--tps",
+    "200",
+    "--output-tokens",
+    "12",
+)
+
+
+@pytest.fixture(scope="module")
+def proxy() -> Iterator[str]:
+    yield from started(*SIM_WITH_METRICS)
+
+
+@pytest.fixture
+def proxy_without_object() -> Iterator[str]:
+    yield from started("--ttft", "0.02", "--tps", "200", "--output-tokens", "8")
+
+
+def scrape(base: str) -> Series:
+    text = httpx.get(base + "/metrics", timeout=5).text
+    out: Series = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def total(series: Series, name: str, **labels: str) -> float:
+    """The sum of a sample over every series whose labels include `labels`."""
+    return sum(v for (n, ls), v in series.items() if n == name and set(labels.items()) <= set(ls))
+
+
+def wait_until(base: str, name: str, at_least: float, **labels: str) -> Series:
+    deadline = time.monotonic() + 30
+    while True:
+        series = scrape(base)
+        if total(series, name, **labels) >= at_least or time.monotonic() > deadline:
+            return series
+        time.sleep(0.05)
+
+
+def chat(base: str, headers: dict[str, str] | None = None, **body: object) -> bytes:
+    payload = {"model": "sim-model", "stream": True, "messages": MESSAGES, **body}
+    return httpx.post(base + CHAT, json=payload, headers=headers or {}, timeout=60).content
+
+
+def test_queue_engine_and_outside_add_up_to_the_client_seen_ttft(proxy: str) -> None:
+    before = scrape(proxy)
+    # Four at once against one slot: three of them queue.
+    threads = [threading.Thread(target=chat, args=(proxy,)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    after = wait_until(
+        proxy,
+        "tokenprobe_time_to_first_token_seconds_count",
+        4 + total(before, "tokenprobe_time_to_first_token_seconds_count"),
+    )
+
+    def grew(name: str, **labels: str) -> float:
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    ttft = grew("tokenprobe_time_to_first_token_seconds_sum")
+    queue = grew("tokenprobe_engine_queue_time_seconds_sum", stream="true")
+    engine = grew("tokenprobe_engine_time_to_first_token_seconds_sum", stream="true")
+    outside = grew("tokenprobe_time_to_first_token_outside_engine_seconds_sum")
+    assert grew("tokenprobe_time_to_first_token_outside_engine_seconds_count") == 4
+    assert queue + engine + outside == pytest.approx(ttft, rel=1e-9, abs=1e-9)
+    assert queue > 0.05  # three requests waited for the one slot
+    assert engine >= 4 * 0.04  # each one's programmed 50 ms TTFT, loosely
+    assert outside >= 0
+
+
+def test_spec_decode_counters_equal_the_sums_of_the_objects_the_client_got(proxy: str) -> None:
+    headers = {
+        "x-sim-spec-tokens": "3",
+        "x-sim-acceptance-rate": "0.67",
+        "x-sim-output-tokens": "20",
+    }
+    before = scrape(proxy)
+    drafted = accepted = 0
+    for _ in range(3):
+        body = chat(proxy, headers, stream_options={"include_usage": True})
+        (usage_event,) = [e for e in body.split(b"\n\n") if b'"choices":[]' in e]
+        spec = orjson.loads(usage_event.removeprefix(b"data: "))["metrics"]["speculative_decoding"]
+        drafted += spec["num_draft_tokens"]
+        accepted += spec["num_accepted_draft_tokens"]
+        assert body.count(b'"delta":{"content":"') == 7 + 1  # 20 tokens in chunks of 3, + finish
+    assert (drafted, accepted) == (3 * 3 * 7, 3 * (20 - 7))
+    after = wait_until(
+        proxy,
+        "tokenprobe_spec_decode_draft_tokens_total",
+        drafted + total(before, "tokenprobe_spec_decode_draft_tokens_total"),
+    )
+    for name, expected in (
+        ("tokenprobe_spec_decode_draft_tokens_total", drafted),
+        ("tokenprobe_spec_decode_accepted_tokens_total", accepted),
+    ):
+        assert total(after, name) - total(before, name) == expected
+    per_chunk = "tokenprobe_request_output_tokens_per_chunk_sum"
+    assert total(after, per_chunk) - total(before, per_chunk) == pytest.approx(3 * 20 / 7)
+
+
+def test_the_client_gets_the_finish_chunk_with_its_fingerprint_and_no_usage_chunk(
+    proxy: str,
+) -> None:
+    body = chat(proxy)
+    events = [e for e in body.split(b"\n\n") if e]
+    assert b'"choices":[]' not in body and events[-1] == b"data: [DONE]"
+    assert events[-2].endswith(
+        b'"finish_reason":"stop","stop_reason":null}],'
+        b'"system_fingerprint":"' + FINGERPRINT.encode() + b'"}'
+    )
+
+
+def _disconnect_after(base: str, n: int, headers: dict[str, str]) -> None:
+    payload = {"model": "sim-model", "stream": True, "messages": MESSAGES}
+    seen = 0
+    with httpx.stream("POST", base + CHAT, json=payload, headers=headers, timeout=60) as response:
+        for line in response.iter_lines():
+            if (
+                line.startswith("data: ")
+                and b'"content":"' in line.encode()
+                and '"content":""' not in line
+            ):
+                seen += 1
+                if seen == n:
+                    break  # leaving the block closes the connection
+    assert seen == n
+
+
+def test_cancelled_tokens_match_a_client_that_leaves_after_n_content_events(proxy: str) -> None:
+    before = scrape(proxy)
+    slow = {"x-sim-tps": "4", "x-sim-output-tokens": "40"}  # 250 ms between tokens
+    _disconnect_after(proxy, 5, slow)
+    name = "tokenprobe_cancelled_generation_tokens_total"
+    after = wait_until(proxy, name, 5 + total(before, name))
+    assert total(after, name, source="chunks") - total(before, name, source="chunks") == 5
+    assert total(after, "tokenprobe_cancelled_prompt_tokens_total") == total(
+        before, "tokenprobe_cancelled_prompt_tokens_total"
+    )  # no tokenizer, no usage: the prompt is not counted
+
+
+def test_with_a_tokenizer_the_cancelled_prompt_is_counted(tmp_path: Path) -> None:
+    tokenizer = build_tiny_tokenizer(tmp_path)
+    sim_port, proxy_port = free_port(), free_port()
+    sim = spawn("sim", "--port", str(sim_port), "--tps", "4", "--output-tokens", "40")
+    proxy = None
+    try:
+        wait_http(f"http://127.0.0.1:{sim_port}/health")
+        proxy = spawn(
+            "serve",
+            "--upstream",
+            f"http://127.0.0.1:{sim_port}",
+            "--port",
+            str(proxy_port),
+            "--access-log",
+            "off",
+            "--tokenizer",
+            str(tokenizer),
+        )
+        base = f"http://127.0.0.1:{proxy_port}"
+        wait_http(base + "/healthz")
+        chat(base, {"x-sim-tps": "1000", "x-sim-output-tokens": "2"})  # the tokenizer is loaded
+        wait_until(base, "tokenprobe_prompt_tokens_total", 1, source="tokenizer")
+        _disconnect_after(base, 3, {})
+        series = wait_until(base, "tokenprobe_cancelled_prompt_tokens_total", 1)
+        prompt = total(series, "tokenprobe_cancelled_prompt_tokens_total", source="tokenizer")
+        finished = total(series, "tokenprobe_prompt_tokens_total", source="tokenizer")
+        assert prompt == finished > 0  # the same prompt, counted the same way
+        generated = total(
+            series, "tokenprobe_cancelled_generation_tokens_total", source="tokenizer"
+        )
+        assert generated >= 3  # three content events' text, as the tokenizer counts it
+    finally:
+        if proxy is not None:
+            stop(proxy)
+        stop(sim)
+
+
+ENGINE_SERIES = re.compile(
+    r"^tokenprobe_(engine_queue_time_seconds|engine_time_to_first_token_seconds|"
+    r"time_to_first_token_outside_engine_seconds|spec_decode_\w+)(_bucket|_sum|_count|_total)?\{",
+    re.M,
+)
+
+
+def test_a_backend_without_the_object_leaves_the_engine_metrics_untouched(
+    proxy_without_object: str,
+) -> None:
+    for _ in range(3):
+        chat(proxy_without_object)
+    chat(proxy_without_object, stream=False)
+    wait_until(proxy_without_object, "tokenprobe_e2e_request_latency_seconds_count", 4)
+    text = httpx.get(proxy_without_object + "/metrics", timeout=5).text
+    assert "tokenprobe_time_to_first_token_seconds_count{" in text
+    assert ENGINE_SERIES.findall(text) == []
+
+
+def test_a_responses_stream_is_split_from_its_response_completed(proxy: str) -> None:
+    before = scrape(proxy)
+    payload = {"model": "sim-model", "stream": True, "input": "hello"}
+    body = httpx.post(proxy + "/v1/responses", json=payload, timeout=60).content
+    assert b'"metrics":{' in body  # the client asked for nothing: it gets the stream as sent
+    name = "tokenprobe_time_to_first_token_outside_engine_seconds_count"
+    labels = {"endpoint": "/v1/responses"}
+    after = wait_until(proxy, name, 1 + total(before, name, **labels), **labels)
+    assert total(after, name, **labels) - total(before, name, **labels) == 1
+
+    def grew(metric: str, **more: str) -> float:
+        return total(after, metric, **labels, **more) - total(before, metric, **labels, **more)
+
+    parts = (
+        grew("tokenprobe_engine_queue_time_seconds_sum", stream="true")
+        + grew("tokenprobe_engine_time_to_first_token_seconds_sum", stream="true")
+        + grew("tokenprobe_time_to_first_token_outside_engine_seconds_sum")
+    )
+    assert parts == pytest.approx(grew("tokenprobe_time_to_first_token_seconds_sum"), rel=1e-9)
