@@ -251,6 +251,11 @@ class Settings:
         4 * 1024 * 1024,
         'Largest SSE event buffered to measure or strip; a larger event is relayed all the same, and that stream goes unmeasured (`tokenprobe_measurement_failures_total{stage="event_too_large"}`).',
     )
+    ws_idle_timeout: float = setting(
+        _seconds,
+        300.0,
+        "Seconds a WebSocket tunnel may carry no byte either way before the proxy closes it.",
+    )
     tokenizer: str | None = setting(
         str,
         None,
@@ -275,7 +280,7 @@ class Settings:
     upstream_transport: str = setting(
         _choice("aiohttp", "httpx"),
         "aiohttp",
-        "httpx transport: `aiohttp` (httpx-aiohttp) or `httpx` (its own). See Performance.",
+        "The ASGI relay's httpx transport (`--relay asgi`): `aiohttp` (httpx-aiohttp) or `httpx` (its own); the wire has its own upstream pool. See Performance.",
     )
     access_log: str = setting(
         _choice("json", "text", "off"), "json", "One line per request on stdout: json, text or off."
@@ -331,6 +336,11 @@ class Settings:
         "The deployment's cost per hour, exported as `tokenprobe_deployment_cost_per_hour` for cost per million tokens at the observed throughput.",
     )
     currency: str = setting(_currency, "USD", "Currency of `--cost-per-hour`.")
+    relay: str = setting(
+        _choice("wire", "asgi"),
+        "wire",
+        "The data path: `wire` (protocol-level, the fast default) or `asgi` (the ASGI relay through httpx, what `proxy.asgi:app` runs under any ASGI server). See [Data paths](#data-paths-the-wire-and-the-asgi-app).",
+    )
     workers: int = setting(
         positive_int, 1, "Worker processes sharing the port; `/metrics` sums them all."
     )

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -15,8 +16,8 @@ from proxy.server.assemble import assemble
 from proxy.settings import Settings
 from proxy.sim.app import SimApp, create_sim_app
 from proxy.sim.config import SimConfig
-from proxy.sinks.sink import Recorder
-from tests.servers import ThreadedServer
+from proxy.sinks.sink import Recorder, Sink
+from tests.servers import ThreadedHypercorn, ThreadedServer
 
 MODEL = "sim-model"
 
@@ -24,7 +25,7 @@ MODEL = "sim-model"
 class Running:
     """A started server plus the app object behind it."""
 
-    def __init__(self, server: ThreadedServer, app: Any) -> None:
+    def __init__(self, server: ThreadedServer | ThreadedHypercorn, app: Any) -> None:
         self.server = server
         self.app = app
         self.url = server.url
@@ -57,7 +58,9 @@ def sim(start_sim: Callable[..., Running]) -> Running:
 class ProxyUnderTest(Running):
     app: ProxyApp
 
-    def __init__(self, server: ThreadedServer, app: ProxyApp, records: list[Measurement]) -> None:
+    def __init__(
+        self, server: ThreadedServer | ThreadedHypercorn, app: ProxyApp, records: list[Measurement]
+    ) -> None:
         super().__init__(server, app)
         self.records = records
 
@@ -79,11 +82,24 @@ class ProxyUnderTest(Running):
         return self.records
 
 
+#: Set to "hypercorn" to run the in-process proxy's ASGI app under hypercorn (tests/server).
+SERVER_ENV = "TOKENPROBE_TEST_SERVER"
+
+
+def relay_config() -> dict[str, Any]:
+    """uvicorn's options for the data path TOKENPROBE_RELAY names (tests/server/conftest.py
+    runs every server test on both): the wire's protocol, or uvicorn's own for the ASGI relay."""
+    from proxy.server.wire import WireProtocol
+
+    relay = os.environ.get("TOKENPROBE_RELAY", "wire")
+    return {"http": WireProtocol} if relay == "wire" else {}
+
+
 @pytest.fixture
 def start_proxy() -> Iterator[Callable[..., ProxyUnderTest]]:
     started: list[ProxyUnderTest] = []
 
-    def start(upstream: str, **settings: Any) -> ProxyUnderTest:
+    def start(upstream: str, *, sinks: Sequence[Sink] = (), **settings: Any) -> ProxyUnderTest:
         settings.setdefault("model_allowlist", (MODEL,))
         settings.setdefault("models_refresh", None)
         settings.setdefault("access_log", "off")  # the records are the recorder's
@@ -92,9 +108,14 @@ def start_proxy() -> Iterator[Callable[..., ProxyUnderTest]]:
             Settings(upstream=upstream, **settings),
             {},
             registry=CollectorRegistry(),
-            extra_sinks=[recorder],
+            extra_sinks=[*sinks, recorder],
         )
-        server = ThreadedServer(app, server_header=False, date_header=False).start()
+        server: Any
+        if os.environ.get(SERVER_ENV) == "hypercorn":
+            server = ThreadedHypercorn(app).start()
+        else:
+            server = ThreadedServer(app, server_header=False, date_header=False, **relay_config())
+            server.start()
         running = ProxyUnderTest(server, app, recorder.records)
         started.append(running)
         return running

@@ -22,7 +22,15 @@ import uvicorn
 
 from proxy.bench.ports import free_port
 
-__all__ = ["ThreadedServer", "free_port", "serve", "spawn", "stop", "wait_http"]
+__all__ = [
+    "ThreadedHypercorn",
+    "ThreadedServer",
+    "free_port",
+    "serve",
+    "spawn",
+    "stop",
+    "wait_http",
+]
 
 
 class ThreadedServer:
@@ -59,6 +67,52 @@ class ThreadedServer:
 
     def stop(self) -> None:
         self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+class ThreadedHypercorn:
+    """hypercorn serving `app` on 127.0.0.1:<ephemeral> in a background thread: the ASGI
+    app under a server that is not uvicorn (the app is a product of its own)."""
+
+    def __init__(self, app: Any) -> None:
+        from hypercorn.config import Config
+
+        self.port = free_port()
+        self.app = app
+        self.config = Config()
+        self.config.bind = [f"127.0.0.1:{self.port}"]
+        self.config.accesslog = None
+        self.config.errorlog = None
+        self.config.graceful_timeout = 1.0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _run(self) -> None:
+        from hypercorn.asyncio import serve as hypercorn_serve
+
+        self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.loop)
+        self._stop = asyncio.Event()
+        try:
+            self.loop.run_until_complete(
+                hypercorn_serve(self.app, self.config, shutdown_trigger=self._stop.wait)
+            )
+        finally:
+            self.loop.close()
+
+    def start(self) -> ThreadedHypercorn:
+        self.thread.start()
+        wait_http(self.url + "/healthz", timeout=10)
+        return self
+
+    def stop(self) -> None:
+        if self.loop is not None and self._stop is not None:
+            self.loop.call_soon_threadsafe(self._stop.set)
         self.thread.join(timeout=10)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 
 from proxy.settings import SPECS, settings_table
-from proxy.sinks.metrics import Metrics
+from proxy.sinks.metrics import Metrics, WsMetrics
 from tests.paths import ROOT
 
 README = (ROOT / "README.md").read_text()
@@ -20,7 +20,10 @@ def test_the_settings_table_is_the_one_rendered_from_the_declarations() -> None:
 
 def test_every_metric_is_documented() -> None:
     names = []
-    for family in Metrics(CollectorRegistry()).registry.collect():
+    registry = CollectorRegistry()
+    Metrics(registry)
+    WsMetrics(registry)
+    for family in registry.collect():
         names.append(family.name + ("_total" if family.type == "counter" else ""))
     missing = [name for name in names if f"`{name}`" not in README and name not in README]
     assert missing == []

@@ -18,6 +18,9 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 TTFB_BUCKETS = (0.0005, *TTFT_BUCKETS)
 DECODE_SPEED_BUCKETS = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 75.0, 100.0, 150.0,
                         200.0, 300.0, 500.0, 1000.0, 2000.0)
+# A WebSocket session lasts from a fraction of a second (a refusal) to hours (a realtime call).
+WS_SESSION_BUCKETS = (0.01, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0,
+                      3600.0, 7200.0, 14400.0, 43200.0)
 # vLLM observes its request queue time into its request-time buckets (the e2e ones above).
 QUEUE_TIME_BUCKETS = E2E_BUCKETS
 # The proxy's own time and the event loop's lag: tens of microseconds to a stall.

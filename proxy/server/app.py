@@ -4,8 +4,10 @@ Routes: the proxy's own (proxy/server/control.py) are `/healthz` (the process is
 `/readyz` (the upstream answers) and `/metrics` and `/ui` while metrics are served on the
 proxy's port (vLLM's own `/metrics` is then shadowed: scrape vLLM directly). Every other
 path is forwarded to the backend byte for byte; POSTs to a path with an API seam
-(proxy/core/apis/) are measured. The lifespan owns the upstream client, the model-list
-refresher and the tokenizer. proxy/server/assemble.py builds the app from settings.
+(proxy/core/apis/) are measured. On the wire (proxy/server/wire/) only the control
+paths reach this app; the wire reads its shared state from `wire`. The lifespan owns the
+upstream client, the wire's pool, the model-list refresher and the tokenizer.
+proxy/server/assemble.py builds the app from settings.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from proxy.core.tokens import TokenCounter
 from proxy.server.control import ControlPlane
 from proxy.server.forward import Forwarder, UpstreamBroke
 from proxy.server.looplag import LoopLag
+from proxy.server.tunnel import TunnelContext, tunnel_context
 from proxy.server.upstream import create_client
+from proxy.server.wire import Wire
 from proxy.settings import Settings
 from proxy.sinks.dispatch import Sinks
 from proxy.types import ASGIApp, Receive, Scope, Send
@@ -64,6 +68,7 @@ class ProxyApp:
         self.control = control
         self.client: httpx.AsyncClient | None = None
         self.forwarder: Forwarder | None = None
+        self.wire: Wire | None = None  # the wire's shared state (proxy/server/wire/)
         self.counter: TokenCounter | None = None
         self._refresher: asyncio.Task[None] | None = None
         self._metrics_server: Any = None
@@ -72,7 +77,11 @@ class ProxyApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
-        if kind == "http":
+        if kind == "websocket":
+            # Only the wire tunnels WebSockets; here a clean refusal (403), not a 500.
+            log.warning("WebSocket %s refused: the ASGI relay does not tunnel them", scope["path"])
+            await send({"type": "websocket.close", "code": 1008})
+        elif kind == "http":
             # The proxy's own routes first; everything else belongs to the backend, and
             # goes to the relay with no router or middleware in between.
             if self.control.owns(scope["path"]):
@@ -93,6 +102,7 @@ class ProxyApp:
         self.forwarder = Forwarder.from_settings(
             settings, client=self.client, sinks=self.sinks, counter=self.counter
         )
+        self.wire = Wire(self.forwarder.context, self.control.owns, _tunnel_context(self))
         self.control.readiness.client = self.client
         self.loop_lag.start()
         if settings.models_refresh:
@@ -125,6 +135,8 @@ class ProxyApp:
             await asyncio.sleep(0.01)
 
     async def shutdown(self) -> None:
+        if self.wire is not None:  # the drain is over: cut what is still in flight
+            self.wire.close()
         await self.loop_lag.stop()
         if self._metrics_server is not None and self._metrics_task is not None:
             self._metrics_server.should_exit = True
@@ -182,3 +194,8 @@ class ProxyApp:
             if ids is not None:
                 self.sinks.models.update_from_upstream(ids)
             await asyncio.sleep(every)
+
+
+def _tunnel_context(app: ProxyApp) -> TunnelContext:
+    """The WebSocket tunnel's context (proxy/server/tunnel.py), built once per server."""
+    return tunnel_context(app.settings, app.registry, app.sinks)

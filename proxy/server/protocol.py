@@ -100,13 +100,18 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._head_timer = None
 
     def data_received(self, data: bytes) -> None:
-        if self._in_head:
-            self._head_bytes += len(data)
-            if self._head_bytes > self.limits.max_head_bytes:
-                size = self.limits.max_head_bytes - HEAD_SLACK
-                self._refuse("headers_too_large", f"request headers over {size} bytes")
-                return
+        if self._in_head and not self._count_head(data):
+            return
         super().data_received(data)
+
+    def _count_head(self, data: bytes) -> bool:
+        """Count a read of a request head; False when it went over the cap (refused)."""
+        self._head_bytes += len(data)
+        if self._head_bytes > self.limits.max_head_bytes:
+            size = self.limits.max_head_bytes - HEAD_SLACK
+            self._refuse("headers_too_large", f"request headers over {size} bytes")
+            return False
+        return True
 
     def on_message_begin(self) -> None:
         if not self._in_head:  # a pipelined request: its head is counted from here on
@@ -121,9 +126,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        self._head_done()
+        super().on_headers_complete()
+
+    def _head_done(self) -> None:
         self._in_head = False
         self._stop_head_timer()
-        super().on_headers_complete()
 
     def on_response_complete(self) -> None:
         waiting = bool(self.pipeline)  # the next request's head is already in

@@ -1,4 +1,6 @@
-"""`tokenprobe serve`: settings -> app -> uvicorn (uvloop and httptools when installed).
+"""`tokenprobe serve`: settings -> app -> uvicorn (uvloop and httptools when installed),
+relaying on the wire (proxy/server/wire/, uvicorn's protocol) or, with `--relay asgi`,
+through the ASGI relay.
 
 With `--workers N` uvicorn runs N processes sharing the port. Their metrics go through
 prometheus-client's multiprocess mode: every process writes its values to files in one
@@ -34,9 +36,16 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
         "server_header": False,  # the upstream's headers pass through; add none of ours
         "date_header": False,
         "loop": "auto",
-        # httptools with limits on the request head while it arrives (proxy.server.protocol)
-        "http": "proxy.server.protocol:GuardedHttpToolsProtocol",
+        # httptools with limits on the request head while it arrives (proxy.server.protocol);
+        # the wire is that protocol relaying itself (proxy.server.wire).
+        "http": _PROTOCOLS[settings.relay],
     }
+
+
+_PROTOCOLS = {
+    "wire": "proxy.server.wire:WireProtocol",
+    "asgi": "proxy.server.protocol:GuardedHttpToolsProtocol",
+}
 
 
 def build_app(settings: Settings) -> ProxyApp:

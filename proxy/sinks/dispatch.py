@@ -116,6 +116,11 @@ class Sinks:
         )
         self._record(m, Labels(self.models(info.model)))
 
+    def record(self, measurement: Measurement, key: str | None = None) -> None:
+        """A record made outside the HTTP relay (a WebSocket session's turn): the model
+        label is resolved here; `key` is the session's key label, resolved at its start."""
+        self._record(measurement, Labels(self.models(measurement.model), key))
+
     def passthrough(self, route: str, status: int) -> None:
         self.metrics.passthrough.labels(route, str(status)).inc()
 

@@ -29,6 +29,7 @@ from proxy.core.buckets import (
     TOKENS_PER_CHUNK_BUCKETS,
     TTFB_BUCKETS,
     TTFT_BUCKETS,
+    WS_SESSION_BUCKETS,
     token_buckets,
 )
 from proxy.core.engine import EngineMetrics
@@ -420,6 +421,68 @@ class Metrics:
             self.key_tokens.labels(key_label, model_label, "prompt").inc(m.prompt_tokens)
         if m.output_tokens:
             self.key_tokens.labels(key_label, model_label, "output").inc(m.output_tokens)
+
+
+#: How a WebSocket tunnel ended: the `outcome` label of tokenprobe_websocket_sessions_total.
+#: A session the upstream accepted ends in one of proxy/core/wsseam.py's CLOSE_CAUSES;
+#: one it did not: refused (the upstream answered the upgrade with another status),
+#: upstream_unreachable (connect failed or timed out), bad_request (the proxy refused the
+#: request target).
+WS_OUTCOMES = (
+    "closed_by_client",
+    "closed_by_upstream",
+    "client_vanished",
+    "upstream_vanished",
+    "idle_timeout",
+    "shutdown",
+    "error",
+    "refused",
+    "upstream_unreachable",
+    "bad_request",
+)
+
+
+class WsMetrics:
+    """WebSocket tunnels: counted by route (a WsApi's endpoint, else "other") and outcome.
+
+    Built once per registry by proxy/server/tunnel.py's `tunnel_context`; each tunnel
+    resolves its children once (`for_route`)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.sessions = Counter(
+            "tokenprobe_websocket_sessions",
+            "WebSocket upgrade requests the proxy tunnelled (or tried to), counted when the "
+            "tunnel ended: from the upgrade request's arrival to the close of both sides, by "
+            "route and outcome (who sent the first close frame, who vanished without one, "
+            "idle_timeout, shutdown, refused, upstream_unreachable, bad_request, error).",
+            ("route", "outcome"),
+            registry=registry,
+        )
+        self.in_flight = Gauge(
+            "tokenprobe_websocket_sessions_in_flight",
+            "WebSocket tunnels between the upgrade request's arrival and the close.",
+            ("route",),
+            registry=registry,
+            multiprocess_mode="livesum",
+        )
+        self.duration = Histogram(
+            "tokenprobe_websocket_session_duration_seconds",
+            "WebSocket session duration: from the upgrade request's arrival to the close "
+            "(the first side's connection ending, the idle timeout or the drain closing it).",
+            ("route",),
+            registry=registry,
+            buckets=WS_SESSION_BUCKETS,
+        )
+        self._routes: dict[str, tuple[Any, Any, dict[str, Any]]] = {}
+
+    def for_route(self, route: str) -> tuple[Any, Any, dict[str, Any]]:
+        """(in-flight child, duration child, outcome -> counter child) for one route."""
+        children = self._routes.get(route)
+        if children is None:
+            counts = {o: self.sessions.labels(route, o) for o in WS_OUTCOMES}
+            children = (self.in_flight.labels(route), self.duration.labels(route), counts)
+            self._routes[route] = children
+        return children
 
 
 def observe_all(histogram: Any, values: Sequence[float]) -> None:

@@ -13,7 +13,7 @@ from tests.edge_backend import RawBackend, backend, metric, serving
 
 
 @pytest.fixture(scope="module")
-def edge() -> Iterator[tuple[RawBackend, str]]:
+def edge(relay: str) -> Iterator[tuple[RawBackend, str]]:
     flags = ("--header-timeout", "0.5", "--max-headers", "50")
     with backend() as upstream, serving(upstream.url, *flags) as base:
         yield upstream, base

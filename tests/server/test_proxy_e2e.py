@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import httpx
 import openai
@@ -13,8 +13,15 @@ import pytest
 from proxy.bench.ports import free_port
 from proxy.core.measurement import ErrorType, TokenSource
 from tests.conftest import MODEL, ProxyUnderTest, Running
+from tests.server.conftest import WITH_HYPERCORN, use_relay
 
 CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module", params=WITH_HYPERCORN, autouse=True)
+def relay(request: pytest.FixtureRequest) -> Iterator[str]:
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        yield use_relay(request.param, monkeypatch)
 
 
 def chat(stream: bool = True, **extra: object) -> dict[str, object]:

@@ -36,8 +36,21 @@ from proxy.settings import Settings
 from proxy.sinks.sink import Labels, Recorder, Sink
 from proxy.types import Message
 from tests.paths import ERRORS, STREAMS
+from tests.server.conftest import only_on
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the model the recorded streams name
+
+
+@pytest.fixture(autouse=True)
+def _asgi_only(relay: str) -> None:
+    only_on(
+        relay,
+        "asgi",
+        "drives the ASGI app through its ASGI interface with a mock upstream transport; "
+        "tests/server/test_wire_inprocess.py runs the same exits on the wire",
+    )
+
+
 UPSTREAM = "http://upstream.test"
 SECRET = b"sk-relay-test-0123456789"
 

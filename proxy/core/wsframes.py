@@ -1,0 +1,344 @@
+"""WebSocket frames read on the side of a byte tunnel: bytes in, messages out, no I/O.
+
+Two readers per tunnel, one per direction. `FrameBounds` is the tunnel's own: it reads
+only frame headers (a few bytes per frame, no unmasking) to know where frames end, so the
+proxy can put a close frame between two frames at shutdown, and which side sent a close
+frame first. `FrameReader` is what an API seam watches (proxy/core/wsseam.py): it unmasks,
+reassembles fragmented messages, inflates permessage-deflate (RFC 7692) and yields each
+message and control frame with the time of the read that completed it.
+
+Framing is wsproto's (`wsproto.frame_protocol.FrameDecoder`: header, lengths, masking,
+the rules for control frames). Inflating is ours, as a wsproto `Extension`, because
+wsproto's own `PerMessageDeflate` inflates without a bound: a few KiB of deflated zeros
+would become gigabytes in the watcher. Here a message larger than `max_message_bytes`
+(compressed or not) is a `FrameError`, and so is anything wsproto refuses; the tunnel then
+stops watching and the bytes go on flowing.
+
+The negotiated permessage-deflate parameters come from the upstream's 101 response
+(`deflate_params(Sec-WebSocket-Extensions)`): the server's answer is what both ends use.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+
+from wsproto.extensions import Extension
+from wsproto.frame_protocol import (
+    CloseReason,
+    FrameDecoder,
+    Opcode,
+    ParseFailed,
+    RsvBits,
+)
+
+#: WsMessage.kind for each opcode the reader yields.
+KINDS = {
+    Opcode.TEXT: "text",
+    Opcode.BINARY: "binary",
+    Opcode.PING: "ping",
+    Opcode.PONG: "pong",
+    Opcode.CLOSE: "close",
+}
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+
+
+class FrameError(ValueError):
+    """The bytes are not WebSocket frames the reader can follow; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class WsMessage:
+    """One message (reassembled, inflated) or control frame, from one side, at one read.
+
+    `data` is the payload as bytes (a text message's UTF-8, not decoded); for a close
+    frame it is the reason's UTF-8 and `close_code` the code (None when the frame had
+    none, RFC 6455's 1005)."""
+
+    from_client: bool
+    kind: str  # "text" | "binary" | "ping" | "pong" | "close"
+    data: bytes
+    at: float  # perf_counter() of the read that completed it
+    close_code: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DeflateParams:
+    """permessage-deflate as the server accepted it (RFC 7692 §7.1)."""
+
+    client_no_context_takeover: bool = False
+    server_no_context_takeover: bool = False
+    client_max_window_bits: int = 15
+    server_max_window_bits: int = 15
+
+
+def deflate_params(extensions: str | None) -> DeflateParams | None:
+    """The permessage-deflate parameters in a 101's Sec-WebSocket-Extensions, or None.
+
+    Raises FrameError for parameters the RFC does not allow in a server's answer, so a
+    tunnel whose compression cannot be followed is not watched wrongly."""
+    if not extensions:
+        return None
+    for offer in extensions.split(","):
+        name, *params = (part.strip() for part in offer.split(";"))
+        if name.lower() != "permessage-deflate":
+            continue
+        found: dict[str, object] = {}
+        for param in params:
+            key, _, value = (p.strip() for p in param.partition("="))
+            key = key.lower()
+            if key in ("client_no_context_takeover", "server_no_context_takeover"):
+                found[key] = True
+            elif key in ("client_max_window_bits", "server_max_window_bits"):
+                bits = value.strip('"')
+                if not bits.isdigit() or not 8 <= int(bits) <= 15:
+                    raise FrameError(f"permessage-deflate: bad {key}={value!r}")
+                # zlib refuses a raw window of 8 bits; 9 reads everything an 8 wrote.
+                found[key] = max(int(bits), 9)
+            elif key:
+                raise FrameError(f"permessage-deflate: unknown parameter {key!r}")
+        return DeflateParams(**found)  # type: ignore[arg-type]
+    return None
+
+
+class _Inflate(Extension):
+    """permessage-deflate's inbound half for wsproto's FrameDecoder, with a size bound."""
+
+    name = "permessage-deflate"
+
+    def __init__(self, params: DeflateParams, from_client: bool, limit: int) -> None:
+        self._bits = params.client_max_window_bits if from_client else params.server_max_window_bits
+        self._reset = (
+            params.client_no_context_takeover if from_client else params.server_no_context_takeover
+        )
+        self._limit = limit
+        self._inflater: zlib._Decompress | None = None
+        self._control = False  # the frame being read is a control frame (never compressed)
+        self._compressed: bool | None = None  # this message's RSV1, kept over its fragments
+        self._out = 0  # inflated bytes of this message so far
+
+    def enabled(self) -> bool:
+        return True
+
+    def offer(self) -> bool | str:
+        return False  # only ever reads; the two ends negotiated
+
+    def frame_inbound_header(
+        self, proto: object, opcode: Opcode, rsv: RsvBits, payload_length: int
+    ) -> CloseReason | RsvBits:
+        if rsv.rsv1 and (opcode.iscontrol() or opcode is Opcode.CONTINUATION):
+            return CloseReason.PROTOCOL_ERROR
+        self._control = opcode.iscontrol()
+        if not self._control and self._compressed is None:
+            self._compressed = rsv.rsv1
+            self._out = 0
+            if rsv.rsv1 and self._inflater is None:
+                self._inflater = zlib.decompressobj(-self._bits)
+        return RsvBits(True, False, False)
+
+    def frame_inbound_payload_data(self, proto: object, data: bytes) -> bytes | CloseReason:
+        if self._control or not self._compressed or self._inflater is None or not data:
+            return data
+        return self._inflate(data)
+
+    def frame_inbound_complete(self, proto: object, fin: bool) -> bytes | CloseReason | None:
+        if self._control or not fin or self._compressed is None:
+            return None  # a control frame, or a fragment of a message
+        compressed, self._compressed = self._compressed, None
+        if not compressed or self._inflater is None:
+            return None
+        tail = self._inflate(b"\x00\x00\xff\xff")
+        if self._reset:
+            self._inflater = None
+        return tail
+
+    def _inflate(self, data: bytes) -> bytes | CloseReason:
+        assert self._inflater is not None
+        room = self._limit - self._out
+        try:
+            out = self._inflater.decompress(data, room + 1)
+        except zlib.error:
+            return CloseReason.INVALID_FRAME_PAYLOAD_DATA
+        self._out += len(out)
+        if self._out > self._limit or self._inflater.unconsumed_tail:
+            return CloseReason.MESSAGE_TOO_BIG
+        return out
+
+
+class FrameReader:
+    """One direction's frames -> messages. `from_client`: frames the client sends (masked).
+
+    `feed` returns the messages and control frames completed by `data`, each stamped
+    `now`. After a close frame the direction is over; later bytes are ignored. Raises
+    FrameError (and stays broken) on anything it cannot follow."""
+
+    def __init__(
+        self,
+        from_client: bool,
+        deflate: DeflateParams | None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        self.from_client = from_client
+        extensions: list[Extension] = []
+        if deflate is not None:
+            extensions.append(_Inflate(deflate, from_client, max_message_bytes))
+        # wsproto's `client` is the reading end: frames from the client are read by a server.
+        self._decoder = FrameDecoder(client=not from_client, extensions=extensions)
+        self._limit = max_message_bytes
+        self._opcode: Opcode | None = None  # the data message being reassembled
+        self._parts: list[bytes] = []
+        self._size = 0
+        self._closed = False
+        self._broken: str | None = None
+
+    def feed(self, data: bytes, now: float) -> list[WsMessage]:
+        if self._broken is not None:
+            raise FrameError(self._broken)
+        if self._closed or not data:
+            return []
+        out: list[WsMessage] = []
+        decoder = self._decoder
+        decoder.receive_bytes(data)
+        try:
+            while not self._closed:
+                frame = decoder.process_buffer()
+                if frame is None:
+                    break
+                payload = frame.payload
+                assert isinstance(payload, bytes)  # FrameDecoder yields bytes, never text
+                self._frame(
+                    frame.opcode, payload, frame.frame_finished, frame.message_finished, now, out
+                )
+        except ParseFailed as exc:
+            self._broken = f"{exc} (close code {int(exc.code)})"
+            raise FrameError(self._broken) from None
+        except FrameError as exc:
+            self._broken = str(exc)
+            raise
+        return out
+
+    def _frame(
+        self,
+        opcode: Opcode,
+        payload: bytes,
+        frame_done: bool,
+        fin: bool,
+        now: float,
+        out: list[WsMessage],
+    ) -> None:
+        if opcode.iscontrol():  # never fragmented, and wsproto holds it until it is whole
+            out.append(self._control(opcode, payload, now))
+            return
+        if opcode is Opcode.CONTINUATION:
+            if self._opcode is None:
+                raise FrameError("a continuation frame outside a message")
+        elif self._opcode is not None:
+            raise FrameError(f"expected a continuation frame, got {opcode.name}")
+        else:
+            self._opcode = opcode
+        if payload:
+            self._size += len(payload)
+            if self._size > self._limit:
+                raise FrameError(f"a message over {self._limit} bytes")
+            self._parts.append(payload)
+        if frame_done and fin:
+            kind = KINDS[self._opcode]
+            data = b"".join(self._parts)
+            self._opcode, self._parts, self._size = None, [], 0
+            out.append(WsMessage(self.from_client, kind, data, now))
+
+    def _control(self, opcode: Opcode, payload: bytes, now: float) -> WsMessage:
+        if opcode is not Opcode.CLOSE:
+            return WsMessage(self.from_client, KINDS[opcode], payload, now)
+        self._closed = True
+        if not payload:
+            return WsMessage(self.from_client, "close", b"", now, None)
+        if len(payload) == 1:
+            raise FrameError("a close frame with a 1-byte payload")
+        (code,) = struct.unpack("!H", payload[:2])
+        return WsMessage(self.from_client, "close", payload[2:], now, code)
+
+
+class FrameBounds:
+    """Where one direction's frames end, from their headers alone (no unmasking).
+
+    `at_boundary` is true when every frame fed so far is complete; `closed` once a whole
+    close frame has passed. Anything that is not a frame header stops it (`lost`), and
+    the tunnel then treats the direction as never at a boundary again."""
+
+    __slots__ = ("_closing", "_head", "_left", "closed", "lost")
+
+    def __init__(self) -> None:
+        self._left = 0  # payload bytes of the current frame still to come
+        self._head = b""  # a frame header split across reads
+        self._closing = False  # the current frame is a close frame
+        self.closed = False
+        self.lost = False
+
+    @property
+    def at_boundary(self) -> bool:
+        return not self._left and not self._head and not self.lost
+
+    def feed(self, data: bytes) -> None:
+        if self.lost:
+            return
+        n = len(data)
+        left = self._left
+        if left >= n:  # the common case for large frames: all payload
+            self._left = left = left - n
+            if not left and self._closing:
+                self.closed = True
+            return
+        i = left
+        if self._head:
+            data = self._head + data
+            n = len(data)
+            self._head = b""
+            i = 0
+        elif left and self._closing:
+            self.closed = True
+        closing = False
+        while i < n:
+            if n - i < 2:
+                self._head = data[i:]
+                break
+            b0, b1 = data[i], data[i + 1]
+            length = b1 & 0x7F
+            size = 2 + (4 if b1 & 0x80 else 0)
+            if length == 126:
+                size += 2
+            elif length == 127:
+                size += 8
+            if n - i < size:
+                self._head = data[i:]
+                break
+            if length == 126:
+                (length,) = struct.unpack_from("!H", data, i + 2)
+            elif length == 127:
+                (length,) = struct.unpack_from("!Q", data, i + 2)
+            opcode = b0 & 0x0F
+            if opcode not in _OPCODES:
+                self.lost = True
+                return
+            closing = opcode == 0x8
+            i += size + length
+            if closing and i <= n:
+                self.closed = True
+        self._left = i - n if i > n else 0
+        self._closing = closing and self._left > 0
+
+
+_OPCODES = frozenset((0x0, 0x1, 0x2, 0x8, 0x9, 0xA))
+
+
+def close_frame(code: int, reason: str, *, masked: bool) -> bytes:
+    """A close frame to write into a tunnel: masked towards the upstream (as a client's
+    frames are), unmasked towards the client. Control frames are never compressed."""
+    payload = struct.pack("!H", code) + reason.encode()[:123]
+    if not masked:
+        return bytes((0x88, len(payload))) + payload
+    key = os.urandom(4)
+    body = bytes(b ^ key[i % 4] for i, b in enumerate(payload))
+    return bytes((0x88, 0x80 | len(payload))) + key + body

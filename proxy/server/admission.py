@@ -1,0 +1,142 @@
+"""Admission, for both data paths: which requests go upstream, as what, and the proxy's
+own answers to those that do not.
+
+In order: the one normalised target (proxy/core/paths.py; routed, measured and forwarded
+alike), the head's limits (`check_head`: header bytes 431, a declared body over the limit
+413), the body's (`check_body`: 413), then `admit`: the API seam decides (a POST to a path
+that has an Api is measured), `parse_request` reads the body once, and a stream whose
+client asked for no usage is asked for it, with a `UsageEventStripper` to take it out of
+the client's stream again. A refusal is one exception (`Refused`) carrying its answer;
+`count_refusal` records it; `error_answer` is the one shape of every answer the proxy
+writes itself (before any upstream byte reached the client).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from proxy.core.apis import Api, api_for
+from proxy.core.errors import error_body, error_shape
+from proxy.core.labels import route_template
+from proxy.core.measurement import ErrorType
+from proxy.core.paths import BadTarget, Target, normalise
+from proxy.core.request import RequestInfo, parse_request
+from proxy.core.strip import UsageEventStripper
+from proxy.server.headers import Headers, secret_names
+from proxy.settings import Settings
+from proxy.sinks.dispatch import Sinks
+
+
+@dataclass(frozen=True, slots=True)
+class RelaySettings:
+    """What both data paths read from the settings, once, at startup (`relay_settings`)."""
+
+    upstream: str  # base URL, no trailing path
+    inject_usage: bool  # ask a stream for usage when its client did not, and strip it back
+    max_body_bytes: int
+    max_header_bytes: int
+    max_event_bytes: int
+    body_timeout: float  # for the client's request body
+    connect_timeout: float  # to open an upstream connection
+    first_byte_timeout: float  # from the upstream request to its response head
+    idle_timeout: float  # the longest gap between two chunks of an upstream body
+    secret_headers: frozenset[bytes]  # lower-case names whose values never leave the proxy
+
+
+def relay_settings(settings: Settings) -> RelaySettings:
+    return RelaySettings(
+        upstream=settings.upstream,
+        inject_usage=settings.inject_usage,
+        max_body_bytes=settings.max_body_bytes,
+        max_header_bytes=settings.max_header_bytes,
+        max_event_bytes=settings.max_event_bytes,
+        body_timeout=settings.body_timeout,
+        connect_timeout=settings.connect_timeout,
+        first_byte_timeout=settings.first_byte_timeout,
+        idle_timeout=settings.idle_timeout,
+        secret_headers=secret_names(settings.secret_headers),
+    )
+
+
+class Refused(Exception):
+    """A request the proxy answers itself, before anything goes upstream."""
+
+    def __init__(self, status: int, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.message = status, kind, message
+
+
+class ClientGone(Exception):
+    """The client left while sending its request."""
+
+
+def target(raw_path: bytes, query: bytes) -> Target:
+    try:
+        return normalise(raw_path, query)
+    except BadTarget as exc:
+        raise Refused(400, "invalid_request_target", str(exc)) from None
+
+
+def measured_api(method: str, path: str) -> Api | None:
+    """The seam decides: a POST to a path that has an Api is measured, the rest is not."""
+    return api_for(path) if method == "POST" else None
+
+
+def check_head(headers: Headers, limits: RelaySettings) -> None:
+    """The limits a request head can break before its body is read (431, 413)."""
+    header_bytes = 0
+    for name, value in headers:
+        header_bytes += len(name) + len(value)
+        if name == b"content-length" and value.isdigit() and int(value) > limits.max_body_bytes:
+            raise body_too_large(limits.max_body_bytes)
+    if header_bytes > limits.max_header_bytes:
+        raise Refused(
+            431,
+            "request_header_fields_too_large",
+            f"request headers over {limits.max_header_bytes} bytes",
+        )
+
+
+def body_too_large(limit: int) -> Refused:
+    return Refused(413, "request_too_large", f"request body over {limit} bytes")
+
+
+BODY_TIMEOUT = Refused(408, "request_timeout", "request body not received in time")
+
+
+def admit(
+    api: Api, body: bytes, limits: RelaySettings
+) -> tuple[RequestInfo, bytes, UsageEventStripper | None]:
+    """A measured request's info, the body that goes upstream, and the stripper when the
+    proxy asked for usage the client did not."""
+    info, obj = parse_request(api, body)
+    if limits.inject_usage and info.stream and not info.usage_requested and obj is not None:
+        asked = api.ask_for_usage(obj)
+        if asked is not None:  # the client gets the stream it asked for: strip the extra
+            return info, asked, UsageEventStripper(limits.max_event_bytes)
+    return info, body, None
+
+
+def count_refusal(
+    sinks: Sinks,
+    path: str,
+    api: Api | None,
+    status: int,
+    start: float,
+    started_at: float,
+    error: ErrorType = ErrorType.BAD_REQUEST,
+) -> None:
+    """A refused (or abandoned, `error` client_cancelled) request: a bare record if it
+    was for a measured API, else a passthrough count by route."""
+    if api is not None:
+        info, _ = parse_request(api, b"")
+        sinks.refused(info, error, status, start, started_at)
+    elif error is not ErrorType.CLIENT_CANCELLED:
+        sinks.passthrough(route_template(path), status)
+
+
+def error_answer(status: int, kind: str, message: str, path: str) -> tuple[Headers, bytes]:
+    """An answer from the proxy itself, shaped for the clients of `path`."""
+    body = error_body(status, kind, message, shape=error_shape(path))
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    return headers, body

@@ -1,0 +1,240 @@
+"""The measured exchange, one per request, driven alike by both data paths.
+
+It owns what a request's measuring needs from admission to its one record: the observer,
+the sinks' `begin` and `end` (in-flight gauge, per-key labels, trace span and the
+`traceparent` that goes upstream, cost), the one place observer failures stop (`feed`,
+`end_of_stream`: the stream goes on unmeasured and a counter says so), what an early end
+means (`failure`, decided by proxy.core.errors.relay_failure) and the one finish sequence
+(`finish`). A data path only moves bytes: it calls `open` at the response head, `feed`
+after each chunk went to the client (with the time of the network read), and `finish`
+once. `IdleTimer` times the gaps of an upstream body for both paths.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Any
+
+from proxy.core.errors import Cause, Failure, relay_failure
+from proxy.core.labels import route_template
+from proxy.core.observe import StreamObserver, bare_record
+from proxy.core.request import RequestInfo
+from proxy.core.sse import EventTooLarge
+from proxy.core.tokens import TokenCounter
+from proxy.server.admission import RelaySettings
+from proxy.server.headers import Headers, redact, upstream_headers
+from proxy.sinks.dispatch import RequestScope, Sinks
+
+log = logging.getLogger("tokenprobe")
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    """What every exchange of a server shares."""
+
+    sinks: Sinks
+    counter: TokenCounter | None
+    settings: RelaySettings
+
+
+class Exchange:
+    """One request's measuring state; `info` None for a request that is only relayed."""
+
+    __slots__ = (
+        "context",
+        "headers",
+        "info",
+        "measuring",
+        "observer",
+        "path",
+        "read",
+        "rs",
+        "start",
+        "started_at",
+        "status",
+    )
+
+    def __init__(
+        self,
+        context: Context,
+        path: str,
+        headers: Headers,
+        info: RequestInfo | None,
+        start: float,
+        started_at: float,
+        read: float | None = None,
+    ) -> None:
+        self.context, self.path, self.headers = context, path, headers
+        self.info, self.start, self.started_at = info, start, started_at
+        self.read = start if read is None else read  # when the request was all in
+        self.status = 0  # what the client got; 0 until a response head went out
+        self.observer = (
+            None
+            if info is None
+            else StreamObserver(
+                info,
+                start,
+                collect_text=context.counter is not None,
+                max_event_bytes=context.settings.max_event_bytes,
+            )
+        )
+        self.measuring = self.observer is not None
+        self.rs: RequestScope = context.sinks.begin(info, headers, started_at)
+
+    def upstream_headers(self) -> Headers:
+        return upstream_headers(
+            self.headers, measured=self.info is not None, trace=self.rs.upstream_headers
+        )
+
+    def sent(self, now: float) -> None:
+        """The request goes to the upstream now: the proxy's own time since `read`."""
+        if self.observer is not None:
+            self.observer.sent(self.read, now)
+
+    def relayed(self, now: float) -> None:
+        """The response head went out to the client now (the proxy's own time again)."""
+        if self.observer is not None:
+            self.observer.relayed(now)
+
+    def open(self, status: int, content_type: str, now: float) -> None:
+        """The upstream's response head arrived (and goes to the client now)."""
+        self.status = status
+        if self.observer is not None:
+            self.observer.open(status, content_type, now)
+
+    def feed(self, chunk: bytes, now: float) -> None:
+        """A chunk that just went to the client, read from the network at `now`."""
+        if self.measuring:
+            try:
+                self.observer.feed(chunk, now)  # type: ignore[union-attr]
+            except EventTooLarge:  # relayed all the same, unmeasured from here on
+                self.observer_failed("event_too_large")
+            except Exception:
+                self.observer_failed("observe")
+
+    def end_of_stream(self, now: float) -> None:
+        if self.measuring:
+            try:
+                self.observer.end_of_stream(now)  # type: ignore[union-attr]
+            except Exception:
+                self.observer_failed("observe")
+
+    def observer_failed(self, stage: str) -> None:
+        """The one place observer failures stop: the stream goes on, the record is kept
+        to what is safe, and a counter says so."""
+        if stage == "observe":
+            log.exception("observer failed; the stream goes on unmeasured")
+        else:
+            log.warning("stream no longer measured (%s); it goes on unchanged", stage)
+        self.measuring = False
+        self.context.sinks.failed(stage)
+        if self.observer is not None:
+            self.observer.fail()
+
+    def failure(self, cause: Cause, exc: BaseException | None = None) -> Failure:
+        """What an early end means: the record's error, and the client's answer if no
+        response head went out yet (else whether to drop the connection)."""
+        settings = self.context.settings
+        limit = (
+            settings.idle_timeout if cause is Cause.IDLE_TIMEOUT else settings.first_byte_timeout
+        )
+        return relay_failure(cause, after_headers=self.status != 0, exc=exc, limit=limit)
+
+    async def finish(self, end: float, failure: Failure | None) -> None:
+        """The one finish sequence: a measured request's record goes to the sinks (from
+        the observer, or bare if measuring it broke); any other is counted by route."""
+        sinks, observer, rs = self.context.sinks, self.observer, self.rs
+        if observer is None:
+            sinks.passthrough(route_template(self.path), self.status)
+            return
+        error = None if failure is None else failure.error
+        message = None if failure is None else failure.message
+        try:
+            measurement = await observer.finish(
+                end=end,
+                started_at=self.started_at,
+                status_code=self.status,
+                error_type=error,
+                error_message=message,
+                counter=self.context.counter,
+                trace_id=rs.trace_id,
+                redact=self.redact,
+            )
+        except Exception:
+            # Still one record (status, e2e, the transport's error type), so the request
+            # is counted and the in-flight gauge comes down.
+            log.exception("measuring a request failed")
+            sinks.failed("finish")
+            measurement = bare_record(
+                observer.request,
+                status_code=self.status,
+                started_at=self.started_at,
+                e2e=end - observer.start,
+                error_type=error,
+                error_message=None if message is None else self.redact(message),
+                trace_id=rs.trace_id,
+            )
+        sinks.end(rs, measurement)
+
+    def finish_soon(self, failure: Failure | None) -> None:
+        """`finish` from a callback: at once when it awaits nothing (no tokenizer to
+        count with), else in a task."""
+        run_soon(self.finish(perf_counter(), failure), now=self.context.counter is None)
+
+    def redact(self, message: str) -> str:
+        return redact(message, self.headers, self.context.settings.secret_headers)
+
+
+def run_soon(coroutine: Coroutine[Any, Any, None], *, now: bool) -> None:
+    """Run a coroutine to its end right here when `now` says it awaits nothing, else as a
+    task: a record lands as the response's last byte goes out, with no task switch."""
+    if now:
+        try:
+            coroutine.send(None)
+        except StopIteration:
+            return
+        except Exception:  # finish contains its own failures; this is a last guard
+            log.exception("finishing a request failed")
+            return
+        coroutine.close()
+        log.error("the finish sequence awaited without a tokenizer; its record is lost")
+        return
+    asyncio.get_running_loop().create_task(coroutine)
+
+
+class IdleTimer:
+    """Cuts a relay when the upstream sends nothing for `limit` seconds.
+
+    One timer per response, not one per chunk as a transport's read timeout would arm
+    (about 3 µs a chunk): the data path only notes when it starts waiting on the upstream
+    (`waiting`; None while it cannot read because the client is slow, so a slow client is
+    not taken for a silent upstream), and the timer re-arms itself while the current wait
+    is younger than `limit`.
+    """
+
+    __slots__ = ("cut", "handle", "limit", "waiting")
+
+    def __init__(self, limit: float, cut: Callable[[Cause], None]) -> None:
+        self.limit = limit
+        self.cut = cut
+        self.waiting: float | None = None
+        self.handle = asyncio.get_running_loop().call_later(limit, self._check)
+
+    def waited(self) -> float:
+        """How long the current wait on the upstream has lasted."""
+        return 0.0 if self.waiting is None else perf_counter() - self.waiting
+
+    def _check(self) -> None:
+        waited = self.waited()
+        if waited >= self.limit:
+            self.cut(Cause.IDLE_TIMEOUT)
+        else:  # loop timers may fire a little early: never re-arm for less than a millisecond
+            delay = max(self.limit - waited, 0.001)
+            self.handle = asyncio.get_running_loop().call_later(delay, self._check)
+
+    def cancel(self) -> None:
+        self.handle.cancel()

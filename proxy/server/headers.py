@@ -1,0 +1,79 @@
+"""The header policy of both data paths: what goes upstream, what comes back, what is secret.
+
+Hop-by-hop headers (RFC 9110 §7.6.1) and those a Connection header names stop at the
+proxy in both directions. `Expect` is dropped: the proxy has read the whole body already
+(it answered the client's 100-continue when it did); passed on, the upstream would wait
+for a 100 of its own. A measured request asks for an uncompressed response, because the
+observer reads the stream. An event stream going to the client says
+`x-accel-buffering: no`, so an nginx in front does not buffer it.
+"""
+
+from __future__ import annotations
+
+from proxy.core.labels import SECRET_HEADERS
+
+Headers = list[tuple[bytes, bytes]]
+
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"trailers",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+_REQUEST_DROP = HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding", b"expect"}
+_RESPONSE_DROP_CHANGED = HOP_BY_HOP | {b"content-length"}
+
+
+def upstream_headers(headers: Headers, *, measured: bool, trace: Headers | None = None) -> Headers:
+    """The client's (lower-case) request headers as they go upstream. `trace` are the
+    proxy's own trace headers: its span is the client's span's child, so they replace the
+    client's and the backend sees exactly one traceparent."""
+    drop = _REQUEST_DROP
+    for name, value in headers:
+        if name == b"connection":  # the headers it names are hop-by-hop too
+            drop = drop | {t.strip().lower() for t in value.split(b",")}
+    if trace:
+        drop = drop | {name for name, _ in trace} | {b"tracestate"}
+    out = [(k, v) for k, v in headers if k not in drop]
+    if measured:
+        # vLLM does not compress its streams anyway.
+        out.append((b"accept-encoding", b"identity"))
+    else:
+        out.extend((k, v) for k, v in headers if k == b"accept-encoding")
+    if trace:
+        out.extend(trace)
+    return out
+
+
+def client_headers(headers: Headers, content_type: bytes, *, body_changes: bool) -> Headers:
+    """The upstream's (lower-case) response headers as they go to the client;
+    `body_changes` when the proxy strips part of the body (its length no longer holds)."""
+    drop = _RESPONSE_DROP_CHANGED if body_changes else HOP_BY_HOP
+    out = [(k, v) for k, v in headers if k not in drop]
+    if content_type.startswith(b"text/event-stream"):
+        out.append((b"x-accel-buffering", b"no"))
+    return out
+
+
+def secret_names(extra: tuple[str, ...]) -> frozenset[bytes]:
+    return SECRET_HEADERS | {h.lower().encode() for h in extra}
+
+
+def redact(message: str, headers: Headers, secret: frozenset[bytes]) -> str:
+    """Upstreams sometimes echo credentials in error text: mask every secret header's value
+    (and the token after a scheme such as `Bearer`)."""
+    for name, value in headers:
+        if name in secret and len(value) >= 4:
+            text = value.decode("latin-1")
+            message = message.replace(text, "[redacted]")
+            token = text.partition(" ")[2]
+            if len(token) >= 4:
+                message = message.replace(token, "[redacted]")
+    return message

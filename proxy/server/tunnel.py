@@ -1,0 +1,663 @@
+"""WebSockets through the proxy: a byte tunnel between the client and the upstream.
+
+The wire's connection protocol parses a request head; when it is an `Upgrade: websocket`
+(`is_websocket_upgrade`), it stops parsing that connection and calls `take_over` with the
+head's exact bytes and whatever came after them. From then on this module owns both
+connections:
+
+1. It connects to the upstream (--connect-timeout) and sends the head as the client wrote
+   it, every handshake header byte for byte (Sec-WebSocket-Key, -Version, -Protocol,
+   -Extensions, Origin, ...); only the Host line is rewritten to the upstream's authority,
+   as the HTTP relay does, and the request target is the normalised one (proxy/core/paths)
+   with the upstream's base path in front. An unreachable upstream gets the client the
+   proxy's 502/504 error body (proxy.core.errors.relay_failure), as an HTTP request would.
+2. Everything the upstream sends is written to the client as it arrives, the response head
+   included; an httptools parser reads the same bytes on the side. A 101 opens the tunnel.
+   Any other final status (a refusal) reaches the client exactly as sent, body included,
+   and both connections close when its body ends.
+3. In the tunnel, each read goes to the other side first, unchanged; then the direction's
+   `FrameBounds` notes where frames end and which side sent a close frame first, and,
+   when the path has a WebSocket API (proxy/core/wsseam.py), the direction's `FrameReader`
+   hands its messages to that API's session. Observer failures stop here (`_watch`): the
+   session is no longer watched, a counter says so, the bytes go on.
+4. Backpressure both ways: when one side's write buffer passes its high-water mark,
+   reading from the other side pauses until it drains (asyncio's pause/resume_writing).
+5. The end: either side's connection ending closes the other at once (buffered bytes are
+   flushed first; a peer that will not take them is aborted after `close_grace`). A
+   tunnel with no byte either way for --ws-idle-timeout is closed. `TunnelHandle.shutdown`
+   (the drain on SIGTERM) writes a close frame (1001, going away) to both sides at a frame
+   boundary and closes once both answered, or after `close_grace`.
+
+Each tunnel is counted once when it ends (`WsMetrics`: sessions by route and outcome,
+in flight, duration from the upgrade request's arrival to the close).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from time import perf_counter, time
+from typing import cast
+from urllib.parse import urlsplit
+
+import httptools
+from prometheus_client import CollectorRegistry
+
+from proxy.core.errors import Cause, error_body, error_shape, relay_failure
+from proxy.core.paths import BadTarget, normalise
+from proxy.core.wsframes import (
+    DeflateParams,
+    FrameBounds,
+    FrameError,
+    FrameReader,
+    close_frame,
+    deflate_params,
+)
+from proxy.core.wsseam import CLOSE_CAUSES, WsApi, WsSession, ws_api_for
+from proxy.settings import Settings
+from proxy.sinks.dispatch import Sinks
+from proxy.sinks.metrics import WsMetrics
+
+log = logging.getLogger("tokenprobe")
+
+GOING_AWAY = 1001
+SHUTDOWN_REASON = "proxy shutting down"
+
+
+@dataclass(eq=False)
+class TunnelContext:
+    """What every tunnel of one server shares; built once by `tunnel_context`."""
+
+    host: str  # the upstream's address and port
+    port: int
+    authority: bytes  # the Host line's value towards the upstream
+    base_path: str  # the upstream URL's path ("" for none), put before each target
+    ssl: ssl.SSLContext | None  # for an https:// upstream
+    connect_timeout: float
+    idle_timeout: float  # --ws-idle-timeout
+    max_message_bytes: int  # largest message a FrameReader assembles (--max-event-bytes)
+    metrics: WsMetrics
+    sinks: Sinks
+    apis: Callable[[str], WsApi | None] = ws_api_for
+    close_grace: float = 2.0  # seconds a closing side gets to take its last bytes
+    tunnels: set[Tunnel] = field(default_factory=set)  # open now, for `shutdown_all`
+
+    def shutdown_all(self) -> None:
+        """Drain every open tunnel (close frames both ways), as on SIGTERM."""
+        for tunnel in list(self.tunnels):
+            tunnel.shutdown()
+
+
+def tunnel_context(settings: Settings, registry: CollectorRegistry, sinks: Sinks) -> TunnelContext:
+    """The tunnels' shared parts for these settings; call once per registry."""
+    upstream = urlsplit(settings.upstream)
+    https = upstream.scheme == "https"
+    port = upstream.port or (443 if https else 80)
+    host = upstream.hostname or ""
+    default_port = port == (443 if https else 80)
+    host_text = f"[{host}]" if ":" in host else host
+    authority = host_text if default_port else f"{host_text}:{port}"
+    return TunnelContext(
+        host=host,
+        port=port,
+        authority=authority.encode(),
+        base_path=upstream.path.rstrip("/"),
+        ssl=ssl.create_default_context() if https else None,
+        connect_timeout=settings.connect_timeout,
+        idle_timeout=settings.ws_idle_timeout,
+        max_message_bytes=settings.max_event_bytes,
+        metrics=WsMetrics(registry),
+        sinks=sinks,
+    )
+
+
+def is_websocket_upgrade(method: bytes, headers: Sequence[tuple[bytes, bytes]]) -> bool:
+    """A GET asking to upgrade to websocket (RFC 6455 §4.1): the one Upgrade the proxy
+    tunnels; any other token (h2c, ...) is an ordinary request to the HTTP relay."""
+    if method.upper() != b"GET":
+        return False
+    upgrade = connection = False
+    for name, value in headers:
+        lower = name.lower()
+        if lower == b"upgrade":
+            upgrade = upgrade or b"websocket" in _tokens(value)
+        elif lower == b"connection":
+            connection = connection or b"upgrade" in _tokens(value)
+    return upgrade and connection
+
+
+def _tokens(value: bytes) -> list[bytes]:
+    return [token.strip().lower() for token in value.split(b",")]
+
+
+class TunnelHandle:
+    """The wire's hold on one tunnel: `shutdown()` drains it, `closed` resolves with the
+    outcome once it has ended (the client's connection is then no longer the wire's)."""
+
+    __slots__ = ("__weakref__", "_tunnel")
+
+    def __init__(self, tunnel: Tunnel) -> None:
+        self._tunnel = tunnel
+
+    @property
+    def closed(self) -> asyncio.Future[str]:
+        return self._tunnel.closed
+
+    def shutdown(self) -> None:
+        self._tunnel.shutdown()
+
+
+def take_over(
+    transport: asyncio.Transport,
+    head: bytes,
+    rest: bytes,
+    context: TunnelContext,
+    *,
+    start: float | None = None,
+) -> TunnelHandle:
+    """Tunnel this client connection to the upstream. `head` is the request head exactly
+    as the client sent it (request line to the blank line), `rest` what it sent after;
+    `start` the perf_counter() of the head's arrival (default: now)."""
+    tunnel = Tunnel(transport, context, start if start is not None else perf_counter())
+    tunnel.begin(head, rest)
+    return TunnelHandle(tunnel)
+
+
+class _Side(asyncio.Protocol):
+    """One connection of a tunnel; everything it hears goes to the tunnel."""
+
+    __slots__ = ("from_client", "tunnel")
+
+    def __init__(self, tunnel: Tunnel, from_client: bool) -> None:
+        self.tunnel = tunnel
+        self.from_client = from_client
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # Only the upstream's: the client's connection was open before the tunnel.
+        self.tunnel.upstream = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+
+    def data_received(self, data: bytes) -> None:
+        if self.from_client:
+            self.tunnel.from_client(data)
+        else:
+            self.tunnel.from_upstream(data)
+
+    def eof_received(self) -> bool | None:
+        return None  # the transport closes; connection_lost ends the tunnel
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.tunnel.lost(self.from_client)
+
+    def pause_writing(self) -> None:
+        self.tunnel.writes_full(self.from_client, True)
+
+    def resume_writing(self) -> None:
+        self.tunnel.writes_full(self.from_client, False)
+
+
+class Tunnel:
+    """One WebSocket session: two connections, their frame bounds, and the API's watcher."""
+
+    def __init__(self, client: asyncio.Transport, context: TunnelContext, start: float) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.context = context
+        self.start = start
+        self.started_at = time() - (perf_counter() - start)
+        self.client = client
+        self.upstream: asyncio.Transport | None = None
+        self.closed: asyncio.Future[str] = self.loop.create_future()
+        self.outcome: str | None = None
+        self.route = "other"
+        self.path = "/"
+        self.query = ""
+        self.api: WsApi | None = None
+        self.key: str | None = None
+        self.open = False  # the upstream answered 101
+        self.ended = False
+        self._response: httptools.HttpResponseParser | None = httptools.HttpResponseParser(
+            _ResponseHead(self)
+        )
+        self._status = 0
+        self._extensions: str | None = None
+        self._relayed = False  # some upstream byte reached the client
+        self._early: list[bytes] | None = []  # client bytes before the 101 (_keep_early)
+        self.client_bounds = FrameBounds()
+        self.upstream_bounds = FrameBounds()
+        self.first_close: bool | None = None  # True: the client sent the first close frame
+        self._session: WsSession | None = None
+        self._readers: tuple[FrameReader, FrameReader] | None = None  # (client, upstream)
+        self._paused: set[bool] = set()  # sides whose reading is paused (True: the client)
+        self._full: set[bool] = set()  # sides whose write buffer is over its high-water mark
+        self._last = self.loop.time()
+        self._idle: asyncio.TimerHandle | None = None
+        self._abort: asyncio.TimerHandle | None = None
+        self._draining = False
+        self._drained: set[bool] = set()  # sides a shutdown close frame was written to
+        self._connect: asyncio.Task[None] | None = None
+        self._first: bytes | None = b""  # client bytes read while connecting; None: connected
+        in_flight, self._duration, self._outcomes = context.metrics.for_route("other")
+        self._in_flight = in_flight
+
+    # -- the handshake ------------------------------------------------------------------
+
+    def begin(self, head: bytes, rest: bytes) -> None:
+        self.context.tunnels.add(self)
+        self.client.set_protocol(_Side(self, True))
+        self._pause(True)  # until the upstream is connected
+        try:
+            head = self._admit(head)
+        except BadTarget as exc:
+            self._in_flight.inc()
+            self._answer(400, "bad_request", str(exc))
+            self.end("bad_request")
+            return
+        self._in_flight.inc()
+        self.client_bounds.feed(rest)
+        self._keep_early(rest)
+        self._connect = self.loop.create_task(self._open_upstream(head + rest))
+
+    def _admit(self, head: bytes) -> bytes:
+        """The head to send upstream: normalised target, Host line rewritten; the route,
+        the API and the key label read from it."""
+        lines = head.split(b"\n")
+        method, _, remainder = lines[0].partition(b" ")
+        target, _, version = remainder.rpartition(b" ")
+        raw_path, _, query = target.partition(b"?")
+        parsed = normalise(raw_path, query)
+        self.path, self.query = parsed.path, parsed.query
+        request_target = (self.context.base_path + parsed.request_target).encode()
+        lines[0] = b"%s %s %s" % (method, request_target, version)
+        headers: list[tuple[bytes, bytes]] = []
+        for i in range(1, len(lines)):
+            name, colon, value = lines[i].partition(b":")
+            if not colon:
+                continue
+            lower = name.strip().lower()
+            headers.append((lower, value.strip()))
+            if lower == b"host":
+                cr = b"\r" if lines[i].endswith(b"\r") else b""
+                lines[i] = name + b": " + self.context.authority + cr
+        self.api = self.context.apis(self.path)
+        if self.api is not None:
+            self.route = self.api.endpoint
+            self._in_flight, self._duration, self._outcomes = self.context.metrics.for_route(
+                self.route
+            )
+        keys = self.context.sinks.keys
+        if self.api is not None and keys is not None:
+            self.key = keys(headers)
+        return b"\n".join(lines)
+
+    async def _open_upstream(self, first: bytes) -> None:
+        context = self.context
+        try:
+            transport, _ = await asyncio.wait_for(
+                self.loop.create_connection(
+                    lambda: _Side(self, False), context.host, context.port, ssl=context.ssl
+                ),
+                context.connect_timeout,
+            )
+        except (OSError, TimeoutError) as exc:
+            if not self.ended:
+                failure = relay_failure(
+                    Cause.UPSTREAM_BROKE,
+                    after_headers=False,
+                    exc=exc,
+                    limit=context.connect_timeout,
+                )
+                assert failure.answer is not None
+                self._answer(*failure.answer)
+                self.end("upstream_unreachable")
+            return
+        except asyncio.CancelledError:
+            return
+        if self.ended:
+            transport.close()
+            return
+        self._last = self.loop.time()
+        self._idle = self.loop.call_later(context.idle_timeout, self._check_idle)
+        transport.write(first + (self._first or b""))
+        self._first = None
+        self._resume(True)
+
+    def _keep_early(self, data: bytes) -> None:
+        """Client bytes before the 101 (a client may send frames right after its head),
+        kept for its frame reader; only on a watched path, and not beyond one message."""
+        early = self._early
+        if self.api is None or early is None or not data:
+            return
+        early.append(data)
+        if sum(map(len, early)) > self.context.max_message_bytes:
+            self._early = None
+
+    def _answer(self, status: int, kind: str, message: str) -> None:
+        """The proxy's own error answer, only while no upstream byte reached the client."""
+        if self._relayed or self.client.is_closing():
+            return
+        body = error_body(status, kind, message, shape=error_shape(self.path))
+        reason = _REASONS.get(status, b"Error")
+        self.client.write(
+            b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n%s" % (status, reason, len(body), body)
+        )
+
+    def response_head(self, status: int, extensions: str | None) -> None:
+        self._status = status
+        if status == 101:
+            self._extensions = extensions
+
+    def response_done(self) -> None:
+        if self._status >= 200:  # a refusal's body has ended (a 1xx is followed by more)
+            self.end("refused")
+
+    def _opened(self, after: bytes, now: float) -> None:
+        """The upstream answered 101: frames from here on."""
+        self.open = True
+        self._response = None
+        self.upstream_bounds.feed(after)
+        early = self._early
+        self._early = []
+        if self.api is None:
+            return
+        if early is None:  # more than a message before the 101: cannot be followed
+            self.context.sinks.failed("ws_frames")
+            return
+        first = b"".join(early)
+        try:
+            deflate: DeflateParams | None = deflate_params(self._extensions)
+            limit = self.context.max_message_bytes
+            self._readers = (FrameReader(True, deflate, limit), FrameReader(False, deflate, limit))
+            sinks, key = self.context.sinks, self.key
+            self._session = self.api.open(
+                start=self.start,
+                started_at=self.started_at,
+                path=self.path,
+                query=self.query,
+                record=lambda m: sinks.record(m, key),
+            )
+        except FrameError:
+            self._stop_watching("ws_frames")
+            return
+        except Exception:
+            log.exception("opening a WebSocket session's measurement failed")
+            self._stop_watching("observe")
+            return
+        self._watch(True, first, now)
+        self._watch(False, after, now)
+
+    # -- the byte path ------------------------------------------------------------------
+
+    def from_client(self, data: bytes) -> None:
+        upstream = self.upstream
+        if upstream is None or self._first is not None:
+            # Reading is paused until the head has gone upstream; a read already under
+            # way when it paused still goes, after the head.
+            self._first = (self._first or b"") + data
+            self.client_bounds.feed(data)
+            self._keep_early(data)
+            return
+        self._last = self.loop.time()
+        if self._draining and False in self._drained:
+            # The upstream has our close frame: nothing may follow it. Only the client's
+            # answer to its own close frame is looked for.
+            self.client_bounds.feed(data)
+            self._drain_step()
+            return
+        upstream.write(data)
+        bounds = self.client_bounds
+        bounds.feed(data)
+        if not self.open:
+            self._keep_early(data)
+            return
+        if bounds.closed and self.first_close is None:
+            self.first_close = True
+        if self._readers is not None:
+            self._watch(True, data, perf_counter())
+        if self._draining:
+            self._drain_step()
+
+    def from_upstream(self, data: bytes) -> None:
+        self._last = self.loop.time()
+        if self._draining and True in self._drained:  # as above, the other way
+            self.upstream_bounds.feed(data)
+            self._drain_step()
+            return
+        self.client.write(data)
+        self._relayed = True
+        if not self.open:
+            self._read_head(data)
+            return
+        bounds = self.upstream_bounds
+        bounds.feed(data)
+        if bounds.closed and self.first_close is None:
+            self.first_close = False
+        if self._readers is not None:
+            self._watch(False, data, perf_counter())
+        if self._draining:
+            self._drain_step()
+
+    def _read_head(self, data: bytes) -> None:
+        parser = self._response
+        if parser is None:
+            return
+        try:
+            parser.feed_data(data)
+        except httptools.HttpParserUpgrade as exc:
+            offset = exc.args[0] if exc.args else len(data)
+            if self._status == 101:
+                self._opened(data[offset:], perf_counter())
+            else:  # an Upgrade header on a final response: not a tunnel
+                self._response = None
+        except httptools.HttpParserError:
+            # Not HTTP the proxy can follow: the bytes went to the client all the same;
+            # the client decides, and the tunnel ends when either side closes.
+            self._response = None
+
+    def _watch(self, from_client: bool, data: bytes, now: float) -> None:
+        """The one place measuring a session can fail; it never stops the bytes."""
+        readers, session = self._readers, self._session
+        if readers is None or session is None or not data:
+            return
+        try:
+            for message in readers[0 if from_client else 1].feed(data, now):
+                session.message(message)
+        except FrameError as exc:
+            log.warning("stopped watching a WebSocket session: %s", exc)
+            self._stop_watching("ws_frames")
+        except Exception:
+            log.exception("measuring a WebSocket session failed")
+            self._stop_watching("observe")
+
+    def _stop_watching(self, stage: str) -> None:
+        self._readers = None
+        self._session = None
+        self.context.sinks.failed(stage)
+
+    # -- flow control -------------------------------------------------------------------
+
+    def writes_full(self, client_side: bool, full: bool) -> None:
+        """One side's write buffer passed its high-water mark (or drained below the low
+        one): pause (resume) reading from the other side."""
+        if full:
+            self._full.add(client_side)
+            self._pause(not client_side)
+        else:
+            self._full.discard(client_side)
+            self._resume(not client_side)
+
+    def _pause(self, client_side: bool) -> None:
+        if client_side in self._paused:
+            return
+        transport = self.client if client_side else self.upstream
+        if transport is not None and not transport.is_closing():
+            self._paused.add(client_side)
+            transport.pause_reading()
+
+    def _resume(self, client_side: bool) -> None:
+        if client_side not in self._paused or (not client_side) in self._full:
+            return
+        if client_side and self.upstream is None:
+            return  # nothing to write the client's bytes to yet
+        transport = self.client if client_side else self.upstream
+        self._paused.discard(client_side)
+        if transport is not None and not transport.is_closing():
+            transport.resume_reading()
+
+    # -- the end ------------------------------------------------------------------------
+
+    def lost(self, client_side: bool) -> None:
+        if self.ended:
+            return
+        if not self.open:
+            if client_side:
+                outcome = "client_vanished"
+            elif self._status >= 200:
+                outcome = "refused"  # a refusal whose body ran to the connection's end
+            else:
+                outcome = "upstream_vanished"
+        elif self.first_close is not None:
+            outcome = "closed_by_client" if self.first_close else "closed_by_upstream"
+        else:
+            outcome = "client_vanished" if client_side else "upstream_vanished"
+        if self._draining:
+            outcome = "shutdown"
+        self.end(outcome)
+
+    def _check_idle(self) -> None:
+        self._idle = None
+        if self.ended:
+            return
+        if (
+            self._full
+            or self.client.get_write_buffer_size()
+            or (self.upstream is not None and self.upstream.get_write_buffer_size())
+        ):
+            self._last = self.loop.time()  # a side is slow to take its bytes: not idle
+        quiet = self.loop.time() - self._last
+        if quiet >= self.context.idle_timeout:
+            log.info("closing a WebSocket tunnel idle for %.0f s", quiet)
+            self.end("idle_timeout")
+        else:
+            self._idle = self.loop.call_later(self.context.idle_timeout - quiet, self._check_idle)
+
+    def shutdown(self) -> None:
+        """The drain: a close frame (1001) to each side at a frame boundary, then close."""
+        if self.ended or self._draining:
+            return
+        if not self.open:
+            if not self._relayed:
+                failure = relay_failure(Cause.SHUTDOWN, after_headers=False)
+                assert failure.answer is not None
+                self._answer(*failure.answer)
+            self.end("shutdown")
+            return
+        self._draining = True
+        if self.first_close is None:
+            self._drain_step()
+        self._abort_later(self._finish_drain)
+
+    def _drain_step(self) -> None:
+        """Write each side its close frame once the frames towards it are at a boundary;
+        close when both sides have answered with theirs."""
+        if self.first_close is not None and not self._drained:
+            return  # a close handshake was already under way: let it end by itself
+        if True not in self._drained and self.upstream_bounds.at_boundary:
+            self.client.write(close_frame(GOING_AWAY, SHUTDOWN_REASON, masked=False))
+            self._drained.add(True)
+            self.upstream_bounds = FrameBounds()  # now: the upstream's answer
+        if False not in self._drained and self.client_bounds.at_boundary:
+            assert self.upstream is not None
+            self.upstream.write(close_frame(GOING_AWAY, SHUTDOWN_REASON, masked=True))
+            self._drained.add(False)
+            self.client_bounds = FrameBounds()  # now: the client's answer
+        if len(self._drained) == 2 and self.client_bounds.closed and self.upstream_bounds.closed:
+            self.end("shutdown")
+
+    def _finish_drain(self) -> None:
+        if not self.ended:
+            self.end("shutdown")
+
+    def end(self, outcome: str) -> None:
+        """Close both sides and count the session, once."""
+        if self.ended:
+            return
+        self.ended = True
+        self.outcome = outcome
+        now = perf_counter()
+        for timer in (self._idle, self._abort):
+            if timer is not None:
+                timer.cancel()
+        if self._connect is not None and not self._connect.done():
+            self._connect.cancel()
+        for transport in (self.client, self.upstream):
+            if transport is not None and not transport.is_closing():
+                transport.close()
+        self._abort_later(self._abort_both)
+        self.context.tunnels.discard(self)
+        self._in_flight.dec()
+        self._outcomes[outcome].inc()
+        self._duration.observe(now - self.start)
+        session, self._session, self._readers = self._session, None, None
+        if session is not None:
+            try:
+                session.close(now, outcome if outcome in CLOSE_CAUSES else "error")
+            except Exception:
+                log.exception("finishing a WebSocket session's measurement failed")
+                self.context.sinks.failed("finish")
+        if not self.closed.done():
+            self.closed.set_result(outcome)
+
+    def _abort_later(self, then: Callable[[], None]) -> None:
+        if self._abort is not None:
+            self._abort.cancel()
+        self._abort = self.loop.call_later(self.context.close_grace, then)
+
+    def _abort_both(self) -> None:
+        """A side that would not take its last bytes within close_grace is cut."""
+        self._abort = None
+        for transport in (self.client, self.upstream):
+            if transport is not None and transport.get_write_buffer_size():
+                transport.abort()
+
+
+class _ResponseHead:
+    """httptools callbacks for the upstream's response head (and a refusal's body end)."""
+
+    __slots__ = ("_extensions", "_tunnel")
+
+    def __init__(self, tunnel: Tunnel) -> None:
+        self._tunnel = tunnel
+        self._extensions: list[bytes] = []
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == b"sec-websocket-extensions":
+            self._extensions.append(value)
+
+    def on_headers_complete(self) -> None:
+        parser = self._tunnel._response
+        status = parser.get_status_code() if parser is not None else 0
+        extensions = b", ".join(self._extensions).decode("latin-1") if self._extensions else None
+        self._extensions = []
+        self._tunnel.response_head(status, extensions)
+
+    def on_message_complete(self) -> None:
+        self._tunnel.response_done()
+
+
+_REASONS = {
+    400: b"Bad Request",
+    502: b"Bad Gateway",
+    503: b"Service Unavailable",
+    504: b"Gateway Timeout",
+}
+
+__all__ = [
+    "TunnelContext",
+    "TunnelHandle",
+    "is_websocket_upgrade",
+    "take_over",
+    "tunnel_context",
+]

@@ -1,0 +1,581 @@
+"""The wire's client side: one protocol per client connection, one `WireRequest` per request.
+
+`WireProtocol` is uvicorn's httptools protocol with the head limits
+(proxy/server/protocol.py), so uvicorn stays the server (sockets, workers, signals, the
+drain) and llhttp parses the requests. At each request head it decides, by the control
+plane's one set lookup (`ControlPlane.owns`): the proxy's own paths go through uvicorn's
+usual ASGI cycle to the Starlette control plane; every other request becomes a
+`WireRequest`, which takes the place of uvicorn's cycle on the connection (keep-alive,
+pipelining, the drain all keep working) and relays with no ASGI message at all. An
+`Upgrade: websocket` request is handed, with the raw bytes of its head, to the WebSocket
+tunnel (proxy.server.tunnel.take_over); any other Upgrade is relayed as plain HTTP, the
+Upgrade header stripped as hop-by-hop.
+
+A `WireRequest`'s life: admission (proxy/server/admission.py), the body, the measured
+exchange (proxy/server/exchange.py, shared with the ASGI relay), an upstream connection
+from the pool (proxy/server/wire/upstream.py), the response head, the body chunk by chunk
+(in the upstream connection's callback), and `done`. It ends early through `cut` (client
+gone, idle or first-byte timeout, shutdown) or `upstream_broke`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import weakref
+from collections.abc import Callable
+from time import perf_counter, time
+from typing import Any
+from urllib.parse import unquote
+
+import httptools
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from proxy.core.apis import Api
+from proxy.core.errors import Cause, Failure
+from proxy.core.measurement import ErrorType
+from proxy.core.strip import UsageEventStripper
+from proxy.server.admission import (
+    BODY_TIMEOUT,
+    Refused,
+    admit,
+    body_too_large,
+    check_head,
+    count_refusal,
+    error_answer,
+    measured_api,
+    target,
+)
+from proxy.server.exchange import Context, Exchange, IdleTimer
+from proxy.server.headers import Headers, client_headers
+from proxy.server.protocol import GuardedHttpToolsProtocol
+from proxy.server.wire.upstream import Pool, UpstreamConnection
+
+log = logging.getLogger("tokenprobe")
+
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_LAST_CHUNK = b"0\r\n\r\n"
+_WITH_BODY = frozenset({b"POST", b"PUT", b"PATCH"})
+
+
+class Wire:
+    """What every wire connection of a server shares: the exchanges' context, the
+    upstream pool, the control plane's paths, the requests in flight and the tunnels."""
+
+    def __init__(
+        self, context: Context, owns: Callable[[str], bool], tunnel_context: object = None
+    ) -> None:
+        self.context = context
+        self.owns = owns
+        settings = context.settings
+        self.pool = Pool(settings.upstream, settings.connect_timeout)
+        self.active: set[WireRequest] = set()
+        self.connecting: set[asyncio.Task[None]] = set()
+        self.tunnels: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.tunnel_context = tunnel_context
+
+    def close(self) -> None:
+        """The server is stopping and its drain time is over: cut what is still in flight."""
+        for request in list(self.active):
+            request.cut(Cause.SHUTDOWN)
+        for tunnel in list(self.tunnels):
+            tunnel.shutdown()
+        self.pool.close()
+
+
+def _wire_of(app: Any) -> Wire | None:
+    """The Wire of the ProxyApp uvicorn serves (under uvicorn's own middleware)."""
+    for _ in range(8):
+        wire = getattr(app, "wire", None)
+        if isinstance(wire, Wire):
+            return wire
+        app = getattr(app, "app", None)
+    return None
+
+
+class WireProtocol(GuardedHttpToolsProtocol):
+    """A client connection: the control plane through uvicorn's cycle, the rest on the wire."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.wire: Wire | None = None
+        self._raw_head: list[bytes] = []  # the reads of the head under way, for a tunnel
+        self._tunnel: Any = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.wire = _wire_of(self.app)  # None: no lifespan ran; everything goes to the app
+
+    def data_received(self, data: bytes) -> None:
+        if self._in_head:
+            if not self._count_head(data):
+                return
+            self._raw_head.append(data)
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            msg = "Invalid HTTP request received."
+            self.logger.warning(msg)
+            self.send_400_response(msg)
+        except httptools.HttpParserUpgrade as upgrade:
+            if self._should_upgrade():
+                self._take_over(data, upgrade.args[0])
+            # else: relayed as plain HTTP, and the connection closes after its response
+
+    def _should_upgrade(self) -> bool:
+        return self.wire is not None and self._get_upgrade() == b"websocket"
+
+    def on_headers_complete(self) -> None:
+        self._head_done()
+        wire = self.wire
+        parser = self.parser
+        upgrade = parser.should_upgrade()
+        if wire is None or (upgrade and self._should_upgrade()):
+            HttpToolsProtocol.on_headers_complete(self)  # a tunnel: see data_received
+            return
+        self._raw_head = []
+        url = self.url
+        parsed = httptools.parse_url(url)
+        raw_path = parsed.path
+        path = raw_path.decode("latin-1")
+        if wire.owns(unquote(path) if "%" in path else path):
+            HttpToolsProtocol.on_headers_complete(self)
+            return
+        version = parser.get_http_version()
+        request = WireRequest(
+            self,
+            wire,
+            parser.get_method(),
+            raw_path,
+            parsed.query or b"",
+            self.headers,
+            http_11=version == "1.1",
+            keep_alive=version != "1.0" and parser.should_keep_alive() and not upgrade,
+            expect_100=self.expect_100_continue,
+        )
+        self.headers = []  # trailers of a chunked body, if any, land elsewhere
+        existing = self.cycle
+        self.cycle = request  # type: ignore[assignment]
+        if existing is None or existing.response_complete:
+            request.begin()
+        else:  # pipelined: its turn comes when the response before it ends
+            self.flow.pause_reading()
+            self.pipeline.appendleft((request, self.app))  # type: ignore[arg-type,unused-ignore]
+
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        if isinstance(cycle, WireRequest):
+            cycle.begin()
+        else:
+            super()._start_asgi_task(cycle, app)
+
+    def on_body(self, body: bytes) -> None:
+        cycle = self.cycle
+        if isinstance(cycle, WireRequest):
+            cycle.on_body(body)
+        else:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        cycle = self.cycle
+        if isinstance(cycle, WireRequest):
+            cycle.on_message_complete()
+        else:
+            super().on_message_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        cycle = self.cycle
+        if isinstance(cycle, WireRequest):
+            self.cycle = None  # type: ignore[assignment,unused-ignore]
+            cycle.client_gone()
+        for waiting, _ in self.pipeline:
+            if isinstance(waiting, WireRequest):
+                waiting.client_gone()
+        super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        cycle = self.cycle
+        if isinstance(cycle, WireRequest) and cycle.upstream is not None:
+            cycle.upstream.pause()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        cycle = self.cycle
+        if isinstance(cycle, WireRequest) and cycle.upstream is not None:
+            cycle.upstream.resume()
+
+    def shutdown(self) -> None:
+        if self._tunnel is not None:
+            # The drain's close frames both ways; uvicorn waits for the tunnel's `closed`
+            # (its callback, set in _take_over, leaves the connection set) up to the drain.
+            self._tunnel.shutdown()
+            return
+        super().shutdown()
+
+    # -- WebSockets -------------------------------------------------------------------
+
+    def _take_over(self, data: bytes, offset: int) -> None:
+        """Hand the connection to the WebSocket tunnel: the exact head the client sent
+        and whatever came after it; from here on this protocol forwards nothing."""
+        from proxy.server.tunnel import TunnelContext, take_over
+
+        assert self.wire is not None
+        context = self.wire.tunnel_context
+        assert isinstance(context, TunnelContext)
+        raw = b"".join(self._raw_head)
+        head, rest = raw[: len(raw) - len(data) + offset], data[offset:]
+        self._raw_head = []
+        self._stop_head_timer()
+        self._unset_keepalive_if_required()
+        tunnel = take_over(self.transport, head, rest, context)
+        self._tunnel = tunnel
+        self.wire.tunnels.add(tunnel)
+        closed = getattr(tunnel, "closed", None)
+        if isinstance(closed, asyncio.Future):  # uvicorn's drain waits for the tunnel
+            closed.add_done_callback(lambda _: self.connections.discard(self))
+        else:
+            self.connections.discard(self)
+
+
+class WireRequest:
+    """One relayed request on a client connection, in uvicorn's cycle's place.
+
+    uvicorn's protocol reads `response_complete` and `keep_alive` on it (pipelining, the
+    drain); the rest is this request's own."""
+
+    __slots__ = (
+        "api",
+        "body",
+        "complete",
+        "exchange",
+        "expect_100",
+        "first_byte",
+        "head_only",
+        "headers",
+        "http_11",
+        "idle",
+        "keep_alive",
+        "method",
+        "path",
+        "proto",
+        "query",
+        "raw_path",
+        "refused",
+        "response_complete",
+        "size",
+        "start",
+        "started",
+        "started_at",
+        "stripper",
+        "timer",
+        "transport",
+        "upstream",
+        "wire",
+    )
+
+    def __init__(
+        self,
+        proto: WireProtocol,
+        wire: Wire,
+        method: bytes,
+        raw_path: bytes,
+        query: bytes,
+        headers: Headers,
+        *,
+        http_11: bool,
+        keep_alive: bool,
+        expect_100: bool,
+    ) -> None:
+        self.start, self.started_at = perf_counter(), time()
+        self.proto, self.wire, self.transport = proto, wire, proto.transport
+        self.method, self.raw_path, self.headers = method, raw_path, headers
+        self.http_11, self.keep_alive, self.expect_100 = http_11, keep_alive, expect_100
+        self.head_only = method == b"HEAD"
+        self.response_complete = False
+        self.started = False  # its turn on the connection came
+        self.complete = False  # its whole body is in
+        self.body: list[bytes] = []
+        self.size = 0
+        self.exchange: Exchange | None = None
+        self.upstream: UpstreamConnection | None = None
+        self.stripper: UsageEventStripper | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.first_byte: asyncio.TimerHandle | None = None
+        self.idle: _Idle | None = None
+        self.refused: Refused | None = None
+        self.api: Api | None = None
+        self.path = raw_path.decode("latin-1")
+        self.query = query
+        limits = wire.context.settings
+        try:
+            where = target(raw_path, query)
+            self.path, self.query = where.path, where.query.encode()
+            self.api = measured_api(method.decode("latin-1"), self.path)
+            check_head(headers, limits)
+        except Refused as refusal:
+            self.refused = refusal
+            return
+        self.timer = proto.loop.call_later(limits.body_timeout, self._body_timed_out)
+
+    # -- the request ------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """Its turn on the connection: answer a refusal, or go upstream once the body is in."""
+        self.started = True
+        if self.refused is not None:
+            self._answer_refusal(self.refused, close=self.refused is BODY_TIMEOUT)
+        elif self.complete:
+            self._send()
+        elif self.expect_100 and not self.transport.is_closing():
+            self.transport.write(_CONTINUE)  # as uvicorn does when an app reads the body
+
+    def on_body(self, body: bytes) -> None:
+        if self.refused is not None or self.exchange is not None:
+            return  # answered already: the rest of the body is read and dropped
+        self.size += len(body)
+        limit = self.wire.context.settings.max_body_bytes
+        if self.size > limit:
+            self._refuse(body_too_large(limit))
+            return
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.started and self.refused is None and self.exchange is None:
+            self._send()
+
+    def _body_timed_out(self) -> None:
+        self.timer = None
+        if not self.complete:
+            self._refuse(BODY_TIMEOUT)
+
+    def _refuse(self, refusal: Refused) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.refused = refusal
+        self.body = []
+        if self.started:
+            self._answer_refusal(refusal, close=refusal is BODY_TIMEOUT)
+
+    def _answer_refusal(self, refusal: Refused, *, close: bool) -> None:
+        limits = self.wire.context
+        count_refusal(
+            limits.sinks, self.path, self.api, refusal.status, self.start, self.started_at
+        )
+        if close:
+            self.keep_alive = False
+        self._answer(refusal.status, refusal.kind, refusal.message)
+        self._response_over()
+
+    def _send(self) -> None:
+        """The request goes upstream: admitted, measured, on a pooled connection."""
+        wire = self.wire
+        context = wire.context
+        read = perf_counter()  # the request is in: the proxy's own time starts (overhead)
+        body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
+        self.body = []
+        info = None
+        if self.api is not None:
+            info, body, self.stripper = admit(self.api, body, context.settings)
+        exchange = self.exchange = Exchange(
+            context, self.path, self.headers, info, self.start, self.started_at, read
+        )
+        wire.active.add(self)
+        where = self.path.encode() + (b"?" + self.query if self.query else b"")
+        lines = [b"%s %s HTTP/1.1\r\nhost: %s\r\n" % (self.method, where, wire.pool.authority)]
+        lines.extend(b"%s: %s\r\n" % pair for pair in exchange.upstream_headers())
+        if body or self.method in _WITH_BODY:
+            lines.append(b"content-length: %d\r\n" % len(body))
+        lines.append(b"\r\n")
+        lines.append(body)
+        head = b"".join(lines)
+        exchange.sent(perf_counter())
+        loop = self.proto.loop
+        self.first_byte = loop.call_later(
+            context.settings.first_byte_timeout, self.cut, Cause.FIRST_BYTE_TIMEOUT
+        )
+        conn = wire.pool.take()
+        if conn is not None:
+            self._on_upstream(conn, head)
+        else:
+            connecting = wire.connecting  # a reference, or the loop may drop the task
+            task = loop.create_task(self._connect(head))
+            connecting.add(task)
+            task.add_done_callback(connecting.discard)
+
+    async def _connect(self, head: bytes) -> None:
+        try:
+            conn = await self.wire.pool.connect()
+        except Exception as exc:  # unreachable, refused, timed out: the client gets a 50x
+            self.upstream_broke(exc)
+            return
+        if self.response_complete:  # cut while connecting: the connection is clean
+            self.wire.pool.put(conn)
+            return
+        self._on_upstream(conn, head)
+
+    def _on_upstream(self, conn: UpstreamConnection, head: bytes) -> None:
+        self.upstream = conn
+        conn.start(self, head)
+        if self.proto.flow.write_paused:
+            conn.pause()
+
+    # -- the response (called by the upstream connection) -----------------------------
+
+    def response_head(self, status: int, headers: Headers, now: float) -> None:
+        conn, exchange = self.upstream, self.exchange
+        assert conn is not None and exchange is not None
+        if self.first_byte is not None:
+            self.first_byte.cancel()
+            self.first_byte = None
+        content_type = b""
+        length = False
+        for name, value in headers:
+            if name == b"content-type":
+                content_type = value
+            elif name == b"content-length":
+                length = True
+        exchange.open(status, content_type.decode("latin-1"), now)
+        stripper = self.stripper
+        if not (status < 400 and content_type.startswith(b"text/event-stream")):
+            stripper = None
+        out = client_headers(headers, content_type, body_changes=stripper is not None)
+        no_body = self.head_only or status in (204, 304)
+        chunked = not no_body and (stripper is not None or not length)
+        if chunked and not self.http_11:  # an HTTP/1.0 client: the body ends with the connection
+            chunked, self.keep_alive = False, False
+        if chunked:
+            out.append((b"transfer-encoding", b"chunked"))
+        if not self.keep_alive:
+            out.append((b"connection", b"close"))
+        lines = [STATUS_LINE[status]]
+        lines.extend(b"%s: %s\r\n" % pair for pair in out)
+        lines.append(b"\r\n")
+        self.transport.write(b"".join(lines))
+        exchange.relayed(perf_counter())
+        if no_body:
+            if self.head_only:  # llhttp would wait for the body a HEAD response has not
+                self.response_end(now, False)
+            return
+        conn.write = self.transport.write
+        conn.chunked = chunked
+        conn.strip = None if stripper is None else stripper.feed
+        conn.feed = exchange.feed
+        self.stripper = stripper
+        self.idle = _Idle(exchange.context.settings.idle_timeout, self.cut, conn)
+
+    def response_end(self, now: float, reusable: bool) -> None:
+        """The upstream body ended cleanly."""
+        conn, exchange = self.upstream, self.exchange
+        assert conn is not None and exchange is not None
+        if self.stripper is not None and (rest := self.stripper.flush()):
+            conn.write(b"%x\r\n%b\r\n" % (len(rest), rest) if conn.chunked else rest)
+        if conn.chunked:
+            self.transport.write(_LAST_CHUNK)
+        exchange.end_of_stream(now)
+        self.upstream = None
+        conn.release(reusable and not self.head_only)
+        self._done(None)
+
+    def upstream_lost(self, exc: Exception | None) -> None:
+        """The upstream closed the connection: the end of a body read to the close, or a break."""
+        conn = self.upstream
+        if conn is not None and not conn.in_head and _reads_to_close(conn):
+            self.response_end(perf_counter(), False)
+            return
+        self.upstream_broke(exc or ConnectionResetError("the upstream closed the connection"))
+
+    def upstream_broke(self, exc: BaseException) -> None:
+        self._end_early(Cause.UPSTREAM_BROKE, exc)
+
+    def client_flow(self, *, pause: bool) -> None:
+        flow = self.proto.flow
+        flow.pause_reading() if pause else flow.resume_reading()
+
+    # -- early ends -------------------------------------------------------------------
+
+    def cut(self, cause: Cause) -> None:
+        """Client gone, a timeout, or shutdown: the upstream connection closes at once
+        (never pooled), so the backend aborts the generation."""
+        self._end_early(cause)
+
+    def client_gone(self) -> None:
+        if self.exchange is not None:
+            self._end_early(Cause.CLIENT_GONE)
+            return
+        if self.timer is not None:
+            self.timer.cancel()
+        if not self.response_complete and self.refused is None:
+            self.response_complete = True
+            context = self.wire.context
+            error = ErrorType.CLIENT_CANCELLED
+            count_refusal(context.sinks, self.path, self.api, 0, self.start, self.started_at, error)
+
+    def _end_early(self, cause: Cause, exc: BaseException | None = None) -> None:
+        exchange = self.exchange
+        if self.response_complete or exchange is None:
+            return
+        conn, self.upstream = self.upstream, None
+        if conn is not None:
+            conn.close()
+        failure = exchange.failure(cause, exc)
+        if failure.answer is not None:
+            exchange.status, kind, message = failure.answer
+            self._answer(exchange.status, kind, message)
+        elif failure.drop or cause is Cause.CLIENT_GONE:
+            self.keep_alive = False
+        self._done(failure)
+
+    def _done(self, failure: Failure | None) -> None:
+        for timer in (self.first_byte, self.idle):
+            if timer is not None:
+                timer.cancel()
+        self.first_byte = self.idle = None
+        self.wire.active.discard(self)
+        assert self.exchange is not None
+        self.exchange.finish_soon(failure)
+        self._response_over()
+
+    def _response_over(self) -> None:
+        self.response_complete = True
+        if not self.keep_alive:
+            self.transport.close()
+        self.proto.on_response_complete()  # the next pipelined request, or keep-alive
+
+    def _answer(self, status: int, kind: str, message: str) -> None:
+        if self.transport.is_closing():
+            return
+        headers, body = error_answer(status, kind, message, self.path)
+        lines = [STATUS_LINE[status]]
+        lines.extend(b"%s: %s\r\n" % pair for pair in headers)
+        if not self.keep_alive:
+            lines.append(b"connection: close\r\n")
+        lines.append(b"\r\n")
+        if not self.head_only:
+            lines.append(body)
+        self.transport.write(b"".join(lines))
+
+
+def _reads_to_close(conn: UpstreamConnection) -> bool:
+    """A response framed by neither length nor chunks: its body ends with the connection."""
+    return not any(name in (b"content-length", b"transfer-encoding") for name, _ in conn.headers)
+
+
+class _Idle(IdleTimer):
+    """The idle timer on the wire: the wait is from the connection's last read, and does
+    not count while the client's full buffer keeps the connection paused."""
+
+    __slots__ = ("conn",)
+
+    def __init__(self, limit: float, cut: Callable[[Cause], None], conn: UpstreamConnection):
+        self.conn = conn
+        super().__init__(limit, cut)
+
+    def waited(self) -> float:
+        conn = self.conn
+        return 0.0 if conn.paused else perf_counter() - conn.now

@@ -1,0 +1,70 @@
+"""The ASGI app as a product: `proxy.asgi:app` under hypercorn, configured from TOKENPROBE_*.
+
+The same relay and measuring as `tokenprobe serve --relay asgi`, under a server that is
+not uvicorn; a WebSocket gets a clean refusal there (only the wire tunnels them). These
+tests run the factory itself, so they do not depend on the `relay` parameter: they run
+once, on the ASGI relay's turn.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import websockets.sync.client
+from websockets.exceptions import InvalidStatus
+
+from tests.conftest import MODEL, Running
+from tests.server.conftest import only_on
+from tests.servers import free_port, stop, wait_http
+
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture
+def hypercorn_app(sim: Running, relay: str) -> Iterator[str]:
+    only_on(relay, "asgi", "the app factory is the ASGI relay")
+    port = free_port()
+    env = {
+        "TOKENPROBE_UPSTREAM": sim.url,
+        "TOKENPROBE_MODELS_REFRESH": "0",
+        "TOKENPROBE_MODEL_ALLOWLIST": MODEL,
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "hypercorn", "proxy.asgi:app", "--bind", f"127.0.0.1:{port}"],
+        env={**os.environ, **env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(base + "/healthz")
+        yield base
+    finally:
+        stop(process)
+
+
+def test_the_app_factory_relays_and_measures_under_hypercorn(hypercorn_app: str) -> None:
+    body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    with httpx.stream("POST", hypercorn_app + CHAT, json=body, timeout=30) as response:
+        streamed = b"".join(response.iter_raw())
+    assert response.status_code == 200
+    assert streamed.endswith(b"data: [DONE]\n\n") and b'"usage"' not in streamed
+    metrics = httpx.get(hypercorn_app + "/metrics").text
+    line = next(
+        line
+        for line in metrics.splitlines()
+        if line.startswith("tokenprobe_requests_total{") and 'error_type="none"' in line
+    )
+    assert line.endswith(" 1.0") and f'model="{MODEL}"' in line
+
+
+def test_a_websocket_gets_a_clean_refusal_from_the_asgi_app(hypercorn_app: str) -> None:
+    url = hypercorn_app.replace("http://", "ws://") + "/v1/realtime"
+    with pytest.raises(InvalidStatus) as refused:
+        websockets.sync.client.connect(url, open_timeout=10)
+    assert refused.value.response.status_code == 403
