@@ -285,6 +285,13 @@ class Settings:
     access_log: str = setting(
         _choice("json", "text", "off"), "json", "One line per request on stdout: json, text or off."
     )
+    log_salt: str | None = setting(
+        str,
+        None,
+        "Salt keying the access log's prefix hashes (never logged). Set one value for every "
+        "worker and replica whose logs are replayed together.",
+        shown="random",
+    )
     trace_content: bool = setting(_bool, False, "Put the prompt in trace spans.", switch=True)
     metrics_port: int | None = setting(
         _port, None, "Serve `/metrics` on this separate port (and not on the proxy port)."

@@ -3,7 +3,8 @@
 The observer's `start` is the instant the request was *due* (in an open loop, its
 scheduled time), so a request that waited for the client is not measured as fast.
 Each network read gets one `perf_counter()` and goes to the observer; nothing else runs
-between the read and the timestamp. Token counting with a tokenizer is left to `finalize`,
+between the read and the timestamp. `measure_wire` (the load's client) does it inside the
+socket's callback (wire.py); `measure` on aiohttp is kept for one-off requests. Token counting with a tokenizer is left to `finalize`,
 run after the level ends, so it never delays the reading of other streams.
 """
 
@@ -20,6 +21,7 @@ import yarl
 
 from proxy.bench.options import Options
 from proxy.bench.prompts import Prompt
+from proxy.bench.wire import Pool, request_head
 from proxy.core.apis import api_of
 from proxy.core.errors import classify_exception, describe
 from proxy.core.measurement import Measurement, TokenSource
@@ -147,6 +149,36 @@ async def measure(
         end=perf_counter(),
         started_at=started_at,
         status_code=status,
+        error_type=error,
+        error_message=message,
+    )
+    return measurement, observer
+
+
+async def measure_wire(
+    pool: Pool,
+    url: yarl.URL,
+    request_headers: dict[str, str],
+    call: Call,
+    scheduled: float,
+    keep_text: bool,
+) -> tuple[Measurement, StreamObserver]:
+    """`measure` on the protocol-level client (wire.py): the observer is fed from the
+    socket's callback, so a chunk costs no task wake-up."""
+    observer = StreamObserver(call.info, scheduled, collect_text=keep_text)
+    started_at = time() - (perf_counter() - scheduled)
+    error = message = None
+    try:
+        await pool.request(request_head(url, request_headers, len(call.body)), call.body, observer)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # every failure becomes a measured error type
+        after = observer.first_byte is not None
+        error, message = classify_exception(exc, after_headers=after), describe(exc)
+    measurement = await observer.finish(
+        end=perf_counter(),
+        started_at=started_at,
+        status_code=observer.status if observer.first_byte is not None else 0,
         error_type=error,
         error_message=message,
     )

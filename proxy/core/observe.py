@@ -24,6 +24,7 @@ import orjson
 from proxy.core.apis import Api, Facts, RequestInfo, TokenCounts, api_of
 from proxy.core.engine import engine_metrics
 from proxy.core.errors import classify_response, classify_stream_end, error_message
+from proxy.core.fingerprint import of_prompt
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
 from proxy.core.sse import DEFAULT_MAX_EVENT_BYTES, SSEDecoder
 from proxy.core.template import EventTemplate, learn
@@ -316,6 +317,7 @@ class StreamObserver:
             trace_id=trace_id,
             engine=None if self.engine is None else engine_metrics(self.engine),
             proxy_overhead=self.overhead,
+            prefix=of_prompt(request.prompt),
         )
 
     def _decode_speed(self, output: int | None) -> tuple[float | None, float | None]:
@@ -373,6 +375,7 @@ def bare_record(
         max_tokens=request.max_tokens,
         temperature=request.temperature,
         trace_id=trace_id,
+        prefix=of_prompt(request.prompt),
     )
 
 

@@ -82,7 +82,7 @@ def _sinks(
     sinks: list[Sink] = []
     labels = metrics.attribution
     if settings.access_log != "off":
-        sinks.append(AccessLog(settings.access_log, attribution=labels))
+        sinks.append(AccessLog(settings.access_log, attribution=labels, salt=settings.log_salt))
     prices = load_prices(settings.prices) if settings.prices else None
     if prices is not None:
         sinks.append(CostSink(prices, registry))
