@@ -265,6 +265,8 @@ class Stack:
         self.sim: subprocess.Popen[Any] | None = None
         self.gen: subprocess.Popen[Any] | None = None
         self.otlp_sink: subprocess.Popen[Any] | None = None  # beside the emitter backend
+        self.ws: subprocess.Popen[Any] | None = None  # the WebSocket echo backend
+        self.ws_port = 0
         self.arms: list[Arm] = []
 
     @property
@@ -348,7 +350,7 @@ class Stack:
                 self.gen.wait(5)
             except (OSError, subprocess.TimeoutExpired):
                 pass
-        for proc in (self.gen, self.sim, self.otlp_sink):
+        for proc in (self.gen, self.sim, self.otlp_sink, self.ws):
             if proc is not None:
                 stop(proc)
 
@@ -365,29 +367,39 @@ class Stack:
         tree: Path = ROOT,
         log_level: str | None = None,
         traced: bool | None = None,
+        access_log: bool | None = None,
+        relay: str | None = None,
+        upstream: str | None = None,
     ) -> Arm:
-        """tokenprobe from this checkout, or from another source tree (A/B of a change)."""
+        """tokenprobe from this checkout, or from another source tree (A/B of a change).
+
+        `full`: JSON access log and tracing (each overridable: `access_log`, `traced`);
+        `relay`: the data path (`--relay asgi`), where the tree has that setting."""
         port = free_port()
+        logged = full if access_log is None else access_log
         cmd = [
             PY,
             "-m",
             "proxy",
             "serve",
             "--upstream",
-            self.sim_url,
+            upstream or self.sim_url,
             "--port",
             str(port),
             "--upstream-transport",
             transport,
             "--access-log",
-            "json" if full else "off",
+            "json" if logged else "off",
         ]
+        if relay is not None:
+            cmd += ["--relay", relay]
         if log_level is not None:
             cmd += ["--log-level", log_level]
         env: dict[str, str] = {}
         arm = Arm(name, port)
         arm.notes.append(
-            f"transport {transport}, access log {'json to /dev/null' if full else 'off'}"
+            f"transport {transport}, access log {'json to /dev/null' if logged else 'off'}"
+            + (f", --relay {relay}" if relay else "")
         )
         if full if traced is None else traced:
             if any((tree / "proxy" / p).exists() for p in ("sinks/tracing.py", "tracing.py")):
@@ -404,6 +416,13 @@ class Stack:
         if tree != ROOT:
             arm.notes.append(f"code from {tree}")
         return arm
+
+    def ws_backend(self) -> None:
+        """The WebSocket echo server (ws_echo.py), on the simulator's cores."""
+        if self.ws is None:
+            self.ws_port = free_port()
+            cmd = [PY, str(HERE / "ws_echo.py"), "serve", "--port", str(self.ws_port)]
+            self.ws = spawn(cmd, self.sim_cpus, log=self.work / "ws_echo.log")
 
     def byte_relay(self) -> Arm:
         port = free_port()
@@ -437,7 +456,11 @@ class Stack:
         prefix.mkdir(exist_ok=True)
         conf = prefix / "nginx.conf"
         user = "user root;" if os.geteuid() == 0 else ""
-        conf.write_text(NGINX_CONF.format(user=user, prefix=prefix, port=port, sim=self.sim_port))
+        conf.write_text(
+            NGINX_CONF.format(
+                user=user, prefix=prefix, port=port, sim=self.sim_port, ws=self.ws_port or 9
+            )
+        )
         cmd = [NGINX, "-p", str(prefix), "-c", str(conf), "-e", str(prefix / "error.log")]
         arm = Arm("nginx", port)
         arm.notes.append("1 worker, proxy_buffering off, HTTP/1.1 keep-alive upstream")
@@ -492,6 +515,14 @@ http {{
     upstream sim {{ server 127.0.0.1:{sim}; keepalive 1024; }}
     server {{
         listen 127.0.0.1:{port} backlog=4096;
+        location /ws {{
+            proxy_pass http://127.0.0.1:{ws};
+            proxy_http_version 1.1;
+            proxy_set_header Upgrade $http_upgrade;
+            proxy_set_header Connection "upgrade";
+            proxy_buffering off;
+            proxy_read_timeout 600s;
+        }}
         location / {{
             proxy_pass http://sim;
             proxy_http_version 1.1;
@@ -530,6 +561,12 @@ def ensure_litellm() -> Path:
             check=True,
         )
     return python
+
+
+def has_relay_setting(tree: Path) -> bool:
+    """Whether this tree's `tokenprobe serve` takes `--relay` (the wire's ASGI fallback)."""
+    settings = tree / "proxy" / "settings.py"
+    return settings.exists() and '"relay"' in settings.read_text()
 
 
 def workdir() -> Path:

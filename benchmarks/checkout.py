@@ -12,3 +12,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+
+def tree_at(ref: str, into: Path) -> Path:
+    """This repository's `proxy/` (and pyproject.toml) at git `ref`, unpacked under `into`:
+    a tree `relay.py --ref` runs as arm tokenprobe@REF beside this checkout."""
+    import subprocess
+
+    tree = into / f"tree-{ref.replace('/', '_')}"
+    tree.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", ref, "proxy", "pyproject.toml"],
+        check=True,
+        capture_output=True,
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return tree

@@ -289,6 +289,9 @@ async def run_stream(cmd: dict[str, Any]) -> dict[str, Any]:
         "delivered_per_s": stats.win_chunks / window if window > 0 else 0.0,
         "offered_per_s": streams / (step_ms / 1000) if step_ms else None,
         "chunk_latency_us": summary(stats.chunk_lat),
+        # stalled: chunks that reached the client more than one decode step after the
+        # backend wrote them (the stream missed a step at the client)
+        "stalled_chunks": sum(x > step_ms * 1e6 for x in stats.chunk_lat) if step_ms else None,
         "ttft_us": summary(stats.ttft),
         "error_reasons": stats.why,
         **({"chunk_latency_ns": stats.chunk_lat} if cmd.get("raw") else {}),

@@ -2,6 +2,9 @@
 
     .venv/bin/pip install py-spy
     .venv/bin/python benchmarks/profile_proxy.py --arm tokenprobe --streams 64 --seconds 20
+    # where a chunk's time goes on the wire, in the worst load shape (about 40 s):
+    .venv/bin/python benchmarks/profile_proxy.py --arm tokenprobe-log --backend emitter \
+        --streams 64 --tokens 128 --seconds 10 --raw profile-wire.folded
 
 Writes the collapsed stacks (`--raw`, flamegraph.pl / speedscope input) and prints the
 functions with the most samples, by own time and including callees. py-spy samples from
@@ -19,13 +22,17 @@ import time
 from pathlib import Path
 
 from arms import Stack, remove, spawn, workdir
-from relay import ALL_ARMS
+from relay import ALL_ARMS, EXTRA_ARMS
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
-        "--arm", default="tokenprobe", choices=[a for a in ALL_ARMS if a.startswith("tokenprobe")]
+        "--arm",
+        default="tokenprobe",
+        choices=[
+            a for a in (*ALL_ARMS, *EXTRA_ARMS) if a.startswith("tokenprobe-") or a == "tokenprobe"
+        ],
     )
     p.add_argument("--streams", type=int, default=64)
     p.add_argument(
@@ -34,6 +41,8 @@ def main() -> int:
         default=None,
         help="instead of streams: open-loop non-streaming requests at this rate (req/s)",
     )
+    p.add_argument("--backend", choices=("sim", "emitter"), default="sim")
+    p.add_argument("--shape", choices=("apart", "together"), default="apart")
     p.add_argument("--step-ms", type=float, default=20.0)
     p.add_argument("--tokens", type=int, default=40)
     p.add_argument("--seconds", type=float, default=20.0)
@@ -49,9 +58,15 @@ def main() -> int:
     work = workdir()
     stack = Stack(work)
     try:
-        stack.start_backend()
+        stack.start_backend(args.shape, args.backend)
         transport = "httpx" if args.arm == "tokenprobe-httpx" else "aiohttp"
-        arm = stack.tokenprobe(args.arm, transport, full=args.arm == "tokenprobe-full")
+        arm = stack.tokenprobe(
+            args.arm,
+            transport,
+            full=args.arm == "tokenprobe-full",
+            access_log=args.arm in ("tokenprobe-log", "tokenprobe-full", "tokenprobe-asgi"),
+            relay="asgi" if args.arm == "tokenprobe-asgi" else None,
+        )
         stack.arms = [arm]
         arm.launch()
         assert arm.proc is not None

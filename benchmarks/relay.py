@@ -8,20 +8,32 @@ the arm under test, which gets a core to itself. Arms, interleaved in rounds:
   direct            client -> simulator (the baseline every "added" figure subtracts)
   relay             a TCP byte relay on uvloop (benchmarks/byte_relay.py): the floor
   nginx             proxy_buffering off, HTTP/1.1 upstream keep-alive (when installed)
-  tokenprobe        metrics only (--access-log off), aiohttp transport
-  tokenprobe-full   metrics + JSON access log to /dev/null + tracing to a local OTLP sink
-  tokenprobe-httpx  metrics only, httpx's own transport
+  tokenprobe        metrics only (--access-log off), the default data path
+  tokenprobe-log    metrics + JSON access log to /dev/null: the arm issue 20's targets quote
+  tokenprobe-full   metrics + JSON access log + tracing of every request to a local OTLP sink
+  tokenprobe-asgi   as tokenprobe-log, with `--relay asgi` (skipped, with a note, where the
+                    tree has no such setting)
+  tokenprobe@REF    as tokenprobe-log, from git REF (--ref, via checkout.tree_at)
+  tokenprobe-httpx  metrics only, httpx's own transport (only with --arms)
   tokenprobe-traced metrics + tracing, access log off (only with --arms): tracing's own cost
   fastrelay         protocol-level relay prototype (only with --arms): fastrelay.py
   litellm           only with --with-litellm (own venv, pass-through endpoint, prometheus)
+
+Load shapes (--shapes, each with its own backend processes; the first one also measures
+memory, TTFT and the non-streaming request rates): `apart` (the simulator and the load
+generator, two processes), `together` (one process runs both, 128 chunks a stream), and
+`emitter` (emitter.py writes each step's chunks in one tight burst). After them, once:
+WebSocket echo (ws_echo.py: direct, nginx, tokenprobe; 50 sessions) and a CPU-bound
+backend sharing the proxy's core (sidecar.py). The targets table (targets.py) quotes
+each shape, the worst first.
 
 Per arm: proxy CPU per relayed chunk and per request (from /proc of the arm's processes
 only), added TTFT and added per-chunk latency against direct, delivered/offered
 throughput, whether every chunk arrived, the highest chunk rate and request rate held with
 added p99 under 5 ms, RSS per 1,000 open streams, and start-to-first-request time.
 
-    .venv/bin/python benchmarks/relay.py --out results.json --png chart.png   # ~9 min
-    .venv/bin/python benchmarks/relay.py --quick                              # < 60 s
+    .venv/bin/python benchmarks/relay.py --ref 7105b20 --out results.json --md table.md  # ~12 min
+    .venv/bin/python benchmarks/relay.py --quick                              # ~2-3 min
 """
 
 from __future__ import annotations
@@ -36,30 +48,48 @@ import time
 from pathlib import Path
 from typing import Any
 
+import sidecar
 from arms import (
     NGINX_HINT,
+    PY,
     ROOT,
     Arm,
     Stack,
     cpu,
+    has_relay_setting,
     remove,
     rss_bytes,
     system_busy_ns,
     wakeups,
     workdir,
 )
+from checkout import tree_at
 from report import chart, markdown, summarize
+from targets import issue_targets, targets_markdown
 
-ALL_ARMS = ("direct", "relay", "nginx", "tokenprobe", "tokenprobe-full", "tokenprobe-httpx")
+ALL_ARMS = (
+    "direct", "relay", "nginx", "tokenprobe", "tokenprobe-log", "tokenprobe-full",
+    "tokenprobe-asgi",
+)  # fmt: skip
 #: Arms run only when named with --arms.
-EXTRA_ARMS = ("tokenprobe-traced", "fastrelay")
+EXTRA_ARMS = ("tokenprobe-httpx", "tokenprobe-traced", "fastrelay")
+SHAPES = ("apart", "together", "emitter")
 P99_LIMIT_US = 5000.0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = p.add_argument
-    add("--quick", action="store_true", help="a < 60 s run for CI: fewer, shorter phases")
+    add("--quick", action="store_true", help="a 2-3 min smoke run: fewer, shorter phases")
+    add("--shapes", default=",".join(SHAPES), help="load shapes, comma-separated, in order")
+    add("--together-tokens", type=int, help="chunks a stream in `together` (default 128)")
+    add(
+        "--ref",
+        action="append",
+        default=[],
+        help="also run tokenprobe-log's configuration from this git ref (arm tokenprobe@REF)",
+    )
+    add("--no-extras", action="store_true", help="skip the WebSocket and CPU-bound-backend runs")
     add("--arms", default=",".join(ALL_ARMS), help="comma-separated arms (direct is always run)")
     add("--with-litellm", action="store_true", help="add the LiteLLM arm (installs it once)")
     add("--rounds", type=int, help="rounds of the interleaved sweep (default 3; quick 2)")
@@ -74,16 +104,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add(
         "--shape",
         choices=("apart", "together"),
-        default="apart",
-        help="simulator and load generator as two processes (apart) or in one event loop "
-        "(together): the same chunks arrive at the proxy spread differently in time",
+        default=None,
+        help="one shape only: simulator and load generator as two processes (apart) or in "
+        "one event loop (together)",
     )
     add(
         "--backend",
         choices=("sim", "emitter"),
-        default="sim",
-        help="tokenprobe's simulator, or the lean emitter.py (each step's chunks in a tight "
-        "burst, vLLM-shaped 240-byte chunks)",
+        default=None,
+        help="one shape only: tokenprobe's simulator, or the lean emitter.py (each step's "
+        "chunks in a tight burst, vLLM-shaped 240-byte chunks)",
     )
     add(
         "--client-us",
@@ -130,17 +160,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     args = p.parse_args(argv)
     q = args.quick
-    args.rounds = args.rounds or (2 if q else 3)
-    args.streams = [int(x) for x in (args.streams or ("1,16" if q else "1,16,64,256")).split(",")]
+    if args.shape or args.backend:  # the one shape these name, as before --shapes
+        args.shapes = "emitter" if args.backend == "emitter" else args.shape or "apart"
+    args.shapes = [x for x in args.shapes.split(",") if x]
+    if bad := [x for x in args.shapes if x not in SHAPES]:
+        p.error(f"unknown shape(s) {', '.join(bad)}; choose from {', '.join(SHAPES)}")
+    args.shape, args.backend = "apart", "sim"
+    args.rounds = args.rounds or 2
+    args.streams = [int(x) for x in (args.streams or ("1,64" if q else "1,64,256")).split(",")]
+    args.other_streams = [c for c in args.streams if c >= 64] or args.streams
+    args.together_tokens = args.together_tokens or (20 if q else 128)
     args.tokens = args.tokens or (10 if q else 40)
     args.duration = args.duration or (0.6 if q else 2.5)
     args.warm = 0.2 if q else 0.5
     args.ttft_duration = 0.4 if q else 1.5
-    args.rates = _floats(args.rates, "200" if q else "250,500,1000,1500,2000,3000,4000")
+    args.rates = _floats(args.rates, "200" if q else "250,500,1000,2000")
     args.poisson_duration = 0.6 if q else 2.0
-    args.chunk_rates = _floats(
-        args.chunk_rates, "" if q else "2000,4000,8000,12000,14000,16000,20000,24000"
-    )
+    args.chunk_rates = _floats(args.chunk_rates, "")  # e.g. 2000,4000,8000,12000,16000
     args.search_duration = 2.0
     args.mem_streams = args.mem_streams or (100 if q else 1000)
     args.hold = 1.5 if q else 3.0
@@ -298,13 +334,31 @@ def make_arms(args: argparse.Namespace, stack: Stack, notes: list[str]) -> list[
             transport = "httpx" if name == "tokenprobe-httpx" else "aiohttp"
             tree = args.tree.resolve() if args.tree else ROOT
             arm = stack.tokenprobe(name, transport, full=name == "tokenprobe-full", tree=tree)
+        elif name == "tokenprobe-log":  # metrics + JSON access log: the targets' arm
+            tree = args.tree.resolve() if args.tree else ROOT
+            arm = stack.tokenprobe(name, "aiohttp", full=False, access_log=True, tree=tree)
+        elif name == "tokenprobe-asgi":
+            tree = args.tree.resolve() if args.tree else ROOT
+            arm = None
+            if has_relay_setting(tree):
+                arm = stack.tokenprobe(
+                    name, "aiohttp", full=False, access_log=True, tree=tree, relay="asgi"
+                )
+            else:
+                notes.append("tokenprobe-asgi: this tree has no --relay setting; arm skipped")
+                print(notes[-1], file=sys.stderr)
         else:
-            raise SystemExit(f"unknown arm {name!r}; choose from {', '.join(ALL_ARMS)}")
+            known = ", ".join((*ALL_ARMS, *EXTRA_ARMS))
+            raise SystemExit(f"unknown arm {name!r}; choose from {known}")
         if arm is not None:
             arms.append(arm)
     for tree in args.compare_tree:
         arms.append(
             stack.tokenprobe(f"tokenprobe@{tree.name}", "aiohttp", full=False, tree=tree.resolve())
+        )
+    for ref, tree in zip(args.ref, args.ref_trees, strict=True):  # as tokenprobe-log
+        arms.append(
+            stack.tokenprobe(f"tokenprobe@{ref}", "aiohttp", full=False, access_log=True, tree=tree)
         )
     if args.with_litellm:
         arms.append(stack.litellm())
@@ -329,18 +383,79 @@ def machine() -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every shape in turn (the first one in full), then the once-only extras; the first
+    shape's results are the top level, as a one-shape run writes them."""
     t_begin = time.monotonic()
+    work = workdir()
+    try:
+        args.ref_trees = [tree_at(ref, work) for ref in args.ref]
+        runs: dict[str, dict[str, Any]] = {}
+        for i, shape in enumerate(args.shapes):
+            shape_args = argparse.Namespace(**vars(args))
+            shape_args.shape = "together" if shape == "together" else "apart"
+            shape_args.backend = "emitter" if shape == "emitter" else "sim"
+            shape_args.primary = i == 0
+            shape_args.retry_budget = args.retry_budget / len(args.shapes)  # one budget in all
+            if shape == "together":
+                shape_args.tokens = args.together_tokens
+            if i:
+                shape_args.streams = args.other_streams
+            log(t_begin, f"shape {shape} ({i + 1}/{len(args.shapes)})")
+            runs[shape] = run_shape(shape_args, t_begin)
+        extras: dict[str, Any] = {}
+        if not args.no_extras:
+            extras["websocket"] = websocket_arms(args, work, t_begin)
+            try:
+                tree = args.tree.resolve() if args.tree else ROOT
+                extras["sidecar"] = sidecar.run(work, quick=args.quick, tree=tree)
+            except Exception as exc:  # reported in the table, never a crash at the end
+                extras["sidecar"] = {"error": f"{type(exc).__name__}: {exc}"}
+            log(t_begin, "extras done")
+    finally:
+        if not args.keep_logs:
+            remove(work)
+        else:
+            print(f"logs kept in {work}", file=sys.stderr)
+    results = runs[args.shapes[0]]
+    results["shapes"] = {name: r for name, r in runs.items() if r is not results}
+    results["extras"] = extras
+    results["elapsed_s"] = time.monotonic() - t_begin
+    compose(results)
+    return results
+
+
+def compose(results: dict[str, Any]) -> None:
+    """Summaries, the targets table and the markdown, from the phases (also for --render)."""
+    results["summary"] = summarize(results, P99_LIMIT_US)
+    shapes = {results["config"].get("shape_name", "apart"): results["summary"]}
+    for name, r in results.get("shapes", {}).items():
+        r["summary"] = summarize(r, P99_LIMIT_US)
+        shapes[name] = r["summary"]
+    high = max(results["config"]["streams"])
+    targets = issue_targets(shapes, results.get("extras", {}), high)
+    results["issue_targets"] = targets
+    by_name = {next(iter(shapes)): results, **results.get("shapes", {})}
+    parts = [targets_markdown(targets)]
+    for name in targets["order"]:  # the worst shape first
+        parts += [f"### Shape {name}", "", markdown(by_name[name])]
+    results["markdown"] = "\n".join(parts)
+
+
+def run_shape(args: argparse.Namespace, t_begin: float) -> dict[str, Any]:
+    """One load shape: its own backend, load generator and arms."""
     work = workdir()
     stack = Stack(work)
     notes: list[str] = []
     bench = Bench(args, stack)
+    primary = args.primary
+    args.shape_name = "emitter" if args.backend == "emitter" else args.shape
     try:
         stack.start_backend(args.shape, args.backend)
         arms = make_arms(args, stack, notes)
         stack.arms = arms
         for arm in list(arms):  # start-to-first-request, on fresh processes; the last one stays up
             try:
-                for i in range(args.start_repeats):
+                for i in range(args.start_repeats if primary else 1):
                     arm.launch()
                     if i < args.start_repeats - 1:
                         arm.stop()
@@ -358,10 +473,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for arm in arms:  # warm every code path once
             bench.stream(arm, 16, args.step_ms, 0.3, 5, kind="warmup")
             bench.poisson(arm, 100, kind="warmup")
-        for arm in arms:
-            if arm.name != "direct":
-                bench.memory(arm)
-        log(t_begin, "memory done")
+        if primary:
+            for arm in arms:
+                if arm.name != "direct":
+                    bench.memory(arm)
+            log(t_begin, "memory done")
 
         for r in range(args.rounds):
             order = arms[r % len(arms) :] + arms[: r % len(arms)]
@@ -376,13 +492,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         kind="sweep",
                         round=r,
                     )
-                bench.stream(arm, 1, None, args.ttft_duration, 4, kind="ttft", round=r)
+                if primary:
+                    bench.stream(arm, 1, None, args.ttft_duration, 4, kind="ttft", round=r)
             log(t_begin, f"round {r + 1}/{args.rounds} done")
 
-        if args.rates:
+        if args.rates and primary:
             search(bench, arms, "poisson", args.rates)
             log(t_begin, "request-rate search done")
-        if args.chunk_rates:
+        if args.chunk_rates and primary:
             search(bench, arms, "chunks", args.chunk_rates)
             log(t_begin, "chunk-rate search done")
         tracing_exports = stack.otlp_exports()
@@ -395,7 +512,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     results: dict[str, Any] = {
         "machine": machine(),
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "config": {k: _plain(v) for k, v in vars(args).items()},
         "cores": {
             "proxy": sorted(stack.proxy_cpus),
             "simulator": sorted(stack.sim_cpus),
@@ -408,9 +525,88 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "phases": bench.phases,
         "elapsed_s": time.monotonic() - t_begin,
     }
-    results["summary"] = summarize(results, P99_LIMIT_US)
-    results["markdown"] = markdown(results)
     return results
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def websocket_arms(args: argparse.Namespace, work: Path, t_begin: float) -> dict[str, Any]:
+    """WebSocket echo through direct, nginx and tokenprobe-log: arm CPU per message echoed
+    (one message each way), 50 sessions of small text messages, interleaved rounds."""
+    stack = Stack(work)
+    out: dict[str, Any] = {}
+    try:
+        stack.ws_backend()
+        stack.sim_port = stack.ws_port  # every HTTP request (readiness probes) goes there too
+        arms: list[Arm] = [Arm("direct", stack.ws_port)]
+        if (nginx := stack.nginx()) is not None:
+            arms.append(nginx)
+        tree = args.tree.resolve() if args.tree else ROOT
+        arms.append(
+            stack.tokenprobe(
+                "tokenprobe", "aiohttp", full=False, access_log=True, tree=tree,
+                upstream=f"http://127.0.0.1:{stack.ws_port}",
+            )
+        )  # fmt: skip
+        from arms import wait_ready
+
+        assert stack.ws is not None
+        wait_ready(stack.ws, stack.ws_port, "/v1/chat/completions", 30)
+        for arm in list(arms):
+            try:
+                arm.launch()
+            except Exception as exc:
+                out[arm.name] = {"error": f"failed to start: {exc}"}
+                arms.remove(arm)
+        duration = 1.0 if args.quick else 3.0
+        runs: dict[str, list[dict[str, Any]]] = {a.name: [] for a in arms}
+        for r in range(args.rounds):
+            for arm in arms[r % len(arms) :] + arms[: r % len(arms)]:
+                runs[arm.name].append(ws_phase(stack, arm, duration))
+        for name, phases in runs.items():
+            per = [p["cpu_us_per_message"] for p in phases if p.get("cpu_us_per_message")]
+            out[name] = {
+                "phases": phases,
+                "cpu_us_per_message": statistics.median(per) if per else None,
+                "messages_per_s": statistics.median(p["messages"] / p["wall_s"] for p in phases),
+            }
+            errors = [p for p in phases if p["errors"]]
+            if errors:
+                out[name]["error"] = (
+                    f"{errors[0]['errors']} sessions failed: {errors[0]['reasons']}"
+                )
+    finally:
+        stack.close()
+    log(t_begin, "websocket arms done")
+    return out
+
+
+def ws_phase(stack: Stack, arm: Arm, duration: float) -> dict[str, Any]:
+    import subprocess
+
+    pids = arm.pids()
+    c0 = cpu(pids)
+    cmd = [PY, str(Path(__file__).parent / "ws_echo.py"), "client", "--port", str(arm.port),
+           "--path", "/ws", "--sessions", "50", "--duration", str(duration)]  # fmt: skip
+    gen = stack.gen_cpus
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=duration + 60,
+        preexec_fn=lambda: os.sched_setaffinity(0, gen),
+    )  # fmt: skip
+    c1 = cpu(pids)
+    try:
+        result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return {"messages": 0, "errors": 50, "wall_s": duration, "reasons": {done.stderr[-300:]: 1}}
+    if arm.name != "direct" and result["messages"]:
+        result["cpu_us_per_message"] = (c1[0] - c0[0]) / 1000 / result["messages"]
+    return result
 
 
 def search(bench: Bench, arms: list[Arm], kind: str, rates: list[float]) -> None:
@@ -461,8 +657,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.render is not None:
         results = json.loads(args.render.read_text())
-        results["summary"] = summarize(results, P99_LIMIT_US)
-        results["markdown"] = markdown(results)
+        compose(results)
         args.out = args.render
     else:
         results = run(args)

@@ -177,6 +177,7 @@ def summarize(results: dict[str, Any], limit_us: float) -> dict[str, Any]:
                     ]
                 ),
                 "chunks": sum(p["chunks"] for p in mine),
+                "stalled_chunks": sum(p.get("stalled_chunks") or 0 for p in mine),
                 "expected_chunks": sum(p["expected_chunks"] for p in mine),
                 "errors": sum(p["errors"] for p in mine),
             }

@@ -12,7 +12,10 @@ commands:
   demo    run the built-in simulated backend, the proxy and a little traffic
   sim     run the simulated OpenAI-compatible backend (vLLM-shaped)
   bench   measure a backend: TTFT, per-stream speed and aggregate throughput
-          (bench compare RUN.json RUN.json ...: compare saved runs)
+          (bench compare RUN.json RUN.json ...: compare saved runs;
+           bench replay LOG --url URL: replay recorded traffic on a candidate;
+           bench merge RUN.json ... --out RUN.json: join the shards of one run)
+  dashboard  print the Grafana dashboard with a variable per --label-header label
 
 'tokenprobe COMMAND --help' shows a command's options.
 """
@@ -31,6 +34,10 @@ def _command(name: str) -> Callable[[list[str]], int] | None:
         from proxy.sim.cli import main as sim
 
         return sim
+    if name == "dashboard":
+        from proxy.dashboard import main as dashboard
+
+        return dashboard
     if name == "bench":
         from proxy.bench.cli import main as bench
 

@@ -10,10 +10,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
+
+from proxy.core.labels import SECRET_HEADERS
 
 
 class SettingsError(ValueError):
@@ -82,6 +85,47 @@ def _csv(value: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in value.split(",") if item.strip())
 
 
+# Label names the metrics already use (and Prometheus's own), which a --label-header
+# label may not take.
+_TAKEN_LABELS = frozenset(
+    {
+        *("model", "endpoint", "code", "finish_reason", "error_type", "source", "kind", "key"),
+        *("prompt_class", "cache_class", "route", "stage", "reason", "currency", "le"),
+        "quantile",
+    }
+)
+# Header names that carry credentials, besides SECRET_HEADERS: refused as label headers.
+_SECRET_WORDS = ("auth", "api-key", "apikey", "token", "secret", "password", "cookie", "session")
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+_LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+
+
+def label_headers(value: str) -> tuple[str, ...]:
+    """`x-team=team,x-app=app` -> ("x-team=team", "x-app=app"), each checked: a header
+    name, a label name no metric uses yet, and never a header that carries credentials."""
+    pairs: list[str] = []
+    headers: set[str] = set()
+    labels: set[str] = set()
+    for item in _csv(value):
+        header, sep, label = (part.strip() for part in item.partition("="))
+        header = header.lower()
+        if not sep or not _HEADER_NAME.match(header) or not _LABEL_NAME.match(label):
+            raise ValueError(f"{item!r}: expected HEADER=LABEL, e.g. x-team=team")
+        if header.encode() in SECRET_HEADERS or any(w in header for w in _SECRET_WORDS):
+            raise ValueError(
+                f"{header!r} carries credentials: a secret header never becomes a label "
+                "(its values never leave the proxy); pick a header without them"
+            )
+        if label in _TAKEN_LABELS or label.startswith("__") or label in labels:
+            raise ValueError(f"label {label!r} is taken; pick another name")
+        if header in headers:
+            raise ValueError(f"header {header!r} is named twice")
+        headers.add(header)
+        labels.add(label)
+        pairs.append(f"{header}={label}")
+    return tuple(pairs)
+
+
 def _choice(*options: str) -> Callable[[str], str]:
     def parse(value: str) -> str:
         if value not in options:
@@ -101,6 +145,7 @@ class Spec:
     help: str  # the --help text and the README table's "meaning"
     shown: str  # the README table's "default" cell
     is_flag: bool = False  # a boolean switch: --name / --no-name
+    repeat: bool = False  # a list: the flag may be given several times, values joined by ","
 
     @property
     def flag(self) -> str:
@@ -128,11 +173,12 @@ def setting(
     *,
     shown: str | None = None,
     switch: bool = False,
+    repeat: bool = False,
 ) -> Any:
     """Declare one setting as a Settings field: how its text is parsed, its default, its
     help (also the README's), how the README shows the default when not as written, and
-    whether it is a --x / --no-x switch."""
-    meta = {"parse": parse, "help": help, "shown": shown, "switch": switch}
+    whether it is a --x / --no-x switch or a flag that may be repeated."""
+    meta = {"parse": parse, "help": help, "shown": shown, "switch": switch, "repeat": repeat}
     if default is REQUIRED:
         return field(metadata=meta)
     return field(default=default, metadata=meta)
@@ -208,12 +254,7 @@ class Settings:
     ws_idle_timeout: float = setting(
         _seconds,
         300.0,
-        "Seconds a WebSocket tunnel may carry no byte either way before the proxy closes it (send pings to keep a quiet session open).",
-    )
-    relay: str = setting(
-        _choice("wire", "asgi"),
-        "wire",
-        "Data path: wire (protocol-level, the fast default) or asgi (the ASGI relay through httpx, as under any ASGI server).",
+        "Seconds a WebSocket tunnel may carry no byte either way before the proxy closes it.",
     )
     tokenizer: str | None = setting(
         str,
@@ -239,10 +280,17 @@ class Settings:
     upstream_transport: str = setting(
         _choice("aiohttp", "httpx"),
         "aiohttp",
-        "The ASGI relay's httpx transport (`--relay asgi`): `aiohttp` (httpx-aiohttp) or `httpx` (its own). See Performance.",
+        "The ASGI relay's httpx transport (`--relay asgi`): `aiohttp` (httpx-aiohttp) or `httpx` (its own); the wire has its own upstream pool. See Performance.",
     )
     access_log: str = setting(
         _choice("json", "text", "off"), "json", "One line per request on stdout: json, text or off."
+    )
+    log_salt: str | None = setting(
+        str,
+        None,
+        "Salt keying the access log's prefix hashes (never logged). Set one value for every "
+        "worker and replica whose logs are replayed together.",
+        shown="random",
     )
     trace_content: bool = setting(_bool, False, "Put the prompt in trace spans.", switch=True)
     metrics_port: int | None = setting(
@@ -268,6 +316,17 @@ class Settings:
         (),
         "Extra request headers whose values are redacted wherever an upstream echoes them (`Authorization`, `api-key`, `x-api-key`, cookies always are).",
     )
+    label_header: tuple[str, ...] = setting(
+        label_headers,
+        (),
+        "`HEADER=LABEL` (repeatable, or comma-separated): the header's value becomes label `LABEL` on the request and token counters, latency histograms, spans, OTLP metrics and the access log, bounded by `--label-values`; secret headers are refused.",
+        repeat=True,
+    )
+    label_values: int = setting(
+        positive_int,
+        50,
+        "Distinct values each `--label-header` label may take; later ones share `other`.",
+    )
     prices: str | None = setting(
         str, None, "Price table (YAML or JSON) for `tokenprobe_cost_total`."
     )
@@ -277,6 +336,11 @@ class Settings:
         "The deployment's cost per hour, exported as `tokenprobe_deployment_cost_per_hour` for cost per million tokens at the observed throughput.",
     )
     currency: str = setting(_currency, "USD", "Currency of `--cost-per-hour`.")
+    relay: str = setting(
+        _choice("wire", "asgi"),
+        "wire",
+        "The data path: `wire` (protocol-level, the fast default) or `asgi` (the ASGI relay through httpx, what `proxy.asgi:app` runs under any ASGI server). See [Data paths](#data-paths-the-wire-and-the-asgi-app).",
+    )
     workers: int = setting(
         positive_int, 1, "Worker processes sharing the port; `/metrics` sums them all."
     )
@@ -305,6 +369,7 @@ def _spec(f: dataclasses.Field[Any]) -> Spec:
         meta["help"],
         meta["shown"] or _shown(default),
         is_flag=meta["switch"],
+        repeat=meta["repeat"],
     )
 
 
@@ -349,7 +414,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             )
         else:
             parser.add_argument(
-                spec.flag, dest=spec.name, default=None, metavar=spec.name.upper(), help=help_text
+                spec.flag,
+                dest=spec.name,
+                default=None,
+                metavar=spec.name.upper(),
+                help=help_text,
+                action="append" if spec.repeat else "store",
             )
 
 
@@ -364,6 +434,8 @@ def resolve(args: argparse.Namespace | Mapping[str, Any], environ: Mapping[str, 
             raw, source = environ[spec.env], spec.env
         if raw is None:
             continue
+        if isinstance(raw, list):  # a repeated flag
+            raw = ",".join(raw)
         if isinstance(raw, bool) or not isinstance(raw, str):
             values[spec.name] = raw
             continue
@@ -373,7 +445,25 @@ def resolve(args: argparse.Namespace | Mapping[str, Any], environ: Mapping[str, 
             "no upstream: set --upstream http://HOST:PORT or TOKENPROBE_UPSTREAM "
             "(the OpenAI-compatible backend, e.g. vLLM)"
         )
-    return Settings(**values)
+    settings = Settings(**values)
+    _check_label_headers(settings)
+    return settings
+
+
+def _check_label_headers(settings: Settings) -> None:
+    secret = {h.strip().lower() for h in settings.secret_headers}
+    for pair in settings.label_header:
+        header = pair.partition("=")[0]
+        if header in secret:
+            raise SettingsError(
+                f"--label-header {pair!r}: {header!r} is a --secret-header; a secret header "
+                "never becomes a label (its values never leave the proxy)"
+            )
+
+
+def label_pairs(settings: Settings) -> tuple[tuple[str, str], ...]:
+    """--label-header as (header, label) pairs, in the order given."""
+    return tuple((p.partition("=")[0], p.partition("=")[2]) for p in settings.label_header)
 
 
 #: What a user installs for --tokenizer (pyproject.toml's `tokenizer` extra).

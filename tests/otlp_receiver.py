@@ -1,12 +1,16 @@
-"""A real OTLP/HTTP trace receiver for tests: POST /v1/traces, protobuf in, spans kept.
+"""Real OTLP receivers for tests: OTLP/HTTP (POST /v1/traces, /v1/metrics) and OTLP/gRPC
+metrics, protobuf in, what arrived kept.
 
     receiver = OtlpReceiver()
     with serve(receiver) as server:
         ... export to server.url ...
         spans = receiver.wait_for(lambda s: len(s) >= 1)
+        exports = receiver.metrics.wait_for(lambda m: ...)
 
 Each received span becomes a `ReceivedSpan` with hex ids, plain attribute values and its
 resource's attributes, so tests compare against what a collector would see on the wire.
+Metric exports are kept whole (`ExportMetricsServiceRequest`, with their raw bytes), and
+`points` flattens them.
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+    ExportMetricsServiceResponse,
+)
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -68,6 +76,99 @@ def attributes(items: Any) -> dict[str, Any]:
     return {kv.key: value(kv.value) for kv in items if isinstance(kv, KeyValue)}
 
 
+@dataclass
+class ReceivedPoint:
+    """One data point of one metric in one export, flattened."""
+
+    metric: str
+    unit: str
+    kind: str  # histogram or sum
+    attributes: dict[str, Any]
+    resource: dict[str, Any]
+    temporality: int  # 1 delta, 2 cumulative (AggregationTemporality in metrics.proto)
+    count: int = 0  # histograms
+    sum: float = 0.0  # histograms: the sum; sums: the value
+    bucket_counts: tuple[int, ...] = ()
+    explicit_bounds: tuple[float, ...] = ()
+    monotonic: bool = False
+
+
+def points(request: ExportMetricsServiceRequest) -> list[ReceivedPoint]:
+    found = []
+    for rm in request.resource_metrics:
+        resource = attributes(rm.resource.attributes)
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                kind = metric.WhichOneof("data")
+                if kind == "histogram":
+                    for p in metric.histogram.data_points:
+                        found.append(
+                            ReceivedPoint(
+                                metric.name,
+                                metric.unit,
+                                kind,
+                                attributes(p.attributes),
+                                resource,
+                                metric.histogram.aggregation_temporality,
+                                count=p.count,
+                                sum=p.sum,
+                                bucket_counts=tuple(p.bucket_counts),
+                                explicit_bounds=tuple(p.explicit_bounds),
+                            )
+                        )
+                elif kind == "sum":
+                    for n in metric.sum.data_points:
+                        value = n.as_double if n.WhichOneof("value") == "as_double" else n.as_int
+                        found.append(
+                            ReceivedPoint(
+                                metric.name,
+                                metric.unit,
+                                kind,
+                                attributes(n.attributes),
+                                resource,
+                                metric.sum.aggregation_temporality,
+                                sum=value,
+                                monotonic=metric.sum.is_monotonic,
+                            )
+                        )
+    return found
+
+
+class MetricExports:
+    """Metric export requests as they arrived, for the HTTP and gRPC receivers alike."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Condition()
+        self._requests: list[ExportMetricsServiceRequest] = []
+        self.raw: list[bytes] = []
+
+    def add(self, body: bytes) -> None:
+        request = ExportMetricsServiceRequest.FromString(body)
+        with self._lock:
+            self._requests.append(request)
+            self.raw.append(body)
+            self._lock.notify_all()
+
+    @property
+    def requests(self) -> list[ExportMetricsServiceRequest]:
+        with self._lock:
+            return list(self._requests)
+
+    def wait_for(
+        self,
+        predicate: Callable[[list[ExportMetricsServiceRequest]], bool],
+        timeout: float = 20.0,
+    ) -> list[ExportMetricsServiceRequest]:
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while not predicate(self._requests):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{len(self._requests)} metric exports received so far")
+                self._lock.wait(left)
+            return list(self._requests)
+
+
 class OtlpReceiver:
     """The ASGI app. Bodies that do not decode get a 400, like a collector's."""
 
@@ -75,6 +176,7 @@ class OtlpReceiver:
         self._lock = threading.Condition()
         self._spans: list[ReceivedSpan] = []
         self.requests = 0
+        self.metrics = MetricExports()
 
     @property
     def spans(self) -> list[ReceivedSpan]:
@@ -107,7 +209,7 @@ class OtlpReceiver:
             body += message.get("body", b"")
             if not message.get("more_body", False):
                 break
-        if scope["method"] != "POST" or scope["path"] != "/v1/traces":
+        if scope["method"] != "POST" or scope["path"] not in ("/v1/traces", "/v1/metrics"):
             await _respond(send, 404, b"")
             return
         encoding = dict(scope["headers"]).get(b"content-encoding", b"")
@@ -116,12 +218,16 @@ class OtlpReceiver:
                 body = gzip.decompress(body)
             elif encoding == b"deflate":
                 body = zlib.decompress(body)
-            request = ExportTraceServiceRequest.FromString(body)
+            if scope["path"] == "/v1/metrics":
+                self.metrics.add(body)
+                answer = ExportMetricsServiceResponse().SerializeToString()
+            else:
+                self._store(ExportTraceServiceRequest.FromString(body))
+                answer = ExportTraceServiceResponse().SerializeToString()
         except Exception:
             await _respond(send, 400, b"")
             return
-        self._store(request)
-        await _respond(send, 200, ExportTraceServiceResponse().SerializeToString())
+        await _respond(send, 200, answer)
 
     def _store(self, request: ExportTraceServiceRequest) -> None:
         received = []
@@ -163,3 +269,37 @@ async def _respond(send: Any, status: int, body: bytes) -> None:
     ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+class GrpcMetricsReceiver:
+    """An OTLP/gRPC metrics receiver on an ephemeral 127.0.0.1 port (grpcio's server).
+
+    with GrpcMetricsReceiver() as receiver: ... export to receiver.url ...
+    """
+
+    def __init__(self) -> None:
+        self.metrics = MetricExports()
+        self.url = ""
+
+    def __enter__(self) -> GrpcMetricsReceiver:
+        from concurrent import futures
+
+        import grpc
+        from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2_grpc
+
+        exports = self.metrics
+
+        class Service(metrics_service_pb2_grpc.MetricsServiceServicer):
+            def Export(self, request: Any, context: Any) -> ExportMetricsServiceResponse:
+                exports.add(request.SerializeToString())
+                return ExportMetricsServiceResponse()
+
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(Service(), self._server)
+        port = self._server.add_insecure_port("127.0.0.1:0")
+        self._server.start()
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.stop(grace=None)

@@ -1,7 +1,7 @@
 """A real WebSocket upstream on loopback: the `websockets` library's server in a thread.
 
 It echoes every message as it came (text as text, binary as binary), with permessage-deflate
-on (the library's default), and records what each session saw: the handshake's request
+on (the library's default) and the subprotocol `chat.v1` when a client offers it, and records what each session saw: the handshake's request
 headers, the messages it received, the close frame the client sent, and when its side of
 the connection ended. A few texts ask for more:
 
@@ -19,6 +19,7 @@ import asyncio
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
@@ -75,6 +76,11 @@ async def _handler(ws: ServerConnection, sessions: list[Session] | None) -> None
         session.done.set()
 
 
+def _subprotocol(connection: ServerConnection, offered: Sequence[str]) -> str | None:
+    """`chat.v1` when the client offers it; no subprotocol otherwise."""
+    return "chat.v1" if "chat.v1" in offered else None
+
+
 def _refuse(connection: ServerConnection, request: Request) -> Response | None:
     if request.path == "/refuse":
         response = connection.respond(HTTPStatus.FORBIDDEN, "")
@@ -115,6 +121,7 @@ class EchoUpstream:
             "127.0.0.1",
             self.port,
             process_request=_refuse,
+            select_subprotocol=_subprotocol,
             **self.options,
         ) as server:
             self._server = server

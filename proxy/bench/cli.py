@@ -22,6 +22,7 @@ import orjson
 from proxy.bench import compare, prefill, report
 from proxy.bench.client import Call, prepare
 from proxy.bench.load import Level, Runner
+from proxy.bench.loop import run_loop, tokenizer
 from proxy.bench.options import Options, OptionsError, parse
 from proxy.bench.progress import Progress
 from proxy.bench.prompts import BUILTIN, PromptError, load_file, synthetic
@@ -49,9 +50,19 @@ def main(argv: Sequence[str]) -> int:
         from proxy.bench.compare_runs import main as compare_main
 
         return compare_main(argv[1:])
+    if argv and argv[0] == "merge":
+        from proxy.bench.merge import main as merge_main
+
+        return merge_main(argv[1:])
+    if argv and argv[0] == "replay":
+        from proxy.bench.replay import main as replay_main
+
+        return replay_main(argv[1:])
     try:
         options = parse(argv)
         _check_outputs(options)
+        if options.workers > 1:
+            return _parent(options, argv)
         tokenizer = _tokenizer(options)
         sweep: list[tuple[int | None, list[Call]]] = [
             (n, [prepare(options, p) for p in _prompts(options, tokenizer, n)])
@@ -105,6 +116,29 @@ def main(argv: Sequence[str]) -> int:
     return 0 if any(s.ok for s in summaries) else 1
 
 
+def _parent(options: Options, argv: Sequence[str]) -> int:
+    """--workers N: N worker processes run the load on one clock; this one merges them."""
+    from proxy.bench.merge import levels_of
+    from proxy.bench.workers import WorkerError, run
+
+    try:
+        doc = run([], argv, options.workers)
+    except WorkerError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
+    levels = levels_of([doc])
+    summaries = [summarize(level, options.slo) for level in levels]
+    if any(s.ok for s in summaries):
+        print(report.table(summaries, options.cost_per_hour, options.currency))
+    if doc.get("problem"):
+        print(f"{PROG}: error: {doc['problem']}", file=sys.stderr)
+    if options.out:
+        doc["config"]["workers"] = options.workers
+        report.write_json(options.out, doc)
+        print(f"{PROG}: wrote {options.out}", file=sys.stderr)
+    return 0 if any(s.ok for s in summaries) else 1
+
+
 def _check_outputs(options: Options) -> None:
     """Fail before the run, not after it, when its results could not be written."""
     for flag, path in (("--out", options.out), ("--plot", options.plot)):
@@ -115,16 +149,7 @@ def _check_outputs(options: Options) -> None:
 
 
 def _tokenizer(options: Options) -> Any:
-    if not options.tokenizer:
-        return None
-    # transformers warns on import that PyTorch is missing; a tokenizer needs no PyTorch.
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from proxy.core.tokens import load_tokenizer
-
-    try:
-        return load_tokenizer(options.tokenizer)
-    except Exception as exc:  # transformers raises many kinds
-        raise OptionsError(f"--tokenizer: cannot load {options.tokenizer}: {exc}") from None
+    return tokenizer(options.tokenizer)
 
 
 def _prompts(options: Options, tokenizer: Any, input_tokens: int | None) -> list[Any]:
@@ -135,12 +160,7 @@ def _prompts(options: Options, tokenizer: Any, input_tokens: int | None) -> list
     return list(BUILTIN)
 
 
-def _run_loop(coro: Any) -> Run:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)  # type: ignore[no-any-return]
-    return uvloop.run(coro)  # type: ignore[no-any-return]
+_run_loop = run_loop
 
 
 def _digest(sweep: list[tuple[int | None, list[Call]]]) -> str:
@@ -171,6 +191,12 @@ async def _bench(
     problem = compare_doc = compare_text = None
     try:
         before = await compare.scrape(options.compare_metrics) if options.compare_metrics else None
+        if options.sync or options.start_at is not None:
+            from proxy.bench.workers import at_wall_clock, wait_for_start
+
+            runners[0].start_at = (
+                wait_for_start() if options.sync else at_wall_clock(options.start_at or 0.0)
+            )
         progress.start()
         try:
             for runner, (n, _) in zip(runners, sweep, strict=True):

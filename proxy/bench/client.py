@@ -3,7 +3,8 @@
 The observer's `start` is the instant the request was *due* (in an open loop, its
 scheduled time), so a request that waited for the client is not measured as fast.
 Each network read gets one `perf_counter()` and goes to the observer; nothing else runs
-between the read and the timestamp. Token counting with a tokenizer is left to `finalize`,
+between the read and the timestamp. `measure_wire` (the load's client) does it inside the
+socket's callback (wire.py); `measure` on aiohttp is kept for one-off requests. Token counting with a tokenizer is left to `finalize`,
 run after the level ends, so it never delays the reading of other streams.
 """
 
@@ -21,6 +22,7 @@ import yarl
 
 from proxy.bench.options import Options
 from proxy.bench.prompts import Prompt
+from proxy.bench.wire import Pool, request_head
 from proxy.core.apis import api_of
 from proxy.core.apis.realtime import Realtime
 from proxy.core.errors import classify_exception, describe
@@ -185,10 +187,8 @@ async def measure(
     call: Call,
     scheduled: float,
     keep_text: bool,
-) -> tuple[Measurement, StreamObserver | None]:
+) -> tuple[Measurement, StreamObserver]:
     """Send one request; the latencies are measured from `scheduled`."""
-    if call.info.endpoint == REALTIME:
-        return await measure_realtime(client, url, request_headers, call, scheduled), None
     observer = StreamObserver(call.info, scheduled, collect_text=keep_text)
     started_at = time() - (perf_counter() - scheduled)
     status = 0
@@ -215,8 +215,40 @@ async def measure(
     return measurement, observer
 
 
+async def measure_wire(
+    pool: Pool,
+    url: yarl.URL,
+    request_headers: dict[str, str],
+    call: Call,
+    scheduled: float,
+    keep_text: bool,
+) -> tuple[Measurement, StreamObserver | None]:
+    """`measure` on the protocol-level client (wire.py): the observer is fed from the
+    socket's callback, so a chunk costs no task wake-up. A realtime session is a WebSocket
+    (`measure_realtime`)."""
+    if call.info.endpoint == REALTIME:
+        return await measure_realtime(url, request_headers, call, scheduled), None
+    observer = StreamObserver(call.info, scheduled, collect_text=keep_text)
+    started_at = time() - (perf_counter() - scheduled)
+    error = message = None
+    try:
+        await pool.request(request_head(url, request_headers, len(call.body)), call.body, observer)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # every failure becomes a measured error type
+        after = observer.first_byte is not None
+        error, message = classify_exception(exc, after_headers=after), describe(exc)
+    measurement = await observer.finish(
+        end=perf_counter(),
+        started_at=started_at,
+        status_code=observer.status if observer.first_byte is not None else 0,
+        error_type=error,
+        error_message=message,
+    )
+    return measurement, observer
+
+
 async def measure_realtime(
-    client: aiohttp.ClientSession,
     url: yarl.URL,
     request_headers: dict[str, str],
     call: Call,
@@ -241,9 +273,12 @@ async def measure_realtime(
     headers = {k: v for k, v in request_headers.items() if k.lower() != "content-type"}
     cause, error = "closed_by_client", None
     try:
-        async with client.ws_connect(
-            url.with_scheme("ws" if url.scheme == "http" else "wss"), headers=headers
-        ) as ws:
+        async with (
+            aiohttp.ClientSession() as client,
+            client.ws_connect(
+                url.with_scheme("ws" if url.scheme == "http" else "wss"), headers=headers
+            ) as ws,
+        ):
             for event in sends:
                 data = orjson.dumps(event)
                 await ws.send_str(data.decode())

@@ -5,6 +5,7 @@ backend's speed sets the arrival rate. Open loop: requests are due at Poisson ar
 times whatever the backend does; each one is measured from the time it was due, so a
 slow backend (or a busy client) shows up in the latencies instead of silently thinning
 the load (coordinated omission). How late sends actually were is kept per request.
+Replay (a Schedule): each request at its recorded offset, open loop as well.
 
 A run stops early when the first requests all fail the same way (a wrong key, an
 unknown model, an unreachable URL): more of them would measure nothing.
@@ -16,16 +17,16 @@ import asyncio
 import contextlib
 import itertools
 import random
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from time import perf_counter
+from time import perf_counter, process_time
 from typing import Any
 
-import aiohttp
 import yarl
 
-from proxy.bench.client import Call, Result, finalize, headers, measure, needs_tokenizer, session
+from proxy.bench.client import Call, Result, finalize, headers, measure_wire, needs_tokenizer
 from proxy.bench.options import Options
+from proxy.bench.wire import Pool
 
 #: Stop the run when this many first requests all fail with the same error type.
 FAIL_FAST = 3
@@ -41,6 +42,7 @@ class Level:
     results: list[Result] = field(default_factory=list)
     cancelled: int = 0  # requests in flight when the run was stopped, not recorded
     loop_lag: list[float] = field(default_factory=list)  # see LoopLag
+    cpu: float = 0.0  # CPU seconds this process spent during the level (process_time)
 
 
 class LoopLag:
@@ -63,6 +65,16 @@ class LoopLag:
             self.samples.append(max(0.0, perf_counter() - before - self.INTERVAL))
 
 
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """A recorded workload's timing: call i is due `offsets[i]` seconds after the start
+    and is recorded as request `indices[i]` of the whole workload."""
+
+    offsets: Sequence[float]
+    indices: Sequence[int]
+    on_send: Callable[[], None] | None = None
+
+
 def label(mode: str, value: float) -> str:
     return f"c={int(value)}" if mode == "closed" else f"rate={value:g}/s"
 
@@ -76,9 +88,18 @@ class Runner:
         calls: list[Call],
         tokenizer: Any = None,
         on_result: Callable[[Level, Result], None] | None = None,
+        schedule: Schedule | None = None,
+        start_at: float | None = None,
     ) -> None:
         self.options = options
         self.calls = calls
+        self.schedule = schedule
+        # A shard (--shard I/N, --workers) sends only its share of the load: in an open
+        # loop the requests numbered I mod N of the shared schedule, in a closed loop its
+        # share of the streams; the first level starts at `start_at` (one instant for
+        # every worker), the later ones when this process finished the one before.
+        self.shard = options.shard or (0, 1)
+        self.start_at = start_at
         self.tokenizer = tokenizer
         self.on_result = on_result
         self.levels: list[Level] = []
@@ -87,12 +108,12 @@ class Runner:
         self._judging = True  # until the first success, or failures of different types
         self._failures = 0
         self._headers = headers(options)
-        self._url = yarl.URL(options.url)  # parsed once, not on every request
+        self._urls = {options.endpoint: yarl.URL(options.url)}  # parsed once per API
         self._tasks: set[asyncio.Task[Any]] = set()
         self._active = 0  # requests begun and not yet recorded
         self._cancelled = 0
         self._stopped = asyncio.Event()
-        self._client: aiohttp.ClientSession | None = None
+        self._client: Pool | None = None
 
     @property
     def stopping(self) -> bool:
@@ -102,33 +123,41 @@ class Runner:
         self._stop("interrupted")
 
     async def run(self) -> list[Level]:
-        async with session(self.options) as client:
-            self._client = client
+        self._client = Pool(yarl.URL(self.options.base_url), self.options.timeout)
+        try:
             for index, value in enumerate(self.options.levels):
                 if self.stopping:
                     break
                 level = Level(index, value, label(self.options.mode, value))
                 self.levels.append(level)
                 lag = LoopLag(level.loop_lag)
-                level.start = perf_counter()
+                level.start = self._origin()
+                cpu = process_time()
                 try:
-                    if self.options.mode == "closed":
+                    if self.schedule is not None:
+                        await self._replay(level, self.schedule)
+                    elif self.options.mode == "closed":
                         await self._closed(level, int(value))
                     else:
                         await self._open(level, value)
                 finally:
                     level.end = perf_counter()
+                    level.cpu = process_time() - cpu
                     lag.stop()
                 for result in level.results:
                     finalize(result, self.tokenizer)
+        finally:
+            self._client.close()
         return self.levels
 
     # -- load shapes ------------------------------------------------------------------
 
     async def _closed(self, level: Level, concurrency: int) -> None:
         n, deadline = self.options.max_requests, self._deadline(level)
-        numbers = itertools.count()
+        mine, shards = self.shard
+        numbers = itertools.count(mine, shards)  # request numbers I, I+N, ...: this shard's
         ramp = self.options.ramp_up / concurrency
+        streams = range(mine, min(concurrency, n), shards)  # this shard's streams
 
         async def worker(number: int) -> None:
             if ramp and number:
@@ -139,7 +168,7 @@ class Runner:
                     return
                 await self._one(level, index, perf_counter())
 
-        await self._gather(level, [worker(k) for k in range(min(concurrency, n))])
+        await self._gather(level, [worker(k) for k in streams])
 
     async def _open(self, level: Level, rate: float) -> None:
         rng = random.Random(self.options.seed * 1_000_003 + level.index)
@@ -152,11 +181,30 @@ class Runner:
                 due += rng.expovariate(rate)
             if due >= deadline:
                 break
+            if index % self.shard[1] != self.shard[0]:
+                continue  # another shard's request
             await self._sleep_until(due)
             if self.stopping:
                 break
             self._spawn(self._one(level, index, due, slots))
         await self._gather(level, [])
+
+    async def _replay(self, level: Level, schedule: Schedule) -> None:
+        """Each call at its own offset from the start (a recorded workload), open loop."""
+        for call, offset, index in zip(self.calls, schedule.offsets, schedule.indices, strict=True):
+            due = level.start + offset
+            await self._sleep_until(due)
+            if self.stopping:
+                break
+            if schedule.on_send is not None:
+                schedule.on_send()
+            self._spawn(self._one(level, index, due, call=call))
+        await self._gather(level, [])
+
+    def _origin(self) -> float:
+        """The level's start: now, or (first level) the instant every worker shares."""
+        start_at, self.start_at = self.start_at, None
+        return perf_counter() if start_at is None else start_at
 
     async def _sleep_until(self, instant: float) -> None:
         """Sleep until the perf_counter() `instant`, or until the run is stopped."""
@@ -172,9 +220,20 @@ class Runner:
     # -- one request ------------------------------------------------------------------
 
     async def _one(
-        self, level: Level, index: int, due: float, slots: asyncio.Semaphore | None = None
+        self,
+        level: Level,
+        index: int,
+        due: float,
+        slots: asyncio.Semaphore | None = None,
+        call: Call | None = None,
     ) -> None:
-        call = self.calls[(level.index * 7919 + index) % len(self.calls)]
+        if call is None:
+            call = self.calls[(level.index * 7919 + index) % len(self.calls)]
+        url = self._urls.get(call.info.endpoint)
+        if url is None:
+            url = self._urls[call.info.endpoint] = yarl.URL(
+                self.options.base_url + call.info.endpoint
+            )
         keep_text = self.tokenizer is not None
         assert self._client is not None, "run() opens the client"
         self._active += 1
@@ -183,8 +242,8 @@ class Runner:
                 await slots.acquire()
             try:
                 sent = perf_counter()
-                m, observer = await measure(
-                    self._client, self._url, self._headers, call, due, keep_text
+                m, observer = await measure_wire(
+                    self._client, url, self._headers, call, due, keep_text
                 )
             finally:
                 if slots is not None:

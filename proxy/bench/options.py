@@ -60,6 +60,10 @@ class Options:
     label: str | None = None  # names the run in `tokenprobe bench compare`
     cost_per_hour: float | None = None  # the deployment's cost, for cost per million tokens
     currency: str = "USD"
+    workers: int = 1  # processes of this machine sharing the load (workers.py)
+    shard: tuple[int, int] | None = None  # (I, N): this process's share of the load
+    sync: bool = False  # a worker of --workers: wait for the shared start on stdin
+    start_at: float | None = None  # wall-clock (Unix) start shared by shards on several machines
 
     @property
     def url(self) -> str:
@@ -143,6 +147,24 @@ def parser() -> argparse.ArgumentParser:
     )
     a("--currency", default="USD", help="currency of --cost-per-hour (default USD)")
     a("--quiet", action="store_true", help="no live progress line")
+    a(
+        "--workers",
+        type=int,
+        default=1,
+        help="run on N processes of this machine, one clock, merged",
+    )
+    a(
+        "--shard",
+        metavar="I/N",
+        help="only share I of N (0-based) of the load; join with bench merge",
+    )
+    a(
+        "--start-at",
+        type=float,
+        metavar="UNIX",
+        help="start at this wall-clock time (shards on several machines)",
+    )
+    a("--sync", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
@@ -181,6 +203,11 @@ def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Options:
         raise OptionsError("--input-tokens needs --tokenizer to build prompts of exact length")
     if ns.input_tokens is not None and ns.prompts_file:
         raise OptionsError("--input-tokens and --prompts exclude each other")
+    _at_least("--workers", ns.workers, 1)
+    if ns.workers > 1 and ns.shard:
+        raise OptionsError("--workers and --shard exclude each other (each worker is a shard)")
+    if ns.workers > 1 and len(levels) > 1:
+        raise OptionsError("--workers runs one level: give one --concurrency or --rate")
     return Options(
         base_url=_base_url(ns.url),
         model=ns.model,
@@ -208,7 +235,22 @@ def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Options:
         label=ns.label,
         cost_per_hour=ns.cost_per_hour,
         currency=ns.currency.strip(),
+        workers=ns.workers,
+        shard=parse_shard(ns.shard) if ns.shard else None,
+        sync=ns.sync,
+        start_at=ns.start_at,
     )
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """'I/N' -> (I, N), 0 <= I < N."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise OptionsError(f"--shard: expected I/N, got {text!r}") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise OptionsError(f"--shard: I must be in 0..N-1, got {text!r}")
+    return i, n
 
 
 def parse_slo(text: str) -> dict[str, float]:

@@ -7,7 +7,9 @@ busy run does not spend its time writing to the terminal.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import sys
+from collections.abc import Sequence
 from time import perf_counter
 from typing import TextIO
 
@@ -84,3 +86,27 @@ class Progress:
             self.stream.write(self._line() + "\n")
         self.stream.flush()
         self.level = None
+
+
+class ReplayProgress(Progress):
+    """The bench's progress line, saying how many requests were sent of those due by now."""
+
+    def __init__(self, planned: int, enabled: bool, stream: TextIO = sys.stderr) -> None:
+        super().__init__(planned, stream, enabled=enabled)
+        self.schedule: Sequence[float] = ()
+        self.sent_count = 0
+        self.began = 0.0
+
+    def start(self) -> None:
+        self.began = perf_counter()
+        super().start()
+
+    def sent(self) -> None:
+        self.sent_count += 1
+
+    def _line(self) -> str:
+        due = bisect.bisect_right(self.schedule, perf_counter() - self.began)
+        return (
+            f"[replay] {self.sent_count} sent / {due} due of {self.planned}, "
+            f"{self.done} done, {self.errors} errors, {perf_counter() - self.began:.0f}s"
+        )

@@ -177,7 +177,8 @@ def record(result: Result, label: str, origin: float) -> dict[str, Any]:
         "send_delay": result.sent - result.scheduled,
     }
     for f in dataclasses.fields(m):
-        out[f.name] = getattr(m, f.name)
+        if f.name != "prefix":  # the prefix digests leave only keyed (the access log)
+            out[f.name] = getattr(m, f.name)
     return out
 
 
@@ -209,6 +210,12 @@ def document(
         "summary": [dataclasses.asdict(s) for s in summaries],
         "compare": compare,
         "cost": _cost(options, summaries),
+        # What `bench merge` needs besides the records: each level's loop-lag samples;
+        # and the bench's own CPU seconds in the level (what a chunk costs the client).
+        "levels": [
+            {"label": level.label, "loop_lag": level.loop_lag, "cpu_s": level.cpu}
+            for level in levels
+        ],
         "records": [record(r, level.label, origin) for level in levels for r in level.results],
     }
 

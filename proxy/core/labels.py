@@ -4,6 +4,10 @@ A model label may only take values the operator or the upstream vouched for: nam
 `--model-allowlist`, or the ids the upstream lists at `/v1/models` (refreshed in the
 background). Anything else becomes `other`, so a client sending random model names cannot
 grow the number of series.
+
+An attribution label (`--label-header x-team=team`) takes a request header's value,
+sanitised and cut short; only the first `max_values` distinct values of each get a label
+of their own, later ones share `other`, and a request without the header is `none`.
 """
 
 from __future__ import annotations
@@ -11,6 +15,12 @@ from __future__ import annotations
 import re
 
 OTHER = "other"
+NO_VALUE = "none"
+#: Request headers whose values never appear in logs, traces, metrics or error messages
+#: (the relay also drops them from anything it reports; --secret-header adds more).
+SECRET_HEADERS = frozenset(
+    {b"authorization", b"proxy-authorization", b"api-key", b"x-api-key", b"cookie", b"set-cookie"}
+)
 #: Hard cap on distinct model labels, whatever the upstream lists.
 MAX_MODELS = 200
 
@@ -31,6 +41,50 @@ class ModelLabels:
 
     def __call__(self, model: str) -> str:
         return model if model in self._known else OTHER
+
+
+#: The longest attribution label value; longer header values are cut to this.
+MAX_LABEL_CHARS = 64
+# Kept as they are; every other character becomes "_".
+_LABEL_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:/@+")
+
+
+def sanitise(raw: bytes) -> str:
+    """A header value as a label value: at most MAX_LABEL_CHARS of plain characters."""
+    text = raw[: MAX_LABEL_CHARS * 4].decode("latin-1").strip()[:MAX_LABEL_CHARS]
+    return "".join(c if c in _LABEL_CHARS else "_" for c in text)
+
+
+class HeaderLabels:
+    """Attribution label values from request headers, bounded per header.
+
+    `headers` maps each lower-case header name to its label's position; a call walks the
+    request's headers once (per request, never per chunk) and returns one value per label.
+    """
+
+    def __init__(self, headers: tuple[str, ...], max_values: int) -> None:
+        self._index = {h.lower().encode("latin-1"): i for i, h in enumerate(headers)}
+        self._max = max_values
+        self._admitted: list[set[str]] = [set() for _ in headers]
+
+    def __call__(self, headers: list[tuple[bytes, bytes]]) -> tuple[str, ...]:
+        values: list[str | None] = [None] * len(self._admitted)
+        for name, raw in headers:
+            i = self._index.get(name)
+            if i is not None and values[i] is None:  # the first of repeated headers counts
+                values[i] = self._bounded(i, sanitise(raw))
+        return tuple(NO_VALUE if v is None else v for v in values)
+
+    def _bounded(self, i: int, value: str) -> str:
+        if not value:
+            return NO_VALUE
+        admitted = self._admitted[i]
+        if value in admitted:
+            return value
+        if len(admitted) >= self._max:
+            return OTHER
+        admitted.add(value)
+        return value
 
 
 # Routes forwarded without measuring (OpenAI's and vLLM's); anything else collapses to a

@@ -39,6 +39,7 @@ import enum
 from dataclasses import dataclass
 
 from proxy.core.engine import EngineMetrics, ttft_split
+from proxy.core.fingerprint import Prefix
 
 
 class ErrorType(enum.StrEnum):
@@ -103,6 +104,9 @@ class Measurement:
     raw_finish_reason: str | None = None  # as the backend wrote it (end_turn, completed, ...)
     engine: EngineMetrics | None = None  # the engine's own per-request figures, if sent
     proxy_overhead: float | None = None  # seconds of the proxy's own time (see above)
+    # The prompt's prefix fingerprint (core/fingerprint.py), unkeyed: only the access log
+    # shows it, keyed with the deployment's salt.
+    prefix: Prefix | None = None
     audio_seconds: float | None = None  # /v1/realtime: the audio appended for this utterance
 
     @property

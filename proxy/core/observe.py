@@ -5,9 +5,10 @@ time of that network read, so this module never reads a clock and tests can repl
 recorded streams with synthetic timestamps. It knows no API: each event goes to the
 request's `Api` (proxy/core/apis/), which answers with `Facts` (content or not, finish
 reason, usage, in-stream error, clean end); non-streaming bodies are kept (bounded) and
-handed to the Api once at the end. `finish()` is the one sequence that turns what was
-seen into the record: outcome, then token counts from usage, else a tokenizer, else
-content events.
+handed to the Api once at the end. A stream's repeating content event is recognised
+from its bytes once one has been parsed and proven (proxy/core/template.py). `finish()`
+is the one sequence that turns what was seen into the record: outcome, then token
+counts from usage, else a tokenizer, else content events.
 
 With n > 1 choices, first/last token and content events are kept per choice (see
 proxy/core/measurement.py for how the request-level TPOT and decode speed are chosen).
@@ -23,8 +24,10 @@ import orjson
 from proxy.core.apis import Api, Facts, RequestInfo, TokenCounts, api_of
 from proxy.core.engine import engine_metrics
 from proxy.core.errors import classify_response, classify_stream_end, error_message
+from proxy.core.fingerprint import of_prompt
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
 from proxy.core.sse import DEFAULT_MAX_EVENT_BYTES, SSEDecoder
+from proxy.core.template import EventTemplate, learn
 
 #: The most of a non-streaming or error body kept for parsing. Bigger bodies are still
 #: relayed in full; they are only measured from what fits.
@@ -88,6 +91,10 @@ class StreamObserver:
         self.response_model: str | None = None
         self.texts: list[str] = []
         self._decoder = SSEDecoder(max_event_bytes)
+        # The stream's repeating content event, once one has been parsed and proven
+        # (proxy/core/template.py); learning is tried on the first plain event only.
+        self._template: EventTemplate | None = None
+        self._learn = not collect_text and bool(self.api.text_openings)
         self._body: list[bytes] = []
         self._kept = 0
 
@@ -111,9 +118,15 @@ class StreamObserver:
     def feed(self, chunk: bytes, now: float) -> None:
         """A chunk that was just relayed to the client, read from the network at `now`."""
         if self.streaming:
-            event, collect = self.api.event, self._collect
+            event, collect, template = self.api.event, self._collect, self._template
             for payload in self._decoder.feed(chunk):
-                facts = event(payload, collect, self.response_id is None)
+                if template is not None and template.fits(payload):
+                    facts = template.facts  # the same bytes around a new text: no parse
+                else:
+                    facts = event(payload, collect, self.response_id is None)
+                    if self._learn and facts.plain:
+                        self._learn = False
+                        template = self._template = learn(self.api, payload, facts)
                 zero = self._zero
                 if facts.plain and zero is not None:  # the common event, inline: one choice
                     self.content_events += 1
@@ -312,6 +325,7 @@ class StreamObserver:
             trace_id=trace_id,
             engine=None if self.engine is None else engine_metrics(self.engine),
             proxy_overhead=self.overhead,
+            prefix=of_prompt(request.prompt),
         )
 
     def _decode_speed(self, output: int | None) -> tuple[float | None, float | None]:
@@ -369,6 +383,7 @@ def bare_record(
         max_tokens=request.max_tokens,
         temperature=request.temperature,
         trace_id=trace_id,
+        prefix=of_prompt(request.prompt),
     )
 
 

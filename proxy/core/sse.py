@@ -47,6 +47,15 @@ class SSEDecoder:
         Raises EventTooLarge when the event being built passes `max_event_bytes`."""
         if not chunk:  # an empty read must not forget a pending CR
             return []
+        if (  # the common read: one whole `data: ...` event, nothing pending, LF line ends
+            chunk.startswith(b"data: ")
+            and chunk.endswith(b"\n\n")
+            and not (self._parts or self._data or self._skip_lf)
+            and chunk.find(b"\n", 6) == len(chunk) - 2
+            and b"\r" not in chunk
+            and len(chunk) - 2 <= self.max_event_bytes
+        ):
+            return [chunk[6:-2]]
         if self._skip_lf:
             self._skip_lf = False
             if chunk[:1] == b"\n":

@@ -21,12 +21,13 @@ from proxy.server.app import ProxyApp
 from proxy.server.control import ControlPlane, GuardedMetrics, Readiness
 from proxy.server.exposition import Exposition
 from proxy.server.multiproc import MULTIPROC_ENV, multiprocess_metrics_app
-from proxy.settings import Settings
+from proxy.settings import Settings, label_pairs
 from proxy.sinks.cost import CostSink, export_cost_per_hour, load_prices
 from proxy.sinks.dispatch import Sinks
 from proxy.sinks.keys import KeyLabels
 from proxy.sinks.logs import AccessLog
 from proxy.sinks.metrics import Metrics
+from proxy.sinks.otel_env import metrics_requested
 from proxy.sinks.sink import RequestTracer, Sink
 from proxy.sinks.tracing import tracing_from_env
 from proxy.types import ASGIApp
@@ -44,7 +45,9 @@ def assemble(
     and `extra_sinks` record after the configured ones (the demo, tests)."""
     upstream = settings.upstream
     registry = registry if registry is not None else CollectorRegistry()
-    metrics = Metrics(registry)
+    attribution = label_pairs(settings)
+    metrics = Metrics(registry, tuple(label for _, label in attribution))
+    models = ModelLabels(settings.model_allowlist)
     if settings.cost_per_hour is not None:
         export_cost_per_hour(registry, settings.cost_per_hour, settings.currency)
     if tracer is None:
@@ -52,11 +55,13 @@ def assemble(
             environ, upstream=upstream, registry=registry, trace_content=settings.trace_content
         )
     sinks = Sinks(
-        [metrics, *_sinks(settings, registry), *extra_sinks],
+        [metrics, *_sinks(settings, registry, environ, metrics, models), *extra_sinks],
         metrics=metrics,
-        models=ModelLabels(settings.model_allowlist),
+        models=models,
         keys=KeyLabels(settings.key_salt) if settings.key_label == "hash" else None,
         tracer=tracer,
+        attribution=attribution,
+        max_label_values=settings.label_values,
     )
     control = ControlPlane(
         GuardedMetrics(_exposition(registry, environ), settings.metrics_token),
@@ -66,13 +71,35 @@ def assemble(
     return ProxyApp(settings, registry=registry, sinks=sinks, control=control)
 
 
-def _sinks(settings: Settings, registry: CollectorRegistry) -> list[Sink]:
+def _sinks(
+    settings: Settings,
+    registry: CollectorRegistry,
+    environ: Mapping[str, str],
+    metrics: Metrics,
+    models: ModelLabels,
+) -> list[Sink]:
     """The sinks besides Metrics that the settings turn on, in the order they record."""
     sinks: list[Sink] = []
+    labels = metrics.attribution
     if settings.access_log != "off":
-        sinks.append(AccessLog(settings.access_log))
-    if settings.prices:
-        sinks.append(CostSink(load_prices(settings.prices), registry))
+        sinks.append(AccessLog(settings.access_log, attribution=labels, salt=settings.log_salt))
+    prices = load_prices(settings.prices) if settings.prices else None
+    if prices is not None:
+        sinks.append(CostSink(prices, registry))
+    if metrics_requested(environ):  # OTEL_METRICS_EXPORTER=otlp; else not even imported
+        from proxy.sinks.otlp import otlp_metrics_from_env
+
+        sinks.append(
+            otlp_metrics_from_env(
+                environ,
+                upstream=settings.upstream,
+                registry=registry,
+                models=models,
+                attribution=labels,
+                prices=prices,
+                in_flight=metrics.in_flight,
+            )
+        )
     return sinks
 
 

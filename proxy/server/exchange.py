@@ -51,6 +51,7 @@ class Exchange:
         "measuring",
         "observer",
         "path",
+        "read",
         "rs",
         "start",
         "started_at",
@@ -65,9 +66,11 @@ class Exchange:
         info: RequestInfo | None,
         start: float,
         started_at: float,
+        read: float | None = None,
     ) -> None:
         self.context, self.path, self.headers = context, path, headers
         self.info, self.start, self.started_at = info, start, started_at
+        self.read = start if read is None else read  # when the request was all in
         self.status = 0  # what the client got; 0 until a response head went out
         self.observer = (
             None
@@ -86,6 +89,16 @@ class Exchange:
         return upstream_headers(
             self.headers, measured=self.info is not None, trace=self.rs.upstream_headers
         )
+
+    def sent(self, now: float) -> None:
+        """The request goes to the upstream now: the proxy's own time since `read`."""
+        if self.observer is not None:
+            self.observer.sent(self.read, now)
+
+    def relayed(self, now: float) -> None:
+        """The response head went out to the client now (the proxy's own time again)."""
+        if self.observer is not None:
+            self.observer.relayed(now)
 
     def open(self, status: int, content_type: str, now: float) -> None:
         """The upstream's response head arrived (and goes to the client now)."""

@@ -102,14 +102,12 @@ class Forwarder:
             count_refusal(sinks, path, api, 0, start, started_at, ErrorType.CLIENT_CANCELLED)
             return
         scope = {**scope, "path": path, "query_string": where.query.encode()}
-        info, stripper = None, None
         read = perf_counter()  # the request is in: the proxy's own time starts (overhead)
+        info, stripper = None, None
         if api is not None:
             info, body, stripper = admit(api, body, limits)
-        exchange = Exchange(self.context, path, scope["headers"], info, start, started_at)
-        relay = Relay(self.client, exchange, scope, receive, send)
-        relay.read = read
-        await relay.run(body, stripper)
+        exchange = Exchange(self.context, path, scope["headers"], info, start, started_at, read)
+        await Relay(self.client, exchange, scope, receive, send).run(body, stripper)
 
 
 async def _read_body(receive: Receive, limits: RelaySettings) -> bytes:
@@ -142,17 +140,7 @@ class Relay:
     one is the server's.
     """
 
-    __slots__ = (
-        "client",
-        "cut",
-        "exchange",
-        "idle",
-        "read",
-        "receive",
-        "response",
-        "scope",
-        "send",
-    )
+    __slots__ = ("client", "cut", "exchange", "idle", "receive", "response", "scope", "send")
 
     def __init__(
         self,
@@ -164,7 +152,6 @@ class Relay:
     ) -> None:
         self.client, self.exchange = client, exchange
         self.scope, self.receive, self.send = scope, receive, send
-        self.read = perf_counter()  # when the body was read (the Forwarder sets it)
         task = asyncio.current_task()
         assert task is not None
         self.cut = _Cut(task)
@@ -205,12 +192,12 @@ class Relay:
         limits = exchange.context.settings
         query = scope.get("query_string", b"")
         url = limits.upstream + scope["path"] + ("?" + query.decode("latin-1") if query else "")
-        if exchange.observer is not None:
-            exchange.observer.sent(self.read, perf_counter())
+        headers = exchange.upstream_headers()
+        exchange.sent(perf_counter())
         try:
             async with asyncio.timeout(limits.first_byte_timeout) as deadline:
                 self.response = response = await send_upstream(
-                    self.client, scope["method"], url, exchange.upstream_headers(), body
+                    self.client, scope["method"], url, headers, body
                 )
         except TimeoutError:
             if deadline.expired():
@@ -224,10 +211,9 @@ class Relay:
         if not (status < 400 and content_type.startswith("text/event-stream")):
             stripper = None
         raw = [(k.lower(), v) for k, v in response.headers.raw]
-        headers = client_headers(raw, content_type.encode(), body_changes=stripper is not None)
-        await self.send({"type": "http.response.start", "status": status, "headers": headers})
-        if exchange.observer is not None:
-            exchange.observer.relayed(perf_counter())
+        out = client_headers(raw, content_type.encode(), body_changes=stripper is not None)
+        await self.send({"type": "http.response.start", "status": status, "headers": out})
+        exchange.relayed(perf_counter())
         return stripper
 
     async def stream(self, stripper: UsageEventStripper | None) -> None:

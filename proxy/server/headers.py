@@ -10,6 +10,8 @@ observer reads the stream. An event stream going to the client says
 
 from __future__ import annotations
 
+from proxy.core.labels import SECRET_HEADERS
+
 Headers = list[tuple[bytes, bytes]]
 
 HOP_BY_HOP = frozenset(
@@ -27,11 +29,6 @@ HOP_BY_HOP = frozenset(
 )
 _REQUEST_DROP = HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding", b"expect"}
 _RESPONSE_DROP_CHANGED = HOP_BY_HOP | {b"content-length"}
-
-#: Request headers whose values never appear in logs, traces, metrics or error messages.
-SECRET_HEADERS = frozenset(
-    {b"authorization", b"proxy-authorization", b"api-key", b"x-api-key", b"cookie", b"set-cookie"}
-)
 
 
 def upstream_headers(headers: Headers, *, measured: bool, trace: Headers | None = None) -> Headers:

@@ -93,7 +93,7 @@ class TunnelContext:
 
 def tunnel_context(settings: Settings, registry: CollectorRegistry, sinks: Sinks) -> TunnelContext:
     """The tunnels' shared parts for these settings; call once per registry."""
-    upstream = urlsplit(settings.upstream or "")  # set: the app was built from it
+    upstream = urlsplit(settings.upstream)
     https = upstream.scheme == "https"
     port = upstream.port or (443 if https else 80)
     host = upstream.hostname or ""

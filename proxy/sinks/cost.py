@@ -61,7 +61,8 @@ def export_cost_per_hour(registry: CollectorRegistry, cost_per_hour: float, curr
     return gauge
 
 
-_PRICE_KEYS = ("input", "cached_input", "output")
+#: The kinds of spend, in the order `spend` returns them.
+PRICE_KEYS = ("input", "cached_input", "output")
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,10 +118,10 @@ def parse_prices(data: Any, source: str = "<prices>") -> PriceTable:
 def _parse_model(prices: Any, where: str) -> ModelPrice:
     if not isinstance(prices, dict):
         raise ValueError(f"{where}: expected a mapping of input/cached_input/output prices")
-    unknown = sorted(set(prices) - set(_PRICE_KEYS))
+    unknown = sorted(set(prices) - set(PRICE_KEYS))
     if unknown:
         # A typo such as "ouput" must not silently make a model's output free.
-        raise ValueError(f"{where}.{unknown[0]}: unknown price key (expected {_PRICE_KEYS})")
+        raise ValueError(f"{where}.{unknown[0]}: unknown price key (expected {PRICE_KEYS})")
     for key in ("input", "output"):
         if key not in prices:
             raise ValueError(f"{where}.{key}: missing (price per million tokens)")
@@ -167,7 +168,7 @@ class CostSink:
         # Children resolved once: every priced model's series exists (at 0) from the start,
         # so a rate() over it reads 0 rather than "no data" before its first request.
         self._children = {
-            model: tuple(counter.labels(model=model, kind=kind) for kind in _PRICE_KEYS)
+            model: tuple(counter.labels(model=model, kind=kind) for kind in PRICE_KEYS)
             for model in prices.models
         }
 
@@ -175,14 +176,18 @@ class CostSink:
         price = self.prices.get(m.model)
         if price is None:
             return
-        input_child, cached_child, output_child = self._children[m.model]
-        cached = max(m.cached_prompt_tokens or 0, 0)
-        prompt = max(m.prompt_tokens or 0, 0)
-        uncached = max(prompt - cached, 0)
-        output = max(m.output_tokens or 0, 0)
-        if uncached:
-            input_child.inc(uncached * price.input / PER_TOKENS)
-        if cached:
-            cached_child.inc(cached * price.cached_input / PER_TOKENS)
-        if output:
-            output_child.inc(output * price.output / PER_TOKENS)
+        for child, amount in zip(self._children[m.model], spend(price, m), strict=True):
+            if amount:
+                child.inc(amount)
+
+
+def spend(price: ModelPrice, m: Measurement) -> tuple[float, float, float]:
+    """One request's cost by kind (input, cached_input, output), as the module says."""
+    cached = max(m.cached_prompt_tokens or 0, 0)
+    uncached = max(max(m.prompt_tokens or 0, 0) - cached, 0)
+    output = max(m.output_tokens or 0, 0)
+    return (
+        uncached * price.input / PER_TOKENS,
+        cached * price.cached_input / PER_TOKENS,
+        output * price.output / PER_TOKENS,
+    )

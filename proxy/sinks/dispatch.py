@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from time import perf_counter
 from typing import Any
 
-from proxy.core.labels import ModelLabels
+from proxy.core.labels import NO_VALUE, HeaderLabels, ModelLabels
 from proxy.core.measurement import ErrorType, Measurement
 from proxy.core.observe import bare_record
 from proxy.core.request import RequestInfo
@@ -54,12 +55,22 @@ class Sinks:
         models: ModelLabels,
         keys: KeyLabels | None = None,
         tracer: RequestTracer | None = None,
+        attribution: tuple[tuple[str, str], ...] = (),
+        max_label_values: int = 50,
     ) -> None:
+        """`attribution`: the (header, label) pairs of --label-header."""
         self.sinks = list(sinks)
         self.metrics = metrics
         self.models = models
         self.keys = keys
         self.tracer = tracer
+        self.label_names = tuple(label for _, label in attribution)
+        self.header_labels = (
+            HeaderLabels(tuple(h for h, _ in attribution), max_label_values)
+            if attribution
+            else None
+        )
+        self._no_attribution = (NO_VALUE,) * len(attribution)
 
     def begin(
         self, info: RequestInfo | None, headers: Headers, started_at: float = 0.0
@@ -67,13 +78,16 @@ class Sinks:
         if info is None:
             return RequestScope(None, _UNMEASURED)
         key = self.keys(headers) if self.keys is not None else None
-        rs = RequestScope(info, Labels(self.models(info.model), key))
+        attribution = self.header_labels(headers) if self.header_labels is not None else ()
+        rs = RequestScope(info, Labels(self.models(info.model), key, attribution))
         self.metrics.in_flight.labels(rs.labels.model, info.endpoint).inc()
         if self.tracer is not None:
             try:
                 rs.span, rs.trace_id, rs.upstream_headers = self.tracer.start(
                     info, headers, int(started_at * 1e9) if started_at else None
                 )
+                if attribution and rs.span is not None:
+                    rs.span.set_attributes(dict(zip(self.label_names, attribution, strict=True)))
             except Exception:
                 log.exception("starting a trace span failed")
                 self.failed("trace")
@@ -114,6 +128,10 @@ class Sinks:
         self.metrics.measurement_failures.labels(stage).inc()
 
     def _record(self, measurement: Measurement, labels: Labels) -> None:
+        if len(labels.attribution) != len(self.label_names):
+            # A record made without the request's headers (refused before they were
+            # resolved, say): its attribution labels are "none".
+            labels = replace(labels, attribution=self._no_attribution)
         for sink in self.sinks:
             self._safely(sink.record, measurement, labels)
 

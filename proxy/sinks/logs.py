@@ -3,6 +3,7 @@
 Keys, in this order, stable (a key without a value is null in JSON, left out in text):
 
   ts             when the proxy received the request, ISO-8601 UTC with ms ("...T12:00:00.123Z")
+  arrival        the same instant as Unix seconds with microseconds (what a replay schedules by)
   model          the model the client asked for (first 200 characters)
   endpoint       the API's label, its canonical path (/v1/chat/completions, /v1/messages, ...)
   status         HTTP status the client got (0: nothing was sent)
@@ -19,26 +20,42 @@ Keys, in this order, stable (a key without a value is null in JSON, left out in 
   spec_draft_tokens, spec_accepted_tokens   speculative decoding, as the engine counted
   proxy_overhead_ms   the proxy's own time (body read -> upstream, head in -> head out)
   stream         whether the client asked for a stream
+  max_tokens     the output limit the client asked for (max_tokens, max_output_tokens, ...)
+  prefix         the prefix fingerprint: keyed hashes (16 hex digits) of the prompt's leading
+                 units, cumulative: messages 1, 1-2, 1-3, ... (at most 8) for chat, Messages
+                 (its system first) and Responses; leading 256-character blocks for a text
+                 prompt (completions). Keyed with --log-salt, which is never logged.
+  prefix_chars   characters of the prompt each prefix hash covers (cumulative)
+  prompt_chars   characters of the whole prompt, as hashed (JSON of each message, or the text)
   trace_id       the request's trace id when traced and sampled
   response_id    the backend's response id
   error          a short, secret-free description of the error
+  labels         with --label-header only: {label: value}, the bounded values the metrics
+                 carry (logfmt: labels.team=...)
 
-Only these values reach the log: no header value, no prompt, no completion.
+Only these values reach the log: no header value (but a --label-header's bounded label),
+no prompt, no completion. The fingerprint tells which requests began alike, never what
+they said: without the salt a guessed prompt cannot be tested against it, and with a
+random salt (the default, one per process) hashes compare only within one process's lines.
 """
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 import sys
 import time
 from typing import Any, TextIO
 
 import orjson
 
+from proxy.core.fingerprint import keyed
 from proxy.core.measurement import NONE_LABEL, Measurement
 from proxy.sinks.sink import Labels
 
 KEYS = (
     "ts",
+    "arrival",
     "model",
     "endpoint",
     "status",
@@ -65,6 +82,10 @@ KEYS = (
     "trace_id",
     "response_id",
     "error",
+    "max_tokens",
+    "prefix",
+    "prefix_chars",
+    "prompt_chars",
 )
 
 _MAX_MODEL_CHARS = 200
@@ -75,26 +96,46 @@ class AccessLog:
     """A Sink writing one line per request (the raw model name, cut short: a log line
     is no series, so it need not be bounded like a label)."""
 
-    def __init__(self, mode: str, stream: TextIO = sys.stdout) -> None:
+    def __init__(
+        self,
+        mode: str,
+        stream: TextIO = sys.stdout,
+        attribution: tuple[str, ...] = (),
+        salt: str | None = None,
+    ) -> None:
         if mode not in ("json", "text"):
             raise ValueError(f"access log mode {mode!r}: expected json or text")
         self.stream = stream
         self.format = _json_line if mode == "json" else _text_line
+        self.attribution = attribution  # the --label-header label names
+        self.key = salt_key(salt)
 
     def record(self, m: Measurement, labels: Labels) -> None:
+        rec = record(m, self.key)
+        if self.attribution:
+            rec["labels"] = dict(zip(self.attribution, labels.attribution, strict=True))
         # One write and one flush per line: a line reaches the log when its request
         # ends, and lines from several workers on one pipe do not interleave.
-        self.stream.write(self.format(record(m)))
+        self.stream.write(self.format(rec))
         self.stream.flush()
 
 
-def record(m: Measurement) -> dict[str, Any]:
-    """The log record of one request, keys as in KEYS."""
+def salt_key(salt: str | None) -> bytes:
+    """The BLAKE2b key for prefix hashes: from --log-salt, else random for this process."""
+    if salt is None:
+        return secrets.token_bytes(32)
+    return hashlib.sha256(b"tokenprobe log salt\x00" + salt.encode()).digest()
+
+
+def record(m: Measurement, key: bytes) -> dict[str, Any]:
+    """The log record of one request, keys as in KEYS; `key` keys the prefix hashes."""
+    prefix = m.prefix
     queue, engine_ttft, outside = m.ttft_parts()
     spec = None if m.engine is None else m.engine.spec
     per_chunk = m.output_tokens_per_chunk()
     return {
         "ts": iso_utc(m.started_at),
+        "arrival": round(m.started_at, 6),
         "model": m.model[:_MAX_MODEL_CHARS],
         "endpoint": m.endpoint,
         "status": m.status_code,
@@ -123,6 +164,10 @@ def record(m: Measurement) -> dict[str, Any]:
         "trace_id": m.trace_id,
         "response_id": m.response_id,
         "error": m.error_message,
+        "max_tokens": m.max_tokens,
+        "prefix": None if prefix is None else keyed(prefix, key),
+        "prefix_chars": None if prefix is None else list(prefix.chars),
+        "prompt_chars": None if prefix is None else prefix.total_chars,
     }
 
 
@@ -142,12 +187,17 @@ def _json_line(rec: dict[str, Any]) -> str:
 
 def _text_line(rec: dict[str, Any]) -> str:
     """logfmt: `key=value` pairs, values with spaces, quotes or '=' JSON-quoted."""
-    parts = []
+    parts: list[str] = []
     for key, value in rec.items():
         if value is None:
             continue
+        if isinstance(value, dict):
+            parts.extend(f"{key}.{k}={v}" for k, v in value.items())  # sanitised label values
+            continue
         if isinstance(value, bool):
             text = "true" if value else "false"
+        elif isinstance(value, list):
+            text = ",".join(str(v) for v in value)
         elif isinstance(value, str):
             text = value if value and _PLAIN.issuperset(value) else orjson.dumps(value).decode()
         else:

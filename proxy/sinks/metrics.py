@@ -73,10 +73,17 @@ class Metrics:
     has a key label; the dispatcher (proxy/sinks/dispatch.py) also moves the in-flight
     gauge and counts passthrough requests and measurement failures here."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, attribution: tuple[str, ...] = ()) -> None:
+        """`attribution`: the --label-header label names, added after model and endpoint
+        to the request and token counters and the latency histograms."""
         self.registry = registry
-        h = _factory(Histogram, registry)
-        c = _factory(Counter, registry)
+        self.attribution = attribution
+        h = _factory(Histogram, registry, attribution)
+        c = _factory(Counter, registry, attribution)
+        # (model, endpoint) and their own labels only: the prompt/cache classes and the
+        # engine's figures already multiply their series, attribution labels would more.
+        h_bare = _factory(Histogram, registry)
+        c_bare = _factory(Counter, registry)
         self.ttfb = h(
             "tokenprobe_time_to_first_byte_seconds",
             "Client-seen time to first byte: from the proxy receiving the request to the "
@@ -92,7 +99,7 @@ class Metrics:
             "arguments delta, not response.created). Streaming generative requests only.",
             buckets=TTFT_BUCKETS,
         )
-        self.ttft_by_prompt = h(
+        self.ttft_by_prompt = h_bare(
             "tokenprobe_time_to_first_token_by_prompt_seconds",
             "Time to first token as tokenprobe_time_to_first_token_seconds (proxy received the "
             "request -> first read carrying generated content), split by prompt size class "
@@ -101,7 +108,7 @@ class Metrics:
             labels=("prompt_class", "cache_class"),
             buckets=TTFT_CLASS_BUCKETS,
         )
-        self.ttft_prompt_tokens = c(
+        self.ttft_prompt_tokens = c_bare(
             "tokenprobe_time_to_first_token_by_prompt_prompt_tokens",
             "Prompt tokens of the requests in tokenprobe_time_to_first_token_by_prompt_seconds, "
             "by the same classes. Its rate over that histogram's _sum rate is the implied "
@@ -212,17 +219,18 @@ class Metrics:
             "head arriving to that head being sent to the client.",
             buckets=OVERHEAD_BUCKETS,
         )
-        # Every metric labelled by (model, endpoint) alone: their children are resolved
-        # once per pair (`_bound`), so a new one is its declaration above and one line in
-        # `record`, nothing to keep in step by hand.
+        # Every metric labelled by (model, endpoint, *attribution) alone: their children are
+        # resolved once per key (`_bound`), so a new one is its declaration above and one
+        # line in `record`, nothing to keep in step by hand.
+        per_request = (*LABELS, *attribution)
         self._per_pair = {
             name: metric
             for name, metric in vars(self).items()
-            if isinstance(metric, MetricWrapperBase) and metric._labelnames == LABELS
+            if isinstance(metric, MetricWrapperBase) and metric._labelnames == per_request
         }
-        self._children: dict[tuple[str, str], SimpleNamespace] = {}
+        self._children: dict[tuple[str, ...], SimpleNamespace] = {}
         self._class_children: dict[tuple[str, str, str, str], tuple[Any, Any]] = {}
-        self._engine_metrics(h, c)
+        self._engine_metrics(h_bare, c_bare)
         self._engine_children: dict[tuple[str, str, bool], tuple[Any, ...]] = {}
 
     def _engine_metrics(self, h: Any, c: Any) -> None:
@@ -306,13 +314,13 @@ class Metrics:
             buckets=OVERHEAD_BUCKETS,
         )
 
-    def _bound(self, model: str, endpoint: str) -> SimpleNamespace:
-        """This pair's children, as attributes named like the metrics (`.ttft`, ...)."""
-        key = (model, endpoint)
+    def _bound(self, key: tuple[str, ...]) -> SimpleNamespace:
+        """The children of one (model, endpoint, *attribution), as attributes named like
+        the metrics (`.ttft`, ...)."""
         children = self._children.get(key)
         if children is None:
             children = SimpleNamespace(
-                **{name: metric.labels(model, endpoint) for name, metric in self._per_pair.items()}
+                **{name: metric.labels(*key) for name, metric in self._per_pair.items()}
             )
             self._children[key] = children
         return children
@@ -336,7 +344,8 @@ class Metrics:
 
     def record(self, m: Measurement, labels: Labels) -> None:
         model_label = labels.model
-        bound = self._bound(model_label, m.endpoint)
+        key = (model_label, m.endpoint, *labels.attribution)
+        bound = self._bound(key)
         exemplar = {"trace_id": m.trace_id} if m.trace_id else None
         if m.ttfb is not None:
             bound.ttfb.observe(m.ttfb)
@@ -352,21 +361,17 @@ class Metrics:
         source = m.token_source.value
         if m.prompt_tokens is not None:
             bound.prompt_tokens.observe(m.prompt_tokens)
-            self.prompt_tokens_total.labels(model_label, m.endpoint, source).inc(m.prompt_tokens)
+            self.prompt_tokens_total.labels(*key, source).inc(m.prompt_tokens)
         if m.output_tokens is not None:
             bound.generation_tokens.observe(m.output_tokens)
-            self.generation_tokens_total.labels(model_label, m.endpoint, source).inc(
-                m.output_tokens
-            )
+            self.generation_tokens_total.labels(*key, source).inc(m.output_tokens)
         if m.cached_prompt_tokens:
             bound.cached_prompt_tokens_total.inc(m.cached_prompt_tokens)
         if m.audio_seconds:
             bound.audio_seconds_total.inc(m.audio_seconds)
         error = m.error_type.value if m.error_type is not None else NONE_LABEL
         # finish_reason is already the closed-set label (each Api maps raw values onto it).
-        self.requests.labels(
-            model_label, m.endpoint, str(m.status_code), m.finish_reason, error
-        ).inc()
+        self.requests.labels(*key, str(m.status_code), m.finish_reason, error).inc()
         if labels.key is not None:
             self._record_key(m, model_label, labels.key, error)
         if m.proxy_overhead is not None:
@@ -514,8 +519,8 @@ def observe_all(histogram: Any, values: Sequence[float]) -> None:
         total.inc(sum(values))
 
 
-def _factory(kind: Any, registry: CollectorRegistry) -> Any:
+def _factory(kind: Any, registry: CollectorRegistry, attribution: tuple[str, ...] = ()) -> Any:
     def make(name: str, doc: str, labels: tuple[str, ...] = (), **kw: Any) -> Any:
-        return kind(name, doc, (*LABELS, *labels), registry=registry, **kw)
+        return kind(name, doc, (*LABELS, *attribution, *labels), registry=registry, **kw)
 
     return make

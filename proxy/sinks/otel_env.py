@@ -10,11 +10,16 @@ what was expected.
 
 from __future__ import annotations
 
+import os
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from proxy.settings import SettingsError, number, parse_value, positive_int
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.resources import Resource
 
 Signal = Literal["traces", "metrics"]
 
@@ -53,6 +58,18 @@ def exporters(env: Mapping[str, str], signal: Signal) -> list[str]:
     return ["otlp"] if signal == "traces" and endpoint_set else []
 
 
+def metrics_requested(environ: Mapping[str, str]) -> bool:
+    """Whether OTEL_METRICS_EXPORTER asks for OTLP (or console) metrics. Prometheus is
+    always on, so `prometheus` there asks for nothing more; an unknown name is refused."""
+    names = exporters(otel_env(environ), "metrics")
+    unknown = [n for n in names if n not in ("otlp", "console", "prometheus")]
+    if unknown:
+        raise SettingsError(
+            f"OTEL_METRICS_EXPORTER={unknown[0]!r}: expected otlp, console, prometheus or none"
+        )
+    return "otlp" in names or "console" in names
+
+
 def otlp_target(env: Mapping[str, str], signal: Signal) -> OtlpTarget:
     """The OTLP exporter's protocol, endpoint, headers and timeout for `signal`."""
     protocol_key = _first_set(env, _signal_key(signal, "PROTOCOL"), "OTEL_EXPORTER_OTLP_PROTOCOL")
@@ -83,6 +100,28 @@ def service_name(env: Mapping[str, str]) -> str:
         if key.strip() == "service.name" and raw.strip():
             return raw.strip()
     return "tokenprobe"
+
+
+_instance: tuple[int, str] | None = None
+
+
+def instance_id() -> str:
+    """This process's `service.instance.id`: a random UUID, new in each worker process
+    (checked by pid, so a forked worker never keeps its parent's)."""
+    global _instance
+    if _instance is None or _instance[0] != os.getpid():
+        _instance = (os.getpid(), str(uuid.uuid4()))
+    return _instance[1]
+
+
+def resource(env: Mapping[str, str]) -> Resource:
+    """service.name and this process's service.instance.id (OTEL_RESOURCE_ATTRIBUTES
+    merged by the SDK), so a collector tells several workers' series apart and sums them."""
+    from opentelemetry.sdk.resources import Resource
+
+    return Resource.create(
+        {"service.name": service_name(env), "service.instance.id": instance_id()}
+    )
 
 
 def value(env: Mapping[str, str], key: str, parse: Callable[[str], Any], default: Any) -> Any:

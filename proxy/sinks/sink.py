@@ -26,6 +26,8 @@ class Labels:
 
     model: str  # bounded by ModelLabels: an allowlisted or upstream-listed id, else "other"
     key: str | None = None  # a salted hash bounded by KeyLabels; None without --key-label hash
+    # One value per --label-header label, in the order given (HeaderLabels bounds them).
+    attribution: tuple[str, ...] = ()
 
 
 class Sink(Protocol):

@@ -72,11 +72,15 @@ def test_measures_the_programmed_ttft_tpot_decode_speed_and_length(
         assert r["error_type"] is None and r["finish_reason"] == "length"
         assert (r["output_tokens"], r["token_source"]) == (40, "usage")
         # What the bench saw against what the simulator did: no earlier, and not much later.
-        assert 0 <= r["ttft"] - sent[r["response_id"]] < 0.015, (r["ttft"], sent[r["response_id"]])
-        assert abs(r["ttft"] - 0.2) < 0.05  # the simulator's timer may also run late on a busy box
+        # Each record gets room for a scheduling hiccup on a loaded box (70 ms seen with
+        # another job on the second core), still short of a wrong instant (the role chunk:
+        # -0.2 s; the last token: +0.8 s); the medians below hold the precision.
+        assert 0 <= r["ttft"] - sent[r["response_id"]] < 0.15, (r["ttft"], sent[r["response_id"]])
+        assert abs(r["ttft"] - 0.2) < 0.15
         assert r["tpot"] == pytest.approx(0.02, rel=0.05)
         assert r["decode_tokens_per_second"] == pytest.approx(50.0, rel=0.05)
         assert len(r["inter_token_latencies"]) == 39
+    assert statistics.median(r["ttft"] - sent[r["response_id"]] for r in doc["records"]) < 0.015
     assert abs(statistics.median(r["ttft"] for r in doc["records"]) - 0.2) < 0.015
     c1, c4 = doc["summary"]
     assert c4["output_throughput"] == pytest.approx(4 * c1["output_throughput"], rel=0.15)
@@ -138,7 +142,12 @@ def test_own_overhead_at_64_concurrent_streams(start_sim: StartSim, tmp_path: Pa
     reach the server in one burst that it must parse one after another). The bench runs in
     its own process, as it would for real; the simulator records when it sent each first
     token, so the bench's share of the measured TTFT can be told apart from the
-    simulator's timer and request parsing."""
+    simulator's timer and request parsing.
+
+    The bounds hold with another job on the second core (the simulator, this process and
+    the bench then share one): they catch a bench that batches its reads or serialises
+    its sends (tens of ms), not scheduling noise. The figures themselves come from
+    `benchmarks/bench_overhead.py` (on a quiet machine: about 0.4 / 0.05 / 1 ms p50)."""
     sim = start_sim(ttft=0.2, tokens_per_second=20.0, output_tokens=10)
     rc, doc, _, err = bench_process(
         sim.url, tmp_path / "r.json",
@@ -161,9 +170,9 @@ def test_own_overhead_at_64_concurrent_streams(start_sim: StartSim, tmp_path: Pa
         f"first token sent -> timestamped p50 {p50(response_path) * 1e3:.3f} ms"
     )
     assert len(ttft) == 192 and sims[doc["records"][0]["response_id"]].outcome == "completed"
-    assert p50(response_path) < 0.001  # the bench's own reading side
-    assert p50(over_sent) < 0.002  # plus its sending side and the simulator's request parsing
-    assert abs(p50(ttft) - 0.2) < 0.003  # plus the simulator's timer
+    assert p50(response_path) < 0.005  # the bench's own reading side
+    assert p50(over_sent) < 0.010  # plus its sending side and the simulator's request parsing
+    assert abs(p50(ttft) - 0.2) < 0.015  # plus the simulator's timer
 
 
 @pytest.mark.parametrize(
@@ -255,7 +264,7 @@ def test_open_loop_measures_from_the_scheduled_time(start_sim: StartSim, tmp_pat
     records, sent = doc["records"], sim_ttft(sim)
     for r in records:
         waited = r["ttft"] - sent[r["response_id"]]
-        assert r["send_delay"] <= waited < r["send_delay"] + 0.015
+        assert r["send_delay"] <= waited < r["send_delay"] + 0.05  # room for a loaded box
     last = max(records, key=lambda r: r["scheduled"])
     assert last["send_delay"] > 0.15 and last["ttft"] > 0.25
     assert max(r["ttft"] for r in records) > 2 * min(r["ttft"] for r in records)

@@ -1,7 +1,8 @@
 """benchmarks/relay.py --quick runs end to end: every arm delivers every chunk, the JSON has its fields.
 
-It starts real processes (the simulator, the load generator, each arm) on loopback ports
-and takes under a minute; nginx joins when it is installed.
+It starts real processes (the simulator, the load generator, each arm) on loopback ports,
+in two load shapes plus the WebSocket and CPU-bound-backend extras, and takes about two
+minutes; nginx joins when it is installed.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from tests.paths import ROOT
 
 SCRIPT = ROOT / "benchmarks" / "relay.py"
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(360)
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +36,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
             sys.executable,
             str(SCRIPT),
             "--quick",
+            "--shapes",
+            "apart,emitter",
             "--out",
             str(out / "results.json"),
             "--png",
@@ -45,7 +48,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
         cwd=ROOT / "benchmarks",
         capture_output=True,
         text=True,
-        timeout=200,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert (out / "chart.png").stat().st_size > 0
@@ -55,8 +58,28 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_quick_run_has_every_arm(results: dict) -> None:
     arms = set(results["summary"]["arms"])
-    assert {"direct", "relay", "tokenprobe", "tokenprobe-full", "tokenprobe-httpx"} <= arms
+    assert {"direct", "relay", "tokenprobe", "tokenprobe-log", "tokenprobe-full"} <= arms
     assert not [n for n in results["notes"] if "failed to start" in n]
+    assert set(results["shapes"]) == {"emitter"}
+    assert set(results["shapes"]["emitter"]["summary"]["arms"]) == arms
+
+
+def test_the_targets_table_quotes_every_shape_and_the_extras(results: dict) -> None:
+    targets = results["issue_targets"]
+    assert set(targets["order"]) == {"apart", "emitter"}
+    rows = [r["target"] for r in targets["rows"]]
+    for shape in ("apart", "emitter"):
+        assert any(f"CPU per chunk vs nginx, 64 streams [{shape}]" in r for r in rows), rows
+        assert any("stalled chunks" in r and f"[{shape}]" in r for r in rows), rows
+    for once in ("non-streaming request", "CPU-bound backend", "WebSocket echo", "RSS"):
+        assert any(once in r for r in rows), (once, rows)
+    assert "| target | goal | measured | met |" in results["markdown"]
+    ws = results["extras"]["websocket"]
+    assert ws["direct"]["messages_per_s"] > 0 and "error" not in ws["direct"]
+    if "nginx" in results["summary"]["arms"]:
+        assert ws["nginx"]["cpu_us_per_message"] > 0, ws["nginx"]
+    side = results["extras"]["sidecar"]
+    assert side["direct_tok_s"] > 0 and side["proxied_tok_s"] > 0, side
 
 
 def test_every_arm_delivered_every_chunk(results: dict) -> None:

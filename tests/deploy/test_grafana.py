@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,22 @@ from tests.prom import require_binary
 DASHBOARD_DIR = ROOT / "grafana" / "dashboards"
 PROVISIONING = ROOT / "grafana" / "provisioning"
 DASHBOARDS = sorted(DASHBOARD_DIR.glob("*.json"))
+
+
+def _labelled() -> Path:
+    """The stock dashboard as `tokenprobe dashboard --label-header x-team=team
+    --label-header x-app=app` writes it, generated afresh (so it never goes stale)."""
+    from proxy.dashboard import with_labels
+
+    stock = json.loads((DASHBOARD_DIR / "tokenprobe.json").read_text())
+    path = Path(tempfile.mkdtemp(prefix="tokenprobe-grafana-")) / "tokenprobe-team-app.json"
+    path.write_text(json.dumps(with_labels(stock, ("team", "app")), indent=2))
+    return path
+
+
+LABELLED = _labelled()
+#: Every dashboard the structural and live checks run on.
+CHECKED = [*DASHBOARDS, LABELLED]
 GRID_COLUMNS = 24
 
 #: What Grafana's own variables stand for when the tests run expressions on Prometheus.
@@ -38,7 +55,13 @@ BUILTIN_VARIABLES = {
     "__range_ms": "3600000",
 }
 #: Test values of the dashboards' own variables: "All" is `.*` (their allValue).
-VARIABLE_VALUES = {"model": ".*", "endpoint": ".*", "datasource": "prometheus"}
+VARIABLE_VALUES = {
+    "model": ".*",
+    "endpoint": ".*",
+    "datasource": "prometheus",
+    "team": ".*",  # LABELLED's attribution labels
+    "app": ".*",
+}
 #: Histograms whose observations carry trace-id exemplars.
 EXEMPLAR_METRICS = (
     "tokenprobe_time_to_first_token_seconds",
@@ -100,7 +123,7 @@ def test_dashboard_uids_are_unique() -> None:
     assert len(set(uids)) == len(uids), uids
 
 
-@pytest.mark.parametrize("path", DASHBOARDS, ids=dashboard_ids(DASHBOARDS))
+@pytest.mark.parametrize("path", CHECKED, ids=dashboard_ids(CHECKED))
 class TestDashboard:
     def test_has_title_and_schema_version(self, path: Path) -> None:
         dashboard = load(path)
@@ -237,7 +260,7 @@ def test_expressions_are_valid_promql(tmp_path: Path) -> None:
     promtool = require_binary("promtool")
     rules = []
     where = []
-    for path in DASHBOARDS:
+    for path in CHECKED:
         for panel, target in iter_targets(load(path)):
             rules.append(
                 {"record": f"dashboard:expr_{len(rules)}", "expr": substitute(target["expr"])}
@@ -294,3 +317,36 @@ class TestProvisioning:
             for provider in config["providers"]:
                 assert provider["type"] == "file"
                 assert provider["options"]["path"].startswith("/")
+
+
+def test_each_label_gets_a_variable_and_a_matcher_on_the_metrics_that_carry_it() -> None:
+    from proxy.dashboard import labelled_metrics
+
+    dashboard = load(LABELLED)
+    names = [v["name"] for v in dashboard["templating"]["list"]]
+    assert names[names.index("endpoint") + 1 :][:2] == ["team", "app"]
+    carrying = labelled_metrics()
+    assert "tokenprobe_requests_total" in carrying
+    assert "tokenprobe_requests_in_flight" not in carrying  # no attribution labels there
+    filtered = 0
+    for panel, target in iter_targets(dashboard):
+        expr = target["expr"]
+        for match in re.finditer(r"(tokenprobe_\w+?)(_bucket|_sum|_count)?\{([^}]*)\}", expr):
+            metric, inside = match.group(1), match.group(3)
+            if metric in carrying and 'endpoint=~"$endpoint"' in inside:
+                assert 'team=~"$team", app=~"$app"' in inside, f"{panel['title']!r}: {expr}"
+                filtered += 1
+            else:
+                assert "$team" not in inside, f"{panel['title']!r}: {expr}"
+    assert filtered > 40
+
+
+def test_tokenprobe_dashboard_writes_it_and_refuses_a_secret_header() -> None:
+    import sys
+
+    args = [sys.executable, "-m", "proxy", "dashboard"]
+    labels = ["--label-header", "x-team=team", "--label-header", "x-app=app"]
+    out = subprocess.run([*args, *labels], cwd=ROOT, capture_output=True, check=True)
+    assert json.loads(out.stdout) == load(LABELLED)
+    refused = subprocess.run([*args, "--label-header", "cookie=c"], cwd=ROOT, capture_output=True)
+    assert refused.returncode == 2 and b"never becomes a label" in refused.stderr

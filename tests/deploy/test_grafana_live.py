@@ -34,7 +34,7 @@ from proxy.core.measurement import Measurement
 from proxy.sinks.cost import CostSink, parse_prices
 from proxy.sinks.metrics import cache_class, prompt_class
 from proxy.sinks.sink import Labels
-from tests.deploy.test_grafana import DASHBOARDS, iter_targets, load, substitute
+from tests.deploy.test_grafana import CHECKED, iter_targets, load, substitute
 from tests.factories import measurement
 from tests.paths import ROOT
 from tests.prom import Prometheus, finite_values, require_binary
@@ -288,7 +288,7 @@ def contract_prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pr
 
 def _targets() -> list[tuple[str, str]]:
     found = []
-    for path in DASHBOARDS:
+    for path in CHECKED:
         for panel, target in iter_targets(load(path)):
             found.append((f"{path.stem}: {panel['title']} [{target['refId']}]", target["expr"]))
     return found

@@ -57,6 +57,21 @@ def test_a_huge_header_value_is_refused_with_431_while_it_is_still_arriving(
     assert after == before + 1
 
 
+def test_a_large_body_in_the_same_read_as_the_head_is_not_taken_for_a_large_head(
+    edge: tuple[RawBackend, str],
+) -> None:
+    # A client writes head and body at once; a loopback read then carries the head and
+    # far more than the head cap of body. Only the head counts against the cap.
+    upstream, base = edge
+    body = b"x" * (8 * 1024 * 1024)
+    head = b"POST /upload HTTP/1.1\r\nhost: x\r\nconnection: close\r\n"
+    with connect(base) as sock:
+        sock.sendall(head + b"content-length: %d\r\n\r\n" % len(body) + body)
+        response = read_all(sock)
+    assert response.startswith(b"HTTP/1.1 200 "), response[:200]
+    assert upstream.seen[-1].body == body
+
+
 def test_too_many_headers_get_431(edge: tuple[RawBackend, str]) -> None:
     upstream, base = edge
     count = len(upstream.seen)

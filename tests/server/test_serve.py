@@ -32,6 +32,20 @@ def sim_url() -> Iterator[str]:
         stop(process)
 
 
+def refuses_connections(url: str, timeout: float = 5.0) -> bool:
+    """True once the server stops accepting (a connect error), polled until `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(url, timeout=1)
+        except httpx.ConnectError:
+            return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.02)
+    return False
+
+
 def test_sigterm_lets_an_in_flight_stream_finish_then_exits_zero(sim_url: str) -> None:
     port = free_port()
     proxy = spawn(
@@ -49,18 +63,22 @@ def test_sigterm_lets_an_in_flight_stream_finish_then_exits_zero(sim_url: str) -
     try:
         wait_http(base + "/healthz")
         result: dict[str, bytes] = {}
+        under_way = threading.Event()
 
         def long_stream() -> None:
             headers = {"x-sim-ttft": "0.1", "x-sim-tps": "20", "x-sim-output-tokens": "40"}  # ~2 s
-            result["body"] = httpx.post(base + CHAT, json=BODY, headers=headers, timeout=30).content
+            body = b""
+            with httpx.stream("POST", base + CHAT, json=BODY, headers=headers, timeout=30) as r:
+                for chunk in r.iter_raw():
+                    body += chunk
+                    under_way.set()
+            result["body"] = body
 
         client = threading.Thread(target=long_stream)
         client.start()
-        time.sleep(0.5)  # the stream is under way
+        assert under_way.wait(10), "the stream did not start"
         proxy.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
-        with pytest.raises(httpx.ConnectError):
-            httpx.get(base + "/healthz", timeout=1)  # no longer accepting
+        assert refuses_connections(base + "/healthz"), "still accepting after SIGTERM"
         client.join(15)
         assert proxy.wait(15) == 0
         body = result["body"]
@@ -75,9 +93,10 @@ def test_serve_starts_fast_without_a_tokenizer(sim_url: str) -> None:
     proxy = spawn("serve", "--upstream", sim_url, "--port", str(port))
     try:
         wait_http(f"http://127.0.0.1:{port}/healthz")
-        assert (
-            time.monotonic() - started < 3.0
-        )  # generous for a loaded CI box; the benchmark reports the real figure
+        # Holds with another job on the second core (a cold start then takes 2-4 s here);
+        # loading a tokenizer or waiting on a hub would take longer. The figure itself is
+        # the benchmark's (relay.py: start -> first request).
+        assert time.monotonic() - started < 6.0
     finally:
         stop(proxy)
 
@@ -149,16 +168,20 @@ def test_streams_outliving_the_drain_are_cut_counted_and_not_logged_as_crashes(
         wait_http(base + "/healthz")
         errors: list[BaseException] = []
 
+        under_way = threading.Event()
+
         def long_stream() -> None:
             headers = {"x-sim-ttft": "0.05", "x-sim-tps": "10", "x-sim-output-tokens": "100"}
             try:
-                httpx.post(base + CHAT, json=BODY, headers=headers, timeout=30)
+                with httpx.stream("POST", base + CHAT, json=BODY, headers=headers, timeout=30) as r:
+                    for _ in r.iter_raw():
+                        under_way.set()
             except httpx.HTTPError as exc:
                 errors.append(exc)
 
         client = threading.Thread(target=long_stream)
         client.start()
-        time.sleep(0.5)
+        assert under_way.wait(10), "the stream did not start"
         proxy.send_signal(signal.SIGTERM)
         client.join(15)
         assert proxy.wait(15) == 0

@@ -123,8 +123,11 @@ def _wait(condition: Any, timeout: float = 10.0, what: str = "condition") -> Non
 async def _full_session(url: str) -> dict[str, Any]:
     big = bytes(range(256)) * 4096  # 1 MiB
     got: dict[str, Any] = {}
-    async with connect(url + "/v1/echo?x=1", max_size=4 * 1024 * 1024) as ws:
+    async with connect(
+        url + "/v1/echo?x=1", max_size=4 * 1024 * 1024, subprotocols=["chat.v2", "chat.v1"]
+    ) as ws:
         got["extensions"] = ws.response.headers.get("Sec-WebSocket-Extensions")
+        got["subprotocol"] = ws.subprotocol
         got["status"] = ws.response.status_code
         await ws.send("hello ✓")
         got["text"] = await ws.recv()
@@ -148,6 +151,7 @@ def test_full_session_is_the_same_through_the_proxy(upstream: EchoUpstream, prox
     proxied = _run(_full_session(proxy.url))
     assert direct == proxied
     assert proxied["extensions"].startswith("permessage-deflate")  # negotiated end to end
+    assert proxied["subprotocol"] == "chat.v1"  # so is the subprotocol
     assert proxied["text"] == "hello ✓" and proxied["binary"] is True
     assert proxied["client_fragments"] == proxied["upstream_fragments"] == "frag-ment-ed"
     assert proxied["close"] == (4000, "client says bye")
@@ -459,6 +463,21 @@ SWITCH = (
 )
 
 
+def _stalled(progress: Callable[[], int], timeout: float = 20.0) -> int:
+    """The value of `progress` once it has not moved for 0.6 s (a loaded machine may take
+    a while to fill every buffer on the way; a proxy without backpressure never stalls
+    short of everything)."""
+    deadline = time.monotonic() + timeout
+    last, since = progress(), time.monotonic()
+    while time.monotonic() - since < 0.6:
+        assert time.monotonic() < deadline, "never stalled"
+        time.sleep(0.1)
+        now = progress()
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
+
+
 def _raw_client(port: int) -> socket.socket:
     client = socket.create_connection(("127.0.0.1", port))
     client.settimeout(10)
@@ -519,10 +538,8 @@ def test_a_slow_client_holds_the_upstream_back(raw: RawUpstream, raw_proxy: Prox
     client.sendall(_handshake(b"/slow-client"))
     up = raw.wait_conn(b"/slow-client")
     _wait(lambda: up.sent > 0, what="the upstream to start writing")
-    time.sleep(0.5)  # the client reads nothing; the upstream must stall well short
-    stalled = up.sent
-    time.sleep(0.5)
-    assert up.sent == stalled < total // 4
+    # The client reads nothing: the upstream must stall, and well short of the end.
+    assert _stalled(lambda: up.sent) < total // 4
     assert _recv_exactly(client, len(SWITCH)) == SWITCH
     for _ in range(total // len(payload)):
         assert _recv_exactly(client, len(payload)) == payload
@@ -530,38 +547,42 @@ def test_a_slow_client_holds_the_upstream_back(raw: RawUpstream, raw_proxy: Prox
 
 
 def test_a_slow_upstream_holds_the_client_back(raw: RawUpstream, raw_proxy: Proxy) -> None:
-    total = 64 * 1024 * 1024
-    chunk = os.urandom(1 << 20)
+    """The client writes 128 MiB; the upstream reads nothing for a while: the client's
+    sendall must stall well short of the end (loopback buffers on the way hold tens of
+    MiB at most), and once the upstream reads, every byte arrives in order."""
+    total = 128 * 1024 * 1024
+    payload = os.urandom(1 << 20)
     reading = threading.Event()
+    sent = [0]
 
     def after(up: RawConn, conn: socket.socket) -> None:
-        reading.wait(30)
+        reading.wait(60)
         while len(up.received) < total:
             data = conn.recv(1 << 20)
             if not data:
                 break
             up.received += data
 
+    def send_all(client: socket.socket) -> None:
+        for _ in range(total // len(payload)):
+            client.sendall(payload)
+            sent[0] += len(payload)
+
     raw.route(b"/slow-upstream", SWITCH, after)
     client = _raw_client(raw_proxy.port)
+    client.settimeout(60)
     client.sendall(_handshake(b"/slow-upstream"))
     assert _recv_exactly(client, len(SWITCH)) == SWITCH
     up = raw.wait_conn(b"/slow-upstream")
-    sent = 0
-    client.setblocking(False)
-    deadline = time.monotonic() + 1.0
-    while time.monotonic() < deadline and sent < total:
-        try:
-            sent += client.send(chunk)
-        except BlockingIOError:
-            time.sleep(0.01)
-    assert sent < total // 4  # held back: the proxy did not read it all into memory
-    client.setblocking(True)
+    sender = threading.Thread(target=send_all, args=(client,), daemon=True)
+    sender.start()
+    _wait(lambda: sent[0] > 0, what="the client to start writing")
+    assert _stalled(lambda: sent[0]) < 48 * 1024 * 1024
     reading.set()
-    while sent < total:
-        sent += client.send(chunk[: min(len(chunk), total - sent)])
-    _wait(lambda: len(up.received) >= total, what="every byte upstream")
-    assert bytes(up.received[: len(chunk)]) == chunk
+    sender.join(60)
+    _wait(lambda: len(up.received) >= total, what="every byte upstream", timeout=60)
+    assert bytes(up.received[: len(payload)]) == payload
+    assert bytes(up.received[-len(payload) :]) == payload
     client.close()
 
 

@@ -15,6 +15,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
+from proxy.core.fingerprint import of_prompt
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement
 from proxy.server.assemble import assemble
 from proxy.settings import Settings
@@ -67,6 +68,7 @@ def test_json_values_are_in_ms_with_nulls_for_unknowns() -> None:
     (line,) = log_lines("json", record())
     assert orjson.loads(line) == {
         "ts": "2023-11-14T22:13:20.123Z",
+        "arrival": 1_700_000_000.1239,
         "model": MODEL,
         "endpoint": "/v1/chat/completions",
         "status": 200,
@@ -93,6 +95,10 @@ def test_json_values_are_in_ms_with_nulls_for_unknowns() -> None:
         "trace_id": "4bf92f3577b34da6a3ce929d0e0e4736",
         "response_id": "chatcmpl-1",
         "error": None,
+        "max_tokens": None,
+        "prefix": None,
+        "prefix_chars": None,
+        "prompt_chars": None,
     }
 
 
@@ -129,7 +135,7 @@ def test_timestamps_are_iso8601_utc_with_milliseconds(seconds: float, expected: 
 def test_text_mode_is_one_logfmt_line_without_nulls() -> None:
     (line,) = log_lines("text", record(model="my model", cached_prompt_tokens=None))
     assert line == (
-        'ts=2023-11-14T22:13:20.123Z model="my model" endpoint=/v1/chat/completions status=200 '
+        'ts=2023-11-14T22:13:20.123Z arrival=1700000000.1239 model="my model" endpoint=/v1/chat/completions status=200 '
         "finish_reason=stop raw_finish_reason=stop prompt_tokens=12 output_tokens=16 token_source=usage ttfb_ms=10.123 "
         "ttft_ms=50.0 tpot_ms=5.0 decode_tps=200.0 e2e_ms=125.0 tokens_per_chunk=1.0 stream=true "
         "trace_id=4bf92f3577b34da6a3ce929d0e0e4736 response_id=chatcmpl-1\n"
@@ -140,6 +146,37 @@ def test_text_mode_is_one_logfmt_line_without_nulls() -> None:
 def test_a_newline_in_client_input_cannot_forge_a_line(mode: str) -> None:
     lines = log_lines(mode, record(model='x\nts=forged "'))
     assert len(lines) == 1
+
+
+def prefixed(salt: str | None, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    out = io.StringIO()
+    AccessLog("json", out, salt=salt).record(
+        record(prefix=of_prompt(messages), max_tokens=64), Labels(MODEL)
+    )
+    return dict(orjson.loads(out.getvalue()))
+
+
+SYSTEM = {"role": "system", "content": "You are the billing assistant of ACME Corp."}
+
+
+def test_prefix_hashes_are_cumulative_and_shared_only_as_far_as_the_prompts_agree() -> None:
+    a = prefixed("s", [SYSTEM, {"role": "user", "content": "refund order 12"}])
+    b = prefixed("s", [SYSTEM, {"role": "user", "content": "where is order 7"}])
+    assert a["max_tokens"] == 64 and len(a["prefix"]) == 2
+    assert a["prefix"][0] == b["prefix"][0] and a["prefix"][1] != b["prefix"][1]
+    assert a["prefix_chars"][0] == b["prefix_chars"][0] == len(orjson.dumps(SYSTEM))
+    assert a["prompt_chars"] == a["prefix_chars"][1]
+    assert all(re.fullmatch(r"[0-9a-f]{16}", h) for h in a["prefix"])
+
+
+def test_prefix_hashes_depend_on_the_salt_and_show_no_content() -> None:
+    messages = [SYSTEM, {"role": "user", "content": "hello"}]
+    one, again, other = prefixed("s1", messages), prefixed("s1", messages), prefixed("s2", messages)
+    assert one["prefix"] == again["prefix"] and one["prefix"] != other["prefix"]
+    random_a, random_b = prefixed(None, messages), prefixed(None, messages)
+    assert random_a["prefix"] != random_b["prefix"]  # a random salt per log
+    line = orjson.dumps(one).decode()
+    assert "ACME" not in line and "hello" not in line and "s1" not in line
 
 
 def test_unknown_mode_is_refused() -> None:

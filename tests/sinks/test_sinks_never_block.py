@@ -59,7 +59,7 @@ def test_dead_otlp_collector_costs_requests_nothing(sim: Running, proxy: ProxyUn
     try:
         baseline = statistics.median(ttfts(proxy.url, proxy.records))
         with_dead_collector = statistics.median(ttfts(traced.url, records))
-        assert with_dead_collector - baseline < 0.005
+        assert with_dead_collector - baseline < 0.02  # a blocked export would cost its 1 s timeout
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             if registry.get_sample_value(
@@ -88,7 +88,7 @@ def test_slow_scrapers_do_not_slow_requests(
     try:
         time.sleep(0.2)
         during = statistics.median(ttfts(proxy.url, proxy.records))
-        assert during - baseline < 0.005
+        assert during - baseline < 0.02  # a blocked scrape would hold requests for good
     finally:
         for sock in scrapers:
             sock.close()

@@ -125,6 +125,9 @@ class Api:
     finish_ends_stream: ClassVar[bool] = False
     #: What the README says is measured, and the instants used (kept in sync by a test).
     measures: ClassVar[str] = ""
+    #: The bytes that open a plain content event's text (`"content":"`): where the
+    #: observer may split a stream's repeating event (proxy/core/template.py). Empty: never.
+    text_openings: ClassVar[tuple[bytes, ...]] = ()
 
     # -- the request ------------------------------------------------------------------
 

@@ -165,6 +165,7 @@ class Chat(OpenAIGeneration):
     endpoint = "/v1/chat/completions"
     paths = ("/v1/chat/completions",)
     operation = "chat"
+    text_openings = (b'"delta":{"content":"', b'"delta":{"reasoning":"')
     measures = (
         "TTFT at the first chunk with non-empty delta content, reasoning or tool_calls "
         "(not the role-only first chunk); TPOT, ITL, decode speed, tokens from usage "

@@ -15,6 +15,7 @@ class Completions(OpenAIGeneration):
     endpoint = "/v1/completions"
     paths = ("/v1/completions",)
     operation = "text_completion"
+    text_openings = (b'"text":"',)
     measures = (
         "TTFT at the first chunk with non-empty choices[].text; TPOT, ITL, decode speed, "
         "tokens from usage (asked for when the client did not), finish_reason, in-stream errors"

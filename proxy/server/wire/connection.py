@@ -70,6 +70,7 @@ class Wire:
         settings = context.settings
         self.pool = Pool(settings.upstream, settings.connect_timeout)
         self.active: set[WireRequest] = set()
+        self.connecting: set[asyncio.Task[None]] = set()
         self.tunnels: weakref.WeakSet[Any] = weakref.WeakSet()
         self.tunnel_context = tunnel_context
 
@@ -260,7 +261,6 @@ class WireRequest:
         "proto",
         "query",
         "raw_path",
-        "read",
         "refused",
         "response_complete",
         "size",
@@ -305,7 +305,6 @@ class WireRequest:
         self.idle: _Idle | None = None
         self.refused: Refused | None = None
         self.api: Api | None = None
-        self.read = 0.0  # when the whole body was in: the proxy's own time starts (overhead)
         self.path = raw_path.decode("latin-1")
         self.query = query
         limits = wire.context.settings
@@ -377,14 +376,14 @@ class WireRequest:
         """The request goes upstream: admitted, measured, on a pooled connection."""
         wire = self.wire
         context = wire.context
-        self.read = perf_counter()
+        read = perf_counter()  # the request is in: the proxy's own time starts (overhead)
         body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
         self.body = []
         info = None
         if self.api is not None:
             info, body, self.stripper = admit(self.api, body, context.settings)
         exchange = self.exchange = Exchange(
-            context, self.path, self.headers, info, self.start, self.started_at
+            context, self.path, self.headers, info, self.start, self.started_at, read
         )
         wire.active.add(self)
         where = self.path.encode() + (b"?" + self.query if self.query else b"")
@@ -395,6 +394,7 @@ class WireRequest:
         lines.append(b"\r\n")
         lines.append(body)
         head = b"".join(lines)
+        exchange.sent(perf_counter())
         loop = self.proto.loop
         self.first_byte = loop.call_later(
             context.settings.first_byte_timeout, self.cut, Cause.FIRST_BYTE_TIMEOUT
@@ -403,7 +403,10 @@ class WireRequest:
         if conn is not None:
             self._on_upstream(conn, head)
         else:
-            loop.create_task(self._connect(head))
+            connecting = wire.connecting  # a reference, or the loop may drop the task
+            task = loop.create_task(self._connect(head))
+            connecting.add(task)
+            task.add_done_callback(connecting.discard)
 
     async def _connect(self, head: bytes) -> None:
         try:
@@ -419,9 +422,6 @@ class WireRequest:
     def _on_upstream(self, conn: UpstreamConnection, head: bytes) -> None:
         self.upstream = conn
         conn.start(self, head)
-        observer = None if self.exchange is None else self.exchange.observer
-        if observer is not None:
-            observer.sent(self.read, perf_counter())
         if self.proto.flow.write_paused:
             conn.pause()
 
@@ -457,8 +457,7 @@ class WireRequest:
         lines.extend(b"%s: %s\r\n" % pair for pair in out)
         lines.append(b"\r\n")
         self.transport.write(b"".join(lines))
-        if exchange.observer is not None:
-            exchange.observer.relayed(perf_counter())
+        exchange.relayed(perf_counter())
         if no_body:
             if self.head_only:  # llhttp would wait for the body a HEAD response has not
                 self.response_end(now, False)

@@ -1,0 +1,82 @@
+"""A request's prefix fingerprint: which leading part of its prompt it shares with others,
+without keeping the prompt.
+
+Units are the leading messages for chat, Anthropic Messages (its `system` counts as the
+first message) and the Responses API (an `input` list), or the leading BLOCK-character
+blocks of the prompt for completions (and a Responses `input` string). Digest i covers
+units 1..i (cumulative), at most DEPTH of them, so two requests with the same system
+prompt share digest 1, and two turns of one conversation share the digests of the
+history they have in common.
+
+`of_prompt` runs once per request, when the record is built (after the response, never
+per chunk). Its digests are plain BLAKE2b of the content: they must be keyed with the
+deployment's salt (`keyed`) before they leave the process, or a guessed system prompt
+could be tested against them. The access log does that; nothing else outputs them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+#: At most this many cumulative digests per request.
+DEPTH = 8
+#: Characters per block of a plain-text prompt (completions).
+BLOCK = 256
+#: Hex digits of a keyed digest in the log (64 bits: collisions are negligible per log).
+HEX_DIGITS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Prefix:
+    digests: tuple[bytes, ...]  # unkeyed digest of units 1..i, i = 1..len
+    chars: tuple[int, ...]  # characters of units 1..i (as hashed), same length as digests
+    total_chars: int  # characters of the whole prompt (all units)
+
+
+def of_prompt(prompt: Any) -> Prefix | None:
+    """The fingerprint of a RequestInfo.prompt: a messages list or a text; None otherwise."""
+    if isinstance(prompt, str):
+        return _blocks(prompt)
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(m, dict) for m in prompt):
+            return _messages(prompt)
+        if all(isinstance(p, str) for p in prompt):  # a batch of prompts: the first one
+            return _blocks(prompt[0])
+    return None
+
+
+def _messages(messages: list[dict[str, Any]]) -> Prefix:
+    h = hashlib.blake2b(digest_size=16)
+    digests: list[bytes] = []
+    chars: list[int] = []
+    total = 0
+    for index, message in enumerate(messages):
+        unit = orjson.dumps(message)
+        total += len(unit)
+        if index < DEPTH:
+            h.update(unit)
+            h.update(b"\x1e")  # a message boundary, so [ab] and [a, b] differ
+            digests.append(h.copy().digest())
+            chars.append(total)
+    return Prefix(tuple(digests), tuple(chars), total)
+
+
+def _blocks(text: str) -> Prefix:
+    h = hashlib.blake2b(digest_size=16)
+    digests: list[bytes] = []
+    chars: list[int] = []
+    for start in range(0, min(len(text) // BLOCK, DEPTH) * BLOCK, BLOCK):
+        h.update(text[start : start + BLOCK].encode())
+        digests.append(h.copy().digest())
+        chars.append(start + BLOCK)
+    return Prefix(tuple(digests), tuple(chars), len(text))
+
+
+def keyed(prefix: Prefix, salt: bytes) -> list[str]:
+    """The digests as they may be shown: keyed with the deployment's salt, short hex."""
+    size = HEX_DIGITS // 2
+    return [hashlib.blake2b(d, key=salt, digest_size=size).hexdigest() for d in prefix.digests]

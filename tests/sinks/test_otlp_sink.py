@@ -1,0 +1,221 @@
+"""The OTLP metrics sink in process: its aggregation against prometheus-client's for the same
+records, delta temporality, export failures, and the OTEL_* variables it reads."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from opentelemetry.sdk.metrics.export import (
+    AggregationTemporality,
+    MetricExporter,
+    MetricExportResult,
+    MetricsData,
+)
+from opentelemetry.sdk.resources import Resource
+from prometheus_client import CollectorRegistry
+
+from proxy.core.labels import ModelLabels
+from proxy.core.measurement import ErrorType
+from proxy.settings import SettingsError
+from proxy.sinks.cost import parse_prices
+from proxy.sinks.metrics import Metrics
+from proxy.sinks.otel_env import metrics_requested, otlp_target
+from proxy.sinks.otlp import (
+    DURATION_BUCKETS,
+    OtlpMetrics,
+    metric_export_failures,
+    otlp_metrics_from_env,
+)
+from proxy.sinks.sink import Labels
+from tests.factories import measurement
+
+
+class Collecting(MetricExporter):
+    """Keeps what it is given; fails when told to."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__(preferred_temporality={}, preferred_aggregation={})
+        self.fail = fail
+        self.exported: list[MetricsData] = []
+
+    def export(
+        self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
+    ) -> MetricExportResult:
+        if self.fail:
+            raise ConnectionError("collector gone")
+        self.exported.append(metrics_data)
+        return MetricExportResult.SUCCESS
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        return True
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        pass
+
+
+def sink(exporter: MetricExporter, registry: CollectorRegistry, **kw: Any) -> OtlpMetrics:
+    return OtlpMetrics(
+        exporter,
+        upstream="http://vllm:8000",
+        failures=metric_export_failures(registry),
+        models=ModelLabels(("sim-model",)),
+        resource=Resource.create({}),
+        **kw,
+    )
+
+
+def by_name(data: MetricsData) -> dict[str, Any]:
+    (rm,) = data.resource_metrics
+    (sm,) = rm.scope_metrics
+    return {m.name: m for m in sm.metrics}
+
+
+def records() -> Sequence[Any]:
+    # Values on bucket bounds on purpose: both sides count a bound as its own bucket's (le).
+    return [
+        measurement(e2e=0.08, ttft=0.04, inter_token_latencies=(0.01, 0.01, 0.02, 0.0)),
+        measurement(e2e=81.92, ttft=100.0, inter_token_latencies=()),
+        measurement(
+            stream=False, ttft=None, tpot=None, inter_token_latencies=(), response_model="x"
+        ),
+        measurement(
+            error_type=ErrorType.UPSTREAM_TIMEOUT,
+            status_code=504,
+            output_tokens=None,
+            inter_token_latencies=(),
+        ),
+    ]
+
+
+def test_buckets_counts_and_sums_equal_prometheus_for_the_same_records() -> None:
+    registry = CollectorRegistry()
+    prom = Metrics(registry)
+    exporter = Collecting()
+    otlp = sink(exporter, registry)
+    for m in records():
+        prom.record(m, Labels("sim-model"))
+        otlp.record(m, Labels("sim-model"))
+    metrics = by_name(otlp.collect())  # type: ignore[arg-type]
+    duration = metrics["gen_ai.client.operation.duration"]
+    assert duration.unit == "s"
+    points = duration.data.data_points
+    assert sum(p.count for p in points) == 4
+    assert sum(p.sum for p in points) == pytest.approx(
+        registry.get_sample_value(
+            "tokenprobe_e2e_request_latency_seconds_sum",
+            {"model": "sim-model", "endpoint": "/v1/chat/completions"},
+        )
+    )
+    (failed,) = [p for p in points if "error.type" in p.attributes]
+    assert failed.attributes["error.type"] == "upstream_timeout"
+    assert {p.attributes.get("gen_ai.response.model") for p in points} == {None, "other"}
+    ok = [p for p in points if "error.type" not in p.attributes]
+    assert list(ok[0].explicit_bounds) == list(DURATION_BUCKETS)
+    counts = [sum(c) for c in zip(*(p.bucket_counts for p in points), strict=True)]
+    assert counts[3] == 1 and counts[13] == 1  # 0.08 in (0.04, 0.08], 81.92 in (40.96, 81.92]
+    chunks = metrics["gen_ai.client.operation.time_per_output_chunk"].data.data_points
+    itl = {"model": "sim-model", "endpoint": "/v1/chat/completions"}
+    assert sum(p.count for p in chunks) == registry.get_sample_value(
+        "tokenprobe_inter_token_latency_seconds_count", itl
+    )
+    (chunk_point,) = [p for p in chunks if p.count == 4]
+    assert list(chunk_point.bucket_counts[:3]) == [3, 1, 0]  # 0.0, 0.01, 0.01 | 0.02
+    assert (chunk_point.min, chunk_point.max) == (0.0, 0.02)
+    ttft = metrics["gen_ai.client.operation.time_to_first_chunk"].data.data_points
+    assert sum(p.bucket_counts[-1] for p in ttft) == 1  # 100 s: the overflow bucket
+    usage = metrics["gen_ai.client.token.usage"].data.data_points
+    out = [p for p in usage if p.attributes["gen_ai.token.type"] == "output"]
+    assert sum(p.sum for p in out) == 16 * 3  # the failure reported none
+    requests = metrics["tokenprobe.requests"].data
+    assert requests.is_monotonic and sum(p.value for p in requests.data_points) == 4
+    for p in points:
+        assert p.attributes["server.address"] == "vllm" and p.attributes["server.port"] == 8000
+
+
+def test_delta_temporality_starts_each_interval_from_zero() -> None:
+    registry = CollectorRegistry()
+    otlp = sink(Collecting(), registry, delta=True)
+    otlp.record(measurement(), Labels("sim-model"))
+    first = by_name(otlp.collect())  # type: ignore[arg-type]
+    duration = first["gen_ai.client.operation.duration"].data
+    assert duration.aggregation_temporality is AggregationTemporality.DELTA
+    assert otlp.collect() is None  # nothing new
+    otlp.record(measurement(), Labels("sim-model"))
+    otlp.record(measurement(), Labels("sim-model"))
+    second = by_name(otlp.collect())  # type: ignore[arg-type]
+    (point,) = second["gen_ai.client.operation.duration"].data.data_points
+    assert point.count == 2
+    assert point.start_time_unix_nano >= duration.data_points[0].time_unix_nano
+
+
+def test_a_failing_export_is_counted_and_recording_goes_on() -> None:
+    registry = CollectorRegistry()
+    otlp = sink(Collecting(fail=True), registry)
+    otlp.record(measurement(), Labels("sim-model"))
+    assert otlp.export_once() is False
+    otlp.record(measurement(), Labels("sim-model"))
+    assert otlp.export_once() is False
+    value = registry.get_sample_value(
+        "tokenprobe_metric_export_failures_total", {"reason": "export"}
+    )
+    assert value == 2
+
+
+def test_cost_in_flight_and_attribution_attributes() -> None:
+    registry = CollectorRegistry()
+    prom = Metrics(registry, ("team",))
+    prices = parse_prices({"currency": "EUR", "models": {"sim-model": {"input": 1, "output": 2}}})
+    otlp = sink(
+        Collecting(), registry, prices=prices, in_flight=prom.in_flight, attribution=("team",)
+    )
+    prom.in_flight.labels("sim-model", "/v1/chat/completions").inc()
+    otlp.record(measurement(prompt_tokens=1_000_000), Labels("sim-model", attribution=("red",)))
+    metrics = by_name(otlp.collect())  # type: ignore[arg-type]
+    cost = metrics["tokenprobe.cost"]
+    assert cost.unit == "{EUR}"
+    spend = {p.attributes["tokenprobe.cost.kind"]: p.value for p in cost.data.data_points}
+    assert spend == {"input": 1.0, "output": 16 * 2 / 1e6}
+    (flying,) = metrics["tokenprobe.requests.in_flight"].data.data_points
+    assert flying.value == 1 and not metrics["tokenprobe.requests.in_flight"].data.is_monotonic
+    for name in ("gen_ai.client.operation.duration", "tokenprobe.requests"):
+        assert {p.attributes["team"] for p in metrics[name].data.data_points} == {"red"}
+
+
+def test_the_variables_choose_protocol_endpoint_and_temporality() -> None:
+    assert not metrics_requested({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"})
+    assert metrics_requested({"OTEL_METRICS_EXPORTER": "otlp"})
+    assert not metrics_requested({"OTEL_METRICS_EXPORTER": "otlp", "OTEL_SDK_DISABLED": "true"})
+    with pytest.raises(SettingsError, match="OTEL_METRICS_EXPORTER='statsd'"):
+        metrics_requested({"OTEL_METRICS_EXPORTER": "statsd"})
+    http = otlp_target({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318/"}, "metrics")
+    assert (http.protocol, http.endpoint) == ("http/protobuf", "http://c:4318/v1/metrics")
+    own = otlp_target(
+        {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318",
+            "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "http://m:9/x",
+            "OTEL_EXPORTER_OTLP_HEADERS": "a=1",
+            "OTEL_EXPORTER_OTLP_METRICS_HEADERS": "b=2",
+            "OTEL_EXPORTER_OTLP_METRICS_TIMEOUT": "3",
+        },
+        "metrics",
+    )
+    assert (own.endpoint, own.headers, own.timeout) == ("http://m:9/x", {"b": "2"}, 3.0)
+    grpc = otlp_target(
+        {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317"},
+        "metrics",
+    )
+    assert (grpc.protocol, grpc.endpoint) == ("grpc", "http://c:4317")
+    with pytest.raises(SettingsError, match="OTEL_EXPORTER_OTLP_METRICS_PROTOCOL"):
+        otlp_target({"OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "thrift"}, "metrics")
+    with pytest.raises(SettingsError, match="TEMPORALITY_PREFERENCE"):
+        otlp_metrics_from_env(
+            {
+                "OTEL_METRICS_EXPORTER": "otlp",
+                "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE": "sometimes",
+            },
+            upstream="http://vllm:8000",
+            registry=CollectorRegistry(),
+            models=ModelLabels(),
+        )

