@@ -76,21 +76,21 @@ class Relay:
         return up
 
 
-class Exchange:
+class FastRelayExchange:
     """One request's measuring state, from the client's request to the response's end."""
 
-    __slots__ = ("info", "observer", "rs", "start", "started_at", "stripper")
+    __slots__ = ("info", "observer", "request_scope", "start", "started_at", "stripper")
 
     def __init__(
         self,
         info: RequestInfo | None,
-        rs: RequestScope,
+        request_scope: RequestScope,
         stripper: UsageEventStripper | None,
         start: float,
         started_at: float,
     ) -> None:
         self.info = info
-        self.rs = rs
+        self.request_scope = request_scope
         self.stripper = stripper
         self.start = start
         self.started_at = started_at
@@ -104,7 +104,7 @@ class Upstream(asyncio.Protocol):
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
         self.parser = httptools.HttpResponseParser(self)
         self.client: Client | None = None
-        self.exchange: Exchange | None = None
+        self.exchange: FastRelayExchange | None = None
         self.headers: list[tuple[bytes, bytes]] = []
         self.content_type = b""
         self.status = 0
@@ -122,7 +122,7 @@ class Upstream(asyncio.Protocol):
             self.client.transport.close()
             self._finish(ErrorType.UPSTREAM_ERROR)
 
-    def start(self, client: Client, exchange: Exchange, request: bytes) -> None:
+    def start(self, client: Client, exchange: FastRelayExchange, request: bytes) -> None:
         self.client, self.exchange, self.headers, self.failed = client, exchange, [], False
         self.transport.write(request)
 
@@ -168,7 +168,7 @@ class Upstream(asyncio.Protocol):
                 observer.feed(body, self.now)
             except Exception:
                 self.failed = True
-                self.client.relay.sinks.failed("observe")
+                self.client.relay.sinks.count_measurement_failure("observe")
 
     def on_message_complete(self) -> None:
         exchange, client = self.exchange, self.client
@@ -194,7 +194,7 @@ class Upstream(asyncio.Protocol):
         sinks = client.relay.sinks
         observer = exchange.observer
         if observer is None or self.failed:
-            sinks.end(exchange.rs, None)
+            sinks.end(exchange.request_scope, None)
             return
         # The relay's own finish sequence; it awaits only a tokenizer, which this arm has not.
         finishing = asyncio.ensure_future(
@@ -206,7 +206,7 @@ class Upstream(asyncio.Protocol):
                 error_message="upstream broke" if broke else None,
             )
         )
-        finishing.add_done_callback(lambda done: sinks.end(exchange.rs, done.result()))
+        finishing.add_done_callback(lambda done: sinks.end(exchange.request_scope, done.result()))
 
     # -- backpressure: the client's socket is full ------------------------------------------
 
@@ -284,8 +284,8 @@ class Client(asyncio.Protocol):
                 asked = api.ask_for_usage(obj)
                 if asked is not None:
                     body, stripper = asked, UsageEventStripper()
-        rs = self.relay.sinks.begin(info, [], started_at)
-        exchange = Exchange(info, rs, stripper, start, started_at)
+        request_scope = self.relay.sinks.begin(info, [], started_at)
+        exchange = FastRelayExchange(info, request_scope, stripper, start, started_at)
         request = b"".join(
             [
                 b"%s %s HTTP/1.1\r\nhost: %s\r\ncontent-length: %d\r\n"
@@ -298,17 +298,17 @@ class Client(asyncio.Protocol):
         self.transport.pause_reading()  # one request at a time on this connection
         asyncio.get_running_loop().create_task(self._send(exchange, request))
 
-    async def _send(self, exchange: Exchange, request: bytes) -> None:
+    async def _send(self, exchange: FastRelayExchange, request: bytes) -> None:
         try:
             up = await self.relay.connection()
         except OSError:
-            self.relay.sinks.end(exchange.rs, None)
+            self.relay.sinks.end(exchange.request_scope, None)
             self.transport.write(b"HTTP/1.1 502 Bad Gateway\r\ncontent-length: 0\r\n\r\n")
             self.transport.close()
             return
         if self.transport.is_closing():
             self.relay.idle.append(up)
-            self.relay.sinks.end(exchange.rs, None)
+            self.relay.sinks.end(exchange.request_scope, None)
             return
         self.up = up
         up.start(self, exchange, request)

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from proxy.core.measurement import Measurement
 from proxy.server.app import ProxyApp
 from proxy.server.assemble import assemble
+from proxy.server.protocol import GuardedHttpToolsProtocol
 from proxy.settings import Settings
 from proxy.sim.app import SimApp, create_sim_app
 from proxy.sim.config import SimConfig
@@ -104,8 +105,12 @@ def start_proxy() -> Iterator[Callable[..., ProxyUnderTest]]:
         settings.setdefault("models_refresh", None)
         settings.setdefault("access_log", "off")  # the records are the recorder's
         recorder = Recorder()
+        config = Settings(upstream=upstream, **settings)
+        # The wire's head limits, from these settings as `tokenprobe serve` sets them (on
+        # the class: the in-process proxies of a test session share them).
+        GuardedHttpToolsProtocol.configure(config)
         app = assemble(
-            Settings(upstream=upstream, **settings),
+            config,
             {},
             registry=CollectorRegistry(),
             extra_sinks=[*sinks, recorder],

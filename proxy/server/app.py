@@ -60,8 +60,11 @@ class ProxyApp:
         registry: CollectorRegistry,
         sinks: Sinks,
         control: ControlPlane,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
+        """`transport`: the ASGI relay's way upstream instead of --upstream-transport's."""
         self.settings = settings
+        self.transport = transport
         self.upstream = settings.upstream
         self.registry = registry
         self.sinks = sinks
@@ -96,7 +99,7 @@ class ProxyApp:
 
     async def startup(self) -> None:
         settings = self.settings
-        self.client = create_client(settings)
+        self.client = create_client(settings, self.transport)
         if settings.tokenizer:
             self.counter = TokenCounter(settings.tokenizer)
         self.forwarder = Forwarder.from_settings(

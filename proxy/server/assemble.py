@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import httpx
 from prometheus_client import CollectorRegistry
 
 from proxy.core.labels import ModelLabels
@@ -40,9 +41,12 @@ def assemble(
     registry: CollectorRegistry | None = None,
     tracer: RequestTracer | None = None,
     extra_sinks: Sequence[Sink] = (),
+    transport: httpx.AsyncBaseTransport | None = None,
 ) -> ProxyApp:
     """The proxy the settings ask for. `tracer` replaces the one OTEL_* would configure,
-    and `extra_sinks` record after the configured ones (the demo, tests)."""
+    `extra_sinks` record after the configured ones (the demo, tests), and `transport`
+    replaces the upstream transport --upstream-transport picks for the ASGI relay's
+    upstream client (an in-process test's scripted upstream, `httpx.MockTransport`)."""
     upstream = settings.upstream
     registry = registry if registry is not None else CollectorRegistry()
     attribution = label_pairs(settings)
@@ -68,7 +72,7 @@ def assemble(
         Readiness(upstream),
         apart=settings.metrics_port is not None,
     )
-    return ProxyApp(settings, registry=registry, sinks=sinks, control=control)
+    return ProxyApp(settings, registry=registry, sinks=sinks, control=control, transport=transport)
 
 
 def _sinks(

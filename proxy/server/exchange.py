@@ -41,7 +41,7 @@ class Context:
     settings: RelaySettings
 
 
-class Exchange:
+class MeasuredExchange:
     """One request's measuring state; `info` None for a request that is only relayed."""
 
     __slots__ = (
@@ -52,7 +52,7 @@ class Exchange:
         "observer",
         "path",
         "read",
-        "rs",
+        "request_scope",
         "start",
         "started_at",
         "status",
@@ -83,11 +83,11 @@ class Exchange:
             )
         )
         self.measuring = self.observer is not None
-        self.rs: RequestScope = context.sinks.begin(info, headers, started_at)
+        self.request_scope: RequestScope = context.sinks.begin(info, headers, started_at)
 
     def upstream_headers(self) -> Headers:
         return upstream_headers(
-            self.headers, measured=self.info is not None, trace=self.rs.upstream_headers
+            self.headers, measured=self.info is not None, trace=self.request_scope.upstream_headers
         )
 
     def sent(self, now: float) -> None:
@@ -131,7 +131,7 @@ class Exchange:
         else:
             log.warning("stream no longer measured (%s); it goes on unchanged", stage)
         self.measuring = False
-        self.context.sinks.failed(stage)
+        self.context.sinks.count_measurement_failure(stage)
         if self.observer is not None:
             self.observer.fail()
 
@@ -147,7 +147,7 @@ class Exchange:
     async def finish(self, end: float, failure: Failure | None) -> None:
         """The one finish sequence: a measured request's record goes to the sinks (from
         the observer, or bare if measuring it broke); any other is counted by route."""
-        sinks, observer, rs = self.context.sinks, self.observer, self.rs
+        sinks, observer, request_scope = self.context.sinks, self.observer, self.request_scope
         if observer is None:
             sinks.passthrough(route_template(self.path), self.status)
             return
@@ -161,14 +161,14 @@ class Exchange:
                 error_type=error,
                 error_message=message,
                 counter=self.context.counter,
-                trace_id=rs.trace_id,
+                trace_id=request_scope.trace_id,
                 redact=self.redact,
             )
         except Exception:
             # Still one record (status, e2e, the transport's error type), so the request
             # is counted and the in-flight gauge comes down.
             log.exception("measuring a request failed")
-            sinks.failed("finish")
+            sinks.count_measurement_failure("finish")
             measurement = bare_record(
                 observer.request,
                 status_code=self.status,
@@ -176,9 +176,9 @@ class Exchange:
                 e2e=end - observer.start,
                 error_type=error,
                 error_message=None if message is None else self.redact(message),
-                trace_id=rs.trace_id,
+                trace_id=request_scope.trace_id,
             )
-        sinks.end(rs, measurement)
+        sinks.end(request_scope, measurement)
 
     def finish_soon(self, failure: Failure | None) -> None:
         """`finish` from a callback: at once when it awaits nothing (no tokenizer to

@@ -41,7 +41,7 @@ from proxy.server.admission import (
     relay_settings,
     target,
 )
-from proxy.server.exchange import Context, Exchange, IdleTimer
+from proxy.server.exchange import Context, IdleTimer, MeasuredExchange
 from proxy.server.headers import client_headers
 from proxy.server.upstream import body_reader, send_upstream
 from proxy.settings import Settings
@@ -106,7 +106,9 @@ class Forwarder:
         info, stripper = None, None
         if api is not None:
             info, body, stripper = admit(api, body, limits)
-        exchange = Exchange(self.context, path, scope["headers"], info, start, started_at, read)
+        exchange = MeasuredExchange(
+            self.context, path, scope["headers"], info, start, started_at, read
+        )
         await Relay(self.client, exchange, scope, receive, send).run(body, stripper)
 
 
@@ -145,7 +147,7 @@ class Relay:
     def __init__(
         self,
         client: httpx.AsyncClient,
-        exchange: Exchange,
+        exchange: MeasuredExchange,
         scope: Scope,
         receive: Receive,
         send: Send,
@@ -154,7 +156,7 @@ class Relay:
         self.scope, self.receive, self.send = scope, receive, send
         task = asyncio.current_task()
         assert task is not None
-        self.cut = _Cut(task)
+        self.cut = _CancelOnce(task)
         self.response: httpx.Response | None = None
         self.idle: IdleTimer | None = None
 
@@ -254,7 +256,7 @@ class Relay:
         return failure
 
 
-class _Cut:
+class _CancelOnce:
     """Cancels a relay's task once, recording why. The client watcher and the idle timer
     hold this, not the relay, so a pending one never keeps the relay's buffers alive."""
 
@@ -271,7 +273,7 @@ class _Cut:
             self.task.cancel()
 
 
-async def _watch_client(receive: Receive, cut: _Cut) -> None:
+async def _watch_client(receive: Receive, cut: _CancelOnce) -> None:
     # A send to a gone client can succeed silently: only receive() tells.
     while (await receive())["type"] != "http.disconnect":
         pass

@@ -14,8 +14,9 @@ run out. Here, per connection:
   of the previous response ending (which also bounds idle keep-alive connections):
   otherwise a 408 (or, when not a byte came, a plain close).
 
-Each close is counted in `tokenprobe_connections_closed_total{reason}`. The limits live on
-the class (`configure`), because uvicorn builds the protocol itself, in every worker.
+Each close is counted in `tokenprobe_connections_closed_total{reason}`. The limits come
+from the settings (`configure`, before the server starts) and live on the class, because
+uvicorn builds the protocol itself, in every worker.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from prometheus_client import CollectorRegistry, Counter
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from proxy.core.errors import error_body
+from proxy.settings import Settings
 
 #: Room for the request line and the header block's framing on top of --max-header-bytes,
 #: which the app checks as the sum of header names and values.
@@ -37,9 +39,19 @@ HEAD_SLACK = 8 * 1024
 
 @dataclass(frozen=True)
 class HeadLimits:
-    max_head_bytes: int = 64 * 1024 + HEAD_SLACK
-    max_headers: int = 100
-    header_timeout: float | None = 10.0
+    """The request-head limits, made from the settings only (their defaults are theirs)."""
+
+    max_head_bytes: int  # --max-header-bytes and HEAD_SLACK
+    max_headers: int
+    header_timeout: float | None
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> HeadLimits:
+        return cls(
+            max_head_bytes=settings.max_header_bytes + HEAD_SLACK,
+            max_headers=settings.max_headers,
+            header_timeout=settings.header_timeout,
+        )
 
 
 class _HeadRefused(Exception):
@@ -59,12 +71,14 @@ def connection_counter(registry: CollectorRegistry) -> Counter:
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
-    limits = HeadLimits()
+    limits: ClassVar[HeadLimits]  # none until `configure`: a server must say its limits
     on_close: Callable[[str], None] = staticmethod(lambda reason: None)
 
     @classmethod
-    def configure(cls, limits: HeadLimits, counter: Counter | None = None) -> None:
-        cls.limits = limits
+    def configure(cls, settings: Settings, counter: Counter | None = None) -> None:
+        """The head limits from `settings`, for every connection from now on; `counter`
+        (connection_counter) counts the closes."""
+        cls.limits = HeadLimits.from_settings(settings)
         if counter is not None:
             children = {r: counter.labels(r) for r in _REASONS}
             cls.on_close = staticmethod(lambda reason: children[reason].inc())

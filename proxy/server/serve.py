@@ -50,20 +50,10 @@ _PROTOCOLS = {
 
 def build_app(settings: Settings) -> ProxyApp:
     """The app with every sink the settings ask for."""
-    from proxy.server.protocol import (
-        HEAD_SLACK,
-        GuardedHttpToolsProtocol,
-        HeadLimits,
-        connection_counter,
-    )
+    from proxy.server.protocol import GuardedHttpToolsProtocol, connection_counter
 
     app = assemble(settings, os.environ)
-    limits = HeadLimits(
-        max_head_bytes=settings.max_header_bytes + HEAD_SLACK,
-        max_headers=settings.max_headers,
-        header_timeout=settings.header_timeout,
-    )
-    GuardedHttpToolsProtocol.configure(limits, connection_counter(app.registry))
+    GuardedHttpToolsProtocol.configure(settings, connection_counter(app.registry))
     return app
 
 

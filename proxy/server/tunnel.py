@@ -363,7 +363,7 @@ class Tunnel:
         if self.api is None:
             return
         if early is None:  # more than a message before the 101: cannot be followed
-            self.context.sinks.failed("ws_frames")
+            self.context.sinks.count_measurement_failure("ws_frames")
             return
         first = b"".join(early)
         try:
@@ -474,7 +474,7 @@ class Tunnel:
     def _stop_watching(self, stage: str) -> None:
         self._readers = None
         self._session = None
-        self.context.sinks.failed(stage)
+        self.context.sinks.count_measurement_failure(stage)
 
     # -- flow control -------------------------------------------------------------------
 
@@ -606,7 +606,7 @@ class Tunnel:
                 session.close(now, outcome if outcome in CLOSE_CAUSES else "error")
             except Exception:
                 log.exception("finishing a WebSocket session's measurement failed")
-                self.context.sinks.failed("finish")
+                self.context.sinks.count_measurement_failure("finish")
         if not self.closed.done():
             self.closed.set_result(outcome)
 

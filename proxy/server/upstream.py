@@ -22,7 +22,11 @@ from proxy.settings import Settings
 KEEPALIVE_SECONDS = 4.0
 
 
-def create_client(settings: Settings) -> httpx.AsyncClient:
+def create_client(
+    settings: Settings, transport: httpx.AsyncBaseTransport | None = None
+) -> httpx.AsyncClient:
+    """The upstream client the settings ask for; `transport`, when given, replaces the one
+    --upstream-transport picks (an in-process test's scripted upstream)."""
     timeout = httpx.Timeout(
         connect=settings.connect_timeout,
         read=None,  # the relay times the gaps between chunks itself (RelaySettings.idle_timeout)
@@ -35,7 +39,16 @@ def create_client(settings: Settings) -> httpx.AsyncClient:
     limits = httpx.Limits(
         max_connections=None, max_keepalive_connections=1024, keepalive_expiry=KEEPALIVE_SECONDS
     )
-    transport: httpx.AsyncBaseTransport
+    if transport is None:
+        transport = _transport(settings, limits)
+    client = UpstreamClient(transport=transport, timeout=timeout, limits=limits)
+    client.limits = limits
+    client.headers.clear()  # forward the client's headers, not httpx's defaults
+    return client
+
+
+def _transport(settings: Settings, limits: httpx.Limits) -> httpx.AsyncBaseTransport:
+    """httpx's own transport, or aiohttp's (--upstream-transport)."""
     if settings.upstream_transport == "aiohttp":
 
         def session() -> aiohttp.ClientSession:
@@ -52,13 +65,8 @@ def create_client(settings: Settings) -> httpx.AsyncClient:
                 skip_auto_headers=("Accept-Encoding", "User-Agent", "Accept", "Content-Type"),
             )
 
-        transport = AiohttpTransport(client=session)
-    else:
-        transport = httpx.AsyncHTTPTransport(limits=limits)
-    client = UpstreamClient(transport=transport, timeout=timeout, limits=limits)
-    client.limits = limits
-    client.headers.clear()  # forward the client's headers, not httpx's defaults
-    return client
+        return AiohttpTransport(client=session)
+    return httpx.AsyncHTTPTransport(limits=limits)
 
 
 class _BodyErrorsHandler(ResponseHandler):
@@ -117,7 +125,7 @@ async def send_upstream(
     `url` is sent exactly: its path is already normalised (proxy.core.paths), and neither
     client may normalise or re-encode it again. Header values go out byte for byte.
     """
-    # The relay times the gaps between chunks itself (forward._IdleTimer): a transport's
+    # The relay times the gaps between chunks itself (proxy.server.exchange.IdleTimer): a transport's
     # read timeout would cost a timer per chunk, and would also cut the wait for the
     # response headers, which first_byte_timeout governs.
     timeout = {**client.timeout.as_dict(), "read": None}

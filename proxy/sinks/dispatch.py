@@ -29,6 +29,9 @@ _UNMEASURED = Labels(model="")
 
 
 class RequestScope:
+    """What the sinks keep of one request between `begin` and `end`: its labels, resolved
+    once, and its trace span with the trace id and the `traceparent` that goes upstream."""
+
     __slots__ = ("info", "labels", "span", "trace_id", "upstream_headers")
 
     def __init__(self, info: RequestInfo | None, labels: Labels) -> None:
@@ -79,29 +82,29 @@ class Sinks:
             return RequestScope(None, _UNMEASURED)
         key = self.keys(headers) if self.keys is not None else None
         attribution = self.header_labels(headers) if self.header_labels is not None else ()
-        rs = RequestScope(info, Labels(self.models(info.model), key, attribution))
-        self.metrics.in_flight.labels(rs.labels.model, info.endpoint).inc()
+        scope = RequestScope(info, Labels(self.models(info.model), key, attribution))
+        self.metrics.in_flight.labels(scope.labels.model, info.endpoint).inc()
         if self.tracer is not None:
             try:
-                rs.span, rs.trace_id, rs.upstream_headers = self.tracer.start(
+                scope.span, scope.trace_id, scope.upstream_headers = self.tracer.start(
                     info, headers, int(started_at * 1e9) if started_at else None
                 )
-                if attribution and rs.span is not None:
-                    rs.span.set_attributes(dict(zip(self.label_names, attribution, strict=True)))
+                if attribution and scope.span is not None:
+                    scope.span.set_attributes(dict(zip(self.label_names, attribution, strict=True)))
             except Exception:
                 log.exception("starting a trace span failed")
-                self.failed("trace")
-        return rs
+                self.count_measurement_failure("trace")
+        return scope
 
-    def end(self, rs: RequestScope, measurement: Measurement | None) -> None:
-        info = rs.info
+    def end(self, scope: RequestScope, measurement: Measurement | None) -> None:
+        info = scope.info
         if info is None:
             return
-        self.metrics.in_flight.labels(rs.labels.model, info.endpoint).dec()
-        if self.tracer is not None and rs.span is not None:
-            self._safely(self.tracer.finish, rs.span, measurement)
+        self.metrics.in_flight.labels(scope.labels.model, info.endpoint).dec()
+        if self.tracer is not None and scope.span is not None:
+            self._safely(self.tracer.finish, scope.span, measurement)
         if measurement is not None:
-            self._record(measurement, rs.labels)
+            self._record(measurement, scope.labels)
 
     def refused(
         self, info: RequestInfo, error: ErrorType, status: int, start: float, started_at: float
@@ -124,7 +127,8 @@ class Sinks:
     def passthrough(self, route: str, status: int) -> None:
         self.metrics.passthrough.labels(route, str(status)).inc()
 
-    def failed(self, stage: str) -> None:
+    def count_measurement_failure(self, stage: str) -> None:
+        """`tokenprobe_measurement_failures_total{stage}`: measuring broke, the request did not."""
         self.metrics.measurement_failures.labels(stage).inc()
 
     def _record(self, measurement: Measurement, labels: Labels) -> None:
@@ -140,4 +144,4 @@ class Sinks:
             fn(*args)
         except Exception:
             log.exception("a measurement sink failed")
-            self.failed("sink")
+            self.count_measurement_failure("sink")

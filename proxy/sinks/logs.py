@@ -111,7 +111,7 @@ class AccessLog:
         self.key = salt_key(salt)
 
     def record(self, m: Measurement, labels: Labels) -> None:
-        rec = record(m, self.key)
+        rec = log_record(m, self.key)
         if self.attribution:
             rec["labels"] = dict(zip(self.attribution, labels.attribution, strict=True))
         # One write and one flush per line: a line reaches the log when its request
@@ -127,7 +127,7 @@ def salt_key(salt: str | None) -> bytes:
     return hashlib.sha256(b"tokenprobe log salt\x00" + salt.encode()).digest()
 
 
-def record(m: Measurement, key: bytes) -> dict[str, Any]:
+def log_record(m: Measurement, key: bytes) -> dict[str, Any]:
     """The log record of one request, keys as in KEYS; `key` keys the prefix hashes."""
     prefix = m.prefix
     queue, engine_ttft, outside = m.ttft_parts()

@@ -81,7 +81,7 @@ class CountingBatchProcessor(SpanProcessor):
         with self._lock:
             self._queued = max(0, self._queued - count)
 
-    def failed(self, count: int) -> None:
+    def count_failed_export(self, count: int) -> None:
         self._failed.inc(count)
 
     def shutdown(self) -> None:
@@ -104,7 +104,7 @@ class _CountingExporter(SpanExporter):
             log.exception("exporting trace spans failed")
             result = SpanExportResult.FAILURE
         if result is not SpanExportResult.SUCCESS:
-            self.counts.failed(len(spans))
+            self.counts.count_failed_export(len(spans))
         return result
 
     def shutdown(self) -> None:

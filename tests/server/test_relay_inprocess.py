@@ -1,8 +1,8 @@
 """Every way a relayed request can end, driven in-process through the ASGI interface.
 
 The proxy app runs on the test's own event loop, called as `await app(scope, receive,
-send)` with a fake server side written here (`Client`). Its upstream client is swapped for
-one whose transport is `httpx.MockTransport` serving a scripted body (`UpstreamBody`), so
+send)` with a fake server side written here (`Client`). The assembly is handed an
+`httpx.MockTransport` serving a scripted body (`UpstreamBody`) as its upstream transport, so
 the real relay code runs unchanged between the two, without sockets, in milliseconds.
 Each test asserts on what the client was sent, on the record the sinks got, and on the
 registry. The end-to-end tests (tests/server/test_proxy_e2e.py, tests/server/test_faults.py) keep
@@ -31,7 +31,6 @@ from proxy.core.request import CHAT
 from proxy.server.app import ProxyApp
 from proxy.server.assemble import assemble
 from proxy.server.forward import UpstreamBroke
-from proxy.server.upstream import UpstreamClient
 from proxy.settings import Settings
 from proxy.sinks.sink import Labels, Recorder, Sink
 from proxy.types import Message
@@ -266,17 +265,6 @@ class Proxy:
         return self.records[0]
 
 
-async def use_upstream(app: ProxyApp, transport: httpx.AsyncBaseTransport) -> None:
-    """Point the started app's relay at `transport`: the one place that knows where the
-    upstream client lives. The timeouts stay those built from the settings."""
-    original = app.client
-    assert original is not None and app.forwarder is not None
-    client = UpstreamClient(transport=transport, timeout=original.timeout)
-    client.headers.clear()
-    app.client = app.forwarder.client = client
-    await original.aclose()
-
-
 @contextlib.asynccontextmanager
 async def running(
     upstream: Upstream,
@@ -290,17 +278,16 @@ async def running(
             upstream=UPSTREAM,
             model_allowlist=(MODEL,),
             models_refresh=None,
-            upstream_transport="httpx",
             access_log="off",
             **settings,
         ),
         {},
         registry=CollectorRegistry(),
         extra_sinks=[*sinks, recorder],
+        transport=httpx.MockTransport(upstream.handle),
     )
     await app.startup()
     try:
-        await use_upstream(app, httpx.MockTransport(upstream.handle))
         yield Proxy(app, recorder.records)
     finally:
         await app.shutdown()

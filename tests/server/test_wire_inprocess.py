@@ -182,6 +182,31 @@ def stream_raw(proxy: ProxyUnderTest) -> tuple[httpx.Response, list[bytes]]:
         return response, list(response.iter_raw())
 
 
+# -- the request head --------------------------------------------------------------------
+
+
+def head_reply(proxy: ProxyUnderTest, headers: int) -> bytes:
+    """What a request with `headers` headers (host and connection among them) gets."""
+    fillers = b"".join(b"x-filler-%d: v\r\n" % i for i in range(headers - 2))
+    head = b"GET /healthz HTTP/1.1\r\nhost: proxy\r\nconnection: close\r\n" + fillers + b"\r\n"
+    port = int(proxy.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(head)
+        reply = b""
+        while part := sock.recv(65536):
+            reply += part
+    return reply
+
+
+def test_the_head_limits_are_the_proxys_settings(
+    upstream: Callable[[Script], Scripted], start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    proxy = wire_proxy(start_proxy, upstream(streaming()).url, max_headers=6)
+    assert head_reply(proxy, 6).startswith(b"HTTP/1.1 200 ")
+    refused = head_reply(proxy, 7)
+    assert refused.startswith(b"HTTP/1.1 431 ") and b"over 6 request headers" in refused
+
+
 # -- success ---------------------------------------------------------------------------
 
 

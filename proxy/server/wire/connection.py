@@ -46,7 +46,7 @@ from proxy.server.admission import (
     measured_api,
     target,
 )
-from proxy.server.exchange import Context, Exchange, IdleTimer
+from proxy.server.exchange import Context, IdleTimer, MeasuredExchange
 from proxy.server.headers import Headers, client_headers
 from proxy.server.protocol import GuardedHttpToolsProtocol
 from proxy.server.wire.upstream import Pool, UpstreamConnection
@@ -297,7 +297,7 @@ class WireRequest:
         self.complete = False  # its whole body is in
         self.body: list[bytes] = []
         self.size = 0
-        self.exchange: Exchange | None = None
+        self.exchange: MeasuredExchange | None = None
         self.upstream: UpstreamConnection | None = None
         self.stripper: UsageEventStripper | None = None
         self.timer: asyncio.TimerHandle | None = None
@@ -382,7 +382,7 @@ class WireRequest:
         info = None
         if self.api is not None:
             info, body, self.stripper = admit(self.api, body, context.settings)
-        exchange = self.exchange = Exchange(
+        exchange = self.exchange = MeasuredExchange(
             context, self.path, self.headers, info, self.start, self.started_at, read
         )
         wire.active.add(self)
