@@ -26,12 +26,7 @@ from proxy.bench.ports import free_port
 from proxy.core.measurement import Measurement
 from proxy.core.wav import pcm16, wav
 from proxy.server.assemble import assemble
-from proxy.server.protocol import (
-    HEAD_SLACK,
-    GuardedHttpToolsProtocol,
-    HeadLimits,
-    connection_counter,
-)
+from proxy.server.protocol import GuardedHttpToolsProtocol, connection_counter
 from proxy.server.serve import uvicorn_options
 from proxy.settings import Settings
 from proxy.sim.app import create_sim_app
@@ -253,12 +248,7 @@ async def run(port: int, rounds: int, serve_after: bool, out: object = sys.stdou
         access_log="off",  # the table below shows the records instead
     )
     app = assemble(settings, {}, extra_sinks=[recorder])
-    limits = HeadLimits(
-        max_head_bytes=settings.max_header_bytes + HEAD_SLACK,
-        max_headers=settings.max_headers,
-        header_timeout=settings.header_timeout,
-    )
-    GuardedHttpToolsProtocol.configure(limits, connection_counter(app.registry))
+    GuardedHttpToolsProtocol.configure(settings, connection_counter(app.registry))
     proxy = uvicorn.Server(
         uvicorn.Config(
             app,
