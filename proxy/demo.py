@@ -10,18 +10,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import itertools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
+import orjson
 import uvicorn
 
 from proxy.bench.ports import free_port
 from proxy.core.measurement import Measurement
+from proxy.core.wav import pcm16, wav
 from proxy.server.assemble import assemble
+from proxy.server.protocol import GuardedHttpToolsProtocol, connection_counter
+from proxy.server.serve import uvicorn_options
 from proxy.settings import Settings
 from proxy.sim.app import create_sim_app
 from proxy.sim.config import SimConfig
@@ -78,7 +84,32 @@ SCENARIOS = (
     Scenario("score", endpoint="/score", stream=False),
     Scenario("rerank", endpoint="/v2/rerank", stream=False),
     Scenario("classify", endpoint="/classify", stream=False),
+    Scenario(
+        "generate, token ids", endpoint="/inference/v1/generate", headers=(("x-sim-ttft", "0.1"),)
+    ),
+    Scenario(
+        "audio transcription",
+        endpoint="/v1/audio/transcriptions",
+        headers=(("x-sim-ttft", "0.15"), ("x-sim-output-tokens", "12")),
+    ),
+    Scenario(
+        "audio translation",
+        endpoint="/v1/audio/translations",
+        stream=False,
+        headers=(("x-sim-output-tokens", "12"),),
+    ),
+    Scenario("cohere chat v2", endpoint="/cohere/v2/chat", headers=(("x-sim-ttft", "0.1"),)),
 )
+#: Half a second of audio, as a WAV file, for the audio rows.
+WAV = wav(0.5)
+
+
+def _request(s: Scenario, i: int) -> dict[str, Any]:
+    """httpx's keyword arguments for request `i` of a scenario: a JSON body, or a form."""
+    if s.endpoint.startswith("/v1/audio/"):
+        data = {"model": MODEL, "stream": "true" if s.stream else "false"}
+        return {"files": {"file": ("speech.wav", WAV, "audio/wav")}, "data": data}
+    return {"json": _body(s, i)}
 
 
 def _body(s: Scenario, i: int) -> dict[str, object]:
@@ -86,6 +117,10 @@ def _body(s: Scenario, i: int) -> dict[str, object]:
     if s.endpoint in _POOLING_BODIES:
         return {"model": MODEL, **_POOLING_BODIES[s.endpoint](text)}
     body: dict[str, object] = {"model": MODEL, "stream": s.stream}
+    if s.endpoint == "/inference/v1/generate":
+        ids = [1 + (i + n) % 1000 for n in range(16)]
+        body.update(token_ids=ids, sampling_params={"max_tokens": s.max_tokens})
+        return body
     if s.endpoint == "/v1/responses":
         body.update(input=text, max_output_tokens=s.max_tokens)
         return body
@@ -114,7 +149,7 @@ async def _traffic(base: str, rounds: int, records: list[Measurement]) -> dict[i
             first = len(records)
             await asyncio.gather(
                 *(
-                    client.post(s.endpoint, json=_body(s, i), headers=dict(s.headers))
+                    client.post(s.endpoint, **_request(s, i), headers=dict(s.headers))
                     for i in range(rounds)
                 ),
                 return_exceptions=True,
@@ -122,6 +157,35 @@ async def _traffic(base: str, rounds: int, records: list[Measurement]) -> dict[i
             await asyncio.sleep(0.05)  # the record lands just after the last byte
             names.update((i, s.name) for i in range(first, len(records)))
     return names
+
+
+async def _realtime(base: str, records: list[Measurement]) -> dict[int, str]:
+    """One /v1/realtime session through the proxy, two utterances: audio appended, a
+    commit that starts the transcription, the rest of the audio, the final commit."""
+    try:
+        from websockets.asyncio.client import connect  # comes with uvicorn[standard]
+    except ImportError:
+        return {}
+    first = len(records)
+    audio = base64.b64encode(pcm16(0.5)).decode()
+    events = [
+        {"type": "input_audio_buffer.append", "audio": audio},
+        {"type": "input_audio_buffer.commit"},
+        {"type": "input_audio_buffer.append", "audio": audio},
+        {"type": "input_audio_buffer.commit", "final": True},
+    ]
+    headers = {"x-sim-ttft": "0.12", "x-sim-output-tokens": "10"}
+    url = base.replace("http://", "ws://") + "/v1/realtime"
+    async with connect(url, additional_headers=headers) as ws:
+        await ws.recv()  # session.created
+        await ws.send(orjson.dumps({"type": "session.update", "model": MODEL}).decode())
+        for _ in range(2):
+            for event in events:
+                await ws.send(orjson.dumps(event).decode())
+            while "transcription.done" not in str(await ws.recv()):
+                pass
+    await asyncio.sleep(0.05)  # the session's records land as it closes
+    return {i: "realtime utterance" for i in range(first, len(records))}
 
 
 async def _keep_busy(base: str) -> None:
@@ -138,7 +202,7 @@ async def _keep_busy(base: str) -> None:
         for i in itertools.count():
             s = mix[i % len(mix)]
             task = asyncio.create_task(
-                client.post(s.endpoint, json=_body(s, i), headers=dict(s.headers))
+                client.post(s.endpoint, **_request(s, i), headers=dict(s.headers))
             )
             pending.add(task)
             task.add_done_callback(done)
@@ -150,15 +214,15 @@ def _ms(value: float | None) -> str:
 
 
 def _table(records: list[Measurement], names: dict[int, str]) -> str:
-    head = f"{'':24} {'endpoint':20} {'ttft ms':>8} {'tpot ms':>8} {'tok/s':>6} {'e2e ms':>7} {'out':>4} {'source':>8} {'finish':>8}  outcome"
+    head = f"{'':24} {'endpoint':24} {'ttft ms':>8} {'tpot ms':>8} {'tok/s':>6} {'e2e ms':>7} {'out':>4} {'source':>9} {'finish':>8}  outcome"
     lines = [head, "-" * len(head)]
     for i, m in enumerate(records):
         speed = "-" if m.decode_tokens_per_second is None else f"{m.decode_tokens_per_second:.0f}"
         out = "-" if m.output_tokens is None else str(m.output_tokens)
         outcome = m.error_type.value if m.error_type else "ok"
         lines.append(
-            f"{names.get(i, m.endpoint)[:24]:24} {m.endpoint:20} {_ms(m.ttft):>8} {_ms(m.tpot):>8} {speed:>6} "
-            f"{_ms(m.e2e):>7} {out:>4} {m.token_source.value:>8} {m.finish_reason:>8}  {outcome}"
+            f"{names.get(i, m.endpoint)[:24]:24} {m.endpoint:24} {_ms(m.ttft):>8} {_ms(m.tpot):>8} {speed:>6} "
+            f"{_ms(m.e2e):>7} {out:>4} {m.token_source.value:>9} {m.finish_reason:>8}  {outcome}"
         )
     return "\n".join(lines)
 
@@ -184,14 +248,11 @@ async def run(port: int, rounds: int, serve_after: bool, out: object = sys.stdou
         access_log="off",  # the table below shows the records instead
     )
     app = assemble(settings, {}, extra_sinks=[recorder])
+    GuardedHttpToolsProtocol.configure(settings, connection_counter(app.registry))
     proxy = uvicorn.Server(
         uvicorn.Config(
             app,
-            host="127.0.0.1",
-            port=port,
-            log_level="warning",
-            server_header=False,
-            date_header=False,
+            **{**uvicorn_options(settings), "log_level": "warning"},  # the wire, as serve runs
         )
     )
     tasks = [asyncio.create_task(sim.serve()), asyncio.create_task(proxy.serve())]
@@ -213,6 +274,7 @@ async def run(port: int, rounds: int, serve_after: bool, out: object = sys.stdou
         f"\nsending {rounds} round(s) of {len(SCENARIOS)} requests through the proxy...\n", file=out
     )  # type: ignore[call-overload]
     names = await _traffic(base, rounds, records)
+    names.update(await _realtime(base, records))
     print(_table(records, names), file=out)  # type: ignore[call-overload]
     print(
         f"\nmetrics:   curl {base}/metrics | grep '^tokenprobe_'\n"

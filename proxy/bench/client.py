@@ -11,6 +11,7 @@ run after the level ends, so it never delays the reading of other streams.
 from __future__ import annotations
 
 import asyncio
+import base64
 from dataclasses import dataclass
 from time import perf_counter, time
 from typing import Any
@@ -23,11 +24,14 @@ from proxy.bench.options import Options
 from proxy.bench.prompts import Prompt
 from proxy.bench.wire import Pool, request_head
 from proxy.core.apis import api_of
+from proxy.core.apis.realtime import Realtime
 from proxy.core.errors import classify_exception, describe
-from proxy.core.measurement import Measurement, TokenSource
-from proxy.core.observe import StreamObserver, TokenCounts
+from proxy.core.measurement import ErrorType, Measurement, TokenSource
+from proxy.core.observe import StreamObserver, TokenCounts, bare_record
 from proxy.core.request import RequestInfo
 from proxy.core.tokens import count_output, count_prompt
+from proxy.core.wav import pcm16, wav
+from proxy.core.wsframes import WsMessage
 
 USER_AGENT = "tokenprobe-bench"
 
@@ -52,18 +56,53 @@ class Result:
 
 def prepare(options: Options, prompt: Prompt) -> Call:
     payload = prompt.payload(options.endpoint)
+    endpoint = options.endpoint
+    if endpoint in AUDIO:
+        info = RequestInfo(endpoint, options.model, True, True, None, 0.0)
+        return Call(info, audio_form(options))
+    if endpoint == REALTIME:
+        return Call(RequestInfo(endpoint, options.model, True, True, None, None), b"")
     body = _body(options, payload)
     stream = body.get("stream") is True
+    ids = body.get("token_ids")
     info = RequestInfo(
-        endpoint=api_of(options.endpoint).endpoint,
+        endpoint=api_of(endpoint).endpoint,
         model=options.model,
         stream=stream,
         usage_requested=True,
         max_tokens=options.max_tokens if stream else None,
         temperature=0.0 if stream else None,
-        prompt=payload,
+        prompt=ids if ids is not None else payload,
+        prompt_tokens=len(ids) if ids is not None else None,
     )
     return Call(info, orjson.dumps(body))
+
+
+#: The audio APIs, sent as a form; the realtime API, as a WebSocket session.
+AUDIO = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
+REALTIME = "/v1/realtime"
+BOUNDARY = "tokenprobe-bench-7f3a"
+AUDIO_SECONDS = 1.0
+
+
+def audio_form(options: Options) -> bytes:
+    """A streamed transcription (or translation) of a generated 1 s WAV, with usage."""
+    fields = {
+        "model": options.model,
+        "stream": "true",
+        "stream_include_usage": "true",
+        "temperature": "0",
+    }
+    out = b""
+    for name, value in fields.items():
+        out += (
+            f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n'
+        ).encode()
+    out += (
+        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="file"; filename="bench.wav"\r\n'
+        "Content-Type: audio/wav\r\n\r\n"
+    ).encode()
+    return out + wav(AUDIO_SECONDS) + f"\r\n--{BOUNDARY}--\r\n".encode()
 
 
 def _body(options: Options, payload: Any) -> dict[str, Any]:
@@ -71,6 +110,22 @@ def _body(options: Options, payload: Any) -> dict[str, Any]:
     endpoint = options.endpoint
     if endpoint == "/v1/embeddings":
         return {"model": options.model, "input": payload}
+    if endpoint == "/inference/v1/generate":
+        # Token ids in: the prompt's UTF-8 bytes, ids every vocabulary has. The output is
+        # counted exactly from the ids streamed back, so no usage is asked for.
+        params: dict[str, Any] = {"max_tokens": options.max_tokens, "temperature": 0}
+        if options.ignore_eos:
+            params["ignore_eos"] = True
+        ids = list(str(payload).encode())
+        return {"model": options.model, "token_ids": ids, "sampling_params": params, "stream": True}
+    if endpoint == "/cohere/v2/chat":  # usage always comes with message-end
+        return {
+            "model": options.model,
+            "messages": payload,
+            "max_tokens": options.max_tokens,
+            "temperature": 0,
+            "stream": True,
+        }
     if endpoint == "/v1/responses":
         return {
             "model": options.model,
@@ -95,8 +150,13 @@ def _body(options: Options, payload: Any) -> dict[str, Any]:
 
 
 def headers(options: Options) -> dict[str, str]:
+    content_type = (
+        f"multipart/form-data; boundary={BOUNDARY}"
+        if options.endpoint in AUDIO
+        else "application/json"
+    )
     out = {
-        "Content-Type": "application/json",
+        "Content-Type": content_type,
         "Accept": "text/event-stream",
         "Accept-Encoding": "identity",  # the observer reads the bytes as they come
         "User-Agent": USER_AGENT,
@@ -162,9 +222,12 @@ async def measure_wire(
     call: Call,
     scheduled: float,
     keep_text: bool,
-) -> tuple[Measurement, StreamObserver]:
+) -> tuple[Measurement, StreamObserver | None]:
     """`measure` on the protocol-level client (wire.py): the observer is fed from the
-    socket's callback, so a chunk costs no task wake-up."""
+    socket's callback, so a chunk costs no task wake-up. A realtime session is a WebSocket
+    (`measure_realtime`)."""
+    if call.info.endpoint == REALTIME:
+        return await measure_realtime(url, request_headers, call, scheduled), None
     observer = StreamObserver(call.info, scheduled, collect_text=keep_text)
     started_at = time() - (perf_counter() - scheduled)
     error = message = None
@@ -185,9 +248,78 @@ async def measure_wire(
     return measurement, observer
 
 
+async def measure_realtime(
+    url: yarl.URL,
+    request_headers: dict[str, str],
+    call: Call,
+    scheduled: float,
+) -> Measurement:
+    """One /v1/realtime session with one utterance (1 s of audio: half, the commit that
+    starts the transcription, the other half, the final commit), measured by the proxy's
+    own realtime seam from the frames as they are sent and read."""
+    records: list[Measurement] = []
+    started_at = time() - (perf_counter() - scheduled)
+    session = Realtime().open(
+        start=scheduled, started_at=started_at, path=REALTIME, query="", record=records.append
+    )
+    half = len(PCM) // 2
+    sends = [
+        {"type": "session.update", "model": call.info.model},
+        {"type": "input_audio_buffer.append", "audio": base64.b64encode(PCM[:half]).decode()},
+        {"type": "input_audio_buffer.commit"},
+        {"type": "input_audio_buffer.append", "audio": base64.b64encode(PCM[half:]).decode()},
+        {"type": "input_audio_buffer.commit", "final": True},
+    ]
+    headers = {k: v for k, v in request_headers.items() if k.lower() != "content-type"}
+    cause, error = "closed_by_client", None
+    try:
+        async with (
+            aiohttp.ClientSession() as client,
+            client.ws_connect(
+                url.with_scheme("ws" if url.scheme == "http" else "wss"), headers=headers
+            ) as ws,
+        ):
+            for event in sends:
+                data = orjson.dumps(event)
+                await ws.send_str(data.decode())
+                session.message(WsMessage(True, "text", data, perf_counter()))
+            async for frame in ws:
+                if frame.type is not aiohttp.WSMsgType.TEXT:
+                    break
+                text = frame.data.encode()
+                session.message(WsMessage(False, "text", text, perf_counter()))
+                if records:
+                    break
+            else:
+                cause = "upstream_vanished"
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        cause, error = "error", exc
+    session.close(perf_counter(), cause)
+    if records:
+        return records[0]
+    return bare_record(
+        call.info,
+        status_code=0,
+        started_at=started_at,
+        e2e=perf_counter() - scheduled,
+        error_type=ErrorType.STREAM_TRUNCATED
+        if error is None
+        else classify_exception(error, after_headers=False),
+        error_message="session ended before transcription.done"
+        if error is None
+        else describe(error),
+    )
+
+
+PCM = pcm16(AUDIO_SECONDS)
+
+
 def needs_tokenizer(m: Measurement) -> bool:
-    """No usage from the backend: a successful response's counts should come from the tokenizer."""
-    return m.ok and m.token_source is not TokenSource.USAGE
+    """No usage from the backend: a successful response's counts should come from the tokenizer
+    (exact token ids are as good as usage)."""
+    return m.ok and m.token_source not in (TokenSource.USAGE, TokenSource.TOKEN_IDS)
 
 
 def finalize(result: Result, tokenizer: Any) -> None:

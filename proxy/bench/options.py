@@ -17,6 +17,11 @@ ENDPOINTS = {
     "messages": "/v1/messages",
     "responses": "/v1/responses",
     "embeddings": "/v1/embeddings",
+    "generate": "/inference/v1/generate",
+    "transcriptions": "/v1/audio/transcriptions",
+    "translations": "/v1/audio/translations",
+    "cohere": "/cohere/v2/chat",
+    "realtime": "/v1/realtime",
 }
 
 #: SLO names `--slo` accepts, all in seconds.
@@ -85,7 +90,9 @@ def parser() -> argparse.ArgumentParser:
         "--endpoint",
         choices=tuple(ENDPOINTS),
         default="chat",
-        help="the API to measure (embeddings: latency and prompt tokens only, not streamed)",
+        help="the API to measure (embeddings: latency and prompt tokens only, not streamed; "
+        "generate: token ids in and out; transcriptions, translations: a generated 1 s WAV; "
+        "realtime: one WebSocket session per request, one utterance of 1 s audio)",
     )
     a("--api-key", help="bearer token (default: $OPENAI_API_KEY)")
     load = p.add_mutually_exclusive_group()

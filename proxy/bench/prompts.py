@@ -18,6 +18,7 @@ from proxy.core.request import CHAT
 from proxy.core.tokens import count_prompt
 
 MESSAGES = "/v1/messages"
+COHERE = "/cohere/v2/chat"
 
 
 class PromptError(ValueError):
@@ -31,7 +32,7 @@ class Prompt:
 
     def payload(self, endpoint: str) -> Any:
         """`messages` for chat and Anthropic Messages, a text for the others."""
-        if endpoint in (CHAT, MESSAGES):
+        if endpoint in (CHAT, MESSAGES, COHERE):
             if self.messages is not None:
                 return list(self.messages)
             return [{"role": "user", "content": self.text}]

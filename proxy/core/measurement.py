@@ -64,6 +64,7 @@ class TokenSource(enum.StrEnum):
 
     USAGE = "usage"  # the backend's `usage` object
     TOKENIZER = "tokenizer"  # counted by the configured tokenizer
+    TOKEN_IDS = "token_ids"  # output = the token ids streamed (exact), prompt = the ids sent
     CHUNKS = "chunks"  # output = number of content events; prompt unknown
     NONE = "none"  # nothing to count (error before any output)
 
@@ -106,6 +107,7 @@ class Measurement:
     # The prompt's prefix fingerprint (core/fingerprint.py), unkeyed: only the access log
     # shows it, keyed with the deployment's salt.
     prefix: Prefix | None = None
+    audio_seconds: float | None = None  # /v1/realtime: the audio appended for this utterance
 
     @property
     def ok(self) -> bool:

@@ -77,6 +77,7 @@ class StreamObserver:
         self.last_token: float | None = None
         self.itl: list[float] = []
         self.content_events = 0
+        self.tokens = 0  # output tokens the events counted exactly (Facts.tokens)
         self.choices: dict[int, _Choice] = {}
         self._zero: _Choice | None = None  # choices[0], for the common event's fast path
         self.finish_reason: str | None = None  # raw, as the backend wrote it
@@ -171,6 +172,8 @@ class StreamObserver:
         elif facts.malformed:
             self.malformed_events += 1
             return
+        if facts.tokens:
+            self.tokens += facts.tokens
         if facts.texts is not None:
             self.texts.extend(facts.texts)
         if facts.finish is not None:
@@ -241,7 +244,8 @@ class StreamObserver:
         trace_id: str | None = None,
         redact: Callable[[str], str] | None = None,
     ) -> Measurement:
-        """The one finish sequence: outcome -> usage counts -> tokenizer -> content events.
+        """The one finish sequence: outcome -> usage counts -> token ids the stream carried
+        -> tokenizer -> content events.
 
         `error_type` is what the transport decided (None when the body ended cleanly)."""
         if self.failed:
@@ -260,6 +264,10 @@ class StreamObserver:
         if error_message is not None and redact is not None:
             error_message = redact(error_message)
         counts = self.counts_from_usage()
+        if counts is None and self.tokens:
+            counts = TokenCounts(
+                self.request.prompt_tokens, self.tokens, None, TokenSource.TOKEN_IDS
+            )
         if counts is None and counter is not None and error_type in _COUNTED:
             counts = await counter.count(self)
         if counts is None:

@@ -2,15 +2,13 @@
 
 The API-specific reading (which field holds max tokens, what the prompt is, whether the
 client asked for usage) lives in each seam (proxy/core/apis/); this module only decodes
-the JSON once and hands it over. Malformed bodies still give a RequestInfo, with defaults,
+the body once (JSON, or what the seam decodes: a form) and hands it over. Malformed bodies still give a RequestInfo, with defaults,
 so the request is measured (and its error counted) like any other.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-import orjson
 
 from proxy.core.apis import Api, RequestInfo, api_for
 from proxy.core.apis.chat import Chat
@@ -20,18 +18,18 @@ CHAT = Chat.endpoint
 COMPLETIONS = Completions.endpoint
 
 
-def parse_request(api: Api | str, body: bytes) -> tuple[RequestInfo, dict[str, Any] | None]:
-    """The RequestInfo for `body` sent to `api` (an Api, or a path that has one)."""
+def parse_request(
+    api: Api | str, body: bytes, content_type: bytes = b""
+) -> tuple[RequestInfo, dict[str, Any] | None]:
+    """The RequestInfo for `body` sent to `api` (an Api, or a path that has one).
+    `content_type` is the request's header, for APIs whose body is not JSON (a form)."""
     if isinstance(api, str):
         found = api_for(api)
         if found is None:
             raise ValueError(f"no measured API serves {api!r}")
         api = found
-    try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        obj = None
-    if not isinstance(obj, dict):
+    obj = api.decode(body, content_type)
+    if obj is None:
         info = RequestInfo(api.endpoint, "", False, False, None, None, valid_json=False)
         return info, None
     return api.read_request(obj), obj

@@ -11,64 +11,16 @@ to the sinks. An exception raised here is caught by the tunnel, counted in
 the session is no longer watched; the bytes keep flowing.
 
 Adding a WebSocket API is one module defining a WsApi and one line in `WS_APIS` below.
+The base classes live in proxy/core/wsbase.py, so a seam's module needs only that one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import ClassVar
-
-from proxy.core.measurement import Measurement
-from proxy.core.wsframes import WsMessage
-
-#: WsSession.close causes: how a tunnel ended (also the sessions counter's `outcome`).
-CLOSE_CAUSES = frozenset(
-    {
-        "closed_by_client",  # the client sent the first close frame
-        "closed_by_upstream",  # the upstream sent the first close frame
-        "client_vanished",  # the client's connection ended without a close frame
-        "upstream_vanished",  # the upstream's connection ended without a close frame
-        "idle_timeout",  # no byte either way for --ws-idle-timeout
-        "shutdown",  # the proxy drained on SIGTERM (close frames 1001 both ways)
-        "error",  # the proxy failed
-    }
-)
-
-
-class WsSession:
-    """One WebSocket session's measuring state; the base measures nothing."""
-
-    def message(self, msg: WsMessage) -> None:
-        """One message or control frame from either side (msg.from_client says which)."""
-
-    def close(self, at: float, cause: str) -> None:
-        """The tunnel ended at `at` (perf_counter) for `cause` (one of CLOSE_CAUSES).
-        Called once; a session records what is still open here."""
-
-
-class WsApi:
-    """A WebSocket API: its endpoint label, the paths it serves, and a session factory."""
-
-    endpoint: ClassVar[str]  # the label value: its canonical path
-    paths: ClassVar[tuple[str, ...]]  # normalised paths (no query) it serves
-
-    def open(
-        self,
-        *,
-        start: float,
-        started_at: float,
-        path: str,
-        query: str,
-        record: Callable[[Measurement], None],
-    ) -> WsSession:
-        """A session for one tunnel: `start` (perf_counter) and `started_at` (wall clock)
-        are when the upgrade request arrived; `record` takes a finished Measurement to
-        the sinks."""
-        raise NotImplementedError
-
+from proxy.core.apis.realtime import Realtime
+from proxy.core.wsbase import CLOSE_CAUSES, WsApi, WsSession
 
 #: Every measured WebSocket API, one line each.
-WS_APIS: tuple[WsApi, ...] = ()
+WS_APIS: tuple[WsApi, ...] = (Realtime(),)
 
 _BY_PATH = {path: api for api in WS_APIS for path in api.paths}
 #: The closed set of WebSocket `route` label values besides "other".
@@ -78,3 +30,6 @@ WS_ENDPOINTS = frozenset(api.endpoint for api in WS_APIS)
 def ws_api_for(path: str) -> WsApi | None:
     """The WsApi serving this normalised path, or None (tunnelled unmeasured)."""
     return _BY_PATH.get(path)
+
+
+__all__ = ["CLOSE_CAUSES", "WS_APIS", "WS_ENDPOINTS", "WsApi", "WsSession", "ws_api_for"]

@@ -6,11 +6,16 @@
   POST /v1/messages                Anthropic Messages, streamed or not (messages.py)
   POST /v1/messages/count_tokens   {"input_tokens", ...}
   POST /v1/responses               OpenAI Responses, streamed or not (responses.py)
+  POST /inference/v1/generate      vLLM's token-in/token-out generate (generate.py)
+  POST /v1/audio/transcriptions /v1/audio/translations
+                                   multipart forms, a programmed transcript (audio.py)
+  POST /cohere/v2/chat             Cohere chat v2 events, streamed or not (cohere.py)
   POST /v1/embeddings              tiny deterministic vectors
   POST /pooling /score /v1/score /rerank /v1/rerank /v2/rerank /classify /v1/classify
                                    vLLM's pooling family (pooling.py)
   POST /tokenize /detokenize       (utility.py)
   GET|POST /ping, GET /version, GET /load, POST /invocations (SageMaker dispatch)
+  WS   /v1/realtime                realtime transcription sessions (realtime.py)
   GET  /health                     200, empty body
   GET  /sim/requests               the records as JSON (authorization masked)
   GET  /sim/stats                  load counters (active, max_active, total, lockstep ticks)
@@ -35,7 +40,8 @@ from typing import Any
 import orjson
 from starlette.types import Receive, Scope, Send
 
-from proxy.sim import catalog, errors, pooling, utility
+from proxy.sim import audio, catalog, errors, pooling, utility
+from proxy.sim.cohere import CohereWire
 from proxy.sim.config import SimConfig
 from proxy.sim.controls import (
     ControlError,
@@ -47,13 +53,15 @@ from proxy.sim.controls import (
 )
 from proxy.sim.events import complete_events, stream_events
 from proxy.sim.exchange import Exchange
+from proxy.sim.generate import GenerateWire, complete_generate, stream_generate
 from proxy.sim.messages import MessagesWire
 from proxy.sim.messages import count_tokens as messages_count_tokens
 from proxy.sim.pacing import FreePacer, LockstepPacer, Pacer, StepClock
+from proxy.sim.realtime import RealtimeSession
 from proxy.sim.responses import ResponsesWire
 from proxy.sim.state import Outcome, SimRequest, SimState
-from proxy.sim.stream import complete, engine_metrics, stream
-from proxy.sim.tokens import count_prompt_tokens
+from proxy.sim.stream import complete, engine_metrics, paced_whole, stream
+from proxy.sim.tokens import completion_text, count_prompt_tokens
 from proxy.sim.wire import StreamWire
 
 Handler = Callable[["SimApp", Exchange, Any, float], Awaitable[Outcome]]
@@ -72,6 +80,7 @@ class SimApp:
         self.slots = asyncio.Semaphore(config.max_num_seqs) if config.max_num_seqs else None
         self._models = catalog.models_list(config)
         self._auth = None if config.api_key is None else f"Bearer {config.api_key}"
+        self.realtime_sessions: list[RealtimeSession] = []  # what each one sent, for tests
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -79,8 +88,22 @@ class SimApp:
                 await self._api(scope, receive, send)
             else:
                 await self._admin(scope, send)
+        elif scope["type"] == "websocket":
+            await self._websocket(scope, receive, send)
         elif scope["type"] == "lifespan":
             await self._lifespan(receive, send)
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["path"] != "/v1/realtime":
+            await send({"type": "websocket.close", "code": 1008})  # uvicorn answers 403
+            return
+        try:
+            session = RealtimeSession(scope, receive, send, self.config)
+        except ControlError:
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        self.realtime_sessions.append(session)
+        await session.run()
 
     # -- /v1 -----------------------------------------------------------------
 
@@ -105,13 +128,16 @@ class SimApp:
                 record.aborted_at = time.monotonic()
                 outcome = "aborted"
                 return
-            body, bad_json = _parse_json(raw)
+            if path in _FORMS:
+                body, bad_body = _parse_form(raw, headers.get("content-type", ""))
+            else:
+                body, bad_body = _parse_json(raw)
             record.body = body
-            outcome = await ex.guard(lambda: self._route(ex, bad_json, t0))
+            outcome = await ex.guard(lambda: self._route(ex, bad_body, t0))
         finally:
             ex.finish(outcome)  # a no-op when the response already ended
 
-    async def _route(self, ex: Exchange, bad_json: str | None, t0: float) -> Outcome:
+    async def _route(self, ex: Exchange, bad_body: str | None, t0: float) -> Outcome:
         record = ex.record
         stall = stall_before_headers(record.headers)
         if stall > 0:
@@ -131,8 +157,8 @@ class SimApp:
         if record.method not in methods:
             await ex.error(errors.method_not_allowed())
             return "error"
-        if bad_json is not None:
-            await ex.error(errors.bad_request(f"JSON decode error: {bad_json}"))
+        if bad_body is not None:
+            await ex.error(errors.bad_request(bad_body))
             return "error"
         return await handler(self, ex, record.body, t0)
 
@@ -151,6 +177,18 @@ class SimApp:
 
     async def _responses(self, ex: Exchange, body: Any, t0: float) -> Outcome:
         return await self._generate("responses", ex, body, t0)
+
+    async def _transcription(self, ex: Exchange, body: Any, t0: float) -> Outcome:
+        return await self._generate("transcription", ex, body, t0)
+
+    async def _translation(self, ex: Exchange, body: Any, t0: float) -> Outcome:
+        return await self._generate("translation", ex, body, t0)
+
+    async def _cohere(self, ex: Exchange, body: Any, t0: float) -> Outcome:
+        return await self._generate("cohere", ex, body, t0)
+
+    async def _tokens(self, ex: Exchange, body: Any, t0: float) -> Outcome:
+        return await self._generate("generate", ex, body, t0)
 
     async def _generate(self, kind: Kind, ex: Exchange, body: Any, t0: float) -> Outcome:
         record = ex.record
@@ -180,10 +218,12 @@ class SimApp:
             pacer = FreePacer(t0, plan.ttft, plan.tokens_per_chunk / plan.tokens_per_second)
         created = int(time.time())
         stamp = self.config.stamp or record.headers.get("x-sim-stamp", "0") in ("1", "true")
-        if kind in ("messages", "responses"):
-            events: MessagesWire | ResponsesWire = (
+        if kind in ("messages", "responses", "cohere"):
+            events: MessagesWire | ResponsesWire | CohereWire = (
                 MessagesWire(plan, record.id, stamp)
                 if kind == "messages"
+                else CohereWire(plan, record.id)
+                if kind == "cohere"
                 else ResponsesWire(plan, body, record.id, created, stamp)
             )
             if isinstance(events, ResponsesWire) and plan.metrics:
@@ -191,6 +231,20 @@ class SimApp:
             if not plan.stream:
                 return await complete_events(ex, plan, events, pacer)
             return await stream_events(ex, plan, events, pacer)
+        if kind == "generate":
+            gen = GenerateWire(plan, record.id)
+            if not plan.stream:
+                return await complete_generate(ex, plan, gen, pacer, created)
+            return await stream_generate(ex, plan, gen, pacer)
+        if kind in ("transcription", "translation"):
+            translation = kind == "translation"
+            if not plan.stream:
+                await paced_whole(ex, plan, pacer, plan.finish_reason)
+                text = completion_text(plan.output_tokens)
+                await ex.reply(200, audio.full(translation, text, body["audio_seconds"]))
+                return "completed"
+            chunks = audio.AudioWire(translation, record.id, created, plan.model)
+            return await stream(ex, plan, chunks, pacer)
         if not plan.stream:
             return await complete(ex, plan, pacer, record.id, created)
         sse = StreamWire(
@@ -363,6 +417,10 @@ _ROUTES: dict[str, tuple[frozenset[str], Handler]] = {
     "/v1/messages/count_tokens": (_POST, SimApp._count_tokens),
     "/v1/responses": (_POST, SimApp._responses),
     "/v1/embeddings": (_POST, SimApp._embeddings),
+    "/inference/v1/generate": (_POST, SimApp._tokens),
+    "/v1/audio/transcriptions": (_POST, SimApp._transcription),
+    "/v1/audio/translations": (_POST, SimApp._translation),
+    "/cohere/v2/chat": (_POST, SimApp._cohere),
     **{
         path: (_POST, SimApp._pooled)
         for path in (
@@ -391,6 +449,10 @@ _ID_PREFIX = {
     "/v1/messages": "chatcmpl-",
     "/v1/responses": "resp_",
     "/v1/embeddings": "embd-",
+    "/inference/v1/generate": "generate-tokens-",
+    "/v1/audio/transcriptions": "trsc-",
+    "/v1/audio/translations": "trsl-",
+    "/cohere/v2/chat": "chatcmpl-",
     "/pooling": "pool-",
     "/score": "score-",
     "/v1/score": "score-",
@@ -413,6 +475,17 @@ def _guarded(path: str) -> bool:
     return path in _ROUTES or path.startswith(_ALWAYS_GUARDED)
 
 
+_FORMS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
+
+
+def _parse_form(raw: bytes, content_type: str) -> tuple[Any, str | None]:
+    """(the audio form read as a request or None, why it cannot be read or None)."""
+    try:
+        return audio.form_body(raw, content_type), None
+    except audio.AudioInputError as exc:
+        return None, str(exc)
+
+
 def _parse_json(raw: bytes) -> tuple[Any, str | None]:
     """(the parsed body or None, why it is not JSON or None)."""
     if not raw:
@@ -420,7 +493,7 @@ def _parse_json(raw: bytes) -> tuple[Any, str | None]:
     try:
         return orjson.loads(raw), None
     except orjson.JSONDecodeError as exc:
-        return None, str(exc)
+        return None, f"JSON decode error: {exc}"
 
 
 def _response_id(path: str, headers: dict[str, str]) -> str:

@@ -62,7 +62,16 @@ from proxy.sim.config import SimConfig
 from proxy.sim.engine import Spec, spec_from
 from proxy.sim.tokens import count_prompt_tokens
 
-Kind = Literal["chat", "completion", "messages", "responses"]
+Kind = Literal[
+    "chat",
+    "completion",
+    "messages",
+    "responses",
+    "generate",
+    "cohere",
+    "transcription",
+    "translation",
+]
 UsageMode = Literal["separate", "last_chunk", "ignore"]
 
 #: Faults that end the stream where they fire.
@@ -139,7 +148,7 @@ def _plan(
 ) -> Plan | errors.ErrorReply:
     if not isinstance(body, dict):
         raise ControlError("The request body must be a JSON object.")
-    if kind == "chat" and not isinstance(body.get("messages"), list):
+    if kind in ("chat", "cohere") and not isinstance(body.get("messages"), list):
         raise ControlError("Field required: messages")
     if kind == "messages" and not isinstance(body.get("messages"), list):
         raise ControlError("Field required: messages")
@@ -149,6 +158,8 @@ def _plan(
         raise ControlError("Field required: prompt")
     if kind == "responses" and body.get("input") is None:
         raise ControlError("Field required: input")
+    if kind == "generate":
+        body = _generate_body(body)
     model = str(body.get("model") or config.models[0])
     prompt_tokens = count_prompt_tokens(body)
     if kind == "responses":
@@ -232,6 +243,26 @@ def _plan(
         metrics=config.per_request_metrics or _flag(headers, "x-sim-metrics"),
         spec=spec,
     )
+
+
+def _generate_body(body: dict[str, Any]) -> dict[str, Any]:
+    """A token-in/token-out request read as a completion: `token_ids` are the prompt and
+    `sampling_params` hold max_tokens and ignore_eos (vllm/entrypoints/scale_out/
+    token_in_token_out/protocol.py, GenerateRequest)."""
+    ids = body.get("token_ids")
+    if not isinstance(ids, list) or not ids or not all(type(i) is int for i in ids):
+        raise ControlError("Field required: token_ids (a list of token ids)")
+    params = body.get("sampling_params") or {}
+    if not isinstance(params, dict):
+        raise ControlError("sampling_params must be an object")
+    return {
+        "model": body.get("model"),
+        "stream": body.get("stream"),
+        "stream_options": body.get("stream_options"),
+        "prompt": ids,
+        "max_tokens": params.get("max_tokens"),
+        "ignore_eos": params.get("ignore_eos"),
+    }
 
 
 def number(

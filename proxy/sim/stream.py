@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from proxy.sim import wire
 from proxy.sim.controls import ENDING_FAULTS, Plan, burn_cpu
@@ -33,11 +34,12 @@ SSE = b"text/event-stream; charset=utf-8"
 _NON_UTF8 = b"\xff\xfe"
 
 
-async def stream(ex: Exchange, plan: Plan, sse: wire.StreamWire, pacer: Pacer) -> Outcome:
+async def stream(ex: Exchange, plan: Plan, sse: StreamChunks, pacer: Pacer) -> Outcome:
+    """A `data:`-chunk stream: chat, completions, and the audio APIs' (proxy/sim/audio.py)."""
     record = ex.record
     await ex.start(200, SSE)
     usage_every = plan.continuous_usage
-    if plan.kind == "chat":
+    if plan.kind == "chat" and isinstance(sse, wire.StreamWire):
         await ex.write(sse.role(_usage(plan, 0) if usage_every else None))
 
     def content(count: int, sent: int) -> list[bytes]:
@@ -45,7 +47,7 @@ async def stream(ex: Exchange, plan: Plan, sse: wire.StreamWire, pacer: Pacer) -
         return [sse.content(text_json(count, sent), usage)]
 
     async def fire(fault: str) -> bool:
-        return await _fire(ex, plan, sse, pacer, fault)
+        return await fire_fault(ex, plan, sse, pacer, fault)
 
     sent = await paced_content(ex, plan, pacer, content, fire)
     if sent is None:
@@ -120,8 +122,26 @@ async def paced_whole(ex: Exchange, plan: Plan, pacer: Pacer, finish_reason: str
     ex.record.first_token_at = time.monotonic()  # the tokens leave with the body
 
 
-async def _fire(ex: Exchange, plan: Plan, sse: wire.StreamWire, pacer: Pacer, fault: str) -> bool:
-    """Inject `fault`; return whether the stream goes on."""
+class Chunks(Protocol):
+    def content(self, text: bytes, usage: bytes | None = None) -> bytes:
+        """A valid chunk carrying `text` (escaped for the inside of a JSON string)."""
+        ...
+
+
+class StreamChunks(Chunks, Protocol):
+    fingerprint: bytes | None  # chat's system_fingerprint (JSON), None where none is sent
+
+    def finish(
+        self, finish_reason: str, usage: bytes | None = None, fingerprint: bytes | None = None
+    ) -> bytes: ...
+
+    def usage(
+        self, usage: bytes, fingerprint: bytes | None = None, metrics: bytes | None = None
+    ) -> bytes: ...
+
+
+async def fire_fault(ex: Exchange, plan: Plan, sse: Chunks, pacer: Pacer, fault: str) -> bool:
+    """Inject `fault` into a `data:`-chunk stream; return whether the stream goes on."""
     if fault == "stall":
         await pacer.pause(plan.stall)
     elif fault == "malformed":

@@ -173,6 +173,13 @@ class Metrics:
             "Prompt tokens served from the backend's prefix cache "
             "(usage.prompt_tokens_details.cached_tokens).",
         )
+        self.audio_seconds_total = c(
+            "tokenprobe_audio_input_seconds",
+            "Seconds of audio clients sent to be transcribed, counted when each utterance's "
+            "record ends (from its commit to its transcription.done, error or cut): the "
+            "base64-decoded bytes of its input_audio_buffer.append events over 32000 "
+            "(PCM16, 16 kHz, mono). Divide the e2e seconds by it for the real-time factor.",
+        )
         self.in_flight = Gauge(
             "tokenprobe_requests_in_flight",
             "Measured requests between the proxy receiving them and their last byte.",
@@ -360,6 +367,8 @@ class Metrics:
             self.generation_tokens_total.labels(*key, source).inc(m.output_tokens)
         if m.cached_prompt_tokens:
             bound.cached_prompt_tokens_total.inc(m.cached_prompt_tokens)
+        if m.audio_seconds:
+            bound.audio_seconds_total.inc(m.audio_seconds)
         error = m.error_type.value if m.error_type is not None else NONE_LABEL
         # finish_reason is already the closed-set label (each Api maps raw values onto it).
         self.requests.labels(*key, str(m.status_code), m.finish_reason, error).inc()

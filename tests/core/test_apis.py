@@ -112,6 +112,10 @@ def test_every_vllm_route_has_its_api_and_label() -> None:
         "/v2/rerank": "/rerank",
         "/classify": "/classify",
         "/v1/classify": "/classify",
+        "/inference/v1/generate": "/inference/v1/generate",
+        "/v1/audio/transcriptions": "/v1/audio/transcriptions",
+        "/v1/audio/translations": "/v1/audio/translations",
+        "/cohere/v2/chat": "/cohere/v2/chat",
     }
     for path, label in labels.items():
         api = api_for(path)

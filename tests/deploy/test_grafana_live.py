@@ -12,6 +12,7 @@ Two sources of metrics:
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import random
 import re
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_asgi_app
@@ -41,6 +43,7 @@ from tests.servers import ThreadedServer, free_port
 RULE_FILES = sorted((ROOT / "deploy" / "prometheus" / "rules").glob("*.yaml"))
 MODELS = ("llama", "qwen")
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+SPEECH = ("/v1/audio/transcriptions", "/v1/audio/translations", "/v1/realtime")
 
 # vLLM's bucket boundaries, which the proxy mirrors.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -114,6 +117,8 @@ class ContractExporter:
         self.in_flight = gauge("tokenprobe_requests_in_flight", me)
         self.failures = counter("tokenprobe_measurement_failures", ["stage"])
         self.passthrough = counter("tokenprobe_passthrough_requests", ["route", "code"])
+        self.audio = counter("tokenprobe_audio_input_seconds", me)
+        self.ws_sessions = counter("tokenprobe_websocket_sessions", ["route", "outcome"])
         prices = {m: {"input": 0.5, "cached_input": 0.25, "output": 1.5} for m in MODELS}
         self.cost = CostSink(parse_prices({"models": prices}), r)
         # Where the first token's time goes, speculative decoding, cancelled work, overhead.
@@ -199,6 +204,11 @@ class ContractExporter:
         self.speed.labels(**labels).observe(1 / tpot)
         e2e = ttft + tpot * (output - 1)
         self.e2e.labels(**labels).observe(e2e, exemplar=trace)
+        speech = {"model": model, "endpoint": SPEECH[n % len(SPEECH)]}
+        self.ttft.labels(**speech).observe(ttft, exemplar=trace)
+        self.e2e.labels(**speech).observe(e2e, exemplar=trace)
+        self.audio.labels(model=model, endpoint="/v1/realtime").inc(e2e * rng.uniform(2, 10))
+        self.ws_sessions.labels(route="/v1/realtime", outcome="closed_by_client").inc()
         self.prompt.labels(**labels).observe(prompt)
         self.generation.labels(**labels).observe(output)
         source = ("usage", "tokenizer", "chunks")[n % 3]
@@ -410,6 +420,31 @@ def _request(
         response.read()
 
 
+def _speech(client: httpx.Client, proxy: str, model: str) -> None:
+    """A streamed transcription, a translation and a realtime session of two utterances."""
+    from websockets.sync.client import connect
+
+    from proxy.core.wav import pcm16, wav
+
+    files = {"file": ("a.wav", wav(0.5), "audio/wav")}
+    for path in ("/v1/audio/transcriptions", "/v1/audio/translations"):
+        client.post(proxy + path, files=files, data={"model": model, "stream": "true"})
+    audio = base64.b64encode(pcm16(0.5)).decode()
+    url = proxy.replace("http://", "ws://") + "/v1/realtime"
+    with connect(url) as ws:
+        ws.recv(timeout=10)
+        ws.send(orjson.dumps({"type": "session.update", "model": model}).decode())
+        for _ in range(2):
+            for event in (
+                {"type": "input_audio_buffer.append", "audio": audio},
+                {"type": "input_audio_buffer.commit"},
+                {"type": "input_audio_buffer.commit", "final": True},
+            ):
+                ws.send(orjson.dumps(event).decode())
+            while "transcription.done" not in str(ws.recv(timeout=10)):
+                pass
+
+
 def _drive_traffic(proxy: str, dead_proxy: str, model: str) -> None:
     with httpx.Client(timeout=30) as client:
         for headers, shapes, _ in SCENARIOS.values():
@@ -433,6 +468,7 @@ def _drive_traffic(proxy: str, dead_proxy: str, model: str) -> None:
                     if b'"delta":{"content"' in chunk:
                         break
         client.get(proxy + "/v1/models")  # an unmeasured route, passed through
+        _speech(client, proxy, model)
         for _ in range(3):
             client.post(dead_proxy + "/v1/chat/completions", json={"model": model, "messages": []})
 

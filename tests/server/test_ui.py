@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.ui import ASSETS
 from tests.conftest import MODEL, ProxyUnderTest, Running
 from tests.paths import ROOT
+from tests.server.conftest import only_on
 from tests.servers import free_port
 
 CHAT = "/v1/chat/completions"
@@ -454,3 +455,54 @@ def test_demo_serve_prints_the_live_view_first_and_keeps_it_busy(
     finally:
         demo.terminate()
         demo.wait(10)
+
+
+def test_page_shows_the_real_time_factor_once_realtime_sessions_run(
+    sim: Running, open_page: Callable[[str], Page], relay: str
+) -> None:
+    """Behind `tokenprobe serve` (the wire tunnels WebSockets): the chart waits with a line
+    saying why, then draws once an utterance on /v1/realtime has ended."""
+    only_on(relay, "wire", "the wire tunnels WebSockets; the ASGI app refuses them")
+    import base64
+
+    import orjson
+    from websockets.sync.client import connect
+
+    from proxy.core.wav import pcm16
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proxy = subprocess.Popen([*SERVE, "--upstream", sim.url, "--port", str(port)])
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if httpx.get(base + "/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "tokenprobe serve did not come up"
+            time.sleep(0.05)
+        page = open_page(base + "/ui?interval=300")
+        page.wait_for_scrapes(2)
+        assert "No realtime transcription yet" in (page.page.inner_text("#chart-rtf") or "")
+        audio = base64.b64encode(pcm16(0.5)).decode()
+        with connect(base.replace("http", "ws") + "/v1/realtime") as ws:
+            ws.recv(timeout=10)
+            ws.send(orjson.dumps({"type": "session.update", "model": MODEL}).decode())
+            for event in (
+                {"type": "input_audio_buffer.append", "audio": audio},
+                {"type": "input_audio_buffer.commit"},
+                {"type": "input_audio_buffer.commit", "final": True},
+            ):
+                ws.send(orjson.dumps(event).decode())
+            while "transcription.done" not in str(ws.recv(timeout=10)):
+                pass
+        deadline = time.monotonic() + 20
+        while page.page.query_selector("#chart-rtf canvas") is None:
+            assert time.monotonic() < deadline, page.page.inner_text("#chart-rtf")
+            page.page.wait_for_timeout(100)
+        assert page.errors == []
+    finally:
+        proxy.terminate()
+        proxy.wait(10)

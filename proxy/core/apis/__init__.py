@@ -7,9 +7,12 @@ closed set of `endpoint` label values (each Api's canonical path).
 
 from __future__ import annotations
 
+from proxy.core.apis.audio import Transcriptions, Translations
 from proxy.core.apis.base import FINISH_LABELS, Api, Facts, RequestInfo, TokenCounts
 from proxy.core.apis.chat import Chat
+from proxy.core.apis.cohere import CohereChat
 from proxy.core.apis.completions import Completions
+from proxy.core.apis.generate import Generate
 from proxy.core.apis.messages import Messages
 from proxy.core.apis.pooling import Classify, Embeddings, Pooling, Rerank, Score
 from proxy.core.apis.responses import Responses
@@ -25,6 +28,10 @@ APIS: tuple[Api, ...] = (
     Score(),
     Rerank(),
     Classify(),
+    Generate(),
+    Transcriptions(),
+    Translations(),
+    CohereChat(),
 )
 
 _BY_PATH = {path: api for api in APIS for path in api.paths}

@@ -26,6 +26,7 @@ FINISH_LABELS = frozenset(
         "content_filter",
         "abort",
         "error",
+        "repetition",
         "other",
         NONE_LABEL,
     }
@@ -44,6 +45,7 @@ class RequestInfo:
     temperature: float | None
     prompt: Any = None  # what a tokenizer would count as the prompt (messages, prompt, input)
     valid_json: bool = True
+    prompt_tokens: int | None = None  # known exactly from the request (token ids sent)
 
 
 @dataclass(slots=True)
@@ -68,6 +70,8 @@ class Facts:
     engine    the engine's per-request `metrics` object as sent (proxy/core/engine.py),
               read only from the event or body that carries usage
     end       the event ends the stream cleanly ([DONE], message_stop, response.completed)
+    tokens    output tokens the event carries exactly (token-in/token-out `token_ids`), 0
+              when the API does not say
 
     An Api may answer with a shared instance (NOTHING, or a common content event): a
     Facts is read, never changed, by whoever did not create it.
@@ -84,6 +88,7 @@ class Facts:
     response_id: str | None = None
     response_model: str | None = None
     malformed: bool = False
+    tokens: int = 0
     plain: bool = False  # content of choice 0 and nothing else: the observer's fast path
 
 
@@ -125,6 +130,11 @@ class Api:
     text_openings: ClassVar[tuple[bytes, ...]] = ()
 
     # -- the request ------------------------------------------------------------------
+
+    def decode(self, body: bytes, content_type: bytes) -> dict[str, Any] | None:
+        """The request body as an object (JSON unless the API says otherwise), or None
+        when it is not one (the request is then measured as a malformed one)."""
+        return json_object(body)
 
     def read_request(self, obj: dict[str, Any]) -> RequestInfo:
         model = obj.get("model")

@@ -122,8 +122,9 @@ class Messages(Api):
         return STOP_REASONS.get(raw, "other")
 
     def merge_usage(self, old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-        # message_start has the input side, message_delta the (cumulative) output side.
-        return {**old, **new}
+        # message_start has the input side, message_delta the (cumulative) output side;
+        # field by field, and a null in the later one never erases a count seen earlier.
+        return {**old, **{k: v for k, v in new.items() if v is not None}}
 
     def counts(self, usage: dict[str, Any]) -> TokenCounts | None:
         output = as_int(usage.get("output_tokens"))

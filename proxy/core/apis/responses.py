@@ -89,7 +89,11 @@ class Responses(Api):
         if kind == "response.failed":
             response = obj.get("response")
             error = response.get("error") if type(response) is dict else None
-            return Facts(error=error or obj, finish="failed")
+            usage = response.get("usage") if type(response) is dict else None
+            # A failed response still says what it used, when it got that far.
+            return Facts(
+                error=error or obj, finish="failed", usage=usage if type(usage) is dict else None
+            )
         if kind == "error":
             return Facts(error=obj)
         return NOTHING

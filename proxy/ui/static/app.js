@@ -39,7 +39,7 @@
     client_cancelled: "#bcbd22",
   };
   const SPLIT_COLOURS = { queue: "#d62728", engine: "#1f77b4", outside: "#f08c00" };
-  const SOURCE_COLOURS = { usage: "#2e9e44", tokenizer: "#1f77b4", chunks: "#f08c00", none: "#7f7f7f" };
+  const SOURCE_COLOURS = { usage: "#2e9e44", token_ids: "#7b3fc4", tokenizer: "#1f77b4", chunks: "#f08c00", none: "#7f7f7f" };
   const LINE_COLOURS = ["#1f77b4", "#f08c00", "#d62728", "#7b3fc4"];
 
   const ms = (s) => s * 1000;
@@ -97,11 +97,18 @@
     },
     {
       id: "source", title: "Token counts by source", unit: "tokens/s", stacked: true,
-      caption: "Output tokens/s by where the count came from: the backend's usage, else the tokenizer (--tokenizer), else the number of content events (chunks).",
+      caption: "Output tokens/s by where the count came from: the backend's usage, the token ids a token-in/token-out generate streamed (token_ids), else the tokenizer (--tokenizer), else the number of content events (chunks).",
       group: (p) => p.tokensBySource, colours: SOURCE_COLOURS, perSecond: true,
     },
     {
+      id: "rtf", title: "Real-time factor (/v1/realtime)", unit: "×", onlyIf: (p) => p.speech,
+      absent: "No realtime transcription yet: sessions on /v1/realtime show here.",
+      caption: "Seconds of transcription per second of audio, over the utterances that ended in the window: each from the client's commit to transcription.done, over the PCM16 16 kHz audio appended for it. Below 1 is faster than real time.",
+      lines: [["real-time factor", (p) => (p.audioSeconds > 0 ? p.realtimeSeconds / p.audioSeconds : NaN)]],
+    },
+    {
       id: "cost", title: "Cost per hour", unit: "per hour", onlyIf: (p) => p.priced,
+      absent: "No prices set: start the proxy with --prices FILE to see spend.",
       caption: "Spend in the price table's currency (--prices) of requests that ended in the window, priced from their token counts, scaled to one hour. Per model: cost has no endpoint label.",
       lines: [["cost/h", (p) => rate(p, p.cost) * 3600]],
     },

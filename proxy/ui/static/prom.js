@@ -151,6 +151,9 @@
       outputTokens: 0,
       cost: 0,
       priced: false,
+      audioSeconds: 0, // audio received on /v1/realtime
+      realtimeSeconds: 0, // e2e of its utterances
+      speech: false,
       inFlight: 0,
       // Where the first token's time went: seconds of each part over the streams whose
       // engine sent vLLM's per-request metrics, and how many streams those were.
@@ -167,6 +170,7 @@
         continue;
       }
       if (name === "tokenprobe_cost_total") out.priced = true;
+      if (name === "tokenprobe_audio_input_seconds_total") out.speech = true;
       if (!base) continue;
       const delta = increase(value, base.values.get(key));
       const hist = BY_BUCKET.get(name);
@@ -187,6 +191,10 @@
         out.cost += delta;
       } else if (SPLIT[name] !== undefined && (s.labels.stream === undefined || s.labels.stream === "true")) {
         out.split[SPLIT[name]] += delta;
+      } else if (name === "tokenprobe_audio_input_seconds_total") {
+        out.audioSeconds += delta;
+      } else if (name === "tokenprobe_e2e_request_latency_seconds_sum" && s.labels.endpoint === "/v1/realtime") {
+        out.realtimeSeconds += delta;
       }
     }
     return out;

@@ -1,0 +1,92 @@
+"""vLLM's speech to text: `POST /v1/audio/transcriptions` and `/v1/audio/translations`.
+
+Wire facts (vllm-project/vllm: vllm/entrypoints/speech_to_text/base/serving.py @
+00e2ed95ef60, `_speech_to_text_stream_generator`; transcription/ and translation/
+protocol.py): the request is a multipart form (`file`, `model`, `stream`,
+`stream_include_usage`, `stream_continuous_usage_stats`, `temperature`, ...). A stream is
+SSE of `{"id", "object": "transcription.chunk" | "translation.chunk", "created", "model",
+"choices": [{"delta": {"content": ...}}]}`, the last choice with `finish_reason` and
+`stop_reason`; then, only when `stream_include_usage` is true (or the server was started
+with `--enable-force-include-usage`), a usage chunk with `"choices": []` and `usage`
+(`prompt_tokens` counts the decoder prompt plus the audio's tokens), then `data: [DONE]`.
+An error after the 200 is `data: {"error": ...}` before [DONE]. Not streamed, a
+transcription is `{"text", "usage": {"type": "duration", "seconds"}}` (no token counts)
+and a translation `{"text"}`.
+
+Usage: when the client streams without `stream_include_usage`, the proxy adds that one
+field as a last form part (proxy/core/form.py) and strips the usage-only chunk again
+(proxy/core/strip.py), exactly as for chat: the client gets the bytes it would get direct.
+A client that sent the field itself (true or false) is left alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from proxy.core.apis.base import Facts, RequestInfo
+from proxy.core.apis.chat import Chat, keep
+from proxy.core.form import Form, read_form, with_field
+
+_TRUE = frozenset({"true", "1", "yes", "on", "t", "y"})  # what pydantic reads as True
+USAGE_FIELD = "stream_include_usage"
+
+
+class Transcriptions(Chat):
+    endpoint = "/v1/audio/transcriptions"
+    paths = ("/v1/audio/transcriptions",)
+    operation = "transcription"
+    measures = (
+        "multipart form read with a real parser; TTFT at the first transcription.chunk with "
+        "non-empty delta.content; TPOT, ITL, decode speed; tokens from the usage chunk "
+        "(stream_include_usage added to the form when the client did not send it, and the "
+        "chunk stripped again), finish_reason, in-stream errors"
+    )
+
+    def decode(self, body: bytes, content_type: bytes) -> dict[str, Any] | None:
+        return read_form(body, content_type)
+
+    def read_request(self, obj: dict[str, Any]) -> RequestInfo:
+        model = obj.get("model")
+        return RequestInfo(
+            endpoint=self.endpoint,
+            model=model if isinstance(model, str) else "",
+            stream=_flag(obj.get("stream")),
+            usage_requested=self.usage_requested(obj),
+            max_tokens=_number(obj.get("max_completion_tokens"), int),
+            temperature=_number(obj.get("temperature"), float),
+        )
+
+    def usage_requested(self, obj: dict[str, Any]) -> bool:
+        return _flag(obj.get(USAGE_FIELD))
+
+    def ask_for_usage(self, obj: dict[str, Any]) -> bytes | None:
+        if not isinstance(obj, Form) or USAGE_FIELD in obj:
+            return None
+        return with_field(obj, USAGE_FIELD, "true")
+
+    def body(self, obj: dict[str, Any], collect: bool) -> Facts:
+        facts = Facts()  # the duration usage has no token counts: a tokenizer may count
+        text = obj.get("text")
+        if collect and type(text) is str:
+            keep(facts, text)
+        return facts
+
+
+class Translations(Transcriptions):
+    endpoint = "/v1/audio/translations"
+    paths = ("/v1/audio/translations",)
+    operation = "translation"
+    measures = Transcriptions.measures.replace("transcription.chunk", "translation.chunk")
+
+
+def _flag(value: object) -> bool:
+    return isinstance(value, str) and value.strip().lower() in _TRUE
+
+
+def _number(value: object, kind: type[int] | type[float]) -> Any:
+    if not isinstance(value, str):
+        return None
+    try:
+        return kind(value)
+    except ValueError:
+        return None

@@ -1,0 +1,206 @@
+"""vLLM's realtime transcription, the WebSocket `/v1/realtime`, on the WebSocket seam.
+
+Wire facts (vllm-project/vllm vllm/entrypoints/speech_to_text/realtime/protocol.py @
+c6088cb14ab5 and connection.py @ 8ba6842cb276): every message is a JSON text frame with a
+`type`. The server opens with `session.created` (id, created); the client sends
+`session.update` (model), `input_audio_buffer.append` (`audio`: base64 PCM16, 16 kHz,
+mono) and `input_audio_buffer.commit`: a commit without `final` starts a generation (one
+at a time: a commit while one runs is ignored), `final: true` says the audio is over. The
+server streams `transcription.delta` (`delta`) and ends with `transcription.done`
+(`text`, `usage`: prompt_tokens, completion_tokens); it answers `error` (`error`, `code`)
+for a frame that is not JSON (invalid_json), an unknown event, bad audio, a model not
+validated or not found, and a failed generation (processing_error, then no done).
+
+One Measurement per utterance: from the client's commit that started the generation
+(start) to the first non-empty `transcription.delta` (TTFT) and to `transcription.done`
+(e2e), tokens from its usage (else the deltas counted, source chunks), the audio seconds
+appended for it in `audio_seconds`. A `processing_error` ends the open utterance
+as `stream_error`; any other `error` is a record of its own (`not_found` for
+model_not_found, else `bad_request`; a refused commit opens no utterance); a session that
+ends with an utterance open records it as `stream_truncated`, saying how the session
+ended. A frame that is not a JSON object is counted (`malformed`) and passes, as every
+byte does. The session keeps its own figures (`utterances`, `audio_seconds`, `duration`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from proxy.core.apis.base import json_object
+from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
+from proxy.core.wav import BYTES_PER_SECOND
+from proxy.core.wsbase import WsApi, WsSession
+from proxy.core.wsframes import WsMessage
+
+
+class Realtime(WsApi):
+    endpoint = "/v1/realtime"
+    paths = ("/v1/realtime",)
+
+    def open(
+        self,
+        *,
+        start: float,
+        started_at: float,
+        path: str,
+        query: str,
+        record: Callable[[Measurement], None],
+    ) -> RealtimeSession:
+        return RealtimeSession(start, started_at, _model_in(query), record)
+
+
+class _Utterance:
+    __slots__ = ("audio", "commit", "deltas", "first", "last")
+
+    def __init__(self, commit: float, audio: int) -> None:
+        self.commit, self.audio = commit, audio
+        self.first: float | None = None
+        self.last: float | None = None
+        self.deltas = 0
+
+
+class RealtimeSession(WsSession):
+    def __init__(
+        self, start: float, started_at: float, model: str, record: Callable[[Measurement], None]
+    ) -> None:
+        self.start, self.started_at, self.model, self.record = start, started_at, model, record
+        self.current: _Utterance | None = None  # the generation running now
+        self.utterances = 0
+        self.audio_bytes = 0
+        self._pending_audio = 0  # appended while no generation runs
+        self.malformed = 0
+        self.duration: float | None = None
+        self.session_id: str | None = None
+
+    @property
+    def audio_seconds(self) -> float:
+        return self.audio_bytes / BYTES_PER_SECOND
+
+    def message(self, msg: WsMessage) -> None:
+        if msg.kind != "text":
+            return
+        obj = json_object(msg.data)
+        if obj is None:
+            self.malformed += 1
+            return
+        kind = obj.get("type")
+        u = self.current
+        if msg.from_client:
+            if kind == "input_audio_buffer.append":
+                audio = obj.get("audio")
+                if type(audio) is str:
+                    size = _b64_size(audio)
+                    self.audio_bytes += size
+                    if u is None:
+                        self._pending_audio += size
+                    else:
+                        u.audio += size
+            elif kind == "input_audio_buffer.commit" and u is None and obj.get("final") is not True:
+                self.current = _Utterance(msg.at, self._pending_audio)
+                self._pending_audio = 0
+            elif kind == "session.update":
+                model = obj.get("model")
+                if type(model) is str and model:
+                    self.model = model
+            return
+        if kind == "transcription.delta":
+            delta = obj.get("delta")
+            if u is not None and delta and type(delta) is str:
+                if u.first is None:
+                    u.first = msg.at
+                u.last = msg.at
+                u.deltas += 1
+        elif kind == "transcription.done":
+            if u is not None:
+                self.current = None
+                self._finish(u, msg.at, obj.get("usage"), None, None)
+        elif kind == "error":
+            self._error(obj, msg.at)
+        elif kind == "session.created":
+            sid = obj.get("id")
+            self.session_id = sid if type(sid) is str else None
+
+    def _error(self, obj: dict[str, Any], at: float) -> None:
+        code, text = obj.get("code"), obj.get("error")
+        message = (f"{code}: {text}" if code else str(text))[:200]
+        u = self.current
+        if u is not None and code == "processing_error":
+            self.current = None
+            self._finish(u, at, None, ErrorType.STREAM_ERROR, message)
+            return
+        if u is not None and code == "model_not_validated" and u.deltas == 0:
+            self.current = None  # the commit that opened it was refused
+            self._pending_audio += u.audio
+        error = ErrorType.NOT_FOUND if code == "model_not_found" else ErrorType.BAD_REQUEST
+        self._finish(_Utterance(at, 0), at, None, error, message, utterance=False)
+
+    def close(self, at: float, cause: str) -> None:
+        self.duration = at - self.start
+        u, self.current = self.current, None
+        if u is not None:
+            message = f"session ended ({cause}) before transcription.done"
+            self._finish(u, at, None, ErrorType.STREAM_TRUNCATED, message)
+
+    def _finish(
+        self,
+        u: _Utterance,
+        end: float,
+        usage: Any,
+        error: ErrorType | None,
+        message: str | None,
+        utterance: bool = True,
+    ) -> None:
+        self.utterances += utterance
+        prompt = output = None
+        source = TokenSource.CHUNKS if u.deltas else TokenSource.NONE
+        if type(usage) is dict and type(usage.get("completion_tokens")) is int:
+            output, source = usage["completion_tokens"], TokenSource.USAGE
+            prompt = usage.get("prompt_tokens") if type(usage.get("prompt_tokens")) is int else None
+        elif u.deltas:
+            output = u.deltas
+        tpot = tps = None
+        if output is not None and output >= 2 and u.first is not None and u.last is not None:
+            span = u.last - u.first
+            tpot = span / (output - 1)
+            tps = (output - 1) / span if span > 0 else None
+        self.record(
+            Measurement(
+                endpoint=Realtime.endpoint,
+                model=self.model,
+                stream=True,
+                status_code=101,
+                started_at=self.started_at + (u.commit - self.start),
+                ttfb=None,
+                ttft=None if u.first is None else u.first - u.commit,
+                tpot=tpot,
+                decode_tokens_per_second=tps,
+                e2e=end - u.commit,
+                inter_token_latencies=(),
+                prompt_tokens=prompt,
+                output_tokens=output,
+                cached_prompt_tokens=None,
+                token_source=source,
+                content_events=u.deltas,
+                finish_reason=NONE_LABEL,
+                error_type=error,
+                error_message=message,
+                response_id=self.session_id,
+                audio_seconds=u.audio / BYTES_PER_SECOND,
+            )
+        )
+
+
+def _b64_size(text: str) -> int:
+    """Decoded size of a base64 string, without decoding it."""
+    n = len(text)
+    pad = 2 if text.endswith("==") else 1 if text.endswith("=") else 0
+    return max(0, n * 3 // 4 - pad)
+
+
+def _model_in(query: str) -> str:
+    for pair in query.split("&"):
+        name, _, value = pair.partition("=")
+        if name == "model":
+            return value
+    return ""

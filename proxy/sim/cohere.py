@@ -1,0 +1,103 @@
+"""Cohere chat v2 (`POST /cohere/v2/chat`) as vLLM's Cohere layer puts it on the wire.
+
+Source: vllm-project/vllm vllm/entrypoints/cohere/serving.py @ 02969a445a77
+(`_chat_completion_stream_to_v2`, `_handle_text_delta`, `_build_message_end_event`,
+`_map_finish_reason`, `_chat_completion_to_v2`). Every event is a bare `data: <json>\\n\\n`
+(`model_dump_json(exclude_none=True)`), the stream ends with `data: [DONE]`:
+
+  message-start  with the headers: {"type","id","delta":{"message":{"role":"assistant"}}}
+  content-start  just before the first text: {"type","index":0,"delta":{"message":
+                 {"content":{"type":"text","text":""}}}}
+  content-delta  {"type","index":0,"delta":{"message":{"content":{"text":...}}}} per chunk
+  content-end    then message-end {"type","id","delta":{"finish_reason", "usage":
+                 {"billed_units":{input_tokens,output_tokens},"tokens":{...}[,"cached_tokens"]}}}
+
+finish_reason: stop -> COMPLETE, length -> MAX_TOKENS, tool_calls -> TOOL_CALL, error ->
+ERROR, anything else COMPLETE. A failure mid-stream is a message-end carrying `error` and
+finish_reason ERROR, then [DONE]. Errors before the stream keep vLLM's OpenAI-style body.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from proxy.sim.controls import Plan
+from proxy.sim.tokens import completion_text
+
+FINISH = {"stop": "COMPLETE", "length": "MAX_TOKENS", "tool_calls": "TOOL_CALL", "error": "ERROR"}
+DONE = b"data: [DONE]\n\n"
+
+
+def _data(obj: bytes) -> bytes:
+    return b"data: " + obj + b"\n\n"
+
+
+class CohereWire:
+    """The events (or the body) of one Cohere chat v2 response."""
+
+    __slots__ = ("_id", "_plan", "finish_reason")
+
+    def __init__(self, plan: Plan, response_id: str) -> None:
+        self._plan = plan
+        self._id = orjson.dumps(response_id)
+        self.finish_reason = FINISH.get(plan.finish_reason, "COMPLETE")
+
+    def usage(self, output_tokens: int) -> bytes:
+        plan = self._plan
+        counts = b'{"input_tokens":%d,"output_tokens":%d}' % (plan.prompt_tokens, output_tokens)
+        out = b'{"billed_units":%s,"tokens":%s' % (counts, counts)
+        if plan.cached_tokens is not None:
+            out += b',"cached_tokens":%d' % plan.cached_tokens
+        return out + b"}"
+
+    def opening(self) -> list[bytes]:
+        return [
+            _data(
+                b'{"type":"message-start","id":%s,"delta":{"message":{"role":"assistant"}}}'
+                % self._id
+            )
+        ]
+
+    def block_start(self) -> list[bytes]:
+        return [
+            _data(
+                b'{"type":"content-start","index":0,"delta":{"message":{"content":'
+                b'{"type":"text","text":""}}}}'
+            )
+        ]
+
+    def content(self, text: bytes) -> bytes:
+        return (
+            b'data: {"type":"content-delta","index":0,"delta":{"message":{"content":{"text":"'
+            + text
+            + b'"}}}}\n\n'
+        )
+
+    def closing(self, sent: int, started: bool) -> list[bytes]:
+        out = [_data(b'{"type":"content-end","index":0}')] if started else []
+        out.append(
+            _data(
+                b'{"type":"message-end","id":%s,"delta":{"finish_reason":"%s","usage":%s}}'
+                % (self._id, self.finish_reason.encode(), self.usage(sent))
+            )
+        )
+        out.append(DONE)
+        return out
+
+    def error(self, message: str) -> bytes:
+        end = {"type": "message-end", "delta": {"error": message, "finish_reason": "ERROR"}}
+        return _data(orjson.dumps(end)) + DONE
+
+    def full(self, sent: int) -> bytes:
+        body: dict[str, Any] = {
+            "id": orjson.Fragment(self._id),
+            "finish_reason": self.finish_reason,
+            "message": {
+                "role": "assistant",
+                "content": [{"type": "text", "text": completion_text(sent)}] if sent else [],
+            },
+            "usage": orjson.Fragment(self.usage(sent)),
+        }
+        return orjson.dumps(body)

@@ -1,0 +1,173 @@
+"""vLLM's realtime transcription (`/v1/realtime`, a WebSocket) as a raw ASGI session.
+
+Source: vllm-project/vllm vllm/entrypoints/speech_to_text/realtime/connection.py @
+8ba6842cb276 and protocol.py @ c6088cb14ab5. Events are `model_dump_json()` (every field,
+nulls included), one text frame each:
+
+  on accept        {"type":"session.created","id":"sess-<hex>","created":<s>}
+  session.update   checks `model` (missing: error invalid_event; unknown: model_not_found)
+  ...append        base64 PCM16 16 kHz mono; undecodable or empty: error invalid_audio
+  ...commit        not validated yet: error model_not_validated; `final`: the audio is
+                   over; else starts a generation unless one runs (then it is ignored)
+  not JSON         error invalid_json; an unknown type: error unknown_event
+
+A generation is the programmed transcript: token i is `VOCAB[i]`, the first delta at
+commit + ttft, then one every 1/tps, each `{"type":"transcription.delta","delta":...}`;
+after the last one and the final commit, `{"type":"transcription.done","text",
+"usage":{"prompt_tokens","total_tokens","completion_tokens","prompt_tokens_details":null}}`
+(prompt: 4 tokens plus one per 20 ms of audio). Errors: {"type":"error","error","code"}.
+
+Programmed by the upgrade request's headers, as the HTTP routes: x-sim-ttft, x-sim-tps,
+x-sim-output-tokens, and x-sim-fault (with x-sim-fault-after deltas): error_event (a
+processing_error, no done), close_no_done (the server closes with 1011 mid-utterance),
+malformed (a text frame that is not JSON, then the generation goes on), stall
+(x-sim-stall seconds of silence). Every text frame sent is kept in `sent` for tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import math
+import time
+import uuid
+from typing import Any
+
+import orjson
+from starlette.types import Receive, Scope, Send
+
+from proxy.core.wav import BYTES_PER_SECOND
+from proxy.sim.config import SimConfig
+from proxy.sim.controls import ControlError, number
+from proxy.sim.tokens import VOCAB
+
+WS_FAULTS = frozenset({"error_event", "close_no_done", "malformed", "stall"})
+
+
+class RealtimeSession:
+    def __init__(self, scope: Scope, receive: Receive, send: Send, config: SimConfig) -> None:
+        self.receive, self._send, self.config = receive, send, config
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        self.ttft = number(headers, "x-sim-ttft", float, config.ttft, 0.0)
+        self.tps = number(headers, "x-sim-tps", float, config.tokens_per_second, 1e-9)
+        self.tokens = number(headers, "x-sim-output-tokens", int, config.output_tokens, 0)
+        self.fault = headers.get("x-sim-fault")
+        if self.fault is not None and self.fault not in WS_FAULTS:
+            raise ControlError(f"x-sim-fault: unknown value {self.fault!r}")
+        self.fault_after = number(headers, "x-sim-fault-after", int, 0, 0)
+        self.stall = number(headers, "x-sim-stall", float, 1.0, 0.0)
+        self.sent: list[str] = []
+        self.validated = False
+        self.audio = 0
+        self.final = asyncio.Event()
+        self.generation: asyncio.Task[None] | None = None
+        self.closed = False
+
+    async def send(self, event: dict[str, Any] | str) -> None:
+        text = event if isinstance(event, str) else orjson.dumps(event).decode()
+        self.sent.append(text)
+        await self._send({"type": "websocket.send", "text": text})
+
+    async def error(self, message: str, code: str) -> None:
+        await self.send({"type": "error", "error": message, "code": code})
+
+    async def run(self) -> None:
+        if (await self.receive())["type"] != "websocket.connect":
+            return
+        await self._send({"type": "websocket.accept"})
+        created = {"type": "session.created", "id": f"sess-{uuid.uuid4().hex}"}
+        await self.send({**created, "created": int(time.time())})
+        try:
+            while True:
+                message = await self.receive()
+                if message["type"] == "websocket.disconnect":
+                    return
+                text = message.get("text")
+                if text is None:
+                    continue  # vLLM reads text frames only
+                try:
+                    event = orjson.loads(text)
+                except orjson.JSONDecodeError:
+                    await self.error("Invalid JSON", "invalid_json")
+                    continue
+                await self.handle(event if isinstance(event, dict) else {})
+        finally:
+            self.closed = True
+            if self.generation is not None:
+                self.generation.cancel()
+
+    async def handle(self, event: dict[str, Any]) -> None:
+        kind = event.get("type")
+        if kind == "session.update":
+            model = event.get("model")
+            if model is None:
+                await self.error("Missing required field: model", "invalid_event")
+            elif model not in self.config.models:
+                await self.error(f"The model `{model}` does not exist.", "model_not_found")
+            else:
+                self.validated = True
+        elif kind == "input_audio_buffer.append":
+            try:
+                size = len(base64.b64decode(str(event.get("audio", "")), validate=True))
+            except (binascii.Error, ValueError):
+                size = 0
+            if size == 0:
+                await self.error("Invalid audio data", "invalid_audio")
+            self.audio += size
+        elif kind == "input_audio_buffer.commit":
+            if not self.validated:
+                await self.error(
+                    "Model not validated. Make sure to validate the model by sending a "
+                    "session.update event.",
+                    "model_not_validated",
+                )
+            elif event.get("final") is True:
+                self.final.set()
+            elif self.generation is None or self.generation.done():
+                self.final = asyncio.Event()
+                self.generation = asyncio.create_task(
+                    self.generate(asyncio.get_running_loop().time())
+                )
+        else:
+            await self.error(f"Unknown event type: {kind}", "unknown_event")
+
+    async def generate(self, t0: float) -> None:
+        loop = asyncio.get_running_loop()
+        due = t0 + self.ttft
+        pieces: list[str] = []
+        for i in range(self.tokens):
+            if self.fault is not None and i == self.fault_after and await self.fire():
+                return
+            while loop.time() < due:  # never early: a timer may fire a little before
+                await asyncio.sleep(due - loop.time())
+            piece = VOCAB[i % len(VOCAB)]
+            pieces.append(piece)
+            await self.send({"type": "transcription.delta", "delta": piece})
+            due += 1 / self.tps
+        if self.fault is not None and self.fault_after >= self.tokens and await self.fire():
+            return
+        await self.final.wait()
+        prompt = 4 + math.ceil(self.audio / BYTES_PER_SECOND * 50)
+        self.audio = 0
+        usage = {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + self.tokens,
+            "completion_tokens": self.tokens,
+            "prompt_tokens_details": None,
+        }
+        await self.send({"type": "transcription.done", "text": "".join(pieces), "usage": usage})
+
+    async def fire(self) -> bool:
+        """The programmed fault; True when it ends the generation."""
+        if self.fault == "error_event":
+            await self.error("generation failed", "processing_error")
+            return True
+        if self.fault == "close_no_done":
+            await self._send({"type": "websocket.close", "code": 1011})
+            return True
+        if self.fault == "malformed":
+            await self.send("{not json")
+        elif self.fault == "stall":
+            await asyncio.sleep(self.stall)
+        return False

@@ -1,0 +1,142 @@
+"""The /v1/realtime seam I/O-free: recorded frames (vLLM's event shapes and flow,
+realtime/protocol.py @ c6088cb14ab5, connection.py @ 8ba6842cb276) fed as WsMessages with synthetic read times, compared with the records it
+must give: one per utterance, plus the session's own figures."""
+
+from __future__ import annotations
+
+import base64
+
+import orjson
+
+from proxy.core.apis.realtime import RealtimeSession
+from proxy.core.measurement import ErrorType, Measurement, TokenSource
+from proxy.core.wsframes import WsMessage
+from proxy.core.wsseam import ws_api_for
+
+START = 100.0
+AUDIO = base64.b64encode(b"\0\0" * 16_000).decode()  # one second of PCM16 at 16 kHz
+
+
+def c(at: float, **event: object) -> WsMessage:
+    return WsMessage(True, "text", orjson.dumps(event), at)
+
+
+def s(at: float, **event: object) -> WsMessage:
+    return WsMessage(False, "text", orjson.dumps(event), at)
+
+
+def session(query: str = "model=whisper") -> tuple[RealtimeSession, list[Measurement]]:
+    api = ws_api_for("/v1/realtime")
+    assert api is not None and api.endpoint == "/v1/realtime"
+    records: list[Measurement] = []
+    return api.open(
+        start=START, started_at=1e9, path="/v1/realtime", query=query, record=records.append
+    ), records
+
+
+def utterance(t: float, text: str) -> list[WsMessage]:
+    """Half a second of audio, the commit that starts the generation, the other half, the
+    final commit, then vLLM's deltas (one empty) and done."""
+    usage = {"prompt_tokens": 50, "total_tokens": 53, "completion_tokens": 3}
+    cut = len(AUDIO) // 8 * 4  # on a base64 quantum
+    half = AUDIO[:cut]
+    return [
+        c(t, type="input_audio_buffer.append", audio=half),
+        c(t + 0.125, type="input_audio_buffer.commit"),
+        c(t + 0.125, type="input_audio_buffer.append", audio=AUDIO[cut:]),
+        c(t + 0.125, type="input_audio_buffer.commit", final=True),
+        s(t + 0.25, type="transcription.delta", delta=""),  # empty: no token
+        s(t + 0.5, type="transcription.delta", delta=text),
+        s(t + 0.625, type="transcription.delta", delta=" a"),
+        s(t + 0.75, type="transcription.delta", delta=" b"),
+        s(t + 0.875, type="transcription.done", text=text + " a b", usage=usage),
+    ]
+
+
+def test_three_utterances_give_three_records_and_the_session_figures() -> None:
+    sess, records = session()
+    frames = [
+        s(100.0, type="session.created", id="sess-1", created=1),
+        c(100.0, type="session.update", model="whisper-v3"),
+    ]
+    for t in (101.0, 102.0, 103.0):
+        frames += utterance(t, "hi")
+    for frame in frames:
+        sess.message(frame)
+    sess.close(104.0, "closed_by_client")
+    assert len(records) == 3
+    for m in records:
+        assert (m.endpoint, m.model, m.ok, m.response_id) == (
+            "/v1/realtime",
+            "whisper-v3",
+            True,
+            "sess-1",
+        )
+        assert m.ttft == 0.375 and m.e2e == 0.75 and m.tpot == 0.125  # from the commit
+        assert (m.prompt_tokens, m.output_tokens, m.token_source) == (50, 3, TokenSource.USAGE)
+        assert m.audio_seconds == 1.0
+    assert (sess.utterances, sess.audio_seconds, sess.duration) == (3, 3.0, 4.0)
+
+
+def test_an_error_event_ends_the_open_utterance_as_a_stream_error() -> None:
+    sess, records = session()
+    for frame in utterance(101.0, "x")[:6]:
+        sess.message(frame)
+    sess.message(s(101.6, type="error", error="decoder failed", code="processing_error"))
+    sess.close(102.0, "closed_by_upstream")
+    (m,) = records
+    assert (
+        m.error_type is ErrorType.STREAM_ERROR
+        and m.error_message == "processing_error: decoder failed"
+    )
+    assert m.ttft == 0.375 and (m.output_tokens, m.token_source) == (1, TokenSource.CHUNKS)
+
+
+def test_a_session_cut_mid_utterance_records_it_truncated() -> None:
+    sess, records = session()
+    for frame in utterance(101.0, "x")[:7]:
+        sess.message(frame)
+    sess.close(101.75, "client_vanished")
+    (m,) = records
+    assert m.error_type is ErrorType.STREAM_TRUNCATED and "client_vanished" in (
+        m.error_message or ""
+    )
+    assert m.e2e == 0.625 and m.output_tokens == 2
+
+
+def test_a_commit_while_a_generation_runs_is_ignored_as_vllm_ignores_it() -> None:
+    sess, records = session()
+    frames = utterance(101.0, "y")
+    for frame in [*frames[:2], c(101.2, type="input_audio_buffer.commit"), *frames[2:]]:
+        sess.message(frame)
+    sess.close(102.0, "closed_by_client")
+    (m,) = records
+    assert m.ok and m.ttft == 0.375
+
+
+def test_client_side_errors_are_records_of_their_own_and_open_no_utterance() -> None:
+    sess, records = session()
+    sess.message(c(101.0, type="input_audio_buffer.commit"))
+    sess.message(s(101.0, type="error", error="Model not validated.", code="model_not_validated"))
+    sess.message(c(101.1, type="session.update", model="nope"))
+    sess.message(
+        s(101.1, type="error", error="The model `nope` does not exist.", code="model_not_found")
+    )
+    sess.message(WsMessage(True, "text", b"{oops", 101.2))
+    sess.message(s(101.2, type="error", error="Invalid JSON", code="invalid_json"))
+    sess.close(102.0, "closed_by_client")
+    assert [m.error_type for m in records] == [
+        ErrorType.BAD_REQUEST,
+        ErrorType.NOT_FOUND,
+        ErrorType.BAD_REQUEST,
+    ]
+    assert sess.utterances == 0 and sess.malformed == 1
+
+
+def test_frames_that_are_not_json_objects_are_counted_and_ignored() -> None:
+    sess, records = session()
+    sess.message(WsMessage(True, "text", b"{not json", 101.0))
+    sess.message(WsMessage(False, "text", b"[1]", 101.0))
+    sess.message(WsMessage(True, "binary", b"\x00\x01", 101.0))
+    sess.close(101.5, "closed_by_client")
+    assert records == [] and sess.malformed == 2
