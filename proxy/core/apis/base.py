@@ -9,7 +9,7 @@ API knowledge left on the other side. Subclasses override only what differs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import orjson
 
@@ -31,6 +31,10 @@ FINISH_LABELS = frozenset(
         NONE_LABEL,
     }
 )
+
+
+#: The error body shapes the proxy writes its own errors in (proxy/core/errors.py error_body).
+ErrorShape = Literal["openai", "anthropic"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +123,9 @@ class Api:
     #: GenAI semantic conventions: gen_ai.operation.name and gen_ai.provider.name.
     operation: ClassVar[str] = "chat"
     provider: ClassVar[str] = "openai"
+    #: The shape of the proxy's own error bodies for this API's clients (and for requests
+    #: to paths under its own, such as /v1/messages/count_tokens): what their SDKs parse.
+    error_shape: ClassVar[ErrorShape] = "openai"
     #: What is missing when a stream ends without its clean end (for the error message).
     end_marker: ClassVar[str] = "its end event"
     #: A finish reason alone ends a stream cleanly (OpenAI streams may omit [DONE]).

@@ -47,6 +47,7 @@ class Messages(Api):
     paths = ("/v1/messages",)
     operation = "chat"
     provider = "anthropic"
+    error_shape = "anthropic"
     end_marker = "message_stop"
     measures = (
         "TTFT at the first content_block_delta with non-empty text, thinking or "
