@@ -165,6 +165,14 @@ class Api:
     def prompt(self, obj: dict[str, Any]) -> Any:
         return obj.get("input")
 
+    def input_messages(self, prompt: Any) -> list[dict[str, Any]] | None:
+        """The prompt (RequestInfo.prompt) as GenAI `gen_ai.input.messages`: one
+        {"role", "parts"} per chat-like message, text parts with their text, other parts by
+        type only (no media payloads). None when the prompt is no list of messages."""
+        if not isinstance(prompt, list):
+            return None
+        return [gen_ai_message(item) for item in prompt if isinstance(item, dict)]
+
     def usage_requested(self, obj: dict[str, Any]) -> bool:
         """True when the backend will send usage without the proxy asking for it."""
         return True
@@ -212,6 +220,21 @@ class Api:
             cached=cached if type(cached) is int else None,
             source=TokenSource.USAGE,
         )
+
+
+def gen_ai_message(item: dict[str, Any]) -> dict[str, Any]:
+    """One chat-like message ({"role", "content"}) as a GenAI {"role", "parts"} message."""
+    content = item.get("content")
+    parts: list[dict[str, Any]] = []
+    if isinstance(content, str):
+        parts.append({"type": "text", "content": content})
+    elif isinstance(content, list):
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text":
+                parts.append({"type": "text", "content": part.get("text", "")})
+            elif isinstance(part, dict):
+                parts.append({"type": str(part.get("type", "unknown"))})  # no media payloads
+    return {"role": str(item.get("role", "user")), "parts": parts}
 
 
 def identity(obj: dict[str, Any]) -> dict[str, Any]:
