@@ -123,6 +123,10 @@ class Api:
     #: GenAI semantic conventions: gen_ai.operation.name and gen_ai.provider.name.
     operation: ClassVar[str] = "chat"
     provider: ClassVar[str] = "openai"
+    #: The `tokenprobe bench --endpoint` choice that measures this API ("" when the bench
+    #: has none), and whether its prompt is a chat `messages` list (else a text).
+    bench_name: ClassVar[str] = ""
+    takes_messages: ClassVar[bool] = False
     #: The shape of the proxy's own error bodies for this API's clients (and for requests
     #: to paths under its own, such as /v1/messages/count_tokens): what their SDKs parse.
     error_shape: ClassVar[ErrorShape] = "openai"

@@ -43,6 +43,8 @@ FINISH = {
 
 class CohereChat(Api):
     endpoint = "/cohere/v2/chat"
+    bench_name = "cohere"
+    takes_messages = True
     paths = ("/cohere/v2/chat",)
     operation = "chat"
     provider = "cohere"

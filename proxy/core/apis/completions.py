@@ -13,6 +13,7 @@ from proxy.core.apis.chat import OpenAIGeneration, add_texts
 
 class Completions(OpenAIGeneration):
     endpoint = "/v1/completions"
+    bench_name = "completions"
     paths = ("/v1/completions",)
     operation = "text_completion"
     text_openings = (b'"text":"',)

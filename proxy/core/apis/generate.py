@@ -25,6 +25,7 @@ from proxy.core.apis.chat import OpenAIGeneration
 
 class Generate(OpenAIGeneration):
     endpoint = "/inference/v1/generate"
+    bench_name = "generate"
     paths = ("/inference/v1/generate",)
     operation = "text_completion"
     provider: ClassVar[str] = "vllm"

@@ -44,6 +44,8 @@ _DELTA_CONTENT = {"text_delta": ("text", "text"), "thinking_delta": ("thinking",
 
 class Messages(Api):
     endpoint = "/v1/messages"
+    bench_name = "messages"
+    takes_messages = True
     paths = ("/v1/messages",)
     operation = "chat"
     provider = "anthropic"

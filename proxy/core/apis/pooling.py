@@ -34,6 +34,7 @@ class Pooling(Api):
 
 class Embeddings(Pooling):
     endpoint = "/v1/embeddings"
+    bench_name = "embeddings"
     paths = ("/v1/embeddings",)
 
 

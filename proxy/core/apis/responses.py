@@ -51,6 +51,7 @@ FINISH = {
 
 class Responses(Api):
     endpoint = "/v1/responses"
+    bench_name = "responses"
     paths = ("/v1/responses",)
     operation = "chat"
     end_marker = "response.completed or response.incomplete"
