@@ -177,6 +177,24 @@ class Api:
             return None
         return [gen_ai_message(item) for item in prompt if isinstance(item, dict)]
 
+    def bench_body(
+        self, model: str, prompt: Any, max_tokens: int, ignore_eos: bool
+    ) -> dict[str, Any]:
+        """The request body `tokenprobe bench` sends this API for a prompt (a text or a
+        `messages` list, as `takes_messages` says): streamed, with usage wherever the API
+        can be asked for it. The default is the chat and completions body."""
+        body: dict[str, Any] = {
+            "model": model,
+            "messages" if isinstance(prompt, list) else "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if ignore_eos:
+            body["ignore_eos"] = True
+        return body
+
     def usage_requested(self, obj: dict[str, Any]) -> bool:
         """True when the backend will send usage without the proxy asking for it."""
         return True

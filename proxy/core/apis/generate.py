@@ -36,6 +36,17 @@ class Generate(OpenAIGeneration):
         "in-stream errors"
     )
 
+    def bench_body(
+        self, model: str, prompt: Any, max_tokens: int, ignore_eos: bool
+    ) -> dict[str, Any]:
+        # Token ids in: the prompt's UTF-8 bytes, ids every vocabulary has. The output is
+        # counted exactly from the ids streamed back, so no usage is asked for.
+        params: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0}
+        if ignore_eos:
+            params["ignore_eos"] = True
+        ids = list(str(prompt).encode())
+        return {"model": model, "token_ids": ids, "sampling_params": params, "stream": True}
+
     def read_request(self, obj: dict[str, Any]) -> RequestInfo:
         params = obj.get("sampling_params")
         info = super().read_request(params if type(params) is dict else {})

@@ -58,6 +58,18 @@ class Messages(Api):
         "stop_reason; error events; a clean end at message_stop"
     )
 
+    def bench_body(
+        self, model: str, prompt: Any, max_tokens: int, ignore_eos: bool
+    ) -> dict[str, Any]:
+        # Messages streams always carry usage.
+        return {
+            "model": model,
+            "messages": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+        }
+
     def prompt(self, obj: dict[str, Any]) -> Any:
         messages = obj.get("messages")
         system = obj.get("system")

@@ -65,6 +65,17 @@ class Responses(Api):
     def max_tokens(self, obj: dict[str, Any]) -> object:
         return obj.get("max_output_tokens")
 
+    def bench_body(
+        self, model: str, prompt: Any, max_tokens: int, ignore_eos: bool
+    ) -> dict[str, Any]:
+        return {
+            "model": model,
+            "input": prompt,
+            "max_output_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+        }
+
     def event(self, payload: bytes, collect: bool, identify: bool) -> Facts:
         obj = json_object(payload)
         if obj is None:
