@@ -565,8 +565,14 @@ def ensure_litellm() -> Path:
 
 def has_relay_setting(tree: Path) -> bool:
     """Whether this tree's `tokenprobe serve` takes `--relay` (the wire's ASGI fallback)."""
-    settings = tree / "proxy" / "settings.py"
-    return settings.exists() and '"relay"' in settings.read_text()
+    run = subprocess.run(
+        [sys.executable, "-m", "proxy", "serve", "--help"],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return "--relay" in run.stdout
 
 
 def workdir() -> Path:

@@ -455,9 +455,10 @@ def run_shape(args: argparse.Namespace, t_begin: float) -> dict[str, Any]:
         stack.arms = arms
         for arm in list(arms):  # start-to-first-request, on fresh processes; the last one stays up
             try:
-                for i in range(args.start_repeats if primary else 1):
+                repeats = args.start_repeats if primary else 1
+                for i in range(repeats):
                     arm.launch()
-                    if i < args.start_repeats - 1:
+                    if i < repeats - 1:
                         arm.stop()
             except (RuntimeError, OSError, Exception) as exc:
                 notes.append(f"{arm.name}: failed to start: {exc}")
