@@ -62,11 +62,12 @@ def prepare(options: Options, prompt: Prompt) -> Call:
         return Call(info, audio_form(options))
     if endpoint == REALTIME:
         return Call(RequestInfo(endpoint, options.model, True, True, None, None), b"")
-    body = _body(options, payload)
+    api = api_of(endpoint)
+    body = api.bench_body(options.model, payload, options.max_tokens, options.ignore_eos)
     stream = body.get("stream") is True
     ids = body.get("token_ids")
     info = RequestInfo(
-        endpoint=api_of(endpoint).endpoint,
+        endpoint=api.endpoint,
         model=options.model,
         stream=stream,
         usage_requested=True,
@@ -103,50 +104,6 @@ def audio_form(options: Options) -> bytes:
         "Content-Type: audio/wav\r\n\r\n"
     ).encode()
     return out + wav(AUDIO_SECONDS) + f"\r\n--{BOUNDARY}--\r\n".encode()
-
-
-def _body(options: Options, payload: Any) -> dict[str, Any]:
-    """The request body each API takes; streamed with usage wherever the API can."""
-    endpoint = options.endpoint
-    if endpoint == "/v1/embeddings":
-        return {"model": options.model, "input": payload}
-    if endpoint == "/inference/v1/generate":
-        # Token ids in: the prompt's UTF-8 bytes, ids every vocabulary has. The output is
-        # counted exactly from the ids streamed back, so no usage is asked for.
-        params: dict[str, Any] = {"max_tokens": options.max_tokens, "temperature": 0}
-        if options.ignore_eos:
-            params["ignore_eos"] = True
-        ids = list(str(payload).encode())
-        return {"model": options.model, "token_ids": ids, "sampling_params": params, "stream": True}
-    if endpoint == "/cohere/v2/chat":  # usage always comes with message-end
-        return {
-            "model": options.model,
-            "messages": payload,
-            "max_tokens": options.max_tokens,
-            "temperature": 0,
-            "stream": True,
-        }
-    if endpoint == "/v1/responses":
-        return {
-            "model": options.model,
-            "input": payload,
-            "max_output_tokens": options.max_tokens,
-            "temperature": 0,
-            "stream": True,
-        }
-    body: dict[str, Any] = {
-        "model": options.model,
-        "messages" if isinstance(payload, list) else "prompt": payload,
-        "max_tokens": options.max_tokens,
-        "temperature": 0,
-        "stream": True,
-    }
-    if endpoint == "/v1/messages":
-        return body  # Messages streams always carry usage
-    body["stream_options"] = {"include_usage": True}
-    if options.ignore_eos:
-        body["ignore_eos"] = True
-    return body
 
 
 def headers(options: Options) -> dict[str, str]:

@@ -8,21 +8,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from proxy.core.request import CHAT, COMPLETIONS
+from proxy.core.apis import APIS, Api
+from proxy.core.wsseam import WS_APIS, WsApi
 
-#: `--endpoint` choices -> the API's path (the proxy's `endpoint` label).
-ENDPOINTS = {
-    "chat": CHAT,
-    "completions": COMPLETIONS,
-    "messages": "/v1/messages",
-    "responses": "/v1/responses",
-    "embeddings": "/v1/embeddings",
-    "generate": "/inference/v1/generate",
-    "transcriptions": "/v1/audio/transcriptions",
-    "translations": "/v1/audio/translations",
-    "cohere": "/cohere/v2/chat",
-    "realtime": "/v1/realtime",
-}
+#: `--endpoint` choices -> the API's path (the proxy's `endpoint` label): each seam that
+#: names a `bench_name`, in the registries' order (HTTP APIs, then WebSocket ones).
+_SEAMS: tuple[Api | WsApi, ...] = (*APIS, *WS_APIS)
+ENDPOINTS = {api.bench_name: api.endpoint for api in _SEAMS if api.bench_name}
 
 #: SLO names `--slo` accepts, all in seconds.
 SLO_NAMES = ("ttft", "tpot", "e2e")

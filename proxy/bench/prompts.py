@@ -14,11 +14,8 @@ from typing import Any
 
 import orjson
 
-from proxy.core.request import CHAT
+from proxy.core.apis import api_for
 from proxy.core.tokens import count_prompt
-
-MESSAGES = "/v1/messages"
-COHERE = "/cohere/v2/chat"
 
 
 class PromptError(ValueError):
@@ -31,8 +28,10 @@ class Prompt:
     messages: tuple[dict[str, Any], ...] | None = None
 
     def payload(self, endpoint: str) -> Any:
-        """`messages` for chat and Anthropic Messages, a text for the others."""
-        if endpoint in (CHAT, MESSAGES, COHERE):
+        """`messages` for the APIs whose seam `takes_messages` (chat, Anthropic Messages,
+        Cohere), a text for the others."""
+        api = api_for(endpoint)
+        if api is not None and api.takes_messages:
             if self.messages is not None:
                 return list(self.messages)
             return [{"role": "user", "content": self.text}]

@@ -32,10 +32,10 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
-from typing import Literal
 
 import orjson
 
+from proxy.core.apis import ErrorShape, api_under
 from proxy.core.measurement import ErrorType
 
 #: How much of an error body is read for classification and messages.
@@ -386,7 +386,7 @@ def relay_failure(
 
 # -- the proxy's own error bodies -----------------------------------------------------------
 
-Shape = Literal["openai", "anthropic"]
+Shape = ErrorShape
 
 # Anthropic's `error.type` for each status, from https://docs.claude.com/en/api/errors
 # ("HTTP errors") and timeout_error from anthropic-sdk-python's ErrorType. Anthropic's SDK
@@ -405,8 +405,10 @@ _ANTHROPIC_TYPES: dict[int, str] = {
 
 
 def error_shape(path: str) -> Shape:
-    """The error shape clients of `path` parse: Anthropic's for the Messages API, else OpenAI's."""
-    return "anthropic" if path == "/v1/messages" or path.startswith("/v1/messages/") else "openai"
+    """The error shape clients of `path` parse: what the Api serving it (or a path above
+    it) declares, OpenAI's where none does."""
+    api = api_under(path)
+    return api.error_shape if api is not None else "openai"
 
 
 def error_body(status: int, kind: str, message: str, *, shape: Shape = "openai") -> bytes:

@@ -42,6 +42,7 @@ class WsApi:
 
     endpoint: ClassVar[str]  # the label value: its canonical path
     paths: ClassVar[tuple[str, ...]]  # normalised paths (no query) it serves
+    bench_name: ClassVar[str] = ""  # its `tokenprobe bench --endpoint` choice, "" for none
 
     def open(
         self,

@@ -35,6 +35,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -166,30 +167,6 @@ class SimApp:
         await ex.reply(200, self._models)
         return "completed"
 
-    async def _chat(self, ex: Exchange, body: Any, t0: float) -> Outcome:
-        return await self._generate("chat", ex, body, t0)
-
-    async def _completion(self, ex: Exchange, body: Any, t0: float) -> Outcome:
-        return await self._generate("completion", ex, body, t0)
-
-    async def _messages(self, ex: Exchange, body: Any, t0: float) -> Outcome:
-        return await self._generate("messages", ex, body, t0)
-
-    async def _responses(self, ex: Exchange, body: Any, t0: float) -> Outcome:
-        return await self._generate("responses", ex, body, t0)
-
-    async def _transcription(self, ex: Exchange, body: Any, t0: float) -> Outcome:
-        return await self._generate("transcription", ex, body, t0)
-
-    async def _translation(self, ex: Exchange, body: Any, t0: float) -> Outcome:
-        return await self._generate("translation", ex, body, t0)
-
-    async def _cohere(self, ex: Exchange, body: Any, t0: float) -> Outcome:
-        return await self._generate("cohere", ex, body, t0)
-
-    async def _tokens(self, ex: Exchange, body: Any, t0: float) -> Outcome:
-        return await self._generate("generate", ex, body, t0)
-
     async def _generate(self, kind: Kind, ex: Exchange, body: Any, t0: float) -> Outcome:
         record = ex.record
         plan = plan_request(kind, body, record.headers, self.config)
@@ -216,41 +193,16 @@ class SimApp:
             pacer = LockstepPacer(self.clock, t0, plan.ttft)
         else:
             pacer = FreePacer(t0, plan.ttft, plan.tokens_per_chunk / plan.tokens_per_second)
-        created = int(time.time())
-        stamp = self.config.stamp or record.headers.get("x-sim-stamp", "0") in ("1", "true")
-        if kind in ("messages", "responses", "cohere"):
-            events: MessagesWire | ResponsesWire | CohereWire = (
-                MessagesWire(plan, record.id, stamp)
-                if kind == "messages"
-                else CohereWire(plan, record.id)
-                if kind == "cohere"
-                else ResponsesWire(plan, body, record.id, created, stamp)
-            )
-            if isinstance(events, ResponsesWire) and plan.metrics:
-                events.metrics = lambda sent, streamed: engine_metrics(ex, plan, sent, streamed)
-            if not plan.stream:
-                return await complete_events(ex, plan, events, pacer)
-            return await stream_events(ex, plan, events, pacer)
-        if kind == "generate":
-            gen = GenerateWire(plan, record.id)
-            if not plan.stream:
-                return await complete_generate(ex, plan, gen, pacer, created)
-            return await stream_generate(ex, plan, gen, pacer)
-        if kind in ("transcription", "translation"):
-            translation = kind == "translation"
-            if not plan.stream:
-                await paced_whole(ex, plan, pacer, plan.finish_reason)
-                text = completion_text(plan.output_tokens)
-                await ex.reply(200, audio.full(translation, text, body["audio_seconds"]))
-                return "completed"
-            chunks = audio.AudioWire(translation, record.id, created, plan.model)
-            return await stream(ex, plan, chunks, pacer)
-        if not plan.stream:
-            return await complete(ex, plan, pacer, record.id, created)
-        sse = StreamWire(
-            kind == "chat", record.id, created, plan.model, stamp, self.config.system_fingerprint
+        job = Planned(
+            ex,
+            body,
+            plan,
+            pacer,
+            created=int(time.time()),
+            stamp=self.config.stamp or record.headers.get("x-sim-stamp", "0") in ("1", "true"),
+            system_fingerprint=self.config.system_fingerprint,
         )
-        return await stream(ex, plan, sse, pacer)
+        return await _WRITERS[kind](job)
 
     async def _count_tokens(self, ex: Exchange, body: Any, t0: float) -> Outcome:
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
@@ -407,20 +359,112 @@ class SimApp:
                 return
 
 
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """One planned generation, ready to be written in its API's wire format."""
+
+    ex: Exchange
+    body: Any
+    plan: Plan
+    pacer: Pacer
+    created: int
+    stamp: bool
+    system_fingerprint: str | None
+
+
+async def _events(job: Planned, events: MessagesWire | ResponsesWire | CohereWire) -> Outcome:
+    if not job.plan.stream:
+        return await complete_events(job.ex, job.plan, events, job.pacer)
+    return await stream_events(job.ex, job.plan, events, job.pacer)
+
+
+async def _write_messages(job: Planned) -> Outcome:
+    return await _events(job, MessagesWire(job.plan, job.ex.record.id, job.stamp))
+
+
+async def _write_cohere(job: Planned) -> Outcome:
+    return await _events(job, CohereWire(job.plan, job.ex.record.id))
+
+
+async def _write_responses(job: Planned) -> Outcome:
+    ex, plan = job.ex, job.plan
+    events = ResponsesWire(plan, job.body, ex.record.id, job.created, job.stamp)
+    if plan.metrics:
+        events.metrics = lambda sent, streamed: engine_metrics(ex, plan, sent, streamed)
+    return await _events(job, events)
+
+
+async def _write_generate(job: Planned) -> Outcome:
+    ex, plan = job.ex, job.plan
+    gen = GenerateWire(plan, ex.record.id)
+    if not plan.stream:
+        return await complete_generate(ex, plan, gen, job.pacer, job.created)
+    return await stream_generate(ex, plan, gen, job.pacer)
+
+
+def _write_audio(translation: bool) -> Callable[[Planned], Awaitable[Outcome]]:
+    async def write(job: Planned) -> Outcome:
+        ex, plan = job.ex, job.plan
+        if not plan.stream:
+            await paced_whole(ex, plan, job.pacer, plan.finish_reason)
+            text = completion_text(plan.output_tokens)
+            await ex.reply(200, audio.full(translation, text, job.body["audio_seconds"]))
+            return "completed"
+        chunks = audio.AudioWire(translation, ex.record.id, job.created, plan.model)
+        return await stream(ex, plan, chunks, job.pacer)
+
+    return write
+
+
+def _write_openai(chat: bool) -> Callable[[Planned], Awaitable[Outcome]]:
+    async def write(job: Planned) -> Outcome:
+        ex, plan = job.ex, job.plan
+        if not plan.stream:
+            return await complete(ex, plan, job.pacer, ex.record.id, job.created)
+        sse = StreamWire(
+            chat, ex.record.id, job.created, plan.model, job.stamp, job.system_fingerprint
+        )
+        return await stream(ex, plan, sse, job.pacer)
+
+    return write
+
+
+#: Each generation kind's wire writer: a new generation API adds its line here.
+_WRITERS: dict[Kind, Callable[[Planned], Awaitable[Outcome]]] = {
+    "chat": _write_openai(chat=True),
+    "completion": _write_openai(chat=False),
+    "messages": _write_messages,
+    "responses": _write_responses,
+    "generate": _write_generate,
+    "cohere": _write_cohere,
+    "transcription": _write_audio(translation=False),
+    "translation": _write_audio(translation=True),
+}
+
+
+def _generation(kind: Kind) -> Handler:
+    """The route handler of a generation API: plan the request, then write it as `kind`."""
+
+    async def handle(app: SimApp, ex: Exchange, body: Any, t0: float) -> Outcome:
+        return await app._generate(kind, ex, body, t0)
+
+    return handle
+
+
 _GET, _POST = frozenset({"GET"}), frozenset({"POST"})
 
 _ROUTES: dict[str, tuple[frozenset[str], Handler]] = {
     "/v1/models": (_GET, SimApp._models_list),
-    "/v1/chat/completions": (_POST, SimApp._chat),
-    "/v1/completions": (_POST, SimApp._completion),
-    "/v1/messages": (_POST, SimApp._messages),
+    "/v1/chat/completions": (_POST, _generation("chat")),
+    "/v1/completions": (_POST, _generation("completion")),
+    "/v1/messages": (_POST, _generation("messages")),
     "/v1/messages/count_tokens": (_POST, SimApp._count_tokens),
-    "/v1/responses": (_POST, SimApp._responses),
+    "/v1/responses": (_POST, _generation("responses")),
     "/v1/embeddings": (_POST, SimApp._embeddings),
-    "/inference/v1/generate": (_POST, SimApp._tokens),
-    "/v1/audio/transcriptions": (_POST, SimApp._transcription),
-    "/v1/audio/translations": (_POST, SimApp._translation),
-    "/cohere/v2/chat": (_POST, SimApp._cohere),
+    "/inference/v1/generate": (_POST, _generation("generate")),
+    "/v1/audio/transcriptions": (_POST, _generation("transcription")),
+    "/v1/audio/translations": (_POST, _generation("translation")),
+    "/cohere/v2/chat": (_POST, _generation("cohere")),
     **{
         path: (_POST, SimApp._pooled)
         for path in (

@@ -131,7 +131,7 @@ def plan_request(
     except ControlError as exc:
         # vLLM's request-validation handler answers in OpenAI's shape on every route.
         return errors.bad_request(str(exc))
-    if kind == "messages" and isinstance(plan, errors.ErrorReply):
+    if REQUESTS[kind].anthropic and isinstance(plan, errors.ErrorReply):
         return errors.anthropic_error(plan)
     return plan
 
@@ -148,24 +148,22 @@ def _plan(
 ) -> Plan | errors.ErrorReply:
     if not isinstance(body, dict):
         raise ControlError("The request body must be a JSON object.")
-    if kind in ("chat", "cohere") and not isinstance(body.get("messages"), list):
-        raise ControlError("Field required: messages")
-    if kind == "messages" and not isinstance(body.get("messages"), list):
-        raise ControlError("Field required: messages")
-    if kind == "messages" and body.get("max_tokens") is None:
-        raise ControlError("Field required: max_tokens")
-    if kind == "completion" and body.get("prompt") is None:
-        raise ControlError("Field required: prompt")
-    if kind == "responses" and body.get("input") is None:
-        raise ControlError("Field required: input")
-    if kind == "generate":
-        body = _generate_body(body)
+    rules = REQUESTS[kind]
+    for field in rules.lists:
+        if not isinstance(body.get(field), list):
+            raise ControlError(f"Field required: {field}")
+    for field in rules.required:
+        if body.get(field) is None:
+            raise ControlError(f"Field required: {field}")
+    if rules.read is not None:
+        body = rules.read(body)
     model = str(body.get("model") or config.models[0])
     prompt_tokens = count_prompt_tokens(body)
-    if kind == "responses":
-        max_tokens = body.get("max_output_tokens")
-    else:
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    max_tokens = None
+    for field in rules.limit:  # the first that is set and not 0 (`a or b`)
+        max_tokens = body.get(field)
+        if max_tokens:
+            break
     if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
         raise ControlError(f"max_tokens must be at least 1, got {max_tokens}.")
 
@@ -295,3 +293,27 @@ def burn_cpu(seconds: float) -> None:
     end = time.thread_time() + seconds
     while time.thread_time() < end:
         pass
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """What one generation API's request must carry, checked as vLLM checks it."""
+
+    lists: tuple[str, ...] = ()  # fields that must be lists ("Field required" otherwise)
+    required: tuple[str, ...] = ()  # fields that must be present
+    limit: tuple[str, ...] = ("max_completion_tokens", "max_tokens")  # the token limit
+    read: Callable[[dict[str, Any]], dict[str, Any]] | None = None  # the body as a completion
+    anthropic: bool = False  # its errors in Anthropic's shape
+
+
+#: Each kind's request rules: a new generation API adds its line here.
+REQUESTS: dict[Kind, Request] = {
+    "chat": Request(lists=("messages",)),
+    "completion": Request(required=("prompt",)),
+    "messages": Request(lists=("messages",), required=("max_tokens",), anthropic=True),
+    "responses": Request(required=("input",), limit=("max_output_tokens",)),
+    "generate": Request(read=_generate_body),
+    "cohere": Request(lists=("messages",)),
+    "transcription": Request(),
+    "translation": Request(),
+}

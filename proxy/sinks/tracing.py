@@ -36,7 +36,6 @@ from prometheus_client import CollectorRegistry
 
 from proxy.core.apis import RequestInfo, api_of
 from proxy.core.measurement import NONE_LABEL, Measurement
-from proxy.core.request import COMPLETIONS
 from proxy.settings import SettingsError
 from proxy.sinks import otel_env
 from proxy.sinks.span_export import CountingBatchProcessor, export_failures, otlp_span_exporter
@@ -100,8 +99,8 @@ class Tracing:
             attributes["gen_ai.request.max_tokens"] = info.max_tokens
         if info.temperature is not None:
             attributes["gen_ai.request.temperature"] = info.temperature
-        if self.trace_content and (messages := _input_messages(info)) is not None:
-            attributes["gen_ai.input.messages"] = messages
+        if self.trace_content and (messages := api.input_messages(info.prompt)) is not None:
+            attributes["gen_ai.input.messages"] = orjson.dumps(messages).decode()
         span = self.tracer.start_span(
             f"{operation} {model}" if model else operation,
             context=parent,
@@ -185,35 +184,6 @@ def _finish_attributes(m: Measurement) -> dict[str, Any]:
         # The conventions: a finish reason expected but not received is reported as "error".
         attributes["gen_ai.response.finish_reasons"] = ("error",)
     return attributes
-
-
-def _input_messages(info: RequestInfo) -> str | None:
-    """The prompt as `gen_ai.input.messages` (JSON text), only with trace_content on."""
-    prompt = info.prompt
-    if info.endpoint == COMPLETIONS:
-        texts = [prompt] if isinstance(prompt, str) else prompt
-        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-            return None
-        messages = [{"role": "user", "parts": [{"type": "text", "content": t}]} for t in texts]
-    elif isinstance(prompt, list):
-        messages = [_message(item) for item in prompt if isinstance(item, dict)]
-    else:
-        return None
-    return orjson.dumps(messages).decode()
-
-
-def _message(item: dict[str, Any]) -> dict[str, Any]:
-    content = item.get("content")
-    parts: list[dict[str, Any]] = []
-    if isinstance(content, str):
-        parts.append({"type": "text", "content": content})
-    elif isinstance(content, list):
-        for part in content:
-            if isinstance(part, dict) and part.get("type") == "text":
-                parts.append({"type": "text", "content": part.get("text", "")})
-            elif isinstance(part, dict):
-                parts.append({"type": str(part.get("type", "unknown"))})  # no media payloads
-    return {"role": str(item.get("role", "user")), "parts": parts}
 
 
 # -- configured from the standard OTEL_* variables ------------------------------------------

@@ -13,13 +13,15 @@ from hypothesis import strategies as st
 from proxy.bench import compare, report
 from proxy.bench.client import Result, prepare
 from proxy.bench.load import Level
-from proxy.bench.options import Options, OptionsError, parse, parse_slo
+from proxy.bench.options import ENDPOINTS, Options, OptionsError, parse, parse_slo
 from proxy.bench.prompts import BUILTIN, Prompt, PromptError, load_file, synthetic
 from proxy.bench.stats import distribution, meets, quantile, summarize
+from proxy.core.apis import APIS
 from proxy.core.buckets import TTFT_BUCKETS
 from proxy.core.measurement import ErrorType, Measurement
 from proxy.core.request import CHAT, COMPLETIONS
 from proxy.core.tokens import count_prompt, load_tokenizer
+from proxy.core.wsseam import WS_APIS
 from tests import factories
 from tests.tokenizers_local import build_tiny_tokenizer
 
@@ -146,6 +148,36 @@ def test_prompts_file_errors_name_the_line(tmp_path: Path) -> None:
         load_file(str(bad))
     with pytest.raises(PromptError, match="cannot read"):
         load_file(str(tmp_path / "missing"))
+
+
+def test_endpoint_choices_come_from_the_seams_and_keep_their_names() -> None:
+    # Every name users have typed still works and points at the same API path.
+    assert ENDPOINTS == {
+        "chat": "/v1/chat/completions",
+        "completions": "/v1/completions",
+        "messages": "/v1/messages",
+        "responses": "/v1/responses",
+        "embeddings": "/v1/embeddings",
+        "generate": "/inference/v1/generate",
+        "transcriptions": "/v1/audio/transcriptions",
+        "translations": "/v1/audio/translations",
+        "cohere": "/cohere/v2/chat",
+        "realtime": "/v1/realtime",
+    }
+    named = [api.bench_name for api in (*APIS, *WS_APIS) if api.bench_name]
+    assert len(named) == len(set(named)), "two seams share a bench_name"
+    for name, path in ENDPOINTS.items():
+        assert options("--endpoint", name).endpoint == path
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "messages"),
+    [(api.endpoint, api.takes_messages) for api in APIS if api.bench_name],
+)
+def test_a_prompt_takes_the_shape_its_seam_says(endpoint: str, messages: bool) -> None:
+    chat = [{"role": "user", "content": "hi"}]
+    assert Prompt("hi").payload(endpoint) == (chat if messages else "hi")
+    assert Prompt(messages=tuple(chat)).payload(endpoint) == (chat if messages else "hi")
 
 
 @pytest.mark.parametrize("endpoint", [CHAT, COMPLETIONS])

@@ -21,6 +21,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from proxy.core.apis import APIS, Api
 from proxy.core.errors import (
     FOREIGN_NAMES,
     MAX_ERROR_BODY,
@@ -370,6 +371,15 @@ def test_own_bodies_are_classified_when_measured_through_the_proxy(
 )
 def test_error_shape_follows_the_api(path: str, want: str) -> None:
     assert error_shape(path) == want
+
+
+@pytest.mark.parametrize("api", APIS, ids=lambda api: api.endpoint)
+def test_each_seam_declares_its_error_shape_for_its_paths_and_those_below(api: Api) -> None:
+    # A new API's clients get its declared shape without errors.py naming its path.
+    for path in api.paths:
+        assert error_shape(path) == api.error_shape
+        assert error_shape(path + "/sub/path") == api.error_shape
+    assert error_shape(api.endpoint + "x") == "openai"
 
 
 def test_official_clients_parse_the_proxys_own_errors(

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import threading
 import time
+from typing import get_args
 
 import pytest
 
 from proxy.sim import SimConfig, SimRequest, SimState, completion_text, errors, wire
+from proxy.sim.app import _WRITERS
 from proxy.sim.cli import parse
-from proxy.sim.controls import Plan, plan_request
+from proxy.sim.controls import REQUESTS, Kind, Plan, plan_request
 from proxy.sim.tokens import VOCAB, count_prompt_tokens, text_json
 
 # -- tokens ----------------------------------------------------------------------
@@ -336,3 +338,41 @@ def test_state_keeps_at_most_max_records_and_resets() -> None:
 
 def test_record_json_masks_the_authorization_header() -> None:
     assert record().to_json()["headers"] == {"authorization": "***"}
+
+
+def test_every_generation_kind_has_its_request_rules_and_its_writer() -> None:
+    # The tables a new simulated API adds a line to; a kind missing from one would fail
+    # only when a request for it arrived.
+    kinds = set(get_args(Kind))
+    assert set(REQUESTS) == kinds
+    assert set(_WRITERS) == kinds
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "message"),
+    [
+        ("chat", {"model": "m"}, "Field required: messages"),
+        ("cohere", {"messages": "hi"}, "Field required: messages"),
+        ("messages", {"messages": []}, "Field required: max_tokens"),
+        ("completion", {}, "Field required: prompt"),
+        ("responses", {}, "Field required: input"),
+        ("generate", {"token_ids": []}, "Field required: token_ids"),
+    ],
+)
+def test_each_kind_requires_what_vllm_requires(
+    kind: Kind, body: dict[str, object], message: str
+) -> None:
+    reply = plan_request(kind, body, {}, SimConfig())
+    assert isinstance(reply, errors.ErrorReply)
+    assert reply.status == 400
+    assert message.encode() in reply.body
+
+
+@pytest.mark.parametrize(("kind", "anthropic"), [("messages", True), ("chat", False)])
+def test_only_messages_answers_its_plan_errors_in_anthropics_shape(
+    kind: Kind, anthropic: bool
+) -> None:
+    body = {"model": "nope", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    reply = plan_request(kind, body, {}, SimConfig())
+    assert isinstance(reply, errors.ErrorReply)
+    assert (json.loads(reply.body).get("type") == "error") is anthropic

@@ -292,6 +292,28 @@ def test_trace_content_puts_the_prompt_in_input_messages(exporter: InMemorySpanE
     )
 
 
+@pytest.mark.parametrize(
+    ("endpoint", "prompt", "want"),
+    [
+        # Completions' seam reads its text prompt (or a batch) as one user message per text.
+        (COMPLETIONS, ["one", "two"], '[{"role":"user","parts":[{"type":"text","content":"one"}]},'
+         '{"role":"user","parts":[{"type":"text","content":"two"}]}]'),
+        (COMPLETIONS, [1, 2, 3], None),  # token ids: nothing to show
+        # The chat-like default: parts by type, no media payloads.
+        (CHAT, [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                             {"type": "image_url", "image_url": "data:x"}]}],
+         '[{"role":"user","parts":[{"type":"text","content":"a"},{"type":"image_url"}]}]'),
+        (CHAT, "not a list", None),
+    ],
+)  # fmt: skip
+def test_each_seam_says_how_its_prompt_becomes_input_messages(
+    exporter: InMemorySpanExporter, endpoint: str, prompt: object, want: str | None
+) -> None:
+    tracing = Tracing([SimpleSpanProcessor(exporter)], upstream=UPSTREAM, trace_content=True)
+    span, _, _ = traced(tracing, exporter, info(endpoint, prompt=prompt), record(endpoint=endpoint))
+    assert (span.attributes or {}).get("gen_ai.input.messages") == want
+
+
 def test_header_values_never_reach_the_span(
     tracing: Tracing, exporter: InMemorySpanExporter
 ) -> None:

@@ -8,7 +8,14 @@ closed set of `endpoint` label values (each Api's canonical path).
 from __future__ import annotations
 
 from proxy.core.apis.audio import Transcriptions, Translations
-from proxy.core.apis.base import FINISH_LABELS, Api, Facts, RequestInfo, TokenCounts
+from proxy.core.apis.base import (
+    FINISH_LABELS,
+    Api,
+    ErrorShape,
+    Facts,
+    RequestInfo,
+    TokenCounts,
+)
 from proxy.core.apis.chat import Chat
 from proxy.core.apis.cohere import CohereChat
 from proxy.core.apis.completions import Completions
@@ -45,6 +52,17 @@ def api_for(path: str) -> Api | None:
     return _BY_PATH.get(path)
 
 
+def api_under(path: str) -> Api | None:
+    """The Api serving this path or a path above it (/v1/messages for
+    /v1/messages/count_tokens): whose clients a request to it comes from."""
+    while path:
+        api = _BY_PATH.get(path)
+        if api is not None:
+            return api
+        path = path.rpartition("/")[0]
+    return None
+
+
 def api_of(endpoint: str) -> Api:
     """The Api behind an endpoint label (RequestInfo.endpoint, Measurement.endpoint)."""
     return _BY_ENDPOINT[endpoint]
@@ -55,9 +73,11 @@ __all__ = [
     "ENDPOINTS",
     "FINISH_LABELS",
     "Api",
+    "ErrorShape",
     "Facts",
     "RequestInfo",
     "TokenCounts",
     "api_for",
     "api_of",
+    "api_under",
 ]

@@ -33,6 +33,8 @@ USAGE_FIELD = "stream_include_usage"
 
 class Transcriptions(Chat):
     endpoint = "/v1/audio/transcriptions"
+    bench_name = "transcriptions"
+    takes_messages = False  # a form with a file, not the chat it derives from
     paths = ("/v1/audio/transcriptions",)
     operation = "transcription"
     measures = (
@@ -74,6 +76,7 @@ class Transcriptions(Chat):
 
 class Translations(Transcriptions):
     endpoint = "/v1/audio/translations"
+    bench_name = "translations"
     paths = ("/v1/audio/translations",)
     operation = "translation"
     measures = Transcriptions.measures.replace("transcription.chunk", "translation.chunk")

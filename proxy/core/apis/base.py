@@ -9,7 +9,7 @@ API knowledge left on the other side. Subclasses override only what differs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import orjson
 
@@ -31,6 +31,10 @@ FINISH_LABELS = frozenset(
         NONE_LABEL,
     }
 )
+
+
+#: The error body shapes the proxy writes its own errors in (proxy/core/errors.py error_body).
+ErrorShape = Literal["openai", "anthropic"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +123,13 @@ class Api:
     #: GenAI semantic conventions: gen_ai.operation.name and gen_ai.provider.name.
     operation: ClassVar[str] = "chat"
     provider: ClassVar[str] = "openai"
+    #: The `tokenprobe bench --endpoint` choice that measures this API ("" when the bench
+    #: has none), and whether its prompt is a chat `messages` list (else a text).
+    bench_name: ClassVar[str] = ""
+    takes_messages: ClassVar[bool] = False
+    #: The shape of the proxy's own error bodies for this API's clients (and for requests
+    #: to paths under its own, such as /v1/messages/count_tokens): what their SDKs parse.
+    error_shape: ClassVar[ErrorShape] = "openai"
     #: What is missing when a stream ends without its clean end (for the error message).
     end_marker: ClassVar[str] = "its end event"
     #: A finish reason alone ends a stream cleanly (OpenAI streams may omit [DONE]).
@@ -157,6 +168,32 @@ class Api:
 
     def prompt(self, obj: dict[str, Any]) -> Any:
         return obj.get("input")
+
+    def input_messages(self, prompt: Any) -> list[dict[str, Any]] | None:
+        """The prompt (RequestInfo.prompt) as GenAI `gen_ai.input.messages`: one
+        {"role", "parts"} per chat-like message, text parts with their text, other parts by
+        type only (no media payloads). None when the prompt is no list of messages."""
+        if not isinstance(prompt, list):
+            return None
+        return [gen_ai_message(item) for item in prompt if isinstance(item, dict)]
+
+    def bench_body(
+        self, model: str, prompt: Any, max_tokens: int, ignore_eos: bool
+    ) -> dict[str, Any]:
+        """The request body `tokenprobe bench` sends this API for a prompt (a text or a
+        `messages` list, as `takes_messages` says): streamed, with usage wherever the API
+        can be asked for it. The default is the chat and completions body."""
+        body: dict[str, Any] = {
+            "model": model,
+            "messages" if isinstance(prompt, list) else "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if ignore_eos:
+            body["ignore_eos"] = True
+        return body
 
     def usage_requested(self, obj: dict[str, Any]) -> bool:
         """True when the backend will send usage without the proxy asking for it."""
@@ -205,6 +242,21 @@ class Api:
             cached=cached if type(cached) is int else None,
             source=TokenSource.USAGE,
         )
+
+
+def gen_ai_message(item: dict[str, Any]) -> dict[str, Any]:
+    """One chat-like message ({"role", "content"}) as a GenAI {"role", "parts"} message."""
+    content = item.get("content")
+    parts: list[dict[str, Any]] = []
+    if isinstance(content, str):
+        parts.append({"type": "text", "content": content})
+    elif isinstance(content, list):
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text":
+                parts.append({"type": "text", "content": part.get("text", "")})
+            elif isinstance(part, dict):
+                parts.append({"type": str(part.get("type", "unknown"))})  # no media payloads
+    return {"role": str(item.get("role", "user")), "parts": parts}
 
 
 def identity(obj: dict[str, Any]) -> dict[str, Any]:

@@ -163,6 +163,8 @@ class OpenAIGeneration(Api):
 
 class Chat(OpenAIGeneration):
     endpoint = "/v1/chat/completions"
+    bench_name = "chat"
+    takes_messages = True
     paths = ("/v1/chat/completions",)
     operation = "chat"
     text_openings = (b'"delta":{"content":"', b'"delta":{"reasoning":"')

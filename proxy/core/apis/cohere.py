@@ -43,6 +43,8 @@ FINISH = {
 
 class CohereChat(Api):
     endpoint = "/cohere/v2/chat"
+    bench_name = "cohere"
+    takes_messages = True
     paths = ("/cohere/v2/chat",)
     operation = "chat"
     provider = "cohere"
@@ -56,6 +58,18 @@ class CohereChat(Api):
 
     def prompt(self, obj: dict[str, Any]) -> Any:
         return obj.get("messages")
+
+    def bench_body(
+        self, model: str, prompt: Any, max_tokens: int, ignore_eos: bool
+    ) -> dict[str, Any]:
+        # Usage always comes with message-end.
+        return {
+            "model": model,
+            "messages": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+        }
 
     def event(self, payload: bytes, collect: bool, identify: bool) -> Facts:
         if payload == b"[DONE]":

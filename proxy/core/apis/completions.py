@@ -13,6 +13,7 @@ from proxy.core.apis.chat import OpenAIGeneration, add_texts
 
 class Completions(OpenAIGeneration):
     endpoint = "/v1/completions"
+    bench_name = "completions"
     paths = ("/v1/completions",)
     operation = "text_completion"
     text_openings = (b'"text":"',)
@@ -23,6 +24,13 @@ class Completions(OpenAIGeneration):
 
     def prompt(self, obj: dict[str, Any]) -> Any:
         return obj.get("prompt")
+
+    def input_messages(self, prompt: Any) -> list[dict[str, Any]] | None:
+        """A text prompt (or a batch of them): one user message per text."""
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+            return None
+        return [{"role": "user", "parts": [{"type": "text", "content": t}]} for t in texts]
 
     def _content(self, choice: dict[str, Any], texts: list[str] | None) -> str | None:
         text = choice.get("text")

@@ -25,6 +25,7 @@ from proxy.core.apis.chat import OpenAIGeneration
 
 class Generate(OpenAIGeneration):
     endpoint = "/inference/v1/generate"
+    bench_name = "generate"
     paths = ("/inference/v1/generate",)
     operation = "text_completion"
     provider: ClassVar[str] = "vllm"
@@ -34,6 +35,17 @@ class Generate(OpenAIGeneration):
         "the client asked for usage, prompt tokens = len(token_ids); finish_reason, "
         "in-stream errors"
     )
+
+    def bench_body(
+        self, model: str, prompt: Any, max_tokens: int, ignore_eos: bool
+    ) -> dict[str, Any]:
+        # Token ids in: the prompt's UTF-8 bytes, ids every vocabulary has. The output is
+        # counted exactly from the ids streamed back, so no usage is asked for.
+        params: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0}
+        if ignore_eos:
+            params["ignore_eos"] = True
+        ids = list(str(prompt).encode())
+        return {"model": model, "token_ids": ids, "sampling_params": params, "stream": True}
 
     def read_request(self, obj: dict[str, Any]) -> RequestInfo:
         params = obj.get("sampling_params")

@@ -44,9 +44,12 @@ _DELTA_CONTENT = {"text_delta": ("text", "text"), "thinking_delta": ("thinking",
 
 class Messages(Api):
     endpoint = "/v1/messages"
+    bench_name = "messages"
+    takes_messages = True
     paths = ("/v1/messages",)
     operation = "chat"
     provider = "anthropic"
+    error_shape = "anthropic"
     end_marker = "message_stop"
     measures = (
         "TTFT at the first content_block_delta with non-empty text, thinking or "
@@ -54,6 +57,18 @@ class Messages(Api):
         "speed; tokens from message_start and message_delta usage (cache reads as cached); "
         "stop_reason; error events; a clean end at message_stop"
     )
+
+    def bench_body(
+        self, model: str, prompt: Any, max_tokens: int, ignore_eos: bool
+    ) -> dict[str, Any]:
+        # Messages streams always carry usage.
+        return {
+            "model": model,
+            "messages": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+        }
 
     def prompt(self, obj: dict[str, Any]) -> Any:
         messages = obj.get("messages")

@@ -34,7 +34,13 @@ class Pooling(Api):
 
 class Embeddings(Pooling):
     endpoint = "/v1/embeddings"
+    bench_name = "embeddings"
     paths = ("/v1/embeddings",)
+
+    def bench_body(
+        self, model: str, prompt: Any, max_tokens: int, ignore_eos: bool
+    ) -> dict[str, Any]:
+        return {"model": model, "input": prompt}
 
 
 class Score(Pooling):

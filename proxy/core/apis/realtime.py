@@ -36,6 +36,7 @@ from proxy.core.wsframes import WsMessage
 
 class Realtime(WsApi):
     endpoint = "/v1/realtime"
+    bench_name = "realtime"
     paths = ("/v1/realtime",)
 
     def open(

@@ -51,6 +51,7 @@ FINISH = {
 
 class Responses(Api):
     endpoint = "/v1/responses"
+    bench_name = "responses"
     paths = ("/v1/responses",)
     operation = "chat"
     end_marker = "response.completed or response.incomplete"
@@ -63,6 +64,17 @@ class Responses(Api):
 
     def max_tokens(self, obj: dict[str, Any]) -> object:
         return obj.get("max_output_tokens")
+
+    def bench_body(
+        self, model: str, prompt: Any, max_tokens: int, ignore_eos: bool
+    ) -> dict[str, Any]:
+        return {
+            "model": model,
+            "input": prompt,
+            "max_output_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+        }
 
     def event(self, payload: bytes, collect: bool, identify: bool) -> Facts:
         obj = json_object(payload)
