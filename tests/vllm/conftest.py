@@ -28,7 +28,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.servers import free_port, spawn, stop, wait_http
+from proxy.bench.ports import free_ports
+from tests.servers import free_port, spawn, stop
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("TOKENPROBE_VLLM_VENV", "/opt/vllm-venv"))
@@ -97,8 +98,7 @@ class Vllm:
         return [json.loads(line) for line in lines if line.startswith("{")]
 
 
-def _start(python: Path, name: str, logs: Path) -> Vllm:
-    port = free_port()
+def _start(python: Path, name: str, logs: Path, port: int) -> Vllm:
     log = logs / f"vllm-{name}.log"
     env = {
         **os.environ,
@@ -159,6 +159,38 @@ class Servers:
     spec: Vllm
 
 
+def _start_proxy(server: Vllm, logs: Path) -> None:
+    """A `tokenprobe serve` in front of `server`, up and answering as tokenprobe.
+
+    A free port is only free when it is picked: another process (one of the two vLLM
+    servers' helpers, the other proxy) can take it before this proxy binds it, and then
+    the proxy exits while its URL answers for someone else (vLLM answers /healthz with a
+    404, which a plain wait would take for "up"). So the proxy must be alive and answer
+    its own /healthz with 200; otherwise it gets another port."""
+    server.access_log = logs / f"proxy-{server.name}.jsonl"
+    for _ in range(5):
+        port = free_port()
+        with server.access_log.open("wb") as out:
+            proxy = spawn(
+                "serve", "--upstream", server.url, "--port", str(port), "--access-log", "json",
+                stdout=out.fileno(),
+            )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while proxy.poll() is None and time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        if proxy.poll() is None and httpx.get(url + "/healthz", timeout=2).status_code == 200:
+            server.proxy, server.proxy_url = proxy, url
+            return
+        stop(proxy)
+    raise AssertionError(f"tokenprobe serve in front of vLLM {server.name} did not start")
+
+
 @pytest.fixture(scope="session")
 def vllm_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     python = vllm_python()
@@ -166,28 +198,16 @@ def vllm_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
         subprocess.run([str(python), str(ROOT / "tests" / "vllm_model.py"), str(MODEL)], check=True)
     logs = tmp_path_factory.mktemp("vllm")
     started = time.monotonic()
-    servers = [_start(python, name, logs) for name in FLAGS]  # both start at once
+    # Both start at once, on ports picked together: vLLM binds its port only after
+    # loading, so two ports picked one after the other could be the same one.
+    ports = free_ports(len(FLAGS))
+    servers = [_start(python, name, logs, port) for name, port in zip(FLAGS, ports, strict=True)]
     try:
         deadline = started + START_TIMEOUT
         for server in servers:
             _wait_healthy(server, deadline)
         for server in servers:
-            port = free_port()
-            server.access_log = logs / f"proxy-{server.name}.jsonl"
-            with server.access_log.open("wb") as out:
-                server.proxy = spawn(
-                    "serve",
-                    "--upstream",
-                    server.url,
-                    "--port",
-                    str(port),
-                    "--access-log",
-                    "json",
-                    stdout=out.fileno(),
-                )
-            server.proxy_url = f"http://127.0.0.1:{port}"
-        for server in servers:
-            wait_http(server.proxy_url + "/healthz")
+            _start_proxy(server, logs)
         yield Servers(servers[0], servers[1])
     finally:
         for server in servers:
