@@ -130,6 +130,8 @@ class Tracing:
             span.add_event("first_byte", timestamp=start_ns + int(m.ttfb * 1e9))
         if m.ttft is not None:
             span.add_event("first_token", timestamp=start_ns + int(m.ttft * 1e9))
+        if m.first_answer is not None and m.first_answer != m.ttft:  # it reasoned or called
+            span.add_event("first_answer_token", timestamp=start_ns + int(m.first_answer * 1e9))
         if m.error_type is not None:
             span.set_status(Status(StatusCode.ERROR, m.error_message or m.error_type.value))
         span.end(end_time=start_ns + int(m.e2e * 1e9))
@@ -161,7 +163,17 @@ def _finish_attributes(m: Measurement) -> dict[str, Any]:
         "tokenprobe.decode_tokens_per_second": m.decode_tokens_per_second,
         "tokenprobe.proxy_overhead": m.proxy_overhead,
         "tokenprobe.output_tokens_per_chunk": m.output_tokens_per_chunk(),
+        # issue 26: the GenAI conventions' reasoning count, and the first tokens by kind
+        "gen_ai.usage.reasoning.output_tokens": m.reasoning_tokens,
+        "tokenprobe.reasoning_token_source": m.reasoning_token_source,
+        "tokenprobe.time_to_first_answer_token": m.first_answer,
+        "tokenprobe.time_to_first_reasoning_token": m.first_reasoning,
+        "tokenprobe.reasoning_duration": m.reasoning_duration,
+        "tokenprobe.time_to_first_tool_call": m.first_tool_call,
+        "tokenprobe.without_answer": m.without_answer,
     }
+    for outcome, count in m.tool_call_outcomes().items():
+        optional[f"tokenprobe.tool_calls.{outcome}"] = count
     if m.engine is not None:
         queue, engine_ttft, outside = m.ttft_parts()
         spec = m.engine.spec
