@@ -55,6 +55,7 @@ from proxy.sim.controls import (
 from proxy.sim.events import complete_events, stream_events
 from proxy.sim.exchange import Exchange
 from proxy.sim.generate import GenerateWire, complete_generate, stream_generate
+from proxy.sim.agentic import ChatScript, MessagesScript, ResponsesScript, stream_script
 from proxy.sim.messages import MessagesWire
 from proxy.sim.messages import count_tokens as messages_count_tokens
 from proxy.sim.pacing import FreePacer, LockstepPacer, Pacer, StepClock
@@ -379,7 +380,10 @@ async def _events(job: Planned, events: MessagesWire | ResponsesWire | CohereWir
 
 
 async def _write_messages(job: Planned) -> Outcome:
-    return await _events(job, MessagesWire(job.plan, job.ex.record.id, job.stamp))
+    events = MessagesWire(job.plan, job.ex.record.id, job.stamp)
+    if job.plan.script is not None and job.plan.stream:
+        return await stream_script(job.ex, job.plan, job.pacer, MessagesScript(job.plan, events))
+    return await _events(job, events)
 
 
 async def _write_cohere(job: Planned) -> Outcome:
@@ -391,6 +395,8 @@ async def _write_responses(job: Planned) -> Outcome:
     events = ResponsesWire(plan, job.body, ex.record.id, job.created, job.stamp)
     if plan.metrics:
         events.metrics = lambda sent, streamed: engine_metrics(ex, plan, sent, streamed)
+    if plan.script is not None and plan.stream:
+        return await stream_script(ex, plan, job.pacer, ResponsesScript(plan, events))
     return await _events(job, events)
 
 
@@ -424,6 +430,10 @@ def _write_openai(chat: bool) -> Callable[[Planned], Awaitable[Outcome]]:
         sse = StreamWire(
             chat, ex.record.id, job.created, plan.model, job.stamp, job.system_fingerprint
         )
+        if chat and plan.script is not None:
+            head = StreamWire(chat, ex.record.id, job.created, plan.model, False).role()
+            head = head[: head.index(b',"choices"')]
+            return await stream_script(ex, plan, job.pacer, ChatScript(plan, sse, head))
         return await stream(ex, plan, sse, job.pacer)
 
     return write
