@@ -167,9 +167,11 @@ def test_reasoning_vllm_reports_as_zero_is_counted_from_the_stream(vllm_reasonin
         reasoning_events,
         "events",
     )
-    # both measured, the answer after the reasoning
+    # both measured, the answer after the reasoning (the same read when the proxy got
+    # both chunks at once from a busy server: then the same instant)
+    assert seen.kinds.index("reasoning") < seen.kinds.index("content")
     assert line["ttft_ms"] is not None and line["ttfa_ms"] is not None
-    assert line["ttfa_ms"] > line["ttft_ms"] and line["reasoning_ms"] is not None
+    assert line["ttfa_ms"] >= line["ttft_ms"] and line["reasoning_ms"] is not None
     changed = delta.after(1)
     assert changed("tokenprobe_reasoning_tokens_total", source="events") == reasoning_events
     assert changed("tokenprobe_time_to_first_answer_token_seconds_count") == 1
