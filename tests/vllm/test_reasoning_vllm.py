@@ -242,9 +242,13 @@ def test_the_clients_stream_is_the_stream_direct(vllm_reasoning: Vllm) -> None:
     ]
     with httpx.Client(timeout=120) as client:
         for body in bodies:
-            for _ in range(3):  # vLLM may merge two engine steps into one chunk under load
+            # vLLM may merge two engine steps into one chunk under load, which also moves
+            # where a multi-byte character's bytes are cut: a pair that differs is asked
+            # for again, up to five times, and never accepted
+            for _ in range(5):
                 direct = post(client, server.url, body)
                 proxied = post(client, server.proxy_url, body)
-                if direct.count(b"\n\n") == proxied.count(b"\n\n"):
+                if normalise(proxied) == normalise(direct):
                     break
             assert normalise(proxied) == normalise(direct)
+            assert b"reasoning" in direct or b"tool_calls" in direct
