@@ -91,9 +91,7 @@ class TokenCounter:
         tokenizer = self._loading.result()
         joined = list(texts)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._executor, lambda: count_output(tokenizer, joined)
-        )
+        return await loop.run_in_executor(self._executor, lambda: count_output(tokenizer, joined))
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

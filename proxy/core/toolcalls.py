@@ -32,7 +32,7 @@ OUTCOMES = ("complete", "invalid_arguments", "truncated", "unknown")
 
 
 class CallPiece(NamedTuple):
-    index: int  # the call's position in the answer, as the API numbers it
+    call: int  # the call's index in the answer, as the API numbers it
     opens: bool  # the call's first delta (id / name)
     arguments: str  # an argument piece ("" when the piece carries none)
     closes: bool = False  # the API says the call's arguments are complete
@@ -67,15 +67,15 @@ class ToolCalls:
         self.overflow = 0  # calls beyond MAX_CALLS
 
     def add(self, piece: CallPiece, now: float) -> None:
-        call = self.calls.get(piece.index)
+        call = self.calls.get(piece.call)
         if call is None:
             if piece.closes and not piece.opens:
                 return  # the end of a block that was no call (Messages content_block_stop)
             if len(self.calls) >= MAX_CALLS:
                 self.overflow += piece.opens
                 return
-            call = self.calls[piece.index] = _Call(now)
-            self.order.append(piece.index)
+            call = self.calls[piece.call] = _Call(now)
+            self.order.append(piece.call)
         elif piece.opens and call.closed:
             return  # a repeated opening of a closed call says nothing new
         text = piece.arguments

@@ -210,8 +210,10 @@ class MessagesScript:
     def step(self, step: Step) -> list[bytes]:
         text = completion_text(1, step.position)
         if step.kind == "reasoning":
-            out = [] if self._open == "thinking" else self._switch(
-                "thinking", {"type": "thinking", "thinking": "", "signature": ""}
+            out = (
+                []
+                if self._open == "thinking"
+                else self._switch("thinking", {"type": "thinking", "thinking": "", "signature": ""})
             )
             return [*out, self._delta({"type": "thinking_delta", "thinking": text})]
         if step.kind == "text":
@@ -270,6 +272,7 @@ class ResponsesScript:
 
     def _item_json(self, item: _Item, status: str) -> dict[str, Any]:
         text = "".join(item.text)
+        content: list[dict[str, Any]]
         if item.kind == "reasoning":
             content = [{"text": text, "type": "reasoning_text"}] if status == "completed" else []
             return {"id": item.item_id, "summary": [], "type": "reasoning", "content": content,
@@ -348,9 +351,12 @@ class ResponsesScript:
             return [
                 self._typed(
                     "response.function_call_arguments.delta",
-                    {"delta": step.piece, "item_id": current.item_id,
-                     "output_index": current.index},
-                )  # fmt: skip
+                    {
+                        "delta": step.piece,
+                        "item_id": current.item_id,
+                        "output_index": current.index,
+                    },
+                )
             ]
         kind = "reasoning" if step.kind == "reasoning" else "message"
         out = [] if current is not None and current.kind == kind else self._add(kind)
@@ -358,8 +364,10 @@ class ResponsesScript:
         assert item is not None
         text = completion_text(1, step.position)
         item.text.append(text)
-        name = "response.reasoning_text.delta" if kind == "reasoning" else (
-            "response.output_text.delta"
+        name = (
+            "response.reasoning_text.delta"
+            if kind == "reasoning"
+            else ("response.output_text.delta")
         )
         fields: dict[str, Any] = {"content_index": 0, "delta": text, "item_id": item.item_id}
         if kind == "message":

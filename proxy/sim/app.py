@@ -42,6 +42,7 @@ import orjson
 from starlette.types import Receive, Scope, Send
 
 from proxy.sim import audio, catalog, errors, pooling, utility
+from proxy.sim.agentic import ChatScript, MessagesScript, ResponsesScript, stream_script
 from proxy.sim.cohere import CohereWire
 from proxy.sim.config import SimConfig
 from proxy.sim.controls import (
@@ -55,7 +56,6 @@ from proxy.sim.controls import (
 from proxy.sim.events import complete_events, stream_events
 from proxy.sim.exchange import Exchange
 from proxy.sim.generate import GenerateWire, complete_generate, stream_generate
-from proxy.sim.agentic import ChatScript, MessagesScript, ResponsesScript, stream_script
 from proxy.sim.messages import MessagesWire
 from proxy.sim.messages import count_tokens as messages_count_tokens
 from proxy.sim.pacing import FreePacer, LockstepPacer, Pacer, StepClock

@@ -507,7 +507,7 @@ class Metrics:
             self.tokens_per_chunk.labels(model_label, m.endpoint).observe(ratio)
         if m.cancelled:
             self._record_cancelled(m, model_label)
-        if m.stream and m.content_events or m.without_answer is not None:
+        if (m.stream and m.content_events) or m.without_answer is not None:
             self._record_kinds(m, key, bound)
 
     def _record_engine(self, m: Measurement, model_label: str, engine: EngineMetrics) -> None:

@@ -69,8 +69,9 @@ def test_a_plain_text_stream_makes_no_tracker() -> None:
         observer.feed(b"data: " + orjson.dumps(chunk) + b"\n\n", 0.125 * (i + 1))
     observer.feed(b"data: [DONE]\n\n", 1.0)
     record = asyncio.run(
-        observer.finish(end=1.0, started_at=0.0, status_code=200, error_type=None,
-                        error_message=None)  # fmt: skip
+        observer.finish(
+            end=1.0, started_at=0.0, status_code=200, error_type=None, error_message=None
+        )
     )
     assert observer.tools is None and record.tool_calls == ()
     assert (record.first_answer, record.without_answer, record.reasoning_tokens) == (
@@ -92,7 +93,8 @@ def test_a_forced_call_cut_before_its_first_delta_is_a_request_without_answer() 
         observer.feed(b"data: " + orjson.dumps(event) + b"\n\n", 0.5)
     observer.feed(b"data: [DONE]\n\n", 0.5)
     record = asyncio.run(
-        observer.finish(end=0.5, started_at=0.0, status_code=200, error_type=None,
-                        error_message=None)  # fmt: skip
+        observer.finish(
+            end=0.5, started_at=0.0, status_code=200, error_type=None, error_message=None
+        )
     )
     assert (record.ttft, record.output_tokens, record.without_answer) == (None, 8, "length")

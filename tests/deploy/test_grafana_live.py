@@ -149,7 +149,9 @@ class ContractExporter:
         self.reasoning_tpot = hist(
             "tokenprobe_request_reasoning_time_per_output_token_seconds", ITL_BUCKETS
         )
-        self.answer_tpot = hist("tokenprobe_request_answer_time_per_output_token_seconds", ITL_BUCKETS)
+        self.answer_tpot = hist(
+            "tokenprobe_request_answer_time_per_output_token_seconds", ITL_BUCKETS
+        )
         self.reasoning_tokens = counter("tokenprobe_reasoning_tokens", [*me, "source"])
         self.without = counter("tokenprobe_requests_without_answer", [*me, "reason"])
         self.tool_calls = counter("tokenprobe_tool_calls", [*me, "outcome"])
@@ -242,7 +244,6 @@ class ContractExporter:
         self.vllm_running.labels(**vllm).set(rng.randint(0, 32))
         self.vllm_waiting.labels(**vllm).set(rng.randint(0, 4))
         self.vllm_kv.labels(**vllm).set(rng.random())
-
 
     def _kinds(self, labels: dict[str, str], ttft: float, tpot: float, n: int) -> None:
         """One stream's reasoning, answer and tool calls (issue 26)."""

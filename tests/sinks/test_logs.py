@@ -17,9 +17,9 @@ from prometheus_client import CollectorRegistry
 
 from proxy.core.fingerprint import of_prompt
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement
+from proxy.core.toolcalls import ToolCall
 from proxy.server.assemble import assemble
 from proxy.settings import Settings
-from proxy.core.toolcalls import ToolCall
 from proxy.sinks.logs import KEYS, AccessLog, iso_utc
 from proxy.sinks.sink import Labels
 from proxy.sinks.tracing import Tracing

@@ -72,9 +72,7 @@ def post(client: httpx.Client, url: str, body: dict[str, Any]) -> bytes:
 
 def chunks(raw: bytes) -> list[dict[str, Any]]:
     return [
-        json.loads(line[6:])
-        for line in raw.decode().splitlines()
-        if line.startswith("data: {")
+        json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: {")
     ]
 
 
