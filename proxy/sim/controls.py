@@ -248,7 +248,8 @@ def _plan(
         planned = script.tokens(answer)
     limit = max_tokens if max_tokens is not None else room
     finish = "stop" if script is None or not script.calls else "tool_calls"
-    if body.get("ignore_eos") or planned > limit:
+    # A script (reasoning, tool calls) ends where it ends: ignore_eos does not stretch it.
+    if (body.get("ignore_eos") and script is None) or planned > limit:
         planned, finish = limit, "length"
 
     options = body.get("stream_options") or {}
