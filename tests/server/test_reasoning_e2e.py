@@ -22,7 +22,8 @@ TTFT = 0.1
 INTERVAL = 0.02  # x-sim-tps 50: one token every 20 ms
 PROGRAM = {"x-sim-ttft": str(TTFT), "x-sim-tps": "50"}
 CHAT, MESSAGES, RESPONSES = "/v1/chat/completions", "/v1/messages", "/v1/responses"
-APIS = (CHAT, MESSAGES, RESPONSES)
+COHERE = "/cohere/v2/chat"
+APIS = (CHAT, MESSAGES, RESPONSES, COHERE)
 
 
 def body(path: str, max_tokens: int | None = None) -> dict[str, Any]:
@@ -33,7 +34,7 @@ def body(path: str, max_tokens: int | None = None) -> dict[str, Any]:
         if max_tokens is not None:
             out["max_tokens"] = max_tokens
         return out
-    if path == MESSAGES:
+    if path in (MESSAGES, COHERE):
         return {"model": MODEL, "messages": prompt, "stream": True, "max_tokens": max_tokens or 256}
     out = {"model": MODEL, "input": "What is the weather?", "stream": True}
     if max_tokens is not None:
@@ -74,8 +75,8 @@ def test_reasoning_then_answer_is_measured_by_kind(
     assert first <= last < answer
     assert last >= TTFT + 5 * INTERVAL and answer >= TTFT + 6 * INTERVAL
     assert m.reasoning_events == 6 and m.answer_tokens == 4
-    # chat and Responses usage carry reasoning_tokens; Messages usage does not
-    want_source = "events" if path == MESSAGES else "usage"
+    # chat and Responses usage carry reasoning_tokens; Messages and Cohere usage do not
+    want_source = "events" if path in (MESSAGES, COHERE) else "usage"
     assert (m.reasoning_tokens, m.reasoning_token_source) == (6, want_source)
     assert m.without_answer is None and m.tool_calls == ()
     assert m.reasoning_tpot is not None and m.answer_tpot is not None
@@ -126,6 +127,15 @@ def client_outcomes(path: str, raw: bytes) -> list[str]:
                     piece = call.get("function", {}).get("arguments", "")
                     arguments[call["index"]] = arguments.get(call["index"], "") + piece
                 length = length or choice.get("finish_reason") == "length"
+        elif path == COHERE:
+            if e["type"] == "tool-call-start":
+                arguments[e["index"]] = e["delta"]["message"]["tool_calls"]["function"]["arguments"]
+            if e["type"] == "tool-call-delta":
+                arguments[e["index"]] += e["delta"]["message"]["tool_calls"]["function"][
+                    "arguments"
+                ]
+            if e["type"] == "message-end":
+                length = e["delta"]["finish_reason"] == "MAX_TOKENS"
         elif path == MESSAGES:
             if e["type"] == "content_block_start" and e["content_block"]["type"] == "tool_use":
                 arguments[e["index"]] = ""
