@@ -64,7 +64,8 @@ class SloError(ValueError):
 
 
 def parse_slo(text: str, source: str = "--slo") -> dict[str, float]:
-    """'ttft=0.5,tpot=0.05' -> {"ttft": 0.5, "tpot": 0.05}; SloError naming `source`."""
+    """'ttft=0.5,tpot=0.05' -> {"ttft": 0.5, "tpot": 0.05}; SloError naming `source`
+    (no name when it is "", for a caller that names the setting itself)."""
     limits: dict[str, float] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, sep, value = item.partition("=")
@@ -73,16 +74,17 @@ def parse_slo(text: str, source: str = "--slo") -> dict[str, float]:
 
 
 def _limit(source: str, name: str, value: Any, item: Any) -> dict[str, float]:
+    source = f"{source}: " if source else ""
     if name not in BY_NAME:
         raise SloError(
-            f"{source}: expected NAME=SECONDS with NAME in {', '.join(NAMES)}, got {item!r}"
+            f"{source}expected NAME=SECONDS with NAME in {', '.join(NAMES)}, got {item!r}"
         )
     try:
         seconds = float(value)
     except (TypeError, ValueError):
-        raise SloError(f"{source}: {name} is not a number: {value!r}") from None
+        raise SloError(f"{source}{name} is not a number: {value!r}") from None
     if not 0 < seconds < float("inf"):  # also refuses nan
-        raise SloError(f"{source}: {name} must be a positive number of seconds, got {value!r}")
+        raise SloError(f"{source}{name} must be a positive number of seconds, got {value!r}")
     return {name: seconds}
 
 
@@ -146,7 +148,7 @@ def parse_slo_file(data: Any, source: str) -> Policy:
     unknown = sorted(str(k) for k in set(data) - {"default", "models"})
     if unknown:
         raise SloError(f"{source}: unknown key {unknown[0]!r} (expected default, models)")
-    default = _targets(data.get("default", {}), f"{source}: default")
+    default = _targets(data["default"], f"{source}: default") if "default" in data else {}
     models = data.get("models", {})
     if not isinstance(models, dict):
         raise SloError(f"{source}: models: expected a mapping of model name to targets")
