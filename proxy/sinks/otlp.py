@@ -371,7 +371,7 @@ class OtlpMetrics:
         attribution: tuple[str, ...] = (),
         prices: PriceTable | None = None,
         in_flight: Gauge | None = None,
-        names: semconv.Names = semconv.Names(),
+        names: semconv.Names = semconv.DEFAULT,
     ) -> None:
         self.exporter = exporter
         self.names = names
@@ -428,9 +428,7 @@ class OtlpMetrics:
         if m.prompt_tokens is not None:
             self._observe(TOKEN_USAGE, (*base, ("gen_ai.token.type", "input")), (m.prompt_tokens,))
         if m.output_tokens is not None:
-            self._observe(
-                TOKEN_USAGE, (*base, ("gen_ai.token.type", "output")), (m.output_tokens,)
-            )
+            self._observe(TOKEN_USAGE, (*base, ("gen_ai.token.type", "output")), (m.output_tokens,))
 
     def _inference_usage(self, m: Measurement, base: Key, failed: Key) -> None:
         """The current names: counters for every request, failed ones included (0 when no

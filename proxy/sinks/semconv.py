@@ -52,13 +52,17 @@ class Names:
     previous: bool = False
 
 
+#: The default: the current names only.
+DEFAULT = Names()
+
+
 def names_from_env(env: Mapping[str, str]) -> Names:
     items = {item.strip() for item in env.get(OPT_IN, "").split(",") if item.strip()}
     if BOTH in items or (PREVIOUS in items and LATEST in items):
         return Names(current=True, previous=True)
     if PREVIOUS in items:
         return Names(current=False, previous=True)
-    return Names()
+    return DEFAULT
 
 
 def optional(record: Any, name: str) -> Any:

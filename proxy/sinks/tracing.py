@@ -61,7 +61,7 @@ class Tracing:
         sampler: Sampler | None = None,
         service_name: str = "tokenprobe",
         trace_content: bool = False,
-        names: semconv.Names = semconv.Names(),
+        names: semconv.Names = semconv.DEFAULT,
     ) -> None:
         self.names = names
         # Its own provider: the process-wide global one stays whatever the host app set.

@@ -183,7 +183,9 @@ class ContractExporter:
         if error_type == "client_cancelled":
             self.slo_cancelled.labels(**labels).inc()
         else:
-            result = "error" if error_type != "none" else ("met", "met", "met", "ttft", "tpot")[n % 5]
+            result = (
+                "error" if error_type != "none" else ("met", "met", "met", "ttft", "tpot")[n % 5]
+            )
             self.slo.labels(**labels, result=result).inc()
         if error_type == "client_cancelled":
             self.cancelled_prompt.labels(**labels, source="tokenizer").inc(rng.randint(10, 400))

@@ -55,9 +55,7 @@ async def _send(url: str) -> None:
             ) as response:
                 await response.aread()
 
-        await asyncio.gather(
-            *(one(m, t, h) for m, t, h, n in PLAN for _ in range(n))
-        )
+        await asyncio.gather(*(one(m, t, h) for m, t, h, n in PLAN for _ in range(n)))
 
 
 def _results(proxy: ProxyUnderTest, model: str, team: str) -> dict[str, float]:
@@ -105,9 +103,11 @@ def test_a_cancelled_stream_is_counted_apart_and_left_out_of_attainment(
     sim = start_sim(output_tokens=400, tokens_per_second=20)
     proxy = start_proxy(sim.url, slo="e2e=60")
     body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-    with httpx.Client(base_url=proxy.url, timeout=30) as client:
-        with client.stream("POST", "/v1/chat/completions", json=body) as response:
-            next(response.iter_raw())  # the first bytes, then walk away
+    with (
+        httpx.Client(base_url=proxy.url, timeout=30) as client,
+        client.stream("POST", "/v1/chat/completions", json=body) as response,
+    ):
+        next(response.iter_raw())  # the first bytes, then walk away
     proxy.wait_records(1, timeout=20)
     labels = {"model": "sim-model", "endpoint": "/v1/chat/completions"}
     assert proxy.sample("tokenprobe_slo_cancelled_requests_total", **labels) == 1

@@ -518,7 +518,9 @@ def test_page_shows_slo_attainment_as_promql_reads_the_counters(
         before = client.get("/metrics").text
         page.wait_for_scrapes(page.scrapes() + 1)
         for ttft in ("0", "0", "0", "0.6", "0.6"):  # three within 0.25 s, two far beyond
-            client.post(CHAT, json=_chat(), headers={"x-sim-ttft": ttft, "x-sim-output-tokens": "4"})
+            client.post(
+                CHAT, json=_chat(), headers={"x-sim-ttft": ttft, "x-sim-output-tokens": "4"}
+            )
         client.post(CHAT, json=_chat(), headers={"x-sim-error": "rate_limit"})  # an error: a miss
         proxy.wait_records(6, timeout=10)
         now = client.get("/metrics").text

@@ -151,9 +151,7 @@ def test_buckets_counts_and_sums_equal_prometheus_for_the_same_records(name_set:
         counter = metrics["gen_ai.client.inference.usage.output_tokens"].data
         assert counter.is_monotonic and sum(p.value for p in counter.data_points) == output
         # Every request counted, the failure with 0; tokens not split by modality.
-        assert {p.attributes["gen_ai.token.modality"] for p in counter.data_points} == {
-            "unknown"
-        }
+        assert {p.attributes["gen_ai.token.modality"] for p in counter.data_points} == {"unknown"}
         per_request = metrics["gen_ai.client.inference.operation.output_tokens"].data.data_points
         assert sum(p.count for p in per_request) == 3 and sum(p.sum for p in per_request) == output
         assert "gen_ai.token.modality" not in per_request[0].attributes
@@ -269,7 +267,9 @@ def test_the_variables_choose_protocol_endpoint_and_temporality() -> None:
         ("database", True, False),  # another signal's switch changes nothing here
     ],
 )
-def test_the_stability_switch_picks_the_name_sets(value: str, current: bool, previous: bool) -> None:
+def test_the_stability_switch_picks_the_name_sets(
+    value: str, current: bool, previous: bool
+) -> None:
     names = names_from_env({"OTEL_SEMCONV_STABILITY_OPT_IN": value})
     assert (names.current, names.previous) == (current, previous)
 

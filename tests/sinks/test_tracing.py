@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, fields
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 import pytest
