@@ -283,3 +283,24 @@ def test_both_name_sets_at_once_each_carry_every_request() -> None:
         assert sum(p.count for p in metrics[name].data.data_points) == 4
     assert "gen_ai.client.token.usage" in metrics
     assert "gen_ai.client.inference.usage.input_tokens" in metrics
+
+
+def test_reasoning_tokens_are_counted_once_the_record_carries_them() -> None:
+    from dataclasses import dataclass, fields
+
+    from proxy.core.measurement import Measurement
+
+    @dataclass(frozen=True, slots=True)
+    class WithReasoning(Measurement):  # the field the reasoning work adds to the record
+        reasoning_tokens: int | None = None
+
+    base = measurement()
+    later = WithReasoning(
+        **{f.name: getattr(base, f.name) for f in fields(Measurement)}, reasoning_tokens=9
+    )
+    otlp = sink(Collecting(), CollectorRegistry())
+    otlp.record(later, Labels("sim-model"))
+    otlp.record(base, Labels("sim-model"))  # no such field: nothing counted for it
+    metrics = by_name(otlp.collect())  # type: ignore[arg-type]
+    (point,) = metrics["gen_ai.client.inference.usage.reasoning.output_tokens"].data.data_points
+    assert point.value == 9 and point.attributes["gen_ai.token.modality"] == "unknown"
