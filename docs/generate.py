@@ -105,7 +105,9 @@ def metrics_page() -> str:
     ]
     for row in rows:
         labels = ", ".join(f"`{label}`" for label in row["labels"]) or "(none)"
-        out.append(f"| [`{row['name']}`](#{row['name']}) | {row['type']} | {labels} | {row['when']} |\n")
+        out.append(
+            f"| [`{row['name']}`](#{row['name']}) | {row['type']} | {labels} | {row['when']} |\n"
+        )
     for row in rows:
         out.append(f"\n## `{row['name']}` {{#{row['name']}}}\n\n")
         out.append(f"{row['type']}")

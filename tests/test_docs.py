@@ -12,7 +12,6 @@ import ast
 import importlib.util
 import re
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import yaml
@@ -67,9 +66,12 @@ def _declared_metric_names() -> set[str]:
             if not (isinstance(node, ast.Call) and node.args):
                 continue
             first = node.args[0]
-            if isinstance(first, ast.Constant) and isinstance(first.value, str):
-                if re.fullmatch(r"tokenprobe_[a-z0-9_]+", first.value):
-                    names.add(first.value)
+            if (
+                isinstance(first, ast.Constant)
+                and isinstance(first.value, str)
+                and re.fullmatch(r"tokenprobe_[a-z0-9_]+", first.value)
+            ):
+                names.add(first.value)
     return names
 
 
