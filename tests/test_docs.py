@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import os
 import re
+import subprocess
 import sys
+from pathlib import Path
 from types import ModuleType
 
 import yaml
@@ -140,6 +143,21 @@ def test_the_nav_lists_every_page_and_only_pages_that_exist() -> None:
     # A page left out of the nav fails `mkdocs build --strict` too: keep that a warning.
     assert config["strict"] is True
     assert config["validation"]["nav"]["omitted_files"] == "warn"
+
+
+def test_the_site_builds_strictly(tmp_path: Path) -> None:
+    """`mkdocs build --strict`: a broken link or anchor, a missing page or one left out
+    of the nav fails it (mkdocs.yml's validation turns those into warnings)."""
+    built = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert built.returncode == 0, built.stderr
+    assert (tmp_path / "reference" / "metrics" / "index.html").is_file()
 
 
 def test_ci_builds_the_site_strictly_and_the_dev_extra_installs_mkdocs() -> None:
