@@ -138,15 +138,17 @@ def apis_page() -> str:
         "in `proxy/core/wsseam.py`): a POST to one of these paths (a WebSocket upgrade for "
         "the last table) is measured; every other request is forwarded unmeasured. How each "
         "is read is in [APIs measured](../apis.md).\n\n",
-        "| endpoint label | paths | generative | `bench --endpoint` | error shape | what is measured |\n",
-        "|---|---|---|---|---|---|\n",
+        "| endpoint label | paths | generative | span operation, provider | `bench --endpoint` "
+        "| error shape | what is measured |\n",
+        "|---|---|---|---|---|---|---|\n",
     ]
     for api in APIS:
         paths = ", ".join(f"`{path}`" for path in api.paths)
         bench = f"`{api.bench_name}`" if api.bench_name else "-"
         generative = "yes" if api.generative else "no"
         out.append(
-            f"| `{api.endpoint}` | {paths} | {generative} | {bench} | {api.error_shape} | "
+            f"| `{api.endpoint}` | {paths} | {generative} | `{api.operation}`, `{api.provider}` "
+            f"| {bench} | {api.error_shape} | "
             f"{_escape(api.measures)} |\n"
         )
     out.append("\nWebSocket APIs, measured beside the byte tunnel:\n\n")
