@@ -201,9 +201,9 @@ def _shown(default: Any) -> str:
 @dataclass(frozen=True)
 class Settings:
     """Every setting of `tokenprobe serve`, each declared once, here: its type, default,
-    parser, help and README row. The flag, the TOKENPROBE_* variable, argparse, the README
-    table (`settings_table`, kept equal by tests/test_readme.py) and the hand-over to
-    worker processes all come from these fields, through `SPECS`."""
+    parser, help and docs row. The flag, the TOKENPROBE_* variable, argparse, the settings
+    reference (`settings_table`: docs/generate.py writes it, tests/test_docs.py keeps it
+    equal) and the hand-over to worker processes all come from these fields, via `SPECS`."""
 
     upstream: str = setting(
         _url,
@@ -377,7 +377,7 @@ SPECS: tuple[Spec, ...] = tuple(_spec(f) for f in dataclasses.fields(Settings))
 
 
 def settings_table() -> str:
-    """The README's settings table, rendered from the declarations (`python -m proxy.settings`)."""
+    """The settings table of docs/reference/settings.md, rendered from the declarations."""
     rows = ["| flag | variable | default | meaning |", "|---|---|---|---|"]
     rows += [f"| {s.flags} | `{s.env}` | {s.shown} | {s.help} |" for s in SPECS]
     return "\n".join(rows) + "\n"
@@ -493,5 +493,5 @@ def parse(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
     return resolve(parser.parse_args(list(argv)), environ)
 
 
-if __name__ == "__main__":  # print the README's settings table
+if __name__ == "__main__":  # print the settings table (docs/generate.py writes the page)
     print(settings_table(), end="")

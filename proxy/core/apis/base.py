@@ -134,7 +134,7 @@ class Api:
     end_marker: ClassVar[str] = "its end event"
     #: A finish reason alone ends a stream cleanly (OpenAI streams may omit [DONE]).
     finish_ends_stream: ClassVar[bool] = False
-    #: What the README says is measured, and the instants used (kept in sync by a test).
+    #: What is measured, and the instants used: docs/reference/apis.md (docs/generate.py).
     measures: ClassVar[str] = ""
     #: The bytes that open a plain content event's text (`"content":"`): where the
     #: observer may split a stream's repeating event (proxy/core/template.py). Empty: never.
