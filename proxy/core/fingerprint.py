@@ -76,6 +76,26 @@ def _blocks(text: str) -> Prefix:
     return Prefix(tuple(digests), tuple(chars), len(text))
 
 
+#: At most this many message digests per request for the conversation table.
+CHAIN_DEPTH = 1024
+
+
+def message_chain(prompt: Any, limit: int = CHAIN_DEPTH) -> tuple[tuple[bytes, ...], bool]:
+    """The cumulative digests of a messages prompt, the same as `Prefix.digests` (digest i
+    covers messages 1..i) but for up to `limit` messages, and whether they cover all of
+    them: what proxy/core/conversations.py matches an earlier request's messages by. A
+    prompt that is no list of messages has none: ((), False)."""
+    if not isinstance(prompt, list) or not prompt or not all(isinstance(m, dict) for m in prompt):
+        return (), False
+    h = hashlib.blake2b(digest_size=16)
+    digests: list[bytes] = []
+    for message in prompt[:limit]:
+        h.update(orjson.dumps(message))
+        h.update(b"\x1e")
+        digests.append(h.copy().digest())
+    return tuple(digests), len(prompt) <= limit
+
+
 def keyed(prefix: Prefix, salt: bytes) -> list[str]:
     """The digests as they may be shown: keyed with the deployment's salt, short hex."""
     size = HEX_DIGITS // 2
