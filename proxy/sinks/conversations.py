@@ -89,8 +89,11 @@ class ConversationTracker:
             ratio = m.continuation_cache_ratio()
             if ratio is not None:
                 metrics.continuation_cached_ratio.labels(model_label).observe(ratio)
+                # Resolved on every measured continuation: its zero is a series, so the
+                # share of misses is 0, not absent, while nothing misses.
+                misses = metrics.continuation_cache_misses.labels(model_label)
                 if ratio < self.miss_ratio:
-                    metrics.continuation_cache_misses.labels(model_label).inc()
+                    misses.inc()
         return m
 
     def sweep(self, now: float) -> list[Closed]:
