@@ -6,7 +6,8 @@ A request continues a conversation when, in this order,
   2. it is a Responses request whose `previous_response_id` is a response this table saw;
   3. its leading messages are exactly all of an earlier request's messages (an agent that
      appends the answer and a tool result and sends again), matched by the cumulative
-     message digests of proxy/core/fingerprint.py (`message_chain`).
+     message digests of proxy/core/fingerprint.py (`message_chain`); or all its messages
+     are those of a request that failed (its retry).
 Anything else opens a new conversation (turn 1).
 
 The table is updated twice per request, never per chunk: `begin` at its start (which
@@ -64,6 +65,7 @@ class Conversation:
     response_id: str | None = None  # the latest response id
     prompt_tokens: int | None = None  # the latest ended request's
     output_tokens: int | None = None
+    failed: bool = False  # the latest ended request got no answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,9 +149,15 @@ class Conversations:
                 via = PREVIOUS_RESPONSE
                 if conversation.prompt_tokens is not None:
                     shared = conversation.prompt_tokens + (conversation.output_tokens or 0)
+        if conversation is None and complete and chain:
+            # The same messages as a request that failed: its retry, in its conversation.
+            # (A resend of a request that succeeded is no continuation: a load test that
+            # sends one prompt a thousand times is a thousand conversations.)
+            retried = self._by_digest.get(chain[-1])
+            if retried is not None and retried.failed and not retried.in_flight:
+                conversation, via, shared = retried, MESSAGES, retried.prompt_tokens
         if conversation is None:
-            # The longest earlier request this one begins with (not itself: a resend of
-            # the same messages is no continuation).
+            # The longest earlier request this one begins with (not itself).
             for digest in reversed(chain[:-1] if complete else chain):
                 conversation = self._by_digest.get(digest)
                 if conversation is not None:
@@ -178,9 +186,12 @@ class Conversations:
         response_id: str | None,
         prompt_tokens: int | None,
         output_tokens: int | None,
+        failed: bool = False,
     ) -> None:
-        """The request of `turn` ended at `now`, after `duration` seconds."""
+        """The request of `turn` ended at `now`, after `duration` seconds; `failed`: it
+        got no answer (an error), so the same messages again are its retry."""
         c = turn.conversation
+        c.failed = failed
         c.in_flight = max(0, c.in_flight - 1)
         c.model_seconds += duration
         c.last_end = now if c.last_end is None else max(c.last_end, now)

@@ -71,6 +71,7 @@ class ConversationTracker:
             response_id=m.response_id,
             prompt_tokens=m.prompt_tokens,
             output_tokens=m.output_tokens,
+            failed=not m.ok,
         )
         continued = turn.via in ("header", "previous_response", "messages")
         m = replace(

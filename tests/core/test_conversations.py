@@ -103,6 +103,21 @@ def test_a_resend_of_the_same_messages_is_no_continuation() -> None:
     assert again.via == NEW and again.id != first.id
 
 
+def test_a_retry_of_a_failed_request_stays_in_its_conversation() -> None:
+    t = table()
+    rounds = agent_rounds("hi")
+    first = begin(t, 0.0, rounds[0])
+    end(t, first, 1.0)
+    second = begin(t, 2.0, rounds[1])
+    t.end(second, 2.5, duration=0.5, response_id=None, prompt_tokens=None, output_tokens=None,
+          failed=True)  # fmt: skip
+    retry = begin(t, 3.0, rounds[1])  # a 429, say: the agent sends the same messages again
+    assert (retry.id, retry.index, retry.via, retry.gap) == (first.id, 3, MESSAGES, 0.5)
+    end(t, retry, 4.0)
+    third = begin(t, 5.0, rounds[2])
+    assert (third.id, third.index, third.via) == (first.id, 4, MESSAGES)
+
+
 def test_the_header_wins_and_its_value_is_never_kept() -> None:
     t = table()
     value = b"session-secret-1234"

@@ -307,3 +307,23 @@ def test_a_huge_or_binary_conversation_header_is_not_used_and_counted(
     assert [r.turn for r in records] == [1, 2, 1]
     assert records[1].continued_via == "messages"
     assert records[2].conversation_id != records[0].conversation_id
+
+
+def test_an_agent_s_retry_after_a_rate_limit_stays_in_its_conversation(
+    start_sim: Callable[..., Running], start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    sim = start_sim(ttft=0.0, tokens_per_second=5000.0, output_tokens=2)
+    proxy = start_proxy(sim.url)
+    first = [SYSTEM, {"role": "user", "content": "Weather in Oslo?"}]
+    second = [
+        *first,
+        {"role": "assistant", "content": "Rain."},
+        {"role": "user", "content": "Sure?"},
+    ]
+    assert chat(proxy, first).status_code == 200
+    assert chat(proxy, second, **{"x-sim-error": "rate_limit"}).status_code == 429
+    assert chat(proxy, second).status_code == 200  # the same messages again
+    records = proxy.wait_records(3)
+    assert [r.turn for r in records] == [1, 2, 3]
+    assert len({r.conversation_id for r in records}) == 1
+    assert records[2].continued_via == "messages"
