@@ -327,3 +327,58 @@ def test_an_agent_s_retry_after_a_rate_limit_stays_in_its_conversation(
     assert [r.turn for r in records] == [1, 2, 3]
     assert len({r.conversation_id for r in records}) == 1
     assert records[2].continued_via == "messages"
+
+
+#: Two turns of one conversation per API: (path, first body, second body).
+LONG = "You answer questions about trains. " * 30  # 1050 characters: 263 simulated tokens
+TURNS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "chat": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "system", "content": LONG}, {"role": "user", "content": "Oslo?"}]},
+        {"messages": [{"role": "system", "content": LONG}, {"role": "user", "content": "Oslo?"},
+                      {"role": "assistant", "content": "At 9."}, {"role": "user", "content": "And?"}]},
+    ),
+    "messages": (
+        "/v1/messages",
+        {"system": LONG, "max_tokens": 8, "messages": [{"role": "user", "content": "Oslo?"}]},
+        {"system": LONG, "max_tokens": 8, "messages": [{"role": "user", "content": "Oslo?"},
+         {"role": "assistant", "content": "At 9."}, {"role": "user", "content": "And?"}]},
+    ),
+    "responses": (
+        "/v1/responses",
+        {"input": [{"role": "system", "content": LONG}, {"role": "user", "content": "Oslo?"}]},
+        {"input": [{"role": "system", "content": LONG}, {"role": "user", "content": "Oslo?"},
+                   {"role": "assistant", "content": "At 9."}, {"role": "user", "content": "And?"}]},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+@pytest.mark.parametrize("api", list(TURNS))
+def test_each_api_s_continuation_gets_its_gap_and_the_programmed_cached_tokens(
+    start_sim: Callable[..., Running],
+    start_proxy: Callable[..., ProxyUnderTest],
+    api: str,
+    stream: bool,
+) -> None:
+    sim = start_sim(ttft=0.0, tokens_per_second=5000.0, output_tokens=4, prefix_cache=1000)
+    proxy = start_proxy(sim.url)
+    path, first, second = TURNS[api]
+    with httpx.Client(base_url=proxy.url, timeout=30) as client:
+        for body in (first, second):
+            response = client.post(path, json={"model": MODEL, "stream": stream, **body})
+            assert response.status_code == 200
+            time.sleep(0.3)  # the tool
+    one, two = proxy.wait_records(2)
+    # The truth: the first turn's whole prompt, in whole blocks of 16.
+    truth = count_prompt_tokens(first) // 16 * 16
+    assert one.prompt_tokens == count_prompt_tokens(first)
+    assert (two.turn, two.continued_via, two.conversation_id) == (
+        2,
+        "messages",
+        one.conversation_id,
+    )
+    assert two.cached_prompt_tokens == truth and two.shared_prefix_tokens == one.prompt_tokens
+    assert two.turn_gap is not None and 0.3 <= two.turn_gap <= 0.3 + SLACK
+    ratio = proxy.sample("tokenprobe_continuation_cached_prompt_ratio_sum", model=MODEL)
+    assert ratio == pytest.approx(truth / count_prompt_tokens(first))
