@@ -9,7 +9,8 @@ prompt share digest 1, and two turns of one conversation share the digests of th
 history they have in common.
 
 `of_prompt` runs once per request, when the record is built (after the response, never
-per chunk). Its digests are plain BLAKE2b of the content: they must be keyed with the
+per chunk); `message_chain`, the same digests for up to CHAIN_DEPTH messages, once per
+request at its start, for the conversation table (proxy/core/conversations.py). Its digests are plain BLAKE2b of the content: they must be keyed with the
 deployment's salt (`keyed`) before they leave the process, or a guessed system prompt
 could be tested against them. The access log does that; nothing else outputs them.
 """
