@@ -382,3 +382,22 @@ def test_each_api_s_continuation_gets_its_gap_and_the_programmed_cached_tokens(
     assert two.turn_gap is not None and 0.3 <= two.turn_gap <= 0.3 + SLACK
     ratio = proxy.sample("tokenprobe_continuation_cached_prompt_ratio_sum", model=MODEL)
     assert ratio == pytest.approx(truth / count_prompt_tokens(first))
+
+
+@pytest.mark.parametrize("header", ["authorization", "X-Api-Key", "cookie", "not a header"])
+def test_a_credential_or_malformed_conversation_header_is_refused_at_start(header: str) -> None:
+    from proxy.settings import SettingsError, parse
+
+    with pytest.raises(SettingsError, match="--conversation-header"):
+        parse(["--upstream", "http://127.0.0.1:9", "--conversation-header", header], {})
+
+
+def test_conversation_settings_come_from_flags_and_variables() -> None:
+    from proxy.settings import SettingsError, parse
+
+    env = {"TOKENPROBE_CONVERSATION_HEADER": "X-Session-Id", "TOKENPROBE_CONVERSATION_IDLE": "30"}
+    settings = parse(["--upstream", "http://127.0.0.1:9", "--conversation-table", "500"], env)
+    assert settings.conversation_header == "x-session-id"
+    assert (settings.conversation_idle, settings.conversation_table) == (30.0, 500)
+    with pytest.raises(SettingsError, match="between 0 and 1"):
+        parse(["--upstream", "http://h:1", "--continuation-cache-miss-ratio", "1.5"], {})
