@@ -126,6 +126,24 @@ def label_headers(value: str) -> tuple[str, ...]:
     return tuple(pairs)
 
 
+def conversation_header(value: str) -> str:
+    """A header name whose value names a conversation; never one that carries credentials
+    (its value is only hashed, but an API key is no conversation)."""
+    header = value.strip().lower()
+    if not _HEADER_NAME.match(header):
+        raise ValueError("expected a header name, e.g. x-session-id")
+    if header.encode() in SECRET_HEADERS:
+        raise ValueError(f"{header!r} carries credentials; pick the header naming the session")
+    return header
+
+
+def _ratio(value: str) -> float:
+    ratio = float(value)
+    if not 0.0 <= ratio <= 1.0:  # also refuses nan
+        raise ValueError("must be a number between 0 and 1")
+    return ratio
+
+
 def _choice(*options: str) -> Callable[[str], str]:
     def parse(value: str) -> str:
         if value not in options:
@@ -353,6 +371,27 @@ class Settings:
         _choice("debug", "info", "warning", "error"),
         "info",
         "Level of the proxy's own messages (stderr).",
+    )
+    # Conversations (proxy/core/conversations.py, docs/conversations.md).
+    conversation_header: str | None = setting(
+        conversation_header,
+        None,
+        "Request header naming a conversation (e.g. `x-session-id`): requests with the same value are one conversation. Its value is hashed with `--log-salt`, never kept or exported in clear; a value over 256 bytes or not printable ASCII is not used (`tokenprobe_conversation_header_refused_total`).",
+    )
+    conversation_idle: float = setting(
+        _seconds,
+        300.0,
+        "Seconds without a request after which a conversation is over and its turns and duration are observed.",
+    )
+    conversation_table: int = setting(
+        positive_int,
+        10_000,
+        "Most conversations the proxy remembers per process (under 900 bytes each); when full the one touched longest ago goes (`tokenprobe_conversation_evictions_total`).",
+    )
+    continuation_cache_miss_ratio: float = setting(
+        _ratio,
+        0.5,
+        "A continuation whose cached prompt tokens cover less than this share of the prompt it repeats counts in `tokenprobe_continuation_cache_misses_total`.",
     )
 
     def replace(self, **changes: Any) -> Settings:

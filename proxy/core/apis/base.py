@@ -50,6 +50,7 @@ class RequestInfo:
     prompt: Any = None  # what a tokenizer would count as the prompt (messages, prompt, input)
     valid_json: bool = True
     prompt_tokens: int | None = None  # known exactly from the request (token ids sent)
+    previous_response_id: str | None = None  # Responses: the response this one continues
 
 
 @dataclass(slots=True)
