@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 import httpx
 from prometheus_client import CollectorRegistry
 
+from proxy.core.conversations import Conversations
 from proxy.core.labels import ModelLabels
 from proxy.core.slo import Policy, parse_slo
 from proxy.server.app import ProxyApp
@@ -24,10 +25,11 @@ from proxy.server.control import ControlPlane, GuardedMetrics, Readiness
 from proxy.server.exposition import Exposition
 from proxy.server.multiproc import MULTIPROC_ENV, multiprocess_metrics_app
 from proxy.settings import Settings, label_pairs, load_slo_file
+from proxy.sinks.conversations import ConversationTracker
 from proxy.sinks.cost import CostSink, export_cost_per_hour, load_prices
 from proxy.sinks.dispatch import Sinks
 from proxy.sinks.keys import KeyLabels
-from proxy.sinks.logs import AccessLog
+from proxy.sinks.logs import AccessLog, salt_key
 from proxy.sinks.metrics import Metrics
 from proxy.sinks.otel_env import metrics_requested
 from proxy.sinks.sink import RequestTracer, Sink
@@ -68,6 +70,7 @@ def assemble(
         tracer=tracer,
         attribution=attribution,
         max_label_values=settings.label_values,
+        conversations=_conversations(settings, metrics),
     )
     control = ControlPlane(
         GuardedMetrics(_exposition(registry, environ), settings.metrics_token),
@@ -118,6 +121,21 @@ def slo_policy(settings: Settings) -> Policy | None:
         policy = load_slo_file(settings.slo_file)
         return Policy(policy.default or default, policy.models)
     return Policy(default) if default else None
+
+
+def _conversations(settings: Settings, metrics: Metrics) -> ConversationTracker:
+    """The per-process conversation table; ids keyed with --log-salt (random without)."""
+    table = Conversations(
+        capacity=settings.conversation_table,
+        idle=settings.conversation_idle,
+        salt=salt_key(settings.log_salt),
+    )
+    return ConversationTracker(
+        table,
+        metrics,
+        header=settings.conversation_header,
+        miss_ratio=settings.continuation_cache_miss_ratio,
+    )
 
 
 def _exposition(registry: CollectorRegistry, environ: Mapping[str, str]) -> ASGIApp:

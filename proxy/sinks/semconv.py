@@ -67,15 +67,10 @@ def names_from_env(env: Mapping[str, str]) -> Names:
 
 def optional(record: Any, name: str) -> Any:
     """A record field other parts of tokenprobe may add (None until they do): the one
-    place the OTLP metrics and the spans read `reasoning_tokens` and `conversation_id`."""
+    place the OTLP metrics and the spans read `reasoning_tokens`."""
     return getattr(record, name, None)
 
 
 def reasoning_tokens(record: Any) -> int | None:
     value = optional(record, "reasoning_tokens")
     return value if isinstance(value, int) else None
-
-
-def conversation_id(record: Any) -> str | None:
-    value = optional(record, "conversation_id")
-    return value if isinstance(value, str) and value else None

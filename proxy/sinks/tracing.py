@@ -148,8 +148,7 @@ class Tracing:
 
 def _finish_attributes(m: Measurement, *, current: bool = True) -> dict[str, Any]:
     """The attributes known once the request ended. `current`: also those the current
-    conventions added (ac48b1f9): time to first chunk, reasoning tokens, conversation id,
-    and "error" among the finish reasons of a stream cut short after one."""
+    conventions added (ac48b1f9): time to first chunk, reasoning tokens, and "error" among the finish reasons of a stream cut short after one."""
     attributes: dict[str, Any] = {
         "tokenprobe.e2e": m.e2e,
         "tokenprobe.token_source": m.token_source.value,
@@ -168,6 +167,11 @@ def _finish_attributes(m: Measurement, *, current: bool = True) -> dict[str, Any
         "tokenprobe.decode_tokens_per_second": m.decode_tokens_per_second,
         "tokenprobe.proxy_overhead": m.proxy_overhead,
         "tokenprobe.output_tokens_per_chunk": m.output_tokens_per_chunk(),
+        # OpenTelemetry GenAI's conversation id (semantic-conventions-genai), here the
+        # proxy's keyed hash (proxy/core/conversations.py), never a header's value.
+        "gen_ai.conversation.id": m.conversation_id,
+        "tokenprobe.conversation.turn": m.turn,
+        "tokenprobe.conversation.turn_gap": m.turn_gap,
     }
     if m.engine is not None:
         queue, engine_ttft, outside = m.ttft_parts()
@@ -185,7 +189,6 @@ def _finish_attributes(m: Measurement, *, current: bool = True) -> dict[str, Any
     if current:
         optional["gen_ai.response.time_to_first_chunk"] = m.ttft if m.stream else None
         optional["gen_ai.usage.reasoning.output_tokens"] = semconv.reasoning_tokens(m)
-        optional["gen_ai.conversation.id"] = semconv.conversation_id(m)
     attributes.update((k, v) for k, v in optional.items() if v is not None)
     if m.finish_reason != NONE_LABEL:
         cut = current and m.error_type is not None  # cancelled or unfinished after a finish
