@@ -10,13 +10,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import yaml
+
 from proxy.core.labels import SECRET_HEADERS
+from proxy.core.slo import NAMES as SLO_NAMES
+from proxy.core.slo import Policy, SloError, format_slo, parse_slo, parse_slo_file
 
 
 class SettingsError(ValueError):
@@ -91,7 +97,7 @@ _TAKEN_LABELS = frozenset(
     {
         *("model", "endpoint", "code", "finish_reason", "error_type", "source", "kind", "key"),
         *("prompt_class", "cache_class", "route", "stage", "reason", "currency", "le"),
-        "quantile",
+        *("quantile", "result"),
     }
 )
 # Header names that carry credentials, besides SECRET_HEADERS: refused as label headers.
@@ -124,6 +130,44 @@ def label_headers(value: str) -> tuple[str, ...]:
         labels.add(label)
         pairs.append(f"{header}={label}")
     return tuple(pairs)
+
+
+def _slo(value: str) -> str:
+    """--slo checked and written back in one canonical form (workers get it as text)."""
+    return format_slo(parse_slo(value, ""))  # SloError is a ValueError
+
+
+def _slo_file(value: str) -> str:
+    load_slo_file(value)  # read once here so a bad file fails at start, naming itself
+    return value
+
+
+def load_slo_file(path: str) -> Policy:
+    """An SLO file (proxy/core/slo.py's `parse_slo_file`); SloError naming it."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        raise SloError(f"{path}: cannot read the SLO file: {exc}") from None
+    return parse_slo_file(data, path)
+
+
+def conversation_header(value: str) -> str:
+    """A header name whose value names a conversation; never one that carries credentials
+    (its value is only hashed, but an API key is no conversation)."""
+    header = value.strip().lower()
+    if not _HEADER_NAME.match(header):
+        raise ValueError("expected a header name, e.g. x-session-id")
+    if header.encode() in SECRET_HEADERS:
+        raise ValueError(f"{header!r} carries credentials; pick the header naming the session")
+    return header
+
+
+def _ratio(value: str) -> float:
+    ratio = float(value)
+    if not 0.0 <= ratio <= 1.0:  # also refuses nan
+        raise ValueError("must be a number between 0 and 1")
+    return ratio
 
 
 def _choice(*options: str) -> Callable[[str], str]:
@@ -201,9 +245,9 @@ def _shown(default: Any) -> str:
 @dataclass(frozen=True)
 class Settings:
     """Every setting of `tokenprobe serve`, each declared once, here: its type, default,
-    parser, help and README row. The flag, the TOKENPROBE_* variable, argparse, the README
-    table (`settings_table`, kept equal by tests/test_readme.py) and the hand-over to
-    worker processes all come from these fields, through `SPECS`."""
+    parser, help and docs row. The flag, the TOKENPROBE_* variable, argparse, the settings
+    reference (`settings_table`: docs/generate.py writes it, tests/test_docs.py keeps it
+    equal) and the hand-over to worker processes all come from these fields, via `SPECS`."""
 
     upstream: str = setting(
         _url,
@@ -354,6 +398,42 @@ class Settings:
         "info",
         "Level of the proxy's own messages (stderr).",
     )
+    # Conversations (proxy/core/conversations.py, docs/conversations.md).
+    conversation_header: str | None = setting(
+        conversation_header,
+        None,
+        "Request header naming a conversation (e.g. `x-session-id`): requests with the same value are one conversation. Its value is hashed with `--log-salt`, never kept or exported in clear; a value over 256 bytes or not printable ASCII is not used (`tokenprobe_conversation_header_refused_total`).",
+    )
+    conversation_idle: float = setting(
+        _seconds,
+        300.0,
+        "Seconds without a request after which a conversation is over and its turns and duration are observed.",
+    )
+    conversation_table: int = setting(
+        positive_int,
+        10_000,
+        "Most conversations the proxy remembers per process (under 900 bytes each); when full the one touched longest ago goes (`tokenprobe_conversation_evictions_total`).",
+    )
+    continuation_cache_miss_ratio: float = setting(
+        _ratio,
+        0.5,
+        "A continuation whose cached prompt tokens cover less than this share of the prompt it repeats counts in `tokenprobe_continuation_cache_misses_total`.",
+    )
+
+    # -- service-level objectives (proxy/core/slo.py, proxy/sinks/slo.py) --
+    slo: str = setting(
+        _slo,
+        "",
+        "SLO targets in seconds, as `tokenprobe bench --slo`: e.g. `ttft=2,tpot=0.025` (names: "
+        + ", ".join(SLO_NAMES)
+        + "). Counts `tokenprobe_slo_requests_total{result}` and `tokenprobe_goodput_tokens_total`. See docs/slo.md.",
+        shown="(none)",
+    )
+    slo_file: str | None = setting(
+        _slo_file,
+        None,
+        "Per-model SLO targets (YAML or JSON: `default:` and `models: {NAME: {ttft: 4}}`); a model not in it gets `--slo` or the file's default. Read at start: a bad file refuses to start.",
+    )
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
@@ -377,7 +457,7 @@ SPECS: tuple[Spec, ...] = tuple(_spec(f) for f in dataclasses.fields(Settings))
 
 
 def settings_table() -> str:
-    """The README's settings table, rendered from the declarations (`python -m proxy.settings`)."""
+    """The settings table of docs/reference/settings.md, rendered from the declarations."""
     rows = ["| flag | variable | default | meaning |", "|---|---|---|---|"]
     rows += [f"| {s.flags} | `{s.env}` | {s.shown} | {s.help} |" for s in SPECS]
     return "\n".join(rows) + "\n"
@@ -493,5 +573,5 @@ def parse(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
     return resolve(parser.parse_args(list(argv)), environ)
 
 
-if __name__ == "__main__":  # print the README's settings table
+if __name__ == "__main__":  # print the settings table (docs/generate.py writes the page)
     print(settings_table(), end="")

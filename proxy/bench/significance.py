@@ -25,6 +25,7 @@ from typing import Any
 
 from proxy.bench.stats import quantile
 from proxy.core.engine import EngineMetrics, ttft_split
+from proxy.core.slo import MET, record_verdict
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +46,9 @@ FIGURES: tuple[Figure, ...] = (
     Figure("decode_tps_p50", "per-stream decode p50", False, False, 1, "tok/s"),
     Figure("output_tps", "aggregate output", False, False, 1, "tok/s"),
     Figure("goodput", "goodput", False, False, 1, "req/s"),
+    # The share of requests that met every --slo target (proxy/core/slo.py): the figure
+    # `tokenprobe serve --slo` exports live as tokenprobe_slo_requests_total.
+    Figure("attainment", "SLO attainment", False, True, 100, "%"),
     # Where the first token's time went (vLLM --enable-per-request-metrics; rows only
     # when some run's requests carried the engine's object): means, so they add up.
     Figure("queue_mean", "TTFT: engine queue, mean", True, False, 1000, "ms"),
@@ -82,8 +86,7 @@ def rows(records: Sequence[Mapping[str, Any]], slo: Mapping[str, float]) -> list
     out: list[Row] = []
     for r in records:
         ok = r.get("error_type") is None
-        figures = {"ttft": r.get("ttft"), "tpot": r.get("tpot"), "e2e": r.get("e2e")}
-        met = ok and all(_within(figures[k], v) for k, v in slo.items())
+        met = record_verdict(r, slo) == MET
         out.append(
             (
                 ok,
@@ -136,11 +139,6 @@ def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _within(value: float | None, limit: float) -> bool:
-    """A figure a request lacks (TPOT of a one-token answer) cannot miss its target."""
-    return value is None or value <= limit
-
-
 def pace(sample: Sequence[Row]) -> float | None:
     """Output tokens per second of request time: how a resample's throughput moves."""
     busy = sum(row[7] for row in sample if row[0])
@@ -174,6 +172,7 @@ def figures(
         "decode_tps_p50": quantile(speed, 50),
         "output_tps": _throughput(sample, duration, scale) if ok else None,
         "goodput": sum(1 for row in sample if row[6]) / duration if has_slo else None,
+        "attainment": sum(1 for row in sample if row[6]) / n if has_slo and n else None,
         "queue_mean": _mean([s[0] for s in splits]),
         "engine_ttft_mean": _mean([s[1] for s in splits]),
         "outside_mean": _mean([s[2] for s in splits]),

@@ -38,6 +38,10 @@ Keys, in this order, stable (a key without a value is null in JSON, left out in 
                  tool_calls.complete=1), null without calls
   without_answer how a stream that generated but delivered no answer nor call ended
                  (length, stop, error, cancelled), null otherwise
+  conversation   the request's conversation id (a keyed hash, proxy/core/conversations.py:
+                 never a header's value), null when not tracked
+  turn           its turn in that conversation (1: the first request)
+  turn_gap_ms    the previous answer's end -> this request's start, for a continuation
   labels         with --label-header only: {label: value}, the bounded values the metrics
                  carry (logfmt: labels.team=...)
 
@@ -100,6 +104,9 @@ KEYS = (
     "reasoning_token_source",
     "tool_calls",
     "without_answer",
+    "conversation",
+    "turn",
+    "turn_gap_ms",
 )
 
 _MAX_MODEL_CHARS = 200
@@ -188,6 +195,9 @@ def log_record(m: Measurement, key: bytes) -> dict[str, Any]:
         "reasoning_token_source": m.reasoning_token_source,
         "tool_calls": m.tool_call_outcomes() or None,
         "without_answer": m.without_answer,
+        "conversation": m.conversation_id,
+        "turn": m.turn,
+        "turn_gap_ms": _ms(m.turn_gap),
     }
 
 

@@ -106,6 +106,9 @@ def test_json_values_are_in_ms_with_nulls_for_unknowns() -> None:
         "reasoning_token_source": None,
         "tool_calls": None,
         "without_answer": None,
+        "conversation": None,
+        "turn": None,
+        "turn_gap_ms": None,
     }
 
 
@@ -124,6 +127,14 @@ def test_a_reasoning_stream_logs_its_first_answer_reasoning_and_calls() -> None:
     assert obj["tool_calls"] == {"complete": 1, "truncated": 1}
     (text,) = log_lines("text", m)
     assert " tool_calls.complete=1 tool_calls.truncated=1" in text
+
+
+def test_a_continuation_logs_its_conversation_turn_and_gap() -> None:
+    m = record(conversation_id="9f86d081884c7d65", turn=3, continued_via="messages", turn_gap=1.5)
+    obj = orjson.loads(log_lines("json", m)[0])
+    assert (obj["conversation"], obj["turn"], obj["turn_gap_ms"]) == ("9f86d081884c7d65", 3, 1500.0)
+    text = log_lines("text", m)[0]
+    assert "conversation=9f86d081884c7d65 turn=3 turn_gap_ms=1500.0" in text
 
 
 def test_failed_request_logs_its_error_type_and_message() -> None:

@@ -141,6 +141,8 @@ def test_generated_think_counts_equal_vllms_reasoning_tokens(vllm_reasoning: Vll
             body = chat(16, temperature=1, seed=seed, logit_bias={THINK: 5, END_THINK: 5})
             seen = Seen(post(client, server.proxy_url, body))
             (line,) = logged(server, since, 1)
+            print(f"seed {seed}: vLLM reasoning_tokens {seen.reasoning_tokens}, logged "
+                  f"{line['reasoning_tokens']} ({line['reasoning_token_source']})")  # fmt: skip
             if seen.reasoning_tokens > 0:
                 counted += 1
                 assert (line["reasoning_tokens"], line["reasoning_token_source"]) == (
@@ -161,6 +163,9 @@ def test_reasoning_vllm_reports_as_zero_is_counted_from_the_stream(vllm_reasonin
     (line,) = logged(server, since, 1)
     assert seen.reasoning_tokens == 0 and "reasoning" in seen.kinds and "content" in seen.kinds
     reasoning_events = seen.kinds.count("reasoning")
+    print(f"usage 0, {reasoning_events} reasoning deltas; logged {line['reasoning_tokens']} "
+          f"({line['reasoning_token_source']}), ttft {line['ttft_ms']} ms, ttfa "
+          f"{line['ttfa_ms']} ms")  # fmt: skip
     assert (line["reasoning_tokens"], line["reasoning_token_source"]) == (
         reasoning_events,
         "events",
@@ -185,6 +190,8 @@ def test_a_stream_cut_off_while_reasoning_is_a_request_without_answer(
     with httpx.Client(timeout=120) as client:
         seen = Seen(post(client, server.proxy_url, chat(8, temperature=0)))
     (line,) = logged(server, since, 1)
+    print(f"finish {seen.finish}, {len(seen.kinds)} reasoning deltas, without_answer "
+          f"{line['without_answer']}")  # fmt: skip
     assert seen.finish == "length" and set(seen.kinds) == {"reasoning"}
     assert (line["without_answer"], line["ttfa_ms"]) == ("length", None)
     assert delta.after(1)("tokenprobe_requests_without_answer_total", reason="length") == 1
@@ -216,6 +223,8 @@ def test_forced_tool_calls_are_counted_as_the_client_reads_them(vllm_reasoning: 
     lines = logged(server, since, len(FORCED))
     for seen, line in zip(seens, lines, strict=True):
         outcomes = seen.outcomes()
+        print(f"finish {seen.finish}, arguments {seen.arguments}: client {outcomes}, "
+              f"logged {line['tool_calls']}, without_answer {line['without_answer']}")  # fmt: skip
         assert (line["tool_calls"] or {}) == outcomes, (seen.arguments, seen.finish)
         for outcome, n in outcomes.items():
             want[outcome] = want.get(outcome, 0) + n
