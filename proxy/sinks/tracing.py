@@ -169,8 +169,8 @@ def _finish_attributes(m: Measurement, *, current: bool = True) -> dict[str, Any
         "tokenprobe.decode_tokens_per_second": m.decode_tokens_per_second,
         "tokenprobe.proxy_overhead": m.proxy_overhead,
         "tokenprobe.output_tokens_per_chunk": m.output_tokens_per_chunk(),
-        # issue 26: the GenAI conventions' reasoning count, and the first tokens by kind
-        "gen_ai.usage.reasoning.output_tokens": m.reasoning_tokens,
+        # issue 26: where the reasoning count came from (the count itself is
+        # gen_ai.usage.reasoning.output_tokens, below), the first tokens by kind
         "tokenprobe.reasoning_token_source": m.reasoning_token_source,
         "tokenprobe.time_to_first_answer_token": m.first_answer,
         "tokenprobe.time_to_first_reasoning_token": m.first_reasoning,
