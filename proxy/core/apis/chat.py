@@ -176,7 +176,8 @@ class Chat(OpenAIGeneration):
     text_openings = (b'"delta":{"content":"', b'"delta":{"reasoning":"')
     measures = (
         "TTFT at the first chunk with non-empty delta content, reasoning or tool_calls "
-        "(not the role-only first chunk); TPOT, ITL, decode speed, tokens from usage "
+        "(not the role-only first chunk); the first answer at the first non-empty content; "
+        "TPOT, ITL, decode speed, tokens from usage "
         "(asked for when the client did not), finish_reason, in-stream errors"
     )
 

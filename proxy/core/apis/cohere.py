@@ -51,8 +51,9 @@ class CohereChat(Api):
     provider = "cohere"
     end_marker = "message-end"
     measures = (
-        "TTFT at the first content-delta with non-empty text or thinking, tool-plan-delta "
-        "or tool-call-delta arguments (not message-start or content-start); TPOT, ITL, "
+        "TTFT at the first content-delta with non-empty text or thinking, tool-plan-delta, "
+        "tool-call-start or tool-call-delta arguments (not message-start or content-start); "
+        "the first answer at the first text content-delta; TPOT, ITL, "
         "decode speed; tokens and finish_reason from message-end (usage.tokens, cached_tokens); "
         "a message-end carrying an error"
     )

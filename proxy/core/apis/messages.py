@@ -54,9 +54,10 @@ class Messages(Api):
     end_marker = "message_stop"
     measures = (
         "TTFT at the first content_block_delta with non-empty text, thinking or "
-        "partial_json (not message_start, content_block_start or ping); TPOT, ITL, decode "
-        "speed; tokens from message_start and message_delta usage (cache reads as cached); "
-        "stop_reason; error events; a clean end at message_stop"
+        "partial_json, or a tool_use content_block_start (its name: not message_start, a "
+        "text or thinking block's start, or ping); the first answer at the first text_delta; "
+        "TPOT, ITL, decode speed; tokens from message_start and message_delta usage (cache "
+        "reads as cached); stop_reason; error events; a clean end at message_stop"
     )
 
     def bench_body(

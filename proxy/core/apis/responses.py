@@ -60,9 +60,10 @@ class Responses(Api):
     end_marker = "response.completed or response.incomplete"
     measures = (
         "TTFT at the first non-empty output_text, reasoning_text, reasoning_summary_text "
-        "or function_call_arguments delta (not response.created, in_progress or "
-        "output_item.added); TPOT, ITL, decode speed; tokens and status from "
-        "response.completed / response.incomplete; response.failed and error events"
+        "or function_call_arguments delta, or a function_call output_item.added (not "
+        "response.created, in_progress or a message item's output_item.added); the first "
+        "answer at the first output_text delta; TPOT, ITL, decode speed; tokens and status "
+        "from response.completed / response.incomplete; response.failed and error events"
     )
 
     def max_tokens(self, obj: dict[str, Any]) -> object:
