@@ -40,6 +40,8 @@ def ollama_engine(obj: object) -> EngineMetrics | None:
     """The figures of an Ollama done object, or None when it is not one."""
     if type(obj) is not dict or obj.get("done") is not True:
         return None
+    if not any(key in obj for key in _DURATIONS):  # a load/unload answer: none measured
+        return None
     load = _seconds(obj.get("load_duration", 0))
     prefill = _seconds(obj.get("prompt_eval_duration", 0))
     generation = _seconds(obj.get("eval_duration", 0))
@@ -58,6 +60,9 @@ def ollama_engine(obj: object) -> EngineMetrics | None:
         spec=None,
         load_time=load,
     )
+
+
+_DURATIONS = ("total_duration", "load_duration", "prompt_eval_duration", "eval_duration")
 
 
 def _seconds(value: object) -> float | None:

@@ -108,6 +108,9 @@ class Measurement:
     # shows it, keyed with the deployment's salt.
     prefix: Prefix | None = None
     audio_seconds: float | None = None  # /v1/realtime: the audio appended for this utterance
+    # Streamed events (SSE payloads, NDJSON lines) that were not a JSON object: skipped,
+    # relayed as they came, counted here.
+    malformed_events: int = 0
 
     @property
     def ok(self) -> bool:

@@ -325,6 +325,7 @@ class StreamObserver:
             engine=None if self.engine is None else self.api.engine_figures(self.engine),
             proxy_overhead=self.overhead,
             prefix=of_prompt(request.prompt),
+            malformed_events=self.malformed_events,
         )
 
     def _decode_speed(self, output: int | None) -> tuple[float | None, float | None]:

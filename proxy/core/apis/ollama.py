@@ -91,7 +91,7 @@ class OllamaApi(Api):
             return MALFORMED
         if type(obj) is not dict:
             return MALFORMED
-        facts = self.body(obj, collect)
+        facts = self._facts(obj, collect)
         if obj.get("done") is True:
             facts.end = True
         elif facts.error is None and not identify and not collect:
@@ -100,6 +100,13 @@ class OllamaApi(Api):
         return facts
 
     def body(self, obj: dict[str, Any], collect: bool) -> Facts:
+        """The whole non-streamed answer: a done line's fields, its content no event (it
+        has no instant of its own: TTFT is for streams)."""
+        facts = self._facts(obj, collect)
+        facts.content = None
+        return facts
+
+    def _facts(self, obj: dict[str, Any], collect: bool) -> Facts:
         """One line, or the whole non-streamed answer: the same fields either way."""
         facts = Facts()
         holder = obj.get("message") if self.message else obj
