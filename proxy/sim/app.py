@@ -17,6 +17,7 @@
   GET|POST /ping, GET /version, GET /load, POST /invocations (SageMaker dispatch)
   POST /api/chat /api/generate    Ollama's native API, NDJSON or one body (ollama.py)
   POST /api/embed                 Ollama's embeddings; GET /api/version its version
+                                  (only with SimConfig.ollama_version: a simulator playing Ollama)
   WS   /v1/realtime                realtime transcription sessions (realtime.py)
   GET  /health                     200, empty body
   GET  /sim/requests               the records as JSON (authorization masked)
@@ -208,22 +209,19 @@ class SimApp:
     async def _ollama_embed(self, ex: Exchange, body: Any, t0: float) -> Outcome:
         """/api/embed (server/routes.go EmbedHandler): `input` a string or a list of them."""
         record = ex.record
-        inputs = body.get("input") if isinstance(body, dict) else None
-        texts = inputs if isinstance(inputs, list) else [inputs]
-        if not isinstance(body, dict) or not all(isinstance(t, str) for t in texts):
-            await ex.error(errors.ErrorReply(400, b'{"error":"invalid input type"}', errors.OLLAMA_JSON))
+        texts = ollama.embed_inputs(body)
+        if texts is None:
+            await ex.error(ollama.error_reply(400, "invalid input type"))
             return "error"
         model = str(body.get("model") or "")
         record.model = model
         if model not in self.config.models:
-            reply = errors.ErrorReply(404, orjson.dumps({"error": f"model '{model}' not found"}))
-            await ex.error(errors.ErrorReply(reply.status, reply.body, errors.OLLAMA_JSON))
+            await ex.error(ollama.error_reply(404, f"model '{model}' not found"))
             return "error"
         tokens = sum(max(1, -(-len(t) // 4)) for t in texts)
         record.prompt_tokens = tokens
         if body.get("truncate") is False and tokens > self.config.max_model_len:
-            message = orjson.dumps({"error": errors.OLLAMA_EMBED_CONTEXT})
-            await ex.error(errors.ErrorReply(400, message, errors.OLLAMA_JSON))
+            await ex.error(ollama.error_reply(400, errors.OLLAMA_EMBED_CONTEXT))
             return "error"
         timer = ollama.Timer(int(record.started * 1e9))
         await self._load_model(ex, model)
@@ -236,6 +234,11 @@ class SimApp:
         return "completed"
 
     async def _ollama_version(self, ex: Exchange, body: Any, t0: float) -> Outcome:
+        # Only a simulator that plays Ollama says so (vLLM has no /api/version): what a
+        # backend identifies as decides tokenprobe_backend_info.
+        if self.config.ollama_version is None:
+            await ex.error(errors.route_not_found())
+            return "error"
         await ex.reply(200, ollama.version(self.config.ollama_version), errors.OLLAMA_JSON)
         return "completed"
 

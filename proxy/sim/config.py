@@ -59,7 +59,8 @@ class SimConfig:
     #: request for each model (server/routes.go load_duration); 0 = every model warm.
     #: Also per request: `x-sim-load-time`.
     ollama_load_time: float = 0.0
-    #: What /api/version answers (Ollama); None: the simulator's default Ollama version.
+    #: What /api/version answers: the simulator plays Ollama there. None: it is not served
+    #: (a vLLM has no /api/version), so the simulator identifies as vLLM (/version).
     ollama_version: str | None = None
     #: How many request records `SimState` keeps (oldest dropped), so long benchmarks
     #: do not grow memory without bound.

@@ -342,6 +342,8 @@ REQUESTS: dict[Kind, Request] = {
     "cohere": Request(lists=("messages",)),
     "transcription": Request(),
     "translation": Request(),
-    "ollama-chat": Request(lists=("messages",), read=_ollama_body, limit=("max_tokens",), ollama=True),
+    "ollama-chat": Request(
+        lists=("messages",), read=_ollama_body, limit=("max_tokens",), ollama=True
+    ),
     "ollama-generate": Request(read=_ollama_body, limit=("max_tokens",), ollama=True),
 }

@@ -33,6 +33,7 @@ from typing import Any
 
 import orjson
 
+from proxy.sim import errors
 from proxy.sim.controls import ENDING_FAULTS, Plan, number
 from proxy.sim.exchange import Exchange
 from proxy.sim.pacing import Pacer
@@ -42,7 +43,7 @@ from proxy.sim.tokens import completion_text
 
 NDJSON = b"application/x-ndjson"
 JSON = b"application/json; charset=utf-8"
-#: What the simulated Ollama says it is at /api/version.
+#: A version for a simulator that plays Ollama (SimConfig.ollama_version, `tokenprobe demo`).
 OLLAMA_VERSION = "0.13.0"
 
 
@@ -168,18 +169,35 @@ def thinking_tokens(body: Any, headers: dict[str, str]) -> int:
     return number(headers, "x-sim-thinking-tokens", int, 4, 0)
 
 
+def embed_inputs(body: Any) -> list[str] | None:
+    """/api/embed's `input`, a string or a list of them; None when it is neither."""
+    inputs = body.get("input") if isinstance(body, dict) else None
+    texts: list[Any] = inputs if isinstance(inputs, list) else [inputs]
+    return (
+        [t for t in texts if isinstance(t, str)] if all(isinstance(t, str) for t in texts) else None
+    )
+
+
+def error_reply(status: int, message: str) -> errors.ErrorReply:
+    """Ollama's error answer: gin's c.JSON(status, gin.H{"error": message})."""
+    return errors.ErrorReply(status, orjson.dumps({"error": message}), errors.OLLAMA_JSON)
+
+
 def embed(model: str, body: dict[str, Any], timer: Timer, prompt_tokens: int) -> bytes:
     """EmbedResponse: one small deterministic vector per input."""
     inputs = body.get("input")
     count = len(inputs) if isinstance(inputs, list) else 1
     vectors = [[round(0.1 * (i + 1), 3), 0.25, -0.5] for i in range(count)]
     now = time.monotonic_ns()
-    return b'{"model":%s,"embeddings":%s,"total_duration":%d,"load_duration":%d,"prompt_eval_count":%d}' % (
-        orjson.dumps(model),
-        orjson.dumps(vectors),
-        now - timer.start,
-        max(timer.loaded - timer.start, 1),
-        prompt_tokens,
+    return (
+        b'{"model":%s,"embeddings":%s,"total_duration":%d,"load_duration":%d,"prompt_eval_count":%d}'
+        % (
+            orjson.dumps(model),
+            orjson.dumps(vectors),
+            now - timer.start,
+            max(timer.loaded - timer.start, 1),
+            prompt_tokens,
+        )
     )
 
 
@@ -193,5 +211,5 @@ def load_reply(model: str, reason: str) -> bytes:
     )
 
 
-def version(configured: str | None) -> bytes:
-    return orjson.dumps({"version": configured or OLLAMA_VERSION})
+def version(configured: str) -> bytes:
+    return orjson.dumps({"version": configured})
