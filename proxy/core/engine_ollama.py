@@ -36,6 +36,17 @@ from proxy.core.engine import EngineMetrics
 MAX_NS = 86_400 * 10**9
 
 
+def ollama_embed_engine(obj: object) -> EngineMetrics | None:
+    """The figures of an /api/embed answer (EmbedResponse): only the load is the engine's
+    own; it reports no prefill duration."""
+    if type(obj) is not dict or type(obj.get("embeddings")) is not list:
+        return None
+    load = _seconds(obj.get("load_duration", 0))
+    if load is None or "total_duration" not in obj:
+        return None
+    return EngineMetrics(None, None, None, None, None, None, load_time=load)
+
+
 def ollama_engine(obj: object) -> EngineMetrics | None:
     """The figures of an Ollama done object, or None when it is not one."""
     if type(obj) is not dict or obj.get("done") is not True:

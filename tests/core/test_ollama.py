@@ -160,6 +160,14 @@ def test_nonsense_durations_are_left_out(value: object) -> None:
     assert engine.time_to_first_token == 0.342546
 
 
+def test_embed_answers_give_the_load_and_no_prefill() -> None:
+    answer = {"model": "m", "embeddings": [[0.1]], "total_duration": 9, "load_duration": 5}
+    engine = seam("/api/embed").engine_figures(answer)
+    assert engine is not None and engine.load_time == 5e-9
+    assert engine.time_to_first_token is None and engine.generation_time is None
+    assert seam("/api/embed").engine_figures({"error": "x"}) is None
+
+
 def test_adapter_needs_a_done_object_with_durations() -> None:
     assert ollama_engine({**DONE, "done": False}) is None
     assert ollama_engine({"done": True, "done_reason": "load"}) is None  # GenerateHandler's load

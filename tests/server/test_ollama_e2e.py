@@ -9,6 +9,8 @@ client's bytes against the SHA-256 of what the simulator sent.
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +21,7 @@ import pytest
 
 from proxy.core.measurement import ErrorType, Measurement, TokenSource
 from tests.conftest import MODEL, ProxyUnderTest, Running
+from tests.server.conftest import only_on
 
 TTFT = 0.1
 LOAD = 0.4
@@ -245,3 +248,25 @@ def test_broken_streams_are_counted_and_relayed_whole(
     outcome = {"error_type": "none" if error is None else error.value, "code": "200"}
     finish = "stop" if error is None else "none"
     assert proxy.sample("tokenprobe_requests_total", **labels, **outcome, finish_reason=finish) == 1
+
+
+# -- tokenprobe demo ---------------------------------------------------------------------
+
+
+def test_demo_shows_ollama_rows_with_the_cold_model_load(relay: str) -> None:
+    only_on(relay, "wire", "the demo runs its proxy as serve does, on the wire")
+    out = subprocess.run(
+        [sys.executable, "-m", "proxy", "demo", "--port", "0", "--rounds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = {
+        endpoint: next(line for line in out.stdout.splitlines() if f" {endpoint} " in line)
+        for endpoint in ("/api/chat", "/api/generate")
+    }
+    for line in rows.values():
+        assert line.split()[-1] == "ok" and " usage " in line and " stop " in line, line
+    assert int(rows["/api/chat"].split()[-2]) >= 500  # load ms: the programmed 0.5 s
+    assert int(rows["/api/generate"].split()[-2]) < 500  # the model is loaded by then

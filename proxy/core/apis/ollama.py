@@ -35,7 +35,7 @@ import orjson
 
 from proxy.core.apis.base import MALFORMED, NOTHING, Api, Facts, RequestInfo, TokenCounts
 from proxy.core.engine import EngineMetrics
-from proxy.core.engine_ollama import ollama_engine
+from proxy.core.engine_ollama import ollama_embed_engine, ollama_engine
 from proxy.core.measurement import TokenSource
 
 #: Ollama's done_reason values onto the closed finish set; any other is `other`.
@@ -190,6 +190,8 @@ class OllamaGenerate(OllamaApi):
 
 
 class OllamaEmbed(OllamaApi):
+    """Not streamed; its answer has the prompt's count and the load, no prefill time."""
+
     endpoint = "/api/embed"
     paths = ("/api/embed",)
     operation = "embeddings"
@@ -202,10 +204,13 @@ class OllamaEmbed(OllamaApi):
             return Facts(error=obj.get("error"))
         return Facts(
             usage=obj,
-            engine={**obj, "done": True},  # its durations read as a done object's
+            engine=obj,
             response_id="",
             response_model=model if type(model) is str else None,
         )
+
+    def engine_figures(self, obj: object) -> EngineMetrics | None:
+        return ollama_embed_engine(obj)
 
 
 def _call_texts(calls: list[Any]) -> list[str]:
