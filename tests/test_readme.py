@@ -9,6 +9,9 @@ from proxy.sinks.metrics import Metrics, WsMetrics
 from tests.paths import ROOT
 
 README = (ROOT / "README.md").read_text()
+#: The README and the pages under docs/ (docs/backends.md documents its own metrics and APIs).
+PAGES = [README, *(page.read_text() for page in sorted((ROOT / "docs").glob("*.md")))]
+DOCS = "\n".join(PAGES)
 
 
 def test_the_settings_table_is_the_one_rendered_from_the_declarations() -> None:
@@ -25,7 +28,7 @@ def test_every_metric_is_documented() -> None:
     WsMetrics(registry)
     for family in registry.collect():
         names.append(family.name + ("_total" if family.type == "counter" else ""))
-    missing = [name for name in names if f"`{name}`" not in README and name not in README]
+    missing = [name for name in names if f"`{name}`" not in DOCS and name not in DOCS]
     assert missing == []
 
 
@@ -37,13 +40,17 @@ def test_readme_gives_the_two_commands() -> None:
 
 
 def _apis_table() -> dict[str, str]:
-    """The endpoint label -> paths cell of each row of the README's "APIs measured" table."""
-    section = README.split("## APIs measured", 1)[1].split("\n## ", 1)[0]
+    """The endpoint label -> paths cell of each row of the "APIs measured" tables (the
+    README's, and a docs page's rows for the APIs it adds)."""
     rows = {}
-    for line in section.splitlines():
-        if line.startswith("| `"):
-            label, paths = (cell.strip() for cell in line.strip("|").split("|")[:2])
-            rows[label.strip("`")] = paths
+    for page in PAGES:
+        if "## APIs measured" not in page:
+            continue
+        section = page.split("## APIs measured", 1)[1].split("\n## ", 1)[0]
+        for line in section.splitlines():
+            if line.startswith("| `"):
+                label, paths = (cell.strip() for cell in line.strip("|").split("|")[:2])
+                rows[label.strip("`")] = paths
     return rows
 
 
