@@ -50,6 +50,15 @@ PROBES: tuple[Probe, ...] = (
 KINDS = frozenset({UNKNOWN, *(p.kind for p in PROBES)})
 
 
+@dataclass(slots=True)
+class Backend:
+    """What the upstream last said it is: shared by the data paths (admission asks it), and
+    updated in place by the server's background questions."""
+
+    kind: str = UNKNOWN
+    version: str = UNKNOWN
+
+
 def version_of(probe: Probe, status: int, body: bytes) -> str | None:
     """The version this answer gives, or None when it is not the probe's backend."""
     if status != 200:

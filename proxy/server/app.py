@@ -113,12 +113,7 @@ class ProxyApp:
         if settings.models_refresh:
             self._refresher = asyncio.create_task(self._refresh_models(settings.models_refresh))
             self._identity = asyncio.create_task(
-                keep_asking(
-                    self.client,
-                    self.upstream,
-                    settings.models_refresh,
-                    self.sinks.metrics.set_backend,
-                )
+                keep_asking(self.client, self.upstream, settings.models_refresh, self._backend)
             )
         if self.control.listener is not None and settings.metrics_port is not None:
             await self._start_metrics_listener(
@@ -201,6 +196,13 @@ class ProxyApp:
             return [str(item["id"]) for item in data]
         except (orjson.JSONDecodeError, KeyError, TypeError):
             return None
+
+    def _backend(self, kind: str, version: str) -> None:
+        """What the upstream said it is: for the data paths (admission) and the metrics."""
+        assert self.forwarder is not None
+        backend = self.forwarder.context.backend
+        backend.kind, backend.version = kind, version
+        self.sinks.metrics.set_backend(kind, version)
 
     async def _refresh_models(self, every: float) -> None:
         while True:

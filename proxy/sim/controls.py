@@ -28,7 +28,10 @@ headers (the openai SDK sends them with `extra_headers`) override the config:
   x-sim-no-done: 1           never send `data: [DONE]`
   x-sim-usage-mode           when `stream_options.include_usage` asks for usage:
                              separate (vLLM, default): a last chunk with "choices": [];
-                             last_chunk: on the finish chunk; ignore: never streamed
+                             last_chunk: on the finish chunk; ignore: never streamed;
+                             zeroed (Ollama's /v1/completions, middleware/openai.go
+                             CompleteWriter): every content chunk carries an all-zero
+                             usage, then the usage chunk
   x-sim-stamp: 1             stamp content chunks with "sent_ns" (as SimConfig.stamp)
   x-sim-ping: 1              Messages: an `event: ping` right after message_start
                              (Anthropic's API sends one; vLLM does not)
@@ -74,14 +77,14 @@ Kind = Literal[
     "ollama-chat",
     "ollama-generate",
 ]
-UsageMode = Literal["separate", "last_chunk", "ignore"]
+UsageMode = Literal["separate", "last_chunk", "ignore", "zeroed"]
 
 #: Faults that end the stream where they fire.
 ENDING_FAULTS = frozenset({"error_event", "error_string", "reset", "close_no_done"})
 #: Faults after which the stream carries on normally.
 PASSING_FAULTS = frozenset({"stall", "malformed", "non_utf8", "huge_event"})
 FAULTS = ENDING_FAULTS | PASSING_FAULTS
-USAGE_MODES: tuple[UsageMode, ...] = ("separate", "last_chunk", "ignore")
+USAGE_MODES: tuple[UsageMode, ...] = ("separate", "last_chunk", "ignore", "zeroed")
 
 
 @dataclass(frozen=True, slots=True)

@@ -146,6 +146,9 @@ class Api:
     #: `data:` events, or one JSON object a line (Ollama's application/x-ndjson).
     stream_type: ClassVar[str] = "text/event-stream"
     ndjson: ClassVar[bool] = False
+    #: Backend kinds (proxy/core/identity.py) whose streams change beyond the usage event
+    #: when asked for usage: the proxy never asks them for it (the client's bytes would differ).
+    usage_reshapes: ClassVar[frozenset[str]] = frozenset()
 
     # -- the request ------------------------------------------------------------------
 
