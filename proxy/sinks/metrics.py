@@ -411,6 +411,7 @@ class Metrics:
             'kind="unknown" when none answered. One series at a time.',
             ("kind", "version"),
             registry=self.registry,
+            multiprocess_mode="max",  # every worker asks the same upstream
         )
         self._backend: tuple[str, str] | None = None
         self.malformed_events = c(
@@ -424,7 +425,8 @@ class Metrics:
         """Which backend answers: the one series of tokenprobe_backend_info."""
         if self._backend == (kind, version):
             return
-        if self._backend is not None:
+        if self._backend is not None:  # 0 first: a multiprocess file keeps the last value
+            self.backend_info.labels(*self._backend).set(0)
             self.backend_info.remove(*self._backend)
         self.backend_info.labels(kind, version).set(1)
         self._backend = (kind, version)
