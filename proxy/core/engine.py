@@ -18,6 +18,7 @@ Read once per request, from the one event (or body) that carries it; never per c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -45,6 +46,13 @@ class EngineMetrics:
     #: Loading the model before the request could run (Ollama's load_duration); None from
     #: an engine that does not report it (vLLM serves a loaded model).
     load_time: float | None = None
+
+
+#: An engine adapter: the engine's own per-request object, as the seam found it
+#: (Facts.engine), to its figures in seconds; None when the object says nothing. One per
+#: engine, each in its own module (vLLM's is `engine_metrics` below, Ollama's in
+#: proxy/core/engine_ollama.py); a seam names its adapter in `Api.engine_figures`.
+EngineAdapter = Callable[[object], "EngineMetrics | None"]
 
 
 def engine_metrics(obj: object) -> EngineMetrics | None:
