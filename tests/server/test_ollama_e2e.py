@@ -56,11 +56,12 @@ def seconds(ns: int | None) -> float:
 # -- chat and generate, streamed --------------------------------------------------------
 
 
-def test_streamed_chat_figures_equal_the_done_line(proxy: ProxyUnderTest) -> None:
+def test_streamed_chat_figures_equal_the_done_line(proxy: ProxyUnderTest, sim: Running) -> None:
     parts = list(client(proxy).chat(model=MODEL, messages=MESSAGES, stream=True))
     done = parts[-1]
     assert done.done and done.done_reason == "stop" and not parts[0].done
     m = record(proxy)
+    assert m.prompt_tokens == sim.app.state.last().prompt_tokens  # the simulator's count
     assert (m.endpoint, m.stream, m.ok, m.status_code) == ("/api/chat", True, True, 200)
     assert m.token_source is TokenSource.USAGE
     assert (m.prompt_tokens, m.output_tokens) == (done.prompt_eval_count, done.eval_count)
@@ -134,6 +135,18 @@ def test_streamed_generate_figures_and_bytes(proxy: ProxyUnderTest, sim: Running
     assert (m.endpoint, m.stream, m.ok) == ("/api/generate", True, True)
     assert (m.prompt_tokens, m.output_tokens) == (done["prompt_eval_count"], done["eval_count"])
     assert m.engine is not None and m.engine.load_time == done["load_duration"] / 1e9
+
+
+def test_streamed_generate_with_the_official_client(proxy: ProxyUnderTest) -> None:
+    parts = list(client(proxy).generate(model=MODEL, prompt="Why is the sky blue?", stream=True))
+    done = parts[-1]
+    assert done.done and "".join(p.response for p in parts[:-1])
+    m = record(proxy)
+    assert (m.endpoint, m.stream, m.ok, m.finish_reason) == ("/api/generate", True, True, "stop")
+    assert (m.prompt_tokens, m.output_tokens) == (done.prompt_eval_count, done.eval_count)
+    assert m.output_tokens == TOKENS and m.ttft is not None and m.ttft >= TTFT
+    assert m.engine is not None
+    assert m.engine.time_to_first_token == seconds(done.prompt_eval_duration)
 
 
 def test_streamed_chat_bytes_equal_what_the_backend_sent(
