@@ -140,7 +140,7 @@ def test_streamed_generate_figures_and_bytes(proxy: ProxyUnderTest, sim: Running
 def test_streamed_generate_with_the_official_client(proxy: ProxyUnderTest) -> None:
     parts = list(client(proxy).generate(model=MODEL, prompt="Why is the sky blue?", stream=True))
     done = parts[-1]
-    assert done.done and "".join(p.response for p in parts[:-1])
+    assert done.done and "".join(p.response or "" for p in parts[:-1])
     m = record(proxy)
     assert (m.endpoint, m.stream, m.ok, m.finish_reason) == ("/api/generate", True, True, "stop")
     assert (m.prompt_tokens, m.output_tokens) == (done.prompt_eval_count, done.eval_count)
