@@ -18,6 +18,7 @@ Read once per request, from the one event (or body) that carries it; never per c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -42,6 +43,16 @@ class EngineMetrics:
     mean_itl: float | None
     tokens_per_second: float | None
     spec: SpecDecode | None
+    #: Loading the model before the request could run (Ollama's load_duration); None from
+    #: an engine that does not report it (vLLM serves a loaded model).
+    load_time: float | None = None
+
+
+#: An engine adapter: the engine's own per-request object, as the seam found it
+#: (Facts.engine), to its figures in seconds; None when the object says nothing. One per
+#: engine, each in its own module (vLLM's is `engine_metrics` below, Ollama's in
+#: proxy/core/engine_ollama.py); a seam names its adapter in `Api.engine_figures`.
+EngineAdapter = Callable[[object], "EngineMetrics | None"]
 
 
 def engine_metrics(obj: object) -> EngineMetrics | None:
@@ -82,6 +93,23 @@ def ttft_split(ttft: float, engine: EngineMetrics) -> tuple[float, float, float]
     scale = ttft / inside
     queue *= scale
     return queue, ttft - queue, 0.0
+
+
+def load_split(ttft: float, engine: EngineMetrics) -> tuple[float, float, float] | None:
+    """(model load, engine TTFT, outside the engine) for a client-seen `ttft`, summing to it
+    exactly, for an engine that reports a load time and no queue time (Ollama), or None.
+    The same rule as `ttft_split`: outside = ttft - load - engine TTFT, never below 0, the
+    engine's two parts scaled down together when they exceed what the client saw."""
+    load, first = engine.load_time, engine.time_to_first_token
+    if load is None or first is None or engine.queue_time is not None:
+        return None
+    inside = load + first
+    if inside <= ttft:
+        return load, first, ttft - inside
+    if inside <= 0.0:
+        return 0.0, 0.0, ttft
+    load *= ttft / inside
+    return load, ttft - load, 0.0
 
 
 def _number(value: object) -> float | None:

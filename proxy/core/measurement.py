@@ -38,7 +38,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from proxy.core.engine import EngineMetrics, ttft_split
+from proxy.core.engine import EngineMetrics, load_split, ttft_split
 from proxy.core.fingerprint import Prefix
 
 
@@ -117,6 +117,9 @@ class Measurement:
     continued_via: str | None = None
     turn_gap: float | None = None
     shared_prefix_tokens: int | None = None
+    # Streamed events (SSE payloads, NDJSON lines) that were not a JSON object: skipped,
+    # relayed as they came, counted here.
+    malformed_events: int = 0
 
     @property
     def ok(self) -> bool:
@@ -135,12 +138,25 @@ class Measurement:
             return None
         return ttft_split(ttft, engine)
 
+    def load_split(self) -> tuple[float, float, float] | None:
+        """(model load, engine TTFT, outside the engine), summing to `ttft`, for a stream
+        whose engine sent a load time and its TTFT but no queue time (Ollama); None
+        otherwise."""
+        engine, ttft = self.engine, self.ttft
+        if engine is None or ttft is None or not self.stream:
+            return None
+        return load_split(ttft, engine)
+
     def ttft_parts(self) -> tuple[float | None, float | None, float | None]:
         """(queue, engine TTFT, outside the engine) as every sink reports them: the split
-        when there is one, else the engine's own figures and no outside part."""
+        when there is one, else the engine's own figures and no outside part. With a
+        model load part (load_split) the queue is None and outside excludes the load."""
         split = self.ttft_split()
         if split is not None:
             return split
+        loaded = self.load_split()
+        if loaded is not None:
+            return None, loaded[1], loaded[2]
         engine = self.engine
         if engine is None:
             return None, None, None

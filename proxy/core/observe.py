@@ -22,11 +22,10 @@ from typing import Any, Protocol
 import orjson
 
 from proxy.core.apis import Api, Facts, RequestInfo, TokenCounts, api_of
-from proxy.core.engine import engine_metrics
 from proxy.core.errors import classify_response, classify_stream_end, error_message
 from proxy.core.fingerprint import of_prompt
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
-from proxy.core.sse import DEFAULT_MAX_EVENT_BYTES, SSEDecoder
+from proxy.core.sse import DEFAULT_MAX_EVENT_BYTES
 from proxy.core.template import EventTemplate, learn
 
 #: The most of a non-streaming or error body kept for parsing. Bigger bodies are still
@@ -90,7 +89,7 @@ class StreamObserver:
         self.response_id: str | None = None
         self.response_model: str | None = None
         self.texts: list[str] = []
-        self._decoder = SSEDecoder(max_event_bytes)
+        self._decoder = self.api.decoder(max_event_bytes)
         # The stream's repeating content event, once one has been parsed and proven
         # (proxy/core/template.py); learning is tried on the first plain event only.
         self._template: EventTemplate | None = None
@@ -104,7 +103,7 @@ class StreamObserver:
         """Upstream response headers arrived."""
         self.status = status
         self.first_byte = now
-        self.streaming = status < 400 and content_type.startswith("text/event-stream")
+        self.streaming = status < 400 and content_type.startswith(self.api.stream_type)
 
     def sent(self, read: float, now: float) -> None:
         """The request, whose body was read at `read`, went to the upstream at `now`."""
@@ -323,9 +322,10 @@ class StreamObserver:
             max_tokens=request.max_tokens,
             temperature=request.temperature,
             trace_id=trace_id,
-            engine=None if self.engine is None else engine_metrics(self.engine),
+            engine=None if self.engine is None else self.api.engine_figures(self.engine),
             proxy_overhead=self.overhead,
             prefix=of_prompt(request.prompt),
+            malformed_events=self.malformed_events,
         )
 
     def _decode_speed(self, output: int | None) -> tuple[float | None, float | None]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from proxy.core.apis import Api, api_for
 from proxy.core.errors import error_body, error_shape
+from proxy.core.identity import UNKNOWN
 from proxy.core.labels import route_template
 from proxy.core.measurement import ErrorType
 from proxy.core.paths import BadTarget, Target, normalise
@@ -105,12 +106,19 @@ BODY_TIMEOUT = Refused(408, "request_timeout", "request body not received in tim
 
 
 def admit(
-    api: Api, body: bytes, limits: RelaySettings
+    api: Api, body: bytes, limits: RelaySettings, backend: str = UNKNOWN
 ) -> tuple[RequestInfo, bytes, UsageEventStripper | None]:
     """A measured request's info, the body that goes upstream, and the stripper when the
-    proxy asked for usage the client did not."""
+    proxy asked for usage the client did not. `backend`: the upstream's kind, as far as
+    it is known (proxy/core/identity.py); the API may not ask some kinds for usage."""
     info, obj = parse_request(api, body)
-    if limits.inject_usage and info.stream and not info.usage_requested and obj is not None:
+    if (
+        limits.inject_usage
+        and info.stream
+        and not info.usage_requested
+        and obj is not None
+        and backend not in api.usage_reshapes
+    ):
         asked = api.ask_for_usage(obj)
         if asked is not None:  # the client gets the stream it asked for: strip the extra
             return info, asked, UsageEventStripper(limits.max_event_bytes)

@@ -105,7 +105,7 @@ class Forwarder:
         read = perf_counter()  # the request is in: the proxy's own time starts (overhead)
         info, stripper = None, None
         if api is not None:
-            info, body, stripper = admit(api, body, limits)
+            info, body, stripper = admit(api, body, limits, self.context.backend.kind)
         exchange = MeasuredExchange(
             self.context, path, scope["headers"], info, start, started_at, read
         )

@@ -13,7 +13,10 @@ from typing import Any, ClassVar, Literal
 
 import orjson
 
+from proxy.core.engine import EngineMetrics, engine_metrics
 from proxy.core.measurement import NONE_LABEL, TokenSource
+from proxy.core.ndjson import NDJSONDecoder
+from proxy.core.sse import SSEDecoder
 
 #: The closed finish_reason label set. Raw backend values are mapped onto it by each Api
 #: and kept as they came in `Measurement.raw_finish_reason` (logs and spans).
@@ -140,6 +143,13 @@ class Api:
     #: The bytes that open a plain content event's text (`"content":"`): where the
     #: observer may split a stream's repeating event (proxy/core/template.py). Empty: never.
     text_openings: ClassVar[tuple[bytes, ...]] = ()
+    #: The content type of this API's streamed answers (a prefix), and its framing: SSE
+    #: `data:` events, or one JSON object a line (Ollama's application/x-ndjson).
+    stream_type: ClassVar[str] = "text/event-stream"
+    ndjson: ClassVar[bool] = False
+    #: Backend kinds (proxy/core/identity.py) whose streams change beyond the usage event
+    #: when asked for usage: the proxy never asks them for it (the client's bytes would differ).
+    usage_reshapes: ClassVar[frozenset[str]] = frozenset()
 
     # -- the request ------------------------------------------------------------------
 
@@ -206,6 +216,18 @@ class Api:
         return None
 
     # -- the response -----------------------------------------------------------------
+
+    def decoder(self, max_event_bytes: int) -> SSEDecoder | NDJSONDecoder:
+        """A fresh decoder of this API's stream framing: bytes in, event payloads out."""
+        if self.ndjson:
+            return NDJSONDecoder(max_event_bytes)
+        return SSEDecoder(max_event_bytes)
+
+    def engine_figures(self, obj: object) -> EngineMetrics | None:
+        """The engine adapter: the engine's own per-request object (Facts.engine) as
+        figures in seconds. vLLM's `metrics` object unless the API's engine says otherwise
+        (proxy/core/engine_ollama.py)."""
+        return engine_metrics(obj)
 
     def event(self, payload: bytes, collect: bool, identify: bool) -> Facts:
         """Facts from one SSE `data` payload. `collect`: keep the generated text pieces

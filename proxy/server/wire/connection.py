@@ -381,7 +381,9 @@ class WireRequest:
         self.body = []
         info = None
         if self.api is not None:
-            info, body, self.stripper = admit(self.api, body, context.settings)
+            info, body, self.stripper = admit(
+                self.api, body, context.settings, context.backend.kind
+            )
         exchange = self.exchange = MeasuredExchange(
             context, self.path, self.headers, info, self.start, self.started_at, read
         )
