@@ -250,8 +250,10 @@ class Metrics:
         )
         self.engine_ttft = h(
             "tokenprobe_engine_time_to_first_token_seconds",
-            "The engine's own time to first token (vLLM per-request metrics "
-            "time_to_first_token_ms): from the request's scheduling to its first token. "
+            "The engine's own time to first token: vLLM per-request metrics "
+            "time_to_first_token_ms, from the request's scheduling to its first token; "
+            "llama.cpp timings.prompt_ms, from its slot starting on the prompt to the "
+            "prompt's last batch, whose logits give the first token. "
             "Streams: scaled with the queue time when both exceed the client-seen TTFT.",
             labels=("stream",),
             buckets=TTFT_BUCKETS,
@@ -260,7 +262,8 @@ class Metrics:
             "tokenprobe_time_to_first_token_outside_engine_seconds",
             "Client-seen TTFT (proxy received the request -> first read carrying content) "
             "minus the engine's queue time minus the engine's TTFT, never below 0: network, "
-            "HTTP and tokenisation in the server's front end, and the proxy. Streams that "
+            "HTTP and tokenisation in the server's front end, and the proxy (and the wait for "
+            "a slot where the engine reports no queue time: llama.cpp). Streams that "
             "carried the engine's per-request metrics; for them the _sum of this, of "
             'tokenprobe_engine_queue_time_seconds{stream="true"} and of '
             'tokenprobe_engine_time_to_first_token_seconds{stream="true"} add up to their TTFT sum.',
@@ -400,7 +403,8 @@ class Metrics:
         queue, first, outside = children
         split = m.ttft_split()
         if split is not None:
-            queue.observe(split[0])
+            if split[0] is not None:  # llama.cpp reports no queue time
+                queue.observe(split[0])
             first.observe(split[1])
             outside.observe(split[2])
         elif not m.stream:  # no client TTFT to split: the engine's figures as they are
@@ -408,6 +412,8 @@ class Metrics:
                 queue.observe(engine.queue_time)
             if engine.time_to_first_token is not None:
                 first.observe(engine.time_to_first_token)
+        if engine.invalid:  # llama.cpp timings that made no sense (proxy/core/llamacpp.py)
+            self.measurement_failures.labels("engine_timings").inc()
         spec = engine.spec
         if spec is not None:
             self.spec_draft.labels(model_label, m.endpoint).inc(spec.draft_tokens)
