@@ -50,7 +50,7 @@ REQUESTS: list[tuple[str, str, dict[str, Any]]] = [
             "stream": True,
             "cache_prompt": False,
         },
-    ),  # fmt: skip
+    ),
 ]
 
 
