@@ -39,6 +39,7 @@ from tests.llamacpp.conftest import SERVED, Llama
 pytestmark = [pytest.mark.llamacpp, pytest.mark.timeout(600)]
 
 CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
 PROMPTS = ("hello there, how are you", "the quick brown fox", "a b c a b c a b c a b c")
 #: The timings members whose values are times or rates (differ run to run).
 TIMED = (
@@ -179,6 +180,24 @@ def test_chat_streams_through_the_proxy_are_byte_identical_to_direct(llama: Llam
                 assert ("usage" in chunks[-1]) == usage
                 if not usage:
                     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_completions_streams_through_the_proxy_are_byte_identical_to_direct(llama: Llama) -> None:
+    # llama.cpp ignores include_usage on /v1/completions: usage and timings ride on the
+    # finish chunk either way, so there is no usage-only chunk to strip
+    with httpx.Client(timeout=60) as client:
+        for usage in (False, True):
+            body = {"model": SERVED, "prompt": "once upon", "max_tokens": 8, "temperature": 0}
+            body.update(stream=True, cache_prompt=False)
+            if usage:
+                body["stream_options"] = {"include_usage": True}
+            direct = fetch(client, llama.url + COMPLETIONS, body)
+            proxied = fetch(client, llama.proxy_url + COMPLETIONS, body)
+            (want, counts), (got, got_counts) = normalise(direct), normalise(proxied)
+            assert counts == got_counts and counts[2] == len(TIMED)
+            assert got == want, (usage, direct, proxied)
+            last = payloads(proxied)[-1]
+            assert "usage" in last and "timings" in last and last["choices"][0]["finish_reason"]
 
 
 # -- tokens, the TTFT split and the cache are the server's own ------------------------------
