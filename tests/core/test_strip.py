@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -330,3 +331,19 @@ def test_members_keep_their_exact_text(event: bytes, members: dict[str, str]) ->
 )
 def test_members_of_no_single_object_are_none(event: bytes) -> None:
     assert _members(event) is None
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(), inner, max_size=3),
+    max_leaves=10,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(obj=st.dictionaries(st.text(), _JSON, max_size=6), compact=st.booleans())
+def test_members_rebuild_the_object_exactly(obj: dict[str, object], compact: bool) -> None:
+    text = json.dumps(obj, separators=(",", ":") if compact else None, ensure_ascii=False)
+    members = _members(b"data: " + text.encode() + b"\n\n")
+    assert members is not None and list(members) == list(obj)
+    assert "{" + "".join(members.values()) + "}" == text  # each member's exact text, in order
