@@ -63,6 +63,7 @@ class TokenSource(enum.StrEnum):
     """Where the token counts of a record came from, most trusted first."""
 
     USAGE = "usage"  # the backend's `usage` object
+    ENGINE = "engine"  # the engine's own account without usage (llama.cpp timings)
     TOKENIZER = "tokenizer"  # counted by the configured tokenizer
     TOKEN_IDS = "token_ids"  # output = the token ids streamed (exact), prompt = the ids sent
     CHUNKS = "chunks"  # output = number of content events; prompt unknown
@@ -130,9 +131,10 @@ class Measurement:
         """The client walked away before the end: what was computed, nobody received."""
         return self.error_type is ErrorType.CLIENT_CANCELLED
 
-    def ttft_split(self) -> tuple[float, float, float] | None:
+    def ttft_split(self) -> tuple[float | None, float, float] | None:
         """(queue, engine TTFT, outside the engine), summing to `ttft`, for a stream whose
-        engine sent its queue time and TTFT; None otherwise."""
+        engine sent its TTFT (the queue part None when it sends no queue time); None
+        otherwise."""
         engine, ttft = self.engine, self.ttft
         if engine is None or ttft is None or not self.stream:
             return None
@@ -177,7 +179,8 @@ class Measurement:
             not self.stream
             or not self.content_events
             or self.output_tokens is None
-            or self.token_source not in (TokenSource.USAGE, TokenSource.TOKENIZER)
+            or self.token_source
+            not in (TokenSource.USAGE, TokenSource.ENGINE, TokenSource.TOKENIZER)
         ):
             return None
         return self.output_tokens / self.content_events

@@ -70,6 +70,7 @@ class Forwarder:
     ) -> None:
         self.client = client
         self.context = Context(sinks, counter, settings)
+        settings.injection.on_refuse = sinks.usage_injection_refused
 
     @classmethod
     def from_settings(

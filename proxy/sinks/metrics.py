@@ -274,8 +274,10 @@ class Metrics:
         )
         self.engine_ttft = h(
             "tokenprobe_engine_time_to_first_token_seconds",
-            "The engine's own time to first token (vLLM per-request metrics "
-            "time_to_first_token_ms): from the request's scheduling to its first token. "
+            "The engine's own time to first token: vLLM per-request metrics "
+            "time_to_first_token_ms, from the request's scheduling to its first token; "
+            "llama.cpp timings.prompt_ms, from its slot starting on the prompt to the "
+            "prompt's last batch, whose logits give the first token. "
             "Streams: scaled with the queue time when both exceed the client-seen TTFT.",
             labels=("stream",),
             buckets=TTFT_BUCKETS,
@@ -285,7 +287,8 @@ class Metrics:
             "Client-seen TTFT (proxy received the request -> first read carrying content) "
             "minus the engine's queue time (or, from Ollama, its model load time, "
             "tokenprobe_engine_load_time_seconds) minus the engine's TTFT, never below 0: network, "
-            "HTTP and tokenisation in the server's front end, and the proxy. Streams that "
+            "HTTP and tokenisation in the server's front end, and the proxy (and the wait for "
+            "a slot where the engine reports no queue time: llama.cpp). Streams that "
             "carried the engine's per-request metrics; for them the _sum of this, of "
             'tokenprobe_engine_queue_time_seconds{stream="true"} and of '
             'tokenprobe_engine_time_to_first_token_seconds{stream="true"} add up to their TTFT sum.',
@@ -561,7 +564,8 @@ class Metrics:
         split = m.ttft_split()
         loaded = None if split is not None else m.load_split()
         if split is not None:
-            queue.observe(split[0])
+            if split[0] is not None:  # llama.cpp reports no queue time
+                queue.observe(split[0])
             first.observe(split[1])
             outside.observe(split[2])
         elif loaded is not None:  # model load, engine TTFT, outside (Ollama)
@@ -575,6 +579,8 @@ class Metrics:
                 first.observe(engine.time_to_first_token)
             if engine.load_time is not None:
                 self.engine_load.labels(model_label, m.endpoint, "false").observe(engine.load_time)
+        if engine.invalid:  # llama.cpp timings that made no sense (proxy/core/llamacpp.py)
+            self.measurement_failures.labels("engine_timings").inc()
         spec = engine.spec
         if spec is not None:
             self.spec_draft.labels(model_label, m.endpoint).inc(spec.draft_tokens)

@@ -77,6 +77,8 @@ class Facts:
     error     an in-stream error object (or the error event itself)
     engine    the engine's per-request `metrics` object as sent (proxy/core/engine.py),
               read only from the event or body that carries usage
+    timings   llama.cpp's `timings` object as sent (proxy/core/llamacpp.py), read only from
+              the event that carries usage or a finish reason, or from the body
     end       the event ends the stream cleanly ([DONE], message_stop, response.completed)
     tokens    output tokens the event carries exactly (token-in/token-out `token_ids`), 0
               when the API does not say
@@ -98,6 +100,7 @@ class Facts:
     malformed: bool = False
     tokens: int = 0
     plain: bool = False  # content of choice 0 and nothing else: the observer's fast path
+    timings: object = None  # llama.cpp's `timings` object as sent (proxy/core/llamacpp.py)
 
 
 #: Shared "nothing here" answer: never mutated, so one instance serves every event.
@@ -240,6 +243,7 @@ class Api:
         return Facts(
             usage=usage if type(usage) is dict else None,
             engine=obj.get("metrics"),
+            timings=obj.get("timings"),
             **identity(obj),
         )
 
