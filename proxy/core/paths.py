@@ -52,6 +52,9 @@ _UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz01
 # pchar minus "%" plus "/": what may stay raw in a path (RFC 3986 §3.3).
 _PATH_SAFE = _UNRESERVED | frozenset(b"!$&'()*+,;=:@/")
 
+# Any byte that is not _PATH_SAFE ("%" included): none found, the path is already normal.
+_NOT_PATH_SAFE = re.compile(rb"[^A-Za-z0-9\-._~!$&'()*+,;=:@/]")
+
 _HEX = frozenset(b"0123456789abcdefABCDEF")
 _REFUSED_ESCAPES = {0x2F: "an encoded slash (%2F)", 0x5C: "an encoded backslash (%5C)", 0: "%00"}
 _QUERY_UNSAFE = re.compile(rb"[^\x21-\x22\x24-\x7e]")
@@ -67,7 +70,7 @@ def normalise(raw_path: bytes, query: bytes = b"") -> Target:
 
 
 def _normalise_escapes(raw: bytes) -> str:
-    if b"%" not in raw and all(b in _PATH_SAFE for b in raw):
+    if _NOT_PATH_SAFE.search(raw) is None:
         return raw.decode("ascii")  # the common case: nothing to do
     out: list[str] = []
     i, n = 0, len(raw)
@@ -89,6 +92,8 @@ def _normalise_escapes(raw: bytes) -> str:
 
 
 def _remove_dot_segments(path: str) -> str:
+    if "." not in path:
+        return path  # the common case: no segment can be a dot segment
     segments = path.split("/")[1:]  # the path starts with "/": drop the empty first one
     if "." not in segments and ".." not in segments:
         return path
