@@ -3,8 +3,8 @@ own answers to those that do not.
 
 In order: the one normalised target (proxy/core/paths.py; routed, measured and forwarded
 alike: `own_route` decides on it whether the proxy answers a request itself, on both data
-paths, so no spelling of /metrics reaches the backend), the head's limits (`check_head`: header bytes 431, a declared body over the limit
-413), the body's (`check_body`: 413), then `admit`: the API seam decides (a POST to a path
+paths, so no spelling of /metrics reaches the backend), the head's limits (`check_head`:
+header bytes 431, a declared body over the limit 413), the body's (`check_body`: 413), then `admit`: the API seam decides (a POST to a path
 that has an Api is measured), `parse_request` reads the body once, and a stream whose
 client asked for no usage is asked for it, with a `UsageEventStripper` to take it out of
 the client's stream again. A refusal is one exception (`Refused`) carrying its answer;

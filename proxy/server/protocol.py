@@ -21,8 +21,9 @@ pipelined GET keeps its response); until then the connection is not read. Any ot
 upgrade request (a POST with `Upgrade: websocket`, a handshake with a body, h2c) is an
 ordinary request, answered, and then the connection closes: what the client wrote after
 it is never parsed, so never relayed. llhttp (through httptools) reads no body after an
-upgrade request's head, so such a request's body is read by a second parser (`Upgrade`). Trailer fields of a chunked body never join the
-request's headers (they are dropped, as most proxies do).
+upgrade request's head, so such a request's body is read by a second parser (`Upgrade`).
+Trailer fields of a chunked body never join the request's headers (they are dropped, as
+most proxies do).
 
 Each close is counted in `tokenprobe_connections_closed_total{reason}`. The limits come
 from the settings (`configure`, before the server starts) and live on the class, because
