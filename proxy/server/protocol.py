@@ -322,9 +322,9 @@ class Upgrade:
             try:
                 self.body.feed_data(data)
             except httptools.HttpParserError:
-                if not self.done:  # a malformed body: nothing to answer, so close
+                if not self.done:  # a malformed body: as the first parser answers one
                     self.done = True
-                    self.proto.transport.close()
+                    self.proto.send_400_response("Invalid HTTP request received.")
 
     def on_body(self, body: bytes) -> None:
         if not self.done:

@@ -106,6 +106,34 @@ def test_an_upgrade_that_is_not_a_websocket_handshake_is_an_ordinary_request(
     assert b"/v1/smuggled" not in upstream.all_received()
 
 
+H2C = (
+    b"POST /v1/files HTTP/1.1\r\nHost: x\r\nUpgrade: h2c\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+    b"HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\nTransfer-Encoding: chunked\r\n\r\n"
+)
+
+
+def test_an_upgrade_requests_chunked_body_is_read_and_relayed(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """llhttp skips the body of any request asking to upgrade; the proxy reads it itself
+    (chunks, then trailers dropped) and relays the request as HTTP."""
+    body = b"5\r\nhello\r\n6\r\n world\r\n0\r\nX-Trailed: t\r\n\r\n"
+    with proxy(upstream.url) as base:
+        got = exchange(base, H2C + body + SMUGGLED, idle=1.0)
+    assert [status for status, _, _ in responses(got)] == [200], got
+    (seen,) = upstream.requests
+    assert seen.body == b"hello world" and seen.header(b"upgrade") == []
+    assert b"/v1/smuggled" not in upstream.all_received()
+    assert b"x-trailed" not in upstream.all_received().lower()
+
+
+def test_an_upgrade_requests_malformed_body_is_a_400(upstream: RawUpstream, proxy: Proxy) -> None:
+    with proxy(upstream.url) as base:
+        got = exchange(base, H2C + b"zz\r\nhello\r\n", idle=1.0)
+    assert got.startswith(b"HTTP/1.1 400"), got
+    assert upstream.requests == []
+
+
 def test_a_post_with_upgrade_is_measured(upstream: RawUpstream, proxy: Proxy) -> None:
     upstream.default = Switcher(plain=ok(COMPLETION)).script()
     extra = b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(CHAT)
