@@ -2,8 +2,9 @@
 own answers to those that do not.
 
 In order: the one normalised target (proxy/core/paths.py; routed, measured and forwarded
-alike), the head's limits (`check_head`: header bytes 431, a declared body over the limit
-413), the body's (`check_body`: 413), then `admit`: the API seam decides (a POST to a path
+alike: `own_route` decides on it whether the proxy answers a request itself, on both data
+paths, so no spelling of /metrics reaches the backend), the head's limits (`check_head`:
+header bytes 431, a declared body over the limit 413), the body's (`check_body`: 413), then `admit`: the API seam decides (a POST to a path
 that has an Api is measured), `parse_request` reads the body once, and a stream whose
 client asked for no usage is asked for it, with a `UsageEventStripper` to take it out of
 the client's stream again. A refusal is one exception (`Refused`) carrying its answer;
@@ -13,6 +14,7 @@ writes itself (before any upstream byte reached the client).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from proxy.core.apis import Api, api_for
@@ -20,7 +22,7 @@ from proxy.core.errors import error_body, error_shape
 from proxy.core.identity import UNKNOWN
 from proxy.core.labels import route_template
 from proxy.core.measurement import ErrorType
-from proxy.core.paths import BadTarget, Target, normalise
+from proxy.core.paths import BadTarget, Target, normalise, route_key
 from proxy.core.request import RequestInfo, parse_request
 from proxy.core.strip import Injection, UsageEventStripper
 from proxy.server.headers import Headers, secret_names
@@ -79,6 +81,25 @@ def target(raw_path: bytes, query: bytes) -> Target:
         return normalise(raw_path, query)
     except BadTarget as exc:
         raise Refused(400, "invalid_request_target", str(exc)) from None
+
+
+def own_route(where: Target | Refused, owns: Callable[[str], bool]) -> str | None:
+    """The proxy's own route a request is for, decided on its normalised target
+    (`route_key`: `/v1/../metrics`, `//metrics` and `/metrics/` are all /metrics), or None
+    when the request is the backend's (a target that cannot be normalised is the relay's
+    to refuse)."""
+    if isinstance(where, Refused):
+        return None
+    key = route_key(where.path)
+    return key if owns(key) else None
+
+
+def where_to(raw_path: bytes, query: bytes) -> Target | Refused:
+    """`target`, with the refusal returned instead of raised."""
+    try:
+        return target(raw_path, query)
+    except Refused as refusal:
+        return refusal
 
 
 def measured_api(method: str, path: str) -> Api | None:

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.core.errors import describe
 from proxy.core.tokens import TokenCounter
+from proxy.server.admission import own_route, where_to
 from proxy.server.control import ControlPlane
 from proxy.server.forward import Forwarder, UpstreamBroke
 from proxy.server.identity import keep_asking
@@ -87,10 +88,13 @@ class ProxyApp:
             log.warning("WebSocket %s refused: the ASGI relay does not tunnel them", scope["path"])
             await send({"type": "websocket.close", "code": 1008})
         elif kind == "http":
-            # The proxy's own routes first; everything else belongs to the backend, and
-            # goes to the relay with no router or middleware in between.
-            if self.control.owns(scope["path"]):
-                await self.control(scope, receive, send)
+            # The proxy's own routes first, decided on the normalised target (so no
+            # spelling of /metrics reaches the backend); everything else belongs to the
+            # backend, and goes to the relay with no router or middleware in between.
+            raw_path = scope.get("raw_path") or scope["path"].encode()
+            own = own_route(where_to(raw_path, b""), self.control.owns)
+            if own is not None:
+                await self.control({**scope, "path": own, "raw_path": own.encode()}, receive, send)
             else:
                 assert self.forwarder is not None, "lifespan did not run"
                 await self.forwarder(scope, receive, send)
