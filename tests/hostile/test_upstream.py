@@ -175,6 +175,7 @@ def test_a_partial_message_on_an_idle_connection_does_not_make_the_next_client_w
 def test_a_response_on_an_idle_connection_never_reaches_the_next_client(
     upstream: RawUpstream, proxy: Proxy
 ) -> None:
+    written = asyncio.Event()
     closed: list[bool] = []
 
     async def first(conn: Conn, request: Request) -> None:
@@ -183,16 +184,19 @@ def test_a_response_on_an_idle_connection_never_reaches_the_next_client(
         await asyncio.sleep(0.3)
         conn.write(EXTRA)  # while the connection sits idle in the proxy's pool
         await conn.drain()
-        closed.append(await conn.wait_closed_by_peer(5))
+        written.set()
+        closed.append(await conn.wait_closed_by_peer(5))  # (a request here: never answered)
 
     upstream.default = by_target({b"/v1/first": first}, SECOND)
     with proxy(upstream.url) as base:
         one, _ = ask(base, b"/v1/first")
         assert body(one) == b"first"
-        assert upstream.wait_for(lambda: bool(closed), 10)
+        assert upstream.wait_for(written.is_set, 5)
+        time.sleep(0.2)  # the bytes reach the proxy; well within its 4 s keep-alive
         two, _ = ask(base, b"/v1/other", timeout=5)
         assert body(two) == b"second", two
         assert until(lambda: errors(base, "idle_bytes") == 1)
+        assert upstream.wait_for(lambda: bool(closed), 10)
     assert closed == [True]  # the proxy closed that connection
 
 
@@ -300,3 +304,24 @@ def test_the_asgi_relays_httpx_transport_is_guarded_too(
             assert body(two) == b"second", two
             kind = "extra_bytes" if case == "extra" else "idle_bytes"
             assert until(lambda: errors(base, kind) == 1)
+
+
+# -- the upstream's base path (issue 31 item 1) -----------------------------------------------
+
+
+@pytest.mark.parametrize("base", ["/tenant-a", "/tenant-a/"])
+def test_the_upstreams_base_path_is_kept(upstream: RawUpstream, proxy: Proxy, base: str) -> None:
+    with proxy(upstream.url + base) as base_url:
+        got, _ = ask(base_url, b"/v1/models?limit=2&after=x")
+        assert got.startswith(b"HTTP/1.1 200"), got
+        chat = exchange(
+            base_url,
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+            b'content-length: 44\r\n\r\n{"model":"m","messages":[],"stream":false}  ',
+            idle=0.5,
+        )
+        assert chat.startswith(b"HTTP/1.1 200"), chat
+    assert [r.target for r in upstream.requests] == [
+        b"/tenant-a/v1/models?limit=2&after=x",
+        b"/tenant-a/v1/chat/completions",
+    ]
