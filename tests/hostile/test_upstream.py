@@ -294,16 +294,16 @@ def test_the_asgi_relays_httpx_transport_is_guarded_too(
         written.append(True)
         await conn.wait_closed_by_peer(5)
 
-    with raw_upstream(default=by_target({b"/v1/first": first}, SECOND)) as upstream:
-        with serving_process(upstream.url) as (base, _):
-            one, _ = ask(base, b"/v1/first")
-            assert body(one) == b"first"
-            assert upstream.wait_for(lambda: bool(written), 5)
-            time.sleep(0.2)
-            two, _ = ask(base, b"/v1/other", timeout=5)
-            assert body(two) == b"second", two
-            kind = "extra_bytes" if case == "extra" else "idle_bytes"
-            assert until(lambda: errors(base, kind) == 1)
+    upstream = raw_upstream(default=by_target({b"/v1/first": first}, SECOND))
+    with upstream as up, serving_process(up.url) as (base, _):
+        one, _ = ask(base, b"/v1/first")
+        assert body(one) == b"first"
+        assert up.wait_for(lambda: bool(written), 5)
+        time.sleep(0.2)
+        two, _ = ask(base, b"/v1/other", timeout=5)
+        assert body(two) == b"second", two
+        kind = "extra_bytes" if case == "extra" else "idle_bytes"
+        assert until(lambda: errors(base, kind) == 1)
 
 
 # -- the upstream's base path (issue 31 item 1) -----------------------------------------------
