@@ -1,4 +1,4 @@
-"""Turn relay.py's phases into per-arm figures, the README tables, the targets and a chart.
+"""Turn relay.py's phases into per-arm figures, docs/performance.md's tables, the targets and a chart.
 
 Every "added" figure is the arm's percentile minus direct's percentile in the same round
 (or at the same rate), so drift between rounds cancels. Spreads are min-max over rounds.

@@ -126,6 +126,24 @@ def label_headers(value: str) -> tuple[str, ...]:
     return tuple(pairs)
 
 
+def conversation_header(value: str) -> str:
+    """A header name whose value names a conversation; never one that carries credentials
+    (its value is only hashed, but an API key is no conversation)."""
+    header = value.strip().lower()
+    if not _HEADER_NAME.match(header):
+        raise ValueError("expected a header name, e.g. x-session-id")
+    if header.encode() in SECRET_HEADERS:
+        raise ValueError(f"{header!r} carries credentials; pick the header naming the session")
+    return header
+
+
+def _ratio(value: str) -> float:
+    ratio = float(value)
+    if not 0.0 <= ratio <= 1.0:  # also refuses nan
+        raise ValueError("must be a number between 0 and 1")
+    return ratio
+
+
 def _choice(*options: str) -> Callable[[str], str]:
     def parse(value: str) -> str:
         if value not in options:
@@ -201,9 +219,9 @@ def _shown(default: Any) -> str:
 @dataclass(frozen=True)
 class Settings:
     """Every setting of `tokenprobe serve`, each declared once, here: its type, default,
-    parser, help and README row. The flag, the TOKENPROBE_* variable, argparse, the README
-    table (`settings_table`, kept equal by tests/test_readme.py) and the hand-over to
-    worker processes all come from these fields, through `SPECS`."""
+    parser, help and docs row. The flag, the TOKENPROBE_* variable, argparse, the settings
+    reference (`settings_table`: docs/generate.py writes it, tests/test_docs.py keeps it
+    equal) and the hand-over to worker processes all come from these fields, via `SPECS`."""
 
     upstream: str = setting(
         _url,
@@ -354,6 +372,27 @@ class Settings:
         "info",
         "Level of the proxy's own messages (stderr).",
     )
+    # Conversations (proxy/core/conversations.py, docs/conversations.md).
+    conversation_header: str | None = setting(
+        conversation_header,
+        None,
+        "Request header naming a conversation (e.g. `x-session-id`): requests with the same value are one conversation. Its value is hashed with `--log-salt`, never kept or exported in clear; a value over 256 bytes or not printable ASCII is not used (`tokenprobe_conversation_header_refused_total`).",
+    )
+    conversation_idle: float = setting(
+        _seconds,
+        300.0,
+        "Seconds without a request after which a conversation is over and its turns and duration are observed.",
+    )
+    conversation_table: int = setting(
+        positive_int,
+        10_000,
+        "Most conversations the proxy remembers per process (under 900 bytes each); when full the one touched longest ago goes (`tokenprobe_conversation_evictions_total`).",
+    )
+    continuation_cache_miss_ratio: float = setting(
+        _ratio,
+        0.5,
+        "A continuation whose cached prompt tokens cover less than this share of the prompt it repeats counts in `tokenprobe_continuation_cache_misses_total`.",
+    )
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
@@ -377,7 +416,7 @@ SPECS: tuple[Spec, ...] = tuple(_spec(f) for f in dataclasses.fields(Settings))
 
 
 def settings_table() -> str:
-    """The README's settings table, rendered from the declarations (`python -m proxy.settings`)."""
+    """The settings table of docs/reference/settings.md, rendered from the declarations."""
     rows = ["| flag | variable | default | meaning |", "|---|---|---|---|"]
     rows += [f"| {s.flags} | `{s.env}` | {s.shown} | {s.help} |" for s in SPECS]
     return "\n".join(rows) + "\n"
@@ -493,5 +532,5 @@ def parse(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
     return resolve(parser.parse_args(list(argv)), environ)
 
 
-if __name__ == "__main__":  # print the README's settings table
+if __name__ == "__main__":  # print the settings table (docs/generate.py writes the page)
     print(settings_table(), end="")

@@ -1,34 +1,20 @@
-"""The README documents every setting and every metric, and its two commands are real."""
+"""The README is a front page that tells the truth: its two commands are real, its first
+screen states the contract the code implements (what is forwarded, measured and answered
+by the proxy itself), and it stays short. The references it once held (settings, metrics,
+APIs) are docs pages now, checked by tests/test_docs.py."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry
+import re
 
-from proxy.settings import SPECS, settings_table
-from proxy.sinks.metrics import Metrics, WsMetrics
+from proxy.core.apis import APIS
+from proxy.core.wsseam import WS_APIS
+from proxy.server.control import ControlPlane, Readiness
 from tests.paths import ROOT
 
 README = (ROOT / "README.md").read_text()
-
-
-def test_the_settings_table_is_the_one_rendered_from_the_declarations() -> None:
-    # Regenerate it with `python -m proxy.settings` after declaring a setting.
-    section = README.split("## Settings", 1)[1].split("\n## ", 1)[0]
-    assert settings_table() in section
-    assert all(f"`{s.env}`" in section for s in SPECS)
-
-
-def test_every_metric_is_documented() -> None:
-    names = []
-    registry = CollectorRegistry()
-    Metrics(registry)
-    WsMetrics(registry)
-    for family in registry.collect():
-        names.append(family.name + ("_total" if family.type == "counter" else ""))
-    # or on a docs page of its own (docs/hostile-peers.md), while the README moves to docs/
-    pages = README + "".join(p.read_text() for p in (ROOT / "docs").glob("*.md"))
-    missing = [name for name in names if name not in pages]
-    assert missing == []
+#: What a reader sees before scrolling: the first screen of a terminal or a GitHub page.
+FIRST_SCREEN = "\n".join(README.splitlines()[:40])
 
 
 def test_readme_gives_the_two_commands() -> None:
@@ -38,21 +24,44 @@ def test_readme_gives_the_two_commands() -> None:
     assert "pip install -e '.[dev]' && pytest" in ci
 
 
-def _apis_table() -> dict[str, str]:
-    """The endpoint label -> paths cell of each row of the README's "APIs measured" table."""
-    section = README.split("## APIs measured", 1)[1].split("\n## ", 1)[0]
-    rows = {}
-    for line in section.splitlines():
-        if line.startswith("| `"):
-            label, paths = (cell.strip() for cell in line.strip("|").split("|")[:2])
-            rows[label.strip("`")] = paths
-    return rows
+def test_readme_is_a_front_page() -> None:
+    assert len(README.splitlines()) <= 250
 
 
-def test_apis_measured_table_lists_exactly_the_registry() -> None:
-    from proxy.core.apis import APIS
+def _section(title: str) -> str:
+    start = FIRST_SCREEN.index(f"**{title}")
+    end = FIRST_SCREEN.find("\n- **", start + 1)
+    return FIRST_SCREEN[start : end if end != -1 else None]
 
-    rows = _apis_table()
-    assert sorted(rows) == sorted(api.endpoint for api in APIS)
-    for api in APIS:
-        assert rows[api.endpoint] == ", ".join(f"`{path}`" for path in api.paths), api.endpoint
+
+def test_the_first_screen_names_the_paths_the_proxy_answers_itself() -> None:
+    plane = ControlPlane(None, Readiness("http://127.0.0.1:1"), apart=False)  # type: ignore[arg-type]
+    own = sorted(plane.paths)
+    said = sorted(set(re.findall(r"`(/[a-z]+)`", _section("Answered by the proxy itself"))))
+    assert said == own
+    assert "every request, whatever its method and path" in _section("Forwarded")
+
+
+def test_the_first_screen_names_every_measured_api() -> None:
+    """Each API of the registry is named in the first screen's "Measured" item, by the
+    words listed here; a new API gets its words here and in the README."""
+    words = {
+        "/v1/chat/completions": "chat",
+        "/v1/completions": "text completions",
+        "/v1/messages": "Anthropic Messages",
+        "/v1/responses": "Responses",
+        "/v1/embeddings": "embeddings",
+        "/pooling": "pooling",
+        "/score": "score",
+        "/rerank": "rerank",
+        "/classify": "classify",
+        "/inference/v1/generate": "token-in/token-out generate",
+        "/v1/audio/transcriptions": "transcriptions",
+        "/v1/audio/translations": "translations",
+        "/cohere/v2/chat": "Cohere chat",
+        "/v1/realtime": "`/v1/realtime`",
+    }
+    endpoints = sorted([api.endpoint for api in APIS] + [w.endpoint for w in WS_APIS])
+    assert sorted(words) == endpoints, "name the new API in the README's first screen"
+    measured = " ".join(_section("Measured").split())
+    assert [e for e, w in words.items() if w not in measured] == []

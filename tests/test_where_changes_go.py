@@ -1,6 +1,6 @@
-"""The README's "where does a change go" is true: each worked example, applied to a copy
-of this tree exactly as the README says (its code, in the files it names, plus the lines
-it names), works in a real `tokenprobe serve` in front of the simulator.
+"""The docs' "where does a change go" (docs/architecture.md) is true: each worked example,
+applied to a copy of this tree exactly as the page says (its code, in the files it names,
+plus the lines it names), works in a real `tokenprobe serve` in front of the simulator.
 """
 
 from __future__ import annotations
@@ -22,16 +22,16 @@ from tests.paths import ROOT
 from tests.servers import stop, wait_http
 
 ROOT = ROOT
-README = (ROOT / "README.md").read_text()
+PAGE = (ROOT / "docs" / "architecture.md").read_text()
 
 
-def readme_module(path: str) -> str:
-    """The README's Python block that starts with the comment `# <path>` (dedented when
+def docs_module(path: str) -> str:
+    """The page's Python block that starts with the comment `# <path>` (dedented when
     the block sits in a list item)."""
     match = re.search(
-        r"^( *)```python\n\1# " + re.escape(path) + r"\n(.*?)^\1```", README, re.S | re.M
+        r"^( *)```python\n\1# " + re.escape(path) + r"\n(.*?)^\1```", PAGE, re.S | re.M
     )
-    assert match is not None, f"the README has no worked example for {path}"
+    assert match is not None, f"docs/architecture.md has no worked example for {path}"
     indent = len(match.group(1))
     return "".join(line[indent:] for line in match.group(2).splitlines(keepends=True))
 
@@ -166,7 +166,7 @@ def metric_lines(url: str, name: str) -> list[str]:
 def test_a_new_api_is_one_module_and_its_registry_lines(tmp_path: Path) -> None:
     tree = tree_copy(tmp_path)
     apis = tree / "proxy" / "core" / "apis"
-    (apis / "tokenize.py").write_text(readme_module("proxy/core/apis/tokenize.py"))
+    (apis / "tokenize.py").write_text(docs_module("proxy/core/apis/tokenize.py"))
     init = apis / "__init__.py"
     add_import(init, "from proxy.core.apis.tokenize import Tokenize")
     add_to_registry(init, "APIS", "Tokenize()")
@@ -185,8 +185,8 @@ def test_a_new_api_is_one_module_and_its_registry_lines(tmp_path: Path) -> None:
 def test_a_new_metric_is_declared_and_observed_in_the_metrics_sink(tmp_path: Path) -> None:
     tree = tree_copy(tmp_path)
     metrics = tree / "proxy" / "sinks" / "metrics.py"
-    declare = readme_module("proxy/sinks/metrics.py: Metrics.__init__")
-    observe = readme_module("proxy/sinks/metrics.py: Metrics.record")
+    declare = docs_module("proxy/sinks/metrics.py: Metrics.__init__")
+    observe = docs_module("proxy/sinks/metrics.py: Metrics.record")
     add_to_function(metrics, "Metrics.__init__", declare, where="top")
     add_to_function(metrics, "Metrics.record", observe, where="top")
     body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}
@@ -201,7 +201,7 @@ def test_a_new_metric_is_declared_and_observed_in_the_metrics_sink(tmp_path: Pat
 
 def test_a_new_sink_is_one_file_and_one_line_in_the_assembly(tmp_path: Path) -> None:
     tree = tree_copy(tmp_path)
-    sink = readme_module("proxy/sinks/slow_requests.py")
+    sink = docs_module("proxy/sinks/slow_requests.py")
     (tree / "proxy" / "sinks" / "slow_requests.py").write_text(sink)
     assemble = tree / "proxy" / "server" / "assemble.py"
     add_import(assemble, "from proxy.sinks.slow_requests import SlowRequests")

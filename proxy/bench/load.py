@@ -73,6 +73,9 @@ class Schedule:
     offsets: Sequence[float]
     indices: Sequence[int]
     on_send: Callable[[], None] | None = None
+    #: Per call, None (it goes at its offset) or (position of an earlier call, seconds): it
+    #: goes that many seconds after that call's answer ended (a conversation's next turn).
+    after: Sequence[tuple[int, float] | None] = ()
 
 
 def label(mode: str, value: float) -> str:
@@ -190,16 +193,58 @@ class Runner:
         await self._gather(level, [])
 
     async def _replay(self, level: Level, schedule: Schedule) -> None:
-        """Each call at its own offset from the start (a recorded workload), open loop."""
-        for call, offset, index in zip(self.calls, schedule.offsets, schedule.indices, strict=True):
+        """Each call at its own offset from the start (a recorded workload), open loop;
+        a call that follows another (`schedule.after`) goes its gap after that one ended."""
+        after = schedule.after or [None] * len(self.calls)
+        done = [asyncio.Event() for _ in self.calls]
+        calls = zip(self.calls, schedule.offsets, schedule.indices, after, strict=True)
+        for position, (call, offset, index, follows) in enumerate(calls):
+            if self.stopping:
+                break
+            if follows is not None:
+                earlier, gap = follows
+                self._spawn(
+                    self._follow(level, done, position, earlier, gap, index, call, schedule)
+                )
+                continue
             due = level.start + offset
             await self._sleep_until(due)
             if self.stopping:
                 break
             if schedule.on_send is not None:
                 schedule.on_send()
-            self._spawn(self._one(level, index, due, call=call))
+            self._spawn(self._then(done[position], self._one(level, index, due, call=call)))
         await self._gather(level, [])
+
+    async def _follow(
+        self,
+        level: Level,
+        done: list[asyncio.Event],
+        position: int,
+        earlier: int,
+        gap: float,
+        index: int,
+        call: Call,
+        schedule: Schedule,
+    ) -> None:
+        try:
+            await done[earlier].wait()
+            due = perf_counter() + gap
+            await self._sleep_until(due)
+            if self.stopping:
+                return
+            if schedule.on_send is not None:
+                schedule.on_send()
+            await self._one(level, index, due, call=call)
+        finally:
+            done[position].set()
+
+    @staticmethod
+    async def _then(event: asyncio.Event, work: Any) -> None:
+        try:
+            await work
+        finally:
+            event.set()
 
     def _origin(self) -> float:
         """The level's start: now, or (first level) the instant every worker shares."""

@@ -3,9 +3,11 @@
 Each request of the access logs (or of a Mooncake trace, `--mooncake`) is sent at its
 recorded offset (open loop, `--speed` scales time), to the same API with the same stream
 flag, with a synthetic prompt of its recorded token count and the recorded sharing of
-prefixes (synth.py), and `max_tokens` = its recorded output with `ignore_eos`. The
-output is the bench's table, the recorded figures beside the replayed ones, and with
-`--out` the run file `tokenprobe bench compare` reads.
+prefixes (synth.py), and `max_tokens` = its recorded output with `ignore_eos`.
+Conversations stay conversations: a later turn's prompt repeats all of its earlier turn's
+(`continues`), and it goes its recorded turn gap after the candidate answered that turn
+(`follows`). The output is the bench's table, the recorded figures beside the replayed
+ones, and with `--out` the run file `tokenprobe bench compare` reads.
 
 Exit status: 0 when requests succeeded, 1 when none did, 2 for bad flags or nothing to
 replay, 130 when interrupted.
@@ -258,6 +260,41 @@ def _options(ns: argparse.Namespace, wants: Sequence[Want]) -> Options:
     )
 
 
+def conversation_shards(wants: Sequence[Want]) -> list[int]:
+    """The number each request is sharded by: its own, or its conversation's first
+    request's, so one conversation's turns all go to one shard (and one worker)."""
+    first: dict[str, int] = {}
+    return [
+        first.setdefault(w.conversation, i) if w.conversation else i for i, w in enumerate(wants)
+    ]
+
+
+def continues(wants: Sequence[Want]) -> list[int | None]:
+    """For each request, the position of the earlier request of its conversation that it
+    continues (its turn 2 or later, as the access log recorded), else None."""
+    latest: dict[str, int] = {}
+    out: list[int | None] = []
+    for position, w in enumerate(wants):
+        earlier = latest.get(w.conversation) if w.conversation else None
+        out.append(earlier if w.turn is not None and w.turn > 1 else None)
+        if w.conversation:
+            latest[w.conversation] = position
+    return out
+
+
+def follows(wants: Sequence[Want], speed: float) -> list[tuple[int, float] | None]:
+    """Conversations kept as conversations: a recorded continuation (with its turn gap)
+    goes its recorded gap (scaled by --speed) after the candidate's answer to the previous
+    request of its conversation ended, not at its recorded offset, so a slower or faster
+    candidate keeps each turn after the answer it continues, and the tool's or user's time
+    between them. A continuation whose earlier turn is not replayed (--window, another
+    shard) goes at its offset."""
+    return [
+        None if earlier is None or w.turn_gap is None else (earlier, w.turn_gap / speed)
+        for w, earlier in zip(wants, continues(wants), strict=True)
+    ]
+
+
 def request(want: Want, content: Any, ignore_eos: bool) -> Call:
     body: dict[str, Any] = {"model": want.model, **body_fields(want.endpoint, content)}
     limit = "max_output_tokens" if want.endpoint == Responses.endpoint else "max_tokens"
@@ -319,7 +356,7 @@ async def _replay(ns: argparse.Namespace, wants: list[Want], shard: Shard) -> in
         builder = Builder(count, ns.seed)
         try:
             await builder.calibrate(wants[0].endpoint)
-            contents = await builder.prompts(wants)
+            contents = await builder.prompts(wants, continues(wants))
         except SynthError as exc:
             print(f"{PROG}: error: {exc}", file=sys.stderr)
             return 2
@@ -331,10 +368,13 @@ async def _replay(ns: argparse.Namespace, wants: list[Want], shard: Shard) -> in
         )
     calls = [request(w, c, options.ignore_eos) for w, c in zip(wants, contents, strict=True)]
     digest = hashlib.sha256(b"".join(c.body for c in calls)).hexdigest()
-    mine = [i for i in range(len(wants)) if shard.take(i)]
+    mine = [i for i, n in enumerate(conversation_shards(wants)) if shard.take(n)]
     progress = ReplayProgress(len(mine), enabled=options.progress)
     schedule = Schedule(
-        offsets=[wants[i].offset / ns.speed for i in mine], indices=mine, on_send=progress.sent
+        offsets=[wants[i].offset / ns.speed for i in mine],
+        indices=mine,
+        on_send=progress.sent,
+        after=follows([wants[i] for i in mine], ns.speed),
     )
     runner = Runner(
         options,

@@ -63,6 +63,16 @@ def close_enough(got: int, want: int) -> bool:
     return abs(got - want) <= max(TOLERANCE_TOKENS, TOLERANCE_SHARE * want)
 
 
+def continued(endpoint: str, lead: tuple[Any, str], tail: str) -> Any:
+    """A continuation's payload: all of the payload it continues, then that turn's answer
+    (an assistant message) and the new tail (a user message); for a text prompt the
+    three texts in a row."""
+    before, answer = lead
+    if isinstance(before, str):
+        return before + answer + tail
+    return [*before, {"role": "assistant", "content": answer}, {"role": "user", "content": tail}]
+
+
 def payload(endpoint: str, segments: Sequence[str], tail: str) -> Any:
     """What goes in the request body for these texts: messages, a prompt, or an input list."""
     if endpoint == Completions.endpoint:
@@ -109,8 +119,14 @@ class Builder:
             self.segments[node] = self.words(round(tokens / self.per_word))
         return self.segments[node]
 
-    async def prompts(self, wants: Sequence[Want]) -> list[Any]:
-        """One payload per want, in order: segments made in order, tails sized concurrently."""
+    async def prompts(self, wants: Sequence[Want], after: Sequence[int | None] = ()) -> list[Any]:
+        """One payload per want, in order: segments made in order, tails sized concurrently.
+
+        `after[i]`, when given, is the position of an earlier want that want i continues (a
+        conversation's previous turn): its payload is then that want's whole payload, an
+        assistant answer of that want's output length and a new user tail, so the replay
+        repeats exactly what the turn before sent, as the conversation did. Continuations
+        are built once the payload they continue is fitted, a turn of depth per round."""
         plans = []
         for w in wants:
             segments, before = [], 0
@@ -119,11 +135,56 @@ class Builder:
                 before = tokens
             tail = self.words(round((w.prompt_tokens - before) / self.per_word))
             plans.append((w, segments, tail, self.rng.getrandbits(64)))
-        return list(await asyncio.gather(*(self._fit(*plan) for plan in plans)))
+        after = list(after) or [None] * len(wants)
+        depth: list[int] = []
+        for earlier in after:
+            depth.append(0 if earlier is None else depth[earlier] + 1)
+        out: list[Any] = [None] * len(wants)
+        for level in range(max(depth, default=0) + 1):
+            todo = [i for i, d in enumerate(depth) if d == level]
+            fitted = await asyncio.gather(
+                *(self._plan(plans[i], self._lead(wants, out, after[i])) for i in todo)
+            )
+            for i, content in zip(todo, fitted, strict=True):
+                out[i] = content
+        return out
 
-    async def _fit(self, want: Want, segments: list[str], tail: str, seed: int) -> Any:
+    def _lead(
+        self, wants: Sequence[Want], out: list[Any], earlier: int | None
+    ) -> tuple[Any, str] | None:
+        """What a continuation repeats: the payload it continues and that turn's answer."""
+        if earlier is None:
+            return None
+        return out[earlier], self.words(round(wants[earlier].output_tokens / self.per_word))
+
+    async def _plan(
+        self, plan: tuple[Want, list[str], str, int], lead: tuple[Any, str] | None
+    ) -> Any:
+        want, segments, tail, seed = plan
+        if lead is not None and isinstance(lead[0], list | str):
+            async with self.limit:
+                before = await self.count(want.endpoint, continued(want.endpoint, lead, " x"))
+            if before < want.prompt_tokens:
+                tail = self.words(round((want.prompt_tokens - before) / self.per_word))
+                return await self._fit(want, [], tail, seed, lead)
+        return await self._fit(want, segments, tail, seed)
+
+    async def _fit(
+        self,
+        want: Want,
+        segments: list[str],
+        tail: str,
+        seed: int,
+        lead: tuple[Any, str] | None = None,
+    ) -> Any:
         rng = random.Random(seed)  # the same corrections on every run: the same prompts
-        content = payload(want.endpoint, segments, tail)
+
+        def build(tail: str) -> Any:
+            if lead is None:
+                return payload(want.endpoint, segments, tail)
+            return continued(want.endpoint, lead, tail)
+
+        content = build(tail)
         got = want.prompt_tokens
         for _ in range(ROUNDS):
             async with self.limit:
@@ -139,6 +200,6 @@ class Builder:
             else:
                 words = words[: max(1, len(words) + change)]
             tail = "".join(" " + w for w in words)
-            content = payload(want.endpoint, segments, tail)
+            content = build(tail)
         self.missed.append((want.prompt_tokens, got))
         return content

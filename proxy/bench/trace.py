@@ -54,6 +54,11 @@ class Want:
     output_tokens: int
     chain: tuple[tuple[str, int], ...] = ()  # shared prefix nodes: (id, tokens up to its end)
     recorded: dict[str, Any] = field(default_factory=dict)  # the log's latencies and outcome
+    # Its conversation as the access log recorded it (proxy/core/conversations.py): the
+    # conversation id, its turn, and the gap since the previous turn's end (seconds).
+    conversation: str | None = None
+    turn: int | None = None
+    turn_gap: float | None = None
 
 
 @dataclass(slots=True)
@@ -87,6 +92,9 @@ class _Line:
     prefix_chars: list[int]
     prompt_chars: int
     recorded: dict[str, Any]
+    conversation: str | None = None
+    turn: int | None = None
+    turn_gap: float | None = None
 
 
 def read_logs(paths: Sequence[str]) -> tuple[list[Want], Skipped]:
@@ -124,6 +132,9 @@ def read_logs(paths: Sequence[str]) -> tuple[list[Want], Skipped]:
                 x.output_tokens,
                 tuple(chain),
                 x.recorded,
+                x.conversation,
+                x.turn,
+                x.turn_gap,
             )
         )
     return wants, skipped
@@ -182,7 +193,20 @@ def _record(raw: bytes, where: str, skipped: Skipped) -> _Line | None:
             k: obj.get(k)
             for k in ("ttft_ms", "tpot_ms", "e2e_ms", "error_type", "finish_reason", "status")
         },
+        **_conversation(obj),
     )
+
+
+def _conversation(obj: dict[str, Any]) -> dict[str, Any]:
+    """A line's conversation fields, each None when absent or malformed."""
+    conversation, turn, gap = obj.get("conversation"), obj.get("turn"), obj.get("turn_gap_ms")
+    return {
+        "conversation": conversation if isinstance(conversation, str) and conversation else None,
+        "turn": turn if type(turn) is int and turn >= 1 else None,
+        "turn_gap": gap / 1000
+        if isinstance(gap, int | float) and not isinstance(gap, bool) and gap >= 0
+        else None,
+    }
 
 
 # -- Mooncake traces -------------------------------------------------------------------

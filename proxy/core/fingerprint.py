@@ -9,7 +9,8 @@ prompt share digest 1, and two turns of one conversation share the digests of th
 history they have in common.
 
 `of_prompt` runs once per request, when the record is built (after the response, never
-per chunk). Its digests are plain BLAKE2b of the content: they must be keyed with the
+per chunk); `message_chain`, the same digests for up to CHAIN_DEPTH messages, once per
+request at its start, for the conversation table (proxy/core/conversations.py). Its digests are plain BLAKE2b of the content: they must be keyed with the
 deployment's salt (`keyed`) before they leave the process, or a guessed system prompt
 could be tested against them. The access log does that; nothing else outputs them.
 """
@@ -74,6 +75,26 @@ def _blocks(text: str) -> Prefix:
         digests.append(h.copy().digest())
         chars.append(start + BLOCK)
     return Prefix(tuple(digests), tuple(chars), len(text))
+
+
+#: At most this many message digests per request for the conversation table.
+CHAIN_DEPTH = 1024
+
+
+def message_chain(prompt: Any, limit: int = CHAIN_DEPTH) -> tuple[tuple[bytes, ...], bool]:
+    """The cumulative digests of a messages prompt, the same as `Prefix.digests` (digest i
+    covers messages 1..i) but for up to `limit` messages, and whether they cover all of
+    them: what proxy/core/conversations.py matches an earlier request's messages by. A
+    prompt that is no list of messages has none: ((), False)."""
+    if not isinstance(prompt, list) or not prompt or not all(isinstance(m, dict) for m in prompt):
+        return (), False
+    h = hashlib.blake2b(digest_size=16)
+    digests: list[bytes] = []
+    for message in prompt[:limit]:
+        h.update(orjson.dumps(message))
+        h.update(b"\x1e")
+        digests.append(h.copy().digest())
+    return tuple(digests), len(prompt) <= limit
 
 
 def keyed(prefix: Prefix, salt: bytes) -> list[str]:

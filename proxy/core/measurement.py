@@ -108,6 +108,15 @@ class Measurement:
     # shows it, keyed with the deployment's salt.
     prefix: Prefix | None = None
     audio_seconds: float | None = None  # /v1/realtime: the audio appended for this utterance
+    # The conversation (proxy/core/conversations.py): its id (a keyed hash), this request's
+    # turn (1: its first), how a continuation was recognised (header, previous_response,
+    # messages; None for a first turn), the previous answer's end -> this request's start,
+    # and the tokens of the earlier prompt this one repeats (the shared prefix).
+    conversation_id: str | None = None
+    turn: int | None = None
+    continued_via: str | None = None
+    turn_gap: float | None = None
+    shared_prefix_tokens: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -136,6 +145,14 @@ class Measurement:
         if engine is None:
             return None, None, None
         return engine.queue_time, engine.time_to_first_token, None
+
+    def continuation_cache_ratio(self) -> float | None:
+        """A continuation's cached prompt tokens over its shared prefix's tokens (at most
+        1), when the backend reported cached tokens and the shared prefix is known."""
+        shared, cached = self.shared_prefix_tokens, self.cached_prompt_tokens
+        if self.continued_via is None or not shared or cached is None:
+            return None
+        return min(1.0, cached / shared)
 
     def output_tokens_per_chunk(self) -> float | None:
         """Output tokens per content event of a stream, when the tokens were counted (usage

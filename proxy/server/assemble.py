@@ -17,16 +17,18 @@ from collections.abc import Mapping, Sequence
 import httpx
 from prometheus_client import CollectorRegistry
 
+from proxy.core.conversations import Conversations
 from proxy.core.labels import ModelLabels
 from proxy.server.app import ProxyApp
 from proxy.server.control import ControlPlane, GuardedMetrics, Readiness
 from proxy.server.exposition import Exposition
 from proxy.server.multiproc import MULTIPROC_ENV, multiprocess_metrics_app
 from proxy.settings import Settings, label_pairs
+from proxy.sinks.conversations import ConversationTracker
 from proxy.sinks.cost import CostSink, export_cost_per_hour, load_prices
 from proxy.sinks.dispatch import Sinks
 from proxy.sinks.keys import KeyLabels
-from proxy.sinks.logs import AccessLog
+from proxy.sinks.logs import AccessLog, salt_key
 from proxy.sinks.metrics import Metrics
 from proxy.sinks.otel_env import metrics_requested
 from proxy.sinks.sink import RequestTracer, Sink
@@ -66,6 +68,7 @@ def assemble(
         tracer=tracer,
         attribution=attribution,
         max_label_values=settings.label_values,
+        conversations=_conversations(settings, metrics),
     )
     control = ControlPlane(
         GuardedMetrics(_exposition(registry, environ), settings.metrics_token),
@@ -105,6 +108,21 @@ def _sinks(
             )
         )
     return sinks
+
+
+def _conversations(settings: Settings, metrics: Metrics) -> ConversationTracker:
+    """The per-process conversation table; ids keyed with --log-salt (random without)."""
+    table = Conversations(
+        capacity=settings.conversation_table,
+        idle=settings.conversation_idle,
+        salt=salt_key(settings.log_salt),
+    )
+    return ConversationTracker(
+        table,
+        metrics,
+        header=settings.conversation_header,
+        miss_ratio=settings.continuation_cache_miss_ratio,
+    )
 
 
 def _exposition(registry: CollectorRegistry, environ: Mapping[str, str]) -> ASGIApp:

@@ -1,7 +1,7 @@
 """The upstream HTTP client. What its exceptions mean is decided in proxy/core/errors.py.
 
 httpx is the client; its transport is either httpx's own or aiohttp's (httpx-aiohttp),
-chosen by `--upstream-transport` after benchmarking (see the README's performance section).
+chosen by `--upstream-transport` after benchmarking (see docs/performance.md).
 
 Neither library's pool keeps a misbehaving backend's bytes from reaching the wrong request
 (issue 32): aiohttp queues every response it parses on the connection, so a second

@@ -35,7 +35,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -58,6 +58,7 @@ from proxy.sim.generate import GenerateWire, complete_generate, stream_generate
 from proxy.sim.messages import MessagesWire
 from proxy.sim.messages import count_tokens as messages_count_tokens
 from proxy.sim.pacing import FreePacer, LockstepPacer, Pacer, StepClock
+from proxy.sim.prefix_cache import PrefixCache
 from proxy.sim.realtime import RealtimeSession
 from proxy.sim.responses import ResponsesWire
 from proxy.sim.state import Outcome, SimRequest, SimState
@@ -82,6 +83,11 @@ class SimApp:
         self._models = catalog.models_list(config)
         self._auth = None if config.api_key is None else f"Bearer {config.api_key}"
         self.realtime_sessions: list[RealtimeSession] = []  # what each one sent, for tests
+        self.prefix_cache = (
+            PrefixCache(config.prefix_cache, config.prefix_cache_block)
+            if config.prefix_cache
+            else None
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -173,6 +179,9 @@ class SimApp:
         if isinstance(plan, errors.ErrorReply):
             await ex.error(plan)
             return "error"
+        if self.prefix_cache is not None and plan.cached_tokens is None and isinstance(body, dict):
+            cached = self.prefix_cache.cached_tokens(body)
+            plan = replace(plan, cached_tokens=min(cached, plan.prompt_tokens))
         record.model, record.stream, record.prompt_tokens = (
             plan.model,
             plan.stream,

@@ -73,6 +73,19 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="prompt tokens reported as cached (capped at the prompt)",
     )
     add(
+        "--prefix-cache",
+        type=int,
+        default=env("PREFIX_CACHE", int, defaults.prefix_cache),
+        help="remember this many message prefixes and report the tokens a prompt shares "
+        "with an earlier one as cached (0: off)",
+    )
+    add(
+        "--prefix-cache-block",
+        type=int,
+        default=env("PREFIX_CACHE_BLOCK", int, defaults.prefix_cache_block),
+        help="cached tokens come in whole blocks of this many (vLLM's --block-size)",
+    )
+    add(
         "--cpu-per-token-us",
         type=float,
         default=env("CPU_PER_TOKEN_US", float, defaults.cpu_per_token_us),
@@ -131,6 +144,8 @@ def parse(
             ttft_per_prompt_token=args.ttft_per_prompt_token,
             cached_tokens=args.cached_tokens,
             cpu_per_token_us=args.cpu_per_token_us,
+            prefix_cache=args.prefix_cache,
+            prefix_cache_block=args.prefix_cache_block,
             output_tokens=args.output_tokens,
             max_model_len=args.max_model_len,
             api_key=args.api_key,

@@ -30,6 +30,13 @@ class SimConfig:
     #: `input_tokens_details.cached_tokens`, Messages `cache_read_input_tokens`.
     #: 0 leaves chat/completions usage without details, as vLLM does by default.
     cached_tokens: int = 0
+    #: A prefix cache (proxy/sim/prefix_cache.py): remember this many message prefixes and
+    #: report the prompt tokens a request shares with an earlier one as cached (vLLM's
+    #: automatic prefix caching with --enable-prompt-tokens-details); 0 = off. An
+    #: x-sim-cached-tokens header or `cached_tokens` wins over it.
+    prefix_cache: int = 0
+    #: Cached tokens come in whole blocks of this many tokens (vLLM's --block-size).
+    prefix_cache_block: int = 16
     #: CPU seconds burnt (a busy loop) per generated token, in microseconds, to
     #: emulate a CPU-bound backend sharing cores with the proxy.
     cpu_per_token_us: float = 0.0
@@ -77,5 +84,7 @@ class SimConfig:
             raise ValueError(f"SimConfig.max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.spec_tokens < 0 or not 0.0 <= self.acceptance_rate <= 1.0:
             raise ValueError("SimConfig.spec_tokens must be >= 0 and acceptance_rate in [0, 1]")
+        if self.prefix_cache < 0 or self.prefix_cache_block < 1:
+            raise ValueError("SimConfig.prefix_cache must be >= 0 and prefix_cache_block >= 1")
         if self.step_ms is not None and self.step_ms <= 0:
             raise ValueError(f"SimConfig.step_ms must be > 0, got {self.step_ms}")

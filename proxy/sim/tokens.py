@@ -58,18 +58,18 @@ def text_json(count: int, start: int = 0) -> bytes:
 def count_prompt_tokens(body: dict[str, Any]) -> int:
     """Prompt tokens of a chat or Messages (`messages`), completion (`prompt`), embedding
     or Responses (`input`) request."""
-    chars = _content_chars(body.get("system")) + _content_chars(body.get("instructions"))
+    chars = content_chars(body.get("system")) + content_chars(body.get("instructions"))
     ids = 0
     if "messages" in body:
         for message in body["messages"] or ():
             if isinstance(message, dict):
-                chars += _content_chars(message.get("content"))
+                chars += content_chars(message.get("content"))
     else:
         prompt = body.get("prompt", body.get("input"))
         items = prompt if isinstance(prompt, list) else [prompt]
         for item in items:
             if isinstance(item, dict):  # a Responses input item (a message)
-                chars += _content_chars(item.get("content"))
+                chars += content_chars(item.get("content"))
             elif isinstance(item, str):
                 chars += len(item)
             elif isinstance(item, int):
@@ -82,7 +82,7 @@ def count_prompt_tokens(body: dict[str, Any]) -> int:
 _TEXT_PARTS = ("text", "input_text", "output_text")
 
 
-def _content_chars(content: Any) -> int:
+def content_chars(content: Any) -> int:
     if isinstance(content, str):
         return len(content)
     if isinstance(content, list):  # content parts: only text parts are read as text

@@ -12,13 +12,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from time import perf_counter
+from time import perf_counter, time
 from typing import Any
 
 from proxy.core.labels import NO_VALUE, HeaderLabels, ModelLabels
 from proxy.core.measurement import ErrorType, Measurement
 from proxy.core.observe import bare_record
 from proxy.core.request import RequestInfo
+from proxy.sinks.conversations import ConversationTracker
 from proxy.sinks.keys import KeyLabels
 from proxy.sinks.metrics import Metrics
 from proxy.sinks.sink import Headers, Labels, RequestTracer, Sink
@@ -32,7 +33,7 @@ class RequestScope:
     """What the sinks keep of one request between `begin` and `end`: its labels, resolved
     once, and its trace span with the trace id and the `traceparent` that goes upstream."""
 
-    __slots__ = ("info", "labels", "span", "trace_id", "upstream_headers")
+    __slots__ = ("info", "labels", "span", "trace_id", "turn", "upstream_headers")
 
     def __init__(self, info: RequestInfo | None, labels: Labels) -> None:
         self.info = info
@@ -40,6 +41,7 @@ class RequestScope:
         self.span: Any = None
         self.trace_id: str | None = None
         self.upstream_headers: Headers = []
+        self.turn: Any = None  # its conversation turn (proxy/sinks/conversations.py)
 
 
 class Sinks:
@@ -60,8 +62,11 @@ class Sinks:
         tracer: RequestTracer | None = None,
         attribution: tuple[tuple[str, str], ...] = (),
         max_label_values: int = 50,
+        conversations: ConversationTracker | None = None,
     ) -> None:
-        """`attribution`: the (header, label) pairs of --label-header."""
+        """`attribution`: the (header, label) pairs of --label-header; `conversations`:
+        the tracker that gives each request its conversation and turn."""
+        self.conversations = conversations
         self.sinks = list(sinks)
         self.metrics = metrics
         self.models = models
@@ -84,6 +89,12 @@ class Sinks:
         attribution = self.header_labels(headers) if self.header_labels is not None else ()
         scope = RequestScope(info, Labels(self.models(info.model), key, attribution))
         self.metrics.in_flight.labels(scope.labels.model, info.endpoint).inc()
+        if self.conversations is not None:
+            try:
+                scope.turn = self.conversations.begin(info, headers, started_at or time())
+            except Exception:
+                log.exception("finding a request's conversation failed")
+                self.count_measurement_failure("conversation")
         if self.tracer is not None:
             try:
                 scope.span, scope.trace_id, scope.upstream_headers = self.tracer.start(
@@ -101,6 +112,12 @@ class Sinks:
         if info is None:
             return
         self.metrics.in_flight.labels(scope.labels.model, info.endpoint).dec()
+        if scope.turn is not None and measurement is not None and self.conversations is not None:
+            try:
+                measurement = self.conversations.end(scope.turn, measurement, scope.labels.model)
+            except Exception:
+                log.exception("recording a request's conversation failed")
+                self.count_measurement_failure("conversation")
         if self.tracer is not None and scope.span is not None:
             self._safely(self.tracer.finish, scope.span, measurement)
         if measurement is not None:

@@ -30,6 +30,10 @@ Keys, in this order, stable (a key without a value is null in JSON, left out in 
   trace_id       the request's trace id when traced and sampled
   response_id    the backend's response id
   error          a short, secret-free description of the error
+  conversation   the request's conversation id (a keyed hash, proxy/core/conversations.py:
+                 never a header's value), null when not tracked
+  turn           its turn in that conversation (1: the first request)
+  turn_gap_ms    the previous answer's end -> this request's start, for a continuation
   labels         with --label-header only: {label: value}, the bounded values the metrics
                  carry (logfmt: labels.team=...)
 
@@ -86,6 +90,9 @@ KEYS = (
     "prefix",
     "prefix_chars",
     "prompt_chars",
+    "conversation",
+    "turn",
+    "turn_gap_ms",
 )
 
 _MAX_MODEL_CHARS = 200
@@ -168,6 +175,9 @@ def log_record(m: Measurement, key: bytes) -> dict[str, Any]:
         "prefix": None if prefix is None else keyed(prefix, key),
         "prefix_chars": None if prefix is None else list(prefix.chars),
         "prompt_chars": None if prefix is None else prefix.total_chars,
+        "conversation": m.conversation_id,
+        "turn": m.turn,
+        "turn_gap_ms": _ms(m.turn_gap),
     }
 
 

@@ -46,6 +46,28 @@ PROMPT_CLASSES = ("0-1k", "1k-4k", "4k-8k", "8k-32k", "32k-128k", "128k+", "unkn
 #: none (0), part (below CACHE_MOST), most (CACHE_MOST or more), unknown (not reported).
 CACHE_CLASSES = ("none", "part", "most", "unknown")
 CACHE_MOST = 0.5
+# Conversations: a tool's or a user's time between turns (tens of ms to half an hour), the
+# requests per conversation, a continuation's cached share of the prefix it repeats.
+TURN_GAP_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    1800.0,
+)
+TURNS_BUCKETS = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 15.0, 20.0, 30.0, 50.0, 100.0, 200.0)
+CACHED_RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 # A subset of TTFT_BUCKETS: the classes multiply the series, so fewer, wider buckets.
 TTFT_CLASS_BUCKETS = (0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
@@ -233,6 +255,7 @@ class Metrics:
         self._class_children: dict[tuple[str, str, str, str], tuple[Any, Any]] = {}
         self._engine_metrics(h_bare, c_bare)
         self._engine_children: dict[tuple[str, str, bool], tuple[Any, ...]] = {}
+        self._conversation_metrics(registry)
 
     def _engine_metrics(self, h: Any, c: Any) -> None:
         """Where the first token's time goes, speculative decoding, cancelled work and the
@@ -313,6 +336,96 @@ class Metrics:
             "waits as long).",
             registry=self.registry,
             buckets=OVERHEAD_BUCKETS,
+        )
+
+    def _conversation_metrics(self, registry: CollectorRegistry) -> None:
+        """Conversations (proxy/core/conversations.py): observed by the conversation tracker
+        (proxy/sinks/conversations.py), per continuation at its end and per conversation
+        when it goes idle. Labels: model and how a continuation was recognised (`via`:
+        header, previous_response, messages), both closed sets."""
+        self.conversation_continuations = Counter(
+            "tokenprobe_conversation_continuations",
+            "Measured requests that continue an earlier one's conversation, by how that was "
+            "recognised (via: the conversation header, previous_response_id, or leading "
+            "messages equal to all of an earlier request's).",
+            ("model", "via"),
+            registry=registry,
+        )
+        self.conversation_turn_gap = Histogram(
+            "tokenprobe_conversation_turn_gap_seconds",
+            "Time between a conversation's turns, outside the model (the tool's or the "
+            "user's time): from the end of the previous request's response (its last byte "
+            "relayed) to the proxy receiving the continuation. Not observed while the "
+            "previous request is still in flight.",
+            ("model", "via"),
+            registry=registry,
+            buckets=TURN_GAP_BUCKETS,
+        )
+        self.continuation_cached_ratio = Histogram(
+            "tokenprobe_continuation_cached_prompt_ratio",
+            "A continuation's cached prompt tokens as its backend reported them, over the "
+            "tokens of the earlier prompt it repeats (the earlier request's prompt tokens; "
+            "with previous_response_id its prompt and output tokens), at most 1. Only when "
+            "the backend reports cached tokens (vLLM: --enable-prompt-tokens-details).",
+            ("model",),
+            registry=registry,
+            buckets=CACHED_RATIO_BUCKETS,
+        )
+        self.continuation_cache_misses = Counter(
+            "tokenprobe_continuation_cache_misses",
+            "Continuations whose cached prompt tokens cover less than "
+            "--continuation-cache-miss-ratio of the prompt they repeat: a prefix the "
+            "backend recomputed (another replica, an evicted cache).",
+            ("model",),
+            registry=registry,
+        )
+        self.conversation_turns = Histogram(
+            "tokenprobe_conversation_turns",
+            "Requests per conversation, observed when it ends: --conversation-idle seconds "
+            "after its last request's end (a single request is a conversation of one turn).",
+            registry=registry,
+            buckets=TURNS_BUCKETS,
+        )
+        self.conversation_duration = Histogram(
+            "tokenprobe_conversation_duration_seconds",
+            "A conversation's length, observed when it ends: from the proxy receiving its "
+            "first request to the end of its last request's response.",
+            registry=registry,
+            buckets=WS_SESSION_BUCKETS,
+        )
+        self.conversation_model_time = Histogram(
+            "tokenprobe_conversation_model_seconds",
+            "A conversation's time in the model, observed when it ends: the sum over its "
+            "requests of the proxy receiving each to the end of its response.",
+            registry=registry,
+            buckets=WS_SESSION_BUCKETS,
+        )
+        self.conversation_between_time = Histogram(
+            "tokenprobe_conversation_between_requests_seconds",
+            "A conversation's time between requests, observed when it ends: the sum of its "
+            "turn gaps (each previous response's end to the next request's receipt).",
+            registry=registry,
+            buckets=WS_SESSION_BUCKETS,
+        )
+        self.conversations_open = Gauge(
+            "tokenprobe_conversations_open",
+            "Conversations the proxy remembers now (bounded by --conversation-table).",
+            registry=registry,
+            multiprocess_mode="livesum",
+        )
+        self.conversation_evictions = Counter(
+            "tokenprobe_conversation_evictions",
+            "Conversations forgotten before going idle because the table was full (the one "
+            "touched longest ago goes first); their later turns count as new conversations.",
+            registry=registry,
+        )
+        self.conversation_header_refused = Counter(
+            "tokenprobe_conversation_header_refused",
+            "Requests whose --conversation-header value was not used, by reason: too_long "
+            "(over 256 bytes) or not_text (not printable ASCII). The request is measured and "
+            "recognised by its messages instead.",
+            ("reason",),
+            registry=registry,
         )
 
     def _bound(self, key: tuple[str, ...]) -> SimpleNamespace:

@@ -161,6 +161,11 @@ def _finish_attributes(m: Measurement) -> dict[str, Any]:
         "tokenprobe.decode_tokens_per_second": m.decode_tokens_per_second,
         "tokenprobe.proxy_overhead": m.proxy_overhead,
         "tokenprobe.output_tokens_per_chunk": m.output_tokens_per_chunk(),
+        # OpenTelemetry GenAI's conversation id (semantic-conventions-genai), here the
+        # proxy's keyed hash (proxy/core/conversations.py), never a header's value.
+        "gen_ai.conversation.id": m.conversation_id,
+        "tokenprobe.conversation.turn": m.turn,
+        "tokenprobe.conversation.turn_gap": m.turn_gap,
     }
     if m.engine is not None:
         queue, engine_ttft, outside = m.ttft_parts()

@@ -32,7 +32,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make
 
 from proxy.core.measurement import Measurement
 from proxy.sinks.cost import CostSink, parse_prices
-from proxy.sinks.metrics import cache_class, prompt_class
+from proxy.sinks.metrics import (
+    CACHED_RATIO_BUCKETS,
+    TURN_GAP_BUCKETS,
+    TURNS_BUCKETS,
+    cache_class,
+    prompt_class,
+)
 from proxy.sinks.sink import Labels
 from tests.deploy.test_grafana import CHECKED, iter_targets, load, substitute
 from tests.factories import measurement
@@ -137,6 +143,7 @@ class ContractExporter:
         self.cancelled_output = counter("tokenprobe_cancelled_generation_tokens", [*me, "source"])
         self.overhead = hist("tokenprobe_proxy_overhead_seconds", OVERHEAD_BUCKETS)
         self.loop_lag = hist("tokenprobe_event_loop_lag_seconds", OVERHEAD_BUCKETS, [])
+        self._conversation_metrics(hist, counter, gauge)
         self.vllm_ttft = hist("vllm:time_to_first_token_seconds", TTFT_BUCKETS, vl)
         self.vllm_itl = hist("vllm:inter_token_latency_seconds", ITL_BUCKETS, vl)
         self.vllm_e2e = hist("vllm:e2e_request_latency_seconds", E2E_BUCKETS, vl)
@@ -147,6 +154,39 @@ class ContractExporter:
         self._n = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _conversation_metrics(self, hist: Any, counter: Any, gauge: Any) -> None:
+        """Conversations (issue 26): per continuation and per conversation that ended."""
+        m, session = ["model"], [0.01, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0]
+        self.continuations = counter("tokenprobe_conversation_continuations", [*m, "via"])
+        self.turn_gap = hist(
+            "tokenprobe_conversation_turn_gap_seconds", TURN_GAP_BUCKETS, [*m, "via"]
+        )
+        self.cached_ratio = hist(
+            "tokenprobe_continuation_cached_prompt_ratio", CACHED_RATIO_BUCKETS, m
+        )
+        self.cache_misses = counter("tokenprobe_continuation_cache_misses", m)
+        self.turns = hist("tokenprobe_conversation_turns", TURNS_BUCKETS, [])
+        self.conversation_times = [
+            hist(f"tokenprobe_conversation_{name}_seconds", session, [])
+            for name in ("duration", "model", "between_requests")
+        ]
+        self.conversations_open = gauge("tokenprobe_conversations_open", [])
+        self.evictions = counter("tokenprobe_conversation_evictions", [])
+
+    def feed_conversation(self, model: str, n: int) -> None:
+        rng = self._rng
+        via = ("header", "previous_response", "messages")[n % 3]
+        self.continuations.labels(model=model, via=via).inc()
+        self.turn_gap.labels(model=model, via=via).observe(rng.uniform(0.05, 20.0))
+        ratio = rng.choice([1.0, 0.95, 0.9, 0.0])
+        self.cached_ratio.labels(model=model).observe(ratio)
+        self.cache_misses.labels(model=model).inc(ratio < 0.5)
+        self.turns.observe(rng.randint(1, 12))
+        for histogram in self.conversation_times:
+            histogram.observe(rng.uniform(1.0, 200.0))
+        self.conversations_open.set(rng.randint(1, 50))
+        self.evictions.inc(n % 20 == 0)
 
     def start(self) -> ContractExporter:
         self._thread.start()
@@ -209,6 +249,7 @@ class ContractExporter:
         self.e2e.labels(**speech).observe(e2e, exemplar=trace)
         self.audio.labels(model=model, endpoint="/v1/realtime").inc(e2e * rng.uniform(2, 10))
         self.ws_sessions.labels(route="/v1/realtime", outcome="closed_by_client").inc()
+        self.feed_conversation(model, n)
         self.prompt.labels(**labels).observe(prompt)
         self.generation.labels(**labels).observe(output)
         source = ("usage", "tokenizer", "chunks")[n % 3]
@@ -445,8 +486,21 @@ def _speech(client: httpx.Client, proxy: str, model: str) -> None:
                 pass
 
 
+def _conversation(client: httpx.Client, proxy: str, model: str) -> None:
+    """Three turns, each repeating all of the previous one: continuations whose repeated
+    prefix (a long system prompt) the simulator's prefix cache reports as cached."""
+    messages = [{"role": "system", "content": "s" * 400}, {"role": "user", "content": "hello"}]
+    for turn in range(3):
+        body = {"model": model, "messages": messages, "max_tokens": 16}
+        answer = client.post(proxy + "/v1/chat/completions", json=body).json()
+        content = answer["choices"][0]["message"]["content"]
+        messages = [*messages, {"role": "assistant", "content": content}]
+        messages.append({"role": "user", "content": f"and then {turn}?"})
+
+
 def _drive_traffic(proxy: str, dead_proxy: str, model: str) -> None:
     with httpx.Client(timeout=30) as client:
+        _conversation(client, proxy, model)
         for headers, shapes, _ in SCENARIOS.values():
             chosen = {"all": SHAPES, "stream": [s for s in SHAPES if s[1]], "one": SHAPES[:1]}
             for endpoint, stream, usage in chosen[shapes]:
@@ -498,6 +552,8 @@ def proxy_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus
         "3",
         "--acceptance-rate",
         "0.67",
+        "--prefix-cache",  # cached tokens on the conversation's continuations
+        "1000",
     )
     with _process(sim_args, sim, tmp / "sim.log", "/v1/models"):
         model = httpx.get(sim + "/v1/models").json()["data"][0]["id"]
@@ -521,6 +577,8 @@ def proxy_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus
                 FIRST_BYTE_TIMEOUT,
                 "--access-log",
                 "off",
+                "--conversation-idle",  # conversations end between the traffic rounds
+                "1",
             )
 
         with (

@@ -99,7 +99,18 @@ def test_json_values_are_in_ms_with_nulls_for_unknowns() -> None:
         "prefix": None,
         "prefix_chars": None,
         "prompt_chars": None,
+        "conversation": None,
+        "turn": None,
+        "turn_gap_ms": None,
     }
+
+
+def test_a_continuation_logs_its_conversation_turn_and_gap() -> None:
+    m = record(conversation_id="9f86d081884c7d65", turn=3, continued_via="messages", turn_gap=1.5)
+    obj = orjson.loads(log_lines("json", m)[0])
+    assert (obj["conversation"], obj["turn"], obj["turn_gap_ms"]) == ("9f86d081884c7d65", 3, 1500.0)
+    text = log_lines("text", m)[0]
+    assert "conversation=9f86d081884c7d65 turn=3 turn_gap_ms=1500.0" in text
 
 
 def test_failed_request_logs_its_error_type_and_message() -> None:

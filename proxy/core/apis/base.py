@@ -50,6 +50,7 @@ class RequestInfo:
     prompt: Any = None  # what a tokenizer would count as the prompt (messages, prompt, input)
     valid_json: bool = True
     prompt_tokens: int | None = None  # known exactly from the request (token ids sent)
+    previous_response_id: str | None = None  # Responses: the response this one continues
 
 
 @dataclass(slots=True)
@@ -134,7 +135,7 @@ class Api:
     end_marker: ClassVar[str] = "its end event"
     #: A finish reason alone ends a stream cleanly (OpenAI streams may omit [DONE]).
     finish_ends_stream: ClassVar[bool] = False
-    #: What the README says is measured, and the instants used (kept in sync by a test).
+    #: What is measured, and the instants used: docs/reference/apis.md (docs/generate.py).
     measures: ClassVar[str] = ""
     #: The bytes that open a plain content event's text (`"content":"`): where the
     #: observer may split a stream's repeating event (proxy/core/template.py). Empty: never.

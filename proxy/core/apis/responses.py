@@ -16,6 +16,7 @@ event carries code and message.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from proxy.core.apis.base import (
@@ -23,6 +24,7 @@ from proxy.core.apis.base import (
     NOTHING,
     Api,
     Facts,
+    RequestInfo,
     TokenCounts,
     as_int,
     identity,
@@ -64,6 +66,13 @@ class Responses(Api):
 
     def max_tokens(self, obj: dict[str, Any]) -> object:
         return obj.get("max_output_tokens")
+
+    def read_request(self, obj: dict[str, Any]) -> RequestInfo:
+        # `previous_response_id` names the stored response this one continues (openai-python
+        # src/openai/types/responses/response_create_params.py): a conversation's next turn.
+        info = super().read_request(obj)
+        previous = obj.get("previous_response_id")
+        return replace(info, previous_response_id=previous) if isinstance(previous, str) else info
 
     def bench_body(
         self, model: str, prompt: Any, max_tokens: int, ignore_eos: bool

@@ -1,0 +1,403 @@
+"""Conversations end to end: an agent loop (the official `openai` SDK: tools, the answer
+appended with a tool call, a `tool` result, a known sleep as the tool) through a real
+`tokenprobe serve` process, against the simulator with its prefix cache.
+
+The simulator cannot stream tool calls yet: the assistant message each round appends is
+the content the simulator answered plus a `tool_calls` entry the loop builds itself, as
+an agent does with the call it parsed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.sim.tokens import count_prompt_tokens
+from tests.conftest import MODEL, ProxyUnderTest, Running
+from tests.servers import free_port, spawn, stop, wait_http
+
+SYSTEM = {"role": "system", "content": "You are a weather agent. Call get_weather first."}
+TOOLS: list[Any] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+#: The tool's time in each agent's two tool rounds (seconds): the truth of the turn gaps.
+SLEEPS = {"oslo": (0.3, 0.6), "buenos aires": (0.45, 0.15)}  # prompts of different lengths
+#: A turn gap is at least the sleep and at most this much more (client parse, SDK, loopback
+#: on a loaded 2-core machine).
+SLACK = 0.5
+IDLE = 1.0  # --conversation-idle
+
+
+def agent_loop(base: str, city: str, header: str | None, sent: list[list[Any]]) -> None:
+    """Three rounds of one agent; each round's messages are appended to `sent`."""
+    client = openai.OpenAI(
+        base_url=base + "/v1",
+        api_key="sk-test",
+        max_retries=0,
+        default_headers={"x-session-id": header} if header else None,
+    )
+    messages: list[Any] = [SYSTEM, {"role": "user", "content": f"Weather in {city}?"}]
+    for round_ in range(3):
+        sent.append(list(messages))
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            tools=TOOLS,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        content = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert content
+        if round_ == 2:
+            return
+        call_id = f"call_{city}_{round_}"
+        call = {"id": call_id, "type": "function"}
+        call["function"] = {
+            "name": "get_weather",
+            "arguments": orjson.dumps({"city": city}).decode(),
+        }
+        messages.append({"role": "assistant", "content": content, "tool_calls": [call]})
+        time.sleep(SLEEPS[city][round_])  # the tool runs
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": "12 C, rain"})
+
+
+def samples(base: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(base + "/metrics").text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(found: dict[Any, float], name: str, **labels: str) -> float:
+    return found.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+@pytest.mark.parametrize("with_header", [False, True], ids=["messages", "header"])
+def test_an_agent_loop_is_one_conversation_of_three_turns_with_its_sleeps_as_gaps(
+    start_sim: Callable[..., Running], tmp_path: Path, with_header: bool
+) -> None:
+    sim = start_sim(ttft=0.01, tokens_per_second=2000.0, output_tokens=8, prefix_cache=1000)
+    sim.app.config.prefix_cache_block = 1  # cached tokens exactly the shared prefix
+    sim.app.prefix_cache.block = 1
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "access.log"
+    flags = ["--conversation-header", "x-session-id"] if with_header else []
+    with log_path.open("wb") as log_file:
+        process = spawn(
+            "serve",
+            *("--upstream", sim.url, "--port", str(port), "--model-allowlist", MODEL),
+            *("--models-refresh", "0", "--conversation-idle", str(IDLE), *flags),
+            stdout=log_file.fileno(),
+        )
+        try:
+            wait_http(base + "/healthz")
+            sent: dict[str, list[list[Any]]] = {"oslo": [], "buenos aires": []}
+            # Two agents at once, with the same system prompt: never one conversation.
+            threads = [
+                threading.Thread(
+                    target=agent_loop,
+                    args=(base, city, f"sess-{city}" if with_header else None, sent[city]),
+                )
+                for city in sent
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+            assert all(len(rounds) == 3 for rounds in sent.values())
+            during = samples(base)
+            deadline = time.monotonic() + 10 * IDLE
+            after = samples(base)
+            while value(after, "tokenprobe_conversation_turns_count") < 2:
+                assert time.monotonic() < deadline, "the conversations never went idle"
+                time.sleep(0.1)
+                after = samples(base)
+        finally:
+            stop(process)
+    log = [orjson.loads(line) for line in log_path.read_bytes().splitlines()]
+    assert len(log) == 6
+
+    # The access log: two conversations, turns 1, 2, 3 each, gaps equal to the sleeps.
+    by_conversation: dict[str, list[dict[str, Any]]] = {}
+    for line in sorted(log, key=lambda line: line["arrival"]):
+        by_conversation.setdefault(line["conversation"], []).append(line)
+    assert len(by_conversation) == 2
+    for lines in by_conversation.values():
+        assert [line["turn"] for line in lines] == [1, 2, 3]
+        city = (
+            "oslo"
+            if lines[0]["prompt_tokens"] == count_prompt_tokens({"messages": sent["oslo"][0]})
+            else "buenos aires"
+        )
+        rounds = sent[city]
+        assert [line["prompt_tokens"] for line in lines] == [
+            count_prompt_tokens({"messages": m}) for m in rounds
+        ]
+        assert lines[0]["turn_gap_ms"] is None
+        for line, sleep in zip(lines[1:], SLEEPS[city], strict=True):
+            assert sleep * 1000 <= line["turn_gap_ms"] <= (sleep + SLACK) * 1000
+        # The simulator's prefix cache: each continuation's cached tokens are its earlier
+        # prompt's (the programmed truth), so the ratio is 1.
+        for earlier, line in zip(rounds, lines[1:], strict=False):
+            assert line["cached_tokens"] == count_prompt_tokens({"messages": earlier})
+
+    via = "header" if with_header else "messages"
+    model = {"model": MODEL}
+    assert value(after, "tokenprobe_conversation_continuations_total", **model, via=via) == 4
+    assert value(after, "tokenprobe_conversation_turn_gap_seconds_count", **model, via=via) == 4
+    gap_sum = value(after, "tokenprobe_conversation_turn_gap_seconds_sum", **model, via=via)
+    total_sleep = sum(sum(s) for s in SLEEPS.values())
+    assert total_sleep <= gap_sum <= total_sleep + 4 * SLACK
+    assert value(after, "tokenprobe_continuation_cached_prompt_ratio_count", **model) == 4
+    assert value(after, "tokenprobe_continuation_cached_prompt_ratio_sum", **model) == 4.0
+    assert value(after, "tokenprobe_continuation_cache_misses_total", **model) == 0
+    # Closed when idle: two conversations of three turns each.
+    assert value(during, "tokenprobe_conversation_turns_count") == 0
+    assert value(during, "tokenprobe_conversations_open") == 2
+    assert value(after, "tokenprobe_conversation_turns_count") == 2
+    assert value(after, "tokenprobe_conversation_turns_sum") == 6
+    assert value(after, "tokenprobe_conversation_turns_bucket", le="2.0") == 0
+    assert value(after, "tokenprobe_conversation_turns_bucket", le="3.0") == 2
+    between = value(after, "tokenprobe_conversation_between_requests_seconds_sum")
+    assert between == pytest.approx(gap_sum)
+    model_time = value(after, "tokenprobe_conversation_model_seconds_sum")
+    e2e = sum(line["e2e_ms"] for line in log) / 1000
+    assert model_time == pytest.approx(e2e, abs=0.01)
+    duration = value(after, "tokenprobe_conversation_duration_seconds_sum")
+    assert duration == pytest.approx(model_time + between, abs=0.05)
+    assert value(after, "tokenprobe_conversations_open") == 0
+    if with_header:  # the header's value is never logged
+        assert b"sess-oslo" not in log_path.read_bytes()
+
+
+def chat(proxy: ProxyUnderTest, messages: list[Any], **headers: str) -> httpx.Response:
+    body = {"model": MODEL, "messages": messages, "stream": True}
+    return httpx.post(proxy.url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+
+
+def test_a_continuation_the_backend_did_not_cache_is_a_miss(
+    start_sim: Callable[..., Running], start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    sim = start_sim(ttft=0.0, tokens_per_second=5000.0, output_tokens=4, prefix_cache=1000)
+    proxy = start_proxy(sim.url, continuation_cache_miss_ratio=0.5)
+    first = [SYSTEM, {"role": "user", "content": "Weather in Oslo, and in all of Norway?"}]
+    second = [
+        *first,
+        {"role": "assistant", "content": "It rains."},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+    assert chat(proxy, first).status_code == 200
+    proxy.wait_records(1)
+    # Another replica, say: the backend recomputed the whole prefix.
+    assert chat(proxy, second, **{"x-sim-cached-tokens": "0"}).status_code == 200
+    (_, record) = proxy.wait_records(2)
+    assert (record.turn, record.continued_via, record.cached_prompt_tokens) == (2, "messages", 0)
+    assert record.shared_prefix_tokens == count_prompt_tokens({"messages": first})
+    assert proxy.sample("tokenprobe_continuation_cache_misses_total", model=MODEL) == 1
+    assert (
+        proxy.sample("tokenprobe_continuation_cached_prompt_ratio_bucket", model=MODEL, le="0.0")
+        == 1
+    )
+
+
+def test_the_prefix_cache_reports_whole_blocks(
+    start_sim: Callable[..., Running], start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    sim = start_sim(ttft=0.0, tokens_per_second=5000.0, output_tokens=4, prefix_cache=1000)
+    proxy = start_proxy(sim.url)
+    first = [{"role": "user", "content": "x" * 4 * 70}]  # 70 tokens: 64 in whole blocks
+    second = [*first, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+    assert chat(proxy, first).status_code == 200
+    proxy.wait_records(1)
+    assert chat(proxy, second).status_code == 200
+    (first_record, record) = proxy.wait_records(2)
+    assert first_record.cached_prompt_tokens == 0  # nothing seen before
+    assert (record.cached_prompt_tokens, record.shared_prefix_tokens) == (64, 70)
+    ratio = proxy.sample("tokenprobe_continuation_cached_prompt_ratio_sum", model=MODEL)
+    assert ratio == pytest.approx(64 / 70)
+    assert proxy.sample("tokenprobe_continuation_cache_misses_total", model=MODEL) == 0
+
+
+def test_previous_response_id_continues_a_responses_conversation(
+    start_sim: Callable[..., Running], start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    sim = start_sim(ttft=0.0, tokens_per_second=5000.0, output_tokens=4)
+    proxy = start_proxy(sim.url)
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-test", max_retries=0)
+    first = client.responses.create(model=MODEL, input="Weather in Oslo?")
+    time.sleep(0.2)
+    client.responses.create(model=MODEL, input="And Lima?", previous_response_id=first.id)
+    (one, two) = proxy.wait_records(2)
+    assert one.response_id == first.id and one.turn == 1
+    assert (two.conversation_id, two.turn, two.continued_via) == (
+        one.conversation_id,
+        2,
+        "previous_response",
+    )
+    assert two.turn_gap is not None and 0.2 <= two.turn_gap <= 0.2 + SLACK
+    assert two.shared_prefix_tokens == (one.prompt_tokens or 0) + (one.output_tokens or 0)
+
+
+def test_a_flood_of_unique_conversations_stays_within_the_table_oldest_first_out(
+    start_sim: Callable[..., Running], start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    sim = start_sim(ttft=0.0, tokens_per_second=5000.0, output_tokens=2)
+    proxy = start_proxy(sim.url, conversation_table=20)
+    firsts = [[{"role": "user", "content": f"question {i}"}] for i in range(30)]
+    with httpx.Client(base_url=proxy.url, timeout=30) as client:
+        for messages in firsts:
+            body = {"model": MODEL, "messages": messages}
+            assert client.post("/v1/chat/completions", json=body).status_code == 200
+    proxy.wait_records(30)
+    assert proxy.sample("tokenprobe_conversations_open") == 20
+    assert proxy.sample("tokenprobe_conversation_evictions_total") == 10
+    follow = [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "and?"}]
+    assert chat(proxy, [*firsts[0], *follow]).status_code == 200  # evicted: a new one
+    assert chat(proxy, [*firsts[29], *follow]).status_code == 200  # kept: its turn 2
+    records = proxy.wait_records(32)
+    assert (records[30].turn, records[30].continued_via) == (1, None)
+    assert (records[31].turn, records[31].continued_via) == (2, "messages")
+    assert records[31].conversation_id == records[29].conversation_id
+    assert proxy.sample("tokenprobe_conversations_open") == 20
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [(b"s" * 20_000, "too_long"), (b"sess-\xff\xfe-1", "not_text")],
+    ids=["huge", "binary"],
+)
+def test_a_huge_or_binary_conversation_header_is_not_used_and_counted(
+    start_sim: Callable[..., Running],
+    start_proxy: Callable[..., ProxyUnderTest],
+    value: bytes,
+    reason: str,
+) -> None:
+    sim = start_sim(ttft=0.0, tokens_per_second=5000.0, output_tokens=2)
+    proxy = start_proxy(sim.url, conversation_header="x-session-id")
+    first = [{"role": "user", "content": "hi"}]
+    second = [*first, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "?"}]
+    with httpx.Client(base_url=proxy.url, timeout=30) as client:
+        for messages in (first, second, [{"role": "user", "content": "unrelated"}]):
+            body = {"model": MODEL, "messages": messages}
+            response = client.post(
+                "/v1/chat/completions", json=body, headers=[(b"x-session-id", value)]
+            )
+            assert response.status_code == 200  # measured and relayed as any other
+    records = proxy.wait_records(3)
+    assert proxy.sample("tokenprobe_conversation_header_refused_total", reason=reason) == 3
+    # Recognised by its messages instead; the unrelated one is not joined.
+    assert [r.turn for r in records] == [1, 2, 1]
+    assert records[1].continued_via == "messages"
+    assert records[2].conversation_id != records[0].conversation_id
+
+
+def test_an_agent_s_retry_after_a_rate_limit_stays_in_its_conversation(
+    start_sim: Callable[..., Running], start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    sim = start_sim(ttft=0.0, tokens_per_second=5000.0, output_tokens=2)
+    proxy = start_proxy(sim.url)
+    first = [SYSTEM, {"role": "user", "content": "Weather in Oslo?"}]
+    second = [
+        *first,
+        {"role": "assistant", "content": "Rain."},
+        {"role": "user", "content": "Sure?"},
+    ]
+    assert chat(proxy, first).status_code == 200
+    assert chat(proxy, second, **{"x-sim-error": "rate_limit"}).status_code == 429
+    assert chat(proxy, second).status_code == 200  # the same messages again
+    records = proxy.wait_records(3)
+    assert [r.turn for r in records] == [1, 2, 3]
+    assert len({r.conversation_id for r in records}) == 1
+    assert records[2].continued_via == "messages"
+
+
+#: Two turns of one conversation per API: (path, first body, second body).
+LONG = "You answer questions about trains. " * 30  # 1050 characters: 263 simulated tokens
+TURNS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "chat": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "system", "content": LONG}, {"role": "user", "content": "Oslo?"}]},
+        {"messages": [{"role": "system", "content": LONG}, {"role": "user", "content": "Oslo?"},
+                      {"role": "assistant", "content": "At 9."}, {"role": "user", "content": "And?"}]},
+    ),
+    "messages": (
+        "/v1/messages",
+        {"system": LONG, "max_tokens": 8, "messages": [{"role": "user", "content": "Oslo?"}]},
+        {"system": LONG, "max_tokens": 8, "messages": [{"role": "user", "content": "Oslo?"},
+         {"role": "assistant", "content": "At 9."}, {"role": "user", "content": "And?"}]},
+    ),
+    "responses": (
+        "/v1/responses",
+        {"input": [{"role": "system", "content": LONG}, {"role": "user", "content": "Oslo?"}]},
+        {"input": [{"role": "system", "content": LONG}, {"role": "user", "content": "Oslo?"},
+                   {"role": "assistant", "content": "At 9."}, {"role": "user", "content": "And?"}]},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+@pytest.mark.parametrize("api", list(TURNS))
+def test_each_api_s_continuation_gets_its_gap_and_the_programmed_cached_tokens(
+    start_sim: Callable[..., Running],
+    start_proxy: Callable[..., ProxyUnderTest],
+    api: str,
+    stream: bool,
+) -> None:
+    sim = start_sim(ttft=0.0, tokens_per_second=5000.0, output_tokens=4, prefix_cache=1000)
+    proxy = start_proxy(sim.url)
+    path, first, second = TURNS[api]
+    with httpx.Client(base_url=proxy.url, timeout=30) as client:
+        for body in (first, second):
+            response = client.post(path, json={"model": MODEL, "stream": stream, **body})
+            assert response.status_code == 200
+            time.sleep(0.3)  # the tool
+    one, two = proxy.wait_records(2)
+    # The truth: the first turn's whole prompt, in whole blocks of 16.
+    truth = count_prompt_tokens(first) // 16 * 16
+    assert one.prompt_tokens == count_prompt_tokens(first)
+    assert (two.turn, two.continued_via, two.conversation_id) == (
+        2,
+        "messages",
+        one.conversation_id,
+    )
+    assert two.cached_prompt_tokens == truth and two.shared_prefix_tokens == one.prompt_tokens
+    assert two.turn_gap is not None and 0.3 <= two.turn_gap <= 0.3 + SLACK
+    ratio = proxy.sample("tokenprobe_continuation_cached_prompt_ratio_sum", model=MODEL)
+    assert ratio == pytest.approx(truth / count_prompt_tokens(first))
+
+
+@pytest.mark.parametrize("header", ["authorization", "X-Api-Key", "cookie", "not a header"])
+def test_a_credential_or_malformed_conversation_header_is_refused_at_start(header: str) -> None:
+    from proxy.settings import SettingsError, parse
+
+    with pytest.raises(SettingsError, match="--conversation-header"):
+        parse(["--upstream", "http://127.0.0.1:9", "--conversation-header", header], {})
+
+
+def test_conversation_settings_come_from_flags_and_variables() -> None:
+    from proxy.settings import SettingsError, parse
+
+    env = {"TOKENPROBE_CONVERSATION_HEADER": "X-Session-Id", "TOKENPROBE_CONVERSATION_IDLE": "30"}
+    settings = parse(["--upstream", "http://127.0.0.1:9", "--conversation-table", "500"], env)
+    assert settings.conversation_header == "x-session-id"
+    assert (settings.conversation_idle, settings.conversation_table) == (30.0, 500)
+    with pytest.raises(SettingsError, match="between 0 and 1"):
+        parse(["--upstream", "http://h:1", "--continuation-cache-miss-ratio", "1.5"], {})

@@ -1,0 +1,105 @@
+"""The conversation tracker behind the dispatcher: the record, the span and the metrics get
+the conversation, the header's value goes nowhere, a tracker failure fails no request."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import CollectorRegistry
+
+from proxy.core.conversations import Conversations
+from proxy.core.labels import ModelLabels
+from proxy.core.measurement import Measurement
+from proxy.core.request import CHAT, RequestInfo
+from proxy.sinks.conversations import ConversationTracker
+from proxy.sinks.dispatch import Sinks
+from proxy.sinks.metrics import Metrics
+from proxy.sinks.sink import Recorder
+from proxy.sinks.tracing import Tracing
+from tests.factories import measurement
+
+MODEL = "sim-model"
+SESSION = b"sess-very-private-42"
+
+
+def build(exporter: InMemorySpanExporter) -> tuple[Sinks, Recorder, CollectorRegistry]:
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    table = Conversations(capacity=10, idle=60.0, salt=b"k" * 32)
+    recorder = Recorder()
+    sinks = Sinks(
+        [metrics, recorder],
+        metrics=metrics,
+        models=ModelLabels((MODEL,)),
+        tracer=Tracing([SimpleSpanProcessor(exporter)], upstream="http://vllm:8000"),
+        conversations=ConversationTracker(table, metrics, header="X-Session-Id"),
+    )
+    return sinks, recorder, registry
+
+
+def info(messages: list[Any]) -> RequestInfo:
+    return RequestInfo(CHAT, MODEL, True, False, None, None, prompt=messages)
+
+
+def request(sinks: Sinks, messages: list[Any], start: float, e2e: float, **kw: Any) -> None:
+    scope = sinks.begin(info(messages), [(b"x-session-id", SESSION)], start)
+    m: Measurement = measurement(started_at=start, e2e=e2e, model=MODEL, **kw)
+    sinks.end(scope, m)
+
+
+def test_the_span_and_record_carry_the_conversation_never_the_header_value() -> None:
+    exporter = InMemorySpanExporter()
+    sinks, recorder, registry = build(exporter)
+    first = [{"role": "user", "content": "hi"}]
+    request(sinks, first, 1000.0, 0.5, prompt_tokens=10, cached_prompt_tokens=0)
+    second = [{"role": "user", "content": "another topic"}]
+    request(sinks, second, 1002.0, 0.5, prompt_tokens=12, cached_prompt_tokens=8)
+    one, two = recorder.records
+    assert one.conversation_id == two.conversation_id and one.conversation_id
+    assert (one.turn, two.turn, two.continued_via) == (1, 2, "header")
+    assert two.turn_gap == 1.5
+    assert two.shared_prefix_tokens is None  # it repeats none of the first prompt
+    spans = exporter.get_finished_spans()
+    assert [s.attributes["gen_ai.conversation.id"] for s in spans] == [one.conversation_id] * 2
+    assert [s.attributes["tokenprobe.conversation.turn"] for s in spans] == [1, 2]
+    for span in spans:
+        assert all(SESSION.decode() not in str(v) for v in (span.attributes or {}).values())
+    gap = registry.get_sample_value(
+        "tokenprobe_conversation_turn_gap_seconds_sum", {"model": MODEL, "via": "header"}
+    )
+    assert gap == 1.5
+    assert (
+        registry.get_sample_value(
+            "tokenprobe_continuation_cached_prompt_ratio_count", {"model": MODEL}
+        )
+        is None
+    )
+
+
+def test_a_failing_tracker_fails_no_request_and_is_counted() -> None:
+    sinks, recorder, registry = build(InMemorySpanExporter())
+    tracker = sinks.conversations
+    assert tracker is not None
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("boom")
+
+    tracker.end = broken  # type: ignore[method-assign]
+    request(sinks, [{"role": "user", "content": "hi"}], 1000.0, 0.5)
+    (record,) = recorder.records
+    assert record.conversation_id is None  # the record as it was, still recorded
+    failures = registry.get_sample_value(
+        "tokenprobe_measurement_failures_total", {"stage": "conversation"}
+    )
+    assert failures == 1
+
+
+def test_cached_ratio_needs_the_shared_prefix_and_cached_tokens() -> None:
+    m = measurement(continued_via="messages", shared_prefix_tokens=40, cached_prompt_tokens=32)
+    assert m.continuation_cache_ratio() == 0.8
+    assert replace(m, cached_prompt_tokens=None).continuation_cache_ratio() is None
+    assert replace(m, continued_via=None).continuation_cache_ratio() is None
+    assert replace(m, cached_prompt_tokens=99).continuation_cache_ratio() == 1.0
