@@ -229,7 +229,7 @@ def guarded_httpx_transport(
     limits: httpx.Limits, count: Callable[[str], None] = _uncounted
 ) -> httpx.AsyncHTTPTransport:
     """httpx's own transport, on a pool that closes dirty idle connections."""
-    transport = httpx.AsyncHTTPTransport(limits=limits)
+    transport = _GuardedHTTPTransport(count, limits=limits)
     old = transport._pool
     transport._pool = _GuardedPool(
         count,
@@ -239,6 +239,36 @@ def guarded_httpx_transport(
         keepalive_expiry=limits.keepalive_expiry,
     )
     return transport
+
+
+class _GuardedHTTPTransport(httpx.AsyncHTTPTransport):
+    """httpx's transport, refusing what the other paths' parsers refuse and counting it.
+
+    h11 takes a response with both Content-Length and Transfer-Encoding by the chunks
+    (RFC 9112 §6.3 allows it, and says it "ought to be handled as an error"); llhttp and
+    aiohttp refuse it, so here it is refused too. h11 refuses an unasked 101 itself
+    (a server switch with no pending proposal, h11/_state.py), as a RemoteProtocolError."""
+
+    def __init__(self, count: Callable[[str], None], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._count = count
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            response = await super().handle_async_request(request)
+        except httpx.RemoteProtocolError as exc:
+            text = str(exc)
+            if "disconnected" not in text:  # the backend closing is no protocol error
+                self._count("upgrade" if "SWITCH" in text else "malformed")
+            raise
+        headers = response.headers
+        if "transfer-encoding" in headers and "content-length" in headers:
+            self._count("malformed")
+            await response.aclose()  # unread: httpcore closes the connection
+            raise UpstreamProtocolError(
+                "malformed", "the upstream sent Content-Length and Transfer-Encoding together"
+            )
+        return response
 
 
 class _GuardedPool(httpcore.AsyncConnectionPool):

@@ -274,22 +274,30 @@ def test_a_well_behaved_upstream_counts_no_protocol_error(
 # -- the httpx transport of the ASGI relay ----------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["extra", "idle"])
+@pytest.mark.parametrize("case", ["extra_bytes", "idle_bytes", "upgrade", "malformed"])
 def test_the_asgi_relays_httpx_transport_is_guarded_too(
     monkeypatch: pytest.MonkeyPatch, case: str
 ) -> None:
+    """--upstream-transport httpx (also what the aiohttp path uses for header values that
+    are not UTF-8): the same outcomes and counts as the default transport."""
     monkeypatch.setenv("TOKENPROBE_RELAY", "asgi")
     monkeypatch.setenv("TOKENPROBE_UPSTREAM_TRANSPORT", "httpx")
     written: list[bool] = []
+    answers = {
+        "extra_bytes": FIRST + EXTRA,
+        "upgrade": SWITCH + b"\x81\x05hello",
+        "malformed": b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n"
+        b"5\r\nEXTRA\r\n0\r\n\r\n",
+    }
 
     async def first(conn: Conn, request: Request) -> None:
-        if case == "extra":
-            conn.write(FIRST + EXTRA)
-        else:
+        if case == "idle_bytes":
             conn.write(FIRST)
             await conn.drain()
             await asyncio.sleep(0.3)
             conn.write(EXTRA)
+        else:
+            conn.write(answers[case])
         await conn.drain()
         written.append(True)
         await conn.wait_closed_by_peer(5)
@@ -297,13 +305,16 @@ def test_the_asgi_relays_httpx_transport_is_guarded_too(
     upstream = raw_upstream(default=by_target({b"/v1/first": first}, SECOND))
     with upstream as up, serving_process(up.url) as (base, _):
         one, _ = ask(base, b"/v1/first")
-        assert body(one) == b"first"
+        if case in ("upgrade", "malformed"):
+            assert one.startswith(b"HTTP/1.1 502"), one
+        else:
+            assert body(one) == b"first"
         assert up.wait_for(lambda: bool(written), 5)
         time.sleep(0.2)
-        two, _ = ask(base, b"/v1/other", timeout=5)
+        two, seconds = ask(base, b"/v1/other", timeout=5)
         assert body(two) == b"second", two
-        kind = "extra_bytes" if case == "extra" else "idle_bytes"
-        assert until(lambda: errors(base, kind) == 1)
+        assert seconds < 3.0
+        assert until(lambda: errors(base, case) == 1)
 
 
 # -- the upstream's base path (issue 31 item 1) -----------------------------------------------

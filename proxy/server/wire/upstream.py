@@ -246,6 +246,7 @@ class Pool:
         self.connect_timeout = connect_timeout
         self.count = count
         self.idle: list[UpstreamConnection] = []
+        self.closed = False  # the server stopped: a connection settling now is closed
 
     def take(self) -> UpstreamConnection | None:
         """The newest idle connection that is still fresh, else None."""
@@ -269,6 +270,9 @@ class Pool:
         return conn
 
     def put(self, conn: UpstreamConnection) -> None:
+        if self.closed:
+            conn.close()
+            return
         conn.idle_since = monotonic()
         conn.pooled = True
         self.idle.append(conn)
@@ -279,6 +283,7 @@ class Pool:
             self.idle.remove(conn)
 
     def close(self) -> None:
+        self.closed = True
         idle, self.idle = self.idle, []
         for conn in idle:
             conn.pooled = False
