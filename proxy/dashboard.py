@@ -21,8 +21,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from proxy.core.slo import Policy
 from proxy.settings import SettingsError, label_headers, parse_value
 from proxy.sinks.metrics import Metrics
+from proxy.sinks.slo import SloMetrics
 
 STOCK = Path("grafana/dashboards/tokenprobe.json")
 _ENDPOINT = 'endpoint=~"$endpoint"'
@@ -31,9 +33,11 @@ _ENDPOINT = 'endpoint=~"$endpoint"'
 def labelled_metrics() -> frozenset[str]:
     """Prometheus sample-name prefixes of the metrics that carry the attribution labels."""
     probe = "tokenprobe_attribution_probe"
-    metrics = Metrics(CollectorRegistry(), (probe,))
+    registry = CollectorRegistry()
+    metrics = Metrics(registry, (probe,))
+    slo = SloMetrics(registry, Policy(), (probe,))
     names = set()
-    for value in vars(metrics).values():
+    for value in [*vars(metrics).values(), *vars(slo).values()]:
         if probe in getattr(value, "_labelnames", ()):
             name = value._name
             names.add(name + "_total" if value._type == "counter" else name)
@@ -61,7 +65,33 @@ def with_labels(dashboard: dict[str, Any], labels: tuple[str, ...]) -> dict[str,
     for panel in _panels(out):
         for target in panel.get("targets", []):
             target["expr"] = selector.sub(add, target["expr"])
+    out["panels"].extend(_attainment_by(out, labels))
     return out
+
+
+#: The SLO row's attainment panel, and where one copy per label goes (panel ids 330-339).
+_ATTAINMENT, _BY_LABEL_ID = 301, 330
+
+
+def _attainment_by(dashboard: dict[str, Any], labels: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Attainment by each --label-header label (by team, by app): the by-model panel with
+    the label as its grouping, placed below the SLO row's panels."""
+    source = next((p for p in _panels(dashboard) if p.get("id") == _ATTAINMENT), None)
+    if source is None:
+        return []
+    bottom = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in dashboard["panels"])
+    panels = []
+    for i, label in enumerate(labels[:10]):
+        panel = copy.deepcopy(source)
+        panel["id"] = _BY_LABEL_ID + i
+        panel["title"] = f"SLO attainment by {label}"
+        panel["description"] = source["description"].replace("Share of", f"By {label}: share of")
+        panel["gridPos"] = {"h": 8, "w": 8, "x": 8 * (i % 3), "y": bottom + 8 * (i // 3)}
+        for target in panel["targets"]:
+            target["expr"] = target["expr"].replace("by (model)", f"by ({label})")
+            target["legendFormat"] = "{{" + label + "}}"
+        panels.append(panel)
+    return panels
 
 
 def _variable(label: str) -> dict[str, Any]:

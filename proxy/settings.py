@@ -10,13 +10,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import yaml
+
 from proxy.core.labels import SECRET_HEADERS
+from proxy.core.slo import NAMES as SLO_NAMES
+from proxy.core.slo import Policy, SloError, format_slo, parse_slo, parse_slo_file
 
 
 class SettingsError(ValueError):
@@ -91,7 +97,7 @@ _TAKEN_LABELS = frozenset(
     {
         *("model", "endpoint", "code", "finish_reason", "error_type", "source", "kind", "key"),
         *("prompt_class", "cache_class", "route", "stage", "reason", "currency", "le"),
-        "quantile",
+        *("quantile", "result"),
     }
 )
 # Header names that carry credentials, besides SECRET_HEADERS: refused as label headers.
@@ -124,6 +130,26 @@ def label_headers(value: str) -> tuple[str, ...]:
         labels.add(label)
         pairs.append(f"{header}={label}")
     return tuple(pairs)
+
+
+def _slo(value: str) -> str:
+    """--slo checked and written back in one canonical form (workers get it as text)."""
+    return format_slo(parse_slo(value, ""))  # SloError is a ValueError
+
+
+def _slo_file(value: str) -> str:
+    load_slo_file(value)  # read once here so a bad file fails at start, naming itself
+    return value
+
+
+def load_slo_file(path: str) -> Policy:
+    """An SLO file (proxy/core/slo.py's `parse_slo_file`); SloError naming it."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        raise SloError(f"{path}: cannot read the SLO file: {exc}") from None
+    return parse_slo_file(data, path)
 
 
 def conversation_header(value: str) -> str:
@@ -392,6 +418,21 @@ class Settings:
         _ratio,
         0.5,
         "A continuation whose cached prompt tokens cover less than this share of the prompt it repeats counts in `tokenprobe_continuation_cache_misses_total`.",
+    )
+
+    # -- service-level objectives (proxy/core/slo.py, proxy/sinks/slo.py) --
+    slo: str = setting(
+        _slo,
+        "",
+        "SLO targets in seconds, as `tokenprobe bench --slo`: e.g. `ttft=2,tpot=0.025` (names: "
+        + ", ".join(SLO_NAMES)
+        + "). Counts `tokenprobe_slo_requests_total{result}` and `tokenprobe_goodput_tokens_total`. See docs/slo.md.",
+        shown="(none)",
+    )
+    slo_file: str | None = setting(
+        _slo_file,
+        None,
+        "Per-model SLO targets (YAML or JSON: `default:` and `models: {NAME: {ttft: 4}}`); a model not in it gets `--slo` or the file's default. Read at start: a bad file refuses to start.",
     )
 
     def replace(self, **changes: Any) -> Settings:

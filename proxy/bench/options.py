@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from proxy.core import slo
 from proxy.core.apis import APIS, Api
 from proxy.core.wsseam import WS_APIS, WsApi
 
@@ -16,8 +17,8 @@ from proxy.core.wsseam import WS_APIS, WsApi
 _SEAMS: tuple[Api | WsApi, ...] = (*APIS, *WS_APIS)
 ENDPOINTS = {api.bench_name: api.endpoint for api in _SEAMS if api.bench_name}
 
-#: SLO names `--slo` accepts, all in seconds.
-SLO_NAMES = ("ttft", "tpot", "e2e")
+#: SLO names `--slo` accepts, all in seconds (proxy/core/slo.py, shared with serve).
+SLO_NAMES = slo.NAMES
 
 
 class OptionsError(ValueError):
@@ -246,22 +247,11 @@ def parse_shard(text: str) -> tuple[int, int]:
 
 
 def parse_slo(text: str) -> dict[str, float]:
-    slo: dict[str, float] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, sep, value = item.partition("=")
-        name = name.strip().lower()
-        if not sep or name not in SLO_NAMES:
-            raise OptionsError(
-                f"--slo: expected NAME=SECONDS with NAME in {', '.join(SLO_NAMES)}, got {item!r}"
-            )
-        try:
-            seconds = float(value)
-        except ValueError:
-            raise OptionsError(f"--slo: {name} is not a number: {value!r}") from None
-        if seconds <= 0:
-            raise OptionsError(f"--slo: {name} must be positive")
-        slo[name] = seconds
-    return slo
+    """--slo as proxy/core/slo.py reads it for `tokenprobe serve` too."""
+    try:
+        return slo.parse_slo(text)
+    except slo.SloError as exc:
+        raise OptionsError(str(exc)) from None
 
 
 def _base_url(value: str) -> str:

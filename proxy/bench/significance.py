@@ -25,6 +25,7 @@ from typing import Any
 
 from proxy.bench.stats import quantile
 from proxy.core.engine import EngineMetrics, ttft_split
+from proxy.core.slo import MET, record_verdict
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +46,9 @@ FIGURES: tuple[Figure, ...] = (
     Figure("decode_tps_p50", "per-stream decode p50", False, False, 1, "tok/s"),
     Figure("output_tps", "aggregate output", False, False, 1, "tok/s"),
     Figure("goodput", "goodput", False, False, 1, "req/s"),
+    # The share of requests that met every --slo target (proxy/core/slo.py): the figure
+    # `tokenprobe serve --slo` exports live as tokenprobe_slo_requests_total.
+    Figure("attainment", "SLO attainment", False, True, 100, "%"),
     # Where the first token's time went (vLLM --enable-per-request-metrics; rows only
     # when some run's requests carried the engine's object): means, so they add up.
     Figure("queue_mean", "TTFT: engine queue, mean", True, False, 1000, "ms"),
@@ -58,7 +62,7 @@ BY_NAME: Mapping[str, Figure] = {f.name: f for f in FIGURES}
 # One request as the bootstrap sees it: ok, ttft, tpot, decode tok/s, output tokens,
 # finished by length, met every SLO, e2e, and the TTFT split (queue, engine, outside)
 # when the engine sent its per-request metrics.
-Split = tuple[float, float, float] | None
+Split = tuple[float | None, float, float] | None
 Row = tuple[bool, float | None, float | None, float | None, int, bool, bool, float, Split]
 
 #: A tail quantile gets an interval only with this many requests beyond it (p95: 100
@@ -71,8 +75,7 @@ def rows(records: Sequence[Mapping[str, Any]], slo: Mapping[str, float]) -> list
     out: list[Row] = []
     for r in records:
         ok = r.get("error_type") is None
-        figures = {"ttft": r.get("ttft"), "tpot": r.get("tpot"), "e2e": r.get("e2e")}
-        met = ok and all(_within(figures[k], v) for k, v in slo.items())
+        met = record_verdict(r, slo) == MET
         out.append(
             (
                 ok,
@@ -95,20 +98,14 @@ def _split(record: Mapping[str, Any]) -> Split:
     if not isinstance(engine, Mapping) or not isinstance(ttft, int | float):
         return None
     queue, first = engine.get("queue_time"), engine.get("time_to_first_token")
-    if not isinstance(queue, int | float) or not isinstance(first, int | float):
+    if not isinstance(first, int | float):
         return None
-    return ttft_split(
-        float(ttft), EngineMetrics(float(queue), float(first), None, None, None, None)
-    )
+    queue_time = float(queue) if isinstance(queue, int | float) else None  # llama.cpp: none
+    return ttft_split(float(ttft), EngineMetrics(queue_time, float(first), None, None, None, None))
 
 
 def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
-
-
-def _within(value: float | None, limit: float) -> bool:
-    """A figure a request lacks (TPOT of a one-token answer) cannot miss its target."""
-    return value is None or value <= limit
 
 
 def pace(sample: Sequence[Row]) -> float | None:
@@ -141,7 +138,8 @@ def figures(
         "decode_tps_p50": quantile(speed, 50),
         "output_tps": _throughput(sample, duration, scale) if ok else None,
         "goodput": sum(1 for row in sample if row[6]) / duration if has_slo else None,
-        "queue_mean": _mean([s[0] for s in splits]),
+        "attainment": sum(1 for row in sample if row[6]) / n if has_slo and n else None,
+        "queue_mean": _mean([s[0] for s in splits if s[0] is not None]),
         "engine_ttft_mean": _mean([s[1] for s in splits]),
         "outside_mean": _mean([s[2] for s in splits]),
         "error_share": (n - len(ok)) / n if n else None,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from proxy.bench.client import Result
 from proxy.bench.load import Level
+from proxy.core import slo
 from proxy.core.measurement import Measurement
 
 QUANTILES = (50, 90, 95, 99)
@@ -119,9 +120,12 @@ def ttft_split(records: Sequence[Measurement]) -> dict[str, float] | None:
     if not splits:
         return None
     n = len(splits)
+    queues = [s[0] for s in splits if s[0] is not None]
     return {
         "requests": n,
-        "queue": sum(s[0] for s in splits) / n,
+        # The mean over the streams whose engine reports a queue time (llama.cpp does not:
+        # its queue wait is then outside), absent when none does.
+        **({"queue": sum(queues) / len(queues)} if queues else {}),
         "engine": sum(s[1] for s in splits) / n,
         "outside": sum(s[2] for s in splits) / n,
     }
@@ -146,14 +150,9 @@ def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def meets(result: Result, slo: dict[str, float]) -> bool:
-    """A successful request within every SLO. A figure a request lacks (TPOT of a one-token
-    answer) cannot miss its target."""
-    m = result.m
-    if not m.ok:
-        return False
-    figures = {"ttft": m.ttft, "tpot": m.tpot, "e2e": m.e2e}
-    return all(figures[name] is None or figures[name] <= limit for name, limit in slo.items())  # type: ignore[operator]
+def meets(result: Result, limits: dict[str, float]) -> bool:
+    """The request met every target, as proxy/core/slo.py defines it for the proxy too."""
+    return slo.verdict(result.m, limits) == slo.MET
 
 
 def _examples(results: Iterable[Result], limit: int = 160) -> dict[str, str]:

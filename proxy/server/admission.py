@@ -13,15 +13,16 @@ writes itself (before any upstream byte reached the client).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from proxy.core.apis import Api, api_for
 from proxy.core.errors import error_body, error_shape
+from proxy.core.identity import UNKNOWN
 from proxy.core.labels import route_template
 from proxy.core.measurement import ErrorType
 from proxy.core.paths import BadTarget, Target, normalise
 from proxy.core.request import RequestInfo, parse_request
-from proxy.core.strip import UsageEventStripper
+from proxy.core.strip import Injection, UsageEventStripper
 from proxy.server.headers import Headers, secret_names
 from proxy.settings import Settings
 from proxy.sinks.dispatch import Sinks
@@ -41,6 +42,9 @@ class RelaySettings:
     first_byte_timeout: float  # from the upstream request to its response head
     idle_timeout: float  # the longest gap between two chunks of an upstream body
     secret_headers: frozenset[bytes]  # lower-case names whose values never leave the proxy
+    # Whether usage is still asked for: off for good once a stream could not be given back
+    # (proxy/core/strip.py); the one mutable part, shared by every request to the upstream.
+    injection: Injection = field(default_factory=Injection)
 
 
 def relay_settings(settings: Settings) -> RelaySettings:
@@ -105,15 +109,23 @@ BODY_TIMEOUT = Refused(408, "request_timeout", "request body not received in tim
 
 
 def admit(
-    api: Api, body: bytes, limits: RelaySettings
+    api: Api, body: bytes, limits: RelaySettings, backend: str = UNKNOWN
 ) -> tuple[RequestInfo, bytes, UsageEventStripper | None]:
     """A measured request's info, the body that goes upstream, and the stripper when the
-    proxy asked for usage the client did not."""
+    proxy asked for usage the client did not. `backend`: the upstream's kind, as far as
+    it is known (proxy/core/identity.py); the API may not ask some kinds for usage."""
     info, obj = parse_request(api, body)
-    if limits.inject_usage and info.stream and not info.usage_requested and obj is not None:
+    if (
+        limits.inject_usage
+        and limits.injection.on
+        and info.stream
+        and not info.usage_requested
+        and obj is not None
+        and backend not in api.usage_reshapes
+    ):
         asked = api.ask_for_usage(obj)
         if asked is not None:  # the client gets the stream it asked for: strip the extra
-            return info, asked, UsageEventStripper(limits.max_event_bytes)
+            return info, asked, UsageEventStripper(limits.max_event_bytes, limits.injection)
     return info, body, None
 
 

@@ -19,11 +19,12 @@ from prometheus_client import CollectorRegistry
 
 from proxy.core.conversations import Conversations
 from proxy.core.labels import ModelLabels
+from proxy.core.slo import Policy, parse_slo
 from proxy.server.app import ProxyApp
 from proxy.server.control import ControlPlane, GuardedMetrics, Readiness
 from proxy.server.exposition import Exposition
 from proxy.server.multiproc import MULTIPROC_ENV, multiprocess_metrics_app
-from proxy.settings import Settings, label_pairs
+from proxy.settings import Settings, label_pairs, load_slo_file
 from proxy.sinks.conversations import ConversationTracker
 from proxy.sinks.cost import CostSink, export_cost_per_hour, load_prices
 from proxy.sinks.dispatch import Sinks
@@ -32,6 +33,7 @@ from proxy.sinks.logs import AccessLog, salt_key
 from proxy.sinks.metrics import Metrics
 from proxy.sinks.otel_env import metrics_requested
 from proxy.sinks.sink import RequestTracer, Sink
+from proxy.sinks.slo import SloMetrics
 from proxy.sinks.tracing import tracing_from_env
 from proxy.types import ASGIApp
 
@@ -90,6 +92,8 @@ def _sinks(
     labels = metrics.attribution
     if settings.access_log != "off":
         sinks.append(AccessLog(settings.access_log, attribution=labels, salt=settings.log_salt))
+    if (policy := slo_policy(settings)) is not None:
+        sinks.append(SloMetrics(registry, policy, labels))
     prices = load_prices(settings.prices) if settings.prices else None
     if prices is not None:
         sinks.append(CostSink(prices, registry))
@@ -108,6 +112,15 @@ def _sinks(
             )
         )
     return sinks
+
+
+def slo_policy(settings: Settings) -> Policy | None:
+    """--slo and --slo-file as one Policy (the file's models, its default else --slo)."""
+    default = parse_slo(settings.slo) if settings.slo else {}
+    if settings.slo_file:
+        policy = load_slo_file(settings.slo_file)
+        return Policy(policy.default or default, policy.models)
+    return Policy(default) if default else None
 
 
 def _conversations(settings: Settings, metrics: Metrics) -> ConversationTracker:

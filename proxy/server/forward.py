@@ -71,6 +71,7 @@ class Forwarder:
     ) -> None:
         self.client = client
         self.context = Context(sinks, counter, settings)
+        settings.injection.on_refuse = sinks.usage_injection_refused
         self.upstream = UpstreamURL.parse(settings.upstream)
         self.origin = self.upstream.origin
 
@@ -108,7 +109,7 @@ class Forwarder:
         read = perf_counter()  # the request is in: the proxy's own time starts (overhead)
         info, stripper = None, None
         if api is not None:
-            info, body, stripper = admit(api, body, limits)
+            info, body, stripper = admit(api, body, limits, self.context.backend.kind)
         exchange = MeasuredExchange(
             self.context, path, scope["headers"], info, start, started_at, read
         )

@@ -1,14 +1,24 @@
 """The OTLP metrics sink: the same records the Prometheus sink reads, pushed to a collector.
 
 Names, units, attributes and bucket boundaries follow the GenAI semantic conventions'
-client metrics, open-telemetry/semantic-conventions-genai at commit
-004902b8cb70aa5ae6ca4ae07132b7daabcd3e10 (docs/gen-ai/gen-ai-metrics.md,
-model/gen-ai/metrics.yaml; status Development; server.* from semantic-conventions v1.42.0):
+client metrics, pinned in proxy/sinks/semconv.py (status Development; server.* from
+semantic-conventions v1.42.0). By default the current names
+(open-telemetry/semantic-conventions-genai at ac48b1f9, docs/gen-ai/client-inference.md
+and docs/gen-ai/gen-ai-token-metrics.md at 27f82f09):
 
-  gen_ai.client.operation.duration            s        e2e: request received -> last byte
-  gen_ai.client.token.usage                   {token}  prompt / output tokens (gen_ai.token.type)
-  gen_ai.client.operation.time_to_first_chunk s        request received -> first *content* chunk
-  gen_ai.client.operation.time_per_output_chunk  s     each gap between content chunks
+  gen_ai.client.inference.duration              s        e2e: request received -> last byte
+  gen_ai.client.inference.time_to_first_chunk   s        request received -> first *content* chunk
+  gen_ai.client.inference.time_per_output_chunk s        each gap between content chunks
+  gen_ai.client.inference.usage.input_tokens    {token}  counter, by gen_ai.token.modality
+  gen_ai.client.inference.usage.output_tokens   {token}  counter (also cache_read.input_tokens,
+                                                         reasoning.output_tokens)
+  gen_ai.client.inference.operation.input_tokens / .output_tokens  {token}  per request
+
+With OTEL_SEMCONV_STABILITY_OPT_IN=gen_ai_previous the names of commit 004902b8 instead
+(gen_ai.client.operation.duration, .time_to_first_chunk, .time_per_output_chunk and the
+gen_ai.client.token.usage histogram by gen_ai.token.type); with gen_ai_previous/dup both.
+tokenprobe reads one token total per direction, so the usage counters carry
+gen_ai.token.modality "unknown", as the conventions ask when usage is not broken down.
 
 time_to_first_chunk is tokenprobe's TTFT: the first read carrying generated content, not the
 first chunk of the stream (vLLM's role-only chunk, Anthropic's message_start), so it equals
@@ -66,7 +76,7 @@ from proxy.core.apis import api_of
 from proxy.core.buckets import DECODE_SPEED_BUCKETS, OVERHEAD_BUCKETS, TOKENS_PER_CHUNK_BUCKETS
 from proxy.core.measurement import Measurement
 from proxy.settings import SettingsError, number, positive_int
-from proxy.sinks import otel_env
+from proxy.sinks import otel_env, semconv
 from proxy.sinks.cost import PRICE_KEYS, PriceTable, spend
 from proxy.sinks.sink import Labels
 
@@ -91,6 +101,7 @@ class Instrument:
     bounds: tuple[float, ...] = ()  # a histogram's; () for a counter
 
 
+# -- the previous names (semantic-conventions-genai 004902b8) ----------------------------------
 OPERATION_DURATION = Instrument(
     "gen_ai.client.operation.duration",
     "s",
@@ -120,11 +131,83 @@ TIME_PER_OUTPUT_CHUNK = Instrument(
     DURATION_BUCKETS,
 )
 
+
+# -- the current names (semantic-conventions-genai ac48b1f9 / 27f82f09) -----------------------
+INFERENCE_DURATION = Instrument(
+    "gen_ai.client.inference.duration",
+    "s",
+    OPERATION_DURATION.description,
+    DURATION_BUCKETS,
+)
+INFERENCE_TIME_TO_FIRST_CHUNK = Instrument(
+    "gen_ai.client.inference.time_to_first_chunk",
+    "s",
+    TIME_TO_FIRST_CHUNK.description,
+    DURATION_BUCKETS,
+)
+INFERENCE_TIME_PER_OUTPUT_CHUNK = Instrument(
+    "gen_ai.client.inference.time_per_output_chunk",
+    "s",
+    TIME_PER_OUTPUT_CHUNK.description,
+    DURATION_BUCKETS,
+)
+OPERATION_INPUT_TOKENS = Instrument(
+    "gen_ai.client.inference.operation.input_tokens",
+    "{token}",
+    "Input (prompt) tokens per request (backend usage, else the tokenizer), recorded when "
+    "the request ends.",
+    TOKEN_BUCKETS,
+)
+OPERATION_OUTPUT_TOKENS = Instrument(
+    "gen_ai.client.inference.operation.output_tokens",
+    "{token}",
+    "Output tokens per request (backend usage, else the tokenizer, else content chunks), "
+    "recorded when the request ends.",
+    TOKEN_BUCKETS,
+)
+USAGE_INPUT = Instrument(
+    "gen_ai.client.inference.usage.input_tokens",
+    "{token}",
+    "Input (prompt) tokens, cached ones included, counted when each request ends (0 with "
+    "modality unknown when no count was had).",
+)
+USAGE_OUTPUT = Instrument(
+    "gen_ai.client.inference.usage.output_tokens",
+    "{token}",
+    "Output tokens, reasoning ones included, counted when each request ends (0 with "
+    "modality unknown when no count was had).",
+)
+USAGE_CACHE_READ = Instrument(
+    "gen_ai.client.inference.usage.cache_read.input_tokens",
+    "{token}",
+    "Input tokens the backend served from its prefix cache (usage), when each request ends.",
+)
+USAGE_REASONING = Instrument(
+    "gen_ai.client.inference.usage.reasoning.output_tokens",
+    "{token}",
+    "Output tokens spent on reasoning (usage), counted when each request ends.",
+)
+_UNKNOWN_MODALITY = (("gen_ai.token.modality", "unknown"),)
+
+
+@dataclass(frozen=True, slots=True)
+class GenAiInstruments:
+    """One name set's duration, first-chunk and per-chunk histograms."""
+
+    duration: Instrument
+    time_to_first_chunk: Instrument
+    time_per_output_chunk: Instrument
+
+
+CURRENT = GenAiInstruments(
+    INFERENCE_DURATION, INFERENCE_TIME_TO_FIRST_CHUNK, INFERENCE_TIME_PER_OUTPUT_CHUNK
+)
+PREVIOUS = GenAiInstruments(OPERATION_DURATION, TIME_TO_FIRST_CHUNK, TIME_PER_OUTPUT_CHUNK)
+
 #: Histograms of one figure of the record each: (how to read it from the record,
 #: instrument); None is not observed. A new figure on the record (the engine split of
 #: TTFT, say) is one more row here and nothing else.
 FIGURES: tuple[tuple[Callable[[Measurement], float | None], Instrument], ...] = (
-    (attrgetter("ttft"), TIME_TO_FIRST_CHUNK),
     (
         attrgetter("ttfb"),
         Instrument(
@@ -288,8 +371,11 @@ class OtlpMetrics:
         attribution: tuple[str, ...] = (),
         prices: PriceTable | None = None,
         in_flight: Gauge | None = None,
+        names: semconv.Names = semconv.DEFAULT,
     ) -> None:
         self.exporter = exporter
+        self.names = names
+        self._genai = (CURRENT,) * names.current + (PREVIOUS,) * names.previous
         self.interval = interval
         self.export_timeout = export_timeout
         self.delta = delta
@@ -319,25 +405,45 @@ class OtlpMetrics:
     def record(self, m: Measurement, labels: Labels) -> None:
         base = self._base(m, labels)
         error = m.error_type.value if m.error_type is not None else None
+        failed = (*base, ("error.type", error)) if error else base
         with self._lock:
-            self._observe(
-                OPERATION_DURATION, (*base, ("error.type", error)) if error else base, (m.e2e,)
-            )
+            for genai in self._genai:
+                self._observe(genai.duration, failed, (m.e2e,))
+                if m.ttft is not None:
+                    self._observe(genai.time_to_first_chunk, base, (m.ttft,))
+                if m.inter_token_latencies:
+                    self._observe(genai.time_per_output_chunk, base, m.inter_token_latencies)
             for getter, instrument in FIGURES:
                 value = getter(m)
                 if value is not None:
                     self._observe(instrument, base, (value,))
-            if m.inter_token_latencies:
-                self._observe(TIME_PER_OUTPUT_CHUNK, base, m.inter_token_latencies)
-            if m.prompt_tokens is not None:
-                self._observe(
-                    TOKEN_USAGE, (*base, ("gen_ai.token.type", "input")), (m.prompt_tokens,)
-                )
-            if m.output_tokens is not None:
-                self._observe(
-                    TOKEN_USAGE, (*base, ("gen_ai.token.type", "output")), (m.output_tokens,)
-                )
+            if self.names.previous:
+                self._token_usage(m, base)
+            if self.names.current:
+                self._inference_usage(m, base, failed)
             self._count(m, base, error)
+
+    def _token_usage(self, m: Measurement, base: Key) -> None:
+        """The previous names: one histogram by gen_ai.token.type."""
+        if m.prompt_tokens is not None:
+            self._observe(TOKEN_USAGE, (*base, ("gen_ai.token.type", "input")), (m.prompt_tokens,))
+        if m.output_tokens is not None:
+            self._observe(TOKEN_USAGE, (*base, ("gen_ai.token.type", "output")), (m.output_tokens,))
+
+    def _inference_usage(self, m: Measurement, base: Key, failed: Key) -> None:
+        """The current names: counters for every request, failed ones included (0 when no
+        count was had), and per-request histograms with error.type."""
+        usage = base + _UNKNOWN_MODALITY
+        self._add(USAGE_INPUT, usage, m.prompt_tokens or 0)
+        self._add(USAGE_OUTPUT, usage, m.output_tokens or 0)
+        if m.cached_prompt_tokens is not None:
+            self._add(USAGE_CACHE_READ, usage, m.cached_prompt_tokens)
+        if (reasoning := semconv.reasoning_tokens(m)) is not None:
+            self._add(USAGE_REASONING, usage, reasoning)
+        if m.prompt_tokens is not None:
+            self._observe(OPERATION_INPUT_TOKENS, failed, (m.prompt_tokens,))
+        if m.output_tokens is not None:
+            self._observe(OPERATION_OUTPUT_TOKENS, failed, (m.output_tokens,))
 
     def _count(self, m: Measurement, base: Key, error: str | None) -> None:
         outcome: Key = (
@@ -572,6 +678,7 @@ def otlp_metrics_from_env(
         attribution=attribution,
         prices=prices,
         in_flight=in_flight,
+        names=semconv.names_from_env(env),
     )
     return sink.start()
 

@@ -1,7 +1,9 @@
 """The OpenTelemetry sink: one CLIENT span per measured request, exported in the background.
 
-The span follows the GenAI client-inference conventions (name `{operation} {model}`,
-`gen_ai.*` attributes) and adds the proxy's own measurements as `tokenprobe.*`
+The span follows the GenAI client-inference conventions (span `gen_ai.client.inference`,
+named `{operation} {model}`, `gen_ai.*` attributes; pinned in proxy/sinks/semconv.py:
+open-telemetry/semantic-conventions-genai docs/gen-ai/client-inference.md at ac48b1f9)
+and adds the proxy's own measurements as `tokenprobe.*`
 attributes (seconds) and two events, `first_byte` and `first_token`, at their instants.
 No event per chunk. Prompt text only with `trace_content`; header values never, except
 the W3C `traceparent`/`tracestate` a client sends, which the span joins.
@@ -37,7 +39,7 @@ from prometheus_client import CollectorRegistry
 from proxy.core.apis import RequestInfo, api_of
 from proxy.core.measurement import NONE_LABEL, Measurement
 from proxy.settings import SettingsError
-from proxy.sinks import otel_env
+from proxy.sinks import otel_env, semconv
 from proxy.sinks.span_export import CountingBatchProcessor, export_failures, otlp_span_exporter
 
 Headers = list[tuple[bytes, bytes]]
@@ -59,7 +61,9 @@ class Tracing:
         sampler: Sampler | None = None,
         service_name: str = "tokenprobe",
         trace_content: bool = False,
+        names: semconv.Names = semconv.DEFAULT,
     ) -> None:
+        self.names = names
         # Its own provider: the process-wide global one stays whatever the host app set.
         self.provider = TracerProvider(
             sampler=sampler or ParentBased(ALWAYS_ON),
@@ -125,7 +129,7 @@ class Tracing:
             span.end()
             return
         start_ns = int(m.started_at * 1e9)
-        span.set_attributes(_finish_attributes(m))
+        span.set_attributes(_finish_attributes(m, current=self.names.current))
         if m.ttfb is not None:
             span.add_event("first_byte", timestamp=start_ns + int(m.ttfb * 1e9))
         if m.ttft is not None:
@@ -142,7 +146,9 @@ class Tracing:
         self.provider.shutdown()
 
 
-def _finish_attributes(m: Measurement) -> dict[str, Any]:
+def _finish_attributes(m: Measurement, *, current: bool = True) -> dict[str, Any]:
+    """The attributes known once the request ended. `current`: also those the current
+    conventions added (ac48b1f9): time to first chunk, reasoning tokens, and "error" among the finish reasons of a stream cut short after one."""
     attributes: dict[str, Any] = {
         "tokenprobe.e2e": m.e2e,
         "tokenprobe.token_source": m.token_source.value,
@@ -174,15 +180,22 @@ def _finish_attributes(m: Measurement) -> dict[str, Any]:
         optional["tokenprobe.engine.time_to_first_token"] = engine_ttft
         optional["tokenprobe.time_to_first_token_outside_engine"] = outside
         optional["tokenprobe.engine.generation_time"] = m.engine.generation_time
+        optional["tokenprobe.engine.load_time"] = m.engine.load_time  # Ollama load_duration
         if spec is not None:
             optional["tokenprobe.engine.spec_decode.draft_tokens"] = spec.draft_tokens
             optional["tokenprobe.engine.spec_decode.accepted_tokens"] = spec.accepted_tokens
             optional["tokenprobe.engine.spec_decode.mean_acceptance_length"] = (
                 spec.mean_acceptance_length
             )
+    if current:
+        optional["gen_ai.response.time_to_first_chunk"] = m.ttft if m.stream else None
+        optional["gen_ai.usage.reasoning.output_tokens"] = semconv.reasoning_tokens(m)
     attributes.update((k, v) for k, v in optional.items() if v is not None)
     if m.finish_reason != NONE_LABEL:
-        attributes["gen_ai.response.finish_reasons"] = (m.finish_reason,)
+        cut = current and m.error_type is not None  # cancelled or unfinished after a finish
+        attributes["gen_ai.response.finish_reasons"] = (
+            (m.finish_reason, "error") if cut else (m.finish_reason,)
+        )
         if m.raw_finish_reason is not None and m.raw_finish_reason != m.finish_reason:
             attributes["tokenprobe.raw_finish_reason"] = m.raw_finish_reason
     elif m.error_type is not None:
@@ -230,6 +243,7 @@ def tracing_from_env(
         sampler=_sampler(env),
         service_name=otel_env.service_name(env),
         trace_content=trace_content,
+        names=semconv.names_from_env(env),
     )
 
 

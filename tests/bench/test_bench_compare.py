@@ -173,6 +173,21 @@ def test_shares_change_in_points_and_goodput_follows_the_slo() -> None:
     assert result["ttft_p50"].verdict == "worse" and result["ttft_p95"].low is not None
 
 
+def test_attainment_is_compared_in_points_of_the_share_that_met_every_target() -> None:
+    from proxy.bench.significance import compare, rows
+
+    slo = {"ttft": 0.15}
+    base = rows(_records(200, 0.1), slo)  # every request within 0.15 s
+    # 100 of 200 fail: the other 100 are within the target, so half met it.
+    half = rows(_records(200, 0.1, failed=100), slo)
+    result = compare(base, 10.0, half, 10.0, has_slo=True, rounds=300)["attainment"]
+    assert (result.base, result.value) == (1.0, 0.5)
+    assert result.change == pytest.approx(-0.5) and result.verdict == "worse"
+    no_slo = compare(rows(_records(50, 0.1), {}), 5.0, rows(_records(50, 0.1), {}), 5.0,
+                     has_slo=False, rounds=50)  # fmt: skip
+    assert no_slo["attainment"].verdict == "n/a" and no_slo["attainment"].base is None
+
+
 def test_a_p95_gets_no_interval_from_fewer_than_100_requests() -> None:
     from proxy.bench.significance import compare, rows
 

@@ -256,6 +256,7 @@ CASES = {
             content_events=2,
             error_type=ErrorType.STREAM_TRUNCATED,
             error_message="stream ended without [DONE] or finish_reason",
+            malformed_events=1,  # the half event, dispatched at the end, is no JSON
         ),
     ),
 }

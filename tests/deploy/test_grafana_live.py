@@ -126,6 +126,10 @@ class ContractExporter:
         self.passthrough = counter("tokenprobe_passthrough_requests", ["route", "code"])
         self.audio = counter("tokenprobe_audio_input_seconds", me)
         self.ws_sessions = counter("tokenprobe_websocket_sessions", ["route", "outcome"])
+        # serve --slo (proxy/sinks/slo.py): a verdict per judged request.
+        self.slo = counter("tokenprobe_slo_requests", [*me, "result"])
+        self.slo_cancelled = counter("tokenprobe_slo_cancelled_requests", me)
+        self.goodput = counter("tokenprobe_goodput_tokens", me)
         prices = {m: {"input": 0.5, "cached_input": 0.25, "output": 1.5} for m in MODELS}
         self.cost = CostSink(parse_prices({"models": prices}), r)
         # Where the first token's time goes, speculative decoding, cancelled work, overhead.
@@ -222,6 +226,13 @@ class ContractExporter:
         self.overhead.labels(**labels).observe(rng.uniform(0.0001, 0.002))
         self.loop_lag.observe(rng.uniform(0.0, 0.003))
         if error_type == "client_cancelled":
+            self.slo_cancelled.labels(**labels).inc()
+        else:
+            result = (
+                "error" if error_type != "none" else ("met", "met", "met", "ttft", "tpot")[n % 5]
+            )
+            self.slo.labels(**labels, result=result).inc()
+        if error_type == "client_cancelled":
             self.cancelled_prompt.labels(**labels, source="tokenizer").inc(rng.randint(10, 400))
             self.cancelled_output.labels(**labels, source="chunks").inc(rng.randint(1, 40))
         if error_type not in ("none", "stream_error", "stream_truncated", "client_cancelled"):
@@ -260,6 +271,7 @@ class ContractExporter:
         source = ("usage", "tokenizer", "chunks")[n % 3]
         self.prompt_total.labels(**labels, source=source).inc(prompt)
         self.generation_total.labels(**labels, source=source).inc(output)
+        self.goodput.labels(**labels).inc(output // 2)
         self.cached_total.labels(**labels).inc(cached)
         self.cost.record(
             _measurement(model, endpoint, prompt, output, cached, e2e, finish_reason), Labels(model)
@@ -582,6 +594,8 @@ def proxy_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus
                 FIRST_BYTE_TIMEOUT,
                 "--access-log",
                 "off",
+                "--slo",  # the SLO row: the simulator's 10 ms TTFT meets it, errors do not
+                "ttft=1,tpot=0.05",
                 "--conversation-idle",  # conversations end between the traffic rounds
                 "1",
             )

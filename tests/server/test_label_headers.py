@@ -80,7 +80,7 @@ def test_300_team_values_stay_bounded_everywhere(
 
             def all_counted(exports: list[Any]) -> bool:
                 found = points(exports[-1]) if exports else []
-                done = sum(p.count for p in found if p.metric == "gen_ai.client.operation.duration")
+                done = sum(p.count for p in found if p.metric == "gen_ai.client.inference.duration")
                 return done >= 301
 
             exports = receiver.metrics.wait_for(all_counted)
@@ -94,7 +94,7 @@ def test_300_team_values_stay_bounded_everywhere(
     assert {s["team"] for s in latency} == expected
     assert len(requests) == len(expected)  # one model, endpoint, status, finish reason
     found = points(exports[-1])
-    duration = [p for p in found if p.metric == "gen_ai.client.operation.duration"]
+    duration = [p for p in found if p.metric == "gen_ai.client.inference.duration"]
     assert {p.attributes["team"] for p in duration} == expected
     by_team = {p.attributes["team"]: p.count for p in duration}
     assert by_team["other"] == sum(1 for t in teams if t not in first)

@@ -506,3 +506,34 @@ def test_page_shows_the_real_time_factor_once_realtime_sessions_run(
     finally:
         proxy.terminate()
         proxy.wait(10)
+
+
+def test_page_shows_slo_attainment_as_promql_reads_the_counters(
+    sim: Running, start_proxy: Callable[..., ProxyUnderTest], open_page: Callable[[str], Page]
+) -> None:
+    proxy = start_proxy(sim.url, slo="ttft=0.25")
+    with httpx.Client(base_url=proxy.url, timeout=10) as client:
+        page = open_page(proxy.url + "/ui?interval=300")
+        page.wait_for_scrapes(1)
+        before = client.get("/metrics").text
+        page.wait_for_scrapes(page.scrapes() + 1)
+        for ttft in ("0", "0", "0", "0.6", "0.6"):  # three within 0.25 s, two far beyond
+            client.post(
+                CHAT, json=_chat(), headers={"x-sim-ttft": ttft, "x-sim-output-tokens": "4"}
+            )
+        client.post(CHAT, json=_chat(), headers={"x-sim-error": "rate_limit"})  # an error: a miss
+        proxy.wait_records(6, timeout=10)
+        now = client.get("/metrics").text
+        page.wait_for_scrapes(page.scrapes() + 2)
+
+    old, new = _samples(before), _samples(now)
+    judged = met = 0.0
+    for (name, labels), value in new.items():
+        if name == "tokenprobe_slo_requests_total":
+            delta = _increase(old.get((name, labels)), value)
+            judged += delta
+            met += delta if dict(labels)["result"] == "met" else 0.0
+    assert (met, judged) == (3, 6)
+    assert page.stat("slo_attainment") == pytest.approx(100 * met / judged)
+    assert page.page.query_selector("#chart-slo canvas") is not None
+    assert page.errors == []

@@ -30,12 +30,29 @@ from tests.otlp_receiver import (
 from tests.servers import free_port, serve, spawn, stop, wait_http
 
 SECRET = "sk-secret-do-not-export-4242"
-GENAI = (
+#: The duration, first-chunk and per-chunk histograms of each name set (proxy/sinks/
+#: semconv.py): the current names by default, the previous ones with the switch.
+CURRENT = (
+    "gen_ai.client.inference.duration",
+    "gen_ai.client.inference.time_to_first_chunk",
+    "gen_ai.client.inference.time_per_output_chunk",
+)
+PREVIOUS = (
     "gen_ai.client.operation.duration",
-    "gen_ai.client.token.usage",
     "gen_ai.client.operation.time_to_first_chunk",
     "gen_ai.client.operation.time_per_output_chunk",
 )
+GENAI = CURRENT
+SWITCH = {"current": {}, "previous": {"OTEL_SEMCONV_STABILITY_OPT_IN": "gen_ai_previous"}}
+
+
+def tokens(found: list[ReceivedPoint], kind: str) -> float:
+    """Input or output tokens as whichever name set arrived counts them: the current
+    counters (gen_ai.client.inference.usage.*), else the previous histogram's sum."""
+    current = f"gen_ai.client.inference.usage.{kind}_tokens"
+    if any(p.metric == current for p in found):
+        return total(found, current, "sum")
+    return total(found, "gen_ai.client.token.usage", "sum", **{"gen_ai.token.type": kind})
 
 
 @contextmanager
@@ -101,28 +118,26 @@ def total(found: list[ReceivedPoint], metric: str, field: str = "count", **attrs
     )
 
 
-def wait_for_requests(exports: MetricExports, n: int) -> list[ReceivedPoint]:
+def wait_for_requests(
+    exports: MetricExports, n: int, duration: str = GENAI[0]
+) -> list[ReceivedPoint]:
     def arrived(requests: list[Any]) -> bool:
-        return bool(requests) and total(points(requests[-1]), GENAI[0]) >= n
+        return bool(requests) and total(points(requests[-1]), duration) >= n
 
     return latest(exports.wait_for(arrived))
 
 
-def check_against_prometheus(found: list[ReceivedPoint], prom: dict[str, float]) -> None:
-    duration, usage, ttft, chunk = GENAI
+def check_against_prometheus(
+    found: list[ReceivedPoint], prom: dict[str, float], genai: tuple[str, ...] = GENAI
+) -> None:
+    duration, ttft, chunk = genai
     assert total(found, duration) == prom["tokenprobe_e2e_request_latency_seconds_count"] == 6
     assert total(found, duration, "sum") == pytest.approx(
         prom["tokenprobe_e2e_request_latency_seconds_sum"], abs=1e-6
     )
     # Token totals exactly.
-    assert (
-        total(found, usage, "sum", **{"gen_ai.token.type": "input"})
-        == prom["tokenprobe_prompt_tokens_total"]
-    )
-    assert (
-        total(found, usage, "sum", **{"gen_ai.token.type": "output"})
-        == prom["tokenprobe_generation_tokens_total"]
-    )
+    assert tokens(found, "input") == prom["tokenprobe_prompt_tokens_total"]
+    assert tokens(found, "output") == prom["tokenprobe_generation_tokens_total"]
     assert prom["tokenprobe_generation_tokens_total"] > 0
     # TTFT: the four streams, to the microsecond.
     assert total(found, ttft) == prom["tokenprobe_time_to_first_token_seconds_count"] == 4
@@ -143,22 +158,45 @@ def check_against_prometheus(found: list[ReceivedPoint], prom: dict[str, float])
         assert total(found, otlp, "sum") == pytest.approx(prom[prometheus + "_sum"], abs=1e-6)
 
 
-def check_conventions(found: list[ReceivedPoint], sim: Running) -> None:
-    duration, usage, ttft, _ = GENAI
+def check_conventions(
+    found: list[ReceivedPoint], sim: Running, genai: tuple[str, ...] = GENAI
+) -> None:
+    duration, ttft, _ = genai
+    previous = genai == PREVIOUS
+    # Only the names of the set asked for arrive.
+    other = ("gen_ai.client.inference.",) if previous else ("gen_ai.client.operation.",
+                                                            "gen_ai.client.token.")  # fmt: skip
+    assert not [p.metric for p in found if p.metric.startswith(other)]
+    usage = "gen_ai.client.token.usage"
+    histograms = {*genai, usage} if previous else {
+        *genai, "gen_ai.client.inference.operation.input_tokens",
+        "gen_ai.client.inference.operation.output_tokens",
+    }  # fmt: skip
+    counters = set() if previous else {
+        "gen_ai.client.inference.usage.input_tokens",
+        "gen_ai.client.inference.usage.output_tokens",
+    }  # fmt: skip
+    assert histograms | counters <= {p.metric for p in found}
     sim_port = int(sim.url.rsplit(":", 1)[1])
     for p in found:
-        if p.metric in GENAI:
-            assert p.kind == "histogram" and p.temporality == 2  # cumulative, the default
-            assert p.unit == ("{token}" if p.metric == usage else "s")
-            bounds = TOKEN_BUCKETS if p.metric == usage else DURATION_BUCKETS
-            assert p.explicit_bounds == bounds
-            assert len(p.bucket_counts) == len(bounds) + 1
-            assert sum(p.bucket_counts) == p.count
+        if p.metric in histograms | counters:
+            assert p.temporality == 2  # cumulative, the default
+            assert p.unit == ("s" if p.metric in genai else "{token}")
             assert p.attributes["gen_ai.provider.name"] == "openai"
+            assert p.attributes["gen_ai.operation.name"] in ("chat", "text_completion")
             assert p.attributes["server.address"] == "127.0.0.1"
             assert p.attributes["server.port"] == sim_port
             assert p.resource["service.name"] == "tokenprobe"
             assert p.resource["service.instance.id"]
+        if p.metric in histograms:
+            assert p.kind == "histogram"
+            bounds = DURATION_BUCKETS if p.metric in genai else TOKEN_BUCKETS
+            assert p.explicit_bounds == bounds
+            assert len(p.bucket_counts) == len(bounds) + 1
+            assert sum(p.bucket_counts) == p.count
+        if p.metric in counters:  # the conventions require the modality on every point
+            assert p.kind == "sum" and p.monotonic
+            assert p.attributes["gen_ai.token.modality"] == "unknown"
     assert DURATION_BUCKETS == (
         0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92,
     )  # fmt: skip
@@ -170,26 +208,30 @@ def check_conventions(found: list[ReceivedPoint], sim: Running) -> None:
     (failed,) = [p for p in found if p.metric == duration and "error.type" in p.attributes]
     assert failed.attributes["error.type"] == "not_found"
     assert failed.attributes["gen_ai.request.model"] == "other"  # bounded like the label
-    assert {p.attributes["gen_ai.token.type"] for p in found if p.metric == usage} == {
-        "input",
-        "output",
-    }
+    if previous:
+        assert {p.attributes["gen_ai.token.type"] for p in found if p.metric == usage} == {
+            "input",
+            "output",
+        }
     assert total(found, ttft, **{"gen_ai.operation.name": "text_completion"}) == 1
 
 
-def test_genai_metrics_over_otlp_http_match_prometheus(sim: Running) -> None:
+@pytest.mark.parametrize("names", SWITCH)
+def test_genai_metrics_over_otlp_http_match_prometheus(sim: Running, names: str) -> None:
+    genai = CURRENT if names == "current" else PREVIOUS
     receiver = OtlpReceiver()
     with serve(receiver) as collector:
         env = {
             "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": collector.url + "/v1/metrics",
             "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "http/protobuf",
+            **SWITCH[names],
         }
         with tokenprobe(sim.url, env) as base:
             send_requests(base)
             prom = scrape(base)
-            found = wait_for_requests(receiver.metrics, 6)
-    check_against_prometheus(found, prom)
-    check_conventions(found, sim)
+            found = wait_for_requests(receiver.metrics, 6, genai[0])
+    check_against_prometheus(found, prom, genai)
+    check_conventions(found, sim, genai)
     assert receiver.spans == []  # metrics only: traces stay off without their variables
     raw = b"".join(receiver.metrics.raw)
     assert SECRET.encode() not in raw and b"Bearer" not in raw
@@ -317,10 +359,8 @@ def test_each_worker_exports_its_own_series_under_its_own_instance_id(
     assert len(newest) == 2, f"{sent} requests all went to one worker"
     assert sum(total(p, GENAI[0]) for p in newest.values()) == sent
     assert prom["tokenprobe_e2e_request_latency_seconds_count"] == sent
-    tokens = sum(
-        total(p, GENAI[1], "sum", **{"gen_ai.token.type": "output"}) for p in newest.values()
-    )
-    assert tokens == prom["tokenprobe_generation_tokens_total"] == 2 * sent
+    output = sum(tokens(p, "output") for p in newest.values())
+    assert output == prom["tokenprobe_generation_tokens_total"] == 2 * sent
 
 
 def test_what_is_left_is_exported_when_the_proxy_stops(sim: Running) -> None:

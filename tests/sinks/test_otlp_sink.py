@@ -28,6 +28,7 @@ from proxy.sinks.otlp import (
     metric_export_failures,
     otlp_metrics_from_env,
 )
+from proxy.sinks.semconv import Names, names_from_env
 from proxy.sinks.sink import Labels
 from tests.factories import measurement
 
@@ -89,16 +90,28 @@ def records() -> Sequence[Any]:
     ]
 
 
-def test_buckets_counts_and_sums_equal_prometheus_for_the_same_records() -> None:
+#: Each name set (proxy/sinks/semconv.py): the switch, its duration, per-chunk and
+#: first-chunk histograms.
+NAME_SETS = {
+    "current": (Names(), "gen_ai.client.inference"),
+    "previous": (Names(current=False, previous=True), "gen_ai.client.operation"),
+}
+
+
+@pytest.mark.parametrize("name_set", NAME_SETS)
+def test_buckets_counts_and_sums_equal_prometheus_for_the_same_records(name_set: str) -> None:
+    names, prefix = NAME_SETS[name_set]
     registry = CollectorRegistry()
     prom = Metrics(registry)
     exporter = Collecting()
-    otlp = sink(exporter, registry)
+    otlp = sink(exporter, registry, names=names)
     for m in records():
         prom.record(m, Labels("sim-model"))
         otlp.record(m, Labels("sim-model"))
     metrics = by_name(otlp.collect())  # type: ignore[arg-type]
-    duration = metrics["gen_ai.client.operation.duration"]
+    other = NAME_SETS["previous" if name_set == "current" else "current"][1]
+    assert not any(name.startswith(other) for name in metrics)  # one set, not both
+    duration = metrics[f"{prefix}.duration"]
     assert duration.unit == "s"
     points = duration.data.data_points
     assert sum(p.count for p in points) == 4
@@ -115,7 +128,7 @@ def test_buckets_counts_and_sums_equal_prometheus_for_the_same_records() -> None
     assert list(ok[0].explicit_bounds) == list(DURATION_BUCKETS)
     counts = [sum(c) for c in zip(*(p.bucket_counts for p in points), strict=True)]
     assert counts[3] == 1 and counts[13] == 1  # 0.08 in (0.04, 0.08], 81.92 in (40.96, 81.92]
-    chunks = metrics["gen_ai.client.operation.time_per_output_chunk"].data.data_points
+    chunks = metrics[f"{prefix}.time_per_output_chunk"].data.data_points
     itl = {"model": "sim-model", "endpoint": "/v1/chat/completions"}
     assert sum(p.count for p in chunks) == registry.get_sample_value(
         "tokenprobe_inter_token_latency_seconds_count", itl
@@ -123,11 +136,33 @@ def test_buckets_counts_and_sums_equal_prometheus_for_the_same_records() -> None
     (chunk_point,) = [p for p in chunks if p.count == 4]
     assert list(chunk_point.bucket_counts[:3]) == [3, 1, 0]  # 0.0, 0.01, 0.01 | 0.02
     assert (chunk_point.min, chunk_point.max) == (0.0, 0.02)
-    ttft = metrics["gen_ai.client.operation.time_to_first_chunk"].data.data_points
+    ttft = metrics[f"{prefix}.time_to_first_chunk"].data.data_points
     assert sum(p.bucket_counts[-1] for p in ttft) == 1  # 100 s: the overflow bucket
-    usage = metrics["gen_ai.client.token.usage"].data.data_points
-    out = [p for p in usage if p.attributes["gen_ai.token.type"] == "output"]
-    assert sum(p.sum for p in out) == 16 * 3  # the failure reported none
+    output = registry.get_sample_value(
+        "tokenprobe_generation_tokens_total",
+        {"model": "sim-model", "endpoint": "/v1/chat/completions", "source": "usage"},
+    )
+    assert output == 16 * 3  # the failure reported none
+    if name_set == "previous":
+        usage = metrics["gen_ai.client.token.usage"].data.data_points
+        out = [p for p in usage if p.attributes["gen_ai.token.type"] == "output"]
+        assert sum(p.sum for p in out) == output
+    else:
+        counter = metrics["gen_ai.client.inference.usage.output_tokens"].data
+        assert counter.is_monotonic and sum(p.value for p in counter.data_points) == output
+        # Every request counted, the failure with 0; tokens not split by modality.
+        assert {p.attributes["gen_ai.token.modality"] for p in counter.data_points} == {"unknown"}
+        per_request = metrics["gen_ai.client.inference.operation.output_tokens"].data.data_points
+        assert sum(p.count for p in per_request) == 3 and sum(p.sum for p in per_request) == output
+        assert "gen_ai.token.modality" not in per_request[0].attributes
+        inputs = metrics["gen_ai.client.inference.usage.input_tokens"].data.data_points
+        assert sum(p.value for p in inputs) == 12 * 4
+        (timed_out,) = [
+            p
+            for p in metrics["gen_ai.client.inference.operation.input_tokens"].data.data_points
+            if "error.type" in p.attributes
+        ]
+        assert timed_out.attributes["error.type"] == "upstream_timeout"
     requests = metrics["tokenprobe.requests"].data
     assert requests.is_monotonic and sum(p.value for p in requests.data_points) == 4
     for p in points:
@@ -139,13 +174,13 @@ def test_delta_temporality_starts_each_interval_from_zero() -> None:
     otlp = sink(Collecting(), registry, delta=True)
     otlp.record(measurement(), Labels("sim-model"))
     first = by_name(otlp.collect())  # type: ignore[arg-type]
-    duration = first["gen_ai.client.operation.duration"].data
+    duration = first["gen_ai.client.inference.duration"].data
     assert duration.aggregation_temporality is AggregationTemporality.DELTA
     assert otlp.collect() is None  # nothing new
     otlp.record(measurement(), Labels("sim-model"))
     otlp.record(measurement(), Labels("sim-model"))
     second = by_name(otlp.collect())  # type: ignore[arg-type]
-    (point,) = second["gen_ai.client.operation.duration"].data.data_points
+    (point,) = second["gen_ai.client.inference.duration"].data.data_points
     assert point.count == 2
     assert point.start_time_unix_nano >= duration.data_points[0].time_unix_nano
 
@@ -179,7 +214,7 @@ def test_cost_in_flight_and_attribution_attributes() -> None:
     assert spend == {"input": 1.0, "output": 16 * 2 / 1e6}
     (flying,) = metrics["tokenprobe.requests.in_flight"].data.data_points
     assert flying.value == 1 and not metrics["tokenprobe.requests.in_flight"].data.is_monotonic
-    for name in ("gen_ai.client.operation.duration", "tokenprobe.requests"):
+    for name in ("gen_ai.client.inference.duration", "tokenprobe.requests"):
         assert {p.attributes["team"] for p in metrics[name].data.data_points} == {"red"}
 
 
@@ -219,3 +254,53 @@ def test_the_variables_choose_protocol_endpoint_and_temporality() -> None:
             registry=CollectorRegistry(),
             models=ModelLabels(),
         )
+
+
+@pytest.mark.parametrize(
+    ("value", "current", "previous"),
+    [
+        ("", True, False),
+        ("gen_ai_latest_experimental", True, False),
+        ("http/dup, gen_ai_previous", False, True),
+        ("gen_ai_previous/dup", True, True),
+        ("gen_ai_previous,gen_ai_latest_experimental", True, True),
+        ("database", True, False),  # another signal's switch changes nothing here
+    ],
+)
+def test_the_stability_switch_picks_the_name_sets(
+    value: str, current: bool, previous: bool
+) -> None:
+    names = names_from_env({"OTEL_SEMCONV_STABILITY_OPT_IN": value})
+    assert (names.current, names.previous) == (current, previous)
+
+
+def test_both_name_sets_at_once_each_carry_every_request() -> None:
+    otlp = sink(Collecting(), CollectorRegistry(), names=Names(current=True, previous=True))
+    for m in records():
+        otlp.record(m, Labels("sim-model"))
+    metrics = by_name(otlp.collect())  # type: ignore[arg-type]
+    for name in ("gen_ai.client.inference.duration", "gen_ai.client.operation.duration"):
+        assert sum(p.count for p in metrics[name].data.data_points) == 4
+    assert "gen_ai.client.token.usage" in metrics
+    assert "gen_ai.client.inference.usage.input_tokens" in metrics
+
+
+def test_reasoning_tokens_are_counted_once_the_record_carries_them() -> None:
+    from dataclasses import dataclass, fields
+
+    from proxy.core.measurement import Measurement
+
+    @dataclass(frozen=True, slots=True)
+    class WithReasoning(Measurement):  # the field the reasoning work adds to the record
+        reasoning_tokens: int | None = None
+
+    base = measurement()
+    later = WithReasoning(
+        **{f.name: getattr(base, f.name) for f in fields(Measurement)}, reasoning_tokens=9
+    )
+    otlp = sink(Collecting(), CollectorRegistry())
+    otlp.record(later, Labels("sim-model"))
+    otlp.record(base, Labels("sim-model"))  # no such field: nothing counted for it
+    metrics = by_name(otlp.collect())  # type: ignore[arg-type]
+    (point,) = metrics["gen_ai.client.inference.usage.reasoning.output_tokens"].data.data_points
+    assert point.value == 9 and point.attributes["gen_ai.token.modality"] == "unknown"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement
 from proxy.core.request import CHAT, COMPLETIONS, RequestInfo
 from proxy.settings import SettingsError
+from proxy.sinks.semconv import Names
 from proxy.sinks.span_export import CountingBatchProcessor, export_failures
 from proxy.sinks.tracing import Tracing, tracing_from_env
 from tests.factories import measurement
@@ -130,11 +132,20 @@ def test_operation_and_provider_come_from_the_api(
     assert attributes["tokenprobe.raw_finish_reason"] == "max_tokens"
 
 
+#: The attributes the current conventions (semantic-conventions-genai ac48b1f9,
+#: client-inference.md) added since the previous names, for the default record.
+CURRENT_ONLY = {"gen_ai.response.time_to_first_chunk": 0.050}
+
+
+@pytest.mark.parametrize("previous", [False, True], ids=["current", "previous"])
 def test_attributes_follow_the_genai_conventions(
-    tracing: Tracing, exporter: InMemorySpanExporter
+    exporter: InMemorySpanExporter, previous: bool
 ) -> None:
+    names = Names(current=not previous, previous=previous)
+    tracing = Tracing([SimpleSpanProcessor(exporter)], upstream=UPSTREAM, names=names)
     span, _, _ = traced(tracing, exporter)
-    assert dict(span.attributes or {}) == {
+    tracing.shutdown()
+    assert dict(span.attributes or {}) == ({} if previous else CURRENT_ONLY) | {
         "gen_ai.operation.name": "chat",
         "gen_ai.provider.name": "openai",
         "gen_ai.request.model": "sim-model",
@@ -159,6 +170,34 @@ def test_attributes_follow_the_genai_conventions(
         "tokenprobe.token_source": "usage",
     }
     assert span.status.status_code is StatusCode.UNSET
+
+
+@dataclass(frozen=True, slots=True)
+class Later(Measurement):
+    """The record with the field the reasoning work adds: proxy/sinks/semconv.py reads it
+    where it exists."""
+
+    reasoning_tokens: int | None = None
+
+
+def test_reasoning_tokens_come_from_the_record_once_it_has_them(
+    tracing: Tracing, exporter: InMemorySpanExporter
+) -> None:
+    later = Later(**{f.name: getattr(record(), f.name) for f in fields(Measurement)},
+                  reasoning_tokens=7)  # fmt: skip
+    span, _, _ = traced(tracing, exporter, measurement=later)
+    assert (span.attributes or {})["gen_ai.usage.reasoning.output_tokens"] == 7
+    exporter.clear()
+    plain, _, _ = traced(tracing, exporter)
+    assert "gen_ai.usage.reasoning.output_tokens" not in (plain.attributes or {})
+
+
+def test_a_stream_cut_short_after_a_finish_reason_reports_error_among_them(
+    tracing: Tracing, exporter: InMemorySpanExporter
+) -> None:
+    cut = record(error_type=ErrorType.CLIENT_CANCELLED, finish_reason="stop")
+    span, _, _ = traced(tracing, exporter, measurement=cut)
+    assert (span.attributes or {})["gen_ai.response.finish_reasons"] == ("stop", "error")
 
 
 def test_non_streaming_request_has_no_stream_attribute(

@@ -267,6 +267,7 @@ class WireRequest:
         "query",
         "raw_path",
         "refused",
+        "resend",
         "response_complete",
         "size",
         "start",
@@ -304,6 +305,7 @@ class WireRequest:
         self.size = 0
         self.exchange: MeasuredExchange | None = None
         self.upstream: UpstreamConnection | None = None
+        self.resend = b""  # the request, while it went out on a reused connection unanswered
         self.stripper: UsageEventStripper | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.first_byte: asyncio.TimerHandle | None = None
@@ -386,7 +388,9 @@ class WireRequest:
         self.body = []
         info = None
         if self.api is not None:
-            info, body, self.stripper = admit(self.api, body, context.settings)
+            info, body, self.stripper = admit(
+                self.api, body, context.settings, context.backend.kind
+            )
         exchange = self.exchange = MeasuredExchange(
             context, self.path, self.headers, info, self.start, self.started_at, read
         )
@@ -406,12 +410,16 @@ class WireRequest:
         )
         conn = wire.pool.take()
         if conn is not None:
+            self.resend = head
             self._on_upstream(conn, head)
         else:
-            connecting = wire.connecting  # a reference, or the loop may drop the task
-            task = loop.create_task(self._connect(head))
-            connecting.add(task)
-            task.add_done_callback(connecting.discard)
+            self._connect_soon(head)
+
+    def _connect_soon(self, head: bytes) -> None:
+        connecting = self.wire.connecting  # a reference, or the loop may drop the task
+        task = self.proto.loop.create_task(self._connect(head))
+        connecting.add(task)
+        task.add_done_callback(connecting.discard)
 
     async def _connect(self, head: bytes) -> None:
         try:
@@ -433,6 +441,7 @@ class WireRequest:
     # -- the response (called by the upstream connection) -----------------------------
 
     def response_head(self, status: int, headers: Headers, now: float) -> None:
+        self.resend = b""
         conn, exchange = self.upstream, self.exchange
         assert conn is not None and exchange is not None
         if self.first_byte is not None:
@@ -488,6 +497,15 @@ class WireRequest:
         self._done(None)
 
     def upstream_lost(self, exc: Exception | None) -> None:
+        conn, head = self.upstream, self.resend
+        if conn is not None and head and exc is None and not conn.answered:
+            # The backend closed a kept-alive connection as the request went out on it,
+            # before a byte of answer: it closed an idle connection and never took the
+            # request (llama.cpp's server closes after every stream though its head says
+            # Keep-Alive: docs/llamacpp.md). The request goes once more, on a new one.
+            self.upstream, self.resend = None, b""
+            self._connect_soon(head)
+            return
         """The upstream closed the connection: the end of a body read to the close, or a break."""
         conn = self.upstream
         if conn is not None and not conn.in_head and _reads_to_close(conn):

@@ -102,6 +102,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def start(self, request: WireRequest, head: bytes) -> None:
         self.request, self.headers, self.in_head, self.interim = request, [], True, False
+        self.now = 0.0  # until a byte of this request's answer arrives (`answered`)
         self.transport.write(head)
 
     # -- the hot path: one callback per upstream read ---------------------------------
@@ -180,6 +181,11 @@ class UpstreamConnection(asyncio.Protocol):
             self.request.upstream_lost(exc)
 
     # -- the request's side -----------------------------------------------------------
+
+    @property
+    def answered(self) -> bool:
+        """A byte of the current request's answer arrived (`now` is its read's time)."""
+        return self.now != 0.0
 
     def pause(self) -> None:
         if not self.paused and not self.lost:

@@ -49,6 +49,7 @@
   };
   const rate = (p, n) => (p.seconds > 0 ? n / p.seconds : NaN);
   const q = (p, hist, quant) => Prom.quantile(p, hist, quant);
+  const attainment = (p) => (p.sloJudged > 0 ? (100 * p.sloMet) / p.sloJudged : NaN);
 
   // Each chart: what it shows and, in one line, from which instant to which it measures.
   const CHARTS = [
@@ -77,8 +78,14 @@
     },
     {
       id: "throughput", title: "Aggregate output tokens/s", unit: "tokens/s",
-      caption: "Output tokens of all requests that ended in the window, per second of the window (counted when each request ends, so long streams land at their end).",
-      lines: [["output tokens/s", (p) => rate(p, p.outputTokens)]],
+      caption: "Output tokens of all requests that ended in the window, per second of the window (counted when each request ends, so long streams land at their end). Goodput (with --slo): those of requests that met every target.",
+      lines: [["output tokens/s", (p) => rate(p, p.outputTokens)], ["goodput tokens/s", (p) => (p.slo ? rate(p, p.goodputTokens) : NaN)]],
+    },
+    {
+      id: "slo", title: "SLO attainment", unit: "%", onlyIf: (p) => p.slo,
+      absent: "No SLO targets: start the proxy with --slo (e.g. ttft=2,tpot=0.05) or --slo-file to see attainment.",
+      caption: "Of the generative requests that ended in the window and were judged against their model's targets (--slo, --slo-file), the share that met every one, each figure measured from the proxy receiving the request. Client cancellations are left out.",
+      lines: [["met every target", (p) => attainment(p)]],
     },
     {
       id: "requests", title: "Requests/s by outcome", unit: "req/s", stacked: true,
@@ -267,6 +274,7 @@
     ["ttft_queue", "TTFT queue", "%", (p) => share(p, "queue")],
     ["ttft_outside", "TTFT outside engine", "%", (p) => share(p, "outside")],
     ["cost_hour", "cost", "/h", (p) => (p.priced ? rate(p, p.cost) * 3600 : NaN)],
+    ["slo_attainment", "SLO met", "%", (p) => attainment(p)],
   ];
 
   function renderStats(p) {

@@ -154,6 +154,12 @@
       audioSeconds: 0, // audio received on /v1/realtime
       realtimeSeconds: 0, // e2e of its utterances
       speech: false,
+      // serve --slo: judged requests that ended in the window, those that met every
+      // target, and the met ones' output tokens (cancellations are not judged).
+      sloJudged: 0,
+      sloMet: 0,
+      goodputTokens: 0,
+      slo: false,
       inFlight: 0,
       // Where the first token's time went: seconds of each part over the streams whose
       // engine sent vLLM's per-request metrics, and how many streams those were.
@@ -171,6 +177,7 @@
       }
       if (name === "tokenprobe_cost_total") out.priced = true;
       if (name === "tokenprobe_audio_input_seconds_total") out.speech = true;
+      if (name === "tokenprobe_slo_requests_total") out.slo = true;
       if (!base) continue;
       const delta = increase(value, base.values.get(key));
       const hist = BY_BUCKET.get(name);
@@ -189,6 +196,11 @@
         out.outputTokens += delta;
       } else if (name === "tokenprobe_cost_total") {
         out.cost += delta;
+      } else if (name === "tokenprobe_slo_requests_total") {
+        out.sloJudged += delta;
+        if (s.labels.result === "met") out.sloMet += delta;
+      } else if (name === "tokenprobe_goodput_tokens_total") {
+        out.goodputTokens += delta;
       } else if (SPLIT[name] !== undefined && (s.labels.stream === undefined || s.labels.stream === "true")) {
         out.split[SPLIT[name]] += delta;
       } else if (name === "tokenprobe_audio_input_seconds_total") {

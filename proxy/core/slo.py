@@ -1,0 +1,174 @@
+"""Service-level objectives: whether one request kept the promise. One definition, read by
+`tokenprobe serve --slo` (live counters) and `tokenprobe bench --slo` (goodput), so a
+request the bench counts as good is the request the proxy counts as met.
+
+A target is a name, how to read its figure from a record, and a limit in seconds. Each
+finished request gets one verdict:
+
+  cancelled  the client went away first (`client_cancelled`): counted apart and left out
+             of attainment, as the bench leaves out the requests still in flight when a
+             run stops (guidellm does the same with requests cut off at the end)
+  error      any other failure: it kept no promise (guidellm counts errors as failing)
+  <target>   the first target, in TARGETS order, whose figure is above its limit
+  met        it succeeded and no figure is above its limit
+
+A figure a request does not have cannot miss its target: the TPOT of a one-token answer,
+the TTFT of a non-streamed one. Goodput (DistServe) is met requests per second; the
+proxy also counts their output tokens, so goodput tokens/s is a `rate()`.
+
+Targets come from `--slo ttft=0.5,tpot=0.05` (seconds), the same text on both sides, and
+for `serve` optionally per model from a file (`parse_slo_file`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from operator import attrgetter
+from typing import Any
+
+from proxy.core.measurement import Measurement
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    name: str  # what --slo takes, and the `result` label when it is missed
+    read: Callable[[Measurement], float | None]  # the figure of a record, in seconds
+    record_key: str  # the same figure in a saved bench record (a JSON object)
+    meaning: str
+
+
+#: Every target --slo accepts, in the order a miss is reported (the first one missed
+#: names the result). A new one is one row: the first-answer time, once the record has
+#: it, is `Target("ttfa", attrgetter("ttfa"), "ttfa", "...")`.
+TARGETS: tuple[Target, ...] = (
+    Target("ttft", attrgetter("ttft"), "ttft", "request received -> first content token"),
+    Target("tpot", attrgetter("tpot"), "tpot", "time per output token after the first"),
+    Target("e2e", attrgetter("e2e"), "e2e", "request received -> last byte"),
+)
+BY_NAME: Mapping[str, Target] = {t.name: t for t in TARGETS}
+NAMES = tuple(BY_NAME)
+
+MET = "met"
+ERROR = "error"
+CANCELLED = "cancelled"
+#: Every value of the `result` label, a closed set.
+RESULTS = (MET, *NAMES, ERROR)
+
+#: A parsed --slo: target name -> limit in seconds, in TARGETS order.
+Limits = Mapping[str, float]
+
+
+class SloError(ValueError):
+    """A malformed --slo or SLO file; the message says what and where."""
+
+
+def parse_slo(text: str, source: str = "--slo") -> dict[str, float]:
+    """'ttft=0.5,tpot=0.05' -> {"ttft": 0.5, "tpot": 0.05}; SloError naming `source`
+    (no name when it is "", for a caller that names the setting itself)."""
+    limits: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        limits.update(_limit(source, name.strip().lower() if sep else "", value, item))
+    return _ordered(limits)
+
+
+def _limit(source: str, name: str, value: Any, item: Any) -> dict[str, float]:
+    source = f"{source}: " if source else ""
+    if name not in BY_NAME:
+        raise SloError(
+            f"{source}expected NAME=SECONDS with NAME in {', '.join(NAMES)}, got {item!r}"
+        )
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise SloError(f"{source}{name} is not a number: {value!r}") from None
+    if not 0 < seconds < float("inf"):  # also refuses nan
+        raise SloError(f"{source}{name} must be a positive number of seconds, got {value!r}")
+    return {name: seconds}
+
+
+def _ordered(limits: Mapping[str, float]) -> dict[str, float]:
+    return {name: limits[name] for name in NAMES if name in limits}
+
+
+def format_slo(limits: Limits) -> str:
+    return ",".join(f"{name}={limits[name]:g}" for name in NAMES if name in limits)
+
+
+def verdict(m: Measurement, limits: Limits) -> str:
+    """One of CANCELLED, ERROR, a target's name (the first missed), MET."""
+    if m.error_type is not None:
+        return CANCELLED if m.cancelled else ERROR
+    for name, limit in limits.items():
+        value = BY_NAME[name].read(m)
+        if value is not None and value > limit:
+            return name
+    return MET
+
+
+def record_verdict(record: Mapping[str, Any], limits: Limits) -> str:
+    """The same verdict for a saved bench record (its JSON object)."""
+    error = record.get("error_type")
+    if error is not None:
+        return CANCELLED if error == "client_cancelled" else ERROR
+    for name, limit in limits.items():
+        value = record.get(BY_NAME[name].record_key)
+        if isinstance(value, int | float) and value > limit:
+            return name
+    return MET
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """The targets of each model: its own from the SLO file, else the default (--slo, or
+    the file's `default`). Looked up by the requested model name, never made a label."""
+
+    default: Mapping[str, float] = field(default_factory=dict)
+    models: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.default) or bool(self.models)
+
+    def limits(self, model: str) -> Limits:
+        return self.models.get(model, self.default)
+
+
+def parse_slo_file(data: Any, source: str) -> Policy:
+    """An SLO file's parsed YAML/JSON:
+
+        default: {ttft: 2, tpot: 0.025}      # optional; --slo gives it otherwise
+        models:
+          llama-3-70b: {ttft: 4, e2e: 60}    # this model's targets replace the default
+
+    Every value is seconds; a target may also be written as the --slo text
+    (`llama: "ttft=4,e2e=60"`). SloError naming the file and key for anything else."""
+    if not isinstance(data, dict):
+        raise SloError(f"{source}: expected a mapping with 'default' and/or 'models'")
+    unknown = sorted(str(k) for k in set(data) - {"default", "models"})
+    if unknown:
+        raise SloError(f"{source}: unknown key {unknown[0]!r} (expected default, models)")
+    default = _targets(data["default"], f"{source}: default") if "default" in data else {}
+    models = data.get("models", {})
+    if not isinstance(models, dict):
+        raise SloError(f"{source}: models: expected a mapping of model name to targets")
+    table: dict[str, dict[str, float]] = {}
+    for name, targets in models.items():
+        if not isinstance(name, str) or not name:
+            raise SloError(f"{source}: models: model names must be non-empty strings")
+        table[name] = _targets(targets, f"{source}: models.{name}")
+    return Policy(default, table)
+
+
+def _targets(value: Any, where: str) -> dict[str, float]:
+    if isinstance(value, str):
+        return parse_slo(value, where)
+    if not isinstance(value, dict):
+        raise SloError(f"{where}: expected targets like {{ttft: 0.5, tpot: 0.05}}")
+    limits: dict[str, float] = {}
+    for name, seconds in value.items():
+        key = str(name).lower()
+        limits.update(_limit(where, key, seconds, f"{name}: {seconds}"))
+    if not limits:
+        raise SloError(f"{where}: no targets")
+    return _ordered(limits)

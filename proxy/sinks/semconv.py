@@ -1,0 +1,76 @@
+"""Which GenAI semantic-convention names the OTLP metrics and the spans carry.
+
+The conventions are in Development and have renamed things twice this year, so both sets
+are pinned to commits of open-telemetry/semantic-conventions-genai:
+
+  current (the default)
+      docs/gen-ai/client-inference.md at ac48b1f9df15fdf281b96cccf15eb707e1fc1868:
+      span `gen_ai.client.inference`; gen_ai.client.inference.duration,
+      .time_to_first_chunk, .time_per_output_chunk;
+      docs/gen-ai/gen-ai-token-metrics.md at 27f82f09c4e797dda0832f0030e3bd3e747e4b9d
+      (model/gen-ai/token-metrics.yaml at 066d4a7f356f8600de6f10c42874626ab88692fb):
+      counters gen_ai.client.inference.usage.{input_tokens, output_tokens,
+      cache_read.input_tokens, reasoning.output_tokens} by gen_ai.token.modality and
+      histograms gen_ai.client.inference.operation.{input,output}_tokens
+  previous
+      commit 004902b8cb70aa5ae6ca4ae07132b7daabcd3e10 (docs/gen-ai/gen-ai-metrics.md):
+      gen_ai.client.operation.duration, .time_to_first_chunk, .time_per_output_chunk and
+      the gen_ai.client.token.usage histogram by gen_ai.token.type
+
+The switch is OpenTelemetry's own variable, read as the OpenTelemetry Python
+instrumentations read it (opentelemetry-python-contrib, opentelemetry-instrumentation/
+src/opentelemetry/instrumentation/_semconv.py: a comma-separated list, each item
+stripped; `X/dup` emits the old and the new names together and wins over `X`):
+
+  OTEL_SEMCONV_STABILITY_OPT_IN unset, or gen_ai_latest_experimental   current names
+  OTEL_SEMCONV_STABILITY_OPT_IN=gen_ai_previous                        previous names
+  OTEL_SEMCONV_STABILITY_OPT_IN=gen_ai_previous/dup                    both
+
+Current is the default, unlike the instrumentations' (which keep old names unless asked):
+tokenprobe has no installed base of instrumented applications to keep stable, and a
+collector pipeline built on the previous names keeps working by setting one variable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+OPT_IN = "OTEL_SEMCONV_STABILITY_OPT_IN"
+LATEST = "gen_ai_latest_experimental"
+PREVIOUS = "gen_ai_previous"
+BOTH = PREVIOUS + "/dup"
+
+CURRENT_COMMIT = "ac48b1f9df15fdf281b96cccf15eb707e1fc1868"
+PREVIOUS_COMMIT = "004902b8cb70aa5ae6ca4ae07132b7daabcd3e10"
+
+
+@dataclass(frozen=True, slots=True)
+class Names:
+    current: bool = True
+    previous: bool = False
+
+
+#: The default: the current names only.
+DEFAULT = Names()
+
+
+def names_from_env(env: Mapping[str, str]) -> Names:
+    items = {item.strip() for item in env.get(OPT_IN, "").split(",") if item.strip()}
+    if BOTH in items or (PREVIOUS in items and LATEST in items):
+        return Names(current=True, previous=True)
+    if PREVIOUS in items:
+        return Names(current=False, previous=True)
+    return DEFAULT
+
+
+def optional(record: Any, name: str) -> Any:
+    """A record field other parts of tokenprobe may add (None until they do): the one
+    place the OTLP metrics and the spans read `reasoning_tokens`."""
+    return getattr(record, name, None)
+
+
+def reasoning_tokens(record: Any) -> int | None:
+    value = optional(record, "reasoning_tokens")
+    return value if isinstance(value, int) else None

@@ -1,0 +1,87 @@
+"""proxy/core/slo.py: one verdict per request, the same for a live record and a saved one."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+import pytest
+
+from proxy.core import slo
+from proxy.core.measurement import ErrorType
+from tests.factories import measurement
+
+LIMITS = slo.parse_slo("ttft=0.5,tpot=0.05,e2e=10")
+
+
+@pytest.mark.parametrize(
+    ("figures", "expected"),
+    [
+        ({"ttft": 0.4, "tpot": 0.04, "e2e": 9.0}, "met"),
+        ({"ttft": 0.5, "tpot": 0.05, "e2e": 10.0}, "met"),  # at the limit is within it
+        ({"ttft": 0.6, "tpot": 0.06, "e2e": 11.0}, "ttft"),  # the first one missed names it
+        ({"ttft": 0.4, "tpot": 0.06, "e2e": 11.0}, "tpot"),
+        ({"ttft": 0.4, "tpot": 0.04, "e2e": 11.0}, "e2e"),
+        ({"ttft": None, "tpot": None, "e2e": 1.0}, "met"),  # a figure it lacks cannot miss
+        ({"error_type": ErrorType.UPSTREAM_ERROR}, "error"),
+        ({"error_type": ErrorType.CLIENT_CANCELLED, "ttft": 9.0}, "cancelled"),
+    ],
+)
+def test_a_record_and_its_saved_form_get_the_same_verdict(
+    figures: dict[str, Any], expected: str
+) -> None:
+    m = measurement(**figures)
+    saved = {k: (v.value if isinstance(v, ErrorType) else v) for k, v in asdict(m).items()}
+    assert slo.verdict(m, LIMITS) == expected
+    assert slo.record_verdict(saved, LIMITS) == expected
+
+
+def test_the_text_is_read_in_any_order_and_written_in_the_table_s_order() -> None:
+    assert slo.parse_slo(" E2E=30, ttft=2 ,") == {"ttft": 2.0, "e2e": 30.0}
+    assert slo.format_slo(slo.parse_slo("tpot=0.025,ttft=2")) == "ttft=2,tpot=0.025"
+    assert slo.parse_slo("") == {}
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("ttft", "expected NAME=SECONDS"),
+        ("latency=1", "expected NAME=SECONDS with NAME in ttft, tpot, e2e"),
+        ("ttft=fast", "ttft is not a number: 'fast'"),
+        ("ttft=0", "ttft must be a positive number of seconds, got .0."),
+        ("ttft=-1", "ttft must be a positive number"),
+        ("ttft=nan", "ttft must be a positive number"),
+        ("ttft=inf", "ttft must be a positive number"),
+    ],
+)
+def test_a_malformed_slo_is_refused_saying_why(text: str, says: str) -> None:
+    with pytest.raises(slo.SloError, match="^--slo: " + says.replace("(", r"\(")):
+        slo.parse_slo(text)
+
+
+def test_an_slo_file_gives_each_model_its_targets_and_the_rest_the_default() -> None:
+    policy = slo.parse_slo_file(
+        {"default": {"ttft": 2}, "models": {"big": {"TTFT": 4, "e2e": 60}, "small": "tpot=0.01"}},
+        "slo.yaml",
+    )
+    assert policy.limits("big") == {"ttft": 4.0, "e2e": 60.0}
+    assert policy.limits("small") == {"tpot": 0.01}
+    assert policy.limits("unlisted") == {"ttft": 2.0}
+
+
+@pytest.mark.parametrize(
+    ("data", "says"),
+    [
+        ([], "slo.yaml: expected a mapping"),
+        ({"model": {}}, "slo.yaml: unknown key 'model'"),
+        ({"models": ["a"]}, "slo.yaml: models: expected a mapping"),
+        ({"models": {"a": {"ttft": "soon"}}}, "slo.yaml: models.a: ttft is not a number"),
+        ({"models": {"a": {"latency": 1}}}, "slo.yaml: models.a: expected NAME=SECONDS"),
+        ({"models": {"a": {}}}, "slo.yaml: models.a: no targets"),
+        ({"models": {"a": 3}}, "slo.yaml: models.a: expected targets like"),
+        ({"default": {"e2e": -2}}, "slo.yaml: default: e2e must be a positive"),
+    ],
+)
+def test_a_malformed_slo_file_is_refused_naming_the_key(data: Any, says: str) -> None:
+    with pytest.raises(slo.SloError, match="^" + says):
+        slo.parse_slo_file(data, "slo.yaml")

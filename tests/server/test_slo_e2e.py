@@ -1,0 +1,175 @@
+"""`--slo` end to end: the simulator is told each request's latencies, the proxy judges
+them, and the share that met every target is the programmed share, per target, per model
+and per --label-header team. Latencies sit far from the limits (a met request's TTFT is
+~0, a missed one's 0.8 s against a 0.4 s limit), so a loaded machine cannot move them
+across."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from proxy.core.labels import MAX_MODELS
+from proxy.settings import SettingsError, parse
+from tests.conftest import ProxyUnderTest, Running
+from tests.servers import spawn, stop
+
+MODELS = ("fast", "slow")
+QUICK = {"x-sim-ttft": "0", "x-sim-tps": "5000"}
+LATE_FIRST_TOKEN = {"x-sim-ttft": "0.8", "x-sim-tps": "5000"}
+SLOW_TOKENS = {"x-sim-ttft": "0", "x-sim-tps": "10"}  # tpot 0.1 s > 0.04 s
+ERROR = {"x-sim-error": "500"}
+
+#: (model, team, headers, how many): 10 requests of team a, 4 met; 10 of team b, 7 met;
+#: the slow model has its own e2e target from the file: 5 of 6 miss it.
+PLAN = [
+    ("fast", "a", QUICK, 4),
+    ("fast", "a", LATE_FIRST_TOKEN, 3),
+    ("fast", "a", SLOW_TOKENS, 2),
+    ("fast", "a", ERROR, 1),
+    ("fast", "b", QUICK, 7),
+    ("fast", "b", LATE_FIRST_TOKEN, 1),
+    ("fast", "b", SLOW_TOKENS, 2),
+    ("slow", "a", QUICK, 1),
+    ("slow", "a", SLOW_TOKENS, 5),  # 4 tokens at 10/s: e2e >= 0.3 s > 0.25 s
+]
+
+
+async def _send(url: str) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+
+        async def one(model: str, team: str, headers: dict[str, str]) -> None:
+            body = {
+                "model": model,
+                "messages": [{"role": "user", "content": "hi"}],
+                "stream": True,
+                "max_tokens": 4,
+            }
+            async with client.stream(
+                "POST", "/v1/chat/completions", json=body, headers={"x-team": team, **headers}
+            ) as response:
+                await response.aread()
+
+        await asyncio.gather(*(one(m, t, h) for m, t, h, n in PLAN for _ in range(n)))
+
+
+def _results(proxy: ProxyUnderTest, model: str, team: str) -> dict[str, float]:
+    labels = {"model": model, "endpoint": "/v1/chat/completions", "team": team}
+    return {
+        r: proxy.sample("tokenprobe_slo_requests_total", **labels, result=r)
+        for r in ("met", "ttft", "tpot", "e2e", "error")
+    }
+
+
+def test_attainment_is_the_programmed_share_per_target_model_and_team(
+    start_sim: Callable[..., Running],
+    start_proxy: Callable[..., ProxyUnderTest],
+    tmp_path: Path,
+) -> None:
+    sim = start_sim(models=MODELS, output_tokens=4)
+    slo_file = tmp_path / "slo.yaml"
+    slo_file.write_text(yaml.safe_dump({"models": {"slow": {"e2e": 0.25}}}))
+    proxy = start_proxy(
+        sim.url,
+        model_allowlist=MODELS,
+        slo="ttft=0.4,tpot=0.04",
+        slo_file=str(slo_file),
+        label_header=("x-team=team",),
+    )
+    asyncio.run(_send(proxy.url))
+    proxy.wait_records(sum(n for *_, n in PLAN), timeout=20)
+
+    assert _results(proxy, "fast", "a") == {"met": 4, "ttft": 3, "tpot": 2, "e2e": 0, "error": 1}
+    assert _results(proxy, "fast", "b") == {"met": 7, "ttft": 1, "tpot": 2, "e2e": 0, "error": 0}
+    # The slow model's targets are the file's (e2e only): its tpot is not judged.
+    assert _results(proxy, "slow", "a") == {"met": 1, "ttft": 0, "tpot": 0, "e2e": 5, "error": 0}
+    # Goodput tokens: 4 output tokens per met request.
+    goodput = proxy.sample(
+        "tokenprobe_goodput_tokens_total", model="fast", endpoint="/v1/chat/completions", team="b"
+    )
+    assert goodput == 7 * 4
+    text = httpx.get(proxy.url + "/metrics").text
+    assert 'tokenprobe_slo_requests_total{endpoint="/v1/chat/completions",model="fast"' in text
+
+
+def test_a_cancelled_stream_is_counted_apart_and_left_out_of_attainment(
+    start_sim: Callable[..., Running], start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    sim = start_sim(output_tokens=400, tokens_per_second=20)
+    proxy = start_proxy(sim.url, slo="e2e=60")
+    body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    with (
+        httpx.Client(base_url=proxy.url, timeout=30) as client,
+        client.stream("POST", "/v1/chat/completions", json=body) as response,
+    ):
+        next(response.iter_raw())  # the first bytes, then walk away
+    proxy.wait_records(1, timeout=20)
+    labels = {"model": "sim-model", "endpoint": "/v1/chat/completions"}
+    assert proxy.sample("tokenprobe_slo_cancelled_requests_total", **labels) == 1
+    for result in ("met", "ttft", "tpot", "e2e", "error"):
+        assert proxy.sample("tokenprobe_slo_requests_total", **labels, result=result) == 0
+
+
+def test_an_slo_file_naming_thousands_of_models_keeps_the_model_label_bound(
+    start_sim: Callable[..., Running],
+    start_proxy: Callable[..., ProxyUnderTest],
+    tmp_path: Path,
+) -> None:
+    names = [f"model-{i}" for i in range(5000)]
+    sim = start_sim(models=tuple(names), output_tokens=2, ttft=0.0, tokens_per_second=5000)
+    slo_file = tmp_path / "slo.yaml"
+    slo_file.write_text(yaml.safe_dump({"models": {n: {"e2e": 30} for n in names}}))
+    proxy = start_proxy(sim.url, model_allowlist=(), slo_file=str(slo_file))
+    with httpx.Client(base_url=proxy.url, timeout=30) as client:
+        for name in names[: MAX_MODELS + 50 : 25]:
+            body = {"model": name, "messages": [{"role": "user", "content": "hi"}]}
+            assert client.post("/v1/chat/completions", json=body).status_code == 200
+    proxy.wait_records(len(names[: MAX_MODELS + 50 : 25]), timeout=20)
+    models = {
+        s.labels["model"]
+        for family in proxy.registry.collect()
+        if family.name == "tokenprobe_slo_requests"
+        for s in family.samples
+    }
+    # Judged against each model's own target, but labelled as the bounded model label:
+    # nothing is allowlisted or listed upstream here, so every one is "other".
+    assert models == {"other"}
+    met = proxy.sample(
+        "tokenprobe_slo_requests_total",
+        model="other",
+        endpoint="/v1/chat/completions",
+        result="met",
+    )
+    assert met == len(names[: MAX_MODELS + 50 : 25])
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--slo", "ttft=soon"], "--slo='ttft=soon': ttft is not a number: 'soon'"),
+        (["--slo", "latency=1"], "expected NAME=SECONDS with NAME in ttft, tpot, e2e"),
+        (["--slo-file", "{file}"], "models.big: tpot must be a positive number of seconds"),
+        (["--slo-file", "/no/such/slo.yaml"], "cannot read the SLO file"),
+    ],
+)
+def test_a_malformed_slo_refuses_to_start_with_a_clear_message(
+    flags: list[str], says: str, tmp_path: Path
+) -> None:
+    bad = tmp_path / "slo.yaml"
+    bad.write_text("models:\n  big: {tpot: -1}\n")
+    argv = ["--upstream", "http://127.0.0.1:9", *(f.format(file=bad) for f in flags)]
+    with pytest.raises(SettingsError, match=None) as caught:
+        parse(argv, {})
+    assert says in str(caught.value)
+    process = spawn("serve", *argv)
+    try:
+        _, err = process.communicate(timeout=30)
+    finally:
+        stop(process)
+    assert process.returncode == 2
+    assert says in err.decode()
