@@ -105,7 +105,9 @@ class ProxyApp:
 
     async def startup(self) -> None:
         settings = self.settings
-        self.client = create_client(settings, self.transport)
+        self.client = create_client(
+            settings, self.transport, self.sinks.count_upstream_protocol_error
+        )
         if settings.tokenizer:
             self.counter = TokenCounter(settings.tokenizer)
         self.forwarder = Forwarder.from_settings(

@@ -10,7 +10,8 @@ relay. From then on this module owns both connections:
 
 1. It connects to the upstream (--connect-timeout) and sends the handshake: the request
    target normalised (proxy/core/paths; one that cannot be gets the HTTP relay's 400
-   `invalid_request_target`) with the upstream's base path in front (`upstream_base_path`),
+   `invalid_request_target`) with the upstream's base path in front (UpstreamURL,
+   proxy/core/upstream_url.py),
    the Host line the upstream's authority, and the client's headers through the HTTP
    relay's header policy (`handshake_headers`: hop-by-hop headers, those Connection names
    and Proxy-Authorization stop here; Sec-WebSocket-Key, -Version, -Protocol,
@@ -52,12 +53,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter, time
 from typing import cast
-from urllib.parse import urlsplit
 
 import httptools
 from prometheus_client import CollectorRegistry
 
 from proxy.core.errors import Cause, error_body, error_shape, relay_failure
+from proxy.core.upstream_url import UpstreamURL
 from proxy.core.wsframes import (
     DeflateParams,
     FrameBounds,
@@ -105,33 +106,19 @@ class TunnelContext:
 
 def tunnel_context(settings: Settings, registry: CollectorRegistry, sinks: Sinks) -> TunnelContext:
     """The tunnels' shared parts for these settings; call once per registry."""
-    upstream = urlsplit(settings.upstream)
-    https = upstream.scheme == "https"
-    port = upstream.port or (443 if https else 80)
-    host = upstream.hostname or ""
-    default_port = port == (443 if https else 80)
-    host_text = f"[{host}]" if ":" in host else host
-    authority = host_text if default_port else f"{host_text}:{port}"
+    upstream = UpstreamURL.parse(settings.upstream)  # the one parse every path uses
     return TunnelContext(
-        host=host,
-        port=port,
-        authority=authority.encode(),
-        base_path=upstream_base_path(settings),
-        ssl=ssl.create_default_context() if https else None,
+        host=upstream.host,
+        port=upstream.port,
+        authority=upstream.authority,
+        base_path=upstream.base_path,
+        ssl=ssl.create_default_context() if upstream.tls else None,
         connect_timeout=settings.connect_timeout,
         idle_timeout=settings.ws_idle_timeout,
         max_message_bytes=settings.max_event_bytes,
         metrics=WsMetrics(registry),
         sinks=sinks,
     )
-
-
-def upstream_base_path(settings: Settings) -> str:
-    """The upstream URL's path ("" for none), put before each tunnelled target.
-
-    The one place the tunnel reads it; when the settings carry one parse of the upstream
-    URL for every data path, this reads that instead."""
-    return urlsplit(settings.upstream).path.rstrip("/")
 
 
 def is_websocket_upgrade(
@@ -690,5 +677,4 @@ __all__ = [
     "is_websocket_upgrade",
     "take_over",
     "tunnel_context",
-    "upstream_base_path",
 ]

@@ -158,6 +158,11 @@ class Sinks:
         """`tokenprobe_measurement_failures_total{stage}`: measuring broke, the request did not."""
         self.metrics.measurement_failures.labels(stage).inc()
 
+    def count_upstream_protocol_error(self, kind: str) -> None:
+        """`tokenprobe_upstream_protocol_errors_total{kind}`: an upstream connection closed
+        for breaking HTTP/1.1 (proxy/sinks/metrics.py UPSTREAM_PROTOCOL_ERRORS)."""
+        self.metrics.upstream_protocol.inc(kind)
+
     def _record(self, measurement: Measurement, labels: Labels) -> None:
         if len(labels.attribution) != len(self.label_names):
             # A record made without the request's headers (refused before they were

@@ -241,6 +241,7 @@ class Metrics:
             "head arriving to that head being sent to the client.",
             buckets=OVERHEAD_BUCKETS,
         )
+        self.upstream_protocol = UpstreamProtocolErrors(registry)
         # Every metric labelled by (model, endpoint, *attribution) alone: their children are
         # resolved once per key (`_bound`), so a new one is its declaration above and one
         # line in `record`, nothing to keep in step by hand.
@@ -622,6 +623,40 @@ WS_OUTCOMES = (
     "upstream_unreachable",
     "bad_request",
 )
+
+
+# -- the upstream's protocol errors (issue 32) ---------------------------------------------
+
+#: What `tokenprobe_upstream_protocol_errors_total{kind}` counts, a closed set.
+UPSTREAM_PROTOCOL_ERRORS = {
+    "extra_bytes": "bytes after a response's end, before its connection was back in the "
+    "pool (a second response, or part of one, in the read that ended the first)",
+    "idle_bytes": "bytes on a pooled connection that carried no request",
+    "malformed": "a response head or body framing the parser refused (Content-Length and "
+    "Transfer-Encoding together, a bad chunk size, a bad status line...)",
+    "upgrade": "a 101 Switching Protocols (or another protocol switch) answering a request "
+    "that asked for none",
+}
+
+
+class UpstreamProtocolErrors:
+    """`tokenprobe_upstream_protocol_errors_total{kind}`: a misbehaving backend, seen on
+    either data path. Each count closed one upstream connection (never reused); a request
+    on it, if one was in flight, ended with the proxy's 502."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        kinds = "; ".join(f"{kind}: {what}" for kind, what in UPSTREAM_PROTOCOL_ERRORS.items())
+        self.counter = Counter(
+            "tokenprobe_upstream_protocol_errors",
+            "Upstream connections closed for breaking HTTP/1.1, counted at the instant the "
+            f"proxy saw the offending bytes, by kind ({kinds}).",
+            ("kind",),
+            registry=registry,
+        )
+        self._kinds = {kind: self.counter.labels(kind) for kind in UPSTREAM_PROTOCOL_ERRORS}
+
+    def inc(self, kind: str) -> None:
+        self._kinds[kind].inc()
 
 
 class WsMetrics:

@@ -36,6 +36,7 @@ from proxy.sinks.metrics import (
     CACHED_RATIO_BUCKETS,
     TURN_GAP_BUCKETS,
     TURNS_BUCKETS,
+    UPSTREAM_PROTOCOL_ERRORS,
     cache_class,
     prompt_class,
 )
@@ -148,6 +149,10 @@ class ContractExporter:
         self.overhead = hist("tokenprobe_proxy_overhead_seconds", OVERHEAD_BUCKETS)
         self.loop_lag = hist("tokenprobe_event_loop_lag_seconds", OVERHEAD_BUCKETS, [])
         self._conversation_metrics(hist, counter, gauge)
+        # A misbehaving backend (issue 32): every kind, one of them seen.
+        protocol = counter("tokenprobe_upstream_protocol_errors", ["kind"])
+        for kind in UPSTREAM_PROTOCOL_ERRORS:
+            protocol.labels(kind=kind).inc(kind == "extra_bytes")
         self.vllm_ttft = hist("vllm:time_to_first_token_seconds", TTFT_BUCKETS, vl)
         self.vllm_itl = hist("vllm:inter_token_latency_seconds", ITL_BUCKETS, vl)
         self.vllm_e2e = hist("vllm:e2e_request_latency_seconds", E2E_BUCKETS, vl)

@@ -38,6 +38,7 @@ from proxy.core.errors import Cause, Failure
 from proxy.core.measurement import ErrorType
 from proxy.core.paths import Target
 from proxy.core.strip import UsageEventStripper
+from proxy.core.upstream_url import UpstreamURL
 from proxy.server.admission import (
     BODY_TIMEOUT,
     Refused,
@@ -72,7 +73,11 @@ class Wire:
         self.context = context
         self.owns = owns
         settings = context.settings
-        self.pool = Pool(settings.upstream, settings.connect_timeout)
+        self.pool = Pool(
+            UpstreamURL.parse(settings.upstream),
+            settings.connect_timeout,
+            context.sinks.count_upstream_protocol_error,
+        )
         self.active: set[WireRequest] = set()
         self.connecting: set[asyncio.Task[None]] = set()
         self.tunnels: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -384,7 +389,7 @@ class WireRequest:
             context, self.path, self.headers, info, self.start, self.started_at, read
         )
         wire.active.add(self)
-        where = self.path.encode() + (b"?" + self.query if self.query else b"")
+        where = wire.pool.upstream.target(self.path, self.query.decode("ascii")).encode()
         lines = [b"%s %s HTTP/1.1\r\nhost: %s\r\n" % (self.method, where, wire.pool.authority)]
         lines.extend(b"%s: %s\r\n" % pair for pair in exchange.upstream_headers())
         if body or self.method in _WITH_BODY:
