@@ -99,6 +99,13 @@ SCENARIOS = (
         headers=(("x-sim-output-tokens", "12"),),
     ),
     Scenario("cohere chat v2", endpoint="/cohere/v2/chat", headers=(("x-sim-ttft", "0.1"),)),
+    # Ollama's native API (NDJSON); the first row loads its model cold.
+    Scenario(
+        "ollama chat, model not loaded",
+        endpoint="/api/chat",
+        headers=(("x-sim-ttft", "0.1"), ("x-sim-load-time", "0.5")),
+    ),
+    Scenario("ollama generate", endpoint="/api/generate", headers=(("x-sim-ttft", "0.1"),)),
 )
 #: Half a second of audio, as a WAV file, for the audio rows.
 WAV = wav(0.5)
@@ -123,6 +130,11 @@ def _body(s: Scenario, i: int) -> dict[str, object]:
         return body
     if s.endpoint == "/v1/responses":
         body.update(input=text, max_output_tokens=s.max_tokens)
+        return body
+    if s.endpoint.startswith("/api/"):  # Ollama: the limit is an option
+        key, value = ("prompt", text) if s.endpoint == "/api/generate" else ("messages", None)
+        body.update({key: value or [{"role": "user", "content": text}]})
+        body["options"] = {"num_predict": s.max_tokens}
         return body
     body["max_tokens"] = s.max_tokens
     if s.endpoint == "/v1/completions":
@@ -214,15 +226,16 @@ def _ms(value: float | None) -> str:
 
 
 def _table(records: list[Measurement], names: dict[int, str]) -> str:
-    head = f"{'':24} {'endpoint':24} {'ttft ms':>8} {'tpot ms':>8} {'tok/s':>6} {'e2e ms':>7} {'out':>4} {'source':>9} {'finish':>8}  outcome"
+    head = f"{'':24} {'endpoint':24} {'ttft ms':>8} {'tpot ms':>8} {'tok/s':>6} {'e2e ms':>7} {'out':>4} {'source':>9} {'finish':>8} {'load ms':>7}  outcome"
     lines = [head, "-" * len(head)]
     for i, m in enumerate(records):
         speed = "-" if m.decode_tokens_per_second is None else f"{m.decode_tokens_per_second:.0f}"
         out = "-" if m.output_tokens is None else str(m.output_tokens)
         outcome = m.error_type.value if m.error_type else "ok"
+        load = None if m.engine is None else m.engine.load_time  # Ollama's load_duration
         lines.append(
             f"{names.get(i, m.endpoint)[:24]:24} {m.endpoint:24} {_ms(m.ttft):>8} {_ms(m.tpot):>8} {speed:>6} "
-            f"{_ms(m.e2e):>7} {out:>4} {m.token_source.value:>9} {m.finish_reason:>8}  {outcome}"
+            f"{_ms(m.e2e):>7} {out:>4} {m.token_source.value:>9} {m.finish_reason:>8} {_ms(load):>7}  {outcome}"
         )
     return "\n".join(lines)
 

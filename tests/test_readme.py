@@ -59,6 +59,9 @@ def test_the_first_screen_names_every_measured_api() -> None:
         "/v1/audio/transcriptions": "transcriptions",
         "/v1/audio/translations": "translations",
         "/cohere/v2/chat": "Cohere chat",
+        "/api/chat": "Ollama's chat",
+        "/api/generate": "Ollama's chat, generate",
+        "/api/embed": "Ollama's chat, generate and embed",
         "/v1/realtime": "`/v1/realtime`",
     }
     endpoints = sorted([api.endpoint for api in APIS] + [w.endpoint for w in WS_APIS])

@@ -167,12 +167,13 @@ def _engine_notes(s: Summary) -> list[str]:
     notes = []
     split = s.ttft_split
     if split is not None:
-        parts = (split["queue"], split["engine"], split["outside"])
+        parts = (split.get("queue", 0.0), split["engine"], split["outside"])
         whole = sum(parts) or 1.0
         queue, engine, outside = (f"{_ms(p)} ms ({100 * p / whole:.0f}%)" for p in parts)
+        queue = f"queue {queue}" if "queue" in split else "queue not reported (it is outside)"
         notes.append(
             f"{s.label}: first token, mean of {split['requests']:g} streams the engine timed: "
-            f"queue {queue} + engine {engine} + outside the engine {outside} = {_ms(whole)} ms"
+            f"{queue} + engine {engine} + outside the engine {outside} = {_ms(whole)} ms"
         )
     spec = s.spec_decode
     if spec is not None:

@@ -68,7 +68,7 @@ BY_NAME: Mapping[str, Figure] = {f.name: f for f in FIGURES}
 # One request as the bootstrap sees it: ok, ttft, tpot, decode tok/s, output tokens,
 # finished by length, met every SLO, e2e, and the TTFT split (queue, engine, outside)
 # when the engine sent its per-request metrics.
-Split = tuple[float, float, float] | None
+Split = tuple[float | None, float, float] | None
 # ... then (issue 26) first answer, reasoning tokens (None: did not reason), no answer,
 # tool calls made (None: none), a call not complete
 Row = tuple[
@@ -128,11 +128,10 @@ def _split(record: Mapping[str, Any]) -> Split:
     if not isinstance(engine, Mapping) or not isinstance(ttft, int | float):
         return None
     queue, first = engine.get("queue_time"), engine.get("time_to_first_token")
-    if not isinstance(queue, int | float) or not isinstance(first, int | float):
+    if not isinstance(first, int | float):
         return None
-    return ttft_split(
-        float(ttft), EngineMetrics(float(queue), float(first), None, None, None, None)
-    )
+    queue_time = float(queue) if isinstance(queue, int | float) else None  # llama.cpp: none
+    return ttft_split(float(ttft), EngineMetrics(queue_time, float(first), None, None, None, None))
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -173,7 +172,7 @@ def figures(
         "output_tps": _throughput(sample, duration, scale) if ok else None,
         "goodput": sum(1 for row in sample if row[6]) / duration if has_slo else None,
         "attainment": sum(1 for row in sample if row[6]) / n if has_slo and n else None,
-        "queue_mean": _mean([s[0] for s in splits]),
+        "queue_mean": _mean([s[0] for s in splits if s[0] is not None]),
         "engine_ttft_mean": _mean([s[1] for s in splits]),
         "outside_mean": _mean([s[2] for s in splits]),
         "error_share": (n - len(ok)) / n if n else None,

@@ -133,9 +133,12 @@ def ttft_split(records: Sequence[Measurement]) -> dict[str, float] | None:
     if not splits:
         return None
     n = len(splits)
+    queues = [s[0] for s in splits if s[0] is not None]
     return {
         "requests": n,
-        "queue": sum(s[0] for s in splits) / n,
+        # The mean over the streams whose engine reports a queue time (llama.cpp does not:
+        # its queue wait is then outside), absent when none does.
+        **({"queue": sum(queues) / len(queues)} if queues else {}),
         "engine": sum(s[1] for s in splits) / n,
         "outside": sum(s[2] for s in splits) / n,
     }

@@ -174,9 +174,23 @@ class Pool:
     async def request(self, head: bytes, body: bytes, observer: StreamObserver) -> int:
         """Send one request (`head` ends with the blank line); the status, once the
         response ended. Raises what the exchange failed with."""
-        conn = self.idle.pop() if self.idle else await self._connect()
+        reused = bool(self.idle)
+        conn = self.idle.pop() if reused else await self._connect()
         try:
             status = await conn.send(head + body, observer)
+        except Truncated:
+            conn.close()
+            if not reused or conn.status:
+                raise
+            # The server closed a kept-alive connection as the request went out on it,
+            # before its answer's head: it never took the request (llama.cpp's server
+            # closes after every stream though its head says Keep-Alive). Once more, anew.
+            conn = await self._connect()
+            try:
+                status = await conn.send(head + body, observer)
+            except BaseException:
+                conn.close()
+                raise
         except BaseException:
             conn.close()
             raise

@@ -1,5 +1,8 @@
 """The engine's own account of one request: vLLM's per-request `metrics` object, typed.
 
+One adapter per engine turns its object into `EngineMetrics`: this module's
+`engine_metrics` for vLLM, proxy/core/llamacpp.py for llama.cpp's `timings`.
+
 vLLM 0.32 started with `--enable-per-request-metrics` adds `metrics` to a non-streamed
 answer, to the final usage chunk of a stream (so only when usage is streamed, which the
 proxy asks for) and to the response of the Responses API's `response.completed`. Its
@@ -18,6 +21,7 @@ Read once per request, from the one event (or body) that carries it; never per c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -42,6 +46,24 @@ class EngineMetrics:
     mean_itl: float | None
     tokens_per_second: float | None
     spec: SpecDecode | None
+    #: Loading the model before the request could run (Ollama's load_duration); None from
+    #: an engine that does not report it (vLLM serves a loaded model).
+    load_time: float | None = None
+    # Token counts in the engine's own account (llama.cpp's timings: proxy/core/llamacpp.py):
+    # the prompt tokens it took from its cache, those it processed, and those it generated.
+    cached_tokens: int | None = None
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+    # The fields that were there but made no sense (wrong type, negative, huge): each None
+    # above, named here (from the adapter's closed set) so that a metric can count them.
+    invalid: tuple[str, ...] = ()
+
+
+#: An engine adapter: the engine's own per-request object, as the seam found it
+#: (Facts.engine), to its figures in seconds; None when the object says nothing. One per
+#: engine, each in its own module (vLLM's is `engine_metrics` below, Ollama's in
+#: proxy/core/engine_ollama.py); a seam names its adapter in `Api.engine_figures`.
+EngineAdapter = Callable[[object], "EngineMetrics | None"]
 
 
 def engine_metrics(obj: object) -> EngineMetrics | None:
@@ -63,25 +85,45 @@ def engine_metrics(obj: object) -> EngineMetrics | None:
 _EMPTY = EngineMetrics(None, None, None, None, None, None)
 
 
-def ttft_split(ttft: float, engine: EngineMetrics) -> tuple[float, float, float] | None:
+def ttft_split(ttft: float, engine: EngineMetrics) -> tuple[float | None, float, float] | None:
     """(queue, engine TTFT, outside the engine) for a client-seen `ttft`, summing to it
-    exactly, or None when the engine gave no queue time or no TTFT.
+    exactly, or None when the engine gave no TTFT. The queue part is None when the engine
+    reports no queue time (llama.cpp: proxy/core/llamacpp.py); a wait in its queue is then
+    part of what is outside.
 
-    outside = ttft - queue - engine TTFT, never below 0: when the engine's two parts add
-    up to more than the client saw (clocks, rounding), both are scaled down by the same
-    factor so that they add up to `ttft` and outside is 0. Either way the three parts of
-    every request sum to its TTFT, so their histogram sums add up to the TTFT sum."""
+    outside = ttft - queue - engine TTFT, never below 0: when the engine's parts add up to
+    more than the client saw (clocks, rounding), they are scaled down by the same factor so
+    that they add up to `ttft` and outside is 0. Either way the parts of every request sum
+    to its TTFT, so their histogram sums add up to the TTFT sum."""
     queue, first = engine.queue_time, engine.time_to_first_token
-    if queue is None or first is None:
-        return None
-    inside = queue + first
+    if first is None or (queue is None and engine.load_time is not None):
+        return None  # no TTFT, or a model-load part instead of a queue (load_split: Ollama)
+    inside = first if queue is None else queue + first
     if inside <= ttft:
         return queue, first, ttft - inside
     if inside <= 0.0:
-        return 0.0, 0.0, ttft
-    scale = ttft / inside
-    queue *= scale
+        return (None if queue is None else 0.0), 0.0, ttft
+    if queue is None:
+        return None, ttft, 0.0
+    queue *= ttft / inside
     return queue, ttft - queue, 0.0
+
+
+def load_split(ttft: float, engine: EngineMetrics) -> tuple[float, float, float] | None:
+    """(model load, engine TTFT, outside the engine) for a client-seen `ttft`, summing to it
+    exactly, for an engine that reports a load time and no queue time (Ollama), or None.
+    The same rule as `ttft_split`: outside = ttft - load - engine TTFT, never below 0, the
+    engine's two parts scaled down together when they exceed what the client saw."""
+    load, first = engine.load_time, engine.time_to_first_token
+    if load is None or first is None or engine.queue_time is not None:
+        return None
+    inside = load + first
+    if inside <= ttft:
+        return load, first, ttft - inside
+    if inside <= 0.0:
+        return 0.0, 0.0, ttft
+    load *= ttft / inside
+    return load, ttft - load, 0.0
 
 
 def _number(value: object) -> float | None:

@@ -141,6 +141,7 @@ _BODY_RULES: tuple[tuple[re.Pattern[str], ErrorType], ...] = (
             r"|exceeds? (?:the )?(?:model'?s? )?(?:maximum |available )?context"  # llama.cpp, Ollama
             r"|context length is only"  # vLLM renderers/params.py: "the model's context length is only"
             r"|longer than the (?:maximum model length|model's context length)"  # vLLM, SGLang
+            r"|longer than the context length"  # Ollama llm/llama_server.go, a prompt over num_ctx
             r"|larger than the max context size"  # llama.cpp, unsplittable input
             r"|(?:max_tokens|max_completion_tokens|max_output_tokens)=\d+ ?cannot be greater than"
             r"|prompt is too long|input is too long|too many (?:input )?tokens"  # Anthropic, others

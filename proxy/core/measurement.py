@@ -48,7 +48,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from proxy.core.engine import EngineMetrics, ttft_split
+from proxy.core.engine import EngineMetrics, load_split, ttft_split
 from proxy.core.fingerprint import Prefix
 from proxy.core.toolcalls import ToolCall
 
@@ -74,6 +74,7 @@ class TokenSource(enum.StrEnum):
     """Where the token counts of a record came from, most trusted first."""
 
     USAGE = "usage"  # the backend's `usage` object
+    ENGINE = "engine"  # the engine's own account without usage (llama.cpp timings)
     TOKENIZER = "tokenizer"  # counted by the configured tokenizer
     TOKEN_IDS = "token_ids"  # output = the token ids streamed (exact), prompt = the ids sent
     CHUNKS = "chunks"  # output = number of content events; prompt unknown
@@ -143,6 +144,9 @@ class Measurement:
     continued_via: str | None = None
     turn_gap: float | None = None
     shared_prefix_tokens: int | None = None
+    # Streamed events (SSE payloads, NDJSON lines) that were not a JSON object: skipped,
+    # relayed as they came, counted here.
+    malformed_events: int = 0
 
     @property
     def ok(self) -> bool:
@@ -178,20 +182,34 @@ class Measurement:
             counts[call.outcome] = counts.get(call.outcome, 0) + 1
         return counts
 
-    def ttft_split(self) -> tuple[float, float, float] | None:
+    def ttft_split(self) -> tuple[float | None, float, float] | None:
         """(queue, engine TTFT, outside the engine), summing to `ttft`, for a stream whose
-        engine sent its queue time and TTFT; None otherwise."""
+        engine sent its TTFT (the queue part None when it sends no queue time); None
+        otherwise."""
         engine, ttft = self.engine, self.ttft
         if engine is None or ttft is None or not self.stream:
             return None
         return ttft_split(ttft, engine)
 
+    def load_split(self) -> tuple[float, float, float] | None:
+        """(model load, engine TTFT, outside the engine), summing to `ttft`, for a stream
+        whose engine sent a load time and its TTFT but no queue time (Ollama); None
+        otherwise."""
+        engine, ttft = self.engine, self.ttft
+        if engine is None or ttft is None or not self.stream:
+            return None
+        return load_split(ttft, engine)
+
     def ttft_parts(self) -> tuple[float | None, float | None, float | None]:
         """(queue, engine TTFT, outside the engine) as every sink reports them: the split
-        when there is one, else the engine's own figures and no outside part."""
+        when there is one, else the engine's own figures and no outside part. With a
+        model load part (load_split) the queue is None and outside excludes the load."""
         split = self.ttft_split()
         if split is not None:
             return split
+        loaded = self.load_split()
+        if loaded is not None:
+            return None, loaded[1], loaded[2]
         engine = self.engine
         if engine is None:
             return None, None, None
@@ -212,7 +230,8 @@ class Measurement:
             not self.stream
             or not self.content_events
             or self.output_tokens is None
-            or self.token_source not in (TokenSource.USAGE, TokenSource.TOKENIZER)
+            or self.token_source
+            not in (TokenSource.USAGE, TokenSource.ENGINE, TokenSource.TOKENIZER)
         ):
             return None
         return self.output_tokens / self.content_events

@@ -31,11 +31,12 @@ from typing import Any, Protocol
 import orjson
 
 from proxy.core.apis import Api, Facts, RequestInfo, TokenCounts, api_of
-from proxy.core.engine import engine_metrics
+from proxy.core.engine import EngineMetrics
 from proxy.core.errors import classify_response, classify_stream_end, error_message
 from proxy.core.fingerprint import of_prompt
+from proxy.core.llamacpp import timings_metrics
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
-from proxy.core.sse import DEFAULT_MAX_EVENT_BYTES, SSEDecoder
+from proxy.core.sse import DEFAULT_MAX_EVENT_BYTES
 from proxy.core.template import EventTemplate, learn
 from proxy.core.toolcalls import ToolCall, ToolCalls
 
@@ -98,6 +99,7 @@ class StreamObserver:
         self.finish_reason: str | None = None  # raw, as the backend wrote it
         self.usage: dict[str, Any] | None = None
         self.engine: object = None  # the engine's `metrics` object as sent
+        self.timings: object = None  # llama.cpp's `timings` object as sent
         self.overhead: float | None = None  # the proxy's own time so far
         self.stream_error: object = None
         self.done = False
@@ -105,7 +107,7 @@ class StreamObserver:
         self.response_id: str | None = None
         self.response_model: str | None = None
         self.texts: list[str] = []
-        self._decoder = SSEDecoder(max_event_bytes)
+        self._decoder = self.api.decoder(max_event_bytes)
         # The stream's repeating content event, once one has been parsed and proven
         # (proxy/core/template.py); learning is tried on the first plain event only.
         self._template: EventTemplate | None = None
@@ -131,7 +133,7 @@ class StreamObserver:
         """Upstream response headers arrived."""
         self.status = status
         self.first_byte = now
-        self.streaming = status < 400 and content_type.startswith("text/event-stream")
+        self.streaming = status < 400 and content_type.startswith(self.api.stream_type)
 
     def sent(self, read: float, now: float) -> None:
         """The request, whose body was read at `read`, went to the upstream at `now`."""
@@ -264,6 +266,8 @@ class StreamObserver:
             self.stream_error = facts.error
         if facts.engine is not None:
             self.engine = facts.engine
+        if facts.timings is not None:
+            self.timings = facts.timings
         if facts.end:
             self.done = True
         if facts.response_id is not None and self.response_id is None:
@@ -305,6 +309,32 @@ class StreamObserver:
         usage = self.usage
         return self.api.counts(usage) if usage else None
 
+    def counts_from_engine(self, counts: TokenCounts | None) -> TokenCounts | None:
+        """Usage's counts with the cached tokens from the engine's own account where usage
+        has none; without usage, the engine's counts (llama.cpp: the prompt is prompt_n +
+        cache_n, the output predicted_n)."""
+        engine = self._engine()
+        if engine is None or (engine.output_tokens is None and engine.cached_tokens is None):
+            return counts
+        if counts is not None:
+            if counts.cached is None:
+                counts.cached = engine.cached_tokens
+            return counts
+        if engine.output_tokens is None:
+            return None
+        prompt = engine.prompt_tokens
+        if prompt is not None and engine.cached_tokens is not None:
+            prompt += engine.cached_tokens
+        return TokenCounts(prompt, engine.output_tokens, engine.cached_tokens, TokenSource.ENGINE)
+
+    def _engine(self) -> EngineMetrics | None:
+        """The engine's figures, from whichever engine's object the response carried."""
+        if self.engine is not None:
+            return self.api.engine_figures(self.engine)
+        if self.timings is not None:
+            return timings_metrics(self.timings)
+        return None
+
     def counts_from_chunks(self) -> TokenCounts:
         if not self.streaming or not self.api.generative:
             return TokenCounts(None, None, None, TokenSource.NONE)
@@ -341,7 +371,7 @@ class StreamObserver:
             error_type, error_message = self.outcome()
         if error_message is not None and redact is not None:
             error_message = redact(error_message)
-        counts = self.counts_from_usage()
+        counts = self.counts_from_engine(self.counts_from_usage())
         if counts is None and self.tokens:
             counts = TokenCounts(
                 self.request.prompt_tokens, self.tokens, None, TokenSource.TOKEN_IDS
@@ -421,10 +451,11 @@ class StreamObserver:
             max_tokens=request.max_tokens,
             temperature=request.temperature,
             trace_id=trace_id,
-            engine=None if self.engine is None else engine_metrics(self.engine),
+            engine=self._engine(),
             proxy_overhead=self.overhead,
             prefix=of_prompt(request.prompt),
             **self._kinds(counts, reasoning, error_type),
+            malformed_events=self.malformed_events,
         )
 
     def _kinds(

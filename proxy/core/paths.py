@@ -20,6 +20,12 @@ starting with `/`, and a `..` that would climb above the root.
 The query string is forwarded as received; only bytes that cannot go on a request line
 raw (controls, space, non-ASCII) are percent-encoded. Empty segments (`//`) are kept, as
 RFC 3986 keeps them.
+
+The proxy's own routes (/healthz, /metrics, ...) are matched on `route_key` of the
+normalised path: empty segments merged and a trailing slash dropped, because many servers
+read a path that way (nginx merges slashes by default, `merge_slashes`; frameworks
+redirect `/x/` to `/x`), so `//metrics` or `/healthz/` must not reach a backend route
+that the proxy's own shadows.
 """
 
 from __future__ import annotations
@@ -46,9 +52,13 @@ _UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz01
 # pchar minus "%" plus "/": what may stay raw in a path (RFC 3986 §3.3).
 _PATH_SAFE = _UNRESERVED | frozenset(b"!$&'()*+,;=:@/")
 
+# Any byte that is not _PATH_SAFE ("%" included): none found, the path is already normal.
+_NOT_PATH_SAFE = re.compile(rb"[^A-Za-z0-9\-._~!$&'()*+,;=:@/]")
+
 _HEX = frozenset(b"0123456789abcdefABCDEF")
 _REFUSED_ESCAPES = {0x2F: "an encoded slash (%2F)", 0x5C: "an encoded backslash (%5C)", 0: "%00"}
 _QUERY_UNSAFE = re.compile(rb"[^\x21-\x22\x24-\x7e]")
+_SLASHES = re.compile("//+")
 
 
 def normalise(raw_path: bytes, query: bytes = b"") -> Target:
@@ -60,7 +70,7 @@ def normalise(raw_path: bytes, query: bytes = b"") -> Target:
 
 
 def _normalise_escapes(raw: bytes) -> str:
-    if b"%" not in raw and all(b in _PATH_SAFE for b in raw):
+    if _NOT_PATH_SAFE.search(raw) is None:
         return raw.decode("ascii")  # the common case: nothing to do
     out: list[str] = []
     i, n = 0, len(raw)
@@ -82,6 +92,8 @@ def _normalise_escapes(raw: bytes) -> str:
 
 
 def _remove_dot_segments(path: str) -> str:
+    if "." not in path:
+        return path  # the common case: no segment can be a dot segment
     segments = path.split("/")[1:]  # the path starts with "/": drop the empty first one
     if "." not in segments and ".." not in segments:
         return path
@@ -103,3 +115,12 @@ def _encode_query(query: bytes) -> str:
     if _QUERY_UNSAFE.search(query) is None:
         return query.decode("ascii")
     return _QUERY_UNSAFE.sub(lambda m: b"%%%02X" % m.group()[0], query).decode("ascii")
+
+
+def route_key(path: str) -> str:
+    """A normalised path as the proxy's own routes are matched: `//` merged, no trailing `/`."""
+    if "//" in path:
+        path = _SLASHES.sub("/", path)
+    if path.endswith("/"):
+        path = path.rstrip("/") or "/"
+    return path

@@ -5,19 +5,36 @@ upstream so token counts come from the backend. The backend then sends one extra
 `{"choices": [], "usage": {...}}`, that the client did not ask for; dropping that whole
 event gives the client the stream it would have had without the proxy.
 
-Asking changes one more thing, which the stripper puts back. vLLM stamps
-`"system_fingerprint"` on a stream's terminal chunk (the one whose choice has a
-`finish_reason`) only when no usage chunk follows; with `include_usage` it writes it on the
-usage chunk instead (vllm-project/vllm, vLLM 0.32:
-vllm/entrypoints/openai/chat_completion/serving.py and completion/serving.py, the stream
-generators: `if not include_usage and self.system_fingerprint is not None and
-finish_reason is not None: chunk.system_fingerprint = ...`, and the final usage chunk
-built with `system_fingerprint=self.system_fingerprint`). So a terminal chunk without a
-fingerprint waits for the next event: if that is the usage chunk the proxy asked for, the
-terminal chunk goes out with the usage chunk's `,"system_fingerprint":"..."` as its last
-member, which is where vLLM's serialisation puts it (compact JSON, the field after
-`choices` when no `usage` is set), byte for byte as the client would have had it direct
-(tests/fixtures/streams/vllm-0.32/). With n > 1 vLLM stamps every choice's terminal
+Asking can change more than that one event: a backend may move a member it writes on the
+terminal chunk (the one whose choice has a `finish_reason`) onto the usage chunk when usage
+is asked for. Where that is known, the stripper puts the member back where the backend
+writes it direct, with the usage chunk's exact bytes (`MOVED`):
+
+- vLLM stamps `"system_fingerprint"` on the terminal chunk only when no usage chunk
+  follows; with `include_usage` it writes it on the usage chunk instead
+  (vllm-project/vllm, vLLM 0.32: vllm/entrypoints/openai/chat_completion/serving.py and
+  completion/serving.py, the stream generators: `if not include_usage and
+  self.system_fingerprint is not None and finish_reason is not None:
+  chunk.system_fingerprint = ...`, and the final usage chunk built with
+  `system_fingerprint=self.system_fingerprint`); direct, it is the terminal chunk's last
+  member (compact JSON, the field after `choices` when no `usage` is set).
+- llama.cpp writes its `"timings"` object on the last chunk of the final result
+  (`deltas.back()["timings"] = stats.to_json()` in
+  `server_task_result_cmpl_final::to_json_oaicompat_chat_stream`,
+  tools/server/server-task.cpp, llama.cpp as vendored in llama-cpp-python 0.3.36): the
+  finish chunk direct, the usage chunk (`if (include_usage) deltas.push_back(...)`) when
+  usage is asked; it is the last member either way (nlohmann::ordered_json, insertion order).
+
+A member of the usage chunk that the terminal chunk also has (`id`, `model`,
+llama.cpp's `system_fingerprint`) was not moved; one that belongs to usage alone (`usage`;
+vLLM's per-request `metrics`, which it writes only on the usage chunk: proxy/core/engine.py)
+goes with it (`USAGE_ONLY`). Any other member is one the stripper cannot place: it is
+dropped with the usage chunk, the stripper says so (`unplaced`), and the `Injection` it
+was given stops the proxy asking that upstream for usage from then on
+(proxy/server/admission.py), so later streams are the backend's own, byte for byte. The
+terminal chunk waits for the next event only while it might be followed by the usage
+chunk; a usage chunk the member scan cannot read (not one JSON object) is dropped as
+before and counts as unplaced. With n > 1 a backend may stamp every choice's terminal
 chunk, and only the last one comes right before the usage chunk: the proxy does not ask
 for usage then (proxy/core/apis/chat.py).
 
@@ -28,30 +45,74 @@ byte for byte.
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Callable
 
 from proxy.core.sse import DEFAULT_MAX_EVENT_BYTES
 
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _MARKER = b'"usage"'
-_FINISHED = b'"finish_reason":"'  # a terminal chunk, as vLLM writes it (compact JSON)
-_STAMP = b'"system_fingerprint"'
-_FINGERPRINT = re.compile(rb'"system_fingerprint":("(?:[^"\\]|\\.)*")')
+_FINISHED = b'"finish_reason":"'  # a terminal chunk, as vLLM and llama.cpp write it (compact)
+
+#: Members a backend moves from the terminal chunk to the usage chunk when usage is asked
+#: for, and where each comes from (the module's docstring). Direct, each is the terminal
+#: chunk's last member; several go back in the usage chunk's order.
+MOVED = {
+    "system_fingerprint": "vLLM 0.32: chat_completion/serving.py, completion/serving.py",
+    "timings": "llama.cpp: tools/server/server-task.cpp, to_json_oaicompat_chat_stream",
+}
+#: Members of the usage chunk that go with it: direct, the client has them nowhere.
+USAGE_ONLY = frozenset({"usage", "metrics"})
+
+
+class Injection:
+    """Whether the proxy still asks this upstream for usage it strips again: one per
+    upstream, shared by every request. `refuse` turns it off for good when a stripper met a
+    usage chunk whose members it could not all place, and tells `on_refuse` (the metric and
+    the log line) once."""
+
+    __slots__ = ("on", "on_refuse", "unplaced")
+
+    def __init__(self, on_refuse: Callable[[tuple[str, ...]], None] | None = None) -> None:
+        self.on = True
+        self.unplaced: tuple[str, ...] = ()
+        self.on_refuse = on_refuse
+
+    def refuse(self, unplaced: tuple[str, ...]) -> None:
+        if not self.on:
+            return
+        self.on, self.unplaced = False, unplaced
+        if self.on_refuse is not None:
+            self.on_refuse(unplaced)
 
 
 class UsageEventStripper:
     """Holds back at most `max_event_bytes` of an unfinished event. A larger event cannot
     be the small usage event the proxy asked for: what is held goes out at once, and the
-    stripper steps aside for the rest of the stream (`gave_up`), so bytes keep flowing."""
+    stripper steps aside for the rest of the stream (`gave_up`), so bytes keep flowing.
+    `unplaced` names the usage chunk's members that it could not put back."""
 
-    __slots__ = ("_parts", "_pending", "_terminal", "gave_up", "max_event_bytes")
+    __slots__ = (
+        "_injection",
+        "_parts",
+        "_pending",
+        "_terminal",
+        "gave_up",
+        "max_event_bytes",
+        "unplaced",
+    )
 
-    def __init__(self, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> None:
+    def __init__(
+        self, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES, injection: Injection | None = None
+    ) -> None:
         self.max_event_bytes = max_event_bytes
+        self._injection = injection
         self._parts: list[bytes] = []  # an unfinished event, in pieces (never re-copied)
         self._pending = 0
         self._terminal = b""  # a whole terminal chunk waiting for the next event
         self.gave_up = False
+        self.unplaced: tuple[str, ...] = ()
 
     def feed(self, chunk: bytes) -> bytes:
         """Bytes to send to the client for this chunk (possibly empty)."""
@@ -82,18 +143,17 @@ class UsageEventStripper:
 
     def _rewrite(self, data: bytes, hold: bool) -> bytes:
         """Whole events without the usage-only one; a terminal chunk that the usage chunk
-        follows gets its fingerprint back; with `hold`, a terminal chunk last in `data`
-        waits in `_terminal` for the next event."""
+        follows gets back what the backend moved; with `hold`, a terminal chunk last in
+        `data` waits in `_terminal` for the next event."""
         out: list[bytes] = []
-        terminal = -1  # where in `out` a terminal chunk without a fingerprint is, if last
+        terminal = -1  # where in `out` the last terminal chunk is, if no event came after it
         for event in _events(data):
             if _is_usage_only(event):
-                found = _FINGERPRINT.search(event) if terminal >= 0 else None
-                if found is not None:
-                    out[terminal] = _stamped(out[terminal], found.group(1))
+                if terminal >= 0:
+                    out[terminal] = self._restored(out[terminal], event)
                 terminal = -1
                 event = _leading_blank_lines(event)
-            elif _FINISHED in event and _STAMP not in event:
+            elif _FINISHED in event:
                 terminal = len(out)
             elif event.strip(b"\r\n"):
                 terminal = -1
@@ -102,6 +162,34 @@ class UsageEventStripper:
             self._terminal = b"".join(out[terminal:])
             del out[terminal:]
         return b"".join(out)
+
+    def _restored(self, terminal: bytes, usage: bytes) -> bytes:
+        """`terminal` with the members the backend moved onto `usage` back as its last ones;
+        the usage chunk's members that are neither moved nor its own go to `unplaced`."""
+        theirs, ours = _members(usage), _members(terminal)
+        if theirs is None or ours is None:
+            self._unplaced(("(unreadable usage chunk)",))
+            return terminal
+        moved: list[str] = []
+        unplaced: list[str] = []
+        for name, raw in theirs.items():
+            if name in ours or name in USAGE_ONLY:
+                continue
+            if name in MOVED:
+                moved.append(raw if raw.lstrip().startswith(",") else "," + raw)
+            else:
+                unplaced.append(name[:40])
+        if unplaced:
+            self._unplaced(tuple(unplaced[:8]))
+        if not moved:
+            return terminal
+        end = terminal.rfind(b"}")
+        return terminal[:end] + "".join(moved).encode() + terminal[end:]
+
+    def _unplaced(self, names: tuple[str, ...]) -> None:
+        self.unplaced = names
+        if self._injection is not None:
+            self._injection.refuse(names)
 
     def _hold(self, piece: bytes) -> bytes:
         self._parts.append(piece)
@@ -125,11 +213,50 @@ def _leading_blank_lines(event: bytes) -> bytes:
     return event[: len(event) - len(event.lstrip(b"\r\n"))]
 
 
-def _stamped(event: bytes, fingerprint: bytes) -> bytes:
-    """The terminal chunk as vLLM writes it without include_usage: the fingerprint is the
-    object's last member."""
-    end = event.rfind(b"}")
-    return event[:end] + b',"system_fingerprint":' + fingerprint + event[end:]
+_DECODER = json.JSONDecoder()
+_SPACE = " \t\r\n"
+
+
+def _members(event: bytes) -> dict[str, str] | None:
+    """The top-level members of the one JSON object an event carries, by name, each as its
+    exact text from the end of the member before it (so with its comma) to the end of its
+    value: `,"timings":{...}`. None when the event holds no single object (one `data:`
+    line). Run once per stream, on the terminal and the usage chunk only."""
+    start, end = event.find(b"{"), event.rfind(b"}")
+    if start < 0 or end < start:
+        return None
+    try:
+        text = event[start : end + 1].decode()
+        members: dict[str, str] = {}
+        pos = before = 1
+        while True:
+            while text[pos] in _SPACE:
+                pos += 1
+            if text[pos] == "}" and not members:
+                break
+            if text[pos] != '"':
+                return None
+            name, pos = json.decoder.scanstring(text, pos + 1)  # type: ignore[attr-defined]
+            while text[pos] in _SPACE:
+                pos += 1
+            if text[pos] != ":":
+                return None
+            pos += 1
+            while text[pos] in _SPACE:
+                pos += 1
+            _, pos = _DECODER.raw_decode(text, pos)
+            members[name] = text[before:pos]
+            before = pos
+            while text[pos] in _SPACE:
+                pos += 1
+            if text[pos] == "}":
+                break
+            if text[pos] != ",":
+                return None
+            pos += 1
+    except (ValueError, IndexError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return None
+    return members if pos == len(text) - 1 else None
 
 
 def _events(data: bytes) -> list[bytes]:

@@ -2,8 +2,9 @@
 own answers to those that do not.
 
 In order: the one normalised target (proxy/core/paths.py; routed, measured and forwarded
-alike), the head's limits (`check_head`: header bytes 431, a declared body over the limit
-413), the body's (`check_body`: 413), then `admit`: the API seam decides (a POST to a path
+alike: `own_route` decides on it whether the proxy answers a request itself, on both data
+paths, so no spelling of /metrics reaches the backend), the head's limits (`check_head`:
+header bytes 431, a declared body over the limit 413), the body's (`check_body`: 413), then `admit`: the API seam decides (a POST to a path
 that has an Api is measured), `parse_request` reads the body once, and a stream whose
 client asked for no usage is asked for it, with a `UsageEventStripper` to take it out of
 the client's stream again. A refusal is one exception (`Refused`) carrying its answer;
@@ -13,15 +14,17 @@ writes itself (before any upstream byte reached the client).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from proxy.core.apis import Api, api_for
 from proxy.core.errors import error_body, error_shape
+from proxy.core.identity import UNKNOWN
 from proxy.core.labels import route_template
 from proxy.core.measurement import ErrorType
-from proxy.core.paths import BadTarget, Target, normalise
+from proxy.core.paths import BadTarget, Target, normalise, route_key
 from proxy.core.request import RequestInfo, parse_request
-from proxy.core.strip import UsageEventStripper
+from proxy.core.strip import Injection, UsageEventStripper
 from proxy.server.headers import Headers, secret_names
 from proxy.settings import Settings
 from proxy.sinks.dispatch import Sinks
@@ -41,6 +44,9 @@ class RelaySettings:
     first_byte_timeout: float  # from the upstream request to its response head
     idle_timeout: float  # the longest gap between two chunks of an upstream body
     secret_headers: frozenset[bytes]  # lower-case names whose values never leave the proxy
+    # Whether usage is still asked for: off for good once a stream could not be given back
+    # (proxy/core/strip.py); the one mutable part, shared by every request to the upstream.
+    injection: Injection = field(default_factory=Injection)
 
 
 def relay_settings(settings: Settings) -> RelaySettings:
@@ -77,6 +83,25 @@ def target(raw_path: bytes, query: bytes) -> Target:
         raise Refused(400, "invalid_request_target", str(exc)) from None
 
 
+def own_route(where: Target | Refused, owns: Callable[[str], bool]) -> str | None:
+    """The proxy's own route a request is for, decided on its normalised target
+    (`route_key`: `/v1/../metrics`, `//metrics` and `/metrics/` are all /metrics), or None
+    when the request is the backend's (a target that cannot be normalised is the relay's
+    to refuse)."""
+    if isinstance(where, Refused):
+        return None
+    key = route_key(where.path)
+    return key if owns(key) else None
+
+
+def where_to(raw_path: bytes, query: bytes) -> Target | Refused:
+    """`target`, with the refusal returned instead of raised."""
+    try:
+        return target(raw_path, query)
+    except Refused as refusal:
+        return refusal
+
+
 def measured_api(method: str, path: str) -> Api | None:
     """The seam decides: a POST to a path that has an Api is measured, the rest is not."""
     return api_for(path) if method == "POST" else None
@@ -105,15 +130,23 @@ BODY_TIMEOUT = Refused(408, "request_timeout", "request body not received in tim
 
 
 def admit(
-    api: Api, body: bytes, limits: RelaySettings
+    api: Api, body: bytes, limits: RelaySettings, backend: str = UNKNOWN
 ) -> tuple[RequestInfo, bytes, UsageEventStripper | None]:
     """A measured request's info, the body that goes upstream, and the stripper when the
-    proxy asked for usage the client did not."""
+    proxy asked for usage the client did not. `backend`: the upstream's kind, as far as
+    it is known (proxy/core/identity.py); the API may not ask some kinds for usage."""
     info, obj = parse_request(api, body)
-    if limits.inject_usage and info.stream and not info.usage_requested and obj is not None:
+    if (
+        limits.inject_usage
+        and limits.injection.on
+        and info.stream
+        and not info.usage_requested
+        and obj is not None
+        and backend not in api.usage_reshapes
+    ):
         asked = api.ask_for_usage(obj)
         if asked is not None:  # the client gets the stream it asked for: strip the extra
-            return info, asked, UsageEventStripper(limits.max_event_bytes)
+            return info, asked, UsageEventStripper(limits.max_event_bytes, limits.injection)
     return info, body, None
 
 

@@ -23,8 +23,10 @@ from prometheus_client import CollectorRegistry
 
 from proxy.core.errors import describe
 from proxy.core.tokens import TokenCounter
+from proxy.server.admission import own_route, where_to
 from proxy.server.control import ControlPlane
 from proxy.server.forward import Forwarder, UpstreamBroke
+from proxy.server.identity import keep_asking
 from proxy.server.looplag import LoopLag
 from proxy.server.tunnel import TunnelContext, tunnel_context
 from proxy.server.upstream import create_client
@@ -74,6 +76,7 @@ class ProxyApp:
         self.wire: Wire | None = None  # the wire's shared state (proxy/server/wire/)
         self.counter: TokenCounter | None = None
         self._refresher: asyncio.Task[None] | None = None
+        self._identity: asyncio.Task[None] | None = None  # asks what the backend is
         self._metrics_server: Any = None
         self._metrics_task: asyncio.Task[None] | None = None
         self.loop_lag = LoopLag(sinks.metrics.loop_lag.observe)
@@ -85,10 +88,13 @@ class ProxyApp:
             log.warning("WebSocket %s refused: the ASGI relay does not tunnel them", scope["path"])
             await send({"type": "websocket.close", "code": 1008})
         elif kind == "http":
-            # The proxy's own routes first; everything else belongs to the backend, and
-            # goes to the relay with no router or middleware in between.
-            if self.control.owns(scope["path"]):
-                await self.control(scope, receive, send)
+            # The proxy's own routes first, decided on the normalised target (so no
+            # spelling of /metrics reaches the backend); everything else belongs to the
+            # backend, and goes to the relay with no router or middleware in between.
+            raw_path = scope.get("raw_path") or scope["path"].encode()
+            own = own_route(where_to(raw_path, b""), self.control.owns)
+            if own is not None:
+                await self.control({**scope, "path": own, "raw_path": own.encode()}, receive, send)
             else:
                 assert self.forwarder is not None, "lifespan did not run"
                 await self.forwarder(scope, receive, send)
@@ -99,7 +105,9 @@ class ProxyApp:
 
     async def startup(self) -> None:
         settings = self.settings
-        self.client = create_client(settings, self.transport)
+        self.client = create_client(
+            settings, self.transport, self.sinks.count_upstream_protocol_error
+        )
         if settings.tokenizer:
             self.counter = TokenCounter(settings.tokenizer)
         self.forwarder = Forwarder.from_settings(
@@ -110,6 +118,9 @@ class ProxyApp:
         self.loop_lag.start()
         if settings.models_refresh:
             self._refresher = asyncio.create_task(self._refresh_models(settings.models_refresh))
+            self._identity = asyncio.create_task(
+                keep_asking(self.client, self.upstream, settings.models_refresh, self._backend)
+            )
         if self.control.listener is not None and settings.metrics_port is not None:
             await self._start_metrics_listener(
                 self.control.listener, settings.metrics_host or settings.host, settings.metrics_port
@@ -144,10 +155,11 @@ class ProxyApp:
         if self._metrics_server is not None and self._metrics_task is not None:
             self._metrics_server.should_exit = True
             await self._metrics_task
-        if self._refresher is not None:
-            self._refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresher
+        for task in (self._refresher, self._identity):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self.client is not None:
             await self.client.aclose()
         if self.counter is not None:
@@ -190,6 +202,13 @@ class ProxyApp:
             return [str(item["id"]) for item in data]
         except (orjson.JSONDecodeError, KeyError, TypeError):
             return None
+
+    def _backend(self, kind: str, version: str) -> None:
+        """What the upstream said it is: for the data paths (admission) and the metrics."""
+        assert self.forwarder is not None
+        backend = self.forwarder.context.backend
+        backend.kind, backend.version = kind, version
+        self.sinks.metrics.set_backend(kind, version)
 
     async def _refresh_models(self, every: float) -> None:
         while True:

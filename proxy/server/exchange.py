@@ -15,11 +15,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
 
 from proxy.core.errors import Cause, Failure, relay_failure
+from proxy.core.identity import Backend
 from proxy.core.labels import route_template
 from proxy.core.observe import StreamObserver, bare_record
 from proxy.core.request import RequestInfo
@@ -39,6 +40,8 @@ class Context:
     sinks: Sinks
     counter: TokenCounter | None
     settings: RelaySettings
+    #: What the upstream last said it is (proxy/server/identity.py updates it in place).
+    backend: Backend = field(default_factory=Backend)
 
 
 class MeasuredExchange:

@@ -27,6 +27,7 @@ from proxy.core.errors import Cause, Failure
 from proxy.core.measurement import ErrorType
 from proxy.core.strip import UsageEventStripper
 from proxy.core.tokens import TokenCounter
+from proxy.core.upstream_url import UpstreamURL
 from proxy.server.admission import (
     BODY_TIMEOUT,
     ClientGone,
@@ -43,7 +44,7 @@ from proxy.server.admission import (
 )
 from proxy.server.exchange import Context, IdleTimer, MeasuredExchange
 from proxy.server.headers import client_headers
-from proxy.server.upstream import body_reader, send_upstream
+from proxy.server.upstream import UpstreamProtocolError, body_reader, send_upstream
 from proxy.settings import Settings
 from proxy.sinks.dispatch import Sinks
 from proxy.types import Receive, Scope, Send
@@ -70,6 +71,9 @@ class Forwarder:
     ) -> None:
         self.client = client
         self.context = Context(sinks, counter, settings)
+        settings.injection.on_refuse = sinks.usage_injection_refused
+        self.upstream = UpstreamURL.parse(settings.upstream)
+        self.origin = self.upstream.origin
 
     @classmethod
     def from_settings(
@@ -105,11 +109,12 @@ class Forwarder:
         read = perf_counter()  # the request is in: the proxy's own time starts (overhead)
         info, stripper = None, None
         if api is not None:
-            info, body, stripper = admit(api, body, limits)
+            info, body, stripper = admit(api, body, limits, self.context.backend.kind)
         exchange = MeasuredExchange(
             self.context, path, scope["headers"], info, start, started_at, read
         )
-        await Relay(self.client, exchange, scope, receive, send).run(body, stripper)
+        url = self.origin + self.upstream.target(path, where.query)
+        await Relay(self.client, exchange, scope, receive, send).run(url, body, stripper)
 
 
 async def _read_body(receive: Receive, limits: RelaySettings) -> bytes:
@@ -160,12 +165,12 @@ class Relay:
         self.response: httpx.Response | None = None
         self.idle: IdleTimer | None = None
 
-    async def run(self, body: bytes, stripper: UsageEventStripper | None) -> None:
+    async def run(self, url: str, body: bytes, stripper: UsageEventStripper | None) -> None:
         cut = self.cut
         watcher = asyncio.create_task(_watch_client(self.receive, cut))
         failure: Failure | None = None
         try:
-            stripper = await self.send_request(body, stripper)
+            stripper = await self.send_request(url, body, stripper)
             await self.stream(stripper)
         except asyncio.CancelledError:
             cut.task.uncancel()
@@ -186,14 +191,13 @@ class Relay:
     # -- the steps --------------------------------------------------------------------
 
     async def send_request(
-        self, body: bytes, stripper: UsageEventStripper | None
+        self, url: str, body: bytes, stripper: UsageEventStripper | None
     ) -> UsageEventStripper | None:
-        """Send the request upstream and the response head to the client. Returns the
-        stripper if this response is one to strip."""
+        """Send the request upstream (to `url`: the upstream's origin and base path, then
+        the normalised target) and the response head to the client. Returns the stripper
+        if this response is one to strip."""
         scope, exchange = self.scope, self.exchange
         limits = exchange.context.settings
-        query = scope.get("query_string", b"")
-        url = limits.upstream + scope["path"] + ("?" + query.decode("latin-1") if query else "")
         headers = exchange.upstream_headers()
         exchange.sent(perf_counter())
         try:
@@ -206,6 +210,9 @@ class Relay:
                 self.cut.cause = Cause.FIRST_BYTE_TIMEOUT
             raise
         status = response.status_code
+        if status < 200:  # a 101 the relay never asked for (both clients drop other 1xx)
+            exchange.context.sinks.count_upstream_protocol_error("upgrade")
+            raise UpstreamProtocolError("upgrade", f"the upstream answered {status} unasked")
         content_type = response.headers.get("content-type", "")
         exchange.open(status, content_type, perf_counter())
         # Only an event stream has a usage event to drop: any other body (a JSON answer

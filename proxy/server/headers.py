@@ -5,7 +5,9 @@ proxy in both directions. `Expect` is dropped: the proxy has read the whole body
 (it answered the client's 100-continue when it did); passed on, the upstream would wait
 for a 100 of its own. A measured request asks for an uncompressed response, because the
 observer reads the stream. An event stream going to the client says
-`x-accel-buffering: no`, so an nginx in front does not buffer it.
+`x-accel-buffering: no`, so an nginx in front does not buffer it. A WebSocket handshake
+(proxy/server/tunnel.py) passes the same policy (`handshake_headers`), keeping only what
+the protocol is made of: Upgrade, Connection and the Sec-WebSocket-* headers.
 """
 
 from __future__ import annotations
@@ -35,10 +37,7 @@ def upstream_headers(headers: Headers, *, measured: bool, trace: Headers | None 
     """The client's (lower-case) request headers as they go upstream. `trace` are the
     proxy's own trace headers: its span is the client's span's child, so they replace the
     client's and the backend sees exactly one traceparent."""
-    drop = _REQUEST_DROP
-    for name, value in headers:
-        if name == b"connection":  # the headers it names are hop-by-hop too
-            drop = drop | {t.strip().lower() for t in value.split(b",")}
+    drop = _hop_by_hop(headers)
     if trace:
         drop = drop | {name for name, _ in trace} | {b"tracestate"}
     out = [(k, v) for k, v in headers if k not in drop]
@@ -50,6 +49,31 @@ def upstream_headers(headers: Headers, *, measured: bool, trace: Headers | None 
     if trace:
         out.extend(trace)
     return out
+
+
+def handshake_headers(headers: Headers) -> Headers:
+    """A WebSocket handshake's (lower-case) request headers as they go upstream: the same
+    policy as an HTTP request's, then the two hop-by-hop headers the handshake is made of
+    (RFC 6455 §4.1). A Connection header cannot name the Sec-WebSocket-* headers away:
+    without them there is no handshake."""
+    drop = {name for name in _hop_by_hop(headers) if not name.startswith(b"sec-websocket-")}
+    drop.discard(b"accept-encoding")  # dropped above only to go last; here it just stays
+    out = [(k, v) for k, v in headers if k not in drop]
+    out.extend(_HANDSHAKE)
+    return out
+
+
+_HANDSHAKE = ((b"upgrade", b"websocket"), (b"connection", b"Upgrade"))
+
+
+def _hop_by_hop(headers: Headers) -> frozenset[bytes]:
+    """The request headers that stop at the proxy: `_REQUEST_DROP` and those a Connection
+    header names."""
+    drop = _REQUEST_DROP
+    for name, value in headers:
+        if name == b"connection":  # the headers it names are hop-by-hop too
+            drop = drop | {t.strip().lower() for t in value.split(b",")}
+    return drop
 
 
 def client_headers(headers: Headers, content_type: bytes, *, body_changes: bool) -> Headers:

@@ -14,6 +14,17 @@ run out. Here, per connection:
   of the previous response ending (which also bounds idle keep-alive connections):
   otherwise a 408 (or, when not a byte came, a plain close).
 
+And a request that asks to upgrade: llhttp parses nothing after it. Only a well-formed
+WebSocket handshake (`proxy.server.tunnel.is_websocket_upgrade`, the one check) switches
+protocols, and only once every response before it on the connection has ended (a
+pipelined GET keeps its response); until then the connection is not read. Any other
+upgrade request (a POST with `Upgrade: websocket`, a handshake with a body, h2c) is an
+ordinary request, answered, and then the connection closes: what the client wrote after
+it is never parsed, so never relayed. llhttp (through httptools) reads no body after an
+upgrade request's head, so such a request's body is read by a second parser (`Upgrade`).
+Trailer fields of a chunked body never join the request's headers (they are dropped, as
+most proxies do).
+
 Each close is counted in `tokenprobe_connections_closed_total{reason}`. The limits come
 from the settings (`configure`, before the server starts) and live on the class, because
 uvicorn builds the protocol itself, in every worker.
@@ -26,10 +37,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import httptools
 from prometheus_client import CollectorRegistry, Counter
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from proxy.core.errors import error_body
+from proxy.server.tunnel import is_websocket_upgrade
 from proxy.settings import Settings
 
 #: Room for the request line and the header block's framing on top of --max-header-bytes,
@@ -91,6 +104,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._header_count = 0
         self._refusal: tuple[str, str] | None = None
         self._head_timer: asyncio.TimerHandle | None = None
+        self._ws = False  # the request whose head was parsed last is a WebSocket handshake
+        self._upgrade: Upgrade | None = None  # llhttp stopped at an upgrade request
+        self._body_due: bytes | None = None  # that request's framing headers: see Upgrade
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -116,9 +132,50 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._head_timer = None
 
     def data_received(self, data: bytes) -> None:
+        upgrade = self._upgrade
+        if upgrade is not None:  # nothing after an upgrade request is parsed
+            upgrade.more(data)
+            return
         if self._in_head and not self._count_head(data):
             return
-        super().data_received(data)
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            msg = "Invalid HTTP request received."
+            self.logger.warning(msg)
+            self.send_400_response(msg)
+        except httptools.HttpParserUpgrade as exc:
+            self._upgrade_at(data[exc.args[0] :])
+
+    def _upgrade_at(self, rest: bytes) -> None:
+        """llhttp stopped after a request that asked to upgrade; `rest` came after it."""
+        if not self._ws:  # an ordinary request: answered, then the connection closes
+            if self.cycle is not None:
+                self.cycle.keep_alive = False
+            self._upgrade = Upgrade(self, b"", tunnel=False, framing=self._body_due)
+            self._upgrade.more(rest)
+            return
+        upgrade = self._upgrade = Upgrade(self, rest, tunnel=True)
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete:
+            upgrade.begin()
+        else:  # a response before it is under way: the switch waits its turn, unread
+            self.flow.pause_reading()
+            self.pipeline.appendleft((upgrade, self.app))  # type: ignore[arg-type]
+
+    def _switch(self, rest: bytes) -> None:
+        """Switch protocols now (uvicorn's WebSocket protocol; the wire's tunnel)."""
+        self.handle_websocket_upgrade()
+
+    def _should_upgrade(self) -> bool:
+        return self._ws
+
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        if isinstance(cycle, Upgrade):
+            cycle.begin()
+        else:
+            super()._start_asgi_task(cycle, app)
 
     def _count_head(self, data: bytes) -> bool:
         """Count a read of a request head; False when it went over the cap (refused).
@@ -139,6 +196,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         return False
 
     def on_message_begin(self) -> None:
+        self._ws = False
+        self._body_due = None
         if not self._in_head:  # a pipelined request: its head is counted from here on
             self._in_head, self._head_bytes, self._header_count = True, 0, 0
             self._head_tail = b""
@@ -153,7 +212,33 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._head_done()
+        self._ws = self._is_handshake() and self._should_upgrade_to_ws()
+        self._body_due = self._upgrade_body()
         super().on_headers_complete()
+        self.headers = []  # a chunked body's trailers, if any, land here, not in the scope
+
+    def on_message_complete(self) -> None:
+        if self._body_due is None:  # else llhttp skipped the body: Upgrade reads it
+            super().on_message_complete()
+
+    def _upgrade_body(self) -> bytes | None:
+        """For an upgrade request that will not switch and has a body, its framing
+        headers; else None."""
+        if self._ws or not self.parser.should_upgrade():
+            return None
+        framing = [
+            b"%s: %s\r\n" % (name, value)
+            for name, value in self.headers
+            if name in (b"content-length", b"transfer-encoding")
+        ]
+        return b"".join(framing) or None
+
+    def _is_handshake(self) -> bool:
+        parser = self.parser
+        if not parser.should_upgrade():
+            return False
+        http_11 = parser.get_http_version() == "1.1"
+        return is_websocket_upgrade(parser.get_method(), self.headers, http_11=http_11)
 
     def _head_done(self) -> None:
         self._in_head = False
@@ -199,6 +284,61 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         body = error_body(status, kind, message)
         head = b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
         self.transport.write(STATUS_LINE[status] + head % len(body) + body)
+
+
+class Upgrade:
+    """A request llhttp stopped at because it asked to upgrade. A WebSocket handshake
+    (`tunnel`) waits in uvicorn's pipeline, as a request would, for the responses before
+    it; what the client sends meanwhile is kept for the tunnel, one read at a time.
+
+    Any other is an ordinary request whose body llhttp did not read (httptools tells it
+    to skip the body of an upgrade request, and it reports the message complete at once):
+    a second parser, fed a head made of the request's own framing headers, reads the body
+    for it, and only then is the message complete. What follows the body is dropped: the
+    connection closes after the answer."""
+
+    __slots__ = ("body", "done", "proto", "rest", "tunnel")
+
+    def __init__(
+        self,
+        proto: GuardedHttpToolsProtocol,
+        rest: bytes,
+        *,
+        tunnel: bool,
+        framing: bytes | None = None,
+    ) -> None:
+        self.proto, self.rest, self.tunnel = proto, rest, tunnel
+        self.done = framing is None
+        self.body: httptools.HttpRequestParser | None = None
+        if framing is not None:
+            self.body = httptools.HttpRequestParser(self)
+            self.more(b"POST / HTTP/1.1\r\n" + framing + b"\r\n")
+
+    def more(self, data: bytes) -> None:
+        if self.tunnel:
+            self.rest += data
+            self.proto.flow.pause_reading()
+        elif not self.done and self.body is not None:
+            try:
+                self.body.feed_data(data)
+            except httptools.HttpParserError:
+                if not self.done:  # a malformed body: as the first parser answers one
+                    self.done = True
+                    self.proto.send_400_response("Invalid HTTP request received.")
+
+    def on_body(self, body: bytes) -> None:
+        if not self.done:
+            self.proto.on_body(body)
+
+    def on_message_complete(self) -> None:
+        if not self.done:
+            self.done = True
+            self.proto._body_due = None
+            self.proto.on_message_complete()
+
+    def begin(self) -> None:
+        rest, self.rest = self.rest, b""
+        self.proto._switch(rest)
 
 
 _REASONS = ("header_timeout", "headers_too_large", "too_many_headers")

@@ -1,20 +1,30 @@
 """WebSockets through the proxy: a byte tunnel between the client and the upstream.
 
-The wire's connection protocol parses a request head; when it is an `Upgrade: websocket`
-(`is_websocket_upgrade`), it stops parsing that connection and calls `take_over` with the
-head's exact bytes and whatever came after them. From then on this module owns both
-connections:
+The wire's connection protocol parses a request head; when it is a well-formed WebSocket
+handshake (`is_websocket_upgrade`, the one check: GET on HTTP/1.1, `Upgrade: websocket`,
+`Connection: upgrade`, a key, version 13, no body) for a path that is not the proxy's own,
+it stops parsing that connection and, once every response before it on the connection has
+ended, calls `take_over` with the head and whatever the client sent after it. Any other
+Upgrade (a POST with `Upgrade: websocket` included) is an ordinary request to the HTTP
+relay. From then on this module owns both connections:
 
-1. It connects to the upstream (--connect-timeout) and sends the head as the client wrote
-   it, every handshake header byte for byte (Sec-WebSocket-Key, -Version, -Protocol,
-   -Extensions, Origin, ...); only the Host line is rewritten to the upstream's authority,
-   as the HTTP relay does, and the request target is the normalised one (proxy/core/paths)
-   with the upstream's base path in front. An unreachable upstream gets the client the
+1. It connects to the upstream (--connect-timeout) and sends the handshake: the request
+   target normalised (proxy/core/paths; one that cannot be gets the HTTP relay's 400
+   `invalid_request_target`) with the upstream's base path in front (UpstreamURL,
+   proxy/core/upstream_url.py),
+   the Host line the upstream's authority, and the client's headers through the HTTP
+   relay's header policy (`handshake_headers`: hop-by-hop headers, those Connection names
+   and Proxy-Authorization stop here; Sec-WebSocket-Key, -Version, -Protocol,
+   -Extensions, Origin... pass as sent). An unreachable upstream gets the client the
    proxy's 502/504 error body (proxy.core.errors.relay_failure), as an HTTP request would.
-2. Everything the upstream sends is written to the client as it arrives, the response head
-   included; an httptools parser reads the same bytes on the side. A 101 opens the tunnel.
-   Any other final status (a refusal) reaches the client exactly as sent, body included,
-   and both connections close when its body ends.
+2. Nothing the client sent after its head goes upstream before the upstream's 101: the
+   client's connection is not read until then, and what was read already is held. The
+   upstream might refuse the upgrade and read those bytes as a request the proxy never
+   parsed. Everything the upstream sends is written to the client as it arrives, the
+   response head included; an httptools parser reads the same bytes on the side. A 101
+   opens the tunnel, and the held bytes go. Any other final status (a refusal) reaches the
+   client exactly as sent, body included, and both connections close when its body ends;
+   the held bytes never go.
 3. In the tunnel, each read goes to the other side first, unchanged; then the direction's
    `FrameBounds` notes where frames end and which side sent a close frame first, and,
    when the path has a WebSocket API (proxy/core/wsseam.py), the direction's `FrameReader`
@@ -35,19 +45,20 @@ in flight, duration from the upgrade request's arrival to the close).
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import logging
 import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter, time
 from typing import cast
-from urllib.parse import urlsplit
 
 import httptools
 from prometheus_client import CollectorRegistry
 
 from proxy.core.errors import Cause, error_body, error_shape, relay_failure
-from proxy.core.paths import BadTarget, normalise
+from proxy.core.upstream_url import UpstreamURL
 from proxy.core.wsframes import (
     DeflateParams,
     FrameBounds,
@@ -57,6 +68,8 @@ from proxy.core.wsframes import (
     deflate_params,
 )
 from proxy.core.wsseam import CLOSE_CAUSES, WsApi, WsSession, ws_api_for
+from proxy.server.admission import Refused, target
+from proxy.server.headers import handshake_headers
 from proxy.settings import Settings
 from proxy.sinks.dispatch import Sinks
 from proxy.sinks.metrics import WsMetrics
@@ -93,19 +106,13 @@ class TunnelContext:
 
 def tunnel_context(settings: Settings, registry: CollectorRegistry, sinks: Sinks) -> TunnelContext:
     """The tunnels' shared parts for these settings; call once per registry."""
-    upstream = urlsplit(settings.upstream)
-    https = upstream.scheme == "https"
-    port = upstream.port or (443 if https else 80)
-    host = upstream.hostname or ""
-    default_port = port == (443 if https else 80)
-    host_text = f"[{host}]" if ":" in host else host
-    authority = host_text if default_port else f"{host_text}:{port}"
+    upstream = UpstreamURL.parse(settings.upstream)  # the one parse every path uses
     return TunnelContext(
-        host=host,
-        port=port,
-        authority=authority.encode(),
-        base_path=upstream.path.rstrip("/"),
-        ssl=ssl.create_default_context() if https else None,
+        host=upstream.host,
+        port=upstream.port,
+        authority=upstream.authority,
+        base_path=upstream.base_path,
+        ssl=ssl.create_default_context() if upstream.tls else None,
         connect_timeout=settings.connect_timeout,
         idle_timeout=settings.ws_idle_timeout,
         max_message_bytes=settings.max_event_bytes,
@@ -114,19 +121,42 @@ def tunnel_context(settings: Settings, registry: CollectorRegistry, sinks: Sinks
     )
 
 
-def is_websocket_upgrade(method: bytes, headers: Sequence[tuple[bytes, bytes]]) -> bool:
-    """A GET asking to upgrade to websocket (RFC 6455 §4.1): the one Upgrade the proxy
-    tunnels; any other token (h2c, ...) is an ordinary request to the HTTP relay."""
-    if method.upper() != b"GET":
+def is_websocket_upgrade(
+    method: bytes, headers: Sequence[tuple[bytes, bytes]], *, http_11: bool = True
+) -> bool:
+    """A well-formed WebSocket opening handshake (RFC 6455 §4.1): a GET on HTTP/1.1 with
+    `Upgrade: websocket`, `Connection: upgrade`, one Sec-WebSocket-Key that is 16 bytes
+    in base64, `Sec-WebSocket-Version: 13`, and no body. The one request either data path
+    tunnels (the ASGI relay refuses it itself); anything else asking to upgrade (h2c, a
+    POST with `Upgrade: websocket`, a handshake with a body) is an ordinary request, its
+    Upgrade dropped as hop-by-hop."""
+    if method != b"GET" or not http_11:
         return False
     upgrade = connection = False
+    keys: list[bytes] = []
+    version = b""
     for name, value in headers:
         lower = name.lower()
         if lower == b"upgrade":
             upgrade = upgrade or b"websocket" in _tokens(value)
         elif lower == b"connection":
             connection = connection or b"upgrade" in _tokens(value)
-    return upgrade and connection
+        elif lower == b"sec-websocket-key":
+            keys.append(value.strip())
+        elif lower == b"sec-websocket-version":
+            version = value.strip()
+        elif lower == b"transfer-encoding" or (
+            lower == b"content-length" and value.strip() != b"0"
+        ):
+            return False
+    return upgrade and connection and version == b"13" and len(keys) == 1 and _nonce(keys[0])
+
+
+def _nonce(key: bytes) -> bool:
+    try:
+        return len(base64.b64decode(key, validate=True)) == 16
+    except binascii.Error:
+        return False
 
 
 def _tokens(value: bytes) -> list[bytes]:
@@ -158,9 +188,9 @@ def take_over(
     *,
     start: float | None = None,
 ) -> TunnelHandle:
-    """Tunnel this client connection to the upstream. `head` is the request head exactly
-    as the client sent it (request line to the blank line), `rest` what it sent after;
-    `start` the perf_counter() of the head's arrival (default: now)."""
+    """Tunnel this client connection to the upstream. `head` is the request head (request
+    line to the blank line) of a request `is_websocket_upgrade` accepted, `rest` what the
+    client sent after it; `start` the perf_counter() of the head's arrival (default: now)."""
     tunnel = Tunnel(transport, context, start if start is not None else perf_counter())
     tunnel.begin(head, rest)
     return TunnelHandle(tunnel)
@@ -223,7 +253,7 @@ class Tunnel:
         self._status = 0
         self._extensions: str | None = None
         self._relayed = False  # some upstream byte reached the client
-        self._early: list[bytes] | None = []  # client bytes before the 101 (_keep_early)
+        self._held: list[bytes] = []  # client bytes read before the 101: sent after it
         self.client_bounds = FrameBounds()
         self.upstream_bounds = FrameBounds()
         self.first_close: bool | None = None  # True: the client sent the first close frame
@@ -237,7 +267,6 @@ class Tunnel:
         self._draining = False
         self._drained: set[bool] = set()  # sides a shutdown close frame was written to
         self._connect: asyncio.Task[None] | None = None
-        self._first: bytes | None = b""  # client bytes read while connecting; None: connected
         in_flight, self._duration, self._outcomes = context.metrics.for_route("other")
         self._in_flight = in_flight
 
@@ -246,40 +275,44 @@ class Tunnel:
     def begin(self, head: bytes, rest: bytes) -> None:
         self.context.tunnels.add(self)
         self.client.set_protocol(_Side(self, True))
-        self._pause(True)  # until the upstream is connected
+        self._pause(True)  # until the upstream's 101
         try:
             head = self._admit(head)
-        except BadTarget as exc:
+        except Refused as refusal:
             self._in_flight.inc()
-            self._answer(400, "bad_request", str(exc))
+            self._answer(refusal.status, refusal.kind, refusal.message)
             self.end("bad_request")
             return
         self._in_flight.inc()
-        self.client_bounds.feed(rest)
-        self._keep_early(rest)
-        self._connect = self.loop.create_task(self._open_upstream(head + rest))
+        if rest:
+            self._held.append(rest)
+        self._connect = self.loop.create_task(self._open_upstream(head))
 
     def _admit(self, head: bytes) -> bytes:
-        """The head to send upstream: normalised target, Host line rewritten; the route,
-        the API and the key label read from it."""
+        """The handshake to send upstream (raises `Refused`): the normalised target after
+        the base path, the Host line the upstream's, the headers through the HTTP relay's
+        policy; the route, the API and the key label read from it."""
         lines = head.split(b"\n")
         method, _, remainder = lines[0].partition(b" ")
-        target, _, version = remainder.rpartition(b" ")
-        raw_path, _, query = target.partition(b"?")
-        parsed = normalise(raw_path, query)
+        request_target, _, _ = remainder.strip().rpartition(b" ")
+        raw_path, _, query = request_target.partition(b"?")
+        parsed = target(raw_path, query)
         self.path, self.query = parsed.path, parsed.query
-        request_target = (self.context.base_path + parsed.request_target).encode()
-        lines[0] = b"%s %s %s" % (method, request_target, version)
         headers: list[tuple[bytes, bytes]] = []
-        for i in range(1, len(lines)):
-            name, colon, value = lines[i].partition(b":")
-            if not colon:
-                continue
-            lower = name.strip().lower()
-            headers.append((lower, value.strip()))
-            if lower == b"host":
-                cr = b"\r" if lines[i].endswith(b"\r") else b""
-                lines[i] = name + b": " + self.context.authority + cr
+        for line in lines[1:]:
+            name, colon, value = line.partition(b":")
+            if colon:
+                headers.append((name.strip().lower(), value.strip()))
+        out = [
+            b"%s %s HTTP/1.1\r\nhost: %s\r\n"
+            % (
+                method,
+                (self.context.base_path + parsed.request_target).encode(),
+                self.context.authority,
+            )
+        ]
+        out.extend(b"%s: %s\r\n" % pair for pair in handshake_headers(headers))
+        out.append(b"\r\n")
         self.api = self.context.apis(self.path)
         if self.api is not None:
             self.route = self.api.endpoint
@@ -289,9 +322,9 @@ class Tunnel:
         keys = self.context.sinks.keys
         if self.api is not None and keys is not None:
             self.key = keys(headers)
-        return b"\n".join(lines)
+        return b"".join(out)
 
-    async def _open_upstream(self, first: bytes) -> None:
+    async def _open_upstream(self, head: bytes) -> None:
         context = self.context
         try:
             transport, _ = await asyncio.wait_for(
@@ -319,19 +352,7 @@ class Tunnel:
             return
         self._last = self.loop.time()
         self._idle = self.loop.call_later(context.idle_timeout, self._check_idle)
-        transport.write(first + (self._first or b""))
-        self._first = None
-        self._resume(True)
-
-    def _keep_early(self, data: bytes) -> None:
-        """Client bytes before the 101 (a client may send frames right after its head),
-        kept for its frame reader; only on a watched path, and not beyond one message."""
-        early = self._early
-        if self.api is None or early is None or not data:
-            return
-        early.append(data)
-        if sum(map(len, early)) > self.context.max_message_bytes:
-            self._early = None
+        transport.write(head)  # the client stays unread until the 101 (_opened)
 
     def _answer(self, status: int, kind: str, message: str) -> None:
         """The proxy's own error answer, only while no upstream byte reached the client."""
@@ -354,18 +375,20 @@ class Tunnel:
             self.end("refused")
 
     def _opened(self, after: bytes, now: float) -> None:
-        """The upstream answered 101: frames from here on."""
+        """The upstream answered 101: frames from here on, and the client's held bytes go."""
         self.open = True
         self._response = None
         self.upstream_bounds.feed(after)
-        early = self._early
-        self._early = []
+        self._follow(after, now)
+        held, self._held = self._held, []
+        if held:
+            self.from_client(b"".join(held))
+        self._resume(True)
+
+    def _follow(self, after: bytes, now: float) -> None:
+        """On a path with a WebSocket API, start its session and frame readers."""
         if self.api is None:
             return
-        if early is None:  # more than a message before the 101: cannot be followed
-            self.context.sinks.count_measurement_failure("ws_frames")
-            return
-        first = b"".join(early)
         try:
             deflate: DeflateParams | None = deflate_params(self._extensions)
             limit = self.context.max_message_bytes
@@ -385,19 +408,16 @@ class Tunnel:
             log.exception("opening a WebSocket session's measurement failed")
             self._stop_watching("observe")
             return
-        self._watch(True, first, now)
         self._watch(False, after, now)
 
     # -- the byte path ------------------------------------------------------------------
 
     def from_client(self, data: bytes) -> None:
         upstream = self.upstream
-        if upstream is None or self._first is not None:
-            # Reading is paused until the head has gone upstream; a read already under
-            # way when it paused still goes, after the head.
-            self._first = (self._first or b"") + data
-            self.client_bounds.feed(data)
-            self._keep_early(data)
+        if upstream is None or not self.open:
+            # Reading is paused until the 101; a read already under way when it paused
+            # is held with the rest (_opened sends it).
+            self._held.append(data)
             return
         self._last = self.loop.time()
         if self._draining and False in self._drained:
@@ -409,9 +429,6 @@ class Tunnel:
         upstream.write(data)
         bounds = self.client_bounds
         bounds.feed(data)
-        if not self.open:
-            self._keep_early(data)
-            return
         if bounds.closed and self.first_close is None:
             self.first_close = True
         if self._readers is not None:
@@ -453,7 +470,7 @@ class Tunnel:
                 self._response = None
         except httptools.HttpParserError:
             # Not HTTP the proxy can follow: the bytes went to the client all the same;
-            # the client decides, and the tunnel ends when either side closes.
+            # the client's stay held, and the tunnel ends when either side closes.
             self._response = None
 
     def _watch(self, from_client: bool, data: bytes, now: float) -> None:
@@ -499,8 +516,8 @@ class Tunnel:
     def _resume(self, client_side: bool) -> None:
         if client_side not in self._paused or (not client_side) in self._full:
             return
-        if client_side and self.upstream is None:
-            return  # nothing to write the client's bytes to yet
+        if client_side and not self.open:
+            return  # the client's bytes wait for the upstream's 101
         transport = self.client if client_side else self.upstream
         self._paused.discard(client_side)
         if transport is not None and not transport.is_closing():

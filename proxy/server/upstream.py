@@ -2,18 +2,41 @@
 
 httpx is the client; its transport is either httpx's own or aiohttp's (httpx-aiohttp),
 chosen by `--upstream-transport` after benchmarking (see docs/performance.md).
+
+Neither library's pool keeps a misbehaving backend's bytes from reaching the wrong request
+(issue 32): aiohttp queues every response it parses on the connection, so a second
+response in one read, or one that arrives while the connection sits idle, is what the
+next request on it reads; h11 keeps the bytes after a response's end in its buffer for the
+next cycle. So both pools are guarded here, per connection reuse and never per chunk:
+
+- aiohttp (`_GuardedHandler`, `_GuardedConnector`): a second final response for one
+  request, or any response parsed while the connection is pooled, closes it at once; a
+  connection whose parser holds the start of a message when it goes idle, or when it is
+  about to be reused (`is_connected`, which the connector asks before reusing one), is
+  closed instead of reused.
+- httpx/httpcore (`_GuardedPool`): an idle connection with bytes in h11's buffer
+  (`trailing_data`) or readable bytes on its socket is closed before the pool can assign
+  it (httpcore itself closes a readable idle socket; this counts it).
+
+Each such close is counted by the `count` callback (Sinks.count_upstream_protocol_error):
+tokenprobe_upstream_protocol_errors_total{kind}.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import socket
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import aiohttp
+import httpcore
 import httpx
 import yarl
 from aiohttp.client_proto import ResponseHandler
 from aiohttp.helpers import _EXC_SENTINEL
+from aiohttp.http_exceptions import HttpProcessingError
 from httpx_aiohttp.transport import AiohttpResponseStream, AiohttpTransport
 from multidict import CIMultiDict
 
@@ -22,11 +45,27 @@ from proxy.settings import Settings
 KEEPALIVE_SECONDS = 4.0
 
 
+class UpstreamProtocolError(Exception):
+    """The upstream broke HTTP/1.1 on a connection, which is closed; `kind` is its label in
+    tokenprobe_upstream_protocol_errors_total (proxy/sinks/metrics.py)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def _uncounted(kind: str) -> None:
+    pass
+
+
 def create_client(
-    settings: Settings, transport: httpx.AsyncBaseTransport | None = None
+    settings: Settings,
+    transport: httpx.AsyncBaseTransport | None = None,
+    count: Callable[[str], None] = _uncounted,
 ) -> httpx.AsyncClient:
     """The upstream client the settings ask for; `transport`, when given, replaces the one
-    --upstream-transport picks (an in-process test's scripted upstream)."""
+    --upstream-transport picks (an in-process test's scripted upstream). `count` is told
+    the kind of each upstream protocol error its pools close a connection for."""
     timeout = httpx.Timeout(
         connect=settings.connect_timeout,
         read=None,  # the relay times the gaps between chunks itself (RelaySettings.idle_timeout)
@@ -40,20 +79,25 @@ def create_client(
         max_connections=None, max_keepalive_connections=1024, keepalive_expiry=KEEPALIVE_SECONDS
     )
     if transport is None:
-        transport = _transport(settings, limits)
+        transport = _transport(settings, limits, count)
     client = UpstreamClient(transport=transport, timeout=timeout, limits=limits)
     client.limits = limits
+    client.count = count
     client.headers.clear()  # forward the client's headers, not httpx's defaults
     return client
 
 
-def _transport(settings: Settings, limits: httpx.Limits) -> httpx.AsyncBaseTransport:
+def _transport(
+    settings: Settings, limits: httpx.Limits, count: Callable[[str], None]
+) -> httpx.AsyncBaseTransport:
     """httpx's own transport, or aiohttp's (--upstream-transport)."""
     if settings.upstream_transport == "aiohttp":
 
         def session() -> aiohttp.ClientSession:
-            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_SECONDS)
-            connector._factory = functools.partial(_BodyErrorsHandler, loop=connector._loop)  # type: ignore[assignment]
+            connector = _GuardedConnector(limit=0, keepalive_timeout=KEEPALIVE_SECONDS)
+            connector._factory = functools.partial(  # type: ignore[assignment]
+                _GuardedHandler, loop=connector._loop, count=count
+            )
             return aiohttp.ClientSession(
                 connector=connector,
                 auto_decompress=False,
@@ -66,11 +110,22 @@ def _transport(settings: Settings, limits: httpx.Limits) -> httpx.AsyncBaseTrans
             )
 
         return AiohttpTransport(client=session)
-    return httpx.AsyncHTTPTransport(limits=limits)
+    return guarded_httpx_transport(limits, count)
 
 
-class _BodyErrorsHandler(ResponseHandler):
-    """aiohttp's connection protocol, failing the response body on a parse error.
+# -- aiohttp ------------------------------------------------------------------------------
+
+_BUSY, _SETTLING, _IDLE = "busy", "settling", "idle"
+
+
+class _GuardedHandler(ResponseHandler):
+    """aiohttp's connection protocol, with the pool's guard (see the module's docstring)
+    and failing the response body on a parse error.
+
+    States: busy (a request's response is being read; from `set_response_params`, which
+    aiohttp calls for every request on the connection), settling (released to the pool in
+    this loop iteration: the rest of the read that ended the response may still be
+    parsed), idle (pooled). `feed_data` is aiohttp's once-per-parsed-message call.
 
     With aiohttp's C parser, a malformed body (a chunk size that is not hex) makes the
     protocol close the connection and record the error on itself, but the response's body
@@ -78,11 +133,176 @@ class _BodyErrorsHandler(ResponseHandler):
     upstream_timeout. (The pure-Python parser fails the body itself.)
     """
 
+    def __init__(self, loop: asyncio.AbstractEventLoop, count: Callable[[str], None]) -> None:
+        super().__init__(loop)
+        self._count = count
+        self._state = _BUSY
+        self._finals = 0  # final (non-1xx) responses parsed for the current request
+        self._faulted = False  # closed for a protocol error, counted
+
+    def set_response_params(self, **kwargs: Any) -> None:
+        self._state, self._finals = _BUSY, 0
+        super().set_response_params(**kwargs)
+
+    def feed_data(self, data: Any, size: int = 0) -> None:
+        if self._state is not _BUSY:  # a response no request is waiting for
+            self.fault(self._unasked())
+            return
+        code = data[0].code
+        if code == 101:  # whatever follows is another protocol: never reused
+            self._should_close = True
+        if code >= 200 or code == 101:
+            self._finals += 1
+            if self._finals > 1:  # a second response to one request: never read
+                self.fault("extra_bytes")
+                return
+        super().feed_data(data, size)
+
+    def pooled(self) -> None:
+        """The connector put this connection in its pool (from inside the read that ended
+        its response, as often as not): it is idle once this loop iteration is over."""
+        self._state = _SETTLING
+        self._loop.call_soon(self._settle)
+
+    def _settle(self) -> None:
+        if self._state is _SETTLING:
+            if self._holds_a_message_start():
+                self.fault("extra_bytes")
+            else:
+                self._state = _IDLE
+
+    def is_connected(self) -> bool:
+        # The connector asks this of a pooled connection before reusing it.
+        if self._state is not _BUSY and self._holds_a_message_start():
+            self.fault(self._unasked())
+        return super().is_connected()
+
+    def _holds_a_message_start(self) -> bool:
+        """Whether the parser is inside a message (its head begun, not finished). Asked
+        only of a connection between requests, whose parser the next request replaces:
+        `feed_eof` returns the unfinished message, or None when there is none."""
+        parser = self._parser
+        if parser is None or self.transport is None:
+            return False
+        try:
+            return parser.feed_eof() is not None
+        except Exception:
+            return True
+
+    def _unasked(self) -> str:
+        return "idle_bytes" if self._state is _IDLE else "extra_bytes"
+
+    def fault(self, kind: str) -> None:
+        """Close the connection for breaking HTTP/1.1, and count it once."""
+        self._should_close = True
+        if not self._faulted:
+            self._faulted = True
+            self._count(kind)
+        if self.transport is not None:
+            self.transport.close()
+
     def set_exception(self, exc: BaseException, exc_cause: BaseException = _EXC_SENTINEL) -> None:
+        if isinstance(exc, HttpProcessingError) and not self._faulted:
+            # The parser refused what came (aiohttp closed the transport already).
+            self._faulted = True
+            self._count("malformed" if self._state is _BUSY else self._unasked())
         payload = self._payload
         super().set_exception(exc, exc_cause)
         if payload is not None and payload.exception() is None and not payload.is_eof():
             payload.set_exception(aiohttp.ClientPayloadError(f"malformed response body: {exc}"))
+
+
+class _GuardedConnector(aiohttp.TCPConnector):
+    """aiohttp's connector, telling a connection when it goes into the pool."""
+
+    def _release(self, key: Any, protocol: ResponseHandler, *, should_close: bool = False) -> None:
+        super()._release(key, protocol, should_close=should_close)
+        pooled = protocol.transport is not None and not self._closed  # else closed
+        if pooled and isinstance(protocol, _GuardedHandler):
+            protocol.pooled()
+
+
+# -- httpx (httpcore) ---------------------------------------------------------------------
+
+
+def guarded_httpx_transport(
+    limits: httpx.Limits, count: Callable[[str], None] = _uncounted
+) -> httpx.AsyncHTTPTransport:
+    """httpx's own transport, on a pool that closes dirty idle connections."""
+    transport = _GuardedHTTPTransport(count, limits=limits)
+    old = transport._pool
+    transport._pool = _GuardedPool(
+        count,
+        ssl_context=old._ssl_context,
+        max_connections=limits.max_connections,
+        max_keepalive_connections=limits.max_keepalive_connections,
+        keepalive_expiry=limits.keepalive_expiry,
+    )
+    return transport
+
+
+class _GuardedHTTPTransport(httpx.AsyncHTTPTransport):
+    """httpx's transport, refusing what the other paths' parsers refuse and counting it.
+
+    h11 takes a response with both Content-Length and Transfer-Encoding by the chunks
+    (RFC 9112 §6.3 allows it, and says it "ought to be handled as an error"); llhttp and
+    aiohttp refuse it, so here it is refused too. h11 refuses an unasked 101 itself
+    (a server switch with no pending proposal, h11/_state.py), as a RemoteProtocolError."""
+
+    def __init__(self, count: Callable[[str], None], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._count = count
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            response = await super().handle_async_request(request)
+        except httpx.RemoteProtocolError as exc:
+            text = str(exc)
+            if "disconnected" not in text:  # the backend closing is no protocol error
+                self._count("upgrade" if "SWITCH" in text else "malformed")
+            raise
+        headers = response.headers
+        if "transfer-encoding" in headers and "content-length" in headers:
+            self._count("malformed")
+            await response.aclose()  # unread: httpcore closes the connection
+            raise UpstreamProtocolError(
+                "malformed", "the upstream sent Content-Length and Transfer-Encoding together"
+            )
+        return response
+
+
+class _GuardedPool(httpcore.AsyncConnectionPool):
+    """httpcore's pool, expiring an idle HTTP/1.1 connection that holds bytes no request
+    asked for, before it assigns connections to requests (once per request added or
+    finished, as httpcore's own expiry check runs)."""
+
+    def __init__(self, count: Callable[[str], None], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._count = count
+
+    def _assign_requests_to_connections(self) -> list[httpcore.AsyncConnectionInterface]:
+        for connection in self._connections:
+            inner = getattr(connection, "_connection", None)
+            if isinstance(inner, httpcore.AsyncHTTP11Connection) and inner.is_idle():
+                kind = _idle_dirt(inner)
+                if kind is not None:
+                    self._count(kind)
+                    inner._expire_at = 0.0  # has_expired(): httpcore closes it below
+        return super()._assign_requests_to_connections()
+
+
+def _idle_dirt(conn: httpcore.AsyncHTTP11Connection) -> str | None:
+    if conn._h11_state.trailing_data[0]:  # read with the last response, after its end
+        return "extra_bytes"
+    stream = conn._network_stream
+    if not stream.get_extra_info("is_readable"):
+        return None
+    sock = stream.get_extra_info("socket")  # asyncio's TransportSocket: no recv of its own
+    try:  # readable: bytes, or the backend's close (b""), which is no error
+        with socket.fromfd(sock.fileno(), socket.AF_INET, socket.SOCK_STREAM) as peek:
+            return "idle_bytes" if peek.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) else None
+    except (OSError, AttributeError):
+        return None
 
 
 class UpstreamClient(httpx.AsyncClient):
@@ -92,6 +312,7 @@ class UpstreamClient(httpx.AsyncClient):
         super().__init__(transport=transport, **kwargs)  # type: ignore[arg-type]
         self.upstream_transport = transport
         self.limits = httpx.Limits()
+        self.count: Callable[[str], None] = _uncounted
         self._bytes_transport: httpx.AsyncHTTPTransport | None = None
 
     def bytes_transport(self) -> httpx.AsyncBaseTransport:
@@ -99,7 +320,7 @@ class UpstreamClient(httpx.AsyncClient):
         if isinstance(self.upstream_transport, httpx.AsyncHTTPTransport):
             return self.upstream_transport
         if self._bytes_transport is None:
-            self._bytes_transport = httpx.AsyncHTTPTransport(limits=self.limits)
+            self._bytes_transport = guarded_httpx_transport(self.limits, self.count)
         return self._bytes_transport
 
     async def aclose(self) -> None:

@@ -15,6 +15,9 @@
                                    vLLM's pooling family (pooling.py)
   POST /tokenize /detokenize       (utility.py)
   GET|POST /ping, GET /version, GET /load, POST /invocations (SageMaker dispatch)
+  POST /api/chat /api/generate    Ollama's native API, NDJSON or one body (ollama.py)
+  POST /api/embed                 Ollama's embeddings; GET /api/version its version
+                                  (only with SimConfig.ollama_version: a simulator playing Ollama)
   WS   /v1/realtime                realtime transcription sessions (realtime.py)
   GET  /health                     200, empty body
   GET  /sim/requests               the records as JSON (authorization masked)
@@ -41,7 +44,7 @@ from typing import Any
 import orjson
 from starlette.types import Receive, Scope, Send
 
-from proxy.sim import audio, catalog, errors, pooling, utility
+from proxy.sim import audio, catalog, errors, ollama, pooling, utility
 from proxy.sim.agentic import (
     ChatScript,
     CohereScript,
@@ -52,6 +55,7 @@ from proxy.sim.agentic import (
 from proxy.sim.cohere import CohereWire
 from proxy.sim.config import SimConfig
 from proxy.sim.controls import (
+    REQUESTS,
     ControlError,
     Kind,
     Plan,
@@ -95,6 +99,7 @@ class SimApp:
             if config.prefix_cache
             else None
         )
+        self.loaded_models: set[str] = set()  # Ollama: models loaded by an earlier request
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -194,12 +199,64 @@ class SimApp:
             plan.stream,
             plan.prompt_tokens,
         )
+        if REQUESTS[kind].ollama:
+            t0 = await self._load_model(ex, plan.model)
         record.queued_at = time.monotonic()
         if self.slots is None:
             return await self._run(kind, ex, body, t0, plan)
         async with self.slots:
             record.scheduled_at = time.monotonic()
             return await self._run(kind, ex, body, asyncio.get_running_loop().time(), plan)
+
+    async def _load_model(self, ex: Exchange, model: str) -> float:
+        """Ollama: a model not loaded yet first loads (its load time, `x-sim-load-time` or
+        SimConfig.ollama_load_time); returns the loop time its TTFT then starts from."""
+        loop = asyncio.get_running_loop()
+        record = ex.record
+        load = number(record.headers, "x-sim-load-time", float, -1.0, -1.0)
+        if load < 0:
+            load = 0.0 if model in self.loaded_models else self.config.ollama_load_time
+        if load > 0:
+            await asyncio.sleep(load)
+        self.loaded_models.add(model)
+        record.loaded_at = time.monotonic()
+        return loop.time()
+
+    async def _ollama_embed(self, ex: Exchange, body: Any, t0: float) -> Outcome:
+        """/api/embed (server/routes.go EmbedHandler): `input` a string or a list of them."""
+        record = ex.record
+        texts = ollama.embed_inputs(body)
+        if texts is None:
+            await ex.error(ollama.error_reply(400, "invalid input type"))
+            return "error"
+        model = str(body.get("model") or "")
+        record.model = model
+        if model not in self.config.models:
+            await ex.error(ollama.error_reply(404, f"model '{model}' not found"))
+            return "error"
+        tokens = sum(max(1, -(-len(t) // 4)) for t in texts)
+        record.prompt_tokens = tokens
+        if body.get("truncate") is False and tokens > self.config.max_model_len:
+            await ex.error(ollama.error_reply(400, errors.OLLAMA_EMBED_CONTEXT))
+            return "error"
+        timer = ollama.Timer(int(record.started * 1e9))
+        await self._load_model(ex, model)
+        assert record.loaded_at is not None
+        timer.loaded = int(record.loaded_at * 1e9)
+        ttft = number(record.headers, "x-sim-ttft", float, self.config.ttft, 0.0)
+        await asyncio.sleep(ttft)
+        record.first_token_at = time.monotonic()
+        await ex.reply(200, ollama.embed(model, body, timer, tokens), errors.OLLAMA_JSON)
+        return "completed"
+
+    async def _ollama_version(self, ex: Exchange, body: Any, t0: float) -> Outcome:
+        # Only a simulator that plays Ollama says so (vLLM has no /api/version): what a
+        # backend identifies as decides tokenprobe_backend_info.
+        if self.config.ollama_version is None:
+            await ex.error(errors.route_not_found())
+            return "error"
+        await ex.reply(200, ollama.version(self.config.ollama_version), errors.OLLAMA_JSON)
+        return "completed"
 
     async def _run(self, kind: Kind, ex: Exchange, body: Any, t0: float, plan: Plan) -> Outcome:
         """Generate once scheduled: `t0` is when the request's TTFT starts."""
@@ -457,6 +514,26 @@ def _write_openai(chat: bool) -> Callable[[Planned], Awaitable[Outcome]]:
     return write
 
 
+def _write_ollama(chat: bool) -> Callable[[Planned], Awaitable[Outcome]]:
+    async def write(job: Planned) -> Outcome:
+        ex, plan, record = job.ex, job.plan, job.ex.record
+        timer = ollama.Timer(int(record.started * 1e9))
+        if record.loaded_at is not None:
+            timer.loaded = int(record.loaded_at * 1e9)
+        body = job.body if isinstance(job.body, dict) else {}
+        if not chat and not body.get("prompt"):  # GenerateHandler: load (or unload) only
+            keep = body.get("keep_alive")
+            reason = "unload" if keep == 0 or keep == "0" else "load"
+            await ex.reply(200, ollama.load_reply(plan.model, reason), errors.OLLAMA_JSON)
+            return "completed"
+        wire = ollama.OllamaWire(plan, chat, ollama.thinking_tokens(body, record.headers), timer)
+        if not plan.stream:
+            return await ollama.complete_ollama(ex, plan, wire, job.pacer)
+        return await ollama.stream_ollama(ex, plan, wire, job.pacer)
+
+    return write
+
+
 #: Each generation kind's wire writer: a new generation API adds its line here.
 _WRITERS: dict[Kind, Callable[[Planned], Awaitable[Outcome]]] = {
     "chat": _write_openai(chat=True),
@@ -467,6 +544,8 @@ _WRITERS: dict[Kind, Callable[[Planned], Awaitable[Outcome]]] = {
     "cohere": _write_cohere,
     "transcription": _write_audio(translation=False),
     "translation": _write_audio(translation=True),
+    "ollama-chat": _write_ollama(chat=True),
+    "ollama-generate": _write_ollama(chat=False),
 }
 
 
@@ -512,6 +591,10 @@ _ROUTES: dict[str, tuple[frozenset[str], Handler]] = {
     "/version": (_GET, SimApp._version),
     "/load": (_GET, SimApp._load),
     "/invocations": (_POST, SimApp._invocations),
+    "/api/chat": (_POST, _generation("ollama-chat")),
+    "/api/generate": (_POST, _generation("ollama-generate")),
+    "/api/embed": (_POST, SimApp._ollama_embed),
+    "/api/version": (frozenset({"GET", "HEAD"}), SimApp._ollama_version),
 }
 
 # vLLM's id prefixes; its Anthropic layer reuses the chat completion's id.
@@ -537,7 +620,7 @@ _ID_PREFIX = {
 
 
 #: Routes vLLM serves without the API key, and the prefixes it always guards.
-_PUBLIC = frozenset({"/health", "/ping", "/load", "/version"})
+_PUBLIC = frozenset({"/health", "/ping", "/load", "/version", "/api/version"})
 _ALWAYS_GUARDED = ("/v1", "/v2", "/inference", "/cohere")
 
 

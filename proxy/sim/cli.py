@@ -122,6 +122,17 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         default=env("SYSTEM_FINGERPRINT", str, None),
         help="vLLM 0.32's system_fingerprint (finish chunk, or the usage chunk with usage)",
     )
+    add(
+        "--ollama-load-time",
+        type=float,
+        default=env("OLLAMA_LOAD_TIME", float, defaults.ollama_load_time),
+        help="Ollama: seconds a model not yet loaded takes to load (its first request)",
+    )
+    add(
+        "--ollama-version",
+        default=env("OLLAMA_VERSION", str, None),
+        help="what Ollama's /api/version answers",
+    )
     add("--api-key", default=env("API_KEY", str, None))
     add("--step-ms", type=float, default=env("STEP_MS", float, None), help="lockstep mode")
     add("--stamp", action="store_true", default=env("STAMP", flag, False))
@@ -154,6 +165,8 @@ def parse(
             spec_tokens=args.spec_tokens,
             acceptance_rate=args.acceptance_rate,
             system_fingerprint=args.system_fingerprint,
+            ollama_load_time=args.ollama_load_time,
+            ollama_version=args.ollama_version,
             step_ms=args.step_ms,
             stamp=args.stamp,
             record_bodies=args.record_bodies,

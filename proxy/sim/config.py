@@ -62,6 +62,13 @@ class SimConfig:
     #: vLLM 0.32's `system_fingerprint`: on the finish chunk, or with include_usage on the
     #: usage chunk instead (vllm/entrypoints/openai/*/serving.py). None = never sent.
     system_fingerprint: str | None = None
+    #: Ollama: the seconds a model that is not loaded takes to load, paid by the first
+    #: request for each model (server/routes.go load_duration); 0 = every model warm.
+    #: Also per request: `x-sim-load-time`.
+    ollama_load_time: float = 0.0
+    #: What /api/version answers: the simulator plays Ollama there. None: it is not served
+    #: (a vLLM has no /api/version), so the simulator identifies as vLLM (/version).
+    ollama_version: str | None = None
     #: How many request records `SimState` keeps (oldest dropped), so long benchmarks
     #: do not grow memory without bound.
     max_records: int = 10_000

@@ -28,7 +28,10 @@ headers (the openai SDK sends them with `extra_headers`) override the config:
   x-sim-no-done: 1           never send `data: [DONE]`
   x-sim-usage-mode           when `stream_options.include_usage` asks for usage:
                              separate (vLLM, default): a last chunk with "choices": [];
-                             last_chunk: on the finish chunk; ignore: never streamed
+                             last_chunk: on the finish chunk; ignore: never streamed;
+                             zeroed (Ollama's /v1/completions, middleware/openai.go
+                             CompleteWriter): every content chunk carries an all-zero
+                             usage, then the usage chunk
   x-sim-stamp: 1             stamp content chunks with "sent_ns" (as SimConfig.stamp)
   x-sim-ping: 1              Messages: an `event: ping` right after message_start
                              (Anthropic's API sends one; vLLM does not)
@@ -76,15 +79,17 @@ Kind = Literal[
     "cohere",
     "transcription",
     "translation",
+    "ollama-chat",
+    "ollama-generate",
 ]
-UsageMode = Literal["separate", "last_chunk", "ignore"]
+UsageMode = Literal["separate", "last_chunk", "ignore", "zeroed"]
 
 #: Faults that end the stream where they fire.
 ENDING_FAULTS = frozenset({"error_event", "error_string", "reset", "close_no_done"})
 #: Faults after which the stream carries on normally.
 PASSING_FAULTS = frozenset({"stall", "malformed", "non_utf8", "huge_event"})
 FAULTS = ENDING_FAULTS | PASSING_FAULTS
-USAGE_MODES: tuple[UsageMode, ...] = ("separate", "last_chunk", "ignore")
+USAGE_MODES: tuple[UsageMode, ...] = ("separate", "last_chunk", "ignore", "zeroed")
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +195,9 @@ def plan_request(
         return errors.bad_request(str(exc))
     if REQUESTS[kind].anthropic and isinstance(plan, errors.ErrorReply):
         return errors.anthropic_error(plan)
+    if REQUESTS[kind].ollama and isinstance(plan, errors.ErrorReply):
+        model = body.get("model") if isinstance(body, dict) else None
+        return errors.ollama_error(plan, str(model or config.models[0]))
     return plan
 
 
@@ -327,6 +335,26 @@ def _generate_body(body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _ollama_body(body: dict[str, Any]) -> dict[str, Any]:
+    """An Ollama request read as a completion (ollama/ollama api/types.go ChatRequest,
+    GenerateRequest): streaming unless `"stream": false`, the token limit in
+    `options.num_predict`."""
+    options = body.get("options") or {}
+    if not isinstance(options, dict):
+        raise ControlError("options must be an object")
+    limit = options.get("num_predict")
+    out = {
+        "model": body.get("model"),
+        "stream": body.get("stream") is not False,
+        "max_tokens": limit if isinstance(limit, int) and limit > 0 else None,
+    }
+    if "messages" in body:
+        out["messages"] = body["messages"]
+    else:
+        out["prompt"] = body.get("prompt") or ""
+    return out
+
+
 def number(
     headers: Mapping[str, str], name: str, conv: Callable[[str], T], default: T, minimum: T
 ) -> T:
@@ -368,6 +396,7 @@ class Request:
     limit: tuple[str, ...] = ("max_completion_tokens", "max_tokens")  # the token limit
     read: Callable[[dict[str, Any]], dict[str, Any]] | None = None  # the body as a completion
     anthropic: bool = False  # its errors in Anthropic's shape
+    ollama: bool = False  # its errors in Ollama's {"error": "..."}
 
 
 #: Each kind's request rules: a new generation API adds its line here.
@@ -380,4 +409,8 @@ REQUESTS: dict[Kind, Request] = {
     "cohere": Request(lists=("messages",)),
     "transcription": Request(),
     "translation": Request(),
+    "ollama-chat": Request(
+        lists=("messages",), read=_ollama_body, limit=("max_tokens",), ollama=True
+    ),
+    "ollama-generate": Request(read=_ollama_body, limit=("max_tokens",), ollama=True),
 }

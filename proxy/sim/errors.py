@@ -131,3 +131,29 @@ def anthropic_error(reply: ErrorReply) -> ErrorReply:
         {"type": "error", "error": {"type": error.get("type"), "message": error.get("message")}}
     )
     return ErrorReply(reply.status, body, reply.content_type, reply.headers)
+
+
+#: ollama/ollama llm/llama_server.go: a prompt over the context length, without context shift.
+OLLAMA_CONTEXT = (
+    "the prompt is longer than the context length currently available to the model; "
+    "shorten the prompt, adjust the context length in settings, or use a model with a "
+    "longer context length"
+)
+#: ollama/ollama server/routes.go EmbedHandler with truncate false.
+OLLAMA_EMBED_CONTEXT = "the input length exceeds the context length"
+OLLAMA_JSON = b"application/json; charset=utf-8"  # gin's c.JSON
+
+
+def ollama_error(reply: ErrorReply, model: str) -> ErrorReply:
+    """A vLLM-shaped error reply in Ollama's `{"error": "..."}` (server/routes.go: c.JSON
+    with gin.H{"error": ...}): a missing model is GenerateHandler's and ChatHandler's
+    "model '%s' not found", a context overflow llm/llama_server.go's sentence."""
+    try:
+        message = str(orjson.loads(reply.body)["error"]["message"])
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        message = reply.body.decode("utf-8", "replace")
+    if reply.status == 404:
+        message = f"model '{model}' not found"
+    elif "context length" in message:
+        message = OLLAMA_CONTEXT
+    return ErrorReply(reply.status, orjson.dumps({"error": message}), OLLAMA_JSON)

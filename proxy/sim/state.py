@@ -38,6 +38,7 @@ class SimRequest:
     first_token_at: float | None = None  # first chunk with generated text sent
     queued_at: float | None = None  # routed to generation: the engine has it, queueing starts
     scheduled_at: float | None = None  # a slot was free (max_num_seqs): its queue time ends
+    loaded_at: float | None = None  # Ollama: the model was loaded (after its load time)
     finished_at: float | None = None
     outcome: Outcome = "in_progress"
     aborted_at: float | None = None  # the client's disconnect was seen

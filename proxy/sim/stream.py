@@ -31,6 +31,8 @@ from proxy.sim.state import Outcome
 from proxy.sim.tokens import completion_text, text_json
 
 SSE = b"text/event-stream; charset=utf-8"
+#: Ollama's `&openai.Usage{}` on every completion chunk when usage is asked for.
+ZERO_USAGE = b'{"prompt_tokens":0,"completion_tokens":0,"total_tokens":0}'
 _NON_UTF8 = b"\xff\xfe"
 
 
@@ -42,8 +44,10 @@ async def stream(ex: Exchange, plan: Plan, sse: StreamChunks, pacer: Pacer) -> O
     if plan.kind == "chat" and isinstance(sse, wire.StreamWire):
         await ex.write(sse.role(_usage(plan, 0) if usage_every else None))
 
+    zeroed = plan.include_usage and plan.usage_mode == "zeroed"
+
     def content(count: int, sent: int) -> list[bytes]:
-        usage = _usage(plan, sent + count) if usage_every else None
+        usage = _usage(plan, sent + count) if usage_every else ZERO_USAGE if zeroed else None
         return [sse.content(text_json(count, sent), usage)]
 
     async def fire(fault: str) -> bool:
@@ -57,7 +61,7 @@ async def stream(ex: Exchange, plan: Plan, sse: StreamChunks, pacer: Pacer) -> O
     on_finish = (
         usage if usage_every or (plan.include_usage and plan.usage_mode == "last_chunk") else None
     )
-    separate = plan.include_usage and plan.usage_mode == "separate"
+    separate = plan.include_usage and plan.usage_mode in ("separate", "zeroed")
     fingerprint = sse.fingerprint
     await ex.write(sse.finish(plan.finish_reason, on_finish, None if separate else fingerprint))
     if separate:

@@ -144,9 +144,24 @@ class Sinks:
     def passthrough(self, route: str, status: int) -> None:
         self.metrics.passthrough.labels(route, str(status)).inc()
 
+    def usage_injection_refused(self, unplaced: tuple[str, ...]) -> None:
+        """`tokenprobe_measurement_failures_total{stage="usage_injection"}`: the proxy
+        stops asking its upstream for usage (proxy/core/strip.py Injection)."""
+        self.count_measurement_failure("usage_injection")
+        log.warning(
+            "the upstream moved %s onto the usage chunk the proxy asked for, and the proxy "
+            "cannot put it back: it no longer asks this upstream for usage",
+            ", ".join(unplaced),
+        )
+
     def count_measurement_failure(self, stage: str) -> None:
         """`tokenprobe_measurement_failures_total{stage}`: measuring broke, the request did not."""
         self.metrics.measurement_failures.labels(stage).inc()
+
+    def count_upstream_protocol_error(self, kind: str) -> None:
+        """`tokenprobe_upstream_protocol_errors_total{kind}`: an upstream connection closed
+        for breaking HTTP/1.1 (proxy/sinks/metrics.py UPSTREAM_PROTOCOL_ERRORS)."""
+        self.metrics.upstream_protocol.inc(kind)
 
     def _record(self, measurement: Measurement, labels: Labels) -> None:
         if len(labels.attribution) != len(self.label_names):

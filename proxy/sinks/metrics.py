@@ -245,6 +245,7 @@ class Metrics:
             buckets=OVERHEAD_BUCKETS,
         )
         self._kinds_metrics(h, c)
+        self.upstream_protocol = UpstreamProtocolErrors(registry)
         # Every metric labelled by (model, endpoint, *attribution) alone: their children are
         # resolved once per key (`_bound`), so a new one is its declaration above and one
         # line in `record`, nothing to keep in step by hand.
@@ -259,6 +260,7 @@ class Metrics:
         self._engine_metrics(h_bare, c_bare)
         self._engine_children: dict[tuple[str, str, bool], tuple[Any, ...]] = {}
         self._conversation_metrics(registry)
+        self._backend_metrics(h_bare, c_bare)
 
     # -- issue 26: first tokens by kind, tokens by kind, tool calls ------------------------
 
@@ -397,8 +399,10 @@ class Metrics:
         )
         self.engine_ttft = h(
             "tokenprobe_engine_time_to_first_token_seconds",
-            "The engine's own time to first token (vLLM per-request metrics "
-            "time_to_first_token_ms): from the request's scheduling to its first token. "
+            "The engine's own time to first token: vLLM per-request metrics "
+            "time_to_first_token_ms, from the request's scheduling to its first token; "
+            "llama.cpp timings.prompt_ms, from its slot starting on the prompt to the "
+            "prompt's last batch, whose logits give the first token. "
             "Streams: scaled with the queue time when both exceed the client-seen TTFT.",
             labels=("stream",),
             buckets=TTFT_BUCKETS,
@@ -406,8 +410,10 @@ class Metrics:
         self.outside_engine = h(
             "tokenprobe_time_to_first_token_outside_engine_seconds",
             "Client-seen TTFT (proxy received the request -> first read carrying content) "
-            "minus the engine's queue time minus the engine's TTFT, never below 0: network, "
-            "HTTP and tokenisation in the server's front end, and the proxy. Streams that "
+            "minus the engine's queue time (or, from Ollama, its model load time, "
+            "tokenprobe_engine_load_time_seconds) minus the engine's TTFT, never below 0: network, "
+            "HTTP and tokenisation in the server's front end, and the proxy (and the wait for "
+            "a slot where the engine reports no queue time: llama.cpp). Streams that "
             "carried the engine's per-request metrics; for them the _sum of this, of "
             'tokenprobe_engine_queue_time_seconds{stream="true"} and of '
             'tokenprobe_engine_time_to_first_token_seconds{stream="true"} add up to their TTFT sum.',
@@ -615,6 +621,8 @@ class Metrics:
             bound.proxy_overhead.observe(m.proxy_overhead)
         if m.engine is not None:
             self._record_engine(m, model_label, m.engine)
+        if m.malformed_events:
+            self.malformed_events.labels(model_label, m.endpoint).inc(m.malformed_events)
         ratio = m.output_tokens_per_chunk()
         if ratio is not None:
             self.tokens_per_chunk.labels(model_label, m.endpoint).observe(ratio)
@@ -622,6 +630,49 @@ class Metrics:
             self._record_cancelled(m, model_label)
         if (m.stream and m.content_events) or m.without_answer is not None:
             self._record_kinds(m, key, bound)
+
+    def _backend_metrics(self, h: Any, c: Any) -> None:
+        """Issue 27: the model-load part of the first token's time (Ollama), and which
+        backend and version answer (proxy/server/identity.py)."""
+        self.engine_load = h(
+            "tokenprobe_engine_load_time_seconds",
+            "The engine's own time to have the model loaded before the request could run "
+            "(Ollama load_duration: from its handler receiving the request to a loaded "
+            "runner, waiting for one included). Streams: scaled with the engine TTFT when "
+            "both exceed the client-seen TTFT; for them the _sum of this, of "
+            'tokenprobe_engine_time_to_first_token_seconds{stream="true"} and of '
+            "tokenprobe_time_to_first_token_outside_engine_seconds add up to their TTFT sum. "
+            "Absent for engines that serve a loaded model (vLLM).",
+            labels=("stream",),
+            buckets=QUEUE_TIME_BUCKETS,
+        )
+        self.backend_info = Gauge(
+            "tokenprobe_backend_info",
+            "1 for the backend kind and version the upstream last said it is (asked at "
+            "start and every --backend-info-refresh seconds: vLLM /version, Ollama "
+            "/api/version, llama.cpp /props, SGLang /get_server_info, TGI /info); "
+            'kind="unknown" when none answered. One series at a time.',
+            ("kind", "version"),
+            registry=self.registry,
+            multiprocess_mode="max",  # every worker asks the same upstream
+        )
+        self._backend: tuple[str, str] | None = None
+        self.malformed_events = c(
+            "tokenprobe_malformed_events",
+            "Streamed events (an SSE data payload, an NDJSON line) that were not a JSON "
+            "object, from a response's first byte to its last: skipped by the measuring, "
+            "relayed to the client as they came.",
+        )
+
+    def set_backend(self, kind: str, version: str) -> None:
+        """Which backend answers: the one series of tokenprobe_backend_info."""
+        if self._backend == (kind, version):
+            return
+        if self._backend is not None:  # 0 first: a multiprocess file keeps the last value
+            self.backend_info.labels(*self._backend).set(0)
+            self.backend_info.remove(*self._backend)
+        self.backend_info.labels(kind, version).set(1)
+        self._backend = (kind, version)
 
     def _record_engine(self, m: Measurement, model_label: str, engine: EngineMetrics) -> None:
         """The engine's figures: only requests that carried them touch these series, each
@@ -638,15 +689,25 @@ class Metrics:
             self._engine_children[key] = children
         queue, first, outside = children
         split = m.ttft_split()
+        loaded = None if split is not None else m.load_split()
         if split is not None:
-            queue.observe(split[0])
+            if split[0] is not None:  # llama.cpp reports no queue time
+                queue.observe(split[0])
             first.observe(split[1])
             outside.observe(split[2])
+        elif loaded is not None:  # model load, engine TTFT, outside (Ollama)
+            self.engine_load.labels(model_label, m.endpoint, "true").observe(loaded[0])
+            first.observe(loaded[1])
+            outside.observe(loaded[2])
         elif not m.stream:  # no client TTFT to split: the engine's figures as they are
             if engine.queue_time is not None:
                 queue.observe(engine.queue_time)
             if engine.time_to_first_token is not None:
                 first.observe(engine.time_to_first_token)
+            if engine.load_time is not None:
+                self.engine_load.labels(model_label, m.endpoint, "false").observe(engine.load_time)
+        if engine.invalid:  # llama.cpp timings that made no sense (proxy/core/llamacpp.py)
+            self.measurement_failures.labels("engine_timings").inc()
         spec = engine.spec
         if spec is not None:
             self.spec_draft.labels(model_label, m.endpoint).inc(spec.draft_tokens)
@@ -688,6 +749,40 @@ WS_OUTCOMES = (
     "upstream_unreachable",
     "bad_request",
 )
+
+
+# -- the upstream's protocol errors (issue 32) ---------------------------------------------
+
+#: What `tokenprobe_upstream_protocol_errors_total{kind}` counts, a closed set.
+UPSTREAM_PROTOCOL_ERRORS = {
+    "extra_bytes": "bytes after a response's end, before its connection was back in the "
+    "pool (a second response, or part of one, in the read that ended the first)",
+    "idle_bytes": "bytes on a pooled connection that carried no request",
+    "malformed": "a response head or body framing the parser refused (Content-Length and "
+    "Transfer-Encoding together, a bad chunk size, a bad status line...)",
+    "upgrade": "a 101 Switching Protocols (or another protocol switch) answering a request "
+    "that asked for none",
+}
+
+
+class UpstreamProtocolErrors:
+    """`tokenprobe_upstream_protocol_errors_total{kind}`: a misbehaving backend, seen on
+    either data path. Each count closed one upstream connection (never reused); a request
+    on it, if one was in flight, ended with the proxy's 502."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        kinds = "; ".join(f"{kind}: {what}" for kind, what in UPSTREAM_PROTOCOL_ERRORS.items())
+        self.counter = Counter(
+            "tokenprobe_upstream_protocol_errors",
+            "Upstream connections closed for breaking HTTP/1.1, counted at the instant the "
+            f"proxy saw the offending bytes, by kind ({kinds}).",
+            ("kind",),
+            registry=registry,
+        )
+        self._kinds = {kind: self.counter.labels(kind) for kind in UPSTREAM_PROTOCOL_ERRORS}
+
+    def inc(self, kind: str) -> None:
+        self._kinds[kind].inc()
 
 
 class WsMetrics:

@@ -192,6 +192,7 @@ def _finish_attributes(m: Measurement, *, current: bool = True) -> dict[str, Any
         optional["tokenprobe.engine.time_to_first_token"] = engine_ttft
         optional["tokenprobe.time_to_first_token_outside_engine"] = outside
         optional["tokenprobe.engine.generation_time"] = m.engine.generation_time
+        optional["tokenprobe.engine.load_time"] = m.engine.load_time  # Ollama load_duration
         if spec is not None:
             optional["tokenprobe.engine.spec_decode.draft_tokens"] = spec.draft_tokens
             optional["tokenprobe.engine.spec_decode.accepted_tokens"] = spec.accepted_tokens

@@ -162,6 +162,8 @@ def test_endpoint_choices_come_from_the_seams_and_keep_their_names() -> None:
         "transcriptions": "/v1/audio/transcriptions",
         "translations": "/v1/audio/translations",
         "cohere": "/cohere/v2/chat",
+        "ollama-chat": "/api/chat",
+        "ollama-generate": "/api/generate",
         "realtime": "/v1/realtime",
     }
     named = [api.bench_name for api in (*APIS, *WS_APIS) if api.bench_name]

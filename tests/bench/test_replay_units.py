@@ -206,3 +206,56 @@ def test_wire_client_reads_a_body_that_ends_with_the_connection() -> None:
     observer = asyncio.run(go())
     listener.close()
     assert observer.content_events == 1 and observer.first_token is not None
+
+
+def test_wire_client_sends_again_on_a_new_connection_when_a_kept_alive_one_was_closed() -> None:
+    """llama.cpp's server answers a stream with Keep-Alive, then closes the connection: the
+    next request on it meets the close before its answer's head and goes once more."""
+    import asyncio
+    import socket
+    import threading
+    from time import perf_counter
+
+    import yarl
+
+    from proxy.bench.wire import Pool, request_head
+    from proxy.core.apis import RequestInfo
+    from proxy.core.observe import StreamObserver
+
+    events = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\ndata: [DONE]\n\n'
+    answer = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n"
+        b"keep-alive: timeout=5, max=100\r\n\r\n%s" % (len(events), events)
+    )
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    connections: list[int] = []
+
+    def serve() -> None:
+        for _ in range(3):
+            conn, _ = listener.accept()
+            connections.append(1)
+            conn.recv(65536)
+            conn.sendall(answer)
+            conn.recv(65536)  # the next request on this connection: closed unanswered
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    url = yarl.URL(f"http://127.0.0.1:{listener.getsockname()[1]}/v1/chat/completions")
+    info = RequestInfo("/v1/chat/completions", "m", True, True, 4, 0.0)
+
+    async def go() -> list[StreamObserver]:
+        pool = Pool(url, timeout=5)
+        observers = []
+        for _ in range(3):
+            observer = StreamObserver(info, perf_counter())
+            assert await pool.request(request_head(url, {}, 2), b"{}", observer) == 200
+            observers.append(observer)
+        pool.close()
+        return observers
+
+    observers = asyncio.run(go())
+    listener.close()
+    assert len(connections) == 3
+    assert all(o.content_events == 1 and o.done for o in observers)

@@ -116,12 +116,23 @@ def test_every_vllm_route_has_its_api_and_label() -> None:
         "/v1/audio/transcriptions": "/v1/audio/transcriptions",
         "/v1/audio/translations": "/v1/audio/translations",
         "/cohere/v2/chat": "/cohere/v2/chat",
+        # Ollama's native API (ollama/ollama server/routes.go)
+        "/api/chat": "/api/chat",
+        "/api/generate": "/api/generate",
+        "/api/embed": "/api/embed",
     }
     for path, label in labels.items():
         api = api_for(path)
         assert api is not None and api.endpoint == label, path
     assert set(labels.values()) == ENDPOINTS
-    for path in ("/v1/messages/count_tokens", "/tokenize", "/v1/models", "/v1/responses/x"):
+    for path in (
+        "/v1/messages/count_tokens",
+        "/tokenize",
+        "/v1/models",
+        "/v1/responses/x",
+        "/api/version",
+        "/api/tags",
+    ):
         assert api_for(path) is None, path
 
 

@@ -95,6 +95,12 @@ def test_engine_parts_over_the_client_ttft_are_scaled_to_it_and_outside_is_zero(
     assert queue + first + outside == 0.2
 
 
-def test_no_split_without_queue_time_or_engine_ttft() -> None:
-    assert ttft_split(0.2, _engine(None, 0.1)) is None
+def test_no_split_without_engine_ttft() -> None:
     assert ttft_split(0.2, _engine(0.1, None)) is None
+    assert ttft_split(0.2, _engine(None, None)) is None
+
+
+def test_without_a_queue_time_the_queue_part_is_none_and_its_wait_is_outside() -> None:
+    assert ttft_split(0.5, _engine(None, 0.3)) == (None, 0.3, pytest.approx(0.2))
+    assert ttft_split(0.2, _engine(None, 0.3)) == (None, 0.2, 0.0)  # scaled to the TTFT
+    assert ttft_split(0.2, _engine(None, 0.0)) == (None, 0.0, 0.2)

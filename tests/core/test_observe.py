@@ -275,6 +275,7 @@ CASES = {
             error_type=ErrorType.STREAM_TRUNCATED,
             error_message="stream ended without [DONE] or finish_reason",
             first_answer=0.5,
+            malformed_events=1,  # the half event, dispatched at the end, is no JSON
         ),
     ),
 }

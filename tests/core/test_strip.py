@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.core.strip import UsageEventStripper
+from proxy.core.strip import Injection, UsageEventStripper, _members
 from tests.paths import STREAMS
 
 
@@ -193,3 +196,154 @@ def test_a_large_unfinished_event_after_whole_ones_is_relayed_not_lost() -> None
     head = b'data: {"a":1}\n\n'
     big = b"data: " + b"y" * 40
     assert stripper.feed(head + big) == head + big
+
+
+# -- members a backend moves to the usage chunk: the kind, not one field ------------------
+
+_TIMINGS = re.compile(rb',"timings":\{[^{}]*\}')
+
+
+def _llamacpp_pair() -> tuple[bytes, bytes]:
+    """(the include_usage stream with the no_usage stream's id and created second, what the
+    client gets direct with the include_usage request's timings): two real llama-server
+    requests that differ in nothing else (tests/fixtures/streams/llamacpp/README.md)."""
+    asked = fixture("llamacpp/chat_stream_include_usage.sse")
+    direct = fixture("llamacpp/chat_stream_no_usage.sse")
+    for field in (rb'"id":"[^"]*"', rb'"created":\d+'):
+        want = re.search(field, direct)
+        assert want is not None
+        asked = re.sub(field, want.group(0).replace(b"\\", b"\\\\"), asked)
+    (moved,) = _TIMINGS.findall(asked)
+    (own,) = _TIMINGS.findall(direct)
+    return asked, direct.replace(own, moved)
+
+
+def test_llamacpp_timings_go_back_to_the_finish_chunk_at_every_split() -> None:
+    asked, direct = _llamacpp_pair()
+    (usage_chunk,) = [e for e in asked.split(b"\n\n") if b'"choices":[],' in e]
+    assert b'"timings"' in usage_chunk and b'"timings"' not in asked.replace(usage_chunk, b"")
+    assert relay(asked) == direct
+    for i in range(len(asked) + 1):
+        assert relay(asked[:i], asked[i:]) == direct, i
+    assert relay(*[asked[i : i + 1] for i in range(len(asked))]) == direct
+
+
+@settings(max_examples=100, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=0, max_value=2500), max_size=12))
+def test_llamacpp_timings_go_back_at_random_splits(cuts: list[int]) -> None:
+    asked, direct = _llamacpp_pair()
+    assert relay(*_split(asked, cuts)) == direct
+
+
+@pytest.mark.parametrize("name", ["chat_stream_no_usage.sse", "completions_stream_no_usage.sse"])
+def test_llamacpp_streams_without_a_usage_only_chunk_pass_byte_for_byte(name: str) -> None:
+    stream = fixture(f"llamacpp/{name}")
+    assert relay(stream) == stream
+
+
+def test_a_moved_member_goes_back_last_with_its_exact_bytes() -> None:
+    # llama.cpp's shape (tools/server/server-task.cpp, to_json_oaicompat_chat_stream): the
+    # finish chunk already has its fingerprint; timings ride on the usage chunk when asked.
+    timings = b',"timings":{"cache_n":0,"prompt_n":5,"prompt_ms":1.5e-3,"x":[1, 2]}'
+    terminal = (
+        b'data: {"choices":[{"finish_reason":"length","index":0,"delta":{}}],"created":1,'
+        b'"id":"c","model":"m","system_fingerprint":"b1-x","object":"chat.completion.chunk"}\n\n'
+    )
+    usage = (
+        b'data: {"choices":[],"created":1,"id":"c","model":"m","system_fingerprint":"b1-x",'
+        b'"object":"chat.completion.chunk","usage":{"completion_tokens":2}' + timings + b"}\n\n"
+    )
+    direct = terminal[: terminal.rfind(b"}")] + timings + b"}\n\n"
+    stream = terminal + usage + b"data: [DONE]\n\n"
+    stripper = UsageEventStripper()
+    assert stripper.feed(stream) + stripper.flush() == direct + b"data: [DONE]\n\n"
+    assert stripper.unplaced == ()
+
+
+def test_usage_only_members_go_with_the_usage_chunk() -> None:
+    asked, direct = _vllm032_pair("chat")
+    assert b'"metrics":' in asked and b'"metrics":' not in direct  # vLLM's, usage-only
+    stripper = UsageEventStripper()
+    assert stripper.feed(asked) + stripper.flush() == direct
+    assert stripper.unplaced == ()
+
+
+TERMINAL = b'data: {"choices":[{"index":0,"finish_reason":"stop"}],"id":"c"}\n\n'
+UNKNOWN = b'data: {"choices":[],"id":"c","usage":{"completion_tokens":1},"novel":{"a":1}}\n\n'
+
+
+def test_a_member_it_cannot_place_stops_usage_injection_for_the_upstream() -> None:
+    refused: list[tuple[str, ...]] = []
+    injection = Injection(refused.append)
+    stripper = UsageEventStripper(injection=injection)
+    out = stripper.feed(TERMINAL + UNKNOWN + b"data: [DONE]\n\n") + stripper.flush()
+    assert out == TERMINAL + b"data: [DONE]\n\n"  # the member is not guessed onto a chunk
+    assert stripper.unplaced == ("novel",)
+    assert not injection.on and injection.unplaced == ("novel",)
+    assert refused == [("novel",)]
+    UsageEventStripper(injection=injection).feed(TERMINAL + UNKNOWN)
+    assert refused == [("novel",)]  # told once
+
+
+def test_an_unreadable_usage_chunk_after_a_terminal_one_stops_injection() -> None:
+    injection = Injection()
+    broken = b'data: {"choices":[],"usage":{"completion_tokens":1},"x":tru}\n\n'
+    assert relay_with(injection, TERMINAL + broken) == TERMINAL
+    assert not injection.on
+
+
+def test_a_usage_chunk_with_nothing_to_place_keeps_injection_on() -> None:
+    injection = Injection()
+    usage = b'data: {"choices":[],"id":"c","usage":{"completion_tokens":1}}\n\n'
+    assert relay_with(injection, TERMINAL + usage) == TERMINAL
+    assert injection.on
+
+
+def relay_with(injection: Injection, *chunks: bytes) -> bytes:
+    stripper = UsageEventStripper(injection=injection)
+    return b"".join(stripper.feed(c) for c in chunks) + stripper.flush()
+
+
+@pytest.mark.parametrize(
+    ("event", "members"),
+    [
+        (b'data: {"a":1,"b":{"c":[1,"}"]}}\n\n', {"a": '"a":1', "b": ',"b":{"c":[1,"}"]}'}),
+        (b'data: { "a" : 1 , "b":"\\u00e9"}\n\n', {"a": ' "a" : 1', "b": ' , "b":"\\u00e9"'}),
+        (b'data: {"\xc3\xa9":1}\n\n', {"\u00e9": '"\u00e9":1'}),
+        (b"data: {}\n\n", {}),
+    ],
+)
+def test_members_keep_their_exact_text(event: bytes, members: dict[str, str]) -> None:
+    assert _members(event) == members
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        b"data: [DONE]\n\n",
+        b'data: {"a":1,}\n\n',
+        b'data: {"a" 1}\n\n',
+        b'data: {"a":1}}\n\n',
+        b'data: {"a":\n\ndata: 1}\n\n',
+        b'data: {"\xff":1}\n\n',
+        b'data: {"a":1 "b":2}\n\n',
+    ],
+)
+def test_members_of_no_single_object_are_none(event: bytes) -> None:
+    assert _members(event) is None
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(), inner, max_size=3),
+    max_leaves=10,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(obj=st.dictionaries(st.text(), _JSON, max_size=6), compact=st.booleans())
+def test_members_rebuild_the_object_exactly(obj: dict[str, object], compact: bool) -> None:
+    text = json.dumps(obj, separators=(",", ":") if compact else None, ensure_ascii=False)
+    members = _members(b"data: " + text.encode() + b"\n\n")
+    assert members is not None and list(members) == list(obj)
+    assert "{" + "".join(members.values()) + "}" == text  # each member's exact text, in order

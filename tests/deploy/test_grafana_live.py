@@ -36,6 +36,7 @@ from proxy.sinks.metrics import (
     CACHED_RATIO_BUCKETS,
     TURN_GAP_BUCKETS,
     TURNS_BUCKETS,
+    UPSTREAM_PROTOCOL_ERRORS,
     cache_class,
     prompt_class,
 )
@@ -166,6 +167,14 @@ class ContractExporter:
         self.without = counter("tokenprobe_requests_without_answer", [*me, "reason"])
         self.tool_calls = counter("tokenprobe_tool_calls", [*me, "outcome"])
         self._conversation_metrics(hist, counter, gauge)
+        # Backends (issue 27): Ollama's model load, the backend's identity, broken events.
+        self.engine_load = hist("tokenprobe_engine_load_time_seconds", E2E_BUCKETS, [*me, "stream"])
+        gauge("tokenprobe_backend_info", ["kind", "version"]).labels("vllm", "0.32.0").set(1)
+        self.malformed = counter("tokenprobe_malformed_events", me)
+        # A misbehaving backend (issue 32): every kind, one of them seen.
+        protocol = counter("tokenprobe_upstream_protocol_errors", ["kind"])
+        for kind in UPSTREAM_PROTOCOL_ERRORS:
+            protocol.labels(kind=kind).inc(kind == "extra_bytes")
         self.vllm_ttft = hist("vllm:time_to_first_token_seconds", TTFT_BUCKETS, vl)
         self.vllm_itl = hist("vllm:inter_token_latency_seconds", ITL_BUCKETS, vl)
         self.vllm_e2e = hist("vllm:e2e_request_latency_seconds", E2E_BUCKETS, vl)
@@ -280,6 +289,10 @@ class ContractExporter:
         self.ws_sessions.labels(route="/v1/realtime", outcome="closed_by_client").inc()
         self._kinds(labels, ttft, tpot, n)
         self.feed_conversation(model, n)
+        ollama = {"model": model, "endpoint": "/api/chat"}
+        self.engine_load.labels(**ollama, stream="true").observe(rng.choice([0.0, 0.2, 3.5]))
+        if n % 7 == 0:
+            self.malformed.labels(**ollama).inc()
         self.prompt.labels(**labels).observe(prompt)
         self.generation.labels(**labels).observe(output)
         source = ("usage", "tokenizer", "chunks")[n % 3]
@@ -442,7 +455,7 @@ SCENARIOS: dict[str, tuple[dict[str, str], str, str]] = {
     "bad_request": ({"x-sim-error": "bad_request"}, "all", "bad_request"),
     "not_found": ({"x-sim-error": "not_found"}, "all", "not_found"),
     "upstream_error": ({"x-sim-error": "server_error"}, "all", "upstream_error"),
-    "upstream_timeout": ({"x-sim-stall-before-headers": "2"}, "one", "upstream_timeout"),
+    "upstream_timeout": ({"x-sim-stall-before-headers": "3"}, "one", "upstream_timeout"),
     "stream_error": ({"x-sim-fault": "error_event", "x-sim-fault-after": "2"}, "stream", "stream_error"),
     "stream_truncated": ({"x-sim-fault": "close_no_done", "x-sim-fault-after": "2"}, "stream", "stream_truncated"),
     # issue 26: reasoning then an answer, cut off while reasoning (max_tokens 16), calls
@@ -463,7 +476,7 @@ SHAPES = [
 ]
 #: Besides the scenarios: the client leaving mid-stream, and a proxy whose upstream is closed.
 OTHER_ERRORS = {"client_cancelled", "upstream_unreachable"}
-FIRST_BYTE_TIMEOUT = "1"  # below the upstream_timeout scenario's stall
+FIRST_BYTE_TIMEOUT = "2"  # below the upstream_timeout scenario's stall, above the Ollama load
 
 
 def is_vllm(expr: str) -> bool:
@@ -556,9 +569,19 @@ def _conversation(client: httpx.Client, proxy: str, model: str) -> None:
         messages.append({"role": "user", "content": f"and then {turn}?"})
 
 
+def _ollama(client: httpx.Client, proxy: str, model: str) -> None:
+    """Ollama's native chat: a cold model (a load over 1 s, its own part of the split),
+    a warm one, and a stream with a line that is not JSON (counted, relayed)."""
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+    for headers in ({"x-sim-load-time": "1.1"}, {}, {"x-sim-fault": "malformed"}):
+        answer = client.post(proxy + "/api/chat", json=body, headers=headers)
+        assert answer.status_code == 200, (headers, answer.status_code, answer.text[:300])
+
+
 def _drive_traffic(proxy: str, dead_proxy: str, model: str) -> None:
     with httpx.Client(timeout=30) as client:
         _conversation(client, proxy, model)
+        _ollama(client, proxy, model)
         for headers, shapes, _ in SCENARIOS.values():
             chosen = {"all": SHAPES, "stream": [s for s in SHAPES if s[1]], "one": SHAPES[:1]}
             for endpoint, stream, usage in chosen[shapes]:

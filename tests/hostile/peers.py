@@ -29,6 +29,7 @@ __all__ = [
     "RawUpstream",
     "Script",
     "answer_each",
+    "by_target",
     "byte_relay",
     "exchange",
     "ok",
@@ -143,6 +144,27 @@ def answer_each(response: bytes = b"") -> Script:
         while await conn.read_request() is not None:
             conn.write(answer)
             await conn.drain()
+
+    return script
+
+
+Handler = Callable[[Conn, Request], Awaitable[None]]
+
+
+def by_target(handlers: dict[bytes, Handler], default: bytes = b"") -> Script:
+    """Each request on the connection is answered by the handler for its target (path and
+    query, as received), others with `default` (ok()). A handler writes what it likes,
+    may sleep, and returns when the connection should read its next request."""
+    answer = default or ok()
+
+    async def script(conn: Conn) -> None:
+        while (request := await conn.read_request()) is not None:
+            handler = handlers.get(request.target)
+            if handler is None:
+                conn.write(answer)
+                await conn.drain()
+            else:
+                await handler(conn, request)
 
     return script
 

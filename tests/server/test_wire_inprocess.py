@@ -247,6 +247,46 @@ def test_non_streamed_success_keeps_its_length_and_the_connection_is_reused(
     assert len(proxy.wait_records(3, exact=True)) == 3
 
 
+def test_a_request_on_a_kept_alive_connection_the_backend_closed_goes_once_more_anew(
+    upstream: Callable[[Script], Scripted], start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    # llama.cpp's server answers a stream with Keep-Alive, then closes the connection: a
+    # request the proxy sends on it meets the close before a byte of answer.
+    answered: set[int] = set()
+
+    async def once_per_connection(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        if id(writer) in answered:
+            raise ConnectionResetError("closes a kept-alive connection unanswered")
+        answered.add(id(writer))
+        await streaming(*EVENTS)(reader, writer)
+
+    backend = upstream(once_per_connection)
+    proxy = wire_proxy(start_proxy, backend.url)
+    for _ in range(3):
+        response, chunks = stream_raw(proxy)
+        assert response.status_code == 200 and b"".join(chunks) == STREAM
+    assert (backend.connections, backend.requests) == (3, 5)  # two went out twice
+    records = proxy.wait_records(3, exact=True)
+    assert all(r.error_type is None and r.status_code == 200 for r in records)
+
+
+def test_a_fresh_connection_closed_unanswered_is_not_tried_again(
+    upstream: Callable[[Script], Scripted], start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    async def never(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise ConnectionResetError("closes unanswered")
+
+    backend = upstream(never)
+    proxy = wire_proxy(start_proxy, backend.url)
+    response, _ = stream_raw(proxy)
+    assert response.status_code == 502
+    assert (backend.connections, backend.requests) == (1, 1)
+    (record,) = proxy.wait_records(1, exact=True)
+    assert record.error_type is ErrorType.UPSTREAM_ERROR
+
+
 def test_unmeasured_paths_are_relayed_and_counted_by_route(
     upstream: Callable[[Script], Scripted], start_proxy: Callable[..., ProxyUnderTest]
 ) -> None:

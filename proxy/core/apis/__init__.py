@@ -21,6 +21,7 @@ from proxy.core.apis.cohere import CohereChat
 from proxy.core.apis.completions import Completions
 from proxy.core.apis.generate import Generate
 from proxy.core.apis.messages import Messages
+from proxy.core.apis.ollama import OllamaChat, OllamaEmbed, OllamaGenerate
 from proxy.core.apis.pooling import Classify, Embeddings, Pooling, Rerank, Score
 from proxy.core.apis.responses import Responses
 
@@ -39,6 +40,9 @@ APIS: tuple[Api, ...] = (
     Transcriptions(),
     Translations(),
     CohereChat(),
+    OllamaChat(),
+    OllamaGenerate(),
+    OllamaEmbed(),
 )
 
 _BY_PATH = {path: api for api in APIS for path in api.paths}

@@ -13,7 +13,10 @@ from typing import Any, ClassVar, Literal
 
 import orjson
 
+from proxy.core.engine import EngineMetrics, engine_metrics
 from proxy.core.measurement import NONE_LABEL, TokenSource
+from proxy.core.ndjson import NDJSONDecoder
+from proxy.core.sse import SSEDecoder
 from proxy.core.toolcalls import CallPiece
 
 #: The closed finish_reason label set. Raw backend values are mapped onto it by each Api
@@ -75,6 +78,8 @@ class Facts:
     error     an in-stream error object (or the error event itself)
     engine    the engine's per-request `metrics` object as sent (proxy/core/engine.py),
               read only from the event or body that carries usage
+    timings   llama.cpp's `timings` object as sent (proxy/core/llamacpp.py), read only from
+              the event that carries usage or a finish reason, or from the body
     end       the event ends the stream cleanly ([DONE], message_stop, response.completed)
     tokens    output tokens the event carries exactly (token-in/token-out `token_ids`), 0
               when the API does not say
@@ -99,6 +104,7 @@ class Facts:
     tokens: int = 0
     plain: bool = False  # content of choice 0 and nothing else: the observer's fast path
     calls: tuple[CallPiece, ...] | None = None
+    timings: object = None  # llama.cpp's `timings` object as sent (proxy/core/llamacpp.py)
 
 
 #: Shared "nothing here" answer: never mutated, so one instance serves every event.
@@ -144,6 +150,13 @@ class Api:
     #: The bytes that open a plain content event's text (`"content":"`): where the
     #: observer may split a stream's repeating event (proxy/core/template.py). Empty: never.
     text_openings: ClassVar[tuple[bytes, ...]] = ()
+    #: The content type of this API's streamed answers (a prefix), and its framing: SSE
+    #: `data:` events, or one JSON object a line (Ollama's application/x-ndjson).
+    stream_type: ClassVar[str] = "text/event-stream"
+    ndjson: ClassVar[bool] = False
+    #: Backend kinds (proxy/core/identity.py) whose streams change beyond the usage event
+    #: when asked for usage: the proxy never asks them for it (the client's bytes would differ).
+    usage_reshapes: ClassVar[frozenset[str]] = frozenset()
 
     # -- the request ------------------------------------------------------------------
 
@@ -211,6 +224,18 @@ class Api:
 
     # -- the response -----------------------------------------------------------------
 
+    def decoder(self, max_event_bytes: int) -> SSEDecoder | NDJSONDecoder:
+        """A fresh decoder of this API's stream framing: bytes in, event payloads out."""
+        if self.ndjson:
+            return NDJSONDecoder(max_event_bytes)
+        return SSEDecoder(max_event_bytes)
+
+    def engine_figures(self, obj: object) -> EngineMetrics | None:
+        """The engine adapter: the engine's own per-request object (Facts.engine) as
+        figures in seconds. vLLM's `metrics` object unless the API's engine says otherwise
+        (proxy/core/engine_ollama.py)."""
+        return engine_metrics(obj)
+
     def event(self, payload: bytes, collect: bool, identify: bool) -> Facts:
         """Facts from one SSE `data` payload. `collect`: keep the generated text pieces
         (for a tokenizer); `identify`: read the response id and model (until one is seen)."""
@@ -222,6 +247,7 @@ class Api:
         return Facts(
             usage=usage if type(usage) is dict else None,
             engine=obj.get("metrics"),
+            timings=obj.get("timings"),
             **identity(obj),
         )
 

@@ -123,6 +123,10 @@ class OpenAIGeneration(Api):
         facts.calls = calls
         if usage is not None:  # vLLM's per-request metrics ride on the usage chunk only
             facts.engine = obj.get("metrics")
+        if usage is not None or finish is not None:
+            # llama.cpp's timings ride on the last chunk: the usage chunk when usage was
+            # asked for, else the finish chunk (proxy/core/strip.py, MOVED)
+            facts.timings = obj.get("timings")
         return facts
 
     def _choices(

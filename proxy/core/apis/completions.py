@@ -17,6 +17,10 @@ class Completions(OpenAIGeneration):
     paths = ("/v1/completions",)
     operation = "text_completion"
     text_openings = (b'"text":"',)
+    # Ollama's OpenAI layer (ollama/ollama middleware/openai.go, CompleteWriter) puts
+    # `"usage": {all zeros}` on every chunk once include_usage is set: asking would change
+    # every chunk the client gets, so against an Ollama the proxy does not ask.
+    usage_reshapes = frozenset({"ollama"})
     measures = (
         "TTFT at the first chunk with non-empty choices[].text; TPOT, ITL, decode speed, "
         "tokens from usage (asked for when the client did not), finish_reason, in-stream errors"

@@ -6,10 +6,13 @@ drain) and llhttp parses the requests. At each request head it decides, by the c
 plane's one set lookup (`ControlPlane.owns`): the proxy's own paths go through uvicorn's
 usual ASGI cycle to the Starlette control plane; every other request becomes a
 `WireRequest`, which takes the place of uvicorn's cycle on the connection (keep-alive,
-pipelining, the drain all keep working) and relays with no ASGI message at all. An
-`Upgrade: websocket` request is handed, with the raw bytes of its head, to the WebSocket
-tunnel (proxy.server.tunnel.take_over); any other Upgrade is relayed as plain HTTP, the
-Upgrade header stripped as hop-by-hop.
+pipelining, the drain all keep working) and relays with no ASGI message at all. Both
+decisions are made on the normalised target (`own_route`), so `/v1/../metrics` is the
+proxy's /metrics, never the backend's. A well-formed WebSocket handshake to any other
+path is handed, its head rebuilt from what llhttp parsed, to the WebSocket tunnel
+(proxy.server.tunnel.take_over) once the responses before it on the connection have
+ended (proxy/server/protocol.py); any other Upgrade is relayed as plain HTTP, the Upgrade
+header stripped as hop-by-hop, and the connection closes after its response.
 
 A `WireRequest`'s life: admission (proxy/server/admission.py), the body, the measured
 exchange (proxy/server/exchange.py, shared with the ASGI relay), an upstream connection
@@ -26,7 +29,6 @@ import weakref
 from collections.abc import Callable
 from time import perf_counter, time
 from typing import Any
-from urllib.parse import unquote
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
@@ -34,7 +36,9 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from proxy.core.apis import Api
 from proxy.core.errors import Cause, Failure
 from proxy.core.measurement import ErrorType
+from proxy.core.paths import Target
 from proxy.core.strip import UsageEventStripper
+from proxy.core.upstream_url import UpstreamURL
 from proxy.server.admission import (
     BODY_TIMEOUT,
     Refused,
@@ -44,7 +48,8 @@ from proxy.server.admission import (
     count_refusal,
     error_answer,
     measured_api,
-    target,
+    own_route,
+    where_to,
 )
 from proxy.server.exchange import Context, IdleTimer, MeasuredExchange
 from proxy.server.headers import Headers, client_headers
@@ -68,7 +73,11 @@ class Wire:
         self.context = context
         self.owns = owns
         settings = context.settings
-        self.pool = Pool(settings.upstream, settings.connect_timeout)
+        self.pool = Pool(
+            UpstreamURL.parse(settings.upstream),
+            settings.connect_timeout,
+            context.sinks.count_upstream_protocol_error,
+        )
         self.active: set[WireRequest] = set()
         self.connecting: set[asyncio.Task[None]] = set()
         self.tunnels: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -99,48 +108,31 @@ class WireProtocol(GuardedHttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.wire: Wire | None = None
-        self._raw_head: list[bytes] = []  # the reads of the head under way, for a tunnel
         self._tunnel: Any = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self.wire = _wire_of(self.app)  # None: no lifespan ran; everything goes to the app
 
-    def data_received(self, data: bytes) -> None:
-        if self._in_head:
-            if not self._count_head(data):
-                return
-            self._raw_head.append(data)
-        self._unset_keepalive_if_required()
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError:
-            msg = "Invalid HTTP request received."
-            self.logger.warning(msg)
-            self.send_400_response(msg)
-        except httptools.HttpParserUpgrade as upgrade:
-            if self._should_upgrade():
-                self._take_over(data, upgrade.args[0])
-            # else: relayed as plain HTTP, and the connection closes after its response
-
-    def _should_upgrade(self) -> bool:
-        return self.wire is not None and self._get_upgrade() == b"websocket"
-
     def on_headers_complete(self) -> None:
-        self._head_done()
         wire = self.wire
+        if wire is None:  # no lifespan ran: everything goes to the app
+            super().on_headers_complete()
+            return
+        self._head_done()
         parser = self.parser
         upgrade = parser.should_upgrade()
-        if wire is None or (upgrade and self._should_upgrade()):
-            HttpToolsProtocol.on_headers_complete(self)  # a tunnel: see data_received
-            return
-        self._raw_head = []
-        url = self.url
-        parsed = httptools.parse_url(url)
+        parsed = httptools.parse_url(self.url)
         raw_path = parsed.path
-        path = raw_path.decode("latin-1")
-        if wire.owns(unquote(path) if "%" in path else path):
+        where = where_to(raw_path, parsed.query or b"")
+        own = own_route(where, wire.owns)
+        self._ws = own is None and self._is_handshake()
+        self._body_due = self._upgrade_body()
+        if self._ws or own is not None:
+            # A tunnel (see _switch), or the proxy's own route through uvicorn's cycle
+            # (ProxyApp routes it on the same normalised target).
             HttpToolsProtocol.on_headers_complete(self)
+            self.headers = []  # trailers, if any, land here, not in the scope
             return
         version = parser.get_http_version()
         request = WireRequest(
@@ -148,7 +140,7 @@ class WireProtocol(GuardedHttpToolsProtocol):
             wire,
             parser.get_method(),
             raw_path,
-            parsed.query or b"",
+            where,
             self.headers,
             http_11=version == "1.1",
             keep_alive=version != "1.0" and parser.should_keep_alive() and not upgrade,
@@ -177,6 +169,8 @@ class WireProtocol(GuardedHttpToolsProtocol):
             super().on_body(body)
 
     def on_message_complete(self) -> None:
+        if self._body_due is not None:  # llhttp skipped an upgrade request's body
+            return
         cycle = self.cycle
         if isinstance(cycle, WireRequest):
             cycle.on_message_complete()
@@ -208,24 +202,27 @@ class WireProtocol(GuardedHttpToolsProtocol):
     def shutdown(self) -> None:
         if self._tunnel is not None:
             # The drain's close frames both ways; uvicorn waits for the tunnel's `closed`
-            # (its callback, set in _take_over, leaves the connection set) up to the drain.
+            # (its callback, set in _switch, leaves the connection set) up to the drain.
             self._tunnel.shutdown()
             return
         super().shutdown()
 
     # -- WebSockets -------------------------------------------------------------------
 
-    def _take_over(self, data: bytes, offset: int) -> None:
-        """Hand the connection to the WebSocket tunnel: the exact head the client sent
-        and whatever came after it; from here on this protocol forwards nothing."""
+    def _switch(self, rest: bytes) -> None:
+        """Hand the connection to the WebSocket tunnel: the handshake's head, rebuilt from
+        what llhttp parsed, and what the client sent after it (the tunnel holds that until
+        the upstream's 101); from here on this protocol reads nothing."""
         from proxy.server.tunnel import TunnelContext, take_over
 
         assert self.wire is not None
         context = self.wire.tunnel_context
         assert isinstance(context, TunnelContext)
-        raw = b"".join(self._raw_head)
-        head, rest = raw[: len(raw) - len(data) + offset], data[offset:]
-        self._raw_head = []
+        scope = self.scope
+        lines = [b"%s %s HTTP/1.1\r\n" % (scope["method"].encode(), self.url)]
+        lines.extend(b"%s: %s\r\n" % pair for pair in scope["headers"])
+        lines.append(b"\r\n")
+        head = b"".join(lines)
         self._stop_head_timer()
         self._unset_keepalive_if_required()
         tunnel = take_over(self.transport, head, rest, context)
@@ -262,6 +259,7 @@ class WireRequest:
         "query",
         "raw_path",
         "refused",
+        "resend",
         "response_complete",
         "size",
         "start",
@@ -280,7 +278,7 @@ class WireRequest:
         wire: Wire,
         method: bytes,
         raw_path: bytes,
-        query: bytes,
+        where: Target | Refused,
         headers: Headers,
         *,
         http_11: bool,
@@ -299,6 +297,7 @@ class WireRequest:
         self.size = 0
         self.exchange: MeasuredExchange | None = None
         self.upstream: UpstreamConnection | None = None
+        self.resend = b""  # the request, while it went out on a reused connection unanswered
         self.stripper: UsageEventStripper | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.first_byte: asyncio.TimerHandle | None = None
@@ -306,11 +305,13 @@ class WireRequest:
         self.refused: Refused | None = None
         self.api: Api | None = None
         self.path = raw_path.decode("latin-1")
-        self.query = query
+        self.query = b""
+        if isinstance(where, Refused):
+            self.refused = where
+            return
+        self.path, self.query = where.path, where.query.encode()
         limits = wire.context.settings
         try:
-            where = target(raw_path, query)
-            self.path, self.query = where.path, where.query.encode()
             self.api = measured_api(method.decode("latin-1"), self.path)
             check_head(headers, limits)
         except Refused as refusal:
@@ -381,12 +382,14 @@ class WireRequest:
         self.body = []
         info = None
         if self.api is not None:
-            info, body, self.stripper = admit(self.api, body, context.settings)
+            info, body, self.stripper = admit(
+                self.api, body, context.settings, context.backend.kind
+            )
         exchange = self.exchange = MeasuredExchange(
             context, self.path, self.headers, info, self.start, self.started_at, read
         )
         wire.active.add(self)
-        where = self.path.encode() + (b"?" + self.query if self.query else b"")
+        where = wire.pool.upstream.target(self.path, self.query.decode("ascii")).encode()
         lines = [b"%s %s HTTP/1.1\r\nhost: %s\r\n" % (self.method, where, wire.pool.authority)]
         lines.extend(b"%s: %s\r\n" % pair for pair in exchange.upstream_headers())
         if body or self.method in _WITH_BODY:
@@ -401,12 +404,16 @@ class WireRequest:
         )
         conn = wire.pool.take()
         if conn is not None:
+            self.resend = head
             self._on_upstream(conn, head)
         else:
-            connecting = wire.connecting  # a reference, or the loop may drop the task
-            task = loop.create_task(self._connect(head))
-            connecting.add(task)
-            task.add_done_callback(connecting.discard)
+            self._connect_soon(head)
+
+    def _connect_soon(self, head: bytes) -> None:
+        connecting = self.wire.connecting  # a reference, or the loop may drop the task
+        task = self.proto.loop.create_task(self._connect(head))
+        connecting.add(task)
+        task.add_done_callback(connecting.discard)
 
     async def _connect(self, head: bytes) -> None:
         try:
@@ -428,6 +435,7 @@ class WireRequest:
     # -- the response (called by the upstream connection) -----------------------------
 
     def response_head(self, status: int, headers: Headers, now: float) -> None:
+        self.resend = b""
         conn, exchange = self.upstream, self.exchange
         assert conn is not None and exchange is not None
         if self.first_byte is not None:
@@ -483,6 +491,15 @@ class WireRequest:
         self._done(None)
 
     def upstream_lost(self, exc: Exception | None) -> None:
+        conn, head = self.upstream, self.resend
+        if conn is not None and head and exc is None and not conn.answered:
+            # The backend closed a kept-alive connection as the request went out on it,
+            # before a byte of answer: it closed an idle connection and never took the
+            # request (llama.cpp's server closes after every stream though its head says
+            # Keep-Alive: docs/llamacpp.md). The request goes once more, on a new one.
+            self.upstream, self.resend = None, b""
+            self._connect_soon(head)
+            return
         """The upstream closed the connection: the end of a body read to the close, or a break."""
         conn = self.upstream
         if conn is not None and not conn.in_head and _reads_to_close(conn):

@@ -13,6 +13,17 @@ pauses reading this connection (`pause`/`resume`, driven by the client's
 closed fails a request). A connection goes back only after a response that ended cleanly
 and that the upstream will keep alive; one that carried an abandoned, broken or
 unfinished response is closed.
+
+What a misbehaving upstream cannot do (issue 32): make one request's response, or part of
+one, reach another request. A response's end does not put its connection back in the pool
+from inside the read that ended it: it *settles* first (`loop.call_soon`), so the rest of
+that read is parsed before any request can take the connection, and a pipelined request
+started by that response's end gets another connection. Any message that begins while the
+connection carries no request (llhttp's `on_message_begin`: the first byte of a second
+response in the same read, or of anything on an idle pooled connection) closes it at once
+(`UpstreamProtocolError`, counted in `tokenprobe_upstream_protocol_errors_total{kind}`),
+as does a 101 or a head llhttp refuses. None of this runs per chunk: `on_message_begin`
+and `on_headers_complete` run once per message, the settling once per reuse.
 """
 
 from __future__ import annotations
@@ -22,12 +33,12 @@ import ssl
 from collections.abc import Callable
 from time import monotonic, perf_counter
 from typing import Protocol
-from urllib.parse import urlsplit
 
 import httptools
 
+from proxy.core.upstream_url import UpstreamURL
 from proxy.server.headers import Headers
-from proxy.server.upstream import KEEPALIVE_SECONDS
+from proxy.server.upstream import KEEPALIVE_SECONDS, UpstreamProtocolError
 
 
 class WireRequest(Protocol):
@@ -63,6 +74,7 @@ class UpstreamConnection(asyncio.Protocol):
         "parser",
         "paused",
         "pool",
+        "pooled",
         "request",
         "strip",
         "transport",
@@ -79,6 +91,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.interim = False  # a 1xx head: not the response yet
         self.lost = False
         self.paused = False
+        self.pooled = False  # in the pool's idle list
         self.now = 0.0
         self.idle_since = 0.0
         # The per-chunk path's parts, set by the request at the response head.
@@ -89,6 +102,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def start(self, request: WireRequest, head: bytes) -> None:
         self.request, self.headers, self.in_head, self.interim = request, [], True, False
+        self.now = 0.0  # until a byte of this request's answer arrives (`answered`)
         self.transport.write(head)
 
     # -- the hot path: one callback per upstream read ---------------------------------
@@ -97,11 +111,8 @@ class UpstreamConnection(asyncio.Protocol):
         self.now = perf_counter()
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            request = self.request
-            self.close()
-            if request is not None:
-                request.upstream_broke(exc)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            self.broke(exc)
 
     def on_body(self, body: bytes) -> None:
         out = body if self.strip is None else self.strip(body)
@@ -111,12 +122,41 @@ class UpstreamConnection(asyncio.Protocol):
 
     # -- the rest of a response -------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        if self.request is None:  # nothing asked for it
+            if self.pooled:
+                raise UpstreamProtocolError("idle_bytes", "a response on an idle connection")
+            raise UpstreamProtocolError("extra_bytes", "bytes after the response's end")
+
+    def broke(self, exc: BaseException) -> None:
+        """The parser stopped: the connection closes, the request on it (if any) breaks."""
+        cause = exc.__context__ if isinstance(exc, httptools.HttpParserCallbackError) else exc
+        if isinstance(cause, UpstreamProtocolError):
+            error: BaseException = cause
+        elif isinstance(exc, httptools.HttpParserUpgrade):
+            error = UpstreamProtocolError("upgrade", "the upstream switched protocols unasked")
+        elif isinstance(exc, httptools.HttpParserCallbackError):
+            error = exc  # the proxy's own code failed in a callback: not the upstream's fault
+        elif self.request is None:  # not a message start: bytes no request asked for
+            kind = "idle_bytes" if self.pooled else "extra_bytes"
+            error = UpstreamProtocolError(kind, f"bytes no request asked for: {exc}")
+        else:
+            error = UpstreamProtocolError("malformed", f"malformed response: {exc}")
+        if isinstance(error, UpstreamProtocolError):
+            self.pool.count(error.kind)
+        request = self.request
+        self.close()
+        if request is not None:
+            request.upstream_broke(error)
+
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.in_head:  # after the head: trailers, which neither data path relays
             self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
+        if status == 101:  # the wire never asks for a switch (WebSockets are the tunnel's)
+            raise UpstreamProtocolError("upgrade", "the upstream switched protocols unasked")
         if 100 <= status < 200:  # interim (103 Early Hints...): dropped, as httpx does
             self.interim = True
             return
@@ -142,6 +182,11 @@ class UpstreamConnection(asyncio.Protocol):
 
     # -- the request's side -----------------------------------------------------------
 
+    @property
+    def answered(self) -> bool:
+        """A byte of the current request's answer arrived (`now` is its read's time)."""
+        return self.now != 0.0
+
     def pause(self) -> None:
         if not self.paused and not self.lost:
             self.paused = True
@@ -158,12 +203,20 @@ class UpstreamConnection(asyncio.Protocol):
         self.write, self.strip, self.feed = _discard, None, _ignore
 
     def release(self, reusable: bool) -> None:
+        """The response ended. Called from inside this connection's read (the parser's
+        `on_message_complete`), so a reusable connection settles before it is pooled:
+        the rest of the read is parsed first, and no request starts on it from here."""
         self.detach()
         self.resume()
         if reusable and not self.lost:
-            self.pool.put(self)
+            asyncio.get_running_loop().call_soon(self._settle)
         else:
             self.close()
+
+    def _settle(self) -> None:
+        """Back to the pool, unless something broke it since its response ended."""
+        if self.request is None and not self.lost and not self.transport.is_closing():
+            self.pool.put(self)
 
     def close(self) -> None:
         self.detach()
@@ -179,23 +232,27 @@ class UpstreamConnection(asyncio.Protocol):
             self.request.client_flow(pause=False)
 
 
-class Pool:
-    """The backend's address and its idle keep-alive connections."""
+def _uncounted(kind: str) -> None:
+    pass
 
-    def __init__(self, upstream: str, connect_timeout: float) -> None:
-        parts = urlsplit(upstream)
-        self.host = parts.hostname or "127.0.0.1"
-        self.ssl: ssl.SSLContext | None = (
-            ssl.create_default_context() if parts.scheme == "https" else None
-        )
-        self.port = parts.port or (443 if self.ssl is not None else 80)
-        default = (parts.scheme == "https" and self.port == 443) or self.port == 80
-        host = self.host if ":" not in self.host else f"[{self.host}]"
-        self.authority = (
-            host if default and parts.port is None else f"{host}:{self.port}"
-        ).encode()
+
+class Pool:
+    """The backend's address and its idle keep-alive connections; `count` is told each
+    upstream protocol error (Sinks.count_upstream_protocol_error)."""
+
+    def __init__(
+        self,
+        upstream: UpstreamURL,
+        connect_timeout: float,
+        count: Callable[[str], None] = _uncounted,
+    ) -> None:
+        self.upstream = upstream
+        self.host, self.port, self.authority = upstream.host, upstream.port, upstream.authority
+        self.ssl: ssl.SSLContext | None = ssl.create_default_context() if upstream.tls else None
         self.connect_timeout = connect_timeout
+        self.count = count
         self.idle: list[UpstreamConnection] = []
+        self.closed = False  # the server stopped: a connection settling now is closed
 
     def take(self) -> UpstreamConnection | None:
         """The newest idle connection that is still fresh, else None."""
@@ -204,7 +261,8 @@ class Pool:
             expired = monotonic() - KEEPALIVE_SECONDS
             while idle:
                 conn = idle.pop()
-                if conn.idle_since > expired and not conn.lost:
+                conn.pooled = False
+                if conn.idle_since > expired and not conn.lost and not conn.transport.is_closing():
                     return conn
                 conn.close()
         return None
@@ -218,14 +276,21 @@ class Pool:
         return conn
 
     def put(self, conn: UpstreamConnection) -> None:
+        if self.closed:
+            conn.close()
+            return
         conn.idle_since = monotonic()
+        conn.pooled = True
         self.idle.append(conn)
 
     def forget(self, conn: UpstreamConnection) -> None:
-        if conn.request is None and conn in self.idle:  # closed by the backend while idle
+        if conn.pooled and conn in self.idle:  # closed while idle (by the backend, or broke)
+            conn.pooled = False
             self.idle.remove(conn)
 
     def close(self) -> None:
+        self.closed = True
         idle, self.idle = self.idle, []
         for conn in idle:
+            conn.pooled = False
             conn.close()

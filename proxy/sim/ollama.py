@@ -1,0 +1,215 @@
+"""Ollama's native API as it goes on the wire: `/api/chat`, `/api/generate`, `/api/embed`,
+`/api/version`.
+
+Sources (ollama/ollama @ fb30760): api/types.go gives the field order Go's json.Marshal
+writes (ChatResponse: model, created_at, message{role, content, thinking, tool_calls},
+done, done_reason, then the embedded Metrics: total_duration, load_duration,
+prompt_eval_count, prompt_eval_duration, eval_count, eval_duration; GenerateResponse:
+model, created_at, response, thinking, done, done_reason, context, Metrics), all the
+optional ones `omitempty`. server/routes.go: a stream is `application/x-ndjson`, one
+object a line (streamResponse); `"stream": false` answers `application/json;
+charset=utf-8`; errors are `{"error": "..."}`, with an HTTP status before anything was
+written and as a line after; load_duration runs from the handler's start to a loaded
+runner, total_duration to the done line; `/api/version` answers `{"version": "..."}`.
+
+Timing: a model that is not loaded (SimConfig.ollama_load_time > 0 and the model not
+used yet, or `x-sim-load-time` on the request) first waits its load time; then the
+programmed TTFT (the prefill) runs, and tokens follow as for every other API. The
+durations the done line reports are the ones this exchange really took, in nanoseconds
+(`time.monotonic_ns`): load_duration = the load wait, prompt_eval_duration = load end to
+the first token, eval_duration = first token to the done line.
+
+`"think": true` sends the first `x-sim-thinking-tokens` (default 4) tokens of the output
+as `thinking`, the rest as content. Faults are chat's (controls.py FAULTS), in this
+framing: error_event and error_string are a `{"error": "..."}` line, malformed is the
+line `{not json`, close_no_done (and x-sim-no-done) end the body without the done line.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+
+from proxy.sim import errors
+from proxy.sim.controls import ENDING_FAULTS, Plan, number
+from proxy.sim.exchange import Exchange
+from proxy.sim.pacing import Pacer
+from proxy.sim.state import Outcome
+from proxy.sim.stream import paced_content, paced_whole
+from proxy.sim.tokens import completion_text
+
+NDJSON = b"application/x-ndjson"
+JSON = b"application/json; charset=utf-8"
+#: A version for a simulator that plays Ollama (SimConfig.ollama_version, `tokenprobe demo`).
+OLLAMA_VERSION = "0.13.0"
+
+
+def created_at() -> bytes:
+    """Go's time.Time in RFC 3339 with nanoseconds, UTC, as json.Marshal writes it."""
+    now = time.time_ns()
+    stamp = datetime.fromtimestamp(now // 10**9, UTC).strftime("%Y-%m-%dT%H:%M:%S")
+    fraction = f"{now % 10**9:09d}".rstrip("0")
+    return b'"%s%sZ"' % (stamp.encode(), b"." + fraction.encode() if fraction else b"")
+
+
+class Timer:
+    """The instants an Ollama handler measures (server/routes.go checkpointStart,
+    checkpointLoaded), on the monotonic clock in nanoseconds."""
+
+    __slots__ = ("first", "loaded", "start")
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self.loaded = start
+        self.first: int | None = None
+
+    def metrics(self, plan: Plan, sent: int) -> bytes:
+        now = time.monotonic_ns()
+        first = self.first if self.first is not None else now
+        fields = [
+            (b"total_duration", now - self.start),
+            (b"load_duration", self.loaded - self.start),
+            (b"prompt_eval_count", plan.prompt_tokens),
+            (b"prompt_eval_duration", first - self.loaded),
+            (b"eval_count", sent),
+            (b"eval_duration", now - first),
+        ]
+        return b"".join(b',"%s":%d' % (k, v) for k, v in fields if v)  # omitempty
+
+
+class OllamaWire:
+    """The lines of one /api/chat or /api/generate answer."""
+
+    __slots__ = ("_chat", "_head", "plan", "thinking", "timer")
+
+    def __init__(self, plan: Plan, chat: bool, thinking: int, timer: Timer) -> None:
+        self.plan = plan
+        self._chat = chat
+        self._head = b'{"model":%s,"created_at":' % orjson.dumps(plan.model)
+        self.thinking = thinking  # output tokens sent as `thinking`
+        self.timer = timer
+
+    def line(self, content: str, thinking: str, tail: bytes = b'"done":false') -> bytes:
+        think = b',"thinking":%s' % orjson.dumps(thinking) if thinking else b""
+        if self._chat:
+            body = b'"message":{"role":"assistant","content":%s%s}' % (orjson.dumps(content), think)
+        else:
+            body = b'"response":%s%s' % (orjson.dumps(content), think)
+        return self._head + created_at() + b"," + body + b"," + tail + b"}"
+
+    def tokens(self, count: int, sent: int) -> bytes:
+        """The line of output tokens `sent .. sent+count-1`, split into thinking and content."""
+        split = min(max(self.thinking - sent, 0), count)
+        thinking = completion_text(split, sent)
+        content = completion_text(count - split, sent + split)
+        return self.line(content, thinking) + b"\n"
+
+    def done(self, sent: int, content: str = "", thinking: str = "") -> bytes:
+        plan = self.plan
+        tail = b'"done":true,"done_reason":%s' % orjson.dumps(plan.finish_reason)
+        if not self._chat:  # the prompt's and the response's token ids (not with raw)
+            tail += b',"context":%s' % orjson.dumps(list(range(1, plan.prompt_tokens + sent + 1)))
+        return self.line(content, thinking, tail + self.timer.metrics(plan, sent))
+
+
+async def stream_ollama(ex: Exchange, plan: Plan, wire: OllamaWire, pacer: Pacer) -> Outcome:
+    await ex.start(200, NDJSON)
+    timer = wire.timer
+
+    def content(count: int, sent: int) -> list[bytes]:
+        if timer.first is None:
+            timer.first = time.monotonic_ns()
+        return [wire.tokens(count, sent)]
+
+    async def fire(fault: str) -> bool:
+        return await _fault(ex, plan, wire, pacer, fault)
+
+    sent = await paced_content(ex, plan, pacer, content, fire)
+    if sent is None:
+        return "fault"
+    ex.record.finish_reason = plan.finish_reason
+    outcome: Outcome = "fault" if ex.record.fault else "completed"
+    await ex.end(b"" if plan.no_done else wire.done(sent) + b"\n", outcome)
+    return outcome
+
+
+async def complete_ollama(ex: Exchange, plan: Plan, wire: OllamaWire, pacer: Pacer) -> Outcome:
+    await paced_whole(ex, plan, pacer, plan.finish_reason)
+    timer = wire.timer  # the first token was due one prefill after the load
+    timer.first = min(time.monotonic_ns(), timer.loaded + int(plan.ttft * 1e9))
+    n, k = plan.output_tokens, min(wire.thinking, plan.output_tokens)
+    body = wire.done(n, completion_text(n - k, k), completion_text(k))
+    await ex.reply(200, body, JSON)
+    return "completed"
+
+
+async def _fault(ex: Exchange, plan: Plan, wire: OllamaWire, pacer: Pacer, fault: str) -> bool:
+    if fault == "stall":
+        await pacer.pause(plan.stall)
+    elif fault == "malformed":
+        await ex.write(b"{not json\n")
+    elif fault == "non_utf8":
+        await ex.write(wire.line("", "")[:-1] + b',"x":"\xff\xfe"}\n')
+    elif fault == "huge_event":
+        await ex.write(wire.line("x" * max(0, plan.huge_bytes - 200), "") + b"\n")
+    elif fault in ("error_event", "error_string"):
+        # streamResponse after the first write: json.NewEncoder(c.Writer).Encode(gin.H{"error": e})
+        await ex.end(b'{"error":"an error was encountered while running the model"}\n', "fault")
+    elif fault == "close_no_done":
+        await ex.end(b"", "fault")
+    return fault not in ENDING_FAULTS
+
+
+def thinking_tokens(body: Any, headers: dict[str, str]) -> int:
+    if not isinstance(body, dict) or body.get("think") not in (True, "high", "medium", "low"):
+        return 0
+    return number(headers, "x-sim-thinking-tokens", int, 4, 0)
+
+
+def embed_inputs(body: Any) -> list[str] | None:
+    """/api/embed's `input`, a string or a list of them; None when it is neither."""
+    inputs = body.get("input") if isinstance(body, dict) else None
+    texts: list[Any] = inputs if isinstance(inputs, list) else [inputs]
+    return (
+        [t for t in texts if isinstance(t, str)] if all(isinstance(t, str) for t in texts) else None
+    )
+
+
+def error_reply(status: int, message: str) -> errors.ErrorReply:
+    """Ollama's error answer: gin's c.JSON(status, gin.H{"error": message})."""
+    return errors.ErrorReply(status, orjson.dumps({"error": message}), errors.OLLAMA_JSON)
+
+
+def embed(model: str, body: dict[str, Any], timer: Timer, prompt_tokens: int) -> bytes:
+    """EmbedResponse: one small deterministic vector per input."""
+    inputs = body.get("input")
+    count = len(inputs) if isinstance(inputs, list) else 1
+    vectors = [[round(0.1 * (i + 1), 3), 0.25, -0.5] for i in range(count)]
+    now = time.monotonic_ns()
+    return (
+        b'{"model":%s,"embeddings":%s,"total_duration":%d,"load_duration":%d,"prompt_eval_count":%d}'
+        % (
+            orjson.dumps(model),
+            orjson.dumps(vectors),
+            now - timer.start,
+            max(timer.loaded - timer.start, 1),
+            prompt_tokens,
+        )
+    )
+
+
+def load_reply(model: str, reason: str) -> bytes:
+    """GenerateHandler's answer to an empty prompt: done at once, `done_reason` "load" (the
+    model is loaded) or "unload" (keep_alive 0), no counts, no durations."""
+    return b'{"model":%s,"created_at":%s,"response":"","done":true,"done_reason":"%s"}' % (
+        orjson.dumps(model),
+        created_at(),
+        reason.encode(),
+    )
+
+
+def version(configured: str) -> bytes:
+    return orjson.dumps({"version": configured})

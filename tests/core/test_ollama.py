@@ -1,0 +1,270 @@
+"""Ollama's native seams, its engine adapter and the backend identity, on their own."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+import pytest
+
+from proxy.core.apis import api_for
+from proxy.core.apis.ollama import OllamaApi
+from proxy.core.engine import EngineMetrics, load_split
+from proxy.core.engine_ollama import MAX_NS, ollama_engine
+from proxy.core.identity import KINDS, PROBES, UNKNOWN, identify
+from proxy.core.measurement import ErrorType, TokenSource
+from proxy.core.observe import StreamObserver
+
+# The done line of ollama/ollama docs/api.md "Generate a chat completion" (streaming).
+DONE: dict[str, Any] = {
+    "model": "llama3.2",
+    "created_at": "2023-08-04T19:22:45.499127Z",
+    "message": {"role": "assistant", "content": ""},
+    "done": True,
+    "done_reason": "stop",
+    "total_duration": 4883583458,
+    "load_duration": 1334875,
+    "prompt_eval_count": 26,
+    "prompt_eval_duration": 342546000,
+    "eval_count": 282,
+    "eval_duration": 4535599000,
+}
+
+
+def seam(path: str) -> OllamaApi:
+    api = api_for(path)
+    assert isinstance(api, OllamaApi)
+    return api
+
+
+def line(obj: dict[str, Any]) -> bytes:
+    return orjson.dumps(obj)
+
+
+def chat_line(**message: Any) -> bytes:
+    return line({"model": "m", "message": {"role": "assistant", **message}, "done": False})
+
+
+# -- the request --------------------------------------------------------------------------
+
+
+def test_streaming_is_the_default_and_options_carry_the_limits() -> None:
+    chat = seam("/api/chat")
+    info = chat.read_request(
+        {"model": "m", "messages": [], "options": {"num_predict": 9, "temperature": 0.5}}
+    )
+    assert (info.stream, info.max_tokens, info.temperature) == (True, 9, 0.5)
+    assert info.usage_requested and chat.ask_for_usage({"model": "m"}) is None
+    assert chat.read_request({"model": "m", "stream": False}).stream is False
+    assert seam("/api/embed").read_request({"model": "m", "input": "x"}).stream is False
+
+
+# -- lines --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("payload", "kind"),
+    [
+        (chat_line(content="Hi"), "text"),
+        (chat_line(content="", thinking="hmm"), "reasoning"),
+        (chat_line(content="", tool_calls=[{"function": {"name": "f", "arguments": {}}}]), "tool"),
+        (chat_line(content=""), None),
+    ],
+    ids=["content", "thinking", "tool_calls", "empty"],
+)
+def test_chat_line_content_kinds(payload: bytes, kind: str | None) -> None:
+    facts = seam("/api/chat").event(payload, collect=False, identify=False)
+    assert facts.content == kind and not facts.end
+
+
+def test_generate_line_reads_response_and_thinking() -> None:
+    gen = seam("/api/generate")
+    assert gen.event(line({"response": "x", "done": False}), False, False).content == "text"
+    assert gen.event(line({"thinking": "y", "response": ""}), False, False).content == "reasoning"
+
+
+def test_done_line_ends_with_counts_finish_and_engine() -> None:
+    chat = seam("/api/chat")
+    facts = chat.event(line(DONE), collect=False, identify=True)
+    assert facts.end and facts.finish == "stop" and facts.response_model == "llama3.2"
+    assert facts.usage is not None
+    counts = chat.counts(facts.usage)
+    assert counts is not None
+    assert (counts.prompt, counts.output, counts.source) == (26, 282, TokenSource.USAGE)
+
+
+def test_absent_counts_on_the_done_line_are_zero_as_go_omits_them() -> None:
+    counts = seam("/api/chat").counts({"done": True, "done_reason": "stop"})
+    assert counts is not None and (counts.prompt, counts.output) == (0, 0)
+
+
+def test_error_line_and_bad_lines() -> None:
+    chat = seam("/api/chat")
+    assert chat.event(b'{"error":"boom"}', False, False).error == "boom"
+    assert chat.event(b"{not json", False, False).malformed
+    assert chat.event(b"[1,2]", False, False).malformed
+
+
+@pytest.mark.parametrize(
+    ("raw", "label"),
+    [
+        ("stop", "stop"),
+        ("length", "length"),
+        ("load", "other"),
+        ("unload", "other"),
+        ("x", "other"),
+    ],
+)
+def test_done_reason_onto_the_closed_set(raw: str, label: str) -> None:
+    assert seam("/api/generate").finish_label(raw) == label
+
+
+def test_collected_texts_are_thinking_content_and_tool_calls() -> None:
+    facts = seam("/api/chat").event(
+        chat_line(
+            content="a",
+            thinking="b",
+            tool_calls=[{"function": {"name": "f", "arguments": {"x": 1}}}],
+        ),
+        collect=True,
+        identify=False,
+    )
+    assert facts.texts == ["b", "a", "f", '{"x":1}']
+
+
+# -- the engine adapter -------------------------------------------------------------------
+
+
+def test_adapter_reads_nanoseconds_as_seconds() -> None:
+    engine = ollama_engine(DONE)
+    assert engine == EngineMetrics(
+        queue_time=None,
+        time_to_first_token=0.342546,
+        generation_time=4.535599,
+        mean_itl=None,
+        tokens_per_second=282 / 4.535599,
+        spec=None,
+        load_time=0.001334875,
+    )
+
+
+@pytest.mark.parametrize(
+    "value",
+    [-1, MAX_NS + 1, 1.5, "12", None, True],
+    ids=["neg", "huge", "float", "str", "null", "bool"],
+)
+def test_nonsense_durations_are_left_out(value: object) -> None:
+    engine = ollama_engine({**DONE, "load_duration": value})
+    assert engine is not None and engine.load_time is None
+    assert engine.time_to_first_token == 0.342546
+
+
+def test_embed_answers_give_the_load_and_no_prefill() -> None:
+    answer = {"model": "m", "embeddings": [[0.1]], "total_duration": 9, "load_duration": 5}
+    engine = seam("/api/embed").engine_figures(answer)
+    assert engine is not None and engine.load_time == 5e-9
+    assert engine.time_to_first_token is None and engine.generation_time is None
+    assert seam("/api/embed").engine_figures({"error": "x"}) is None
+
+
+def test_adapter_needs_a_done_object_with_durations() -> None:
+    assert ollama_engine({**DONE, "done": False}) is None
+    assert ollama_engine({"done": True, "done_reason": "load"}) is None  # GenerateHandler's load
+    assert ollama_engine([DONE]) is None
+
+
+def test_load_split_sums_to_the_ttft_and_scales_when_the_engine_says_more() -> None:
+    engine = ollama_engine(DONE)
+    assert engine is not None
+    load, first, outside = load_split(0.5, engine)  # type: ignore[misc]
+    assert (load, first) == (0.001334875, 0.342546) and load + first + outside == 0.5
+    load, first, outside = load_split(0.2, engine)  # type: ignore[misc]
+    assert outside == 0.0 and load + first == pytest.approx(0.2) and first > load
+    vllm_like = EngineMetrics(0.1, 0.2, None, None, None, None, load_time=0.1)
+    assert load_split(1.0, vllm_like) is None  # a queue time: vLLM's ttft_split applies
+
+
+# -- the observer, fed a recorded-shape stream --------------------------------------------
+
+
+def test_observer_measures_an_ndjson_stream_split_anywhere() -> None:
+    chat = seam("/api/chat")
+    stream = b"".join(
+        [
+            chat_line(content="", thinking="hm") + b"\n",
+            chat_line(content="A") + b"\n",
+            chat_line(content="B") + b"\n",
+            line({**DONE, "eval_count": 3}) + b"\n",
+        ]
+    )
+    for cut in range(1, len(stream), 7):
+        observer = StreamObserver(chat.read_request({"model": "m", "messages": []}), 0.0)
+        observer.open(200, "application/x-ndjson", 0.01)
+        observer.feed(stream[:cut], 0.1)
+        observer.feed(stream[cut:], 0.2)
+        observer.end_of_stream(0.2)
+        m = asyncio.run(
+            observer.finish(
+                end=0.3, started_at=0.0, status_code=200, error_type=None, error_message=None
+            )
+        )
+        assert m.ok and m.content_events == 3 and m.output_tokens == 3 and m.prompt_tokens == 26
+        assert m.engine is not None and m.engine.load_time == 0.001334875
+
+
+def test_observer_without_a_done_line_is_truncated() -> None:
+    chat = seam("/api/chat")
+    observer = StreamObserver(chat.read_request({"model": "m", "messages": []}), 0.0)
+    observer.open(200, "application/x-ndjson", 0.01)
+    observer.feed(chat_line(content="A") + b"\n" + chat_line(content="B"), 0.1)
+    observer.end_of_stream(0.2)
+    m = asyncio.run(
+        observer.finish(
+            end=0.3, started_at=0.0, status_code=200, error_type=None, error_message=None
+        )
+    )
+    assert m.error_type is ErrorType.STREAM_TRUNCATED and m.content_events == 2
+    assert m.token_source is TokenSource.CHUNKS
+
+
+# -- backend identity ---------------------------------------------------------------------
+
+
+def answers(**by_kind: tuple[int, bytes]) -> dict[str, tuple[int, bytes] | None]:
+    paths = {probe.kind: probe.path for probe in PROBES}
+    return {paths[kind]: answer for kind, answer in by_kind.items()}
+
+
+@pytest.mark.parametrize(
+    ("given", "want"),
+    [
+        ({"ollama": (200, b'{"version":"0.13.0"}')}, ("ollama", "0.13.0")),
+        (
+            {"llamacpp": (200, b'{"build_info":"b7000-1a2b3c4d","total_slots":1}')},
+            ("llamacpp", "b7000-1a2b3c4d"),
+        ),
+        ({"sglang": (200, b'{"version":"0.5.4","tp_size":1}')}, ("sglang", "0.5.4")),
+        (
+            {"tgi": (200, b'{"router":"text-generation-router","version":"3.3.6"}')},
+            ("tgi", "3.3.6"),
+        ),
+        ({"vllm": (200, b'{"version":"0.32.0"}')}, ("vllm", "0.32.0")),
+        (
+            {"vllm": (200, b'{"version":"0.32.0"}'), "sglang": (200, b'{"version":"0.5.4"}')},
+            ("sglang", "0.5.4"),
+        ),
+        ({"tgi": (200, b'{"version":"1.0"}')}, (UNKNOWN, UNKNOWN)),  # /info of someone else
+        ({"vllm": (404, b'{"detail":"Not Found"}')}, (UNKNOWN, UNKNOWN)),
+        ({"vllm": (200, b"<html>")}, (UNKNOWN, UNKNOWN)),
+        ({}, (UNKNOWN, UNKNOWN)),
+    ],
+)
+def test_identify(given: dict[str, tuple[int, bytes]], want: tuple[str, str]) -> None:
+    assert identify(answers(**given)) == want
+    assert want[0] in KINDS
+
+
+def test_a_version_is_a_bounded_label() -> None:
+    kind, version = identify(answers(vllm=(200, orjson.dumps({"version": "x y\n" * 100}))))
+    assert kind == "vllm" and len(version) <= 64 and " " not in version

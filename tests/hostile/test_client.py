@@ -1,0 +1,233 @@
+"""Hostile clients, on both data paths: no client byte reaches the upstream except in a
+request the proxy parsed and admitted, the proxy's own paths are decided on the
+normalised target, and every odd request gets a defined answer (issue 32, defects 2-5
+and the ASGI relay's trailer and no-answer cases).
+
+The ASGI relay never tunnels a WebSocket (it refuses the upgrade itself), so the tests of
+what happens around an upgrade hold there trivially for the upstream side, and pin that
+its client still gets an answer. What only a tunnel can do is in test_tunnel.py.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+
+import pytest
+
+from tests.hostile.client import (
+    CHAT,
+    COMPLETION,
+    Switcher,
+    counter_sum,
+    received_bytes,
+    responses,
+    served,
+    ws_head,
+)
+from tests.hostile.peers import RawUpstream, exchange, ok
+
+Proxy = Callable[..., AbstractContextManager[str]]
+SMUGGLED = b"GET /v1/smuggled HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+# -- defect 2: bytes after an upgrade head ------------------------------------------------
+
+
+def test_a_request_behind_a_refused_upgrade_never_reaches_the_upstream(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """An upgrade head and a second request in one write; the upstream refuses the
+    upgrade (a 400 it keeps alive): the second request was never parsed by the proxy,
+    so not a byte of it may reach the upstream."""
+    switcher = Switcher(answer=ok(b"no", status=b"400 Bad Request"), delay=0.1)
+    upstream.default = switcher.script()
+    with proxy(upstream.url) as base:
+        got = exchange(base, ws_head() + SMUGGLED, idle=1.0)
+    assert b"/v1/smuggled" not in upstream.all_received()
+    answers = responses(got)
+    assert len(answers) == 1 and answers[0][0] >= 400, got
+
+
+def test_bytes_after_an_unframed_refusal_never_reach_the_upstream(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """The upstream refuses the upgrade with a body that runs to the close, and keeps the
+    connection open: what the client writes next is not a tunnel's to pipe."""
+    switcher = Switcher(answer=b"HTTP/1.1 403 Forbidden\r\n\r\nno", delay=0.0)
+    upstream.default = switcher.script()
+    with proxy(upstream.url) as base:
+        got = exchange(base, ws_head(), then=SMUGGLED, after=0.5, idle=1.0)
+    assert b"/v1/smuggled" not in upstream.all_received()
+    assert got.startswith(b"HTTP/1.1 4"), got
+
+
+@pytest.mark.parametrize(
+    ("name", "head", "body"),
+    [
+        (
+            "POST with Upgrade",
+            ws_head(
+                b"/v1/chat/completions",
+                method=b"POST",
+                extra=b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(CHAT),
+            ),
+            CHAT,
+        ),
+        (
+            "GET upgrade with a body",
+            ws_head(b"/v1/models", extra=b"Content-Length: 5\r\n"),
+            b"hello",
+        ),
+        (
+            "upgrade without a key",
+            b"GET /v1/models HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n",
+            b"",
+        ),
+    ],
+)
+def test_an_upgrade_that_is_not_a_websocket_handshake_is_an_ordinary_request(
+    upstream: RawUpstream, proxy: Proxy, name: str, head: bytes, body: bytes
+) -> None:
+    """Only a well-formed WebSocket handshake (GET, Upgrade: websocket, Connection:
+    upgrade, key, version, no body) is tunnelled; anything else is relayed as HTTP with
+    Upgrade dropped as hop-by-hop, and answered within seconds."""
+    upstream.default = Switcher(plain=ok(COMPLETION)).script()
+    with proxy(upstream.url) as base:
+        start = time.monotonic()
+        got = exchange(base, head + body + SMUGGLED, idle=1.0, total=8.0)
+        took = time.monotonic() - start
+    answers = responses(got)
+    assert answers and answers[0][0] == 200 and answers[0][2] == COMPLETION, (name, got)
+    assert took < 4.0
+    (seen,) = upstream.requests
+    assert seen.header(b"upgrade") == [] and seen.body == body
+    assert b"/v1/smuggled" not in upstream.all_received()
+
+
+H2C = (
+    b"POST /v1/files HTTP/1.1\r\nHost: x\r\nUpgrade: h2c\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+    b"HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\nTransfer-Encoding: chunked\r\n\r\n"
+)
+
+
+def test_an_upgrade_requests_chunked_body_is_read_and_relayed(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """llhttp skips the body of any request asking to upgrade; the proxy reads it itself
+    (chunks, then trailers dropped) and relays the request as HTTP."""
+    body = b"5\r\nhello\r\n6\r\n world\r\n0\r\nX-Trailed: t\r\n\r\n"
+    with proxy(upstream.url) as base:
+        got = exchange(base, H2C + body + SMUGGLED, idle=1.0)
+    assert [status for status, _, _ in responses(got)] == [200], got
+    (seen,) = upstream.requests
+    assert seen.body == b"hello world" and seen.header(b"upgrade") == []
+    assert b"/v1/smuggled" not in upstream.all_received()
+    assert b"x-trailed" not in upstream.all_received().lower()
+
+
+def test_an_upgrade_requests_malformed_body_is_a_400(upstream: RawUpstream, proxy: Proxy) -> None:
+    with proxy(upstream.url) as base:
+        got = exchange(base, H2C + b"zz\r\nhello\r\n", idle=1.0)
+    assert got.startswith(b"HTTP/1.1 400"), got
+    assert upstream.requests == []
+
+
+def test_a_post_with_upgrade_is_measured(upstream: RawUpstream, proxy: Proxy) -> None:
+    upstream.default = Switcher(plain=ok(COMPLETION)).script()
+    extra = b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(CHAT)
+    with proxy(upstream.url) as base:
+        before = counter_sum(base, "tokenprobe_requests_total")
+        got = exchange(base, ws_head(b"/v1/chat/completions", method=b"POST", extra=extra) + CHAT)
+        assert got.startswith(b"HTTP/1.1 200"), got
+        deadline = time.monotonic() + 5
+        while counter_sum(base, "tokenprobe_requests_total") == before:
+            assert time.monotonic() < deadline, "the request was not measured"
+            time.sleep(0.05)
+
+
+# -- defect 4: the proxy's own paths, on the normalised target ----------------------------
+
+OWN = [
+    (b"/v1/../metrics", b"tokenprobe_"),
+    (b"/v1/%2e%2e/healthz", b'"status":"ok"'),
+    (b"/v1/x/%2E%2E/%2e%2E/./healthz", b'"status":"ok"'),
+    (b"//metrics", b"tokenprobe_"),
+    (b"/%68ealthz", b'"status":"ok"'),
+    (b"/healthz/", b'"status":"ok"'),
+]
+
+
+@pytest.fixture(scope="module", params=["wire", "asgi"])
+def shared(request: pytest.FixtureRequest) -> Iterator[tuple[RawUpstream, str]]:
+    with served(request.param) as pair:
+        yield pair
+
+
+@pytest.mark.parametrize(("target", "mark"), OWN, ids=[t.decode() for t, _ in OWN])
+def test_a_spelling_of_the_proxys_own_path_is_answered_by_the_proxy(
+    shared: tuple[RawUpstream, str], target: bytes, mark: bytes
+) -> None:
+    """Routing is decided on the normalised target (empty segments merged, a trailing
+    slash ignored): every spelling of /metrics or /healthz gets the proxy's own answer,
+    and nothing reaches the upstream."""
+    upstream, base = shared
+    before = received_bytes(upstream)
+    got = exchange(base, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n", idle=1.0)
+    answers = responses(got)
+    assert answers and answers[0][0] == 200 and mark in answers[0][2], got[:300]
+    assert received_bytes(upstream) == before
+
+
+@pytest.mark.parametrize("target", [b"/metrics", b"/v1/../metrics", b"//healthz"])
+def test_an_upgrade_to_the_proxys_own_path_is_never_tunnelled(
+    shared: tuple[RawUpstream, str], target: bytes
+) -> None:
+    """The wire answers it as the plain request it also is (RFC 9110 §7.8 lets a server
+    ignore Upgrade); the ASGI relay refuses every WebSocket itself."""
+    upstream, base = shared
+    before = received_bytes(upstream)
+    got = exchange(base, ws_head(target), idle=1.0)
+    assert received_bytes(upstream) == before
+    answers = responses(got)
+    assert answers and answers[0][0] in (200, 403), got[:300]
+
+
+# -- defect 5: pipelining around an upgrade -----------------------------------------------
+
+
+def test_a_pipelined_get_then_an_upgrade_keeps_the_gets_response(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """A GET and an upgrade head in one write: the client gets the GET's response first,
+    whole, then the upgrade's own answer (the 101 on the wire, the ASGI relay's refusal)."""
+    upstream.default = Switcher(plain=ok(b'{"first":true}')).script()
+    get = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+    with proxy(upstream.url) as base:
+        got = exchange(base, get + ws_head(), idle=1.5)
+    answers = responses(got)
+    assert len(answers) == 2, got
+    assert answers[0][0] == 200 and answers[0][2] == b'{"first":true}'
+    assert answers[1][0] in (101, 403), got
+
+
+# -- the ASGI relay's trailer -------------------------------------------------------------
+
+
+def test_a_chunked_requests_trailer_never_becomes_a_header(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """Trailer fields are dropped, as most proxies do: a trailer is not a header, and
+    passed on as one it would smuggle a header past the head's policy and limits."""
+    head = (
+        b"POST /v1/files HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+        b"Trailer: X-Trailed\r\n\r\n"
+    )
+    body = b"5\r\nhello\r\n0\r\nX-Trailed: smuggled\r\n\r\n"
+    with proxy(upstream.url) as base:
+        got = exchange(base, head + body, idle=1.0)
+    assert got.startswith(b"HTTP/1.1 200"), got
+    (seen,) = upstream.requests
+    assert seen.body == b"hello"
+    assert b"smuggled" not in upstream.all_received()

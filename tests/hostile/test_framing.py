@@ -1,0 +1,46 @@
+"""Framing defences that already held when issue 32's probe ran, pinned on both data paths:
+each ambiguous or oversized request is refused by the proxy, and not a byte of it
+reaches the upstream."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.hostile.client import received_bytes, served
+from tests.hostile.peers import RawUpstream, exchange
+
+POST = b"POST /v1/files HTTP/1.1\r\nHost: x\r\n"
+
+CASES = {
+    "CL and TE": POST + b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\nGET /",
+    "TE not last chunked": POST + b"Transfer-Encoding: chunked, identity\r\n\r\n0\r\n\r\n",
+    "TE with a space before the colon": POST + b"Transfer-Encoding : chunked\r\n\r\n0\r\n\r\n",
+    "TE xchunked": POST + b"Transfer-Encoding: xchunked\r\n\r\n0\r\n\r\n",
+    "two Content-Lengths": POST + b"Content-Length: 1\r\nContent-Length: 2\r\n\r\nab",
+    "bare LF": b"GET /v1/models HTTP/1.1\nHost: x\n\n",
+    "obs-fold": b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-A: 1\r\n folded\r\n\r\n",
+    "control byte": b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-A: a\x01b\r\n\r\n",
+    "NUL in the target": b"GET /v1/mo\x00dels HTTP/1.1\r\nHost: x\r\n\r\n",
+    "oversized head": b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: "
+    + b"a" * 200_000
+    + b"\r\n\r\n",
+}
+
+
+@pytest.fixture(scope="module", params=["wire", "asgi"])
+def shared(request: pytest.FixtureRequest) -> Iterator[tuple[RawUpstream, str]]:
+    with served(request.param) as pair:
+        yield pair
+
+
+@pytest.mark.parametrize("data", list(CASES.values()), ids=list(CASES))
+def test_an_ambiguous_request_is_refused_before_the_upstream(
+    shared: tuple[RawUpstream, str], data: bytes
+) -> None:
+    upstream, base = shared
+    before = received_bytes(upstream)
+    got = exchange(base, data, idle=1.0)
+    assert got.startswith((b"HTTP/1.1 400", b"HTTP/1.1 431")), got[:200]
+    assert received_bytes(upstream) == before

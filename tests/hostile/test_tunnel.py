@@ -1,0 +1,112 @@
+"""The WebSocket tunnel under hostile clients (issue 32, defects 2 and 3): nothing after the
+upgrade head goes upstream before the 101, the handshake passes the same header policy as
+HTTP, a bad target gets the HTTP relay's answer, and the upstream's base path is kept.
+
+Only the wire tunnels WebSockets (the ASGI relay refuses them: test_client.py), so these
+run on the wire alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+import pytest
+
+from tests.hostile.client import KEY, Switcher, header_names, responses, ws_head
+from tests.hostile.peers import RawUpstream, exchange
+
+Proxy = Callable[..., AbstractContextManager[str]]
+FRAMES = b"\x81\x85\x00\x00\x00\x00hello"  # a masked text frame, "hello"
+
+
+@pytest.fixture
+def relay(monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("TOKENPROBE_RELAY", "wire")
+    return "wire"
+
+
+def test_nothing_after_the_upgrade_head_goes_upstream_before_the_101(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """Frames written with the head wait for the upstream's 101; then they go."""
+    switcher = Switcher(delay=0.5)
+    upstream.default = switcher.script()
+    with proxy(upstream.url) as base:
+        got = exchange(base, ws_head() + FRAMES, idle=1.0)
+        assert got.startswith(b"HTTP/1.1 101"), got
+        assert upstream.wait_for(lambda: upstream.all_received().endswith(FRAMES), 5)
+    (at_101,) = switcher.at_answer
+    assert at_101.endswith(b"\r\n\r\n") and at_101.count(b"\r\n\r\n") == 1, at_101
+
+
+def test_the_handshake_passes_the_http_header_policy(upstream: RawUpstream, proxy: Proxy) -> None:
+    """Hop-by-hop headers, those Connection names, and Proxy-Authorization stop at the
+    proxy on a handshake as on HTTP; the handshake's own headers pass as sent."""
+    upstream.default = Switcher(delay=0.0).script()
+    hop = (
+        b"X-Hop: hop\r\nProxy-Authorization: Basic c2VjcmV0\r\nKeep-Alive: timeout=5\r\n"
+        b"TE: trailers\r\nX-Kept: kept\r\nSec-WebSocket-Protocol: chat\r\n"
+    )
+    handshake = ws_head(extra=hop).replace(b"Connection: Upgrade", b"Connection: Upgrade, X-Hop")
+    plain = (
+        b"GET /v1/models HTTP/1.1\r\nHost: proxy.example\r\nConnection: X-Hop\r\n" + hop + b"\r\n"
+    )
+    with proxy(upstream.url) as base:
+        assert exchange(base, handshake, idle=0.5).startswith(b"HTTP/1.1 101")
+        assert exchange(base, plain, idle=0.5).startswith(b"HTTP/1.1 200")
+    ws, http = upstream.requests
+    assert ws.header(b"sec-websocket-key") == [KEY]
+    assert ws.header(b"sec-websocket-version") == [b"13"]
+    assert ws.header(b"sec-websocket-protocol") == [b"chat"]
+    assert ws.header(b"upgrade") == [b"websocket"]
+    assert b"upgrade" in ws.header(b"connection")[0].lower()
+    assert ws.header(b"x-kept") == [b"kept"]
+    assert ws.header(b"host") == [f"127.0.0.1:{upstream.port}".encode()]
+    for name in (b"x-hop", b"proxy-authorization", b"keep-alive", b"te"):
+        assert ws.header(name) == [] and http.header(name) == [], name
+
+    # One policy: the same client headers survive both, bar the handshake's own.
+    def end_to_end(head: bytes) -> set[bytes]:
+        own = {b"upgrade", b"connection"}
+        return {n for n in header_names(head) - own if not n.startswith(b"sec-websocket-")}
+
+    assert end_to_end(ws.head) == end_to_end(http.head) == {b"host", b"x-kept"}
+
+
+def test_a_bad_target_gets_the_http_relays_answer(upstream: RawUpstream, proxy: Proxy) -> None:
+    upstream.default = Switcher().script()
+    with proxy(upstream.url) as base:
+        got = exchange(base, ws_head(b"/v1/a%2Fb"), idle=1.0)
+        plain = exchange(base, b"GET /v1/a%2Fb HTTP/1.1\r\nHost: x\r\n\r\n", idle=1.0)
+    ((status, _, body),) = responses(got)
+    ((plain_status, _, plain_body),) = responses(plain)
+    assert status == plain_status == 400
+    assert b"invalid_request_target" in body and body == plain_body
+    assert upstream.all_received() == b""
+
+
+def test_the_tunnel_keeps_the_upstreams_base_path(upstream: RawUpstream, proxy: Proxy) -> None:
+    upstream.default = Switcher(delay=0.0).script()
+    with proxy(upstream.url + "/tenant-a") as base:
+        got = exchange(base, ws_head(b"/v1/realtime?model=m"), idle=0.5)
+    assert got.startswith(b"HTTP/1.1 101"), got
+    (seen,) = upstream.requests
+    assert seen.target == b"/tenant-a/v1/realtime?model=m"
+
+
+def test_a_refused_upgrade_closes_the_client_connection(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """A refusal (here a 403 the upstream would keep alive) is relayed as sent, and the
+    connection then closes: it never becomes a pipe."""
+    upstream.default = Switcher(
+        answer=b"HTTP/1.1 403 Forbidden\r\ncontent-length: 2\r\n\r\nno", delay=0.0
+    ).script()
+    with proxy(upstream.url) as base:
+        start = time.monotonic()
+        got = exchange(base, ws_head(), idle=5.0)
+        took = time.monotonic() - start
+    assert got == b"HTTP/1.1 403 Forbidden\r\ncontent-length: 2\r\n\r\nno"
+    assert took < 4.0  # closed by the proxy, not by the idle wait

@@ -1,0 +1,338 @@
+"""A misbehaving upstream: no response, or part of one, ever reaches a request that did not
+ask for it, and each misbehaviour is counted (issue 32, defect 1 and the 101 case).
+
+Each test runs on both data paths (conftest.py), in a real `tokenprobe serve` in front of a
+`RawUpstream` whose handlers misbehave on one request target and answer `second` on any
+other, so a request that ends up on a fresh connection gets `second` and one that reuses a
+dirty connection gets something else. Shown able to fail: each was run against the tree
+before the fix (see docs/hostile-peers.md), and `test_through_a_byte_relay_*` runs the
+first one through a plain byte relay, where it fails as it must.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+import pytest
+
+from tests.edge_backend import metric, serving_process
+from tests.hostile.peers import (
+    Conn,
+    RawUpstream,
+    Request,
+    by_target,
+    byte_relay,
+    exchange,
+    ok,
+    raw_upstream,
+    read_response,
+)
+from tests.servers import stop
+
+Proxy = Callable[..., AbstractContextManager[str]]
+ERRORS = "tokenprobe_upstream_protocol_errors_total"
+FIRST = ok(b"first")
+SECOND = ok(b"second")
+EXTRA = ok(b"EXTRA")  # what no request asked for
+
+
+def get(target: bytes) -> bytes:
+    return b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+def ask(base: str, target: bytes, timeout: float = 10.0) -> tuple[bytes, float]:
+    """One request on a new connection: its whole response and the seconds it took."""
+    host, port = base.removeprefix("http://").rsplit(":", 1)
+    start = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.sendall(get(target))
+        try:
+            got = read_response(sock, timeout)
+        except TimeoutError:
+            got = b""
+    return got, time.monotonic() - start
+
+
+def body(response: bytes) -> bytes:
+    return response.partition(b"\r\n\r\n")[2]
+
+
+def errors(base: str, kind: str) -> float:
+    return metric(base, ERRORS, kind=kind)
+
+
+def until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+async def sleep_forever(conn: Conn, request: Request) -> None:
+    await asyncio.sleep(60)
+
+
+# -- two responses in one read --------------------------------------------------------------
+
+
+def serve_two_in_one_read(upstream: RawUpstream) -> None:
+    async def first(conn: Conn, request: Request) -> None:
+        conn.write(FIRST + EXTRA)  # one write, so the proxy reads both at once
+        await conn.drain()
+
+    upstream.default = by_target({b"/v1/first": first}, SECOND)
+
+
+def pipelined(base: str) -> bytes:
+    return exchange(base, get(b"/v1/first") + get(b"/v1/next"), idle=1.0)
+
+
+def test_two_responses_in_one_read_never_reach_the_pipelined_request(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    serve_two_in_one_read(upstream)
+    with proxy(upstream.url) as base:
+        got = pipelined(base)
+        assert got.count(b"HTTP/1.1 200") == 2, got
+        assert b"EXTRA" not in got
+        assert got.index(b"first") < got.index(b"second")
+        assert until(lambda: errors(base, "extra_bytes") == 1)
+    # the connection that carried the extra response was closed, never reused
+    assert [r.target for r in upstream.requests] == [b"/v1/first", b"/v1/next"]
+    assert upstream.connections == 2
+
+
+def test_through_a_byte_relay_the_extra_response_reaches_the_pipelined_request(
+    upstream: RawUpstream,
+) -> None:
+    """The test above, through a plain byte relay: it must fail there."""
+    serve_two_in_one_read(upstream)
+    with byte_relay(upstream.url) as base:
+        got = pipelined(base)
+    assert b"EXTRA" in got
+
+
+# -- the rest of a response left on the connection --------------------------------------------
+
+
+def test_a_second_client_never_gets_a_partial_extra_response_completed_later(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """The first response, then the start of another in the same read; the rest of it
+    comes only once a next request arrives on that connection (a slower second answer)."""
+
+    async def first(conn: Conn, request: Request) -> None:
+        conn.write(FIRST + EXTRA[:30])
+        await conn.drain()
+        if await conn.read_request() is not None:  # a next request on this connection
+            await asyncio.sleep(0.2)
+            conn.write(EXTRA[30:] + SECOND)
+
+    upstream.default = by_target({b"/v1/first": first}, SECOND)
+    with proxy(upstream.url) as base:
+        one, _ = ask(base, b"/v1/first")
+        two, _ = ask(base, b"/v1/other", timeout=5)
+        assert body(one) == b"first"
+        assert two.startswith(b"HTTP/1.1 200") and body(two) == b"second", two
+        assert until(lambda: errors(base, "extra_bytes") == 1)
+
+
+def test_a_partial_message_on_an_idle_connection_does_not_make_the_next_client_wait(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """While the connection sits in the pool, the upstream writes the start of a
+    response and then answers nothing more on it: the next client must get a fresh
+    connection at once, not wait for the first-byte timeout (600 s by default)."""
+    idle_write = asyncio.Event()
+
+    async def first(conn: Conn, request: Request) -> None:
+        conn.write(FIRST)
+        await conn.drain()
+        await asyncio.sleep(0.3)
+        conn.write(b"HTTP/1.1 200 OK\r\ncontent-")
+        await conn.drain()
+        idle_write.set()
+        await asyncio.sleep(60)  # and nothing more, whatever comes
+
+    upstream.default = by_target({b"/v1/first": first}, SECOND)
+    with proxy(upstream.url) as base:
+        one, _ = ask(base, b"/v1/first")
+        assert body(one) == b"first"
+        assert upstream.wait_for(idle_write.is_set, 5)
+        time.sleep(0.2)  # the bytes reach the proxy
+        two, seconds = ask(base, b"/v1/other", timeout=20)
+        assert body(two) == b"second", two
+        assert seconds < 5.0
+        assert until(lambda: errors(base, "idle_bytes") == 1)
+
+
+def test_a_response_on_an_idle_connection_never_reaches_the_next_client(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    written = asyncio.Event()
+    closed: list[bool] = []
+
+    async def first(conn: Conn, request: Request) -> None:
+        conn.write(FIRST)
+        await conn.drain()
+        await asyncio.sleep(0.3)
+        conn.write(EXTRA)  # while the connection sits idle in the proxy's pool
+        await conn.drain()
+        written.set()
+        closed.append(await conn.wait_closed_by_peer(5))  # (a request here: never answered)
+
+    upstream.default = by_target({b"/v1/first": first}, SECOND)
+    with proxy(upstream.url) as base:
+        one, _ = ask(base, b"/v1/first")
+        assert body(one) == b"first"
+        assert upstream.wait_for(written.is_set, 5)
+        time.sleep(0.2)  # the bytes reach the proxy; well within its 4 s keep-alive
+        two, _ = ask(base, b"/v1/other", timeout=5)
+        assert body(two) == b"second", two
+        assert until(lambda: errors(base, "idle_bytes") == 1)
+        assert upstream.wait_for(lambda: bool(closed), 10)
+    assert closed == [True]  # the proxy closed that connection
+
+
+# -- a protocol switch nobody asked for; a malformed response ---------------------------------
+
+
+SWITCH = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
+
+
+@pytest.mark.parametrize("head", [SWITCH, b"HTTP/1.1 101 Switching Protocols\r\n\r\n"])
+def test_a_101_to_a_plain_request_is_a_502_and_the_connection_closes(
+    upstream: RawUpstream, relay: str, head: bytes
+) -> None:
+    closed: list[bool] = []
+
+    async def switch(conn: Conn, request: Request) -> None:
+        conn.write(head + b"\x81\x05hello")  # and a WebSocket frame after it
+        await conn.drain()
+        closed.append(await conn.wait_closed_by_peer(5))
+
+    upstream.default = by_target({b"/v1/switch": switch}, SECOND)
+    with serving_process(upstream.url) as (base, process):
+        got, seconds = ask(base, b"/v1/switch", timeout=10)
+        assert got.startswith(b"HTTP/1.1 502"), got
+        assert seconds < 5.0
+        assert until(lambda: errors(base, "upgrade") == 1)
+        assert upstream.wait_for(lambda: bool(closed), 10)
+        two, _ = ask(base, b"/v1/other")
+        assert body(two) == b"second"
+        stop(process)
+        assert process.stderr is not None
+        log = process.stderr.read()
+    assert closed == [True]
+    assert b"Fatal error" not in log and b"HttpParserUpgrade" not in log, log
+
+
+def test_content_length_and_chunked_together_is_a_502_and_the_connection_closes(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    closed: list[bool] = []
+
+    async def both(conn: Conn, request: Request) -> None:
+        conn.write(
+            b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n"
+            b"5\r\nEXTRA\r\n0\r\n\r\n"
+        )
+        await conn.drain()
+        closed.append(await conn.wait_closed_by_peer(5))
+
+    upstream.default = by_target({b"/v1/both": both}, SECOND)
+    with proxy(upstream.url) as base:
+        got, _ = ask(base, b"/v1/both")
+        assert got.startswith(b"HTTP/1.1 502"), got
+        assert b"EXTRA" not in got
+        assert until(lambda: errors(base, "malformed") == 1)
+        assert upstream.wait_for(lambda: bool(closed), 10)
+    assert closed == [True]
+
+
+def test_a_well_behaved_upstream_counts_no_protocol_error(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """Keep-alive reuse still works, and counts nothing: many requests, one connection."""
+    upstream.default = by_target({}, SECOND)
+    with proxy(upstream.url) as base:
+        for _ in range(5):
+            got = exchange(base, get(b"/v1/a") + get(b"/v1/b"), idle=0.5)
+            assert got.count(b"second") == 2
+            time.sleep(0.05)  # the connection settles back into the pool
+        for kind in ("extra_bytes", "idle_bytes", "malformed", "upgrade"):
+            assert errors(base, kind) == 0
+    assert upstream.connections <= 2  # reused, not one per request
+
+
+# -- the httpx transport of the ASGI relay ----------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["extra_bytes", "idle_bytes", "upgrade", "malformed"])
+def test_the_asgi_relays_httpx_transport_is_guarded_too(
+    monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """--upstream-transport httpx (also what the aiohttp path uses for header values that
+    are not UTF-8): the same outcomes and counts as the default transport."""
+    monkeypatch.setenv("TOKENPROBE_RELAY", "asgi")
+    monkeypatch.setenv("TOKENPROBE_UPSTREAM_TRANSPORT", "httpx")
+    written: list[bool] = []
+    answers = {
+        "extra_bytes": FIRST + EXTRA,
+        "upgrade": SWITCH + b"\x81\x05hello",
+        "malformed": b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n"
+        b"5\r\nEXTRA\r\n0\r\n\r\n",
+    }
+
+    async def first(conn: Conn, request: Request) -> None:
+        if case == "idle_bytes":
+            conn.write(FIRST)
+            await conn.drain()
+            await asyncio.sleep(0.3)
+            conn.write(EXTRA)
+        else:
+            conn.write(answers[case])
+        await conn.drain()
+        written.append(True)
+        await conn.wait_closed_by_peer(5)
+
+    upstream = raw_upstream(default=by_target({b"/v1/first": first}, SECOND))
+    with upstream as up, serving_process(up.url) as (base, _):
+        one, _ = ask(base, b"/v1/first")
+        if case in ("upgrade", "malformed"):
+            assert one.startswith(b"HTTP/1.1 502"), one
+        else:
+            assert body(one) == b"first"
+        assert up.wait_for(lambda: bool(written), 5)
+        time.sleep(0.2)
+        two, seconds = ask(base, b"/v1/other", timeout=5)
+        assert body(two) == b"second", two
+        assert seconds < 3.0
+        assert until(lambda: errors(base, case) == 1)
+
+
+# -- the upstream's base path (issue 31 item 1) -----------------------------------------------
+
+
+@pytest.mark.parametrize("base", ["/tenant-a", "/tenant-a/"])
+def test_the_upstreams_base_path_is_kept(upstream: RawUpstream, proxy: Proxy, base: str) -> None:
+    with proxy(upstream.url + base) as base_url:
+        got, _ = ask(base_url, b"/v1/models?limit=2&after=x")
+        assert got.startswith(b"HTTP/1.1 200"), got
+        chat = exchange(
+            base_url,
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+            b'content-length: 44\r\n\r\n{"model":"m","messages":[],"stream":false}  ',
+            idle=0.5,
+        )
+        assert chat.startswith(b"HTTP/1.1 200"), chat
+    assert [r.target for r in upstream.requests] == [
+        b"/tenant-a/v1/models?limit=2&after=x",
+        b"/tenant-a/v1/chat/completions",
+    ]

@@ -1,0 +1,72 @@
+"""Capture the fixtures of tests/fixtures/streams/llamacpp/ from a running llama-server:
+    python tests/llamacpp/capture.py http://127.0.0.1:PORT OUT_DIR
+Each file is the response body byte for byte; index.json gives each one's request."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+CHAT = "/v1/chat/completions"
+LONG = "measure the cache: " + " ".join(f"word{i}" for i in range(40))
+
+
+def chat(prompt: str, **extra: Any) -> dict[str, Any]:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": prompt}], "max_tokens": 5}
+    return {**body, "temperature": 0, **extra}
+
+
+REQUESTS: list[tuple[str, str, dict[str, Any]]] = [
+    ("chat_stream_no_usage.sse", CHAT, chat("hello there", stream=True, cache_prompt=False)),
+    (
+        "chat_stream_include_usage.sse",
+        CHAT,
+        chat(
+            "hello there",
+            stream=True,
+            cache_prompt=False,
+            stream_options={"include_usage": True},
+        ),
+    ),
+    ("chat_stream_cold.sse", CHAT, chat(LONG, stream=True, stream_options={"include_usage": True})),
+    (
+        "chat_stream_cached.sse",
+        CHAT,
+        chat(LONG, stream=True, stream_options={"include_usage": True}),
+    ),
+    ("chat_nonstream.json", CHAT, chat("hello there", cache_prompt=False)),
+    (
+        "completions_stream_no_usage.sse",
+        "/v1/completions",
+        {
+            "model": "tiny",
+            "prompt": "once upon",
+            "max_tokens": 5,
+            "temperature": 0,
+            "stream": True,
+            "cache_prompt": False,
+        },
+    ),
+]
+
+
+def main(url: str, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    index = {}
+    with httpx.Client(timeout=60) as client:
+        version = client.get(url + "/props").json().get("build_info")
+        for name, path, body in REQUESTS:
+            with client.stream("POST", url + path, json=body) as response:
+                data = b"".join(response.iter_raw())
+            (out / name).write_bytes(data)
+            index[name] = {"path": path, "body": body, "status": response.status_code}
+    meta = {"server": "llama-server", "build_info": version, "requests": index}
+    (out / "index.json").write_text(json.dumps(meta, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))

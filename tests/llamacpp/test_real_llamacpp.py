@@ -1,0 +1,298 @@
+"""Against a real llama.cpp `llama-server` (tests/llamacpp/conftest.py) through a real
+`tokenprobe serve` (issue 27): the client's chat stream is the stream direct, whether it
+asked for usage or not (llama.cpp moves its `timings` to the usage chunk when asked, and
+the proxy puts them back: proxy/core/strip.py); the tokens are the server's own
+`timings.predicted_n` and `prompt_n` (+ `cache_n`); the engine part of the TTFT split is its
+`prompt_ms`; a repeated prompt's `cache_n` is counted as cached tokens; and `tokenprobe
+bench` through the proxy agrees with the server's timings.
+
+How streams are compared. Two requests never give the same bytes: llama.cpp stamps each
+with a fresh `id`, its `created` second, and in `timings` that request's own milliseconds
+and rates. Each stream is asked for twice at temperature 0 with `cache_prompt: false` (so
+the second request does not meet the first one's cache and both count the same tokens),
+once direct and once through the proxy, and the two bodies are compared byte for byte after
+replacing exactly those values (each replacement counted, so a missing field is seen).
+Everything else must be identical: every chunk in order, `timings` on the chunk where the
+server put it with its token counts, `system_fingerprint`, the `[DONE]` line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.sinks.metrics import cache_class
+from tests.llamacpp.conftest import SERVED, Llama
+
+pytestmark = [pytest.mark.llamacpp, pytest.mark.timeout(600)]
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+PROMPTS = ("hello there, how are you", "the quick brown fox", "a b c a b c a b c a b c")
+#: The timings members whose values are times or rates (differ run to run).
+TIMED = (
+    "prompt_ms",
+    "prompt_per_token_ms",
+    "prompt_per_second",
+    "predicted_ms",
+    "predicted_per_token_ms",
+    "predicted_per_second",
+)
+_ID = re.compile(rb'"id":"chatcmpl-[A-Za-z0-9]+"')
+_CREATED = re.compile(rb'"created":\d+')
+_TIMED = re.compile(rb'"(' + "|".join(TIMED).encode() + rb')":[-+0-9.eE]+')
+
+
+def body_for(prompt: str, usage: bool, max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": SERVED,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "cache_prompt": False,
+    }
+    if usage:
+        body["stream_options"] = {"include_usage": True}
+    return {**body, **extra}
+
+
+def fetch(client: httpx.Client, url: str, body: Any) -> bytes:
+    with client.stream("POST", url, json=body) as response:
+        assert response.status_code == 200, response.read()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        return b"".join(response.iter_raw())
+
+
+def events(raw: bytes) -> list[bytes]:
+    return [part for part in raw.split(b"\n\n") if part]
+
+
+def payloads(raw: bytes) -> list[Any]:
+    out = []
+    for event in events(raw):
+        assert event.startswith(b"data: "), event
+        data = event[len(b"data: ") :]
+        if data != b"[DONE]":
+            out.append(orjson.loads(data))
+    return out
+
+
+def normalise(raw: bytes) -> tuple[bytes, tuple[int, int, int]]:
+    raw, ids = _ID.subn(b'"id":"chatcmpl-X"', raw)
+    raw, created = _CREATED.subn(b'"created":0', raw)
+    raw, timed = _TIMED.subn(rb'"\1":0', raw)
+    return raw, (ids, created, timed)
+
+
+def timings_of(raw: bytes) -> dict[str, Any]:
+    """The one `timings` object of a stream, from the chunk that carries it."""
+    found = [p["timings"] for p in payloads(raw) if "timings" in p]
+    assert len(found) == 1, raw
+    timings: dict[str, Any] = found[0]
+    return timings
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def total(
+    samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str
+) -> float:
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+
+
+class Delta:
+    """Metric changes over a block of requests, read once the proxy recorded them all."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.before = scrape(url)
+
+    def after(self, requests: int) -> Callable[..., float]:
+        deadline = time.monotonic() + 30
+        while True:
+            now = scrape(self.url)
+            done = total(now, "tokenprobe_requests_total") - total(
+                self.before, "tokenprobe_requests_total"
+            )
+            if done >= requests or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert done == requests, f"the proxy recorded {done} of {requests} requests"
+
+        def delta(name: str, **labels: str) -> float:
+            return total(now, name, **labels) - total(self.before, name, **labels)
+
+        return delta
+
+
+def wait_records(llama: Llama, since: int, n: int) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + 30
+    while True:
+        records = llama.log_lines(since)
+        if len(records) >= n or time.monotonic() > deadline:
+            assert len(records) == n, records
+            return records
+        time.sleep(0.05)
+
+
+# -- the stream is the stream direct ---------------------------------------------------------
+
+
+def test_chat_streams_through_the_proxy_are_byte_identical_to_direct(llama: Llama) -> None:
+    with httpx.Client(timeout=60) as client:
+        for prompt in PROMPTS:
+            for usage in (False, True):
+                body = body_for(prompt, usage)
+                direct = fetch(client, llama.url + CHAT, body)
+                proxied = fetch(client, llama.proxy_url + CHAT, body)
+                (want, counts), (got, got_counts) = normalise(direct), normalise(proxied)
+                n = len(events(direct))
+                assert counts == got_counts and counts[0] == counts[1] == n - 1
+                assert counts[2] == len(TIMED)  # one timings object, on one chunk
+                assert got == want, (prompt, usage, direct, proxied)
+                chunks = payloads(proxied)
+                # where llama.cpp puts timings: the usage chunk when asked, else the finish
+                # chunk, the last one before [DONE] either way
+                assert "timings" in chunks[-1] and [
+                    i for i, c in enumerate(chunks) if "timings" in c
+                ] == [len(chunks) - 1]
+                assert ("usage" in chunks[-1]) == usage
+                if not usage:
+                    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_completions_streams_through_the_proxy_are_byte_identical_to_direct(llama: Llama) -> None:
+    # llama.cpp ignores include_usage on /v1/completions: usage and timings ride on the
+    # finish chunk either way, so there is no usage-only chunk to strip
+    with httpx.Client(timeout=60) as client:
+        for usage in (False, True):
+            body = {"model": SERVED, "prompt": "once upon", "max_tokens": 8, "temperature": 0}
+            body.update(stream=True, cache_prompt=False)
+            if usage:
+                body["stream_options"] = {"include_usage": True}
+            direct = fetch(client, llama.url + COMPLETIONS, body)
+            proxied = fetch(client, llama.proxy_url + COMPLETIONS, body)
+            (want, counts), (got, got_counts) = normalise(direct), normalise(proxied)
+            assert counts == got_counts and counts[2] == len(TIMED)
+            assert got == want, (usage, direct, proxied)
+            last = payloads(proxied)[-1]
+            assert "usage" in last and "timings" in last and last["choices"][0]["finish_reason"]
+
+
+# -- tokens, the TTFT split and the cache are the server's own ------------------------------
+
+
+def test_tokens_and_the_engine_part_of_the_split_are_its_timings(llama: Llama) -> None:
+    since = len(llama.log_lines())
+    delta = Delta(llama.proxy_url)
+    seen: dict[str, dict[str, Any]] = {}  # response id -> the timings the client saw
+    with httpx.Client(timeout=60) as client:
+        for i in range(6):  # half asked for usage, half did not: the proxy asked for them
+            raw = fetch(client, llama.proxy_url + CHAT, body_for(PROMPTS[i % 3], i % 2 == 0))
+            seen[payloads(raw)[0]["id"]] = timings_of(raw)
+    d = delta.after(6)
+    records = {r["response_id"]: r for r in wait_records(llama, since, 6)}
+    assert records.keys() == seen.keys()
+    prompt_ms = 0.0
+    for rid, t in seen.items():
+        r = records[rid]
+        assert r["output_tokens"] == t["predicted_n"] > 0
+        assert r["prompt_tokens"] == t["prompt_n"] + t["cache_n"] and t["cache_n"] == 0
+        assert r["token_source"] == "usage"
+        assert r["engine_ttft_ms"] == round(t["prompt_ms"], 3)
+        assert r["queue_ms"] is None  # llama.cpp reports no queue time
+        parts = r["engine_ttft_ms"] + r["outside_engine_ms"]
+        assert math.isclose(parts, r["ttft_ms"], abs_tol=0.0021), r
+        prompt_ms += t["prompt_ms"]
+    engine = d("tokenprobe_engine_time_to_first_token_seconds_sum", stream="true")
+    outside = d("tokenprobe_time_to_first_token_outside_engine_seconds_sum")
+    ttft = d("tokenprobe_time_to_first_token_seconds_sum")
+    assert math.isclose(engine, prompt_ms / 1000, rel_tol=1e-9)
+    assert math.isclose(engine + outside, ttft, rel_tol=1e-9)
+    assert d("tokenprobe_engine_queue_time_seconds_count") == 0
+    assert d("tokenprobe_generation_tokens_total", source="usage") == sum(
+        t["predicted_n"] for t in seen.values()
+    )
+    for stage in ("engine_timings", "usage_injection"):
+        assert d("tokenprobe_measurement_failures_total", stage=stage) == 0
+
+
+def test_a_repeated_prompt_shows_its_cache_n_as_cached_tokens(llama: Llama) -> None:
+    prompt = "measure the cache: " + " ".join(f"word{i}" for i in range(40))
+    since = len(llama.log_lines())
+    delta = Delta(llama.proxy_url)
+    timings = []
+    with httpx.Client(timeout=60) as client:
+        for _ in range(2):
+            body = body_for(prompt, True, cache_prompt=True)
+            timings.append(timings_of(fetch(client, llama.proxy_url + CHAT, body)))
+    d = delta.after(2)
+    first, second = wait_records(llama, since, 2)
+    assert timings[1]["cache_n"] > 0 and timings[1]["prompt_n"] < timings[0]["prompt_n"]
+    assert second["cached_tokens"] == timings[1]["cache_n"]
+    assert first["cached_tokens"] == timings[0]["cache_n"]
+    assert second["prompt_tokens"] == timings[1]["prompt_n"] + timings[1]["cache_n"]
+    assert (
+        d("tokenprobe_cached_prompt_tokens_total") == timings[0]["cache_n"] + timings[1]["cache_n"]
+    )
+    # the cache class of the TTFT histogram: most of the repeated prompt came from the cache
+    classes = [cache_class(r["prompt_tokens"], r["cached_tokens"]) for r in (first, second)]
+    assert classes[1] == "most"
+    for name in set(classes):
+        assert d(
+            "tokenprobe_time_to_first_token_by_prompt_seconds_count", cache_class=name
+        ) == classes.count(name)
+
+
+# -- tokenprobe bench through the proxy ------------------------------------------------------
+
+
+def test_bench_through_the_proxy_agrees_with_the_servers_timings(
+    llama: Llama, tmp_path: Path
+) -> None:
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "proxy", "bench", "--url", llama.proxy_url + "/v1",
+         "--model", SERVED, "--requests", "4", "--max-tokens", "8", "--out", str(out),
+         "--compare-metrics", llama.proxy_url + "/metrics", "--quiet"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    run = json.loads(out.read_text())
+    records = run["records"]
+    assert len(records) == 4
+    for r in records:
+        engine = r["engine"]
+        assert r["error_type"] is None
+        assert r["output_tokens"] == engine["output_tokens"] == 8  # ignore_eos: all 8
+        assert r["prompt_tokens"] == engine["prompt_tokens"] + engine["cached_tokens"]
+        assert engine["queue_time"] is None and engine["time_to_first_token"] > 0
+        assert engine["time_to_first_token"] <= r["ttft"]
+    (summary,) = run["summary"]
+    split = summary["ttft_split"]
+    assert split["requests"] == 4 and "queue" not in split
+    mean = sum(r["engine"]["time_to_first_token"] for r in records) / 4
+    assert math.isclose(split["engine"], mean, rel_tol=1e-9)
+    compare = run["compare"]
+    assert compare is not None, done.stdout

@@ -1,0 +1,99 @@
+"""tokenprobe_backend_info: the proxy asks the upstream what it is, off the request path."""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import time
+from collections.abc import Callable
+
+import httpx
+
+from proxy.core.measurement import TokenSource
+from proxy.sim.ollama import OLLAMA_VERSION
+from proxy.sim.utility import VLLM_VERSION
+from tests.conftest import MODEL, ProxyUnderTest, Running
+
+REFRESH = 0.2
+
+
+def backend_info(proxy: ProxyUnderTest, kind: str, version: str, timeout: float = 10.0) -> float:
+    deadline = time.monotonic() + timeout
+    value = 0.0
+    while time.monotonic() < deadline:
+        value = proxy.sample("tokenprobe_backend_info", kind=kind, version=version)
+        if value:
+            break
+        time.sleep(0.05)
+    return value
+
+
+def test_a_simulated_vllm_is_vllm(
+    start_sim: Callable[..., Running], start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    proxy = start_proxy(start_sim().url, models_refresh=REFRESH)
+    assert backend_info(proxy, "vllm", VLLM_VERSION) == 1
+
+
+def test_a_simulated_ollama_is_ollama_and_an_upgrade_replaces_the_series(
+    start_sim: Callable[..., Running], start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    sim = start_sim(ollama_version=OLLAMA_VERSION)
+    proxy = start_proxy(sim.url, models_refresh=REFRESH)
+    assert backend_info(proxy, "ollama", OLLAMA_VERSION) == 1
+    sim.app.config.ollama_version = "0.14.1"  # the backend was upgraded in place
+    assert backend_info(proxy, "ollama", "0.14.1") == 1
+    assert proxy.sample("tokenprobe_backend_info", kind="ollama", version=OLLAMA_VERSION) == 0
+
+
+def test_a_dead_backend_is_unknown_and_delays_nothing(
+    start_proxy: Callable[..., ProxyUnderTest],
+) -> None:
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    began = time.monotonic()
+    proxy = start_proxy(f"http://127.0.0.1:{port}", models_refresh=REFRESH)
+    answered = httpx.get(proxy.url + "/healthz", timeout=5)
+    assert answered.status_code == 200 and time.monotonic() - began < 5
+    assert backend_info(proxy, "unknown", "unknown") == 1
+
+
+# -- what the identity decides: Ollama's /v1/completions is not asked for usage ----------
+
+COMPLETION = {"model": MODEL, "prompt": "Once upon a time", "stream": True, "max_tokens": 6}
+ZEROED = {"x-sim-usage-mode": "zeroed", "x-sim-output-tokens": "6", "x-sim-ttft": "0.02"}
+
+
+def completion(proxy: ProxyUnderTest) -> bytes:
+    with httpx.stream("POST", proxy.url + "/v1/completions", json=COMPLETION, headers=ZEROED) as r:
+        return b"".join(r.iter_raw())
+
+
+def test_an_ollama_is_not_asked_for_completion_usage_so_the_bytes_stay_direct(
+    start_sim: Callable[..., Running], start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    sim = start_sim(ollama_version=OLLAMA_VERSION, record_bodies=True)
+    proxy = start_proxy(sim.url, models_refresh=REFRESH)
+    assert backend_info(proxy, "ollama", OLLAMA_VERSION) == 1
+    got = completion(proxy)
+    sent = next(r for r in sim.app.state.requests() if r.path == "/v1/completions")
+    assert "stream_options" not in sent.body  # the request went as the client sent it
+    assert hashlib.sha256(got).hexdigest() == sent.body_sha256 and b'"usage"' not in got
+    m = proxy.wait_records(1, exact=True)[0]
+    assert m.ok and m.token_source is TokenSource.CHUNKS and m.output_tokens == 6
+
+
+def test_a_vllm_is_still_asked_and_stripped(
+    start_sim: Callable[..., Running], start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    # The same stream shape from a backend that is not known as Ollama: the proxy asks,
+    # and this is the reshaping (usage on every chunk) the rule above keeps from clients.
+    sim = start_sim(record_bodies=True)
+    proxy = start_proxy(sim.url, models_refresh=REFRESH)
+    assert backend_info(proxy, "vllm", VLLM_VERSION) == 1
+    got = completion(proxy)
+    sent = next(r for r in sim.app.state.requests() if r.path == "/v1/completions")
+    assert sent.body["stream_options"] == {"include_usage": True}
+    assert got.count(b'"usage":{"prompt_tokens":0,"completion_tokens":0,"total_tokens":0}') == 6
+    assert proxy.wait_records(1, exact=True)[0].token_source is TokenSource.USAGE
