@@ -19,7 +19,7 @@ from tests.otlp_receiver import OtlpReceiver, ReceivedPoint, points
 from tests.servers import serve
 from tests.sinks.test_otlp_metrics_e2e import tokenprobe, total
 
-IDLE = 0.5  # --conversation-idle
+IDLE = 1.0  # --conversation-idle: well over the sleeps, so no conversation closes early
 #: (OTLP name, Prometheus name) of each histogram the conversations export.
 HISTOGRAMS = (
     ("tokenprobe.conversation.turn_gap", "tokenprobe_conversation_turn_gap_seconds"),
@@ -105,8 +105,13 @@ def test_conversation_figures_over_otlp_equal_prometheus(
             time.sleep(0.1)
             prom = scrape(base)
 
-        def closed(exports: list[Any]) -> bool:
-            return bool(exports) and total(points(exports[-1]), HISTOGRAMS[2][0]) >= 2
+        def closed(exports: list[Any]) -> bool:  # an export taken after that scrape
+            if not exports:
+                return False
+            last = points(exports[-1])
+            return total(last, HISTOGRAMS[2][0]) >= 2 and total(
+                last, COUNTERS[0][0], "sum"
+            ) >= summed(prom, COUNTERS[0][1])
 
         found: list[ReceivedPoint] = points(receiver.metrics.wait_for(closed)[-1])
         raw = b"".join(receiver.metrics.raw)
