@@ -92,8 +92,11 @@ class ProxyApp:
             # spelling of /metrics reaches the backend); everything else belongs to the
             # backend, and goes to the relay with no router or middleware in between.
             raw_path = scope.get("raw_path") or scope["path"].encode()
-            own = own_route(where_to(raw_path, b""), self.control.owns)
+            where = where_to(raw_path, b"")
+            own = own_route(where, self.control.owns)
             if own is not None:
+                if own == "/ui" and raw_path.endswith(b"/"):
+                    own = "/ui/"  # the live view answers 308 to /ui: its assets are relative
                 await self.control({**scope, "path": own, "raw_path": own.encode()}, receive, send)
             else:
                 assert self.forwarder is not None, "lifespan did not run"

@@ -25,7 +25,7 @@ from proxy.server.control import ControlPlane, GuardedMetrics, Readiness
 from proxy.server.exposition import Exposition
 from proxy.server.multiproc import MULTIPROC_ENV, multiprocess_metrics_app
 from proxy.settings import Settings, label_pairs, load_slo_file
-from proxy.sinks.conversations import ConversationTracker
+from proxy.sinks.conversations import ClosedListener, ConversationTracker
 from proxy.sinks.cost import CostSink, export_cost_per_hour, load_prices
 from proxy.sinks.dispatch import Sinks
 from proxy.sinks.keys import KeyLabels
@@ -62,15 +62,16 @@ def assemble(
         tracer = tracing_from_env(
             environ, upstream=upstream, registry=registry, trace_content=settings.trace_content
         )
+    recording = [metrics, *_sinks(settings, registry, environ, metrics, models), *extra_sinks]
     sinks = Sinks(
-        [metrics, *_sinks(settings, registry, environ, metrics, models), *extra_sinks],
+        recording,
         metrics=metrics,
         models=models,
         keys=KeyLabels(settings.key_salt) if settings.key_label == "hash" else None,
         tracer=tracer,
         attribution=attribution,
         max_label_values=settings.label_values,
-        conversations=_conversations(settings, metrics),
+        conversations=_conversations(settings, metrics, recording),
     )
     control = ControlPlane(
         GuardedMetrics(_exposition(registry, environ), settings.metrics_token),
@@ -109,6 +110,7 @@ def _sinks(
                 attribution=labels,
                 prices=prices,
                 in_flight=metrics.in_flight,
+                miss_ratio=settings.continuation_cache_miss_ratio,
             )
         )
     return sinks
@@ -123,8 +125,11 @@ def slo_policy(settings: Settings) -> Policy | None:
     return Policy(default) if default else None
 
 
-def _conversations(settings: Settings, metrics: Metrics) -> ConversationTracker:
-    """The per-process conversation table; ids keyed with --log-salt (random without)."""
+def _conversations(
+    settings: Settings, metrics: Metrics, recording: Sequence[Sink]
+) -> ConversationTracker:
+    """The per-process conversation table; ids keyed with --log-salt (random without).
+    The sinks that report closed conversations too (OTLP) are its listeners."""
     table = Conversations(
         capacity=settings.conversation_table,
         idle=settings.conversation_idle,
@@ -135,6 +140,7 @@ def _conversations(settings: Settings, metrics: Metrics) -> ConversationTracker:
         metrics,
         header=settings.conversation_header,
         miss_ratio=settings.continuation_cache_miss_ratio,
+        listeners=[sink for sink in recording if isinstance(sink, ClosedListener)],
     )
 
 

@@ -6,6 +6,11 @@ returns the record with its conversation fields filled in, before any sink sees 
 observes the per-continuation metrics; conversations that went idle are observed by a
 sweep at each `begin` and by a loop timer armed while the table holds any.
 
+Other sinks that report closed conversations (the OTLP metrics) are `ClosedListener`s:
+the sweep hands each the conversations it closed, after the Prometheus metrics saw them;
+a listener that fails is logged and counted (measurement failures, stage sink), and the
+others still run.
+
 Times are wall-clock seconds: the record's `started_at`, and `started_at + e2e` for its
 end, so a gap is measured between two instants of the same clock.
 """
@@ -15,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import replace
+from typing import Protocol, runtime_checkable
 
 from proxy.core.conversations import Closed, Conversations, Turn, header_refusal
 from proxy.core.fingerprint import message_chain
@@ -30,6 +37,13 @@ log = logging.getLogger("tokenprobe")
 SWEEP_MIN, SWEEP_MAX = 0.05, 10.0
 
 
+@runtime_checkable
+class ClosedListener(Protocol):
+    """A sink that also reports conversations when they close."""
+
+    def conversations_closed(self, closed: Sequence[Closed]) -> None: ...
+
+
 class ConversationTracker:
     def __init__(
         self,
@@ -38,8 +52,10 @@ class ConversationTracker:
         *,
         header: str | None = None,
         miss_ratio: float = 0.5,
+        listeners: Sequence[ClosedListener] = (),
     ) -> None:
         self.table = table
+        self.listeners = tuple(listeners)
         self.metrics = metrics
         self.header = None if header is None else header.lower().encode()
         self.miss_ratio = miss_ratio
@@ -108,6 +124,12 @@ class ConversationTracker:
             metrics.conversation_between_time.observe(c.between_seconds)
         if closed:
             metrics.conversations_open.set(len(self.table))
+            for listener in self.listeners:
+                try:
+                    listener.conversations_closed(closed)
+                except Exception:
+                    log.exception("a sink failed to record closed conversations")
+                    metrics.measurement_failures.labels("sink").inc()
         return closed
 
     def _count_evictions(self) -> None:

@@ -28,7 +28,9 @@ streams. Attributes: gen_ai.operation.name, gen_ai.provider.name, gen_ai.request
 gen_ai.response.model (bounded like the Prometheus model label), server.address,
 server.port, error.type on the duration when the request failed (tokenprobe's closed set of
 error types), and each --label-header label. tokenprobe's own figures follow under
-tokenprobe.* (the table FIGURES and the counters in `_count`).
+tokenprobe.* (the table FIGURES and the counters in `_count`), the conversation figures
+too (tokenprobe.conversation.*, tokenprobe.continuation.*: per continuation from its
+record, per conversation when the tracker closes it, `conversations_closed`).
 
 Why not the SDK's meters: one `Histogram.record` costs about 10 us, and a stream records one
 value per chunk. Here a request takes one lock and a few dict look-ups, its chunk gaps one
@@ -73,11 +75,18 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from proxy.core.apis import api_of
-from proxy.core.buckets import DECODE_SPEED_BUCKETS, OVERHEAD_BUCKETS, TOKENS_PER_CHUNK_BUCKETS
+from proxy.core.buckets import (
+    DECODE_SPEED_BUCKETS,
+    OVERHEAD_BUCKETS,
+    TOKENS_PER_CHUNK_BUCKETS,
+    WS_SESSION_BUCKETS,
+)
+from proxy.core.conversations import Closed
 from proxy.core.measurement import Measurement
 from proxy.settings import SettingsError, number, positive_int
 from proxy.sinks import otel_env, semconv
 from proxy.sinks.cost import PRICE_KEYS, PriceTable, spend
+from proxy.sinks.metrics import CACHED_RATIO_BUCKETS, TURN_GAP_BUCKETS, TURNS_BUCKETS
 from proxy.sinks.sink import Labels
 
 log = logging.getLogger("tokenprobe")
@@ -320,6 +329,67 @@ IN_FLIGHT = Instrument(
     "Measured requests between the proxy receiving them and their last byte.",
 )
 
+# -- conversations (proxy/core/conversations.py, docs/conversations.md) ----------------------
+# The same figures and buckets as the Prometheus conversation metrics; a continuation's
+# carry tokenprobe.conversation.via (header, previous_response, messages), a closed
+# conversation's only server.* (it is no request: no model, no operation).
+CONTINUATIONS = Instrument(
+    "tokenprobe.conversation.continuations",
+    "{request}",
+    "Measured requests that continue an earlier one's conversation, by how that was "
+    "recognised (tokenprobe.conversation.via), counted when each ends.",
+)
+TURN_GAP = Instrument(
+    "tokenprobe.conversation.turn_gap",
+    "s",
+    "Time between a conversation's turns, outside the model: from the end of the previous "
+    "request's response (its last byte relayed) to the proxy receiving the continuation. "
+    "Not recorded while the previous request is still in flight.",
+    TURN_GAP_BUCKETS,
+)
+CACHED_RATIO = Instrument(
+    "tokenprobe.continuation.cached_prompt_ratio",
+    "1",
+    "A continuation's cached prompt tokens as its backend reported them (usage), over the "
+    "tokens of the earlier prompt it repeats, at most 1; only when cached tokens were "
+    "reported.",
+    CACHED_RATIO_BUCKETS,
+)
+CACHE_MISSES = Instrument(
+    "tokenprobe.continuation.cache_misses",
+    "{request}",
+    "Continuations whose cached prompt tokens cover less than "
+    "--continuation-cache-miss-ratio of the prompt they repeat (0 for every model with a "
+    "measured continuation, so the share of misses is defined).",
+)
+CONVERSATION_TURNS = Instrument(
+    "tokenprobe.conversation.turns",
+    "{request}",
+    "Requests per conversation, recorded when it ends: --conversation-idle seconds after "
+    "its last request's end.",
+    TURNS_BUCKETS,
+)
+CONVERSATION_DURATION = Instrument(
+    "tokenprobe.conversation.duration",
+    "s",
+    "A conversation's length, recorded when it ends: from the proxy receiving its first "
+    "request to the end of its last request's response.",
+    WS_SESSION_BUCKETS,
+)
+CONVERSATION_MODEL_TIME = Instrument(
+    "tokenprobe.conversation.model_time",
+    "s",
+    "A conversation's time in the model, recorded when it ends: the sum over its requests "
+    "of the proxy receiving each to the end of its response.",
+    WS_SESSION_BUCKETS,
+)
+CONVERSATION_BETWEEN_TIME = Instrument(
+    "tokenprobe.conversation.between_requests",
+    "s",
+    "A conversation's time between requests, recorded when it ends: the sum of its turn gaps.",
+    WS_SESSION_BUCKETS,
+)
+
 TEMPORALITIES = ("cumulative", "delta", "lowmemory")
 
 
@@ -372,8 +442,11 @@ class OtlpMetrics:
         prices: PriceTable | None = None,
         in_flight: Gauge | None = None,
         names: semconv.Names = semconv.DEFAULT,
+        miss_ratio: float = 0.5,
     ) -> None:
+        """`miss_ratio`: --continuation-cache-miss-ratio, the tracker's threshold."""
         self.exporter = exporter
+        self.miss_ratio = miss_ratio
         self.names = names
         self._genai = (CURRENT,) * names.current + (PREVIOUS,) * names.previous
         self.interval = interval
@@ -422,6 +495,30 @@ class OtlpMetrics:
             if self.names.current:
                 self._inference_usage(m, base, failed)
             self._count(m, base, error)
+            if m.continued_via is not None:
+                self._continuation(m, base)
+
+    def _continuation(self, m: Measurement, base: Key) -> None:
+        """The per-continuation figures the tracker put on the record (its via, gap and
+        shared prefix), as proxy/sinks/conversations.py observes them in Prometheus."""
+        via = (*base, ("tokenprobe.conversation.via", m.continued_via))
+        self._add(CONTINUATIONS, via, 1)
+        if m.turn_gap is not None:
+            self._observe(TURN_GAP, via, (m.turn_gap,))
+        ratio = m.continuation_cache_ratio()
+        if ratio is not None:
+            self._observe(CACHED_RATIO, base, (ratio,))
+            self._add(CACHE_MISSES, base, 1 if ratio < self.miss_ratio else 0)
+
+    def conversations_closed(self, closed: Sequence[Closed]) -> None:
+        """Conversations that went idle (the tracker's sweep, proxy/sinks/conversations.py)."""
+        key = self._server
+        with self._lock:
+            for c in closed:
+                self._observe(CONVERSATION_TURNS, key, (c.turns,))
+                self._observe(CONVERSATION_DURATION, key, (c.duration,))
+                self._observe(CONVERSATION_MODEL_TIME, key, (c.model_seconds,))
+                self._observe(CONVERSATION_BETWEEN_TIME, key, (c.between_seconds,))
 
     def _token_usage(self, m: Measurement, base: Key) -> None:
         """The previous names: one histogram by gen_ai.token.type."""
@@ -654,6 +751,7 @@ def otlp_metrics_from_env(
     attribution: tuple[str, ...] = (),
     prices: PriceTable | None = None,
     in_flight: Gauge | None = None,
+    miss_ratio: float = 0.5,
 ) -> OtlpMetrics:
     """The sink OTEL_* asks for, exporting already. Raises SettingsError naming a bad one."""
     env = otel_env.otel_env(environ)
@@ -679,6 +777,7 @@ def otlp_metrics_from_env(
         prices=prices,
         in_flight=in_flight,
         names=semconv.names_from_env(env),
+        miss_ratio=miss_ratio,
     )
     return sink.start()
 

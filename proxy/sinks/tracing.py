@@ -37,6 +37,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from prometheus_client import CollectorRegistry
 
 from proxy.core.apis import RequestInfo, api_of
+from proxy.core.conversations import MAX_RESPONSE_ID
 from proxy.core.measurement import NONE_LABEL, Measurement
 from proxy.settings import SettingsError
 from proxy.sinks import otel_env, semconv
@@ -103,6 +104,12 @@ class Tracing:
             attributes["gen_ai.request.max_tokens"] = info.max_tokens
         if info.temperature is not None:
             attributes["gen_ai.request.temperature"] = info.temperature
+        previous = info.previous_response_id
+        if previous and self.names.current and len(previous) <= MAX_RESPONSE_ID:
+            # The Responses API's previous_response_id: an id the backend gave out, no
+            # secret (semantic-conventions-genai docs/gen-ai/client-inference.md at
+            # ac48b1f9, Recommended). Longer than any backend's ids: not traced.
+            attributes["gen_ai.request.previous_response.id"] = previous
         if self.trace_content and (messages := api.input_messages(info.prompt)) is not None:
             attributes["gen_ai.input.messages"] = orjson.dumps(messages).decode()
         span = self.tracer.start_span(

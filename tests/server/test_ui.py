@@ -577,3 +577,83 @@ def test_page_shows_slo_attainment_as_promql_reads_the_counters(
     assert page.stat("slo_attainment") == pytest.approx(100 * met / judged)
     assert page.page.query_selector("#chart-slo canvas") is not None
     assert page.errors == []
+
+
+def _conversations(before: str, now: str) -> dict[str, Any]:
+    """What PromQL reads of the conversation series over the window: the turn gap's bucket
+    increases, the cached ratio's sum and count increases, the misses, continuations."""
+    old, new = _samples(before), _samples(now)
+    out: dict[str, Any] = {"gap": {}, "ratio_sum": 0.0, "ratio_count": 0.0, "misses": 0.0}
+    out["continuations"] = 0.0
+    for (name, labels), value in new.items():
+        delta = _increase(old.get((name, labels)), value)
+        if name == "tokenprobe_conversation_turn_gap_seconds_bucket":
+            le = float(dict(labels)["le"])
+            out["gap"][le] = out["gap"].get(le, 0.0) + delta
+        elif name == "tokenprobe_continuation_cached_prompt_ratio_sum":
+            out["ratio_sum"] += delta
+        elif name == "tokenprobe_continuation_cached_prompt_ratio_count":
+            out["ratio_count"] += delta
+        elif name == "tokenprobe_continuation_cache_misses_total":
+            out["misses"] += delta
+        elif name == "tokenprobe_conversation_continuations_total":
+            out["continuations"] += delta
+    out["open"] = new[("tokenprobe_conversations_open", frozenset())]
+    return out
+
+
+def test_page_shows_conversations_as_promql_reads_them(
+    start_sim: Callable[..., Running],
+    start_proxy: Callable[..., ProxyUnderTest],
+    open_page: Callable[[str], Page],
+) -> None:
+    sim = start_sim(ttft=0.0, tokens_per_second=5000.0, output_tokens=4, prefix_cache=1000)
+    sim.app.config.prefix_cache_block = 1  # cached tokens exactly the shared prefix
+    sim.app.prefix_cache.block = 1
+    proxy = start_proxy(sim.url, conversation_header="x-session-id")
+
+    def turn(client: httpx.Client, messages: list[Any], **headers: str) -> None:
+        body = {**_chat(), "messages": messages}
+        assert client.post(CHAT, json=body, headers=headers).status_code == 200
+
+    with httpx.Client(base_url=proxy.url, timeout=10) as client:
+        page = open_page(proxy.url + "/ui?interval=300")
+        page.wait_for_scrapes(1)
+        assert page.stat("conversations_open") == 0
+        before = client.get("/metrics").text
+        page.wait_for_scrapes(page.scrapes() + 1)
+        # Three turns by their messages, 0.1 s and 0.3 s of tool between; two turns of one
+        # header, the second recomputed by the backend (a miss).
+        messages: list[Any] = [{"role": "user", "content": "Weather in Oslo, and in Bergen?"}]
+        for sleep in (0.1, 0.3, None):
+            turn(client, messages)
+            if sleep is None:
+                break
+            time.sleep(sleep)
+            messages += [
+                {"role": "assistant", "content": "Rain."},
+                {"role": "user", "content": "And then?"},
+            ]
+        other = [{"role": "user", "content": "Tell me about Lisbon."}]
+        turn(client, other, **{"x-session-id": "sess-lisbon"})
+        time.sleep(0.6)
+        other += [{"role": "assistant", "content": "Hills."}, {"role": "user", "content": "?"}]
+        turn(client, other, **{"x-session-id": "sess-lisbon", "x-sim-cached-tokens": "0"})
+        proxy.wait_records(5, timeout=10)
+        now = client.get("/metrics").text
+        page.wait_for_scrapes(page.scrapes() + 2)
+
+    seen = _conversations(before, now)
+    counts = (seen["continuations"], seen["ratio_count"], seen["misses"], seen["open"])
+    assert counts == (3, 3, 1, 2)
+    expected_gap = histogram_quantile(0.5, seen["gap"])
+    assert 0.1 < expected_gap < 1.0  # the median gap: 0.3 s and the client's own time
+    assert page.stat("conversations_open") == 2
+    assert page.stat("continuations") == 3
+    assert page.stat("turn_gap_p50") == pytest.approx(expected_gap, rel=1e-9)
+    assert page.stat("turn_gap_p95") == pytest.approx(histogram_quantile(0.95, seen["gap"]))
+    cached = 100 * seen["ratio_sum"] / seen["ratio_count"]
+    assert cached == pytest.approx(100 * 2 / 3)  # two whole prefixes cached, one not at all
+    assert page.stat("continuation_cached") == pytest.approx(cached, rel=1e-9)
+    assert page.stat("continuation_misses") == pytest.approx(100 / 3)
+    assert page.errors == []

@@ -3,6 +3,7 @@ the conversation, the header's value goes nowhere, a tracker failure fails no re
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -10,11 +11,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
-from proxy.core.conversations import Conversations
+from proxy.core.conversations import Closed, Conversations
 from proxy.core.labels import ModelLabels
 from proxy.core.measurement import Measurement
 from proxy.core.request import CHAT, RequestInfo
-from proxy.sinks.conversations import ConversationTracker
+from proxy.sinks.conversations import ClosedListener, ConversationTracker
 from proxy.sinks.dispatch import Sinks
 from proxy.sinks.metrics import Metrics
 from proxy.sinks.sink import Recorder
@@ -103,3 +104,32 @@ def test_cached_ratio_needs_the_shared_prefix_and_cached_tokens() -> None:
     assert replace(m, cached_prompt_tokens=None).continuation_cache_ratio() is None
     assert replace(m, continued_via=None).continuation_cache_ratio() is None
     assert replace(m, cached_prompt_tokens=99).continuation_cache_ratio() == 1.0
+
+
+class Listener:
+    def __init__(self, fail: bool) -> None:
+        self.fail = fail
+        self.closed: list[Closed] = []
+
+    def conversations_closed(self, closed: Sequence[Closed]) -> None:
+        if self.fail:
+            raise RuntimeError("a broken sink")
+        self.closed += closed
+
+
+def test_closed_conversations_reach_every_listener_a_failing_one_counted() -> None:
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    broken, working = Listener(fail=True), Listener(fail=False)
+    assert isinstance(working, ClosedListener)
+    tracker = ConversationTracker(
+        Conversations(capacity=10, idle=5.0, salt=b"k" * 32), metrics, listeners=[broken, working]
+    )
+    turn = tracker.begin(info([{"role": "user", "content": "hi"}]), [], 1000.0)
+    tracker.end(turn, measurement(started_at=1000.0, e2e=0.5, model=MODEL), MODEL)
+    assert tracker.sweep(1004.0) == [] and working.closed == []  # not idle yet
+    (closed,) = tracker.sweep(1006.0)
+    assert working.closed == [closed] and (closed.turns, closed.duration) == (1, 0.5)
+    assert registry.get_sample_value("tokenprobe_conversation_turns_count") == 1
+    failures = registry.get_sample_value("tokenprobe_measurement_failures_total", {"stage": "sink"})
+    assert failures == 1

@@ -182,6 +182,30 @@ def test_reasoning_tokens_come_from_the_record_once_it_has_them(
     assert "gen_ai.usage.reasoning.output_tokens" not in (plain.attributes or {})
 
 
+@pytest.mark.parametrize("previous", [False, True], ids=["current", "previous"])
+def test_previous_response_id_is_the_request_s_previous_response_attribute(
+    exporter: InMemorySpanExporter, previous: bool
+) -> None:
+    """gen_ai.request.previous_response.id (semantic-conventions-genai
+    docs/gen-ai/client-inference.md at ac48b1f9): the Responses request's
+    previous_response_id as sent, with the current names only; an id longer than any
+    backend's is not traced."""
+    names = Names(current=not previous, previous=previous)
+    tracing = Tracing([SimpleSpanProcessor(exporter)], upstream=UPSTREAM, names=names)
+    request = info("/v1/responses", previous_response_id="resp_0123456789aBCdef")
+    span, _, _ = traced(tracing, exporter, request=request)
+    attributes = dict(span.attributes or {})
+    if previous:
+        assert "gen_ai.request.previous_response.id" not in attributes
+    else:
+        assert attributes["gen_ai.request.previous_response.id"] == "resp_0123456789aBCdef"
+    exporter.clear()
+    huge = info("/v1/responses", previous_response_id="resp_" + "x" * 300)
+    span, _, _ = traced(tracing, exporter, request=huge)
+    tracing.shutdown()
+    assert "gen_ai.request.previous_response.id" not in (span.attributes or {})
+
+
 def test_a_stream_cut_short_after_a_finish_reason_reports_error_among_them(
     tracing: Tracing, exporter: InMemorySpanExporter
 ) -> None:

@@ -279,10 +279,23 @@
     ["slo_attainment", "SLO met", "%", (p) => attainment(p)],
   ];
 
+  const CONVERSATION_STATS = [
+    ["conversations_open", "open", "", (p) => p.conversationsOpen],
+    ["continuations", "continuations", "", (p) => (p.seconds > 0 ? p.continuations : NaN)],
+    ["turn_gap_p50", "turn gap p50", "s", (p) => q(p, "turnGap", 0.5)],
+    ["turn_gap_p95", "turn gap p95", "s", (p) => q(p, "turnGap", 0.95)],
+    ["continuation_cached", "cached share", "%", (p) => (p.cachedRatioCount > 0 ? (100 * p.cachedRatioSum) / p.cachedRatioCount : NaN)],
+    ["continuation_misses", "cache misses", "%", (p) => (p.cachedRatioCount > 0 ? (100 * p.cacheMisses) / p.cachedRatioCount : NaN)],
+  ];
+
   function renderStats(p) {
-    const box = $("stats");
+    fillStats($("stats"), STATS, p);
+    fillStats($("conversation-stats"), CONVERSATION_STATS, p);
+  }
+
+  function fillStats(box, stats, p) {
     if (!box.childElementCount) {
-      for (const [id, label, unit] of STATS) {
+      for (const [id, label, unit] of stats) {
         const card = document.createElement("div");
         card.className = "stat";
         card.dataset.stat = id;
@@ -292,7 +305,7 @@
         box.appendChild(card);
       }
     }
-    for (const [id, , , get] of STATS) {
+    for (const [id, , , get] of stats) {
       const value = get(p);
       const card = box.querySelector(`[data-stat="${id}"]`);
       card.dataset.value = String(value);

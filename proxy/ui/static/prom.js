@@ -132,6 +132,7 @@
     itl: "tokenprobe_inter_token_latency_seconds",
     tpot: "tokenprobe_request_time_per_output_token_seconds",
     speed: "tokenprobe_request_decode_tokens_per_second",
+    turnGap: "tokenprobe_conversation_turn_gap_seconds",
   };
   const SPLIT = {
     tokenprobe_engine_queue_time_seconds_sum: "queue",
@@ -165,6 +166,13 @@
       // Where the first token's time went: seconds of each part over the streams whose
       // engine sent vLLM's per-request metrics, and how many streams those were.
       split: { queue: 0, engine: 0, outside: 0, streams: 0 },
+      // Conversations (docs/conversations.md): remembered now (a gauge), and over the
+      // window the continuations, their cached-ratio histogram's sum and count, misses.
+      conversationsOpen: 0,
+      continuations: 0,
+      cachedRatioSum: 0,
+      cachedRatioCount: 0,
+      cacheMisses: 0,
       buckets: {},
     };
     for (const key in HISTOGRAMS) out.buckets[key] = new Map();
@@ -174,6 +182,10 @@
       const name = s.name;
       if (name === "tokenprobe_requests_in_flight") {
         out.inFlight += value;
+        continue;
+      }
+      if (name === "tokenprobe_conversations_open") {
+        out.conversationsOpen += value;
         continue;
       }
       if (name === "tokenprobe_cost_total") out.priced = true;
@@ -204,6 +216,14 @@
         out.goodputTokens += delta;
       } else if (SPLIT[name] !== undefined && (s.labels.stream === undefined || s.labels.stream === "true")) {
         out.split[SPLIT[name]] += delta;
+      } else if (name === "tokenprobe_conversation_continuations_total") {
+        out.continuations += delta;
+      } else if (name === "tokenprobe_continuation_cached_prompt_ratio_sum") {
+        out.cachedRatioSum += delta;
+      } else if (name === "tokenprobe_continuation_cached_prompt_ratio_count") {
+        out.cachedRatioCount += delta;
+      } else if (name === "tokenprobe_continuation_cache_misses_total") {
+        out.cacheMisses += delta;
       } else if (name === "tokenprobe_audio_input_seconds_total") {
         out.audioSeconds += delta;
       } else if (name === "tokenprobe_e2e_request_latency_seconds_sum" && s.labels.endpoint === "/v1/realtime") {
