@@ -186,7 +186,12 @@ class SimApp:
         if isinstance(plan, errors.ErrorReply):
             await ex.error(plan)
             return "error"
-        if self.prefix_cache is not None and plan.cached_tokens is None and isinstance(body, dict):
+        if (
+            self.prefix_cache is not None
+            and plan.cached_tokens is None
+            and isinstance(body, dict)
+            and not llamacpp.no_cache(plan, body)
+        ):
             cached = self.prefix_cache.cached_tokens(body)
             plan = replace(plan, cached_tokens=min(cached, plan.prompt_tokens))
         record.model, record.stream, record.prompt_tokens = (

@@ -25,7 +25,8 @@ free slot under max_num_seqs: llama.cpp's wait for a slot is before its `t_start
 outside the engine) to the first token's write; `predicted_ms` from there to the last
 token's; `cache_n` the plan's cached tokens (x-sim-cached-tokens or the prefix cache), at
 most all but one prompt token, as llama.cpp evaluates at least one ("need to evaluate at
-least 1 token", server-context.cpp; the captured repeat: 121 of 122); `prompt_n` the rest.
+least 1 token", server-context.cpp; the captured repeat: 121 of 122), none for a request
+with `"cache_prompt": false`; `prompt_n` the rest.
 The per-token and per-second rates follow server-common.h (decode over `n_gen - 1` steps, 0
 where there is nothing to divide).
 """
@@ -33,6 +34,7 @@ where there is nothing to divide).
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import orjson
 
@@ -65,6 +67,13 @@ class Clock:
         if self.first is None:
             self.first = now
         self.last = now
+
+
+def no_cache(plan: Plan, body: dict[str, Any]) -> bool:
+    """`"cache_prompt": false` (default true, server-task.h): llama.cpp reuses nothing of
+    its cache for this prompt (server-context.cpp: n_past from the common prefix only when
+    `params.cache_prompt`), so the prefix cache is neither asked nor told."""
+    return plan.backend == "llamacpp" and body.get("cache_prompt") is False
 
 
 def cache_n(plan: Plan) -> int:
