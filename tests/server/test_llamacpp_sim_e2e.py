@@ -102,7 +102,8 @@ def timings_of(raw: bytes) -> dict[str, Any]:
 
 def served(sim: Running, path: str = CHAT) -> SimRequest:
     """The simulator's last record of a request on `path` (not the proxy's identity probes)."""
-    return [r for r in sim.app.state.requests() if r.path == path][-1]
+    found: list[SimRequest] = [r for r in sim.app.state.requests() if r.path == path]
+    return found[-1]
 
 
 def record(proxy: ProxyUnderTest, n: int) -> Measurement:
