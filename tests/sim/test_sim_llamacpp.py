@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -152,3 +153,41 @@ def test_the_flag_and_its_environment_variable() -> None:
     assert cli.parse(["--backend-kind", "llamacpp"], {})[0].backend_kind == "llamacpp"
     assert cli.parse([], {"TOKENPROBE_SIM_BACKEND_KIND": "llamacpp"})[0].backend_kind == "llamacpp"
     assert cli.parse([], {})[0].backend_kind == "vllm"
+
+
+def test_a_wait_for_a_slot_is_not_in_prompt_ms(start_sim: Callable[..., Running]) -> None:
+    # llama.cpp's slot wait is before its t_start: prompt_ms is the prefill alone, and the
+    # proxy shows the wait outside the engine (docs/llamacpp.md)
+    sim = start_sim(models=("tiny",), backend_kind="llamacpp", max_num_seqs=1)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    headers = {**FAST, "x-sim-output-tokens": "40"}  # ~0.25 s each
+
+    def one() -> dict[str, Any]:
+        r = httpx.post(sim.url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+        timings: dict[str, Any] = events(r.content)[-2]["timings"]
+        return timings
+
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(one)
+        deadline = time.monotonic() + 5
+        while sim.app.state.active < 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        second = pool.submit(one)  # meets the one slot taken
+        first.result()
+        t = second.result()
+    waiting = sim.app.state.last()
+    assert waiting.queued_at is not None and waiting.scheduled_at is not None
+    assert waiting.first_token_at is not None
+    assert waiting.scheduled_at - waiting.queued_at > 0.05  # it did wait for the slot
+    engine = waiting.first_token_at - waiting.scheduled_at
+    assert t["prompt_ms"] == pytest.approx(engine * 1000, abs=1.0)
+    assert t["prompt_ms"] >= TTFT * 1000 - 10
+
+
+def test_a_passing_fault_keeps_the_stream_and_its_timings(sim: Running) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    headers = {**FAST, "x-sim-output-tokens": "4", "x-sim-fault": "malformed"}
+    raw = httpx.post(sim.url + "/v1/chat/completions", json=body, headers=headers).content
+    assert b"data: {not json\n\n" in raw
+    good = raw.replace(b"data: {not json\n\n", b"")
+    assert events(good)[-2]["timings"]["predicted_n"] == 4 and events(good)[-1] == "[DONE]"
