@@ -106,6 +106,11 @@ SCENARIOS = (
         headers=(("x-sim-ttft", "0.1"), ("x-sim-load-time", "0.5")),
     ),
     Scenario("ollama generate", endpoint="/api/generate", headers=(("x-sim-ttft", "0.1"),)),
+    # llama.cpp's server: its timings move to the usage chunk the proxy asks for, and back.
+    Scenario(
+        "llama.cpp chat, timings",
+        headers=(("x-sim-ttft", "0.1"), ("x-sim-backend-kind", "llamacpp")),
+    ),
 )
 #: Half a second of audio, as a WAV file, for the audio rows.
 WAV = wav(0.5)

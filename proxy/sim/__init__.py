@@ -1,6 +1,7 @@
 """A simulated backend that behaves like vLLM on the wire, for every API vLLM serves:
 chat, completions, Anthropic Messages, OpenAI Responses, embeddings and the pooling
-family, and the utility routes (see `app.py`).
+family, and the utility routes (see `app.py`); and, asked to, Ollama's native API
+(`ollama.py`) and llama.cpp's `llama-server` chunks and `timings` (`llamacpp.py`).
 
 Used by the demo, the end-to-end tests (with the proxy in front of it) and the
 benchmarks. Timing, output and failures are set by `SimConfig` and per request by

@@ -15,6 +15,8 @@
                                    vLLM's pooling family (pooling.py)
   POST /tokenize /detokenize       (utility.py)
   GET|POST /ping, GET /version, GET /load, POST /invocations (SageMaker dispatch)
+  GET  /props                      llama.cpp's, with build_info (only with SimConfig.backend_kind
+                                   llamacpp, which also has no /version: llamacpp.py)
   POST /api/chat /api/generate    Ollama's native API, NDJSON or one body (ollama.py)
   POST /api/embed                 Ollama's embeddings; GET /api/version its version
                                   (only with SimConfig.ollama_version: a simulator playing Ollama)
@@ -44,7 +46,7 @@ from typing import Any
 import orjson
 from starlette.types import Receive, Scope, Send
 
-from proxy.sim import audio, catalog, errors, ollama, pooling, utility
+from proxy.sim import audio, catalog, errors, llamacpp, ollama, pooling, utility
 from proxy.sim.agentic import (
     ChatScript,
     CohereScript,
@@ -191,7 +193,12 @@ class SimApp:
         if isinstance(plan, errors.ErrorReply):
             await ex.error(plan)
             return "error"
-        if self.prefix_cache is not None and plan.cached_tokens is None and isinstance(body, dict):
+        if (
+            self.prefix_cache is not None
+            and plan.cached_tokens is None
+            and isinstance(body, dict)
+            and not llamacpp.no_cache(plan, body)
+        ):
             cached = self.prefix_cache.cached_tokens(body)
             plan = replace(plan, cached_tokens=min(cached, plan.prompt_tokens))
         record.model, record.stream, record.prompt_tokens = (
@@ -367,7 +374,18 @@ class SimApp:
         return "completed"
 
     async def _version(self, ex: Exchange, body: Any, t0: float) -> Outcome:
+        if self.config.backend_kind == "llamacpp":  # llama-server has no /version
+            await ex.error(errors.route_not_found())
+            return "error"
         await ex.reply(200, utility.version())
+        return "completed"
+
+    async def _props(self, ex: Exchange, body: Any, t0: float) -> Outcome:
+        # Only a simulator playing llama.cpp answers: its build_info names the backend.
+        if self.config.backend_kind != "llamacpp":
+            await ex.error(errors.route_not_found())
+            return "error"
+        await ex.reply(200, llamacpp.props(self.config.models[0], self.config.max_model_len))
         return "completed"
 
     async def _load(self, ex: Exchange, body: Any, t0: float) -> Outcome:
@@ -500,6 +518,10 @@ def _write_audio(translation: bool) -> Callable[[Planned], Awaitable[Outcome]]:
 def _write_openai(chat: bool) -> Callable[[Planned], Awaitable[Outcome]]:
     async def write(job: Planned) -> Outcome:
         ex, plan = job.ex, job.plan
+        if plan.backend == "llamacpp":
+            if not plan.stream:
+                return await llamacpp.complete_llamacpp(ex, plan, chat, job.created, job.pacer)
+            return await llamacpp.stream_llamacpp(ex, plan, chat, job.created, job.pacer)
         if not plan.stream:
             return await complete(ex, plan, job.pacer, ex.record.id, job.created)
         sse = StreamWire(
@@ -589,6 +611,7 @@ _ROUTES: dict[str, tuple[frozenset[str], Handler]] = {
     "/detokenize": (_POST, SimApp._detokenize),
     "/ping": (frozenset({"GET", "POST"}), SimApp._ping),
     "/version": (_GET, SimApp._version),
+    "/props": (_GET, SimApp._props),
     "/load": (_GET, SimApp._load),
     "/invocations": (_POST, SimApp._invocations),
     "/api/chat": (_POST, _generation("ollama-chat")),

@@ -133,6 +133,13 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         default=env("OLLAMA_VERSION", str, None),
         help="what Ollama's /api/version answers",
     )
+    add(
+        "--backend-kind",
+        choices=("vllm", "llamacpp"),
+        default=env("BACKEND_KIND", str, defaults.backend_kind),
+        help="whose wire shapes chat and completions take (llamacpp: llama-server's "
+        "timings, /props)",
+    )
     add("--api-key", default=env("API_KEY", str, None))
     add("--step-ms", type=float, default=env("STEP_MS", float, None), help="lockstep mode")
     add("--stamp", action="store_true", default=env("STAMP", flag, False))
@@ -167,6 +174,7 @@ def parse(
             system_fingerprint=args.system_fingerprint,
             ollama_load_time=args.ollama_load_time,
             ollama_version=args.ollama_version,
+            backend_kind=args.backend_kind,
             step_ms=args.step_ms,
             stamp=args.stamp,
             record_bodies=args.record_bodies,

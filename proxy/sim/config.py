@@ -69,6 +69,10 @@ class SimConfig:
     #: What /api/version answers: the simulator plays Ollama there. None: it is not served
     #: (a vLLM has no /api/version), so the simulator identifies as vLLM (/version).
     ollama_version: str | None = None
+    #: Whose shapes chat and completions take: "vllm", or "llamacpp" (llama-server's chunks,
+    #: `timings`, /props with build_info and no /version: proxy/sim/llamacpp.py). Also per
+    #: request: `x-sim-backend-kind`.
+    backend_kind: str = "vllm"
     #: How many request records `SimState` keeps (oldest dropped), so long benchmarks
     #: do not grow memory without bound.
     max_records: int = 10_000
@@ -93,5 +97,7 @@ class SimConfig:
             raise ValueError("SimConfig.spec_tokens must be >= 0 and acceptance_rate in [0, 1]")
         if self.prefix_cache < 0 or self.prefix_cache_block < 1:
             raise ValueError("SimConfig.prefix_cache must be >= 0 and prefix_cache_block >= 1")
+        if self.backend_kind not in ("vllm", "llamacpp"):
+            raise ValueError(f"SimConfig.backend_kind: unknown value {self.backend_kind!r}")
         if self.step_ms is not None and self.step_ms <= 0:
             raise ValueError(f"SimConfig.step_ms must be > 0, got {self.step_ms}")

@@ -43,6 +43,10 @@ headers (the openai SDK sends them with `extra_headers`) override the config:
   x-sim-incomplete-event: 1  Responses: end a cut-short response with
                              `response.incomplete` (OpenAI's API) instead of vLLM's
                              `response.completed` carrying status "incomplete"
+  x-sim-backend-kind         chat and completions in this backend's shapes (BACKEND_KINDS;
+                             SimConfig.backend_kind): llamacpp is llama-server's chunks and
+                             `timings` (proxy/sim/llamacpp.py; x-sim-usage-mode and
+                             continuous usage do not apply there)
 
 Faults: error_event (vLLM's `data: {"error": {...}}` then [DONE]), error_string
 (`data: {"error": "<text>"}` then [DONE]), reset (connection dropped mid-body),
@@ -90,6 +94,8 @@ ENDING_FAULTS = frozenset({"error_event", "error_string", "reset", "close_no_don
 PASSING_FAULTS = frozenset({"stall", "malformed", "non_utf8", "huge_event"})
 FAULTS = ENDING_FAULTS | PASSING_FAULTS
 USAGE_MODES: tuple[UsageMode, ...] = ("separate", "last_chunk", "ignore", "zeroed")
+BackendKind = Literal["vllm", "llamacpp"]
+BACKEND_KINDS: tuple[BackendKind, ...] = ("vllm", "llamacpp")
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +132,8 @@ class Plan:
     #: Reasoning and tool calls (proxy/sim/agentic.py), and the answer's tokens then.
     script: Script | None = None
     answer_tokens: int = 0
+    #: Whose wire shapes chat and completions take (proxy/sim/llamacpp.py for llamacpp).
+    backend: BackendKind = "vllm"
 
 
 #: The size of one padding piece of a call's arguments (x-sim-tool-call-argument-bytes).
@@ -281,6 +289,10 @@ def _plan(
         number(headers, "x-sim-acceptance-rate", float, config.acceptance_rate, 0.0),
     )
     per_chunk = number(headers, "x-sim-tokens-per-chunk", int, 1, 1)
+    raw_backend = headers.get("x-sim-backend-kind", config.backend_kind)
+    if raw_backend not in BACKEND_KINDS:
+        raise ControlError(f"x-sim-backend-kind: unknown value {raw_backend!r}")
+    backend: BackendKind = "llamacpp" if raw_backend == "llamacpp" else "vllm"
     return Plan(
         kind=kind,
         model=model,
@@ -312,6 +324,7 @@ def _plan(
         spec=spec,
         script=script,
         answer_tokens=answer,
+        backend=backend,
     )
 
 

@@ -13,9 +13,12 @@ Keys, in this order, stable (a key without a value is null in JSON, left out in 
   prompt_tokens, output_tokens, cached_tokens, token_source   counts and where they came from
   ttfb_ms, ttft_ms, tpot_ms, e2e_ms   latencies in milliseconds
   decode_tps     single-stream decode speed, tokens per second
+  load_ms        the model load before the request could run (Ollama's load_duration),
+                 null from an engine that reports none (vLLM, llama.cpp)
   queue_ms, engine_ttft_ms, outside_engine_ms   where the first token's time went: the
                  engine's queue time and TTFT (vLLM per-request metrics) and the rest of
-                 the client-seen TTFT (a stream's three sum to ttft_ms; null without them)
+                 the client-seen TTFT (a stream's three sum to ttft_ms, or with a model load
+                 load_ms + engine_ttft_ms + outside_engine_ms does; null without them)
   tokens_per_chunk   output tokens per content event (usage or tokenizer counts)
   spec_draft_tokens, spec_accepted_tokens   speculative decoding, as the engine counted
   proxy_overhead_ms   the proxy's own time (body read -> upstream, head in -> head out)
@@ -83,6 +86,7 @@ KEYS = (
     "tpot_ms",
     "decode_tps",
     "e2e_ms",
+    "load_ms",
     "queue_ms",
     "engine_ttft_ms",
     "outside_engine_ms",
@@ -152,6 +156,8 @@ def log_record(m: Measurement, key: bytes) -> dict[str, Any]:
     """The log record of one request, keys as in KEYS; `key` keys the prefix hashes."""
     prefix = m.prefix
     queue, engine_ttft, outside = m.ttft_parts()
+    loaded = m.load_split()  # a stream's load part, scaled with the TTFT as the others are
+    load = loaded[0] if loaded is not None else None if m.engine is None else m.engine.load_time
     spec = None if m.engine is None else m.engine.spec
     per_chunk = m.output_tokens_per_chunk()
     return {
@@ -174,6 +180,7 @@ def log_record(m: Measurement, key: bytes) -> dict[str, Any]:
         if m.decode_tokens_per_second is None
         else round(m.decode_tokens_per_second, 2),
         "e2e_ms": _ms(m.e2e),
+        "load_ms": _ms(load),
         "queue_ms": _ms(queue),
         "engine_ttft_ms": _ms(engine_ttft),
         "outside_engine_ms": _ms(outside),

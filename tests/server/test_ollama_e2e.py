@@ -283,3 +283,6 @@ def test_demo_shows_ollama_rows_with_the_cold_model_load(relay: str) -> None:
         assert line.split()[-1] == "ok" and " usage " in line and " stop " in line, line
     assert int(rows["/api/chat"].split()[-2]) >= 500  # load ms: the programmed 0.5 s
     assert int(rows["/api/generate"].split()[-2]) < 500  # the model is loaded by then
+    # the llama.cpp row (x-sim-backend-kind): its timings moved and put back, measured as usual
+    llama = next(line for line in out.stdout.splitlines() if line.startswith("llama.cpp chat"))
+    assert llama.split()[-1] == "ok" and " usage " in llama and " stop " in llama, llama

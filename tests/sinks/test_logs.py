@@ -15,6 +15,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
+from proxy.core.engine import EngineMetrics
 from proxy.core.fingerprint import of_prompt
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement
 from proxy.core.toolcalls import ToolCall
@@ -85,6 +86,7 @@ def test_json_values_are_in_ms_with_nulls_for_unknowns() -> None:
         "tpot_ms": 5.0,
         "decode_tps": 200.0,
         "e2e_ms": 125.0,
+        "load_ms": None,
         "queue_ms": None,
         "engine_ttft_ms": None,
         "outside_engine_ms": None,
@@ -287,3 +289,45 @@ def test_secrets_in_headers_reach_no_log_span_or_metric(observed: Observed) -> N
         metrics = httpx.get(observed.url + "/metrics", headers={"Accept": accept}).text
         assert "tokenprobe_requests_total" in metrics
         assert "SECRET123" not in metrics
+
+
+# -- the model load beside the engine parts ----------------------------------------------
+
+
+def test_a_cold_ollama_model_logs_its_load_beside_the_engine_parts(observed: Observed) -> None:
+    # Ollama's load_duration (the simulator's programmed load) is load_ms, not "outside"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    headers = {"x-sim-load-time": "0.3", "x-sim-ttft": "0.05"}
+    answer = httpx.post(observed.url + "/api/chat", json=body, headers=headers)
+    assert answer.status_code == 200
+    done = orjson.loads(answer.content.rstrip(b"\n").rsplit(b"\n", 1)[-1])
+    warm = httpx.post(observed.url + "/api/chat", json={**body, "stream": False})
+    assert warm.status_code == 200
+    cold, loaded = (orjson.loads(line) for line in wait_lines(observed.log, 2))
+    assert cold["load_ms"] == round(done["load_duration"] / 1e6, 3) and cold["load_ms"] >= 300
+    assert cold["engine_ttft_ms"] == round(done["prompt_eval_duration"] / 1e6, 3)
+    parts = cold["load_ms"] + cold["engine_ttft_ms"] + cold["outside_engine_ms"]
+    assert abs(parts - cold["ttft_ms"]) <= 0.003  # each part rounded to the microsecond
+    assert cold["queue_ms"] is None
+    # not streamed, the model already loaded: the engine's own (tiny) load, no split
+    assert loaded["load_ms"] == round(orjson.loads(warm.content)["load_duration"] / 1e6, 3)
+    assert loaded["load_ms"] < 300 and loaded["outside_engine_ms"] is None
+
+
+def test_an_engine_load_time_is_logged_and_scaled_with_the_split() -> None:
+    engine = EngineMetrics(
+        queue_time=None,
+        time_to_first_token=0.1,
+        generation_time=None,
+        mean_itl=None,
+        tokens_per_second=None,
+        spec=None,
+        load_time=0.5,
+    )
+    obj = orjson.loads(log_lines("json", record(ttft=0.65, engine=engine))[0])
+    assert (obj["load_ms"], obj["engine_ttft_ms"], obj["outside_engine_ms"]) == (500.0, 100.0, 50.0)
+    # the engine's parts above what the client saw are scaled down together, as in the
+    # metrics (proxy/core/engine.py load_split), so the line still adds up
+    obj = orjson.loads(log_lines("json", record(ttft=0.3, engine=engine))[0])
+    assert obj["load_ms"] == 250.0 and obj["load_ms"] + obj["engine_ttft_ms"] == 300.0
+    assert "load_ms=500.0" in log_lines("text", record(ttft=0.65, engine=engine))[0]

@@ -1,0 +1,274 @@
+"""The simulator as llama.cpp's `llama-server` (SimConfig.backend_kind / `x-sim-backend-kind:
+llamacpp`): its chat and completions shapes, its `timings` where it writes them, `/props`.
+
+Checked in llama.cpp as vendored in the llama-cpp-python 0.3.36 sdist (commit 0c1e570, the
+build .ci/llama makes) and against the captures in tests/fixtures/streams/llamacpp/:
+
+- Chunks (`tools/server/server-task.cpp`, to_json_oaicompat_chat_stream / to_json_oaicompat):
+  chat  {"choices":[{"finish_reason":null,"index":0,"delta":{...}}],"created","id","model",
+         "system_fingerprint","object":"chat.completion.chunk"}, a first chunk with
+         `delta: {role: assistant, content: null}`, a finish chunk with `delta: {}`;
+  completions  {"choices":[{"text","index":0,"logprobs":null,"finish_reason":null}],
+         "created","model","system_fingerprint","object":"text_completion","id"}.
+  Ids are "chatcmpl-" + random on both (server-common.cpp gen_chatcmplid).
+- `timings` (server_slot_stats::to_json, server-common.cpp) is the last member of the last
+  chunk: the chat finish chunk, or with `stream_options.include_usage` the usage chunk
+  (`"choices":[]`, after `usage`) and then the finish chunk has none; completions streams
+  carry `usage` and `timings` on the finish chunk whether asked or not. Non-streamed bodies
+  carry both after `id`.
+- usage always has `prompt_tokens_details.cached_tokens`, equal to `cache_n`.
+- `/props` answers `build_info` (server-context.cpp, the props json); there is no `/version`.
+
+The figures are what the simulator did, on its own clock, to the microsecond as llama.cpp's
+`ggml_time_us`: `prompt_ms` from the engine having the request (routed to generation, or a
+free slot under max_num_seqs: llama.cpp's wait for a slot is before its `t_start`, so
+outside the engine) to the first token's write; `predicted_ms` from there to the last
+token's; `cache_n` the plan's cached tokens (x-sim-cached-tokens or the prefix cache), at
+most all but one prompt token, as llama.cpp evaluates at least one ("need to evaluate at
+least 1 token", server-context.cpp; the captured repeat: 121 of 122), none for a request
+with `"cache_prompt": false`; `prompt_n` the rest.
+The per-token and per-second rates follow server-common.h (decode over `n_gen - 1` steps, 0
+where there is nothing to divide).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+
+from proxy.sim import wire
+from proxy.sim.controls import Plan, burn_cpu
+from proxy.sim.exchange import Exchange
+from proxy.sim.pacing import Pacer
+from proxy.sim.state import Outcome
+from proxy.sim.stream import SSE, fire_fault, paced_content
+from proxy.sim.tokens import completion_text, text_json
+
+#: What the simulator's /props says it is: llama.cpp's "b<build>-<commit>" form.
+BUILD_INFO = "b1-sim"
+
+
+class Clock:
+    """The instants `timings` is made of, kept as the request runs."""
+
+    __slots__ = ("first", "last", "start")
+
+    def __init__(self, ex: Exchange) -> None:
+        record = ex.record
+        start = record.scheduled_at if record.scheduled_at is not None else record.queued_at
+        self.start = start if start is not None else record.started
+        self.first: float | None = None  # the first token's write
+        self.last: float | None = None  # the last token's write
+
+    def token(self) -> None:
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+        self.last = now
+
+
+def no_cache(plan: Plan, body: dict[str, Any]) -> bool:
+    """`"cache_prompt": false` (default true, server-task.h): llama.cpp reuses nothing of
+    its cache for this prompt (server-context.cpp: n_past from the common prefix only when
+    `params.cache_prompt`), so the prefix cache is neither asked nor told."""
+    return plan.backend == "llamacpp" and body.get("cache_prompt") is False
+
+
+def cache_n(plan: Plan) -> int:
+    return min(plan.cached_tokens or 0, max(0, plan.prompt_tokens - 1))
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1e6) / 1e3  # whole microseconds, as ggml_time_us
+
+
+def timings_json(plan: Plan, clock: Clock, predicted_n: int) -> bytes:
+    """`server_slot_stats::to_json`, in its member order."""
+    cached = cache_n(plan)
+    prompt_n = plan.prompt_tokens - cached
+    first = clock.first if clock.first is not None else time.monotonic()
+    last = clock.last if clock.last is not None else first
+    prompt_ms, predicted_ms = _ms(max(0.0, first - clock.start)), _ms(max(0.0, last - first))
+    steps = max(0, predicted_n - 1)
+    return orjson.dumps(
+        {
+            "cache_n": cached,
+            "prompt_n": prompt_n,
+            "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n > 0 else 0.0,
+            "prompt_per_second": 1e3 / prompt_ms * prompt_n if prompt_ms > 0 else 0.0,
+            "predicted_n": predicted_n,
+            "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": predicted_ms / steps if steps > 0 else 0.0,
+            "predicted_per_second": 1e3 / predicted_ms * steps if predicted_ms > 0 else 0.0,
+        }
+    )
+
+
+def usage_json(plan: Plan, completion_tokens: int) -> bytes:
+    """`usage_json_oaicompat`: cached_tokens is cache_n, always written."""
+    return (
+        b'{"completion_tokens":%d,"prompt_tokens":%d,"total_tokens":%d,'
+        b'"prompt_tokens_details":{"cached_tokens":%d}}'
+        % (
+            completion_tokens,
+            plan.prompt_tokens,
+            plan.prompt_tokens + completion_tokens,
+            cache_n(plan),
+        )
+    )
+
+
+class LlamaWire:
+    """The chunks of one llama.cpp stream. Build once per request; call per chunk."""
+
+    __slots__ = ("_chat", "_choice_post", "_tail", "_tail_no_id", "fingerprint", "id_json")
+
+    def __init__(self, chat: bool, response_id: str, created: int, model: str) -> None:
+        self._chat = chat
+        self.fingerprint = orjson.dumps(BUILD_INFO)
+        self.id_json = orjson.dumps(response_id)
+        meta = b'"created":%d' % created
+        if chat:
+            self._tail = (
+                b',%s,"id":%s,"model":%s,"system_fingerprint":%s,'
+                b'"object":"chat.completion.chunk"'
+                % (meta, self.id_json, orjson.dumps(model), self.fingerprint)
+            )
+            self._tail_no_id = self._tail
+        else:
+            self._tail_no_id = (
+                b',%s,"model":%s,"system_fingerprint":%s,"object":"text_completion"'
+                % (
+                    meta,
+                    orjson.dumps(model),
+                    self.fingerprint,
+                )
+            )
+            self._tail = self._tail_no_id + b',"id":' + self.id_json
+        self._choice_post = b"}]"
+
+    def role(self) -> bytes:
+        return (
+            b'data: {"choices":[{"finish_reason":null,"index":0,'
+            b'"delta":{"role":"assistant","content":null}}]' + self._tail + b"}\n\n"
+        )
+
+    def content(self, text: bytes, usage: bytes | None = None) -> bytes:
+        """A content chunk; `text` is already escaped for the inside of a JSON string."""
+        if self._chat:
+            choice = b'{"finish_reason":null,"index":0,"delta":{"content":"%s"}}' % text
+        else:
+            choice = b'{"text":"%s","index":0,"logprobs":null,"finish_reason":null}' % text
+        return b'data: {"choices":[' + choice + b"]" + self._tail + b"}\n\n"
+
+    def finish(self, finish_reason: str, usage: bytes | None, timings: bytes | None) -> bytes:
+        reason = orjson.dumps(finish_reason)
+        if self._chat:
+            choice = b'{"finish_reason":%s,"index":0,"delta":{}}' % reason
+            body = b'data: {"choices":[' + choice + b"]" + self._tail
+        else:  # completions: usage between object and id (to_json_oaicompat)
+            choice = b'{"text":"","index":0,"logprobs":null,"finish_reason":%s}' % reason
+            body = b'data: {"choices":[' + choice + b"]" + self._tail_no_id
+            body += b"" if usage is None else b',"usage":' + usage
+            body += b',"id":' + self.id_json
+        return body + (b"" if timings is None else b',"timings":' + timings) + b"}\n\n"
+
+    def usage(self, usage: bytes, timings: bytes) -> bytes:
+        return (
+            b'data: {"choices":[]' + self._tail + b',"usage":' + usage
+            + b',"timings":' + timings + b"}\n\n"
+        )  # fmt: skip
+
+
+async def stream_llamacpp(
+    ex: Exchange, plan: Plan, chat: bool, created: int, pacer: Pacer
+) -> Outcome:
+    clock = Clock(ex)
+    sse = LlamaWire(chat, _llama_id(ex.record.id), created, plan.model)
+    await ex.start(200, SSE)
+    if chat:
+        await ex.write(sse.role())
+
+    def content(count: int, sent: int) -> list[bytes]:
+        clock.token()
+        return [sse.content(text_json(count, sent))]
+
+    async def fire(fault: str) -> bool:
+        return await fire_fault(ex, plan, sse, pacer, fault)
+
+    sent = await paced_content(ex, plan, pacer, content, fire)
+    if sent is None:
+        return "fault"
+    ex.record.finish_reason = plan.finish_reason
+    timings = timings_json(plan, clock, sent)
+    usage = usage_json(plan, sent)
+    if not chat:
+        await ex.write(sse.finish(plan.finish_reason, usage, timings))
+    elif plan.include_usage:
+        await ex.write(sse.finish(plan.finish_reason, None, None))
+        await ex.write(sse.usage(usage, timings))
+    else:
+        await ex.write(sse.finish(plan.finish_reason, None, timings))
+    outcome: Outcome = "fault" if ex.record.fault else "completed"
+    await ex.end(b"" if plan.no_done else wire.DONE, outcome)
+    return outcome
+
+
+async def complete_llamacpp(
+    ex: Exchange, plan: Plan, chat: bool, created: int, pacer: Pacer
+) -> Outcome:
+    """The non-streamed body: every token's slot passes, then usage and timings after id."""
+    clock = Clock(ex)
+    per_chunk, n = plan.tokens_per_chunk, plan.output_tokens
+    await pacer.first()
+    clock.token()
+    for i in range(-(-n // per_chunk)):
+        if i:
+            await pacer.next()
+            clock.token()
+        burn_cpu(plan.cpu_per_token * min(per_chunk, n - i * per_chunk))
+    record = ex.record
+    record.completion_tokens, record.finish_reason = n, plan.finish_reason
+    record.first_token_at = time.monotonic()  # the tokens leave with the body
+    text = completion_text(n)
+    if chat:
+        choice: dict[str, object] = {
+            "finish_reason": plan.finish_reason,
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+        }
+    else:
+        choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": plan.finish_reason}
+    body = {
+        "choices": [choice],
+        "created": created,
+        "model": plan.model,
+        "system_fingerprint": BUILD_INFO,
+        "object": "chat.completion" if chat else "text_completion",
+        "usage": orjson.Fragment(usage_json(plan, n)),
+        "id": _llama_id(record.id),
+        "timings": orjson.Fragment(timings_json(plan, clock, n)),
+    }
+    await ex.reply(200, orjson.dumps(body))
+    return "completed"
+
+
+def props(model: str, n_ctx: int) -> bytes:
+    """GET /props: the members a client reads first (server-context.cpp, the props json)."""
+    return orjson.dumps(
+        {
+            "default_generation_settings": {"n_ctx": n_ctx},
+            "total_slots": 1,
+            "model_alias": model,
+            "model_path": f"/models/{model}.gguf",
+            "build_info": BUILD_INFO,
+        }
+    )
+
+
+def _llama_id(record_id: str) -> str:
+    """llama.cpp names chat and completions alike: "chatcmpl-" + the request's own part."""
+    return "chatcmpl-" + record_id.split("-", 1)[-1]

@@ -1,0 +1,193 @@
+"""The simulator as llama.cpp's `llama-server` (proxy/sim/llamacpp.py): every chunk has the
+shape of the real server's (the captures in tests/fixtures/streams/llamacpp/, member for
+member, in order), `timings` sits where llama.cpp writes it, and its figures are what the
+simulator did: its tokens, its cache, its clock."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from proxy.sim import cli
+from tests.conftest import Running
+
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "streams" / "llamacpp"
+INDEX = orjson.loads((FIXTURES / "index.json").read_bytes())
+TTFT = 0.05
+FAST = {"x-sim-ttft": str(TTFT), "x-sim-tps": "200"}
+
+
+def skeleton(value: Any) -> Any:
+    """The value's shape: members in order, every string or number a placeholder."""
+    if isinstance(value, dict):
+        return [(k, skeleton(v)) for k, v in value.items()]
+    if isinstance(value, list):
+        return [skeleton(v) for v in value]
+    if isinstance(value, str):
+        return "s"
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return "n"
+    return value
+
+
+def events(raw: bytes) -> list[Any]:
+    out = []
+    for event in raw.split(b"\n\n"):
+        if event:
+            assert event.startswith(b"data: "), event
+            data = event[len(b"data: ") :]
+            out.append(data.decode() if data == b"[DONE]" else orjson.loads(data))
+    return out
+
+
+@pytest.fixture
+def sim(start_sim: Callable[..., Running]) -> Running:
+    return start_sim(
+        models=("tiny",), backend_kind="llamacpp", prefix_cache=8, prefix_cache_block=1
+    )
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "chat_stream_no_usage.sse",
+        "chat_stream_include_usage.sse",
+        "completions_stream_no_usage.sse",
+        "chat_nonstream.json",
+    ],
+)
+def test_every_chunk_has_the_real_servers_shape(sim: Running, name: str) -> None:
+    request = INDEX["requests"][name]
+    r = httpx.post(sim.url + request["path"], json=request["body"], headers=FAST)
+    assert r.status_code == 200
+    real = (FIXTURES / name).read_bytes()
+    if name.endswith(".json"):
+        assert skeleton(orjson.loads(r.content)) == skeleton(orjson.loads(real))
+        return
+    assert r.headers["content-type"].startswith("text/event-stream")
+    got, want = events(r.content), events(real)
+    # the same request (max_tokens 5, cut by length) gives the same number of chunks
+    assert len(got) == len(want)
+    assert [skeleton(e) for e in got] == [skeleton(e) for e in want]
+
+
+def test_timings_are_what_the_simulator_did(sim: Running) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hello " * 40}]}
+    headers = {**FAST, "x-sim-output-tokens": "6"}
+    start = time.monotonic()
+    first = orjson.loads(
+        httpx.post(sim.url + "/v1/chat/completions", json=body, headers=headers).content
+    )
+    elapsed = time.monotonic() - start
+    record = sim.app.state.last()
+    t, usage = first["timings"], first["usage"]
+    assert t["predicted_n"] == usage["completion_tokens"] == record.completion_tokens == 6
+    assert t["prompt_n"] == usage["prompt_tokens"] == record.prompt_tokens and t["cache_n"] == 0
+    assert TTFT * 1000 - 10 <= t["prompt_ms"] <= elapsed * 1000
+    assert t["prompt_per_token_ms"] == pytest.approx(t["prompt_ms"] / t["prompt_n"])
+    assert t["predicted_per_token_ms"] == pytest.approx(t["predicted_ms"] / 5)  # n - 1 steps
+    # the same prompt again: the prefix cache has all of it, llama.cpp still evaluates one
+    again = orjson.loads(
+        httpx.post(sim.url + "/v1/chat/completions", json=body, headers=headers).content
+    )
+    t2 = again["timings"]
+    assert t2["cache_n"] == record.prompt_tokens - 1 and t2["prompt_n"] == 1
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == t2["cache_n"]
+    assert again["usage"]["prompt_tokens"] == t2["prompt_n"] + t2["cache_n"]
+
+
+def test_a_stream_carries_one_timings_object_where_llamacpp_puts_it(sim: Running) -> None:
+    body: dict[str, Any] = {"model": "tiny", "prompt": "once", "stream": True}
+    for path, usage, carrier in (
+        ("/v1/chat/completions", False, "finish"),
+        ("/v1/chat/completions", True, "usage"),
+        ("/v1/completions", False, "finish"),
+        ("/v1/completions", True, "finish"),  # completions ignore include_usage
+    ):
+        req = {**body, "messages": [{"role": "user", "content": "hi"}]} if "chat" in path else body
+        if usage:
+            req = {**req, "stream_options": {"include_usage": True}}
+        chunks = events(httpx.post(sim.url + path, json=req, headers=FAST).content)
+        assert chunks[-1] == "[DONE]"
+        timed = [i for i, c in enumerate(chunks) if isinstance(c, dict) and "timings" in c]
+        assert timed == [len(chunks) - 2], (path, usage)
+        last = chunks[-2]
+        assert list(last)[-1] == "timings"
+        assert (last["choices"] == []) == (carrier == "usage")
+        assert last["timings"]["predicted_n"] == sim.app.state.last().completion_tokens
+
+
+def test_props_names_the_build_and_there_is_no_version(sim: Running) -> None:
+    props = httpx.get(sim.url + "/props")
+    assert props.status_code == 200 and props.json()["build_info"] == "b1-sim"
+    assert httpx.get(sim.url + "/version").status_code == 404
+
+
+def test_a_vllm_simulator_has_no_props_and_the_header_picks_the_shape(
+    start_sim: Callable[..., Running],
+) -> None:
+    sim = start_sim()
+    assert httpx.get(sim.url + "/props").status_code == 404
+    assert httpx.get(sim.url + "/version").status_code == 200
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(
+        sim.url + "/v1/chat/completions",
+        json=body,
+        headers={**FAST, "x-sim-backend-kind": "llamacpp"},
+    )
+    assert "timings" in r.json() and r.json()["system_fingerprint"] == "b1-sim"
+    bad = httpx.post(
+        sim.url + "/v1/chat/completions", json=body, headers={"x-sim-backend-kind": "tgi"}
+    )
+    assert bad.status_code == 400 and "x-sim-backend-kind" in bad.text
+
+
+def test_the_flag_and_its_environment_variable() -> None:
+    assert cli.parse(["--backend-kind", "llamacpp"], {})[0].backend_kind == "llamacpp"
+    assert cli.parse([], {"TOKENPROBE_SIM_BACKEND_KIND": "llamacpp"})[0].backend_kind == "llamacpp"
+    assert cli.parse([], {})[0].backend_kind == "vllm"
+
+
+def test_a_wait_for_a_slot_is_not_in_prompt_ms(start_sim: Callable[..., Running]) -> None:
+    # llama.cpp's slot wait is before its t_start: prompt_ms is the prefill alone, and the
+    # proxy shows the wait outside the engine (docs/llamacpp.md)
+    sim = start_sim(models=("tiny",), backend_kind="llamacpp", max_num_seqs=1)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    headers = {**FAST, "x-sim-output-tokens": "40"}  # ~0.25 s each
+
+    def one() -> dict[str, Any]:
+        r = httpx.post(sim.url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+        timings: dict[str, Any] = events(r.content)[-2]["timings"]
+        return timings
+
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(one)
+        deadline = time.monotonic() + 5
+        while sim.app.state.active < 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        second = pool.submit(one)  # meets the one slot taken
+        first.result()
+        t = second.result()
+    waiting = sim.app.state.last()
+    assert waiting.queued_at is not None and waiting.scheduled_at is not None
+    assert waiting.first_token_at is not None
+    assert waiting.scheduled_at - waiting.queued_at > 0.05  # it did wait for the slot
+    engine = waiting.first_token_at - waiting.scheduled_at
+    assert t["prompt_ms"] == pytest.approx(engine * 1000, abs=1.0)
+    assert t["prompt_ms"] >= TTFT * 1000 - 10
+
+
+def test_a_passing_fault_keeps_the_stream_and_its_timings(sim: Running) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    headers = {**FAST, "x-sim-output-tokens": "4", "x-sim-fault": "malformed"}
+    raw = httpx.post(sim.url + "/v1/chat/completions", json=body, headers=headers).content
+    assert b"data: {not json\n\n" in raw
+    good = raw.replace(b"data: {not json\n\n", b"")
+    assert events(good)[-2]["timings"]["predicted_n"] == 4 and events(good)[-1] == "[DONE]"
