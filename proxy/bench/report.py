@@ -141,6 +141,27 @@ def _notes(summaries: Sequence[Summary]) -> list[str]:
     return notes
 
 
+def _kinds_notes(s: Summary) -> list[str]:
+    """Reasoning, the first answer and tool calls (issue 26), when the level had them."""
+    notes = []
+    ttfa, ttft = s.ttfa or {}, s.ttft
+    if s.reasoned:
+        notes.append(
+            f"{s.label}: {s.reasoned} requests reasoned ({s.reasoning_tokens} reasoning "
+            f"tokens); first answer p50 {_ms(ttfa.get('p50'))} ms, p95 "
+            f"{_ms(ttfa.get('p95'))} ms against first token p50 {_ms(ttft['p50'])} ms"
+        )
+    if s.without_answer:
+        notes.append(
+            f"{s.label}: {s.without_answer} streams generated but delivered no answer and "
+            "no tool call (cut off while reasoning, or a forced call cut before it began)"
+        )
+    if s.tool_calls:
+        outcomes = ", ".join(f"{k} {v}" for k, v in sorted(s.tool_calls.items()))
+        notes.append(f"{s.label}: tool calls: {outcomes}")
+    return notes
+
+
 def _engine_notes(s: Summary) -> list[str]:
     """Where the first token's time went, when the engine said (vLLM per-request metrics)."""
     notes = []
@@ -161,6 +182,7 @@ def _engine_notes(s: Summary) -> list[str]:
             f"tokens accepted ({100 * spec['acceptance_rate']:.0f}%), mean acceptance length "
             f"{spec['mean_acceptance_length']:.2f}"
         )
+    notes.extend(_kinds_notes(s))
     if s.tokens_per_chunk is not None and s.tokens_per_chunk > 1.05:
         notes.append(
             f"{s.label}: {s.tokens_per_chunk:.2f} output tokens per content event: the "

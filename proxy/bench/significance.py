@@ -56,6 +56,12 @@ FIGURES: tuple[Figure, ...] = (
     Figure("outside_mean", "TTFT: outside the engine, mean", True, False, 1000, "ms"),
     Figure("error_share", "errors", True, True, 100, "%"),
     Figure("length_share", "finish=length", True, True, 100, "%"),
+    # Reasoning models and agents (issue 26; rows only when some run's requests had them)
+    Figure("ttfa_p50", "first answer p50", True, False, 1000, "ms"),
+    Figure("ttfa_p95", "first answer p95", True, False, 1000, "ms"),
+    Figure("reasoning_tokens_mean", "reasoning tokens, mean", True, False, 1, "tok"),
+    Figure("without_answer_share", "no answer", True, True, 100, "%"),
+    Figure("bad_tool_call_share", "a call not complete", True, True, 100, "%"),
 )
 BY_NAME: Mapping[str, Figure] = {f.name: f for f in FIGURES}
 
@@ -63,12 +69,17 @@ BY_NAME: Mapping[str, Figure] = {f.name: f for f in FIGURES}
 # finished by length, met every SLO, e2e, and the TTFT split (queue, engine, outside)
 # when the engine sent its per-request metrics.
 Split = tuple[float | None, float, float] | None
-Row = tuple[bool, float | None, float | None, float | None, int, bool, bool, float, Split]
+# ... then (issue 26) first answer, reasoning tokens (None: did not reason), no answer,
+# tool calls made (None: none), a call not complete
+Row = tuple[
+    bool, float | None, float | None, float | None, int, bool, bool, float, Split,
+    float | None, int | None, bool, int | None, bool,
+]  # fmt: skip
 
 #: A tail quantile gets an interval only with this many requests beyond it (p95: 100
 #: requests); with fewer, the bootstrap has too few tail values to resample.
 TAIL_REQUESTS = 5
-TAILS = {"ttft_p95": 0.95, "tpot_p95": 0.95}
+TAILS = {"ttft_p95": 0.95, "tpot_p95": 0.95, "ttfa_p95": 0.95}
 
 
 def rows(records: Sequence[Mapping[str, Any]], slo: Mapping[str, float]) -> list[Row]:
@@ -87,9 +98,28 @@ def rows(records: Sequence[Mapping[str, Any]], slo: Mapping[str, float]) -> list
                 met,
                 float(r.get("e2e") or 0.0),
                 _split(r) if ok else None,
+                *_kinds(r, ok),
             )
         )
     return out
+
+
+def _kinds(
+    record: Mapping[str, Any], ok: bool
+) -> tuple[float | None, int | None, bool, int | None, bool]:
+    """A saved record's first answer, reasoning tokens, no answer, calls and a bad call."""
+    calls = record.get("tool_calls") or ()
+    outcomes = [c.get("outcome") for c in calls if isinstance(c, Mapping)]
+    reasoning = record.get("reasoning_tokens")
+    return (
+        record.get("first_answer") if ok else None,
+        reasoning
+        if ok and type(reasoning) is int and record.get("first_reasoning") is not None
+        else None,
+        record.get("without_answer") is not None,
+        len(outcomes) if outcomes else None,
+        any(o != "complete" for o in outcomes),
+    )
 
 
 def _split(record: Mapping[str, Any]) -> Split:
@@ -130,6 +160,9 @@ def figures(
     speed = sorted(row[3] for row in ok if row[3] is not None)
     n = len(sample)
     splits = [row[8] for row in ok if row[8] is not None]
+    ttfa = sorted(row[9] for row in ok if row[9] is not None)
+    reasoning = [float(row[10]) for row in ok if row[10] is not None]
+    calling = [row for row in sample if row[12] is not None]
     return {
         "ttft_p50": quantile(ttft, 50),
         "ttft_p95": quantile(ttft, 95),
@@ -144,6 +177,17 @@ def figures(
         "outside_mean": _mean([s[2] for s in splits]),
         "error_share": (n - len(ok)) / n if n else None,
         "length_share": sum(1 for row in ok if row[5]) / len(ok) if ok else None,
+        "ttfa_p50": quantile(ttfa, 50),
+        "ttfa_p95": quantile(ttfa, 95),
+        "reasoning_tokens_mean": _mean(reasoning),
+        "without_answer_share": (
+            sum(1 for row in sample if row[11]) / n
+            if n and any(r[11] or r[10] is not None for r in sample)
+            else None
+        ),
+        "bad_tool_call_share": (
+            sum(1 for row in calling if row[13]) / len(calling) if calling else None
+        ),
     }
 
 

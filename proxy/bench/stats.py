@@ -77,6 +77,14 @@ class Summary:
     spec_decode: dict[str, float] | None = None
     #: Output tokens per content event, mean over streams (usage or tokenizer counts).
     tokens_per_chunk: float | None = None
+    #: Issue 26: time to the first answer token (not reasoning nor tool calls), the
+    #: reasoning tokens of all successful requests, tool calls by outcome, and the
+    #: streams that generated but delivered no answer and no call.
+    ttfa: dict[str, float | None] | None = None
+    reasoning_tokens: int = 0
+    reasoned: int = 0  # requests that reasoned
+    tool_calls: dict[str, int] | None = None
+    without_answer: int = 0
 
 
 def summarize(level: Level, slo: dict[str, float]) -> Summary:
@@ -112,6 +120,11 @@ def summarize(level: Level, slo: dict[str, float]) -> Summary:
         ttft_split=ttft_split(good),
         spec_decode=spec_decode(good),
         tokens_per_chunk=_mean([r for m in good if (r := m.output_tokens_per_chunk()) is not None]),
+        ttfa=distribution(m.first_answer for m in good),
+        reasoning_tokens=sum(m.reasoning_tokens or 0 for m in good),
+        reasoned=sum(1 for m in good if m.first_reasoning is not None),
+        tool_calls=dict(Counter(c.outcome for m in good for c in m.tool_calls)) or None,
+        without_answer=sum(1 for r in results if r.m.without_answer is not None),
     )
 
 

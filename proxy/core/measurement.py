@@ -27,6 +27,16 @@ Derived durations:
   engine   the engine's per-request figures (proxy/core/engine.py), when it sent them;
            the TTFT split (queue, engine TTFT, outside the engine) is `ttft_split`
 
+First tokens by kind (seconds after `start`, as ttft; issue 26): `first_answer` the first
+read carrying answer content (chat `content`, Messages `text_delta`, Responses
+`output_text`, Cohere text), `first_reasoning` / `last_reasoning` the first and last reads
+carrying reasoning, `first_tool_call` the first read carrying a tool call's first delta.
+  ttfa                 first_answer (what a chat user waits for)
+  reasoning_duration   last_reasoning - first_reasoning
+  reasoning_tpot       reasoning_duration / (reasoning_tokens - 1)
+  answer_tpot          (last answer read - first_answer) / (answer tokens - 1), answer
+                       tokens = output_tokens - reasoning_tokens, for streams without calls
+
 With n > 1 choices, tpot and decode speed are computed per choice, from that choice's own
 first and last token and its share of the output tokens (in proportion to its content
 events), and the request's figures are those of the median choice by tpot (the lower
@@ -40,6 +50,7 @@ from dataclasses import dataclass
 
 from proxy.core.engine import EngineMetrics, load_split, ttft_split
 from proxy.core.fingerprint import Prefix
+from proxy.core.toolcalls import ToolCall
 
 
 class ErrorType(enum.StrEnum):
@@ -109,6 +120,21 @@ class Measurement:
     # shows it, keyed with the deployment's salt.
     prefix: Prefix | None = None
     audio_seconds: float | None = None  # /v1/realtime: the audio appended for this utterance
+    # Issue 26: first tokens by kind, seconds after `start` (see above), tokens by kind,
+    # tool calls. reasoning_token_source: a TokenSource value (usage, tokenizer) or "events".
+    first_answer: float | None = None
+    first_reasoning: float | None = None
+    last_reasoning: float | None = None
+    first_tool_call: float | None = None
+    reasoning_tokens: int | None = None
+    reasoning_token_source: str | None = None
+    reasoning_events: int = 0
+    reasoning_tpot: float | None = None
+    answer_tpot: float | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    # A generative stream that generated output but delivered no answer token and no tool
+    # call: how it ended (length, stop, error, cancelled); None for every other request.
+    without_answer: str | None = None
     # The conversation (proxy/core/conversations.py): its id (a keyed hash), this request's
     # turn (1: its first), how a continuation was recognised (header, previous_response,
     # messages; None for a first turn), the previous answer's end -> this request's start,
@@ -130,6 +156,31 @@ class Measurement:
     def cancelled(self) -> bool:
         """The client walked away before the end: what was computed, nobody received."""
         return self.error_type is ErrorType.CLIENT_CANCELLED
+
+    @property
+    def ttfa(self) -> float | None:
+        """Time to first answer token: `first_answer`, seconds after start."""
+        return self.first_answer
+
+    @property
+    def reasoning_duration(self) -> float | None:
+        first, last = self.first_reasoning, self.last_reasoning
+        return None if first is None or last is None else last - first
+
+    @property
+    def answer_tokens(self) -> int | None:
+        """Output tokens that were not reasoning, when both counts are known."""
+        output, reasoning = self.output_tokens, self.reasoning_tokens
+        if output is None or reasoning is None or reasoning > output:
+            return None
+        return output - reasoning
+
+    def tool_call_outcomes(self) -> dict[str, int]:
+        """How many of this request's tool calls ended each way (proxy/core/toolcalls.py)."""
+        counts: dict[str, int] = {}
+        for call in self.tool_calls:
+            counts[call.outcome] = counts.get(call.outcome, 0) + 1
+        return counts
 
     def ttft_split(self) -> tuple[float | None, float, float] | None:
         """(queue, engine TTFT, outside the engine), summing to `ttft`, for a stream whose

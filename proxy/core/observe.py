@@ -12,6 +12,15 @@ counts from usage, else a tokenizer, else content events.
 
 With n > 1 choices, first/last token and content events are kept per choice (see
 proxy/core/measurement.py for how the request-level TPOT and decode speed are chosen).
+
+Content kinds (issue 26). Each content event's kind ("text", "reasoning", "tool") gives
+the first answer, the reasoning span and the first tool call. The inline path counts a run
+of one shared content answer (`_fast`: the same kind, choice 0, nothing else) without
+looking at its kind, as before; a run is accounted for when an event of another shape
+arrives and at the end (`_end_run`), so a plain text stream does no new work per chunk.
+When the kind changes, the stream's template is learnt once more for the new kind.
+Tool-call events carry their pieces (Facts.calls) and are followed by a ToolCalls
+(proxy/core/toolcalls.py), made only when a stream carries one.
 """
 
 from __future__ import annotations
@@ -29,11 +38,15 @@ from proxy.core.llamacpp import timings_metrics
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
 from proxy.core.sse import DEFAULT_MAX_EVENT_BYTES
 from proxy.core.template import EventTemplate, learn
+from proxy.core.toolcalls import ToolCall, ToolCalls
 
 #: The most of a non-streaming or error body kept for parsing. Bigger bodies are still
 #: relayed in full; they are only measured from what fits.
 MAX_KEPT_BODY = 8 * 1024 * 1024
 
+
+#: How often one stream's template is learnt again when its content kind changes.
+RELEARNS = 4
 
 #: Outcomes whose tokens a tokenizer counts: successes, and requests whose client walked
 #: away (no usage arrives; their prompt and partial output are compute nobody received).
@@ -44,6 +57,8 @@ class Counter(Protocol):
     """A tokenizer-backed counter (proxy/core/tokens.py), as `finish` uses it."""
 
     async def count(self, observer: StreamObserver) -> TokenCounts | None: ...
+
+    async def count_texts(self, texts: list[str]) -> int | None: ...
 
 
 class _Choice:
@@ -99,6 +114,18 @@ class StreamObserver:
         self._learn = not collect_text and bool(self.api.text_openings)
         self._body: list[bytes] = []
         self._kept = 0
+        # Content kinds (issue 26), instants as `now` was given.
+        self.first_answer: float | None = None
+        self.last_answer: float | None = None
+        self.first_reasoning: float | None = None
+        self.last_reasoning: float | None = None
+        self.first_tool_call: float | None = None
+        self.reasoning_events = 0
+        self.reasoning_texts: list[str] = []
+        self.tools: ToolCalls | None = None
+        self._fast: Facts | None = None  # the shared answer the inline path counts
+        self._run = 0  # choice 0's events when the current run began
+        self._relearns = RELEARNS if self._learn else 0
 
     # -- the relay's side -------------------------------------------------------------
 
@@ -129,8 +156,9 @@ class StreamObserver:
                     if self._learn and facts.plain:
                         self._learn = False
                         template = self._template = learn(self.api, payload, facts)
-                zero = self._zero
-                if facts.plain and zero is not None:  # the common event, inline: one choice
+                if facts is self._fast:  # the common event, inline: one choice, one kind
+                    zero = self._zero
+                    assert zero is not None  # set with _fast
                     self.content_events += 1
                     self.last_token = now
                     self.itl.append(now - zero.last)
@@ -154,8 +182,51 @@ class StreamObserver:
 
     # -- facts ------------------------------------------------------------------------
 
+    def _end_run(self) -> None:
+        """Account for the inline path's run of one kind on choice 0 (see above)."""
+        run, zero = self._fast, self._zero
+        if run is None or zero is None:
+            return
+        self._fast = None
+        counted = zero.events - self._run
+        if counted:
+            kind = run.content
+            if kind == "reasoning":
+                self.reasoning_events += counted
+                self.last_reasoning = zero.last
+            elif kind == "text":
+                self.last_answer = zero.last
+
+    def _kind(self, facts: Facts, kind: str, now: float) -> None:
+        """The first answer, reasoning span and tool calls, from one content event."""
+        if kind == "text":
+            if self.first_answer is None:
+                self.first_answer = now
+            self.last_answer = now
+        elif kind == "reasoning":
+            if self.first_reasoning is None:
+                self.first_reasoning = now
+            self.last_reasoning = now
+            self.reasoning_events += 1
+            if facts.texts:
+                self.reasoning_texts.extend(facts.texts)
+        elif kind == "tool" and self.first_tool_call is None:
+            self.first_tool_call = now
+
     def _apply(self, facts: Facts, now: float) -> None:
+        if facts.calls is not None:
+            tools = self.tools
+            for piece in facts.calls:
+                if tools is None:
+                    if piece.closes and not piece.opens:
+                        continue  # a block that was no call ended
+                    tools = self.tools = ToolCalls(now)
+                    if self.first_tool_call is None:
+                        self.first_tool_call = now
+                tools.add(piece, now)
         if facts.content is not None:
+            self._end_run()
+            self._kind(facts, facts.content, now)
             self.content_events += 1
             if self.first_token is None:
                 self.first_token = now
@@ -171,6 +242,13 @@ class StreamObserver:
                     self.itl.append(now - choice.last)
                     choice.last = now
                     choice.events += 1
+            if facts.plain and self._zero is not None:  # a run for the inline path begins
+                self._fast = facts
+                self._run = self._zero.events
+                template = self._template
+                if template is not None and template.facts is not facts and self._relearns:
+                    self._relearns -= 1  # another kind: learn its template once more
+                    self._learn = True
         elif facts.malformed:
             self.malformed_events += 1
             return
@@ -302,6 +380,14 @@ class StreamObserver:
             counts = await counter.count(self)
         if counts is None:
             counts = self.counts_from_chunks()
+        self._end_run()
+        reasoning = self.reasoning_from_usage()
+        if not reasoning and self.reasoning_texts and counter is not None:
+            counted = await counter.count_texts(self.reasoning_texts)
+            if counted:
+                reasoning = counted, TokenSource.TOKENIZER.value
+        if not reasoning and self.reasoning_events:
+            reasoning = self.reasoning_events, "events"
         return self.measurement(
             end=end,
             started_at=started_at,
@@ -310,7 +396,17 @@ class StreamObserver:
             error_type=error_type,
             error_message=error_message,
             trace_id=trace_id,
+            reasoning=reasoning or None,
         )
+
+    def reasoning_from_usage(self) -> tuple[int, str] | None:
+        """(reasoning tokens, "usage") when usage reports more than 0. vLLM counts only
+        the tokens between a generated <think> and </think> (count_reasoning_tokens in
+        vllm/reasoning/basic_parsers.py), so a template that opens <think> in the prompt
+        streams reasoning and reports 0: the stream is then counted instead."""
+        usage = self.usage
+        found = self.api.reasoning_tokens(usage) if usage else None
+        return (found, TokenSource.USAGE.value) if found else None
 
     def measurement(
         self,
@@ -322,7 +418,9 @@ class StreamObserver:
         error_type: ErrorType | None,
         error_message: str | None,
         trace_id: str | None = None,
+        reasoning: tuple[int, str] | None = None,
     ) -> Measurement:
+        self._end_run()
         tpot, tps = self._decode_speed(counts.output)
         first = self.first_token
         request = self.request
@@ -356,8 +454,66 @@ class StreamObserver:
             engine=self._engine(),
             proxy_overhead=self.overhead,
             prefix=of_prompt(request.prompt),
+            **self._kinds(counts, reasoning, error_type),
             malformed_events=self.malformed_events,
         )
+
+    def _kinds(
+        self, counts: TokenCounts, reasoning: tuple[int, str] | None, error: ErrorType | None
+    ) -> dict[str, Any]:
+        """The record's issue-26 fields: first tokens by kind, tokens by kind, tool calls."""
+        start = self.start
+
+        def since(instant: float | None) -> float | None:
+            return None if instant is None else instant - start
+
+        tokens, source = reasoning if reasoning is not None else (None, None)
+        calls: tuple[ToolCall, ...] = ()
+        if self.tools is not None:
+            ended = self.done or (self.api.finish_ends_stream and self.finish_reason is not None)
+            length = self.finish_reason is not None and (
+                self.api.finish_label(self.finish_reason) == "length"
+            )
+            calls = self.tools.outcomes(length=length, cut_short=error is not None or not ended)
+        reasoning_tpot = answer_tpot = None
+        first, last = self.first_reasoning, self.last_reasoning
+        if tokens is not None and tokens >= 2 and first is not None and last is not None:
+            reasoning_tpot = (last - first) / (tokens - 1)
+        # Only a stream that reasoned has an answer phase of its own (else it is `tpot`).
+        answer = None if tokens is None or counts.output is None else counts.output - tokens
+        first, last = self.first_answer, self.last_answer
+        if answer is not None and answer >= 2 and not calls and first is not None:
+            assert last is not None
+            answer_tpot = (last - first) / (answer - 1)
+        return {
+            "first_answer": since(self.first_answer),
+            "first_reasoning": since(self.first_reasoning),
+            "last_reasoning": since(self.last_reasoning),
+            "first_tool_call": since(self.first_tool_call),
+            "reasoning_tokens": tokens,
+            "reasoning_token_source": source,
+            "reasoning_events": self.reasoning_events,
+            "reasoning_tpot": reasoning_tpot,
+            "answer_tpot": answer_tpot,
+            "tool_calls": calls,
+            "without_answer": self._without_answer(counts, error),
+        }
+
+    def _without_answer(self, counts: TokenCounts, error: ErrorType | None) -> str | None:
+        """How a generative stream that generated output but delivered no answer token and
+        no tool call ended (length, stop, error, cancelled); None otherwise."""
+        if not self.streaming or not self.api.generative:
+            return None
+        if self.first_answer is not None or self.first_tool_call is not None:
+            return None
+        if not self.content_events and not counts.output:
+            return None  # nothing was generated (an error before any output)
+        if error is ErrorType.CLIENT_CANCELLED:
+            return "cancelled"
+        if error is not None:
+            return "error"
+        raw = self.finish_reason
+        return "length" if raw is not None and self.api.finish_label(raw) == "length" else "stop"
 
     def _decode_speed(self, output: int | None) -> tuple[float | None, float | None]:
         """(TPOT, decode tokens/s) of the median choice; each choice's share of the output

@@ -84,5 +84,14 @@ class TokenCounter:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, work)
 
+    async def count_texts(self, texts: list[str]) -> int | None:
+        """Tokens of generated texts (a stream's reasoning), None while not ready."""
+        if not self.ready:
+            return None
+        tokenizer = self._loading.result()
+        joined = list(texts)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: count_output(tokenizer, joined))
+
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -47,6 +47,13 @@ import orjson
 from starlette.types import Receive, Scope, Send
 
 from proxy.sim import audio, catalog, errors, llamacpp, ollama, pooling, utility
+from proxy.sim.agentic import (
+    ChatScript,
+    CohereScript,
+    MessagesScript,
+    ResponsesScript,
+    stream_script,
+)
 from proxy.sim.cohere import CohereWire
 from proxy.sim.config import SimConfig
 from proxy.sim.controls import (
@@ -463,11 +470,17 @@ async def _events(job: Planned, events: MessagesWire | ResponsesWire | CohereWir
 
 
 async def _write_messages(job: Planned) -> Outcome:
-    return await _events(job, MessagesWire(job.plan, job.ex.record.id, job.stamp))
+    events = MessagesWire(job.plan, job.ex.record.id, job.stamp)
+    if job.plan.script is not None and job.plan.stream:
+        return await stream_script(job.ex, job.plan, job.pacer, MessagesScript(job.plan, events))
+    return await _events(job, events)
 
 
 async def _write_cohere(job: Planned) -> Outcome:
-    return await _events(job, CohereWire(job.plan, job.ex.record.id))
+    events = CohereWire(job.plan, job.ex.record.id)
+    if job.plan.script is not None and job.plan.stream:
+        return await stream_script(job.ex, job.plan, job.pacer, CohereScript(job.plan, events))
+    return await _events(job, events)
 
 
 async def _write_responses(job: Planned) -> Outcome:
@@ -475,6 +488,8 @@ async def _write_responses(job: Planned) -> Outcome:
     events = ResponsesWire(plan, job.body, ex.record.id, job.created, job.stamp)
     if plan.metrics:
         events.metrics = lambda sent, streamed: engine_metrics(ex, plan, sent, streamed)
+    if plan.script is not None and plan.stream:
+        return await stream_script(ex, plan, job.pacer, ResponsesScript(plan, events))
     return await _events(job, events)
 
 
@@ -512,6 +527,10 @@ def _write_openai(chat: bool) -> Callable[[Planned], Awaitable[Outcome]]:
         sse = StreamWire(
             chat, ex.record.id, job.created, plan.model, job.stamp, job.system_fingerprint
         )
+        if chat and plan.script is not None:
+            head = StreamWire(chat, ex.record.id, job.created, plan.model, False).role()
+            head = head[: head.index(b',"choices"')]
+            return await stream_script(ex, plan, job.pacer, ChatScript(plan, sse, head))
         return await stream(ex, plan, sse, job.pacer)
 
     return write

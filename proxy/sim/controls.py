@@ -35,6 +35,11 @@ headers (the openai SDK sends them with `extra_headers`) override the config:
   x-sim-stamp: 1             stamp content chunks with "sent_ns" (as SimConfig.stamp)
   x-sim-ping: 1              Messages: an `event: ping` right after message_start
                              (Anthropic's API sends one; vLLM does not)
+  x-sim-reasoning-tokens, x-sim-reasoning-usage, x-sim-tool-calls,
+  x-sim-invalid-tool-calls, x-sim-tool-call-argument-bytes
+                             reasoning and tool calls (chat, Messages, Responses, Cohere,
+                             streamed): see proxy/sim/agentic.py; x-sim-output-tokens is
+                             then the answer's length
   x-sim-incomplete-event: 1  Responses: end a cut-short response with
                              `response.incomplete` (OpenAI's API) instead of vLLM's
                              `response.completed` carrying status "incomplete"
@@ -124,8 +129,60 @@ class Plan:
     #: Send vLLM's per-request `metrics` object, and the programmed speculative decoding.
     metrics: bool = False
     spec: Spec | None = None
+    #: Reasoning and tool calls (proxy/sim/agentic.py), and the answer's tokens then.
+    script: Script | None = None
+    answer_tokens: int = 0
     #: Whose wire shapes chat and completions take (proxy/sim/llamacpp.py for llamacpp).
     backend: BackendKind = "vllm"
+
+
+#: The size of one padding piece of a call's arguments (x-sim-tool-call-argument-bytes).
+PAD_PIECE = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Script:
+    """Reasoning and tool calls around the answer (proxy/sim/agentic.py)."""
+
+    reasoning: int = 0
+    reasoning_usage: bool = True  # False: usage says 0 reasoning tokens
+    calls: int = 0
+    invalid: int = 0  # the last `invalid` calls' arguments are no JSON object
+    argument_bytes: int = 0  # padding per call's arguments
+
+    def pieces(self, call: int) -> list[str]:
+        """Call `call`'s arguments in pieces: `{"city": "Paris", "n": <call>}`, padded, and
+        without its closing brace (so no JSON object) when it is one of the invalid ones."""
+        pieces = ['{"city": ', '"Paris", ']
+        pad = self.argument_bytes
+        if pad:
+            pieces.append('"pad": "')
+            pieces += ["x" * PAD_PIECE] * max(1, -(-pad // PAD_PIECE))
+            pieces.append('", ')
+        invalid = call >= self.calls - self.invalid
+        pieces.append(f'"n": {call}' if invalid else f'"n": {call}}}')
+        return pieces
+
+    def tokens(self, answer: int) -> int:
+        """Every token of the script: reasoning, the answer, each call's opening and pieces."""
+        return self.reasoning + answer + sum(1 + len(self.pieces(c)) for c in range(self.calls))
+
+
+def script_from(headers: Mapping[str, str]) -> Script | None:
+    names = ("x-sim-reasoning-tokens", "x-sim-tool-calls")
+    if not any(name in headers for name in names):
+        return None
+    usage = headers.get("x-sim-reasoning-usage", "count")
+    if usage not in ("count", "zero"):
+        raise ControlError(f"x-sim-reasoning-usage: unknown value {usage!r}")
+    calls = number(headers, "x-sim-tool-calls", int, 0, 0)
+    return Script(
+        reasoning=number(headers, "x-sim-reasoning-tokens", int, 0, 0),
+        reasoning_usage=usage == "count",
+        calls=calls,
+        invalid=min(calls, number(headers, "x-sim-invalid-tool-calls", int, 0, 0)),
+        argument_bytes=number(headers, "x-sim-tool-call-argument-bytes", int, 0, 0),
+    )
 
 
 class ControlError(ValueError):
@@ -201,9 +258,14 @@ def _plan(
         return errors.context_length(config.max_model_len, prompt_tokens, max_tokens)
 
     planned = number(headers, "x-sim-output-tokens", int, config.output_tokens, 0)
+    script = script_from(headers)
+    answer = planned
+    if script is not None:
+        planned = script.tokens(answer)
     limit = max_tokens if max_tokens is not None else room
-    finish = "stop"
-    if body.get("ignore_eos") or planned > limit:
+    finish = "stop" if script is None or not script.calls else "tool_calls"
+    # A script (reasoning, tool calls) ends where it ends: ignore_eos does not stretch it.
+    if (body.get("ignore_eos") and script is None) or planned > limit:
         planned, finish = limit, "length"
 
     options = body.get("stream_options") or {}
@@ -260,6 +322,8 @@ def _plan(
         incomplete_event=_flag(headers, "x-sim-incomplete-event"),
         metrics=config.per_request_metrics or _flag(headers, "x-sim-metrics"),
         spec=spec,
+        script=script,
+        answer_tokens=answer,
         backend=backend,
     )
 

@@ -33,6 +33,14 @@ Keys, in this order, stable (a key without a value is null in JSON, left out in 
   trace_id       the request's trace id when traced and sampled
   response_id    the backend's response id
   error          a short, secret-free description of the error
+  ttfa_ms        time to the first answer token (not reasoning nor tool calls), ms
+  reasoning_ms   first to last reasoning read, ms (streams that reasoned)
+  reasoning_tokens, reasoning_token_source   reasoning tokens and where the count came from
+                 (usage, tokenizer, events)
+  tool_calls     the tool calls by outcome ({"complete": 1, "truncated": 1}; logfmt:
+                 tool_calls.complete=1), null without calls
+  without_answer how a stream that generated but delivered no answer nor call ended
+                 (length, stop, error, cancelled), null otherwise
   conversation   the request's conversation id (a keyed hash, proxy/core/conversations.py:
                  never a header's value), null when not tracked
   turn           its turn in that conversation (1: the first request)
@@ -94,6 +102,12 @@ KEYS = (
     "prefix",
     "prefix_chars",
     "prompt_chars",
+    "ttfa_ms",
+    "reasoning_ms",
+    "reasoning_tokens",
+    "reasoning_token_source",
+    "tool_calls",
+    "without_answer",
     "conversation",
     "turn",
     "turn_gap_ms",
@@ -182,6 +196,12 @@ def log_record(m: Measurement, key: bytes) -> dict[str, Any]:
         "prefix": None if prefix is None else keyed(prefix, key),
         "prefix_chars": None if prefix is None else list(prefix.chars),
         "prompt_chars": None if prefix is None else prefix.total_chars,
+        "ttfa_ms": _ms(m.first_answer),
+        "reasoning_ms": _ms(m.reasoning_duration),
+        "reasoning_tokens": m.reasoning_tokens,
+        "reasoning_token_source": m.reasoning_token_source,
+        "tool_calls": m.tool_call_outcomes() or None,
+        "without_answer": m.without_answer,
         "conversation": m.conversation_id,
         "turn": m.turn,
         "turn_gap_ms": _ms(m.turn_gap),

@@ -69,6 +69,9 @@ TURN_GAP_BUCKETS = (
 TURNS_BUCKETS = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 15.0, 20.0, 30.0, 50.0, 100.0, 200.0)
 CACHED_RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 # A subset of TTFT_BUCKETS: the classes multiply the series, so fewer, wider buckets.
+#: The answer's share of a reasoning stream's output, and tool calls per answer (issue 26).
+SHARE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+CALLS_BUCKETS = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0, 64.0)
 TTFT_CLASS_BUCKETS = (0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
 
@@ -241,6 +244,7 @@ class Metrics:
             "head arriving to that head being sent to the client.",
             buckets=OVERHEAD_BUCKETS,
         )
+        self._kinds_metrics(h, c)
         self.upstream_protocol = UpstreamProtocolErrors(registry)
         # Every metric labelled by (model, endpoint, *attribution) alone: their children are
         # resolved once per key (`_bound`), so a new one is its declaration above and one
@@ -257,6 +261,126 @@ class Metrics:
         self._engine_children: dict[tuple[str, str, bool], tuple[Any, ...]] = {}
         self._conversation_metrics(registry)
         self._backend_metrics(h_bare, c_bare)
+
+    # -- issue 26: first tokens by kind, tokens by kind, tool calls ------------------------
+
+    def _kinds_metrics(self, h: Any, c: Any) -> None:
+        """Reasoning, answers and tool calls (proxy/core/observe.py, toolcalls.py)."""
+        self.ttfa = h(
+            "tokenprobe_time_to_first_answer_token_seconds",
+            "Client-seen time to first answer token: from the proxy receiving the request to "
+            "the first network read carrying answer content (chat delta.content, Messages "
+            "text_delta, Responses output_text.delta, Cohere text, completions text), not "
+            "reasoning nor tool calls: what a chat user waits for. Streams with an answer.",
+            buckets=TTFT_BUCKETS,
+        )
+        self.ttfr = h(
+            "tokenprobe_time_to_first_reasoning_token_seconds",
+            "Client-seen time to first reasoning token: from the proxy receiving the request "
+            "to the first network read carrying reasoning (chat delta.reasoning or "
+            "reasoning_content, Messages thinking_delta, Responses reasoning_text.delta, "
+            "Cohere thinking). Streams that reasoned.",
+            buckets=TTFT_BUCKETS,
+        )
+        self.reasoning_duration = h(
+            "tokenprobe_reasoning_duration_seconds",
+            "How long a stream reasoned: from the first network read carrying reasoning to "
+            "the last one. Streams that reasoned.",
+            buckets=TTFT_BUCKETS,
+        )
+        self.ttftc = h(
+            "tokenprobe_time_to_first_tool_call_seconds",
+            "Client-seen time to first tool call: from the proxy receiving the request to "
+            "the network read carrying the first tool call's first delta (chat "
+            "delta.tool_calls with id/name, Messages tool_use content_block_start, Responses "
+            "function_call output_item.added, Cohere tool-call-start). Streams with calls.",
+            buckets=TTFT_BUCKETS,
+        )
+        self.reasoning_tokens_total = c(
+            "tokenprobe_reasoning_tokens",
+            "Reasoning tokens of finished streams, by source: usage (the backend's "
+            "completion_tokens_details / output_tokens_details reasoning_tokens, when above "
+            "0), tokenizer (--tokenizer over the reasoning text), events (one per reasoning "
+            "event). vLLM counts only tokens between a generated <think> and </think>.",
+            labels=("source",),
+        )
+        self.answer_share = h(
+            "tokenprobe_request_answer_token_share",
+            "Per stream that reasoned: the answer's share of its output tokens, (output "
+            "tokens - reasoning tokens) / output tokens, both counted at the stream's end.",
+            buckets=SHARE_BUCKETS,
+        )
+        self.reasoning_tpot = h(
+            "tokenprobe_request_reasoning_time_per_output_token_seconds",
+            "Per stream: (last reasoning read - first reasoning read) / (reasoning tokens - "
+            "1); streams with at least 2 reasoning tokens.",
+            buckets=TOKEN_LATENCY_BUCKETS,
+        )
+        self.answer_tpot = h(
+            "tokenprobe_request_answer_time_per_output_token_seconds",
+            "Per stream that reasoned: (last answer read - first answer read) / (output - "
+            "reasoning tokens - 1); streams with at least 2 answer tokens and no tool call.",
+            buckets=TOKEN_LATENCY_BUCKETS,
+        )
+        self.without_answer = c(
+            "tokenprobe_requests_without_answer",
+            "Generative streams that generated output but delivered no answer token and no "
+            "tool call to the client (only reasoned, or a forced call cut off before its "
+            "first delta), counted at the stream's end, by how it ended: length, stop, "
+            "error, cancelled.",
+            labels=("reason",),
+        )
+        self.tool_calls_total = c(
+            "tokenprobe_tool_calls",
+            "Tool calls the client received, counted at the stream's end, by outcome: "
+            "truncated (still being written when the stream ended: the last call of a "
+            "length finish, or an open call of a stream cut short), unknown (arguments over "
+            "1 MiB, not kept), invalid_arguments (not a JSON object), complete.",
+            labels=("outcome",),
+        )
+        self.tool_call_arguments = h(
+            "tokenprobe_tool_call_arguments_seconds",
+            "Per tool call: from the read carrying its first delta to the read carrying its "
+            "last argument piece (or the API's end of the call).",
+            buckets=TTFT_BUCKETS,
+        )
+        self.tool_calls_per_answer = h(
+            "tokenprobe_tool_calls_per_answer",
+            "Per stream that made tool calls: how many calls it made.",
+            buckets=CALLS_BUCKETS,
+        )
+
+    def _record_kinds(self, m: Measurement, key: tuple[str, ...], bound: Any) -> None:
+        """Only streams with reasoning, an answer or tool calls get here."""
+        if m.first_answer is not None:
+            bound.ttfa.observe(m.first_answer)
+        if m.first_reasoning is not None:
+            bound.ttfr.observe(m.first_reasoning)
+            duration = m.reasoning_duration
+            if duration is not None:
+                bound.reasoning_duration.observe(duration)
+            answer = m.answer_tokens
+            if answer is not None and m.output_tokens:
+                bound.answer_share.observe(answer / m.output_tokens)
+        if m.reasoning_tokens and m.reasoning_token_source is not None:
+            self.reasoning_tokens_total.labels(*key, m.reasoning_token_source).inc(
+                m.reasoning_tokens
+            )
+        if m.reasoning_tpot is not None:
+            bound.reasoning_tpot.observe(m.reasoning_tpot)
+        if m.answer_tpot is not None:
+            bound.answer_tpot.observe(m.answer_tpot)
+        if m.without_answer is not None:
+            self.without_answer.labels(*key, m.without_answer).inc()
+        if m.first_tool_call is not None:
+            bound.ttftc.observe(m.first_tool_call)
+        if m.tool_calls:
+            bound.tool_calls_per_answer.observe(len(m.tool_calls))
+            for outcome, count in m.tool_call_outcomes().items():
+                self.tool_calls_total.labels(*key, outcome).inc(count)
+            for call in m.tool_calls:
+                if call.arguments_seconds is not None:
+                    bound.tool_call_arguments.observe(call.arguments_seconds)
 
     def _engine_metrics(self, h: Any, c: Any) -> None:
         """Where the first token's time goes, speculative decoding, cancelled work and the
@@ -504,6 +628,8 @@ class Metrics:
             self.tokens_per_chunk.labels(model_label, m.endpoint).observe(ratio)
         if m.cancelled:
             self._record_cancelled(m, model_label)
+        if (m.stream and m.content_events) or m.without_answer is not None:
+            self._record_kinds(m, key, bound)
 
     def _backend_metrics(self, h: Any, c: Any) -> None:
         """Issue 27: the model-load part of the first token's time (Ollama), and which

@@ -141,6 +141,8 @@ class Tracing:
             span.add_event("first_byte", timestamp=start_ns + int(m.ttfb * 1e9))
         if m.ttft is not None:
             span.add_event("first_token", timestamp=start_ns + int(m.ttft * 1e9))
+        if m.first_answer is not None and m.first_answer != m.ttft:  # it reasoned or called
+            span.add_event("first_answer_token", timestamp=start_ns + int(m.first_answer * 1e9))
         if m.error_type is not None:
             span.set_status(Status(StatusCode.ERROR, m.error_message or m.error_type.value))
         span.end(end_time=start_ns + int(m.e2e * 1e9))
@@ -174,12 +176,22 @@ def _finish_attributes(m: Measurement, *, current: bool = True) -> dict[str, Any
         "tokenprobe.decode_tokens_per_second": m.decode_tokens_per_second,
         "tokenprobe.proxy_overhead": m.proxy_overhead,
         "tokenprobe.output_tokens_per_chunk": m.output_tokens_per_chunk(),
+        # issue 26: where the reasoning count came from (the count itself is
+        # gen_ai.usage.reasoning.output_tokens, below), the first tokens by kind
+        "tokenprobe.reasoning_token_source": m.reasoning_token_source,
+        "tokenprobe.time_to_first_answer_token": m.first_answer,
+        "tokenprobe.time_to_first_reasoning_token": m.first_reasoning,
+        "tokenprobe.reasoning_duration": m.reasoning_duration,
+        "tokenprobe.time_to_first_tool_call": m.first_tool_call,
+        "tokenprobe.without_answer": m.without_answer,
         # OpenTelemetry GenAI's conversation id (semantic-conventions-genai), here the
         # proxy's keyed hash (proxy/core/conversations.py), never a header's value.
         "gen_ai.conversation.id": m.conversation_id,
         "tokenprobe.conversation.turn": m.turn,
         "tokenprobe.conversation.turn_gap": m.turn_gap,
     }
+    for outcome, count in m.tool_call_outcomes().items():
+        optional[f"tokenprobe.tool_calls.{outcome}"] = count
     if m.engine is not None:
         queue, engine_ttft, outside = m.ttft_parts()
         spec = m.engine.spec

@@ -162,6 +162,13 @@ MSG_WANT = record(
     content_events=4,
     finish_reason="stop",
     raw_finish_reason="end_turn",
+    first_reasoning=0.5,  # the thinking delta
+    last_reasoning=0.5,
+    first_answer=0.75,  # "Hello": the empty text delta at 0.5 is no answer
+    reasoning_events=1,
+    reasoning_tokens=1,  # Messages usage has no reasoning count: one per thinking event
+    reasoning_token_source="events",
+    answer_tpot=0.5 / 3,  # (101.25 - 100.75) / (5 output - 1 reasoning - 1)
 )
 
 
@@ -287,6 +294,7 @@ RESP_WANT = record(
     content_events=3,
     finish_reason="stop",
     raw_finish_reason="completed",
+    first_answer=0.5,
 )
 
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from proxy.core.apis import Api, Facts, api_of
 from proxy.core.measurement import Measurement
-from proxy.core.observe import StreamObserver
+from proxy.core.observe import RELEARNS, StreamObserver
 from proxy.core.request import CHAT, COMPLETIONS, RequestInfo
 from proxy.core.sse import SSEDecoder
 from proxy.core.template import STRING_BODY, learn
@@ -29,6 +29,7 @@ from tests.paths import FIXTURES
 
 VLLM_032 = FIXTURES / "streams" / "vllm-0.32"  # real vLLM 0.32 captures (see its README)
 PROOF = 4  # the parses that prove a template (two markers, each with and without texts)
+LEARNS = 1 + RELEARNS  # a template is learnt again when the content kind changes
 
 
 class Counting:
@@ -70,7 +71,7 @@ def both(endpoint: str, reads: list[bytes]) -> int:
     many events the fast side parsed in full."""
     fast, full = Counting(endpoint, True), Counting(endpoint, False)
     assert observe(fast.api, endpoint, reads) == observe(full.api, endpoint, reads)
-    assert fast.parses <= full.parses + PROOF
+    assert fast.parses <= full.parses + PROOF * LEARNS
     return fast.parses
 
 
@@ -118,6 +119,24 @@ def test_a_vllm_stream_is_parsed_once_per_shape_not_per_chunk() -> None:
     parsed = both(CHAT, events)
     # role chunk, first content event (then learnt), last content + finish chunk, [DONE]
     assert len(events) > 30 and parsed <= 4 + PROOF, parsed
+
+
+def test_a_reasoning_stream_learns_its_answer_shape_once_more() -> None:
+    """Reasoning, then the answer: each kind's shape is learnt once (PROOF parses), and
+    the record says when each kind began (issue 26)."""
+    head = b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{'
+    tail = b'},"finish_reason":null}]}\n\n'
+    thinking = [head + b'"reasoning":"hm ' + str(i).encode() + b'"' + tail for i in range(20)]
+    answer = [head + b'"content":"ok ' + str(i).encode() + b'"' + tail for i in range(20)]
+    events = [*thinking, *answer, b"data: [DONE]\n\n"]
+    parsed = both(CHAT, events)
+    assert parsed <= 2 * 2 + 1 + 2 * PROOF, parsed  # 2 per shape before learnt, [DONE]
+    fast = Counting(CHAT, True)
+    record, _ = observe(fast.api, CHAT, events)
+    assert record.first_reasoning == 0.25 and record.last_reasoning == 0.25 + 19 / 8
+    assert record.first_answer == 0.25 + 20 / 8 and record.ttft == 0.25
+    assert record.reasoning_events == 20 and record.reasoning_token_source == "events"
+    assert record.reasoning_tokens == 20 and record.without_answer is None
 
 
 # -- generated streams ------------------------------------------------------------------
@@ -189,7 +208,12 @@ def streams(draw: st.DrawFn) -> tuple[str, bytes]:
         elif kind == "reasoning" and chat:
             out.append(event([content(draw(TEXT), key="reasoning")]))
         elif kind == "tool" and chat:
-            call = {"index": 0, "function": {"name": "f", "arguments": draw(TEXT)}}
+            call: dict[str, object] = {"index": draw(st.integers(0, 1))}
+            if draw(st.booleans()):  # a call's first delta: id and name
+                call.update(id="call-1", function={"name": "f"})
+            else:
+                arguments = draw(st.sampled_from(['{"a": 1}', "{", "}", "[1]", "", "x"]))
+                call["function"] = {"arguments": draw(st.sampled_from([arguments, draw(TEXT)]))}
             out.append(event([{"index": 0, "delta": {"tool_calls": [call]}}]))
         elif kind == "malformed":
             out.append(plain[: draw(st.integers(6, len(plain) - 3))] + b"\n\n")

@@ -15,6 +15,7 @@ import pytest
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
 from proxy.core.observe import StreamObserver, TokenCounts
 from proxy.core.request import CHAT, COMPLETIONS, RequestInfo
+from proxy.core.toolcalls import ToolCall
 from tests.factories import measurement
 from tests.paths import FIXTURES
 
@@ -117,6 +118,7 @@ CASES = {
             token_source=TokenSource.USAGE,
             content_events=3,
             finish_reason="stop",
+            first_answer=0.5,
         ),
     ),
     "vllm_completions": Case(
@@ -137,6 +139,7 @@ CASES = {
             content_events=4,
             finish_reason="length",
             response_id="cmpl-5d0b8e2c41a74f6e",
+            first_answer=0.25,
         ),
         endpoint=COMPLETIONS,
     ),
@@ -154,6 +157,14 @@ CASES = {
             output_tokens=4,
             content_events=4,
             finish_reason="stop",
+            first_reasoning=0.5,
+            last_reasoning=0.75,
+            first_answer=1.0,
+            reasoning_events=2,
+            reasoning_tokens=2,  # no usage: one per reasoning event
+            reasoning_token_source="events",
+            reasoning_tpot=0.25,  # (0.75 - 0.5) / (2 - 1)
+            answer_tpot=0.25,  # (1.25 - 1.0) / (4 output - 2 reasoning - 1)
         ),
     ),
     "tool_calls": Case(
@@ -172,6 +183,9 @@ CASES = {
             token_source=TokenSource.USAGE,
             content_events=3,
             finish_reason="tool_calls",
+            first_tool_call=0.5,
+            # the call opened at 100.5, its last argument piece at 101.0
+            tool_calls=(ToolCall("complete", 0.5),),
         ),
     ),
     "in_stream_error_object": Case(
@@ -191,6 +205,7 @@ CASES = {
             error_message=(
                 "EngineCore encountered an issue. See stack trace (above) for the root cause."
             ),
+            first_answer=0.5,
         ),
     ),
     "in_stream_error_string": Case(
@@ -205,6 +220,7 @@ CASES = {
             content_events=1,
             error_type=ErrorType.STREAM_ERROR,
             error_message="model worker crashed",
+            first_answer=0.5,
         ),
     ),
     "finish_chunk_ends_stream_without_done": Case(
@@ -221,6 +237,7 @@ CASES = {
             output_tokens=2,
             content_events=2,
             finish_reason="stop",
+            first_answer=0.5,
         ),
     ),
     "usage_on_last_content_chunk": Case(
@@ -239,6 +256,7 @@ CASES = {
             token_source=TokenSource.USAGE,
             content_events=2,
             finish_reason="stop",
+            first_answer=0.5,
         ),
     ),
     "stream_cut_off_midway": Case(
@@ -256,6 +274,7 @@ CASES = {
             content_events=2,
             error_type=ErrorType.STREAM_TRUNCATED,
             error_message="stream ended without [DONE] or finish_reason",
+            first_answer=0.5,
             malformed_events=1,  # the half event, dispatched at the end, is no JSON
         ),
     ),

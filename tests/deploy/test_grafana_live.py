@@ -65,6 +65,7 @@ TTFT_CLASS_BUCKETS = [0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 COST_PER_HOUR = 2.5
 OVERHEAD_BUCKETS = [0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                     0.1, 0.25, 0.5, 1.0, 2.5]  # fmt: skip
+SHARE_BUCKETS = [0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
 PER_CHUNK_BUCKETS = [1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0]
 
 #: (code, finish_reason, error_type); successes repeated so they dominate, as in life.
@@ -148,6 +149,23 @@ class ContractExporter:
         self.cancelled_output = counter("tokenprobe_cancelled_generation_tokens", [*me, "source"])
         self.overhead = hist("tokenprobe_proxy_overhead_seconds", OVERHEAD_BUCKETS)
         self.loop_lag = hist("tokenprobe_event_loop_lag_seconds", OVERHEAD_BUCKETS, [])
+        # issue 26: reasoning, answers, tool calls
+        self.ttfa = hist("tokenprobe_time_to_first_answer_token_seconds", TTFT_BUCKETS)
+        self.ttfr = hist("tokenprobe_time_to_first_reasoning_token_seconds", TTFT_BUCKETS)
+        self.reasoning = hist("tokenprobe_reasoning_duration_seconds", TTFT_BUCKETS)
+        self.ttftc = hist("tokenprobe_time_to_first_tool_call_seconds", TTFT_BUCKETS)
+        self.arguments = hist("tokenprobe_tool_call_arguments_seconds", TTFT_BUCKETS)
+        self.calls_per = hist("tokenprobe_tool_calls_per_answer", [1, 2, 3, 4, 6, 8, 16, 32, 64])
+        self.share = hist("tokenprobe_request_answer_token_share", SHARE_BUCKETS)
+        self.reasoning_tpot = hist(
+            "tokenprobe_request_reasoning_time_per_output_token_seconds", ITL_BUCKETS
+        )
+        self.answer_tpot = hist(
+            "tokenprobe_request_answer_time_per_output_token_seconds", ITL_BUCKETS
+        )
+        self.reasoning_tokens = counter("tokenprobe_reasoning_tokens", [*me, "source"])
+        self.without = counter("tokenprobe_requests_without_answer", [*me, "reason"])
+        self.tool_calls = counter("tokenprobe_tool_calls", [*me, "outcome"])
         self._conversation_metrics(hist, counter, gauge)
         # Backends (issue 27): Ollama's model load, the backend's identity, broken events.
         self.engine_load = hist("tokenprobe_engine_load_time_seconds", E2E_BUCKETS, [*me, "stream"])
@@ -269,6 +287,7 @@ class ContractExporter:
         self.e2e.labels(**speech).observe(e2e, exemplar=trace)
         self.audio.labels(model=model, endpoint="/v1/realtime").inc(e2e * rng.uniform(2, 10))
         self.ws_sessions.labels(route="/v1/realtime", outcome="closed_by_client").inc()
+        self._kinds(labels, ttft, tpot, n)
         self.feed_conversation(model, n)
         ollama = {"model": model, "endpoint": "/api/chat"}
         self.engine_load.labels(**ollama, stream="true").observe(rng.choice([0.0, 0.2, 3.5]))
@@ -291,6 +310,26 @@ class ContractExporter:
         self.vllm_running.labels(**vllm).set(rng.randint(0, 32))
         self.vllm_waiting.labels(**vllm).set(rng.randint(0, 4))
         self.vllm_kv.labels(**vllm).set(rng.random())
+
+    def _kinds(self, labels: dict[str, str], ttft: float, tpot: float, n: int) -> None:
+        """One stream's reasoning, answer and tool calls (issue 26)."""
+        rng = self._rng
+        thinking = rng.uniform(0.5, 8.0)
+        self.ttfr.labels(**labels).observe(ttft)
+        self.reasoning.labels(**labels).observe(thinking)
+        self.ttfa.labels(**labels).observe(ttft + thinking)
+        self.share.labels(**labels).observe(rng.uniform(0.05, 0.6))
+        self.reasoning_tpot.labels(**labels).observe(tpot)
+        self.answer_tpot.labels(**labels).observe(tpot * 1.1)
+        source = ("usage", "tokenizer", "events")[n % 3]
+        self.reasoning_tokens.labels(**labels, source=source).inc(rng.randint(10, 900))
+        if n % 7 == 0:
+            self.without.labels(**labels, reason=("length", "stop", "error")[n % 3]).inc()
+        self.ttftc.labels(**labels).observe(ttft + thinking * 1.2)
+        self.arguments.labels(**labels).observe(rng.uniform(0.05, 2.0))
+        self.calls_per.labels(**labels).observe(rng.randint(1, 4))
+        outcome = ("complete", "complete", "invalid_arguments", "truncated")[n % 4]
+        self.tool_calls.labels(**labels, outcome=outcome).inc()
 
 
 def _measurement(
@@ -419,6 +458,13 @@ SCENARIOS: dict[str, tuple[dict[str, str], str, str]] = {
     "upstream_timeout": ({"x-sim-stall-before-headers": "3"}, "one", "upstream_timeout"),
     "stream_error": ({"x-sim-fault": "error_event", "x-sim-fault-after": "2"}, "stream", "stream_error"),
     "stream_truncated": ({"x-sim-fault": "close_no_done", "x-sim-fault-after": "2"}, "stream", "stream_truncated"),
+    # issue 26: reasoning then an answer, cut off while reasoning (max_tokens 16), calls
+    # with invalid arguments, and more calls than max_tokens lets finish (one truncated)
+    "reasoning": ({"x-sim-reasoning-tokens": "6", "x-sim-output-tokens": "4"}, "stream", "none"),
+    "reasoning_cut": ({"x-sim-reasoning-tokens": "40"}, "stream", "none"),
+    "tool_calls": ({"x-sim-tool-calls": "2", "x-sim-invalid-tool-calls": "1",
+                    "x-sim-output-tokens": "0"}, "stream", "none"),
+    "tool_calls_cut": ({"x-sim-tool-calls": "5", "x-sim-output-tokens": "0"}, "stream", "none"),
 }  # fmt: skip
 #: (endpoint, stream, stream_options.include_usage)
 SHAPES = [

@@ -297,6 +297,46 @@ def test_page_numbers_match_promql_over_the_same_scrapes(
     assert shot.stat().st_size > 10_000
 
 
+def _buckets(before: str, now: str, histogram: str) -> dict[float, float]:
+    """sum by (le) (increase(<histogram>_bucket)) between two scrapes."""
+    old, new = _samples(before), _samples(now)
+    out: dict[float, float] = {}
+    for (name, labels), value in new.items():
+        if name == histogram + "_bucket":
+            le = float(dict(labels)["le"])
+            out[le] = out.get(le, 0.0) + _increase(old.get((name, labels)), value)
+    return out
+
+
+def test_page_shows_the_first_answer_after_the_first_token(
+    proxy: ProxyUnderTest, open_page: Callable[[str], Page]
+) -> None:
+    """Reasoning streams (issue 26): the first answer comes 20 reasoning tokens after the
+    first token, and the page's first-answer p50 is PromQL's over the same scrapes."""
+    with httpx.Client(base_url=proxy.url, timeout=10) as client:
+        before = client.get("/metrics").text
+        page = open_page(proxy.url + "/ui?interval=300")
+        page.wait_for_scrapes(2)
+        program = {"x-sim-ttft": "0.02", "x-sim-tps": "400", "x-sim-output-tokens": "3",
+                   "x-sim-reasoning-tokens": "20"}  # fmt: skip
+        for _ in range(4):
+            client.post(CHAT, json=_chat(), headers=program)
+        proxy.wait_records(4, timeout=10)
+        now = client.get("/metrics").text
+        seen = page.scrapes()
+        page.wait_for_scrapes(seen + 2)
+    first_answer = histogram_quantile(
+        0.5, _buckets(before, now, "tokenprobe_time_to_first_answer_token_seconds")
+    )
+    first_token = histogram_quantile(
+        0.5, _buckets(before, now, "tokenprobe_time_to_first_token_seconds")
+    )
+    assert first_answer > first_token
+    assert page.stat("ttfa_p50") / 1000 == pytest.approx(first_answer, rel=1e-9)
+    assert page.stat("ttft_p50") / 1000 == pytest.approx(first_token, rel=1e-9)
+    assert page.errors == []
+
+
 def _split(before: str, now: str) -> dict[str, float]:
     """Seconds of each part of the first token's time over the window, as PromQL's
     sum(increase(...)) of the three _sum series would give them (streams only)."""

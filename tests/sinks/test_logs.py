@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from proxy.core.engine import EngineMetrics
 from proxy.core.fingerprint import of_prompt
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement
+from proxy.core.toolcalls import ToolCall
 from proxy.server.assemble import assemble
 from proxy.settings import Settings
 from proxy.sinks.logs import KEYS, AccessLog, iso_utc
@@ -101,10 +102,33 @@ def test_json_values_are_in_ms_with_nulls_for_unknowns() -> None:
         "prefix": None,
         "prefix_chars": None,
         "prompt_chars": None,
+        "ttfa_ms": None,
+        "reasoning_ms": None,
+        "reasoning_tokens": None,
+        "reasoning_token_source": None,
+        "tool_calls": None,
+        "without_answer": None,
         "conversation": None,
         "turn": None,
         "turn_gap_ms": None,
     }
+
+
+def test_a_reasoning_stream_logs_its_first_answer_reasoning_and_calls() -> None:
+    m = record(
+        first_reasoning=0.25,
+        last_reasoning=1.25,
+        first_answer=1.5,
+        reasoning_tokens=40,
+        reasoning_token_source="usage",
+        tool_calls=(ToolCall("complete", 0.5), ToolCall("truncated", 0.25)),
+    )
+    obj = orjson.loads(log_lines("json", m)[0])
+    assert (obj["ttfa_ms"], obj["reasoning_ms"], obj["ttft_ms"]) == (1500.0, 1000.0, 50.0)
+    assert (obj["reasoning_tokens"], obj["reasoning_token_source"]) == (40, "usage")
+    assert obj["tool_calls"] == {"complete": 1, "truncated": 1}
+    (text,) = log_lines("text", m)
+    assert " tool_calls.complete=1 tool_calls.truncated=1" in text
 
 
 def test_a_continuation_logs_its_conversation_turn_and_gap() -> None:

@@ -286,21 +286,11 @@ def test_both_name_sets_at_once_each_carry_every_request() -> None:
 
 
 def test_reasoning_tokens_are_counted_once_the_record_carries_them() -> None:
-    from dataclasses import dataclass, fields
-
-    from proxy.core.measurement import Measurement
-
-    @dataclass(frozen=True, slots=True)
-    class WithReasoning(Measurement):  # the field the reasoning work adds to the record
-        reasoning_tokens: int | None = None
-
     base = measurement()
-    later = WithReasoning(
-        **{f.name: getattr(base, f.name) for f in fields(Measurement)}, reasoning_tokens=9
-    )
+    later = measurement(reasoning_tokens=9, reasoning_token_source="usage")
     otlp = sink(Collecting(), CollectorRegistry())
     otlp.record(later, Labels("sim-model"))
-    otlp.record(base, Labels("sim-model"))  # no such field: nothing counted for it
+    otlp.record(base, Labels("sim-model"))  # no reasoning: nothing counted for it
     metrics = by_name(otlp.collect())  # type: ignore[arg-type]
     (point,) = metrics["gen_ai.client.inference.usage.reasoning.output_tokens"].data.data_points
     assert point.value == 9 and point.attributes["gen_ai.token.modality"] == "unknown"

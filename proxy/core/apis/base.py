@@ -17,6 +17,7 @@ from proxy.core.engine import EngineMetrics, engine_metrics
 from proxy.core.measurement import NONE_LABEL, TokenSource
 from proxy.core.ndjson import NDJSONDecoder
 from proxy.core.sse import SSEDecoder
+from proxy.core.toolcalls import CallPiece
 
 #: The closed finish_reason label set. Raw backend values are mapped onto it by each Api
 #: and kept as they came in `Measurement.raw_finish_reason` (logs and spans).
@@ -82,6 +83,8 @@ class Facts:
     end       the event ends the stream cleanly ([DONE], message_stop, response.completed)
     tokens    output tokens the event carries exactly (token-in/token-out `token_ids`), 0
               when the API does not say
+    calls     the tool-call pieces the event carries (proxy/core/toolcalls.py), None when
+              none: only tool-call events have them, so only such streams pay for them
 
     An Api may answer with a shared instance (NOTHING, or a common content event): a
     Facts is read, never changed, by whoever did not create it.
@@ -100,6 +103,7 @@ class Facts:
     malformed: bool = False
     tokens: int = 0
     plain: bool = False  # content of choice 0 and nothing else: the observer's fast path
+    calls: tuple[CallPiece, ...] | None = None
     timings: object = None  # llama.cpp's `timings` object as sent (proxy/core/llamacpp.py)
 
 
@@ -254,6 +258,12 @@ class Api:
     def merge_usage(self, old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
         """Usage seen twice in one stream: the later one wins unless an API says otherwise."""
         return new
+
+    def reasoning_tokens(self, usage: dict[str, Any]) -> int | None:
+        """The reasoning tokens a usage object reports (OpenAI shape:
+        `completion_tokens_details.reasoning_tokens`), None when it says nothing."""
+        details = usage.get("completion_tokens_details")
+        return as_int(details.get("reasoning_tokens")) if type(details) is dict else None
 
     def counts(self, usage: dict[str, Any]) -> TokenCounts | None:
         """Token counts from a usage object (OpenAI shape), None when it has none."""

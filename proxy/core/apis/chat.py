@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import orjson
 
 from proxy.core.apis.base import END, MALFORMED, NOTHING, Api, Facts, identity
+from proxy.core.toolcalls import CallPiece
 
 _DELTA_KEYS = (
     ("content", "text"),
@@ -84,6 +85,7 @@ class OpenAIGeneration(Api):
         finish: Any = None
         texts: list[str] | None = [] if collect else None
         indices: tuple[int, ...] = _FIRST
+        calls = None
         choices = obj.get("choices")
         if choices and type(choices) is list:
             if len(choices) == 1:  # vLLM sends one choice per chunk, even with n > 1
@@ -94,6 +96,8 @@ class OpenAIGeneration(Api):
                         index = choice.get("index", 0)
                         if index != 0 and type(index) is int:
                             indices = (index,)
+                        elif kind == "tool":  # only tool-call chunks pay for this
+                            calls = call_pieces(choice.get("delta"))
                     finish = choice.get("finish_reason")
             else:
                 kind, indices, finish = self._choices(choices, texts)
@@ -110,11 +114,13 @@ class OpenAIGeneration(Api):
             and indices is _FIRST
             and not identify
             and not texts
+            and calls is None
         ):
             return NOTHING if kind is None else _CONTENT[kind]
         facts = Facts(**identity(obj)) if identify else Facts()
         facts.content, facts.choices, facts.finish = kind, indices, finish
         facts.texts, facts.usage, facts.error = texts or None, usage, error
+        facts.calls = calls
         if usage is not None:  # vLLM's per-request metrics ride on the usage chunk only
             facts.engine = obj.get("metrics")
         if usage is not None or finish is not None:
@@ -174,7 +180,8 @@ class Chat(OpenAIGeneration):
     text_openings = (b'"delta":{"content":"', b'"delta":{"reasoning":"')
     measures = (
         "TTFT at the first chunk with non-empty delta content, reasoning or tool_calls "
-        "(not the role-only first chunk); TPOT, ITL, decode speed, tokens from usage "
+        "(not the role-only first chunk); the first answer at the first non-empty content; "
+        "TPOT, ITL, decode speed, tokens from usage "
         "(asked for when the client did not), finish_reason, in-stream errors"
     )
 
@@ -191,10 +198,37 @@ class Chat(OpenAIGeneration):
         for key, name in _DELTA_KEYS:
             value = delta.get(key)
             if value:
-                kind = name
+                if kind is None or kind == "reasoning":  # an answer outranks its reasoning
+                    kind = name
                 if texts is not None:
                     add_texts(texts, value)
         return kind
+
+
+def call_pieces(delta: object) -> tuple[CallPiece, ...] | None:
+    """The tool-call pieces of a chat delta: vLLM's tool parsers (e.g.
+    vllm/tool_parsers/hermes_tool_parser.py) stream `delta.tool_calls[i]` with `index`,
+    then `id` and `function.name` on the call's first delta, `function.arguments` in
+    pieces on the later ones."""
+    calls = delta.get("tool_calls") if type(delta) is dict else None
+    if type(calls) is not list:
+        return None
+    pieces = []
+    for call in calls:
+        if type(call) is not dict:
+            continue
+        index = call.get("index", 0)
+        function = call.get("function")
+        arguments = function.get("arguments") if type(function) is dict else None
+        name = function.get("name") if type(function) is dict else None
+        pieces.append(
+            CallPiece(
+                index if type(index) is int else 0,
+                bool(call.get("id") or name),
+                arguments if type(arguments) is str else "",
+            )
+        )
+    return tuple(pieces) or None
 
 
 def keep(facts: Facts, value: object) -> None:

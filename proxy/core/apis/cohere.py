@@ -30,6 +30,7 @@ from proxy.core.apis.base import (
 )
 from proxy.core.apis.chat import keep
 from proxy.core.measurement import TokenSource
+from proxy.core.toolcalls import CallPiece
 
 #: Cohere's finish_reason -> the closed label set (anything else: "other").
 FINISH = {
@@ -50,8 +51,9 @@ class CohereChat(Api):
     provider = "cohere"
     end_marker = "message-end"
     measures = (
-        "TTFT at the first content-delta with non-empty text or thinking, tool-plan-delta "
-        "or tool-call-delta arguments (not message-start or content-start); TPOT, ITL, "
+        "TTFT at the first content-delta with non-empty text or thinking, tool-plan-delta, "
+        "tool-call-start or tool-call-delta arguments (not message-start or content-start); "
+        "the first answer at the first text content-delta; TPOT, ITL, "
         "decode speed; tokens and finish_reason from message-end (usage.tokens, cached_tokens); "
         "a message-end carrying an error"
     )
@@ -83,9 +85,17 @@ class CohereChat(Api):
             if not value or type(value) is not str:
                 return NOTHING
             facts = Facts(content=content)
+            if kind == "tool-call-delta":  # only tool-call streams pay for this
+                facts.calls = (CallPiece(_index(obj), False, value),)
             if collect:
                 keep(facts, value)
             return facts
+        if kind == "tool-call-start":
+            value, _ = _delta(obj, "tool-call-delta")
+            piece = CallPiece(_index(obj), True, value if type(value) is str else "")
+            return Facts(content="tool", calls=(piece,))
+        if kind == "tool-call-end":
+            return Facts(calls=(CallPiece(_index(obj), False, "", closes=True),))
         if kind == "message-start":
             rid = obj.get("id")
             return Facts(response_id=rid if type(rid) is str else "") if identify else NOTHING
@@ -142,6 +152,11 @@ class CohereChat(Api):
             cached=as_int(usage.get("cached_tokens")),
             source=TokenSource.USAGE,
         )
+
+
+def _index(obj: dict[str, Any]) -> int:
+    index = obj.get("index", 0)
+    return index if type(index) is int else 0
 
 
 def _delta(obj: dict[str, Any], kind: str) -> tuple[object, str]:

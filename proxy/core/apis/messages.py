@@ -29,6 +29,7 @@ from proxy.core.apis.base import (
 )
 from proxy.core.apis.chat import keep
 from proxy.core.measurement import TokenSource
+from proxy.core.toolcalls import CallPiece
 
 #: stop_reason -> finish_reason label (anything else: "other").
 STOP_REASONS = {
@@ -53,9 +54,10 @@ class Messages(Api):
     end_marker = "message_stop"
     measures = (
         "TTFT at the first content_block_delta with non-empty text, thinking or "
-        "partial_json (not message_start, content_block_start or ping); TPOT, ITL, decode "
-        "speed; tokens from message_start and message_delta usage (cache reads as cached); "
-        "stop_reason; error events; a clean end at message_stop"
+        "partial_json, or a tool_use content_block_start (its name: not message_start, a "
+        "text or thinking block's start, or ping); the first answer at the first text_delta; "
+        "TPOT, ITL, decode speed; tokens from message_start and message_delta usage (cache "
+        "reads as cached); stop_reason; error events; a clean end at message_stop"
     )
 
     def bench_body(
@@ -93,9 +95,19 @@ class Messages(Api):
             if not value or type(value) is not str:
                 return NOTHING
             facts = Facts(content=field[1])
+            if field[1] == "tool":  # only tool-call streams pay for this
+                facts.calls = (CallPiece(_index(obj), False, value),)
             if collect:
                 keep(facts, value)
             return facts
+        if kind == "content_block_start":
+            block = obj.get("content_block")
+            if type(block) is dict and block.get("type") == "tool_use":
+                # The call's first delta: its id and name (Anthropic's streaming docs).
+                return Facts(content="tool", calls=(CallPiece(_index(obj), True, ""),))
+            return NOTHING
+        if kind == "content_block_stop":
+            return Facts(calls=(CallPiece(_index(obj), False, "", closes=True),))
         if kind == "message_start":
             message = obj.get("message")
             if type(message) is not dict:
@@ -117,7 +129,7 @@ class Messages(Api):
             return Facts(end=True)
         if kind == "error":
             return Facts(error=obj)
-        return NOTHING  # ping, content_block_start/stop, future events
+        return NOTHING  # ping, signature deltas, future events
 
     def body(self, obj: dict[str, Any], collect: bool) -> Facts:
         facts = super().body(obj, collect)
@@ -149,6 +161,11 @@ class Messages(Api):
         read = parts[1]
         prompt = None if parts[0] is None else sum(p or 0 for p in parts)
         return TokenCounts(prompt=prompt, output=output, cached=read, source=TokenSource.USAGE)
+
+
+def _index(obj: dict[str, Any]) -> int:
+    index = obj.get("index", 0)
+    return index if type(index) is int else 0
 
 
 _PROMPT_PARTS = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")

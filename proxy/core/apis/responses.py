@@ -32,6 +32,7 @@ from proxy.core.apis.base import (
 )
 from proxy.core.apis.chat import keep
 from proxy.core.measurement import TokenSource
+from proxy.core.toolcalls import CallPiece
 
 _DELTAS = {
     "response.output_text.delta": "text",
@@ -59,9 +60,10 @@ class Responses(Api):
     end_marker = "response.completed or response.incomplete"
     measures = (
         "TTFT at the first non-empty output_text, reasoning_text, reasoning_summary_text "
-        "or function_call_arguments delta (not response.created, in_progress or "
-        "output_item.added); TPOT, ITL, decode speed; tokens and status from "
-        "response.completed / response.incomplete; response.failed and error events"
+        "or function_call_arguments delta, or a function_call output_item.added (not "
+        "response.created, in_progress or a message item's output_item.added); the first "
+        "answer at the first output_text delta; TPOT, ITL, decode speed; tokens and status "
+        "from response.completed / response.incomplete; response.failed and error events"
     )
 
     def max_tokens(self, obj: dict[str, Any]) -> object:
@@ -96,9 +98,21 @@ class Responses(Api):
             if not delta or type(delta) is not str:
                 return NOTHING
             facts = Facts(content=content)
+            if content == "tool":  # only tool-call streams pay for this
+                facts.calls = (CallPiece(_index(obj), False, delta),)
             if collect:
                 keep(facts, delta)
             return facts
+        if kind == "response.output_item.added" or kind == "response.output_item.done":
+            item = obj.get("item")
+            if type(item) is dict and item.get("type") == "function_call":
+                # added: the call's first delta (its name); done: its arguments are whole
+                if kind == "response.output_item.done":
+                    return Facts(calls=(CallPiece(_index(obj), False, "", closes=True),))
+                return Facts(content="tool", calls=(CallPiece(_index(obj), True, ""),))
+            return NOTHING
+        if kind == "response.function_call_arguments.done":
+            return Facts(calls=(CallPiece(_index(obj), False, "", closes=True),))
         if kind in _IDENTIFYING:
             response = obj.get("response")
             return Facts(**identity(response)) if identify and type(response) is dict else NOTHING
@@ -139,6 +153,10 @@ class Responses(Api):
     def finish_label(self, raw: str) -> str:
         return FINISH.get(raw, "other")
 
+    def reasoning_tokens(self, usage: dict[str, Any]) -> int | None:
+        details = usage.get("output_tokens_details")
+        return as_int(details.get("reasoning_tokens")) if type(details) is dict else None
+
     def counts(self, usage: dict[str, Any]) -> TokenCounts | None:
         output = as_int(usage.get("output_tokens"))
         if output is None:
@@ -151,6 +169,11 @@ class Responses(Api):
             cached=cached,
             source=TokenSource.USAGE,
         )
+
+
+def _index(obj: dict[str, Any]) -> int:
+    index = obj.get("output_index", 0)
+    return index if type(index) is int else 0
 
 
 def _output_texts(output: object, facts: Facts) -> None:

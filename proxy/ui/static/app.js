@@ -40,7 +40,7 @@
   };
   const SPLIT_COLOURS = { queue: "#d62728", engine: "#1f77b4", outside: "#f08c00" };
   const SOURCE_COLOURS = { usage: "#2e9e44", token_ids: "#7b3fc4", tokenizer: "#1f77b4", chunks: "#f08c00", none: "#7f7f7f" };
-  const LINE_COLOURS = ["#1f77b4", "#f08c00", "#d62728", "#7b3fc4"];
+  const LINE_COLOURS = ["#1f77b4", "#f08c00", "#d62728", "#7b3fc4", "#2e9e44"];
 
   const ms = (s) => s * 1000;
   const share = (p, part) => {
@@ -54,9 +54,10 @@
   // Each chart: what it shows and, in one line, from which instant to which it measures.
   const CHARTS = [
     {
-      id: "ttft", title: "Time to first token", unit: "ms",
-      caption: "From the proxy receiving the request to the first network read carrying generated content (the role-only first chunk is not a token). Streaming requests only.",
-      lines: [["p50", (p) => ms(q(p, "ttft", 0.5))], ["p95", (p) => ms(q(p, "ttft", 0.95))], ["p99", (p) => ms(q(p, "ttft", 0.99))]],
+      id: "ttft", title: "Time to first token and to first answer", unit: "ms",
+      caption: "First token: from the proxy receiving the request to the first network read carrying generated content of any kind (reasoning, a tool call or the answer; the role-only first chunk is not a token). First answer: to the first read carrying answer content, what a chat user waits for; on a reasoning model it comes after the thinking. Streaming requests only.",
+      lines: [["p50", (p) => ms(q(p, "ttft", 0.5))], ["p95", (p) => ms(q(p, "ttft", 0.95))], ["p99", (p) => ms(q(p, "ttft", 0.99))],
+              ["first answer p50", (p) => ms(q(p, "ttfa", 0.5))], ["first answer p95", (p) => ms(q(p, "ttfa", 0.95))]],
     },
     {
       id: "split", title: "Where the first token's time goes", unit: "ms per stream", stacked: true,
@@ -264,6 +265,7 @@
     ["ttft_p50", "TTFT p50", "ms", (p) => ms(q(p, "ttft", 0.5))],
     ["ttft_p95", "TTFT p95", "ms", (p) => ms(q(p, "ttft", 0.95))],
     ["ttft_p99", "TTFT p99", "ms", (p) => ms(q(p, "ttft", 0.99))],
+    ["ttfa_p50", "first answer p50", "ms", (p) => ms(q(p, "ttfa", 0.5))],
     ["itl_p50", "ITL p50", "ms", (p) => ms(q(p, "itl", 0.5))],
     ["tpot_p50", "TPOT p50", "ms", (p) => ms(q(p, "tpot", 0.5))],
     ["speed_p50", "decode p50", "tok/s", (p) => q(p, "speed", 0.5)],

