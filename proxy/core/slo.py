@@ -39,10 +39,12 @@ class Target:
 
 
 #: Every target --slo accepts, in the order a miss is reported (the first one missed
-#: names the result). A new one is one row: the first-answer time, once the record has
-#: it, is `Target("ttfa", attrgetter("ttfa"), "ttfa", "...")`.
+#: names the result). A new one is one row. `ttfa` is what a chat user of a reasoning
+#: model waits for (proxy/core/measurement.py `first_answer`); a request with no answer
+#: token (only reasoning, only tool calls) is not judged on it.
 TARGETS: tuple[Target, ...] = (
     Target("ttft", attrgetter("ttft"), "ttft", "request received -> first content token"),
+    Target("ttfa", attrgetter("ttfa"), "first_answer", "request received -> first answer token"),
     Target("tpot", attrgetter("tpot"), "tpot", "time per output token after the first"),
     Target("e2e", attrgetter("e2e"), "e2e", "request received -> last byte"),
 )

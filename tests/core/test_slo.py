@@ -36,6 +36,25 @@ def test_a_record_and_its_saved_form_get_the_same_verdict(
     assert slo.record_verdict(saved, LIMITS) == expected
 
 
+REASONING = slo.parse_slo("ttft=0.5,ttfa=2,tpot=0.05")
+
+
+@pytest.mark.parametrize(
+    ("figures", "expected"),
+    [
+        ({"ttft": 0.2, "first_answer": 1.5, "tpot": 0.04}, "met"),
+        ({"ttft": 0.2, "first_answer": 2.5, "tpot": 0.06}, "ttfa"),  # thought too long
+        ({"ttft": 0.6, "first_answer": 2.5}, "ttft"),
+        ({"ttft": 0.2, "first_answer": None, "tpot": 0.04}, "met"),  # no answer: not judged
+    ],
+)
+def test_the_first_answer_is_a_target_of_its_own(figures: dict[str, Any], expected: str) -> None:
+    m = measurement(**figures)
+    saved = {k: (v.value if isinstance(v, ErrorType) else v) for k, v in asdict(m).items()}
+    assert slo.verdict(m, REASONING) == expected
+    assert slo.record_verdict(saved, REASONING) == expected
+
+
 def test_the_text_is_read_in_any_order_and_written_in_the_table_s_order() -> None:
     assert slo.parse_slo(" E2E=30, ttft=2 ,") == {"ttft": 2.0, "e2e": 30.0}
     assert slo.format_slo(slo.parse_slo("tpot=0.025,ttft=2")) == "ttft=2,tpot=0.025"
@@ -46,7 +65,7 @@ def test_the_text_is_read_in_any_order_and_written_in_the_table_s_order() -> Non
     ("text", "says"),
     [
         ("ttft", "expected NAME=SECONDS"),
-        ("latency=1", "expected NAME=SECONDS with NAME in ttft, tpot, e2e"),
+        ("latency=1", "expected NAME=SECONDS with NAME in ttft, ttfa, tpot, e2e"),
         ("ttft=fast", "ttft is not a number: 'fast'"),
         ("ttft=0", "ttft must be a positive number of seconds, got .0."),
         ("ttft=-1", "ttft must be a positive number"),

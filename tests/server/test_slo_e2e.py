@@ -152,7 +152,7 @@ def test_an_slo_file_naming_thousands_of_models_keeps_the_model_label_bound(
     ("flags", "says"),
     [
         (["--slo", "ttft=soon"], "--slo='ttft=soon': ttft is not a number: 'soon'"),
-        (["--slo", "latency=1"], "expected NAME=SECONDS with NAME in ttft, tpot, e2e"),
+        (["--slo", "latency=1"], "expected NAME=SECONDS with NAME in ttft, ttfa, tpot, e2e"),
         (["--slo-file", "{file}"], "models.big: tpot must be a positive number of seconds"),
         (["--slo-file", "/no/such/slo.yaml"], "cannot read the SLO file"),
     ],
