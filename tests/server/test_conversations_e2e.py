@@ -2,9 +2,9 @@
 appended with a tool call, a `tool` result, a known sleep as the tool) through a real
 `tokenprobe serve` process, against the simulator with its prefix cache.
 
-The simulator cannot stream tool calls yet: the assistant message each round appends is
-the content the simulator answered plus a `tool_calls` entry the loop builds itself, as
-an agent does with the call it parsed.
+In the first two rounds the simulator streams a tool call (x-sim-tool-calls, shaped like
+vLLM's hermes parser: id and name first, then the arguments in pieces); the loop parses
+it from the stream as an agent does and appends that call and its `tool` result.
 """
 
 from __future__ import annotations
@@ -54,26 +54,43 @@ def agent_loop(base: str, city: str, header: str | None, sent: list[list[Any]]) 
     messages: list[Any] = [SYSTEM, {"role": "user", "content": f"Weather in {city}?"}]
     for round_ in range(3):
         sent.append(list(messages))
+        calling = round_ < 2  # the model calls the tool twice, then answers
         stream = client.chat.completions.create(
             model=MODEL,
             messages=messages,
             tools=TOOLS,
             stream=True,
             stream_options={"include_usage": True},
+            extra_headers={"x-sim-tool-calls": "1"} if calling else None,
         )
-        content = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-        assert content
-        if round_ == 2:
+        content, calls = "", {}  # the call's pieces, by index, as the client received them
+        for chunk in stream:
+            if not chunk.choices:
+                continue
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            for piece in delta.tool_calls or ():
+                call = calls.setdefault(piece.index, {"id": "", "name": "", "arguments": ""})
+                call["id"] += piece.id or ""
+                if piece.function is not None:
+                    call["name"] += piece.function.name or ""
+                    call["arguments"] += piece.function.arguments or ""
+        if not calling:
+            assert content and not calls
             return
-        call_id = f"call_{city}_{round_}"
-        call = {"id": call_id, "type": "function"}
-        call["function"] = {
-            "name": "get_weather",
-            "arguments": orjson.dumps({"city": city}).decode(),
-        }
-        messages.append({"role": "assistant", "content": content, "tool_calls": [call]})
+        (call,) = calls.values()
+        assert call["id"] and call["name"]
+        orjson.loads(call["arguments"])  # the arguments are whole JSON
+        function = {"name": call["name"], "arguments": call["arguments"]}
+        messages.append(
+            {
+                "role": "assistant",
+                "content": content or None,
+                "tool_calls": [{"id": call["id"], "type": "function", "function": function}],
+            }
+        )
         time.sleep(SLEEPS[city][round_])  # the tool runs
-        messages.append({"role": "tool", "tool_call_id": call_id, "content": "12 C, rain"})
+        messages.append({"role": "tool", "tool_call_id": call["id"], "content": "12 C, rain"})
 
 
 def samples(base: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
