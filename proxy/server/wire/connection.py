@@ -491,6 +491,8 @@ class WireRequest:
         self._done(None)
 
     def upstream_lost(self, exc: Exception | None) -> None:
+        """The upstream closed the connection: the end of a body read to the close, or a
+        break; or, before any byte of answer on a reused connection, a resend."""
         conn, head = self.upstream, self.resend
         if conn is not None and head and exc is None and not conn.answered:
             # The backend closed a kept-alive connection as the request went out on it,
@@ -500,8 +502,6 @@ class WireRequest:
             self.upstream, self.resend = None, b""
             self._connect_soon(head)
             return
-        """The upstream closed the connection: the end of a body read to the close, or a break."""
-        conn = self.upstream
         if conn is not None and not conn.in_head and _reads_to_close(conn):
             self.response_end(perf_counter(), False)
             return
