@@ -244,7 +244,13 @@ class Metrics:
             "head arriving to that head being sent to the client.",
             buckets=OVERHEAD_BUCKETS,
         )
+        declared = set(vars(self))
         self._kinds_metrics(h, c)
+        # Figures only some streams have (reasoning, tool calls): their children are made on
+        # first use, so plain traffic exports no empty histograms and every scrape renders
+        # only the series that exist (`_LazyChildren`).
+        self._kinds = {name: vars(self)[name] for name in set(vars(self)) - declared}
+        self._kind_children: dict[tuple[str, ...], _LazyChildren] = {}
         self.upstream_protocol = UpstreamProtocolErrors(registry)
         # Every metric labelled by (model, endpoint, *attribution) alone: their children are
         # resolved once per key (`_bound`), so a new one is its declaration above and one
@@ -253,7 +259,9 @@ class Metrics:
         self._per_pair = {
             name: metric
             for name, metric in vars(self).items()
-            if isinstance(metric, MetricWrapperBase) and metric._labelnames == per_request
+            if isinstance(metric, MetricWrapperBase)
+            and metric._labelnames == per_request
+            and name not in self._kinds
         }
         self._children: dict[tuple[str, ...], SimpleNamespace] = {}
         self._class_children: dict[tuple[str, str, str, str], tuple[Any, Any]] = {}
@@ -629,7 +637,10 @@ class Metrics:
         if m.cancelled:
             self._record_cancelled(m, model_label)
         if (m.stream and m.content_events) or m.without_answer is not None:
-            self._record_kinds(m, key, bound)
+            kinds = self._kind_children.get(key)
+            if kinds is None:
+                kinds = self._kind_children[key] = _LazyChildren(self._kinds, key)
+            self._record_kinds(m, key, kinds)
 
     def _backend_metrics(self, h: Any, c: Any) -> None:
         """Issue 27: the model-load part of the first token's time (Ollama), and which
@@ -826,6 +837,19 @@ class WsMetrics:
             children = (self.in_flight.labels(route), self.duration.labels(route), counts)
             self._routes[route] = children
         return children
+
+
+class _LazyChildren:
+    """The label children of one key for metrics that only some requests have, each made
+    the first time a request has its figure (then an attribute like `_bound`'s)."""
+
+    def __init__(self, metrics: dict[str, Any], key: tuple[str, ...]) -> None:
+        self._metrics, self._key = metrics, key
+
+    def __getattr__(self, name: str) -> Any:
+        child = self._metrics[name].labels(*self._key)
+        setattr(self, name, child)
+        return child
 
 
 def observe_all(histogram: Any, values: Sequence[float]) -> None:
