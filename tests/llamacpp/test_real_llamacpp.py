@@ -121,6 +121,21 @@ def total(
     return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
 
 
+def settled(llama: Llama) -> int:
+    """The access log's line count once the requests of earlier tests are all recorded
+    (none in flight, the log still for 0.2 s): a test's records start after it."""
+    deadline = time.monotonic() + 10
+    count = len(llama.log_lines())
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        busy = total(scrape(llama.proxy_url), "tokenprobe_requests_in_flight")
+        now = len(llama.log_lines())
+        if now == count and busy == 0:
+            break
+        count = now
+    return count
+
+
 class Delta:
     """Metric changes over a block of requests, read once the proxy recorded them all."""
 
@@ -204,7 +219,7 @@ def test_completions_streams_through_the_proxy_are_byte_identical_to_direct(llam
 
 
 def test_tokens_and_the_engine_part_of_the_split_are_its_timings(llama: Llama) -> None:
-    since = len(llama.log_lines())
+    since = settled(llama)
     delta = Delta(llama.proxy_url)
     seen: dict[str, dict[str, Any]] = {}  # response id -> the timings the client saw
     with httpx.Client(timeout=60) as client:
@@ -240,7 +255,7 @@ def test_tokens_and_the_engine_part_of_the_split_are_its_timings(llama: Llama) -
 
 def test_a_repeated_prompt_shows_its_cache_n_as_cached_tokens(llama: Llama) -> None:
     prompt = "measure the cache: " + " ".join(f"word{i}" for i in range(40))
-    since = len(llama.log_lines())
+    since = settled(llama)
     delta = Delta(llama.proxy_url)
     timings = []
     with httpx.Client(timeout=60) as client:
