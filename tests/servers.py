@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -27,6 +28,7 @@ __all__ = [
     "ThreadedServer",
     "free_port",
     "serve",
+    "serve_in_front",
     "spawn",
     "stop",
     "wait_http",
@@ -158,3 +160,36 @@ def stop(process: subprocess.Popen[bytes]) -> None:
             process.wait(10)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+def serve_in_front(
+    upstream: str, access_log: Path, what: str
+) -> tuple[subprocess.Popen[bytes], str]:
+    """A `tokenprobe serve` in front of `upstream` with its JSON access log in
+    `access_log`, alive and answering its own /healthz with 200; returns it and its URL.
+
+    A free port is only free when it is picked: another process (an engine server's
+    helpers, another proxy) can take it before this proxy binds it, and then the proxy
+    exits while its URL answers for someone else (vLLM answers /healthz with a 404, which
+    a plain wait would take for "up"). So it must be alive and answer its own /healthz;
+    otherwise it gets another port. `what` names the upstream in the failure."""
+    for _ in range(5):
+        port = free_port()
+        with access_log.open("wb") as out:
+            proxy = spawn(
+                "serve", "--upstream", upstream, "--port", str(port), "--access-log", "json",
+                stdout=out.fileno(),
+            )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while proxy.poll() is None and time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        if proxy.poll() is None and httpx.get(url + "/healthz", timeout=2).status_code == 200:
+            return proxy, url
+        stop(proxy)
+    raise AssertionError(f"tokenprobe serve in front of {what} did not start")

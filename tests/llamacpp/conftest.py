@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.servers import free_port, spawn, stop
+from tests.servers import free_port, serve_in_front, stop
 
 LLAMA_DIR = Path(os.environ.get("TOKENPROBE_LLAMA_DIR", "/opt/llama-server"))
 SERVER = LLAMA_DIR / "bin" / "llama-server"
@@ -119,30 +119,9 @@ def _stop(llama: Llama) -> None:
 
 
 def _start_proxy(llama: Llama, logs: Path) -> None:
-    """A `tokenprobe serve` in front of llama-server, alive and answering its own /healthz
-    (a port picked free can be taken before the proxy binds it)."""
+    """A `tokenprobe serve` in front of llama-server (tests.servers.serve_in_front)."""
     llama.access_log = logs / "proxy.jsonl"
-    for _ in range(5):
-        port = free_port()
-        with llama.access_log.open("wb") as out:
-            proxy = spawn(
-                "serve", "--upstream", llama.url, "--port", str(port), "--access-log", "json",
-                stdout=out.fileno(),
-            )  # fmt: skip
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while proxy.poll() is None and time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        if proxy.poll() is None and httpx.get(url + "/healthz", timeout=2).status_code == 200:
-            llama.proxy, llama.proxy_url = proxy, url
-            return
-        stop(proxy)
-    raise AssertionError("tokenprobe serve in front of llama-server did not start")
+    llama.proxy, llama.proxy_url = serve_in_front(llama.url, llama.access_log, "llama-server")
 
 
 @pytest.fixture(scope="session")

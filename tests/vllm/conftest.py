@@ -29,7 +29,7 @@ import httpx
 import pytest
 
 from proxy.bench.ports import free_ports
-from tests.servers import free_port, spawn, stop
+from tests.servers import serve_in_front, stop
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("TOKENPROBE_VLLM_VENV", "/opt/vllm-venv"))
@@ -167,35 +167,11 @@ class Servers:
 
 
 def _start_proxy(server: Vllm, logs: Path) -> None:
-    """A `tokenprobe serve` in front of `server`, up and answering as tokenprobe.
-
-    A free port is only free when it is picked: another process (one of the two vLLM
-    servers' helpers, the other proxy) can take it before this proxy binds it, and then
-    the proxy exits while its URL answers for someone else (vLLM answers /healthz with a
-    404, which a plain wait would take for "up"). So the proxy must be alive and answer
-    its own /healthz with 200; otherwise it gets another port."""
+    """A `tokenprobe serve` in front of `server` (tests.servers.serve_in_front)."""
     server.access_log = logs / f"proxy-{server.name}.jsonl"
-    for _ in range(5):
-        port = free_port()
-        with server.access_log.open("wb") as out:
-            proxy = spawn(
-                "serve", "--upstream", server.url, "--port", str(port), "--access-log", "json",
-                stdout=out.fileno(),
-            )  # fmt: skip
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while proxy.poll() is None and time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        if proxy.poll() is None and httpx.get(url + "/healthz", timeout=2).status_code == 200:
-            server.proxy, server.proxy_url = proxy, url
-            return
-        stop(proxy)
-    raise AssertionError(f"tokenprobe serve in front of vLLM {server.name} did not start")
+    server.proxy, server.proxy_url = serve_in_front(
+        server.url, server.access_log, f"vLLM {server.name}"
+    )
 
 
 @pytest.fixture(scope="session")
