@@ -406,13 +406,15 @@ def test_a_client_that_leaves_is_counted_and_vllm_stops(
                 assert time.monotonic() < deadline, "the proxy's tokenizer did not load"
                 time.sleep(0.2)
         # vLLM is fast: when a stall lets it finish all 253 tokens before the client has
-        # read 3 events, the client got the whole answer and nothing was cancelled; such a
-        # try is logged as a success, and the client leaves again (5 tries)
+        # read 3 events, or before the proxy's cancel reaches it, nothing was cut short;
+        # such a try shows nothing, and the client leaves again (5 tries). A try counts
+        # when the proxy logged the leaving and vLLM's generated tokens, once they stop
+        # growing, fall short of the 253 asked for.
         left_after = 3
         body = body_for(COMPLETIONS, TEXT_PROMPTS[1], False, max_tokens=253)
         name = "tokenprobe_cancelled_prompt_tokens_total"
         for _ in range(5):
-            vllm_before = scrape(server.url)
+            vllm_before, proxy_before = scrape(server.url), scrape(base)
             lines = len(log.read_text().splitlines())
             seen = 0
             with httpx.stream("POST", base + COMPLETIONS, json=body, timeout=60) as response:
@@ -429,26 +431,44 @@ def test_a_client_that_leaves_is_counted_and_vllm_stops(
                 assert time.monotonic() < deadline, "the request was not recorded"
                 time.sleep(0.05)
             record = json.loads(records[lines])
-            if record["error_type"] == "client_cancelled":
+            vllm_generated = _settled_vllm_delta(server, vllm_before, deadline)
+            if record["error_type"] == "client_cancelled" and vllm_generated < 253:
                 break
         assert record["error_type"] == "client_cancelled", record
-        while total(now := scrape(base), name, source="tokenizer") == 0:
+
+        def counted(
+            scraped: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str
+        ) -> float:
+            """The proxy's tokenizer count of `name` in the last try."""
+            return total(scraped, name, source="tokenizer") - total(
+                proxy_before, name, source="tokenizer"
+            )
+
+        while counted(now := scrape(base), name) == 0:
             assert time.monotonic() < deadline, "no cancelled prompt tokens counted"
             time.sleep(0.05)
-        prompt = total(now, name, source="tokenizer")
-        generated = total(now, "tokenprobe_cancelled_generation_tokens_total", source="tokenizer")
-        # vLLM's own counters: its logger counts an engine step's tokens after the step
-        while (
-            vllm_generated := _vllm_delta(server, vllm_before, "vllm:generation_tokens_total")
-        ) < generated:
-            assert time.monotonic() < deadline, (vllm_generated, generated)
-            time.sleep(0.05)
+        prompt = counted(now, name)
+        generated = counted(now, "tokenprobe_cancelled_generation_tokens_total")
         assert prompt == _vllm_delta(server, vllm_before, "vllm:prompt_tokens_total") > 0
         # what the client got, at least; the engine stopped before its 253 tokens
         assert left_after <= generated <= vllm_generated < 253
         assert (prompt, generated) == (record["prompt_tokens"], record["output_tokens"])
     finally:
         stop(proxy)
+
+
+def _settled_vllm_delta(
+    server: Vllm, before: dict[tuple[str, frozenset[tuple[str, str]]], float], deadline: float
+) -> float:
+    """vLLM's generated tokens since `before`, once two scrapes 0.5 s apart agree: its
+    logger counts an engine step's tokens after the step, and an aborted request's last
+    step may still be counting."""
+    last = -1.0
+    while (now := _vllm_delta(server, before, "vllm:generation_tokens_total")) != last:
+        assert time.monotonic() < deadline, (now, last)
+        last = now
+        time.sleep(0.5)
+    return now
 
 
 def _vllm_delta(
