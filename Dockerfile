@@ -10,10 +10,15 @@ ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
+# A C compiler for the build stage only: setup.py compiles the per-chunk path with mypyc
+# (proxy/build.py); the image that runs has the extensions, not the compiler.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/tokenprobe
 WORKDIR /src
 # README.md* : the build works before the README exists (pyproject names it).
-COPY pyproject.toml README.md* ./
+COPY pyproject.toml setup.py README.md* ./
 COPY proxy ./proxy
 # The tokenizer extra (transformers, tokenizers, sentencepiece) counts tokens when the
 # backend sends no usage (--tokenizer); it pulls no torch.

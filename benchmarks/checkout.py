@@ -28,3 +28,29 @@ def tree_at(ref: str, into: Path) -> Path:
     ).stdout
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
     return tree
+
+
+def compiled_tree(into: Path) -> Path:
+    """A copy of this checkout's `proxy/` with its per-chunk path compiled in place by
+    mypyc (setup.py, proxy/build.py): `relay.py --compiled` runs its tokenprobe arms from
+    it. Fails, rather than benchmark the source under the compiled build's name, when
+    setup.py falls back to the pure-Python source (no compiler, no mypyc)."""
+    import shutil
+    import subprocess
+
+    tree = into / "tree-compiled"
+    shutil.copytree(
+        ROOT / "proxy", tree / "proxy", ignore=shutil.ignore_patterns("*.so", "__pycache__")
+    )
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(ROOT / name, tree / name)
+    subprocess.run(
+        [sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=tree, check=True
+    )
+    said = subprocess.run(
+        [sys.executable, "-m", "proxy", "--version"],
+        cwd=tree, check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    if "compiled (mypyc" not in said:
+        raise SystemExit(f"the compiled tree runs the source: {said.strip()}")
+    return tree

@@ -50,6 +50,13 @@ def main() -> int:
     p.add_argument("--raw", type=Path, default=Path("profile.folded"))
     p.add_argument("--top", type=int, default=35)
     p.add_argument("--native", action="store_true", help="py-spy --native: C frames too")
+    p.add_argument(
+        "--tree",
+        type=Path,
+        default=None,
+        help="run the arm from this source tree (a compiled one: benchmarks/checkout.py's "
+        "compiled_tree; profile it with --native, mypyc's functions are C frames)",
+    )
     args = p.parse_args()
     pyspy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(pyspy).exists():
@@ -66,6 +73,7 @@ def main() -> int:
             full=args.arm == "tokenprobe-full",
             access_log=args.arm in ("tokenprobe-log", "tokenprobe-full", "tokenprobe-asgi"),
             relay="asgi" if args.arm == "tokenprobe-asgi" else None,
+            **({"tree": args.tree.resolve()} if args.tree else {}),
         )
         stack.arms = [arm]
         arm.launch()

@@ -14,6 +14,8 @@ the arm under test, which gets a core to itself. Arms, interleaved in rounds:
   tokenprobe-asgi   as tokenprobe-log, with `--relay asgi` (skipped, with a note, where the
                     tree has no such setting)
   tokenprobe@REF    as tokenprobe-log, from git REF (--ref, via checkout.tree_at)
+  tokenprobe-log@source  with --compiled (every other tokenprobe arm then runs the build
+                    mypyc compiled, checkout.compiled_tree): tokenprobe-log on the source
   tokenprobe-httpx  metrics only, httpx's own transport (only with --arms)
   tokenprobe-traced metrics + tracing, access log off (only with --arms): tracing's own cost
   fastrelay         protocol-level relay prototype (only with --arms): fastrelay.py
@@ -63,7 +65,7 @@ from arms import (
     wakeups,
     workdir,
 )
-from checkout import tree_at
+from checkout import compiled_tree, tree_at
 from report import chart, markdown, summarize
 from targets import issue_targets, targets_markdown
 
@@ -130,6 +132,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=Path,
         default=None,
         help="run every tokenprobe arm from this source tree instead of this checkout",
+    )
+    add(
+        "--compiled",
+        action="store_true",
+        help="run every tokenprobe arm from a copy of this checkout whose per-chunk path "
+        "mypyc compiled (setup.py), and add arm tokenprobe-log@source, the pure-Python "
+        "source in tokenprobe-log's configuration, beside them",
     )
     add(
         "--compare-tree",
@@ -356,6 +365,16 @@ def make_arms(args: argparse.Namespace, stack: Stack, notes: list[str]) -> list[
         arms.append(
             stack.tokenprobe(f"tokenprobe@{tree.name}", "aiohttp", full=False, tree=tree.resolve())
         )
+    if args.compiled:
+        arms.append(
+            stack.tokenprobe(
+                "tokenprobe-log@source",
+                "aiohttp",
+                full=False,
+                access_log=True,
+                tree=args.source_tree.resolve(),
+            )
+        )
     for ref, tree in zip(args.ref, args.ref_trees, strict=True):  # as tokenprobe-log
         arms.append(
             stack.tokenprobe(f"tokenprobe@{ref}", "aiohttp", full=False, access_log=True, tree=tree)
@@ -389,6 +408,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     work = workdir()
     try:
         args.ref_trees = [tree_at(ref, work) for ref in args.ref]
+        if args.compiled:  # the source stays beside it, as arm tokenprobe-log@source
+            args.source_tree, args.tree = args.tree or ROOT, compiled_tree(work)
         runs: dict[str, dict[str, Any]] = {}
         for i, shape in enumerate(args.shapes):
             shape_args = argparse.Namespace(**vars(args))
@@ -435,7 +456,9 @@ def compose(results: dict[str, Any]) -> None:
     targets = issue_targets(shapes, results.get("extras", {}), high)
     results["issue_targets"] = targets
     by_name = {next(iter(shapes)): results, **results.get("shapes", {})}
-    parts = [targets_markdown(targets)]
+    built = "compiled by mypyc" if results["config"].get("compiled") else "the pure-Python source"
+    parts = [f"tokenprobe's arms run {built} (tokenprobe --version says which).", ""]
+    parts += [targets_markdown(targets)]
     for name in targets["order"]:  # the worst shape first
         parts += [f"### Shape {name}", "", markdown(by_name[name])]
     results["markdown"] = "\n".join(parts)

@@ -52,8 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args else 2
     if args[0] == "--version":
         from proxy import __version__
+        from proxy.build import describe
 
-        print(f"tokenprobe {__version__}")
+        print(f"tokenprobe {__version__} ({describe()})")
         return 0
     command = _command(args[0])
     if command is None:

@@ -73,6 +73,7 @@ def main(argv: list[str]) -> int:
         print(f"tokenprobe serve: {exc}", file=sys.stderr)
         return 2
     _configure_logging(settings)
+    _say_build()
     # uvicorn drains on SIGTERM, then re-raises the signal it caught; with a handler in
     # place that re-raise is a no-op and a clean drain exits 0, as orchestrators expect.
     signal.signal(signal.SIGTERM, lambda *_: None)
@@ -88,6 +89,14 @@ def _configure_logging(settings: Settings) -> None:
     )
 
 
+def _say_build() -> None:
+    """Which per-chunk path this process runs (proxy/build.py): an operator comparing
+    figures across hosts must know whether the compiled build is the one measured."""
+    from proxy.build import describe
+
+    print(f"tokenprobe serve: {describe()}", file=sys.stderr, flush=True)
+
+
 def _run_workers(settings: Settings) -> int:
     directory = os.environ.get(MULTIPROC_ENV) or tempfile.mkdtemp(prefix="tokenprobe-metrics-")
     shutil.rmtree(directory, ignore_errors=True)  # stale files from a previous run would add up
@@ -98,6 +107,7 @@ def _run_workers(settings: Settings) -> int:
         if value is not None:
             os.environ[spec.env] = ",".join(value) if isinstance(value, tuple) else str(value)
     _configure_logging(settings)
+    _say_build()
     uvicorn.run(
         "proxy.server.serve:worker_app",
         factory=True,

@@ -119,10 +119,10 @@ def test_dockerignore_keeps_only_the_build_inputs() -> None:
     lines = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()]
     rules = [line for line in lines if line and not line.startswith("#")]
     assert rules[0] == "*", "allowlist: ignore everything, then re-include"
-    for needed in ("pyproject.toml", "proxy/"):
+    for needed in ("pyproject.toml", "setup.py", "proxy/"):
         assert f"!{needed}" in rules
     copied = [a.split()[0] for a in instructions("COPY") if not a.startswith("--from")]
-    assert set(copied) <= {"pyproject.toml", "proxy"}, copied
+    assert set(copied) <= {"pyproject.toml", "setup.py", "proxy"}, copied
 
 
 # --- Compose ------------------------------------------------------------------------
@@ -404,3 +404,17 @@ def test_readme_commands_in_comments_name_existing_files() -> None:
         for token in shlex.split(path.read_text().replace("#", " "), posix=False):
             if token.startswith("deploy/"):
                 assert any(ROOT.glob(token.rstrip(".,:)"))), f"{path.name}: {token}"
+
+
+def test_dockerfile_builds_the_compiled_per_chunk_path() -> None:
+    """The image runs the mypyc build (setup.py, proxy/build.py): its build stage has a C
+    compiler and setup.py; the stage that runs has neither the compiler nor its cache."""
+    stages: list[str] = []
+    for instruction, args in dockerfile():
+        if instruction == "FROM":
+            stages.append("")
+        elif stages:
+            stages[-1] += f"{instruction} {args}\n"
+    build, run = stages
+    assert "gcc" in build and "COPY pyproject.toml setup.py" in build
+    assert "gcc" not in run and "apt-get" not in run

@@ -18,6 +18,7 @@ import pytest
 from proxy.core.apis.chat import Chat
 from proxy.core.measurement import TokenSource
 from proxy.core.observe import StreamObserver
+from tests.builds import replaces_observer_methods
 from tests.conftest import MODEL, ProxyUnderTest, Running
 
 CHAT = "/v1/chat/completions"
@@ -62,6 +63,7 @@ def test_failing_observer_still_yields_a_record(
     assert calls == 3  # the observer was not fed again after it failed
 
 
+@replaces_observer_methods
 def test_failing_finish_still_yields_a_record(
     sim: Running, proxy: ProxyUnderTest, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -34,6 +34,7 @@ from proxy.server.forward import UpstreamBroke
 from proxy.settings import Settings
 from proxy.sinks.sink import Labels, Recorder, Sink
 from proxy.types import Message
+from tests.builds import replaces_observer_methods
 from tests.paths import ERRORS, STREAMS
 from tests.server.conftest import only_on
 
@@ -616,6 +617,7 @@ def test_client_leaving_after_the_body_ended_is_no_cancellation() -> None:
 # -- measuring fails; the request does not ------------------------------------------------
 
 
+@replaces_observer_methods
 def test_observer_failure_keeps_the_stream_and_still_writes_a_record(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -658,6 +660,7 @@ def test_event_over_the_limit_is_relayed_unmeasured_and_counted() -> None:
     asyncio.run(scenario())
 
 
+@replaces_observer_methods
 def test_failure_while_finishing_the_record_still_writes_a_bare_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

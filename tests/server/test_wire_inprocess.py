@@ -25,6 +25,7 @@ import pytest
 from proxy.core.measurement import ErrorType, Measurement, TokenSource
 from proxy.core.observe import StreamObserver
 from proxy.sinks.sink import Labels
+from tests.builds import replaces_observer_methods
 from tests.conftest import ProxyUnderTest
 from tests.paths import STREAMS
 from tests.server.conftest import only_on
@@ -530,6 +531,7 @@ def test_a_client_that_does_not_read_stops_the_proxy_reading_the_upstream(
 # -- measuring fails, the stream goes on -----------------------------------------------
 
 
+@replaces_observer_methods
 def test_an_observer_failure_keeps_the_stream_and_still_writes_a_record(
     monkeypatch: pytest.MonkeyPatch,
     upstream: Callable[[Script], Scripted],
@@ -557,6 +559,7 @@ def test_an_event_over_the_limit_is_relayed_unmeasured_and_counted(
     assert failures(proxy, "event_too_large") == 1 and failures(proxy, "observe") == 0
 
 
+@replaces_observer_methods
 def test_a_failure_while_finishing_still_writes_a_bare_record(
     monkeypatch: pytest.MonkeyPatch,
     upstream: Callable[[Script], Scripted],
