@@ -104,7 +104,8 @@ def main() -> int:
             [
                 pyspy,
                 "record",
-                "--nonblocking",
+                # py-spy reads native stacks only from a paused process
+                *([] if args.native else ["--nonblocking"]),
                 "--format",
                 "raw",
                 "--rate",
