@@ -38,7 +38,11 @@ def docs_module(path: str) -> str:
 
 def tree_copy(tmp: Path) -> Path:
     copy = tmp / "tree"
-    shutil.copytree(ROOT / "proxy", copy / "proxy", ignore=shutil.ignore_patterns("__pycache__"))
+    # the source only: a compiled module (.so, the compiled build's pass) would shadow
+    # the edit, and its shared library lives outside proxy/
+    shutil.copytree(
+        ROOT / "proxy", copy / "proxy", ignore=shutil.ignore_patterns("__pycache__", "*.so")
+    )
     return copy
 
 
