@@ -253,14 +253,16 @@ def test_a_request_on_a_kept_alive_connection_the_backend_closed_goes_once_more_
 ) -> None:
     # llama.cpp's server answers a stream with Keep-Alive, then closes the connection: a
     # request the proxy sends on it meets the close before a byte of answer.
-    answered: set[int] = set()
+    # The writers themselves, kept alive: a closed connection's id() can come back as a
+    # new connection's, which then looked answered and was reset on its first request.
+    answered: list[asyncio.StreamWriter] = []
 
     async def once_per_connection(
         reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        if id(writer) in answered:
+        if any(seen is writer for seen in answered):
             raise ConnectionResetError("closes a kept-alive connection unanswered")
-        answered.add(id(writer))
+        answered.append(writer)
         await streaming(*EVENTS)(reader, writer)
 
     backend = upstream(once_per_connection)
