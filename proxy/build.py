@@ -28,12 +28,16 @@ PER_CHUNK_MODULES = (
 )
 
 
+def module_names() -> list[str]:
+    """PER_CHUNK_MODULES as module names (proxy.core.sse...)."""
+    return [path.removesuffix(".py").replace("/", ".") for path in PER_CHUNK_MODULES]
+
+
 def compiled_modules() -> list[str]:
     """The per-chunk modules this process imported from a compiled extension."""
-    names = (path.removesuffix(".py").replace("/", ".") for path in PER_CHUNK_MODULES)
     return [
         name
-        for name in names
+        for name in module_names()
         if (importlib.import_module(name).__file__ or "").endswith(tuple(EXTENSION_SUFFIXES))
     ]
 
