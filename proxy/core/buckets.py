@@ -6,6 +6,9 @@ its own records with the same edges, so the two compare bucket for bucket.
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Sequence
+
 # vLLM's boundaries (vllm/v1/metrics/loggers.py), so the two can be compared bucket for bucket.
 # fmt: off
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -44,3 +47,14 @@ def token_buckets(max_value: int = 1_000_000) -> tuple[float, ...]:
                 return tuple(out)
             out.append(float(value))
         exponent += 1
+
+
+def bucket_counts(bounds: Sequence[float], values: Sequence[float]) -> list[int]:
+    """How many of `values` fall in each bucket of ascending upper `bounds` (a value on a
+    bound counts in that bucket, Prometheus's `le`), with one slot more for values above
+    the last bound. A stream's chunk gaps are tens to thousands of values that land in a
+    few buckets: one bisect each, then one add per bucket touched instead of per value."""
+    counts = [0] * (len(bounds) + 1)
+    for value in values:
+        counts[bisect_left(bounds, value)] += 1  # the first bound >= value
+    return counts

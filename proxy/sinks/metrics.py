@@ -30,6 +30,7 @@ from proxy.core.buckets import (
     TTFB_BUCKETS,
     TTFT_BUCKETS,
     WS_SESSION_BUCKETS,
+    bucket_counts,
     token_buckets,
 )
 from proxy.core.engine import EngineMetrics
@@ -867,10 +868,9 @@ def observe_all(histogram: Any, values: Sequence[float]) -> None:
         for value in values:
             histogram.observe(value)
         return
-    counts = [0] * len(bounds)
-    for value in values:
-        counts[bisect_left(bounds, value)] += 1  # the first bound >= value, as observe does
-    for bucket, count in zip(buckets, counts, strict=True):
+    # The child's bounds end in +Inf, so the slot above it only counts a NaN, which
+    # `observe` puts in no bucket either: zip leaves it out.
+    for bucket, count in zip(buckets, bucket_counts(bounds, values), strict=False):
         if count:
             bucket.inc(count)
     if values:

@@ -80,6 +80,7 @@ from proxy.core.buckets import (
     OVERHEAD_BUCKETS,
     TOKENS_PER_CHUNK_BUCKETS,
     WS_SESSION_BUCKETS,
+    bucket_counts,
 )
 from proxy.core.conversations import Closed
 from proxy.core.measurement import Measurement
@@ -411,11 +412,8 @@ class _Points:
         if len(values) == 1:
             value = values[0]
             point[4 + bisect_left(bounds, value)] += 1  # the first bound >= value, as le
-        else:  # a stream's chunk gaps: one bisect each, the rest in C
-            counts = [0] * (len(bounds) + 1)
-            for value in values:
-                counts[bisect_left(bounds, value)] += 1
-            for i, n in enumerate(counts, 4):
+        else:  # a stream's chunk gaps
+            for i, n in enumerate(bucket_counts(bounds, values), 4):
                 if n:
                     point[i] += n
         point[0] += len(values)
