@@ -3,8 +3,12 @@
 Every process binds the port with SO_REUSEPORT, so the kernel spreads connections over
 them. Each keeps a decode-step clock on the wall-clock grid (ticks at multiples of the
 step since the epoch), so the processes tick together: every active stream of every
-emitter gets one chunk per step, each chunk its own write, stamped with `"sent_ns"` taken
-just before the write. Chunks are shaped like vLLM's chat chunks (about 230 bytes).
+emitter gets one chunk per step, each chunk its own write, stamped with the time taken
+just before the write. Chunks are shaped like vLLM's chat chunks (about 230 bytes) and,
+as vLLM's, differ only in their text: the stamp is the text (`"content":"@<time_ns>"`),
+the id is the stream's. (A stamp or id outside the text would make every chunk unlike
+the one before, which no vLLM stream does, and defeat the observer's template match,
+proxy/core/template.py: every chunk would be parsed as JSON.)
 
 A request with `"stream":true` in its body streams `x-sim-output-tokens` content chunks
 (step from `x-bench-step-ms`, else 1 / `x-sim-tps`, else 20 ms; the first after
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import math
 import socket
 import time
@@ -27,15 +32,16 @@ import httptools
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 CHUNK = (
-    b'data: {"sent_ns":%d,"id":"chatcmpl-bench-%d","object":"chat.completion.chunk",'
+    b'data: {"id":"chatcmpl-bench-%d","object":"chat.completion.chunk",'
     b'"created":1764547200,"model":"sim-model","choices":[{"index":0,"delta":'
-    b'{"content":" token"},"logprobs":null,"finish_reason":null}]}\n\n'
+    b'{"content":"@%d"},"logprobs":null,"finish_reason":null}]}\n\n'
 )
 FINISH = (
     b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1764547200,'
     b'"model":"sim-model","choices":[{"index":0,"delta":{},"logprobs":null,'
     b'"finish_reason":"length"}]}\n\ndata: [DONE]\n\n'
 )
+STREAM_IDS = itertools.count(1)  # one id a stream, as vLLM's request id
 COMPLETION = (
     b'{"id":"cmpl-bench","object":"chat.completion","created":1764547200,"model":"sim-model",'
     b'"choices":[{"index":0,"message":{"role":"assistant","content":"ok"},'
@@ -72,18 +78,17 @@ class Clock:
 
 
 class Stream:
-    __slots__ = ("conn", "left", "n")
+    __slots__ = ("conn", "id", "left")
 
     def __init__(self, conn: Conn, tokens: int) -> None:
-        self.conn, self.left, self.n = conn, tokens, 0
+        self.conn, self.left, self.id = conn, tokens, next(STREAM_IDS)
 
     def chunk(self) -> bool:
         """Write this step's chunk; False when the stream is over."""
         transport = self.conn.transport
         if transport.is_closing():
             return False
-        self.n += 1
-        data = CHUNK % (time.time_ns(), self.n)
+        data = CHUNK % (self.id, time.time_ns())
         transport.write(b"%x\r\n%b\r\n" % (len(data), data))
         self.left -= 1
         if self.left > 0:

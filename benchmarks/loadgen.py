@@ -2,9 +2,10 @@
 
 It runs in its own process and takes commands from relay.py, one JSON object a line on
 stdin, answering each with one JSON line on stdout (a `hold` also reports `open` first).
-Per-chunk latency comes from the simulator's stamps: every content chunk starts with
-`"sent_ns": <time.time_ns()>` taken just before the simulator wrote it, and the client
-notes `time.time_ns()` when the network read carrying it arrived.
+Per-chunk latency comes from the backend's stamps: every content chunk carries the
+`time.time_ns()` taken just before the backend wrote it (the simulator's `"sent_ns": N`
+first key; emitter.py's text `"@N"`), and the client notes `time.time_ns()` when the
+network read carrying it arrived.
 
 Commands (all times in seconds):
   stream   N keep-alive connections, each streaming requests back to back for `duration`
@@ -28,7 +29,7 @@ import orjson
 
 from proxy.bench.stats import quantile
 
-STAMP = re.compile(rb'"sent_ns":(\d+),')
+STAMP = re.compile(rb'(?:"sent_ns":|"content":"@)(\d+)')
 MAX_CONNECTIONS = 4096
 BURN_NS = [0]  # CPU to burn per content chunk read, set per stream phase
 
