@@ -74,7 +74,9 @@ ALL_ARMS = (
     "tokenprobe-asgi",
 )  # fmt: skip
 #: Arms run only when named with --arms.
-EXTRA_ARMS = ("tokenprobe-httpx", "tokenprobe-traced", "fastrelay")
+EXTRA_ARMS = ("tokenprobe-httpx", "tokenprobe-traced", "fastrelay", "tokenprobe-unmeasured")
+#: A path no API measures: tokenprobe relays it on the same wire, without an observer.
+UNMEASURED_PATH = "/bench/unmeasured"
 SHAPES = ("apart", "together", "emitter")
 P99_LIMIT_US = 5000.0
 
@@ -346,6 +348,15 @@ def make_arms(args: argparse.Namespace, stack: Stack, notes: list[str]) -> list[
         elif name == "tokenprobe-log":  # metrics + JSON access log: the targets' arm
             tree = args.tree.resolve() if args.tree else ROOT
             arm = stack.tokenprobe(name, "aiohttp", full=False, access_log=True, tree=tree)
+        elif name == "tokenprobe-unmeasured":  # tokenprobe-log's data path, nothing measured
+            if args.backend != "emitter":  # the simulator answers only the APIs' paths
+                arm = None
+                notes.append("tokenprobe-unmeasured: emitter shape only (the sim 404s it)")
+            else:
+                tree = args.tree.resolve() if args.tree else ROOT
+                arm = stack.tokenprobe(name, "aiohttp", full=False, access_log=True, tree=tree)
+                arm.path = UNMEASURED_PATH
+                arm.notes.append(f"requests to {UNMEASURED_PATH}: relayed, not measured")
         elif name == "tokenprobe-asgi":
             tree = args.tree.resolve() if args.tree else ROOT
             arm = None

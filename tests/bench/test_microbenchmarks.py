@@ -1,0 +1,58 @@
+"""The in-process benchmarks measure what they say they measure.
+
+`benchmarks/perrequest.py` runs one request's whole measuring with the sinks `serve`
+builds (its record must reach the JSON access log); `benchmarks/emitter.py`'s chunks
+differ only in their text, as vLLM's do, so the observer's template match applies to
+them as it does to vLLM's.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from proxy.core.observe import StreamObserver
+from proxy.core.request import parse_request
+from tests.paths import ROOT
+
+BENCHMARKS = ROOT / "benchmarks"
+
+
+def test_perrequest_times_each_part_of_a_measured_request() -> None:
+    run = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "perrequest.py"), "--chunks", "8", "--requests", "50"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    # The access log went to /dev/null while timed: stdout is the report alone.
+    assert '"endpoint"' not in run.stdout, run.stdout[:500]
+    figures = dict(re.findall(r"^  (\w[\w ()+,;]*?)\s{2,}([\d.]+) µs", run.stdout, re.M))
+    assert len(figures) == 4, run.stdout
+    begin, streamed, finish, whole = (float(v) for v in figures.values())
+    assert 0 < begin < whole and 0 < streamed < whole and 0 < finish < whole, figures
+    assert abs(begin + streamed + finish - whole) < 0.2, figures
+
+
+def test_the_emitters_chunks_differ_only_in_their_text() -> None:
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import emitter
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    one, two, three = (emitter.CHUNK % (7, 1796224770071549000 + i * 20**6) for i in range(3))
+    text = re.compile(rb'"content":"@\d+"')
+    assert text.sub(b"", one) == text.sub(b"", two) and one != two
+    # The observer learns its template from the first and recognises the second by it,
+    # with no JSON parse (proxy/core/template.py).
+    info, _ = parse_request("/v1/chat/completions", b'{"model":"m","stream":true}')
+    observer = StreamObserver(info, 0.0)
+    observer.open(200, "text/event-stream", 0.0)
+    observer.feed(one, 1.0)  # the stream's id is taken from the first
+    observer.feed(two, 2.0)  # the first plain content event: learnt
+    template = observer._template
+    assert template is not None
+    assert template.fits(three.removeprefix(b"data: ").removesuffix(b"\n\n"))
