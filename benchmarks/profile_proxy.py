@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from arms import Stack, remove, spawn, workdir
-from relay import ALL_ARMS, EXTRA_ARMS
+from relay import ALL_ARMS, EXTRA_ARMS, UNMEASURED_PATH
 
 
 def main() -> int:
@@ -71,10 +71,13 @@ def main() -> int:
             args.arm,
             transport,
             full=args.arm == "tokenprobe-full",
-            access_log=args.arm in ("tokenprobe-log", "tokenprobe-full", "tokenprobe-asgi"),
+            access_log=args.arm
+            in ("tokenprobe-log", "tokenprobe-full", "tokenprobe-asgi", "tokenprobe-unmeasured"),
             relay="asgi" if args.arm == "tokenprobe-asgi" else None,
             **({"tree": args.tree.resolve()} if args.tree else {}),
         )
+        if args.arm == "tokenprobe-unmeasured":  # as relay.py's arm: a path nothing measures
+            arm.path = UNMEASURED_PATH
         stack.arms = [arm]
         arm.launch()
         assert arm.proc is not None

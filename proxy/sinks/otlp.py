@@ -55,7 +55,6 @@ from dataclasses import dataclass
 from multiprocessing.util import Finalize
 from operator import attrgetter
 from typing import Any
-from urllib.parse import urlsplit
 
 from opentelemetry.sdk.metrics.export import (
     AggregationTemporality,
@@ -457,11 +456,7 @@ class OtlpMetrics:
         self.in_flight = in_flight
         self._failed = failures.labels("export")
         self._models = models
-        parts = urlsplit(upstream)
-        self._server = (
-            ("server.address", parts.hostname or ""),
-            ("server.port", parts.port or (443 if parts.scheme == "https" else 80)),
-        )
+        self._server = semconv.server_attributes(upstream)
         self._operations: dict[str, Key] = {}
         self._lock = threading.Lock()
         self._histograms: dict[Instrument, _Points] = {}

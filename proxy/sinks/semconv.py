@@ -37,6 +37,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.core.upstream_url import UpstreamURL
+
 OPT_IN = "OTEL_SEMCONV_STABILITY_OPT_IN"
 LATEST = "gen_ai_latest_experimental"
 PREVIOUS = "gen_ai_previous"
@@ -74,3 +76,10 @@ def optional(record: Any, name: str) -> Any:
 def reasoning_tokens(record: Any) -> int | None:
     value = optional(record, "reasoning_tokens")
     return value if isinstance(value, int) else None
+
+
+def server_attributes(upstream: str) -> tuple[tuple[str, str], tuple[str, int]]:
+    """`server.address` and `server.port` of the backend (the spans' and the OTLP
+    metrics' attributes), from the one parse of --upstream the data paths use."""
+    where = UpstreamURL.parse(upstream)
+    return ("server.address", where.host), ("server.port", where.port)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
-from urllib.parse import urlsplit
 
 import orjson
 from opentelemetry.context import Context
@@ -74,9 +73,7 @@ class Tracing:
             self.provider.add_span_processor(processor)
         self.tracer = self.provider.get_tracer("tokenprobe")
         self.trace_content = trace_content
-        parts = urlsplit(upstream)
-        self.server_address = parts.hostname or ""
-        self.server_port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.server = dict(semconv.server_attributes(upstream))
 
     def start(
         self, info: RequestInfo, headers: Headers, start_time_ns: int | None = None
@@ -93,8 +90,7 @@ class Tracing:
         attributes: dict[str, Any] = {
             "gen_ai.operation.name": operation,
             "gen_ai.provider.name": api.provider,
-            "server.address": self.server_address,
-            "server.port": self.server_port,
+            **self.server,
         }
         if model:
             attributes["gen_ai.request.model"] = model

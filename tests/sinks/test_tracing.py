@@ -17,8 +17,9 @@ from prometheus_client import CollectorRegistry
 
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement
 from proxy.core.request import CHAT, COMPLETIONS, RequestInfo
+from proxy.core.upstream_url import UpstreamURL
 from proxy.settings import SettingsError
-from proxy.sinks.semconv import Names
+from proxy.sinks.semconv import Names, server_attributes
 from proxy.sinks.span_export import CountingBatchProcessor, export_failures
 from proxy.sinks.tracing import Tracing, tracing_from_env
 from tests.factories import measurement
@@ -509,3 +510,26 @@ def test_spans_dropped_by_a_full_queue_are_counted() -> None:
     )
     assert (dropped, gated.exported) == (2.0, 4)
     tracing.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("upstream", "address", "port"),
+    [
+        ("https://gateway.example/tenant-a/", "gateway.example", 443),  # default port, base path
+        ("http://[::1]:8001/v", "::1", 8001),  # IPv6 without its brackets
+        ("HTTP://Vllm.Internal", "vllm.internal", 80),
+    ],
+)
+def test_spans_and_otlp_name_the_server_as_the_data_paths_reach_it(
+    exporter: InMemorySpanExporter, upstream: str, address: str, port: int
+) -> None:
+    """server.* come from proxy/core/upstream_url.py, the parse the wire, the ASGI relay
+    and the tunnel connect with (issue 31), for the spans and the OTLP metrics alike."""
+    where = UpstreamURL.parse(upstream)
+    assert (where.host, where.port) == (address, port)
+    assert server_attributes(upstream) == (("server.address", address), ("server.port", port))
+    tracing = Tracing([SimpleSpanProcessor(exporter)], upstream=upstream)
+    span, _, _ = traced(tracing, exporter)
+    tracing.shutdown()
+    attributes = span.attributes or {}
+    assert (attributes["server.address"], attributes["server.port"]) == (address, port)
