@@ -21,7 +21,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Protocol, runtime_checkable
 
 from proxy.core.conversations import Closed, Conversations, Turn, header_refusal
@@ -90,14 +89,12 @@ class ConversationTracker:
             failed=not m.ok,
         )
         continued = turn.via in ("header", "previous_response", "messages")
-        m = replace(
-            m,
-            conversation_id=turn.id,
-            turn=turn.index,
-            continued_via=turn.via if continued else None,
-            turn_gap=turn.gap,
-            shared_prefix_tokens=turn.shared_prefix_tokens if continued else None,
-        )
+        # Filled in, not copied: no sink has seen this request's record yet (Measurement).
+        m.conversation_id = turn.id
+        m.turn = turn.index
+        m.continued_via = turn.via if continued else None
+        m.turn_gap = turn.gap
+        m.shared_prefix_tokens = turn.shared_prefix_tokens if continued else None
         if continued:
             metrics = self.metrics
             metrics.conversation_continuations.labels(model_label, turn.via).inc()

@@ -1,7 +1,7 @@
 """Where finished measurements go: every sink, and the tracer. Sink failures stop here.
 
 The relay calls `begin` when a request starts (in-flight gauge, labels, trace span) and
-`end` once with the frozen record, which each sink in the list then gets with the
+`end` once with the record, which each sink in the list then gets with the
 request's Labels. A failing sink is logged and counted in
 `tokenprobe_measurement_failures_total{stage="sink"}`; it never fails the request, and
 the sinks after it still run.
