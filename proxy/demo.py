@@ -26,7 +26,6 @@ from proxy.bench.ports import free_port
 from proxy.core.measurement import Measurement
 from proxy.core.wav import pcm16, wav
 from proxy.server.assemble import assemble
-from proxy.server.protocol import GuardedHttpToolsProtocol, connection_counter
 from proxy.server.serve import uvicorn_options
 from proxy.settings import Settings
 from proxy.sim.app import create_sim_app
@@ -266,7 +265,6 @@ async def run(port: int, rounds: int, serve_after: bool, out: object = sys.stdou
         access_log="off",  # the table below shows the records instead
     )
     app = assemble(settings, {}, extra_sinks=[recorder])
-    GuardedHttpToolsProtocol.configure(settings, connection_counter(app.registry))
     proxy = uvicorn.Server(
         uvicorn.Config(
             app,

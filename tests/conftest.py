@@ -13,7 +13,6 @@ from prometheus_client import CollectorRegistry
 from proxy.core.measurement import Measurement
 from proxy.server.app import ProxyApp
 from proxy.server.assemble import assemble
-from proxy.server.protocol import GuardedHttpToolsProtocol
 from proxy.settings import Settings
 from proxy.sim.app import SimApp, create_sim_app
 from proxy.sim.config import SimConfig
@@ -89,11 +88,13 @@ SERVER_ENV = "TOKENPROBE_TEST_SERVER"
 
 def relay_config() -> dict[str, Any]:
     """uvicorn's options for the data path TOKENPROBE_RELAY names (tests/server/conftest.py
-    runs every server test on both): the wire's protocol, or uvicorn's own for the ASGI relay."""
+    runs every server test on both): the protocol `tokenprobe serve --relay` runs, the
+    wire's or, for the ASGI relay, uvicorn's with the head limits."""
+    from proxy.server.protocol import GuardedHttpToolsProtocol
     from proxy.server.wire import WireProtocol
 
     relay = os.environ.get("TOKENPROBE_RELAY", "wire")
-    return {"http": WireProtocol} if relay == "wire" else {}
+    return {"http": WireProtocol if relay == "wire" else GuardedHttpToolsProtocol}
 
 
 @pytest.fixture
@@ -106,9 +107,6 @@ def start_proxy() -> Iterator[Callable[..., ProxyUnderTest]]:
         settings.setdefault("access_log", "off")  # the records are the recorder's
         recorder = Recorder()
         config = Settings(upstream=upstream, **settings)
-        # The wire's head limits, from these settings as `tokenprobe serve` sets them (on
-        # the class: the in-process proxies of a test session share them).
-        GuardedHttpToolsProtocol.configure(config)
         app = assemble(
             config,
             {},

@@ -28,9 +28,10 @@ from proxy.server.control import ControlPlane
 from proxy.server.forward import Forwarder, UpstreamBroke
 from proxy.server.identity import keep_asking
 from proxy.server.looplag import LoopLag
+from proxy.server.protocol import HEAD_GUARD, HeadGuard
 from proxy.server.tunnel import TunnelContext, tunnel_context
 from proxy.server.upstream import create_client
-from proxy.server.wire import Wire
+from proxy.server.wire import WIRE_STATE, Wire
 from proxy.settings import Settings
 from proxy.sinks.dispatch import Sinks
 from proxy.types import ASGIApp, Receive, Scope, Send
@@ -62,10 +63,13 @@ class ProxyApp:
         registry: CollectorRegistry,
         sinks: Sinks,
         control: ControlPlane,
+        head_guard: HeadGuard,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        """`transport`: the ASGI relay's way upstream instead of --upstream-transport's."""
+        """`head_guard`: the request-head limits its server's connections enforce;
+        `transport`: the ASGI relay's way upstream instead of --upstream-transport's."""
         self.settings = settings
+        self.head_guard = head_guard
         self.transport = transport
         self.upstream = settings.upstream
         self.registry = registry
@@ -102,7 +106,7 @@ class ProxyApp:
                 assert self.forwarder is not None, "lifespan did not run"
                 await self.forwarder(scope, receive, send)
         elif kind == "lifespan":
-            await self._lifespan(receive, send)
+            await self._lifespan(scope, receive, send)
 
     # -- lifespan ---------------------------------------------------------------------
 
@@ -170,7 +174,7 @@ class ProxyApp:
         if self.sinks.tracer is not None:
             await asyncio.to_thread(self.sinks.tracer.shutdown)  # flush queued spans
 
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
@@ -179,6 +183,12 @@ class ProxyApp:
                 except Exception as exc:
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
                     return
+                # Handed to the server's protocols: uvicorn gives each connection this
+                # state (its `app_state`), so the wire and the head limits are this app's.
+                state = scope.get("state")
+                if state is not None:
+                    state[WIRE_STATE] = self.wire
+                    state[HEAD_GUARD] = self.head_guard
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 await self.shutdown()

@@ -24,6 +24,7 @@ from proxy.server.app import ProxyApp
 from proxy.server.control import ControlPlane, GuardedMetrics, Readiness
 from proxy.server.exposition import Exposition
 from proxy.server.multiproc import MULTIPROC_ENV, multiprocess_metrics_app
+from proxy.server.protocol import HeadGuard, connection_counter
 from proxy.settings import Settings, label_pairs, load_slo_file
 from proxy.sinks.conversations import ClosedListener, ConversationTracker
 from proxy.sinks.cost import CostSink, export_cost_per_hour, load_prices
@@ -78,7 +79,14 @@ def assemble(
         Readiness(upstream),
         apart=settings.metrics_port is not None,
     )
-    return ProxyApp(settings, registry=registry, sinks=sinks, control=control, transport=transport)
+    return ProxyApp(
+        settings,
+        registry=registry,
+        sinks=sinks,
+        control=control,
+        head_guard=HeadGuard.of(settings, connection_counter(registry)),
+        transport=transport,
+    )
 
 
 def _sinks(

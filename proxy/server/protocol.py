@@ -25,9 +25,11 @@ upgrade request's head, so such a request's body is read by a second parser (`Up
 Trailer fields of a chunked body never join the request's headers (they are dropped, as
 most proxies do).
 
-Each close is counted in `tokenprobe_connections_closed_total{reason}`. The limits come
-from the settings (`configure`, before the server starts) and live on the class, because
-uvicorn builds the protocol itself, in every worker.
+Each close is counted in `tokenprobe_connections_closed_total{reason}`. The limits and
+that counter are the served app's: uvicorn builds the protocol itself, in every worker,
+and hands each one the state the app's lifespan filled in (`app_state`); ProxyApp puts a
+`HeadGuard` there at startup (`HEAD_GUARD`), so two servers in one process keep their own
+limits. Without one (an app that ran no lifespan) a connection gets the defaults.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import httptools
 from prometheus_client import CollectorRegistry, Counter
@@ -67,6 +69,30 @@ class HeadLimits:
         )
 
 
+#: The lifespan state key of the served app's HeadGuard (uvicorn's `app_state`).
+HEAD_GUARD = "tokenprobe.head_guard"
+
+
+@dataclass(frozen=True)
+class HeadGuard:
+    """What a server's connections enforce on request heads, and where they count a close."""
+
+    limits: HeadLimits
+    on_close: Callable[[str], None]
+
+    @classmethod
+    def of(cls, settings: Settings, counter: Counter | None = None) -> HeadGuard:
+        """The limits from `settings`; closes counted in `counter` (connection_counter)."""
+        if counter is None:
+            return cls(HeadLimits.from_settings(settings), _uncounted)
+        children = {reason: counter.labels(reason) for reason in _REASONS}
+        return cls(HeadLimits.from_settings(settings), lambda reason: children[reason].inc())
+
+
+def _uncounted(reason: str) -> None:
+    pass
+
+
 class _HeadRefused(Exception):
     pass
 
@@ -84,20 +110,13 @@ def connection_counter(registry: CollectorRegistry) -> Counter:
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
-    limits: ClassVar[HeadLimits]  # none until `configure`: a server must say its limits
-    on_close: Callable[[str], None] = staticmethod(lambda reason: None)
-
-    @classmethod
-    def configure(cls, settings: Settings, counter: Counter | None = None) -> None:
-        """The head limits from `settings`, for every connection from now on; `counter`
-        (connection_counter) counts the closes."""
-        cls.limits = HeadLimits.from_settings(settings)
-        if counter is not None:
-            children = {r: counter.labels(r) for r in _REASONS}
-            cls.on_close = staticmethod(lambda reason: children[reason].inc())
-
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        guard = self.app_state.get(HEAD_GUARD)
+        if not isinstance(guard, HeadGuard):  # no lifespan filled it in: the defaults
+            guard = _DEFAULT_GUARD
+        self.limits = guard.limits
+        self.on_close = guard.on_close
         self._in_head = True
         self._head_bytes = 0
         self._head_tail = b""
@@ -342,3 +361,7 @@ class Upgrade:
 
 
 _REASONS = ("header_timeout", "headers_too_large", "too_many_headers")
+
+#: For a connection whose app filled in no HeadGuard: the settings' default limits (the
+#: upstream is a placeholder; head limits do not depend on it), closes not counted.
+_DEFAULT_GUARD = HeadGuard.of(Settings(upstream="http://upstream.invalid"))

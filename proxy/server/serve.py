@@ -50,11 +50,7 @@ _PROTOCOLS = {
 
 def build_app(settings: Settings) -> ProxyApp:
     """The app with every sink the settings ask for."""
-    from proxy.server.protocol import GuardedHttpToolsProtocol, connection_counter
-
-    app = assemble(settings, os.environ)
-    GuardedHttpToolsProtocol.configure(settings, connection_counter(app.registry))
-    return app
+    return assemble(settings, os.environ)
 
 
 def worker_app() -> ProxyApp:

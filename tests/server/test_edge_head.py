@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
 
+from tests.conftest import ProxyUnderTest, Running
 from tests.edge_backend import RawBackend, backend, metric, serving
 
 
@@ -135,3 +137,18 @@ def test_an_idle_keep_alive_connection_is_closed_after_the_header_timeout(
         rest = read_all(sock)
     assert b"HTTP/1.1" not in rest  # closed without a second answer
     assert time.monotonic() - started < 3
+
+
+def test_two_servers_in_one_process_keep_their_own_head_limits(
+    sim: Running, start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    """Issue 31: the limits are each server's, handed to its connections by its app's
+    lifespan (uvicorn's app_state), not a class attribute the last server set for all."""
+    strict = start_proxy(sim.url, max_headers=5)
+    lenient = start_proxy(sim.url, max_headers=50)
+    headers = {f"x-extra-{i}": "v" for i in range(10)}
+    assert httpx.get(strict.url + "/v1/models", headers=headers).status_code == 431
+    assert httpx.get(lenient.url + "/v1/models", headers=headers).status_code == 200
+    closed = "tokenprobe_connections_closed_total"
+    assert strict.sample(closed, reason="too_many_headers") == 1
+    assert lenient.sample(closed, reason="too_many_headers") == 0

@@ -6,6 +6,6 @@ and the per-chunk path. Admission, the header policy and the measured exchange a
 same modules the ASGI relay uses (proxy/server/admission.py, headers.py, exchange.py).
 """
 
-from proxy.server.wire.connection import Wire, WireProtocol
+from proxy.server.wire.connection import WIRE_STATE, Wire, WireProtocol
 
-__all__ = ["Wire", "WireProtocol"]
+__all__ = ["WIRE_STATE", "Wire", "WireProtocol"]

@@ -92,14 +92,9 @@ class Wire:
         self.pool.close()
 
 
-def _wire_of(app: Any) -> Wire | None:
-    """The Wire of the ProxyApp uvicorn serves (under uvicorn's own middleware)."""
-    for _ in range(8):
-        wire = getattr(app, "wire", None)
-        if isinstance(wire, Wire):
-            return wire
-        app = getattr(app, "app", None)
-    return None
+#: The lifespan state key of the served app's Wire (uvicorn hands it to each connection
+#: as `app_state`; proxy/server/app.py fills it in at startup).
+WIRE_STATE = "tokenprobe.wire"
 
 
 class WireProtocol(GuardedHttpToolsProtocol):
@@ -112,7 +107,8 @@ class WireProtocol(GuardedHttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self.wire = _wire_of(self.app)  # None: no lifespan ran; everything goes to the app
+        wire = self.app_state.get(WIRE_STATE)
+        self.wire = wire if isinstance(wire, Wire) else None  # None: everything to the app
 
     def on_headers_complete(self) -> None:
         wire = self.wire
