@@ -88,13 +88,10 @@ SERVER_ENV = "TOKENPROBE_TEST_SERVER"
 
 def relay_config() -> dict[str, Any]:
     """uvicorn's options for the data path TOKENPROBE_RELAY names (tests/server/conftest.py
-    runs every server test on both): the protocol `tokenprobe serve --relay` runs, the
-    wire's or, for the ASGI relay, uvicorn's with the head limits."""
-    from proxy.server.protocol import GuardedHttpToolsProtocol
-    from proxy.server.wire import WireProtocol
+    runs every server test on both): the protocol `tokenprobe serve --relay` runs."""
+    from proxy.server.serve import PROTOCOLS
 
-    relay = os.environ.get("TOKENPROBE_RELAY", "wire")
-    return {"http": WireProtocol if relay == "wire" else GuardedHttpToolsProtocol}
+    return {"http": PROTOCOLS[os.environ.get("TOKENPROBE_RELAY", "wire")]}
 
 
 @pytest.fixture

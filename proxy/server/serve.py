@@ -38,11 +38,12 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
         "loop": "auto",
         # httptools with limits on the request head while it arrives (proxy.server.protocol);
         # the wire is that protocol relaying itself (proxy.server.wire).
-        "http": _PROTOCOLS[settings.relay],
+        "http": PROTOCOLS[settings.relay],
     }
 
 
-_PROTOCOLS = {
+#: uvicorn's protocol for each --relay (the in-process test servers run the same).
+PROTOCOLS = {
     "wire": "proxy.server.wire:WireProtocol",
     "asgi": "proxy.server.protocol:GuardedHttpToolsProtocol",
 }
