@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from arms import Stack, remove, spawn, workdir
-from relay import ALL_ARMS, EXTRA_ARMS, UNMEASURED_PATH
+from relay import ALL_ARMS, EXTRA_ARMS, unmeasured
 
 
 def main() -> int:
@@ -76,8 +76,8 @@ def main() -> int:
             relay="asgi" if args.arm == "tokenprobe-asgi" else None,
             **({"tree": args.tree.resolve()} if args.tree else {}),
         )
-        if args.arm == "tokenprobe-unmeasured":  # as relay.py's arm: a path nothing measures
-            arm.path = UNMEASURED_PATH
+        if args.arm == "tokenprobe-unmeasured":  # as relay.py's arm
+            arm = unmeasured(arm)
         stack.arms = [arm]
         arm.launch()
         assert arm.proc is not None

@@ -322,6 +322,13 @@ class Bench:
         return result
 
 
+def unmeasured(arm: Arm) -> Arm:
+    """`arm`'s load sent to UNMEASURED_PATH: the same data path, nothing measured."""
+    arm.path = UNMEASURED_PATH
+    arm.notes.append(f"requests to {UNMEASURED_PATH}: relayed, not measured")
+    return arm
+
+
 def make_arms(args: argparse.Namespace, stack: Stack, notes: list[str]) -> list[Arm]:
     wanted = ["direct"] + [a for a in args.arms.split(",") if a and a != "direct"]
     arms: list[Arm] = []
@@ -354,9 +361,9 @@ def make_arms(args: argparse.Namespace, stack: Stack, notes: list[str]) -> list[
                 notes.append("tokenprobe-unmeasured: emitter shape only (the sim 404s it)")
             else:
                 tree = args.tree.resolve() if args.tree else ROOT
-                arm = stack.tokenprobe(name, "aiohttp", full=False, access_log=True, tree=tree)
-                arm.path = UNMEASURED_PATH
-                arm.notes.append(f"requests to {UNMEASURED_PATH}: relayed, not measured")
+                arm = unmeasured(
+                    stack.tokenprobe(name, "aiohttp", full=False, access_log=True, tree=tree)
+                )
         elif name == "tokenprobe-asgi":
             tree = args.tree.resolve() if args.tree else ROOT
             arm = None
