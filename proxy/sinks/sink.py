@@ -1,9 +1,10 @@
 """What a sink is: one method, `record(measurement, labels)`, called once per finished request.
 
 Every sink (Prometheus metrics, the access log, cost, a test's recorder) takes the same
-record (read, never changed) and the same bounded labels, resolved once per request by `Sinks`; none of
-them sees a header, a raw model name as a label, or another sink's failure. Adding a sink
-is a class with this method plus one line in proxy/server/assemble.py.
+record, which it reads and never changes, and the same bounded labels, resolved once per
+request by `Sinks`; none of them sees a header, a raw model name as a label, or another
+sink's failure. Adding a sink is a class with this method plus one line in
+proxy/server/assemble.py.
 
 The tracer is the one part with two steps: a span must start when the request does (its
 trace headers go upstream), so it has `start` and `finish` instead of `record`.
