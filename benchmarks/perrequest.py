@@ -8,8 +8,9 @@ its finish and usage events is measured as the wire measures it: `begin` (the
 exchange and its observer, the in-flight gauge, the conversation turn), the head,
 each chunk's `feed` and the usage stripper (the client did not ask for usage, the proxy
 did), the end of the stream, and `finish` (the record, then each sink).
-Best of several repeats, µs per request; divide by the chunks per request for the share
-of a chunk (the emitter shape relays 40 a request).
+Each part is timed inside every request, and the repeat that took least is reported, in
+µs per request; divide by the chunks per request for the share of a chunk (the emitter
+shape relays 40 a request).
 
     .venv/bin/python benchmarks/perrequest.py [--chunks 40]
 """
@@ -23,9 +24,12 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import checkout  # noqa: F401  (this checkout's proxy/ first)
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 N = 2_000
 REPEATS = 5
@@ -50,7 +54,8 @@ def chat_events(chunks: int) -> list[bytes]:
     ]
 
 
-def parts(chunks: int) -> dict[str, Callable[[], None]]:
+def parts(chunks: int) -> tuple[Callable[[list[float]], None], CollectorRegistry]:
+    """One timed request, and the registry its records are counted in."""
     from proxy.core.request import parse_request
     from proxy.core.strip import UsageEventStripper
     from proxy.server.admission import relay_settings
@@ -84,31 +89,41 @@ def parts(chunks: int) -> dict[str, Callable[[], None]]:
             feed(event, time.perf_counter())
         exchange.end_of_stream(time.perf_counter())
 
-    def whole() -> None:
-        exchange = begin()
-        stream(exchange)
-        run_soon(exchange.finish(time.perf_counter(), None), now=True)
-
-    def begin_only() -> None:
-        exchange = begin()
-        context.sinks.end(exchange.request_scope, None)  # the in-flight gauge back down
-
-    def begin_and_stream() -> None:
-        exchange = begin()
-        stream(exchange)
-        context.sinks.end(exchange.request_scope, None)
-
-    return {"begin": begin_only, "begin + stream": begin_and_stream, "whole request": whole}
-
-
-def best(fn: Callable[[], None], n: int) -> float:
-    times = []
-    for _ in range(REPEATS):
+    def request(spent: list[float]) -> None:
+        """One measured request; adds each part's seconds to `spent`."""
         t0 = time.perf_counter()
+        exchange = begin()
+        t1 = time.perf_counter()
+        stream(exchange)
+        t2 = time.perf_counter()
+        run_soon(exchange.finish(t2, None), now=True)
+        t3 = time.perf_counter()
+        spent[0] += t1 - t0
+        spent[1] += t2 - t1
+        spent[2] += t3 - t2
+
+    return request, app.registry
+
+
+def counted(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    """The sum of a counter's samples with these labels: what the records added up to."""
+    return sum(
+        sample.value
+        for metric in registry.collect()
+        for sample in metric.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
+
+
+def best(request: Callable[[list[float]], None], n: int) -> list[float]:
+    """µs per request of each part, in the repeat of `n` requests that took least."""
+    runs = []
+    for _ in range(REPEATS):
+        spent = [0.0, 0.0, 0.0]
         for _ in range(n):
-            fn()
-        times.append(time.perf_counter() - t0)
-    return min(times) / n * 1e6
+            request(spent)
+        runs.append(spent)
+    return [part / n * 1e6 for part in min(runs, key=sum)]
 
 
 def main() -> None:
@@ -119,23 +134,27 @@ def main() -> None:
     from proxy import build
 
     asyncio.set_event_loop(asyncio.new_event_loop())  # the conversation sweep's timer
-    timed = parts(args.chunks)
+    request, registry = parts(args.chunks)
     sys.stdout.flush()
     terminal = os.dup(1)
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     try:
-        measured = {name: best(fn, args.requests) for name, fn in timed.items()}
+        begin, streamed, finish = best(request, args.requests)
     finally:
         sys.stdout.flush()
         os.dup2(terminal, 1)
-    begin, streamed, whole = measured.values()
+    whole = begin + streamed + finish
     print(f"build: {build.describe()}; {args.chunks} content events a request")
     print(f"  begin (exchange, observer, gauge, turn)  {begin:7.1f} µs")
-    print(f"  head + {args.chunks + 4} events stripped, fed; end  {streamed - begin:7.1f} µs")
-    print(f"  finish (record + sinks)                  {whole - streamed:7.1f} µs")
+    print(f"  head + {args.chunks + 4} events stripped, fed; end  {streamed:7.1f} µs")
+    print(f"  finish (record + sinks)                  {finish:7.1f} µs")
     print(f"  whole request                            {whole:7.1f} µs"
           f"  = {whole / args.chunks:.1f} µs a content chunk")  # fmt: skip
+    # Every timed request ends with its record: each must be one measured request.
+    requests = counted(registry, "tokenprobe_requests_total", finish_reason="stop")
+    tokens = counted(registry, "tokenprobe_generation_tokens_total", source="usage")
+    print(f"recorded: {requests:.0f} requests (finish stop), {tokens:.0f} output tokens (usage)")
 
 
 if __name__ == "__main__":
