@@ -108,8 +108,8 @@ class VllmRoutes:
     async def _reply(self, send: Any, status: int, content_type: bytes, body: bytes) -> None:
         headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": status, "headers": headers})
+        self.sent.append(body)  # before its last byte goes: the client may check at once
         await send({"type": "http.response.body", "body": body})
-        self.sent.append(body)
 
     async def _choices(self, send: Any, n: int, tokens: int) -> None:
         """A chat stream with n choices, as vLLM interleaves them: one chunk per choice
@@ -140,8 +140,8 @@ class VllmRoutes:
             "total_tokens": 5 + n * tokens,
         }
         await event({**base, "choices": [], "usage": usage})
+        self.sent.append(b"".join(sent) + b"data: [DONE]\n\n")  # before the end goes out
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
-        self.sent.append(b"".join(sent) + b"data: [DONE]\n\n")
 
     async def _stream(self, send: Any, name: str) -> None:
         events = stream_events(name)
@@ -154,5 +154,7 @@ class VllmRoutes:
         for event in events[opening:]:
             await send({"type": "http.response.body", "body": event, "more_body": True})
             await asyncio.sleep(self.gap)
-        await send({"type": "http.response.body", "body": b""})
+        # Noted before the body ends: the client has it all then, and may compare at once
+        # (noted after, a test once read `sent` before the backend's thread appended it).
         self.sent.append(b"".join(events))
+        await send({"type": "http.response.body", "body": b""})
