@@ -73,7 +73,6 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from proxy.core.apis import api_of
 from proxy.core.buckets import (
     DECODE_SPEED_BUCKETS,
     OVERHEAD_BUCKETS,
@@ -558,12 +557,7 @@ class OtlpMetrics:
     def _base(self, m: Measurement, labels: Labels) -> Key:
         operation = self._operations.get(m.endpoint)
         if operation is None:
-            api = api_of(m.endpoint)
-            operation = (
-                ("gen_ai.operation.name", api.operation),
-                ("gen_ai.provider.name", api.provider),
-            )
-            self._operations[m.endpoint] = operation
+            operation = self._operations[m.endpoint] = semconv.operation_attributes(m.endpoint)
         key = operation
         if m.model:
             key += (("gen_ai.request.model", labels.model),)
@@ -624,10 +618,8 @@ class OtlpMetrics:
         for family in self.in_flight.collect():
             for sample in family.samples:
                 model, endpoint = sample.labels["model"], sample.labels["endpoint"]
-                api = api_of(endpoint)
                 key: Key = (
-                    ("gen_ai.operation.name", api.operation),
-                    ("gen_ai.provider.name", api.provider),
+                    *semconv.operation_attributes(endpoint),
                     ("gen_ai.request.model", model),
                     *self._server,
                 )

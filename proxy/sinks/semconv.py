@@ -37,6 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.core.apis import api_of
 from proxy.core.upstream_url import UpstreamURL
 
 OPT_IN = "OTEL_SEMCONV_STABILITY_OPT_IN"
@@ -83,3 +84,11 @@ def server_attributes(upstream: str) -> tuple[tuple[str, str], tuple[str, int]]:
     metrics' attributes), from the one parse of --upstream the data paths use."""
     where = UpstreamURL.parse(upstream)
     return ("server.address", where.host), ("server.port", where.port)
+
+
+def operation_attributes(endpoint: str) -> tuple[tuple[str, str], tuple[str, str]]:
+    """`gen_ai.operation.name` and `gen_ai.provider.name` of a request, from its API seam
+    ("openai" for the OpenAI shapes, "anthropic" for Messages): the spans' and the OTLP
+    metrics' attributes."""
+    api = api_of(endpoint)
+    return ("gen_ai.operation.name", api.operation), ("gen_ai.provider.name", api.provider)

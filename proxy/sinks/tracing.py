@@ -82,14 +82,11 @@ class Tracing:
         # An explicit empty context: without a client traceparent the span is a root,
         # whatever happens to be current on this task.
         parent = _PROPAGATOR.extract(carrier, context=Context()) if carrier else Context()
-        # gen_ai.operation.name and gen_ai.provider.name come from the request's API
-        # seam: "openai" for the OpenAI shapes, "anthropic" for Messages.
         api = api_of(info.endpoint)
         operation = api.operation
         model = info.model[:_MAX_MODEL_CHARS]
         attributes: dict[str, Any] = {
-            "gen_ai.operation.name": operation,
-            "gen_ai.provider.name": api.provider,
+            **dict(semconv.operation_attributes(info.endpoint)),
             **self.server,
         }
         if model:
