@@ -438,16 +438,6 @@ class Stack:
         arm.start = lambda: spawn(cmd, self.proxy_cpus, log=self.work / "relay.log")
         return arm
 
-    def fastrelay(self) -> Arm:
-        """The protocol-level relay prototype (fastrelay.py), tokenprobe's measuring inside."""
-        port = free_port()
-        cmd = [PY, str(HERE / "fastrelay.py"), "--port", str(port)]
-        cmd += ["--upstream-port", str(self.sim_port)]
-        arm = Arm("fastrelay", port)
-        arm.notes.append("one callback per upstream read: httptools, observer, metrics sink")
-        arm.start = lambda: spawn(cmd, self.proxy_cpus, log=self.work / "fastrelay.log")
-        return arm
-
     def nginx(self) -> Arm | None:
         if not os.path.exists(NGINX):
             return None

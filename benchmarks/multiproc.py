@@ -10,7 +10,6 @@ time each chunk's arrival, so per-chunk latency is exact across processes. The a
   nginx-reuseport xN        N workers, `listen ... reuseport`: one socket per worker
   tokenprobe xN             `tokenprobe serve --workers N` (uvicorn: one shared socket)
   tokenprobe-reuseport xN   N `reuseport_worker.py` processes, one SO_REUSEPORT socket each
-  fastrelay xN              N `fastrelay.py --reuse-port` processes (the design-study relay)
 
 Arms run interleaved in rounds (order rotated), all started once before the first round.
 Per arm and stream count: chunks delivered of expected, added p50/p99 per chunk against
@@ -56,7 +55,7 @@ from arms import (
 from proxy.bench.ports import free_port
 from proxy.bench.stats import quantile
 
-KINDS = ("nginx", "nginx-reuseport", "tokenprobe", "tokenprobe-reuseport", "fastrelay")
+KINDS = ("nginx", "nginx-reuseport", "tokenprobe", "tokenprobe-reuseport")
 
 
 @dataclass
@@ -188,10 +187,6 @@ def start_arm(kind: str, workers: int, load: Load) -> Group:
         cmd = [PY, str(HERE / "reuseport_worker.py"), "--upstream", upstream]
         cmd += ["--port", str(port), "--access-log", "off"]
         group.procs += [spawn(cmd, load.arm_cpus, log=log, env=env) for _ in range(workers)]
-    elif kind == "fastrelay":
-        cmd = [PY, str(HERE / "fastrelay.py"), "--port", str(port)]
-        cmd += ["--upstream-port", str(load.port), "--reuse-port"]
-        group.procs += [spawn(cmd, load.arm_cpus, log=log) for _ in range(workers)]
     else:
         raise SystemExit(f"unknown arm kind {kind!r}; choose from {', '.join(KINDS)}")
     wait_ready(group.procs[0], port, "/v1/chat/completions", 60)
@@ -255,7 +250,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--workers", help="tokenprobe worker counts (default 1,2,4,8; quick 1,2)")
     add("--nginx-workers", help="nginx worker counts (default 1 and the largest of --workers)")
     add("--kinds", default=",".join(KINDS), help=f"arm kinds, from {', '.join(KINDS)}")
-    add("--fastrelay-workers", help="fastrelay worker counts (default 1 and the largest)")
     add("--emitters", type=int, default=2)
     add("--clients", type=int, default=2)
     add("--arm-cores", type=int, default=None, help="cores for the arm (default half, >= 1)")
@@ -273,7 +267,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     top = str(max(args.workers))
     both = ",".join(sorted({"1", top}, key=int))
     args.nginx_workers = [int(x) for x in (args.nginx_workers or both).split(",")]
-    args.fastrelay_workers = [int(x) for x in (args.fastrelay_workers or both).split(",")]
     args.tokens = args.tokens or (40 if q else 128)
     args.duration = args.duration or (2.0 if q else 4.0)
     args.warm = 0.5
@@ -287,8 +280,6 @@ def arm_list(args: argparse.Namespace) -> list[tuple[str, int]]:
         if kind.startswith("nginx"):
             if os.path.exists(NGINX):
                 out += [(kind, w) for w in args.nginx_workers]
-        elif kind == "fastrelay":
-            out += [(kind, w) for w in args.fastrelay_workers]
         else:
             out += [(kind, w) for w in args.workers]
     return out

@@ -3,7 +3,7 @@
 Each part runs in a tight loop on uvloop over a vLLM-shaped chat chunk (about 230 bytes,
 one SSE event): the best of several repeats, in µs per chunk. The parts are those of
 tokenprobe's relay (proxy/server/forward.py on the aiohttp transport) and of the
-protocol-level relay (fastrelay.py); the syscalls (one read, one write: about 20 µs a
+protocol-level relay prototype (since retired for the wire); the syscalls (one read, one write: about 20 µs a
 chunk on this VM, the byte relay's whole cost) are not here, `relay.py` measures them.
 
   aiohttp read     aiohttp's C response parser and StreamReader: feed one framed chunk,
@@ -15,7 +15,7 @@ chunk on this VM, the byte relay's whole cost) are not here, `relay.py` measures
   observer         StreamObserver.feed: SSE split, orjson parse, a few lookups
   stripper         UsageEventStripper.feed on a chunk without usage
   httptools parse  llhttp (httptools) framing one chunk, with its on_body callback
-  chunk framing    b"%x\\r\\n%b\\r\\n" % (len, body): what fastrelay adds per chunk
+  chunk framing    b"%x\\r\\n%b\\r\\n" % (len, body): what the wire adds per chunk
 
     .venv/bin/python benchmarks/perchunk.py
 """

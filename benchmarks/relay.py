@@ -18,7 +18,6 @@ the arm under test, which gets a core to itself. Arms, interleaved in rounds:
                     mypyc compiled, checkout.compiled_tree): tokenprobe-log on the source
   tokenprobe-httpx  metrics only, httpx's own transport (only with --arms)
   tokenprobe-traced metrics + tracing, access log off (only with --arms): tracing's own cost
-  fastrelay         protocol-level relay prototype (only with --arms): fastrelay.py
   litellm           only with --with-litellm (own venv, pass-through endpoint, prometheus)
 
 Load shapes (--shapes, each with its own backend processes; the first one also measures
@@ -74,7 +73,7 @@ ALL_ARMS = (
     "tokenprobe-asgi",
 )  # fmt: skip
 #: Arms run only when named with --arms.
-EXTRA_ARMS = ("tokenprobe-httpx", "tokenprobe-traced", "fastrelay", "tokenprobe-unmeasured")
+EXTRA_ARMS = ("tokenprobe-httpx", "tokenprobe-traced", "tokenprobe-unmeasured")
 #: A path no API measures: tokenprobe relays it on the same wire, without an observer.
 UNMEASURED_PATH = "/bench/unmeasured"
 SHAPES = ("apart", "together", "emitter")
@@ -343,8 +342,6 @@ def make_arms(args: argparse.Namespace, stack: Stack, notes: list[str]) -> list[
             if arm is None:
                 notes.append(NGINX_HINT)
                 print(NGINX_HINT, file=sys.stderr)
-        elif name == "fastrelay":
-            arm = stack.fastrelay()
         elif name == "tokenprobe-traced":  # tracing on, access log off: tracing's own cost
             tree = args.tree.resolve() if args.tree else ROOT
             arm = stack.tokenprobe(name, "aiohttp", full=False, tree=tree, traced=True)

@@ -244,7 +244,7 @@ def targets(arms: dict[str, Any], streams_list: list[int]) -> list[dict[str, Any
     for streams in [s for s in streams_list if s >= 64]:
         sweep = {a: arms.get(a, {}).get("sweep", {}).get(str(streams), {}) for a in arms}
         base = _med(sweep.get("nginx", {}).get("cpu_us_per_chunk"))
-        for arm, limit in (("tokenprobe", 1.5), ("tokenprobe-full", 1.8), ("fastrelay", 1.5)):
+        for arm, limit in (("tokenprobe", 1.5), ("tokenprobe-full", 1.8)):
             mine = _med(sweep.get(arm, {}).get("cpu_us_per_chunk"))
             if arm not in arms or mine is None or not base:
                 continue

@@ -7,20 +7,13 @@ minutes; nginx joins when it is installed.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 
-from proxy.bench.ports import free_port
 from tests.paths import ROOT
 
 SCRIPT = ROOT / "benchmarks" / "relay.py"
@@ -108,61 +101,7 @@ def test_results_have_the_reported_fields(results: dict) -> None:
     }
 
 
-# -- the design-study relay and the multi-process mode -------------------------------------
-
-FASTRELAY = ROOT / "benchmarks" / "fastrelay.py"
-STREAM_BODY = {
-    "model": "sim-model",
-    "stream": True,
-    "messages": [{"role": "user", "content": "hi"}],
-}
-
-
-@pytest.fixture
-def fastrelay(start_sim: Any) -> Iterator[tuple[Any, str]]:
-    """The simulator (recording body digests) and fastrelay.py in front of it."""
-    sim = start_sim(ttft=0.0, tokens_per_second=1000.0, output_tokens=12, record_bodies=True)
-    port = free_port()
-    sim_port = sim.url.rsplit(":", 1)[1]
-    cmd = [sys.executable, str(FASTRELAY), "--port", str(port), "--upstream-port", sim_port]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.post(
-                url + "/v1/chat/completions", json={**STREAM_BODY, "stream": False}
-            ).is_success:
-                break
-        time.sleep(0.05)
-    try:
-        yield sim, url
-    finally:
-        proc.terminate()
-        proc.wait(5)
-
-
-def test_fastrelay_relays_the_simulators_bytes_unchanged(fastrelay: tuple[Any, str]) -> None:
-    sim, url = fastrelay
-    body = {**STREAM_BODY, "stream_options": {"include_usage": True}}  # nothing to strip
-    digests = []
-    with httpx.Client(base_url=url, timeout=10) as client:  # one keep-alive connection
-        for _ in range(5):
-            with client.stream("POST", "/v1/chat/completions", json=body) as response:
-                assert response.status_code == 200
-                digests.append(hashlib.sha256(b"".join(response.iter_raw())).hexdigest())
-    records = httpx.get(sim.url + "/sim/requests").json()
-    sent = [r["body_sha256"] for r in records if r["outcome"] == "completed" and r["stream"]]
-    assert digests == sent[-5:]
-
-
-def test_fastrelay_strips_the_usage_event_it_asked_for(fastrelay: tuple[Any, str]) -> None:
-    _, url = fastrelay
-    with httpx.stream("POST", url + "/v1/chat/completions", json=STREAM_BODY, timeout=10) as r:
-        data = b"".join(r.iter_raw())
-    assert b'"usage"' not in data
-    assert data.count(b'"content":"') >= 12
-    assert data.endswith(b"data: [DONE]\n\n")
+# -- the multi-process mode -------------------------------------
 
 
 def test_multiproc_quick_run_delivers_every_chunk(tmp_path: Path) -> None:
@@ -171,7 +110,7 @@ def test_multiproc_quick_run_delivers_every_chunk(tmp_path: Path) -> None:
         [
             sys.executable,
             str(ROOT / "benchmarks" / "multiproc.py"),
-            *("--quick", "--streams", "8", "--workers", "1", "--kinds", "tokenprobe,fastrelay"),
+            *("--quick", "--streams", "8", "--workers", "1", "--kinds", "tokenprobe"),
             *("--emitters", "2", "--clients", "2", "--duration", "1", "--tokens", "10"),
             *("--out", str(out)),
         ],
@@ -182,7 +121,7 @@ def test_multiproc_quick_run_delivers_every_chunk(tmp_path: Path) -> None:
     )
     assert run.returncode == 0, run.stderr[-3000:]
     phases = json.loads(out.read_text())["phases"]
-    assert {p["arm"] for p in phases} == {"direct", "tokenprobe x1", "fastrelay x1"}
+    assert {p["arm"] for p in phases} == {"direct", "tokenprobe x1"}
     for p in phases:
         assert p["errors"] == 0 and p["chunks"] == p["expected_chunks"] > 0, p["arm"]
         if p["arm"] != "direct":
