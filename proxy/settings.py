@@ -435,6 +435,9 @@ class Settings:
         "Per-model SLO targets (YAML or JSON: `default:` and `models: {NAME: {ttft: 4}}`); a model not in it gets `--slo` or the file's default. Read at start: a bad file refuses to start.",
     )
 
+    def __post_init__(self) -> None:
+        validate(self)  # built in code or from the command line: the same checks
+
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
 
@@ -525,9 +528,27 @@ def resolve(args: argparse.Namespace | Mapping[str, Any], environ: Mapping[str, 
             "no upstream: set --upstream http://HOST:PORT or TOKENPROBE_UPSTREAM "
             "(the OpenAI-compatible backend, e.g. vLLM)"
         )
-    settings = Settings(**values)
+    return Settings(**values)  # Settings.__post_init__ runs `validate`
+
+
+def text(value: Any) -> str:
+    """A value written back as the text its flag takes (a list joined by ","): what the
+    worker hand-over sets as TOKENPROBE_* and what `validate` parses again."""
+    return ",".join(value) if isinstance(value, tuple) else str(value)
+
+
+def validate(settings: Settings) -> None:
+    """Every check of the settings, in one place: each value passes its own parser (the
+    ranges and formats of the flag), then the checks across settings and of the install.
+    `Settings.__post_init__` calls it, so `Settings(...)` built in code, `resolve` (the
+    command line and the variables) and every `replace` are refused alike, with the
+    message naming the flag."""
+    for spec in SPECS:
+        value = getattr(settings, spec.name)
+        if value is not None:
+            parse_value(spec.flag, text(value), spec.parse)
     _check_label_headers(settings)
-    return settings
+    require_tokenizer_support(settings)
 
 
 def _check_label_headers(settings: Settings) -> None:

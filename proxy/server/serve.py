@@ -23,7 +23,7 @@ import uvicorn
 from proxy.server.app import ProxyApp
 from proxy.server.assemble import assemble
 from proxy.server.multiproc import MULTIPROC_ENV
-from proxy.settings import SPECS, Settings, SettingsError, parse, require_tokenizer_support
+from proxy.settings import SPECS, Settings, SettingsError, parse, text
 
 
 def uvicorn_options(settings: Settings) -> dict[str, Any]:
@@ -61,8 +61,7 @@ def worker_app() -> ProxyApp:
 
 def main(argv: list[str]) -> int:
     try:
-        settings = parse(argv, os.environ)
-        require_tokenizer_support(settings)
+        settings = parse(argv, os.environ)  # every check runs here (proxy.settings.validate)
         if settings.workers > 1:
             return _run_workers(settings)
         app = build_app(settings)
@@ -102,7 +101,7 @@ def _run_workers(settings: Settings) -> int:
     for spec in SPECS:  # hand the resolved settings to the worker processes
         value = getattr(settings, spec.name)
         if value is not None:
-            os.environ[spec.env] = ",".join(value) if isinstance(value, tuple) else str(value)
+            os.environ[spec.env] = text(value)
     _configure_logging(settings)
     _say_build()
     uvicorn.run(

@@ -1,0 +1,120 @@
+"""Every settings check runs in one place (proxy.settings.validate, from
+Settings.__post_init__): a bad value is refused with the same SettingsError message
+whether it comes from the command line (`tokenprobe serve`) or from `Settings(...)` in code."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from importlib.machinery import ModuleSpec
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from proxy.cli import main
+from proxy.server.serve import build_app
+from proxy.settings import Settings, SettingsError
+
+UPSTREAM = "http://127.0.0.1:9"
+
+# (the flags after --upstream, the same value as a Settings field, words of the reason);
+# the flag's text is the field's as `proxy.settings.text` writes it, so the messages match.
+CASES: list[tuple[list[str], dict[str, Any], str]] = [
+    (["--port", "70000"], {"port": 70000}, "between 0 and 65535"),
+    (["--metrics-port", "-1"], {"metrics_port": -1}, "between 0 and 65535"),
+    (["--connect-timeout", "0.0"], {"connect_timeout": 0.0}, "positive number of seconds"),
+    (["--idle-timeout", "-5.0"], {"idle_timeout": -5.0}, "positive number of seconds"),
+    (["--ws-idle-timeout", "nan"], {"ws_idle_timeout": float("nan")}, "positive number"),
+    (["--models-refresh", "-1.0"], {"models_refresh": -1.0}, "positive number of seconds"),
+    (["--header-timeout", "-2.0"], {"header_timeout": -2.0}, "positive number of seconds"),
+    (["--max-body-bytes", "0"], {"max_body_bytes": 0}, "at least 1"),
+    (["--max-headers", "-3"], {"max_headers": -3}, "at least 1"),
+    (["--workers", "0"], {"workers": 0}, "at least 1"),
+    (["--label-values", "0"], {"label_values": 0}, "at least 1"),
+    (["--conversation-table", "0"], {"conversation_table": 0}, "at least 1"),
+    (["--relay", "nginx"], {"relay": "nginx"}, "expected one of wire, asgi"),
+    (["--access-log", "xml"], {"access_log": "xml"}, "expected one of json, text, off"),
+    (["--key-label", "plain"], {"key_label": "plain"}, "expected one of none, hash"),
+    (["--log-level", "INFO"], {"log_level": "INFO"}, "expected one of debug"),
+    (["--upstream-transport", "curl"], {"upstream_transport": "curl"}, "expected one of"),
+    (["--cost-per-hour", "-1.0"], {"cost_per_hour": -1.0}, "finite number >= 0"),
+    (["--currency", " "], {"currency": " "}, "must not be empty"),
+    (["--continuation-cache-miss-ratio", "2.0"], {"continuation_cache_miss_ratio": 2.0}, "0 and 1"),
+    (["--slo", "ttft=fast"], {"slo": "ttft=fast"}, "ttft"),
+    (
+        ["--conversation-header", "authorization"],
+        {"conversation_header": "authorization"},
+        "credentials",
+    ),
+    (["--label-header", "x-team"], {"label_header": ("x-team",)}, "expected HEADER=LABEL"),
+    (["--label-header", "x-api-key=team"], {"label_header": ("x-api-key=team",)}, "credentials"),
+    (["--label-header", "x-team=model"], {"label_header": ("x-team=model",)}, "is taken"),
+    (
+        ["--secret-headers", "x-team", "--label-header", "x-team=team"],
+        {"secret_headers": ("x-team",), "label_header": ("x-team=team",)},
+        "is a --secret-header",
+    ),
+]
+
+
+def _cli_message(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    assert main(["serve", "--upstream", UPSTREAM, *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tokenprobe serve: ")
+    return err.removeprefix("tokenprobe serve: ").strip()
+
+
+@pytest.mark.parametrize(("args", "fields", "reason"), CASES, ids=lambda c: str(c)[:40])
+def test_a_bad_value_is_refused_alike_in_code_and_on_the_command_line(
+    args: list[str], fields: dict[str, Any], reason: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    on_the_command_line = _cli_message(args, capsys)
+    with pytest.raises(SettingsError) as in_code:
+        Settings(upstream=UPSTREAM, **fields)
+    assert str(in_code.value) == on_the_command_line
+    assert reason in on_the_command_line
+
+
+def test_replace_runs_the_same_checks() -> None:
+    with pytest.raises(SettingsError, match=r"^--port='70000': must be between 0 and 65535$"):
+        Settings(upstream=UPSTREAM).replace(port=70000)
+
+
+def test_a_bad_upstream_in_code_names_the_flag() -> None:
+    with pytest.raises(SettingsError, match=r"^--upstream='vllm:8000': expected an http://"):
+        Settings(upstream="vllm:8000")
+
+
+def test_good_settings_in_code_pass_every_check() -> None:
+    settings = Settings(upstream=UPSTREAM, label_header=("x-team=team",), slo="ttft=2")
+    assert settings.label_header == ("x-team=team",)
+
+
+class _HideTransformers:  # as if `pip install .` had not installed the tokenizer extra
+    def find_spec(
+        self, name: str, path: object = None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
+        if name == "transformers" or name.startswith("transformers."):
+            raise ModuleNotFoundError("No module named 'transformers'")
+        return None
+
+
+@pytest.fixture
+def without_transformers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for name in [m for m in sys.modules if m == "transformers" or m.startswith("transformers.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [_HideTransformers(), *sys.meta_path])
+    yield
+
+
+@pytest.mark.usefixtures("without_transformers")
+def test_a_tokenizer_without_transformers_is_refused_alike(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    on_the_command_line = _cli_message(["--tokenizer", str(tmp_path)], capsys)
+    with pytest.raises(SettingsError) as in_code:
+        build_app(Settings(upstream=UPSTREAM, tokenizer=str(tmp_path)))
+    assert str(in_code.value) == on_the_command_line
+    assert "pip install 'tokenprobe[tokenizer]'" in on_the_command_line
