@@ -26,6 +26,7 @@ from proxy.core.tokens import TokenCounter
 from proxy.server.admission import own_route, where_to
 from proxy.server.control import ControlPlane
 from proxy.server.forward import Forwarder, UpstreamBroke
+from proxy.server.heap import freeze_startup_heap
 from proxy.server.identity import keep_asking
 from proxy.server.looplag import LoopLag
 from proxy.server.protocol import HEAD_GUARD, HeadGuard
@@ -75,6 +76,9 @@ class ProxyApp:
         self.registry = registry
         self.sinks = sinks
         self.control = control
+        # Only a serving process's own app freezes its heap (serve.build_app): the test
+        # processes build many apps and would keep every earlier one's garbage for good.
+        self.freeze_heap = False
         self.client: httpx.AsyncClient | None = None
         self.forwarder: Forwarder | None = None
         self.wire: Wire | None = None  # the wire's shared state (proxy/server/wire/)
@@ -132,6 +136,8 @@ class ProxyApp:
             await self._start_metrics_listener(
                 self.control.listener, settings.metrics_host or settings.host, settings.metrics_port
             )
+        if self.freeze_heap:
+            freeze_startup_heap()
 
     async def _start_metrics_listener(self, app: ASGIApp, host: str, port: int) -> None:
         """/metrics on its own address, so it can stay off the network clients reach."""

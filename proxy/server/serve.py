@@ -50,8 +50,10 @@ PROTOCOLS = {
 
 
 def build_app(settings: Settings) -> ProxyApp:
-    """The app with every sink the settings ask for."""
-    return assemble(settings, os.environ)
+    """The app with every sink the settings ask for, as a serving process runs it."""
+    app = assemble(settings, os.environ)
+    app.freeze_heap = True  # proxy/server/heap.py: short full collections
+    return app
 
 
 def worker_app() -> ProxyApp:
