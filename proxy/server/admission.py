@@ -9,13 +9,16 @@ that has an Api is measured), `parse_request` reads the body once, and a stream 
 client asked for no usage is asked for it, with a `UsageEventStripper` to take it out of
 the client's stream again. A refusal is one exception (`Refused`) carrying its answer;
 `count_refusal` records it; `error_answer` is the one shape of every answer the proxy
-writes itself (before any upstream byte reached the client).
+writes itself (before any upstream byte reached the client), `answer_bytes` the same as
+HTTP/1.1 bytes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
 from proxy.core.apis import Api, api_for
 from proxy.core.errors import error_body, error_shape
@@ -168,8 +171,26 @@ def count_refusal(
         sinks.passthrough(route_template(path), status)
 
 
-def error_answer(status: int, kind: str, message: str, path: str) -> tuple[Headers, bytes]:
-    """An answer from the proxy itself, shaped for the clients of `path`."""
-    body = error_body(status, kind, message, shape=error_shape(path))
+def error_answer(status: int, kind: str, message: str, path: str | None) -> tuple[Headers, bytes]:
+    """An answer from the proxy itself, shaped for the clients of `path` (OpenAI's shape
+    where no path is known yet)."""
+    shape = "openai" if path is None else error_shape(path)
+    body = error_body(status, kind, message, shape=shape)
     headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
     return headers, body
+
+
+def answer_bytes(
+    status: int, kind: str, message: str, path: str | None, *, close: bool, head_only: bool = False
+) -> bytes:
+    """`error_answer` as HTTP/1.1 bytes, for the paths that write to the socket themselves
+    (the wire, the head guard, the tunnel); `close` says the connection closes after it."""
+    headers, body = error_answer(status, kind, message, path)
+    lines = [STATUS_LINE[status]]
+    lines.extend(b"%s: %s\r\n" % pair for pair in headers)
+    if close:
+        lines.append(b"connection: close\r\n")
+    lines.append(b"\r\n")
+    if not head_only:
+        lines.append(body)
+    return b"".join(lines)

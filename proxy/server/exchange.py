@@ -26,6 +26,7 @@ from proxy.core.observe import StreamObserver, bare_record
 from proxy.core.request import RequestInfo
 from proxy.core.sse import EventTooLarge
 from proxy.core.tokens import TokenCounter
+from proxy.core.upstream_url import UpstreamURL
 from proxy.server.admission import RelaySettings
 from proxy.server.headers import Headers, redact, upstream_headers
 from proxy.sinks.dispatch import RequestScope, Sinks
@@ -42,6 +43,11 @@ class Context:
     settings: RelaySettings
     #: What the upstream last said it is (proxy/server/identity.py updates it in place).
     backend: Backend = field(default_factory=Backend)
+    #: The one parse of --upstream every data path sends to (base path kept).
+    upstream: UpstreamURL = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "upstream", UpstreamURL.parse(self.settings.upstream))
 
 
 class MeasuredExchange:

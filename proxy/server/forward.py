@@ -24,26 +24,18 @@ from typing import Any
 import httpx
 
 from proxy.core.errors import Cause, Failure
-from proxy.core.measurement import ErrorType
 from proxy.core.strip import UsageEventStripper
 from proxy.core.tokens import TokenCounter
-from proxy.core.upstream_url import UpstreamURL
 from proxy.server.admission import (
     BODY_TIMEOUT,
     ClientGone,
-    Refused,
     RelaySettings,
-    admit,
-    body_too_large,
-    check_head,
-    count_refusal,
     error_answer,
-    measured_api,
     relay_settings,
-    target,
+    where_to,
 )
-from proxy.server.exchange import Context, IdleTimer, MeasuredExchange
-from proxy.server.headers import client_headers
+from proxy.server.exchange import Context, IdleTimer
+from proxy.server.rules import ExchangeRules, UpstreamRequest
 from proxy.server.upstream import UpstreamProtocolError, body_reader, send_upstream
 from proxy.settings import Settings
 from proxy.sinks.dispatch import Sinks
@@ -72,8 +64,6 @@ class Forwarder:
         self.client = client
         self.context = Context(sinks, counter, settings)
         settings.injection.on_refuse = sinks.usage_injection_refused
-        self.upstream = UpstreamURL.parse(settings.upstream)
-        self.origin = self.upstream.origin
 
     @classmethod
     def from_settings(
@@ -87,55 +77,48 @@ class Forwarder:
         return cls(client=client, sinks=sinks, counter=counter, settings=relay_settings(settings))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        start = perf_counter()
-        started_at = time()
-        sinks, limits = self.context.sinks, self.context.settings
-        path: str = scope["path"]
-        api = None
-        try:
-            where = target(scope.get("raw_path") or path.encode(), scope["query_string"])
-            path = where.path
-            api = measured_api(scope["method"], path)
-            check_head(scope["headers"], limits)
-            body = await _read_body(receive, limits)
-        except Refused as refusal:
-            await _send_answer(send, refusal.status, refusal.kind, refusal.message, path)
-            count_refusal(sinks, path, api, refusal.status, start, started_at)
-            return
-        except ClientGone:
-            count_refusal(sinks, path, api, 0, start, started_at, ErrorType.CLIENT_CANCELLED)
-            return
-        scope = {**scope, "path": path, "query_string": where.query.encode()}
-        read = perf_counter()  # the request is in: the proxy's own time starts (overhead)
-        info, stripper = None, None
-        if api is not None:
-            info, body, stripper = admit(api, body, limits, self.context.backend.kind)
-        exchange = MeasuredExchange(
-            self.context, path, scope["headers"], info, start, started_at, read
+        raw_path = scope.get("raw_path") or scope["path"].encode()
+        rules = ExchangeRules(
+            self.context,
+            scope["method"],
+            where_to(raw_path, scope["query_string"]),
+            raw_path,
+            scope["headers"],
+            perf_counter(),
+            time(),
         )
-        url = self.origin + self.upstream.target(path, where.query)
-        await Relay(self.client, exchange, scope, receive, send).run(url, body, stripper)
+        if rules.refusal is None:
+            try:
+                await _read_body(receive, rules, self.context.settings.body_timeout)
+            except ClientGone:
+                rules.abandoned()
+                return
+        if rules.refusal is not None:
+            refusal = rules.refusal
+            await _send_answer(send, refusal.status, refusal.kind, refusal.message, rules.path)
+            rules.refused()
+            return
+        # The request is in: the proxy's own time starts (overhead).
+        upstream = rules.admit(perf_counter())
+        url = self.context.upstream.origin + upstream.target
+        await Relay(self.client, rules, scope, receive, send).run(url, upstream)
 
 
-async def _read_body(receive: Receive, limits: RelaySettings) -> bytes:
-    """The whole request body, or `Refused` (413, 408) or `ClientGone`."""
-    chunks: list[bytes] = []
-    size = 0
+async def _read_body(receive: Receive, rules: ExchangeRules, timeout: float) -> None:
+    """The whole request body into `rules`, which refuses one too large (413); one not in
+    within `timeout` is refused 408; `ClientGone` if the client left."""
     try:
-        async with asyncio.timeout(limits.body_timeout):
+        async with asyncio.timeout(timeout):
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
                     raise ClientGone
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > limits.max_body_bytes:
-                    raise body_too_large(limits.max_body_bytes)
-                chunks.append(chunk)
+                if rules.body(message.get("body", b"")) is not None:
+                    return
                 if not message.get("more_body", False):
-                    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                    return
     except TimeoutError:
-        raise BODY_TIMEOUT from None
+        rules.refuse(BODY_TIMEOUT)
 
 
 class Relay:
@@ -147,17 +130,28 @@ class Relay:
     one is the server's.
     """
 
-    __slots__ = ("client", "cut", "exchange", "idle", "receive", "response", "scope", "send")
+    __slots__ = (
+        "client",
+        "cut",
+        "exchange",
+        "idle",
+        "receive",
+        "response",
+        "rules",
+        "scope",
+        "send",
+    )
 
     def __init__(
         self,
         client: httpx.AsyncClient,
-        exchange: MeasuredExchange,
+        rules: ExchangeRules,
         scope: Scope,
         receive: Receive,
         send: Send,
     ) -> None:
-        self.client, self.exchange = client, exchange
+        assert rules.exchange is not None, "admitted"
+        self.client, self.rules, self.exchange = client, rules, rules.exchange
         self.scope, self.receive, self.send = scope, receive, send
         task = asyncio.current_task()
         assert task is not None
@@ -165,12 +159,12 @@ class Relay:
         self.response: httpx.Response | None = None
         self.idle: IdleTimer | None = None
 
-    async def run(self, url: str, body: bytes, stripper: UsageEventStripper | None) -> None:
+    async def run(self, url: str, upstream: UpstreamRequest) -> None:
         cut = self.cut
         watcher = asyncio.create_task(_watch_client(self.receive, cut))
         failure: Failure | None = None
         try:
-            stripper = await self.send_request(url, body, stripper)
+            stripper = await self.send_request(url, upstream)
             await self.stream(stripper)
         except asyncio.CancelledError:
             cut.task.uncancel()
@@ -190,20 +184,17 @@ class Relay:
 
     # -- the steps --------------------------------------------------------------------
 
-    async def send_request(
-        self, url: str, body: bytes, stripper: UsageEventStripper | None
-    ) -> UsageEventStripper | None:
+    async def send_request(self, url: str, upstream: UpstreamRequest) -> UsageEventStripper | None:
         """Send the request upstream (to `url`: the upstream's origin and base path, then
         the normalised target) and the response head to the client. Returns the stripper
         if this response is one to strip."""
-        scope, exchange = self.scope, self.exchange
+        exchange = self.exchange
         limits = exchange.context.settings
-        headers = exchange.upstream_headers()
         exchange.sent(perf_counter())
         try:
             async with asyncio.timeout(limits.first_byte_timeout) as deadline:
                 self.response = response = await send_upstream(
-                    self.client, scope["method"], url, headers, body
+                    self.client, self.scope["method"], url, upstream.headers, upstream.body
                 )
         except TimeoutError:
             if deadline.expired():
@@ -213,17 +204,11 @@ class Relay:
         if status < 200:  # a 101 the relay never asked for (both clients drop other 1xx)
             exchange.context.sinks.count_upstream_protocol_error("upgrade")
             raise UpstreamProtocolError("upgrade", f"the upstream answered {status} unasked")
-        content_type = response.headers.get("content-type", "")
-        exchange.open(status, content_type, perf_counter())
-        # Only an event stream has a usage event to drop: any other body (a JSON answer
-        # to a stream request) passes whole.
-        if not (status < 400 and content_type.startswith("text/event-stream")):
-            stripper = None
         raw = [(k.lower(), v) for k, v in response.headers.raw]
-        out = client_headers(raw, content_type.encode(), body_changes=stripper is not None)
-        await self.send({"type": "http.response.start", "status": status, "headers": out})
+        head = self.rules.response_head(status, raw, perf_counter())
+        await self.send({"type": "http.response.start", "status": status, "headers": head.headers})
         exchange.relayed(perf_counter())
-        return stripper
+        return head.stripper
 
     async def stream(self, stripper: UsageEventStripper | None) -> None:
         """The per-chunk loop: each read goes to the client, then to the exchange. It
@@ -255,11 +240,9 @@ class Relay:
         """The relay stopped early; a client that has no response head yet gets the
         proxy's own error answer."""
         self.cut.done = True
-        exchange = self.exchange
-        failure = exchange.failure(cause, exc)
+        failure = self.rules.early_end(cause, exc)
         if failure.answer is not None:
-            exchange.status, kind, message = failure.answer
-            await _send_answer(self.send, exchange.status, kind, message, exchange.path)
+            await _send_answer(self.send, *failure.answer, self.rules.path)
         return failure
 
 

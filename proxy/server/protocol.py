@@ -41,9 +41,9 @@ from typing import Any
 
 import httptools
 from prometheus_client import CollectorRegistry, Counter
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from proxy.core.errors import error_body
+from proxy.server.admission import answer_bytes
 from proxy.server.tunnel import is_websocket_upgrade
 from proxy.settings import Settings
 
@@ -300,9 +300,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.close()
 
     def _write_error(self, status: int, kind: str, message: str) -> None:
-        body = error_body(status, kind, message)
-        head = b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
-        self.transport.write(STATUS_LINE[status] + head % len(body) + body)
+        self.transport.write(answer_bytes(status, kind, message, None, close=True))
 
 
 class Upgrade:

@@ -33,33 +33,19 @@ from typing import Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from proxy.core.apis import Api
 from proxy.core.errors import Cause, Failure
-from proxy.core.measurement import ErrorType
 from proxy.core.paths import Target
 from proxy.core.strip import UsageEventStripper
-from proxy.core.upstream_url import UpstreamURL
-from proxy.server.admission import (
-    BODY_TIMEOUT,
-    Refused,
-    admit,
-    body_too_large,
-    check_head,
-    count_refusal,
-    error_answer,
-    measured_api,
-    own_route,
-    where_to,
-)
-from proxy.server.exchange import Context, IdleTimer, MeasuredExchange
-from proxy.server.headers import Headers, client_headers
+from proxy.server.admission import BODY_TIMEOUT, Refused, answer_bytes, own_route, where_to
+from proxy.server.exchange import Context, IdleTimer
+from proxy.server.headers import Headers
 from proxy.server.protocol import GuardedHttpToolsProtocol
-from proxy.server.wire.upstream import Pool, UpstreamConnection
+from proxy.server.rules import ExchangeRules, Stage
+from proxy.server.wire.upstream import LAST_CHUNK, Pool, UpstreamConnection, frame_chunk
 
 log = logging.getLogger("tokenprobe")
 
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-_LAST_CHUNK = b"0\r\n\r\n"
 _WITH_BODY = frozenset({b"POST", b"PUT", b"PATCH"})
 
 
@@ -72,10 +58,9 @@ class Wire:
     ) -> None:
         self.context = context
         self.owns = owns
-        settings = context.settings
         self.pool = Pool(
-            UpstreamURL.parse(settings.upstream),
-            settings.connect_timeout,
+            context.upstream,
+            context.settings.connect_timeout,
             context.sinks.count_upstream_protocol_error,
         )
         self.active: set[WireRequest] = set()
@@ -235,32 +220,23 @@ class WireRequest:
     """One relayed request on a client connection, in uvicorn's cycle's place.
 
     uvicorn's protocol reads `response_complete` and `keep_alive` on it (pipelining, the
-    drain); the rest is this request's own."""
+    drain); what the request's events mean is decided by its `ExchangeRules`
+    (proxy/server/rules.py), and this object carries that out on the connection."""
 
     __slots__ = (
-        "api",
-        "body",
         "complete",
-        "exchange",
         "expect_100",
         "first_byte",
         "head_only",
-        "headers",
         "http_11",
         "idle",
         "keep_alive",
         "method",
-        "path",
         "proto",
-        "query",
-        "raw_path",
-        "refused",
         "resend",
         "response_complete",
-        "size",
-        "start",
+        "rules",
         "started",
-        "started_at",
         "stripper",
         "timer",
         "transport",
@@ -281,90 +257,76 @@ class WireRequest:
         keep_alive: bool,
         expect_100: bool,
     ) -> None:
-        self.start, self.started_at = perf_counter(), time()
         self.proto, self.wire, self.transport = proto, wire, proto.transport
-        self.method, self.raw_path, self.headers = method, raw_path, headers
+        self.method = method
         self.http_11, self.keep_alive, self.expect_100 = http_11, keep_alive, expect_100
         self.head_only = method == b"HEAD"
         self.response_complete = False
         self.started = False  # its turn on the connection came
         self.complete = False  # its whole body is in
-        self.body: list[bytes] = []
-        self.size = 0
-        self.exchange: MeasuredExchange | None = None
         self.upstream: UpstreamConnection | None = None
         self.resend = b""  # the request, while it went out on a reused connection unanswered
         self.stripper: UsageEventStripper | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.first_byte: asyncio.TimerHandle | None = None
         self.idle: _Idle | None = None
-        self.refused: Refused | None = None
-        self.api: Api | None = None
-        self.path = raw_path.decode("latin-1")
-        self.query = b""
-        if isinstance(where, Refused):
-            self.refused = where
-            return
-        self.path, self.query = where.path, where.query.encode()
-        limits = wire.context.settings
-        try:
-            self.api = measured_api(method.decode("latin-1"), self.path)
-            check_head(headers, limits)
-        except Refused as refusal:
-            self.refused = refusal
-            return
-        self.timer = proto.loop.call_later(limits.body_timeout, self._body_timed_out)
+        context = wire.context
+        self.rules = rules = ExchangeRules(
+            context,
+            method.decode("latin-1"),
+            where,
+            raw_path,
+            headers,
+            perf_counter(),
+            time(),
+        )
+        if rules.stage is Stage.RECEIVING:
+            self.timer = proto.loop.call_later(context.settings.body_timeout, self._body_timed_out)
 
     # -- the request ------------------------------------------------------------------
 
     def begin(self) -> None:
         """Its turn on the connection: answer a refusal, or go upstream once the body is in."""
         self.started = True
-        if self.refused is not None:
-            self._answer_refusal(self.refused, close=self.refused is BODY_TIMEOUT)
+        stage = self.rules.stage
+        if stage is Stage.REFUSED:
+            self._answer_refusal()
         elif self.complete:
             self._send()
         elif self.expect_100 and not self.transport.is_closing():
             self.transport.write(_CONTINUE)  # as uvicorn does when an app reads the body
 
     def on_body(self, body: bytes) -> None:
-        if self.refused is not None or self.exchange is not None:
-            return  # answered already: the rest of the body is read and dropped
-        self.size += len(body)
-        limit = self.wire.context.settings.max_body_bytes
-        if self.size > limit:
-            self._refuse(body_too_large(limit))
-            return
-        self.body.append(body)
+        if self.rules.body(body) is not None:
+            self._refused()
 
     def on_message_complete(self) -> None:
         self.complete = True
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        if self.started and self.refused is None and self.exchange is None:
+        if self.started and self.rules.stage is Stage.RECEIVING:
             self._send()
 
     def _body_timed_out(self) -> None:
         self.timer = None
         if not self.complete:
-            self._refuse(BODY_TIMEOUT)
+            self.rules.refuse(BODY_TIMEOUT)
+            self._refused()
 
-    def _refuse(self, refusal: Refused) -> None:
+    def _refused(self) -> None:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        self.refused = refusal
-        self.body = []
         if self.started:
-            self._answer_refusal(refusal, close=refusal is BODY_TIMEOUT)
+            self._answer_refusal()
 
-    def _answer_refusal(self, refusal: Refused, *, close: bool) -> None:
-        limits = self.wire.context
-        count_refusal(
-            limits.sinks, self.path, self.api, refusal.status, self.start, self.started_at
-        )
-        if close:
+    def _answer_refusal(self) -> None:
+        rules = self.rules
+        refusal = rules.refusal
+        assert refusal is not None
+        rules.refused()
+        if refusal is BODY_TIMEOUT:
             self.keep_alive = False
         self._answer(refusal.status, refusal.kind, refusal.message)
         self._response_over()
@@ -372,22 +334,19 @@ class WireRequest:
     def _send(self) -> None:
         """The request goes upstream: admitted, measured, on a pooled connection."""
         wire = self.wire
-        context = wire.context
-        read = perf_counter()  # the request is in: the proxy's own time starts (overhead)
-        body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
-        self.body = []
-        info = None
-        if self.api is not None:
-            info, body, self.stripper = admit(
-                self.api, body, context.settings, context.backend.kind
-            )
-        exchange = self.exchange = MeasuredExchange(
-            context, self.path, self.headers, info, self.start, self.started_at, read
-        )
+        rules = self.rules
+        # The request is in: the proxy's own time starts (overhead).
+        upstream = rules.admit(perf_counter())
+        exchange = rules.exchange
+        assert exchange is not None
+        self.stripper = rules.stripper
         wire.active.add(self)
-        where = wire.pool.upstream.target(self.path, self.query.decode("ascii")).encode()
-        lines = [b"%s %s HTTP/1.1\r\nhost: %s\r\n" % (self.method, where, wire.pool.authority)]
-        lines.extend(b"%s: %s\r\n" % pair for pair in exchange.upstream_headers())
+        body = upstream.body
+        lines = [
+            b"%s %s HTTP/1.1\r\nhost: %s\r\n"
+            % (self.method, upstream.target.encode(), wire.pool.authority)
+        ]
+        lines.extend(b"%s: %s\r\n" % pair for pair in upstream.headers)
         if body or self.method in _WITH_BODY:
             lines.append(b"content-length: %d\r\n" % len(body))
         lines.append(b"\r\n")
@@ -396,7 +355,7 @@ class WireRequest:
         exchange.sent(perf_counter())
         loop = self.proto.loop
         self.first_byte = loop.call_later(
-            context.settings.first_byte_timeout, self.cut, Cause.FIRST_BYTE_TIMEOUT
+            exchange.context.settings.first_byte_timeout, self.cut, Cause.FIRST_BYTE_TIMEOUT
         )
         conn = wire.pool.take()
         if conn is not None:
@@ -432,25 +391,16 @@ class WireRequest:
 
     def response_head(self, status: int, headers: Headers, now: float) -> None:
         self.resend = b""
-        conn, exchange = self.upstream, self.exchange
+        conn, exchange = self.upstream, self.rules.exchange
         assert conn is not None and exchange is not None
         if self.first_byte is not None:
             self.first_byte.cancel()
             self.first_byte = None
-        content_type = b""
-        length = False
-        for name, value in headers:
-            if name == b"content-type":
-                content_type = value
-            elif name == b"content-length":
-                length = True
-        exchange.open(status, content_type.decode("latin-1"), now)
-        stripper = self.stripper
-        if not (status < 400 and content_type.startswith(b"text/event-stream")):
-            stripper = None
-        out = client_headers(headers, content_type, body_changes=stripper is not None)
+        head = self.rules.response_head(status, headers, now)
+        stripper = self.stripper = head.stripper
+        out = head.headers
         no_body = self.head_only or status in (204, 304)
-        chunked = not no_body and (stripper is not None or not length)
+        chunked = not no_body and (stripper is not None or not head.length)
         if chunked and not self.http_11:  # an HTTP/1.0 client: the body ends with the connection
             chunked, self.keep_alive = False, False
         if chunked:
@@ -470,17 +420,16 @@ class WireRequest:
         conn.chunked = chunked
         conn.strip = None if stripper is None else stripper.feed
         conn.feed = exchange.feed
-        self.stripper = stripper
         self.idle = _Idle(exchange.context.settings.idle_timeout, self.cut, conn)
 
     def response_end(self, now: float, reusable: bool) -> None:
         """The upstream body ended cleanly."""
-        conn, exchange = self.upstream, self.exchange
+        conn, exchange = self.upstream, self.rules.exchange
         assert conn is not None and exchange is not None
         if self.stripper is not None and (rest := self.stripper.flush()):
-            conn.write(b"%x\r\n%b\r\n" % (len(rest), rest) if conn.chunked else rest)
+            conn.write(frame_chunk(rest) if conn.chunked else rest)
         if conn.chunked:
-            self.transport.write(_LAST_CHUNK)
+            self.transport.write(LAST_CHUNK)
         exchange.end_of_stream(now)
         self.upstream = None
         conn.release(reusable and not self.head_only)
@@ -518,28 +467,24 @@ class WireRequest:
         self._end_early(cause)
 
     def client_gone(self) -> None:
-        if self.exchange is not None:
+        if self.rules.exchange is not None:
             self._end_early(Cause.CLIENT_GONE)
             return
         if self.timer is not None:
             self.timer.cancel()
-        if not self.response_complete and self.refused is None:
+        if not self.response_complete and self.rules.stage is Stage.RECEIVING:
             self.response_complete = True
-            context = self.wire.context
-            error = ErrorType.CLIENT_CANCELLED
-            count_refusal(context.sinks, self.path, self.api, 0, self.start, self.started_at, error)
+            self.rules.abandoned()
 
     def _end_early(self, cause: Cause, exc: BaseException | None = None) -> None:
-        exchange = self.exchange
-        if self.response_complete or exchange is None:
+        if self.response_complete or self.rules.exchange is None:
             return
         conn, self.upstream = self.upstream, None
         if conn is not None:
             conn.close()
-        failure = exchange.failure(cause, exc)
+        failure = self.rules.early_end(cause, exc)
         if failure.answer is not None:
-            exchange.status, kind, message = failure.answer
-            self._answer(exchange.status, kind, message)
+            self._answer(*failure.answer)
         elif failure.drop or cause is Cause.CLIENT_GONE:
             self.keep_alive = False
         self._done(failure)
@@ -550,8 +495,9 @@ class WireRequest:
                 timer.cancel()
         self.first_byte = self.idle = None
         self.wire.active.discard(self)
-        assert self.exchange is not None
-        self.exchange.finish_soon(failure)
+        exchange = self.rules.exchange
+        assert exchange is not None
+        exchange.finish_soon(failure)
         self._response_over()
 
     def _response_over(self) -> None:
@@ -563,15 +509,16 @@ class WireRequest:
     def _answer(self, status: int, kind: str, message: str) -> None:
         if self.transport.is_closing():
             return
-        headers, body = error_answer(status, kind, message, self.path)
-        lines = [STATUS_LINE[status]]
-        lines.extend(b"%s: %s\r\n" % pair for pair in headers)
-        if not self.keep_alive:
-            lines.append(b"connection: close\r\n")
-        lines.append(b"\r\n")
-        if not self.head_only:
-            lines.append(body)
-        self.transport.write(b"".join(lines))
+        self.transport.write(
+            answer_bytes(
+                status,
+                kind,
+                message,
+                self.rules.path,
+                close=not self.keep_alive,
+                head_only=self.head_only,
+            )
+        )
 
 
 def _reads_to_close(conn: UpstreamConnection) -> bool:

@@ -51,6 +51,15 @@ class WireRequest(Protocol):
     def client_flow(self, *, pause: bool) -> None: ...
 
 
+#: Chunked framing (RFC 9112 §7.1), the one writer of it: each piece the client gets of a
+#: body the proxy re-frames, and the last chunk (no trailers).
+LAST_CHUNK = b"0\r\n\r\n"
+
+
+def frame_chunk(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
 def _discard(data: bytes) -> None:
     pass
 
@@ -117,7 +126,7 @@ class UpstreamConnection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         out = body if self.strip is None else self.strip(body)
         if out:
-            self.write(b"%x\r\n%b\r\n" % (len(out), out) if self.chunked else out)
+            self.write(frame_chunk(out) if self.chunked else out)
         self.feed(body, self.now)
 
     # -- the rest of a response -------------------------------------------------------

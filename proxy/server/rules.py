@@ -1,0 +1,212 @@
+"""One request's rules, sans I/O: events in, decisions out, for both data paths.
+
+The wire (proxy/server/wire/connection.py) and the ASGI relay (proxy/server/forward.py)
+each create one `ExchangeRules` at a request's head and hand it the request's events; it
+says what to do, and they only carry that out with their own I/O (transport writes on the
+wire, ASGI messages and httpx in the relay). No socket, task or clock in here: the time
+comes in as an argument, as the observer's does.
+
+| event | method | decision |
+|---|---|---|
+| the head (method, normalised target, headers) | the constructor | `refusal` (400 a target that cannot be normalised, 431 headers too large, 413 a declared body over --max-body-bytes), the API seam (`api`) |
+| a piece of the body | `body` | the refusal (413) once it passes --max-body-bytes |
+| the body did not come in --body-timeout | `refuse(BODY_TIMEOUT)` | 408 |
+| a refusal answered, a client gone before its body was in | `refused`, `abandoned` | the record or count |
+| the whole body | `admit` | `UpstreamRequest`: the target upstream (the upstream's base path in front), the headers that go, the body (usage asked for) |
+| the upstream's response head | `response_head` | `ClientHead`: the headers the client gets, and whether the body is stripped (only an event stream is) |
+| an early end (client gone, a timeout, a break, shutdown) | `early_end` | a `Failure`: the proxy's answer while no head went out, else drop or end |
+
+`Stage` names where a request is, so neither path keeps flags whose combinations mean a
+state. What is measured, and the one finish sequence, belong to the `MeasuredExchange`
+that `admit` opens (proxy/server/exchange.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from proxy.core.apis import Api
+from proxy.core.errors import Cause, Failure
+from proxy.core.measurement import ErrorType
+from proxy.core.paths import Target
+from proxy.core.strip import UsageEventStripper
+from proxy.server.admission import (
+    Refused,
+    admit,
+    body_too_large,
+    check_head,
+    count_refusal,
+    measured_api,
+)
+from proxy.server.exchange import Context, MeasuredExchange
+from proxy.server.headers import Headers, client_headers
+
+_EVENT_STREAM = b"text/event-stream"
+
+
+class Stage(Enum):
+    RECEIVING = "receiving"  # the head is admitted; the body is coming in
+    REFUSED = "refused"  # the proxy answers itself; the rest of the body is dropped
+    UPSTREAM = "upstream"  # admitted and sent upstream: waiting for the response head
+    RESPONDING = "responding"  # the response head went to the client
+    DONE = "done"  # ended early; what ended cleanly is the data path's to say
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamRequest:
+    """What goes upstream: `target` is the upstream's base path + the normalised target."""
+
+    target: str
+    headers: Headers
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ClientHead:
+    """What the client gets of the upstream's response head."""
+
+    headers: Headers  # the client's, with the header policy applied (proxy/server/headers.py)
+    stripper: UsageEventStripper | None  # the body goes through it (the usage asked for)
+    length: bool  # the upstream framed its body by Content-Length
+
+
+class ExchangeRules:
+    """One request's rules; `exchange` is its measuring once admitted."""
+
+    __slots__ = (
+        "api",
+        "context",
+        "exchange",
+        "headers",
+        "method",
+        "parts",
+        "path",
+        "query",
+        "refusal",
+        "size",
+        "stage",
+        "start",
+        "started_at",
+        "stripper",
+    )
+
+    def __init__(
+        self,
+        context: Context,
+        method: str,
+        where: Target | Refused,
+        raw_path: bytes,
+        headers: Headers,
+        start: float,
+        started_at: float,
+    ) -> None:
+        """`where`: the request's normalised target, or the refusal of one that cannot be
+        (admission.where_to: the data path decided on it whether the request is the
+        proxy's own already)."""
+        self.context, self.method, self.headers = context, method, headers
+        self.start, self.started_at = start, started_at
+        self.api: Api | None = None
+        self.exchange: MeasuredExchange | None = None
+        self.stripper: UsageEventStripper | None = None
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.refusal: Refused | None = None
+        self.stage = Stage.RECEIVING
+        if isinstance(where, Refused):
+            self.path, self.query = raw_path.decode("latin-1"), ""
+            self.refuse(where)
+            return
+        self.path, self.query = where.path, where.query
+        try:
+            self.api = measured_api(method, self.path)
+            check_head(headers, context.settings)
+        except Refused as refusal:
+            self.refuse(refusal)
+
+    # -- the request ------------------------------------------------------------------
+
+    def body(self, piece: bytes) -> Refused | None:
+        """A piece of the request body: kept, or the refusal once the body passes
+        --max-body-bytes. After a refusal the rest is dropped."""
+        if self.stage is not Stage.RECEIVING:
+            return None
+        self.size += len(piece)
+        limit = self.context.settings.max_body_bytes
+        if self.size > limit:
+            return self.refuse(body_too_large(limit))
+        self.parts.append(piece)
+        return None
+
+    def refuse(self, refusal: Refused) -> Refused:
+        """The proxy answers this request itself; nothing goes upstream."""
+        self.stage, self.refusal, self.parts = Stage.REFUSED, refusal, []
+        return refusal
+
+    def refused(self) -> None:
+        """The refusal was answered: a bare record for a measured API, else a count."""
+        assert self.refusal is not None
+        self._count(self.refusal.status, ErrorType.BAD_REQUEST)
+
+    def abandoned(self) -> None:
+        """The client left before its request was all in (nothing went upstream)."""
+        if self.stage is Stage.RECEIVING:
+            self.stage = Stage.DONE
+            self._count(0, ErrorType.CLIENT_CANCELLED)
+
+    def _count(self, status: int, error: ErrorType) -> None:
+        context = self.context
+        count_refusal(
+            context.sinks, self.path, self.api, status, self.start, self.started_at, error
+        )
+
+    def admit(self, now: float) -> UpstreamRequest:
+        """The body is in (at `now`, when the proxy's own time starts): the request as it
+        goes upstream, measured from here by the exchange this opens."""
+        context, parts = self.context, self.parts
+        body = parts[0] if len(parts) == 1 else b"".join(parts)
+        self.parts = []
+        info = None
+        if self.api is not None:
+            info, body, self.stripper = admit(
+                self.api, body, context.settings, context.backend.kind
+            )
+        exchange = self.exchange = MeasuredExchange(
+            context, self.path, self.headers, info, self.start, self.started_at, now
+        )
+        self.stage = Stage.UPSTREAM
+        target = context.upstream.target(self.path, self.query)
+        return UpstreamRequest(target, exchange.upstream_headers(), body)
+
+    # -- the response -----------------------------------------------------------------
+
+    def response_head(self, status: int, headers: Headers, now: float) -> ClientHead:
+        """The upstream's response head (lower-case names), read at `now`."""
+        exchange = self.exchange
+        assert exchange is not None, "a response head before the request went upstream"
+        content_type = b""
+        length = False
+        for name, value in headers:
+            if name == b"content-type":
+                content_type = value
+            elif name == b"content-length":
+                length = True
+        exchange.open(status, content_type.decode("latin-1"), now)
+        # Only an event stream has a usage event to drop: any other body (a JSON answer
+        # to a stream request, an error) passes whole.
+        if not (status < 400 and content_type.startswith(_EVENT_STREAM)):
+            self.stripper = None
+        self.stage = Stage.RESPONDING
+        out = client_headers(headers, content_type, body_changes=self.stripper is not None)
+        return ClientHead(out, self.stripper, length)
+
+    def early_end(self, cause: Cause, exc: BaseException | None = None) -> Failure:
+        """The relay stops early. The failure's `answer`, when set, is what the client gets
+        (no response head went out yet); else `drop` says whether to drop its connection."""
+        exchange = self.exchange
+        assert exchange is not None, "an early end before the request went upstream"
+        failure = exchange.failure(cause, exc)
+        if failure.answer is not None:
+            exchange.status = failure.answer[0]
+        self.stage = Stage.DONE
+        return failure
