@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 import yaml
@@ -23,6 +23,11 @@ import yaml
 from proxy.core.labels import SECRET_HEADERS
 from proxy.core.slo import NAMES as SLO_NAMES
 from proxy.core.slo import Policy, SloError, format_slo, parse_slo, parse_slo_file
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+GroupT = TypeVar("GroupT", bound="DataclassInstance")
 
 
 class SettingsError(ValueError):
@@ -457,6 +462,29 @@ def _spec(f: dataclasses.Field[Any]) -> Spec:
 
 
 SPECS: tuple[Spec, ...] = tuple(_spec(f) for f in dataclasses.fields(Settings))
+
+
+#: Every setting's name: a settings group's field named like one takes its value (`group`).
+NAMES = frozenset(spec.name for spec in SPECS)
+
+
+def group(cls: type[GroupT], settings: Settings, **derived: Any) -> GroupT:
+    """A settings group (the values one part of the proxy reads at startup, as a
+    dataclass), built the one way: a field named like a setting takes that setting's
+    value, `derived` gives the fields computed from settings, and a field that is
+    neither keeps its default. A field with no value and no default fails here, at
+    startup; tests/server/test_settings_groups.py checks every group."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if f.name in derived:
+            values[f.name] = derived.pop(f.name)
+        elif f.name in NAMES:
+            values[f.name] = getattr(settings, f.name)
+    if derived:
+        raise TypeError(f"{cls.__name__} has no fields {sorted(derived)}")
+    return cls(**values)
 
 
 def settings_table() -> str:

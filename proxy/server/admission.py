@@ -29,13 +29,14 @@ from proxy.core.paths import BadTarget, Target, normalise, route_key
 from proxy.core.request import RequestInfo, parse_request
 from proxy.core.strip import Injection, UsageEventStripper
 from proxy.server.headers import Headers, secret_names
-from proxy.settings import Settings
+from proxy.settings import Settings, group
 from proxy.sinks.dispatch import Sinks
 
 
 @dataclass(frozen=True, slots=True)
 class RelaySettings:
-    """What both data paths read from the settings, once, at startup (`relay_settings`)."""
+    """What both data paths read from the settings, once, at startup (`relay_settings`,
+    through settings.group: a field named like a setting is that setting)."""
 
     upstream: str  # base URL, no trailing path
     inject_usage: bool  # ask a stream for usage when its client did not, and strip it back
@@ -53,18 +54,7 @@ class RelaySettings:
 
 
 def relay_settings(settings: Settings) -> RelaySettings:
-    return RelaySettings(
-        upstream=settings.upstream,
-        inject_usage=settings.inject_usage,
-        max_body_bytes=settings.max_body_bytes,
-        max_header_bytes=settings.max_header_bytes,
-        max_event_bytes=settings.max_event_bytes,
-        body_timeout=settings.body_timeout,
-        connect_timeout=settings.connect_timeout,
-        first_byte_timeout=settings.first_byte_timeout,
-        idle_timeout=settings.idle_timeout,
-        secret_headers=secret_names(settings.secret_headers),
-    )
+    return group(RelaySettings, settings, secret_headers=secret_names(settings.secret_headers))
 
 
 class Refused(Exception):

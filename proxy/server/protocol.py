@@ -45,7 +45,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from proxy.server.admission import answer_bytes
 from proxy.server.tunnel import is_websocket_upgrade
-from proxy.settings import Settings
+from proxy.settings import Settings, group
 
 #: Room for the request line and the header block's framing on top of --max-header-bytes,
 #: which the app checks as the sum of header names and values.
@@ -62,11 +62,7 @@ class HeadLimits:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> HeadLimits:
-        return cls(
-            max_head_bytes=settings.max_header_bytes + HEAD_SLACK,
-            max_headers=settings.max_headers,
-            header_timeout=settings.header_timeout,
-        )
+        return group(cls, settings, max_head_bytes=settings.max_header_bytes + HEAD_SLACK)
 
 
 #: The lifespan state key of the served app's HeadGuard (uvicorn's `app_state`).
