@@ -16,7 +16,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from arms import Stack, remove, workdir
+from arms.stack import Stack
+from harness.procs import remove, workdir
 from relay import Bench, parse_args
 
 

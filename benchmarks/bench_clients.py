@@ -43,7 +43,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import checkout  # noqa: F401  (this checkout's proxy/)
+from harness import checkout  # noqa: F401  (this checkout's proxy/)
 
 from proxy.bench.ports import free_port
 
@@ -73,7 +73,7 @@ def emitters(count: int, cpus: set[int]) -> Iterator[str]:
     port = free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, str(HERE / "emitter.py"), "--port", str(port)],
+            [sys.executable, str(HERE / "peers" / "emitter.py"), "--port", str(port)],
             preexec_fn=pinned(cpus),
         )
         for _ in range(count)

@@ -26,9 +26,9 @@ import threading
 import time
 from pathlib import Path
 
-import checkout  # noqa: F401  (this checkout's proxy/)
 import orjson
 import uvicorn
+from harness import checkout  # noqa: F401  (this checkout's proxy/)
 
 from proxy.sim.app import SimApp, create_sim_app
 from proxy.sim.config import SimConfig

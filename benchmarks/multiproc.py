@@ -38,10 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from arms import (
-    HERE,
-    NGINX,
-    NGINX_CONF,
+from arms.stack import NGINX, NGINX_CONF
+from harness.procs import (
+    HARNESS,
+    PARTS_ENV,
+    PEERS,
     PY,
     cpu,
     descendants,
@@ -109,7 +110,7 @@ class Load:
         self.port = free_port()
         self.emitters = [
             spawn(
-                [PY, str(HERE / "emitter.py"), "--port", str(self.port)],
+                [PY, str(PEERS / "emitter.py"), "--port", str(self.port)],
                 self.load_cpus,
                 log=work / f"emitter{i}.log",
             )
@@ -118,9 +119,10 @@ class Load:
         wait_ready(self.emitters[0], self.port, "/v1/chat/completions", 30)
         self.clients = [
             spawn(
-                [PY, str(HERE / "loadgen.py")],
+                [PY, str(HARNESS / "loadgen.py")],
                 self.load_cpus,
                 log=work / f"client{i}.log",
+                env=PARTS_ENV,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
             )
@@ -184,7 +186,7 @@ def start_arm(kind: str, workers: int, load: Load) -> Group:
         metrics_dir = work / f"prom-{kind}-{workers}"
         metrics_dir.mkdir(exist_ok=True)
         env = {"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)} if workers > 1 else {}
-        cmd = [PY, str(HERE / "reuseport_worker.py"), "--upstream", upstream]
+        cmd = [PY, str(PEERS / "reuseport_worker.py"), "--upstream", upstream]
         cmd += ["--port", str(port), "--access-log", "off"]
         group.procs += [spawn(cmd, load.arm_cpus, log=log, env=env) for _ in range(workers)]
     else:

@@ -28,8 +28,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import checkout  # noqa: F401  (this checkout's proxy/ first)
 import httptools
+from harness import checkout  # noqa: F401  (this checkout's proxy/ first)
 
 from proxy.core.observe import StreamObserver
 from proxy.core.request import parse_request

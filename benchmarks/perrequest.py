@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import checkout  # noqa: F401  (this checkout's proxy/ first)
+from harness import checkout  # noqa: F401  (this checkout's proxy/ first)
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry

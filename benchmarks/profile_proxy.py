@@ -21,7 +21,8 @@ import threading
 import time
 from pathlib import Path
 
-from arms import Stack, remove, spawn, workdir
+from arms.stack import Stack
+from harness.procs import remove, spawn, workdir
 from relay import ALL_ARMS, EXTRA_ARMS, unmeasured
 
 
@@ -54,7 +55,7 @@ def main() -> int:
         "--tree",
         type=Path,
         default=None,
-        help="run the arm from this source tree (a compiled one: benchmarks/checkout.py's "
+        help="run the arm from this source tree (a compiled one: benchmarks/harness/checkout.py's "
         "compiled_tree; profile it with --native, mypyc's functions are C frames)",
     )
     args = p.parse_args()

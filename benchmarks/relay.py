@@ -6,7 +6,7 @@ process; the load generator (raw asyncio + httptools) in another, both pinned aw
 the arm under test, which gets a core to itself. Arms, interleaved in rounds:
 
   direct            client -> simulator (the baseline every "added" figure subtracts)
-  relay             a TCP byte relay on uvloop (benchmarks/byte_relay.py): the floor
+  relay             a TCP byte relay on uvloop (benchmarks/peers/byte_relay.py): the floor
   nginx             proxy_buffering off, HTTP/1.1 upstream keep-alive (when installed)
   tokenprobe        metrics only (--access-log off), the default data path
   tokenprobe-log    metrics + JSON access log to /dev/null: the arm issue 20's targets quote
@@ -50,23 +50,21 @@ from pathlib import Path
 from typing import Any
 
 import sidecar
-from arms import (
-    NGINX_HINT,
+from arms.stack import NGINX_HINT, Arm, Stack, has_relay_setting
+from harness.checkout import compiled_tree, tree_at
+from harness.procs import (
+    PEERS,
     PY,
     ROOT,
-    Arm,
-    Stack,
     cpu,
-    has_relay_setting,
     remove,
     rss_bytes,
     system_busy_ns,
     wakeups,
     workdir,
 )
-from checkout import compiled_tree, tree_at
-from report import chart, markdown, summarize
-from targets import issue_targets, targets_markdown
+from reports.report import chart, markdown, summarize
+from reports.targets import issue_targets, targets_markdown
 
 ALL_ARMS = (
     "direct", "relay", "nginx", "tokenprobe", "tokenprobe-log", "tokenprobe-full",
@@ -593,7 +591,7 @@ def websocket_arms(args: argparse.Namespace, work: Path, t_begin: float) -> dict
                 upstream=f"http://127.0.0.1:{stack.ws_port}",
             )
         )  # fmt: skip
-        from arms import wait_ready
+        from harness.procs import wait_ready
 
         assert stack.ws is not None
         wait_ready(stack.ws, stack.ws_port, "/v1/chat/completions", 30)
@@ -631,7 +629,7 @@ def ws_phase(stack: Stack, arm: Arm, duration: float) -> dict[str, Any]:
 
     pids = arm.pids()
     c0 = cpu(pids)
-    cmd = [PY, str(Path(__file__).parent / "ws_echo.py"), "client", "--port", str(arm.port),
+    cmd = [PY, str(PEERS / "ws_echo.py"), "client", "--port", str(arm.port),
            "--path", "/ws", "--sessions", "50", "--duration", str(duration)]  # fmt: skip
     gen = stack.gen_cpus
     done = subprocess.run(
@@ -674,7 +672,7 @@ def search(bench: Bench, arms: list[Arm], kind: str, rates: list[float]) -> None
                 )
         tag = "rps-search" if kind == "poisson" else "chunk-search"
         got = {p["arm"]: p for p in bench.phases if p.get("kind") == tag and p.get("rate") == rate}
-        from report import passes
+        from reports.report import passes
 
         verdicts = {
             name: passes(kind, p, got.get("direct"), P99_LIMIT_US) for name, p in got.items()

@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from arms import HERE, PY, ROOT, cores, spawn, stop, wait_ready
+from harness.procs import PEERS, PY, ROOT, cores, spawn, stop, wait_ready
 
 from proxy.bench.ports import free_port
 
@@ -64,7 +64,7 @@ def run(
         proxy_cpus, log=work / "sidecar-proxy.log", stdout=subprocess.DEVNULL, tree=tree,
     )  # fmt: skip
     relay = spawn(
-        [PY, str(HERE / "byte_relay.py"), "--port", str(relay_port), "--upstream-port", str(sim_port)],
+        [PY, str(PEERS / "byte_relay.py"), "--port", str(relay_port), "--upstream-port", str(sim_port)],
         proxy_cpus, log=work / "sidecar-relay.log",
     )  # fmt: skip
     rounds, requests = (1, 24) if quick else (2, 80)

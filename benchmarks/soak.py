@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import checkout  # noqa: F401  (this checkout's proxy/ first)
 import httpx
+from harness import checkout  # noqa: F401  (this checkout's proxy/ first)
 
 from proxy.bench.ports import free_port
 

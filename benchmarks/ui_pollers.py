@@ -18,8 +18,8 @@ import subprocess
 import sys
 import time
 
-import checkout  # noqa: F401  (this checkout's proxy/ first)
 import httpx
+from harness import checkout  # noqa: F401  (this checkout's proxy/ first)
 
 from proxy.bench.ports import free_port
 

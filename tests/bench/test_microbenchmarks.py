@@ -1,7 +1,7 @@
 """The in-process benchmarks measure what they say they measure.
 
 `benchmarks/perrequest.py` runs one request's whole measuring with the sinks `serve`
-builds (each timed whole request must be recorded, its tokens taken from its usage); `benchmarks/emitter.py`'s chunks
+builds (each timed whole request must be recorded, its tokens taken from its usage); `benchmarks/peers/emitter.py`'s chunks
 differ only in their text, as vLLM's do, so the observer's template match applies to
 them as it does to vLLM's.
 """
@@ -42,7 +42,7 @@ def test_perrequest_times_each_part_of_a_measured_request() -> None:
 def test_the_emitters_chunks_differ_only_in_their_text() -> None:
     sys.path.insert(0, str(BENCHMARKS))
     try:
-        import emitter
+        from peers import emitter
     finally:
         sys.path.remove(str(BENCHMARKS))
     one, two, three = (emitter.CHUNK % (7, 1796224770071549000 + i * 20**6) for i in range(3))

@@ -1,4 +1,4 @@
-"""benchmarks/targets.py: issue 20's targets from per-shape summaries, worst shape first."""
+"""benchmarks/reports/targets.py: issue 20's targets from per-shape summaries, worst shape first."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 from tests.paths import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from targets import issue_targets, targets_markdown
+from reports.targets import issue_targets, targets_markdown
 
 
 def stat(value: float) -> dict[str, float]:

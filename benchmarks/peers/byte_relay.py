@@ -4,7 +4,7 @@ Every proxy must at least read each chunk from one socket and write it to anothe
 does exactly that (no HTTP parsing, no copies beyond the kernel's), so its CPU per chunk
 is what any Python-hosted relay has to spend. Backpressure is passed through both ways.
 
-    python benchmarks/byte_relay.py --port 9001 --upstream-port 9000
+    python benchmarks/peers/byte_relay.py --port 9001 --upstream-port 9000
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ The OTLP sink answers every POST with an empty 200 (a valid empty protobuf reply
 proxy's trace exporter does its real work without a collector; GET /count says how many
 export requests arrived.
 
-    python benchmarks/sim_server.py --port 9000 --otlp-port 4318
+    python benchmarks/peers/sim_server.py --port 9000 --otlp-port 4318
 """
 
 from __future__ import annotations

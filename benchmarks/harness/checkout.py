@@ -2,6 +2,7 @@
 
 A benchmark run as `python benchmarks/x.py` has benchmarks/ on sys.path, not the
 repository root; a venv with another checkout installed editable would lend that one's.
+Entry points import it first (`from harness import checkout`), before anything of proxy/.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # benchmarks/harness/checkout.py
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

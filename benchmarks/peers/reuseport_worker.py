@@ -4,9 +4,10 @@
 N processes all accept from it, so the process whose epoll wakes first takes the
 connection. Started N times, this binds N sockets to one port with SO_REUSEPORT, and the
 kernel hashes each new connection to one of them. The multi-process benchmark runs both.
-Arguments are `tokenprobe serve`'s; set PROMETHEUS_MULTIPROC_DIR for shared metrics.
+Arguments are `tokenprobe serve`'s; set PROMETHEUS_MULTIPROC_DIR for shared metrics. Like
+every peer it imports `proxy` from its PYTHONPATH (multiproc.py puts this checkout there).
 
-    python benchmarks/reuseport_worker.py --upstream http://127.0.0.1:9000 --port 9001
+    python benchmarks/peers/reuseport_worker.py --upstream http://127.0.0.1:9000 --port 9001
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import os
 import socket
 import sys
 
-import checkout  # noqa: F401  (this checkout's proxy/ first)
 import uvicorn
 
 from proxy.server.serve import build_app, uvicorn_options

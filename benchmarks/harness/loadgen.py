@@ -23,10 +23,10 @@ import sys
 import time
 from typing import Any
 
-import checkout  # noqa: F401  (this checkout's proxy/ first)
 import httptools
 import orjson
 
+from harness import checkout  # noqa: F401  (this checkout's proxy/ first)
 from proxy.bench.stats import quantile
 
 STAMP = re.compile(rb'(?:"sent_ns":|"content":"@)(\d+)')
@@ -417,7 +417,7 @@ async def serve(sim_port: int | None = None, otlp_port: int | None = None) -> No
     """Read commands from stdin; with `sim_port`, also serve the simulator in this loop."""
     loop = asyncio.get_running_loop()
     if sim_port is not None:
-        import sim_server
+        from peers import sim_server
 
         _BACKGROUND.add(loop.create_task(sim_server.serve(sim_port, otlp_port)))
     reader = asyncio.StreamReader()

@@ -1,7 +1,7 @@
 """WebSocket echo, for the WebSocket arms of relay.py: a backend and a client load.
 
-    python benchmarks/ws_echo.py serve --port 9100
-    python benchmarks/ws_echo.py client --port 9100 --path /ws --sessions 50 --duration 3
+    python benchmarks/peers/ws_echo.py serve --port 9100
+    python benchmarks/peers/ws_echo.py client --port 9100 --path /ws --sessions 50 --duration 3
 
 The backend is an ASGI app on uvicorn: every WebSocket message comes back as it came, and
 any HTTP request gets a tiny chat completion, so a proxy in front can start, answer its

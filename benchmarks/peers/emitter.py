@@ -16,7 +16,7 @@ A request with `"stream":true` in its body streams `x-sim-output-tokens` content
 request gets a small non-streaming completion at once. It is a load source, not a
 simulator: `proxy/sim` is the backend with the behaviours tokenprobe must handle.
 
-    python benchmarks/emitter.py --port 9000     # run it N times for N emitters
+    python benchmarks/peers/emitter.py --port 9000     # run it N times for N emitters
 """
 
 from __future__ import annotations

@@ -1,219 +1,44 @@
-"""The processes of a benchmark: the simulator, the load generator and each arm in front.
+"""The arms of a benchmark: the simulator, the load generator and each arm in front.
 
-Every child is pinned with `os.sched_setaffinity` (the proxy under test on its own core,
-the simulator and the load generator on the others), gets a high file-descriptor limit,
-and dies with the benchmark (PR_SET_PDEATHSIG), so nothing outlives a crashed run.
-CPU time is read from /proc: utime+stime of /proc/<pid>/stat (10 ms ticks, threads that
-exited included) and the ns-resolution sum of /proc/<pid>/task/*/schedstat.
+`Stack` starts the backend and the load generator, then each arm as it is asked for
+(direct, the byte relay, nginx, tokenprobe from this or another tree, LiteLLM), all
+pinned and torn down together through harness/procs.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import http.client
 import json
 import os
-import resource
 import secrets
 import select
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import checkout  # noqa: F401  (this checkout's proxy/ first)
+from harness.procs import (
+    BENCH,
+    HARNESS,
+    PARTS_ENV,
+    PEERS,
+    PY,
+    ROOT,
+    cores,
+    descendants,
+    spawn,
+    stop,
+    wait_ready,
+)
 
 from proxy.bench.ports import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
-HERE = Path(__file__).resolve().parent
-PY = sys.executable
 NGINX = "/usr/sbin/nginx"
 NGINX_HINT = "nginx not found: install it with `apt-get install nginx-light` to add the nginx arm"
-LITELLM_VENV = HERE / ".litellm-venv"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def cores() -> tuple[set[int], set[int], set[int]]:
-    """(proxy, simulator, load generator) cores: the proxy alone where there are two or more."""
-    available = sorted(os.sched_getaffinity(0))
-    if len(available) < 2:
-        return set(available), set(available), set(available)
-    proxy, rest = {available[0]}, available[1:]
-    return proxy, {rest[0]}, {rest[-1]}
-
-
-def _child_setup(cpus: set[int]) -> Callable[[], None]:
-    def setup() -> None:
-        os.sched_setaffinity(0, cpus)
-        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 65536), hard))
-        with contextlib.suppress(OSError, AttributeError):  # die with the benchmark
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-    return setup
-
-
-def spawn(
-    cmd: list[str],
-    cpus: set[int],
-    *,
-    log: Path,
-    env: dict[str, str] | None = None,
-    stdout: Any = subprocess.DEVNULL,
-    stdin: Any = subprocess.DEVNULL,
-    tree: Path = ROOT,
-) -> subprocess.Popen[Any]:
-    full_env = {**os.environ, "PYTHONPATH": str(tree), **(env or {})}
-    return subprocess.Popen(
-        cmd,
-        cwd=tree,
-        env=full_env,
-        stdin=stdin,
-        stdout=stdout,
-        stderr=log.open("ab"),
-        preexec_fn=_child_setup(cpus),
-    )
-
-
-def stop(proc: subprocess.Popen[Any], timeout: float = 5.0) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout)
-
-
-# -- /proc --------------------------------------------------------------------------------------
-
-
-def descendants(pid: int) -> list[int]:
-    """pid and every live process below it."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            for tid in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{tid}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
-        except OSError:
-            continue
-    return out
-
-
-def cpu(pids: list[int]) -> tuple[int, int]:
-    """(schedstat ns summed over live threads, stat utime+stime in ns) of these processes."""
-    sched = ticks = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            ticks += int(fields[11]) + int(fields[12])
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                    sched += int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            continue
-    return sched, ticks * 1_000_000_000 // CLK_TCK
-
-
-def wakeups(pids: list[int]) -> int:
-    """Voluntary context switches summed over these processes' live threads.
-
-    For an event loop these are its sleeps in epoll_wait, each ended by a wakeup: relayed
-    chunks over them say how many chunks one wakeup found waiting."""
-    total = 0
-    for pid in pids:
-        try:
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                with open(f"/proc/{pid}/task/{tid}/status") as f:
-                    for line in f:
-                        if line.startswith("voluntary_ctxt_switches:"):
-                            total += int(line.split()[1])
-        except (OSError, ValueError):
-            continue
-    return total
-
-
-def system_busy_ns() -> int:
-    """CPU time every core spent busy (not idle or iowait), from /proc/stat, in ns."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    return (sum(fields[:8]) - fields[3] - fields[4]) * 1_000_000_000 // CLK_TCK
-
-
-def rss_bytes(pids: list[int]) -> int:
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1]) * 1024
-        except OSError:
-            continue
-    return total
-
-
-# -- readiness ------------------------------------------------------------------------------------
-
-
-def probe(
-    port: int,
-    path: str = "/v1/chat/completions",
-    timeout: float = 2.0,
-    headers: dict[str, str] | None = None,
-) -> bool:
-    """One short non-streaming completion through `port`; True when it answers 200."""
-    body = json.dumps({"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]})
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        conn.request(
-            "POST",
-            path,
-            body,
-            {
-                "content-type": "application/json",
-                "x-sim-output-tokens": "1",
-                "x-sim-ttft": "0",
-                **(headers or {}),
-            },
-        )
-        response = conn.getresponse()
-        response.read()
-        return response.status == 200
-    except OSError:
-        return False
-    finally:
-        conn.close()
-
-
-def wait_ready(
-    proc: subprocess.Popen[Any],
-    port: int,
-    path: str,
-    limit: float,
-    headers: dict[str, str] | None = None,
-) -> float:
-    """Seconds from now until the first request through `port` succeeds."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < limit:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before serving")
-        if probe(port, path, timeout=1.0, headers=headers):
-            return time.monotonic() - t0
-        time.sleep(0.005)
-    raise RuntimeError(f"nothing served on port {port} within {limit:.0f} s")
+LITELLM_VENV = BENCH / ".litellm-venv"
 
 
 # -- arms -----------------------------------------------------------------------------------------
@@ -279,16 +104,16 @@ class Stack:
         (`sim`), or the lean emitter.py (`emitter`), which writes each step's chunks back
         to back, as a tight burst, where the simulator spaces them by its own cost."""
         sim_cmd = ["--port", str(self.sim_port), "--otlp-port", str(self.otlp_port)]
-        gen_cmd = [PY, str(HERE / "loadgen.py")]
+        gen_cmd = [PY, str(HARNESS / "loadgen.py")]
         if backend == "emitter":
             self.sim = spawn(
-                [PY, str(HERE / "emitter.py"), "--port", str(self.sim_port)],
+                [PY, str(PEERS / "emitter.py"), "--port", str(self.sim_port)],
                 self.sim_cpus,
                 log=self.work / "emitter.log",
             )
             wait_ready(self.sim, self.sim_port, "/v1/chat/completions", 30)
             self.otlp_sink = spawn(
-                [PY, str(HERE / "sim_server.py"), "--port", str(free_port()), *sim_cmd[2:]],
+                [PY, str(PEERS / "sim_server.py"), "--port", str(free_port()), *sim_cmd[2:]],
                 self.sim_cpus,
                 log=self.work / "otlp.log",
             )
@@ -296,7 +121,7 @@ class Stack:
             gen_cmd += ["--sim-port", str(self.sim_port), "--otlp-port", str(self.otlp_port)]
         else:
             self.sim = spawn(
-                [PY, str(HERE / "sim_server.py"), *sim_cmd],
+                [PY, str(PEERS / "sim_server.py"), *sim_cmd],
                 self.sim_cpus,
                 log=self.work / "sim.log",
             )
@@ -305,6 +130,7 @@ class Stack:
             gen_cmd,
             self.gen_cpus,
             log=self.work / "loadgen.log",
+            env=PARTS_ENV,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )
@@ -418,17 +244,17 @@ class Stack:
         return arm
 
     def ws_backend(self) -> None:
-        """The WebSocket echo server (ws_echo.py), on the simulator's cores."""
+        """The WebSocket echo server (peers/ws_echo.py), on the simulator's cores."""
         if self.ws is None:
             self.ws_port = free_port()
-            cmd = [PY, str(HERE / "ws_echo.py"), "serve", "--port", str(self.ws_port)]
+            cmd = [PY, str(PEERS / "ws_echo.py"), "serve", "--port", str(self.ws_port)]
             self.ws = spawn(cmd, self.sim_cpus, log=self.work / "ws_echo.log")
 
     def byte_relay(self) -> Arm:
         port = free_port()
         cmd = [
             PY,
-            str(HERE / "byte_relay.py"),
+            str(PEERS / "byte_relay.py"),
             "--port",
             str(port),
             "--upstream-port",
@@ -563,11 +389,3 @@ def has_relay_setting(tree: Path) -> bool:
         check=False,
     )
     return "--relay" in run.stdout
-
-
-def workdir() -> Path:
-    return Path(tempfile.mkdtemp(prefix="tokenprobe-bench-"))
-
-
-def remove(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)

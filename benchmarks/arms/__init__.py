@@ -1,0 +1,1 @@
+"""The arms under test and how each is started (the Stack)."""
