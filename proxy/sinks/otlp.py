@@ -30,7 +30,9 @@ server.port, error.type on the duration when the request failed (tokenprobe's cl
 error types), and each --label-header label. tokenprobe's own figures follow under
 tokenprobe.* (the table FIGURES and the counters in `_count`), the conversation figures
 too (tokenprobe.conversation.*, tokenprobe.continuation.*: per continuation from its
-record, per conversation when the tracker closes it, `conversations_closed`).
+record, per conversation when the tracker closes it, `conversations_closed`), and each
+WebSocket session when its tunnel ends (tokenprobe.websocket.*, `session`: the Prometheus
+sessions counter and duration, the same route and outcome).
 
 Why not the SDK's meters: one `Histogram.record` costs about 10 us, and a stream records one
 value per chunk. Here a request takes one lock and a few dict look-ups, its chunk gaps one
@@ -82,6 +84,7 @@ from proxy.core.buckets import (
 )
 from proxy.core.conversations import Closed
 from proxy.core.measurement import Measurement
+from proxy.core.wsrecord import WsSessionRecord
 from proxy.settings import SettingsError, number, positive_int
 from proxy.sinks import otel_env, semconv
 from proxy.sinks.cost import PRICE_KEYS, PriceTable, spend
@@ -389,6 +392,23 @@ CONVERSATION_BETWEEN_TIME = Instrument(
     WS_SESSION_BUCKETS,
 )
 
+# -- WebSocket sessions (proxy/core/wsrecord.py): tokenprobe_websocket_sessions_total and
+# tokenprobe_websocket_session_duration_seconds, by tokenprobe.websocket.route (a WsApi's
+# endpoint, else "other") and, on the counter, tokenprobe.websocket.outcome.
+WS_SESSIONS = Instrument(
+    "tokenprobe.websocket.sessions",
+    "{session}",
+    "WebSocket upgrade requests the proxy tunnelled (or tried to), counted when the tunnel "
+    "ended, by route and outcome (tokenprobe_websocket_sessions_total's closed set).",
+)
+WS_SESSION_DURATION = Instrument(
+    "tokenprobe.websocket.session.duration",
+    "s",
+    "WebSocket session duration: from the upgrade request's arrival to the close (the first "
+    "side's connection ending, the idle timeout or the drain closing it).",
+    WS_SESSION_BUCKETS,
+)
+
 TEMPORALITIES = ("cumulative", "delta", "lowmemory")
 
 
@@ -511,6 +531,14 @@ class OtlpMetrics:
                 self._observe(CONVERSATION_DURATION, key, (c.duration,))
                 self._observe(CONVERSATION_MODEL_TIME, key, (c.model_seconds,))
                 self._observe(CONVERSATION_BETWEEN_TIME, key, (c.between_seconds,))
+
+    def session(self, record: WsSessionRecord) -> None:
+        """A WebSocket tunnel ended (`Sinks.session_ended`): no request, so no model nor
+        operation, only its route, outcome and server.*."""
+        route: Key = (("tokenprobe.websocket.route", record.route), *self._server)
+        with self._lock:
+            self._add(WS_SESSIONS, (*route, ("tokenprobe.websocket.outcome", record.outcome)), 1)
+            self._observe(WS_SESSION_DURATION, route, (record.duration,))
 
     def _token_usage(self, m: Measurement, base: Key) -> None:
         """The previous names: one histogram by gen_ai.token.type."""

@@ -264,7 +264,7 @@ def test_a_target_that_cannot_be_normalised_gets_a_400(
 ) -> None:
     """An encoded slash is refused as the HTTP relay refuses it (proxy/core/paths.py),
     before anything goes upstream."""
-    before = _count(proxy, "bad_request")
+    before = _count(proxy, "invalid_request_target")
     since = len(upstream.sessions)
 
     async def refused() -> tuple[int, bytes]:
@@ -275,7 +275,7 @@ def test_a_target_that_cannot_be_normalised_gets_a_400(
 
     status, body = _run(refused())
     assert status == 400 and b"encoded slash" in body
-    _counted(proxy, "bad_request", before)
+    _counted(proxy, "invalid_request_target", before)
     assert len(upstream.sessions) == since
 
 
