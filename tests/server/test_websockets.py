@@ -3,7 +3,7 @@
 Each session runs once straight to the upstream and once through the proxy, and the two
 transcripts (what the client got, what the upstream saw) must be equal. The upstream is
 the `websockets` library's server with permessage-deflate on (tests/ws_upstream.py); the
-proxy is `tokenprobe serve` (its wire hands the upgrade to proxy/server/tunnel.py) and the
+proxy is `tokenprobe serve` (its wire hands the upgrade to proxy/server/tunnel/) and the
 tunnel behind the test listener (tests/ws_proxy.py), which runs in this process so the
 seam's cases can look inside. Byte-exactness and backpressure use raw sockets on both
 ends. One upstream and one proxy of each kind serve the module; counts are deltas.
