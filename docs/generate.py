@@ -44,20 +44,20 @@ class _Recording(CollectorRegistry):
 def _declarations() -> list[tuple[str, Callable[[CollectorRegistry], object]]]:
     """Every place in proxy/ that declares Prometheus metrics, with what turns it on.
 
-    A new metric in `Metrics` or `WsMetrics` needs nothing here; a metric declared in a
-    new place gets a line here (tests/test_docs.py finds every `tokenprobe_*` name
-    declared in proxy/ and fails until this page lists it)."""
+    A new metric in `Metrics` (its WebSocket sessions' `WsMetrics` included) needs
+    nothing here; a metric declared in a new place gets a line here (tests/test_docs.py
+    finds every `tokenprobe_*` name declared in proxy/ and fails until this page lists
+    it)."""
     from proxy.core.slo import Policy
     from proxy.server.protocol import connection_counter
     from proxy.sinks.cost import CostSink, PriceTable, export_cost_per_hour
-    from proxy.sinks.metrics import Metrics, WsMetrics
+    from proxy.sinks.metrics import Metrics
     from proxy.sinks.otlp import metric_export_failures
     from proxy.sinks.slo import SloMetrics
     from proxy.sinks.span_export import export_failures
 
     return [
         ("always", Metrics),
-        ("always (WebSocket tunnels, `--relay wire`)", WsMetrics),
         ("always (`tokenprobe serve`'s connections)", connection_counter),
         ("with `--prices`", lambda r: CostSink(PriceTable("USD", {}), r)),
         ("with `--cost-per-hour`", lambda r: export_cost_per_hour(r, 0.0, "USD")),

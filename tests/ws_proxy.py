@@ -95,7 +95,7 @@ class TunnelListener:
         self.loop.close()
 
     async def _serve(self) -> None:
-        context = tunnel_context(self.settings, self.registry, self.sinks)
+        context = tunnel_context(self.settings, self.sinks)
         if self.apis is not None:
             context.apis = self.apis
         self.context = context

@@ -2,7 +2,7 @@
 
 An HTTP API (proxy/core/apis) reads one request and one response; a WebSocket API reads a
 session: messages both ways, each with the time of the network read that completed it.
-The tunnel (proxy/server/tunnel.py) opens a `WsSession` when the upstream answers 101 on
+The tunnel (proxy/server/tunnel/watch.py) opens a `WsSession` when the upstream answers 101 on
 a path with a `WsApi`, feeds it every message of both directions (after the bytes went
 on to the other side), and closes it once when the tunnel ends. A session hands each
 finished Measurement (a turn, an utterance: the API decides) to `record`, which takes it

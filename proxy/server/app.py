@@ -238,5 +238,5 @@ class ProxyApp:
 
 
 def _tunnel_context(app: ProxyApp) -> TunnelContext:
-    """The WebSocket tunnel's context (proxy/server/tunnel.py), built once per server."""
-    return tunnel_context(app.settings, app.registry, app.sinks)
+    """The WebSocket tunnel's context (proxy/server/tunnel/), built once per server."""
+    return tunnel_context(app.settings, app.sinks)

@@ -6,7 +6,7 @@ proxy in both directions. `Expect` is dropped: the proxy has read the whole body
 for a 100 of its own. A measured request asks for an uncompressed response, because the
 observer reads the stream. An event stream going to the client says
 `x-accel-buffering: no`, so an nginx in front does not buffer it. A WebSocket handshake
-(proxy/server/tunnel.py) passes the same policy (`handshake_headers`), keeping only what
+(proxy/server/tunnel/handshake.py) passes the same policy (`handshake_headers`), keeping only what
 the protocol is made of: Upgrade, Connection and the Sec-WebSocket-* headers.
 """
 

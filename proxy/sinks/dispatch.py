@@ -5,6 +5,11 @@ The relay calls `begin` when a request starts (in-flight gauge, labels, trace sp
 request's Labels. A failing sink is logged and counted in
 `tokenprobe_measurement_failures_total{stage="sink"}`; it never fails the request, and
 the sinks after it still run.
+
+A WebSocket session takes the same road: `session_started` when its upgrade request is
+admitted (the in-flight gauge), `session_ended` once with its record (proxy/core/
+wsrecord.py), which every `SessionSink` among the sinks gets (Prometheus, OTLP, the access
+log), each failure caught and counted as `end`'s are.
 """
 
 from __future__ import annotations
@@ -19,10 +24,11 @@ from proxy.core.labels import NO_VALUE, HeaderLabels, ModelLabels
 from proxy.core.measurement import ErrorType, Measurement
 from proxy.core.observe import bare_record
 from proxy.core.request import RequestInfo
+from proxy.core.wsrecord import WsSessionRecord
 from proxy.sinks.conversations import ConversationTracker
 from proxy.sinks.keys import KeyLabels
 from proxy.sinks.metrics import Metrics
-from proxy.sinks.sink import Headers, Labels, RequestTracer, Sink
+from proxy.sinks.sink import Headers, Labels, RequestTracer, SessionSink, Sink
 
 log = logging.getLogger("tokenprobe")
 
@@ -68,6 +74,7 @@ class Sinks:
         the tracker that gives each request its conversation and turn."""
         self.conversations = conversations
         self.sinks = list(sinks)
+        self.session_sinks = [sink for sink in self.sinks if isinstance(sink, SessionSink)]
         self.metrics = metrics
         self.models = models
         self.keys = keys
@@ -140,6 +147,17 @@ class Sinks:
         """A record made outside the HTTP relay (a WebSocket session's turn): the model
         label is resolved here; `key` is the session's key label, resolved at its start."""
         self._record(measurement, Labels(self.models(measurement.model), key))
+
+    def session_started(self, route: str) -> None:
+        """A WebSocket upgrade request was admitted: in flight on its route until it ends."""
+        self.metrics.ws.for_route(route)[0].inc()
+
+    def session_ended(self, record: WsSessionRecord) -> None:
+        """A WebSocket tunnel ended (once per `session_started`): its record to every
+        sink that reports sessions."""
+        self.metrics.ws.for_route(record.route)[0].dec()
+        for sink in self.session_sinks:
+            self._safely(sink.session, record)
 
     def passthrough(self, route: str, status: int) -> None:
         self.metrics.passthrough.labels(route, str(status)).inc()

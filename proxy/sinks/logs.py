@@ -48,6 +48,19 @@ Keys, in this order, stable (a key without a value is null in JSON, left out in 
   labels         with --label-header only: {label: value}, the bounded values the metrics
                  carry (logfmt: labels.team=...)
 
+A WebSocket session adds one line when its tunnel ends (`session`), shaped like a
+request's, its own keys in this order (SESSION_KEYS):
+
+  ts, arrival    when the proxy received the upgrade request, as above
+  kind           "websocket_session" (a request's line has no `kind`)
+  endpoint       the session's route: its WebSocket API's endpoint (/v1/realtime), else other
+  status         what the client got: 101 once the upstream switched, the upstream's refusal,
+                 the proxy's own error (400, 502, 503, 504), 0 when no status was seen
+  outcome        how it ended (tokenprobe_websocket_sessions_total's outcome)
+  e2e_ms         the upgrade request's arrival -> the close of both sides, ms
+
+A measured session's turns (a realtime utterance) are request lines of their own.
+
 Only these values reach the log: no header value (but a --label-header's bounded label),
 no prompt, no completion. The fingerprint tells which requests began alike, never what
 they said: without the salt a guessed prompt cannot be tested against it, and with a
@@ -66,6 +79,7 @@ import orjson
 
 from proxy.core.fingerprint import keyed
 from proxy.core.measurement import NONE_LABEL, Measurement
+from proxy.core.wsrecord import WsSessionRecord
 from proxy.sinks.sink import Labels
 
 KEYS = (
@@ -113,6 +127,9 @@ KEYS = (
     "turn_gap_ms",
 )
 
+SESSION_KEYS = ("ts", "arrival", "kind", "endpoint", "status", "outcome", "e2e_ms")
+SESSION_KIND = "websocket_session"
+
 _MAX_MODEL_CHARS = 200
 _PLAIN = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_./:+@")
 
@@ -142,6 +159,11 @@ class AccessLog:
         # One write and one flush per line: a line reaches the log when its request
         # ends, and lines from several workers on one pipe do not interleave.
         self.stream.write(self.format(rec))
+        self.stream.flush()
+
+    def session(self, record: WsSessionRecord) -> None:
+        """One line per WebSocket session, when its tunnel ends (SESSION_KEYS)."""
+        self.stream.write(self.format(session_record(record)))
         self.stream.flush()
 
 
@@ -205,6 +227,19 @@ def log_record(m: Measurement, key: bytes) -> dict[str, Any]:
         "conversation": m.conversation_id,
         "turn": m.turn,
         "turn_gap_ms": _ms(m.turn_gap),
+    }
+
+
+def session_record(record: WsSessionRecord) -> dict[str, Any]:
+    """The log record of one WebSocket session, keys as in SESSION_KEYS."""
+    return {
+        "ts": iso_utc(record.started_at),
+        "arrival": round(record.started_at, 6),
+        "kind": SESSION_KIND,
+        "endpoint": record.route,
+        "status": record.status,
+        "outcome": record.outcome,
+        "e2e_ms": _ms(record.duration),
     }
 
 

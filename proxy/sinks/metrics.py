@@ -35,6 +35,7 @@ from proxy.core.buckets import (
 )
 from proxy.core.engine import EngineMetrics
 from proxy.core.measurement import NONE_LABEL, Measurement
+from proxy.core.wsrecord import WS_OUTCOMES, WsSessionRecord
 from proxy.sinks.sink import Labels
 
 LABELS = ("model", "endpoint")
@@ -270,6 +271,7 @@ class Metrics:
         self._engine_children: dict[tuple[str, str, bool], tuple[Any, ...]] = {}
         self._conversation_metrics(registry)
         self._backend_metrics(h_bare, c_bare)
+        self.ws = WsMetrics(registry)  # WebSocket sessions, counted by `session`
 
     # -- issue 26: first tokens by kind, tokens by kind, tool calls ------------------------
 
@@ -643,6 +645,13 @@ class Metrics:
                 kinds = self._kind_children[key] = _LazyChildren(self._kinds, key)
             self._record_kinds(m, key, kinds)
 
+    def session(self, record: WsSessionRecord) -> None:
+        """One WebSocket session ended: its outcome counted, its duration observed (the
+        in-flight gauge is the dispatcher's, as for requests)."""
+        _, duration, outcomes = self.ws.for_route(record.route)
+        outcomes[record.outcome].inc()
+        duration.observe(record.duration)
+
     def _backend_metrics(self, h: Any, c: Any) -> None:
         """Issue 27: the model-load part of the first token's time (Ollama), and which
         backend and version answer (proxy/server/identity.py)."""
@@ -744,25 +753,6 @@ class Metrics:
             self.key_tokens.labels(key_label, model_label, "output").inc(m.output_tokens)
 
 
-#: How a WebSocket tunnel ended: the `outcome` label of tokenprobe_websocket_sessions_total.
-#: A session the upstream accepted ends in one of proxy/core/wsseam.py's CLOSE_CAUSES;
-#: one it did not: refused (the upstream answered the upgrade with another status),
-#: upstream_unreachable (connect failed or timed out), bad_request (the proxy refused the
-#: request target).
-WS_OUTCOMES = (
-    "closed_by_client",
-    "closed_by_upstream",
-    "client_vanished",
-    "upstream_vanished",
-    "idle_timeout",
-    "shutdown",
-    "error",
-    "refused",
-    "upstream_unreachable",
-    "bad_request",
-)
-
-
 # -- the upstream's protocol errors (issue 32) ---------------------------------------------
 
 #: What `tokenprobe_upstream_protocol_errors_total{kind}` counts, a closed set.
@@ -800,8 +790,9 @@ class UpstreamProtocolErrors:
 class WsMetrics:
     """WebSocket tunnels: counted by route (a WsApi's endpoint, else "other") and outcome.
 
-    Built once per registry by proxy/server/tunnel.py's `tunnel_context`; each tunnel
-    resolves its children once (`for_route`)."""
+    Part of `Metrics` (its `ws`): `Sinks.session_started` moves the in-flight gauge, and
+    `Metrics.session` counts each session's record when its tunnel ends; a route's
+    children are resolved once (`for_route`)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.sessions = Counter(
@@ -809,7 +800,8 @@ class WsMetrics:
             "WebSocket upgrade requests the proxy tunnelled (or tried to), counted when the "
             "tunnel ended: from the upgrade request's arrival to the close of both sides, by "
             "route and outcome (who sent the first close frame, who vanished without one, "
-            "idle_timeout, shutdown, refused, upstream_unreachable, bad_request, error).",
+            "idle_timeout, shutdown, refused, upstream_unreachable, invalid_request_target, "
+            "error).",
             ("route", "outcome"),
             registry=registry,
         )

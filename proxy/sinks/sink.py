@@ -6,6 +6,10 @@ request by `Sinks`; none of them sees a header, a raw model name as a label, or 
 sink's failure. Adding a sink is a class with this method plus one line in
 proxy/server/assemble.py.
 
+A sink that also reports WebSocket sessions is a `SessionSink` as well: `session(record)`,
+called once per tunnel when it ends (proxy/core/wsrecord.py); `Sinks` finds those among its
+sinks and catches their failures as it catches `record`'s.
+
 The tracer is the one part with two steps: a span must start when the request does (its
 trace headers go upstream), so it has `start` and `finish` instead of `record`.
 """
@@ -13,10 +17,11 @@ trace headers go upstream), so it has `start` and `finish` instead of `record`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from proxy.core.measurement import Measurement
 from proxy.core.request import RequestInfo
+from proxy.core.wsrecord import WsSessionRecord
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -37,6 +42,12 @@ class Sink(Protocol):
         exception is logged and counted by `Sinks`, and never reaches the request."""
 
 
+@runtime_checkable
+class SessionSink(Protocol):
+    def session(self, record: WsSessionRecord) -> None:
+        """Consume one finished WebSocket session; on the event loop, like `record`."""
+
+
 class RequestTracer(Protocol):
     def start(
         self, info: RequestInfo, headers: Headers, start_time_ns: int | None = None
@@ -55,6 +66,10 @@ class Recorder:
 
     def __init__(self) -> None:
         self.records: list[Measurement] = []
+        self.sessions: list[WsSessionRecord] = []
 
     def record(self, measurement: Measurement, labels: Labels) -> None:
         self.records.append(measurement)
+
+    def session(self, record: WsSessionRecord) -> None:
+        self.sessions.append(record)

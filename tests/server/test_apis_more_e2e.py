@@ -33,7 +33,7 @@ PROGRAM = {"x-sim-ttft": str(TTFT), "x-sim-tps": "100", "x-sim-output-tokens": "
 
 
 class Proxy:
-    """A spawned `tokenprobe serve`, its access log read line by line as it comes."""
+    """A spawned `tokenprobe serve`, its access log's request lines read as they come."""
 
     def __init__(self, upstream: str) -> None:
         self.port = free_port()
@@ -51,7 +51,9 @@ class Proxy:
         assert self.process.stdout is not None
         for line in self.process.stdout:
             if line.startswith(b"{"):
-                self.lines.append(orjson.loads(line))
+                record = orjson.loads(line)
+                if "kind" not in record:  # requests only, not a WebSocket session's line
+                    self.lines.append(record)
 
     def record(self, n: int, timeout: float = 10.0) -> dict[str, Any]:
         """The n-th access-log line (1-based) once it is written."""

@@ -3,7 +3,7 @@
 Each session runs once straight to the upstream and once through the proxy, and the two
 transcripts (what the client got, what the upstream saw) must be equal. The upstream is
 the `websockets` library's server with permessage-deflate on (tests/ws_upstream.py); the
-proxy is `tokenprobe serve` (its wire hands the upgrade to proxy/server/tunnel.py) and the
+proxy is `tokenprobe serve` (its wire hands the upgrade to proxy/server/tunnel/) and the
 tunnel behind the test listener (tests/ws_proxy.py), which runs in this process so the
 seam's cases can look inside. Byte-exactness and backpressure use raw sockets on both
 ends. One upstream and one proxy of each kind serve the module; counts are deltas.
@@ -264,7 +264,7 @@ def test_a_target_that_cannot_be_normalised_gets_a_400(
 ) -> None:
     """An encoded slash is refused as the HTTP relay refuses it (proxy/core/paths.py),
     before anything goes upstream."""
-    before = _count(proxy, "bad_request")
+    before = _count(proxy, "invalid_request_target")
     since = len(upstream.sessions)
 
     async def refused() -> tuple[int, bytes]:
@@ -275,7 +275,7 @@ def test_a_target_that_cannot_be_normalised_gets_a_400(
 
     status, body = _run(refused())
     assert status == 400 and b"encoded slash" in body
-    _counted(proxy, "bad_request", before)
+    _counted(proxy, "invalid_request_target", before)
     assert len(upstream.sessions) == since
 
 

@@ -1,0 +1,47 @@
+"""The record of one WebSocket session as the sinks get it, once, when its tunnel ends.
+
+A session's turns (an utterance, a response: its WsApi decides) are Measurements of their
+own; this is the tunnel around them: which route, how it ended, when it began, how long
+it lasted and what status the client got. Every sink that reports sessions reads the same
+record (proxy/sinks/dispatch.py `Sinks.session_ended`): the Prometheus sessions counter and
+duration, the OTLP session metrics and the access log's session line. It carries no
+header, no path beyond the route label and no content.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: How a tunnel ended (the sessions counter's `outcome`, a closed set). A session the
+#: upstream accepted ends in one of proxy/core/wsbase.py's CLOSE_CAUSES; one it did not:
+#: refused (the upstream answered the upgrade with another status), upstream_unreachable
+#: (connect failed or timed out), invalid_request_target (the proxy refused the request
+#: target, the HTTP relay's error kind for the same target).
+WS_OUTCOMES = (
+    "closed_by_client",
+    "closed_by_upstream",
+    "client_vanished",
+    "upstream_vanished",
+    "idle_timeout",
+    "shutdown",
+    "error",
+    "refused",
+    "upstream_unreachable",
+    "invalid_request_target",
+)
+
+#: The `route` of a session on a path no WsApi serves (the others: WS_ENDPOINTS).
+OTHER_ROUTE = "other"
+
+
+@dataclass(frozen=True, slots=True)
+class WsSessionRecord:
+    """One tunnel, from the upgrade request's arrival to the close of both sides."""
+
+    route: str  # the WsApi's endpoint, else OTHER_ROUTE
+    outcome: str  # one of WS_OUTCOMES
+    started_at: float  # wall clock (Unix seconds) of the upgrade request's arrival
+    duration: float  # seconds from the upgrade request's arrival to the close
+    # What the client got: 101 once the upstream switched, the upstream's refusal status,
+    # the proxy's own error status (400, 502, 503, 504), 0 when nothing was sent.
+    status: int

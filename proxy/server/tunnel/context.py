@@ -1,0 +1,50 @@
+"""What every WebSocket tunnel of one server shares, built once from the settings."""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from proxy.core.upstream_url import UpstreamURL
+from proxy.core.wsseam import WsApi, ws_api_for
+from proxy.settings import Settings
+from proxy.sinks.dispatch import Sinks
+
+
+class Drainable(Protocol):
+    def shutdown(self) -> None: ...
+
+
+@dataclass(eq=False)
+class TunnelContext:
+    """What every tunnel of one server shares; built once by `tunnel_context`."""
+
+    upstream: UpstreamURL  # the one parse every data path uses
+    ssl: ssl.SSLContext | None  # for an https:// upstream
+    connect_timeout: float
+    idle_timeout: float  # --ws-idle-timeout
+    max_message_bytes: int  # largest message a FrameReader assembles (--max-event-bytes)
+    sinks: Sinks  # each session's start and end, its turns' records, measuring failures
+    apis: Callable[[str], WsApi | None] = ws_api_for
+    close_grace: float = 2.0  # seconds a closing side gets to take its last bytes
+    tunnels: set[Drainable] = field(default_factory=set)  # open now, for `shutdown_all`
+
+    def shutdown_all(self) -> None:
+        """Drain every open tunnel (close frames both ways), as on SIGTERM."""
+        for tunnel in list(self.tunnels):
+            tunnel.shutdown()
+
+
+def tunnel_context(settings: Settings, sinks: Sinks) -> TunnelContext:
+    """The tunnels' shared parts for these settings; call once per server."""
+    upstream = UpstreamURL.parse(settings.upstream)
+    return TunnelContext(
+        upstream=upstream,
+        ssl=ssl.create_default_context() if upstream.tls else None,
+        connect_timeout=settings.connect_timeout,
+        idle_timeout=settings.ws_idle_timeout,
+        max_message_bytes=settings.max_event_bytes,
+        sinks=sinks,
+    )

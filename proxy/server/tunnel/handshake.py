@@ -1,0 +1,179 @@
+"""The opening handshake: which requests are one, what goes upstream, what comes back.
+
+- `is_websocket_upgrade`: the one check both data paths make (RFC 6455 §4.1).
+- `admit`: the handshake to send upstream. The request target is normalised as the HTTP
+  relay normalises it (proxy/server/admission.py `target`; one that cannot be raises its
+  `Refused(400, "invalid_request_target")`) and put under the upstream's base path
+  (proxy/core/upstream_url.py, the one parse); the Host line is the upstream's authority,
+  the client's headers pass the HTTP relay's policy (`handshake_headers`: hop-by-hop
+  headers, those Connection names and Proxy-Authorization stop here; Sec-WebSocket-Key,
+  -Version, -Protocol, -Extensions, Origin... pass as sent).
+- `UpstreamAnswer`: the upstream's response head, read on the side of the bytes that
+  already went to the client: its status, a 101's extensions, where the frames begin,
+  and the end of a refusal's body.
+- `error_answer`: the proxy's own error response, the HTTP relay's body and kind.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import httptools
+
+from proxy.core.errors import error_body, error_shape
+from proxy.core.upstream_url import UpstreamURL
+from proxy.server.admission import target
+from proxy.server.headers import handshake_headers
+
+Headers = list[tuple[bytes, bytes]]
+
+
+def is_websocket_upgrade(
+    method: bytes, headers: Sequence[tuple[bytes, bytes]], *, http_11: bool = True
+) -> bool:
+    """A well-formed WebSocket opening handshake (RFC 6455 §4.1): a GET on HTTP/1.1 with
+    `Upgrade: websocket`, `Connection: upgrade`, one Sec-WebSocket-Key that is 16 bytes
+    in base64, `Sec-WebSocket-Version: 13`, and no body. The one request either data path
+    tunnels (the ASGI relay refuses it itself); anything else asking to upgrade (h2c, a
+    POST with `Upgrade: websocket`, a handshake with a body) is an ordinary request, its
+    Upgrade dropped as hop-by-hop."""
+    if method != b"GET" or not http_11:
+        return False
+    upgrade = connection = False
+    keys: list[bytes] = []
+    version = b""
+    for name, value in headers:
+        lower = name.lower()
+        if lower == b"upgrade":
+            upgrade = upgrade or b"websocket" in _tokens(value)
+        elif lower == b"connection":
+            connection = connection or b"upgrade" in _tokens(value)
+        elif lower == b"sec-websocket-key":
+            keys.append(value.strip())
+        elif lower == b"sec-websocket-version":
+            version = value.strip()
+        elif lower == b"transfer-encoding" or (
+            lower == b"content-length" and value.strip() != b"0"
+        ):
+            return False
+    return upgrade and connection and version == b"13" and len(keys) == 1 and _nonce(keys[0])
+
+
+def _nonce(key: bytes) -> bool:
+    try:
+        return len(base64.b64decode(key, validate=True)) == 16
+    except binascii.Error:
+        return False
+
+
+def _tokens(value: bytes) -> list[bytes]:
+    return [token.strip().lower() for token in value.split(b",")]
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """An admitted handshake: what goes upstream, and what the session is labelled by."""
+
+    request: bytes  # the handshake head to send upstream
+    path: str  # the normalised path (no query): the WsApi and the error body's shape
+    query: str
+    headers: Headers  # the client's, names in lower case (the key label reads them)
+
+
+def admit(head: bytes, upstream: UpstreamURL) -> Admitted:
+    """The handshake to send upstream for a head `is_websocket_upgrade` accepted (request
+    line to the blank line, as the wire rebuilt it); raises `Refused` for a target that
+    cannot be normalised."""
+    lines = head.split(b"\n")
+    method, _, remainder = lines[0].partition(b" ")
+    request_target, _, _ = remainder.strip().rpartition(b" ")
+    raw_path, _, query = request_target.partition(b"?")
+    parsed = target(raw_path, query)
+    headers: Headers = []
+    for line in lines[1:]:
+        name, colon, value = line.partition(b":")
+        if colon:
+            headers.append((name.strip().lower(), value.strip()))
+    out = [
+        b"%s %s HTTP/1.1\r\nhost: %s\r\n"
+        % (method, upstream.target(parsed.path, parsed.query).encode(), upstream.authority)
+    ]
+    out.extend(b"%s: %s\r\n" % pair for pair in handshake_headers(headers))
+    out.append(b"\r\n")
+    return Admitted(b"".join(out), parsed.path, parsed.query, headers)
+
+
+class UpstreamAnswer:
+    """httptools reading the upstream's answer to the handshake, after its bytes went to
+    the client. `feed` returns the bytes after a 101's head once the head is complete
+    (the tunnel opens: they are frames); a final status's body ending calls `refused`.
+    Bytes that are not HTTP the proxy can follow stop the reading (they went to the
+    client all the same)."""
+
+    __slots__ = ("_extensions", "_parser", "_refused", "extensions", "status")
+
+    def __init__(self, refused: Callable[[], None]) -> None:
+        self.status = 0  # the last response head's status (a 1xx is followed by more)
+        self.extensions: str | None = None  # a 101's Sec-WebSocket-Extensions
+        self._refused = refused
+        self._extensions: list[bytes] = []
+        self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
+
+    def feed(self, data: bytes) -> bytes | None:
+        parser = self._parser
+        if parser is None:
+            return None
+        try:
+            parser.feed_data(data)
+        except httptools.HttpParserUpgrade as exc:
+            self._parser = None
+            if self.status == 101:
+                offset = exc.args[0] if exc.args else len(data)
+                return data[offset:]
+            # an Upgrade header on a final response: not a tunnel
+        except httptools.HttpParserError:
+            # Not HTTP the proxy can follow: the client's bytes stay held, and the tunnel
+            # ends when either side closes.
+            self._parser = None
+        return None
+
+    # -- httptools callbacks --
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == b"sec-websocket-extensions":
+            self._extensions.append(value)
+
+    def on_headers_complete(self) -> None:
+        parser = self._parser
+        status = parser.get_status_code() if parser is not None else 0
+        extensions = b", ".join(self._extensions).decode("latin-1") if self._extensions else None
+        self._extensions = []
+        self.status = status
+        if status == 101:
+            self.extensions = extensions
+
+    def on_message_complete(self) -> None:
+        if self.status >= 200:  # a refusal's body has ended (a 1xx is followed by more)
+            self._refused()
+
+
+def error_answer(status: int, kind: str, message: str, path: str) -> bytes:
+    """The proxy's own error response to a handshake: the HTTP relay's body for this
+    path's API shape, and the connection closes."""
+    body = error_body(status, kind, message, shape=error_shape(path))
+    reason = _REASONS.get(status, b"Error")
+    return (
+        b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+        b"connection: close\r\n\r\n%s" % (status, reason, len(body), body)
+    )
+
+
+_REASONS = {
+    400: b"Bad Request",
+    502: b"Bad Gateway",
+    503: b"Service Unavailable",
+    504: b"Gateway Timeout",
+}

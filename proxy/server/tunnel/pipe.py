@@ -1,0 +1,206 @@
+"""A byte pipe between two transports: what one side sends goes to the other, unchanged.
+
+It knows nothing of WebSockets, nor of HTTP; its owner (proxy/server/tunnel/session.py)
+hears every read after it went on (`Ends.seen`) and each side's end (`Ends.lost`).
+
+- Holding: the client's bytes wait until `release()` (its reading is paused; a read under
+  way when it paused is kept with the rest), then go in the order they came.
+- Backpressure both ways: when one side's write buffer passes its high-water mark,
+  reading from the other side pauses until it drains (asyncio's pause/resume_writing).
+- Sealing: `write_last` gives a side its last bytes; nothing read afterwards goes to it.
+- The idle timer: no byte either way for the timeout, and neither side slow to take its
+  bytes, calls the owner's `idle`.
+- The end: `close()` closes both sides (buffered bytes are flushed first); a side that
+  will not take its last bytes within `close_grace` is aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Protocol, cast
+
+
+class Ends(Protocol):
+    """What the pipe tells its owner."""
+
+    def seen(self, from_client: bool, data: bytes) -> None:
+        """A read from one side, after it went to the other (or was held back: sealed)."""
+
+    def lost(self, client_side: bool) -> None:
+        """One side's connection ended."""
+
+
+class Pipe:
+    """Two connections: the client's (open before the pipe) and the upstream's."""
+
+    def __init__(self, client: asyncio.Transport, ends: Ends, close_grace: float) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.client = client
+        self.upstream: asyncio.Transport | None = None  # set once connected
+        self.ends = ends
+        self.close_grace = close_grace
+        self.relayed = False  # some upstream byte reached the client
+        self.closed = False
+        self.sealed: set[bool] = set()  # sides `write_last` wrote to (True: the client)
+        self._holding = True  # the client's bytes wait for `release`
+        self._held: list[bytes] = []
+        self._paused: set[bool] = set()  # sides whose reading is paused (True: the client)
+        self._full: set[bool] = set()  # sides whose write buffer is over its high-water mark
+        self._last = self.loop.time()
+        self._idle: asyncio.TimerHandle | None = None
+        self._grace: asyncio.TimerHandle | None = None
+        client.set_protocol(_Side(self, True))
+        self._pause(True)
+
+    def upstream_protocol(self) -> asyncio.Protocol:
+        """The protocol for the upstream's connection (its `connection_made` joins it)."""
+        return _Side(self, False)
+
+    def hold(self, data: bytes) -> None:
+        """Client bytes read before the pipe: sent after `release`, before any later read."""
+        self._held.append(data)
+
+    def release(self) -> None:
+        """The client's bytes may go: the held ones first, then reading resumes."""
+        self._holding = False
+        held, self._held = self._held, []
+        if held:
+            self.from_client(b"".join(held))
+        self._resume(True)
+
+    def write_last(self, client_side: bool, data: bytes) -> None:
+        """Write a side its last bytes: nothing read afterwards goes to it."""
+        transport = self.client if client_side else self.upstream
+        assert transport is not None
+        transport.write(data)
+        self.sealed.add(client_side)
+
+    # -- the byte path ------------------------------------------------------------------
+
+    def from_client(self, data: bytes) -> None:
+        upstream = self.upstream
+        if upstream is None or self._holding:
+            self._held.append(data)
+            return
+        self._last = self.loop.time()
+        if False not in self.sealed:
+            upstream.write(data)
+        self.ends.seen(True, data)
+
+    def from_upstream(self, data: bytes) -> None:
+        self._last = self.loop.time()
+        if True not in self.sealed:
+            self.client.write(data)
+            self.relayed = True
+        self.ends.seen(False, data)
+
+    # -- flow control -------------------------------------------------------------------
+
+    def writes_full(self, client_side: bool, full: bool) -> None:
+        """One side's write buffer passed its high-water mark (or drained below the low
+        one): pause (resume) reading from the other side."""
+        if full:
+            self._full.add(client_side)
+            self._pause(not client_side)
+        else:
+            self._full.discard(client_side)
+            self._resume(not client_side)
+
+    def _pause(self, client_side: bool) -> None:
+        if client_side in self._paused:
+            return
+        transport = self.client if client_side else self.upstream
+        if transport is not None and not transport.is_closing():
+            self._paused.add(client_side)
+            transport.pause_reading()
+
+    def _resume(self, client_side: bool) -> None:
+        if client_side not in self._paused or (not client_side) in self._full:
+            return
+        if client_side and self._holding:
+            return  # the client's bytes wait for `release`
+        transport = self.client if client_side else self.upstream
+        self._paused.discard(client_side)
+        if transport is not None and not transport.is_closing():
+            transport.resume_reading()
+
+    # -- the idle timer -----------------------------------------------------------------
+
+    def start_idle(self, timeout: float, idle: Callable[[float], None]) -> None:
+        """Call `idle(quiet seconds)` once no byte moved either way for `timeout`."""
+        self._last = self.loop.time()
+        self._idle = self.loop.call_later(timeout, self._check_idle, timeout, idle)
+
+    def _check_idle(self, timeout: float, idle: Callable[[float], None]) -> None:
+        self._idle = None
+        if self.closed:
+            return
+        if (
+            self._full
+            or self.client.get_write_buffer_size()
+            or (self.upstream is not None and self.upstream.get_write_buffer_size())
+        ):
+            self._last = self.loop.time()  # a side is slow to take its bytes: not idle
+        quiet = self.loop.time() - self._last
+        if quiet >= timeout:
+            idle(quiet)
+        else:
+            self._idle = self.loop.call_later(timeout - quiet, self._check_idle, timeout, idle)
+
+    # -- the end ------------------------------------------------------------------------
+
+    def later(self, then: Callable[[], None]) -> None:
+        """Call `then` after close_grace (one such timer at a time: this replaces it)."""
+        if self._grace is not None:
+            self._grace.cancel()
+        self._grace = self.loop.call_later(self.close_grace, then)
+
+    def close(self) -> None:
+        """Close both sides, once; a side still not taking its bytes after close_grace is cut."""
+        self.closed = True
+        for timer in (self._idle, self._grace):
+            if timer is not None:
+                timer.cancel()
+        for transport in (self.client, self.upstream):
+            if transport is not None and not transport.is_closing():
+                transport.close()
+        self.later(self._abort_both)
+
+    def _abort_both(self) -> None:
+        self._grace = None
+        for transport in (self.client, self.upstream):
+            if transport is not None and transport.get_write_buffer_size():
+                transport.abort()
+
+
+class _Side(asyncio.Protocol):
+    """One connection of a pipe; everything it hears goes to the pipe."""
+
+    __slots__ = ("from_client", "pipe")
+
+    def __init__(self, pipe: Pipe, from_client: bool) -> None:
+        self.pipe = pipe
+        self.from_client = from_client
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # Only the upstream's: the client's connection was open before the pipe.
+        self.pipe.upstream = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+
+    def data_received(self, data: bytes) -> None:
+        if self.from_client:
+            self.pipe.from_client(data)
+        else:
+            self.pipe.from_upstream(data)
+
+    def eof_received(self) -> bool | None:
+        return None  # the transport closes; connection_lost ends the pipe
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.pipe.ends.lost(self.from_client)
+
+    def pause_writing(self) -> None:
+        self.pipe.writes_full(self.from_client, True)
+
+    def resume_writing(self) -> None:
+        self.pipe.writes_full(self.from_client, False)

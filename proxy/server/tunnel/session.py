@@ -1,0 +1,257 @@
+"""One tunnel: the handshake, the pipe and the watch together, its outcome and its end.
+
+`take_over` starts it with a client connection the wire stopped parsing at a WebSocket
+handshake's head:
+
+1. The head is admitted (handshake.py `admit`); one that is not gets the HTTP relay's
+   400 `invalid_request_target`, and the session that outcome. The upstream is
+   connected (--connect-timeout) and sent the handshake; an unreachable one gets the
+   client the proxy's 502/504 (proxy.core.errors.relay_failure), as an HTTP request would.
+2. Nothing the client sent after its head goes upstream before the upstream's 101: the
+   pipe holds the client's bytes, since the upstream might refuse the upgrade and read
+   them as a request the proxy never parsed. Everything the upstream sends goes to the
+   client as it arrives, the response head included, read on the side
+   (`UpstreamAnswer`). A 101 opens the tunnel and the held bytes go; any other final
+   status (a refusal) reaches the client exactly as sent, body included, and both
+   connections close when its body ends.
+3. Open, every read goes to the other side first, then to the watch (watch.py).
+4. The end: either side's connection ending closes the other at once (pipe.py); so does
+   --ws-idle-timeout with no byte either way. `TunnelHandle.shutdown` (the drain on
+   SIGTERM) is the watch's close frames both ways, then the close, or after close_grace.
+
+Each session goes to the sinks twice: `Sinks.session_started` once admitted (in flight),
+`Sinks.session_ended` with its record (proxy/core/wsrecord.py) when it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from time import perf_counter, time
+
+from proxy.core.errors import Cause, relay_failure
+from proxy.core.wsrecord import OTHER_ROUTE, WsSessionRecord
+from proxy.core.wsseam import WsApi, WsSession
+from proxy.server.admission import Refused
+from proxy.server.tunnel.context import TunnelContext
+from proxy.server.tunnel.handshake import UpstreamAnswer, admit, error_answer
+from proxy.server.tunnel.pipe import Pipe
+from proxy.server.tunnel.watch import WsWatch
+
+log = logging.getLogger("tokenprobe")
+
+
+class TunnelHandle:
+    """The wire's hold on one tunnel: `shutdown()` drains it, `closed` resolves with the
+    outcome once it has ended (the client's connection is then no longer the wire's)."""
+
+    __slots__ = ("__weakref__", "_tunnel")
+
+    def __init__(self, tunnel: Tunnel) -> None:
+        self._tunnel = tunnel
+
+    @property
+    def closed(self) -> asyncio.Future[str]:
+        return self._tunnel.closed
+
+    def shutdown(self) -> None:
+        self._tunnel.shutdown()
+
+
+def take_over(
+    transport: asyncio.Transport,
+    head: bytes,
+    rest: bytes,
+    context: TunnelContext,
+    *,
+    start: float | None = None,
+) -> TunnelHandle:
+    """Tunnel this client connection to the upstream. `head` is the request head (request
+    line to the blank line) of a request `is_websocket_upgrade` accepted, `rest` what the
+    client sent after it; `start` the perf_counter() of the head's arrival (default: now)."""
+    tunnel = Tunnel(transport, context, start if start is not None else perf_counter())
+    tunnel.begin(head, rest)
+    return TunnelHandle(tunnel)
+
+
+class Tunnel:
+    """One WebSocket session: its handshake, its pipe, its watch, and how it ended."""
+
+    def __init__(self, client: asyncio.Transport, context: TunnelContext, start: float) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.context = context
+        self.start = start
+        self.started_at = time() - (perf_counter() - start)
+        self.closed: asyncio.Future[str] = self.loop.create_future()
+        self.outcome: str | None = None
+        self.route = OTHER_ROUTE
+        self.path = "/"
+        self.query = ""
+        self.api: WsApi | None = None
+        self.key: str | None = None
+        self.open = False  # the upstream answered 101
+        self.ended = False
+        self._status = 0  # the proxy's own answer's status, when it gave one
+        self._connect: asyncio.Task[None] | None = None
+        context.tunnels.add(self)
+        self.pipe = Pipe(client, self, context.close_grace)  # the client's reads held
+        self.answer = UpstreamAnswer(refused=lambda: self.end("refused"))
+        self.watch = WsWatch(self.pipe, context.sinks.count_measurement_failure, self._drained)
+
+    # -- the handshake ------------------------------------------------------------------
+
+    def begin(self, head: bytes, rest: bytes) -> None:
+        sinks = self.context.sinks
+        try:
+            admitted = admit(head, self.context.upstream)
+        except Refused as refusal:
+            sinks.session_started(self.route)
+            self._answer(refusal.status, refusal.kind, refusal.message)
+            self.end(refusal.kind)  # invalid_request_target, HTTP's kind for this target
+            return
+        self.path, self.query = admitted.path, admitted.query
+        self.api = self.context.apis(self.path)
+        if self.api is not None:
+            self.route = self.api.endpoint
+            if sinks.keys is not None:
+                self.key = sinks.keys(admitted.headers)
+        sinks.session_started(self.route)
+        if rest:
+            self.pipe.hold(rest)
+        self._connect = self.loop.create_task(self._open_upstream(admitted.request))
+
+    async def _open_upstream(self, request: bytes) -> None:
+        context = self.context
+        upstream = context.upstream
+        try:
+            transport, _ = await asyncio.wait_for(
+                self.loop.create_connection(
+                    self.pipe.upstream_protocol, upstream.host, upstream.port, ssl=context.ssl
+                ),
+                context.connect_timeout,
+            )
+        except (OSError, TimeoutError) as exc:
+            if not self.ended:
+                failure = relay_failure(
+                    Cause.UPSTREAM_BROKE,
+                    after_headers=False,
+                    exc=exc,
+                    limit=context.connect_timeout,
+                )
+                assert failure.answer is not None
+                self._answer(*failure.answer)
+                self.end("upstream_unreachable")
+            return
+        except asyncio.CancelledError:
+            return
+        if self.ended:
+            transport.close()
+            return
+        self.pipe.start_idle(context.idle_timeout, self._idle)
+        transport.write(request)  # the client stays unread until the 101 (_opened)
+
+    def _answer(self, status: int, kind: str, message: str) -> None:
+        """The proxy's own error answer, only while no upstream byte reached the client."""
+        client = self.pipe.client
+        if self.pipe.relayed or client.is_closing():
+            return
+        client.write(error_answer(status, kind, message, self.path))
+        self._status = status
+
+    def _opened(self, after: bytes, now: float) -> None:
+        """The upstream answered 101: frames from here on, and the client's held bytes go."""
+        self.open = True
+        self.watch.start(after)
+        if self.api is not None:
+            self.watch.follow(
+                self.answer.extensions, self.context.max_message_bytes, self._session, after, now
+            )
+        self.pipe.release()
+
+    def _session(self) -> WsSession:
+        assert self.api is not None
+        sinks, key = self.context.sinks, self.key
+        return self.api.open(
+            start=self.start,
+            started_at=self.started_at,
+            path=self.path,
+            query=self.query,
+            record=lambda m: sinks.record(m, key),
+        )
+
+    # -- what the pipe hears (pipe.Ends) --------------------------------------------------
+
+    def seen(self, from_client: bool, data: bytes) -> None:
+        if self.open:
+            self.watch.seen(from_client, data, perf_counter)
+            return
+        # Before the 101 only the upstream's bytes get here (the client's are held).
+        after = self.answer.feed(data)
+        if after is not None:
+            self._opened(after, perf_counter())
+
+    def lost(self, client_side: bool) -> None:
+        if self.ended:
+            return
+        if not self.open:
+            if client_side:
+                outcome = "client_vanished"
+            elif self.answer.status >= 200:
+                outcome = "refused"  # a refusal whose body ran to the connection's end
+            else:
+                outcome = "upstream_vanished"
+        elif self.watch.first_close is not None:
+            outcome = "closed_by_client" if self.watch.first_close else "closed_by_upstream"
+        else:
+            outcome = "client_vanished" if client_side else "upstream_vanished"
+        if self.watch.draining:
+            outcome = "shutdown"
+        self.end(outcome)
+
+    def _idle(self, quiet: float) -> None:
+        log.info("closing a WebSocket tunnel idle for %.0f s", quiet)
+        self.end("idle_timeout")
+
+    # -- the end ------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """The drain: a close frame (1001) to each side at a frame boundary, then close."""
+        if self.ended or self.watch.draining:
+            return
+        if not self.open:
+            if not self.pipe.relayed:
+                failure = relay_failure(Cause.SHUTDOWN, after_headers=False)
+                assert failure.answer is not None
+                self._answer(*failure.answer)
+            self.end("shutdown")
+            return
+        self.watch.drain()
+        self.pipe.later(self._drained)
+
+    def _drained(self) -> None:
+        if not self.ended:
+            self.end("shutdown")
+
+    def end(self, outcome: str) -> None:
+        """Close both sides and hand the session to the sinks, once."""
+        if self.ended:
+            return
+        self.ended = True
+        self.outcome = outcome
+        now = perf_counter()
+        if self._connect is not None and not self._connect.done():
+            self._connect.cancel()
+        self.pipe.close()
+        self.context.tunnels.discard(self)
+        record = WsSessionRecord(
+            route=self.route,
+            outcome=outcome,
+            started_at=self.started_at,
+            duration=now - self.start,
+            # what the client got: the upstream's answer once any of it went, else ours
+            status=self.answer.status if self.pipe.relayed else self._status,
+        )
+        self.context.sinks.session_ended(record)
+        self.watch.close(now, outcome)
+        if not self.closed.done():
+            self.closed.set_result(outcome)

@@ -1,0 +1,156 @@
+"""The WebSocket watch: frames read beside a pipe's bytes, never in their way.
+
+Once the upstream switched protocols, every read (after it went on to the other side)
+feeds its direction's `FrameBounds`, which notes where frames end and which side sent a
+close frame first; on a path with a WebSocket API (proxy/core/wsseam.py) the direction's
+`FrameReader` also hands its messages to that API's session. Measuring fails in one
+place, `_watch`: the session is no longer watched, a counter says so
+(`tokenprobe_measurement_failures_total{stage="ws_frames"|"observe"|"finish"}`), and the
+bytes go on.
+
+The drain (`drain`, on SIGTERM) writes each side a close frame (1001, going away) once the
+frames towards it are at a boundary, never inside a frame; nothing read afterwards goes
+to a side that has it (the pipe seals it), and the session ends once both answered.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from proxy.core.wsframes import (
+    DeflateParams,
+    FrameBounds,
+    FrameError,
+    FrameReader,
+    close_frame,
+    deflate_params,
+)
+from proxy.core.wsseam import CLOSE_CAUSES, WsSession
+from proxy.server.tunnel.pipe import Pipe
+
+log = logging.getLogger("tokenprobe")
+
+GOING_AWAY = 1001
+SHUTDOWN_REASON = "proxy shutting down"
+
+
+class WsWatch:
+    """The frames of one tunnel both ways, and its API's session when it has one."""
+
+    def __init__(
+        self, pipe: Pipe, failed: Callable[[str], None], drained: Callable[[], None]
+    ) -> None:
+        """`failed(stage)` counts a measuring failure; `drained()` ends the session once
+        both sides answered the drain's close frames."""
+        self.pipe = pipe
+        self.failed = failed
+        self.drained = drained
+        self.client_bounds = FrameBounds()
+        self.upstream_bounds = FrameBounds()
+        self.first_close: bool | None = None  # True: the client sent the first close frame
+        self.draining = False
+        self._session: WsSession | None = None
+        self._readers: tuple[FrameReader, FrameReader] | None = None  # (client, upstream)
+
+    def start(self, after: bytes) -> None:
+        """The upstream switched: `after` is what followed its 101 head in the same read."""
+        self.upstream_bounds.feed(after)
+
+    def follow(
+        self,
+        extensions: str | None,
+        max_message_bytes: int,
+        open_session: Callable[[], WsSession],
+        after: bytes,
+        now: float,
+    ) -> None:
+        """On a path with a WebSocket API: its session, and a frame reader each way
+        (permessage-deflate as the 101's `extensions` agreed)."""
+        try:
+            deflate: DeflateParams | None = deflate_params(extensions)
+            limit = max_message_bytes
+            self._readers = (FrameReader(True, deflate, limit), FrameReader(False, deflate, limit))
+            self._session = open_session()
+        except FrameError:
+            self._stop_watching("ws_frames")
+            return
+        except Exception:
+            log.exception("opening a WebSocket session's measurement failed")
+            self._stop_watching("observe")
+            return
+        self._watch(False, after, now)
+
+    def seen(self, from_client: bool, data: bytes, now: Callable[[], float]) -> None:
+        """A read from one side; `now` the clock the readers' messages are timed by."""
+        if self.draining and (not from_client) in self.pipe.sealed:
+            # The other side has our close frame: nothing went to it. Only this side's
+            # answer to its own close frame is looked for.
+            (self.client_bounds if from_client else self.upstream_bounds).feed(data)
+            self._drain_step()
+            return
+        bounds = self.client_bounds if from_client else self.upstream_bounds
+        bounds.feed(data)
+        if bounds.closed and self.first_close is None:
+            self.first_close = from_client
+        if self._readers is not None:
+            self._watch(from_client, data, now())
+        if self.draining:
+            self._drain_step()
+
+    def _watch(self, from_client: bool, data: bytes, now: float) -> None:
+        """The one place measuring a session can fail; it never stops the bytes."""
+        readers, session = self._readers, self._session
+        if readers is None or session is None or not data:
+            return
+        try:
+            for message in readers[0 if from_client else 1].feed(data, now):
+                session.message(message)
+        except FrameError as exc:
+            log.warning("stopped watching a WebSocket session: %s", exc)
+            self._stop_watching("ws_frames")
+        except Exception:
+            log.exception("measuring a WebSocket session failed")
+            self._stop_watching("observe")
+
+    def _stop_watching(self, stage: str) -> None:
+        self._readers = None
+        self._session = None
+        self.failed(stage)
+
+    # -- the drain ----------------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Close frames (1001) both ways at frame boundaries, unless a close handshake is
+        already under way (then it ends by itself)."""
+        self.draining = True
+        if self.first_close is None:
+            self._drain_step()
+
+    def _drain_step(self) -> None:
+        """Write each side its close frame once the frames towards it are at a boundary;
+        the session ends when both sides have answered with theirs."""
+        sealed = self.pipe.sealed
+        if self.first_close is not None and not sealed:
+            return  # a close handshake was already under way: let it end by itself
+        if True not in sealed and self.upstream_bounds.at_boundary:
+            self.pipe.write_last(True, close_frame(GOING_AWAY, SHUTDOWN_REASON, masked=False))
+            self.upstream_bounds = FrameBounds()  # now: the upstream's answer
+        if False not in sealed and self.client_bounds.at_boundary:
+            self.pipe.write_last(False, close_frame(GOING_AWAY, SHUTDOWN_REASON, masked=True))
+            self.client_bounds = FrameBounds()  # now: the client's answer
+        if len(sealed) == 2 and self.client_bounds.closed and self.upstream_bounds.closed:
+            self.drained()
+
+    # -- the end ------------------------------------------------------------------------
+
+    def close(self, now: float, outcome: str) -> None:
+        """The tunnel ended: the session records what is still open, once."""
+        session, self._session, self._readers = self._session, None, None
+        if session is None:
+            return
+        try:
+            session.close(now, outcome if outcome in CLOSE_CAUSES else "error")
+        except Exception:
+            log.exception("finishing a WebSocket session's measurement failed")
+            self.failed("finish")

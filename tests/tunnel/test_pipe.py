@@ -1,0 +1,169 @@
+"""The tunnel's byte pipe (proxy/server/tunnel/pipe.py) on fake transports: no socket, no
+server, no WebSocket; a real event loop for its timers only. What it must do whatever the
+protocol: hold the client until released, forward each read unchanged, pause one side
+while the other's write buffer is full, seal a side that got its last bytes, call an idle
+pipe idle, and cut a side that will not take its last bytes within the grace."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from proxy.server.tunnel.pipe import Pipe
+
+
+class FakeTransport:
+    """What a pipe calls on an asyncio.Transport, recorded."""
+
+    def __init__(self) -> None:
+        self.written = bytearray()
+        self.protocol: Any = None
+        self.reading = True
+        self.closing = False
+        self.aborted = False
+        self.buffered = 0  # what get_write_buffer_size says
+
+    def set_protocol(self, protocol: Any) -> None:
+        self.protocol = protocol
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        self.closing = True
+
+    def abort(self) -> None:
+        self.aborted = self.closing = True
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+
+class Ends:
+    """The pipe's owner: what it heard."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[bool, bytes]] = []
+        self.lost: list[bool] = []
+
+
+def run(test: Callable[[], Any]) -> None:
+    asyncio.run(test())
+
+
+def pipe_between(grace: float = 0.05) -> tuple[Pipe, FakeTransport, FakeTransport, Ends]:
+    client, upstream, ends = FakeTransport(), FakeTransport(), Ends()
+
+    class Owner:
+        def seen(self, from_client: bool, data: bytes) -> None:
+            ends.seen.append((from_client, data))
+
+        def lost(self, client_side: bool) -> None:
+            ends.lost.append(client_side)
+
+    pipe = Pipe(client, Owner(), grace)  # type: ignore[arg-type]  # a fake transport
+    side = pipe.upstream_protocol()
+    side.connection_made(upstream)  # type: ignore[arg-type]
+    return pipe, client, upstream, ends
+
+
+def test_the_client_is_held_until_released_then_its_bytes_go_in_order() -> None:
+    async def test() -> None:
+        pipe, client, upstream, ends = pipe_between()
+        assert not client.reading  # paused from the start
+        pipe.hold(b"sent-with-the-head|")
+        client.protocol.data_received(b"read-as-it-paused|")
+        pipe.from_upstream(b"HTTP/1.1 101 ...")
+        assert bytes(client.written) == b"HTTP/1.1 101 ..." and pipe.relayed
+        assert bytes(upstream.written) == b""
+        pipe.release()
+        assert bytes(upstream.written) == b"sent-with-the-head|read-as-it-paused|"
+        assert client.reading
+        client.protocol.data_received(b"later")
+        assert bytes(upstream.written).endswith(b"|later")
+        assert ends.seen == [
+            (False, b"HTTP/1.1 101 ..."),
+            (True, b"sent-with-the-head|read-as-it-paused|"),
+            (True, b"later"),
+        ]
+
+    run(test)
+
+
+def test_a_full_side_pauses_reading_from_the_other_until_it_drains() -> None:
+    async def test() -> None:
+        pipe, client, upstream, _ = pipe_between()
+        pipe.release()
+        client.protocol.pause_writing()  # the client's buffer is full
+        assert not upstream.reading and client.reading
+        pipe.writes_full(False, True)  # the upstream's too
+        assert not client.reading
+        client.protocol.resume_writing()
+        assert upstream.reading and not client.reading  # the upstream's is still full
+        pipe.writes_full(False, False)
+        assert client.reading
+
+    run(test)
+
+
+def test_a_held_client_stays_paused_when_the_upstream_drains() -> None:
+    async def test() -> None:
+        pipe, client, _, _ = pipe_between()
+        pipe.writes_full(False, True)
+        pipe.writes_full(False, False)
+        assert not client.reading  # still waiting for release
+
+    run(test)
+
+
+def test_a_sealed_side_gets_nothing_after_its_last_bytes() -> None:
+    async def test() -> None:
+        pipe, client, upstream, ends = pipe_between()
+        pipe.release()
+        pipe.write_last(True, b"<last>")
+        pipe.from_upstream(b"more")
+        client.protocol.data_received(b"answer")
+        assert bytes(client.written) == b"<last>"
+        assert bytes(upstream.written) == b"answer"  # the other way still flows
+        assert ends.seen == [(False, b"more"), (True, b"answer")]  # the owner hears both
+
+    run(test)
+
+
+def test_a_quiet_pipe_is_idle_and_a_slow_reader_is_not() -> None:
+    async def test() -> None:
+        pipe, client, _, _ = pipe_between()
+        quiet: list[float] = []
+        client.buffered = 1  # the client is slow to take its bytes: not idle
+        pipe.start_idle(0.05, quiet.append)
+        await asyncio.sleep(0.15)
+        assert quiet == []
+        client.buffered = 0
+        await asyncio.sleep(0.2)
+        assert len(quiet) == 1 and quiet[0] >= 0.05
+
+    run(test)
+
+
+def test_close_closes_both_and_cuts_a_side_that_keeps_its_bytes_after_the_grace() -> None:
+    async def test() -> None:
+        pipe, client, upstream, ends = pipe_between(grace=0.05)
+        upstream.buffered = 10
+        pipe.close()
+        assert client.closing and upstream.closing and pipe.closed
+        await asyncio.sleep(0.15)
+        assert upstream.aborted and not client.aborted
+        client.protocol.connection_lost(None)
+        assert ends.lost == [True]
+
+    run(test)
