@@ -47,13 +47,14 @@ class _Head(asyncio.Protocol):
             return
         head, rest = self.buffer[: end + 4], self.buffer[end + 4 :]
         lines = head.split(b"\r\n")
-        method = lines[0].split(b" ", 1)[0]
+        method, _, remainder = lines[0].partition(b" ")
+        request_target = remainder.rpartition(b" ")[0]
         headers = [
             (name.strip(), value.strip())
             for name, _, value in (line.partition(b":") for line in lines[1:] if line)
         ]
         if is_websocket_upgrade(method, headers):
-            take_over(self.transport, head, rest, self.context)
+            take_over(self.transport, method, request_target, headers, rest, self.context)
         else:
             self.transport.write(
                 b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"

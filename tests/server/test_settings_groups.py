@@ -8,15 +8,23 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from proxy.server.admission import RelaySettings, relay_settings
+from proxy.server.assemble import assemble
 from proxy.server.protocol import HEAD_SLACK, HeadLimits
+from proxy.server.tunnel import TunnelContext, tunnel_context
 from proxy.settings import NAMES, Settings, group, parse
 
 #: Each group, how the proxy builds it, and the fields it derives instead of copying.
 GROUPS: list[tuple[type[Any], Callable[[Settings], Any], set[str]]] = [
     (RelaySettings, relay_settings, {"secret_headers"}),
     (HeadLimits, HeadLimits.from_settings, {"max_head_bytes"}),
+    (
+        TunnelContext,
+        lambda settings: tunnel_context(settings, SINKS),
+        {"upstream", "ssl", "idle_timeout", "max_message_bytes", "sinks"},
+    ),
 ]
 
 SETTINGS = parse(
@@ -41,6 +49,7 @@ SETTINGS = parse(
     ],
     {},
 )
+SINKS = assemble(SETTINGS, {}, registry=CollectorRegistry()).sinks
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from typing import Protocol
 
 from proxy.core.upstream_url import UpstreamURL
 from proxy.core.wsseam import WsApi, ws_api_for
-from proxy.settings import Settings
+from proxy.settings import Settings, group
 from proxy.sinks.dispatch import Sinks
 
 
@@ -40,10 +40,11 @@ class TunnelContext:
 def tunnel_context(settings: Settings, sinks: Sinks) -> TunnelContext:
     """The tunnels' shared parts for these settings; call once per server."""
     upstream = UpstreamURL.parse(settings.upstream)
-    return TunnelContext(
+    return group(
+        TunnelContext,
+        settings,
         upstream=upstream,
         ssl=ssl.create_default_context() if upstream.tls else None,
-        connect_timeout=settings.connect_timeout,
         idle_timeout=settings.ws_idle_timeout,
         max_message_bytes=settings.max_event_bytes,
         sinks=sinks,

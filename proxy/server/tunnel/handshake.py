@@ -11,19 +11,17 @@
 - `UpstreamAnswer`: the upstream's response head, read on the side of the bytes that
   already went to the client: its status, a 101's extensions, where the frames begin,
   and the end of a refusal's body.
-- `error_answer`: the proxy's own error response, the HTTP relay's body and kind.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import httptools
 
-from proxy.core.errors import error_body, error_shape
 from proxy.core.upstream_url import UpstreamURL
 from proxy.server.admission import target
 from proxy.server.headers import handshake_headers
@@ -83,20 +81,18 @@ class Admitted:
     headers: Headers  # the client's, names in lower case (the key label reads them)
 
 
-def admit(head: bytes, upstream: UpstreamURL) -> Admitted:
-    """The handshake to send upstream for a head `is_websocket_upgrade` accepted (request
-    line to the blank line, as the wire rebuilt it); raises `Refused` for a target that
-    cannot be normalised."""
-    lines = head.split(b"\n")
-    method, _, remainder = lines[0].partition(b" ")
-    request_target, _, _ = remainder.strip().rpartition(b" ")
+def admit(
+    method: bytes,
+    request_target: bytes,
+    raw_headers: Iterable[tuple[bytes, bytes]],
+    upstream: UpstreamURL,
+) -> Admitted:
+    """The handshake to send upstream for a head `is_websocket_upgrade` accepted, as the
+    wire's llhttp parsed it (no second split of the head's bytes); raises `Refused` for a
+    target that cannot be normalised (admission.target, the HTTP relay's one rule)."""
     raw_path, _, query = request_target.partition(b"?")
     parsed = target(raw_path, query)
-    headers: Headers = []
-    for line in lines[1:]:
-        name, colon, value = line.partition(b":")
-        if colon:
-            headers.append((name.strip().lower(), value.strip()))
+    headers = [(name.lower(), value) for name, value in raw_headers]
     out = [
         b"%s %s HTTP/1.1\r\nhost: %s\r\n"
         % (method, upstream.target(parsed.path, parsed.query).encode(), upstream.authority)
@@ -158,22 +154,3 @@ class UpstreamAnswer:
     def on_message_complete(self) -> None:
         if self.status >= 200:  # a refusal's body has ended (a 1xx is followed by more)
             self._refused()
-
-
-def error_answer(status: int, kind: str, message: str, path: str) -> bytes:
-    """The proxy's own error response to a handshake: the HTTP relay's body for this
-    path's API shape, and the connection closes."""
-    body = error_body(status, kind, message, shape=error_shape(path))
-    reason = _REASONS.get(status, b"Error")
-    return (
-        b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-        b"connection: close\r\n\r\n%s" % (status, reason, len(body), body)
-    )
-
-
-_REASONS = {
-    400: b"Bad Request",
-    502: b"Bad Gateway",
-    503: b"Service Unavailable",
-    504: b"Gateway Timeout",
-}

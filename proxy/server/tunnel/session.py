@@ -27,14 +27,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 from time import perf_counter, time
 
 from proxy.core.errors import Cause, relay_failure
 from proxy.core.wsrecord import OTHER_ROUTE, WsSessionRecord
 from proxy.core.wsseam import WsApi, WsSession
-from proxy.server.admission import Refused
+from proxy.server.admission import Refused, answer_bytes
 from proxy.server.tunnel.context import TunnelContext
-from proxy.server.tunnel.handshake import UpstreamAnswer, admit, error_answer
+from proxy.server.tunnel.handshake import UpstreamAnswer, admit
 from proxy.server.tunnel.pipe import Pipe
 from proxy.server.tunnel.watch import WsWatch
 
@@ -60,17 +61,20 @@ class TunnelHandle:
 
 def take_over(
     transport: asyncio.Transport,
-    head: bytes,
+    method: bytes,
+    request_target: bytes,
+    headers: Iterable[tuple[bytes, bytes]],
     rest: bytes,
     context: TunnelContext,
     *,
     start: float | None = None,
 ) -> TunnelHandle:
-    """Tunnel this client connection to the upstream. `head` is the request head (request
-    line to the blank line) of a request `is_websocket_upgrade` accepted, `rest` what the
-    client sent after it; `start` the perf_counter() of the head's arrival (default: now)."""
+    """Tunnel this client connection to the upstream. `method`, `request_target` and
+    `headers` are the head of a request `is_websocket_upgrade` accepted, as parsed; `rest`
+    what the client sent after it; `start` the perf_counter() of the head's arrival
+    (default: now)."""
     tunnel = Tunnel(transport, context, start if start is not None else perf_counter())
-    tunnel.begin(head, rest)
+    tunnel.begin(method, request_target, headers, rest)
     return TunnelHandle(tunnel)
 
 
@@ -100,10 +104,16 @@ class Tunnel:
 
     # -- the handshake ------------------------------------------------------------------
 
-    def begin(self, head: bytes, rest: bytes) -> None:
+    def begin(
+        self,
+        method: bytes,
+        request_target: bytes,
+        headers: Iterable[tuple[bytes, bytes]],
+        rest: bytes,
+    ) -> None:
         sinks = self.context.sinks
         try:
-            admitted = admit(head, self.context.upstream)
+            admitted = admit(method, request_target, headers, self.context.upstream)
         except Refused as refusal:
             sinks.session_started(self.route)
             self._answer(refusal.status, refusal.kind, refusal.message)
@@ -155,7 +165,8 @@ class Tunnel:
         client = self.pipe.client
         if self.pipe.relayed or client.is_closing():
             return
-        client.write(error_answer(status, kind, message, self.path))
+        # The HTTP relay's answer and body for this path's API shape; the connection closes.
+        client.write(answer_bytes(status, kind, message, self.path, close=True))
         self._status = status
 
     def _opened(self, after: bytes, now: float) -> None:

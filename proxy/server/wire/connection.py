@@ -9,7 +9,7 @@ usual ASGI cycle to the Starlette control plane; every other request becomes a
 pipelining, the drain all keep working) and relays with no ASGI message at all. Both
 decisions are made on the normalised target (`own_route`), so `/v1/../metrics` is the
 proxy's /metrics, never the backend's. A well-formed WebSocket handshake to any other
-path is handed, its head rebuilt from what llhttp parsed, to the WebSocket tunnel
+path is handed, its head as llhttp parsed it, to the WebSocket tunnel
 (proxy.server.tunnel.take_over) once the responses before it on the connection have
 ended (proxy/server/protocol.py); any other Upgrade is relayed as plain HTTP, the Upgrade
 header stripped as hop-by-hop, and the connection closes after its response.
@@ -191,8 +191,8 @@ class WireProtocol(GuardedHttpToolsProtocol):
     # -- WebSockets -------------------------------------------------------------------
 
     def _switch(self, rest: bytes) -> None:
-        """Hand the connection to the WebSocket tunnel: the handshake's head, rebuilt from
-        what llhttp parsed, and what the client sent after it (the tunnel holds that until
+        """Hand the connection to the WebSocket tunnel: the handshake's head as llhttp
+        parsed it, and what the client sent after it (the tunnel holds that until
         the upstream's 101); from here on this protocol reads nothing."""
         from proxy.server.tunnel import TunnelContext, take_over
 
@@ -200,13 +200,11 @@ class WireProtocol(GuardedHttpToolsProtocol):
         context = self.wire.tunnel_context
         assert isinstance(context, TunnelContext)
         scope = self.scope
-        lines = [b"%s %s HTTP/1.1\r\n" % (scope["method"].encode(), self.url)]
-        lines.extend(b"%s: %s\r\n" % pair for pair in scope["headers"])
-        lines.append(b"\r\n")
-        head = b"".join(lines)
         self._stop_head_timer()
         self._unset_keepalive_if_required()
-        tunnel = take_over(self.transport, head, rest, context)
+        tunnel = take_over(
+            self.transport, scope["method"].encode(), self.url, scope["headers"], rest, context
+        )
         self._tunnel = tunnel
         self.wire.tunnels.add(tunnel)
         closed = getattr(tunnel, "closed", None)
