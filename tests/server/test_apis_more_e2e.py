@@ -23,7 +23,7 @@ import pytest
 from proxy.sim import SimApp, SimConfig
 from proxy.sim.generate import token_ids
 from proxy.sim.state import SimRequest
-from tests.server.conftest import only_on
+from tests.server.conftest import paths
 from tests.servers import ThreadedServer, free_port, spawn, stop, wait_http
 
 MODEL = "sim-model"
@@ -425,10 +425,10 @@ def speak(ws: Any, received: list[str]) -> None:
             return
 
 
+@paths("wire", why="the wire tunnels WebSockets; the ASGI app refuses them")
 def test_realtime_three_utterances_with_a_websockets_client(
-    sim: tuple[str, SimApp], proxy: Proxy, n: int, relay: str
+    sim: tuple[str, SimApp], proxy: Proxy, n: int
 ) -> None:
-    only_on(relay, "wire", "the wire tunnels WebSockets; the ASGI app refuses them")
     from websockets.sync.client import connect
 
     from proxy.sim.tokens import completion_text
@@ -456,10 +456,10 @@ def test_realtime_three_utterances_with_a_websockets_client(
     assert proxy.metric(sessions, route="/v1/realtime", outcome="closed_by_client") >= 1
 
 
+@paths("wire", why="the wire tunnels WebSockets; the ASGI app refuses them")
 def test_realtime_error_and_cut_sessions_are_classified(
-    sim: tuple[str, SimApp], proxy: Proxy, n: int, relay: str
+    sim: tuple[str, SimApp], proxy: Proxy, n: int
 ) -> None:
-    only_on(relay, "wire", "the wire tunnels WebSockets; the ASGI app refuses them")
     from websockets.exceptions import ConnectionClosed
     from websockets.sync.client import connect
 
@@ -494,8 +494,8 @@ def test_realtime_error_and_cut_sessions_are_classified(
 # -- tokenprobe demo ------------------------------------------------------------------------
 
 
-def test_demo_prints_a_row_for_each_new_api(relay: str) -> None:
-    only_on(relay, "wire", "the demo runs its proxy as serve does, on the wire")
+@paths("wire", why="the demo runs its proxy as serve does, on the wire")
+def test_demo_prints_a_row_for_each_new_api() -> None:
     import sys
 
     out = subprocess.run(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -21,7 +20,7 @@ import pytest
 from proxy.core.measurement import ErrorType, Measurement
 from proxy.sim.state import SimRequest
 from tests.conftest import MODEL, ProxyUnderTest, Running
-from tests.server.conftest import WITH_HYPERCORN, use_relay
+from tests.server.conftest import WITH_HYPERCORN, paths
 
 TTFT = 0.25
 SLACK = 0.25  # the proxy may add a little on a loaded machine, never take away
@@ -29,10 +28,7 @@ PROGRAM = {"x-sim-ttft": str(TTFT), "x-sim-tps": "100", "x-sim-output-tokens": "
 MESSAGES: Any = [{"role": "user", "content": "Hello there"}]
 
 
-@pytest.fixture(scope="module", params=WITH_HYPERCORN, autouse=True)
-def relay(request: pytest.FixtureRequest) -> Iterator[str]:
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        yield use_relay(request.param, monkeypatch)
+pytestmark = paths(*WITH_HYPERCORN, why="the ASGI app is a product: it runs under hypercorn too")
 
 
 def record(proxy: ProxyUnderTest, n: int = 1) -> Measurement:

@@ -2,8 +2,7 @@
 
 The same relay and measuring as `tokenprobe serve --relay asgi`, under a server that is
 not uvicorn; a WebSocket gets a clean refusal there (only the wire tunnels them). These
-tests run the factory itself, so they do not depend on the `relay` parameter: they run
-once, on the ASGI relay's turn.
+tests run the factory itself, so they run once, on the ASGI relay's turn.
 """
 
 from __future__ import annotations
@@ -19,15 +18,15 @@ import websockets.sync.client
 from websockets.exceptions import InvalidStatus
 
 from tests.conftest import MODEL, Running
-from tests.server.conftest import only_on
+from tests.server.conftest import paths
 from tests.servers import free_port, stop, wait_http
 
 CHAT = "/v1/chat/completions"
+pytestmark = paths("asgi", why="the app factory is the ASGI relay")
 
 
 @pytest.fixture
-def hypercorn_app(sim: Running, relay: str) -> Iterator[str]:
-    only_on(relay, "asgi", "the app factory is the ASGI relay")
+def hypercorn_app(sim: Running) -> Iterator[str]:
     port = free_port()
     env = {
         "TOKENPROBE_UPSTREAM": sim.url,

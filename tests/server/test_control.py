@@ -17,6 +17,9 @@ from proxy.core.errors import error_body
 from proxy.server.control import ControlPlane, GuardedMetrics, Readiness
 from proxy.server.exposition import Exposition
 from proxy.types import ASGIApp
+from tests.server.conftest import no_proxy
+
+pytestmark = no_proxy  # runs no proxy: once, on no data path
 
 UPSTREAM = "http://upstream.test"
 

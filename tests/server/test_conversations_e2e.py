@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.sim.tokens import count_prompt_tokens
 from tests.conftest import MODEL, ProxyUnderTest, Running
+from tests.server.conftest import no_proxy
 from tests.servers import free_port, spawn, stop, wait_http
 
 SYSTEM = {"role": "system", "content": "You are a weather agent. Call get_weather first."}
@@ -401,6 +402,7 @@ def test_each_api_s_continuation_gets_its_gap_and_the_programmed_cached_tokens(
     assert ratio == pytest.approx(truth / count_prompt_tokens(first))
 
 
+@no_proxy
 @pytest.mark.parametrize("header", ["authorization", "X-Api-Key", "cookie", "not a header"])
 def test_a_credential_or_malformed_conversation_header_is_refused_at_start(header: str) -> None:
     from proxy.settings import SettingsError, parse
@@ -409,6 +411,7 @@ def test_a_credential_or_malformed_conversation_header_is_refused_at_start(heade
         parse(["--upstream", "http://127.0.0.1:9", "--conversation-header", header], {})
 
 
+@no_proxy
 def test_conversation_settings_come_from_flags_and_variables() -> None:
     from proxy.settings import SettingsError, parse
 

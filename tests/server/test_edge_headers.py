@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from proxy.core.errors import describe
 from tests.edge_backend import RawBackend, backend, serving
+from tests.server.conftest import no_proxy
 
 CHAT_BODY = b'{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}'
 
@@ -105,6 +106,7 @@ def test_a_first_byte_timeout_says_what_timed_out() -> None:
     assert b"TimeoutError: TimeoutError" not in response
 
 
+@no_proxy
 @pytest.mark.parametrize(
     "exc",
     [

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from proxy.core.paths import BadTarget, normalise
 from tests.edge_backend import RawBackend, backend, metric, serving
+from tests.server.conftest import no_proxy
 
 CHAT_BODY = b'{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}'
 
@@ -105,6 +106,7 @@ def test_targets_that_cannot_be_normalised_safely_get_a_400_and_never_reach_the_
 # -- the normaliser on its own ----------------------------------------------------------
 
 
+@no_proxy
 def test_rfc3986_examples_of_dot_segment_removal() -> None:
     # RFC 3986 §5.2.4's worked example, and the §5.4 cases that stay under the root.
     assert normalise(b"/a/b/c/./../../g").path == "/a/g"
@@ -125,6 +127,7 @@ _PATH_BYTES = st.lists(
 ).map(lambda parts: b"/" + b"".join(parts))
 
 
+@no_proxy
 @given(_PATH_BYTES)
 def test_normalised_paths_are_fixed_points_without_dot_segments(raw: bytes) -> None:
     try:
@@ -139,6 +142,7 @@ def test_normalised_paths_are_fixed_points_without_dot_segments(raw: bytes) -> N
     assert normalise(path.encode()).path == path  # normalising twice changes nothing
 
 
+@no_proxy
 @given(st.binary(max_size=200))
 def test_any_bytes_either_normalise_or_are_refused_with_a_message(raw: bytes) -> None:
     try:

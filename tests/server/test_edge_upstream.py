@@ -12,6 +12,7 @@ import pytest
 from proxy.core.sse import EventTooLarge, SSEDecoder
 from proxy.core.strip import UsageEventStripper
 from tests.edge_backend import backend, metric, rss_bytes, serving, serving_process
+from tests.server.conftest import no_proxy
 
 CHAT = "/v1/chat/completions"
 STREAM = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
@@ -22,6 +23,7 @@ MiB = 1024 * 1024
 # -- defect 4: one giant event line -----------------------------------------------------
 
 
+@no_proxy
 def test_decoder_gives_up_at_its_limit_and_never_recopies_a_growing_line() -> None:
     decoder = SSEDecoder(max_event_bytes=8 * MiB)
     piece = b"x" * 65536
@@ -33,6 +35,7 @@ def test_decoder_gives_up_at_its_limit_and_never_recopies_a_growing_line() -> No
     assert time.perf_counter() - started < 1.0
 
 
+@no_proxy
 def test_stripper_releases_a_giant_event_at_its_limit_and_then_steps_aside() -> None:
     stripper = UsageEventStripper(max_event_bytes=MiB)
     out = [stripper.feed(b'data: {"choices":[{"delta":{"content":"')]

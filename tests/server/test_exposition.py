@@ -12,6 +12,9 @@ from prometheus_client.exposition import choose_encoder
 from proxy.server import exposition
 from proxy.server.exposition import Exposition
 from proxy.types import Message
+from tests.server.conftest import no_proxy
+
+pytestmark = no_proxy  # runs no proxy: once, on no data path
 
 OPENMETRICS = b"application/openmetrics-text; version=1.0.0"
 

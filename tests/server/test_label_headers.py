@@ -17,6 +17,7 @@ from proxy.core.labels import MAX_LABEL_CHARS, HeaderLabels, sanitise
 from proxy.settings import SettingsError, parse
 from tests.conftest import MODEL, Running
 from tests.otlp_receiver import OtlpReceiver, points
+from tests.server.conftest import no_proxy
 from tests.servers import free_port, serve, spawn, stop, wait_http
 
 N = 10  # --label-values
@@ -105,6 +106,7 @@ def test_300_team_values_stay_bounded_everywhere(
     ] + ["none"]
 
 
+@no_proxy
 @pytest.mark.parametrize(
     "header", ["authorization", "Authorization", "x-api-key", "cookie", "proxy-authorization"]
 )
@@ -118,11 +120,13 @@ def test_a_secret_header_as_label_is_refused_at_start_up(header: str) -> None:
     assert b"--label-header" in err and b"secret header never becomes a label" in err
 
 
+@no_proxy
 def test_a_secret_header_named_by_secret_header_is_refused_too() -> None:
     with pytest.raises(SettingsError, match="is a --secret-header"):
         parse([*UP, "--label-header", "x-tenant=tenant", "--secret-headers", "X-Tenant"], {})
 
 
+@no_proxy
 def test_label_header_flags_repeat_and_combine_with_the_variable() -> None:
     settings = parse([*UP, "--label-header", "X-Team=team", "--label-header", "x-app=app"], {})
     assert settings.label_header == ("x-team=team", "x-app=app")
@@ -130,6 +134,7 @@ def test_label_header_flags_repeat_and_combine_with_the_variable() -> None:
     assert env.label_header == settings.label_header
 
 
+@no_proxy
 @pytest.mark.parametrize(
     "value",
     ["x-team", "x-team=", "=team", "x-team=te-am", "x-team=model", "x team=team", "a=t,b=t"],
@@ -139,6 +144,7 @@ def test_bad_label_headers_are_refused(value: str) -> None:
         parse([*UP, "--label-header", value], {})
 
 
+@no_proxy
 def test_values_are_sanitised_cut_short_and_bounded() -> None:
     labels = HeaderLabels(("x-team",), max_values=2)
     assert labels([(b"x-team", b' a "b"\n{c} ')]) == ("a__b___c_",)
@@ -149,6 +155,7 @@ def test_values_are_sanitised_cut_short_and_bounded() -> None:
     assert sanitise("é".encode()) == "__"  # latin-1 decoded, then not plain
 
 
+@no_proxy
 def test_the_access_log_carries_the_labels_in_json_and_logfmt() -> None:
     import io
 

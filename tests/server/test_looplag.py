@@ -6,6 +6,9 @@ import asyncio
 import time
 
 from proxy.server.looplag import LoopLag
+from tests.server.conftest import no_proxy
+
+pytestmark = no_proxy  # runs no proxy: once, on no data path
 
 
 def test_a_blocked_loop_shows_as_lag_and_an_idle_one_as_little() -> None:

@@ -21,7 +21,7 @@ import pytest
 
 from proxy.core.measurement import ErrorType, Measurement, TokenSource
 from tests.conftest import MODEL, ProxyUnderTest, Running
-from tests.server.conftest import only_on
+from tests.server.conftest import paths
 
 TTFT = 0.1
 LOAD = 0.4
@@ -266,8 +266,8 @@ def test_broken_streams_are_counted_and_relayed_whole(
 # -- tokenprobe demo ---------------------------------------------------------------------
 
 
-def test_demo_shows_ollama_rows_with_the_cold_model_load(relay: str) -> None:
-    only_on(relay, "wire", "the demo runs its proxy as serve does, on the wire")
+@paths("wire", why="the demo runs its proxy as serve does, on the wire")
+def test_demo_shows_ollama_rows_with_the_cold_model_load() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "proxy", "demo", "--port", "0", "--rounds", "1"],
         capture_output=True,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import httpx
 import openai
@@ -13,15 +13,12 @@ import pytest
 from proxy.bench.ports import free_port
 from proxy.core.measurement import ErrorType, TokenSource
 from tests.conftest import MODEL, ProxyUnderTest, Running
-from tests.server.conftest import WITH_HYPERCORN, use_relay
+from tests.server.conftest import WITH_HYPERCORN, paths
 
 CHAT = "/v1/chat/completions"
 
 
-@pytest.fixture(scope="module", params=WITH_HYPERCORN, autouse=True)
-def relay(request: pytest.FixtureRequest) -> Iterator[str]:
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        yield use_relay(request.param, monkeypatch)
+pytestmark = paths(*WITH_HYPERCORN, why="the ASGI app is a product: it runs under hypercorn too")
 
 
 def chat(stream: bool = True, **extra: object) -> dict[str, object]:

@@ -1,4 +1,6 @@
-"""Every way a relayed request can end, driven in-process through the ASGI interface.
+"""Every way a relayed request can end, driven in-process through the ASGI interface: what
+only the ASGI relay can show (the same exits over sockets, on both paths, are
+tests/server/test_exits_inprocess.py).
 
 The proxy app runs on the test's own event loop, called as `await app(scope, receive,
 send)` with a fake server side written here (`Client`). The assembly is handed an
@@ -36,19 +38,16 @@ from proxy.sinks.sink import Labels, Recorder, Sink
 from proxy.types import Message
 from tests.builds import replaces_observer_methods
 from tests.paths import ERRORS, STREAMS
-from tests.server.conftest import only_on
+from tests.server.conftest import paths
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the model the recorded streams name
 
 
-@pytest.fixture(autouse=True)
-def _asgi_only(relay: str) -> None:
-    only_on(
-        relay,
-        "asgi",
-        "drives the ASGI app through its ASGI interface with a mock upstream transport; "
-        "tests/server/test_wire_inprocess.py runs the same exits on the wire",
-    )
+pytestmark = paths(
+    "asgi",
+    why="drives the ASGI app through its ASGI interface with a mock upstream transport; "
+    "tests/server/test_exits_inprocess.py runs the same exits on both paths over sockets",
+)
 
 
 UPSTREAM = "http://upstream.test"

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import httpx
 
 from tests.conftest import MODEL, ProxyUnderTest, Running
+from tests.server.conftest import no_proxy
 from tests.servers import free_port
 
 CHAT = "/v1/chat/completions"
@@ -40,6 +41,7 @@ def test_key_label_is_a_salted_hash_never_the_key(
     assert sorted(float(line.rsplit(" ", 1)[1]) for line in key_lines) == [1.0, 2.0]
 
 
+@no_proxy
 def test_key_labels_are_bounded() -> None:
     from proxy.sinks.keys import MAX_KEYS, KeyLabels
 

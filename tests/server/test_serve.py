@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.server.conftest import no_proxy
 from tests.servers import free_port, spawn, stop, wait_http
 
 CHAT = "/v1/chat/completions"
@@ -143,6 +144,7 @@ def test_two_workers_report_exact_totals_on_every_scrape(sim_url: str, tmp_path:
         stop(proxy)
 
 
+@no_proxy
 def test_serve_without_upstream_says_what_to_set() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "proxy", "serve"],
@@ -209,6 +211,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@no_proxy
 def test_serve_refuses_a_tokenizer_it_cannot_load_and_names_the_extra(tmp_path: Path) -> None:
     result = subprocess.run(
         [
@@ -249,6 +252,7 @@ print(asyncio.run(started(build_app(settings))), asyncio.run(started(assemble(se
 """
 
 
+@no_proxy
 def test_a_serving_process_freezes_its_startup_heap_and_an_app_built_in_code_does_not() -> None:
     # proxy/server/heap.py: a full collection walked the whole startup heap and stopped
     # every stream for 20-48 ms under scrape load. What startup built is frozen (out of

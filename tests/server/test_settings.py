@@ -8,6 +8,9 @@ import dataclasses
 import pytest
 
 from proxy.settings import REQUIRED, SPECS, Settings, SettingsError, parse, resolve
+from tests.server.conftest import no_proxy
+
+pytestmark = no_proxy  # runs no proxy: once, on no data path
 
 UPSTREAM = ["--upstream", "http://vllm:8000"]
 

@@ -16,6 +16,9 @@ import pytest
 from proxy.cli import main
 from proxy.server.serve import build_app
 from proxy.settings import Settings, SettingsError
+from tests.server.conftest import no_proxy
+
+pytestmark = no_proxy  # runs no proxy: once, on no data path
 
 UPSTREAM = "http://127.0.0.1:9"
 

@@ -17,6 +17,7 @@ import yaml
 from proxy.core.labels import MAX_MODELS
 from proxy.settings import SettingsError, parse
 from tests.conftest import ProxyUnderTest, Running
+from tests.server.conftest import no_proxy
 from tests.servers import spawn, stop
 
 MODELS = ("fast", "slow")
@@ -148,6 +149,7 @@ def test_an_slo_file_naming_thousands_of_models_keeps_the_model_label_bound(
     assert met == len(names[: MAX_MODELS + 50 : 25])
 
 
+@no_proxy
 @pytest.mark.parametrize(
     ("flags", "says"),
     [

@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.ui import ASSETS
 from tests.conftest import MODEL, ProxyUnderTest, Running
 from tests.paths import ROOT
-from tests.server.conftest import only_on
+from tests.server.conftest import no_proxy, paths
 from tests.servers import free_port
 
 CHAT = "/v1/chat/completions"
@@ -48,6 +48,7 @@ def _chat(max_tokens: int = 32) -> dict[str, Any]:
 # -- no browser needed -----------------------------------------------------------------
 
 
+@no_proxy
 def test_page_weight_html_js_css_is_under_250_kb() -> None:
     weight = sum(
         len(body)
@@ -89,6 +90,7 @@ def test_ui_moves_with_metrics_to_the_metrics_port(
     assert httpx.get(proxy.url + "/ui").status_code == 404
 
 
+@no_proxy
 def test_a_built_wheel_ships_the_ui_assets(tmp_path: Path) -> None:
     """`pip install .` (not editable) must carry proxy/ui/static/*: package data.
 
@@ -172,6 +174,7 @@ def promql_window(before: str, now: str) -> tuple[dict[str, float], dict[float, 
     return {k: v for k, v in outcomes.items() if v > 0}, ttft
 
 
+@no_proxy
 def test_python_histogram_quantile_interpolates_like_promql() -> None:
     # 10 observations: 4 in (0, 0.1], 6 in (0.1, 0.5]; the median is rank 5, 1 of 6 into
     # the second bucket; the 0.99 quantile falls in +Inf and reads the highest finite bound.
@@ -458,6 +461,7 @@ def test_page_reads_the_aggregated_metrics_of_two_workers(
         proxy.wait(10)
 
 
+@paths("wire", why="the demo runs its proxy as serve does, on the wire")
 def test_demo_serve_prints_the_live_view_first_and_keeps_it_busy(
     open_page: Callable[[str], Page],
 ) -> None:
@@ -497,12 +501,12 @@ def test_demo_serve_prints_the_live_view_first_and_keeps_it_busy(
         demo.wait(10)
 
 
+@paths("wire", why="the wire tunnels WebSockets; the ASGI app refuses them")
 def test_page_shows_the_real_time_factor_once_realtime_sessions_run(
-    sim: Running, open_page: Callable[[str], Page], relay: str
+    sim: Running, open_page: Callable[[str], Page]
 ) -> None:
     """Behind `tokenprobe serve` (the wire tunnels WebSockets): the chart waits with a line
     saying why, then draws once an utterance on /v1/realtime has ended."""
-    only_on(relay, "wire", "the wire tunnels WebSockets; the ASGI app refuses them")
     import base64
 
     import orjson

@@ -1,12 +1,14 @@
-"""Every way a request can end on the wire, in-process: tokenprobe's uvicorn server with the
-wire's protocol in a thread (tests/conftest.py's start_proxy), a scripted upstream on a
-raw asyncio socket server here, real sockets between them.
+"""Every way a request can end, in-process, on both data paths: tokenprobe's uvicorn server
+with the path's protocol in a thread (tests/conftest.py's start_proxy), a scripted upstream
+on a raw asyncio socket server here, real sockets between them.
 
-The same exits as tests/server/test_relay_inprocess.py (which drives the ASGI relay
-through its ASGI interface), plus what only a protocol-level relay has: the upstream
-keep-alive pool (a clean response's connection is reused, an abandoned or broken one is
-closed) and backpressure (a client that does not read stops the proxy reading the
-upstream). Each test asserts what the client got, what the upstream saw, and the record.
+Each test asserts what the client got, what the upstream saw, and the record; with the
+upstream keep-alive pool (a clean response's connection is reused, an abandoned or broken
+one is closed) and backpressure (a client that does not read stops the proxy reading the
+upstream). What only one path can run stays with that path: the wire's retry on a
+kept-alive connection the backend closed and its drain cut are marked `paths("wire")`
+here; what only the ASGI interface shows (one send per upstream read, the relay freed at
+once, the drain cut as uvicorn cancels the request) is tests/server/test_relay_inprocess.py.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from proxy.sinks.sink import Labels
 from tests.builds import replaces_observer_methods
 from tests.conftest import ProxyUnderTest
 from tests.paths import STREAMS
-from tests.server.conftest import only_on
+from tests.server.conftest import paths
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the model the recorded streams name
 STREAM = (STREAMS / "vllm_chat.sse").read_bytes()
@@ -39,11 +41,6 @@ REQUEST = {"model": MODEL, "stream": True, "messages": [{"role": "user", "conten
 SSE_HEAD = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 )
-
-
-@pytest.fixture(autouse=True)
-def _wire_only(relay: str) -> None:
-    only_on(relay, "wire", "the wire's own exits; the ASGI relay's are test_relay_inprocess.py")
 
 
 def chunk(data: bytes) -> bytes:
@@ -151,7 +148,7 @@ def streaming(*steps: bytes | float | None) -> Script:
     return script
 
 
-def wire_proxy(
+def proxy_in_front(
     start_proxy: Callable[..., ProxyUnderTest], url: str, **settings: Any
 ) -> ProxyUnderTest:
     settings.setdefault("model_allowlist", (MODEL,))
@@ -202,7 +199,7 @@ def head_reply(proxy: ProxyUnderTest, headers: int) -> bytes:
 def test_the_head_limits_are_the_proxys_settings(
     upstream: Callable[[Script], Scripted], start_proxy: Callable[..., ProxyUnderTest]
 ) -> None:
-    proxy = wire_proxy(start_proxy, upstream(streaming()).url, max_headers=6)
+    proxy = proxy_in_front(start_proxy, upstream(streaming()).url, max_headers=6)
     assert head_reply(proxy, 6).startswith(b"HTTP/1.1 200 ")
     refused = head_reply(proxy, 7)
     assert refused.startswith(b"HTTP/1.1 431 ") and b"over 6 request headers" in refused
@@ -215,7 +212,7 @@ def test_streamed_success_relays_the_bytes_and_records_the_usage(
     upstream: Callable[[Script], Scripted], start_proxy: Callable[..., ProxyUnderTest]
 ) -> None:
     backend = upstream(streaming(*[s for e in EVENTS for s in (e, 0.002)]))
-    proxy = wire_proxy(start_proxy, backend.url)
+    proxy = proxy_in_front(start_proxy, backend.url)
     response, chunks = stream_raw(proxy)
     assert response.status_code == 200 and b"".join(chunks) == STREAM
     assert response.headers["x-accel-buffering"] == "no"
@@ -239,7 +236,7 @@ def test_non_streamed_success_keeps_its_length_and_the_connection_is_reused(
         await writer.drain()
 
     backend = upstream(whole)
-    proxy = wire_proxy(start_proxy, backend.url)
+    proxy = proxy_in_front(start_proxy, backend.url)
     body = {**REQUEST, "stream": False}
     replies = [httpx.post(proxy.url + CHAT, json=body, timeout=10) for _ in range(3)]
     assert all(r.content == BODY for r in replies)
@@ -248,6 +245,11 @@ def test_non_streamed_success_keeps_its_length_and_the_connection_is_reused(
     assert len(proxy.wait_records(3, exact=True)) == 3
 
 
+@paths(
+    "wire",
+    why="the wire sends the request once more on a fresh connection; the ASGI relay "
+    "answers 502 there (its upstream transport does not send it again)",
+)
 def test_a_request_on_a_kept_alive_connection_the_backend_closed_goes_once_more_anew(
     upstream: Callable[[Script], Scripted], start_proxy: Callable[..., ProxyUnderTest]
 ) -> None:
@@ -266,7 +268,7 @@ def test_a_request_on_a_kept_alive_connection_the_backend_closed_goes_once_more_
         await streaming(*EVENTS)(reader, writer)
 
     backend = upstream(once_per_connection)
-    proxy = wire_proxy(start_proxy, backend.url)
+    proxy = proxy_in_front(start_proxy, backend.url)
     for _ in range(3):
         response, chunks = stream_raw(proxy)
         assert response.status_code == 200 and b"".join(chunks) == STREAM
@@ -282,7 +284,7 @@ def test_a_fresh_connection_closed_unanswered_is_not_tried_again(
         raise ConnectionResetError("closes unanswered")
 
     backend = upstream(never)
-    proxy = wire_proxy(start_proxy, backend.url)
+    proxy = proxy_in_front(start_proxy, backend.url)
     response, _ = stream_raw(proxy)
     assert response.status_code == 502
     assert (backend.connections, backend.requests) == (1, 1)
@@ -297,7 +299,7 @@ def test_unmeasured_paths_are_relayed_and_counted_by_route(
         writer.write(b'HTTP/1.1 200 OK\r\ncontent-length: 11\r\n\r\n{"data":[]}')
         await writer.drain()
 
-    proxy = wire_proxy(start_proxy, upstream(models).url)
+    proxy = proxy_in_front(start_proxy, upstream(models).url)
     assert httpx.get(proxy.url + "/v1/models?x=1").content == b'{"data":[]}'
     deadline = time.monotonic() + 5
     while proxy.sample("tokenprobe_passthrough_requests_total", route="/v1/models", code="200") < 1:
@@ -312,7 +314,7 @@ def test_unmeasured_paths_are_relayed_and_counted_by_route(
 def test_an_unreachable_upstream_answers_502(start_proxy: Callable[..., ProxyUnderTest]) -> None:
     from tests.servers import free_port
 
-    proxy = wire_proxy(start_proxy, f"http://127.0.0.1:{free_port()}")
+    proxy = proxy_in_front(start_proxy, f"http://127.0.0.1:{free_port()}")
     reply = httpx.post(proxy.url + CHAT, json=REQUEST, timeout=10)
     assert reply.status_code == 502 and reply.json()["error"]["type"] == "upstream_unreachable"
     assert proxy.wait_records(1)[0].error_type is ErrorType.UPSTREAM_UNREACHABLE
@@ -325,7 +327,7 @@ def test_no_head_within_the_first_byte_timeout_answers_504_and_closes_upstream(
         await wait_close(reader)
 
     backend = upstream(silent)
-    proxy = wire_proxy(start_proxy, backend.url, first_byte_timeout=0.3)
+    proxy = proxy_in_front(start_proxy, backend.url, first_byte_timeout=0.3)
     reply = httpx.post(proxy.url + CHAT, json=REQUEST, timeout=10)
     assert reply.status_code == 504 and reply.json()["error"]["type"] == "upstream_timeout"
     assert backend.closed.wait(5)
@@ -346,7 +348,7 @@ def test_an_error_status_is_relayed_unchanged_and_classified(
         )
         await writer.drain()
 
-    proxy = wire_proxy(start_proxy, upstream(refuse).url)
+    proxy = proxy_in_front(start_proxy, upstream(refuse).url)
     reply = httpx.post(proxy.url + CHAT, json=REQUEST, timeout=10)
     assert (reply.status_code, reply.content) == (400, error)
     assert proxy.wait_records(1)[0].error_type is ErrorType.CONTEXT_LENGTH
@@ -364,7 +366,7 @@ def test_a_break_after_the_head_relays_what_came_then_drops_the_client(
         writer.transport.abort()
         raise ConnectionResetError
 
-    proxy = wire_proxy(start_proxy, upstream(breaks).url)
+    proxy = proxy_in_front(start_proxy, upstream(breaks).url)
     got: list[bytes] = []
     with (
         pytest.raises(httpx.RemoteProtocolError),
@@ -381,7 +383,7 @@ def test_an_idle_upstream_is_cut_after_the_idle_timeout(
     upstream: Callable[[Script], Scripted], start_proxy: Callable[..., ProxyUnderTest]
 ) -> None:
     backend = upstream(streaming(EVENTS[0], None))
-    proxy = wire_proxy(start_proxy, backend.url, idle_timeout=0.3)
+    proxy = proxy_in_front(start_proxy, backend.url, idle_timeout=0.3)
     with (
         pytest.raises(httpx.RemoteProtocolError),
         httpx.stream("POST", proxy.url + CHAT, json=REQUEST, timeout=10) as response,
@@ -391,11 +393,12 @@ def test_an_idle_upstream_is_cut_after_the_idle_timeout(
     assert proxy.wait_records(1)[0].error_type is ErrorType.UPSTREAM_TIMEOUT
 
 
+@paths("wire", why="the wire's own cut (Wire.close); the ASGI relay's is test_relay_inprocess.py")
 def test_the_drain_cut_mid_stream_records_stream_truncated_and_drops_the_client(
     upstream: Callable[[Script], Scripted], start_proxy: Callable[..., ProxyUnderTest]
 ) -> None:
     backend = upstream(streaming(EVENTS[0], None))
-    proxy = wire_proxy(start_proxy, backend.url)
+    proxy = proxy_in_front(start_proxy, backend.url)
     with (
         pytest.raises(httpx.RemoteProtocolError),
         httpx.stream("POST", proxy.url + CHAT, json=REQUEST, timeout=10) as response,
@@ -409,6 +412,7 @@ def test_the_drain_cut_mid_stream_records_stream_truncated_and_drops_the_client(
     assert (record.status_code, record.error_type) == (200, ErrorType.STREAM_TRUNCATED)
 
 
+@paths("wire", why="the wire's own cut (Wire.close); the ASGI relay's is test_relay_inprocess.py")
 def test_the_drain_cut_before_the_head_answers_503(
     upstream: Callable[[Script], Scripted], start_proxy: Callable[..., ProxyUnderTest]
 ) -> None:
@@ -418,7 +422,7 @@ def test_the_drain_cut_before_the_head_answers_503(
         reached.set()
         await wait_close(reader)
 
-    proxy = wire_proxy(start_proxy, upstream(silent).url)
+    proxy = proxy_in_front(start_proxy, upstream(silent).url)
     result: dict[str, httpx.Response] = {}
     client = threading.Thread(
         target=lambda: result.update(r=httpx.post(proxy.url + CHAT, json=REQUEST, timeout=10))
@@ -463,7 +467,7 @@ def test_a_client_that_leaves_closes_the_upstream_at_once_and_is_recorded(
         await wait_close(reader)
 
     backend = upstream(script)
-    proxy = wire_proxy(start_proxy, backend.url)
+    proxy = proxy_in_front(start_proxy, backend.url)
     body = orjson.dumps(REQUEST)
     port = int(proxy.url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
@@ -488,7 +492,7 @@ def test_a_pooled_connection_is_never_one_that_carried_an_abandoned_response(
     upstream: Callable[[Script], Scripted], start_proxy: Callable[..., ProxyUnderTest]
 ) -> None:
     backend = upstream(streaming(EVENTS[0], 0.05, *EVENTS[1:]))
-    proxy = wire_proxy(start_proxy, backend.url)
+    proxy = proxy_in_front(start_proxy, backend.url)
     with httpx.stream("POST", proxy.url + CHAT, json=REQUEST, timeout=10) as response:
         assert next(response.iter_raw()) == EVENTS[0]  # then the client leaves
     assert backend.closed.wait(5)
@@ -516,7 +520,7 @@ def test_a_client_that_does_not_read_stops_the_proxy_reading_the_upstream(
         writer.write(b"0\r\n\r\n")
         await writer.drain()
 
-    proxy = wire_proxy(start_proxy, upstream(flood).url, max_event_bytes=128 * 1024)
+    proxy = proxy_in_front(start_proxy, upstream(flood).url, max_event_bytes=128 * 1024)
     with httpx.stream("POST", proxy.url + CHAT, json=REQUEST, timeout=30) as response:
         stream = response.iter_raw()
         first = next(stream)
@@ -543,7 +547,7 @@ def test_an_observer_failure_keeps_the_stream_and_still_writes_a_record(
         raise RuntimeError("observer bug")
 
     monkeypatch.setattr(StreamObserver, "feed", broken_feed)
-    proxy = wire_proxy(start_proxy, upstream(streaming(*EVENTS)).url)
+    proxy = proxy_in_front(start_proxy, upstream(streaming(*EVENTS)).url)
     _, chunks = stream_raw(proxy)
     assert b"".join(chunks) == STREAM
     assert proxy.wait_records(1)[0].status_code == 200
@@ -553,7 +557,7 @@ def test_an_observer_failure_keeps_the_stream_and_still_writes_a_record(
 def test_an_event_over_the_limit_is_relayed_unmeasured_and_counted(
     upstream: Callable[[Script], Scripted], start_proxy: Callable[..., ProxyUnderTest]
 ) -> None:
-    proxy = wire_proxy(start_proxy, upstream(streaming(*EVENTS)).url, max_event_bytes=64)
+    proxy = proxy_in_front(start_proxy, upstream(streaming(*EVENTS)).url, max_event_bytes=64)
     _, chunks = stream_raw(proxy)
     assert b"".join(chunks) == STREAM
     record = proxy.wait_records(1)[0]
@@ -571,7 +575,7 @@ def test_a_failure_while_finishing_still_writes_a_bare_record(
         raise RuntimeError("finish bug")
 
     monkeypatch.setattr(StreamObserver, "finish", broken_finish)
-    proxy = wire_proxy(start_proxy, upstream(streaming(*EVENTS)).url)
+    proxy = proxy_in_front(start_proxy, upstream(streaming(*EVENTS)).url)
     _, chunks = stream_raw(proxy)
     assert b"".join(chunks) == STREAM
     record = proxy.wait_records(1)[0]
@@ -586,7 +590,7 @@ def test_a_sink_failure_is_counted_and_the_other_sinks_go_on(
         def record(self, measurement: Measurement, labels: Labels) -> None:
             raise RuntimeError("sink bug")
 
-    proxy = wire_proxy(start_proxy, upstream(streaming(*EVENTS)).url, sinks=[BrokenSink()])
+    proxy = proxy_in_front(start_proxy, upstream(streaming(*EVENTS)).url, sinks=[BrokenSink()])
     _, chunks = stream_raw(proxy)
     assert b"".join(chunks) == STREAM
     assert proxy.wait_records(1)[0].error_type is None
