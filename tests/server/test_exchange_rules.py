@@ -17,6 +17,9 @@ from proxy.server.assemble import assemble
 from proxy.server.exchange import Context
 from proxy.server.rules import ExchangeRules, Stage
 from proxy.settings import parse
+from tests.server.conftest import no_proxy
+
+pytestmark = no_proxy
 
 CHAT = b"/v1/chat/completions"
 STREAM_BODY = json.dumps(

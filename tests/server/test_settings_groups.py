@@ -15,6 +15,9 @@ from proxy.server.assemble import assemble
 from proxy.server.protocol import HEAD_SLACK, HeadLimits
 from proxy.server.tunnel import TunnelContext, tunnel_context
 from proxy.settings import NAMES, Settings, group, parse
+from tests.server.conftest import no_proxy
+
+pytestmark = no_proxy
 
 #: Each group, how the proxy builds it, and the fields it derives instead of copying.
 GROUPS: list[tuple[type[Any], Callable[[Settings], Any], set[str]]] = [
