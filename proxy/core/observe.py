@@ -33,7 +33,7 @@ import orjson
 from proxy.core.apis import Api, Facts, RequestInfo, TokenCounts, api_of
 from proxy.core.engine import EngineMetrics
 from proxy.core.errors import classify_response, classify_stream_end, error_message
-from proxy.core.fingerprint import of_prompt
+from proxy.core.fingerprint import prefix_of
 from proxy.core.llamacpp import timings_metrics
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
 from proxy.core.sse import DEFAULT_MAX_EVENT_BYTES
@@ -453,7 +453,7 @@ class StreamObserver:
             trace_id=trace_id,
             engine=self._engine(),
             proxy_overhead=self.overhead,
-            prefix=of_prompt(request.prompt),
+            prefix=prefix_of(request),
             **self._kinds(counts, reasoning, error_type),
             malformed_events=self.malformed_events,
         )
@@ -570,7 +570,7 @@ def bare_record(
         max_tokens=request.max_tokens,
         temperature=request.temperature,
         trace_id=trace_id,
-        prefix=of_prompt(request.prompt),
+        prefix=prefix_of(request),
     )
 
 

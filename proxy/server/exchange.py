@@ -7,7 +7,8 @@ the sinks' `begin` and `end` (in-flight gauge, per-key labels, trace span and th
 means (`failure`, decided by proxy.core.errors.relay_failure) and the one finish sequence
 (`finish`). A data path only moves bytes: it calls `open` at the response head, `feed`
 after each chunk went to the client (with the time of the network read), and `finish`
-once. `IdleTimer` times the gaps of an upstream body for both paths.
+once. `IdleTimer` times the gaps of an upstream body on the ASGI relay (the wire folds the
+same check into its request's one timer, proxy/server/wire/connection.py `_check`).
 """
 
 from __future__ import annotations

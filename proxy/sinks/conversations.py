@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from proxy.core.conversations import Closed, Conversations, Turn, header_refusal
-from proxy.core.fingerprint import message_chain
+from proxy.core.fingerprint import chain_of
 from proxy.core.measurement import Measurement
 from proxy.core.request import RequestInfo
 from proxy.sinks.metrics import Metrics
@@ -64,7 +64,7 @@ class ConversationTracker:
     def begin(self, info: RequestInfo, headers: Headers, now: float) -> Turn:
         self.sweep(now)
         value = self._header_value(headers)
-        chain, complete = message_chain(info.prompt)
+        chain, complete = chain_of(info)
         turn = self.table.begin(
             now,
             header=value,

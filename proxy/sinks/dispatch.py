@@ -39,7 +39,7 @@ class RequestScope:
     """What the sinks keep of one request between `begin` and `end`: its labels, resolved
     once, and its trace span with the trace id and the `traceparent` that goes upstream."""
 
-    __slots__ = ("info", "labels", "span", "trace_id", "turn", "upstream_headers")
+    __slots__ = ("in_flight", "info", "labels", "span", "trace_id", "turn", "upstream_headers")
 
     def __init__(self, info: RequestInfo | None, labels: Labels) -> None:
         self.info = info
@@ -48,6 +48,7 @@ class RequestScope:
         self.trace_id: str | None = None
         self.upstream_headers: Headers = []
         self.turn: Any = None  # its conversation turn (proxy/sinks/conversations.py)
+        self.in_flight: Any = None  # its in-flight gauge child, resolved at `begin`
 
 
 class Sinks:
@@ -95,7 +96,9 @@ class Sinks:
         key = self.keys(headers) if self.keys is not None else None
         attribution = self.header_labels(headers) if self.header_labels is not None else ()
         scope = RequestScope(info, Labels(self.models(info.model), key, attribution))
-        self.metrics.in_flight.labels(scope.labels.model, info.endpoint).inc()
+        metrics = self.metrics
+        scope.in_flight = metrics.child(metrics.in_flight, scope.labels.model, info.endpoint)
+        scope.in_flight.inc()
         if self.conversations is not None:
             try:
                 scope.turn = self.conversations.begin(info, headers, started_at or time())
@@ -118,7 +121,7 @@ class Sinks:
         info = scope.info
         if info is None:
             return
-        self.metrics.in_flight.labels(scope.labels.model, info.endpoint).dec()
+        scope.in_flight.dec()
         if scope.turn is not None and measurement is not None and self.conversations is not None:
             try:
                 measurement = self.conversations.end(scope.turn, measurement, scope.labels.model)
@@ -160,7 +163,8 @@ class Sinks:
             self._safely(sink.session, record)
 
     def passthrough(self, route: str, status: int) -> None:
-        self.metrics.passthrough.labels(route, str(status)).inc()
+        metrics = self.metrics
+        metrics.child(metrics.passthrough, route, str(status)).inc()
 
     def usage_injection_refused(self, unplaced: tuple[str, ...]) -> None:
         """`tokenprobe_measurement_failures_total{stage="usage_injection"}`: the proxy

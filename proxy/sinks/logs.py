@@ -73,6 +73,7 @@ import hashlib
 import secrets
 import sys
 import time
+from functools import lru_cache
 from typing import Any, TextIO
 
 import orjson
@@ -246,7 +247,12 @@ def session_record(record: WsSessionRecord) -> dict[str, Any]:
 def iso_utc(seconds: float) -> str:
     """1700000000.1234 -> '2023-11-14T22:13:20.123Z'."""
     whole, ms = divmod(int(seconds * 1000), 1000)
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole)) + f".{ms:03d}Z"
+    return _whole_seconds(whole) + f".{ms:03d}Z"
+
+
+@lru_cache(maxsize=4)  # the lines of one second share it: strftime is most of iso_utc's time
+def _whole_seconds(whole: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole))
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -3,7 +3,8 @@
 `benchmarks/perrequest.py` runs one request's whole measuring with the sinks `serve`
 builds (each timed whole request must be recorded, its tokens taken from its usage); `benchmarks/peers/emitter.py`'s chunks
 differ only in their text, as vLLM's do, so the observer's template match applies to
-them as it does to vLLM's.
+them as it does to vLLM's. `benchmarks/wirerequest.py` times requests that went through
+the wire and that the proxy counted as what they were (measured, or relayed unmeasured).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+
+import pytest
 
 from proxy.core.observe import StreamObserver
 from proxy.core.request import parse_request
@@ -37,6 +40,30 @@ def test_perrequest_times_each_part_of_a_measured_request() -> None:
     # What it timed was a measured request, recorded in full: 5 repeats of 50, each a
     # stream of 8 content events whose usage says 8 output tokens.
     assert "recorded: 250 requests (finish stop), 2000 output tokens (usage)" in run.stdout
+
+
+@pytest.mark.parametrize(
+    ("path", "counted"),
+    [
+        ("/v1/chat/completions", "60 requests, 0 passthrough_requests"),
+        ("/bench/unmeasured", "0 requests, 60 passthrough_requests"),
+    ],
+)
+def test_wirerequest_times_requests_the_wire_relayed_and_counted(path: str, counted: str) -> None:
+    sizes = ["--rounds", "1", "--requests", "20", "--repeats", "2"]
+    run = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "wirerequest.py"), "--path", path, *sizes],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    figure = re.search(r"^\s+([\d.]+)\s+/", run.stdout, re.M)
+    assert figure is not None and float(figure.group(1)) > 0, run.stdout
+    # Every request went through the wire to the backend and back, and the proxy's
+    # metrics say what it was: measured, or relayed unmeasured (warm-up included).
+    assert f"counted: {counted}" in run.stdout, run.stdout
 
 
 def test_the_emitters_chunks_differ_only_in_their_text() -> None:

@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
-from proxy.core.fingerprint import BLOCK, DEPTH, keyed, of_prompt
+from typing import Any
+
+import pytest
+
+from proxy.core.apis.base import RequestInfo
+from proxy.core.fingerprint import (
+    BLOCK,
+    DEPTH,
+    chain_of,
+    keyed,
+    message_chain,
+    of_prompt,
+    prefix_of,
+)
 
 
 def test_messages_are_hashed_cumulatively_up_to_the_depth() -> None:
@@ -38,3 +51,24 @@ def test_keyed_digests_depend_on_the_key() -> None:
     prefix = of_prompt([{"role": "system", "content": "s"}])
     assert prefix is not None
     assert keyed(prefix, b"k" * 32) == keyed(prefix, b"k" * 32) != keyed(prefix, b"j" * 32)
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        [{"role": "user", "content": "hi"}],
+        [{"role": "user", "content": f"turn {i}"} for i in range(DEPTH + 3)],
+        "a text prompt " * 40,
+        [],
+        None,
+    ],
+)
+def test_the_conversation_chain_and_the_records_prefix_share_one_hashing(prompt: Any) -> None:
+    # chain_of (the conversation table, at the request's start) keeps its digests on the
+    # RequestInfo; prefix_of (the record, at its end) takes them: both as computed alone.
+    info = RequestInfo("/v1/chat/completions", "m", False, False, None, None, prompt=prompt)
+    alone = of_prompt(prompt)
+    assert prefix_of(info) == alone  # before any chain: computed from the prompt
+    assert chain_of(info) == message_chain(prompt)
+    assert prefix_of(info) == alone
+    assert info == RequestInfo("/v1/chat/completions", "m", False, False, None, None, prompt=prompt)

@@ -334,6 +334,32 @@ def test_no_head_within_the_first_byte_timeout_answers_504_and_closes_upstream(
     assert proxy.wait_records(1)[0].error_type is ErrorType.UPSTREAM_TIMEOUT
 
 
+def test_each_wait_has_its_own_limit_on_the_requests_one_timer(
+    upstream: Callable[[Script], Scripted], start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    # The wire's one timer per request (WireRequest._check) is armed at the head for
+    # --body-timeout: firing after the body came in, it must not cut; after the response
+    # head the first-byte limit no longer applies, only the gaps between reads.
+    stream = streaming(EVENTS[0], 0.6, EVENTS[1], 0.6, *EVENTS[2:])
+
+    async def late(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(0.5)  # past --body-timeout, within --first-byte-timeout
+        await stream(reader, writer)
+
+    proxy = wire_proxy(
+        start_proxy,
+        upstream(late).url,
+        body_timeout=0.2,
+        first_byte_timeout=1.5,  # the stream ends about 1.7 s after it went upstream
+        idle_timeout=1.0,
+    )
+    with httpx.stream("POST", proxy.url + CHAT, json=REQUEST, timeout=10) as response:
+        got = b"".join(response.iter_raw())
+    assert (response.status_code, got) == (200, b"".join(EVENTS))
+    record = proxy.wait_records(1)[0]
+    assert (record.status_code, record.error_type) == (200, None)
+
+
 def test_an_error_status_is_relayed_unchanged_and_classified(
     upstream: Callable[[Script], Scripted], start_proxy: Callable[..., ProxyUnderTest]
 ) -> None:

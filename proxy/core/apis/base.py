@@ -8,7 +8,7 @@ API knowledge left on the other side. Subclasses override only what differs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import orjson
@@ -55,6 +55,9 @@ class RequestInfo:
     valid_json: bool = True
     prompt_tokens: int | None = None  # known exactly from the request (token ids sent)
     previous_response_id: str | None = None  # Responses: the response this one continues
+    #: The prompt's message digests once taken (proxy/core/fingerprint.py `chain_of`), so
+    #: the record's prefix reuses the conversation table's hashing of the same messages.
+    digests: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass(slots=True)

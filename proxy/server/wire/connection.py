@@ -37,7 +37,7 @@ from proxy.core.errors import Cause, Failure
 from proxy.core.paths import Target
 from proxy.core.strip import UsageEventStripper
 from proxy.server.admission import BODY_TIMEOUT, Refused, answer_bytes, own_route, where_to
-from proxy.server.exchange import Context, IdleTimer
+from proxy.server.exchange import Context
 from proxy.server.headers import Headers
 from proxy.server.protocol import GuardedHttpToolsProtocol
 from proxy.server.rules import ExchangeRules, Stage
@@ -223,20 +223,19 @@ class WireRequest:
 
     __slots__ = (
         "complete",
+        "deadline",
         "expect_100",
-        "first_byte",
         "head_only",
         "http_11",
-        "idle",
         "keep_alive",
         "method",
         "proto",
         "resend",
         "response_complete",
         "rules",
+        "sent_at",
         "started",
         "stripper",
-        "timer",
         "transport",
         "upstream",
         "wire",
@@ -265,9 +264,8 @@ class WireRequest:
         self.upstream: UpstreamConnection | None = None
         self.resend = b""  # the request, while it went out on a reused connection unanswered
         self.stripper: UsageEventStripper | None = None
-        self.timer: asyncio.TimerHandle | None = None
-        self.first_byte: asyncio.TimerHandle | None = None
-        self.idle: _Idle | None = None
+        self.deadline: asyncio.TimerHandle | None = None  # see _check
+        self.sent_at = 0.0  # when the request went upstream; 0.0 until then
         context = wire.context
         self.rules = rules = ExchangeRules(
             context,
@@ -279,7 +277,7 @@ class WireRequest:
             time(),
         )
         if rules.stage is Stage.RECEIVING:
-            self.timer = proto.loop.call_later(context.settings.body_timeout, self._body_timed_out)
+            self.deadline = proto.loop.call_later(context.settings.body_timeout, self._check)
 
     # -- the request ------------------------------------------------------------------
 
@@ -300,24 +298,58 @@ class WireRequest:
 
     def on_message_complete(self) -> None:
         self.complete = True
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
         if self.started and self.rules.stage is Stage.RECEIVING:
             self._send()
 
-    def _body_timed_out(self) -> None:
-        self.timer = None
-        if not self.complete:
-            self.rules.refuse(BODY_TIMEOUT)
-            self._refused()
-
     def _refused(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        self._stop_deadline()
         if self.started:
             self._answer_refusal()
+
+    # -- the request's one timer ------------------------------------------------------
+
+    def _check(self) -> None:
+        """The one timer of a request, armed at its head: instead of a timer per wait
+        (the body, the first byte, the upstream's silence), each armed and cancelled per
+        request, this one looks at the wait the request is in when it fires and, while
+        that wait is younger than its limit, re-arms for the rest. A request that ends
+        within --body-timeout arms one timer and cancels it."""
+        self.deadline = None
+        if self.response_complete:
+            return
+        if not self.complete:  # the body did not come in --body-timeout
+            self.rules.refuse(BODY_TIMEOUT)
+            self._refused()
+            return
+        if not self.sent_at:  # the body is in, waiting its turn on the connection: none
+            return  # of the waits is on (`_send` arms the timer again)
+        if self.rules.stage is not Stage.RESPONDING:  # waiting for the response head
+            limit = self.wire.context.settings.first_byte_timeout
+            waited, cause = perf_counter() - self.sent_at, Cause.FIRST_BYTE_TIMEOUT
+        else:  # the body: from the upstream's last read, not while the client holds it up
+            conn = self.upstream
+            limit, cause = self.wire.context.settings.idle_timeout, Cause.IDLE_TIMEOUT
+            waited = 0.0 if conn is None or conn.paused else perf_counter() - conn.now
+        if waited >= limit:
+            self.cut(cause)
+        else:  # loop timers may fire a little early: never re-arm for less than a millisecond
+            self._arm(max(limit - waited, 0.001))
+
+    def _arm(self, delay: float) -> None:
+        """The timer fires within `delay` from now: re-armed only if it would fire later
+        (it re-arms itself for the rest of a longer wait when it fires)."""
+        loop = self.proto.loop
+        deadline = self.deadline
+        if deadline is not None:
+            if deadline.when() <= loop.time() + delay:
+                return
+            deadline.cancel()
+        self.deadline = loop.call_later(delay, self._check)
+
+    def _stop_deadline(self) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
 
     def _answer_refusal(self) -> None:
         rules = self.rules
@@ -350,11 +382,9 @@ class WireRequest:
         lines.append(b"\r\n")
         lines.append(body)
         head = b"".join(lines)
-        exchange.sent(perf_counter())
-        loop = self.proto.loop
-        self.first_byte = loop.call_later(
-            exchange.context.settings.first_byte_timeout, self.cut, Cause.FIRST_BYTE_TIMEOUT
-        )
+        self.sent_at = now = perf_counter()
+        exchange.sent(now)
+        self._arm(exchange.context.settings.first_byte_timeout)
         conn = wire.pool.take()
         if conn is not None:
             self.resend = head
@@ -391,9 +421,6 @@ class WireRequest:
         self.resend = b""
         conn, exchange = self.upstream, self.rules.exchange
         assert conn is not None and exchange is not None
-        if self.first_byte is not None:
-            self.first_byte.cancel()
-            self.first_byte = None
         head = self.rules.response_head(status, headers, now)
         stripper = self.stripper = head.stripper
         out = head.headers
@@ -418,7 +445,7 @@ class WireRequest:
         conn.chunked = chunked
         conn.strip = None if stripper is None else stripper.feed
         conn.feed = exchange.feed
-        self.idle = _Idle(exchange.context.settings.idle_timeout, self.cut, conn)
+        self._arm(exchange.context.settings.idle_timeout)
 
     def response_end(self, now: float, reusable: bool) -> None:
         """The upstream body ended cleanly."""
@@ -468,8 +495,7 @@ class WireRequest:
         if self.rules.exchange is not None:
             self._end_early(Cause.CLIENT_GONE)
             return
-        if self.timer is not None:
-            self.timer.cancel()
+        self._stop_deadline()
         if not self.response_complete and self.rules.stage is Stage.RECEIVING:
             self.response_complete = True
             self.rules.abandoned()
@@ -488,10 +514,7 @@ class WireRequest:
         self._done(failure)
 
     def _done(self, failure: Failure | None) -> None:
-        for timer in (self.first_byte, self.idle):
-            if timer is not None:
-                timer.cancel()
-        self.first_byte = self.idle = None
+        self._stop_deadline()
         self.wire.active.discard(self)
         exchange = self.rules.exchange
         assert exchange is not None
@@ -522,18 +545,3 @@ class WireRequest:
 def _reads_to_close(conn: UpstreamConnection) -> bool:
     """A response framed by neither length nor chunks: its body ends with the connection."""
     return not any(name in (b"content-length", b"transfer-encoding") for name, _ in conn.headers)
-
-
-class _Idle(IdleTimer):
-    """The idle timer on the wire: the wait is from the connection's last read, and does
-    not count while the client's full buffer keeps the connection paused."""
-
-    __slots__ = ("conn",)
-
-    def __init__(self, limit: float, cut: Callable[[Cause], None], conn: UpstreamConnection):
-        self.conn = conn
-        super().__init__(limit, cut)
-
-    def waited(self) -> float:
-        conn = self.conn
-        return 0.0 if conn.paused else perf_counter() - conn.now
