@@ -346,7 +346,7 @@ def test_each_wait_has_its_own_limit_on_the_requests_one_timer(
         await asyncio.sleep(0.5)  # past --body-timeout, within --first-byte-timeout
         await stream(reader, writer)
 
-    proxy = wire_proxy(
+    proxy = proxy_in_front(
         start_proxy,
         upstream(late).url,
         body_timeout=0.2,
