@@ -1,12 +1,13 @@
 """The ASGI relay: one request upstream through httpx and its response back, byte for byte.
 
 The data path of `tokenprobe serve --relay asgi` and of the ASGI app (`proxy.asgi:app`)
-under any ASGI server. `Forwarder` is the ASGI endpoint: admission (proxy/server/admission.py)
-reads and checks the request, then a `Relay`, one per request, runs `send_request`
+under any ASGI server. `Forwarder` is the ASGI endpoint: it reads the request into its
+`ExchangeRules` (proxy/server/rules.py, the same sans-I/O rules the wire carries out),
+which refuse it or admit it, then a `Relay`, one per request, runs `send_request`
 (upstream request, response head), `stream` (the per-chunk loop), `fail` (an early end ->
-the proxy's answer) and the exchange's one finish sequence. What is measured, how, and
-what an early end means belong to the shared exchange (proxy/server/exchange.py); the
-wire (proxy/server/wire/) drives the same one.
+the proxy's answer) and the exchange's one finish sequence. What is measured and how
+belongs to the shared exchange (proxy/server/exchange.py); what an early end means, to
+the rules.
 
 Each chunk goes to the client first; only then does the exchange see it, with the time of
 the network read. A client that goes away (seen on `receive()`, because a send to a gone
