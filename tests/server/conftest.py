@@ -36,12 +36,6 @@ def paths(*names: str, why: str) -> pytest.MarkDecorator:
 no_proxy = pytest.mark.paths()
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers", "paths(*names, why): the data paths a tests/server test runs on"
-    )
-
-
 @pytest.hookimpl(tryfirst=True)  # the path leads the test id: test_x[wire-...]
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     mark = metafunc.definition.get_closest_marker("paths")
