@@ -534,7 +534,9 @@ def test_a_client_that_does_not_read_stops_the_proxy_reading_the_upstream(
     upstream: Callable[[Script], Scripted], start_proxy: Callable[..., ProxyUnderTest]
 ) -> None:
     piece = b"data: " + b"x" * 65_000 + b"\n\n"
-    total = 400  # 26 MB: far more than the sockets' buffers hold
+    # 52 MB: several times what the loopback sockets alone hold. Those held 9-13 MB here
+    # on both paths (139-157 pieces, 200 once), so a 26 MB flood's half was no margin.
+    total = 800
     written = [0]
 
     async def flood(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
