@@ -12,7 +12,9 @@ The proxy's RSS (/proc/<pid>/status) and open descriptors (/proc/<pid>/fd) are s
 every few seconds. Leaks show in the idle figures: `warm` is taken after a warm-up
 batch, once the client has closed its connections; `end` the same way after the run.
 Between them every request of the run has come and gone, so a leak of a few bytes or
-one descriptor per request shows as growth.
+one descriptor per request shows as growth. The proxy's idle connections to the
+upstream (its keep-alive pool, which may hold one per concurrent request it has seen)
+are counted apart, as `upstream_pool`, so they are not taken for a leak.
 
 Exit status: 0 when the proxy's counts equal what was sent, every response looked as
 its kind promised and the run finished within --max-seconds; 1 otherwise.
@@ -150,8 +152,8 @@ def stop(process: subprocess.Popen[bytes]) -> None:
 
 
 @contextlib.contextmanager
-def processes(logs: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """(proxy URL, proxy process) with a simulator behind it; both stopped at the end."""
+def processes(logs: Path) -> Iterator[tuple[str, subprocess.Popen[bytes], int]]:
+    """(proxy URL, proxy process, simulator port); both processes stopped at the end."""
     sim_port, port = free_port(), free_port()
     # Fast defaults: a stream of 8 tokens takes ~5 ms, so the proxy is the thing under load.
     sim = spawn(["sim", "--port", str(sim_port), "--ttft", "0.001", "--tps", "2000",
@@ -164,7 +166,7 @@ def processes(logs: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
                        "--log-level", "warning"], logs / "proxy.log")  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/healthz")
-        yield url, proxy
+        yield url, proxy, sim_port
     finally:
         if proxy is not None:
             stop(proxy)
@@ -179,16 +181,41 @@ class Sample:
     t: float  # seconds since the load began
     rss_kib: int
     fds: int
+    pooled: int  # of fds: the proxy's connections to the upstream (its keep-alive pool)
     cpu_s: float
 
 
-def sample(pid: int, t: float) -> Sample:
+def upstream_sockets(pid: int, upstream_port: int) -> int:
+    """How many of the process's descriptors are TCP connections to `upstream_port`.
+
+    The upstream keep-alive pool legitimately grows with the concurrency it has seen
+    (up to one idle connection per concurrent request), so a leak check must set it
+    apart. /proc/<pid>/net/tcp* lists the namespace's sockets by inode; the process's
+    own are the inodes its fds link to."""
+    own = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            if (link := os.readlink(f"/proc/{pid}/fd/{fd}")).startswith("socket:["):
+                own.add(link[8:-1])
+    count = 0
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/net/{table}") as lines:
+            next(lines)  # the header
+            for line in lines:
+                fields = line.split()  # sl local rem st ... uid timeout inode
+                if int(fields[2].rsplit(":", 1)[1], 16) == upstream_port and fields[9] in own:
+                    count += 1
+    return count
+
+
+def sample(pid: int, t: float, upstream_port: int) -> Sample:
     with open(f"/proc/{pid}/status") as status:
         rss = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
     with open(f"/proc/{pid}/stat") as stat:
         fields = stat.read().rsplit(")", 1)[1].split()
     cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-    return Sample(round(t, 2), rss, len(os.listdir(f"/proc/{pid}/fd")), cpu)
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    return Sample(round(t, 2), rss, fds, upstream_sockets(pid, upstream_port), cpu)
 
 
 def scrape(url: str) -> tuple[Counter[str], float]:
@@ -267,7 +294,7 @@ async def load(url: str, first: int, count: int, concurrency: int, deadline: flo
     return next_index - first
 
 
-async def soak(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
+async def soak(url: str, pid: int, upstream_port: int, args: argparse.Namespace) -> dict[str, Any]:
     tally = Tally()
     samples: list[Sample] = []
     t0 = time.monotonic()
@@ -275,15 +302,15 @@ async def soak(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
 
     async def sampler() -> None:
         while True:
-            samples.append(sample(pid, time.monotonic() - t0))
+            samples.append(sample(pid, time.monotonic() - t0, upstream_port))
             await asyncio.sleep(args.sample_every)
 
     async def idle_sample() -> Sample:
         # The client has closed its connections; let the proxy notice before looking.
         await asyncio.sleep(1.0)
-        return sample(pid, time.monotonic() - t0)
+        return sample(pid, time.monotonic() - t0, upstream_port)
 
-    start = sample(pid, 0.0)
+    start = sample(pid, 0.0, upstream_port)
     task = asyncio.create_task(sampler())
     try:
         warmup = min(args.requests, max(200, args.requests // 50))
@@ -316,6 +343,7 @@ async def soak(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
         "wrong_examples": tally.examples,
         "rss_kib": _figures("rss_kib", start, warm, end, every),
         "fds": _figures("fds", start, warm, end, every),
+        "upstream_pool": _figures("pooled", start, warm, end, every),
         "proxy_cpu_s": round(end.cpu_s - start.cpu_s, 1),
         "samples": [[s.t, s.rss_kib, s.fds] for s in samples],
     }
@@ -327,7 +355,7 @@ def _figures(name: str, start: Sample, warm: Sample, end: Sample, every: list[Sa
 
 
 def summary(result: dict[str, Any]) -> str:
-    rss, fds = result["rss_kib"], result["fds"]
+    rss, fds, pool = result["rss_kib"], result["fds"], result["upstream_pool"]
     kinds = sorted(set(result["errors_sent"]) | set(result["errors_counted_by_proxy"]))
     rows = [f"  {k:<18} sent {result['errors_sent'].get(k, 0):>7}   proxy counted {result['errors_counted_by_proxy'].get(k, 0):>7}" for k in kinds]  # fmt: skip
     return "\n".join([
@@ -338,6 +366,7 @@ def summary(result: dict[str, Any]) -> str:
         f"counts match: {result['counts_match']}   wrong responses: {result['wrong_responses']}",
         f"RSS KiB    start {rss['start']}  warm {rss['warm']}  end {rss['end']}  max {rss['max']}",
         f"open fds   start {fds['start']}  warm {fds['warm']}  end {fds['end']}  max {fds['max']}",
+        f"  of them upstream keep-alive  warm {pool['warm']}  end {pool['end']}  max {pool['max']}",
         *[f"  wrong: {e}" for e in result["wrong_examples"]],
     ])  # fmt: skip
 
@@ -351,8 +380,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the result as JSON here")
     args = parser.parse_args(argv)
 
-    with tempfile.TemporaryDirectory(prefix="soak-") as tmp, processes(Path(tmp)) as (url, proxy):
-        result = asyncio.run(soak(url, proxy.pid, args))
+    with (
+        tempfile.TemporaryDirectory(prefix="soak-") as tmp,
+        processes(Path(tmp)) as (url, proxy, sim_port),
+    ):
+        result = asyncio.run(soak(url, proxy.pid, sim_port, args))
         result["proxy_alive"] = proxy.poll() is None
         if not result["proxy_alive"]:
             print((Path(tmp) / "proxy.log").read_text(errors="replace")[-3000:], file=sys.stderr)

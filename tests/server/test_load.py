@@ -313,8 +313,12 @@ def test_short_soak_counts_every_outcome_and_leaks_nothing(tmp_path: Path) -> No
     assert result["requests"] == 3000 and result["wrong_responses"] == 0
     assert result["errors_counted_by_proxy"] == result["errors_sent"]
     assert result["errors_sent"]["client_cancelled"] > 0 and result["errors_sent"]["none"] > 0
-    rss, fds = result["rss_kib"], result["fds"]
-    # Idle after warm-up vs idle after the run: only the upstream keep-alive pool may
-    # differ by a few connections; a descriptor per cancel or error would be hundreds.
-    assert fds["end"] - fds["warm"] <= 16, fds
+    rss, fds, pool = result["rss_kib"], result["fds"], result["upstream_pool"]
+    # Idle after warm-up vs idle after the run. The upstream keep-alive pool may grow up
+    # to about one idle connection per concurrent request (64; the CI saw 31 after warm-up
+    # and 49 at the end), plus a few opened while a finished request's connection was on
+    # its way back, so it is counted apart and bounded near the concurrency; every other
+    # descriptor must be back where it was: one per cancel or error would be hundreds.
+    assert pool["end"] <= result["concurrency"] + 16, pool
+    assert (fds["end"] - pool["end"]) - (fds["warm"] - pool["warm"]) <= 4, (fds, pool)
     assert rss["end"] <= rss["warm"] * 1.05, rss
