@@ -219,19 +219,29 @@ def test_with_a_tokenizer_the_cancelled_prompt_is_counted(tmp_path: Path) -> Non
             "off",
             "--tokenizer",
             str(tokenizer),
+            "--no-inject-usage",  # streams without usage: the tokenizer counts them
         )
         base = f"http://127.0.0.1:{proxy_port}"
         wait_http(base + "/healthz")
-        chat(base, {"x-sim-tps": "1000", "x-sim-output-tokens": "2"})  # the tokenizer is loaded
-        wait_until(base, "tokenprobe_prompt_tokens_total", 1, source="tokenizer")
+        # The tokenizer loads in the background and nothing says when it is in: short
+        # streams until one is counted by it (one stream, then waiting for a count by the
+        # tokenizer that usage made, sat out a 30 s deadline in every run).
+        deadline = time.monotonic() + 60
+        while total(scrape(base), "tokenprobe_prompt_tokens_total", source="tokenizer") == 0:
+            assert time.monotonic() < deadline, "the proxy's tokenizer did not load"
+            chat(base, {"x-sim-tps": "1000", "x-sim-output-tokens": "2"})
+            time.sleep(0.1)
+        before = scrape(base)
         _disconnect_after(base, 3, {})
         series = wait_until(base, "tokenprobe_cancelled_prompt_tokens_total", 1)
-        prompt = total(series, "tokenprobe_cancelled_prompt_tokens_total", source="tokenizer")
-        finished = total(series, "tokenprobe_prompt_tokens_total", source="tokenizer")
+
+        def counted(name: str) -> float:
+            return total(series, name, source="tokenizer") - total(before, name, source="tokenizer")
+
+        prompt = counted("tokenprobe_cancelled_prompt_tokens_total")
+        finished = counted("tokenprobe_prompt_tokens_total")
         assert prompt == finished > 0  # the same prompt, counted the same way
-        generated = total(
-            series, "tokenprobe_cancelled_generation_tokens_total", source="tokenizer"
-        )
+        generated = counted("tokenprobe_cancelled_generation_tokens_total")
         assert generated >= 3  # three content events' text, as the tokenizer counts it
     finally:
         if proxy is not None:
