@@ -53,7 +53,9 @@ def test_key_labels_are_bounded() -> None:
 def test_random_models_and_paths_leave_series_bounded(
     sim: Running, start_proxy: Callable[..., ProxyUnderTest]
 ) -> None:
-    """10,000 requests with random model names and paths: the series count stays fixed."""
+    """2,000 requests with random model names, keys and paths: the series count stays
+    fixed. A label that took any of them as its value would add a series per request,
+    a thousand or more, so more requests would show nothing more (10,000 took 20 s)."""
     proxy = start_proxy(sim.url, key_label="hash")
     rng = random.Random(7)
 
@@ -65,7 +67,7 @@ def test_random_models_and_paths_leave_series_bounded(
             client.post(CHAT, json=body(word()), headers={"authorization": f"Bearer {word()}"})
             client.get(f"/v1/{word()}/{i}")
         before = series_count(client.get("/metrics").text)
-        for i in range(10_000):
+        for i in range(2_000):
             if i % 2:
                 client.post(
                     CHAT,
