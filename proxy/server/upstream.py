@@ -20,6 +20,16 @@ next cycle. So both pools are guarded here, per connection reuse and never per c
 
 Each such close is counted by the `count` callback (Sinks.count_upstream_protocol_error):
 tokenprobe_upstream_protocol_errors_total{kind}.
+
+A request goes once more, on a new connection, exactly when the wire's does
+(WireRequest.upstream_lost): the backend closed a reused keep-alive connection as the
+request went out on it, cleanly and before any byte of answer, so it closed an idle
+connection and never took the request (llama.cpp's server closes after every stream though
+its head says Keep-Alive: docs/llamacpp.md). The guarded connections tell it, by raising
+`ClosedUnanswered`, at no cost per request beyond a flag: aiohttp's protocol knows it was
+pooled before (`_GuardedHandler`), httpcore's connection that it was open before the
+request (`_GuardedConnection`). A fresh connection closed unanswered is never tried again:
+the backend may have taken the request, and a POST must not run twice.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
+import h11
 import httpcore
 import httpx
 import yarl
@@ -52,6 +63,21 @@ class UpstreamProtocolError(Exception):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind
+
+
+class ClosedUnanswered(Exception):
+    """The backend closed a reused keep-alive connection before any byte of the answer to
+    the request on it: `send_upstream` sends that request once more, on a new connection.
+    Raised as the transport's own disconnect error (`_AiohttpClosedUnanswered`,
+    `_HttpxClosedUnanswered`), so where it is not caught it means what that error means."""
+
+
+class _AiohttpClosedUnanswered(ClosedUnanswered, aiohttp.ServerDisconnectedError):
+    pass
+
+
+class _HttpxClosedUnanswered(ClosedUnanswered, httpx.RemoteProtocolError):
+    pass
 
 
 def _uncounted(kind: str) -> None:
@@ -98,7 +124,7 @@ def _transport(
             connector._factory = functools.partial(  # type: ignore[assignment]
                 _GuardedHandler, loop=connector._loop, count=count
             )
-            return aiohttp.ClientSession(
+            client = aiohttp.ClientSession(
                 connector=connector,
                 auto_decompress=False,
                 # No cookie jar: one client's Set-Cookie must not go out on other clients' requests.
@@ -108,6 +134,11 @@ def _transport(
                 # Nor a Content-Type the client did not send.
                 skip_auto_headers=("Accept-Encoding", "User-Agent", "Accept", "Content-Type"),
             )
+            # aiohttp sends an idempotent request again after any disconnect, on a fresh
+            # connection too, and a POST never: send_upstream resends by the wire's rule
+            # instead, for every method (aiohttp's test client turns it off the same way).
+            client._retry_connection = False
+            return client
 
         return AiohttpTransport(client=session)
     return guarded_httpx_transport(limits, count)
@@ -127,6 +158,11 @@ class _GuardedHandler(ResponseHandler):
     this loop iteration: the rest of the read that ended the response may still be
     parsed), idle (pooled). `feed_data` is aiohttp's once-per-parsed-message call.
 
+    A clean close before any byte of the answer on a connection that was pooled before
+    (`_reused`) is raised as `ClosedUnanswered`: no message parsed for the request
+    (`_heard`, a 1xx included) and none begun (aiohttp's disconnect error then carries its
+    own text, not the unfinished message).
+
     With aiohttp's C parser, a malformed body (a chunk size that is not hex) makes the
     protocol close the connection and record the error on itself, but the response's body
     stream is never told: a reader waits for the idle timeout and the break is counted as
@@ -138,16 +174,19 @@ class _GuardedHandler(ResponseHandler):
         self._count = count
         self._state = _BUSY
         self._finals = 0  # final (non-1xx) responses parsed for the current request
+        self._heard = False  # a response (1xx included) parsed for the current request
+        self._reused = False  # pooled before: the current request is not its first
         self._faulted = False  # closed for a protocol error, counted
 
     def set_response_params(self, **kwargs: Any) -> None:
-        self._state, self._finals = _BUSY, 0
+        self._state, self._finals, self._heard = _BUSY, 0, False
         super().set_response_params(**kwargs)
 
     def feed_data(self, data: Any, size: int = 0) -> None:
         if self._state is not _BUSY:  # a response no request is waiting for
             self.fault(self._unasked())
             return
+        self._heard = True
         code = data[0].code
         if code == 101:  # whatever follows is another protocol: never reused
             self._should_close = True
@@ -161,7 +200,7 @@ class _GuardedHandler(ResponseHandler):
     def pooled(self) -> None:
         """The connector put this connection in its pool (from inside the read that ended
         its response, as often as not): it is idle once this loop iteration is over."""
-        self._state = _SETTLING
+        self._state, self._reused = _SETTLING, True
         self._loop.call_soon(self._settle)
 
     def _settle(self) -> None:
@@ -202,6 +241,14 @@ class _GuardedHandler(ResponseHandler):
             self.transport.close()
 
     def set_exception(self, exc: BaseException, exc_cause: BaseException = _EXC_SENTINEL) -> None:
+        if (
+            type(exc) is aiohttp.ServerDisconnectedError  # a clean close, not a reset
+            and isinstance(exc.message, str)  # no response begun
+            and self._state is _BUSY
+            and self._reused
+            and not self._heard
+        ):
+            exc = _AiohttpClosedUnanswered()
         if isinstance(exc, HttpProcessingError) and not self._faulted:
             # The parser refused what came (aiohttp closed the transport already).
             self._faulted = True
@@ -290,6 +337,46 @@ class _GuardedPool(httpcore.AsyncConnectionPool):
                     inner._expire_at = 0.0  # has_expired(): httpcore closes it below
         return super()._assign_requests_to_connections()
 
+    def create_connection(self, origin: httpcore.Origin) -> httpcore.AsyncConnectionInterface:
+        # httpcore's own (a pool with no proxy), as the connection that tells a reused
+        # one closed unanswered.
+        return _GuardedConnection(
+            origin=origin,
+            ssl_context=self._ssl_context,
+            keepalive_expiry=self._keepalive_expiry,
+            http1=self._http1,
+            http2=self._http2,
+            retries=self._retries,
+            local_address=self._local_address,
+            uds=self._uds,
+            network_backend=self._network_backend,
+            socket_options=self._socket_options,
+        )
+
+
+class _GuardedConnection(httpcore.AsyncHTTPConnection):
+    """httpcore's connection, raising `ClosedUnanswered` for a request that found it open
+    (connected for an earlier request) and that the backend closed cleanly before any
+    byte of the answer: h11 still waits for the response head and holds no byte of one.
+    A 1xx then the close looks the same here (h11 keeps no trace of it); the wire and
+    the aiohttp transport count a 1xx as an answer."""
+
+    async def handle_async_request(self, request: httpcore.Request) -> httpcore.Response:
+        reused = self._connection is not None
+        try:
+            return await super().handle_async_request(request)
+        except httpcore.RemoteProtocolError as exc:
+            inner = self._connection
+            if (
+                reused
+                and isinstance(inner, httpcore.AsyncHTTP11Connection)
+                and inner._h11_state.their_state is h11.SEND_RESPONSE
+                and not inner._h11_state.trailing_data[0]
+            ):
+                # httpx passes this on as it is: it is no httpcore error to translate.
+                raise _HttpxClosedUnanswered(str(exc)) from exc
+            raise
+
 
 def _idle_dirt(conn: httpcore.AsyncHTTP11Connection) -> str | None:
     if conn._h11_state.trailing_data[0]:  # read with the last response, after its end
@@ -314,6 +401,7 @@ class UpstreamClient(httpx.AsyncClient):
         self.limits = httpx.Limits()
         self.count: Callable[[str], None] = _uncounted
         self._bytes_transport: httpx.AsyncHTTPTransport | None = None
+        self._fresh_transport: httpx.AsyncHTTPTransport | None = None
 
     def bytes_transport(self) -> httpx.AsyncBaseTransport:
         """httpx's own transport, for requests aiohttp cannot send byte for byte."""
@@ -323,10 +411,20 @@ class UpstreamClient(httpx.AsyncClient):
             self._bytes_transport = guarded_httpx_transport(self.limits, self.count)
         return self._bytes_transport
 
+    def fresh_transport(self) -> httpx.AsyncBaseTransport:
+        """httpx's own transport, on a new connection for each request, kept by none
+        (httpcore closes an idle connection beyond max_keepalive_connections): where a
+        request goes once more after a kept-alive connection closed unanswered."""
+        if self._fresh_transport is None:
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+            self._fresh_transport = guarded_httpx_transport(limits, self.count)
+        return self._fresh_transport
+
     async def aclose(self) -> None:
         await super().aclose()
-        if self._bytes_transport is not None:
-            await self._bytes_transport.aclose()
+        for transport in (self._bytes_transport, self._fresh_transport):
+            if transport is not None:
+                await transport.aclose()
 
 
 async def send_upstream(
@@ -345,6 +443,11 @@ async def send_upstream(
 
     `url` is sent exactly: its path is already normalised (proxy.core.paths), and neither
     client may normalise or re-encode it again. Header values go out byte for byte.
+
+    A request the backend never took, on a kept-alive connection it closed
+    (`ClosedUnanswered`), goes once more on a new connection, through httpx's transport
+    whichever transport sent it first: `body` is the whole body, read before, so it goes
+    again byte for byte. The caller's first-byte timeout covers both.
     """
     # The relay times the gaps between chunks itself (proxy.server.exchange.IdleTimer): a transport's
     # read timeout would cost a timer per chunk, and would also cut the wait for the
@@ -354,13 +457,27 @@ async def send_upstream(
         request = httpx.Request(method, url, headers=headers, content=body)
         return await client.send(request, stream=True)
     transport = client.upstream_transport
-    if isinstance(transport, AiohttpTransport):
-        text_headers = _utf8_headers(headers)
-        if text_headers is not None:
-            return await _send_aiohttp(transport, method, url, text_headers, body, timeout)
-        # aiohttp writes header values as UTF-8 text: other bytes go through httpcore,
-        # which writes them as they are.
-        transport = client.bytes_transport()
+    try:
+        if isinstance(transport, AiohttpTransport):
+            text_headers = _utf8_headers(headers)
+            if text_headers is not None:
+                return await _send_aiohttp(transport, method, url, text_headers, body, timeout)
+            # aiohttp writes header values as UTF-8 text: other bytes go through httpcore,
+            # which writes them as they are.
+            transport = client.bytes_transport()
+        return await _send_httpx(transport, method, url, headers, body, timeout)
+    except ClosedUnanswered:
+        return await _send_httpx(client.fresh_transport(), method, url, headers, body, timeout)
+
+
+async def _send_httpx(
+    transport: httpx.AsyncBaseTransport,
+    method: str,
+    url: str,
+    headers: list[tuple[bytes, bytes]],
+    body: bytes,
+    timeout: dict[str, float | None],
+) -> httpx.Response:
     request = httpx.Request(
         method, url, headers=headers, content=body, extensions={"timeout": timeout}
     )

@@ -5,10 +5,11 @@ on a raw asyncio socket server here, real sockets between them.
 Each test asserts what the client got, what the upstream saw, and the record; with the
 upstream keep-alive pool (a clean response's connection is reused, an abandoned or broken
 one is closed) and backpressure (a client that does not read stops the proxy reading the
-upstream). What only one path can run stays with that path: the wire's retry on a
-kept-alive connection the backend closed and its drain cut are marked `paths("wire")`
-here; what only the ASGI interface shows (one send per upstream read, the relay freed at
-once, the drain cut as uvicorn cancels the request) is tests/server/test_relay_inprocess.py.
+upstream). What only one path can run stays with that path: the wire's drain cut is marked
+`paths("wire")` here, the ASGI relay's httpx transport (`--upstream-transport`)
+`paths("asgi")`; what only the ASGI interface shows (one send per upstream read, the relay
+freed at once, the drain cut as uvicorn cancels the request) is
+tests/server/test_relay_inprocess.py.
 """
 
 from __future__ import annotations
@@ -52,12 +53,14 @@ Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 class Scripted:
     """An upstream on its own loop: each request, on any connection, runs `script`.
-    Counts connections, and notes when the proxy closed one (`closed`)."""
+    Counts connections, keeps each request's body, and notes when the proxy closed one
+    (`closed`)."""
 
     def __init__(self, script: Script) -> None:
         self.script = script
         self.connections = 0
         self.requests = 0
+        self.bodies: list[bytes] = []
         self.closed = threading.Event()
         self.loop = asyncio.new_event_loop()
         self.port = 0
@@ -89,7 +92,7 @@ class Scripted:
                 for line in head.split(b"\r\n"):
                     if line.lower().startswith(b"content-length:"):
                         length = int(line.split(b":")[1])
-                await reader.readexactly(length)
+                self.bodies.append(await reader.readexactly(length))
                 self.requests += 1
                 await self.script(reader, writer)
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -245,53 +248,6 @@ def test_non_streamed_success_keeps_its_length_and_the_connection_is_reused(
     assert len(proxy.wait_records(3, exact=True)) == 3
 
 
-@paths(
-    "wire",
-    why="the wire sends the request once more on a fresh connection; the ASGI relay "
-    "answers 502 there (its upstream transport does not send it again)",
-)
-def test_a_request_on_a_kept_alive_connection_the_backend_closed_goes_once_more_anew(
-    upstream: Callable[[Script], Scripted], start_proxy: Callable[..., ProxyUnderTest]
-) -> None:
-    # llama.cpp's server answers a stream with Keep-Alive, then closes the connection: a
-    # request the proxy sends on it meets the close before a byte of answer.
-    # The writers themselves, kept alive: a closed connection's id() can come back as a
-    # new connection's, which then looked answered and was reset on its first request.
-    answered: list[asyncio.StreamWriter] = []
-
-    async def once_per_connection(
-        reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        if any(seen is writer for seen in answered):
-            raise ConnectionResetError("closes a kept-alive connection unanswered")
-        answered.append(writer)
-        await streaming(*EVENTS)(reader, writer)
-
-    backend = upstream(once_per_connection)
-    proxy = proxy_in_front(start_proxy, backend.url)
-    for _ in range(3):
-        response, chunks = stream_raw(proxy)
-        assert response.status_code == 200 and b"".join(chunks) == STREAM
-    assert (backend.connections, backend.requests) == (3, 5)  # two went out twice
-    records = proxy.wait_records(3, exact=True)
-    assert all(r.error_type is None and r.status_code == 200 for r in records)
-
-
-def test_a_fresh_connection_closed_unanswered_is_not_tried_again(
-    upstream: Callable[[Script], Scripted], start_proxy: Callable[..., ProxyUnderTest]
-) -> None:
-    async def never(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        raise ConnectionResetError("closes unanswered")
-
-    backend = upstream(never)
-    proxy = proxy_in_front(start_proxy, backend.url)
-    response, _ = stream_raw(proxy)
-    assert response.status_code == 502
-    assert (backend.connections, backend.requests) == (1, 1)
-    (record,) = proxy.wait_records(1, exact=True)
-    assert record.error_type is ErrorType.UPSTREAM_ERROR
-
-
 def test_unmeasured_paths_are_relayed_and_counted_by_route(
     upstream: Callable[[Script], Scripted], start_proxy: Callable[..., ProxyUnderTest]
 ) -> None:
@@ -306,6 +262,133 @@ def test_unmeasured_paths_are_relayed_and_counted_by_route(
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert proxy.records == []
+
+
+# -- a kept-alive connection the backend closed ---------------------------------------
+# A request goes once more, on a new connection, only when the connection was reused and
+# the backend closed it cleanly before any byte of the answer (it never took the request).
+# Each scenario runs on both paths, and on the ASGI relay's httpx transport too.
+
+Scenario = Callable[..., None]
+
+
+def once_then_close(unanswered: bytes) -> Script:
+    """Each connection answers its first request with the stream; on its next one it
+    writes `unanswered` and closes, as llama.cpp's server closes after a stream (with
+    b"", before a byte of answer). The writers themselves are kept: a closed connection's
+    id() can come back as a new connection's, which then looked answered."""
+    answered: list[asyncio.StreamWriter] = []
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if any(seen is writer for seen in answered):
+            writer.write(unanswered)
+            await writer.drain()
+            raise ConnectionResetError("closes a kept-alive connection")
+        answered.append(writer)
+        await streaming(*EVENTS)(reader, writer)
+
+    return script
+
+
+def goes_once_more_anew(
+    relay: str,
+    upstream: Callable[[Script], Scripted],
+    start_proxy: Callable[..., ProxyUnderTest],
+    **settings: Any,
+) -> None:
+    backend = upstream(once_then_close(b""))
+    proxy = proxy_in_front(start_proxy, backend.url, **settings)
+    for _ in range(3):
+        response, chunks = stream_raw(proxy)
+        assert response.status_code == 200 and b"".join(chunks) == STREAM
+    # Each connection answers once. The second request finds the first one closed and
+    # goes once more; the wire keeps that new connection, so the third request finds it
+    # closed too, while the ASGI relay's resend goes on a connection it does not keep.
+    resent = 2 if relay == "wire" else 1
+    assert (backend.connections, backend.requests) == (3, 3 + resent)
+    assert len(set(backend.bodies)) == 1  # the same body each time, whole
+    records = proxy.wait_records(3, exact=True)  # each request measured once
+    assert all(r.error_type is None and r.status_code == 200 for r in records)
+    assert all(r.ttft is not None for r in records)
+
+
+def part_of_an_answer_is_not_tried_again(
+    relay: str,
+    upstream: Callable[[Script], Scripted],
+    start_proxy: Callable[..., ProxyUnderTest],
+    **settings: Any,
+) -> None:
+    backend = upstream(once_then_close(b"HTTP/1.1 200"))
+    proxy = proxy_in_front(start_proxy, backend.url, **settings)
+    assert stream_raw(proxy)[0].status_code == 200
+    assert stream_raw(proxy)[0].status_code == 502
+    assert (backend.connections, backend.requests) == (1, 2)
+
+
+def a_fresh_connection_is_not_tried_again(
+    relay: str,
+    upstream: Callable[[Script], Scripted],
+    start_proxy: Callable[..., ProxyUnderTest],
+    **settings: Any,
+) -> None:
+    backend = upstream(never)
+    proxy = proxy_in_front(start_proxy, backend.url, **settings)
+    response, _ = stream_raw(proxy)
+    assert response.status_code == 502
+    assert (backend.connections, backend.requests) == (1, 1)
+    (record,) = proxy.wait_records(1, exact=True)
+    assert record.error_type is ErrorType.UPSTREAM_ERROR
+
+
+async def never(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    raise ConnectionResetError("closes unanswered")
+
+
+def test_a_request_on_a_kept_alive_connection_the_backend_closed_goes_once_more_anew(
+    relay: str, upstream: Callable[[Script], Scripted], start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    goes_once_more_anew(relay, upstream, start_proxy)
+
+
+def test_a_kept_alive_connection_closed_after_part_of_an_answer_is_not_tried_again(
+    relay: str, upstream: Callable[[Script], Scripted], start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    part_of_an_answer_is_not_tried_again(relay, upstream, start_proxy)
+
+
+def test_a_fresh_connection_closed_unanswered_is_not_tried_again(
+    relay: str, upstream: Callable[[Script], Scripted], start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    a_fresh_connection_is_not_tried_again(relay, upstream, start_proxy)
+
+
+def test_an_idempotent_request_on_a_fresh_connection_is_not_tried_again_either(
+    upstream: Callable[[Script], Scripted], start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    # aiohttp on its own sends a GET again after any disconnect; the rule is the wire's.
+    backend = upstream(never)
+    proxy = proxy_in_front(start_proxy, backend.url)
+    assert httpx.get(proxy.url + "/v1/models", timeout=10).status_code == 502
+    assert (backend.connections, backend.requests) == (1, 1)
+
+
+@paths("asgi", why="--upstream-transport picks the ASGI relay's client; the wire has its own")
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        goes_once_more_anew,
+        part_of_an_answer_is_not_tried_again,
+        a_fresh_connection_is_not_tried_again,
+    ],
+    ids=lambda scenario: scenario.__name__,
+)
+def test_the_httpx_transport_goes_once_more_by_the_same_rule(
+    scenario: Scenario,
+    relay: str,
+    upstream: Callable[[Script], Scripted],
+    start_proxy: Callable[..., ProxyUnderTest],
+) -> None:
+    scenario(relay, upstream, start_proxy, upstream_transport="httpx")
 
 
 # -- before the response head ----------------------------------------------------------
