@@ -1,8 +1,8 @@
 """benchmarks/relay.py --quick runs end to end: every arm delivers every chunk, the JSON has its fields.
 
 It starts real processes (the simulator, the load generator, each arm) on loopback ports,
-in two load shapes plus the WebSocket and CPU-bound-backend extras, and takes about two
-minutes; nginx joins when it is installed.
+in two load shapes plus the WebSocket and CPU-bound-backend extras, one round each, and
+takes about a minute and a half; nginx joins when it is installed.
 """
 
 from __future__ import annotations
@@ -31,6 +31,10 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
             "--quick",
             "--shapes",
             "apart,emitter",
+            # One round: a smoke run checks that every phase runs and reports, not the
+            # spread between rounds (two took 109 s here, one 86 s).
+            "--rounds",
+            "1",
             "--out",
             str(out / "results.json"),
             "--png",
