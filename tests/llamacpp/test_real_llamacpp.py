@@ -24,17 +24,16 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.sinks.metrics import cache_class
 from tests.llamacpp.conftest import SERVED, Llama
+from tests.scrape import Delta, scrape
 
 pytestmark = [pytest.mark.llamacpp, pytest.mark.timeout(600)]
 
@@ -105,22 +104,6 @@ def timings_of(raw: bytes) -> dict[str, Any]:
     return timings
 
 
-def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def total(
-    samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str
-) -> float:
-    want = set(labels.items())
-    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
-
-
 def settled(llama: Llama) -> int:
     """The access log's line count once the requests of earlier tests are all recorded
     (none in flight, the log still for 0.2 s): a test's records start after it."""
@@ -128,37 +111,12 @@ def settled(llama: Llama) -> int:
     count = len(llama.log_lines())
     while time.monotonic() < deadline:
         time.sleep(0.2)
-        busy = total(scrape(llama.proxy_url), "tokenprobe_requests_in_flight")
+        busy = scrape(llama.proxy_url).total("tokenprobe_requests_in_flight")
         now = len(llama.log_lines())
         if now == count and busy == 0:
             break
         count = now
     return count
-
-
-class Delta:
-    """Metric changes over a block of requests, read once the proxy recorded them all."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.before = scrape(url)
-
-    def after(self, requests: int) -> Callable[..., float]:
-        deadline = time.monotonic() + 30
-        while True:
-            now = scrape(self.url)
-            done = total(now, "tokenprobe_requests_total") - total(
-                self.before, "tokenprobe_requests_total"
-            )
-            if done >= requests or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        assert done == requests, f"the proxy recorded {done} of {requests} requests"
-
-        def delta(name: str, **labels: str) -> float:
-            return total(now, name, **labels) - total(self.before, name, **labels)
-
-        return delta
 
 
 def wait_records(llama: Llama, since: int, n: int) -> list[dict[str, Any]]:

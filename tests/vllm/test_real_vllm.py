@@ -23,15 +23,14 @@ import json
 import math
 import re
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from tests.scrape import Change, Delta, Scrape, scrape
 from tests.servers import free_port, spawn, stop, wait_http
 from tests.vllm.conftest import MODEL, SERVED, Servers, Vllm
 
@@ -107,47 +106,6 @@ def engine_object(raw: bytes) -> Any:
     found = [p["metrics"] for p in payloads(raw) if p.get("metrics") is not None]
     assert len(found) == 1, raw
     return found[0]
-
-
-def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def total(
-    samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str
-) -> float:
-    want = set(labels.items())
-    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
-
-
-class Delta:
-    """Metric changes over a block of requests, read once the proxy recorded them all."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.before = scrape(url)
-
-    def after(self, requests: int, **labels: str) -> Callable[..., float]:
-        deadline = time.monotonic() + 30
-        while True:
-            now = scrape(self.url)
-            done = total(now, "tokenprobe_requests_total", **labels) - total(
-                self.before, "tokenprobe_requests_total", **labels
-            )
-            if done >= requests or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        assert done == requests, f"the proxy recorded {done} of {requests} requests"
-
-        def delta(name: str, **more: str) -> float:
-            return total(now, name, **labels, **more) - total(self.before, name, **labels, **more)
-
-        return delta
 
 
 def compare_pair(client: httpx.Client, server: Vllm, path: str, body: Any) -> bytes:
@@ -333,7 +291,7 @@ def test_generate_output_tokens_equal_vllms_generation_tokens_total(
     if api_for(GENERATE) is None:
         pytest.skip("the /inference/v1/generate seam (issue 18, branch apis) is not merged yet")
     server = vllm_servers.base
-    before = scrape(server.url)
+    engine = Delta(server.url)  # vLLM's own counters
     delta = Delta(server.proxy_url)
     seen = seen_streamed = prompt = requests = 0
     with httpx.Client(timeout=60) as client:
@@ -354,22 +312,15 @@ def test_generate_output_tokens_equal_vllms_generation_tokens_total(
             prompt += 2 * len(body["token_ids"])
     d = delta.after(requests, endpoint=GENERATE)
     assert seen == 2 * (5 + 9 + 3 + 12)
-    deadline = time.monotonic() + 30  # vLLM's logger counts an engine step's tokens after it
-    while True:
-        after = scrape(server.url)
-        counted = total(after, "vllm:generation_tokens_total") - total(
-            before, "vllm:generation_tokens_total"
-        )
-        if counted >= seen or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert counted == seen
+    # vLLM's logger counts an engine step's tokens after it
+    counted = engine.when("vllm:generation_tokens_total", seen)
+    assert counted("vllm:generation_tokens_total") == seen
     assert d("tokenprobe_generation_tokens_total") == seen
     # streamed: counted from the chunks' token_ids; not streamed: the body's usage
     assert d("tokenprobe_generation_tokens_total", source="token_ids") == seen_streamed
     assert d("tokenprobe_generation_tokens_total", source="usage") == seen - seen_streamed
     # the prompt is len(token_ids), as vLLM counts it (cached prefix included)
-    prefilled = total(after, "vllm:prompt_tokens_total") - total(before, "vllm:prompt_tokens_total")
+    prefilled = counted("vllm:prompt_tokens_total")
     assert prefilled == prompt
     assert d("tokenprobe_prompt_tokens_total") == prompt
 
@@ -400,8 +351,8 @@ def test_a_client_that_leaves_is_counted_and_vllm_stops(
             while True:
                 warm = Delta(base)
                 fetch(client, base + COMPLETIONS, body_for(COMPLETIONS, TEXT_PROMPTS[0], False))
-                counted = warm.after(1, endpoint=COMPLETIONS)
-                if counted("tokenprobe_generation_tokens_total", source="tokenizer") > 0:
+                grew = warm.after(1, endpoint=COMPLETIONS)
+                if grew("tokenprobe_generation_tokens_total", source="tokenizer") > 0:
                     break
                 assert time.monotonic() < deadline, "the proxy's tokenizer did not load"
                 time.sleep(0.2)
@@ -441,12 +392,10 @@ def test_a_client_that_leaves_is_counted_and_vllm_stops(
         # (the proxy's outcome, the tokens it counted, vLLM's generated tokens) per try
         assert record["error_type"] == "client_cancelled", tries
 
-        def counted(
-            scraped: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str
-        ) -> float:
+        def counted(scraped: Scrape, name: str) -> float:
             """The proxy's tokenizer count of `name` in the last try."""
-            return total(scraped, name, source="tokenizer") - total(
-                proxy_before, name, source="tokenizer"
+            return scraped.total(name, source="tokenizer") - proxy_before.total(
+                name, source="tokenizer"
             )
 
         while counted(now := scrape(base), name) == 0:
@@ -462,9 +411,7 @@ def test_a_client_that_leaves_is_counted_and_vllm_stops(
         stop(proxy)
 
 
-def _settled_vllm_delta(
-    server: Vllm, before: dict[tuple[str, frozenset[tuple[str, str]]], float], deadline: float
-) -> float:
+def _settled_vllm_delta(server: Vllm, before: Scrape, deadline: float) -> float:
     """vLLM's generated tokens since `before`, once two scrapes 0.5 s apart agree: its
     logger counts an engine step's tokens after the step, and an aborted request's last
     step may still be counting."""
@@ -476,10 +423,5 @@ def _settled_vllm_delta(
     return now
 
 
-def _vllm_delta(
-    server: Vllm,
-    before: dict[tuple[str, frozenset[tuple[str, str]]], float],
-    name: str,
-    **labels: str,
-) -> float:
-    return total(scrape(server.url), name, **labels) - total(before, name, **labels)
+def _vllm_delta(server: Vllm, before: Scrape, name: str, **labels: str) -> float:
+    return Change(before, scrape(server.url))(name, **labels)

@@ -28,8 +28,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.scrape import Delta
 from tests.vllm.conftest import SERVED, Vllm
-from tests.vllm.test_real_vllm import Delta
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
