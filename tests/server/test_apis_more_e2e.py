@@ -23,6 +23,7 @@ import pytest
 from proxy.sim import SimApp, SimConfig
 from proxy.sim.generate import token_ids
 from proxy.sim.state import SimRequest
+from tests.scrape import scrape
 from tests.server.conftest import paths
 from tests.servers import ThreadedServer, free_port, spawn, stop, wait_http
 
@@ -65,15 +66,7 @@ class Proxy:
 
     def metric(self, name: str, **labels: str) -> float:
         """One sample of the proxy's /metrics (0 when it has none yet)."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        text = httpx.get(self.url + "/metrics").text
-        return sum(
-            sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if sample.name == name and labels.items() <= sample.labels.items()
-        )
+        return scrape(self.url).total(name, **labels)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ import websockets.sync.client
 from websockets.exceptions import InvalidStatus
 
 from tests.conftest import MODEL, Running
+from tests.scrape import scrape
 from tests.server.conftest import paths
 from tests.servers import free_port, stop, wait_http
 
@@ -53,13 +54,8 @@ def test_the_app_factory_relays_and_measures_under_hypercorn(hypercorn_app: str)
         streamed = b"".join(response.iter_raw())
     assert response.status_code == 200
     assert streamed.endswith(b"data: [DONE]\n\n") and b'"usage"' not in streamed
-    metrics = httpx.get(hypercorn_app + "/metrics").text
-    line = next(
-        line
-        for line in metrics.splitlines()
-        if line.startswith("tokenprobe_requests_total{") and 'error_type="none"' in line
-    )
-    assert line.endswith(" 1.0") and f'model="{MODEL}"' in line
+    first = scrape(hypercorn_app).series("tokenprobe_requests_total", error_type="none")[0]
+    assert first.value == 1.0 and first.labels["model"] == MODEL
 
 
 def test_a_websocket_gets_a_clean_refusal_from_the_asgi_app(hypercorn_app: str) -> None:

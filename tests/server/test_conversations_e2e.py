@@ -19,10 +19,10 @@ import httpx
 import openai
 import orjson
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.sim.tokens import count_prompt_tokens
 from tests.conftest import MODEL, ProxyUnderTest, Running
+from tests.scrape import scrape, wait_for
 from tests.server.conftest import no_proxy
 from tests.servers import free_port, spawn, stop, wait_http
 
@@ -94,19 +94,6 @@ def agent_loop(base: str, city: str, header: str | None, sent: list[list[Any]]) 
         messages.append({"role": "tool", "tool_call_id": call["id"], "content": "12 C, rain"})
 
 
-def samples(base: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = httpx.get(base + "/metrics").text
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def value(found: dict[Any, float], name: str, **labels: str) -> float:
-    return found.get((name, tuple(sorted(labels.items()))), 0.0)
-
-
 @pytest.mark.parametrize("with_header", [False, True], ids=["messages", "header"])
 def test_an_agent_loop_is_one_conversation_of_three_turns_with_its_sleeps_as_gaps(
     start_sim: Callable[..., Running], tmp_path: Path, with_header: bool
@@ -141,13 +128,10 @@ def test_an_agent_loop_is_one_conversation_of_three_turns_with_its_sleeps_as_gap
             for thread in threads:
                 thread.join(60)
             assert all(len(rounds) == 3 for rounds in sent.values())
-            during = samples(base)
-            deadline = time.monotonic() + 10 * IDLE
-            after = samples(base)
-            while value(after, "tokenprobe_conversation_turns_count") < 2:
-                assert time.monotonic() < deadline, "the conversations never went idle"
-                time.sleep(0.1)
-                after = samples(base)
+            during = scrape(base)
+            ended = "tokenprobe_conversation_turns_count"  # unlabelled: its total is its value
+            after = wait_for(base, ended, 2, timeout=10 * IDLE, every=0.1)
+            assert after.value(ended) >= 2, "the conversations never went idle"
         finally:
             stop(process)
     log = [orjson.loads(line) for line in log_path.read_bytes().splitlines()]
@@ -179,29 +163,29 @@ def test_an_agent_loop_is_one_conversation_of_three_turns_with_its_sleeps_as_gap
 
     via = "header" if with_header else "messages"
     model = {"model": MODEL}
-    assert value(after, "tokenprobe_conversation_continuations_total", **model, via=via) == 4
-    assert value(after, "tokenprobe_conversation_turn_gap_seconds_count", **model, via=via) == 4
-    gap_sum = value(after, "tokenprobe_conversation_turn_gap_seconds_sum", **model, via=via)
+    assert after.value("tokenprobe_conversation_continuations_total", **model, via=via) == 4
+    assert after.value("tokenprobe_conversation_turn_gap_seconds_count", **model, via=via) == 4
+    gap_sum = after.value("tokenprobe_conversation_turn_gap_seconds_sum", **model, via=via)
     total_sleep = sum(sum(s) for s in SLEEPS.values())
     assert total_sleep <= gap_sum <= total_sleep + 4 * SLACK
-    assert value(after, "tokenprobe_continuation_cached_prompt_ratio_count", **model) == 4
-    assert value(after, "tokenprobe_continuation_cached_prompt_ratio_sum", **model) == 4.0
-    assert value(after, "tokenprobe_continuation_cache_misses_total", **model) == 0
+    assert after.value("tokenprobe_continuation_cached_prompt_ratio_count", **model) == 4
+    assert after.value("tokenprobe_continuation_cached_prompt_ratio_sum", **model) == 4.0
+    assert after.value("tokenprobe_continuation_cache_misses_total", **model) == 0
     # Closed when idle: two conversations of three turns each.
-    assert value(during, "tokenprobe_conversation_turns_count") == 0
-    assert value(during, "tokenprobe_conversations_open") == 2
-    assert value(after, "tokenprobe_conversation_turns_count") == 2
-    assert value(after, "tokenprobe_conversation_turns_sum") == 6
-    assert value(after, "tokenprobe_conversation_turns_bucket", le="2.0") == 0
-    assert value(after, "tokenprobe_conversation_turns_bucket", le="3.0") == 2
-    between = value(after, "tokenprobe_conversation_between_requests_seconds_sum")
+    assert during.value("tokenprobe_conversation_turns_count") == 0
+    assert during.value("tokenprobe_conversations_open") == 2
+    assert after.value("tokenprobe_conversation_turns_count") == 2
+    assert after.value("tokenprobe_conversation_turns_sum") == 6
+    assert after.value("tokenprobe_conversation_turns_bucket", le="2.0") == 0
+    assert after.value("tokenprobe_conversation_turns_bucket", le="3.0") == 2
+    between = after.value("tokenprobe_conversation_between_requests_seconds_sum")
     assert between == pytest.approx(gap_sum)
-    model_time = value(after, "tokenprobe_conversation_model_seconds_sum")
+    model_time = after.value("tokenprobe_conversation_model_seconds_sum")
     e2e = sum(line["e2e_ms"] for line in log) / 1000
     assert model_time == pytest.approx(e2e, abs=0.01)
-    duration = value(after, "tokenprobe_conversation_duration_seconds_sum")
+    duration = after.value("tokenprobe_conversation_duration_seconds_sum")
     assert duration == pytest.approx(model_time + between, abs=0.05)
-    assert value(after, "tokenprobe_conversations_open") == 0
+    assert after.value("tokenprobe_conversations_open") == 0
     if with_header:  # the header's value is never logged
         assert b"sess-oslo" not in log_path.read_bytes()
 

@@ -11,12 +11,12 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.core.labels import MAX_LABEL_CHARS, HeaderLabels, sanitise
 from proxy.settings import SettingsError, parse
 from tests.conftest import MODEL, Running
 from tests.otlp_receiver import OtlpReceiver, points
+from tests.scrape import scrape
 from tests.server.conftest import no_proxy
 from tests.servers import free_port, serve, spawn, stop, wait_http
 
@@ -25,10 +25,7 @@ UP = ["--upstream", "http://127.0.0.1:9"]
 
 
 def series(base: str, name: str) -> list[dict[str, str]]:
-    text = httpx.get(base + "/metrics").text
-    return [
-        s.labels for f in text_string_to_metric_families(text) for s in f.samples if s.name == name
-    ]
+    return [s.labels for s in scrape(base).series(name)]
 
 
 def test_300_team_values_stay_bounded_everywhere(

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import httpx
 
 from tests.conftest import MODEL, ProxyUnderTest, Running
+from tests.scrape import Scrape
 from tests.server.conftest import no_proxy
 from tests.servers import free_port
 
@@ -21,7 +22,7 @@ def body(model: str = MODEL) -> dict[str, object]:
 
 
 def series_count(metrics_text: str) -> int:
-    return sum(1 for line in metrics_text.splitlines() if line and not line.startswith("#"))
+    return len(Scrape.parse(metrics_text).samples)
 
 
 def test_key_label_is_a_salted_hash_never_the_key(
@@ -35,10 +36,8 @@ def test_key_label_is_a_salted_hash_never_the_key(
         time.sleep(0.01)
     text = httpx.get(proxy.url + "/metrics").text
     assert "SECRET" not in text and "sk-" not in text
-    key_lines = [
-        line for line in text.splitlines() if line.startswith("tokenprobe_key_requests_total{")
-    ]
-    assert sorted(float(line.rsplit(" ", 1)[1]) for line in key_lines) == [1.0, 2.0]
+    keys = Scrape.parse(text).series("tokenprobe_key_requests_total")
+    assert sorted(s.value for s in keys) == [1.0, 2.0]
 
 
 @no_proxy

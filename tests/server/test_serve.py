@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.scrape import scrape
 from tests.server.conftest import no_proxy
 from tests.servers import free_port, spawn, stop, wait_http
 
@@ -130,14 +131,8 @@ def test_two_workers_report_exact_totals_on_every_scrape(sim_url: str, tmp_path:
                 )
             counts = []
             for _ in range(10):
-                text = httpx.get(base + "/metrics", headers={"connection": "close"}).text
-                counts.append(
-                    sum(
-                        float(line.rsplit(" ", 1)[1])
-                        for line in text.splitlines()
-                        if line.startswith("tokenprobe_requests_total{")
-                    )
-                )
+                scraped = scrape(base, headers={"connection": "close"})
+                counts.append(scraped.total("tokenprobe_requests_total"))
             del client
         assert counts == [n] * 10
     finally:

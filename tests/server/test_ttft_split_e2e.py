@@ -14,16 +14,14 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from tests.scrape import Change, Delta, scrape, wait_for
 from tests.servers import free_port, spawn, stop, wait_http
 from tests.tokenizers_local import build_tiny_tokenizer
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog."}]
 FINGERPRINT = "vllm-0.32.0-simfp"
-
-Series = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 def started(*args: str) -> Iterator[str]:
@@ -76,51 +74,20 @@ def proxy_without_object() -> Iterator[str]:
     yield from started("--ttft", "0.02", "--tps", "200", "--output-tokens", "8")
 
 
-def scrape(base: str) -> Series:
-    text = httpx.get(base + "/metrics", timeout=5).text
-    out: Series = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return out
-
-
-def total(series: Series, name: str, **labels: str) -> float:
-    """The sum of a sample over every series whose labels include `labels`."""
-    return sum(v for (n, ls), v in series.items() if n == name and set(labels.items()) <= set(ls))
-
-
-def wait_until(base: str, name: str, at_least: float, **labels: str) -> Series:
-    deadline = time.monotonic() + 30
-    while True:
-        series = scrape(base)
-        if total(series, name, **labels) >= at_least or time.monotonic() > deadline:
-            return series
-        time.sleep(0.05)
-
-
 def chat(base: str, headers: dict[str, str] | None = None, **body: object) -> bytes:
     payload = {"model": "sim-model", "stream": True, "messages": MESSAGES, **body}
     return httpx.post(base + CHAT, json=payload, headers=headers or {}, timeout=60).content
 
 
 def test_queue_engine_and_outside_add_up_to_the_client_seen_ttft(proxy: str) -> None:
-    before = scrape(proxy)
+    delta = Delta(proxy)
     # Four at once against one slot: three of them queue.
     threads = [threading.Thread(target=chat, args=(proxy,)) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
-    after = wait_until(
-        proxy,
-        "tokenprobe_time_to_first_token_seconds_count",
-        4 + total(before, "tokenprobe_time_to_first_token_seconds_count"),
-    )
-
-    def grew(name: str, **labels: str) -> float:
-        return total(after, name, **labels) - total(before, name, **labels)
-
+    grew = delta.when("tokenprobe_time_to_first_token_seconds_count", 4)
     ttft = grew("tokenprobe_time_to_first_token_seconds_sum")
     queue = grew("tokenprobe_engine_queue_time_seconds_sum", stream="true")
     engine = grew("tokenprobe_engine_time_to_first_token_seconds_sum", stream="true")
@@ -138,7 +105,7 @@ def test_spec_decode_counters_equal_the_sums_of_the_objects_the_client_got(proxy
         "x-sim-acceptance-rate": "0.67",
         "x-sim-output-tokens": "20",
     }
-    before = scrape(proxy)
+    delta = Delta(proxy)
     drafted = accepted = 0
     for _ in range(3):
         body = chat(proxy, headers, stream_options={"include_usage": True})
@@ -148,18 +115,14 @@ def test_spec_decode_counters_equal_the_sums_of_the_objects_the_client_got(proxy
         accepted += spec["num_accepted_draft_tokens"]
         assert body.count(b'"delta":{"content":"') == 7 + 1  # 20 tokens in chunks of 3, + finish
     assert (drafted, accepted) == (3 * 3 * 7, 3 * (20 - 7))
-    after = wait_until(
-        proxy,
-        "tokenprobe_spec_decode_draft_tokens_total",
-        drafted + total(before, "tokenprobe_spec_decode_draft_tokens_total"),
-    )
+    grew = delta.when("tokenprobe_spec_decode_draft_tokens_total", drafted)
     for name, expected in (
         ("tokenprobe_spec_decode_draft_tokens_total", drafted),
         ("tokenprobe_spec_decode_accepted_tokens_total", accepted),
     ):
-        assert total(after, name) - total(before, name) == expected
+        assert grew(name) == expected
     per_chunk = "tokenprobe_request_output_tokens_per_chunk_sum"
-    assert total(after, per_chunk) - total(before, per_chunk) == pytest.approx(3 * 20 / 7)
+    assert grew(per_chunk) == pytest.approx(3 * 20 / 7)
 
 
 def test_the_client_gets_the_finish_chunk_with_its_fingerprint_and_no_usage_chunk(
@@ -191,15 +154,14 @@ def _disconnect_after(base: str, n: int, headers: dict[str, str]) -> None:
 
 
 def test_cancelled_tokens_match_a_client_that_leaves_after_n_content_events(proxy: str) -> None:
-    before = scrape(proxy)
+    delta = Delta(proxy)
     slow = {"x-sim-tps": "4", "x-sim-output-tokens": "40"}  # 250 ms between tokens
     _disconnect_after(proxy, 5, slow)
     name = "tokenprobe_cancelled_generation_tokens_total"
-    after = wait_until(proxy, name, 5 + total(before, name))
-    assert total(after, name, source="chunks") - total(before, name, source="chunks") == 5
-    assert total(after, "tokenprobe_cancelled_prompt_tokens_total") == total(
-        before, "tokenprobe_cancelled_prompt_tokens_total"
-    )  # no tokenizer, no usage: the prompt is not counted
+    grew = delta.when(name, 5)
+    assert grew(name, source="chunks") == 5
+    # no tokenizer, no usage: the prompt is not counted
+    assert grew("tokenprobe_cancelled_prompt_tokens_total") == 0
 
 
 def test_with_a_tokenizer_the_cancelled_prompt_is_counted(tmp_path: Path) -> None:
@@ -227,17 +189,14 @@ def test_with_a_tokenizer_the_cancelled_prompt_is_counted(tmp_path: Path) -> Non
         # streams until one is counted by it (one stream, then waiting for a count by the
         # tokenizer that usage made, sat out a 30 s deadline in every run).
         deadline = time.monotonic() + 60
-        while total(scrape(base), "tokenprobe_prompt_tokens_total", source="tokenizer") == 0:
+        while scrape(base).total("tokenprobe_prompt_tokens_total", source="tokenizer") == 0:
             assert time.monotonic() < deadline, "the proxy's tokenizer did not load"
             chat(base, {"x-sim-tps": "1000", "x-sim-output-tokens": "2"})
             time.sleep(0.1)
         before = scrape(base)
         _disconnect_after(base, 3, {})
-        series = wait_until(base, "tokenprobe_cancelled_prompt_tokens_total", 1)
-
-        def counted(name: str) -> float:
-            return total(series, name, source="tokenizer") - total(before, name, source="tokenizer")
-
+        scraped = wait_for(base, "tokenprobe_cancelled_prompt_tokens_total", 1)
+        counted = Change(before, scraped, {"source": "tokenizer"})
         prompt = counted("tokenprobe_cancelled_prompt_tokens_total")
         finished = counted("tokenprobe_prompt_tokens_total")
         assert prompt == finished > 0  # the same prompt, counted the same way
@@ -249,10 +208,10 @@ def test_with_a_tokenizer_the_cancelled_prompt_is_counted(tmp_path: Path) -> Non
         stop(sim)
 
 
+#: The sample names of the figures only the engine's object gives.
 ENGINE_SERIES = re.compile(
-    r"^tokenprobe_(engine_queue_time_seconds|engine_time_to_first_token_seconds|"
-    r"time_to_first_token_outside_engine_seconds|spec_decode_\w+)(_bucket|_sum|_count|_total)?\{",
-    re.M,
+    r"tokenprobe_(engine_queue_time_seconds|engine_time_to_first_token_seconds|"
+    r"time_to_first_token_outside_engine_seconds|spec_decode_\w+)(_bucket|_sum|_count|_total)?"
 )
 
 
@@ -262,25 +221,21 @@ def test_a_backend_without_the_object_leaves_the_engine_metrics_untouched(
     for _ in range(3):
         chat(proxy_without_object)
     chat(proxy_without_object, stream=False)
-    wait_until(proxy_without_object, "tokenprobe_e2e_request_latency_seconds_count", 4)
-    text = httpx.get(proxy_without_object + "/metrics", timeout=5).text
-    assert "tokenprobe_time_to_first_token_seconds_count{" in text
-    assert ENGINE_SERIES.findall(text) == []
+    wait_for(proxy_without_object, "tokenprobe_e2e_request_latency_seconds_count", 4)
+    # a labelled family has no sample until one of its series is observed
+    labelled = {s.name for s in scrape(proxy_without_object).samples if s.labels}
+    assert "tokenprobe_time_to_first_token_seconds_count" in labelled
+    assert [name for name in labelled if ENGINE_SERIES.fullmatch(name)] == []
 
 
 def test_a_responses_stream_is_split_from_its_response_completed(proxy: str) -> None:
-    before = scrape(proxy)
+    delta = Delta(proxy)
     payload = {"model": "sim-model", "stream": True, "input": "hello"}
     body = httpx.post(proxy + "/v1/responses", json=payload, timeout=60).content
     assert b'"metrics":{' in body  # the client asked for nothing: it gets the stream as sent
     name = "tokenprobe_time_to_first_token_outside_engine_seconds_count"
-    labels = {"endpoint": "/v1/responses"}
-    after = wait_until(proxy, name, 1 + total(before, name, **labels), **labels)
-    assert total(after, name, **labels) - total(before, name, **labels) == 1
-
-    def grew(metric: str, **more: str) -> float:
-        return total(after, metric, **labels, **more) - total(before, metric, **labels, **more)
-
+    grew = delta.when(name, 1, endpoint="/v1/responses")  # every reading on that endpoint
+    assert grew(name) == 1
     parts = (
         grew("tokenprobe_engine_queue_time_seconds_sum", stream="true")
         + grew("tokenprobe_engine_time_to_first_token_seconds_sum", stream="true")

@@ -22,11 +22,11 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.ui import ASSETS
 from tests.conftest import MODEL, ProxyUnderTest, Running
 from tests.paths import ROOT
+from tests.scrape import Scrape, Series
 from tests.server.conftest import no_proxy, paths
 from tests.servers import free_port
 
@@ -116,13 +116,9 @@ def test_a_built_wheel_ships_the_ui_assets(tmp_path: Path) -> None:
 # -- PromQL over two scrapes, in Python --------------------------------------------------
 
 
-def _samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name.startswith("tokenprobe_") and not s.name.endswith("_created")
-    }
+def _series(before: str, now: str) -> tuple[dict[Series, float], dict[Series, float]]:
+    """Both scrapes' series by name and labels (their `_created` samples left out)."""
+    return Scrape.parse(before).by_series(), Scrape.parse(now).by_series()
 
 
 def _increase(before: float | None, now: float) -> float:
@@ -159,7 +155,7 @@ def histogram_quantile(q: float, buckets: dict[float, float]) -> float:
 
 def promql_window(before: str, now: str) -> tuple[dict[str, float], dict[float, float]]:
     """sum by (error_type) (increase(requests_total)) and sum by (le) (increase(ttft_bucket))."""
-    old, new = _samples(before), _samples(now)
+    old, new = _series(before, now)
     outcomes: dict[str, float] = {}
     ttft: dict[float, float] = {}
     for (name, labels), value in new.items():
@@ -302,7 +298,7 @@ def test_page_numbers_match_promql_over_the_same_scrapes(
 
 def _buckets(before: str, now: str, histogram: str) -> dict[float, float]:
     """sum by (le) (increase(<histogram>_bucket)) between two scrapes."""
-    old, new = _samples(before), _samples(now)
+    old, new = _series(before, now)
     out: dict[float, float] = {}
     for (name, labels), value in new.items():
         if name == histogram + "_bucket":
@@ -343,7 +339,7 @@ def test_page_shows_the_first_answer_after_the_first_token(
 def _split(before: str, now: str) -> dict[str, float]:
     """Seconds of each part of the first token's time over the window, as PromQL's
     sum(increase(...)) of the three _sum series would give them (streams only)."""
-    old, new = _samples(before), _samples(now)
+    old, new = _series(before, now)
     parts = {
         "tokenprobe_engine_queue_time_seconds_sum": "queue",
         "tokenprobe_engine_time_to_first_token_seconds_sum": "engine",
@@ -570,7 +566,7 @@ def test_page_shows_slo_attainment_as_promql_reads_the_counters(
         now = client.get("/metrics").text
         page.wait_for_scrapes(page.scrapes() + 2)
 
-    old, new = _samples(before), _samples(now)
+    old, new = _series(before, now)
     judged = met = 0.0
     for (name, labels), value in new.items():
         if name == "tokenprobe_slo_requests_total":
@@ -586,7 +582,7 @@ def test_page_shows_slo_attainment_as_promql_reads_the_counters(
 def _conversations(before: str, now: str) -> dict[str, Any]:
     """What PromQL reads of the conversation series over the window: the turn gap's bucket
     increases, the cached ratio's sum and count increases, the misses, continuations."""
-    old, new = _samples(before), _samples(now)
+    old, new = _series(before, now)
     out: dict[str, Any] = {"gap": {}, "ratio_sum": 0.0, "ratio_count": 0.0, "misses": 0.0}
     out["continuations"] = 0.0
     for (name, labels), value in new.items():
