@@ -15,9 +15,7 @@ import threading
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
-
+from tests.scrape import scrape
 from tests.servers import free_port, spawn, stop, wait_http
 
 SSE_USAGE_STREAM = (
@@ -171,13 +169,9 @@ def backend(**kwargs: object) -> Iterator[RawBackend]:
 
 
 def metric(base: str, name: str, **labels: str) -> float:
-    """One sample's value from the proxy's /metrics (0 when absent)."""
-    text = httpx.get(base + "/metrics", timeout=5).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return float(sample.value)
-    return 0.0
+    """A sample of the proxy's /metrics, summed over the series whose labels include
+    `labels` (0 when it has none)."""
+    return scrape(base, timeout=5).total(name, **labels)
 
 
 def rss_bytes(pid: int) -> int:

@@ -17,7 +17,6 @@ from typing import Any, cast
 
 import httpx
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.bench.ports import free_port
 from proxy.core.labels import ModelLabels
@@ -27,6 +26,7 @@ from proxy.settings import Settings
 from proxy.sinks.dispatch import Sinks
 from proxy.sinks.metrics import Metrics
 from proxy.sinks.sink import Recorder
+from tests.scrape import Scrape
 from tests.servers import spawn, stop, wait_http
 
 
@@ -164,20 +164,13 @@ class ServedProxy:
     def scrape(self) -> str:
         return httpx.get(self.base + "/metrics", timeout=10).text
 
-    def samples(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        text = self.scrape()
-        return {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples
-        }
-
     def sample(self, name: str, **labels: str) -> float:
-        return self.samples().get((name, tuple(sorted(labels.items()))), 0.0)
+        """The series with exactly these labels, as the listener's get_sample_value reads it."""
+        return Scrape.parse(self.scrape()).value(name, **labels)
 
     def open_tunnels(self) -> int:
-        name = "tokenprobe_websocket_sessions_in_flight"
-        return int(sum(v for (n, _), v in self.samples().items() if n == name))
+        in_flight = Scrape.parse(self.scrape()).total("tokenprobe_websocket_sessions_in_flight")
+        return int(in_flight)
 
     def shutdown_all(self) -> None:
         """SIGTERM: the drain sends every tunnel its close frames."""

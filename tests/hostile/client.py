@@ -1,6 +1,6 @@
 """Client-side parts for the hostile-peer suite: WebSocket handshakes written byte for byte,
 upstream scripts that switch protocols (or refuse) and note what had arrived by then,
-responses split out of a raw byte stream, and the proxy's counters summed.
+and responses split out of a raw byte stream.
 
 The peers themselves are tests/hostile/peers.py (the lead's kit); this module only adds
 what the client-side tests share.
@@ -13,9 +13,6 @@ import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.edge_backend import serving
 from tests.hostile.peers import Conn, RawUpstream, Request, Script, ok, raw_upstream
@@ -111,17 +108,6 @@ def _dechunk(data: bytes) -> tuple[bytes, bytes]:
             return bytes(body), rest
         body += rest[:size]
         rest = rest[size + 2 :]
-
-
-def counter_sum(base: str, name: str) -> float:
-    """Every sample of `name` on the proxy's /metrics, summed over its labels."""
-    text = httpx.get(base + "/metrics", timeout=10).text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name
-    )
 
 
 def header_names(head: bytes) -> set[bytes]:

@@ -20,13 +20,13 @@ from tests.hostile.client import (
     CHAT,
     COMPLETION,
     Switcher,
-    counter_sum,
     received_bytes,
     responses,
     served,
     ws_head,
 )
 from tests.hostile.peers import RawUpstream, exchange, ok
+from tests.scrape import scrape
 
 Proxy = Callable[..., AbstractContextManager[str]]
 SMUGGLED = b"GET /v1/smuggled HTTP/1.1\r\nHost: x\r\n\r\n"
@@ -138,11 +138,11 @@ def test_a_post_with_upgrade_is_measured(upstream: RawUpstream, proxy: Proxy) ->
     upstream.default = Switcher(plain=ok(COMPLETION)).script()
     extra = b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(CHAT)
     with proxy(upstream.url) as base:
-        before = counter_sum(base, "tokenprobe_requests_total")
+        before = scrape(base).total("tokenprobe_requests_total")
         got = exchange(base, ws_head(b"/v1/chat/completions", method=b"POST", extra=extra) + CHAT)
         assert got.startswith(b"HTTP/1.1 200"), got
         deadline = time.monotonic() + 5
-        while counter_sum(base, "tokenprobe_requests_total") == before:
+        while scrape(base).total("tokenprobe_requests_total") == before:
             assert time.monotonic() < deadline, "the request was not measured"
             time.sleep(0.05)
 
