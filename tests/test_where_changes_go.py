@@ -19,6 +19,7 @@ import httpx
 
 from proxy.bench.ports import free_port
 from tests.paths import ROOT
+from tests.scrape import scrape
 from tests.servers import stop, wait_http
 
 ROOT = ROOT
@@ -151,20 +152,11 @@ def proxy_before_sim(
         yield sim, proxy, process
 
 
-def requests_lines(url: str) -> list[str]:
-    return metric_lines(url, "tokenprobe_requests_total{")
-
-
 def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.02)
-
-
-def metric_lines(url: str, name: str) -> list[str]:
-    text = httpx.get(url + "/metrics").text
-    return [line for line in text.splitlines() if line.startswith(name)]
 
 
 def test_a_new_api_is_one_module_and_its_registry_lines(tmp_path: Path) -> None:
@@ -180,10 +172,10 @@ def test_a_new_api_is_one_module_and_its_registry_lines(tmp_path: Path) -> None:
         proxied = httpx.post(proxy + "/tokenize", json=body)
         assert proxied.status_code == 200 and proxied.content == direct.content
         count = float(direct.json()["count"])
-        requests = metric_lines(proxy, "tokenprobe_requests_total{")
-        prompt = metric_lines(proxy, "tokenprobe_prompt_tokens_total{")
-    assert any('endpoint="/tokenize"' in line and line.endswith(" 1.0") for line in requests)
-    assert any('endpoint="/tokenize"' in line and line.endswith(f" {count}") for line in prompt)
+        requests = scrape(proxy).series("tokenprobe_requests_total", endpoint="/tokenize")
+        prompt = scrape(proxy).series("tokenprobe_prompt_tokens_total", endpoint="/tokenize")
+    assert any(s.value == 1.0 for s in requests)
+    assert any(s.value == count for s in prompt)
 
 
 def test_a_new_metric_is_declared_and_observed_in_the_metrics_sink(tmp_path: Path) -> None:
@@ -197,9 +189,9 @@ def test_a_new_metric_is_declared_and_observed_in_the_metrics_sink(tmp_path: Pat
     with proxy_before_sim(tree) as (_, proxy, _):
         httpx.post(proxy + "/v1/chat/completions", json={**body, "stream": True}).raise_for_status()
         httpx.post(proxy + "/v1/chat/completions", json=body).raise_for_status()
-        lines = metric_lines(proxy, "tokenprobe_streamed_requests_total{")
-    assert lines == [
-        'tokenprobe_streamed_requests_total{endpoint="/v1/chat/completions",model="sim-model"} 1.0'
+        streamed = scrape(proxy).series("tokenprobe_streamed_requests_total")
+    assert [(s.labels, s.value) for s in streamed] == [
+        ({"endpoint": "/v1/chat/completions", "model": "sim-model"}, 1.0)
     ]
 
 
@@ -215,7 +207,9 @@ def test_a_new_sink_is_one_file_and_one_line_in_the_assembly(tmp_path: Path) -> 
         httpx.post(proxy + "/v1/chat/completions", json=body, timeout=10).raise_for_status()
         # The record lands just after the last byte; the sinks get it in one call, the
         # metrics sink first, so once /metrics counts it the new sink has written its line.
-        wait_until(lambda: any(line.endswith(" 1.0") for line in requests_lines(proxy)))
+        wait_until(
+            lambda: any(s.value == 1.0 for s in scrape(proxy).series("tokenprobe_requests_total"))
+        )
     assert process.stderr is not None
     stderr = process.stderr.read().decode()
     assert "slow first token: 1.1" in stderr

@@ -13,22 +13,16 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
 import orjson
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import MODEL, Running
+from tests.scrape import scrape
 from tests.servers import free_port, spawn, stop, wait_http
 
 
 def _proxy_counts(base: str) -> dict[str, float]:
-    text = httpx.get(base + "/metrics").text
-    return {
-        s.labels["result"]: s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == "tokenprobe_slo_requests_total"
-    }
+    series = scrape(base).series("tokenprobe_slo_requests_total")
+    return {s.labels["result"]: s.value for s in series}
 
 
 def test_bench_and_proxy_count_the_same_good_requests(

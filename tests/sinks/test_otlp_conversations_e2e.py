@@ -12,10 +12,10 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import MODEL, Running
 from tests.otlp_receiver import OtlpReceiver, ReceivedPoint, points
+from tests.scrape import wait_for
 from tests.servers import serve
 from tests.sinks.test_otlp_metrics_e2e import tokenprobe, total
 
@@ -50,23 +50,6 @@ def chat(client: httpx.Client, messages: list[Any], **headers: str) -> None:
         response.read()
 
 
-def scrape(base: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = httpx.get(base + "/metrics").text
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def summed(found: dict[tuple[str, Any], float], name: str, **labels: str) -> float:
-    return sum(
-        v
-        for (n, key), v in found.items()
-        if n == name and all(dict(key).get(k) == w for k, w in labels.items())
-    )
-
-
 def test_conversation_figures_over_otlp_equal_prometheus(
     start_sim: Callable[..., Running],
 ) -> None:
@@ -98,12 +81,9 @@ def test_conversation_figures_over_otlp_equal_prometheus(
         other += [{"role": "assistant", "content": "Hills."}, {"role": "user", "content": "?"}]
         chat(client, other, **{"x-session-id": "sess-lisbon", "x-sim-cached-tokens": "0"})
 
-        deadline = time.monotonic() + 20 * IDLE
-        prom = scrape(base)
-        while summed(prom, "tokenprobe_conversation_turns_count") < 2:
-            assert time.monotonic() < deadline, "the conversations never went idle"
-            time.sleep(0.1)
-            prom = scrape(base)
+        ended = "tokenprobe_conversation_turns_count"  # observed when a conversation goes idle
+        prom = wait_for(base, ended, 2, timeout=20 * IDLE, every=0.1)
+        assert prom.total(ended) >= 2, "the conversations never went idle"
 
         def closed(exports: list[Any]) -> bool:  # an export taken after that scrape
             if not exports:
@@ -111,39 +91,39 @@ def test_conversation_figures_over_otlp_equal_prometheus(
             last = points(exports[-1])
             return total(last, HISTOGRAMS[2][0]) >= 2 and total(
                 last, COUNTERS[0][0], "sum"
-            ) >= summed(prom, COUNTERS[0][1])
+            ) >= prom.total(COUNTERS[0][1])
 
         found: list[ReceivedPoint] = points(receiver.metrics.wait_for(closed)[-1])
         raw = b"".join(receiver.metrics.raw)
 
     # The programmed truth first: 5 requests, 2 conversations of 3 and 2 turns, 3
     # continuations (2 by messages, 1 by header), one of them a miss.
-    assert summed(prom, "tokenprobe_conversation_continuations_total") == 3
-    assert summed(prom, "tokenprobe_conversation_turns_sum") == 5
-    assert summed(prom, "tokenprobe_continuation_cache_misses_total") == 1
+    assert prom.total("tokenprobe_conversation_continuations_total") == 3
+    assert prom.total("tokenprobe_conversation_turns_sum") == 5
+    assert prom.total("tokenprobe_continuation_cache_misses_total") == 1
     for otlp, prometheus in HISTOGRAMS:
-        count = summed(prom, prometheus + "_count")
+        count = prom.total(prometheus + "_count")
         assert count > 0, prometheus
         assert total(found, otlp) == count, otlp
         assert total(found, otlp, "sum") == pytest.approx(
-            summed(prom, prometheus + "_sum"), abs=1e-6
+            prom.total(prometheus + "_sum"), abs=1e-6
         ), otlp
     for otlp, prometheus in COUNTERS:
-        assert total(found, otlp, "sum") == summed(prom, prometheus), otlp
+        assert total(found, otlp, "sum") == prom.total(prometheus), otlp
     # By how each continuation was recognised, as Prometheus's via label says.
     for via in ("messages", "header"):
         attrs = {"tokenprobe.conversation.via": via}
         gaps = "tokenprobe_conversation_turn_gap_seconds"
-        assert total(found, HISTOGRAMS[0][0], **attrs) == summed(prom, gaps + "_count", via=via)
+        assert total(found, HISTOGRAMS[0][0], **attrs) == prom.total(gaps + "_count", via=via)
         assert total(found, HISTOGRAMS[0][0], "sum", **attrs) == pytest.approx(
-            summed(prom, gaps + "_sum", via=via), abs=1e-6
+            prom.total(gaps + "_sum", via=via), abs=1e-6
         )
     assert total(found, HISTOGRAMS[0][0], "sum") >= 0.2 + 0.3 + 0.1  # the sleeps, at least
     # The same buckets: the turns histogram's bounds and counts are Prometheus's.
     (turns,) = [p for p in found if p.metric == "tokenprobe.conversation.turns"]
     cumulative = [sum(turns.bucket_counts[: i + 1]) for i in range(len(turns.explicit_bounds))]
     for bound, n in zip(turns.explicit_bounds, cumulative, strict=True):
-        assert n == summed(prom, "tokenprobe_conversation_turns_bucket", le=str(bound)), bound
+        assert n == prom.total("tokenprobe_conversation_turns_bucket", le=str(bound)), bound
     # A closed conversation is no request: server.* only; a continuation names its model.
     assert set(turns.attributes) == {"server.address", "server.port"}
     (ratio,) = [p for p in found if p.metric == "tokenprobe.continuation.cached_prompt_ratio"]

@@ -16,7 +16,6 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.sinks.otlp import DURATION_BUCKETS, TOKEN_BUCKETS
 from tests.conftest import MODEL, Running
@@ -27,6 +26,7 @@ from tests.otlp_receiver import (
     ReceivedPoint,
     points,
 )
+from tests.scrape import scrape
 from tests.servers import free_port, serve, spawn, stop, wait_http
 
 SECRET = "sk-secret-do-not-export-4242"
@@ -94,15 +94,6 @@ def send_requests(base: str) -> None:
         assert client.post("/v1/chat/completions", json=body).status_code == 200
         body = {"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}
         assert client.post("/v1/chat/completions", json=body).status_code == 404
-
-
-def scrape(base: str) -> dict[str, float]:
-    """Every sample of /metrics summed over its labels, by sample name."""
-    totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(base + "/metrics").text):
-        for sample in family.samples:
-            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
-    return totals
 
 
 def latest(exports: list[Any]) -> list[ReceivedPoint]:
@@ -228,7 +219,7 @@ def test_genai_metrics_over_otlp_http_match_prometheus(sim: Running, names: str)
         }
         with tokenprobe(sim.url, env) as base:
             send_requests(base)
-            prom = scrape(base)
+            prom = scrape(base).totals()
             found = wait_for_requests(receiver.metrics, 6, genai[0])
     check_against_prometheus(found, prom, genai)
     check_conventions(found, sim, genai)
@@ -246,7 +237,7 @@ def test_genai_metrics_over_otlp_grpc(sim: Running) -> None:
         }
         with tokenprobe(sim.url, env) as base:
             send_requests(base)
-            prom = scrape(base)
+            prom = scrape(base).totals()
             found = wait_for_requests(receiver.metrics, 6)
     check_against_prometheus(found, prom)
     check_conventions(found, sim)
@@ -262,7 +253,7 @@ def test_delta_temporality_exports_each_interval_once(sim: Running) -> None:
         }
         with tokenprobe(sim.url, env) as base:
             send_requests(base)
-            prom = scrape(base)
+            prom = scrape(base).totals()
 
             def all_six(requests: list[Any]) -> bool:
                 every = [p for r in requests for p in points(r)]
@@ -306,7 +297,7 @@ def test_a_dead_or_slow_collector_blocks_no_stream_and_its_losses_are_counted(
             assert time.monotonic() - started < 0.9
 
         deadline = time.monotonic() + 20
-        while scrape(base).get("tokenprobe_metric_export_failures_total", 0.0) < 1:
+        while scrape(base).total("tokenprobe_metric_export_failures_total") < 1:
             assert time.monotonic() < deadline, "no export failure counted"
             time.sleep(0.05)  # the export thread retries until its 1 s timeout
 
@@ -349,7 +340,7 @@ def test_each_worker_exports_its_own_series_under_its_own_instance_id(
                     assert httpx.post(base + "/v1/chat/completions", json=body).status_code == 200
                 sent += 10
                 time.sleep(0.2)  # an export interval
-            prom = scrape(base)  # the workers' values summed
+            prom = scrape(base).totals()  # the workers' values summed
 
             def all_exported(_: list[Any]) -> bool:
                 return sum(total(p, GENAI[0]) for p in instances().values()) >= sent
@@ -409,7 +400,7 @@ def test_the_ttft_split_and_proxy_overhead_match_prometheus(start_sim: Any) -> N
         assert statuses == [200, 200, 200]
         plain = {**body, "stream": False}
         assert httpx.post(base + "/v1/chat/completions", json=plain, timeout=30).is_success
-        prom = scrape(base)
+        prom = scrape(base).totals()
         found = wait_for_requests(receiver.metrics, 4)
     for otlp, prometheus, n in (
         ("tokenprobe.engine.queue_time", "tokenprobe_engine_queue_time_seconds", 4),

@@ -16,7 +16,6 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import orjson
 import pytest
 from prometheus_client import CollectorRegistry
@@ -31,6 +30,7 @@ from proxy.sinks.logs import SESSION_KEYS, AccessLog
 from proxy.sinks.metrics import Metrics
 from proxy.sinks.sink import Recorder
 from tests.otlp_receiver import OtlpReceiver, ReceivedPoint, points
+from tests.scrape import scrape
 from tests.servers import free_port, serve, spawn, stop, wait_http
 from tests.ws_upstream import EchoUpstream
 
@@ -160,15 +160,7 @@ class _Served:
                 self.lines.append(orjson.loads(line))
 
     def sample(self, name: str, **labels: str) -> float:
-        from prometheus_client.parser import text_string_to_metric_families
-
-        text = httpx.get(self.base + "/metrics", timeout=10).text
-        return sum(
-            s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples
-            if s.name == name and labels.items() <= s.labels.items()
-        )
+        return scrape(self.base).total(name, **labels)
 
 
 @pytest.fixture(scope="module")
