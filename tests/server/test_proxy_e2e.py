@@ -283,7 +283,10 @@ def test_client_disconnect_mid_stream_cancels_upstream(sim: Running, proxy: Prox
     state = sim.app.state
     assert state.wait_for(lambda: state.last().outcome == "aborted", timeout=2)  # type: ignore[union-attr]
     aborted_at = state.last().aborted_at  # type: ignore[union-attr]
-    assert aborted_at is not None and aborted_at - closed_at < 0.1
+    # Uncancelled, the stream would run ~9.8 s more (197 tokens at 20/s). Client, proxy and
+    # simulator share one process here, so a loaded 2-core machine has shown 0.46 s
+    # (hypercorn, in CI): the bound says "at once", not a latency figure.
+    assert aborted_at is not None and aborted_at - closed_at < 1.0
     proxy.wait_records(1)
     assert proxy.records[0].error_type is ErrorType.CLIENT_CANCELLED
     assert proxy.sample("tokenprobe_requests_in_flight", model=MODEL, endpoint=CHAT) == 0
