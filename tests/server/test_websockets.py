@@ -93,6 +93,13 @@ def _count(proxy: Proxy, outcome: str, route: str = "other") -> float:
     return proxy.sample("tokenprobe_websocket_sessions_total", route=route, outcome=outcome)
 
 
+def _baseline(proxy: Proxy, outcome: str) -> float:
+    """The count before a test's session: once the module's earlier sessions have ended, so
+    that one ending late (a slow machine) is not counted as this test's."""
+    _wait(lambda: proxy.open_tunnels() == 0, what="the earlier tests' tunnels to end")
+    return _count(proxy, outcome)
+
+
 def _counted(proxy: Proxy, outcome: str, before: float, n: int = 1) -> None:
     """Wait until n more sessions have ended with this outcome, and none is open."""
     _wait(lambda: _count(proxy, outcome) >= before + n, what=f"{n} more {outcome}")
@@ -179,7 +186,7 @@ async def _upstream_closes(url: str) -> tuple[int | None, str | None]:
 def test_upstream_close_code_and_reason_reach_the_client(
     upstream: EchoUpstream, proxy: Proxy
 ) -> None:
-    before = _count(proxy, "closed_by_upstream")
+    before = _baseline(proxy, "closed_by_upstream")
     assert _run(_upstream_closes(upstream.url)) == (4001, "upstream says bye")
     assert _run(_upstream_closes(proxy.url)) == (4001, "upstream says bye")
     _counted(proxy, "closed_by_upstream", before)
@@ -194,7 +201,7 @@ async def _refused(url: str) -> tuple[int, bytes, str | None]:
 
 
 def test_a_refused_upgrade_reaches_the_client_as_sent(upstream: EchoUpstream, proxy: Proxy) -> None:
-    before = _count(proxy, "refused")
+    before = _baseline(proxy, "refused")
     assert _run(_refused(upstream.url)) == _run(_refused(proxy.url)) == (403, REFUSAL_BODY, "test")
     _counted(proxy, "refused", before)
 
@@ -210,7 +217,7 @@ def test_a_client_that_vanishes_is_seen_upstream_within_2_s(
             ws.transport.abort()  # no close frame: the TCP connection just ends
         return gone
 
-    before = _count(proxy, "client_vanished")
+    before = _baseline(proxy, "client_vanished")
     for url in (upstream.url, proxy.url):
         since = len(upstream.sessions)
         gone = _run(vanish(url))
@@ -233,7 +240,7 @@ def test_50_concurrent_sessions(upstream: EchoUpstream, proxy: Proxy) -> None:
     async def many(url: str) -> list[list[str]]:
         return list(await asyncio.gather(*(one(url, i) for i in range(50))))
 
-    before = _count(proxy, "closed_by_client")
+    before = _baseline(proxy, "closed_by_client")
     durations = proxy.sample("tokenprobe_websocket_session_duration_seconds_count", route="other")
     since = len(upstream.sessions)
     assert _run(many(upstream.url)) == _run(many(proxy.url))
@@ -264,7 +271,7 @@ def test_a_target_that_cannot_be_normalised_gets_a_400(
 ) -> None:
     """An encoded slash is refused as the HTTP relay refuses it (proxy/core/paths.py),
     before anything goes upstream."""
-    before = _count(proxy, "invalid_request_target")
+    before = _baseline(proxy, "invalid_request_target")
     since = len(upstream.sessions)
 
     async def refused() -> tuple[int, bytes]:
@@ -607,7 +614,7 @@ def test_upstream_closing_after_101_closes_the_client_within_a_second(
     raw: RawUpstream, raw_proxy: Proxy
 ) -> None:
     raw.route(b"/hang-up", SWITCH, lambda up, conn: time.sleep(0.2))
-    before = _count(raw_proxy, "upstream_vanished")
+    before = _baseline(raw_proxy, "upstream_vanished")
     client = _raw_client(raw_proxy.port)
     client.sendall(_handshake(b"/hang-up"))
     assert _recv_exactly(client, len(SWITCH)) == SWITCH

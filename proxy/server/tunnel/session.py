@@ -253,7 +253,6 @@ class Tunnel:
         if self._connect is not None and not self._connect.done():
             self._connect.cancel()
         self.pipe.close()
-        self.context.tunnels.discard(self)
         record = WsSessionRecord(
             route=self.route,
             outcome=outcome,
@@ -263,6 +262,8 @@ class Tunnel:
             status=self.answer.status if self.pipe.relayed else self._status,
         )
         self.context.sinks.session_ended(record)
+        # Open until counted: whoever sees no tunnel open sees every ended one counted.
+        self.context.tunnels.discard(self)
         self.watch.close(now, outcome)
         if not self.closed.done():
             self.closed.set_result(outcome)
