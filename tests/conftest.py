@@ -21,6 +21,31 @@ from tests.servers import ThreadedHypercorn, ThreadedServer
 
 MODEL = "sim-model"
 
+#: The most workers `-n auto` starts (pyproject.toml's addopts): each runs servers of its own.
+MAX_WORKERS = 8
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """Two workers a core: most tests wait on sockets, servers and subprocesses, not the
+    CPU (the whole suite uses about half the CPU time it takes in wall time, serially).
+    Each module runs whole on one worker (--dist loadscope), so a module fixture (a vLLM,
+    a benchmark run, a Prometheus) starts once, as it does serially."""
+    return min(MAX_WORKERS, 2 * (os.cpu_count() or 1))
+
+
+#: The modules that take minutes (a real backend to start, a benchmark run), longest first.
+#: They go first, so that a parallel run, which hands out modules in the order collected,
+#: does not end waiting on one.
+LONG_MODULES = ("tests/vllm/", "tests/bench/test_benchmark_smoke.py", "tests/llamacpp/")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        starts = [i for i, prefix in enumerate(LONG_MODULES) if item.nodeid.startswith(prefix)]
+        return starts[0] if starts else len(LONG_MODULES)
+
+    items.sort(key=rank)  # stable: the rest keep the order they were found in
+
 
 class Running:
     """A started server plus the app object behind it."""

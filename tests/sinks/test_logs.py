@@ -161,6 +161,7 @@ def test_failed_request_logs_its_error_type_and_message() -> None:
         (1_700_000_000.9999, "2023-11-14T22:13:20.999Z"),
         (time.time(), None),
     ],
+    ids=["epoch", "rounding", "now"],  # stable ids: parallel workers must collect alike
 )
 def test_timestamps_are_iso8601_utc_with_milliseconds(seconds: float, expected: str | None) -> None:
     stamp = iso_utc(seconds)
