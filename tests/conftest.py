@@ -17,6 +17,7 @@ from proxy.settings import Settings
 from proxy.sim.app import SimApp, create_sim_app
 from proxy.sim.config import SimConfig
 from proxy.sinks.sink import Recorder, Sink
+from tests import alone
 from tests.servers import ThreadedHypercorn, ThreadedServer
 
 MODEL = "sim-model"
@@ -39,10 +40,26 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 LONG_MODULES = ("tests/vllm/", "tests/bench/test_benchmark_smoke.py", "tests/llamacpp/")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    alone.configure(config)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[object]:
+    with alone.held_for(item):
+        return (yield)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Modules with a test marked alone go last: by then the long modules are done, so an
+    # alone test does not wait for a vLLM to start before it can run by itself.
+    with_alone = {item.path for item in items if item.get_closest_marker("alone")}
+
     def rank(item: pytest.Item) -> int:
         starts = [i for i, prefix in enumerate(LONG_MODULES) if item.nodeid.startswith(prefix)]
-        return starts[0] if starts else len(LONG_MODULES)
+        if starts:
+            return starts[0]
+        return len(LONG_MODULES) + (item.path in with_alone)
 
     items.sort(key=rank)  # stable: the rest keep the order they were found in
 

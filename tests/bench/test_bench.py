@@ -57,6 +57,7 @@ def sim_ttft(sim: Running) -> dict[str, float]:
     }
 
 
+@pytest.mark.alone("the programmed TTFT and TPOT are read within 5%")
 def test_measures_the_programmed_ttft_tpot_decode_speed_and_length(
     start_sim: StartSim, tmp_path: Path
 ) -> None:

@@ -26,6 +26,8 @@ from tests.scrape import scrape, wait_for
 from tests.server.conftest import no_proxy
 from tests.servers import free_port, spawn, stop, wait_http
 
+pytestmark = pytest.mark.alone("turn gaps are programmed sleeps read within a slack")
+
 SYSTEM = {"role": "system", "content": "You are a weather agent. Call get_weather first."}
 TOOLS: list[Any] = [
     {

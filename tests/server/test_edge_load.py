@@ -95,6 +95,7 @@ def paced() -> Iterator[tuple[RawBackend, PacedStream]]:
         yield upstream, responder
 
 
+@pytest.mark.alone("a stream's gap p99 under scrapers is compared with a quiet one")
 def test_concurrent_scrapes_do_not_stall_a_stream(paced: tuple[RawBackend, PacedStream]) -> None:
     upstream, responder = paced
     flags = ("--model-allowlist", ",".join(MODELS))

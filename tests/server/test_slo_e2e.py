@@ -20,6 +20,10 @@ from tests.conftest import ProxyUnderTest, Running
 from tests.server.conftest import no_proxy
 from tests.servers import spawn, stop
 
+pytestmark = pytest.mark.alone(
+    "programmed delays must meet or miss targets by margins of tens of ms"
+)
+
 MODELS = ("fast", "slow")
 QUICK = {"x-sim-ttft": "0", "x-sim-tps": "5000"}
 LATE_FIRST_TOKEN = {"x-sim-ttft": "0.8", "x-sim-tps": "5000"}

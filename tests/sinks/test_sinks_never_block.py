@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 
 import httpx
+import pytest
 from prometheus_client import CollectorRegistry
 
 from proxy.core.measurement import Measurement
@@ -17,6 +18,8 @@ from proxy.sinks.sink import Recorder
 from proxy.sinks.tracing import tracing_from_env
 from tests.conftest import MODEL, ProxyUnderTest, Running
 from tests.servers import ThreadedServer, free_port
+
+pytestmark = pytest.mark.alone("a request's latency is compared with and without a slow sink")
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}

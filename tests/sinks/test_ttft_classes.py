@@ -28,6 +28,8 @@ from proxy.sinks.sink import Labels
 from tests.conftest import MODEL, ProxyUnderTest, Running
 from tests.tokenizers_local import build_tiny_tokenizer
 
+pytestmark = pytest.mark.alone("TTFTs programmed per prompt class must land in their buckets")
+
 HISTOGRAM = "tokenprobe_time_to_first_token_by_prompt_seconds"
 COMPLETIONS = "/v1/completions"
 PER_TOKEN = 2e-4  # seconds of TTFT per prompt token, programmed into the simulator

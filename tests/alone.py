@@ -1,0 +1,65 @@
+"""Tests marked `alone` run while no other test runs, even in parallel workers.
+
+Some tests compare what was measured with delays the simulator was told to add: a TTFT of
+0.2 s must read 0.2 s plus a small slack, a programmed 4 tokens at 10/s must miss an SLO of
+0.25 s and 4 at 100/s must meet it. Four workers on two cores add more than such a slack
+to a test that shares the CPU with them. So every test holds a lock on one file for its
+setup, call and teardown (`pytest_runtest_protocol`, module fixtures included): shared
+for most, exclusive for an `alone` test. A second file, the turnstile, is taken for a
+moment by every test and held by an `alone` test until it has its exclusive lock, so that
+a steady stream of shared holders cannot starve it.
+
+The files are flock(2)ed in a folder of the run's own (xdist's testrunuid); without
+workers nothing is locked.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO
+
+import pytest
+
+
+class Locks:
+    def __init__(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.gate: IO[bytes] = open(folder / "gate", "ab")  # noqa: SIM115 - held for the run
+        self.turnstile: IO[bytes] = open(folder / "turnstile", "ab")  # noqa: SIM115
+
+    @contextmanager
+    def hold(self, alone: bool) -> Iterator[None]:
+        fcntl.flock(self.turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self.gate, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(self.turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(self.gate, fcntl.LOCK_UN)
+
+
+LOCKS = pytest.StashKey[Locks]()
+
+
+def configure(config: pytest.Config) -> None:
+    """Under xdist, a worker's locks: in a folder that every worker of this run shares."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        folder = Path(tempfile.gettempdir()) / f"tokenprobe-tests-{workerinput['testrunuid']}"
+        config.stash[LOCKS] = Locks(folder)
+
+
+@contextmanager
+def held_for(item: pytest.Item) -> Iterator[None]:
+    locks = item.config.stash.get(LOCKS, None)
+    if locks is None:
+        yield
+        return
+    with locks.hold(item.get_closest_marker("alone") is not None):
+        yield
