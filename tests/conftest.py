@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
+from proxy.bench.ports import RANGE_ENV, below_ephemeral
 from proxy.core.measurement import Measurement
 from proxy.server.app import ProxyApp
 from proxy.server.assemble import assemble
@@ -42,6 +43,20 @@ LONG_MODULES = ("tests/vllm/", "tests/bench/test_benchmark_smoke.py", "tests/lla
 
 def pytest_configure(config: pytest.Config) -> None:
     alone.configure(config)
+    _ports_of_this_worker(config)
+
+
+def _ports_of_this_worker(config: pytest.Config) -> None:
+    """A parallel worker picks its servers' ports from a slice of its own, and so do the
+    processes it starts (they inherit the variable): two workers never pick one port."""
+    workerinput = getattr(config, "workerinput", None)
+    below = below_ephemeral()
+    if workerinput is None or below is None:
+        return
+    index, count = int(workerinput["workerid"].removeprefix("gw")), workerinput["workercount"]
+    size = len(below) // count
+    low = below.start + index * size
+    os.environ[RANGE_ENV] = f"{low}-{low + size}"
 
 
 @pytest.hookimpl(wrapper=True)

@@ -9,9 +9,11 @@ between, both common when several test processes run at once (pytest-xdist):
 - another process picking the same port.
 
 So ports are picked below the ephemeral range, where no connection is ever given one, and
-each process walks its own sequence from a random start, so two processes pick the same
-port only if one walks into a port the other picked and has not yet bound. Where the
-ephemeral range leaves too little room below it, the kernel picks (bind to port 0).
+within the range `TOKENPROBE_PORTS` ("low-high") names where one is given: the tests give
+each parallel worker a slice of its own (tests/conftest.py), which its subprocesses
+inherit. A process walks its range from a random start (re-seeded after a fork), so it
+does not return one port twice while others are left. Where the ephemeral range leaves
+too little room below it, and no range is named, the kernel picks (bind to port 0).
 """
 
 from __future__ import annotations
@@ -30,34 +32,50 @@ EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 FLOOR = 10_000
 #: Fewer ports than this below the ephemeral range: the kernel picks instead.
 MIN_SPAN = 2_000
+#: "low-high": the ports this process and its children pick from (high excluded).
+RANGE_ENV = "TOKENPROBE_PORTS"
 
 
-def _span() -> int:
-    """How many ports lie between FLOOR and the ephemeral range (0: let the kernel pick)."""
+def below_ephemeral() -> range | None:
+    """The ports between FLOOR and the ephemeral range; None where they are too few."""
     try:
         low = int(EPHEMERAL_RANGE.read_text().split()[0])
     except (OSError, ValueError, IndexError):
-        return 0
-    return low - FLOOR if low - FLOOR >= MIN_SPAN else 0
+        return None
+    return range(FLOOR, low) if low - FLOOR >= MIN_SPAN else None
+
+
+def _ports() -> range | None:
+    named = os.environ.get(RANGE_ENV)
+    if named:
+        low, _, high = named.partition("-")
+        return range(int(low), int(high))
+    return below_ephemeral()
 
 
 class _Walk:
     """This process's sequence of candidate ports: from a random start, one after another,
     so the same process never returns one port twice while others are left (a forked
-    child starts a sequence of its own)."""
+    child starts a sequence of its own, and reads RANGE_ENV again)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pid = -1
         self._next: itertools.count[int] = itertools.count()
-        self.span = _span()
+        self._ports: range | None = None
 
-    def candidate(self) -> int:
+    def ports(self) -> range | None:
         with self._lock:
             if self._pid != os.getpid():
                 self._pid = os.getpid()
-                self._next = itertools.count(random.randrange(self.span or 1))
-            return FLOOR + next(self._next) % self.span
+                self._ports = _ports()
+                start = random.randrange(len(self._ports)) if self._ports else 0
+                self._next = itertools.count(start)
+            return self._ports
+
+    def candidate(self, ports: range) -> int:
+        with self._lock:
+            return ports[next(self._next) % len(ports)]
 
 
 _walk = _Walk()
@@ -80,16 +98,17 @@ def free_port() -> int:
 
 def free_ports(count: int) -> list[int]:
     """`count` different ports on 127.0.0.1 that nothing listens on right now."""
-    if not _walk.span:
+    ports = _walk.ports()
+    if ports is None:
         return _kernel_picks(count)
     picked: list[int] = []
-    for _ in range(_walk.span):
-        port = _walk.candidate()
+    for _ in range(len(ports)):
+        port = _walk.candidate(ports)
         if port not in picked and _bindable(port):
             picked.append(port)
             if len(picked) == count:
                 return picked
-    raise OSError(f"no {count} free ports below the ephemeral range")
+    raise OSError(f"no {count} free ports in {ports}")
 
 
 def _kernel_picks(count: int) -> list[int]:

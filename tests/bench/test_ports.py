@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -11,7 +13,8 @@ from proxy.bench import ports
 from proxy.bench.ports import FLOOR, free_port, free_ports
 
 needs_range = pytest.mark.skipif(
-    not ports._walk.span, reason="no room below this machine's ephemeral range: the kernel picks"
+    ports.below_ephemeral() is None,
+    reason="no room below this machine's ephemeral range: the kernel picks",
 )
 
 
@@ -20,6 +23,7 @@ def test_ports_lie_below_the_ephemeral_range_so_no_connection_takes_one() -> Non
     low = int(ports.EPHEMERAL_RANGE.read_text().split()[0])
     picked = free_ports(200)
     assert all(FLOOR <= port < low for port in picked)
+    assert all(port in (ports._walk.ports() or ()) for port in picked)  # the worker's slice
     assert len(set(picked)) == 200
 
 
@@ -53,3 +57,12 @@ def test_a_forked_child_walks_a_sequence_of_its_own() -> None:
         theirs = [int(port) for port in pipe.read().split(",")]
     assert len(theirs) == 20
     assert set(mine) != set(theirs)  # a fork restarted from a random start, not the parent's
+
+
+def test_a_named_range_is_where_a_process_and_its_children_pick() -> None:
+    script = "from proxy.bench.ports import free_ports; print(*free_ports(5))"
+    env = {**os.environ, ports.RANGE_ENV: "21000-21010"}
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert len(set(out)) == 5 and all(21000 <= int(port) < 21010 for port in out)

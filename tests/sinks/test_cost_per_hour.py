@@ -69,6 +69,7 @@ def test_cost_per_million_tokens_formula() -> None:
     assert per_million_tokens(2.5, 0.0) is None
 
 
+@pytest.mark.alone("the run's throughput is read within 5% of the programmed speed")
 def test_bench_reports_cost_per_million_tokens_agreeing_with_the_hand_computation(
     start_sim: Callable[..., Running], tmp_path: Path
 ) -> None:
