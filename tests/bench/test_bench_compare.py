@@ -23,6 +23,10 @@ from proxy.sim.config import SimConfig
 from tests.conftest import MODEL
 from tests.servers import ThreadedServer
 
+pytestmark = pytest.mark.alone(
+    "two runs of identical settings must show no significant difference: timing under load"
+)
+
 SPEEDS = {"base": 200.0, "minus10": 180.0, "minus30": 140.0, "rerun": 200.0}
 FLAGS = ("--concurrency", "4", "--requests", "48", "--max-tokens", "32")
 
