@@ -138,6 +138,7 @@ def test_agrees_with_the_proxy_metrics(
     assert "bench vs proxy" in out and "proxy /metrics" in out
 
 
+@pytest.mark.alone("a timing read within tens of milliseconds")
 def test_own_overhead_at_64_concurrent_streams(start_sim: StartSim, tmp_path: Path) -> None:
     """64 streams in flight, started evenly over one request's duration (so requests do not
     reach the server in one burst that it must parse one after another). The bench runs in

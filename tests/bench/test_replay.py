@@ -146,6 +146,7 @@ def common_prefix(a: str, b: str) -> int:
     return n
 
 
+@pytest.mark.alone("a timing read within tens of milliseconds")
 def test_replay_keeps_the_recorded_shape_and_sends_no_recorded_content(
     recorded: dict[str, Any], start_sim: StartSim, tmp_path: Path
 ) -> None:
@@ -201,6 +202,7 @@ def test_replay_keeps_the_recorded_shape_and_sends_no_recorded_content(
     assert "ACME" not in seen and "ZETA" not in seen
 
 
+@pytest.mark.alone("a timing read within tens of milliseconds")
 def test_speed_two_halves_the_span(recorded: dict[str, Any], start_sim: StartSim, tmp_path: Path) -> None:  # fmt: skip
     wants, _ = read_logs([str(recorded["log"])])
     span = wants[-1].offset
@@ -241,6 +243,7 @@ def test_nothing_to_replay_exits_2_with_a_clear_message(tmp_path: Path) -> None:
     assert "nothing to replay" in proc.stderr and "empty.log:1" in proc.stderr
 
 
+@pytest.mark.alone("a timing read within tens of milliseconds")
 def test_two_workers_replay_every_request_on_one_clock_into_one_run(
     recorded: dict[str, Any], start_sim: StartSim, tmp_path: Path
 ) -> None:

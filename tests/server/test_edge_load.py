@@ -160,6 +160,7 @@ def huge_header(port: int) -> None:
             pass  # the proxy cut it off at its cap: that is the point
 
 
+@pytest.mark.alone("a timing read within tens of milliseconds")
 def test_a_stream_keeps_its_first_token_under_a_huge_header_and_500_slowloris() -> None:
     responder = PacedStream(events=5, gap=0.01, first_after=0.3)
     with (

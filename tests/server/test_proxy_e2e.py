@@ -124,6 +124,7 @@ def test_streamed_response_is_not_buffered(sim: Running, proxy: ProxyUnderTest) 
 # -- measurements are right ----------------------------------------------------------
 
 
+@pytest.mark.alone("a timing read within tens of milliseconds")
 def test_role_only_first_chunk_is_not_first_token(sim: Running, proxy: ProxyUnderTest) -> None:
     httpx.post(
         proxy.url + CHAT,

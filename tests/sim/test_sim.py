@@ -34,6 +34,7 @@ def sdk(url: str) -> openai.OpenAI:
 # -- stream shape -------------------------------------------------------------
 
 
+@pytest.mark.alone("a timing read within tens of milliseconds")
 def test_role_only_chunk_precedes_first_token(client: httpx.Client, url: str, app: SimApp) -> None:
     def attempt() -> None:
         got = read_events(client, url, chat(), {"x-sim-ttft": "0.3"})
@@ -117,6 +118,7 @@ def test_cached_tokens_are_reported_in_prompt_tokens_details(
     assert got.events[-2].json["usage"]["prompt_tokens_details"] == {"cached_tokens": 3}
 
 
+@pytest.mark.alone("a timing read within tens of milliseconds")
 def test_tokens_follow_the_tps_pace_without_drift(client: httpx.Client, url: str) -> None:
     headers = {"x-sim-ttft": "0.05", "x-sim-tps": "50", "x-sim-output-tokens": "11"}
 

@@ -132,6 +132,7 @@ def test_messages_stream_sends_vllm_events_in_order(
     assert record.body_sha256 == hashlib.sha256(got.raw).hexdigest()
 
 
+@pytest.mark.alone("a timing read within tens of milliseconds")
 def test_messages_start_goes_out_at_once_and_first_delta_at_the_ttft(
     client: httpx.Client, url: str
 ) -> None:
@@ -327,6 +328,7 @@ def test_responses_stream_sends_vllm_events_with_sequence_numbers(
     assert record.body_sha256 == hashlib.sha256(got.raw).hexdigest()
 
 
+@pytest.mark.alone("a timing read within tens of milliseconds")
 def test_responses_start_events_at_once_and_first_delta_at_the_ttft(
     client: httpx.Client, url: str
 ) -> None:
