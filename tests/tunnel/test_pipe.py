@@ -7,6 +7,7 @@ pipe idle, and cut a side that will not take its last bytes within the grace."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -23,12 +24,16 @@ class FakeTransport:
         self.closing = False
         self.aborted = False
         self.buffered = 0  # what get_write_buffer_size says
+        self.write_takes = 0.0  # seconds a write keeps the process (a preemption, say)
+        self.written_at: list[float] = []  # perf_counter() as each write returned
 
     def set_protocol(self, protocol: Any) -> None:
         self.protocol = protocol
 
     def write(self, data: bytes) -> None:
         self.written += data
+        time.sleep(self.write_takes)
+        self.written_at.append(time.perf_counter())
 
     def pause_reading(self) -> None:
         self.reading = False
@@ -54,6 +59,7 @@ class Ends:
 
     def __init__(self) -> None:
         self.seen: list[tuple[bool, bytes]] = []
+        self.seen_at: list[float] = []
         self.lost: list[bool] = []
 
 
@@ -65,8 +71,9 @@ def pipe_between(grace: float = 0.05) -> tuple[Pipe, FakeTransport, FakeTranspor
     client, upstream, ends = FakeTransport(), FakeTransport(), Ends()
 
     class Owner:
-        def seen(self, from_client: bool, data: bytes) -> None:
+        def seen(self, from_client: bool, data: bytes, at: float) -> None:
             ends.seen.append((from_client, data))
+            ends.seen_at.append(at)
 
         def lost(self, client_side: bool) -> None:
             ends.lost.append(client_side)
@@ -74,6 +81,7 @@ def pipe_between(grace: float = 0.05) -> tuple[Pipe, FakeTransport, FakeTranspor
     pipe = Pipe(client, Owner(), grace)  # type: ignore[arg-type]  # a fake transport
     side = pipe.upstream_protocol()
     side.connection_made(upstream)  # type: ignore[arg-type]
+    upstream.set_protocol(side)  # as asyncio's connection does
     return pipe, client, upstream, ends
 
 
@@ -96,6 +104,24 @@ def test_the_client_is_held_until_released_then_its_bytes_go_in_order() -> None:
             (True, b"sent-with-the-head|read-as-it-paused|"),
             (True, b"later"),
         ]
+
+    run(test)
+
+
+def test_a_read_is_timed_when_it_came_not_after_it_went_on() -> None:
+    # A write that keeps the process 50 ms (the kernel ran something else): the instant
+    # the owner times a message by is still the read's, so a backend answering within
+    # those 50 ms cannot seem to answer before it was asked.
+    async def test() -> None:
+        pipe, client, upstream, ends = pipe_between()
+        pipe.release()
+        upstream.write_takes = client.write_takes = 0.05
+        for side, data in ((client, b"commit"), (upstream, b"delta")):
+            before = time.perf_counter()
+            side.protocol.data_received(data)
+            assert before <= ends.seen_at[-1] < before + 0.04
+            written_to = upstream if side is client else client
+            assert written_to.written_at[-1] - ends.seen_at[-1] >= 0.05
 
     run(test)
 

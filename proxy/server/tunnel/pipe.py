@@ -18,14 +18,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from time import perf_counter
 from typing import Protocol, cast
 
 
 class Ends(Protocol):
     """What the pipe tells its owner."""
 
-    def seen(self, from_client: bool, data: bytes) -> None:
-        """A read from one side, after it went to the other (or was held back: sealed)."""
+    def seen(self, from_client: bool, data: bytes, at: float) -> None:
+        """A read from one side, after it went to the other (or was held back: sealed).
+
+        `at` is the read's perf_counter(), taken before the bytes went on: a message is
+        timed when the proxy had it, not when the process next ran after passing it on
+        (a backend that answers within the gap would otherwise seem faster than it is)."""
 
     def lost(self, client_side: bool) -> None:
         """One side's connection ended."""
@@ -47,7 +52,7 @@ class Pipe:
         self._held: list[bytes] = []
         self._paused: set[bool] = set()  # sides whose reading is paused (True: the client)
         self._full: set[bool] = set()  # sides whose write buffer is over its high-water mark
-        self._last = self.loop.time()
+        self._last = perf_counter()
         self._idle: asyncio.TimerHandle | None = None
         self._grace: asyncio.TimerHandle | None = None
         client.set_protocol(_Side(self, True))
@@ -83,17 +88,17 @@ class Pipe:
         if upstream is None or self._holding:
             self._held.append(data)
             return
-        self._last = self.loop.time()
+        self._last = at = perf_counter()
         if False not in self.sealed:
             upstream.write(data)
-        self.ends.seen(True, data)
+        self.ends.seen(True, data, at)
 
     def from_upstream(self, data: bytes) -> None:
-        self._last = self.loop.time()
+        self._last = at = perf_counter()
         if True not in self.sealed:
             self.client.write(data)
             self.relayed = True
-        self.ends.seen(False, data)
+        self.ends.seen(False, data, at)
 
     # -- flow control -------------------------------------------------------------------
 
@@ -129,7 +134,7 @@ class Pipe:
 
     def start_idle(self, timeout: float, idle: Callable[[float], None]) -> None:
         """Call `idle(quiet seconds)` once no byte moved either way for `timeout`."""
-        self._last = self.loop.time()
+        self._last = perf_counter()
         self._idle = self.loop.call_later(timeout, self._check_idle, timeout, idle)
 
     def _check_idle(self, timeout: float, idle: Callable[[float], None]) -> None:
@@ -141,8 +146,8 @@ class Pipe:
             or self.client.get_write_buffer_size()
             or (self.upstream is not None and self.upstream.get_write_buffer_size())
         ):
-            self._last = self.loop.time()  # a side is slow to take its bytes: not idle
-        quiet = self.loop.time() - self._last
+            self._last = perf_counter()  # a side is slow to take its bytes: not idle
+        quiet = perf_counter() - self._last
         if quiet >= timeout:
             idle(quiet)
         else:

@@ -192,14 +192,14 @@ class Tunnel:
 
     # -- what the pipe hears (pipe.Ends) --------------------------------------------------
 
-    def seen(self, from_client: bool, data: bytes) -> None:
+    def seen(self, from_client: bool, data: bytes, at: float) -> None:
         if self.open:
-            self.watch.seen(from_client, data, perf_counter)
+            self.watch.seen(from_client, data, at)
             return
         # Before the 101 only the upstream's bytes get here (the client's are held).
         after = self.answer.feed(data)
         if after is not None:
-            self._opened(after, perf_counter())
+            self._opened(after, at)
 
     def lost(self, client_side: bool) -> None:
         if self.ended:

@@ -81,8 +81,8 @@ class WsWatch:
             return
         self._watch(False, after, now)
 
-    def seen(self, from_client: bool, data: bytes, now: Callable[[], float]) -> None:
-        """A read from one side; `now` the clock the readers' messages are timed by."""
+    def seen(self, from_client: bool, data: bytes, at: float) -> None:
+        """A read from one side at `at` (perf_counter, the read's instant)."""
         if self.draining and (not from_client) in self.pipe.sealed:
             # The other side has our close frame: nothing went to it. Only this side's
             # answer to its own close frame is looked for.
@@ -94,7 +94,7 @@ class WsWatch:
         if bounds.closed and self.first_close is None:
             self.first_close = from_client
         if self._readers is not None:
-            self._watch(from_client, data, now())
+            self._watch(from_client, data, at)
         if self.draining:
             self._drain_step()
 
