@@ -159,23 +159,30 @@ def test_a_wait_for_a_slot_is_not_in_prompt_ms(start_sim: Callable[..., Running]
     # llama.cpp's slot wait is before its t_start: prompt_ms is the prefill alone, and the
     # proxy shows the wait outside the engine (docs/llamacpp.md)
     sim = start_sim(models=("tiny",), backend_kind="llamacpp", max_num_seqs=1)
+    state = sim.app.state
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-    headers = {**FAST, "x-sim-output-tokens": "40"}  # ~0.25 s each
+    url = sim.url + "/v1/chat/completions"
 
-    def one() -> dict[str, Any]:
-        r = httpx.post(sim.url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+    def second() -> dict[str, Any]:
+        r = httpx.post(url, json=body, headers={**FAST, "x-sim-output-tokens": "40"}, timeout=30)
         timings: dict[str, Any] = events(r.content)[-2]["timings"]
         return timings
 
-    with ThreadPoolExecutor(2) as pool:
-        first = pool.submit(one)
-        deadline = time.monotonic() + 5
-        while sim.app.state.active < 1 and time.monotonic() < deadline:
-            time.sleep(0.005)
-        second = pool.submit(one)  # meets the one slot taken
-        first.result()
-        t = second.result()
-    waiting = sim.app.state.last()
+    # The first holds the one slot (2,000 tokens: 10 s) until the second has waited for
+    # it; then the client leaves and the slot frees. No race with the first's end, however
+    # late a loaded machine runs the second's thread.
+    hold = {**FAST, "x-sim-output-tokens": "2000"}
+    with ThreadPoolExecutor(1) as pool, httpx.stream("POST", url, json=body, headers=hold) as first:
+        chunks = first.iter_raw()  # kept: a dropped iterator closes the response
+        next(chunks)  # it streams: it has the slot
+        waiting_future = pool.submit(second)
+        assert state.wait_for(
+            lambda: len(state.requests()) == 2 and state.requests()[1].queued_at is not None
+        )
+        time.sleep(0.1)
+        assert state.requests()[1].scheduled_at is None  # still waiting for the slot
+    t = waiting_future.result()
+    waiting = state.requests()[1]
     assert waiting.queued_at is not None and waiting.scheduled_at is not None
     assert waiting.first_token_at is not None
     assert waiting.scheduled_at - waiting.queued_at > 0.05  # it did wait for the slot
