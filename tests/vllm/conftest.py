@@ -19,8 +19,10 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -150,6 +152,58 @@ def _wait_healthy(server: Vllm, deadline: float) -> None:
     raise AssertionError(
         f"vLLM {server.name} not healthy in {START_TIMEOUT:.0f}s: see {server.log}"
     )
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below `pid` (its children, theirs, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue  # it ended meanwhile
+            ppid = int(stat[stat.rfind(")") + 2 :].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+@contextmanager
+def throttled(server: Vllm, running: float = 0.005, stopped: float = 0.045) -> Iterator[None]:
+    """vLLM's engine at about a tenth of its speed, as a busy accelerator would be: its
+    engine and worker processes (all below the API server) stopped for `stopped` seconds
+    in every `running + stopped`. The API server runs on, so it hears a client leave at
+    once, and the abort waits for the engine's next turn like any other input."""
+    engine = _descendants(server.process.pid)
+    done = threading.Event()
+
+    def cycle() -> None:
+        while not done.is_set():
+            _signal(engine, signal.SIGSTOP)
+            done.wait(stopped)
+            _signal(engine, signal.SIGCONT)
+            done.wait(running)
+
+    thread = threading.Thread(target=cycle, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        _signal(engine, signal.SIGCONT)
+
+
+def _signal(pids: list[int], signum: int) -> None:
+    for pid in pids:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signum)
 
 
 def _stop(server: Vllm) -> None:

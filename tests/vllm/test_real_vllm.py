@@ -32,7 +32,7 @@ import pytest
 
 from tests.scrape import Change, Delta, Scrape, scrape
 from tests.servers import free_port, spawn, stop, wait_http
-from tests.vllm.conftest import MODEL, SERVED, Servers, Vllm
+from tests.vllm.conftest import MODEL, SERVED, Servers, Vllm, throttled
 
 # the first test also waits for both servers to start (conftest's START_TIMEOUT)
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -356,13 +356,14 @@ def test_a_client_that_leaves_is_counted_and_vllm_stops(
                     break
                 assert time.monotonic() < deadline, "the proxy's tokenizer did not load"
                 time.sleep(0.2)
-        # vLLM is fast: when a stall lets it finish all 253 tokens before the client has
-        # read 3 events, or before the proxy's cancel reaches it, nothing was cut short;
-        # such a try shows nothing, and the client leaves again (5 tries). A try counts
-        # when the proxy logged the leaving and vLLM's generated tokens, once they stop
-        # growing, fall short of the 253 asked for. ignore_eos: a random-weight model's
-        # argmax may hit EOS early, and which token wins can differ between CPUs (the CI's
-        # run once got a whole response before the client left, five times running).
+        # vLLM is fast: a stall of the client's process let it finish all 253 tokens
+        # before the client had read 3 events, five tries running (once in CI, twice in
+        # parallel workers), and nothing was cut short. So its engine runs throttled to
+        # about a tenth of its speed while the client reads and leaves (`throttled`); the
+        # API server, not throttled, hears the proxy's cancel at once. A try counts when
+        # the proxy logged the leaving and vLLM's generated tokens, once they stop
+        # growing, fall short of the 253 asked for (5 tries). ignore_eos: a random-weight
+        # model's argmax may hit EOS early, and which token wins can differ between CPUs.
         left_after = 3
         body = body_for(COMPLETIONS, TEXT_PROMPTS[1], False, max_tokens=253, ignore_eos=True)
         name = "tokenprobe_cancelled_prompt_tokens_total"
@@ -371,19 +372,22 @@ def test_a_client_that_leaves_is_counted_and_vllm_stops(
             vllm_before, proxy_before = scrape(server.url), scrape(base)
             lines = len(log.read_text().splitlines())
             seen = 0
-            with httpx.stream("POST", base + COMPLETIONS, json=body, timeout=60) as response:
-                for line in response.iter_lines():
-                    text = (
-                        line.startswith("data: {") and orjson.loads(line[6:])["choices"][0]["text"]
-                    )
-                    seen += bool(text)
-                    if seen == left_after:
-                        break  # leaving the block closes the connection
-            assert seen == left_after
             deadline = time.monotonic() + 30
-            while len(records := log.read_text().splitlines()) == lines:
-                assert time.monotonic() < deadline, "the request was not recorded"
-                time.sleep(0.05)
+            with throttled(server):
+                with httpx.stream("POST", base + COMPLETIONS, json=body, timeout=60) as response:
+                    for line in response.iter_lines():
+                        text = (
+                            line.startswith("data: {")
+                            and orjson.loads(line[6:])["choices"][0]["text"]
+                        )
+                        seen += bool(text)
+                        if seen == left_after:
+                            break  # leaving the block closes the connection
+                assert seen == left_after
+                while len(records := log.read_text().splitlines()) == lines:
+                    assert time.monotonic() < deadline, "the request was not recorded"
+                    time.sleep(0.05)
+                time.sleep(0.2)  # the proxy's cancel on its way to the API server
             record = json.loads(records[lines])
             vllm_generated = _settled_vllm_delta(server, vllm_before, deadline)
             tries.append((record["error_type"], record["output_tokens"], vllm_generated))
