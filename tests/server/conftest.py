@@ -9,8 +9,6 @@ to pick uvicorn's protocol. The paths a test runs on are its `paths` mark:
   adds the ASGI app under hypercorn);
 - `@no_proxy`: a test that runs no proxy (a parser, the settings, a process refused before
   it serves) runs once, with TOKENPROBE_RELAY unset.
-
-`only_on(relay, ...)` still skips a path from inside a test.
 """
 
 from __future__ import annotations
@@ -56,11 +54,6 @@ def relay(request: pytest.FixtureRequest) -> Iterator[str]:
             yield ""
         else:
             yield use_relay(name, monkeypatch)
-
-
-def only_on(relay: str, wanted: str, why: str) -> None:
-    if relay != wanted:
-        pytest.skip(f"{wanted} only: {why}")
 
 
 def use_relay(name: str, monkeypatch: pytest.MonkeyPatch) -> str:

@@ -29,18 +29,14 @@ from proxy.core.observe import bare_record
 from proxy.core.request import RequestInfo
 from proxy.core.wsframes import FrameReader, WsMessage, close_frame
 from proxy.core.wsseam import WsApi, WsSession
-from tests.server.conftest import only_on
+from tests.server.conftest import paths
 from tests.ws_proxy import ServedProxy, TunnelListener
 from tests.ws_upstream import REFUSAL_BODY, EchoUpstream, Session
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _wire_only(relay: str) -> None:
-    only_on(
-        relay,
-        "wire",
-        "only the wire tunnels WebSockets; the ASGI app's refusal is tests/server/test_asgi_app.py",
-    )
+pytestmark = paths(
+    "wire",
+    why="only the wire tunnels WebSockets; the ASGI app's refusal is tests/server/test_asgi_app.py",
+)
 
 
 # -- fixtures: one echo upstream, one raw upstream and a proxy of each kind per module ----------
