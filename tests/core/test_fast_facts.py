@@ -228,7 +228,7 @@ def streams(draw: st.DrawFn) -> tuple[str, bytes]:
     return (CHAT if chat else COMPLETIONS), b"".join(out)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
 @given(streams(), st.randoms(use_true_random=False))
 def test_generated_streams_give_the_same_record_split_at_random(
     stream: tuple[str, bytes], rng: random.Random
@@ -238,7 +238,7 @@ def test_generated_streams_give_the_same_record_split_at_random(
     both(endpoint, split(raw, rng))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300)
 @given(st.lists(st.one_of(TEXT.map(lambda t: orjson.dumps(t)[1:-1]), ODD_BODY), max_size=6))
 def test_the_string_body_pattern_accepts_exactly_what_json_accepts(bodies: list[bytes]) -> None:
     for body in bodies:
@@ -266,7 +266,7 @@ def test_a_template_is_not_learnt_when_the_text_is_not_the_varying_part() -> Non
     assert template.after.startswith(b'"},"finish_reason"')
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300)
 @given(st.binary(max_size=64), st.binary(max_size=64))
 def test_the_sse_shortcut_agrees_with_byte_at_a_time(a: bytes, b: bytes) -> None:
     raw = b"data: " + a.replace(b"\n", b"") + b"\n\n" + b"data: " + b + b"\n\n"

@@ -54,7 +54,7 @@ def split(data: bytes, cuts: list[int]) -> list[bytes]:
     return pieces
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=400)
 @given(data=streams, cuts=st.lists(st.integers(min_value=0), max_size=12), chat=st.booleans())
 def test_observer_never_raises_on_any_bytes(data: bytes, cuts: list[int], chat: bool) -> None:
     info = RequestInfo(CHAT if chat else COMPLETIONS, "m", True, False, None, None)
@@ -75,7 +75,7 @@ def test_observer_never_raises_on_any_bytes(data: bytes, cuts: list[int], chat: 
     )
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=400)
 @given(data=streams, cuts=st.lists(st.integers(min_value=0), max_size=12))
 def test_decoder_is_split_invariant(data: bytes, cuts: list[int]) -> None:
     whole = SSEDecoder()
@@ -87,7 +87,7 @@ def test_decoder_is_split_invariant(data: bytes, cuts: list[int]) -> None:
     assert got + pieces.flush() == expected
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=400)
 @given(data=streams, cuts=st.lists(st.integers(min_value=0), max_size=12))
 def test_stripper_only_ever_removes_whole_usage_events(data: bytes, cuts: list[int]) -> None:
     stripper = UsageEventStripper()
@@ -133,9 +133,7 @@ def scripted() -> Iterator[tuple[ScriptedUpstream, str]]:
         yield upstream, server.url
 
 
-@settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=streams, cuts=st.lists(st.integers(min_value=0), max_size=8))
 def test_proxy_relays_any_stream_byte_for_byte(
     scripted: tuple[ScriptedUpstream, str],

@@ -52,7 +52,7 @@ def test_byte_at_a_time_gives_the_same_lines() -> None:
     assert decode(*(STREAM[i : i + 1] for i in range(len(STREAM)))) == LINES
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(st.lists(st.integers(min_value=0, max_value=len(STREAM)), max_size=12))
 def test_random_splits_give_the_same_lines(cuts: list[int]) -> None:
     points = sorted(set(cuts))

@@ -84,7 +84,7 @@ def _split(data: bytes, cuts: list[int]) -> list[bytes]:
     return [data[a:b] for a, b in zip([0, *points], [*points, len(data)], strict=True)]
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150)
 @given(
     line_end=st.sampled_from([b"\n", b"\r\n", b"\r"]),
     cuts=st.lists(st.integers(min_value=0, max_value=len(VLLM_CHAT) * 2), max_size=30),

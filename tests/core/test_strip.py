@@ -61,7 +61,7 @@ def test_byte_at_a_time_removes_exactly_the_usage_event() -> None:
     assert relay(*chunks) == VLLM_CHAT_STRIPPED
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150)
 @given(
     line_end=st.sampled_from([b"\n", b"\r\n", b"\r"]),
     cuts=st.lists(st.integers(min_value=0, max_value=len(VLLM_CHAT) * 2), max_size=30),
@@ -143,7 +143,7 @@ def test_include_usage_stream_becomes_the_direct_stream_byte_at_a_time(api: str)
     assert relay(*[asked[i : i + 1] for i in range(len(asked))]) == direct
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100)
 @given(cuts=st.lists(st.integers(min_value=0, max_value=4000), max_size=12))
 def test_include_usage_stream_becomes_the_direct_stream_at_random_splits(cuts: list[int]) -> None:
     asked, direct = _vllm032_pair("chat")
@@ -228,7 +228,7 @@ def test_llamacpp_timings_go_back_to_the_finish_chunk_at_every_split() -> None:
     assert relay(*[asked[i : i + 1] for i in range(len(asked))]) == direct
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100)
 @given(cuts=st.lists(st.integers(min_value=0, max_value=2500), max_size=12))
 def test_llamacpp_timings_go_back_at_random_splits(cuts: list[int]) -> None:
     asked, direct = _llamacpp_pair()
@@ -340,7 +340,7 @@ _JSON = st.recursive(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(obj=st.dictionaries(st.text(), _JSON, max_size=6), compact=st.booleans())
 def test_members_rebuild_the_object_exactly(obj: dict[str, object], compact: bool) -> None:
     text = json.dumps(obj, separators=(",", ":") if compact else None, ensure_ascii=False)

@@ -128,7 +128,7 @@ def test_every_two_way_split_of_the_small_frames(deflate: str, from_client: bool
         assert _shape(got) == small_expected, cut
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(
     deflate=st.sampled_from(sorted(DEFLATES)),
     from_client=st.booleans(),
@@ -266,7 +266,7 @@ def test_bounds_at_every_frame_end_and_nowhere_inside(deflate: str, from_client:
         assert bounds.closed is (i + 1 == len(data))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(cuts=st.lists(st.integers(min_value=0, max_value=100_000), max_size=20))
 def test_bounds_with_random_splits(cuts: list[int]) -> None:
     frames, _ = _session(True, "permessage-deflate")

@@ -151,9 +151,7 @@ _TOKENS = st.sampled_from(
 )
 
 
-@settings(
-    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+@settings(max_examples=150, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(_TOKENS, max_size=30).map(b"".join))
 def test_fuzzed_request_heads_get_an_answer_or_a_close_never_a_crash(
     edge: tuple[RawBackend, str], head: bytes
