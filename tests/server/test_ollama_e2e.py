@@ -153,9 +153,15 @@ def test_streamed_chat_bytes_equal_what_the_backend_sent(
     proxy: ProxyUnderTest, sim: Running
 ) -> None:
     body = {"model": MODEL, "messages": MESSAGES}
-    with httpx.stream("POST", proxy.url + "/api/chat", json=body, headers=PROGRAM) as r:
-        chunks = list(r.iter_raw())
-    assert len(chunks) > 1  # streamed, not buffered
+    # 200 tokens (0.7 s here): streamed, not buffered, is the client holding its first bytes while
+    # the backend is still sending. (Counting reads was not: a client process stalled
+    # under load read a short stream's every line in one read.)
+    long = {**PROGRAM, "x-sim-output-tokens": "200"}
+    with httpx.stream("POST", proxy.url + "/api/chat", json=body, headers=long) as r:
+        reads = r.iter_raw()
+        chunks = [next(reads)]
+        assert sim.app.state.last().outcome == "in_progress"  # type: ignore[union-attr]
+        chunks += list(reads)
     assert hashlib.sha256(b"".join(chunks)).hexdigest() == sim.app.state.last().body_sha256
 
 
