@@ -31,17 +31,27 @@ class Locks:
         self.gate: IO[bytes] = open(folder / "gate", "ab")  # noqa: SIM115 - held for the run
         self.turnstile: IO[bytes] = open(folder / "turnstile", "ab")  # noqa: SIM115
 
+        self.kept = False  # the gate is held exclusively from the test before
+
     @contextmanager
-    def hold(self, alone: bool) -> Iterator[None]:
-        fcntl.flock(self.turnstile, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(self.gate, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        finally:
-            fcntl.flock(self.turnstile, fcntl.LOCK_UN)
+    def hold(self, alone: bool, next_alone: bool = False) -> Iterator[None]:
+        """The gate for one test; an alone test followed by another on this worker keeps
+        it for that one, so the other workers are drained once for the run of them, not
+        once for each (a drain idles every worker whose test ends first)."""
+        if not (alone and self.kept):
+            fcntl.flock(self.turnstile, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(self.gate, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+            finally:
+                fcntl.flock(self.turnstile, fcntl.LOCK_UN)
+        self.kept = False
         try:
             yield
         finally:
-            fcntl.flock(self.gate, fcntl.LOCK_UN)
+            if alone and next_alone:
+                self.kept = True
+            else:
+                fcntl.flock(self.gate, fcntl.LOCK_UN)
 
 
 LOCKS = pytest.StashKey[Locks]()
@@ -56,10 +66,14 @@ def configure(config: pytest.Config) -> None:
 
 
 @contextmanager
-def held_for(item: pytest.Item) -> Iterator[None]:
+def held_for(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     locks = item.config.stash.get(LOCKS, None)
     if locks is None:
         yield
         return
-    with locks.hold(item.get_closest_marker("alone") is not None):
+    with locks.hold(_alone(item), nextitem is not None and _alone(nextitem)):
         yield
+
+
+def _alone(item: pytest.Item) -> bool:
+    return item.get_closest_marker("alone") is not None

@@ -67,8 +67,8 @@ def _ports_of_this_worker(config: pytest.Config) -> None:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item: pytest.Item) -> Iterator[object]:
-    with alone.held_for(item):
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[object]:
+    with alone.held_for(item, nextitem):
         return (yield)
 
 

@@ -1,5 +1,6 @@
 """tests/alone.py: an `alone` test waits for the running tests to end, and holds off the
-ones that arrive meanwhile until it is done."""
+ones that arrive meanwhile until it is done; a run of alone tests on one worker holds
+them off from the first to the last."""
 
 from __future__ import annotations
 
@@ -10,26 +11,28 @@ from pathlib import Path
 from tests.alone import Locks
 
 
+def start(folder: Path, events: list[str], alone: bool, name: str, hold: float) -> threading.Thread:
+    """Another worker's test, in a thread: a Locks of its own, as a worker has."""
+
+    def body() -> None:
+        with Locks(folder).hold(alone):
+            events.append(f"{name} in")
+            time.sleep(hold)
+            events.append(f"{name} out")
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    return thread
+
+
 def test_an_alone_test_waits_for_the_running_and_holds_off_the_arriving(tmp_path: Path) -> None:
     events: list[str] = []
-
-    def run(alone: bool, name: str, hold: float) -> threading.Thread:
-        def body() -> None:
-            with Locks(tmp_path).hold(alone):  # a Locks each: one worker each
-                events.append(f"{name} in")
-                time.sleep(hold)
-                events.append(f"{name} out")
-
-        thread = threading.Thread(target=body, daemon=True)
-        thread.start()
-        return thread
-
     running = Locks(tmp_path)
     with running.hold(False):
         events.append("running in")
-        alone = run(True, "alone", 0.2)
+        alone = start(tmp_path, events, True, "alone", 0.2)
         time.sleep(0.2)
-        arriving = run(False, "arriving", 0)
+        arriving = start(tmp_path, events, False, "arriving", 0)
         time.sleep(0.2)
         assert events == ["running in"]  # the alone test waits; the arriving one behind it
         events.append("running out")
@@ -37,4 +40,23 @@ def test_an_alone_test_waits_for_the_running_and_holds_off_the_arriving(tmp_path
     arriving.join(5)
     assert events == [
         "running in", "running out", "alone in", "alone out", "arriving in", "arriving out"
+    ]  # fmt: skip
+
+
+def test_a_run_of_alone_tests_keeps_the_others_out_between_them(tmp_path: Path) -> None:
+    events: list[str] = []
+    worker = Locks(tmp_path)
+    with worker.hold(True, next_alone=True):
+        events.append("first in")
+        arriving = start(tmp_path, events, False, "arriving", 0)
+        time.sleep(0.2)
+        events.append("first out")
+    time.sleep(0.2)  # between the two: the arriving test still waits
+    with worker.hold(True, next_alone=False):
+        events.append("second in")
+        time.sleep(0.1)
+        events.append("second out")
+    arriving.join(5)
+    assert events == [
+        "first in", "first out", "second in", "second out", "arriving in", "arriving out"
     ]  # fmt: skip
