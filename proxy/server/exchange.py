@@ -29,6 +29,7 @@ from proxy.core.sse import EventTooLarge
 from proxy.core.tokens import TokenCounter
 from proxy.core.upstream_url import UpstreamURL
 from proxy.server.admission import RelaySettings
+from proxy.server.deadline import Deadline
 from proxy.server.headers import Headers, redact, upstream_headers
 from proxy.sinks.dispatch import RequestScope, Sinks
 
@@ -216,35 +217,34 @@ def run_soon(coroutine: Coroutine[Any, Any, None], *, now: bool) -> None:
     asyncio.get_running_loop().create_task(coroutine)
 
 
-class IdleTimer:
+class IdleTimer(Deadline):
     """Cuts a relay when the upstream sends nothing for `limit` seconds.
 
-    One timer per response, not one per chunk as a transport's read timeout would arm
-    (about 3 µs a chunk): the data path only notes when it starts waiting on the upstream
-    (`waiting`; None while it cannot read because the client is slow, so a slow client is
-    not taken for a silent upstream), and the timer re-arms itself while the current wait
-    is younger than `limit`.
+    One timer per response (proxy/server/deadline.py), not one per chunk as a transport's
+    read timeout would arm (about 3 µs a chunk): the data path only notes when it starts
+    waiting on the upstream (`waiting`; None while it cannot read because the client is
+    slow, so a slow client is not taken for a silent upstream).
     """
 
-    __slots__ = ("cut", "handle", "limit", "waiting")
+    __slots__ = ("cut", "limit", "waiting")
 
     def __init__(self, limit: float, cut: Callable[[Cause], None]) -> None:
         self.limit = limit
         self.cut = cut
         self.waiting: float | None = None
-        self.handle = asyncio.get_running_loop().call_later(limit, self._check)
+        Deadline.__init__(self)
+        self.due_within(limit)
 
     def waited(self) -> float:
         """How long the current wait on the upstream has lasted."""
         return 0.0 if self.waiting is None else perf_counter() - self.waiting
 
-    def _check(self) -> None:
+    def time_left(self) -> float | None:
         waited = self.waited()
         if waited >= self.limit:
             self.cut(Cause.IDLE_TIMEOUT)
-        else:  # loop timers may fire a little early: never re-arm for less than a millisecond
-            delay = max(self.limit - waited, 0.001)
-            self.handle = asyncio.get_running_loop().call_later(delay, self._check)
+            return None
+        return self.limit - waited
 
     def cancel(self) -> None:
-        self.handle.cancel()
+        self.cancel_deadline()

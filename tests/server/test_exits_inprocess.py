@@ -420,9 +420,10 @@ def test_no_head_within_the_first_byte_timeout_answers_504_and_closes_upstream(
 def test_each_wait_has_its_own_limit_on_the_requests_one_timer(
     upstream: Callable[[Script], Scripted], start_proxy: Callable[..., ProxyUnderTest]
 ) -> None:
-    # The wire's one timer per request (WireRequest._check) is armed at the head for
-    # --body-timeout: firing after the body came in, it must not cut; after the response
-    # head the first-byte limit no longer applies, only the gaps between reads.
+    # The wire's one timer per request (WireRequest._look, proxy/server/deadline.py) is
+    # armed at the head for --body-timeout: firing after the body came in, it must not cut;
+    # after the response head the first-byte limit no longer applies, only the gaps
+    # between reads.
     stream = streaming(EVENTS[0], 0.6, EVENTS[1], 0.6, *EVENTS[2:])
 
     async def late(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

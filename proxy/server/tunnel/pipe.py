@@ -21,6 +21,8 @@ from collections.abc import Callable
 from time import perf_counter
 from typing import Protocol, cast
 
+from proxy.server.deadline import Deadline
+
 
 class Ends(Protocol):
     """What the pipe tells its owner."""
@@ -36,7 +38,7 @@ class Ends(Protocol):
         """One side's connection ended."""
 
 
-class Pipe:
+class Pipe(Deadline):
     """Two connections: the client's (open before the pipe) and the upstream's."""
 
     def __init__(self, client: asyncio.Transport, ends: Ends, close_grace: float) -> None:
@@ -53,7 +55,9 @@ class Pipe:
         self._paused: set[bool] = set()  # sides whose reading is paused (True: the client)
         self._full: set[bool] = set()  # sides whose write buffer is over its high-water mark
         self._last = perf_counter()
-        self._idle: asyncio.TimerHandle | None = None
+        Deadline.__init__(self)  # the idle timer: see start_idle
+        self._idle_timeout = 0.0
+        self._on_idle: Callable[[float], None] = _no_idle
         self._grace: asyncio.TimerHandle | None = None
         client.set_protocol(_Side(self, True))
         self._pause(True)
@@ -135,12 +139,12 @@ class Pipe:
     def start_idle(self, timeout: float, idle: Callable[[float], None]) -> None:
         """Call `idle(quiet seconds)` once no byte moved either way for `timeout`."""
         self._last = perf_counter()
-        self._idle = self.loop.call_later(timeout, self._check_idle, timeout, idle)
+        self._idle_timeout, self._on_idle = timeout, idle
+        self.due_within(timeout)
 
-    def _check_idle(self, timeout: float, idle: Callable[[float], None]) -> None:
-        self._idle = None
+    def time_left(self) -> float | None:
         if self.closed:
-            return
+            return None
         if (
             self._full
             or self.client.get_write_buffer_size()
@@ -148,10 +152,10 @@ class Pipe:
         ):
             self._last = perf_counter()  # a side is slow to take its bytes: not idle
         quiet = perf_counter() - self._last
-        if quiet >= timeout:
-            idle(quiet)
-        else:
-            self._idle = self.loop.call_later(timeout - quiet, self._check_idle, timeout, idle)
+        if quiet >= self._idle_timeout:
+            self._on_idle(quiet)
+            return None
+        return self._idle_timeout - quiet
 
     # -- the end ------------------------------------------------------------------------
 
@@ -164,9 +168,9 @@ class Pipe:
     def close(self) -> None:
         """Close both sides, once; a side still not taking its bytes after close_grace is cut."""
         self.closed = True
-        for timer in (self._idle, self._grace):
-            if timer is not None:
-                timer.cancel()
+        self.cancel_deadline()
+        if self._grace is not None:
+            self._grace.cancel()
         for transport in (self.client, self.upstream):
             if transport is not None and not transport.is_closing():
                 transport.close()
@@ -177,6 +181,10 @@ class Pipe:
         for transport in (self.client, self.upstream):
             if transport is not None and transport.get_write_buffer_size():
                 transport.abort()
+
+
+def _no_idle(quiet: float) -> None:
+    pass
 
 
 class _Side(asyncio.Protocol):

@@ -37,6 +37,7 @@ from proxy.core.errors import Cause, Failure
 from proxy.core.paths import Target
 from proxy.core.strip import UsageEventStripper
 from proxy.server.admission import BODY_TIMEOUT, Refused, answer_bytes, own_route, where_to
+from proxy.server.deadline import Deadline
 from proxy.server.exchange import Context
 from proxy.server.headers import Headers
 from proxy.server.protocol import GuardedHttpToolsProtocol
@@ -214,7 +215,7 @@ class WireProtocol(GuardedHttpToolsProtocol):
             self.connections.discard(self)
 
 
-class WireRequest:
+class WireRequest(Deadline):
     """One relayed request on a client connection, in uvicorn's cycle's place.
 
     uvicorn's protocol reads `response_complete` and `keep_alive` on it (pipelining, the
@@ -223,7 +224,6 @@ class WireRequest:
 
     __slots__ = (
         "complete",
-        "deadline",
         "expect_100",
         "head_only",
         "http_11",
@@ -264,7 +264,7 @@ class WireRequest:
         self.upstream: UpstreamConnection | None = None
         self.resend = b""  # the request, while it went out on a reused connection unanswered
         self.stripper: UsageEventStripper | None = None
-        self.deadline: asyncio.TimerHandle | None = None  # see _check
+        Deadline.__init__(self)  # see time_left
         self.sent_at = 0.0  # when the request went upstream; 0.0 until then
         context = wire.context
         self.rules = rules = ExchangeRules(
@@ -277,7 +277,7 @@ class WireRequest:
             time(),
         )
         if rules.stage is Stage.RECEIVING:
-            self.deadline = proto.loop.call_later(context.settings.body_timeout, self._check)
+            self.due_within(context.settings.body_timeout)
 
     # -- the request ------------------------------------------------------------------
 
@@ -302,27 +302,26 @@ class WireRequest:
             self._send()
 
     def _refused(self) -> None:
-        self._stop_deadline()
+        self.cancel_deadline()
         if self.started:
             self._answer_refusal()
 
     # -- the request's one timer ------------------------------------------------------
 
-    def _check(self) -> None:
-        """The one timer of a request, armed at its head: instead of a timer per wait
-        (the body, the first byte, the upstream's silence), each armed and cancelled per
-        request, this one looks at the wait the request is in when it fires and, while
-        that wait is younger than its limit, re-arms for the rest. A request that ends
-        within --body-timeout arms one timer and cancels it."""
-        self.deadline = None
+    def time_left(self) -> float | None:
+        """The one timer of a request (proxy/server/deadline.py), armed at its head:
+        instead of a timer per wait (the body, the first byte, the upstream's silence),
+        each armed and cancelled per request, this one looks at the wait the request is
+        in when it fires and, while that wait is younger than its limit, says how long it
+        has left. A request that ends within --body-timeout arms one timer and cancels it."""
         if self.response_complete:
-            return
+            return None
         if not self.complete:  # the body did not come in --body-timeout
             self.rules.refuse(BODY_TIMEOUT)
             self._refused()
-            return
+            return None
         if not self.sent_at:  # the body is in, waiting its turn on the connection: none
-            return  # of the waits is on (`_send` arms the timer again)
+            return None  # of the waits is on (`_send` arms the timer again)
         if self.rules.stage is not Stage.RESPONDING:  # waiting for the response head
             limit = self.wire.context.settings.first_byte_timeout
             waited, cause = perf_counter() - self.sent_at, Cause.FIRST_BYTE_TIMEOUT
@@ -332,24 +331,8 @@ class WireRequest:
             waited = 0.0 if conn is None or conn.paused else perf_counter() - conn.now
         if waited >= limit:
             self.cut(cause)
-        else:  # loop timers may fire a little early: never re-arm for less than a millisecond
-            self._arm(max(limit - waited, 0.001))
-
-    def _arm(self, delay: float) -> None:
-        """The timer fires within `delay` from now: re-armed only if it would fire later
-        (it re-arms itself for the rest of a longer wait when it fires)."""
-        loop = self.proto.loop
-        deadline = self.deadline
-        if deadline is not None:
-            if deadline.when() <= loop.time() + delay:
-                return
-            deadline.cancel()
-        self.deadline = loop.call_later(delay, self._check)
-
-    def _stop_deadline(self) -> None:
-        if self.deadline is not None:
-            self.deadline.cancel()
-            self.deadline = None
+            return None
+        return limit - waited
 
     def _answer_refusal(self) -> None:
         rules = self.rules
@@ -384,7 +367,7 @@ class WireRequest:
         head = b"".join(lines)
         self.sent_at = now = perf_counter()
         exchange.sent(now)
-        self._arm(exchange.context.settings.first_byte_timeout)
+        self.due_within(exchange.context.settings.first_byte_timeout)
         conn = wire.pool.take()
         if conn is not None:
             self.resend = head
@@ -445,7 +428,7 @@ class WireRequest:
         conn.chunked = chunked
         conn.strip = None if stripper is None else stripper.feed
         conn.feed = exchange.feed
-        self._arm(exchange.context.settings.idle_timeout)
+        self.due_within(exchange.context.settings.idle_timeout)
 
     def response_end(self, now: float, reusable: bool) -> None:
         """The upstream body ended cleanly."""
@@ -495,7 +478,7 @@ class WireRequest:
         if self.rules.exchange is not None:
             self._end_early(Cause.CLIENT_GONE)
             return
-        self._stop_deadline()
+        self.cancel_deadline()
         if not self.response_complete and self.rules.stage is Stage.RECEIVING:
             self.response_complete = True
             self.rules.abandoned()
@@ -514,7 +497,7 @@ class WireRequest:
         self._done(failure)
 
     def _done(self, failure: Failure | None) -> None:
-        self._stop_deadline()
+        self.cancel_deadline()
         self.wire.active.discard(self)
         exchange = self.rules.exchange
         assert exchange is not None
