@@ -35,6 +35,10 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
             # spread between rounds (two took 109 s here, one 86 s).
             "--rounds",
             "1",
+            # Nor waits for a quiet machine or reruns a phase that other work disturbed:
+            # beside the suite's other workers that only made it longer (126 s against 77).
+            "--retry-budget",
+            "0",
             "--out",
             str(out / "results.json"),
             "--png",

@@ -126,18 +126,22 @@ def test_streamed_response_is_not_buffered(sim: Running, proxy: ProxyUnderTest) 
 
 @pytest.mark.alone("a timing read within tens of milliseconds")
 def test_role_only_first_chunk_is_not_first_token(sim: Running, proxy: ProxyUnderTest) -> None:
+    # The role chunk at once, the content tokens at 0.25, 0.45, 0.65 and 0.85 s: the first
+    # token is the first content token, told from the role chunk before it and from the
+    # second content token 0.2 s after it. (At 50 tokens/s, with a 30 ms slack, a pause of
+    # the process failed it in CI: TTFT 0.287 s.)
     httpx.post(
         proxy.url + CHAT,
         json=chat(),
-        headers={"x-sim-ttft": "0.25", "x-sim-tps": "50", "x-sim-output-tokens": "20"},
+        headers={"x-sim-ttft": "0.25", "x-sim-tps": "5", "x-sim-output-tokens": "4"},
     )
     proxy.wait_records(1)
     m = proxy.records[0]
-    assert m.ttfb is not None and m.ttfb < 0.05  # headers and the role chunk come at once
-    assert m.ttft is not None and 0.25 <= m.ttft < 0.25 + 0.03
-    assert m.tpot is not None and abs(m.tpot - 0.02) < 0.002
-    assert m.decode_tokens_per_second is not None and abs(m.decode_tokens_per_second - 50) < 5
-    assert m.output_tokens == 20 and len(m.inter_token_latencies) == 19
+    assert m.ttfb is not None and m.ttfb < 0.1  # headers and the role chunk come at once
+    assert m.ttft is not None and 0.25 <= m.ttft < 0.45
+    assert m.tpot is not None and abs(m.tpot - 0.2) < 0.02
+    assert m.decode_tokens_per_second is not None and abs(m.decode_tokens_per_second - 5) < 0.5
+    assert m.output_tokens == 4 and len(m.inter_token_latencies) == 3
     assert m.finish_reason == "stop" and m.error_type is None
 
 
