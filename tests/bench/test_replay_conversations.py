@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import orjson
+import pytest
 
 from proxy.bench.replay import continues, conversation_shards, follows
 from proxy.bench.trace import Want, read_logs
@@ -74,6 +75,9 @@ def agent(client: httpx.Client, name: str) -> None:
             messages.append({"role": "tool", "tool_call_id": "c", "content": "result " * 10})
 
 
+@pytest.mark.alone(
+    "the turn gaps are programmed sleeps read within a slack, in the recording and the replay"
+)
 def test_a_replay_on_a_slower_candidate_keeps_each_turn_after_its_answer(tmp_path: Path) -> None:
     fast = ThreadedServer(
         create_sim_app(SimConfig(models=(MODEL,), ttft=0.01, tokens_per_second=2000))
