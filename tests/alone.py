@@ -32,7 +32,6 @@ class Locks:
         folder.mkdir(parents=True, exist_ok=True)
         self.gate: IO[bytes] = open(folder / "gate", "ab")  # noqa: SIM115 - held for the run
         self.turnstile: IO[bytes] = open(folder / "turnstile", "ab")  # noqa: SIM115
-
         self.kept = False  # the gate is held exclusively from the test before
 
     @contextmanager
@@ -83,9 +82,9 @@ def held_for(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
 def frozen_heap() -> Iterator[None]:
     """The objects made so far left out of the garbage collector's passes, and put back
     after. Many timing tests run the simulator and the proxy in the test's own process;
-    late in a run a worker holds about 400,000 objects, a full pass over them took 141 ms
-    here, and one that came during such a test stalled the servers it timed (the CI saw
-    a first token 37 ms late). gc.freeze and unfreeze move lists: they cost nothing."""
+    late in a run a worker holds about 400,000 objects and a full pass over them took
+    141 ms here, a stall of the servers such a test times (one suspect for a first token
+    the CI once read 37 ms late). gc.freeze and unfreeze move lists: they cost nothing."""
     gc.freeze()
     try:
         yield
