@@ -210,6 +210,15 @@ def stop(process: subprocess.Popen[bytes]) -> None:
             process.kill()
 
 
+def whole_lines(path: Path) -> list[str]:
+    """A log's lines that are whole. A line written while the file is read can be read
+    half-written (Linux updates a file's size page by page during a write, and a read
+    takes no lock against it: the CI once read a vLLM test's access log line cut short at
+    465 characters), so a last line without its newline is left for the next read."""
+    text = path.read_text()
+    return text[: text.rfind("\n") + 1].splitlines()
+
+
 def serve_in_front(
     upstream: str, access_log: Path, what: str
 ) -> tuple[subprocess.Popen[bytes], str]:

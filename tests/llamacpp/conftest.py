@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.servers import free_port, serve_in_front, stop
+from tests.servers import free_port, serve_in_front, stop, whole_lines
 
 LLAMA_DIR = Path(os.environ.get("TOKENPROBE_LLAMA_DIR", "/opt/llama-server"))
 SERVER = LLAMA_DIR / "bin" / "llama-server"
@@ -67,7 +67,7 @@ class Llama:
     def log_lines(self, since: int = 0) -> list[dict[str, Any]]:
         """The access log's records from line `since` on."""
         assert self.access_log is not None
-        lines = self.access_log.read_text().splitlines()[since:]
+        lines = whole_lines(self.access_log)[since:]
         return [json.loads(line) for line in lines if line.startswith("{")]
 
 

@@ -32,7 +32,7 @@ import orjson
 import pytest
 
 from tests.scrape import Change, Delta, Scrape, scrape
-from tests.servers import free_port, spawn, stop, wait_http
+from tests.servers import free_port, spawn, stop, wait_http, whole_lines
 from tests.vllm.conftest import MODEL, SERVED, Servers, Vllm, throttled
 
 # the first test also waits for both servers to start (conftest's START_TIMEOUT)
@@ -377,7 +377,7 @@ def test_a_client_that_leaves_is_counted_and_vllm_stops(
         tries: list[tuple[object, object, float]] = []
         for _ in range(5):
             vllm_before, proxy_before = scrape(server.url), scrape(base)
-            lines = len(log.read_text().splitlines())
+            lines = len(whole_lines(log))
             seen = 0
             deadline = time.monotonic() + 30
             with throttled(server):
@@ -391,7 +391,7 @@ def test_a_client_that_leaves_is_counted_and_vllm_stops(
                         if seen == left_after:
                             break  # leaving the block closes the connection
                 assert seen == left_after
-                while len(records := log.read_text().splitlines()) == lines:
+                while len(records := whole_lines(log)) == lines:
                     assert time.monotonic() < deadline, "the request was not recorded"
                     time.sleep(0.05)
                 time.sleep(0.2)  # the proxy's cancel on its way to the API server
