@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -217,6 +218,11 @@ def whole_lines(path: Path) -> list[str]:
     465 characters), so a last line without its newline is left for the next read."""
     text = path.read_text()
     return text[: text.rfind("\n") + 1].splitlines()
+
+
+def access_records(path: Path, since: int = 0) -> list[dict[str, Any]]:
+    """A JSON access log's records from line `since` on (whole lines only)."""
+    return [json.loads(line) for line in whole_lines(path)[since:] if line.startswith("{")]
 
 
 def serve_in_front(

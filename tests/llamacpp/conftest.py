@@ -11,7 +11,6 @@ why; under CI=true they fail instead, since CI runs `.ci/llama` first.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -24,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.servers import free_port, serve_in_front, stop, whole_lines
+from tests.servers import access_records, free_port, serve_in_front, stop
 
 LLAMA_DIR = Path(os.environ.get("TOKENPROBE_LLAMA_DIR", "/opt/llama-server"))
 SERVER = LLAMA_DIR / "bin" / "llama-server"
@@ -67,8 +66,7 @@ class Llama:
     def log_lines(self, since: int = 0) -> list[dict[str, Any]]:
         """The access log's records from line `since` on."""
         assert self.access_log is not None
-        lines = whole_lines(self.access_log)[since:]
-        return [json.loads(line) for line in lines if line.startswith("{")]
+        return access_records(self.access_log, since)
 
 
 def _start(server: Path, logs: Path) -> Llama:

@@ -31,7 +31,7 @@ import httpx
 import pytest
 
 from proxy.bench.ports import free_ports
-from tests.servers import serve_in_front, stop, whole_lines
+from tests.servers import access_records, serve_in_front, stop
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("TOKENPROBE_VLLM_VENV", "/opt/vllm-venv"))
@@ -96,8 +96,7 @@ class Vllm:
     def log_lines(self, since: int = 0) -> list[dict[str, Any]]:
         """The access log's records from line `since` on."""
         assert self.access_log is not None
-        lines = whole_lines(self.access_log)[since:]
-        return [json.loads(line) for line in lines if line.startswith("{")]
+        return access_records(self.access_log, since)
 
 
 def _start(
