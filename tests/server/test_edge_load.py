@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 import httpx
@@ -101,8 +102,8 @@ def test_concurrent_scrapes_do_not_stall_a_stream(paced: tuple[RawBackend, Paced
     flags = ("--model-allowlist", ",".join(MODELS))
     with serving_process(upstream.url, *flags) as (base, _):
         responder.events = 3
-        for model in MODELS:  # every model gets its own label sets: a large exposition
-            stream_delays(base, model)
+        with ThreadPoolExecutor(len(MODELS)) as pool:  # each model's label sets: a large exposition
+            list(pool.map(lambda model: stream_delays(base, model), MODELS))
         assert len(httpx.get(base + "/metrics").content) > 100_000
 
         responder.events = 150
@@ -120,7 +121,8 @@ def test_concurrent_scrapes_do_not_stall_a_stream(paced: tuple[RawBackend, Paced
             time.sleep(0.5)  # the scrapes are under way
             responder.sent = []
             busy = [a - s for a, s in zip(stream_delays(base), responder.sent, strict=True)]
-        finally:
+        finally:  # what they do after the stream is not measured
+            scrapers.terminate()
             scrapers.wait(20)
     p50_quiet, p50_busy = statistics.median(quiet), statistics.median(busy)
     p99_quiet, p99_busy = quantile(quiet, 0.99), quantile(busy, 0.99)
