@@ -26,7 +26,8 @@ from tests.scrape import scrape, wait_for
 from tests.server.conftest import no_proxy
 from tests.servers import free_port, spawn, stop, wait_http
 
-pytestmark = pytest.mark.alone("turn gaps are programmed sleeps read within a slack")
+#: On the tests that read a turn gap; the others read no clock.
+GAPS = pytest.mark.alone("turn gaps are programmed sleeps read within a slack")
 
 SYSTEM = {"role": "system", "content": "You are a weather agent. Call get_weather first."}
 TOOLS: list[Any] = [
@@ -96,6 +97,128 @@ def agent_loop(base: str, city: str, header: str | None, sent: list[list[Any]]) 
         messages.append({"role": "tool", "tool_call_id": call["id"], "content": "12 C, rain"})
 
 
+def chat(proxy: ProxyUnderTest, messages: list[Any], **headers: str) -> httpx.Response:
+    body = {"model": MODEL, "messages": messages, "stream": True}
+    return httpx.post(proxy.url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+
+
+def test_a_continuation_the_backend_did_not_cache_is_a_miss(
+    start_sim: Callable[..., Running], start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    sim = start_sim(ttft=0.0, tokens_per_second=5000.0, output_tokens=4, prefix_cache=1000)
+    proxy = start_proxy(sim.url, continuation_cache_miss_ratio=0.5)
+    first = [SYSTEM, {"role": "user", "content": "Weather in Oslo, and in all of Norway?"}]
+    second = [
+        *first,
+        {"role": "assistant", "content": "It rains."},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+    assert chat(proxy, first).status_code == 200
+    proxy.wait_records(1)
+    # Another replica, say: the backend recomputed the whole prefix.
+    assert chat(proxy, second, **{"x-sim-cached-tokens": "0"}).status_code == 200
+    (_, record) = proxy.wait_records(2)
+    assert (record.turn, record.continued_via, record.cached_prompt_tokens) == (2, "messages", 0)
+    assert record.shared_prefix_tokens == count_prompt_tokens({"messages": first})
+    assert proxy.sample("tokenprobe_continuation_cache_misses_total", model=MODEL) == 1
+    assert (
+        proxy.sample("tokenprobe_continuation_cached_prompt_ratio_bucket", model=MODEL, le="0.0")
+        == 1
+    )
+
+
+def test_the_prefix_cache_reports_whole_blocks(
+    start_sim: Callable[..., Running], start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    sim = start_sim(ttft=0.0, tokens_per_second=5000.0, output_tokens=4, prefix_cache=1000)
+    proxy = start_proxy(sim.url)
+    first = [{"role": "user", "content": "x" * 4 * 70}]  # 70 tokens: 64 in whole blocks
+    second = [*first, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+    assert chat(proxy, first).status_code == 200
+    proxy.wait_records(1)
+    assert chat(proxy, second).status_code == 200
+    (first_record, record) = proxy.wait_records(2)
+    assert first_record.cached_prompt_tokens == 0  # nothing seen before
+    assert (record.cached_prompt_tokens, record.shared_prefix_tokens) == (64, 70)
+    ratio = proxy.sample("tokenprobe_continuation_cached_prompt_ratio_sum", model=MODEL)
+    assert ratio == pytest.approx(64 / 70)
+    assert proxy.sample("tokenprobe_continuation_cache_misses_total", model=MODEL) == 0
+
+
+def test_a_flood_of_unique_conversations_stays_within_the_table_oldest_first_out(
+    start_sim: Callable[..., Running], start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    sim = start_sim(ttft=0.0, tokens_per_second=5000.0, output_tokens=2)
+    proxy = start_proxy(sim.url, conversation_table=20)
+    firsts = [[{"role": "user", "content": f"question {i}"}] for i in range(30)]
+    with httpx.Client(base_url=proxy.url, timeout=30) as client:
+        for messages in firsts:
+            body = {"model": MODEL, "messages": messages}
+            assert client.post("/v1/chat/completions", json=body).status_code == 200
+    proxy.wait_records(30)
+    assert proxy.sample("tokenprobe_conversations_open") == 20
+    assert proxy.sample("tokenprobe_conversation_evictions_total") == 10
+    follow = [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "and?"}]
+    assert chat(proxy, [*firsts[0], *follow]).status_code == 200  # evicted: a new one
+    assert chat(proxy, [*firsts[29], *follow]).status_code == 200  # kept: its turn 2
+    records = proxy.wait_records(32)
+    assert (records[30].turn, records[30].continued_via) == (1, None)
+    assert (records[31].turn, records[31].continued_via) == (2, "messages")
+    assert records[31].conversation_id == records[29].conversation_id
+    assert proxy.sample("tokenprobe_conversations_open") == 20
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [(b"s" * 20_000, "too_long"), (b"sess-\xff\xfe-1", "not_text")],
+    ids=["huge", "binary"],
+)
+def test_a_huge_or_binary_conversation_header_is_not_used_and_counted(
+    start_sim: Callable[..., Running],
+    start_proxy: Callable[..., ProxyUnderTest],
+    value: bytes,
+    reason: str,
+) -> None:
+    sim = start_sim(ttft=0.0, tokens_per_second=5000.0, output_tokens=2)
+    proxy = start_proxy(sim.url, conversation_header="x-session-id")
+    first = [{"role": "user", "content": "hi"}]
+    second = [*first, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "?"}]
+    with httpx.Client(base_url=proxy.url, timeout=30) as client:
+        for messages in (first, second, [{"role": "user", "content": "unrelated"}]):
+            body = {"model": MODEL, "messages": messages}
+            response = client.post(
+                "/v1/chat/completions", json=body, headers=[(b"x-session-id", value)]
+            )
+            assert response.status_code == 200  # measured and relayed as any other
+    records = proxy.wait_records(3)
+    assert proxy.sample("tokenprobe_conversation_header_refused_total", reason=reason) == 3
+    # Recognised by its messages instead; the unrelated one is not joined.
+    assert [r.turn for r in records] == [1, 2, 1]
+    assert records[1].continued_via == "messages"
+    assert records[2].conversation_id != records[0].conversation_id
+
+
+def test_an_agent_s_retry_after_a_rate_limit_stays_in_its_conversation(
+    start_sim: Callable[..., Running], start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    sim = start_sim(ttft=0.0, tokens_per_second=5000.0, output_tokens=2)
+    proxy = start_proxy(sim.url)
+    first = [SYSTEM, {"role": "user", "content": "Weather in Oslo?"}]
+    second = [
+        *first,
+        {"role": "assistant", "content": "Rain."},
+        {"role": "user", "content": "Sure?"},
+    ]
+    assert chat(proxy, first).status_code == 200
+    assert chat(proxy, second, **{"x-sim-error": "rate_limit"}).status_code == 429
+    assert chat(proxy, second).status_code == 200  # the same messages again
+    records = proxy.wait_records(3)
+    assert [r.turn for r in records] == [1, 2, 3]
+    assert len({r.conversation_id for r in records}) == 1
+    assert records[2].continued_via == "messages"
+
+
+@GAPS
 @pytest.mark.parametrize("with_header", [False, True], ids=["messages", "header"])
 def test_an_agent_loop_is_one_conversation_of_three_turns_with_its_sleeps_as_gaps(
     start_sim: Callable[..., Running], tmp_path: Path, with_header: bool
@@ -192,54 +315,7 @@ def test_an_agent_loop_is_one_conversation_of_three_turns_with_its_sleeps_as_gap
         assert b"sess-oslo" not in log_path.read_bytes()
 
 
-def chat(proxy: ProxyUnderTest, messages: list[Any], **headers: str) -> httpx.Response:
-    body = {"model": MODEL, "messages": messages, "stream": True}
-    return httpx.post(proxy.url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
-
-
-def test_a_continuation_the_backend_did_not_cache_is_a_miss(
-    start_sim: Callable[..., Running], start_proxy: Callable[..., ProxyUnderTest]
-) -> None:
-    sim = start_sim(ttft=0.0, tokens_per_second=5000.0, output_tokens=4, prefix_cache=1000)
-    proxy = start_proxy(sim.url, continuation_cache_miss_ratio=0.5)
-    first = [SYSTEM, {"role": "user", "content": "Weather in Oslo, and in all of Norway?"}]
-    second = [
-        *first,
-        {"role": "assistant", "content": "It rains."},
-        {"role": "user", "content": "And tomorrow?"},
-    ]
-    assert chat(proxy, first).status_code == 200
-    proxy.wait_records(1)
-    # Another replica, say: the backend recomputed the whole prefix.
-    assert chat(proxy, second, **{"x-sim-cached-tokens": "0"}).status_code == 200
-    (_, record) = proxy.wait_records(2)
-    assert (record.turn, record.continued_via, record.cached_prompt_tokens) == (2, "messages", 0)
-    assert record.shared_prefix_tokens == count_prompt_tokens({"messages": first})
-    assert proxy.sample("tokenprobe_continuation_cache_misses_total", model=MODEL) == 1
-    assert (
-        proxy.sample("tokenprobe_continuation_cached_prompt_ratio_bucket", model=MODEL, le="0.0")
-        == 1
-    )
-
-
-def test_the_prefix_cache_reports_whole_blocks(
-    start_sim: Callable[..., Running], start_proxy: Callable[..., ProxyUnderTest]
-) -> None:
-    sim = start_sim(ttft=0.0, tokens_per_second=5000.0, output_tokens=4, prefix_cache=1000)
-    proxy = start_proxy(sim.url)
-    first = [{"role": "user", "content": "x" * 4 * 70}]  # 70 tokens: 64 in whole blocks
-    second = [*first, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
-    assert chat(proxy, first).status_code == 200
-    proxy.wait_records(1)
-    assert chat(proxy, second).status_code == 200
-    (first_record, record) = proxy.wait_records(2)
-    assert first_record.cached_prompt_tokens == 0  # nothing seen before
-    assert (record.cached_prompt_tokens, record.shared_prefix_tokens) == (64, 70)
-    ratio = proxy.sample("tokenprobe_continuation_cached_prompt_ratio_sum", model=MODEL)
-    assert ratio == pytest.approx(64 / 70)
-    assert proxy.sample("tokenprobe_continuation_cache_misses_total", model=MODEL) == 0
-
-
+@GAPS
 def test_previous_response_id_continues_a_responses_conversation(
     start_sim: Callable[..., Running], start_proxy: Callable[..., ProxyUnderTest]
 ) -> None:
@@ -258,79 +334,6 @@ def test_previous_response_id_continues_a_responses_conversation(
     )
     assert two.turn_gap is not None and 0.2 <= two.turn_gap <= 0.2 + SLACK
     assert two.shared_prefix_tokens == (one.prompt_tokens or 0) + (one.output_tokens or 0)
-
-
-def test_a_flood_of_unique_conversations_stays_within_the_table_oldest_first_out(
-    start_sim: Callable[..., Running], start_proxy: Callable[..., ProxyUnderTest]
-) -> None:
-    sim = start_sim(ttft=0.0, tokens_per_second=5000.0, output_tokens=2)
-    proxy = start_proxy(sim.url, conversation_table=20)
-    firsts = [[{"role": "user", "content": f"question {i}"}] for i in range(30)]
-    with httpx.Client(base_url=proxy.url, timeout=30) as client:
-        for messages in firsts:
-            body = {"model": MODEL, "messages": messages}
-            assert client.post("/v1/chat/completions", json=body).status_code == 200
-    proxy.wait_records(30)
-    assert proxy.sample("tokenprobe_conversations_open") == 20
-    assert proxy.sample("tokenprobe_conversation_evictions_total") == 10
-    follow = [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "and?"}]
-    assert chat(proxy, [*firsts[0], *follow]).status_code == 200  # evicted: a new one
-    assert chat(proxy, [*firsts[29], *follow]).status_code == 200  # kept: its turn 2
-    records = proxy.wait_records(32)
-    assert (records[30].turn, records[30].continued_via) == (1, None)
-    assert (records[31].turn, records[31].continued_via) == (2, "messages")
-    assert records[31].conversation_id == records[29].conversation_id
-    assert proxy.sample("tokenprobe_conversations_open") == 20
-
-
-@pytest.mark.parametrize(
-    ("value", "reason"),
-    [(b"s" * 20_000, "too_long"), (b"sess-\xff\xfe-1", "not_text")],
-    ids=["huge", "binary"],
-)
-def test_a_huge_or_binary_conversation_header_is_not_used_and_counted(
-    start_sim: Callable[..., Running],
-    start_proxy: Callable[..., ProxyUnderTest],
-    value: bytes,
-    reason: str,
-) -> None:
-    sim = start_sim(ttft=0.0, tokens_per_second=5000.0, output_tokens=2)
-    proxy = start_proxy(sim.url, conversation_header="x-session-id")
-    first = [{"role": "user", "content": "hi"}]
-    second = [*first, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "?"}]
-    with httpx.Client(base_url=proxy.url, timeout=30) as client:
-        for messages in (first, second, [{"role": "user", "content": "unrelated"}]):
-            body = {"model": MODEL, "messages": messages}
-            response = client.post(
-                "/v1/chat/completions", json=body, headers=[(b"x-session-id", value)]
-            )
-            assert response.status_code == 200  # measured and relayed as any other
-    records = proxy.wait_records(3)
-    assert proxy.sample("tokenprobe_conversation_header_refused_total", reason=reason) == 3
-    # Recognised by its messages instead; the unrelated one is not joined.
-    assert [r.turn for r in records] == [1, 2, 1]
-    assert records[1].continued_via == "messages"
-    assert records[2].conversation_id != records[0].conversation_id
-
-
-def test_an_agent_s_retry_after_a_rate_limit_stays_in_its_conversation(
-    start_sim: Callable[..., Running], start_proxy: Callable[..., ProxyUnderTest]
-) -> None:
-    sim = start_sim(ttft=0.0, tokens_per_second=5000.0, output_tokens=2)
-    proxy = start_proxy(sim.url)
-    first = [SYSTEM, {"role": "user", "content": "Weather in Oslo?"}]
-    second = [
-        *first,
-        {"role": "assistant", "content": "Rain."},
-        {"role": "user", "content": "Sure?"},
-    ]
-    assert chat(proxy, first).status_code == 200
-    assert chat(proxy, second, **{"x-sim-error": "rate_limit"}).status_code == 429
-    assert chat(proxy, second).status_code == 200  # the same messages again
-    records = proxy.wait_records(3)
-    assert [r.turn for r in records] == [1, 2, 3]
-    assert len({r.conversation_id for r in records}) == 1
-    assert records[2].continued_via == "messages"
 
 
 #: Two turns of one conversation per API: (path, first body, second body).
@@ -357,6 +360,7 @@ TURNS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
 }  # fmt: skip
 
 
+@GAPS
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
 @pytest.mark.parametrize("api", list(TURNS))
 def test_each_api_s_continuation_gets_its_gap_and_the_programmed_cached_tokens(
@@ -369,10 +373,11 @@ def test_each_api_s_continuation_gets_its_gap_and_the_programmed_cached_tokens(
     proxy = start_proxy(sim.url)
     path, first, second = TURNS[api]
     with httpx.Client(base_url=proxy.url, timeout=30) as client:
-        for body in (first, second):
+        for turn, body in enumerate((first, second)):
+            if turn:
+                time.sleep(0.3)  # the tool
             response = client.post(path, json={"model": MODEL, "stream": stream, **body})
             assert response.status_code == 200
-            time.sleep(0.3)  # the tool
     one, two = proxy.wait_records(2)
     # The truth: the first turn's whole prompt, in whole blocks of 16.
     truth = count_prompt_tokens(first) // 16 * 16

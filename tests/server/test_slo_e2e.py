@@ -20,10 +20,6 @@ from tests.conftest import ProxyUnderTest, Running
 from tests.server.conftest import no_proxy
 from tests.servers import spawn, stop
 
-pytestmark = pytest.mark.alone(
-    "programmed delays must meet or miss targets by margins of tens of ms"
-)
-
 MODELS = ("fast", "slow")
 QUICK = {"x-sim-ttft": "0", "x-sim-tps": "5000"}
 LATE_FIRST_TOKEN = {"x-sim-ttft": "0.8", "x-sim-tps": "5000"}
@@ -71,6 +67,7 @@ def _results(proxy: ProxyUnderTest, model: str, team: str) -> dict[str, float]:
     }
 
 
+@pytest.mark.alone("programmed delays must meet or miss targets by margins of tens of ms")
 def test_attainment_is_the_programmed_share_per_target_model_and_team(
     start_sim: Callable[..., Running],
     start_proxy: Callable[..., ProxyUnderTest],
