@@ -65,10 +65,21 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return min(MAX_WORKERS, 2 * (os.cpu_count() or 1))
 
 
-#: The modules that take minutes (a real backend to start, a benchmark run), longest first.
-#: They go first, so that a parallel run, which hands out modules in the order collected,
-#: does not end waiting on one.
-LONG_MODULES = ("tests/vllm/", "tests/bench/test_benchmark_smoke.py", "tests/llamacpp/")
+#: The modules that take minutes (a real backend to start, a benchmark run), longest first,
+#: then those with a test of 12 to 30 s (a documented 24 s bench run, a demo, a stack of
+#: Prometheus and Grafana). They go first, so that a parallel run, which hands out modules
+#: in the order collected, neither ends waiting on one nor makes the alone tests wait for
+#: one (a drain of 18 s with two workers idle, for the bench run of the docs).
+LONG_MODULES = (
+    "tests/vllm/",
+    "tests/bench/test_benchmark_smoke.py",
+    "tests/llamacpp/",
+    "tests/test_docs_commands.py",
+    "tests/deploy/test_grafana_live.py",
+    "tests/server/test_ollama_e2e.py",
+    "tests/server/test_apis_more_e2e.py",
+    "tests/deploy/test_alerts.py",
+)
 
 
 def pytest_configure(config: pytest.Config) -> None:
