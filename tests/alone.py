@@ -16,8 +16,10 @@ Under xdist every alone test is handed out in one unit of work, last (`AloneLast
 worker runs them back to back, keeping the gate from the first to the last, so the others
 are drained once, not before each alone test between their own (that cost 40 s a run:
 the alone tests took 166 s of the run's wall time for 126 s of their own work). The
-workers name the alone tests in a file for the scheduler, which sees node ids only. An alone test also runs with the process's older objects out of
-the garbage collector's reach (`frozen_heap`), in parallel runs and serial ones.
+workers name the alone tests in a file for the scheduler, which sees node ids only.
+
+An alone test also runs with the process's older objects out of the garbage collector's
+reach (`frozen_heap`), in parallel runs and serial ones.
 """
 
 from __future__ import annotations

@@ -1,15 +1,19 @@
 """tests/alone.py: an `alone` test waits for the running tests to end, and holds off the
 ones that arrive meanwhile until it is done; a run of alone tests on one worker holds
-them off from the first to the last."""
+them off from the first to the last; under xdist the alone tests are that one run."""
 
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 from tests.alone import Locks, frozen_heap
+from tests.paths import ROOT
 
 
 def start(folder: Path, events: list[str], alone: bool, name: str, hold: float) -> threading.Thread:
@@ -80,3 +84,48 @@ def test_a_full_collection_in_a_frozen_heap_passes_over_none_of_the_old_objects(
         frozen = full_pass()
     assert gc.get_freeze_count() == 0
     assert frozen < thawed / 4, (frozen, thawed)
+
+
+SUITE = """
+import os, time, pytest
+
+def log(request, start):
+    with open(os.environ["ALONE_LOG"], "a") as f:
+        f.write(f"{os.environ['PYTEST_XDIST_WORKER']} {start} {time.monotonic()} "
+                f"{request.node.nodeid}\\n")
+
+@pytest.mark.parametrize("n", range(4))
+def test_other(request, n):
+    start = time.monotonic(); time.sleep(0.05); log(request, start)
+
+@pytest.mark.alone("reads a clock")
+@pytest.mark.parametrize("n", range(2))
+def test_alone(request, n):
+    start = time.monotonic(); time.sleep(0.05); log(request, start)
+"""
+
+
+def test_under_xdist_the_alone_tests_of_every_module_run_back_to_back_on_one_worker(
+    tmp_path: Path,
+) -> None:
+    """A real parallel run of a small suite with this suite's conftest (its scheduler, its
+    ordering and its locks): two modules, each with alone tests among others."""
+    for name in ("test_a.py", "test_b.py"):
+        (tmp_path / name).write_text(SUITE)
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["tests.conftest"]\n')
+    log = tmp_path / "log"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "3", "--dist", "loadscope", "-p",
+         "no:cacheprovider", "-c", os.devnull, "--rootdir", str(tmp_path), str(tmp_path)],
+        cwd=ROOT, env={**os.environ, "ALONE_LOG": str(log), "PYTHONPATH": str(ROOT)},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = [line.split(None, 3) for line in log.read_text().splitlines()]
+    ran = [(worker, float(start), float(end), "::test_alone" in nodeid) for worker, start, end, nodeid in lines]  # fmt: skip
+    assert len(ran) == 12
+    alone = [r for r in ran if r[3]]
+    assert len({worker for worker, *_ in alone}) == 1  # one unit of work
+    first, last = min(r[1] for r in alone), max(r[2] for r in alone)
+    # Back to back: no other test ran between the first alone test's start and the last's end.
+    assert not [r for r in ran if not r[3] and r[1] < last and r[2] > first], ran
