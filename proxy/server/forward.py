@@ -37,7 +37,8 @@ from proxy.server.admission import (
 )
 from proxy.server.exchange import Context, IdleTimer
 from proxy.server.rules import ExchangeRules, UpstreamRequest
-from proxy.server.upstream import UpstreamProtocolError, body_reader, send_upstream
+from proxy.server.upstream import body_reader, send_upstream
+from proxy.server.upstream_errors import UpstreamProtocolError
 from proxy.settings import Settings
 from proxy.sinks.dispatch import Sinks
 from proxy.types import Receive, Scope, Send

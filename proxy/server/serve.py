@@ -10,6 +10,7 @@ gauges of processes that died are dropped at each scrape.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -51,6 +52,11 @@ PROTOCOLS = {
 
 def build_app(settings: Settings) -> ProxyApp:
     """The app with every sink the settings ask for, as a serving process runs it."""
+    if settings.relay == "wire":
+        # The wire sends every request to the backend on its own pool; the ASGI relay's
+        # client then only asks the backend's /v1/models and readiness, on httpx's own
+        # transport, so a wire process never imports aiohttp (0.1 s of its start).
+        settings = dataclasses.replace(settings, upstream_transport="httpx")
     app = assemble(settings, os.environ)
     app.freeze_heap = True  # proxy/server/heap.py: short full collections
     return app

@@ -1,13 +1,14 @@
 """The upstream HTTP client. What its exceptions mean is decided in proxy/core/errors.py.
 
-httpx is the client; its transport is either httpx's own or aiohttp's (httpx-aiohttp),
+httpx is the client; its transport is either httpx's own or aiohttp's (httpx-aiohttp,
+proxy/server/upstream_aiohttp.py, imported only by a process that sends through it),
 chosen by `--upstream-transport` after benchmarking (see docs/performance.md).
 
 Neither library's pool keeps a misbehaving backend's bytes from reaching the wrong request
 (issue 32): aiohttp queues every response it parses on the connection, so a second
 response in one read, or one that arrives while the connection sits idle, is what the
 next request on it reads; h11 keeps the bytes after a response's end in its buffer for the
-next cycle. So both pools are guarded here, per connection reuse and never per chunk:
+next cycle. So both pools are guarded, per connection reuse and never per chunk:
 
 - aiohttp (`_GuardedHandler`, `_GuardedConnector`): a second final response for one
   request, or any response parsed while the connection is pooled, closes it at once; a
@@ -34,46 +35,18 @@ the backend may have taken the request, and a POST must not run twice.
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiohttp
 import h11
 import httpcore
 import httpx
-import yarl
-from aiohttp.client_proto import ResponseHandler
-from aiohttp.helpers import _EXC_SENTINEL
-from aiohttp.http_exceptions import HttpProcessingError
-from httpx_aiohttp.transport import AiohttpResponseStream, AiohttpTransport
-from multidict import CIMultiDict
 
+from proxy.server.upstream_errors import ClosedUnanswered, UpstreamProtocolError
 from proxy.settings import Settings
 
 KEEPALIVE_SECONDS = 4.0
-
-
-class UpstreamProtocolError(Exception):
-    """The upstream broke HTTP/1.1 on a connection, which is closed; `kind` is its label in
-    tokenprobe_upstream_protocol_errors_total (proxy/sinks/metrics.py)."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-
-
-class ClosedUnanswered(Exception):
-    """The backend closed a reused keep-alive connection before any byte of the answer to
-    the request on it: `send_upstream` sends that request once more, on a new connection.
-    Raised as the transport's own disconnect error (`_AiohttpClosedUnanswered`,
-    `_HttpxClosedUnanswered`), so where it is not caught it means what that error means."""
-
-
-class _AiohttpClosedUnanswered(ClosedUnanswered, aiohttp.ServerDisconnectedError):
-    pass
 
 
 class _HttpxClosedUnanswered(ClosedUnanswered, httpx.RemoteProtocolError):
@@ -104,169 +77,19 @@ def create_client(
     limits = httpx.Limits(
         max_connections=None, max_keepalive_connections=1024, keepalive_expiry=KEEPALIVE_SECONDS
     )
-    if transport is None:
-        transport = _transport(settings, limits, count)
+    via_aiohttp = transport is None and settings.upstream_transport == "aiohttp"
+    if via_aiohttp:
+        from proxy.server.upstream_aiohttp import aiohttp_transport
+
+        transport = aiohttp_transport(count, KEEPALIVE_SECONDS)
+    elif transport is None:
+        transport = guarded_httpx_transport(limits, count)
     client = UpstreamClient(transport=transport, timeout=timeout, limits=limits)
+    client.via_aiohttp = via_aiohttp
     client.limits = limits
     client.count = count
     client.headers.clear()  # forward the client's headers, not httpx's defaults
     return client
-
-
-def _transport(
-    settings: Settings, limits: httpx.Limits, count: Callable[[str], None]
-) -> httpx.AsyncBaseTransport:
-    """httpx's own transport, or aiohttp's (--upstream-transport)."""
-    if settings.upstream_transport == "aiohttp":
-
-        def session() -> aiohttp.ClientSession:
-            connector = _GuardedConnector(limit=0, keepalive_timeout=KEEPALIVE_SECONDS)
-            connector._factory = functools.partial(  # type: ignore[assignment]
-                _GuardedHandler, loop=connector._loop, count=count
-            )
-            client = aiohttp.ClientSession(
-                connector=connector,
-                auto_decompress=False,
-                # No cookie jar: one client's Set-Cookie must not go out on other clients' requests.
-                cookie_jar=aiohttp.DummyCookieJar(),
-                # Send exactly the client's headers: no added Accept-Encoding (the reply
-                # would come compressed to a client that did not ask), User-Agent or Accept.
-                # Nor a Content-Type the client did not send.
-                skip_auto_headers=("Accept-Encoding", "User-Agent", "Accept", "Content-Type"),
-            )
-            # aiohttp sends an idempotent request again after any disconnect, on a fresh
-            # connection too, and a POST never: send_upstream resends by the wire's rule
-            # instead, for every method (aiohttp's test client turns it off the same way).
-            client._retry_connection = False
-            return client
-
-        return AiohttpTransport(client=session)
-    return guarded_httpx_transport(limits, count)
-
-
-# -- aiohttp ------------------------------------------------------------------------------
-
-_BUSY, _SETTLING, _IDLE = "busy", "settling", "idle"
-
-
-class _GuardedHandler(ResponseHandler):
-    """aiohttp's connection protocol, with the pool's guard (see the module's docstring)
-    and failing the response body on a parse error.
-
-    States: busy (a request's response is being read; from `set_response_params`, which
-    aiohttp calls for every request on the connection), settling (released to the pool in
-    this loop iteration: the rest of the read that ended the response may still be
-    parsed), idle (pooled). `feed_data` is aiohttp's once-per-parsed-message call.
-
-    A clean close before any byte of the answer on a connection that was pooled before
-    (`_reused`) is raised as `ClosedUnanswered`: no message parsed for the request
-    (`_heard`, a 1xx included) and none begun (aiohttp's disconnect error then carries its
-    own text, not the unfinished message).
-
-    With aiohttp's C parser, a malformed body (a chunk size that is not hex) makes the
-    protocol close the connection and record the error on itself, but the response's body
-    stream is never told: a reader waits for the idle timeout and the break is counted as
-    upstream_timeout. (The pure-Python parser fails the body itself.)
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, count: Callable[[str], None]) -> None:
-        super().__init__(loop)
-        self._count = count
-        self._state = _BUSY
-        self._finals = 0  # final (non-1xx) responses parsed for the current request
-        self._heard = False  # a response (1xx included) parsed for the current request
-        self._reused = False  # pooled before: the current request is not its first
-        self._faulted = False  # closed for a protocol error, counted
-
-    def set_response_params(self, **kwargs: Any) -> None:
-        self._state, self._finals, self._heard = _BUSY, 0, False
-        super().set_response_params(**kwargs)
-
-    def feed_data(self, data: Any, size: int = 0) -> None:
-        if self._state is not _BUSY:  # a response no request is waiting for
-            self.fault(self._unasked())
-            return
-        self._heard = True
-        code = data[0].code
-        if code == 101:  # whatever follows is another protocol: never reused
-            self._should_close = True
-        if code >= 200 or code == 101:
-            self._finals += 1
-            if self._finals > 1:  # a second response to one request: never read
-                self.fault("extra_bytes")
-                return
-        super().feed_data(data, size)
-
-    def pooled(self) -> None:
-        """The connector put this connection in its pool (from inside the read that ended
-        its response, as often as not): it is idle once this loop iteration is over."""
-        self._state, self._reused = _SETTLING, True
-        self._loop.call_soon(self._settle)
-
-    def _settle(self) -> None:
-        if self._state is _SETTLING:
-            if self._holds_a_message_start():
-                self.fault("extra_bytes")
-            else:
-                self._state = _IDLE
-
-    def is_connected(self) -> bool:
-        # The connector asks this of a pooled connection before reusing it.
-        if self._state is not _BUSY and self._holds_a_message_start():
-            self.fault(self._unasked())
-        return super().is_connected()
-
-    def _holds_a_message_start(self) -> bool:
-        """Whether the parser is inside a message (its head begun, not finished). Asked
-        only of a connection between requests, whose parser the next request replaces:
-        `feed_eof` returns the unfinished message, or None when there is none."""
-        parser = self._parser
-        if parser is None or self.transport is None:
-            return False
-        try:
-            return parser.feed_eof() is not None
-        except Exception:
-            return True
-
-    def _unasked(self) -> str:
-        return "idle_bytes" if self._state is _IDLE else "extra_bytes"
-
-    def fault(self, kind: str) -> None:
-        """Close the connection for breaking HTTP/1.1, and count it once."""
-        self._should_close = True
-        if not self._faulted:
-            self._faulted = True
-            self._count(kind)
-        if self.transport is not None:
-            self.transport.close()
-
-    def set_exception(self, exc: BaseException, exc_cause: BaseException = _EXC_SENTINEL) -> None:
-        if (
-            type(exc) is aiohttp.ServerDisconnectedError  # a clean close, not a reset
-            and isinstance(exc.message, str)  # no response begun
-            and self._state is _BUSY
-            and self._reused
-            and not self._heard
-        ):
-            exc = _AiohttpClosedUnanswered()
-        if isinstance(exc, HttpProcessingError) and not self._faulted:
-            # The parser refused what came (aiohttp closed the transport already).
-            self._faulted = True
-            self._count("malformed" if self._state is _BUSY else self._unasked())
-        payload = self._payload
-        super().set_exception(exc, exc_cause)
-        if payload is not None and payload.exception() is None and not payload.is_eof():
-            payload.set_exception(aiohttp.ClientPayloadError(f"malformed response body: {exc}"))
-
-
-class _GuardedConnector(aiohttp.TCPConnector):
-    """aiohttp's connector, telling a connection when it goes into the pool."""
-
-    def _release(self, key: Any, protocol: ResponseHandler, *, should_close: bool = False) -> None:
-        super()._release(key, protocol, should_close=should_close)
-        pooled = protocol.transport is not None and not self._closed  # else closed
-        if pooled and isinstance(protocol, _GuardedHandler):
-            protocol.pooled()
 
 
 # -- httpx (httpcore) ---------------------------------------------------------------------
@@ -398,6 +221,7 @@ class UpstreamClient(httpx.AsyncClient):
     def __init__(self, *, transport: httpx.AsyncBaseTransport, **kwargs: object) -> None:
         super().__init__(transport=transport, **kwargs)  # type: ignore[arg-type]
         self.upstream_transport = transport
+        self.via_aiohttp = False  # upstream_transport is proxy.server.upstream_aiohttp's
         self.limits = httpx.Limits()
         self.count: Callable[[str], None] = _uncounted
         self._bytes_transport: httpx.AsyncHTTPTransport | None = None
@@ -458,10 +282,12 @@ async def send_upstream(
         return await client.send(request, stream=True)
     transport = client.upstream_transport
     try:
-        if isinstance(transport, AiohttpTransport):
-            text_headers = _utf8_headers(headers)
+        if client.via_aiohttp:  # imported already, with the transport
+            from proxy.server.upstream_aiohttp import send_aiohttp, utf8_headers
+
+            text_headers = utf8_headers(headers)
             if text_headers is not None:
-                return await _send_aiohttp(transport, method, url, text_headers, body, timeout)
+                return await send_aiohttp(transport, method, url, text_headers, body, timeout)
             # aiohttp writes header values as UTF-8 text: other bytes go through httpcore,
             # which writes them as they are.
             transport = client.bytes_transport()
@@ -494,50 +320,6 @@ def _request_target(url: str) -> bytes:
     return after_scheme[slash:].encode("ascii") if slash >= 0 else b"/"
 
 
-def _utf8_headers(headers: list[tuple[bytes, bytes]]) -> CIMultiDict[str] | None:
-    out: CIMultiDict[str] = CIMultiDict()
-    try:
-        for name, value in headers:
-            out.add(name.decode("latin-1"), value.decode("utf-8"))
-    except UnicodeDecodeError:
-        return None
-    return out
-
-
-async def _send_aiohttp(
-    transport: AiohttpTransport,
-    method: str,
-    url: str,
-    headers: CIMultiDict[str],
-    body: bytes,
-    timeout: dict[str, float | None],
-) -> httpx.Response:
-    """httpx-aiohttp's request, minus what changes the wire: it hands aiohttp the URL as
-    text (yarl then normalises and re-quotes it) and headers httpx decoded with one
-    guessed encoding for all of them."""
-    if not isinstance(transport.client, aiohttp.ClientSession):
-        transport.client = transport.get_client()
-    session = transport.client
-    response = await session.request(
-        method,
-        yarl.URL(url, encoded=True),
-        headers=headers,
-        data=body or None,
-        allow_redirects=False,
-        auto_decompress=False,
-        compress=False,
-        timeout=aiohttp.ClientTimeout(
-            sock_connect=timeout.get("connect"), connect=timeout.get("pool")
-        ),
-    ).__aenter__()
-    return httpx.Response(
-        status_code=response.status,
-        headers=response.raw_headers,
-        stream=AiohttpResponseStream(response),
-        extensions={"http_version": b"HTTP/1.1"},
-    )
-
-
 def body_reader(response: httpx.Response) -> Callable[[], Awaitable[bytes]]:
     """A coroutine function giving the next raw chunk of the body on each call, b"" at its end.
 
@@ -546,8 +328,8 @@ def body_reader(response: httpx.Response) -> Callable[[], Awaitable[bytes]]:
     arrive unwrapped, and `proxy.core.errors.classify_exception` knows them.
     """
     inner = getattr(response.stream, "_aiohttp_response", None)  # httpx-aiohttp's stream
-    if isinstance(inner, aiohttp.ClientResponse):
-        return inner.content.readany
+    if inner is not None:
+        return inner.content.readany  # type: ignore[no-any-return]
     chunks = response.aiter_raw()
 
     async def read() -> bytes:

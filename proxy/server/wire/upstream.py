@@ -38,7 +38,8 @@ import httptools
 
 from proxy.core.upstream_url import UpstreamURL
 from proxy.server.headers import Headers
-from proxy.server.upstream import KEEPALIVE_SECONDS, UpstreamProtocolError
+from proxy.server.upstream import KEEPALIVE_SECONDS
+from proxy.server.upstream_errors import UpstreamProtocolError
 
 
 class WireRequest(Protocol):

@@ -1,0 +1,227 @@
+"""The ASGI relay's aiohttp transport (`--upstream-transport aiohttp`, httpx-aiohttp), with
+the pool's guard that proxy/server/upstream.py's docstring describes (`_GuardedHandler`,
+`_GuardedConnector`), and the request sent byte for byte through it.
+
+A module of its own so that only a process sending through aiohttp imports aiohttp, about
+0.1 s of a proxy's start: under the wire (`tokenprobe serve`'s default) the relay's client
+only asks the backend's control-plane routes, on httpx's own transport
+(proxy/server/serve.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import httpx
+import yarl
+from aiohttp.client_proto import ResponseHandler
+from aiohttp.helpers import _EXC_SENTINEL
+from aiohttp.http_exceptions import HttpProcessingError
+from httpx_aiohttp.transport import AiohttpResponseStream, AiohttpTransport
+from multidict import CIMultiDict
+
+from proxy.server.upstream_errors import ClosedUnanswered
+
+
+class _AiohttpClosedUnanswered(ClosedUnanswered, aiohttp.ServerDisconnectedError):
+    pass
+
+
+def aiohttp_transport(count: Callable[[str], None], keepalive: float) -> AiohttpTransport:
+    """httpx-aiohttp's transport on a guarded connector; `count` is told each protocol
+    error's kind, idle connections close after `keepalive` seconds."""
+
+    def session() -> aiohttp.ClientSession:
+        connector = _GuardedConnector(limit=0, keepalive_timeout=keepalive)
+        connector._factory = functools.partial(  # type: ignore[assignment]
+            _GuardedHandler, loop=connector._loop, count=count
+        )
+        client = aiohttp.ClientSession(
+            connector=connector,
+            auto_decompress=False,
+            # No cookie jar: one client's Set-Cookie must not go out on other clients' requests.
+            cookie_jar=aiohttp.DummyCookieJar(),
+            # Send exactly the client's headers: no added Accept-Encoding (the reply
+            # would come compressed to a client that did not ask), User-Agent or Accept.
+            # Nor a Content-Type the client did not send.
+            skip_auto_headers=("Accept-Encoding", "User-Agent", "Accept", "Content-Type"),
+        )
+        # aiohttp sends an idempotent request again after any disconnect, on a fresh
+        # connection too, and a POST never: send_upstream resends by the wire's rule
+        # instead, for every method (aiohttp's test client turns it off the same way).
+        client._retry_connection = False
+        return client
+
+    return AiohttpTransport(client=session)
+
+
+_BUSY, _SETTLING, _IDLE = "busy", "settling", "idle"
+
+
+class _GuardedHandler(ResponseHandler):
+    """aiohttp's connection protocol, with the pool's guard (see the module's docstring)
+    and failing the response body on a parse error.
+
+    States: busy (a request's response is being read; from `set_response_params`, which
+    aiohttp calls for every request on the connection), settling (released to the pool in
+    this loop iteration: the rest of the read that ended the response may still be
+    parsed), idle (pooled). `feed_data` is aiohttp's once-per-parsed-message call.
+
+    A clean close before any byte of the answer on a connection that was pooled before
+    (`_reused`) is raised as `ClosedUnanswered`: no message parsed for the request
+    (`_heard`, a 1xx included) and none begun (aiohttp's disconnect error then carries its
+    own text, not the unfinished message).
+
+    With aiohttp's C parser, a malformed body (a chunk size that is not hex) makes the
+    protocol close the connection and record the error on itself, but the response's body
+    stream is never told: a reader waits for the idle timeout and the break is counted as
+    upstream_timeout. (The pure-Python parser fails the body itself.)
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, count: Callable[[str], None]) -> None:
+        super().__init__(loop)
+        self._count = count
+        self._state = _BUSY
+        self._finals = 0  # final (non-1xx) responses parsed for the current request
+        self._heard = False  # a response (1xx included) parsed for the current request
+        self._reused = False  # pooled before: the current request is not its first
+        self._faulted = False  # closed for a protocol error, counted
+
+    def set_response_params(self, **kwargs: Any) -> None:
+        self._state, self._finals, self._heard = _BUSY, 0, False
+        super().set_response_params(**kwargs)
+
+    def feed_data(self, data: Any, size: int = 0) -> None:
+        if self._state is not _BUSY:  # a response no request is waiting for
+            self.fault(self._unasked())
+            return
+        self._heard = True
+        code = data[0].code
+        if code == 101:  # whatever follows is another protocol: never reused
+            self._should_close = True
+        if code >= 200 or code == 101:
+            self._finals += 1
+            if self._finals > 1:  # a second response to one request: never read
+                self.fault("extra_bytes")
+                return
+        super().feed_data(data, size)
+
+    def pooled(self) -> None:
+        """The connector put this connection in its pool (from inside the read that ended
+        its response, as often as not): it is idle once this loop iteration is over."""
+        self._state, self._reused = _SETTLING, True
+        self._loop.call_soon(self._settle)
+
+    def _settle(self) -> None:
+        if self._state is _SETTLING:
+            if self._holds_a_message_start():
+                self.fault("extra_bytes")
+            else:
+                self._state = _IDLE
+
+    def is_connected(self) -> bool:
+        # The connector asks this of a pooled connection before reusing it.
+        if self._state is not _BUSY and self._holds_a_message_start():
+            self.fault(self._unasked())
+        return super().is_connected()
+
+    def _holds_a_message_start(self) -> bool:
+        """Whether the parser is inside a message (its head begun, not finished). Asked
+        only of a connection between requests, whose parser the next request replaces:
+        `feed_eof` returns the unfinished message, or None when there is none."""
+        parser = self._parser
+        if parser is None or self.transport is None:
+            return False
+        try:
+            return parser.feed_eof() is not None
+        except Exception:
+            return True
+
+    def _unasked(self) -> str:
+        return "idle_bytes" if self._state is _IDLE else "extra_bytes"
+
+    def fault(self, kind: str) -> None:
+        """Close the connection for breaking HTTP/1.1, and count it once."""
+        self._should_close = True
+        if not self._faulted:
+            self._faulted = True
+            self._count(kind)
+        if self.transport is not None:
+            self.transport.close()
+
+    def set_exception(self, exc: BaseException, exc_cause: BaseException = _EXC_SENTINEL) -> None:
+        if (
+            type(exc) is aiohttp.ServerDisconnectedError  # a clean close, not a reset
+            and isinstance(exc.message, str)  # no response begun
+            and self._state is _BUSY
+            and self._reused
+            and not self._heard
+        ):
+            exc = _AiohttpClosedUnanswered()
+        if isinstance(exc, HttpProcessingError) and not self._faulted:
+            # The parser refused what came (aiohttp closed the transport already).
+            self._faulted = True
+            self._count("malformed" if self._state is _BUSY else self._unasked())
+        payload = self._payload
+        super().set_exception(exc, exc_cause)
+        if payload is not None and payload.exception() is None and not payload.is_eof():
+            payload.set_exception(aiohttp.ClientPayloadError(f"malformed response body: {exc}"))
+
+
+class _GuardedConnector(aiohttp.TCPConnector):
+    """aiohttp's connector, telling a connection when it goes into the pool."""
+
+    def _release(self, key: Any, protocol: ResponseHandler, *, should_close: bool = False) -> None:
+        super()._release(key, protocol, should_close=should_close)
+        pooled = protocol.transport is not None and not self._closed  # else closed
+        if pooled and isinstance(protocol, _GuardedHandler):
+            protocol.pooled()
+
+
+def utf8_headers(headers: list[tuple[bytes, bytes]]) -> CIMultiDict[str] | None:
+    out: CIMultiDict[str] = CIMultiDict()
+    try:
+        for name, value in headers:
+            out.add(name.decode("latin-1"), value.decode("utf-8"))
+    except UnicodeDecodeError:
+        return None
+    return out
+
+
+async def send_aiohttp(
+    transport: httpx.AsyncBaseTransport,
+    method: str,
+    url: str,
+    headers: CIMultiDict[str],
+    body: bytes,
+    timeout: dict[str, float | None],
+) -> httpx.Response:
+    """httpx-aiohttp's request, minus what changes the wire: it hands aiohttp the URL as
+    text (yarl then normalises and re-quotes it) and headers httpx decoded with one
+    guessed encoding for all of them."""
+    assert isinstance(transport, AiohttpTransport), "not upstream_aiohttp's transport"
+    if not isinstance(transport.client, aiohttp.ClientSession):
+        transport.client = transport.get_client()
+    session = transport.client
+    response = await session.request(
+        method,
+        yarl.URL(url, encoded=True),
+        headers=headers,
+        data=body or None,
+        allow_redirects=False,
+        auto_decompress=False,
+        compress=False,
+        timeout=aiohttp.ClientTimeout(
+            sock_connect=timeout.get("connect"), connect=timeout.get("pool")
+        ),
+    ).__aenter__()
+    return httpx.Response(
+        status_code=response.status,
+        headers=response.raw_headers,
+        stream=AiohttpResponseStream(response),
+        extensions={"http_version": b"HTTP/1.1"},
+    )

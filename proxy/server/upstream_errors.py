@@ -1,0 +1,21 @@
+"""What the upstream client raises of its own (proxy/server/upstream.py and its aiohttp
+transport, proxy/server/upstream_aiohttp.py). What they mean for a request is decided in
+proxy/core/errors.py."""
+
+from __future__ import annotations
+
+
+class UpstreamProtocolError(Exception):
+    """The upstream broke HTTP/1.1 on a connection, which is closed; `kind` is its label in
+    tokenprobe_upstream_protocol_errors_total (proxy/sinks/metrics.py)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class ClosedUnanswered(Exception):
+    """The backend closed a reused keep-alive connection before any byte of the answer to
+    the request on it: `send_upstream` sends that request once more, on a new connection.
+    Raised as the transport's own disconnect error (`_AiohttpClosedUnanswered`,
+    `_HttpxClosedUnanswered`), so where it is not caught it means what that error means."""
