@@ -48,6 +48,13 @@ from proxy.settings import Settings
 
 KEEPALIVE_SECONDS = 4.0
 
+#: proxy.server.upstream_aiohttp.send_text_headers: (transport, method, url, headers, body,
+#: timeout) -> the response, or None when a header value is not UTF-8 text.
+AiohttpSend = Callable[
+    [httpx.AsyncBaseTransport, str, str, list[tuple[bytes, bytes]], bytes, dict[str, float | None]],
+    Awaitable[httpx.Response | None],
+]
+
 
 class _HttpxClosedUnanswered(ClosedUnanswered, httpx.RemoteProtocolError):
     pass
@@ -77,15 +84,15 @@ def create_client(
     limits = httpx.Limits(
         max_connections=None, max_keepalive_connections=1024, keepalive_expiry=KEEPALIVE_SECONDS
     )
-    via_aiohttp = transport is None and settings.upstream_transport == "aiohttp"
-    if via_aiohttp:
-        from proxy.server.upstream_aiohttp import aiohttp_transport
+    send_aiohttp: AiohttpSend | None = None
+    if transport is None and settings.upstream_transport == "aiohttp":
+        from proxy.server.upstream_aiohttp import aiohttp_transport, send_text_headers
 
-        transport = aiohttp_transport(count, KEEPALIVE_SECONDS)
+        transport, send_aiohttp = aiohttp_transport(count, KEEPALIVE_SECONDS), send_text_headers
     elif transport is None:
         transport = guarded_httpx_transport(limits, count)
     client = UpstreamClient(transport=transport, timeout=timeout, limits=limits)
-    client.via_aiohttp = via_aiohttp
+    client.send_aiohttp = send_aiohttp
     client.limits = limits
     client.count = count
     client.headers.clear()  # forward the client's headers, not httpx's defaults
@@ -221,7 +228,8 @@ class UpstreamClient(httpx.AsyncClient):
     def __init__(self, *, transport: httpx.AsyncBaseTransport, **kwargs: object) -> None:
         super().__init__(transport=transport, **kwargs)  # type: ignore[arg-type]
         self.upstream_transport = transport
-        self.via_aiohttp = False  # upstream_transport is proxy.server.upstream_aiohttp's
+        # Where upstream_transport is proxy.server.upstream_aiohttp's: its way to send.
+        self.send_aiohttp: AiohttpSend | None = None
         self.limits = httpx.Limits()
         self.count: Callable[[str], None] = _uncounted
         self._bytes_transport: httpx.AsyncHTTPTransport | None = None
@@ -282,12 +290,10 @@ async def send_upstream(
         return await client.send(request, stream=True)
     transport = client.upstream_transport
     try:
-        if client.via_aiohttp:  # imported already, with the transport
-            from proxy.server.upstream_aiohttp import send_aiohttp, utf8_headers
-
-            text_headers = utf8_headers(headers)
-            if text_headers is not None:
-                return await send_aiohttp(transport, method, url, text_headers, body, timeout)
+        if client.send_aiohttp is not None:
+            sent = await client.send_aiohttp(transport, method, url, headers, body, timeout)
+            if sent is not None:
+                return sent
             # aiohttp writes header values as UTF-8 text: other bytes go through httpcore,
             # which writes them as they are.
             transport = client.bytes_transport()

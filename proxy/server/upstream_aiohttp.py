@@ -182,6 +182,22 @@ class _GuardedConnector(aiohttp.TCPConnector):
             protocol.pooled()
 
 
+async def send_text_headers(
+    transport: httpx.AsyncBaseTransport,
+    method: str,
+    url: str,
+    headers: list[tuple[bytes, bytes]],
+    body: bytes,
+    timeout: dict[str, float | None],
+) -> httpx.Response | None:
+    """`send_aiohttp`'s request when every header value is UTF-8 text, which is how aiohttp
+    writes them; None otherwise, for httpx's transport to send byte for byte."""
+    text_headers = utf8_headers(headers)
+    if text_headers is None:
+        return None
+    return await send_aiohttp(transport, method, url, text_headers, body, timeout)
+
+
 def utf8_headers(headers: list[tuple[bytes, bytes]]) -> CIMultiDict[str] | None:
     out: CIMultiDict[str] = CIMultiDict()
     try:
