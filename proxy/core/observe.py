@@ -18,7 +18,9 @@ the first answer, the reasoning span and the first tool call. The inline path co
 of one shared content answer (`_fast`: the same kind, choice 0, nothing else) without
 looking at its kind, as before; a run is accounted for when an event of another shape
 arrives and at the end (`_end_run`), so a plain text stream does no new work per chunk.
-When the kind changes, the stream's template is learnt once more for the new kind.
+When the kind changes, the stream's template is learnt once more for the new kind. An
+answer event that also carries reasoning (Facts.reasoning: the closing tag fell inside one
+delta) is one reasoning event and the first answer, at the same instant.
 Tool-call events carry their pieces (Facts.calls) and are followed by a ToolCalls
 (proxy/core/toolcalls.py), made only when a stream carries one.
 """
@@ -199,19 +201,25 @@ class StreamObserver:
 
     def _kind(self, facts: Facts, kind: str, now: float) -> None:
         """The first answer, reasoning span and tool calls, from one content event."""
+        if facts.reasoning is not None:  # the reasoning's end came with the answer's start
+            self._reasoning(facts.reasoning if self._collect else None, now)
         if kind == "text":
             if self.first_answer is None:
                 self.first_answer = now
             self.last_answer = now
         elif kind == "reasoning":
-            if self.first_reasoning is None:
-                self.first_reasoning = now
-            self.last_reasoning = now
-            self.reasoning_events += 1
-            if facts.texts:
-                self.reasoning_texts.extend(facts.texts)
+            self._reasoning(facts.texts, now)
         elif kind == "tool" and self.first_tool_call is None:
             self.first_tool_call = now
+
+    def _reasoning(self, texts: list[str] | None, now: float) -> None:
+        """One event of reasoning, its text kept for a tokenizer when collected."""
+        if self.first_reasoning is None:
+            self.first_reasoning = now
+        self.last_reasoning = now
+        self.reasoning_events += 1
+        if texts:
+            self.reasoning_texts.extend(texts)
 
     def _apply(self, facts: Facts, now: float) -> None:
         if facts.calls is not None:

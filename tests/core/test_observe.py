@@ -167,6 +167,29 @@ CASES = {
             answer_tpot=0.25,  # (1.25 - 1.0) / (4 output - 2 reasoning - 1)
         ),
     ),
+    "reasoning_ending_in_the_first_answer_delta": Case(
+        "vllm_reasoning_merged.sse",
+        # role, reasoning, reasoning + "Hi" in one delta, "!", finish, [DONE]; no usage
+        [100.25, 100.5, 100.75, 101.0, 101.25, 101.25],
+        101.25,
+        expected(
+            ttft=0.5,
+            inter_token_latencies=(0.25, 0.25),
+            tpot=0.25,  # (101.0 - 100.5) / (3 content events - 1)
+            decode_tokens_per_second=4.0,
+            e2e=1.25,
+            output_tokens=3,
+            content_events=3,
+            finish_reason="stop",
+            first_reasoning=0.5,
+            last_reasoning=0.75,  # the reasoning's last piece came with the first answer
+            first_answer=0.75,
+            reasoning_events=2,
+            reasoning_tokens=2,
+            reasoning_token_source="events",
+            reasoning_tpot=0.25,
+        ),
+    ),
     "tool_calls": Case(
         "vllm_tool_calls.sse",
         # role, name, arguments x2, finish, usage, [DONE]
@@ -388,6 +411,24 @@ def test_collected_text_includes_reasoning_and_tool_call_parts() -> None:
         *("The user", " greets.", "Hi", "!"),
         *("get_weather", '{"city": "', 'Paris"}'),
     ]
+
+
+def test_an_answer_that_also_ends_the_only_reasoning_is_both_at_one_instant() -> None:
+    """The CI stream of tests/vllm/test_reasoning_vllm.py: no <think> generated, so vLLM
+    reports 0 reasoning tokens, and its one reasoning piece came in the answer's first
+    delta. Collected text keeps the reasoning apart for a tokenizer to count."""
+    role, _, _, *rest = events("vllm_reasoning_merged.sse")
+    merged = b'data: {"choices":[{"index":0,"delta":{"reasoning":"x","content":"y"}}]}\n\n'
+    observer = StreamObserver(request(), start=START, collect_text=True)
+    observer.open(200, "text/event-stream", OPENED)
+    for chunk, now in zip(
+        [role, merged, *rest], [100.25, 100.5, 100.75, 101.0, 101.0], strict=True
+    ):
+        observer.feed(chunk, now)
+    m = finish(observer, 101.0)
+    assert (m.ttft, m.first_reasoning, m.first_answer, m.last_reasoning) == (0.5,) * 4
+    assert (m.reasoning_tokens, m.reasoning_token_source) == (1, "events")
+    assert observer.reasoning_texts == ["x"] and observer.texts == ["y", "x", "!"]
 
 
 # -- non-streaming and error bodies -----------------------------------------------------------

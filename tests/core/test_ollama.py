@@ -78,6 +78,32 @@ def test_chat_line_content_kinds(payload: bytes, kind: str | None) -> None:
     assert facts.content == kind and not facts.end
 
 
+@pytest.mark.parametrize(
+    ("message", "kind"),
+    [
+        ({"content": "Hi", "thinking": "so."}, "text"),
+        ({"content": "", "thinking": "so.", "tool_calls": [{"function": {"name": "f"}}]}, "tool"),
+    ],
+    ids=["answer", "call"],
+)
+def test_a_line_where_the_thinking_ends_is_the_answer_and_one_more_reasoning_event(
+    message: dict[str, Any], kind: str
+) -> None:
+    facts = seam("/api/chat").event(chat_line(**message), collect=False, identify=False)
+    assert (facts.content, facts.reasoning) == (kind, ["so."])
+    observer = StreamObserver(seam("/api/chat").read_request({"model": "m", "messages": []}), 0.0)
+    observer.open(200, "application/x-ndjson", 0.01)
+    observer.feed(chat_line(content="", thinking="hm") + b"\n", 0.1)
+    observer.feed(chat_line(**message) + b"\n" + line(DONE) + b"\n", 0.2)
+    m = asyncio.run(
+        observer.finish(
+            end=0.3, started_at=0.0, status_code=200, error_type=None, error_message=None
+        )
+    )
+    assert (m.first_reasoning, m.last_reasoning, m.reasoning_tokens) == (0.1, 0.2, 2)
+    assert (m.first_answer, m.first_tool_call) == ((0.2, None) if kind == "text" else (None, 0.2))
+
+
 def test_generate_line_reads_response_and_thinking() -> None:
     gen = seam("/api/generate")
     assert gen.event(line({"response": "x", "done": False}), False, False).content == "text"

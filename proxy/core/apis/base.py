@@ -88,6 +88,12 @@ class Facts:
               when the API does not say
     calls     the tool-call pieces the event carries (proxy/core/toolcalls.py), None when
               none: only tool-call events have them, so only such streams pay for them
+    reasoning the reasoning an answer or tool-call event also carries, None when none: the
+              last of the reasoning and the first of the answer in one event, when the
+              closing tag fell inside one delta (vLLM's reasoning parsers then return both,
+              vllm/reasoning/deepseek_r1_reasoning_parser.py and basic_parsers.py,
+              extract_reasoning_streaming; Ollama's ChatHandler sets message.thinking and
+              message.content from one thinking-parser call, server/routes.go)
 
     An Api may answer with a shared instance (NOTHING, or a common content event): a
     Facts is read, never changed, by whoever did not create it.
@@ -108,6 +114,7 @@ class Facts:
     plain: bool = False  # content of choice 0 and nothing else: the observer's fast path
     calls: tuple[CallPiece, ...] | None = None
     timings: object = None  # llama.cpp's `timings` object as sent (proxy/core/llamacpp.py)
+    reasoning: list[str] | None = None
 
 
 #: Shared "nothing here" answer: never mutated, so one instance serves every event.

@@ -39,6 +39,8 @@ class OpenAIGeneration(Api):
 
     finish_ends_stream: ClassVar[bool] = True
     end_marker: ClassVar[str] = "[DONE] or finish_reason"
+    #: The delta keys whose text is reasoning (Facts.reasoning); text completions have none.
+    reasoning_keys: ClassVar[tuple[str, ...]] = ()
 
     def usage_requested(self, obj: dict[str, Any]) -> bool:
         options = obj.get("stream_options")
@@ -85,7 +87,7 @@ class OpenAIGeneration(Api):
         finish: Any = None
         texts: list[str] | None = [] if collect else None
         indices: tuple[int, ...] = _FIRST
-        calls = None
+        calls = reasoning = None
         choices = obj.get("choices")
         if choices and type(choices) is list:
             if len(choices) == 1:  # vLLM sends one choice per chunk, even with n > 1
@@ -93,6 +95,8 @@ class OpenAIGeneration(Api):
                 if type(choice) is dict:
                     kind = self._content(choice, texts)
                     if kind is not None:
+                        if kind != "reasoning" and self.reasoning_keys:
+                            reasoning = reasoning_beside(choice["delta"], self.reasoning_keys)
                         index = choice.get("index", 0)
                         if index != 0 and type(index) is int:
                             indices = (index,)
@@ -115,12 +119,13 @@ class OpenAIGeneration(Api):
             and not identify
             and not texts
             and calls is None
+            and reasoning is None
         ):
             return NOTHING if kind is None else _CONTENT[kind]
         facts = Facts(**identity(obj)) if identify else Facts()
         facts.content, facts.choices, facts.finish = kind, indices, finish
         facts.texts, facts.usage, facts.error = texts or None, usage, error
-        facts.calls = calls
+        facts.calls, facts.reasoning = calls, reasoning
         if usage is not None:  # vLLM's per-request metrics ride on the usage chunk only
             facts.engine = obj.get("metrics")
         if usage is not None or finish is not None:
@@ -177,6 +182,7 @@ class Chat(OpenAIGeneration):
     takes_messages = True
     paths = ("/v1/chat/completions",)
     operation = "chat"
+    reasoning_keys = ("reasoning_content", "reasoning")
     text_openings = (b'"delta":{"content":"', b'"delta":{"reasoning":"')
     measures = (
         "TTFT at the first chunk with non-empty delta content, reasoning or tool_calls "
@@ -229,6 +235,23 @@ def call_pieces(delta: object) -> tuple[CallPiece, ...] | None:
             )
         )
     return tuple(pieces) or None
+
+
+def reasoning_beside(delta: dict[str, Any], keys: tuple[str, ...]) -> list[str] | None:
+    """The reasoning pieces of a delta whose kind is an answer or a call (Facts.reasoning),
+    None when it carries none. vLLM leaves unset fields out of a delta, so a delta of one
+    key is the common answer and costs one len()."""
+    if len(delta) < 2:
+        return None
+    found = None
+    for key in keys:
+        value = delta.get(key)
+        if value and type(value) is str:
+            if found is None:
+                found = [value]
+            else:
+                found.append(value)
+    return found
 
 
 def keep(facts: Facts, value: object) -> None:

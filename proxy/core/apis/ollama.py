@@ -6,7 +6,11 @@ Wire facts (ollama/ollama @ fb30760: docs/api.md, api/types.go, server/routes.go
   one `application/json; charset=utf-8` object. A stream is `application/x-ndjson`, one
   JSON object a line (streamResponse: json.Marshal + "\\n"; proxy/core/ndjson.py).
 - Chat lines carry `message.content`, `message.thinking` and, whole, `message.tool_calls`;
-  generate lines carry `response`, `thinking` and `tool_calls`. `"done": false` until the
+  generate lines carry `response`, `thinking` and `tool_calls`. One line can carry the
+  end of the thinking and the start of the answer: ChatHandler sets both
+  `message.thinking` and `message.content` from one thinking-parser call
+  (thinkingState.AddContent), which splits a chunk that holds the closing tag. Such a
+  line is the first answer (or call) and one more reasoning event. `"done": false` until the
   last line, which has `"done": true`, `done_reason` and the `Metrics` (api/types.go):
   `prompt_eval_count`, `eval_count` and durations in nanoseconds (proxy/core/engine_ollama.py).
   All are `omitempty`: a zero count or duration is absent, and so is an empty done_reason.
@@ -94,7 +98,7 @@ class OllamaApi(Api):
         facts = self._facts(obj, collect)
         if obj.get("done") is True:
             facts.end = True
-        elif facts.error is None and not identify and not collect:
+        elif facts.error is None and facts.reasoning is None and not identify and not collect:
             # a line in the middle: a shared answer, as chat's common event gets
             return NOTHING if facts.content is None else _CONTENT[facts.content]
         return facts
@@ -103,7 +107,7 @@ class OllamaApi(Api):
         """The whole non-streamed answer: a done line's fields, its content no event (it
         has no instant of its own: TTFT is for streams)."""
         facts = self._facts(obj, collect)
-        facts.content = None
+        facts.content = facts.reasoning = None
         return facts
 
     def _facts(self, obj: dict[str, Any], collect: bool) -> Facts:
@@ -113,12 +117,15 @@ class OllamaApi(Api):
         if type(holder) is dict:
             text, thinking = holder.get(self._text_key), holder.get("thinking")
             calls = holder.get("tool_calls")
+            thought = thinking if thinking and type(thinking) is str else None
             if text and type(text) is str:
                 facts.content = "text"
-            elif thinking and type(thinking) is str:
-                facts.content = "reasoning"
             elif calls and type(calls) is list:
                 facts.content = "tool"
+            elif thought:
+                facts.content = "reasoning"
+            if thought is not None and facts.content != "reasoning":  # thinking ended here
+                facts.reasoning = [thought]
             if collect and facts.content is not None:
                 facts.texts = [v for v in (thinking, text) if v and type(v) is str]
                 if type(calls) is list:
