@@ -211,6 +211,27 @@ CASES = {
             tool_calls=(ToolCall("complete", 0.5),),
         ),
     ),
+    "an_answer_and_a_call_opening_in_one_delta": Case(
+        "vllm_tool_calls_merged.sse",
+        # role, "Sure." + the call's name in one delta, arguments x2, finish, usage, [DONE]
+        [100.25, 100.5, 100.75, 101.0, 101.125, 101.25, 101.25],
+        101.25,
+        expected(
+            ttft=0.5,
+            inter_token_latencies=(0.25, 0.25),
+            tpot=0.5 / 17,
+            decode_tokens_per_second=34.0,
+            e2e=1.25,
+            prompt_tokens=180,
+            output_tokens=18,
+            token_source=TokenSource.USAGE,
+            content_events=3,
+            finish_reason="tool_calls",
+            first_answer=0.5,
+            first_tool_call=0.5,  # the call opened with the answer's first text
+            tool_calls=(ToolCall("complete", 0.5),),
+        ),
+    ),
     "in_stream_error_object": Case(
         "vllm_stream_error.sse",
         # role, "Once", " upon", error, [DONE]
