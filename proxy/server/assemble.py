@@ -32,10 +32,9 @@ from proxy.sinks.dispatch import Sinks
 from proxy.sinks.keys import KeyLabels
 from proxy.sinks.logs import AccessLog, salt_key
 from proxy.sinks.metrics import Metrics
-from proxy.sinks.otel_env import metrics_requested
+from proxy.sinks.otel_env import metrics_requested, traces_requested
 from proxy.sinks.sink import RequestTracer, Sink
 from proxy.sinks.slo import SloMetrics
-from proxy.sinks.tracing import tracing_from_env
 from proxy.types import ASGIApp
 
 
@@ -59,7 +58,9 @@ def assemble(
     models = ModelLabels(settings.model_allowlist)
     if settings.cost_per_hour is not None:
         export_cost_per_hour(registry, settings.cost_per_hour, settings.currency)
-    if tracer is None:
+    if tracer is None and traces_requested(environ):  # else the OTel SDK is not imported
+        from proxy.sinks.tracing import tracing_from_env
+
         tracer = tracing_from_env(
             environ, upstream=upstream, registry=registry, trace_content=settings.trace_content
         )

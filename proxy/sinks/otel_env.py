@@ -58,6 +58,12 @@ def exporters(env: Mapping[str, str], signal: Signal) -> list[str]:
     return ["otlp"] if signal == "traces" and endpoint_set else []
 
 
+def traces_requested(environ: Mapping[str, str]) -> bool:
+    """Whether the OTEL_* variables ask for traces: tracing_from_env's first question,
+    asked before proxy/sinks/tracing.py (and the OpenTelemetry SDK under it) is imported."""
+    return bool(exporters(otel_env(environ), "traces"))
+
+
 def metrics_requested(environ: Mapping[str, str]) -> bool:
     """Whether OTEL_METRICS_EXPORTER asks for OTLP (or console) metrics. Prometheus is
     always on, so `prometheus` there asks for nothing more; an unknown name is refused."""

@@ -262,8 +262,8 @@ def test_a_serving_process_freezes_its_startup_heap_and_an_app_built_in_code_doe
     assert in_code <= served  # the second app froze nothing more (frozen objects freed since go)
 
 
-AIOHTTP_PROBE = """
-import asyncio, sys
+IMPORTS_PROBE = """
+import asyncio, os, sys
 from proxy.server.serve import build_app
 from proxy.settings import Settings
 
@@ -271,10 +271,26 @@ async def started(app):
     await app.startup()
     await app.shutdown()
 
-relay = sys.argv[1]
+relay, traces = sys.argv[1:]
+if traces != "none":
+    os.environ["OTEL_TRACES_EXPORTER"] = traces
 asyncio.run(started(build_app(Settings(upstream="http://127.0.0.1:9", relay=relay, models_refresh=None, access_log="off"))))
-print("aiohttp" in sys.modules)
+print("aiohttp" in sys.modules, "opentelemetry.sdk.trace" in sys.modules)
 """
+
+
+def imported_by(relay: str, traces: str) -> list[str]:
+    """Whether a started app of `relay`, OTEL_TRACES_EXPORTER=`traces`, imported aiohttp
+    and the OpenTelemetry tracing SDK."""
+    run = subprocess.run(
+        [sys.executable, "-c", IMPORTS_PROBE, relay, traces],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout.split()
 
 
 @no_proxy
@@ -286,8 +302,12 @@ def test_a_wire_process_never_imports_aiohttp_and_an_asgi_relay_does(
     # 0.324 s to a first /healthz here). On the wire the relay's client only asks the
     # backend's control-plane routes, on httpx's own transport; the ASGI relay keeps the
     # default --upstream-transport, aiohttp.
-    run = subprocess.run(
-        [sys.executable, "-c", AIOHTTP_PROBE, relay], capture_output=True, text=True, timeout=60
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.split() == [str(imported)]
+    assert imported_by(relay, "none")[0] == str(imported)
+
+
+@no_proxy
+def test_the_tracing_sdk_is_imported_only_when_traces_are_asked_for() -> None:
+    # proxy/server/assemble.py asks otel_env.traces_requested first: the SDK and
+    # proxy/sinks/tracing.py are 35 ms of every start that exports no traces.
+    assert imported_by("wire", "none")[1] == "False"
+    assert imported_by("wire", "console")[1] == "True"
