@@ -266,15 +266,8 @@ def call_pieces(delta: object) -> tuple[CallPiece, ...] | None:
 def reasoning_beside(delta: dict[str, Any]) -> list[str] | None:
     """The reasoning pieces of a delta whose kind is an answer or a call (Facts.reasoning),
     None when it carries none."""
-    found = None
-    for key in _REASONING_KEYS:
-        value = delta.get(key)
-        if value and type(value) is str:
-            if found is None:
-                found = [value]
-            else:
-                found.append(value)
-    return found
+    found = [v for key in _REASONING_KEYS if (v := delta.get(key)) and type(v) is str]
+    return found or None
 
 
 def keep(facts: Facts, value: object) -> None:
