@@ -35,6 +35,16 @@ Controls (proxy/sim/controls.py):
   x-sim-invalid-tool-calls       the last M of them end with arguments that are no object
   x-sim-tool-call-argument-bytes pad each call's arguments to about this many bytes, in
                                  pieces of 64 KiB (bad input: megabytes of arguments)
+  x-sim-merged-boundaries: 1     the last reasoning token goes out with the first answer
+                                 token, and the last answer token with a call's opening,
+                                 at the later token's time: vLLM's server merging two
+                                 engine steps when it falls behind (RequestOutputCollector).
+                                 Chat gets one delta of both kinds: the deepseek_r1 parser
+                                 returns reasoning and content when `</think>` falls inside
+                                 a delta, the hermes parser content and tool_calls
+                                 (vllm/reasoning/deepseek_r1_reasoning_parser.py,
+                                 vllm/tool_parsers/hermes_tool_parser.py); Messages,
+                                 Responses and Cohere get their two events in one write
 Streamed requests only; faults (x-sim-fault) do not apply to a script.
 """
 
@@ -83,6 +93,19 @@ class ScriptWire(Protocol):
 
     def closing(self, finish_reason: str, sent: int, reasoning: int) -> list[bytes]: ...
 
+    def merged(self, before: Step, step: Step) -> list[bytes]: ...
+
+
+#: The phase changes x-sim-merged-boundaries merges: reasoning to answer, answer to call.
+BOUNDARIES = frozenset({("reasoning", "text"), ("text", "open")})
+
+
+def separate(events: ScriptWire, before: Step, step: Step) -> list[bytes]:
+    """Two tokens in one write, each its own event: how the APIs built from chat chunks
+    pass on one that carried two kinds (vLLM's Messages server, for one, writes a
+    thinking_delta, then a text block: vllm/entrypoints/anthropic/serving.py)."""
+    return [b"".join(events.step(before) + events.step(step))]
+
 
 async def stream_script(ex: Exchange, plan: Plan, pacer: Pacer, events: ScriptWire) -> Outcome:
     """Write the script's events on the pacer's schedule, then the closing events."""
@@ -94,10 +117,15 @@ async def stream_script(ex: Exchange, plan: Plan, pacer: Pacer, events: ScriptWi
         await ex.write(data)
     planned = steps(script, plan.answer_tokens)
     todo = planned[: plan.output_tokens]
+    held: Step | None = None
     for i, step in enumerate(todo):
         await (pacer.first() if i == 0 else pacer.next())
-        writes = events.step(step)
         record.completion_tokens = i + 1
+        if script.merged and i + 1 < len(todo) and (step.kind, todo[i + 1].kind) in BOUNDARIES:
+            held = step  # goes out with the next token, at its time
+            continue
+        writes = events.step(step) if held is None else events.merged(held, step)
+        held = None
         if record.first_token_at is None:
             record.first_token_at = time.monotonic()
         for data in writes:
@@ -140,15 +168,30 @@ class ChatScript:
         if step.kind == "reasoning":
             return [self._choice(b'{"reasoning":"' + text_json(1, step.position) + b'"}')]
         if step.kind == "open":
-            call = {
-                "id": self._ids[step.position],
-                "type": "function",
-                "index": step.position,
-                "function": {"name": TOOL_NAME},
-            }
+            call = self._opening(step.position)
         else:
             call = {"index": step.position, "function": {"arguments": step.piece}}
         return [self._choice(b'{"content":null,"tool_calls":[' + orjson.dumps(call) + b"]}")]
+
+    def merged(self, before: Step, step: Step) -> list[bytes]:
+        """One delta of both kinds, as vLLM's parsers return it (BOUNDARIES)."""
+        if before.kind == "reasoning":  # and the answer's first token
+            return [
+                self._choice(
+                    b'{"reasoning":"'
+                    + text_json(1, before.position)
+                    + b'","content":"'
+                    + text_json(1, step.position)
+                    + b'"}'
+                )
+            ]
+        opening = self._opening(step.position)  # after the answer's last token
+        delta = b'{"content":"' + text_json(1, before.position) + b'","tool_calls":['
+        return [self._choice(delta + orjson.dumps(opening) + b"]}")]
+
+    def _opening(self, call: int) -> dict[str, Any]:
+        return {"id": self._ids[call], "type": "function", "index": call,
+                "function": {"name": TOOL_NAME}}  # fmt: skip
 
     def closing(self, finish_reason: str, sent: int, reasoning: int) -> list[bytes]:
         plan = self._plan
@@ -176,6 +219,8 @@ def _event(name: str, obj: dict[str, Any]) -> bytes:
 
 class MessagesScript:
     """Blocks: thinking, text, tool_use, each opened on its first token."""
+
+    merged = separate
 
     def __init__(self, plan: Plan, messages: Any) -> None:
         self._plan, self._messages = plan, messages  # a proxy.sim.messages.MessagesWire
@@ -261,6 +306,8 @@ class _Item:
 
 class ResponsesScript:
     """Output items: reasoning, message, function calls, each added on its first token."""
+
+    merged = separate
 
     def __init__(self, plan: Plan, responses: Any) -> None:
         self._plan, self._r = plan, responses  # a proxy.sim.responses.ResponsesWire
@@ -398,6 +445,8 @@ class CohereScript:
     `_handle_thinking_delta`, `_handle_text_delta`, `_handle_tool_call_deltas`,
     `_close_open_blocks`): a `thinking` content block, a `text` content block, then per
     call tool-call-start (id, name, arguments ""), tool-call-deltas, tool-call-end."""
+
+    merged = separate
 
     def __init__(self, plan: Plan, cohere: Any) -> None:
         self._plan, self._c = plan, cohere  # a proxy.sim.cohere.CohereWire

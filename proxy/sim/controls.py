@@ -36,7 +36,7 @@ headers (the openai SDK sends them with `extra_headers`) override the config:
   x-sim-ping: 1              Messages: an `event: ping` right after message_start
                              (Anthropic's API sends one; vLLM does not)
   x-sim-reasoning-tokens, x-sim-reasoning-usage, x-sim-tool-calls,
-  x-sim-invalid-tool-calls, x-sim-tool-call-argument-bytes
+  x-sim-invalid-tool-calls, x-sim-tool-call-argument-bytes, x-sim-merged-boundaries
                              reasoning and tool calls (chat, Messages, Responses, Cohere,
                              streamed): see proxy/sim/agentic.py; x-sim-output-tokens is
                              then the answer's length
@@ -149,6 +149,7 @@ class Script:
     calls: int = 0
     invalid: int = 0  # the last `invalid` calls' arguments are no JSON object
     argument_bytes: int = 0  # padding per call's arguments
+    merged: bool = False  # each phase's first token shares the event of the one before it
 
     def pieces(self, call: int) -> list[str]:
         """Call `call`'s arguments in pieces: `{"city": "Paris", "n": <call>}`, padded, and
@@ -175,6 +176,9 @@ def script_from(headers: Mapping[str, str]) -> Script | None:
     usage = headers.get("x-sim-reasoning-usage", "count")
     if usage not in ("count", "zero"):
         raise ControlError(f"x-sim-reasoning-usage: unknown value {usage!r}")
+    merged = headers.get("x-sim-merged-boundaries", "0")
+    if merged not in ("0", "1"):
+        raise ControlError(f"x-sim-merged-boundaries: expected 0 or 1, got {merged!r}")
     calls = number(headers, "x-sim-tool-calls", int, 0, 0)
     return Script(
         reasoning=number(headers, "x-sim-reasoning-tokens", int, 0, 0),
@@ -182,6 +186,7 @@ def script_from(headers: Mapping[str, str]) -> Script | None:
         calls=calls,
         invalid=min(calls, number(headers, "x-sim-invalid-tool-calls", int, 0, 0)),
         argument_bytes=number(headers, "x-sim-tool-call-argument-bytes", int, 0, 0),
+        merged=merged == "1",
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from typing import Any
 
@@ -201,6 +202,35 @@ def test_complete_calls_after_reasoning_and_an_answer(
     )
     assert m.first_reasoning is not None and m.first_answer is not None
     assert m.first_tool_call is not None and m.first_reasoning < m.first_answer < m.first_tool_call
+
+
+@pytest.mark.parametrize("path", APIS)
+def test_tokens_merged_across_a_phase_boundary_count_as_both_kinds_at_one_instant(
+    sim: Running, proxy: ProxyUnderTest, path: str
+) -> None:
+    # The last reasoning token goes out with the first answer token, the last answer token
+    # with the call's opening (x-sim-merged-boundaries: vLLM's server merging two engine
+    # steps); chat gets one delta of both kinds, the other APIs two events in one write.
+    # Tokens 100 ms apart, so that the three instants told apart come in three reads.
+    program = {"x-sim-reasoning-tokens": "2", "x-sim-output-tokens": "2",
+               "x-sim-tool-calls": "1", "x-sim-merged-boundaries": "1", "x-sim-tps": "10"}  # fmt: skip
+    m, raw = run(proxy, sim, path, program)
+    assert m.reasoning_events == 2 and m.output_tokens == 8  # 2 + 2 + the call: 1 + 3 pieces
+    assert [c.outcome for c in m.tool_calls] == ["complete"] == client_outcomes(path, raw)
+    first, last, answer, call = (
+        m.first_reasoning,
+        m.last_reasoning,
+        m.first_answer,
+        m.first_tool_call,
+    )
+    assert first is not None and answer is not None and call is not None
+    assert first < answer == last < call
+    if path == CHAT:  # six content events: r0, r1 + a0, a1 + the opening, three pieces
+        assert len(re.findall(rb'"delta":\{"reasoning":"[^"]*","content":"', raw)) == 1
+        assert len(re.findall(rb'"delta":\{"content":"[^"]*","tool_calls":\[\{"id"', raw)) == 1
+        assert m.ttft is not None and len(m.inter_token_latencies) == 5
+        at = [m.ttft + sum(m.inter_token_latencies[:k]) for k in range(6)]
+        assert (first, answer, call) == pytest.approx((at[0], at[1], at[2]), abs=1e-9)
 
 
 def test_megabytes_of_arguments_are_not_kept_and_count_as_unknown(
