@@ -7,7 +7,7 @@ Times are multiples of 1/8 s, exact in binary, so durations compare with `==`.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import orjson
 import pytest
@@ -211,27 +211,6 @@ CASES = {
             tool_calls=(ToolCall("complete", 0.5),),
         ),
     ),
-    "an_answer_and_a_call_opening_in_one_delta": Case(
-        "vllm_tool_calls_merged.sse",
-        # role, "Sure." + the call's name in one delta, arguments x2, finish, usage, [DONE]
-        [100.25, 100.5, 100.75, 101.0, 101.125, 101.25, 101.25],
-        101.25,
-        expected(
-            ttft=0.5,
-            inter_token_latencies=(0.25, 0.25),
-            tpot=0.5 / 17,
-            decode_tokens_per_second=34.0,
-            e2e=1.25,
-            prompt_tokens=180,
-            output_tokens=18,
-            token_source=TokenSource.USAGE,
-            content_events=3,
-            finish_reason="tool_calls",
-            first_answer=0.5,
-            first_tool_call=0.5,  # the call opened with the answer's first text
-            tool_calls=(ToolCall("complete", 0.5),),
-        ),
-    ),
     "in_stream_error_object": Case(
         "vllm_stream_error.sse",
         # role, "Once", " upon", error, [DONE]
@@ -323,6 +302,16 @@ CASES = {
         ),
     ),
 }
+
+
+# The text before the call and the call's opening in one delta: the tool_calls case, and
+# the call opened with the answer's first text, at the same instant.
+CASES["an_answer_and_a_call_opening_in_one_delta"] = Case(
+    "vllm_tool_calls_merged.sse",
+    CASES["tool_calls"].times,
+    CASES["tool_calls"].end,
+    replace(CASES["tool_calls"].want, first_answer=0.5),
+)
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
