@@ -29,9 +29,7 @@ _DELTA_KEYS = (
 )
 
 
-_REASONING_KEYS = ("reasoning_content", "reasoning")
-
-#: What a choice carries beside its content's kind (OpenAIGeneration._beside).
+#: What a delta carries beside its content's kind (`beside`).
 Beside = tuple[list[str] | None, tuple[CallPiece, ...] | None]
 _NOTHING_BESIDE: Beside = (None, None)
 
@@ -45,6 +43,9 @@ class OpenAIGeneration(Api):
 
     finish_ends_stream: ClassVar[bool] = True
     end_marker: ClassVar[str] = "[DONE] or finish_reason"
+    #: Content comes in `choices[i].delta`, which can hold several kinds (`beside`); text
+    #: completions' `choices[i].text` holds one.
+    deltas: ClassVar[bool] = False
 
     def usage_requested(self, obj: dict[str, Any]) -> bool:
         options = obj.get("stream_options")
@@ -104,9 +105,12 @@ class OpenAIGeneration(Api):
                             indices = (index,)
                         elif kind == "tool":  # only tool-call chunks pay for this
                             calls = call_pieces(choice.get("delta"))
-                        reasoning, more = self._beside(choice, kind)
-                        if more is not None and indices is _FIRST:
-                            calls = more
+                        if self.deltas:
+                            delta = choice["delta"]  # a dict: _content found content in it
+                            if len(delta) > 1:  # vLLM leaves unset fields out of a delta
+                                reasoning, more = beside(delta, kind)
+                                if more is not None and indices is _FIRST:
+                                    calls = more
                     finish = choice.get("finish_reason")
             else:
                 kind, indices, finish = self._choices(choices, texts)
@@ -163,11 +167,6 @@ class OpenAIGeneration(Api):
         """The kind of content this choice carries (None: none), its text kept in `texts`."""
         raise NotImplementedError
 
-    def _beside(self, choice: dict[str, Any], kind: str) -> Beside:
-        """What a choice whose content is of `kind` also carries: (reasoning pieces, tool
-        call pieces beside an answer), each None when none. Text completions carry one."""
-        return _NOTHING_BESIDE
-
     def body(self, obj: dict[str, Any], collect: bool) -> Facts:
         facts = super().body(obj, collect)
         choices = obj.get("choices")
@@ -192,6 +191,7 @@ class Chat(OpenAIGeneration):
     takes_messages = True
     paths = ("/v1/chat/completions",)
     operation = "chat"
+    deltas = True
     text_openings = (b'"delta":{"content":"', b'"delta":{"reasoning":"')
     measures = (
         "TTFT at the first chunk with non-empty delta content, reasoning or tool_calls "
@@ -203,29 +203,12 @@ class Chat(OpenAIGeneration):
     def prompt(self, obj: dict[str, Any]) -> Any:
         return obj.get("messages")
 
-    def _beside(self, choice: dict[str, Any], kind: str) -> Beside:
-        """A delta holds several kinds when one engine step's text crossed a boundary, or
-        when vLLM's API server merged two steps' outputs (v1's RequestOutputCollector):
-        the deepseek_r1 reasoning parser returns reasoning and content together when
-        `</think>` falls inside the delta (vllm/reasoning/deepseek_r1_reasoning_parser.py),
-        the hermes tool parser content and tool_calls when text and a call's name arrive
-        together (vllm/tool_parsers/hermes_tool_parser.py, extract_tool_calls_streaming).
-        vLLM leaves unset fields out of a delta, so the common one-key delta costs a len()."""
-        delta = choice["delta"]  # a dict: _content found content in it
-        if len(delta) < 2:
-            return _NOTHING_BESIDE
-        reasoning = None if kind == "reasoning" else reasoning_beside(delta)
-        calls = call_pieces(delta) if kind == "text" else None
-        if reasoning is None and calls is None:
-            return _NOTHING_BESIDE
-        return reasoning, calls
-
     def _content(self, choice: dict[str, Any], texts: list[str] | None) -> str | None:
         delta = choice.get("delta")
         if not delta or type(delta) is not dict:
             return None
         if texts is None and delta.get("content"):
-            return "text"  # the kind; what else the delta holds is for _beside
+            return "text"  # the kind; what else the delta holds is for `beside`
         kind = None
         for key, name in _DELTA_KEYS:
             value = delta.get(key)
@@ -263,11 +246,26 @@ def call_pieces(delta: object) -> tuple[CallPiece, ...] | None:
     return tuple(pieces) or None
 
 
-def reasoning_beside(delta: dict[str, Any]) -> list[str] | None:
-    """The reasoning pieces of a delta whose kind is an answer or a call (Facts.reasoning),
-    None when it carries none."""
-    found = [v for key in _REASONING_KEYS if (v := delta.get(key)) and type(v) is str]
-    return found or None
+def beside(delta: dict[str, Any], kind: str) -> Beside:
+    """What a delta of several keys carries beside its content of `kind`: (reasoning
+    pieces, tool-call pieces beside an answer), each None when none.
+
+    A delta holds several kinds when one engine step's text crossed a boundary, or when
+    vLLM's API server merged two steps' outputs (v1's RequestOutputCollector): the
+    deepseek_r1 reasoning parser returns reasoning and content together when `</think>`
+    falls inside the delta (vllm/reasoning/deepseek_r1_reasoning_parser.py), the hermes
+    tool parser content and tool_calls when text and a call's name arrive together
+    (vllm/tool_parsers/hermes_tool_parser.py, extract_tool_calls_streaming). Releases that
+    send the reasoning under both names send one text: it is taken once."""
+    reasoning = None
+    if kind != "reasoning":
+        value = delta.get("reasoning") or delta.get("reasoning_content")
+        if value and type(value) is str:
+            reasoning = [value]
+    calls = call_pieces(delta) if kind == "text" else None
+    if reasoning is None and calls is None:
+        return _NOTHING_BESIDE
+    return reasoning, calls
 
 
 def keep(facts: Facts, value: object) -> None:
