@@ -441,6 +441,24 @@ def test_an_answer_that_also_ends_the_only_reasoning_is_both_at_one_instant() ->
     assert observer.reasoning_texts == ["x"] and observer.texts == ["y", "x", "!"]
 
 
+def test_reasoning_sent_under_both_names_is_one_text() -> None:
+    """vLLM renamed `reasoning_content` to `reasoning`; a server or gateway that keeps
+    both sends one text twice in a delta. A tokenizer must count it once."""
+    reads = [
+        b'data: {"choices":[{"index":0,"delta":{"reasoning":"ab","reasoning_content":"ab"}}]}\n\n',
+        b'data: {"choices":[{"index":0,"delta":{"reasoning":"c","reasoning_content":"c",'
+        b'"content":"d"}}]}\n\n',
+        b"data: [DONE]\n\n",
+    ]
+    observer = StreamObserver(request(), start=START, collect_text=True)
+    observer.open(200, "text/event-stream", OPENED)
+    for chunk, now in zip(reads, [100.5, 100.75, 100.75], strict=True):
+        observer.feed(chunk, now)
+    m = finish(observer, 100.75)
+    assert observer.reasoning_texts == ["ab", "c"] and observer.texts == ["ab", "d", "c"]
+    assert (m.reasoning_tokens, m.reasoning_token_source) == (2, "events")
+
+
 # -- non-streaming and error bodies -----------------------------------------------------------
 
 

@@ -210,9 +210,14 @@ class Chat(OpenAIGeneration):
         if texts is None and delta.get("content"):
             return "text"  # the kind; what else the delta holds is for `beside`
         kind = None
+        reasoned = False
         for key, name in _DELTA_KEYS:
             value = delta.get(key)
             if value:
+                if name == "reasoning":
+                    if reasoned:  # one text under both names (vLLM's old and new): once
+                        continue
+                    reasoned = True
                 if kind is None or kind == "reasoning":  # an answer outranks its reasoning
                     kind = name
                 if texts is not None:
