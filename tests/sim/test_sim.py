@@ -133,6 +133,7 @@ def test_tokens_follow_the_tps_pace_without_drift(client: httpx.Client, url: str
     best_of(3, attempt)
 
 
+@pytest.mark.alone("a timing read within tens of milliseconds")
 def test_tokens_per_chunk_groups_tokens_and_keeps_tokens_per_second(
     client: httpx.Client, url: str
 ) -> None:
@@ -255,6 +256,7 @@ def test_zero_output_tokens_sends_finish_at_ttft(client: httpx.Client, url: str)
 # -- non-streaming -------------------------------------------------------------
 
 
+@pytest.mark.alone("a timing read within tens of milliseconds")
 def test_non_streaming_returns_after_all_tokens(client: httpx.Client, url: str) -> None:
     headers = {"x-sim-ttft": "0.1", "x-sim-tps": "50", "x-sim-output-tokens": "6"}
 
