@@ -525,6 +525,7 @@ def test_api_key_guards_every_route_but_the_public_ones() -> None:
 # -- knobs ------------------------------------------------------------------------
 
 
+@pytest.mark.alone("a timing read within tens of milliseconds")
 def test_ttft_grows_per_prompt_token(client: httpx.Client, url: str) -> None:
     prompt = "x" * 400  # 100 prompt tokens
     body = chat(messages=[{"role": "user", "content": prompt}])
@@ -538,6 +539,7 @@ def test_ttft_grows_per_prompt_token(client: httpx.Client, url: str) -> None:
     best_of(3, attempt)
 
 
+@pytest.mark.alone("a timing read within tens of milliseconds")
 def test_config_knobs_ttft_per_prompt_token_and_cached_tokens() -> None:
     config = SimConfig(ttft=0.0, ttft_per_prompt_token=0.002, cached_tokens=3, output_tokens=2)
     with running(config) as (server, _), warm_client(server.url) as c:
@@ -653,6 +655,7 @@ def test_malformed_and_huge_events_are_inserted_and_the_stream_goes_on(
     assert reply.content.endswith(b'"type":"response.completed"}\n\n')
 
 
+@pytest.mark.alone("a timing read within tens of milliseconds")
 def test_non_streamed_message_arrives_when_its_last_token_is_due(
     client: httpx.Client, url: str
 ) -> None:
