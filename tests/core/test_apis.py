@@ -181,6 +181,37 @@ def test_messages_stream_byte_at_a_time_gives_the_same_record() -> None:
     assert replay("/v1/messages", reads, times, 101.5) == MSG_WANT
 
 
+# vLLM 0.32.0's own Messages stream, captured (tests/fixtures/streams/vllm-0.32/README.md):
+# message_start, content_block_start, six text deltas, block stop, message_delta (stop_reason
+# max_tokens, usage 23 in / 6 out), message_stop; one read per event, an eighth apart.
+V032_MSG_TIMES = [100.125 + i / 8 for i in range(11)]
+V032_MSG_WANT = record(
+    "/v1/messages",
+    "chatcmpl-802149480cbad842",
+    ttft=0.375,  # the first text delta: not message_start (0.125) or the block start (0.25)
+    inter_token_latencies=(0.125,) * 5,
+    tpot=0.625 / 5,  # (last - first text delta) / (6 output tokens from message_delta - 1)
+    decode_tokens_per_second=5 / 0.625,
+    e2e=1.375,
+    prompt_tokens=23,
+    output_tokens=6,
+    token_source=TokenSource.USAGE,
+    content_events=6,
+    finish_reason="length",
+    raw_finish_reason="max_tokens",
+    first_answer=0.375,
+    response_model="tiny",
+)
+
+
+def test_a_real_vllm_032_messages_stream_gives_its_exact_record() -> None:
+    reads = events("vllm-0.32/messages_stream.sse")
+    assert len(reads) == len(V032_MSG_TIMES)
+    assert replay("/v1/messages", reads, V032_MSG_TIMES, 101.375) == V032_MSG_WANT
+    bytewise, times = byte_at_a_time(reads, V032_MSG_TIMES)
+    assert replay("/v1/messages", bytewise, times, 101.375) == V032_MSG_WANT
+
+
 def test_messages_start_events_at_t0_are_not_the_first_token() -> None:
     reads = events("vllm_messages.sse")[:3]  # message_start, ping, content_block_start
     m = replay("/v1/messages", reads, [100.125] * 3, 100.25)
