@@ -1,7 +1,7 @@
 """What does tokenprobe cost on the path of a stream? One run measures it against the floor.
 
 The simulator (lockstep: one decode-step clock, every active stream gets one chunk per
-step, each chunk its own network read; chunks stamped with `sent_ns`) runs in its own
+step, each chunk its own network read; each text opens with its send time) runs in its own
 process; the load generator (raw asyncio + httptools) in another, both pinned away from
 the arm under test, which gets a core to itself. Arms, interleaved in rounds:
 

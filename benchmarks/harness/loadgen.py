@@ -3,9 +3,9 @@
 It runs in its own process and takes commands from relay.py, one JSON object a line on
 stdin, answering each with one JSON line on stdout (a `hold` also reports `open` first).
 Per-chunk latency comes from the backend's stamps: every content chunk carries the
-`time.time_ns()` taken just before the backend wrote it (the simulator's `"sent_ns": N`
-first key; emitter.py's text `"@N"`), and the client notes `time.time_ns()` when the
-network read carrying it arrived.
+`time.time_ns()` taken just before the backend wrote it (the text's opening `"@N"`, from
+the simulator and emitter.py alike; a `"sent_ns": N` first key also reads), and the
+client notes `time.time_ns()` when the network read carrying it arrived.
 
 Commands (all times in seconds):
   stream   N keep-alive connections, each streaming requests back to back for `duration`
@@ -29,7 +29,9 @@ import orjson
 from harness import checkout  # noqa: F401  (this checkout's proxy/ first)
 from proxy.bench.stats import quantile
 
-STAMP = re.compile(rb'(?:"sent_ns":|"content":"@)(\d+)')
+#: A send stamp: a `sent_ns` key (the simulator's `x-sim-stamp: 1`), or `@<time_ns>` opening
+#: a text (emitter.py; the simulator's `stamp_in_text`, chat, completions, Messages, Responses).
+STAMP = re.compile(rb'(?:"sent_ns":|"(?:content|text|delta)":"@)(\d+)')
 MAX_CONNECTIONS = 4096
 BURN_NS = [0]  # CPU to burn per content chunk read, set per stream phase
 

@@ -3,8 +3,12 @@
 One port serves several simulators, chosen per request by the `x-bench-step-ms` header,
 which every arm forwards unchanged: with it, a lockstep simulator with that decode step
 (one chunk per stream per step, created on first use); without it, a free-running one.
-All of them stamp each content chunk with `sent_ns`. So one simulator process serves the
-whole benchmark, streaming sweeps, rate searches and TTFT, whatever sits in front of it.
+All of them stamp each content chunk with its send time, `@<time_ns> ` before its text
+(SimConfig.stamp_in_text), so a stream's chunks differ only in their text, as vLLM's do,
+and the proxy's template match applies as it does on vLLM's (a `sent_ns` key before the
+text, the stamp until 2026-12-05, made every chunk parsed in full). So one simulator
+process serves the whole benchmark, streaming sweeps, rate searches and TTFT, whatever
+sits in front of it.
 
 The OTLP sink answers every POST with an empty 200 (a valid empty protobuf reply), so a
 proxy's trace exporter does its real work without a collector; GET /count says how many
@@ -29,7 +33,9 @@ STEP_HEADER = b"x-bench-step-ms"
 
 class Dispatch:
     def __init__(self) -> None:
-        self.free = create_sim_app(SimConfig(ttft=0.0, stamp=True, max_records=1000))
+        self.free = create_sim_app(
+            SimConfig(ttft=0.0, stamp=True, stamp_in_text=True, max_records=1000)
+        )
         self.lockstep: dict[bytes, SimApp] = {}
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -45,7 +51,9 @@ class Dispatch:
         await app(scope, receive, send)
 
     def _new_lockstep(self, step_ms: bytes) -> SimApp:
-        config = SimConfig(ttft=0.0, stamp=True, step_ms=float(step_ms), max_records=1000)
+        config = SimConfig(
+            ttft=0.0, stamp=True, stamp_in_text=True, step_ms=float(step_ms), max_records=1000
+        )
         app = self.lockstep[step_ms] = create_sim_app(config)
         return app
 

@@ -77,7 +77,7 @@ from proxy.sim.responses import ResponsesWire
 from proxy.sim.state import Outcome, SimRequest, SimState
 from proxy.sim.stream import complete, engine_metrics, paced_whole, stream
 from proxy.sim.tokens import completion_text, count_prompt_tokens
-from proxy.sim.wire import StreamWire
+from proxy.sim.wire import StreamWire, stamp_mode
 
 Handler = Callable[["SimApp", Exchange, Any, float], Awaitable[Outcome]]
 
@@ -279,7 +279,9 @@ class SimApp:
             plan,
             pacer,
             created=int(time.time()),
-            stamp=self.config.stamp or record.headers.get("x-sim-stamp", "0") in ("1", "true"),
+            stamp=stamp_mode(
+                self.config.stamp, self.config.stamp_in_text, record.headers.get("x-sim-stamp", "")
+            ),
             system_fingerprint=self.config.system_fingerprint,
         )
         return await _WRITERS[kind](job)
@@ -459,7 +461,7 @@ class Planned:
     plan: Plan
     pacer: Pacer
     created: int
-    stamp: bool
+    stamp: str  # proxy/sim/wire.py STAMPS
     system_fingerprint: str | None
 
 
@@ -528,7 +530,7 @@ def _write_openai(chat: bool) -> Callable[[Planned], Awaitable[Outcome]]:
             chat, ex.record.id, job.created, plan.model, job.stamp, job.system_fingerprint
         )
         if chat and plan.script is not None:
-            head = StreamWire(chat, ex.record.id, job.created, plan.model, False).role()
+            head = StreamWire(chat, ex.record.id, job.created, plan.model, "").role()
             head = head[: head.index(b',"choices"')]
             return await stream_script(ex, plan, job.pacer, ChatScript(plan, sse, head))
         return await stream(ex, plan, sse, job.pacer)

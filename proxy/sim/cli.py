@@ -143,6 +143,12 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--api-key", default=env("API_KEY", str, None))
     add("--step-ms", type=float, default=env("STEP_MS", float, None), help="lockstep mode")
     add("--stamp", action="store_true", default=env("STAMP", flag, False))
+    add(
+        "--stamp-in-text",
+        action="store_true",
+        default=env("STAMP_IN_TEXT", flag, False),
+        help='with --stamp: "@<send time ns> " before each text, not a key before it',
+    )
     add("--record-bodies", action="store_true", default=env("RECORD_BODIES", flag, False))
     add("--log-level", default=env("LOG_LEVEL", str, "warning"))
     parser.set_defaults(env_models=env("MODEL", models, None))
@@ -177,6 +183,7 @@ def parse(
             backend_kind=args.backend_kind,
             step_ms=args.step_ms,
             stamp=args.stamp,
+            stamp_in_text=args.stamp_in_text,
             record_bodies=args.record_bodies,
         )
     except ValueError as exc:

@@ -47,6 +47,10 @@ class SimConfig:
     step_ms: float | None = None
     #: Put `"sent_ns": time.time_ns()` as the first key of every content chunk.
     stamp: bool = False
+    #: With `stamp`: put the send time in the text instead, `"@<time_ns> "` before it, so
+    #: the chunks of a stream differ only in their text, as vLLM's do (the proxy's
+    #: template match then applies, where a stamp key before the text defeats it).
+    stamp_in_text: bool = False
     #: Keep a running SHA-256 of every response-body byte in each request's record.
     record_bodies: bool = False
     #: vLLM's `--enable-per-request-metrics`: the `metrics` object on the usage chunk and

@@ -32,7 +32,9 @@ headers (the openai SDK sends them with `extra_headers`) override the config:
                              zeroed (Ollama's /v1/completions, middleware/openai.go
                              CompleteWriter): every content chunk carries an all-zero
                              usage, then the usage chunk
-  x-sim-stamp: 1             stamp content chunks with "sent_ns" (as SimConfig.stamp)
+  x-sim-stamp: 1             stamp content chunks with "sent_ns" (as SimConfig.stamp);
+                             `text`: their text starts with "@<time_ns> " instead
+                             (as SimConfig.stamp_in_text)
   x-sim-ping: 1              Messages: an `event: ping` right after message_start
                              (Anthropic's API sends one; vLLM does not)
   x-sim-reasoning-tokens, x-sim-reasoning-usage, x-sim-tool-calls,

@@ -45,6 +45,7 @@ import orjson
 
 from proxy.sim.controls import Plan
 from proxy.sim.tokens import completion_text
+from proxy.sim.wire import stamp_text
 
 #: vLLM's stop_reason_map (finish_reason -> Anthropic stop_reason).
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -71,7 +72,7 @@ class MessagesWire:
 
     __slots__ = ("_id", "_model", "_plan", "_pre", "_stamp", "finish_reason")
 
-    def __init__(self, plan: Plan, response_id: str, stamp: bool = False) -> None:
+    def __init__(self, plan: Plan, response_id: str, stamp: str = "") -> None:
         self._stamp = stamp
         self._plan = plan
         self._id = orjson.dumps(response_id)
@@ -112,6 +113,8 @@ class MessagesWire:
         ]
 
     def content(self, text: bytes) -> bytes:
+        if self._stamp == "text":
+            return self._pre + stamp_text(text) + b'"},"index":0}\n\n'
         if self._stamp:
             stamped = b'data: {"sent_ns":%d,"type"' % time.time_ns()
             pre = self._pre.replace(b'data: {"type"', stamped, 1)

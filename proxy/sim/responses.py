@@ -39,6 +39,7 @@ import orjson
 
 from proxy.sim.controls import Plan
 from proxy.sim.tokens import completion_text
+from proxy.sim.wire import stamp_text
 
 #: Finish reasons that make a response "incomplete", with the reason vLLM reports.
 INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
@@ -57,7 +58,7 @@ class ResponsesWire:
         body: dict[str, Any],
         response_id: str,
         created: int,
-        stamp: bool = False,
+        stamp: str = "",
     ):
         self._stamp = stamp
         self._plan = plan
@@ -185,7 +186,9 @@ class ResponsesWire:
 
     def content(self, text: bytes) -> bytes:
         pre = self._pre
-        if self._stamp:
+        if self._stamp == "text":
+            text = stamp_text(text)
+        elif self._stamp:
             pre = pre.replace(b"data: {", b'data: {"sent_ns":%d,' % time.time_ns(), 1)
         return (
             pre + text + self._post + b'%d,"type":"response.output_text.delta"}\n\n' % self._next()

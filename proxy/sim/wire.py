@@ -16,8 +16,10 @@ Completions use `"object":"text_completion"` and choices `{"index":0,"text":"<te
 "logprobs":null,"finish_reason":null,"stop_reason":null}`, with no role chunk.
 Every event is `data: <json>\\n\\n`; the stream ends with `data: [DONE]\\n\\n`.
 
-With `stamp`, each content chunk starts with `"sent_ns":<time.time_ns()>` as its first
-key, taken just before the write, so a client can measure added latency per chunk.
+With `stamp` "key", each content chunk starts with `"sent_ns":<time.time_ns()>` as its
+first key, taken just before the write, so a client can measure added latency per chunk;
+with "text", the text starts with `@<time.time_ns()> ` instead (`stamp_text`), and the
+chunks differ only in their text, as vLLM's do.
 """
 
 from __future__ import annotations
@@ -35,6 +37,22 @@ ERROR_EVENT = (
 )
 ERROR_STRING_EVENT = b'data: {"error":"upstream generation failed"}\n\n'
 MALFORMED_EVENT = b"data: {not json\n\n"
+
+
+#: Where a content chunk carries its send time: "" (nowhere), "key" or "text" (SimConfig).
+STAMPS = ("", "key", "text")
+
+
+def stamp_mode(configured: bool, in_text: bool, header: str) -> str:
+    """The stamp of one request: the `x-sim-stamp` header (1/true: key; text) or the config."""
+    if header == "text" or (configured and in_text and header not in ("1", "true")):
+        return "text"
+    return "key" if configured or header in ("1", "true") else ""
+
+
+def stamp_text(text: bytes) -> bytes:
+    """`text` (JSON-escaped) behind its send time, `@<time.time_ns()> `."""
+    return b"@%d " % time.time_ns() + text
 
 
 def usage_json(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> bytes:
@@ -60,7 +78,7 @@ class StreamWire:
         response_id: str,
         created: int,
         model: str,
-        stamp: bool,
+        stamp: str,
         fingerprint: str | None = None,
     ):
         self.fingerprint = None if fingerprint is None else orjson.dumps(fingerprint)
@@ -94,6 +112,8 @@ class StreamWire:
     def content(self, text: bytes, usage: bytes | None = None) -> bytes:
         """A content chunk; `text` is already escaped for the inside of a JSON string."""
         tail = b"}\n\n" if usage is None else b',"usage":' + usage + b"}\n\n"
+        if self._stamp == "text":
+            return self._pre + stamp_text(text) + self._post + tail
         if self._stamp:
             return (
                 b'data: {"sent_ns":%d' % time.time_ns() + self._stamp_pre + text + self._post + tail

@@ -85,3 +85,30 @@ def test_the_emitters_chunks_differ_only_in_their_text() -> None:
     template = observer._template
     assert template is not None
     assert template.fits(three.removeprefix(b"data: ").removesuffix(b"\n\n"))
+
+
+@pytest.mark.parametrize(("stamp", "fits"), [("text", True), ("key", False)])
+def test_the_benchmark_simulators_chunks_fit_one_template_when_stamped_in_their_text(
+    stamp: str, fits: bool
+) -> None:
+    """`benchmarks/peers/sim_server.py` stamps inside the text (`stamp_in_text`): its chunks
+    then take the observer's template path, as vLLM's do; a `sent_ns` key before the text
+    (`x-sim-stamp: 1`) gives every chunk a head of its own, and each is parsed in full."""
+    from proxy.sim.wire import StreamWire
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from peers import sim_server
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    assert sim_server.Dispatch().free.config.stamp_in_text
+    wire = StreamWire(True, "chatcmpl-7f3a", 1796224770, "sim-model", stamp)
+    one, two, three = (wire.content(b" tok%d" % i) for i in range(3))
+    info, _ = parse_request("/v1/chat/completions", b'{"model":"m","stream":true}')
+    observer = StreamObserver(info, 0.0)
+    observer.open(200, "text/event-stream", 0.0)
+    observer.feed(wire.role(), 0.5)
+    observer.feed(one, 1.0)
+    observer.feed(two, 2.0)
+    template = observer._template
+    assert (template is not None and template.fits(three[len(b"data: ") : -2])) is fits

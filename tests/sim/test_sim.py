@@ -211,6 +211,37 @@ def test_stamp_puts_send_time_as_first_key_of_content_chunks(
     assert 0 < now_ns - stamps[-1] < 1_000_000_000
 
 
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_a_stamp_in_the_text_leaves_chunks_that_differ_only_in_their_text(
+    client: httpx.Client, url: str, api: str
+) -> None:
+    """`x-sim-stamp: text`: the send time opens each text (`@<time_ns> `), and outside their
+    texts the content chunks of a stream are one byte string, as vLLM's are (so a proxy's
+    template match applies, where the `sent_ns` key defeats it)."""
+    before = time.time_ns()
+    body = chat() if api == "chat" else {"model": "sim-model", "prompt": "Hi", "stream": True}
+    path = "/v1/chat/completions" if api == "chat" else "/v1/completions"
+    got = read_events(client, url, body, {"x-sim-stamp": "text"}, path)
+    contents = got.contents()
+    assert len(contents) > 2
+    opening = b'"content":"' if api == "chat" else b'"text":"'
+    outside, stamps = set(), []
+    for event in contents:
+        head, rest = event.data.split(opening, 1)
+        stamp, rest = rest.split(b" ", 1)
+        assert stamp.startswith(b"@") and stamp[1:].isdigit(), event.data
+        stamps.append(int(stamp[1:]))
+        outside.add(head + opening + rest.split(b'"', 1)[1])
+    assert len(outside) == 1, outside
+    assert not any(b"sent_ns" in e.data for e in got.events)
+    assert stamps == sorted(stamps) and before <= stamps[0] and stamps[-1] <= time.time_ns()
+    # The texts are the plain stream's, each behind its stamp.
+    plain = read_events(client, url, body, path=path)
+    assert [e.data.split(opening, 1)[1].split(b" ", 1)[1] for e in contents] == [
+        e.data.split(opening, 1)[1] for e in plain.contents()
+    ]
+
+
 def test_no_done_header_ends_with_the_finish_chunk(client: httpx.Client, url: str) -> None:
     got = read_events(client, url, chat(), {"x-sim-no-done": "1"})
     assert got.events[-1].json["choices"][0]["finish_reason"] == "stop"

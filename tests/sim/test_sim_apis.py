@@ -704,3 +704,23 @@ def test_stamp_puts_sent_ns_first_in_every_text_delta(
         assert before <= event.json["sent_ns"] <= time.time_ns()
     others = [e for e in got.events if e.name not in text_events]
     assert not any(b"sent_ns" in e.data for e in others)
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/responses"])
+def test_a_stamp_in_the_text_opens_every_text_delta(
+    client: httpx.Client, url: str, path: str
+) -> None:
+    body = message() if path == "/v1/messages" else response_body()
+    before = time.time_ns()
+    got = read_named_events(client, url, path, body, {"x-sim-stamp": "text"})
+    key = "text" if path == "/v1/messages" else "delta"
+    texts = [
+        (e.json["delta"] if path == "/v1/messages" else e.json)[key]
+        for e in got.events
+        if e.name in ("content_block_delta", "response.output_text.delta")
+    ]
+    assert len(texts) == TOKENS
+    stamps = [int(t.split(" ", 1)[0].removeprefix("@")) for t in texts]
+    assert all(t.startswith("@") for t in texts)
+    assert stamps == sorted(stamps) and before <= stamps[0] and stamps[-1] <= time.time_ns()
+    assert not any(b"sent_ns" in e.data for e in got.events)

@@ -233,8 +233,8 @@ def event_json(event: bytes) -> dict[str, object]:
 
 
 @pytest.mark.parametrize("chat", [True, False])
-@pytest.mark.parametrize("stamp", [True, False])
-def test_every_template_event_is_one_valid_json_event(chat: bool, stamp: bool) -> None:
+@pytest.mark.parametrize("stamp", wire.STAMPS)
+def test_every_template_event_is_one_valid_json_event(chat: bool, stamp: str) -> None:
     sse = wire.StreamWire(chat, 'id"1', 1700000000, "m\\odel", stamp)
     usage = wire.usage_json(3, 4, 2)
     events = [
@@ -250,7 +250,10 @@ def test_every_template_event_is_one_valid_json_event(chat: bool, stamp: bool) -
         assert event.count(b"\n\n") == 1
         data = event_json(event)
         assert data["id"] == 'id"1' and data["model"] == "m\\odel" and data["created"] == 1700000000
-    assert (next(iter(event_json(events[2]))) == "sent_ns") is stamp
+    assert (next(iter(event_json(events[2]))) == "sent_ns") is (stamp == "key")
+    text = event_json(events[2])["choices"][0]["delta" if chat else "text"]
+    text = text["content"] if chat else text
+    assert text.startswith("@") is (stamp == "text")
     assert event_json(events[6])["usage"] == {
         "prompt_tokens": 3,
         "total_tokens": 7,
@@ -282,6 +285,27 @@ def test_config_rejects_nonsense() -> None:
         SimConfig(models=())
 
 
+@pytest.mark.parametrize(
+    ("configured", "in_text", "header", "mode"),
+    [
+        (False, False, "", ""),
+        (False, False, "0", ""),
+        (False, False, "1", "key"),
+        (False, False, "true", "key"),
+        (False, False, "text", "text"),
+        (True, False, "", "key"),
+        (True, False, "text", "text"),
+        (True, True, "", "text"),
+        (True, True, "1", "key"),  # the request's header says which
+        (False, True, "", ""),  # stamp_in_text says where, not whether
+    ],
+)
+def test_a_requests_stamp_is_its_header_else_the_config(
+    configured: bool, in_text: bool, header: str, mode: str
+) -> None:
+    assert wire.stamp_mode(configured, in_text, header) == mode
+
+
 def test_cli_reads_environment_and_flags_win() -> None:
     environ = {
         "TOKENPROBE_SIM_TTFT": "0.2",
@@ -293,6 +317,9 @@ def test_cli_reads_environment_and_flags_win() -> None:
     config, args = parse(["--tps", "90", "--step-ms", "15"], environ)
     assert config.ttft == 0.2 and config.tokens_per_second == 90 and config.step_ms == 15
     assert config.models == ("a", "b") and config.stamp is True
+    assert config.stamp_in_text is False
+    assert parse(["--stamp-in-text"], environ)[0].stamp_in_text is True
+    assert parse([], {**environ, "TOKENPROBE_SIM_STAMP_IN_TEXT": "1"})[0].stamp_in_text is True
     assert (args.host, args.port) == ("127.0.0.1", 9000)
     config, _ = parse(["--model", "x", "--model", "y", "--api-key", "k"], environ)
     assert config.models == ("x", "y") and config.api_key == "k"
