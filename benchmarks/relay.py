@@ -9,7 +9,7 @@ the arm under test, which gets a core to itself. Arms, interleaved in rounds:
   relay             a TCP byte relay on uvloop (benchmarks/peers/byte_relay.py): the floor
   nginx             proxy_buffering off, HTTP/1.1 upstream keep-alive (when installed)
   tokenprobe        metrics only (--access-log off), the default data path
-  tokenprobe-log    metrics + JSON access log to /dev/null: the arm issue 20's targets quote
+  tokenprobe-log    metrics + JSON access log to /dev/null: the arm issue 29's targets quote
   tokenprobe-full   metrics + JSON access log + tracing of every request to a local OTLP sink
   tokenprobe-asgi   as tokenprobe-log, with `--relay asgi` (skipped, with a note, where the
                     tree has no such setting)

@@ -1,4 +1,5 @@
-"""Issue 20's targets, from one relay.py run over every load shape: met or not, worst first.
+"""Issue 29's targets (issue 20's, with the tail bound at 3 ms where issue 20 had 2), from
+one relay.py run over every load shape: met or not, worst first.
 
 Each figure is a ratio of two arms measured in the same run (and, for the sweep, the
 same interleaved rounds): tokenprobe-log (metrics + JSON access log, the default data
@@ -50,9 +51,9 @@ def shape_rows(name: str, shape: dict[str, Any], high: int) -> list[dict[str, An
     rows.append(
         _row(
             f"{TARGET_ARM} added per-chunk p99, {high} lockstep streams [{name}]",
-            "<= 2 ms",
+            "<= 3 ms",
             p99,
-            None if p99 is None else p99 <= 2.0,
+            None if p99 is None else p99 <= 3.0,
             "–" if p99 is None else f"{p99:.2f} ms",
         )
     )
