@@ -238,7 +238,7 @@ class Bench:
 
     def _phase_once(self, arm: Arm, cmd: dict[str, Any], timeout: float) -> dict[str, Any]:
         pids, gen = arm.pids(), self.stack.generator_pids()
-        ours = [*pids, *gen, os.getpid()]
+        ours = [*pids, *gen, *self.stack.peer_pids(), os.getpid()]
         w0 = wakeups(pids)
         c0, g0, o0, b0, t0 = cpu(pids), cpu(gen), cpu(ours), system_busy_ns(), time.monotonic_ns()
         self.stack.tell_gen({**cmd, "port": arm.port, "path": arm.path, "headers": arm.headers})

@@ -142,6 +142,12 @@ class Stack:
     def generator_pids(self) -> list[int]:
         return [p.pid for p in (self.sim, self.gen) if p is not None]
 
+    def peer_pids(self) -> list[int]:
+        """The benchmark's own processes besides the arm and the generator: the OTLP sink
+        beside the emitter (in the other shapes the simulator's process is the sink). Their
+        CPU is no other load on the machine: a traced arm's exports keep the sink busy."""
+        return [p.pid for p in (self.otlp_sink,) if p is not None]
+
     def tell_gen(self, cmd: dict[str, Any]) -> None:
         assert self.gen is not None and self.gen.stdin is not None
         self.gen.stdin.write((json.dumps(cmd) + "\n").encode())
