@@ -206,6 +206,10 @@ def test_transcription_stream_with_the_openai_sdk(
     same = {**PROGRAM, "x-request-id": "same-id"}  # the simulator's id comes from it
     received, direct = b"", b""
     for _ in range(3):  # `created` is whole seconds: both must fall in one second
+        # Start at a second's start: the pair (two 0.33 s streams) then fits in it unless
+        # a stall holds it for the rest of the second. Started at any moment instead, a
+        # pair crossed a second's end about every third try (a CI run missed all three).
+        time.sleep(1 - time.time() % 1)
         for base in (proxy.url, sim[0]):
             client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
             with client.audio.transcriptions.with_streaming_response.create(
