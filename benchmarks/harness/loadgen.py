@@ -33,6 +33,7 @@ from proxy.bench.stats import quantile
 #: a text (emitter.py; the simulator's `stamp_in_text`, chat, completions, Messages, Responses).
 STAMP = re.compile(rb'(?:"sent_ns":|"(?:content|text|delta)":"@)(\d+)')
 MAX_CONNECTIONS = 4096
+ANSWER_BYTES = 160  # of a non-200 body kept for its error reason
 BURN_NS = [0]  # CPU to burn per content chunk read, set per stream phase
 
 
@@ -77,6 +78,7 @@ class Conn(asyncio.Protocol):
         self.first = 0
         self.done_at = 0
         self.tail = b""
+        self.answer = b""  # the start of a non-200 body: the proxy's error says why
 
     # -- asyncio ---------------------------------------------------------------------------
 
@@ -108,6 +110,8 @@ class Conn(asyncio.Protocol):
             self.head.set_result(None)
 
     def on_body(self, body: bytes) -> None:
+        if self.status != 200 and len(self.answer) < ANSWER_BYTES:
+            self.answer += body[:ANSWER_BYTES]
         buf = self.tail + body if self.tail else body
         now, end, found = self.now, 0, 0
         lat = self.stats.chunk_lat
@@ -142,6 +146,7 @@ class Conn(asyncio.Protocol):
             raise ConnectionError("connection closed")
         loop = asyncio.get_running_loop()
         self.stats, self.status, self.stamps, self.first, self.tail = stats, 0, 0, 0, b""
+        self.answer = b""
         self.waiter = loop.create_future()
         self.head = loop.create_future()
         sent = time.time_ns()
@@ -153,6 +158,11 @@ class Conn(asyncio.Protocol):
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+    def status_line(self) -> str:
+        """`status N`, and the start of its body when it is no 200 (an error reason)."""
+        said = self.answer[:ANSWER_BYTES].decode("utf-8", "replace")
+        return f"status {self.status}" + (f": {said}" if said else "")
 
 
 async def connect(port: int) -> Conn:
@@ -268,7 +278,7 @@ async def run_stream(cmd: dict[str, Any]) -> dict[str, Any]:
                 if conn.status == 200 and conn.stamps == tokens:
                     stats.ok += 1
                 else:
-                    stats.failed(f"status {conn.status}, {conn.stamps}/{tokens} chunks")
+                    stats.failed(f"{conn.status_line()}, {conn.stamps}/{tokens} chunks")
         finally:
             if conn is not None:
                 conn.close()
@@ -342,7 +352,7 @@ async def run_poisson(cmd: dict[str, Any]) -> dict[str, Any]:
         if conn.status == 200:
             stats.ok += 1
         else:
-            stats.failed(f"status {conn.status}")
+            stats.failed(conn.status_line())
         if conn.keep and not conn.lost:
             idle.append(conn)
         else:
