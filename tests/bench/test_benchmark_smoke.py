@@ -84,9 +84,17 @@ def test_the_targets_table_quotes_every_shape_and_the_extras(results: dict) -> N
 
 
 def test_every_arm_delivered_every_chunk(results: dict) -> None:
+    phases = [*results["phases"], *(p for s in results["shapes"].values() for p in s["phases"])]
     for name, arm in results["summary"]["arms"].items():
         assert arm["chunks"] > 0, name
-        assert arm["all_chunks_delivered"], (name, arm["chunks"], arm["expected_chunks"])
+        # On a miss, say why: each phase's failed requests by reason (with the start of the
+        # proxy's error body), not only the counts.
+        why = [
+            (p["op"], p.get("streams"), p.get("error_reasons"))
+            for p in phases
+            if p.get("arm") == name and p.get("errors")
+        ]
+        assert arm["all_chunks_delivered"], (name, arm["chunks"], arm["expected_chunks"], why)
 
 
 def test_results_have_the_reported_fields(results: dict) -> None:
