@@ -113,13 +113,13 @@ class MessagesWire:
         ]
 
     def content(self, text: bytes) -> bytes:
+        pre = self._pre
         if self._stamp == "text":
-            return self._pre + stamp_text(text) + b'"},"index":0}\n\n'
-        if self._stamp:
+            text = stamp_text(text)
+        elif self._stamp:
             stamped = b'data: {"sent_ns":%d,"type"' % time.time_ns()
-            pre = self._pre.replace(b'data: {"type"', stamped, 1)
-            return pre + text + b'"},"index":0}\n\n'
-        return self._pre + text + b'"},"index":0}\n\n'
+            pre = pre.replace(b'data: {"type"', stamped, 1)
+        return pre + text + b'"},"index":0}\n\n'
 
     def closing(self, sent: int, started: bool) -> list[bytes]:
         out = []
