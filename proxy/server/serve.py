@@ -24,6 +24,7 @@ import uvicorn
 from proxy.server.app import ProxyApp
 from proxy.server.assemble import assemble
 from proxy.server.multiproc import MULTIPROC_ENV
+from proxy.server.openfiles import raise_open_file_limit
 from proxy.settings import SPECS, Settings, SettingsError, parse, text
 
 
@@ -78,6 +79,7 @@ def main(argv: list[str]) -> int:
         return 2
     _configure_logging(settings)
     _say_build()
+    _open_files()
     # uvicorn drains on SIGTERM, then re-raises the signal it caught; with a handler in
     # place that re-raise is a no-op and a clean drain exits 0, as orchestrators expect.
     signal.signal(signal.SIGTERM, lambda *_: None)
@@ -101,6 +103,15 @@ def _say_build() -> None:
     print(f"tokenprobe serve: {describe()}", file=sys.stderr, flush=True)
 
 
+def _open_files() -> None:
+    """Room for as many streams as the backend takes (proxy/server/openfiles.py): vLLM
+    raises its own open-file limit, so a proxy left at a default of 1024 fails every
+    stream once about 500 are open at once."""
+    limit = raise_open_file_limit()
+    if limit is not None:
+        print(f"tokenprobe serve: {limit.describe()}", file=sys.stderr, flush=True)
+
+
 def _run_workers(settings: Settings) -> int:
     directory = os.environ.get(MULTIPROC_ENV) or tempfile.mkdtemp(prefix="tokenprobe-metrics-")
     shutil.rmtree(directory, ignore_errors=True)  # stale files from a previous run would add up
@@ -112,6 +123,7 @@ def _run_workers(settings: Settings) -> int:
             os.environ[spec.env] = text(value)
     _configure_logging(settings)
     _say_build()
+    _open_files()  # the workers inherit it
     uvicorn.run(
         "proxy.server.serve:worker_app",
         factory=True,
