@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import httpx
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, ProcessCollector
 
 from proxy.core.conversations import Conversations
 from proxy.core.labels import ModelLabels
@@ -52,7 +52,14 @@ def assemble(
     replaces the upstream transport --upstream-transport picks for the ASGI relay's
     upstream client (an in-process test's scripted upstream, `httpx.MockTransport`)."""
     upstream = settings.upstream
-    registry = registry if registry is not None else CollectorRegistry()
+    if registry is None:
+        registry = CollectorRegistry()
+        # The process's own figures, as prometheus-client's default registry has them:
+        # process_cpu_seconds_total, process_resident_memory_bytes, and process_open_fds
+        # against process_max_fds (two a stream: docs/deployment.md, "Open files"). With
+        # --workers the exposition is the workers' files (proxy/server/multiproc.py),
+        # which hold none of them.
+        ProcessCollector(registry=registry)
     attribution = label_pairs(settings)
     metrics = Metrics(registry, tuple(label for _, label in attribution))
     models = ModelLabels(settings.model_allowlist)

@@ -22,7 +22,7 @@ from tests.server.conftest import no_proxy
 from tests.servers import free_port, stop, wait_http
 
 STREAMS = 150
-TOKENS = 10
+TOKENS = 24
 
 
 @contextmanager
@@ -56,31 +56,55 @@ def soft_limit_of(pid: int) -> int:
     return int(row.split()[3])
 
 
-async def streams(url: str, count: int) -> list[tuple[int, int]]:
-    """`count` chat streams at once: each one's status and content chunks."""
+async def streams(url: str, count: int) -> tuple[list[tuple[int, int]], float | None]:
+    """`count` chat streams at once: each one's status and content chunks, and the proxy's
+    process_open_fds scraped once every stream has its head (None for a single stream)."""
     body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
     limits = httpx.Limits(max_connections=None)
+    heads = 0
+    all_heads = asyncio.Event()
 
     async def one(client: httpx.AsyncClient) -> tuple[int, int]:
+        nonlocal heads
         async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            heads += 1
+            if heads == count:
+                all_heads.set()
             text = (await response.aread()).decode()
         return response.status_code, text.count('"content":"') - text.count('"content":""')
 
+    async def open_fds(client: httpx.AsyncClient) -> float | None:
+        if count == 1:
+            return None
+        await asyncio.wait_for(all_heads.wait(), 60)
+        return scraped(await client.get("/metrics"), "process_open_fds")
+
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
-        return await asyncio.gather(*(one(client) for _ in range(count)))
+        fds = asyncio.create_task(open_fds(client))
+        results = await asyncio.gather(*(one(client) for _ in range(count)))
+        return results, await fds
+
+
+def scraped(response: httpx.Response, name: str) -> float:
+    line = next(line for line in response.text.splitlines() if line.startswith(name + " "))
+    return float(line.split()[1])
 
 
 def test_a_low_soft_limit_is_raised_and_carries_streams_past_it(
     start_sim: Callable[..., Running],
 ) -> None:
+    # A stream lasts 1.2 s after its head: long enough to be open at the scrape.
     sim = start_sim(ttft=0.2, tokens_per_second=20.0, output_tokens=TOKENS)
     _, hard_now = resource.getrlimit(resource.RLIMIT_NOFILE)
     hard = 4096 if hard_now == resource.RLIM_INFINITY else min(4096, hard_now)
     with serving_with_limit(sim.url, 128, hard) as (url, pid, lines):
         assert soft_limit_of(pid) == hard
-        results = asyncio.run(streams(url, STREAMS))
-    # Each stream holds two descriptors: 150 of them need more than 128.
+        results, open_fds = asyncio.run(streams(url, STREAMS))
+        assert scraped(httpx.get(url + "/metrics"), "process_max_fds") == hard
     assert results == [(200, TOKENS)] * STREAMS
+    # Each stream holds two descriptors (the client's, the upstream's): 150 need more
+    # than 128, and the process's own figure shows them.
+    assert open_fds is not None and open_fds >= 2 * STREAMS, open_fds
     said = OpenFileLimit(before=128, soft=hard, hard=hard).describe()
     assert f"tokenprobe serve: {said}" in lines, lines
 
@@ -92,7 +116,7 @@ def test_a_hard_limit_below_the_target_is_said_at_start(
     sim = start_sim(ttft=0.0, tokens_per_second=1000.0, output_tokens=2)
     with serving_with_limit(sim.url, 200, 200) as (url, pid, lines):
         assert soft_limit_of(pid) == 200
-        assert asyncio.run(streams(url, 1)) == [(200, 2)]
+        assert asyncio.run(streams(url, 1)) == ([(200, 2)], None)
     assert (
         "tokenprobe serve: open files: limited to 200 by the hard limit, room for about 68 "
         "concurrent streams; raise the hard limit for more (ulimit -Hn, systemd LimitNOFILE=, "
