@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import httpx
-from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client import CollectorRegistry
 
 from proxy.core.conversations import Conversations
 from proxy.core.labels import ModelLabels
@@ -24,6 +24,7 @@ from proxy.server.app import ProxyApp
 from proxy.server.control import ControlPlane, GuardedMetrics, Readiness
 from proxy.server.exposition import Exposition
 from proxy.server.multiproc import MULTIPROC_ENV, multiprocess_metrics_app
+from proxy.server.processfigures import ProcessFigures
 from proxy.server.protocol import HeadGuard, connection_counter
 from proxy.settings import Settings, label_pairs, load_slo_file
 from proxy.sinks.conversations import ClosedListener, ConversationTracker
@@ -54,12 +55,11 @@ def assemble(
     upstream = settings.upstream
     if registry is None:
         registry = CollectorRegistry()
-        # The process's own figures, as prometheus-client's default registry has them:
-        # process_cpu_seconds_total, process_resident_memory_bytes, and process_open_fds
-        # against process_max_fds (two a stream: docs/deployment.md, "Open files"). With
-        # --workers the exposition is the workers' files (proxy/server/multiproc.py),
-        # which hold none of them.
-        ProcessCollector(registry=registry)
+        # The process's own figures under the usual names: process_cpu_seconds_total,
+        # process_resident_memory_bytes, and process_open_fds against process_max_fds
+        # (two a stream: docs/deployment.md, "Open files"). With --workers the
+        # exposition is the workers' files (proxy/server/multiproc.py), holding none.
+        registry.register(ProcessFigures())
     attribution = label_pairs(settings)
     metrics = Metrics(registry, tuple(label for _, label in attribution))
     models = ModelLabels(settings.model_allowlist)
