@@ -18,7 +18,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "core": frozenset({"core", "types"}),
     "sinks": frozenset({"core", "sinks", "types", "settings"}),
     "sim": frozenset({"core", "sim", "types"}),
-    "bench": frozenset({"core", "bench", "sim", "types"}),
+    "bench": frozenset({"core", "bench", "sim", "types", "openfiles"}),
 }
 
 

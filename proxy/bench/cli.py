@@ -29,6 +29,7 @@ from proxy.bench.prompts import BUILTIN, PromptError, load_file, synthetic
 from proxy.bench.stats import summarize
 from proxy.core.buckets import TTFT_BUCKETS
 from proxy.core.measurement import ErrorType
+from proxy.openfiles import raise_open_file_limit
 
 PROG = "tokenprobe bench"
 #: Synthetic prompts made for --input-tokens: enough that no two nearby requests share one.
@@ -46,6 +47,10 @@ class Run:
 
 
 def main(argv: Sequence[str]) -> int:
+    # One connection a request in flight: under a soft open-file limit of 128, 86 of 200
+    # requests at concurrency 200 failed "Too many open files", reported as the backend
+    # unreachable. Raised as `tokenprobe serve` raises it (and sglang's bench_serving).
+    raise_open_file_limit()
     if argv and argv[0] == "compare":
         from proxy.bench.compare_runs import main as compare_main
 

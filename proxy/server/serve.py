@@ -21,10 +21,10 @@ from typing import Any
 
 import uvicorn
 
+from proxy.openfiles import raise_open_file_limit
 from proxy.server.app import ProxyApp
 from proxy.server.assemble import assemble
 from proxy.server.multiproc import MULTIPROC_ENV
-from proxy.server.openfiles import raise_open_file_limit
 from proxy.settings import SPECS, Settings, SettingsError, parse, text
 
 
@@ -104,7 +104,7 @@ def _say_build() -> None:
 
 
 def _open_files() -> None:
-    """Room for as many streams as the backend takes (proxy/server/openfiles.py): vLLM
+    """Room for as many streams as the backend takes (proxy/openfiles.py): vLLM
     raises its own open-file limit, so a proxy left at a default of 1024 fails every
     stream once about 500 are open at once."""
     limit = raise_open_file_limit()

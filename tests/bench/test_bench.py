@@ -8,6 +8,7 @@ simulator's. Both clocks are CLOCK_MONOTONIC, so instants compare across process
 from __future__ import annotations
 
 import math
+import resource
 import signal
 import statistics
 import subprocess
@@ -46,6 +47,32 @@ def bench_process(url: str, out: Path, *flags: str) -> tuple[int, dict[str, Any]
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     return proc.returncode, orjson.loads(out.read_bytes()), proc.stdout, proc.stderr
+
+
+def test_a_low_open_file_limit_is_raised_so_every_request_has_its_connection(
+    start_sim: StartSim, tmp_path: Path
+) -> None:
+    """One connection a request in flight: started under a soft limit of 128, 150
+    requests at once would fail "Too many open files" (86 of 200 did before the bench
+    raised it), reported as the backend unreachable."""
+    sim = start_sim(ttft=0.2, tokens_per_second=20.0, output_tokens=10)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    hard = 4096 if hard == resource.RLIM_INFINITY else min(4096, hard)
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (128, hard))
+
+    out = tmp_path / "r.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "proxy.bench", "--url", sim.url + "/v1", "--model", MODEL,
+         "--out", str(out), "--quiet", "--concurrency", "150", "--requests", "150",
+         "--max-tokens", "10"],
+        capture_output=True, text=True, timeout=60, preexec_fn=limit,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    doc = orjson.loads(out.read_bytes())
+    assert len(doc["records"]) == 150
+    assert [r["error_type"] for r in doc["records"]] == [None] * 150
 
 
 def sim_ttft(sim: Running) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""`tokenprobe serve` raises a low open-file limit (proxy/server/openfiles.py), so it
+"""`tokenprobe serve` raises a low open-file limit (proxy/openfiles.py), so it
 carries as many streams as the backend behind it, and says at start what it runs with.
 
 Before it did, 150 streams opened at once through a process started with a soft limit
@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from proxy.server.openfiles import TARGET, UNLIMITED, OpenFileLimit
+from proxy.openfiles import TARGET, UNLIMITED, OpenFileLimit
 from proxy.server.processfigures import open_fds as kernel_counted_fds
 from tests.conftest import MODEL, Running
 from tests.server.conftest import no_proxy

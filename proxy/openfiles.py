@@ -16,7 +16,8 @@ so a proxy in front of it must carry as many: `tokenprobe serve` raises its soft
 to the same 65535, or to the hard limit where that is lower (only the operator can raise
 a hard limit: `ulimit -Hn`, systemd's LimitNOFILE=, docker's --ulimit nofile=), and says
 at start what it has and about how many streams that carries. Worker processes
-(`--workers`) inherit the limit.
+(`--workers`) inherit the limit. `tokenprobe bench` raises it too (one connection a
+request in flight), as sglang's bench_serving does.
 """
 
 from __future__ import annotations
