@@ -293,7 +293,12 @@ class Settings:
     header_timeout: float | None = setting(
         _optional_seconds,
         10.0,
-        "Seconds a client gets to send a whole request head, from connecting or from the previous response's end (408, or a plain close when nothing came; 0 disables).",
+        "Seconds a client gets to send a whole request head, from connecting, or on a kept-alive connection from the head's first byte (408; a new connection that sent nothing is closed without one; 0 disables).",
+    )
+    keep_alive_timeout: float = setting(
+        _seconds,
+        5.0,
+        "Seconds an idle client connection stays open between requests (uvicorn's and vLLM's default: 5). Behind a load balancer that keeps connections to the proxy, set it above the balancer's idle timeout (AWS ALB: 60 s), as vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE, or requests it sends on a connection the proxy just closed fail with 502.",
     )
     max_event_bytes: int = setting(
         positive_int,

@@ -10,9 +10,12 @@ run out. Here, per connection:
 - the bytes of a request head are counted as they arrive, before the parser sees them:
   over the cap the client gets a 431 and the connection closes;
 - the headers are counted too (431 over `max_headers`);
-- a head must be complete within `header_timeout` seconds of the connection opening or
-  of the previous response ending (which also bounds idle keep-alive connections):
-  otherwise a 408 (or, when not a byte came, a plain close).
+- a head must be complete within `header_timeout` seconds of the connection opening or,
+  on a kept-alive connection, of the head's first byte: otherwise a 408 (or, when not a
+  byte came, a plain close). An idle kept-alive connection is uvicorn's to close, after
+  its keep-alive timeout (--keep-alive-timeout): a load balancer that pools connections
+  to the proxy needs that longer than its own idle timeout, and a head timer running from
+  the previous response's end would close them all at the header timeout instead.
 
 And a request that asks to upgrade: llhttp parses nothing after it. Only a well-formed
 WebSocket handshake (`proxy.server.tunnel.is_websocket_upgrade`, the one check) switches
@@ -98,7 +101,8 @@ def connection_counter(registry: CollectorRegistry) -> Counter:
         "tokenprobe_connections_closed",
         "Client connections the proxy closed before a request reached the app, by reason: "
         "header_timeout (no complete request head within --header-timeout of the connection "
-        "opening or the previous response ending), headers_too_large (head over "
+        "opening or, on a kept-alive connection, of the head's first byte; an idle kept-alive "
+        "connection closed after --keep-alive-timeout is not counted), headers_too_large (head over "
         "--max-header-bytes while it arrived), too_many_headers (over --max-headers).",
         ("reason",),
         registry=registry,
@@ -131,12 +135,18 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._stop_head_timer()
         super().connection_lost(exc)
 
-    def _start_head(self) -> None:
+    def _start_head(self, *, timed: bool = True) -> None:
+        """Ready for a request head; `timed`: its time runs from now (a new connection),
+        else from its first byte (a kept-alive connection, idle until then)."""
         self._in_head = True
         self._head_bytes = 0
         self._head_tail = b""
         self._header_count = 0
         self._stop_head_timer()
+        if timed:
+            self._time_head()
+
+    def _time_head(self) -> None:
         timeout = self.limits.header_timeout
         if timeout is not None:
             self._head_timer = self.loop.call_later(timeout, self._head_timed_out)
@@ -151,8 +161,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if upgrade is not None:  # nothing after an upgrade request is parsed
             upgrade.more(data)
             return
-        if self._in_head and not self._count_head(data):
-            return
+        if self._in_head:
+            if self._head_timer is None:  # a kept-alive connection's next head begins
+                self._time_head()
+            if not self._count_head(data):
+                return
         self._unset_keepalive_if_required()
         try:
             self.parser.feed_data(data)
@@ -263,7 +276,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         waiting = bool(self.pipeline)  # the next request's head is already in
         super().on_response_complete()
         if not waiting and not self.transport.is_closing():
-            self._start_head()
+            self._start_head(timed=False)  # idle until it begins: uvicorn's keep-alive timer
 
     def send_400_response(self, msg: str) -> None:
         if self._refusal is not None:  # the parser stopped at our callback's exception

@@ -35,6 +35,7 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
         "log_level": settings.log_level,
         "access_log": False,  # tokenprobe writes its own access log
         "timeout_graceful_shutdown": settings.drain_timeout,
+        "timeout_keep_alive": settings.keep_alive_timeout,
         "server_header": False,  # the upstream's headers pass through; add none of ours
         "date_header": False,
         "loop": "auto",

@@ -13,10 +13,20 @@ import pytest
 from tests.conftest import ProxyUnderTest, Running
 from tests.edge_backend import RawBackend, backend, metric, serving
 
+#: Well above the header timeout (0.5 s), as a load balancer's pooled connections need.
+KEEP_ALIVE = 3.0
+
 
 @pytest.fixture(scope="module")
 def edge(relay: str) -> Iterator[tuple[RawBackend, str]]:
-    flags = ("--header-timeout", "0.5", "--max-headers", "50")
+    flags = (
+        "--header-timeout",
+        "0.5",
+        "--keep-alive-timeout",
+        str(KEEP_ALIVE),
+        "--max-headers",
+        "50",
+    )
     with backend() as upstream, serving(upstream.url, *flags) as base:
         yield upstream, base
 
@@ -125,18 +135,73 @@ def test_a_slowloris_head_gets_408_at_the_header_timeout(edge: tuple[RawBackend,
     assert time.monotonic() - started < 3
 
 
-def test_an_idle_keep_alive_connection_is_closed_after_the_header_timeout(
+def answered(sock: socket.socket) -> bytes:
+    """The head of the response to a GET /v1/models sent on `sock`, its body read whole;
+    b"" when the connection was closed instead."""
+    try:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n")
+        data = b""
+        while b"\r\n\r\n" not in data:
+            if not (more := sock.recv(65536)):
+                return b""
+            data += more
+    except (BrokenPipeError, ConnectionResetError):
+        return b""
+    head, _, body = data.partition(b"\r\n\r\n")
+    fields = dict(line.split(b":", 1) for line in head.split(b"\r\n")[1:])
+    length = int({k.lower(): v for k, v in fields.items()}[b"content-length"])
+    while len(body) < length and (more := sock.recv(65536)):
+        body += more
+    return head
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_the_keep_alive_timeout(
+    edge: tuple[RawBackend, str],
+) -> None:
+    """Not after the header timeout: a load balancer that pools connections to the proxy
+    needs them open longer than its own idle timeout (--keep-alive-timeout)."""
+    _, base = edge
+    before = metric(base, "tokenprobe_connections_closed_total", reason="header_timeout")
+    with connect(base) as sock:
+        assert answered(sock).startswith(b"HTTP/1.1 200 ")
+        started = time.monotonic()
+        rest = read_all(sock)
+    waited = time.monotonic() - started
+    assert b"HTTP/1.1" not in rest  # closed without a second answer
+    assert KEEP_ALIVE - 0.3 < waited < KEEP_ALIVE + 3, waited
+    # An ordinary end, no refusal.
+    after = metric(base, "tokenprobe_connections_closed_total", reason="header_timeout")
+    assert after == before
+
+
+def test_a_kept_alive_connection_idle_past_the_header_timeout_takes_its_next_request(
     edge: tuple[RawBackend, str],
 ) -> None:
     _, base = edge
     with connect(base) as sock:
-        sock.sendall(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n")
-        first = sock.recv(65536)
-        assert first.startswith(b"HTTP/1.1 200 ")
+        assert answered(sock).startswith(b"HTTP/1.1 200 ")
+        time.sleep(1.2)  # over twice the header timeout, well within the keep-alive
+        assert answered(sock).startswith(b"HTTP/1.1 200 ")
+
+
+def test_a_kept_alive_connections_slow_next_head_gets_408_from_its_first_byte(
+    edge: tuple[RawBackend, str],
+) -> None:
+    _, base = edge
+    with connect(base) as sock:
+        assert answered(sock).startswith(b"HTTP/1.1 200 ")
+        time.sleep(0.8)  # idle: the header timeout has not begun
         started = time.monotonic()
-        rest = read_all(sock)
-    assert b"HTTP/1.1" not in rest  # closed without a second answer
-    assert time.monotonic() - started < 3
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\n")
+        try:
+            for _ in range(50):  # one byte every 0.1 s: never a complete head
+                sock.sendall(b"x")
+                time.sleep(0.1)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        response = read_all(sock)
+    assert response.startswith(b"HTTP/1.1 408 ")
+    assert 0.4 < time.monotonic() - started < 3
 
 
 def test_two_servers_in_one_process_keep_their_own_head_limits(
