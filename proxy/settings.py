@@ -261,6 +261,14 @@ class Settings:
     )
     host: str = setting(str, "127.0.0.1", "Address to listen on (0.0.0.0 for all interfaces).")
     port: int = setting(_port, 4000, "Port to listen on.")
+    ssl_certfile: str | None = setting(
+        str,
+        None,
+        "PEM certificate (chain) to serve HTTPS and WSS with, as vLLM's --ssl-certfile; with --ssl-keyfile. Unset: plain HTTP.",
+    )
+    ssl_keyfile: str | None = setting(
+        str, None, "PEM private key of --ssl-certfile (its path only is ever shown)."
+    )
     connect_timeout: float = setting(
         _seconds, 10.0, "Seconds to open a connection to the upstream."
     )
@@ -581,7 +589,31 @@ def validate(settings: Settings) -> None:
         if value is not None:
             parse_value(spec.flag, text(value), spec.parse)
     _check_label_headers(settings)
+    _check_tls(settings)
     require_tokenizer_support(settings)
+
+
+def _check_tls(settings: Settings) -> None:
+    """Both TLS files or neither, and a pair that loads: refused at start with the
+    flag's name, not a traceback from the server once it binds."""
+    cert, key = settings.ssl_certfile, settings.ssl_keyfile
+    if cert is None and key is None:
+        return
+    if cert is None or key is None:
+        given, missing = (
+            ("--ssl-certfile", "--ssl-keyfile")
+            if key is None
+            else ("--ssl-keyfile", "--ssl-certfile")
+        )
+        raise SettingsError(f"{given} needs {missing}: HTTPS takes a certificate and its key")
+    import ssl
+
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise SettingsError(
+            f"--ssl-certfile {cert} --ssl-keyfile {key}: not a certificate and its key ({exc})"
+        ) from None
 
 
 def _check_label_headers(settings: Settings) -> None:

@@ -42,6 +42,9 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
         # httptools with limits on the request head while it arrives (proxy.server.protocol);
         # the wire is that protocol relaying itself (proxy.server.wire).
         "http": PROTOCOLS[settings.relay],
+        # HTTPS and WSS when asked (the files were checked with the settings).
+        "ssl_certfile": settings.ssl_certfile,
+        "ssl_keyfile": settings.ssl_keyfile,
     }
 
 
