@@ -122,17 +122,22 @@ def test_a_slowloris_head_gets_408_at_the_header_timeout(edge: tuple[RawBackend,
     _, base = edge
     started = time.monotonic()
     with connect(base) as sock:
-        sock.sendall(b"GET /v1/models HTTP/1.1\r\n")
-        response = b""
-        try:
-            for _ in range(50):  # one byte every 0.1 s: never a complete head
-                sock.sendall(b"x")
-                time.sleep(0.1)
-        except (BrokenPipeError, ConnectionResetError):
-            pass
-        response = read_all(sock)
+        response = trickled_head(sock)
     assert response.startswith(b"HTTP/1.1 408 ")
     assert time.monotonic() - started < 3
+
+
+def trickled_head(sock: socket.socket) -> bytes:
+    """A request head sent a byte every 0.1 s, never complete: what the proxy answered
+    before it closed the connection."""
+    sock.sendall(b"GET /v1/models HTTP/1.1\r\n")
+    try:
+        for _ in range(50):
+            sock.sendall(b"x")
+            time.sleep(0.1)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    return read_all(sock)
 
 
 def answered(sock: socket.socket) -> bytes:
@@ -192,14 +197,7 @@ def test_a_kept_alive_connections_slow_next_head_gets_408_from_its_first_byte(
         assert answered(sock).startswith(b"HTTP/1.1 200 ")
         time.sleep(0.8)  # idle: the header timeout has not begun
         started = time.monotonic()
-        sock.sendall(b"GET /v1/models HTTP/1.1\r\n")
-        try:
-            for _ in range(50):  # one byte every 0.1 s: never a complete head
-                sock.sendall(b"x")
-                time.sleep(0.1)
-        except (BrokenPipeError, ConnectionResetError):
-            pass
-        response = read_all(sock)
+        response = trickled_head(sock)
     assert response.startswith(b"HTTP/1.1 408 ")
     assert 0.4 < time.monotonic() - started < 3
 
