@@ -100,8 +100,9 @@ def scraped(response: httpx.Response, name: str) -> float | None:
 def test_a_low_soft_limit_is_raised_and_carries_streams_past_it(
     start_sim: Callable[..., Running],
 ) -> None:
-    # A stream lasts 1.2 s after its head: long enough to be open at the scrape.
-    sim = start_sim(ttft=0.2, tokens_per_second=20.0, output_tokens=TOKENS)
+    # A stream lasts 2.6 s: still open at the scrape, made once the last of the 150 heads
+    # is in, even where opening them all takes a loaded machine a second or more.
+    sim = start_sim(ttft=0.2, tokens_per_second=10.0, output_tokens=TOKENS)
     _, hard_now = resource.getrlimit(resource.RLIMIT_NOFILE)
     hard = 4096 if hard_now == resource.RLIM_INFINITY else min(4096, hard_now)
     with serving_with_limit(sim.url, 128, hard) as (url, pid, lines):
