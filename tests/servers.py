@@ -11,11 +11,12 @@ import asyncio
 import contextlib
 import json
 import os
+import ssl
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -180,21 +181,27 @@ def serve(app: Any, **config: Any) -> Iterator[ThreadedServer]:
 
 
 def spawn(
-    *args: str, env: dict[str, str] | None = None, stdout: int = subprocess.DEVNULL
+    *args: str,
+    env: dict[str, str] | None = None,
+    stdout: int = subprocess.DEVNULL,
+    preexec_fn: Callable[[], None] | None = None,
 ) -> subprocess.Popen[bytes]:
+    """`python -m proxy ARGS`; `preexec_fn` runs in the child before it starts (a limit)."""
     return subprocess.Popen(
         [sys.executable, "-m", "proxy", *args],
         env={**os.environ, **(env or {})},
         stdout=stdout,
         stderr=subprocess.PIPE,
+        preexec_fn=preexec_fn,
     )
 
 
-def wait_http(url: str, timeout: float = 20.0) -> float:
+def wait_http(url: str, timeout: float = 20.0, verify: ssl.SSLContext | bool = True) -> float:
+    """Seconds until `url` answers below 500; `verify`: the TLS trust for an https URL."""
     start = time.monotonic()
     while time.monotonic() - start < timeout:
         try:
-            if httpx.get(url, timeout=0.5).status_code < 500:
+            if httpx.get(url, timeout=0.5, verify=verify).status_code < 500:
                 return time.monotonic() - start
         except httpx.HTTPError:
             pass

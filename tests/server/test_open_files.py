@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import resource
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -20,7 +18,7 @@ from proxy.openfiles import TARGET, UNLIMITED, OpenFileLimit
 from proxy.server.processfigures import open_fds as kernel_counted_fds
 from tests.conftest import MODEL, Running
 from tests.server.conftest import no_proxy
-from tests.servers import free_port, stop, wait_http
+from tests.servers import free_port, spawn, stop, wait_http
 
 STREAMS = 150
 TOKENS = 24
@@ -35,10 +33,9 @@ def serving_with_limit(upstream: str, soft: int, hard: int) -> Iterator[tuple[st
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
-    process = subprocess.Popen(
-        [sys.executable, "-m", "proxy", "serve", "--upstream", upstream, "--port", str(port),
-         "--access-log", "off", "--models-refresh", "0"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=limit,
+    process = spawn(
+        "serve", "--upstream", upstream, "--port", str(port), "--access-log", "off",
+        "--models-refresh", "0", preexec_fn=limit,
     )  # fmt: skip
     lines: list[str] = []
     try:

@@ -12,7 +12,6 @@ import asyncio
 import ssl
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -24,7 +23,7 @@ from websockets.asyncio.client import connect
 from tests.conftest import MODEL, Running
 from tests.paths import ROOT
 from tests.server.conftest import no_proxy, paths
-from tests.servers import free_port, stop
+from tests.servers import free_port, spawn, stop, wait_http
 from tests.ws_upstream import EchoUpstream
 
 TLS = ROOT / "tests" / "fixtures" / "tls"
@@ -36,21 +35,14 @@ CONTEXT = ssl.create_default_context(cafile=CERT)
 def serving_tls(upstream: str) -> Iterator[str]:
     """`tokenprobe serve` over TLS in front of `upstream`; its https:// base URL."""
     port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "proxy", "serve", "--upstream", upstream, "--port", str(port),
-         "--ssl-certfile", CERT, "--ssl-keyfile", KEY, "--access-log", "off",
-         "--models-refresh", "0", "--model-allowlist", MODEL],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    process = spawn(
+        "serve", "--upstream", upstream, "--port", str(port), "--ssl-certfile", CERT,
+        "--ssl-keyfile", KEY, "--access-log", "off", "--models-refresh", "0",
+        "--model-allowlist", MODEL,
     )  # fmt: skip
     base = f"https://127.0.0.1:{port}"
     try:
-        for _ in range(400):
-            try:
-                if httpx.get(base + "/healthz", verify=CONTEXT, timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                assert process.poll() is None, "tokenprobe serve exited"
-                time.sleep(0.05)
+        wait_http(base + "/healthz", verify=CONTEXT)
         yield base
     finally:
         stop(process)
