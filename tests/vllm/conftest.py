@@ -115,6 +115,9 @@ def _start(
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # two servers share 2 cores with the tests
         "OMP_NUM_THREADS": "1",
         "VLLM_NO_USAGE_STATS": "1",
+        # its ZMQ IPC sockets (ipc://<base>/<uuid4>, default the system temp folder) in the
+        # run's own folder: a server killed at the session's end leaves them behind
+        "VLLM_RPC_BASE_PATH": str(logs),
     }
     # `vllm serve` looks up the distribution "vllm" for --version and fails under the
     # name vllm-cpu (PackageNotFoundError), so the server's module is started instead.
