@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +51,16 @@ def _port(value: str) -> int:
     if not 0 <= port <= 65535:
         raise ValueError("must be between 0 and 65535")
     return port
+
+
+def _socket_path(value: str) -> str:
+    """A Unix domain socket's path: one that fits `sun_path` (108 bytes with its NUL on
+    Linux), or the bind or connect fails later with no flag named."""
+    if not value:
+        raise ValueError("expected the path of a Unix domain socket")
+    if len(os.fsencode(value)) > 107:
+        raise ValueError("a Unix socket's path is at most 107 bytes: choose a shorter one")
+    return value
 
 
 def _seconds(value: str) -> float:
@@ -259,8 +270,18 @@ class Settings:
         REQUIRED,
         "Base URL of the OpenAI-compatible backend, e.g. http://vllm:8000 (a trailing `/v1` is ignored).",
     )
+    upstream_uds: str | None = setting(
+        _socket_path,
+        None,
+        "Connect to the upstream through this Unix domain socket (a vLLM started with --uds, as curl's --unix-socket); --upstream still gives the scheme, the Host header and the base path, e.g. `--upstream http://localhost --upstream-uds /run/vllm.sock`.",
+    )
     host: str = setting(str, "127.0.0.1", "Address to listen on (0.0.0.0 for all interfaces).")
     port: int = setting(_port, 4000, "Port to listen on.")
+    uds: str | None = setting(
+        _socket_path,
+        None,
+        "Listen on this Unix domain socket instead of --host and --port, as vLLM's --uds (made mode 0666, or the mode of the file it replaces). `/metrics` is on it too, unless --metrics-port.",
+    )
     ssl_certfile: str | None = setting(
         str,
         None,

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
-from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.asyncio.server import Server, ServerConnection, serve, unix_serve
 from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
@@ -96,8 +96,9 @@ class EchoUpstream:
 
     `record=False` keeps nothing (a benchmark's long run); `options` go to `serve`."""
 
-    def __init__(self, record: bool = True, **options: Any) -> None:
+    def __init__(self, record: bool = True, uds: str | None = None, **options: Any) -> None:
         self.port = free_port()
+        self.uds = uds  # listen on this Unix socket instead (tests/server/test_unix_sockets.py)
         self.record = record
         self.sessions: list[Session] = []
         self.options = {"max_size": 8 * 1024 * 1024, **options}
@@ -116,14 +117,18 @@ class EchoUpstream:
         self._loop.close()
 
     async def _serve(self) -> None:
-        async with serve(
-            lambda ws: _handler(ws, self.sessions if self.record else None),
-            "127.0.0.1",
-            self.port,
-            process_request=_refuse,
-            select_subprotocol=_subprotocol,
+        handler = lambda ws: _handler(ws, self.sessions if self.record else None)  # noqa: E731
+        options: dict[str, Any] = {
+            "process_request": _refuse,
+            "select_subprotocol": _subprotocol,
             **self.options,
-        ) as server:
+        }
+        server_of = (
+            serve(handler, "127.0.0.1", self.port, **options)
+            if self.uds is None
+            else unix_serve(handler, self.uds, **options)
+        )
+        async with server_of as server:
             self._server = server
             self._ready.set()
             await server.serve_forever()

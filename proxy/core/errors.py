@@ -247,8 +247,20 @@ def error_message(body: bytes, limit: int = 300) -> str:
 # names a real class. Builtin types are matched with isinstance.
 _TIMEOUTS = (TimeoutError,)  # asyncio.TimeoutError is TimeoutError since Python 3.11
 _FOREIGN_TIMEOUTS = frozenset({"httpx.TimeoutException", "aiohttp.ServerTimeoutError"})
-_CONNECTS = (ConnectionRefusedError,)
-_FOREIGN_CONNECTS = frozenset({"httpx.ConnectError", "aiohttp.ClientConnectorError"})
+
+
+class ConnectFailed(ConnectionError):
+    """Opening a connection to the upstream failed (proxy/server/dial.py), whatever the
+    system said (no socket at a Unix socket's path, a name that does not resolve, no
+    route): the upstream is unreachable, as httpx's ConnectError and aiohttp's
+    ClientConnectorError say on the ASGI relay. What the system said is its cause."""
+
+
+_CONNECTS = (ConnectionRefusedError, ConnectFailed)
+# httpx's ConnectError is looked past to its cause (below), httpcore's ConnectError.
+_FOREIGN_CONNECTS = frozenset(
+    {"httpx.ConnectError", "httpcore.ConnectError", "aiohttp.ClientConnectorError"}
+)
 #: httpx's own errors, which httpx-aiohttp raises in place of aiohttp's.
 _HTTPX_ERROR = "httpx.HTTPError"
 
@@ -431,6 +443,7 @@ def error_body(status: int, kind: str, message: str, *, shape: Shape = "openai")
 __all__ = [
     "MAX_ERROR_BODY",
     "Cause",
+    "ConnectFailed",
     "Failure",
     "Shape",
     "classify_exception",

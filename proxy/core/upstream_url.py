@@ -4,6 +4,8 @@ Every data path that opens a connection to the backend reads the same fields: th
 (and so TLS), the host to connect to, the port, the authority for the Host header, and the
 base path that every forwarded request target goes under (`--upstream
 http://gateway/tenant-a` puts `/v1/chat/completions` at `/tenant-a/v1/chat/completions`).
+With `--upstream-uds` the connection goes to that Unix socket instead of host and port;
+the URL still gives the scheme, the Host header and the base path (curl's --unix-socket).
 `target` joins the base path and a normalised request path without doubling the slash
 (`/tenant-a/` + `/v1/x` is `/tenant-a/v1/x`, never `//v1/x`).
 """
@@ -25,6 +27,7 @@ class UpstreamURL:
     port: int  # given, else the scheme's default
     authority: bytes  # the Host header's value: the port only when not the default
     base_path: str  # "" or "/prefix", never a trailing slash
+    uds: str | None = None  # the Unix socket connections go to, else host and port
 
     @property
     def tls(self) -> bool:
@@ -36,9 +39,10 @@ class UpstreamURL:
         return f"{self.scheme}://{self.authority.decode('ascii')}"
 
     @classmethod
-    def parse(cls, url: str) -> UpstreamURL:
+    def parse(cls, url: str, uds: str | None = None) -> UpstreamURL:
         """`url` as the settings accept it (http or https, a host, an optional port and
-        base path). A query or fragment on the upstream itself is ignored."""
+        base path), reached through the Unix socket `uds` when given. A query or fragment
+        on the upstream itself is ignored."""
         parts = urlsplit(url)
         scheme = parts.scheme.lower()
         if scheme not in _DEFAULT_PORTS or not parts.hostname:
@@ -50,7 +54,7 @@ class UpstreamURL:
         base = quote(parts.path.rstrip("/"), safe="/%:@!$&'()*+,;=-._~")  # ASCII on the wire
         if not authority.isascii():
             raise ValueError(f"write a non-ASCII host in its IDNA form (xn--...): {url!r}")
-        return cls(scheme, host, port, authority.encode("ascii"), base)
+        return cls(scheme, host, port, authority.encode("ascii"), base, uds)
 
     def target(self, path: str, query: str = "") -> str:
         """The request target upstream: base path + `path` (which starts with "/"),

@@ -39,6 +39,7 @@ class RelaySettings:
     through settings.group: a field named like a setting is that setting)."""
 
     upstream: str  # base URL, no trailing path
+    upstream_uds: str | None  # the Unix socket connections go to, else the URL's host and port
     inject_usage: bool  # ask a stream for usage when its client did not, and strip it back
     max_body_bytes: int
     max_header_bytes: int

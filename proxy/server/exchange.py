@@ -49,7 +49,9 @@ class Context:
     upstream: UpstreamURL = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "upstream", UpstreamURL.parse(self.settings.upstream))
+        object.__setattr__(
+            self, "upstream", UpstreamURL.parse(self.settings.upstream, self.settings.upstream_uds)
+        )
 
 
 class MeasuredExchange:

@@ -32,6 +32,7 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
     return {
         "host": settings.host,
         "port": settings.port,
+        "uds": settings.uds,  # in place of host and port when set, as vLLM's --uds
         "log_level": settings.log_level,
         "access_log": False,  # tokenprobe writes its own access log
         "timeout_graceful_shutdown": settings.drain_timeout,

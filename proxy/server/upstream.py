@@ -43,6 +43,7 @@ import h11
 import httpcore
 import httpx
 
+from proxy.server.dial import name_the_socket
 from proxy.server.upstream_errors import ClosedUnanswered, UpstreamProtocolError
 from proxy.settings import Settings
 
@@ -88,13 +89,15 @@ def create_client(
     if transport is None and settings.upstream_transport == "aiohttp":
         from proxy.server.upstream_aiohttp import aiohttp_transport, send_text_headers
 
-        transport, send_aiohttp = aiohttp_transport(count, KEEPALIVE_SECONDS), send_text_headers
+        transport = aiohttp_transport(count, KEEPALIVE_SECONDS, settings.upstream_uds)
+        send_aiohttp = send_text_headers
     elif transport is None:
-        transport = guarded_httpx_transport(limits, count)
+        transport = guarded_httpx_transport(limits, count, settings.upstream_uds)
     client = UpstreamClient(transport=transport, timeout=timeout, limits=limits)
     client.send_aiohttp = send_aiohttp
     client.limits = limits
     client.count = count
+    client.uds = settings.upstream_uds
     client.headers.clear()  # forward the client's headers, not httpx's defaults
     return client
 
@@ -103,10 +106,11 @@ def create_client(
 
 
 def guarded_httpx_transport(
-    limits: httpx.Limits, count: Callable[[str], None] = _uncounted
+    limits: httpx.Limits, count: Callable[[str], None] = _uncounted, uds: str | None = None
 ) -> httpx.AsyncHTTPTransport:
-    """httpx's own transport, on a pool that closes dirty idle connections."""
-    transport = _GuardedHTTPTransport(count, limits=limits)
+    """httpx's own transport, on a pool that closes dirty idle connections; through the
+    Unix socket `uds` when given (--upstream-uds)."""
+    transport = _GuardedHTTPTransport(count, limits=limits, uds=uds)
     old = transport._pool
     transport._pool = _GuardedPool(
         count,
@@ -114,6 +118,7 @@ def guarded_httpx_transport(
         max_connections=limits.max_connections,
         max_keepalive_connections=limits.max_keepalive_connections,
         keepalive_expiry=limits.keepalive_expiry,
+        uds=uds,
     )
     return transport
 
@@ -232,6 +237,7 @@ class UpstreamClient(httpx.AsyncClient):
         self.send_aiohttp: AiohttpSend | None = None
         self.limits = httpx.Limits()
         self.count: Callable[[str], None] = _uncounted
+        self.uds: str | None = None  # --upstream-uds, for the transports made later
         self._bytes_transport: httpx.AsyncHTTPTransport | None = None
         self._fresh_transport: httpx.AsyncHTTPTransport | None = None
 
@@ -240,7 +246,7 @@ class UpstreamClient(httpx.AsyncClient):
         if isinstance(self.upstream_transport, httpx.AsyncHTTPTransport):
             return self.upstream_transport
         if self._bytes_transport is None:
-            self._bytes_transport = guarded_httpx_transport(self.limits, self.count)
+            self._bytes_transport = guarded_httpx_transport(self.limits, self.count, self.uds)
         return self._bytes_transport
 
     def fresh_transport(self) -> httpx.AsyncBaseTransport:
@@ -249,7 +255,7 @@ class UpstreamClient(httpx.AsyncClient):
         request goes once more after a kept-alive connection closed unanswered."""
         if self._fresh_transport is None:
             limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
-            self._fresh_transport = guarded_httpx_transport(limits, self.count)
+            self._fresh_transport = guarded_httpx_transport(limits, self.count, self.uds)
         return self._fresh_transport
 
     async def aclose(self) -> None:
@@ -300,6 +306,10 @@ async def send_upstream(
         return await _send_httpx(transport, method, url, headers, body, timeout)
     except ClosedUnanswered:
         return await _send_httpx(client.fresh_transport(), method, url, headers, body, timeout)
+    except Exception as exc:
+        if client.uds is not None:
+            name_the_socket(exc, client.uds)
+        raise
 
 
 async def _send_httpx(

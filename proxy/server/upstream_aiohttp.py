@@ -31,12 +31,19 @@ class _AiohttpClosedUnanswered(ClosedUnanswered, aiohttp.ServerDisconnectedError
     pass
 
 
-def aiohttp_transport(count: Callable[[str], None], keepalive: float) -> AiohttpTransport:
+def aiohttp_transport(
+    count: Callable[[str], None], keepalive: float, uds: str | None = None
+) -> AiohttpTransport:
     """httpx-aiohttp's transport on a guarded connector; `count` is told each protocol
-    error's kind, idle connections close after `keepalive` seconds."""
+    error's kind, idle connections close after `keepalive` seconds; through the Unix
+    socket `uds` when given (--upstream-uds)."""
 
     def session() -> aiohttp.ClientSession:
-        connector = _GuardedConnector(limit=0, keepalive_timeout=keepalive)
+        connector: aiohttp.BaseConnector = (
+            _GuardedConnector(limit=0, keepalive_timeout=keepalive)
+            if uds is None
+            else _GuardedUnixConnector(uds, limit=0, keepalive_timeout=keepalive)
+        )
         connector._factory = functools.partial(  # type: ignore[assignment]
             _GuardedHandler, loop=connector._loop, count=count
         )
@@ -172,7 +179,7 @@ class _GuardedHandler(ResponseHandler):
             payload.set_exception(aiohttp.ClientPayloadError(f"malformed response body: {exc}"))
 
 
-class _GuardedConnector(aiohttp.TCPConnector):
+class _TellsPooled(aiohttp.BaseConnector):
     """aiohttp's connector, telling a connection when it goes into the pool."""
 
     def _release(self, key: Any, protocol: ResponseHandler, *, should_close: bool = False) -> None:
@@ -180,6 +187,14 @@ class _GuardedConnector(aiohttp.TCPConnector):
         pooled = protocol.transport is not None and not self._closed  # else closed
         if pooled and isinstance(protocol, _GuardedHandler):
             protocol.pooled()
+
+
+class _GuardedConnector(_TellsPooled, aiohttp.TCPConnector):
+    pass
+
+
+class _GuardedUnixConnector(_TellsPooled, aiohttp.UnixConnector):
+    pass
 
 
 async def send_text_headers(

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import socket
 import tomllib
 from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 import anthropic
+import httpcore
 import httpx
 import openai
 import orjson
@@ -26,6 +28,7 @@ from proxy.core.errors import (
     FOREIGN_NAMES,
     MAX_ERROR_BODY,
     Cause,
+    ConnectFailed,
     Failure,
     classify_exception,
     classify_response,
@@ -462,16 +465,41 @@ def _connector_error() -> aiohttp.ClientConnectorError:
     return aiohttp.ClientConnectorError(key, ConnectionRefusedError(111, "refused"))
 
 
+def _dial_failed(cause: OSError) -> ConnectFailed:
+    """As proxy.server.dial raises it."""
+    try:
+        raise ConnectFailed(str(cause)) from cause
+    except ConnectFailed as exc:
+        return exc
+
+
 @pytest.mark.parametrize(
     ("exc", "before", "after"),
     [
         (httpx.ConnectError("refused"), "upstream_unreachable", "stream_truncated"),
+        # as httpx's transport raises it: the cause decides, whatever the system said
+        (
+            _wrapped(httpx.ConnectError(""), httpcore.ConnectError("[Errno 2] No such file")),
+            "upstream_unreachable",
+            "stream_truncated",
+        ),
         (httpx.ConnectTimeout(""), "upstream_timeout", "upstream_timeout"),
         (httpx.ReadTimeout(""), "upstream_timeout", "upstream_timeout"),
         (httpx.ReadError("reset"), "upstream_error", "stream_truncated"),
         (httpx.RemoteProtocolError("bad"), "upstream_error", "stream_truncated"),
         (TimeoutError(), "upstream_timeout", "upstream_timeout"),
         (ConnectionRefusedError(), "upstream_unreachable", "stream_truncated"),
+        # the wire's own connect failed (proxy/server/dial.py), whatever the system said
+        (
+            _dial_failed(socket.gaierror(-2, "Name or service not known")),
+            "upstream_unreachable",
+            "stream_truncated",
+        ),
+        (
+            _dial_failed(FileNotFoundError(2, "No such file", "/run/x.sock")),
+            "upstream_unreachable",
+            "stream_truncated",
+        ),
         (aiohttp.ServerTimeoutError(), "upstream_timeout", "upstream_timeout"),
         (aiohttp.ServerDisconnectedError(), "upstream_error", "stream_truncated"),
         (aiohttp.ClientPayloadError("bad chunk"), "upstream_error", "stream_truncated"),
@@ -491,6 +519,13 @@ def test_exception_is_classified_before_and_after_the_response_head(
 ) -> None:
     assert classify_exception(exc, after_headers=False) is ErrorType(before)
     assert classify_exception(exc, after_headers=True) is ErrorType(after)
+
+
+def test_a_failed_dial_is_described_by_what_the_system_said() -> None:
+    failed = _dial_failed(FileNotFoundError(2, "No such file or directory", "/run/x.sock"))
+    assert (
+        describe(failed) == "FileNotFoundError: [Errno 2] No such file or directory: '/run/x.sock'"
+    )
 
 
 def test_describe_names_the_root_cause_without_repeating_it() -> None:

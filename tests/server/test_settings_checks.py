@@ -38,6 +38,8 @@ CASES: list[tuple[list[str], dict[str, Any], str]] = [
     (["--label-values", "0"], {"label_values": 0}, "at least 1"),
     (["--conversation-table", "0"], {"conversation_table": 0}, "at least 1"),
     (["--relay", "nginx"], {"relay": "nginx"}, "expected one of wire, asgi"),
+    (["--uds", "/s/" + "x" * 105], {"uds": "/s/" + "x" * 105}, "at most 107 bytes"),
+    (["--upstream-uds", ""], {"upstream_uds": ""}, "the path of a Unix domain socket"),
     (["--access-log", "xml"], {"access_log": "xml"}, "expected one of json, text, off"),
     (["--key-label", "plain"], {"key_label": "plain"}, "expected one of none, hash"),
     (["--log-level", "INFO"], {"log_level": "INFO"}, "expected one of debug"),

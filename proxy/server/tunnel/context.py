@@ -39,7 +39,7 @@ class TunnelContext:
 
 def tunnel_context(settings: Settings, sinks: Sinks) -> TunnelContext:
     """The tunnels' shared parts for these settings; call once per server."""
-    upstream = UpstreamURL.parse(settings.upstream)
+    upstream = UpstreamURL.parse(settings.upstream, settings.upstream_uds)
     return group(
         TunnelContext,
         settings,

@@ -34,6 +34,7 @@ from proxy.core.errors import Cause, relay_failure
 from proxy.core.wsrecord import OTHER_ROUTE, WsSessionRecord
 from proxy.core.wsseam import WsApi, WsSession
 from proxy.server.admission import Refused, answer_bytes
+from proxy.server.dial import dial
 from proxy.server.tunnel.context import TunnelContext
 from proxy.server.tunnel.handshake import UpstreamAnswer, admit
 from proxy.server.tunnel.pipe import Pipe
@@ -135,9 +136,7 @@ class Tunnel:
         upstream = context.upstream
         try:
             transport, _ = await asyncio.wait_for(
-                self.loop.create_connection(
-                    self.pipe.upstream_protocol, upstream.host, upstream.port, ssl=context.ssl
-                ),
+                dial(self.loop, self.pipe.upstream_protocol, upstream, context.ssl),
                 context.connect_timeout,
             )
         except (OSError, TimeoutError) as exc:

@@ -37,6 +37,7 @@ from typing import Protocol
 import httptools
 
 from proxy.core.upstream_url import UpstreamURL
+from proxy.server.dial import dial
 from proxy.server.headers import Headers
 from proxy.server.upstream import KEEPALIVE_SECONDS
 from proxy.server.upstream_errors import UpstreamProtocolError
@@ -280,9 +281,7 @@ class Pool:
     async def connect(self) -> UpstreamConnection:
         loop = asyncio.get_running_loop()
         async with asyncio.timeout(self.connect_timeout):
-            _, conn = await loop.create_connection(
-                lambda: UpstreamConnection(self), self.host, self.port, ssl=self.ssl
-            )
+            _, conn = await dial(loop, lambda: UpstreamConnection(self), self.upstream, self.ssl)
         return conn
 
     def put(self, conn: UpstreamConnection) -> None:

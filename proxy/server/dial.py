@@ -1,0 +1,55 @@
+"""Opening a connection to the upstream: to its host and port, or to the Unix socket of
+`--upstream-uds` (`UpstreamURL.uds`, a vLLM started with `--uds`).
+
+The wire's pool and the WebSocket tunnel open theirs here; the ASGI relay's clients are
+given the socket by their own means (proxy/server/upstream.py). Over a Unix socket TLS
+still checks the URL's host, as curl's --unix-socket does with an https:// URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl as ssl_module
+from collections.abc import Callable
+from typing import TypeVar
+
+from proxy.core.errors import ConnectFailed
+from proxy.core.upstream_url import UpstreamURL
+
+__all__ = ["dial", "name_the_socket"]
+
+P = TypeVar("P", bound=asyncio.BaseProtocol)
+
+
+async def dial(
+    loop: asyncio.AbstractEventLoop,
+    factory: Callable[[], P],
+    upstream: UpstreamURL,
+    ssl: ssl_module.SSLContext | None,
+) -> tuple[asyncio.Transport, P]:
+    """A connection to the upstream, or `ConnectFailed` from what the system said (a
+    timeout stays a TimeoutError: the caller's limit, or the system's, ran out)."""
+    try:
+        if upstream.uds is None:
+            return await loop.create_connection(factory, upstream.host, upstream.port, ssl=ssl)
+        return await loop.create_unix_connection(
+            factory, upstream.uds, ssl=ssl, server_hostname=upstream.host if ssl else None
+        )
+    except TimeoutError:
+        raise
+    except OSError as exc:
+        if upstream.uds is not None:
+            name_the_socket(exc, upstream.uds)
+        raise ConnectFailed(str(exc)) from exc
+
+
+def name_the_socket(exc: BaseException, path: str) -> None:
+    """Put the socket's path on the system's errors in `exc`'s chain (itself, its causes
+    and contexts) that name no file: a refused TCP connect names its address, and a failed
+    Unix one should name its socket. The ASGI relay's clients raise their own errors over
+    the system's (aiohttp's are OSErrors too), so each is named (proxy/server/upstream.py)."""
+    current: BaseException | None = exc
+    while current is not None:
+        if isinstance(current, OSError) and current.errno is not None and current.filename is None:
+            current.filename = path
+        current = current.__cause__ or current.__context__
