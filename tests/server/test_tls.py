@@ -12,6 +12,7 @@ import asyncio
 import ssl
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -20,10 +21,11 @@ import pytest
 from openai import OpenAI
 from websockets.asyncio.client import connect
 
+from proxy.sim import SimConfig, create_sim_app
 from tests.conftest import MODEL, Running
 from tests.paths import ROOT
 from tests.server.conftest import no_proxy, paths
-from tests.servers import free_port, spawn, stop, wait_http
+from tests.servers import ThreadedServer, free_port, spawn, stop, wait_http
 from tests.ws_upstream import EchoUpstream
 
 TLS = ROOT / "tests" / "fixtures" / "tls"
@@ -93,6 +95,49 @@ def test_a_websocket_over_wss_is_tunnelled() -> None:
             assert asyncio.run(echo()) == ["one", "two"]
     finally:
         upstream.stop()
+
+
+def test_a_backend_certified_by_a_private_ca_is_trusted_through_ssl_cert_file() -> None:
+    """A vLLM serving TLS with a certificate of the operator's own CA (here the test
+    certificate, which signs itself): SSL_CERT_FILE, OpenSSL's variable, makes every
+    client the proxy has trust it (the data path, and httpx's for /v1/models and the
+    identity probe). Without it the certificate is refused, and so is the request."""
+    app = create_sim_app(SimConfig(models=(MODEL,), ttft=0.02, output_tokens=8))
+    backend = ThreadedServer(app, ssl_certfile=CERT, ssl_keyfile=KEY).start()
+    upstream = f"https://127.0.0.1:{backend.port}"
+    answers, pages = [], []
+    try:
+        for trust in ({}, {"SSL_CERT_FILE": CERT}):
+            port = free_port()
+            process = spawn(
+                "serve", "--upstream", upstream, "--port", str(port), "--access-log", "off",
+                "--models-refresh", "0.2", "--model-allowlist", MODEL, env=trust,
+            )  # fmt: skip
+            base = f"http://127.0.0.1:{port}"
+            try:
+                wait_http(base + "/healthz")
+                body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+                answers.append(httpx.post(base + "/v1/chat/completions", json=body, timeout=10))
+                pages.append(_identity_after(base, seconds=10 if trust else 0.5))
+            finally:
+                stop(process)
+    finally:
+        backend.stop()
+    refused, trusted = answers
+    assert refused.status_code == 502 and "CERTIFICATE_VERIFY_FAILED" in refused.text
+    assert trusted.status_code == 200 and trusted.json()["choices"][0]["message"]["content"]
+    assert pages == ["", 'tokenprobe_backend_info{kind="vllm"']
+
+
+def _identity_after(base: str, seconds: float) -> str:
+    """The backend's identity on /metrics, once there, or "" after `seconds` (the
+    proxy asks every 0.2 s)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if 'tokenprobe_backend_info{kind="vllm"' in httpx.get(base + "/metrics").text:
+            return 'tokenprobe_backend_info{kind="vllm"'
+        time.sleep(0.05)
+    return ""
 
 
 @no_proxy
