@@ -17,7 +17,8 @@ next cycle. So both pools are guarded, per connection reuse and never per chunk:
   closed instead of reused.
 - httpx/httpcore (`_GuardedPool`): an idle connection with bytes in h11's buffer
   (`trailing_data`) or readable bytes on its socket is closed before the pool can assign
-  it (httpcore itself closes a readable idle socket; this counts it).
+  it (httpcore itself closes a readable idle socket; this counts it, on a plain TCP
+  connection: a TLS one's bytes cannot tell data from the backend's clean close).
 
 Each such close is counted by the `count` callback (Sinks.count_upstream_protocol_error):
 tokenprobe_upstream_protocol_errors_total{kind}.
@@ -218,6 +219,11 @@ def _idle_dirt(conn: httpcore.AsyncHTTP11Connection) -> str | None:
         return "extra_bytes"
     stream = conn._network_stream
     if not stream.get_extra_info("is_readable"):
+        return None
+    if stream.get_extra_info("ssl_object") is not None:
+        # TLS: the socket's bytes may be the backend's close_notify, a clean close that TLS
+        # 1.3 encrypts as it does data, and httpcore reads them only when asked. Readable,
+        # the connection is closed all the same (httpcore's expiry), and counted as nothing.
         return None
     sock = stream.get_extra_info("socket")  # asyncio's TransportSocket: no recv of its own
     try:  # readable: bytes, or the backend's close (b""), which is no error

@@ -19,6 +19,7 @@ from contextlib import AbstractContextManager
 
 import pytest
 
+from proxy.sim import SimConfig, create_sim_app
 from tests.edge_backend import metric, serving_process
 from tests.hostile.peers import (
     Conn,
@@ -31,7 +32,8 @@ from tests.hostile.peers import (
     raw_upstream,
     read_response,
 )
-from tests.servers import stop
+from tests.paths import ROOT
+from tests.servers import ThreadedServer, stop
 
 Proxy = Callable[..., AbstractContextManager[str]]
 ERRORS = "tokenprobe_upstream_protocol_errors_total"
@@ -42,6 +44,10 @@ EXTRA = ok(b"EXTRA")  # what no request asked for
 
 def get(target: bytes) -> bytes:
     return b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+TLS_CERT = str(ROOT / "tests" / "fixtures" / "tls" / "test-only.crt")
+TLS_KEY = str(ROOT / "tests" / "fixtures" / "tls" / "test-only.key")
 
 
 def ask(base: str, target: bytes, timeout: float = 10.0) -> tuple[bytes, float]:
@@ -315,6 +321,40 @@ def test_the_asgi_relays_httpx_transport_is_guarded_too(
         assert body(two) == b"second", two
         assert seconds < 3.0
         assert until(lambda: errors(base, case) == 1)
+
+
+# -- a TLS upstream's clean close -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("relay", "transport"), [("wire", "aiohttp"), ("asgi", "aiohttp"), ("asgi", "httpx")]
+)
+def test_a_tls_upstream_closing_an_idle_connection_counts_no_protocol_error(
+    monkeypatch: pytest.MonkeyPatch, relay: str, transport: str
+) -> None:
+    """A TLS backend closes an idle kept-alive connection with a close_notify alert, bytes
+    on the socket as data would be (TLS 1.3 encrypts both alike). That is a clean close:
+    the next request goes on a new connection, and no protocol error is counted. httpx's
+    transport reads a TLS socket only when asked, so the guard's peek at an idle socket
+    saw the alert's bytes and counted them as idle_bytes, once per close."""
+    monkeypatch.setenv("TOKENPROBE_RELAY", relay)
+    monkeypatch.setenv("TOKENPROBE_UPSTREAM_TRANSPORT", transport)
+    monkeypatch.setenv("SSL_CERT_FILE", TLS_CERT)  # the backend's certificate is self-signed
+    app = create_sim_app(SimConfig(models=("m",)))
+    backend = ThreadedServer(
+        app, ssl_certfile=TLS_CERT, ssl_keyfile=TLS_KEY, timeout_keep_alive=0.3
+    ).start()
+    try:
+        with serving_process(f"https://127.0.0.1:{backend.port}") as (base, _):
+            for _ in range(3):
+                got, _ = ask(base, b"/v1/models")
+                assert got.startswith(b"HTTP/1.1 200"), got
+                time.sleep(0.6)  # the backend closes the idle connection after 0.3 s
+            for kind in ("extra_bytes", "idle_bytes", "malformed", "upgrade"):
+                assert errors(base, kind) == 0, kind
+    finally:
+        backend.stop()
+    assert len(app.state.requests()) == 3
 
 
 # -- the upstream's base path (issue 31 item 1) -----------------------------------------------
