@@ -12,6 +12,7 @@ ends. One upstream and one proxy of each kind serve the module; counts are delta
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import threading
@@ -620,6 +621,26 @@ def test_upstream_closing_after_101_closes_the_client_within_a_second(
     assert up.closed.wait(5) and up.closed_at is not None
     assert seen - up.closed_at < 1.0
     client.close()
+    _counted(raw_proxy, "upstream_vanished", before)
+
+
+def test_upstream_closing_before_any_answer_gets_the_client_a_502(
+    raw: RawUpstream, raw_proxy: Proxy
+) -> None:
+    """As an HTTP request whose upstream closes before its head: the proxy's 502."""
+    raw.route(b"/gone", b"", lambda up, conn: None)  # reads the handshake, then closes
+    before = _baseline(raw_proxy, "upstream_vanished")
+    client = _raw_client(raw_proxy.port)
+    client.sendall(_handshake(b"/gone"))
+    answer = b""
+    while chunk := client.recv(65536):
+        answer += chunk
+    client.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 502"), answer
+    error = json.loads(body)["error"]
+    assert error["type"] == "upstream_error"
+    assert error["message"] == "upstream: ConnectionResetError: the upstream closed the connection"
     _counted(raw_proxy, "upstream_vanished", before)
 
 

@@ -75,7 +75,7 @@ def pipe_between(grace: float = 0.05) -> tuple[Pipe, FakeTransport, FakeTranspor
             ends.seen.append((from_client, data))
             ends.seen_at.append(at)
 
-        def lost(self, client_side: bool) -> None:
+        def lost(self, client_side: bool, exc: Exception | None) -> None:
             ends.lost.append(client_side)
 
     pipe = Pipe(client, Owner(), grace)  # type: ignore[arg-type]  # a fake transport

@@ -34,8 +34,8 @@ class Ends(Protocol):
         timed when the proxy had it, not when the process next ran after passing it on
         (a backend that answers within the gap would otherwise seem faster than it is)."""
 
-    def lost(self, client_side: bool) -> None:
-        """One side's connection ended."""
+    def lost(self, client_side: bool, exc: Exception | None) -> None:
+        """One side's connection ended; `exc` what ended it, None for a clean close."""
 
 
 class Pipe(Deadline):
@@ -210,7 +210,7 @@ class _Side(asyncio.Protocol):
         return None  # the transport closes; connection_lost ends the pipe
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.pipe.ends.lost(self.from_client)
+        self.pipe.ends.lost(self.from_client, exc)
 
     def pause_writing(self) -> None:
         self.pipe.writes_full(self.from_client, True)

@@ -6,7 +6,8 @@ handshake's head:
 1. The head is admitted (handshake.py `admit`); one that is not gets the HTTP relay's
    400 `invalid_request_target`, and the session that outcome. The upstream is
    connected (--connect-timeout) and sent the handshake; an unreachable one gets the
-   client the proxy's 502/504 (proxy.core.errors.relay_failure), as an HTTP request would.
+   client the proxy's 502/504 (proxy.core.errors.relay_failure), as an HTTP request would;
+   so does one that closes before any byte of its answer.
 2. Nothing the client sent after its head goes upstream before the upstream's 101: the
    pipe holds the client's bytes, since the upstream might refuse the upgrade and read
    them as a request the proxy never parsed. Everything the upstream sends goes to the
@@ -200,7 +201,7 @@ class Tunnel:
         if after is not None:
             self._opened(after, at)
 
-    def lost(self, client_side: bool) -> None:
+    def lost(self, client_side: bool, exc: Exception | None) -> None:
         if self.ended:
             return
         if not self.open:
@@ -210,6 +211,12 @@ class Tunnel:
                 outcome = "refused"  # a refusal whose body ran to the connection's end
             else:
                 outcome = "upstream_vanished"
+                # Before any byte of its answer (a TLS backend refusing the proxy's
+                # certificate, a crash): the client gets what an HTTP request gets.
+                cause = exc or ConnectionResetError("the upstream closed the connection")
+                failure = relay_failure(Cause.UPSTREAM_BROKE, after_headers=False, exc=cause)
+                assert failure.answer is not None
+                self._answer(*failure.answer)
         elif self.watch.first_close is not None:
             outcome = "closed_by_client" if self.watch.first_close else "closed_by_upstream"
         else:
