@@ -63,6 +63,13 @@ def _socket_path(value: str) -> str:
     return value
 
 
+def _cert_reqs(value: str) -> int:
+    """ssl.CERT_NONE, CERT_OPTIONAL or CERT_REQUIRED by number, as vLLM's --ssl-cert-reqs."""
+    if value not in ("0", "1", "2"):
+        raise ValueError("expected 0 (no client certificate), 1 (optional) or 2 (required)")
+    return int(value)
+
+
 def _seconds(value: str) -> float:
     seconds = float(value)
     if not seconds > 0:  # also refuses nan, which compares false with everything
@@ -275,6 +282,20 @@ class Settings:
         None,
         "Connect to the upstream through this Unix domain socket (a vLLM started with --uds, as curl's --unix-socket); --upstream still gives the scheme, the Host header and the base path, e.g. `--upstream http://localhost --upstream-uds /run/vllm.sock`.",
     )
+    upstream_ca_certs: str | None = setting(
+        str,
+        None,
+        "CA bundle an https:// upstream's certificate is checked against (a vLLM certified by your own CA), in place of the system's bundle; every client the proxy has uses it. Unset: the system's bundle, or SSL_CERT_FILE.",
+        shown="the system's",
+    )
+    upstream_ssl_certfile: str | None = setting(
+        str,
+        None,
+        "PEM client certificate the proxy presents to an https:// upstream that asks for one (a vLLM with --ssl-cert-reqs 2); with --upstream-ssl-keyfile.",
+    )
+    upstream_ssl_keyfile: str | None = setting(
+        str, None, "PEM private key of --upstream-ssl-certfile (its path only is ever shown)."
+    )
     host: str = setting(str, "127.0.0.1", "Address to listen on (0.0.0.0 for all interfaces).")
     port: int = setting(_port, 4000, "Port to listen on.")
     uds: str | None = setting(
@@ -289,6 +310,22 @@ class Settings:
     )
     ssl_keyfile: str | None = setting(
         str, None, "PEM private key of --ssl-certfile (its path only is ever shown)."
+    )
+    ssl_ca_certs: str | None = setting(
+        str,
+        None,
+        "CA bundle that clients' certificates are checked against (mutual TLS), as vLLM's --ssl-ca-certs; with --ssl-cert-reqs.",
+    )
+    ssl_cert_reqs: int = setting(
+        _cert_reqs,
+        0,
+        "Whether clients must present a certificate, as vLLM's --ssl-cert-reqs: 0 no, 1 checked when given, 2 required (needs --ssl-ca-certs).",
+    )
+    ssl_ciphers: str | None = setting(
+        str,
+        None,
+        "OpenSSL cipher list for TLS 1.2 and below, as vLLM's --ssl-ciphers (unset: uvicorn's).",
+        shown="uvicorn's",
     )
     connect_timeout: float = setting(
         _seconds, 10.0, "Seconds to open a connection to the upstream."
@@ -611,30 +648,96 @@ def validate(settings: Settings) -> None:
             parse_value(spec.flag, text(value), spec.parse)
     _check_label_headers(settings)
     _check_tls(settings)
+    _check_uds(settings)
     require_tokenizer_support(settings)
 
 
 def _check_tls(settings: Settings) -> None:
-    """Both TLS files or neither, and a pair that loads: refused at start with the
-    flag's name, not a traceback from the server once it binds."""
-    cert, key = settings.ssl_certfile, settings.ssl_keyfile
+    """The listener's TLS files and the upstream's, each pair both or neither and loading,
+    and nothing given that would do nothing: refused at start with the flag's name, not a
+    traceback from the server once it binds or from the first request upstream."""
+    import ssl
+
+    _check_pair(settings.ssl_certfile, settings.ssl_keyfile, "--ssl-certfile", "--ssl-keyfile")
+    listening = settings.ssl_certfile is not None
+    for flag, given in (
+        ("--ssl-ca-certs", settings.ssl_ca_certs is not None),
+        ("--ssl-cert-reqs", settings.ssl_cert_reqs != 0),
+        ("--ssl-ciphers", settings.ssl_ciphers is not None),
+    ):
+        if given and not listening:
+            raise SettingsError(f"{flag} needs --ssl-certfile: it sets the proxy's own HTTPS")
+    if settings.ssl_cert_reqs and settings.ssl_ca_certs is None:
+        raise SettingsError(
+            f"--ssl-cert-reqs {settings.ssl_cert_reqs} needs --ssl-ca-certs: clients' "
+            "certificates are checked against that bundle, and against nothing without it"
+        )
+    _check_bundle(settings.ssl_ca_certs, "--ssl-ca-certs")
+    if settings.ssl_ciphers is not None:
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).set_ciphers(settings.ssl_ciphers)
+        except ssl.SSLError:
+            raise SettingsError(
+                f"--ssl-ciphers {settings.ssl_ciphers!r}: OpenSSL knows none of these ciphers"
+            ) from None
+    _check_pair(
+        settings.upstream_ssl_certfile,
+        settings.upstream_ssl_keyfile,
+        "--upstream-ssl-certfile",
+        "--upstream-ssl-keyfile",
+    )
+    _check_bundle(settings.upstream_ca_certs, "--upstream-ca-certs")
+    if not settings.upstream.startswith("https://"):
+        for flag, value in (
+            ("--upstream-ca-certs", settings.upstream_ca_certs),
+            ("--upstream-ssl-certfile", settings.upstream_ssl_certfile),
+        ):
+            if value is not None:
+                raise SettingsError(f"{flag} needs an https:// --upstream: it is for its TLS")
+
+
+def _check_uds(settings: Settings) -> None:
+    """https:// over a Unix socket is TLS on the wire and on httpx's transport; aiohttp's
+    Unix connector would send the requests in plain text."""
+    if (
+        settings.upstream_uds is not None
+        and settings.upstream.startswith("https://")
+        and settings.relay == "asgi"
+        and settings.upstream_transport == "aiohttp"
+    ):
+        raise SettingsError(
+            "--upstream-uds with an https:// --upstream takes --upstream-transport httpx on "
+            "--relay asgi: aiohttp's Unix socket connector speaks no TLS"
+        )
+
+
+def _check_pair(cert: str | None, key: str | None, cert_flag: str, key_flag: str) -> None:
+    """A certificate and its key, both or neither, that load together."""
     if cert is None and key is None:
         return
     if cert is None or key is None:
-        given, missing = (
-            ("--ssl-certfile", "--ssl-keyfile")
-            if key is None
-            else ("--ssl-keyfile", "--ssl-certfile")
-        )
-        raise SettingsError(f"{given} needs {missing}: HTTPS takes a certificate and its key")
+        given, missing = (cert_flag, key_flag) if key is None else (key_flag, cert_flag)
+        raise SettingsError(f"{given} needs {missing}: TLS takes a certificate and its key")
     import ssl
 
     try:
         ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
     except (OSError, ssl.SSLError) as exc:
         raise SettingsError(
-            f"--ssl-certfile {cert} --ssl-keyfile {key}: not a certificate and its key ({exc})"
+            f"{cert_flag} {cert} {key_flag} {key}: not a certificate and its key ({exc})"
         ) from None
+
+
+def _check_bundle(path: str | None, flag: str) -> None:
+    """A CA bundle that loads."""
+    if path is None:
+        return
+    import ssl
+
+    try:
+        ssl.create_default_context(cafile=path)
+    except (OSError, ssl.SSLError) as exc:
+        raise SettingsError(f"{flag} {path}: not a CA bundle ({exc})") from None
 
 
 def _check_label_headers(settings: Settings) -> None:

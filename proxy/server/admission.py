@@ -15,6 +15,7 @@ HTTP/1.1 bytes.
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -28,6 +29,7 @@ from proxy.core.measurement import ErrorType
 from proxy.core.paths import BadTarget, Target, normalise, route_key
 from proxy.core.request import RequestInfo, parse_request
 from proxy.core.strip import Injection, UsageEventStripper
+from proxy.server.dial import upstream_tls
 from proxy.server.headers import Headers, secret_names
 from proxy.settings import Settings, group
 from proxy.sinks.dispatch import Sinks
@@ -40,6 +42,7 @@ class RelaySettings:
 
     upstream: str  # base URL, no trailing path
     upstream_uds: str | None  # the Unix socket connections go to, else the URL's host and port
+    upstream_ssl: ssl.SSLContext | None  # for an https:// upstream (proxy/server/dial.py)
     inject_usage: bool  # ask a stream for usage when its client did not, and strip it back
     max_body_bytes: int
     max_header_bytes: int
@@ -55,7 +58,12 @@ class RelaySettings:
 
 
 def relay_settings(settings: Settings) -> RelaySettings:
-    return group(RelaySettings, settings, secret_headers=secret_names(settings.secret_headers))
+    return group(
+        RelaySettings,
+        settings,
+        secret_headers=secret_names(settings.secret_headers),
+        upstream_ssl=upstream_tls(settings),
+    )
 
 
 class Refused(Exception):

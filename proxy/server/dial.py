@@ -4,6 +4,10 @@
 The wire's pool and the WebSocket tunnel open theirs here; the ASGI relay's clients are
 given the socket by their own means (proxy/server/upstream.py). Over a Unix socket TLS
 still checks the URL's host, as curl's --unix-socket does with an https:// URL.
+
+Every client of an https:// upstream (the wire's pool, the tunnel, the ASGI relay's httpx
+and aiohttp transports, the /v1/models and identity calls) uses the one TLS context
+`upstream_tls` makes, so they trust the same CAs and present the same client certificate.
 """
 
 from __future__ import annotations
@@ -11,14 +15,39 @@ from __future__ import annotations
 import asyncio
 import ssl as ssl_module
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from proxy.core.errors import ConnectFailed
 from proxy.core.upstream_url import UpstreamURL
 
-__all__ = ["dial", "name_the_socket"]
+__all__ = ["dial", "name_the_socket", "upstream_tls"]
 
 P = TypeVar("P", bound=asyncio.BaseProtocol)
+
+
+class UpstreamTLSSettings(Protocol):
+    """The settings `upstream_tls` reads (Settings, and the groups that copy them)."""
+
+    @property
+    def upstream(self) -> str: ...
+    @property
+    def upstream_ca_certs(self) -> str | None: ...
+    @property
+    def upstream_ssl_certfile(self) -> str | None: ...
+    @property
+    def upstream_ssl_keyfile(self) -> str | None: ...
+
+
+def upstream_tls(settings: UpstreamTLSSettings) -> ssl_module.SSLContext | None:
+    """The TLS context for an https:// upstream, None for http://: the system's CAs (or
+    SSL_CERT_FILE's, which OpenSSL reads), or --upstream-ca-certs in their place, and the
+    client certificate of --upstream-ssl-certfile when given (mutual TLS)."""
+    if not settings.upstream.startswith("https://"):
+        return None
+    context = ssl_module.create_default_context(cafile=settings.upstream_ca_certs)
+    if settings.upstream_ssl_certfile is not None:
+        context.load_cert_chain(settings.upstream_ssl_certfile, settings.upstream_ssl_keyfile)
+    return context
 
 
 async def dial(

@@ -43,9 +43,13 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
         # httptools with limits on the request head while it arrives (proxy.server.protocol);
         # the wire is that protocol relaying itself (proxy.server.wire).
         "http": PROTOCOLS[settings.relay],
-        # HTTPS and WSS when asked (the files were checked with the settings).
+        # HTTPS and WSS when asked, mutual TLS too, as vLLM's flags of the same names (the
+        # files were checked with the settings).
         "ssl_certfile": settings.ssl_certfile,
         "ssl_keyfile": settings.ssl_keyfile,
+        "ssl_ca_certs": settings.ssl_ca_certs,
+        "ssl_cert_reqs": settings.ssl_cert_reqs,
+        **({"ssl_ciphers": settings.ssl_ciphers} if settings.ssl_ciphers else {}),
     }
 
 

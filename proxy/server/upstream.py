@@ -37,6 +37,7 @@ the backend may have taken the request, and a POST must not run twice.
 from __future__ import annotations
 
 import socket
+import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -44,7 +45,7 @@ import h11
 import httpcore
 import httpx
 
-from proxy.server.dial import name_the_socket
+from proxy.server.dial import name_the_socket, upstream_tls
 from proxy.server.upstream_errors import ClosedUnanswered, UpstreamProtocolError
 from proxy.settings import Settings
 
@@ -87,18 +88,19 @@ def create_client(
         max_connections=None, max_keepalive_connections=1024, keepalive_expiry=KEEPALIVE_SECONDS
     )
     send_aiohttp: AiohttpSend | None = None
+    tls = upstream_tls(settings)  # the same trust and client certificate as the wire's
     if transport is None and settings.upstream_transport == "aiohttp":
         from proxy.server.upstream_aiohttp import aiohttp_transport, send_text_headers
 
-        transport = aiohttp_transport(count, KEEPALIVE_SECONDS, settings.upstream_uds)
+        transport = aiohttp_transport(count, KEEPALIVE_SECONDS, settings.upstream_uds, tls)
         send_aiohttp = send_text_headers
     elif transport is None:
-        transport = guarded_httpx_transport(limits, count, settings.upstream_uds)
+        transport = guarded_httpx_transport(limits, count, settings.upstream_uds, tls)
     client = UpstreamClient(transport=transport, timeout=timeout, limits=limits)
     client.send_aiohttp = send_aiohttp
     client.limits = limits
     client.count = count
-    client.uds = settings.upstream_uds
+    client.uds, client.tls = settings.upstream_uds, tls
     client.headers.clear()  # forward the client's headers, not httpx's defaults
     return client
 
@@ -107,11 +109,15 @@ def create_client(
 
 
 def guarded_httpx_transport(
-    limits: httpx.Limits, count: Callable[[str], None] = _uncounted, uds: str | None = None
+    limits: httpx.Limits,
+    count: Callable[[str], None] = _uncounted,
+    uds: str | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> httpx.AsyncHTTPTransport:
     """httpx's own transport, on a pool that closes dirty idle connections; through the
-    Unix socket `uds` when given (--upstream-uds)."""
-    transport = _GuardedHTTPTransport(count, limits=limits, uds=uds)
+    Unix socket `uds` when given (--upstream-uds), with the TLS context `tls` when given
+    (else httpx's own)."""
+    transport = _GuardedHTTPTransport(count, limits=limits, uds=uds, verify=tls or True)
     old = transport._pool
     transport._pool = _GuardedPool(
         count,
@@ -244,6 +250,7 @@ class UpstreamClient(httpx.AsyncClient):
         self.limits = httpx.Limits()
         self.count: Callable[[str], None] = _uncounted
         self.uds: str | None = None  # --upstream-uds, for the transports made later
+        self.tls: ssl.SSLContext | None = None  # and the upstream's TLS context
         self._bytes_transport: httpx.AsyncHTTPTransport | None = None
         self._fresh_transport: httpx.AsyncHTTPTransport | None = None
 
@@ -252,7 +259,9 @@ class UpstreamClient(httpx.AsyncClient):
         if isinstance(self.upstream_transport, httpx.AsyncHTTPTransport):
             return self.upstream_transport
         if self._bytes_transport is None:
-            self._bytes_transport = guarded_httpx_transport(self.limits, self.count, self.uds)
+            self._bytes_transport = guarded_httpx_transport(
+                self.limits, self.count, self.uds, self.tls
+            )
         return self._bytes_transport
 
     def fresh_transport(self) -> httpx.AsyncBaseTransport:
@@ -261,7 +270,7 @@ class UpstreamClient(httpx.AsyncClient):
         request goes once more after a kept-alive connection closed unanswered."""
         if self._fresh_transport is None:
             limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
-            self._fresh_transport = guarded_httpx_transport(limits, self.count, self.uds)
+            self._fresh_transport = guarded_httpx_transport(limits, self.count, self.uds, self.tls)
         return self._fresh_transport
 
     async def aclose(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import ssl
 from collections.abc import Callable
 from typing import Any
 
@@ -32,15 +33,20 @@ class _AiohttpClosedUnanswered(ClosedUnanswered, aiohttp.ServerDisconnectedError
 
 
 def aiohttp_transport(
-    count: Callable[[str], None], keepalive: float, uds: str | None = None
+    count: Callable[[str], None],
+    keepalive: float,
+    uds: str | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> AiohttpTransport:
     """httpx-aiohttp's transport on a guarded connector; `count` is told each protocol
     error's kind, idle connections close after `keepalive` seconds; through the Unix
-    socket `uds` when given (--upstream-uds)."""
+    socket `uds` when given (--upstream-uds), with the TLS context `tls` when given."""
 
     def session() -> aiohttp.ClientSession:
+        # aiohttp's Unix connector speaks no TLS: the settings refuse https:// over a
+        # Unix socket on this transport (proxy.settings._check_uds)
         connector: aiohttp.BaseConnector = (
-            _GuardedConnector(limit=0, keepalive_timeout=keepalive)
+            _GuardedConnector(limit=0, keepalive_timeout=keepalive, ssl=tls or True)
             if uds is None
             else _GuardedUnixConnector(uds, limit=0, keepalive_timeout=keepalive)
         )

@@ -16,6 +16,7 @@ import pytest
 from proxy.cli import main
 from proxy.server.serve import build_app
 from proxy.settings import Settings, SettingsError
+from tests.paths import ROOT
 from tests.server.conftest import no_proxy
 
 pytestmark = no_proxy  # runs no proxy: once, on no data path
@@ -64,8 +65,10 @@ CASES: list[tuple[list[str], dict[str, Any], str]] = [
 ]
 
 
-def _cli_message(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    assert main(["serve", "--upstream", UPSTREAM, *args]) == 2
+def _cli_message(
+    args: list[str], capsys: pytest.CaptureFixture[str], upstream: str = UPSTREAM
+) -> str:
+    assert main(["serve", "--upstream", upstream, *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("tokenprobe serve: ")
     return err.removeprefix("tokenprobe serve: ").strip()
@@ -78,6 +81,75 @@ def test_a_bad_value_is_refused_alike_in_code_and_on_the_command_line(
     on_the_command_line = _cli_message(args, capsys)
     with pytest.raises(SettingsError) as in_code:
         Settings(upstream=UPSTREAM, **fields)
+    assert str(in_code.value) == on_the_command_line
+    assert reason in on_the_command_line
+
+
+TLS = ROOT / "tests" / "fixtures" / "tls"
+CERT, KEY = str(TLS / "test-only.crt"), str(TLS / "test-only.key")
+SERVING = ["--ssl-certfile", CERT, "--ssl-keyfile", KEY]
+HTTPS = "https://127.0.0.1:9"
+
+# (the upstream, flags after it, the same as Settings fields, words of the reason)
+TLS_CASES: list[tuple[str, list[str], dict[str, Any], str]] = [
+    (UPSTREAM, ["--ssl-ca-certs", CERT], {"ssl_ca_certs": CERT}, "needs --ssl-certfile"),
+    (UPSTREAM, ["--ssl-cert-reqs", "3"], {"ssl_cert_reqs": 3}, "expected 0 (no client"),
+    (
+        UPSTREAM,
+        [*SERVING, "--ssl-cert-reqs", "2"],
+        {"ssl_certfile": CERT, "ssl_keyfile": KEY, "ssl_cert_reqs": 2},
+        "--ssl-cert-reqs 2 needs --ssl-ca-certs",
+    ),
+    (
+        UPSTREAM,
+        [*SERVING, "--ssl-ca-certs", KEY],
+        {"ssl_certfile": CERT, "ssl_keyfile": KEY, "ssl_ca_certs": KEY},
+        "not a CA bundle",
+    ),
+    (
+        UPSTREAM,
+        [*SERVING, "--ssl-ciphers", "NO-SUCH-CIPHER"],
+        {"ssl_certfile": CERT, "ssl_keyfile": KEY, "ssl_ciphers": "NO-SUCH-CIPHER"},
+        "OpenSSL knows none",
+    ),
+    (
+        HTTPS,
+        ["--upstream-ssl-certfile", CERT],
+        {"upstream_ssl_certfile": CERT},
+        "--upstream-ssl-certfile needs --upstream-ssl-keyfile",
+    ),
+    (
+        HTTPS,
+        ["--upstream-ca-certs", KEY],
+        {"upstream_ca_certs": KEY},
+        f"--upstream-ca-certs {KEY}: not a CA bundle",
+    ),
+    (
+        HTTPS,
+        ["--upstream-uds", "/run/vllm.sock", "--relay", "asgi"],
+        {"upstream_uds": "/run/vllm.sock", "relay": "asgi"},
+        "takes --upstream-transport httpx on --relay asgi",
+    ),
+    (
+        UPSTREAM,
+        ["--upstream-ca-certs", CERT],
+        {"upstream_ca_certs": CERT},
+        "--upstream-ca-certs needs an https:// --upstream",
+    ),
+]
+
+
+@pytest.mark.parametrize(("upstream", "args", "fields", "reason"), TLS_CASES)
+def test_tls_settings_that_cannot_work_are_refused_alike(
+    upstream: str,
+    args: list[str],
+    fields: dict[str, Any],
+    reason: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    on_the_command_line = _cli_message(args, capsys, upstream)
+    with pytest.raises(SettingsError) as in_code:
+        Settings(upstream=upstream, **fields)
     assert str(in_code.value) == on_the_command_line
     assert reason in on_the_command_line
 

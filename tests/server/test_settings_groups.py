@@ -21,7 +21,7 @@ pytestmark = no_proxy
 
 #: Each group, how the proxy builds it, and the fields it derives instead of copying.
 GROUPS: list[tuple[type[Any], Callable[[Settings], Any], set[str]]] = [
-    (RelaySettings, relay_settings, {"secret_headers"}),
+    (RelaySettings, relay_settings, {"secret_headers", "upstream_ssl"}),
     (HeadLimits, HeadLimits.from_settings, {"max_head_bytes"}),
     (
         TunnelContext,

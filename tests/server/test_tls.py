@@ -20,6 +20,7 @@ import httpx
 import pytest
 from openai import OpenAI
 from websockets.asyncio.client import connect
+from websockets.exceptions import InvalidStatus
 
 from proxy.sim import SimConfig, create_sim_app
 from tests.conftest import MODEL, Running
@@ -34,17 +35,19 @@ CONTEXT = ssl.create_default_context(cafile=CERT)
 
 
 @contextmanager
-def serving_tls(upstream: str) -> Iterator[str]:
+def serving_tls(upstream: str, *flags: str) -> Iterator[str]:
     """`tokenprobe serve` over TLS in front of `upstream`; its https:// base URL."""
     port = free_port()
     process = spawn(
         "serve", "--upstream", upstream, "--port", str(port), "--ssl-certfile", CERT,
         "--ssl-keyfile", KEY, "--access-log", "off", "--models-refresh", "0",
-        "--model-allowlist", MODEL,
+        "--model-allowlist", MODEL, *flags,
     )  # fmt: skip
     base = f"https://127.0.0.1:{port}"
     try:
-        wait_http(base + "/healthz", verify=CONTEXT)
+        shown = ssl.create_default_context(cafile=CERT)
+        shown.load_cert_chain(CERT, KEY)  # a client certificate, where one is asked for
+        wait_http(base + "/healthz", verify=shown)
         yield base
     finally:
         stop(process)
@@ -127,6 +130,79 @@ def test_a_backend_certified_by_a_private_ca_is_trusted_through_ssl_cert_file() 
     assert refused.status_code == 502 and "CERTIFICATE_VERIFY_FAILED" in refused.text
     assert trusted.status_code == 200 and trusted.json()["choices"][0]["message"]["content"]
     assert pages == ["", 'tokenprobe_backend_info{kind="vllm"']
+
+
+def test_clients_must_show_a_certificate_when_ssl_cert_reqs_is_2(
+    start_sim: Callable[..., Running],
+) -> None:
+    """Mutual TLS on the listener, as vLLM's --ssl-ca-certs and --ssl-cert-reqs 2: a client
+    with a certificate of the bundle is served, one without is refused in the handshake."""
+    sim = start_sim(ttft=0.02, output_tokens=4)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    with serving_tls(sim.url, "--ssl-ca-certs", CERT, "--ssl-cert-reqs", "2") as base:
+        with pytest.raises(httpx.TransportError):  # no certificate: no TLS session
+            httpx.post(base + "/v1/chat/completions", json=body, verify=CONTEXT, timeout=5)
+        shown = ssl.create_default_context(cafile=CERT)
+        shown.load_cert_chain(CERT, KEY)
+        answer = httpx.post(base + "/v1/chat/completions", json=body, verify=shown, timeout=10)
+    assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"]
+
+
+def test_an_upstream_that_asks_for_a_client_certificate_gets_one(relay: str) -> None:
+    """A vLLM with --ssl-cert-reqs 2: the proxy presents --upstream-ssl-certfile on every
+    path to it (the data path, the WebSocket tunnel, the identity probe), and checks the
+    backend against --upstream-ca-certs; without the certificate the backend refuses it
+    (the HTTP request and the WebSocket upgrade get the proxy's 502)."""
+    app = create_sim_app(SimConfig(models=(MODEL,), ttft=0.02, output_tokens=8))
+    backend = ThreadedServer(
+        app, ssl_certfile=CERT, ssl_keyfile=KEY, ssl_ca_certs=CERT, ssl_cert_reqs=2
+    ).start()
+    asks = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=CERT)
+    asks.load_cert_chain(CERT, KEY)
+    asks.verify_mode = ssl.CERT_REQUIRED
+    echo = EchoUpstream(ssl=asks).start()
+    mine = ["--upstream-ssl-certfile", CERT, "--upstream-ssl-keyfile", KEY]
+    answers, echoes, pages = [], [], []
+    try:
+        for flags in ([], mine):
+            upstreams = [f"https://127.0.0.1:{backend.port}"]
+            if relay == "wire":  # only the wire tunnels WebSockets (test_websockets.py)
+                upstreams.append(f"https://127.0.0.1:{echo.port}")
+            for upstream in upstreams:
+                port = free_port()
+                process = spawn(
+                    "serve", "--upstream", upstream, "--port", str(port), "--access-log", "off",
+                    "--models-refresh", "0.2", "--model-allowlist", MODEL,
+                    "--upstream-ca-certs", CERT, *flags,
+                )  # fmt: skip
+                base = f"http://127.0.0.1:{port}"
+                try:
+                    wait_http(base + "/healthz")
+                    if upstream.endswith(str(backend.port)):
+                        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+                        url = base + "/v1/chat/completions"
+                        answers.append(httpx.post(url, json=body, timeout=10).status_code)
+                        pages.append(_identity_after(base, seconds=10 if flags else 0.5))
+                    else:
+                        echoes.append(asyncio.run(_echo_once(base)))
+                finally:
+                    stop(process)
+    finally:
+        backend.stop()
+        echo.stop()
+    assert answers == [502, 200]
+    assert pages == ["", 'tokenprobe_backend_info{kind="vllm"']
+    assert echoes == (["refused", "through mutual TLS"] if relay == "wire" else [])
+
+
+async def _echo_once(base: str) -> str:
+    try:
+        async with connect(base.replace("http://", "ws://") + "/v1/echo") as ws:
+            await ws.send("through mutual TLS")
+            return str(await ws.recv())
+    except InvalidStatus as refused:  # the proxy's answer: the upstream closed first
+        assert refused.response.status_code == 502
+        return "refused"
 
 
 def _identity_after(base: str, seconds: float) -> str:

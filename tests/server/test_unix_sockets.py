@@ -28,12 +28,15 @@ from proxy.sim import SimConfig, create_sim_app
 from proxy.sim.app import SimApp
 from proxy.sim.utility import VLLM_VERSION
 from tests.conftest import MODEL, ProxyUnderTest
+from tests.paths import ROOT
 from tests.server.conftest import paths
 from tests.server.test_backend_identity import backend_info
 from tests.servers import ThreadedServer, spawn, stop
 from tests.ws_upstream import EchoUpstream
 
 CHAT = "/v1/chat/completions"
+TLS = ROOT / "tests" / "fixtures" / "tls"
+CERT, KEY = str(TLS / "test-only.crt"), str(TLS / "test-only.key")
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
@@ -128,6 +131,35 @@ def test_each_asgi_transport_goes_through_the_socket(
     dead = start_proxy("http://localhost", upstream_uds=missing, upstream_transport=transport)
     error = httpx.post(dead.url + CHAT, json={"model": MODEL, "messages": MESSAGES}).json()
     assert error["error"]["type"] == "upstream_unreachable" and missing in error["error"]["message"]
+
+
+def test_tls_goes_over_the_socket_checked_against_the_urls_host(
+    tmp_path: Path, start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    """https:// with --upstream-uds: TLS over the socket, the certificate checked for the
+    URL's host (the test certificate is for localhost), on the wire and on httpx's
+    transport (aiohttp's Unix connector speaks no TLS: the settings refuse it)."""
+    path = str(tmp_path / "tls.sock")
+    app = create_sim_app(SimConfig(models=(MODEL,), ttft=0.02, output_tokens=8))
+    server = ThreadedServer(app, uds=path, ssl_certfile=CERT, ssl_keyfile=KEY).start()
+    try:
+        proxy = start_proxy(
+            "https://localhost", upstream_uds=path, upstream_ca_certs=CERT,
+            upstream_transport="httpx",
+        )  # fmt: skip
+        assert _chat(proxy)
+        wrong = start_proxy(
+            "https://tokenprobe.invalid", upstream_uds=path, upstream_ca_certs=CERT,
+            upstream_transport="httpx",
+        )  # fmt: skip
+        refused = httpx.post(wrong.url + CHAT, json={"model": MODEL, "messages": MESSAGES})
+        proxy.stop()  # first: a TLS server's stop waits for its idle clients' close_notify,
+        wrong.stop()  # which httpx's pool sends only as it closes
+    finally:
+        server.stop()
+    assert proxy.wait_records(1, exact=True)[0].ok
+    assert refused.status_code == 502 and "CERTIFICATE_VERIFY_FAILED" in refused.text
+    assert [r.headers.get("host") for r in app.state.requests()] == ["localhost"]
 
 
 def test_the_proxys_own_calls_to_the_backend_use_the_socket(

@@ -9,6 +9,7 @@ from typing import Protocol
 
 from proxy.core.upstream_url import UpstreamURL
 from proxy.core.wsseam import WsApi, ws_api_for
+from proxy.server.dial import upstream_tls
 from proxy.settings import Settings, group
 from proxy.sinks.dispatch import Sinks
 
@@ -44,7 +45,7 @@ def tunnel_context(settings: Settings, sinks: Sinks) -> TunnelContext:
         TunnelContext,
         settings,
         upstream=upstream,
-        ssl=ssl.create_default_context() if upstream.tls else None,
+        ssl=upstream_tls(settings),
         idle_timeout=settings.ws_idle_timeout,
         max_message_bytes=settings.max_event_bytes,
         sinks=sinks,

@@ -63,6 +63,7 @@ class Wire:
             context.upstream,
             context.settings.connect_timeout,
             context.sinks.count_upstream_protocol_error,
+            context.settings.upstream_ssl,
         )
         self.active: set[WireRequest] = set()
         self.connecting: set[asyncio.Task[None]] = set()

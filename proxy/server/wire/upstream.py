@@ -256,10 +256,12 @@ class Pool:
         upstream: UpstreamURL,
         connect_timeout: float,
         count: Callable[[str], None] = _uncounted,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.upstream = upstream
         self.host, self.port, self.authority = upstream.host, upstream.port, upstream.authority
-        self.ssl: ssl.SSLContext | None = ssl.create_default_context() if upstream.tls else None
+        # the server's one upstream context (proxy.server.dial.upstream_tls), else the default
+        self.ssl = (tls or ssl.create_default_context()) if upstream.tls else None
         self.connect_timeout = connect_timeout
         self.count = count
         self.idle: list[UpstreamConnection] = []
