@@ -282,6 +282,12 @@ class Settings:
         None,
         "Connect to the upstream through this Unix domain socket (a vLLM started with --uds, as curl's --unix-socket); --upstream still gives the scheme, the Host header and the base path, e.g. `--upstream http://localhost --upstream-uds /run/vllm.sock`.",
     )
+    enable_ssl_refresh: bool = setting(
+        _bool,
+        False,
+        "Reload the TLS files (--ssl-certfile, --ssl-keyfile, --ssl-ca-certs, and the --upstream-* ones) when they change on disk, as vLLM's --enable-ssl-refresh: a rotated certificate reaches new connections without a restart; checked every second.",
+        switch=True,
+    )
     upstream_ca_certs: str | None = setting(
         str,
         None,
@@ -687,6 +693,12 @@ def _check_tls(settings: Settings) -> None:
         "--upstream-ssl-keyfile",
     )
     _check_bundle(settings.upstream_ca_certs, "--upstream-ca-certs")
+    files = (settings.ssl_certfile, settings.upstream_ssl_certfile, settings.upstream_ca_certs)
+    if settings.enable_ssl_refresh and all(f is None for f in files):
+        raise SettingsError(
+            "--enable-ssl-refresh needs --ssl-certfile, --upstream-ssl-certfile or "
+            "--upstream-ca-certs: there is no TLS file to reload"
+        )
     if not settings.upstream.startswith("https://"):
         for flag, value in (
             ("--upstream-ca-certs", settings.upstream_ca_certs),

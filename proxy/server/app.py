@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 from proxy.core.errors import describe
 from proxy.core.tokens import TokenCounter
 from proxy.server.admission import own_route, where_to
+from proxy.server.certwatch import WATCH
 from proxy.server.control import ControlPlane
 from proxy.server.forward import Forwarder, UpstreamBroke
 from proxy.server.heap import freeze_startup_heap
@@ -85,6 +86,7 @@ class ProxyApp:
         self.counter: TokenCounter | None = None
         self._refresher: asyncio.Task[None] | None = None
         self._identity: asyncio.Task[None] | None = None  # asks what the backend is
+        self._cert_watch: asyncio.Task[None] | None = None  # --enable-ssl-refresh
         self._metrics_server: Any = None
         self._metrics_task: asyncio.Task[None] | None = None
         self.loop_lag = LoopLag(sinks.metrics.loop_lag.observe)
@@ -132,6 +134,8 @@ class ProxyApp:
             self._identity = asyncio.create_task(
                 keep_asking(self.client, self.upstream, settings.models_refresh, self._backend)
             )
+        if settings.enable_ssl_refresh:
+            self._cert_watch = asyncio.create_task(WATCH.run(self.sinks.metrics.tls_reloads.inc))
         if self.control.listener is not None and settings.metrics_port is not None:
             await self._start_metrics_listener(
                 self.control.listener, settings.metrics_host or settings.host, settings.metrics_port
@@ -168,7 +172,7 @@ class ProxyApp:
         if self._metrics_server is not None and self._metrics_task is not None:
             self._metrics_server.should_exit = True
             await self._metrics_task
-        for task in (self._refresher, self._identity):
+        for task in (self._refresher, self._identity, self._cert_watch):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

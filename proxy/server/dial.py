@@ -19,6 +19,7 @@ from typing import Protocol, TypeVar
 
 from proxy.core.errors import ConnectFailed
 from proxy.core.upstream_url import UpstreamURL
+from proxy.server.certwatch import WATCH
 
 __all__ = ["dial", "name_the_socket", "upstream_tls"]
 
@@ -47,6 +48,13 @@ def upstream_tls(settings: UpstreamTLSSettings) -> ssl_module.SSLContext | None:
     context = ssl_module.create_default_context(cafile=settings.upstream_ca_certs)
     if settings.upstream_ssl_certfile is not None:
         context.load_cert_chain(settings.upstream_ssl_certfile, settings.upstream_ssl_keyfile)
+    WATCH.add(  # reloaded when the files change, with --enable-ssl-refresh
+        context,
+        settings.upstream_ssl_certfile,
+        settings.upstream_ssl_keyfile,
+        settings.upstream_ca_certs,
+        server=False,
+    )
     return context
 
 

@@ -24,6 +24,7 @@ import uvicorn
 from proxy.openfiles import raise_open_file_limit
 from proxy.server.app import ProxyApp
 from proxy.server.assemble import assemble
+from proxy.server.certwatch import listener_context
 from proxy.server.multiproc import MULTIPROC_ENV
 from proxy.settings import SPECS, Settings, SettingsError, parse, text
 
@@ -50,6 +51,8 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
         "ssl_ca_certs": settings.ssl_ca_certs,
         "ssl_cert_reqs": settings.ssl_cert_reqs,
         **({"ssl_ciphers": settings.ssl_ciphers} if settings.ssl_ciphers else {}),
+        # uvicorn's own context, registered for --enable-ssl-refresh in each process
+        **({"ssl_context_factory": listener_context} if settings.ssl_certfile else {}),
     }
 
 

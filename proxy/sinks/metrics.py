@@ -254,6 +254,7 @@ class Metrics:
         self._kinds = {name: vars(self)[name] for name in set(vars(self)) - declared}
         self._kind_children: dict[tuple[str, ...], _LazyChildren] = {}
         self.upstream_protocol = UpstreamProtocolErrors(registry)
+        self.tls_reloads = TlsReloads(registry)
         # Every metric labelled by (model, endpoint, *attribution) alone: their children are
         # resolved once per key (`_bound`), so a new one is its declaration above and one
         # line in `record`, nothing to keep in step by hand.
@@ -776,6 +777,25 @@ UPSTREAM_PROTOCOL_ERRORS = {
     "upgrade": "a 101 Switching Protocols (or another protocol switch) answering a request "
     "that asked for none",
 }
+
+
+class TlsReloads:
+    """`tokenprobe_tls_reloads_total{outcome}`: --enable-ssl-refresh at work."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.counter = Counter(
+            "tokenprobe_tls_reloads",
+            "TLS contexts reloaded from files that changed on disk (--enable-ssl-refresh), "
+            "counted when the check that saw the change ran, by outcome (loaded: new "
+            "connections use the new files; failed: the files did not load together, the "
+            "ones before stay in use).",
+            ("outcome",),
+            registry=registry,
+        )
+        self._outcomes = {o: self.counter.labels(o) for o in ("loaded", "failed")}
+
+    def inc(self, outcome: str) -> None:
+        self._outcomes[outcome].inc()
 
 
 class UpstreamProtocolErrors:

@@ -132,6 +132,12 @@ TLS_CASES: list[tuple[str, list[str], dict[str, Any], str]] = [
     ),
     (
         UPSTREAM,
+        ["--enable-ssl-refresh"],
+        {"enable_ssl_refresh": True},
+        "--enable-ssl-refresh needs --ssl-certfile",
+    ),
+    (
+        UPSTREAM,
         ["--upstream-ca-certs", CERT],
         {"upstream_ca_certs": CERT},
         "--upstream-ca-certs needs an https:// --upstream",

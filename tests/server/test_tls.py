@@ -4,17 +4,22 @@ with the same flags, so clients of a vLLM that speaks TLS change only the host a
 The certificate (tests/fixtures/tls/test-only.crt, for 127.0.0.1 and localhost, valid
 until 2126) and its key were made for these tests with `openssl req -x509 -newkey rsa:2048
 -nodes -days 36500 -subj "/CN=tokenprobe test" -addext
-"subjectAltName=IP:127.0.0.1,DNS:localhost"`; they protect nothing else."""
+"subjectAltName=IP:127.0.0.1,DNS:localhost"`; test-only-2.crt (CN "tokenprobe test 2") and
+its key the same way, as a rotation's new pair. They protect nothing else."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
+import socket
 import ssl
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
@@ -31,6 +36,7 @@ from tests.ws_upstream import EchoUpstream
 
 TLS = ROOT / "tests" / "fixtures" / "tls"
 CERT, KEY = str(TLS / "test-only.crt"), str(TLS / "test-only.key")
+CERT2, KEY2 = str(TLS / "test-only-2.crt"), str(TLS / "test-only-2.key")  # the rotation
 CONTEXT = ssl.create_default_context(cafile=CERT)
 
 
@@ -193,6 +199,64 @@ def test_an_upstream_that_asks_for_a_client_certificate_gets_one(relay: str) -> 
     assert answers == [502, 200]
     assert pages == ["", 'tokenprobe_backend_info{kind="vllm"']
     assert echoes == (["refused", "through mutual TLS"] if relay == "wire" else [])
+
+
+def test_a_rotated_certificate_reaches_new_connections_with_enable_ssl_refresh(
+    tmp_path: Path,
+) -> None:
+    """As vLLM's --enable-ssl-refresh: the files change on disk, new connections get the
+    new certificate without a restart. A rotation caught half-way (the new certificate
+    beside the old key) is not loaded: the old pair stays in use until the key follows."""
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    shutil.copy(CERT, cert)
+    shutil.copy(KEY, key)
+    port = free_port()
+    process = spawn(
+        "serve", "--upstream", "http://127.0.0.1:9", "--port", str(port), "--ssl-certfile",
+        str(cert), "--ssl-keyfile", str(key), "--enable-ssl-refresh", "--access-log", "off",
+        "--models-refresh", "0", "--model-allowlist", MODEL,
+    )  # fmt: skip
+    trusted = ssl.create_default_context(cafile=CERT)
+    trusted.load_verify_locations(CERT2)
+    base = f"https://127.0.0.1:{port}"
+    try:
+        wait_http(base + "/healthz", verify=trusted)
+        assert _served_certificate(port) == _der(CERT)
+        _swap_in(CERT2, cert)  # half-way: the key is still the old one
+        time.sleep(2.5)  # two checks
+        assert _served_certificate(port) == _der(CERT)
+        _swap_in(KEY2, key)
+        deadline = time.monotonic() + 10
+        while _served_certificate(port) != _der(CERT2):
+            assert time.monotonic() < deadline, "the new certificate was never served"
+            time.sleep(0.1)
+        page = httpx.get(base + "/metrics", verify=trusted).text
+    finally:
+        stop(process)
+    assert 'tokenprobe_tls_reloads_total{outcome="failed"} 1.0' in page
+    assert 'tokenprobe_tls_reloads_total{outcome="loaded"} 1.0' in page
+
+
+def _swap_in(source: str, path: Path) -> None:
+    """A new file in the old one's place at once, as a Secret's update swaps it."""
+    shutil.copy(source, f"{path}.new")
+    os.replace(f"{path}.new", path)
+
+
+def _der(pem_file: str) -> bytes:
+    return ssl.PEM_cert_to_DER_cert(Path(pem_file).read_text())
+
+
+def _served_certificate(port: int) -> bytes:
+    """The certificate a new TLS connection to the port is served."""
+    any_certificate = ssl.create_default_context()
+    any_certificate.check_hostname = False
+    any_certificate.verify_mode = ssl.CERT_NONE
+    raw = socket.create_connection(("127.0.0.1", port), timeout=5)
+    with any_certificate.wrap_socket(raw) as tls:
+        served = tls.getpeercert(binary_form=True)
+    assert served is not None
+    return served
 
 
 async def _echo_once(base: str) -> str:
