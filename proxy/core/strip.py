@@ -38,6 +38,18 @@ before and counts as unplaced. With n > 1 a backend may stamp every choice's ter
 chunk, and only the last one comes right before the usage chunk: the proxy does not ask
 for usage then (proxy/core/apis/chat.py).
 
+A backend that writes usage on events with choices, which the proxy never asks for
+(`continuous_usage_stats` goes out false: proxy/core/apis/chat.py), writes it whatever the
+request says: vLLM with `--enable-force-include-usage` (vLLM 0.32:
+vllm/entrypoints/serve/utils/api_utils.py, should_include_usage: `if
+enable_force_include_usage: return True, True`, usage then on every chunk from the role
+chunk on, and the usage chunk at the end). Its client gets the usage chunk direct too, so
+the stripper steps aside for the rest of the stream (`stepped_aside`), and the `Injection`
+stops asking that upstream (`forced`): its usage comes unasked. A backend that reshapes
+its chunks only because usage was asked (Ollama's /v1/completions writes an all-zero
+usage on each, middleware/openai.go) is stepped aside from the same way, after its first
+stream.
+
 Events are cut only at blank lines, so the few bytes of an event that a network read split
 wait for the rest of it; a client cannot use half an event anyway. Any other event passes
 byte for byte.
@@ -72,12 +84,21 @@ class Injection:
     usage chunk whose members it could not all place, and tells `on_refuse` (the metric and
     the log line) once."""
 
-    __slots__ = ("on", "on_refuse", "unplaced")
+    __slots__ = ("on", "on_forced", "on_refuse", "unplaced")
 
     def __init__(self, on_refuse: Callable[[tuple[str, ...]], None] | None = None) -> None:
         self.on = True
         self.unplaced: tuple[str, ...] = ()
         self.on_refuse = on_refuse
+        self.on_forced: Callable[[], None] | None = None
+
+    def forced(self) -> None:
+        """The upstream streams usage unasked: asking is needless, stripping wrong."""
+        if not self.on:
+            return
+        self.on = False
+        if self.on_forced is not None:
+            self.on_forced()
 
     def refuse(self, unplaced: tuple[str, ...]) -> None:
         if not self.on:
@@ -100,6 +121,7 @@ class UsageEventStripper:
         "_terminal",
         "gave_up",
         "max_event_bytes",
+        "stepped_aside",
         "unplaced",
     )
 
@@ -112,6 +134,7 @@ class UsageEventStripper:
         self._pending = 0
         self._terminal = b""  # a whole terminal chunk waiting for the next event
         self.gave_up = False
+        self.stepped_aside = False  # the upstream streams usage unasked (the module's doc)
         self.unplaced: tuple[str, ...] = ()
 
     def feed(self, chunk: bytes) -> bytes:
@@ -137,6 +160,8 @@ class UsageEventStripper:
             data, self._terminal = self._terminal + data, b""
         if _MARKER in data or _FINISHED in data:
             data = self._rewrite(data, hold=True)
+            if self.gave_up:  # stepped aside: the start of the next event goes too
+                return data + rest
         if rest:  # the start of the next event; all of it at once if too large to wait
             data += self._hold(rest)
         return data
@@ -144,7 +169,13 @@ class UsageEventStripper:
     def _rewrite(self, data: bytes, hold: bool) -> bytes:
         """Whole events without the usage-only one; a terminal chunk that the usage chunk
         follows gets back what the backend moved; with `hold`, a terminal chunk last in
-        `data` waits in `_terminal` for the next event."""
+        `data` waits in `_terminal` for the next event. Usage beside choices: all of `data`
+        as it is, and the stripper steps aside (the module's doc)."""
+        if _MARKER in data and any(_usage_beside_choices(e) for e in _events(data)):
+            self.gave_up = self.stepped_aside = True
+            if self._injection is not None:
+                self._injection.forced()
+            return data
         out: list[bytes] = []
         terminal = -1  # where in `out` the last terminal chunk is, if no event came after it
         for event in _events(data):
@@ -285,6 +316,15 @@ _CHOICES_EMPTY = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 # An object, not `"usage": null`: OpenAI and Azure put a null usage on every chunk once
 # include_usage is set, and Azure's prompt-filter chunk also has empty choices.
 _USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
+
+
+def _usage_beside_choices(event: bytes) -> bool:
+    """A usage object on an event whose choices are not empty (not the usage-only one)."""
+    return (
+        _USAGE_OBJECT.search(event) is not None
+        and b'"choices"' in event
+        and _CHOICES_EMPTY.search(event) is None
+    )
 
 
 def _is_usage_only(event: bytes) -> bool:

@@ -66,6 +66,7 @@ class Forwarder:
         self.client = client
         self.context = Context(sinks, counter, settings)
         settings.injection.on_refuse = sinks.usage_injection_refused
+        settings.injection.on_forced = sinks.usage_comes_unasked
 
     @classmethod
     def from_settings(

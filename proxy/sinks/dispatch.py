@@ -176,6 +176,16 @@ class Sinks:
             ", ".join(unplaced),
         )
 
+    def usage_comes_unasked(self) -> None:
+        """The upstream streams usage without being asked (vLLM's
+        --enable-force-include-usage): the proxy stops asking and stripping
+        (proxy/core/strip.py). No failure: token counts still come from usage."""
+        log.info(
+            "the upstream writes usage on streams that did not ask for it (vLLM's "
+            "--enable-force-include-usage): the proxy no longer asks it for usage, and "
+            "passes its usage chunks to clients as they come"
+        )
+
     def count_measurement_failure(self, stage: str) -> None:
         """`tokenprobe_measurement_failures_total{stage}`: measuring broke, the request did not."""
         self.metrics.measurement_failures.labels(stage).inc()

@@ -84,6 +84,33 @@ def test_usage_attached_to_a_content_chunk_is_kept() -> None:
     assert relay(stream) == stream
 
 
+@pytest.mark.parametrize(
+    "name",
+    ["vllm-0.32/chat_stream_forced_usage.sse", "vllm-0.32/completions_stream_forced_usage.sse"],
+)
+def test_a_backend_that_forces_usage_keeps_its_stream_and_is_no_longer_asked(name: str) -> None:
+    """vLLM --enable-force-include-usage: its client gets usage on every chunk and the
+    usage chunk direct, so nothing is stripped, at any split, and the upstream is not asked
+    again (its usage comes unasked)."""
+    stream = fixture(name)
+    told: list[int] = []
+    for i in range(0, len(stream) + 1, 7):
+        injection = Injection()
+        injection.on_forced = lambda at=i: told.append(at)
+        stripper = UsageEventStripper(injection=injection)
+        out = stripper.feed(stream[:i]) + stripper.feed(stream[i:]) + stripper.flush()
+        assert out == stream, i
+        assert stripper.stepped_aside and not injection.on and told[-1] == i, i
+    assert len(told) == len(range(0, len(stream) + 1, 7))  # once a stream
+
+
+def test_a_stream_asked_for_usage_alone_is_still_stripped_and_injection_stays_on() -> None:
+    injection = Injection()
+    stripper = UsageEventStripper(injection=injection)
+    out = stripper.feed(VLLM_CHAT) + stripper.flush()
+    assert out == VLLM_CHAT_STRIPPED and injection.on and not stripper.stepped_aside
+
+
 def test_empty_choices_with_null_usage_is_kept() -> None:
     # Azure OpenAI's prompt-filter chunk, with the `"usage": null` every chunk carries
     # once include_usage is set: it is not usage-only and the client expects it.

@@ -84,16 +84,26 @@ def test_an_ollama_is_not_asked_for_completion_usage_so_the_bytes_stay_direct(
     assert m.ok and m.token_source is TokenSource.CHUNKS and m.output_tokens == 6
 
 
-def test_a_vllm_is_still_asked_and_stripped(
+def test_a_backend_not_known_as_ollama_is_asked_once_then_left_alone(
     start_sim: Callable[..., Running], start_proxy: Callable[..., ProxyUnderTest]
 ) -> None:
     # The same stream shape from a backend that is not known as Ollama: the proxy asks,
-    # and this is the reshaping (usage on every chunk) the rule above keeps from clients.
+    # and its first stream is reshaped (usage on every chunk, as the rule above keeps from
+    # Ollama's clients). Usage beside choices is usage the proxy never asked for there, so
+    # the stripper steps aside (the usage chunk too reaches the client) and the proxy asks
+    # that upstream no more (proxy/core/strip.py): the next stream is the direct one.
     sim = start_sim(record_bodies=True)
     proxy = start_proxy(sim.url, models_refresh=REFRESH)
     assert backend_info(proxy, "vllm", VLLM_VERSION) == 1
-    got = completion(proxy)
-    sent = next(r for r in sim.app.state.requests() if r.path == "/v1/completions")
-    assert sent.body["stream_options"] == {"include_usage": True}
-    assert got.count(b'"usage":{"prompt_tokens":0,"completion_tokens":0,"total_tokens":0}') == 6
-    assert proxy.wait_records(1, exact=True)[0].token_source is TokenSource.USAGE
+    first = completion(proxy)
+    asked = [r for r in sim.app.state.requests() if r.path == "/v1/completions"][-1]
+    assert asked.body["stream_options"] == {"include_usage": True}
+    zeroed = b'"usage":{"prompt_tokens":0,"completion_tokens":0,"total_tokens":0}'
+    assert first.count(zeroed) == 6 and b'"choices":[],"usage"' in first
+    second = completion(proxy)
+    sent = [r for r in sim.app.state.requests() if r.path == "/v1/completions"][-1]
+    assert "stream_options" not in sent.body
+    assert hashlib.sha256(second).hexdigest() == sent.body_sha256 and b'"usage"' not in second
+    one, two = proxy.wait_records(2, exact=True)
+    assert one.token_source is TokenSource.USAGE and two.token_source is TokenSource.CHUNKS
+    assert two.ok and two.output_tokens == 6
