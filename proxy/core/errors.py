@@ -28,6 +28,7 @@ The real bodies behind every rule, with their sources, are in tests/fixtures/err
 
 from __future__ import annotations
 
+import errno
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -286,6 +287,12 @@ def _causes(exc: BaseException) -> Iterator[BaseException]:
         current = current.__cause__ or current.__context__
 
 
+#: The proxy's own resources running out as it connects: too many open files (its own,
+#: the system's), no buffer space, no free local port. The backend is not unreachable
+#: (that is an alert that pages about the backend); the proxy is (its open-files alert).
+_EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.EADDRNOTAVAIL})
+
+
 def classify_exception(exc: BaseException, *, after_headers: bool) -> ErrorType:
     """What an upstream client's exception means, before or after the response head."""
     causes = list(_causes(exc))
@@ -293,6 +300,8 @@ def classify_exception(exc: BaseException, *, after_headers: bool) -> ErrorType:
         return ErrorType.UPSTREAM_TIMEOUT
     if after_headers:
         return ErrorType.STREAM_TRUNCATED
+    if any(isinstance(e, OSError) and e.errno in _EXHAUSTED for e in causes):
+        return ErrorType.UPSTREAM_ERROR
     if any(_is(e, _CONNECTS, _FOREIGN_CONNECTS) for e in causes):
         return ErrorType.UPSTREAM_UNREACHABLE
     return ErrorType.UPSTREAM_ERROR

@@ -62,7 +62,8 @@ class ErrorType(enum.StrEnum):
     BAD_REQUEST = "bad_request"  # any other 4xx (and requests the proxy itself refuses)
     NOT_FOUND = "not_found"  # 404: unknown model or route
     UPSTREAM_ERROR = "upstream_error"  # 5xx
-    UPSTREAM_UNREACHABLE = "upstream_unreachable"  # connect failed
+    UPSTREAM_UNREACHABLE = "upstream_unreachable"  # connect failed (not for want of the
+    # proxy's own files or ports: that is UPSTREAM_ERROR, proxy/core/errors.py)
     UPSTREAM_TIMEOUT = "upstream_timeout"  # connect, first byte or idle gap timed out
     STREAM_ERROR = "stream_error"  # an `error` object or event inside a 200 stream
     STREAM_TRUNCATED = "stream_truncated"  # stream ended without its API's end ([DONE] or a

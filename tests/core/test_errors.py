@@ -7,6 +7,7 @@ The table is tests/fixtures/errors/index.toml: one row per real body, with its s
 from __future__ import annotations
 
 import asyncio
+import errno
 import importlib
 import socket
 import tomllib
@@ -498,6 +499,25 @@ def _dial_failed(cause: OSError) -> ConnectFailed:
         (
             _dial_failed(FileNotFoundError(2, "No such file", "/run/x.sock")),
             "upstream_unreachable",
+            "stream_truncated",
+        ),
+        # the proxy's own descriptors or ports ran out: not the backend's fault
+        (
+            _dial_failed(OSError(errno.EMFILE, "Too many open files")),
+            "upstream_error",
+            "stream_truncated",
+        ),
+        (
+            _dial_failed(OSError(errno.EADDRNOTAVAIL, "Cannot assign requested address")),
+            "upstream_error",
+            "stream_truncated",
+        ),
+        (
+            _wrapped(
+                httpx.ConnectError(""),
+                _wrapped(httpcore.ConnectError(""), OSError(errno.EMFILE, "Too many open files")),
+            ),
+            "upstream_error",
             "stream_truncated",
         ),
         (aiohttp.ServerTimeoutError(), "upstream_timeout", "upstream_timeout"),
