@@ -20,7 +20,7 @@ import aiohttp
 import orjson
 
 from proxy.bench import compare, prefill, report
-from proxy.bench.client import Call, prepare
+from proxy.bench.client import Call, connector, prepare
 from proxy.bench.load import Level, Runner
 from proxy.bench.loop import run_loop, tokenizer
 from proxy.bench.options import Options, OptionsError, parse
@@ -245,7 +245,7 @@ async def _served_models(options: Options) -> list[str]:
     try:
         timeout = aiohttp.ClientTimeout(total=5)
         async with (
-            aiohttp.ClientSession(timeout=timeout) as s,
+            aiohttp.ClientSession(timeout=timeout, connector=connector(options.uds)) as s,
             s.get(f"{options.base_url}/v1/models", headers=headers) as r,
         ):
             data = orjson.loads(await r.read())

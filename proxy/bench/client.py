@@ -124,12 +124,19 @@ def headers(options: Options) -> dict[str, str]:
     return out
 
 
+def connector(uds: str | None, **options: Any) -> aiohttp.BaseConnector:
+    """aiohttp's connector to the backend: its Unix socket with --uds, else TCP."""
+    if uds is not None:
+        return aiohttp.UnixConnector(uds, **options)
+    return aiohttp.TCPConnector(ttl_dns_cache=None, **options)
+
+
 def session(options: Options) -> aiohttp.ClientSession:
     # No connection cap: a cap would queue requests inside the client, unmeasured.
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=None)
+    connector_ = connector(options.uds, limit=0, keepalive_timeout=60)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=options.timeout)
     return aiohttp.ClientSession(
-        connector=connector,
+        connector=connector_,
         timeout=timeout,
         cookie_jar=aiohttp.DummyCookieJar(),  # a benchmark keeps no state between requests
         auto_decompress=False,
@@ -184,7 +191,7 @@ async def measure_wire(
     socket's callback, so a chunk costs no task wake-up. A realtime session is a WebSocket
     (`measure_realtime`)."""
     if call.info.endpoint == REALTIME:
-        return await measure_realtime(url, request_headers, call, scheduled), None
+        return await measure_realtime(url, request_headers, call, scheduled, pool.uds), None
     observer = StreamObserver(call.info, scheduled, collect_text=keep_text)
     started_at = time() - (perf_counter() - scheduled)
     error = message = None
@@ -210,6 +217,7 @@ async def measure_realtime(
     request_headers: dict[str, str],
     call: Call,
     scheduled: float,
+    uds: str | None = None,
 ) -> Measurement:
     """One /v1/realtime session with one utterance (1 s of audio: half, the commit that
     starts the transcription, the other half, the final commit), measured by the proxy's
@@ -231,7 +239,7 @@ async def measure_realtime(
     cause, error = "closed_by_client", None
     try:
         async with (
-            aiohttp.ClientSession() as client,
+            aiohttp.ClientSession(connector=connector(uds)) as client,
             client.ws_connect(
                 url.with_scheme("ws" if url.scheme == "http" else "wss"), headers=headers
             ) as ws,

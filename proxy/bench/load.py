@@ -126,7 +126,9 @@ class Runner:
         self._stop("interrupted")
 
     async def run(self) -> list[Level]:
-        self._client = Pool(yarl.URL(self.options.base_url), self.options.timeout)
+        self._client = Pool(
+            yarl.URL(self.options.base_url), self.options.timeout, uds=self.options.uds
+        )
         try:
             for index, value in enumerate(self.options.levels):
                 if self.stopping:

@@ -57,6 +57,7 @@ class Options:
     shard: tuple[int, int] | None = None  # (I, N): this process's share of the load
     sync: bool = False  # a worker of --workers: wait for the shared start on stdin
     start_at: float | None = None  # wall-clock (Unix) start shared by shards on several machines
+    uds: str | None = None  # connect through this Unix socket; the URL gives Host and path
 
     @property
     def url(self) -> str:
@@ -88,6 +89,13 @@ def parser() -> argparse.ArgumentParser:
         "realtime: one WebSocket session per request, one utterance of 1 s audio)",
     )
     a("--api-key", help="bearer token (default: $OPENAI_API_KEY)")
+    a(
+        "--uds",
+        metavar="PATH",
+        help="connect through this Unix domain socket (a vLLM started with --uds), as curl's "
+        "--unix-socket: --url still gives the Host header and the path, e.g. --url "
+        "http://localhost/v1 --uds /run/vllm.sock",
+    )
     load = p.add_mutually_exclusive_group()
     load.add_argument(
         "--concurrency", help="closed loop: comma-separated concurrencies (default 1)"
@@ -201,6 +209,8 @@ def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Options:
         raise OptionsError("--workers and --shard exclude each other (each worker is a shard)")
     if ns.workers > 1 and len(levels) > 1:
         raise OptionsError("--workers runs one level: give one --concurrency or --rate")
+    if ns.uds is not None and ns.url.startswith("https://"):
+        raise OptionsError("--uds takes an http:// --url: the bench speaks no TLS over a socket")
     return Options(
         base_url=_base_url(ns.url),
         model=ns.model,
@@ -232,6 +242,7 @@ def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Options:
         shard=parse_shard(ns.shard) if ns.shard else None,
         sync=ns.sync,
         start_at=ns.start_at,
+        uds=ns.uds,
     )
 
 

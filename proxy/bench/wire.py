@@ -139,7 +139,14 @@ class _Connection(asyncio.Protocol):
 class Pool:
     """Keep-alive connections to one host:port; `request` runs one exchange."""
 
-    def __init__(self, url: yarl.URL, timeout: float, connect_timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        url: yarl.URL,
+        timeout: float,
+        connect_timeout: float = 10.0,
+        uds: str | None = None,
+    ) -> None:
+        self.uds = uds  # --uds: every connection to this Unix socket instead of host:port
         self.host = url.host or "127.0.0.1"
         self.port = url.port or (443 if url.scheme == "https" else 80)
         self.ssl: ssl.SSLContext | None = (
@@ -153,12 +160,14 @@ class Pool:
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
         try:
-            _, conn = await asyncio.wait_for(
+            opening = (
                 loop.create_connection(
                     lambda: _Connection(self), self.host, self.port, ssl=self.ssl
-                ),
-                self.connect_timeout,
+                )
+                if self.uds is None
+                else loop.create_unix_connection(lambda: _Connection(self), self.uds)
             )
+            _, conn = await asyncio.wait_for(opening, self.connect_timeout)
         except TimeoutError:
             raise
         except OSError as exc:

@@ -24,9 +24,10 @@ from proxy.bench.cli import main
 from proxy.bench.compare import bucket_index
 from proxy.core.buckets import TTFT_BUCKETS
 from proxy.core.tokens import count_output, load_tokenizer
+from proxy.sim import SimConfig, create_sim_app
 from proxy.sim.tokens import completion_text
 from tests.conftest import MODEL, ProxyUnderTest, Running
-from tests.servers import free_port
+from tests.servers import ThreadedServer, free_port
 from tests.tokenizers_local import build_tiny_tokenizer
 
 StartSim = Callable[..., Running]
@@ -115,6 +116,35 @@ def test_measures_the_programmed_ttft_tpot_decode_speed_and_length(
     assert c4["decode_tokens_per_second"]["p50"] == pytest.approx(50.0, rel=0.05)
     assert "c=1" in out and "c=4" in out and "all streams" in out
     assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "realtime"])
+def test_a_backend_on_a_unix_socket_is_measured_through_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], endpoint: str
+) -> None:
+    """`--uds`, as for a vLLM started with --uds: the streams (the protocol-level client)
+    and a realtime session (aiohttp's) go through the socket; the URL gives Host and path."""
+    path = str(tmp_path / "sim.sock")
+    app = create_sim_app(SimConfig(models=(MODEL,), ttft=0.02, tokens_per_second=500.0))
+    server = ThreadedServer(app, uds=path).start()
+    try:
+        rc, doc, _, err = bench(
+            capsys, "http://localhost/v1", tmp_path / "r.json", "--uds", path,
+            "--endpoint", endpoint, "--requests", "3", "--max-tokens", "8",
+        )  # fmt: skip
+    finally:
+        server.stop()
+    assert rc == 0, err
+    assert [r["error_type"] for r in doc["records"]] == [None, None, None]
+    assert all(r["ttft"] is not None for r in doc["records"])
+    if endpoint == "chat":  # (the simulator keeps no record of a WebSocket session)
+        assert [r.headers.get("host") for r in app.state.requests()] == ["localhost"] * 3
+
+
+def test_uds_takes_an_http_url(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    rc = main(["--url", "https://localhost/v1", "--model", MODEL, "--uds", "/run/x.sock"])
+    assert rc == 2
+    assert "--uds takes an http:// --url" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("tokenizer", [True, False], ids=["tokenizer", "chunks"])
