@@ -165,12 +165,14 @@ def test_tls_goes_over_the_socket_checked_against_the_urls_host(
 def test_the_proxys_own_calls_to_the_backend_use_the_socket(
     backend: SimOnSocket, start_proxy: Callable[..., ProxyUnderTest]
 ) -> None:
-    """/v1/models (the model labels) and the identity probe, every `models_refresh`."""
+    """/v1/models (the model labels), the identity probe, every `models_refresh`, and
+    /readyz's check that the backend answers."""
     proxy = start_proxy(
         "http://localhost", upstream_uds=backend.path, models_refresh=0.2, model_allowlist=()
     )
     assert backend_info(proxy, "vllm", VLLM_VERSION) == 1
     assert "/v1/models" in {path for path, _ in backend.seen()}
+    assert httpx.get(proxy.url + "/readyz", timeout=5).status_code == 200
     # a model the backend listed is its own label (none is allowed by the settings)
     _chat(proxy)
     (record,) = proxy.wait_records(1, exact=True)
@@ -201,6 +203,7 @@ def test_a_socket_nobody_listens_on_is_an_unreachable_upstream_that_names_it(
     assert ("No such file or directory" if left == "no_file" else "refused") in error["message"]
     assert missing in error["message"] or left == "stale_file"
     assert proxy.wait_records(1, exact=True)[0].error_type is ErrorType.UPSTREAM_UNREACHABLE
+    assert httpx.get(proxy.url + "/readyz", timeout=5).status_code == 503
 
 
 @paths("wire", why="only the wire tunnels WebSockets (tests/server/test_websockets.py)")
