@@ -45,10 +45,12 @@ vllm/entrypoints/serve/utils/api_utils.py, should_include_usage: `if
 enable_force_include_usage: return True, True`, usage then on every chunk from the role
 chunk on, and the usage chunk at the end). Its client gets the usage chunk direct too, so
 the stripper steps aside for the rest of the stream (`stepped_aside`), and the `Injection`
-stops asking that upstream (`forced`): its usage comes unasked. A backend that reshapes
-its chunks only because usage was asked (Ollama's /v1/completions writes an all-zero
-usage on each, middleware/openai.go) is stepped aside from the same way, after its first
-stream.
+stops asking that upstream for usage on that API (`forced`): its usage comes unasked.
+llama.cpp does so on /v1/completions alone, where the finish chunk carries `usage` asked
+or not (tools/server/server-task.cpp, to_json_oaicompat), and its chat is still asked. A
+backend that reshapes its chunks only because usage was asked (Ollama's /v1/completions
+writes an all-zero usage on each, middleware/openai.go) is stepped aside from the same
+way, after its first stream.
 
 Events are cut only at blank lines, so the few bytes of an event that a network read split
 wait for the rest of it; a client cannot use half an event anyway. Any other event passes
@@ -84,21 +86,27 @@ class Injection:
     usage chunk whose members it could not all place, and tells `on_refuse` (the metric and
     the log line) once."""
 
-    __slots__ = ("on", "on_forced", "on_refuse", "unplaced")
+    __slots__ = ("on", "on_forced", "on_refuse", "unasked", "unplaced")
 
     def __init__(self, on_refuse: Callable[[tuple[str, ...]], None] | None = None) -> None:
         self.on = True
         self.unplaced: tuple[str, ...] = ()
         self.on_refuse = on_refuse
-        self.on_forced: Callable[[], None] | None = None
+        self.unasked: set[str] = set()  # the APIs (endpoints) whose usage comes unasked
+        self.on_forced: Callable[[str], None] | None = None
 
-    def forced(self) -> None:
-        """The upstream streams usage unasked: asking is needless, stripping wrong."""
-        if not self.on:
+    def asks(self, endpoint: str) -> bool:
+        """Whether to ask this upstream for usage on this API."""
+        return self.on and endpoint not in self.unasked
+
+    def forced(self, endpoint: str) -> None:
+        """The upstream streams usage unasked on this API: asking is needless there, and
+        stripping wrong."""
+        if endpoint in self.unasked:
             return
-        self.on = False
+        self.unasked.add(endpoint)
         if self.on_forced is not None:
-            self.on_forced()
+            self.on_forced(endpoint)
 
     def refuse(self, unplaced: tuple[str, ...]) -> None:
         if not self.on:
@@ -115,6 +123,7 @@ class UsageEventStripper:
     `unplaced` names the usage chunk's members that it could not put back."""
 
     __slots__ = (
+        "_endpoint",
         "_injection",
         "_parts",
         "_pending",
@@ -126,10 +135,14 @@ class UsageEventStripper:
     )
 
     def __init__(
-        self, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES, injection: Injection | None = None
+        self,
+        max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+        injection: Injection | None = None,
+        endpoint: str = "",
     ) -> None:
         self.max_event_bytes = max_event_bytes
         self._injection = injection
+        self._endpoint = endpoint  # the API whose stream this is (Injection.forced)
         self._parts: list[bytes] = []  # an unfinished event, in pieces (never re-copied)
         self._pending = 0
         self._terminal = b""  # a whole terminal chunk waiting for the next event
@@ -174,7 +187,7 @@ class UsageEventStripper:
         if _MARKER in data and any(_usage_beside_choices(e) for e in _events(data)):
             self.gave_up = self.stepped_aside = True
             if self._injection is not None:
-                self._injection.forced()
+                self._injection.forced(self._endpoint)
             return data
         out: list[bytes] = []
         terminal = -1  # where in `out` the last terminal chunk is, if no event came after it

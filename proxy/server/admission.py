@@ -140,7 +140,7 @@ def admit(
     info, obj = parse_request(api, body)
     if (
         limits.inject_usage
-        and limits.injection.on
+        and limits.injection.asks(api.endpoint)
         and info.stream
         and not info.usage_requested
         and obj is not None
@@ -148,7 +148,8 @@ def admit(
     ):
         asked = api.ask_for_usage(obj)
         if asked is not None:  # the client gets the stream it asked for: strip the extra
-            return info, asked, UsageEventStripper(limits.max_event_bytes, limits.injection)
+            stripper = UsageEventStripper(limits.max_event_bytes, limits.injection, api.endpoint)
+            return info, asked, stripper
     return info, body, None
 
 

@@ -268,6 +268,7 @@ class SimApp:
     async def _run(self, kind: Kind, ex: Exchange, body: Any, t0: float, plan: Plan) -> Outcome:
         """Generate once scheduled: `t0` is when the request's TTFT starts."""
         record = ex.record
+        record.ttft_from = t0
         pacer: Pacer
         if self.clock is not None:
             pacer = LockstepPacer(self.clock, t0, plan.ttft)

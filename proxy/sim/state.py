@@ -39,6 +39,10 @@ class SimRequest:
     queued_at: float | None = None  # routed to generation: the engine has it, queueing starts
     scheduled_at: float | None = None  # a slot was free (max_num_seqs): its queue time ends
     loaded_at: float | None = None  # Ollama: the model was loaded (after its load time)
+    # The loop time the programmed TTFT runs from: the call's start, a free slot, or the
+    # model loaded. uvloop's loop time is the loop's cached clock, ms behind `started` on
+    # a loaded machine, so the first token's instant is bounded by this, not by `started`.
+    ttft_from: float | None = None
     finished_at: float | None = None
     outcome: Outcome = "in_progress"
     aborted_at: float | None = None  # the client's disconnect was seen

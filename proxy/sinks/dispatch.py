@@ -176,14 +176,15 @@ class Sinks:
             ", ".join(unplaced),
         )
 
-    def usage_comes_unasked(self) -> None:
-        """The upstream streams usage without being asked (vLLM's
-        --enable-force-include-usage): the proxy stops asking and stripping
-        (proxy/core/strip.py). No failure: token counts still come from usage."""
+    def usage_comes_unasked(self, endpoint: str) -> None:
+        """The upstream streams usage on this API without being asked (vLLM's
+        --enable-force-include-usage, llama.cpp's completions): the proxy stops asking and
+        stripping there (proxy/core/strip.py). No failure: token counts still come from usage."""
         log.info(
-            "the upstream writes usage on streams that did not ask for it (vLLM's "
-            "--enable-force-include-usage): the proxy no longer asks it for usage, and "
-            "passes its usage chunks to clients as they come"
+            "the upstream writes usage on %s streams that did not ask for it (vLLM's "
+            "--enable-force-include-usage, llama.cpp's completions): the proxy no longer asks "
+            "it for usage there, and passes its usage to clients as it comes",
+            endpoint,
         )
 
     def count_measurement_failure(self, stage: str) -> None:

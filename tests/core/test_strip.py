@@ -93,14 +93,16 @@ def test_a_backend_that_forces_usage_keeps_its_stream_and_is_no_longer_asked(nam
     usage chunk direct, so nothing is stripped, at any split, and the upstream is not asked
     again (its usage comes unasked)."""
     stream = fixture(name)
-    told: list[int] = []
+    told: list[tuple[int, str]] = []
     for i in range(0, len(stream) + 1, 7):
         injection = Injection()
-        injection.on_forced = lambda at=i: told.append(at)
-        stripper = UsageEventStripper(injection=injection)
+        injection.on_forced = lambda endpoint, at=i: told.append((at, endpoint))
+        stripper = UsageEventStripper(injection=injection, endpoint="/v1/x")
         out = stripper.feed(stream[:i]) + stripper.feed(stream[i:]) + stripper.flush()
         assert out == stream, i
-        assert stripper.stepped_aside and not injection.on and told[-1] == i, i
+        assert stripper.stepped_aside and told[-1] == (i, "/v1/x"), i
+        # not asked again on that API; still asked on the others
+        assert not injection.asks("/v1/x") and injection.asks("/v1/y") and injection.on, i
     assert len(told) == len(range(0, len(stream) + 1, 7))  # once a stream
 
 
@@ -108,7 +110,8 @@ def test_a_stream_asked_for_usage_alone_is_still_stripped_and_injection_stays_on
     injection = Injection()
     stripper = UsageEventStripper(injection=injection)
     out = stripper.feed(VLLM_CHAT) + stripper.flush()
-    assert out == VLLM_CHAT_STRIPPED and injection.on and not stripper.stepped_aside
+    assert out == VLLM_CHAT_STRIPPED and not stripper.stepped_aside
+    assert injection.asks("/v1/chat/completions") and not injection.unasked
 
 
 def test_empty_choices_with_null_usage_is_kept() -> None:

@@ -159,13 +159,14 @@ def test_tokens_and_the_engine_part_of_the_split_are_its_timings(
     assert engine is not None and engine.queue_time is None  # llama.cpp reports none
     assert engine.time_to_first_token == pytest.approx(t["prompt_ms"] / 1000, abs=1e-12)
     assert engine.output_tokens == t["predicted_n"] and engine.cached_tokens == t["cache_n"]
-    # what the simulator did: its programmed TTFT runs from the call's start, prompt_ms from
-    # the engine having the request (after the simulator's own routing, longer on a loaded
-    # machine), so the first token was written at or after started + TTFT
+    # what the simulator did: its programmed TTFT runs from `ttft_from` (the loop's clock
+    # at the call's start), prompt_ms from the engine having the request (after the
+    # simulator's own routing, longer on a loaded machine), so the first token was written
+    # at or after ttft_from + TTFT (uvloop's clock counts whole milliseconds)
     seen = served(sim)
-    assert seen.queued_at is not None
+    assert seen.queued_at is not None and seen.ttft_from is not None
     first_token = seen.queued_at + t["prompt_ms"] / 1000
-    assert seen.started + TTFT - 0.002 <= first_token
+    assert seen.ttft_from + TTFT - 0.002 <= first_token
     assert t["prompt_ms"] / 1000 <= elapsed
     split = m.ttft_split()
     assert split is not None and m.ttft is not None
