@@ -28,15 +28,19 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from proxy.sim import SimConfig, create_sim_app
-from tests.conftest import MODEL, Running
+from proxy.sim.utility import VLLM_VERSION
+from tests.conftest import MODEL, ProxyUnderTest, Running
 from tests.paths import ROOT
 from tests.server.conftest import no_proxy, paths
+from tests.server.test_backend_identity import backend_info
 from tests.servers import ThreadedServer, free_port, spawn, stop, wait_http
 from tests.ws_upstream import EchoUpstream
 
 TLS = ROOT / "tests" / "fixtures" / "tls"
 CERT, KEY = str(TLS / "test-only.crt"), str(TLS / "test-only.key")
 CERT2, KEY2 = str(TLS / "test-only-2.crt"), str(TLS / "test-only-2.key")  # the rotation
+CHAT = "/v1/chat/completions"
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 CONTEXT = ssl.create_default_context(cafile=CERT)
 
 
@@ -106,7 +110,9 @@ def test_a_websocket_over_wss_is_tunnelled() -> None:
         upstream.stop()
 
 
-def test_a_backend_certified_by_a_private_ca_is_trusted_through_ssl_cert_file() -> None:
+def test_a_backend_certified_by_a_private_ca_is_trusted_through_ssl_cert_file(
+    start_proxy: Callable[..., ProxyUnderTest], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A vLLM serving TLS with a certificate of the operator's own CA (here the test
     certificate, which signs itself): SSL_CERT_FILE, OpenSSL's variable, makes every
     client the proxy has trust it (the data path, and httpx's for /v1/models and the
@@ -114,30 +120,24 @@ def test_a_backend_certified_by_a_private_ca_is_trusted_through_ssl_cert_file() 
     app = create_sim_app(SimConfig(models=(MODEL,), ttft=0.02, output_tokens=8))
     backend = ThreadedServer(app, ssl_certfile=CERT, ssl_keyfile=KEY).start()
     upstream = f"https://127.0.0.1:{backend.port}"
-    answers, pages = [], []
     try:
-        for trust in ({}, {"SSL_CERT_FILE": CERT}):
-            port = free_port()
-            process = spawn(
-                "serve", "--upstream", upstream, "--port", str(port), "--access-log", "off",
-                "--models-refresh", "0.2", "--model-allowlist", MODEL, env=trust,
-            )  # fmt: skip
-            base = f"http://127.0.0.1:{port}"
-            try:
-                wait_http(base + "/healthz")
-                body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
-                answers.append(httpx.post(base + "/v1/chat/completions", json=body, timeout=10))
-                pages.append(_identity_after(base, seconds=10 if trust else 0.5))
-            finally:
-                stop(process)
+        untrusting = start_proxy(upstream, models_refresh=0.2)
+        monkeypatch.setenv("SSL_CERT_FILE", CERT)  # read as each proxy makes its contexts
+        trusting = start_proxy(upstream, models_refresh=0.2)
+        refused = httpx.post(untrusting.url + CHAT, json=BODY, timeout=10)
+        trusted = httpx.post(trusting.url + CHAT, json=BODY, timeout=10)
+        identified = backend_info(trusting, "vllm", VLLM_VERSION)
+        unidentified = backend_info(untrusting, "vllm", VLLM_VERSION, timeout=0.5)
+        trusting.stop()  # before the backend: a TLS server's stop waits for its idle
+        untrusting.stop()  # clients' close_notify, which httpx's pool sends as it closes
     finally:
         backend.stop()
-    refused, trusted = answers
     assert refused.status_code == 502 and "CERTIFICATE_VERIFY_FAILED" in refused.text
     assert trusted.status_code == 200 and trusted.json()["choices"][0]["message"]["content"]
-    assert pages == ["", 'tokenprobe_backend_info{kind="vllm"']
+    assert (identified, unidentified) == (1, 0)
 
 
+@paths("wire", why="the listener's TLS is uvicorn's, the same on both data paths")
 def test_clients_must_show_a_certificate_when_ssl_cert_reqs_is_2(
     start_sim: Callable[..., Running],
 ) -> None:
@@ -154,7 +154,9 @@ def test_clients_must_show_a_certificate_when_ssl_cert_reqs_is_2(
     assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"]
 
 
-def test_an_upstream_that_asks_for_a_client_certificate_gets_one(relay: str) -> None:
+def test_an_upstream_that_asks_for_a_client_certificate_gets_one(
+    relay: str, start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
     """A vLLM with --ssl-cert-reqs 2: the proxy presents --upstream-ssl-certfile on every
     path to it (the data path, the WebSocket tunnel, the identity probe), and checks the
     backend against --upstream-ca-certs; without the certificate the backend refuses it
@@ -167,40 +169,32 @@ def test_an_upstream_that_asks_for_a_client_certificate_gets_one(relay: str) -> 
     asks.load_cert_chain(CERT, KEY)
     asks.verify_mode = ssl.CERT_REQUIRED
     echo = EchoUpstream(ssl=asks).start()
-    mine = ["--upstream-ssl-certfile", CERT, "--upstream-ssl-keyfile", KEY]
-    answers, echoes, pages = [], [], []
+    mine = {"upstream_ssl_certfile": CERT, "upstream_ssl_keyfile": KEY}
+    answers, identities, echoes = [], [], []
     try:
-        for flags in ([], mine):
-            upstreams = [f"https://127.0.0.1:{backend.port}"]
+        for flags in ({}, mine):
+            proxy = start_proxy(
+                f"https://127.0.0.1:{backend.port}", models_refresh=0.2,
+                upstream_ca_certs=CERT, **flags,
+            )  # fmt: skip
+            answers.append(httpx.post(proxy.url + CHAT, json=BODY, timeout=10).status_code)
+            wait = 10 if flags else 0.5
+            identities.append(backend_info(proxy, "vllm", VLLM_VERSION, timeout=wait))
+            proxy.stop()  # first: see the test above
             if relay == "wire":  # only the wire tunnels WebSockets (test_websockets.py)
-                upstreams.append(f"https://127.0.0.1:{echo.port}")
-            for upstream in upstreams:
-                port = free_port()
-                process = spawn(
-                    "serve", "--upstream", upstream, "--port", str(port), "--access-log", "off",
-                    "--models-refresh", "0.2", "--model-allowlist", MODEL,
-                    "--upstream-ca-certs", CERT, *flags,
-                )  # fmt: skip
-                base = f"http://127.0.0.1:{port}"
-                try:
-                    wait_http(base + "/healthz")
-                    if upstream.endswith(str(backend.port)):
-                        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
-                        url = base + "/v1/chat/completions"
-                        answers.append(httpx.post(url, json=body, timeout=10).status_code)
-                        pages.append(_identity_after(base, seconds=10 if flags else 0.5))
-                    else:
-                        echoes.append(asyncio.run(_echo_once(base)))
-                finally:
-                    stop(process)
+                tunnel = start_proxy(
+                    f"https://127.0.0.1:{echo.port}", upstream_ca_certs=CERT, **flags
+                )
+                echoes.append(asyncio.run(_echo_once(tunnel.url)))
     finally:
         backend.stop()
         echo.stop()
     assert answers == [502, 200]
-    assert pages == ["", 'tokenprobe_backend_info{kind="vllm"']
+    assert identities == [0, 1]
     assert echoes == (["refused", "through mutual TLS"] if relay == "wire" else [])
 
 
+@paths("wire", why="the listener's TLS is uvicorn's, the same on both data paths")
 def test_a_rotated_certificate_reaches_new_connections_with_enable_ssl_refresh(
     tmp_path: Path,
 ) -> None:
@@ -223,7 +217,7 @@ def test_a_rotated_certificate_reaches_new_connections_with_enable_ssl_refresh(
         wait_http(base + "/healthz", verify=trusted)
         assert _served_certificate(port) == _der(CERT)
         _swap_in(CERT2, cert)  # half-way: the key is still the old one
-        time.sleep(2.5)  # two checks
+        time.sleep(1.5)  # a check (one a second) saw the half-way files
         assert _served_certificate(port) == _der(CERT)
         _swap_in(KEY2, key)
         deadline = time.monotonic() + 10
@@ -267,17 +261,6 @@ async def _echo_once(base: str) -> str:
     except InvalidStatus as refused:  # the proxy's answer: the upstream closed first
         assert refused.response.status_code == 502
         return "refused"
-
-
-def _identity_after(base: str, seconds: float) -> str:
-    """The backend's identity on /metrics, once there, or "" after `seconds` (the
-    proxy asks every 0.2 s)."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if 'tokenprobe_backend_info{kind="vllm"' in httpx.get(base + "/metrics").text:
-            return 'tokenprobe_backend_info{kind="vllm"'
-        time.sleep(0.05)
-    return ""
 
 
 @no_proxy
