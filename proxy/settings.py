@@ -307,7 +307,7 @@ class Settings:
     uds: str | None = setting(
         _socket_path,
         None,
-        "Listen on this Unix domain socket instead of --host and --port, as vLLM's --uds (made mode 0666, or the mode of the file it replaces). `/metrics` is on it too, unless --metrics-port.",
+        "Listen on this Unix domain socket instead of --host and --port, as vLLM's --uds: made as vLLM makes its own, with the mode the process's umask gives (a socket file left at the path is replaced). `/metrics` is on it too, unless --metrics-port.",
     )
     ssl_certfile: str | None = setting(
         str,

@@ -15,6 +15,8 @@ import logging
 import os
 import shutil
 import signal
+import socket
+import stat
 import sys
 import tempfile
 from typing import Any
@@ -33,7 +35,6 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
     return {
         "host": settings.host,
         "port": settings.port,
-        "uds": settings.uds,  # in place of host and port when set, as vLLM's --uds
         "log_level": settings.log_level,
         "access_log": False,  # tokenprobe writes its own access log
         "timeout_graceful_shutdown": settings.drain_timeout,
@@ -83,8 +84,10 @@ def worker_app() -> ProxyApp:
 def main(argv: list[str]) -> int:
     try:
         settings = parse(argv, os.environ)  # every check runs here (proxy.settings.validate)
+        options = uvicorn_options(settings)
+        unix = _bind_unix(settings.uds, options)  # kept open while serving
         if settings.workers > 1:
-            return _run_workers(settings)
+            return _run_workers(settings, options)
         app = build_app(settings)
     except SettingsError as exc:
         print(f"tokenprobe serve: {exc}", file=sys.stderr)
@@ -95,8 +98,31 @@ def main(argv: list[str]) -> int:
     # uvicorn drains on SIGTERM, then re-raises the signal it caught; with a handler in
     # place that re-raise is a no-op and a clean drain exits 0, as orchestrators expect.
     signal.signal(signal.SIGTERM, lambda *_: None)
-    uvicorn.Server(uvicorn.Config(app, **uvicorn_options(settings))).run()
+    uvicorn.Server(uvicorn.Config(app, **options)).run()
+    del unix
     return 0
+
+
+def _bind_unix(path: str | None, options: dict[str, Any]) -> socket.socket | None:
+    """The --uds socket, bound here as vLLM binds its own (launcher.py,
+    create_server_unix_socket): its mode comes from the process's umask, where uvicorn's
+    own `uds` would make it 0666, open to every local user. A socket file a stopped
+    server left is replaced. uvicorn serves it by its descriptor (`fd`)."""
+    if path is None:
+        return None
+    try:
+        if stat.S_ISSOCK(os.stat(path).st_mode):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        unix.bind(path)
+    except OSError as exc:
+        unix.close()
+        raise SettingsError(f"--uds {path}: cannot listen there ({exc.strerror})") from None
+    options["fd"] = unix.fileno()
+    return unix
 
 
 def _configure_logging(settings: Settings) -> None:
@@ -124,7 +150,7 @@ def _open_files() -> None:
         print(f"tokenprobe serve: {limit.describe()}", file=sys.stderr, flush=True)
 
 
-def _run_workers(settings: Settings) -> int:
+def _run_workers(settings: Settings, options: dict[str, Any]) -> int:
     directory = os.environ.get(MULTIPROC_ENV) or tempfile.mkdtemp(prefix="tokenprobe-metrics-")
     shutil.rmtree(directory, ignore_errors=True)  # stale files from a previous run would add up
     os.makedirs(directory)
@@ -140,6 +166,6 @@ def _run_workers(settings: Settings) -> int:
         "proxy.server.serve:worker_app",
         factory=True,
         workers=settings.workers,
-        **uvicorn_options(settings),
+        **options,
     )
     return 0

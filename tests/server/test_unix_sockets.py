@@ -23,13 +23,14 @@ import pytest
 from openai import OpenAI
 from websockets.asyncio.client import connect
 
+from proxy.cli import main
 from proxy.core.measurement import ErrorType, TokenSource
 from proxy.sim import SimConfig, create_sim_app
 from proxy.sim.app import SimApp
 from proxy.sim.utility import VLLM_VERSION
 from tests.conftest import MODEL, ProxyUnderTest
 from tests.paths import ROOT
-from tests.server.conftest import paths
+from tests.server.conftest import no_proxy, paths
 from tests.server.test_backend_identity import backend_info
 from tests.servers import ThreadedServer, spawn, stop
 from tests.ws_upstream import EchoUpstream
@@ -228,12 +229,16 @@ def test_a_websocket_is_tunnelled_to_the_backends_socket(
 
 
 def test_serve_listens_on_a_socket_in_front_of_a_backend_on_one(backend: SimOnSocket) -> None:
-    """The whole drop-in: vLLM's `--uds` client points at the proxy's socket instead."""
+    """The whole drop-in: vLLM's `--uds` client points at the proxy's socket instead.
+    The socket is made as vLLM makes its own: its mode from the umask (here 077: the
+    owner's alone), a stale socket file at the path replaced."""
     listen = str(Path(backend.path).with_name("proxy.sock"))
+    with socket.socket(socket.AF_UNIX) as stale:
+        stale.bind(listen)  # a stopped server's file, left behind
     process = spawn(
         "serve", "--uds", listen, "--upstream", "http://localhost", "--upstream-uds",
         backend.path, "--access-log", "off", "--models-refresh", "0",
-        "--model-allowlist", MODEL,
+        "--model-allowlist", MODEL, preexec_fn=lambda: os.umask(0o077) and None,
     )  # fmt: skip
     try:
         through = httpx.Client(transport=httpx.HTTPTransport(uds=listen), timeout=10)
@@ -246,7 +251,7 @@ def test_serve_listens_on_a_socket_in_front_of_a_backend_on_one(backend: SimOnSo
                 pass
             assert process.poll() is None and time.monotonic() < deadline, "serve did not start"
             time.sleep(0.05)
-        assert os.stat(listen).st_mode & 0o777 == 0o666  # as vLLM's (uvicorn's) socket
+        assert os.stat(listen).st_mode & 0o777 == 0o700  # 0777 less the umask, as vLLM's
         client = OpenAI(base_url="http://localhost/v1", api_key="k", http_client=through)
         chunks = list(
             client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True)  # type: ignore[arg-type]
@@ -256,3 +261,13 @@ def test_serve_listens_on_a_socket_in_front_of_a_backend_on_one(backend: SimOnSo
         stop(process)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert 'tokenprobe_requests_total{code="200",endpoint="/v1/chat/completions"' in page
+
+
+@no_proxy
+def test_a_socket_path_that_cannot_be_listened_on_is_refused_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = str(tmp_path / "no-such-folder" / "proxy.sock")
+    assert main(["serve", "--uds", path, "--upstream", "http://localhost"]) == 2
+    said = capsys.readouterr().err
+    assert said.startswith(f"tokenprobe serve: --uds {path}: cannot listen there (No such file")
