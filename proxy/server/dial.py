@@ -13,6 +13,8 @@ and aiohttp transports, the /v1/models and identity calls) uses the one TLS cont
 from __future__ import annotations
 
 import asyncio
+import functools
+import os
 import ssl as ssl_module
 from collections.abc import Callable
 from typing import Protocol, TypeVar
@@ -42,19 +44,30 @@ class UpstreamTLSSettings(Protocol):
 def upstream_tls(settings: UpstreamTLSSettings) -> ssl_module.SSLContext | None:
     """The TLS context for an https:// upstream, None for http://: the system's CAs (or
     SSL_CERT_FILE's, which OpenSSL reads), or --upstream-ca-certs in their place, and the
-    client certificate of --upstream-ssl-certfile when given (mutual TLS)."""
+    client certificate of --upstream-ssl-certfile when given (mutual TLS). The wire's pool,
+    the tunnel and the ASGI relay's client each ask for it; they get the one context."""
     if not settings.upstream.startswith("https://"):
         return None
-    context = ssl_module.create_default_context(cafile=settings.upstream_ca_certs)
-    if settings.upstream_ssl_certfile is not None:
-        context.load_cert_chain(settings.upstream_ssl_certfile, settings.upstream_ssl_keyfile)
-    WATCH.add(  # reloaded when the files change, with --enable-ssl-refresh
-        context,
+    return _tls(
+        settings.upstream_ca_certs,
         settings.upstream_ssl_certfile,
         settings.upstream_ssl_keyfile,
-        settings.upstream_ca_certs,
-        server=False,
+        (os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR")),
     )
+
+
+@functools.lru_cache(maxsize=8)
+def _tls(
+    cafile: str | None,
+    certfile: str | None,
+    keyfile: str | None,
+    openssl_env: tuple[str | None, str | None],  # read by OpenSSL as the context is made
+) -> ssl_module.SSLContext:
+    context = ssl_module.create_default_context(cafile=cafile)
+    if certfile is not None:
+        context.load_cert_chain(certfile, keyfile)
+    # reloaded when the files change, with --enable-ssl-refresh
+    WATCH.add(context, certfile, keyfile, cafile, server=False)
     return context
 
 

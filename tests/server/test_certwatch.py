@@ -4,6 +4,7 @@ listener's is (tests/server/test_tls.py rotates the listener's through a real se
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import socket
@@ -11,8 +12,14 @@ import ssl
 import threading
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry
+
+from proxy.server.admission import relay_settings
+from proxy.server.assemble import assemble
 from proxy.server.certwatch import WATCH, CertWatch
 from proxy.server.dial import upstream_tls
+from proxy.server.tunnel import tunnel_context
+from proxy.server.upstream import UpstreamClient, create_client
 from proxy.settings import Settings
 from tests.paths import ROOT
 from tests.server.conftest import no_proxy
@@ -101,3 +108,16 @@ def test_upstream_tls_registers_its_context_with_the_process_watch(tmp_path: Pat
     _swap_in(KEY2, key)
     WATCH.check()  # what the app's lifespan runs every second with --enable-ssl-refresh
     assert _presented(context) == _der(CERT2)
+
+
+def test_every_client_of_one_upstream_gets_the_one_context() -> None:
+    """The wire's pool, the tunnel and the ASGI relay's client each ask: one context, made
+    (and its CA bundle read) once, and reloaded once."""
+    settings = Settings(upstream="https://127.0.0.1:9", upstream_ca_certs=CERT)
+    relay = relay_settings(settings)
+    tunnel = tunnel_context(settings, assemble(settings, {}, registry=CollectorRegistry()).sinks)
+    client = create_client(dataclasses.replace(settings, upstream_transport="httpx"))
+    assert isinstance(client, UpstreamClient)
+    assert relay.upstream_ssl is not None
+    assert relay.upstream_ssl is tunnel.ssl is client.tls is upstream_tls(settings)
+    assert upstream_tls(Settings(upstream="http://127.0.0.1:9")) is None
