@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import json
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -19,8 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
-import yaml
-
+from proxy.core.datafile import parse_data_file
 from proxy.core.labels import SECRET_HEADERS
 from proxy.core.slo import NAMES as SLO_NAMES
 from proxy.core.slo import Policy, SloError, format_slo, parse_slo, parse_slo_file
@@ -168,9 +166,8 @@ def _slo_file(value: str) -> str:
 def load_slo_file(path: str) -> Policy:
     """An SLO file (proxy/core/slo.py's `parse_slo_file`); SloError naming it."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
-        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
-    except (OSError, ValueError, yaml.YAMLError) as exc:
+        data = parse_data_file(Path(path).read_text(encoding="utf-8"), path)
+    except (OSError, ValueError) as exc:
         raise SloError(f"{path}: cannot read the SLO file: {exc}") from None
     return parse_slo_file(data, path)
 

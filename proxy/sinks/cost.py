@@ -30,16 +30,15 @@ The table file, YAML or JSON:
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from proxy.core.datafile import parse_data_file
 from proxy.core.measurement import Measurement
 from proxy.core.pricing import PER_TOKENS
 from proxy.sinks.sink import Labels
@@ -87,9 +86,8 @@ def load_prices(path: str | Path) -> PriceTable:
     """Read a price table; ValueError naming the file and the offending key if it is wrong."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-        data: Any = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as exc:  # UnicodeDecodeError is a ValueError
+        data: Any = parse_data_file(path.read_text(encoding="utf-8"), path.name)
+    except ValueError as exc:  # UnicodeDecodeError is a ValueError
         raise ValueError(f"{path}: not valid {_format(path)}: {exc}") from None
     return parse_prices(data, source=str(path))
 

@@ -158,6 +158,7 @@ def test_an_slo_file_naming_thousands_of_models_keeps_the_model_label_bound(
         (["--slo", "latency=1"], "expected NAME=SECONDS with NAME in ttft, ttfa, tpot, e2e"),
         (["--slo-file", "{file}"], "models.big: tpot must be a positive number of seconds"),
         (["--slo-file", "/no/such/slo.yaml"], "cannot read the SLO file"),
+        (["--slo-file", "{broken}"], "cannot read the SLO file: while parsing a flow mapping"),
     ],
 )
 def test_a_malformed_slo_refuses_to_start_with_a_clear_message(
@@ -165,7 +166,13 @@ def test_a_malformed_slo_refuses_to_start_with_a_clear_message(
 ) -> None:
     bad = tmp_path / "slo.yaml"
     bad.write_text("models:\n  big: {tpot: -1}\n")
-    argv = ["--upstream", "http://127.0.0.1:9", *(f.format(file=bad) for f in flags)]
+    broken = tmp_path / "broken.yaml"  # not YAML at all: the flow mapping never closes
+    broken.write_text("models:\n  big: {tpot: 1\n")
+    argv = [
+        "--upstream",
+        "http://127.0.0.1:9",
+        *(f.format(file=bad, broken=broken) for f in flags),
+    ]
     with pytest.raises(SettingsError, match=None) as caught:
         parse(argv, {})
     assert says in str(caught.value)
