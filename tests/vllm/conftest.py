@@ -274,7 +274,7 @@ def vllm_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
 
 #: The reasoning model (tests/vllm_model.py --reasoning): <think>, </think>, <tool_call>,
 #: </tool_call> as added tokens, served with vLLM's deepseek_r1 reasoning parser and the
-#: hermes tool parser (issue 26).
+#: hermes tool parser (issue 26). `.ci/vllm` builds it; the fixture builds it where missing.
 REASONING_MODEL = Path(
     os.environ.get("TOKENPROBE_VLLM_REASONING_MODEL", str(ROOT / ".vllm-model-reasoning"))
 )
