@@ -103,7 +103,10 @@ def connection_counter(registry: CollectorRegistry) -> Counter:
         "header_timeout (no complete request head within --header-timeout of the connection "
         "opening or, on a kept-alive connection, of the head's first byte; an idle kept-alive "
         "connection closed after --keep-alive-timeout is not counted), headers_too_large (head over "
-        "--max-header-bytes while it arrived), too_many_headers (over --max-headers).",
+        "--max-header-bytes while it arrived), too_many_headers (over --max-headers), "
+        "tls_handshake (a TLS connection whose handshake had not ended within --header-timeout "
+        "of its accept: closed then, if still in the handshake; one that failed sooner, a client "
+        "certificate refused or a client gone, is counted at that same instant).",
         ("reason",),
         registry=registry,
     )
@@ -126,8 +129,18 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._ws = False  # the request whose head was parsed last is a WebSocket handshake
         self._upgrade: Upgrade | None = None  # llhttp stopped at an upgrade request
         self._body_due: bytes | None = None  # that request's framing headers: see Upgrade
+        # Over TLS this protocol is made at the accept and connected after the handshake,
+        # which the loop bounds by the header timeout (proxy.server.eventloop); a handshake
+        # not over by then is counted here, as nothing tells this protocol it ended.
+        self._handshake_timer: asyncio.TimerHandle | None = None
+        timeout = self.limits.header_timeout
+        if self.config.is_ssl and timeout is not None:
+            self._handshake_timer = self.loop.call_later(timeout, self.on_close, "tls_handshake")
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if self._handshake_timer is not None:
+            self._handshake_timer.cancel()
+            self._handshake_timer = None
         super().connection_made(transport)
         self._start_head()
 
@@ -367,7 +380,7 @@ class Upgrade:
         self.proto._switch(rest)
 
 
-_REASONS = ("header_timeout", "headers_too_large", "too_many_headers")
+_REASONS = ("header_timeout", "headers_too_large", "too_many_headers", "tls_handshake")
 
 #: For a connection whose app filled in no HeadGuard: the settings' default limits (the
 #: upstream is a placeholder; head limits do not depend on it), closes not counted.

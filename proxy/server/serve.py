@@ -27,6 +27,7 @@ from proxy.openfiles import raise_open_file_limit
 from proxy.server.app import ProxyApp
 from proxy.server.assemble import assemble
 from proxy.server.certwatch import listener_context
+from proxy.server.eventloop import loop_factory
 from proxy.server.multiproc import MULTIPROC_ENV
 from proxy.settings import SPECS, Settings, SettingsError, parse, text
 
@@ -41,7 +42,8 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
         "timeout_keep_alive": settings.keep_alive_timeout,
         "server_header": False,  # the upstream's headers pass through; add none of ours
         "date_header": False,
-        "loop": "auto",
+        # uvloop (or asyncio's), with the TLS handshake bounded by --header-timeout
+        "loop": loop_factory(settings.header_timeout),
         # httptools with limits on the request head while it arrives (proxy.server.protocol);
         # the wire is that protocol relaying itself (proxy.server.wire).
         "http": PROTOCOLS[settings.relay],

@@ -31,6 +31,7 @@ from proxy.sim import SimConfig, create_sim_app
 from proxy.sim.utility import VLLM_VERSION
 from tests.conftest import MODEL, ProxyUnderTest, Running
 from tests.paths import ROOT
+from tests.scrape import Scrape
 from tests.server.conftest import no_proxy, paths
 from tests.server.test_backend_identity import backend_info
 from tests.servers import ThreadedServer, free_port, spawn, stop, wait_http
@@ -152,6 +153,75 @@ def test_clients_must_show_a_certificate_when_ssl_cert_reqs_is_2(
         shown.load_cert_chain(CERT, KEY)
         answer = httpx.post(base + "/v1/chat/completions", json=body, verify=shown, timeout=10)
     assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"]
+
+
+def client_hello() -> bytes:
+    """The first flight of a real TLS handshake with the proxy's certificate trusted."""
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = CONTEXT.wrap_bio(incoming, outgoing, server_hostname="127.0.0.1")
+    with pytest.raises(ssl.SSLWantReadError):
+        tls.do_handshake()
+    return outgoing.read()
+
+
+def closed_after(sock: socket.socket, started: float) -> float:
+    """Seconds from `started` until the proxy closes `sock` (its recv times out after 10 s)."""
+    sock.settimeout(10)
+    try:
+        while sock.recv(65536):  # the ServerHello of a handshake left half done
+            pass
+    except ConnectionResetError:
+        pass
+    return time.monotonic() - started
+
+
+def closes(base: str) -> Scrape:
+    return Scrape.parse(httpx.get(base + "/metrics", verify=CONTEXT, timeout=5).text)
+
+
+@paths(
+    "wire",
+    why="the listener's TLS and its head guard are uvicorn's and GuardedHttpToolsProtocol's on both data paths",
+)
+def test_a_tls_handshake_gets_the_header_timeout_and_then_the_head_its_own(
+    start_sim: Callable[..., Running],
+) -> None:
+    """asyncio gives a server's TLS handshake 60 s; the proxy gives it --header-timeout,
+    as nginx gives it client_header_timeout. A connection that says nothing, or stops
+    half-way through its handshake, is closed then and counted as `tls_handshake`; one
+    whose handshake ended gets the head's own timeout (`header_timeout`), and a client
+    that goes on is served."""
+    sim = start_sim(ttft=0.02, output_tokens=4)
+    with serving_tls(sim.url, "--header-timeout", "0.5") as base:
+        before = closes(base)
+        port = int(base.rsplit(":", 1)[1])
+        started = time.monotonic()
+        with (
+            socket.create_connection(("127.0.0.1", port)) as silent,
+            socket.create_connection(("127.0.0.1", port)) as halfway,
+        ):
+            halfway.sendall(client_hello())
+            waited = closed_after(silent, started), closed_after(halfway, started)
+        started = time.monotonic()
+        with CONTEXT.wrap_socket(
+            socket.create_connection(("127.0.0.1", port)), server_hostname="127.0.0.1"
+        ) as headless:
+            headless_waited = closed_after(headless, started)
+        answer = httpx.post(base + CHAT, json=BODY, verify=CONTEXT, timeout=10)
+        deadline = time.monotonic() + 5
+        while (after := closes(base)).total(
+            "tokenprobe_connections_closed_total", reason="tls_handshake"
+        ) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert all(0.4 < seconds < 3 for seconds in waited), waited
+    assert 0.4 < headless_waited < 3, headless_waited
+    counted = {
+        reason: after.total("tokenprobe_connections_closed_total", reason=reason)
+        - before.total("tokenprobe_connections_closed_total", reason=reason)
+        for reason in ("tls_handshake", "header_timeout")
+    }
+    assert counted == {"tls_handshake": 2, "header_timeout": 1}
+    assert answer.status_code == 200
 
 
 def test_an_upstream_that_asks_for_a_client_certificate_gets_one(
