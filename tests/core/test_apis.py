@@ -244,7 +244,7 @@ def test_messages_error_event_is_a_stream_error() -> None:
 
 @pytest.mark.parametrize(
     ("raw", "label"),
-    [*STOP_REASONS.items(), ("pause_turn", "other"), ("model_context_window_exceeded", "other")],
+    [*STOP_REASONS.items(), ("pause_turn", "other"), ("compaction", "other")],
 )
 def test_messages_stop_reasons_map_onto_the_closed_set(raw: str, label: str) -> None:
     assert api_for("/v1/messages").finish_label(raw) == label  # type: ignore[union-attr]
@@ -255,6 +255,7 @@ def test_messages_stop_reason_table() -> None:
         "end_turn": "stop",
         "stop_sequence": "stop",
         "max_tokens": "length",
+        "model_context_window_exceeded": "length",
         "tool_use": "tool_calls",
         "refusal": "content_filter",
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
+from proxy.core.apis import api_for
 from proxy.core.apis.chat import Chat
 from proxy.core.request import CHAT, COMPLETIONS, RequestInfo, parse_request
 
@@ -111,6 +112,24 @@ def test_no_usage_is_asked_for_several_choices() -> None:
     # vLLM stamps system_fingerprint on every choice's terminal chunk only without
     # include_usage; the stripper can give it back to the last one alone.
     assert with_usage_requested({"model": "llama", "stream": True, "n": 2}) is None
+
+
+@pytest.mark.parametrize(
+    ("prompt", "asked"),
+    [
+        ("once upon", True),
+        (["once upon"], True),
+        ([1, 2, 3], True),  # token ids: one prompt
+        ([[1, 2, 3]], True),
+        (["once upon", "a time"], False),  # a batch streams a choice for each, as n > 1
+        ([[1, 2], [3, 4]], False),
+    ],
+)
+def test_no_completions_usage_is_asked_for_a_batch_of_prompts(prompt: object, asked: bool) -> None:
+    api = api_for("/v1/completions")
+    assert api is not None
+    obj = {"model": "llama", "stream": True, "prompt": prompt}
+    assert (api.ask_for_usage(obj) is not None) is asked
 
 
 def test_continuous_usage_is_turned_off_with_the_usage_the_proxy_asks_for() -> None:

@@ -186,6 +186,28 @@ def test_streams_through_the_proxy_are_byte_identical_to_direct(vllm_servers: Se
     assert fingerprints == len(cases) == 16
 
 
+def test_a_batch_of_prompts_keeps_a_fingerprint_on_every_choices_finish(
+    vllm_servers: Servers,
+) -> None:
+    """Two prompts stream two choices, and without include_usage vLLM stamps each one's
+    finish chunk; asked for usage, it would stamp the usage chunk alone, and the stripper
+    could give the fingerprint back to the last finish only. So the proxy does not ask
+    (proxy/core/apis/completions.py): both sides stamp both finishes."""
+    body = {**body_for(COMPLETIONS, "", usage=False), "prompt": list(TEXT_PROMPTS[:2])}
+    base = vllm_servers.base
+    with httpx.Client(timeout=60) as client:
+        for url in (base.url, base.proxy_url):
+            chunks = payloads(fetch(client, url + COMPLETIONS, body))
+            finishes = [
+                i
+                for i, chunk in enumerate(chunks)
+                if any(choice.get("finish_reason") for choice in chunk["choices"])
+            ]
+            stamped = [i for i, chunk in enumerate(chunks) if "system_fingerprint" in chunk]
+            assert len(finishes) == 2 and stamped == finishes, (url, chunks)
+            assert not any("usage" in chunk for chunk in chunks)
+
+
 # -- issue 22: where the first token's time goes ---------------------------------------------
 
 

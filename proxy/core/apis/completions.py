@@ -29,6 +29,14 @@ class Completions(OpenAIGeneration):
     def prompt(self, obj: dict[str, Any]) -> Any:
         return obj.get("prompt")
 
+    def ask_for_usage(self, obj: dict[str, Any]) -> bytes | None:
+        """As chat's (OpenAIGeneration.ask_for_usage), and not for a batch of prompts:
+        vLLM streams a choice for each (`i = output.index + prompt_idx * num_choices`,
+        completion/serving.py) and stamps every one's terminal chunk, as with n > 1."""
+        if _batch(obj.get("prompt")):
+            return None
+        return super().ask_for_usage(obj)
+
     def input_messages(self, prompt: Any) -> list[dict[str, Any]] | None:
         """A text prompt (or a batch of them): one user message per text."""
         texts = [prompt] if isinstance(prompt, str) else prompt
@@ -43,3 +51,9 @@ class Completions(OpenAIGeneration):
         if texts is not None:
             add_texts(texts, text)
         return "text"
+
+
+def _batch(prompt: Any) -> bool:
+    """More than one prompt: a list of texts or of token-id lists (a list of token ids is
+    one prompt)."""
+    return type(prompt) is list and len(prompt) > 1 and any(type(p) is not int for p in prompt)

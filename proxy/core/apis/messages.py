@@ -36,6 +36,9 @@ STOP_REASONS = {
     "end_turn": "stop",
     "stop_sequence": "stop",
     "max_tokens": "length",
+    # the answer stopped because the context window was full: cut off, as by max_tokens
+    # (a stop reason of Anthropic's API since anthropic-sdk-python 0.119.0, 2026-07-23)
+    "model_context_window_exceeded": "length",
     "tool_use": "tool_calls",
     "refusal": "content_filter",
 }
