@@ -48,13 +48,16 @@ the stripper steps aside for the rest of the stream (`stepped_aside`), and the `
 stops asking that upstream for usage on that API (`forced`): its usage comes unasked.
 llama.cpp does so on /v1/completions alone, where the finish chunk carries `usage` asked
 or not (tools/server/server-task.cpp, to_json_oaicompat), and its chat is still asked. A
-backend that reshapes its chunks only because usage was asked (Ollama's /v1/completions
-writes an all-zero usage on each, middleware/openai.go) is stepped aside from the same
-way, after its first stream.
+backend that reshapes its chunks only because usage was asked is stepped aside from the
+same way, after its first stream: Ollama's /v1/completions writes an all-zero usage on
+each (middleware/openai.go), and OpenAI and Azure a `"usage": null` on every chunk once
+include_usage is set (openai-python, `ChatCompletionStreamOptionsParam.include_usage`:
+"All other chunks will also include a `usage` field, but with a null value").
 
 Events are cut only at blank lines, so the few bytes of an event that a network read split
 wait for the rest of it; a client cannot use half an event anyway. Any other event passes
-byte for byte.
+byte for byte. An event of comment lines alone (`: ping`, which a gateway may write
+anywhere) stays where it is and does not part a terminal chunk from the usage chunk.
 """
 
 from __future__ import annotations
@@ -199,7 +202,7 @@ class UsageEventStripper:
                 event = _leading_blank_lines(event)
             elif _FINISHED in event:
                 terminal = len(out)
-            elif event.strip(b"\r\n"):
+            elif event.strip(b"\r\n") and not _comments_only(event):
                 terminal = -1
             out.append(event)
         if hold and terminal >= 0:
@@ -326,18 +329,27 @@ def _last_event_end(data: bytes) -> int:
 
 
 _CHOICES_EMPTY = re.compile(rb'"choices"\s*:\s*\[\s*\]')
-# An object, not `"usage": null`: OpenAI and Azure put a null usage on every chunk once
-# include_usage is set, and Azure's prompt-filter chunk also has empty choices.
+# The usage chunk's usage is an object, never `"usage": null`: Azure's prompt-filter chunk
+# also has empty choices, with the null usage OpenAI and Azure put on every chunk once
+# include_usage is set.
 _USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
+# Beside choices, a null usage is a reshaped chunk too (the module's doc).
+_USAGE_MEMBER = re.compile(rb'"usage"\s*:\s*[{n]')
 
 
 def _usage_beside_choices(event: bytes) -> bool:
-    """A usage object on an event whose choices are not empty (not the usage-only one)."""
+    """A usage member, an object or null, on an event whose choices are not empty (not the
+    usage-only one)."""
     return (
-        _USAGE_OBJECT.search(event) is not None
+        _USAGE_MEMBER.search(event) is not None
         and b'"choices"' in event
         and _CHOICES_EMPTY.search(event) is None
     )
+
+
+def _comments_only(event: bytes) -> bool:
+    """An event of SSE comment lines (`:` first) and line ends alone."""
+    return all(not line or line.startswith(b":") for line in event.splitlines())
 
 
 def _is_usage_only(event: bytes) -> bool:

@@ -180,6 +180,54 @@ def test_include_usage_stream_becomes_the_direct_stream_at_random_splits(cuts: l
     assert relay(*_split(asked, cuts)) == direct
 
 
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_a_comment_between_the_terminal_and_the_usage_chunk_stays_and_the_member_goes_back(
+    api: str,
+) -> None:
+    """A gateway's `: ping` between vLLM's finish chunk and its usage chunk: the comment
+    stays where it was, and the fingerprint still goes back to the finish chunk (the
+    comment once parted them: the fingerprint was lost and nothing said so)."""
+    asked, direct = _vllm032_pair(api)
+    cut = asked.index(b"data: ", asked.index(b'"finish_reason":"'))  # the usage chunk
+    pinged = asked[:cut] + b": ping\n\n" + asked[cut:]
+    # direct, the same comment comes right before [DONE], where the usage chunk was
+    end = direct.index(b"data: [DONE]")
+    expected = direct[:end] + b": ping\n\n" + direct[end:]
+    for i in range(0, len(pinged) + 1, 5):
+        injection = Injection()
+        stripper = UsageEventStripper(injection=injection)
+        out = stripper.feed(pinged[:i]) + stripper.feed(pinged[i:]) + stripper.flush()
+        assert out == expected, i
+        assert injection.on and not stripper.unplaced, i
+
+
+def test_a_null_usage_beside_choices_is_a_reshaped_stream_the_proxy_stops_asking_for() -> None:
+    """OpenAI and Azure put `"usage": null` on every chunk once include_usage is set: the
+    client, which did not set it, would get a member on each chunk it never gets direct.
+    The stripper steps aside at the first one (the rest of that stream passes as it
+    comes, the usage chunk too), and the proxy asks that upstream no more on that API, so
+    the next stream is the backend's own."""
+    chunk = (
+        b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"gpt",'
+        b'"choices":[{"index":0,"delta":{"content":"%s"},"finish_reason":null}],"usage":null}\n\n'
+    )
+    stream = (
+        chunk % b"Hel"
+        + chunk % b"lo"
+        + b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"gpt",'
+        b'"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    for i in range(0, len(stream) + 1, 3):
+        told: list[str] = []
+        injection = Injection()
+        injection.on_forced = told.append
+        stripper = UsageEventStripper(injection=injection, endpoint="/v1/chat/completions")
+        out = stripper.feed(stream[:i]) + stripper.feed(stream[i:]) + stripper.flush()
+        assert out == stream and stripper.stepped_aside, i
+        assert told == ["/v1/chat/completions"] and not injection.asks("/v1/chat/completions")
+
+
 def test_terminal_chunk_waits_only_for_the_next_event() -> None:
     asked, _ = _vllm032_pair("chat")
     events = [e + b"\n\n" for e in asked.split(b"\n\n") if e]
