@@ -204,9 +204,12 @@ class Relay:
                 self.cut.cause = Cause.FIRST_BYTE_TIMEOUT
             raise
         status = response.status_code
-        if status < 200:  # a 101 the relay never asked for (both clients drop other 1xx)
-            exchange.context.sinks.count_upstream_protocol_error("upgrade")
-            raise UpstreamProtocolError("upgrade", f"the upstream answered {status} unasked")
+        if not 200 <= status <= 599:
+            # a 101 the relay never asked for (both clients drop other 1xx), or three
+            # digits that are no HTTP status (099, 600): a 502, as on the wire
+            kind = "upgrade" if 100 <= status < 200 else "malformed"
+            exchange.context.sinks.count_upstream_protocol_error(kind)
+            raise UpstreamProtocolError(kind, f"the upstream answered status {status}")
         raw = [(k.lower(), v) for k, v in response.headers.raw]
         head = self.rules.response_head(status, raw, perf_counter())
         await self.send({"type": "http.response.start", "status": status, "headers": head.headers})

@@ -66,10 +66,10 @@ def handshake_headers(headers: Headers) -> Headers:
 _HANDSHAKE = ((b"upgrade", b"websocket"), (b"connection", b"Upgrade"))
 
 
-def _hop_by_hop(headers: Headers) -> frozenset[bytes]:
-    """The request headers that stop at the proxy: `_REQUEST_DROP` and those a Connection
-    header names."""
-    drop = _REQUEST_DROP
+def _hop_by_hop(headers: Headers, always: frozenset[bytes] = _REQUEST_DROP) -> frozenset[bytes]:
+    """The headers that stop at the proxy: `always` (a request's, by default) and those a
+    Connection header names (RFC 9110 §7.6.1: a proxy MUST remove them, both ways)."""
+    drop = always
     for name, value in headers:
         if name == b"connection":  # the headers it names are hop-by-hop too
             drop = drop | {t.strip().lower() for t in value.split(b",")}
@@ -79,7 +79,10 @@ def _hop_by_hop(headers: Headers) -> frozenset[bytes]:
 def client_headers(headers: Headers, content_type: bytes, *, body_changes: bool) -> Headers:
     """The upstream's (lower-case) response headers as they go to the client;
     `body_changes` when the proxy strips part of the body (its length no longer holds)."""
-    drop = _RESPONSE_DROP_CHANGED if body_changes else HOP_BY_HOP
+    always = _RESPONSE_DROP_CHANGED if body_changes else HOP_BY_HOP
+    drop = _hop_by_hop(headers, always)
+    if drop is not always and not body_changes:
+        drop = drop - {b"content-length"}  # named by Connection, it still frames the body
     out = [(k, v) for k, v in headers if k not in drop]
     if content_type.startswith(b"text/event-stream"):
         out.append((b"x-accel-buffering", b"no"))

@@ -44,7 +44,7 @@ from typing import Any
 
 import httptools
 from prometheus_client import CollectorRegistry, Counter
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from proxy.server.admission import answer_bytes
 from proxy.server.tunnel import is_websocket_upgrade
@@ -62,6 +62,7 @@ class HeadLimits:
     max_head_bytes: int  # --max-header-bytes and HEAD_SLACK
     max_headers: int
     header_timeout: float | None
+    body_timeout: float  # for the rest of a body answered early (on_response_complete)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> HeadLimits:
@@ -129,6 +130,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._ws = False  # the request whose head was parsed last is a WebSocket handshake
         self._upgrade: Upgrade | None = None  # llhttp stopped at an upgrade request
         self._body_due: bytes | None = None  # that request's framing headers: see Upgrade
+        # The request whose response is under way. uvicorn's `cycle` is the request parsed
+        # last, which with pipelining is one still waiting: the running one must hear of
+        # a client gone (its upstream request cancelled) and of the client's flow control.
+        self.running: Any = None
+        self._body_open = False  # a request's head is in and its body not yet all
+        self._head_after_body = False  # answered before its body was in: see on_response_complete
+        self._rest_timer: asyncio.TimerHandle | None = None  # that body's --body-timeout
         # Over TLS this protocol is made at the accept and connected after the handshake,
         # which the loop bounds by the header timeout (proxy.server.eventloop); a handshake
         # not over by then is counted here, as nothing tells this protocol it ended.
@@ -146,6 +154,15 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_head_timer()
+        self._stop_rest_timer()
+        running, self.running = self.running, None  # it refers back to this protocol
+        if (
+            isinstance(running, RequestResponseCycle)
+            and running is not self.cycle  # uvicorn tells only that one
+            and not running.response_complete
+        ):
+            running.disconnected = True
+            running.message_event.set()
         super().connection_lost(exc)
 
     def _start_head(self, *, timed: bool = True) -> None:
@@ -213,6 +230,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         return self._ws
 
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        self.running = cycle
         if isinstance(cycle, Upgrade):
             cycle.begin()
         else:
@@ -261,6 +279,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         if self._body_due is None:  # else llhttp skipped the body: Upgrade reads it
             super().on_message_complete()
+            self._body_done()
 
     def _upgrade_body(self) -> bytes | None:
         """For an upgrade request that will not switch and has a body, its framing
@@ -283,12 +302,41 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _head_done(self) -> None:
         self._in_head = False
+        self._body_open = True
         self._stop_head_timer()
+
+    def _body_done(self) -> None:
+        """The request's message ended (on_message_complete, on both data paths)."""
+        self._body_open = False
+        if self._head_after_body:
+            self._head_after_body = False
+            self._stop_rest_timer()
+            self._start_head(timed=False)
+
+    def _rest_overdue(self) -> None:
+        """The rest of a body answered early did not come within --body-timeout of the
+        answer: the connection closes (its one answer is out; a second would not be
+        one the client could tell from the next request's)."""
+        self._rest_timer = None
+        self.transport.close()
+
+    def _stop_rest_timer(self) -> None:
+        if self._rest_timer is not None:
+            self._rest_timer.cancel()
+            self._rest_timer = None
 
     def on_response_complete(self) -> None:
         waiting = bool(self.pipeline)  # the next request's head is already in
         super().on_response_complete()
-        if not waiting and not self.transport.is_closing():
+        if waiting or self.transport.is_closing():
+            return
+        if self._body_open:
+            # Answered before its body was all in (a 413, a refusal at the head): what
+            # comes next is that body, read and dropped, not a head to count and time; it
+            # gets --body-timeout, as a body does, whatever keeps the connection busy.
+            self._head_after_body = True
+            self._rest_timer = self.loop.call_later(self.limits.body_timeout, self._rest_overdue)
+        else:
             self._start_head(timed=False)  # idle until it begins: uvicorn's keep-alive timer
 
     def send_400_response(self, msg: str) -> None:

@@ -27,7 +27,8 @@ A request goes once more, on a new connection, exactly when the wire's does
 (WireRequest.upstream_lost): the backend closed a reused keep-alive connection as the
 request went out on it, cleanly and before any byte of answer, so it closed an idle
 connection and never took the request (llama.cpp's server closes after every stream though
-its head says Keep-Alive: docs/llamacpp.md). The guarded connections tell it, by raising
+its head says Keep-Alive: docs/llamacpp.md), within `RESEND_WITHIN` of the send. The
+guarded connections tell it, by raising
 `ClosedUnanswered`, at no cost per request beyond a flag: aiohttp's protocol knows it was
 pooled before (`_GuardedHandler`), httpcore's connection that it was open before the
 request (`_GuardedConnection`). A fresh connection closed unanswered is never tried again:
@@ -39,6 +40,7 @@ from __future__ import annotations
 import socket
 import ssl
 from collections.abc import Awaitable, Callable
+from time import perf_counter
 from typing import Any
 
 import h11
@@ -50,6 +52,13 @@ from proxy.server.upstream_errors import ClosedUnanswered, UpstreamProtocolError
 from proxy.settings import Settings
 
 KEEPALIVE_SECONDS = 4.0
+#: A request that went out on a reused connection goes once more, on a new one, only when
+#: the backend closed that connection unanswered within this many seconds of the send: a
+#: backend closing an idle connection as the request went out does so within a round
+#: trip. One that held the request longer may have run it (a POST is not idempotent, RFC
+#: 9110 §9.2.2: a proxy must not retry it on its own), and a second run is a second
+#: generation: that request breaks (502) instead, on both data paths.
+RESEND_WITHIN = 1.0
 
 #: proxy.server.upstream_aiohttp.send_text_headers: (transport, method, url, headers, body,
 #: timeout) -> the response, or None when a header value is not UTF-8 text.
@@ -306,6 +315,7 @@ async def send_upstream(
     # read timeout would cost a timer per chunk, and would also cut the wait for the
     # response headers, which first_byte_timeout governs.
     timeout = {**client.timeout.as_dict(), "read": None}
+    sent_at = perf_counter()
     if not isinstance(client, UpstreamClient):
         request = httpx.Request(method, url, headers=headers, content=body)
         return await client.send(request, stream=True)
@@ -320,6 +330,8 @@ async def send_upstream(
             transport = client.bytes_transport()
         return await _send_httpx(transport, method, url, headers, body, timeout)
     except ClosedUnanswered:
+        if perf_counter() - sent_at >= RESEND_WITHIN:
+            raise
         return await _send_httpx(client.fresh_transport(), method, url, headers, body, timeout)
     except Exception as exc:
         if client.uds is not None:

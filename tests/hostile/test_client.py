@@ -10,6 +10,8 @@ its client still gets an answer. What only a tunnel can do is in test_tunnel.py.
 
 from __future__ import annotations
 
+import asyncio
+import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -25,7 +27,7 @@ from tests.hostile.client import (
     served,
     ws_head,
 )
-from tests.hostile.peers import RawUpstream, exchange, ok
+from tests.hostile.peers import Conn, RawUpstream, Request, by_target, exchange, ok
 from tests.scrape import scrape
 
 Proxy = Callable[..., AbstractContextManager[str]]
@@ -231,3 +233,134 @@ def test_a_chunked_requests_trailer_never_becomes_a_header(
     (seen,) = upstream.requests
     assert seen.body == b"hello"
     assert b"smuggled" not in upstream.all_received()
+
+
+# -- a request answered before its body is in; pipelined requests (review of 2026-12-05) ----
+
+
+def closes(base: str) -> float:
+    """Every connection close the head guard counted (tokenprobe_connections_closed_total)."""
+    return scrape(base).total("tokenprobe_connections_closed_total")
+
+
+def post_head(length: int, path: bytes = b"/v1/files") -> bytes:
+    return b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % length
+
+
+def test_a_body_refused_while_it_arrives_is_read_to_its_end_then_the_next_request_is_served(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """A 413 goes out as soon as the body passes --max-body-bytes; the rest of the body is
+    read and dropped, and the request after it on the connection is served. The rest was
+    once counted as the next request's head: a second answer (431, or 408 at the header
+    timeout) cut the connection mid-body, counted as a hostile head."""
+    with proxy(upstream.url, "--max-body-bytes", "100000", "--header-timeout", "0.5") as base:
+        before = closes(base)
+        got = exchange(
+            base,
+            post_head(300_000) + b"a" * 80_000,
+            then=b"b" * 220_000 + b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n",
+            after=0.8,  # past the header timeout: the rest of a body is no head
+            idle=1.5,
+        )
+        assert [status for status, _, _ in responses(got)] == [413, 200], got
+        assert closes(base) == before
+    assert [r.target for r in upstream.requests] == [b"/v1/models"]
+
+
+def test_a_body_refused_and_then_left_unfinished_closes_its_connection_without_a_second_answer(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """The rest of a refused body gets --body-timeout from the answer, as a body does, and
+    then the connection closes with the one answer it had (the rest once counted as a head
+    that never ended: a 408 at the header timeout, counted as a slowloris)."""
+    flags = ("--max-body-bytes", "100000", "--body-timeout", "1.5", "--header-timeout", "0.5")
+    with proxy(upstream.url, *flags) as base:
+        before = closes(base)
+        started = time.monotonic()
+        got = exchange(base, post_head(150_000), then=b"c" * 2_000, after=0.3, idle=5.0)
+        took = time.monotonic() - started
+        assert [status for status, _, _ in responses(got)] == [413], got
+        assert 1.3 < took < 4.0, took
+        assert closes(base) == before
+    assert received_bytes(upstream) == 0
+
+
+def test_a_client_that_leaves_with_a_request_pipelined_cancels_the_running_one(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """The running request's upstream connection closes when its client leaves, though a
+    second request waits behind it (the backend frees the first one's KV cache). It was
+    once told to the waiting request only, and the generation ran to its end."""
+    closed_after: list[float] = []
+
+    async def generating(conn: Conn, request: Request) -> None:
+        started = time.monotonic()
+        if await conn.wait_closed_by_peer(timeout=8.0):
+            closed_after.append(time.monotonic() - started)
+
+    upstream.default = by_target({b"/v1/slow": generating})
+    with proxy(upstream.url) as base:
+        host, port = base.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(GET_SLOW + b"GET /v1/next HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert upstream.wait_for(lambda: len(upstream.requests) == 1, 5)
+            time.sleep(0.3)
+        assert upstream.wait_for(lambda: bool(closed_after), 6), "the upstream request ran on"
+    assert closed_after[0] < 2.0, closed_after
+    assert [r.target for r in upstream.requests] == [b"/v1/slow"]
+
+
+def test_a_pipelined_request_does_not_turn_off_the_running_ones_backpressure(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """A client that does not read: the proxy stops reading the upstream, so the backend's
+    writes block, with a request pipelined behind too (the wire once paused and resumed
+    the waiting request's upstream, which had none: the proxy buffered the whole answer)."""
+    written: list[int] = [0]
+    total = 96 * 2**20
+
+    async def big(conn: Conn, request: Request) -> None:
+        conn.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % total)
+        piece = b"x" * 2**20
+        for _ in range(total // len(piece)):
+            conn.write(piece)
+            await conn.drain()
+            written[0] += len(piece)
+
+    upstream.default = by_target({b"/v1/big": big})
+    with proxy(upstream.url) as base:
+        host, port = base.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2**16)
+            sock.sendall(
+                b"GET /v1/big HTTP/1.1\r\nHost: x\r\n\r\nGET /v1/next HTTP/1.1\r\nHost: x\r\n\r\n"
+            )
+            upstream.wait_for(lambda: written[0] >= total, 3.0)  # it must not get there
+            assert written[0] < total // 2, (
+                f"{written[0] / 2**20:.0f} MiB went past a client that reads nothing"
+            )
+
+
+def test_a_pipelined_requests_body_time_runs_from_its_turn(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """A POST pipelined behind a slow GET, its body sent just after its head: it is served.
+    Its --body-timeout once ran from its head, while the connection was not read for it."""
+
+    async def slow(conn: Conn, request: Request) -> None:
+        await asyncio.sleep(1.5)
+        conn.write(ok(b'{"slow":true}'))
+        await conn.drain()
+
+    upstream.default = by_target({b"/v1/slow": slow})
+    with proxy(upstream.url, "--body-timeout", "1") as base:
+        got = exchange(base, GET_SLOW + post_head(5), then=b"hello", after=0.2, idle=3.0)
+    assert [status for status, _, _ in responses(got)] == [200, 200], got
+    assert [(r.target, r.body) for r in upstream.requests] == [
+        (b"/v1/slow", b""),
+        (b"/v1/files", b"hello"),
+    ]
+
+
+GET_SLOW = b"GET /v1/slow HTTP/1.1\r\nHost: x\r\n\r\n"

@@ -14,17 +14,19 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager
 
 import pytest
 
 from proxy.sim import SimConfig, create_sim_app
 from tests.edge_backend import metric, serving_process
+from tests.hostile.client import header_names, responses
 from tests.hostile.peers import (
     Conn,
     RawUpstream,
     Request,
+    answer_each,
     by_target,
     byte_relay,
     exchange,
@@ -376,3 +378,116 @@ def test_the_upstreams_base_path_is_kept(upstream: RawUpstream, proxy: Proxy, ba
         b"/tenant-a/v1/models?limit=2&after=x",
         b"/tenant-a/v1/chat/completions",
     ]
+
+
+# -- bodiless responses, odd statuses, Connection-named headers (review of 2026-12-05) ---------
+
+CHUNKED = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ntransfer-encoding: chunked\r\n\r\n"
+    b"5\r\nhello\r\n0\r\n\r\n"
+)
+
+
+def answer(response: bytes) -> Callable[[Conn, Request], Awaitable[None]]:
+    async def handler(conn: Conn, request: Request) -> None:
+        conn.write(response)
+        await conn.drain()
+
+    return handler
+
+
+def test_a_bodiless_response_after_a_chunked_one_gets_no_body(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """A 204 or a 304 on a pooled connection that last carried a chunked response: the
+    client gets its head and nothing after it (the wire once wrote a stray last chunk,
+    `0\\r\\n\\r\\n`, which the client read as the start of the next response)."""
+    upstream.default = by_target(
+        {
+            b"/chunked": answer(CHUNKED),
+            b"/none": answer(b"HTTP/1.1 204 No Content\r\n\r\n"),
+            b"/same": answer(b"HTTP/1.1 304 Not Modified\r\netag: x\r\n\r\n"),
+        }
+    )
+    sequence = [b"/chunked", b"/none", b"/chunked", b"/same", b"/chunked", b"/none"]
+    with proxy(upstream.url) as base:
+        host, port = base.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            got = [one_answer(sock, get(target)) for target in sequence]
+    assert [r.target for r in upstream.requests] == sequence
+    assert upstream.connections == 1  # each response after the first on a pooled connection
+    for target, answer_ in zip(sequence, got, strict=True):
+        if target == b"/chunked":
+            assert answer_.endswith(b"\r\n\r\n5\r\nhello\r\n0\r\n\r\n"), answer_
+        else:  # the head and nothing after it
+            assert answer_.startswith((b"HTTP/1.1 204 ", b"HTTP/1.1 304 ")), answer_
+            assert answer_.index(b"\r\n\r\n") == len(answer_) - 4, answer_
+
+
+def one_answer(sock: socket.socket, request: bytes) -> bytes:
+    """Every byte that comes back for `request` until the connection is quiet for 0.3 s."""
+    sock.sendall(request)
+    got = bytearray()
+    sock.settimeout(0.3)
+    try:
+        while chunk := sock.recv(65536):
+            got += chunk
+    except TimeoutError:
+        pass
+    return bytes(got)
+
+
+@pytest.mark.parametrize("status", [b"600 Odd", b"999 Odd", b"099 Odd"])
+def test_three_digits_that_are_no_http_status_are_a_502(
+    upstream: RawUpstream, proxy: Proxy, status: bytes
+) -> None:
+    """llhttp reads any three digits as a status: outside 100-599 the client once got no
+    answer at all (the wire had no status line to write)."""
+    upstream.default = answer_each(b"HTTP/1.1 " + status + b"\r\ncontent-length: 2\r\n\r\n{}")
+    with proxy(upstream.url) as base:
+        got, _ = ask(base, b"/v1/models")
+        assert got.startswith(b"HTTP/1.1 502 "), got
+        assert until(lambda: errors(base, "malformed") == 1)
+
+
+def test_headers_a_responses_connection_header_names_stop_at_the_proxy(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """RFC 9110 §7.6.1: a proxy removes the headers the Connection header names, both
+    ways. A Content-Length it names still frames the body."""
+    upstream.default = answer_each(
+        b"HTTP/1.1 200 OK\r\nconnection: keep-alive, X-Backend-Internal, content-length\r\n"
+        b"x-backend-internal: node-7\r\nx-kept: yes\r\ncontent-length: 2\r\n\r\n{}"
+    )
+    with proxy(upstream.url) as base:
+        got, _ = ask(base, b"/v1/models")
+    head, _, rest = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ") and rest == b"{}", got
+    assert b"x-kept" in header_names(head) and b"content-length" in header_names(head)
+    assert b"x-backend-internal" not in header_names(head) and b"node-7" not in got
+
+
+def test_a_post_the_backend_held_and_closed_unanswered_is_not_sent_again(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """A request on a reused connection that the backend closes unanswered goes once more,
+    on a new connection, only when the close came at once (a backend that closed an idle
+    connection as the request went out: tests/server/test_exits_inprocess.py). One held
+    for seconds may have run, and a POST is not idempotent (RFC 9110 §9.2.2): sending it
+    again would run a second generation. That one is a 502."""
+
+    async def hold_then_close(conn: Conn, request: Request) -> None:
+        await asyncio.sleep(1.5)  # past RESEND_WITHIN (1 s)
+        conn.writer.close()
+
+    upstream.default = by_target({b"/v1/completions": hold_then_close})
+    post = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+        b'content-length: 32\r\n\r\n{"model":"m","prompt":"hi"}     '
+    )
+    with proxy(upstream.url) as base:
+        # the POST after the GET's answer: on the connection the GET left in the pool
+        got = exchange(base, get(b"/v1/models"), then=post, after=0.3, idle=3.0)
+    assert [status for status, _, _ in responses(got)] == [200, 502], got
+    assert [r.target for r in upstream.requests] == [b"/v1/models", b"/v1/completions"]
+    assert upstream.connections == 1

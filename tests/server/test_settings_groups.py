@@ -46,6 +46,8 @@ SETTINGS = parse(
         "7",
         "--first-byte-timeout",
         "8",
+        "--body-timeout",
+        "9",
         "--no-inject-usage",
         "--secret-header",
         "X-Key",
@@ -78,7 +80,7 @@ def test_the_derived_fields_are_computed_from_the_settings() -> None:
     assert b"x-key" in relay.secret_headers and b"authorization" in relay.secret_headers
     assert (relay.upstream, relay.inject_usage) == ("http://127.0.0.1:9/base", False)
     limits = HeadLimits.from_settings(SETTINGS)
-    assert limits == HeadLimits(2345 + HEAD_SLACK, 17, 3.5)
+    assert limits == HeadLimits(2345 + HEAD_SLACK, 17, 3.5, 9.0)
 
 
 def test_a_group_refuses_a_field_it_cannot_fill_and_a_derived_name_it_has_not() -> None:

@@ -42,6 +42,7 @@ from proxy.server.exchange import Context
 from proxy.server.headers import Headers
 from proxy.server.protocol import GuardedHttpToolsProtocol
 from proxy.server.rules import ExchangeRules, Stage
+from proxy.server.upstream import RESEND_WITHIN
 from proxy.server.wire.upstream import LAST_CHUNK, Pool, UpstreamConnection, frame_chunk
 
 log = logging.getLogger("tokenprobe")
@@ -135,7 +136,12 @@ class WireProtocol(GuardedHttpToolsProtocol):
         if existing is None or existing.response_complete:
             request.begin()
         else:  # pipelined: its turn comes when the response before it ends
-            self.flow.pause_reading()
+            if self.pipeline or request.rules.stage is not Stage.RECEIVING:
+                # A second one waiting (or one refused already): nothing more is read
+                # until a turn comes. With one, reading goes on (its body, bounded as any),
+                # so a client that leaves is seen and the running request's upstream
+                # request cancelled at once.
+                self.flow.pause_reading()
             self.pipeline.appendleft((request, self.app))  # type: ignore[arg-type,unused-ignore]
 
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
@@ -157,11 +163,17 @@ class WireProtocol(GuardedHttpToolsProtocol):
         cycle = self.cycle
         if isinstance(cycle, WireRequest):
             cycle.on_message_complete()
+            self._body_done()
         else:
             super().on_message_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        cycle = self.cycle
+        # The running request (its upstream request cancelled, so the backend frees its
+        # KV cache), the one parsed last and those waiting behind it.
+        running, self.running = self.running, None  # both refer back to this protocol
+        cycle: Any = self.cycle
+        if isinstance(running, WireRequest) and running is not cycle:
+            running.client_gone()
         if isinstance(cycle, WireRequest):
             self.cycle = None  # type: ignore[assignment,unused-ignore]
             cycle.client_gone()
@@ -172,15 +184,15 @@ class WireProtocol(GuardedHttpToolsProtocol):
 
     def pause_writing(self) -> None:
         super().pause_writing()
-        cycle = self.cycle
-        if isinstance(cycle, WireRequest) and cycle.upstream is not None:
-            cycle.upstream.pause()
+        running = self.running
+        if isinstance(running, WireRequest) and running.upstream is not None:
+            running.upstream.pause()
 
     def resume_writing(self) -> None:
         super().resume_writing()
-        cycle = self.cycle
-        if isinstance(cycle, WireRequest) and cycle.upstream is not None:
-            cycle.upstream.resume()
+        running = self.running
+        if isinstance(running, WireRequest) and running.upstream is not None:
+            running.upstream.resume()
 
     def shutdown(self) -> None:
         if self._tunnel is not None:
@@ -268,7 +280,7 @@ class WireRequest(Deadline):
         Deadline.__init__(self)  # see time_left
         self.sent_at = 0.0  # when the request went upstream; 0.0 until then
         context = wire.context
-        self.rules = rules = ExchangeRules(
+        self.rules = ExchangeRules(
             context,
             method.decode("latin-1"),
             where,
@@ -277,14 +289,17 @@ class WireRequest(Deadline):
             perf_counter(),
             time(),
         )
-        if rules.stage is Stage.RECEIVING:
-            self.due_within(context.settings.body_timeout)
 
     # -- the request ------------------------------------------------------------------
 
     def begin(self) -> None:
-        """Its turn on the connection: answer a refusal, or go upstream once the body is in."""
+        """Its turn on the connection: answer a refusal, or go upstream once the body is in.
+        The body's time runs from here: a pipelined request's body cannot come while the
+        connection is not read for it."""
         self.started = True
+        self.proto.running = self
+        if not self.complete:
+            self.due_within(self.wire.context.settings.body_timeout)
         stage = self.rules.stage
         if stage is Stage.REFUSED:
             self._answer_refusal()
@@ -303,14 +318,16 @@ class WireRequest(Deadline):
             self._send()
 
     def _refused(self) -> None:
-        self.cancel_deadline()
+        self.cancel_deadline()  # the rest of its body is the connection's to bound (protocol.py)
         if self.started:
             self._answer_refusal()
+        else:  # waiting its turn: the rest of its body waits too (read and dropped then)
+            self.proto.flow.pause_reading()
 
     # -- the request's one timer ------------------------------------------------------
 
     def time_left(self) -> float | None:
-        """The one timer of a request (proxy/server/deadline.py), armed at its head:
+        """The one timer of a request (proxy/server/deadline.py), armed when its turn comes:
         instead of a timer per wait (the body, the first byte, the upstream's silence),
         each armed and cancelled per request, this one looks at the wait the request is
         in when it fires and, while that wait is younger than its limit, says how long it
@@ -448,7 +465,13 @@ class WireRequest(Deadline):
         """The upstream closed the connection: the end of a body read to the close, or a
         break; or, before any byte of answer on a reused connection, a resend."""
         conn, head = self.upstream, self.resend
-        if conn is not None and head and exc is None and not conn.answered:
+        if (
+            conn is not None
+            and head
+            and exc is None
+            and not conn.answered
+            and perf_counter() - self.sent_at < RESEND_WITHIN
+        ):
             # The backend closed a kept-alive connection as the request went out on it,
             # before a byte of answer: it closed an idle connection and never took the
             # request (llama.cpp's server closes after every stream though its head says

@@ -171,6 +171,8 @@ class UpstreamConnection(asyncio.Protocol):
         if 100 <= status < 200:  # interim (103 Early Hints...): dropped, as httpx does
             self.interim = True
             return
+        if not 200 <= status <= 599:  # llhttp reads any three digits: 099, 600, 999
+            raise UpstreamProtocolError("malformed", f"status {status} is not an HTTP status")
         self.in_head = False
         if self.request is not None:
             self.request.response_head(status, self.headers, self.now)
@@ -209,9 +211,12 @@ class UpstreamConnection(asyncio.Protocol):
             self.transport.resume_reading()
 
     def detach(self) -> None:
-        """The response is over for the request: nothing more goes to its client."""
+        """The response is over for the request: nothing more goes to its client, and the
+        next response on the connection frames its own body (a bodiless one, HEAD's, a
+        204's or a 304's, sets no framing and must not inherit a chunked one's)."""
         self.request = None
         self.write, self.strip, self.feed = _discard, None, _ignore
+        self.chunked = False
 
     def release(self, reusable: bool) -> None:
         """The response ended. Called from inside this connection's read (the parser's
