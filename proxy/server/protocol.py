@@ -312,6 +312,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._head_after_body = False
             self._stop_rest_timer()
             self._start_head(timed=False)
+            # idle from here, as uvicorn's on_response_complete makes a connection (the
+            # body's bytes unset the keep-alive timer it armed there)
+            self._unset_keepalive_if_required()
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            )
 
     def _rest_overdue(self) -> None:
         """The rest of a body answered early did not come within --body-timeout of the

@@ -254,7 +254,8 @@ def test_a_body_refused_while_it_arrives_is_read_to_its_end_then_the_next_reques
     read and dropped, and the request after it on the connection is served. The rest was
     once counted as the next request's head: a second answer (431, or 408 at the header
     timeout) cut the connection mid-body, counted as a hostile head."""
-    with proxy(upstream.url, "--max-body-bytes", "100000", "--header-timeout", "0.5") as base:
+    flags = ("--max-body-bytes", "100000", "--header-timeout", "0.5", "--keep-alive-timeout", "1")
+    with proxy(upstream.url, *flags) as base:
         before = closes(base)
         got = exchange(
             base,
@@ -264,6 +265,11 @@ def test_a_body_refused_while_it_arrives_is_read_to_its_end_then_the_next_reques
             idle=1.5,
         )
         assert [status for status, _, _ in responses(got)] == [413, 200], got
+        # the body all in, and nothing after it: an idle connection, closed as one
+        started = time.monotonic()
+        got = exchange(base, post_head(300_000) + b"a" * 80_000, then=b"b" * 220_000, idle=5.0)
+        assert [status for status, _, _ in responses(got)] == [413], got
+        assert time.monotonic() - started < 3.5
         assert closes(base) == before
     assert [r.target for r in upstream.requests] == [b"/v1/models"]
 
