@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 from proxy.core.datafile import parse_data_file
-from proxy.core.labels import SECRET_HEADERS
+from proxy.core.labels import SECRET_HEADERS, is_secret_name
 from proxy.core.slo import NAMES as SLO_NAMES
 from proxy.core.slo import Policy, SloError, format_slo, parse_slo, parse_slo_file
 
@@ -121,8 +121,6 @@ _TAKEN_LABELS = frozenset(
         *("quantile", "result"),
     }
 )
-# Header names that carry credentials, besides SECRET_HEADERS: refused as label headers.
-_SECRET_WORDS = ("auth", "api-key", "apikey", "token", "secret", "password", "cookie", "session")
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 _LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 
@@ -138,7 +136,7 @@ def label_headers(value: str) -> tuple[str, ...]:
         header = header.lower()
         if not sep or not _HEADER_NAME.match(header) or not _LABEL_NAME.match(label):
             raise ValueError(f"{item!r}: expected HEADER=LABEL, e.g. x-team=team")
-        if header.encode() in SECRET_HEADERS or any(w in header for w in _SECRET_WORDS):
+        if header.encode() in SECRET_HEADERS or is_secret_name(header):
             raise ValueError(
                 f"{header!r} carries credentials: a secret header never becomes a label "
                 "(its values never leave the proxy); pick a header without them"
@@ -437,7 +435,7 @@ class Settings:
     secret_headers: tuple[str, ...] = setting(
         _csv,
         (),
-        "Extra request headers whose values are redacted wherever an upstream echoes them (`Authorization`, `api-key`, `x-api-key`, cookies always are).",
+        "Extra request headers whose values are redacted wherever an upstream echoes them (`Authorization`, `api-key`, `x-api-key`, cookies, and names with auth, token, secret, api-key... in them always are).",
     )
     label_header: tuple[str, ...] = setting(
         label_headers,

@@ -237,8 +237,14 @@ def error_message(body: bytes, limit: int = 300) -> str:
     message = fields.message if fields is not None else None
     if message is None:
         message = raw.decode("utf-8", "replace")
-    text = " ".join(message.split())
-    return scrub(text)[:limit]
+    text = scrub(" ".join(message.split()))
+    if len(text) <= limit:
+        return text
+    # Cut at a word's end: a word cut in two may be the start of a credential the upstream
+    # echoed, which redaction (of whole header values, proxy/server/headers.py) then no
+    # longer recognises.
+    cut = text[: limit + 1].rpartition(" ")[0]
+    return cut or "(a message of one long word, not kept)"
 
 
 # -- exceptions -----------------------------------------------------------------------------

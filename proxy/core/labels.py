@@ -22,6 +22,22 @@ NO_VALUE = "none"
 SECRET_HEADERS = frozenset(
     {b"authorization", b"proxy-authorization", b"api-key", b"x-api-key", b"cookie", b"set-cookie"}
 )
+#: Words that make any header or query parameter name one that carries credentials
+#: (`x-goog-api-key`, `x-auth-token`, `?access_token=`): never a label, always redacted.
+SECRET_WORDS = (
+    *("auth", "api-key", "api_key", "apikey", "token", "secret", "password", "passwd"),
+    *("credential", "cookie", "session"),
+)
+#: Query parameter names that carry credentials by themselves (Google's `?key=`, signed
+#: URLs' `?sig=`), besides those with a SECRET_WORDS word in them.
+SECRET_PARAMS = frozenset({"key", "sig", "signature"})
+
+
+def is_secret_name(name: str) -> bool:
+    """A (lower-case) header or query parameter name that carries credentials by its words."""
+    return any(word in name for word in SECRET_WORDS)
+
+
 #: Hard cap on distinct model labels, whatever the upstream lists.
 MAX_MODELS = 200
 

@@ -64,6 +64,7 @@ class MeasuredExchange:
         "measuring",
         "observer",
         "path",
+        "query",
         "read",
         "request_scope",
         "start",
@@ -80,8 +81,10 @@ class MeasuredExchange:
         start: float,
         started_at: float,
         read: float | None = None,
+        query: str = "",
     ) -> None:
         self.context, self.path, self.headers = context, path, headers
+        self.query = query  # only for redacting credentials it carries from error text
         self.info, self.start, self.started_at = info, start, started_at
         self.read = start if read is None else read  # when the request was all in
         self.status = 0  # what the client got; 0 until a response head went out
@@ -199,7 +202,7 @@ class MeasuredExchange:
         run_soon(self.finish(perf_counter(), failure), now=self.context.counter is None)
 
     def redact(self, message: str) -> str:
-        return redact(message, self.headers, self.context.settings.secret_headers)
+        return redact(message, self.headers, self.context.settings.secret_headers, self.query)
 
 
 def run_soon(coroutine: Coroutine[Any, Any, None], *, now: bool) -> None:

@@ -12,7 +12,9 @@ the protocol is made of: Upgrade, Connection and the Sec-WebSocket-* headers.
 
 from __future__ import annotations
 
-from proxy.core.labels import SECRET_HEADERS
+from urllib.parse import unquote_plus
+
+from proxy.core.labels import SECRET_HEADERS, SECRET_PARAMS, is_secret_name
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -93,14 +95,22 @@ def secret_names(extra: tuple[str, ...]) -> frozenset[bytes]:
     return SECRET_HEADERS | {h.lower().encode() for h in extra}
 
 
-def redact(message: str, headers: Headers, secret: frozenset[bytes]) -> str:
+def redact(message: str, headers: Headers, secret: frozenset[bytes], query: str = "") -> str:
     """Upstreams sometimes echo credentials in error text: mask every secret header's value
-    (and the token after a scheme such as `Bearer`)."""
-    for name, value in headers:
-        if name in secret and len(value) >= 4:
-            text = value.decode("latin-1")
-            message = message.replace(text, "[redacted]")
-            token = text.partition(" ")[2]
-            if len(token) >= 4:
-                message = message.replace(token, "[redacted]")
+    (`secret`, or a name with a credential's word in it: `x-goog-api-key`), the token after
+    a scheme such as `Bearer`, and the value of every query parameter that carries one
+    (`?key=`, `?access_token=`), raw and percent-decoded. Runs only on error messages."""
+    values: list[str] = []
+    for header, raw in headers:
+        if header in secret or is_secret_name(header.decode("latin-1")):
+            text = raw.decode("latin-1")
+            values += (text, text.partition(" ")[2])
+    for pair in query.split("&") if query else ():
+        param, _, value = pair.partition("=")
+        param = unquote_plus(param).lower()
+        if param in SECRET_PARAMS or is_secret_name(param):
+            values += (value, unquote_plus(value))
+    for value in sorted(values, key=len, reverse=True):  # a value before its own parts
+        if len(value) >= 4:
+            message = message.replace(value, "[redacted]")
     return message

@@ -174,7 +174,7 @@ class ExchangeRules:
                 self.api, body, context.settings, context.backend.kind
             )
         exchange = self.exchange = MeasuredExchange(
-            context, self.path, self.headers, info, self.start, self.started_at, now
+            context, self.path, self.headers, info, self.start, self.started_at, now, self.query
         )
         self.stage = Stage.UPSTREAM
         target = context.upstream.target(self.path, self.query)

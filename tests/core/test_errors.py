@@ -303,8 +303,12 @@ def test_error_message_is_taken_from_each_body_shape(fixture: str, want: str) ->
     assert error_message(body(fixture)) == want
 
 
-def test_error_message_is_cut_to_the_limit() -> None:
-    assert error_message(b"x" * 1000, limit=50) == "x" * 50
+def test_error_message_is_cut_to_the_limit_at_a_words_end() -> None:
+    # A word cut in two could be the start of an echoed credential, which redaction of
+    # whole values would then miss: the cut word goes.
+    assert error_message(b"x" * 30 + b" " + b"y" * 30, limit=50) == "x" * 30
+    assert error_message(b"x" * 30 + b" " + b"y" * 19, limit=50) == "x" * 30 + " " + "y" * 19
+    assert error_message(b"x" * 1000, limit=50) == "(a message of one long word, not kept)"
 
 
 def test_error_message_hides_the_masked_openai_key() -> None:

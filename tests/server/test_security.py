@@ -144,3 +144,55 @@ def test_secret_headers_echoed_by_the_upstream_are_redacted_from_error_messages(
     message = proxy.records[0].error_message or ""
     assert "bad credentials" in message
     assert "SECRET" not in message
+
+
+def test_credentials_in_a_long_echo_a_named_header_or_the_query_are_redacted(
+    start_proxy: Callable[..., ProxyUnderTest],
+) -> None:
+    """A key the 300-character cut would split (its start once survived: whole-value
+    redaction ran on the cut text), a header whose name says it carries a key
+    (`x-goog-api-key`: not in the fixed list), and a key in the query string (`?key=`,
+    `?access_token=`, percent-encoded too): none reaches the record's error message."""
+    from tests.servers import serve
+
+    async def echoing_upstream(scope: dict, receive: Callable, send: Callable) -> None:  # type: ignore[type-arg]
+        if scope["type"] != "http":
+            return
+        await receive()
+        headers = dict(scope["headers"])
+        text = (
+            b"x" * int(headers.get(b"x-pad", b"0"))
+            + b" bad credentials "
+            + headers.get(b"authorization", b"")
+            + b" "
+            + headers.get(b"x-goog-api-key", b"")
+            + b" for "
+            + scope["query_string"].replace(b"%2B", b"+")
+        )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 403,
+                "headers": [(b"content-type", b"text/plain")],
+            }
+        )
+        await send({"type": "http.response.body", "body": text})
+
+    cases = [
+        ("", {"authorization": "Bearer tpk-LEAKCANARY0123456789", "x-pad": "270"}),
+        ("", {"x-goog-api-key": "GOOGHEADERCANARY55555"}),
+        ("?key=AIzaQUERYCANARY12345&alt=json", {}),
+        ("?access_token=ya29.TOKEN%2BCANARY", {}),
+    ]
+    with serve(echoing_upstream, lifespan="off") as upstream:
+        proxy = start_proxy(upstream.url)
+        for query, headers in cases:
+            httpx.post(proxy.url + CHAT + query, json=body(), headers=headers)
+        deadline = time.monotonic() + 5
+        while len(proxy.records) < len(cases) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    messages = [record.error_message or "" for record in proxy.records]
+    assert len(messages) == len(cases)
+    assert all("bad credentials" in message for message in messages), messages
+    for canary in ("LEAKCA", "GOOGHEADER", "QUERYCANARY", "TOKEN+CANARY", "TOKEN%2BCANARY"):
+        assert not any(canary in message for message in messages), (canary, messages)
