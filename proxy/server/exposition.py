@@ -8,13 +8,16 @@ call (a convoy). So the render stays on the loop but in slices, and seldom:
 
 - a slice of samples at a time (at most SLICE_SAMPLES), yielding to the loop between
   slices, so a stream waits at most about a millisecond;
-- scrapes that arrive while one is rendered share it (one render in flight per format);
-- the next render starts no sooner than nine times the CPU the last one took after it
-  ended (at most a second): a scrape arriving in that pause waits for it. Rendering
-  thus takes at most ~10% of the loop however large the exposition grows and however
-  many scrapers there are. A finished render is never reused: a scrape gets the render
-  in flight when it arrived (begun at most one render time earlier) or a later one (a
-  small exposition renders in about a millisecond: the pause is then ~10 ms).
+- scrapes that arrive while one is rendered share it (one render in flight per format and
+  `name[]` set: the only part of the query string that changes the page, so a scraper
+  cannot get a render of its own by varying the rest, `?r=<random>`);
+- renders run one at a time, and the next starts no sooner than nine times the CPU the
+  last one took after it ended (at most a second), whatever its format or names: a
+  scrape arriving in that pause waits for it. Rendering thus takes at most ~10% of the
+  loop however large the exposition grows, however many scrapers there are and whatever
+  they ask. A finished render is never reused: a scrape gets the render in flight when
+  it arrived (begun at most one render time earlier) or a later one (a small exposition
+  renders in about a millisecond: the pause is then ~10 ms).
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ from prometheus_client.metrics_core import Metric
 
 from proxy.types import Receive, Scope, Send
 
-_Key = tuple[str, bool, bytes]  # content type, gzip, query string
-_MAX_KEYS = 16  # query strings are the client's: keep the tables small
+_Key = tuple[str, bool, frozenset[str]]  # content type, gzip, the `name[]` asked (or none)
+_MAX_KEYS = 16  # the names are the client's: keep the table small
 PACE_FACTOR = 10.0  # wall time per render CPU time, at least
 MAX_PAUSE_SECONDS = 1.0
 _EOF = b"# EOF\n"
@@ -87,7 +90,8 @@ class Exposition:
         self.registry = registry
         self.before = before
         self._flights: dict[_Key, asyncio.Task[bytes]] = {}
-        self._not_before: dict[_Key, float] = {}  # key -> when its next render may start
+        self._turn = asyncio.Lock()  # one render at a time, of any key
+        self._not_before = 0.0  # when the next render may start
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = scope["headers"]
@@ -96,7 +100,8 @@ class Exposition:
         compress = gzip_accepted(encodings)
         content_type = choose_encoder(accept)[1]
         query: bytes = scope.get("query_string", b"")
-        key = (content_type, compress, query)
+        names = parse_qs(query.decode("latin-1")).get("name[]") if query else None
+        key = (content_type, compress, frozenset(names or ()))
         flight = self._flights.get(key)
         if flight is None:
             if len(self._flights) >= _MAX_KEYS:
@@ -108,16 +113,19 @@ class Exposition:
         await _respond(send, content_type, body, compress)
 
     async def _render(self, key: _Key, accept: str) -> bytes:
-        content_type, compress, query = key
-        pause = self._not_before.get(key, 0.0) - perf_counter()
-        if pause > 0:
-            await asyncio.sleep(pause)  # scrapes arriving meanwhile share this render
+        async with self._turn:
+            pause = self._not_before - perf_counter()
+            if pause > 0:
+                await asyncio.sleep(pause)  # scrapes arriving meanwhile share this render
+            return await self._render_now(key, accept)
+
+    async def _render_now(self, key: _Key, accept: str) -> bytes:
+        content_type, compress, names = key
         encoder = choose_encoder(accept)[0]
-        names = parse_qs(query.decode("latin-1")).get("name[]")
         busy_since = perf_counter()
         if self.before is not None:
             self.before()
-        registry = self.registry.restricted_registry(names) if names else self.registry
+        registry = self.registry.restricted_registry(sorted(names)) if names else self.registry
         openmetrics = content_type.startswith("application/openmetrics-text")
         parts: list[bytes] = []
         busy = 0.0
@@ -146,9 +154,7 @@ class Exposition:
             body = gzip.compress(body, compresslevel=1)
         now = perf_counter()
         busy += now - busy_since
-        if len(self._not_before) >= _MAX_KEYS:
-            self._not_before.clear()
-        self._not_before[key] = now + min(busy * (PACE_FACTOR - 1), MAX_PAUSE_SECONDS)
+        self._not_before = now + min(busy * (PACE_FACTOR - 1), MAX_PAUSE_SECONDS)
         return body
 
 

@@ -682,7 +682,7 @@ class Metrics:
         self.backend_info = Gauge(
             "tokenprobe_backend_info",
             "1 for the backend kind and version the upstream last said it is (asked at "
-            "start and every --backend-info-refresh seconds: vLLM /version, Ollama "
+            "start and every --models-refresh seconds (never when it is 0): vLLM /version, Ollama "
             "/api/version, llama.cpp /props, SGLang /get_server_info, TGI /info); "
             'kind="unknown" when none answered. One series at a time.',
             ("kind", "version"),

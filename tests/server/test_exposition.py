@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+from time import perf_counter
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -65,3 +66,34 @@ def test_name_filter_and_fresh_values_for_each_scrape() -> None:
     registry._names_to_collectors["streams"].set(4)  # type: ignore[attr-defined]
     # Renders are paced, never reused: a scrape sees what was there when it arrived.
     assert b"\nstreams 4.0\n" in scrape(app, b"text/plain")
+
+
+def test_scrapes_share_renders_and_one_pace_whatever_their_query_strings() -> None:
+    """Any client can reach /metrics: varying the query string (`?r=<random>`) once gave
+    each scrape a render and a pause of its own, and eight such scrapers took a whole
+    core. Only `name[]` changes the page: the rest shares the render in flight, and a
+    render for other names waits for the one pause all renders keep."""
+    renders: list[float] = []
+    app = Exposition(large_registry(), before=lambda: renders.append(perf_counter()))
+
+    async def one(query: bytes) -> float:
+        async def receive() -> Message:
+            return {"type": "http.request"}
+
+        async def send(message: Message) -> None:
+            pass
+
+        scope = {"type": "http", "headers": [(b"accept", b"text/plain")], "query_string": query}
+        await app(scope, receive, send)  # type: ignore[arg-type]
+        return perf_counter()
+
+    async def scrapers() -> tuple[float, float]:
+        ends = await asyncio.gather(*(one(b"r=%d" % i) for i in range(8)))
+        named = await one(b"name[]=streams")  # another page: its own render, paced
+        return max(ends), named
+
+    ended, _ = asyncio.run(scrapers())
+    assert len(renders) == 2, renders  # eight scrapes, one render; then the named one
+    first_took = ended - renders[0]
+    pause = min(first_took * (exposition.PACE_FACTOR - 1), exposition.MAX_PAUSE_SECONDS)
+    assert renders[1] - ended >= pause * 0.5, (renders, ended)
