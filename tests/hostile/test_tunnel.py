@@ -96,6 +96,21 @@ def test_the_tunnel_keeps_the_upstreams_base_path(upstream: RawUpstream, proxy: 
     assert seen.target == b"/tenant-a/v1/realtime?model=m"
 
 
+def test_the_handshakes_target_is_read_as_the_http_relay_reads_it(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """An absolute form (RFC 9112 §3.2.2: a server must accept it) and a fragment: the
+    HTTP relay forwards `/v1/models?x=1` for both; the tunnel once split the raw target
+    itself, refusing the first (400) and sending the second as `%23frag`, unmeasured."""
+    upstream.default = Switcher(delay=0.0).script()
+    targets = [b"http://proxy.example/v1/realtime?x=1", b"/v1/realtime?x=1#frag"]
+    with proxy(upstream.url) as base:
+        for target in targets:
+            got = exchange(base, ws_head(target), idle=0.5)
+            assert got.startswith(b"HTTP/1.1 101"), (target, got)
+    assert [r.target for r in upstream.requests] == [b"/v1/realtime?x=1"] * 2
+
+
 def test_a_refused_upgrade_closes_the_client_connection(
     upstream: RawUpstream, proxy: Proxy
 ) -> None:

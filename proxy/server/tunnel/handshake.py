@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import httptools
 
 from proxy.core.upstream_url import UpstreamURL
-from proxy.server.admission import target
+from proxy.server.admission import Refused, target
 from proxy.server.headers import handshake_headers
 
 Headers = list[tuple[bytes, bytes]]
@@ -89,9 +89,14 @@ def admit(
 ) -> Admitted:
     """The handshake to send upstream for a head `is_websocket_upgrade` accepted, as the
     wire's llhttp parsed it (no second split of the head's bytes); raises `Refused` for a
-    target that cannot be normalised (admission.target, the HTTP relay's one rule)."""
-    raw_path, _, query = request_target.partition(b"?")
-    parsed = target(raw_path, query)
+    target that cannot be normalised (admission.target, the HTTP relay's one rule). The
+    target is read as the HTTP relay reads it (`httptools.parse_url`): an absolute form's
+    path and query (RFC 9112 §3.2.2), never a fragment."""
+    try:
+        url = httptools.parse_url(request_target)
+    except httptools.HttpParserInvalidURLError:
+        raise Refused(400, "invalid_request_target", "the request target is no URL") from None
+    parsed = target(url.path or b"/", url.query or b"")
     headers = [(name.lower(), value) for name, value in raw_headers]
     out = [
         b"%s %s HTTP/1.1\r\nhost: %s\r\n"
