@@ -140,3 +140,49 @@ def test_frames_that_are_not_json_objects_are_counted_and_ignored() -> None:
     sess.message(WsMessage(True, "binary", b"\x00\x01", 101.0))
     sess.close(101.5, "closed_by_client")
     assert records == [] and sess.malformed == 2
+
+
+def test_vllms_answer_to_a_client_event_it_refuses_leaves_the_utterance_open() -> None:
+    """vLLM answers any client event its models refuse (an append without a string
+    `audio`) with a `processing_error`, as it does a failed generation, and the generation
+    runs on (connection.py, handle_connection): that error is a bad request of its own, and
+    the utterance still ends with its done and usage."""
+    sess, records = session()
+    frames = utterance(101.0, "hi")
+    sess.message(frames[0])
+    sess.message(frames[1])  # the commit: the generation starts
+    sess.message(c(101.2, type="input_audio_buffer.append"))  # no audio: refused
+    sess.message(s(101.2, type="error", error="1 validation error", code="processing_error"))
+    for frame in frames[2:]:
+        sess.message(frame)
+    sess.close(102.0, "closed_by_client")
+    refused, spoken = records
+    assert refused.error_type is ErrorType.BAD_REQUEST
+    assert refused.error_message == "processing_error: 1 validation error"
+    assert spoken.ok and spoken.ttft == 0.375
+    assert (spoken.prompt_tokens, spoken.output_tokens, spoken.token_source) == (
+        50,
+        3,
+        TokenSource.USAGE,
+    )
+    assert sess.utterances == 1
+
+
+def test_final_is_read_as_vllms_models_read_it() -> None:
+    """`final` as pydantic reads a bool (vLLM validates leniently): `"true"` or `1` is a
+    final commit, which starts no generation; a value it refuses starts none either, and
+    its processing_error is that commit's, not a generation's."""
+    for final in ("true", 1, "yes", True):
+        sess, records = session()
+        sess.message(c(101.0, type="input_audio_buffer.commit", final=final))
+        sess.message(c(102.0, type="input_audio_buffer.commit"))  # the real start
+        sess.message(s(102.25, type="transcription.delta", delta="x"))
+        sess.message(s(102.5, type="transcription.done", text="x"))
+        (m,) = records
+        assert m.ttft == 0.25, final
+    sess, records = session()
+    sess.message(c(101.0, type="input_audio_buffer.commit", final="maybe"))
+    sess.message(s(101.0, type="error", error="bad bool", code="processing_error"))
+    sess.close(101.5, "closed_by_client")
+    (m,) = records
+    assert m.error_type is ErrorType.BAD_REQUEST and sess.utterances == 0

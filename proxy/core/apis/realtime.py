@@ -15,8 +15,13 @@ One Measurement per utterance: from the client's commit that started the generat
 (start) to the first non-empty `transcription.delta` (TTFT) and to `transcription.done`
 (e2e), tokens from its usage (else the deltas counted, source chunks), the audio seconds
 appended for it in `audio_seconds`. A `processing_error` ends the open utterance
-as `stream_error`; any other `error` is a record of its own (`not_found` for
-model_not_found, else `bad_request`; a refused commit opens no utterance); a session that
+as `stream_error`, unless a client event vLLM's models refuse is waiting for its answer:
+vLLM answers that one with a `processing_error` too (connection.py, handle_connection:
+any exception from handle_event), and the generation runs on. The proxy reads a client
+event as those models do (pydantic, lax): `audio` a string, `final` a bool or one of
+pydantic's words for one (`"true"`, `1`, `"no"`...), `model` a string or null. Any other
+`error` is a record of its own (`not_found` for model_not_found, else `bad_request`; a
+refused commit opens no utterance); a session that
 ends with an utterance open records it as `stream_truncated`, saying how the session
 ended. A frame that is not a JSON object is counted (`malformed`) and passes, as every
 byte does. The session keeps its own figures (`utterances`, `audio_seconds`, `duration`).
@@ -70,6 +75,7 @@ class RealtimeSession(WsSession):
         self.utterances = 0
         self.audio_bytes = 0
         self._pending_audio = 0  # appended while no generation runs
+        self._refusals_due = 0  # client events vLLM's models refuse, not yet answered
         self.malformed = 0
         self.duration: float | None = None
         self.session_id: str | None = None
@@ -90,19 +96,27 @@ class RealtimeSession(WsSession):
         if msg.from_client:
             if kind == "input_audio_buffer.append":
                 audio = obj.get("audio")
-                if type(audio) is str:
-                    size = _b64_size(audio)
-                    self.audio_bytes += size
-                    if u is None:
-                        self._pending_audio += size
-                    else:
-                        u.audio += size
-            elif kind == "input_audio_buffer.commit" and u is None and obj.get("final") is not True:
-                self.current = _Utterance(msg.at, self._pending_audio)
-                self._pending_audio = 0
+                if type(audio) is not str:
+                    self._refusals_due += 1
+                    return
+                size = _b64_size(audio)
+                self.audio_bytes += size
+                if u is None:
+                    self._pending_audio += size
+                else:
+                    u.audio += size
+            elif kind == "input_audio_buffer.commit":
+                final = _lax_bool(obj.get("final", False))
+                if final is None:
+                    self._refusals_due += 1
+                elif not final and u is None:
+                    self.current = _Utterance(msg.at, self._pending_audio)
+                    self._pending_audio = 0
             elif kind == "session.update":
                 model = obj.get("model")
-                if type(model) is str and model:
+                if model is not None and type(model) is not str:
+                    self._refusals_due += 1
+                elif model:
                     self.model = model
             return
         if kind == "transcription.delta":
@@ -126,7 +140,10 @@ class RealtimeSession(WsSession):
         code, text = obj.get("code"), obj.get("error")
         message = (f"{code}: {text}" if code else str(text))[:200]
         u = self.current
-        if u is not None and code == "processing_error":
+        if code == "processing_error" and self._refusals_due:
+            self._refusals_due -= 1  # the answer to a refused client event, not to u
+            u = None
+        elif u is not None and code == "processing_error":
             self.current = None
             self._finish(u, at, None, ErrorType.STREAM_ERROR, message)
             return
@@ -190,6 +207,27 @@ class RealtimeSession(WsSession):
                 audio_seconds=u.audio / BYTES_PER_SECOND,
             )
         )
+
+
+# pydantic's lax bool (the mode vLLM's OpenAIBaseModel validates in): these strings, any
+# case, and 0 or 1 as an int or a float; anything else is refused.
+_TRUE_WORDS = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE_WORDS = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def _lax_bool(value: Any) -> bool | None:
+    """`value` as pydantic reads a bool field, None where it refuses it."""
+    if type(value) is bool:
+        return value
+    if type(value) in (int, float) and value in (0, 1):
+        return bool(value)
+    if type(value) is str:
+        word = value.lower()
+        if word in _TRUE_WORDS:
+            return True
+        if word in _FALSE_WORDS:
+            return False
+    return None
 
 
 def _b64_size(text: str) -> int:
