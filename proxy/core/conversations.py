@@ -67,6 +67,12 @@ class Conversation:
     output_tokens: int | None = None
     failed: bool = False  # the latest ended request got no answer
 
+    @property
+    def named(self) -> bool:
+        """The client named it (the conversation header): its id stands for an identifier
+        the client gave, not one the proxy made up."""
+        return self.key[:1] == b"h"
+
 
 @dataclass(frozen=True, slots=True)
 class Turn:

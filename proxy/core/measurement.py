@@ -148,6 +148,7 @@ class Measurement:
     # messages; None for a first turn), the previous answer's end -> this request's start,
     # and the tokens of the earlier prompt this one repeats (the shared prefix).
     conversation_id: str | None = None
+    conversation_named: bool = False  # the id stands for the client's (its header)
     turn: int | None = None
     continued_via: str | None = None
     turn_gap: float | None = None

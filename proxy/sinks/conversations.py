@@ -91,6 +91,7 @@ class ConversationTracker:
         continued = turn.via in ("header", "previous_response", "messages")
         # Filled in, not copied: no sink has seen this request's record yet (Measurement).
         m.conversation_id = turn.id
+        m.conversation_named = turn.conversation.named
         m.turn = turn.index
         m.continued_via = turn.via if continued else None
         m.turn_gap = turn.gap

@@ -177,9 +177,14 @@ def _finish_attributes(m: Measurement, *, current: bool = True) -> dict[str, Any
         "tokenprobe.reasoning_duration": m.reasoning_duration,
         "tokenprobe.time_to_first_tool_call": m.first_tool_call,
         "tokenprobe.without_answer": m.without_answer,
-        # OpenTelemetry GenAI's conversation id (semantic-conventions-genai), here the
-        # proxy's keyed hash (proxy/core/conversations.py), never a header's value.
-        "gen_ai.conversation.id": m.conversation_id,
+        # OpenTelemetry GenAI's conversation id (semantic-conventions-genai), the proxy's
+        # keyed hash of the client's conversation header (proxy/core/conversations.py),
+        # never the header's value. Only where the client named the conversation: "when no
+        # identifier for the conversation is available, instrumentations SHOULD NOT
+        # populate conversation id" (docs/gen-ai/client-inference.md @ ac48b1f9, note 5);
+        # the id of one the proxy recognised by itself is its own attribute.
+        "gen_ai.conversation.id": m.conversation_id if m.conversation_named else None,
+        "tokenprobe.conversation.id": m.conversation_id,
         "tokenprobe.conversation.turn": m.turn,
         "tokenprobe.conversation.turn_gap": m.turn_gap,
     }

@@ -45,8 +45,11 @@ def info(messages: list[Any]) -> RequestInfo:
     return RequestInfo(CHAT, MODEL, True, False, None, None, prompt=messages)
 
 
-def request(sinks: Sinks, messages: list[Any], start: float, e2e: float, **kw: Any) -> None:
-    scope = sinks.begin(info(messages), [(b"x-session-id", SESSION)], start)
+def request(
+    sinks: Sinks, messages: list[Any], start: float, e2e: float, header: bool = True, **kw: Any
+) -> None:
+    headers = [(b"x-session-id", SESSION)] if header else []
+    scope = sinks.begin(info(messages), headers, start)
     m: Measurement = measurement(started_at=start, e2e=e2e, model=MODEL, **kw)
     sinks.end(scope, m)
 
@@ -65,6 +68,7 @@ def test_the_span_and_record_carry_the_conversation_never_the_header_value() -> 
     assert two.shared_prefix_tokens is None  # it repeats none of the first prompt
     spans = exporter.get_finished_spans()
     assert [s.attributes["gen_ai.conversation.id"] for s in spans] == [one.conversation_id] * 2
+    assert [s.attributes["tokenprobe.conversation.id"] for s in spans] == [one.conversation_id] * 2
     assert [s.attributes["tokenprobe.conversation.turn"] for s in spans] == [1, 2]
     for span in spans:
         assert all(SESSION.decode() not in str(v) for v in (span.attributes or {}).values())
@@ -133,3 +137,22 @@ def test_closed_conversations_reach_every_listener_a_failing_one_counted() -> No
     assert registry.get_sample_value("tokenprobe_conversation_turns_count") == 1
     failures = registry.get_sample_value("tokenprobe_measurement_failures_total", {"stage": "sink"})
     assert failures == 1
+
+
+def test_a_conversation_the_proxy_recognised_by_itself_is_no_gen_ai_conversation() -> None:
+    """Without the header, the proxy still follows an agent's turns (by their messages),
+    under an id it made up: the GenAI conventions say not to put such an id in
+    gen_ai.conversation.id ("a new UUID, a trace identifier, or a hash of request content
+    SHOULD NOT be used"), so it goes in tokenprobe.conversation.id alone."""
+    exporter = InMemorySpanExporter()
+    sinks, recorder, _ = build(exporter)
+    first = [{"role": "user", "content": "hi"}]
+    request(sinks, first, 1000.0, 0.5, header=False)
+    second = [*first, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "go"}]
+    request(sinks, second, 1002.0, 0.5, header=False)
+    one, two = recorder.records
+    assert one.conversation_id == two.conversation_id and two.continued_via == "messages"
+    assert not one.conversation_named and not two.conversation_named
+    spans = exporter.get_finished_spans()
+    assert [s.attributes.get("gen_ai.conversation.id") for s in spans] == [None, None]
+    assert [s.attributes["tokenprobe.conversation.id"] for s in spans] == [one.conversation_id] * 2
