@@ -122,6 +122,9 @@ class Measurement:
     temperature: float | None = None
     trace_id: str | None = None  # 32 hex digits when the request was traced and sampled
     raw_finish_reason: str | None = None  # as the backend wrote it (end_turn, completed, ...)
+    # With several choices (n > 1), each one's finish label in index order, NONE_LABEL for
+    # one that streamed content and never finished; () with one choice (finish_reason).
+    finish_reasons: tuple[str, ...] = ()
     engine: EngineMetrics | None = None  # the engine's own per-request figures, if sent
     proxy_overhead: float | None = None  # seconds of the proxy's own time (see above)
     # The prompt's prefix fingerprint (core/fingerprint.py), unkeyed: only the access log

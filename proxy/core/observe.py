@@ -99,6 +99,7 @@ class StreamObserver:
         self.choices: dict[int, _Choice] = {}
         self._zero: _Choice | None = None  # choices[0], for the common event's fast path
         self.finish_reason: str | None = None  # raw, as the backend wrote it
+        self.finishes: dict[int, str] = {}  # each choice's raw finish reason, by index
         self.usage: dict[str, Any] | None = None
         self.engine: object = None  # the engine's `metrics` object as sent
         self.timings: object = None  # llama.cpp's `timings` object as sent
@@ -265,7 +266,7 @@ class StreamObserver:
         if facts.texts is not None:
             self.texts.extend(facts.texts)
         if facts.finish is not None:
-            self.finish_reason = facts.finish
+            self.finish_reason = self.finishes[facts.finish_choice] = facts.finish
         if facts.usage is not None:
             self.usage = (
                 facts.usage if self.usage is None else self.api.merge_usage(self.usage, facts.usage)
@@ -451,6 +452,7 @@ class StreamObserver:
             token_source=counts.source,
             content_events=self.content_events,
             finish_reason=NONE_LABEL if raw is None else self.api.finish_label(raw),
+            finish_reasons=self._finish_labels(),
             raw_finish_reason=raw,
             error_type=error_type,
             error_message=error_message,
@@ -522,6 +524,15 @@ class StreamObserver:
             return "error"
         raw = self.finish_reason
         return "length" if raw is not None and self.api.finish_label(raw) == "length" else "stop"
+
+    def _finish_labels(self) -> tuple[str, ...]:
+        """Measurement.finish_reasons: with several choices, each one that streamed or
+        finished, by index; () with one (its reason is finish_reason)."""
+        indices = self.finishes.keys() | self.choices.keys()
+        if len(indices) < 2:
+            return ()
+        label, finishes = self.api.finish_label, self.finishes
+        return tuple(label(finishes[i]) if i in finishes else NONE_LABEL for i in sorted(indices))
 
     def _decode_speed(self, output: int | None) -> tuple[float | None, float | None]:
         """(TPOT, decode tokens/s) of the median choice; each choice's share of the output

@@ -209,9 +209,12 @@ def _finish_attributes(m: Measurement, *, current: bool = True) -> dict[str, Any
         optional["gen_ai.usage.reasoning.output_tokens"] = semconv.reasoning_tokens(m)
     attributes.update((k, v) for k, v in optional.items() if v is not None)
     if m.finish_reason != NONE_LABEL:
-        cut = current and m.error_type is not None  # cancelled or unfinished after a finish
-        attributes["gen_ai.response.finish_reasons"] = (
-            (m.finish_reason, "error") if cut else (m.finish_reason,)
+        # One position per choice, in index order ("each position SHOULD contain the finish
+        # reason for the corresponding choice": docs/gen-ai/client-inference.md @ ac48b1f9,
+        # note 18); a choice that never finished is "error", as a request without any is.
+        reasons = m.finish_reasons or (m.finish_reason,)
+        attributes["gen_ai.response.finish_reasons"] = tuple(
+            "error" if r == NONE_LABEL else r for r in reasons
         )
         if m.raw_finish_reason is not None and m.raw_finish_reason != m.finish_reason:
             attributes["tokenprobe.raw_finish_reason"] = m.raw_finish_reason

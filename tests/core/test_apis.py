@@ -428,6 +428,29 @@ def test_n_choices_are_timed_per_choice_and_the_median_choice_is_reported() -> N
     assert (m.output_tokens, m.content_events) == (15, 15)
 
 
+def _finish_only(index: int, finish: str) -> bytes:
+    choice = {"index": index, "delta": {}, "finish_reason": finish}
+    return b"data: " + orjson.dumps({"id": "c", "model": MODEL, "choices": [choice]}) + b"\n\n"
+
+
+def test_n_choices_keep_each_ones_finish_reason_in_index_order() -> None:
+    """vLLM ends each choice of n > 1 with its own finish chunk (delta {}): the record keeps
+    one finish label per choice, in index order, where it kept the last one seen alone;
+    a choice that streamed and never finished is `none`."""
+    reads = [
+        _chunk(1, "a"),
+        _chunk(0, "b"),
+        _chunk(2, "c"),
+        _finish_only(1, "length"),
+        _finish_only(0, "stop"),
+        b"data: [DONE]\n\n",
+    ]
+    m = replay("/v1/chat/completions", reads, [100.5 + i / 8 for i in range(6)], 101.5)
+    assert m.finish_reasons == ("stop", "length", NONE_LABEL)
+    one = replay("/v1/chat/completions", [_chunk(0, "a", "stop")], [100.5], 100.5)
+    assert (one.finish_reason, one.finish_reasons) == ("stop", ())
+
+
 def test_one_choice_keeps_the_request_level_formula() -> None:
     reads = [_chunk(0, "a"), _chunk(0, "b"), _chunk(0, "c", "stop")]
     m = replay("/v1/chat/completions", reads, [100.5, 100.75, 101.5], 101.5)

@@ -207,12 +207,30 @@ def test_previous_response_id_is_the_request_s_previous_response_attribute(
     assert "gen_ai.request.previous_response.id" not in (span.attributes or {})
 
 
-def test_a_stream_cut_short_after_a_finish_reason_reports_error_among_them(
-    tracing: Tracing, exporter: InMemorySpanExporter
+@pytest.mark.parametrize(
+    ("finish_reasons", "expected"),
+    [
+        ((), ("stop",)),  # one choice, cut after it finished: its reason, error.type apart
+        (("stop", "length"), ("stop", "length")),  # n = 2: one position each, in order
+        (("stop", "none"), ("stop", "error")),  # the second never finished
+    ],
+)
+def test_finish_reasons_have_one_position_per_choice(
+    tracing: Tracing,
+    exporter: InMemorySpanExporter,
+    finish_reasons: tuple[str, ...],
+    expected: tuple[str, ...],
 ) -> None:
-    cut = record(error_type=ErrorType.CLIENT_CANCELLED, finish_reason="stop")
+    """ "Each position SHOULD contain the finish reason for the corresponding choice"
+    (docs/gen-ai/client-inference.md @ ac48b1f9, note 18): a single choice cut short after
+    its finish once got a second position, "error"."""
+    cut = record(
+        error_type=ErrorType.CLIENT_CANCELLED, finish_reason="stop", finish_reasons=finish_reasons
+    )
     span, _, _ = traced(tracing, exporter, measurement=cut)
-    assert (span.attributes or {})["gen_ai.response.finish_reasons"] == ("stop", "error")
+    attributes = span.attributes or {}
+    assert attributes["gen_ai.response.finish_reasons"] == expected
+    assert attributes["error.type"] == "client_cancelled"
 
 
 def test_non_streaming_request_has_no_stream_attribute(

@@ -77,6 +77,7 @@ class Facts:
     choices   the choice indices the content belongs to (n > 1 chat/completions)
     texts     the generated text pieces, only when the observer collects them
     finish    the raw finish/stop reason, as the backend wrote it
+    finish_choice  the index of the choice it finishes (n > 1: each choice finishes alone)
     usage     the usage object as sent
     error     an in-stream error object (or the error event itself)
     engine    the engine's per-request `metrics` object as sent (proxy/core/engine.py),
@@ -103,6 +104,7 @@ class Facts:
     choices: tuple[int, ...] = (0,)
     texts: list[str] | None = None
     finish: str | None = None
+    finish_choice: int = 0
     usage: dict[str, Any] | None = None
     error: object = None
     engine: object = None

@@ -93,6 +93,7 @@ class OpenAIGeneration(Api):
         texts: list[str] | None = [] if collect else None
         indices: tuple[int, ...] = _FIRST
         calls = reasoning = None
+        finish_choice: Any = 0
         choices = obj.get("choices")
         if choices and type(choices) is list:
             if len(choices) == 1:  # vLLM sends one choice per chunk, even with n > 1
@@ -112,8 +113,10 @@ class OpenAIGeneration(Api):
                                 if more is not None and indices is _FIRST:
                                     calls = more
                     finish = choice.get("finish_reason")
+                    if finish is not None:
+                        finish_choice = choice.get("index", 0)
             else:
-                kind, indices, finish = self._choices(choices, texts)
+                kind, indices, finish, finish_choice = self._choices(choices, texts)
             if finish is not None and (not finish or type(finish) is not str):
                 finish = None
         usage = obj.get("usage")
@@ -133,6 +136,8 @@ class OpenAIGeneration(Api):
             return NOTHING if kind is None else _CONTENT[kind]
         facts = Facts(**identity(obj)) if identify else Facts()
         facts.content, facts.choices, facts.finish = kind, indices, finish
+        if finish is not None and type(finish_choice) is int:
+            facts.finish_choice = finish_choice
         facts.texts, facts.usage, facts.error = texts or None, usage, error
         facts.calls, facts.reasoning = calls, reasoning
         if usage is not None:  # vLLM's per-request metrics ride on the usage chunk only
@@ -145,10 +150,11 @@ class OpenAIGeneration(Api):
 
     def _choices(
         self, choices: list[Any], texts: list[str] | None
-    ) -> tuple[str | None, tuple[int, ...], Any]:
-        """(content kind, indices of the choices with content, finish reason) of an event
-        that carries several choices."""
+    ) -> tuple[str | None, tuple[int, ...], Any, Any]:
+        """(content kind, indices of the choices with content, the last finish reason and
+        its choice's index) of an event that carries several choices."""
         kind = finish = None
+        finish_choice: Any = 0
         content_at: list[int] = []
         for choice in choices:
             if type(choice) is not dict:
@@ -160,8 +166,8 @@ class OpenAIGeneration(Api):
                 content_at.append(index if type(index) is int else 0)
             reason = choice.get("finish_reason")
             if reason and type(reason) is str:
-                finish = reason
-        return kind, tuple(content_at) if content_at else _FIRST, finish
+                finish, finish_choice = reason, choice.get("index", 0)
+        return kind, tuple(content_at) if content_at else _FIRST, finish, finish_choice
 
     def _content(self, choice: dict[str, Any], texts: list[str] | None) -> str | None:
         """The kind of content this choice carries (None: none), its text kept in `texts`."""
