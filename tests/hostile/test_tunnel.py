@@ -8,6 +8,7 @@ run on the wire alone.
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -15,7 +16,7 @@ from contextlib import AbstractContextManager
 import pytest
 
 from tests.hostile.client import KEY, Switcher, header_names, responses, ws_head
-from tests.hostile.peers import RawUpstream, exchange
+from tests.hostile.peers import Conn, RawUpstream, exchange
 
 Proxy = Callable[..., AbstractContextManager[str]]
 FRAMES = b"\x81\x85\x00\x00\x00\x00hello"  # a masked text frame, "hello"
@@ -109,6 +110,33 @@ def test_the_handshakes_target_is_read_as_the_http_relay_reads_it(
             got = exchange(base, ws_head(target), idle=0.5)
             assert got.startswith(b"HTTP/1.1 101"), (target, got)
     assert [r.target for r in upstream.requests] == [b"/v1/realtime?x=1"] * 2
+
+
+def test_a_client_that_leaves_before_the_101_closes_the_upstream_connection(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """While the proxy holds the client's bytes for the upstream's 101 it reads the client
+    on, so its close is seen and the upstream connection closed at once (as on HTTP). With
+    its reading paused the close went unseen until the upstream answered or the idle
+    timeout (300 s by default) ended the session."""
+    closed_after: list[float] = []
+
+    async def never_answers(conn: Conn) -> None:
+        if await conn.read_request() is None:
+            return
+        started = time.monotonic()
+        if await conn.wait_closed_by_peer(timeout=8.0):
+            closed_after.append(time.monotonic() - started)
+
+    upstream.default = never_answers
+    with proxy(upstream.url, "--ws-idle-timeout", "30") as base:
+        host, port = base.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(ws_head() + FRAMES)
+            assert upstream.wait_for(lambda: len(upstream.requests) == 1, 5)
+            time.sleep(0.2)
+        assert upstream.wait_for(lambda: bool(closed_after), 9), "the upstream waited on"
+    assert closed_after[0] < 2.0, closed_after
 
 
 def test_a_refused_upgrade_closes_the_client_connection(

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from proxy.server.tunnel.pipe import Pipe
+from proxy.server.tunnel.pipe import HOLD_BYTES, Pipe
 
 
 class FakeTransport:
@@ -88,20 +88,23 @@ def pipe_between(grace: float = 0.05) -> tuple[Pipe, FakeTransport, FakeTranspor
 def test_the_client_is_held_until_released_then_its_bytes_go_in_order() -> None:
     async def test() -> None:
         pipe, client, upstream, ends = pipe_between()
-        assert not client.reading  # paused from the start
+        assert client.reading  # read on while held, so a client that leaves is seen
         pipe.hold(b"sent-with-the-head|")
-        client.protocol.data_received(b"read-as-it-paused|")
+        client.protocol.data_received(b"read-while-held|")
         pipe.from_upstream(b"HTTP/1.1 101 ...")
         assert bytes(client.written) == b"HTTP/1.1 101 ..." and pipe.relayed
         assert bytes(upstream.written) == b""
+        big = b"x" * HOLD_BYTES  # past what is held with the client read on
+        client.protocol.data_received(big)
+        assert not client.reading
         pipe.release()
-        assert bytes(upstream.written) == b"sent-with-the-head|read-as-it-paused|"
+        assert bytes(upstream.written) == b"sent-with-the-head|read-while-held|" + big
         assert client.reading
         client.protocol.data_received(b"later")
-        assert bytes(upstream.written).endswith(b"|later")
+        assert bytes(upstream.written).endswith(big + b"later")
         assert ends.seen == [
             (False, b"HTTP/1.1 101 ..."),
-            (True, b"sent-with-the-head|read-as-it-paused|"),
+            (True, b"sent-with-the-head|read-while-held|" + big),
             (True, b"later"),
         ]
 

@@ -3,8 +3,10 @@
 It knows nothing of WebSockets, nor of HTTP; its owner (proxy/server/tunnel/session.py)
 hears every read after it went on (`Ends.seen`) and each side's end (`Ends.lost`).
 
-- Holding: the client's bytes wait until `release()` (its reading is paused; a read under
-  way when it paused is kept with the rest), then go in the order they came.
+- Holding: the client's bytes wait until `release()`, then go in the order they came. The
+  client is read on meanwhile, so a client that leaves before the upstream answered is
+  seen at once (and the upstream's connection closed); past `HOLD_BYTES` held its reading
+  pauses until `release()`.
 - Backpressure both ways: when one side's write buffer passes its high-water mark,
   reading from the other side pauses until it drains (asyncio's pause/resume_writing).
 - Sealing: `write_last` gives a side its last bytes; nothing read afterwards goes to it.
@@ -22,6 +24,9 @@ from time import perf_counter
 from typing import Protocol, cast
 
 from proxy.server.deadline import Deadline
+
+#: Client bytes held before the upstream's 101 beyond which the client is not read.
+HOLD_BYTES = 64 * 1024
 
 
 class Ends(Protocol):
@@ -52,6 +57,7 @@ class Pipe(Deadline):
         self.sealed: set[bool] = set()  # sides `write_last` wrote to (True: the client)
         self._holding = True  # the client's bytes wait for `release`
         self._held: list[bytes] = []
+        self._held_bytes = 0
         self._paused: set[bool] = set()  # sides whose reading is paused (True: the client)
         self._full: set[bool] = set()  # sides whose write buffer is over its high-water mark
         self._last = perf_counter()
@@ -60,7 +66,6 @@ class Pipe(Deadline):
         self._on_idle: Callable[[float], None] = _no_idle
         self._grace: asyncio.TimerHandle | None = None
         client.set_protocol(_Side(self, True))
-        self._pause(True)
 
     def upstream_protocol(self) -> asyncio.Protocol:
         """The protocol for the upstream's connection (its `connection_made` joins it)."""
@@ -68,15 +73,21 @@ class Pipe(Deadline):
 
     def hold(self, data: bytes) -> None:
         """Client bytes read before the pipe: sent after `release`, before any later read."""
-        self._held.append(data)
+        self._keep(data)
 
     def release(self) -> None:
         """The client's bytes may go: the held ones first, then reading resumes."""
         self._holding = False
-        held, self._held = self._held, []
+        held, self._held, self._held_bytes = self._held, [], 0
         if held:
             self.from_client(b"".join(held))
         self._resume(True)
+
+    def _keep(self, data: bytes) -> None:
+        self._held.append(data)
+        self._held_bytes += len(data)
+        if self._held_bytes > HOLD_BYTES:
+            self._pause(True)  # until `release`
 
     def write_last(self, client_side: bool, data: bytes) -> None:
         """Write a side its last bytes: nothing read afterwards goes to it."""
@@ -90,7 +101,7 @@ class Pipe(Deadline):
     def from_client(self, data: bytes) -> None:
         upstream = self.upstream
         if upstream is None or self._holding:
-            self._held.append(data)
+            self._keep(data)
             return
         self._last = at = perf_counter()
         if False not in self.sealed:
