@@ -12,6 +12,7 @@ ends. One upstream and one proxy of each kind serve the module; counts are delta
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -709,6 +710,42 @@ def test_drain_waits_for_a_frame_boundary_before_its_close_frame(
     ]
     client.sendall(close_frame(1001, "", masked=True))  # the client's answer
     assert client.recv(100) == b""  # closed, the upstream's answer not relayed
+    client.close()
+    _drained(proxy)
+
+
+def test_a_client_that_ends_its_frame_and_answers_the_drain_in_one_write_sends_one_close(
+    raw: RawUpstream, make_proxy: MakeProxy
+) -> None:
+    """The drain's close reached the client while it was inside a frame; it finishes the
+    frame and answers with its close in one write. That close goes upstream, and the proxy
+    writes the upstream no close of its own after it (it once wrote a second one)."""
+    frame = bytes(FrameProtocol(client=True, extensions=[]).send_data("x" * 20))  # masked text
+    answer = close_frame(1000, "", masked=True)
+
+    def after(up: RawConn, conn: socket.socket) -> None:
+        conn.settimeout(3.0)
+        with contextlib.suppress(OSError):
+            while chunk := conn.recv(65536):
+                up.received += chunk
+                if len(up.received) >= len(frame) + len(answer):
+                    conn.sendall(close_frame(1000, "", masked=False))
+
+    path = b"/drain-answered"
+    raw.route(path, SWITCH, after)
+    proxy = make_proxy(raw.url)
+    client = _raw_client(proxy.port)
+    client.sendall(_handshake(path) + frame[:9])
+    assert _recv_exactly(client, len(SWITCH)) == SWITCH
+    up = raw.wait_conn(path)
+    _wait(lambda: len(up.received) == 9, what="half a frame upstream")
+    proxy.shutdown_all()
+    going_away = close_frame(1001, "proxy shutting down", masked=False)
+    assert _recv_exactly(client, len(going_away)) == going_away
+    client.sendall(frame[9:] + answer)
+    _wait(lambda: len(up.received) >= len(frame) + len(answer), what="the frame and the answer")
+    time.sleep(0.3)  # room for a second close frame, were one written
+    assert bytes(up.received) == frame + answer  # its close, and nothing after it
     client.close()
     _drained(proxy)
 

@@ -133,12 +133,21 @@ class WsWatch:
         sealed = self.pipe.sealed
         if self.first_close is not None and not sealed:
             return  # a close handshake was already under way: let it end by itself
+        # A side whose own close frame went through already (a client that finished its
+        # frame and answered ours in one read) has given the other side a close frame:
+        # that side is sealed with no second one, and its bounds keep the close it saw.
         if True not in sealed and self.upstream_bounds.at_boundary:
-            self.pipe.write_last(True, close_frame(GOING_AWAY, SHUTDOWN_REASON, masked=False))
-            self.upstream_bounds = FrameBounds()  # now: the upstream's answer
+            if self.upstream_bounds.closed:
+                sealed.add(True)
+            else:
+                self.pipe.write_last(True, close_frame(GOING_AWAY, SHUTDOWN_REASON, masked=False))
+                self.upstream_bounds = FrameBounds()  # now: the upstream's answer
         if False not in sealed and self.client_bounds.at_boundary:
-            self.pipe.write_last(False, close_frame(GOING_AWAY, SHUTDOWN_REASON, masked=True))
-            self.client_bounds = FrameBounds()  # now: the client's answer
+            if self.client_bounds.closed:
+                sealed.add(False)
+            else:
+                self.pipe.write_last(False, close_frame(GOING_AWAY, SHUTDOWN_REASON, masked=True))
+                self.client_bounds = FrameBounds()  # now: the client's answer
         if len(sealed) == 2 and self.client_bounds.closed and self.upstream_bounds.closed:
             self.drained()
 
