@@ -265,10 +265,11 @@ class FrameBounds:
     """Where one direction's frames end, from their headers alone (no unmasking).
 
     `at_boundary` is true when every frame fed so far is complete; `closed` once a whole
-    close frame has passed. Anything that is not a frame header stops it (`lost`), and
-    the tunnel then treats the direction as never at a boundary again."""
+    close frame has passed; `frames` counts the frame headers read. Anything that is not a
+    frame header stops it (`lost`), and the tunnel then treats the direction as never at a
+    boundary again."""
 
-    __slots__ = ("_closing", "_head", "_left", "closed", "lost")
+    __slots__ = ("_closing", "_head", "_left", "closed", "frames", "lost")
 
     def __init__(self) -> None:
         self._left = 0  # payload bytes of the current frame still to come
@@ -276,6 +277,7 @@ class FrameBounds:
         self._closing = False  # the current frame is a close frame
         self.closed = False
         self.lost = False
+        self.frames = 0
 
     @property
     def at_boundary(self) -> bool:
@@ -323,6 +325,7 @@ class FrameBounds:
                 self.lost = True
                 return
             closing = opcode == 0x8
+            self.frames += 1
             i += size + length
             if closing and i <= n:
                 self.closed = True

@@ -851,6 +851,40 @@ def test_a_failing_seam_stops_watching_and_the_session_goes_on(upstream: EchoUps
         proxy.stop()
 
 
+def test_a_flood_of_tiny_frames_stops_the_watching_not_the_bytes(raw: RawUpstream) -> None:
+    """One read of hundreds of empty pings on a measured path: the frame reader would
+    spend a few µs on each while every stream waits (256 KiB of them held the loop 0.2 s),
+    so the watching stops, counted, and the bytes go on."""
+    api = _RecordingApi()
+    api.paths = ("/pings",)  # type: ignore[misc]
+    pings = b"\x89\x80abcd" * 1000  # masked, empty
+    hello = bytes(FrameProtocol(client=True, extensions=[]).send_data("hello"))
+
+    def after(up: RawConn, conn: socket.socket) -> None:
+        while len(up.received) < len(hello) + len(pings):  # read by read: the test watches
+            if not (chunk := conn.recv(65536)):
+                return
+            up.received += chunk
+
+    raw.route(b"/pings", SWITCH, after)
+    proxy = TunnelListener(raw.url, apis=lambda path: api if path in api.paths else None).start()
+    try:
+        client = _raw_client(proxy.port)
+        client.sendall(_handshake(b"/pings") + hello)
+        up = raw.wait_conn(b"/pings")
+        _wait(lambda: len(up.received) == len(hello), what="the first frame upstream")
+        _wait(lambda: len(api.messages) == 1, what="the first message watched")
+        client.sendall(pings)
+        assert up.closed.wait(10)
+        assert bytes(up.received) == hello + pings
+        client.close()
+        _wait(lambda: proxy.open_tunnels() == 0, what="the tunnel to end")
+        assert proxy.sample("tokenprobe_measurement_failures_total", stage="ws_frames") == 1
+        assert [m.kind for m in api.messages] == ["text"]  # no ping was read as a message
+    finally:
+        proxy.stop()
+
+
 def test_frames_the_reader_cannot_follow_stop_watching_not_the_bytes(raw: RawUpstream) -> None:
     api = _RecordingApi()
     api.paths = ("/garbage",)  # type: ignore[misc]

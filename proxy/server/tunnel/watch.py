@@ -33,6 +33,12 @@ log = logging.getLogger("tokenprobe")
 
 GOING_AWAY = 1001
 SHUTDOWN_REASON = "proxy shutting down"
+#: A read of more than TINY_FRAMES frames averaging under TINY_FRAME_BYTES each (a flood of
+#: empty pings) stops the watching: the frame reader's Python costs a few µs a frame, and
+#: such a read would hold the event loop for every stream (256 KiB of 6-byte pings: 0.2 s).
+#: No message an API measures is that small (a realtime delta is some 60 bytes).
+TINY_FRAMES = 256
+TINY_FRAME_BYTES = 16
 
 
 class WsWatch:
@@ -90,11 +96,17 @@ class WsWatch:
             self._drain_step()
             return
         bounds = self.client_bounds if from_client else self.upstream_bounds
+        frames = bounds.frames
         bounds.feed(data)
         if bounds.closed and self.first_close is None:
             self.first_close = from_client
         if self._readers is not None:
-            self._watch(from_client, data, at)
+            frames = bounds.frames - frames
+            if frames > TINY_FRAMES and len(data) < frames * TINY_FRAME_BYTES:
+                log.warning("stopped watching a WebSocket session: %d frames in one read", frames)
+                self._stop_watching("ws_frames")
+            else:
+                self._watch(from_client, data, at)
         if self.draining:
             self._drain_step()
 
