@@ -5,7 +5,8 @@ from __future__ import annotations
 import random
 import string
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import httpx
 
@@ -111,27 +112,15 @@ def test_secret_headers_echoed_by_the_upstream_are_redacted_from_error_messages(
     """A backend that repeats the caller's credentials in its error text."""
     from tests.servers import serve
 
-    async def echoing_upstream(scope: dict, receive: Callable, send: Callable) -> None:  # type: ignore[type-arg]
-        if scope["type"] != "http":
-            return
-        await receive()
-        headers = dict(scope["headers"])
-        text = (
+    def text(scope: dict[str, Any], headers: dict[bytes, bytes]) -> bytes:
+        return (
             b"bad credentials: "
             + headers.get(b"authorization", b"")
             + b" and "
             + headers.get(b"x-tenant-token", b"")
         )
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 403,
-                "headers": [(b"content-type", b"text/plain")],
-            }
-        )
-        await send({"type": "http.response.body", "body": text})
 
-    with serve(echoing_upstream, lifespan="off") as upstream:
+    with serve(echoing(text), lifespan="off") as upstream:
         proxy = start_proxy(upstream.url, secret_headers=("x-tenant-token",))
         httpx.post(
             proxy.url + CHAT,
@@ -155,28 +144,16 @@ def test_credentials_in_a_long_echo_a_named_header_or_the_query_are_redacted(
     `?access_token=`, percent-encoded too): none reaches the record's error message."""
     from tests.servers import serve
 
-    async def echoing_upstream(scope: dict, receive: Callable, send: Callable) -> None:  # type: ignore[type-arg]
-        if scope["type"] != "http":
-            return
-        await receive()
-        headers = dict(scope["headers"])
-        text = (
+    def text(scope: dict[str, Any], headers: dict[bytes, bytes]) -> bytes:
+        return (
             b"x" * int(headers.get(b"x-pad", b"0"))
             + b" bad credentials "
             + headers.get(b"authorization", b"")
             + b" "
             + headers.get(b"x-goog-api-key", b"")
             + b" for "
-            + scope["query_string"].replace(b"%2B", b"+")
+            + bytes(scope["query_string"]).replace(b"%2B", b"+")
         )
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 403,
-                "headers": [(b"content-type", b"text/plain")],
-            }
-        )
-        await send({"type": "http.response.body", "body": text})
 
     cases = [
         ("", {"authorization": "Bearer tpk-LEAKCANARY0123456789", "x-pad": "270"}),
@@ -184,7 +161,7 @@ def test_credentials_in_a_long_echo_a_named_header_or_the_query_are_redacted(
         ("?key=AIzaQUERYCANARY12345&alt=json", {}),
         ("?access_token=ya29.TOKEN%2BCANARY", {}),
     ]
-    with serve(echoing_upstream, lifespan="off") as upstream:
+    with serve(echoing(text), lifespan="off") as upstream:
         proxy = start_proxy(upstream.url)
         for query, headers in cases:
             httpx.post(proxy.url + CHAT + query, json=body(), headers=headers)
@@ -196,3 +173,21 @@ def test_credentials_in_a_long_echo_a_named_header_or_the_query_are_redacted(
     assert all("bad credentials" in message for message in messages), messages
     for canary in ("LEAKCA", "GOOGHEADER", "QUERYCANARY", "TOKEN+CANARY", "TOKEN%2BCANARY"):
         assert not any(canary in message for message in messages), (canary, messages)
+
+
+def echoing(
+    text: Callable[[dict[str, Any], dict[bytes, bytes]], bytes],
+) -> Callable[..., Awaitable[None]]:
+    """An ASGI backend that answers every request 403 with `text(scope, headers)`: one
+    that repeats the caller's credentials in its error text."""
+
+    async def app(scope: dict[str, Any], receive: Callable, send: Callable) -> None:  # type: ignore[type-arg]
+        if scope["type"] != "http":
+            return
+        await receive()
+        body = text(scope, dict(scope["headers"]))
+        start = {"type": "http.response.start", "status": 403}
+        await send({**start, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": body})
+
+    return app

@@ -688,17 +688,7 @@ def test_drain_waits_for_a_frame_boundary_before_its_close_frame(
         while chunk := conn.recv(65536):
             up.received += chunk
 
-    path = b"/drain"
-    raw.route(path, SWITCH, after)
-    proxy = make_proxy(raw.url)
-    client = _raw_client(proxy.port)
-    client.sendall(_handshake(path) + frame[:9])
-    assert _recv_exactly(client, len(SWITCH)) == SWITCH
-    up = raw.wait_conn(path)
-    _wait(lambda: len(up.received) == 9, what="half a frame upstream")
-    proxy.shutdown_all()
-    going_away = close_frame(1001, "proxy shutting down", masked=False)
-    assert _recv_exactly(client, len(going_away)) == going_away
+    proxy, client, up = _shutdown_inside_a_frame(raw, make_proxy, b"/drain", after, frame)
     time.sleep(0.1)
     assert len(up.received) == 9  # no close frame inside the unfinished frame
     client.sendall(frame[9:])
@@ -731,7 +721,25 @@ def test_a_client_that_ends_its_frame_and_answers_the_drain_in_one_write_sends_o
                 if len(up.received) >= len(frame) + len(answer):
                     conn.sendall(close_frame(1000, "", masked=False))
 
-    path = b"/drain-answered"
+    proxy, client, up = _shutdown_inside_a_frame(raw, make_proxy, b"/drain-answered", after, frame)
+    client.sendall(frame[9:] + answer)
+    _wait(lambda: len(up.received) >= len(frame) + len(answer), what="the frame and the answer")
+    time.sleep(0.3)  # room for a second close frame, were one written
+    assert bytes(up.received) == frame + answer  # its close, and nothing after it
+    client.close()
+    _drained(proxy)
+
+
+def _shutdown_inside_a_frame(
+    raw: RawUpstream,
+    make_proxy: MakeProxy,
+    path: bytes,
+    after: Callable[[RawConn, socket.socket], None],
+    frame: bytes,
+) -> tuple[Proxy, socket.socket, RawConn]:
+    """A tunnel to `path` (the upstream runs `after` once switched) whose client has sent
+    the first 9 bytes of `frame` when the proxy starts its drain; the client has its close
+    frame (1001) back."""
     raw.route(path, SWITCH, after)
     proxy = make_proxy(raw.url)
     client = _raw_client(proxy.port)
@@ -742,12 +750,7 @@ def test_a_client_that_ends_its_frame_and_answers_the_drain_in_one_write_sends_o
     proxy.shutdown_all()
     going_away = close_frame(1001, "proxy shutting down", masked=False)
     assert _recv_exactly(client, len(going_away)) == going_away
-    client.sendall(frame[9:] + answer)
-    _wait(lambda: len(up.received) >= len(frame) + len(answer), what="the frame and the answer")
-    time.sleep(0.3)  # room for a second close frame, were one written
-    assert bytes(up.received) == frame + answer  # its close, and nothing after it
-    client.close()
-    _drained(proxy)
+    return proxy, client, up
 
 
 # -- the seam: messages to a WebSocket API, failures contained -------------------------------
@@ -851,12 +854,22 @@ def test_a_failing_seam_stops_watching_and_the_session_goes_on(upstream: EchoUps
         proxy.stop()
 
 
+def _watching(
+    raw: RawUpstream, path: bytes, after: Callable[[RawConn, socket.socket], None]
+) -> tuple[_RecordingApi, TunnelListener]:
+    """A listener in front of `raw` (which runs `after` once switched) whose `path` has a
+    recording WebSocket API, and that API."""
+    api = _RecordingApi()
+    api.paths = (path.decode(),)  # type: ignore[misc]
+    raw.route(path, SWITCH, after)
+    proxy = TunnelListener(raw.url, apis=lambda p: api if p in api.paths else None).start()
+    return api, proxy
+
+
 def test_a_flood_of_tiny_frames_stops_the_watching_not_the_bytes(raw: RawUpstream) -> None:
     """One read of hundreds of empty pings on a measured path: the frame reader would
     spend a few µs on each while every stream waits (256 KiB of them held the loop 0.2 s),
     so the watching stops, counted, and the bytes go on."""
-    api = _RecordingApi()
-    api.paths = ("/pings",)  # type: ignore[misc]
     pings = b"\x89\x80abcd" * 1000  # masked, empty
     hello = bytes(FrameProtocol(client=True, extensions=[]).send_data("hello"))
 
@@ -866,8 +879,7 @@ def test_a_flood_of_tiny_frames_stops_the_watching_not_the_bytes(raw: RawUpstrea
                 return
             up.received += chunk
 
-    raw.route(b"/pings", SWITCH, after)
-    proxy = TunnelListener(raw.url, apis=lambda path: api if path in api.paths else None).start()
+    api, proxy = _watching(raw, b"/pings", after)
     try:
         client = _raw_client(proxy.port)
         client.sendall(_handshake(b"/pings") + hello)
@@ -886,15 +898,12 @@ def test_a_flood_of_tiny_frames_stops_the_watching_not_the_bytes(raw: RawUpstrea
 
 
 def test_frames_the_reader_cannot_follow_stop_watching_not_the_bytes(raw: RawUpstream) -> None:
-    api = _RecordingApi()
-    api.paths = ("/garbage",)  # type: ignore[misc]
     garbage = b"\x83\x80abcd" + os.urandom(100)  # a masked frame with reserved opcode 3
 
     def after(up: RawConn, conn: socket.socket) -> None:
         up.received += _recv_exactly(conn, len(garbage) - len(up.received))
 
-    raw.route(b"/garbage", SWITCH, after)
-    proxy = TunnelListener(raw.url, apis=lambda path: api if path in api.paths else None).start()
+    _, proxy = _watching(raw, b"/garbage", after)
     try:
         client = _raw_client(proxy.port)
         client.sendall(_handshake(b"/garbage") + garbage)
