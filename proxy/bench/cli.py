@@ -86,7 +86,11 @@ def main(argv: Sequence[str]) -> int:
         print(f"{PROG}: interrupted; reporting what was measured", file=sys.stderr)
     summaries = [summarize(level, options.slo) for level in run.levels]
     if any(s.ok for s in summaries):  # else the one-line problem below says it all
-        print(report.table(summaries, options.cost_per_hour, options.currency))
+        print(
+            report.table(
+                summaries, options.cost_per_hour, options.currency, open_loop=options.mode == "open"
+            )
+        )
         if options.input_tokens:
             print(
                 "\nTTFT by input length (--input-tokens)\n"
@@ -134,7 +138,11 @@ def _parent(options: Options, argv: Sequence[str]) -> int:
     levels = levels_of([doc])
     summaries = [summarize(level, options.slo) for level in levels]
     if any(s.ok for s in summaries):
-        print(report.table(summaries, options.cost_per_hour, options.currency))
+        print(
+            report.table(
+                summaries, options.cost_per_hour, options.currency, open_loop=options.mode == "open"
+            )
+        )
     if doc.get("problem"):
         print(f"{PROG}: error: {doc['problem']}", file=sys.stderr)
     if options.out:

@@ -282,9 +282,14 @@ PCM = pcm16(AUDIO_SECONDS)
 
 
 def needs_tokenizer(m: Measurement) -> bool:
-    """No usage from the backend: a successful response's counts should come from the tokenizer
-    (exact token ids are as good as usage)."""
-    return m.ok and m.token_source not in (TokenSource.USAGE, TokenSource.TOKEN_IDS)
+    """No usage from the backend: a successful response's counts should come from the
+    tokenizer (exact token ids and the engine's own count are as good as usage: the
+    proxy's order, TokenSource)."""
+    return m.ok and m.token_source not in (
+        TokenSource.USAGE,
+        TokenSource.TOKEN_IDS,
+        TokenSource.ENGINE,
+    )
 
 
 def finalize(result: Result, tokenizer: Any) -> None:
@@ -299,6 +304,10 @@ def finalize(result: Result, tokenizer: Any) -> None:
         cached=None,
         source=TokenSource.TOKENIZER,
     )
+    texts = observer.reasoning_texts
+    counted = (
+        count_output(tokenizer, texts) if texts and not observer.reasoning_from_usage() else None
+    )
     result.m = observer.measurement(
         end=observer.start + m.e2e,
         started_at=m.started_at,
@@ -306,4 +315,5 @@ def finalize(result: Result, tokenizer: Any) -> None:
         counts=counts,
         error_type=m.error_type,
         error_message=m.error_message,
+        reasoning=observer.reasoning(counted),
     )

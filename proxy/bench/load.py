@@ -165,8 +165,9 @@ class Runner:
         streams = range(mine, min(concurrency, n), shards)  # this shard's streams
 
         async def worker(number: int) -> None:
-            if ramp and number:
-                await self._sleep_until(level.start + number * ramp)
+            # from the level's start (--start-at's or --workers' shared instant, which may
+            # lie ahead), each stream `ramp` after the one before it
+            await self._sleep_until(level.start + number * ramp)
             while not self.stopping:
                 index = next(numbers)
                 if index >= n or perf_counter() >= deadline:

@@ -26,7 +26,9 @@ from proxy.bench.client import Result
 from proxy.bench.load import Level
 from proxy.bench.report import write_json
 from proxy.bench.stats import summarize
+from proxy.core.engine import EngineMetrics, SpecDecode
 from proxy.core.measurement import ErrorType, Measurement, TokenSource
+from proxy.core.toolcalls import ToolCall
 
 PROG = "tokenprobe bench merge"
 #: Config keys that differ between the shards of one run.
@@ -55,6 +57,23 @@ def measurement(record: Mapping[str, Any]) -> Measurement:
     values["token_source"] = TokenSource(values["token_source"])
     if values.get("error_type") is not None:
         values["error_type"] = ErrorType(values["error_type"])
+    # The objects orjson writes as JSON objects and arrays, as the record holds them (a
+    # document that did not go through a file, --workers', holds them still).
+    values["tool_calls"] = tuple(
+        call if isinstance(call, ToolCall) else ToolCall(**call)
+        for call in values.get("tool_calls") or ()
+    )
+    values["finish_reasons"] = tuple(values.get("finish_reasons") or ())
+    engine = values.get("engine")
+    if isinstance(engine, dict):
+        spec = engine.get("spec")
+        values["engine"] = EngineMetrics(
+            **{
+                **engine,
+                "spec": None if spec is None else SpecDecode(**spec),
+                "invalid": tuple(engine.get("invalid") or ()),
+            }
+        )
     return Measurement(**values)
 
 

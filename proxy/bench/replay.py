@@ -167,7 +167,7 @@ def _parent(ns: argparse.Namespace, argv: Sequence[str], wants: list[Want]) -> i
     levels = levels_of([doc])
     summaries = [summarize(level, dict(doc["config"].get("slo") or {})) for level in levels]
     if any(s.ok for s in summaries):
-        print(report.table(summaries))
+        print(report.table(summaries, open_loop=True))
         print("\nrecorded vs replayed\n" + side_by_side(wants, levels))
     if ns.out:
         doc["config"]["workers"] = ns.workers
@@ -402,7 +402,7 @@ async def _replay(ns: argparse.Namespace, wants: list[Want], shard: Shard) -> in
         level.label = "replay" if ns.speed == 1 else f"replay x{ns.speed:g}"
     summaries = [summarize(level, options.slo) for level in levels]
     if any(s.ok for s in summaries) and not ns.sync:
-        print(report.table(summaries))
+        print(report.table(summaries, open_loop=True))
         print("\nrecorded vs replayed\n" + side_by_side([wants[i] for i in mine], levels))
     status = "interrupted" if runner.stop_reason == "interrupted" else "complete"
     problem = None

@@ -78,8 +78,14 @@ def cost_columns(cost_per_hour: float, currency: str) -> tuple[tuple[str, str, C
 
 
 def table(
-    summaries: Sequence[Summary], cost_per_hour: float | None = None, currency: str = "USD"
+    summaries: Sequence[Summary],
+    cost_per_hour: float | None = None,
+    currency: str = "USD",
+    *,
+    open_loop: bool = False,
 ) -> str:
+    """The levels' table, its legend and notes; `open_loop`: requests were sent on a
+    schedule (--rate, replay), so how late they went out is worth a note."""
     goodput = any(s.goodput is not None for s in summaries)
     columns = COLUMNS if goodput else COLUMNS[:-1]
     if cost_per_hour is not None:
@@ -111,11 +117,11 @@ def table(
             f"{currency} per 1M tok: --cost-per-hour {cost_per_hour:g} / (tokens/s of all streams "
             "* 3600) * 1e6, for output and input tokens each (each charges the whole hour)."
         )
-    lines.extend(_notes(summaries))
+    lines.extend(_notes(summaries, open_loop))
     return "\n".join(lines)
 
 
-def _notes(summaries: Sequence[Summary]) -> list[str]:
+def _notes(summaries: Sequence[Summary], open_loop: bool) -> list[str]:
     notes = []
     for s in summaries:
         for kind, count in sorted(s.errors.items()):
@@ -132,7 +138,7 @@ def _notes(summaries: Sequence[Summary]) -> list[str]:
                 f"{s.label}: warning: the bench's own event loop ran {_ms(lag)} ms late (p99); "
                 "its timestamps are late by as much: use fewer streams per bench process"
             )
-        if s.label.startswith("rate=") and s.send_delay["p50"] is not None:
+        if open_loop and s.send_delay["p50"] is not None:
             d = s.send_delay
             notes.append(
                 f"{s.label}: sends were late by p50 {_ms(d['p50'])} ms, p99 {_ms(d['p99'])} ms, "

@@ -390,13 +390,9 @@ class StreamObserver:
         if counts is None:
             counts = self.counts_from_chunks()
         self._end_run()
-        reasoning = self.reasoning_from_usage()
-        if not reasoning and self.reasoning_texts and counter is not None:
+        counted = None
+        if self.reasoning_texts and counter is not None and not self.reasoning_from_usage():
             counted = await counter.count_texts(self.reasoning_texts)
-            if counted:
-                reasoning = counted, TokenSource.TOKENIZER.value
-        if not reasoning and self.reasoning_events:
-            reasoning = self.reasoning_events, "events"
         return self.measurement(
             end=end,
             started_at=started_at,
@@ -405,8 +401,18 @@ class StreamObserver:
             error_type=error_type,
             error_message=error_message,
             trace_id=trace_id,
-            reasoning=reasoning or None,
+            reasoning=self.reasoning(counted),
         )
+
+    def reasoning(self, counted: int | None = None) -> tuple[int, str] | None:
+        """(reasoning tokens, their source): usage's, else `counted` (a tokenizer's count of
+        the reasoning texts), else the reasoning events; None when there was none."""
+        found = self.reasoning_from_usage()
+        if not found and counted:
+            found = counted, TokenSource.TOKENIZER.value
+        if not found and self.reasoning_events:
+            found = self.reasoning_events, "events"
+        return found
 
     def reasoning_from_usage(self) -> tuple[int, str] | None:
         """(reasoning tokens, "usage") when usage reports more than 0. vLLM counts only

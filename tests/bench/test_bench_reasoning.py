@@ -18,6 +18,7 @@ from proxy.sim.app import create_sim_app
 from proxy.sim.config import SimConfig
 from tests.conftest import MODEL
 from tests.servers import ThreadedServer
+from tests.tokenizers_local import build_tiny_tokenizer
 
 REQUESTS = 8
 FLAGS = ("--concurrency", "2", "--requests", str(REQUESTS), "--max-tokens", "64")
@@ -70,3 +71,26 @@ def test_bench_compare_compares_first_answer_and_reasoning(sim_url: str, tmp_pat
     assert level.values["long"]["without_answer_share"] == 0
     text = render([level], 95, 0.05, 2000, 0)
     assert "first answer p50 (ms)" in text and "reasoning tokens, mean (tok)" in text
+
+
+def test_a_tokenizer_counts_the_reasoning_too_and_never_overrides_the_engines_count(
+    sim_url: str, tmp_path: Path
+) -> None:
+    """With --tokenizer and no usage, the reasoning is counted by the tokenizer, as the
+    proxy counts it (the bench's recount once dropped it: "2 requests reasoned, 0
+    reasoning tokens"); and a count the engine gave (llama.cpp's timings) stays the
+    engine's, ahead of the tokenizer in the proxy's order (TokenSource)."""
+    tokenizer = str(build_tiny_tokenizer(tmp_path / "tok"))
+    no_usage = ("--header", "x-sim-usage-mode: ignore", "--no-ignore-eos", "--tokenizer", tokenizer)
+    reasoning = ("--header", "x-sim-reasoning-tokens: 5", "--header", "x-sim-output-tokens: 10")
+    _bench(sim_url, tmp_path / "r.json", *FLAGS, *no_usage, *reasoning, "--quiet")
+    doc = orjson.loads((tmp_path / "r.json").read_bytes())
+    assert doc["summary"][0]["reasoned"] == REQUESTS
+    for record in doc["records"]:
+        assert record["token_source"] == "tokenizer"
+        assert record["reasoning_token_source"] == "tokenizer" and record["reasoning_tokens"] > 0
+        assert record["answer_tpot"] is not None
+    llamacpp = ("--header", "x-sim-backend-kind: llamacpp", "--header", "x-sim-output-tokens: 10")
+    _bench(sim_url, tmp_path / "e.json", *FLAGS, *no_usage, *llamacpp, "--quiet")
+    records = orjson.loads((tmp_path / "e.json").read_bytes())["records"]
+    assert {(r["token_source"], r["output_tokens"]) for r in records} == {("engine", 10)}

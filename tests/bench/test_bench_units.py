@@ -335,3 +335,16 @@ def test_table_warns_when_the_bench_itself_was_the_bottleneck() -> None:
     text = report.table([summarize(calm, {}), summarize(busy, {})])
     assert "c=64: warning: the bench's own event loop ran 20.0 ms late" in text
     assert "c=1: warning" not in text
+
+
+def test_late_sends_are_noted_for_every_open_loop_level_whatever_its_label() -> None:
+    """An --input-tokens sweep labels its open-loop levels `in=16 rate=20/s`, and a replay
+    `replay`: the note once looked for a label starting `rate=`, and said nothing there."""
+    levels = [
+        Level(0, 20, label, start=0.0, end=1.0, results=[result()])
+        for label in ("in=16 rate=20/s", "replay")
+    ]
+    summaries = [summarize(level, {}) for level in levels]
+    text = report.table(summaries, open_loop=True)
+    assert "in=16 rate=20/s: sends were late by" in text and "replay: sends were late by" in text
+    assert "sends were late" not in report.table(summaries)  # a closed loop's have no schedule

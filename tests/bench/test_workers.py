@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,38 @@ def test_closed_loop_workers_split_the_streams_and_number_requests_apart(
     doc = bench(sim.url + "/v1", tmp_path / "c.json", "--concurrency", "4", "--requests", "12", "--workers", "2")  # fmt: skip
     assert sorted(r["index"] for r in doc["records"]) == list(range(12))
     assert doc["summary"][0]["ok"] == 12 and doc["config"]["workers"] == 2
+
+
+def test_workers_merge_records_with_tool_calls_and_engine_metrics(
+    start_sim: StartSim, tmp_path: Path
+) -> None:
+    """The merge reads each record back from its run file: tool calls and the engine's
+    per-request metrics come back as the objects the summary reads (they once stayed
+    dicts, and every --workers run against vLLM with per-request metrics or tool calls
+    failed)."""
+    sim = start_sim(ttft=0.01, tokens_per_second=1000)
+    run = ("--concurrency", "2", "--requests", "4", "--workers", "2")
+    tools = ("--header", "x-sim-tool-calls: 1", "--max-tokens", "50")
+    doc = bench(sim.url + "/v1", tmp_path / "tools.json", *run, *tools)
+    assert doc["summary"][0]["tool_calls"] == {"complete": 4}, doc["summary"][0]
+    doc = bench(sim.url + "/v1", tmp_path / "engine.json", *run, "--header", "x-sim-metrics: 1")
+    split = doc["summary"][0]["ttft_split"]
+    assert split is not None and split["requests"] == 4, doc["summary"][0]
+
+
+@pytest.mark.alone("a start instant read within tenths of a second")
+def test_a_closed_loop_waits_for_its_start_at(start_sim: StartSim, tmp_path: Path) -> None:
+    """--start-at ahead of now: the closed loop's streams wait for it as the open loop's
+    schedule does (they once started at once, and the level's duration, counted from the
+    start instant, came out near zero: billions of requests a second)."""
+    sim = start_sim(ttft=0.01, tokens_per_second=1000)
+    start = time.time() + 1.5
+    doc = bench(sim.url + "/v1", tmp_path / "c.json", "--concurrency", "2", "--requests", "4", "--start-at", str(start))  # fmt: skip
+    first = min(r["started_at"] for r in doc["records"])
+    assert first >= start - 0.01, first - start
+    assert all(r["scheduled"] >= -0.01 for r in doc["records"])
+    summary = doc["summary"][0]
+    assert summary["duration"] > 0.02 and summary["request_throughput"] < 1000, summary
 
 
 def test_workers_refuse_a_sweep() -> None:
