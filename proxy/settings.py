@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from proxy.core.datafile import parse_data_file
 from proxy.core.labels import SECRET_HEADERS, is_secret_name
@@ -34,14 +34,32 @@ class SettingsError(ValueError):
 
 
 def _url(value: str) -> str:
+    """An upstream's URL as every part of the proxy reads it: the scheme in lower case
+    (`HTTPS://` is TLS everywhere), no trailing `/` nor `/v1` on its path. Credentials in
+    it would be shown (/readyz, logs) and sent by some clients only, a query or fragment
+    glued to every control-plane URL: both are refused."""
     parts = urlsplit(value)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https") or not parts.hostname:
         raise ValueError("expected an http:// or https:// URL with a host")
     try:
         parts.port  # noqa: B018 - raises on a bad port
     except ValueError as exc:
         raise ValueError(f"bad port: {exc}") from None
-    return value.rstrip("/").removesuffix("/v1")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(
+            "no credentials in the URL (user:password@): the client's own Authorization "
+            "header goes upstream"
+        )
+    if parts.query or parts.fragment:
+        raise ValueError("an upstream's URL takes no query (?...) or fragment (#...)")
+    path = parts.path.rstrip("/").removesuffix("/v1")
+    return urlunsplit((scheme, parts.netloc, path, "", ""))
+
+
+def tls_upstream(url: str) -> bool:
+    """`url` (an --upstream) is reached over TLS: https, in any case."""
+    return urlsplit(url).scheme.lower() == "https"
 
 
 def _port(value: str) -> int:
@@ -270,7 +288,7 @@ class Settings:
     upstream: str = setting(
         _url,
         REQUIRED,
-        "Base URL of the OpenAI-compatible backend, e.g. http://vllm:8000 (a trailing `/v1` is ignored).",
+        "Base URL of the OpenAI-compatible backend, e.g. http://vllm:8000 (a trailing `/v1` is ignored; a base path is kept; credentials, a query or a fragment in it are refused).",
     )
     upstream_uds: str | None = setting(
         _socket_path,
@@ -566,13 +584,17 @@ def settings_table() -> str:
     return "\n".join(rows) + "\n"
 
 
+# A URL's credentials (`//user:password@`), never echoed in a refusal: it lands in logs.
+_USERINFO = re.compile(r"//[^/?#@]*@")
+
+
 def parse_value(source: str, raw: str, parse: Callable[[str], Any]) -> Any:
     """One value parsed, or SettingsError naming where it came from (a flag or a variable).
     The OTEL_* variables (proxy/sinks/otel_env.py) are read through this too."""
     try:
         return parse(raw)
     except ValueError as exc:
-        raise SettingsError(f"{source}={raw!r}: {exc}") from None
+        raise SettingsError(f"{source}={_USERINFO.sub('//***@', raw)!r}: {exc}") from None
 
 
 def number(value: str) -> float:
@@ -694,7 +716,7 @@ def _check_tls(settings: Settings) -> None:
             "--enable-ssl-refresh needs --ssl-certfile, --upstream-ssl-certfile or "
             "--upstream-ca-certs: there is no TLS file to reload"
         )
-    if not settings.upstream.startswith("https://"):
+    if not tls_upstream(settings.upstream):
         for flag, value in (
             ("--upstream-ca-certs", settings.upstream_ca_certs),
             ("--upstream-ssl-certfile", settings.upstream_ssl_certfile),
@@ -708,7 +730,7 @@ def _check_uds(settings: Settings) -> None:
     Unix connector would send the requests in plain text."""
     if (
         settings.upstream_uds is not None
-        and settings.upstream.startswith("https://")
+        and tls_upstream(settings.upstream)
         and settings.relay == "asgi"
         and settings.upstream_transport == "aiohttp"
     ):

@@ -209,7 +209,7 @@ def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Options:
         raise OptionsError("--workers and --shard exclude each other (each worker is a shard)")
     if ns.workers > 1 and len(levels) > 1:
         raise OptionsError("--workers runs one level: give one --concurrency or --rate")
-    if ns.uds is not None and ns.url.startswith("https://"):
+    if ns.uds is not None and ns.url.lower().startswith("https://"):
         raise OptionsError("--uds takes an http:// --url: the bench speaks no TLS over a socket")
     return Options(
         base_url=_base_url(ns.url),

@@ -46,7 +46,7 @@ def upstream_tls(settings: UpstreamTLSSettings) -> ssl_module.SSLContext | None:
     SSL_CERT_FILE's, which OpenSSL reads), or --upstream-ca-certs in their place, and the
     client certificate of --upstream-ssl-certfile when given (mutual TLS). The wire's pool,
     the tunnel and the ASGI relay's client each ask for it; they get the one context."""
-    if not settings.upstream.startswith("https://"):
+    if not UpstreamURL.parse(settings.upstream).tls:  # https, in any case
         return None
     return _tls(
         settings.upstream_ca_certs,

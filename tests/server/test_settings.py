@@ -64,10 +64,41 @@ def test_unrelated_env_vars_are_ignored() -> None:
         ("https://vllm.example/v1", "https://vllm.example"),
         ("http://vllm:8000/v1/", "http://vllm:8000"),
         ("http://gw/tenant-a", "http://gw/tenant-a"),
+        ("HTTPS://vllm.example:8443/v1", "https://vllm.example:8443"),  # TLS everywhere
     ],
 )
 def test_upstream_is_normalised_without_v1(raw: str, want: str) -> None:
     assert parse(["--upstream", raw], {}).upstream == want
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        ("http://user:secret@vllm:8000", "no credentials in the URL"),
+        ("http://vllm:8000?tenant=a", "takes no query"),
+        ("http://vllm:8000/v1#frag", "or fragment"),
+    ],
+)
+def test_an_upstream_with_credentials_a_query_or_a_fragment_is_refused(
+    raw: str, reason: str
+) -> None:
+    """Credentials were shown on /readyz and in the log, and sent by the control calls
+    alone; a query or fragment was glued to every control-plane URL (`/?tenant=a/v1/models`)
+    and kept `/v1` on the data path (`/v1/v1/chat/completions`)."""
+    with pytest.raises(SettingsError) as refused:
+        parse(["--upstream", raw], {})
+    assert reason in str(refused.value) and "secret" not in str(refused.value)
+    with pytest.raises(SettingsError):
+        Settings(upstream=raw)
+
+
+def test_an_uppercase_https_upstream_is_tls_for_every_client() -> None:
+    """`HTTPS://` built in code: the tunnel once took it for plain http (the wire's pool
+    did not), and --upstream-ca-certs was refused for it."""
+    from proxy.server.dial import upstream_tls
+
+    assert upstream_tls(Settings(upstream="HTTPS://vllm.example")) is not None
+    assert upstream_tls(Settings(upstream="http://vllm.example")) is None
 
 
 @pytest.mark.parametrize(
