@@ -9,6 +9,7 @@ here: ProxyApp asks `owns(path)` and sends everything else straight to the forwa
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections.abc import Awaitable, Callable
 from time import monotonic
@@ -19,33 +20,52 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route, Router, request_response
 
 from proxy.core.errors import error_body
-from proxy.types import ASGIApp, Receive, Scope, Send
+from proxy.types import ASGIApp, Message, Receive, Scope, Send
 from proxy.ui import live_view
 
 _LIVE_VIEW = "/ui"
 
 
+#: The most a readiness probe waits for the upstream's answer head, all in all.
+PROBE_SECONDS = 2.0
+
+
 class Readiness:
-    """Ready when the upstream answers HTTP at all; cached for a second. The lifespan
-    hands it the upstream client when it has made one."""
+    """Ready when the upstream answers HTTP at all (a status below 500 within
+    PROBE_SECONDS: its head is enough, the body is not read); cached for a second, and
+    callers that come while a probe runs wait for that one, so any number of them asks
+    the upstream once. The lifespan hands it the upstream client when it has made one."""
 
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream
         self.client: httpx.AsyncClient | None = None
         self._checked_at = -1e9
         self._ready = False
+        self._probe: asyncio.Task[bool] | None = None
 
     async def __call__(self) -> bool:
         if monotonic() - self._checked_at < 1.0:
             return self._ready
+        if self._probe is None:
+            self._probe = asyncio.ensure_future(self._ask())
+            self._probe.add_done_callback(self._probed)
+        return await asyncio.shield(self._probe)
+
+    async def _ask(self) -> bool:
         assert self.client is not None, "lifespan did not run"
         try:
-            response = await self.client.get(self.upstream + "/v1/models", timeout=2.0)
-            self._ready = response.status_code < 500
-        except httpx.HTTPError:
-            self._ready = False
+            async with asyncio.timeout(PROBE_SECONDS):
+                request = self.client.build_request("GET", self.upstream + "/v1/models")
+                response = await self.client.send(request, stream=True)
+                await response.aclose()
+                return response.status_code < 500
+        except (httpx.HTTPError, TimeoutError):
+            return False
+
+    def _probed(self, probe: asyncio.Task[bool]) -> None:
+        self._probe = None
+        self._ready = not probe.cancelled() and probe.exception() is None and probe.result()
         self._checked_at = monotonic()
-        return self._ready
 
 
 class GuardedMetrics:
@@ -54,13 +74,17 @@ class GuardedMetrics:
 
     def __init__(self, exposition: ASGIApp, token: str | None) -> None:
         self.exposition = exposition
-        self.expected = None if token is None else b"Bearer " + token.encode()
+        self.expected = None if token is None else token.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.expected is not None:
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                await _error(401, "auth", "metrics need a bearer token")(scope, receive, send)
+            scheme, _, token = given.strip().partition(b" ")
+            # the scheme in any case (RFC 9110 §11.1), the token compared in constant time
+            bearer = scheme.lower() == b"bearer"
+            if not (secrets.compare_digest(token.strip(), self.expected) and bearer):
+                refuse = _error(401, "auth", "metrics need a bearer token")
+                await refuse(scope, receive, _challenging(send))
                 return
         await self.exposition(scope, receive, send)
 
@@ -98,9 +122,10 @@ class ControlPlane:
         await self.router(scope, receive, send)
 
     async def _readyz(self, request: Request) -> Response:
+        # Not the upstream's address: anyone who reaches the port may ask (the operator
+        # has it in their settings).
         ready = await self.readiness()
-        payload = {"ready": ready, "upstream": self.readiness.upstream}
-        return JSONResponse(payload, 200 if ready else 503)
+        return JSONResponse({"ready": ready}, 200 if ready else 503)
 
 
 class _AnyMethod:
@@ -120,3 +145,16 @@ async def _healthz(request: Request) -> Response:
 
 def _error(status: int, kind: str, message: str) -> Response:
     return Response(error_body(status, kind, message), status, media_type="application/json")
+
+
+def _challenging(send: Send) -> Send:
+    """`send` with `WWW-Authenticate: Bearer` added to the response head (RFC 9110 §15.5.2:
+    a 401 says which scheme it wants)."""
+
+    async def with_challenge(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = [*message.get("headers", ()), (b"www-authenticate", b"Bearer")]
+            message = {**message, "headers": headers}
+        await send(message)
+
+    return with_challenge

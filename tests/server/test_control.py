@@ -8,12 +8,14 @@ routes on real sockets.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
 from proxy.core.errors import error_body
+from proxy.server import control as control_module
 from proxy.server.control import ControlPlane, GuardedMetrics, Readiness
 from proxy.server.exposition import Exposition
 from proxy.types import ASGIApp
@@ -86,4 +88,40 @@ def test_readyz_follows_the_upstream(upstream_status: int, ready: bool, status: 
     transport = httpx.MockTransport(lambda request: httpx.Response(upstream_status))
     plane.readiness.client = httpx.AsyncClient(transport=transport)
     reply = call(plane, "GET", "/readyz")
-    assert (reply.status_code, reply.json()) == (status, {"ready": ready, "upstream": UPSTREAM})
+    # never the upstream's address: anyone who reaches the port may ask
+    assert (reply.status_code, reply.json()) == (status, {"ready": ready})
+
+
+def test_readyz_asks_once_for_all_its_callers_and_waits_a_bounded_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An upstream that never finishes answering: every caller has its answer within the
+    probe's bound (a body dripping a byte every half second once kept it 50 s), and 20
+    callers at once cost the upstream one request (they once opened 20 connections)."""
+    monkeypatch.setattr(control_module, "PROBE_SECONDS", 0.3)
+    asked: list[float] = []
+
+    async def stalling(request: httpx.Request) -> httpx.Response:
+        asked.append(time.monotonic())
+        await asyncio.sleep(30)
+        return httpx.Response(200)
+
+    readiness = Readiness(UPSTREAM)
+
+    async def many() -> list[bool]:
+        readiness.client = httpx.AsyncClient(transport=httpx.MockTransport(stalling))
+        return await asyncio.gather(*(readiness() for _ in range(20)))
+
+    started = time.monotonic()
+    answers = asyncio.run(many())
+    assert answers == [False] * 20 and len(asked) == 1
+    assert time.monotonic() - started < 2.0
+
+
+def test_metrics_token_takes_the_scheme_in_any_case_and_a_refusal_names_it() -> None:
+    plane = control(token="let-me-in")
+    for given in ("bearer let-me-in", "BEARER let-me-in", "Bearer  let-me-in"):
+        assert call(plane, "GET", "/metrics", headers={"authorization": given}).status_code == 200
+    for given in ("Basic let-me-in", "let-me-in", "Bearer let-me-in-too"):
+        refused = call(plane, "GET", "/metrics", headers={"authorization": given})
+        assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
