@@ -27,6 +27,10 @@ from multidict import CIMultiDict
 
 from proxy.server.upstream_errors import ClosedUnanswered
 
+#: The largest upstream response header line (and value) and the most headers taken.
+RESPONSE_HEADER_BYTES = 64 * 1024
+RESPONSE_HEADERS = 512
+
 
 class _AiohttpClosedUnanswered(ClosedUnanswered, aiohttp.ServerDisconnectedError):
     pass
@@ -62,6 +66,11 @@ def aiohttp_transport(
             # would come compressed to a client that did not ask), User-Agent or Accept.
             # Nor a Content-Type the client did not send.
             skip_auto_headers=("Accept-Encoding", "User-Agent", "Accept", "Content-Type"),
+            # A response head as the wire and httpx take it: aiohttp's own limits (8190
+            # bytes a header line, 128 headers) made a backend's long Link header a 502.
+            max_line_size=RESPONSE_HEADER_BYTES,
+            max_field_size=RESPONSE_HEADER_BYTES,
+            max_headers=RESPONSE_HEADERS,
         )
         # aiohttp sends an idempotent request again after any disconnect, on a fresh
         # connection too, and a POST never: send_upstream resends by the wire's rule
