@@ -187,16 +187,25 @@ class ExchangeRules:
         exchange = self.exchange
         assert exchange is not None, "a response head before the request went upstream"
         content_type = b""
-        length = False
+        length = encoded = False
         for name, value in headers:
             if name == b"content-type":
                 content_type = value
             elif name == b"content-length":
                 length = True
+            elif name == b"content-encoding":
+                encoded = value.strip().lower() != b"identity"
         exchange.open(status, content_type.decode("latin-1"), now)
-        # Only an event stream has a usage event to drop: any other body (a JSON answer
-        # to a stream request, an error) passes whole.
-        if not (status < 400 and content_type.startswith(_EVENT_STREAM)):
+        if encoded:
+            # Compressed though a measured request asks for identity: the body goes to the
+            # client as it comes, and nothing in it can be read (no event to time, no
+            # usage to strip): unmeasured, counted, never judged truncated.
+            self.stripper = None
+            if exchange.measuring:
+                exchange.observer_failed("encoded")
+        elif not (status < 400 and content_type.startswith(_EVENT_STREAM)):
+            # Only an event stream has a usage event to drop: any other body (a JSON
+            # answer to a stream request, an error) passes whole.
             self.stripper = None
         self.stage = Stage.RESPONDING
         out = client_headers(headers, content_type, body_changes=self.stripper is not None)

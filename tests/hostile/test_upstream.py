@@ -14,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+import zlib
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager
 
+import httpx
 import pytest
 
 from proxy.sim import SimConfig, create_sim_app
@@ -509,3 +511,50 @@ def test_a_long_or_crowded_response_head_is_relayed(
         got, _ = ask(base, b"/v1/models")
     assert got.startswith(b"HTTP/1.1 200 ") and got.endswith(b"\r\n\r\n{}"), got[:200]
     assert extra in got  # every header, as sent
+
+
+def test_a_compressed_stream_goes_as_it_comes_unmeasured_and_counted(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """A backend that gzips its event stream though the proxy asked for identity: the
+    pieces reach the client as they come (the usage stripper once held them all, waiting
+    for a blank line compressed bytes never have), and the stream, unreadable, is counted
+    as unmeasured (`encoded`), never recorded as truncated."""
+    events = [
+        b'data: {"id":"c","object":"chat.completion.chunk","model":"m","choices":[{"index":0,'
+        b'"delta":{"content":"t%d"},"finish_reason":null}]}\n\n' % i
+        for i in range(3)
+    ] + [b"data: [DONE]\n\n"]
+
+    async def gzipped(conn: Conn, request: Request) -> None:
+        conn.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-encoding: gzip\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
+        packer = zlib.compressobj(6, zlib.DEFLATED, 31)
+        for event in events:
+            piece = packer.compress(event) + packer.flush(zlib.Z_SYNC_FLUSH)
+            conn.write(b"%x\r\n%b\r\n" % (len(piece), piece))
+            await conn.drain()
+            await asyncio.sleep(0.3)
+        piece = packer.flush()
+        conn.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(piece), piece))
+        await conn.drain()
+
+    upstream.default = by_target({b"/v1/chat/completions": gzipped})
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    with proxy(upstream.url) as base:
+        started = time.monotonic()
+        arrivals: list[float] = []
+        raw = bytearray()
+        with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=10) as reply:
+            for piece in reply.iter_raw():
+                arrivals.append(time.monotonic() - started)
+                raw += piece
+        assert until(lambda: metric(base, MEASURING, stage="encoded") == 1)
+        assert metric(base, "tokenprobe_requests_total", error_type="stream_truncated") == 0
+    assert zlib.decompress(bytes(raw), 31) == b"".join(events)
+    assert arrivals[0] < arrivals[-1] - 0.5, arrivals  # the first piece did not wait for the end
+
+
+MEASURING = "tokenprobe_measurement_failures_total"
