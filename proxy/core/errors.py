@@ -409,7 +409,17 @@ def relay_failure(
     if after_headers:
         return Failure(error, message, drop=True)
     status = _STATUS_FOR_ERROR.get(error, 502)
-    return Failure(error, message, (status, error.value, f"upstream: {message}"))
+    # The client learns what broke, not where the backend is: the record keeps it all.
+    told = _ADDRESS.sub("", message)
+    return Failure(error, message, (status, error.value, f"upstream: {told}"))
+
+
+# The upstream's address in a transport's words: aiohttp's "Cannot connect to host
+# 10.0.0.5:8000 ssl:default [Connect call failed ('10.0.0.5', 8000)]", an IP and port.
+_ADDRESS = re.compile(
+    r" to host \S+|\s*\(\s*'[^']*',\s*\d+(?:,\s*\d+)*\s*\)"
+    r"|\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b|\[[0-9A-Fa-f:.]+\](?::\d+)?"
+)
 
 
 # -- the proxy's own error bodies -----------------------------------------------------------

@@ -303,6 +303,27 @@ def test_error_message_is_taken_from_each_body_shape(fixture: str, want: str) ->
     assert error_message(body(fixture)) == want
 
 
+@pytest.mark.parametrize(
+    ("raised", "told"),
+    [
+        (
+            ConnectionRefusedError(111, "Connect call failed ('10.0.0.5', 8000)"),
+            "upstream: ConnectionRefusedError: [Errno 111] Connect call failed",
+        ),
+        (OSError("Cannot connect to host vllm.internal:8000 ssl:default"), "upstream: OSError: Cannot connect ssl:default"),
+        (httpx.ConnectError("refused"), "upstream: ConnectError: refused"),
+    ],
+)  # fmt: skip
+def test_a_client_is_told_what_broke_upstream_not_where_the_upstream_is(
+    raised: BaseException, told: str
+) -> None:
+    """The record keeps the transport's words; the client's answer leaves out the
+    backend's address (aiohttp's "('10.0.0.5', 8000)" reached any client of the ASGI relay)."""
+    failure = relay_failure(Cause.UPSTREAM_BROKE, after_headers=False, exc=raised)
+    assert failure.answer is not None and failure.answer[2] == told
+    assert failure.message == describe(raised)
+
+
 def test_error_message_is_cut_to_the_limit_at_a_words_end() -> None:
     # A word cut in two could be the start of an echoed credential, which redaction of
     # whole values would then miss: the cut word goes.
