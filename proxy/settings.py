@@ -672,6 +672,7 @@ def validate(settings: Settings) -> None:
     _check_label_headers(settings)
     _check_tls(settings)
     _check_uds(settings)
+    _check_workers(settings)
     require_tokenizer_support(settings)
 
 
@@ -723,6 +724,16 @@ def _check_tls(settings: Settings) -> None:
         ):
             if value is not None:
                 raise SettingsError(f"{flag} needs an https:// --upstream: it is for its TLS")
+
+
+def _check_workers(settings: Settings) -> None:
+    """Each worker process builds the app, and so would each bind --metrics-port: the
+    second one fails and the server never starts (with uvicorn's exit status 0)."""
+    if settings.workers > 1 and settings.metrics_port is not None:
+        raise SettingsError(
+            "--metrics-port takes one process: with --workers, scrape /metrics on the "
+            "proxy's port (any worker answers for all; --metrics-token guards it)"
+        )
 
 
 def _check_uds(settings: Settings) -> None:

@@ -54,7 +54,8 @@ def assemble(
     upstream client (an in-process test's scripted upstream, `httpx.MockTransport`)."""
     upstream = settings.upstream
     if registry is None:
-        registry = CollectorRegistry()
+        # ProcessFigures describes no names: a `name[]` scrape must still reach it.
+        registry = CollectorRegistry(support_collectors_without_names=True)
         # The process's own figures under the usual names: process_cpu_seconds_total,
         # process_resident_memory_bytes, and process_open_fds against process_max_fds
         # (two a stream: docs/deployment.md, "Open files"). With --workers the

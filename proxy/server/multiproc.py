@@ -24,7 +24,8 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 def multiprocess_metrics_app(directory: str) -> Any:
     from prometheus_client import multiprocess
 
-    scrape_registry = CollectorRegistry()
+    # The collector describes no names: without this a `name[]` scrape would leave it out.
+    scrape_registry = CollectorRegistry(support_collectors_without_names=True)
     multiprocess.MultiProcessCollector(scrape_registry, path=directory)  # type: ignore[no-untyped-call]
     return Exposition(scrape_registry, before=lambda: drop_dead_workers(directory))
 

@@ -10,6 +10,7 @@ gauges of processes that died are dropped at each scrape.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -22,6 +23,8 @@ import tempfile
 from typing import Any
 
 import uvicorn
+from uvicorn.config import STARTUP_FAILURE
+from uvicorn.supervisors import Multiprocess
 
 from proxy.openfiles import raise_open_file_limit
 from proxy.server.app import ProxyApp
@@ -153,10 +156,19 @@ def _open_files() -> None:
 
 
 def _run_workers(settings: Settings, options: dict[str, Any]) -> int:
-    directory = os.environ.get(MULTIPROC_ENV) or tempfile.mkdtemp(prefix="tokenprobe-metrics-")
+    given = os.environ.get(MULTIPROC_ENV)
+    directory = given or tempfile.mkdtemp(prefix="tokenprobe-metrics-")
     shutil.rmtree(directory, ignore_errors=True)  # stale files from a previous run would add up
     os.makedirs(directory)
     os.environ[MULTIPROC_ENV] = directory
+    try:
+        return _serve_workers(settings, options)
+    finally:
+        if not given:  # ours: gone with the server (a given one is the operator's)
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _serve_workers(settings: Settings, options: dict[str, Any]) -> int:
     for spec in SPECS:  # hand the resolved settings to the worker processes
         value = getattr(settings, spec.name)
         if value is not None:
@@ -164,10 +176,31 @@ def _run_workers(settings: Settings, options: dict[str, Any]) -> int:
     _configure_logging(settings)
     _say_build()
     _open_files()  # the workers inherit it
-    uvicorn.run(
-        "proxy.server.serve:worker_app",
-        factory=True,
-        workers=settings.workers,
-        **options,
+    config = uvicorn.Config(
+        "proxy.server.serve:worker_app", factory=True, workers=settings.workers, **options
     )
-    return 0
+    supervisor = _Supervisor(config, sockets=[config.bind_socket()])
+    with contextlib.suppress(KeyboardInterrupt):
+        supervisor.run()
+    # A worker that could not start stops them all (uvicorn's rule): say so, as one does.
+    failed = any(p.exitcode == STARTUP_FAILURE for p in supervisor.processes)
+    return STARTUP_FAILURE if failed else 0
+
+
+class _Supervisor(Multiprocess):
+    """uvicorn's worker supervisor (what `uvicorn.run` runs with workers), which stops
+    listening first when told to stop: each worker closes its copy of the socket as its
+    drain begins, but the parent's kept the port accepting connections no worker would
+    ever serve, and new clients hung for the whole drain instead of being refused."""
+
+    def handle_term(self) -> None:
+        self._stop_listening()
+        super().handle_term()
+
+    def handle_int(self) -> None:
+        self._stop_listening()
+        super().handle_int()
+
+    def _stop_listening(self) -> None:
+        for sock in self.sockets:
+            sock.close()

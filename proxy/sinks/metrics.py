@@ -11,6 +11,7 @@ latency, time to first byte, prompt tokens and the request counter.
 
 from __future__ import annotations
 
+import os
 from bisect import bisect_left
 from collections.abc import Sequence
 from types import SimpleNamespace
@@ -684,10 +685,12 @@ class Metrics:
             "1 for the backend kind and version the upstream last said it is (asked at "
             "start and every --models-refresh seconds (never when it is 0): vLLM /version, Ollama "
             "/api/version, llama.cpp /props, SGLang /get_server_info, TGI /info); "
-            'kind="unknown" when none answered. One series at a time.',
+            'kind="unknown" when none answered. One series at 1 at a time (with --workers '
+            "an earlier backend's series stays, at 0).",
             ("kind", "version"),
             registry=self.registry,
-            multiprocess_mode="max",  # every worker asks the same upstream
+            # every worker asks the same upstream; a dead worker's value is dropped
+            multiprocess_mode="livemax",
         )
         self._backend: tuple[str, str] | None = None
         self.malformed_events = c(
@@ -703,7 +706,8 @@ class Metrics:
             return
         if self._backend is not None:  # 0 first: a multiprocess file keeps the last value
             self.backend_info.labels(*self._backend).set(0)
-            self.backend_info.remove(*self._backend)
+            if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:  # it cannot remove one there
+                self.backend_info.remove(*self._backend)
         self.backend_info.labels(kind, version).set(1)
         self._backend = (kind, version)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.scrape import scrape
+from tests.scrape import Scrape, scrape
 from tests.server.conftest import no_proxy
 from tests.servers import free_port, spawn, stop, wait_http
 
@@ -48,7 +48,14 @@ def refuses_connections(url: str, timeout: float = 5.0) -> bool:
     return False
 
 
-def test_sigterm_lets_an_in_flight_stream_finish_then_exits_zero(sim_url: str) -> None:
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sigterm_lets_an_in_flight_stream_finish_then_exits_zero(
+    sim_url: str, workers: int, tmp_path: Path
+) -> None:
+    """The drain: the stream in flight ends whole, new connections are refused at once
+    (with --workers the parent's copy of the socket once kept accepting them, and they
+    hung for the whole drain), the process exits 0, and the metrics directory it made
+    for its workers is gone with it."""
     port = free_port()
     proxy = spawn(
         "serve",
@@ -60,6 +67,9 @@ def test_sigterm_lets_an_in_flight_stream_finish_then_exits_zero(sim_url: str) -
         "10",
         "--access-log",
         "off",
+        "--workers",
+        str(workers),
+        env={"TMPDIR": str(tmp_path)},
     )
     base = f"http://127.0.0.1:{port}"
     try:
@@ -68,7 +78,7 @@ def test_sigterm_lets_an_in_flight_stream_finish_then_exits_zero(sim_url: str) -
         under_way = threading.Event()
 
         def long_stream() -> None:
-            headers = {"x-sim-ttft": "0.1", "x-sim-tps": "20", "x-sim-output-tokens": "40"}  # ~2 s
+            headers = {"x-sim-ttft": "0.1", "x-sim-tps": "10", "x-sim-output-tokens": "40"}  # ~4 s
             body = b""
             with httpx.stream("POST", base + CHAT, json=BODY, headers=headers, timeout=30) as r:
                 for chunk in r.iter_raw():
@@ -80,11 +90,13 @@ def test_sigterm_lets_an_in_flight_stream_finish_then_exits_zero(sim_url: str) -
         client.start()
         assert under_way.wait(10), "the stream did not start"
         proxy.send_signal(signal.SIGTERM)
-        assert refuses_connections(base + "/healthz"), "still accepting after SIGTERM"
+        assert refuses_connections(base + "/healthz", timeout=1.5), "still accepting after SIGTERM"
+        assert "body" not in result  # refused while the stream was still under way
         client.join(15)
         assert proxy.wait(15) == 0
         body = result["body"]
         assert body.endswith(b"data: [DONE]\n\n") and body.count(b'"finish_reason":"stop"') == 1
+        assert not list(tmp_path.glob("tokenprobe-metrics-*"))
     finally:
         stop(proxy)
 
@@ -135,6 +147,9 @@ def test_two_workers_report_exact_totals_on_every_scrape(sim_url: str, tmp_path:
                 counts.append(scraped.total("tokenprobe_requests_total"))
             del client
         assert counts == [n] * 10
+        # a name[] scrape is answered from every worker's files too (it was empty)
+        page = httpx.get(base + "/metrics?name[]=tokenprobe_requests_total", timeout=10).text
+        assert Scrape.parse(page).total("tokenprobe_requests_total") == n
     finally:
         stop(proxy)
 

@@ -39,6 +39,11 @@ CASES: list[tuple[list[str], dict[str, Any], str]] = [
     (["--label-values", "0"], {"label_values": 0}, "at least 1"),
     (["--conversation-table", "0"], {"conversation_table": 0}, "at least 1"),
     (["--relay", "nginx"], {"relay": "nginx"}, "expected one of wire, asgi"),
+    (
+        ["--workers", "2", "--metrics-port", "9464"],
+        {"workers": 2, "metrics_port": 9464},
+        "--metrics-port takes one process",
+    ),
     (["--uds", "/s/" + "x" * 105], {"uds": "/s/" + "x" * 105}, "at most 107 bytes"),
     (["--upstream-uds", ""], {"upstream_uds": ""}, "the path of a Unix domain socket"),
     (["--access-log", "xml"], {"access_log": "xml"}, "expected one of json, text, off"),

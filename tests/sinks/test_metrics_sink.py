@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -182,3 +187,33 @@ def test_trace_id_becomes_an_exemplar_on_ttft(
 
 def test_token_buckets_are_the_1_2_5_series() -> None:
     assert token_buckets(1000) == (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0)
+
+
+def test_backend_info_in_multiprocess_mode_is_a_live_gauge_set_to_0_not_removed(
+    tmp_path: Path,
+) -> None:
+    """With --workers each process writes its own file: the info gauge is `livemax`, so
+    a dead worker's last answer is dropped at the next scrape (with `max` it stayed at 1
+    beside the new backend's forever), and a change sets the old series to 0 rather than
+    calling remove(), which prometheus-client cannot do there (it warned each time)."""
+    program = f"""
+import warnings
+warnings.simplefilter("error")
+from prometheus_client import CollectorRegistry, multiprocess
+from proxy.sinks.metrics import Metrics
+metrics = Metrics(CollectorRegistry())
+metrics.set_backend("vllm", "1")
+metrics.set_backend("llamacpp", "2")
+scrape = CollectorRegistry()
+multiprocess.MultiProcessCollector(scrape, path={str(tmp_path)!r})
+for family in scrape.collect():
+    if family.name == "tokenprobe_backend_info":
+        print(sorted((s.labels["kind"], s.value) for s in family.samples))
+"""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    run = subprocess.run(
+        [sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[('llamacpp', 1.0), ('vllm', 0.0)]"
+    assert list(tmp_path.glob("gauge_livemax_*.db")) and not list(tmp_path.glob("gauge_max_*"))
