@@ -5,11 +5,14 @@ request the bench counts as good is the request the proxy counts as met.
 A target is a name, how to read its figure from a record, and a limit in seconds. Each
 finished request gets one verdict:
 
-  cancelled  the client went away first (`client_cancelled`): counted apart and left out
-             of attainment, as the bench leaves out the requests still in flight when a
-             run stops (guidellm does the same with requests cut off at the end)
+  <target>   the first target, in TARGETS order, whose figure is above its limit; for a
+             request the client left, also a first token (or answer) it waited for
+             longer than its limit without getting: a miss already known when it left
+  cancelled  the client went away first (`client_cancelled`) and no miss was known:
+             counted apart and left out of attainment, as the bench leaves out the
+             requests still in flight when a run stops (guidellm does the same with
+             requests cut off at the end)
   error      any other failure: it kept no promise (guidellm counts errors as failing)
-  <target>   the first target, in TARGETS order, whose figure is above its limit
   met        it succeeded and no figure is above its limit
 
 A figure a request does not have cannot miss its target: the TPOT of a one-token answer,
@@ -100,25 +103,43 @@ def format_slo(limits: Limits) -> str:
 
 def verdict(m: Measurement, limits: Limits) -> str:
     """One of CANCELLED, ERROR, a target's name (the first missed), MET."""
-    if m.error_type is not None:
-        return CANCELLED if m.cancelled else ERROR
-    for name, limit in limits.items():
-        value = BY_NAME[name].read(m)
-        if value is not None and value > limit:
-            return name
-    return MET
+    if m.error_type is not None and not m.cancelled:
+        return ERROR
+    return _judged(lambda name: BY_NAME[name].read(m), limits, m.e2e, left=m.cancelled)
 
 
 def record_verdict(record: Mapping[str, Any], limits: Limits) -> str:
     """The same verdict for a saved bench record (its JSON object)."""
     error = record.get("error_type")
-    if error is not None:
-        return CANCELLED if error == "client_cancelled" else ERROR
-    for name, limit in limits.items():
+    if error is not None and error != "client_cancelled":
+        return ERROR
+
+    def read(name: str) -> float | None:
         value = record.get(BY_NAME[name].record_key)
-        if isinstance(value, int | float) and value > limit:
+        return value if isinstance(value, int | float) else None
+
+    e2e = record.get("e2e")
+    return _judged(
+        read, limits, e2e if isinstance(e2e, int | float) else None, left=error is not None
+    )
+
+
+#: The targets a request that ends without their figure has missed once it waited past
+#: their limit: its first token, its first answer token.
+_AWAITED = frozenset({"ttft", "ttfa"})
+
+
+def _judged(
+    read: Callable[[str], float | None], limits: Limits, e2e: float | None, *, left: bool
+) -> str:
+    """The first target missed; else MET, or CANCELLED for a request the client `left`."""
+    for name, limit in limits.items():
+        value = read(name)
+        if value is not None and value > limit:
             return name
-    return MET
+        if left and value is None and name in _AWAITED and e2e is not None and e2e > limit:
+            return name  # it left after waiting longer than the limit for that token
+    return CANCELLED if left else MET
 
 
 @dataclass(frozen=True, slots=True)

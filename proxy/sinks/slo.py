@@ -3,7 +3,8 @@
   tokenprobe_slo_requests_total{model, endpoint, *labels, result}
       result: met, the first target missed (ttft, tpot, e2e), error
   tokenprobe_slo_cancelled_requests_total{model, endpoint, *labels}
-      client went away first: left out of attainment, as the bench leaves them out
+      client went away first, no miss known yet: left out of attainment, as the bench
+      leaves them out (one that left after a miss was known counts as that miss)
   tokenprobe_goodput_tokens_total{model, endpoint, *labels}
       output tokens of the met requests: rate() is goodput in tokens/s
 
@@ -42,14 +43,17 @@ class SloMetrics:
             "Generative requests judged against their model's SLO targets (--slo, --slo-file) "
             "when they ended, from the proxy receiving the request to its last byte: result "
             f"met (every target kept), the first target missed, in this order: {_TARGETS}; or "
-            "error (the request failed). Client cancellations are counted apart.",
+            "error (the request failed). A client that left once a target was known missed "
+            "(a figure over its limit, or a first token awaited past it) counts as that miss; "
+            "other cancellations are counted apart.",
             (*labels, "result"),
             registry=registry,
         )
         self.cancelled = Counter(
             "tokenprobe_slo_cancelled_requests",
             "Generative requests whose client went away before the end (from the proxy "
-            "receiving the request to the disconnect): left out of SLO attainment.",
+            "receiving the request to the disconnect) before any target was known missed: "
+            "left out of SLO attainment.",
             labels,
             registry=registry,
         )

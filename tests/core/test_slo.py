@@ -24,7 +24,12 @@ LIMITS = slo.parse_slo("ttft=0.5,tpot=0.05,e2e=10")
         ({"ttft": 0.4, "tpot": 0.04, "e2e": 11.0}, "e2e"),
         ({"ttft": None, "tpot": None, "e2e": 1.0}, "met"),  # a figure it lacks cannot miss
         ({"error_type": ErrorType.UPSTREAM_ERROR}, "error"),
-        ({"error_type": ErrorType.CLIENT_CANCELLED, "ttft": 9.0}, "cancelled"),
+        # A client that left: a miss already known when it left counts as that miss
+        # (the worst waits under overload once vanished from attainment); else cancelled.
+        ({"error_type": ErrorType.CLIENT_CANCELLED, "ttft": 9.0}, "ttft"),
+        ({"error_type": ErrorType.CLIENT_CANCELLED, "ttft": None, "e2e": 2.0}, "ttft"),
+        ({"error_type": ErrorType.CLIENT_CANCELLED, "ttft": None, "e2e": 0.3}, "cancelled"),
+        ({"error_type": ErrorType.CLIENT_CANCELLED, "ttft": 0.4, "e2e": 2.0}, "cancelled"),
     ],
 )
 def test_a_record_and_its_saved_form_get_the_same_verdict(
