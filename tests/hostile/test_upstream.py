@@ -479,7 +479,7 @@ def test_a_post_the_backend_held_and_closed_unanswered_is_not_sent_again(
     again would run a second generation. That one is a 502."""
 
     async def hold_then_close(conn: Conn, request: Request) -> None:
-        await asyncio.sleep(1.5)  # past RESEND_WITHIN (1 s)
+        await asyncio.sleep(1.2)  # past RESEND_WITHIN (1 s)
         conn.writer.close()
 
     upstream.default = by_target({b"/v1/completions": hold_then_close})
@@ -489,7 +489,7 @@ def test_a_post_the_backend_held_and_closed_unanswered_is_not_sent_again(
     )
     with proxy(upstream.url) as base:
         # the POST after the GET's answer: on the connection the GET left in the pool
-        got = exchange(base, get(b"/v1/models"), then=post, after=0.3, idle=3.0)
+        got = exchange(base, get(b"/v1/models"), then=post, after=0.3, idle=1.5)
     assert [status for status, _, _ in responses(got)] == [200, 502], got
     assert [r.target for r in upstream.requests] == [b"/v1/models", b"/v1/completions"]
     assert upstream.connections == 1

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.scrape import Scrape, scrape
-from tests.server.conftest import no_proxy
+from tests.server.conftest import no_proxy, paths
 from tests.servers import free_port, spawn, stop, wait_http
 
 CHAT = "/v1/chat/completions"
@@ -48,29 +48,16 @@ def refuses_connections(url: str, timeout: float = 5.0) -> bool:
     return False
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_sigterm_lets_an_in_flight_stream_finish_then_exits_zero(
-    sim_url: str, workers: int, tmp_path: Path
-) -> None:
-    """The drain: the stream in flight ends whole, new connections are refused at once
-    (with --workers the parent's copy of the socket once kept accepting them, and they
-    hung for the whole drain), the process exits 0, and the metrics directory it made
-    for its workers is gone with it."""
+def drains(sim_url: str, tmp_path: Path, *flags: str) -> None:
+    """`tokenprobe serve` with `flags`, a stream under way, SIGTERM: the stream ends
+    whole, new connections are refused at once (with --workers the parent's copy of the
+    socket once kept accepting them, and they hung for the whole drain), the process exits
+    0, and a metrics directory it made for workers is gone with it."""
     port = free_port()
     proxy = spawn(
-        "serve",
-        "--upstream",
-        sim_url,
-        "--port",
-        str(port),
-        "--drain-timeout",
-        "10",
-        "--access-log",
-        "off",
-        "--workers",
-        str(workers),
-        env={"TMPDIR": str(tmp_path)},
-    )
+        "serve", "--upstream", sim_url, "--port", str(port), "--drain-timeout", "10",
+        "--access-log", "off", *flags, env={"TMPDIR": str(tmp_path)},
+    )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
         wait_http(base + "/healthz")
@@ -78,7 +65,7 @@ def test_sigterm_lets_an_in_flight_stream_finish_then_exits_zero(
         under_way = threading.Event()
 
         def long_stream() -> None:
-            headers = {"x-sim-ttft": "0.1", "x-sim-tps": "10", "x-sim-output-tokens": "40"}  # ~4 s
+            headers = {"x-sim-ttft": "0.1", "x-sim-tps": "20", "x-sim-output-tokens": "40"}  # ~2 s
             body = b""
             with httpx.stream("POST", base + CHAT, json=BODY, headers=headers, timeout=30) as r:
                 for chunk in r.iter_raw():
@@ -90,7 +77,7 @@ def test_sigterm_lets_an_in_flight_stream_finish_then_exits_zero(
         client.start()
         assert under_way.wait(10), "the stream did not start"
         proxy.send_signal(signal.SIGTERM)
-        assert refuses_connections(base + "/healthz", timeout=1.5), "still accepting after SIGTERM"
+        assert refuses_connections(base + "/healthz", timeout=1.0), "still accepting after SIGTERM"
         assert "body" not in result  # refused while the stream was still under way
         client.join(15)
         assert proxy.wait(15) == 0
@@ -99,6 +86,17 @@ def test_sigterm_lets_an_in_flight_stream_finish_then_exits_zero(
         assert not list(tmp_path.glob("tokenprobe-metrics-*"))
     finally:
         stop(proxy)
+
+
+def test_sigterm_lets_an_in_flight_stream_finish_then_exits_zero(
+    sim_url: str, tmp_path: Path
+) -> None:
+    drains(sim_url, tmp_path)
+
+
+@paths("wire", why="the listening socket is uvicorn's supervisor's, the same for both relays")
+def test_with_workers_sigterm_refuses_new_connections_at_once(sim_url: str, tmp_path: Path) -> None:
+    drains(sim_url, tmp_path, "--workers", "2")
 
 
 def test_serve_starts_fast_without_a_tokenizer(sim_url: str) -> None:
