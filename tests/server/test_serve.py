@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.scrape import Scrape, scrape
+from tests.scrape import Scrape, scrape, wait_for
 from tests.server.conftest import no_proxy, paths
 from tests.servers import free_port, spawn, stop, wait_http
 
@@ -139,6 +139,9 @@ def test_two_workers_report_exact_totals_on_every_scrape(sim_url: str, tmp_path:
                     json=BODY,
                     headers={"x-sim-ttft": "0", "x-sim-output-tokens": "3", "connection": "close"},
                 )
+            # a request is recorded just after its last byte: wait for the last one, then
+            # every scrape, by whichever worker, must say exactly n
+            wait_for(base, "tokenprobe_requests_total", n)
             counts = []
             for _ in range(10):
                 scraped = scrape(base, headers={"connection": "close"})
