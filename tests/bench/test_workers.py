@@ -70,7 +70,6 @@ def test_workers_merge_records_with_tool_calls_and_engine_metrics(
     assert split is not None and split["requests"] == 4, doc["summary"][0]
 
 
-@pytest.mark.alone("a start instant read within tenths of a second")
 def test_a_closed_loop_waits_for_its_start_at(start_sim: StartSim, tmp_path: Path) -> None:
     """--start-at ahead of now: the closed loop's streams wait for it as the open loop's
     schedule does (they once started at once, and the level's duration, counted from the
