@@ -22,6 +22,7 @@ from proxy.core.datafile import parse_data_file
 from proxy.core.labels import SECRET_HEADERS, is_secret_name
 from proxy.core.slo import NAMES as SLO_NAMES
 from proxy.core.slo import Policy, SloError, format_slo, parse_slo, parse_slo_file
+from proxy.core.upstream_url import UpstreamURL
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -55,11 +56,6 @@ def _url(value: str) -> str:
         raise ValueError("an upstream's URL takes no query (?...) or fragment (#...)")
     path = parts.path.rstrip("/").removesuffix("/v1")
     return urlunsplit((scheme, parts.netloc, path, "", ""))
-
-
-def tls_upstream(url: str) -> bool:
-    """`url` (an --upstream) is reached over TLS: https, in any case."""
-    return urlsplit(url).scheme.lower() == "https"
 
 
 def _port(value: str) -> int:
@@ -717,7 +713,7 @@ def _check_tls(settings: Settings) -> None:
             "--enable-ssl-refresh needs --ssl-certfile, --upstream-ssl-certfile or "
             "--upstream-ca-certs: there is no TLS file to reload"
         )
-    if not tls_upstream(settings.upstream):
+    if not UpstreamURL.parse(settings.upstream).tls:  # https, in any case
         for flag, value in (
             ("--upstream-ca-certs", settings.upstream_ca_certs),
             ("--upstream-ssl-certfile", settings.upstream_ssl_certfile),
@@ -741,7 +737,7 @@ def _check_uds(settings: Settings) -> None:
     Unix connector would send the requests in plain text."""
     if (
         settings.upstream_uds is not None
-        and tls_upstream(settings.upstream)
+        and UpstreamURL.parse(settings.upstream).tls
         and settings.relay == "asgi"
         and settings.upstream_transport == "aiohttp"
     ):
