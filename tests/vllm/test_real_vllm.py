@@ -11,14 +11,8 @@ own timings. So each stream is asked for twice at temperature 0, once direct and
 through the proxy, and the two bodies are compared byte for byte after replacing exactly
 those values (each replacement is counted, so a missing field is seen). Everything else
 must be identical: the framing, every chunk in order, `system_fingerprint` where vLLM put
-it, the `[DONE]` line. vLLM's API server may also merge the outputs of two engine steps
-into one chunk when it falls behind (v1's RequestOutputCollector), which changes how many
-chunks a stream has between two runs of one request. A merged stream has fewer chunks
-than an unmerged one, so when a pair's counts differ the side with fewer is asked for
-again, up to six times, and a pair whose counts never agree fails. Both sides can also be
-merged once each at different steps: then the counts agree and the bytes differ only in
-where the same text was cut, and the pair is asked for again, up to six times; a pair
-whose text or anything else differs fails at once.
+it, the `[DONE]` line. vLLM merges two engine steps' outputs into one chunk when its API
+server falls behind; tests/vllm/pairs.py says how a pair is then asked for again.
 """
 
 from __future__ import annotations
@@ -37,6 +31,8 @@ import pytest
 from tests.scrape import Change, Delta, Scrape, scrape
 from tests.servers import free_port, spawn, stop, wait_http, whole_lines
 from tests.vllm.conftest import MODEL, SERVED, Servers, Vllm, throttled
+from tests.vllm.pairs import compare_pair as compare_pair_at
+from tests.vllm.pairs import fetch, payloads
 
 # the first test also waits for both servers to start (conftest's START_TIMEOUT)
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -73,36 +69,15 @@ def body_for(path: str, prompt: str, usage: bool, max_tokens: int = 8, **extra: 
     return {**body, **extra}
 
 
-def fetch(client: httpx.Client, url: str, body: Any, types: list[str] | None = None) -> bytes:
-    """A stream's raw body; its content-type is appended to `types` when given."""
-    with client.stream("POST", url, json=body) as response:
-        assert response.status_code == 200, response.read()
-        if types is not None:
-            types.append(response.headers["content-type"])
-        return b"".join(response.iter_raw())
-
-
-def events(raw: bytes) -> list[bytes]:
-    return [part for part in raw.split(b"\n\n") if part]
-
-
-def normalise(raw: bytes) -> tuple[bytes, tuple[int, int, int]]:
-    """The body with ids, created stamps and metrics timings replaced, and how many of
-    each were replaced."""
+def normalise(raw: bytes, chunks: int) -> bytes:
+    """The body with ids, created stamps and metrics timings replaced; each replacement is
+    counted, so a missing field is seen."""
     raw, ids = _ID.subn(rb'"id":"\1-X"', raw)
     raw, created = _CREATED.subn(b'"created":0', raw)
     raw, timings = _TIMING.subn(rb'"\1":0', raw)
-    return raw, (ids, created, timings)
-
-
-def payloads(raw: bytes) -> list[Any]:
-    out = []
-    for event in events(raw):
-        assert event.startswith(b"data: "), event
-        data = event[len(b"data: ") :]
-        if data != b"[DONE]":
-            out.append(orjson.loads(data))
-    return out
+    assert ids == created == chunks - 1, raw  # every chunk but [DONE]
+    assert timings in (0, len(TIMINGS)), raw
+    return raw
 
 
 def engine_object(raw: bytes) -> Any:
@@ -112,49 +87,15 @@ def engine_object(raw: bytes) -> Any:
     return found[0]
 
 
-def generated(raw: bytes) -> tuple[str, list[str]]:
-    """A stream's generated text, joined, and its finish reasons: what a merge keeps."""
-    text, reasons = [], []
-    for payload in payloads(raw):
-        for choice in payload.get("choices") or []:
-            delta = choice.get("delta") or {}
-            text.append(delta.get("content") or choice.get("text") or "")
-            if choice.get("finish_reason"):
-                reasons.append(choice["finish_reason"])
-    return "".join(text), reasons
-
-
 def compare_pair(client: httpx.Client, server: Vllm, path: str, body: Any) -> bytes:
-    """One stream direct and through the proxy, compared as the module docstring says;
+    """One stream direct and through the proxy, compared as tests/vllm/pairs.py says;
     returns the proxied body."""
     types: list[str] = []
-    direct = fetch(client, server.url + path, body, types)
-    proxied = fetch(client, server.proxy_url + path, body, types)
+    proxied = compare_pair_at(client, server.url + path, server.proxy_url + path, body,
+                              normalise, types)  # fmt: skip
     assert types[0] == types[1] and types[0].startswith("text/event-stream"), types
-    for _ in range(6):
-        # Under load a few percent of streams came merged (1 to 2 in 64 pairs beside four
-        # busy loops); CI once saw three pairs in a row with one side merged.
-        for _ in range(6):
-            if len(events(direct)) == len(events(proxied)):
-                break
-            if len(events(direct)) < len(events(proxied)):
-                direct = fetch(client, server.url + path, body)
-            else:
-                proxied = fetch(client, server.proxy_url + path, body)
-        n = len(events(direct))
-        assert len(events(proxied)) == n, (direct, proxied)
-        (want, counts), (got, got_counts) = normalise(direct), normalise(proxied)
-        assert counts == got_counts and counts[0] == counts[1] == n - 1  # every chunk but [DONE]
-        assert counts[2] == (len(TIMINGS) if "stream_options" in body else 0)
-        if got == want:
-            break
-        # Both sides merged once, at different steps (CI saw "\n" + "\n\n" direct and
-        # "\n\n" + "\n" proxied): the same chunks in number, the same text cut elsewhere.
-        # Anything else is a difference the proxy made, and fails here.
-        assert generated(got) == generated(want), (direct, proxied)
-        direct = fetch(client, server.url + path, body)
-        proxied = fetch(client, server.proxy_url + path, body)
-    assert got == want
+    timings = len(_TIMING.findall(proxied))
+    assert timings == (len(TIMINGS) if "stream_options" in body else 0), proxied
     return proxied
 
 
