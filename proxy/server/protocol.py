@@ -135,8 +135,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         # a client gone (its upstream request cancelled) and of the client's flow control.
         self.running: Any = None
         self._body_open = False  # a request's head is in and its body not yet all
-        self._head_after_body = False  # answered before its body was in: see on_response_complete
-        self._rest_timer: asyncio.TimerHandle | None = None  # that body's --body-timeout
+        # set while the rest of a body answered early is read and dropped (its
+        # --body-timeout): the next head starts when that body ends (on_response_complete)
+        self._rest_timer: asyncio.TimerHandle | None = None
         # Over TLS this protocol is made at the accept and connected after the handshake,
         # which the loop bounds by the header timeout (proxy.server.eventloop); a handshake
         # not over by then is counted here, as nothing tells this protocol it ended.
@@ -308,8 +309,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def _body_done(self) -> None:
         """The request's message ended (on_message_complete, on both data paths)."""
         self._body_open = False
-        if self._head_after_body:
-            self._head_after_body = False
+        if self._rest_timer is not None:
             self._stop_rest_timer()
             self._start_head(timed=False)
             # idle from here, as uvicorn's on_response_complete makes a connection (the
@@ -340,7 +340,6 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             # Answered before its body was all in (a 413, a refusal at the head): what
             # comes next is that body, read and dropped, not a head to count and time; it
             # gets --body-timeout, as a body does, whatever keeps the connection busy.
-            self._head_after_body = True
             self._rest_timer = self.loop.call_later(self.limits.body_timeout, self._rest_overdue)
         else:
             self._start_head(timed=False)  # idle until it begins: uvicorn's keep-alive timer
