@@ -313,6 +313,8 @@ class StreamObserver:
         facts = self.api.body(obj, self._collect)
         self.response_id = None  # the body's identity wins
         self._apply(facts, 0.0)
+        if facts.finishes is not None:
+            self.finishes.update(facts.finishes)
 
     def counts_from_usage(self) -> TokenCounts | None:
         usage = self.usage

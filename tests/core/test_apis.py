@@ -451,6 +451,32 @@ def test_n_choices_keep_each_ones_finish_reason_in_index_order() -> None:
     assert (one.finish_reason, one.finish_reasons) == ("stop", ())
 
 
+@pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions"])
+def test_a_non_streaming_body_keeps_each_choices_finish_reason_in_index_order(
+    endpoint: str,
+) -> None:
+    """A body ends every choice at once: with n > 1 each one's finish label is kept, in
+    index order, as a stream's are (one position once: the last choice's alone)."""
+    key, value = ("message", {"role": "assistant", "content": "a"}), ("text", "a")
+    field = key if endpoint == "/v1/chat/completions" else value
+    choices = [
+        {"index": 1, field[0]: field[1], "finish_reason": "length"},
+        {"index": 0, field[0]: field[1], "finish_reason": "stop"},
+    ]
+    body = {"id": "c", "model": MODEL, "choices": choices}
+    observer = StreamObserver(info(endpoint, stream=False), start=START)
+    observer.open(200, "application/json", OPENED)
+    observer.feed(orjson.dumps(body), 100.5)
+    m = finish(observer, 100.5)
+    assert m.finish_reasons == ("stop", "length")
+    one = {**body, "choices": choices[:1]}
+    observer = StreamObserver(info(endpoint, stream=False), start=START)
+    observer.open(200, "application/json", OPENED)
+    observer.feed(orjson.dumps(one), 100.5)
+    m = finish(observer, 100.5)
+    assert (m.finish_reason, m.finish_reasons) == ("length", ())
+
+
 def test_one_choice_keeps_the_request_level_formula() -> None:
     reads = [_chunk(0, "a"), _chunk(0, "b"), _chunk(0, "c", "stop")]
     m = replay("/v1/chat/completions", reads, [100.5, 100.75, 101.5], 101.5)

@@ -78,6 +78,8 @@ class Facts:
     texts     the generated text pieces, only when the observer collects them
     finish    the raw finish/stop reason, as the backend wrote it
     finish_choice  the index of the choice it finishes (n > 1: each choice finishes alone)
+    finishes  a non-streaming body's raw finish reason per choice index (n > 1), None when
+              it has one choice or none: a body ends every choice at once
     usage     the usage object as sent
     error     an in-stream error object (or the error event itself)
     engine    the engine's per-request `metrics` object as sent (proxy/core/engine.py),
@@ -105,6 +107,7 @@ class Facts:
     texts: list[str] | None = None
     finish: str | None = None
     finish_choice: int = 0
+    finishes: dict[int, str] | None = None
     usage: dict[str, Any] | None = None
     error: object = None
     engine: object = None

@@ -177,17 +177,22 @@ class OpenAIGeneration(Api):
         facts = super().body(obj, collect)
         choices = obj.get("choices")
         if type(choices) is list:
+            finishes: dict[int, str] = {}
             for choice in choices:
                 if type(choice) is not dict:
                     continue
                 reason = choice.get("finish_reason")
                 if reason and type(reason) is str:
-                    facts.finish = reason
+                    index = choice.get("index", 0)
+                    facts.finish, facts.finish_choice = reason, index if type(index) is int else 0
+                    finishes[facts.finish_choice] = reason
                 if collect:
                     message = choice.get("message")
                     text = message.get("content") if type(message) is dict else choice.get("text")
                     if type(text) is str:
                         keep(facts, text)
+            if len(finishes) > 1:
+                facts.finishes = finishes
         return facts
 
 
