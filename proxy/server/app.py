@@ -50,7 +50,22 @@ class _HideUpstreamBroke(logging.Filter):
         return not isinstance(exc, UpstreamBroke)
 
 
+class _WebSocketPathOnly(logging.Filter):
+    """uvicorn logs each WebSocket handshake it answers with its path and query
+    (protocols/websockets/websockets_impl.py: '%s - "WebSocket %s" 403'): a query can carry
+    a key (`?api_key=`), so the line keeps the path alone."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if type(args) is tuple and len(args) >= 2 and '"WebSocket %s"' in str(record.msg):
+            where = args[1]
+            if type(where) is str and "?" in where:
+                record.args = (args[0], where.split("?", 1)[0] + "?[query]", *args[2:])
+        return True
+
+
 logging.getLogger("uvicorn.error").addFilter(_HideUpstreamBroke())
+logging.getLogger("uvicorn.error").addFilter(_WebSocketPathOnly())
 
 
 class ProxyApp:
@@ -95,7 +110,8 @@ class ProxyApp:
         kind = scope["type"]
         if kind == "websocket":
             # Only the wire tunnels WebSockets; here a clean refusal (403), not a 500.
-            log.warning("WebSocket %s refused: the ASGI relay does not tunnel them", scope["path"])
+            # %r: the path is the client's, percent-decoded (a %0A would start a line)
+            log.warning("WebSocket %r refused: the ASGI relay does not tunnel them", scope["path"])
             await send({"type": "websocket.close", "code": 1008})
         elif kind == "http":
             # The proxy's own routes first, decided on the normalised target (so no

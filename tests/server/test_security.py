@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import random
+import socket
 import string
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.conftest import MODEL, ProxyUnderTest, Running
 from tests.scrape import Scrape
@@ -191,3 +194,26 @@ def echoing(
         await send({"type": "http.response.body", "body": body})
 
     return app
+
+
+def test_a_websocket_handshake_logs_neither_its_query_nor_a_line_of_the_clients(
+    sim: Running, start_proxy: Callable[..., ProxyUnderTest], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A handshake whose path decodes to a newline and an escape, with a key in its query:
+    no log line carries the key, and none is split or coloured by the client (the ASGI
+    relay's refusal logged the decoded path as it came, and uvicorn's own line the query)."""
+    proxy = start_proxy(sim.url)
+    port = int(proxy.url.rsplit(":", 1)[1])
+    head = (
+        b"GET /v1/realtime%0AERROR%20tokenprobe:%20forged%1b[31m?api_key=sk-WSQUERYCANARY1 "
+        b"HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    )
+    with caplog.at_level(logging.DEBUG), socket.create_connection(("127.0.0.1", port)) as conn:
+        conn.sendall(head)
+        conn.settimeout(5)
+        assert conn.recv(64).startswith(b"HTTP/1.1 ")
+        time.sleep(0.2)  # the server logs after it answers
+    lines = [record.getMessage() for record in caplog.records]
+    assert not any("WSQUERYCANARY" in line for line in lines), lines
+    assert not any("\n" in line or "\x1b" in line for line in lines), lines
