@@ -226,6 +226,17 @@ def scrub(text: str) -> str:
     return _SECRET.sub(lambda m: (m.group(1) or "") + "[redacted]", text)
 
 
+#: The most of a client's model name a log line or a span shows.
+MAX_SHOWN_MODEL = 200
+
+
+def shown_model(model: str) -> str:
+    """The model a client named, as the access log and spans show it: cut short, and with
+    anything that looks like a credential masked (a key pasted into the wrong field is a
+    key still). Masked before the cut, so a key the cut would split loses its start too."""
+    return scrub(model[: 2 * MAX_SHOWN_MODEL])[:MAX_SHOWN_MODEL]
+
+
 def error_message(body: bytes, limit: int = 300) -> str:
     """A short, secret-free message from an error body of any known shape (or its raw text).
 

@@ -4,7 +4,7 @@ Keys, in this order, stable (a key without a value is null in JSON, left out in 
 
   ts             when the proxy received the request, ISO-8601 UTC with ms ("...T12:00:00.123Z")
   arrival        the same instant as Unix seconds with microseconds (what a replay schedules by)
-  model          the model the client asked for (first 200 characters)
+  model          the model the client asked for (first 200 characters, credentials masked)
   endpoint       the API's label, its canonical path (/v1/chat/completions, /v1/messages, ...)
   status         HTTP status the client got (0: nothing was sent)
   error_type     the proxy's error type (see ErrorType), null on success
@@ -78,6 +78,7 @@ from typing import Any, TextIO
 
 import orjson
 
+from proxy.core.errors import shown_model
 from proxy.core.fingerprint import keyed
 from proxy.core.measurement import NONE_LABEL, Measurement
 from proxy.core.wsrecord import WsSessionRecord
@@ -131,7 +132,6 @@ KEYS = (
 SESSION_KEYS = ("ts", "arrival", "kind", "endpoint", "status", "outcome", "e2e_ms")
 SESSION_KIND = "websocket_session"
 
-_MAX_MODEL_CHARS = 200
 _PLAIN = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_./:+@")
 
 
@@ -186,7 +186,7 @@ def log_record(m: Measurement, key: bytes) -> dict[str, Any]:
     return {
         "ts": iso_utc(m.started_at),
         "arrival": round(m.started_at, 6),
-        "model": m.model[:_MAX_MODEL_CHARS],
+        "model": shown_model(m.model),
         "endpoint": m.endpoint,
         "status": m.status_code,
         "error_type": m.error_type.value if m.error_type is not None else None,
@@ -259,8 +259,18 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 3)
 
 
+#: The line breaks besides the ASCII ones (those JSON escapes): a reader that splits on
+#: every Unicode line break (Python's str.splitlines) would read a client's U+2028 in a
+#: model name as the start of a line it wrote.
+_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
+def _one_line(line: str) -> str:
+    return line if line.isascii() else line.translate(_LINE_BREAKS)
+
+
 def _json_line(rec: dict[str, Any]) -> str:
-    return orjson.dumps(rec, option=orjson.OPT_APPEND_NEWLINE).decode()
+    return _one_line(orjson.dumps(rec, option=orjson.OPT_APPEND_NEWLINE).decode())
 
 
 def _text_line(rec: dict[str, Any]) -> str:
@@ -281,4 +291,4 @@ def _text_line(rec: dict[str, Any]) -> str:
         else:
             text = str(value)
         parts.append(f"{key}={text}")
-    return " ".join(parts) + "\n"
+    return _one_line(" ".join(parts) + "\n")

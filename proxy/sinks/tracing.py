@@ -37,6 +37,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.core.apis import RequestInfo, api_of
 from proxy.core.conversations import MAX_RESPONSE_ID
+from proxy.core.errors import shown_model
 from proxy.core.measurement import NONE_LABEL, Measurement
 from proxy.settings import SettingsError
 from proxy.sinks import otel_env, semconv
@@ -47,7 +48,6 @@ Headers = list[tuple[bytes, bytes]]
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _TRACE_HEADERS = frozenset({b"traceparent", b"tracestate"})
-_MAX_MODEL_CHARS = 200
 
 
 class Tracing:
@@ -84,7 +84,7 @@ class Tracing:
         parent = _PROPAGATOR.extract(carrier, context=Context()) if carrier else Context()
         api = api_of(info.endpoint)
         operation = api.operation
-        model = info.model[:_MAX_MODEL_CHARS]
+        model = shown_model(info.model)
         attributes: dict[str, Any] = {
             **dict(semconv.operation_attributes(info.endpoint)),
             **self.server,

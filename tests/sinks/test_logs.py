@@ -181,9 +181,14 @@ def test_text_mode_is_one_logfmt_line_without_nulls() -> None:
 
 
 @pytest.mark.parametrize("mode", ["json", "text"])
-def test_a_newline_in_client_input_cannot_forge_a_line(mode: str) -> None:
-    lines = log_lines(mode, record(model='x\nts=forged "'))
-    assert len(lines) == 1
+@pytest.mark.parametrize("newline", ["\n", "\r", "\u2028", "\u2029", "\x85"])
+def test_a_newline_in_client_input_cannot_forge_a_line(mode: str, newline: str) -> None:
+    """Any of the line breaks a reader may split on (str.splitlines splits on U+2028,
+    U+2029 and U+0085 too; JSON leaves those unescaped)."""
+    lines = log_lines(mode, record(model=f'x{newline}ts=forged "'))
+    assert len(lines) == 1, lines
+    if mode == "json":
+        assert orjson.loads(lines[0])["model"] == f'x{newline}ts=forged "'
 
 
 def prefixed(salt: str | None, messages: list[dict[str, Any]]) -> dict[str, Any]:
@@ -290,6 +295,18 @@ def test_secrets_in_headers_reach_no_log_span_or_metric(observed: Observed) -> N
         metrics = httpx.get(observed.url + "/metrics", headers={"Accept": accept}).text
         assert "tokenprobe_requests_total" in metrics
         assert "SECRET123" not in metrics
+
+
+def test_a_key_in_the_model_field_reaches_no_log_or_span(observed: Observed) -> None:
+    """A key pasted into the wrong field is a key still: masked in the access log and the
+    span (name and gen_ai.request.model) as in an error message."""
+    body = {"model": "sk-MODELKEYCANARY0123", "messages": [{"role": "user", "content": "hi"}]}
+    httpx.post(observed.url + "/v1/chat/completions", json=body)
+    (line,) = wait_lines(observed.log, 1)
+    (span,) = observed.spans.get_finished_spans()
+    assert orjson.loads(line)["model"] == "[redacted]"
+    assert "MODELKEYCANARY" not in span.to_json()
+    assert span.name.endswith("[redacted]")
 
 
 # -- the model load beside the engine parts ----------------------------------------------
