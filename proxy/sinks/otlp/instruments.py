@@ -121,7 +121,9 @@ USAGE_CACHE_READ = Instrument(
 USAGE_REASONING = Instrument(
     "gen_ai.client.inference.usage.reasoning.output_tokens",
     "{token}",
-    "Output tokens spent on reasoning (usage), counted when each request ends.",
+    "Output tokens spent on reasoning, counted when each request ends: the backend's usage, "
+    "else the tokenizer's count, else one per reasoning event (the span's "
+    "tokenprobe.reasoning_token_source and the access log's reasoning_token_source say which).",
 )
 UNKNOWN_MODALITY = (("gen_ai.token.modality", "unknown"),)
 
