@@ -18,6 +18,7 @@ DEFAULT = Measurement(
     endpoint=CHAT,
     model="sim-model",
     stream=True,
+    stream_requested=True,
     status_code=200,
     started_at=1_700_000_000.0,
     ttfb=0.010,

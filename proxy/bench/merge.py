@@ -64,6 +64,7 @@ def measurement(record: Mapping[str, Any]) -> Measurement:
         for call in values.get("tool_calls") or ()
     )
     values["finish_reasons"] = tuple(values.get("finish_reasons") or ())
+    values.setdefault("stream_requested", values["stream"])  # a run saved before it was kept
     engine = values.get("engine")
     if isinstance(engine, dict):
         spec = engine.get("spec")

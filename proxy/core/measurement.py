@@ -99,7 +99,8 @@ class Measurement:
 
     endpoint: str  # the Api's label: its canonical path (proxy/core/apis ENDPOINTS)
     model: str  # the requested model as sent by the client ("" if none)
-    stream: bool
+    stream: bool  # the response was an event stream (what was measured as one)
+    stream_requested: bool  # the client asked for a stream (its request's `stream`)
     status_code: int  # what the client received (0 if nothing was sent)
     started_at: float  # wall clock (time.time()) at `start`, for logs and traces
     ttfb: float | None

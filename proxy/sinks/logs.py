@@ -22,7 +22,7 @@ Keys, in this order, stable (a key without a value is null in JSON, left out in 
   tokens_per_chunk   output tokens per content event (usage or tokenizer counts)
   spec_draft_tokens, spec_accepted_tokens   speculative decoding, as the engine counted
   proxy_overhead_ms   the proxy's own time (body read -> upstream, head in -> head out)
-  stream         whether the client asked for a stream
+  stream         whether the client asked for a stream (its request's `stream`, whatever came back)
   max_tokens     the output limit the client asked for (max_tokens, max_output_tokens, ...)
   prefix         the prefix fingerprint: keyed hashes (16 hex digits) of the prompt's leading
                  units, cumulative: messages 1, 1-2, 1-3, ... (at most 8) for chat, Messages
@@ -211,7 +211,7 @@ def log_record(m: Measurement, key: bytes) -> dict[str, Any]:
         "spec_draft_tokens": None if spec is None else spec.draft_tokens,
         "spec_accepted_tokens": None if spec is None else spec.accepted_tokens,
         "proxy_overhead_ms": _ms(m.proxy_overhead),
-        "stream": m.stream,
+        "stream": m.stream_requested,
         "trace_id": m.trace_id,
         "response_id": m.response_id,
         "error": m.error_message,

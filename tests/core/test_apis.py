@@ -71,6 +71,7 @@ def record(endpoint: str, response_id: str, **fields: object) -> Measurement:
         endpoint=endpoint,
         model=MODEL,
         stream=True,
+        stream_requested=True,
         status_code=200,
         started_at=STARTED_AT,
         ttfb=0.125,

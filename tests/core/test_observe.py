@@ -479,6 +479,7 @@ def test_non_streaming_body_gives_usage_finish_reason_and_identity() -> None:
     m = finish(observer, 101.0)
     assert m == expected(
         stream=False,
+        stream_requested=False,
         e2e=1.0,
         prompt_tokens=12,
         output_tokens=16,

@@ -309,6 +309,19 @@ def test_a_key_in_the_model_field_reaches_no_log_or_span(observed: Observed) -> 
     assert span.name.endswith("[redacted]")
 
 
+def test_stream_is_what_the_client_asked_whatever_came_back(observed: Observed) -> None:
+    """A streaming request the backend refused (an unknown model: a JSON 404) is still
+    logged as a stream: `bench replay` replays each line as it was asked for."""
+    for model, status in (("no-such-model", 404), (MODEL, 200)):
+        body = {"model": model, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+        assert httpx.post(observed.url + "/v1/chat/completions", json=body).status_code == status
+    lines = wait_lines(observed.log, 2)
+    assert [(orjson.loads(line)["status"], orjson.loads(line)["stream"]) for line in lines] == [
+        (404, True),
+        (200, True),
+    ]
+
+
 # -- the model load beside the engine parts ----------------------------------------------
 
 

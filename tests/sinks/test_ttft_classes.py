@@ -61,6 +61,7 @@ def _record(prompt: int | None, cached: int | None, ttft: float, endpoint: str) 
         endpoint=endpoint,
         model=MODEL,
         stream=True,
+        stream_requested=True,
         status_code=200,
         started_at=time.time(),
         ttfb=ttft / 2,

@@ -187,6 +187,7 @@ class RealtimeSession(WsSession):
                 endpoint=Realtime.endpoint,
                 model=self.model,
                 stream=True,
+                stream_requested=True,
                 status_code=101,
                 started_at=self.started_at + (u.commit - self.start),
                 ttfb=None,
