@@ -219,6 +219,23 @@ def test_a_client_that_chose_usage_itself_is_left_alone() -> None:
         assert info.usage_requested is (value == b"true")
 
 
+def test_a_client_that_asked_for_continuous_usage_is_not_asked_for_usage() -> None:
+    """vLLM sends usage on every chunk only beside stream_include_usage (base/serving.py,
+    `include_continuous_usage = request.stream_continuous_usage_stats if include_usage
+    else False`): asked for usage, that client would get usage it gets not direct (and the
+    stripper, seeing it, stops asking for every later stream). Its false is no ask."""
+    api = api_for("/v1/audio/transcriptions")
+    assert api is not None
+    for value, asked in ((b"true", False), (b"1", False), (b"false", True)):
+        body = form(
+            ("file", b"RIFF", "a.wav"),
+            ("stream", b"true", None),
+            ("stream_continuous_usage_stats", value, None),
+        )
+        _, obj = parse_request(api, body, FORM_CT)
+        assert obj is not None and (api.ask_for_usage(obj) is not None) is asked, value
+
+
 # vLLM's transcription stream (base/serving.py @ 00e2ed95ef60): content chunks, the finish
 # chunk, the usage chunk (stream_include_usage) and [DONE].
 TRANSCRIPTION = [

@@ -16,7 +16,8 @@ and a translation `{"text"}`.
 Usage: when the client streams without `stream_include_usage`, the proxy adds that one
 field as a last form part (proxy/core/form.py) and strips the usage-only chunk again
 (proxy/core/strip.py), exactly as for chat: the client gets the bytes it would get direct.
-A client that sent the field itself (true or false) is left alone.
+A client that sent the field itself (true or false) is left alone, and so is one that
+asked for continuous usage (see Transcriptions.ask_for_usage).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from proxy.core.form import Form, read_form, with_field
 
 _TRUE = frozenset({"true", "1", "yes", "on", "t", "y"})  # what pydantic reads as True
 USAGE_FIELD = "stream_include_usage"
+CONTINUOUS_FIELD = "stream_continuous_usage_stats"
 
 
 class Transcriptions(Chat):
@@ -62,7 +64,13 @@ class Transcriptions(Chat):
         return _flag(obj.get(USAGE_FIELD))
 
     def ask_for_usage(self, obj: dict[str, Any]) -> bytes | None:
-        if not isinstance(obj, Form) or USAGE_FIELD in obj:
+        """The form with `stream_include_usage` added, or None: where the client sent it,
+        and where it sent `stream_continuous_usage_stats` true, which vLLM honours only
+        beside include_usage (base/serving.py, `include_continuous_usage =
+        request.stream_continuous_usage_stats if include_usage else False`): asked for,
+        usage would come on every chunk, which the client would not get direct. Chat
+        sends that flag as false instead; a form part is not rewritten here."""
+        if not isinstance(obj, Form) or USAGE_FIELD in obj or _flag(obj.get(CONTINUOUS_FIELD)):
             return None
         return with_field(obj, USAGE_FIELD, "true")
 
