@@ -288,6 +288,16 @@ class StreamObserver:
     def body(self) -> bytes:
         return b"".join(self._body)
 
+    def _ended(self) -> bool:
+        """The stream reached its API's clean end: its end marker, or where a finish reason
+        ends a stream, a finish for every choice that streamed (with n > 1 each choice
+        finishes alone, so a stream cut after the first one's finish is cut short)."""
+        if self.done:
+            return True
+        if not self.api.finish_ends_stream or self.finish_reason is None:
+            return False
+        return self.choices.keys() <= self.finishes.keys()
+
     def outcome(self) -> tuple[ErrorType | None, str | None]:
         """The error type (None for success) judged from what was seen, for a response that
         reached its end without a transport failure."""
@@ -295,9 +305,7 @@ class StreamObserver:
             body = self.body()
             return classify_response(self.status, body), error_message(body)
         if self.streaming:
-            api = self.api
-            ended = self.done or (api.finish_ends_stream and self.finish_reason is not None)
-            return classify_stream_end(self.stream_error, ended, api.end_marker)
+            return classify_stream_end(self.stream_error, self._ended(), self.api.end_marker)
         self._parse_body()
         return None, None
 
@@ -489,7 +497,7 @@ class StreamObserver:
         tokens, source = reasoning if reasoning is not None else (None, None)
         calls: tuple[ToolCall, ...] = ()
         if self.tools is not None:
-            ended = self.done or (self.api.finish_ends_stream and self.finish_reason is not None)
+            ended = self._ended()
             length = self.finish_reason is not None and (
                 self.api.finish_label(self.finish_reason) == "length"
             )

@@ -478,6 +478,26 @@ def test_a_non_streaming_body_keeps_each_choices_finish_reason_in_index_order(
     assert (m.finish_reason, m.finish_reasons) == ("length", ())
 
 
+@pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions"])
+def test_n_choices_cut_after_one_finished_is_truncated(endpoint: str) -> None:
+    """Without [DONE] a finish reason ends a stream (OpenAI may omit [DONE]), but with
+    n > 1 each choice finishes alone: the stream ended cleanly only once every choice that
+    streamed has finished."""
+    if endpoint == "/v1/completions":
+        pieces = [b'{"index":1,"text":"a","finish_reason":null}',
+                  b'{"index":0,"text":"b","finish_reason":null}',
+                  b'{"index":0,"text":"","finish_reason":"stop"}',
+                  b'{"index":1,"text":"","finish_reason":"length"}']  # fmt: skip
+        reads = [b'data: {"id":"c","choices":[' + p + b"]}\n\n" for p in pieces]
+    else:
+        reads = [_chunk(1, "a"), _chunk(0, "b"), _finish_only(0, "stop"), _finish_only(1, "length")]
+    times = [100.5 + i / 8 for i in range(4)]
+    cut = replay(endpoint, reads[:3], times[:3], 101.0)
+    assert cut.error_type is ErrorType.STREAM_TRUNCATED
+    whole = replay(endpoint, reads, times, 101.0)
+    assert whole.error_type is None and whole.finish_reasons == ("stop", "length")
+
+
 def test_one_choice_keeps_the_request_level_formula() -> None:
     reads = [_chunk(0, "a"), _chunk(0, "b"), _chunk(0, "c", "stop")]
     m = replay("/v1/chat/completions", reads, [100.5, 100.75, 101.5], 101.5)

@@ -262,6 +262,17 @@ def test_transcription_stream_gives_exact_record() -> None:
     assert m.tpot == 0.5 / 3
 
 
+def test_a_long_transcription_cut_after_its_first_segment_is_truncated() -> None:
+    """Audio longer than the model's clip is transcribed in segments, each ending with its
+    own finish_reason (base/serving.py loops over the segments): a stream cut after the
+    first segment's finish, before [DONE], is cut short, not a success."""
+    cut = [*TRANSCRIPTION[:3], TRANSCRIPTION[0]]  # segment 2 had begun
+    m = run("/v1/audio/transcriptions", AUDIO_FORM, cut, [100.5, 100.75, 101.0, 101.1],
+            101.2, content_type=FORM_CT)  # fmt: skip
+    assert m.error_type is ErrorType.STREAM_TRUNCATED and m.error_message is not None
+    assert "[DONE]" in m.error_message
+
+
 def test_transcription_stream_without_finish_or_done_is_truncated() -> None:
     m = run(
         "/v1/audio/transcriptions",

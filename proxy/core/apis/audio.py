@@ -39,6 +39,11 @@ class Transcriptions(Chat):
     takes_messages = False  # a form with a file, not the chat it derives from
     paths = ("/v1/audio/transcriptions",)
     operation = "transcription"
+    # Audio longer than the model's clip is transcribed in segments, each one's last chunk
+    # with its own finish_reason (base/serving.py loops over the segments' generators):
+    # only [DONE], which vLLM always sends, ends the stream.
+    finish_ends_stream = False
+    end_marker = "[DONE]"
     measures = (
         "multipart form read with a real parser; TTFT at the first transcription.chunk with "
         "non-empty delta.content; TPOT, ITL, decode speed; tokens from the usage chunk "
