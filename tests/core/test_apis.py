@@ -340,6 +340,30 @@ def test_responses_stream_byte_at_a_time_gives_the_same_record() -> None:
     assert replay("/v1/responses", reads, times, 101.25) == RESP_WANT
 
 
+@pytest.mark.parametrize(
+    "kind", ["response.code_interpreter_call_code.delta", "response.mcp_call_arguments.delta"]
+)
+def test_a_built_in_tools_input_is_the_first_token(kind: str) -> None:
+    """A harmony model writes a code interpreter's code or an MCP call's arguments as
+    deltas of their own (vLLM's responses/serving.py emits both): generated content, of the
+    tool kind, though no function call is counted."""
+
+    def event(obj: dict[str, object]) -> bytes:
+        return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+    reads = [
+        event({"type": "response.created", "response": {"id": RESP_ID, "model": MODEL}}),
+        event({"type": "response.output_item.added", "output_index": 0,
+               "item": {"type": "code_interpreter_call", "id": "ci_1"}}),
+        event({"type": kind, "output_index": 0, "delta": "fib("}),
+        event({"type": kind, "output_index": 0, "delta": "30)"}),
+        event({"type": "response.output_text.delta", "output_index": 1, "delta": "832040"}),
+    ]  # fmt: skip
+    m = replay("/v1/responses", reads, [100.25, 100.5, 100.75, 101.0, 101.5], 101.5)
+    assert (m.ttft, m.first_tool_call, m.first_answer) == (0.75, 0.75, 1.5)
+    assert m.content_events == 3 and m.tool_calls == ()
+
+
 def test_responses_incomplete_for_max_output_tokens_is_length() -> None:
     m = replay("/v1/responses", events("vllm_responses_incomplete.sse"), RESP_TIMES, 101.25)
     assert m == replace(RESP_WANT, finish_reason="length", raw_finish_reason="max_output_tokens")

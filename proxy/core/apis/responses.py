@@ -39,7 +39,13 @@ _DELTAS = {
     "response.reasoning_text.delta": "reasoning",
     "response.reasoning_summary_text.delta": "reasoning",
     "response.function_call_arguments.delta": "tool",
+    # a built-in tool's input, written by the model (harmony models: vLLM's
+    # entrypoints/openai/responses/serving.py and streaming_events.py emit both): tool
+    # content, though no function call whose outcome is counted
+    "response.code_interpreter_call_code.delta": "tool",
+    "response.mcp_call_arguments.delta": "tool",
 }
+_CALL_ARGUMENTS = "response.function_call_arguments.delta"
 _IDENTIFYING = frozenset({"response.created", "response.in_progress"})
 _ENDS = frozenset({"response.completed", "response.incomplete"})
 #: status, or incomplete_details.reason -> finish_reason label (anything else: "other").
@@ -60,7 +66,8 @@ class Responses(Api):
     end_marker = "response.completed or response.incomplete"
     measures = (
         "TTFT at the first non-empty output_text, reasoning_text, reasoning_summary_text "
-        "or function_call_arguments delta, or a function_call output_item.added (not "
+        "function_call_arguments, code_interpreter_call_code or mcp_call_arguments delta, "
+        "or a function_call output_item.added (not "
         "response.created, in_progress or a message item's output_item.added); the first "
         "answer at the first output_text delta; TPOT, ITL, decode speed; tokens and status "
         "from response.completed / response.incomplete; response.failed and error events"
@@ -98,7 +105,7 @@ class Responses(Api):
             if not delta or type(delta) is not str:
                 return NOTHING
             facts = Facts(content=content)
-            if content == "tool":  # only tool-call streams pay for this
+            if kind == _CALL_ARGUMENTS:  # only tool-call streams pay for this
                 facts.calls = (CallPiece(_index(obj), False, delta),)
             if collect:
                 keep(facts, delta)
