@@ -233,6 +233,15 @@ def test_messages_cut_before_message_delta_does_not_count_output_as_zero() -> No
     assert (m.output_tokens, m.token_source) == (4, TokenSource.CHUNKS)
 
 
+def test_messages_done_after_the_stop_is_no_malformed_event() -> None:
+    """vLLM's converter has sent `data: [DONE]` after its error events (anthropic/serving.py
+    @ 82df3f49): nothing to count, and never a malformed event."""
+    reads = [*events("vllm_messages.sse"), b"data: [DONE]\n\n"]
+    times = [*MSG_TIMES, MSG_TIMES[-1]]
+    m = replay("/v1/messages", reads, times, 101.25)
+    assert m.malformed_events == 0 and m.error_type is None
+
+
 def test_messages_error_event_is_a_stream_error() -> None:
     reads = events("vllm_messages_error.sse")
     m = replay("/v1/messages", reads, [100.125, 100.125, 100.5, 100.75], 101.0)

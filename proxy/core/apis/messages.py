@@ -85,7 +85,9 @@ class Messages(Api):
     def event(self, payload: bytes, collect: bool, identify: bool) -> Facts:
         obj = json_object(payload)
         if obj is None:
-            return MALFORMED
+            # vLLM's converter has sent an OpenAI `data: [DONE]` after its error events
+            # (vllm/entrypoints/anthropic/serving.py @ 82df3f49): no event, nor a malformed one
+            return NOTHING if payload == b"[DONE]" else MALFORMED
         kind = obj.get("type")
         if kind == "content_block_delta":
             delta = obj.get("delta")
