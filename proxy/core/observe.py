@@ -89,6 +89,7 @@ class StreamObserver:
         self._collect = collect_text
         self.status = 0
         self.streaming = False
+        self.binary = False
         self.failed = False  # measuring broke mid-stream: the record keeps only what is safe
         self.first_byte: float | None = None
         self.first_token: float | None = None
@@ -137,6 +138,10 @@ class StreamObserver:
         self.status = status
         self.first_byte = now
         self.streaming = status < 400 and content_type.startswith(self.api.stream_type)
+        # a binary answer, not JSON gone wrong: embeddings asked for with `encoding_format:
+        # "bytes"` (vllm/entrypoints/pooling/embed/protocol.py, EmbeddingBytesResponse; its usage in a
+        # `metadata` header, which is not read here)
+        self.binary = content_type.startswith("application/octet-stream")
 
     def sent(self, read: float, now: float) -> None:
         """The request, whose body was read at `read`, went to the upstream at `now`."""
@@ -311,6 +316,8 @@ class StreamObserver:
 
     def _parse_body(self) -> None:
         """A non-streaming success: the Api reads usage, finish reason and identity."""
+        if self.binary:
+            return
         try:
             obj = orjson.loads(self.body())
         except orjson.JSONDecodeError:

@@ -504,6 +504,14 @@ def test_non_json_success_body_is_counted_as_malformed() -> None:
     assert observer.malformed_events == 1
 
 
+def test_a_binary_success_body_is_no_malformed_event() -> None:
+    """vLLM answers embeddings asked for with `encoding_format: "bytes"` with raw
+    application/octet-stream (pooling/embed/serving.py): an answer, not broken JSON."""
+    observer = _body_observer(200, "application/octet-stream", b"\x00\x80\x3f" * 64)
+    assert observer.outcome() == (None, None)
+    assert observer.malformed_events == 0
+
+
 def test_error_body_is_classified_with_its_message() -> None:
     body = (FIXTURES / "errors" / "vllm_context_length_legacy.json").read_bytes()
     observer = _body_observer(400, "application/json", body)
