@@ -138,9 +138,9 @@ class StreamObserver:
         self.status = status
         self.first_byte = now
         self.streaming = status < 400 and content_type.startswith(self.api.stream_type)
-        # a binary answer, not JSON gone wrong: embeddings asked for with `encoding_format:
-        # "bytes"` (vllm/entrypoints/pooling/embed/protocol.py, EmbeddingBytesResponse; its usage in a
-        # `metadata` header, which is not read here)
+        # a binary answer, not JSON gone wrong: embeddings asked for with
+        # `encoding_format: "bytes"` (vllm/entrypoints/pooling/embed/protocol.py,
+        # EmbeddingBytesResponse; its usage in a `metadata` header, not read here)
         self.binary = content_type.startswith("application/octet-stream")
 
     def sent(self, read: float, now: float) -> None:
