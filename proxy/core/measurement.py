@@ -79,6 +79,8 @@ class TokenSource(enum.StrEnum):
     TOKENIZER = "tokenizer"  # counted by the configured tokenizer
     TOKEN_IDS = "token_ids"  # output = the token ids streamed (exact), prompt = the ids sent
     CHUNKS = "chunks"  # output = number of content events; prompt unknown
+    # (With TOKENIZER or CHUNKS, a prompt count usage gave before the stream was cut short,
+    # as Messages' message_start does, is kept beside the output counted so.)
     NONE = "none"  # nothing to count (error before any output)
 
 

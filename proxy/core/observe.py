@@ -406,6 +406,12 @@ class StreamObserver:
             counts = await counter.count(self)
         if counts is None:
             counts = self.counts_from_chunks()
+        if counts.prompt is None and self.usage is not None:
+            # usage that came before the output's count and no more (a Messages stream cut
+            # after message_start): its prompt beside the output counted otherwise
+            counts.prompt, cached = self.api.prompt_counts(self.usage)
+            if counts.cached is None:
+                counts.cached = cached
         self._end_run()
         counted = None
         if self.reasoning_texts and counter is not None and not self.reasoning_from_usage():

@@ -231,6 +231,13 @@ def test_messages_cut_before_message_delta_does_not_count_output_as_zero() -> No
     m = replay("/v1/messages", reads, MSG_TIMES[:11], 101.5)
     assert m.error_type is ErrorType.STREAM_TRUNCATED
     assert (m.output_tokens, m.token_source) == (4, TokenSource.CHUNKS)
+    assert m.prompt_tokens == 12  # message_start's input_tokens, known before the cut
+
+
+def test_a_chat_stream_cut_before_its_usage_keeps_its_prompt_unknown() -> None:
+    reads = [_chunk(0, "a"), _chunk(0, "b")]
+    m = replay("/v1/chat/completions", reads, [100.5, 100.75], 101.0)
+    assert (m.prompt_tokens, m.output_tokens, m.token_source) == (None, 2, TokenSource.CHUNKS)
 
 
 def test_messages_done_after_the_stop_is_no_malformed_event() -> None:

@@ -285,15 +285,16 @@ class Api:
         output = usage.get("completion_tokens")
         if type(output) is not int:
             return None
+        prompt, cached = self.prompt_counts(usage)
+        return TokenCounts(prompt=prompt, output=output, cached=cached, source=TokenSource.USAGE)
+
+    def prompt_counts(self, usage: dict[str, Any]) -> tuple[int | None, int | None]:
+        """(prompt tokens, cached ones among them) a usage object reports, with or without
+        the output's count (OpenAI shape)."""
         prompt = usage.get("prompt_tokens")
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if type(details) is dict else None
-        return TokenCounts(
-            prompt=prompt if type(prompt) is int else None,
-            output=output,
-            cached=cached if type(cached) is int else None,
-            source=TokenSource.USAGE,
-        )
+        return prompt if type(prompt) is int else None, cached if type(cached) is int else None
 
 
 def gen_ai_message(item: dict[str, Any]) -> dict[str, Any]:

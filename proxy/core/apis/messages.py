@@ -162,10 +162,13 @@ class Messages(Api):
         output = as_int(usage.get("output_tokens"))
         if output is None:
             return None
-        parts = [as_int(usage.get(k)) for k in _PROMPT_PARTS]
-        read = parts[1]
-        prompt = None if parts[0] is None else sum(p or 0 for p in parts)
+        prompt, read = self.prompt_counts(usage)
         return TokenCounts(prompt=prompt, output=output, cached=read, source=TokenSource.USAGE)
+
+    def prompt_counts(self, usage: dict[str, Any]) -> tuple[int | None, int | None]:
+        # message_start's usage has them before any output (its output_tokens is dropped)
+        parts = [as_int(usage.get(k)) for k in _PROMPT_PARTS]
+        return None if parts[0] is None else sum(p or 0 for p in parts), parts[1]
 
 
 def _index(obj: dict[str, Any]) -> int:
