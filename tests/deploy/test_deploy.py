@@ -320,6 +320,13 @@ def test_selectors_and_ports_line_up() -> None:
     ]
     for selector in selectors:
         assert selector.items() <= pod_labels.items(), selector
+    # The replay Job's pods share the name label: the Service would send clients to them
+    # and the PDB count them, unless the selectors name the proxies' component too.
+    job = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "replay" / "job.yaml").read_text())
+    job_labels = job["spec"]["template"]["metadata"]["labels"]
+    spread = _pod(objects)["topologySpreadConstraints"][0]["labelSelector"]["matchLabels"]
+    for selector in [*selectors[1:], spread]:
+        assert not selector.items() <= job_labels.items(), selector
     container = _pod(objects)["containers"][0]
     port_names = {p["name"]: p["containerPort"] for p in container["ports"]}
     env = objects["ConfigMap/tokenprobe-env"]["data"]
