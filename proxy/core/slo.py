@@ -105,7 +105,10 @@ def verdict(m: Measurement, limits: Limits) -> str:
     """One of CANCELLED, ERROR, a target's name (the first missed), MET."""
     if m.error_type is not None and not m.cancelled:
         return ERROR
-    return _judged(lambda name: BY_NAME[name].read(m), limits, m.e2e, left=m.cancelled)
+    unanswered = m.without_answer is not None
+    return _judged(
+        lambda name: BY_NAME[name].read(m), limits, m.e2e, left=m.cancelled, unanswered=unanswered
+    )
 
 
 def record_verdict(record: Mapping[str, Any], limits: Limits) -> str:
@@ -120,7 +123,11 @@ def record_verdict(record: Mapping[str, Any], limits: Limits) -> str:
 
     e2e = record.get("e2e")
     return _judged(
-        read, limits, e2e if isinstance(e2e, int | float) else None, left=error is not None
+        read,
+        limits,
+        e2e if isinstance(e2e, int | float) else None,
+        left=error is not None,
+        unanswered=record.get("without_answer") is not None,
     )
 
 
@@ -130,12 +137,21 @@ _AWAITED = frozenset({"ttft", "ttfa"})
 
 
 def _judged(
-    read: Callable[[str], float | None], limits: Limits, e2e: float | None, *, left: bool
+    read: Callable[[str], float | None],
+    limits: Limits,
+    e2e: float | None,
+    *,
+    left: bool,
+    unanswered: bool = False,
 ) -> str:
-    """The first target missed; else MET, or CANCELLED for a request the client `left`."""
+    """The first target missed; else MET, or CANCELLED for a request the client `left`.
+    `unanswered`: it generated, then ended with neither an answer nor a call (reasoning cut
+    by its token limit): the first answer a ttfa target waits for never came."""
     for name, limit in limits.items():
         value = read(name)
         if value is not None and value > limit:
+            return name
+        if value is None and name == "ttfa" and unanswered and not left:
             return name
         if left and value is None and name in _AWAITED and e2e is not None and e2e > limit:
             return name  # it left after waiting longer than the limit for that token

@@ -50,7 +50,11 @@ REASONING = slo.parse_slo("ttft=0.5,ttfa=2,tpot=0.05")
         ({"ttft": 0.2, "first_answer": 1.5, "tpot": 0.04}, "met"),
         ({"ttft": 0.2, "first_answer": 2.5, "tpot": 0.06}, "ttfa"),  # thought too long
         ({"ttft": 0.6, "first_answer": 2.5}, "ttft"),
-        ({"ttft": 0.2, "first_answer": None, "tpot": 0.04}, "met"),  # no answer: not judged
+        # no answer text, but a call or nothing owed (without_answer None): not judged
+        ({"ttft": 0.2, "first_answer": None, "tpot": 0.04}, "met"),
+        # generated, then cut with neither answer nor call: the answer it waits for never came
+        ({"ttft": 0.2, "first_answer": None, "without_answer": "length"}, "ttfa"),
+        ({"ttft": 0.2, "first_answer": None, "without_answer": "stop", "e2e": 0.3}, "ttfa"),
     ],
 )
 def test_the_first_answer_is_a_target_of_its_own(figures: dict[str, Any], expected: str) -> None:
