@@ -160,9 +160,13 @@ class Runner:
     async def _closed(self, level: Level, concurrency: int) -> None:
         n, deadline = self.options.max_requests, self._deadline(level)
         mine, shards = self.shard
-        numbers = itertools.count(mine, shards)  # request numbers I, I+N, ...: this shard's
-        ramp = self.options.ramp_up / concurrency
         streams = range(mine, min(concurrency, n), shards)  # this shard's streams
+        # Request j is stream j % concurrency's, as in one process, and so this shard's when
+        # that stream is: each shard sends the requests of its own streams, so the shards
+        # together run `concurrency` streams to the same total (an equal share each, I,
+        # I+N, ..., left a shard with fewer streams running on alone, at less concurrency).
+        numbers = (j for j in itertools.count() if j % concurrency % shards == mine)
+        ramp = self.options.ramp_up / concurrency
 
         async def worker(number: int) -> None:
             # from the level's start (--start-at's or --workers' shared instant, which may

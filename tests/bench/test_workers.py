@@ -53,6 +53,20 @@ def test_closed_loop_workers_split_the_streams_and_number_requests_apart(
     assert doc["summary"][0]["ok"] == 12 and doc["config"]["workers"] == 2
 
 
+def test_each_shard_sends_the_requests_of_its_own_streams(
+    start_sim: StartSim, tmp_path: Path
+) -> None:
+    """Request j is stream j % concurrency's, and a shard sends its streams' requests: at
+    3 streams shard 1/2 has one stream and a third of the requests (an equal share of
+    them once kept it running alone at the end, at less concurrency); with more workers
+    than streams every request is still sent (at concurrency 1 half of them were not)."""
+    url = start_sim(ttft=0.0, tokens_per_second=5000).url + "/v1"
+    shard = bench(url, tmp_path / "s.json", "--concurrency", "3", "--requests", "12", "--shard", "1/2")  # fmt: skip
+    assert sorted(r["index"] for r in shard["records"]) == [1, 4, 7, 10]
+    one = bench(url, tmp_path / "o.json", "--concurrency", "1", "--requests", "6", "--workers", "2")  # fmt: skip
+    assert sorted(r["index"] for r in one["records"]) == list(range(6))
+
+
 def test_workers_merge_records_with_tool_calls_and_engine_metrics(
     start_sim: StartSim, tmp_path: Path
 ) -> None:
