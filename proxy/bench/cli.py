@@ -33,7 +33,10 @@ from proxy.openfiles import raise_open_file_limit
 
 PROG = "tokenprobe bench"
 #: Synthetic prompts made for --input-tokens: enough that no two nearby requests share one.
-SYNTHETIC_PROMPTS = 64
+#: Synthetic prompts are one per request of the run (a prompt sent twice is served from
+#: a prefix cache, vLLM's by default), at most this many when no --requests bounds the run:
+#: past it they repeat.
+SYNTHETIC_PROMPTS_UNBOUNDED = 4096
 
 
 @dataclass(slots=True)
@@ -167,7 +170,10 @@ def _tokenizer(options: Options) -> Any:
 
 def _prompts(options: Options, tokenizer: Any, input_tokens: int | None) -> list[Any]:
     if input_tokens is not None:
-        return synthetic(tokenizer, input_tokens, SYNTHETIC_PROMPTS, options.endpoint, options.seed)
+        count = SYNTHETIC_PROMPTS_UNBOUNDED
+        if options.requests is not None:
+            count = options.requests * len(options.levels)
+        return synthetic(tokenizer, input_tokens, count, options.endpoint, options.seed)
     if options.prompts_file:
         return load_file(options.prompts_file)
     return list(BUILTIN)

@@ -280,7 +280,9 @@ class Runner:
         call: Call | None = None,
     ) -> None:
         if call is None:
-            call = self.calls[(level.index * 7919 + index) % len(self.calls)]
+            # level by level through the prompts: each request of the run its own prompt
+            # where there are as many (--input-tokens builds them so), in turn where fewer
+            call = self.calls[(level.index * self.options.max_requests + index) % len(self.calls)]
         url = self._urls.get(call.info.endpoint)
         if url is None:
             url = self._urls[call.info.endpoint] = yarl.URL(

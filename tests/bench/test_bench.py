@@ -367,3 +367,26 @@ def test_every_api_is_benchmarked_with_the_same_definitions(
             assert record["output_tokens"] == 8 and record["ttft"] >= 0.05
         else:
             assert record["output_tokens"] is None and record["ttft"] is None
+
+
+def test_input_tokens_prompts_are_one_per_request_of_the_run(
+    start_sim: StartSim, tmp_path: Path
+) -> None:
+    """A prompt sent twice is served from a prefix cache (vLLM's is on by default), which
+    takes its prefill out of the TTFT measured: 64 prompts in turn once made most requests
+    of a second level cached. Against a simulator with a prefix cache, no request of two
+    levels finds any of its prompt cached."""
+    sim = start_sim(ttft=0.0, tokens_per_second=5000.0, output_tokens=2, prefix_cache=1000,
+                    prefix_cache_block=4)  # fmt: skip
+    tokenizer = build_tiny_tokenizer(tmp_path / "tok")
+    out = tmp_path / "run.json"
+    rc = main(
+        ["--url", sim.url + "/v1", "--model", MODEL, "--endpoint", "chat", "--quiet",
+         "--tokenizer", str(tokenizer), "--input-tokens", "32", "--concurrency", "1,2",
+         "--requests", "40", "--max-tokens", "2", "--out", str(out)]
+    )  # fmt: skip
+    assert rc == 0
+    records = orjson.loads(out.read_bytes())["records"]
+    assert len(records) == 80  # (the simulator counts the prompt its own way)
+    cached = [r["cached_prompt_tokens"] or 0 for r in records]
+    assert max(cached) < 8, sorted(cached)[-10:]  # a shared block of chance at most
