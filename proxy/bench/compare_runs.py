@@ -61,8 +61,9 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=5.0,
         metavar="PCT",
-        help="smallest change called a difference, in percent (default 5): reruns of one "
-        "setting on one machine drift by a few percent, which the interval does not see",
+        help="smallest change called a difference, in percent (percentage points for "
+        "shares: errors, SLO attainment, ...; default 5): reruns of one setting on one "
+        "machine drift by a few percent, which the interval does not see",
     )
     a("--rounds", type=int, default=2000, help="bootstrap resamples (default 2000)")
     a("--seed", type=int, default=0, help="bootstrap seed (default 0)")
@@ -198,7 +199,8 @@ def render(
     legend = (
         f"change vs the baseline [{confidence:g}% bootstrap interval over the per-request "
         f"records, {rounds} resamples, seed {seed}]; shares in percentage points (pp).\n"
-        f"worse/better: the interval excludes 0 and the change is at least {min_change:g}%; "
+        f"worse/better: the interval excludes 0 and the change is at least {min_change:g}% "
+        f"({min_change:g} pp for a share); "
         "otherwise the difference is not told apart from noise. The interval covers "
         "request-to-request noise, not run-to-run drift of the machine: rerun to check.\n"
         "p95 intervals need 100 requests per level (5 beyond the p95); n/a: no interval.\n"
