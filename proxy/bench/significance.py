@@ -139,8 +139,11 @@ def _mean(values: Sequence[float]) -> float | None:
 
 
 def pace(sample: Sequence[Row]) -> float | None:
-    """Output tokens per second of request time: how a resample's throughput moves."""
-    busy = sum(row[7] for row in sample if row[0])
+    """Output tokens per second of request time: how a resample's throughput moves. The
+    time of every request, failed ones too: a failure held its slot and gave no tokens,
+    so a resample with more of them is slower (over successes alone their share moved
+    nothing, and the interval had no width however uncertain the share was)."""
+    busy = sum(row[7] for row in sample)
     return sum(row[4] for row in sample if row[0]) / busy if busy > 0 else None
 
 

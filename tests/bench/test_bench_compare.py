@@ -206,3 +206,17 @@ def test_a_p95_gets_no_interval_from_fewer_than_100_requests() -> None:
     assert result["ttft_p95"].verdict == "n/a" and result["ttft_p95"].low is None
     assert result["ttft_p50"].verdict == "worse"
     assert result["goodput"].verdict == "n/a"  # no --slo, no goodput
+
+
+def test_failures_that_held_their_slot_widen_the_throughput_interval() -> None:
+    """A failure that took as long as a success gave no tokens for its time: how many
+    there are is uncertain, and so is the throughput. Timed over successes alone, a
+    resample's throughput never moved with that share: an interval of no width."""
+    from proxy.bench.significance import compare, rows
+
+    base = rows(_records(400, 0.1), {})
+    failing = rows(_records(400, 0.1, failed=40), {})  # e2e 0.5 s each, failed or not
+    result = compare(base, 10.0, failing, 10.0, has_slo=False, rounds=500)["output_tps"]
+    assert result.change == pytest.approx(-0.10)
+    assert result.low is not None and result.high is not None
+    assert result.low < -0.11 and -0.09 < result.high < 0, result
