@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import orjson
 import pytest
 
 from proxy.sinks.metrics import cache_class
 from tests.llamacpp.conftest import SERVED, Llama
+from tests.pairs import events, payloads
 from tests.scrape import Delta, scrape
 
 pytestmark = [pytest.mark.llamacpp, pytest.mark.timeout(600)]
@@ -73,20 +73,6 @@ def fetch(client: httpx.Client, url: str, body: Any) -> bytes:
         assert response.status_code == 200, response.read()
         assert response.headers["content-type"].startswith("text/event-stream")
         return b"".join(response.iter_raw())
-
-
-def events(raw: bytes) -> list[bytes]:
-    return [part for part in raw.split(b"\n\n") if part]
-
-
-def payloads(raw: bytes) -> list[Any]:
-    out = []
-    for event in events(raw):
-        assert event.startswith(b"data: "), event
-        data = event[len(b"data: ") :]
-        if data != b"[DONE]":
-            out.append(orjson.loads(data))
-    return out
 
 
 def normalise(raw: bytes) -> tuple[bytes, tuple[int, int, int]]:

@@ -12,7 +12,7 @@ through the proxy, and the two bodies are compared byte for byte after replacing
 those values (each replacement is counted, so a missing field is seen). Everything else
 must be identical: the framing, every chunk in order, `system_fingerprint` where vLLM put
 it, the `[DONE]` line. vLLM merges two engine steps' outputs into one chunk when its API
-server falls behind; tests/vllm/pairs.py says how a pair is then asked for again.
+server falls behind; tests/pairs.py says how a pair is then asked for again.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ import httpx
 import orjson
 import pytest
 
+from tests.pairs import compare_pair as compare_pair_at
+from tests.pairs import fetch, payloads
 from tests.scrape import Change, Delta, Scrape, scrape
 from tests.servers import free_port, spawn, stop, wait_http, whole_lines
 from tests.vllm.conftest import MODEL, SERVED, Servers, Vllm, throttled
-from tests.vllm.pairs import compare_pair as compare_pair_at
-from tests.vllm.pairs import fetch, payloads
 
 # the first test also waits for both servers to start (conftest's START_TIMEOUT)
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -88,7 +88,7 @@ def engine_object(raw: bytes) -> Any:
 
 
 def compare_pair(client: httpx.Client, server: Vllm, path: str, body: Any) -> bytes:
-    """One stream direct and through the proxy, compared as tests/vllm/pairs.py says;
+    """One stream direct and through the proxy, compared as tests/pairs.py says;
     returns the proxied body."""
     types: list[str] = []
     proxied = compare_pair_at(client, server.url + path, server.proxy_url + path, body,

@@ -28,9 +28,9 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.pairs import compare_pair
 from tests.scrape import Delta
 from tests.vllm.conftest import SERVED, Vllm
-from tests.vllm.pairs import compare_pair
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -255,7 +255,7 @@ def test_the_clients_stream_is_the_stream_direct(vllm_reasoning: Vllm) -> None:
     with httpx.Client(timeout=120) as client:
         for body in bodies:
             # vLLM may merge two engine steps into one chunk under load: the pair is asked
-            # for again as tests/vllm/pairs.py says, and never accepted unequal
+            # for again as tests/pairs.py says, and never accepted unequal
             proxied = compare_pair(client, server.url + CHAT, server.proxy_url + CHAT, body,
                                    normalise)  # fmt: skip
             assert b"reasoning" in proxied or b"tool_calls" in proxied

@@ -1,5 +1,5 @@
 """One stream asked for direct and through the proxy, and compared byte for byte: the
-pairing every real-vLLM test shares.
+pairing the real-backend tests share (tests/vllm/, and tests/llamacpp/ for its events).
 
 Two requests never give the same bytes, so each side is normalised first (the caller's
 function replaces ids, `created` stamps and the like, and may assert how many it
