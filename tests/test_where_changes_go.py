@@ -212,5 +212,8 @@ def test_a_new_sink_is_one_file_and_one_line_in_the_assembly(tmp_path: Path) -> 
         )
     assert process.stderr is not None
     stderr = process.stderr.read().decode()
-    assert "slow first token: 1.1" in stderr
-    assert "(model sim-model, /v1/chat/completions)" in stderr
+    # the programmed 1.1 s and what a loaded machine adds: CI once failed on the exact
+    # "1.1" (the figure it printed was cut from the report; one over 1.19 s fails so)
+    found = re.search(r"slow first token: (\d+\.\d\d) s \(model sim-model, /v1/chat/completions\)", stderr)  # fmt: skip
+    assert found is not None, stderr
+    assert 1.1 <= float(found.group(1)) < 3.0, stderr
