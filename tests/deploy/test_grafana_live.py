@@ -713,6 +713,25 @@ def test_no_dead_panels_with_the_proxy_in_front_of_the_simulator(proxy_stack: Pr
     assert not dead, "panels without data:\n" + "\n".join(dead)
 
 
+def test_the_first_token_shares_count_an_ollama_models_load(proxy_stack: Prometheus) -> None:
+    """An Ollama model's load is a part of its first token's time: the share panel once
+    divided by queue + engine + outside alone, so for a cold model those added up to 100%
+    of a first token that was mostly the load. Selected on Ollama's chat (a cold model in
+    this stack), the load has its share, and the shares add up to 1."""
+    dashboard = load(ROOT / "grafana" / "dashboards" / "tokenprobe.json")
+    targets = {
+        target["legendFormat"]: target["expr"]
+        for panel, target in iter_targets(dashboard)
+        if panel["title"] == "First token: share of each part"
+    }
+    shares = {}
+    for legend, expr in targets.items():
+        result = finite_values(proxy_stack.query(substitute(expr, {"endpoint": "/api/chat"})))
+        shares[legend] = sum(result)
+    assert shares["{{model}} model load"] > 0.5, shares  # the stack's cold load: over 1 s
+    assert sum(shares.values()) == pytest.approx(1.0), shares
+
+
 def test_recording_rules_have_data_from_the_proxy(proxy_stack: Prometheus) -> None:
     empty = [name for name in _rule_names("record") if not finite_values(proxy_stack.query(name))]
     assert not empty, empty
