@@ -29,7 +29,6 @@ from tests.servers import ThreadedServer, free_port, spawn, stop, wait_http
 
 MODEL = "sim-model"
 TTFT = 0.25
-SLACK = 0.5  # the proxy may add a little on a loaded machine, never take away
 PROGRAM = {"x-sim-ttft": str(TTFT), "x-sim-tps": "100", "x-sim-output-tokens": "8"}
 
 
@@ -119,10 +118,12 @@ def generate_body(stream: bool = True, **params: Any) -> dict[str, Any]:
 
 def test_generate_stream_through_the_proxy(sim: tuple[str, SimApp], proxy: Proxy, n: int) -> None:
     headers = {**PROGRAM, "x-sim-tokens-per-chunk": "3"}
+    started = time.monotonic()
     with httpx.stream(
         "POST", proxy.url + "/inference/v1/generate", json=generate_body(), headers=headers
     ) as r:
         received = b"".join(r.iter_raw())
+    client = time.monotonic() - started
     m, backend = proxy.record(n), sent(sim[1])
     assert sha(received) == backend.body_sha256
     ids = [
@@ -139,7 +140,7 @@ def test_generate_stream_through_the_proxy(sim: tuple[str, SimApp], proxy: Proxy
         "stop",
     )
     assert (m["prompt_tokens"], m["output_tokens"], m["token_source"]) == (7, 8, "token_ids")
-    assert TTFT * 1000 <= m["ttft_ms"] < (TTFT + SLACK) * 1000
+    assert TTFT * 1000 <= m["ttft_ms"] <= client * 1000  # within what the client waited
 
 
 def test_generate_cut_by_max_tokens_is_length(
@@ -212,12 +213,14 @@ def test_transcription_stream_with_the_openai_sdk(
         time.sleep(1 - time.time() % 1)
         for base in (proxy.url, sim[0]):
             client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+            started = time.monotonic()
             with client.audio.transcriptions.with_streaming_response.create(
                 model=MODEL, file=("a.wav", wav(), "audio/wav"), stream=True, extra_headers=same
             ) as response:
                 got = response.read()
+            waited = time.monotonic() - started
             if base == proxy.url:
-                received, m, backend = got, proxy.record(n), sent(sim[1])
+                received, m, backend, proxied = got, proxy.record(n), sent(sim[1]), waited
             else:
                 direct = got
         if received == direct:
@@ -238,7 +241,7 @@ def test_transcription_stream_with_the_openai_sdk(
         8,
         "usage",
     )
-    assert TTFT * 1000 <= m["ttft_ms"] < (TTFT + SLACK) * 1000
+    assert TTFT * 1000 <= m["ttft_ms"] <= proxied * 1000  # within what the client waited
 
 
 def test_transcription_stream_events_parse_in_the_sdk(
@@ -344,6 +347,7 @@ def test_cohere_chat_stream_with_the_cohere_sdk(
     from proxy.sim.tokens import completion_text
 
     client = cohere_client(proxy)
+    started = time.monotonic()
     events = list(
         client.chat_stream(
             model=MODEL,
@@ -351,6 +355,7 @@ def test_cohere_chat_stream_with_the_cohere_sdk(
             request_options={"additional_headers": PROGRAM},
         )
     )
+    waited = time.monotonic() - started
     m, backend = proxy.record(n), sent(sim[1])
     text = "".join(e.delta.message.content.text for e in events if e.type == "content-delta")
     assert text == completion_text(8)
@@ -363,7 +368,8 @@ def test_cohere_chat_stream_with_the_cohere_sdk(
         8,
         "usage",
     )
-    assert TTFT * 1000 <= m["ttft_ms"] < (TTFT + SLACK) * 1000  # message-start came at ~0
+    # message-start came at ~0; the upper bound is what the client waited, under any load
+    assert TTFT * 1000 <= m["ttft_ms"] <= waited * 1000
 
 
 def test_cohere_chat_with_the_cohere_sdk_cut_by_max_tokens(
@@ -408,18 +414,26 @@ def pcm_b64(seconds: float) -> str:
     return base64.b64encode(b"\0\0" * int(16_000 * seconds)).decode()
 
 
-def speak(ws: Any, received: list[str]) -> None:
+def speak(ws: Any, received: list[str]) -> float | None:
     """One utterance as vLLM's client does it: audio, commit, more audio, final commit,
-    then read up to transcription.done (or an error)."""
+    then read up to transcription.done (or an error).
+
+    Returns the seconds the client saw from sending the commit to reading the first delta
+    (None without one): the proxy sees the commit after it was sent and the delta before
+    it is read, so its TTFT can be no longer than this, however loaded the machine is."""
     ws.send(orjson.dumps({"type": "input_audio_buffer.append", "audio": pcm_b64(0.5)}).decode())
+    committed = time.monotonic()
     ws.send(b'{"type":"input_audio_buffer.commit"}'.decode())
     ws.send(orjson.dumps({"type": "input_audio_buffer.append", "audio": pcm_b64(0.5)}).decode())
     ws.send(b'{"type":"input_audio_buffer.commit","final":true}'.decode())
+    first: float | None = None
     while True:
         text = ws.recv(timeout=10)
         received.append(text)
+        if first is None and '"transcription.delta"' in text:
+            first = time.monotonic() - committed
         if b'"transcription.done"' in text.encode() or b'"type":"error"' in text.encode():
-            return
+            return first
 
 
 @paths("wire", why="the wire tunnels WebSockets; the ASGI app refuses them")
@@ -436,17 +450,20 @@ def test_realtime_three_utterances_with_a_websockets_client(
     with connect(realtime_url(proxy), additional_headers=PROGRAM) as ws:
         received.append(ws.recv(timeout=10))  # session.created
         ws.send(orjson.dumps({"type": "session.update", "model": MODEL}).decode())
-        for _ in range(3):
-            speak(ws, received)
+        seen = [speak(ws, received) for _ in range(3)]
     assert received == sim[1].realtime_sessions[-1].sent  # every frame as the backend sent it
     done = [orjson.loads(t) for t in received if '"transcription.done"' in t]
     assert [d["text"] for d in done] == [completion_text(8)] * 3
     records = [proxy.record(n + i) for i in range(3)]
-    for m in records:
+    for m, client in zip(records, seen, strict=True):
         assert (m["endpoint"], m["model"], m["error_type"]) == ("/v1/realtime", MODEL, None)
         assert (m["output_tokens"], m["token_source"]) == (8, "usage")
         assert m["prompt_tokens"] == done[0]["usage"]["prompt_tokens"] == 4 + 50
-        assert TTFT * 1000 <= m["ttft_ms"] < (TTFT + SLACK) * 1000  # from the commit
+        # From this utterance's commit: never shorter than programmed, never longer than the
+        # client's own commit-to-delta time (a CI run under load saw 1.43 s for 0.25 s, so a
+        # fixed slack cannot bound it; a clock started earlier would exceed the client's).
+        assert client is not None
+        assert TTFT * 1000 <= m["ttft_ms"] <= client * 1000, (m["ttft_ms"], client)
         assert m["e2e_ms"] >= (TTFT + 7 / 100) * 1000  # 7 more deltas at 100/s, on schedule
     assert proxy.metric(audio, endpoint="/v1/realtime", model=MODEL) - before == 3.0  # 1 s each
     sessions = "tokenprobe_websocket_sessions_total"
