@@ -90,6 +90,7 @@ class StreamObserver:
         self.status = 0
         self.streaming = False
         self.binary = False
+        self.metadata: bytes | None = None  # a binary answer's own JSON account (its header)
         self.failed = False  # measuring broke mid-stream: the record keeps only what is safe
         self.first_byte: float | None = None
         self.first_token: float | None = None
@@ -133,15 +134,20 @@ class StreamObserver:
 
     # -- the relay's side -------------------------------------------------------------
 
-    def open(self, status: int, content_type: str, now: float) -> None:
-        """Upstream response headers arrived."""
+    def open(
+        self, status: int, content_type: str, now: float, metadata: bytes | None = None
+    ) -> None:
+        """Upstream response headers arrived; `metadata` is the value of a `metadata`
+        header, if the response had one."""
         self.status = status
         self.first_byte = now
         self.streaming = status < 400 and content_type.startswith(self.api.stream_type)
-        # a binary answer, not JSON gone wrong: embeddings asked for with
-        # `encoding_format: "bytes"` (vllm/entrypoints/pooling/embed/protocol.py,
-        # EmbeddingBytesResponse; its usage in a `metadata` header, not read here)
+        # A binary answer, not JSON gone wrong: embeddings and pooling asked for with
+        # `encoding_format: "bytes"` or `"bytes_only"` (vllm/entrypoints/pooling/utils.py,
+        # build_pooling_bytes_streaming_response). With "bytes", vLLM puts the answer's
+        # JSON account (id, model, the vectors' offsets, usage) in a `metadata` header.
         self.binary = content_type.startswith("application/octet-stream")
+        self.metadata = metadata if self.binary else None
 
     def sent(self, read: float, now: float) -> None:
         """The request, whose body was read at `read`, went to the upstream at `now`."""
@@ -315,11 +321,12 @@ class StreamObserver:
         return None, None
 
     def _parse_body(self) -> None:
-        """A non-streaming success: the Api reads usage, finish reason and identity."""
-        if self.binary:
+        """A non-streaming success: the Api reads usage, finish reason and identity, from
+        the body, or for a binary answer from its `metadata` header (none: nothing known)."""
+        if self.binary and self.metadata is None:
             return
         try:
-            obj = orjson.loads(self.body())
+            obj = orjson.loads(self.body() if self.metadata is None else self.metadata)
         except orjson.JSONDecodeError:
             self.malformed_events += 1
             return

@@ -116,11 +116,14 @@ class MeasuredExchange:
         if self.observer is not None:
             self.observer.relayed(now)
 
-    def open(self, status: int, content_type: str, now: float) -> None:
-        """The upstream's response head arrived (and goes to the client now)."""
+    def open(
+        self, status: int, content_type: str, now: float, metadata: bytes | None = None
+    ) -> None:
+        """The upstream's response head arrived (and goes to the client now); `metadata`
+        is its `metadata` header's value, where a binary answer keeps its usage."""
         self.status = status
         if self.observer is not None:
-            self.observer.open(status, content_type, now)
+            self.observer.open(status, content_type, now, metadata)
 
     def feed(self, chunk: bytes, now: float) -> None:
         """A chunk that just went to the client, read from the network at `now`."""

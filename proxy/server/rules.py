@@ -187,6 +187,7 @@ class ExchangeRules:
         exchange = self.exchange
         assert exchange is not None, "a response head before the request went upstream"
         content_type = b""
+        metadata: bytes | None = None
         length = encoded = False
         for name, value in headers:
             if name == b"content-type":
@@ -195,7 +196,9 @@ class ExchangeRules:
                 length = True
             elif name == b"content-encoding":
                 encoded = value.strip().lower() != b"identity"
-        exchange.open(status, content_type.decode("latin-1"), now)
+            elif name == b"metadata":
+                metadata = value
+        exchange.open(status, content_type.decode("latin-1"), now, metadata)
         if encoded:
             # Compressed though a measured request asks for identity: the body goes to the
             # client as it comes, and nothing in it can be read (no event to time, no

@@ -10,7 +10,7 @@
   POST /v1/audio/transcriptions /v1/audio/translations
                                    multipart forms, a programmed transcript (audio.py)
   POST /cohere/v2/chat             Cohere chat v2 events, streamed or not (cohere.py)
-  POST /v1/embeddings              tiny deterministic vectors
+  POST /v1/embeddings              tiny deterministic vectors (raw float32 for "bytes")
   POST /pooling /score /v1/score /rerank /v1/rerank /v2/rerank /classify /v1/classify
                                    vLLM's pooling family (pooling.py)
   POST /tokenize /detokenize       (utility.py)
@@ -348,6 +348,14 @@ class SimApp:
         delay = t0 + ttft + per_token * tokens - asyncio.get_running_loop().time()
         if delay > 0:
             await asyncio.sleep(delay)
+        if record.path == "/v1/embeddings" and body.get("encoding_format") in BINARY:
+            vectors, metadata = catalog.embeddings_bytes(record.id, model, body)
+            record.first_token_at = time.monotonic()
+            # a StreamingResponse in vLLM: chunked, no content-length
+            extra = () if metadata is None else ((b"metadata", metadata),)
+            await ex.start(200, b"application/octet-stream", extra)
+            await ex.end(vectors, "completed")
+            return "completed"
         if record.path == "/v1/embeddings":
             reply = catalog.embeddings(record.id, model, body)
         else:
@@ -657,6 +665,8 @@ def _guarded(path: str) -> bool:
 
 
 _FORMS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
+#: The encodings vLLM answers with raw bytes, not JSON (vllm/utils/serial_utils.py).
+BINARY = frozenset({"bytes", "bytes_only"})
 
 
 def _parse_form(raw: bytes, content_type: str) -> tuple[Any, str | None]:

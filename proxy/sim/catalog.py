@@ -8,6 +8,7 @@ unit length, and different for different inputs.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import struct
 import time
@@ -88,6 +89,45 @@ def embeddings(response_id: str, model: str, body: dict[str, Any]) -> bytes:
             "usage": orjson.Fragment(usage_json(prompt_tokens, 0, None)),
         }
     )
+
+
+def embeddings_bytes(
+    response_id: str, model: str, body: dict[str, Any]
+) -> tuple[bytes, bytes | None]:
+    """vLLM's binary answer to `encoding_format: "bytes"` or `"bytes_only"`: the vectors as
+    float32 one after another, and (for "bytes" only) a `metadata` header with the JSON
+    account (vllm/entrypoints/pooling/utils.py, build_pooling_bytes_streaming_response:
+    `json.dumps({"id", "created", "model", "data": items, "usage"})`, each item's offsets
+    into the body; endianness "native", little on the machines vLLM-CPU runs on)."""
+    given = body.get("input")
+    items = (
+        given if isinstance(given, list) and given and not isinstance(given[0], int) else [given]
+    )
+    vectors = [struct.pack(f"<{EMBEDDING_DIM}f", *embedding(_as_text(i))) for i in items]
+    if body.get("encoding_format") == "bytes_only":
+        return b"".join(vectors), None
+    size = 4 * EMBEDDING_DIM
+    account = {
+        "id": response_id,
+        "created": int(time.time()),
+        "model": model,
+        "data": [
+            {
+                "index": i,
+                "embed_dtype": "float32",
+                "endianness": "native",
+                "start": i * size,
+                "end": (i + 1) * size,
+                "shape": [EMBEDDING_DIM],
+            }
+            for i in range(len(items))
+        ],
+        "usage": {
+            "prompt_tokens": count_prompt_tokens(body),
+            "total_tokens": count_prompt_tokens(body),
+        },
+    }
+    return b"".join(vectors), json.dumps(account).encode()
 
 
 def _as_text(item: Any) -> str:

@@ -9,12 +9,14 @@ within the programmed bounds, tokens equal to the backend's usage, the finish la
 from __future__ import annotations
 
 import hashlib
+import struct
 import time
 from collections.abc import Callable, Iterator
 
 import anthropic
 import httpx
 import openai
+import orjson
 import pytest
 
 from proxy.core.measurement import ErrorType
@@ -194,6 +196,34 @@ def test_openai_sdk_embeddings_are_measured(sim: Running, proxy: ProxyUnderTest)
     labels = {"model": MODEL, "endpoint": "/v1/embeddings"}
     assert proxy.sample("tokenprobe_e2e_request_latency_seconds_count", **labels) == 1
     assert proxy.sample("tokenprobe_requests_in_flight", **labels) == 0
+
+
+@pytest.mark.parametrize("encoding", ["bytes", "bytes_only"])
+def test_binary_embeddings_pass_whole_and_take_their_usage_from_the_metadata_header(
+    sim: Running, proxy: ProxyUnderTest, encoding: str
+) -> None:
+    """vLLM answers `encoding_format: "bytes"` with raw float32 and its usage in a
+    `metadata` header (pooling/utils.py, build_pooling_bytes_streaming_response);
+    "bytes_only" with the vectors alone."""
+    from proxy.sim.catalog import EMBEDDING_DIM, embedding
+
+    body = {"model": MODEL, "input": ["hello there", "hi"], "encoding_format": encoding}
+    direct = httpx.post(sim.url + "/v1/embeddings", json=body)
+    proxied = httpx.post(proxy.url + "/v1/embeddings", json=body)
+    (m,) = proxy.wait_records(1, exact=True)
+    assert proxied.headers["content-type"] == "application/octet-stream"
+    assert proxied.content == direct.content  # the vectors, byte for byte
+    vectors = struct.unpack(f"<{2 * EMBEDDING_DIM}f", proxied.content)
+    assert vectors == pytest.approx(embedding("hello there") + embedding("hi"), abs=1e-6)
+    assert (m.endpoint, m.ok, m.stream, m.malformed_events) == ("/v1/embeddings", True, False, 0)
+    if encoding == "bytes":
+        account = orjson.loads(proxied.headers["metadata"])
+        assert account["usage"]["prompt_tokens"] == m.prompt_tokens > 0
+        assert (m.prompt_tokens, m.token_source) == (sim.app.state.last().prompt_tokens, "usage")
+        assert m.response_model == MODEL
+    else:
+        assert "metadata" not in proxied.headers
+        assert m.prompt_tokens is None  # nothing says how many
 
 
 # -- routes forwarded unmeasured ---------------------------------------------------------
