@@ -338,6 +338,15 @@ class StreamObserver:
         if facts.finishes is not None:
             self.finishes.update(facts.finishes)
 
+    def echoed_prompts(self) -> list[Any]:
+        """The prompts an `echo` put before the texts collected: one per choice that
+        answered (streamed content, or finished), by choice index."""
+        echoed = self.request.echoed
+        if not echoed:
+            return []
+        answered = self.choices.keys() | self.finishes.keys()
+        return [echoed[i] for i in sorted(answered) if 0 <= i < len(echoed)]
+
     def counts_from_usage(self) -> TokenCounts | None:
         usage = self.usage
         return self.api.counts(usage) if usage else None

@@ -50,6 +50,18 @@ def count_output(tokenizer: Any, texts: list[str]) -> int:
     return len(tokenizer.encode("".join(texts), add_special_tokens=False))
 
 
+def count_echoed(tokenizer: Any, prompts: list[Any]) -> int:
+    """Tokens of the prompts a completions `echo` put before the output: a text's tokens,
+    a list of token ids' length (vLLM echoes their text; its length is theirs)."""
+    total = 0
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            total += len(tokenizer.encode(prompt, add_special_tokens=False))
+        elif isinstance(prompt, list):
+            total += len(prompt)
+    return total
+
+
 class TokenCounter:
     def __init__(self, path: str) -> None:
         self.path = path
@@ -72,11 +84,15 @@ class TokenCounter:
         tokenizer = self._loading.result()
         prompt = observer.request.prompt
         texts = list(observer.texts)
+        echoed = observer.echoed_prompts()
 
         def work() -> TokenCounts:
+            output = count_output(tokenizer, texts)
+            if echoed:
+                output = max(0, output - count_echoed(tokenizer, echoed))
             return TokenCounts(
                 prompt=count_prompt(tokenizer, prompt),
-                output=count_output(tokenizer, texts),
+                output=output,
                 cached=None,
                 source=TokenSource.TOKENIZER,
             )

@@ -418,3 +418,32 @@ def test_any_file_and_field_survive_reading_and_the_added_part(audio: bytes, mod
     again = read_form(asked, FORM_CT)
     assert again == {"model": model, "stream_include_usage": "true"}
     assert again is not None and again.file_bytes == len(audio)
+
+
+def test_an_echo_keeps_each_choices_prompt_by_its_index() -> None:
+    """vLLM numbers a completions choice `output.index + prompt_idx * n` and begins its
+    text with that prompt when `echo` is set, but not with `return_token_ids`
+    (completion/serving.py)."""
+    api = api_for("/v1/completions")
+    assert api is not None
+    batch = api.read_request({"prompt": ["a b", "c"], "n": 2, "echo": True})
+    assert batch.echoed == ("a b", "a b", "c", "c")
+    one = api.read_request({"prompt": ["a b"], "echo": True})
+    assert one.echoed == ("a b",)  # a list of one text is one prompt
+    ids = api.read_request({"prompt": [[5, 6, 7], [8]], "echo": True})
+    assert ids.echoed == ([5, 6, 7], [8])
+    assert api.read_request({"prompt": [5, 6, 7], "echo": True}).echoed == ([5, 6, 7],)
+    assert api.read_request({"prompt": "a", "echo": True, "return_token_ids": True}).echoed == ()
+    assert api.read_request({"prompt": "a"}).echoed == ()
+    # the observer gives the counter the prompts of the choices that answered
+    observer = StreamObserver(batch, 0.0)
+    observer.open(200, "application/json", 0.0)
+    observer.feed(
+        orjson.dumps({"choices": [
+            {"index": 3, "text": "c x", "finish_reason": "length"},
+            {"index": 0, "text": "a b y", "finish_reason": "length"},
+        ], "usage": None}),
+        0.0,
+    )  # fmt: skip
+    assert observer.outcome() == (None, None)
+    assert observer.echoed_prompts() == ["a b", "c"]

@@ -2,8 +2,9 @@
 `tokenprobe serve`: the client's stream is the stream direct (issue 22), the first token's
 time splits exactly into queue, engine and outside the engine, the spec-decode counters are
 the sums of the engine's objects, a client that leaves is counted as vLLM counted its
-prompt (issue 22), and /inference/v1/generate's output and prompt tokens are vLLM's own
-generation_tokens_total and prompt_tokens_total (issue 18).
+prompt (issue 22), a prompt that completions' `echo` repeats is not counted as output, and
+/inference/v1/generate's output and prompt tokens are vLLM's own generation_tokens_total
+and prompt_tokens_total (issue 18).
 
 How streams are compared. Two requests never give the same bytes: vLLM stamps each with a
 fresh `id`, its `created` second and, in the usage chunk's `metrics` object, that request's
@@ -21,6 +22,7 @@ import json
 import math
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -322,14 +324,16 @@ def test_generate_output_tokens_equal_vllms_generation_tokens_total(
 # -- issue 22: the tokens nobody received ----------------------------------------------------
 
 
-def test_a_client_that_leaves_is_counted_and_vllm_stops(
-    vllm_servers: Servers, tmp_path: Path
-) -> None:
-    """A proxy with the model's own tokenizer counts the abandoned prompt as vLLM counted
-    it (completions: no chat template, the same tokenizer), and vLLM aborts the rest."""
+@pytest.fixture(scope="module")
+def counting_proxy(
+    vllm_servers: Servers, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Path]]:
+    """A `tokenprobe serve` before the base server that counts with the model's own
+    tokenizer and asks for no usage (--no-inject-usage), once its tokenizer is in: its URL
+    and its access log."""
     server = vllm_servers.base
     port = free_port()
-    log = tmp_path / "access.jsonl"
+    log = tmp_path_factory.mktemp("counting") / "access.jsonl"
     with log.open("wb") as out:
         proxy = spawn(
             "serve", "--upstream", server.url, "--port", str(port), "--access-log", "json",
@@ -339,7 +343,7 @@ def test_a_client_that_leaves_is_counted_and_vllm_stops(
     try:
         wait_http(base + "/healthz")
         # the tokenizer loads in the background and nothing says when it is in: streams
-        # without usage (--no-inject-usage) until one is counted by the tokenizer
+        # without usage until one is counted by the tokenizer
         deadline = time.monotonic() + 60
         with httpx.Client(timeout=60) as client:
             while True:
@@ -350,63 +354,109 @@ def test_a_client_that_leaves_is_counted_and_vllm_stops(
                     break
                 assert time.monotonic() < deadline, "the proxy's tokenizer did not load"
                 time.sleep(0.2)
-        # vLLM is fast: a stall of the client's process let it finish all 253 tokens
-        # before the client had read 3 events, five tries running (once in CI, twice in
-        # parallel workers), and nothing was cut short. So its engine runs throttled to
-        # about a tenth of its speed while the client reads and leaves (`throttled`); the
-        # API server, not throttled, hears the proxy's cancel at once. A try counts when
-        # the proxy logged the leaving and vLLM's generated tokens, once they stop
-        # growing, fall short of the 253 asked for (5 tries). ignore_eos: a random-weight
-        # model's argmax may hit EOS early, and which token wins can differ between CPUs.
-        left_after = 3
-        body = body_for(COMPLETIONS, TEXT_PROMPTS[1], False, max_tokens=253, ignore_eos=True)
-        name = "tokenprobe_cancelled_prompt_tokens_total"
-        tries: list[tuple[object, object, float]] = []
-        for _ in range(5):
-            vllm_before, proxy_before = scrape(server.url), scrape(base)
-            lines = len(whole_lines(log))
-            seen = 0
-            deadline = time.monotonic() + 30
-            with throttled(server):
-                with httpx.stream("POST", base + COMPLETIONS, json=body, timeout=60) as response:
-                    for line in response.iter_lines():
-                        text = (
-                            line.startswith("data: {")
-                            and orjson.loads(line[6:])["choices"][0]["text"]
-                        )
-                        seen += bool(text)
-                        if seen == left_after:
-                            break  # leaving the block closes the connection
-                assert seen == left_after
-                while len(records := whole_lines(log)) == lines:
-                    assert time.monotonic() < deadline, "the request was not recorded"
-                    time.sleep(0.05)
-                time.sleep(0.2)  # the proxy's cancel on its way to the API server
-            record = json.loads(records[lines])
-            vllm_generated = _settled_vllm_delta(server, vllm_before, deadline)
-            tries.append((record["error_type"], record["output_tokens"], vllm_generated))
-            if record["error_type"] == "client_cancelled" and vllm_generated < 253:
-                break
-        # (the proxy's outcome, the tokens it counted, vLLM's generated tokens) per try
-        assert record["error_type"] == "client_cancelled", tries
-
-        def counted(scraped: Scrape, name: str) -> float:
-            """The proxy's tokenizer count of `name` in the last try."""
-            return scraped.total(name, source="tokenizer") - proxy_before.total(
-                name, source="tokenizer"
-            )
-
-        while counted(now := scrape(base), name) == 0:
-            assert time.monotonic() < deadline, "no cancelled prompt tokens counted"
-            time.sleep(0.05)
-        prompt = counted(now, name)
-        generated = counted(now, "tokenprobe_cancelled_generation_tokens_total")
-        assert prompt == _vllm_delta(server, vllm_before, "vllm:prompt_tokens_total") > 0
-        # what the client got, at least; the engine stopped before its 253 tokens
-        assert left_after <= generated <= vllm_generated < 253
-        assert (prompt, generated) == (record["prompt_tokens"], record["output_tokens"])
+        yield base, log
     finally:
         stop(proxy)
+
+
+def _next_record(log: Path, lines: int, deadline: float) -> Any:
+    """The access log's record after its first `lines` lines, once written."""
+    while len(records := whole_lines(log)) == lines:
+        assert time.monotonic() < deadline, "the request was not recorded"
+        time.sleep(0.05)
+    return json.loads(records[lines])
+
+
+def test_a_client_that_leaves_is_counted_and_vllm_stops(
+    vllm_servers: Servers, counting_proxy: tuple[str, Path]
+) -> None:
+    """A proxy with the model's own tokenizer counts the abandoned prompt as vLLM counted
+    it (completions: no chat template, the same tokenizer), and vLLM aborts the rest."""
+    server = vllm_servers.base
+    base, log = counting_proxy
+    # vLLM is fast: a stall of the client's process let it finish all 253 tokens
+    # before the client had read 3 events, five tries running (once in CI, twice in
+    # parallel workers), and nothing was cut short. So its engine runs throttled to
+    # about a tenth of its speed while the client reads and leaves (`throttled`); the
+    # API server, not throttled, hears the proxy's cancel at once. A try counts when
+    # the proxy logged the leaving and vLLM's generated tokens, once they stop
+    # growing, fall short of the 253 asked for (5 tries). ignore_eos: a random-weight
+    # model's argmax may hit EOS early, and which token wins can differ between CPUs.
+    left_after = 3
+    body = body_for(COMPLETIONS, TEXT_PROMPTS[1], False, max_tokens=253, ignore_eos=True)
+    name = "tokenprobe_cancelled_prompt_tokens_total"
+    tries: list[tuple[object, object, float]] = []
+    for _ in range(5):
+        vllm_before, proxy_before = scrape(server.url), scrape(base)
+        lines = len(whole_lines(log))
+        seen = 0
+        deadline = time.monotonic() + 30
+        with throttled(server):
+            with httpx.stream("POST", base + COMPLETIONS, json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    text = (
+                        line.startswith("data: {") and orjson.loads(line[6:])["choices"][0]["text"]
+                    )
+                    seen += bool(text)
+                    if seen == left_after:
+                        break  # leaving the block closes the connection
+            assert seen == left_after
+            record = _next_record(log, lines, deadline)
+            time.sleep(0.2)  # the proxy's cancel on its way to the API server
+        vllm_generated = _settled_vllm_delta(server, vllm_before, deadline)
+        tries.append((record["error_type"], record["output_tokens"], vllm_generated))
+        if record["error_type"] == "client_cancelled" and vllm_generated < 253:
+            break
+    # (the proxy's outcome, the tokens it counted, vLLM's generated tokens) per try
+    assert record["error_type"] == "client_cancelled", tries
+
+    def counted(scraped: Scrape, name: str) -> float:
+        """The proxy's tokenizer count of `name` in the last try."""
+        return scraped.total(name, source="tokenizer") - proxy_before.total(
+            name, source="tokenizer"
+        )
+
+    while counted(now := scrape(base), name) == 0:
+        assert time.monotonic() < deadline, "no cancelled prompt tokens counted"
+        time.sleep(0.05)
+    prompt = counted(now, name)
+    generated = counted(now, "tokenprobe_cancelled_generation_tokens_total")
+    assert prompt == _vllm_delta(server, vllm_before, "vllm:prompt_tokens_total") > 0
+    # what the client got, at least; the engine stopped before its 253 tokens
+    assert left_after <= generated <= vllm_generated < 253
+    assert (prompt, generated) == (record["prompt_tokens"], record["output_tokens"])
+
+
+def test_an_echoed_prompt_is_not_counted_as_output(
+    vllm_servers: Servers, counting_proxy: tuple[str, Path]
+) -> None:
+    """A batch of two prompts with `echo`, streamed: vLLM asked for no usage (a batch never
+    is), so the proxy's tokenizer counts the output, and each choice's first chunk is its
+    prompt followed by the first token (completion/serving.py). The prompts are not output."""
+    from proxy.core.tokens import count_output, load_tokenizer
+
+    base, log = counting_proxy
+    prompts = list(TEXT_PROMPTS[:2])
+    body = {"model": SERVED, "prompt": prompts, "echo": True, "max_tokens": 8,
+            "ignore_eos": True, "temperature": 0, "stream": True}  # fmt: skip
+    lines = len(whole_lines(log))
+    with httpx.Client(timeout=60) as client:
+        raw = fetch(client, base + COMPLETIONS, body)
+    record = _next_record(log, lines, time.monotonic() + 30)
+    texts = ["", ""]
+    for payload in payloads(raw):
+        for choice in payload.get("choices") or []:
+            texts[choice["index"]] += choice.get("text") or ""
+    assert [t[: len(p)] for t, p in zip(texts, prompts, strict=True)] == prompts  # echoed
+    tokenizer = load_tokenizer(str(MODEL))
+    output = [t[len(p) :] for t, p in zip(texts, prompts, strict=True)]
+    expected = count_output(tokenizer, output)
+    with_prompts = count_output(tokenizer, texts)
+    assert (record["token_source"], record["error_type"]) == ("tokenizer", None)
+    # The proxy counts the texts as they came, less each prompt's own tokens: where a
+    # prompt's last token and the first output token join, a count may differ by one.
+    assert abs(record["output_tokens"] - expected) <= len(prompts), (record, expected)
+    assert record["output_tokens"] < with_prompts - len(prompts), (record, with_prompts)
 
 
 def _settled_vllm_delta(server: Vllm, before: Scrape, deadline: float) -> float:

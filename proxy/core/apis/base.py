@@ -55,6 +55,9 @@ class RequestInfo:
     valid_json: bool = True
     prompt_tokens: int | None = None  # known exactly from the request (token ids sent)
     previous_response_id: str | None = None  # Responses: the response this one continues
+    #: Completions with `echo`: the prompt each choice's text begins with, by choice index
+    #: (what a tokenizer's count of the output leaves out); empty without echo.
+    echoed: tuple[Any, ...] = ()
     #: The prompt's message digests once taken (proxy/core/fingerprint.py `chain_of`), so
     #: the record's prefix reuses the conversation table's hashing of the same messages.
     digests: Any = field(default=None, compare=False, repr=False)

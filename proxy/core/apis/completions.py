@@ -6,8 +6,10 @@ The same stream as chat (proxy/core/apis/chat.py) with the generated text in
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
+from proxy.core.apis.base import RequestInfo
 from proxy.core.apis.chat import OpenAIGeneration, add_texts
 
 
@@ -28,6 +30,22 @@ class Completions(OpenAIGeneration):
 
     def prompt(self, obj: dict[str, Any]) -> Any:
         return obj.get("prompt")
+
+    def read_request(self, obj: dict[str, Any]) -> RequestInfo:
+        """With `echo`, each choice's text begins with its prompt: vLLM sends
+        `prompt_text + output.text` in a choice's first chunk (its whole text when not
+        streamed), for choice `i = output.index + prompt_idx * n`, and no prompt text when
+        `return_token_ids` is set (completion/serving.py). The prompts are kept by choice
+        so that a tokenizer's count of the output can leave them out."""
+        info = super().read_request(obj)
+        if obj.get("echo") is not True or obj.get("return_token_ids") is True:
+            return info
+        prompt = info.prompt
+        many = type(prompt) is list and bool(prompt) and all(type(p) is not int for p in prompt)
+        prompts = prompt if many else [prompt]
+        n = obj.get("n")
+        each = n if type(n) is int and n > 0 else 1
+        return replace(info, echoed=tuple(p for p in prompts for _ in range(each)))
 
     def ask_for_usage(self, obj: dict[str, Any]) -> bytes | None:
         """As chat's (OpenAIGeneration.ask_for_usage), and not for a batch of prompts:
