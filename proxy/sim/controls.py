@@ -71,6 +71,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
+from proxy.core.lax import lax_bool
 from proxy.sim import errors
 from proxy.sim.config import SimConfig
 from proxy.sim.engine import Spec, spec_from
@@ -276,7 +277,8 @@ def _plan(
         planned, finish = limit, "length"
 
     options = body.get("stream_options") or {}
-    include_usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
+    # read as vLLM's pydantic models read it: `1` and "true" ask, "false" does not
+    include_usage = isinstance(options, dict) and lax_bool(options.get("include_usage")) is True
     usage_mode = headers.get("x-sim-usage-mode", "separate")
     if usage_mode not in USAGE_MODES:
         raise ControlError(f"x-sim-usage-mode: unknown value {usage_mode!r}")
@@ -303,7 +305,7 @@ def _plan(
     return Plan(
         kind=kind,
         model=model,
-        stream=bool(body.get("stream")),
+        stream=lax_bool(body.get("stream")) is True,
         prompt_tokens=prompt_tokens,
         cached_tokens=None if cached is None else min(prompt_tokens, cached),
         output_tokens=planned,

@@ -129,6 +129,46 @@ def test_streams_through_the_proxy_are_byte_identical_to_direct(vllm_servers: Se
     assert fingerprints == len(cases) == 16
 
 
+def test_fields_written_as_vllm_reads_them_leave_the_stream_as_direct(
+    vllm_servers: Servers,
+) -> None:
+    """vLLM validates requests in pydantic's lax mode (proxy/core/lax.py): `include_usage`
+    as `1` or `"true"` asks for usage, and `"n": "2"` is two choices. The proxy reads them
+    so: it asks for nothing more, strips nothing, and every byte is as direct (the usage
+    chunk the client asked for; with two choices, the fingerprint on each one's finish)."""
+    server = vllm_servers.base
+    with httpx.Client(timeout=60) as client:
+        for path, prompt in ((CHAT, CHAT_PROMPTS[0]), (COMPLETIONS, TEXT_PROMPTS[0])):
+            for asked in (1, "true"):
+                body = {**body_for(path, prompt, False), "stream_options": {"include_usage": asked}}
+                chunks = payloads(compare_pair(client, server, path, body))
+                assert chunks[-1]["usage"] is not None, (path, asked, chunks[-1])
+                assert "system_fingerprint" in chunks[-1]
+        # Two choices interleave as the engine steps them, and vLLM may merge steps under
+        # load, differently each time: each choice's text and finish are compared, and
+        # where the fingerprint is (each finish chunk, and no other chunk).
+        body = {**body_for(CHAT, CHAT_PROMPTS[0], False), "n": "2", "temperature": 1, "seed": 7}
+        sides = [
+            by_choice(fetch(client, url + CHAT, body)) for url in (server.url, server.proxy_url)
+        ]
+    assert sides[0] == sides[1] and len(sides[0]) == 2, sides
+    assert all(stamped == [True] for _, _, stamped in sides[1].values()), sides
+
+
+def by_choice(raw: bytes) -> dict[int, tuple[str, str, list[bool]]]:
+    """Per choice: its text, its finish reason, and for each chunk carrying the
+    fingerprint whether that chunk is the choice's finish."""
+    out: dict[int, tuple[str, str, list[bool]]] = {}
+    for payload in payloads(raw):
+        (choice,) = payload["choices"]
+        text, finish, stamped = out.get(choice["index"], ("", "", []))
+        finish = choice.get("finish_reason") or finish
+        if "system_fingerprint" in payload:
+            stamped = [*stamped, bool(choice.get("finish_reason"))]
+        out[choice["index"]] = (text + (choice["delta"].get("content") or ""), finish, stamped)
+    return out
+
+
 def test_a_batch_of_prompts_keeps_a_fingerprint_on_every_choices_finish(
     vllm_servers: Servers,
 ) -> None:

@@ -27,8 +27,8 @@ from typing import Any
 from proxy.core.apis.base import Facts, RequestInfo
 from proxy.core.apis.chat import Chat, keep
 from proxy.core.form import Form, read_form, with_field
+from proxy.core.lax import lax_bool
 
-_TRUE = frozenset({"true", "1", "yes", "on", "t", "y"})  # what pydantic reads as True
 USAGE_FIELD = "stream_include_usage"
 CONTINUOUS_FIELD = "stream_continuous_usage_stats"
 
@@ -96,7 +96,8 @@ class Translations(Transcriptions):
 
 
 def _flag(value: object) -> bool:
-    return isinstance(value, str) and value.strip().lower() in _TRUE
+    """A form field vLLM reads as true (a form's values are texts; pydantic's lax bool)."""
+    return isinstance(value, str) and lax_bool(value) is True
 
 
 def _number(value: object, kind: type[int] | type[float]) -> Any:

@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Literal
 import orjson
 
 from proxy.core.engine import EngineMetrics, engine_metrics
+from proxy.core.lax import lax_bool
 from proxy.core.measurement import NONE_LABEL, TokenSource
 from proxy.core.ndjson import NDJSONDecoder
 from proxy.core.sse import SSEDecoder
@@ -190,7 +191,7 @@ class Api:
         return RequestInfo(
             endpoint=self.endpoint,
             model=model if isinstance(model, str) else "",
-            stream=obj.get("stream") is True,
+            stream=lax_bool(obj.get("stream")) is True,  # as vLLM reads it: "true" streams
             usage_requested=self.usage_requested(obj),
             max_tokens=max_tokens if type(max_tokens) is int else None,
             temperature=float(temperature)

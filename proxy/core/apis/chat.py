@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import orjson
 
 from proxy.core.apis.base import END, MALFORMED, NOTHING, Api, Facts, identity
+from proxy.core.lax import lax_bool, lax_int
 from proxy.core.toolcalls import CallPiece
 
 _DELTA_KEYS = (
@@ -49,7 +50,7 @@ class OpenAIGeneration(Api):
 
     def usage_requested(self, obj: dict[str, Any]) -> bool:
         options = obj.get("stream_options")
-        return isinstance(options, dict) and options.get("include_usage") is True
+        return isinstance(options, dict) and lax_bool(options.get("include_usage")) is True
 
     def max_tokens(self, obj: dict[str, Any]) -> object:
         return obj.get("max_completion_tokens", obj.get("max_tokens"))
@@ -67,8 +68,8 @@ class OpenAIGeneration(Api):
         when include_usage is also set (vllm/entrypoints/utils.py, should_include_usage:
         `include_continuous_usage = include_usage and bool(continuous_usage_stats)`), so
         the client, which did not set include_usage, would get none direct."""
-        n = obj.get("n")
-        if type(n) is int and n > 1:
+        n = lax_int(obj.get("n"))  # `"n": "2"` is two choices to vLLM too
+        if n is not None and n > 1:
             return None
         options = obj.get("stream_options")
         merged = dict(options) if isinstance(options, dict) else {}

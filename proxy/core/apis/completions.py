@@ -11,6 +11,7 @@ from typing import Any
 
 from proxy.core.apis.base import RequestInfo
 from proxy.core.apis.chat import OpenAIGeneration, add_texts
+from proxy.core.lax import lax_bool, lax_int
 
 
 class Completions(OpenAIGeneration):
@@ -38,13 +39,13 @@ class Completions(OpenAIGeneration):
         `return_token_ids` is set (completion/serving.py). The prompts are kept by choice
         so that a tokenizer's count of the output can leave them out."""
         info = super().read_request(obj)
-        if obj.get("echo") is not True or obj.get("return_token_ids") is True:
+        if lax_bool(obj.get("echo")) is not True or lax_bool(obj.get("return_token_ids")):
             return info
         prompt = info.prompt
         many = type(prompt) is list and bool(prompt) and all(type(p) is not int for p in prompt)
         prompts = prompt if many else [prompt]
-        n = obj.get("n")
-        each = n if type(n) is int and n > 0 else 1
+        n = lax_int(obj.get("n"))
+        each = n if n is not None and n > 0 else 1
         return replace(info, echoed=tuple(p for p in prompts for _ in range(each)))
 
     def ask_for_usage(self, obj: dict[str, Any]) -> bytes | None:

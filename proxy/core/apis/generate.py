@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 from proxy.core.apis.base import END, MALFORMED, NOTHING, Facts, RequestInfo, json_object
 from proxy.core.apis.chat import OpenAIGeneration
+from proxy.core.lax import lax_bool
 
 
 class Generate(OpenAIGeneration):
@@ -55,7 +56,7 @@ class Generate(OpenAIGeneration):
         return RequestInfo(
             endpoint=self.endpoint,
             model=model if isinstance(model, str) else "",
-            stream=obj.get("stream") is True,
+            stream=lax_bool(obj.get("stream")) is True,
             usage_requested=self.usage_requested(obj),
             max_tokens=info.max_tokens,
             temperature=info.temperature,

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from proxy.core.apis.base import json_object
+from proxy.core.lax import lax_bool
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
 from proxy.core.wav import BYTES_PER_SECOND
 from proxy.core.wsbase import WsApi, WsSession
@@ -106,7 +107,7 @@ class RealtimeSession(WsSession):
                 else:
                     u.audio += size
             elif kind == "input_audio_buffer.commit":
-                final = _lax_bool(obj.get("final", False))
+                final = lax_bool(obj.get("final", False))
                 if final is None:
                     self._refusals_due += 1
                 elif not final and u is None:
@@ -208,27 +209,6 @@ class RealtimeSession(WsSession):
                 audio_seconds=u.audio / BYTES_PER_SECOND,
             )
         )
-
-
-# pydantic's lax bool (the mode vLLM's OpenAIBaseModel validates in): these strings, any
-# case, and 0 or 1 as an int or a float; anything else is refused.
-_TRUE_WORDS = frozenset({"1", "on", "t", "true", "y", "yes"})
-_FALSE_WORDS = frozenset({"0", "off", "f", "false", "n", "no"})
-
-
-def _lax_bool(value: Any) -> bool | None:
-    """`value` as pydantic reads a bool field, None where it refuses it."""
-    if type(value) is bool:
-        return value
-    if type(value) in (int, float) and value in (0, 1):
-        return bool(value)
-    if type(value) is str:
-        word = value.lower()
-        if word in _TRUE_WORDS:
-            return True
-        if word in _FALSE_WORDS:
-            return False
-    return None
 
 
 def _b64_size(text: str) -> int:
