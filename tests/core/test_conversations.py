@@ -223,3 +223,41 @@ def test_one_conversation_holds_at_most_entry_bytes() -> None:
     tracemalloc.stop()
     assert len(t) == 10_000
     assert used / 10_000 <= ENTRY_BYTES
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        # Anthropic's system as text blocks, as an agent that sets cache_control sends it
+        ("/v1/messages", lambda system, items: {"system": [{"type": "text", "text": system,
+                                                 "cache_control": {"type": "ephemeral"}}],
+                                                 "messages": items}),
+        ("/v1/messages", lambda system, items: {"system": system, "messages": items}),
+        ("/v1/responses", lambda system, items: {"instructions": system, "input": items}),
+    ],
+)  # fmt: skip
+def test_agents_that_differ_in_their_system_prompt_alone_are_never_joined(
+    path: str, body: Any
+) -> None:
+    """Two agents open with the same user message under different system prompts: the
+    prompt (Api.prompt) keeps the system prompt first, so each one's second turn continues
+    its own conversation, not the other's (before, the block form and the instructions were
+    left out, and agent A's second turn joined B's, which had opened last)."""
+    from proxy.core.apis import api_for
+
+    api = api_for(path)
+    assert api is not None
+    t = table()
+    hi = [{"role": "user", "content": "fix the failing test"}]
+    more = [*hi, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go on"}]
+
+    def turn(now: float, system: str, items: list[dict[str, Any]]) -> Turn:
+        return begin(t, now, api.read_request({"model": "m", **body(system, items)}).prompt)
+
+    a1 = turn(0.0, "You are agent A, a reviewer", hi)
+    end(t, a1, 1.0)
+    b1 = turn(1.0, "You are agent B, a planner", hi)
+    end(t, b1, 2.0)
+    a2 = turn(3.0, "You are agent A, a reviewer", more)
+    assert a1.id != b1.id and b1.index == 1
+    assert (a2.id, a2.index, a2.gap) == (a1.id, 2, 2.0)

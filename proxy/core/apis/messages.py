@@ -76,9 +76,12 @@ class Messages(Api):
         }
 
     def prompt(self, obj: dict[str, Any]) -> Any:
+        """The messages, with `system` as the first: a text, or a list of text blocks (the
+        form an agent that sets `cache_control` sends; anthropic-sdk-python
+        MessageCreateParams: `system: Union[str, Iterable[TextBlockParam]]`)."""
         messages = obj.get("messages")
         system = obj.get("system")
-        if isinstance(system, str) and isinstance(messages, list):
+        if system and isinstance(system, str | list) and isinstance(messages, list):
             return [{"role": "system", "content": system}, *messages]
         return messages
 

@@ -76,6 +76,20 @@ class Responses(Api):
     def max_tokens(self, obj: dict[str, Any]) -> object:
         return obj.get("max_output_tokens")
 
+    def prompt(self, obj: dict[str, Any]) -> Any:
+        """The input, after `instructions` as a system message, as vLLM builds the prompt
+        (responses/utils.py, construct_input_messages: the instructions first, then a text
+        input as a user message, or the input's items)."""
+        given = obj.get("input")
+        instructions = obj.get("instructions")
+        if not instructions or not isinstance(instructions, str):
+            return given
+        if isinstance(given, str):
+            given = [{"role": "user", "content": given}]
+        if isinstance(given, list):
+            return [{"role": "system", "content": instructions}, *given]
+        return given
+
     def read_request(self, obj: dict[str, Any]) -> RequestInfo:
         # `previous_response_id` names the stored response this one continues (openai-python
         # src/openai/types/responses/response_create_params.py): a conversation's next turn.
