@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 
 import orjson
+import pytest
 
 from proxy.core.apis.realtime import RealtimeSession
 from proxy.core.measurement import ErrorType, Measurement, TokenSource
@@ -186,3 +187,70 @@ def test_final_is_read_as_vllms_models_read_it() -> None:
     sess.close(101.5, "closed_by_client")
     (m,) = records
     assert m.error_type is ErrorType.BAD_REQUEST and sess.utterances == 0
+
+
+def test_a_model_that_is_no_name_is_vllms_to_answer_and_a_later_failure_is_the_utterances() -> None:
+    """vLLM checks session.update's model as sent (connection.py, handle_event): 123 is
+    model_not_found, 0 passes; neither is a refused event that a processing_error answers,
+    so a generation's processing_error later still ends its utterance as a stream error."""
+    sess, records = session()
+    sess.message(c(101.0, type="session.update", model=123))
+    sess.message(
+        s(101.0, type="error", error="The model `123` does not exist.", code="model_not_found")
+    )
+    sess.message(c(101.05, type="session.update", model=0))  # passes: no answer
+    frames = utterance(101.1, "hi")
+    for frame in frames[:5]:  # up to the empty delta
+        sess.message(frame)
+    sess.message(s(101.4, type="error", error="generation failed", code="processing_error"))
+    sess.close(102.0, "closed_by_client")
+    refused, failed = records
+    assert (refused.error_type, refused.model) == (ErrorType.NOT_FOUND, "whisper")
+    assert failed.error_type is ErrorType.STREAM_ERROR
+    assert failed.e2e == pytest.approx(101.4 - 101.225)  # from its commit to the error
+    assert sess.utterances == 1
+
+
+def test_a_client_frame_that_is_json_but_no_event_is_answered_and_the_utterance_goes_on() -> None:
+    """vLLM reads a client frame with json.loads and calls `event.get`: `[]` or `"x"` fails
+    there and is answered with a processing_error while the generation runs on; NaN, which
+    orjson refuses, is JSON to vLLM, so a commit carrying one starts a generation."""
+    sess, records = session()
+    frames = utterance(101.0, "hi")
+    frames[1] = WsMessage(True, "text", b'{"type":"input_audio_buffer.commit","x":NaN}', 101.125)
+    for frame in frames[:5]:
+        sess.message(frame)
+    for odd in (b"[]", b'"x"', b"null"):
+        sess.message(WsMessage(True, "text", odd, 101.3))
+        sess.message(s(101.3, type="error", error="no .get", code="processing_error"))
+    for frame in frames[5:]:
+        sess.message(frame)
+    sess.close(102.0, "closed_by_client")
+    *answers, spoken = records
+    assert [m.error_type for m in answers] == [ErrorType.BAD_REQUEST] * 3
+    assert spoken.ok and spoken.ttft == 0.375 and spoken.output_tokens == 3
+    assert sess.malformed == 3  # the three frames that are no event; the NaN one is one
+
+
+def test_a_model_vllm_refused_does_not_label_the_utterances_after_it() -> None:
+    """vLLM answers a session.update it refuses with model_not_found and keeps the model
+    it had; one it takes gets no answer. The utterance is labelled with the last model
+    taken before its commit."""
+    sess, records = session()
+    sess.message(c(100.5, type="session.update", model="whisper-large"))  # taken
+    sess.message(c(100.6, type="session.update", model="gpt-4o-transcribe"))  # refused
+    frames = utterance(101.0, "hi")
+    sess.message(frames[0])
+    sess.message(frames[1])  # the commit comes before vLLM's answer to the update
+    sess.message(
+        s(101.2, type="error", error="The model `gpt-4o-transcribe` does not exist.",
+          code="model_not_found")
+    )  # fmt: skip
+    for frame in frames[2:]:
+        sess.message(frame)
+    sess.message(c(103.0, type="session.update", model="whisper-small"))  # after: not its
+    sess.close(104.0, "closed_by_client")
+    refused, spoken = records
+    assert (refused.error_type, refused.model) == (ErrorType.NOT_FOUND, "gpt-4o-transcribe")
+    assert spoken.ok and spoken.model == "whisper-large"
+    assert sess.model == "whisper-large"

@@ -18,8 +18,12 @@ appended for it in `audio_seconds`. A `processing_error` ends the open utterance
 as `stream_error`, unless a client event vLLM's models refuse is waiting for its answer:
 vLLM answers that one with a `processing_error` too (connection.py, handle_connection:
 any exception from handle_event), and the generation runs on. The proxy reads a client
-event as those models do (pydantic, lax): `audio` a string, `final` a bool or one of
-pydantic's words for one (`"true"`, `1`, `"no"`...), `model` a string or null. Any other
+event as vLLM does: the frame with `json.loads` (JSON that is no object fails at
+`event.get`, a refusal), the event's fields as those models do (pydantic, lax: `audio` a
+string, `final` a bool or one of pydantic's words for one, `"true"`, `1`, `"no"`...).
+session.update's `model` is vLLM's to check: a refused one answers model_not_found, a
+taken one nothing, and an utterance is labelled with the last model taken before its
+commit. Any other
 `error` is a record of its own (`not_found` for model_not_found, else `bad_request`; a
 refused commit opens no utterance); a session that
 ends with an utterance open records it as `stream_truncated`, saying how the session
@@ -29,6 +33,7 @@ byte does. The session keeps its own figures (`utterances`, `audio_seconds`, `du
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -58,10 +63,11 @@ class Realtime(WsApi):
 
 
 class _Utterance:
-    __slots__ = ("audio", "commit", "deltas", "first", "last")
+    __slots__ = ("asked", "audio", "commit", "deltas", "first", "last")
 
-    def __init__(self, commit: float, audio: int) -> None:
+    def __init__(self, commit: float, audio: int, asked: int = 0) -> None:
         self.commit, self.audio = commit, audio
+        self.asked = asked  # the session.update models asked for before its commit
         self.first: float | None = None
         self.last: float | None = None
         self.deltas = 0
@@ -77,6 +83,11 @@ class RealtimeSession(WsSession):
         self.audio_bytes = 0
         self._pending_audio = 0  # appended while no generation runs
         self._refusals_due = 0  # client events vLLM's models refuse, not yet answered
+        # The models session.update asked for, in order, each with whether vLLM refused it
+        # (model_not_found). vLLM answers only a refusal, and it answers it before it reads
+        # the client's next event: an utterance's model is the last one asked for before
+        # its commit and not refused, known by its end.
+        self._asked: list[list[Any]] = []
         self.malformed = 0
         self.duration: float | None = None
         self.session_id: str | None = None
@@ -91,7 +102,16 @@ class RealtimeSession(WsSession):
         obj = json_object(msg.data)
         if obj is None:
             self.malformed += 1
-            return
+            if not msg.from_client:
+                return
+            event = _as_vllm_reads(msg.data)
+            if event is _NOT_JSON:
+                return  # vLLM answers invalid_json, an error of its own
+            if type(event) is not dict:
+                self._refusals_due += 1  # vLLM's `event.get` fails: processing_error
+                return
+            self.malformed -= 1  # JSON to vLLM's reader (NaN, Infinity): an event
+            obj = event
         kind = obj.get("type")
         u = self.current
         if msg.from_client:
@@ -111,14 +131,20 @@ class RealtimeSession(WsSession):
                 if final is None:
                     self._refusals_due += 1
                 elif not final and u is None:
-                    self.current = _Utterance(msg.at, self._pending_audio)
+                    self.current = _Utterance(msg.at, self._pending_audio, len(self._asked))
                     self._pending_audio = 0
             elif kind == "session.update":
+                # vLLM checks the model as sent (connection.py, handle_event): a name it does
+                # not serve, or any other value that is not empty, is model_not_found; an
+                # empty one (0, "", []) passes. Only a name can become the label.
                 model = obj.get("model")
-                if model is not None and type(model) is not str:
-                    self._refusals_due += 1
-                elif model:
-                    self.model = model
+                if model and type(model) is str:
+                    self._asked.append([model, False])
+                    if len(self._asked) > _MAX_ASKED:  # a client that never commits
+                        oldest, refused = self._asked.pop(0)
+                        self.model = self.model if refused else oldest
+                        if self.current is not None:
+                            self.current.asked = max(0, self.current.asked - 1)
             return
         if kind == "transcription.delta":
             delta = obj.get("delta")
@@ -151,8 +177,33 @@ class RealtimeSession(WsSession):
         if u is not None and code == "model_not_validated" and u.deltas == 0:
             self.current = None  # the commit that opened it was refused
             self._pending_audio += u.audio
+        refused = self._refuse(str(text)) if code == "model_not_found" else None
         error = ErrorType.NOT_FOUND if code == "model_not_found" else ErrorType.BAD_REQUEST
-        self._finish(_Utterance(at, 0), at, None, error, message, utterance=False)
+        self._finish(_Utterance(at, 0, len(self._asked)), at, None, error, message, False, refused)
+
+    def _refuse(self, text: str) -> str | None:
+        """vLLM refused a session.update's model ("The model `X` does not exist."): the
+        oldest one asked for and not yet refused that the message names, else the oldest
+        one not yet refused; returns its name."""
+        open_ = [entry for entry in self._asked if not entry[1]]
+        named = [entry for entry in open_ if f"`{entry[0]}`" in text]
+        entry = named[0] if named else open_[0] if open_ else None
+        if entry is None:
+            return None  # a model that was no name (123): nothing was taken as the label
+        entry[1] = True
+        return str(entry[0])
+
+    def _model_of(self, u: _Utterance, utterance: bool) -> str:
+        """The model of a record: the last model asked for before it and not refused, else
+        the session's. An utterance's end settles the ones asked for before its commit."""
+        model = next(
+            (name for name, refused in reversed(self._asked[: u.asked]) if not refused),
+            self.model,
+        )
+        if utterance:
+            self.model = model
+            del self._asked[: u.asked]
+        return str(model)
 
     def close(self, at: float, cause: str) -> None:
         self.duration = at - self.start
@@ -169,7 +220,11 @@ class RealtimeSession(WsSession):
         error: ErrorType | None,
         message: str | None,
         utterance: bool = True,
+        model: str | None = None,
     ) -> None:
+        """Record `u`; `model`, when given, is its label, else `_model_of`."""
+        if model is None:
+            model = self._model_of(u, utterance)
         self.utterances += utterance
         prompt = output = None
         source = TokenSource.CHUNKS if u.deltas else TokenSource.NONE
@@ -186,7 +241,7 @@ class RealtimeSession(WsSession):
         self.record(
             Measurement(
                 endpoint=Realtime.endpoint,
-                model=self.model,
+                model=model,
                 stream=True,
                 stream_requested=True,
                 status_code=101,
@@ -209,6 +264,24 @@ class RealtimeSession(WsSession):
                 audio_seconds=u.audio / BYTES_PER_SECOND,
             )
         )
+
+
+#: The session.update models kept until an utterance settles them: more, and the oldest
+#: is settled as if vLLM had taken it (a client that updates and never commits).
+_MAX_ASKED = 32
+
+
+def _as_vllm_reads(data: bytes) -> Any:
+    """A client frame that is no JSON object to orjson, as vLLM reads it (connection.py, handle_connection:
+    `json.loads`, which also takes NaN and Infinity): the value, or _NOT_JSON when it is
+    no JSON (vLLM answers invalid_json)."""
+    try:
+        return json.loads(data)
+    except ValueError:  # JSONDecodeError, or bytes that are no text
+        return _NOT_JSON
+
+
+_NOT_JSON = object()
 
 
 def _b64_size(text: str) -> int:
