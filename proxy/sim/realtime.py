@@ -9,7 +9,8 @@ nulls included), one text frame each:
   ...append        base64 PCM16 16 kHz mono; undecodable or empty: error invalid_audio
   ...commit        not validated yet: error model_not_validated; `final`: the audio is
                    over; else starts a generation unless one runs (then it is ignored)
-  not JSON         error invalid_json; an unknown type: error unknown_event
+  not JSON         error invalid_json; JSON but no object: error processing_error (vLLM's
+                   `event.get` raises); an unknown type: error unknown_event
 
 A generation is the programmed transcript: token i is `VOCAB[i]`, the first delta at
 commit + ttft, then one every 1/tps, each `{"type":"transcription.delta","delta":...}`;
@@ -29,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import json
 import math
 import time
 import uuid
@@ -87,11 +89,17 @@ class RealtimeSession:
                 if text is None:
                     continue  # vLLM reads text frames only
                 try:
-                    event = orjson.loads(text)
-                except orjson.JSONDecodeError:
+                    event = json.loads(text)  # vLLM's reader: NaN and Infinity are JSON
+                except json.JSONDecodeError:
                     await self.error("Invalid JSON", "invalid_json")
                     continue
-                await self.handle(event if isinstance(event, dict) else {})
+                if not isinstance(event, dict):  # vLLM's `event.get` fails on it
+                    await self.error(
+                        f"'{type(event).__name__}' object has no attribute 'get'",
+                        "processing_error",
+                    )
+                    continue
+                await self.handle(event)
         finally:
             self.closed = True
             if self.generation is not None:

@@ -471,6 +471,36 @@ def test_realtime_three_utterances_with_a_websockets_client(
 
 
 @paths("wire", why="the wire tunnels WebSockets; the ASGI app refuses them")
+def test_realtime_a_frame_that_is_no_event_is_answered_and_the_utterance_goes_on(
+    sim: tuple[str, SimApp], proxy: Proxy, n: int
+) -> None:
+    """`[]` mid-utterance: JSON to vLLM, but no event (its `event.get` fails), answered with
+    a processing_error while the generation runs on (connection.py): a bad request of its
+    own, and the utterance still ends with its done and usage."""
+    from websockets.sync.client import connect
+
+    received: list[str] = []
+    with connect(realtime_url(proxy), additional_headers=PROGRAM) as ws:
+        ws.recv(timeout=10)
+        ws.send(orjson.dumps({"type": "session.update", "model": MODEL}).decode())
+        ws.send(orjson.dumps({"type": "input_audio_buffer.append", "audio": pcm_b64(0.5)}).decode())
+        ws.send('{"type":"input_audio_buffer.commit"}')
+        ws.send("[]")
+        ws.send('{"type":"input_audio_buffer.commit","final":true}')
+        while '"transcription.done"' not in (text := ws.recv(timeout=10)):
+            received.append(text)
+    assert sum('"processing_error"' in t for t in received) == 1
+    refused, spoken = proxy.record(n), proxy.record(n + 1)
+    assert (refused["error_type"], refused["model"]) == ("bad_request", MODEL)
+    assert refused["error"].startswith("processing_error: ")
+    assert (spoken["error_type"], spoken["output_tokens"], spoken["token_source"]) == (
+        None,
+        8,
+        "usage",
+    )
+
+
+@paths("wire", why="the wire tunnels WebSockets; the ASGI app refuses them")
 def test_realtime_error_and_cut_sessions_are_classified(
     sim: tuple[str, SimApp], proxy: Proxy, n: int
 ) -> None:
