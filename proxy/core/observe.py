@@ -105,6 +105,11 @@ class StreamObserver:
         self.usage: dict[str, Any] | None = None
         self.engine: object = None  # the engine's `metrics` object as sent
         self.timings: object = None  # llama.cpp's `timings` object as sent
+        # llama.cpp's tasks, by choice: each prompt of a batch (and each choice) is a task
+        # of its own, whose finish chunk carries its own usage and timings
+        # (tools/server/server-task.cpp, server_task_result_cmpl_final::to_json_oaicompat)
+        self.tasks: dict[int, Facts] | None = None
+        self.first_choice = 0  # the choice of the first token
         self.overhead: float | None = None  # the proxy's own time so far
         self.stream_error: object = None
         self.done = False
@@ -250,6 +255,7 @@ class StreamObserver:
             self.content_events += 1
             if self.first_token is None:
                 self.first_token = now
+                self.first_choice = facts.choices[0]
             self.last_token = now
             choices = self.choices
             for index in facts.choices:
@@ -279,6 +285,10 @@ class StreamObserver:
         if facts.finish is not None:
             self.finish_reason = self.finishes[facts.finish_choice] = facts.finish
         if facts.usage is not None:
+            if facts.timings is not None and facts.finish is not None:
+                if self.tasks is None:
+                    self.tasks = {}
+                self.tasks[facts.finish_choice] = facts
             self.usage = (
                 facts.usage if self.usage is None else self.api.merge_usage(self.usage, facts.usage)
             )
@@ -348,8 +358,29 @@ class StreamObserver:
         return [echoed[i] for i in sorted(answered) if 0 <= i < len(echoed)]
 
     def counts_from_usage(self) -> TokenCounts | None:
+        tasks = self.tasks
+        if tasks is not None and len(tasks) > 1:
+            added = self._tasks_counts(tasks)
+            if added is not None:
+                return added
         usage = self.usage
         return self.api.counts(usage) if usage else None
+
+    def _tasks_counts(self, tasks: dict[int, Facts]) -> TokenCounts | None:
+        """llama.cpp's tasks' usages added up: each task counted its own prompt (a batch's
+        prompts differ) and its own output. None when one of them counts nothing."""
+        parts = [self.api.counts(facts.usage) for facts in tasks.values() if facts.usage]
+        counted = [p for p in parts if p is not None and p.output is not None]
+        if not counted or len(counted) != len(tasks):
+            return None
+        prompts = [p.prompt for p in counted]
+        cached = [p.cached for p in counted if p.cached is not None]
+        return TokenCounts(
+            prompt=None if None in prompts else sum(p for p in prompts if p is not None),
+            output=sum(p.output for p in counted if p.output is not None),
+            cached=sum(cached) if cached else None,
+            source=TokenSource.USAGE,
+        )
 
     def counts_from_engine(self, counts: TokenCounts | None) -> TokenCounts | None:
         """Usage's counts with the cached tokens from the engine's own account where usage
@@ -374,7 +405,11 @@ class StreamObserver:
         if self.engine is not None:
             return self.api.engine_figures(self.engine)
         if self.timings is not None:
-            return timings_metrics(self.timings)
+            timings = self.timings
+            tasks = self.tasks
+            if tasks is not None and len(tasks) > 1 and self.first_choice in tasks:
+                timings = tasks[self.first_choice].timings  # the task whose token came first
+            return timings_metrics(timings)
         return None
 
     def counts_from_chunks(self) -> TokenCounts:

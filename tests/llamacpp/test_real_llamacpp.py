@@ -197,6 +197,33 @@ def test_tokens_and_the_engine_part_of_the_split_are_its_timings(llama: Llama) -
         assert d("tokenprobe_measurement_failures_total", stage=stage) == 0
 
 
+def test_a_batch_of_prompts_counts_every_tasks_usage(llama: Llama) -> None:
+    """A completions batch runs a task per prompt, and each task's finish chunk carries that
+    task's own usage and timings (server-task.cpp, to_json_oaicompat): the record adds them
+    up, and the engine part of the split is the timings of the task whose token came first."""
+    since = settled(llama)
+    delta = Delta(llama.proxy_url)
+    body = {"model": SERVED, "prompt": ["hello there", "the quick brown fox jumps"],
+            "max_tokens": 3, "temperature": 0, "stream": True, "cache_prompt": False}  # fmt: skip
+    with httpx.Client(timeout=60) as client:
+        raw = fetch(client, llama.proxy_url + COMPLETIONS, body)
+    (record,) = wait_records(llama, since, 1)
+    chunks = [c for c in payloads(raw) if c is not None]  # a `data: null` between the tasks
+    assert b"data: null" in raw
+    assert delta.after(1)("tokenprobe_malformed_events_total") == 0
+    finals = {c["choices"][0]["index"]: c for c in chunks if "usage" in c}
+    assert len(finals) == 2 and all("timings" in c for c in finals.values()), chunks
+    usages = [c["usage"] for c in finals.values()]
+    assert record["token_source"] == "usage"
+    assert record["prompt_tokens"] == sum(u["prompt_tokens"] for u in usages)
+    assert record["output_tokens"] == sum(u["completion_tokens"] for u in usages) == 6
+    assert record["cached_tokens"] == sum(
+        u["prompt_tokens_details"]["cached_tokens"] for u in usages
+    )
+    first = next(c["choices"][0]["index"] for c in chunks if c["choices"][0].get("text"))
+    assert record["engine_ttft_ms"] == round(finals[first]["timings"]["prompt_ms"], 3)
+
+
 def test_a_repeated_prompt_shows_its_cache_n_as_cached_tokens(llama: Llama) -> None:
     prompt = "measure the cache: " + " ".join(f"word{i}" for i in range(40))
     since = settled(llama)

@@ -88,7 +88,9 @@ class OpenAIGeneration(Api):
         except orjson.JSONDecodeError:
             return MALFORMED
         if type(obj) is not dict:
-            return MALFORMED
+            # llama-server streams a batch's tasks with a `data: null` between them (seen
+            # from the b1-0c1e570 build .ci/llama makes): no event, nor a malformed one
+            return NOTHING if obj is None else MALFORMED
         kind: str | None = None
         finish: Any = None
         texts: list[str] | None = [] if collect else None
