@@ -554,10 +554,9 @@ def _write_ollama(chat: bool) -> Callable[[Planned], Awaitable[Outcome]]:
         if record.loaded_at is not None:
             timer.loaded = int(record.loaded_at * 1e9)
         body = job.body if isinstance(job.body, dict) else {}
-        if not chat and not body.get("prompt"):  # GenerateHandler: load (or unload) only
-            keep = body.get("keep_alive")
-            reason = "unload" if keep == 0 or keep == "0" else "load"
-            await ex.reply(200, ollama.load_reply(plan.model, reason), errors.OLLAMA_JSON)
+        if not body.get("messages" if chat else "prompt"):  # load (or unload) only
+            reason = "unload" if ollama.unloads(body.get("keep_alive")) else "load"
+            await ex.reply(200, ollama.load_reply(plan.model, reason, chat), errors.OLLAMA_JSON)
             return "completed"
         wire = ollama.OllamaWire(plan, chat, ollama.thinking_tokens(body, record.headers), timer)
         if not plan.stream:

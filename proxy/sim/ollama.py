@@ -27,6 +27,7 @@ line `{not json`, close_no_done (and x-sim-no-done) end the body without the don
 
 from __future__ import annotations
 
+import re
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -201,14 +202,30 @@ def embed(model: str, body: dict[str, Any], timer: Timer, prompt_tokens: int) ->
     )
 
 
-def load_reply(model: str, reason: str) -> bytes:
-    """GenerateHandler's answer to an empty prompt: done at once, `done_reason` "load" (the
-    model is loaded) or "unload" (keep_alive 0), no counts, no durations."""
-    return b'{"model":%s,"created_at":%s,"response":"","done":true,"done_reason":"%s"}' % (
+def load_reply(model: str, reason: str, chat: bool = False) -> bytes:
+    """GenerateHandler's answer to an empty prompt, and ChatHandler's to no messages
+    (server/routes.go): done at once, `done_reason` "load" (the model is loaded) or "unload"
+    (keep_alive 0), no counts, no durations; chat's with an empty assistant message."""
+    answer = b'"message":{"role":"assistant","content":""}' if chat else b'"response":""'
+    return b'{"model":%s,"created_at":%s,%s,"done":true,"done_reason":"%s"}' % (
         orjson.dumps(model),
         created_at(),
+        answer,
         reason.encode(),
     )
+
+
+#: A Go duration of zero, as api.Duration reads a keep_alive string (time.ParseDuration).
+_ZERO_DURATION = re.compile(r"[+-]?(?:0|(?:(?:0+(?:\.0*)?|\.0+)(?:ns|us|µs|μs|ms|s|m|h))+)")
+
+
+def unloads(keep_alive: object) -> bool:
+    """keep_alive zero: api.Duration takes a number of seconds or a Go duration string."""
+    if isinstance(keep_alive, bool):
+        return False
+    if isinstance(keep_alive, int | float):
+        return keep_alive == 0
+    return isinstance(keep_alive, str) and _ZERO_DURATION.fullmatch(keep_alive) is not None
 
 
 def version(configured: str) -> bytes:

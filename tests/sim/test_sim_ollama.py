@@ -69,6 +69,16 @@ def test_empty_prompt_loads_or_unloads(start_sim: Callable[..., Running]) -> Non
     unload = httpx.post(sim.url + "/api/generate", json={"model": MODEL, "keep_alive": 0}).json()
     assert (load["done_reason"], unload["done_reason"]) == ("load", "unload")
     assert "eval_count" not in load and load["response"] == ""
+    # ChatHandler: no messages loads, with keep_alive zero (a number of seconds or a Go
+    # duration: "0s", "0m") unloads, answering an empty assistant message
+    chat = {"model": MODEL, "messages": []}
+    for keep, reason in ((None, "load"), ("0s", "unload"), ("0m", "unload"), ("5m", "load")):
+        body = chat if keep is None else {**chat, "keep_alive": keep}
+        answer = httpx.post(sim.url + "/api/chat", json=body).json()
+        assert (answer["done_reason"], answer["done"]) == (reason, True), keep
+        assert answer["message"] == {"role": "assistant", "content": ""}
+    unload = httpx.post(sim.url + "/api/generate", json={"model": MODEL, "keep_alive": "0s"})
+    assert unload.json()["done_reason"] == "unload"
 
 
 def test_errors_are_ollamas(start_sim: Callable[..., Running]) -> None:
