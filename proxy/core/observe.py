@@ -457,12 +457,13 @@ class StreamObserver:
             counts = await counter.count(self)
         if counts is None:
             counts = self.counts_from_chunks()
-        if counts.prompt is None and self.usage is not None:
+        if self.usage is not None and counts.source is not TokenSource.USAGE:
             # usage that came before the output's count and no more (a Messages stream cut
-            # after message_start): its prompt beside the output counted otherwise
-            counts.prompt, cached = self.api.prompt_counts(self.usage)
-            if counts.cached is None:
-                counts.cached = cached
+            # after message_start): its exact prompt wins over one counted otherwise
+            prompt, cached = self.api.prompt_counts(self.usage)
+            if prompt is not None:
+                counts.prompt = prompt
+                counts.cached = cached if cached is not None else counts.cached
         self._end_run()
         counted = None
         if self.reasoning_texts and counter is not None and not self.reasoning_from_usage():

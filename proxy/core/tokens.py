@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from proxy.core.chat_prompt import template_messages
 from proxy.core.measurement import TokenSource
 from proxy.core.observe import StreamObserver, TokenCounts
 
@@ -25,25 +27,46 @@ def load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
-def count_prompt(tokenizer: Any, prompt: Any) -> int | None:
-    """Prompt tokens: the chat template when the tokenizer has one, else the message texts."""
+def count_prompt(tokenizer: Any, prompt: Any, template: dict[str, Any] | None = None) -> int | None:
+    """Prompt tokens: a text; token ids; a batch of texts or of token-id lists (each
+    prompt's own, added up, as vLLM's usage adds them: completion/serving.py); messages
+    through the chat template when the tokenizer has one, with the request's own template
+    options (`template`: RequestInfo.template), else their texts."""
     if isinstance(prompt, str):
         return len(tokenizer.encode(prompt, add_special_tokens=True))
-    if isinstance(prompt, list) and prompt and all(isinstance(p, dict) for p in prompt):
-        if getattr(tokenizer, "chat_template", None):
-            try:
-                ids = tokenizer.apply_chat_template(
-                    prompt, tokenize=True, add_generation_prompt=True
-                )
-                return len(ids["input_ids"] if isinstance(ids, dict) else ids)
-            except Exception:
-                pass
-        texts = [m.get("content") for m in prompt]
-        text = "\n".join(t for t in texts if isinstance(t, str))
-        return len(tokenizer.encode(text, add_special_tokens=True))
-    if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+    if not isinstance(prompt, list) or not prompt:
+        return None
+    if all(type(p) is int for p in prompt):
         return len(prompt)  # completions accept token ids
+    if all(isinstance(p, dict) for p in prompt):
+        return _count_chat(tokenizer, template_messages(prompt), template or {})
+    if all(isinstance(p, str) or (isinstance(p, list) and p and all(type(i) is int for i in p))
+           for p in prompt):  # fmt: skip
+        return sum(count_prompt(tokenizer, p) or 0 for p in prompt)
     return None
+
+
+def _count_chat(tokenizer: Any, messages: list[dict[str, Any]], template: dict[str, Any]) -> int:
+    if getattr(tokenizer, "chat_template", None):
+        extra = template.get("chat_template_kwargs")
+        try:
+            ids = tokenizer.apply_chat_template(
+                messages,
+                tokenize=True,
+                # transformers 5 answers a BatchEncoding by default; vLLM asks for the ids
+                # alone too (vllm/renderers/hf.py, safe_apply_chat_template)
+                return_dict=False,
+                add_generation_prompt=template.get("add_generation_prompt", True),
+                continue_final_message=template.get("continue_final_message", False),
+                tools=template.get("tools"),
+                **(extra if isinstance(extra, dict) else {}),
+            )
+            return len(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+        except Exception:  # a template that refuses these messages: their texts below
+            pass
+    texts = [m.get("content") for m in messages]
+    text = "\n".join(t for t in texts if isinstance(t, str))
+    return len(tokenizer.encode(text, add_special_tokens=True))
 
 
 def count_output(tokenizer: Any, texts: list[str]) -> int:
@@ -82,7 +105,7 @@ class TokenCounter:
         if not self.ready:
             return None
         tokenizer = self._loading.result()
-        prompt = observer.request.prompt
+        prompt, template = observer.request.prompt, observer.request.template
         texts = list(observer.texts)
         echoed = observer.echoed_prompts()
 
@@ -91,7 +114,7 @@ class TokenCounter:
             if echoed:
                 output = max(0, output - count_echoed(tokenizer, echoed))
             return TokenCounts(
-                prompt=count_prompt(tokenizer, prompt),
+                prompt=count_prompt(tokenizer, prompt, template),
                 output=output,
                 cached=None,
                 source=TokenSource.TOKENIZER,

@@ -88,3 +88,41 @@ def test_transformers_is_not_imported_without_a_tokenizer() -> None:
     code = "import proxy.server.app, proxy.server.serve, sys; print('transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_messages_client_that_left_after_message_start_keeps_its_exact_prompt(
+    tmp_path: Path,
+) -> None:
+    """message_start's input_tokens is vLLM's own count (anthropic/serving.py): when the
+    client leaves, a tokenizer counts the output from the texts and the prompt stays
+    vLLM's, not the tokenizer's re-count of the request (a review saw 2 against 43)."""
+    import asyncio
+
+    from proxy.core.apis import api_for
+    from proxy.core.measurement import ErrorType
+    from proxy.core.observe import StreamObserver
+    from proxy.core.tokens import TokenCounter
+    from tests.core.test_apis import MSG_TIMES, START, events
+
+    counter = TokenCounter(str(build_tiny_tokenizer(tmp_path)))
+    deadline = time.monotonic() + 30
+    while not counter.ready and time.monotonic() < deadline:
+        time.sleep(0.05)
+    api = api_for("/v1/messages")
+    assert api is not None
+    request = api.read_request(
+        {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "Hello there"}]}
+    )
+    observer = StreamObserver(request, start=START, collect_text=True)
+    observer.open(200, "text/event-stream", START)
+    for chunk, now in zip(events("vllm_messages.sse")[:11], MSG_TIMES[:11], strict=True):
+        observer.feed(chunk, now)
+    observer.end_of_stream(101.5)
+    m = asyncio.run(
+        observer.finish(end=101.5, started_at=0.0, status_code=200,
+                        error_type=ErrorType.CLIENT_CANCELLED, error_message=None,
+                        counter=counter)
+    )  # fmt: skip
+    counter.close()
+    assert m.token_source is TokenSource.TOKENIZER and m.output_tokens
+    assert m.prompt_tokens == 12  # message_start's input_tokens

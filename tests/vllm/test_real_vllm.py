@@ -467,6 +467,41 @@ def test_a_client_that_leaves_is_counted_and_vllm_stops(
     assert (prompt, generated) == (record["prompt_tokens"], record["output_tokens"])
 
 
+def test_a_tokenizer_counts_each_prompt_as_vllm_counted_it(
+    vllm_servers: Servers, counting_proxy: tuple[str, Path]
+) -> None:
+    """Without usage (--no-inject-usage), the proxy's tokenizer counts the prompt as vLLM
+    renders it: the chat template with the request's own options (transformers 5 answered
+    a BatchEncoding, whose two keys were counted as 2 tokens for every chat prompt), text
+    parts joined by a newline, a batch's prompts added up. vLLM's own count is its usage
+    for the same request direct."""
+    server = vllm_servers.base
+    base, log = counting_proxy
+    system = {"role": "system", "content": "You answer in one word."}
+    user = {"role": "user", "content": "hello there, how are you"}
+    parts = {"role": "user", "content": [{"type": "text", "text": "hello there"},
+                                         {"type": "text", "text": "how are you"}]}  # fmt: skip
+    cases = [
+        (CHAT, {"messages": [system, user]}),
+        (CHAT, {"messages": [system, parts]}),
+        (CHAT, {"messages": [user], "add_generation_prompt": False}),
+        (CHAT, {"messages": [user, {"role": "assistant", "content": "I am"}],
+                "add_generation_prompt": False, "continue_final_message": True}),
+        (COMPLETIONS, {"prompt": [TEXT_PROMPTS[0], TEXT_PROMPTS[1]]}),
+        (COMPLETIONS, {"prompt": [[5, 6, 7], [8, 9]]}),
+    ]  # fmt: skip
+    with httpx.Client(timeout=60) as client:
+        for path, fields in cases:
+            body = {"model": SERVED, "max_tokens": 2, "temperature": 0, **fields}
+            direct = client.post(server.url + path, json=body)
+            assert direct.status_code == 200, direct.text
+            lines = len(whole_lines(log))
+            fetch(client, base + path, {**body, "stream": True})
+            record = _next_record(log, lines, time.monotonic() + 30)
+            assert record["token_source"] == "tokenizer", record
+            assert record["prompt_tokens"] == direct.json()["usage"]["prompt_tokens"], fields
+
+
 def test_an_echoed_prompt_is_not_counted_as_output(
     vllm_servers: Servers, counting_proxy: tuple[str, Path]
 ) -> None:

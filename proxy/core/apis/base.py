@@ -59,6 +59,10 @@ class RequestInfo:
     #: Completions with `echo`: the prompt each choice's text begins with, by choice index
     #: (what a tokenizer's count of the output leaves out); empty without echo.
     echoed: tuple[Any, ...] = ()
+    #: The request's chat template options, as vLLM passes them to the template (tools,
+    #: add_generation_prompt, continue_final_message, chat_template_kwargs), for a
+    #: tokenizer's count of the prompt; None when it has none.
+    template: dict[str, Any] | None = None
     #: The prompt's message digests once taken (proxy/core/fingerprint.py `chain_of`), so
     #: the record's prefix reuses the conversation table's hashing of the same messages.
     digests: Any = field(default=None, compare=False, repr=False)
@@ -198,7 +202,12 @@ class Api:
             if isinstance(temperature, int | float) and not isinstance(temperature, bool)
             else None,
             prompt=self.prompt(obj),
+            template=self.template(obj),
         )
+
+    def template(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        """The request's chat template options (RequestInfo.template), None without any."""
+        return None
 
     def max_tokens(self, obj: dict[str, Any]) -> object:
         return obj.get("max_tokens")

@@ -35,6 +35,8 @@ Beside = tuple[list[str] | None, tuple[CallPiece, ...] | None]
 _NOTHING_BESIDE: Beside = (None, None)
 
 _FIRST = (0,)
+_TEMPLATE_OPTIONS = ("tools", "add_generation_prompt", "continue_final_message",
+                     "chat_template_kwargs")  # fmt: skip
 #: Shared answers for the common event: one choice (index 0) with content, nothing else.
 _CONTENT = {name: Facts(content=name, plain=True) for name in ("text", "reasoning", "tool")}
 
@@ -216,6 +218,12 @@ class Chat(OpenAIGeneration):
 
     def prompt(self, obj: dict[str, Any]) -> Any:
         return obj.get("messages")
+
+    def template(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        """The options vLLM passes to the chat template (chat_completion/protocol.py,
+        build_chat_params, and the tools: renderers/hf.py, safe_apply_chat_template)."""
+        found = {name: obj[name] for name in _TEMPLATE_OPTIONS if name in obj}
+        return found or None
 
     def _content(self, choice: dict[str, Any], texts: list[str] | None) -> str | None:
         delta = choice.get("delta")

@@ -75,13 +75,30 @@ class Messages(Api):
             "stream": True,
         }
 
+    def template(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        """The tools, as vLLM gives them to the template (anthropic/serving.py converts
+        each {name, description, input_schema} to an OpenAI function)."""
+        tools = obj.get("tools")
+        if not isinstance(tools, list) or not tools:
+            return None
+        functions = [
+            {"type": "function", "function": {"name": t.get("name"), "description":
+             t.get("description"), "parameters": t.get("input_schema")}}
+            for t in tools if isinstance(t, dict)
+        ]  # fmt: skip
+        return {"tools": functions}
+
     def prompt(self, obj: dict[str, Any]) -> Any:
         """The messages, with `system` as the first: a text, or a list of text blocks (the
         form an agent that sets `cache_control` sends; anthropic-sdk-python
         MessageCreateParams: `system: Union[str, Iterable[TextBlockParam]]`)."""
         messages = obj.get("messages")
         system = obj.get("system")
-        if system and isinstance(system, str | list) and isinstance(messages, list):
+        if isinstance(system, list):  # vLLM joins the blocks' texts with nothing between
+            system = "".join(
+                b["text"] for b in system if isinstance(b, dict) and isinstance(b.get("text"), str)
+            )
+        if system and isinstance(system, str) and isinstance(messages, list):
             return [{"role": "system", "content": system}, *messages]
         return messages
 

@@ -90,6 +90,18 @@ class Responses(Api):
             return [{"role": "system", "content": instructions}, *given]
         return given
 
+    def template(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        """The function tools, as vLLM gives them to the template (an OpenAI function)."""
+        tools = obj.get("tools")
+        if not isinstance(tools, list) or not tools:
+            return None
+        functions = [
+            {"type": "function", "function": {k: t.get(k) for k in ("name", "description",
+                                                                   "parameters")}}
+            for t in tools if isinstance(t, dict) and t.get("type") == "function"
+        ]  # fmt: skip
+        return {"tools": functions} if functions else None
+
     def read_request(self, obj: dict[str, Any]) -> RequestInfo:
         # `previous_response_id` names the stored response this one continues (openai-python
         # src/openai/types/responses/response_create_params.py): a conversation's next turn.
