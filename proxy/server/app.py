@@ -36,6 +36,7 @@ from proxy.server.upstream import create_client
 from proxy.server.wire import WIRE_STATE, Wire
 from proxy.settings import Settings
 from proxy.sinks.dispatch import Sinks
+from proxy.sinks.sink import HeldBackSink
 from proxy.types import ASGIApp, Receive, Scope, Send
 
 log = logging.getLogger("tokenprobe")
@@ -199,6 +200,11 @@ class ProxyApp:
             self.counter.close()
         if self.sinks.tracer is not None:
             await asyncio.to_thread(self.sinks.tracer.shutdown)  # flush queued spans
+        for sink in self.sinks.sinks:
+            # Here, not only at exit: a worker process of `--workers` is ended by the
+            # SIGTERM uvicorn raises again after its shutdown, before any exit handler.
+            if isinstance(sink, HeldBackSink):
+                await asyncio.to_thread(sink.shutdown)
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         while True:

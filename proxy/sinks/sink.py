@@ -43,6 +43,13 @@ class Sink(Protocol):
 
 
 @runtime_checkable
+class HeldBackSink(Protocol):
+    def shutdown(self) -> None:
+        """Send what is held back (an exporter's last interval) and close. Blocking and
+        idempotent; the app's shutdown calls it in a thread, after the drain."""
+
+
+@runtime_checkable
 class SessionSink(Protocol):
     def session(self, record: WsSessionRecord) -> None:
         """Consume one finished WebSocket session; on the event loop, like `record`."""

@@ -304,8 +304,9 @@ class OtlpMetrics:
             target=self._run, name="tokenprobe-otlp-metrics", daemon=True
         )
         self._thread.start()
-        # At exit, in the main process and in uvicorn's worker processes alike (which leave
-        # through os._exit, skipping atexit, but run multiprocessing's finalizers first).
+        # The app's shutdown calls `shutdown` (proxy/server/app.py: a `--workers` process is
+        # ended by the SIGTERM uvicorn raises again after it, before any exit handler);
+        # this finalizer covers a process that stops without one.
         self._finalizer = Finalize(None, self.shutdown, exitpriority=10)
         return self
 
