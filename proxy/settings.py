@@ -423,8 +423,9 @@ class Settings:
     log_salt: str | None = setting(
         str,
         None,
-        "Salt keying the access log's prefix hashes (never logged). Set one value for every "
-        "worker and replica whose logs are replayed together.",
+        "Salt keying the access log's prefix hashes (never logged). Unset, one is drawn at "
+        "start for all `--workers`; set one value for every replica whose logs are replayed "
+        "together.",
         shown="random",
     )
     trace_content: bool = setting(_bool, False, "Put the prompt in trace spans.", switch=True)
@@ -443,7 +444,8 @@ class Settings:
     key_salt: str | None = setting(
         str,
         None,
-        "Salt for `--key-label hash`; set it to keep labels stable across restarts and workers.",
+        "Salt for `--key-label hash`; unset, one is drawn at start for all `--workers`; set "
+        "it to keep labels stable across restarts and replicas.",
         shown="random",
     )
     secret_headers: tuple[str, ...] = setting(

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -169,6 +170,12 @@ def _run_workers(settings: Settings, options: dict[str, Any]) -> int:
 
 
 def _serve_workers(settings: Settings, options: dict[str, Any]) -> int:
+    # The salts left unset are drawn here, once, for every worker: drawn in each one, one
+    # API key was one `key` label per worker and one prompt one prefix hash per worker.
+    if settings.key_label == "hash" and settings.key_salt is None:
+        settings = dataclasses.replace(settings, key_salt=secrets.token_hex(16))
+    if settings.log_salt is None:
+        settings = dataclasses.replace(settings, log_salt=secrets.token_hex(32))
     for spec in SPECS:  # hand the resolved settings to the worker processes
         value = getattr(settings, spec.name)
         if value is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -111,6 +112,39 @@ def test_serve_starts_fast_without_a_tokenizer(sim_url: str) -> None:
         assert time.monotonic() - started < 6.0
     finally:
         stop(proxy)
+
+
+def test_two_workers_hash_one_key_and_one_prompt_alike_without_a_salt_given(
+    sim_url: str, tmp_path: Path
+) -> None:
+    """--key-label hash and the access log's prefix hashes without --key-salt or
+    --log-salt: the random salt is drawn once for every worker (each worker drew its own:
+    one API key was one `key` label per worker, one prompt one prefix hash per worker)."""
+    port = free_port()
+    log = tmp_path / "access.jsonl"
+    with log.open("wb") as out:
+        proxy = spawn(
+            "serve", "--upstream", sim_url, "--port", str(port), "--workers", "2",
+            "--key-label", "hash", "--access-log", "json", stdout=out.fileno(),
+            env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "prom")},
+        )  # fmt: skip
+    (tmp_path / "prom").mkdir()
+    base = f"http://127.0.0.1:{port}"
+    headers = {"authorization": "Bearer sk-team-a-0001", "x-sim-ttft": "0",
+               "x-sim-output-tokens": "2", "connection": "close"}  # fmt: skip
+    n = 30
+    try:
+        wait_http(base + "/healthz")
+        for _ in range(n):  # a fresh connection each time, so both workers take requests
+            assert httpx.post(base + CHAT, json=BODY, headers=headers).status_code == 200
+        wait_for(base, "tokenprobe_requests_total", n)
+        page = scrape(base, headers={"connection": "close"})
+    finally:
+        stop(proxy)
+    keys = {s.labels["key"] for s in page.series("tokenprobe_key_requests_total")}
+    assert len(keys) == 1 and page.total("tokenprobe_key_requests_total") == n, keys
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    assert len(lines) == n and len({tuple(line["prefix"]) for line in lines}) == 1
 
 
 def test_two_workers_report_exact_totals_on_every_scrape(sim_url: str, tmp_path: object) -> None:
