@@ -479,7 +479,10 @@ class Settings:
         "The data path: `wire` (protocol-level, the fast default) or `asgi` (the ASGI relay through httpx, what `proxy.asgi:app` runs under any ASGI server). See [Data paths](#data-paths-the-wire-and-the-asgi-app).",
     )
     workers: int = setting(
-        positive_int, 1, "Worker processes sharing the port; `/metrics` sums them all."
+        positive_int,
+        1,
+        "Worker processes sharing the port; `/metrics` sums them all. Conversations are "
+        "tracked per worker (see Deployment).",
     )
     drain_timeout: float = setting(
         _seconds,

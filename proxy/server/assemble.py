@@ -84,7 +84,7 @@ def assemble(
         conversations=_conversations(settings, metrics, recording),
     )
     control = ControlPlane(
-        GuardedMetrics(_exposition(registry, environ), settings.metrics_token),
+        GuardedMetrics(_exposition(registry, environ, metrics), settings.metrics_token),
         Readiness(upstream),
         apart=settings.metrics_port is not None,
     )
@@ -161,7 +161,16 @@ def _conversations(
     )
 
 
-def _exposition(registry: CollectorRegistry, environ: Mapping[str, str]) -> ASGIApp:
-    """This process's registry, or with several workers every worker's values summed."""
+def _exposition(
+    registry: CollectorRegistry, environ: Mapping[str, str], metrics: Metrics
+) -> ASGIApp:
+    """This process's registry, or with several workers every worker's values summed (and
+    a dead worker's requests in flight counted as lost)."""
     directory = environ.get(MULTIPROC_ENV)
-    return multiprocess_metrics_app(directory) if directory else Exposition(registry)
+    if not directory:
+        return Exposition(registry)
+
+    def lost(model: str, endpoint: str, requests: float) -> None:
+        metrics.requests_lost.labels(model, endpoint).inc(requests)
+
+    return multiprocess_metrics_app(directory, lost)

@@ -9,9 +9,10 @@ requests would stay in flight forever.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
-from typing import Any
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 
@@ -21,22 +22,32 @@ from proxy.server.exposition import Exposition
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
-def multiprocess_metrics_app(directory: str) -> Any:
+#: The in-flight gauge whose values a dead worker leaves behind are its lost requests.
+IN_FLIGHT = "tokenprobe_requests_in_flight"
+
+#: Called with (model, endpoint, requests) for the requests a dead worker had in flight.
+Lost = Callable[[str, str, float], None]
+
+
+def multiprocess_metrics_app(directory: str, lost: Lost | None = None) -> Exposition:
     from prometheus_client import multiprocess
 
     # The collector describes no names: without this a `name[]` scrape would leave it out.
     scrape_registry = CollectorRegistry(support_collectors_without_names=True)
     multiprocess.MultiProcessCollector(scrape_registry, path=directory)  # type: ignore[no-untyped-call]
-    return Exposition(scrape_registry, before=lambda: drop_dead_workers(directory))
+    return Exposition(scrape_registry, before=lambda: drop_dead_workers(directory, lost))
 
 
 _PID = re.compile(r"_(\d+)\.db$")
 
 
-def drop_dead_workers(directory: str) -> None:
-    """Remove live-gauge files of worker processes that no longer exist."""
+def drop_dead_workers(directory: str, lost: Lost | None = None) -> None:
+    """Remove live-gauge files of worker processes that no longer exist; the requests such
+    a worker had in flight died with it (its clients' connections were cut, no record was
+    written), and go to `lost` once, whichever worker scrapes first."""
     from prometheus_client import multiprocess
 
+    dead = set()
     for path in glob.glob(os.path.join(directory, "gauge_live*_*.db")):
         match = _PID.search(path)
         if match is None:
@@ -45,6 +56,33 @@ def drop_dead_workers(directory: str) -> None:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            multiprocess.mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
+            dead.add(pid)
         except PermissionError:
             pass
+    for pid in dead:  # its in-flight values read before its live gauges all go
+        if lost is not None:
+            _count_lost(os.path.join(directory, f"gauge_livesum_{pid}.db"), lost)
+        multiprocess.mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
+
+
+def _count_lost(path: str, lost: Lost) -> None:
+    """The in-flight values in a dead worker's file. The file is claimed by renaming it
+    first: of two workers answering scrapes at once, one counts it."""
+    from prometheus_client.mmap_dict import MmapedDict
+
+    claimed = f"{path}.{os.getpid()}.claimed"
+    try:
+        os.rename(path, claimed)
+    except FileNotFoundError:
+        return  # another worker claimed it, or the worker had none
+    try:
+        values = MmapedDict(claimed, read_mode=True)  # type: ignore[no-untyped-call]
+        try:
+            for key, value, _ in values.read_all_values():  # type: ignore[no-untyped-call]
+                name, _, labels, _ = json.loads(key)
+                if name == IN_FLIGHT and value > 0:
+                    lost(labels.get("model", ""), labels.get("endpoint", ""), value)
+        finally:
+            values.close()  # type: ignore[no-untyped-call]
+    finally:
+        os.remove(claimed)

@@ -215,6 +215,15 @@ class Metrics:
             registry=registry,
             multiprocess_mode="livesum",
         )
+        self.requests_lost = Counter(
+            "tokenprobe_requests_lost",
+            "Measured requests in flight on a `--workers` process that died (killed, out of "
+            "memory, crashed) between the proxy receiving them and their last byte: their "
+            "clients' connections were cut and no record was written, so no other series "
+            "counts them. Counted at the first scrape after the death.",
+            LABELS,
+            registry=registry,
+        )
         self.measurement_failures = Counter(
             "tokenprobe_measurement_failures",
             "Times measuring failed while the request itself went on, by stage.",

@@ -147,6 +147,46 @@ def test_two_workers_hash_one_key_and_one_prompt_alike_without_a_salt_given(
     assert len(lines) == n and len({tuple(line["prefix"]) for line in lines}) == 1
 
 
+def test_a_stream_in_flight_on_a_worker_that_dies_is_counted_lost(
+    sim_url: str, tmp_path: Path
+) -> None:
+    """A worker killed mid-stream (SIGKILL: an OOM kill, a crash) writes no record: its
+    client's connection is cut, and the stream was counted nowhere, its in-flight gauge
+    dropped with the worker. The next scrape counts it in tokenprobe_requests_lost_total."""
+    (tmp_path / "prom").mkdir()
+    port = free_port()
+    proxy = spawn(
+        "serve", "--upstream", sim_url, "--port", str(port), "--workers", "2",
+        "--access-log", "off", env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "prom")},
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    slow = {"x-sim-ttft": "0", "x-sim-tps": "20", "x-sim-output-tokens": "400"}
+    try:
+        wait_http(base + "/healthz")
+        with httpx.stream("POST", base + CHAT, json=BODY, headers=slow, timeout=30) as response:
+            stream = response.iter_raw()
+            next(stream)  # the stream is under way
+            workers = subprocess.run(["ps", "--ppid", str(proxy.pid), "-o", "pid="],
+                                     capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+            assert workers
+            for pid in workers:
+                os.kill(int(pid), signal.SIGKILL)
+            with pytest.raises(httpx.HTTPError):  # cut short, not ended
+                for _ in stream:
+                    pass
+        # the supervisor starts new workers; the first scrape after counts the lost one
+        wait_http(base + "/healthz")
+        wait_for(base, "tokenprobe_requests_lost_total", 1)
+        page = scrape(base)
+        (lost,) = page.series("tokenprobe_requests_lost_total")
+        assert (lost.labels, lost.value) == ({"model": "sim-model", "endpoint": CHAT}, 1), lost
+        assert page.total("tokenprobe_requests_in_flight") == 0
+        assert page.total("tokenprobe_requests_total") == 0  # no record was written
+        assert scrape(base).total("tokenprobe_requests_lost_total") == 1  # counted once
+    finally:
+        stop(proxy)
+
+
 def test_two_workers_report_exact_totals_on_every_scrape(sim_url: str, tmp_path: object) -> None:
     port = free_port()
     proxy = spawn(
