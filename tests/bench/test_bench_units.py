@@ -182,12 +182,30 @@ def test_a_prompt_takes_the_shape_its_seam_says(endpoint: str, messages: bool) -
     assert Prompt(messages=tuple(chat)).payload(endpoint) == (chat if messages else "hi")
 
 
+@pytest.mark.parametrize("templated", [False, True], ids=["plain", "chat-template"])
 @pytest.mark.parametrize("endpoint", [CHAT, COMPLETIONS])
-def test_synthetic_prompts_have_exactly_n_tokens(tmp_path: Path, endpoint: str) -> None:
+def test_synthetic_prompts_have_exactly_n_tokens(
+    tmp_path: Path, endpoint: str, templated: bool
+) -> None:
+    """Exactly as the tokenizer counts them, the chat template included where it has one:
+    with transformers 5 a chat prompt once counted 2 (a BatchEncoding's keys), so no
+    prompt of 50 could be built for a tokenizer with a template."""
     tokenizer = load_tokenizer(str(build_tiny_tokenizer(tmp_path)))
+    if templated:
+        tokenizer.chat_template = (
+            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}"
+        )
     prompts = synthetic(tokenizer, 50, 5, endpoint, seed=1)
     assert len(set(prompts)) == 5
     assert [count_prompt(tokenizer, p.payload(endpoint)) for p in prompts] == [50] * 5
+    if templated and endpoint == CHAT:  # as the template itself renders them
+        for prompt in prompts:
+            payload = prompt.payload(endpoint)
+            ids = tokenizer.apply_chat_template(
+                payload, add_generation_prompt=True, return_dict=False
+            )
+            assert len(ids) == 50
 
 
 # -- statistics -------------------------------------------------------------------------
