@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import re
 from collections.abc import Callable
@@ -17,6 +18,8 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry
 
 from proxy.server.exposition import Exposition
+
+log = logging.getLogger("tokenprobe")
 
 #: Where the workers' metric files go (prometheus-client reads the same variable).
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -84,5 +87,7 @@ def _count_lost(path: str, lost: Lost) -> None:
                     lost(labels.get("model", ""), labels.get("endpoint", ""), value)
         finally:
             values.close()  # type: ignore[no-untyped-call]
+    except Exception:  # a file the worker died writing: the scrape goes on without it
+        log.exception("reading a dead worker's in-flight requests failed")
     finally:
         os.remove(claimed)

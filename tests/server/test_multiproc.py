@@ -1,0 +1,48 @@
+"""proxy/server/multiproc.py: a dead worker's in-flight requests, read from its metric
+file, counted once, and a file it died writing never breaks a scrape."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from proxy.server.multiproc import drop_dead_workers
+from tests.server.conftest import no_proxy
+
+pytestmark = no_proxy
+
+#: A process writes a value of the in-flight gauge, as a worker does, and exits.
+_WORKER = """
+import os, sys
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[1]
+from prometheus_client import CollectorRegistry
+from proxy.sinks.metrics import Metrics
+metrics = Metrics(CollectorRegistry())
+metrics.in_flight.labels("llama", "/v1/chat/completions").inc(3)
+metrics.in_flight.labels("qwen", "/v1/completions").inc(1)
+metrics.in_flight.labels("qwen", "/v1/completions").dec(1)
+"""
+
+
+def test_a_dead_workers_requests_in_flight_are_counted_once(tmp_path: Path) -> None:
+    subprocess.run([sys.executable, "-c", _WORKER, str(tmp_path)], check=True)
+    assert any(name.startswith("gauge_livesum_") for name in os.listdir(tmp_path))
+    lost: list[tuple[str, str, float]] = []
+    drop_dead_workers(str(tmp_path), lambda *found: lost.append(found))
+    drop_dead_workers(str(tmp_path), lambda *found: lost.append(found))  # the next scrape
+    assert lost == [("llama", "/v1/chat/completions", 3.0)]  # none for a request that ended
+    assert not [name for name in os.listdir(tmp_path) if name.startswith("gauge_live")]
+
+
+def test_a_file_the_worker_died_writing_is_dropped_and_the_scrape_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "gauge_livesum_999999999.db").write_bytes(b"garbage")
+    lost: list[tuple[str, str, float]] = []
+    drop_dead_workers(str(tmp_path), lambda *found: lost.append(found))
+    assert lost == [] and os.listdir(tmp_path) == []
+    assert "dead worker" in caplog.text
