@@ -126,3 +126,56 @@ def test_a_messages_client_that_left_after_message_start_keeps_its_exact_prompt(
     counter.close()
     assert m.token_source is TokenSource.TOKENIZER and m.output_tokens
     assert m.prompt_tokens == 12  # message_start's input_tokens
+
+
+def test_a_whole_chat_answer_counts_its_reasoning_and_calls_as_its_stream_does(
+    tmp_path: Path,
+) -> None:
+    """Without usage, a tokenizer counts what was generated: a stream's deltas give the
+    reasoning and the tool calls' names and arguments with the answer (vLLM counts them all
+    in completion_tokens); a non-streamed message gave its `content` alone."""
+    import asyncio
+
+    from proxy.core.apis import api_for
+    from proxy.core.observe import StreamObserver
+    from proxy.core.tokens import TokenCounter
+
+    counter = TokenCounter(str(build_tiny_tokenizer(tmp_path)))
+    deadline = time.monotonic() + 30
+    while not counter.ready and time.monotonic() < deadline:
+        time.sleep(0.05)
+    api = api_for("/v1/chat/completions")
+    assert api is not None
+    call = {"index": 0, "id": "c1", "type": "function",
+            "function": {"name": "weather", "arguments": ' {"city": "Oslo"}'}}  # fmt: skip
+    message = {"role": "assistant", "content": " The answer is sunny.",
+               "reasoning": "Let me look it up.", "tool_calls": [call]}  # fmt: skip
+    deltas = [{"reasoning": message["reasoning"]}, {"content": message["content"]},
+              {"tool_calls": [call]}]  # fmt: skip
+
+    def count(streamed: bool) -> int | None:
+        request = api.read_request({"model": MODEL, "stream": streamed, "messages": []})
+        observer = StreamObserver(request, start=0.0, collect_text=True)
+        if streamed:
+            observer.open(200, "text/event-stream", 0.0)
+            for delta in deltas:
+                choice = {"index": 0, "delta": delta, "finish_reason": None}
+                observer.feed(b"data: " + orjson.dumps({"choices": [choice]}) + b"\n\n", 0.1)
+            observer.feed(b"data: [DONE]\n\n", 0.2)
+        else:
+            observer.open(200, "application/json", 0.0)
+            choice = {"index": 0, "message": message, "finish_reason": "tool_calls"}
+            observer.feed(orjson.dumps({"choices": [choice]}), 0.1)
+        observer.end_of_stream(0.3)
+        m = asyncio.run(
+            observer.finish(end=0.3, started_at=0.0, status_code=200, error_type=None,
+                            error_message=None, counter=counter)
+        )  # fmt: skip
+        assert m.token_source is TokenSource.TOKENIZER
+        return m.output_tokens
+
+    tokenizer = load_tokenizer(str(build_tiny_tokenizer(tmp_path / "again")))
+    answer_alone = count_output(tokenizer, [str(message["content"])])
+    whole, streamed = count(False), count(True)
+    counter.close()
+    assert whole == streamed and whole is not None and whole > answer_alone

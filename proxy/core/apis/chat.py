@@ -193,9 +193,12 @@ class OpenAIGeneration(Api):
                     finishes[facts.finish_choice] = reason
                 if collect:
                     message = choice.get("message")
-                    text = message.get("content") if type(message) is dict else choice.get("text")
-                    if type(text) is str:
-                        keep(facts, text)
+                    if type(message) is dict:  # what a stream's deltas would have carried
+                        if facts.texts is None:
+                            facts.texts = []
+                        generated(message, facts.texts)
+                    elif type(choice.get("text")) is str:
+                        keep(facts, choice["text"])
             if len(finishes) > 1:
                 facts.finishes = finishes
         return facts
@@ -231,20 +234,27 @@ class Chat(OpenAIGeneration):
             return None
         if texts is None and delta.get("content"):
             return "text"  # the kind; what else the delta holds is for `beside`
-        kind = None
-        reasoned = False
-        for key, name in _DELTA_KEYS:
-            value = delta.get(key)
-            if value:
-                if name == "reasoning":
-                    if reasoned:  # one text under both names (vLLM's old and new): once
-                        continue
-                    reasoned = True
-                if kind is None or kind == "reasoning":  # an answer outranks its reasoning
-                    kind = name
-                if texts is not None:
-                    add_texts(texts, value)
-        return kind
+        return generated(delta, texts)
+
+
+def generated(message: dict[str, Any], texts: list[str] | None) -> str | None:
+    """The kind of what a chat delta (or a whole message) generated, its texts added to
+    `texts` when given: the answer, the reasoning (once, under either of vLLM's names) and
+    the tool calls' names and arguments, all of which vLLM counts as completion tokens."""
+    kind = None
+    reasoned = False
+    for key, name in _DELTA_KEYS:
+        value = message.get(key)
+        if value:
+            if name == "reasoning":
+                if reasoned:  # one text under both names (vLLM's old and new): once
+                    continue
+                reasoned = True
+            if kind is None or kind == "reasoning":  # an answer outranks its reasoning
+                kind = name
+            if texts is not None:
+                add_texts(texts, value)
+    return kind
 
 
 def call_pieces(delta: object) -> tuple[CallPiece, ...] | None:
