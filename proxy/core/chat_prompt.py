@@ -38,7 +38,7 @@ def template_messages(prompt: list[Any]) -> list[dict[str, Any]]:
         if kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function", "function": {
                 "name": item.get("name"), "arguments": item.get("arguments")}}  # fmt: skip
-            out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
             output = {"role": "tool", "content": item.get("output")}
             out.append({**output, "tool_call_id": item.get("call_id")})
@@ -51,8 +51,8 @@ def _message(item: dict[str, Any]) -> list[dict[str, Any]]:
     """One message, and the `tool` messages its Anthropic `tool_result` blocks become."""
     role, content = item.get("role"), item.get("content")
     message = {k: v for k, v in item.items() if k not in ("content", "type")}
-    if not isinstance(content, list):
-        return [{**message, "content": content}]
+    if not isinstance(content, list):  # vLLM's parts of none join to "" (chat_utils.py)
+        return [{**message, "content": "" if content is None else content}]
     texts: list[str] = []
     calls: list[dict[str, Any]] = list(message.get("tool_calls") or [])
     reasoning: list[str] = []

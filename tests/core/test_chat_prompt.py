@@ -21,6 +21,13 @@ def test_text_parts_are_one_text_joined_by_a_newline() -> None:
     ]
 
 
+def test_no_content_is_an_empty_text_as_vllm_joins_no_parts() -> None:
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    assert template_messages([{"role": "assistant", "content": None, "tool_calls": calls}]) == [
+        {"role": "assistant", "content": "", "tool_calls": calls}
+    ]
+
+
 def test_anthropic_blocks_become_vllms_chat_messages() -> None:
     api = api_for("/v1/messages")
     assert api is not None
@@ -65,7 +72,7 @@ def test_responses_items_become_vllms_chat_messages() -> None:
     assert template_messages(info.prompt) == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hi"},
-        {"role": "assistant", "content": None, "tool_calls": [
+        {"role": "assistant", "content": "", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "content": "42", "tool_call_id": "c1"},
     ]  # fmt: skip

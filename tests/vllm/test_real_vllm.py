@@ -473,7 +473,7 @@ def test_a_tokenizer_counts_each_prompt_as_vllm_counted_it(
     """Without usage (--no-inject-usage), the proxy's tokenizer counts the prompt as vLLM
     renders it: the chat template with the request's own options (transformers 5 answered
     a BatchEncoding, whose two keys were counted as 2 tokens for every chat prompt), text
-    parts joined by a newline, a batch's prompts added up. vLLM's own count is its usage
+    parts joined by a newline, no content as an empty text, a batch's prompts added up. vLLM's own count is its usage
     for the same request direct."""
     server = vllm_servers.base
     base, log = counting_proxy
@@ -487,6 +487,10 @@ def test_a_tokenizer_counts_each_prompt_as_vllm_counted_it(
         (CHAT, {"messages": [user], "add_generation_prompt": False}),
         (CHAT, {"messages": [user, {"role": "assistant", "content": "I am"}],
                 "add_generation_prompt": False, "continue_final_message": True}),
+        (CHAT, {"messages": [user, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "12C"}]}),
         (COMPLETIONS, {"prompt": [TEXT_PROMPTS[0], TEXT_PROMPTS[1]]}),
         (COMPLETIONS, {"prompt": [[5, 6, 7], [8, 9]]}),
     ]  # fmt: skip
