@@ -34,6 +34,19 @@ def lax_bool(value: Any) -> bool | None:
     return None
 
 
+def lax_float(value: Any) -> float | None:
+    """`value` as pydantic reads a float field (a bool, a number, a numeric text as Python's
+    float() reads it), None where it refuses it."""
+    if type(value) in (bool, int, float):
+        return float(value)
+    if type(value) is str:
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
 def lax_int(value: Any) -> int | None:
     """`value` as pydantic reads an int field, None where it refuses it."""
     if type(value) is int:

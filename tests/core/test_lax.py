@@ -10,12 +10,13 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
 from proxy.core.apis import api_for
-from proxy.core.lax import lax_bool, lax_int
+from proxy.core.lax import lax_bool, lax_float, lax_int
 
 
 class _Fields(BaseModel):  # as vLLM's OpenAIBaseModel: pydantic's defaults, lax
     flag: bool | None = None
     count: int | None = None
+    number: float | None = None
 
 
 def _pydantic(field: str, value: Any) -> Any:
@@ -37,12 +38,18 @@ def test_chosen_values_are_read_as_pydantic_reads_them() -> None:
         if value is not None:
             assert lax_bool(value) == _pydantic("flag", value), value
             assert lax_int(value) == _pydantic("count", value), value
+            assert _same(lax_float(value), _pydantic("number", value)), value
 
 
 @given(VALUES)
 def test_generated_values_are_read_as_pydantic_reads_them(value: Any) -> None:
     assert lax_bool(value) == _pydantic("flag", value)
     assert lax_int(value) == _pydantic("count", value)
+    assert _same(lax_float(value), _pydantic("number", value))
+
+
+def _same(a: float | None, b: float | None) -> bool:
+    return a == b or (a is not None and b is not None and a != a and b != b)  # nan is nan
 
 
 def test_the_fields_that_change_what_the_proxy_asks_for_are_read_laxly() -> None:

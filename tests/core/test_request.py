@@ -63,12 +63,14 @@ def test_stream_is_read_as_vllm_reads_it(stream: object, streams: bool) -> None:
 @pytest.mark.parametrize(
     ("fields", "max_tokens", "temperature"),
     [
-        ({"max_tokens": True, "temperature": True}, None, None),
-        ({"max_tokens": 12.5, "temperature": "hot"}, None, None),
+        ({"max_tokens": True, "temperature": True}, 1, 1.0),  # pydantic's lax reading
+        ({"max_tokens": "16", "temperature": "0.7"}, 16, 0.7),
+        ({"max_tokens": 12.5, "temperature": "hot"}, None, None),  # vLLM refuses both
+        ({"max_tokens": [1], "temperature": "nan"}, None, None),  # no figure to report
         ({"temperature": 1}, None, 1.0),
     ],
 )
-def test_numbers_of_the_wrong_type_are_dropped(
+def test_numbers_are_read_as_vllm_reads_them_and_others_dropped(
     fields: dict[str, object], max_tokens: int | None, temperature: float | None
 ) -> None:
     info, _ = parse_request(CHAT, body(**fields))

@@ -8,13 +8,14 @@ API knowledge left on the other side. Subclasses override only what differs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import orjson
 
 from proxy.core.engine import EngineMetrics, engine_metrics
-from proxy.core.lax import lax_bool
+from proxy.core.lax import lax_bool, lax_float, lax_int
 from proxy.core.measurement import NONE_LABEL, TokenSource
 from proxy.core.ndjson import NDJSONDecoder
 from proxy.core.sse import SSEDecoder
@@ -190,17 +191,15 @@ class Api:
 
     def read_request(self, obj: dict[str, Any]) -> RequestInfo:
         model = obj.get("model")
-        temperature = obj.get("temperature")
-        max_tokens = self.max_tokens(obj)
+        temperature = lax_float(obj.get("temperature"))  # as vLLM reads them: "16" is 16
+        max_tokens = lax_int(self.max_tokens(obj))
         return RequestInfo(
             endpoint=self.endpoint,
             model=model if isinstance(model, str) else "",
             stream=lax_bool(obj.get("stream")) is True,  # as vLLM reads it: "true" streams
             usage_requested=self.usage_requested(obj),
-            max_tokens=max_tokens if type(max_tokens) is int else None,
-            temperature=float(temperature)
-            if isinstance(temperature, int | float) and not isinstance(temperature, bool)
-            else None,
+            max_tokens=max_tokens,
+            temperature=temperature if temperature is None or math.isfinite(temperature) else None,
             prompt=self.prompt(obj),
             template=self.template(obj),
         )
