@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -10,12 +11,23 @@ import httpx
 import orjson
 import pytest
 
+from proxy.core.apis import api_for
 from proxy.core.measurement import TokenSource
-from proxy.core.tokens import count_output, load_tokenizer
+from proxy.core.observe import StreamObserver
+from proxy.core.tokens import TokenCounter, count_output, load_tokenizer
 from tests.conftest import MODEL, ProxyUnderTest, Running
 from tests.tokenizers_local import build_tiny_tokenizer, mistral_tokenizer_dir
 
 NO_USAGE = {"x-sim-usage-mode": "ignore", "x-sim-output-tokens": "24"}
+
+
+def loaded_counter(directory: Path) -> TokenCounter:
+    """A counter with a tiny tokenizer built in `directory`, once it has loaded."""
+    counter = TokenCounter(str(build_tiny_tokenizer(directory)))
+    deadline = time.monotonic() + 30
+    while not counter.ready and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return counter
 
 
 def streamed_text(raw: bytes) -> str:
@@ -96,18 +108,10 @@ def test_a_messages_client_that_left_after_message_start_keeps_its_exact_prompt(
     """message_start's input_tokens is vLLM's own count (anthropic/serving.py): when the
     client leaves, a tokenizer counts the output from the texts and the prompt stays
     vLLM's, not the tokenizer's re-count of the request (a review saw 2 against 43)."""
-    import asyncio
-
-    from proxy.core.apis import api_for
     from proxy.core.measurement import ErrorType
-    from proxy.core.observe import StreamObserver
-    from proxy.core.tokens import TokenCounter
     from tests.core.test_apis import MSG_TIMES, START, events
 
-    counter = TokenCounter(str(build_tiny_tokenizer(tmp_path)))
-    deadline = time.monotonic() + 30
-    while not counter.ready and time.monotonic() < deadline:
-        time.sleep(0.05)
+    counter = loaded_counter(tmp_path)
     api = api_for("/v1/messages")
     assert api is not None
     request = api.read_request(
@@ -134,16 +138,7 @@ def test_a_whole_chat_answer_counts_its_reasoning_and_calls_as_its_stream_does(
     """Without usage, a tokenizer counts what was generated: a stream's deltas give the
     reasoning and the tool calls' names and arguments with the answer (vLLM counts them all
     in completion_tokens); a non-streamed message gave its `content` alone."""
-    import asyncio
-
-    from proxy.core.apis import api_for
-    from proxy.core.observe import StreamObserver
-    from proxy.core.tokens import TokenCounter
-
-    counter = TokenCounter(str(build_tiny_tokenizer(tmp_path)))
-    deadline = time.monotonic() + 30
-    while not counter.ready and time.monotonic() < deadline:
-        time.sleep(0.05)
+    counter = loaded_counter(tmp_path)
     api = api_for("/v1/chat/completions")
     assert api is not None
     call = {"index": 0, "id": "c1", "type": "function",
