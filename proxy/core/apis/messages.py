@@ -28,6 +28,7 @@ from proxy.core.apis.base import (
     json_object,
 )
 from proxy.core.apis.chat import keep
+from proxy.core.chat_prompt import template_tools
 from proxy.core.measurement import TokenSource
 from proxy.core.toolcalls import CallPiece
 
@@ -78,15 +79,7 @@ class Messages(Api):
     def template(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         """The tools, as vLLM gives them to the template (anthropic/serving.py converts
         each {name, description, input_schema} to an OpenAI function)."""
-        tools = obj.get("tools")
-        if not isinstance(tools, list) or not tools:
-            return None
-        functions = [
-            {"type": "function", "function": {"name": t.get("name"), "description":
-             t.get("description"), "parameters": t.get("input_schema")}}
-            for t in tools if isinstance(t, dict)
-        ]  # fmt: skip
-        return {"tools": functions}
+        return template_tools(obj.get("tools"), "input_schema")
 
     def prompt(self, obj: dict[str, Any]) -> Any:
         """The messages, with `system` as the first: a text, or a list of text blocks (the

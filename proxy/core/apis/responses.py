@@ -31,6 +31,7 @@ from proxy.core.apis.base import (
     json_object,
 )
 from proxy.core.apis.chat import keep
+from proxy.core.chat_prompt import template_tools
 from proxy.core.measurement import TokenSource
 from proxy.core.toolcalls import CallPiece
 
@@ -92,15 +93,7 @@ class Responses(Api):
 
     def template(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         """The function tools, as vLLM gives them to the template (an OpenAI function)."""
-        tools = obj.get("tools")
-        if not isinstance(tools, list) or not tools:
-            return None
-        functions = [
-            {"type": "function", "function": {k: t.get(k) for k in ("name", "description",
-                                                                   "parameters")}}
-            for t in tools if isinstance(t, dict) and t.get("type") == "function"
-        ]  # fmt: skip
-        return {"tools": functions} if functions else None
+        return template_tools(obj.get("tools"), "parameters", "function")
 
     def read_request(self, obj: dict[str, Any]) -> RequestInfo:
         # `previous_response_id` names the stored response this one continues (openai-python
