@@ -272,9 +272,9 @@ _MAX_ASKED = 32
 
 
 def _as_vllm_reads(data: bytes) -> Any:
-    """A client frame that is no JSON object to orjson, as vLLM reads it (connection.py, handle_connection:
-    `json.loads`, which also takes NaN and Infinity): the value, or _NOT_JSON when it is
-    no JSON (vLLM answers invalid_json)."""
+    """A client frame that is no JSON object to orjson, as vLLM reads it (connection.py,
+    handle_connection: `json.loads`, which also takes NaN and Infinity): the value, or
+    _NOT_JSON when it is no JSON (vLLM answers invalid_json)."""
     try:
         return json.loads(data)
     except ValueError:  # JSONDecodeError, or bytes that are no text
