@@ -81,8 +81,20 @@ def chat(base: str, headers: dict[str, str] | None = None, **body: object) -> by
 
 def test_queue_engine_and_outside_add_up_to_the_client_seen_ttft(proxy: str) -> None:
     delta = Delta(proxy)
-    # Four at once against one slot: three of them queue.
-    threads = [threading.Thread(target=chat, args=(proxy,)) for _ in range(4)]
+    # Four at once against one slot: three of them queue. Each client is made before they
+    # all go at a barrier, and each answer holds the slot for 0.25 s: a CI run's four
+    # `httpx.post`s, each building its own client under load, started so far apart that
+    # 0.11 s answers hardly overlapped (20 ms of queue in all).
+    barrier = threading.Barrier(4)
+    longer = {"x-sim-output-tokens": "40"}
+
+    def one() -> None:
+        payload = {"model": "sim-model", "stream": True, "messages": MESSAGES}
+        with httpx.Client(timeout=60) as client:
+            barrier.wait(timeout=30)
+            client.post(proxy + CHAT, json=payload, headers=longer)
+
+    threads = [threading.Thread(target=one) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
