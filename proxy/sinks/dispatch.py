@@ -96,8 +96,7 @@ class Sinks:
         key = self.keys(headers) if self.keys is not None else None
         attribution = self.header_labels(headers) if self.header_labels is not None else ()
         scope = RequestScope(info, Labels(self.models(info.model), key, attribution))
-        metrics = self.metrics
-        scope.in_flight = metrics.child(metrics.in_flight, scope.labels.model, info.endpoint)
+        scope.in_flight = self.metrics.in_flight_of(scope.labels.model, info.endpoint)
         scope.in_flight.inc()
         if self.conversations is not None:
             try:

@@ -220,7 +220,8 @@ class Metrics:
             "Measured requests in flight on a `--workers` process that died (killed, out of "
             "memory, crashed) between the proxy receiving them and their last byte: their "
             "clients' connections were cut and no record was written, so no other series "
-            "counts them. Counted at the first scrape after the death.",
+            "counts them. Counted at the first scrape after the death; each (model, "
+            "endpoint) series is exported at 0 from its first request on.",
             LABELS,
             registry=registry,
         )
@@ -599,6 +600,17 @@ class Metrics:
         child = self._labelled.get(key)
         if child is None:
             child = self._labelled[key] = metric.labels(*values)
+        return child
+
+    def in_flight_of(self, model: str, endpoint: str) -> Any:
+        """The in-flight gauge's child of a (model, endpoint); the first time a pair is
+        seen its `requests_lost` series is made too, at 0: an alert reads a loss as the
+        counter's increase, which a series that first appears already at 1 never shows."""
+        key = (self.in_flight, model, endpoint)
+        child = self._labelled.get(key)
+        if child is None:
+            child = self._labelled[key] = self.in_flight.labels(model, endpoint)
+            self.requests_lost.labels(model, endpoint)
         return child
 
     def _record_ttft_class(self, m: Measurement, model_label: str, ttft: float) -> None:

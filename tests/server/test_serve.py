@@ -152,12 +152,15 @@ def test_a_stream_in_flight_on_a_worker_that_dies_is_counted_lost(
 ) -> None:
     """A worker killed mid-stream (SIGKILL: an OOM kill, a crash) writes no record: its
     client's connection is cut, and the stream was counted nowhere, its in-flight gauge
-    dropped with the worker. The next scrape counts it in tokenprobe_requests_lost_total."""
+    dropped with the worker. The next scrape counts it in tokenprobe_requests_lost_total,
+    whose series was exported at 0 from the pair's first request, `--label-header` or not:
+    the alert reads the counter's increase, and a series that first appears at 1 has none."""
     (tmp_path / "prom").mkdir()
     port = free_port()
     proxy = spawn(
         "serve", "--upstream", sim_url, "--port", str(port), "--workers", "2",
-        "--access-log", "off", env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "prom")},
+        "--access-log", "off", "--label-header", "x-team=team",
+        env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "prom")},
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     slow = {"x-sim-ttft": "0", "x-sim-tps": "20", "x-sim-output-tokens": "400"}
@@ -166,6 +169,8 @@ def test_a_stream_in_flight_on_a_worker_that_dies_is_counted_lost(
         with httpx.stream("POST", base + CHAT, json=BODY, headers=slow, timeout=30) as response:
             stream = response.iter_raw()
             next(stream)  # the stream is under way
+            (zero,) = scrape(base).series("tokenprobe_requests_lost_total")
+            assert (zero.labels, zero.value) == ({"model": "sim-model", "endpoint": CHAT}, 0)
             workers = subprocess.run(["ps", "--ppid", str(proxy.pid), "-o", "pid="],
                                      capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
             assert workers
