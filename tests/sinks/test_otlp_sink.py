@@ -17,7 +17,7 @@ from opentelemetry.sdk.resources import Resource
 from prometheus_client import CollectorRegistry
 
 from proxy.core.labels import ModelLabels
-from proxy.core.measurement import ErrorType
+from proxy.core.measurement import ErrorType, TokenSource
 from proxy.settings import SettingsError
 from proxy.sinks.cost import parse_prices
 from proxy.sinks.metrics import Metrics
@@ -294,3 +294,36 @@ def test_reasoning_tokens_are_counted_once_the_record_carries_them() -> None:
     metrics = by_name(otlp.collect())  # type: ignore[arg-type]
     (point,) = metrics["gen_ai.client.inference.usage.reasoning.output_tokens"].data.data_points
     assert point.value == 9 and point.attributes["gen_ai.token.modality"] == "unknown"
+
+
+@pytest.mark.parametrize("name_set", NAME_SETS)
+def test_content_chunks_counted_for_want_of_tokens_are_no_token_usage(name_set: str) -> None:
+    """Without usage or a tokenizer the output count is the content chunks, which the
+    conventions forbid the usage instruments ("Otherwise it MUST NOT report usage metric",
+    gen_ai.client.token.usage); the same for reasoning counted as one per event."""
+    names, _ = NAME_SETS[name_set]
+    otlp = sink(Collecting(), CollectorRegistry(), names=names)
+    counted = measurement(output_tokens=7, reasoning_tokens=5, reasoning_token_source="usage")
+    chunks = measurement(
+        token_source=TokenSource.CHUNKS,
+        prompt_tokens=None,
+        output_tokens=30,
+        reasoning_tokens=20,
+        reasoning_token_source="events",
+    )
+    for m in (counted, chunks):
+        otlp.record(m, Labels("sim-model"))
+    metrics = by_name(otlp.collect())  # type: ignore[arg-type]
+    if name_set == "previous":
+        usage = metrics["gen_ai.client.token.usage"].data.data_points
+        out = [p for p in usage if p.attributes["gen_ai.token.type"] == "output"]
+        assert (sum(p.count for p in out), sum(p.sum for p in out)) == (1, 7)
+        return
+    (counter,) = metrics["gen_ai.client.inference.usage.output_tokens"].data.data_points
+    assert counter.value == 7
+    (reasoning,) = metrics["gen_ai.client.inference.usage.reasoning.output_tokens"].data.data_points
+    assert reasoning.value == 5
+    per_request = metrics["gen_ai.client.inference.operation.output_tokens"].data.data_points
+    assert (sum(p.count for p in per_request), sum(p.sum for p in per_request)) == (1, 7)
+    # both requests are still counted where counting them says nothing about tokens
+    assert sum(p.count for p in metrics["gen_ai.client.inference.duration"].data.data_points) == 2

@@ -48,8 +48,8 @@ OPERATION_DURATION = Instrument(
 TOKEN_USAGE = Instrument(
     "gen_ai.client.token.usage",
     "{token}",
-    "Number of input and output tokens used (backend usage, else the tokenizer, else "
-    "content chunks), recorded when the request ends.",
+    "Number of input and output tokens used (backend usage, else the tokenizer; none "
+    "when only content chunks were counted), recorded when the request ends.",
     TOKEN_BUCKETS,
 )
 TIME_TO_FIRST_CHUNK = Instrument(
@@ -97,8 +97,8 @@ OPERATION_INPUT_TOKENS = Instrument(
 OPERATION_OUTPUT_TOKENS = Instrument(
     "gen_ai.client.inference.operation.output_tokens",
     "{token}",
-    "Output tokens per request (backend usage, else the tokenizer, else content chunks), "
-    "recorded when the request ends.",
+    "Output tokens per request (backend usage, else the tokenizer; none when only content "
+    "chunks were counted), recorded when the request ends.",
     TOKEN_BUCKETS,
 )
 USAGE_INPUT = Instrument(
@@ -122,8 +122,8 @@ USAGE_REASONING = Instrument(
     "gen_ai.client.inference.usage.reasoning.output_tokens",
     "{token}",
     "Output tokens spent on reasoning, counted when each request ends: the backend's usage, "
-    "else the tokenizer's count, else one per reasoning event (the span's "
-    "tokenprobe.reasoning_token_source and the access log's reasoning_token_source say which).",
+    "else the tokenizer's count (the span's tokenprobe.reasoning_token_source and the access "
+    "log's reasoning_token_source say which); not a count of reasoning events.",
 )
 UNKNOWN_MODALITY = (("gen_ai.token.modality", "unknown"),)
 

@@ -26,7 +26,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from prometheus_client import Counter, Gauge
 
 from proxy.core.conversations import Closed
-from proxy.core.measurement import Measurement
+from proxy.core.measurement import Measurement, TokenSource
 from proxy.core.wsrecord import WsSessionRecord
 from proxy.sinks import semconv
 from proxy.sinks.cost import PRICE_KEYS, PriceTable, spend
@@ -170,23 +170,25 @@ class OtlpMetrics:
         """The previous names: one histogram by gen_ai.token.type."""
         if m.prompt_tokens is not None:
             self._observe(TOKEN_USAGE, (*base, ("gen_ai.token.type", "input")), (m.prompt_tokens,))
-        if m.output_tokens is not None:
-            self._observe(TOKEN_USAGE, (*base, ("gen_ai.token.type", "output")), (m.output_tokens,))
+        if (output := _output_tokens(m)) is not None:
+            self._observe(TOKEN_USAGE, (*base, ("gen_ai.token.type", "output")), (output,))
 
     def _inference_usage(self, m: Measurement, base: Key, failed: Key) -> None:
         """The current names: counters for every request, failed ones included (0 when no
         count was had), and per-request histograms with error.type."""
         usage = base + UNKNOWN_MODALITY
+        output = _output_tokens(m)
         self._add(USAGE_INPUT, usage, m.prompt_tokens or 0)
-        self._add(USAGE_OUTPUT, usage, m.output_tokens or 0)
+        self._add(USAGE_OUTPUT, usage, output or 0)
         if m.cached_prompt_tokens is not None:
             self._add(USAGE_CACHE_READ, usage, m.cached_prompt_tokens)
-        if (reasoning := semconv.reasoning_tokens(m)) is not None:
+        reasoning = semconv.reasoning_tokens(m)
+        if reasoning is not None and m.reasoning_token_source != "events":  # as _output_tokens
             self._add(USAGE_REASONING, usage, reasoning)
         if m.prompt_tokens is not None:
             self._observe(OPERATION_INPUT_TOKENS, failed, (m.prompt_tokens,))
-        if m.output_tokens is not None:
-            self._observe(OPERATION_OUTPUT_TOKENS, failed, (m.output_tokens,))
+        if output is not None:
+            self._observe(OPERATION_OUTPUT_TOKENS, failed, (output,))
 
     def _count(self, m: Measurement, base: Key, error: str | None) -> None:
         outcome: Key = (
@@ -325,3 +327,13 @@ class OtlpMetrics:
             self._thread.join(self.export_timeout)
         self.export_once()
         self.exporter.shutdown(timeout_millis=self.export_timeout * 1000)
+
+
+def _output_tokens(m: Measurement) -> int | None:
+    """The output tokens the usage instruments may carry: none when they are a count of
+    content chunks (no usage, no tokenizer), which is not a token count. The conventions:
+    "If instrumentation cannot efficiently obtain number of input and/or output tokens, it
+    MAY allow users to enable offline token counting. Otherwise it MUST NOT report usage
+    metric" (semantic-conventions, docs/gen-ai/gen-ai-metrics.md, gen_ai.client.token.usage);
+    `--tokenizer` is that offline counting. Prometheus keeps them, labelled source="chunks"."""
+    return None if m.token_source is TokenSource.CHUNKS else m.output_tokens
