@@ -562,11 +562,12 @@ class StreamObserver:
         tokens, source = reasoning if reasoning is not None else (None, None)
         calls: tuple[ToolCall, ...] = ()
         if self.tools is not None:
-            ended = self._ended()
-            length = self.finish_reason is not None and (
-                self.api.finish_label(self.finish_reason) == "length"
-            )
-            calls = self.tools.outcomes(length=length, cut_short=error is not None or not ended)
+            label, finishes = self.api.finish_label, self.finishes
+            length = {choice for choice, raw in finishes.items() if label(raw) == "length"}
+            # a choice that gave its finish ended cleanly, even where the stream did not
+            cut = error is not None or not self._ended()
+            cut_short = self.tools.choices() - finishes.keys() if cut else set()
+            calls = self.tools.outcomes(length=length, cut_short=cut_short)
         reasoning_tpot = answer_tpot = None
         first, last = self.first_reasoning, self.last_reasoning
         if tokens is not None and tokens >= 2 and first is not None and last is not None:

@@ -9,8 +9,8 @@ tool-call-start), an argument piece, and whether it closes the call (an API's ex
 of a call; chat has none).
 
 Outcomes, one per call the client received (`outcome`): `truncated` when the call was
-still being written as the stream ended (the last call of a `length` finish, or the last
-call, unless closed, of a stream cut short); else `unknown` when its arguments passed
+still being written as the stream ended (a choice's last call when that choice finished
+for `length`, or when it was cut short before its finish, unless the API closed the call); else `unknown` when its arguments passed
 MAX_ARGUMENT_BYTES (they are no longer kept, so they cannot be judged: never buffered
 without limit); else `invalid_arguments` when the arguments are not a JSON object; else
 `complete`. Beyond MAX_CALLS calls in one stream, further calls are counted as `unknown`.
@@ -18,6 +18,7 @@ without limit); else `invalid_arguments` when the arguments are not a JSON objec
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -36,6 +37,7 @@ class CallPiece(NamedTuple):
     opens: bool  # the call's first delta (id / name)
     arguments: str  # an argument piece ("" when the piece carries none)
     closes: bool = False  # the API says the call's arguments are complete
+    choice: int = 0  # the answer's choice (chat with n > 1 numbers each choice's calls)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,24 +60,27 @@ class _Call:
 
 
 class ToolCalls:
-    """The calls of one stream, in the order they opened."""
+    """The calls of one stream, in the order they opened, by (choice, call index): vLLM
+    streams each of n choices with its own tool parser, numbering its calls from 0
+    (chat_completion/serving.py, one parser per choice, chunks tagged with its index)."""
 
     def __init__(self, now: float) -> None:
         self.first = now  # the first call's first delta
-        self.calls: dict[int, _Call] = {}
-        self.order: list[int] = []
+        self.calls: dict[tuple[int, int], _Call] = {}
+        self.order: list[tuple[int, int]] = []
         self.overflow = 0  # calls beyond MAX_CALLS
 
     def add(self, piece: CallPiece, now: float) -> None:
-        call = self.calls.get(piece.call)
+        key = (piece.choice, piece.call)
+        call = self.calls.get(key)
         if call is None:
             if piece.closes and not piece.opens:
                 return  # the end of a block that was no call (Messages content_block_stop)
             if len(self.calls) >= MAX_CALLS:
                 self.overflow += piece.opens
                 return
-            call = self.calls[piece.call] = _Call(now)
-            self.order.append(piece.call)
+            call = self.calls[key] = _Call(now)
+            self.order.append(key)
         elif piece.opens and call.closed:
             return  # a repeated opening of a closed call says nothing new
         text = piece.arguments
@@ -92,15 +97,25 @@ class ToolCalls:
             call.closed = True
             call.last = max(call.last, now)
 
-    def outcomes(self, *, length: bool, cut_short: bool) -> tuple[ToolCall, ...]:
-        """Each call's outcome; `length`: the stream finished for its token limit;
-        `cut_short`: it ended without its clean end (error, truncation, client gone)."""
+    def choices(self) -> set[int]:
+        return {choice for choice, _ in self.order}
+
+    def outcomes(
+        self, *, length: AbstractSet[int], cut_short: AbstractSet[int]
+    ) -> tuple[ToolCall, ...]:
+        """Each call's outcome; `length`: the choices that finished for their token limit;
+        `cut_short`: the choices that ended without their clean end (error, truncation,
+        client gone). Either makes the choice's last call truncated; an open one only
+        when cut short."""
         result: list[ToolCall] = []
-        last = self.order[-1] if self.order else None
-        for index in self.order:
-            call = self.calls[index]
+        last = {key[0]: key for key in self.order}  # each choice's last call
+        for key in self.order:
+            call = self.calls[key]
             seconds = call.last - call.first
-            if index == last and (length or (cut_short and not call.closed)):
+            choice = key[0]
+            if last[choice] == key and (
+                choice in length or (choice in cut_short and not call.closed)
+            ):
                 outcome = "truncated"
             elif call.parts is None:
                 outcome = "unknown"

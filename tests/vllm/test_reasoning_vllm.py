@@ -82,8 +82,9 @@ class Seen:
 
     def __init__(self, raw: bytes) -> None:
         self.kinds: list[str] = []  # per delta with content: reasoning, content, tool_calls
-        self.arguments: dict[int, str] = {}
-        self.finish: str | None = None
+        self.arguments: dict[tuple[int, int], str] = {}  # by (choice, call index)
+        self.finishes: dict[int, str] = {}  # by choice
+        self.finish: str | None = None  # the last one
         self.usage: dict[str, Any] = {}
         for chunk in chunks(raw):
             self.usage = chunk.get("usage") or self.usage
@@ -94,8 +95,10 @@ class Seen:
                         self.kinds.append(key)
                 for call in delta.get("tool_calls") or []:
                     piece = (call.get("function") or {}).get("arguments") or ""
-                    self.arguments[call["index"]] = self.arguments.get(call["index"], "") + piece
-                self.finish = choice.get("finish_reason") or self.finish
+                    key = (choice["index"], call["index"])
+                    self.arguments[key] = self.arguments.get(key, "") + piece
+                if choice.get("finish_reason"):
+                    self.finish = self.finishes[choice["index"]] = choice["finish_reason"]
 
     @property
     def reasoning_tokens(self) -> int:
@@ -104,13 +107,15 @@ class Seen:
     def outcomes(self) -> dict[str, int]:
         """The calls by outcome, judged with the standard library's JSON parser."""
         out: dict[str, int] = {}
-        indices = sorted(self.arguments)
-        for index in indices:
-            if self.finish == "length" and index == indices[-1]:
+        keys = sorted(self.arguments)
+        for key in keys:
+            choice = key[0]
+            last = max(k for k in keys if k[0] == choice)
+            if self.finishes.get(choice) == "length" and key == last:
                 outcome = "truncated"
             else:
                 try:
-                    parsed = json.loads(self.arguments[index])
+                    parsed = json.loads(self.arguments[key])
                 except ValueError:
                     parsed = None
                 outcome = "complete" if isinstance(parsed, dict) else "invalid_arguments"
@@ -198,12 +203,15 @@ def test_a_stream_cut_off_while_reasoning_is_a_request_without_answer(
     assert delta.after(1)("tokenprobe_requests_without_answer_total", reason="length") == 1
 
 
-FORCED = [
+FORCED: list[tuple[Any, int, dict[str, Any]]] = [
     # tool_choice, max_tokens: "false" cut by length, "false" whole, no call delta at all
-    ("required", 60),
-    ("required", 120),
-    (NAMED, 120),
-    (NAMED, 20),
+    ("required", 60, {}),
+    ("required", 120, {}),
+    (NAMED, 120, {}),
+    (NAMED, 20, {}),
+    # two choices, each with its own calls (vLLM numbers each choice's from 0): seen here,
+    # two calls each, choice 0 finished tool_calls and choice 1 length
+    ("required", 120, {"n": 2, "temperature": 1, "seed": 1, "logit_bias": {END_THINK: 5}}),
 ]
 
 
@@ -215,10 +223,10 @@ def test_forced_tool_calls_are_counted_as_the_client_reads_them(vllm_reasoning: 
     without = 0
     with httpx.Client(timeout=120) as client:
         seens = []
-        for choice, max_tokens in FORCED:
+        for choice, max_tokens, extra in FORCED:
             body = chat(
-                max_tokens, temperature=0, logit_bias={END_THINK: 3}, tools=TOOLS,
-                tool_choice=choice,
+                max_tokens, **{"temperature": 0, "logit_bias": {END_THINK: 3}, **extra},
+                tools=TOOLS, tool_choice=choice,
             )  # fmt: skip
             seens.append(Seen(post(client, server.proxy_url, body)))
     lines = logged(server, since, len(FORCED))
@@ -233,6 +241,7 @@ def test_forced_tool_calls_are_counted_as_the_client_reads_them(vllm_reasoning: 
             assert line["without_answer"] == "length"
             without += 1
     assert without >= 1 and sum(want.values()) >= 2, (want, without)
+    assert {choice for choice, _ in seens[-1].arguments} == {0, 1}  # both choices called
     changed = delta.after(len(FORCED))
     for outcome, n in want.items():
         assert changed("tokenprobe_tool_calls_total", outcome=outcome) == n

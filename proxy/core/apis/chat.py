@@ -109,19 +109,19 @@ class OpenAIGeneration(Api):
                         index = choice.get("index", 0)
                         if index != 0 and type(index) is int:
                             indices = (index,)
-                        elif kind == "tool":  # only tool-call chunks pay for this
-                            calls = call_pieces(choice.get("delta"))
+                        if kind == "tool":  # only tool-call chunks pay for this
+                            calls = call_pieces(choice.get("delta"), indices[0])
                         if self.deltas:
                             delta = choice["delta"]  # a dict: _content found content in it
                             if len(delta) > 1:  # vLLM leaves unset fields out of a delta
-                                reasoning, more = beside(delta, kind)
-                                if more is not None and indices is _FIRST:
+                                reasoning, more = beside(delta, kind, indices[0])
+                                if more is not None:
                                     calls = more
                     finish = choice.get("finish_reason")
                     if finish is not None:
                         finish_choice = choice.get("index", 0)
             else:
-                kind, indices, finish, finish_choice = self._choices(choices, texts)
+                kind, indices, finish, finish_choice, calls = self._choices(choices, texts)
             if finish is not None and (not finish or type(finish) is not str):
                 finish = None
         usage = obj.get("usage")
@@ -155,12 +155,14 @@ class OpenAIGeneration(Api):
 
     def _choices(
         self, choices: list[Any], texts: list[str] | None
-    ) -> tuple[str | None, tuple[int, ...], Any, Any]:
+    ) -> tuple[str | None, tuple[int, ...], Any, Any, tuple[CallPiece, ...] | None]:
         """(content kind, indices of the choices with content, the last finish reason and
-        its choice's index) of an event that carries several choices."""
+        its choice's index, their tool-call pieces) of an event that carries several
+        choices."""
         kind = finish = None
         finish_choice: Any = 0
         content_at: list[int] = []
+        calls: list[CallPiece] = []
         for choice in choices:
             if type(choice) is not dict:
                 continue
@@ -169,10 +171,13 @@ class OpenAIGeneration(Api):
                 kind = found
                 index = choice.get("index", 0)
                 content_at.append(index if type(index) is int else 0)
+                if self.deltas:
+                    calls.extend(call_pieces(choice.get("delta"), content_at[-1]) or ())
             reason = choice.get("finish_reason")
             if reason and type(reason) is str:
                 finish, finish_choice = reason, choice.get("index", 0)
-        return kind, tuple(content_at) if content_at else _FIRST, finish, finish_choice
+        indices = tuple(content_at) if content_at else _FIRST
+        return kind, indices, finish, finish_choice, tuple(calls) or None
 
     def _content(self, choice: dict[str, Any], texts: list[str] | None) -> str | None:
         """The kind of content this choice carries (None: none), its text kept in `texts`."""
@@ -257,7 +262,7 @@ def generated(message: dict[str, Any], texts: list[str] | None) -> str | None:
     return kind
 
 
-def call_pieces(delta: object) -> tuple[CallPiece, ...] | None:
+def call_pieces(delta: object, choice: int = 0) -> tuple[CallPiece, ...] | None:
     """The tool-call pieces of a chat delta: vLLM's tool parsers (e.g.
     vllm/tool_parsers/hermes_tool_parser.py) stream `delta.tool_calls[i]` with `index`,
     then `id` and `function.name` on the call's first delta, `function.arguments` in
@@ -278,12 +283,13 @@ def call_pieces(delta: object) -> tuple[CallPiece, ...] | None:
                 index if type(index) is int else 0,
                 bool(call.get("id") or name),
                 arguments if type(arguments) is str else "",
+                choice=choice,
             )
         )
     return tuple(pieces) or None
 
 
-def beside(delta: dict[str, Any], kind: str) -> Beside:
+def beside(delta: dict[str, Any], kind: str, choice: int = 0) -> Beside:
     """What a delta of several keys carries beside its content of `kind`: (reasoning
     pieces, tool-call pieces beside an answer), each None when none.
 
@@ -299,7 +305,7 @@ def beside(delta: dict[str, Any], kind: str) -> Beside:
         value = delta.get("reasoning") or delta.get("reasoning_content")
         if value and type(value) is str:
             reasoning = [value]
-    calls = call_pieces(delta) if kind == "text" else None
+    calls = call_pieces(delta, choice) if kind == "text" else None
     if reasoning is None and calls is None:
         return _NOTHING_BESIDE
     return reasoning, calls
