@@ -65,6 +65,11 @@ SSE_BODY = (
 )
 
 
+def get(target: bytes) -> bytes:
+    """A GET request for `target`, as a client writes it."""
+    return b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
 @dataclass
 class Request:
     """One request head (request line and headers, CRLFs as received) and its body."""

@@ -32,6 +32,7 @@ from tests.hostile.peers import (
     by_target,
     byte_relay,
     exchange,
+    get,
     ok,
     raw_upstream,
     read_response,
@@ -44,10 +45,6 @@ ERRORS = "tokenprobe_upstream_protocol_errors_total"
 FIRST = ok(b"first")
 SECOND = ok(b"second")
 EXTRA = ok(b"EXTRA")  # what no request asked for
-
-
-def get(target: bytes) -> bytes:
-    return b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n"
 
 
 TLS_CERT = str(ROOT / "tests" / "fixtures" / "tls" / "test-only.crt")
@@ -558,3 +555,34 @@ def test_a_compressed_stream_goes_as_it_comes_unmeasured_and_counted(
 
 
 MEASURING = "tokenprobe_measurement_failures_total"
+
+
+def test_a_connection_whose_request_was_still_going_out_when_answered_is_not_reused(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """A backend may answer before it has read the request's body (an early 413, or one
+    that ignores the body). The rest of that body is still on its way, so a next request
+    written behind it would reach the backend inside the first one's body, or the body's
+    bytes as a request of their own. nginx keeps no such connection either
+    (ngx_http_upstream_free_keepalive_peer: `if (!u->request_body_sent) goto invalid`)."""
+    closed: list[bool] = []
+
+    async def early(conn: Conn) -> None:
+        await conn.reader.readuntil(b"\r\n\r\n")  # the head, not the body
+        conn.write(ok(b"early"))
+        await conn.drain()
+        closed.append(await conn.wait_closed_by_peer(10))  # and reads no request
+
+    upstream.scripts = [early]
+    upstream.default = answer_each(SECOND)
+    size = 16 << 20  # more than loopback's socket buffers take in
+    post = b"POST /v1/upload HTTP/1.1\r\nHost: x\r\ncontent-length: %d\r\n\r\n" % size
+    with proxy(upstream.url) as base:
+        first = exchange(base, post + b"x" * size, idle=1.0)
+        assert body(first) == b"early", first[:200]
+        second, _ = ask(base, b"/v1/second", timeout=5)
+        assert body(second) == b"second", second
+        assert upstream.wait_for(lambda: bool(closed), 10)
+    assert closed == [True]  # the proxy closed the connection it could not reuse
+    assert [r.target for r in upstream.requests] == [b"/v1/second"]  # on a new one
+    assert upstream.connections == 2

@@ -224,7 +224,11 @@ class UpstreamConnection(asyncio.Protocol):
         the rest of the read is parsed first, and no request starts on it from here."""
         self.detach()
         self.resume()
-        if reusable and not self.lost:
+        # A response that ended while the request was still being written (an early
+        # answer, before the backend read the body) leaves the rest of that body on the
+        # connection, where a next request would follow it: never reused (nginx keeps
+        # none whose request body was not all sent).
+        if reusable and not self.lost and not self.transport.get_write_buffer_size():
             asyncio.get_running_loop().call_soon(self._settle)
         else:
             self.close()
