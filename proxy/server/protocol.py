@@ -107,7 +107,9 @@ def connection_counter(registry: CollectorRegistry) -> Counter:
         "--max-header-bytes while it arrived), too_many_headers (over --max-headers), "
         "tls_handshake (a TLS connection whose handshake had not ended within --header-timeout "
         "of its accept: closed then, if still in the handshake; one that failed sooner, a client "
-        "certificate refused or a client gone, is counted at that same instant).",
+        "certificate refused or a client gone, is counted at that same instant), malformed "
+        "(bytes the HTTP parser refuses: answered 400, after the answers to the requests "
+        "before them).",
         ("reason",),
         registry=registry,
     )
@@ -135,6 +137,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         # a client gone (its upstream request cancelled) and of the client's flow control.
         self.running: Any = None
         self._body_open = False  # a request's head is in and its body not yet all
+        self._bad_request: str | None = None  # a 400 owed once the answers before it are out
         # set while the rest of a body answered early is read and dropped (its
         # --body-timeout): the next head starts when that body ends (on_response_complete)
         self._rest_timer: asyncio.TimerHandle | None = None
@@ -336,6 +339,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().on_response_complete()
         if waiting or self.transport.is_closing():
             return
+        if self._bad_request is not None:  # every answer before it is out: now the 400
+            super().send_400_response(self._bad_request)
+            return
         if self._body_open:
             # Answered before its body was all in (a 413, a refusal at the head): what
             # comes next is that body, read and dropped, not a head to count and time; it
@@ -348,8 +354,21 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._refusal is not None:  # the parser stopped at our callback's exception
             reason, message = self._refusal
             self._refuse(reason, message)
-        else:
-            super().send_400_response(msg)
+            return
+        self.on_close("malformed")
+        cycle = self.cycle
+        waiting = next((entry for entry in self.pipeline if entry[0] is cycle), None)
+        if cycle is not None and not cycle.response_complete and (waiting or not self._body_open):
+            # Bytes the parser refuses behind a request whose answer is still to go out
+            # (pipelined garbage, or a waiting request's malformed body): a 400 now would
+            # land inside that answer. The answers before it go out whole, then the 400,
+            # then the close: responses in the order of the requests (RFC 9112 §9.3.2).
+            if waiting is not None and self._body_open:  # the malformed request itself
+                self.pipeline.remove(waiting)
+            self._bad_request = msg
+            self.flow.pause_reading()
+            return
+        super().send_400_response(msg)
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
@@ -433,7 +452,7 @@ class Upgrade:
         self.proto._switch(rest)
 
 
-_REASONS = ("header_timeout", "headers_too_large", "too_many_headers", "tls_handshake")
+_REASONS = ("header_timeout", "headers_too_large", "too_many_headers", "tls_handshake", "malformed")
 
 #: For a connection whose app filled in no HeadGuard: the settings' default limits (the
 #: upstream is a placeholder; head limits do not depend on it), closes not counted.

@@ -27,7 +27,7 @@ from tests.hostile.client import (
     served,
     ws_head,
 )
-from tests.hostile.peers import Conn, RawUpstream, Request, by_target, exchange, ok
+from tests.hostile.peers import Conn, RawUpstream, Request, by_target, exchange, get, ok
 from tests.scrape import scrape
 
 Proxy = Callable[..., AbstractContextManager[str]]
@@ -370,3 +370,51 @@ def test_a_pipelined_requests_body_time_runs_from_its_turn(
 
 
 GET_SLOW = b"GET /v1/slow HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+# -- bytes the parser refuses behind a request still being answered ------------------------
+
+
+async def slow_answer(conn: Conn, request: Request) -> None:
+    """A 10-byte body in two halves, 0.5 s apart."""
+    conn.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nAAAAA")
+    await conn.drain()
+    await asyncio.sleep(0.5)
+    conn.write(b"BBBBB")
+    await conn.drain()
+
+
+GARBAGE = b"GARBAGE\x01 /x HTTP/1.1\r\n\r\n"
+BAD_CHUNKS = b"POST /v1/bad HTTP/1.1\r\nHost: x\r\ntransfer-encoding: chunked\r\n\r\nzz\r\nhi\r\n"
+
+
+@pytest.mark.parametrize(
+    ("first", "then", "answers"),
+    [
+        (get(b"/v1/slow"), GARBAGE, [(200, b"AAAAABBBBB"), (400, None)]),
+        (get(b"/v1/slow") + get(b"/v1/next"), GARBAGE,
+         [(200, b"AAAAABBBBB"), (200, b"next"), (400, None)]),
+        (get(b"/v1/slow"), BAD_CHUNKS, [(200, b"AAAAABBBBB"), (400, None)]),
+    ],
+    ids=["garbage", "garbage-behind-a-pipelined-request", "a-waiting-requests-bad-body"],
+)  # fmt: skip
+def test_a_400_for_bytes_behind_a_running_answer_comes_after_it(
+    upstream: RawUpstream,
+    proxy: Proxy,
+    first: bytes,
+    then: bytes,
+    answers: list[tuple[int, bytes | None]],
+) -> None:
+    """Bytes the parser refuses, sent while a response is still going out: the 400 would
+    land inside that response's body, which the client would read as its own. The answers
+    before it go out whole and in order, then the 400, then the close (RFC 9112 §9.3.2);
+    a request whose own body was malformed never reaches the upstream."""
+    upstream.default = by_target({b"/v1/slow": slow_answer}, ok(b"next"))
+    with proxy(upstream.url) as base:
+        got = exchange(base, first, then=then, after=0.2, idle=1.5)
+        malformed = scrape(base).total("tokenprobe_connections_closed_total", reason="malformed")
+    read = [(status, None if status == 400 else body) for status, _, body in responses(got)]
+    assert read == answers, got
+    assert got.endswith(b"Invalid HTTP request received."), got  # nothing after it: closed
+    assert malformed == 1
+    assert b"/v1/bad" not in upstream.all_received()
