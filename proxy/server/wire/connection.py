@@ -550,5 +550,12 @@ class WireRequest(Deadline):
 
 
 def _reads_to_close(conn: UpstreamConnection) -> bool:
-    """A response framed by neither length nor chunks: its body ends with the connection."""
-    return not any(name in (b"content-length", b"transfer-encoding") for name, _ in conn.headers)
+    """A response framed by neither length nor chunks: its body ends with the connection.
+    A Transfer-Encoding whose final coding is not chunked frames nothing either (RFC 9112
+    §6.3, item 4: read until the server closes), as llhttp reads it."""
+    for name, value in conn.headers:
+        if name == b"content-length":
+            return False
+        if name == b"transfer-encoding" and value.rsplit(b",", 1)[-1].strip().lower() == b"chunked":
+            return False
+    return True
