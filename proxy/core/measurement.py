@@ -135,7 +135,7 @@ class Measurement:
     prefix: Prefix | None = None
     audio_seconds: float | None = None  # /v1/realtime: the audio appended for this utterance
     # Issue 26: first tokens by kind, seconds after `start` (see above), tokens by kind,
-    # tool calls. reasoning_token_source: a TokenSource value (usage, tokenizer) or "events".
+    # tool calls. reasoning_token_source: a TokenSource value (usage, tokenizer), "output" or "events".
     first_answer: float | None = None
     first_reasoning: float | None = None
     last_reasoning: float | None = None

@@ -476,27 +476,51 @@ class StreamObserver:
             error_type=error_type,
             error_message=error_message,
             trace_id=trace_id,
-            reasoning=self.reasoning(counted),
+            reasoning=self.reasoning(counted, exact_output(counts)),
         )
 
-    def reasoning(self, counted: int | None = None) -> tuple[int, str] | None:
-        """(reasoning tokens, their source): usage's, else `counted` (a tokenizer's count of
-        the reasoning texts), else the reasoning events; None when there was none."""
+    def reasoning(
+        self, counted: int | None = None, output: int | None = None
+    ) -> tuple[int, str] | None:
+        """(reasoning tokens, their source): usage's, where the stream does not contradict
+        it; else every output token (`output`, an exact count) when the stream carried
+        reasoning and nothing else; else `counted` (a tokenizer's count of the reasoning
+        texts); else the reasoning events; None when there was none."""
         found = self.reasoning_from_usage()
+        if not found and output and self.only_reasoned():
+            found = output, "output"
         if not found and counted:
             found = counted, TokenSource.TOKENIZER.value
         if not found and self.reasoning_events:
             found = self.reasoning_events, "events"
         return found
 
+    def only_reasoned(self) -> bool:
+        """The stream carried reasoning and no answer nor tool call: every token it
+        generated was reasoning (a stream cut off by max_tokens while it reasoned)."""
+        return (
+            self.reasoning_events > 0 and self.first_answer is None and self.first_tool_call is None
+        )
+
     def reasoning_from_usage(self) -> tuple[int, str] | None:
-        """(reasoning tokens, "usage") when usage reports more than 0. vLLM counts only
-        the tokens between a generated <think> and </think> (count_reasoning_tokens in
-        vllm/reasoning/basic_parsers.py), so a template that opens <think> in the prompt
-        streams reasoning and reports 0: the stream is then counted instead."""
+        """(reasoning tokens, "usage") when usage reports more than 0 and the stream does
+        not prove it wrong. vLLM counts only the tokens between a generated <think> and
+        </think> (count_reasoning_tokens in vllm/reasoning/basic_parsers.py), by nesting
+        depth, while its parsers stream everything before the first </think> as reasoning:
+        a template that opens <think> in the prompt reports 0, and a model that writes
+        <think> or </think> more than once gets a count the stream contradicts. Each
+        streamed event is at least one token, so a count below the reasoning events, or
+        above the output less the other events, is wrong: the stream is counted instead."""
         usage = self.usage
         found = self.api.reasoning_tokens(usage) if usage else None
-        return (found, TokenSource.USAGE.value) if found else None
+        if not found or found < self.reasoning_events:
+            return None
+        counts = self.counts_from_usage()
+        output = counts.output if counts is not None else None
+        others = self.content_events - self.reasoning_events  # answer and tool-call events
+        if output is not None and found > output - others:
+            return None
+        return found, TokenSource.USAGE.value
 
     def measurement(
         self,
@@ -678,3 +702,9 @@ def bare_record(
 
 
 __all__ = ["Counter", "StreamObserver", "TokenCounts", "bare_record"]
+
+
+def exact_output(counts: TokenCounts) -> int | None:
+    """The output count when the backend or the streamed token ids gave it exactly."""
+    exact = (TokenSource.USAGE, TokenSource.ENGINE, TokenSource.TOKEN_IDS)
+    return counts.output if counts.source in exact else None

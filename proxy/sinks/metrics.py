@@ -324,8 +324,10 @@ class Metrics:
             "tokenprobe_reasoning_tokens",
             "Reasoning tokens of finished streams, by source: usage (the backend's "
             "completion_tokens_details / output_tokens_details reasoning_tokens, when above "
-            "0), tokenizer (--tokenizer over the reasoning text), events (one per reasoning "
-            "event). vLLM counts only tokens between a generated <think> and </think>.",
+            "0 and not contradicted by the stream's event counts), output (all the output "
+            "tokens of a stream that carried reasoning only), tokenizer (--tokenizer over "
+            "the reasoning text), events (one per reasoning event). vLLM counts only tokens "
+            "between a generated <think> and </think>.",
             labels=("source",),
         )
         self.answer_share = h(

