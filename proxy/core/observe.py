@@ -344,6 +344,13 @@ class StreamObserver:
             return
         facts = self.api.body(obj, self._collect)
         self.response_id = None  # the body's identity wins
+        if facts.calls is not None:  # whole calls: judged as a stream's, not timed (so
+            # made here: `_apply` times a stream's first call; it finds these closed)
+            self.tools = ToolCalls(0.0, timed=False)
+            for piece in facts.calls:
+                self.tools.add(piece, 0.0)
+        if facts.reasoning is not None:  # for a tokenizer, where usage counts none
+            self.reasoning_texts.extend(facts.reasoning)
         self._apply(facts, 0.0)
         if facts.finishes is not None:
             self.finishes.update(facts.finishes)

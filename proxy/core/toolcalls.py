@@ -64,8 +64,9 @@ class ToolCalls:
     streams each of n choices with its own tool parser, numbering its calls from 0
     (chat_completion/serving.py, one parser per choice, chunks tagged with its index)."""
 
-    def __init__(self, now: float) -> None:
+    def __init__(self, now: float, *, timed: bool = True) -> None:
         self.first = now  # the first call's first delta
+        self.timed = timed  # False: whole calls from a non-streaming body, no durations
         self.calls: dict[tuple[int, int], _Call] = {}
         self.order: list[tuple[int, int]] = []
         self.overflow = 0  # calls beyond MAX_CALLS
@@ -111,7 +112,7 @@ class ToolCalls:
         last = {key[0]: key for key in self.order}  # each choice's last call
         for key in self.order:
             call = self.calls[key]
-            seconds = call.last - call.first
+            seconds = call.last - call.first if self.timed else None
             choice = key[0]
             if last[choice] == key and (
                 choice in length or (choice in cut_short and not call.closed)

@@ -596,3 +596,45 @@ def test_usage_reasoning_the_stream_contradicts_is_counted_from_the_stream(
     pieces += [("content", f"a{i}") for i in range(answer)]
     m = reasoning_stream(pieces, usage_of(10, usage_says), "stop")
     assert (m.reasoning_tokens, m.reasoning_token_source) == logged
+
+
+def test_a_whole_answer_s_tool_calls_are_judged_and_its_reasoning_kept_for_counting() -> None:
+    """vLLM's non-streaming chat (n = 2) puts each choice's reasoning and tool calls in its
+    `message`: the calls are judged as a stream's are, untimed; the reasoning is counted by
+    usage when it says more than 0, else by a tokenizer over the texts kept here."""
+
+    def call(arguments: str) -> dict[str, object]:
+        return {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+
+    body = orjson.dumps(
+        {
+            "id": "chatcmpl-1",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "reasoning": "think a", "content": None,
+                                "tool_calls": [call("false"), call('{"city": "Oslo"}')]},
+                    "finish_reason": "tool_calls",
+                },
+                {
+                    "index": 1,
+                    "message": {"role": "assistant", "reasoning": "think b", "content": None,
+                                "tool_calls": [call('{"city": "Rome"}')]},
+                    "finish_reason": "tool_calls",
+                },
+            ],
+            "usage": usage_of(40, 0),
+        }
+    )  # fmt: skip
+    observer = _body_observer(200, "application/json", body)
+    m = finish(observer, 101.0)
+    assert [(c.outcome, c.arguments_seconds) for c in m.tool_calls] == [
+        ("invalid_arguments", None),
+        ("complete", None),
+        ("complete", None),
+    ]
+    assert observer.reasoning_texts == ["think a", "think b"]
+    assert (m.reasoning_tokens, m.first_tool_call, m.without_answer) == (None, None, None)
+    said = body.replace(b'"reasoning_tokens":0', b'"reasoning_tokens":9')
+    again = finish(_body_observer(200, "application/json", said), 101.0)
+    assert (again.reasoning_tokens, again.reasoning_token_source) == (9, "usage")

@@ -271,6 +271,35 @@ def test_forced_tool_calls_are_counted_as_the_client_reads_them(vllm_reasoning: 
         assert changed("tokenprobe_tool_calls_total", outcome=outcome) == n
 
 
+def test_a_whole_answer_s_tool_calls_and_reasoning_are_measured(vllm_reasoning: Vllm) -> None:
+    """Not streamed (many agent frameworks ask so): the calls are in `message.tool_calls`,
+    judged as the client judges them, and the reasoning in `message.reasoning`."""
+    server = vllm_reasoning
+    since = log_size(server)
+    body = chat(
+        120, temperature=1, seed=1, logit_bias={END_THINK: 5}, tools=TOOLS,
+        tool_choice="required", stream=False,
+    )  # fmt: skip
+    del body["stream_options"]
+    with httpx.Client(timeout=120) as client:
+        answer = client.post(server.proxy_url + CHAT, json=body).json()
+    (line,) = logged(server, since, 1)
+    message = answer["choices"][0]["message"]
+    outcomes: dict[str, int] = {}
+    for call in message["tool_calls"]:
+        try:
+            whole = isinstance(json.loads(call["function"]["arguments"]), dict)
+        except ValueError:
+            whole = False
+        outcome = "complete" if whole else "invalid_arguments"
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    print(f"calls {[c['function']['arguments'] for c in message['tool_calls']]}, reasoning "
+          f"{message.get('reasoning')!r}, usage {answer['usage']}: logged {line['tool_calls']}, "
+          f"{line['reasoning_tokens']} ({line['reasoning_token_source']})")  # fmt: skip
+    assert outcomes and line["tool_calls"] == outcomes
+    assert message.get("reasoning"), "the steering no longer makes the model reason"
+
+
 def normalise(raw: bytes, chunks: int) -> bytes:
     raw, ids = _ID.subn(rb'"id":"\1-X"', raw)
     raw, created = _CREATED.subn(b'"created":0', raw)

@@ -196,8 +196,11 @@ class OpenAIGeneration(Api):
                     index = choice.get("index", 0)
                     facts.finish, facts.finish_choice = reason, index if type(index) is int else 0
                     finishes[facts.finish_choice] = reason
+                message = choice.get("message")
+                if type(message) is dict:
+                    index = choice.get("index", 0)
+                    whole(facts, message, index if type(index) is int else 0)
                 if collect:
-                    message = choice.get("message")
                     if type(message) is dict:  # what a stream's deltas would have carried
                         if facts.texts is None:
                             facts.texts = []
@@ -287,6 +290,26 @@ def call_pieces(delta: object, choice: int = 0) -> tuple[CallPiece, ...] | None:
             )
         )
     return tuple(pieces) or None
+
+
+def whole(facts: Facts, message: dict[str, Any], choice: int) -> None:
+    """A whole answer's reasoning and tool calls onto a body's facts: the reasoning text
+    (for a tokenizer to count, as a stream's) and each call whole, to be judged as a
+    stream's calls are (vLLM's non-streaming chat puts both in `choices[i].message`)."""
+    value = message.get("reasoning") or message.get("reasoning_content")
+    if value and type(value) is str:
+        if facts.reasoning is None:
+            facts.reasoning = []
+        facts.reasoning.append(value)
+    calls = message.get("tool_calls")
+    if calls and type(calls) is list:
+        pieces = list(facts.calls or ())
+        for i, call in enumerate(calls):
+            function = call.get("function") if type(call) is dict else None
+            arguments = function.get("arguments") if type(function) is dict else None
+            text = arguments if type(arguments) is str else ""
+            pieces.append(CallPiece(i, True, text, closes=True, choice=choice))
+        facts.calls = tuple(pieces)
 
 
 def beside(delta: dict[str, Any], kind: str, choice: int = 0) -> Beside:
