@@ -708,10 +708,10 @@ def bare_record(
     )
 
 
-__all__ = ["Counter", "StreamObserver", "TokenCounts", "bare_record"]
-
-
 def exact_output(counts: TokenCounts) -> int | None:
     """The output count when the backend or the streamed token ids gave it exactly."""
     exact = (TokenSource.USAGE, TokenSource.ENGINE, TokenSource.TOKEN_IDS)
     return counts.output if counts.source in exact else None
+
+
+__all__ = ["Counter", "StreamObserver", "TokenCounts", "bare_record"]
