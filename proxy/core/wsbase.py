@@ -43,6 +43,10 @@ class WsApi:
     endpoint: ClassVar[str]  # the label value: its canonical path
     paths: ClassVar[tuple[str, ...]]  # normalised paths (no query) it serves
     bench_name: ClassVar[str] = ""  # its `tokenprobe bench --endpoint` choice, "" for none
+    #: As an HTTP Api's (proxy/core/apis/base.py): its records' SLOs, spans and OTLP metrics.
+    generative: ClassVar[bool] = True
+    operation: ClassVar[str] = "chat"  # gen_ai.operation.name
+    provider: ClassVar[str] = "openai"  # gen_ai.provider.name
 
     def open(
         self,

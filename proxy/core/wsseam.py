@@ -16,6 +16,7 @@ The base classes live in proxy/core/wsbase.py, so a seam's module needs only tha
 
 from __future__ import annotations
 
+from proxy.core.apis import Api, api_of
 from proxy.core.apis.realtime import Realtime
 from proxy.core.wsbase import CLOSE_CAUSES, WsApi, WsSession
 
@@ -27,9 +28,27 @@ _BY_PATH = {path: api for api in WS_APIS for path in api.paths}
 WS_ENDPOINTS = frozenset(api.endpoint for api in WS_APIS)
 
 
+_BY_ENDPOINT = {api.endpoint: api for api in WS_APIS}
+
+
 def ws_api_for(path: str) -> WsApi | None:
     """The WsApi serving this normalised path, or None (tunnelled unmeasured)."""
     return _BY_PATH.get(path)
 
 
-__all__ = ["CLOSE_CAUSES", "WS_APIS", "WS_ENDPOINTS", "WsApi", "WsSession", "ws_api_for"]
+def seam_of(endpoint: str) -> Api | WsApi:
+    """The HTTP Api or WsApi behind a record's endpoint label: a WebSocket session's
+    records (a realtime utterance) reach the same sinks as a request's."""
+    ws = _BY_ENDPOINT.get(endpoint)
+    return ws if ws is not None else api_of(endpoint)
+
+
+__all__ = [
+    "CLOSE_CAUSES",
+    "WS_APIS",
+    "WS_ENDPOINTS",
+    "WsApi",
+    "WsSession",
+    "seam_of",
+    "ws_api_for",
+]

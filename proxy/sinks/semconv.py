@@ -37,8 +37,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.core.apis import api_of
 from proxy.core.upstream_url import UpstreamURL
+from proxy.core.wsseam import seam_of
 
 OPT_IN = "OTEL_SEMCONV_STABILITY_OPT_IN"
 LATEST = "gen_ai_latest_experimental"
@@ -90,5 +90,5 @@ def operation_attributes(endpoint: str) -> tuple[tuple[str, str], tuple[str, str
     """`gen_ai.operation.name` and `gen_ai.provider.name` of a request, from its API seam
     ("openai" for the OpenAI shapes, "anthropic" for Messages): the spans' and the OTLP
     metrics' attributes."""
-    api = api_of(endpoint)
+    api = seam_of(endpoint)
     return ("gen_ai.operation.name", api.operation), ("gen_ai.provider.name", api.provider)

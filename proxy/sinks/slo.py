@@ -22,8 +22,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter
 
 from proxy.core import slo
-from proxy.core.apis import api_of
 from proxy.core.measurement import Measurement
+from proxy.core.wsseam import seam_of
 from proxy.sinks.metrics import LABELS
 from proxy.sinks.sink import Labels
 
@@ -70,11 +70,7 @@ class SloMetrics:
     def record(self, m: Measurement, labels: Labels) -> None:
         generative = self._generative.get(m.endpoint)
         if generative is None:
-            try:
-                generative = api_of(m.endpoint).generative
-            except KeyError:  # a WebSocket API's utterance (proxy/core/wsseam.py): generated
-                generative = True
-            self._generative[m.endpoint] = generative
+            generative = self._generative[m.endpoint] = seam_of(m.endpoint).generative
         if not generative:
             return
         limits = self.policy.limits(m.model)

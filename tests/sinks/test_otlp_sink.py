@@ -327,3 +327,20 @@ def test_content_chunks_counted_for_want_of_tokens_are_no_token_usage(name_set: 
     assert (sum(p.count for p in per_request), sum(p.sum for p in per_request)) == (1, 7)
     # both requests are still counted where counting them says nothing about tokens
     assert sum(p.count for p in metrics["gen_ai.client.inference.duration"].data.data_points) == 2
+
+
+def test_a_websocket_session_s_records_and_in_flight_utterances_are_exported() -> None:
+    """A realtime utterance is a record like a request's, with the endpoint /v1/realtime,
+    which no HTTP Api serves: its attributes come from its WsApi. Before, its record was
+    lost and, once its in-flight series existed, every export failed (KeyError)."""
+    registry = CollectorRegistry()
+    prom = Metrics(registry)
+    otlp = sink(Collecting(), registry, in_flight=prom.in_flight)
+    prom.in_flight.labels("sim-model", "/v1/realtime").inc()
+    otlp.record(measurement(endpoint="/v1/realtime", stream=True), Labels("sim-model"))
+    metrics = by_name(otlp.collect())  # type: ignore[arg-type]
+    (flying,) = metrics["tokenprobe.requests.in_flight"].data.data_points
+    (duration,) = metrics["gen_ai.client.inference.duration"].data.data_points
+    for point in (flying, duration):
+        assert point.attributes["gen_ai.operation.name"] == "transcription"
+        assert point.attributes["gen_ai.provider.name"] == "openai"

@@ -49,6 +49,7 @@ class Realtime(WsApi):
     endpoint = "/v1/realtime"
     bench_name = "realtime"
     paths = ("/v1/realtime",)
+    operation = "transcription"  # as /v1/audio/transcriptions (proxy/core/apis/audio.py)
 
     def open(
         self,
