@@ -155,7 +155,9 @@ _BODY_RULES: tuple[tuple[re.Pattern[str], ErrorType], ...] = (
     (
         re.compile(
             r"token exchange failed|invalid[ _-]api[ _-]key|incorrect api key|api key (?:is )?invalid"
-            r"|invalid (?:access |bearer |auth(?:entication)? )?token|(?:token|key) (?:has )?expired"
+            # a credential: "invalid token", not llama.cpp's "invalid tokens" nor a token id
+            r"|invalid (?:access |bearer |auth(?:entication)? )?token(?![\w-]| ?ids?\b)"
+            r"|(?:token|key) (?:has )?expired"
             r"|expired (?:access |bearer )?token|unauthori[sz]ed|authentication failed"
         ),
         ErrorType.AUTH,
