@@ -219,12 +219,20 @@ def _parse(raw: bytes) -> _Fields | None:
 # -- messages -------------------------------------------------------------------------------
 
 _SECRET = re.compile(
-    r"(?i)(bearer\s+)\S+|\b(sk|pk|rk)-[A-Za-z0-9_\-*]{6,}|\bey[A-Za-z0-9_\-]{16,}\.\S+"
+    r"(?i)(bearer\s+)\S+"
+    r"|\b(?:sk|pk|rk)[-_][A-Za-z0-9_\-*]{6,}"  # OpenAI, Anthropic (sk-ant-), Stripe (sk_live_)
+    # Hugging Face, Groq, GitHub, Replicate, xAI, NVIDIA, Perplexity keys (not a model
+    # name such as hf-internal-testing/...)
+    r"|\b(?:hf|gsk|gh[pousr]|github_pat|r8)_[A-Za-z0-9_]{20,}"
+    r"|\b(?:xai|nvapi|pplx)-[A-Za-z0-9_\-]{20,}"
+    r"|\bAIza[0-9A-Za-z_\-]{30,}|\bya29\.[0-9A-Za-z_\-]{20,}"  # Google API key, OAuth token
+    r"|\bAKIA[0-9A-Z]{16}\b"  # AWS access key id
+    r"|\bey[A-Za-z0-9_\-]{16,}\.\S+"  # a JWT
 )
 
 
 def scrub(text: str) -> str:
-    """Mask things that look like credentials (bearer tokens, sk-... keys, JWTs)."""
+    """Mask things that look like credentials (bearer tokens, provider API keys, JWTs)."""
     return _SECRET.sub(lambda m: (m.group(1) or "") + "[redacted]", text)
 
 

@@ -29,13 +29,15 @@ SECRET_WORDS = (
     *("credential", "cookie", "session"),
 )
 #: Query parameter names that carry credentials by themselves (Google's `?key=`, signed
-#: URLs' `?sig=`), besides those with a SECRET_WORDS word in them.
-SECRET_PARAMS = frozenset({"key", "sig", "signature"})
+#: URLs' `?sig=`, Azure Functions' `?code=`), besides those with a SECRET_WORDS word in them.
+SECRET_PARAMS = frozenset({"key", "sig", "signature", "code"})
 
 
 def is_secret_name(name: str) -> bool:
-    """A (lower-case) header or query parameter name that carries credentials by its words."""
-    return any(word in name for word in SECRET_WORDS)
+    """A (lower-case) header or query parameter name that carries credentials by its words,
+    or by ending in "key" (Azure API Management's `ocp-apim-subscription-key` and
+    `?subscription-key=`, Azure Functions' `x-functions-key`)."""
+    return name.endswith("key") or any(word in name for word in SECRET_WORDS)
 
 
 #: Hard cap on distinct model labels, whatever the upstream lists.

@@ -95,16 +95,28 @@ def secret_names(extra: tuple[str, ...]) -> frozenset[bytes]:
     return SECRET_HEADERS | {h.lower().encode() for h in extra}
 
 
+_COOKIES = frozenset({b"cookie", b"set-cookie"})
+
+
 def redact(message: str, headers: Headers, secret: frozenset[bytes], query: str = "") -> str:
     """Upstreams sometimes echo credentials in error text: mask every secret header's value
     (`secret`, or a name with a credential's word in it: `x-goog-api-key`), the token after
-    a scheme such as `Bearer`, and the value of every query parameter that carries one
-    (`?key=`, `?access_token=`), raw and percent-decoded. Runs only on error messages."""
+    a scheme such as `Bearer`, each cookie's value, a key offered as a WebSocket
+    subprotocol, and the value of every query parameter that carries one (`?key=`,
+    `?access_token=`), raw and percent-decoded. Runs only on error messages."""
     values: list[str] = []
     for header, raw in headers:
+        text = raw.decode("latin-1")
         if header in secret or is_secret_name(header.decode("latin-1")):
-            text = raw.decode("latin-1")
             values += (text, text.partition(" ")[2])
+            if header in _COOKIES:  # each cookie's value, which an upstream may echo alone
+                values += (pair.partition("=")[2].strip() for pair in text.split(";"))
+        elif header == b"sec-websocket-protocol":
+            # a browser's realtime client sends its key as `openai-insecure-api-key.<key>`
+            for offered in text.split(","):
+                name, dot, value = offered.strip().partition(".")
+                if dot and is_secret_name(name.lower()):
+                    values.append(value)
     for pair in query.split("&") if query else ():
         param, _, value = pair.partition("=")
         param = unquote_plus(param).lower()

@@ -449,6 +449,18 @@ def test_official_clients_parse_the_proxys_own_errors(
             "token eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxIn0.sig rejected",
             "token [redacted] rejected",
         ),
+        # other providers' key shapes, as pasted into a model field or echoed in an error
+        ("key sk_live_abcdef123456 bad", "key [redacted] bad"),
+        ("AIzaSyLEAKGOOGLE1234567890123456789012", "[redacted]"),
+        ("gsk_LEAKGROQ1234567890abcd", "[redacted]"),
+        ("hf_abcdefghijklmnopqrstuvwxyz1234 expired", "[redacted] expired"),
+        ("ghp_abcdefghij1234567890ab", "[redacted]"),
+        ("r8_abcdefghijklmnop12345678", "[redacted]"),
+        ("xai-abcdefghijkl1234567890", "[redacted]"),
+        ("nvapi-abcdefghijklm1234567890", "[redacted]"),
+        ("pplx-abcdefghijklmn123456789", "[redacted]"),
+        ("ya29.a0AfH6SMBabcdefghijklmnop", "[redacted]"),
+        ("id AKIAIOSFODNN7EXAMPLE denied", "id [redacted] denied"),
     ],
 )
 def test_scrub_removes_credentials(text: str, want: str) -> None:
@@ -462,6 +474,9 @@ def test_scrub_removes_credentials(text: str, want: str) -> None:
         "risk-assessment pending",
         "The model `x` does not exist.",
         "sk-short",
+        "hf-internal-testing/tiny-random-gpt2",  # a model name, not a key
+        "hf_hub_download failed",
+        "xai-grok",
     ],
 )
 def test_scrub_leaves_ordinary_text_alone(text: str) -> None:

@@ -147,13 +147,16 @@ def test_credentials_in_a_long_echo_a_named_header_or_the_query_are_redacted(
     `?access_token=`, percent-encoded too): none reaches the record's error message."""
     from tests.servers import serve
 
+    named = (b"authorization", b"x-goog-api-key", b"ocp-apim-subscription-key", b"x-functions-key")
+
     def text(scope: dict[str, Any], headers: dict[bytes, bytes]) -> bytes:
+        cookie = headers.get(b"cookie", b"").partition(b";")[0].partition(b"=")[2]
         return (
             b"x" * int(headers.get(b"x-pad", b"0"))
             + b" bad credentials "
-            + headers.get(b"authorization", b"")
-            + b" "
-            + headers.get(b"x-goog-api-key", b"")
+            + b" ".join(headers.get(name, b"") for name in named)
+            + b" invalid session "
+            + cookie  # a cookie's value alone
             + b" for "
             + bytes(scope["query_string"]).replace(b"%2B", b"+")
         )
@@ -163,6 +166,10 @@ def test_credentials_in_a_long_echo_a_named_header_or_the_query_are_redacted(
         ("", {"x-goog-api-key": "GOOGHEADERCANARY55555"}),
         ("?key=AIzaQUERYCANARY12345&alt=json", {}),
         ("?access_token=ya29.TOKEN%2BCANARY", {}),
+        # Azure API Management's and Azure Functions' key headers and parameters
+        ("?subscription-key=SUBKEYCANARY1&code=FUNCCODECANARY2", {}),
+        ("", {"ocp-apim-subscription-key": "APIMCANARY77", "x-functions-key": "FUNCKEYCANARY3"}),
+        ("", {"cookie": "session=COOKIECANARY99; theme=dark"}),
     ]
     with serve(echoing(text), lifespan="off") as upstream:
         proxy = start_proxy(upstream.url)
@@ -174,7 +181,9 @@ def test_credentials_in_a_long_echo_a_named_header_or_the_query_are_redacted(
     messages = [record.error_message or "" for record in proxy.records]
     assert len(messages) == len(cases)
     assert all("bad credentials" in message for message in messages), messages
-    for canary in ("LEAKCA", "GOOGHEADER", "QUERYCANARY", "TOKEN+CANARY", "TOKEN%2BCANARY"):
+    canaries = ("LEAKCA", "GOOGHEADER", "QUERYCANARY", "TOKEN+CANARY", "TOKEN%2BCANARY",
+                "SUBKEYCANARY", "FUNCCODECANARY", "APIMCANARY", "FUNCKEYCANARY", "COOKIECANARY")  # fmt: skip
+    for canary in canaries:
         assert not any(canary in message for message in messages), (canary, messages)
 
 
