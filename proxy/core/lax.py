@@ -40,6 +40,14 @@ def lax_float(value: Any) -> float | None:
     if type(value) in (bool, int, float):
         return float(value)
     if type(value) is str:
+        if not value.isascii():  # Python reads "١٢" as 12; pydantic-core reads ASCII only
+            return None
+        if "_" in value:
+            # pydantic-core's rule, not Python's: `_`s anywhere but first, last or doubled
+            # ("0_.", "1_.5", "in_f" are numbers), and then no whitespace around the text
+            if value[0] == "_" or value[-1] == "_" or "__" in value or value != value.strip():
+                return None
+            value = value.replace("_", "")
         try:
             return float(value)
         except ValueError:

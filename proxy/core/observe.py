@@ -440,6 +440,8 @@ class StreamObserver:
         -> tokenizer -> content events.
 
         `error_type` is what the transport decided (None when the body ended cleanly)."""
+        if error_message is not None and redact is not None:  # whatever said it
+            error_message = redact(error_message)
         if self.failed:
             return bare_record(
                 self.request,
@@ -453,8 +455,8 @@ class StreamObserver:
             )
         if error_type is None:
             error_type, error_message = self.outcome()
-        if error_message is not None and redact is not None:
-            error_message = redact(error_message)
+            if error_message is not None and redact is not None:
+                error_message = redact(error_message)
         counts = self.counts_from_engine(self.counts_from_usage())
         if counts is None and self.tokens:
             counts = TokenCounts(

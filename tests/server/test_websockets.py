@@ -915,3 +915,37 @@ def test_frames_the_reader_cannot_follow_stop_watching_not_the_bytes(raw: RawUps
         assert proxy.sample("tokenprobe_measurement_failures_total", stage="ws_frames") == 1
     finally:
         proxy.stop()
+
+
+def test_credentials_an_upstream_echoes_in_a_realtime_error_never_reach_the_record(
+    upstream: EchoUpstream,
+) -> None:
+    """A realtime `error` event that repeats the session's key: as a bearer token, as the
+    subprotocol a browser client offers it in (`openai-insecure-api-key.<key>`), or from
+    the query. The record's error message has none of them (the echo upstream sends the
+    client's own error event back, as such an upstream would send its own)."""
+    proxy = TunnelListener(upstream.url.replace("ws://", "http://"))
+    proxy.start()
+    leaked = (
+        "Incorrect API key provided: Bearer WSBEARERLEAK123, "
+        "openai-insecure-api-key.PROTOLEAK456, QUERYLEAK789, sk-WSSKLEAK1234567"
+    )
+
+    async def session() -> None:
+        url = proxy.url + "/v1/realtime?model=m&api_key=QUERYLEAK789"
+        headers = {"authorization": "Bearer WSBEARERLEAK123"}
+        protocols = ["realtime", "openai-insecure-api-key.PROTOLEAK456"]
+        async with connect(url, additional_headers=headers, subprotocols=protocols) as ws:  # type: ignore[arg-type]
+            await ws.send(json.dumps({"type": "error", "code": "invalid_api_key", "error": leaked}))
+            await ws.recv()  # the echo: the upstream's error event
+
+    try:
+        _run(session())
+        _wait(lambda: proxy.recorder.records, what="the error's record")
+        (record,) = proxy.recorder.records
+        assert record.error_message is not None
+        assert record.error_message.startswith("invalid_api_key: Incorrect API key provided")
+        for canary in ("WSBEARERLEAK", "PROTOLEAK", "QUERYLEAK", "WSSKLEAK"):
+            assert canary not in record.error_message, record.error_message
+    finally:
+        proxy.stop()

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from proxy.core.apis.base import json_object
+from proxy.core.errors import scrub
 from proxy.core.lax import lax_bool
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
 from proxy.core.wav import BYTES_PER_SECOND
@@ -166,7 +167,8 @@ class RealtimeSession(WsSession):
 
     def _error(self, obj: dict[str, Any], at: float) -> None:
         code, text = obj.get("code"), obj.get("error")
-        message = (f"{code}: {text}" if code else str(text))[:200]
+        # masked before the cut, so a key the cut would split loses its start too
+        message = scrub(f"{code}: {text}" if code else str(text))[:200]
         u = self.current
         if code == "processing_error" and self._refusals_due:
             self._refusals_due -= 1  # the answer to a refused client event, not to u

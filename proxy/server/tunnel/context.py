@@ -10,6 +10,7 @@ from typing import Protocol
 from proxy.core.upstream_url import UpstreamURL
 from proxy.core.wsseam import WsApi, ws_api_for
 from proxy.server.dial import upstream_tls
+from proxy.server.headers import secret_names
 from proxy.settings import Settings, group
 from proxy.sinks.dispatch import Sinks
 
@@ -28,6 +29,7 @@ class TunnelContext:
     idle_timeout: float  # --ws-idle-timeout
     max_message_bytes: int  # largest message a FrameReader assembles (--max-event-bytes)
     sinks: Sinks  # each session's start and end, its turns' records, measuring failures
+    secret_headers: frozenset[bytes]  # as the HTTP relay's (proxy/server/admission.py)
     apis: Callable[[str], WsApi | None] = ws_api_for
     close_grace: float = 2.0  # seconds a closing side gets to take its last bytes
     tunnels: set[Drainable] = field(default_factory=set)  # open now, for `shutdown_all`
@@ -49,4 +51,5 @@ def tunnel_context(settings: Settings, sinks: Sinks) -> TunnelContext:
         idle_timeout=settings.ws_idle_timeout,
         max_message_bytes=settings.max_event_bytes,
         sinks=sinks,
+        secret_headers=secret_names(settings.secret_headers),
     )

@@ -32,10 +32,12 @@ from collections.abc import Iterable
 from time import perf_counter, time
 
 from proxy.core.errors import Cause, relay_failure
+from proxy.core.measurement import Measurement
 from proxy.core.wsrecord import OTHER_ROUTE, WsSessionRecord
 from proxy.core.wsseam import WsApi, WsSession
 from proxy.server.admission import Refused, answer_bytes
 from proxy.server.dial import dial
+from proxy.server.headers import Headers, redact
 from proxy.server.tunnel.context import TunnelContext
 from proxy.server.tunnel.handshake import UpstreamAnswer, admit
 from proxy.server.tunnel.pipe import Pipe
@@ -93,6 +95,7 @@ class Tunnel:
         self.route = OTHER_ROUTE
         self.path = "/"
         self.query = ""
+        self.headers: Headers = []
         self.api: WsApi | None = None
         self.key: str | None = None
         self.open = False  # the upstream answered 101
@@ -122,6 +125,7 @@ class Tunnel:
             self.end(refusal.kind)  # invalid_request_target, HTTP's kind for this target
             return
         self.path, self.query = admitted.path, admitted.query
+        self.headers = admitted.headers  # only to redact credentials from records' errors
         self.api = self.context.apis(self.path)
         if self.api is not None:
             self.route = self.api.endpoint
@@ -181,14 +185,21 @@ class Tunnel:
 
     def _session(self) -> WsSession:
         assert self.api is not None
-        sinks, key = self.context.sinks, self.key
         return self.api.open(
             start=self.start,
             started_at=self.started_at,
             path=self.path,
             query=self.query,
-            record=lambda m: sinks.record(m, key),
+            record=self._record,
         )
+
+    def _record(self, m: Measurement) -> None:
+        """A session's record to the sinks, with any credential the upstream echoed in its
+        error text masked, as the HTTP relay masks a response's (`redact`)."""
+        if m.error_message is not None:
+            secret = self.context.secret_headers
+            m.error_message = redact(m.error_message, self.headers, secret, self.query)
+        self.context.sinks.record(m, self.key)
 
     # -- what the pipe hears (pipe.Ends) --------------------------------------------------
 
