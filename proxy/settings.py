@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from proxy.core.datafile import parse_data_file
-from proxy.core.labels import SECRET_HEADERS, is_secret_name
+from proxy.core.secrets import SECRET_HEADERS, is_secret_header
 from proxy.core.slo import NAMES as SLO_NAMES
 from proxy.core.slo import Policy, SloError, format_slo, parse_slo, parse_slo_file
 from proxy.core.upstream_url import UpstreamURL
@@ -150,7 +150,7 @@ def label_headers(value: str) -> tuple[str, ...]:
         header = header.lower()
         if not sep or not _HEADER_NAME.match(header) or not _LABEL_NAME.match(label):
             raise ValueError(f"{item!r}: expected HEADER=LABEL, e.g. x-team=team")
-        if header.encode() in SECRET_HEADERS or is_secret_name(header):
+        if is_secret_header(header):
             raise ValueError(
                 f"{header!r} carries credentials: a secret header never becomes a label "
                 "(its values never leave the proxy); pick a header without them"

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -263,3 +263,21 @@ def serve_in_front(
             return proxy, url
         stop(proxy)
     raise AssertionError(f"tokenprobe serve in front of {what} did not start")
+
+
+def echoing(
+    text: Callable[[dict[str, Any], dict[bytes, bytes]], bytes], status: int = 403
+) -> Callable[..., Awaitable[None]]:
+    """An ASGI backend that answers every request `status` with `text(scope, headers)`:
+    one that repeats the caller's credentials in its error text."""
+
+    async def app(scope: dict[str, Any], receive: Callable, send: Callable) -> None:  # type: ignore[type-arg]
+        if scope["type"] != "http":
+            return
+        await receive()
+        body = text(scope, dict(scope["headers"]))
+        start = {"type": "http.response.start", "status": status}
+        await send({**start, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": body})
+
+    return app

@@ -29,6 +29,7 @@ from proxy.core.errors import classify_exception, describe
 from proxy.core.measurement import ErrorType, Measurement, TokenSource
 from proxy.core.observe import StreamObserver, TokenCounts, bare_record
 from proxy.core.request import RequestInfo
+from proxy.core.secrets import SECRET_HEADERS, redact
 from proxy.core.tokens import count_output, count_prompt
 from proxy.core.wav import pcm16, wav
 from proxy.core.wsframes import WsMessage
@@ -144,6 +145,13 @@ def session(options: Options) -> aiohttp.ClientSession:
     )
 
 
+def masked(text: str, request_headers: dict[str, str], url: yarl.URL) -> str:
+    """An error message with the credentials the bench sent masked, as the proxy masks a
+    client's (proxy/core/secrets.py): a backend may echo the key it refused."""
+    sent = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in request_headers.items()]
+    return redact(text, sent, SECRET_HEADERS, url.raw_query_string)
+
+
 async def measure(
     client: aiohttp.ClientSession,
     url: yarl.URL,
@@ -175,6 +183,7 @@ async def measure(
         status_code=status,
         error_type=error,
         error_message=message,
+        redact=lambda text: masked(text, request_headers, url),
     )
     return measurement, observer
 
@@ -208,6 +217,7 @@ async def measure_wire(
         status_code=observer.status if observer.first_byte is not None else 0,
         error_type=error,
         error_message=message,
+        redact=lambda text: masked(text, request_headers, url),
     )
     return measurement, observer
 
@@ -263,7 +273,10 @@ async def measure_realtime(
         cause, error = "error", exc
     session.close(perf_counter(), cause)
     if records:
-        return records[0]
+        record = records[0]
+        if record.error_message is not None:
+            record.error_message = masked(record.error_message, request_headers, url)
+        return record
     return bare_record(
         call.info,
         status_code=0,

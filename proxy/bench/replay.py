@@ -27,9 +27,10 @@ from typing import Any
 
 import aiohttp
 import orjson
+import yarl
 
 from proxy.bench import report
-from proxy.bench.client import Call, headers, session
+from proxy.bench.client import Call, headers, masked, session
 from proxy.bench.load import Runner, Schedule
 from proxy.bench.loop import run_loop as _run_loop
 from proxy.bench.loop import tokenizer as load_tokenizer
@@ -60,6 +61,7 @@ from proxy.core.apis import RequestInfo
 from proxy.core.apis.chat import Chat
 from proxy.core.apis.completions import Completions
 from proxy.core.apis.responses import Responses
+from proxy.core.errors import error_message
 
 PROG = "tokenprobe bench replay"
 
@@ -338,8 +340,9 @@ async def _counter(ns: argparse.Namespace, options: Options, model: str, client:
             async with client.post(url, json={"model": model, key: content}, headers=hdrs) as r:
                 data = await r.read()
                 if r.status != 200:
+                    said = masked(error_message(data), hdrs, yarl.URL(url))
                     raise SynthError(
-                        f"{url} answered HTTP {r.status} ({data[:200]!r}): the prompts are "
+                        f"{url} answered HTTP {r.status} ({said}): the prompts are "
                         "sized with the target's /tokenize; pass --tokenizer DIR instead"
                     )
                 return int(orjson.loads(data)["count"])

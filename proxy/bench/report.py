@@ -7,6 +7,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import orjson
 
@@ -16,6 +17,7 @@ from proxy.bench.options import Options
 from proxy.bench.stats import Summary
 from proxy.core.measurement import ErrorType
 from proxy.core.pricing import per_million_tokens
+from proxy.core.secrets import is_secret_header
 
 Cell = Callable[[Summary], str]
 
@@ -225,8 +227,9 @@ def document(
     config["prompts_sha256"] = prompts_sha256
     config["api_key"] = "***" if options.api_key else None
     config["headers"] = [
-        [k, "***" if k.lower() == "authorization" else v] for k, v in options.headers
+        [k, "***" if is_secret_header(k.lower()) else v] for k, v in options.headers
     ]
+    config["base_url"] = without_password(options.base_url)
     origin = levels[0].start if levels else 0.0
     return {
         "tool": "tokenprobe bench",
@@ -301,3 +304,12 @@ def diagnose(result: Result, options: Options, served: Sequence[str] = ()) -> st
         )
     name = kind.value if kind is not None else "error"
     return f"{name}: every request failed the same way ({http}{said})"
+
+
+def without_password(url: str) -> str:
+    """`url` with the password of its user info (http://user:pass@host) masked."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))

@@ -17,29 +17,6 @@ from functools import lru_cache
 
 OTHER = "other"
 NO_VALUE = "none"
-#: Request headers whose values never appear in logs, traces, metrics or error messages
-#: (the relay also drops them from anything it reports; --secret-header adds more).
-SECRET_HEADERS = frozenset(
-    {b"authorization", b"proxy-authorization", b"api-key", b"x-api-key", b"cookie", b"set-cookie"}
-)
-#: Words that make any header or query parameter name one that carries credentials
-#: (`x-goog-api-key`, `x-auth-token`, `?access_token=`): never a label, always redacted.
-SECRET_WORDS = (
-    *("auth", "api-key", "api_key", "apikey", "token", "secret", "password", "passwd"),
-    *("credential", "cookie", "session"),
-)
-#: Query parameter names that carry credentials by themselves (Google's `?key=`, signed
-#: URLs' `?sig=`, Azure Functions' `?code=`), besides those with a SECRET_WORDS word in them.
-SECRET_PARAMS = frozenset({"key", "sig", "signature", "code"})
-
-
-def is_secret_name(name: str) -> bool:
-    """A (lower-case) header or query parameter name that carries credentials by its words,
-    or by ending in "key" (Azure API Management's `ocp-apim-subscription-key` and
-    `?subscription-key=`, Azure Functions' `x-functions-key`)."""
-    return name.endswith("key") or any(word in name for word in SECRET_WORDS)
-
-
 #: Hard cap on distinct model labels, whatever the upstream lists.
 MAX_MODELS = 200
 

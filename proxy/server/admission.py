@@ -28,9 +28,10 @@ from proxy.core.labels import route_template
 from proxy.core.measurement import ErrorType
 from proxy.core.paths import BadTarget, Target, normalise, route_key
 from proxy.core.request import RequestInfo, parse_request
+from proxy.core.secrets import secret_names
 from proxy.core.strip import Injection, UsageEventStripper
 from proxy.server.dial import upstream_tls
-from proxy.server.headers import Headers, secret_names
+from proxy.server.headers import Headers
 from proxy.settings import Settings, group
 from proxy.sinks.dispatch import Sinks
 

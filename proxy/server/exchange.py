@@ -25,12 +25,13 @@ from proxy.core.identity import Backend
 from proxy.core.labels import route_template
 from proxy.core.observe import StreamObserver, bare_record
 from proxy.core.request import RequestInfo
+from proxy.core.secrets import redact
 from proxy.core.sse import EventTooLarge
 from proxy.core.tokens import TokenCounter
 from proxy.core.upstream_url import UpstreamURL
 from proxy.server.admission import RelaySettings
 from proxy.server.deadline import Deadline
-from proxy.server.headers import Headers, redact, upstream_headers
+from proxy.server.headers import Headers, upstream_headers
 from proxy.sinks.dispatch import RequestScope, Sinks
 
 log = logging.getLogger("tokenprobe")

@@ -1,4 +1,5 @@
-"""The header policy of both data paths: what goes upstream, what comes back, what is secret.
+"""The header policy of both data paths: what goes upstream, what comes back, what is secret
+(the secret names and their masking: proxy/core/secrets.py).
 
 Hop-by-hop headers (RFC 9110 §7.6.1) and those a Connection header names stop at the
 proxy in both directions. `Expect` is dropped: the proxy has read the whole body already
@@ -11,10 +12,6 @@ the protocol is made of: Upgrade, Connection and the Sec-WebSocket-* headers.
 """
 
 from __future__ import annotations
-
-from urllib.parse import unquote_plus
-
-from proxy.core.labels import SECRET_HEADERS, SECRET_PARAMS, is_secret_name
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -89,40 +86,3 @@ def client_headers(headers: Headers, content_type: bytes, *, body_changes: bool)
     if content_type.startswith(b"text/event-stream"):
         out.append((b"x-accel-buffering", b"no"))
     return out
-
-
-def secret_names(extra: tuple[str, ...]) -> frozenset[bytes]:
-    return SECRET_HEADERS | {h.lower().encode() for h in extra}
-
-
-_COOKIES = frozenset({b"cookie", b"set-cookie"})
-
-
-def redact(message: str, headers: Headers, secret: frozenset[bytes], query: str = "") -> str:
-    """Upstreams sometimes echo credentials in error text: mask every secret header's value
-    (`secret`, or a name with a credential's word in it: `x-goog-api-key`), the token after
-    a scheme such as `Bearer`, each cookie's value, a key offered as a WebSocket
-    subprotocol, and the value of every query parameter that carries one (`?key=`,
-    `?access_token=`), raw and percent-decoded. Runs only on error messages."""
-    values: list[str] = []
-    for header, raw in headers:
-        text = raw.decode("latin-1")
-        if header in secret or is_secret_name(header.decode("latin-1")):
-            values += (text, text.partition(" ")[2])
-            if header in _COOKIES:  # each cookie's value, which an upstream may echo alone
-                values += (pair.partition("=")[2].strip() for pair in text.split(";"))
-        elif header == b"sec-websocket-protocol":
-            # a browser's realtime client sends its key as `openai-insecure-api-key.<key>`
-            for offered in text.split(","):
-                name, dot, value = offered.strip().partition(".")
-                if dot and is_secret_name(name.lower()):
-                    values.append(value)
-    for pair in query.split("&") if query else ():
-        param, _, value = pair.partition("=")
-        param = unquote_plus(param).lower()
-        if param in SECRET_PARAMS or is_secret_name(param):
-            values += (value, unquote_plus(value))
-    for value in sorted(values, key=len, reverse=True):  # a value before its own parts
-        if len(value) >= 4:
-            message = message.replace(value, "[redacted]")
-    return message

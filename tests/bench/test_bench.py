@@ -390,3 +390,29 @@ def test_input_tokens_prompts_are_one_per_request_of_the_run(
     assert len(records) == 80  # (the simulator counts the prompt its own way)
     cached = [r["cached_prompt_tokens"] or 0 for r in records]
     assert max(cached) < 8, sorted(cached)[-10:]  # a shared block of chance at most
+
+
+def test_credentials_sent_or_echoed_reach_neither_the_report_nor_its_lines(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A backend that refuses the key and repeats what it was sent: the report's config
+    masks every credential header and the URL's password, and no error message, problem
+    or stderr line carries a key the bench sent."""
+    from tests.servers import echoing, serve
+
+    def said(scope: dict[str, Any], sent: dict[bytes, bytes]) -> bytes:
+        keys = b" ".join(sent.get(h, b"") for h in (b"authorization", b"x-api-key", b"cookie"))
+        return b'{"error": {"message": "Incorrect API key provided: ' + keys + b'"}}'
+
+    with serve(echoing(said, status=401), lifespan="off") as upstream:
+        url = upstream.url.replace("http://", "http://user:URLPASSLEAK1@") + "/v1"
+        _, report, out, err = bench(
+            capsys, url, tmp_path / "run.json", "--requests", "2",
+            "--api-key", "APIKEYLEAK0123456789",
+            "--header", "x-api-key: XAPIKEYLEAK0123", "--header", "cookie: s=COOKIELEAK0123",
+        )  # fmt: skip
+    text = orjson.dumps(report).decode() + out + err
+    assert report["status"] == "failing" and "Incorrect API key provided" in report["problem"]
+    assert report["config"]["headers"] == [["x-api-key", "***"], ["cookie", "***"]]
+    for canary in ("URLPASSLEAK", "APIKEYLEAK", "XAPIKEYLEAK", "COOKIELEAK"):
+        assert canary not in text, canary

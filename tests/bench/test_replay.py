@@ -338,3 +338,20 @@ def test_a_mooncake_trace_replays_with_its_lengths_and_shared_blocks(recorded: d
                 assert shared >= 100, (i, j, shared)  # one 64-token block at least
             else:
                 assert shared < 40, (i, j, shared)
+
+
+def test_a_tokenize_refusal_names_no_credential(recorded: dict[str, Any], tmp_path: Path) -> None:
+    """Without --tokenizer the prompts are sized with the target's /tokenize; a target that
+    refuses the key and repeats it: the one line the replay stops with names neither."""
+    from tests.servers import echoing, serve
+
+    def said(scope: dict[str, Any], sent: dict[bytes, bytes]) -> bytes:
+        keys = sent.get(b"authorization", b"") + b" " + sent.get(b"x-api-key", b"")
+        return b'{"error": {"message": "Incorrect API key provided: ' + keys + b'"}}'
+
+    with serve(echoing(said, status=401), lifespan="off") as target:
+        proc = replay(recorded["log"], target.url + "/v1", tmp_path / "r.json",
+                      "--api-key", "REPLAYKEYLEAK0123", "--header", "x-api-key: REPLAYXLEAK45")  # fmt: skip
+    assert proc.returncode != 0 and "answered HTTP 401" in proc.stderr, proc.stderr
+    assert "Incorrect API key provided" in proc.stderr
+    assert "REPLAYKEYLEAK" not in proc.stderr and "REPLAYXLEAK" not in proc.stderr, proc.stderr

@@ -7,7 +7,7 @@ import random
 import socket
 import string
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -113,7 +113,7 @@ def test_secret_headers_echoed_by_the_upstream_are_redacted_from_error_messages(
     start_proxy: Callable[..., ProxyUnderTest],
 ) -> None:
     """A backend that repeats the caller's credentials in its error text."""
-    from tests.servers import serve
+    from tests.servers import echoing, serve
 
     def text(scope: dict[str, Any], headers: dict[bytes, bytes]) -> bytes:
         return (
@@ -145,7 +145,7 @@ def test_credentials_in_a_long_echo_a_named_header_or_the_query_are_redacted(
     redaction ran on the cut text), a header whose name says it carries a key
     (`x-goog-api-key`: not in the fixed list), and a key in the query string (`?key=`,
     `?access_token=`, percent-encoded too): none reaches the record's error message."""
-    from tests.servers import serve
+    from tests.servers import echoing, serve
 
     named = (b"authorization", b"x-goog-api-key", b"ocp-apim-subscription-key", b"x-functions-key")
 
@@ -185,24 +185,6 @@ def test_credentials_in_a_long_echo_a_named_header_or_the_query_are_redacted(
                 "SUBKEYCANARY", "FUNCCODECANARY", "APIMCANARY", "FUNCKEYCANARY", "COOKIECANARY")  # fmt: skip
     for canary in canaries:
         assert not any(canary in message for message in messages), (canary, messages)
-
-
-def echoing(
-    text: Callable[[dict[str, Any], dict[bytes, bytes]], bytes],
-) -> Callable[..., Awaitable[None]]:
-    """An ASGI backend that answers every request 403 with `text(scope, headers)`: one
-    that repeats the caller's credentials in its error text."""
-
-    async def app(scope: dict[str, Any], receive: Callable, send: Callable) -> None:  # type: ignore[type-arg]
-        if scope["type"] != "http":
-            return
-        await receive()
-        body = text(scope, dict(scope["headers"]))
-        start = {"type": "http.response.start", "status": 403}
-        await send({**start, "headers": [(b"content-type", b"text/plain")]})
-        await send({"type": "http.response.body", "body": body})
-
-    return app
 
 
 def test_a_websocket_handshake_logs_neither_its_query_nor_a_line_of_the_clients(

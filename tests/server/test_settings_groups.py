@@ -26,7 +26,7 @@ GROUPS: list[tuple[type[Any], Callable[[Settings], Any], set[str]]] = [
     (
         TunnelContext,
         lambda settings: tunnel_context(settings, SINKS),
-        {"upstream", "ssl", "idle_timeout", "max_message_bytes", "sinks"},
+        {"upstream", "ssl", "idle_timeout", "max_message_bytes", "sinks", "secret_headers"},
     ),
 ]
 
@@ -78,6 +78,7 @@ def test_every_field_of_a_group_is_a_setting_or_derived(
 def test_the_derived_fields_are_computed_from_the_settings() -> None:
     relay = relay_settings(SETTINGS)
     assert b"x-key" in relay.secret_headers and b"authorization" in relay.secret_headers
+    assert tunnel_context(SETTINGS, SINKS).secret_headers == relay.secret_headers
     assert (relay.upstream, relay.inject_usage) == ("http://127.0.0.1:9/base", False)
     limits = HeadLimits.from_settings(SETTINGS)
     assert limits == HeadLimits(2345 + HEAD_SLACK, 17, 3.5, 9.0)

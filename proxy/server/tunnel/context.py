@@ -7,10 +7,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from proxy.core.secrets import secret_names
 from proxy.core.upstream_url import UpstreamURL
 from proxy.core.wsseam import WsApi, ws_api_for
 from proxy.server.dial import upstream_tls
-from proxy.server.headers import secret_names
 from proxy.settings import Settings, group
 from proxy.sinks.dispatch import Sinks
 

@@ -33,11 +33,12 @@ from time import perf_counter, time
 
 from proxy.core.errors import Cause, relay_failure
 from proxy.core.measurement import Measurement
+from proxy.core.secrets import redact
 from proxy.core.wsrecord import OTHER_ROUTE, WsSessionRecord
 from proxy.core.wsseam import WsApi, WsSession
 from proxy.server.admission import Refused, answer_bytes
 from proxy.server.dial import dial
-from proxy.server.headers import Headers, redact
+from proxy.server.headers import Headers
 from proxy.server.tunnel.context import TunnelContext
 from proxy.server.tunnel.handshake import UpstreamAnswer, admit
 from proxy.server.tunnel.pipe import Pipe
