@@ -93,15 +93,23 @@ def test_an_error_event_ends_the_open_utterance_as_a_stream_error() -> None:
     assert m.ttft == 0.375 and (m.output_tokens, m.token_source) == (1, TokenSource.CHUNKS)
 
 
-def test_a_session_cut_mid_utterance_records_it_truncated() -> None:
+@pytest.mark.parametrize(
+    ("cause", "error"),
+    [
+        ("client_vanished", ErrorType.CLIENT_CANCELLED),  # as an HTTP client that hangs up
+        ("closed_by_client", ErrorType.CLIENT_CANCELLED),
+        ("upstream_vanished", ErrorType.STREAM_TRUNCATED),
+        ("closed_by_upstream", ErrorType.STREAM_TRUNCATED),
+        ("idle_timeout", ErrorType.STREAM_TRUNCATED),
+    ],
+)
+def test_a_session_cut_mid_utterance_records_who_cut_it(cause: str, error: ErrorType) -> None:
     sess, records = session()
     for frame in utterance(101.0, "x")[:7]:
         sess.message(frame)
-    sess.close(101.75, "client_vanished")
+    sess.close(101.75, cause)
     (m,) = records
-    assert m.error_type is ErrorType.STREAM_TRUNCATED and "client_vanished" in (
-        m.error_message or ""
-    )
+    assert m.error_type is error and cause in (m.error_message or "")
     assert m.e2e == 0.625 and m.output_tokens == 2
 
 

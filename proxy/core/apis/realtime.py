@@ -213,7 +213,10 @@ class RealtimeSession(WsSession):
         u, self.current = self.current, None
         if u is not None:
             message = f"session ended ({cause}) before transcription.done"
-            self._finish(u, at, None, ErrorType.STREAM_TRUNCATED, message)
+            # the client went away first, as an HTTP client that hangs up mid-stream
+            gone = cause in ("closed_by_client", "client_vanished")
+            error = ErrorType.CLIENT_CANCELLED if gone else ErrorType.STREAM_TRUNCATED
+            self._finish(u, at, None, error, message)
 
     def _finish(
         self,
