@@ -547,3 +547,15 @@ def test_one_choice_keeps_the_request_level_formula() -> None:
 def test_unknown_chat_finish_reason_is_other_with_the_raw_value_kept() -> None:
     m = replay("/v1/chat/completions", [_chunk(0, "a", "eos_token")], [100.5], 100.5)
     assert (m.finish_reason, m.raw_finish_reason) == ("other", "eos_token")
+
+
+def test_llama_server_s_bare_error_object_in_a_messages_stream_is_a_stream_error() -> None:
+    """llama-server ends a Messages stream that failed with `event: error` and its bare
+    error object as the data, no `"type": "error"` envelope (tools/server: the streaming
+    lambda's format_anthropic_sse({{"event", "error"}, {"data", res_json}}))."""
+    start, *_ = events("vllm_messages.sse")
+    failed = (
+        b'event: error\ndata: {"code":500,"message":"the slot failed","type":"server_error"}\n\n'
+    )
+    m = replay("/v1/messages", [start, failed], [100.125, 100.5], 101.0)
+    assert (m.error_type, m.error_message) == (ErrorType.STREAM_ERROR, "the slot failed")

@@ -147,6 +147,11 @@ class Messages(Api):
             return Facts(end=True)
         if kind == "error":
             return Facts(error=obj)
+        if type(kind) is str and kind.endswith("_error") and "message" in obj:
+            # llama-server writes an `event: error` whose data is its bare error object,
+            # {"code": 500, "message": ..., "type": "server_error"} (tools/server, the
+            # streaming lambda: format_anthropic_sse({{"event", "error"}, {"data", res_json}}))
+            return Facts(error=obj)
         return NOTHING  # ping, signature deltas, future events
 
     def body(self, obj: dict[str, Any], collect: bool) -> Facts:
