@@ -366,6 +366,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             if waiting is not None and self._body_open:  # the malformed request itself
                 self.pipeline.remove(waiting)
             self._bad_request = msg
+            self._stop_head_timer()  # the bad head's: its 408 would land there too
+            self._in_head = False
             self.flow.pause_reading()
             return
         super().send_400_response(msg)

@@ -376,10 +376,10 @@ GET_SLOW = b"GET /v1/slow HTTP/1.1\r\nHost: x\r\n\r\n"
 
 
 async def slow_answer(conn: Conn, request: Request) -> None:
-    """A 10-byte body in two halves, 0.5 s apart."""
+    """A 10-byte body in two halves, 1.5 s apart (past the proxies' --header-timeout 1)."""
     conn.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nAAAAA")
     await conn.drain()
-    await asyncio.sleep(0.5)
+    await asyncio.sleep(1.5)
     conn.write(b"BBBBB")
     await conn.drain()
 
@@ -410,11 +410,33 @@ def test_a_400_for_bytes_behind_a_running_answer_comes_after_it(
     before it go out whole and in order, then the 400, then the close (RFC 9112 §9.3.2);
     a request whose own body was malformed never reaches the upstream."""
     upstream.default = by_target({b"/v1/slow": slow_answer}, ok(b"next"))
-    with proxy(upstream.url) as base:
-        got = exchange(base, first, then=then, after=0.2, idle=1.5)
+    with proxy(upstream.url, "--header-timeout", "1") as base:
+        got = exchange(base, first, then=then, after=0.2, idle=2.5)
         malformed = scrape(base).total("tokenprobe_connections_closed_total", reason="malformed")
     read = [(status, None if status == 400 else body) for status, _, body in responses(got)]
     assert read == answers, got
     assert got.endswith(b"Invalid HTTP request received."), got  # nothing after it: closed
     assert malformed == 1
     assert b"/v1/bad" not in upstream.all_received()
+
+
+def test_a_head_that_goes_bad_behind_a_running_answer_gets_no_408_inside_it(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """A pipelined head that starts well (its request line starts the header timer) and
+    then goes bad: the 400 waits for the running answer, and so must the timer's 408,
+    which fired at --header-timeout, inside that answer."""
+    upstream.default = by_target({b"/v1/slow": slow_answer}, ok(b"next"))
+    with proxy(upstream.url, "--header-timeout", "1") as base:
+        host, port = base.removeprefix("http://").rsplit(":", 1)
+        got = bytearray()
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(get(b"/v1/slow"))
+            time.sleep(0.2)
+            sock.sendall(b"GET /x HTTP/1.1\r\n")
+            time.sleep(0.2)
+            sock.sendall(b"no colon here\r\n\r\n")
+            while chunk := sock.recv(65536):
+                got += chunk
+    read = [(status, None if status == 400 else body) for status, _, body in responses(bytes(got))]
+    assert read == [(200, b"AAAAABBBBB"), (400, None)], bytes(got)
