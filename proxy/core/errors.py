@@ -219,11 +219,13 @@ def _parse(raw: bytes) -> _Fields | None:
 # -- messages -------------------------------------------------------------------------------
 
 _SECRET = re.compile(
-    r"(?i)(bearer\s+)\S+"
-    r"|\b(?:sk|pk|rk)[-_][A-Za-z0-9_\-*]{6,}"  # OpenAI, Anthropic (sk-ant-), Stripe (sk_live_)
-    # Hugging Face, Groq, GitHub, Replicate, xAI, NVIDIA, Perplexity keys (not a model
-    # name such as hf-internal-testing/...)
-    r"|\b(?:hf|gsk|gh[pousr]|github_pat|r8)_[A-Za-z0-9_]{20,}"
+    r"((?i:bearer)\s+)\S+"
+    r"|\b(?:sk|pk|rk)-[A-Za-z0-9_\-*]{6,}"  # OpenAI, Anthropic (sk-ant-)
+    r"|\b(?:sk|pk|rk)_(?:live|test)_[A-Za-z0-9]{6,}"  # Stripe
+    # Hugging Face, Groq, GitHub, Replicate, xAI, NVIDIA, Perplexity keys: their exact
+    # shapes, case and all, so that HF_HUB_OFFLINE, pk_conversation_id or a model name
+    # such as hf-internal-testing/... stay as they are
+    r"|\b(?:hf|gsk|gh[pousr]|r8)_[A-Za-z0-9]{20,}|\bgithub_pat_[A-Za-z0-9_]{20,}"
     r"|\b(?:xai|nvapi|pplx)-[A-Za-z0-9_\-]{20,}"
     r"|\bAIza[0-9A-Za-z_\-]{30,}|\bya29\.[0-9A-Za-z_\-]{20,}"  # Google API key, OAuth token
     r"|\bAKIA[0-9A-Z]{16}\b"  # AWS access key id

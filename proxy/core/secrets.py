@@ -18,6 +18,9 @@ SECRET_HEADERS = frozenset(
 SECRET_WORDS = (
     *("auth", "api-key", "api_key", "apikey", "token", "secret", "password", "passwd"),
     *("credential", "cookie", "session"),
+    # Azure API Management's `ocp-apim-subscription-key` and `?subscription-key=`, Azure
+    # Functions' `x-functions-key` (not any name ending in "key": `idempotency-key`)
+    *("subscription-key", "functions-key"),
 )
 #: Query parameter names that carry credentials by themselves (Google's `?key=`, signed
 #: URLs' `?sig=`, Azure Functions' `?code=`), besides those with a SECRET_WORDS word in them.
@@ -25,10 +28,8 @@ SECRET_PARAMS = frozenset({"key", "sig", "signature", "code"})
 
 
 def is_secret_name(name: str) -> bool:
-    """A (lower-case) header or query parameter name that carries credentials by its words,
-    or by ending in "key" (Azure API Management's `ocp-apim-subscription-key` and
-    `?subscription-key=`, Azure Functions' `x-functions-key`)."""
-    return name.endswith("key") or any(word in name for word in SECRET_WORDS)
+    """A (lower-case) header or query parameter name that carries credentials by its words."""
+    return any(word in name for word in SECRET_WORDS)
 
 
 def is_secret_header(name: str) -> bool:
@@ -41,6 +42,8 @@ def secret_names(extra: tuple[str, ...]) -> frozenset[bytes]:
 
 
 _COOKIES = frozenset({b"cookie", b"set-cookie"})
+#: The shortest cookie value masked on its own: session ids are long, settings are words.
+_COOKIE_VALUE = 12
 
 
 def redact(
@@ -57,7 +60,9 @@ def redact(
         if header in secret or is_secret_name(header.decode("latin-1")):
             values += (text, text.partition(" ")[2])
             if header in _COOKIES:  # each cookie's value, which an upstream may echo alone
-                values += (pair.partition("=")[2].strip() for pair in text.split(";"))
+                # (a session id's length: not `theme=dark` nor `consent=true`)
+                cookies = (pair.partition("=")[2].strip() for pair in text.split(";"))
+                values += (value for value in cookies if len(value) >= _COOKIE_VALUE)
         elif header == b"sec-websocket-protocol":
             # a browser's realtime client sends its key as `openai-insecure-api-key.<key>`
             for offered in text.split(","):
