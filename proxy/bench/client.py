@@ -148,7 +148,7 @@ def session(options: Options) -> aiohttp.ClientSession:
 def masked(text: str, request_headers: dict[str, str], url: yarl.URL) -> str:
     """An error message with the credentials the bench sent masked, as the proxy masks a
     client's (proxy/core/secrets.py): a backend may echo the key it refused."""
-    sent = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in request_headers.items()]
+    sent = [(k.lower().encode(), v.encode("utf-8", "replace")) for k, v in request_headers.items()]
     return redact(text, sent, SECRET_HEADERS, url.raw_query_string)
 
 
@@ -259,7 +259,8 @@ async def measure_realtime(
                 await ws.send_str(data.decode())
                 session.message(WsMessage(True, "text", data, perf_counter()))
             async for frame in ws:
-                if frame.type is not aiohttp.WSMsgType.TEXT:
+                if frame.type is not aiohttp.WSMsgType.TEXT:  # binary, or one aiohttp refused
+                    cause = "error"
                     break
                 text = frame.data.encode()
                 session.message(WsMessage(False, "text", text, perf_counter()))

@@ -40,7 +40,7 @@ def lax_float(value: Any) -> float | None:
     if type(value) in (bool, int, float):
         return float(value)
     if type(value) is str:
-        if not value.isascii():  # Python reads "١٢" as 12; pydantic-core reads ASCII only
+        if not value.strip().isascii():  # Python reads "١٢" as 12; pydantic-core ASCII only
             return None
         if "_" in value:
             # pydantic-core's rule, not Python's: `_`s anywhere but first, last or doubled

@@ -416,3 +416,49 @@ def test_credentials_sent_or_echoed_reach_neither_the_report_nor_its_lines(
     assert report["config"]["headers"] == [["x-api-key", "***"], ["cookie", "***"]]
     for canary in ("URLPASSLEAK", "APIKEYLEAK", "XAPIKEYLEAK", "COOKIELEAK"):
         assert canary not in text, canary
+
+
+def test_a_realtime_frame_the_bench_cannot_read_ends_the_utterance_as_truncated() -> None:
+    """A binary frame mid-utterance (or one aiohttp refuses): the backend's fault, so the
+    utterance is stream_truncated, not client_cancelled, which SLOs leave out."""
+    import asyncio
+    from time import perf_counter
+
+    import yarl
+    from aiohttp import web
+
+    from proxy.bench.client import Call, measure_realtime
+    from proxy.core.measurement import ErrorType
+    from proxy.core.request import RequestInfo
+
+    async def handler(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        seen = 0
+        async for _ in ws:
+            seen += 1
+            if seen == 3:  # after the first commit: a delta, then a binary frame
+                await ws.send_str(
+                    orjson.dumps({"type": "transcription.delta", "delta": "he"}).decode()
+                )
+                await ws.send_bytes(b"\x00\x01")
+            if seen >= 5:
+                break
+        return ws
+
+    async def main() -> ErrorType | None:
+        app = web.Application()
+        app.router.add_get("/v1/realtime", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            info = RequestInfo("/v1/realtime", MODEL, True, False, None, None)
+            url = yarl.URL(f"http://127.0.0.1:{port}/v1/realtime")
+            m = await measure_realtime(url, {}, Call(info, b""), perf_counter())
+            return m.error_type
+        finally:
+            await runner.cleanup()
+
+    assert asyncio.run(main()) is ErrorType.STREAM_TRUNCATED

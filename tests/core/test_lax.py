@@ -26,11 +26,12 @@ def _pydantic(field: str, value: Any) -> Any:
         return None
 
 
-# The last five were found by Hypothesis: pydantic-core's own rules for `_` and digits.
+# The last seven were found by Hypothesis and review: pydantic-core's own rules for `_`,
+# digits and whitespace.
 CHOSEN = [True, False, 0, 1, 2, -1, 0.0, 1.0, 2.0, 2.5, float("inf"), float("nan"), "1", "0",
           "true", "TRUE", "On", "off", "yes", "n", " true", "maybe", "", "2", " 2 ", "+2",
           "-3", "2.0", "2.", "2.00", "1e1", "2_0", "2_", "_2", "0x2", None, [], {},
-          "0_.", "1_.5", "in_f", " 1_0", "١٢"]  # fmt: skip
+          "0_.", "1_.5", "in_f", " 1_0", "١٢", "1.5\xa0", "\u20031.5"]  # fmt: skip
 TEXTS = st.text(alphabet="0123456789+-_. eEtrufalsyonTRUEFALSEi١", max_size=6)
 VALUES = st.one_of(st.booleans(), st.integers(), st.floats(), TEXTS, st.sampled_from(CHOSEN))
 

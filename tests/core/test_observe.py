@@ -619,7 +619,7 @@ def test_a_whole_answer_s_tool_calls_are_judged_and_its_reasoning_kept_for_count
                 {
                     "index": 1,
                     "message": {"role": "assistant", "reasoning": "think b", "content": None,
-                                "tool_calls": [call('{"city": "Rome"}')]},
+                                "tool_calls": [None, call('{"city": "Rome"}'), "x"]},
                     "finish_reason": "tool_calls",
                 },
             ],

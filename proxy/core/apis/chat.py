@@ -305,11 +305,13 @@ def whole(facts: Facts, message: dict[str, Any], choice: int) -> None:
     if calls and type(calls) is list:
         pieces = list(facts.calls or ())
         for i, call in enumerate(calls):
-            function = call.get("function") if type(call) is dict else None
+            if type(call) is not dict:  # no call, as a stream's call_pieces reads it
+                continue
+            function = call.get("function")
             arguments = function.get("arguments") if type(function) is dict else None
             text = arguments if type(arguments) is str else ""
             pieces.append(CallPiece(i, True, text, closes=True, choice=choice))
-        facts.calls = tuple(pieces)
+        facts.calls = tuple(pieces) or None
 
 
 def beside(delta: dict[str, Any], kind: str, choice: int = 0) -> Beside:
