@@ -147,7 +147,7 @@ def admit(
         and obj is not None
         and backend not in api.usage_reshapes
     ):
-        asked = api.ask_for_usage(obj)
+        asked = api.ask_for_usage(obj, body)
         if asked is not None:  # the client gets the stream it asked for: strip the extra
             stripper = UsageEventStripper(limits.max_event_bytes, limits.injection, api.endpoint)
             return info, asked, stripper

@@ -195,7 +195,7 @@ def test_usage_is_asked_for_by_one_more_part_and_every_client_byte_stays() -> No
         False,
     )
     assert obj is not None
-    asked = api.ask_for_usage(obj)
+    asked = api.ask_for_usage(obj, AUDIO_FORM)
     assert asked is not None
     again = read_form(asked, FORM_CT)
     assert again is not None and again["stream_include_usage"] == "true"
@@ -215,7 +215,7 @@ def test_a_client_that_chose_usage_itself_is_left_alone() -> None:
             ("stream_include_usage", value, None),
         )
         info, obj = parse_request(api, body, FORM_CT)
-        assert obj is not None and api.ask_for_usage(obj) is None
+        assert obj is not None and api.ask_for_usage(obj, body) is None
         assert info.usage_requested is (value == b"true")
 
 
@@ -233,7 +233,7 @@ def test_a_client_that_asked_for_continuous_usage_is_not_asked_for_usage() -> No
             ("stream_continuous_usage_stats", value, None),
         )
         _, obj = parse_request(api, body, FORM_CT)
-        assert obj is not None and (api.ask_for_usage(obj) is not None) is asked, value
+        assert obj is not None and (api.ask_for_usage(obj, body) is not None) is asked, value
 
 
 # vLLM's transcription stream (base/serving.py @ 00e2ed95ef60): content chunks, the finish

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
 from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
@@ -71,7 +72,9 @@ def test_the_fields_that_change_what_the_proxy_asks_for_are_read_laxly() -> None
         {**body, "stream_options": {"include_usage": "false"}}
     ).usage_requested
     for n in ("2", 2.0, " 3 "):
-        assert chat.ask_for_usage({**body, "n": n}) is None, n
-    assert chat.ask_for_usage({**body, "n": "1"}) is not None
+        asks = {**body, "n": n}
+        assert chat.ask_for_usage(asks, orjson.dumps(asks)) is None, n
+    one = {**body, "n": "1"}
+    assert chat.ask_for_usage(one, orjson.dumps(one)) is not None
     prompt = {"model": "m", "prompt": "a", "echo": "yes", "n": "2"}
     assert completions.read_request(prompt).echoed == ("a", "a")

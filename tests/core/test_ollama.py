@@ -55,7 +55,7 @@ def test_streaming_is_the_default_and_options_carry_the_limits() -> None:
         {"model": "m", "messages": [], "options": {"num_predict": 9, "temperature": 0.5}}
     )
     assert (info.stream, info.max_tokens, info.temperature) == (True, 9, 0.5)
-    assert info.usage_requested and chat.ask_for_usage({"model": "m"}) is None
+    assert info.usage_requested and chat.ask_for_usage({"model": "m"}, b'{"model": "m"}') is None
     assert chat.read_request({"model": "m", "stream": False}).stream is False
     assert seam("/api/embed").read_request({"model": "m", "input": "x"}).stream is False
 

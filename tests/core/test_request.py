@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 import pytest
 
@@ -9,7 +11,11 @@ from proxy.core.apis import api_for
 from proxy.core.apis.chat import Chat
 from proxy.core.request import CHAT, COMPLETIONS, RequestInfo, parse_request
 
-with_usage_requested = Chat().ask_for_usage
+
+def with_usage_requested(obj: dict[str, Any], body: bytes | None = None) -> bytes | None:
+    """Chat.ask_for_usage for a body sent as orjson writes `obj`, unless `body` is given."""
+    return Chat().ask_for_usage(obj, orjson.dumps(obj) if body is None else body)
+
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 
@@ -131,7 +137,7 @@ def test_no_completions_usage_is_asked_for_a_batch_of_prompts(prompt: object, as
     api = api_for("/v1/completions")
     assert api is not None
     obj = {"model": "llama", "stream": True, "prompt": prompt}
-    assert (api.ask_for_usage(obj) is not None) is asked
+    assert (api.ask_for_usage(obj, orjson.dumps(obj)) is not None) is asked
 
 
 def test_continuous_usage_is_turned_off_with_the_usage_the_proxy_asks_for() -> None:
@@ -153,9 +159,47 @@ def test_include_usage_false_is_turned_on() -> None:
     assert orjson.loads(with_usage_requested(obj))["stream_options"] == {"include_usage": True}
 
 
-def test_non_object_stream_options_is_replaced() -> None:
+def test_null_stream_options_is_replaced() -> None:
     obj = {"model": "llama", "stream": True, "stream_options": None}
     assert orjson.loads(with_usage_requested(obj))["stream_options"] == {"include_usage": True}
+
+
+def test_without_stream_options_the_clients_bytes_stay_as_they_came() -> None:
+    """Spacing, escapes, an integer beyond 64 bits (orjson would read a float) and nesting
+    deeper than orjson writes: the field is added before the closing brace, nothing else
+    changes (review: vLLM refused `vllm_xargs` {"k": 1e29} direct and took it proxied)."""
+    deep = b"[" * 300 + b"]" * 300
+    body = (
+        b'{ "model" : "llama", "stream": true, "prompt": "caf\u00e9",\n'
+        b'  "vllm_xargs": {"k": 123456789012345678901234567890}, "x": ' + deep + b" }\r\n"
+    )
+    obj = orjson.loads(body)
+    assert with_usage_requested(obj, body) == (
+        body[: body.rindex(b"}")] + b',"stream_options":{"include_usage":true}' + b"}\r\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "options",
+    ["yes", [], {"include_usage": "maybe"}, {"include_usage": 2}, {"continuous_usage_stats": "x"}],
+)
+def test_a_stream_options_vllm_refuses_goes_as_it_came(options: object) -> None:
+    """vLLM answers these 400 (pydantic: model_attributes_type, bool_parsing); rewritten,
+    the request was a 200 stream through the proxy (review)."""
+    assert (
+        with_usage_requested({"model": "llama", "stream": True, "stream_options": options}) is None
+    )
+
+
+def test_a_body_whose_rewrite_would_change_it_goes_as_it_came() -> None:
+    merged = {"model": "llama", "stream": True, "stream_options": {"x_vendor": 1}}
+    big = orjson.dumps(merged)[:-1] + b',"priority":18446744073709551617}'
+    assert with_usage_requested(orjson.loads(big), big) is None  # orjson reads a float
+    nested: Any = []
+    for _ in range(300):
+        nested = [nested]
+    deep = {**merged, "x": nested}
+    assert with_usage_requested(deep, b"{}") is None  # orjson writes 254 levels at most
 
 
 def test_caller_object_is_not_mutated() -> None:

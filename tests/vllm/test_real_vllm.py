@@ -552,3 +552,29 @@ def _settled_vllm_delta(server: Vllm, before: Scrape, deadline: float) -> float:
 
 def _vllm_delta(server: Vllm, before: Scrape, name: str, **labels: str) -> float:
     return Change(before, scrape(server.url))(name, **labels)
+
+
+def test_a_request_vllm_refuses_direct_is_refused_through_the_proxy_alike(
+    vllm_servers: Servers,
+) -> None:
+    """The proxy asks for usage by adding to the client's body, never by rewriting what
+    vLLM would refuse into what it takes: an unreadable stream_options and an integer
+    orjson cannot keep (read back as a float, vLLM took it) are vLLM's 400 both ways, with
+    the same body. Before: 200 streams through the proxy (review)."""
+    server = vllm_servers.base
+    base = body_for(COMPLETIONS, TEXT_PROMPTS[0], False)
+    bodies = [
+        orjson.dumps({**base, "stream_options": "yes"}),
+        orjson.dumps({**base, "stream_options": {"include_usage": "maybe"}}),
+        orjson.dumps(base)[:-1] + b',"vllm_xargs":{"k":123456789012345678901234567890}}',
+    ]
+    with httpx.Client(timeout=60) as client:
+        for body in bodies:
+            sides = [
+                client.post(
+                    url + COMPLETIONS, content=body, headers={"content-type": "application/json"}
+                )
+                for url in (server.url, server.proxy_url)
+            ]
+            assert [r.status_code for r in sides] == [400, 400], (body, sides[1].text)
+            assert sides[0].content == sides[1].content, body

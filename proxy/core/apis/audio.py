@@ -68,7 +68,7 @@ class Transcriptions(Chat):
     def usage_requested(self, obj: dict[str, Any]) -> bool:
         return _flag(obj.get(USAGE_FIELD))
 
-    def ask_for_usage(self, obj: dict[str, Any]) -> bytes | None:
+    def ask_for_usage(self, obj: dict[str, Any], body: bytes) -> bytes | None:
         """The form with `stream_include_usage` added, or None: where the client sent it,
         and where it sent `stream_continuous_usage_stats` true, which vLLM honours only
         beside include_usage (base/serving.py, `include_continuous_usage =

@@ -244,9 +244,10 @@ class Api:
         """True when the backend will send usage without the proxy asking for it."""
         return True
 
-    def ask_for_usage(self, obj: dict[str, Any]) -> bytes | None:
-        """The request body re-encoded to ask the backend for usage, or None when this API
-        has no way to (or no need). The relay then strips what the client did not ask for."""
+    def ask_for_usage(self, obj: dict[str, Any], body: bytes) -> bytes | None:
+        """The request body (`obj` parsed from `body`) asking the backend for usage, or None
+        when this API has no way to (or no need). The relay then strips what the client did
+        not ask for."""
         return None
 
     # -- the response -----------------------------------------------------------------

@@ -14,6 +14,7 @@ not, and the relay then removes that usage-only chunk (proxy/core/strip.py).
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar
 
 import orjson
@@ -57,28 +58,44 @@ class OpenAIGeneration(Api):
     def max_tokens(self, obj: dict[str, Any]) -> object:
         return obj.get("max_completion_tokens", obj.get("max_tokens"))
 
-    def ask_for_usage(self, obj: dict[str, Any]) -> bytes | None:
-        """The body re-encoded with `stream_options.include_usage: true`, or None where the
-        client's stream could not then be given back exactly as it would come direct:
+    def ask_for_usage(self, obj: dict[str, Any], body: bytes) -> bytes | None:
+        """The body with `stream_options.include_usage: true`, or None where the client's
+        stream could not then be given back exactly as it would come direct, or where the
+        request would not then mean what it meant:
 
         - n > 1: vLLM stamps `system_fingerprint` on every choice's terminal chunk only
           without include_usage; with it, on the usage chunk alone. Only the terminal chunk
           right before the usage chunk can get it back (proxy/core/strip.py), so the proxy
           does not ask (token counts come from the tokenizer or the chunks).
+        - a `stream_options` vLLM refuses (not an object, a flag pydantic cannot read as
+          a bool): the client gets vLLM's 400, as direct.
+        - a body whose re-encoding would change it: an integer beyond 64 bits (orjson
+          reads it as a float), or nesting deeper than orjson writes.
 
-        `continuous_usage_stats` is sent as false: vLLM puts usage on every chunk only
-        when include_usage is also set (vllm/entrypoints/utils.py, should_include_usage:
-        `include_continuous_usage = include_usage and bool(continuous_usage_stats)`), so
-        the client, which did not set include_usage, would get none direct."""
+        Without stream_options the field is added to the client's own bytes, which stay
+        as they were. `continuous_usage_stats` is sent as false: vLLM puts usage on every
+        chunk only when include_usage is also set (vllm/entrypoints/utils.py,
+        should_include_usage: `include_continuous_usage = include_usage and
+        bool(continuous_usage_stats)`), so the client, which did not set include_usage,
+        would get none direct."""
         n = lax_int(obj.get("n"))  # `"n": "2"` is two choices to vLLM too
         if n is not None and n > 1:
             return None
         options = obj.get("stream_options")
-        merged = dict(options) if isinstance(options, dict) else {}
+        if options is None and "stream_options" not in obj:
+            return added_field(body, b'"stream_options":{"include_usage":true}')
+        if options is not None and (type(options) is not dict or not _readable(options)):
+            return None
+        if _LONG_NUMBER.search(body):
+            return None
+        merged = dict(options) if options is not None else {}
         merged["include_usage"] = True
-        if merged.get("continuous_usage_stats"):
+        if lax_bool(merged.get("continuous_usage_stats")):
             merged["continuous_usage_stats"] = False
-        return orjson.dumps({**obj, "stream_options": merged})
+        try:
+            return orjson.dumps({**obj, "stream_options": merged})
+        except (orjson.JSONEncodeError, TypeError):  # deeper than orjson writes
+            return None
 
     def event(self, payload: bytes, collect: bool, identify: bool) -> Facts:
         # The hot path of the hot API: most events are one choice with one piece of
@@ -290,6 +307,26 @@ def call_pieces(delta: object, choice: int = 0) -> tuple[CallPiece, ...] | None:
             )
         )
     return tuple(pieces) or None
+
+
+#: A run of digits that may be an integer orjson cannot keep (2**64 has 20 digits).
+_LONG_NUMBER = re.compile(rb"[0-9]{20,}")
+
+
+def _readable(options: dict[str, Any]) -> bool:
+    """Both flags of a stream_options absent, null or a bool as pydantic reads one."""
+    return all(
+        options.get(flag) is None or lax_bool(options[flag]) is not None
+        for flag in ("include_usage", "continuous_usage_stats")
+    )
+
+
+def added_field(body: bytes, field: bytes) -> bytes:
+    """A JSON object's bytes with one more member, written before its closing brace: the
+    client's bytes otherwise as they came (its numbers, spacing, key order and escapes).
+    The object has members already (a streamed request says `stream`)."""
+    end = body.rstrip().rfind(b"}")
+    return body[:end] + b"," + field + body[end:]
 
 
 def whole(facts: Facts, message: dict[str, Any], choice: int) -> None:

@@ -48,13 +48,13 @@ class Completions(OpenAIGeneration):
         each = n if n is not None and n > 0 else 1
         return replace(info, echoed=tuple(p for p in prompts for _ in range(each)))
 
-    def ask_for_usage(self, obj: dict[str, Any]) -> bytes | None:
+    def ask_for_usage(self, obj: dict[str, Any], body: bytes) -> bytes | None:
         """As chat's (OpenAIGeneration.ask_for_usage), and not for a batch of prompts:
         vLLM streams a choice for each (`i = output.index + prompt_idx * num_choices`,
         completion/serving.py) and stamps every one's terminal chunk, as with n > 1."""
         if _batch(obj.get("prompt")):
             return None
-        return super().ask_for_usage(obj)
+        return super().ask_for_usage(obj, body)
 
     def input_messages(self, prompt: Any) -> list[dict[str, Any]] | None:
         """A text prompt (or a batch of them): one user message per text."""

@@ -67,7 +67,7 @@ class Generate(OpenAIGeneration):
     def max_tokens(self, obj: dict[str, Any]) -> object:
         return obj.get("max_tokens")
 
-    def ask_for_usage(self, obj: dict[str, Any]) -> bytes | None:
+    def ask_for_usage(self, obj: dict[str, Any], body: bytes) -> bytes | None:
         return None  # token_ids count the output exactly: the request goes as it came
 
     def event(self, payload: bytes, collect: bool, identify: bool) -> Facts:
