@@ -53,6 +53,7 @@ class RelaySettings:
     first_byte_timeout: float  # from the upstream request to its response head
     idle_timeout: float  # the longest gap between two chunks of an upstream body
     secret_headers: frozenset[bytes]  # lower-case names whose values never leave the proxy
+    ssl_certfile: str | None  # the proxy serves TLS: its clients' scheme is https
     # Whether usage is still asked for: off for good once a stream could not be given back
     # (proxy/core/strip.py); the one mutable part, shared by every request to the upstream.
     injection: Injection = field(default_factory=Injection)

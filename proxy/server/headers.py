@@ -86,3 +86,22 @@ def client_headers(headers: Headers, content_type: bytes, *, body_changes: bool)
     if content_type.startswith(b"text/event-stream"):
         out.append((b"x-accel-buffering", b"no"))
     return out
+
+
+def redirected(headers: Headers, upstream: bytes, client: bytes) -> Headers:
+    """The response headers with a `Location` that points into the upstream's URL
+    (`upstream`: scheme://authority and base path) pointing at the proxy instead
+    (`client`: the scheme and Host the client used), as nginx's `proxy_redirect default`
+    does. A backend builds an absolute redirect from the Host it was sent, the upstream's
+    (Starlette's redirect_slashes in vLLM: `http://vllm:8000/v1/models`), which a client
+    may not reach and which would take it around the proxy."""
+    out: Headers = []
+    for name, value in headers:
+        if (
+            name == b"location"
+            and value.startswith(upstream)
+            and value[len(upstream) : len(upstream) + 1] in (b"", b"/", b"?", b"#")
+        ):
+            value = client + value[len(upstream) :]
+        out.append((name, value))
+    return out

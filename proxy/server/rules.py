@@ -40,7 +40,7 @@ from proxy.server.admission import (
     measured_api,
 )
 from proxy.server.exchange import Context, MeasuredExchange
-from proxy.server.headers import Headers, client_headers
+from proxy.server.headers import Headers, client_headers, redirected
 
 _EVENT_STREAM = b"text/event-stream"
 
@@ -188,10 +188,12 @@ class ExchangeRules:
         assert exchange is not None, "a response head before the request went upstream"
         content_type = b""
         metadata: bytes | None = None
-        length = encoded = False
+        length = encoded = located = False
         for name, value in headers:
             if name == b"content-type":
                 content_type = value
+            elif name == b"location":
+                located = True
             elif name == b"content-length":
                 length = True
             elif name == b"content-encoding":
@@ -212,7 +214,19 @@ class ExchangeRules:
             self.stripper = None
         self.stage = Stage.RESPONDING
         out = client_headers(headers, content_type, body_changes=self.stripper is not None)
+        if located:
+            out = self._located(out)
         return ClientHead(out, self.stripper, length)
+
+    def _located(self, headers: Headers) -> Headers:
+        """A redirect into the upstream's URL, pointed at the proxy as the client named it."""
+        host = next((value for name, value in self.headers if name == b"host"), None)
+        if host is None:  # nothing to point at (HTTP/1.0 without Host): as it came
+            return headers
+        upstream = self.context.upstream
+        scheme = b"https" if self.context.settings.ssl_certfile else b"http"
+        within = f"{upstream.origin}{upstream.base_path}".encode("ascii")
+        return redirected(headers, within, scheme + b"://" + host)
 
     def early_end(self, cause: Cause, exc: BaseException | None = None) -> Failure:
         """The relay stops early. The failure's `answer`, when set, is what the client gets

@@ -606,3 +606,42 @@ def test_a_body_framed_by_a_coding_other_than_chunked_ends_with_the_connection(
         assert [(status, body) for status, _, body in responses(got)] == [(200, b"body-to-close")]
         assert got.endswith(b"0\r\n\r\n"), got  # its last chunk: not a response cut short
         assert errors(base, "malformed") == 0
+
+
+@pytest.mark.parametrize("base_path", ["", "/tenant-a"])
+def test_a_redirect_into_the_upstream_points_at_the_proxy_as_the_client_named_it(
+    upstream: RawUpstream, proxy: Proxy, base_path: str
+) -> None:
+    """vLLM's Starlette redirects `/v1/models/` to an absolute URL built from the Host the
+    proxy sent: the upstream's own, which a client may not reach and which would take it
+    around the proxy. It points at the proxy, as the client named it (nginx's
+    proxy_redirect default); a redirect elsewhere, or a relative one, is left alone."""
+
+    def redirect(location: bytes) -> Callable[[Conn, Request], Awaitable[None]]:
+        async def answer(conn: Conn, request: Request) -> None:
+            conn.write(b"HTTP/1.1 307 Temporary Redirect\r\nlocation: " + location
+                       + b"\r\ncontent-length: 0\r\n\r\n")  # fmt: skip
+            await conn.drain()
+
+        return answer
+
+    own = f"http://127.0.0.1:{upstream.port}{base_path}".encode()
+    upstream.default = by_target(
+        {
+            base_path.encode() + b"/v1/models/": redirect(own + b"/v1/models"),
+            base_path.encode() + b"/v1/away": redirect(b"https://elsewhere.example/v1/models"),
+            base_path.encode() + b"/v1/near": redirect(b"/v1/models"),
+        }
+    )
+    asked = {
+        b"/v1/models/": b"http://llm.example.com/v1/models",
+        b"/v1/away": b"https://elsewhere.example/v1/models",
+        b"/v1/near": b"/v1/models",
+    }
+    with proxy(upstream.url + base_path) as base:
+        for target, want in asked.items():
+            request = b"GET " + target + b" HTTP/1.1\r\nHost: llm.example.com\r\n\r\n"
+            got = exchange(base, request, idle=0.5)
+            ((status, head, _),) = responses(got)
+            location = Request(head, b"").header(b"location")
+            assert (status, location) == (307, [want]), got
