@@ -866,11 +866,16 @@ def _watching(
     return api, proxy
 
 
-def test_a_flood_of_tiny_frames_stops_the_watching_not_the_bytes(raw: RawUpstream) -> None:
-    """One read of hundreds of empty pings on a measured path: the frame reader would
-    spend a few µs on each while every stream waits (256 KiB of them held the loop 0.2 s),
-    so the watching stops, counted, and the bytes go on."""
-    pings = b"\x89\x80abcd" * 1000  # masked, empty
+@pytest.mark.parametrize("payload", [0, 10, 100], ids=["empty", "16-byte", "106-byte"])
+def test_a_flood_of_small_frames_stops_the_watching_not_the_bytes(
+    raw: RawUpstream, payload: int
+) -> None:
+    """One read of hundreds of pings on a measured path: the frame reader would spend a
+    few µs on each while every stream waits (256 KiB of empty ones held the loop 0.2 s, of
+    16-byte ones 108 ms: the guard once stopped only frames under 16 bytes), so the
+    watching stops, counted, and the bytes go on."""
+    pings = (b"\x89" + bytes([0x80 | payload]) + b"abcd" + b"p" * payload) * 1000  # masked
+    path = b"/pings-%d" % payload  # a route of its own on the module's upstream
     hello = bytes(FrameProtocol(client=True, extensions=[]).send_data("hello"))
 
     def after(up: RawConn, conn: socket.socket) -> None:
@@ -879,11 +884,11 @@ def test_a_flood_of_tiny_frames_stops_the_watching_not_the_bytes(raw: RawUpstrea
                 return
             up.received += chunk
 
-    api, proxy = _watching(raw, b"/pings", after)
+    api, proxy = _watching(raw, path, after)
     try:
         client = _raw_client(proxy.port)
-        client.sendall(_handshake(b"/pings") + hello)
-        up = raw.wait_conn(b"/pings")
+        client.sendall(_handshake(path) + hello)
+        up = raw.wait_conn(path)
         _wait(lambda: len(up.received) == len(hello), what="the first frame upstream")
         _wait(lambda: len(api.messages) == 1, what="the first message watched")
         client.sendall(pings)

@@ -34,11 +34,13 @@ log = logging.getLogger("tokenprobe")
 GOING_AWAY = 1001
 SHUTDOWN_REASON = "proxy shutting down"
 #: A read of more than TINY_FRAMES frames averaging under TINY_FRAME_BYTES each (a flood of
-#: empty pings) stops the watching: the frame reader's Python costs a few µs a frame, and
-#: such a read would hold the event loop for every stream (256 KiB of 6-byte pings: 0.2 s).
-#: No message an API measures is that small (a realtime delta is some 60 bytes).
+#: pings) stops the watching: the frame reader's Python costs some 7 µs a frame, and such a
+#: read would hold the event loop for every stream (256 KiB of 6-byte pings: 0.2 s; of
+#: 16-byte ones 108 ms). At 256 bytes a frame a 256 KiB read costs some 7 ms. A realtime
+#: delta is some 60 to 150 bytes, and hundreds of them come in one read only after the
+#: proxy stalled for seconds; audio appends are kilobytes.
 TINY_FRAMES = 256
-TINY_FRAME_BYTES = 16
+TINY_FRAME_BYTES = 256
 
 
 class WsWatch:
