@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -954,3 +955,45 @@ def test_credentials_an_upstream_echoes_in_a_realtime_error_never_reach_the_reco
             assert canary not in record.error_message, record.error_message
     finally:
         proxy.stop()
+
+
+def test_a_side_that_takes_nothing_ends_the_tunnel_at_the_idle_timeout(
+    raw: RawUpstream, make_proxy: MakeProxy
+) -> None:
+    """The upstream answers 101 and then reads nothing; the client fills every buffer on
+    the way and resets its connection. The client's reading is paused (backpressure), so
+    its reset is never read, and a write buffer that never drains is no progress: the
+    tunnel ends at --ws-idle-timeout (before, it stayed open for good, uncounted)."""
+    release = threading.Event()
+
+    def stuck(up: RawConn, conn: socket.socket) -> None:
+        release.wait(30)  # reads nothing until the test has its answer
+        with contextlib.suppress(OSError):
+            while conn.recv(1 << 20):
+                pass
+
+    raw.route(b"/stuck", SWITCH, stuck)
+    proxy = make_proxy(raw.url, ws_idle_timeout=1.0)
+    before = _baseline(proxy, "idle_timeout")
+    client = _raw_client(proxy.port)
+    try:
+        client.sendall(_handshake(b"/stuck"))
+        assert client.recv(4096).startswith(b"HTTP/1.1 101")
+        frame = b"\x82\xfe\xfd\xe8abcd" + b"z" * 65000  # masked binary, 65000 bytes
+        client.setblocking(False)
+        blocked = 0
+        with contextlib.suppress(ConnectionError):  # the proxy may idle it out first
+            while blocked < 3:  # until the buffers on the way are full
+                try:
+                    client.send(frame)
+                    blocked = 0
+                except BlockingIOError:
+                    blocked += 1
+                    time.sleep(0.1)
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    finally:
+        client.close()  # a reset: the client is gone
+    try:
+        _counted(proxy, "idle_timeout", before)
+    finally:
+        release.set()

@@ -169,15 +169,30 @@ def test_a_sealed_side_gets_nothing_after_its_last_bytes() -> None:
     run(test)
 
 
-def test_a_quiet_pipe_is_idle_and_a_slow_reader_is_not() -> None:
+def test_a_quiet_pipe_is_idle_a_slow_reader_is_not_and_a_stuck_one_is() -> None:
+    """A side taking its bytes slowly is progress; one whose buffer stays as it was takes
+    nothing (a peer gone while its reading was paused), and the pipe idles out."""
+
     async def test() -> None:
         pipe, client, _, _ = pipe_between()
         quiet: list[float] = []
-        client.buffered = 1  # the client is slow to take its bytes: not idle
+        client.buffered = 100
         pipe.start_idle(0.05, quiet.append)
-        await asyncio.sleep(0.15)
+        for _ in range(8):  # the client takes some bytes every 20 ms
+            await asyncio.sleep(0.02)
+            client.buffered -= 1
         assert quiet == []
-        client.buffered = 0
+        await asyncio.sleep(0.2)  # and then none
+        assert len(quiet) == 1 and quiet[0] >= 0.05
+
+    run(test)
+
+
+def test_a_pipe_with_nothing_buffered_is_idle_after_the_timeout() -> None:
+    async def test() -> None:
+        pipe, _, _, _ = pipe_between()
+        quiet: list[float] = []
+        pipe.start_idle(0.05, quiet.append)
         await asyncio.sleep(0.2)
         assert len(quiet) == 1 and quiet[0] >= 0.05
 

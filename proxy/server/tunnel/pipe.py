@@ -10,8 +10,8 @@ hears every read after it went on (`Ends.seen`) and each side's end (`Ends.lost`
 - Backpressure both ways: when one side's write buffer passes its high-water mark,
   reading from the other side pauses until it drains (asyncio's pause/resume_writing).
 - Sealing: `write_last` gives a side its last bytes; nothing read afterwards goes to it.
-- The idle timer: no byte either way for the timeout, and neither side slow to take its
-  bytes, calls the owner's `idle`.
+- The idle timer: no byte either way for the timeout, and no side taking bytes from its
+  write buffer, calls the owner's `idle`.
 - The end: `close()` closes both sides (buffered bytes are flushed first); a side that
   will not take its last bytes within `close_grace` is aborted.
 """
@@ -61,6 +61,7 @@ class Pipe(Deadline):
         self._paused: set[bool] = set()  # sides whose reading is paused (True: the client)
         self._full: set[bool] = set()  # sides whose write buffer is over its high-water mark
         self._last = perf_counter()
+        self._waiting = (0, 0)  # both write buffers' sizes at the idle timer's last look
         Deadline.__init__(self)  # the idle timer: see start_idle
         self._idle_timeout = 0.0
         self._on_idle: Callable[[float], None] = _no_idle
@@ -156,12 +157,17 @@ class Pipe(Deadline):
     def time_left(self) -> float | None:
         if self.closed:
             return None
-        if (
-            self._full
-            or self.client.get_write_buffer_size()
-            or (self.upstream is not None and self.upstream.get_write_buffer_size())
-        ):
-            self._last = perf_counter()  # a side is slow to take its bytes: not idle
+        upstream = self.upstream
+        waiting = (
+            self.client.get_write_buffer_size(),
+            upstream.get_write_buffer_size() if upstream is not None else 0,
+        )
+        if waiting != self._waiting:
+            # A side took bytes since the last look (or was given some): progress, not
+            # idle. A buffer that stays as it was is a side that takes nothing (a peer
+            # gone while its reading was paused, whose end is never read): it idles out.
+            self._waiting = waiting
+            self._last = perf_counter()
         quiet = perf_counter() - self._last
         if quiet >= self._idle_timeout:
             self._on_idle(quiet)
