@@ -12,6 +12,7 @@ first one through a plain byte relay, where it fails as it must.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 import zlib
@@ -645,3 +646,25 @@ def test_a_redirect_into_the_upstream_points_at_the_proxy_as_the_client_named_it
             ((status, head, _),) = responses(got)
             location = Request(head, b"").header(b"location")
             assert (status, location) == (307, [want]), got
+
+
+def test_a_response_head_that_never_ends_is_a_502_at_a_bound(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """An upstream that sends one header without end: the parser joins its value across
+    reads, so the proxy would hold all of it at a quadratic cost (a review saw 75 MB take
+    a core for 6 s through the WebSocket handshake's reader). The head is bounded: 502."""
+
+    async def endless(conn: Conn, request: Request) -> None:
+        conn.write(b"HTTP/1.1 200 OK\r\nx-big: ")
+        deadline = time.monotonic() + 10
+        with contextlib.suppress(ConnectionError):
+            while time.monotonic() < deadline and not conn.writer.is_closing():
+                conn.write(b"a" * 65536)
+                await conn.drain()
+
+    upstream.default = by_target({b"/v1/endless": endless})
+    with proxy(upstream.url) as base:
+        got, seconds = ask(base, b"/v1/endless", timeout=15)
+    assert got.startswith(b"HTTP/1.1 502"), got[:200]
+    assert seconds < 5, seconds

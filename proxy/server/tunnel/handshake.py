@@ -107,6 +107,11 @@ def admit(
     return Admitted(b"".join(out), parsed.path, parsed.query, headers)
 
 
+#: The longest head of the upstream's answer to a handshake the proxy reads (nginx's
+#: proxy_buffer_size is 4 or 8 KiB; an answer's head is some 200 bytes).
+MAX_ANSWER_HEAD = 64 * 1024
+
+
 class UpstreamAnswer:
     """httptools reading the upstream's answer to the handshake, after its bytes went to
     the client. `feed` returns the bytes after a 101's head once the head is complete
@@ -114,13 +119,14 @@ class UpstreamAnswer:
     Bytes that are not HTTP the proxy can follow stop the reading (they went to the
     client all the same)."""
 
-    __slots__ = ("_extensions", "_parser", "_refused", "extensions", "status")
+    __slots__ = ("_extensions", "_head", "_parser", "_refused", "extensions", "status")
 
     def __init__(self, refused: Callable[[], None]) -> None:
         self.status = 0  # the last response head's status (a 1xx is followed by more)
         self.extensions: str | None = None  # a 101's Sec-WebSocket-Extensions
         self._refused = refused
         self._extensions: list[bytes] = []
+        self._head = 0  # bytes read of the current head, -1 once it is complete
         self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
 
     def feed(self, data: bytes) -> bytes | None:
@@ -139,6 +145,15 @@ class UpstreamAnswer:
             # Not HTTP the proxy can follow: the client's bytes stay held, and the tunnel
             # ends when either side closes.
             self._parser = None
+            return None
+        if self._head >= 0:  # the read left a head unfinished
+            self._head += len(data)
+            if self._head > MAX_ANSWER_HEAD:
+                # httptools joins a header's value across reads: an endless one would grow
+                # without bound, at a quadratic cost. Such an upstream is answered as a
+                # refusal: the tunnel ends (what it sent went to the client as it came).
+                self._parser = None
+                self._refused()
         return None
 
     # -- httptools callbacks --
@@ -153,8 +168,12 @@ class UpstreamAnswer:
         extensions = b", ".join(self._extensions).decode("latin-1") if self._extensions else None
         self._extensions = []
         self.status = status
+        self._head = -1
         if status == 101:
             self.extensions = extensions
+
+    def on_message_begin(self) -> None:
+        self._head = 0  # a 1xx is followed by another head
 
     def on_message_complete(self) -> None:
         if self.status >= 200:  # a refusal's body has ended (a 1xx is followed by more)

@@ -70,12 +70,17 @@ def _ignore(chunk: bytes, now: float) -> None:
     pass
 
 
+#: The longest response head the wire reads (nginx's proxy_buffer_size is 4 or 8 KiB).
+MAX_RESPONSE_HEAD = 64 * 1024
+
+
 class UpstreamConnection(asyncio.Protocol):
     """One keep-alive connection to the backend; carries one exchange at a time."""
 
     __slots__ = (
         "chunked",
         "feed",
+        "head_bytes",
         "headers",
         "idle_since",
         "in_head",
@@ -98,6 +103,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.request: WireRequest | None = None
         self.headers: Headers = []
+        self.head_bytes = 0  # read of the response head so far
         self.in_head = True
         self.interim = False  # a 1xx head: not the response yet
         self.lost = False
@@ -113,6 +119,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def start(self, request: WireRequest, head: bytes) -> None:
         self.request, self.headers, self.in_head, self.interim = request, [], True, False
+        self.head_bytes = 0
         self.now = 0.0  # until a byte of this request's answer arrives (`answered`)
         self.transport.write(head)
 
@@ -124,6 +131,13 @@ class UpstreamConnection(asyncio.Protocol):
             self.parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             self.broke(exc)
+            return
+        if self.in_head and self.request is not None:  # the read left the head unfinished
+            self.head_bytes += len(data)
+            if self.head_bytes > MAX_RESPONSE_HEAD:
+                # llhttp joins a header's value across reads: an endless one would grow
+                # without bound, at a quadratic cost (nginx: "upstream sent too big header")
+                self.broke(UpstreamProtocolError("malformed", "response head over 64 KiB"))
 
     def on_body(self, body: bytes) -> None:
         out = body if self.strip is None else self.strip(body)
