@@ -58,6 +58,15 @@ def _url(value: str) -> str:
     return urlunsplit((scheme, parts.netloc, path, "", ""))
 
 
+def _token(value: str) -> str:
+    """A bearer token, without the whitespace around it (a Secret made from a file ends in
+    a newline; Prometheus sends its credentials trimmed)."""
+    token = value.strip()
+    if not token:
+        raise ValueError("empty: an `Authorization: Bearer` with no token would match it")
+    return token
+
+
 def _port(value: str) -> int:
     port = int(value)
     if not 0 <= port <= 65535:
@@ -434,7 +443,7 @@ class Settings:
     )
     metrics_host: str | None = setting(str, None, "Address for `--metrics-port`.", shown="`--host`")
     metrics_token: str | None = setting(
-        str, None, "Require `Authorization: Bearer <token>` on `/metrics`."
+        _token, None, "Require `Authorization: Bearer <token>` on `/metrics`."
     )
     key_label: str = setting(
         _choice("none", "hash"),
@@ -669,11 +678,16 @@ def validate(settings: Settings) -> None:
     for spec in SPECS:
         value = getattr(settings, spec.name)
         if value is not None:
-            parse_value(spec.flag, text(value), spec.parse)
+            parsed = parse_value(spec.flag, text(value), spec.parse)
+            if parsed != value or type(parsed) is not type(value):
+                # as the flag reads it: `upstream` ".../v1" without its /v1, a timeout of 0
+                # off, a port "4000" the number (the command line gives parsed values)
+                object.__setattr__(settings, spec.name, parsed)
     _check_label_headers(settings)
     _check_tls(settings)
     _check_uds(settings)
     _check_workers(settings)
+    _check_metrics_listener(settings)
     require_tokenizer_support(settings)
 
 
@@ -734,6 +748,27 @@ def _check_workers(settings: Settings) -> None:
         raise SettingsError(
             "--metrics-port takes one process: with --workers, scrape /metrics on the "
             "proxy's port (any worker answers for all; --metrics-token guards it)"
+        )
+
+
+def _check_metrics_listener(settings: Settings) -> None:
+    """--metrics-port on an address of its own: the proxy's port on the same host would
+    fail to bind after start with an error naming no flag; --metrics-host alone does
+    nothing."""
+    if settings.metrics_port is None:
+        if settings.metrics_host is not None:
+            raise SettingsError("--metrics-host needs --metrics-port: it is that port's address")
+        return
+    host = settings.metrics_host if settings.metrics_host is not None else settings.host
+    anywhere = ("0.0.0.0", "::", "")
+    if (
+        settings.uds is None
+        and settings.metrics_port == settings.port != 0
+        and (host == settings.host or host in anywhere or settings.host in anywhere)
+    ):
+        raise SettingsError(
+            f"--metrics-port {settings.metrics_port} is --port's too, on one address: give "
+            "/metrics a port of its own"
         )
 
 

@@ -45,6 +45,14 @@ CASES: list[tuple[list[str], dict[str, Any], str]] = [
         "--metrics-port takes one process",
     ),
     (["--uds", "/s/" + "x" * 105], {"uds": "/s/" + "x" * 105}, "at most 107 bytes"),
+    # an empty token matched an empty `Authorization: Bearer` (review)
+    (["--metrics-token", " "], {"metrics_token": " "}, "empty"),
+    (
+        ["--port", "18101", "--metrics-port", "18101"],
+        {"port": 18101, "metrics_port": 18101},
+        "is --port's too",
+    ),
+    (["--metrics-host", "0.0.0.0"], {"metrics_host": "0.0.0.0"}, "needs --metrics-port"),
     (["--upstream-uds", ""], {"upstream_uds": ""}, "the path of a Unix domain socket"),
     (["--access-log", "xml"], {"access_log": "xml"}, "expected one of json, text, off"),
     (["--key-label", "plain"], {"key_label": "plain"}, "expected one of none, hash"),
@@ -206,3 +214,24 @@ def test_a_tokenizer_without_transformers_is_refused_alike(
         build_app(Settings(upstream=UPSTREAM, tokenizer=str(tmp_path)))
     assert str(in_code.value) == on_the_command_line
     assert "pip install 'tokenprobe[tokenizer]'" in on_the_command_line
+
+
+def test_settings_in_code_are_normalised_as_the_command_line_reads_them() -> None:
+    """`Settings(...)` in code holds what the flags would: an upstream without its `/v1`
+    (kept, /readyz probed /v1/v1/models and every request 404ed), a header timeout of 0
+    off (kept, it was a 0-second timer), a token without its newline, a comma list split,
+    a port number (review)."""
+    settings = Settings(
+        upstream="HTTP://127.0.0.1:9/v1/",
+        header_timeout=0,
+        metrics_token="tok\n",
+        model_allowlist="m1,m2",  # type: ignore[arg-type]
+        port="4001",  # type: ignore[arg-type]
+    )
+    assert settings.upstream == "http://127.0.0.1:9"
+    assert (settings.header_timeout, settings.metrics_token) == (None, "tok")
+    assert (settings.model_allowlist, settings.port) == (("m1", "m2"), 4001)
+    assert settings == Settings(
+        upstream="http://127.0.0.1:9", header_timeout=None, metrics_token="tok",
+        model_allowlist=("m1", "m2"), port=4001,
+    )  # fmt: skip
