@@ -188,7 +188,9 @@ class FrameReader:
         self._decoder = FrameDecoder(client=not from_client, extensions=extensions)
         self._limit = max_message_bytes
         self._opcode: Opcode | None = None  # the data message being reassembled
-        self._parts: list[bytes] = []
+        # The message so far: one buffer, not a bytes object a fragment (a message sent in
+        # 1-byte fragments held 42 bytes of memory a payload byte, past the bound's count)
+        self._parts = bytearray()
         self._size = 0
         self._closed = False
         self._broken: str | None = None
@@ -242,12 +244,18 @@ class FrameReader:
             self._size += len(payload)
             if self._size > self._limit:
                 raise FrameError(f"a message over {self._limit} bytes")
-            self._parts.append(payload)
         if frame_done and fin:
             kind = KINDS[self._opcode]
-            data = b"".join(self._parts)
-            self._opcode, self._parts, self._size = None, [], 0
+            if self._parts:  # the last of several pieces
+                self._parts += payload
+                data = bytes(self._parts)
+                self._parts = bytearray()
+            else:  # a message in one piece: as it came, no copy
+                data = payload
+            self._opcode, self._size = None, 0
             out.append(WsMessage(self.from_client, kind, data, now))
+        elif payload:
+            self._parts += payload
 
     def _control(self, opcode: Opcode, payload: bytes, now: float) -> WsMessage:
         if opcode is not Opcode.CLOSE:

@@ -288,3 +288,26 @@ def test_the_proxys_close_frames_read_as_close_frames() -> None:
         got = FrameReader(masked, None).feed(frame, 0.0)
         assert _shape(got) == [("close", b"proxy shutting down", 1001)]
         assert _bounds_after([frame]).closed
+
+
+def test_a_message_in_tiny_fragments_holds_about_its_payload() -> None:
+    """20,000 one-byte fragments: the reader holds their bytes, not an object each (a
+    bytes object a fragment held 42 bytes a payload byte: 4 MiB of payload cost 176 MB)."""
+    import tracemalloc
+
+    def frame(opcode: int, fin: bool, payload: bytes) -> bytes:
+        masked = bytes(c ^ b"abcd"[i % 4] for i, c in enumerate(payload))
+        return bytes([(0x80 if fin else 0) | opcode, 0x80 | len(payload)]) + b"abcd" + masked
+
+    reader = FrameReader(True, None, 4 << 20)
+    frames = [frame(1, False, b"x"), *[frame(0, False, b"y")] * 20_000]
+    tracemalloc.start()
+    try:
+        for i in range(0, len(frames), 100):
+            assert reader.feed(b"".join(frames[i : i + 100]), 0.0) == []
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert held < 3 * 20_001, held
+    (message,) = reader.feed(frame(0, True, b"z"), 0.0)
+    assert message.data == b"x" + b"y" * 20_000 + b"z" and message.kind == "text"
