@@ -38,9 +38,11 @@ COPY --from=build /opt/tokenprobe /opt/tokenprobe
 # Numeric, so Kubernetes' runAsNonRoot can check it without reading /etc/passwd.
 USER 10001:10001
 EXPOSE 4000
-# Liveness only (the process answers). No curl in slim images: Python does the request.
+# Liveness only (the process answers). No curl in slim images: Python does the request,
+# over https when the proxy serves TLS (its certificate names the service, not 127.0.0.1:
+# not verified here; with --ssl-cert-reqs 2 give the container a healthcheck of its own).
 HEALTHCHECK --interval=15s --timeout=3s --start-period=10s --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('TOKENPROBE_PORT', '4000'), timeout=2)"]
+    CMD ["python", "-c", "import os, ssl, urllib.request; tls = bool(os.environ.get('TOKENPROBE_SSL_CERTFILE')); urllib.request.urlopen(('https' if tls else 'http') + '://127.0.0.1:%s/healthz' % os.environ.get('TOKENPROBE_PORT', '4000'), timeout=2, context=ssl._create_unverified_context() if tls else None)"]
 # The proxy drains in-flight streams on SIGTERM (--drain-timeout, 30 s by default):
 # give `docker stop` a longer -t / compose a longer stop_grace_period.
 STOPSIGNAL SIGTERM

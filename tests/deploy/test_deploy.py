@@ -111,8 +111,15 @@ def test_healthcheck_passes_when_healthz_answers_and_fails_when_nothing_listens(
     down = subprocess.run(
         command, env={"TOKENPROBE_PORT": str(free_port())}, capture_output=True, timeout=10
     )
+    # serving TLS (the image's TOKENPROBE_SSL_CERTFILE): the check asks over https
+    tls = ROOT / "tests" / "fixtures" / "tls"
+    cert, key = str(tls / "test-only.crt"), str(tls / "test-only.key")
+    with serve(healthz, ssl_certfile=cert, ssl_keyfile=key) as server:
+        env = {"TOKENPROBE_PORT": str(server.port), "TOKENPROBE_SSL_CERTFILE": cert}
+        secure = subprocess.run(command, env=env, capture_output=True, timeout=10)
     assert ok.returncode == 0
     assert down.returncode != 0
+    assert secure.returncode == 0, secure.stderr
 
 
 def test_dockerignore_keeps_only_the_build_inputs() -> None:
