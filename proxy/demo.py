@@ -13,6 +13,7 @@ import asyncio
 import base64
 import contextlib
 import itertools
+import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -325,7 +326,25 @@ def main(argv: list[str]) -> int:
         "--serve", action="store_true", help="keep serving after the traffic, until Ctrl-C"
     )
     args = parser.parse_args(argv)
+    if args.port and not _free(args.port):
+        # a newcomer's first command: one line that says what to do, not uvicorn's traceback
+        print(
+            f"tokenprobe demo: port {args.port} is in use; pass --port N (0: any free port)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         return asyncio.run(run(args.port, args.rounds, args.serve))
     except KeyboardInterrupt:
         return 0
+
+
+def _free(port: int) -> bool:
+    """Whether the proxy can listen on 127.0.0.1:`port` (as uvicorn binds: SO_REUSEADDR)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
