@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -695,22 +695,49 @@ def proxy_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus
             yield prom
 
 
+def _eventually(check: Callable[[], None], timeout: float = 10) -> None:
+    """`check` asserted again for a while until it passes. A scrape that outlasts its 1 s
+    timeout (a large exposition served from a busy process, a CI run saw it) marks every
+    series of that proxy stale until the next scrape succeeds, and the recording rules
+    evaluated meanwhile record nothing: for that second the stack reads empty, though
+    nothing is wrong. What is wrong stays wrong for the whole wait, and fails."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            check()
+            return
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def test_the_proxy_records_every_error_type_the_stack_produces(proxy_stack: Prometheus) -> None:
-    result = proxy_stack.query("sum by (error_type) (tokenprobe_requests_total)")
-    seen = {sample["metric"]["error_type"] for sample in result}
     expected = {error for _, _, error in SCENARIOS.values()} | OTHER_ERRORS
-    assert expected <= seen, f"never recorded: {sorted(expected - seen)}"
+
+    def check() -> None:
+        result = proxy_stack.query("sum by (error_type) (tokenprobe_requests_total)")
+        seen = {sample["metric"]["error_type"] for sample in result}
+        assert expected <= seen, f"never recorded: {sorted(expected - seen)}"
+
+    _eventually(check)
 
 
 def test_no_dead_panels_with_the_proxy_in_front_of_the_simulator(proxy_stack: Prometheus) -> None:
     vllm_scraped = bool(proxy_stack.query('count({__name__=~"vllm[:_].+"})'))
-    dead = []
-    for where, expr in TARGETS:
-        if is_vllm(expr) and not vllm_scraped:
-            continue  # the vLLM row is empty without vLLM, as its panels say
-        if not finite_values(proxy_stack.query(substitute(expr))):
-            dead.append(f"{where}: {substitute(expr)}")
-    assert not dead, "panels without data:\n" + "\n".join(dead)
+    targets = [
+        (where, expr) for where, expr in TARGETS if vllm_scraped or not is_vllm(expr)
+    ]  # without vLLM, the vLLM row is empty, as its panels say
+
+    def check() -> None:
+        dead = [
+            f"{where}: {substitute(expr)}"
+            for where, expr in targets
+            if not finite_values(proxy_stack.query(substitute(expr)))
+        ]
+        assert not dead, "panels without data:\n" + "\n".join(dead)
+
+    _eventually(check)
 
 
 def test_the_first_token_shares_count_an_ollama_models_load(proxy_stack: Prometheus) -> None:
@@ -724,14 +751,24 @@ def test_the_first_token_shares_count_an_ollama_models_load(proxy_stack: Prometh
         for panel, target in iter_targets(dashboard)
         if panel["title"] == "First token: share of each part"
     }
-    shares = {}
-    for legend, expr in targets.items():
-        result = finite_values(proxy_stack.query(substitute(expr, {"endpoint": "/api/chat"})))
-        shares[legend] = sum(result)
-    assert shares["{{model}} model load"] > 0.5, shares  # the stack's cold load: over 1 s
-    assert sum(shares.values()) == pytest.approx(1.0), shares
+
+    def check() -> None:
+        shares = {
+            legend: sum(
+                finite_values(proxy_stack.query(substitute(expr, {"endpoint": "/api/chat"})))
+            )
+            for legend, expr in targets.items()
+        }
+        assert shares["{{model}} model load"] > 0.5, shares  # the stack's cold load: over 1 s
+        assert sum(shares.values()) == pytest.approx(1.0), shares
+
+    _eventually(check)
 
 
 def test_recording_rules_have_data_from_the_proxy(proxy_stack: Prometheus) -> None:
-    empty = [name for name in _rule_names("record") if not finite_values(proxy_stack.query(name))]
-    assert not empty, empty
+    def check() -> None:
+        names = _rule_names("record")
+        empty = [name for name in names if not finite_values(proxy_stack.query(name))]
+        assert not empty, empty
+
+    _eventually(check)
