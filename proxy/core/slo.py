@@ -12,7 +12,18 @@ finished request gets one verdict:
              counted apart and left out of attainment, as the bench leaves out the
              requests still in flight when a run stops (guidellm does the same with
              requests cut off at the end)
-  error      any other failure: it kept no promise (guidellm counts errors as failing)
+  refused    the backend (or the proxy) refused it with a 4xx for the client's own
+             doing: a bad key (`auth`), an unknown model (`not_found`), a prompt over the
+             context (`context_length`), other bad parameters (`bad_request`); an `auth`
+             error a backend answers with a 5xx (a gateway's token exchange that failed)
+             is the service's, an error. The service broke
+             no promise, and an objective that counted them would page the operator for a
+             client's mistake (the alerts keep those apart, with their own advice). The
+             live proxy leaves them out of attainment (tokenprobe_requests_total counts
+             them by error_type); the bench counts them as not met, since a benchmark
+             whose requests are refused measured nothing
+  error      any other failure: it kept no promise (guidellm counts errors as failing);
+             a 429 too, since throttling is the service short of capacity
   met        it succeeded and no figure is above its limit
 
 A figure a request does not have cannot miss its target: the TPOT of a one-token answer,
@@ -30,7 +41,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
 
-from proxy.core.measurement import Measurement
+from proxy.core.measurement import ErrorType, Measurement
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +68,17 @@ NAMES = tuple(BY_NAME)
 MET = "met"
 ERROR = "error"
 CANCELLED = "cancelled"
+REFUSED = "refused"
+#: The errors that are the client's own doing when answered with a 4xx: judged REFUSED.
+REFUSALS = frozenset(
+    error.value
+    for error in (
+        ErrorType.AUTH,
+        ErrorType.NOT_FOUND,
+        ErrorType.CONTEXT_LENGTH,
+        ErrorType.BAD_REQUEST,
+    )
+)
 #: Every value of the `result` label, a closed set.
 RESULTS = (MET, *NAMES, ERROR)
 
@@ -102,9 +124,9 @@ def format_slo(limits: Limits) -> str:
 
 
 def verdict(m: Measurement, limits: Limits) -> str:
-    """One of CANCELLED, ERROR, a target's name (the first missed), MET."""
+    """One of CANCELLED, REFUSED, ERROR, a target's name (the first missed), MET."""
     if m.error_type is not None and not m.cancelled:
-        return ERROR
+        return _failed(m.error_type, m.status_code)
     unanswered = m.without_answer is not None
     return _judged(
         lambda name: BY_NAME[name].read(m), limits, m.e2e, left=m.cancelled, unanswered=unanswered
@@ -115,7 +137,7 @@ def record_verdict(record: Mapping[str, Any], limits: Limits) -> str:
     """The same verdict for a saved bench record (its JSON object)."""
     error = record.get("error_type")
     if error is not None and error != "client_cancelled":
-        return ERROR
+        return _failed(error, record.get("status_code"))
 
     def read(name: str) -> float | None:
         value = record.get(BY_NAME[name].record_key)
@@ -134,6 +156,12 @@ def record_verdict(record: Mapping[str, Any], limits: Limits) -> str:
 #: The targets a request that ends without their figure has missed once it waited past
 #: their limit: its first token, its first answer token.
 _AWAITED = frozenset({"ttft", "ttfa"})
+
+
+def _failed(error: str, status: object) -> str:
+    """REFUSED for a 4xx the client caused, else ERROR."""
+    client_side = isinstance(status, int) and 400 <= status < 500
+    return REFUSED if client_side and error in REFUSALS else ERROR
 
 
 def _judged(

@@ -1,7 +1,9 @@
 """The SLO sink: each finished request's verdict (proxy/core/slo.py) as Prometheus counters.
 
   tokenprobe_slo_requests_total{model, endpoint, *labels, result}
-      result: met, the first target missed (ttft, tpot, e2e), error
+      result: met, the first target missed (ttft, ttfa, tpot, e2e), error; a request
+      refused for the client's own doing (auth, not_found, context_length, bad_request)
+      is not judged: tokenprobe_requests_total counts it by error_type
   tokenprobe_slo_cancelled_requests_total{model, endpoint, *labels}
       client went away first, no miss known yet: left out of attainment, as the bench
       leaves them out (one that left after a miss was known counts as that miss)
@@ -43,9 +45,10 @@ class SloMetrics:
             "Generative requests judged against their model's SLO targets (--slo, --slo-file) "
             "when they ended, from the proxy receiving the request to its last byte: result "
             f"met (every target kept), the first target missed, in this order: {_TARGETS}; or "
-            "error (the request failed). A client that left once a target was known missed "
-            "(a figure over its limit, or a first token awaited past it) counts as that miss; "
-            "other cancellations are counted apart.",
+            "error (the request failed; a 429 too). A client that left once a target was known "
+            "missed (a figure over its limit, or a first token awaited past it) counts as that "
+            "miss; other cancellations are counted apart. Requests refused for the client's own "
+            "doing (error_type auth, not_found, context_length, bad_request) are not judged.",
             (*labels, "result"),
             registry=registry,
         )
@@ -77,6 +80,8 @@ class SloMetrics:
         if not limits:
             return  # neither the file nor --slo gives this model a target
         result = slo.verdict(m, limits)
+        if result == slo.REFUSED:
+            return  # the client's own doing, counted by error_type in requests_total
         results, cancelled, tokens = self._bound((labels.model, m.endpoint, *labels.attribution))
         if result == slo.CANCELLED:
             cancelled.inc()

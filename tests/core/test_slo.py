@@ -24,6 +24,15 @@ LIMITS = slo.parse_slo("ttft=0.5,tpot=0.05,e2e=10")
         ({"ttft": 0.4, "tpot": 0.04, "e2e": 11.0}, "e2e"),
         ({"ttft": None, "tpot": None, "e2e": 1.0}, "met"),  # a figure it lacks cannot miss
         ({"error_type": ErrorType.UPSTREAM_ERROR}, "error"),
+        ({"error_type": ErrorType.RATE_LIMIT, "status_code": 429}, "error"),  # short of capacity
+        ({"error_type": ErrorType.STREAM_TRUNCATED, "ttft": 0.1}, "error"),
+        # the client's own doing, said with a 4xx: no promise broken, no page for it
+        ({"error_type": ErrorType.AUTH, "status_code": 401}, "refused"),
+        ({"error_type": ErrorType.NOT_FOUND, "status_code": 404}, "refused"),
+        ({"error_type": ErrorType.CONTEXT_LENGTH, "status_code": 400}, "refused"),
+        ({"error_type": ErrorType.BAD_REQUEST, "status_code": 413}, "refused"),
+        # a gateway's token exchange that failed: a 500, the service's own failure
+        ({"error_type": ErrorType.AUTH, "status_code": 500}, "error"),
         # A client that left: a miss already known when it left counts as that miss
         # (the worst waits under overload once vanished from attainment); else cancelled.
         ({"error_type": ErrorType.CLIENT_CANCELLED, "ttft": 9.0}, "ttft"),

@@ -117,6 +117,35 @@ def test_a_cancelled_stream_is_counted_apart_and_left_out_of_attainment(
         assert proxy.sample("tokenprobe_slo_requests_total", **labels, result=result) == 0
 
 
+def test_requests_refused_for_the_clients_doing_are_not_judged_and_a_429_is_an_error(
+    start_sim: Callable[..., Running], start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    """A bad key, an unknown model, a prompt over the context: the service broke no
+    promise, so the SLO burn alert must not page for them; throttling is the service's."""
+    sim = start_sim()
+    proxy = start_proxy(sim.url, slo="e2e=60")
+    refused = ("auth", "forbidden", "not_found", "context_length", "bad_request")
+    failed = ("rate_limit", "server_error", "token_exchange")
+    body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}
+    with httpx.Client(base_url=proxy.url, timeout=30) as client:
+        for forced in (*refused, *failed):
+            response = client.post(
+                "/v1/chat/completions", json=body, headers={"x-sim-error": forced}
+            )
+            assert response.status_code >= 400, forced
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
+    records = proxy.wait_records(len(refused) + len(failed) + 1, timeout=20)
+    labels = {"model": "sim-model", "endpoint": "/v1/chat/completions"}
+    judged = {
+        result: proxy.sample("tokenprobe_slo_requests_total", **labels, result=result)
+        for result in ("met", "error")
+    }
+    assert judged == {"met": 1, "error": len(failed)}
+    assert proxy.sample("tokenprobe_slo_cancelled_requests_total", **labels) == 0
+    refusals = sorted(str(r.error_type) for r in records if 400 <= r.status_code < 500)
+    assert refusals == ["auth", "auth", "bad_request", "context_length", "not_found", "rate_limit"]
+
+
 def test_an_slo_file_naming_thousands_of_models_keeps_the_model_label_bound(
     start_sim: Callable[..., Running],
     start_proxy: Callable[..., ProxyUnderTest],
