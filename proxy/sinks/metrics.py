@@ -153,13 +153,15 @@ class Metrics:
         self.tpot = h(
             "tokenprobe_request_time_per_output_token_seconds",
             "Per request: (last token time - first token time) / (output tokens - 1); "
-            "requests with at least 2 output tokens; with n > 1 choices, the median choice's.",
+            "streamed requests with at least 2 output tokens (a non-streamed answer arrives "
+            "at once: its tokens have no times); with n > 1 choices, the median choice's.",
             buckets=TOKEN_LATENCY_BUCKETS,
         )
         self.decode_speed = h(
             "tokenprobe_request_decode_tokens_per_second",
             "Per request single-stream generation speed: (output tokens - 1) / (last token "
-            "time - first token time). Not aggregate throughput.",
+            "time - first token time); streamed requests with at least 2 output tokens. Not "
+            "aggregate throughput.",
             buckets=DECODE_SPEED_BUCKETS,
         )
         self.e2e = h(
@@ -170,12 +172,16 @@ class Metrics:
         )
         self.prompt_tokens = h(
             "tokenprobe_request_prompt_tokens",
-            "Prompt tokens per request (from usage, else the tokenizer).",
+            "Prompt tokens per request: from the backend's usage, else its engine's own "
+            "account (llama.cpp timings), else the tokenizer or the token ids sent "
+            "(tokenprobe_prompt_tokens_total's source label says which).",
             buckets=token_buckets(),
         )
         self.generation_tokens = h(
             "tokenprobe_request_generation_tokens",
-            "Output tokens per request (from usage, else the tokenizer, else content events).",
+            "Output tokens per request: from the backend's usage, else its engine's own "
+            "account (llama.cpp timings), else the tokenizer or the token ids streamed, else "
+            "content events (tokenprobe_generation_tokens_total's source label says which).",
             buckets=token_buckets(),
         )
         self.requests = c(

@@ -57,6 +57,8 @@ TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]  # fmt: skip
 ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                10.0, 20.0, 40.0, 80.0]  # fmt: skip
+# The proxy's: vLLM's with 2.5-40 ms split finer (proxy/core/buckets.py).
+TOKEN_ITL_BUCKETS = sorted({*ITL_BUCKETS, 0.0025, 0.005, 0.0075, 0.015, 0.02, 0.03, 0.04})
 E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
 TOKEN_BUCKETS = [m * 10**e for e in range(6) for m in (1, 2, 5)]
@@ -104,8 +106,8 @@ class ContractExporter:
 
         self.ttfb = hist("tokenprobe_time_to_first_byte_seconds", TTFT_BUCKETS)
         self.ttft = hist("tokenprobe_time_to_first_token_seconds", TTFT_BUCKETS)
-        self.itl = hist("tokenprobe_inter_token_latency_seconds", ITL_BUCKETS)
-        self.tpot = hist("tokenprobe_request_time_per_output_token_seconds", ITL_BUCKETS)
+        self.itl = hist("tokenprobe_inter_token_latency_seconds", TOKEN_ITL_BUCKETS)
+        self.tpot = hist("tokenprobe_request_time_per_output_token_seconds", TOKEN_ITL_BUCKETS)
         self.speed = hist("tokenprobe_request_decode_tokens_per_second", SPEED_BUCKETS)
         self.e2e = hist("tokenprobe_e2e_request_latency_seconds", E2E_BUCKETS)
         self.prompt = hist("tokenprobe_request_prompt_tokens", TOKEN_BUCKETS)
@@ -158,10 +160,10 @@ class ContractExporter:
         self.calls_per = hist("tokenprobe_tool_calls_per_answer", [1, 2, 3, 4, 6, 8, 16, 32, 64])
         self.share = hist("tokenprobe_request_answer_token_share", SHARE_BUCKETS)
         self.reasoning_tpot = hist(
-            "tokenprobe_request_reasoning_time_per_output_token_seconds", ITL_BUCKETS
+            "tokenprobe_request_reasoning_time_per_output_token_seconds", TOKEN_ITL_BUCKETS
         )
         self.answer_tpot = hist(
-            "tokenprobe_request_answer_time_per_output_token_seconds", ITL_BUCKETS
+            "tokenprobe_request_answer_time_per_output_token_seconds", TOKEN_ITL_BUCKETS
         )
         self.reasoning_tokens = counter("tokenprobe_reasoning_tokens", [*me, "source"])
         self.without = counter("tokenprobe_requests_without_answer", [*me, "reason"])
