@@ -362,7 +362,9 @@ class Settings:
     idle_timeout: float = setting(
         _seconds,
         300.0,
-        "Seconds allowed between two chunks of an upstream response. There is no total-time limit.",
+        "Seconds allowed between two chunks of an upstream response, and for a client that takes "
+        "no bytes of a response it holds up (cut between one and two of these, as client_cancelled, "
+        "the upstream closed). There is no total-time limit.",
     )
     body_timeout: float = setting(
         _seconds, 60.0, "Seconds a client may take to send its request body (slow-body protection)."

@@ -374,6 +374,8 @@ class Cause(Enum):
 
     CLIENT_GONE = "client_gone"  # the client disconnected (seen on receive())
     IDLE_TIMEOUT = "idle_timeout"  # the upstream sent nothing for --idle-timeout mid-body
+    CLIENT_STALLED = "client_stalled"  # the client took no bytes for --idle-timeout while
+    # the upstream waited on it (nginx's send_timeout): it holds a generation it never reads
     FIRST_BYTE_TIMEOUT = "first_byte_timeout"  # no response head within --first-byte-timeout
     SHUTDOWN = "shutdown"  # the server's drain time ran out and it cancelled the request
     UPSTREAM_BROKE = "upstream_broke"  # the upstream client raised
@@ -416,6 +418,9 @@ def relay_failure(
     if cause is Cause.IDLE_TIMEOUT:
         message = f"no data from the upstream for {limit:g} s"
         return Failure(ErrorType.UPSTREAM_TIMEOUT, message, drop=True)
+    if cause is Cause.CLIENT_STALLED:
+        message = f"the client took no bytes for {limit:g} s (--idle-timeout)"
+        return Failure(ErrorType.CLIENT_CANCELLED, message, drop=True)
     if cause is Cause.SHUTDOWN:
         message = "cut off: the proxy shut down before the response ended"
         if after_headers:

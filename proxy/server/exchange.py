@@ -30,6 +30,7 @@ from proxy.core.sse import EventTooLarge
 from proxy.core.tokens import TokenCounter
 from proxy.core.upstream_url import UpstreamURL
 from proxy.server.admission import RelaySettings
+from proxy.server.backlog import owed
 from proxy.server.deadline import Deadline
 from proxy.server.headers import Headers, upstream_headers
 from proxy.sinks.dispatch import RequestScope, Sinks
@@ -159,9 +160,8 @@ class MeasuredExchange:
         """What an early end means: the record's error, and the client's answer if no
         response head went out yet (else whether to drop the connection)."""
         settings = self.context.settings
-        limit = (
-            settings.idle_timeout if cause is Cause.IDLE_TIMEOUT else settings.first_byte_timeout
-        )
+        idle = cause is Cause.IDLE_TIMEOUT or cause is Cause.CLIENT_STALLED
+        limit = settings.idle_timeout if idle else settings.first_byte_timeout
         return relay_failure(cause, after_headers=self.status != 0, exc=exc, limit=limit)
 
     async def finish(self, end: float, failure: Failure | None) -> None:
@@ -227,31 +227,50 @@ def run_soon(coroutine: Coroutine[Any, Any, None], *, now: bool) -> None:
 
 
 class IdleTimer(Deadline):
-    """Cuts a relay when the upstream sends nothing for `limit` seconds.
+    """Cuts a relay when the upstream sends nothing for `limit` seconds, or the client
+    takes nothing for as long while it holds the upstream up (nginx's send_timeout: a
+    client that stopped reading would hold the backend's generation for good).
 
     One timer per response (proxy/server/deadline.py), not one per chunk as a transport's
     read timeout would arm (about 3 µs a chunk): the data path only notes when it starts
-    waiting on the upstream (`waiting`; None while it cannot read because the client is
-    slow, so a slow client is not taken for a silent upstream).
+    waiting on the upstream (`waiting`) and when a read ended (`read`; `waiting` is then
+    None until the next read starts, so a slow client is not taken for a silent
+    upstream). While the client holds a read up, the bytes it owes (proxy/server/
+    backlog.py) shrinking at a look is progress; without its transport (another ASGI
+    server), a send blocked for `limit` is a stall.
     """
 
-    __slots__ = ("cut", "limit", "waiting")
+    __slots__ = ("client", "cut", "limit", "moved", "owed", "read", "waiting")
 
-    def __init__(self, limit: float, cut: Callable[[Cause], None]) -> None:
+    def __init__(
+        self,
+        limit: float,
+        cut: Callable[[Cause], None],
+        client: asyncio.WriteTransport | None = None,
+    ) -> None:
         self.limit = limit
         self.cut = cut
+        self.client = client
         self.waiting: float | None = None
+        self.read = perf_counter()
+        self.owed = 0  # what the client owed at the last look
+        self.moved = 0.0  # when a look last saw it move (a read since the look before, or
+        # fewer bytes owed); the first look only notes where things stand
         Deadline.__init__(self)
         self.due_within(limit)
 
-    def waited(self) -> float:
-        """How long the current wait on the upstream has lasted."""
-        return 0.0 if self.waiting is None else perf_counter() - self.waiting
-
     def time_left(self) -> float | None:
-        waited = self.waited()
+        now = perf_counter()
+        if self.waiting is None:  # passing the last read on: the client holds it up
+            owed_now = 0 if self.client is None else owed(self.client)
+            if self.read > self.moved or owed_now < self.owed:
+                self.moved = now
+            self.owed = owed_now
+            waited, cause = now - self.moved, Cause.CLIENT_STALLED
+        else:
+            waited, cause = now - self.waiting, Cause.IDLE_TIMEOUT
         if waited >= self.limit:
-            self.cut(Cause.IDLE_TIMEOUT)
+            self.cut(cause)
             return None
         return self.limit - waited
 

@@ -36,6 +36,7 @@ from proxy.server.admission import (
     where_to,
 )
 from proxy.server.exchange import Context, IdleTimer
+from proxy.server.protocol import CLIENT_TRANSPORT
 from proxy.server.rules import ExchangeRules, UpstreamRequest
 from proxy.server.upstream import body_reader, send_upstream
 from proxy.server.upstream_errors import UpstreamProtocolError
@@ -183,6 +184,9 @@ class Relay:
                 await self.response.aclose()
         await self.exchange.finish(perf_counter(), failure)
         if failure is not None and failure.drop:
+            transport = self.scope.get("extensions", {}).get(CLIENT_TRANSPORT)
+            if cut.cause is Cause.CLIENT_STALLED and transport is not None:
+                transport.abort()  # a close would wait for good on what it never takes
             raise UpstreamBroke(failure.message)
 
     # -- the steps --------------------------------------------------------------------
@@ -224,14 +228,15 @@ class Relay:
         strip = None if stripper is None else stripper.feed
         feed = exchange.feed
         read = body_reader(self.response)
-        idle = self.idle = IdleTimer(exchange.context.settings.idle_timeout, self.cut)
+        client = self.scope.get("extensions", {}).get(CLIENT_TRANSPORT)
+        idle = self.idle = IdleTimer(exchange.context.settings.idle_timeout, self.cut, client)
         while True:
             idle.waiting = perf_counter()
             chunk = await read()
+            now = idle.read = perf_counter()
             idle.waiting = None
             if not chunk:
                 break
-            now = perf_counter()
             out = chunk if strip is None else strip(chunk)
             if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})

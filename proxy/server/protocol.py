@@ -71,6 +71,8 @@ class HeadLimits:
 
 #: The lifespan state key of the served app's HeadGuard (uvicorn's `app_state`).
 HEAD_GUARD = "tokenprobe.head_guard"
+#: The scope extension holding the client's transport (see _start_asgi_task).
+CLIENT_TRANSPORT = "tokenprobe.client_transport"
 
 
 @dataclass(frozen=True)
@@ -238,6 +240,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if isinstance(cycle, Upgrade):
             cycle.begin()
         else:
+            # For a client that holds its response up (proxy/server/forward.py): whether it
+            # still takes bytes, and an abort when it stopped (uvicorn's close would wait
+            # for good on a write buffer it never takes).
+            cycle.scope.setdefault("extensions", {})[CLIENT_TRANSPORT] = self.transport
             super()._start_asgi_task(cycle, app)
 
     def _count_head(self, data: bytes) -> bool:

@@ -15,6 +15,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from typing import Any
 
 import pytest
 
@@ -28,7 +29,7 @@ from tests.hostile.client import (
     ws_head,
 )
 from tests.hostile.peers import Conn, RawUpstream, Request, by_target, exchange, get, ok
-from tests.scrape import scrape
+from tests.scrape import scrape, wait_for
 
 Proxy = Callable[..., AbstractContextManager[str]]
 SMUGGLED = b"GET /v1/smuggled HTTP/1.1\r\nHost: x\r\n\r\n"
@@ -346,6 +347,89 @@ def test_a_pipelined_request_does_not_turn_off_the_running_ones_backpressure(
             assert written[0] < total // 2, (
                 f"{written[0] / 2**20:.0f} MiB went past a client that reads nothing"
             )
+
+
+def _endless_stream(closed_after: list[float]) -> Callable[[Conn, Request], Any]:
+    """An upstream that streams 60 KB chat events until the proxy closes on it, noting
+    how long after its first byte that came."""
+    text = b"x" * 60_000
+    event = b'data: {"choices":[{"index":0,"delta":{"content":"%s"}}]}\n\n' % text
+    chunk = b"%x\r\n%s\r\n" % (len(event), event)
+
+    async def endless(conn: Conn, request: Request) -> None:
+        started = time.monotonic()
+        conn.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
+        try:
+            while True:
+                conn.write(chunk)
+                await asyncio.wait_for(conn.drain(), 30)
+        except (ConnectionError, TimeoutError):
+            pass
+        closed_after.append(time.monotonic() - started)
+
+    return endless
+
+
+def _stream_request() -> bytes:
+    body = b'{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}'
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%s" % (len(body), body)
+    )
+
+
+def test_a_client_that_stops_reading_is_cut_at_the_idle_timeout_and_the_generation_ends(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """A client that stays connected and reads nothing held the upstream request for good
+    (its backpressure stopped the idle clock): the backend's generation and its KV cache
+    with it. Now it is cut at --idle-timeout, as nginx's send_timeout does: the upstream
+    closed, the client's connection dropped, the request recorded once as
+    client_cancelled."""
+    closed_after: list[float] = []
+    upstream.default = by_target({b"/v1/chat/completions": _endless_stream(closed_after)})
+    with proxy(upstream.url, "--idle-timeout", "1") as base:
+        host, port = base.removeprefix("http://").rsplit(":", 1)
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect((host, int(port)))
+            sock.sendall(_stream_request())
+            assert upstream.wait_for(lambda: bool(closed_after), 8), "the upstream ran on"
+            sock.settimeout(5)
+            with pytest.raises(ConnectionError):  # dropped: reset, or read to its end
+                while sock.recv(2**20):
+                    pass
+                raise ConnectionResetError("closed")
+        cancelled = wait_for(
+            base, "tokenprobe_requests_total", 1, error_type="client_cancelled"
+        ).total("tokenprobe_requests_total")
+    assert 1.0 <= closed_after[0] < 4.0, closed_after
+    assert cancelled == 1
+
+
+def test_a_client_that_reads_slowly_keeps_its_stream_past_the_idle_timeout(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """The other side of the bound above: a client that takes bytes, however slowly,
+    holds the upstream up without being cut."""
+    closed_after: list[float] = []
+    upstream.default = by_target({b"/v1/chat/completions": _endless_stream(closed_after)})
+    with proxy(upstream.url, "--idle-timeout", "1") as base:
+        host, port = base.removeprefix("http://").rsplit(":", 1)
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect((host, int(port)))
+            sock.sendall(_stream_request())
+            deadline = time.monotonic() + 3.5  # three and a half idle timeouts
+            taken = 0
+            while time.monotonic() < deadline:
+                time.sleep(0.25)
+                taken += len(sock.recv(64 * 1024))  # about 256 KB a second
+            assert not closed_after, f"cut though it read {taken} bytes"
+    assert taken > 0
 
 
 def test_a_pipelined_requests_body_time_runs_from_its_turn(

@@ -53,6 +53,9 @@ class FakeTransport:
     def get_write_buffer_size(self) -> int:
         return self.buffered
 
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default  # no socket: what it owes is its buffer (proxy/server/backlog.py)
+
 
 class Ends:
     """The pipe's owner: what it heard."""

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from time import perf_counter
 from typing import Protocol, cast
 
+from proxy.server.backlog import owed
 from proxy.server.deadline import Deadline
 
 #: Client bytes held before the upstream's 101 beyond which the client is not read.
@@ -61,7 +62,7 @@ class Pipe(Deadline):
         self._paused: set[bool] = set()  # sides whose reading is paused (True: the client)
         self._full: set[bool] = set()  # sides whose write buffer is over its high-water mark
         self._last = perf_counter()
-        self._waiting = (0, 0)  # both write buffers' sizes at the idle timer's last look
+        self._waiting = (0, 0)  # what each side owed at the idle timer's last look
         Deadline.__init__(self)  # the idle timer: see start_idle
         self._idle_timeout = 0.0
         self._on_idle: Callable[[float], None] = _no_idle
@@ -158,14 +159,13 @@ class Pipe(Deadline):
         if self.closed:
             return None
         upstream = self.upstream
-        waiting = (
-            self.client.get_write_buffer_size(),
-            upstream.get_write_buffer_size() if upstream is not None else 0,
-        )
+        waiting = (owed(self.client), owed(upstream) if upstream is not None else 0)
         if waiting != self._waiting:
             # A side took bytes since the last look (or was given some): progress, not
-            # idle. A buffer that stays as it was is a side that takes nothing (a peer
-            # gone while its reading was paused, whose end is never read): it idles out.
+            # idle. What a side owes staying as it was is a side that takes nothing (a
+            # peer gone while its reading was paused, whose end is never read): it idles
+            # out. The kernel's queue counts (proxy/server/backlog.py): a slow reader
+            # moves it long before the transport's buffer.
             self._waiting = waiting
             self._last = perf_counter()
         quiet = perf_counter() - self._last

@@ -37,6 +37,7 @@ from proxy.core.errors import Cause, Failure
 from proxy.core.paths import Target
 from proxy.core.strip import UsageEventStripper
 from proxy.server.admission import BODY_TIMEOUT, Refused, answer_bytes, own_route, where_to
+from proxy.server.backlog import owed
 from proxy.server.deadline import Deadline
 from proxy.server.exchange import Context
 from proxy.server.headers import Headers
@@ -236,6 +237,8 @@ class WireRequest(Deadline):
     (proxy/server/rules.py), and this object carries that out on the connection."""
 
     __slots__ = (
+        "client_buffered",
+        "client_moved",
         "complete",
         "expect_100",
         "head_only",
@@ -279,6 +282,10 @@ class WireRequest(Deadline):
         self.stripper: UsageEventStripper | None = None
         Deadline.__init__(self)  # see time_left
         self.sent_at = 0.0  # when the request went upstream; 0.0 until then
+        # While the client holds the upstream up: the bytes it owed at the last look, and
+        # when a look last saw it move (see _client_stalled).
+        self.client_buffered = 0
+        self.client_moved = 0.0
         context = wire.context
         self.rules = ExchangeRules(
             context,
@@ -343,14 +350,34 @@ class WireRequest(Deadline):
         if self.rules.stage is not Stage.RESPONDING:  # waiting for the response head
             limit = self.wire.context.settings.first_byte_timeout
             waited, cause = perf_counter() - self.sent_at, Cause.FIRST_BYTE_TIMEOUT
-        else:  # the body: from the upstream's last read, not while the client holds it up
-            conn = self.upstream
+        else:  # the body: from the upstream's last read, or the client's, while it holds
+            conn = self.upstream  # the upstream up
             limit, cause = self.wire.context.settings.idle_timeout, Cause.IDLE_TIMEOUT
-            waited = 0.0 if conn is None or conn.paused else perf_counter() - conn.now
+            if conn is None:
+                waited = 0.0
+            elif conn.paused:
+                waited, cause = self._client_stalled(conn.now), Cause.CLIENT_STALLED
+            else:
+                waited = perf_counter() - conn.now
         if waited >= limit:
             self.cut(cause)
             return None
         return limit - waited
+
+    def _client_stalled(self, last_read: float) -> float:
+        """How long the client has taken no bytes while the upstream waits on it: since
+        the look that last found a read from the upstream after the look before it (the
+        client had room then) or the client owing fewer bytes (proxy/server/backlog.py).
+        A client that reads slowly keeps its stream; one that stopped reading and stays
+        connected would otherwise hold the backend's generation, and its KV cache, for
+        good. The first look only notes where things stand, so a stall is cut between
+        one and two --idle-timeout after it began."""
+        now = perf_counter()
+        buffered = owed(self.transport)
+        if last_read > self.client_moved or buffered < self.client_buffered:
+            self.client_moved = now
+        self.client_buffered = buffered
+        return now - self.client_moved
 
     def _answer_refusal(self) -> None:
         rules = self.rules
@@ -513,6 +540,8 @@ class WireRequest(Deadline):
         conn, self.upstream = self.upstream, None
         if conn is not None:
             conn.close()
+        if cause is Cause.CLIENT_STALLED:  # a close would wait for good on a buffer it
+            self.transport.abort()  # never takes
         failure = self.rules.early_end(cause, exc)
         if failure.answer is not None:
             self._answer(*failure.answer)
