@@ -15,8 +15,9 @@ from dataclasses import dataclass
 #: How a tunnel ended (the sessions counter's `outcome`, a closed set). A session the
 #: upstream accepted ends in one of proxy/core/wsbase.py's CLOSE_CAUSES; one it did not:
 #: refused (the upstream answered the upgrade with another status), upstream_unreachable
-#: (connect failed or timed out), invalid_request_target (the proxy refused the request
-#: target, the HTTP relay's error kind for the same target).
+#: (connect failed or timed out), upstream_timeout (no byte of an answer within
+#: --first-byte-timeout), invalid_request_target (the proxy refused the request target,
+#: the HTTP relay's error kind for the same target).
 WS_OUTCOMES = (
     "closed_by_client",
     "closed_by_upstream",
@@ -27,6 +28,7 @@ WS_OUTCOMES = (
     "error",
     "refused",
     "upstream_unreachable",
+    "upstream_timeout",
     "invalid_request_target",
 )
 

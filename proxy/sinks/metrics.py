@@ -864,8 +864,8 @@ class WsMetrics:
             "WebSocket upgrade requests the proxy tunnelled (or tried to), counted when the "
             "tunnel ended: from the upgrade request's arrival to the close of both sides, by "
             "route and outcome (who sent the first close frame, who vanished without one, "
-            "idle_timeout, shutdown, refused, upstream_unreachable, invalid_request_target, "
-            "error).",
+            "idle_timeout, shutdown, refused, upstream_unreachable, upstream_timeout (no answer "
+            "to the handshake within --first-byte-timeout), invalid_request_target, error).",
             ("route", "outcome"),
             registry=registry,
         )

@@ -17,6 +17,7 @@ import pytest
 
 from tests.hostile.client import KEY, Switcher, header_names, responses, ws_head
 from tests.hostile.peers import Conn, RawUpstream, exchange
+from tests.scrape import wait_for
 
 Proxy = Callable[..., AbstractContextManager[str]]
 FRAMES = b"\x81\x85\x00\x00\x00\x00hello"  # a masked text frame, "hello"
@@ -137,6 +138,37 @@ def test_a_client_that_leaves_before_the_101_closes_the_upstream_connection(
             time.sleep(0.2)
         assert upstream.wait_for(lambda: bool(closed_after), 9), "the upstream waited on"
     assert closed_after[0] < 2.0, closed_after
+
+
+def test_a_handshake_never_answered_gets_a_504_at_the_first_byte_timeout(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """An upstream that takes the handshake and answers nothing: the client gets the 504 an
+    HTTP request gets at --first-byte-timeout, and the session ends as upstream_timeout.
+    It once waited for --ws-idle-timeout and got a bare close, counted idle_timeout."""
+    closed_after: list[float] = []
+
+    async def never_answers(conn: Conn) -> None:
+        if await conn.read_request() is None:
+            return
+        started = time.monotonic()
+        if await conn.wait_closed_by_peer(timeout=8.0):
+            closed_after.append(time.monotonic() - started)
+
+    upstream.default = never_answers
+    flags = ("--first-byte-timeout", "1", "--ws-idle-timeout", "30")
+    with proxy(upstream.url, *flags) as base:
+        started = time.monotonic()
+        got = exchange(base, ws_head(), idle=5.0)
+        answered_after = time.monotonic() - started
+        sessions = wait_for(
+            base, "tokenprobe_websocket_sessions_total", 1, outcome="upstream_timeout"
+        )
+    ((status, _, body),) = responses(got)
+    assert status == 504 and b"upstream_timeout" in body, got
+    assert 1.0 <= answered_after < 4.0, answered_after
+    assert closed_after and closed_after[0] < 3.0, closed_after
+    assert sessions.total("tokenprobe_websocket_sessions_total", outcome="upstream_timeout") == 1
 
 
 def test_a_refused_upgrade_closes_the_client_connection(

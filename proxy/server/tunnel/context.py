@@ -26,6 +26,7 @@ class TunnelContext:
     upstream: UpstreamURL  # the one parse every data path uses
     ssl: ssl.SSLContext | None  # for an https:// upstream
     connect_timeout: float
+    first_byte_timeout: float  # for the answer to the handshake, as for an HTTP request's
     idle_timeout: float  # --ws-idle-timeout
     max_message_bytes: int  # largest message a FrameReader assembles (--max-event-bytes)
     sinks: Sinks  # each session's start and end, its turns' records, measuring failures

@@ -7,7 +7,8 @@ handshake's head:
    400 `invalid_request_target`, and the session that outcome. The upstream is
    connected (--connect-timeout) and sent the handshake; an unreachable one gets the
    client the proxy's 502/504 (proxy.core.errors.relay_failure), as an HTTP request would;
-   so does one that closes before any byte of its answer.
+   so does one that closes before any byte of its answer, or sends none within
+   --first-byte-timeout.
 2. Nothing the client sent after its head goes upstream before the upstream's 101: the
    pipe holds the client's bytes, since the upstream might refuse the upgrade and read
    them as a request the proxy never parsed. Everything the upstream sends goes to the
@@ -103,6 +104,7 @@ class Tunnel:
         self.ended = False
         self._status = 0  # the proxy's own answer's status, when it gave one
         self._connect: asyncio.Task[None] | None = None
+        self._unanswered: asyncio.TimerHandle | None = None  # --first-byte-timeout's
         context.tunnels.add(self)
         self.pipe = Pipe(client, self, context.close_grace)  # the client's reads held
         self.answer = UpstreamAnswer(refused=lambda: self.end("refused"))
@@ -164,6 +166,20 @@ class Tunnel:
             return
         self.pipe.start_idle(context.idle_timeout, self._idle)
         transport.write(request)  # the client stays unread until the 101 (_opened)
+        self._unanswered = self.loop.call_later(context.first_byte_timeout, self._no_answer)
+
+    def _no_answer(self) -> None:
+        """No byte of the upstream's answer within --first-byte-timeout: the client gets
+        the proxy's 504, as an HTTP request would (once a byte went, the idle timer
+        judges the rest)."""
+        if self.ended or self.pipe.relayed:
+            return
+        failure = relay_failure(
+            Cause.FIRST_BYTE_TIMEOUT, after_headers=False, limit=self.context.first_byte_timeout
+        )
+        assert failure.answer is not None
+        self._answer(*failure.answer)
+        self.end("upstream_timeout")
 
     def _answer(self, status: int, kind: str, message: str) -> None:
         """The proxy's own error answer, only while no upstream byte reached the client."""
@@ -270,6 +286,8 @@ class Tunnel:
         now = perf_counter()
         if self._connect is not None and not self._connect.done():
             self._connect.cancel()
+        if self._unanswered is not None:
+            self._unanswered.cancel()
         self.pipe.close()
         record = WsSessionRecord(
             route=self.route,
