@@ -30,7 +30,7 @@ from proxy.server.forward import Forwarder, UpstreamBroke
 from proxy.server.heap import freeze_startup_heap
 from proxy.server.identity import keep_asking
 from proxy.server.looplag import LoopLag
-from proxy.server.protocol import HEAD_GUARD, HeadGuard
+from proxy.server.protocol import ABANDONED, HEAD_GUARD, HeadGuard
 from proxy.server.tunnel import TunnelContext, tunnel_context
 from proxy.server.upstream import create_client
 from proxy.server.wire import WIRE_STATE, Wire
@@ -221,6 +221,8 @@ class ProxyApp:
                 if state is not None:
                     state[WIRE_STATE] = self.wire
                     state[HEAD_GUARD] = self.head_guard
+                    if self.forwarder is not None:
+                        state[ABANDONED] = self.forwarder.abandoned
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 await self.shutdown()

@@ -107,6 +107,18 @@ class Forwarder:
         url = self.context.upstream.origin + upstream.target
         await Relay(self.client, rules, scope, receive, send).run(url, upstream)
 
+    def abandoned(self, scope: Scope) -> None:
+        """A request pipelined behind the running one whose client left before its turn:
+        uvicorn never starts the app for it (protocol.py tells of it), and the wire
+        records it, so this relay does too: client_cancelled, nothing sent."""
+        raw_path = scope.get("raw_path") or scope["path"].encode()
+        where = where_to(raw_path, scope["query_string"])
+        now = perf_counter()
+        rules = ExchangeRules(
+            self.context, scope["method"], where, raw_path, scope["headers"], now, time()
+        )
+        rules.abandoned()
+
 
 async def _read_body(receive: Receive, rules: ExchangeRules, timeout: float) -> None:
     """The whole request body into `rules`, which refuses one too large (413); one not in

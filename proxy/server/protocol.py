@@ -71,6 +71,9 @@ class HeadLimits:
 
 #: The lifespan state key of the served app's HeadGuard (uvicorn's `app_state`).
 HEAD_GUARD = "tokenprobe.head_guard"
+#: The lifespan state key of the call that records a pipelined request whose client left
+#: before its turn (the ASGI relay's Forwarder.abandoned; see connection_lost).
+ABANDONED = "tokenprobe.abandoned"
 #: The scope extension holding the client's transport (see _start_asgi_task).
 CLIENT_TRANSPORT = "tokenprobe.client_transport"
 
@@ -169,6 +172,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         ):
             running.disconnected = True
             running.message_event.set()
+        abandoned = self.app_state.get(ABANDONED)
+        if abandoned is not None:  # the requests that waited their turn: never started
+            for cycle, _ in self.pipeline:
+                if isinstance(cycle, RequestResponseCycle) and cycle is not running:
+                    abandoned(cycle.scope)
         super().connection_lost(exc)
 
     def _start_head(self, *, timed: bool = True) -> None:

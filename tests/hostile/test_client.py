@@ -318,6 +318,28 @@ def test_a_client_that_leaves_with_a_request_pipelined_cancels_the_running_one(
     assert [r.target for r in upstream.requests] == [b"/v1/slow"]
 
 
+def test_requests_pipelined_behind_one_whose_client_left_are_each_recorded(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """Three streams pipelined, the client gone while the first runs: three records of
+    client_cancelled, the two that never had their turn with nothing sent (status 0).
+    The ASGI relay once recorded the first only: uvicorn never starts the app for a
+    request still waiting in its pipeline."""
+    closed: list[float] = []
+    upstream.default = by_target({b"/v1/chat/completions": _endless_stream(closed)})
+    with proxy(upstream.url) as base:
+        host, port = base.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(_stream_request() * 3)
+            assert upstream.wait_for(lambda: len(upstream.requests) == 1, 5)
+            sock.recv(65536)  # the first answer is under way
+        metrics = wait_for(base, "tokenprobe_requests_total", 3, error_type="client_cancelled")
+    cancelled = metrics.series("tokenprobe_requests_total", error_type="client_cancelled")
+    by_code = {sample.labels["code"]: sample.value for sample in cancelled}
+    assert by_code == {"200": 1, "0": 2}, by_code
+    assert len(upstream.requests) == 1
+
+
 def test_a_pipelined_request_does_not_turn_off_the_running_ones_backpressure(
     upstream: RawUpstream, proxy: Proxy
 ) -> None:
