@@ -435,8 +435,8 @@ class Settings:
         str,
         None,
         "Salt keying the access log's prefix hashes (never logged). Unset, one is drawn at "
-        "start for all `--workers`; set one value for every replica whose logs are replayed "
-        "together.",
+        "start for all `--workers`, and another at each start; set one value for every "
+        "replica, and across restarts, whose logs are replayed or compared together.",
         shown="random",
     )
     trace_content: bool = setting(_bool, False, "Put the prompt in trace spans.", switch=True)
