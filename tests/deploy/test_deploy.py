@@ -412,6 +412,45 @@ def test_servicemonitor_scrapes_the_service_port() -> None:
     assert service["metadata"]["name"] == "tokenprobe" and "jobLabel" not in spec
 
 
+#: The commented lines that turn HTTPS on (docs/deployment.md, "TLS in Kubernetes").
+TLS_LINES = re.compile(
+    r"^( *)# ( *(?:- )?(?:scheme|tlsConfig|ca|secret|name|key|serverName|mountPath|readOnly"
+    r"|secretName|TOKENPROBE_SSL_CERTFILE|TOKENPROBE_SSL_KEYFILE|TOKENPROBE_ENABLE_SSL_REFRESH)"
+    r":.*?)(?:  +#.*)?$",
+    re.M,
+)
+
+
+def _with_tls(name: str) -> list[dict[str, Any]]:
+    """The manifests in a file as an operator who uncomments its TLS lines has them."""
+    return list(yaml.safe_load_all(TLS_LINES.sub(r"\1\2", (K8S_DIR / name).read_text())))
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_the_commented_tls_lines_make_valid_manifests_that_agree(version: str) -> None:
+    """Once the port serves HTTPS, a plain HTTP probe or scrape gets no answer: the
+    commented lines of all three files must fit together, and stay valid."""
+    (env, _prices) = _with_tls("configmap.yaml")
+    (deployment,) = _with_tls("deployment.yaml")
+    (monitor,) = _with_tls("servicemonitor.yaml")
+    kubernetes_validate.validate(deployment, version, strict=True)
+    pod = deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert container[probe]["httpGet"]["scheme"] == "HTTPS", probe
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "tls"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+    for variable in ("TOKENPROBE_SSL_CERTFILE", "TOKENPROBE_SSL_KEYFILE"):
+        assert env["data"][variable].rsplit("/", 1)[0] == mount["mountPath"], variable
+    assert env["data"]["TOKENPROBE_ENABLE_SSL_REFRESH"] == "true"
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["scheme"] == "https"
+    assert endpoint["tlsConfig"]["ca"]["secret"]["name"] == volume["secret"]["secretName"]
+    # as shipped, plain HTTP throughout
+    shipped = _pod(manifests())["containers"][0]
+    assert "scheme" not in shipped["readinessProbe"]["httpGet"]
+
+
 def test_readme_commands_in_comments_name_existing_files() -> None:
     # Paths quoted in the compose and Kubernetes comments ("deploy/...") exist.
     for path in [*COMPOSE_FILES, *K8S_DIR.glob("*.yaml")]:
