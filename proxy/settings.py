@@ -441,11 +441,17 @@ class Settings:
     )
     trace_content: bool = setting(_bool, False, "Put the prompt in trace spans.", switch=True)
     metrics_port: int | None = setting(
-        _port, None, "Serve `/metrics` on this separate port (and not on the proxy port)."
+        _port,
+        None,
+        "Serve `/metrics` and the live view `/ui` on this separate port, in plain HTTP (and "
+        "not on the proxy port, where those paths then go to the backend).",
     )
     metrics_host: str | None = setting(str, None, "Address for `--metrics-port`.", shown="`--host`")
     metrics_token: str | None = setting(
-        _token, None, "Require `Authorization: Bearer <token>` on `/metrics`."
+        _token,
+        None,
+        "Require `Authorization: Bearer <token>` on `/metrics`; `/healthz`, `/readyz` and "
+        "the `/ui` page (which asks for the token) stay open.",
     )
     key_label: str = setting(
         _choice("none", "hash"),

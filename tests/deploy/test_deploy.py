@@ -412,27 +412,31 @@ def test_servicemonitor_scrapes_the_service_port() -> None:
     assert service["metadata"]["name"] == "tokenprobe" and "jobLabel" not in spec
 
 
-#: The commented lines that turn HTTPS on (docs/deployment.md, "TLS in Kubernetes").
-TLS_LINES = re.compile(
+#: The commented lines that turn HTTPS and the /metrics token on (docs/deployment.md).
+OPT_IN_LINES = re.compile(
     r"^( *)# ( *(?:- )?(?:scheme|tlsConfig|ca|secret|name|key|serverName|mountPath|readOnly"
-    r"|secretName|TOKENPROBE_SSL_CERTFILE|TOKENPROBE_SSL_KEYFILE|TOKENPROBE_ENABLE_SSL_REFRESH)"
-    r":.*?)(?:  +#.*)?$",
+    r"|secretName|authorization|type|credentials|TOKENPROBE_SSL_CERTFILE"
+    r"|TOKENPROBE_SSL_KEYFILE|TOKENPROBE_ENABLE_SSL_REFRESH):.*?)(?:  +#.*)?$",
     re.M,
 )
 
 
-def _with_tls(name: str) -> list[dict[str, Any]]:
-    """The manifests in a file as an operator who uncomments its TLS lines has them."""
-    return list(yaml.safe_load_all(TLS_LINES.sub(r"\1\2", (K8S_DIR / name).read_text())))
+def _opted_in(name: str) -> list[dict[str, Any]]:
+    """The manifests in a file as an operator who uncomments its TLS and token lines has
+    them."""
+    return list(yaml.safe_load_all(OPT_IN_LINES.sub(r"\1\2", (K8S_DIR / name).read_text())))
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
-def test_the_commented_tls_lines_make_valid_manifests_that_agree(version: str) -> None:
-    """Once the port serves HTTPS, a plain HTTP probe or scrape gets no answer: the
-    commented lines of all three files must fit together, and stay valid."""
-    (env, _prices) = _with_tls("configmap.yaml")
-    (deployment,) = _with_tls("deployment.yaml")
-    (monitor,) = _with_tls("servicemonitor.yaml")
+def test_the_commented_tls_and_token_lines_make_valid_manifests_that_agree(
+    version: str,
+) -> None:
+    """Once the port serves HTTPS, a plain HTTP probe or scrape gets no answer, and once
+    /metrics takes a token, a scrape without it gets 401: the commented lines of the three
+    files must fit together, and stay valid."""
+    (env, _prices) = _opted_in("configmap.yaml")
+    (deployment,) = _opted_in("deployment.yaml")
+    (monitor,) = _opted_in("servicemonitor.yaml")
     kubernetes_validate.validate(deployment, version, strict=True)
     pod = deployment["spec"]["template"]["spec"]
     container = pod["containers"][0]
@@ -446,9 +450,16 @@ def test_the_commented_tls_lines_make_valid_manifests_that_agree(version: str) -
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint["scheme"] == "https"
     assert endpoint["tlsConfig"]["ca"]["secret"]["name"] == volume["secret"]["secretName"]
-    # as shipped, plain HTTP throughout
-    shipped = _pod(manifests())["containers"][0]
-    assert "scheme" not in shipped["readinessProbe"]["httpGet"]
+    (token,) = [e for e in container["env"] if e["name"] == "TOKENPROBE_METRICS_TOKEN"]
+    ref = token["valueFrom"]["secretKeyRef"]
+    credentials = {"name": ref["name"], "key": ref["key"]}
+    assert endpoint["authorization"] == {"type": "Bearer", "credentials": credentials}
+    # as shipped: plain HTTP, and a token only where its Secret exists
+    shipped = manifests()
+    assert "scheme" not in _pod(shipped)["containers"][0]["readinessProbe"]["httpGet"]
+    (scrape,) = shipped["ServiceMonitor/tokenprobe"]["spec"]["endpoints"]
+    assert "scheme" not in scrape and "authorization" not in scrape
+    assert ref["optional"] is True
 
 
 def test_readme_commands_in_comments_name_existing_files() -> None:
