@@ -375,7 +375,9 @@ class Settings:
     max_header_bytes: int = setting(
         positive_int,
         64 * 1024,
-        "Largest total size of request headers, counted while they arrive (431 and close above it).",
+        "Largest total size of the request headers' names and values: over it, 431, and the "
+        "connection stays open; a head larger than this plus 8 KiB (request line and framing "
+        "included) is refused with 431 and a close as it arrives, before it is all read.",
     )
     max_headers: int = setting(
         positive_int,
