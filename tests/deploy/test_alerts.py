@@ -6,6 +6,7 @@ under CI=true, where they fail (CI installs it).
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -117,3 +118,15 @@ def test_every_generative_endpoint_list_names_every_generative_api() -> None:
     assert len(lists) >= 8, lists  # the rules' six and the dashboard's
     for endpoints in lists:
         assert endpoints == generative, endpoints ^ generative
+
+
+def test_the_dashboards_page_has_one_row_per_alert() -> None:
+    """docs/dashboards.md's alerts table names every alert the rule files define, and no
+    other: TokenprobeUpstreamProtocolErrors was in the rules and in no doc."""
+    page = (ROOT / "docs" / "dashboards.md").read_text()
+    table = page.split("\n## Alerts", 1)[1].split("\n\n", 2)[1]
+    named = set()
+    for row in table.splitlines():
+        if row.startswith("| `"):
+            named |= set(re.findall(r"`(Tokenprobe\w+)`", row.split(" | ", 1)[0]))
+    assert named == {a["alert"] for a in rules("alert")}, "add the alert's row, or remove it"
