@@ -22,6 +22,7 @@ import yaml
 from proxy.core.apis import APIS
 from proxy.core.wsseam import WS_APIS
 from proxy.settings import SPECS
+from proxy.sinks.logs import KEYS
 from tests.paths import ROOT
 
 DOCS = ROOT / "docs"
@@ -166,3 +167,18 @@ def test_ci_builds_the_site_strictly_and_the_dev_extra_installs_mkdocs() -> None
     pyproject = (ROOT / "pyproject.toml").read_text()
     dev = pyproject.split("dev = [", 1)[1].split("]\n", 1)[0]
     assert '"mkdocs' in dev and '"mkdocs-material' in dev
+
+
+def test_the_access_log_table_lists_every_key_in_the_order_a_line_has_them() -> None:
+    """docs/traces-and-logs.md's "Keys, in this order" table is the access log's KEYS
+    (tests/sinks/test_logs.py checks a real line against them), then `labels`: ten keys
+    were once missing from it."""
+    page = (DOCS / "traces-and-logs.md").read_text()
+    table = page.split("Keys, in this order:", 1)[1].split("\n\n", 2)[1]
+    documented = [
+        key
+        for row in table.splitlines()
+        if row.startswith("| `")
+        for key in re.findall(r"`([a-z0-9_]+)`", row.split(" | ", 1)[0])
+    ]
+    assert documented == [*KEYS, "labels"]
