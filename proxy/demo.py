@@ -320,8 +320,16 @@ async def run(port: int, rounds: int, serve_after: bool, out: object = sys.stdou
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="tokenprobe demo", description=__doc__)
-    parser.add_argument("--port", type=int, default=4000, help="proxy port (0: any free port)")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds of traffic to send")
+    parser.add_argument(
+        "--port", type=int, default=4000, help="proxy port (default: %(default)s; 0: any free port)"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="rounds of traffic to send, each request of every kind once a round "
+        "(default: %(default)s)",
+    )
     parser.add_argument(
         "--serve", action="store_true", help="keep serving after the traffic, until Ctrl-C"
     )
