@@ -266,6 +266,12 @@ def test_gpu_stack_runs_vllm_with_traces_and_the_sim_stack_needs_no_gpu() -> Non
     assert any(
         a.startswith("--otlp-traces-endpoint=grpc://otel-collector:") for a in vllm["command"]
     )
+    # the dashboard's "Where the first token's time goes" row reads vLLM's per-request
+    # metrics (vLLM 0.32, as the docs and tests/vllm have it), in both places the tag is
+    assert "--enable-per-request-metrics" in vllm["command"]
+    image = "vllm/vllm-openai:v0.32.0"
+    assert vllm["build"]["args"]["VLLM_IMAGE"] == "${VLLM_IMAGE:-" + image + "}"
+    assert f"ARG VLLM_IMAGE={image}" in (COMPOSE_DIR / "vllm.Dockerfile").read_text()
     devices = vllm["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["capabilities"] == ["gpu"]
     assert "vllm" not in sim and sim["sim"]["command"][:1] == ["sim"]
