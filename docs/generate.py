@@ -163,10 +163,12 @@ def apis_page() -> str:
     return "".join(out)
 
 
-#: Links inside settings' help texts (written for the README they were once in) to the
-#: page that now holds the section, from docs/reference/.
+#: Sections that settings' help texts name in plain words (`tokenprobe serve --help` is
+#: read on a terminal, where a Markdown link is noise), as links from docs/reference/.
 SECTIONS = {
-    "](#data-paths-the-wire-and-the-asgi-app)": "](../architecture.md#data-paths-the-wire-and-the-asgi-app)",
+    "See Data paths in docs/architecture.md.": (
+        "See [Data paths](../architecture.md#data-paths-the-wire-and-the-asgi-app)."
+    ),
 }
 
 

@@ -495,7 +495,7 @@ class Settings:
     relay: str = setting(
         _choice("wire", "asgi"),
         "wire",
-        "The data path: `wire` (protocol-level, the fast default) or `asgi` (the ASGI relay through httpx, what `proxy.asgi:app` runs under any ASGI server). See [Data paths](#data-paths-the-wire-and-the-asgi-app).",
+        "The data path: `wire` (protocol-level, the fast default) or `asgi` (the ASGI relay through httpx, what `proxy.asgi:app` runs under any ASGI server). See Data paths in docs/architecture.md.",
     )
     workers: int = setting(
         positive_int,

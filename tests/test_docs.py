@@ -61,6 +61,15 @@ def test_the_settings_reference_holds_the_settings_table_and_every_variable() ->
     assert len(rows) == len(SPECS), f"a row names a setting the code lacks: run {REGENERATE}"
 
 
+def test_help_texts_are_plain_words_and_the_reference_makes_the_links() -> None:
+    """`tokenprobe serve --help` is read on a terminal: a help text names a section in
+    words, and docs/generate.py's SECTIONS turns those words into the page's link."""
+    linked = [s.flags for s in SPECS if re.search(r"\]\(", s.help)]
+    assert linked == [], "write the section's name; add the link to SECTIONS in docs/generate.py"
+    for words in GENERATE.SECTIONS:
+        assert any(words in s.help for s in SPECS), f"no help text says {words!r} any more"
+
+
 def _declared_metric_names() -> set[str]:
     """Every `tokenprobe_*` name passed as the first argument of a call in proxy/: the
     metric declarations (Counter(...), Histogram(...), and the factories around them)."""
