@@ -191,3 +191,14 @@ def test_the_access_log_table_lists_every_key_in_the_order_a_line_has_them() -> 
         for key in re.findall(r"`([a-z0-9_]+)`", row.split(" | ", 1)[0])
     ]
     assert documented == [*KEYS, "labels"]
+
+
+def test_the_metrics_page_lists_every_reason_a_connection_is_closed_for() -> None:
+    """docs/metrics.md's `reason` item names each value of
+    tokenprobe_connections_closed_total's label (`malformed` was missing)."""
+    from proxy.server.protocol import _REASONS
+
+    page = (DOCS / "metrics.md").read_text()
+    item = page.split("- `reason` (`tokenprobe_connections_closed_total`", 1)[1]
+    item = item.split("(`tokenprobe_trace_export_failures_total`)", 1)[0]
+    assert [reason for reason in _REASONS if f"`{reason}`" not in item] == []
