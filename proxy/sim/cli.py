@@ -24,6 +24,9 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokenprobe sim",
         description="A simulated OpenAI-compatible backend that behaves like vLLM on the wire.",
+        epilog="Every flag also reads TOKENPROBE_SIM_<NAME> (e.g. TOKENPROBE_SIM_TTFT, "
+        "TOKENPROBE_SIM_HOST); a flag on the command line wins. A default shown is the "
+        "variable's value when it is set.",
     )
 
     def env(name: str, conv: Callable[[str], Any], default: Any) -> Any:
@@ -43,20 +46,35 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         return [m.strip() for m in raw.split(",") if m.strip()]
 
     add = parser.add_argument
-    add("--host", default=env("HOST", str, "127.0.0.1"))
-    add("--port", type=int, default=env("PORT", int, 8000))
+    add(
+        "--host",
+        default=env("HOST", str, "127.0.0.1"),
+        help="address to listen on; 0.0.0.0 to be reached from outside a container "
+        "(TOKENPROBE_HOST, the proxy's, does not apply) (default: %(default)s)",
+    )
+    add(
+        "--port",
+        type=int,
+        default=env("PORT", int, 8000),
+        help="port to listen on (default: %(default)s)",
+    )
     add(
         "--model",
         action="append",
         default=None,
         help=f"served model name, repeatable (default: {defaults.models[0]})",
     )
-    add("--ttft", type=float, default=env("TTFT", float, defaults.ttft), help="seconds")
+    add(
+        "--ttft",
+        type=float,
+        default=env("TTFT", float, defaults.ttft),
+        help="seconds to the first content token (default: %(default)s)",
+    )
     add(
         "--ttft-per-prompt-token",
         type=float,
         default=env("TTFT_PER_PROMPT_TOKEN", float, defaults.ttft_per_prompt_token),
-        help="seconds added to the TTFT per prompt token (prefill)",
+        help="seconds added to the TTFT per prompt token (prefill) (default: %(default)s)",
     )
     add(
         "--tps",
@@ -64,35 +82,46 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         dest="tps",
         type=float,
         default=env("TPS", float, defaults.tokens_per_second),
-        help="decode speed of one stream, tokens/s",
+        help="decode speed of one stream, tokens/s (default: %(default)s)",
     )
     add(
         "--cached-tokens",
         type=int,
         default=env("CACHED_TOKENS", int, defaults.cached_tokens),
-        help="prompt tokens reported as cached (capped at the prompt)",
+        help="prompt tokens reported as cached (capped at the prompt) (default: %(default)s)",
     )
     add(
         "--prefix-cache",
         type=int,
         default=env("PREFIX_CACHE", int, defaults.prefix_cache),
         help="remember this many message prefixes and report the tokens a prompt shares "
-        "with an earlier one as cached (0: off)",
+        "with an earlier one as cached (0: off) (default: %(default)s)",
     )
     add(
         "--prefix-cache-block",
         type=int,
         default=env("PREFIX_CACHE_BLOCK", int, defaults.prefix_cache_block),
-        help="cached tokens come in whole blocks of this many (vLLM's --block-size)",
+        help="cached tokens come in whole blocks of this many (vLLM's --block-size) "
+        "(default: %(default)s)",
     )
     add(
         "--cpu-per-token-us",
         type=float,
         default=env("CPU_PER_TOKEN_US", float, defaults.cpu_per_token_us),
-        help="busy-loop CPU per generated token, microseconds",
+        help="busy-loop CPU per generated token, microseconds (default: %(default)s)",
     )
-    add("--output-tokens", type=int, default=env("OUTPUT_TOKENS", int, defaults.output_tokens))
-    add("--max-model-len", type=int, default=env("MAX_MODEL_LEN", int, defaults.max_model_len))
+    add(
+        "--output-tokens",
+        type=int,
+        default=env("OUTPUT_TOKENS", int, defaults.output_tokens),
+        help="tokens per answer, unless the request's max_tokens is lower (default: %(default)s)",
+    )
+    add(
+        "--max-model-len",
+        type=int,
+        default=env("MAX_MODEL_LEN", int, defaults.max_model_len),
+        help="the context: a longer prompt plus max_tokens is refused (default: %(default)s)",
+    )
     add(
         "--per-request-metrics",
         action="store_true",
@@ -103,19 +132,20 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "--max-num-seqs",
         type=int,
         default=env("MAX_NUM_SEQS", int, None),
-        help="requests beyond this many queue for a slot (their queue time)",
+        help="requests beyond this many queue for a slot (their queue time) (default: no limit)",
     )
     add(
         "--spec-tokens",
         type=int,
         default=env("SPEC_TOKENS", int, defaults.spec_tokens),
-        help="speculative decoding: drafts per step (0: off)",
+        help="speculative decoding: drafts per step (0: off) (default: %(default)s)",
     )
     add(
         "--acceptance-rate",
         type=float,
         default=env("ACCEPTANCE_RATE", float, defaults.acceptance_rate),
-        help="share of drafts accepted; chunks carry round(rate * k) + 1 tokens",
+        help="share of drafts accepted; chunks carry round(rate * k) + 1 tokens "
+        "(default: %(default)s)",
     )
     add(
         "--system-fingerprint",
@@ -126,7 +156,8 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "--ollama-load-time",
         type=float,
         default=env("OLLAMA_LOAD_TIME", float, defaults.ollama_load_time),
-        help="Ollama: seconds a model not yet loaded takes to load (its first request)",
+        help="Ollama: seconds a model not yet loaded takes to load (its first request) "
+        "(default: %(default)s)",
     )
     add(
         "--ollama-version",
@@ -138,7 +169,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         choices=("vllm", "llamacpp"),
         default=env("BACKEND_KIND", str, defaults.backend_kind),
         help="whose wire shapes chat and completions take (llamacpp: llama-server's "
-        "timings, /props)",
+        "timings, /props) (default: %(default)s)",
     )
     add("--api-key", default=env("API_KEY", str, None))
     add("--step-ms", type=float, default=env("STEP_MS", float, None), help="lockstep mode")
@@ -150,7 +181,11 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help='with --stamp: "@<send time ns> " before each text, not a key before it',
     )
     add("--record-bodies", action="store_true", default=env("RECORD_BODIES", flag, False))
-    add("--log-level", default=env("LOG_LEVEL", str, "warning"))
+    add(
+        "--log-level",
+        default=env("LOG_LEVEL", str, "warning"),
+        help="uvicorn's log level (default: %(default)s)",
+    )
     parser.set_defaults(env_models=env("MODEL", models, None))
     return parser
 
