@@ -8,7 +8,9 @@ connection that sends nothing, or a byte a second, stays open until the file des
 run out. Here, per connection:
 
 - the bytes of a request head are counted as they arrive, before the parser sees them:
-  over the cap the client gets a 431 and the connection closes;
+  over the cap (--max-header-bytes and HEAD_SLACK) the client gets a 431 and the
+  connection closes; a head within it whose header names and values are over
+  --max-header-bytes gets the app's 431 on a connection that stays open (admission.py);
 - the headers are counted too (431 over `max_headers`);
 - a head must be complete within `header_timeout` seconds of the connection opening or,
   on a kept-alive connection, of the head's first byte: otherwise a 408 (or, when not a
@@ -109,7 +111,9 @@ def connection_counter(registry: CollectorRegistry) -> Counter:
         "header_timeout (no complete request head within --header-timeout of the connection "
         "opening or, on a kept-alive connection, of the head's first byte; an idle kept-alive "
         "connection closed after --keep-alive-timeout is not counted), headers_too_large (head over "
-        "--max-header-bytes while it arrived), too_many_headers (over --max-headers), "
+        "--max-header-bytes plus 8 KiB for the request line and framing while it arrived; one "
+        "within that is answered 431 on an open connection and counted as a request), "
+        "too_many_headers (over --max-headers), "
         "tls_handshake (a TLS connection whose handshake had not ended within --header-timeout "
         "of its accept: closed then, if still in the handshake; one that failed sooner, a client "
         "certificate refused or a client gone, is counted at that same instant), malformed "

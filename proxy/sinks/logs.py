@@ -64,7 +64,8 @@ A measured session's turns (a realtime utterance) are request lines of their own
 Only these values reach the log: no header value (but a --label-header's bounded label),
 no prompt, no completion. The fingerprint tells which requests began alike, never what
 they said: without the salt a guessed prompt cannot be tested against it, and with a
-random salt (the default, one per process) hashes compare only within one process's lines.
+random salt (the default: drawn once per `serve`, shared by its workers, new at each start)
+hashes compare only within one run's lines.
 """
 
 from __future__ import annotations
