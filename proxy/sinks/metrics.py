@@ -41,6 +41,17 @@ from proxy.sinks.sink import Labels
 
 LABELS = ("model", "endpoint")
 
+#: (code, finish_reason, error_type) of the outcomes the dashboard counts over its range
+#: (Auth errors, Context-length errors): a pair's series of them exist at 0 from its first
+#: request, since increase() reads nothing of a burst in a series that first appears
+#: already above 0 (a review: 5 context-length errors, counted 0). As vLLM answers them;
+#: another code for one makes its series at its first error, as every other outcome does.
+FIRST_COUNTED = (
+    ("401", NONE_LABEL, "auth"),
+    ("403", NONE_LABEL, "auth"),
+    ("400", NONE_LABEL, "context_length"),
+)
+
 # TTFT by prompt size and cache. Prompt classes end at common context sizes (1k, 4k, 8k,
 # 32k and 128k tokens): the first holds chat turns, the last long-context work.
 PROMPT_CLASS_BOUNDS = (1024, 4096, 8192, 32768, 131072)
@@ -591,13 +602,16 @@ class Metrics:
 
     def _bound(self, key: tuple[str, ...]) -> SimpleNamespace:
         """The children of one (model, endpoint, *attribution), as attributes named like
-        the metrics (`.ttft`, ...)."""
+        the metrics (`.ttft`, ...). The first time, the request outcomes that panels count
+        over their range are made too, at 0 (FIRST_COUNTED)."""
         children = self._children.get(key)
         if children is None:
             children = SimpleNamespace(
                 **{name: metric.labels(*key) for name, metric in self._per_pair.items()}
             )
             self._children[key] = children
+            for outcome in FIRST_COUNTED:
+                self.child(self.requests, *key, *outcome)
         return children
 
     def child(self, metric: Any, *values: str) -> Any:

@@ -146,6 +146,19 @@ def test_failed_request_is_counted_with_its_error_type(
     assert value(registry, "tokenprobe_request_generation_tokens_count") == 0.0
 
 
+def test_the_counted_error_outcomes_exist_at_0_from_a_pairs_first_request(
+    registry: CollectorRegistry, metrics: Metrics
+) -> None:
+    """The Auth and Context-length panels read increase() over their range: a first burst
+    in a series that first appears already at 5 reads 0 there."""
+    assert requests_total(registry, NONE_LABEL, "auth", "401") is None
+    metrics.record(stream_record(), Labels(MODEL_LABEL))
+    assert requests_total(registry, NONE_LABEL, "auth", "401") == 0.0
+    assert requests_total(registry, NONE_LABEL, "auth", "403") == 0.0
+    assert requests_total(registry, NONE_LABEL, "context_length", "400") == 0.0
+    assert requests_total(registry, NONE_LABEL, "upstream_error", "500") is None  # only those
+
+
 @pytest.mark.parametrize("reason", sorted(FINISH_LABELS))
 def test_known_finish_reason_is_its_own_label(
     registry: CollectorRegistry, metrics: Metrics, reason: str
