@@ -24,7 +24,7 @@ MODELS = ("fast", "slow")
 QUICK = {"x-sim-ttft": "0", "x-sim-tps": "5000"}
 LATE_FIRST_TOKEN = {"x-sim-ttft": "0.8", "x-sim-tps": "5000"}
 SLOW_TOKENS = {"x-sim-ttft": "0", "x-sim-tps": "10"}  # tpot 0.1 s > 0.04 s
-ERROR = {"x-sim-error": "500"}
+ERROR = {"x-sim-error": "server_error"}  # a 500: the service failed
 
 #: (model, team, headers, how many): 10 requests of team a, 4 met; 10 of team b, 7 met;
 #: the slow model has its own e2e target from the file: 5 of 6 miss it.
