@@ -228,7 +228,14 @@ class Relay:
             raise UpstreamProtocolError(kind, f"the upstream answered status {status}")
         raw = [(k.lower(), v) for k, v in response.headers.raw]
         head = self.rules.response_head(status, raw, perf_counter())
-        await self.send({"type": "http.response.start", "status": status, "headers": head.headers})
+        headers = head.headers
+        if status == 304 or status == 204:
+            # A bodiless status may carry a Content-Length (a 304's is its representation's,
+            # RFC 9110 §8.6), but uvicorn then waits for that many bytes and drops the
+            # connection when the body ends at none: the next request on it was lost. The
+            # wire keeps it; here it goes, the only header that does.
+            headers = [(k, v) for k, v in headers if k != b"content-length"]
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
         exchange.relayed(perf_counter())
         return head.stripper
 

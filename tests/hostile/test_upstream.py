@@ -424,6 +424,29 @@ def test_a_bodiless_response_after_a_chunked_one_gets_no_body(
             assert answer_.index(b"\r\n\r\n") == len(answer_) - 4, answer_
 
 
+def test_a_304_with_a_content_length_leaves_the_client_connection_for_the_next_request(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """A 304 may say its representation's length (RFC 9110 §8.6) and carries no body. The
+    ASGI relay passed the Content-Length to uvicorn, which then dropped the connection
+    for a body shorter than it: the request after it on the connection was lost."""
+    upstream.default = by_target(
+        {
+            b"/same": answer(
+                b"HTTP/1.1 304 Not Modified\r\netag: x\r\ncontent-length: 1234\r\n\r\n"
+            ),
+            b"/chunked": answer(CHUNKED),
+        }
+    )
+    with proxy(upstream.url) as base:
+        host, port = base.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            first = one_answer(sock, get(b"/same"))
+            second = one_answer(sock, get(b"/chunked"))
+    assert first.startswith(b"HTTP/1.1 304 ") and first.endswith(b"\r\n\r\n"), first
+    assert second.endswith(b"\r\n\r\n5\r\nhello\r\n0\r\n\r\n"), second
+
+
 def one_answer(sock: socket.socket, request: bytes) -> bytes:
     """Every byte that comes back for `request` until the connection is quiet for 0.3 s."""
     sock.sendall(request)
