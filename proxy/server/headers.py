@@ -6,7 +6,8 @@ proxy in both directions. `Expect` is dropped: the proxy has read the whole body
 (it answered the client's 100-continue when it did); passed on, the upstream would wait
 for a 100 of its own. A measured request asks for an uncompressed response, because the
 observer reads the stream. An event stream going to the client says
-`x-accel-buffering: no`, so an nginx in front does not buffer it. A WebSocket handshake
+`x-accel-buffering: no` (unless the upstream said it already: llama-server does), so an
+nginx in front does not buffer it. A WebSocket handshake
 (proxy/server/tunnel/handshake.py) passes the same policy (`handshake_headers`), keeping only what
 the protocol is made of: Upgrade, Connection and the Sec-WebSocket-* headers.
 """
@@ -19,6 +20,7 @@ HOP_BY_HOP = frozenset(
     {
         b"connection",
         b"keep-alive",
+        b"proxy-connection",  # RFC 9110 §7.6.1: removed whether or not Connection names it
         b"proxy-authenticate",
         b"proxy-authorization",
         b"te",
@@ -83,7 +85,9 @@ def client_headers(headers: Headers, content_type: bytes, *, body_changes: bool)
     if drop is not always and not body_changes:
         drop = drop - {b"content-length"}  # named by Connection, it still frames the body
     out = [(k, v) for k, v in headers if k not in drop]
-    if content_type.startswith(b"text/event-stream"):
+    if content_type.startswith(b"text/event-stream") and not any(
+        k == b"x-accel-buffering" for k, _ in out
+    ):  # the upstream's own (llama-server sends one) stands
         out.append((b"x-accel-buffering", b"no"))
     return out
 

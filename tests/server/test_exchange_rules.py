@@ -136,6 +136,36 @@ def test_only_an_event_stream_is_stripped(registry: CollectorRegistry) -> None:
         )
 
 
+def test_an_upstreams_own_buffering_header_stands_and_proxy_connection_stops(
+    registry: CollectorRegistry,
+) -> None:
+    """llama-server sends `X-Accel-Buffering: no` itself: the client got it twice (and a
+    `yes` would have gone out beside the proxy's `no`). Proxy-Connection is hop-by-hop
+    whether or not Connection names it (RFC 9110 §7.6.1)."""
+    ctx = context(registry)
+    for own in (b"no", b"yes"):
+        rules = rules_for(ctx)
+        rules.body(STREAM_BODY)
+        upstream = rules.admit(2.0)
+        head = rules.response_head(
+            200,
+            [
+                (b"content-type", b"text/event-stream"),
+                (b"x-accel-buffering", own),
+                (b"proxy-connection", b"keep-alive"),
+            ],
+            3.0,
+        )
+        assert [v for k, v in head.headers if k == b"x-accel-buffering"] == [own]
+        assert not any(k == b"proxy-connection" for k, _ in head.headers)
+    sent = rules_for(
+        ctx, headers=[(b"content-type", b"application/json"), (b"proxy-connection", b"keep-alive")]
+    )
+    sent.body(STREAM_BODY)
+    upstream = sent.admit(2.0)
+    assert not any(k == b"proxy-connection" for k, _ in upstream.headers)
+
+
 def test_an_early_end_answers_before_the_head_and_drops_after_it(
     registry: CollectorRegistry,
 ) -> None:
