@@ -60,6 +60,7 @@ class MeasuredExchange:
     """One request's measuring state; `info` None for a request that is only relayed."""
 
     __slots__ = (
+        "client",
         "context",
         "headers",
         "info",
@@ -84,8 +85,10 @@ class MeasuredExchange:
         started_at: float,
         read: float | None = None,
         query: str = "",
+        client: str | None = None,
     ) -> None:
         self.context, self.path, self.headers = context, path, headers
+        self.client = client  # its address, for X-Forwarded-For
         self.query = query  # only for redacting credentials it carries from error text
         self.info, self.start, self.started_at = info, start, started_at
         self.read = start if read is None else read  # when the request was all in
@@ -105,7 +108,10 @@ class MeasuredExchange:
 
     def upstream_headers(self) -> Headers:
         return upstream_headers(
-            self.headers, measured=self.info is not None, trace=self.request_scope.upstream_headers
+            self.headers,
+            measured=self.info is not None,
+            trace=self.request_scope.upstream_headers,
+            client=self.client,
         )
 
     def sent(self, now: float) -> None:

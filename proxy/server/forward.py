@@ -82,6 +82,7 @@ class Forwarder:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         raw_path = scope.get("raw_path") or scope["path"].encode()
+        peer = scope.get("client")
         rules = ExchangeRules(
             self.context,
             scope["method"],
@@ -90,6 +91,7 @@ class Forwarder:
             scope["headers"],
             perf_counter(),
             time(),
+            None if peer is None else peer[0],
         )
         if rules.refusal is None:
             try:

@@ -5,7 +5,8 @@ Hop-by-hop headers (RFC 9110 §7.6.1) and those a Connection header names stop a
 proxy in both directions. `Expect` is dropped: the proxy has read the whole body already
 (it answered the client's 100-continue when it did); passed on, the upstream would wait
 for a 100 of its own. A measured request asks for an uncompressed response, because the
-observer reads the stream. An event stream going to the client says
+observer reads the stream. The client's address goes last in X-Forwarded-For
+(`forwarded_for`). An event stream going to the client says
 `x-accel-buffering: no` (unless the upstream said it already: llama-server does), so an
 nginx in front does not buffer it. A WebSocket handshake
 (proxy/server/tunnel/handshake.py) passes the same policy (`handshake_headers`), keeping only what
@@ -34,10 +35,17 @@ _REQUEST_DROP = HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding", b"
 _RESPONSE_DROP_CHANGED = HOP_BY_HOP | {b"content-length"}
 
 
-def upstream_headers(headers: Headers, *, measured: bool, trace: Headers | None = None) -> Headers:
+def upstream_headers(
+    headers: Headers,
+    *,
+    measured: bool,
+    trace: Headers | None = None,
+    client: str | None = None,
+) -> Headers:
     """The client's (lower-case) request headers as they go upstream. `trace` are the
     proxy's own trace headers: its span is the client's span's child, so they replace the
-    client's and the backend sees exactly one traceparent."""
+    client's and the backend sees exactly one traceparent. `client`: the client's address,
+    added to X-Forwarded-For (`forwarded_for`)."""
     drop = _hop_by_hop(headers)
     if trace:
         drop = drop | {name for name, _ in trace} | {b"tracestate"}
@@ -49,17 +57,31 @@ def upstream_headers(headers: Headers, *, measured: bool, trace: Headers | None 
         out.extend((k, v) for k, v in headers if k == b"accept-encoding")
     if trace:
         out.extend(trace)
+    return out if client is None else forwarded_for(out, client)
+
+
+def forwarded_for(headers: Headers, client: str) -> Headers:
+    """`headers` with the client's address last in X-Forwarded-For, after any the client
+    sent (joined into one field), as nginx's `$proxy_add_x_forwarded_for` and Envoy do. A
+    backend that trusts the proxy's address for the header (vLLM's uvicorn trusts
+    127.0.0.1 by default, --forwarded-allow-ips) then logs the client the proxy saw, not
+    one a client wrote into the header itself: it reads the last entry it does not trust."""
+    prior = [value for name, value in headers if name == b"x-forwarded-for"]
+    out = [pair for pair in headers if pair[0] != b"x-forwarded-for"] if prior else headers
+    out.append((b"x-forwarded-for", b", ".join((*prior, client.encode("latin-1")))))
     return out
 
 
-def handshake_headers(headers: Headers) -> Headers:
+def handshake_headers(headers: Headers, client: str | None = None) -> Headers:
     """A WebSocket handshake's (lower-case) request headers as they go upstream: the same
-    policy as an HTTP request's, then the two hop-by-hop headers the handshake is made of
-    (RFC 6455 §4.1). A Connection header cannot name the Sec-WebSocket-* headers away:
-    without them there is no handshake."""
+    policy as an HTTP request's (X-Forwarded-For included), then the two hop-by-hop
+    headers the handshake is made of (RFC 6455 §4.1). A Connection header cannot name the
+    Sec-WebSocket-* headers away: without them there is no handshake."""
     drop = {name for name in _hop_by_hop(headers) if not name.startswith(b"sec-websocket-")}
     drop.discard(b"accept-encoding")  # dropped above only to go last; here it just stays
     out = [(k, v) for k, v in headers if k not in drop]
+    if client is not None:
+        out = forwarded_for(out, client)
     out.extend(_HANDSHAKE)
     return out
 

@@ -78,6 +78,7 @@ class ExchangeRules:
 
     __slots__ = (
         "api",
+        "client",
         "context",
         "exchange",
         "headers",
@@ -102,11 +103,13 @@ class ExchangeRules:
         headers: Headers,
         start: float,
         started_at: float,
+        client: str | None = None,
     ) -> None:
         """`where`: the request's normalised target, or the refusal of one that cannot be
         (admission.where_to: the data path decided on it whether the request is the
-        proxy's own already)."""
+        proxy's own already); `client` the client's address (X-Forwarded-For)."""
         self.context, self.method, self.headers = context, method, headers
+        self.client = client
         self.start, self.started_at = start, started_at
         self.api: Api | None = None
         self.exchange: MeasuredExchange | None = None
@@ -174,7 +177,15 @@ class ExchangeRules:
                 self.api, body, context.settings, context.backend.kind
             )
         exchange = self.exchange = MeasuredExchange(
-            context, self.path, self.headers, info, self.start, self.started_at, now, self.query
+            context,
+            self.path,
+            self.headers,
+            info,
+            self.start,
+            self.started_at,
+            now,
+            self.query,
+            self.client,
         )
         self.stage = Stage.UPSTREAM
         target = context.upstream.target(self.path, self.query)

@@ -46,6 +46,10 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
         "timeout_keep_alive": settings.keep_alive_timeout,
         "server_header": False,  # the upstream's headers pass through; add none of ours
         "date_header": False,
+        # The client is the connection's peer: uvicorn's default would take it from a
+        # loopback client's own X-Forwarded-For, which the proxy passes on with the peer
+        # added (proxy/server/headers.py `forwarded_for`), as the wire does.
+        "proxy_headers": False,
         # uvloop (or asyncio's), with the TLS handshake bounded by --header-timeout
         "loop": loop_factory(settings.header_timeout),
         # httptools with limits on the request head while it arrives (proxy.server.protocol);

@@ -38,6 +38,23 @@ SMUGGLED = b"GET /v1/smuggled HTTP/1.1\r\nHost: x\r\n\r\n"
 # -- defect 2: bytes after an upgrade head ------------------------------------------------
 
 
+def test_the_upstream_gets_the_clients_address_last_in_x_forwarded_for(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """A client's own X-Forwarded-For is kept and the address the proxy saw goes after it,
+    measured or not: vLLM's uvicorn trusts 127.0.0.1 for the header, so with the proxy
+    beside it a client could otherwise write the address vLLM logs."""
+    upstream.default = by_target({})  # ok() to each
+    spoofed = b"X-Forwarded-For: 6.6.6.6\r\n"
+    with proxy(upstream.url) as base:
+        plain = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + spoofed + b"\r\n"
+        assert exchange(base, plain, idle=0.5).startswith(b"HTTP/1.1 200")
+        assert exchange(base, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n", idle=0.5)
+    first, second = upstream.requests
+    assert first.header(b"x-forwarded-for") == [b"6.6.6.6, 127.0.0.1"]
+    assert second.header(b"x-forwarded-for") == [b"127.0.0.1"]
+
+
 def test_a_request_behind_a_refused_upgrade_never_reaches_the_upstream(
     upstream: RawUpstream, proxy: Proxy
 ) -> None:

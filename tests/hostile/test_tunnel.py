@@ -74,7 +74,9 @@ def test_the_handshake_passes_the_http_header_policy(upstream: RawUpstream, prox
         own = {b"upgrade", b"connection"}
         return {n for n in header_names(head) - own if not n.startswith(b"sec-websocket-")}
 
-    assert end_to_end(ws.head) == end_to_end(http.head) == {b"host", b"x-kept"}
+    # the proxy's own: the client's address last in X-Forwarded-For, on both
+    assert end_to_end(ws.head) == end_to_end(http.head) == {b"host", b"x-kept", b"x-forwarded-for"}
+    assert ws.header(b"x-forwarded-for") == http.header(b"x-forwarded-for") == [b"127.0.0.1"]
 
 
 def test_a_bad_target_gets_the_http_relays_answer(upstream: RawUpstream, proxy: Proxy) -> None:

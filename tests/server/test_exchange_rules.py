@@ -166,6 +166,31 @@ def test_an_upstreams_own_buffering_header_stands_and_proxy_connection_stops(
     assert not any(k == b"proxy-connection" for k, _ in upstream.headers)
 
 
+def test_the_clients_address_goes_last_in_x_forwarded_for(registry: CollectorRegistry) -> None:
+    """As nginx's $proxy_add_x_forwarded_for: a backend that trusts the proxy for the
+    header reads the last address it does not trust, the client the proxy saw, never one
+    the client wrote in (vLLM's uvicorn trusts 127.0.0.1: a client could set its own)."""
+    ctx = context(registry)
+    json_head = [(b"content-type", b"application/json")]
+    for sent, expected in [
+        ([], b"203.0.113.7"),
+        ([(b"x-forwarded-for", b"6.6.6.6")], b"6.6.6.6, 203.0.113.7"),
+        (
+            [(b"x-forwarded-for", b"1.1.1.1"), (b"x-forwarded-for", b"2.2.2.2, 3.3.3.3")],
+            b"1.1.1.1, 2.2.2.2, 3.3.3.3, 203.0.113.7",
+        ),
+    ]:
+        rules = ExchangeRules(
+            ctx, "POST", where_to(CHAT, b""), CHAT, json_head + sent, 1.0, 1000.0, "203.0.113.7"
+        )
+        rules.body(STREAM_BODY)
+        upstream = rules.admit(2.0)
+        assert [v for k, v in upstream.headers if k == b"x-forwarded-for"] == [expected]
+    alone = rules_for(ctx)  # no address known (a socket file): nothing added
+    alone.body(STREAM_BODY)
+    assert not any(k == b"x-forwarded-for" for k, _ in alone.admit(2.0).headers)
+
+
 def test_an_early_end_answers_before_the_head_and_drops_after_it(
     registry: CollectorRegistry,
 ) -> None:

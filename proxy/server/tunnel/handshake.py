@@ -86,6 +86,7 @@ def admit(
     request_target: bytes,
     raw_headers: Iterable[tuple[bytes, bytes]],
     upstream: UpstreamURL,
+    client: str | None = None,
 ) -> Admitted:
     """The handshake to send upstream for a head `is_websocket_upgrade` accepted, as the
     wire's llhttp parsed it (no second split of the head's bytes); raises `Refused` for a
@@ -102,7 +103,7 @@ def admit(
         b"%s %s HTTP/1.1\r\nhost: %s\r\n"
         % (method, upstream.target(parsed.path, parsed.query).encode(), upstream.authority)
     ]
-    out.extend(b"%s: %s\r\n" % pair for pair in handshake_headers(headers))
+    out.extend(b"%s: %s\r\n" % pair for pair in handshake_headers(headers, client))
     out.append(b"\r\n")
     return Admitted(b"".join(out), parsed.path, parsed.query, headers)
 

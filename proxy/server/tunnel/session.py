@@ -121,7 +121,9 @@ class Tunnel:
     ) -> None:
         sinks = self.context.sinks
         try:
-            admitted = admit(method, request_target, headers, self.context.upstream)
+            peer = self.pipe.client.get_extra_info("peername")
+            client = peer[0] if isinstance(peer, tuple) else None  # None over a socket file
+            admitted = admit(method, request_target, headers, self.context.upstream, client)
         except Refused as refusal:
             sinks.session_started(self.route)
             self._answer(refusal.status, refusal.kind, refusal.message)

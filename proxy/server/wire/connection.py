@@ -287,6 +287,7 @@ class WireRequest(Deadline):
         self.client_buffered = 0
         self.client_moved = 0.0
         context = wire.context
+        peer = proto.client  # uvicorn's (host, port) of the connection, None over a socket file
         self.rules = ExchangeRules(
             context,
             method.decode("latin-1"),
@@ -295,6 +296,7 @@ class WireRequest(Deadline):
             headers,
             perf_counter(),
             time(),
+            None if peer is None else peer[0],
         )
 
     # -- the request ------------------------------------------------------------------
