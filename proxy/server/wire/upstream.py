@@ -81,6 +81,7 @@ class UpstreamConnection(asyncio.Protocol):
         "chunked",
         "feed",
         "head_bytes",
+        "header_bytes",
         "headers",
         "idle_since",
         "in_head",
@@ -104,6 +105,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.request: WireRequest | None = None
         self.headers: Headers = []
         self.head_bytes = 0  # read of the response head so far
+        self.header_bytes = 0  # its headers' names and values, as parsed
         self.in_head = True
         self.interim = False  # a 1xx head: not the response yet
         self.lost = False
@@ -119,7 +121,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def start(self, request: WireRequest, head: bytes) -> None:
         self.request, self.headers, self.in_head, self.interim = request, [], True, False
-        self.head_bytes = 0
+        self.head_bytes = self.header_bytes = 0
         self.now = 0.0  # until a byte of this request's answer arrives (`answered`)
         self.transport.write(head)
 
@@ -177,6 +179,12 @@ class UpstreamConnection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.in_head:  # after the head: trailers, which neither data path relays
             self.headers.append((name.lower(), value))
+            # The same bound on a head that came whole in one read as on one still coming
+            # (data_received): what the client can be sent must not depend on how TCP
+            # split the upstream's bytes.
+            self.header_bytes += len(name) + len(value) + 4
+            if self.header_bytes > MAX_RESPONSE_HEAD:
+                raise UpstreamProtocolError("malformed", "response head over 64 KiB")
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
