@@ -14,7 +14,7 @@ import asyncio
 import socket
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import pytest
@@ -420,6 +420,18 @@ def _stream_request() -> bytes:
     )
 
 
+@contextmanager
+def _small_window_stream(base: str) -> Iterator[socket.socket]:
+    """A client connection with a 4 KiB receive buffer that has sent a streaming chat
+    request: whatever it does not read holds the proxy's writes up at once."""
+    host, port = base.removeprefix("http://").rsplit(":", 1)
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((host, int(port)))
+        sock.sendall(_stream_request())
+        yield sock
+
+
 def test_a_client_that_stops_reading_is_cut_at_the_idle_timeout_and_the_generation_ends(
     upstream: RawUpstream, proxy: Proxy
 ) -> None:
@@ -430,18 +442,13 @@ def test_a_client_that_stops_reading_is_cut_at_the_idle_timeout_and_the_generati
     client_cancelled."""
     closed_after: list[float] = []
     upstream.default = by_target({b"/v1/chat/completions": _endless_stream(closed_after)})
-    with proxy(upstream.url, "--idle-timeout", "1") as base:
-        host, port = base.removeprefix("http://").rsplit(":", 1)
-        with socket.socket() as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.connect((host, int(port)))
-            sock.sendall(_stream_request())
-            assert upstream.wait_for(lambda: bool(closed_after), 8), "the upstream ran on"
-            sock.settimeout(5)
-            with pytest.raises(ConnectionError):  # dropped: reset, or read to its end
-                while sock.recv(2**20):
-                    pass
-                raise ConnectionResetError("closed")
+    with proxy(upstream.url, "--idle-timeout", "1") as base, _small_window_stream(base) as sock:
+        assert upstream.wait_for(lambda: bool(closed_after), 8), "the upstream ran on"
+        sock.settimeout(5)
+        with pytest.raises(ConnectionError):  # dropped: reset, or read to its end
+            while sock.recv(2**20):
+                pass
+            raise ConnectionResetError("closed")
         cancelled = wait_for(
             base, "tokenprobe_requests_total", 1, error_type="client_cancelled"
         ).total("tokenprobe_requests_total")
@@ -456,18 +463,13 @@ def test_a_client_that_reads_slowly_keeps_its_stream_past_the_idle_timeout(
     holds the upstream up without being cut."""
     closed_after: list[float] = []
     upstream.default = by_target({b"/v1/chat/completions": _endless_stream(closed_after)})
-    with proxy(upstream.url, "--idle-timeout", "1") as base:
-        host, port = base.removeprefix("http://").rsplit(":", 1)
-        with socket.socket() as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.connect((host, int(port)))
-            sock.sendall(_stream_request())
-            deadline = time.monotonic() + 3.5  # three and a half idle timeouts
-            taken = 0
-            while time.monotonic() < deadline:
-                time.sleep(0.25)
-                taken += len(sock.recv(64 * 1024))  # about 256 KB a second
-            assert not closed_after, f"cut though it read {taken} bytes"
+    with proxy(upstream.url, "--idle-timeout", "1") as base, _small_window_stream(base) as sock:
+        deadline = time.monotonic() + 3.5  # three and a half idle timeouts
+        taken = 0
+        while time.monotonic() < deadline:
+            time.sleep(0.25)
+            taken += len(sock.recv(64 * 1024))  # about 256 KB a second
+        assert not closed_after, f"cut though it read {taken} bytes"
     assert taken > 0
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager
 
 import pytest
@@ -115,6 +115,20 @@ def test_the_handshakes_target_is_read_as_the_http_relay_reads_it(
     assert [r.target for r in upstream.requests] == [b"/v1/realtime?x=1"] * 2
 
 
+def _never_answers(closed_after: list[float]) -> Callable[[Conn], Awaitable[None]]:
+    """An upstream that reads the handshake and answers nothing, noting how long after it
+    the proxy closed the connection."""
+
+    async def script(conn: Conn) -> None:
+        if await conn.read_request() is None:
+            return
+        started = time.monotonic()
+        if await conn.wait_closed_by_peer(timeout=8.0):
+            closed_after.append(time.monotonic() - started)
+
+    return script
+
+
 def test_a_client_that_leaves_before_the_101_closes_the_upstream_connection(
     upstream: RawUpstream, proxy: Proxy
 ) -> None:
@@ -123,15 +137,7 @@ def test_a_client_that_leaves_before_the_101_closes_the_upstream_connection(
     its reading paused the close went unseen until the upstream answered or the idle
     timeout (300 s by default) ended the session."""
     closed_after: list[float] = []
-
-    async def never_answers(conn: Conn) -> None:
-        if await conn.read_request() is None:
-            return
-        started = time.monotonic()
-        if await conn.wait_closed_by_peer(timeout=8.0):
-            closed_after.append(time.monotonic() - started)
-
-    upstream.default = never_answers
+    upstream.default = _never_answers(closed_after)
     with proxy(upstream.url, "--ws-idle-timeout", "30") as base:
         host, port = base.removeprefix("http://").rsplit(":", 1)
         with socket.create_connection((host, int(port))) as sock:
@@ -149,15 +155,7 @@ def test_a_handshake_never_answered_gets_a_504_at_the_first_byte_timeout(
     HTTP request gets at --first-byte-timeout, and the session ends as upstream_timeout.
     It once waited for --ws-idle-timeout and got a bare close, counted idle_timeout."""
     closed_after: list[float] = []
-
-    async def never_answers(conn: Conn) -> None:
-        if await conn.read_request() is None:
-            return
-        started = time.monotonic()
-        if await conn.wait_closed_by_peer(timeout=8.0):
-            closed_after.append(time.monotonic() - started)
-
-    upstream.default = never_answers
+    upstream.default = _never_answers(closed_after)
     flags = ("--first-byte-timeout", "1", "--ws-idle-timeout", "30")
     with proxy(upstream.url, *flags) as base:
         started = time.monotonic()
