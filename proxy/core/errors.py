@@ -197,10 +197,16 @@ def classify_stream_end(
     """A streamed success that reached the end of its body: an error event inside it
     (vLLM's `data: {"error": ...}` after the 200) is stream_error; a body that stopped
     before the API's end (`ended` false: no `end_marker`, nor a finish reason where that
-    ends the stream) is stream_truncated. Returns (error type, message), (None, None) if fine."""
+    ends the stream) is stream_truncated. Returns (error type, message), (None, None) if fine.
+    An error event that says the prompt is over the context is context_length, as the same
+    words in a 400 are: vLLM's token-in generate stream refuses a long prompt that way
+    (scale_out/token_in_token_out/serving.py), and it is the client's to fix either way."""
     if stream_error is not None:
         wrapped = stream_error if isinstance(stream_error, dict) else {"error": stream_error}
-        return ErrorType.STREAM_ERROR, error_message(orjson.dumps(wrapped))
+        body = orjson.dumps(wrapped)
+        if classify_response(400, body) is ErrorType.CONTEXT_LENGTH:
+            return ErrorType.CONTEXT_LENGTH, error_message(body)
+        return ErrorType.STREAM_ERROR, error_message(body)
     if not ended:
         return ErrorType.STREAM_TRUNCATED, f"stream ended without {end_marker}"
     return None, None

@@ -159,9 +159,12 @@ _AWAITED = frozenset({"ttft", "ttfa"})
 
 
 def _failed(error: str, status: object) -> str:
-    """REFUSED for a 4xx the client caused, else ERROR."""
+    """REFUSED for a 4xx the client caused, or a prompt over the context however it was
+    said (vLLM's generate stream says it in an error event after a 200), else ERROR."""
     client_side = isinstance(status, int) and 400 <= status < 500
-    return REFUSED if client_side and error in REFUSALS else ERROR
+    if error == ErrorType.CONTEXT_LENGTH or (client_side and error in REFUSALS):
+        return REFUSED
+    return ERROR
 
 
 def _judged(

@@ -71,6 +71,26 @@ def test_generate_stream_counts_output_exactly_from_token_ids() -> None:
     assert m.response_id == "generate-tokens-94e2b1d16869bb0b"
 
 
+def test_a_generate_stream_refusing_a_prompt_over_the_context_is_context_length() -> None:
+    """vLLM's token-in generate stream answers 200, then refuses a prompt longer than the
+    context in an error event (scale_out/token_in_token_out/serving.py); not streamed, the
+    same words are a 400, context_length. The stream's was stream_error: a server-side
+    failure in the availability ratio, for a prompt the client must shorten."""
+    refusal = (
+        b'data: {"error": {"message": "The decoder prompt (length 300) is longer than the '
+        b"maximum model length of 256. Make sure that `max_model_len` is no smaller than the "
+        b'number of text tokens.", "type": "BadRequestError", "code": 400}}\n\n'
+    )
+    m = run(
+        "/inference/v1/generate", GENERATE, [refusal, b"data: [DONE]\n\n"], [100.5, 100.5], 100.6
+    )
+    assert m.error_type is ErrorType.CONTEXT_LENGTH, m.error_type
+    assert m.error_message is not None and "longer than the maximum model length" in m.error_message
+    other = b'data: {"error": {"message": "engine died", "type": "InternalServerError"}}\n\n'
+    m = run("/inference/v1/generate", GENERATE, [other, b"data: [DONE]\n\n"], [100.5, 100.5], 100.6)
+    assert m.error_type is ErrorType.STREAM_ERROR
+
+
 def test_generate_stream_byte_at_a_time_gives_the_same_record() -> None:
     whole = run("/inference/v1/generate", GENERATE, events("vllm032_generate.sse"), GEN_TIMES, 102)
     reads, times = byte_at_a_time(events("vllm032_generate.sse"), GEN_TIMES)

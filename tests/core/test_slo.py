@@ -33,6 +33,8 @@ LIMITS = slo.parse_slo("ttft=0.5,tpot=0.05,e2e=10")
         ({"error_type": ErrorType.BAD_REQUEST, "status_code": 413}, "refused"),
         # a gateway's token exchange that failed: a 500, the service's own failure
         ({"error_type": ErrorType.AUTH, "status_code": 500}, "error"),
+        # a prompt over the context refused inside a 200 stream (vLLM's generate)
+        ({"error_type": ErrorType.CONTEXT_LENGTH, "status_code": 200}, "refused"),
         # A client that left: a miss already known when it left counts as that miss
         # (the worst waits under overload once vanished from attainment); else cancelled.
         ({"error_type": ErrorType.CLIENT_CANCELLED, "ttft": 9.0}, "ttft"),
