@@ -258,11 +258,20 @@ class ProxyApp:
         self.sinks.metrics.set_backend(kind, version)
 
     async def _refresh_models(self, every: float) -> None:
+        """The upstream's model list every `every` seconds; after a failed lookup sooner
+        (1 s, doubling up to `every`): a proxy started beside a vLLM still loading its
+        model would otherwise label that model `other` for a whole --models-refresh
+        (60 s by default) once vLLM is up."""
+        retry = 1.0
         while True:
             ids = await self.fetch_models()
             if ids is not None:
                 self.sinks.models.update_from_upstream(ids)
-            await asyncio.sleep(every)
+                retry = 1.0
+                await asyncio.sleep(every)
+            else:
+                await asyncio.sleep(min(retry, every))
+                retry *= 2
 
 
 def _tunnel_context(app: ProxyApp) -> TunnelContext:

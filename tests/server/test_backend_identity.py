@@ -10,9 +10,12 @@ from collections.abc import Callable
 import httpx
 
 from proxy.core.measurement import TokenSource
+from proxy.sim.app import create_sim_app
+from proxy.sim.config import SimConfig
 from proxy.sim.ollama import OLLAMA_VERSION
 from proxy.sim.utility import VLLM_VERSION
 from tests.conftest import MODEL, ProxyUnderTest, Running
+from tests.servers import ThreadedServer
 
 REFRESH = 0.2
 
@@ -107,3 +110,28 @@ def test_a_backend_not_known_as_ollama_is_asked_once_then_left_alone(
     one, two = proxy.wait_records(2, exact=True)
     assert one.token_source is TokenSource.USAGE and two.token_source is TokenSource.CHUNKS
     assert two.ok and two.output_tokens == 6
+
+
+# -- the model list of a backend that comes up after the proxy ----------------------------
+
+
+def test_a_backend_that_comes_up_after_the_proxy_has_its_models_labelled_within_seconds(
+    start_proxy: Callable[..., ProxyUnderTest],
+) -> None:
+    """A proxy started beside a vLLM still loading its model: its first look at the model
+    list fails, and it looked again only after --models-refresh (60 s by default), so the
+    model was labelled `other` all that while (a review: 12 requests). It asks again after
+    1 s, doubling, until it has the list."""
+    sim_app = create_sim_app(SimConfig(models=("late-model",)))
+    sim = ThreadedServer(sim_app)  # its port chosen, nothing listening on it yet
+    proxy = start_proxy(sim.url, models_refresh=60.0, model_allowlist=())
+    try:
+        time.sleep(0.5)  # the first look has failed by now
+        assert "late-model" not in proxy.app.sinks.models.known
+        sim.start()
+        deadline = time.monotonic() + 6
+        while "late-model" not in proxy.app.sinks.models.known and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "late-model" in proxy.app.sinks.models.known
+    finally:
+        sim.stop()
