@@ -59,6 +59,7 @@ def test_the_first_screen_names_every_measured_api() -> None:
         "/v1/audio/transcriptions": "transcriptions",
         "/v1/audio/translations": "translations",
         "/cohere/v2/chat": "Cohere chat",
+        "/v2/embed": "Cohere chat and embed (`/v2/embed`)",
         "/api/chat": "Ollama's chat",
         "/api/generate": "Ollama's chat, generate",
         "/api/embed": "Ollama's chat, generate and embed",

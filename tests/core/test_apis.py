@@ -117,6 +117,7 @@ def test_every_vllm_route_has_its_api_and_label() -> None:
         "/v1/audio/transcriptions": "/v1/audio/transcriptions",
         "/v1/audio/translations": "/v1/audio/translations",
         "/cohere/v2/chat": "/cohere/v2/chat",
+        "/v2/embed": "/v2/embed",  # vllm/entrypoints/pooling/embed/api_router.py
         # Ollama's native API (ollama/ollama server/routes.go)
         "/api/chat": "/api/chat",
         "/api/generate": "/api/generate",
@@ -440,6 +441,34 @@ def test_non_generative_body_gives_prompt_tokens_only(path: str, usage: dict[str
     m = finish(observer, 100.5)
     assert (m.prompt_tokens, m.output_tokens, m.token_source) == (9, None, TokenSource.USAGE)
     assert (m.ttft, m.finish_reason, m.endpoint) == (None, NONE_LABEL, api.endpoint)
+
+
+def test_cohere_embed_counts_its_prompt_from_meta_billed_units() -> None:
+    """vLLM's /v2/embed answers CohereEmbedResponse (pooling/embed/protocol.py): no
+    `usage`, the pooled count split into meta.billed_units' input and image tokens. It
+    went through unmeasured, counted as a passthrough on the `/other` route."""
+    api = api_for("/v2/embed")
+    assert api is not None and not api.generative and api.endpoint == "/v2/embed"
+    request, _ = parse_request(
+        "/v2/embed", orjson.dumps({"model": MODEL, "texts": ["hi", "there"], "max_tokens": 5})
+    )
+    assert (request.prompt, request.max_tokens) == (["hi", "there"], None)  # an input cap
+    observer = StreamObserver(info(api.endpoint, stream=False), start=START)
+    observer.open(200, "application/json", OPENED)
+    answer = {
+        "id": "embd-1",
+        "embeddings": {"float": [[0.1], [0.2]]},
+        "texts": ["hi", "there"],
+        "meta": {
+            "api_version": {"version": "2"},
+            "billed_units": {"input_tokens": 8, "image_tokens": 0},
+        },
+        "response_type": "embeddings_by_type",
+    }
+    observer.feed(orjson.dumps(answer), 100.5)
+    m = finish(observer, 100.5)
+    assert (m.prompt_tokens, m.output_tokens, m.token_source) == (8, None, TokenSource.USAGE)
+    assert (m.ok, m.response_id) == (True, "embd-1")
 
 
 # -- n > 1 choices (issue 12, defect 6) ---------------------------------------------------

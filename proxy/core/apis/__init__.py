@@ -22,7 +22,7 @@ from proxy.core.apis.completions import Completions
 from proxy.core.apis.generate import Generate
 from proxy.core.apis.messages import Messages
 from proxy.core.apis.ollama import OllamaChat, OllamaEmbed, OllamaGenerate
-from proxy.core.apis.pooling import Classify, Embeddings, Pooling, Rerank, Score
+from proxy.core.apis.pooling import Classify, CohereEmbed, Embeddings, Pooling, Rerank, Score
 from proxy.core.apis.responses import Responses
 
 #: Every measured API, one line each.
@@ -40,6 +40,7 @@ APIS: tuple[Api, ...] = (
     Transcriptions(),
     Translations(),
     CohereChat(),
+    CohereEmbed(),
     OllamaChat(),
     OllamaGenerate(),
     OllamaEmbed(),

@@ -5,14 +5,16 @@ is measured is e2e latency, prompt tokens, the error type and the model (vllm-pr
 vllm/entrypoints/openai/api_server.py and vllm/entrypoints/pooling/*: `/v1/embeddings`,
 `/pooling`, `/classify` (and `/v1/classify`), `/score` with its older alias `/v1/score`, `/rerank` with
 `/v1/rerank` and `/v2/rerank`). The rerank answer may carry only `total_tokens`, which for
-a model that generates nothing is the prompt.
+a model that generates nothing is the prompt. vLLM's Cohere-style `/v2/embed` says its
+count in `meta.billed_units` instead (vllm/entrypoints/pooling/embed/protocol.py,
+`CohereEmbedResponse`).
 """
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from proxy.core.apis.base import Api, TokenCounts, as_int
+from proxy.core.apis.base import Api, Facts, TokenCounts, as_int, identity
 from proxy.core.measurement import TokenSource
 
 
@@ -62,3 +64,33 @@ class Classify(Pooling):
     endpoint = "/classify"
     paths: ClassVar[tuple[str, ...]] = ("/classify", "/v1/classify")
     operation = "classify"
+
+
+class CohereEmbed(Pooling):
+    """`/v2/embed`: texts (or images, or mixed inputs) in, `meta.billed_units` out, with
+    `input_tokens` and `image_tokens` (together the prompt: vLLM splits one pooled count
+    between them, pooling/embed/serving.py). Its `max_tokens` caps the input, not an
+    output, so it is not read as one."""
+
+    endpoint = "/v2/embed"
+    paths = ("/v2/embed",)
+    provider = "cohere"
+    measures = "e2e latency, prompt tokens from meta.billed_units, error type"
+
+    def prompt(self, obj: dict[str, Any]) -> Any:
+        return obj.get("texts")
+
+    def max_tokens(self, obj: dict[str, Any]) -> object:
+        return None
+
+    def body(self, obj: dict[str, Any], collect: bool) -> Facts:
+        meta = obj.get("meta")
+        units = meta.get("billed_units") if type(meta) is dict else None
+        return Facts(usage=units if type(units) is dict else None, **identity(obj))
+
+    def counts(self, usage: dict[str, Any]) -> TokenCounts | None:
+        text, image = as_int(usage.get("input_tokens")), as_int(usage.get("image_tokens"))
+        if text is None and image is None:
+            return None
+        prompt = (text or 0) + (image or 0)
+        return TokenCounts(prompt=prompt, output=None, cached=None, source=TokenSource.USAGE)
