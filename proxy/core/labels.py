@@ -120,6 +120,28 @@ _ROUTES = (
     "/classify",
     "/server_info",
     "/is_sleeping",
+    # vLLM 0.32's fixed routes under the ones above, and the rest of its own (its routers
+    # under vllm/entrypoints): each its own label, not `<parent>/{id}` or /other
+    "/v1/chat/completions/batch",
+    "/v1/chat/completions/render",
+    "/v1/chat/completions/derender",
+    "/v1/completions/render",
+    "/v1/completions/derender",
+    "/v1/messages/render",
+    "/v1/responses/render",
+    "/v1/systemone",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/v2/embed",
+    "/generative_scoring",
+    "/tokenizer_info",
+    "/kv_event_sources",
+    "/is_paused",
+    "/reset_prefix_cache",
+    "/sleep",
+    "/wake_up",
+    "/pause",
+    "/resume",
 )
 _ROUTE_SET = frozenset(_ROUTES)
 _MODEL_ROUTE = re.compile(r"^/v1/models/.+$")  # ids may hold a slash (org/name)
