@@ -386,6 +386,21 @@ def test_responses_incomplete_for_max_output_tokens_is_length() -> None:
     assert m == replace(RESP_WANT, finish_reason="length", raw_finish_reason="max_output_tokens")
 
 
+def test_a_background_responses_acknowledgement_has_no_finish_reason() -> None:
+    """`background: true`, not streamed: vLLM answers at once with `status: "queued"` and
+    `usage: null`, and generates later (openai/responses/serving.py). It was recorded
+    as finished for an unknown reason ("other"); nothing has finished yet."""
+    api = api_for("/v1/responses")
+    assert api is not None
+    observer = StreamObserver(info(api.endpoint, stream=False), start=START)
+    observer.open(200, "application/json", OPENED)
+    queued = {"id": "resp_1", "model": MODEL, "status": "queued", "output": [], "usage": None}
+    observer.feed(orjson.dumps(queued), 100.5)
+    m = finish(observer, 100.5)
+    assert (m.ok, m.finish_reason, m.raw_finish_reason) == (True, NONE_LABEL, "queued")
+    assert (m.output_tokens, m.token_source) == (None, TokenSource.NONE)
+
+
 def test_responses_failed_is_a_stream_error() -> None:
     m = replay("/v1/responses", events("vllm_responses_failed.sse"), RESP_TIMES, 101.25)
     assert (m.error_type, m.error_message) == (ErrorType.STREAM_ERROR, "engine died")

@@ -32,7 +32,7 @@ from proxy.core.apis.base import (
 )
 from proxy.core.apis.chat import keep
 from proxy.core.chat_prompt import template_tools
-from proxy.core.measurement import TokenSource
+from proxy.core.measurement import NONE_LABEL, TokenSource
 from proxy.core.toolcalls import CallPiece
 
 _DELTAS = {
@@ -56,6 +56,11 @@ FINISH = {
     "content_filter": "content_filter",
     "failed": "error",
     "cancelled": "abort",
+    # `background: true` without a stream: vLLM answers at once with the response queued
+    # and generates later (openai/responses/serving.py); nothing has finished, so no finish
+    # reason ("none"; the raw status stays in the record), and no tokens yet
+    "queued": NONE_LABEL,
+    "in_progress": NONE_LABEL,
 }
 
 
