@@ -113,8 +113,9 @@ def _run(coro: Any) -> Any:
 def _headers_but_host_and_key(session: Session) -> list[tuple[str, str]]:
     """The handshake's headers by lower-case name, in name order: the proxy writes them
     through its header policy (proxy/server/headers.py `handshake_headers`), names in
-    lower case and Upgrade and Connection last, values as sent."""
-    drop = {"host", "sec-websocket-key"}
+    lower case and Upgrade and Connection last, values as sent, and adds the client's
+    address in X-Forwarded-For (`forwarded_for`, asserted where this is used)."""
+    drop = {"host", "sec-websocket-key", "x-forwarded-for"}
     return sorted((k.lower(), v) for k, v in session.headers if k.lower() not in drop)
 
 
@@ -172,6 +173,8 @@ def test_full_session_is_the_same_through_the_proxy(upstream: EchoUpstream, prox
     assert _headers_but_host_and_key(a) == _headers_but_host_and_key(b)
     assert any(k.lower() == "sec-websocket-extensions" for k, _ in b.headers)
     assert dict((k.lower(), v) for k, v in b.headers)["host"] == f"127.0.0.1:{upstream.port}"
+    assert [v for k, v in b.headers if k.lower() == "x-forwarded-for"] == ["127.0.0.1"]
+    assert not any(k.lower() == "x-forwarded-for" for k, _ in a.headers)  # direct: none
 
 
 async def _upstream_closes(url: str) -> tuple[int | None, str | None]:
@@ -538,6 +541,7 @@ def test_bytes_go_both_ways_unchanged_and_the_handshake_keeps_its_headers(
         (b"sec-websocket-protocol", b"chat, superchat"),
         (b"sec-websocket-extensions", b"permessage-deflate; client_max_window_bits"),
         (b"x-custom", b"spaced   value"),
+        (b"x-forwarded-for", b"127.0.0.1"),  # the proxy's one addition: the client's address
         (b"upgrade", b"websocket"),
         (b"connection", b"Upgrade"),
     ]
