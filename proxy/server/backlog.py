@@ -39,3 +39,28 @@ def owed(transport: asyncio.WriteTransport) -> int:
     except (OSError, ValueError):  # closed, or not a stream socket
         return size
     return size + int.from_bytes(queued, sys.byteorder)
+
+
+class Progress:
+    """Whether a client that holds a response up still takes bytes, judged at each look
+    of a timer (the wire's request timer, the ASGI relay's IdleTimer): it moved when the
+    upstream was read since the look before (the client had room then) or it owes fewer
+    bytes than at the look before. The first look only notes where things stand, so a
+    stall is cut between one and two timeouts after it began."""
+
+    __slots__ = ("moved", "owed")
+
+    def __init__(self) -> None:
+        self.moved = 0.0  # when a look last saw it move
+        self.owed = 0  # what it owed at the last look
+
+    def stalled_for(
+        self, last_read: float, transport: asyncio.WriteTransport | None, now: float
+    ) -> float:
+        """Seconds since the client last moved; `transport` None where it is not known
+        (another ASGI server): then only a read of the upstream counts."""
+        owed_now = 0 if transport is None else owed(transport)
+        if last_read > self.moved or owed_now < self.owed:
+            self.moved = now
+        self.owed = owed_now
+        return now - self.moved

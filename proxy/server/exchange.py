@@ -30,7 +30,7 @@ from proxy.core.sse import EventTooLarge
 from proxy.core.tokens import TokenCounter
 from proxy.core.upstream_url import UpstreamURL
 from proxy.server.admission import RelaySettings
-from proxy.server.backlog import owed
+from proxy.server.backlog import Progress
 from proxy.server.deadline import Deadline
 from proxy.server.headers import Headers, upstream_headers
 from proxy.sinks.dispatch import RequestScope, Sinks
@@ -246,7 +246,7 @@ class IdleTimer(Deadline):
     server), a send blocked for `limit` is a stall.
     """
 
-    __slots__ = ("client", "cut", "limit", "moved", "owed", "read", "waiting")
+    __slots__ = ("client", "cut", "limit", "progress", "read", "waiting")
 
     def __init__(
         self,
@@ -259,20 +259,15 @@ class IdleTimer(Deadline):
         self.client = client
         self.waiting: float | None = None
         self.read = perf_counter()
-        self.owed = 0  # what the client owed at the last look
-        self.moved = 0.0  # when a look last saw it move (a read since the look before, or
-        # fewer bytes owed); the first look only notes where things stand
+        self.progress = Progress()
         Deadline.__init__(self)
         self.due_within(limit)
 
     def time_left(self) -> float | None:
         now = perf_counter()
         if self.waiting is None:  # passing the last read on: the client holds it up
-            owed_now = 0 if self.client is None else owed(self.client)
-            if self.read > self.moved or owed_now < self.owed:
-                self.moved = now
-            self.owed = owed_now
-            waited, cause = now - self.moved, Cause.CLIENT_STALLED
+            waited = self.progress.stalled_for(self.read, self.client, now)
+            cause = Cause.CLIENT_STALLED
         else:
             waited, cause = now - self.waiting, Cause.IDLE_TIMEOUT
         if waited >= self.limit:

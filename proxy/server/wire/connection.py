@@ -37,7 +37,7 @@ from proxy.core.errors import Cause, Failure
 from proxy.core.paths import Target
 from proxy.core.strip import UsageEventStripper
 from proxy.server.admission import BODY_TIMEOUT, Refused, answer_bytes, own_route, where_to
-from proxy.server.backlog import owed
+from proxy.server.backlog import Progress
 from proxy.server.deadline import Deadline
 from proxy.server.exchange import Context
 from proxy.server.headers import Headers
@@ -237,8 +237,7 @@ class WireRequest(Deadline):
     (proxy/server/rules.py), and this object carries that out on the connection."""
 
     __slots__ = (
-        "client_buffered",
-        "client_moved",
+        "client_progress",
         "complete",
         "expect_100",
         "head_only",
@@ -282,10 +281,9 @@ class WireRequest(Deadline):
         self.stripper: UsageEventStripper | None = None
         Deadline.__init__(self)  # see time_left
         self.sent_at = 0.0  # when the request went upstream; 0.0 until then
-        # While the client holds the upstream up: the bytes it owed at the last look, and
-        # when a look last saw it move (see _client_stalled).
-        self.client_buffered = 0
-        self.client_moved = 0.0
+        # Whether the client still takes bytes while it holds the upstream up: made at the
+        # first look of a hold-up (_check), as few requests ever have one.
+        self.client_progress: Progress | None = None
         context = wire.context
         peer = proto.client  # uvicorn's (host, port) of the connection, None over a socket file
         self.rules = ExchangeRules(
@@ -357,29 +355,19 @@ class WireRequest(Deadline):
             limit, cause = self.wire.context.settings.idle_timeout, Cause.IDLE_TIMEOUT
             if conn is None:
                 waited = 0.0
-            elif conn.paused:
-                waited, cause = self._client_stalled(conn.now), Cause.CLIENT_STALLED
+            elif conn.paused:  # the client holds it up: one that stopped reading and stays
+                # would hold the backend's generation, and its KV cache, for good
+                progress = self.client_progress
+                if progress is None:
+                    progress = self.client_progress = Progress()
+                waited = progress.stalled_for(conn.now, self.transport, perf_counter())
+                cause = Cause.CLIENT_STALLED
             else:
                 waited = perf_counter() - conn.now
         if waited >= limit:
             self.cut(cause)
             return None
         return limit - waited
-
-    def _client_stalled(self, last_read: float) -> float:
-        """How long the client has taken no bytes while the upstream waits on it: since
-        the look that last found a read from the upstream after the look before it (the
-        client had room then) or the client owing fewer bytes (proxy/server/backlog.py).
-        A client that reads slowly keeps its stream; one that stopped reading and stays
-        connected would otherwise hold the backend's generation, and its KV cache, for
-        good. The first look only notes where things stand, so a stall is cut between
-        one and two --idle-timeout after it began."""
-        now = perf_counter()
-        buffered = owed(self.transport)
-        if last_read > self.client_moved or buffered < self.client_buffered:
-            self.client_moved = now
-        self.client_buffered = buffered
-        return now - self.client_moved
 
     def _answer_refusal(self) -> None:
         rules = self.rules
