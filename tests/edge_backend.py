@@ -14,6 +14,7 @@ import subprocess
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import IO
 
 from tests.scrape import scrape
 from tests.servers import free_port, spawn, stop, wait_http
@@ -133,7 +134,9 @@ def serving(upstream: str, *flags: str) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def serving_process(upstream: str, *flags: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+def serving_process(
+    upstream: str, *flags: str, stderr: int | IO[bytes] = subprocess.PIPE
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     port = free_port()
     process = spawn(
         "serve",
@@ -148,6 +151,7 @@ def serving_process(upstream: str, *flags: str) -> Iterator[tuple[str, subproces
         "--model-allowlist",
         "m",
         *flags,
+        stderr=stderr,
     )
     base = f"http://127.0.0.1:{port}"
     try:

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 import uvicorn
@@ -185,13 +185,14 @@ def spawn(
     env: dict[str, str] | None = None,
     stdout: int = subprocess.DEVNULL,
     preexec_fn: Callable[[], None] | None = None,
+    stderr: int | IO[bytes] = subprocess.PIPE,
 ) -> subprocess.Popen[bytes]:
     """`python -m proxy ARGS`; `preexec_fn` runs in the child before it starts (a limit)."""
     return subprocess.Popen(
         [sys.executable, "-m", "proxy", *args],
         env={**os.environ, **(env or {})},
         stdout=stdout,
-        stderr=subprocess.PIPE,
+        stderr=stderr,
         preexec_fn=preexec_fn,
     )
 

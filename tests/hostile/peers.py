@@ -175,11 +175,28 @@ def by_target(handlers: dict[bytes, Handler], default: bytes = b"") -> Script:
 
 
 class _Recorder(asyncio.StreamReaderProtocol):
-    """Feeds the stream reader as usual and keeps a copy of every byte received."""
+    """Feeds the stream reader as usual and keeps a copy of every byte received; its
+    transport is in `open` while the connection is."""
 
-    def __init__(self, reader: asyncio.StreamReader, record: bytearray, cb: object) -> None:
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        record: bytearray,
+        cb: object,
+        open_: set[asyncio.BaseTransport],
+    ) -> None:
         super().__init__(reader, cb)  # type: ignore[arg-type]
         self._record = record
+        self._open = open_
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._open.add(transport)
+        self._transport_kept = transport
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._open.discard(self._transport_kept)
+        super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         self._record += data
@@ -204,6 +221,7 @@ class RawUpstream:
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._open: set[asyncio.BaseTransport] = set()
 
     @property
     def url(self) -> str:
@@ -237,7 +255,7 @@ class RawUpstream:
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
-            return _Recorder(reader, record, connected)
+            return _Recorder(reader, record, connected, self._open)
 
         self._server = self.loop.run_until_complete(self.loop.create_server(factory, sock=sock))
         self._ready.set()
@@ -265,6 +283,29 @@ class RawUpstream:
 
         asyncio.run_coroutine_threadsafe(cancel_all(), self.loop)
         self._thread.join(5)
+
+    def hang_up(self) -> None:
+        """Every script stopped and every connection reset, at once: a request the test
+        left held ends now, and a proxy keeps none of these connections in its pool."""
+        asyncio.run_coroutine_threadsafe(self._hang_up(), self.loop).result(5)
+
+    def reset(self) -> None:
+        """Hung up, and the test forgotten: its scripts and everything received; the
+        next connection is 0 again. For a module's tests that share this upstream."""
+
+        async def forget() -> None:
+            await self._hang_up()
+            self.default, self.scripts = answer_each(), []
+            self.received, self.requests = [], []
+
+        asyncio.run_coroutine_threadsafe(forget(), self.loop).result(5)
+
+    async def _hang_up(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for transport in list(self._open):
+            transport.abort()  # type: ignore[attr-defined]
 
     def wait_for(self, condition: Callable[[], bool], timeout: float = 10.0) -> bool:
         deadline = time.monotonic() + timeout

@@ -29,7 +29,8 @@ from tests.hostile.client import (
     ws_head,
 )
 from tests.hostile.peers import Conn, RawUpstream, Request, by_target, exchange, get, ok
-from tests.scrape import scrape, wait_for
+from tests.hostile.shared import counted, counted_when
+from tests.scrape import REQUESTS, scrape
 
 Proxy = Callable[..., AbstractContextManager[str]]
 SMUGGLED = b"GET /v1/smuggled HTTP/1.1\r\nHost: x\r\n\r\n"
@@ -350,10 +351,10 @@ def test_requests_pipelined_behind_one_whose_client_left_are_each_recorded(
             sock.sendall(_stream_request() * 3)
             assert upstream.wait_for(lambda: len(upstream.requests) == 1, 5)
             sock.recv(65536)  # the first answer is under way
-        metrics = wait_for(base, "tokenprobe_requests_total", 3, error_type="client_cancelled")
-    cancelled = metrics.series("tokenprobe_requests_total", error_type="client_cancelled")
-    by_code = {sample.labels["code"]: sample.value for sample in cancelled}
-    assert by_code == {"200": 1, "0": 2}, by_code
+        change = counted_when(base, REQUESTS, 3, error_type="client_cancelled")
+    codes = {s.labels["code"] for s in change.after.series(REQUESTS, error_type="client_cancelled")}
+    by_code = {code: change(REQUESTS, code=code) for code in codes}
+    assert {code: n for code, n in by_code.items() if n} == {"200": 1, "0": 2}, by_code
     assert len(upstream.requests) == 1
 
 
@@ -449,9 +450,7 @@ def test_a_client_that_stops_reading_is_cut_at_the_idle_timeout_and_the_generati
             while sock.recv(2**20):
                 pass
             raise ConnectionResetError("closed")
-        cancelled = wait_for(
-            base, "tokenprobe_requests_total", 1, error_type="client_cancelled"
-        ).total("tokenprobe_requests_total")
+        cancelled = counted_when(base, REQUESTS, 1, error_type="client_cancelled")(REQUESTS)
     assert 1.0 <= closed_after[0] < 4.0, closed_after
     assert cancelled == 1
 
@@ -537,7 +536,7 @@ def test_a_400_for_bytes_behind_a_running_answer_comes_after_it(
     upstream.default = by_target({b"/v1/slow": slow_answer}, ok(b"next"))
     with proxy(upstream.url, "--header-timeout", "1") as base:
         got = exchange(base, first, then=then, after=0.2, idle=2.5)
-        malformed = scrape(base).total("tokenprobe_connections_closed_total", reason="malformed")
+        malformed = counted(base, "tokenprobe_connections_closed_total", reason="malformed")
     read = [(status, None if status == 400 else body) for status, _, body in responses(got)]
     assert read == answers, got
     assert got.endswith(b"Invalid HTTP request received."), got  # nothing after it: closed

@@ -17,7 +17,7 @@ import pytest
 
 from tests.hostile.client import KEY, Switcher, header_names, responses, ws_head
 from tests.hostile.peers import Conn, RawUpstream, exchange
-from tests.scrape import wait_for
+from tests.hostile.shared import counted_when
 
 Proxy = Callable[..., AbstractContextManager[str]]
 FRAMES = b"\x81\x85\x00\x00\x00\x00hello"  # a masked text frame, "hello"
@@ -161,14 +161,14 @@ def test_a_handshake_never_answered_gets_a_504_at_the_first_byte_timeout(
         started = time.monotonic()
         got = exchange(base, ws_head(), idle=5.0)
         answered_after = time.monotonic() - started
-        sessions = wait_for(
+        sessions = counted_when(
             base, "tokenprobe_websocket_sessions_total", 1, outcome="upstream_timeout"
         )
     ((status, _, body),) = responses(got)
     assert status == 504 and b"upstream_timeout" in body, got
     assert 1.0 <= answered_after < 4.0, answered_after
     assert closed_after and closed_after[0] < 3.0, closed_after
-    assert sessions.total("tokenprobe_websocket_sessions_total", outcome="upstream_timeout") == 1
+    assert sessions("tokenprobe_websocket_sessions_total") == 1
 
 
 def test_a_refused_upgrade_closes_the_client_connection(

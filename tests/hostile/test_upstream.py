@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from proxy.sim import SimConfig, create_sim_app
-from tests.edge_backend import metric, serving_process
+from tests.edge_backend import serving_process
 from tests.hostile.client import header_names, responses
 from tests.hostile.peers import (
     Conn,
@@ -38,6 +38,7 @@ from tests.hostile.peers import (
     raw_upstream,
     read_response,
 )
+from tests.hostile.shared import counted
 from tests.paths import ROOT
 from tests.servers import ThreadedServer, stop
 
@@ -70,7 +71,7 @@ def body(response: bytes) -> bytes:
 
 
 def errors(base: str, kind: str) -> float:
-    return metric(base, ERRORS, kind=kind)
+    return counted(base, ERRORS, kind=kind)
 
 
 def until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
@@ -572,8 +573,8 @@ def test_a_compressed_stream_goes_as_it_comes_unmeasured_and_counted(
             for piece in reply.iter_raw():
                 arrivals.append(time.monotonic() - started)
                 raw += piece
-        assert until(lambda: metric(base, MEASURING, stage="encoded") == 1)
-        assert metric(base, "tokenprobe_requests_total", error_type="stream_truncated") == 0
+        assert until(lambda: counted(base, MEASURING, stage="encoded") == 1)
+        assert counted(base, "tokenprobe_requests_total", error_type="stream_truncated") == 0
     assert zlib.decompress(bytes(raw), 31) == b"".join(events)
     assert arrivals[0] < arrivals[-1] - 0.5, arrivals  # the first piece did not wait for the end
 

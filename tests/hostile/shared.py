@@ -1,0 +1,95 @@
+"""One `tokenprobe serve` for each data path, upstream URL and set of flags, shared by a
+test module's tests, and what a test counted on it since it took it.
+
+Each start costs about 0.4 s of CPU and 0.6 s of a worker's time, and test_client.py and
+test_upstream.py once started 108 of them, one a test. A test still meets its proxy as a
+new one (conftest.py's `upstream` says how): nothing of the tests before it in flight or
+pooled, and its counts read from its own start (`counted`, `counted_when`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from tests.edge_backend import serving_process
+from tests.scrape import Change, Scrape, scrape, wait_for
+
+#: The in-flight gauges: measured requests and WebSocket sessions.
+IN_FLIGHT = ("tokenprobe_requests_in_flight", "tokenprobe_websocket_sessions_in_flight")
+
+#: Each shared proxy's /metrics when the test now running took it.
+_TAKEN: dict[str, Scrape] = {}
+#: The baseline of a proxy that is the test's own: nothing counted before the test.
+NOTHING = Scrape(())
+
+
+class SharedProxies:
+    """The module's proxies, started when first asked for and stopped with the module;
+    each writes its log to a file in `logs` (a pipe nobody reads would fill up)."""
+
+    def __init__(self, logs: Path) -> None:
+        self._logs = logs
+        self._stack = contextlib.ExitStack()
+        self._running: dict[tuple[str, ...], tuple[str, subprocess.Popen[bytes]]] = {}
+
+    def __enter__(self) -> SharedProxies:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    @contextlib.contextmanager
+    def take(self, relay: str, upstream: str, *flags: str) -> Iterator[str]:
+        """`with take(relay, url, *flags) as base:` the proxy on `relay` (the caller set
+        TOKENPROBE_RELAY to it) in front of `upstream` with `flags`."""
+        key = (relay, upstream, *flags)
+        if key not in self._running:
+            log_file = self._logs / f"proxy-{len(self._running)}.log"
+            log = self._stack.enter_context(log_file.open("wb"))
+            self._running[key] = self._stack.enter_context(
+                serving_process(upstream, *flags, stderr=log)
+            )
+        base, process = self._running[key]
+        assert process.poll() is None, f"the shared proxy {key} exited ({process.returncode})"
+        _TAKEN[base] = scrape(base)
+        try:
+            yield base
+        finally:
+            del _TAKEN[base]
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        """Every proxy with nothing measured in flight. The scrape that says so was
+        answered after the proxy had read every hang-up and client close sent before it
+        (they arrived first), so none of the connections they ended is still pooled."""
+        for base, _ in self._running.values():
+            wait_idle(base, timeout)
+
+
+def wait_idle(base: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while any((now := scrape(base)).total(name) for name in IN_FLIGHT):
+        assert time.monotonic() < deadline, f"{base} kept requests in flight: {now.totals()}"
+        time.sleep(0.02)
+
+
+def counted(base: str, name: str, /, **labels: str) -> float:
+    """How much `name{labels}` grew on the proxy at `base` since this test took it (all of
+    it on a proxy of the test's own)."""
+    return Change(_taken(base), scrape(base))(name, **labels)
+
+
+def counted_when(base: str, name: str, grown_by: float, /, **labels: str) -> Change:
+    """The change since this test took the proxy, once `name{labels}` grew by `grown_by`
+    (or after tests.scrape's wait: the caller asserts what it needs), each reading of it
+    narrowed to `labels`."""
+    before = _taken(base)
+    after = wait_for(base, name, before.total(name, **labels) + grown_by, **labels)
+    return Change(before, after, labels)
+
+
+def _taken(base: str) -> Scrape:
+    return _TAKEN.get(base, NOTHING)
