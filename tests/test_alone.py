@@ -1,6 +1,8 @@
 """tests/alone.py: an `alone` test waits for the running tests to end, and holds off the
 ones that arrive meanwhile until it is done; a run of alone tests on one worker holds
-them off from the first to the last; under xdist the alone tests are that one run."""
+them off from the first to the last; quiet tests of two lanes run side by side and hold
+off the rest the same way; under xdist the alone tests are one such run, and each lane's
+quiet tests one more."""
 
 from __future__ import annotations
 
@@ -12,15 +14,15 @@ import threading
 import time
 from pathlib import Path
 
-from tests.alone import Locks, frozen_heap
+from tests.alone import ALONE, NORMAL, Kind, Locks, frozen_heap
 from tests.paths import ROOT
 
 
-def start(folder: Path, events: list[str], alone: bool, name: str, hold: float) -> threading.Thread:
+def start(folder: Path, events: list[str], kind: Kind, name: str, hold: float) -> threading.Thread:
     """Another worker's test, in a thread: a Locks of its own, as a worker has."""
 
     def body() -> None:
-        with Locks(folder).hold(alone):
+        with Locks(folder).hold(kind):
             events.append(f"{name} in")
             time.sleep(hold)
             events.append(f"{name} out")
@@ -33,11 +35,11 @@ def start(folder: Path, events: list[str], alone: bool, name: str, hold: float) 
 def test_an_alone_test_waits_for_the_running_and_holds_off_the_arriving(tmp_path: Path) -> None:
     events: list[str] = []
     running = Locks(tmp_path)
-    with running.hold(False):
+    with running.hold(NORMAL):
         events.append("running in")
-        alone = start(tmp_path, events, True, "alone", 0.2)
+        alone = start(tmp_path, events, ALONE, "alone", 0.2)
         time.sleep(0.2)
-        arriving = start(tmp_path, events, False, "arriving", 0)
+        arriving = start(tmp_path, events, NORMAL, "arriving", 0)
         time.sleep(0.2)
         assert events == ["running in"]  # the alone test waits; the arriving one behind it
         events.append("running out")
@@ -51,13 +53,13 @@ def test_an_alone_test_waits_for_the_running_and_holds_off_the_arriving(tmp_path
 def test_a_run_of_alone_tests_keeps_the_others_out_between_them(tmp_path: Path) -> None:
     events: list[str] = []
     worker = Locks(tmp_path)
-    with worker.hold(True, next_alone=True):
+    with worker.hold(ALONE, next_kind=ALONE):
         events.append("first in")
-        arriving = start(tmp_path, events, False, "arriving", 0)
+        arriving = start(tmp_path, events, NORMAL, "arriving", 0)
         time.sleep(0.2)
         events.append("first out")
     time.sleep(0.2)  # between the two: the arriving test still waits
-    with worker.hold(True, next_alone=False):
+    with worker.hold(ALONE, next_kind=NORMAL):
         events.append("second in")
         time.sleep(0.1)
         events.append("second out")
@@ -65,6 +67,29 @@ def test_a_run_of_alone_tests_keeps_the_others_out_between_them(tmp_path: Path) 
     assert events == [
         "first in", "first out", "second in", "second out", "arriving in", "arriving out"
     ]  # fmt: skip
+
+
+def test_quiet_tests_of_two_lanes_run_side_by_side_and_hold_off_the_others(
+    tmp_path: Path,
+) -> None:
+    events: list[str] = []
+    running = Locks(tmp_path)
+    with running.hold(NORMAL):
+        events.append("running in")
+        lanes = [start(tmp_path, events, lane, f"lane {lane}", 0.3) for lane in (0, 1)]
+        time.sleep(0.2)
+        arriving = [start(tmp_path, events, NORMAL, "arriving", 0)]
+        time.sleep(0.2)
+        assert events == ["running in"]  # the lanes wait for it; the arriving test behind
+        events.append("running out")
+    time.sleep(0.2)  # both lanes in, side by side
+    assert sorted(events[2:]) == ["lane 0 in", "lane 1 in"], events
+    alone = start(tmp_path, events, ALONE, "alone", 0)
+    for thread in [*lanes, *arriving, alone]:
+        thread.join(5)
+    outs = {event: i for i, event in enumerate(events)}
+    last_lane_out = max(outs["lane 0 out"], outs["lane 1 out"])
+    assert outs["arriving in"] > last_lane_out and outs["alone in"] > last_lane_out, events
 
 
 def test_a_full_collection_in_a_frozen_heap_passes_over_none_of_the_old_objects() -> None:
@@ -102,16 +127,24 @@ def test_other(request, n):
 @pytest.mark.parametrize("n", range(2))
 def test_alone(request, n):
     start = time.monotonic(); time.sleep(0.05); log(request, start)
+
+@pytest.mark.quiet("reads a clock with a slack")
+@pytest.mark.parametrize("n", range(3))
+def test_quiet(request, n):
+    start = time.monotonic(); time.sleep(0.05); log(request, start)
 """
 
 
-def test_under_xdist_the_alone_tests_of_every_module_run_back_to_back_on_one_worker(
+def test_under_xdist_the_alone_tests_run_back_to_back_on_one_worker_and_each_lane_on_one(
     tmp_path: Path,
 ) -> None:
     """A real parallel run of a small suite with this suite's conftest (its scheduler, its
-    ordering and its locks): two modules, each with alone tests among others."""
+    ordering and its locks): two modules, each with alone and quiet tests among others,
+    and a third of others only."""
     for name in ("test_a.py", "test_b.py"):
         (tmp_path / name).write_text(SUITE)
+    # a module of others that runs on while the first two's others are done
+    (tmp_path / "test_c.py").write_text(SUITE.split("@pytest.mark.alone")[0].replace("(4)", "(12)"))
     (tmp_path / "conftest.py").write_text('pytest_plugins = ["tests.conftest"]\n')
     log = tmp_path / "log"
     run = subprocess.run(
@@ -122,10 +155,19 @@ def test_under_xdist_the_alone_tests_of_every_module_run_back_to_back_on_one_wor
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     lines = [line.split(None, 3) for line in log.read_text().splitlines()]
-    ran = [(worker, float(start), float(end), "::test_alone" in nodeid) for worker, start, end, nodeid in lines]  # fmt: skip
-    assert len(ran) == 12
-    alone = [r for r in ran if r[3]]
-    assert len({worker for worker, *_ in alone}) == 1  # one unit of work
+    ran = [(worker, float(start), float(end), nodeid.split("::")[1].split("[")[0], nodeid)
+           for worker, start, end, nodeid in lines]  # fmt: skip
+    assert len(ran) == 30
+    alone = [r for r in ran if r[3] == "test_alone"]
+    assert len({r[0] for r in alone}) == 1  # one unit of work
     first, last = min(r[1] for r in alone), max(r[2] for r in alone)
     # Back to back: no other test ran between the first alone test's start and the last's end.
-    assert not [r for r in ran if not r[3] and r[1] < last and r[2] > first], ran
+    assert not [r for r in ran if r[3] != "test_alone" and r[1] < last and r[2] > first], ran
+    # Each module's quiet tests are a lane, one worker's; nothing but quiet tests beside them.
+    quiet = [r for r in ran if r[3] == "test_quiet"]
+    for module in ("test_a.py", "test_b.py"):
+        workers = {r[0] for r in quiet if r[4].startswith(module)}
+        assert len(workers) == 1, (module, quiet)  # a lane: one worker
+    for q in quiet:
+        beside = [r for r in ran if r[3] != "test_quiet" and r[1] < q[2] and r[2] > q[1]]
+        assert not beside, (q, beside)

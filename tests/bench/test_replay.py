@@ -146,7 +146,7 @@ def common_prefix(a: str, b: str) -> int:
     return n
 
 
-@pytest.mark.alone("a timing read within tens of milliseconds")
+@pytest.mark.quiet("a timing read within tens of milliseconds", seconds=4.5)
 def test_replay_keeps_the_recorded_shape_and_sends_no_recorded_content(
     recorded: dict[str, Any], start_sim: StartSim, tmp_path: Path
 ) -> None:
@@ -202,7 +202,7 @@ def test_replay_keeps_the_recorded_shape_and_sends_no_recorded_content(
     assert "ACME" not in seen and "ZETA" not in seen
 
 
-@pytest.mark.alone("a timing read within tens of milliseconds")
+@pytest.mark.quiet("a timing read within tens of milliseconds", seconds=1.2)
 def test_speed_two_halves_the_span(recorded: dict[str, Any], start_sim: StartSim, tmp_path: Path) -> None:  # fmt: skip
     wants, _ = read_logs([str(recorded["log"])])
     span = wants[-1].offset

@@ -75,8 +75,9 @@ def agent(client: httpx.Client, name: str) -> None:
             messages.append({"role": "tool", "tool_call_id": "c", "content": "result " * 10})
 
 
-@pytest.mark.alone(
-    "the turn gaps are programmed sleeps read within a slack, in the recording and the replay"
+@pytest.mark.quiet(
+    "the turn gaps are programmed sleeps read within a slack, in the recording and the replay",
+    seconds=5,
 )
 def test_a_replay_on_a_slower_candidate_keeps_each_turn_after_its_answer(tmp_path: Path) -> None:
     fast = ThreadedServer(

@@ -244,7 +244,7 @@ def test_backend_routes_answer_exactly_what_the_backend_answers(
 # -- n > 1 choices -----------------------------------------------------------------------
 
 
-@pytest.mark.alone("TPOT and decode speed are read within 25% of the programmed step")
+@pytest.mark.quiet("TPOT and decode speed are read within 25% of the programmed step", seconds=1)
 def test_n_choices_report_one_choice_speed_not_their_sum(
     backend: tuple[VllmRoutes, ThreadedServer], start_proxy: Callable[..., ProxyUnderTest]
 ) -> None:

@@ -27,7 +27,7 @@ from tests.server.conftest import no_proxy
 from tests.servers import free_port, spawn, stop, wait_http
 
 #: On the tests that read a turn gap; the others read no clock.
-GAPS = pytest.mark.alone("turn gaps are programmed sleeps read within a slack")
+GAPS = pytest.mark.quiet("turn gaps are programmed sleeps read within a slack")
 
 SYSTEM = {"role": "system", "content": "You are a weather agent. Call get_weather first."}
 TOOLS: list[Any] = [
@@ -218,7 +218,7 @@ def test_an_agent_s_retry_after_a_rate_limit_stays_in_its_conversation(
     assert records[2].continued_via == "messages"
 
 
-@GAPS
+@GAPS(seconds=3)
 @pytest.mark.parametrize("with_header", [False, True], ids=["messages", "header"])
 def test_an_agent_loop_is_one_conversation_of_three_turns_with_its_sleeps_as_gaps(
     start_sim: Callable[..., Running], tmp_path: Path, with_header: bool

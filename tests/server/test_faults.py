@@ -73,7 +73,7 @@ PHASE_REACHED: dict[str, Callable[[Running, socket.socket], bool]] = {
 }
 
 
-@pytest.mark.alone("a timing read within tens of milliseconds")
+@pytest.mark.quiet("a timing read within tens of milliseconds")
 @pytest.mark.parametrize(
     ("phase", "headers", "stream"),
     [

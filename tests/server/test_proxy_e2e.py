@@ -124,7 +124,7 @@ def test_streamed_response_is_not_buffered(sim: Running, proxy: ProxyUnderTest) 
 # -- measurements are right ----------------------------------------------------------
 
 
-@pytest.mark.alone("a timing read within tens of milliseconds")
+@pytest.mark.quiet("a timing read within tens of milliseconds", seconds=1)
 def test_role_only_first_chunk_is_not_first_token(sim: Running, proxy: ProxyUnderTest) -> None:
     # The role chunk at once, the content tokens at 0.25, 0.45, 0.65 and 0.85 s: the first
     # token is the first content token, told from the role chunk before it and from the

@@ -34,7 +34,7 @@ def sdk(url: str) -> openai.OpenAI:
 # -- stream shape -------------------------------------------------------------
 
 
-@pytest.mark.alone("a timing read within tens of milliseconds")
+@pytest.mark.quiet("a timing read within tens of milliseconds")
 def test_role_only_chunk_precedes_first_token(client: httpx.Client, url: str, app: SimApp) -> None:
     def attempt() -> None:
         got = read_events(client, url, chat(), {"x-sim-ttft": "0.3"})
@@ -118,7 +118,7 @@ def test_cached_tokens_are_reported_in_prompt_tokens_details(
     assert got.events[-2].json["usage"]["prompt_tokens_details"] == {"cached_tokens": 3}
 
 
-@pytest.mark.alone("a timing read within tens of milliseconds")
+@pytest.mark.quiet("a timing read within tens of milliseconds")
 def test_tokens_follow_the_tps_pace_without_drift(client: httpx.Client, url: str) -> None:
     headers = {"x-sim-ttft": "0.05", "x-sim-tps": "50", "x-sim-output-tokens": "11"}
 
@@ -133,7 +133,7 @@ def test_tokens_follow_the_tps_pace_without_drift(client: httpx.Client, url: str
     best_of(3, attempt)
 
 
-@pytest.mark.alone("a timing read within tens of milliseconds")
+@pytest.mark.quiet("a timing read within tens of milliseconds")
 def test_tokens_per_chunk_groups_tokens_and_keeps_tokens_per_second(
     client: httpx.Client, url: str
 ) -> None:
@@ -287,7 +287,7 @@ def test_zero_output_tokens_sends_finish_at_ttft(client: httpx.Client, url: str)
 # -- non-streaming -------------------------------------------------------------
 
 
-@pytest.mark.alone("a timing read within tens of milliseconds")
+@pytest.mark.quiet("a timing read within tens of milliseconds")
 def test_non_streaming_returns_after_all_tokens(client: httpx.Client, url: str) -> None:
     headers = {"x-sim-ttft": "0.1", "x-sim-tps": "50", "x-sim-output-tokens": "6"}
 

@@ -76,7 +76,7 @@ def test_close_no_done_ends_the_body_cleanly_without_finish(client: httpx.Client
     assert b"[DONE]" not in got.raw and b'finish_reason":"' not in got.raw
 
 
-@pytest.mark.alone("a timing read within tens of milliseconds")
+@pytest.mark.quiet("a timing read within tens of milliseconds")
 def test_stall_pauses_then_continues_on_a_shifted_schedule(client: httpx.Client, url: str) -> None:
     def attempt() -> None:
         got = read_events(client, url, chat(), fault("stall", after=2, more={"x-sim-stall": "0.3"}))
@@ -158,7 +158,7 @@ def test_stall_before_headers_delays_the_status_line(client: httpx.Client, url: 
 # -- the client going away --------------------------------------------------------
 
 
-@pytest.mark.alone("a timing read within tens of milliseconds")
+@pytest.mark.quiet("a timing read within tens of milliseconds")
 def test_disconnect_mid_stream_is_recorded_as_aborted(url: str, app: SimApp) -> None:
     headers = {"x-sim-output-tokens": "200", "x-sim-tps": "100"}
     with (

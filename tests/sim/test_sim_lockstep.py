@@ -29,7 +29,7 @@ def sim() -> Iterator[tuple[ThreadedServer, SimApp]]:
         yield pair
 
 
-@pytest.mark.alone("a timing read within tens of milliseconds")
+@pytest.mark.quiet("a timing read within tens of milliseconds")
 def test_first_token_waits_for_the_first_step_after_ttft(
     sim: tuple[ThreadedServer, SimApp],
 ) -> None:
@@ -142,7 +142,7 @@ def test_streams_on_the_step_clock_wake_on_shared_consecutive_ticks() -> None:
     assert late >= 2  # the blocked loop really made ticks late
 
 
-@pytest.mark.alone("a timing read within tens of milliseconds")
+@pytest.mark.quiet("a timing read within tens of milliseconds")
 def test_step_clock_catches_up_after_the_loop_was_blocked() -> None:
     def attempt() -> None:
         async def run() -> tuple[float, float, int]:

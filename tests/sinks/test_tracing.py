@@ -463,7 +463,7 @@ def test_unusable_otel_value_fails_naming_the_variable(variable: str, value: str
 # -- losing spans, counted ----------------------------------------------------------------
 
 
-@pytest.mark.alone("a timing read within tens of milliseconds")
+@pytest.mark.quiet("a timing read within tens of milliseconds")
 def test_dead_collector_never_raises_into_finish_and_is_counted() -> None:
     registry = CollectorRegistry()
     environ = {

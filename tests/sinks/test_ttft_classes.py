@@ -29,7 +29,7 @@ from tests.conftest import MODEL, ProxyUnderTest, Running
 from tests.tokenizers_local import build_tiny_tokenizer
 
 #: The end-to-end tests: TTFTs programmed per prompt class must land in their buckets.
-TIMED = pytest.mark.alone("TTFTs programmed per prompt class must land in their buckets")
+TIMED = pytest.mark.quiet("TTFTs programmed per prompt class must land in their buckets")
 
 HISTOGRAM = "tokenprobe_time_to_first_token_by_prompt_seconds"
 COMPLETIONS = "/v1/completions"
@@ -123,7 +123,7 @@ CASES = [
 ]
 
 
-@TIMED
+@TIMED(seconds=5.5)
 def test_ttft_lands_in_the_bucket_of_its_prompt_and_cache_class(
     start_sim: Callable[..., Running], start_proxy: Callable[..., ProxyUnderTest]
 ) -> None:
@@ -161,7 +161,7 @@ def test_ttft_lands_in_the_bucket_of_its_prompt_and_cache_class(
     assert prompt == 1500
 
 
-@TIMED
+@TIMED(seconds=3)
 def test_bench_input_tokens_sweep_reports_ttft_and_implied_prefill_rate(
     start_sim: Callable[..., Running], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
