@@ -5,14 +5,14 @@ Some tests compare what was measured with delays the simulator was told to add: 
 0.2 s must read 0.2 s plus a small slack, a programmed 4 tokens at 10/s must miss an SLO of
 0.25 s and 4 at 100/s must meet it. Four workers on two cores add more than such a slack
 to a test that shares the CPU with them. Most such tests are light (their servers wait
-on programmed sleeps: a fifth of a core), and their slack holds with one more of them
-beside them on the second core: those are `quiet`. The ones that load both cores, or
-compare two timings within a few percent, are `alone`.
+on programmed sleeps: a fifth of a core; three lanes of them kept the machine 30-50%
+busy), and their slack holds with two more of them beside them: those are `quiet`. The
+ones that load both cores, or compare two timings within a few percent, are `alone`.
 
 Every test holds locks on files for its setup, call and teardown
 (`pytest_runtest_protocol`, module fixtures included): one gate per quiet lane, shared by
 most tests, each taken exclusively by an `alone` test and its own one by a `quiet` test
-(so two lanes run side by side, and nothing else with them). A further file, the
+(so the lanes run side by side, and nothing else with them). A further file, the
 turnstile, is taken for a moment by every test and held by an `alone` or `quiet` test
 until it has its gates, so that a steady stream of shared holders cannot starve it.
 
@@ -24,7 +24,8 @@ tests in one of their own, last (`AloneLast`): one worker runs a unit's tests ba
 back, keeping its gates from the first to the last, so the others are drained once, not
 before each such test between their own (that cost 40 s a run: the alone tests took 166 s
 of the run's wall time for 126 s of their own work). The quiet tests go to the lanes
-module by module (a module fixture starts once), each to the lane with fewer so far. The
+module by module (a module fixture starts once), each to the lane with the fewest
+seconds so far (`_give_lanes`). The
 workers name these tests and their units in a file for the scheduler, which sees node
 ids only.
 
@@ -48,7 +49,7 @@ import pytest
 from xdist.scheduler import LoadScopeScheduling
 
 #: How many quiet tests run side by side, each in its lane.
-LANES = 2
+LANES = 3
 
 #: What a test holds: `NORMAL`, `ALONE`, or the number of its quiet lane.
 NORMAL, ALONE = "normal", "alone"
@@ -73,12 +74,7 @@ class Locks:
         ends first)."""
         if self.kept != kind:
             self._release()
-            fcntl.flock(self.turnstile, fcntl.LOCK_EX)
-            try:
-                for gate, mode in self._modes(kind):  # in lane order: no two wait on each other
-                    fcntl.flock(gate, mode)
-            finally:
-                fcntl.flock(self.turnstile, fcntl.LOCK_UN)
+            self._take(kind)
         self.kept = None
         try:
             yield
@@ -87,6 +83,38 @@ class Locks:
                 self.kept = kind
             else:
                 self._release()
+
+    def _take(self, kind: Kind) -> None:
+        """An alone or quiet test waits for its gates holding the turnstile, so no test
+        arriving after it goes first. A test of the rest never waits holding it: it tries
+        its gates, and where one is held it lets the turnstile go and waits for that gate
+        (a test of the rest that waited on one lane holding the turnstile kept the other
+        lanes from starting: they ran one after the other)."""
+        while True:
+            fcntl.flock(self.turnstile, fcntl.LOCK_EX)
+            try:
+                if kind != NORMAL:
+                    for gate, mode in self._modes(kind):  # in lane order: no two wait on each other
+                        fcntl.flock(gate, mode)
+                    return
+                held = self._try(self._modes(kind))
+                if held is None:
+                    return
+            finally:
+                fcntl.flock(self.turnstile, fcntl.LOCK_UN)
+            fcntl.flock(held, fcntl.LOCK_SH)  # until the test that holds it is done
+            fcntl.flock(held, fcntl.LOCK_UN)
+
+    def _try(self, modes: list[tuple[IO[bytes], int]]) -> IO[bytes] | None:
+        """Each gate without waiting: None when all are held, else the one that was not
+        (and none of them kept)."""
+        for gate, mode in modes:
+            try:
+                fcntl.flock(gate, mode | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self._release()
+                return gate
+        return None
 
     def _modes(self, kind: Kind) -> list[tuple[IO[bytes], int]]:
         if kind == NORMAL:

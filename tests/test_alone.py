@@ -1,6 +1,6 @@
 """tests/alone.py: an `alone` test waits for the running tests to end, and holds off the
 ones that arrive meanwhile until it is done; a run of alone tests on one worker holds
-them off from the first to the last; quiet tests of two lanes run side by side and hold
+them off from the first to the last; quiet tests of the lanes run side by side and hold
 off the rest the same way; under xdist the alone tests are one such run, and each lane's
 quiet tests one more."""
 
@@ -90,6 +90,19 @@ def test_quiet_tests_of_two_lanes_run_side_by_side_and_hold_off_the_others(
     outs = {event: i for i, event in enumerate(events)}
     last_lane_out = max(outs["lane 0 out"], outs["lane 1 out"])
     assert outs["arriving in"] > last_lane_out and outs["alone in"] > last_lane_out, events
+
+
+def test_a_test_of_the_rest_waiting_on_one_lane_keeps_no_other_lane_out(tmp_path: Path) -> None:
+    events: list[str] = []
+    first = start(tmp_path, events, 0, "lane 0", 0.6)
+    time.sleep(0.1)
+    waiting = start(tmp_path, events, NORMAL, "other", 0)
+    time.sleep(0.1)
+    second = start(tmp_path, events, 1, "lane 1", 0)
+    for thread in (first, waiting, second):
+        thread.join(5)
+    assert events.index("lane 1 out") < events.index("lane 0 out"), events
+    assert events.index("other in") > events.index("lane 0 out"), events
 
 
 def test_a_full_collection_in_a_frozen_heap_passes_over_none_of_the_old_objects() -> None:

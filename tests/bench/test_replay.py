@@ -243,7 +243,7 @@ def test_nothing_to_replay_exits_2_with_a_clear_message(tmp_path: Path) -> None:
     assert "nothing to replay" in proc.stderr and "empty.log:1" in proc.stderr
 
 
-@pytest.mark.alone("a timing read within tens of milliseconds")
+@pytest.mark.quiet("a timing read within tens of milliseconds", seconds=2.5)
 def test_two_workers_replay_every_request_on_one_clock_into_one_run(
     recorded: dict[str, Any], start_sim: StartSim, tmp_path: Path
 ) -> None:

@@ -27,7 +27,7 @@ def bench(url: str, out: Path, *flags: str) -> dict[str, Any]:
     return dict(orjson.loads(out.read_bytes()))
 
 
-@pytest.mark.alone("a timing read within tens of milliseconds")
+@pytest.mark.quiet("a timing read within tens of milliseconds", seconds=2.5)
 def test_two_workers_send_one_processes_poisson_schedule(start_sim: StartSim, tmp_path: Path) -> None:  # fmt: skip
     sim = start_sim(ttft=0.01, tokens_per_second=1000)
     url = sim.url + "/v1"

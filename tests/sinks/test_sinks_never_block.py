@@ -19,7 +19,9 @@ from proxy.sinks.tracing import tracing_from_env
 from tests.conftest import MODEL, ProxyUnderTest, Running
 from tests.servers import ThreadedServer, free_port
 
-pytestmark = pytest.mark.alone("a request's latency is compared with and without a slow sink")
+pytestmark = pytest.mark.quiet(
+    "a request's latency is compared with and without a slow sink", seconds=3
+)
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
