@@ -5,8 +5,8 @@ Some tests compare what was measured with delays the simulator was told to add: 
 0.2 s must read 0.2 s plus a small slack, a programmed 4 tokens at 10/s must miss an SLO of
 0.25 s and 4 at 100/s must meet it. Four workers on two cores add more than such a slack
 to a test that shares the CPU with them. Most such tests are light (their servers wait
-on programmed sleeps: a fifth of a core; three lanes of them kept the machine 30-50%
-busy), and their slack holds with two more of them beside them: those are `quiet`. The
+on programmed sleeps: the quiet tests run by themselves in three lanes kept the machine
+17-48% busy), and their slack holds with two more of them beside them: those are `quiet`. The
 ones that load both cores, or compare two timings within a few percent, are `alone`.
 
 Every test holds locks on files for its setup, call and teardown
