@@ -25,6 +25,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from tests.servers import default_trust
+
 __all__ = ["REQUESTS", "Change", "Delta", "Sample", "Scrape", "Series", "scrape", "wait_for"]
 
 #: The proxy's count of recorded requests: a request is in every other figure once it is here.
@@ -81,7 +83,8 @@ class Scrape:
 
 def scrape(base: str, *, timeout: float = 10.0, headers: Mapping[str, str] | None = None) -> Scrape:
     """GET `base`/metrics (plain text, the default exposition) and parse it."""
-    return Scrape.parse(httpx.get(base + "/metrics", timeout=timeout, headers=headers).text)
+    page = httpx.get(base + "/metrics", timeout=timeout, headers=headers, verify=default_trust())
+    return Scrape.parse(page.text)
 
 
 def wait_for(
@@ -128,12 +131,12 @@ class Change:
 
 
 class Delta:
-    """A server's /metrics before a block of requests (scraped when made), and the change
-    the block made once the server recorded it."""
+    """A server's /metrics before a block of requests (scraped when made, unless the
+    caller has it already), and the change the block made once the server recorded it."""
 
-    def __init__(self, base: str) -> None:
+    def __init__(self, base: str, before: Scrape | None = None) -> None:
         self.base = base
-        self.before = scrape(base)
+        self.before = scrape(base) if before is None else before
 
     def when(self, name: str, grown_by: float, /, **labels: str) -> Change:
         """The change once `name{labels}` grew by `grown_by`, or after WAIT seconds (the

@@ -27,7 +27,7 @@ from proxy.sinks.dispatch import Sinks
 from proxy.sinks.metrics import Metrics
 from proxy.sinks.sink import Recorder
 from tests.scrape import Scrape
-from tests.servers import spawn, stop, wait_http
+from tests.servers import default_trust, spawn, stop, wait_http
 
 
 class _Head(asyncio.Protocol):
@@ -162,7 +162,7 @@ class ServedProxy:
         return self
 
     def scrape(self) -> str:
-        return httpx.get(self.base + "/metrics", timeout=10).text
+        return httpx.get(self.base + "/metrics", timeout=10, verify=default_trust()).text
 
     def sample(self, name: str, **labels: str) -> float:
         """The series with exactly these labels, as the listener's get_sample_value reads it."""

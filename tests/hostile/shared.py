@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tests.edge_backend import serving_process
-from tests.scrape import Change, Scrape, scrape, wait_for
+from tests.scrape import Change, Delta, Scrape, scrape
 
 #: The in-flight gauges: measured requests and WebSocket sessions.
 IN_FLIGHT = ("tokenprobe_requests_in_flight", "tokenprobe_websocket_sessions_in_flight")
@@ -83,12 +83,8 @@ def counted(base: str, name: str, /, **labels: str) -> float:
 
 
 def counted_when(base: str, name: str, grown_by: float, /, **labels: str) -> Change:
-    """The change since this test took the proxy, once `name{labels}` grew by `grown_by`
-    (or after tests.scrape's wait: the caller asserts what it needs), each reading of it
-    narrowed to `labels`."""
-    before = _taken(base)
-    after = wait_for(base, name, before.total(name, **labels) + grown_by, **labels)
-    return Change(before, after, labels)
+    """`Delta.when` since this test took the proxy at `base`."""
+    return Delta(base, _taken(base)).when(name, grown_by, **labels)
 
 
 def _taken(base: str) -> Scrape:

@@ -31,7 +31,7 @@ import httpx
 import pytest
 
 from proxy.bench.ports import free_ports
-from tests.servers import access_records, serve_in_front, stop
+from tests.servers import access_records, default_trust, serve_in_front, stop
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("TOKENPROBE_VLLM_VENV", "/opt/vllm-venv"))
@@ -146,7 +146,8 @@ def _wait_healthy(server: Vllm, deadline: float) -> None:
                 f"vLLM {server.name} exited ({server.process.returncode}):\n{tail}"
             )
         try:
-            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+            health = httpx.get(server.url + "/health", timeout=2, verify=default_trust())
+            if health.status_code == 200:
                 _api_server_at_normal_priority(server)
                 return
         except httpx.HTTPError:
