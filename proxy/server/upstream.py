@@ -47,7 +47,7 @@ import h11
 import httpcore
 import httpx
 
-from proxy.server.dial import name_the_socket, upstream_tls
+from proxy.server.dial import httpx_default_tls, name_the_socket, upstream_tls
 from proxy.server.upstream_errors import ClosedUnanswered, UpstreamProtocolError
 from proxy.settings import Settings
 
@@ -126,7 +126,8 @@ def guarded_httpx_transport(
     """httpx's own transport, on a pool that closes dirty idle connections; through the
     Unix socket `uds` when given (--upstream-uds), with the TLS context `tls` when given
     (else httpx's own)."""
-    transport = _GuardedHTTPTransport(count, limits=limits, uds=uds, verify=tls or True)
+    trust = tls or httpx_default_tls()  # an http:// upstream's: never used
+    transport = _GuardedHTTPTransport(count, limits=limits, uds=uds, verify=trust)
     old = transport._pool
     transport._pool = _GuardedPool(
         count,

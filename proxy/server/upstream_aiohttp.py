@@ -25,6 +25,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from httpx_aiohttp.transport import AiohttpResponseStream, AiohttpTransport
 from multidict import CIMultiDict
 
+from proxy.server.dial import httpx_default_tls
 from proxy.server.upstream_errors import ClosedUnanswered
 
 #: The largest upstream response header line (and value) and the most headers taken.
@@ -78,7 +79,8 @@ def aiohttp_transport(
         client._retry_connection = False
         return client
 
-    return AiohttpTransport(client=session)
+    # `verify` is unused: the session above holds the TLS (the connector's `ssl`)
+    return AiohttpTransport(client=session, verify=httpx_default_tls())
 
 
 _BUSY, _SETTLING, _IDLE = "busy", "settling", "idle"
