@@ -97,8 +97,9 @@ def wait_for(
     every: float = POLL,
     **labels: str,
 ) -> Scrape:
-    """The first scrape in which `name{labels}` totals at least `at_least`; the last one
-    when `timeout` passes first, so the caller's own assertions say what was missing.
+    """A scrape in which `name{labels}` totals at least `at_least`, whole (`_settled`); the
+    last one when `timeout` passes first, so the caller's own assertions say what was
+    missing.
 
     A server records a request just after its response's last byte, and some figures
     later still (an idle conversation, an engine step), so a test that reads at once can
@@ -110,9 +111,25 @@ def _first(base: str, enough: Callable[[Scrape], bool], timeout: float, every: f
     deadline = time.monotonic() + timeout
     while True:
         now = scrape(base)
-        if enough(now) or time.monotonic() > deadline:
+        if enough(now):
+            return _settled(base, now, enough)
+        if time.monotonic() > deadline:
             return now
         time.sleep(every)
+
+
+def _settled(base: str, met: Scrape, enough: Callable[[Scrape], bool]) -> Scrape:
+    """A scrape begun after `met`, the first that met the condition, if it still does
+    (a gauge may have fallen back), else `met`.
+
+    tokenprobe renders /metrics a family at a time and lets the event loop run between
+    them (proxy/server/exposition.py), so the scrape that first shows a request may have
+    rendered the families before the awaited one from before the request was recorded:
+    the CI once read a cancelled prompt in tokenprobe_cancelled_prompt_tokens_total and
+    not yet in tokenprobe_prompt_tokens_total, rendered earlier. A request is recorded in
+    one go, so a scrape begun after `met` holds all of it."""
+    again = scrape(base)
+    return again if enough(again) else met
 
 
 @dataclass(frozen=True)
