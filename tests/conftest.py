@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -21,7 +19,7 @@ from proxy.settings import Settings
 from proxy.sim.app import SimApp, create_sim_app
 from proxy.sim.config import SimConfig
 from proxy.sinks.sink import Recorder, Sink
-from tests import alone
+from tests import alone, bytecode
 from tests.servers import ThreadedHypercorn, ThreadedServer
 
 MODEL = "sim-model"
@@ -32,26 +30,7 @@ MODEL = "sim-model"
 settings.register_profile("tokenprobe", deadline=None)
 settings.load_profile("tokenprobe")
 
-
-def _bytecode_kept_outside_the_tree() -> None:
-    """Where PYTHONDONTWRITEBYTECODE is set, the workers and the hundreds of Python
-    processes the tests start would each compile the project's modules (and pytest
-    rewrite every test module) from source again: 5.2 s against 2.2 s a worker to collect,
-    about 90 ms a started proxy. So the suite keeps compiled bytecode after all, in a
-    folder of its own in the temp directory (PYTHONPYCACHEPREFIX), never beside the
-    sources, which stay as clean as the variable asks. Set here, at the conftest's import
-    in the first process, before xdist starts its workers: they and every process started
-    from them inherit it."""
-    if not os.environ.pop("PYTHONDONTWRITEBYTECODE", None):
-        return
-    folder = os.environ.setdefault(
-        PYCACHE_ENV, os.path.join(tempfile.gettempdir(), "tokenprobe-pycache")
-    )
-    sys.pycache_prefix, sys.dont_write_bytecode = folder, False  # this process too (-n 0)
-
-
-PYCACHE_ENV = "PYTHONPYCACHEPREFIX"
-_bytecode_kept_outside_the_tree()
+bytecode.keep_outside_the_tree()
 
 #: The most workers `-n auto` starts (pyproject.toml's addopts): each runs servers of its own.
 MAX_WORKERS = 8

