@@ -110,13 +110,15 @@ class Seen:
         """What the proxy must log: vLLM's count unless the stream contradicts it (each
         delta is at least one token: no fewer than the reasoning deltas, no more than the
         output less the other deltas); else all the output if the stream only reasoned,
-        else one per reasoning delta."""
+        else one per reasoning delta. A delta may carry reasoning and the answer's first
+        text together (the CI saw one): the stream then did not only reason."""
         reasoning = sum("reasoning" in kinds for kinds in self.deltas)
         others = sum("reasoning" not in kinds for kinds in self.deltas)
+        answered = any(kinds - {"reasoning"} for kinds in self.deltas)
         output = int(self.usage["completion_tokens"])
         if self.reasoning_tokens > 0 and reasoning <= self.reasoning_tokens <= output - others:
             return self.reasoning_tokens, "usage"
-        return (output, "output") if not others else (reasoning, "events")
+        return (reasoning, "events") if answered else (output, "output")
 
     def outcomes(self) -> dict[str, int]:
         """The calls by outcome, judged with the standard library's JSON parser."""
