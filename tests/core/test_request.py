@@ -170,7 +170,7 @@ def test_without_stream_options_the_clients_bytes_stay_as_they_came() -> None:
     changes (review: vLLM refused `vllm_xargs` {"k": 1e29} direct and took it proxied)."""
     deep = b"[" * 300 + b"]" * 300
     body = (
-        b'{ "model" : "llama", "stream": true, "prompt": "caf\u00e9",\n'
+        b'{ "model" : "llama", "stream": true, "prompt": "caf\\u00e9",\n'
         b'  "vllm_xargs": {"k": 123456789012345678901234567890}, "x": ' + deep + b" }\r\n"
     )
     obj = orjson.loads(body)
