@@ -47,13 +47,21 @@ def pages() -> Iterator[tuple[Pages, ThreadedServer]]:
         yield app, server
 
 
-def test_a_wait_returns_the_whole_record_not_the_torn_scrape_that_first_showed_it(
-    pages: tuple[Pages, ThreadedServer],
+@pytest.mark.parametrize(
+    "script",
+    [
+        pytest.param([BEFORE, TORN, WHOLE], id="the torn scrape is passed over for the next"),
+        pytest.param([BEFORE, WHOLE, FALLEN], id="where the next no longer meets it, not"),
+    ],
+)
+def test_a_wait_returns_the_whole_record_it_waited_for(
+    pages: tuple[Pages, ThreadedServer], script: list[str]
 ) -> None:
     app, server = pages
-    app.pages = [BEFORE, TORN, WHOLE]
+    app.pages = script
     got = wait_for(server.url, "late_total", 1, every=0.01)
     assert (got.total("late_total"), got.total("early_total")) == (1, 1)
+    assert app.served == 3  # it looked once more after the page that met the condition
 
 
 def test_a_delta_reads_the_whole_record_too(pages: tuple[Pages, ThreadedServer]) -> None:
@@ -62,13 +70,3 @@ def test_a_delta_reads_the_whole_record_too(pages: tuple[Pages, ThreadedServer])
     delta = Delta(server.url)  # the first page
     change = delta.when("late_total", 1)
     assert (change("late_total"), change("early_total")) == (1, 1)
-
-
-def test_where_the_condition_no_longer_holds_the_scrape_that_met_it_is_returned(
-    pages: tuple[Pages, ThreadedServer],
-) -> None:
-    app, server = pages
-    app.pages = [BEFORE, WHOLE, FALLEN]
-    got = wait_for(server.url, "late_total", 1, every=0.01)
-    assert (got.total("late_total"), got.total("early_total")) == (1, 1)
-    assert app.served == 3  # it did look again
