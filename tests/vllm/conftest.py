@@ -116,6 +116,12 @@ def _start(
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # two servers share 2 cores with the tests
         "OMP_NUM_THREADS": "1",
         "VLLM_NO_USAGE_STATS": "1",
+        # The model runs in the engine process, not in a worker process of its own. The API
+        # server's engine is a process apart whatever this says (AsyncLLM's client is always
+        # the multiprocess one); on CPU it only keeps vLLM from forcing the multiprocess
+        # executor (platforms/cpu.py), whose extra process imported torch and vLLM again:
+        # 17 s of CPU to start a server instead of 25 s.
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         # its ZMQ IPC sockets (ipc://<base>/<uuid4>, default the system temp folder) in the
         # run's own folder: a server killed at the session's end leaves them behind
         "VLLM_RPC_BASE_PATH": str(logs),
@@ -135,7 +141,7 @@ def _start(
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
-            start_new_session=True,  # its engine and worker processes go down with it
+            start_new_session=True,  # its engine process goes down with it
             # Below the tests in the scheduler's queue: loading its model takes both cores
             # for a minute, which starved a benchmark run in a parallel worker for 5.8 s;
             # the tests that use a vLLM judge its words, not its speed.
@@ -199,7 +205,7 @@ def _descendants(pid: int) -> list[int]:
 @contextmanager
 def throttled(server: Vllm, running: float = 0.005, stopped: float = 0.045) -> Iterator[None]:
     """vLLM's engine at about a tenth of its speed, as a busy accelerator would be: its
-    engine and worker processes (all below the API server) stopped for `stopped` seconds
+    engine process (with the model in it, below the API server) stopped for `stopped` seconds
     in every `running + stopped`. The API server runs on, so it hears a client leave at
     once, and the abort waits for the engine's next turn like any other input."""
     engine = _descendants(server.process.pid)
