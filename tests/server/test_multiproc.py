@@ -1,16 +1,20 @@
 """proxy/server/multiproc.py: a dead worker's in-flight requests, read from its metric
-file, counted once, and a file it died writing never breaks a scrape."""
+file, counted once, and neither a file it died writing nor one a worker is creating
+breaks a scrape."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
-from proxy.server.multiproc import drop_dead_workers
+from proxy.server.multiproc import drop_dead_workers, multiprocess_metrics_app
+from tests.scrape import Scrape
 from tests.server.conftest import no_proxy
 
 pytestmark = no_proxy
@@ -46,3 +50,29 @@ def test_a_file_the_worker_died_writing_is_dropped_and_the_scrape_goes_on(
     drop_dead_workers(str(tmp_path), lambda *found: lost.append(found))
     assert lost == [] and os.listdir(tmp_path) == []
     assert "dead worker" in caplog.text
+
+
+#: A worker's counter, written to its file as a worker writes it.
+_COUNTS = """
+import os, sys
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[1]
+from prometheus_client import CollectorRegistry, Counter
+Counter("worker_requests", "Requests.", registry=CollectorRegistry()).inc(2)
+"""
+
+
+def test_a_file_a_worker_is_creating_is_read_as_holding_nothing_yet(tmp_path: Path) -> None:
+    """A worker opens a new metric file, then sizes it: a scrape between the two finds
+    it empty (prometheus-client's reader took it for a corrupt file: the scrape was a
+    500). Here a live process's file stays in that state while the scrape runs."""
+    subprocess.run([sys.executable, "-c", _COUNTS, str(tmp_path)], check=True)
+    (tmp_path / f"histogram_{os.getpid()}.db").touch()
+
+    async def scrape() -> httpx.Response:
+        transport = httpx.ASGITransport(app=multiprocess_metrics_app(str(tmp_path)))
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+            return await client.get("/metrics")
+
+    page = asyncio.run(scrape())
+    assert page.status_code == 200, page.text
+    assert Scrape.parse(page.text).total("worker_requests_total") == 2
