@@ -82,8 +82,10 @@ class Scrape:
 
 
 def scrape(base: str, *, timeout: float = 10.0, headers: Mapping[str, str] | None = None) -> Scrape:
-    """GET `base`/metrics (plain text, the default exposition) and parse it."""
+    """GET `base`/metrics (plain text, the default exposition) and parse it; an answer
+    other than 200 fails here, with its body (not as a parse error of that body)."""
     page = httpx.get(base + "/metrics", timeout=timeout, headers=headers, verify=default_trust())
+    assert page.status_code == 200, f"/metrics answered {page.status_code}: {page.text[:500]}"
     return Scrape.parse(page.text)
 
 
