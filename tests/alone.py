@@ -27,7 +27,9 @@ of the run's wall time for 126 s of their own work). The quiet tests go to the l
 module by module (a module fixture starts once), each to the lane with the fewest
 seconds so far (`_give_lanes`). The
 workers name these tests and their units in a file for the scheduler, which sees node
-ids only.
+ids only. The scheduler also holds a file until every test of the rest has run, and the
+alone and quiet tests wait for it before their gates: a worker's last test of the rest
+starts only when the lanes are handed out, and a lane at its gate first kept it waiting.
 
 An alone or quiet test also runs with the process's older objects out of the garbage
 collector's reach (`frozen_heap`), in parallel runs and serial ones.
@@ -39,6 +41,7 @@ import fcntl
 import gc
 import os
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -51,13 +54,16 @@ from xdist.scheduler import LoadScopeScheduling
 #: How many quiet tests run side by side, each in its lane.
 LANES = 3
 
+#: How long an alone or quiet test waits at most for the rest to have run.
+REST_WAIT_SECONDS = 120.0
+
 #: What a test holds: `NORMAL`, `ALONE`, or the number of its quiet lane.
 NORMAL, ALONE = "normal", "alone"
 Kind = str | int
 
 
 class Locks:
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, rest: Path | None = None) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         self.gates: list[IO[bytes]] = [
             open(folder / f"gate-{lane}", "ab")  # noqa: SIM115 - held for the run
@@ -65,6 +71,8 @@ class Locks:
         ]
         self.turnstile: IO[bytes] = open(folder / "turnstile", "ab")  # noqa: SIM115
         self.kept: Kind | None = None  # the gates held from the test before, for this kind
+        # held by the scheduler until every test of the rest has run (`AloneLast`)
+        self.rest: IO[bytes] | None = None if rest is None else open(rest, "ab")  # noqa: SIM115
 
     @contextmanager
     def hold(self, kind: Kind, next_kind: Kind | None = None) -> Iterator[None]:
@@ -90,6 +98,8 @@ class Locks:
         its gates, and where one is held it lets the turnstile go and waits for that gate
         (a test of the rest that waited on one lane holding the turnstile kept the other
         lanes from starting: they ran one after the other)."""
+        if kind != NORMAL:
+            self._after_the_rest()
         while True:
             fcntl.flock(self.turnstile, fcntl.LOCK_EX)
             try:
@@ -104,6 +114,27 @@ class Locks:
                 fcntl.flock(self.turnstile, fcntl.LOCK_UN)
             fcntl.flock(held, fcntl.LOCK_SH)  # until the test that holds it is done
             fcntl.flock(held, fcntl.LOCK_UN)
+
+    def _after_the_rest(self) -> None:
+        """Wait while the scheduler holds the rest file: a test of the rest may not have
+        started yet. Each worker runs its last test only once it knows the next, so the
+        workers' last tests of the rest start when the lanes are handed out, and a lane
+        that went first (its worker's own last test took a millisecond) held one of them
+        off at its gate; the lane behind that test then waited for the alone tests too
+        (19 s of a run). Bounded: a scheduler that lost count only costs the wait."""
+        if self.rest is None:
+            return
+        deadline = time.monotonic() + REST_WAIT_SECONDS
+        while time.monotonic() < deadline:
+            try:
+                fcntl.flock(self.rest, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                time.sleep(0.02)
+                continue
+            fcntl.flock(self.rest, fcntl.LOCK_UN)
+            self.rest.close()
+            self.rest = None  # run: it stays run
+            return
 
     def _try(self, modes: list[tuple[IO[bytes], int]]) -> IO[bytes] | None:
         """Each gate without waiting: None when all are held, else the one that was not
@@ -144,15 +175,23 @@ def configure(config: pytest.Config) -> None:
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None:
         folder = Path(tempfile.gettempdir()) / f"tokenprobe-tests-{workerinput['testrunuid']}"
-        config.stash[LOCKS] = Locks(folder)
+        names = os.environ.get(NAMES_ENV)
+        config.stash[LOCKS] = Locks(folder, rest=None if names is None else rest_file(names))
     else:
         names = Path(tempfile.gettempdir()) / f"tokenprobe-alone-{uuid.uuid4().hex}"
         os.environ[NAMES_ENV] = str(names)
 
 
+def rest_file(names: str) -> Path:
+    """The file the scheduler holds until every test of the rest has run."""
+    return Path(f"{names}.rest")
+
+
 def unconfigure(config: pytest.Config) -> None:
     if getattr(config, "workerinput", None) is None and NAMES_ENV in os.environ:
-        Path(os.environ.pop(NAMES_ENV)).unlink(missing_ok=True)
+        names = os.environ.pop(NAMES_ENV)
+        Path(names).unlink(missing_ok=True)
+        rest_file(names).unlink(missing_ok=True)
 
 
 def last(items: list[pytest.Item]) -> None:
@@ -221,6 +260,19 @@ class AloneLast(LoadScopeScheduling):
         super().__init__(config, log)  # type: ignore[arg-type]
         self.units: dict[str, str] | None = None
         self._handing_out = False
+        # Held until every test of the rest has run; the alone and quiet tests wait for it
+        # (Locks._after_the_rest).
+        self.rest: IO[bytes] | None = open(rest_file(os.environ[NAMES_ENV]), "ab")  # noqa: SIM115
+        fcntl.flock(self.rest, fcntl.LOCK_EX)
+
+    def _let_the_units_go_once_the_rest_has_run(self) -> None:
+        if self.rest is None or any(scope not in self._special() for scope in self.workqueue):
+            return
+        if any(self._left(node, special=False) for node in self.nodes):
+            return
+        fcntl.flock(self.rest, fcntl.LOCK_UN)
+        self.rest.close()
+        self.rest = None
 
     def _split_scope(self, nodeid: str) -> str:
         if self.units is None:  # read when the workers have collected: the first split
@@ -239,6 +291,7 @@ class AloneLast(LoadScopeScheduling):
         return bool(self.workqueue) and next(iter(self.workqueue)) in self._special()
 
     def _reschedule(self, node: Any) -> None:
+        self._let_the_units_go_once_the_rest_has_run()
         if not self._next_is_special():
             super()._reschedule(node)
             return

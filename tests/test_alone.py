@@ -6,6 +6,7 @@ quiet tests one more."""
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import os
 import subprocess
@@ -105,6 +106,39 @@ def test_a_test_of_the_rest_waiting_on_one_lane_keeps_no_other_lane_out(tmp_path
     assert events.index("other in") > events.index("lane 0 out"), events
 
 
+def test_alone_and_quiet_tests_wait_for_the_rest_even_where_it_is_not_at_a_gate(
+    tmp_path: Path,
+) -> None:
+    """A worker runs its last test only once it knows the next, so its last test of the
+    rest starts when the lanes are handed out, beside them: a lane whose worker got there
+    first held that test off at its gate, and the lane behind the test then waited for the
+    alone tests too. The scheduler holds a file until the rest has run; the alone and
+    quiet tests wait for it, gate or no gate."""
+    rest = tmp_path / "rest"
+    events: list[str] = []
+
+    def special(kind: Kind, name: str) -> threading.Thread:
+        def body() -> None:
+            with Locks(tmp_path / "locks", rest=rest).hold(kind):
+                events.append(f"{name} in")
+
+        thread = threading.Thread(target=body, daemon=True)
+        thread.start()
+        return thread
+
+    with rest.open("ab") as scheduler:
+        fcntl.flock(scheduler, fcntl.LOCK_EX)
+        waiting = [special(0, "lane"), special(ALONE, "alone")]
+        time.sleep(0.3)
+        with Locks(tmp_path / "locks").hold(NORMAL):  # the rest's last test, arriving late
+            events.append("last of the rest in")
+        assert events == ["last of the rest in"]
+        fcntl.flock(scheduler, fcntl.LOCK_UN)  # it has run
+    for thread in waiting:
+        thread.join(5)
+    assert sorted(events[1:]) == ["alone in", "lane in"], events
+
+
 def test_a_full_collection_in_a_frozen_heap_passes_over_none_of_the_old_objects() -> None:
     old = [[i] for i in range(400_000)]  # a late worker's heap, as containers
 
@@ -184,3 +218,6 @@ def test_under_xdist_the_alone_tests_run_back_to_back_on_one_worker_and_each_lan
     for q in quiet:
         beside = [r for r in ran if r[3] != "test_quiet" and r[1] < q[2] and r[2] > q[1]]
         assert not beside, (q, beside)
+    # The rest first, whole: the lanes and the alone tests start after its last test ended.
+    rest_ended = max(r[2] for r in ran if r[3] == "test_other")
+    assert rest_ended <= min(r[1] for r in ran if r[3] != "test_other"), ran
