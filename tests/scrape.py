@@ -27,7 +27,17 @@ from prometheus_client.samples import Sample
 
 from tests.servers import default_trust
 
-__all__ = ["REQUESTS", "Change", "Delta", "Sample", "Scrape", "Series", "scrape", "wait_for"]
+__all__ = [
+    "REQUESTS",
+    "Change",
+    "Delta",
+    "Sample",
+    "Scrape",
+    "Series",
+    "page",
+    "scrape",
+    "wait_for",
+]
 
 #: The proxy's count of recorded requests: a request is in every other figure once it is here.
 REQUESTS = "tokenprobe_requests_total"
@@ -82,11 +92,16 @@ class Scrape:
 
 
 def scrape(base: str, *, timeout: float = 10.0, headers: Mapping[str, str] | None = None) -> Scrape:
-    """GET `base`/metrics (plain text, the default exposition) and parse it; an answer
-    other than 200 fails here, with its body (not as a parse error of that body)."""
-    page = httpx.get(base + "/metrics", timeout=timeout, headers=headers, verify=default_trust())
-    assert page.status_code == 200, f"/metrics answered {page.status_code}: {page.text[:500]}"
-    return Scrape.parse(page.text)
+    """`page`, parsed."""
+    return Scrape.parse(page(base, timeout=timeout, headers=headers))
+
+
+def page(base: str, *, timeout: float = 10.0, headers: Mapping[str, str] | None = None) -> str:
+    """GET `base`/metrics (plain text, the default exposition); an answer other than 200
+    fails here, with its body (not as a parse error of that body)."""
+    got = httpx.get(base + "/metrics", timeout=timeout, headers=headers, verify=default_trust())
+    assert got.status_code == 200, f"/metrics answered {got.status_code}: {got.text[:500]}"
+    return got.text
 
 
 def wait_for(

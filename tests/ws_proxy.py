@@ -15,7 +15,6 @@ import threading
 from collections.abc import Callable
 from typing import Any, cast
 
-import httpx
 from prometheus_client import CollectorRegistry, generate_latest
 
 from proxy.bench.ports import free_port
@@ -26,8 +25,8 @@ from proxy.settings import Settings
 from proxy.sinks.dispatch import Sinks
 from proxy.sinks.metrics import Metrics
 from proxy.sinks.sink import Recorder
-from tests.scrape import Scrape
-from tests.servers import default_trust, spawn, stop, wait_http
+from tests.scrape import page, scrape
+from tests.servers import spawn, stop, wait_http
 
 
 class _Head(asyncio.Protocol):
@@ -162,15 +161,14 @@ class ServedProxy:
         return self
 
     def scrape(self) -> str:
-        return httpx.get(self.base + "/metrics", timeout=10, verify=default_trust()).text
+        return page(self.base)
 
     def sample(self, name: str, **labels: str) -> float:
         """The series with exactly these labels, as the listener's get_sample_value reads it."""
-        return Scrape.parse(self.scrape()).value(name, **labels)
+        return scrape(self.base).value(name, **labels)
 
     def open_tunnels(self) -> int:
-        in_flight = Scrape.parse(self.scrape()).total("tokenprobe_websocket_sessions_in_flight")
-        return int(in_flight)
+        return int(scrape(self.base).total("tokenprobe_websocket_sessions_in_flight"))
 
     def shutdown_all(self) -> None:
         """SIGTERM: the drain sends every tunnel its close frames."""
