@@ -18,10 +18,15 @@ before did not decide:
    "exceed_context_size_error", ...), and vLLM's `param`, which names the input a validation
    error is about ("input_tokens"). Generic types ("invalid_request_error", "BadRequestError",
    "api_error", "internal_error") say no more than the status does and decide nothing.
-2. Wording. Sentences drift between releases (vLLM has worded "prompt too long" four ways), so
-   the patterns below are wide and each names where its phrasing comes from.
-3. Status. Backends disagree on codes (a too-long prompt is 400, 413 or 422; an auth gateway may
-   answer a failed token exchange with 500), so the status is the last word, not the first.
+2. Wording, after the three statuses that mean one thing wherever they are used: 401 and 403
+   are a credential or a permission, 429 a rate limit, whatever the sentence says (a gateway's
+   429 "too many tokens per minute" is no long prompt). Sentences drift between releases (vLLM
+   has worded "prompt too long" in many ways), so the patterns below are wide and each names where
+   its phrasing comes from; the auth sentences are read first, because "token exchange failed"
+   names its cause and what follows it may use the context patterns' words ("too many tokens
+   issued", "lifetime must be <= 3600").
+3. Status. Backends disagree on the other codes (a too-long prompt is 400, 413 or 422; an auth
+   gateway may answer a failed token exchange with 500), so the status is the last word.
 
 The real bodies behind every rule, with their sources, are in tests/fixtures/errors/index.toml.
 """
@@ -136,12 +141,23 @@ def _by_structure(f: _Fields) -> ErrorType | None:
 _BODY_RULES: tuple[tuple[re.Pattern[str], ErrorType], ...] = (
     (
         re.compile(
+            r"token exchange failed|invalid[ _-]api[ _-]key|incorrect api key|api key (?:is )?invalid"
+            # a credential: "invalid token", not llama.cpp's "invalid tokens" nor a token id
+            r"|invalid (?:access |bearer |auth(?:entication)? )?token(?![\w-]| ?ids?\b)"
+            r"|(?:token|key) (?:has )?expired"
+            r"|expired (?:access |bearer )?token|unauthori[sz]ed|authentication failed"
+        ),
+        ErrorType.AUTH,
+    ),
+    (
+        re.compile(
             r"maximum context length"  # vLLM (all releases), OpenAI, SGLang's total check
             r"|context_length_exceeded"  # OpenAI's code, when the body is not JSON we can read
             r"|context length (?:is )?exceeded"
             r"|exceeds? (?:the )?(?:model'?s? )?(?:maximum |available )?context"  # llama.cpp, Ollama
             r"|context length is only"  # vLLM renderers/params.py: "the model's context length is only"
             r"|longer than the (?:maximum model length|model's context length)"  # vLLM, SGLang
+            r"|too long to fit into the model"  # vLLM before v1's input processor
             r"|longer than the context length"  # Ollama llm/llama_server.go, a prompt over num_ctx
             r"|larger than the max context size"  # llama.cpp, unsplittable input
             r"|(?:max_tokens|max_completion_tokens|max_output_tokens)=\d+ ?cannot be greater than"
@@ -152,26 +168,18 @@ _BODY_RULES: tuple[tuple[re.Pattern[str], ErrorType], ...] = (
         ),
         ErrorType.CONTEXT_LENGTH,
     ),
-    (
-        re.compile(
-            r"token exchange failed|invalid[ _-]api[ _-]key|incorrect api key|api key (?:is )?invalid"
-            # a credential: "invalid token", not llama.cpp's "invalid tokens" nor a token id
-            r"|invalid (?:access |bearer |auth(?:entication)? )?token(?![\w-]| ?ids?\b)"
-            r"|(?:token|key) (?:has )?expired"
-            r"|expired (?:access |bearer )?token|unauthori[sz]ed|authentication failed"
-        ),
-        ErrorType.AUTH,
-    ),
 )
 
 # -- 3. status ------------------------------------------------------------------------------
 
-_STATUS_RULES: dict[int, ErrorType] = {
+#: The statuses that decide before the wording (step 2 above).
+_STATUS_FIRST: dict[int, ErrorType] = {
     401: ErrorType.AUTH,
     403: ErrorType.AUTH,
-    404: ErrorType.NOT_FOUND,
     429: ErrorType.RATE_LIMIT,
 }
+#: The status that decides only when the wording did not.
+_STATUS_LAST: dict[int, ErrorType] = {404: ErrorType.NOT_FOUND}
 
 
 def classify_response(status: int, body: bytes) -> ErrorType | None:
@@ -182,12 +190,14 @@ def classify_response(status: int, body: bytes) -> ErrorType | None:
     fields = _parse(raw)
     if fields is not None and (decided := _by_structure(fields)) is not None:
         return decided
+    if status in _STATUS_FIRST:
+        return _STATUS_FIRST[status]
     text = raw.decode("utf-8", "replace").lower()
     for pattern, error_type in _BODY_RULES:
         if pattern.search(text):
             return error_type
-    if status in _STATUS_RULES:
-        return _STATUS_RULES[status]
+    if status in _STATUS_LAST:
+        return _STATUS_LAST[status]
     return ErrorType.BAD_REQUEST if status < 500 else ErrorType.UPSTREAM_ERROR
 
 

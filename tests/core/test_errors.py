@@ -198,6 +198,39 @@ def test_auth_wording_is_not_mistaken_for_context_length() -> None:
     assert classify_response(403, b"Forbidden") is ErrorType.AUTH
 
 
+@pytest.mark.parametrize(
+    "message",
+    [
+        "token exchange failed: too many tokens issued for this client",
+        "token exchange failed: requested token lifetime must be <= 3600",
+        "token exchange failed: subject token exceeds the maximum context of the STS",
+    ],
+)
+def test_a_failed_token_exchange_is_auth_whatever_it_says_after(message: str) -> None:
+    # A gateway's sentence that names its cause first, then uses words of the context
+    # patterns ("too many tokens", "must be <= N", "exceeds the maximum context").
+    reply = orjson.dumps({"error": {"message": message, "type": "internal_error", "code": 500}})
+    assert classify_response(500, reply) is ErrorType.AUTH
+    assert classify_response(400, reply) is ErrorType.AUTH
+
+
+@pytest.mark.parametrize(
+    ("status", "want"),
+    [(401, ErrorType.AUTH), (403, ErrorType.AUTH), (429, ErrorType.RATE_LIMIT)],
+)
+def test_auth_and_rate_limit_statuses_decide_before_the_wording(
+    status: int, want: ErrorType
+) -> None:
+    # A 429 "too many tokens per minute" is a rate limit, never a long prompt; a 401 or 403
+    # is a credential or a permission, whatever words of a context error it carries.
+    for message in ("Too many tokens per minute", "prompt is too long for this key"):
+        assert classify_response(status, orjson.dumps({"error": {"message": message}})) is want
+    # The words decide the same sentence on a status that says less.
+    assert classify_response(400, b'{"error": {"message": "Too many tokens"}}') is (
+        ErrorType.CONTEXT_LENGTH
+    )
+
+
 # -- wording and status, as before ----------------------------------------------------------
 
 
