@@ -1,12 +1,17 @@
 """tokenprobe dashboard: the Grafana dashboard with a variable for each --label-header label.
 
-    tokenprobe dashboard --label-header x-team=team > grafana/dashboards/tokenprobe.json
+    tokenprobe dashboard --label-header x-team=team --output grafana/dashboards/tokenprobe.json
 
-reads the stock dashboard (grafana/dashboards/tokenprobe.json, or the file given), adds one
-multi-value query variable per label after `endpoint` (All = `.*`, so series from before the
-label existed still show), and adds `LABEL=~"$LABEL"` next to `endpoint=~"$endpoint"` in
-every selector of a metric that carries the attribution labels. Which metrics those are is
-read from the Prometheus sink itself, so this never drifts from what the proxy exports.
+reads the stock dashboard (grafana/dashboards/tokenprobe.json of the checkout this package
+runs from, whatever the working folder, or the file given), adds one multi-value query
+variable per label after `endpoint` (All = `.*`, so series from before the label existed
+still show), and adds `LABEL=~"$LABEL"` next to `endpoint=~"$endpoint"` in every selector of
+a metric that carries the attribution labels. Which metrics those are is read from the
+Prometheus sink itself, so this never drifts from what the proxy exports.
+
+`--output` replaces the file whole once the dashboard is written (a temporary file renamed
+over it), so it may be the input itself: the shell's `> FILE` would empty that file before
+this command read it. Without `--output` the dashboard goes to standard output.
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +33,9 @@ from proxy.settings import SettingsError, label_headers, parse_value
 from proxy.sinks.metrics import Metrics
 from proxy.sinks.slo import SloMetrics
 
-STOCK = Path("grafana/dashboards/tokenprobe.json")
+#: The stock dashboard, beside the package in a checkout (an editable install included); a
+#: wheel does not carry it (Grafana reads it from the repository's grafana/ folder).
+STOCK = Path(__file__).resolve().parents[1] / "grafana" / "dashboards" / "tokenprobe.json"
 _ENDPOINT = 'endpoint=~"$endpoint"'
 
 
@@ -48,6 +57,10 @@ def with_labels(dashboard: dict[str, Any], labels: tuple[str, ...]) -> dict[str,
     """A copy of the dashboard with a variable and a matcher for each label."""
     out = copy.deepcopy(dashboard)
     variables = out["templating"]["list"]
+    if there := sorted({v["name"] for v in variables} & set(labels)):
+        raise ValueError(
+            f"the dashboard has a variable {', '.join(there)} already: start from the stock one"
+        )
     at = next(i for i, v in enumerate(variables) if v["name"] == "endpoint") + 1
     variables[at:at] = [_variable(label) for label in labels]
     names = "|".join(sorted(map(re.escape, labelled_metrics()), key=len, reverse=True))
@@ -134,17 +147,72 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="tokenprobe dashboard", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("dashboard", nargs="?", default=str(STOCK), help=f"input (default {STOCK})")
+    parser.add_argument(
+        "dashboard", nargs="?", type=Path, default=STOCK, help=f"input (default {STOCK})"
+    )
     parser.add_argument(
         "--label-header", action="append", default=None, help="HEADER=LABEL, as for serve"
+    )
+    parser.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        default=None,
+        help="write here, replacing the file once written (it may be the input); "
+        "default: standard output",
     )
     args = parser.parse_args(argv)
     try:
         pairs = parse_value("--label-header", ",".join(args.label_header or ()), label_headers)
-    except SettingsError as exc:
+        labels = tuple(pair.partition("=")[2] for pair in pairs)
+        text = json.dumps(with_labels(_read(args.dashboard), labels), indent=2) + "\n"
+    except (SettingsError, ValueError) as exc:
         print(f"tokenprobe dashboard: {exc}", file=sys.stderr)
         return 2
-    dashboard = json.loads(Path(args.dashboard).read_text())
-    labels = tuple(pair.partition("=")[2] for pair in pairs)
-    sys.stdout.write(json.dumps(with_labels(dashboard, labels), indent=2) + "\n")
+    if args.output is None:
+        sys.stdout.write(text)
+    else:
+        _replace(args.output, text)
     return 0
+
+
+def _read(path: Path) -> dict[str, Any]:
+    """The input dashboard, or a ValueError that says what is wrong with it."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        where = " (a wheel does not carry it)" if path == STOCK else ""
+        raise ValueError(
+            f"no dashboard at {path}{where}: give the path of grafana/dashboards/tokenprobe.json "
+            "from tokenprobe's repository"
+        ) from None
+    if not text.strip():
+        raise ValueError(
+            f"{path} is empty (did a shell's `> {path.name}` empty it? write with --output)"
+        )
+    try:
+        dashboard = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not JSON: {exc}") from None
+    if not isinstance(dashboard, dict) or "templating" not in dashboard:
+        raise ValueError(f"{path} is not a Grafana dashboard")
+    return dashboard
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write `text` to `path` whole or not at all: a temporary file beside it, renamed over it."""
+    try:  # mkstemp's file is private: keep the mode of the file replaced (Grafana reads it)
+        mode = path.stat().st_mode & 0o777
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+        os.chmod(name, mode)
+        os.replace(name, path)
+    except BaseException:
+        os.unlink(name)
+        raise

@@ -350,3 +350,51 @@ def test_tokenprobe_dashboard_writes_it_and_refuses_a_secret_header() -> None:
     assert json.loads(out.stdout) == load(LABELLED)
     refused = subprocess.run([*args, "--label-header", "cookie=c"], cwd=ROOT, capture_output=True)
     assert refused.returncode == 2 and b"never becomes a label" in refused.stderr
+
+
+def test_tokenprobe_dashboard_replaces_its_input_in_place_from_any_folder(tmp_path: Path) -> None:
+    import shutil
+    import sys
+
+    labels = ["--label-header", "x-team=team", "--label-header", "x-app=app"]
+    copy = tmp_path / "tokenprobe.json"
+    shutil.copyfile(DASHBOARD_DIR / "tokenprobe.json", copy)
+    copy.chmod(0o644)  # Grafana's container reads it as another user
+    run = [sys.executable, "-m", "proxy", "dashboard"]
+    # The documented command: the input is the output, and the folder is not the checkout.
+    subprocess.run([*run, str(copy), *labels, "--output", str(copy)], cwd=tmp_path, check=True)
+    assert json.loads(copy.read_text()) == load(LABELLED)
+    assert copy.stat().st_mode & 0o777 == 0o644
+    assert [p.name for p in tmp_path.iterdir()] == ["tokenprobe.json"]  # no temporary left
+    # From another folder, the stock dashboard is the checkout's, whatever the working folder.
+    out = subprocess.run([*run, *labels], cwd=tmp_path, capture_output=True, check=True)
+    assert json.loads(out.stdout) == load(LABELLED)
+    # Run again on its own output: refused, and the file is left as it was.
+    again = subprocess.run(
+        [*run, str(copy), *labels, "-o", str(copy)], cwd=tmp_path, capture_output=True
+    )
+    assert again.returncode == 2 and b"has a variable app, team already" in again.stderr
+    assert json.loads(copy.read_text()) == load(LABELLED)
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        ("", b"is empty (did a shell's `> tokenprobe.json` empty it? write with --output)"),
+        ("{not json", b"is not JSON"),
+        ("[]", b"is not a Grafana dashboard"),
+        (None, b"no dashboard at"),
+    ],
+)
+def test_tokenprobe_dashboard_says_what_is_wrong_with_its_input(
+    tmp_path: Path, content: str | None, said: bytes
+) -> None:
+    import sys
+
+    given = tmp_path / "tokenprobe.json"
+    if content is not None:
+        given.write_text(content)
+    run = [sys.executable, "-m", "proxy", "dashboard", str(given), "-o", str(given)]
+    out = subprocess.run(run, cwd=tmp_path, capture_output=True)
+    assert out.returncode == 2 and said in out.stderr and b"Traceback" not in out.stderr
+    assert (given.read_text() if content is not None else None) == content
