@@ -6,6 +6,7 @@ under CI=true, where they fail (CI installs it).
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -69,6 +70,28 @@ def test_every_alert_has_severity_and_advice() -> None:
         annotations = alert.get("annotations", {})
         for key in ("summary", "description", "advice"):
             assert len(annotations.get(key, "")) >= 20, f"{name}: annotation {key}"
+
+
+def test_the_panels_and_rows_an_alert_names_are_on_the_dashboard() -> None:
+    # "Open the 'Errors by type' panel", "the 'Client-seen vs vLLM' row": an operator
+    # paged at night looks for exactly that title.
+    def titles(panels: list[dict[str, Any]]) -> set[str]:
+        found = set()
+        for panel in panels:
+            found.add(panel.get("title", ""))
+            found |= titles(panel.get("panels", []))
+        return found
+
+    dashboard = ROOT / "grafana" / "dashboards" / "tokenprobe.json"
+    on_dashboard = titles(json.loads(dashboard.read_text())["panels"])
+    named = 0
+    for alert in rules("alert"):
+        advice = alert["annotations"]["advice"]
+        if re.search(r"\b(?:panels?|row)\b", advice):
+            for title in re.findall(r"(?<!\w)'([^']+)'(?!\w)", advice):
+                assert title in on_dashboard, f"{alert['alert']}: no panel or row {title!r}"
+                named += 1
+    assert named >= 3
 
 
 def test_every_alert_is_shown_firing_by_a_unit_test() -> None:

@@ -207,6 +207,16 @@ class TestComposeFile:
         mounted = {target: source for source, target in _mounts(services["tokenprobe"])}
         assert (path.parent / mounted[prices].split(":")[0]).is_file(), prices
 
+    def test_every_service_of_the_image_but_serve_sets_its_own_healthcheck(
+        self, path: Path
+    ) -> None:
+        # The image's HEALTHCHECK asks serve's /healthz on :4000: a container of the same
+        # image running sim or bench must override it, or Docker marks it unhealthy.
+        for name, service in compose(path)["services"].items():
+            command = service.get("command", ["serve"])  # the image's own: serve
+            if service.get("image") == "tokenprobe:local" and command[0] != "serve":
+                assert "healthcheck" in service, f"{name} ({command[0]})"
+
     def test_tokenprobe_waits_longer_than_its_drain(self, path: Path) -> None:
         tokenprobe = compose(path)["services"]["tokenprobe"]
         drain = float(tokenprobe["environment"]["TOKENPROBE_DRAIN_TIMEOUT"])
