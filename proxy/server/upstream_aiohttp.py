@@ -114,6 +114,7 @@ class _GuardedHandler(ResponseHandler):
         self._heard = False  # a response (1xx included) parsed for the current request
         self._reused = False  # pooled before: the current request is not its first
         self._faulted = False  # closed for a protocol error, counted
+        self._to_close = False  # the response's body is framed by the connection's close
 
     def set_response_params(self, **kwargs: Any) -> None:
         self._state, self._finals, self._heard = _BUSY, 0, False
@@ -132,7 +133,17 @@ class _GuardedHandler(ResponseHandler):
             if self._finals > 1:  # a second response to one request: never read
                 self.fault("extra_bytes")
                 return
+            message = data[0]
+            self._to_close = not message.chunked and "Content-Length" not in message.headers
         super().feed_data(data, size)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        payload = self._payload
+        if exc is not None and self._to_close and payload is not None and not payload.is_eof():
+            # aiohttp ends a body read to the close at any close; only a clean one ends it
+            # (RFC 9112 §6.3, item 8), a reset cuts it short (§8), as the wire reads it.
+            payload.set_exception(aiohttp.ClientPayloadError(f"response body cut short: {exc!r}"))
+        super().connection_lost(exc)
 
     def pooled(self) -> None:
         """The connector put this connection in its pool (from inside the read that ended

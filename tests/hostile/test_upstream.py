@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import struct
 import time
 import zlib
 from collections.abc import Awaitable, Callable
@@ -44,6 +45,7 @@ from tests.servers import ThreadedServer, stop
 
 Proxy = Callable[..., AbstractContextManager[str]]
 ERRORS = "tokenprobe_upstream_protocol_errors_total"
+REQUESTS = "tokenprobe_requests_total"
 FIRST = ok(b"first")
 SECOND = ok(b"second")
 EXTRA = ok(b"EXTRA")  # what no request asked for
@@ -371,7 +373,7 @@ def test_the_upstreams_base_path_is_kept(upstream: RawUpstream, proxy: Proxy, ba
         chat = exchange(
             base_url,
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-            b'content-length: 44\r\n\r\n{"model":"m","messages":[],"stream":false}  ',
+            b'content-length: 43\r\n\r\n{"model":"m","messages":[],"stream":false}  ',
             idle=0.5,
         )
         assert chat.startswith(b"HTTP/1.1 200"), chat
@@ -631,6 +633,35 @@ def test_a_body_framed_by_a_coding_other_than_chunked_ends_with_the_connection(
         assert [(status, body) for status, _, body in responses(got)] == [(200, b"body-to-close")]
         assert got.endswith(b"0\r\n\r\n"), got  # its last chunk: not a response cut short
         assert errors(base, "malformed") == 0
+
+
+def test_a_body_read_to_the_close_that_ends_in_a_reset_is_cut_short_not_whole(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """Only a clean close (FIN) ends a body framed by neither length nor chunks (RFC 9112
+    §6.3, item 8); a reset cuts it short (§8: not to be forwarded as complete). The client
+    gets what came, no last chunk, and its connection closes, and the record says
+    stream_truncated, as for a short Content-Length body (nginx: no last chunk either)."""
+
+    async def reset_mid_body(conn: Conn, request: Request) -> None:
+        conn.write(b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n{"partial":')
+        await conn.drain()
+        await asyncio.sleep(0.2)  # the head and the bytes are relayed before the reset
+        sock = conn.writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.writer.transport.abort()  # SO_LINGER 0: the close is a reset
+
+    upstream.default = by_target({b"/v1/chat/completions": reset_mid_body})
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+        b'content-length: 43\r\n\r\n{"model":"m","messages":[],"stream":false} '
+    )
+    with proxy(upstream.url) as base:
+        got = exchange(base, request + get(b"/v1/next"), idle=2.0)
+        assert b'{"partial":' in got, got
+        assert not got.endswith(b"0\r\n\r\n"), got  # no last chunk: a client sees it cut
+        assert got.count(b"HTTP/1.1 ") == 1, got  # the connection closed: no next answer
+        assert until(lambda: counted(base, REQUESTS, error_type="stream_truncated") == 1)
 
 
 @pytest.mark.parametrize("base_path", ["", "/tenant-a"])

@@ -496,7 +496,9 @@ class WireRequest(Deadline):
             self.upstream, self.resend = None, b""
             self._connect_soon(head)
             return
-        if conn is not None and not conn.in_head and _reads_to_close(conn):
+        if conn is not None and not conn.in_head and exc is None and _reads_to_close(conn):
+            # Only a clean close ends such a body (RFC 9112 §6.3, item 8); a reset cut it
+            # short (§8), and the client must not get its last chunk: a break, as below.
             self.response_end(perf_counter(), False)
             return
         self.upstream_broke(exc or ConnectionResetError("the upstream closed the connection"))
