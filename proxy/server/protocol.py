@@ -326,6 +326,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = False
         self._body_open = True
         self._stop_head_timer()
+        if self.expect_100_continue and self.parser.get_http_version() != "1.1":
+            # An HTTP/1.0 request's expectation is ignored, and no 1xx goes to an HTTP/1.0
+            # client (RFC 9110 §10.1.1, §15.2; nginx and h11 alike): uvicorn's would write
+            # one on both paths, as it reads the header whatever the version.
+            self.expect_100_continue = False
 
     def _body_done(self) -> None:
         """The request's message ended (on_message_complete, on both data paths)."""

@@ -153,6 +153,27 @@ def test_expect_100_continue_gets_a_100_before_the_body_is_sent(
     assert final.startswith(b"HTTP/1.1 200 ") and body.endswith(b"data: [DONE]\n\n")
 
 
+def test_an_http_1_0_clients_expect_100_continue_gets_no_interim_response(
+    sim: Running, proxy: ProxyUnderTest
+) -> None:
+    # RFC 9110 §10.1.1: a server MUST ignore a 100-continue expectation in an HTTP/1.0
+    # request, and §15.2: it sends no 1xx to an HTTP/1.0 client (nginx and h11 ignore it).
+    head = post(CHAT, STREAM, version=b"1.0", extra=b"expect: 100-continue\r\n")
+    with connect(proxy.url) as sock:
+        sock.sendall(head[: -len(STREAM)])
+        sock.settimeout(0.5)
+        try:
+            early = sock.recv(65536)  # what the proxy sends before the body
+        except TimeoutError:
+            early = b""
+        sock.settimeout(10)
+        sock.sendall(STREAM)
+        response = early + read_all(sock)
+    assert b" 100 " not in response.split(b"\r\n", 1)[0], response[:80]
+    assert response.startswith(b"HTTP/1.1 200 ") and b"data: [DONE]" in response
+    assert proxy.wait_records(1)[0].ok
+
+
 def test_interim_responses_and_trailers_from_the_upstream_are_not_relayed(
     start_proxy: Callable[..., ProxyUnderTest],
 ) -> None:
