@@ -225,6 +225,8 @@ class ExchangeRules:
             self.stripper = None
         self.stage = Stage.RESPONDING
         out = client_headers(headers, content_type, body_changes=self.stripper is not None)
+        if status == 204 and length:  # RFC 9110 §8.6: never in a 204 (nginx clears it too)
+            out, length = [(k, v) for k, v in out if k != b"content-length"], False
         if located:
             out = self._located(out)
         return ClientHead(out, self.stripper, length)

@@ -450,6 +450,28 @@ def test_a_304_with_a_content_length_leaves_the_client_connection_for_the_next_r
     assert second.endswith(b"\r\n\r\n5\r\nhello\r\n0\r\n\r\n"), second
 
 
+def test_a_204_goes_to_the_client_without_a_content_length(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """RFC 9110 §8.6: a server MUST NOT send a Content-Length in a 204 (nginx's header
+    filter clears it); an upstream's `content-length: 0` on one stopped at the proxy, and
+    the connection serves the next request."""
+    upstream.default = by_target(
+        {
+            b"/none": answer(b"HTTP/1.1 204 No Content\r\ncontent-length: 0\r\n\r\n"),
+            b"/chunked": answer(CHUNKED),
+        }
+    )
+    with proxy(upstream.url) as base:
+        host, port = base.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            first = one_answer(sock, get(b"/none"))
+            second = one_answer(sock, get(b"/chunked"))
+    assert first.startswith(b"HTTP/1.1 204 ") and first.endswith(b"\r\n\r\n"), first
+    assert b"content-length" not in header_names(first), first
+    assert second.endswith(b"\r\n\r\n5\r\nhello\r\n0\r\n\r\n"), second
+
+
 def one_answer(sock: socket.socket, request: bytes) -> bytes:
     """Every byte that comes back for `request` until the connection is quiet for 0.3 s."""
     sock.sendall(request)
