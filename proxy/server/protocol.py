@@ -30,6 +30,12 @@ upgrade request's head, so such a request's body is read by a second parser (`Up
 Trailer fields of a chunked body never join the request's headers (they are dropped, as
 most proxies do).
 
+A request's Host is checked as RFC 9112 §3.2 asks of a server, on both data paths and the
+proxy's own routes: none in an HTTP/1.1 request, more than one, or a value that is no
+`host[:port]` (`evil.example/steal?`) is a 400, and the connection closes, as llhttp's
+own refusals are answered (nginx and h11 refuse the same). The proxy sends the upstream
+its own Host, but the client's names the proxy in a redirect it rewrites (rules.py).
+
 Each close is counted in `tokenprobe_connections_closed_total{reason}`. The limits and
 that counter are the served app's: uvicorn builds the protocol itself, in every worker,
 and hands each one the state the app's lifespan filled in (`app_state`); ProxyApp puts a
@@ -40,6 +46,7 @@ limits. Without one (an app that ran no lifespan) a connection gets the defaults
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -104,6 +111,18 @@ class _HeadRefused(Exception):
     pass
 
 
+class _BadHost(Exception):
+    pass
+
+
+#: A Host value (RFC 9112 §3.2, RFC 3986 §3.2.2): an IP literal in brackets, or an IPv4
+#: address or registered name (unreserved, percent-encoded and sub-delims characters),
+#: then an optional port. Empty is valid (a target with no authority).
+_HOST = re.compile(
+    rb"(?:\[[0-9A-Fa-f:.]+(?:%25[A-Za-z0-9._~-]+)?\]|[A-Za-z0-9._~!$&'()*+,;=%-]*)(?::[0-9]*)?"
+)
+
+
 def connection_counter(registry: CollectorRegistry) -> Counter:
     return Counter(
         "tokenprobe_connections_closed",
@@ -147,6 +166,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.running: Any = None
         self._body_open = False  # a request's head is in and its body not yet all
         self._bad_request: str | None = None  # a 400 owed once the answers before it are out
+        self._bad_host: str | None = None  # why the head just parsed has no valid Host
         # set while the rest of a body answered early is read and dropped (its
         # --body-timeout): the next head starts when that body ends (on_response_complete)
         self._rest_timer: asyncio.TimerHandle | None = None
@@ -323,14 +343,30 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         return is_websocket_upgrade(parser.get_method(), self.headers, http_11=http_11)
 
     def _head_done(self) -> None:
+        """The request's head is parsed (both paths call this first at its end)."""
         self._in_head = False
         self._body_open = True
         self._stop_head_timer()
+        if (wrong := self._host_wrong()) is not None:  # answered as llhttp's refusals are
+            self._bad_host = wrong
+            raise _BadHost
         if self.expect_100_continue and self.parser.get_http_version() != "1.1":
             # An HTTP/1.0 request's expectation is ignored, and no 1xx goes to an HTTP/1.0
             # client (RFC 9110 §10.1.1, §15.2; nginx and h11 alike): uvicorn's would write
             # one on both paths, as it reads the header whatever the version.
             self.expect_100_continue = False
+
+    def _host_wrong(self) -> str | None:
+        hosts = [value for name, value in self.headers if name == b"host"]
+        if len(hosts) > 1:
+            return "Invalid HTTP request received: more than one Host header."
+        if not hosts:
+            if self.parser.get_http_version() == "1.1":
+                return "Invalid HTTP request received: an HTTP/1.1 request needs a Host header."
+            return None
+        if _HOST.fullmatch(hosts[0]) is None:
+            return "Invalid HTTP request received: the Host header is no host[:port]."
+        return None
 
     def _body_done(self) -> None:
         """The request's message ended (on_message_complete, on both data paths)."""
@@ -378,6 +414,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             reason, message = self._refusal
             self._refuse(reason, message)
             return
+        if self._bad_host is not None:  # the same, for the Host: a malformed request
+            msg, self._bad_host = self._bad_host, None
         self.on_close("malformed")
         cycle = self.cycle
         waiting = next((entry for entry in self.pipeline if entry[0] is cycle), None)

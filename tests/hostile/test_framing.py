@@ -44,3 +44,52 @@ def test_an_ambiguous_request_is_refused_before_the_upstream(
     got = exchange(base, data, idle=1.0)
     assert got.startswith((b"HTTP/1.1 400", b"HTTP/1.1 431")), got[:200]
     assert received_bytes(upstream) == before
+
+
+HOSTS = {
+    "no Host in HTTP/1.1": b"GET /v1/models HTTP/1.1\r\n\r\n",
+    "two Hosts": b"GET /v1/models HTTP/1.1\r\nHost: a.example\r\nHost: b.example\r\n\r\n",
+    "a path in the Host": b"GET /v1/models HTTP/1.1\r\nHost: evil.example/steal?\r\n\r\n",
+    "a space in the Host": b"GET /v1/models HTTP/1.1\r\nHost: a b\r\n\r\n",
+    "a letter in the port": b"GET /v1/models HTTP/1.1\r\nHost: a.example:80x\r\n\r\n",
+    "the proxy's own route too": b"GET /metrics HTTP/1.1\r\nHost: a\r\nHost: a\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("data", list(HOSTS.values()), ids=list(HOSTS))
+def test_a_request_without_one_valid_host_is_a_400_and_the_connection_closes(
+    shared: tuple[RawUpstream, str], data: bytes
+) -> None:
+    """RFC 9112 §3.2: a server MUST answer 400 to an HTTP/1.1 request with no Host, and to
+    any request with more than one Host or an invalid value (nginx and h11 refuse them)."""
+    upstream, base = shared
+    before = received_bytes(upstream)
+    got = exchange(base, data + b"GET /v1/next HTTP/1.1\r\nHost: x\r\n\r\n", idle=1.0)
+    assert got.startswith(b"HTTP/1.1 400") and b"Host header" in got, got[:300]
+    assert b"HTTP/1.1 200" not in got, got  # closed: the request behind it is not read
+    assert received_bytes(upstream) == before
+
+
+VALID = {
+    "a name and port": b"Host: llm.example.com:8443",
+    "an IPv6 literal": b"Host: [::1]:4000",
+    "an IPv4 address": b"Host: 127.0.0.1",
+    "empty (no authority)": b"Host: ",
+}
+
+
+@pytest.mark.parametrize("host", list(VALID.values()), ids=list(VALID))
+def test_a_valid_host_reaches_the_upstream(shared: tuple[RawUpstream, str], host: bytes) -> None:
+    upstream, base = shared
+    before = received_bytes(upstream)
+    got = exchange(base, b"GET /v1/models HTTP/1.1\r\n" + host + b"\r\n\r\n", idle=1.0)
+    assert got.startswith(b"HTTP/1.1 200"), got[:300]
+    assert received_bytes(upstream) > before
+
+
+def test_an_http_1_0_request_needs_no_host(shared: tuple[RawUpstream, str]) -> None:
+    upstream, base = shared
+    before = received_bytes(upstream)
+    got = exchange(base, b"GET /v1/models HTTP/1.0\r\n\r\n", idle=1.0)
+    assert got.startswith(b"HTTP/1.1 200"), got[:300]
+    assert received_bytes(upstream) > before
