@@ -347,6 +347,15 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = False
         self._body_open = True
         self._stop_head_timer()
+        url = self.url
+        if url[:1] != b"/" and (authority := url.find(b"://") + 3) > 2:
+            # An absolute-form target may have an empty path, which is "/" (RFC 9110
+            # §4.2.3): `http://host?q` is `http://host/?q`. httptools' parse gives no path
+            # for it, and both paths read the path from that parse.
+            if (end := url.find(b"?", authority)) < 0:
+                end = len(url)
+            if url.find(b"/", authority, end) < 0:
+                self.url = url[:end] + b"/" + url[end:]
         if (wrong := self._host_wrong()) is not None:  # answered as llhttp's refusals are
             self._bad_host = wrong
             raise _BadHost

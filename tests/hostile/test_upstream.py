@@ -383,6 +383,24 @@ def test_the_upstreams_base_path_is_kept(upstream: RawUpstream, proxy: Proxy, ba
     ]
 
 
+def test_an_absolute_form_target_with_an_empty_path_is_the_root(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """`GET http://host?x=1` is legal (RFC 9112 §3.2.2), and its empty path is "/" (RFC 9110
+    §4.2.3): it reaches the upstream at its base path's root, as nginx sends it, where both
+    paths answered 400 (httptools' parse gives no path for it)."""
+    targets = [b"http://llm.example", b"http://llm.example?x=1", b"http://llm.example:80"]
+    with proxy(upstream.url + "/tenant-a") as base:
+        for target in targets:
+            got = exchange(base, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n", idle=0.5)
+            assert got.startswith(b"HTTP/1.1 200"), (target, got)
+    assert [r.target for r in upstream.requests] == [
+        b"/tenant-a/",
+        b"/tenant-a/?x=1",
+        b"/tenant-a/",
+    ]
+
+
 # -- bodiless responses, odd statuses, Connection-named headers (review of 2026-12-05) ---------
 
 CHUNKED = (
