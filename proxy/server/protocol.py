@@ -34,7 +34,9 @@ A request's Host is checked as RFC 9112 §3.2 asks of a server, on both data pat
 proxy's own routes: none in an HTTP/1.1 request, more than one, or a value that is no
 `host[:port]` (`evil.example/steal?`) is a 400, and the connection closes, as llhttp's
 own refusals are answered (nginx and h11 refuse the same). The proxy sends the upstream
-its own Host, but the client's names the proxy in a redirect it rewrites (rules.py).
+its own Host, but the client's names the proxy in a redirect it rewrites (rules.py). So
+is a Transfer-Encoding other than `chunked` alone (`gzip, chunked`), whose body would
+otherwise go upstream de-chunked but still coded.
 
 Each close is counted in `tokenprobe_connections_closed_total{reason}`. The limits and
 that counter are the served app's: uvicorn builds the protocol itself, in every worker,
@@ -111,7 +113,7 @@ class _HeadRefused(Exception):
     pass
 
 
-class _BadHost(Exception):
+class _BadHead(Exception):
     pass
 
 
@@ -166,7 +168,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.running: Any = None
         self._body_open = False  # a request's head is in and its body not yet all
         self._bad_request: str | None = None  # a 400 owed once the answers before it are out
-        self._bad_host: str | None = None  # why the head just parsed has no valid Host
+        self._bad_head: str | None = None  # why the head just parsed is refused (Host, TE)
         # set while the rest of a body answered early is read and dropped (its
         # --body-timeout): the next head starts when that body ends (on_response_complete)
         self._rest_timer: asyncio.TimerHandle | None = None
@@ -356,17 +358,28 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 end = len(url)
             if url.find(b"/", authority, end) < 0:
                 self.url = url[:end] + b"/" + url[end:]
-        if (wrong := self._host_wrong()) is not None:  # answered as llhttp's refusals are
-            self._bad_host = wrong
-            raise _BadHost
+        if (wrong := self._head_wrong()) is not None:  # answered as llhttp's refusals are
+            self._bad_head = wrong
+            raise _BadHead
         if self.expect_100_continue and self.parser.get_http_version() != "1.1":
             # An HTTP/1.0 request's expectation is ignored, and no 1xx goes to an HTTP/1.0
             # client (RFC 9110 §10.1.1, §15.2; nginx and h11 alike): uvicorn's would write
             # one on both paths, as it reads the header whatever the version.
             self.expect_100_continue = False
 
-    def _host_wrong(self) -> str | None:
-        hosts = [value for name, value in self.headers if name == b"host"]
+    def _head_wrong(self) -> str | None:
+        hosts = []
+        codings: list[bytes] = []
+        for name, value in self.headers:
+            if name == b"host":
+                hosts.append(value)
+            elif name == b"transfer-encoding":
+                codings.extend(coding.strip().lower() for coding in value.split(b","))
+        if codings and codings != [b"chunked"]:
+            # llhttp refuses a last coding other than chunked, and decodes `gzip, chunked`
+            # to its chunks: the body would go upstream still gzip-coded, and unlabelled.
+            # (RFC 9112 §6.1 asks a 501; nginx and h11 answer one; a 400 refuses it too.)
+            return "Invalid HTTP request received: no transfer coding but chunked is taken."
         if len(hosts) > 1:
             return "Invalid HTTP request received: more than one Host header."
         if not hosts:
@@ -423,8 +436,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             reason, message = self._refusal
             self._refuse(reason, message)
             return
-        if self._bad_host is not None:  # the same, for the Host: a malformed request
-            msg, self._bad_host = self._bad_host, None
+        if self._bad_head is not None:  # the same, for the Host or the TE: malformed
+            msg, self._bad_head = self._bad_head, None
         self.on_close("malformed")
         cycle = self.cycle
         waiting = next((entry for entry in self.pipeline if entry[0] is cycle), None)

@@ -18,6 +18,11 @@ CASES = {
     "TE not last chunked": POST + b"Transfer-Encoding: chunked, identity\r\n\r\n0\r\n\r\n",
     "TE with a space before the colon": POST + b"Transfer-Encoding : chunked\r\n\r\n0\r\n\r\n",
     "TE xchunked": POST + b"Transfer-Encoding: xchunked\r\n\r\n0\r\n\r\n",
+    # a coding before chunked: llhttp decodes the chunks, and the body would go upstream
+    # still gzip-coded with nothing to say so (RFC 9112 §6.1; nginx and h11 refuse it)
+    "TE gzip, chunked": POST + b"Transfer-Encoding: gzip, chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+    "TE gzip, then a TE chunked": POST
+    + b"Transfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
     "two Content-Lengths": POST + b"Content-Length: 1\r\nContent-Length: 2\r\n\r\nab",
     "bare LF": b"GET /v1/models HTTP/1.1\nHost: x\n\n",
     "obs-fold": b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-A: 1\r\n folded\r\n\r\n",
