@@ -349,23 +349,32 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = False
         self._body_open = True
         self._stop_head_timer()
-        url = self.url
-        if url[:1] != b"/" and (authority := url.find(b"://") + 3) > 2:
-            # An absolute-form target may have an empty path, which is "/" (RFC 9110
-            # §4.2.3): `http://host?q` is `http://host/?q`. httptools' parse gives no path
-            # for it, and both paths read the path from that parse.
-            if (end := url.find(b"?", authority)) < 0:
-                end = len(url)
-            if url.find(b"/", authority, end) < 0:
-                self.url = url[:end] + b"/" + url[end:]
         if (wrong := self._head_wrong()) is not None:  # answered as llhttp's refusals are
             self._bad_head = wrong
             raise _BadHead
+        url = self.url
+        if url[:1] != b"/" and (start := url.find(b"://") + 3) > 2:
+            self._absolute_form(url, start)
         if self.expect_100_continue and self.parser.get_http_version() != "1.1":
             # An HTTP/1.0 request's expectation is ignored, and no 1xx goes to an HTTP/1.0
             # client (RFC 9110 §10.1.1, §15.2; nginx and h11 alike): uvicorn's would write
             # one on both paths, as it reads the header whatever the version.
             self.expect_100_continue = False
+
+    def _absolute_form(self, url: bytes, start: int) -> None:
+        """An absolute-form target (`http://host/path`, RFC 9112 §3.2.2; `start` where its
+        authority starts): its host, not the Host header, is the one the client named,
+        and an empty path is "/" (RFC 9110 §4.2.3: `http://host?q` is `http://host/?q`;
+        httptools' parse gives no path for it, and both paths read the path from it)."""
+        end = len(url)
+        for mark in (b"/", b"?"):
+            if 0 <= (at := url.find(mark, start)) < end:
+                end = at
+        if url[end : end + 1] != b"/":
+            self.url = url[:end] + b"/" + url[end:]
+        host = url[start:end].rpartition(b"@")[2]  # no userinfo
+        # in place: uvicorn's scope holds this very list
+        self.headers[:] = [(name, host if name == b"host" else v) for name, v in self.headers]
 
     def _head_wrong(self) -> str | None:
         hosts = []

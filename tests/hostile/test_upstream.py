@@ -743,6 +743,28 @@ def test_a_redirect_into_the_upstream_points_at_the_proxy_as_the_client_named_it
             assert (status, location) == (307, [want]), got
 
 
+def test_an_absolute_form_targets_host_is_the_one_a_redirect_names(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """RFC 9112 §3.2.2: with an absolute-form target the server MUST ignore the Host header
+    and use the target's host: a redirect the proxy points back at itself names that one
+    (userinfo left out), not the Host header's."""
+    own = f"http://127.0.0.1:{upstream.port}".encode()
+
+    async def redirect(conn: Conn, request: Request) -> None:
+        conn.write(b"HTTP/1.1 307 Temporary Redirect\r\nlocation: " + own
+                   + b"/v1/models\r\ncontent-length: 0\r\n\r\n")  # fmt: skip
+        await conn.drain()
+
+    upstream.default = by_target({b"/v1/models/": redirect})
+    request = b"GET http://u:p@public.example/v1/models/ HTTP/1.1\r\nHost: internal.example\r\n\r\n"
+    with proxy(upstream.url) as base:
+        got = exchange(base, request, idle=0.5)
+    ((status, head, _),) = responses(got)
+    location = Request(head, b"").header(b"location")
+    assert (status, location) == (307, [b"http://public.example/v1/models"]), got
+
+
 @pytest.mark.parametrize("pieces", [1, 2, 7], ids=["one write", "two", "seven"])
 def test_a_response_head_over_the_bound_is_a_502_however_it_was_split(
     upstream: RawUpstream, proxy: Proxy, relay: str, pieces: int
