@@ -18,13 +18,15 @@ SECRET_HEADERS = frozenset(
 SECRET_WORDS = (
     *("auth", "api-key", "api_key", "apikey", "token", "secret", "password", "passwd"),
     *("credential", "cookie", "session"),
+    # signed URLs' `?X-Amz-Signature=` (AWS SigV4), `?X-Goog-Signature=` (Google Cloud)
+    "signature",
     # Azure API Management's `ocp-apim-subscription-key` and `?subscription-key=`, Azure
     # Functions' `x-functions-key` (not any name ending in "key": `idempotency-key`)
     *("subscription-key", "functions-key"),
 )
 #: Query parameter names that carry credentials by themselves (Google's `?key=`, signed
 #: URLs' `?sig=`, Azure Functions' `?code=`), besides those with a SECRET_WORDS word in them.
-SECRET_PARAMS = frozenset({"key", "sig", "signature", "code"})
+SECRET_PARAMS = frozenset({"key", "sig", "code"})
 
 
 def is_secret_name(name: str) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from time import perf_counter
 from typing import Any
 
@@ -168,7 +168,14 @@ class MeasuredExchange:
         settings = self.context.settings
         idle = cause is Cause.IDLE_TIMEOUT or cause is Cause.CLIENT_STALLED
         limit = settings.idle_timeout if idle else settings.first_byte_timeout
-        return relay_failure(cause, after_headers=self.status != 0, exc=exc, limit=limit)
+        failure = relay_failure(cause, after_headers=self.status != 0, exc=exc, limit=limit)
+        if failure.answer is None:
+            return failure
+        # The client's answer says what broke in the upstream client's words, which may
+        # quote the bytes the upstream sent back: an echo of this request's credentials
+        # (`BadStatusLine: b'... Bearer sk-...'`). Masked as the record's message is.
+        status, kind, told = failure.answer
+        return replace(failure, answer=(status, kind, self.redact(told)))
 
     async def finish(self, end: float, failure: Failure | None) -> None:
         """The one finish sequence: a measured request's record goes to the sinks (from
