@@ -107,6 +107,8 @@ def _limit(source: str, name: str, value: Any, item: Any) -> dict[str, float]:
             f"{source}expected NAME=SECONDS with NAME in {', '.join(NAMES)}, got {item!r}"
         )
     try:
+        if isinstance(value, bool):  # YAML's `ttft: true` is no number of seconds
+            raise TypeError
         seconds = float(value)
     except (TypeError, ValueError):
         raise SloError(f"{source}{name} is not a number: {value!r}") from None
@@ -127,9 +129,13 @@ def verdict(m: Measurement, limits: Limits) -> str:
     """One of CANCELLED, REFUSED, ERROR, a target's name (the first missed), MET."""
     if m.error_type is not None and not m.cancelled:
         return _failed(m.error_type, m.status_code)
-    unanswered = m.without_answer is not None
     return _judged(
-        lambda name: BY_NAME[name].read(m), limits, m.e2e, left=m.cancelled, unanswered=unanswered
+        lambda name: BY_NAME[name].read(m),
+        limits,
+        m.e2e,
+        left=m.cancelled,
+        unanswered=m.without_answer is not None,
+        streamed=m.stream_requested or m.stream,
     )
 
 
@@ -150,6 +156,7 @@ def record_verdict(record: Mapping[str, Any], limits: Limits) -> str:
         e2e if isinstance(e2e, int | float) else None,
         left=error is not None,
         unanswered=record.get("without_answer") is not None,
+        streamed=record.get("stream_requested", record.get("stream")) is True,
     )
 
 
@@ -174,17 +181,27 @@ def _judged(
     *,
     left: bool,
     unanswered: bool = False,
+    streamed: bool = True,
 ) -> str:
     """The first target missed; else MET, or CANCELLED for a request the client `left`.
     `unanswered`: it generated, then ended with neither an answer nor a call (reasoning cut
-    by its token limit): the first answer a ttfa target waits for never came."""
+    by its token limit): the first answer a ttfa target waits for never came. Only a
+    `streamed` request's client waits for a first token: one that left a non-streamed
+    request waited for the whole answer, which e2e judges."""
     for name, limit in limits.items():
         value = read(name)
         if value is not None and value > limit:
             return name
         if value is None and name == "ttfa" and unanswered and not left:
             return name
-        if left and value is None and name in _AWAITED and e2e is not None and e2e > limit:
+        if (
+            left
+            and streamed
+            and value is None
+            and name in _AWAITED
+            and e2e is not None
+            and e2e > limit
+        ):
             return name  # it left after waiting longer than the limit for that token
     return CANCELLED if left else MET
 
@@ -232,7 +249,9 @@ def parse_slo_file(data: Any, source: str) -> Policy:
 
 def _targets(value: Any, where: str) -> dict[str, float]:
     if isinstance(value, str):
-        return parse_slo(value, where)
+        if not (parsed := parse_slo(value, where)):  # "" would judge that model by nothing
+            raise SloError(f"{where}: no targets")
+        return parsed
     if not isinstance(value, dict):
         raise SloError(f"{where}: expected targets like {{ttft: 0.5, tpot: 0.05}}")
     limits: dict[str, float] = {}

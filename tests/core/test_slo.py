@@ -41,6 +41,18 @@ LIMITS = slo.parse_slo("ttft=0.5,tpot=0.05,e2e=10")
         ({"error_type": ErrorType.CLIENT_CANCELLED, "ttft": None, "e2e": 2.0}, "ttft"),
         ({"error_type": ErrorType.CLIENT_CANCELLED, "ttft": None, "e2e": 0.3}, "cancelled"),
         ({"error_type": ErrorType.CLIENT_CANCELLED, "ttft": 0.4, "e2e": 2.0}, "cancelled"),
+        # A non-streamed request's client waits for the whole answer, never a first token:
+        # leaving it after the ttft limit misses nothing it lacks (e2e judges its wait).
+        (
+            {"error_type": ErrorType.CLIENT_CANCELLED, "ttft": None, "e2e": 2.0}
+            | {"stream": False, "stream_requested": False},
+            "cancelled",
+        ),
+        (
+            {"error_type": ErrorType.CLIENT_CANCELLED, "ttft": None, "e2e": 12.0}
+            | {"stream": False, "stream_requested": False},
+            "e2e",
+        ),
     ],
 )
 def test_a_record_and_its_saved_form_get_the_same_verdict(
@@ -117,6 +129,10 @@ def test_an_slo_file_gives_each_model_its_targets_and_the_rest_the_default() -> 
         ({"models": {"a": {"ttft": "soon"}}}, "slo.yaml: models.a: ttft is not a number"),
         ({"models": {"a": {"latency": 1}}}, "slo.yaml: models.a: expected NAME=SECONDS"),
         ({"models": {"a": {}}}, "slo.yaml: models.a: no targets"),
+        # the same written as text: that model would be judged by nothing, silently
+        ({"models": {"a": ""}}, "slo.yaml: models.a: no targets"),
+        ({"default": " , "}, "slo.yaml: default: no targets"),
+        ({"models": {"a": {"ttft": True}}}, "slo.yaml: models.a: ttft is not a number: True"),
         ({"models": {"a": 3}}, "slo.yaml: models.a: expected targets like"),
         ({"default": {"e2e": -2}}, "slo.yaml: default: e2e must be a positive"),
     ],
