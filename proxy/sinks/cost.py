@@ -17,8 +17,9 @@ Prices are per million tokens, in the table's currency. For one request:
 
 Cached prompt tokens are a part of the prompt tokens (OpenAI's
 `usage.prompt_tokens_details.cached_tokens`), so they are billed at the cached price
-only, never also at the input price. A count the proxy does not know (None) costs
-nothing; models missing from the table cost nothing and never become a label value,
+only, never also at the input price, and never more of them than the prompt had (a
+backend's cached count over its prompt count is billed as the whole prompt, cached). A
+count the proxy does not know (None) costs nothing; models missing from the table cost nothing and never become a label value,
 so the `model` label stays bounded by the table.
 
 The table file, YAML or JSON:
@@ -182,6 +183,8 @@ class CostSink:
 def spend(price: ModelPrice, m: Measurement) -> tuple[float, float, float]:
     """One request's cost by kind (input, cached_input, output), as the module says."""
     cached = max(m.cached_prompt_tokens or 0, 0)
+    if m.prompt_tokens is not None:  # a part of the prompt, never more than all of it
+        cached = min(cached, max(m.prompt_tokens, 0))
     uncached = max(max(m.prompt_tokens or 0, 0) - cached, 0)
     output = max(m.output_tokens or 0, 0)
     return (

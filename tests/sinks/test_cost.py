@@ -118,6 +118,15 @@ def test_cached_input_is_billed_at_cached_price_only(table: PriceTable) -> None:
     assert cost(registry, "llama", "output") == pytest.approx(200 * 1.5 / 1e6)
 
 
+def test_cached_tokens_over_the_prompt_are_billed_as_the_whole_prompt(table: PriceTable) -> None:
+    # A backend that says more prompt tokens came from its cache than the prompt had: the
+    # prompt's tokens are billed once, at the cached price, never more of them.
+    registry = CollectorRegistry()
+    CostSink(table, registry).record(record(prompt_tokens=100, cached_prompt_tokens=400), LABELS)
+    assert cost(registry, "llama", "input") == 0.0
+    assert cost(registry, "llama", "cached_input") == pytest.approx(100 * 0.25 / 1e6)
+
+
 def test_costs_accumulate_over_requests(table: PriceTable) -> None:
     registry = CollectorRegistry()
     sink = CostSink(table, registry)
