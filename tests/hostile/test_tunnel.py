@@ -15,9 +15,9 @@ from contextlib import AbstractContextManager
 
 import pytest
 
-from tests.hostile.client import KEY, Switcher, header_names, responses, ws_head
+from tests.hostile.client import KEY, SWITCH, Switcher, header_names, responses, ws_head
 from tests.hostile.peers import Conn, RawUpstream, exchange
-from tests.hostile.shared import counted_when
+from tests.hostile.shared import counted, counted_when
 
 Proxy = Callable[..., AbstractContextManager[str]]
 FRAMES = b"\x81\x85\x00\x00\x00\x00hello"  # a masked text frame, "hello"
@@ -169,6 +169,26 @@ def test_a_handshake_never_answered_gets_a_504_at_the_first_byte_timeout(
     assert 1.0 <= answered_after < 4.0, answered_after
     assert closed_after and closed_after[0] < 3.0, closed_after
     assert sessions("tokenprobe_websocket_sessions_total") == 1
+
+
+def test_a_close_frame_in_the_101s_read_is_the_upstreams_first_close(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """An upstream that switches and closes at once (its 101 and its close frame in one
+    write, so one read): it began the closing handshake (RFC 6455 §7.1.2), and the session
+    ends closed_by_upstream. The frames after the 101 went to the bounds but not to the
+    first-close check, so the client's answer was taken for the first close."""
+    upstream.default = Switcher(answer=SWITCH + b"\x88\x02\x03\xe8", delay=0.0).script()
+    answer = b"\x88\x82\x00\x00\x00\x00\x03\xe8"  # the client's close, masked (zero key)
+    with proxy(upstream.url) as base:
+        got = exchange(base, ws_head(b"/v1/other"), then=answer, after=0.3, idle=1.0)
+        sessions = counted_when(
+            base, "tokenprobe_websocket_sessions_total", 1, outcome="closed_by_upstream"
+        )
+        by_client = counted(base, "tokenprobe_websocket_sessions_total", outcome="closed_by_client")
+    assert got.startswith(b"HTTP/1.1 101 ") and got.endswith(b"\x88\x02\x03\xe8"), got
+    assert sessions("tokenprobe_websocket_sessions_total") == 1
+    assert by_client == 0
 
 
 def test_a_refused_upgrade_closes_the_client_connection(

@@ -62,8 +62,11 @@ class WsWatch:
         self._readers: tuple[FrameReader, FrameReader] | None = None  # (client, upstream)
 
     def start(self, after: bytes) -> None:
-        """The upstream switched: `after` is what followed its 101 head in the same read."""
+        """The upstream switched: `after` is what followed its 101 head in the same read
+        (its first frames, a close among them as likely as any: it closed first then)."""
         self.upstream_bounds.feed(after)
+        if self.upstream_bounds.closed and self.first_close is None:
+            self.first_close = False
 
     def follow(
         self,
