@@ -74,6 +74,8 @@ def test_three_utterances_give_three_records_and_the_session_figures() -> None:
             "sess-1",
         )
         assert m.ttft == 0.375 and m.e2e == 0.75 and m.tpot == 0.125  # from the commit
+        # each gap between non-empty deltas, as an HTTP stream's content events give them
+        assert m.inter_token_latencies == (0.125, 0.125)
         assert (m.prompt_tokens, m.output_tokens, m.token_source) == (50, 3, TokenSource.USAGE)
         assert m.audio_seconds == 1.0
     assert (sess.utterances, sess.audio_seconds, sess.duration) == (3, 3.0, 4.0)

@@ -65,7 +65,7 @@ class Realtime(WsApi):
 
 
 class _Utterance:
-    __slots__ = ("asked", "audio", "commit", "deltas", "first", "last")
+    __slots__ = ("asked", "audio", "commit", "deltas", "first", "gaps", "last")
 
     def __init__(self, commit: float, audio: int, asked: int = 0) -> None:
         self.commit, self.audio = commit, audio
@@ -73,6 +73,7 @@ class _Utterance:
         self.first: float | None = None
         self.last: float | None = None
         self.deltas = 0
+        self.gaps: list[float] = []  # between one non-empty delta and the next: the ITLs
 
 
 class RealtimeSession(WsSession):
@@ -153,6 +154,8 @@ class RealtimeSession(WsSession):
             if u is not None and delta and type(delta) is str:
                 if u.first is None:
                     u.first = msg.at
+                elif u.last is not None:
+                    u.gaps.append(msg.at - u.last)
                 u.last = msg.at
                 u.deltas += 1
         elif kind == "transcription.done":
@@ -257,7 +260,7 @@ class RealtimeSession(WsSession):
                 tpot=tpot,
                 decode_tokens_per_second=tps,
                 e2e=end - u.commit,
-                inter_token_latencies=(),
+                inter_token_latencies=tuple(u.gaps),
                 prompt_tokens=prompt,
                 output_tokens=output,
                 cached_prompt_tokens=None,
