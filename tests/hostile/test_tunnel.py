@@ -191,6 +191,20 @@ def test_a_close_frame_in_the_101s_read_is_the_upstreams_first_close(
     assert by_client == 0
 
 
+def test_a_refused_upgrades_redirect_into_the_upstream_points_at_the_proxy(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """As on HTTP (nginx's proxy_redirect default): a refusal that redirects into the
+    upstream's URL names the proxy as the client named it, not the backend's address,
+    which a client may not reach and which would take it around the proxy."""
+    own = f"http://127.0.0.1:{upstream.port}".encode()
+    refusal = b"HTTP/1.1 302 Found\r\nLocation: " + own + b"/v1/other\r\ncontent-length: 0\r\n\r\n"
+    upstream.default = Switcher(answer=refusal, delay=0.0).script()
+    with proxy(upstream.url) as base:
+        got = exchange(base, ws_head(b"/v1/realtime"), idle=2.0)
+    assert got == refusal.replace(own, b"http://proxy.example"), got  # ws_head's Host
+
+
 def test_a_refused_upgrade_closes_the_client_connection(
     upstream: RawUpstream, proxy: Proxy
 ) -> None:

@@ -33,6 +33,7 @@ class TunnelContext:
     secret_headers: frozenset[bytes]  # as the HTTP relay's (proxy/server/admission.py)
     apis: Callable[[str], WsApi | None] = ws_api_for
     close_grace: float = 2.0  # seconds a closing side gets to take its last bytes
+    ssl_certfile: str | None = None  # the proxy serves https: a redirect to it says so
     tunnels: set[Drainable] = field(default_factory=set)  # open now, for `shutdown_all`
 
     def shutdown_all(self) -> None:

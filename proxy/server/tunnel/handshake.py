@@ -24,7 +24,7 @@ import httptools
 
 from proxy.core.upstream_url import UpstreamURL
 from proxy.server.admission import Refused, target
-from proxy.server.headers import handshake_headers
+from proxy.server.headers import handshake_headers, redirected
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -111,6 +111,56 @@ def admit(
 #: The longest head of the upstream's answer to a handshake the proxy reads (nginx's
 #: proxy_buffer_size is 4 or 8 KiB; an answer's head is some 200 bytes).
 MAX_ANSWER_HEAD = 64 * 1024
+
+
+class AnswerHead:
+    """The upstream's answer to the handshake held until its head is whole (a pipe's
+    `gate`): a refusal's redirect into the upstream's URL then points at the proxy as
+    the client named it, as the HTTP relay's does (nginx's `proxy_redirect default`);
+    a 101's head and the frames after it go on as they came. An interim (1xx) head goes
+    on at once and the next is held; a head over MAX_ANSWER_HEAD goes on as it is."""
+
+    __slots__ = ("_client", "_held", "_within", "done")
+
+    def __init__(self, within: bytes, client: bytes | None) -> None:
+        """`within`: the upstream's scheme://authority and base path; `client`: the
+        scheme://host the client named (None: no Host, nothing to point at)."""
+        self._within, self._client = within, client
+        self._held = b""
+        self.done = False  # the final head went on: the gate is no longer needed
+
+    def __call__(self, data: bytes) -> bytes:
+        held = self._held + data
+        out: list[bytes] = []
+        while not self.done:
+            end = held.find(b"\r\n\r\n")
+            if end < 0:
+                if len(held) > MAX_ANSWER_HEAD:  # UpstreamAnswer ends such a tunnel
+                    self.done = True
+                    break
+                self._held = held
+                return b"".join(out)
+            head, held = held[: end + 4], held[end + 4 :]
+            status = head[9:12]
+            if status[:1] != b"1" or status == b"101":
+                self.done = True
+                if status != b"101" and self._client is not None:
+                    head = _located(head, self._within, self._client)
+            out.append(head)
+        self._held = b""
+        out.append(held)
+        return b"".join(out)
+
+
+def _located(head: bytes, within: bytes, client: bytes) -> bytes:
+    """The head with its Location pointed at the proxy when it points into `within`."""
+    lines = head.split(b"\r\n")
+    for i, line in enumerate(lines[1:], 1):
+        name, colon, value = line.partition(b":")
+        if colon and name.strip().lower() == b"location":
+            ((_, value),) = redirected([(b"location", value.strip())], within, client)
+            lines[i] = name + b": " + value
+    return b"\r\n".join(lines)
 
 
 class UpstreamAnswer:

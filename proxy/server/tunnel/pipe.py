@@ -6,7 +6,8 @@ hears every read after it went on (`Ends.seen`) and each side's end (`Ends.lost`
 - Holding: the client's bytes wait until `release()`, then go in the order they came. The
   client is read on meanwhile, so a client that leaves before the upstream answered is
   seen at once (and the upstream's connection closed); past `HOLD_BYTES` held its reading
-  pauses until `release()`.
+  pauses until `release()`. The upstream's bytes pass `gate` while one is set (the
+  owner's, for the answer's head): what it returns goes to the client.
 - Backpressure both ways: when one side's write buffer passes its high-water mark,
   reading from the other side pauses until it drains (asyncio's pause/resume_writing).
 - Sealing: `write_last` gives a side its last bytes; nothing read afterwards goes to it.
@@ -54,6 +55,8 @@ class Pipe(Deadline):
         self.ends = ends
         self.close_grace = close_grace
         self.relayed = False  # some upstream byte reached the client
+        # the upstream's bytes pass this while it is set; it returns what goes on now
+        self.gate: Callable[[bytes], bytes] | None = None
         self.closed = False
         self.sealed: set[bool] = set()  # sides `write_last` wrote to (True: the client)
         self._holding = True  # the client's bytes wait for `release`
@@ -112,8 +115,10 @@ class Pipe(Deadline):
 
     def from_upstream(self, data: bytes) -> None:
         self._last = at = perf_counter()
-        if True not in self.sealed:
-            self.client.write(data)
+        gate = self.gate
+        out = data if gate is None else gate(data)
+        if out and True not in self.sealed:
+            self.client.write(out)
             self.relayed = True
         self.ends.seen(False, data, at)
 

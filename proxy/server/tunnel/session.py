@@ -11,11 +11,12 @@ handshake's head:
    --first-byte-timeout.
 2. Nothing the client sent after its head goes upstream before the upstream's 101: the
    pipe holds the client's bytes, since the upstream might refuse the upgrade and read
-   them as a request the proxy never parsed. Everything the upstream sends goes to the
-   client as it arrives, the response head included, read on the side
-   (`UpstreamAnswer`). A 101 opens the tunnel and the held bytes go; any other final
-   status (a refusal) reaches the client exactly as sent, body included, and both
-   connections close when its body ends.
+   them as a request the proxy never parsed. The upstream's answer goes to the client
+   once its head is whole (`AnswerHead`, the pipe's gate: a refusal's redirect into the
+   upstream then points at the proxy, as on HTTP), and everything after it as it
+   arrives, read on the side (`UpstreamAnswer`). A 101 opens the tunnel and the held
+   bytes go; any other final status (a refusal) reaches the client as sent, body
+   included, and both connections close when its body ends.
 3. Open, every read goes to the other side first, then to the watch (watch.py).
 4. The end: either side's connection ending closes the other at once (pipe.py); so does
    --ws-idle-timeout with no byte either way. `TunnelHandle.shutdown` (the drain on
@@ -41,7 +42,7 @@ from proxy.server.admission import Refused, answer_bytes
 from proxy.server.dial import dial
 from proxy.server.headers import Headers
 from proxy.server.tunnel.context import TunnelContext
-from proxy.server.tunnel.handshake import UpstreamAnswer, admit
+from proxy.server.tunnel.handshake import AnswerHead, UpstreamAnswer, admit
 from proxy.server.tunnel.pipe import Pipe
 from proxy.server.tunnel.watch import WsWatch
 
@@ -120,6 +121,7 @@ class Tunnel:
         rest: bytes,
     ) -> None:
         sinks = self.context.sinks
+        headers = list(headers)  # read twice: by `admit`, and for the client's Host
         try:
             peer = self.pipe.client.get_extra_info("peername")
             client = peer[0] if isinstance(peer, tuple) else None  # None over a socket file
@@ -130,6 +132,7 @@ class Tunnel:
             self.end(refusal.kind)  # invalid_request_target, HTTP's kind for this target
             return
         self.path, self.query = admitted.path, admitted.query
+        self._hold_answer_head(headers)
         self.headers = admitted.headers  # only to redact credentials from records' errors
         self.api = self.context.apis(self.path)
         if self.api is not None:
@@ -169,6 +172,24 @@ class Tunnel:
         self.pipe.start_idle(context.idle_timeout, self._idle)
         transport.write(request)  # the client stays unread until the 101 (_opened)
         self._unanswered = self.loop.call_later(context.first_byte_timeout, self._no_answer)
+
+    def _hold_answer_head(self, headers: Iterable[tuple[bytes, bytes]]) -> None:
+        """The upstream's answer head waits until whole (the pipe's gate), for a
+        refusal's Location: pointed at the proxy as the client named it."""
+        host = next((value for name, value in headers if name.lower() == b"host"), None)
+        scheme = b"https" if self.context.ssl_certfile else b"http"
+        upstream = self.context.upstream
+        within = f"{upstream.origin}{upstream.base_path}".encode("ascii")
+        head = AnswerHead(within, None if host is None else scheme + b"://" + host)
+        pipe = self.pipe
+
+        def gate(data: bytes) -> bytes:
+            out = head(data)
+            if head.done:
+                pipe.gate = None
+            return out
+
+        pipe.gate = gate
 
     def _no_answer(self) -> None:
         """No byte of the upstream's answer within --first-byte-timeout: the client gets
