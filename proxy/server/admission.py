@@ -163,12 +163,14 @@ def count_refusal(
     start: float,
     started_at: float,
     error: ErrorType = ErrorType.BAD_REQUEST,
+    message: str | None = None,
 ) -> None:
     """A refused (or abandoned, `error` client_cancelled) request: a bare record if it
-    was for a measured API, else a passthrough count by route."""
+    was for a measured API, with `message` (the proxy's own answer's), else a
+    passthrough count by route."""
     if api is not None:
         info, _ = parse_request(api, b"")
-        sinks.refused(info, error, status, start, started_at)
+        sinks.refused(info, error, status, start, started_at, message)
     elif error is not ErrorType.CLIENT_CANCELLED:
         sinks.passthrough(route_template(path), status)
 

@@ -150,8 +150,9 @@ class ExchangeRules:
 
     def refused(self) -> None:
         """The refusal was answered: a bare record for a measured API, else a count."""
-        assert self.refusal is not None
-        self._count(self.refusal.status, ErrorType.BAD_REQUEST)
+        refusal = self.refusal
+        assert refusal is not None
+        self._count(refusal.status, ErrorType.BAD_REQUEST, refusal.message)
 
     def abandoned(self) -> None:
         """The client left before its request was all in (nothing went upstream)."""
@@ -159,10 +160,10 @@ class ExchangeRules:
             self.stage = Stage.DONE
             self._count(0, ErrorType.CLIENT_CANCELLED)
 
-    def _count(self, status: int, error: ErrorType) -> None:
+    def _count(self, status: int, error: ErrorType, message: str | None = None) -> None:
         context = self.context
         count_refusal(
-            context.sinks, self.path, self.api, status, self.start, self.started_at, error
+            context.sinks, self.path, self.api, status, self.start, self.started_at, error, message
         )
 
     def admit(self, now: float) -> UpstreamRequest:

@@ -133,15 +133,24 @@ class Sinks:
             self._record(measurement, scope.labels)
 
     def refused(
-        self, info: RequestInfo, error: ErrorType, status: int, start: float, started_at: float
+        self,
+        info: RequestInfo,
+        error: ErrorType,
+        status: int,
+        start: float,
+        started_at: float,
+        message: str | None = None,
     ) -> None:
-        """A measured request that never went upstream (too large, too slow, client gone)."""
+        """A measured request that never went upstream (too large, too slow, client gone);
+        `message` what the proxy answered it (its own words: no secret in them). No span:
+        the CLIENT span is the call upstream, and none was made."""
         m = bare_record(
             info,
             status_code=status,
             started_at=started_at,
             e2e=perf_counter() - start,
             error_type=error,
+            error_message=message,
         )
         self._record(m, Labels(self.models(info.model)))
 

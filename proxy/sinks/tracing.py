@@ -38,7 +38,7 @@ from prometheus_client import CollectorRegistry
 from proxy.core.apis import RequestInfo, api_of
 from proxy.core.conversations import MAX_RESPONSE_ID
 from proxy.core.errors import shown_model
-from proxy.core.measurement import NONE_LABEL, Measurement
+from proxy.core.measurement import NONE_LABEL, Measurement, TokenSource
 from proxy.settings import SettingsError
 from proxy.sinks import otel_env, semconv
 from proxy.sinks.span_export import CountingBatchProcessor, export_failures, otlp_span_exporter
@@ -151,6 +151,7 @@ class Tracing:
 def _finish_attributes(m: Measurement, *, current: bool = True) -> dict[str, Any]:
     """The attributes known once the request ended. `current`: also those the current
     conventions added (ac48b1f9): time to first chunk, reasoning tokens, and "error" among the finish reasons of a stream cut short after one."""
+    chunks = m.token_source is TokenSource.CHUNKS
     attributes: dict[str, Any] = {
         "tokenprobe.e2e": m.e2e,
         "tokenprobe.token_source": m.token_source.value,
@@ -159,7 +160,10 @@ def _finish_attributes(m: Measurement, *, current: bool = True) -> dict[str, Any
         "gen_ai.response.id": m.response_id,
         "gen_ai.response.model": m.response_model,
         "gen_ai.usage.input_tokens": m.prompt_tokens,
-        "gen_ai.usage.output_tokens": m.output_tokens,
+        # A count of content chunks (no usage, no tokenizer) is no token count: the OTLP
+        # metrics leave it out of usage too (proxy/sinks/otlp/sink.py `_output_tokens`).
+        "gen_ai.usage.output_tokens": None if chunks else m.output_tokens,
+        "tokenprobe.output_chunks": m.output_tokens if chunks else None,
         "gen_ai.usage.cache_read.input_tokens": m.cached_prompt_tokens,
         "http.response.status_code": m.status_code or None,
         "error.type": m.error_type.value if m.error_type is not None else None,

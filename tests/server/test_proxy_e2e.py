@@ -366,6 +366,10 @@ def test_body_over_the_limit_gets_413(
     reply = httpx.post(proxy.url + CHAT, json=chat(padding="x" * 5000))
     assert reply.status_code == 413 and "1000" in reply.json()["error"]["message"]
     assert sim.app.state.last() is None  # never forwarded
+    # its record says why, in the words the client got (the log's `error`, the record's)
+    (record,) = proxy.wait_records(1)
+    assert record.error_type is ErrorType.BAD_REQUEST and record.status_code == 413
+    assert record.error_message == reply.json()["error"]["message"]
 
 
 def test_health_ready_and_unknown_paths(

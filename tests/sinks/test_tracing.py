@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, TraceIdRat
 from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client import CollectorRegistry
 
-from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement
+from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
 from proxy.core.request import CHAT, COMPLETIONS, RequestInfo
 from proxy.core.upstream_url import UpstreamURL
 from proxy.settings import SettingsError
@@ -170,6 +170,19 @@ def test_attributes_follow_the_genai_conventions(
         "tokenprobe.token_source": "usage",
     }
     assert span.status.status_code is StatusCode.UNSET
+
+
+def test_content_chunks_counted_for_want_of_tokens_are_no_token_usage(
+    tracing: Tracing, exporter: InMemorySpanExporter
+) -> None:
+    # No usage and no tokenizer: the count is of content events, which the conventions'
+    # gen_ai.usage.output_tokens does not take (as the OTLP usage metrics leave it out).
+    m = record(token_source=TokenSource.CHUNKS, output_tokens=3, content_events=3)
+    span, _, _ = traced(tracing, exporter, measurement=m)
+    attributes = dict(span.attributes or {})
+    assert "gen_ai.usage.output_tokens" not in attributes
+    assert attributes["tokenprobe.output_chunks"] == 3
+    assert attributes["tokenprobe.token_source"] == "chunks"
 
 
 def test_reasoning_tokens_come_from_the_record_once_it_has_them(
