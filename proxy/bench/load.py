@@ -28,7 +28,9 @@ from proxy.bench.client import Call, Result, finalize, headers, measure_wire, ne
 from proxy.bench.options import Options
 from proxy.bench.wire import Pool
 
-#: Stop the run when this many first requests all fail with the same error type.
+#: Stop the run when this many first requests all fail with the same error type: the
+#: first ones this process sent, each judged once it ended (a quick 400 that ends before
+#: a slower success sent earlier judges nothing alone).
 FAIL_FAST = 3
 
 
@@ -109,7 +111,8 @@ class Runner:
         self.stop_reason: str | None = None  # "interrupted" or "failing"
         self.failure: Result | None = None  # the first failed request, while all failed alike
         self._judging = True  # until the first success, or failures of different types
-        self._failures = 0
+        # the first FAIL_FAST requests this process sent, (level, index), and how each ended
+        self._first: dict[tuple[int, int], Result | None] = {}
         self._headers = headers(options)
         self._urls = {options.endpoint: yarl.URL(options.url)}  # parsed once per API
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -259,9 +262,10 @@ class Runner:
         return perf_counter() if start_at is None else start_at
 
     async def _sleep_until(self, instant: float) -> None:
-        """Sleep until the perf_counter() `instant`, or until the run is stopped."""
-        delay = instant - perf_counter()
-        if delay > 0 and not self.stopping:
+        """Sleep until the perf_counter() `instant`, or until the run is stopped. Never
+        before it: the loop's timers may fire up to a millisecond early (uvloop's are in
+        whole milliseconds), and a request sent early would read low from its due time."""
+        while (delay := instant - perf_counter()) > 0 and not self.stopping:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopped.wait(), delay)
 
@@ -290,6 +294,8 @@ class Runner:
             )
         keep_text = self.tokenizer is not None
         assert self._client is not None, "run() opens the client"
+        if self._judging and len(self._first) < min(FAIL_FAST, self.options.max_requests):
+            self._first[(level.index, index)] = None  # one of the requests that judge the run
         self._active += 1
         try:
             if slots is not None:
@@ -318,13 +324,16 @@ class Runner:
         if result.m.ok:
             self._judging, self.failure = False, None
             return
+        key = (result.level, result.index)
+        if key not in self._first:  # a later request: the first ones judge
+            return
+        self._first[key] = result
         if self.failure is None:
             self.failure = result
         elif result.m.error_type is not self.failure.m.error_type:
             self._judging, self.failure = False, None  # mixed failures: no one clear problem
             return
-        self._failures += 1
-        if self._failures >= min(FAIL_FAST, self.options.max_requests):
+        if None not in self._first.values():  # every one of them ended, failed alike
             self._stop("failing")
 
     # -- tasks ------------------------------------------------------------------------

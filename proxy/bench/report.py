@@ -283,6 +283,8 @@ def diagnose(result: Result, options: Options, served: Sequence[str] = ()) -> st
     kind = m.error_type
     said = " ".join((m.error_message or "").split()) or "no details"
     http = f"HTTP {m.status_code}: " if m.status_code else ""
+    # the URL's password masked, as in the report's config (its user info: --url's)
+    base_url, url = without_password(options.base_url), without_password(options.url)
     if kind is ErrorType.AUTH:
         hint = (
             "check --api-key or OPENAI_API_KEY"
@@ -291,12 +293,14 @@ def diagnose(result: Result, options: Options, served: Sequence[str] = ()) -> st
         )
         return f"auth: the backend rejected the API key ({http}{said}); {hint}"
     if kind is ErrorType.UPSTREAM_UNREACHABLE:
-        return f"upstream_unreachable: cannot connect to {options.base_url} ({said})"
+        return f"upstream_unreachable: cannot connect to {base_url} ({said})"
     if kind is ErrorType.UPSTREAM_TIMEOUT:
-        return f"upstream_timeout: {options.url} went silent for over {options.timeout:g}s ({said})"
+        return f"upstream_timeout: {url} went silent for over {options.timeout:g}s ({said})"
     if kind is ErrorType.NOT_FOUND:
         known = f"; served models: {', '.join(served)}" if served else ""
-        return f"not_found: unknown model {options.model!r} or wrong URL {options.url} ({http}{said}){known}"
+        return (
+            f"not_found: unknown model {options.model!r} or wrong URL {url} ({http}{said}){known}"
+        )
     if kind is ErrorType.CONTEXT_LENGTH:
         return (
             f"context_length: the prompt plus --max-tokens {options.max_tokens} exceed the "

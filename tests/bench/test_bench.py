@@ -279,6 +279,45 @@ def test_bad_input_stops_early_with_one_line_naming_the_problem(
         assert "wrong-key" not in err and "right-key" not in err
 
 
+def test_quick_failures_behind_a_slower_first_success_do_not_stop_the_run(
+    capsys: pytest.CaptureFixture[str], start_sim: StartSim, tmp_path: Path
+) -> None:
+    """The first request succeeds slowly, the next three are refused at once (prompts over
+    the context): they end first, and stopped the run as "every request failed the same
+    way". The first requests sent judge the run, each once it ended."""
+    sim = start_sim(max_model_len=64, ttft=0.3)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello there\n" + ("word " * 200 + "\n") * 3 + "how are you\n" * 4)
+    flags = ["--concurrency", "8", "--requests", "16", "--max-tokens", "4"]
+    rc, doc, _, err = bench(capsys, sim.url, tmp_path / "r.json", *flags, "--prompts", str(prompts))
+    assert rc == 0 and doc["status"] != "failing", err
+    errors = [r["error_type"] for r in doc["records"]]
+    assert len(errors) == 16 and errors.count("context_length") == 6, errors  # 3 of 8, twice
+
+
+def test_an_open_loop_request_is_never_sent_before_it_is_due(
+    capsys: pytest.CaptureFixture[str], start_sim: StartSim, tmp_path: Path
+) -> None:
+    # Every latency is from the scheduled instant: a request the loop's timer woke early
+    # for (uvloop's are in whole milliseconds) would read up to a millisecond low.
+    sim = start_sim(ttft=0.01)
+    flags = ["--rate", "60", "--duration", "1.5", "--max-tokens", "2"]
+    rc, doc, _, err = bench(capsys, sim.url, tmp_path / "r.json", *flags)
+    delays = [r["send_delay"] for r in doc["records"]]
+    assert rc == 0 and len(delays) >= 40, err
+    assert min(delays) >= 0, sorted(delays)[:5]
+
+
+def test_a_problem_line_never_shows_the_urls_password(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    url = f"http://user:URLPASSLEAK2@127.0.0.1:{free_port()}/v1"  # nothing listens there
+    rc, doc, out, err = bench(capsys, url, tmp_path / "r.json", "--requests", "3")
+    assert rc == 1 and doc["problem"].startswith("upstream_unreachable: cannot connect to")
+    assert "user:***@127.0.0.1" in doc["problem"]
+    assert "URLPASSLEAK" not in orjson.dumps(doc).decode() + out + err
+
+
 def _prompts(tmp_path: Path) -> Path:
     path = tmp_path / "prompts.txt"
     path.write_text("hello there\nhow are you\n")
