@@ -433,7 +433,8 @@ def test_responses_non_streaming_body() -> None:
 def test_responses_request_reads_max_output_tokens() -> None:
     body = orjson.dumps({"model": "m", "input": "Hi", "max_output_tokens": 32, "stream": True})
     request, _ = parse_request("/v1/responses", body)
-    assert (request.max_tokens, request.prompt, request.usage_requested) == (32, "Hi", True)
+    user = [{"role": "user", "content": "Hi"}]  # the text input as vLLM makes it a message
+    assert (request.max_tokens, request.prompt, request.usage_requested) == (32, user, True)
 
 
 # -- non-generative -----------------------------------------------------------------------

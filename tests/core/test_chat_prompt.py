@@ -80,6 +80,17 @@ def test_responses_items_become_vllms_chat_messages() -> None:
         "name": "f", "description": None, "parameters": {}}}]}  # fmt: skip
 
 
+def test_a_responses_text_input_is_a_user_message_with_instructions_or_without() -> None:
+    # vLLM's construct_input_messages makes a text input a user message either way; as a
+    # bare string it was no message chain, so the next turn could never continue it.
+    api = api_for("/v1/responses")
+    assert api is not None
+    bare = api.read_request({"model": "m", "input": "hello"})
+    told = api.read_request({"model": "m", "instructions": "Be brief.", "input": "hello"})
+    assert bare.prompt == [{"role": "user", "content": "hello"}]
+    assert told.prompt == [{"role": "system", "content": "Be brief."}, *bare.prompt]
+
+
 def test_a_batch_counts_every_prompt_and_a_chat_prompt_counts_its_ids(tmp_path: Path) -> None:
     """The count is the template's token ids (transformers 5 answers a BatchEncoding by
     default: its two keys were once counted as 2 tokens); a batch adds its prompts up."""

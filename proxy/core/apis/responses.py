@@ -87,11 +87,11 @@ class Responses(Api):
         (responses/utils.py, construct_input_messages: the instructions first, then a text
         input as a user message, or the input's items)."""
         given = obj.get("input")
+        if isinstance(given, str):  # with instructions or without: a user message
+            given = [{"role": "user", "content": given}]
         instructions = obj.get("instructions")
         if not instructions or not isinstance(instructions, str):
             return given
-        if isinstance(given, str):
-            given = [{"role": "user", "content": given}]
         if isinstance(given, list):
             return [{"role": "system", "content": instructions}, *given]
         return given
