@@ -8,6 +8,7 @@ requests would stay in flight forever.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import logging
@@ -74,8 +75,6 @@ def drop_dead_workers(directory: str, lost: Lost | None = None) -> None:
     """Remove live-gauge files of worker processes that no longer exist; the requests such
     a worker had in flight died with it (its clients' connections were cut, no record was
     written), and go to `lost` once, whichever worker scrapes first."""
-    from prometheus_client import multiprocess
-
     dead = set()
     for path in glob.glob(os.path.join(directory, "gauge_live*_*.db")):
         match = _PID.search(path)
@@ -91,7 +90,16 @@ def drop_dead_workers(directory: str, lost: Lost | None = None) -> None:
     for pid in dead:  # its in-flight values read before its live gauges all go
         if lost is not None:
             _count_lost(os.path.join(directory, f"gauge_livesum_{pid}.db"), lost)
-        multiprocess.mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
+        _mark_dead(pid, directory)
+
+
+def _mark_dead(pid: int, directory: str) -> None:
+    """prometheus-client's `mark_process_dead`, for two workers answering scrapes at once:
+    each removes the dead worker's live gauge files, and a file the other removed first
+    is gone, not an error (its `os.remove` raised, and the scrape answered 500)."""
+    for path in glob.glob(os.path.join(directory, f"gauge_live*_{pid}.db")):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
 
 
 def _count_lost(path: str, lost: Lost) -> None:

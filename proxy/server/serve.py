@@ -98,6 +98,8 @@ def main(argv: list[str]) -> int:
         unix = _bind_unix(settings.uds, options)  # kept open while serving
         if settings.workers > 1:
             return _run_workers(settings, options)
+        if given := os.environ.get(MULTIPROC_ENV):  # one process, in multiprocess mode
+            _fresh_metrics_directory(given)  # (assemble.py): its files summed as several's
         app = build_app(settings)
     except SettingsError as exc:
         print(f"tokenprobe serve: {exc}", file=sys.stderr)
@@ -160,11 +162,20 @@ def _open_files() -> None:
         print(f"tokenprobe serve: {limit.describe()}", file=sys.stderr, flush=True)
 
 
+def _fresh_metrics_directory(directory: str) -> None:
+    """The multiprocess metrics directory, emptied (a previous run's files would add up)
+    and made; SettingsError when it cannot be (a file by that name, no permission)."""
+    shutil.rmtree(directory, ignore_errors=True)
+    try:
+        os.makedirs(directory)
+    except OSError as exc:
+        raise SettingsError(f"{MULTIPROC_ENV}={directory!r}: {exc.strerror}") from None
+
+
 def _run_workers(settings: Settings, options: dict[str, Any]) -> int:
     given = os.environ.get(MULTIPROC_ENV)
     directory = given or tempfile.mkdtemp(prefix="tokenprobe-metrics-")
-    shutil.rmtree(directory, ignore_errors=True)  # stale files from a previous run would add up
-    os.makedirs(directory)
+    _fresh_metrics_directory(directory)
     os.environ[MULTIPROC_ENV] = directory
     try:
         return _serve_workers(settings, options)

@@ -52,6 +52,34 @@ def test_a_file_the_worker_died_writing_is_dropped_and_the_scrape_goes_on(
     assert "dead worker" in caplog.text
 
 
+def test_two_workers_dropping_the_same_dead_workers_at_once_both_go_on(tmp_path: Path) -> None:
+    """Two workers answering scrapes at the same moment both remove the dead workers' live
+    gauge files: a file the other removed first is gone, not an error (prometheus-client's
+    mark_process_dead raised FileNotFoundError, and that scrape answered 500)."""
+    import threading
+
+    subprocess.run([sys.executable, "-c", _WORKER, str(tmp_path)], check=True)
+    (real,) = [p for p in tmp_path.iterdir() if p.name.startswith("gauge_livesum_")]
+    for pid in range(999_000_000, 999_000_800):  # no such processes: dead workers' files
+        (tmp_path / f"gauge_livemax_{pid}.db").write_bytes(real.read_bytes())
+    start, failed = threading.Barrier(2), []
+
+    def scrape() -> None:
+        start.wait()
+        try:
+            drop_dead_workers(str(tmp_path), lambda *found: None)
+        except Exception as exc:  # what the scrape would have answered 500 for
+            failed.append(exc)
+
+    threads = [threading.Thread(target=scrape) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failed == []
+    assert not [name for name in os.listdir(tmp_path) if name.startswith("gauge_live")]
+
+
 #: A worker's counter, written to its file as a worker writes it.
 _COUNTS = """
 import os, sys

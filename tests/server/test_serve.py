@@ -234,6 +234,44 @@ def test_two_workers_report_exact_totals_on_every_scrape(sim_url: str, tmp_path:
         stop(proxy)
 
 
+def test_one_worker_in_multiprocess_mode_starts_from_a_fresh_directory(
+    sim_url: str, tmp_path: Path
+) -> None:
+    """PROMETHEUS_MULTIPROC_DIR set and one worker: the directory is emptied at start, as
+    with several (a previous run's counters were summed in), and made when missing (the
+    start failed with a traceback)."""
+    old = tmp_path / "metrics"
+    old.mkdir()
+    counted = (  # a previous run's worker, 5 requests counted
+        "import os, sys; os.environ['PROMETHEUS_MULTIPROC_DIR'] = sys.argv[1]\n"
+        "from prometheus_client import CollectorRegistry\n"
+        "from proxy.sinks.metrics import Metrics\n"
+        "Metrics(CollectorRegistry()).requests.labels("
+        "'m', '/v1/chat/completions', '200', 'stop', 'none').inc(5)\n"
+    )
+    subprocess.run([sys.executable, "-c", counted, str(old)], check=True)
+    for directory in (old, tmp_path / "missing" / "metrics"):
+        port = free_port()
+        env = {"PROMETHEUS_MULTIPROC_DIR": str(directory)}
+        proxy = spawn("serve", "--upstream", sim_url, "--port", str(port), env=env)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            wait_http(base + "/healthz")
+            assert scrape(base).total("tokenprobe_requests_total") == 0, directory
+        finally:
+            stop(proxy)
+    not_a_directory = tmp_path / "a-file"
+    not_a_directory.write_text("")
+    out = subprocess.run(
+        [sys.executable, "-m", "proxy", "serve", "--upstream", sim_url, "--port", "0"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(not_a_directory)},
+    )
+    assert out.returncode == 2 and "PROMETHEUS_MULTIPROC_DIR=" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
 @no_proxy
 def test_serve_without_upstream_says_what_to_set() -> None:
     out = subprocess.run(
