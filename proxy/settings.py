@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from proxy.core.datafile import parse_data_file
+from proxy.core.pricing import load_prices
 from proxy.core.secrets import SECRET_HEADERS, is_secret_header
 from proxy.core.slo import NAMES as SLO_NAMES
 from proxy.core.slo import Policy, SloError, format_slo, parse_slo, parse_slo_file
@@ -114,6 +115,26 @@ def _cost(value: str) -> float:
     if not cost >= 0 or cost == float("inf"):  # also refuses nan
         raise ValueError("must be a finite number >= 0 (cost per hour)")
     return cost
+
+
+def _host(value: str) -> str:
+    if (
+        not value.strip()
+    ):  # uvicorn binds "" to every interface, which no one asks by saying nothing
+        raise ValueError(
+            "must not be empty: 127.0.0.1 for this machine, 0.0.0.0 for every interface"
+        )
+    return value.strip()
+
+
+def _prices(value: str) -> str:
+    """A price table path, read once here so that a bad table fails at start, naming itself
+    (as --slo-file): its workers would each fail to start, and be started again."""
+    try:
+        load_prices(value)
+    except OSError as exc:
+        raise ValueError(f"{value}: cannot read the price table: {exc.strerror}") from None
+    return value
 
 
 def _currency(value: str) -> str:
@@ -320,7 +341,7 @@ class Settings:
     upstream_ssl_keyfile: str | None = setting(
         str, None, "PEM private key of --upstream-ssl-certfile (its path only is ever shown)."
     )
-    host: str = setting(str, "127.0.0.1", "Address to listen on (0.0.0.0 for all interfaces).")
+    host: str = setting(_host, "127.0.0.1", "Address to listen on (0.0.0.0 for all interfaces).")
     port: int = setting(_port, 4000, "Port to listen on.")
     uds: str | None = setting(
         _socket_path,
@@ -484,7 +505,7 @@ class Settings:
         "Distinct values each `--label-header` label may take; later ones share `other`.",
     )
     prices: str | None = setting(
-        str, None, "Price table (YAML or JSON) for `tokenprobe_cost_total`."
+        _prices, None, "Price table (YAML or JSON) for `tokenprobe_cost_total`."
     )
     cost_per_hour: float | None = setting(
         _cost,
@@ -852,6 +873,13 @@ def require_tokenizer_support(settings: Settings) -> None:
     transformers loads in the background when the proxy starts (proxy/core/tokens.py)."""
     if not settings.tokenizer:
         return
+    if (
+        not Path(settings.tokenizer).expanduser().is_dir()
+    ):  # else it loads, fails, and counts nothing
+        raise SettingsError(
+            f"--tokenizer {settings.tokenizer}: no such directory (a local tokenizer "
+            "directory, with its tokenizer.json or vocabulary files)"
+        )
     try:
         found = importlib.util.find_spec("transformers") is not None
     except (ImportError, ValueError):

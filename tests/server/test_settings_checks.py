@@ -22,6 +22,9 @@ from tests.server.conftest import no_proxy
 pytestmark = no_proxy  # runs no proxy: once, on no data path
 
 UPSTREAM = "http://127.0.0.1:9"
+NOT_PRICES = str(
+    ROOT / "tests" / "fixtures" / "errors" / "openai_rate_limit.json"
+)  # JSON, no table
 
 # (the flags after --upstream, the same value as a Settings field, words of the reason);
 # the flag's text is the field's as `proxy.settings.text` writes it, so the messages match.
@@ -60,6 +63,14 @@ CASES: list[tuple[list[str], dict[str, Any], str]] = [
     (["--upstream-transport", "curl"], {"upstream_transport": "curl"}, "expected one of"),
     (["--cost-per-hour", "-1.0"], {"cost_per_hour": -1.0}, "finite number >= 0"),
     (["--currency", " "], {"currency": " "}, "must not be empty"),
+    # uvicorn binds an empty host to every interface: no one asks that by saying nothing
+    (["--host", ""], {"host": ""}, "must not be empty"),
+    # a price table read at start, as --slo-file is: each worker failed to start and was
+    # started again, and one worker stopped with a traceback
+    (["--prices", "/no/such/prices.yaml"], {"prices": "/no/such/prices.yaml"}, "cannot read"),
+    (["--prices", NOT_PRICES], {"prices": NOT_PRICES}, "unknown key 'error'"),
+    # a directory that is not there: the proxy ran on and counted nothing
+    (["--tokenizer", "/no/such/tok"], {"tokenizer": "/no/such/tok"}, "no such directory"),
     (["--continuation-cache-miss-ratio", "2.0"], {"continuation_cache_miss_ratio": 2.0}, "0 and 1"),
     (["--slo", "ttft=fast"], {"slo": "ttft=fast"}, "ttft"),
     (
