@@ -318,10 +318,21 @@ async def run(port: int, rounds: int, serve_after: bool, out: object = sys.stdou
     return 0
 
 
+def port_number(raw: str) -> int:
+    """A TCP port (argparse's `type`: out of range is its usage error, not a traceback)."""
+    port = int(raw)
+    if not 0 <= port <= 65535:
+        raise ValueError(raw)
+    return port
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="tokenprobe demo", description=__doc__)
     parser.add_argument(
-        "--port", type=int, default=4000, help="proxy port (default: %(default)s; 0: any free port)"
+        "--port",
+        type=port_number,
+        default=4000,
+        help="proxy port (default: %(default)s; 0: any free port)",
     )
     parser.add_argument(
         "--rounds",

@@ -17,6 +17,16 @@ from proxy.sim.config import SimConfig
 
 ENV_PREFIX = "TOKENPROBE_SIM_"
 _TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def port_number(raw: str) -> int:
+    """A TCP port (argparse's `type`; its ValueError becomes argparse's usage error): 70000
+    was taken modulo 65536 by the socket, and served on another port."""
+    port = int(raw)
+    if not 0 <= port <= 65535:
+        raise ValueError(raw)
+    return port
 
 
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -39,8 +49,11 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         except ValueError:
             parser.error(f"{key}: invalid value {raw!r}")
 
-    def flag(raw: str) -> bool:
-        return raw.lower() in _TRUE
+    def flag(raw: str) -> bool:  # as `serve` reads a bool: "maybe" is an error, not false
+        lowered = raw.strip().lower()
+        if lowered not in _TRUE + _FALSE:
+            raise ValueError(raw)
+        return lowered in _TRUE
 
     def models(raw: str) -> list[str]:
         return [m.strip() for m in raw.split(",") if m.strip()]
@@ -54,8 +67,8 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     add(
         "--port",
-        type=int,
-        default=env("PORT", int, 8000),
+        type=port_number,
+        default=env("PORT", port_number, 8000),
         help="port to listen on (default: %(default)s)",
     )
     add(

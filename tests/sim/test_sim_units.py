@@ -325,10 +325,34 @@ def test_cli_reads_environment_and_flags_win() -> None:
     assert config.models == ("x", "y") and config.api_key == "k"
 
 
-def test_cli_names_the_bad_environment_variable(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "environ",
+    [
+        {"TOKENPROBE_SIM_TTFT": "soon"},
+        {"TOKENPROBE_SIM_STAMP": "maybe"},  # was read as false, where serve refuses it
+        {"TOKENPROBE_SIM_PORT": "70000"},  # the socket took it modulo 65536: port 4464
+    ],
+)
+def test_cli_names_the_bad_environment_variable(
+    capsys: pytest.CaptureFixture[str], environ: dict[str, str]
+) -> None:
     with pytest.raises(SystemExit):
-        parse([], {"TOKENPROBE_SIM_TTFT": "soon"})
-    assert "TOKENPROBE_SIM_TTFT" in capsys.readouterr().err
+        parse([], environ)
+    assert next(iter(environ)) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("port", ["70000", "-1"])
+def test_a_port_out_of_range_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], port: str
+) -> None:
+    from proxy.demo import main as demo
+
+    with pytest.raises(SystemExit) as exited:
+        parse(["--port", port], {})
+    assert exited.value.code == 2 and "--port" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:  # the demo's too (it was a traceback)
+        demo(["--port", port])
+    assert exited.value.code == 2 and "--port" in capsys.readouterr().err
 
 
 # -- state -----------------------------------------------------------------------
