@@ -175,10 +175,14 @@ class ProxyApp:
         server = uvicorn.Server(config)
         server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]  # the main server owns signals
         self._metrics_server = server
-        self._metrics_task = asyncio.create_task(server.serve())
+        try:  # bound here: uvicorn answers a failed bind with sys.exit, out of a task
+            sock = config.bind_socket()  # (a traceback through the event loop, exit 3)
+        except SystemExit:  # it logged why (the address in use, ...)
+            raise RuntimeError(f"--metrics-port {port}: cannot listen on {host}:{port}") from None
+        self._metrics_task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started:
             if self._metrics_task.done():
-                self._metrics_task.result()  # raises what failed (e.g. port in use)
+                self._metrics_task.result()  # raises what failed
                 raise RuntimeError(f"metrics listener on {host}:{port} did not start")
             await asyncio.sleep(0.01)
 

@@ -273,6 +273,26 @@ def test_one_worker_in_multiprocess_mode_starts_from_a_fresh_directory(
 
 
 @no_proxy
+def test_a_metrics_port_in_use_is_said_in_a_line_naming_it_without_a_traceback() -> None:
+    """As --port in use is: uvicorn's bind failure, then why, exit 3 (the metrics listener's
+    sys.exit escaped its task: a traceback through the event loop)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "proxy", "serve", "--upstream", "http://127.0.0.1:9",
+             "--port", "0", "--metrics-port", str(port), "--models-refresh", "0"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert out.returncode == 3, out.stderr
+    assert f"--metrics-port {port}: cannot listen on 127.0.0.1:{port}" in out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+
+
+@no_proxy
 def test_serve_without_upstream_says_what_to_set() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "proxy", "serve"],
