@@ -15,6 +15,11 @@ the protocol is made of: Upgrade, Connection and the Sec-WebSocket-* headers.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from proxy.core.upstream_url import UpstreamURL
+
 Headers = list[tuple[bytes, bytes]]
 
 HOP_BY_HOP = frozenset(
@@ -112,6 +117,14 @@ def client_headers(headers: Headers, content_type: bytes, *, body_changes: bool)
     ):  # the upstream's own (llama-server sends one) stands
         out.append((b"x-accel-buffering", b"no"))
     return out
+
+
+def redirect_ends(upstream: UpstreamURL, tls: bool, host: bytes) -> tuple[bytes, bytes]:
+    """`redirected`'s two ends: the upstream's scheme://authority and base path, and the
+    proxy's scheme://host as the client named it (its Host; https when the proxy serves
+    TLS). The HTTP relay's and the WebSocket tunnel's alike."""
+    within = f"{upstream.origin}{upstream.base_path}".encode("ascii")
+    return within, (b"https" if tls else b"http") + b"://" + host
 
 
 def redirected(headers: Headers, upstream: bytes, client: bytes) -> Headers:

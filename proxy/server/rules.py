@@ -40,7 +40,7 @@ from proxy.server.admission import (
     measured_api,
 )
 from proxy.server.exchange import Context, MeasuredExchange
-from proxy.server.headers import Headers, client_headers, redirected
+from proxy.server.headers import Headers, client_headers, redirect_ends, redirected
 
 _EVENT_STREAM = b"text/event-stream"
 
@@ -237,10 +237,8 @@ class ExchangeRules:
         host = next((value for name, value in self.headers if name == b"host"), None)
         if host is None:  # nothing to point at (HTTP/1.0 without Host): as it came
             return headers
-        upstream = self.context.upstream
-        scheme = b"https" if self.context.settings.ssl_certfile else b"http"
-        within = f"{upstream.origin}{upstream.base_path}".encode("ascii")
-        return redirected(headers, within, scheme + b"://" + host)
+        tls = bool(self.context.settings.ssl_certfile)
+        return redirected(headers, *redirect_ends(self.context.upstream, tls, host))
 
     def early_end(self, cause: Cause, exc: BaseException | None = None) -> Failure:
         """The relay stops early. The failure's `answer`, when set, is what the client gets

@@ -49,8 +49,8 @@ def test_a_101_after_an_interim_answer_opens_the_tunnel_with_what_followed() -> 
     assert answer.status == 101
 
 
-WITHIN = b"http://10.0.0.5:8000/tenant-a"  # the upstream's scheme://authority and base path
-CLIENT = b"http://llm.example.com"  # as the client named the proxy
+# the upstream's scheme://authority and base path, and the proxy as the client named it
+ENDS = (b"http://10.0.0.5:8000/tenant-a", b"http://llm.example.com")
 REDIRECT = (
     b"HTTP/1.1 302 Found\r\nLocation: http://10.0.0.5:8000/tenant-a/v1/realtime2\r\n"
     b"content-length: 2\r\n\r\nno"
@@ -58,7 +58,7 @@ REDIRECT = (
 
 
 def test_a_refusals_redirect_into_the_upstream_points_at_the_proxy_once_its_head_is_whole() -> None:
-    head = AnswerHead(WITHIN, CLIENT)
+    head = AnswerHead(ENDS)
     cut = REDIRECT.index(b"tenant-a/v1")  # the head split inside its Location
     assert head(REDIRECT[:cut]) == b""  # held: a Location cannot be rewritten in pieces
     assert head(REDIRECT[cut:]) == REDIRECT.replace(
@@ -69,10 +69,10 @@ def test_a_refusals_redirect_into_the_upstream_points_at_the_proxy_once_its_head
 
 def test_a_101_and_the_frames_after_it_go_on_as_they_came() -> None:
     switch = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\r\n\x81\x02hi"
-    head = AnswerHead(WITHIN, CLIENT)
+    head = AnswerHead(ENDS)
     assert head(switch) == switch and head.done
     # an interim head first: it goes on at once, and the next head is held till whole
-    head = AnswerHead(WITHIN, CLIENT)
+    head = AnswerHead(ENDS)
     interim = b"HTTP/1.1 100 Continue\r\n\r\n"
     assert head(interim + switch[:20]) == interim and not head.done
     assert head(switch[20:]) == switch and head.done
@@ -80,12 +80,12 @@ def test_a_101_and_the_frames_after_it_go_on_as_they_came() -> None:
 
 def test_a_redirect_elsewhere_or_without_a_host_to_name_stays_as_sent() -> None:
     elsewhere = REDIRECT.replace(b"10.0.0.5:8000/tenant-a", b"auth.example")
-    assert AnswerHead(WITHIN, CLIENT)(elsewhere) == elsewhere
-    assert AnswerHead(WITHIN, None)(REDIRECT) == REDIRECT
+    assert AnswerHead(ENDS)(elsewhere) == elsewhere
+    assert AnswerHead(None)(REDIRECT) == REDIRECT
 
 
 def test_an_answer_head_over_the_bound_goes_on_as_it_is() -> None:
-    head = AnswerHead(WITHIN, CLIENT)
+    head = AnswerHead(ENDS)
     endless = b"HTTP/1.1 302 Found\r\nx-long: " + b"a" * MAX_ANSWER_HEAD
     assert head(endless[:100]) == b""
     assert head(endless[100:]) == endless and head.done

@@ -120,12 +120,12 @@ class AnswerHead:
     a 101's head and the frames after it go on as they came. An interim (1xx) head goes
     on at once and the next is held; a head over MAX_ANSWER_HEAD goes on as it is."""
 
-    __slots__ = ("_client", "_held", "_within", "done")
+    __slots__ = ("_ends", "_held", "done")
 
-    def __init__(self, within: bytes, client: bytes | None) -> None:
-        """`within`: the upstream's scheme://authority and base path; `client`: the
-        scheme://host the client named (None: no Host, nothing to point at)."""
-        self._within, self._client = within, client
+    def __init__(self, ends: tuple[bytes, bytes] | None) -> None:
+        """`ends`: `redirected`'s (proxy/server/headers.py `redirect_ends`), None when the
+        client named no Host (nothing to point at)."""
+        self._ends = ends
         self._held = b""
         self.done = False  # the final head went on: the gate is no longer needed
 
@@ -144,21 +144,21 @@ class AnswerHead:
             status = head[9:12]
             if status[:1] != b"1" or status == b"101":
                 self.done = True
-                if status != b"101" and self._client is not None:
-                    head = _located(head, self._within, self._client)
+                if status != b"101" and self._ends is not None:
+                    head = _located(head, self._ends)
             out.append(head)
         self._held = b""
         out.append(held)
         return b"".join(out)
 
 
-def _located(head: bytes, within: bytes, client: bytes) -> bytes:
-    """The head with its Location pointed at the proxy when it points into `within`."""
+def _located(head: bytes, ends: tuple[bytes, bytes]) -> bytes:
+    """The head with its Location pointed at the proxy when it points into the upstream."""
     lines = head.split(b"\r\n")
     for i, line in enumerate(lines[1:], 1):
         name, colon, value = line.partition(b":")
         if colon and name.strip().lower() == b"location":
-            ((_, value),) = redirected([(b"location", value.strip())], within, client)
+            ((_, value),) = redirected([(b"location", value.strip())], *ends)
             lines[i] = name + b": " + value
     return b"\r\n".join(lines)
 

@@ -40,7 +40,7 @@ from proxy.core.wsrecord import OTHER_ROUTE, WsSessionRecord
 from proxy.core.wsseam import WsApi, WsSession
 from proxy.server.admission import Refused, answer_bytes
 from proxy.server.dial import dial
-from proxy.server.headers import Headers
+from proxy.server.headers import Headers, redirect_ends
 from proxy.server.tunnel.context import TunnelContext
 from proxy.server.tunnel.handshake import AnswerHead, UpstreamAnswer, admit
 from proxy.server.tunnel.pipe import Pipe
@@ -177,10 +177,8 @@ class Tunnel:
         """The upstream's answer head waits until whole (the pipe's gate), for a
         refusal's Location: pointed at the proxy as the client named it."""
         host = next((value for name, value in headers if name.lower() == b"host"), None)
-        scheme = b"https" if self.context.ssl_certfile else b"http"
-        upstream = self.context.upstream
-        within = f"{upstream.origin}{upstream.base_path}".encode("ascii")
-        head = AnswerHead(within, None if host is None else scheme + b"://" + host)
+        tls = bool(self.context.ssl_certfile)
+        head = AnswerHead(None if host is None else redirect_ends(self.context.upstream, tls, host))
         pipe = self.pipe
 
         def gate(data: bytes) -> bytes:
