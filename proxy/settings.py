@@ -118,9 +118,8 @@ def _cost(value: str) -> float:
 
 
 def _host(value: str) -> str:
-    if (
-        not value.strip()
-    ):  # uvicorn binds "" to every interface, which no one asks by saying nothing
+    # uvicorn binds "" to every interface, which no one asks for by saying nothing
+    if not value.strip():
         raise ValueError(
             "must not be empty: 127.0.0.1 for this machine, 0.0.0.0 for every interface"
         )
@@ -873,9 +872,8 @@ def require_tokenizer_support(settings: Settings) -> None:
     transformers loads in the background when the proxy starts (proxy/core/tokens.py)."""
     if not settings.tokenizer:
         return
-    if (
-        not Path(settings.tokenizer).expanduser().is_dir()
-    ):  # else it loads, fails, and counts nothing
+    # a directory that is not there: the proxy would start, fail to load it, count nothing
+    if not Path(settings.tokenizer).expanduser().is_dir():
         raise SettingsError(
             f"--tokenizer {settings.tokenizer}: no such directory (a local tokenizer "
             "directory, with its tokenizer.json or vocabulary files)"
