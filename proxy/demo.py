@@ -30,6 +30,7 @@ from proxy.server.assemble import assemble
 from proxy.server.serve import uvicorn_options
 from proxy.settings import Settings
 from proxy.sim.app import create_sim_app
+from proxy.sim.cli import port_number  # the simulator's --port type: out of range, a usage error
 from proxy.sim.config import SimConfig
 from proxy.sinks.sink import Recorder
 
@@ -316,14 +317,6 @@ async def run(port: int, rounds: int, serve_after: bool, out: object = sys.stdou
     proxy.should_exit = sim.should_exit = True
     await asyncio.gather(*tasks, return_exceptions=True)
     return 0
-
-
-def port_number(raw: str) -> int:
-    """A TCP port (argparse's `type`: out of range is its usage error, not a traceback)."""
-    port = int(raw)
-    if not 0 <= port <= 65535:
-        raise ValueError(raw)
-    return port
 
 
 def main(argv: list[str]) -> int:
