@@ -3,10 +3,12 @@ without keeping the prompt.
 
 Units are the leading messages for chat, Anthropic Messages (its `system` counts as the
 first message) and the Responses API (an `input` list), or the leading BLOCK-character
-blocks of the prompt for completions (and a Responses `input` string). Digest i covers
-units 1..i (cumulative), at most DEPTH of them, so two requests with the same system
-prompt share digest 1, and two turns of one conversation share the digests of the
-history they have in common.
+blocks of the prompt for completions (and a Responses `input` string). A message is
+hashed as its JSON with the keys sorted: frameworks rebuild the history each turn with
+the fields in their own order, and it is the same message (RFC 8259 §4: an object is
+unordered). Digest i covers units 1..i (cumulative), at most DEPTH of them, so two
+requests with the same system prompt share digest 1, and two turns of one conversation
+share the digests of the history they have in common.
 
 `of_prompt` runs once per request, when the record is built (after the response, never
 per chunk); `message_chain`, the same digests for up to CHAIN_DEPTH messages, once per
@@ -76,7 +78,7 @@ def _chain(messages: list[dict[str, Any]], depth: int) -> _Chain:
     chars: list[int] = []
     total = 0
     for index, message in enumerate(messages):
-        unit = orjson.dumps(message)
+        unit = orjson.dumps(message, option=orjson.OPT_SORT_KEYS)
         total += len(unit)
         if index < depth:
             h.update(unit)
@@ -111,7 +113,7 @@ def message_chain(prompt: Any, limit: int = CHAIN_DEPTH) -> tuple[tuple[bytes, .
     h = hashlib.blake2b(digest_size=16)
     digests: list[bytes] = []
     for message in prompt[:limit]:
-        h.update(orjson.dumps(message))
+        h.update(orjson.dumps(message, option=orjson.OPT_SORT_KEYS))
         h.update(b"\x1e")
         digests.append(h.copy().digest())
     return tuple(digests), len(prompt) <= limit

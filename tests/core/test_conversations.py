@@ -80,6 +80,22 @@ def test_an_agent_loop_is_one_conversation_with_its_turn_gaps() -> None:
     assert (second.shared_prefix_tokens, third.shared_prefix_tokens) == (20, 40)
 
 
+def test_a_client_that_resends_its_messages_with_keys_reordered_stays_in_its_conversation() -> None:
+    # Frameworks rebuild the history each turn (a dict per message, fields in their own
+    # order); the same message is the same JSON object whatever its key order (RFC 8259 §4).
+    t = table()
+    call = {"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{}"}}
+    first_round = [SYSTEM, {"role": "user", "content": "weather?"}]
+    first = begin(t, 0.0, first_round)
+    end(t, first, 1.0)
+    resent = [{"content": m["content"], "role": m["role"]} for m in first_round]
+    function = {"arguments": "{}", "name": "w"}
+    answer = {"tool_calls": [{"function": function, "type": "function", "id": "c1"}]}
+    assert answer["tool_calls"][0] == call and list(answer["tool_calls"][0]) != list(call)
+    second = begin(t, 2.0, [*resent, {"role": "assistant", **answer}, {"role": "tool"}])
+    assert (second.via, second.id, second.index) == (MESSAGES, first.id, 2)
+
+
 def test_two_conversations_sharing_a_system_prompt_are_never_joined() -> None:
     t = table()
     a = agent_rounds("weather in Oslo?")
