@@ -15,7 +15,7 @@ from proxy.bench.client import Result
 from proxy.bench.load import Level
 from proxy.bench.options import Options
 from proxy.bench.stats import Summary
-from proxy.core.measurement import ErrorType
+from proxy.core.measurement import ErrorType, TokenSource
 from proxy.core.pricing import per_million_tokens
 from proxy.core.secrets import is_secret_header
 
@@ -191,6 +191,13 @@ def _engine_notes(s: Summary) -> list[str]:
             f"{spec['mean_acceptance_length']:.2f}"
         )
     notes.extend(_kinds_notes(s))
+    counted = s.token_sources.get(TokenSource.CHUNKS.value, 0)
+    if counted:
+        notes.append(
+            f"{s.label}: output tokens of {counted} of {s.ok} requests are content events "
+            "counted (the backend sent no usage and no --tokenizer was given): their tok/s "
+            "and TPOT are per event, not per token"
+        )
     if s.tokens_per_chunk is not None and s.tokens_per_chunk > 1.05:
         notes.append(
             f"{s.label}: {s.tokens_per_chunk:.2f} output tokens per content event: the "

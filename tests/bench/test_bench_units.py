@@ -355,6 +355,22 @@ def test_table_warns_when_the_bench_itself_was_the_bottleneck() -> None:
     assert "c=1: warning" not in text
 
 
+def test_the_table_says_when_output_tokens_are_content_events_counted() -> None:
+    """Without usage and without --tokenizer the counts are content events, so tok/s and
+    TPOT are per event: the table must say so, not only the JSON's token_sources."""
+    from proxy.core.measurement import TokenSource
+
+    chunks = [result(i, token_source=TokenSource.CHUNKS) for i in range(3)]
+    mixed = Level(0, 1, "c=1", start=0.0, end=1.0, results=[*chunks, result(3)])
+    usage = Level(1, 2, "c=2", start=0.0, end=1.0, results=[result(4), result(5)])
+    text = report.table([summarize(mixed, {}), summarize(usage, {})])
+    assert (
+        "c=1: output tokens of 3 of 4 requests are content events counted (the backend sent "
+        "no usage and no --tokenizer was given)"
+    ) in text
+    assert "c=2: output tokens" not in text
+
+
 def test_late_sends_are_noted_for_every_open_loop_level_whatever_its_label() -> None:
     """An --input-tokens sweep labels its open-loop levels `in=16 rate=20/s`, and a replay
     `replay`: the note once looked for a label starting `rate=`, and said nothing there."""
