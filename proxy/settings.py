@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import ipaddress
 import os
 import re
+import socket
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,7 +125,16 @@ def _host(value: str) -> str:
         raise ValueError(
             "must not be empty: 127.0.0.1 for this machine, 0.0.0.0 for every interface"
         )
-    return value.strip()
+    host = value.strip()
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:  # a name: uvicorn's bind said only "Name or service not known", exit 3
+        try:
+            socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        except (OSError, UnicodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise ValueError(f"cannot be resolved to an address to listen on ({reason})") from None
+    return host
 
 
 def _prices(value: str) -> str:
@@ -468,7 +479,7 @@ class Settings:
         "Serve `/metrics` and the live view `/ui` on this separate port, in plain HTTP (and "
         "not on the proxy port, where those paths then go to the backend).",
     )
-    metrics_host: str | None = setting(str, None, "Address for `--metrics-port`.", shown="`--host`")
+    metrics_host: str | None = setting(_host, None, "Address for `--metrics-port`.", shown="`--host`")
     metrics_token: str | None = setting(
         _token,
         None,

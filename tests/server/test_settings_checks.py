@@ -65,6 +65,13 @@ CASES: list[tuple[list[str], dict[str, Any], str]] = [
     (["--currency", " "], {"currency": " "}, "must not be empty"),
     # uvicorn binds an empty host to every interface: no one asks that by saying nothing
     (["--host", ""], {"host": ""}, "must not be empty"),
+    # uvicorn's bind said only "[Errno -2] Name or service not known" (exit 3), naming no flag
+    (["--host", "no-such-host.invalid"], {"host": "no-such-host.invalid"}, "cannot be resolved"),
+    (
+        ["--metrics-port", "18102", "--metrics-host", "no-such-host.invalid"],
+        {"metrics_port": 18102, "metrics_host": "no-such-host.invalid"},
+        "cannot be resolved",
+    ),
     # a price table read at start, as --slo-file is: each worker failed to start and was
     # started again, and one worker stopped with a traceback
     (["--prices", "/no/such/prices.yaml"], {"prices": "/no/such/prices.yaml"}, "cannot read"),
