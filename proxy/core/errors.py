@@ -234,8 +234,14 @@ def _parse(raw: bytes) -> _Fields | None:
 
 # -- messages -------------------------------------------------------------------------------
 
+#: What a bearer token or a JWT runs to: the next space, quote, comma or semicolon (none
+#: is a token68 character, RFC 9110 §11.2), so that the JSON or header list around it
+#: keeps its punctuation. A backslash is taken in: a JSON writer may escape a token's
+#: "/" as "\/", and what follows it is the token still.
+_TOKEN = r"[^\s\"',;]+"
+
 _SECRET = re.compile(
-    r"((?i:bearer)\s+)\S+"
+    rf"((?i:bearer)\s+){_TOKEN}"
     r"|\b(?:sk|pk|rk)-[A-Za-z0-9_\-*]{6,}"  # OpenAI, Anthropic (sk-ant-)
     r"|\b(?:sk|pk|rk)_(?:live|test)_[A-Za-z0-9]{6,}"  # Stripe
     # Hugging Face, Groq, GitHub, Replicate, xAI, NVIDIA, Perplexity keys: their exact
@@ -245,7 +251,7 @@ _SECRET = re.compile(
     r"|\b(?:xai|nvapi|pplx)-[A-Za-z0-9_\-]{20,}"
     r"|\bAIza[0-9A-Za-z_\-]{30,}|\bya29\.[0-9A-Za-z_\-]{20,}"  # Google API key, OAuth token
     r"|\bAKIA[0-9A-Z]{16}\b"  # AWS access key id
-    r"|\bey[A-Za-z0-9_\-]{16,}\.\S+"  # a JWT
+    rf"|\bey[A-Za-z0-9_\-]{{16,}}\.{_TOKEN}"  # a JWT
 )
 
 

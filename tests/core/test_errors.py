@@ -494,6 +494,13 @@ def test_official_clients_parse_the_proxys_own_errors(
         ("pplx-abcdefghijklmn123456789", "[redacted]"),
         ("ya29.a0AfH6SMBabcdefghijklmnop", "[redacted]"),
         ("id AKIAIOSFODNN7EXAMPLE denied", "id [redacted] denied"),
+        # what follows a token is kept: the JSON's quote and comma, a header list's comma
+        (
+            '{"authorization": "Bearer abc.def", "jwt": "eyJhbGciOiJIUzI1NiJ9.eyJz.sig", "n": 1}',
+            '{"authorization": "Bearer [redacted]", "jwt": "[redacted]", "n": 1}',
+        ),
+        ("Bearer tok, Basic x", "Bearer [redacted], Basic x"),
+        ('"Bearer ab\\/cd", "n"', '"Bearer [redacted]", "n"'),  # a JSON-escaped "/"
     ],
 )
 def test_scrub_removes_credentials(text: str, want: str) -> None:
