@@ -64,12 +64,45 @@ class Counter(Protocol):
 
 
 class _Choice:
+    """One choice's content events and span, and its reasoning and answer phases' (with
+    n > 1 each phase's time per token is per choice, as `tpot` is)."""
+
+    __slots__ = ("answer", "events", "first", "last", "reasoning")
+
+    def __init__(self, now: float) -> None:
+        self.first = now
+        self.last = now
+        self.events = 1
+        self.reasoning: _Phase | None = None
+        self.answer: _Phase | None = None
+
+    def phase(self, kind: str, now: float) -> None:
+        """One event of `kind` ("reasoning" or "text") at `now`."""
+        if kind == "reasoning":
+            if self.reasoning is None:
+                self.reasoning = _Phase(now)
+            else:
+                self.reasoning.add(1, now)
+        elif kind == "text":
+            if self.answer is None:
+                self.answer = _Phase(now)
+            else:
+                self.answer.add(1, now)
+
+
+class _Phase:
+    """A choice's events of one kind: how many, the first's instant and the last's."""
+
     __slots__ = ("events", "first", "last")
 
     def __init__(self, now: float) -> None:
         self.first = now
         self.last = now
         self.events = 1
+
+    def add(self, events: int, now: float) -> None:
+        self.events += events
+        self.last = now
 
 
 class StreamObserver:
@@ -213,8 +246,12 @@ class StreamObserver:
             if kind == "reasoning":
                 self.reasoning_events += counted
                 self.last_reasoning = zero.last
+                if zero.reasoning is not None:  # opened by the run's first event
+                    zero.reasoning.add(counted, zero.last)
             elif kind == "text":
                 self.last_answer = zero.last
+                if zero.answer is not None:
+                    zero.answer.add(counted, zero.last)
 
     def _kind(self, facts: Facts, kind: str, now: float) -> None:
         """The first answer, reasoning span and tool calls, from one content event."""
@@ -257,7 +294,7 @@ class StreamObserver:
                 self.first_token = now
                 self.first_choice = facts.choices[0]
             self.last_token = now
-            choices = self.choices
+            choices, kind, reasoned = self.choices, facts.content, facts.reasoning is not None
             for index in facts.choices:
                 choice = choices.get(index)
                 if choice is None:
@@ -268,6 +305,9 @@ class StreamObserver:
                     self.itl.append(now - choice.last)
                     choice.last = now
                     choice.events += 1
+                if reasoned:  # the reasoning's end came with the answer's start
+                    choice.phase("reasoning", now)
+                choice.phase(kind, now)
             if facts.plain and self._zero is not None:  # a run for the inline path begins
                 self._fast = facts
                 self._run = self._zero.events
@@ -602,15 +642,12 @@ class StreamObserver:
             cut_short = self.tools.choices() - finishes.keys() if cut else set()
             calls = self.tools.outcomes(length=length, cut_short=cut_short)
         reasoning_tpot = answer_tpot = None
-        first, last = self.first_reasoning, self.last_reasoning
-        if tokens is not None and tokens >= 2 and first is not None and last is not None:
-            reasoning_tpot = (last - first) / (tokens - 1)
+        if tokens is not None:
+            reasoning_tpot = self._phase_tpot(tokens, lambda c: c.reasoning)
         # Only a stream that reasoned has an answer phase of its own (else it is `tpot`).
         answer = None if tokens is None or counts.output is None else counts.output - tokens
-        first, last = self.first_answer, self.last_answer
-        if answer is not None and answer >= 2 and not calls and first is not None:
-            assert last is not None
-            answer_tpot = (last - first) / (answer - 1)
+        if answer is not None and not calls:
+            answer_tpot = self._phase_tpot(answer, lambda c: c.answer)
         return {
             "first_answer": since(self.first_answer),
             "first_reasoning": since(self.first_reasoning),
@@ -649,6 +686,21 @@ class StreamObserver:
             return ()
         label, finishes = self.api.finish_label, self.finishes
         return tuple(label(finishes[i]) if i in finishes else NONE_LABEL for i in sorted(indices))
+
+    def _phase_tpot(self, tokens: int, phase: Callable[[_Choice], _Phase | None]) -> float | None:
+        """A phase's time per token, of the median choice as `tpot` is: each choice's
+        share of the phase's `tokens` is in proportion to its events of that phase."""
+        phases = [p for c in self.choices.values() if (p := phase(c)) is not None]
+        total = sum(p.events for p in phases)
+        spans = []
+        for p in phases:
+            share = tokens * p.events / total
+            if share >= 2:
+                spans.append((p.last - p.first) / (share - 1))
+        if not spans:
+            return None
+        spans.sort()
+        return spans[(len(spans) - 1) // 2]  # the lower median: always a real choice
 
     def _decode_speed(self, output: int | None) -> tuple[float | None, float | None]:
         """(TPOT, decode tokens/s) of the median choice; each choice's share of the output

@@ -638,3 +638,27 @@ def test_a_whole_answer_s_tool_calls_are_judged_and_its_reasoning_kept_for_count
     said = body.replace(b'"reasoning_tokens":0', b'"reasoning_tokens":9')
     again = finish(_body_observer(200, "application/json", said), 101.0)
     assert (again.reasoning_tokens, again.reasoning_token_source) == (9, "usage")
+
+
+def test_with_two_choices_each_phases_time_per_token_is_per_choice_as_tpot_is() -> None:
+    """n=2, in lockstep (vLLM streams each choice on its own, one delta per step): 4
+    reasoning and 4 answer tokens a choice, one token a second. Each phase's span is the
+    choices' common span, and must be divided by one choice's tokens, not by all of them
+    (found in a review: 0.43 s against 1 s)."""
+
+    def delta(index: int, kind: str) -> bytes:
+        chunk = {"choices": [{"index": index, "delta": {kind: "x"}}]}
+        return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+    reads = [delta(i, kind) for kind in ("reasoning",) * 4 + ("content",) * 4 for i in (0, 1)]
+    times = [100.0 + step for step in range(8) for _ in (0, 1)]
+    finished = [{"index": i, "delta": {}, "finish_reason": "stop"} for i in (0, 1)]
+    usage = usage_of(16, 8)
+    reads.append(b"data: " + orjson.dumps({"choices": finished}) + b"\n\n")
+    reads.append(
+        b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\ndata: [DONE]\n\n"
+    )
+    times += [108.0, 108.0]
+    _, m = replay(reads, times, 108.0)
+    assert (m.reasoning_tokens, m.output_tokens) == (8, 16)
+    assert (m.tpot, m.reasoning_tpot, m.answer_tpot) == (1.0, 1.0, 1.0)
