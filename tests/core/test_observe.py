@@ -640,6 +640,61 @@ def test_a_whole_answer_s_tool_calls_are_judged_and_its_reasoning_kept_for_count
     assert (again.reasoning_tokens, again.reasoning_token_source) == (9, "usage")
 
 
+# vLLM's non-streaming Messages answer (anthropic/serving.py, messages_full_converter):
+# the reasoning as a `thinking` block, each call a `tool_use` block, `input` parsed
+MESSAGES_BODY = {
+    "id": "msg_1",
+    "type": "message",
+    "role": "assistant",
+    "content": [
+        {"type": "thinking", "thinking": "think a", "signature": ""},
+        {"type": "tool_use", "id": "t1", "name": "f", "input": {"city": "Oslo"}},
+        {"type": "tool_use", "id": "t2", "name": "f", "input": {}},
+    ],
+    "stop_reason": "tool_use",
+    "usage": {"input_tokens": 9, "output_tokens": 40},
+}
+# vLLM's non-streaming Responses output (openai/responses/utils.py,
+# build_response_output_items): a reasoning item, then a function_call item per call
+RESPONSES_BODY = {
+    "id": "resp_1",
+    "object": "response",
+    "status": "completed",
+    "output": [
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "think a"}]},
+        {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "f",
+         "arguments": '{"city": "Oslo"}', "status": "completed"},
+        {"type": "function_call", "id": "fc_2", "call_id": "c2", "name": "f",
+         "arguments": '{"city": ', "status": "completed"},
+    ],
+    "usage": {"input_tokens": 9, "output_tokens": 40},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "outcomes"),
+    [
+        ("/v1/messages", MESSAGES_BODY, ["complete", "complete"]),
+        ("/v1/responses", RESPONSES_BODY, ["complete", "invalid_arguments"]),
+    ],
+    ids=["messages", "responses"],
+)
+def test_a_whole_messages_or_responses_answer_s_calls_and_reasoning_are_taken_as_chat_s(
+    endpoint: str, body: dict[str, object], outcomes: list[str]
+) -> None:
+    """The same answer as chat's above, in the two other APIs' bodies: counted alike (they
+    once gave no tool calls and no reasoning text)."""
+    observer = StreamObserver(RequestInfo(endpoint, MODEL, False, False, 256, 0.7), start=START)
+    observer.open(200, "application/json", OPENED)
+    observer.feed(orjson.dumps(body), 100.5)
+    m = finish(observer, 101.0)
+    assert [(c.outcome, c.arguments_seconds) for c in m.tool_calls] == [
+        (outcome, None) for outcome in outcomes
+    ]
+    assert observer.reasoning_texts == ["think a"]
+
+
 def test_with_two_choices_each_phases_time_per_token_is_per_choice_as_tpot_is() -> None:
     """n=2, in lockstep (vLLM streams each choice on its own, one delta per step): 4
     reasoning and 4 answer tokens a choice, one token a second. Each phase's span is the

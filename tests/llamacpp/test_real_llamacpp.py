@@ -197,6 +197,25 @@ def test_tokens_and_the_engine_part_of_the_split_are_its_timings(llama: Llama) -
         assert d("tokenprobe_measurement_failures_total", stage=stage) == 0
 
 
+def test_a_responses_streams_engine_part_is_its_timings_beside_the_completed_response(
+    llama: Llama,
+) -> None:
+    """llama-server's `/v1/responses` stream carries its timings on the
+    `response.completed` event, beside the response object, not in it: the engine part of
+    the TTFT split is its `prompt_ms` there too (it was read from chat streams only)."""
+    since = settled(llama)
+    body = {"model": SERVED, "input": PROMPTS[0], "max_output_tokens": 4, "stream": True}
+    with httpx.Client(timeout=60) as client:
+        raw = fetch(client, llama.proxy_url + "/v1/responses", body)
+    data = [line[len(b"data: ") :] for line in raw.split(b"\n") if line.startswith(b"data: ")]
+    completed = [e for e in map(json.loads, data) if e.get("type") == "response.completed"]
+    assert len(completed) == 1 and "timings" in completed[0], raw
+    (record,) = wait_records(llama, since, 1)
+    assert record["engine_ttft_ms"] == round(completed[0]["timings"]["prompt_ms"], 3)
+    parts = record["engine_ttft_ms"] + record["outside_engine_ms"]
+    assert math.isclose(parts, record["ttft_ms"], abs_tol=0.0021), record
+
+
 def test_a_batch_of_prompts_counts_every_tasks_usage(llama: Llama) -> None:
     """A completions batch runs a task per prompt, and each task's finish chunk carries that
     task's own usage and timings (server-task.cpp, to_json_oaicompat): the record adds them

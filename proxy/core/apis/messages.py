@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+
 from proxy.core.apis.base import (
     MALFORMED,
     NOTHING,
@@ -160,12 +162,14 @@ class Messages(Api):
         if type(reason) is str:
             facts.finish = reason
         content = obj.get("content")
-        if collect and type(content) is list:
-            for block in content:
-                if type(block) is dict:
-                    text = block.get("text", block.get("thinking"))
-                    if type(text) is str:
-                        keep(facts, text)
+        if type(content) is list:
+            _whole(facts, content)
+            if collect:
+                for block in content:
+                    if type(block) is dict:
+                        text = block.get("text", block.get("thinking"))
+                        if type(text) is str:
+                            keep(facts, text)
         return facts
 
     def finish_label(self, raw: str) -> str:
@@ -187,6 +191,28 @@ class Messages(Api):
         # message_start's usage has them before any output (its output_tokens is dropped)
         parts = [as_int(usage.get(k)) for k in _PROMPT_PARTS]
         return None if parts[0] is None else sum(p or 0 for p in parts), parts[1]
+
+
+def _whole(facts: Facts, content: list[Any]) -> None:
+    """A whole answer's thinking (for a tokenizer to count) and each `tool_use` as a whole
+    call, judged as a stream's are: vLLM's non-streaming Messages answer puts the chat
+    answer's reasoning in a `thinking` block and each call in a `tool_use` block whose
+    `input` is the arguments parsed (anthropic/serving.py, messages_full_converter)."""
+    calls = []
+    for index, block in enumerate(content):
+        if type(block) is not dict:
+            continue
+        kind = block.get("type")
+        if kind == "thinking":
+            thinking = block.get("thinking")
+            if thinking and type(thinking) is str:
+                facts.reasoning = [*(facts.reasoning or ()), thinking]
+        elif kind == "tool_use":
+            given = block.get("input")
+            arguments = orjson.dumps(given).decode() if type(given) is dict else ""
+            calls.append(CallPiece(index, True, arguments, closes=True))
+    if calls:
+        facts.calls = tuple(calls)
 
 
 def _index(obj: dict[str, Any]) -> int:

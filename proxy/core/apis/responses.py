@@ -149,7 +149,12 @@ class Responses(Api):
             return Facts(**identity(response)) if identify and type(response) is dict else NOTHING
         if kind in _ENDS:
             response = obj.get("response")
-            facts = self.body(response, collect=False) if type(response) is dict else Facts()
+            facts = self._ended(response) if type(response) is dict else Facts()
+            if facts.timings is None:
+                # llama-server puts its timings beside the response, not in it (seen on
+                # build b1-0c1e570: `{"type": "response.completed", "response": {...},
+                # "timings": {...}}`), as on a chat stream's last chunk
+                facts.timings = obj.get("timings")
             facts.end = True
             return facts
         if kind == "response.failed":
@@ -164,8 +169,10 @@ class Responses(Api):
             return Facts(error=obj)
         return NOTHING
 
-    def body(self, obj: dict[str, Any], collect: bool) -> Facts:
-        facts = super().body(obj, collect)
+    def _ended(self, obj: dict[str, Any]) -> Facts:
+        """A response object's usage, identity and finish: a stream's last event's, or a
+        body's (whose output items a stream has already delivered as events)."""
+        facts = super().body(obj, collect=False)
         status = obj.get("status")
         details = obj.get("incomplete_details")
         reason = details.get("reason") if type(details) is dict else None
@@ -173,6 +180,11 @@ class Responses(Api):
             facts.finish = reason
         elif type(status) is str:
             facts.finish = status
+        return facts
+
+    def body(self, obj: dict[str, Any], collect: bool) -> Facts:
+        facts = self._ended(obj)
+        _whole(facts, obj.get("output"))
         if collect:
             text = obj.get("output_text")  # the SDK's convenience field, when present
             if type(text) is str:
@@ -205,6 +217,33 @@ class Responses(Api):
 def _index(obj: dict[str, Any]) -> int:
     index = obj.get("output_index", 0)
     return index if type(index) is int else 0
+
+
+def _whole(facts: Facts, output: object) -> None:
+    """A whole answer's reasoning (for a tokenizer to count) and each function call whole,
+    judged as a stream's are: vLLM's non-streaming output is a `reasoning` item (its
+    `reasoning_text` parts), a `message`, then a `function_call` item per call with its
+    `arguments` as text (openai/responses/utils.py, build_response_output_items)."""
+    if type(output) is not list:
+        return
+    calls = []
+    for index, item in enumerate(output):
+        kind = item.get("type") if type(item) is dict else None
+        if kind == "function_call":
+            arguments = item.get("arguments")
+            given = arguments if type(arguments) is str else ""
+            calls.append(CallPiece(index, True, given, closes=True))
+        elif kind == "reasoning":
+            for part in (*_list(item.get("content")), *_list(item.get("summary"))):
+                text = part.get("text") if type(part) is dict else None
+                if text and type(text) is str:
+                    facts.reasoning = [*(facts.reasoning or ()), text]
+    if calls:
+        facts.calls = tuple(calls)
+
+
+def _list(value: object) -> list[Any]:
+    return value if type(value) is list else []
 
 
 def _output_texts(output: object, facts: Facts) -> None:
