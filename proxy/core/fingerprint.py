@@ -4,11 +4,12 @@ without keeping the prompt.
 Units are the leading messages for chat, Anthropic Messages (its `system` counts as the
 first message) and the Responses API (an `input` list), or the leading BLOCK-character
 blocks of the prompt for completions (and a Responses `input` string). A message is
-hashed as its JSON with the keys sorted: frameworks rebuild the history each turn with
-the fields in their own order, and it is the same message (RFC 8259 §4: an object is
-unordered). Digest i covers units 1..i (cumulative), at most DEPTH of them, so two
-requests with the same system prompt share digest 1, and two turns of one conversation
-share the digests of the history they have in common.
+hashed as its JSON with the keys sorted (frameworks rebuild the history each turn with
+the fields in their own order, and it is the same message: RFC 8259 §4, an object is
+unordered) and without what the model never sees (`_unit`). Digest i covers units 1..i
+(cumulative), at most DEPTH of them, so two requests with the same system prompt share
+digest 1, and two turns of one conversation share the digests of the history they have in
+common.
 
 `of_prompt` runs once per request, when the record is built (after the response, never
 per chunk); `message_chain`, the same digests for up to CHAIN_DEPTH messages, once per
@@ -78,7 +79,7 @@ def _chain(messages: list[dict[str, Any]], depth: int) -> _Chain:
     chars: list[int] = []
     total = 0
     for index, message in enumerate(messages):
-        unit = orjson.dumps(message, option=orjson.OPT_SORT_KEYS)
+        unit = _unit(message)
         total += len(unit)
         if index < depth:
             h.update(unit)
@@ -86,6 +87,25 @@ def _chain(messages: list[dict[str, Any]], depth: int) -> _Chain:
             digests.append(h.copy().digest())
             chars.append(total)
     return _Chain(tuple(digests), tuple(chars), total)
+
+
+def _unit(message: dict[str, Any]) -> bytes:
+    """A message as hashed: its JSON with the keys sorted, its content blocks without their
+    `cache_control`, and content that is one text block as that text. Agents move the cache
+    breakpoint to the latest message each turn (a text becomes a block to carry it), and
+    the model sees the same prompt either way: vLLM's Anthropic content block has no
+    `cache_control` (anthropic/protocol.py, AnthropicContentBlock), and for a template
+    that takes text it joins a message's text parts with "\n" (renderers/chat_utils.py),
+    so a lone part is its text."""
+    content = message.get("content")
+    if type(content) is list and content and all(type(b) is dict for b in content):
+        blocks = [{k: v for k, v in b.items() if k != "cache_control"} for b in content]
+        only = blocks[0] if len(blocks) == 1 else None
+        if only is not None and only.keys() == {"type", "text"} and only["type"] == "text":
+            message = {**message, "content": only["text"]}
+        else:
+            message = {**message, "content": blocks}
+    return orjson.dumps(message, option=orjson.OPT_SORT_KEYS)
 
 
 def _blocks(text: str) -> Prefix:
@@ -113,7 +133,7 @@ def message_chain(prompt: Any, limit: int = CHAIN_DEPTH) -> tuple[tuple[bytes, .
     h = hashlib.blake2b(digest_size=16)
     digests: list[bytes] = []
     for message in prompt[:limit]:
-        h.update(orjson.dumps(message, option=orjson.OPT_SORT_KEYS))
+        h.update(_unit(message))
         h.update(b"\x1e")
         digests.append(h.copy().digest())
     return tuple(digests), len(prompt) <= limit

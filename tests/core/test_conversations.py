@@ -96,6 +96,29 @@ def test_a_client_that_resends_its_messages_with_keys_reordered_stays_in_its_con
     assert (second.via, second.id, second.index) == (MESSAGES, first.id, 2)
 
 
+def test_an_agent_that_moves_its_cache_breakpoint_each_turn_stays_in_its_conversation() -> None:
+    # Anthropic-style agents mark the latest message with `cache_control` (its text becomes
+    # a block to carry it) and take the mark off the earlier one: the model sees the same
+    # prompt, so it is the same history.
+    mark = {"type": "ephemeral"}
+    t = table()
+    asked = [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": mark}]}]
+    first = begin(t, 0.0, asked)
+    end(t, first, 1.0)
+    history = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "text", "text": "hello"}]},
+        {"role": "user", "content": [{"type": "text", "text": "more", "cache_control": mark}]},
+    ]
+    second = begin(t, 2.0, history)
+    assert (second.via, second.id, second.index) == (MESSAGES, first.id, 2)
+    # what the model does see still tells two messages apart
+    other = [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": ""}]}
+    ]
+    assert message_chain(other)[0] != message_chain(asked)[0]
+
+
 def test_two_conversations_sharing_a_system_prompt_are_never_joined() -> None:
     t = table()
     a = agent_rounds("weather in Oslo?")
