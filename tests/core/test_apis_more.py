@@ -106,6 +106,21 @@ def test_generate_several_ids_in_one_chunk_count_each() -> None:
     assert (m.output_tokens, m.content_events, m.finish_reason) == (3, 1, "stop")
 
 
+def test_generate_with_two_choices_finishes_each_choice_alone() -> None:
+    """vLLM streams one chunk per choice, each with its own index and finish reason
+    (token_in_token_out/serving.py, serve_tokens_stream_generator), as completions do: a
+    stream cut after both finishes, before [DONE], is whole (every finish went on choice
+    0: ('stop', 'none') and stream_truncated)."""
+
+    def chunk(index: int, ids: list[int], finish: str | None = None) -> bytes:
+        choice = {"index": index, "finish_reason": finish, "token_ids": ids}
+        return b"data: " + orjson.dumps({"request_id": "r", "choices": [choice]}) + b"\n\n"
+
+    reads = [chunk(0, [5]), chunk(1, [6]), chunk(0, [7], "length"), chunk(1, [8], "stop")]
+    m = run("/inference/v1/generate", GENERATE, reads, GEN_TIMES[:4], 101.0)
+    assert (m.finish_reasons, m.error_type, m.output_tokens) == (("length", "stop"), None, 4)
+
+
 def test_generate_asked_usage_wins_over_token_ids() -> None:
     usage = (
         b'data: {"request_id":"r","choices":[],"usage":{"prompt_tokens":6,"total_tokens":11,'

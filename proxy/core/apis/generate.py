@@ -89,8 +89,9 @@ class Generate(OpenAIGeneration):
                     index = choice.get("index", 0)
                     indices.append(index if type(index) is int else 0)
                 reason = choice.get("finish_reason")
-                if reason and type(reason) is str:
-                    facts.finish = reason
+                if reason and type(reason) is str:  # with n > 1 each choice finishes alone
+                    index = choice.get("index", 0)
+                    facts.finish, facts.finish_choice = reason, index if type(index) is int else 0
             if indices:
                 facts.content, facts.choices = "text", tuple(indices)
         usage = obj.get("usage")
