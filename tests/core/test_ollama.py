@@ -239,6 +239,40 @@ def test_observer_measures_an_ndjson_stream_split_anywhere() -> None:
         assert m.engine is not None and m.engine.load_time == 0.001334875
 
 
+def test_tool_calls_are_counted_one_per_call_streamed_or_not() -> None:
+    """Ollama sends each call whole, its arguments an object (api/types.go ToolCall), one
+    line per parsed call with an id of its own (server/routes.go, toolCallId), or all of
+    them in a non-streamed answer's message: one count per call, as chat's."""
+    chat = seam("/api/chat")
+
+    def call(ident: str | None, arguments: dict[str, Any]) -> dict[str, Any]:
+        function = {"index": 0, "name": "get_weather", "arguments": arguments}
+        return {"function": function} if ident is None else {"id": ident, "function": function}
+
+    first, second = call("call_a", {"city": "Oslo"}), call("call_b", {"city": "Rome"})
+    done = line({**DONE, "done_reason": "stop"}) + b"\n"
+    streamed = chat_line(content="", tool_calls=[first]) + b"\n"
+    streamed += chat_line(content="", tool_calls=[second]) + b"\n" + done
+    whole = {
+        **DONE,
+        "message": {"role": "assistant", "content": "", "tool_calls": [first, call(None, {})]},
+    }
+    for content_type, body in (
+        ("application/x-ndjson", streamed),
+        ("application/json", line(whole)),
+    ):
+        observer = StreamObserver(chat.read_request({"model": "m", "messages": []}), 0.0)
+        observer.open(200, content_type, 0.01)
+        observer.feed(body, 0.1)
+        observer.end_of_stream(0.2)
+        m = asyncio.run(
+            observer.finish(
+                end=0.3, started_at=0.0, status_code=200, error_type=None, error_message=None
+            )
+        )
+        assert [c.outcome for c in m.tool_calls] == ["complete", "complete"], content_type
+
+
 def test_observer_without_a_done_line_is_truncated() -> None:
     chat = seam("/api/chat")
     observer = StreamObserver(chat.read_request({"model": "m", "messages": []}), 0.0)

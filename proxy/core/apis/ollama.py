@@ -41,6 +41,7 @@ from proxy.core.apis.base import MALFORMED, NOTHING, Api, Facts, RequestInfo, To
 from proxy.core.engine import EngineMetrics
 from proxy.core.engine_ollama import ollama_embed_engine, ollama_engine
 from proxy.core.measurement import TokenSource
+from proxy.core.toolcalls import CallPiece
 
 #: Ollama's done_reason values onto the closed finish set; any other is `other`.
 _FINISH = {"stop": "stop", "length": "length"}
@@ -98,7 +99,13 @@ class OllamaApi(Api):
         facts = self._facts(obj, collect)
         if obj.get("done") is True:
             facts.end = True
-        elif facts.error is None and facts.reasoning is None and not identify and not collect:
+        elif (
+            facts.error is None
+            and facts.reasoning is None
+            and facts.calls is None
+            and not identify
+            and not collect
+        ):
             # a line in the middle: a shared answer, as chat's common event gets
             return NOTHING if facts.content is None else _CONTENT[facts.content]
         return facts
@@ -126,6 +133,8 @@ class OllamaApi(Api):
                 facts.content = "reasoning"
             if thought is not None and facts.content != "reasoning":  # thinking ended here
                 facts.reasoning = [thought]
+            if calls and type(calls) is list:
+                facts.calls = _whole_calls(calls)
             if collect and facts.content is not None:
                 facts.texts = [v for v in (thinking, text) if v and type(v) is str]
                 if type(calls) is list:
@@ -218,6 +227,27 @@ class OllamaEmbed(OllamaApi):
 
     def engine_figures(self, obj: object) -> EngineMetrics | None:
         return ollama_embed_engine(obj)
+
+
+def _whole_calls(calls: list[Any]) -> tuple[CallPiece, ...] | None:
+    """Each call of a line, whole (Ollama's parsers send a call once it is parsed, its
+    arguments an object: api/types.go ToolCall, ToolCallFunction), to be judged as a
+    stream's calls are. A call is told apart by its `id` (server/routes.go gives each a
+    fresh one, toolCallId), else by `function.index`, else by its place in the line: a
+    later line's call with the same key would be taken for the same call again."""
+    pieces = []
+    for position, call in enumerate(calls):
+        function = call.get("function") if type(call) is dict else None
+        if type(function) is not dict:
+            continue
+        key, index, arguments = call.get("id"), function.get("index"), function.get("arguments")
+        if type(key) is str and key:
+            number = hash(key)
+        else:
+            number = index if type(index) is int else position
+        text = orjson.dumps(arguments).decode() if type(arguments) is dict else ""
+        pieces.append(CallPiece(number, True, text, closes=True))
+    return tuple(pieces) or None
 
 
 def _call_texts(calls: list[Any]) -> list[str]:
