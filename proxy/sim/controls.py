@@ -208,13 +208,23 @@ def plan_request(
         plan = _plan(kind, body, headers, config)
     except ControlError as exc:
         # vLLM's request-validation handler answers in OpenAI's shape on every route.
-        return errors.bad_request(str(exc))
+        plan = errors.bad_request(str(exc))
+        if not _plays_llamacpp(kind, headers, config):
+            return plan
+    if isinstance(plan, errors.ErrorReply) and _plays_llamacpp(kind, headers, config):
+        return errors.llamacpp_error(plan)
     if REQUESTS[kind].anthropic and isinstance(plan, errors.ErrorReply):
         return errors.anthropic_error(plan)
     if REQUESTS[kind].ollama and isinstance(plan, errors.ErrorReply):
         model = body.get("model") if isinstance(body, dict) else None
         return errors.ollama_error(plan, str(model or config.models[0]))
     return plan
+
+
+def _plays_llamacpp(kind: Kind, headers: Mapping[str, str], config: SimConfig) -> bool:
+    return REQUESTS[kind].llamacpp and (
+        headers.get("x-sim-backend-kind", config.backend_kind) == "llamacpp"
+    )
 
 
 def stall_before_headers(headers: Mapping[str, str]) -> float:
@@ -238,8 +248,18 @@ def _plan(
             raise ControlError(f"Field required: {field}")
     if rules.read is not None:
         body = rules.read(body)
+    raw_backend = headers.get("x-sim-backend-kind", config.backend_kind)
+    if raw_backend not in BACKEND_KINDS:
+        raise ControlError(f"x-sim-backend-kind: unknown value {raw_backend!r}")
+    backend: BackendKind = "llamacpp" if raw_backend == "llamacpp" else "vllm"
+    llama = backend == "llamacpp" and rules.llamacpp
+    if llama:
+        _llamacpp_n(body.get("n"))
     model = str(body.get("model") or config.models[0])
+    if llama and model not in config.models:
+        model = config.models[0]  # a single-model llama-server ignores `model`
     prompt_tokens = count_prompt_tokens(body)
+    n_ctx = config.max_model_len
     max_tokens = None
     for field in rules.limit:  # the first that is set and not 0 (`a or b`)
         max_tokens = body.get(field)
@@ -252,6 +272,8 @@ def _plan(
     if forced is not None:
         if forced not in errors.FORCED_ERRORS:
             raise ControlError(f"x-sim-error: unknown value {forced!r}")
+        if llama and forced == "context_length":
+            return errors.llamacpp_context(max(prompt_tokens, n_ctx), n_ctx)
         return errors.forced_error(
             forced,
             model=model,
@@ -261,16 +283,26 @@ def _plan(
         )
     if model not in config.models:
         return errors.model_not_found(model)
-    room = config.max_model_len - prompt_tokens
-    if room <= 0 or (max_tokens is not None and max_tokens > room):
-        return errors.context_length(config.max_model_len, prompt_tokens, max_tokens)
+    room = n_ctx - prompt_tokens
+    if llama:
+        # llama-server checks the prompt alone; generation then stops where the context
+        # is full, with finish_reason "length" (as the real server does).
+        if room <= 0:
+            return errors.llamacpp_context(prompt_tokens, n_ctx)
+    elif rules.ollama:
+        limits = _ollama_limits(body, prompt_tokens, max_tokens, n_ctx)
+        if limits is None:
+            return errors.bad_request(errors.OLLAMA_CONTEXT)
+        prompt_tokens, room = limits
+    elif room <= 0 or (max_tokens is not None and max_tokens > room):
+        return errors.context_length(n_ctx, prompt_tokens, max_tokens)
 
     planned = number(headers, "x-sim-output-tokens", int, config.output_tokens, 0)
     script = script_from(headers)
     answer = planned
     if script is not None:
         planned = script.tokens(answer)
-    limit = max_tokens if max_tokens is not None else room
+    limit = room if max_tokens is None else min(max_tokens, room)
     finish = "stop" if script is None or not script.calls else "tool_calls"
     # A script (reasoning, tool calls) ends where it ends: ignore_eos does not stretch it.
     if (body.get("ignore_eos") and script is None) or planned > limit:
@@ -298,10 +330,6 @@ def _plan(
         number(headers, "x-sim-acceptance-rate", float, config.acceptance_rate, 0.0),
     )
     per_chunk = number(headers, "x-sim-tokens-per-chunk", int, 1, 1)
-    raw_backend = headers.get("x-sim-backend-kind", config.backend_kind)
-    if raw_backend not in BACKEND_KINDS:
-        raise ControlError(f"x-sim-backend-kind: unknown value {raw_backend!r}")
-    backend: BackendKind = "llamacpp" if raw_backend == "llamacpp" else "vllm"
     return Plan(
         kind=kind,
         model=model,
@@ -357,6 +385,57 @@ def _generate_body(body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _llamacpp_n(n: object) -> None:
+    """llama-server makes one choice: `n` other than 1 is its 400, in the words of the
+    real server (.ci/llama's build, captured; tests/sim/test_sim_llamacpp.py)."""
+    if n is None:
+        return
+    if isinstance(n, (int, float)):  # read as an int, as nlohmann's: 1.5 and true are 1
+        if int(n) != 1:
+            raise ControlError(
+                f"Field 'n': Value must be between 1 <= value <= 1, but got {int(n)}"
+            )
+        return
+    kind = "string" if isinstance(n, str) else "array" if isinstance(n, list) else "object"
+    raise ControlError(
+        f"Field 'n': [json.exception.type_error.302] type must be number, but is {kind}"
+    )
+
+
+#: ollama/ollama llm/llama_server.go: an open-ended num_predict runs to this many contexts.
+OLLAMA_PREDICT_CONTEXTS = 10
+#: ollama/ollama api/types.go DefaultOptions: NumKeep.
+OLLAMA_NUM_KEEP = 4
+
+
+def _ollama_limits(
+    body: dict[str, Any], prompt_tokens: int, num_predict: int | None, n_ctx: int
+) -> tuple[int, int] | None:
+    """Ollama's prompt and generation limits (ollama/ollama llm/llama_server.go, runner on
+    llama-server): `(prompt tokens, token limit)`, or None for its 400.
+
+    boundedNumPredict caps num_predict (unset or -1: open-ended) at OLLAMA_PREDICT_CONTEXTS
+    contexts; nothing checks it against the context. completionPromptForRequest refuses a
+    prompt of n_ctx tokens or more only with context shift off (`"shift": false`;
+    server/sched.go resolveContextShift has it on otherwise); with it on the prompt is cut
+    to contextShiftPromptLimit, keeping num_keep tokens (the BOS that llama_server.go adds
+    to them is not modelled). llama-server runs with --context-shift then, so generation
+    goes past the context; without it generation stops where the context is full.
+    """
+    limit = OLLAMA_PREDICT_CONTEXTS * n_ctx
+    if num_predict is not None:
+        limit = min(limit, num_predict)
+    shift = body.get("shift") is not False
+    if prompt_tokens > n_ctx - 1:
+        if not shift:
+            return None
+        keep = body.get("num_keep")
+        keep = keep if isinstance(keep, int) else OLLAMA_NUM_KEEP
+        keep = min(prompt_tokens if keep < 0 else keep, n_ctx - 1)  # -1: the whole prompt
+        prompt_tokens = n_ctx - max((n_ctx - keep) // 2, 1)
+    return prompt_tokens, limit if shift else min(limit, n_ctx - prompt_tokens)
+
+
 def _ollama_body(body: dict[str, Any]) -> dict[str, Any]:
     """An Ollama request read as a completion (ollama/ollama api/types.go ChatRequest,
     GenerateRequest): streaming unless `"stream": false`, the token limit in
@@ -369,6 +448,8 @@ def _ollama_body(body: dict[str, Any]) -> dict[str, Any]:
         "model": body.get("model"),
         "stream": body.get("stream") is not False,
         "max_tokens": limit if isinstance(limit, int) and limit > 0 else None,
+        "shift": body.get("shift"),
+        "num_keep": options.get("num_keep", OLLAMA_NUM_KEEP),
     }
     if "messages" in body:
         out["messages"] = body["messages"]
@@ -418,13 +499,14 @@ class Request:
     limit: tuple[str, ...] = ("max_completion_tokens", "max_tokens")  # the token limit
     read: Callable[[dict[str, Any]], dict[str, Any]] | None = None  # the body as a completion
     anthropic: bool = False  # its errors in Anthropic's shape
-    ollama: bool = False  # its errors in Ollama's {"error": "..."}
+    ollama: bool = False  # its errors in Ollama's {"error": "..."}, its limits
+    llamacpp: bool = False  # llama-server's errors and limits when the simulator plays it
 
 
 #: Each kind's request rules: a new generation API adds its line here.
 REQUESTS: dict[Kind, Request] = {
-    "chat": Request(lists=("messages",)),
-    "completion": Request(required=("prompt",)),
+    "chat": Request(lists=("messages",), llamacpp=True),
+    "completion": Request(required=("prompt",), llamacpp=True),
     "messages": Request(lists=("messages",), required=("max_tokens",), anthropic=True),
     "responses": Request(required=("input",), limit=("max_output_tokens",)),
     "generate": Request(read=_generate_body),

@@ -157,3 +157,52 @@ def ollama_error(reply: ErrorReply, model: str) -> ErrorReply:
     elif "context length" in message:
         message = OLLAMA_CONTEXT
     return ErrorReply(reply.status, orjson.dumps({"error": message}), OLLAMA_JSON)
+
+
+#: llama.cpp's error types by status (tools/server/server-common.cpp format_error_response,
+#: the error_type enum); 400 and 500 as a real llama-server (.ci/llama, b1-0c1e570) answers.
+_LLAMACPP_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    500: "server_error",
+    501: "not_supported_error",
+    503: "unavailable_error",
+}
+LLAMACPP_CONTEXT = "exceed_context_size_error"
+LLAMACPP_JSON = b"application/json; charset=utf-8"  # as the real server answers
+
+
+def llamacpp_json(status: int, message: str, err_type: str) -> bytes:
+    """llama-server's error body: `{"error": {"code", "message", "type"}}`, in that order."""
+    return orjson.dumps({"error": {"code": status, "message": message, "type": err_type}})
+
+
+def llamacpp_context(prompt_tokens: int, n_ctx: int) -> ErrorReply:
+    """llama-server's 400 for a prompt that does not fit (server-context.cpp: the prompt
+    alone, n_prompt_tokens >= n_ctx; max_tokens is never checked against the context),
+    byte for byte as the real server answers it, n_prompt_tokens and n_ctx after type."""
+    message = (
+        f"request ({prompt_tokens} tokens) exceeds the available context size ({n_ctx} "
+        "tokens), try increasing it"
+    )
+    body = llamacpp_json(400, message, LLAMACPP_CONTEXT)[:-2]
+    body += b',"n_prompt_tokens":%d,"n_ctx":%d}}' % (prompt_tokens, n_ctx)
+    return ErrorReply(400, body, LLAMACPP_JSON)
+
+
+def llamacpp_error(reply: ErrorReply) -> ErrorReply:
+    """A vLLM-shaped error reply in llama-server's shape and content type. Replies already
+    in its shape (`llamacpp_context`), statuses it has no type for (429) and bodies that
+    are no OpenAI error (a proxy's HTML page) stay as they are."""
+    err_type = _LLAMACPP_TYPES.get(reply.status)
+    if reply.content_type != JSON or err_type is None:
+        return reply
+    try:
+        error = orjson.loads(reply.body)["error"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return reply
+    message = error.get("message") if isinstance(error, dict) else error
+    body = llamacpp_json(reply.status, str(message), err_type)
+    return ErrorReply(reply.status, body, LLAMACPP_JSON, reply.headers)

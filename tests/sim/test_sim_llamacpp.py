@@ -203,3 +203,64 @@ def test_a_passing_fault_keeps_the_stream_and_its_timings(sim: Running) -> None:
     assert b"data: {not json\n\n" in raw
     good = raw.replace(b"data: {not json\n\n", b"")
     assert events(good)[-2]["timings"]["predicted_n"] == 4 and events(good)[-1] == "[DONE]"
+
+
+# Error bytes of the real llama-server that .ci/llama builds (b1-0c1e570, `--ctx-size 512
+# --alias tiny`), captured from it: /v1/completions with `prompt` 512 token ids, and
+# /v1/chat/completions with `"n": 2` (the same answer streamed or not, on both routes).
+REAL_EXCEED_512 = (
+    b'{"error":{"code":400,"message":"request (512 tokens) exceeds the available context '
+    b'size (512 tokens), try increasing it","type":"exceed_context_size_error",'
+    b'"n_prompt_tokens":512,"n_ctx":512}}'
+)
+REAL_N_2 = (
+    b'{"error":{"code":400,"message":"Field \'n\': Value must be between 1 <= value <= 1, '
+    b'but got 2","type":"invalid_request_error"}}'
+)
+
+
+@pytest.fixture
+def ctx512(start_sim: Callable[..., Running]) -> Running:
+    return start_sim(models=("tiny",), backend_kind="llamacpp", max_model_len=512)
+
+
+def test_a_prompt_that_fills_the_context_is_exceed_context_size_error(ctx512: Running) -> None:
+    url = ctx512.url + "/v1/completions"
+    full = httpx.post(url, json={"model": "tiny", "prompt": [100] * 512, "max_tokens": 2})
+    assert (full.status_code, full.content) == (400, REAL_EXCEED_512)
+    assert full.headers["content-type"] == "application/json; charset=utf-8"
+    # one token short of the context: the real server generates the one token that fits
+    fits = httpx.post(
+        url, json={"model": "tiny", "prompt": [100] * 511, "max_tokens": 2}, headers=FAST
+    )
+    assert fits.status_code == 200
+    answer = fits.json()
+    assert (answer["usage"]["completion_tokens"], answer["choices"][0]["finish_reason"]) == (
+        1,
+        "length",
+    )
+
+
+def test_max_tokens_and_model_are_not_checked(ctx512: Running) -> None:
+    # llama-server checks the prompt alone against the context, and serves one model
+    # whatever `model` says, naming its own (the real server: 200 to both)
+    url = ctx512.url + "/v1/chat/completions"
+    hi = [{"role": "user", "content": "hi"}]
+    body = {"model": "tiny", "messages": hi, "max_tokens": 5000, "stream": True}
+    streamed = httpx.post(url, json=body, headers={**FAST, "x-sim-output-tokens": "3"})
+    assert streamed.status_code == 200 and events(streamed.content)[-1] == "[DONE]"
+    other = httpx.post(url, json={"model": "nope", "messages": hi, "max_tokens": 2}, headers=FAST)
+    assert other.status_code == 200 and other.json()["model"] == "tiny"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_more_than_one_choice_is_refused(ctx512: Running, path: str, stream: bool) -> None:
+    body: dict[str, Any] = {"model": "tiny", "max_tokens": 2, "stream": stream}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = "hi"
+    r = httpx.post(ctx512.url + path, json={**body, "n": 2}, headers=FAST)
+    assert (r.status_code, r.content) == (400, REAL_N_2)
+    assert httpx.post(ctx512.url + path, json={**body, "n": 1}, headers=FAST).status_code == 200

@@ -85,7 +85,7 @@ def test_errors_are_ollamas(start_sim: Callable[..., Running]) -> None:
     sim = start_sim(max_model_len=16)
     missing = httpx.post(sim.url + "/api/chat", json={**CHAT, "model": "llama3"})
     assert (missing.status_code, missing.json()) == (404, {"error": "model 'llama3' not found"})
-    long = {**CHAT, "messages": [{"role": "user", "content": "x" * 400}]}
+    long = {**CHAT, "messages": [{"role": "user", "content": "x" * 400}], "shift": False}
     over = httpx.post(sim.url + "/api/chat", json=long)
     assert over.status_code == 400 and "longer than the context length" in over.json()["error"]
     mid = httpx.post(
@@ -94,6 +94,31 @@ def test_errors_are_ollamas(start_sim: Callable[..., Running]) -> None:
         headers={**FAST, "x-sim-fault": "error_event", "x-sim-fault-after": "2"},
     )
     assert mid.status_code == 200 and list(lines(mid.content)[-1]) == ["error"]
+
+
+def test_num_predict_is_capped_and_only_the_prompt_meets_the_context(
+    start_sim: Callable[..., Running],
+) -> None:
+    # ollama/ollama llm/llama_server.go: boundedNumPredict caps num_predict at 10 contexts
+    # (unset: open-ended, so 10 contexts too) and nothing checks it against the context; a
+    # prompt of num_ctx tokens or more is refused only with context shift off, else cut
+    # to contextShiftPromptLimit (num_keep 4 kept: 16 - (16 - 4) // 2 = 10 tokens)
+    sim = start_sim(max_model_len=16)
+    fast = {**FAST, "x-sim-tps": "5000"}
+    one = {**CHAT, "stream": False, "options": {"num_predict": 5000}}
+    short = httpx.post(sim.url + "/api/chat", json=one, headers=fast)
+    assert short.status_code == 200 and short.json()["eval_count"] == 4
+    endless = httpx.post(
+        sim.url + "/api/chat",
+        json={**CHAT, "stream": False},
+        headers={**fast, "x-sim-output-tokens": "500"},
+    ).json()
+    assert (endless["eval_count"], endless["done_reason"]) == (160, "length")
+    long = {**one, "messages": [{"role": "user", "content": "x" * 400}]}
+    shifted = httpx.post(sim.url + "/api/chat", json=long, headers=fast)
+    assert shifted.status_code == 200 and shifted.json()["prompt_eval_count"] == 10
+    refused = httpx.post(sim.url + "/api/chat", json={**long, "shift": False}, headers=fast)
+    assert refused.status_code == 400
 
 
 def test_version_only_when_playing_ollama(start_sim: Callable[..., Running]) -> None:
