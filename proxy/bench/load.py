@@ -206,16 +206,19 @@ class Runner:
         """Each call at its own offset from the start (a recorded workload), open loop;
         a call that follows another (`schedule.after`) goes its gap after that one ended."""
         after = schedule.after or [None] * len(self.calls)
-        done = [asyncio.Event() for _ in self.calls]
-        calls = zip(self.calls, schedule.offsets, schedule.indices, after, strict=True)
-        for position, (call, offset, index, follows) in enumerate(calls):
-            if self.stopping:
-                break
+        loop = asyncio.get_running_loop()
+        # when each call's answer ended (perf_counter()), for the calls that follow it
+        ended: list[asyncio.Future[float]] = [loop.create_future() for _ in self.calls]
+        calls = list(zip(self.calls, schedule.offsets, schedule.indices, after, strict=True))
+        # Followers wait from the start: each is due when its earlier answer ended, which
+        # the loop below, asleep until later offsets, would not see in time.
+        for position, (call, _, index, follows) in enumerate(calls):
             if follows is not None:
-                earlier, gap = follows
                 self._spawn(
-                    self._follow(level, done, position, earlier, gap, index, call, schedule)
+                    self._follow(level, ended, position, follows, index, call, schedule.on_send)
                 )
+        for position, (call, offset, index, follows) in enumerate(calls):
+            if follows is not None:
                 continue
             due = level.start + offset
             await self._sleep_until(due)
@@ -223,38 +226,39 @@ class Runner:
                 break
             if schedule.on_send is not None:
                 schedule.on_send()
-            self._spawn(self._then(done[position], self._one(level, index, due, call=call)))
+            self._spawn(self._then(ended[position], self._one(level, index, due, call=call)))
         await self._gather(level, [])
 
     async def _follow(
         self,
         level: Level,
-        done: list[asyncio.Event],
+        ended: list[asyncio.Future[float]],
         position: int,
-        earlier: int,
-        gap: float,
+        follows: tuple[int, float],
         index: int,
         call: Call,
-        schedule: Schedule,
+        on_send: Callable[[], None] | None,
     ) -> None:
+        """A conversation's next turn: due its gap after the earlier turn's answer ended."""
+        earlier, gap = follows
         try:
-            await done[earlier].wait()
-            due = perf_counter() + gap
+            # shielded: cancelling this task must not cancel the end that others await
+            due = await asyncio.shield(ended[earlier]) + gap
             await self._sleep_until(due)
             if self.stopping:
                 return
-            if schedule.on_send is not None:
-                schedule.on_send()
+            if on_send is not None:
+                on_send()
             await self._one(level, index, due, call=call)
         finally:
-            done[position].set()
+            ended[position].set_result(perf_counter())
 
     @staticmethod
-    async def _then(event: asyncio.Event, work: Any) -> None:
+    async def _then(ended: asyncio.Future[float], work: Any) -> None:
         try:
             await work
         finally:
-            event.set()
+            ended.set_result(perf_counter())
 
     def _origin(self) -> float:
         """The level's start: now, or (first level) the instant every worker shares."""

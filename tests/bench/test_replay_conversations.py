@@ -135,3 +135,40 @@ def test_a_replay_on_a_slower_candidate_keeps_each_turn_after_its_answer(tmp_pat
     expected = sorted(g for pair in GAPS.values() for g in pair)
     for gap, sleep in zip(gaps, expected, strict=True):
         assert sleep - 0.05 <= gap <= sleep + SLACK, (gaps, expected)
+
+
+def entry(arrival: float, prompt: int, output: int, **conversation: Any) -> dict[str, Any]:
+    """An access-log line of a streamed chat request."""
+    return {"arrival": arrival, "endpoint": "/v1/chat/completions", "model": MODEL,
+            "stream": True, "prompt_tokens": prompt, "output_tokens": output, **conversation}  # fmt: skip
+
+
+def test_a_later_turn_is_due_its_gap_after_its_answer_not_after_unrelated_requests(
+    tmp_path: Path,
+) -> None:
+    """Turn 2 of c1 follows turn 1 (about 0.2 s long) by 0.3 s; a request of no
+    conversation is due at 1.5 s, between them in arrival order. Timing the turn from the
+    loop's wake for that request (or from when its position came up) sends it at 1.8 s."""
+    lines = [
+        entry(100.0, 30, 10, conversation="c1", turn=1),
+        entry(101.5, 20, 3),
+        entry(105.0, 70, 5, conversation="c1", turn=2, turn_gap_ms=300),
+    ]
+    log = tmp_path / "access.log"
+    log.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
+    app = create_sim_app(SimConfig(models=(MODEL,), ttft=0.1, tokens_per_second=100))
+    server = ThreadedServer(app).start()
+    try:
+        out = tmp_path / "run.json"
+        result = subprocess.run(
+            [sys.executable, "-m", "proxy.bench", "replay", str(log), "--url", server.url,
+             "--out", str(out), "--quiet"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    finally:
+        server.stop()
+    assert result.returncode == 0, result.stderr
+    records = {r["index"]: r for r in orjson.loads(out.read_bytes())["records"]}
+    first_ended = records[0]["scheduled"] + records[0]["e2e"]
+    gap = records[2]["scheduled"] - first_ended
+    assert 0.3 - 0.01 <= gap <= 0.3 + SLACK, gap
