@@ -19,7 +19,7 @@ from typing import Any
 
 from proxy.bench.report import write_json
 from proxy.bench.runs import RunError, SavedRun, differences, load
-from proxy.bench.significance import BY_NAME, FIGURES, Change, compare, rows
+from proxy.bench.significance import BY_NAME, FIGURES, MIN_REQUESTS, Change, compare, rows
 
 PROG = "tokenprobe bench compare"
 DEFAULT_METRICS = ("ttft_p50", "tpot_p50", "output_tps")
@@ -167,7 +167,19 @@ def regressed(
                         f"{level.level}: {label} {BY_NAME[name].title} {_change(c)} vs {base} "
                         f"(worse by more than {limit * 100:g}{'pp' if BY_NAME[name].share else '%'})"
                     )
+                elif _lost(c):
+                    found.append(
+                        f"{level.level}: {label} has no {BY_NAME[name].title}, {base} has "
+                        f"{_value(c.base, BY_NAME[name].scale)} {BY_NAME[name].unit} "
+                        "(none of its requests gave one: did they all fail?)"
+                    )
     return found
+
+
+def _lost(c: Change) -> bool:
+    """The baseline has the figure and the candidate none: a candidate whose every
+    request failed has no TTFT, no speed, no throughput, and no interval says worse."""
+    return c.base is not None and c.value is None
 
 
 def render(
@@ -203,7 +215,8 @@ def render(
         f"({min_change:g} pp for a share); "
         "otherwise the difference is not told apart from noise. The interval covers "
         "request-to-request noise, not run-to-run drift of the machine: rerun to check.\n"
-        "p95 intervals need 100 requests per level (5 beyond the p95); n/a: no interval.\n"
+        f"intervals need {MIN_REQUESTS} requests per run and level, p95 ones 100 (5 beyond "
+        "the p95); n/a: no interval, and why.\n"
         "Output quality is not measured: compare answers with an evaluation suite."
     )
     return "\n\n".join([*blocks, legend])
@@ -223,7 +236,8 @@ def _change(c: Change) -> str:
         return f"{x * 100:+.1f}"
 
     if c.low is None or c.high is None:
-        return f"{pct(c.change)}{unit} [n/a]"
+        why = f": {c.reason}" if c.reason else ""
+        return f"{pct(c.change)}{unit} [n/a{why}]"
     mark = "" if c.verdict == "same" else f" {c.verdict}"
     return f"{pct(c.change)}{unit} [{pct(c.low)}, {pct(c.high)}]{mark}"
 
