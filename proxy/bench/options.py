@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -192,12 +193,11 @@ def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Options:
     if not ns.currency.strip():
         raise OptionsError("--currency must not be empty")
     _at_least("--max-concurrency", ns.max_concurrency, 1)
-    if ns.duration is not None and ns.duration <= 0:
-        raise OptionsError("--duration must be a positive number of seconds")
-    if ns.ramp_up < 0:
+    if ns.duration is not None:
+        seconds("--duration", ns.duration)
+    if not (math.isfinite(ns.ramp_up) and ns.ramp_up >= 0):
         raise OptionsError("--ramp-up must be zero or a positive number of seconds")
-    if ns.timeout <= 0:
-        raise OptionsError("--timeout must be a positive number of seconds")
+    seconds("--timeout", ns.timeout)
     if ns.max_concurrency is not None and mode == "closed":
         raise OptionsError("--max-concurrency applies to --rate (open loop) only")
     if ns.input_tokens is not None and not ns.tokenizer:
@@ -277,9 +277,18 @@ def _numbers(flag: str, text: str, kind: type[int] | type[float]) -> tuple[float
         values = tuple(kind(item) for item in text.split(",") if item.strip())
     except ValueError:
         raise OptionsError(f"{flag}: expected comma-separated numbers, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise OptionsError(f"{flag}: values must be positive, got {text!r}")
+    # nan and inf parse as floats: a rate of nan sent every request at once
+    if not values or not all(math.isfinite(v) and v > 0 for v in values):
+        raise OptionsError(f"{flag}: values must be finite positive numbers, got {text!r}")
     return values
+
+
+def seconds(flag: str, value: float) -> float:
+    """A finite positive number of seconds: nan compares false to every bound and inf
+    never ends, so a bare `<= 0` check let both through (a run without end)."""
+    if not (math.isfinite(value) and value > 0):
+        raise OptionsError(f"{flag} must be a finite positive number of seconds, got {value:g}")
+    return value
 
 
 def _at_least(flag: str, value: int | None, minimum: int) -> None:

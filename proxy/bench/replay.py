@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import math
 import os
 import signal
 import sys
@@ -42,6 +43,7 @@ from proxy.bench.options import (
     _header,
     parse_shard,
     parse_slo,
+    seconds,
 )
 from proxy.bench.progress import ReplayProgress
 from proxy.bench.recorded import recorded_figures, side_by_side
@@ -125,6 +127,8 @@ def main(argv: Sequence[str]) -> int:
         ns = parser().parse_args(list(argv))
         shard = _check(ns)
         wants, skipped = _workload(ns)
+        # the flags it reads (--url, --slo, --header) fail here, as one line, not mid-run
+        options = _options(ns, wants) if ns.url and wants else None
     except (OptionsError, TraceError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
@@ -146,8 +150,9 @@ def main(argv: Sequence[str]) -> int:
             return 0
     if ns.workers > 1:
         return _parent(ns, argv, wants)
+    assert options is not None, "--url is given here: an export-only run returned above"
     try:
-        return _run_loop(_replay(ns, wants, shard))
+        return _run_loop(_replay(ns, options, wants, shard))
     except KeyboardInterrupt:
         return 130
 
@@ -187,8 +192,9 @@ def _check(ns: argparse.Namespace) -> Shard:
         raise OptionsError("--url is required (unless only --export-mooncake)")
     if ns.mooncake and not ns.model:
         raise OptionsError("--mooncake needs --model (a trace names no model)")
-    if not ns.speed > 0:
-        raise OptionsError("--speed must be a positive number")
+    if not (math.isfinite(ns.speed) and ns.speed > 0):
+        raise OptionsError("--speed must be a finite positive number")
+    seconds("--timeout", ns.timeout)
     if ns.workers < 1:
         raise OptionsError("--workers must be at least 1")
     if ns.workers > 1 and ns.shard:
@@ -352,8 +358,7 @@ async def _counter(ns: argparse.Namespace, options: Options, model: str, client:
     return remote
 
 
-async def _replay(ns: argparse.Namespace, wants: list[Want], shard: Shard) -> int:
-    options = _options(ns, wants)
+async def _replay(ns: argparse.Namespace, options: Options, wants: list[Want], shard: Shard) -> int:
     async with session(options) as client:
         count = await _counter(ns, options, wants[0].model, client)
         builder = Builder(count, ns.seed)

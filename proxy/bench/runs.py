@@ -7,10 +7,11 @@ it). The backend URL may differ: that is usually the point (an FP16 and an INT4 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import orjson
 
@@ -51,15 +52,46 @@ def load(path: str) -> SavedRun:
     if "records" not in doc:
         raise RunError(f"{path}: has no per-request records; rerun tokenprobe bench with --out")
     config = doc.get("config") or {}
-    by_level: dict[str, list[Mapping[str, Any]]] = {}
-    for record in doc["records"]:
-        by_level.setdefault(record["level"], []).append(record)
-    levels = tuple(
-        SavedLevel(s["label"], s["value"], s["duration"], tuple(by_level.get(s["label"], ())))
-        for s in doc.get("summary") or ()
-    )
+    if not isinstance(config, dict):
+        raise RunError(f"{path}: its config is not an object")
+    levels = _levels(path, doc["records"], doc.get("summary") or [])
     label = config.get("label") or Path(path).name.removesuffix(".json")
     return SavedRun(path, str(label), config, levels)
+
+
+def _levels(path: str, records: Any, summary: Any) -> tuple[SavedLevel, ...]:
+    """The summary's levels with their records; a file edited or cut short by hand fails
+    here, naming itself, not later as a KeyError deep in the comparison."""
+    if not isinstance(records, list) or not all(
+        isinstance(r, dict) and isinstance(r.get("level"), str) for r in records
+    ):
+        raise RunError(f"{path}: its records are not a list of records each naming its level")
+    if not isinstance(summary, list) or not all(_is_level(s) for s in summary):
+        raise RunError(
+            f"{path}: its summary is not a list of levels each with a label, a value and "
+            "a positive duration"
+        )
+    by_level: dict[str, list[Mapping[str, Any]]] = {}
+    for record in records:
+        by_level.setdefault(record["level"], []).append(record)
+    return tuple(
+        SavedLevel(s["label"], s["value"], s["duration"], tuple(by_level.get(s["label"], ())))
+        for s in summary
+    )
+
+
+def _is_level(summary: Any) -> bool:
+    """A summary row: a label, a value, and a duration to divide throughputs by."""
+    if not isinstance(summary, dict) or not isinstance(summary.get("label"), str):
+        return False
+    value, duration = summary.get("value"), summary.get("duration")
+    if not (_number(value) and _number(duration)):
+        return False
+    return math.isfinite(duration) and duration > 0
+
+
+def _number(value: object) -> TypeGuard[float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _prompts(config: Mapping[str, Any]) -> Any:

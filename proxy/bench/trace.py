@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import orjson
 
@@ -36,6 +36,10 @@ REPLAYABLE = frozenset(api.endpoint for api in (Chat, Completions, Messages, Res
 BLOCK = 512
 #: A prompt keeps at least this many tokens of its own after its shared prefix.
 MIN_TAIL = 4
+#: The largest token count a line may give: past any model's context and past the
+#: int32 that servers read max_tokens into; a trace's 1e30 is a broken line, not a
+#: count (orjson cannot even write it back as an integer).
+MAX_TOKENS = 2**31 - 1
 #: How many skipped line numbers a report names.
 SHOW_SKIPPED = 5
 
@@ -162,7 +166,7 @@ def _record(raw: bytes, where: str, skipped: Skipped) -> _Line | None:
     if not isinstance(obj, dict) or "endpoint" not in obj or "prompt_tokens" not in obj:
         skipped.add(where, "not an access-log record")
         return None
-    if obj["endpoint"] not in REPLAYABLE:
+    if not isinstance(obj["endpoint"], str) or obj["endpoint"] not in REPLAYABLE:
         skipped.add(where, "not a replayable API")
         return None
     arrival = obj.get("arrival")
@@ -170,12 +174,15 @@ def _record(raw: bytes, where: str, skipped: Skipped) -> _Line | None:
     if not isinstance(arrival, int | float) or isinstance(arrival, bool):
         skipped.add(where, "no arrival instant")
         return None
-    if type(prompt) is not int or prompt < 1:
+    if not _tokens(prompt) or prompt < 1:
         skipped.add(where, "no prompt token count")
         return None
-    if type(output) is not int or output < 0:
+    if not _tokens(obj.get("prompt_chars") or 0):
+        skipped.add(where, "a prompt_chars that is not a count")
+        return None
+    if not _tokens(output):
         limit = obj.get("max_tokens")
-        output = limit if type(limit) is int else 0
+        output = limit if _tokens(limit) else 0
     prefix, chars = obj.get("prefix") or [], obj.get("prefix_chars") or []
     if not (isinstance(prefix, list) and isinstance(chars, list) and len(prefix) == len(chars)):
         prefix, chars = [], []
@@ -188,13 +195,18 @@ def _record(raw: bytes, where: str, skipped: Skipped) -> _Line | None:
         output_tokens=max(output, 1),
         prefix=[str(h) for h in prefix],
         prefix_chars=[int(c) for c in chars if isinstance(c, int)],
-        prompt_chars=int(obj.get("prompt_chars") or 0),
+        prompt_chars=obj.get("prompt_chars") or 0,
         recorded={
             k: obj.get(k)
             for k in ("ttft_ms", "tpot_ms", "e2e_ms", "error_type", "finish_reason", "status")
         },
         **_conversation(obj),
     )
+
+
+def _tokens(value: object) -> TypeGuard[int]:
+    """A JSON integer in 0..MAX_TOKENS (not a bool, a float or a string)."""
+    return type(value) is int and 0 <= value <= MAX_TOKENS
 
 
 def _conversation(obj: dict[str, Any]) -> dict[str, Any]:
@@ -210,6 +222,8 @@ def _conversation(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- Mooncake traces -------------------------------------------------------------------
+
+_Row = tuple[float, int, int, list[int]]  # seconds, input and output tokens, hash ids
 
 
 def to_mooncake(wants: Sequence[Want], block: int = BLOCK) -> list[dict[str, Any]]:
@@ -255,7 +269,7 @@ def read_mooncake(
 ) -> tuple[list[Want], Skipped]:
     """A Mooncake trace as Wants for one API and model (the trace names neither)."""
     skipped = Skipped()
-    rows: list[tuple[float, int, int, list[int]]] = []
+    rows: list[_Row] = []
     try:
         text = Path(path).read_bytes().splitlines()
     except OSError as exc:
@@ -263,19 +277,9 @@ def read_mooncake(
     for number, raw in enumerate(text, 1):
         if not raw.strip():
             continue
-        try:
-            obj = orjson.loads(raw)
-            row = (
-                float(obj["timestamp"]) / 1000,
-                int(obj["input_length"]),
-                int(obj["output_length"]),
-                [int(i) for i in obj.get("hash_ids") or []],
-            )
-        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
-            skipped.add(f"{path}:{number}", "not a Mooncake entry")
-            continue
-        if row[1] < 1:
-            skipped.add(f"{path}:{number}", "no input length")
+        row, reason = _mooncake_row(raw)
+        if row is None:
+            skipped.add(f"{path}:{number}", reason)
             continue
         rows.append(row)
     rows.sort(key=lambda r: r[0])
@@ -293,3 +297,24 @@ def read_mooncake(
             Want(at - origin, endpoint, model, stream, prompt, max(output, 1), tuple(chain))
         )
     return wants, skipped
+
+
+def _mooncake_row(raw: bytes) -> tuple[_Row | None, str]:
+    """One trace line as a row, or None and why it is skipped. A timestamp of "inf" or
+    "nan" (float() reads both) would have the replay wait for it forever."""
+    try:
+        obj = orjson.loads(raw)
+        at = float(obj["timestamp"]) / 1000
+        lengths = int(obj["input_length"]), int(obj["output_length"])
+        hash_ids = obj.get("hash_ids") or []
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, OverflowError):
+        return None, "not a Mooncake entry"
+    if not isinstance(hash_ids, list) or not all(type(i) is int for i in hash_ids):
+        return None, "hash_ids not a list of ids"  # a string's characters are no ids
+    if not math.isfinite(at):
+        return None, "no finite timestamp"
+    if not all(0 <= n <= MAX_TOKENS for n in lengths):
+        return None, "a length that is not a token count"
+    if lengths[0] < 1:
+        return None, "no input length"
+    return (at, *lengths, hash_ids), ""
