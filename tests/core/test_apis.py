@@ -122,6 +122,11 @@ def test_every_vllm_route_has_its_api_and_label() -> None:
         "/api/chat": "/api/chat",
         "/api/generate": "/api/generate",
         "/api/embed": "/api/embed",
+        # llama.cpp's llama-server (tools/server/server.cpp): its native completion (also
+        # at /completions), and OpenAI's chat without its /v1
+        "/completion": "/completion",
+        "/completions": "/completion",
+        "/chat/completions": "/v1/chat/completions",
     }
     for path, label in labels.items():
         api = api_for(path)

@@ -482,3 +482,50 @@ def test_an_echo_keeps_each_choices_prompt_by_its_index() -> None:
     )  # fmt: skip
     assert observer.outcome() == (None, None)
     assert observer.echoed_prompts() == ["a b", "c"]
+
+
+# -- /completion (llama.cpp's native completion) -------------------------------------------
+
+NATIVE = orjson.dumps({"prompt": "once upon", "n_predict": 5, "temperature": 0, "stream": True})
+NATIVE_TIMES = [100.5, 100.625, 100.75, 100.875, 101.0, 101.125]
+
+
+def test_a_native_completion_stream_is_measured_from_its_own_fields() -> None:
+    """Real llama-server bytes (tests/fixtures/streams/llamacpp/README.md): a token an
+    event, then the last object's stop_type, counts and timings; no [DONE], no usage."""
+    reads = events("llamacpp/native_completion_stream.sse")
+    m = run("/completion", NATIVE, reads, NATIVE_TIMES, 101.125)
+    assert (m.endpoint, m.ttft, m.content_events, m.max_tokens) == ("/completion", 0.5, 5, 5)
+    assert (m.output_tokens, m.prompt_tokens, m.cached_prompt_tokens) == (5, 3, 0)
+    assert (m.token_source, m.finish_reason, m.raw_finish_reason) == (
+        TokenSource.ENGINE,
+        "length",
+        "limit",
+    )
+    assert m.error_type is None and m.response_model == "tiny"
+    assert m.engine is not None and m.engine.time_to_first_token == 0.000481
+    reads, times = byte_at_a_time(reads, NATIVE_TIMES)
+    assert run("/completion", NATIVE, reads, times, 101.125) == m
+    cut = run(
+        "/completion",
+        NATIVE,
+        events("llamacpp/native_completion_stream.sse")[:3],
+        NATIVE_TIMES[:3],
+        101.0,
+    )
+    assert (cut.error_type, cut.content_events) == (ErrorType.STREAM_TRUNCATED, 3)
+
+
+def test_a_native_completion_answered_whole_gives_its_counts_and_finish() -> None:
+    body = (STREAMS / "llamacpp" / "native_completion.json").read_bytes()
+    info, _ = parse_request("/completion", orjson.dumps({"prompt": "once upon", "n_predict": 5}))
+    observer = StreamObserver(info, start=START)
+    observer.open(200, "application/json; charset=utf-8", OPENED)
+    observer.feed(body, 100.5)
+    m = asyncio.run(
+        observer.finish(
+            end=100.5, started_at=0.0, status_code=200, error_type=None, error_message=None
+        )
+    )
+    assert (m.stream, m.output_tokens, m.prompt_tokens, m.finish_reason) == (False, 5, 3, "length")
+    assert m.token_source is TokenSource.ENGINE and m.ttft is None

@@ -51,6 +51,23 @@ REQUESTS: list[tuple[str, str, dict[str, Any]]] = [
             "cache_prompt": False,
         },
     ),
+    # llama.cpp's native completion (proxy/core/apis/llamacpp.py)
+    (
+        "native_completion_stream.sse",
+        "/completion",
+        {
+            "prompt": "once upon",
+            "n_predict": 5,
+            "temperature": 0,
+            "stream": True,
+            "cache_prompt": False,
+        },
+    ),
+    (
+        "native_completion.json",
+        "/completion",
+        {"prompt": "once upon", "n_predict": 5, "temperature": 0, "cache_prompt": False},
+    ),
 ]
 
 

@@ -216,6 +216,46 @@ def test_a_responses_streams_engine_part_is_its_timings_beside_the_completed_res
     assert math.isclose(parts, record["ttft_ms"], abs_tol=0.0021), record
 
 
+def test_the_native_completion_and_the_routes_without_v1_are_measured(llama: Llama) -> None:
+    """llama-server's own `/completion` (streamed and not), its `/completions` (the same
+    native answer, not OpenAI's) and `/chat/completions` (OpenAI's chat without the /v1)
+    went through unmeasured: no record at all. The native counts are its last object's
+    `tokens_predicted` / `tokens_evaluated`, the engine part of the TTFT split its
+    `prompt_ms`, and the stream reaches the client as it left the server."""
+    since = settled(llama)
+    native = {"prompt": PROMPTS[1], "n_predict": 5, "temperature": 0, "cache_prompt": False}
+    with httpx.Client(timeout=60) as client:
+        direct = fetch(client, llama.url + "/completion", {**native, "stream": True})
+        raw = fetch(client, llama.proxy_url + "/completion", {**native, "stream": True})
+        whole = client.post(llama.proxy_url + "/completion", json=native).json()
+        for path, body in (
+            ("/chat/completions", body_for(PROMPTS[0], True)),
+            (
+                "/completions",
+                {"model": SERVED, "prompt": PROMPTS[2], "max_tokens": 4, "stream": True},
+            ),
+        ):
+            fetch(client, llama.proxy_url + path, body)
+    last = payloads(raw)[-1]
+    assert last["stop"] is True and payloads(direct)[-1]["stop"] is True
+    assert normalise(raw)[0] == normalise(direct)[0]
+    streamed, answered, chat, completions = wait_records(llama, since, 4)
+    assert (streamed["endpoint"], streamed["stream"], answered["stream"]) == (
+        "/completion",
+        True,
+        False,
+    )
+    for record, obj in ((streamed, last), (answered, whole)):
+        assert record["output_tokens"] == obj["tokens_predicted"] == 5
+        assert record["prompt_tokens"] == obj["tokens_evaluated"] > 0
+        assert (record["token_source"], record["finish_reason"]) == ("engine", "length")
+    assert streamed["engine_ttft_ms"] == round(last["timings"]["prompt_ms"], 3)
+    assert streamed["tokens_per_chunk"] == 1.0 and streamed["error_type"] is None
+    assert (chat["endpoint"], chat["token_source"]) == ("/v1/chat/completions", "usage")
+    assert (completions["endpoint"], completions["token_source"]) == ("/completion", "engine")
+    assert completions["output_tokens"] == 4 and completions["error_type"] is None
+
+
 def test_a_batch_of_prompts_counts_every_tasks_usage(llama: Llama) -> None:
     """A completions batch runs a task per prompt, and each task's finish chunk carries that
     task's own usage and timings (server-task.cpp, to_json_oaicompat): the record adds them

@@ -20,6 +20,7 @@ from proxy.core.apis.chat import Chat
 from proxy.core.apis.cohere import CohereChat
 from proxy.core.apis.completions import Completions
 from proxy.core.apis.generate import Generate
+from proxy.core.apis.llamacpp import LlamaCompletion
 from proxy.core.apis.messages import Messages
 from proxy.core.apis.ollama import OllamaChat, OllamaEmbed, OllamaGenerate
 from proxy.core.apis.pooling import Classify, CohereEmbed, Embeddings, Pooling, Rerank, Score
@@ -44,6 +45,7 @@ APIS: tuple[Api, ...] = (
     OllamaChat(),
     OllamaGenerate(),
     OllamaEmbed(),
+    LlamaCompletion(),
 )
 
 _BY_PATH = {path: api for api in APIS for path in api.paths}

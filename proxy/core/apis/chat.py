@@ -233,7 +233,8 @@ class Chat(OpenAIGeneration):
     endpoint = "/v1/chat/completions"
     bench_name = "chat"
     takes_messages = True
-    paths = ("/v1/chat/completions",)
+    # llama-server serves the same handler without the /v1 (tools/server/server.cpp)
+    paths = ("/v1/chat/completions", "/chat/completions")
     operation = "chat"
     deltas = True
     text_openings = (b'"delta":{"content":"', b'"delta":{"reasoning":"')
