@@ -479,7 +479,9 @@ class Settings:
         "Serve `/metrics` and the live view `/ui` on this separate port, in plain HTTP (and "
         "not on the proxy port, where those paths then go to the backend).",
     )
-    metrics_host: str | None = setting(_host, None, "Address for `--metrics-port`.", shown="`--host`")
+    metrics_host: str | None = setting(
+        _host, None, "Address for `--metrics-port`.", shown="`--host`"
+    )
     metrics_token: str | None = setting(
         _token,
         None,
