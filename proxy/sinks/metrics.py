@@ -227,7 +227,9 @@ class Metrics:
         )
         self.in_flight = Gauge(
             "tokenprobe_requests_in_flight",
-            "Measured requests between the proxy receiving them and their last byte.",
+            "Measured requests from their body having been read (the model known: a "
+            "request still sending its body is not counted yet, though its e2e runs from "
+            "its head's arrival) to their last byte.",
             LABELS,
             registry=registry,
             multiprocess_mode="livesum",
@@ -235,7 +237,7 @@ class Metrics:
         self.requests_lost = Counter(
             "tokenprobe_requests_lost",
             "Measured requests in flight on a `--workers` process that died (killed, out of "
-            "memory, crashed) between the proxy receiving them and their last byte: their "
+            "memory, crashed) between their body having been read and their last byte: their "
             "clients' connections were cut and no record was written, so no other series "
             "counts them. Counted at the first scrape after the death; each (model, "
             "endpoint) series is exported at 0 from its first request on.",

@@ -255,7 +255,7 @@ def cost_instrument(currency: str) -> Instrument:
 IN_FLIGHT = Instrument(
     "tokenprobe.requests.in_flight",
     "{request}",
-    "Measured requests between the proxy receiving them and their last byte.",
+    "Measured requests from their body having been read (the model known) to their last byte.",
 )
 
 # -- conversations (proxy/core/conversations.py, docs/conversations.md) ----------------------

@@ -100,7 +100,7 @@
     },
     {
       id: "inflight", title: "Requests in flight", unit: "requests",
-      caption: "Now, at each scrape: measured requests between the proxy receiving them and their last byte (a gauge, not windowed).",
+      caption: "Now, at each scrape: measured requests from their body having been read to their last byte (a gauge, not windowed).",
       lines: [["in flight", (p) => p.inFlight]],
     },
     {
