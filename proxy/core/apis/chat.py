@@ -234,7 +234,7 @@ class Chat(OpenAIGeneration):
     bench_name = "chat"
     takes_messages = True
     # llama-server serves the same handler without the /v1 (tools/server/server.cpp)
-    paths = ("/v1/chat/completions", "/chat/completions")
+    paths: ClassVar[tuple[str, ...]] = ("/v1/chat/completions", "/chat/completions")
     operation = "chat"
     deltas = True
     text_openings = (b'"delta":{"content":"', b'"delta":{"reasoning":"')
