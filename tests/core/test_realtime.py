@@ -179,6 +179,27 @@ def test_vllms_answer_to_a_client_event_it_refuses_leaves_the_utterance_open() -
     assert sess.utterances == 1
 
 
+def test_a_refused_commit_before_any_model_was_validated_is_answered_model_not_validated() -> None:
+    """vLLM checks that a model was validated before it reads a commit's fields
+    (connection.py, handle_event): a commit whose `final` it could not read, sent before
+    any session.update, gets model_not_validated, never a processing_error. That answer
+    settles it, so a later generation's processing_error ends that generation (it was
+    taken for the commit's answer, and the utterance ran on to the session's close)."""
+    sess, records = session()
+    sess.message(c(100.5, type="input_audio_buffer.commit", final="maybe"))
+    text = "Model not validated. Make sure to validate the model by sending a session.update event."
+    sess.message(s(100.5, type="error", error=text, code="model_not_validated"))
+    sess.message(c(101.0, type="session.update", model="whisper"))
+    sess.message(c(101.0, type="input_audio_buffer.append", audio=AUDIO))
+    sess.message(c(101.5, type="input_audio_buffer.commit"))
+    sess.message(s(102.0, type="transcription.delta", delta="hi"))
+    sess.message(s(103.5, type="error", error="CUDA error", code="processing_error"))
+    sess.close(110.0, "closed_by_client")
+    refused, failed = records
+    assert refused.error_type is ErrorType.BAD_REQUEST
+    assert (failed.error_type, failed.ttft, failed.e2e) == (ErrorType.STREAM_ERROR, 0.5, 2.0)
+
+
 def test_final_is_read_as_vllms_models_read_it() -> None:
     """`final` as pydantic reads a bool (vLLM validates leniently): `"true"` or `1` is a
     final commit, which starts no generation; a value it refuses starts none either, and

@@ -17,7 +17,8 @@ One Measurement per utterance: from the client's commit that started the generat
 appended for it in `audio_seconds`. A `processing_error` ends the open utterance
 as `stream_error`, unless a client event vLLM's models refuse is waiting for its answer:
 vLLM answers that one with a `processing_error` too (connection.py, handle_connection:
-any exception from handle_event), and the generation runs on. The proxy reads a client
+any exception from handle_event), and the generation runs on; a commit it would refuse,
+sent before any model was validated, is answered `model_not_validated` instead. The proxy reads a client
 event as vLLM does: the frame with `json.loads` (JSON that is no object fails at
 `event.get`, a refusal), the event's fields as those models do (pydantic, lax: `audio` a
 string, `final` a bool or one of pydantic's words for one, `"true"`, `1`, `"no"`...).
@@ -34,6 +35,7 @@ byte does. The session keeps its own figures (`utterances`, `audio_seconds`, `du
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -85,7 +87,12 @@ class RealtimeSession(WsSession):
         self.utterances = 0
         self.audio_bytes = 0
         self._pending_audio = 0  # appended while no generation runs
-        self._refusals_due = 0  # client events vLLM's models refuse, not yet answered
+        # Client events vLLM's models refuse, not yet answered, in order: "commit" for a
+        # commit whose `final` it cannot read, "event" for any other. vLLM answers each
+        # with a processing_error, except a commit before any model was validated: that
+        # one gets model_not_validated before its fields are read (connection.py,
+        # handle_event), so it is answered by that instead.
+        self._refusals: deque[str] = deque()
         # The models session.update asked for, in order, each with whether vLLM refused it
         # (model_not_found). vLLM answers only a refusal, and it answers it before it reads
         # the client's next event: an utterance's model is the last one asked for before
@@ -111,7 +118,7 @@ class RealtimeSession(WsSession):
             if event is _NOT_JSON:
                 return  # vLLM answers invalid_json, an error of its own
             if type(event) is not dict:
-                self._refusals_due += 1  # vLLM's `event.get` fails: processing_error
+                self._refusals.append("event")  # vLLM's `event.get` fails: processing_error
                 return
             self.malformed -= 1  # JSON to vLLM's reader (NaN, Infinity): an event
             obj = event
@@ -121,7 +128,7 @@ class RealtimeSession(WsSession):
             if kind == "input_audio_buffer.append":
                 audio = obj.get("audio")
                 if type(audio) is not str:
-                    self._refusals_due += 1
+                    self._refusals.append("event")
                     return
                 size = _b64_size(audio)
                 self.audio_bytes += size
@@ -132,7 +139,7 @@ class RealtimeSession(WsSession):
             elif kind == "input_audio_buffer.commit":
                 final = lax_bool(obj.get("final", False))
                 if final is None:
-                    self._refusals_due += 1
+                    self._refusals.append("commit")
                 elif not final and u is None:
                     self.current = _Utterance(msg.at, self._pending_audio, len(self._asked))
                     self._pending_audio = 0
@@ -173,9 +180,11 @@ class RealtimeSession(WsSession):
         # masked before the cut, so a key the cut would split loses its start too
         message = scrub(f"{code}: {text}" if code else str(text))[:200]
         u = self.current
-        if code == "processing_error" and self._refusals_due:
-            self._refusals_due -= 1  # the answer to a refused client event, not to u
+        if code == "processing_error" and self._refusals:
+            self._refusals.popleft()  # the answer to a refused client event, not to u
             u = None
+        elif code == "model_not_validated" and "commit" in self._refusals:
+            self._refusals.remove("commit")  # a refused commit's answer, before validation
         elif u is not None and code == "processing_error":
             self.current = None
             self._finish(u, at, None, ErrorType.STREAM_ERROR, message)
