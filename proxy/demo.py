@@ -177,12 +177,20 @@ async def _traffic(base: str, rounds: int, records: list[Measurement]) -> dict[i
     return names
 
 
-async def _realtime(base: str, records: list[Measurement]) -> dict[int, str]:
-    """One /v1/realtime session through the proxy, two utterances: audio appended, a
-    commit that starts the transcription, the rest of the audio, the final commit."""
+def _websockets() -> Callable[..., Any] | None:
+    """The WebSocket client for the realtime row, None where it is not installed."""
     try:
         from websockets.asyncio.client import connect  # comes with uvicorn[standard]
     except ImportError:
+        return None
+    return connect
+
+
+async def _realtime(base: str, rounds: int, records: list[Measurement]) -> dict[int, str]:
+    """One /v1/realtime session through the proxy, one utterance a round: audio appended,
+    a commit that starts the transcription, the rest of the audio, the final commit."""
+    connect = _websockets()
+    if connect is None or rounds < 1:
         return {}
     first = len(records)
     audio = base64.b64encode(pcm16(0.5)).decode()
@@ -197,7 +205,7 @@ async def _realtime(base: str, records: list[Measurement]) -> dict[int, str]:
     async with connect(url, additional_headers=headers) as ws:
         await ws.recv()  # session.created
         await ws.send(orjson.dumps({"type": "session.update", "model": MODEL}).decode())
-        for _ in range(2):
+        for _ in range(rounds):
             for event in events:
                 await ws.send(orjson.dumps(event).decode())
             while "transcription.done" not in str(await ws.recv()):
@@ -288,19 +296,18 @@ async def run(port: int, rounds: int, serve_after: bool, out: object = sys.stdou
         print(f"live view                {base}/ui   (open in a browser)", file=out)  # type: ignore[call-overload]
     print(f"simulated vLLM backend   http://127.0.0.1:{sim_port}/v1", file=out)  # type: ignore[call-overload]
     print(f"tokenprobe proxy         {base}/v1   (clients point here)", file=out)  # type: ignore[call-overload]
-    print(
-        f"\nsending {rounds} round(s) of {len(SCENARIOS)} requests through the proxy...\n", file=out
-    )  # type: ignore[call-overload]
+    per_round = len(SCENARIOS) + (_websockets() is not None)  # the realtime utterance
+    print(f"\nsending {rounds} round(s) of {per_round} requests through the proxy...\n", file=out)  # type: ignore[call-overload]
     names = await _traffic(base, rounds, records)
-    names.update(await _realtime(base, records))
+    names.update(await _realtime(base, rounds, records))
     print(_table(records, names), file=out)  # type: ignore[call-overload]
-    print(
-        f"\nmetrics:   curl {base}/metrics | grep '^tokenprobe_'\n"
-        f"try it:    curl -N {base}/v1/chat/completions -H 'content-type: application/json' "
-        f"""-d '{{"model":"{MODEL}","stream":true,"messages":[{{"role":"user","content":"hi"}}]}}'""",
-        file=out,  # type: ignore[call-overload]
-    )
-    if serve_after:
+    if serve_after:  # the hints only while there is a proxy to curl
+        print(
+            f"\nmetrics:   curl {base}/metrics | grep '^tokenprobe_'\n"
+            f"try it:    curl -N {base}/v1/chat/completions -H 'content-type: application/json' "
+            f"""-d '{{"model":"{MODEL}","stream":true,"messages":[{{"role":"user","content":"hi"}}]}}'""",
+            file=out,  # type: ignore[call-overload]
+        )
         print(f"\nserving until Ctrl-C, with light traffic; watch {base}/ui", file=out)  # type: ignore[call-overload]
         tasks.append(asyncio.create_task(_keep_busy(base)))
         with contextlib.suppress(asyncio.CancelledError):
@@ -314,6 +321,7 @@ async def run(port: int, rounds: int, serve_after: bool, out: object = sys.stdou
             if line.startswith("tokenprobe_requests_total{")
         )
         print(f"\n/metrics counted {total:.0f} measured requests", file=out)  # type: ignore[call-overload]
+        print("the proxy stops now: rerun with --serve to keep it running", file=out)  # type: ignore[call-overload]
     proxy.should_exit = sim.should_exit = True
     await asyncio.gather(*tasks, return_exceptions=True)
     return 0
