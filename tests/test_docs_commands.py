@@ -238,10 +238,14 @@ wait_port() {  # a server's port accepts connections within 15 s
 
 #: A program at a command's start (after any VARIABLE=value), to run from this tree and
 #: this interpreter; a plain command, so that `$!` of a background one is its own pid.
-PROGRAM = re.compile(r"(^|&& |; |\| )((?:[A-Z_]+=\S+ )*)(tokenprobe|hypercorn|uvicorn) ")
+PROGRAM = re.compile(r"(^|&& |; |\| )((?:[A-Z_]+=\S+ )*)(tokenprobe|hypercorn|uvicorn|python) ")
 
 
 def _program(match: re.Match[str]) -> str:
+    """This tree's Python for the commands a reader's venv would give: the tests may run
+    without the venv on PATH, where `python` is another one (without the extras)."""
+    if match.group(3) == "python":
+        return f'{match.group(1)}{match.group(2)}"$PY" '
     module = "proxy" if match.group(3) == "tokenprobe" else match.group(3)
     return f'{match.group(1)}{match.group(2)}"$PY" -m {module} '
 
