@@ -17,7 +17,10 @@ from dataclasses import dataclass
 #: refused (the upstream answered the upgrade with another status), upstream_unreachable
 #: (connect failed or timed out), upstream_timeout (no byte of an answer within
 #: --first-byte-timeout), invalid_request_target (the proxy refused the request target,
-#: the HTTP relay's error kind for the same target).
+#: the HTTP relay's error kind for the same target). With --workers, worker_died: the
+#: worker that held the session died (killed, out of memory), counted at the next scrape
+#: (proxy/server/multiproc.py) since that worker wrote nothing.
+WORKER_DIED = "worker_died"
 WS_OUTCOMES = (
     "closed_by_client",
     "closed_by_upstream",
@@ -30,6 +33,7 @@ WS_OUTCOMES = (
     "upstream_unreachable",
     "upstream_timeout",
     "invalid_request_target",
+    WORKER_DIED,
 )
 
 #: The `route` of a session on a path no WsApi serves (the others: WS_ENDPOINTS).

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from proxy.core.conversations import Conversations
 from proxy.core.labels import ModelLabels
 from proxy.core.slo import Policy, parse_slo
+from proxy.core.wsrecord import WORKER_DIED
 from proxy.server.app import ProxyApp
 from proxy.server.control import ControlPlane, GuardedMetrics, Readiness
 from proxy.server.exposition import Exposition
@@ -173,4 +174,7 @@ def _exposition(
     def lost(model: str, endpoint: str, requests: float) -> None:
         metrics.requests_lost.labels(model, endpoint).inc(requests)
 
-    return multiprocess_metrics_app(directory, lost)
+    def sessions_lost(route: str, sessions: float) -> None:
+        metrics.ws.sessions.labels(route, WORKER_DIED).inc(sessions)
+
+    return multiprocess_metrics_app(directory, lost, sessions_lost)

@@ -27,18 +27,26 @@ log = logging.getLogger("tokenprobe")
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
-#: The in-flight gauge whose values a dead worker leaves behind are its lost requests.
+#: The in-flight gauges whose values a dead worker leaves behind are its lost requests
+#: and its lost WebSocket sessions.
 IN_FLIGHT = "tokenprobe_requests_in_flight"
+WS_IN_FLIGHT = "tokenprobe_websocket_sessions_in_flight"
 
 #: Called with (model, endpoint, requests) for the requests a dead worker had in flight.
 Lost = Callable[[str, str, float], None]
+#: Called with (route, sessions) for the WebSocket sessions a dead worker had open.
+SessionsLost = Callable[[str, float], None]
 
 
-def multiprocess_metrics_app(directory: str, lost: Lost | None = None) -> Exposition:
+def multiprocess_metrics_app(
+    directory: str, lost: Lost | None = None, sessions_lost: SessionsLost | None = None
+) -> Exposition:
     # The collector describes no names: without this a `name[]` scrape would leave it out.
     scrape_registry = CollectorRegistry(support_collectors_without_names=True)
     scrape_registry.register(WrittenFiles(directory))
-    return Exposition(scrape_registry, before=lambda: drop_dead_workers(directory, lost))
+    return Exposition(
+        scrape_registry, before=lambda: drop_dead_workers(directory, lost, sessions_lost)
+    )
 
 
 class WrittenFiles:
@@ -71,10 +79,13 @@ def _size(path: str) -> int:
 _PID = re.compile(r"_(\d+)\.db$")
 
 
-def drop_dead_workers(directory: str, lost: Lost | None = None) -> None:
-    """Remove live-gauge files of worker processes that no longer exist; the requests such
-    a worker had in flight died with it (its clients' connections were cut, no record was
-    written), and go to `lost` once, whichever worker scrapes first."""
+def drop_dead_workers(
+    directory: str, lost: Lost | None = None, sessions_lost: SessionsLost | None = None
+) -> None:
+    """Remove live-gauge files of worker processes that no longer exist; the requests and
+    WebSocket sessions such a worker had in flight died with it (their clients'
+    connections were cut, no record was written), and go to `lost` and `sessions_lost`
+    once, whichever worker scrapes first."""
     dead = set()
     for path in glob.glob(os.path.join(directory, "gauge_live*_*.db")):
         match = _PID.search(path)
@@ -88,8 +99,9 @@ def drop_dead_workers(directory: str, lost: Lost | None = None) -> None:
         except PermissionError:
             pass
     for pid in dead:  # its in-flight values read before its live gauges all go
-        if lost is not None:
-            _count_lost(os.path.join(directory, f"gauge_livesum_{pid}.db"), lost)
+        if lost is not None or sessions_lost is not None:
+            path = os.path.join(directory, f"gauge_livesum_{pid}.db")
+            _count_lost(path, lost, sessions_lost)
         _mark_dead(pid, directory)
 
 
@@ -102,7 +114,7 @@ def _mark_dead(pid: int, directory: str) -> None:
             os.remove(path)
 
 
-def _count_lost(path: str, lost: Lost) -> None:
+def _count_lost(path: str, lost: Lost | None, sessions_lost: SessionsLost | None) -> None:
     """The in-flight values in a dead worker's file. The file is claimed by renaming it
     first: of two workers answering scrapes at once, one counts it."""
     from prometheus_client.mmap_dict import MmapedDict
@@ -117,8 +129,12 @@ def _count_lost(path: str, lost: Lost) -> None:
         try:
             for key, value, _ in values.read_all_values():  # type: ignore[no-untyped-call]
                 name, _, labels, _ = json.loads(key)
-                if name == IN_FLIGHT and value > 0:
+                if value <= 0:
+                    continue
+                if name == IN_FLIGHT and lost is not None:
                     lost(labels.get("model", ""), labels.get("endpoint", ""), value)
+                elif name == WS_IN_FLIGHT and sessions_lost is not None:
+                    sessions_lost(labels.get("route", ""), value)
         finally:
             values.close()  # type: ignore[no-untyped-call]
     except Exception:  # a file the worker died writing: the scrape goes on without it

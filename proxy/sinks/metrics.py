@@ -881,7 +881,8 @@ class WsMetrics:
             "tunnel ended: from the upgrade request's arrival to the close of both sides, by "
             "route and outcome (who sent the first close frame, who vanished without one, "
             "idle_timeout, shutdown, refused, upstream_unreachable, upstream_timeout (no answer "
-            "to the handshake within --first-byte-timeout), invalid_request_target, error).",
+            "to the handshake within --first-byte-timeout), invalid_request_target, error; "
+            "with --workers, worker_died: counted at the first scrape after its worker died).",
             ("route", "outcome"),
             registry=registry,
         )

@@ -42,6 +42,23 @@ def test_a_dead_workers_requests_in_flight_are_counted_once(tmp_path: Path) -> N
     assert not [name for name in os.listdir(tmp_path) if name.startswith("gauge_live")]
 
 
+def test_a_dead_workers_open_websocket_sessions_are_counted_apart_from_its_requests(
+    tmp_path: Path,
+) -> None:
+    worker = _WORKER + 'metrics.ws.in_flight.labels("/v1/realtime").inc(2)\n'
+    subprocess.run([sys.executable, "-c", worker, str(tmp_path)], check=True)
+    requests: list[tuple[str, str, float]] = []
+    sessions: list[tuple[str, float]] = []
+    for _ in range(2):  # this scrape, and the next
+        drop_dead_workers(
+            str(tmp_path),
+            lambda *found: requests.append(found),
+            lambda *found: sessions.append(found),
+        )
+    assert requests == [("llama", "/v1/chat/completions", 3.0)]
+    assert sessions == [("/v1/realtime", 2.0)]
+
+
 def test_a_file_the_worker_died_writing_is_dropped_and_the_scrape_goes_on(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -192,6 +192,49 @@ def test_a_stream_in_flight_on_a_worker_that_dies_is_counted_lost(
         stop(proxy)
 
 
+@paths("wire", why="only the wire tunnels WebSockets (the ASGI relay refuses them)")
+def test_a_websocket_session_open_on_a_worker_that_dies_is_counted_lost(
+    sim_url: str, tmp_path: Path
+) -> None:
+    """As a stream is (above): a realtime session on a worker killed under it wrote no
+    record, and its in-flight gauge went with the worker. The next scrape counts it as a
+    session that ended `worker_died`, a series exported at 0 from the route's first session."""
+    from websockets.sync.client import connect
+
+    (tmp_path / "prom").mkdir()
+    port = free_port()
+    proxy = spawn(
+        "serve", "--upstream", sim_url, "--port", str(port), "--workers", "2",
+        "--access-log", "off", env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "prom")},
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    sessions = "tokenprobe_websocket_sessions_total"
+    try:
+        wait_http(base + "/healthz")
+        url = f"ws://127.0.0.1:{port}/v1/realtime?model=sim-model"
+        with connect(url, open_timeout=10) as ws:
+            ws.recv(timeout=10)  # session.created: the tunnel is open
+            page = scrape(base)
+            assert page.total("tokenprobe_websocket_sessions_in_flight") == 1
+            assert page.value(sessions, route="/v1/realtime", outcome="worker_died") == 0
+            workers = subprocess.run(["ps", "--ppid", str(proxy.pid), "-o", "pid="],
+                                     capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+            for pid in workers:
+                os.kill(int(pid), signal.SIGKILL)
+            with pytest.raises(Exception):  # noqa: B017 (the connection is cut, any way)
+                ws.recv(timeout=10)
+        wait_http(base + "/healthz")
+        wait_for(base, sessions, 1)
+        page = scrape(base)
+        assert page.value(sessions, route="/v1/realtime", outcome="worker_died") == 1
+        assert (
+            page.total(sessions) == 1 and page.total("tokenprobe_websocket_sessions_in_flight") == 0
+        )
+        assert scrape(base).total(sessions) == 1  # counted once
+    finally:
+        stop(proxy)
+
+
 def test_two_workers_report_exact_totals_on_every_scrape(sim_url: str, tmp_path: object) -> None:
     port = free_port()
     proxy = spawn(
