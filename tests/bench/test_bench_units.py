@@ -164,6 +164,7 @@ def test_endpoint_choices_come_from_the_seams_and_keep_their_names() -> None:
         "cohere": "/cohere/v2/chat",
         "ollama-chat": "/api/chat",
         "ollama-generate": "/api/generate",
+        "llamacpp-completion": "/completion",
         "realtime": "/v1/realtime",
     }
     named = [api.bench_name for api in (*APIS, *WS_APIS) if api.bench_name]

@@ -341,3 +341,31 @@ def test_bench_through_the_proxy_agrees_with_the_servers_timings(
     assert math.isclose(split["engine"], mean, rel_tol=1e-9)
     compare = run["compare"]
     assert compare is not None, done.stdout
+
+
+def test_bench_measures_the_native_completion_as_the_proxy_does(
+    llama: Llama, tmp_path: Path
+) -> None:
+    """`tokenprobe bench --endpoint llamacpp-completion` drives llama.cpp's own
+    /completion: its counts are the server's (`source` engine, every token with
+    ignore_eos), and the proxy's /metrics agree with the bench's figures."""
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "proxy", "bench", "--url", llama.proxy_url,
+         "--endpoint", "llamacpp-completion", "--model", SERVED, "--requests", "4",
+         "--max-tokens", "8", "--out", str(out),
+         "--compare-metrics", llama.proxy_url + "/metrics", "--quiet"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    run = json.loads(out.read_text())
+    records = run["records"]
+    assert len(records) == 4
+    for r in records:
+        assert r["error_type"] is None and r["finish_reason"] == "length"
+        assert (r["output_tokens"], r["token_source"]) == (8, "engine")
+        assert r["engine"]["time_to_first_token"] <= r["ttft"]
+    bench, proxy = run["compare"]["bench"], run["compare"]["proxy"]
+    assert bench["requests"] == proxy["requests"] == 4 and not proxy["errors"]
+    assert bench["output_tokens"] == proxy["output_tokens"] == 32
+    assert bench["prompt_tokens"] == proxy["prompt_tokens"] > 0

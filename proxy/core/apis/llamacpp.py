@@ -46,6 +46,7 @@ class LlamaCompletion(Api):
     # b1-0c1e570: it answers the native events; `/chat/completions` is OpenAI's chat)
     paths = ("/completion", "/completions")
     operation = "text_completion"
+    bench_name = "llamacpp-completion"
     provider: ClassVar[str] = "llama.cpp"
     finish_ends_stream = True  # a stream has no end marker: every prompt's stop ends it
     end_marker = 'a "stop": true event for every prompt'
@@ -54,6 +55,22 @@ class LlamaCompletion(Api):
         "and the TTFT split from the last event's timings; stop_type (limit is length); "
         "in-stream errors"
     )
+
+    def bench_body(
+        self, model: str, prompt: Any, max_tokens: int, ignore_eos: bool
+    ) -> dict[str, Any]:
+        # `model` is ignored by one llama-server and read by the routers in front of
+        # several (llama-swap); ignore_eos is a llama.cpp sampling parameter too.
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": prompt,
+            "n_predict": max_tokens,
+            "temperature": 0,
+            "stream": True,
+        }
+        if ignore_eos:
+            body["ignore_eos"] = True
+        return body
 
     def max_tokens(self, obj: dict[str, Any]) -> object:
         limit = obj.get("n_predict")
