@@ -529,3 +529,15 @@ def test_a_native_completion_answered_whole_gives_its_counts_and_finish() -> Non
     )
     assert (m.stream, m.output_tokens, m.prompt_tokens, m.finish_reason) == (False, 5, 3, "length")
     assert m.token_source is TokenSource.ENGINE and m.ttft is None
+
+
+def test_a_native_completion_of_two_prompts_adds_their_counts_up() -> None:
+    """Real bytes (--parallel 2): `data: null`, then both prompts' events interleaved, each
+    with its index and its own last object; as /v1/completions' batch (test_llamacpp)."""
+    reads = events("llamacpp/native_completion_batch_stream.sse")
+    times = [100.5 + 0.125 * i for i in range(len(reads))]
+    body = orjson.dumps({"prompt": ["hello there", "once upon"], "n_predict": 3, "stream": True})
+    m = run("/completion", body, reads, times, times[-1])
+    assert (m.output_tokens, m.prompt_tokens) == (6, 7)
+    assert (m.finish_reasons, m.error_type, m.malformed_events) == (("length", "length"), None, 0)
+    assert m.engine is not None and m.engine.time_to_first_token == 0.005614  # index 1's: first

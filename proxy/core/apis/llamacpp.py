@@ -20,9 +20,11 @@ server_task_result_cmpl_partial::to_json_non_oaicompat and the final one):
 - An error before the answer is an HTTP status with `{"error": {"code", "message",
   "type"}}`; a stream that fails carries `{"error": ...}`.
 
-A list of prompts streams each with its own `index` and last object: each is a choice,
-and their counts are added up, as on /v1/completions. A non-streamed list is answered as
-a JSON array, whose counts are not read. llama-server's other native routes (/infill,
+A list of prompts streams `data: null`, then every prompt's events interleaved, each
+with its `index` and its own last object: each prompt is a choice, their counts are
+added up, and the TTFT split is the prompt's whose token came first, as on
+/v1/completions (fixture native_completion_batch_stream.sse). A non-streamed list is
+answered as a JSON array, whose counts are not read. llama-server's other native routes (/infill,
 /embedding, /rerank, /tokenize, /props) are forwarded unmeasured.
 """
 
@@ -52,8 +54,8 @@ class LlamaCompletion(Api):
     end_marker = 'a "stop": true event for every prompt'
     measures = (
         "TTFT at the first event with non-empty content; TPOT, ITL, decode speed; tokens "
-        "and the TTFT split from the last event's timings; stop_type (limit is length); "
-        "in-stream errors"
+        "from the last event's tokens_evaluated and tokens_predicted (source engine), the "
+        "TTFT split from its timings; stop_type (limit is length); in-stream errors"
     )
 
     def bench_body(
@@ -82,7 +84,9 @@ class LlamaCompletion(Api):
     def event(self, payload: bytes, collect: bool, identify: bool) -> Facts:
         obj = json_object(payload)
         if obj is None:
-            return MALFORMED
+            # a list of prompts' stream opens with `data: null` (as /v1/completions' does
+            # between its tasks): nothing, not a malformed event
+            return NOTHING if payload == b"null" else MALFORMED
         error = obj.get("error")
         if error is not None:
             return Facts(error=error)
