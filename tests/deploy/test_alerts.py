@@ -6,6 +6,7 @@ under CI=true, where they fail (CI installs it).
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import subprocess
@@ -153,3 +154,103 @@ def test_the_dashboards_page_has_one_row_per_alert() -> None:
         if row.startswith("| `"):
             named |= set(re.findall(r"`(Tokenprobe\w+)`", row.split(" | ", 1)[0]))
     assert named == {a["alert"] for a in rules("alert")}, "add the alert's row, or remove it"
+
+
+# --- Names, thresholds and the pages that describe them ------------------------------
+
+DASHBOARD = ROOT / "grafana" / "dashboards" / "tokenprobe.json"
+#: A label that states the value's unit, not a level it was aggregated to.
+UNIT_LABELS = {"currency"}
+_AGGREGATION = re.compile(r"(?<![\w:])(?:sum|max|min|avg|count)\s*(?:by\s*\(([^)]*)\)\s*)?\(")
+_RECORDED = re.compile(r"(?<![\w:])[a-z][a-z_]*:[a-z0-9_]+:[a-z0-9_]+")
+_REPLACED = re.compile(r'label_replace\(.*?,\s*"(\w+)",\s*"[^"]*",\s*"[^"]*",\s*"[^"]*"\s*\)', re.S)
+
+
+def output_labels(expr: str, levels: dict[str, set[str]]) -> set[str]:
+    """The labels a rule's result keeps: those of the aggregations no other aggregation
+    encloses (`le` is histogram_quantile's), of label_replace, and of the recorded series
+    read outside any aggregation."""
+    labels: set[str] = set()
+    stack: list[bool] = []  # per open parenthesis: does it hold an aggregation's argument
+    i = 0
+    while i < len(expr):
+        inside = any(stack)
+        if aggregation := _AGGREGATION.match(expr, i):
+            if not inside and aggregation[1]:
+                labels |= {label.strip() for label in aggregation[1].split(",")} - {"le"}
+            stack.append(True)
+            i = aggregation.end()
+        elif replaced := _REPLACED.match(expr, i):
+            if not inside:
+                labels.add(replaced[1])
+            stack.append(False)
+            i += len("label_replace(")
+        elif recorded := _RECORDED.match(expr, i):
+            if not inside:
+                labels |= levels[recorded[0]]
+            i = recorded.end()
+        else:
+            if expr[i] == "(":
+                stack.append(False)
+            elif expr[i] == ")":
+                stack.pop()
+            i += 1
+    return labels
+
+
+def test_a_recording_rules_level_names_exactly_the_labels_it_keeps() -> None:
+    """level:metric:operations (https://prometheus.io/docs/practices/rules/): a ratio
+    summed `by (job, model)` is job_model:..., not model:..., or a reader joins it on the
+    wrong labels."""
+    levels: dict[str, set[str]] = {}
+    for rule in rules("record"):
+        name, expr = rule["record"], rule["expr"]
+        kept = output_labels(expr, levels) - UNIT_LABELS
+        level = name.split(":", 1)[0]
+        spelled = {"_".join(order) for order in itertools.permutations(sorted(kept))}
+        assert level in spelled, f"{name} keeps {sorted(kept)}: name it {sorted(spelled)[0]}:..."
+        levels.setdefault(name, kept)
+
+
+def test_recorded_series_the_dashboard_reads_are_recorded() -> None:
+    recorded = {r["record"] for r in rules("record")}
+    read = set(_RECORDED.findall(DASHBOARD.read_text())) - {
+        name for name in _RECORDED.findall(DASHBOARD.read_text()) if name.startswith("vllm:")
+    }
+    assert read and read <= recorded, read - recorded
+
+
+def test_a_panel_that_names_its_alert_turns_red_at_the_alerts_threshold() -> None:
+    """'Context-length errors' turned red at 5% while its alert fires at 2%."""
+    thresholds = {}
+    for alert in rules("alert"):
+        found = {float(v) for v in re.findall(r">\s*([\d.]+)\s*(?:$|\n|and|or)", alert["expr"])}
+        if len(found) == 1:
+            thresholds[alert["alert"]] = found.pop()
+    checked = 0
+    top = json.loads(DASHBOARD.read_text())["panels"]
+    for panel in [*top, *(inner for row in top for inner in row.get("panels", []))]:
+        named = re.search(r"Alert: (Tokenprobe\w+)", panel.get("description", ""))
+        if not named or named[1] not in thresholds:
+            continue
+        config = panel["fieldConfig"]
+        ratios = [config["defaults"]] if config["defaults"].get("unit") == "percentunit" else []
+        for override in config.get("overrides", []):
+            properties = {p["id"]: p["value"] for p in override["properties"]}
+            if properties.get("unit") == "percentunit":
+                ratios.append(properties)
+        assert ratios, f"{panel['title']!r}: no ratio to colour"
+        for ratio in ratios:
+            red = ratio["thresholds"]["steps"][-1]["value"]
+            assert red == thresholds[named[1]], f"{panel['title']!r}: red at {red}, {named[1]}"
+            checked += 1
+    assert checked >= 3
+
+
+def test_the_dashboards_page_describes_every_row() -> None:
+    page = (ROOT / "docs" / "dashboards.md").read_text()
+    shown = page.split("\n## What the dashboard shows", 1)[1].split("\n## ", 1)[0]
+    described = re.findall(r"^- \*\*([^*]+)\*\*", shown, re.M)
+    rows = [p["title"] for p in json.loads(DASHBOARD.read_text())["panels"] if p["type"] == "row"]
+    missing = [row for row in rows if not any(row.startswith(d) for d in described)]
+    assert not missing, f"docs/dashboards.md does not describe the rows {missing}"

@@ -398,3 +398,150 @@ def test_tokenprobe_dashboard_says_what_is_wrong_with_its_input(
     out = subprocess.run(run, cwd=tmp_path, capture_output=True)
     assert out.returncode == 2 and said in out.stderr and b"Traceback" not in out.stderr
     assert (given.read_text() if content is not None else None) == content
+
+
+# --- What the panels draw agrees with what they say ---------------------------------
+
+
+def _stock() -> dict[str, Any]:
+    return load(DASHBOARD_DIR / "tokenprobe.json")
+
+
+def _panel(title: str) -> dict[str, Any]:
+    (panel,) = [p for p in iter_panels(_stock()) if p.get("title") == title]
+    return panel
+
+
+def _seconds(interval: str) -> float:
+    value, unit = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m|h)", interval).groups()  # type: ignore[union-attr]
+    return float(value) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[unit]
+
+
+#: Prometheus scrapes the proxy every 15 s (deploy/prometheus/prometheus*.yml).
+SCRAPE_INTERVAL_S = 15
+
+
+def test_heatmaps_count_each_observation_once() -> None:
+    """A heatmap's cells are one step wide. increase() over a window wider than the step
+    (sum by (le) (increase(x_bucket[$__rate_interval])) at step $__interval) counts each
+    request in every cell whose window holds it: 4 cells at a 1 h range. Either the window
+    is the step ($__interval, at least two scrapes wide), or the cells are a rate per
+    second and say so."""
+    heatmaps = [p for p in iter_panels(_stock()) if p["type"] == "heatmap"]
+    assert heatmaps
+    for panel in heatmaps:
+        for target in panel["targets"]:
+            expr = target["expr"]
+            for window in re.findall(r"\bincrease\([^\[]*\[([^\]]+)\]", expr):
+                assert window == "$__interval", f"{panel['title']!r}: increase over [{window}]"
+                minimum = panel.get("interval", "")
+                assert minimum and _seconds(minimum) >= 2 * SCRAPE_INTERVAL_S, panel["title"]
+            if re.search(r"\brate\(", expr):
+                unit = panel["options"].get("cellValues", {}).get("unit")
+                assert unit in {"reqps", "ops"}, f"{panel['title']!r}: cells are a rate, {unit}"
+                assert "per second" in panel["description"], panel["title"]
+
+
+def test_quantiles_named_are_the_quantiles_drawn() -> None:
+    """A panel that says p50/p95/p99 draws those three, no more, no fewer."""
+    checked = 0
+    for panel in iter_panels(_stock()):
+        exprs = " ".join(t["expr"] for t in panel.get("targets", []))
+        drawn = {
+            str(round(float(q) * 100)) for q in re.findall(r"histogram_quantile\(([\d.]+)", exprs)
+        }
+        named = set(re.findall(r"\bp(\d\d)\b", f"{panel['title']} {panel.get('description')}"))
+        if drawn and named:
+            assert named == drawn, f"{panel['title']!r}: says p{sorted(named)}, draws {drawn}"
+            checked += 1
+    assert checked >= 10
+
+
+def test_the_token_source_panel_names_every_source() -> None:
+    from proxy.core.measurement import TokenSource
+
+    description = _panel("Where token counts come from")["description"]
+    for source in TokenSource:
+        if source is not TokenSource.NONE:  # no tokens to count
+            assert f"{source.value}:" in description, source.value
+
+
+def test_the_missed_target_panel_names_every_slo_target_in_order() -> None:
+    from proxy.core.slo import NAMES
+
+    description = _panel("Which target is missed most")["description"]
+    assert f"in the order {', '.join(NAMES)}" in description
+
+
+def test_panels_whose_queries_ignore_the_model_filter_say_so() -> None:
+    # The Conversations row's per-conversation histograms have no model label.
+    for panel in iter_panels(_stock()):
+        if panel["type"] == "row":
+            continue
+        if not any("$model" in t["expr"] for t in panel["targets"]):
+            said = re.search(
+                r"model (?:and endpoint )?filters? do(?:es)? not apply", panel["description"]
+            )
+            assert said, f"{panel['title']!r}: say that the model filter does not apply"
+
+
+def test_request_ratios_show_no_nan_when_idle() -> None:
+    """A ratio over requests with no requests in its window is 0/0 = NaN: a stat panel
+    shows "NaN", a graph a broken line. Keep the denominator only above 0."""
+    checked = 0
+    for panel, target in iter_targets(_stock()):
+        parts = re.split(r"\)\s*/\s*(?=\(?\s*sum)", target["expr"])
+        if len(parts) < 2 or "requests_total" not in parts[-1]:
+            continue
+        assert re.search(r"\)\s*>\s*0\s*\)\s*$", parts[-1]), f"{panel['title']!r} {target['refId']}"
+        checked += 1
+    assert checked >= 6
+
+
+def test_the_decode_speed_heatmap_counts_one_request_once(tmp_path: Path) -> None:
+    """One request at 25 tokens/s, observed between two scrapes: the cells of its bucket
+    over time hold one request in all (a rate's cells times their width). The increase()
+    over $__rate_interval it drew held 4, one in each cell whose window reached it."""
+    promtool = require_binary("promtool")
+    panel = _panel("Decode speed per request (tokens/s)")
+    (target,) = panel["targets"]
+    step = _seconds(BUILTIN_VARIABLES["__interval"])
+    per_second = panel["options"]["cellValues"]["unit"] == "reqps"
+    cells = f"(({substitute(target['expr'])}){f' * {step:g}' if per_second else ''})"
+    metric = "tokenprobe_request_decode_tokens_per_second_bucket"
+    labels = 'model="m", endpoint="/v1/chat/completions"'
+    test = {
+        "rule_files": ["empty.yaml"],
+        "evaluation_interval": "15s",
+        "tests": [
+            {
+                "interval": "15s",  # the scrape interval: the request is seen at the 5m scrape
+                "input_series": [
+                    {"series": f'{metric}{{{labels}, le="20.0"}}', "values": "0x40"},
+                    {"series": f'{metric}{{{labels}, le="30.0"}}', "values": "0x19 1x20"},
+                    {"series": f'{metric}{{{labels}, le="+Inf"}}', "values": "0x19 1x20"},
+                ],
+                "promql_expr_test": [
+                    {
+                        "expr": f"sum_over_time({cells}[10m:{step:g}s])",
+                        "eval_time": "10m",
+                        "exp_samples": [
+                            {"labels": '{le="20.0"}', "value": 0},
+                            {"labels": '{le="30.0"}', "value": 1},
+                            {"labels": '{le="+Inf"}', "value": 1},
+                        ],
+                    }
+                ],
+            }
+        ],
+    }
+    (tmp_path / "empty.yaml").write_text("groups: []\n")
+    (tmp_path / "heatmap.test.yaml").write_text(yaml.safe_dump(test))
+    result = subprocess.run(
+        [promtool, "test", "rules", "heatmap.test.yaml"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
