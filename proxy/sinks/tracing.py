@@ -5,7 +5,9 @@ named `{operation} {model}`, `gen_ai.*` attributes; pinned in proxy/sinks/semcon
 open-telemetry/semantic-conventions-genai docs/gen-ai/client-inference.md at ac48b1f9)
 and adds the proxy's own measurements as `tokenprobe.*`
 attributes (seconds) and two events, `first_byte` and `first_token`, at their instants.
-No event per chunk. Prompt text only with `trace_content`; header values never, except
+The request's sampling options (gen_ai.request.*) are set at the span's start, from
+RequestInfo. No event per chunk. Prompt text (gen_ai.input.messages,
+gen_ai.system_instructions) only with `trace_content`; header values never, except
 the W3C `traceparent`/`tracestate` a client sends, which the span joins.
 
 Off by default: `tracing_from_env` returns None unless the standard OTEL_* variables ask
@@ -36,6 +38,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from prometheus_client import CollectorRegistry
 
 from proxy.core.apis import RequestInfo, api_of
+from proxy.core.apis.base import gen_ai_message
 from proxy.core.conversations import MAX_RESPONSE_ID
 from proxy.core.errors import shown_model
 from proxy.core.measurement import NONE_LABEL, Measurement, TokenSource
@@ -97,14 +100,15 @@ class Tracing:
             attributes["gen_ai.request.max_tokens"] = info.max_tokens
         if info.temperature is not None:
             attributes["gen_ai.request.temperature"] = info.temperature
+        attributes.update(_request_options(info))
         previous = info.previous_response_id
         if previous and self.names.current and len(previous) <= MAX_RESPONSE_ID:
             # The Responses API's previous_response_id: an id the backend gave out, no
             # secret (semantic-conventions-genai docs/gen-ai/client-inference.md at
             # ac48b1f9, Recommended). Longer than any backend's ids: not traced.
             attributes["gen_ai.request.previous_response.id"] = previous
-        if self.trace_content and (messages := api.input_messages(info.prompt)) is not None:
-            attributes["gen_ai.input.messages"] = orjson.dumps(messages).decode()
+        if self.trace_content:
+            attributes.update(_content(info, api.input_messages(info.prompt)))
         span = self.tracer.start_span(
             f"{operation} {model}" if model else operation,
             context=parent,
@@ -146,6 +150,49 @@ class Tracing:
     def shutdown(self) -> None:
         """Export what is queued (bounded by the exporter's timeout) and stop. Blocking."""
         self.provider.shutdown()
+
+
+def _request_options(info: RequestInfo) -> dict[str, Any]:
+    """The request's sampling and output options it names, as the span's attributes
+    (semantic-conventions-genai docs/gen-ai/client-inference.md @ 024a4f94: seed,
+    choice.count "if available, in the request, and !=1", top_k and output.type
+    Conditionally Required, the rest Recommended; docs/gen-ai/client-embeddings.md @
+    88eccb15: encoding_formats and dimension.count Recommended)."""
+    o = info.options
+    if o is None:
+        return {}
+    options = {
+        "gen_ai.request.seed": o.seed,
+        "gen_ai.request.choice.count": o.choices if o.choices != 1 else None,
+        "gen_ai.request.top_p": o.top_p,
+        "gen_ai.request.top_k": o.top_k,
+        "gen_ai.request.frequency_penalty": o.frequency_penalty,
+        "gen_ai.request.presence_penalty": o.presence_penalty,
+        "gen_ai.request.stop_sequences": o.stop_sequences,
+        "gen_ai.output.type": o.output_type,
+        "gen_ai.request.encoding_formats": o.encoding_formats,
+        "gen_ai.embeddings.dimension.count": o.dimensions,
+    }
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def _content(info: RequestInfo, messages: list[dict[str, Any]] | None) -> dict[str, str]:
+    """The prompt as gen_ai.input.messages, and the system instructions a request supplies
+    apart from its messages (Anthropic `system`, Responses `instructions`) as
+    gen_ai.system_instructions, which "SHOULD be used when the corresponding provider or
+    API allows to provide system instructions or messages separately from the chat
+    history" (docs/gen-ai/client-inference.md @ 024a4f94, note 38). RequestInfo.prompt
+    begins with them as a system message wherever it had messages to put them before (for
+    the tokenizer and the conversation fingerprint): that message is left out here."""
+    attributes: dict[str, str] = {}
+    if info.system is not None:
+        parts = gen_ai_message({"content": info.system})["parts"]
+        attributes["gen_ai.system_instructions"] = orjson.dumps(parts).decode()
+        if messages and messages[0]["role"] == "system":
+            messages = messages[1:]
+    if messages is not None:
+        attributes["gen_ai.input.messages"] = orjson.dumps(messages).decode()
+    return attributes
 
 
 def _finish_attributes(m: Measurement, *, current: bool = True) -> dict[str, Any]:

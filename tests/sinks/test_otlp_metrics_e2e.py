@@ -199,6 +199,12 @@ def check_conventions(
     (failed,) = [p for p in found if p.metric == duration and "error.type" in p.attributes]
     assert failed.attributes["error.type"] == "not_found"
     assert failed.attributes["gen_ai.request.model"] == "other"  # bounded like the label
+    if not previous:  # the failure's per-request token points: 0, with its error.type
+        for kind in ("input", "output"):
+            metric = f"gen_ai.client.inference.operation.{kind}_tokens"
+            (point,) = [p for p in found if p.metric == metric and "error.type" in p.attributes]
+            assert (point.count, point.sum) == (1, 0)
+            assert point.attributes["error.type"] == "not_found"
     if previous:
         assert {p.attributes["gen_ai.token.type"] for p in found if p.metric == usage} == {
             "input",
@@ -242,6 +248,46 @@ def test_genai_metrics_over_otlp_grpc(sim: Running) -> None:
     check_against_prometheus(found, prom)
     check_conventions(found, sim)
     assert SECRET.encode() not in b"".join(receiver.metrics.raw)
+
+
+def test_embeddings_arrive_as_embeddings_metrics_without_output(sim: Running) -> None:
+    """gen_ai.operation.name "embeddings": gen_ai.client.embeddings.duration and
+    .operation.input_tokens (semantic-conventions-genai docs/gen-ai/client-embeddings.md @
+    88eccb15, which defines no output metric), none of the inference histograms, no output
+    counter; a chat beside it keeps the inference names."""
+    receiver = OtlpReceiver()
+    with serve(receiver) as collector:
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": collector.url}
+        with tokenprobe(sim.url, env) as base, httpx.Client(base_url=base, timeout=30) as client:
+            body = {"model": MODEL, "input": "hello world", "encoding_format": "float"}
+            assert client.post("/v1/embeddings", json=body).status_code == 200
+            chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+            assert client.post("/v1/chat/completions", json=chat).status_code == 200
+            prom = scrape(base).totals()
+
+            def both(requests: list[Any]) -> bool:
+                found = points(requests[-1]) if requests else []
+                return (
+                    total(found, "gen_ai.client.embeddings.duration") == 1 == total(found, GENAI[0])
+                )
+
+            found = latest(receiver.metrics.wait_for(both))
+    embeddings = {p.metric for p in found if p.attributes.get("gen_ai.operation.name") ==
+                  "embeddings" and p.metric.startswith("gen_ai.")}  # fmt: skip
+    assert embeddings == {
+        "gen_ai.client.embeddings.duration",
+        "gen_ai.client.embeddings.operation.input_tokens",
+        "gen_ai.client.inference.usage.input_tokens",  # the token total, one counter
+    }
+    (tokens,) = [p for p in found if p.metric == "gen_ai.client.embeddings.operation.input_tokens"]
+    assert tokens.unit == "{token}" and tokens.explicit_bounds == TOKEN_BUCKETS
+    assert tokens.count == 1 and tokens.sum > 0
+    (duration,) = [p for p in found if p.metric == "gen_ai.client.embeddings.duration"]
+    assert duration.unit == "s" and duration.explicit_bounds == DURATION_BUCKETS
+    assert duration.sum == pytest.approx(
+        prom["tokenprobe_e2e_request_latency_seconds_sum"] - total(found, GENAI[0], "sum"),
+        abs=1e-6,
+    )
 
 
 def test_delta_temporality_exports_each_interval_once(sim: Running) -> None:

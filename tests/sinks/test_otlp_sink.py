@@ -152,8 +152,9 @@ def test_buckets_counts_and_sums_equal_prometheus_for_the_same_records(name_set:
         assert counter.is_monotonic and sum(p.value for p in counter.data_points) == output
         # Every request counted, the failure with 0; tokens not split by modality.
         assert {p.attributes["gen_ai.token.modality"] for p in counter.data_points} == {"unknown"}
+        # Per request, the failure too (with 0 and its error.type); not split by modality.
         per_request = metrics["gen_ai.client.inference.operation.output_tokens"].data.data_points
-        assert sum(p.count for p in per_request) == 3 and sum(p.sum for p in per_request) == output
+        assert sum(p.count for p in per_request) == 4 and sum(p.sum for p in per_request) == output
         assert "gen_ai.token.modality" not in per_request[0].attributes
         inputs = metrics["gen_ai.client.inference.usage.input_tokens"].data.data_points
         assert sum(p.value for p in inputs) == 12 * 4
@@ -344,3 +345,82 @@ def test_a_websocket_session_s_records_and_in_flight_utterances_are_exported() -
     for point in (flying, duration):
         assert point.attributes["gen_ai.operation.name"] == "transcription"
         assert point.attributes["gen_ai.provider.name"] == "openai"
+
+
+def test_a_failed_request_without_usage_is_a_per_request_point_of_zero() -> None:
+    """The per-request token histograms take every inference operation, failed ones
+    included, "or `0` if the response was not received or did not contain token usage"
+    (semantic-conventions-genai docs/gen-ai/gen-ai-token-metrics.md @ 066d4a7f), with
+    error.type; a count of content chunks stays out (no token count)."""
+    otlp = sink(Collecting(), CollectorRegistry())
+    failed = measurement(
+        error_type=ErrorType.UPSTREAM_UNREACHABLE,
+        status_code=502,
+        prompt_tokens=None,
+        output_tokens=None,
+        token_source=TokenSource.NONE,
+        ttft=None,
+        inter_token_latencies=(),
+    )
+    chunks = measurement(token_source=TokenSource.CHUNKS, prompt_tokens=None, output_tokens=30)
+    for m in (failed, chunks):
+        otlp.record(m, Labels("sim-model"))
+    metrics = by_name(otlp.collect())  # type: ignore[arg-type]
+    for name in ("input_tokens", "output_tokens"):
+        (point,) = metrics[f"gen_ai.client.inference.operation.{name}"].data.data_points
+        assert (point.count, point.sum) == (1, 0), name
+        assert point.attributes["error.type"] == "upstream_unreachable"
+
+
+def embedding(**changes: Any) -> Any:
+    fields: dict[str, Any] = {
+        "endpoint": "/v1/embeddings",
+        "stream": False,
+        "stream_requested": False,
+        "ttft": None,
+        "tpot": None,
+        "decode_tokens_per_second": None,
+        "inter_token_latencies": (),
+        "prompt_tokens": 3,
+        "output_tokens": None,
+        "content_events": 0,
+        "finish_reason": "none",
+        "raw_finish_reason": None,
+    }
+    return measurement(**{**fields, **changes})
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/embeddings", "/pooling", "/api/embed"])
+def test_embeddings_have_the_embeddings_instruments_and_no_output(endpoint: str) -> None:
+    """gen_ai.operation.name "embeddings" (OpenAI's, vLLM's /pooling, Ollama's /api/embed):
+    gen_ai.client.embeddings.duration and .operation.input_tokens, no output metric
+    (docs/gen-ai/client-embeddings.md @ 88eccb15); the inference ones stay the inference's."""
+    otlp = sink(Collecting(), CollectorRegistry())
+    otlp.record(embedding(endpoint=endpoint), Labels("sim-model"))
+    otlp.record(embedding(endpoint=endpoint, e2e=0.5, error_type=ErrorType.UPSTREAM_ERROR,
+                          status_code=500, prompt_tokens=None), Labels("sim-model"))  # fmt: skip
+    metrics = by_name(otlp.collect())  # type: ignore[arg-type]
+    duration = metrics["gen_ai.client.embeddings.duration"]
+    assert duration.unit == "s" and list(duration.data.data_points[0].explicit_bounds) == list(
+        DURATION_BUCKETS
+    )
+    assert sum(p.count for p in duration.data.data_points) == 2
+    (failed,) = [p for p in duration.data.data_points if "error.type" in p.attributes]
+    assert failed.attributes["gen_ai.operation.name"] == "embeddings"
+    (tokens,) = metrics["gen_ai.client.embeddings.operation.input_tokens"].data.data_points
+    assert metrics["gen_ai.client.embeddings.operation.input_tokens"].unit == "{token}"
+    assert (tokens.count, tokens.sum) == (1, 3)  # only where the count is known
+    assert not [n for n in metrics if n.startswith("gen_ai.client.inference.") and
+                n != "gen_ai.client.inference.usage.input_tokens"]  # fmt: skip
+
+
+def test_non_generative_operations_count_no_output_tokens() -> None:
+    """Score, rerank, classify: no convention of their own, so the inference names, but no
+    output-token counter or histogram (they generate nothing)."""
+    otlp = sink(Collecting(), CollectorRegistry())
+    otlp.record(embedding(endpoint="/rerank"), Labels("sim-model"))
+    metrics = by_name(otlp.collect())  # type: ignore[arg-type]
+    assert "gen_ai.client.inference.duration" in metrics
+    assert "gen_ai.client.inference.operation.input_tokens" in metrics
+    assert "gen_ai.client.inference.usage.output_tokens" not in metrics
+    assert "gen_ai.client.inference.operation.output_tokens" not in metrics

@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import orjson
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
@@ -15,6 +16,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, TraceIdRat
 from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client import CollectorRegistry
 
+from proxy.core.apis import api_of
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
 from proxy.core.request import CHAT, COMPLETIONS, RequestInfo
 from proxy.core.upstream_url import UpstreamURL
@@ -565,3 +567,133 @@ def test_spans_and_otlp_name_the_server_as_the_data_paths_reach_it(
     tracing.shutdown()
     attributes = span.attributes or {}
     assert (attributes["server.address"], attributes["server.port"]) == (address, port)
+
+
+# -- the request's options and content, read by each seam ------------------------------------
+
+
+def read(endpoint: str, body: dict[str, Any]) -> RequestInfo:
+    return api_of(endpoint).read_request({"model": "sim-model", **body})
+
+
+def started(tracing: Tracing, exporter: InMemorySpanExporter, request: RequestInfo) -> Any:
+    span, _, _ = traced(tracing, exporter, request, record(endpoint=request.endpoint))
+    return span.attributes or {}
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "want"),
+    [
+        (CHAT, {"messages": [], "seed": "7", "n": 2, "top_p": 0.9, "top_k": 40,
+                "frequency_penalty": 0.5, "presence_penalty": -0.5, "stop": "END",
+                "response_format": {"type": "json_schema", "json_schema": {}}},
+         {"seed": 7, "choice.count": 2, "top_p": 0.9, "top_k": 40, "frequency_penalty": 0.5,
+          "presence_penalty": -0.5, "stop_sequences": ("END",), "output.type": "json"}),
+        (COMPLETIONS, {"prompt": "x", "n": 1, "stop": ["a", "b"],
+                       "response_format": {"type": "text"}},
+         {"stop_sequences": ("a", "b"), "output.type": "text"}),  # n 1: no choice.count
+        # Anthropic's names; its API has no seed, n, penalties or response_format
+        ("/v1/messages", {"messages": [], "stop_sequences": ["\n\nHuman:"], "top_k": 5,
+                          "top_p": 0.5, "seed": 3, "n": 2, "stop": ["x"]},
+         {"stop_sequences": ("\n\nHuman:",), "top_k": 5, "top_p": 0.5}),
+        # Responses: text.format, and no `n`
+        ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_object"}},
+                           "top_p": 0.25, "seed": 9, "n": 3},
+         {"output.type": "json", "top_p": 0.25, "seed": 9}),
+        ("/v1/embeddings", {"input": "hi", "encoding_format": "base64", "dimensions": 256,
+                            "seed": 1},
+         {"encoding_formats": ("base64",), "dimension.count": 256}),
+        (CHAT, {"messages": [], "seed": "x", "top_p": "nan", "stop": [1]}, {}),  # refused
+    ],
+)  # fmt: skip
+def test_the_request_s_sampling_and_output_options_are_span_attributes(
+    tracing: Tracing, exporter: InMemorySpanExporter, endpoint: str, body: Any, want: Any
+) -> None:
+    attributes = started(tracing, exporter, read(endpoint, body))
+    options = ("seed", "choice.count", "top_p", "top_k", "frequency_penalty", "presence_penalty",
+               "stop_sequences", "encoding_formats")  # fmt: skip
+    names = [f"gen_ai.request.{o}" for o in options]
+    names += ["gen_ai.output.type", "gen_ai.embeddings.dimension.count"]
+    got = {n.removeprefix("gen_ai.request.").removeprefix("gen_ai.").removeprefix(
+        "embeddings."): attributes[n] for n in names if n in attributes}  # fmt: skip
+    assert got == want
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body"),
+    [
+        ("/v1/messages", {"system": "be brief", "messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/messages", {"system": [{"type": "text", "text": "be brief"}],
+                          "messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/responses", {"instructions": "be brief", "input": "hi"}),
+    ],
+)  # fmt: skip
+def test_separate_system_instructions_are_system_instructions_not_a_message(
+    exporter: InMemorySpanExporter, endpoint: str, body: Any
+) -> None:
+    """Anthropic `system` and Responses `instructions` are gen_ai.system_instructions
+    (docs/gen-ai/client-inference.md @ 024a4f94, note 38); the prompt the tokenizer and the
+    fingerprint read still begins with them."""
+    tracing = Tracing([SimpleSpanProcessor(exporter)], upstream=UPSTREAM, trace_content=True)
+    request = read(endpoint, body)
+    assert request.prompt[0] == {"role": "system", "content": "be brief"}
+    attributes = started(tracing, exporter, request)
+    assert attributes["gen_ai.system_instructions"] == '[{"type":"text","content":"be brief"}]'
+    assert attributes["gen_ai.input.messages"] == (
+        '[{"role":"user","parts":[{"type":"text","content":"hi"}]}]'
+    )
+
+
+def test_system_instructions_are_content_and_not_traced_by_default(
+    tracing: Tracing, exporter: InMemorySpanExporter
+) -> None:
+    request = read("/v1/messages", {"system": "purple", "messages": []})
+    attributes = started(tracing, exporter, request)
+    assert "gen_ai.system_instructions" not in attributes
+    assert "purple" not in str(attributes)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "want"),
+    [
+        (CHAT, {"messages": [
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "rainy"}]},
+         [{"role": "assistant", "parts": [{"type": "tool_call", "id": "call_1",
+                                           "name": "get_weather",
+                                           "arguments": '{"city":"Paris"}'}]},
+          {"role": "tool", "parts": [{"type": "tool_call_response", "id": "call_1",
+                                      "response": "rainy"}]}]),
+        ("/v1/messages", {"messages": [
+            {"role": "assistant", "content": [
+                {"type": "text", "text": "let me look"},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                 "input": {"city": "Paris"}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1",
+                 "content": [{"type": "text", "text": "rainy"}]}]}]},
+         [{"role": "assistant", "parts": [{"type": "text", "content": "let me look"},
+                                          {"type": "tool_call", "id": "toolu_1",
+                                           "name": "get_weather",
+                                           "arguments": {"city": "Paris"}}]},
+          {"role": "user", "parts": [{"type": "tool_call_response", "id": "toolu_1",
+                                      "response": "rainy"}]}]),
+        ("/v1/responses", {"input": [
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "done"}]},
+         [{"role": "assistant", "parts": [{"type": "tool_call", "id": "c1", "name": "f",
+                                           "arguments": "{}"}]},
+          {"role": "tool", "parts": [{"type": "tool_call_response", "id": "c1",
+                                      "response": "done"}]}]),
+    ],
+)  # fmt: skip
+def test_tool_calls_and_their_results_are_input_message_parts(
+    exporter: InMemorySpanExporter, endpoint: str, body: Any, want: Any
+) -> None:
+    """gen-ai-input-messages.json @ b49cb9d3: ToolCallRequestPart {type tool_call, id, name,
+    arguments}, ToolCallResponsePart {type tool_call_response, id, response}."""
+    tracing = Tracing([SimpleSpanProcessor(exporter)], upstream=UPSTREAM, trace_content=True)
+    attributes = started(tracing, exporter, read(endpoint, body))
+    assert orjson.loads(attributes["gen_ai.input.messages"]) == want

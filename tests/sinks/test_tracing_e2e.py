@@ -96,6 +96,29 @@ def test_streamed_request_exports_one_genai_client_span(sim: Running, traced_pro
     assert abs(ttft_ns / 1e9 - attributes["tokenprobe.time_to_first_token"]) < 1e-6
 
 
+def test_the_request_s_sampling_options_reach_the_span_at_its_start(
+    traced_proxy: Traced,
+) -> None:
+    """seed, choice.count (n != 1), top_p, top_k, penalties, stop sequences and output
+    type, as the client sent them (docs/gen-ai/client-inference.md @ 024a4f94)."""
+    options = {
+        "seed": 42, "n": 2, "top_p": 0.9, "top_k": 20, "frequency_penalty": 0.1,
+        "presence_penalty": 0.2, "stop": ["\n\n"], "response_format": {"type": "json_object"},
+    }  # fmt: skip
+    response = httpx.post(traced_proxy.url + "/v1/chat/completions", json=chat(**options))
+    assert response.status_code == 200
+    (span,) = traced_proxy.receiver.wait_for()
+    attributes = span.attributes
+    assert attributes["gen_ai.request.seed"] == 42
+    assert attributes["gen_ai.request.choice.count"] == 2
+    assert attributes["gen_ai.request.top_p"] == 0.9
+    assert attributes["gen_ai.request.top_k"] == 20
+    assert attributes["gen_ai.request.frequency_penalty"] == 0.1
+    assert attributes["gen_ai.request.presence_penalty"] == 0.2
+    assert attributes["gen_ai.request.stop_sequences"] == ("\n\n",)
+    assert attributes["gen_ai.output.type"] == "json"
+
+
 def test_client_traceparent_joins_the_trace_and_upstream_sees_the_proxy_span(
     sim: Running, traced_proxy: Traced
 ) -> None:

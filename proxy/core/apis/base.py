@@ -67,6 +67,31 @@ class RequestInfo:
     #: The prompt's message digests once taken (proxy/core/fingerprint.py `chain_of`), so
     #: the record's prefix reuses the conversation table's hashing of the same messages.
     digests: Any = field(default=None, compare=False, repr=False)
+    #: The sampling and output options the request names (the span's gen_ai.request.*
+    #: attributes), None when it names none.
+    options: RequestOptions | None = None
+    #: The system instructions the request supplies apart from its messages (Anthropic
+    #: `system`, Responses `instructions`), as sent. `prompt` begins with them as a system
+    #: message (what a tokenizer counts and the fingerprint hashes); the span has them as
+    #: gen_ai.system_instructions instead.
+    system: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOptions:
+    """A request's sampling and output options, read laxly as max_tokens and temperature
+    are (None: not in the request, or no value vLLM takes)."""
+
+    seed: int | None = None
+    choices: int | None = None  # `n`: the candidate completions asked for
+    top_p: float | None = None
+    top_k: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    stop_sequences: tuple[str, ...] | None = None
+    output_type: str | None = None  # gen_ai.output.type: "json" or "text"
+    encoding_formats: tuple[str, ...] | None = None  # embeddings: the formats asked for
+    dimensions: int | None = None  # embeddings: the output dimensions asked for
 
 
 @dataclass(slots=True)
@@ -190,19 +215,15 @@ class Api:
         return json_object(body)
 
     def read_request(self, obj: dict[str, Any]) -> RequestInfo:
-        model = obj.get("model")
-        temperature = lax_float(obj.get("temperature"))  # as vLLM reads them: "16" is 16
-        max_tokens = lax_int(self.max_tokens(obj))
-        return RequestInfo(
-            endpoint=self.endpoint,
-            model=model if isinstance(model, str) else "",
-            stream=lax_bool(obj.get("stream")) is True,  # as vLLM reads it: "true" streams
-            usage_requested=self.usage_requested(obj),
-            max_tokens=max_tokens,
-            temperature=temperature if temperature is None or math.isfinite(temperature) else None,
-            prompt=self.prompt(obj),
-            template=self.template(obj),
-        )
+        """The request as RequestInfo; a generative API's options by their chat and
+        completions names (vLLM's ChatCompletionRequest and CompletionRequest), a
+        non-generative one's encoding_format and dimensions. An API whose names differ
+        reads them itself and calls `request_info`."""
+        if self.generative:
+            options = sampling_options(obj, output=obj.get("response_format"))
+        else:
+            options = embedding_options(obj)
+        return request_info(self, obj, options)
 
     def template(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         """The request's chat template options (RequestInfo.template), None without any."""
@@ -310,19 +331,176 @@ class Api:
         return prompt if type(prompt) is int else None, cached if type(cached) is int else None
 
 
+def request_info(
+    api: Api,
+    obj: dict[str, Any],
+    options: RequestOptions | None,
+    system: Any = None,
+    previous_response_id: str | None = None,
+) -> RequestInfo:
+    """`Api.read_request`'s RequestInfo, with the options, system instructions and previous
+    response an API reads its own way (one construction: `dataclasses.replace` costs
+    microseconds)."""
+    model = obj.get("model")
+    return RequestInfo(
+        endpoint=api.endpoint,
+        model=model if isinstance(model, str) else "",
+        stream=lax_bool(obj.get("stream")) is True,  # as vLLM reads it: "true" streams
+        usage_requested=api.usage_requested(obj),
+        max_tokens=lax_int(api.max_tokens(obj)),  # as vLLM reads them: "16" is 16
+        temperature=_finite(obj.get("temperature")),
+        prompt=api.prompt(obj),
+        template=api.template(obj),
+        previous_response_id=previous_response_id,
+        options=options,
+        system=system,
+    )
+
+
 def gen_ai_message(item: dict[str, Any]) -> dict[str, Any]:
-    """One chat-like message ({"role", "content"}) as a GenAI {"role", "parts"} message."""
+    """One chat-like message ({"role", "content"}) as a GenAI {"role", "parts"} message.
+
+    Tool calls and their results become the schema's `tool_call` {id, name, arguments} and
+    `tool_call_response` {id, response} parts (semantic-conventions-genai
+    docs/gen-ai/gen-ai-input-messages.json @ b49cb9d3, ToolCallRequestPart and
+    ToolCallResponsePart), from each shape: an OpenAI assistant message's `tool_calls` and a
+    `tool` message's `tool_call_id`; Anthropic `tool_use` and `tool_result` blocks;
+    Responses `function_call` and `function_call_output` items. Arguments as sent."""
+    kind = item.get("type")
+    if kind == "function_call":  # a Responses input item, no role
+        call = {"type": "tool_call", "id": item.get("call_id"), "name": item.get("name")}
+        return {"role": "assistant", "parts": [{**call, "arguments": item.get("arguments")}]}
+    if kind == "function_call_output":
+        response = {"type": "tool_call_response", "id": item.get("call_id")}
+        return {"role": "tool", "parts": [{**response, "response": item.get("output")}]}
     content = item.get("content")
+    role = str(item.get("role", "user"))
     parts: list[dict[str, Any]] = []
+    if role == "tool":
+        response = {"type": "tool_call_response", "id": item.get("tool_call_id")}
+        return {"role": role, "parts": [{**response, "response": _text(content)}]}
     if isinstance(content, str):
         parts.append({"type": "text", "content": content})
     elif isinstance(content, list):
         for part in content:
-            if isinstance(part, dict) and part.get("type") == "text":
+            if not isinstance(part, dict):
+                continue
+            kind = part.get("type")
+            if kind == "text":
                 parts.append({"type": "text", "content": part.get("text", "")})
-            elif isinstance(part, dict):
-                parts.append({"type": str(part.get("type", "unknown"))})  # no media payloads
-    return {"role": str(item.get("role", "user")), "parts": parts}
+            elif kind == "tool_use":
+                call = {"type": "tool_call", "id": part.get("id"), "name": part.get("name")}
+                parts.append({**call, "arguments": part.get("input")})
+            elif kind == "tool_result":
+                response = {"type": "tool_call_response", "id": part.get("tool_use_id")}
+                parts.append({**response, "response": _text(part.get("content"))})
+            else:
+                parts.append({"type": str(kind or "unknown")})  # no media payloads
+    calls = item.get("tool_calls")
+    if isinstance(calls, list):
+        for call in calls:
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict):
+                part = {"type": "tool_call", "id": call.get("id"), "name": function.get("name")}
+                parts.append({**part, "arguments": function.get("arguments")})
+    return {"role": role, "parts": parts}
+
+
+def _text(content: object) -> object:
+    """A tool result's content: a text as it is, a list of parts as their texts joined (no
+    media payloads)."""
+    if not isinstance(content, list):
+        return content
+    return "".join(
+        p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+    )
+
+
+def _finite(value: object) -> float | None:
+    number = lax_float(value)
+    return number if number is None or math.isfinite(number) else None
+
+
+#: Every name `sampling_options` reads, of every API.
+_SAMPLING = frozenset(
+    {"seed", "n", "top_p", "top_k", "frequency_penalty", "presence_penalty", "stop",
+     "stop_sequences"}
+)  # fmt: skip
+
+
+def sampling_options(
+    obj: dict[str, Any],
+    *,
+    output: object,
+    stop: str = "stop",
+    choices: bool = True,
+    seed: bool = True,
+    penalties: bool = True,
+) -> RequestOptions | None:
+    """The sampling options a request names, by chat's names (seed, n, top_p, top_k,
+    frequency_penalty, presence_penalty, stop) less those its API lacks, and the output
+    type of its response format `output`; None when it names none (a few look-ups)."""
+    if output is None and _SAMPLING.isdisjoint(obj):  # most requests: one pass over its keys
+        return None
+    get = obj.get
+    values = (
+        get("seed") if seed else None,
+        get("n") if choices else None,
+        get("top_p"),
+        get("top_k"),
+        get("frequency_penalty") if penalties else None,
+        get("presence_penalty") if penalties else None,
+        get(stop),
+        output,
+    )
+    if values.count(None) == len(values):
+        return None
+    return RequestOptions(
+        seed=lax_int(values[0]),
+        choices=lax_int(values[1]),
+        top_p=_finite(values[2]),
+        top_k=lax_int(values[3]),
+        frequency_penalty=_finite(values[4]),
+        presence_penalty=_finite(values[5]),
+        stop_sequences=stop_sequences(values[6]),
+        output_type=output_type(output),
+    )
+
+
+def embedding_options(obj: dict[str, Any]) -> RequestOptions | None:
+    """An embeddings request's encoding_format and dimensions, None without either."""
+    formats, dimensions = obj.get("encoding_format"), obj.get("dimensions")
+    if formats is None and dimensions is None:
+        return None
+    return RequestOptions(
+        encoding_formats=(formats,) if isinstance(formats, str) else None,
+        dimensions=lax_int(dimensions),
+    )
+
+
+def stop_sequences(value: object) -> tuple[str, ...] | None:
+    """A stop field (a text or a list of texts) as gen_ai.request.stop_sequences."""
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    return None
+
+
+#: The response formats that ask for JSON ("JSON object with known or unknown schema":
+#: docs/gen-ai/client-inference.md @ 024a4f94); any other one (text, vLLM's structural_tag)
+#: asks for text.
+_JSON_FORMATS = frozenset({"json_object", "json_schema"})
+
+
+def output_type(value: object) -> str | None:
+    """gen_ai.output.type of a response format ({"type": ...}), None when the request
+    names none: Conditionally Required "when applicable and if the request includes an
+    output format" (docs/gen-ai/client-inference.md @ 024a4f94, note 6)."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if not isinstance(kind, str):
+        return None
+    return "json" if kind in _JSON_FORMATS else "text"
 
 
 def identity(obj: dict[str, Any]) -> dict[str, Any]:

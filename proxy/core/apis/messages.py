@@ -24,10 +24,13 @@ from proxy.core.apis.base import (
     NOTHING,
     Api,
     Facts,
+    RequestInfo,
     TokenCounts,
     as_int,
     identity,
     json_object,
+    request_info,
+    sampling_options,
 )
 from proxy.core.apis.chat import keep
 from proxy.core.chat_prompt import template_tools
@@ -82,6 +85,18 @@ class Messages(Api):
         """The tools, as vLLM gives them to the template (anthropic/serving.py converts
         each {name, description, input_schema} to an OpenAI function)."""
         return template_tools(obj.get("tools"), "input_schema")
+
+    def read_request(self, obj: dict[str, Any]) -> RequestInfo:
+        """Anthropic's names: `stop_sequences`, top_p and top_k as chat's, no seed, n,
+        penalties or response format (vllm/entrypoints/anthropic/protocol.py,
+        AnthropicMessagesRequest); `system`, the instructions apart from the messages."""
+        system = obj.get("system")
+        options = sampling_options(
+            obj, output=None, stop="stop_sequences", choices=False, seed=False, penalties=False
+        )
+        return request_info(
+            self, obj, options, system if system and isinstance(system, str | list) else None
+        )
 
     def prompt(self, obj: dict[str, Any]) -> Any:
         """The messages, with `system` as the first: a text, or a list of text blocks (the

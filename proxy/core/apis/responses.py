@@ -16,7 +16,6 @@ event carries code and message.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 from proxy.core.apis.base import (
@@ -29,6 +28,8 @@ from proxy.core.apis.base import (
     as_int,
     identity,
     json_object,
+    request_info,
+    sampling_options,
 )
 from proxy.core.apis.chat import keep
 from proxy.core.chat_prompt import template_tools
@@ -103,9 +104,21 @@ class Responses(Api):
     def read_request(self, obj: dict[str, Any]) -> RequestInfo:
         # `previous_response_id` names the stored response this one continues (openai-python
         # src/openai/types/responses/response_create_params.py): a conversation's next turn.
-        info = super().read_request(obj)
-        previous = obj.get("previous_response_id")
-        return replace(info, previous_response_id=previous) if isinstance(previous, str) else info
+        # The output type from `text.format`, no `n`, the other options as chat's
+        # (vllm/entrypoints/openai/responses/protocol.py, ResponsesRequest: top_p, top_k,
+        # seed, stop, presence_penalty, frequency_penalty); `instructions`, the system
+        # instructions apart from the input.
+        previous, text = obj.get("previous_response_id"), obj.get("text")
+        instructions = obj.get("instructions")
+        return request_info(
+            self,
+            obj,
+            sampling_options(
+                obj, output=text.get("format") if isinstance(text, dict) else None, choices=False
+            ),
+            instructions if instructions and isinstance(instructions, str) else None,
+            previous if isinstance(previous, str) else None,
+        )
 
     def bench_body(
         self, model: str, prompt: Any, max_tokens: int, ignore_eos: bool

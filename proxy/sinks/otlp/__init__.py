@@ -12,7 +12,13 @@ and docs/gen-ai/gen-ai-token-metrics.md at 27f82f09):
   gen_ai.client.inference.usage.input_tokens    {token}  counter, by gen_ai.token.modality
   gen_ai.client.inference.usage.output_tokens   {token}  counter (also cache_read.input_tokens,
                                                          reasoning.output_tokens)
-  gen_ai.client.inference.operation.input_tokens / .output_tokens  {token}  per request
+  gen_ai.client.inference.operation.input_tokens / .output_tokens  {token}  per request,
+                                                         failed ones too (0 without usage)
+
+and for gen_ai.operation.name "embeddings" (docs/gen-ai/client-embeddings.md at 88eccb15)
+gen_ai.client.embeddings.duration and gen_ai.client.embeddings.operation.input_tokens
+instead of the inference duration and input histogram; no output metric for any API that
+generates nothing.
 
 With OTEL_SEMCONV_STABILITY_OPT_IN=gen_ai_previous the names of commit 004902b8 instead
 (gen_ai.client.operation.duration, .time_to_first_chunk, .time_per_output_chunk and the

@@ -127,6 +127,23 @@ USAGE_REASONING = Instrument(
 )
 UNKNOWN_MODALITY = (("gen_ai.token.modality", "unknown"),)
 
+# -- embeddings (semantic-conventions-genai docs/gen-ai/client-embeddings.md at 88eccb15) ----
+# For gen_ai.operation.name "embeddings", with the current names, in place of the inference
+# duration and per-request input histogram; the conventions define no output metric.
+EMBEDDINGS_DURATION = Instrument(
+    "gen_ai.client.embeddings.duration",
+    "s",
+    OPERATION_DURATION.description,
+    DURATION_BUCKETS,
+)
+EMBEDDINGS_INPUT_TOKENS = Instrument(
+    "gen_ai.client.embeddings.operation.input_tokens",
+    "{token}",
+    "Input tokens per embeddings request (backend usage), recorded when the request ends "
+    "when the count is known.",
+    TOKEN_BUCKETS,
+)
+
 
 @dataclass(frozen=True, slots=True)
 class GenAiInstruments:
@@ -141,6 +158,10 @@ CURRENT = GenAiInstruments(
     INFERENCE_DURATION, INFERENCE_TIME_TO_FIRST_CHUNK, INFERENCE_TIME_PER_OUTPUT_CHUNK
 )
 PREVIOUS = GenAiInstruments(OPERATION_DURATION, TIME_TO_FIRST_CHUNK, TIME_PER_OUTPUT_CHUNK)
+#: The current names for embeddings: their own duration (they stream no chunks).
+EMBEDDINGS = GenAiInstruments(
+    EMBEDDINGS_DURATION, INFERENCE_TIME_TO_FIRST_CHUNK, INFERENCE_TIME_PER_OUTPUT_CHUNK
+)
 
 #: Histograms of one figure of the record each: (how to read it from the record,
 #: instrument); None is not observed. A new figure on the record (the engine split of

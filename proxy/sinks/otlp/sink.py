@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.util import Finalize
-from typing import Any
+from typing import Any, NamedTuple
 
 from opentelemetry.sdk.metrics.export import (
     AggregationTemporality,
@@ -28,6 +28,7 @@ from prometheus_client import Counter, Gauge
 from proxy.core.conversations import Closed
 from proxy.core.measurement import Measurement, TokenSource
 from proxy.core.wsrecord import WsSessionRecord
+from proxy.core.wsseam import seam_of
 from proxy.sinks import semconv
 from proxy.sinks.cost import PRICE_KEYS, PriceTable, spend
 from proxy.sinks.otlp.instruments import (
@@ -40,6 +41,8 @@ from proxy.sinks.otlp.instruments import (
     CONVERSATION_MODEL_TIME,
     CONVERSATION_TURNS,
     CURRENT,
+    EMBEDDINGS,
+    EMBEDDINGS_INPUT_TOKENS,
     FIGURES,
     IN_FLIGHT,
     OPERATION_INPUT_TOKENS,
@@ -55,6 +58,7 @@ from proxy.sinks.otlp.instruments import (
     USAGE_REASONING,
     WS_SESSION_DURATION,
     WS_SESSIONS,
+    GenAiInstruments,
     Instrument,
     cost_instrument,
 )
@@ -64,6 +68,15 @@ from proxy.sinks.sink import Labels
 log = logging.getLogger("tokenprobe")
 
 SCHEMA_URL = "https://opentelemetry.io/schemas/1.42.0"
+
+
+class _Operation(NamedTuple):
+    """What an endpoint's records are recorded as, found once per endpoint."""
+
+    key: Key  # gen_ai.operation.name and gen_ai.provider.name
+    genai: tuple[GenAiInstruments, ...]  # the duration and chunk histograms, by name set
+    embeddings: bool  # gen_ai.operation.name "embeddings": the embeddings instruments
+    generative: bool  # False: no output tokens to count (embeddings, score, rerank, ...)
 
 
 class OtlpMetrics:
@@ -90,7 +103,6 @@ class OtlpMetrics:
         self.exporter = exporter
         self.miss_ratio = miss_ratio
         self.names = names
-        self._genai = (CURRENT,) * names.current + (PREVIOUS,) * names.previous
         self.interval = interval
         self.export_timeout = export_timeout
         self.delta = delta
@@ -102,7 +114,7 @@ class OtlpMetrics:
         self._failed = failures.labels("export")
         self._models = models
         self._server = semconv.server_attributes(upstream)
-        self._operations: dict[str, Key] = {}
+        self._operations: dict[str, _Operation] = {}
         self._lock = threading.Lock()
         self._histograms: dict[Instrument, Points] = {}
         self._sums: dict[Instrument, dict[Key, float]] = {}
@@ -114,11 +126,12 @@ class OtlpMetrics:
     # -- recording (event loop) -------------------------------------------------------------
 
     def record(self, m: Measurement, labels: Labels) -> None:
-        base = self._base(m, labels)
+        operation = self._operation(m.endpoint)
+        base = self._base(m, labels, operation.key)
         error = m.error_type.value if m.error_type is not None else None
         failed = (*base, ("error.type", error)) if error else base
         with self._lock:
-            for genai in self._genai:
+            for genai in operation.genai:
                 self._observe(genai.duration, failed, (m.e2e,))
                 if m.ttft is not None:
                     self._observe(genai.time_to_first_chunk, base, (m.ttft,))
@@ -131,7 +144,7 @@ class OtlpMetrics:
             if self.names.previous:
                 self._token_usage(m, base)
             if self.names.current:
-                self._inference_usage(m, base, failed)
+                self._inference_usage(m, base, failed, operation)
             self._count(m, base, error)
             if m.continued_via is not None:
                 self._continuation(m, base)
@@ -173,22 +186,35 @@ class OtlpMetrics:
         if (output := _output_tokens(m)) is not None:
             self._observe(TOKEN_USAGE, (*base, ("gen_ai.token.type", "output")), (output,))
 
-    def _inference_usage(self, m: Measurement, base: Key, failed: Key) -> None:
+    def _inference_usage(self, m: Measurement, base: Key, failed: Key, op: _Operation) -> None:
         """The current names: counters for every request, failed ones included (0 when no
-        count was had), and per-request histograms with error.type."""
+        count was had), and per-request histograms with error.type, failed requests too:
+        "Instrumentations SHOULD record this metric for each inference operation, including
+        failed ones. The recorded value SHOULD match the token count returned by the
+        provider, or `0` if the response was not received or did not contain token usage"
+        (docs/gen-ai/gen-ai-token-metrics.md @ 066d4a7f). A count of content chunks is no
+        token count (`_output_tokens`): nothing then. Output only where the API generates;
+        embeddings have their own input histogram and no output metric
+        (docs/gen-ai/client-embeddings.md @ 88eccb15), and it has no error.type."""
         usage = base + UNKNOWN_MODALITY
         output = _output_tokens(m)
         self._add(USAGE_INPUT, usage, m.prompt_tokens or 0)
-        self._add(USAGE_OUTPUT, usage, output or 0)
+        if op.generative:
+            self._add(USAGE_OUTPUT, usage, output or 0)
         if m.cached_prompt_tokens is not None:
             self._add(USAGE_CACHE_READ, usage, m.cached_prompt_tokens)
         reasoning = semconv.reasoning_tokens(m)
         if reasoning is not None and m.reasoning_token_source != "events":  # as _output_tokens
             self._add(USAGE_REASONING, usage, reasoning)
-        if m.prompt_tokens is not None:
-            self._observe(OPERATION_INPUT_TOKENS, failed, (m.prompt_tokens,))
-        if output is not None:
-            self._observe(OPERATION_OUTPUT_TOKENS, failed, (output,))
+        if op.embeddings:
+            if m.prompt_tokens is not None:
+                self._observe(EMBEDDINGS_INPUT_TOKENS, base, (m.prompt_tokens,))
+            return
+        chunks = m.token_source is TokenSource.CHUNKS
+        if m.prompt_tokens is not None or not chunks:
+            self._observe(OPERATION_INPUT_TOKENS, failed, (m.prompt_tokens or 0,))
+        if op.generative and not chunks:
+            self._observe(OPERATION_OUTPUT_TOKENS, failed, (output or 0,))
 
     def _count(self, m: Measurement, base: Key, error: str | None) -> None:
         outcome: Key = (
@@ -210,10 +236,21 @@ class OtlpMetrics:
                     key = (*base, ("tokenprobe.cost.kind", kind), currency)
                     self._add(self._cost, key, amount)
 
-    def _base(self, m: Measurement, labels: Labels) -> Key:
-        operation = self._operations.get(m.endpoint)
+    def _operation(self, endpoint: str) -> _Operation:
+        operation = self._operations.get(endpoint)
         if operation is None:
-            operation = self._operations[m.endpoint] = semconv.operation_attributes(m.endpoint)
+            seam = seam_of(endpoint)
+            embeddings = seam.operation == "embeddings"
+            genai = (EMBEDDINGS if embeddings else CURRENT,) * self.names.current
+            operation = self._operations[endpoint] = _Operation(
+                semconv.operation_attributes(endpoint),
+                genai + (PREVIOUS,) * self.names.previous,
+                embeddings,
+                seam.generative,
+            )
+        return operation
+
+    def _base(self, m: Measurement, labels: Labels, operation: Key) -> Key:
         key = operation
         if m.model:
             key += (("gen_ai.request.model", labels.model),)
