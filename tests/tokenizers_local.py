@@ -49,3 +49,18 @@ def mistral_tokenizer_dir(directory: Path) -> Path:
         )
     )
     return directory
+
+
+#: A chat template for tokenizers that ship none: without one, a chat prompt is not counted.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def with_chat_template(directory: Path) -> Path:
+    """A tokenizer directory given CHAT_TEMPLATE, as a chat model's tokenizer has one."""
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory

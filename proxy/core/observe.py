@@ -28,6 +28,7 @@ Tool-call events carry their pieces (Facts.calls) and are followed by a ToolCall
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Protocol
 
 import orjson
@@ -149,7 +150,9 @@ class StreamObserver:
         self.malformed_events = 0
         self.response_id: str | None = None
         self.response_model: str | None = None
-        self.texts: list[str] = []
+        self.texts: list[str] = []  # generated texts, collected only (collect_text)
+        # the same texts by choice index: a tokenizer counts each choice's alone
+        self.choice_texts: dict[int, list[str]] = {}
         self._decoder = self.api.decoder(max_event_bytes)
         # The stream's repeating content event, once one has been parsed and proven
         # (proxy/core/template.py); learning is tried on the first plain event only.
@@ -321,7 +324,7 @@ class StreamObserver:
         if facts.tokens:
             self.tokens += facts.tokens
         if facts.texts is not None:
-            self.texts.extend(facts.texts)
+            self._keep(facts.texts, facts.choices[0])
         if facts.finish is not None:
             self.finish_reason = self.finishes[facts.finish_choice] = facts.finish
         if facts.usage is not None:
@@ -343,6 +346,18 @@ class StreamObserver:
         if facts.response_id is not None and self.response_id is None:
             self.response_id = facts.response_id
             self.response_model = facts.response_model
+
+    def _keep(self, texts: list[str], choice: int) -> None:
+        """Collected texts, in order and under their choice. An event that carries several
+        choices' content at once gives their texts as one list: kept under its first
+        choice (vLLM and llama-server stream one choice an event; a body is split by
+        `_body_texts`)."""
+        self.texts.extend(texts)
+        kept = self.choice_texts.get(choice)
+        if kept is None:
+            self.choice_texts[choice] = list(texts)
+        else:
+            kept.extend(texts)
 
     # -- the end ----------------------------------------------------------------------
 
@@ -383,6 +398,8 @@ class StreamObserver:
         if type(obj) is not dict:
             return
         facts = self.api.body(obj, self._collect)
+        if facts.texts is not None:
+            facts = self._body_texts(obj, facts)
         self.response_id = None  # the body's identity wins
         if facts.calls is not None:  # whole calls: judged as a stream's, not timed (so
             # made here: `_apply` times a stream's first call; it finds these closed)
@@ -394,6 +411,34 @@ class StreamObserver:
         self._apply(facts, 0.0)
         if facts.finishes is not None:
             self.finishes.update(facts.finishes)
+
+    def _body_texts(self, obj: dict[str, Any], facts: Facts) -> Facts:
+        """A body's collected texts kept under their choices' indices. The Api reads a body
+        of several `choices` (n > 1, a batch of prompts) into one list of texts: each
+        choice is read again alone for its own (once a request, and only when collecting).
+        The facts go on without texts, kept here already."""
+        choices = obj.get("choices")
+        if type(choices) is not list or not choices:
+            return facts
+        if len(choices) == 1:
+            pieces = [(choices[0], facts.texts)]
+        else:
+            pieces = [(c, self.api.body({"choices": [c]}, True).texts) for c in choices]
+        for choice, texts in pieces:
+            index = choice.get("index", 0) if type(choice) is dict else 0
+            if texts:
+                self._keep(texts, index if type(index) is int else 0)
+        return replace(facts, texts=None)
+
+    def choice_outputs(self) -> list[tuple[list[str], Any]]:
+        """Each choice's collected texts, by choice index, with the prompt an `echo` put
+        before them (None without echo): what a tokenizer counts as the output, choice by
+        choice, as vLLM counts each choice's token ids and adds them up."""
+        echoed = self.request.echoed
+        return [
+            (texts, echoed[i] if 0 <= i < len(echoed) else None)
+            for i, texts in sorted(self.choice_texts.items())
+        ]
 
     def echoed_prompts(self) -> list[Any]:
         """The prompts an `echo` put before the texts collected: one per choice that

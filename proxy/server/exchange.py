@@ -186,6 +186,9 @@ class MeasuredExchange:
             return
         error = None if failure is None else failure.error
         message = None if failure is None else failure.message
+        # a count the tokenizer fails is told as stage "tokenizer"; the record stays whole
+        counter = self.context.counter
+        counting = None if counter is None else counter.reporting(sinks.count_measurement_failure)
         try:
             measurement = await observer.finish(
                 end=end,
@@ -193,7 +196,7 @@ class MeasuredExchange:
                 status_code=self.status,
                 error_type=error,
                 error_message=message,
-                counter=self.context.counter,
+                counter=counting,
                 trace_id=request_scope.trace_id,
                 redact=self.redact,
             )

@@ -6,11 +6,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from proxy.core.apis import api_for
-from proxy.core.chat_prompt import template_messages
+from proxy.core.chat_prompt import (
+    parsed_arguments,
+    template_kwargs,
+    template_messages,
+    template_tools_of,
+)
 from proxy.core.tokens import count_prompt, load_tokenizer
-from tests.tokenizers_local import build_tiny_tokenizer
+from tests.tokenizers_local import build_tiny_tokenizer, mistral_tokenizer_dir
 
 
 def test_text_parts_are_one_text_joined_by_a_newline() -> None:
@@ -107,3 +113,141 @@ def test_a_batch_counts_every_prompt_and_a_chat_prompt_counts_its_ids(tmp_path: 
     ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
                                         return_dict=False)  # fmt: skip
     assert count_prompt(tokenizer, messages) == len(ids) > 2
+
+
+# -- the template's arguments and the encoding, as vLLM 0.32 renders a chat prompt ----------
+
+#: A template that shows what it is given: tools, tool-call arguments, thinking, BOS.
+SHOWING = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% for c in m.tool_calls or [] %}<call>{{ c.function.arguments | tojson }}</call>"
+    "{% endfor %}\n{% endfor %}"
+    "{% if tools %}TOOLS:{{ tools | tojson }}{% endif %}"
+    "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    "{% if reasoning_effort is defined %}effort={{ reasoning_effort }}{% endif %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+USER = {"role": "user", "content": "Measuring latency means time to first token."}
+
+
+def _templated(directory: Path, mistral: bool = False) -> Any:
+    """A local tokenizer with SHOWING as its chat template."""
+    directory.mkdir(exist_ok=True)
+    made = mistral_tokenizer_dir(directory) if mistral else build_tiny_tokenizer(directory)
+    if mistral:  # as Mistral's own tokenizer_config.json says: encode() adds <s>
+        config = json.loads((made / "tokenizer_config.json").read_text())
+        (made / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": True}))
+    tokenizer = load_tokenizer(str(made))
+    tokenizer.chat_template = SHOWING
+    return tokenizer
+
+
+def _vllm(tokenizer: Any, messages: list[dict[str, Any]], special: bool = False,
+          **kwargs: Any) -> int:  # fmt: skip
+    """vLLM's count, its steps written out: the template rendered to a text with the
+    arguments vLLM ends with (renderers/hf.py, safe_apply_chat_template), then encoded
+    with the request's add_special_tokens (renderers/base.py, _tokenize_prompt)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    return len(tokenizer.encode(text, add_special_tokens=special))
+
+
+def _chat(tokenizer: Any, **body: Any) -> int | None:
+    api = api_for("/v1/chat/completions")
+    assert api is not None
+    info = api.read_request({"model": "m", **body})
+    return count_prompt(tokenizer, info.prompt, info.template, template_only=True)
+
+
+def test_add_generation_prompt_is_the_request_fields_even_in_chat_template_kwargs(
+    tmp_path: Path,
+) -> None:
+    """build_chat_params merges the request's own add_generation_prompt (default true)
+    over chat_template_kwargs: given twice to the template, it once raised a TypeError
+    and the count fell back to the joined texts, still labelled `tokenizer`."""
+    tokenizer = _templated(tmp_path)
+    got = _chat(tokenizer, messages=[USER], chat_template_kwargs={"add_generation_prompt": False})
+    assert got == _vllm(tokenizer, [USER], add_generation_prompt=True)
+    off = _chat(tokenizer, messages=[USER], add_generation_prompt=False,
+                chat_template_kwargs={"add_generation_prompt": True})  # fmt: skip
+    assert off == _vllm(tokenizer, [USER], add_generation_prompt=False) < got  # type: ignore[operator]
+
+
+def test_tool_call_arguments_reach_the_template_as_an_object(tmp_path: Path) -> None:
+    """chat_utils.py _postprocess_messages: a JSON text is parsed; one that is empty, not
+    JSON or not an object is {}; the request's own messages are left as they were."""
+    tokenizer = _templated(tmp_path)
+
+    def call(arguments: object) -> dict[str, Any]:
+        return {"id": "c1", "type": "function",
+                "function": {"name": "weather", "arguments": arguments}}  # fmt: skip
+
+    given = ['{"city": "Oslo"}', "not json", "", "[1, 2]"]
+    assistant = {"role": "assistant", "content": "", "tool_calls": [call(a) for a in given]}
+    seen = [USER, {**assistant, "tool_calls": [call(a) for a in
+                                               ({"city": "Oslo"}, {}, {}, {})]}]  # fmt: skip
+    messages = [USER, assistant]
+    assert _chat(tokenizer, messages=messages) == _vllm(tokenizer, seen, add_generation_prompt=True)
+    assert assistant["tool_calls"][0]["function"]["arguments"] == given[0]
+    assert parsed_arguments([{"role": "assistant", "content": "", "tool_calls": []}]) == [
+        {"role": "assistant", "content": ""}  # an empty list is left out
+    ]
+
+
+def test_tools_reach_the_template_as_vllm_dumps_them(tmp_path: Path) -> None:
+    """online_renderer.py render_chat: each tool's model_dump(), so a function without a
+    description or parameters has them null, keys in the model's order."""
+    tokenizer = _templated(tmp_path)
+    tools = [{"type": "function", "function": {"parameters": {"type": "object"},
+                                                "name": "weather", "strict": True}}]  # fmt: skip
+    dumped = [{"type": "function", "function": {"name": "weather", "description": None,
+               "parameters": {"type": "object"}, "strict": True}}]  # fmt: skip
+    assert _chat(tokenizer, messages=[USER], tools=tools) == _vllm(
+        tokenizer, [USER], tools=dumped, add_generation_prompt=True
+    )
+    assert template_tools_of(tools) == dumped
+    assert template_tools_of(dumped) == dumped  # Anthropic's and Responses' tools stay
+
+
+def test_reasoning_effort_reaches_the_template_with_enable_thinking(tmp_path: Path) -> None:
+    """build_chat_params passes reasoning_effort, and enable_thinking = effort != "none"
+    unless chat_template_kwargs sets it."""
+    tokenizer = _templated(tmp_path)
+    assert _chat(tokenizer, messages=[USER], reasoning_effort="none") == _vllm(
+        tokenizer, [USER], add_generation_prompt=True, reasoning_effort="none",
+        enable_thinking=False,
+    )  # fmt: skip
+    assert template_kwargs({"reasoning_effort": "low"})["enable_thinking"] is True
+    kept = {"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}}
+    assert template_kwargs(kept)["enable_thinking"] is True
+
+
+def test_add_special_tokens_adds_the_bos_on_top_of_the_templates(tmp_path: Path) -> None:
+    """vLLM renders the text, then encodes it with the request's add_special_tokens
+    (default false for chat): true puts the tokenizer's BOS before the template's."""
+    tokenizer = _templated(tmp_path, mistral=True)
+    plain = _chat(tokenizer, messages=[USER])
+    assert plain == _vllm(tokenizer, [USER], add_generation_prompt=True)
+    added = _chat(tokenizer, messages=[USER], add_special_tokens=True)
+    assert added == _vllm(tokenizer, [USER], special=True, add_generation_prompt=True)
+    assert added == plain + 1  # type: ignore[operator]
+
+
+def test_messages_no_template_renders_get_no_count_from_the_proxy(tmp_path: Path) -> None:
+    """The joined texts are no prompt vLLM saw: the proxy's count (template_only) is
+    None; the benchmark's prompt sizing keeps the joined count."""
+    tokenizer = load_tokenizer(str(build_tiny_tokenizer(tmp_path)))
+    assert not tokenizer.chat_template
+    assert count_prompt(tokenizer, [USER], template_only=True) is None
+    assert count_prompt(tokenizer, [USER]) == len(tokenizer.encode(USER["content"]))
+    tokenizer.chat_template = "{{ raise_exception('no') }}"
+    assert count_prompt(tokenizer, [USER], template_only=True) is None
+
+
+def test_template_kwargs_merge_as_vllms_merge_kwargs() -> None:
+    """Unset values (None, "auto") never override; chat_template_kwargs' tools win over
+    the request's (ChatParams.with_defaults); the rendering is to a text."""
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    kwargs = template_kwargs({"tools": tools, "documents": None,
+                              "chat_template_kwargs": {"tools": "mine", "x": "auto"}})  # fmt: skip
+    assert kwargs == {"tools": "mine", "tokenize": False, "add_generation_prompt": True,
+                      "continue_final_message": False, "return_dict": False}  # fmt: skip

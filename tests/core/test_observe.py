@@ -717,3 +717,54 @@ def test_with_two_choices_each_phases_time_per_token_is_per_choice_as_tpot_is() 
     _, m = replay(reads, times, 108.0)
     assert (m.reasoning_tokens, m.output_tokens) == (8, 16)
     assert (m.tpot, m.reasoning_tpot, m.answer_tpot) == (1.0, 1.0, 1.0)
+
+
+# -- collected texts, by choice ----------------------------------------------------------------
+
+
+def _choice_chunk(index: int, text: str) -> bytes:
+    choice = {"index": index, "delta": {"content": text}, "finish_reason": None}
+    return b"data: " + orjson.dumps({"choices": [choice]}) + b"\n\n"
+
+
+def test_collected_texts_are_kept_by_choice_for_a_tokenizer() -> None:
+    """With n > 1 a tokenizer counts each choice's text alone (vLLM adds each choice's
+    token ids): the interleaved texts are kept in order and under their choice."""
+    observer = StreamObserver(request(), start=START, collect_text=True)
+    observer.open(200, "text/event-stream", OPENED)
+    for index, text in [(0, "Meas"), (1, "stre"), (0, "uring"), (1, "aming")]:
+        observer.feed(_choice_chunk(index, text), 100.5)
+    assert observer.texts == ["Meas", "stre", "uring", "aming"]
+    assert observer.choice_outputs() == [(["Meas", "uring"], None), (["stre", "aming"], None)]
+
+
+def test_a_body_of_several_choices_keeps_each_choices_texts() -> None:
+    body = {"choices": [
+        {"index": 1, "message": {"role": "assistant", "content": "b", "reasoning": "r"},
+         "finish_reason": "stop"},
+        {"index": 0, "message": {"role": "assistant", "content": "a"}, "finish_reason": "stop"},
+    ]}  # fmt: skip
+    observer = StreamObserver(request(stream=False), start=START, collect_text=True)
+    observer.open(200, "application/json", OPENED)
+    observer.feed(orjson.dumps(body), 100.5)
+    assert observer.outcome() == (None, None)
+    assert observer.texts == ["b", "r", "a"]
+    assert observer.choice_outputs() == [(["a"], None), (["b", "r"], None)]
+
+
+def test_an_echo_stays_with_its_own_choice() -> None:
+    info = replace(request(COMPLETIONS), echoed=("p0", "p1"))
+    observer = StreamObserver(info, start=START, collect_text=True)
+    observer.open(200, "text/event-stream", OPENED)
+    for index in (1, 0):
+        choice = {"index": index, "text": f"p{index} x", "finish_reason": None}
+        observer.feed(b"data: " + orjson.dumps({"choices": [choice]}) + b"\n\n", 100.5)
+    assert observer.choice_outputs() == [(["p0 x"], "p0"), (["p1 x"], "p1")]
+
+
+def test_nothing_is_kept_without_collecting() -> None:
+    observer = StreamObserver(request(), start=START)
+    observer.open(200, "text/event-stream", OPENED)
+    for index, text in [(0, "a"), (1, "b")]:
+        observer.feed(_choice_chunk(index, text), 100.5)
+    assert (observer.texts, observer.choice_outputs()) == ([], [])

@@ -6,17 +6,18 @@ import asyncio
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
 import pytest
 
 from proxy.core.apis import api_for
-from proxy.core.measurement import TokenSource
+from proxy.core.measurement import Measurement, TokenSource
 from proxy.core.observe import StreamObserver
 from proxy.core.tokens import TokenCounter, count_output, load_tokenizer
 from tests.conftest import MODEL, ProxyUnderTest, Running
-from tests.tokenizers_local import build_tiny_tokenizer, mistral_tokenizer_dir
+from tests.tokenizers_local import build_tiny_tokenizer, mistral_tokenizer_dir, with_chat_template
 
 NO_USAGE = {"x-sim-usage-mode": "ignore", "x-sim-output-tokens": "24"}
 
@@ -49,7 +50,7 @@ def tokenizer_dir(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
 def test_tokenizer_counts_when_backend_sends_no_usage(
     sim: Running, start_proxy: Callable[..., ProxyUnderTest], tokenizer_dir: Path
 ) -> None:
-    proxy = start_proxy(sim.url, tokenizer=str(tokenizer_dir))
+    proxy = start_proxy(sim.url, tokenizer=str(with_chat_template(tokenizer_dir)))
     deadline = time.monotonic() + 30
     while not (proxy.app.counter and proxy.app.counter.ready) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -174,3 +175,102 @@ def test_a_whole_chat_answer_counts_its_reasoning_and_calls_as_its_stream_does(
     whole, streamed = count(False), count(True)
     counter.close()
     assert whole == streamed and whole is not None and whole > answer_alone
+
+
+def _finished(
+    counter: Any, endpoint: str, body: dict[str, Any], chunks: list[dict[str, Any]] | None,
+    whole: dict[str, Any] | None = None,
+) -> Measurement:  # fmt: skip
+    """A response's record as the proxy makes it with a tokenizer: a stream of `chunks`
+    (one read each, 1/8 s apart) or a `whole` body."""
+    api = api_for(endpoint)
+    assert api is not None
+    observer = StreamObserver(api.read_request(body), start=0.0, collect_text=True)
+    if chunks is not None:
+        observer.open(200, "text/event-stream", 0.0)
+        for i, chunk in enumerate(chunks, 1):
+            observer.feed(b"data: " + orjson.dumps(chunk) + b"\n\n", i / 8)
+        observer.feed(b"data: [DONE]\n\n", 8.0)
+    else:
+        observer.open(200, "application/json", 0.0)
+        observer.feed(orjson.dumps(whole), 0.125)
+    observer.end_of_stream(8.0)
+    return asyncio.run(
+        observer.finish(end=8.0, started_at=0.0, status_code=200, error_type=None,
+                        error_message=None, counter=counter)
+    )  # fmt: skip
+
+
+#: Two choices' texts, streamed interleaved as vLLM streams n > 1 (one choice a chunk);
+#: joined, the first's end and the second's start would make one word.
+CHOICES = (["Meas", "uring", " lat"], ["ency", " tok", "ens"])
+
+
+def _interleaved(key: str, first: tuple[str, str] = ("", "")) -> list[dict[str, Any]]:
+    chunks = []
+    for step, pieces in enumerate(zip(*CHOICES, strict=True)):
+        for index, piece in enumerate(pieces):
+            text = (first[index] if step == 0 else "") + piece
+            body = {"delta": {"content": text}} if key == "delta" else {"text": text}
+            chunks.append({"choices": [{"index": index, **body, "finish_reason": None}]})
+    for index in (0, 1):
+        end = {"delta": {}} if key == "delta" else {"text": ""}
+        chunks.append({"choices": [{"index": index, **end, "finish_reason": "length"}]})
+    return chunks
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["stream", "body"])
+def test_each_choice_is_counted_alone_and_added_up(tmp_path: Path, streamed: bool) -> None:
+    """vLLM's completion_tokens adds each choice's own token ids (n > 1): the choices'
+    texts once were joined into one string, interleaved, and counted as one (15 vs 6)."""
+    counter = loaded_counter(tmp_path)
+    tokenizer = load_tokenizer(str(build_tiny_tokenizer(tmp_path / "again")))
+    body = {"model": MODEL, "stream": streamed, "n": 2, "messages": [{"role": "user",
+            "content": "hi"}]}  # fmt: skip
+    whole = {"choices": [{"index": i, "finish_reason": "length",
+                          "message": {"role": "assistant", "content": "".join(texts)}}
+                         for i, texts in enumerate(CHOICES)]}  # fmt: skip
+    m = _finished(counter, "/v1/chat/completions", body,
+                  _interleaved("delta") if streamed else None, whole)  # fmt: skip
+    counter.close()
+    vllm = sum(count_output(tokenizer, list(texts)) for texts in CHOICES)
+    assert m.token_source is TokenSource.TOKENIZER and m.output_tokens == vllm
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_a_batch_counts_each_choice_less_its_own_echoed_prompt(tmp_path: Path, echo: bool) -> None:
+    """Completions with a batch of prompts stream their choices interleaved; with `echo`
+    each choice's first text begins with its own prompt, left out of its own count."""
+    counter = loaded_counter(tmp_path)
+    tokenizer = load_tokenizer(str(build_tiny_tokenizer(tmp_path / "again")))
+    prompts = ["Measuring latency", "Streaming chunks"]
+    body = {"model": MODEL, "stream": True, "prompt": prompts, "max_tokens": 4, "echo": echo}
+    chunks = _interleaved("text", (prompts[0], prompts[1]) if echo else ("", ""))
+    m = _finished(counter, "/v1/completions", body, chunks)
+    counter.close()
+    vllm = sum(count_output(tokenizer, list(texts)) for texts in CHOICES)
+    assert m.token_source is TokenSource.TOKENIZER and m.output_tokens == vllm
+
+
+def test_a_tokenizer_that_raises_loses_the_counts_not_the_record(tmp_path: Path) -> None:
+    """The counts fall back as without a tokenizer, the timings stay, and the failure is
+    told as stage "tokenizer" (tokenprobe_measurement_failures_total): observer.finish
+    once raised, and the request got a bare record without TTFT or TPOT."""
+    counter = loaded_counter(tmp_path)
+
+    def broken(*args: object, **kwargs: object) -> list[int]:
+        raise ValueError("tokenizer failed")
+
+    counter._loading.result().encode = broken
+    failed: list[str] = []
+    reasoned = {"choices": [{"index": 0, "delta": {"reasoning": "hm"}}]}
+    chunks = [reasoned] + [{"choices": [{"index": 0, "delta": {"content": w}}]}
+                           for w in ("Hello", " big", " world")]  # fmt: skip
+    chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    m = _finished(counter.reporting(failed.append), "/v1/chat/completions", body, chunks)
+    counter.close()
+    assert (m.token_source, m.output_tokens, m.prompt_tokens) == (TokenSource.CHUNKS, 4, None)
+    assert (m.ttft, m.tpot) == (0.125, 0.125)
+    assert (m.reasoning_tokens, m.reasoning_token_source) == (1, "events")
+    assert failed == ["tokenizer", "tokenizer"]  # the counts, then the reasoning's

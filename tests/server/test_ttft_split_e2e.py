@@ -17,7 +17,7 @@ import pytest
 
 from tests.scrape import Change, Delta, scrape, wait_for
 from tests.servers import free_port, spawn, stop, wait_http
-from tests.tokenizers_local import build_tiny_tokenizer
+from tests.tokenizers_local import build_tiny_tokenizer, with_chat_template
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog."}]
@@ -177,7 +177,7 @@ def test_cancelled_tokens_match_a_client_that_leaves_after_n_content_events(prox
 
 
 def test_with_a_tokenizer_the_cancelled_prompt_is_counted(tmp_path: Path) -> None:
-    tokenizer = build_tiny_tokenizer(tmp_path)
+    tokenizer = with_chat_template(build_tiny_tokenizer(tmp_path))  # a chat prompt needs one
     sim_port, proxy_port = free_port(), free_port()
     sim = spawn("sim", "--port", str(sim_port), "--tps", "4", "--output-tokens", "40")
     proxy = None

@@ -36,8 +36,11 @@ Beside = tuple[list[str] | None, tuple[CallPiece, ...] | None]
 _NOTHING_BESIDE: Beside = (None, None)
 
 _FIRST = (0,)
+#: The request fields vLLM renders a chat prompt with (proxy/core/chat_prompt.py,
+#: template_kwargs, says how it merges them; `add_special_tokens` is for the encoding).
 _TEMPLATE_OPTIONS = ("tools", "add_generation_prompt", "continue_final_message",
-                     "chat_template_kwargs")  # fmt: skip
+                     "chat_template_kwargs", "documents", "reasoning_effort",
+                     "chat_template", "add_special_tokens")  # fmt: skip
 #: Shared answers for the common event: one choice (index 0) with content, nothing else.
 _CONTENT = {name: Facts(content=name, plain=True) for name in ("text", "reasoning", "tool")}
 
@@ -249,8 +252,11 @@ class Chat(OpenAIGeneration):
         return obj.get("messages")
 
     def template(self, obj: dict[str, Any]) -> dict[str, Any] | None:
-        """The options vLLM passes to the chat template (chat_completion/protocol.py,
-        build_chat_params, and the tools: renderers/hf.py, safe_apply_chat_template)."""
+        """The options vLLM renders and encodes the prompt with, as sent: the chat template's
+        (chat_completion/protocol.py, build_chat_params; the tools:
+        renderers/online_renderer.py, render_chat) and the encoding's `add_special_tokens`
+        (build_tok_params). Read as vLLM reads them only when a tokenizer counts
+        (chat_prompt.template_kwargs), off the event loop."""
         found = {name: obj[name] for name in _TEMPLATE_OPTIONS if name in obj}
         return found or None
 
