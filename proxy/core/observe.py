@@ -471,7 +471,7 @@ class StreamObserver:
             prompt=None if None in prompts else sum(p for p in prompts if p is not None),
             output=sum(p.output for p in counted if p.output is not None),
             cached=sum(cached) if cached else None,
-            source=TokenSource.USAGE,
+            source=counted[0].source,  # usage's, or the engine's (llama.cpp's /completion)
         )
 
     def counts_from_engine(self, counts: TokenCounts | None) -> TokenCounts | None:

@@ -538,6 +538,6 @@ def test_a_native_completion_of_two_prompts_adds_their_counts_up() -> None:
     times = [100.5 + 0.125 * i for i in range(len(reads))]
     body = orjson.dumps({"prompt": ["hello there", "once upon"], "n_predict": 3, "stream": True})
     m = run("/completion", body, reads, times, times[-1])
-    assert (m.output_tokens, m.prompt_tokens) == (6, 7)
+    assert (m.output_tokens, m.prompt_tokens, m.token_source) == (6, 7, TokenSource.ENGINE)
     assert (m.finish_reasons, m.error_type, m.malformed_events) == (("length", "length"), None, 0)
     assert m.engine is not None and m.engine.time_to_first_token == 0.005614  # index 1's: first
