@@ -460,7 +460,7 @@ def relay_failure(
         return Failure(error, message, drop=True)
     status = _STATUS_FOR_ERROR.get(error, 502)
     # The client learns what broke, not where the backend is: the record keeps it all.
-    told = _ADDRESS.sub("", message)
+    told = _CERT_NAME.sub("the upstream's name", _ADDRESS.sub("", message))
     return Failure(error, message, (status, error.value, f"upstream: {told}"))
 
 
@@ -470,6 +470,8 @@ _ADDRESS = re.compile(
     r" to host \S+|\s*\(\s*'[^']*',\s*\d+(?:,\s*\d+)*\s*\)"
     r"|\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b|\[[0-9A-Fa-f:.]+\](?::\d+)?"
 )
+# The name in Python's "Hostname mismatch, certificate is not valid for 'vllm.internal'".
+_CERT_NAME = re.compile(r"(?<=not valid for )'[^']*'")
 
 
 # -- the proxy's own error bodies -----------------------------------------------------------

@@ -10,6 +10,7 @@ import asyncio
 import errno
 import importlib
 import socket
+import ssl
 import tomllib
 from collections.abc import Callable
 from typing import Any
@@ -345,6 +346,11 @@ def test_error_message_is_taken_from_each_body_shape(fixture: str, want: str) ->
         ),
         (OSError("Cannot connect to host vllm.internal:8000 ssl:default"), "upstream: OSError: Cannot connect ssl:default"),
         (httpx.ConnectError("refused"), "upstream: ConnectError: refused"),
+        # an https upstream whose certificate names another host (found in a review)
+        (
+            ssl.SSLCertVerificationError(1, "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: Hostname mismatch, certificate is not valid for 'vllm.internal'. (_ssl.c:1006)"),
+            "upstream: SSLCertVerificationError: [SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: Hostname mismatch, certificate is not valid for the upstream's name. (_ssl.c:1006)",
+        ),
     ],
 )  # fmt: skip
 def test_a_client_is_told_what_broke_upstream_not_where_the_upstream_is(
