@@ -34,6 +34,13 @@ class UpstreamURL:
         return self.scheme == "https"
 
     @property
+    def server_name(self) -> str:
+        """The name TLS sends (SNI) and checks the certificate against: the host without
+        the trailing dot of a fully qualified name (`vllm.ns.svc.cluster.local.`), which
+        SNI never carries (RFC 6066 §3) and no certificate names."""
+        return self.host.rstrip(".")
+
+    @property
     def origin(self) -> str:
         """scheme://authority, no path: where the ASGI relay's client sends its URLs."""
         return f"{self.scheme}://{self.authority.decode('ascii')}"

@@ -91,10 +91,13 @@ async def dial(
     """A connection to the upstream, or `ConnectFailed` from what the system said (a
     timeout stays a TimeoutError: the caller's limit, or the system's, ran out)."""
     try:
+        name = upstream.server_name if ssl else None
         if upstream.uds is None:
-            return await loop.create_connection(factory, upstream.host, upstream.port, ssl=ssl)
+            return await loop.create_connection(
+                factory, upstream.host, upstream.port, ssl=ssl, server_hostname=name
+            )
         return await loop.create_unix_connection(
-            factory, upstream.uds, ssl=ssl, server_hostname=upstream.host if ssl else None
+            factory, upstream.uds, ssl=ssl, server_hostname=name
         )
     except TimeoutError:
         raise

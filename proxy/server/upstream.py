@@ -353,6 +353,8 @@ async def _send_httpx(
     )
     # httpx.URL removes dot segments and re-quotes; httpcore sends this target instead.
     request.extensions["target"] = _request_target(url)
+    if request.url.host.endswith("."):  # TLS's name without it, as the wire's (dial.py)
+        request.extensions["sni_hostname"] = request.url.host.rstrip(".")
     response = await transport.handle_async_request(request)
     response.request = request
     return response

@@ -149,6 +149,13 @@ def test_tls_goes_over_the_socket_checked_against_the_urls_host(
             upstream_transport="httpx",
         )  # fmt: skip
         assert _chat(proxy)
+        # a fully qualified name's trailing dot is no part of the name TLS checks
+        qualified = start_proxy(
+            "https://localhost.", upstream_uds=path, upstream_ca_certs=CERT,
+            upstream_transport="httpx",
+        )  # fmt: skip
+        assert _chat(qualified)
+        qualified.stop()
         wrong = start_proxy(
             "https://tokenprobe.invalid", upstream_uds=path, upstream_ca_certs=CERT,
             upstream_transport="httpx",
@@ -160,7 +167,7 @@ def test_tls_goes_over_the_socket_checked_against_the_urls_host(
         server.stop()
     assert proxy.wait_records(1, exact=True)[0].ok
     assert refused.status_code == 502 and "CERTIFICATE_VERIFY_FAILED" in refused.text
-    assert [r.headers.get("host") for r in app.state.requests()] == ["localhost"]
+    assert [r.headers.get("host") for r in app.state.requests()] == ["localhost", "localhost."]
 
 
 def test_the_proxys_own_calls_to_the_backend_use_the_socket(
