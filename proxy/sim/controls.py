@@ -260,10 +260,11 @@ def _plan(
         model = config.models[0]  # a single-model llama-server ignores `model`
     prompt_tokens = count_prompt_tokens(body)
     n_ctx = config.max_model_len
-    max_tokens = None
+    max_tokens, limit_field = None, rules.limit[-1]
     for field in rules.limit:  # the first that is set and not 0 (`a or b`)
         max_tokens = body.get(field)
         if max_tokens:
+            limit_field = field
             break
     if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
         raise ControlError(f"max_tokens must be at least 1, got {max_tokens}.")
@@ -294,8 +295,10 @@ def _plan(
         if limits is None:
             return errors.bad_request(errors.OLLAMA_CONTEXT)
         prompt_tokens, room = limits
-    elif room <= 0 or (max_tokens is not None and max_tokens > room):
-        return errors.context_length(n_ctx, prompt_tokens, max_tokens)
+    elif max_tokens is not None and max_tokens > n_ctx:
+        return errors.max_tokens_over(limit_field, max_tokens, n_ctx)
+    elif room <= 0:
+        return errors.prompt_over(n_ctx, prompt_tokens)
 
     planned = number(headers, "x-sim-output-tokens", int, config.output_tokens, 0)
     script = script_from(headers)

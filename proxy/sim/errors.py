@@ -52,8 +52,33 @@ def method_not_allowed() -> ErrorReply:
     return ErrorReply(405, b'{"detail":"Method Not Allowed"}')
 
 
+def max_tokens_over(field: str, max_tokens: int, max_model_len: int) -> ErrorReply:
+    """vLLM 0.32's 400 for a token limit over the whole context (renderers/params.py,
+    TokenizeParams.__post_init__; the error handler appends the parameter and its value):
+    the one context check a limit meets. One that fits the context, but not beside the
+    prompt, is clamped to the room left (serve/utils/api_utils.py, get_max_tokens)."""
+    message = (
+        f"{field}={max_tokens} cannot be greater than max_model_len={max_model_len}. Please "
+        f"request fewer output tokens. (parameter={field}, value={max_tokens})"
+    )
+    return bad_request(message, field)
+
+
+def prompt_over(max_model_len: int, prompt_tokens: int) -> ErrorReply:
+    """vLLM 0.32's 400 for a prompt that does not fit on its own (renderers/params.py,
+    TokenizeParams._token_len_check)."""
+    message = (
+        f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+        f"contains {prompt_tokens} input tokens, which exceeds this limit even without any "
+        "output tokens. Please reduce the length of the input prompt. "
+        f"(parameter=input_tokens, value={prompt_tokens})"
+    )
+    return bad_request(message, "input_tokens")
+
+
 def context_length(max_model_len: int, prompt_tokens: int, max_tokens: int | None) -> ErrorReply:
-    """vLLM's 400 when the prompt plus `max_tokens` cannot fit in the context."""
+    """The 400 of vLLM before 0.32 when the prompt plus `max_tokens` cannot fit in the
+    context (`x-sim-error: context_length`: the wording tokenprobe reads, kept by tests)."""
     if max_tokens is None:
         message = (
             f"This model's maximum context length is {max_model_len} tokens. However, you "

@@ -321,20 +321,36 @@ def test_non_streaming_completion_with_openai_sdk(sdk: openai.OpenAI) -> None:
 # -- errors before the stream ---------------------------------------------------
 
 
-def test_context_length_error_is_vllms_400(client: httpx.Client, url: str) -> None:
-    body = chat(messages=[{"role": "user", "content": "x" * 400}], max_tokens=4000)
-    response = client.post(url + "/v1/chat/completions", json=body)
-    assert response.status_code == 400
-    assert response.json() == {
+def test_context_errors_are_vllm_032s_400s_and_a_limit_that_fits_is_clamped(
+    client: httpx.Client, url: str
+) -> None:
+    """vLLM 0.32 refuses a limit over the whole context, and a prompt that does not fit on
+    its own (renderers/params.py; the first as in the captured
+    /work/shared/fixtures/vllm-0.32/chat_over_context.json); a limit that fits the context
+    but not beside the prompt is clamped to the room left (serve/utils/api_utils.py,
+    get_max_tokens): the answer ends with `length`. The simulator refused that last one."""
+    over = client.post(url + "/v1/chat/completions", json=chat(max_tokens=8000))
+    assert over.status_code == 400
+    assert over.json() == {
         "error": {
-            "message": "This model's maximum context length is 4096 tokens. However, you "
-            "requested 4100 tokens (100 in the messages, 4000 in the completion). Please "
-            "reduce the length of the messages or completion.",
+            "message": "max_tokens=8000 cannot be greater than max_model_len=4096. Please "
+            "request fewer output tokens. (parameter=max_tokens, value=8000)",
             "type": "BadRequestError",
-            "param": None,
+            "param": "max_tokens",
             "code": 400,
         }
     }
+    long = chat(messages=[{"role": "user", "content": "x" * 16400}])
+    too_long = client.post(url + "/v1/chat/completions", json=long).json()["error"]
+    assert too_long["param"] == "input_tokens"
+    assert too_long["message"].startswith(
+        "This model's maximum context length is 4096 tokens. However, your prompt contains "
+        "4100 input tokens, which exceeds this limit even without any output tokens."
+    )
+    clamped = chat(False, messages=[{"role": "user", "content": "x" * 16360}], max_tokens=4000)
+    answer = client.post(url + "/v1/chat/completions", json=clamped).json()
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert answer["usage"]["completion_tokens"] == 4096 - 4090
 
 
 def test_unknown_model_is_vllms_404(sdk: openai.OpenAI) -> None:

@@ -130,7 +130,7 @@ def test_output_is_cut_to_what_the_context_has_left() -> None:
 def test_prompt_filling_the_context_is_vllms_400() -> None:
     reply = error({**BODY, "messages": [{"role": "user", "content": "x" * 400}]})
     assert reply.status == 400
-    assert b"However, you requested 100 tokens in the messages" in reply.body
+    assert b"However, your prompt contains 100 input tokens" in reply.body
 
 
 def test_forced_context_length_error_has_consistent_numbers() -> None:
