@@ -105,7 +105,16 @@ def _unit(message: dict[str, Any]) -> bytes:
             message = {**message, "content": only["text"]}
         else:
             message = {**message, "content": blocks}
-    return orjson.dumps(message, option=orjson.OPT_SORT_KEYS)
+    try:
+        return orjson.dumps(message, option=orjson.OPT_SORT_KEYS)
+    except (orjson.JSONEncodeError, TypeError):
+        # deeper than orjson writes (it reads deeper than it writes): the request went on,
+        # its record must too (a client's 300 nested lists lost both its turn and record)
+        return _UNWRITABLE
+
+
+#: What a message orjson cannot write is hashed as: no vLLM renders such a prompt.
+_UNWRITABLE = b"\x00unwritable"
 
 
 def _blocks(text: str) -> Prefix:

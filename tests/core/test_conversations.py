@@ -300,3 +300,14 @@ def test_agents_that_differ_in_their_system_prompt_alone_are_never_joined(
     a2 = turn(3.0, "You are agent A, a reviewer", more)
     assert a1.id != b1.id and b1.index == 1
     assert (a2.id, a2.index, a2.gap) == (a1.id, 2, 2.0)
+
+
+def test_a_message_nested_deeper_than_json_writes_still_gets_a_chain() -> None:
+    """orjson reads deeper nesting than it writes: a client's 300 nested lists raised out
+    of the hashing, and the request lost its turn and its record."""
+    deep: Any = "x"
+    for _ in range(300):
+        deep = [deep]
+    messages = [SYSTEM, {"role": "user", "content": deep}]
+    chain, complete = message_chain(messages)
+    assert complete and len(chain) == 2 and of_prompt(messages) is not None

@@ -328,3 +328,22 @@ def test_identify(given: dict[str, tuple[int, bytes]], want: tuple[str, str]) ->
 def test_a_version_is_a_bounded_label() -> None:
     kind, version = identify(answers(vllm=(200, orjson.dumps({"version": "x y\n" * 100}))))
     assert kind == "vllm" and len(version) <= 64 and " " not in version
+
+
+def test_a_call_whose_arguments_nest_deeper_than_json_writes_is_judged_not_a_failure() -> None:
+    """orjson reads deeper nesting than it writes: such arguments once raised out of the
+    line's facts, and the stream went unmeasured. The call counts, its arguments unknown."""
+    deep = b'{"a":' * 300 + b"{}" + b"}" * 300  # written by hand: orjson cannot
+    call = b'{"id":"call_a","function":{"index":0,"name":"f","arguments":' + deep + b"}}"
+    head = b'{"model":"m","message":{"role":"assistant","content":"","tool_calls":['
+    chat = seam("/api/chat")
+    observer = StreamObserver(chat.read_request({"model": "m", "messages": []}), 0.0)
+    observer.open(200, "application/x-ndjson", 0.01)
+    observer.feed(head + call + b']},"done":false}\n' + line(DONE) + b"\n", 0.1)
+    m = asyncio.run(
+        observer.finish(
+            end=0.2, started_at=0.0, status_code=200, error_type=None, error_message=None
+        )
+    )
+    assert m.ok and m.first_tool_call == 0.1
+    assert [c.outcome for c in m.tool_calls] == ["invalid_arguments"]

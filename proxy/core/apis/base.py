@@ -512,5 +512,15 @@ def identity(obj: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def json_text(value: object) -> str:
+    """`value` written as JSON text (a call's arguments sent as an object), "" when orjson
+    cannot write it: it reads deeper nesting than it writes, and an answer's odd value
+    must not break its measuring."""
+    try:
+        return orjson.dumps(value).decode()
+    except (orjson.JSONEncodeError, TypeError):
+        return ""
+
+
 def as_int(value: object) -> int | None:
     return value if type(value) is int else None

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
 from proxy.core.apis.base import (
     MALFORMED,
     NOTHING,
@@ -29,6 +27,7 @@ from proxy.core.apis.base import (
     as_int,
     identity,
     json_object,
+    json_text,
     request_info,
     sampling_options,
 )
@@ -224,7 +223,7 @@ def _whole(facts: Facts, content: list[Any]) -> None:
                 facts.reasoning = [*(facts.reasoning or ()), thinking]
         elif kind == "tool_use":
             given = block.get("input")
-            arguments = orjson.dumps(given).decode() if type(given) is dict else ""
+            arguments = json_text(given) if type(given) is dict else ""
             calls.append(CallPiece(index, True, arguments, closes=True))
     if calls:
         facts.calls = tuple(calls)

@@ -37,7 +37,15 @@ from typing import Any, ClassVar
 
 import orjson
 
-from proxy.core.apis.base import MALFORMED, NOTHING, Api, Facts, RequestInfo, TokenCounts
+from proxy.core.apis.base import (
+    MALFORMED,
+    NOTHING,
+    Api,
+    Facts,
+    RequestInfo,
+    TokenCounts,
+    json_text,
+)
 from proxy.core.engine import EngineMetrics
 from proxy.core.engine_ollama import ollama_embed_engine, ollama_engine
 from proxy.core.measurement import TokenSource
@@ -245,7 +253,7 @@ def _whole_calls(calls: list[Any]) -> tuple[CallPiece, ...] | None:
             number = hash(key)
         else:
             number = index if type(index) is int else position
-        text = orjson.dumps(arguments).decode() if type(arguments) is dict else ""
+        text = json_text(arguments) if type(arguments) is dict else ""
         pieces.append(CallPiece(number, True, text, closes=True))
     return tuple(pieces) or None
 
@@ -260,5 +268,5 @@ def _call_texts(calls: list[Any]) -> list[str]:
             if type(name) is str:
                 texts.append(name)
             if arguments is not None:
-                texts.append(orjson.dumps(arguments).decode())
+                texts.append(json_text(arguments))
     return texts
