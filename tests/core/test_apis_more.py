@@ -470,6 +470,10 @@ def test_an_echo_keeps_each_choices_prompt_by_its_index() -> None:
     assert api.read_request({"prompt": [5, 6, 7], "echo": True}).echoed == ([5, 6, 7],)
     assert api.read_request({"prompt": "a", "echo": True, "return_token_ids": True}).echoed == ()
     assert api.read_request({"prompt": "a"}).echoed == ()
+    # a hostile n is no reason to fill the memory: past MAX_ECHOED nothing is kept (an
+    # n of 2**70 was a tuple of 2**70 prompts, built before the request went on)
+    assert api.read_request({"prompt": "a", "echo": True, "n": 2**70}).echoed == ()
+    assert len(api.read_request({"prompt": "a", "echo": True, "n": 4096}).echoed) == 4096
     # the observer gives the counter the prompts of the choices that answered
     observer = StreamObserver(batch, 0.0)
     observer.open(200, "application/json", 0.0)

@@ -13,6 +13,10 @@ from proxy.core.apis.base import RequestInfo
 from proxy.core.apis.chat import OpenAIGeneration, add_texts
 from proxy.core.lax import lax_bool, lax_int
 
+#: The most choices whose echoed prompts a request keeps; past it (vLLM refuses an `n`
+#: over its --max-num-seqs, 1024 at most by default) a tokenizer's count keeps them in.
+MAX_ECHOED = 4096
+
 
 class Completions(OpenAIGeneration):
     endpoint = "/v1/completions"
@@ -46,6 +50,8 @@ class Completions(OpenAIGeneration):
         prompts = prompt if many else [prompt]
         n = lax_int(obj.get("n"))
         each = n if n is not None and n > 0 else 1
+        if each * len(prompts) > MAX_ECHOED:  # a client's n = 2**70 would fill the memory
+            return info
         return replace(info, echoed=tuple(p for p in prompts for _ in range(each)))
 
     def ask_for_usage(self, obj: dict[str, Any], body: bytes) -> bytes | None:
