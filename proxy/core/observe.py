@@ -372,6 +372,9 @@ class StreamObserver:
             return True
         if not self.api.finish_ends_stream or self.finish_reason is None:
             return False
+        due = self.request.choices_due
+        if due > 1 and not all(choice in self.finishes for choice in range(due)):
+            return False
         return self.choices.keys() <= self.finishes.keys()
 
     def outcome(self) -> tuple[ErrorType | None, str | None]:

@@ -545,3 +545,15 @@ def test_a_native_completion_of_two_prompts_adds_their_counts_up() -> None:
     assert (m.output_tokens, m.prompt_tokens, m.token_source) == (6, 7, TokenSource.ENGINE)
     assert (m.finish_reasons, m.error_type, m.malformed_events) == (("length", "length"), None, 0)
     assert m.engine is not None and m.engine.time_to_first_token == 0.005614  # index 1's: first
+
+
+def test_a_native_completion_of_two_prompts_cut_after_the_first_is_truncated() -> None:
+    """With one slot llama-server runs the prompts one after another: a stream cut after
+    the first prompt's last object has every finish it streamed, and is still short of
+    the second prompt's (it read as whole)."""
+    reads = events("llamacpp/native_completion_stream.sse")  # prompt 0, whole
+    body = orjson.dumps({"prompt": ["once upon", "a time"], "n_predict": 5, "stream": True})
+    m = run("/completion", body, reads, NATIVE_TIMES, NATIVE_TIMES[-1])
+    assert (m.error_type, m.output_tokens) == (ErrorType.STREAM_TRUNCATED, 5)
+    whole = run("/completion", NATIVE, reads, NATIVE_TIMES, NATIVE_TIMES[-1])
+    assert whole.error_type is None  # one prompt: its last object ends it

@@ -60,6 +60,10 @@ class RequestInfo:
     #: Completions with `echo`: the prompt each choice's text begins with, by choice index
     #: (what a tokenizer's count of the output leaves out); empty without echo.
     echoed: tuple[Any, ...] = ()
+    #: The choices a stream owes before it may end on their finishes alone (an API whose
+    #: stream has no end marker: llama.cpp's /completion runs a list of prompts one after
+    #: another, and a stream cut between two of them has every finish it streamed).
+    choices_due: int = 1
     #: The request's chat template options, as vLLM passes them to the template (tools,
     #: add_generation_prompt, continue_final_message, chat_template_kwargs), for a
     #: tokenizer's count of the prompt; None when it has none.

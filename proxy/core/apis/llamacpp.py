@@ -30,9 +30,19 @@ answered as a JSON array, whose counts are not read. llama-server's other native
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, ClassVar
 
-from proxy.core.apis.base import MALFORMED, NOTHING, Api, Facts, TokenCounts, as_int, json_object
+from proxy.core.apis.base import (
+    MALFORMED,
+    NOTHING,
+    Api,
+    Facts,
+    RequestInfo,
+    TokenCounts,
+    as_int,
+    json_object,
+)
 from proxy.core.apis.chat import keep
 from proxy.core.measurement import TokenSource
 
@@ -80,6 +90,15 @@ class LlamaCompletion(Api):
 
     def prompt(self, obj: dict[str, Any]) -> Any:
         return obj.get("prompt")
+
+    def read_request(self, obj: dict[str, Any]) -> RequestInfo:
+        """A list of prompts owes a last object for each (with one slot they stream one
+        after another: a cut between two left no sign of the second)."""
+        info = super().read_request(obj)
+        prompt = info.prompt
+        if type(prompt) is list and len(prompt) > 1 and any(type(p) is not int for p in prompt):
+            return replace(info, choices_due=len(prompt))  # (a list of ids is one prompt)
+        return info
 
     def event(self, payload: bytes, collect: bool, identify: bool) -> Facts:
         obj = json_object(payload)
