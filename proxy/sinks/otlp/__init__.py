@@ -13,7 +13,9 @@ and docs/gen-ai/gen-ai-token-metrics.md at 27f82f09):
   gen_ai.client.inference.usage.output_tokens   {token}  counter (also cache_read.input_tokens,
                                                          reasoning.output_tokens)
   gen_ai.client.inference.operation.input_tokens / .output_tokens  {token}  per request,
-                                                         failed ones too (0 without usage)
+                                                         failed ones too (0 without usage;
+                                                         none where content chunks were
+                                                         counted: those are no tokens)
 
 and for gen_ai.operation.name "embeddings" (docs/gen-ai/client-embeddings.md at 88eccb15)
 gen_ai.client.embeddings.duration and gen_ai.client.embeddings.operation.input_tokens
