@@ -18,8 +18,9 @@ import orjson
 
 from proxy.sim.tokens import VOCAB, count_prompt_tokens
 
-#: The vLLM release the simulator says it is (GET /version).
-VLLM_VERSION = "0.11.0+sim"
+#: The vLLM release the simulator says it is (GET /version): the one whose shapes it plays
+#: (tests/fixtures/streams/vllm-0.32/), marked as no real one.
+VLLM_VERSION = "0.32.0+sim"
 _FIRST_ID = 100
 
 
