@@ -8,13 +8,15 @@ pydantic `model_dump_json(exclude_unset=True)`, so only the fields it sets appea
 the model's field order (event: type, message, delta, content_block, index, error,
 usage), and every event is `event: <type>\\ndata: <json>\\n\\n`:
 
-  message_start        with the role chunk (t~0): message {id, content: [], model,
-                       stop_reason: null, stop_sequence: null, usage {input_tokens,
-                       output_tokens: 0}} (no "type"/"role": they are defaults, unset)
+  message_start        with the role chunk (t~0): message {id, type: "message", role:
+                       "assistant", content: [], model, stop_reason: null,
+                       stop_sequence: null, usage {input_tokens, output_tokens: 0}}
+                       (vLLM 0.32 sets type and role: its captured messages_stream.sse)
   content_block_start  lazily, just before the first text delta:
                        {"type":"text","text":""} at index 0
   content_block_delta  {"type":"text_delta","text":...} per chunk
-  content_block_stop   then message_delta {delta {stop_reason}, usage {input_tokens,
+  content_block_stop   then message_delta {delta {stop_reason, stop_sequence: null},
+                       usage {input_tokens,
                        output_tokens}} from the usage chunk, then message_stop ([DONE])
 
 stop_reason: vLLM maps finish_reason stop -> end_turn, length -> max_tokens,
@@ -97,8 +99,9 @@ class MessagesWire:
 
     def opening(self) -> list[bytes]:
         message = (
-            b'{"id":%s,"content":[],"model":%s,"stop_reason":null,"stop_sequence":null,'
-            b'"usage":%s}' % (self._id, self._model, self.usage(0))
+            b'{"id":%s,"type":"message","role":"assistant","content":[],"model":%s,'
+            b'"stop_reason":null,"stop_sequence":null,"usage":%s}'
+            % (self._id, self._model, self.usage(0))
         )
         start = _event(b"message_start", b'{"type":"message_start","message":%s}' % message)
         return [start, PING] if self._plan.ping else [start]
@@ -128,8 +131,8 @@ class MessagesWire:
         out.append(
             _event(
                 b"message_delta",
-                b'{"type":"message_delta","delta":{"stop_reason":%s},"usage":%s}'
-                % (orjson.dumps(self.finish_reason), self.usage(sent)),
+                b'{"type":"message_delta","delta":{"stop_reason":%s,"stop_sequence":null},'
+                b'"usage":%s}' % (orjson.dumps(self.finish_reason), self.usage(sent)),
             )
         )
         out.append(_event(b"message_stop", b'{"type":"message_stop"}'))

@@ -101,11 +101,13 @@ def test_messages_stream_sends_vllm_events_in_order(
     assert got.names() == MESSAGES_STREAM
     start = got.events[0].json
     record = last_record(app)
-    # vLLM dumps with exclude_unset: no "type"/"role" inside message (serving.py).
+    # vLLM 0.32 sets "type" and "role" inside message (its captured messages_stream.sse)
     assert start == {
         "type": "message_start",
         "message": {
             "id": record.id,
+            "type": "message",
+            "role": "assistant",
             "content": [],
             "model": "sim-model",
             "stop_reason": None,
@@ -124,7 +126,7 @@ def test_messages_stream_sends_vllm_events_in_order(
     assert got.first("content_block_stop").json == {"type": "content_block_stop", "index": 0}
     assert got.first("message_delta").json == {
         "type": "message_delta",
-        "delta": {"stop_reason": "end_turn"},
+        "delta": {"stop_reason": "end_turn", "stop_sequence": None},
         "usage": {"input_tokens": record.prompt_tokens, "output_tokens": TOKENS},
     }
     assert got.events[-1].json == {"type": "message_stop"}
@@ -164,7 +166,8 @@ def test_messages_stop_reason_mapping(
     stop_reason: str | None,
 ) -> None:
     got = read_named_events(client, url, "/v1/messages", message(**extra), headers)
-    assert got.first("message_delta").json["delta"] == {"stop_reason": stop_reason}
+    delta = {"stop_reason": stop_reason, "stop_sequence": None}
+    assert got.first("message_delta").json["delta"] == delta
     streamed = client.post(url + "/v1/messages", json=message(False, **extra), headers=headers)
     assert streamed.json().get("stop_reason") == stop_reason
 
