@@ -182,7 +182,8 @@ class TokenCounter:
         try:
             return await loop.run_in_executor(self._executor, work)
         except Exception as exc:
-            log.warning("counting tokens with %s failed: %r", self.path, exc)
+            # the type alone: a tokenizer's message may quote the text, a client's prompt
+            log.warning("counting tokens with %s failed: %s", self.path, type(exc).__name__)
             if failed is not None:
                 failed(FAILURE_STAGE)
             return None

@@ -252,14 +252,16 @@ def test_a_batch_counts_each_choice_less_its_own_echoed_prompt(tmp_path: Path, e
     assert m.token_source is TokenSource.TOKENIZER and m.output_tokens == vllm
 
 
-def test_a_tokenizer_that_raises_loses_the_counts_not_the_record(tmp_path: Path) -> None:
+def test_a_tokenizer_that_raises_loses_the_counts_not_the_record(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """The counts fall back as without a tokenizer, the timings stay, and the failure is
     told as stage "tokenizer" (tokenprobe_measurement_failures_total): observer.finish
     once raised, and the request got a bare record without TTFT or TPOT."""
     counter = loaded_counter(tmp_path)
 
     def broken(*args: object, **kwargs: object) -> list[int]:
-        raise ValueError("tokenizer failed")
+        raise ValueError("tokenizer failed on: my password is hunter2")  # a quoted text
 
     counter._loading.result().encode = broken
     failed: list[str] = []
@@ -274,3 +276,4 @@ def test_a_tokenizer_that_raises_loses_the_counts_not_the_record(tmp_path: Path)
     assert (m.ttft, m.tpot) == (0.125, 0.125)
     assert (m.reasoning_tokens, m.reasoning_token_source) == (1, "events")
     assert failed == ["tokenizer", "tokenizer"]  # the counts, then the reasoning's
+    assert "ValueError" in caplog.text and "hunter2" not in caplog.text  # never the text
