@@ -139,8 +139,9 @@ def template_kwargs(template: dict[str, Any]) -> dict[str, Any]:
     2. those over the tools and `tokenize: false` (renderers/online_renderer.py,
        preprocess_chat, then ChatParams.with_defaults): a chat_template_kwargs `tools`
        wins over the request's;
-    3. the request's `chat_template` and `return_dict: false` over all
-       (renderers/params.py, ChatParams.get_apply_chat_template_kwargs).
+    3. `return_dict: false` over all (renderers/params.py,
+       ChatParams.get_apply_chat_template_kwargs). A request's own `chat_template` is not
+       rendered here (tokens.count_chat: such a prompt is not counted).
 
     vLLM then keeps only the names the template or apply_chat_template knows
     (renderers/hf.py, resolve_chat_template_kwargs); a name the template does not use
@@ -159,7 +160,7 @@ def template_kwargs(template: dict[str, Any]) -> dict[str, Any]:
         extra["enable_thinking"] = effort != "none"
     merged = _merge(user, extra)
     merged = _merge({"tools": template_tools_of(template.get("tools")), "tokenize": False}, merged)
-    return _merge(merged, {"chat_template": template.get("chat_template"), "return_dict": False})
+    return _merge(merged, {"return_dict": False})
 
 
 def _flag(value: Any, default: bool) -> bool:

@@ -83,14 +83,22 @@ def count_chat(
     the request's `add_special_tokens` (chat_completion/protocol.py, build_tok_params:
     default false, for the template writes its own special tokens; true adds the
     tokenizer's BOS on top, as vLLM does). None where there is no chat template or it
-    refuses these messages (vLLM answers that 400)."""
-    if not getattr(tokenizer, "chat_template", None) and not template.get("chat_template"):
+    refuses these messages (vLLM answers that 400), and where the request brings its own
+    `chat_template`: a client's Jinja is not run in the proxy (its loops could hold the
+    one counting thread), and vLLM refuses it unless started with
+    --trust-request-chat-template."""
+    given = template.get("chat_template_kwargs")
+    if (
+        not getattr(tokenizer, "chat_template", None)
+        or template.get("chat_template")
+        or (isinstance(given, dict) and "chat_template" in given)
+    ):
         return None
     kwargs = template_kwargs(template)
     try:
         rendered = tokenizer.apply_chat_template(parsed_arguments(messages), **kwargs)
     except Exception as exc:  # a template that refuses these messages (raise_exception)
-        log.debug("the chat template refused a prompt: %s", exc)
+        log.debug("the chat template refused a prompt: %s", type(exc).__name__)
         return None
     if isinstance(rendered, str):
         special = lax_bool(template.get("add_special_tokens")) is True

@@ -15,7 +15,7 @@ from proxy.core.chat_prompt import (
     template_messages,
     template_tools_of,
 )
-from proxy.core.tokens import count_prompt, load_tokenizer
+from proxy.core.tokens import count_chat, count_prompt, load_tokenizer
 from tests.tokenizers_local import build_tiny_tokenizer, mistral_tokenizer_dir
 
 
@@ -251,3 +251,22 @@ def test_template_kwargs_merge_as_vllms_merge_kwargs() -> None:
                               "chat_template_kwargs": {"tools": "mine", "x": "auto"}})  # fmt: skip
     assert kwargs == {"tools": "mine", "tokenize": False, "add_generation_prompt": True,
                       "continue_final_message": False, "return_dict": False}  # fmt: skip
+
+
+def test_a_request_that_brings_its_own_chat_template_is_not_counted(tmp_path: Path) -> None:
+    """A client's Jinja is never run in the proxy: a loop of its own could hold the one
+    counting thread, and vLLM refuses such a request unless started with
+    --trust-request-chat-template. Neither the field nor a chat_template_kwargs entry."""
+    tokenizer = load_tokenizer(str(build_tiny_tokenizer(tmp_path)))
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    messages = [{"role": "user", "content": "hi"}]
+    # within the sandbox's range bound each, and 10**10 steps together
+    looping = "{% for i in range(10**5) %}{% for j in range(10**5) %}x{% endfor %}{% endfor %}"
+    harmless = "{% for m in messages %}{{ m['content'] }}!{% endfor %}"
+    assert count_chat(tokenizer, messages, {}) is not None
+    for own in (harmless, looping):
+        assert count_chat(tokenizer, messages, {"chat_template": own}) is None
+        assert (
+            count_chat(tokenizer, messages, {"chat_template_kwargs": {"chat_template": own}})
+            is None
+        )
