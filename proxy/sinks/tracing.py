@@ -109,6 +109,7 @@ class Tracing:
             attributes["gen_ai.request.previous_response.id"] = previous
         if self.trace_content:
             attributes.update(_content(info, api.input_messages(info.prompt)))
+        attributes = _int64(attributes)
         span = self.tracer.start_span(
             f"{operation} {model}" if model else operation,
             context=parent,
@@ -133,7 +134,7 @@ class Tracing:
             span.end()
             return
         start_ns = int(m.started_at * 1e9)
-        span.set_attributes(_finish_attributes(m, current=self.names.current))
+        span.set_attributes(_int64(_finish_attributes(m, current=self.names.current)))
         if m.ttfb is not None:
             span.add_event("first_byte", timestamp=start_ns + int(m.ttfb * 1e9))
         if m.ttft is not None:
@@ -150,6 +151,23 @@ class Tracing:
     def shutdown(self) -> None:
         """Export what is queued (bounded by the exporter's timeout) and stop. Blocking."""
         self.provider.shutdown()
+
+
+def _int64(attributes: dict[str, Any]) -> dict[str, Any]:
+    """The attributes OTLP can carry: an integer beyond 64 bits (a client's `seed` of
+    2**64 - 1, which JSON allows, or a backend's count) is left out here, for the OTLP
+    encoder logs a traceback for each such attribute ("Value out of range") before it
+    leaves it out: one a request, as many as a client likes."""
+    if not any(type(v) is int and not _INT64_MIN <= v <= _INT64_MAX for v in attributes.values()):
+        return attributes
+    return {
+        k: v
+        for k, v in attributes.items()
+        if not (type(v) is int and not _INT64_MIN <= v <= _INT64_MAX)
+    }
+
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def _request_options(info: RequestInfo) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -117,6 +118,22 @@ def test_the_request_s_sampling_options_reach_the_span_at_its_start(
     assert attributes["gen_ai.request.presence_penalty"] == 0.2
     assert attributes["gen_ai.request.stop_sequences"] == ("\n\n",)
     assert attributes["gen_ai.output.type"] == "json"
+
+
+def test_a_seed_beyond_64_bits_is_left_out_quietly(
+    traced_proxy: Traced, caplog: pytest.LogCaptureFixture
+) -> None:
+    """JSON allows a seed of 2**64 - 1 (orjson reads it as an int); OTLP carries 64-bit
+    integers, and its encoder logged a traceback for each such attribute before leaving
+    it out: a client could fill the proxy's log. The proxy leaves it out itself."""
+    body = orjson.dumps({**chat(), "seed": 2**64 - 1, "top_k": 20})
+    headers = {"content-type": "application/json"}
+    response = httpx.post(traced_proxy.url + "/v1/chat/completions", content=body, headers=headers)
+    assert response.status_code == 200
+    (span,) = traced_proxy.receiver.wait_for()
+    assert "gen_ai.request.seed" not in span.attributes
+    assert span.attributes["gen_ai.request.top_k"] == 20
+    assert "out of range" not in caplog.text
 
 
 def test_client_traceparent_joins_the_trace_and_upstream_sees_the_proxy_span(
