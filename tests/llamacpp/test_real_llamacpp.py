@@ -313,18 +313,25 @@ def test_a_repeated_prompt_shows_its_cache_n_as_cached_tokens(llama: Llama) -> N
 # -- tokenprobe bench through the proxy ------------------------------------------------------
 
 
-def test_bench_through_the_proxy_agrees_with_the_servers_timings(
-    llama: Llama, tmp_path: Path
-) -> None:
+def bench_through_the_proxy(llama: Llama, tmp_path: Path, *flags: str) -> dict[str, Any]:
+    """`tokenprobe bench` of 4 requests of 8 tokens through the proxy, cross-checked with
+    its /metrics (--compare-metrics): the run's JSON."""
     out = tmp_path / "bench.json"
     done = subprocess.run(
-        [sys.executable, "-m", "proxy", "bench", "--url", llama.proxy_url + "/v1",
-         "--model", SERVED, "--requests", "4", "--max-tokens", "8", "--out", str(out),
+        [sys.executable, "-m", "proxy", "bench", *flags, "--model", SERVED, "--requests", "4",
+         "--max-tokens", "8", "--out", str(out),
          "--compare-metrics", llama.proxy_url + "/metrics", "--quiet"],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    run = json.loads(out.read_text())
+    run: dict[str, Any] = json.loads(out.read_text())
+    return run
+
+
+def test_bench_through_the_proxy_agrees_with_the_servers_timings(
+    llama: Llama, tmp_path: Path
+) -> None:
+    run = bench_through_the_proxy(llama, tmp_path, "--url", llama.proxy_url + "/v1")
     records = run["records"]
     assert len(records) == 4
     for r in records:
@@ -340,7 +347,7 @@ def test_bench_through_the_proxy_agrees_with_the_servers_timings(
     mean = sum(r["engine"]["time_to_first_token"] for r in records) / 4
     assert math.isclose(split["engine"], mean, rel_tol=1e-9)
     compare = run["compare"]
-    assert compare is not None, done.stdout
+    assert compare is not None
 
 
 def test_bench_measures_the_native_completion_as_the_proxy_does(
@@ -349,16 +356,9 @@ def test_bench_measures_the_native_completion_as_the_proxy_does(
     """`tokenprobe bench --endpoint llamacpp-completion` drives llama.cpp's own
     /completion: its counts are the server's (`source` engine, every token with
     ignore_eos), and the proxy's /metrics agree with the bench's figures."""
-    out = tmp_path / "bench.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "proxy", "bench", "--url", llama.proxy_url,
-         "--endpoint", "llamacpp-completion", "--model", SERVED, "--requests", "4",
-         "--max-tokens", "8", "--out", str(out),
-         "--compare-metrics", llama.proxy_url + "/metrics", "--quiet"],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
-    run = json.loads(out.read_text())
+    run = bench_through_the_proxy(
+        llama, tmp_path, "--url", llama.proxy_url, "--endpoint", "llamacpp-completion"
+    )
     records = run["records"]
     assert len(records) == 4
     for r in records:

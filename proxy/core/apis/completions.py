@@ -58,7 +58,7 @@ class Completions(OpenAIGeneration):
         """As chat's (OpenAIGeneration.ask_for_usage), and not for a batch of prompts:
         vLLM streams a choice for each (`i = output.index + prompt_idx * num_choices`,
         completion/serving.py) and stamps every one's terminal chunk, as with n > 1."""
-        if _batch(obj.get("prompt")):
+        if batch_of_prompts(obj.get("prompt")):
             return None
         return super().ask_for_usage(obj, body)
 
@@ -78,7 +78,7 @@ class Completions(OpenAIGeneration):
         return "text"
 
 
-def _batch(prompt: Any) -> bool:
+def batch_of_prompts(prompt: Any) -> bool:
     """More than one prompt: a list of texts or of token-id lists (a list of token ids is
     one prompt)."""
     return type(prompt) is list and len(prompt) > 1 and any(type(p) is not int for p in prompt)

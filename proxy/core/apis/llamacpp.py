@@ -44,6 +44,7 @@ from proxy.core.apis.base import (
     json_object,
 )
 from proxy.core.apis.chat import keep
+from proxy.core.apis.completions import batch_of_prompts
 from proxy.core.measurement import TokenSource
 
 #: stop_type onto the closed finish set.
@@ -96,8 +97,8 @@ class LlamaCompletion(Api):
         after another: a cut between two left no sign of the second)."""
         info = super().read_request(obj)
         prompt = info.prompt
-        if type(prompt) is list and len(prompt) > 1 and any(type(p) is not int for p in prompt):
-            return replace(info, choices_due=len(prompt))  # (a list of ids is one prompt)
+        if batch_of_prompts(prompt):  # (a list of token ids is one prompt)
+            return replace(info, choices_due=len(prompt))
         return info
 
     def event(self, payload: bytes, collect: bool, identify: bool) -> Facts:
