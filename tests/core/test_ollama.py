@@ -60,6 +60,30 @@ def test_streaming_is_the_default_and_options_carry_the_limits() -> None:
     assert seam("/api/embed").read_request({"model": "m", "input": "x"}).stream is False
 
 
+def test_the_sampling_options_and_format_are_the_spans_request_attributes() -> None:
+    """Ollama's options sit in `options` and its output type in `format` (api/types.go):
+    read as chat's top-level fields are, for gen_ai.request.* (they were left out)."""
+    options = {"seed": 7, "top_k": 20, "top_p": 0.9, "stop": ["\n"], "presence_penalty": 0.5}
+    chat = seam("/api/chat").read_request(
+        {"model": "m", "messages": [], "options": options, "format": "json"}
+    )
+    assert chat.options is not None
+    o = chat.options
+    assert (o.seed, o.top_k, o.top_p, o.stop_sequences, o.presence_penalty) == (
+        7,
+        20,
+        0.9,
+        ("\n",),
+        0.5,
+    )
+    assert (o.output_type, o.choices) == ("json", None)
+    schema = seam("/api/generate").read_request(
+        {"model": "m", "prompt": "x", "format": {"type": "object"}}
+    )
+    assert schema.options is not None and schema.options.output_type == "json"
+    assert seam("/api/generate").read_request({"model": "m", "prompt": "x"}).options is None
+
+
 # -- lines --------------------------------------------------------------------------------
 
 

@@ -352,7 +352,7 @@ def request_info(
         stream=lax_bool(obj.get("stream")) is True,  # as vLLM reads it: "true" streams
         usage_requested=api.usage_requested(obj),
         max_tokens=lax_int(api.max_tokens(obj)),  # as vLLM reads them: "16" is 16
-        temperature=_finite(obj.get("temperature")),
+        temperature=finite_float(obj.get("temperature")),
         prompt=api.prompt(obj),
         template=api.template(obj),
         previous_response_id=previous_response_id,
@@ -420,7 +420,8 @@ def _text(content: object) -> object:
     )
 
 
-def _finite(value: object) -> float | None:
+def finite_float(value: object) -> float | None:
+    """A float field as vLLM reads it, None where it is no finite number."""
     number = lax_float(value)
     return number if number is None or math.isfinite(number) else None
 
@@ -462,10 +463,10 @@ def sampling_options(
     return RequestOptions(
         seed=lax_int(values[0]),
         choices=lax_int(values[1]),
-        top_p=_finite(values[2]),
+        top_p=finite_float(values[2]),
         top_k=lax_int(values[3]),
-        frequency_penalty=_finite(values[4]),
-        presence_penalty=_finite(values[5]),
+        frequency_penalty=finite_float(values[4]),
+        presence_penalty=finite_float(values[5]),
         stop_sequences=stop_sequences(values[6]),
         output_type=output_type(output),
     )

@@ -44,10 +44,13 @@ from proxy.core.apis.base import (
     Facts,
     RequestInfo,
     TokenCounts,
+    finite_float,
     json_text,
+    sampling_options,
 )
 from proxy.core.engine import EngineMetrics
 from proxy.core.engine_ollama import ollama_embed_engine, ollama_engine
+from proxy.core.lax import lax_int
 from proxy.core.measurement import TokenSource
 from proxy.core.toolcalls import CallPiece
 
@@ -68,17 +71,23 @@ class OllamaApi(Api):
     message: ClassVar[bool] = True
 
     def read_request(self, obj: dict[str, Any]) -> RequestInfo:
+        """The sampling options are in `options` (api/types.go Options: seed, top_k,
+        top_p, stop, the penalties), the output type in `format` ("json" or a JSON
+        schema); no `n`. Streaming unless `"stream": false`."""
         options = obj.get("options")
         options = options if type(options) is dict else {}
-        info = super().read_request({**obj, "temperature": options.get("temperature")})
+        model = obj.get("model")
         return RequestInfo(
-            endpoint=info.endpoint,
-            model=info.model,
+            endpoint=self.endpoint,
+            model=model if isinstance(model, str) else "",
             stream=self.generative and obj.get("stream") is not False,
             usage_requested=True,
-            max_tokens=info.max_tokens,
-            temperature=info.temperature,
-            prompt=info.prompt,
+            max_tokens=lax_int(self.max_tokens(obj)),
+            temperature=finite_float(options.get("temperature")),
+            prompt=self.prompt(obj),
+            options=sampling_options(options, output=_format(obj.get("format")), choices=False)
+            if self.generative
+            else None,
         )
 
     def max_tokens(self, obj: dict[str, Any]) -> object:
@@ -235,6 +244,13 @@ class OllamaEmbed(OllamaApi):
 
     def engine_figures(self, obj: object) -> EngineMetrics | None:
         return ollama_embed_engine(obj)
+
+
+def _format(value: object) -> dict[str, str] | None:
+    """Ollama's `format` as a response format: "json", or a JSON schema (an object)."""
+    if value == "json":
+        return {"type": "json_object"}
+    return {"type": "json_schema"} if isinstance(value, dict) else None
 
 
 def _whole_calls(calls: list[Any]) -> tuple[CallPiece, ...] | None:
