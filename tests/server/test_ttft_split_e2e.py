@@ -167,11 +167,15 @@ def _disconnect_after(base: str, n: int, headers: dict[str, str]) -> None:
 
 def test_cancelled_tokens_match_a_client_that_leaves_after_n_content_events(proxy: str) -> None:
     delta = Delta(proxy)
-    slow = {"x-sim-tps": "4", "x-sim-output-tokens": "40"}  # 250 ms between tokens
-    _disconnect_after(proxy, 5, slow)
+    slow = {"x-sim-tps": "2", "x-sim-output-tokens": "40"}  # 500 ms between tokens
+    _disconnect_after(proxy, 3, slow)
     name = "tokenprobe_cancelled_generation_tokens_total"
-    grew = delta.when(name, 5)
-    assert grew(name, source="chunks") == 5
+    grew = delta.when(name, 3)
+    # The metric counts what the proxy saw up to the instant it noticed the disconnect:
+    # the three the client read, and the next one too when noticing took longer than the
+    # 500 ms gap (a loaded CI machine once took over 250 ms). Never the 40 the backend
+    # would have sent, nor a role chunk.
+    assert grew(name, source="chunks") in (3, 4)
     # no tokenizer, no usage: the prompt is not counted
     assert grew("tokenprobe_cancelled_prompt_tokens_total") == 0
 
