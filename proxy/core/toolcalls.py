@@ -5,8 +5,8 @@ tool-call piece), so a plain text stream pays nothing. Each API's seam reads its
 shape into `CallPiece`s (proxy/core/apis/): the call's index in the answer, whether the
 piece opens the call (chat: the delta with `id` and `function.name`; Messages: a
 `tool_use` content_block_start; Responses: a `function_call` output item; Cohere:
-tool-call-start), an argument piece, and whether it closes the call (an API's explicit end
-of a call; chat has none).
+tool-call-start; Ollama: every call, whole in one piece), an argument piece, and whether
+it closes the call (an API's explicit end of a call; chat has none).
 
 Outcomes, one per call the client received (`outcome`): `truncated` when the call was
 still being written as the stream ended (a choice's last call when that choice finished
@@ -74,6 +74,15 @@ class ToolCalls:
     def add(self, piece: CallPiece, now: float) -> None:
         key = (piece.choice, piece.call)
         call = self.calls.get(key)
+        if call is not None and piece.opens and call.closed:
+            if not (piece.closes and self.timed):
+                return  # a repeated opening of a closed call says nothing new
+            # In a stream, a whole call (opened and closed in one piece: Ollama sends each
+            # call once, whole, proxy/core/apis/ollama.py) never continues a closed one: it
+            # is another call with the same number. A body's whole calls come twice, made
+            # here by the observer and then applied (proxy/core/observe.py, _parse_body).
+            # Its key: a number below 0, which no API gives (they count from 0), new each time.
+            key, call = (piece.choice, -1 - len(self.order)), None
         if call is None:
             if piece.closes and not piece.opens:
                 return  # the end of a block that was no call (Messages content_block_stop)
@@ -82,8 +91,6 @@ class ToolCalls:
                 return
             call = self.calls[key] = _Call(now)
             self.order.append(key)
-        elif piece.opens and call.closed:
-            return  # a repeated opening of a closed call says nothing new
         text = piece.arguments
         if text:
             call.last = now

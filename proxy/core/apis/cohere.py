@@ -24,11 +24,18 @@ from proxy.core.apis.base import (
     NOTHING,
     Api,
     Facts,
+    RequestInfo,
+    RequestOptions,
     TokenCounts,
     as_int,
+    finite_float,
     json_object,
+    output_type,
+    request_info,
+    stop_sequences,
 )
 from proxy.core.apis.chat import keep
+from proxy.core.lax import lax_int
 from proxy.core.measurement import TokenSource
 from proxy.core.toolcalls import CallPiece
 
@@ -40,6 +47,11 @@ FINISH = {
     "TOOL_CALL": "tool_calls",
     "ERROR": "error",
 }
+#: The request fields `read_request` takes the sampling and output options from.
+_OPTIONS = frozenset(
+    {"seed", "p", "k", "frequency_penalty", "presence_penalty", "stop_sequences",
+     "response_format"}
+)  # fmt: skip
 
 
 class CohereChat(Api):
@@ -57,6 +69,14 @@ class CohereChat(Api):
         "decode speed; tokens and finish_reason from message-end (usage.tokens, cached_tokens); "
         "a message-end carrying an error"
     )
+
+    def read_request(self, obj: dict[str, Any]) -> RequestInfo:
+        """Cohere's names: `p` and `k` for top_p and top_k, `stop_sequences`; seed, the
+        penalties, `response_format`, temperature and max_tokens as chat's; no `n`
+        (docs.cohere.com/reference/chat; vLLM's CohereChatV2Request in
+        vllm/entrypoints/cohere/protocol.py, which _build_base_chat_completion in serving.py
+        maps onto chat's top_p=p, top_k=k, stop=stop_sequences)."""
+        return request_info(self, obj, _options(obj))
 
     def prompt(self, obj: dict[str, Any]) -> Any:
         return obj.get("messages")
@@ -152,6 +172,23 @@ class CohereChat(Api):
             cached=as_int(usage.get("cached_tokens")),
             source=TokenSource.USAGE,
         )
+
+
+def _options(obj: dict[str, Any]) -> RequestOptions | None:
+    """The options a request names, as `sampling_options` reads chat's; None when it names
+    none (most requests: one pass over its keys)."""
+    if _OPTIONS.isdisjoint(obj):
+        return None
+    get = obj.get
+    return RequestOptions(
+        seed=lax_int(get("seed")),
+        top_p=finite_float(get("p")),
+        top_k=lax_int(get("k")),
+        frequency_penalty=finite_float(get("frequency_penalty")),
+        presence_penalty=finite_float(get("presence_penalty")),
+        stop_sequences=stop_sequences(get("stop_sequences")),
+        output_type=output_type(get("response_format")),
+    )
 
 
 def _index(obj: dict[str, Any]) -> int:

@@ -122,7 +122,10 @@ class Messages(Api):
             delta = obj.get("delta")
             if type(delta) is not dict:
                 return NOTHING
-            field = _DELTA_CONTENT.get(delta.get("type"))  # type: ignore[arg-type]
+            try:
+                field = _DELTA_CONTENT.get(delta.get("type"))  # type: ignore[arg-type]
+            except TypeError:  # a delta `type` that is an object or a list: no delta of ours
+                return NOTHING
             if field is None:
                 return NOTHING
             value = delta.get(field[0])

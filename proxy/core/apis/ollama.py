@@ -254,23 +254,23 @@ def _format(value: object) -> dict[str, str] | None:
 
 
 def _whole_calls(calls: list[Any]) -> tuple[CallPiece, ...] | None:
-    """Each call of a line, whole (Ollama's parsers send a call once it is parsed, its
-    arguments an object: api/types.go ToolCall, ToolCallFunction), to be judged as a
-    stream's calls are. A call is told apart by its `id` (server/routes.go gives each a
-    fresh one, toolCallId), else by `function.index`, else by its place in the line: a
-    later line's call with the same key would be taken for the same call again."""
+    """Each call of a line, or of the whole answer, whole, to be judged as a stream's calls
+    are. Ollama sends a call once, when its parser has read it whole, its arguments an object
+    (api/types.go ToolCall, ToolCallFunction; server/routes.go ChatHandler writes each parser
+    call's calls on its own line): no call goes on over lines, so every call is a call of
+    its own. Its number is its place in the line or answer. Neither `id` nor
+    `function.index` tells calls apart: ids came with v0.12.10 (toolCallId), and the
+    built-in parsers left the index 0 on every call (no omitempty) until v0.17.4 and
+    v0.20.6 (model/parsers: "fix missing parallel tool call indices"). A later line's call
+    with a number already closed is another call (proxy/core/toolcalls.py, ToolCalls.add)."""
     pieces = []
     for position, call in enumerate(calls):
         function = call.get("function") if type(call) is dict else None
         if type(function) is not dict:
             continue
-        key, index, arguments = call.get("id"), function.get("index"), function.get("arguments")
-        if type(key) is str and key:
-            number = hash(key)
-        else:
-            number = index if type(index) is int else position
+        arguments = function.get("arguments")
         text = json_text(arguments) if type(arguments) is dict else ""
-        pieces.append(CallPiece(number, True, text, closes=True))
+        pieces.append(CallPiece(position, True, text, closes=True))
     return tuple(pieces) or None
 
 

@@ -136,7 +136,10 @@ class Responses(Api):
         if obj is None:
             return MALFORMED
         kind = obj.get("type")
-        content = _DELTAS.get(kind)  # type: ignore[arg-type]
+        try:
+            content = _DELTAS.get(kind)  # type: ignore[arg-type]
+        except TypeError:  # a `type` that is an object or a list: no event of ours
+            return NOTHING
         if content is not None:
             delta = obj.get("delta")
             if not delta or type(delta) is not str:
