@@ -1,6 +1,6 @@
-"""What the upstream client raises of its own (proxy/server/upstream.py and its aiohttp
-transport, proxy/server/upstream_aiohttp.py). What they mean for a request is decided in
-proxy/core/errors.py."""
+"""What the upstream clients raise of their own (proxy/server/upstream.py and its aiohttp
+transport, proxy/server/upstream_aiohttp.py; the wire's, proxy/server/wire/). What they mean
+for a request is decided in proxy/core/errors.py."""
 
 from __future__ import annotations
 
@@ -12,6 +12,16 @@ class UpstreamProtocolError(Exception):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind
+
+
+class UpstreamClosed(ConnectionError):
+    """The upstream closed the connection cleanly (a FIN, no reset) before the response
+    ended. The wire raises it, "the upstream closed the connection before ..."; the ASGI
+    relay's transports say the same in their own words (httpx's RemoteProtocolError "peer
+    closed connection without sending complete message body", aiohttp's
+    ContentLengthError). A reset is the system's ConnectionResetError ("Connection reset by
+    peer") on every path. A ConnectionError, like a reset, so proxy/core/errors.py gives
+    both the same error kind: only the words tell them apart."""
 
 
 class ClosedUnanswered(Exception):

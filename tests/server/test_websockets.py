@@ -648,7 +648,9 @@ def test_upstream_closing_before_any_answer_gets_the_client_a_502(
     assert head.startswith(b"HTTP/1.1 502"), answer
     error = json.loads(body)["error"]
     assert error["type"] == "upstream_error"
-    assert error["message"] == "upstream: ConnectionResetError: the upstream closed the connection"
+    assert error["message"] == (
+        "upstream: UpstreamClosed: the upstream closed the connection before answering"
+    )  # a clean close: no reset
     _counted(raw_proxy, "upstream_vanished", before)
 
 

@@ -45,6 +45,7 @@ from proxy.server.tunnel.context import TunnelContext
 from proxy.server.tunnel.handshake import AnswerHead, UpstreamAnswer, admit
 from proxy.server.tunnel.pipe import Pipe
 from proxy.server.tunnel.watch import WsWatch
+from proxy.server.upstream_errors import UpstreamClosed
 
 log = logging.getLogger("tokenprobe")
 
@@ -262,7 +263,7 @@ class Tunnel:
                 outcome = "upstream_vanished"
                 # Before any byte of its answer (a TLS backend refusing the proxy's
                 # certificate, a crash): the client gets what an HTTP request gets.
-                cause = exc or ConnectionResetError("the upstream closed the connection")
+                cause = exc or UpstreamClosed("the upstream closed the connection before answering")
                 failure = relay_failure(Cause.UPSTREAM_BROKE, after_headers=False, exc=cause)
                 assert failure.answer is not None
                 self._answer(*failure.answer)

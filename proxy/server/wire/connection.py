@@ -44,6 +44,7 @@ from proxy.server.headers import Headers
 from proxy.server.protocol import GuardedHttpToolsProtocol
 from proxy.server.rules import ExchangeRules, Stage
 from proxy.server.upstream import RESEND_WITHIN
+from proxy.server.upstream_errors import UpstreamClosed
 from proxy.server.wire.upstream import LAST_CHUNK, Pool, UpstreamConnection, frame_chunk
 
 log = logging.getLogger("tokenprobe")
@@ -501,7 +502,7 @@ class WireRequest(Deadline):
             # short (§8), and the client must not get its last chunk: a break, as below.
             self.response_end(perf_counter(), False)
             return
-        self.upstream_broke(exc or ConnectionResetError("the upstream closed the connection"))
+        self.upstream_broke(exc or _closed_early(conn))
 
     def upstream_broke(self, exc: BaseException) -> None:
         self._end_early(Cause.UPSTREAM_BROKE, exc)
@@ -568,6 +569,19 @@ class WireRequest(Deadline):
                 head_only=self.head_only,
             )
         )
+
+
+def _closed_early(conn: UpstreamConnection | None) -> UpstreamClosed:
+    """A clean close (the transport saw a FIN: `connection_lost(None)`) that cut the
+    response short, named for what it cut. A reset comes with the system's
+    ConnectionResetError, which is the record's words for it."""
+    if conn is None or not conn.answered:
+        where = "before answering"
+    elif conn.in_head:
+        where = "before the end of the response head"
+    else:
+        where = "before the end of the response body"
+    return UpstreamClosed(f"the upstream closed the connection {where}")
 
 
 def _reads_to_close(conn: UpstreamConnection) -> bool:
