@@ -7,6 +7,8 @@ and transcription/translation protocol.py. Chunks are `model_dump_json(exclude_u
   content  {"id","object":"transcription.chunk","created","model",
             "choices":[{"delta":{"content":"<text>"}}]}
   finish   ... "choices":[{"delta":{"content":""},"finish_reason":"stop","stop_reason":null}]
+           (a transcript cut by its token limit ends on its last content chunk instead:
+           `"delta":{"content":"<text>"},"finish_reason":"length"`, as chat's, stream.py)
   usage    ... "choices":[],"usage":{"prompt_tokens","total_tokens","completion_tokens"}
            only when the form says stream_include_usage=true (exclude_none)
   then     data: [DONE]
@@ -73,18 +75,37 @@ class AudioWire:
             orjson.dumps(model),
         )
 
-    def content(self, text: bytes, usage: bytes | None = None) -> bytes:
+    def content(self, text: bytes, usage: bytes | None = None, index: int = 0) -> bytes:
         return self._head + b',"choices":[{"delta":{"content":"' + text + b'"}}]' + _tail(usage)
 
-    def finish(
-        self, finish_reason: str, usage: bytes | None = None, fingerprint: bytes | None = None
+    def last(
+        self,
+        text: bytes,
+        finish_reason: str,
+        usage: bytes | None = None,
+        fingerprint: bytes | None = None,
+        index: int = 0,
+        stop_reason: str | None = None,
     ) -> bytes:
+        """The last token's chunk with the finish (the stream generator sends the finish
+        with the output that carries it, as chat does)."""
         return (
             self._head
-            + b',"choices":[{"delta":{"content":""},"finish_reason":%s,"stop_reason":null}]'
-            % orjson.dumps(finish_reason)
+            + b',"choices":[{"delta":{"content":"'
+            + text
+            + b'"},"finish_reason":%s,"stop_reason":%s}]'
+            % (orjson.dumps(finish_reason), orjson.dumps(stop_reason))
             + _tail(usage)
         )
+
+    def finish(
+        self,
+        finish_reason: str,
+        usage: bytes | None = None,
+        fingerprint: bytes | None = None,
+        index: int = 0,
+    ) -> bytes:
+        return self.last(b"", finish_reason, usage)
 
     def usage(
         self, usage: bytes, fingerprint: bytes | None = None, metrics: bytes | None = None

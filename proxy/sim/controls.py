@@ -62,6 +62,14 @@ Output length: the planned length, cut to `max_completion_tokens`/`max_tokens` (
 `max_tokens`, required; Responses: `max_output_tokens`) or, when none is given, to what
 the context has left, with finish_reason "length".
 `ignore_eos` generates exactly up to that limit, as vLLM does.
+
+Choices: chat's and completions' `n` (read and checked as vLLM does: 1 to 16384, and 1 at
+temperature 0) makes that many choices of the same text. They decode together: each
+pacer slot carries one chunk per choice (stream.py).
+
+Stop strings: chat's and completions' `stop` (and `include_stop_str_in_output`) end the
+programmed text where one first completes, with finish_reason "stop" and the string as
+`stop_reason`; streamed text is held back as vLLM holds it (proxy/sim/stops.py).
 """
 
 from __future__ import annotations
@@ -71,10 +79,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from proxy.core.lax import lax_bool
+from proxy.core.lax import lax_bool, lax_float, lax_int
 from proxy.sim import errors
 from proxy.sim.config import SimConfig
 from proxy.sim.engine import Spec, spec_from
+from proxy.sim.stops import StopError, StopHit, Stops, first_stop, read_stops
 from proxy.sim.tokens import count_prompt_tokens
 
 Kind = Literal[
@@ -137,6 +146,11 @@ class Plan:
     answer_tokens: int = 0
     #: Whose wire shapes chat and completions take (proxy/sim/llamacpp.py for llamacpp).
     backend: BackendKind = "vllm"
+    #: Choices (`n`, chat and completions): they decode together, a token each per step.
+    n: int = 1
+    #: Stop strings (chat and completions), and where one ends the generation, if it does.
+    stops: Stops | None = None
+    stop_hit: StopHit | None = None
 
 
 #: The size of one padding piece of a call's arguments (x-sim-tool-call-argument-bytes).
@@ -300,8 +314,19 @@ def _plan(
     elif room <= 0:
         return errors.prompt_over(n_ctx, prompt_tokens)
 
+    sampling = rules.sampling and not llama
+    choices = _choices(body) if sampling else 1
+    if isinstance(choices, errors.ErrorReply):
+        return choices
+    include_stop = lax_bool(body.get("include_stop_str_in_output")) is True
+    try:
+        stops = read_stops(body.get("stop"), include_stop) if sampling else None
+    except StopError as exc:
+        return errors.bad_request(str(exc))
     planned = number(headers, "x-sim-output-tokens", int, config.output_tokens, 0)
     script = script_from(headers)
+    if script is not None:
+        choices, stops = 1, None  # a script streams one choice, to its own end
     answer = planned
     if script is not None:
         planned = script.tokens(answer)
@@ -310,6 +335,16 @@ def _plan(
     # A script (reasoning, tool calls) ends where it ends: ignore_eos does not stretch it.
     if (body.get("ignore_eos") and script is None) or planned > limit:
         planned, finish = limit, "length"
+    spec = spec_from(
+        number(headers, "x-sim-spec-tokens", int, config.spec_tokens, 0),
+        number(headers, "x-sim-acceptance-rate", float, config.acceptance_rate, 0.0),
+    )
+    per_chunk = number(headers, "x-sim-tokens-per-chunk", int, 1, 1)
+    if spec is not None:
+        per_chunk = spec.per_chunk
+    hit = None if stops is None else first_stop(stops, planned, per_chunk)
+    if hit is not None:
+        planned, finish = hit.tokens, "stop"
 
     options = body.get("stream_options") or {}
     # read as vLLM's pydantic models read it: `1` and "true" ask, "false" does not
@@ -328,11 +363,6 @@ def _plan(
         headers, "x-sim-ttft-per-prompt-token", float, config.ttft_per_prompt_token, 0.0
     )
 
-    spec = spec_from(
-        number(headers, "x-sim-spec-tokens", int, config.spec_tokens, 0),
-        number(headers, "x-sim-acceptance-rate", float, config.acceptance_rate, 0.0),
-    )
-    per_chunk = number(headers, "x-sim-tokens-per-chunk", int, 1, 1)
     return Plan(
         kind=kind,
         model=model,
@@ -343,7 +373,7 @@ def _plan(
         finish_reason=headers.get("x-sim-finish-reason", finish),
         ttft=ttft,
         tokens_per_second=number(headers, "x-sim-tps", float, config.tokens_per_second, 1e-9),
-        tokens_per_chunk=per_chunk if spec is None else spec.per_chunk,
+        tokens_per_chunk=per_chunk,
         include_usage=include_usage and usage_mode != "ignore",
         continuous_usage=include_usage
         and usage_mode != "ignore"
@@ -365,7 +395,38 @@ def _plan(
         script=script,
         answer_tokens=answer,
         backend=backend,
+        n=choices,
+        stops=stops,
+        stop_hit=hit,
     )
+
+
+#: vllm/envs.py VLLM_MAX_N_SEQUENCES, its default.
+MAX_N = 16384
+#: vllm/sampling_params.py _SAMPLING_EPS: a temperature below it samples greedily.
+SAMPLING_EPS = 1e-5
+
+
+def _choices(body: dict[str, Any]) -> int | errors.ErrorReply:
+    """`n` as vLLM reads and checks it (vllm/sampling_params.py: _verify_num_sequences, and
+    _verify_greedy_sampling at temperature 0). llama-server's own check is _llamacpp_n."""
+    raw = body.get("n")
+    if raw is None:
+        return 1
+    n = lax_int(raw)
+    if n is None:
+        raise ControlError(f"n: Input should be a valid integer, got {raw!r}")
+    if n < 1:
+        return errors.bad_request(f"n must be at least 1, got {n}.")
+    if n > MAX_N:
+        return errors.bad_request(
+            f"n must be at most {MAX_N}, got {n}. To increase this limit, set the "
+            "VLLM_MAX_N_SEQUENCES environment variable."
+        )
+    temperature = lax_float(body.get("temperature"))
+    if n > 1 and temperature is not None and temperature < SAMPLING_EPS:
+        return errors.bad_request(f"n must be 1 when using greedy sampling, got {n}.")
+    return n
 
 
 def _generate_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -504,12 +565,13 @@ class Request:
     anthropic: bool = False  # its errors in Anthropic's shape
     ollama: bool = False  # its errors in Ollama's {"error": "..."}, its limits
     llamacpp: bool = False  # llama-server's errors and limits when the simulator plays it
+    sampling: bool = False  # reads vLLM's `n` and `stop` (not when playing llama-server)
 
 
 #: Each kind's request rules: a new generation API adds its line here.
 REQUESTS: dict[Kind, Request] = {
-    "chat": Request(lists=("messages",), llamacpp=True),
-    "completion": Request(required=("prompt",), llamacpp=True),
+    "chat": Request(lists=("messages",), llamacpp=True, sampling=True),
+    "completion": Request(required=("prompt",), llamacpp=True, sampling=True),
     "messages": Request(lists=("messages",), required=("max_tokens",), anthropic=True),
     "responses": Request(required=("input",), limit=("max_output_tokens",)),
     "generate": Request(read=_generate_body),

@@ -7,6 +7,16 @@ first token); content chunks follow on the pacer's schedule; then the finish chu
 (right after the last token), the usage chunk if asked for, and `data: [DONE]`.
 Completions have no role chunk.
 
+Where the finish goes follows vLLM (chat_completion/serving.py and completion/serving.py
+send `finish_reason` on the chunk of the engine output that ends the choice): a
+generation cut by its token limit ("length") ends on a token with text, so the last
+content chunk carries the finish and no finish chunk follows; one that ends with EOS
+("stop" and the rest) ends on a token without text, the finish chunk with empty text.
+
+With `n` > 1 every choice streams on its own (`"index": i`, one choice per chunk): a
+role chunk each, then at every pacer slot (one engine step) a chunk each in index order,
+then a finish each; the usage chunk counts the prompt once and every choice's tokens.
+
 Faults fire at the slot where the next content chunk is due, once `fault_after`
 tokens have been sent (after the last token if there are fewer). Ending faults stop
 the stream there; passing ones insert their event (or silence) and the stream
@@ -28,6 +38,7 @@ from proxy.sim.engine import metrics_json
 from proxy.sim.exchange import Exchange
 from proxy.sim.pacing import Pacer
 from proxy.sim.state import Outcome
+from proxy.sim.stops import HeldText
 from proxy.sim.tokens import completion_text, text_json
 
 SSE = b"text/event-stream; charset=utf-8"
@@ -41,14 +52,42 @@ async def stream(ex: Exchange, plan: Plan, sse: StreamChunks, pacer: Pacer) -> O
     record = ex.record
     await ex.start(200, SSE)
     usage_every = plan.continuous_usage
+    choices = range(plan.n)
     if plan.kind == "chat" and isinstance(sse, wire.StreamWire):
-        await ex.write(sse.role(_usage(plan, 0) if usage_every else None))
+        role_usage = _usage(plan, 0) if usage_every else None
+        for i in choices:  # one role chunk per choice, all before any token
+            await ex.write(sse.role(role_usage, i))
 
     zeroed = plan.include_usage and plan.usage_mode == "zeroed"
+    separate = plan.include_usage and plan.usage_mode in ("separate", "zeroed")
+    on_last = plan.include_usage and plan.usage_mode == "last_chunk"
+    fingerprint = None if separate else sse.fingerprint
+    # The token limit and a stop string end a generation at a token with text: vLLM
+    # sends the finish with it. An EOS is a token of its own without text: its finish
+    # chunk has no text (but what stop strings held back).
+    hit = plan.stop_hit
+    ends_on_token = (plan.finish_reason == "length" or hit is not None) and plan.output_tokens > 0
+    stop_reason = None if hit is None else hit.string
+    held = None if plan.stops is None else HeldText(plan.stops, hit, plan.output_tokens)
+
+    def finish_usage(i: int, sent: int) -> bytes | None:
+        if usage_every:  # each choice's own count, as every chunk's
+            return _usage(plan, sent)
+        return _usage(plan, sent * plan.n) if on_last and i == plan.n - 1 else None
 
     def content(count: int, sent: int) -> list[bytes]:
-        usage = _usage(plan, sent + count) if usage_every else ZERO_USAGE if zeroed else None
-        return [sse.content(text_json(count, sent), usage)]
+        now = sent + count
+        ends = ends_on_token and now >= plan.output_tokens
+        text = text_json(count, sent) if held is None else held.step(count, sent, ends)
+        if ends:
+            return [
+                sse.last(
+                    text, plan.finish_reason, finish_usage(i, now), fingerprint, i, stop_reason
+                )
+                for i in choices
+            ]
+        usage = _usage(plan, now) if usage_every else ZERO_USAGE if zeroed else None
+        return [sse.content(text, usage, i) for i in choices]
 
     async def fire(fault: str) -> bool:
         return await fire_fault(ex, plan, sse, pacer, fault)
@@ -57,15 +96,19 @@ async def stream(ex: Exchange, plan: Plan, sse: StreamChunks, pacer: Pacer) -> O
     if sent is None:
         return "fault"
     record.finish_reason = plan.finish_reason
-    usage = _usage(plan, sent)
-    on_finish = (
-        usage if usage_every or (plan.include_usage and plan.usage_mode == "last_chunk") else None
-    )
-    separate = plan.include_usage and plan.usage_mode in ("separate", "zeroed")
-    fingerprint = sse.fingerprint
-    await ex.write(sse.finish(plan.finish_reason, on_finish, None if separate else fingerprint))
+    if not ends_on_token:
+        rest = b"" if held is None else held.rest()
+        for i in choices:
+            usage = finish_usage(i, sent)
+            await ex.write(
+                sse.last(rest, plan.finish_reason, usage, fingerprint, i)
+                if rest
+                else sse.finish(plan.finish_reason, usage, fingerprint, i)
+            )
     if separate:
-        await ex.write(sse.usage(usage, fingerprint, engine_metrics(ex, plan, sent, streamed=True)))
+        usage = _usage(plan, sent * plan.n)  # the prompt once, every choice's tokens
+        metrics = engine_metrics(ex, plan, sent, streamed=True)
+        await ex.write(sse.usage(usage, sse.fingerprint, metrics))
     outcome: Outcome = "fault" if record.fault else "completed"
     await ex.end(b"" if plan.no_done else wire.DONE, outcome)
     return outcome
@@ -80,7 +123,9 @@ async def paced_content(
 ) -> int | None:
     """The token schedule every API shares: at each pacer slot, `content(count, sent)`
     gives the writes for the next `count` tokens (after `sent`), and the planned fault
-    fires at its slot. Returns the tokens sent, or None when a fault ended the stream."""
+    fires at its slot. With `n` choices, each slot is one step that gives every choice
+    `count` tokens. Returns the tokens each choice was sent, or None when a fault ended
+    the stream."""
     record = ex.record
     n, per_chunk = plan.output_tokens, plan.tokens_per_chunk
     pending = plan.fault
@@ -93,10 +138,10 @@ async def paced_content(
             if not await fire(record.fault):
                 return None
         count = min(per_chunk, n - sent)
-        burn_cpu(plan.cpu_per_token * count)
+        burn_cpu(plan.cpu_per_token * count * plan.n)
         writes = content(count, sent)
         sent += count
-        record.completion_tokens = sent
+        record.completion_tokens = sent * plan.n
         if record.first_token_at is None:
             record.first_token_at = time.monotonic()
         for data in writes:
@@ -120,8 +165,9 @@ async def paced_whole(ex: Exchange, plan: Plan, pacer: Pacer, finish_reason: str
     for i in range(chunks):
         if i:
             await pacer.next()
-        burn_cpu(plan.cpu_per_token * min(per_chunk, plan.output_tokens - i * per_chunk))
-    ex.record.completion_tokens = plan.output_tokens
+        tokens = min(per_chunk, plan.output_tokens - i * per_chunk)
+        burn_cpu(plan.cpu_per_token * tokens * plan.n)
+    ex.record.completion_tokens = plan.output_tokens * plan.n
     ex.record.finish_reason = finish_reason
     ex.record.first_token_at = time.monotonic()  # the tokens leave with the body
 
@@ -135,9 +181,31 @@ class Chunks(Protocol):
 class StreamChunks(Chunks, Protocol):
     fingerprint: bytes | None  # chat's system_fingerprint (JSON), None where none is sent
 
+    def content(self, text: bytes, usage: bytes | None = None, index: int = 0) -> bytes:
+        """Choice `index`'s chunk carrying `text`."""
+        ...
+
+    def last(
+        self,
+        text: bytes,
+        finish_reason: str,
+        usage: bytes | None = None,
+        fingerprint: bytes | None = None,
+        index: int = 0,
+        stop_reason: str | None = None,
+    ) -> bytes:
+        """The chunk of the token that ends choice `index`: its text and the finish."""
+        ...
+
     def finish(
-        self, finish_reason: str, usage: bytes | None = None, fingerprint: bytes | None = None
-    ) -> bytes: ...
+        self,
+        finish_reason: str,
+        usage: bytes | None = None,
+        fingerprint: bytes | None = None,
+        index: int = 0,
+    ) -> bytes:
+        """Choice `index`'s finish after an EOS token: no text."""
+        ...
 
     def usage(
         self, usage: bytes, fingerprint: bytes | None = None, metrics: bytes | None = None
@@ -168,24 +236,28 @@ async def complete(
     ex: Exchange, plan: Plan, pacer: Pacer, response_id: str, created: int
 ) -> Outcome:
     """The non-streamed response: all tokens' time passes, then one JSON body."""
+    hit = plan.stop_hit
     await paced_whole(ex, plan, pacer, plan.finish_reason)
     body = wire.full_completion(
         plan.kind == "chat",
         response_id,
         created,
         plan.model,
-        completion_text(plan.output_tokens),
+        completion_text(plan.output_tokens) if hit is None else hit.text,
         plan.finish_reason,
-        _usage(plan, plan.output_tokens),
+        _usage(plan, plan.output_tokens * plan.n),
         engine_metrics(ex, plan, plan.output_tokens, streamed=False),
+        n=plan.n,
+        stop_reason=None if hit is None else hit.string,
     )
     await ex.reply(200, body)
     return "completed"
 
 
 def engine_metrics(ex: Exchange, plan: Plan, sent: int, streamed: bool) -> bytes | None:
-    """vLLM's per-request `metrics`, from what this exchange did (proxy/sim/engine.py)."""
-    if not plan.metrics:
+    """vLLM's per-request `metrics`, from what this exchange did (proxy/sim/engine.py);
+    none for `n` > 1, whose figures belong to no one choice (vLLM leaves them out)."""
+    if not plan.metrics or plan.n > 1:
         return None
     record, now = ex.record, time.monotonic()
     arrived = record.queued_at if record.queued_at is not None else record.started

@@ -9,8 +9,15 @@ Streamed chat chunks (vLLM serializes with `exclude_unset`, so unset `usage` is 
                           "finish_reason":null}]
   finish  ... "choices":[{"index":0,"delta":{"content":""},"logprobs":null,
                           "finish_reason":"stop","stop_reason":null}]
+  last    ... "choices":[{"index":0,"delta":{"content":"<text>"},"logprobs":null,
+                          "finish_reason":"length","stop_reason":null}]
   usage   ... "choices":[],"usage":{"prompt_tokens","total_tokens","completion_tokens"
                                    [,"prompt_tokens_details":{"cached_tokens"}]}
+
+`finish` is the chunk of an EOS token (a token with no text); `last` is the chunk of a
+token that ends the generation itself (the token limit: vLLM's finish_reason comes with
+the output that carries it, chat_completion/serving.py, completion/serving.py). With
+`n` > 1 every choice has chunks of its own, `"index":<i>` (`index=`).
 
 Completions use `"object":"text_completion"` and choices `{"index":0,"text":"<text>",
 "logprobs":null,"finish_reason":null,"stop_reason":null}`, with no role chunk.
@@ -70,7 +77,16 @@ def usage_json(prompt_tokens: int, completion_tokens: int, cached_tokens: int | 
 class StreamWire:
     """The events of one streamed response. Build once per request; call per chunk."""
 
-    __slots__ = ("_chat", "_head", "_post", "_pre", "_stamp", "_stamp_pre", "fingerprint")
+    __slots__ = (
+        "_chat",
+        "_head",
+        "_head_json",
+        "_post",
+        "_pre",
+        "_stamp",
+        "_stamp_pre",
+        "fingerprint",
+    )
 
     def __init__(
         self,
@@ -90,51 +106,82 @@ class StreamWire:
             orjson.dumps(model),
         )
         if chat:
-            opening = b',"choices":[{"index":0,"delta":{"content":"'
             self._post = b'"},"logprobs":null,"finish_reason":null}]'
         else:
-            opening = b',"choices":[{"index":0,"text":"'
             self._post = b'","logprobs":null,"finish_reason":null,"stop_reason":null}]'
         self._chat = chat
+        self._head_json = head
         self._head = b"data: {" + head
-        self._pre = self._head + opening
-        self._stamp_pre = b"," + head + opening
+        # choice 0's openings, built once: nearly every chunk is one of them
+        self._pre = self._head + self._opening(0)
+        self._stamp_pre = b"," + head + self._opening(0)
         self._stamp = stamp
 
-    def role(self, usage: bytes | None = None) -> bytes:
+    def _opening(self, index: int) -> bytes:
+        field = b'"delta":{"content":"' if self._chat else b'"text":"'
+        return b',"choices":[{"index":%d,' % index + field
+
+    def role(self, usage: bytes | None = None, index: int = 0) -> bytes:
         return (
             self._head
-            + b',"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+            + b',"choices":[{"index":%d,"delta":{"role":"assistant","content":""},' % index
             + b'"logprobs":null,"finish_reason":null}]'
-            + _usage_tail(usage)
+            + _tail(usage, None)
         )
 
-    def content(self, text: bytes, usage: bytes | None = None) -> bytes:
+    def content(self, text: bytes, usage: bytes | None = None, index: int = 0) -> bytes:
         """A content chunk; `text` is already escaped for the inside of a JSON string."""
         tail = b"}\n\n" if usage is None else b',"usage":' + usage + b"}\n\n"
+        return self._text_chunk(text, index, self._post, tail)
+
+    def _text_chunk(self, text: bytes, index: int, post: bytes, tail: bytes) -> bytes:
+        if index:
+            pre, stamp_pre = self._head + self._opening(index), b"," + self._head_json
+            stamp_pre += self._opening(index)
+        else:
+            pre, stamp_pre = self._pre, self._stamp_pre
         if self._stamp == "text":
-            return self._pre + stamp_text(text) + self._post + tail
+            return pre + stamp_text(text) + post + tail
         if self._stamp:
-            return (
-                b'data: {"sent_ns":%d' % time.time_ns() + self._stamp_pre + text + self._post + tail
-            )
-        return self._pre + text + self._post + tail
+            return b'data: {"sent_ns":%d' % time.time_ns() + stamp_pre + text + post + tail
+        return pre + text + post + tail
+
+    def last(
+        self,
+        text: bytes,
+        finish_reason: str,
+        usage: bytes | None = None,
+        fingerprint: bytes | None = None,
+        index: int = 0,
+        stop_reason: str | None = None,
+    ) -> bytes:
+        """The chunk of a token that ends the generation (the token limit, a stop string):
+        its text and the finish together, stamped as a content chunk."""
+        return self._text_chunk(
+            text, index, self._finish_post(finish_reason, stop_reason), _tail(usage, fingerprint)
+        )
 
     def finish(
-        self, finish_reason: str, usage: bytes | None = None, fingerprint: bytes | None = None
+        self,
+        finish_reason: str,
+        usage: bytes | None = None,
+        fingerprint: bytes | None = None,
+        index: int = 0,
     ) -> bytes:
-        """The terminal chunk; vLLM 0.32 stamps `fingerprint` (JSON) here only when no usage
-        chunk follows."""
-        delta = b'"delta":{"content":""}' if self._chat else b'"text":""'
+        """The terminal chunk of an EOS token (no text); vLLM 0.32 stamps `fingerprint`
+        (JSON) on a terminal chunk only when no usage chunk follows."""
         return (
             self._head
-            + b',"choices":[{"index":0,'
-            + delta
-            + b',"logprobs":null,"finish_reason":%s,"stop_reason":null}]'
-            % orjson.dumps(finish_reason)
-            + (b"" if usage is None else b',"usage":' + usage)
-            + (b"" if fingerprint is None else b',"system_fingerprint":' + fingerprint)
-            + b"}\n\n"
+            + self._opening(index)
+            + self._finish_post(finish_reason, None)
+            + _tail(usage, fingerprint)
+        )
+
+    def _finish_post(self, finish_reason: str, stop_reason: str | None) -> bytes:
+        return b'"%s,"logprobs":null,"finish_reason":%s,"stop_reason":%s}]' % (
+            b"}" if self._chat else b"",
+            orjson.dumps(finish_reason),
+            orjson.dumps(stop_reason),
         )
 
     def usage(
@@ -151,8 +198,12 @@ class StreamWire:
         )
 
 
-def _usage_tail(usage: bytes | None) -> bytes:
-    return b"}\n\n" if usage is None else b',"usage":' + usage + b"}\n\n"
+def _tail(usage: bytes | None, fingerprint: bytes | None) -> bytes:
+    return (
+        (b"" if usage is None else b',"usage":' + usage)
+        + (b"" if fingerprint is None else b',"system_fingerprint":' + fingerprint)
+        + b"}\n\n"
+    )
 
 
 def full_completion(
@@ -164,33 +215,41 @@ def full_completion(
     finish_reason: str,
     usage: bytes,
     metrics: bytes | None = None,
+    n: int = 1,
+    stop_reason: str | None = None,
 ) -> bytes:
     """A non-streamed chat completion or text completion, as vLLM returns it (with vLLM
-    0.32's per-request `metrics` last, when asked for)."""
-    choice: dict[str, Any]
+    0.32's per-request `metrics` last, when asked for): `n` choices, each with `text`."""
+    choices: list[dict[str, Any]]
     if chat:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text, "tool_calls": []},
-            "logprobs": None,
-            "finish_reason": finish_reason,
-            "stop_reason": None,
-        }
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": text, "tool_calls": []},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
+            }
+            for i in range(n)
+        ]
     else:
-        choice = {
-            "index": 0,
-            "text": text,
-            "logprobs": None,
-            "finish_reason": finish_reason,
-            "stop_reason": None,
-            "prompt_logprobs": None,
-        }
+        choices = [
+            {
+                "index": i,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
+                "prompt_logprobs": None,
+            }
+            for i in range(n)
+        ]
     body = {
         "id": response_id,
         "object": "chat.completion" if chat else "text_completion",
         "created": created,
         "model": model,
-        "choices": [choice],
+        "choices": choices,
         "usage": orjson.Fragment(usage),
         "prompt_logprobs": None,
     }

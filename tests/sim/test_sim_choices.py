@@ -1,0 +1,319 @@
+"""Where vLLM 0.32 puts a choice's finish, how it streams `n` choices, and how it ends a
+choice at a stop string: the simulator against real vLLM 0.32 captures
+(tests/fixtures/streams/vllm-0.32) and, where no capture exists, vLLM's serving code
+(vllm/entrypoints/openai/chat_completion/serving.py, completion/serving.py,
+vllm/v1/engine/detokenizer.py)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from proxy.sim import SimApp, SimConfig, completion_text
+from tests.paths import STREAMS
+from tests.servers import ThreadedServer
+from tests.sim.test_sim_support import Streamed, chat, read_events, running
+
+FP = "vllm-0.32.0-sim"
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+REAL = STREAMS / "vllm-0.32"
+#: Members of real chunks that the simulator does not send (request options it ignores).
+NOT_SIMULATED = frozenset({"prompt_token_ids", "prompt_text", "token_ids"})
+
+
+@pytest.fixture(scope="module")
+def sim() -> Iterator[tuple[ThreadedServer, SimApp]]:
+    config = SimConfig(
+        ttft=0.0, tokens_per_second=1000.0, output_tokens=8, per_request_metrics=True,
+        system_fingerprint=FP,
+    )  # fmt: skip
+    with running(config) as pair:
+        yield pair
+
+
+def completion(stream: bool = True, **extra: Any) -> dict[str, Any]:
+    return {"model": "sim-model", "prompt": "once upon", "stream": stream, **extra}
+
+
+def skeleton(payloads: list[bytes]) -> list[object]:
+    """Each event as these tests compare it: its members, and each choice's index, members,
+    whether its text is empty, and finish and stop reasons (the values that differ between
+    two runs, and the members the simulator does not send, left out)."""
+    out: list[object] = []
+    for payload in payloads:
+        if payload == b"[DONE]":
+            out.append("DONE")
+            continue
+        chunk = orjson.loads(payload)
+        choices = []
+        for choice in chunk["choices"]:
+            text = choice["delta"].get("content") if "delta" in choice else choice["text"]
+            delta = sorted(choice["delta"]) if "delta" in choice else None
+            members = [k for k in choice if k not in NOT_SIMULATED]
+            reasons = (choice["finish_reason"], choice.get("stop_reason", "absent"))
+            choices.append((choice["index"], members, delta, bool(text), reasons))
+        members = [k for k in chunk if k not in NOT_SIMULATED]
+        usage = chunk.get("usage") and chunk["usage"]["completion_tokens"]
+        out.append((members, choices, usage))
+    return out
+
+
+def payloads(raw: bytes) -> list[bytes]:
+    return [e[len(b"data: ") :] for e in raw.split(b"\n\n") if e]
+
+
+# -- the finish of a choice cut by its token limit ------------------------------------
+
+
+@pytest.mark.parametrize("usage", [False, True], ids=["no_usage", "include_usage"])
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_a_length_finish_rides_on_the_last_tokens_chunk_as_in_the_real_capture(
+    client: httpx.Client, url: str, path: str, usage: bool
+) -> None:
+    """vLLM sends finish_reason with the engine output that ends the choice
+    (chat_completion/serving.py:752-792, completion/serving.py:401-443): at the token
+    limit that is the last token's, so no empty finish chunk follows it. The captures
+    asked for max_tokens 6 (index.json); the simulator plans 8 tokens, so 6 is a limit."""
+    name = ("chat" if path == CHAT else "completions") + (
+        "_stream_include_usage.sse" if usage else "_stream_no_usage.sse"
+    )
+    real = payloads((REAL / name).read_bytes())
+    extra: dict[str, Any] = {"max_tokens": 6}
+    if usage:
+        extra["stream_options"] = {"include_usage": True}
+    body = chat(**extra) if path == CHAT else completion(**extra)
+    got = read_events(client, url, body, path=path)
+    assert skeleton([e.data for e in got.events]) == skeleton(real)
+    assert got.text() == completion_text(6)
+
+
+def test_a_forced_length_finish_ends_a_transcription_on_its_last_token(url: str) -> None:
+    """The speech-to-text stream sends the finish with the output that carries it too
+    (speech_to_text/base/serving.py:782-792)."""
+    form = {"model": "sim-model", "stream": "true"}
+    files = {"file": ("a.wav", b"\0" * 32000, "audio/wav")}
+    headers = {"x-sim-finish-reason": "length", "x-sim-output-tokens": "3"}
+    response = httpx.post(url + "/v1/audio/transcriptions", data=form, files=files,
+                          headers=headers)  # fmt: skip
+    chunks = [orjson.loads(p) for p in payloads(response.content)[:-1]]
+    assert [c["choices"][0]["delta"]["content"] for c in chunks] == [
+        completion_text(1, i) for i in range(3)
+    ]
+    assert [c["choices"][0].get("finish_reason") for c in chunks] == [None, None, "length"]
+
+
+def test_an_eos_finish_still_comes_on_a_chunk_of_its_own_with_empty_text(
+    client: httpx.Client, url: str
+) -> None:
+    """An EOS is a token without text (detokenizer.py:107-111 leaves it out of the text):
+    its output carries only the finish."""
+    got = read_events(client, url, chat())
+    last_content, finish = got.events[-3].json["choices"][0], got.events[-2].json["choices"][0]
+    assert (last_content["delta"], last_content["finish_reason"]) == (
+        {"content": completion_text(1, 7)},
+        None,
+    )
+    assert (finish["delta"], finish["finish_reason"]) == ({"content": ""}, "stop")
+
+
+# -- n choices -------------------------------------------------------------------------
+
+
+def by_choice(got: Streamed) -> dict[int, list[dict[str, Any]]]:
+    out: dict[int, list[dict[str, Any]]] = {}
+    for event in got.events[:-1]:
+        for choice in event.json["choices"]:
+            out.setdefault(choice["index"], []).append(choice)
+    return out
+
+
+def choice_text(choices: list[dict[str, Any]]) -> str:
+    return "".join(c["delta"].get("content") or "" if "delta" in c else c["text"] for c in choices)
+
+
+def test_n_chat_choices_stream_one_chunk_each_per_step_in_index_order(
+    client: httpx.Client, url: str
+) -> None:
+    """chat_completion/serving.py: a role chunk per choice first (549-589), then one chunk
+    per choice and engine output, `index` its own (633-830; v1's RequestOutputCollector
+    merges the n children's outputs of a step into one RequestOutput, in batch order:
+    v1/engine/output_processor.py:69-83, vllm/outputs.py:203-247), a finish per choice,
+    and the usage chunk: the prompt once, every choice's tokens (842); no `metrics` for
+    n > 1 (866)."""
+    body = chat(n=3, stream_options={"include_usage": True})
+    got = read_events(client, url, body, {"x-sim-output-tokens": "4"})
+    chunks = [e.json for e in got.events[:-1]]
+    assert all(len(c["choices"]) == 1 for c in chunks[:-1])
+    indexes = [c["choices"][0]["index"] for c in chunks[:-1]]
+    assert indexes == [0, 1, 2] * 6  # roles, 4 tokens, finishes
+    assert [c["choices"][0]["delta"] for c in chunks[:3]] == [
+        {"role": "assistant", "content": ""}
+    ] * 3
+    for i, choices in by_choice(got).items():
+        assert choice_text(choices) == completion_text(4), i
+        assert [c["finish_reason"] for c in choices] == [None] * 5 + ["stop"]
+    usage = chunks[-1]
+    assert usage["choices"] == [] and "metrics" not in usage
+    assert usage["usage"] == {"prompt_tokens": 4, "total_tokens": 16, "completion_tokens": 12}
+    assert got.events[-1].data == b"[DONE]"
+
+
+def test_n_completion_choices_end_at_their_limit_each_with_the_fingerprint(
+    client: httpx.Client, url: str, app: SimApp
+) -> None:
+    """completion/serving.py: no role chunk, a chunk per choice and output (`index`
+    output.index, 327-443), each choice's last token carries its finish, and without a
+    usage chunk each terminal chunk carries the fingerprint (425-432)."""
+    got = read_events(client, url, completion(n=2, max_tokens=3), path=COMPLETIONS)
+    chunks = [e.json["choices"][0] for e in got.events[:-1]]
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in chunks] == [
+        (i, completion_text(1, t), "length" if t == 2 else None) for t in range(3) for i in (0, 1)
+    ]
+    fingerprints = [e.json.get("system_fingerprint") for e in got.events[:-1]]
+    assert fingerprints == [None] * 4 + [FP, FP]
+    record = app.state.last()
+    assert record is not None and record.completion_tokens == 6
+
+
+def test_continuous_usage_counts_each_choices_own_tokens(client: httpx.Client, url: str) -> None:
+    """chat_completion/serving.py:575-586 and 813-827: the role chunks count 0, every
+    later chunk the tokens of its own choice so far."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = chat(n=2, stream_options=options)
+    got = read_events(client, url, body, {"x-sim-output-tokens": "2"})
+    counts = [
+        (e.json["choices"][0]["index"], e.json["usage"]["completion_tokens"])
+        for e in got.events[:-2]
+    ]
+    assert counts == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2), (0, 2), (1, 2)]
+    assert got.events[-2].json["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_n_choices_not_streamed_are_a_list_with_the_tokens_summed(url: str, path: str) -> None:
+    """chat_completion/serving.py:970-1130 (a choice per output, `index` output.index),
+    1151-1153 (the tokens of all outputs) and 1177 (no `metrics` for n > 1);
+    completion/serving.py:531-598 and 624."""
+    body = chat(stream=False, n=2) if path == CHAT else completion(stream=False, n=2)
+    answer = httpx.post(url + path, json=body, headers={"x-sim-output-tokens": "5"}).json()
+    texts = [c["message"]["content"] if path == CHAT else c["text"] for c in answer["choices"]]
+    assert [c["index"] for c in answer["choices"]] == [0, 1]
+    assert texts == [completion_text(5)] * 2
+    assert answer["usage"]["completion_tokens"] == 10 and "metrics" not in answer
+
+
+@pytest.mark.quiet("a duration read within a few hundred milliseconds")
+def test_n_choices_decode_together_not_one_after_another(client: httpx.Client, url: str) -> None:
+    """Each engine step gives every choice a token: four choices of 5 tokens at 20 tokens/s
+    take the time of one (0.2 s), not four times it (0.8 s)."""
+    headers = {"x-sim-output-tokens": "5", "x-sim-tps": "20"}
+    t0 = time.monotonic()
+    got = read_events(client, url, chat(n=4), headers)
+    elapsed = time.monotonic() - t0
+    assert len(by_choice(got)) == 4
+    assert 0.2 - 0.01 <= elapsed < 0.5
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"n": 0}, "n must be at least 1, got 0."),
+        ({"n": 16385}, "n must be at most 16384, got 16385."),
+        ({"n": 2, "temperature": 0}, "n must be 1 when using greedy sampling, got 2."),
+    ],
+)
+def test_n_that_vllm_refuses_is_its_400(url: str, extra: dict[str, Any], message: str) -> None:
+    """vllm/sampling_params.py:46-59 (_verify_num_sequences, VLLM_MAX_N_SEQUENCES 16384)
+    and 766-770 (_verify_greedy_sampling)."""
+    r = httpx.post(url + CHAT, json=chat(stream=False, **extra))
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(message)
+
+
+def test_n_as_text_is_read_as_vllms_models_read_it(url: str) -> None:
+    answer = httpx.post(url + CHAT, json=chat(stream=False, n="2")).json()
+    assert len(answer["choices"]) == 2
+
+
+# -- stop strings -----------------------------------------------------------------------
+
+
+def texts(got: Streamed) -> list[str]:
+    return [
+        e.json["choices"][0]["delta"].get("content", "")
+        if "delta" in e.json["choices"][0]
+        else e.json["choices"][0]["text"]
+        for e in got.events[:-1]
+        if e.json["choices"]
+    ]
+
+
+def test_a_stop_string_ends_the_choice_before_it_with_the_string_as_stop_reason(
+    client: httpx.Client, url: str
+) -> None:
+    """vllm/v1/engine/detokenizer.py:96-156: the text is cut before the string and the
+    tokens after the one that completes it are dropped; output_processor.py:766-774:
+    finish_reason "stop", stop_reason the string. While a stop string is set, the streamed
+    text holds back len(longest) - 1 characters until the output finishes (85-90, 161-175):
+    here 2 of " The quick brown fox"."""
+    body = chat(stop=["fox"], stream_options={"include_usage": True})
+    got = read_events(client, url, body)
+    assert texts(got) == ["", " T", "he qui", "ck bro", "wn "]
+    last = got.events[-3].json["choices"][0]
+    assert (last["finish_reason"], last["stop_reason"]) == ("stop", "fox")
+    assert got.events[-2].json["usage"]["completion_tokens"] == 4  # " fox" included
+
+
+def test_a_stop_string_not_streamed_cuts_the_text_and_counts_its_tokens(url: str) -> None:
+    body = completion(stream=False, stop=" brown f")
+    answer = httpx.post(url + COMPLETIONS, json=body).json()
+    choice = answer["choices"][0]
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (
+        " The quick",
+        "stop",
+        " brown f",
+    )
+    assert answer["usage"]["completion_tokens"] == 4  # " fox" completes the string
+
+
+def test_a_stop_string_kept_in_the_output_holds_nothing_back(
+    client: httpx.Client, url: str
+) -> None:
+    """include_stop_str_in_output: no hold-back (detokenizer.py:87-90) and the text ends
+    after the string (check_stop_strings, 365-370)."""
+    body = completion(stop=["quick"], include_stop_str_in_output=True)
+    got = read_events(client, url, body, path=COMPLETIONS)
+    assert texts(got) == [" The", " quick"]
+    assert got.events[-2].json["choices"][0]["stop_reason"] == "quick"
+
+
+def test_a_stop_string_that_never_comes_releases_the_held_text_with_the_finish(
+    client: httpx.Client, url: str
+) -> None:
+    """The EOS output finishes the choice, so it carries the characters held back."""
+    got = read_events(client, url, chat(stop="xyz"), {"x-sim-output-tokens": "3"})
+    assert texts(got) == ["", " T", "he qui", "ck bro", "wn"]
+    finish = got.events[-2].json["choices"][0]
+    assert (finish["finish_reason"], finish["stop_reason"]) == ("stop", None)
+
+
+def test_a_stop_string_inside_a_speculative_step_drops_the_tokens_after_it(
+    client: httpx.Client, url: str
+) -> None:
+    """Several tokens a step: those after the one that completes the string are dropped
+    (detokenizer.py:143-151, output_processor.py:835-853)."""
+    body = chat(stop=" fox", stream_options={"include_usage": True})
+    got = read_events(client, url, body, {"x-sim-tokens-per-chunk": "3"})
+    assert texts(got) == ["", " The quick br", "own"]
+    assert got.events[-2].json["usage"]["completion_tokens"] == 4
+
+
+def test_an_empty_stop_string_is_vllms_400(url: str) -> None:
+    """vllm/sampling_params.py:731-733."""
+    r = httpx.post(url + CHAT, json=chat(stream=False, stop=["a", ""]))
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "stop cannot contain an empty string."
