@@ -366,7 +366,7 @@ def describe(exc: BaseException) -> str:
     causes = list(_causes(exc))
     root = causes[-1] if causes else exc
     name = type(root).__name__
-    text = str(root).strip()
+    text = " ".join(str(root).split())  # one line: aiohttp's payload errors hold newlines
     if not text or text == name:
         names = type_names(type(root))
         text = next((phrase for kind, phrase in PHRASES if kind in names), "no detail given")

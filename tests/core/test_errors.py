@@ -648,6 +648,18 @@ def test_describe_names_the_root_cause_without_repeating_it() -> None:
     assert describe(RuntimeError("x" * 400)) == ("RuntimeError: " + "x" * 400)[:300]
 
 
+def test_describe_gives_one_line_for_an_exception_whose_text_has_several() -> None:
+    """aiohttp's payload errors (the ASGI relay's default transport, a body cut short)."""
+    from aiohttp.http_exceptions import ContentLengthError
+
+    cut = ContentLengthError("Not enough data to satisfy content length header.")
+    assert "\n" in str(cut)
+    payload = aiohttp.ClientPayloadError("Response payload is not completed")
+    assert describe(_wrapped(payload, cut)) == (
+        "ContentLengthError: 400, message: Not enough data to satisfy content length header."
+    )
+
+
 # -- a relay's early ends -------------------------------------------------------------------
 
 _SHUTDOWN = "cut off: the proxy shut down before the response ended"
