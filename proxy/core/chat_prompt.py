@@ -14,6 +14,9 @@ APIs' items into chat messages first:
 - Responses input items (vllm/entrypoints/openai/responses/utils.py,
   construct_chat_messages_with_tool_call): a `message` item is a message, a
   `function_call` an assistant tool call, a `function_call_output` a `tool` message.
+  `responses_messages` builds them as vLLM does, calls and reasoning joining the
+  assistant message before them, and `responses_options` adds the options vLLM renders
+  and encodes a Responses prompt with.
 
 Images and audio are left out: their tokens come from the model's processor, which a
 tokenizer does not have. Every function here only reads; it never raises on odd input.
@@ -38,15 +41,69 @@ _TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
 def template_tools(tools: Any, schema: str, kind: str | None = None) -> dict[str, Any] | None:
     """A request's tools as the chat template gets them, OpenAI functions: what vLLM turns an
     Anthropic tool ({name, description, input_schema}: `schema` "input_schema") and a
-    Responses function tool (`kind` "function", `schema` "parameters") into; None for none."""
+    Responses request's tools (`kind` "function": `responses_tools`) into; None for none."""
     if not isinstance(tools, list):
         return None
-    functions = [
-        {"type": "function", "function": {"name": t.get("name"), "description":
-         t.get("description"), "parameters": t.get(schema)}}
-        for t in tools if isinstance(t, dict) and (kind is None or t.get("type") == kind)
-    ]  # fmt: skip
+    if kind == "function":
+        functions = responses_tools(tools)
+    else:
+        functions = [
+            {"type": "function", "function": {"name": t.get("name"), "description":
+             t.get("description"), "parameters": t.get(schema)}}
+            for t in tools if isinstance(t, dict) and (kind is None or t.get("type") == kind)
+        ]  # fmt: skip
     return {"tools": functions} if functions else None
+
+
+#: The one string parameter a Responses `custom` tool is shown with
+#: (vllm/tool_parsers/utils.py:45-57, custom_tool_parameters).
+_CUSTOM_PARAMETERS = {
+    "type": "object",
+    "properties": {
+        "input": {"type": "string", "description": "The freeform text payload for this tool."}
+    },
+    "required": ["input"],
+    "additionalProperties": False,
+}
+
+
+def responses_tools(tools: list[Any]) -> list[dict[str, Any]]:
+    """A Responses request's tools as vLLM shows them to the template
+    (responses/utils.py:489-499, construct_tool_dicts): the function tools the model can
+    call, in order (tool_parsers/utils.py:212-243, get_function_tools): a `function` tool;
+    each function of a `namespace` tool, named `<namespace>__<name>`; a `custom` tool as a
+    function of one string `input`. Others (web search, MCP...) are not shown. Each is a
+    FunctionDefinition's dump (responses/utils.py:474-486; generate/base/protocol.py:298-313):
+    name, description and parameters, then `strict` and `defer_loading` where set."""
+    out: list[dict[str, Any]] = []
+    for tool in tools:
+        if not isinstance(tool, dict):
+            continue
+        kind = tool.get("type")
+        if kind == "function":
+            out.extend(_function(tool, tool.get("name")))
+        elif kind == "namespace" and isinstance(tool.get("tools"), list):
+            for inner in tool["tools"]:
+                if isinstance(inner, dict) and inner.get("type") == "function":
+                    out.extend(_function(inner, f"{tool.get('name')}__{inner.get('name')}"))
+        elif kind == "custom":
+            function = {"name": tool.get("name"), "description": tool.get("description"),
+                        "parameters": _CUSTOM_PARAMETERS}  # fmt: skip
+            out.append({"type": "function", "function": function})
+    return out
+
+
+def _function(tool: dict[str, Any], name: Any) -> list[dict[str, Any]]:
+    """A Responses function tool as the template's OpenAI function; none where it has no
+    name (vLLM reads it as another tool type, or refuses the request)."""
+    if not isinstance(tool.get("name"), str):
+        return []
+    function = {"name": name, "description": tool.get("description"),
+                "parameters": tool.get("parameters")}  # fmt: skip
+    for key in ("strict", "defer_loading"):
+        if tool.get(key) is not None:
+            function[key] = tool[key]
+    return [{"type": "function", "function": function}]
 
 
 def template_messages(prompt: list[Any]) -> list[dict[str, Any]]:
@@ -116,6 +173,147 @@ def _result_text(content: Any) -> str:
             if isinstance(p, dict) and p.get("type") == "text"
         )
     return ""
+
+
+def responses_messages(prompt: list[Any]) -> list[dict[str, Any]] | None:
+    """A Responses prompt (Responses.prompt: `instructions` as a system message, then a
+    text input as a user message or the input's items, as construct_input_messages builds
+    it: responses/utils.py:248-290) as the chat messages vLLM makes of its items
+    (responses/utils.py:293-442, construct_chat_messages_with_tool_call and
+    _construct_message_from_response_item), `prev` being the message before when that is
+    the assistant's:
+
+    - a `function_call` is a tool call (a `namespace`'s named `<namespace>__<name>`), a
+      `custom_tool_call` one whose arguments are `{"input": ...}` as JSON: added to
+      `prev`'s tool calls, else an assistant message of its own (:323-370);
+    - a `reasoning` item is its first content text, else its first summary text: `prev`'s
+      reasoning where it has none, else an assistant message of its own (:371-397); one
+      with `encrypted_content` is refused (400);
+    - an assistant `message` is its text, a string or its first part's: `prev`'s content
+      where it has none, else a message of its own (:398-408, :422-435);
+    - a `function_call_output` or `custom_tool_call_output` is a `tool` message (:409-421);
+    - any other item with a role is the message as it is (:436-437); one without is refused
+      (400: "Unsupported input item type").
+
+    vLLM then gives an assistant message's reasoning to the template under both its names
+    (renderers/chat_utils.py:2109-2114). None where vLLM refuses the input. The prompt's
+    items are not changed."""
+    out: list[dict[str, Any]] = []
+    for item in prompt:
+        if not isinstance(item, dict):
+            return None
+        kind = item.get("type")
+        prev = out[-1] if out and out[-1].get("role") == "assistant" else None
+        if kind in ("function_call", "custom_tool_call"):
+            call = _response_call(item)
+            if call is None:
+                return None
+            calls = prev.get("tool_calls") if prev is not None else None
+            if prev is not None and (calls is None or isinstance(calls, list)):
+                prev["tool_calls"] = [*(calls or ()), call]
+            else:
+                out.append({"role": "assistant", "tool_calls": [call]})
+        elif kind == "reasoning":
+            if item.get("encrypted_content"):
+                return None
+            reasoning = _first_text(item.get("content"))
+            if reasoning is None:
+                reasoning = _first_text(item.get("summary"))
+            if prev is not None and prev.get("reasoning") is None:
+                prev["reasoning"] = reasoning or ""
+            else:
+                out.append({"role": "assistant", "reasoning": reasoning or ""})
+        elif kind in ("function_call_output", "custom_tool_call_output"):
+            out.append({"role": "tool", "content": item.get("output"),
+                        "tool_call_id": item.get("call_id")})  # fmt: skip
+        elif item.get("role") == "assistant" and (text := _said(item.get("content"))) is not None:
+            if prev is not None and prev.get("content") is None:
+                prev["content"] = text
+            else:
+                out.append({"role": "assistant", "content": text})
+        elif "role" in item:
+            out.append(dict(item))  # a copy: a later call or reasoning may join it
+        else:
+            return None
+    for message in out:
+        if message.get("role") == "assistant" and message.get("reasoning") is not None:
+            message["reasoning_content"] = message["reasoning"]
+    return out
+
+
+def _response_call(item: dict[str, Any]) -> dict[str, Any] | None:
+    """A call item as the tool call vLLM makes of it; None for a custom call whose input is
+    no text (vLLM refuses it: 400)."""
+    name, namespace = item.get("name"), item.get("namespace")
+    if item.get("type") == "custom_tool_call":
+        payload = item.get("input") or ""
+        if not isinstance(payload, str):
+            return None
+        arguments: Any = json.dumps({"input": payload}, ensure_ascii=False)
+    else:
+        arguments = item.get("arguments")
+        if namespace:
+            name = f"{namespace}__{name}"
+    return {"id": item.get("call_id"), "function": {"name": name, "arguments": arguments},
+            "type": "function"}  # fmt: skip
+
+
+def _first_text(parts: Any) -> str | None:
+    """The text of the first of `parts` (a reasoning item's content or summary, an
+    assistant item's content), None where it has none."""
+    if not isinstance(parts, list) or not parts or not isinstance(parts[0], dict):
+        return None
+    text = parts[0].get("text")
+    return text if isinstance(text, str) else None
+
+
+def _said(content: Any) -> str | None:
+    """An assistant item's text as vLLM takes it: the string, or its first part's text."""
+    return content if isinstance(content, str) else _first_text(content)
+
+
+def responses_options(prompt: list[Any], template: dict[str, Any] | None) -> dict[str, Any]:
+    """A Responses request's template options (`template`: its tools, and where it has them
+    its chat_template_kwargs and reasoning_effort) with those vLLM takes from its input
+    and its API rather than from fields of the request:
+
+    - `continue_final_message` where the last input item is a `message` or `reasoning`
+      whose status is in_progress or incomplete, and then no `add_generation_prompt`
+      (responses/protocol.py:420-458, build_chat_params; responses/utils.py:201-245,
+      should_continue_final_message);
+    - `add_special_tokens` true: a Responses prompt is encoded with the tokenizer's own
+      special tokens added, BOS included, over what the template wrote
+      (responses/protocol.py:460-467, build_tok_params, leaves TokenizeParams'
+      add_special_tokens at its default, renderers/params.py:183; chat's is false)."""
+    last = prompt[-1] if prompt else None
+    continues = (
+        isinstance(last, dict)
+        and last.get("type", "message") in ("message", "reasoning")
+        and last.get("status") in ("in_progress", "incomplete")
+    )
+    return {
+        **(template or {}),
+        "add_generation_prompt": not continues,
+        "continue_final_message": continues,
+        "add_special_tokens": True,
+    }
+
+
+def responses_template(obj: dict[str, Any]) -> dict[str, Any] | None:
+    """A Responses request's own template options, in the names `template_kwargs` reads:
+    its tools (`template_tools`), its `chat_template_kwargs`, and `reasoning.effort` as
+    `reasoning_effort` (merged as chat's are, also setting `enable_thinking`: vLLM's
+    ResponsesRequest.build_chat_params, responses/protocol.py:420-458, merges them as
+    ChatCompletionRequest.build_chat_params does). What Responses.template should answer
+    (proxy/core/apis/responses.py), so that a count has them; None without any."""
+    found: dict[str, Any] = template_tools(obj.get("tools"), "parameters", "function") or {}
+    if obj.get("chat_template_kwargs") is not None:
+        found["chat_template_kwargs"] = obj["chat_template_kwargs"]
+    reasoning = obj.get("reasoning")
+    effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
+    if effort is not None:
+        found["reasoning_effort"] = effort
+    return found or None
 
 
 #: The values vLLM's merge_kwargs takes for "not set" (vllm/renderers/params.py).

@@ -61,7 +61,49 @@ class Counter(Protocol):
 
     async def count(self, observer: StreamObserver) -> TokenCounts | None: ...
 
-    async def count_texts(self, texts: list[str]) -> int | None: ...
+    async def count_reasoning(self, observer: StreamObserver) -> int | None: ...
+
+
+class Collected:
+    """Generated texts, collected for a tokenizer to count: `texts`, every one in the order
+    it came, and `by_choice()`, each choice's own (with n > 1 vLLM counts each choice's
+    tokens alone and adds them up). One store serves both: each text's choice is noted
+    only once a second choice has come, so a one-choice answer (the usual) keeps its texts
+    once and nothing beside them."""
+
+    __slots__ = ("_choice", "_choices", "texts")
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self._choice = 0  # the choice of every text so far, while there is one
+        self._choices: list[int] | None = None  # each text's choice, once there are several
+
+    def add(self, texts: list[str], choice: int) -> None:
+        if not texts:
+            return
+        choices = self._choices
+        if choices is None:
+            if not self.texts:
+                self._choice = choice
+            elif choice != self._choice:
+                choices = self._choices = [self._choice] * len(self.texts)
+        if choices is not None:
+            choices.extend([choice] * len(texts))
+        self.texts.extend(texts)
+
+    def by_choice(self) -> list[tuple[int, list[str]]]:
+        """(choice index, its texts in order), by choice index."""
+        choices = self._choices
+        if choices is None:
+            return [(self._choice, self.texts)] if self.texts else []
+        kept: dict[int, list[str]] = {}
+        for text, choice in zip(self.texts, choices, strict=True):
+            own = kept.get(choice)
+            if own is None:
+                kept[choice] = [text]
+            else:
+                own.append(text)
+        return sorted(kept.items())
 
 
 class _Choice:
@@ -150,9 +192,7 @@ class StreamObserver:
         self.malformed_events = 0
         self.response_id: str | None = None
         self.response_model: str | None = None
-        self.texts: list[str] = []  # generated texts, collected only (collect_text)
-        # the same texts by choice index: a tokenizer counts each choice's alone
-        self.choice_texts: dict[int, list[str]] = {}
+        self._output: Collected | None = None  # generated texts, collected (collect_text)
         self._decoder = self.api.decoder(max_event_bytes)
         # The stream's repeating content event, once one has been parsed and proven
         # (proxy/core/template.py); learning is tried on the first plain event only.
@@ -167,7 +207,8 @@ class StreamObserver:
         self.last_reasoning: float | None = None
         self.first_tool_call: float | None = None
         self.reasoning_events = 0
-        self.reasoning_texts: list[str] = []
+        # the reasoning's texts (of a body's whole answer always, of a stream's collected)
+        self._reasoned: Collected | None = None
         self.tools: ToolCalls | None = None
         self._fast: Facts | None = None  # the shared answer the inline path counts
         self._run = 0  # choice 0's events when the current run began
@@ -259,24 +300,25 @@ class StreamObserver:
     def _kind(self, facts: Facts, kind: str, now: float) -> None:
         """The first answer, reasoning span and tool calls, from one content event."""
         if facts.reasoning is not None:  # the reasoning's end came with the answer's start
-            self._reasoning(facts.reasoning if self._collect else None, now)
+            self._reasoning(facts.reasoning if self._collect else None, facts.choices[0], now)
         if kind == "text":
             if self.first_answer is None:
                 self.first_answer = now
             self.last_answer = now
         elif kind == "reasoning":
-            self._reasoning(facts.texts, now)
+            self._reasoning(facts.texts, facts.choices[0], now)
         elif kind == "tool" and self.first_tool_call is None:
             self.first_tool_call = now
 
-    def _reasoning(self, texts: list[str] | None, now: float) -> None:
-        """One event of reasoning, its text kept for a tokenizer when collected."""
+    def _reasoning(self, texts: list[str] | None, choice: int, now: float) -> None:
+        """One event of reasoning, its text kept under its choice for a tokenizer when
+        collected."""
         if self.first_reasoning is None:
             self.first_reasoning = now
         self.last_reasoning = now
         self.reasoning_events += 1
         if texts:
-            self.reasoning_texts.extend(texts)
+            self._keep_reasoning(texts, choice)
 
     def _apply(self, facts: Facts, now: float) -> None:
         if facts.calls is not None:
@@ -324,6 +366,9 @@ class StreamObserver:
         if facts.tokens:
             self.tokens += facts.tokens
         if facts.texts is not None:
+            # an event that carries several choices' content at once gives their texts as
+            # one list: kept under its first choice (vLLM and llama-server stream one
+            # choice an event; a body is split by `_body_texts`)
             self._keep(facts.texts, facts.choices[0])
         if facts.finish is not None:
             self.finish_reason = self.finishes[facts.finish_choice] = facts.finish
@@ -348,16 +393,29 @@ class StreamObserver:
             self.response_model = facts.response_model
 
     def _keep(self, texts: list[str], choice: int) -> None:
-        """Collected texts, in order and under their choice. An event that carries several
-        choices' content at once gives their texts as one list: kept under its first
-        choice (vLLM and llama-server stream one choice an event; a body is split by
-        `_body_texts`)."""
-        self.texts.extend(texts)
-        kept = self.choice_texts.get(choice)
-        if kept is None:
-            self.choice_texts[choice] = list(texts)
-        else:
-            kept.extend(texts)
+        """Generated texts collected, under their choice (the store made at the first)."""
+        output = self._output
+        if output is None:
+            output = self._output = Collected()
+        output.add(texts, choice)
+
+    def _keep_reasoning(self, texts: list[str], choice: int) -> None:
+        """Reasoning texts kept, under their choice (the store made at the first)."""
+        reasoned = self._reasoned
+        if reasoned is None:
+            reasoned = self._reasoned = Collected()
+        reasoned.add(texts, choice)
+
+    @property
+    def texts(self) -> list[str]:
+        """The generated texts collected (collect_text), every choice's, in the order they
+        came: read, never changed, by whoever did not collect them."""
+        return [] if self._output is None else self._output.texts
+
+    @property
+    def reasoning_texts(self) -> list[str]:
+        """The reasoning's texts kept, every choice's, in the order they came."""
+        return [] if self._reasoned is None else self._reasoned.texts
 
     # -- the end ----------------------------------------------------------------------
 
@@ -401,7 +459,7 @@ class StreamObserver:
         if type(obj) is not dict:
             return
         facts = self.api.body(obj, self._collect)
-        if facts.texts is not None:
+        if facts.texts is not None or facts.reasoning is not None:
             facts = self._body_texts(obj, facts)
         self.response_id = None  # the body's identity wins
         if facts.calls is not None:  # whole calls: judged as a stream's, not timed (so
@@ -409,39 +467,48 @@ class StreamObserver:
             self.tools = ToolCalls(0.0, timed=False)
             for piece in facts.calls:
                 self.tools.add(piece, 0.0)
-        if facts.reasoning is not None:  # for a tokenizer, where usage counts none
-            self.reasoning_texts.extend(facts.reasoning)
         self._apply(facts, 0.0)
         if facts.finishes is not None:
             self.finishes.update(facts.finishes)
 
     def _body_texts(self, obj: dict[str, Any], facts: Facts) -> Facts:
-        """A body's collected texts kept under their choices' indices. The Api reads a body
-        of several `choices` (n > 1, a batch of prompts) into one list of texts: each
-        choice is read again alone for its own (once a request, and only when collecting).
-        The facts go on without texts, kept here already."""
+        """A body's collected texts, and its reasoning (kept for a tokenizer, where usage
+        counts none), under their choices' indices. The Api reads a body of several
+        `choices` (n > 1, a batch of prompts) into one list of each: each choice is read
+        again alone for its own (once a request, and only when it has either). A body
+        without `choices` (Messages, Responses) is one answer: choice 0. The facts go on
+        without them, kept here already."""
         choices = obj.get("choices")
-        if type(choices) is not list or not choices:
-            return facts
-        if len(choices) == 1:
-            pieces = [(choices[0], facts.texts)]
+        pieces: list[tuple[object, list[str] | None, list[str] | None]]
+        if type(choices) is list and len(choices) > 1:
+            pieces = []
+            for choice in choices:
+                alone = self.api.body({"choices": [choice]}, self._collect)
+                pieces.append((choice, alone.texts, alone.reasoning))
         else:
-            pieces = [(c, self.api.body({"choices": [c]}, True).texts) for c in choices]
-        for choice, texts in pieces:
+            only = choices[0] if type(choices) is list and choices else None
+            pieces = [(only, facts.texts, facts.reasoning)]
+        for choice, texts, reasoning in pieces:
             index = choice.get("index", 0) if type(choice) is dict else 0
+            index = index if type(index) is int else 0
             if texts:
-                self._keep(texts, index if type(index) is int else 0)
-        return replace(facts, texts=None)
+                self._keep(texts, index)
+            if reasoning:
+                self._keep_reasoning(reasoning, index)
+        return replace(facts, texts=None, reasoning=None)
 
     def choice_outputs(self) -> list[tuple[list[str], Any]]:
         """Each choice's collected texts, by choice index, with the prompt an `echo` put
         before them (None without echo): what a tokenizer counts as the output, choice by
         choice, as vLLM counts each choice's token ids and adds them up."""
         echoed = self.request.echoed
-        return [
-            (texts, echoed[i] if 0 <= i < len(echoed) else None)
-            for i, texts in sorted(self.choice_texts.items())
-        ]
+        kept = [] if self._output is None else self._output.by_choice()
+        return [(texts, echoed[i] if 0 <= i < len(echoed) else None) for i, texts in kept]
+
+    def choice_reasoning(self) -> list[list[str]]:
+        """Each choice's reasoning texts, by choice index: what a tokenizer counts as the
+        reasoning, choice by choice, as it counts the output."""
+        return [] if self._reasoned is None else [t for _, t in self._reasoned.by_choice()]
 
     def echoed_prompts(self) -> list[Any]:
         """The prompts an `echo` put before the texts collected: one per choice that
@@ -564,7 +631,7 @@ class StreamObserver:
         self._end_run()
         counted = None
         if self.reasoning_texts and counter is not None and not self.reasoning_from_usage():
-            counted = await counter.count_texts(self.reasoning_texts)
+            counted = await counter.count_reasoning(self)
         return self.measurement(
             end=end,
             started_at=started_at,

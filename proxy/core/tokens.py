@@ -16,7 +16,15 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from proxy.core.chat_prompt import parsed_arguments, template_kwargs, template_messages
+from proxy.core.apis import RequestInfo
+from proxy.core.apis.responses import Responses
+from proxy.core.chat_prompt import (
+    parsed_arguments,
+    responses_messages,
+    responses_options,
+    template_kwargs,
+    template_messages,
+)
 from proxy.core.lax import lax_bool
 from proxy.core.measurement import TokenSource
 from proxy.core.observe import StreamObserver, TokenCounts
@@ -34,6 +42,26 @@ def load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def count_request(tokenizer: Any, request: RequestInfo) -> int | None:
+    """A request's prompt tokens for its record, as vLLM counts them: `count_prompt` with
+    the request's template options and `template_only`; a Responses request's input items
+    made chat messages as vLLM makes them, with its options (chat_prompt.responses_messages
+    and responses_options). None for a Responses request that continues a stored response
+    (`previous_response_id`): vLLM puts that conversation before the input
+    (responses/serving.py:285-310; responses/utils.py:264-281), and the proxy does not
+    see it."""
+    prompt = request.prompt
+    if request.endpoint != Responses.endpoint:
+        return count_prompt(tokenizer, prompt, request.template, template_only=True)
+    if request.previous_response_id is not None or not isinstance(prompt, list):
+        return None
+    messages = responses_messages(prompt)
+    if not messages:
+        return None
+    options = responses_options(prompt, request.template)
+    return count_chat(tokenizer, template_messages(messages), options)
 
 
 def count_prompt(
@@ -82,7 +110,8 @@ def count_chat(
     calls' arguments as dicts (chat_prompt.parsed_arguments), then that text encoded with
     the request's `add_special_tokens` (chat_completion/protocol.py, build_tok_params:
     default false, for the template writes its own special tokens; true adds the
-    tokenizer's BOS on top, as vLLM does). None where there is no chat template or it
+    tokenizer's BOS on top, as vLLM does; a Responses request's is true:
+    chat_prompt.responses_options). None where there is no chat template or it
     refuses these messages (vLLM answers that 400), and where the request brings its own
     `chat_template`: a client's Jinja is not run in the proxy (its loops could hold the
     one counting thread), and vLLM refuses it unless started with
@@ -115,7 +144,9 @@ def count_choices(tokenizer: Any, choices: list[tuple[list[str], Any]]) -> int:
     """Output tokens of several choices (n > 1, a batch of prompts): each choice's texts
     counted alone and added up, as vLLM adds each choice's token ids (completion_tokens:
     chat_completion/serving.py, completion/serving.py), less the prompt its `echo` put
-    before them (None: none), counted as `count_echoed` counts it."""
+    before them (None: none), counted as `count_echoed` counts it. A reasoning's tokens
+    are counted alike: vLLM counts each choice's in its own token ids and adds them up
+    (chat_completion/serving.py:833-836 and 848 streamed, 1007 whole)."""
     total = 0
     for texts, echoed in choices:
         output = count_output(tokenizer, texts)
@@ -161,12 +192,12 @@ class TokenCounter:
         if not self.ready:
             return None
         tokenizer = self._loading.result()
-        prompt, template = observer.request.prompt, observer.request.template
+        request = observer.request
         choices = [(list(texts), echoed) for texts, echoed in observer.choice_outputs()]
 
         def work() -> TokenCounts:
             return TokenCounts(
-                prompt=count_prompt(tokenizer, prompt, template, template_only=True),
+                prompt=count_request(tokenizer, request),
                 output=count_choices(tokenizer, choices),
                 cached=None,
                 source=TokenSource.TOKENIZER,
@@ -174,14 +205,17 @@ class TokenCounter:
 
         return await self._run(work, failed)
 
-    async def count_texts(self, texts: list[str], failed: Failed | None = None) -> int | None:
-        """Tokens of generated texts (a stream's reasoning), None while not ready or when
-        counting failed (`failed("tokenizer")` is told)."""
+    async def count_reasoning(
+        self, observer: StreamObserver, failed: Failed | None = None
+    ) -> int | None:
+        """Tokens of a finished response's reasoning, each choice's counted alone and added
+        up as its output is (`count_choices`), None while not ready or when counting failed
+        (`failed("tokenizer")` is told)."""
         if not self.ready:
             return None
         tokenizer = self._loading.result()
-        joined = list(texts)
-        return await self._run(lambda: count_output(tokenizer, joined), failed)
+        choices = [(list(texts), None) for texts in observer.choice_reasoning()]
+        return await self._run(lambda: count_choices(tokenizer, choices), failed)
 
     async def _run(self, work: Callable[[], T], failed: Failed | None) -> T | None:
         """`work` in the tokenizer's thread. A tokenizer that raises (a broken file, a text
@@ -218,5 +252,5 @@ class Reporting:
     async def count(self, observer: StreamObserver) -> TokenCounts | None:
         return await self.counter.count(observer, self.failed)
 
-    async def count_texts(self, texts: list[str]) -> int | None:
-        return await self.counter.count_texts(texts, self.failed)
+    async def count_reasoning(self, observer: StreamObserver) -> int | None:
+        return await self.counter.count_reasoning(observer, self.failed)

@@ -32,7 +32,7 @@ from proxy.core.apis.base import (
     sampling_options,
 )
 from proxy.core.apis.chat import keep
-from proxy.core.chat_prompt import template_tools
+from proxy.core.chat_prompt import responses_template
 from proxy.core.measurement import NONE_LABEL, TokenSource
 from proxy.core.toolcalls import CallPiece
 
@@ -98,8 +98,9 @@ class Responses(Api):
         return given
 
     def template(self, obj: dict[str, Any]) -> dict[str, Any] | None:
-        """The function tools, as vLLM gives them to the template (an OpenAI function)."""
-        return template_tools(obj.get("tools"), "parameters", "function")
+        """The function tools, as vLLM gives them to the template (an OpenAI function), the
+        `chat_template_kwargs` and `reasoning.effort` (chat_prompt.responses_template)."""
+        return responses_template(obj)
 
     def read_request(self, obj: dict[str, Any]) -> RequestInfo:
         # `previous_response_id` names the stored response this one continues (openai-python
