@@ -30,7 +30,7 @@ from proxy.core.measurement import ErrorType, Measurement, TokenSource
 from proxy.core.observe import StreamObserver, TokenCounts, bare_record
 from proxy.core.request import RequestInfo
 from proxy.core.secrets import SECRET_HEADERS, redact
-from proxy.core.tokens import count_output, count_prompt
+from proxy.core.tokens import count_choices, count_request
 from proxy.core.wav import pcm16, wav
 from proxy.core.wsframes import WsMessage
 
@@ -313,14 +313,16 @@ def finalize(result: Result, tokenizer: Any) -> None:
     if observer is None or tokenizer is None:
         return
     counts = TokenCounts(
-        prompt=count_prompt(tokenizer, observer.request.prompt),
-        output=count_output(tokenizer, observer.texts),
+        prompt=count_request(tokenizer, observer.request),
+        output=count_choices(tokenizer, observer.choice_outputs()),
         cached=None,
         source=TokenSource.TOKENIZER,
     )
-    texts = observer.reasoning_texts
+    reasoning = observer.choice_reasoning()
     counted = (
-        count_output(tokenizer, texts) if texts and not observer.reasoning_from_usage() else None
+        count_choices(tokenizer, [(texts, None) for texts in reasoning])
+        if reasoning and not observer.reasoning_from_usage()
+        else None
     )
     result.m = observer.measurement(
         end=observer.start + m.e2e,

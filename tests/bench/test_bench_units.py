@@ -16,7 +16,7 @@ from proxy.bench.load import Level
 from proxy.bench.options import ENDPOINTS, Options, OptionsError, parse, parse_slo
 from proxy.bench.prompts import BUILTIN, Prompt, PromptError, load_file, synthetic
 from proxy.bench.stats import distribution, meets, quantile, summarize
-from proxy.core.apis import APIS
+from proxy.core.apis import APIS, api_for
 from proxy.core.buckets import TTFT_BUCKETS
 from proxy.core.measurement import ErrorType, Measurement
 from proxy.core.request import CHAT, COMPLETIONS
@@ -383,3 +383,45 @@ def test_late_sends_are_noted_for_every_open_loop_level_whatever_its_label() -> 
     text = report.table(summaries, open_loop=True)
     assert "in=16 rate=20/s: sends were late by" in text and "replay: sends were late by" in text
     assert "sends were late" not in report.table(summaries)  # a closed loop's have no schedule
+
+
+def test_the_bench_recounts_several_choices_each_alone_as_the_proxy_does(
+    tmp_path: Path,
+) -> None:
+    """n = 2 without usage: each choice's output and reasoning counted alone and added up
+    (vLLM's completion_tokens), not the two choices' interleaved texts joined."""
+    from proxy.bench.client import finalize
+    from proxy.core.observe import StreamObserver
+    from proxy.core.tokens import count_output
+
+    choices = (["Meas", "uring", " lat"], ["ency", " tok", "ens"])
+    tokenizer = load_tokenizer(str(build_tiny_tokenizer(tmp_path)))
+    api = api_for(CHAT)
+    assert api is not None
+    request = api.read_request({"model": "m", "stream": True, "n": 2, "messages": []})
+    observer = StreamObserver(request, start=0.0, collect_text=True)
+    observer.open(200, "text/event-stream", 0.0)
+    for field in ("reasoning", "content"):
+        for step in range(3):
+            for index in (0, 1):
+                delta = {field: choices[index][step]}
+                chunk = {"choices": [{"index": index, "delta": delta, "finish_reason": None}]}
+                observer.feed(b"data: " + orjson.dumps(chunk) + b"\n\n", 0.1 + step)
+    for index in (0, 1):
+        chunk = {"choices": [{"index": index, "delta": {}, "finish_reason": "length"}]}
+        observer.feed(b"data: " + orjson.dumps(chunk) + b"\n\ndata: [DONE]\n\n", 4.0)
+    m = observer.measurement(
+        end=4.0,
+        started_at=0.0,
+        status_code=200,
+        counts=observer.counts_from_chunks(),
+        error_type=None,
+        error_message=None,
+    )
+    result = Result(level=0, index=0, scheduled=0.0, sent=0.0, m=m, observer=observer)
+    finalize(result, tokenizer)
+    each = sum(count_output(tokenizer, texts) for texts in choices)
+    joined = count_output(tokenizer, [text for step in zip(*choices, strict=True) for text in step])
+    assert each != joined  # the check below tells the two apart
+    assert result.m.output_tokens == 2 * each  # the reasoning is output too, as vLLM counts
+    assert result.m.reasoning_tokens == each
