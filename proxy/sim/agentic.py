@@ -150,44 +150,65 @@ class ChatScript:
     def __init__(self, plan: Plan, sse: wire.StreamWire, head: bytes) -> None:
         self._plan, self._sse, self._head = plan, sse, head
         self._ids = [f"chatcmpl-tool-{uuid.uuid4().hex[:16]}" for _ in range(_calls(plan))]
+        # A script cut by its token limit ends on a token: vLLM puts the finish on that
+        # token's chunk (chat_completion/serving.py, the delta and finish_reason together).
+        # An EOS ending ("stop", "tool_calls") is a token without text: a chunk of its own.
+        self._cut = plan.finish_reason == "length"
+        self._left = plan.output_tokens  # tokens still to be written
 
     def opening(self) -> list[bytes]:
         return [self._sse.role()]
 
-    def _choice(self, delta: bytes) -> bytes:
+    def _choice(self, delta: bytes, finish: bytes) -> bytes:
         return (
             self._head
             + b',"choices":[{"index":0,"delta":'
             + delta
-            + b',"logprobs":null,"finish_reason":null}]}\n\n'
+            + b',"logprobs":null,"finish_reason":'
+            + finish
+            + b"}]}\n\n"
         )
 
+    def _finish(self, tokens: int) -> bytes:
+        """The choice's finish fields for a chunk of `tokens` tokens: set on the last one
+        of a script cut by its limit."""
+        self._left -= tokens
+        if self._cut and self._left <= 0:
+            return b'"length","stop_reason":null'
+        return b"null"
+
     def step(self, step: Step) -> list[bytes]:
+        finish = self._finish(1)
         if step.kind == "text":
-            return [self._sse.content(text_json(1, step.position))]
+            text = text_json(1, step.position)
+            if finish != b"null":
+                return [self._sse.last(text, "length")]
+            return [self._sse.content(text)]
         if step.kind == "reasoning":
-            return [self._choice(b'{"reasoning":"' + text_json(1, step.position) + b'"}')]
+            delta = b'{"reasoning":"' + text_json(1, step.position) + b'"}'
+            return [self._choice(delta, finish)]
         if step.kind == "open":
             call = self._opening(step.position)
         else:
             call = {"index": step.position, "function": {"arguments": step.piece}}
-        return [self._choice(b'{"content":null,"tool_calls":[' + orjson.dumps(call) + b"]}")]
+        delta = b'{"content":null,"tool_calls":[' + orjson.dumps(call) + b"]}"
+        return [self._choice(delta, finish)]
 
     def merged(self, before: Step, step: Step) -> list[bytes]:
         """One delta of both kinds, as vLLM's parsers return it (BOUNDARIES)."""
+        finish = self._finish(2)
         if before.kind == "reasoning":  # and the answer's first token
-            return [
-                self._choice(
-                    b'{"reasoning":"'
-                    + text_json(1, before.position)
-                    + b'","content":"'
-                    + text_json(1, step.position)
-                    + b'"}'
-                )
-            ]
+            delta = (
+                b'{"reasoning":"'
+                + text_json(1, before.position)
+                + b'","content":"'
+                + text_json(1, step.position)
+                + b'"}'
+            )
+            return [self._choice(delta, finish)]
         opening = self._opening(step.position)  # after the answer's last token
         delta = b'{"content":"' + text_json(1, before.position) + b'","tool_calls":['
-        return [self._choice(delta + orjson.dumps(opening) + b"]}")]
+        return [self._choice(delta + orjson.dumps(opening) + b"]}", finish)]
 
     def _opening(self, call: int) -> dict[str, Any]:
         return {"id": self._ids[call], "type": "function", "index": call,
@@ -195,7 +216,8 @@ class ChatScript:
 
     def closing(self, finish_reason: str, sent: int, reasoning: int) -> list[bytes]:
         plan = self._plan
-        out = [self._sse.finish(finish_reason)]
+        # the finish went out on the last token's chunk, unless no token was written
+        out = [] if self._cut and sent else [self._sse.finish(finish_reason)]
         if plan.include_usage:
             usage = wire.usage_json(plan.prompt_tokens, sent, plan.cached_tokens)
             usage = usage[:-1] + b',"completion_tokens_details":{"reasoning_tokens":%d}}' % (

@@ -74,6 +74,7 @@ from proxy.sim.pacing import FreePacer, LockstepPacer, Pacer, StepClock
 from proxy.sim.prefix_cache import PrefixCache
 from proxy.sim.realtime import RealtimeSession
 from proxy.sim.responses import ResponsesWire
+from proxy.sim.slots import Slots
 from proxy.sim.state import Outcome, SimRequest, SimState
 from proxy.sim.stream import complete, engine_metrics, paced_whole, stream
 from proxy.sim.tokens import completion_text, count_prompt_tokens
@@ -91,8 +92,8 @@ class SimApp:
         self.config = config
         self.state = state if state is not None else SimState(max_records=config.max_records)
         self.clock = StepClock(config.step_ms / 1000) if config.step_ms else None
-        #: vLLM's --max-num-seqs: a request waits here for a slot (its queue time).
-        self.slots = asyncio.Semaphore(config.max_num_seqs) if config.max_num_seqs else None
+        #: vLLM's --max-num-seqs: a request waits here for its `n` slots (its queue time).
+        self.slots = Slots(config.max_num_seqs) if config.max_num_seqs else None
         self._models = catalog.models_list(config)
         self._auth = None if config.api_key is None else f"Bearer {config.api_key}"
         self.realtime_sessions: list[RealtimeSession] = []  # what each one sent, for tests
@@ -211,7 +212,7 @@ class SimApp:
         record.queued_at = time.monotonic()
         if self.slots is None:
             return await self._run(kind, ex, body, t0, plan)
-        async with self.slots:
+        async with self.slots.hold(plan.n):
             record.scheduled_at = time.monotonic()
             return await self._run(kind, ex, body, asyncio.get_running_loop().time(), plan)
 

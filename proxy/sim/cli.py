@@ -200,6 +200,12 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="uvicorn's log level (default: %(default)s)",
     )
     parser.set_defaults(env_models=env("MODEL", models, None))
+    # vLLM's own variable (vllm/envs.py), read as it reads it; no flag of ours
+    raw = environ.get("VLLM_MAX_STOP_STRINGS", str(defaults.max_stop_strings))
+    try:
+        parser.set_defaults(max_stop_strings=int(raw))
+    except ValueError:
+        parser.error(f"VLLM_MAX_STOP_STRINGS: invalid value {raw!r}")
     return parser
 
 
@@ -233,6 +239,7 @@ def parse(
             stamp=args.stamp,
             stamp_in_text=args.stamp_in_text,
             record_bodies=args.record_bodies,
+            max_stop_strings=args.max_stop_strings,
         )
     except ValueError as exc:
         parser.error(str(exc))

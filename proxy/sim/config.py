@@ -77,6 +77,9 @@ class SimConfig:
     #: `timings`, /props with build_info and no /version: proxy/sim/llamacpp.py). Also per
     #: request: `x-sim-backend-kind`.
     backend_kind: str = "vllm"
+    #: vLLM's VLLM_MAX_STOP_STRINGS: a `stop` list longer than this is a 400 (the CLI reads
+    #: that variable, as vLLM does, at start).
+    max_stop_strings: int = 4
     #: How many request records `SimState` keeps (oldest dropped), so long benchmarks
     #: do not grow memory without bound.
     max_records: int = 10_000

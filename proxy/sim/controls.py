@@ -269,6 +269,15 @@ def _plan(
     llama = backend == "llamacpp" and rules.llamacpp
     if llama:
         _llamacpp_n(body.get("n"))
+    stop = body.get("stop")
+    # pydantic's check (generate/base/protocol.py StopParam), before any other
+    if (
+        rules.sampling
+        and not llama
+        and isinstance(stop, list)
+        and len(stop) > config.max_stop_strings
+    ):
+        return errors.too_long("stop", len(stop), config.max_stop_strings)
     model = str(body.get("model") or config.models[0])
     if llama and model not in config.models:
         model = config.models[0]  # a single-model llama-server ignores `model`
@@ -324,6 +333,9 @@ def _plan(
     except StopError as exc:
         return errors.bad_request(str(exc))
     planned = number(headers, "x-sim-output-tokens", int, config.output_tokens, 0)
+    min_tokens = _min_tokens(body, max_tokens, room) if sampling else 0
+    if isinstance(min_tokens, errors.ErrorReply):
+        return min_tokens
     script = script_from(headers)
     if script is not None:
         choices, stops = 1, None  # a script streams one choice, to its own end
@@ -331,6 +343,8 @@ def _plan(
     if script is not None:
         planned = script.tokens(answer)
     limit = room if max_tokens is None else min(max_tokens, room)
+    if script is None:  # min_tokens holds back the EOS too (v1/core/sched/utils.py check_stop)
+        planned = max(planned, min_tokens)
     finish = "stop" if script is None or not script.calls else "tool_calls"
     # A script (reasoning, tool calls) ends where it ends: ignore_eos does not stretch it.
     if (body.get("ignore_eos") and script is None) or planned > limit:
@@ -342,7 +356,7 @@ def _plan(
     per_chunk = number(headers, "x-sim-tokens-per-chunk", int, 1, 1)
     if spec is not None:
         per_chunk = spec.per_chunk
-    hit = None if stops is None else first_stop(stops, planned, per_chunk)
+    hit = None if stops is None else first_stop(stops, planned, per_chunk, min_tokens)
     if hit is not None:
         planned, finish = hit.tokens, "stop"
 
@@ -427,6 +441,25 @@ def _choices(body: dict[str, Any]) -> int | errors.ErrorReply:
     if n > 1 and temperature is not None and temperature < SAMPLING_EPS:
         return errors.bad_request(f"n must be 1 when using greedy sampling, got {n}.")
     return n
+
+
+def _min_tokens(body: dict[str, Any], max_tokens: int | None, room: int) -> int | errors.ErrorReply:
+    """`min_tokens` as vLLM reads and checks it (vllm/sampling_params.py _verify_args),
+    against the limit it runs under (`max_tokens`, else the room left: get_max_tokens)."""
+    raw = body.get("min_tokens")
+    if raw is None:
+        return 0
+    value = lax_int(raw)
+    if value is None:
+        raise ControlError(f"min_tokens: Input should be a valid integer, got {raw!r}")
+    if value < 0:
+        return errors.bad_request(f"min_tokens must be greater than or equal to 0, got {value}.")
+    limit = room if max_tokens is None else min(max_tokens, room)
+    if value > limit:
+        return errors.bad_request(
+            f"min_tokens must be less than or equal to max_tokens={limit}, got {value}."
+        )
+    return value
 
 
 def _generate_body(body: dict[str, Any]) -> dict[str, Any]:

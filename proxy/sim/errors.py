@@ -33,6 +33,39 @@ def bad_request(message: str, param: str | None = None) -> ErrorReply:
     return ErrorReply(400, error_json(message, "BadRequestError", 400, param))
 
 
+def validation_error(param: str, errors: list[dict[str, object]]) -> ErrorReply:
+    """vLLM 0.32's 400 for a body its pydantic models refuse (serve/exception_handling/
+    handlers/validation.py, validation_exception_handler): each error as Python prints the
+    dict, its `loc` the dotted `param`, a list `input` as "<list of N items>"."""
+    label = "error" if len(errors) == 1 else "errors"
+    message = f"{len(errors)} validation {label}:" + "".join(f"\n  {e!r}" for e in errors)
+    return ErrorReply(400, error_json(message, "Bad Request", 400, param))
+
+
+def too_long(field: str, items: int, max_length: int) -> ErrorReply:
+    """A `str | list[str]` field whose list has more than `max_length` items (pydantic's
+    `too_long`; the `str` branch fails too): vLLM's `stop` past VLLM_MAX_STOP_STRINGS."""
+    loc, given = f"body.{field}", f"<list of {items} items>"
+    return validation_error(
+        loc,
+        [
+            {
+                "type": "string_type",
+                "loc": loc,
+                "msg": "Input should be a valid string",
+                "input": given,
+            },
+            {
+                "type": "too_long",
+                "loc": loc,
+                "msg": f"List should have at most {max_length} items after validation, not {items}",
+                "input": given,
+                "ctx": {"field_type": "List", "max_length": max_length, "actual_length": items},
+            },
+        ],
+    )
+
+
 def unauthorized() -> ErrorReply:
     return ErrorReply(401, b'{"error":"Unauthorized"}')
 

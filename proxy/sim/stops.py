@@ -12,6 +12,9 @@ Source: vllm/v1/engine/detokenizer.py (BaseIncrementalDetokenizer: `update`,
   back its last `max(len(s)) - 1` characters until the output finishes, so that a string
   begun in one step and completed in a later one is never sent. A step whose text is all
   held back still sends its chunk, with empty text; the finishing chunk carries the rest.
+- With `min_tokens`, strings are checked only once the output has more tokens than that,
+  and only where they end in the text after the `min_tokens`th token (detokenizer.py
+  `update`: `num_output_tokens() > min_tokens`, `stop_check_offset`).
 """
 
 from __future__ import annotations
@@ -60,20 +63,22 @@ def read_stops(stop: Any, include: bool) -> Stops | None:
     return Stops(tuple(strings), include)
 
 
-def first_stop(stops: Stops, tokens: int, per_step: int) -> StopHit | None:
+def first_stop(stops: Stops, tokens: int, per_step: int, min_tokens: int = 0) -> StopHit | None:
     """Where a stop string ends a generation of `tokens` tokens that comes `per_step`
     tokens an engine step, or None if none of them occurs."""
     n = len(VOCAB)
     # The text repeats every len(VOCAB) tokens and every token has a character at least,
     # so a string that has not completed by then never will.
-    horizon = n + max(len(s) for s in stops.strings) + per_step
+    horizon = min_tokens + n + max(len(s) for s in stops.strings) + per_step
     text = ""
     for start in range(0, min(tokens, horizon), per_step):
         offsets = [len(text)]
         for i in range(start, min(start + per_step, tokens)):
             text += VOCAB[i % n]
             offsets.append(len(text))
-        hit = _check(text, len(text) - offsets[0], stops)
+        if start + len(offsets) - 1 <= min_tokens:
+            continue
+        hit = _check(text, len(text) - offsets[max(min_tokens - start, 0)], stops)
         if hit is None:
             continue
         string, truncate_to = hit

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -317,3 +318,137 @@ def test_an_empty_stop_string_is_vllms_400(url: str) -> None:
     r = httpx.post(url + CHAT, json=chat(stream=False, stop=["a", ""]))
     assert r.status_code == 400
     assert r.json()["error"]["message"] == "stop cannot contain an empty string."
+
+
+#: vLLM 0.32's body for 5 stop strings, taken from its FastAPI app (the chat and completion
+#: request models behind serve/exception_handling/handlers/validation.py).
+TOO_MANY_STOPS = (
+    b"{\"error\":{\"message\":\"2 validation errors:\\n  {'type': 'string_type', 'loc': "
+    b"'body.stop', 'msg': 'Input should be a valid string', 'input': '<list of 5 items>'}"
+    b"\\n  {'type': 'too_long', 'loc': 'body.stop', 'msg': 'List should have at most 4 "
+    b"items after validation, not 5', 'input': '<list of 5 items>', 'ctx': {'field_type': "
+    b"'List', 'max_length': 4, 'actual_length': 5}}\",\"type\":\"Bad Request\","
+    b'"param":"body.stop","code":400}}'
+)
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_more_stop_strings_than_vllm_allows_is_its_validation_400(url: str, path: str) -> None:
+    """generate/base/protocol.py:26-28 (StopParam: a list of at most VLLM_MAX_STOP_STRINGS,
+    envs.py:114, default 4); four are served."""
+    make = chat if path == CHAT else completion
+    r = httpx.post(url + path, json=make(stream=False, stop=["a1", "b1", "c1", "d1", "e1"]))
+    assert (r.status_code, r.content) == (400, TOO_MANY_STOPS)
+    assert httpx.post(url + path, json=make(stream=False, stop=["a", "b", "c", "d"])).is_success
+
+
+def test_the_stop_string_limit_is_vllms_environment_variable() -> None:
+    from proxy.sim.cli import parse
+
+    assert parse([], {})[0].max_stop_strings == 4
+    assert parse([], {"VLLM_MAX_STOP_STRINGS": "6"})[0].max_stop_strings == 6
+
+
+# -- min_tokens ---------------------------------------------------------------------------
+
+
+def test_a_stop_string_within_min_tokens_is_not_checked(url: str) -> None:
+    """detokenizer.py:134-136: strings are checked once the output has more than min_tokens
+    tokens, and only where they end after the min_tokens'th token's text."""
+    body = completion(stream=False, stop="quick")
+    assert httpx.post(url + COMPLETIONS, json=body).json()["choices"][0]["text"] == " The "
+    answer = httpx.post(url + COMPLETIONS, json={**body, "min_tokens": 2}).json()
+    choice = answer["choices"][0]
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (
+        completion_text(8),
+        "stop",
+        None,
+    )
+
+
+def test_min_tokens_holds_back_the_eos(url: str) -> None:
+    """v1/core/sched/utils.py check_stop: no stop before min_tokens tokens (the EOS is
+    masked too: v1/sample/logits_processor/builtin.py MinTokensLogitsProcessor)."""
+    body = completion(stream=False, min_tokens=11)
+    answer = httpx.post(url + COMPLETIONS, json=body).json()
+    assert answer["usage"]["completion_tokens"] == 11
+    assert answer["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"min_tokens": -1}, "min_tokens must be greater than or equal to 0, got -1."),
+        (
+            {"min_tokens": 6, "max_tokens": 5},
+            "min_tokens must be less than or equal to max_tokens=5, got 6.",
+        ),
+    ],
+)
+def test_min_tokens_that_vllm_refuses_is_its_400(
+    url: str, extra: dict[str, Any], message: str
+) -> None:
+    """vllm/sampling_params.py:694-702."""
+    r = httpx.post(url + CHAT, json=chat(stream=False, **extra))
+    assert r.status_code == 400 and r.json()["error"]["message"] == message
+
+
+# -- a script cut by its token limit ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("headers", "kinds"),
+    [
+        ({"x-sim-reasoning-tokens": "3"}, ["reasoning", "reasoning"]),
+        ({"x-sim-tool-calls": "1", "x-sim-output-tokens": "1"}, ["content", "tool_calls"]),
+        ({"x-sim-reasoning-tokens": "1", "x-sim-output-tokens": "4"}, ["reasoning", "content"]),
+    ],
+    ids=["in_reasoning", "in_a_call", "in_the_answer"],
+)
+def test_a_script_cut_by_its_limit_ends_on_its_last_tokens_chunk(
+    client: httpx.Client, url: str, headers: dict[str, str], kinds: list[str]
+) -> None:
+    """chat_completion/serving.py:752-792: the finish rides on the output that ends the
+    choice, whatever the parsers made of its delta."""
+    got = read_events(client, url, chat(max_tokens=2), headers)
+    chunks = [e.json["choices"][0] for e in got.events[1:-1]]  # after the role chunk
+    assert [next(k for k in c["delta"] if c["delta"][k]) for c in chunks] == kinds
+    assert [c["finish_reason"] for c in chunks] == [None, "length"]
+
+
+def test_a_script_that_ends_with_tool_calls_finishes_on_a_chunk_of_its_own(
+    client: httpx.Client, url: str
+) -> None:
+    """The EOS after the last call is its own output, with no delta for the parser to
+    give: a chunk with the finish, "tool_calls" as tools were streamed (serving.py:768-776)."""
+    headers = {"x-sim-tool-calls": "1", "x-sim-output-tokens": "0"}
+    got = read_events(client, url, chat(), headers)
+    last_call, finish = (e.json["choices"][0] for e in got.events[-3:-1])
+    assert (bool(last_call["delta"].get("tool_calls")), last_call["finish_reason"]) == (True, None)
+    assert finish["finish_reason"] == "tool_calls"
+
+
+# -- n choices take n of --max-num-seqs ---------------------------------------------------
+
+
+def test_n_choices_take_n_slots_of_max_num_seqs() -> None:
+    """vLLM runs each of n choices as a child request (v1/engine/async_llm.py ParentRequest,
+    v1/engine/parallel_sampling.py), each a sequence of the scheduler's: n=2 fills two
+    slots, so a third request waits; n over the slots there are runs, in all of them."""
+    config = SimConfig(ttft=0.0, tokens_per_second=1000.0, output_tokens=4, max_num_seqs=2)
+    with running(config) as (server, app):
+        state, target = app.state, server.url + CHAT
+        hold = {"x-sim-output-tokens": "5000"}  # 5 s: held until the client leaves
+        with httpx.stream("POST", target, json=chat(n=2), headers=hold) as first:
+            chunks = first.iter_raw()
+            next(chunks)  # it streams: it has its slots
+            with httpx.Client(timeout=30) as c, ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(c.post, target, json=chat(stream=False))
+                assert state.wait_for(lambda: len(state.requests()) == 2)
+                assert state.wait_for(lambda: state.requests()[1].queued_at is not None)
+                time.sleep(0.1)
+                assert state.requests()[1].scheduled_at is None  # no slot left for it
+                first.close()
+                assert waiting.result().is_success
+        many = httpx.post(target, json=chat(stream=False, n=3), timeout=30)
+        assert len(many.json()["choices"]) == 3
