@@ -191,10 +191,11 @@ def test_complete_calls_after_reasoning_and_an_answer(
     sim: Running, proxy: ProxyUnderTest, path: str
 ) -> None:
     program = {"x-sim-reasoning-tokens": "2", "x-sim-output-tokens": "1", "x-sim-tool-calls": "2"}
-    # Tokens 100 ms apart, not 20: three instants told apart in order must come in three
-    # reads, and a parallel run once stalled this in-process proxy for 40 ms, so that the
-    # reasoning and the answer came in one read, with one timestamp.
-    m, raw = run(proxy, sim, path, {**program, "x-sim-tps": "10"})
+    # Tokens 200 ms apart, not 20: three instants told apart in order must come in three
+    # reads, and a parallel run once stalled this in-process proxy for 40 ms (and a loaded
+    # machine later for over 100 ms), so that the reasoning and the answer came in one
+    # read, with one timestamp.
+    m, raw = run(proxy, sim, path, {**program, "x-sim-tps": "5"})
     # a Responses response that made calls is just "completed"
     assert m.finish_reason == ("stop" if path == RESPONSES else "tool_calls")
     assert (
