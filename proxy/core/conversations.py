@@ -7,19 +7,29 @@ A request continues a conversation when, in this order,
   3. its leading messages are exactly all of an earlier request's messages (an agent that
      appends the answer and a tool result and sends again), matched by the cumulative
      message digests of proxy/core/fingerprint.py (`message_chain`); or all its messages
-     are those of a request that failed (its retry).
+     are those of a request that failed (its retry). A request that continues by
+     `previous_response_id` sends only its new input items, not its prompt: it is never
+     matched by its messages, nor are they kept for others to match.
 Anything else opens a new conversation (turn 1).
 
 The table is updated twice per request, never per chunk: `begin` at its start (which
 conversation, which turn, the gap since the previous answer ended) and `end` at its end
-(its end, its tokens, its response id). A conversation closes when it has been idle for
-`idle` seconds (`sweep`), and its figures come out then: turns, duration (first start to
-last end), the time inside requests and the time between them.
+(its end, its tokens, its response id). A request's digest is indexed at its start beside
+the last answered one's, and replaces that one only when it gets an answer: after a turn
+that fails, both its retry and a resend that trims it are found. A conversation closes
+when it has been idle for `idle` seconds (`sweep`), and its figures come out then: turns,
+duration (first start to last end), the time inside requests and the time between them.
 
-Memory is bounded: at most `capacity` conversations, each holding one message digest
-(its latest request's) and one response id (its latest); when the table is full the
-conversation touched longest ago goes first (`evicted` counts them). `ENTRY_BYTES` is
-the measured worst-case size of one conversation (tests/core/test_conversations.py).
+Memory is bounded: at most `capacity` conversations, each holding two message digests at
+most (its latest answered request's, and its latest one's while that is in flight or if
+it failed) and one response id (its latest); when the table is full the conversation
+touched longest ago with no request in flight goes first, the oldest of all only when
+every one has a request in flight (`evicted` counts them). `ENTRY_BYTES` is the measured
+worst-case size of one conversation (tests/core/test_conversations.py).
+
+An unnamed conversation's id is a keyed hash of a random per-table nonce and a counter:
+distinct across workers, restarts and replicas that share the salt. A named one's is a
+keyed hash of the header's value, the same in every worker that shares the salt.
 
 Identical openings are indistinguishable without a header: two clients that send the
 very same messages are taken for one (the later one owns the digest). The header (or
@@ -29,6 +39,7 @@ very same messages are taken for one (the later one owns the digest). The header
 from __future__ import annotations
 
 import hashlib
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -45,9 +56,10 @@ MAX_HEADER_VALUE = 256
 MAX_RESPONSE_ID = 256
 #: Hex digits of an exported conversation id (64 bits).
 ID_HEX = 16
-#: Bytes one conversation holds at most in the table, with its index entries (its digest
-#: and a 256-character response id): 794 measured with tracemalloc over 10,000 of them.
-ENTRY_BYTES = 900
+#: Bytes one conversation holds at most in the table, with its index entries (two digests,
+#: its latest request having failed, and a 256-character response id): 912 measured with
+#: tracemalloc over 10,000 of them (810 with one digest).
+ENTRY_BYTES = 1024
 
 
 @dataclass(slots=True, eq=False)
@@ -61,7 +73,8 @@ class Conversation:
     last_end: float | None = None  # the latest request's end
     model_seconds: float = 0.0  # sum of the requests' durations
     between_seconds: float = 0.0  # sum of the turn gaps
-    digest: bytes | None = None  # the latest request's digest of all its messages
+    digest: bytes | None = None  # the latest answered request's digest of all its messages
+    unanswered: bytes | None = None  # the latest one's while in flight, or if it failed
     response_id: str | None = None  # the latest response id
     prompt_tokens: int | None = None  # the latest ended request's
     output_tokens: int | None = None
@@ -83,6 +96,7 @@ class Turn:
     via: str  # NEW or one of VIA
     gap: float | None  # the previous answer's end -> this request's start (continuations)
     shared_prefix_tokens: int | None  # the earlier request's tokens this prompt repeats
+    digest: bytes | None = None  # its digest of all its messages (None: no complete chain)
 
     @property
     def id(self) -> str:
@@ -119,6 +133,9 @@ class Conversations:
         self._by_digest: dict[bytes, Conversation] = {}
         self._by_response: dict[str, Conversation] = {}
         self._opened = 0
+        # Drawn per table: the workers of one server (and its restarts, and other replicas)
+        # share the salt, and a counter alone gave their first conversations one id.
+        self._nonce = os.urandom(16)
         self.evicted = 0
 
     def __len__(self) -> int:
@@ -139,6 +156,10 @@ class Conversations:
         """A request starts at `now`. `header`: the conversation header's value (already
         checked with `header_refusal`); `chain`: its message digests (message_chain),
         `complete` False when the chain stops short of its last message."""
+        if previous_response_id:
+            # Its messages are its new input items alone, not its prompt (the rest is the
+            # stored response's): never matched or kept as if they were the whole prompt.
+            chain, complete = (), False
         conversation, via, shared = None, NEW, None
         if header:
             key = b"h" + self._hash(header)
@@ -160,7 +181,12 @@ class Conversations:
             # (A resend of a request that succeeded is no continuation: a load test that
             # sends one prompt a thousand times is a thousand conversations.)
             retried = self._by_digest.get(chain[-1])
-            if retried is not None and retried.failed and not retried.in_flight:
+            if (
+                retried is not None
+                and retried.unanswered == chain[-1]
+                and retried.failed
+                and not retried.in_flight
+            ):
                 conversation, via, shared = retried, MESSAGES, retried.prompt_tokens
         if conversation is None:
             # The longest earlier request this one begins with (not itself).
@@ -171,7 +197,8 @@ class Conversations:
                     break
         if conversation is None:
             self._opened += 1
-            conversation = self._open(b"n" + self._hash(self._opened.to_bytes(8, "big")), now)
+            opened = self._nonce + self._opened.to_bytes(8, "big")
+            conversation = self._open(b"n" + self._hash(opened), now)
         gap = None
         if via != NEW and conversation.in_flight == 0 and conversation.last_end is not None:
             gap = max(0.0, now - conversation.last_end)
@@ -179,9 +206,10 @@ class Conversations:
         conversation.turns += 1
         conversation.in_flight += 1
         self._touch(conversation, now)
-        if chain and complete:
-            self._index_digest(conversation, chain[-1])
-        return Turn(conversation, conversation.turns, via, gap, shared)
+        own = chain[-1] if chain and complete else None
+        if own is not None:  # found at once (a continuation may come before its end runs)
+            self._set_digest(conversation, "unanswered", own)
+        return Turn(conversation, conversation.turns, via, gap, shared, own)
 
     def end(
         self,
@@ -195,7 +223,9 @@ class Conversations:
         failed: bool = False,
     ) -> None:
         """The request of `turn` ended at `now`, after `duration` seconds; `failed`: it
-        got no answer (an error), so the same messages again are its retry."""
+        got no answer (an error), so the same messages again are its retry. On success its
+        digest replaces the conversation's last answered one; on failure both stay, so an
+        identical retry and one that trims the failed turn are both found."""
         c = turn.conversation
         c.failed = failed
         c.in_flight = max(0, c.in_flight - 1)
@@ -205,6 +235,13 @@ class Conversations:
         if self._table.get(c.key) is not c:
             return  # evicted while in flight: nothing more to index
         self._touch(c, now)
+        if failed:
+            if turn.digest is not None:  # (again: an overlapping request may have taken it)
+                self._set_digest(c, "unanswered", turn.digest)
+        else:
+            self._set_digest(c, "digest", turn.digest)
+            if c.unanswered == turn.digest or not c.in_flight:  # not another one's in flight
+                self._set_digest(c, "unanswered", None)
         if response_id and len(response_id) <= MAX_RESPONSE_ID:
             if c.response_id is not None and self._by_response.get(c.response_id) is c:
                 del self._by_response[c.response_id]
@@ -229,7 +266,8 @@ class Conversations:
 
     def _open(self, key: bytes, now: float) -> Conversation:
         while len(self._table) >= self.capacity:
-            _, oldest = self._table.popitem(last=False)
+            oldest = self._evictable()
+            del self._table[oldest.key]
             self._unindex(oldest)
             self.evicted += 1
         c = Conversation(key.hex()[-ID_HEX:], key, now, now)
@@ -240,13 +278,41 @@ class Conversations:
         c.touched = max(c.touched, now)
         self._table.move_to_end(c.key)
 
-    def _index_digest(self, c: Conversation, digest: bytes) -> None:
-        if c.digest is not None and self._by_digest.get(c.digest) is c:
-            del self._by_digest[c.digest]
+    def _evictable(self) -> Conversation:
+        """The conversation touched longest ago with no request in flight; the oldest of
+        all only when every one has one. Those in flight go to the end of the order, each
+        looked at once at most (as `sweep` does): O(1) amortised."""
+        table = self._table
+        for _ in range(len(table)):
+            c = next(iter(table.values()))
+            if not c.in_flight:
+                return c
+            table.move_to_end(c.key)
+        return next(iter(table.values()))
+
+    def _set_digest(self, c: Conversation, slot: str, digest: bytes | None) -> None:
+        """Put `digest` in `c`'s `slot` (`digest` or `unanswered`) and in the index; the
+        one it replaces leaves the index unless the other slot still holds it."""
+        old = getattr(c, slot)
+        if old == digest:
+            if digest is not None:
+                self._claim(c, digest)
+            return
+        setattr(c, slot, digest)
+        other = c.unanswered if slot == "digest" else c.digest
+        if old is not None and old != other and self._by_digest.get(old) is c:
+            del self._by_digest[old]
+        if digest is not None:
+            self._claim(c, digest)
+
+    def _claim(self, c: Conversation, digest: bytes) -> None:
         owner = self._by_digest.get(digest)
         if owner is not None and owner is not c:
-            owner.digest = None  # the same messages again: the later conversation owns them
-        c.digest = digest
+            # The same messages again: the later conversation owns them.
+            if owner.digest == digest:
+                owner.digest = None
+            if owner.unanswered == digest:
+                owner.unanswered = None
         self._by_digest[digest] = c
 
     def _drop(self, c: Conversation) -> None:
@@ -254,7 +320,8 @@ class Conversations:
         self._unindex(c)
 
     def _unindex(self, c: Conversation) -> None:
-        if c.digest is not None and self._by_digest.get(c.digest) is c:
-            del self._by_digest[c.digest]
+        for digest in (c.digest, c.unanswered):
+            if digest is not None and self._by_digest.get(digest) is c:
+                del self._by_digest[digest]
         if c.response_id is not None and self._by_response.get(c.response_id) is c:
             del self._by_response[c.response_id]

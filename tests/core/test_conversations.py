@@ -44,6 +44,11 @@ def end(t: Conversations, turn: Turn, now: float, prompt: int = 10, output: int 
     )
 
 
+def fail(t: Conversations, turn: Turn, now: float) -> None:
+    t.end(turn, now, duration=0.5, response_id=None, prompt_tokens=None, output_tokens=None,
+          failed=True)  # fmt: skip
+
+
 def agent_rounds(user: str) -> list[list[dict[str, Any]]]:
     first = [SYSTEM, {"role": "user", "content": user}]
     call = {"role": "assistant", "content": "", "tool_calls": [{"id": "c1"}]}
@@ -157,6 +162,113 @@ def test_a_retry_of_a_failed_request_stays_in_its_conversation() -> None:
     assert (third.id, third.index, third.via) == (first.id, 4, MESSAGES)
 
 
+def test_a_retry_that_trims_the_failed_turn_stays_in_its_conversation() -> None:
+    """A turn fails (a 400: its tool result is over the context) and the agent sends it
+    again with the result cut short: its leading messages are still all of the last
+    answered request's. Before, the failed request's digest had replaced that one at its
+    start, and the retry opened a new conversation."""
+    t = table()
+    first_round = [SYSTEM, {"role": "user", "content": "task"}]
+    call = {"role": "assistant", "content": "", "tool_calls": [{"id": "c1"}]}
+    first = begin(t, 0.0, first_round)
+    end(t, first, 1.0, prompt=20)
+    huge = begin(t, 2.0, [*first_round, call, {"role": "tool", "content": "x" * 10_000}])
+    fail(t, huge, 2.5)
+    cut = [*first_round, call, {"role": "tool", "content": "x [cut]"}]
+    retry = begin(t, 3.0, cut)
+    assert (retry.id, retry.index, retry.via, retry.gap) == (first.id, 3, MESSAGES, 0.5)
+    assert retry.shared_prefix_tokens is None  # the failed turn's: it reported none
+    end(t, retry, 4.0)
+    # The retry answered: it is the conversation's latest, the next round continues it.
+    assert begin(t, 5.0, [*cut, {"role": "user", "content": "go on"}]).index == 4
+    assert len(t._by_digest) <= 2 * len(t)
+
+
+def test_after_a_failed_turn_both_an_identical_and_an_edited_retry_are_found() -> None:
+    t = table()
+    first_round = [SYSTEM, {"role": "user", "content": "task"}]
+    first = begin(t, 0.0, first_round)
+    end(t, first, 1.0)
+    asked = [*first_round, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "a"}]
+    fail(t, begin(t, 2.0, asked), 2.5)  # a 500
+    same = begin(t, 3.0, asked)
+    assert (same.id, same.via, same.index) == (first.id, MESSAGES, 3)
+    fail(t, same, 3.5)  # again
+    rephrased = [*asked[:-1], {"role": "user", "content": "a, rephrased"}]
+    edited = begin(t, 4.0, rephrased)
+    assert (edited.id, edited.via, edited.index) == (first.id, MESSAGES, 4)
+    # Once one succeeds the failed request is forgotten: the same messages are new.
+    end(t, edited, 5.0)
+    assert begin(t, 6.0, asked).via == NEW
+    assert len(t._by_digest) <= 2 * len(t)
+
+
+def test_a_continuation_that_comes_before_its_requests_end_is_recorded_is_found() -> None:
+    # The client has the last byte, the record may still be in the making (a tokenizer's
+    # count): the request's digest is indexed at its start, not only at its end.
+    t = table()
+    rounds = agent_rounds("hi")
+    first = begin(t, 0.0, rounds[0])
+    second = begin(t, 1.0, rounds[1])
+    assert (second.id, second.via, second.gap) == (first.id, MESSAGES, None)
+
+
+def test_a_conversation_with_a_request_in_flight_is_not_evicted() -> None:
+    t = table(capacity=3)
+    opening = [SYSTEM, {"role": "user", "content": "a slow one"}]
+    slow = begin(t, 0.0, opening)
+    for i in range(10):  # a flood of one-request conversations while it is in flight
+        end(t, begin(t, 1.0 + i, [{"role": "user", "content": f"flood {i}"}]), 1.5 + i)
+    assert len(t) == 3 and t.evicted == 8
+    end(t, slow, 20.0)
+    follow = [*opening, {"role": "assistant", "content": "a"}, {"role": "user", "content": "go"}]
+    second = begin(t, 21.0, follow)
+    assert (second.id, second.index, second.via) == (slow.id, 2, MESSAGES)
+
+
+def test_when_every_conversation_has_a_request_in_flight_the_oldest_goes() -> None:
+    t = table(capacity=2)
+    a, b = t.begin(0.0, header=b"a"), t.begin(1.0, header=b"b")
+    c = t.begin(2.0, header=b"c")
+    assert len(t) == 2 and t.evicted == 1
+    end(t, a, 3.0)  # evicted mid-request: its end is no error and indexes nothing
+    assert t.begin(4.0, header=b"a").via == NEW
+    end(t, b, 5.0)
+    end(t, c, 5.0)
+
+
+def test_tables_that_share_the_salt_never_share_an_unnamed_conversations_id() -> None:
+    """The workers of one server (and its restarts, and other replicas) share the salt:
+    a hash of a counter alone gave each one's first conversation the same id."""
+    one, two = table(), table()
+    first = [{"role": "user", "content": "a"}]
+    assert begin(one, 0.0, first).id != begin(two, 0.0, [{"role": "user", "content": "b"}]).id
+    # A named conversation keeps one id in every worker: the header's value, keyed-hashed.
+    assert one.begin(1.0, header=b"session-1").id == two.begin(1.0, header=b"session-1").id
+
+
+def test_a_previous_response_id_turns_input_is_never_taken_for_a_whole_prompt() -> None:
+    """Its messages are only its new input items ("continue"); indexed as a prompt, an
+    unrelated chat that opens with the same user message joined that conversation."""
+    t = table()
+    first = begin(t, 0.0, [{"role": "user", "content": "plan a trip"}])
+    t.end(first, 1.0, duration=1.0, response_id="resp_1", prompt_tokens=30, output_tokens=7)
+    going_on = [{"role": "user", "content": "continue"}]
+    second = begin(t, 2.0, going_on, previous_response_id="resp_1")
+    assert (second.via, second.id) == (PREVIOUS_RESPONSE, first.id)
+    fail(t, second, 3.0)  # a failed one neither
+    retry = begin(t, 4.0, going_on, previous_response_id="resp_1")
+    assert (retry.via, retry.id, retry.index) == (PREVIOUS_RESPONSE, first.id, 3)
+    t.end(retry, 5.0, duration=1.0, response_id="resp_2", prompt_tokens=40, output_tokens=7)
+    chat = [*going_on, {"role": "assistant", "content": "what?"}, {"role": "user", "content": "x"}]
+    other = begin(t, 6.0, chat)
+    assert (other.via, other.index) == (NEW, 1) and other.id != first.id
+    # and its input is not matched against other requests' messages either
+    end(t, begin(t, 7.0, [{"role": "user", "content": "hello"}]), 8.0)
+    hello = [{"role": "user", "content": "hello"}, {"role": "user", "content": "more"}]
+    assert begin(t, 9.0, hello, previous_response_id="resp_unknown").via == NEW
+
+
 def test_the_header_wins_and_its_value_is_never_kept() -> None:
     t = table()
     value = b"session-secret-1234"
@@ -258,9 +370,12 @@ def test_one_conversation_holds_at_most_entry_bytes() -> None:
             prompt_tokens=10**6,
             output_tokens=10**6,
         )
+        # The worst case: its latest request failed, so it keeps that one's digest too.
+        again = t.begin(float(i), chain=(i.to_bytes(16, "big"), (i + 10_000).to_bytes(16, "big")))
+        fail(t, again, float(i))
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
-    assert len(t) == 10_000
+    assert len(t) == 10_000 and len(t._by_digest) == 20_000
     assert used / 10_000 <= ENTRY_BYTES
 
 
