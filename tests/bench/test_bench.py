@@ -360,9 +360,12 @@ def test_open_loop_measures_from_the_scheduled_time(start_sim: StartSim, tmp_pat
     )  # fmt: skip
     assert rc == 0
     records, sent = doc["records"], sim_ttft(sim)
-    for r in records:
-        waited = r["ttft"] - sent[r["response_id"]]
-        assert r["send_delay"] <= waited < r["send_delay"] + 0.05  # room for a loaded box
+    # Beyond the simulator's TTFT, each request waited at least its send delay, and, as a
+    # rule, not much more: the median holds the bound, so that one scheduling hiccup on a
+    # loaded box does not fail it.
+    late = [r["ttft"] - sent[r["response_id"]] - r["send_delay"] for r in records]
+    assert min(late) >= 0, late
+    assert statistics.median(late) < 0.05, late
     last = max(records, key=lambda r: r["scheduled"])
     assert last["send_delay"] > 0.15 and last["ttft"] > 0.25
     assert max(r["ttft"] for r in records) > 2 * min(r["ttft"] for r in records)

@@ -339,7 +339,9 @@ def exchange(
 ) -> bytes:
     """Open a connection to `base` (http://host:port), write `data` exactly, optionally
     write `then` after `after` seconds, and return every byte received until the proxy
-    closes or stays silent for `idle` seconds (or `total` passes)."""
+    closes or stays silent for `idle` seconds after its first byte (or `total` passes:
+    the wait for the first byte has only that limit, so a loaded box that is slow to
+    answer at all is not taken for a proxy that answered nothing)."""
     host, port = base.removeprefix("http://").rsplit(":", 1)
     got = bytearray()
     with socket.create_connection((host, int(port)), timeout=total) as sock:
@@ -351,7 +353,10 @@ def exchange(
             if not sent_then and time.monotonic() - start >= after:
                 sock.sendall(then or b"")
                 sent_then = True
-            sock.settimeout(idle if sent_then else max(0.01, after - (time.monotonic() - start)))
+            if not sent_then:
+                sock.settimeout(max(0.01, after - (time.monotonic() - start)))
+            else:
+                sock.settimeout(idle if got else max(0.01, deadline - time.monotonic()))
             try:
                 chunk = sock.recv(65536)
             except TimeoutError:

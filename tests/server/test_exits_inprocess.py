@@ -435,7 +435,7 @@ def test_each_wait_has_its_own_limit_on_the_requests_one_timer(
         upstream(late).url,
         body_timeout=0.2,
         first_byte_timeout=1.5,  # the stream ends about 1.7 s after it went upstream
-        idle_timeout=1.0,
+        idle_timeout=2.0,  # well over the 0.6 s gaps on a loaded machine
     )
     with httpx.stream("POST", proxy.url + CHAT, json=REQUEST, timeout=10) as response:
         got = b"".join(response.iter_raw())

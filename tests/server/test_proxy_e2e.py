@@ -103,22 +103,29 @@ def test_without_usage_injection_counts_come_from_chunks(
 
 def test_streamed_response_is_not_buffered(sim: Running, proxy: ProxyUnderTest) -> None:
     """The first event reaches the client long before the stream ends."""
-    start = time.perf_counter()
-    with httpx.stream(
-        "POST",
-        proxy.url + CHAT,
-        json=chat(),
-        headers={"x-sim-ttft": "0.3", "x-sim-tps": "10", "x-sim-output-tokens": "5"},
-    ) as r:
-        assert r.headers["x-accel-buffering"] == "no"
-        chunks = r.iter_raw()
-        first = next(chunks)
-        first_at = time.perf_counter() - start
-        for _ in chunks:
-            pass
-        total = time.perf_counter() - start
+    # The simulator sends the role chunk at once and the content tokens at 1.0, 1.1, ...,
+    # 1.4 s, never earlier. A proxy that holds the stream back until the first token (or
+    # the end) delivers its first bytes at 1.0 s or later, with under 0.45 s of stream
+    # left; a streaming one delivers the role chunk with 0.7 s of slack for a loaded
+    # machine, and then at least 0.7 s of stream. The client is built before the clock
+    # starts: its setup is no part of the proxy's delay.
+    with httpx.Client(timeout=10) as client:
+        start = time.perf_counter()
+        with client.stream(
+            "POST",
+            proxy.url + CHAT,
+            json=chat(),
+            headers={"x-sim-ttft": "1.0", "x-sim-tps": "10", "x-sim-output-tokens": "5"},
+        ) as r:
+            assert r.headers["x-accel-buffering"] == "no"
+            chunks = r.iter_raw()
+            first = next(chunks)
+            first_at = time.perf_counter() - start
+            for _ in chunks:
+                pass
+            total = time.perf_counter() - start
     assert b'"role":"assistant"' in first
-    assert first_at < 0.2 and total > 0.6
+    assert first_at < 0.7 and total - first_at > 0.6
 
 
 # -- measurements are right ----------------------------------------------------------

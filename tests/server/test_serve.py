@@ -66,7 +66,7 @@ def drains(sim_url: str, tmp_path: Path, *flags: str) -> None:
         under_way = threading.Event()
 
         def long_stream() -> None:
-            headers = {"x-sim-ttft": "0.1", "x-sim-tps": "20", "x-sim-output-tokens": "40"}  # ~2 s
+            headers = {"x-sim-ttft": "0.1", "x-sim-tps": "20", "x-sim-output-tokens": "100"}  # ~5 s
             body = b""
             with httpx.stream("POST", base + CHAT, json=BODY, headers=headers, timeout=30) as r:
                 for chunk in r.iter_raw():
@@ -78,7 +78,8 @@ def drains(sim_url: str, tmp_path: Path, *flags: str) -> None:
         client.start()
         assert under_way.wait(10), "the stream did not start"
         proxy.send_signal(signal.SIGTERM)
-        assert refuses_connections(base + "/healthz", timeout=1.0), "still accepting after SIGTERM"
+        # Within 3 s on a loaded machine, still well inside the ~5 s stream.
+        assert refuses_connections(base + "/healthz", timeout=3.0), "still accepting after SIGTERM"
         assert "body" not in result  # refused while the stream was still under way
         client.join(15)
         assert proxy.wait(15) == 0

@@ -287,7 +287,11 @@ def test_a_rotated_certificate_reaches_new_connections_with_enable_ssl_refresh(
         wait_http(base + "/healthz", verify=trusted)
         assert _served_certificate(port) == _der(CERT)
         _swap_in(CERT2, cert)  # half-way: the key is still the old one
-        time.sleep(1.5)  # a check (one a second) saw the half-way files
+        failed = 'tokenprobe_tls_reloads_total{outcome="failed"} 1.0'
+        deadline = time.monotonic() + 10
+        while failed not in httpx.get(base + "/metrics", verify=trusted).text:
+            assert time.monotonic() < deadline, "the half-way files were never checked"
+            time.sleep(0.1)  # a check (one a second) sees the half-way files
         assert _served_certificate(port) == _der(CERT)
         _swap_in(KEY2, key)
         deadline = time.monotonic() + 10

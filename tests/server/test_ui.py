@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import zipfile
 from collections.abc import Callable, Iterator
@@ -376,15 +377,24 @@ def test_page_shows_where_the_first_tokens_time_goes(
     sim = start_sim(
         ttft=0.05,
         tokens_per_second=200.0,
-        output_tokens=4,
+        output_tokens=40,
         per_request_metrics=True,
         max_num_seqs=1,
     )
     proxy = start_proxy(sim.url)
 
-    def burst(client: httpx.Client) -> None:  # three at once on one slot: two of them queue
+    def burst(client: httpx.Client) -> None:
+        # Three at once on one slot: two of them queue. They go at a barrier, and each
+        # answer holds the slot for 0.25 s (40 tokens at 200/s), so the two that wait
+        # queue for 0.25 and 0.5 s, unless their starts are further apart than an answer.
+        barrier = threading.Barrier(3)
+
+        def one(_: int) -> httpx.Response:
+            barrier.wait(timeout=30)
+            return client.post(CHAT, json=_chat(max_tokens=40))
+
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            list(pool.map(lambda _: client.post(CHAT, json=_chat()), range(3)))
+            list(pool.map(one, range(3)))
 
     with httpx.Client(base_url=proxy.url, timeout=10) as client:
         page = open_page(proxy.url + "/ui?interval=300")

@@ -446,13 +446,20 @@ def test_the_ttft_split_and_proxy_overhead_match_prometheus(start_sim: Any) -> N
         body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "x"}]}
 
         statuses: list[int] = []
+        # Three at once against one slot: two of them queue. Each client is made before
+        # they all go at a barrier, and each answer holds the slot for 0.25 s (40 tokens
+        # at 200/s), so the two that wait queue for 0.25 and 0.5 s, unless their starts
+        # are further apart than a whole answer.
+        barrier = threading.Barrier(3)
+        longer = {"x-sim-output-tokens": "40"}
 
         def chat() -> None:
-            statuses.append(
-                httpx.post(base + "/v1/chat/completions", json=body, timeout=30).status_code
-            )
+            with httpx.Client(timeout=30) as client:
+                barrier.wait(timeout=30)
+                reply = client.post(base + "/v1/chat/completions", json=body, headers=longer)
+            statuses.append(reply.status_code)
 
-        threads = [threading.Thread(target=chat) for _ in range(3)]  # two of them queue
+        threads = [threading.Thread(target=chat) for _ in range(3)]
         for thread in threads:
             thread.start()
         for thread in threads:

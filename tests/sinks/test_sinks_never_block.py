@@ -66,7 +66,8 @@ def test_dead_otlp_collector_costs_requests_nothing(sim: Running, proxy: ProxyUn
     try:
         baseline = statistics.median(ttfts(proxy.url, proxy.records))
         with_dead_collector = statistics.median(ttfts(traced.url, records))
-        assert with_dead_collector - baseline < 0.02  # a blocked export would cost its 1 s timeout
+        # A blocked export would cost its 1 s timeout; a loaded box moves medians far less.
+        assert with_dead_collector - baseline < 0.25
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             if registry.get_sample_value(
@@ -95,7 +96,8 @@ def test_slow_scrapers_do_not_slow_requests(
     try:
         time.sleep(0.2)
         during = statistics.median(ttfts(proxy.url, proxy.records))
-        assert during - baseline < 0.02  # a blocked scrape would hold requests for good
+        # A blocked scrape would hold requests for good; a loaded box moves medians far less.
+        assert during - baseline < 0.25
     finally:
         for sock in scrapers:
             sock.close()

@@ -180,13 +180,16 @@ def test_a_quiet_pipe_is_idle_a_slow_reader_is_not_and_a_stuck_one_is() -> None:
         pipe, client, _, _ = pipe_between()
         quiet: list[float] = []
         client.buffered = 100
-        pipe.start_idle(0.05, quiet.append)
-        for _ in range(8):  # the client takes some bytes every 20 ms
+        pipe.start_idle(0.25, quiet.append)
+        # The client takes some bytes every 20 ms for 0.4 s or more: past the timeout, so
+        # a pipe blind to that progress idles out during it. The pipe looks every 0.25 s
+        # at most, so it idles out at most 0.5 s after the progress stops.
+        for _ in range(20):
             await asyncio.sleep(0.02)
             client.buffered -= 1
         assert quiet == []
-        await asyncio.sleep(0.2)  # and then none
-        assert len(quiet) == 1 and quiet[0] >= 0.05
+        await asyncio.sleep(0.8)  # and then none
+        assert len(quiet) == 1 and quiet[0] >= 0.25
 
     run(test)
 
