@@ -15,6 +15,8 @@
                                    vLLM's pooling family (pooling.py)
   POST /tokenize /detokenize       (utility.py)
   GET|POST /ping, GET /version, GET /load, POST /invocations (SageMaker dispatch)
+  POST /completion /completions    llama.cpp's native completion events (llamacpp_native.py;
+                                   only with SimConfig.backend_kind llamacpp)
   GET  /props                      llama.cpp's, with build_info (only with SimConfig.backend_kind
                                    llamacpp, which also has no /version: llamacpp.py)
   POST /api/chat /api/generate    Ollama's native API, NDJSON or one body (ollama.py)
@@ -46,7 +48,7 @@ from typing import Any
 import orjson
 from starlette.types import Receive, Scope, Send
 
-from proxy.sim import audio, catalog, errors, llamacpp, ollama, pooling, utility
+from proxy.sim import audio, catalog, errors, llamacpp, llamacpp_native, ollama, pooling, utility
 from proxy.sim.agentic import (
     ChatScript,
     CohereScript,
@@ -256,6 +258,13 @@ class SimApp:
         record.first_token_at = time.monotonic()
         await ex.reply(200, ollama.embed(model, body, timer, tokens), errors.OLLAMA_JSON)
         return "completed"
+
+    async def _llamacpp_completion(self, ex: Exchange, body: Any, t0: float) -> Outcome:
+        # llama-server's native /completion (and /completions): only a simulator playing it
+        if ex.record.headers.get("x-sim-backend-kind", self.config.backend_kind) != "llamacpp":
+            await ex.error(errors.route_not_found())
+            return "error"
+        return await self._generate("llamacpp-completion", ex, body, t0)
 
     async def _ollama_version(self, ex: Exchange, body: Any, t0: float) -> Outcome:
         # Only a simulator that plays Ollama says so (vLLM has no /api/version): what a
@@ -567,6 +576,12 @@ def _write_ollama(chat: bool) -> Callable[[Planned], Awaitable[Outcome]]:
     return write
 
 
+async def _write_llamacpp_native(job: Planned) -> Outcome:
+    if not job.plan.stream:
+        return await llamacpp_native.complete_native(job.ex, job.plan, job.body, job.pacer)
+    return await llamacpp_native.stream_native(job.ex, job.plan, job.body, job.pacer)
+
+
 #: Each generation kind's wire writer: a new generation API adds its line here.
 _WRITERS: dict[Kind, Callable[[Planned], Awaitable[Outcome]]] = {
     "chat": _write_openai(chat=True),
@@ -579,6 +594,7 @@ _WRITERS: dict[Kind, Callable[[Planned], Awaitable[Outcome]]] = {
     "translation": _write_audio(translation=True),
     "ollama-chat": _write_ollama(chat=True),
     "ollama-generate": _write_ollama(chat=False),
+    "llamacpp-completion": _write_llamacpp_native,
 }
 
 
@@ -629,6 +645,8 @@ _ROUTES: dict[str, tuple[frozenset[str], Handler]] = {
     "/api/generate": (_POST, _generation("ollama-generate")),
     "/api/embed": (_POST, SimApp._ollama_embed),
     "/api/version": (frozenset({"GET", "HEAD"}), SimApp._ollama_version),
+    "/completion": (_POST, SimApp._llamacpp_completion),
+    "/completions": (_POST, SimApp._llamacpp_completion),
 }
 
 # vLLM's id prefixes; its Anthropic layer reuses the chat completion's id.

@@ -48,7 +48,8 @@ headers (the openai SDK sends them with `extra_headers`) override the config:
   x-sim-backend-kind         chat and completions in this backend's shapes (BACKEND_KINDS;
                              SimConfig.backend_kind): llamacpp is llama-server's chunks and
                              `timings` (proxy/sim/llamacpp.py; x-sim-usage-mode and
-                             continuous usage do not apply there)
+                             continuous usage do not apply there), and it opens the
+                             native /completion (proxy/sim/llamacpp_native.py)
 
 Faults: error_event (vLLM's `data: {"error": {...}}` then [DONE]), error_string
 (`data: {"error": "<text>"}` then [DONE]), reset (connection dropped mid-body),
@@ -97,6 +98,7 @@ Kind = Literal[
     "translation",
     "ollama-chat",
     "ollama-generate",
+    "llamacpp-completion",
 ]
 UsageMode = Literal["separate", "last_chunk", "ignore", "zeroed"]
 
@@ -324,7 +326,7 @@ def _plan(
         return errors.prompt_over(n_ctx, prompt_tokens)
 
     sampling = rules.sampling and not llama
-    choices = _choices(body) if sampling else 1
+    choices = _choices(body) if sampling else _prompts(body) if rules.batch else 1
     if isinstance(choices, errors.ErrorReply):
         return choices
     include_stop = lax_bool(body.get("include_stop_str_in_output")) is True
@@ -482,6 +484,29 @@ def _generate_body(body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _llamacpp_native_body(body: dict[str, Any]) -> dict[str, Any]:
+    """llama-server's native /completion read as a completion (server-task.cpp
+    params_from_json_cmpl): the limit `n_predict`, else `max_tokens`; -1 (or unset)
+    generates until EOS or a full context."""
+    limit = body.get("n_predict", body.get("max_tokens"))
+    return {
+        "model": body.get("model"),
+        "stream": body.get("stream"),
+        "prompt": body.get("prompt"),
+        "max_tokens": limit if type(limit) is int and limit > 0 else None,
+        "ignore_eos": body.get("ignore_eos"),
+    }
+
+
+def _prompts(body: dict[str, Any]) -> int:
+    """A list of prompts (texts or token-id lists) decodes that many together; a list of
+    token ids is one prompt."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and any(type(p) is not int for p in prompt):
+        return len(prompt)
+    return 1
+
+
 def _llamacpp_n(n: object) -> None:
     """llama-server makes one choice: `n` other than 1 is its 400, in the words of the
     real server (.ci/llama's build, captured; tests/sim/test_sim_llamacpp.py)."""
@@ -599,6 +624,7 @@ class Request:
     ollama: bool = False  # its errors in Ollama's {"error": "..."}, its limits
     llamacpp: bool = False  # llama-server's errors and limits when the simulator plays it
     sampling: bool = False  # reads vLLM's `n` and `stop` (not when playing llama-server)
+    batch: bool = False  # a list of prompts is that many choices (llama-server's /completion)
 
 
 #: Each kind's request rules: a new generation API adds its line here.
@@ -615,4 +641,11 @@ REQUESTS: dict[Kind, Request] = {
         lists=("messages",), read=_ollama_body, limit=("max_tokens",), ollama=True
     ),
     "ollama-generate": Request(read=_ollama_body, limit=("max_tokens",), ollama=True),
+    "llamacpp-completion": Request(
+        required=("prompt",),
+        limit=("max_tokens",),
+        read=_llamacpp_native_body,
+        llamacpp=True,
+        batch=True,
+    ),
 }

@@ -217,10 +217,9 @@ async def stream_llamacpp(
     return outcome
 
 
-async def complete_llamacpp(
-    ex: Exchange, plan: Plan, chat: bool, created: int, pacer: Pacer
-) -> Outcome:
-    """The non-streamed body: every token's slot passes, then usage and timings after id."""
+async def paced_body(ex: Exchange, plan: Plan, pacer: Pacer) -> Clock:
+    """A non-streamed answer's time: every token's slot passes (its CPU burnt, for every
+    choice), on the clock `timings` is made of; then the record says the tokens left."""
     clock = Clock(ex)
     per_chunk, n = plan.tokens_per_chunk, plan.output_tokens
     await pacer.first()
@@ -229,10 +228,19 @@ async def complete_llamacpp(
         if i:
             await pacer.next()
             clock.token()
-        burn_cpu(plan.cpu_per_token * min(per_chunk, n - i * per_chunk))
+        burn_cpu(plan.cpu_per_token * min(per_chunk, n - i * per_chunk) * plan.n)
     record = ex.record
-    record.completion_tokens, record.finish_reason = n, plan.finish_reason
+    record.completion_tokens, record.finish_reason = n * plan.n, plan.finish_reason
     record.first_token_at = time.monotonic()  # the tokens leave with the body
+    return clock
+
+
+async def complete_llamacpp(
+    ex: Exchange, plan: Plan, chat: bool, created: int, pacer: Pacer
+) -> Outcome:
+    """The non-streamed body: every token's slot passes, then usage and timings after id."""
+    clock = await paced_body(ex, plan, pacer)
+    record, n = ex.record, plan.output_tokens
     text = completion_text(n)
     if chat:
         choice: dict[str, object] = {

@@ -15,8 +15,10 @@ import httpx
 import orjson
 import pytest
 
+from proxy.core.measurement import TokenSource
 from proxy.sim import cli
-from tests.conftest import Running
+from proxy.sim.tokens import completion_text
+from tests.conftest import ProxyUnderTest, Running
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "streams" / "llamacpp"
 INDEX = orjson.loads((FIXTURES / "index.json").read_bytes())
@@ -264,3 +266,92 @@ def test_more_than_one_choice_is_refused(ctx512: Running, path: str, stream: boo
     r = httpx.post(ctx512.url + path, json={**body, "n": 2}, headers=FAST)
     assert (r.status_code, r.content) == (400, REAL_N_2)
     assert httpx.post(ctx512.url + path, json={**body, "n": 1}, headers=FAST).status_code == 200
+
+
+# -- the native /completion (proxy/sim/llamacpp_native.py) -------------------------------
+
+NATIVE = ("/completion", "/completions")  # the real server answers both with these events
+
+
+@pytest.mark.parametrize("path", NATIVE)
+@pytest.mark.parametrize("name", ["native_completion_stream.sse", "native_completion.json"])
+def test_native_events_have_the_real_servers_shape(sim: Running, path: str, name: str) -> None:
+    request = INDEX["requests"][name]
+    r = httpx.post(sim.url + path, json=request["body"], headers=FAST)
+    assert r.status_code == 200
+    real = (FIXTURES / name).read_bytes()
+    if name.endswith(".json"):
+        got_body = orjson.loads(r.content)
+        assert skeleton(got_body) == skeleton(orjson.loads(real))
+        assert got_body["content"] == completion_text(5) and got_body["stop_type"] == "limit"
+        return
+    assert r.headers["content-type"].startswith("text/event-stream")
+    got, want = events(r.content), events(real)  # no [DONE]: events() would keep it
+    assert [skeleton(e) for e in got] == [skeleton(e) for e in want]
+    assert [e["tokens_predicted"] for e in got] == [1, 2, 3, 4, 5, 5]
+    last = got[-1]
+    assert (last["stop_type"], last["timings"]["predicted_n"]) == ("limit", 5)
+    assert last["tokens_evaluated"] == sim.app.state.last().prompt_tokens
+    assert last["generation_settings"]["n_predict"] == 5
+
+
+def test_a_list_of_prompts_streams_null_then_each_prompts_events(sim: Running) -> None:
+    name = "native_completion_batch_stream.sse"
+    body = INDEX["requests"][name]["body"]
+    got = events(httpx.post(sim.url + "/completion", json=body, headers=FAST).content)
+    want = events((FIXTURES / name).read_bytes())
+    assert got[0] is None is want[0]
+
+    def shapes(stream: list[Any], index: int) -> list[Any]:
+        return [skeleton(e) for e in stream[1:] if e["index"] == index]
+
+    assert shapes(got, 0) == shapes(want, 0) and shapes(got, 1) == shapes(want, 1)
+    lasts = [e for e in got[1:] if e["stop"]]
+    assert [(e["index"], e["tokens_predicted"]) for e in lasts] == [(0, 3), (1, 3)]
+    # each prompt's own count: "hello there" 11 characters, "once upon" 9 (ceil of 4 each)
+    assert [e["tokens_evaluated"] for e in lasts] == [3, 3]
+    assert [e["timings"]["prompt_n"] for e in lasts] == [3, 3]
+
+
+def test_n_predict_minus_one_runs_to_eos(sim: Running) -> None:
+    body = {"prompt": "once", "n_predict": -1}
+    r = httpx.post(sim.url + "/completion", json=body, headers={**FAST, "x-sim-output-tokens": "4"})
+    answer = r.json()
+    assert (answer["tokens_predicted"], answer["stop_type"]) == (4, "eos")
+    assert answer["generation_settings"]["n_predict"] == -1
+
+
+def test_a_vllm_simulator_has_no_native_completion(start_sim: Callable[..., Running]) -> None:
+    sim = start_sim()
+    for path in NATIVE:
+        assert httpx.post(sim.url + path, json={"prompt": "hi"}).status_code == 404
+    played = httpx.post(
+        sim.url + "/completion",
+        json={"prompt": "hi", "n_predict": 2},
+        headers={**FAST, "x-sim-backend-kind": "llamacpp"},
+    )
+    assert played.status_code == 200 and played.json()["tokens_predicted"] == 2
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_the_proxy_measures_the_native_completion(
+    sim: Running, start_proxy: Callable[..., ProxyUnderTest], stream: bool
+) -> None:
+    proxy = start_proxy(sim.url, model_allowlist=("tiny",))
+    body = {"model": "tiny", "prompt": "once upon a time", "n_predict": 6, "stream": stream}
+    headers = {**FAST, "x-sim-output-tokens": "20", "x-sim-cached-tokens": "2"}
+    r = httpx.post(proxy.url + "/completion", json=body, headers=headers)
+    assert r.status_code == 200
+    record = proxy.wait_records(1, exact=True)[0]
+    sent = sim.app.state.last()
+    assert record.endpoint == "/completion" and record.stream is stream
+    assert (record.prompt_tokens, record.output_tokens) == (sent.prompt_tokens, 6)
+    assert record.cached_prompt_tokens == 2
+    assert record.token_source is TokenSource.ENGINE
+    assert (record.finish_reason, record.raw_finish_reason) == ("length", "limit")
+    assert record.error_type is None
+    if stream:  # the first token's event leaves one TTFT after the request
+        assert record.ttft is not None and record.ttft >= TTFT - 0.005
+        assert record.content_events == 6
+    else:  # a whole body has no first token of its own
+        assert record.ttft is None and record.e2e >= TTFT + 5 / 200 - 0.005
