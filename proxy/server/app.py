@@ -34,6 +34,7 @@ from proxy.server.protocol import ABANDONED, HEAD_GUARD, HeadGuard
 from proxy.server.tunnel import TunnelContext, tunnel_context
 from proxy.server.upstream import create_client
 from proxy.server.wire import WIRE_STATE, Wire
+from proxy.server.wire_logs import keep_wire_libraries_quiet
 from proxy.settings import Settings
 from proxy.sinks.dispatch import Sinks
 from proxy.sinks.sink import HeldBackSink
@@ -67,6 +68,7 @@ class _WebSocketPathOnly(logging.Filter):
 
 logging.getLogger("uvicorn.error").addFilter(_HideUpstreamBroke())
 logging.getLogger("uvicorn.error").addFilter(_WebSocketPathOnly())
+keep_wire_libraries_quiet()  # no header value nor query from them, at any --log-level
 
 
 class ProxyApp:

@@ -223,7 +223,10 @@ class Metrics:
             "Seconds of audio clients sent to be transcribed, counted when each utterance's "
             "record ends (from its commit to its transcription.done, error or cut): the "
             "base64-decoded bytes of its input_audio_buffer.append events over 32000 "
-            "(PCM16, 16 kHz, mono). Divide the e2e seconds by it for the real-time factor.",
+            "(PCM16, 16 kHz, mono), as vLLM decodes them (characters outside the base64 "
+            "alphabet dropped; an append it refuses as invalid_audio, which decodes to "
+            "nothing, to an odd number of bytes or with bad padding, counts none). Divide "
+            "the e2e seconds by it for the real-time factor.",
         )
         self.in_flight = Gauge(
             "tokenprobe_requests_in_flight",
@@ -880,8 +883,10 @@ class WsMetrics:
             "WebSocket upgrade requests the proxy tunnelled (or tried to), counted when the "
             "tunnel ended: from the upgrade request's arrival to the close of both sides, by "
             "route and outcome (who sent the first close frame, who vanished without one, "
-            "idle_timeout, shutdown, refused, upstream_unreachable, upstream_timeout (no answer "
-            "to the handshake within --first-byte-timeout), invalid_request_target, error; "
+            "idle_timeout (no byte either way for --ws-idle-timeout, from the first byte of "
+            "the upstream's answer), shutdown, refused, upstream_unreachable, upstream_timeout "
+            "(no answer to the handshake within --first-byte-timeout: the client got the "
+            "proxy's 504), invalid_request_target, error; "
             "with --workers, worker_died: counted at the first scrape after its worker died).",
             ("route", "outcome"),
             registry=registry,

@@ -39,7 +39,7 @@ def utterance(t: float, text: str) -> list[WsMessage]:
     """Half a second of audio, the commit that starts the generation, the other half, the
     final commit, then vLLM's deltas (one empty) and done."""
     usage = {"prompt_tokens": 50, "total_tokens": 53, "completion_tokens": 3}
-    cut = len(AUDIO) // 8 * 4  # on a base64 quantum
+    cut = len(AUDIO) // 16 * 8  # 8 characters, 6 bytes: whole samples, as vLLM wants them
     half = AUDIO[:cut]
     return [
         c(t, type="input_audio_buffer.append", audio=half),
@@ -285,3 +285,83 @@ def test_a_model_vllm_refused_does_not_label_the_utterances_after_it() -> None:
     assert (refused.error_type, refused.model) == (ErrorType.NOT_FOUND, "gpt-4o-transcribe")
     assert spoken.ok and spoken.model == "whisper-large"
     assert sess.model == "whisper-large"
+
+
+@pytest.mark.parametrize(
+    "odd",
+    [
+        b"\xef\xbb\xbf" + orjson.dumps({"type": "input_audio_buffer.commit"}),  # a UTF-8 BOM
+        '{"type":"input_audio_buffer.commit"}'.encode("utf-16-le"),
+    ],
+    ids=["bom", "utf-16"],
+)
+def test_a_commit_vllm_reads_as_no_json_opens_no_utterance(odd: bytes) -> None:
+    """vLLM reads a client frame as text and `json.loads` that str (connection.py,
+    handle_connection), which refuses a BOM and UTF-16 (invalid_json). `json.loads` of
+    the bytes takes both: such a commit opened the utterance and its TTFT ran from it."""
+    sess, records = session()
+    sess.message(c(100.5, type="session.update", model="whisper"))
+    sess.message(WsMessage(True, "text", odd, 101.0))
+    sess.message(s(101.0, type="error", error="Invalid JSON", code="invalid_json"))
+    sess.message(c(102.0, type="input_audio_buffer.commit"))  # the real start
+    sess.message(s(102.25, type="transcription.delta", delta="x"))
+    sess.message(s(102.5, type="transcription.done", text="x"))
+    refused, spoken = records
+    assert refused.error_type is ErrorType.BAD_REQUEST
+    assert spoken.ok and spoken.ttft == 0.25 and spoken.e2e == 0.5
+    assert sess.malformed == 1
+
+
+def test_a_refused_model_that_is_no_name_leaves_the_name_taken_before_it() -> None:
+    """vLLM takes `whisper-large` and refuses 123 (model_not_found, naming `123`): the
+    refusal names no model the session tracks, so none of them is refused. It once fell
+    back to the oldest one, `whisper-large`, and the utterance was labelled with the
+    query's model (or nothing)."""
+    sess, records = session("")
+    sess.message(c(100.5, type="session.update", model="whisper-large"))
+    sess.message(c(100.6, type="session.update", model=123))
+    sess.message(
+        s(100.6, type="error", error="The model `123` does not exist.", code="model_not_found")
+    )
+    for frame in utterance(101.0, "hi"):
+        sess.message(frame)
+    refused, spoken = records
+    assert refused.error_type is ErrorType.NOT_FOUND
+    assert spoken.ok and spoken.model == "whisper-large"
+
+
+def test_audio_vllm_refuses_is_not_counted_and_its_characters_are_counted_as_pybase64s() -> None:
+    """vLLM decodes `audio` with pybase64, which drops characters outside the alphabet,
+    and refuses what decodes to nothing, to an odd number of bytes (no PCM16 sample) or
+    with bad padding (invalid_audio; nothing is queued). Once every character counted:
+    640,000 `!` were 16 s of audio."""
+    sess, records = session()
+    for refused in ("!" * 640_000, "", "AA==", "AAAA", "AAAAAA", "AAAAA", "AAAAé"):
+        sess.message(c(100.5, type="input_audio_buffer.append", audio=refused))
+    wrapped = "\n".join(AUDIO[i : i + 76] for i in range(0, len(AUDIO), 76))  # MIME lines
+    sess.message(c(100.6, type="input_audio_buffer.append", audio=wrapped))
+    sess.message(c(100.7, type="input_audio_buffer.append", audio="AAA="))  # one sample
+    sess.message(c(101.0, type="input_audio_buffer.commit"))
+    sess.message(s(101.5, type="transcription.done", text=""))
+    (m,) = records
+    assert m.audio_seconds == sess.audio_seconds == 1.0 + 2 / 32_000
+
+
+@pytest.mark.parametrize(
+    ("query", "model"),
+    [
+        ("model=openai%2Fwhisper-large-v3", "openai/whisper-large-v3"),
+        ("x=1&model=my+model", "my model"),
+        ("model=a&model=b", "b"),  # the last, as starlette's query_params.get
+        ("mode%6C=whisper", "whisper"),
+    ],
+)
+def test_the_querys_model_is_read_as_starlette_reads_it(query: str, model: str) -> None:
+    """The session's model from `?model=`, decoded as starlette's query_params decode it
+    (parse_qsl): a name a client's URL builder percent-encoded is labelled as named, not
+    as `openai%2Fwhisper-large-v3`."""
+    sess, records = session(query)
+    for frame in utterance(101.0, "hi"):
+        sess.message(frame)
+    (m,) = records
+    assert m.model == model

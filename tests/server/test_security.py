@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import random
 import socket
 import string
 import time
-from collections.abc import Callable
+import urllib.request
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -243,3 +246,66 @@ def test_a_websocket_handshake_logs_neither_its_query_nor_a_line_of_the_clients(
     lines = [record.getMessage() for record in caplog.records]
     assert not any("WSQUERYCANARY" in line for line in lines), lines
     assert not any("\n" in line or "\x1b" in line for line in lines), lines
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+
+@contextlib.contextmanager
+def _every_line_at_debug() -> Iterator[list[str]]:
+    """What `--log-level debug` writes: the root logger and uvicorn's at DEBUG (uvicorn's
+    own do not propagate), every line kept as formatted."""
+    handler = _Lines()
+    root, server, errors = (logging.getLogger(n) for n in ("", "uvicorn", "uvicorn.error"))
+    levels = [(logger, logger.level) for logger in (root, server, errors)]
+    for logger in (root, server):
+        logger.addHandler(handler)
+    for logger, _ in levels:
+        logger.setLevel(logging.DEBUG)
+    try:
+        yield handler.lines
+    finally:
+        for logger in (root, server):
+            logger.removeHandler(handler)
+        for logger, level in levels:
+            logger.setLevel(level)
+
+
+def test_no_line_at_debug_carries_a_handshakes_or_a_requests_credentials(
+    sim: Running, start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    """At `--log-level debug` the `websockets` library, which uvicorn hands its
+    `uvicorn.error` logger, wrote the ASGI relay's refused handshake's request line
+    (`?api_key=`) and every header (`authorization: Bearer ...`); on the wire the
+    simulator's uvicorn, in this process, wrote the tunnelled one's. No library on either
+    data path writes a credential, a WebSocket handshake's or a request's."""
+    proxy = start_proxy(sim.url)
+    port = int(proxy.url.rsplit(":", 1)[1])
+    head = (
+        b"GET /v1/realtime?api_key=QLOGCANARY1 HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+        b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+        b"Sec-WebSocket-Version: 13\r\nAuthorization: Bearer HLOGCANARY2\r\n\r\n"
+    )
+    with _every_line_at_debug() as lines:
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            conn.sendall(head)
+            conn.settimeout(5)
+            assert conn.recv(64).startswith(b"HTTP/1.1 ")
+        request = urllib.request.Request(  # urllib: a client that logs nothing itself
+            proxy.url + CHAT + "?api_key=QLOGCANARY3",
+            data=json.dumps(body()).encode(),
+            headers={"authorization": "Bearer HLOGCANARY4", "content-type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            assert reply.status == 200
+            reply.read()
+        time.sleep(0.2)  # the server logs after it answers
+    assert lines, "nothing was logged at DEBUG: the test saw nothing"
+    leaked = [line for line in lines if "LOGCANARY" in line]
+    assert not leaked, leaked

@@ -38,6 +38,7 @@ import json
 from collections import deque
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import parse_qsl
 
 from proxy.core.apis.base import json_object
 from proxy.core.errors import scrub
@@ -130,7 +131,9 @@ class RealtimeSession(WsSession):
                 if type(audio) is not str:
                     self._refusals.append("event")
                     return
-                size = _b64_size(audio)
+                size = _pcm_size(audio)
+                if size == 0 or size % 2:
+                    return  # vLLM answers invalid_audio and queues nothing: no audio
                 self.audio_bytes += size
                 if u is None:
                     self._pending_audio += size
@@ -177,8 +180,10 @@ class RealtimeSession(WsSession):
 
     def _error(self, obj: dict[str, Any], at: float) -> None:
         code, text = obj.get("code"), obj.get("error")
-        # masked before the cut, so a key the cut would split loses its start too
-        message = scrub(f"{code}: {text}" if code else str(text))[:200]
+        # Whole: the tunnel masks the session's own credentials in it before it cuts it
+        # (proxy/server/tunnel/session.py `_record`); a cut here would leave the start of
+        # a key that straddles it, which no masking recognises then.
+        message = scrub(f"{code}: {text}" if code else str(text))
         u = self.current
         if code == "processing_error" and self._refusals:
             self._refusals.popleft()  # the answer to a refused client event, not to u
@@ -198,13 +203,14 @@ class RealtimeSession(WsSession):
 
     def _refuse(self, text: str) -> str | None:
         """vLLM refused a session.update's model ("The model `X` does not exist."): the
-        oldest one asked for and not yet refused that the message names, else the oldest
-        one not yet refused; returns its name."""
-        open_ = [entry for entry in self._asked if not entry[1]]
-        named = [entry for entry in open_ if f"`{entry[0]}`" in text]
-        entry = named[0] if named else open_[0] if open_ else None
+        oldest one asked for and not yet refused that the message names; returns its name.
+        None when it names none of them: the model refused was no name (123, which is
+        never tracked), and every name asked for still stands."""
+        entry = next(
+            (entry for entry in self._asked if not entry[1] and f"`{entry[0]}`" in text), None
+        )
         if entry is None:
-            return None  # a model that was no name (123): nothing was taken as the label
+            return None
         entry[1] = True
         return str(entry[0])
 
@@ -291,27 +297,45 @@ _MAX_ASKED = 32
 
 def _as_vllm_reads(data: bytes) -> Any:
     """A client frame that is no JSON object to orjson, as vLLM reads it (connection.py,
-    handle_connection: `json.loads`, which also takes NaN and Infinity): the value, or
-    _NOT_JSON when it is no JSON (vLLM answers invalid_json)."""
+    handle_connection: `receive_text()`, then `json.loads` of that str, which also takes
+    NaN and Infinity): the value, or _NOT_JSON when it is no JSON (vLLM answers
+    invalid_json). The text is UTF-8, strictly: `json.loads` of bytes would also take a
+    BOM or UTF-16, which `json.loads` of the str refuses."""
     try:
-        return json.loads(data)
-    except ValueError:  # JSONDecodeError, or bytes that are no text
+        return json.loads(data.decode("utf-8"))
+    except ValueError:  # JSONDecodeError, or UnicodeDecodeError: bytes that are no text
         return _NOT_JSON
 
 
 _NOT_JSON = object()
 
 
-def _b64_size(text: str) -> int:
-    """Decoded size of a base64 string, without decoding it."""
-    n = len(text)
-    pad = 2 if text.endswith("==") else 1 if text.endswith("=") else 0
-    return max(0, n * 3 // 4 - pad)
+_ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+_NOT_ALPHABET = bytes(sorted(set(range(128)) - set(_ALPHABET)))
+
+
+def _pcm_size(audio: str) -> int:
+    """The bytes vLLM decodes from an append's `audio` (connection.py: pybase64's
+    `b64decode`, which drops every character outside the base64 alphabet, then wants
+    the padding a quantum's remainder needs), counted, not decoded: this runs on every
+    append. 0 where pybase64 refuses it (vLLM answers invalid_audio)."""
+    if not audio.isascii():
+        return 0  # pybase64 refuses a str that is not ASCII
+    raw = audio.encode("ascii")
+    n = len(raw) - len(raw.translate(None, _ALPHABET))  # the alphabet's characters
+    short = n % 4
+    if short == 1:
+        return 0  # "Invalid number of data characters"
+    if short:  # 2 or 3 characters in the last quantum: it needs 2 or 1 "=" after them
+        tail = raw[len(raw.rstrip(_NOT_ALPHABET)) :]
+        if tail.count(b"=") < 4 - short:
+            return 0  # "Incorrect padding"
+    return n * 3 // 4
 
 
 def _model_in(query: str) -> str:
-    for pair in query.split("&"):
-        name, _, value = pair.partition("=")
-        if name == "model":
-            return value
-    return ""
+    """The session's model as the query names it (`?model=`, as OpenAI's realtime URL
+    does), decoded as starlette's `query_params` decodes it (parse_qsl: percent-escapes
+    and `+`, and the last of several): `openai%2Fwhisper` is `openai/whisper`."""
+    models = [value for name, value in parse_qsl(query, keep_blank_values=True) if name == "model"]
+    return models[-1] if models else ""

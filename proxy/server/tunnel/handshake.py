@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -108,6 +109,9 @@ def admit(
     return Admitted(b"".join(out), parsed.path, parsed.query, headers)
 
 
+#: A 101's status line, at the start of a read or of a line (a head's first line).
+_STATUS_101 = re.compile(rb"(?:^|(?<=\n))HTTP/\d\.\d 101")
+
 #: The longest head of the upstream's answer to a handshake the proxy reads (nginx's
 #: proxy_buffer_size is 4 or 8 KiB; an answer's head is some 200 bytes).
 MAX_ANSWER_HEAD = 64 * 1024
@@ -170,7 +174,16 @@ class UpstreamAnswer:
     Bytes that are not HTTP the proxy can follow stop the reading (they went to the
     client all the same)."""
 
-    __slots__ = ("_extensions", "_head", "_parser", "_refused", "extensions", "status")
+    __slots__ = (
+        "_begun",
+        "_carry",
+        "_extensions",
+        "_head",
+        "_parser",
+        "_refused",
+        "extensions",
+        "status",
+    )
 
     def __init__(self, refused: Callable[[], None]) -> None:
         self.status = 0  # the last response head's status (a 1xx is followed by more)
@@ -178,12 +191,15 @@ class UpstreamAnswer:
         self._refused = refused
         self._extensions: list[bytes] = []
         self._head = 0  # bytes read of the current head, -1 once it is complete
+        self._begun = False  # a head began in the read being parsed
+        self._carry = b""  # the last read's last 3 bytes: a head's end may straddle reads
         self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
 
     def feed(self, data: bytes) -> bytes | None:
         parser = self._parser
         if parser is None:
             return None
+        self._begun = False
         try:
             parser.feed_data(data)
         except httptools.HttpParserUpgrade as exc:
@@ -193,10 +209,18 @@ class UpstreamAnswer:
                 return data[offset:]
             # an Upgrade header on a final response: not a tunnel
         except httptools.HttpParserError:
+            self._parser = None
+            if self.status == 101:
+                # llhttp stops after every 101, but httptools calls that an upgrade only
+                # when `Connection: upgrade` came with it. The 101 went to the client all
+                # the same: it is the switch, as nginx takes any 101, and the tunnel opens
+                # (else the upstream's frames reach the client and the client's never go).
+                return data[self._after_switch(data) :]
             # Not HTTP the proxy can follow: the client's bytes stay held, and the tunnel
             # ends when either side closes.
-            self._parser = None
             return None
+        finally:
+            self._carry = (self._carry + data)[-3:]
         if self._head >= 0:  # the read left a head unfinished
             self._head += len(data)
             if self._head > MAX_ANSWER_HEAD:
@@ -206,6 +230,19 @@ class UpstreamAnswer:
                 self._parser = None
                 self._refused()
         return None
+
+    def _after_switch(self, data: bytes) -> int:
+        """Where the 101's head, completed in this read, ends in `data`: at the first blank
+        line after its status line (llhttp takes CRLF only). One that began in this read
+        follows any 1xx heads before it, and the blank lines llhttp skips between heads;
+        one that began before ends at the first CRLF CRLF, which may straddle the reads."""
+        if self._begun:
+            status = _STATUS_101.search(data)
+            end = data.find(b"\r\n\r\n", status.start() if status is not None else 0)
+            return len(data) if end < 0 else end + 4  # (never: llhttp read that end)
+        seen = self._carry + data
+        end = seen.find(b"\r\n\r\n")
+        return len(data) if end < 0 else max(0, end + 4 - len(self._carry))
 
     # -- httptools callbacks --
 
@@ -225,6 +262,7 @@ class UpstreamAnswer:
 
     def on_message_begin(self) -> None:
         self._head = 0  # a 1xx is followed by another head
+        self._begun = True
 
     def on_message_complete(self) -> None:
         if self.status >= 200:  # a refusal's body has ended (a 1xx is followed by more)

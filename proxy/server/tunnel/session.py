@@ -19,8 +19,10 @@ handshake's head:
    included, and both connections close when its body ends.
 3. Open, every read goes to the other side first, then to the watch (watch.py).
 4. The end: either side's connection ending closes the other at once (pipe.py); so does
-   --ws-idle-timeout with no byte either way. `TunnelHandle.shutdown` (the drain on
-   SIGTERM) is the watch's close frames both ways, then the close, or after close_grace.
+   --ws-idle-timeout with no byte either way, timed from the first byte of the upstream's
+   answer (before it, --first-byte-timeout's 504 is the limit). `TunnelHandle.shutdown`
+   (the drain on SIGTERM) is the watch's close frames both ways, then the close, or after
+   close_grace.
 
 Each session goes to the sinks twice: `Sinks.session_started` once admitted (in flight),
 `Sinks.session_ended` with its record (proxy/core/wsrecord.py) when it ends.
@@ -48,6 +50,9 @@ from proxy.server.tunnel.watch import WsWatch
 from proxy.server.upstream_errors import UpstreamClosed
 
 log = logging.getLogger("tokenprobe")
+
+#: The most of an upstream's error text a record keeps (after masking: `_record`).
+ERROR_TEXT = 200
 
 
 class TunnelHandle:
@@ -107,6 +112,7 @@ class Tunnel:
         self._status = 0  # the proxy's own answer's status, when it gave one
         self._connect: asyncio.Task[None] | None = None
         self._unanswered: asyncio.TimerHandle | None = None  # --first-byte-timeout's
+        self._answering = False  # a byte of the upstream's answer came: the idle timer runs
         context.tunnels.add(self)
         self.pipe = Pipe(client, self, context.close_grace)  # the client's reads held
         self.answer = UpstreamAnswer(refused=lambda: self.end("refused"))
@@ -170,8 +176,10 @@ class Tunnel:
         if self.ended:
             transport.close()
             return
-        self.pipe.start_idle(context.idle_timeout, self._idle)
         transport.write(request)  # the client stays unread until the 101 (_opened)
+        # --first-byte-timeout judges the wait for the answer, the idle timer what follows
+        # its first byte (`seen`): an idle timer from here would cut a handshake that
+        # waits longer than --ws-idle-timeout with a bare close, never the 504.
         self._unanswered = self.loop.call_later(context.first_byte_timeout, self._no_answer)
 
     def _hold_answer_head(self, headers: Iterable[tuple[bytes, bytes]]) -> None:
@@ -234,10 +242,12 @@ class Tunnel:
 
     def _record(self, m: Measurement) -> None:
         """A session's record to the sinks, with any credential the upstream echoed in its
-        error text masked, as the HTTP relay masks a response's (`redact`)."""
+        error text masked, as the HTTP relay masks a response's (`redact`), and then cut
+        to ERROR_TEXT: masked first, since `redact` knows a value only whole."""
         if m.error_message is not None:
             secret = self.context.secret_headers
-            m.error_message = redact(m.error_message, self.headers, secret, self.query)
+            masked = redact(m.error_message, self.headers, secret, self.query)
+            m.error_message = masked[:ERROR_TEXT]
         self.context.sinks.record(m, self.key)
 
     # -- what the pipe hears (pipe.Ends) --------------------------------------------------
@@ -247,6 +257,9 @@ class Tunnel:
             self.watch.seen(from_client, data, at)
             return
         # Before the 101 only the upstream's bytes get here (the client's are held).
+        if not self._answering:  # the answer's first byte: the idle timer judges the rest
+            self._answering = True
+            self.pipe.start_idle(self.context.idle_timeout, self._idle)
         after = self.answer.feed(data)
         if after is not None:
             self._opened(after, at)

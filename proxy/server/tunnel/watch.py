@@ -34,13 +34,15 @@ log = logging.getLogger("tokenprobe")
 GOING_AWAY = 1001
 SHUTDOWN_REASON = "proxy shutting down"
 #: A read of more than TINY_FRAMES frames averaging under TINY_FRAME_BYTES each (a flood of
-#: pings) stops the watching: the frame reader's Python costs some 7 µs a frame, and such a
-#: read would hold the event loop for every stream (256 KiB of 6-byte pings: 0.2 s; of
-#: 16-byte ones 108 ms). At 256 bytes a frame a 256 KiB read costs some 7 ms. A realtime
-#: delta is some 60 to 150 bytes, and hundreds of them come in one read only after the
-#: proxy stalled for seconds; audio appends are kilobytes.
+#: pings, each 2 to 6 bytes of header and little else) stops the watching: the frame
+#: reader's Python costs some 7 µs a frame, and such a read would hold the event loop for
+#: every stream (256 KiB of 6-byte pings: 0.2 s). Frames the APIs measure are larger: a
+#: vLLM transcription.delta is some 45 bytes (`{"type":"transcription.delta","delta":"
+#: word"}` and its 2-byte header), and hundreds of them come in one read after a stall
+#: of the proxy, which must not cost their utterance its record. (Compressed by
+#: permessage-deflate a delta is some 7 bytes: such a read of them still stops it.)
 TINY_FRAMES = 256
-TINY_FRAME_BYTES = 256
+TINY_FRAME_BYTES = 16
 
 
 class WsWatch:
