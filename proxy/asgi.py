@@ -15,13 +15,13 @@ as `--workers` does) and WebSockets (refused here with a 403: only the wire tunn
 from __future__ import annotations
 
 from proxy.server.app import ProxyApp
-from proxy.server.serve import worker_app
+from proxy.server.serve import app_from_environment
 from proxy.types import Receive, Scope, Send
 
 
 def create_app() -> ProxyApp:
     """The ASGI app from the TOKENPROBE_* variables; raises SettingsError naming a bad one."""
-    return worker_app()
+    return app_from_environment()
 
 
 class _App:

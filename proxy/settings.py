@@ -319,7 +319,8 @@ class Settings:
     """Every setting of `tokenprobe serve`, each declared once, here: its type, default,
     parser, help and docs row. The flag, the TOKENPROBE_* variable, argparse, the settings
     reference (`settings_table`: docs/generate.py writes it, tests/test_docs.py keeps it
-    equal) and the hand-over to worker processes all come from these fields, via `SPECS`."""
+    equal) all come from these fields, via `SPECS`. Worker processes are handed the
+    resolved Settings whole (proxy/server/serve.py `WorkerApp`)."""
 
     upstream: str = setting(
         _url,
@@ -514,7 +515,7 @@ class Settings:
     label_values: int = setting(
         positive_int,
         50,
-        "Distinct values each `--label-header` label may take; later ones share `other`.",
+        "Distinct values each `--label-header` label may take (all `--workers` together, restarted ones too); later ones share `other`.",
     )
     prices: str | None = setting(
         _prices, None, "Price table (YAML or JSON) for `tokenprobe_cost_total`."
@@ -707,8 +708,8 @@ def resolve(args: argparse.Namespace | Mapping[str, Any], environ: Mapping[str, 
 
 
 def text(value: Any) -> str:
-    """A value written back as the text its flag takes (a list joined by ","): what the
-    worker hand-over sets as TOKENPROBE_* and what `validate` parses again."""
+    """A value written back as the text its flag takes (a list joined by ","): what
+    `validate` parses again."""
     return ",".join(value) if isinstance(value, tuple) else str(value)
 
 

@@ -8,12 +8,17 @@ grow the number of series.
 An attribution label (`--label-header x-team=team`) takes a request header's value,
 sanitised and cut short; only the first `max_values` distinct values of each get a label
 of their own, later ones share `other`, and a request without the header is `none`.
+
+Processes that sum their metrics (`--workers`) share each bound through a `Ledger`
+(proxy/server/ledger.py), so the first values of all of them together are admitted,
+not the first ones of each process, nor a fresh set for every restarted worker.
 """
 
 from __future__ import annotations
 
 import re
 from functools import lru_cache
+from typing import Protocol
 
 OTHER = "other"
 NO_VALUE = "none"
@@ -51,17 +56,64 @@ def sanitise(raw: bytes) -> str:
     return "".join(c if c in _LABEL_CHARS else "_" for c in text)
 
 
+class Ledger(Protocol):
+    """The values admitted to one bounded label, kept where every process that adds to
+    the same metrics reads them (proxy/server/ledger.py: a file in the metrics directory)."""
+
+    def admit(self, value: str, limit: int) -> frozenset[str] | None:
+        """Add `value` if fewer than `limit` values are kept; the values kept, after. None
+        when they cannot be read (the value is refused this time)."""
+        ...
+
+
+class Admitted:
+    """The values a bounded label admits: the first `limit` distinct ones it is asked
+    about; later ones are refused (they share `other`).
+
+    In one process the set is this process's own. With a `ledger` the bound is shared:
+    a value not admitted here yet is asked of the ledger, which answers with the values
+    of every process; once those are `limit` the answer cannot change, and later values
+    are refused without asking. A value seen before is a set lookup either way."""
+
+    def __init__(self, limit: int, ledger: Ledger | None = None) -> None:
+        self._limit = limit
+        self._ledger = ledger
+        self._values: set[str] = set()
+        self.full = False  # every later new value is refused
+
+    def __call__(self, value: str) -> bool:
+        if value in self._values:
+            return True
+        if self.full:
+            return False
+        if self._ledger is None:
+            self._values.add(value)
+        else:
+            kept = self._ledger.admit(value, self._limit)
+            if kept is None:
+                return False
+            self._values = set(kept)
+        self.full = len(self._values) >= self._limit
+        return value in self._values
+
+
 class HeaderLabels:
     """Attribution label values from request headers, bounded per header.
 
     `headers` maps each lower-case header name to its label's position; a call walks the
     request's headers once (per request, never per chunk) and returns one value per label.
+    `ledgers`, one per header (or none), share each bound with other processes.
     """
 
-    def __init__(self, headers: tuple[str, ...], max_values: int) -> None:
+    def __init__(
+        self,
+        headers: tuple[str, ...],
+        max_values: int,
+        ledgers: tuple[Ledger | None, ...] | None = None,
+    ) -> None:
         self._index = {h.lower().encode("latin-1"): i for i, h in enumerate(headers)}
-        self._max = max_values
-        self._admitted: list[set[str]] = [set() for _ in headers]
+        shared = ledgers or (None,) * len(headers)
+        self._admitted = [Admitted(max_values, ledger) for ledger in shared]
 
     def __call__(self, headers: list[tuple[bytes, bytes]]) -> tuple[str, ...]:
         values: list[str | None] = [None] * len(self._admitted)
@@ -74,13 +126,7 @@ class HeaderLabels:
     def _bounded(self, i: int, value: str) -> str:
         if not value:
             return NO_VALUE
-        admitted = self._admitted[i]
-        if value in admitted:
-            return value
-        if len(admitted) >= self._max:
-            return OTHER
-        admitted.add(value)
-        return value
+        return value if self._admitted[i](value) else OTHER
 
 
 # Routes forwarded without measuring (OpenAI's and vLLM's); anything else collapses to a

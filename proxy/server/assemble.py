@@ -12,18 +12,19 @@ line in `_sinks` below.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import httpx
 from prometheus_client import CollectorRegistry
 
 from proxy.core.conversations import Conversations
-from proxy.core.labels import ModelLabels
+from proxy.core.labels import Ledger, ModelLabels
 from proxy.core.slo import Policy, parse_slo
 from proxy.core.wsrecord import WORKER_DIED
 from proxy.server.app import ProxyApp
 from proxy.server.control import ControlPlane, GuardedMetrics, Readiness
 from proxy.server.exposition import Exposition
+from proxy.server.ledger import FileLedger, ledger_path
 from proxy.server.multiproc import MULTIPROC_ENV, multiprocess_metrics_app
 from proxy.server.processfigures import ProcessFigures
 from proxy.server.protocol import HeadGuard, connection_counter
@@ -65,6 +66,7 @@ def assemble(
     attribution = label_pairs(settings)
     metrics = Metrics(registry, tuple(label for _, label in attribution))
     models = ModelLabels(settings.model_allowlist)
+    ledger = _ledgers(environ)
     if settings.cost_per_hour is not None:
         export_cost_per_hour(registry, settings.cost_per_hour, settings.currency)
     if tracer is None and traces_requested(environ):  # else the OTel SDK is not imported
@@ -78,10 +80,11 @@ def assemble(
         recording,
         metrics=metrics,
         models=models,
-        keys=KeyLabels(settings.key_salt) if settings.key_label == "hash" else None,
+        keys=_keys(settings, ledger),
         tracer=tracer,
         attribution=attribution,
         max_label_values=settings.label_values,
+        ledger=ledger,
         conversations=_conversations(settings, metrics, recording),
     )
     control = ControlPlane(
@@ -97,6 +100,36 @@ def assemble(
         head_guard=HeadGuard.of(settings, connection_counter(registry)),
         transport=transport,
     )
+
+
+def check_environment(environ: Mapping[str, str]) -> None:
+    """What `assemble` reads besides the settings, the OTEL_* variables, parsed as it
+    parses them without building an exporter: SettingsError naming a bad one. The parent
+    of `--workers` asks before it starts any worker, which would each fail on it."""
+    if traces_requested(environ):
+        from proxy.sinks.tracing import check_tracing_env
+
+        check_tracing_env(environ)
+    if metrics_requested(environ):  # raises for an exporter it does not know
+        from proxy.sinks.otlp.config import check_metrics_env
+
+        check_metrics_env(environ)
+
+
+def _ledgers(environ: Mapping[str, str]) -> Callable[[str], Ledger] | None:
+    """Each bounded label's ledger by name, in the metrics directory several processes
+    share (proxy/server/ledger.py); None in one process of its own, whose bounds are its
+    own."""
+    directory = environ.get(MULTIPROC_ENV)
+    if not directory:
+        return None
+    return lambda label: FileLedger(ledger_path(directory, label))
+
+
+def _keys(settings: Settings, ledger: Callable[[str], Ledger] | None) -> KeyLabels | None:
+    if settings.key_label != "hash":
+        return None
+    return KeyLabels(settings.key_salt, ledger=ledger("key") if ledger else None)
 
 
 def _sinks(

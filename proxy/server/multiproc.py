@@ -1,9 +1,9 @@
 """Several worker processes, one /metrics: prometheus-client's multiprocess mode.
 
 Every worker writes its values to files in one directory (`PROMETHEUS_MULTIPROC_DIR`,
-wiped at start by `serve`); whichever worker answers a scrape sums them all. Live gauges
-of workers that died are dropped at each scrape, or a crashed worker's in-flight
-requests would stay in flight forever.
+cleared of a previous run's files at start by `serve`); whichever worker answers a
+scrape sums them all. Live gauges of workers that died are dropped at each scrape, or a
+crashed worker's in-flight requests would stay in flight forever.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
 from proxy.server.exposition import Exposition
+from proxy.server.ledger import PREFIX as LEDGER_PREFIX
+from proxy.settings import SettingsError
 
 log = logging.getLogger("tokenprobe")
 
@@ -77,6 +79,7 @@ def _size(path: str) -> int:
 
 
 _PID = re.compile(r"_(\d+)\.db$")
+_CLAIMED = re.compile(r"_\d+\.db\.\d+\.claimed$")  # `_count_lost`'s, left by a crash
 
 
 def drop_dead_workers(
@@ -89,20 +92,64 @@ def drop_dead_workers(
     dead = set()
     for path in glob.glob(os.path.join(directory, "gauge_live*_*.db")):
         match = _PID.search(path)
-        if match is None:
-            continue
-        pid = int(match.group(1))
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if match is not None and not _alive(pid := int(match.group(1))):
             dead.add(pid)
-        except PermissionError:
-            pass
     for pid in dead:  # its in-flight values read before its live gauges all go
         if lost is not None or sessions_lost is not None:
             path = os.path.join(directory, f"gauge_livesum_{pid}.db")
             _count_lost(path, lost, sessions_lost)
         _mark_dead(pid, directory)
+
+
+def fresh_metrics_directory(directory: str) -> None:
+    """The metrics directory `serve` starts with, made if missing, and cleared of a previous
+    run's files (their counters would be summed in): prometheus-client's and the label
+    ledgers, nothing else. The directory stays, for it may be a mount point (a Kubernetes
+    emptyDir), which cannot be removed, and other files in it are not ours.
+
+    SettingsError when it cannot be a directory, or when a live process writes metrics
+    there: another proxy given the same directory, whose counters clearing would send back
+    to 0, and which would report this one's traffic as its own."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        if (pid := _live_writer(directory)) is not None:
+            raise SettingsError(
+                f"{MULTIPROC_ENV}={directory!r}: process {pid} is writing its metrics there; "
+                "give each tokenprobe serve a directory of its own"
+            )
+        _clear_run_files(directory)
+    except OSError as exc:
+        raise SettingsError(f"{MULTIPROC_ENV}={directory!r}: {exc.strerror}") from None
+
+
+def _live_writer(directory: str) -> int | None:
+    """A live process other than this one whose metric files are in `directory` (each
+    file's name ends in its writer's pid), or None."""
+    for name in os.listdir(directory):
+        match = _PID.search(name)
+        if match is not None and (pid := int(match.group(1))) != os.getpid() and _alive(pid):
+            return pid
+    return None
+
+
+def _clear_run_files(directory: str) -> None:
+    """Remove a run's files from `directory`: prometheus-client's (`<kind>_<pid>.db`, a
+    claimed one too) and the label ledgers (proxy/server/ledger.py). Nothing else there
+    is ours."""
+    for name in os.listdir(directory):
+        if _PID.search(name) or _CLAIMED.search(name) or name.startswith(LEDGER_PREFIX):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(directory, name))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 def _mark_dead(pid: int, directory: str) -> None:

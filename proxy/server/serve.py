@@ -2,10 +2,11 @@
 relaying on the wire (proxy/server/wire/, uvicorn's protocol) or, with `--relay asgi`,
 through the ASGI relay.
 
-With `--workers N` uvicorn runs N processes sharing the port. Their metrics go through
-prometheus-client's multiprocess mode: every process writes its values to files in one
-directory (wiped at start), and whichever process answers a scrape sums them all. Live
-gauges of processes that died are dropped at each scrape.
+With `--workers N` uvicorn runs N processes sharing the port, each handed the settings
+the parent resolved, whole (`WorkerApp`). Their metrics go through prometheus-client's
+multiprocess mode: every process writes its values to files in one directory (a previous
+run's files removed at start), and whichever process answers a scrape sums them all.
+Live gauges of processes that died are dropped at each scrape.
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ from uvicorn.supervisors import Multiprocess
 
 from proxy.openfiles import raise_open_file_limit
 from proxy.server.app import ProxyApp
-from proxy.server.assemble import assemble
+from proxy.server.assemble import assemble, check_environment
 from proxy.server.certwatch import listener_context
 from proxy.server.eventloop import loop_factory
-from proxy.server.multiproc import MULTIPROC_ENV
-from proxy.settings import SPECS, Settings, SettingsError, parse, text
+from proxy.server.multiproc import MULTIPROC_ENV, fresh_metrics_directory
+from proxy.settings import Settings, SettingsError, parse
 
 
 def uvicorn_options(settings: Settings) -> dict[str, Any]:
@@ -86,9 +87,32 @@ def build_app(settings: Settings) -> ProxyApp:
     return app
 
 
-def worker_app() -> ProxyApp:
-    """Factory for each worker process: settings arrive through TOKENPROBE_* variables."""
+def app_from_environment() -> ProxyApp:
+    """The app configured by the TOKENPROBE_* variables alone (proxy.asgi's, for another
+    ASGI server); SettingsError names a bad one."""
     return build_app(parse([], os.environ))
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerApp:
+    """The app factory each worker process runs, holding the settings the parent resolved,
+    whole: multiprocessing's spawn pickles it into every worker, and every restarted one.
+
+    Handed over as TOKENPROBE_* variables instead, a setting turned off (None) had no text
+    and was skipped, so the worker read the default or a stale variable (`--header-timeout
+    0` became 10 s). A worker that cannot build the app says why in one line and exits as
+    uvicorn's failed start, which makes its supervisor stop the server rather than start
+    the worker again and again."""
+
+    settings: Settings
+
+    def __call__(self) -> ProxyApp:
+        _configure_logging(self.settings)  # a spawned worker starts with none of ours
+        try:
+            return build_app(self.settings)
+        except SettingsError as exc:
+            print(f"tokenprobe serve: {exc}", file=sys.stderr, flush=True)
+            sys.exit(STARTUP_FAILURE)
 
 
 def main(argv: list[str]) -> int:
@@ -97,9 +121,12 @@ def main(argv: list[str]) -> int:
         options = uvicorn_options(settings)
         unix = _bind_unix(settings.uds, options)  # kept open while serving
         if settings.workers > 1:
+            # What each worker's app reads besides the settings, checked once, here: a
+            # bad OTEL_* variable refuses the start as it does with one process.
+            check_environment(os.environ)
             return _run_workers(settings, options)
         if given := os.environ.get(MULTIPROC_ENV):  # one process, in multiprocess mode
-            _fresh_metrics_directory(given)  # (assemble.py): its files summed as several's
+            fresh_metrics_directory(given)  # (assemble.py): its files summed as several's
         app = build_app(settings)
     except SettingsError as exc:
         print(f"tokenprobe serve: {exc}", file=sys.stderr)
@@ -138,6 +165,7 @@ def _bind_unix(path: str | None, options: dict[str, Any]) -> socket.socket | Non
 
 
 def _configure_logging(settings: Settings) -> None:
+    """The `tokenprobe` logger's level and format, in the parent and in each worker."""
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(levelname)s %(name)s: %(message)s",
@@ -162,20 +190,10 @@ def _open_files() -> None:
         print(f"tokenprobe serve: {limit.describe()}", file=sys.stderr, flush=True)
 
 
-def _fresh_metrics_directory(directory: str) -> None:
-    """The multiprocess metrics directory, emptied (a previous run's files would add up)
-    and made; SettingsError when it cannot be (a file by that name, no permission)."""
-    shutil.rmtree(directory, ignore_errors=True)
-    try:
-        os.makedirs(directory)
-    except OSError as exc:
-        raise SettingsError(f"{MULTIPROC_ENV}={directory!r}: {exc.strerror}") from None
-
-
 def _run_workers(settings: Settings, options: dict[str, Any]) -> int:
     given = os.environ.get(MULTIPROC_ENV)
     directory = given or tempfile.mkdtemp(prefix="tokenprobe-metrics-")
-    _fresh_metrics_directory(directory)
+    fresh_metrics_directory(directory)
     os.environ[MULTIPROC_ENV] = directory
     try:
         return _serve_workers(settings, options)
@@ -191,22 +209,21 @@ def _serve_workers(settings: Settings, options: dict[str, Any]) -> int:
         settings = dataclasses.replace(settings, key_salt=secrets.token_hex(16))
     if settings.log_salt is None:
         settings = dataclasses.replace(settings, log_salt=secrets.token_hex(32))
-    for spec in SPECS:  # hand the resolved settings to the worker processes
-        value = getattr(settings, spec.name)
-        if value is not None:
-            os.environ[spec.env] = text(value)
     _configure_logging(settings)
     _say_build()
     _open_files()  # the workers inherit it
-    config = uvicorn.Config(
-        "proxy.server.serve:worker_app", factory=True, workers=settings.workers, **options
-    )
+    config = worker_config(settings, options)
     supervisor = _Supervisor(config, sockets=[config.bind_socket()])
     with contextlib.suppress(KeyboardInterrupt):
         supervisor.run()
     # A worker that could not start stops them all (uvicorn's rule): say so, as one does.
     failed = any(p.exitcode == STARTUP_FAILURE for p in supervisor.processes)
     return STARTUP_FAILURE if failed else 0
+
+
+def worker_config(settings: Settings, options: dict[str, Any]) -> uvicorn.Config:
+    """uvicorn's configuration of the workers, which carries each its `WorkerApp`."""
+    return uvicorn.Config(WorkerApp(settings), factory=True, workers=settings.workers, **options)
 
 
 class _Supervisor(Multiprocess):

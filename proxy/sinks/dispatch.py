@@ -20,7 +20,7 @@ from dataclasses import replace
 from time import perf_counter, time
 from typing import Any
 
-from proxy.core.labels import NO_VALUE, HeaderLabels, ModelLabels
+from proxy.core.labels import NO_VALUE, HeaderLabels, Ledger, ModelLabels
 from proxy.core.measurement import ErrorType, Measurement
 from proxy.core.observe import bare_record
 from proxy.core.request import RequestInfo
@@ -69,10 +69,13 @@ class Sinks:
         tracer: RequestTracer | None = None,
         attribution: tuple[tuple[str, str], ...] = (),
         max_label_values: int = 50,
+        ledger: Callable[[str], Ledger] | None = None,
         conversations: ConversationTracker | None = None,
     ) -> None:
-        """`attribution`: the (header, label) pairs of --label-header; `conversations`:
-        the tracker that gives each request its conversation and turn."""
+        """`attribution`: the (header, label) pairs of --label-header; `ledger`: each
+        bounded label's ledger by the label's name, where several processes share the
+        bound; `conversations`: the tracker that gives each request its conversation
+        and turn."""
         self.conversations = conversations
         self.sinks = list(sinks)
         self.session_sinks = [sink for sink in self.sinks if isinstance(sink, SessionSink)]
@@ -82,7 +85,11 @@ class Sinks:
         self.tracer = tracer
         self.label_names = tuple(label for _, label in attribution)
         self.header_labels = (
-            HeaderLabels(tuple(h for h, _ in attribution), max_label_values)
+            HeaderLabels(
+                tuple(h for h, _ in attribution),
+                max_label_values,
+                tuple(ledger(label) for _, label in attribution) if ledger else None,
+            )
             if attribution
             else None
         )

@@ -314,36 +314,58 @@ def tracing_from_env(
     names = otel_env.exporters(env, "traces")
     if not names:
         return None
-    exporters = [_exporter(name, env) for name in names]
+    targets = [_target(name, env) for name in names]
+    batching = _batching(env)
+    sampler = _sampler(env)
     failures = export_failures(registry)
     processors = [
-        CountingBatchProcessor(
-            exporter,
-            failures,
-            max_queue_size=otel_env.count(env, "OTEL_BSP_MAX_QUEUE_SIZE", 2048),
-            schedule_delay_millis=otel_env.count(env, "OTEL_BSP_SCHEDULE_DELAY", 5000),
-            max_export_batch_size=otel_env.count(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512),
-        )
-        for exporter in exporters
+        CountingBatchProcessor(_exporter(target), failures, **batching) for target in targets
     ]
     return Tracing(
         processors,
         upstream=upstream,
-        sampler=_sampler(env),
+        sampler=sampler,
         service_name=otel_env.service_name(env),
         trace_content=trace_content,
         names=semconv.names_from_env(env),
     )
 
 
-def _exporter(name: str, env: Mapping[str, str]) -> SpanExporter:
+def check_tracing_env(environ: Mapping[str, str]) -> None:
+    """Every OTEL_* value `tracing_from_env` parses, parsed alike, with no exporter built
+    and no thread started: SettingsError naming a bad one."""
+    env = otel_env.otel_env(environ)
+    for name in otel_env.exporters(env, "traces"):
+        _target(name, env)
+    _batching(env)
+    _sampler(env)
+
+
+def _target(name: str, env: Mapping[str, str]) -> otel_env.OtlpTarget | None:
+    """Where an exporter named in OTEL_TRACES_EXPORTER sends: OTLP's target, None for the
+    console."""
     if name == "console":
+        return None
+    if name != "otlp":
+        raise SettingsError(f"OTEL_TRACES_EXPORTER={name!r}: expected otlp, console or none")
+    return otel_env.otlp_target(env, "traces")
+
+
+def _exporter(target: otel_env.OtlpTarget | None) -> SpanExporter:
+    if target is None:
         from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
         return ConsoleSpanExporter()
-    if name != "otlp":
-        raise SettingsError(f"OTEL_TRACES_EXPORTER={name!r}: expected otlp, console or none")
-    return otlp_span_exporter(otel_env.otlp_target(env, "traces"))
+    return otlp_span_exporter(target)
+
+
+def _batching(env: Mapping[str, str]) -> dict[str, int]:
+    """The batch span processor's sizes and delay (OTEL_BSP_*)."""
+    return {
+        "max_queue_size": otel_env.count(env, "OTEL_BSP_MAX_QUEUE_SIZE", 2048),
+        "schedule_delay_millis": otel_env.count(env, "OTEL_BSP_SCHEDULE_DELAY", 5000),
+        "max_export_batch_size": otel_env.count(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512),
+    }
 
 
 def _sampler(env: Mapping[str, str]) -> Sampler:

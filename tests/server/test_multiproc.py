@@ -1,19 +1,26 @@
 """proxy/server/multiproc.py: a dead worker's in-flight requests, read from its metric
 file, counted once, and neither a file it died writing nor one a worker is creating
-breaks a scrape."""
+breaks a scrape; the directory a start clears, and the one it refuses."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
-from proxy.server.multiproc import drop_dead_workers, multiprocess_metrics_app
+from proxy.server.multiproc import (
+    drop_dead_workers,
+    fresh_metrics_directory,
+    multiprocess_metrics_app,
+)
+from proxy.settings import SettingsError
 from tests.scrape import Scrape
 from tests.server.conftest import no_proxy
 
@@ -121,3 +128,59 @@ def test_a_file_a_worker_is_creating_is_read_as_holding_nothing_yet(tmp_path: Pa
     page = asyncio.run(scrape())
     assert page.status_code == 200, page.text
     assert Scrape.parse(page.text).total("worker_requests_total") == 2
+
+
+#: A previous run's files in the metrics directory: prometheus-client's (dead writers),
+#: a dead worker's file claimed while a scrape counted it, and a label ledger.
+_PREVIOUS_RUN = (
+    "counter_999999999.db",
+    "gauge_livesum_999999999.db",
+    "gauge_livesum_999999998.db.999999997.claimed",
+    "tokenprobe-admitted-team",
+)
+
+
+def test_a_start_clears_a_previous_runs_files_and_keeps_the_directory_and_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mount point (a Kubernetes emptyDir) cannot be removed: the directory was removed
+    with everything in it, then made again, which failed ("File exists") and stopped the
+    start, another application's files gone. Here it cannot be removed either."""
+    directory = tmp_path / "metrics"
+    directory.mkdir()
+    foreign = ["app.db", "notes.txt", "counter.db"]
+    for name in (*_PREVIOUS_RUN, *foreign):
+        (directory / name).write_text("x")
+    rmdir = os.rmdir
+
+    def mount_point(path: str, *args: Any, **kwargs: Any) -> None:
+        if os.fspath(path) == str(directory):
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), path)
+        rmdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rmdir", mount_point)
+    fresh_metrics_directory(str(directory))
+    assert sorted(os.listdir(directory)) == sorted(foreign)
+
+
+def test_a_directory_a_live_process_writes_metrics_to_refuses_the_start_untouched(
+    tmp_path: Path,
+) -> None:
+    """Another proxy given the same directory: clearing it sent that one's counters back
+    to 0, and each then reported the other's traffic. Its writer is named."""
+    alive = os.getppid()  # a live process that is not this one
+    files = [f"counter_{alive}.db", *_PREVIOUS_RUN]
+    for name in files:
+        (tmp_path / name).write_text("x")
+    with pytest.raises(SettingsError, match=rf"PROMETHEUS_MULTIPROC_DIR=.*process {alive} "):
+        fresh_metrics_directory(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == sorted(files)
+
+
+def test_this_processs_own_files_and_dead_ones_do_not_refuse_the_start(tmp_path: Path) -> None:
+    for name in (f"counter_{os.getpid()}.db", *_PREVIOUS_RUN):
+        (tmp_path / name).write_text("x")
+    fresh_metrics_directory(str(tmp_path / "."))
+    assert os.listdir(tmp_path) == []
+    fresh_metrics_directory(str(tmp_path / "made" / "here"))
+    assert (tmp_path / "made" / "here").is_dir()

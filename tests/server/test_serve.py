@@ -316,6 +316,34 @@ def test_one_worker_in_multiprocess_mode_starts_from_a_fresh_directory(
     assert "Traceback" not in out.stderr
 
 
+@paths("wire", why="the metrics directory is the process's, whichever relay it runs")
+def test_a_second_proxy_given_the_same_metrics_directory_refuses_to_start(
+    tmp_path: Path,
+) -> None:
+    """It cleared the first's files at its start: the first's counters went back to 0, and
+    each then reported the other's traffic. Now it names the first and exits 2."""
+    directory = str(tmp_path / "metrics")
+    env = {"PROMETHEUS_MULTIPROC_DIR": directory}
+    port = free_port()
+    first = spawn("serve", "--upstream", "http://127.0.0.1:9", "--port", str(port), env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(base + "/healthz")
+        for _ in range(3):  # the upstream is down: three 502s, counted
+            assert httpx.post(base + CHAT, json=BODY).status_code == 502
+        assert scrape(base).total("tokenprobe_requests_total") == 3
+        second = subprocess.run(
+            [sys.executable, "-m", "proxy", "serve", "--upstream", "http://127.0.0.1:9",
+             "--port", "0"],
+            env={**os.environ, **env}, capture_output=True, text=True, timeout=10,
+        )  # fmt: skip
+        assert second.returncode == 2, second.stderr
+        assert f"PROMETHEUS_MULTIPROC_DIR={directory!r}: process {first.pid} " in second.stderr
+        assert scrape(base).total("tokenprobe_requests_total") == 3
+    finally:
+        stop(first)
+
+
 @no_proxy
 def test_a_metrics_port_in_use_is_said_in_a_line_naming_it_without_a_traceback() -> None:
     """As --port in use is: uvicorn's bind failure, then why, exit 3 (the metrics listener's

@@ -44,12 +44,7 @@ def otlp_metrics_from_env(
     """The sink OTEL_* asks for, exporting already. Raises SettingsError naming a bad one."""
     env = otel_env.otel_env(environ)
     names = otel_env.exporters(env, "metrics")
-    key = "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE"
-    temporality = env.get(key, "cumulative").lower()
-    if temporality not in TEMPORALITIES:
-        raise SettingsError(f"{key}={env[key]!r}: expected one of {', '.join(TEMPORALITIES)}")
-    interval_ms: int = otel_env.value(env, "OTEL_METRIC_EXPORT_INTERVAL", positive_int, 60_000)
-    timeout_ms: float = otel_env.value(env, "OTEL_METRIC_EXPORT_TIMEOUT", number, 30_000.0)
+    temporality, interval_ms, timeout_ms = _schedule(env)
     sink = OtlpMetrics(
         _exporter("otlp" if "otlp" in names else "console", env),
         upstream=upstream,
@@ -68,6 +63,26 @@ def otlp_metrics_from_env(
         miss_ratio=miss_ratio,
     )
     return sink.start()
+
+
+def check_metrics_env(environ: Mapping[str, str]) -> None:
+    """Every OTEL_* value `otlp_metrics_from_env` parses, parsed alike, with no exporter
+    built and nothing exporting: SettingsError naming a bad one."""
+    env = otel_env.otel_env(environ)
+    _schedule(env)
+    if "otlp" in otel_env.exporters(env, "metrics"):
+        otel_env.otlp_target(env, "metrics")
+
+
+def _schedule(env: Mapping[str, str]) -> tuple[str, int, float]:
+    """The temporality, the export interval and the export timeout (ms) OTEL_* asks for."""
+    key = "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE"
+    temporality = env.get(key, "cumulative").lower()
+    if temporality not in TEMPORALITIES:
+        raise SettingsError(f"{key}={env[key]!r}: expected one of {', '.join(TEMPORALITIES)}")
+    interval_ms: int = otel_env.value(env, "OTEL_METRIC_EXPORT_INTERVAL", positive_int, 60_000)
+    timeout_ms: float = otel_env.value(env, "OTEL_METRIC_EXPORT_TIMEOUT", number, 30_000.0)
+    return temporality, interval_ms, timeout_ms
 
 
 def _exporter(name: str, env: Mapping[str, str]) -> MetricExporter:
