@@ -9,7 +9,10 @@ Instants (all `time.perf_counter()` seconds, taken by the proxy):
                `tool_calls`, never vLLM's role-only first chunk, Anthropic's
                `message_start` or the Responses API's `response.created`. With n > 1
                choices: the first content of any choice.
-  last_token   the last network read that carried generated content (any choice)
+  last_token   the last network read that carried generated content (any choice); for
+               tpot and decode speed, a choice's finish read after its last content when
+               the output count is the backend's, which counts the EOS that ended it
+               (StreamObserver._ending_reads; docs/measured.md)
   end          the response finished (last byte relayed, error, or client gone)
   read         the request's whole body was read (the data path reports it)
   sent         the request was handed to the upstream connection (the data path reports it)

@@ -47,6 +47,10 @@ from proxy.core.toolcalls import ToolCall, ToolCalls
 #: relayed in full; they are only measured from what fits.
 MAX_KEPT_BODY = 8 * 1024 * 1024
 
+#: The token sources whose output count includes the token that ended a choice (the EOS,
+#: which has no text): the backend's own counts (`StreamObserver._ending_reads`).
+COUNTS_THE_ENDING_TOKEN = frozenset((TokenSource.USAGE, TokenSource.ENGINE, TokenSource.TOKEN_IDS))
+
 
 #: How often one stream's template is learnt again when its content kind changes.
 RELEARNS = 4
@@ -178,6 +182,7 @@ class StreamObserver:
         self._zero: _Choice | None = None  # choices[0], for the common event's fast path
         self.finish_reason: str | None = None  # raw, as the backend wrote it
         self.finishes: dict[int, str] = {}  # each choice's raw finish reason, by index
+        self.finish_reads: dict[int, float] = {}  # the read that carried each one
         self.usage: dict[str, Any] | None = None
         self.engine: object = None  # the engine's `metrics` object as sent
         self.timings: object = None  # llama.cpp's `timings` object as sent
@@ -372,6 +377,7 @@ class StreamObserver:
             self._keep(facts.texts, facts.choices[0])
         if facts.finish is not None:
             self.finish_reason = self.finishes[facts.finish_choice] = facts.finish
+            self.finish_reads[facts.finish_choice] = now
         if facts.usage is not None:
             if facts.timings is not None and facts.finish is not None:
                 if self.tasks is None:
@@ -699,7 +705,7 @@ class StreamObserver:
         reasoning: tuple[int, str] | None = None,
     ) -> Measurement:
         self._end_run()
-        tpot, tps = self._decode_speed(counts.output)
+        tpot, tps = self._decode_speed(counts.output, self._ending_reads(counts.source))
         first = self.first_token
         request = self.request
         raw = self.finish_reason
@@ -762,7 +768,8 @@ class StreamObserver:
         # Only a stream that reasoned has an answer phase of its own (else it is `tpot`).
         answer = None if tokens is None or counts.output is None else counts.output - tokens
         if answer is not None and not calls:
-            answer_tpot = self._phase_tpot(answer, lambda c: c.answer)
+            ends = self._ending_reads(counts.source)  # the ending token is the answer's
+            answer_tpot = self._phase_tpot(answer, lambda c: c.answer, ends)
         return {
             "first_answer": since(self.first_answer),
             "first_reasoning": since(self.first_reasoning),
@@ -802,33 +809,61 @@ class StreamObserver:
         label, finishes = self.api.finish_label, self.finishes
         return tuple(label(finishes[i]) if i in finishes else NONE_LABEL for i in sorted(indices))
 
-    def _phase_tpot(self, tokens: int, phase: Callable[[_Choice], _Phase | None]) -> float | None:
+    def _phase_tpot(
+        self,
+        tokens: int,
+        phase: Callable[[_Choice], _Phase | None],
+        ends: dict[int, float] | None = None,
+    ) -> float | None:
         """A phase's time per token, of the median choice as `tpot` is: each choice's
-        share of the phase's `tokens` is in proportion to its events of that phase."""
-        phases = [p for c in self.choices.values() if (p := phase(c)) is not None]
-        total = sum(p.events for p in phases)
+        share of the phase's `tokens` is in proportion to its events of that phase. `ends`:
+        the reads that end choices' last phase, where later than its last event
+        (`_ending_reads`)."""
+        phases = [(i, p) for i, c in self.choices.items() if (p := phase(c)) is not None]
+        total = sum(p.events for _, p in phases)
         spans = []
-        for p in phases:
+        for index, p in phases:
             share = tokens * p.events / total
             if share >= 2:
-                spans.append((p.last - p.first) / (share - 1))
+                last = max(p.last, ends.get(index, p.last)) if ends else p.last
+                spans.append((last - p.first) / (share - 1))
         if not spans:
             return None
         spans.sort()
         return spans[(len(spans) - 1) // 2]  # the lower median: always a real choice
 
-    def _decode_speed(self, output: int | None) -> tuple[float | None, float | None]:
+    def _ending_reads(self, source: str) -> dict[int, float]:
+        """The reads of the tokens that ended choices, by index, where the output count
+        includes them: a count the backend made (usage, the engine's account, the token
+        ids streamed) counts the token that ends a choice, an EOS without text, and the
+        finish comes at that token's step, on a read of its own (vLLM: the EOS is in the
+        output token ids, v1/core/sched/utils.py check_stop, and every route counts them;
+        llama-server's n_decoded and Ollama's eval_count, runner.go `numPredicted++`
+        before its EOS check, alike). Text counted by a tokenizer or events counted
+        leave that token out, and its read with it: {}. A `length` finish is no token."""
+        if source not in COUNTS_THE_ENDING_TOKEN:
+            return {}
+        # A `length` finish ends no token of its own: it rides on the last one's step
+        # (events of its own only where an API splits that step: Messages, Responses).
+        label, finishes = self.api.finish_label, self.finishes
+        return {i: at for i, at in self.finish_reads.items() if label(finishes[i]) != "length"}
+
+    def _decode_speed(
+        self, output: int | None, ends: dict[int, float]
+    ) -> tuple[float | None, float | None]:
         """(TPOT, decode tokens/s) of the median choice; each choice's share of the output
-        tokens is in proportion to its content events (all of them for one choice)."""
+        tokens is in proportion to its content events (all of them for one choice). A
+        choice's span runs from its first content read to its last, or to the read of the
+        token that ended it when `ends` has a later one."""
         if output is None or not self.choices:
             return None, None
         total = sum(c.events for c in self.choices.values())
         speeds: list[tuple[float, float | None]] = []
-        for choice in self.choices.values():
+        for index, choice in self.choices.items():
             tokens = output * choice.events / total
             if tokens < 2:
                 continue
-            span = choice.last - choice.first
+            span = max(choice.last, ends.get(index, choice.last)) - choice.first
             speeds.append((span / (tokens - 1), (tokens - 1) / span if span > 0 else None))
         if not speeds:
             return None, None

@@ -160,8 +160,9 @@ MSG_WANT = record(
     MSG_ID,
     ttft=0.5,  # the thinking delta; not message_start, ping or the block starts at 0.125
     inter_token_latencies=(0.25, 0.25, 0.25),
-    tpot=0.75 / 4,  # (last - first) / (5 output tokens from message_delta - 1)
-    decode_tokens_per_second=4 / 0.75,
+    # (message_delta's read, the EOS's - first) / (5 output tokens from message_delta - 1)
+    tpot=0.875 / 4,
+    decode_tokens_per_second=4 / 0.875,
     e2e=1.5,
     prompt_tokens=12,
     output_tokens=5,
@@ -175,7 +176,7 @@ MSG_WANT = record(
     reasoning_events=1,
     reasoning_tokens=1,  # Messages usage has no reasoning count: one per thinking event
     reasoning_token_source="events",
-    answer_tpot=0.5 / 3,  # (101.25 - 100.75) / (5 output - 1 reasoning - 1)
+    answer_tpot=0.625 / 3,  # (101.375, the EOS - 100.75) / (5 output - 1 reasoning - 1)
 )
 
 
@@ -339,11 +340,13 @@ RESP_WANT = record(
     RESP_ID,
     ttft=0.5,  # the first output_text.delta, not response.created at 0.125
     inter_token_latencies=(0.25, 0.25),
-    tpot=0.25,
-    decode_tokens_per_second=4.0,
+    # 3 text deltas and the EOS (usage counts it), whose step response.completed ends:
+    # (101.125 - 100.5) / (4 - 1)
+    tpot=0.625 / 3,
+    decode_tokens_per_second=3 / 0.625,
     e2e=1.25,
     prompt_tokens=12,
-    output_tokens=3,
+    output_tokens=4,
     cached_prompt_tokens=8,
     token_source=TokenSource.USAGE,
     content_events=3,
@@ -388,7 +391,10 @@ def test_a_built_in_tools_input_is_the_first_token(kind: str) -> None:
 
 def test_responses_incomplete_for_max_output_tokens_is_length() -> None:
     m = replay("/v1/responses", events("vllm_responses_incomplete.sse"), RESP_TIMES, 101.25)
-    assert m == replace(RESP_WANT, finish_reason="length", raw_finish_reason="max_output_tokens")
+    # 3 tokens and no EOS: a length finish is no token of its own, so the span ends at
+    # the last delta (100.5 to 101.0), not at response.incomplete's read
+    length = replace(RESP_WANT, output_tokens=3, tpot=0.25, decode_tokens_per_second=4.0)
+    assert m == replace(length, finish_reason="length", raw_finish_reason="max_output_tokens")
 
 
 def test_a_background_responses_acknowledgement_has_no_finish_reason() -> None:
@@ -431,7 +437,7 @@ def test_responses_non_streaming_body() -> None:
     observer.open(200, "application/json", OPENED)
     observer.feed(orjson.dumps(response), 100.5)
     m = finish(observer, 100.5)
-    assert (m.prompt_tokens, m.output_tokens, m.cached_prompt_tokens) == (12, 3, 8)
+    assert (m.prompt_tokens, m.output_tokens, m.cached_prompt_tokens) == (12, 4, 8)
     assert (m.finish_reason, m.response_id, m.ttft) == ("stop", RESP_ID, None)
 
 

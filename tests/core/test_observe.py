@@ -109,8 +109,10 @@ CASES = {
         expected(
             ttft=0.5,
             inter_token_latencies=(0.25, 0.25),
-            tpot=0.5 / 3,  # (last - first) / (usage's 4 tokens - 1), not content events
-            decode_tokens_per_second=6.0,
+            # (the finish chunk's read, the EOS's - first) / (usage's 4 tokens - 1): vLLM
+            # counts the EOS, whose chunk carries the finish and no text
+            tpot=0.625 / 3,
+            decode_tokens_per_second=3 / 0.625,
             e2e=1.5,
             prompt_tokens=12,
             output_tokens=4,
@@ -198,8 +200,8 @@ CASES = {
         expected(
             ttft=0.5,
             inter_token_latencies=(0.25, 0.25),
-            tpot=0.5 / 17,
-            decode_tokens_per_second=34.0,
+            tpot=0.625 / 17,  # to the finish chunk's read (the EOS): 18 tokens, 3 events
+            decode_tokens_per_second=17 / 0.625,
             e2e=1.25,
             prompt_tokens=180,
             output_tokens=18,

@@ -151,7 +151,8 @@ def test_openai_sdk_responses_stream_is_measured(via: ProxyUnderTest) -> None:
     (_, m) = via.wait_records(WARM_UP + 1, exact=True)
     assert m.endpoint == "/v1/responses" and m.ok
     assert m.ttft is not None and TTFT <= m.ttft <= waited
-    assert (m.prompt_tokens, m.output_tokens, m.cached_prompt_tokens) == (12, 3, 8)
+    # 3 text deltas and the EOS, which vLLM's usage counts
+    assert (m.prompt_tokens, m.output_tokens, m.cached_prompt_tokens) == (12, 4, 8)
     assert (m.finish_reason, m.raw_finish_reason) == ("stop", "completed")
 
 
