@@ -132,10 +132,16 @@ async def stream_script(ex: Exchange, plan: Plan, pacer: Pacer, events: ScriptWi
             await ex.write(data)
     if not todo:
         await pacer.first()
+    elif plan.eos:
+        await pacer.next()  # the EOS is decoded in an engine step of its own
     reasoning = sum(1 for s in todo if s.kind == "reasoning")
     finish = plan.finish_reason
     record.finish_reason = finish
-    for data in events.closing(finish, len(todo), reasoning if script.reasoning_usage else 0):
+    # A script that ends by itself ends with an EOS: counted, as vLLM counts its token id,
+    # never as reasoning (it follows the answer and the calls).
+    generated = len(todo) + plan.eos
+    record.completion_tokens = generated
+    for data in events.closing(finish, generated, reasoning if script.reasoning_usage else 0):
         await ex.write(data)
     await ex.end(b"", "completed")
     return "completed"

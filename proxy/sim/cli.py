@@ -200,12 +200,17 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="uvicorn's log level (default: %(default)s)",
     )
     parser.set_defaults(env_models=env("MODEL", models, None))
-    # vLLM's own variable (vllm/envs.py), read as it reads it; no flag of ours
-    raw = environ.get("VLLM_MAX_STOP_STRINGS", str(defaults.max_stop_strings))
-    try:
-        parser.set_defaults(max_stop_strings=int(raw))
-    except ValueError:
-        parser.error(f"VLLM_MAX_STOP_STRINGS: invalid value {raw!r}")
+    # vLLM's own variables (vllm/envs.py: int(os.environ.get(...))), read as it reads
+    # them; no flags of ours
+    for name, dest in (
+        ("VLLM_MAX_STOP_STRINGS", "max_stop_strings"),
+        ("VLLM_MAX_N_SEQUENCES", "max_n_sequences"),
+    ):
+        raw = environ.get(name, str(getattr(defaults, dest)))
+        try:
+            parser.set_defaults(**{dest: int(raw)})
+        except ValueError:
+            parser.error(f"{name}: invalid value {raw!r}")
     return parser
 
 
@@ -240,6 +245,7 @@ def parse(
             stamp_in_text=args.stamp_in_text,
             record_bodies=args.record_bodies,
             max_stop_strings=args.max_stop_strings,
+            max_n_sequences=args.max_n_sequences,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -80,7 +80,7 @@ class CohereWire:
         out.append(
             _data(
                 b'{"type":"message-end","id":%s,"delta":{"finish_reason":"%s","usage":%s}}'
-                % (self._id, self.finish_reason.encode(), self.usage(sent))
+                % (self._id, self.finish_reason.encode(), self.usage(sent + self._plan.eos))
             )
         )
         out.append(DONE)
@@ -98,6 +98,6 @@ class CohereWire:
                 "role": "assistant",
                 "content": [{"type": "text", "text": completion_text(sent)}] if sent else [],
             },
-            "usage": orjson.Fragment(self.usage(sent)),
+            "usage": orjson.Fragment(self.usage(sent + self._plan.eos)),
         }
         return orjson.dumps(body)

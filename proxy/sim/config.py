@@ -80,6 +80,9 @@ class SimConfig:
     #: vLLM's VLLM_MAX_STOP_STRINGS: a `stop` list longer than this is a 400 (the CLI reads
     #: that variable, as vLLM does, at start).
     max_stop_strings: int = 4
+    #: vLLM's VLLM_MAX_N_SEQUENCES (vllm/envs.py:1149-1151): an `n` over it is a 400
+    #: (vllm/sampling_params.py:46-59); the CLI reads that variable, as vLLM does, at start.
+    max_n_sequences: int = 16384
     #: How many request records `SimState` keeps (oldest dropped), so long benchmarks
     #: do not grow memory without bound.
     max_records: int = 10_000

@@ -6,7 +6,8 @@ headers (the openai SDK sends them with `extra_headers`) override the config:
   x-sim-ttft                 seconds from request received to the first content token
   x-sim-ttft-per-prompt-token  seconds added to the TTFT per prompt token (prefill)
   x-sim-tps                  tokens per second after the first (free-running mode)
-  x-sim-output-tokens        planned completion length (ends with EOS: "stop")
+  x-sim-output-tokens        planned completion length in text tokens; an EOS token
+                             follows (finish "stop"), counted in usage as vLLM counts it
   x-sim-tokens-per-chunk     tokens per content chunk (default 1); chunks come every
                              tokens_per_chunk / tps seconds, so tps stays tokens/s
   x-sim-metrics: 1           vLLM's per-request `metrics` object (SimConfig.per_request_metrics)
@@ -61,11 +62,12 @@ continuous_usage_stats` puts usage on every chunk, as in vLLM.
 
 Output length: the planned length, cut to `max_completion_tokens`/`max_tokens` (Messages:
 `max_tokens`, required; Responses: `max_output_tokens`) or, when none is given, to what
-the context has left, with finish_reason "length".
+the context has left, with finish_reason "length". The EOS after the text is a token too
+(`Plan.eos`): a text that leaves it no room under the limit ends with "length".
 `ignore_eos` generates exactly up to that limit, as vLLM does.
 
-Choices: chat's and completions' `n` (read and checked as vLLM does: 1 to 16384, and 1 at
-temperature 0) makes that many choices of the same text. They decode together: each
+Choices: chat's and completions' `n` (read and checked as vLLM does: 1 to
+VLLM_MAX_N_SEQUENCES, and 1 at temperature 0) makes that many choices of the same text. They decode together: each
 pacer slot carries one chunk per choice (stream.py).
 
 Stop strings: chat's and completions' `stop` (and `include_stop_str_in_output`) end the
@@ -84,7 +86,14 @@ from proxy.core.lax import lax_bool, lax_float, lax_int
 from proxy.sim import errors
 from proxy.sim.config import SimConfig
 from proxy.sim.engine import Spec, spec_from
-from proxy.sim.stops import StopError, StopHit, Stops, first_stop, read_stops
+from proxy.sim.stops import (
+    StopError,
+    StopHit,
+    Stops,
+    check_stop_sequences,
+    first_stop,
+    read_stops,
+)
 from proxy.sim.tokens import count_prompt_tokens
 
 Kind = Literal[
@@ -153,6 +162,17 @@ class Plan:
     #: Stop strings (chat and completions), and where one ends the generation, if it does.
     stops: Stops | None = None
     stop_hit: StopHit | None = None
+    #: 1 where each choice ends with an EOS token: generated after the text, without text
+    #: of its own, and counted in usage as vLLM counts it (its output token ids hold it:
+    #: v1/engine/detokenizer.py:107-128, chat_completion/serving.py:684 and :1151); 0
+    #: where the token limit or a stop string ends it.
+    eos: int = 0
+
+    @property
+    def eos_shares_step(self) -> bool:
+        """The EOS comes in the engine step of the last text tokens (several tokens a step,
+        the last step not full), not in a step of its own."""
+        return bool(self.eos) and self.output_tokens % self.tokens_per_chunk != 0
 
 
 #: The size of one padding piece of a call's arguments (x-sim-tool-call-argument-bytes).
@@ -213,6 +233,15 @@ class ControlError(ValueError):
     """A malformed request or x-sim-* header; answered with a 400."""
 
 
+class InvalidBody(ControlError):
+    """A body vLLM's pydantic models refuse: the validation handler's `reply`, which no
+    route's own error translation sees (Cohere's middleware does)."""
+
+    def __init__(self, reply: errors.ErrorReply) -> None:
+        super().__init__("invalid body")
+        self.reply = reply
+
+
 T = TypeVar("T", int, float)
 
 
@@ -224,13 +253,17 @@ def plan_request(
         plan = _plan(kind, body, headers, config)
     except ControlError as exc:
         # vLLM's request-validation handler answers in OpenAI's shape on every route.
-        plan = errors.bad_request(str(exc))
+        plan = exc.reply if isinstance(exc, InvalidBody) else errors.bad_request(str(exc))
+        if REQUESTS[kind].cohere:
+            return errors.cohere_error(plan, headers.get("x-request-id"))
         if not _plays_llamacpp(kind, headers, config):
             return plan
     if isinstance(plan, errors.ErrorReply) and _plays_llamacpp(kind, headers, config):
         return errors.llamacpp_error(plan)
     if REQUESTS[kind].anthropic and isinstance(plan, errors.ErrorReply):
         return errors.anthropic_error(plan)
+    if REQUESTS[kind].cohere and isinstance(plan, errors.ErrorReply):
+        return errors.cohere_error(plan, headers.get("x-request-id"))
     if REQUESTS[kind].ollama and isinstance(plan, errors.ErrorReply):
         model = body.get("model") if isinstance(body, dict) else None
         return errors.ollama_error(plan, str(model or config.models[0]))
@@ -262,6 +295,10 @@ def _plan(
     for field in rules.required:
         if body.get(field) is None:
             raise ControlError(f"Field required: {field}")
+    if rules.stop_sequences:
+        refused = check_stop_sequences(body.get("stop_sequences"), config.max_stop_strings)
+        if refused is not None:
+            raise InvalidBody(refused)
     if rules.read is not None:
         body = rules.read(body)
     raw_backend = headers.get("x-sim-backend-kind", config.backend_kind)
@@ -326,12 +363,16 @@ def _plan(
         return errors.prompt_over(n_ctx, prompt_tokens)
 
     sampling = rules.sampling and not llama
-    choices = _choices(body) if sampling else _prompts(body) if rules.batch else 1
+    choices = (
+        _choices(body, config.max_n_sequences) if sampling else _prompts(body) if rules.batch else 1
+    )
     if isinstance(choices, errors.ErrorReply):
         return choices
     include_stop = lax_bool(body.get("include_stop_str_in_output")) is True
     try:
         stops = read_stops(body.get("stop"), include_stop) if sampling else None
+        if rules.stop_sequences:  # checked, not applied: the text is not cut on these routes
+            read_stops(body.get("stop_sequences"), False)
     except StopError as exc:
         return errors.bad_request(str(exc))
     planned = number(headers, "x-sim-output-tokens", int, config.output_tokens, 0)
@@ -348,8 +389,13 @@ def _plan(
     if script is None:  # min_tokens holds back the EOS too (v1/core/sched/utils.py check_stop)
         planned = max(planned, min_tokens)
     finish = "stop" if script is None or not script.calls else "tool_calls"
+    # The EOS is a token of its own after the text, so it needs room under the limit:
+    # a text that fills the limit ends with "length" (v1/core/sched/utils.py check_stop
+    # checks the EOS first, then the limit). The llama-server and Ollama modes model no
+    # EOS token yet (a real llama-server counts one too, in tokens_predicted).
+    eos_room = 0 if llama or rules.ollama else 1
     # A script (reasoning, tool calls) ends where it ends: ignore_eos does not stretch it.
-    if (body.get("ignore_eos") and script is None) or planned > limit:
+    if (body.get("ignore_eos") and script is None) or planned + eos_room > limit:
         planned, finish = limit, "length"
     spec = spec_from(
         number(headers, "x-sim-spec-tokens", int, config.spec_tokens, 0),
@@ -361,6 +407,10 @@ def _plan(
     hit = None if stops is None else first_stop(stops, planned, per_chunk, min_tokens)
     if hit is not None:
         planned, finish = hit.tokens, "stop"
+    # What ended the generation decides the EOS, whatever finish_reason a header forces,
+    # but a forced "length" is a choice cut by its limit, which has none.
+    finish_reason = headers.get("x-sim-finish-reason", finish)
+    eos = eos_room if finish != "length" and hit is None and finish_reason != "length" else 0
 
     options = body.get("stream_options") or {}
     # read as vLLM's pydantic models read it: `1` and "true" ask, "false" does not
@@ -386,7 +436,7 @@ def _plan(
         prompt_tokens=prompt_tokens,
         cached_tokens=None if cached is None else min(prompt_tokens, cached),
         output_tokens=planned,
-        finish_reason=headers.get("x-sim-finish-reason", finish),
+        finish_reason=finish_reason,
         ttft=ttft,
         tokens_per_second=number(headers, "x-sim-tps", float, config.tokens_per_second, 1e-9),
         tokens_per_chunk=per_chunk,
@@ -414,18 +464,18 @@ def _plan(
         n=choices,
         stops=stops,
         stop_hit=hit,
+        eos=eos,
     )
 
 
-#: vllm/envs.py VLLM_MAX_N_SEQUENCES, its default.
-MAX_N = 16384
-#: vllm/sampling_params.py _SAMPLING_EPS: a temperature below it samples greedily.
+#: vll/sampling_params.py _SAMPLING_EPS: a temperature below it samples greedily.
 SAMPLING_EPS = 1e-5
 
 
-def _choices(body: dict[str, Any]) -> int | errors.ErrorReply:
-    """`n` as vLLM reads and checks it (vllm/sampling_params.py: _verify_num_sequences, and
-    _verify_greedy_sampling at temperature 0). llama-server's own check is _llamacpp_n."""
+def _choices(body: dict[str, Any], max_n: int) -> int | errors.ErrorReply:
+    """`n` as vLLM reads and checks it (vllm/sampling_params.py: _verify_num_sequences, its
+    cap VLLM_MAX_N_SEQUENCES, and _verify_greedy_sampling at temperature 0). llama-server's
+    own check is _llamacpp_n."""
     raw = body.get("n")
     if raw is None:
         return 1
@@ -434,9 +484,9 @@ def _choices(body: dict[str, Any]) -> int | errors.ErrorReply:
         raise ControlError(f"n: Input should be a valid integer, got {raw!r}")
     if n < 1:
         return errors.bad_request(f"n must be at least 1, got {n}.")
-    if n > MAX_N:
+    if n > max_n:
         return errors.bad_request(
-            f"n must be at most {MAX_N}, got {n}. To increase this limit, set the "
+            f"n must be at most {max_n}, got {n}. To increase this limit, set the "
             "VLLM_MAX_N_SEQUENCES environment variable."
         )
     temperature = lax_float(body.get("temperature"))
@@ -621,6 +671,8 @@ class Request:
     limit: tuple[str, ...] = ("max_completion_tokens", "max_tokens")  # the token limit
     read: Callable[[dict[str, Any]], dict[str, Any]] | None = None  # the body as a completion
     anthropic: bool = False  # its errors in Anthropic's shape
+    cohere: bool = False  # its errors in Cohere's {message, id}
+    stop_sequences: bool = False  # reads `stop_sequences` (Anthropic's, Cohere's) as `stop`
     ollama: bool = False  # its errors in Ollama's {"error": "..."}, its limits
     llamacpp: bool = False  # llama-server's errors and limits when the simulator plays it
     sampling: bool = False  # reads vLLM's `n` and `stop` (not when playing llama-server)
@@ -631,10 +683,12 @@ class Request:
 REQUESTS: dict[Kind, Request] = {
     "chat": Request(lists=("messages",), llamacpp=True, sampling=True),
     "completion": Request(required=("prompt",), llamacpp=True, sampling=True),
-    "messages": Request(lists=("messages",), required=("max_tokens",), anthropic=True),
+    "messages": Request(
+        lists=("messages",), required=("max_tokens",), anthropic=True, stop_sequences=True
+    ),
     "responses": Request(required=("input",), limit=("max_output_tokens",)),
     "generate": Request(read=_generate_body),
-    "cohere": Request(lists=("messages",)),
+    "cohere": Request(lists=("messages",), cohere=True, stop_sequences=True),
     "transcription": Request(),
     "translation": Request(),
     "ollama-chat": Request(

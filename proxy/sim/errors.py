@@ -8,6 +8,7 @@ After a 200 stream has begun, vLLM reports failures as an SSE event
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import orjson
@@ -42,6 +43,34 @@ def validation_error(param: str, errors: list[dict[str, object]]) -> ErrorReply:
     return ErrorReply(400, error_json(message, "Bad Request", 400, param))
 
 
+def error_input(value: object) -> object:
+    """A refused value as vLLM's validation handler echoes it (serve/exception_handling/
+    handlers/validation.py:89-110, _summarize_error_input)."""
+    if isinstance(value, str):
+        return value[:200] + "...[truncated]" if len(value) > 200 else value
+    if isinstance(value, list | dict):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    text = str(value)
+    return text[:200] + "...[truncated]" if len(text) > 200 else text
+
+
+def list_too_long(field: str, items: int, max_length: int) -> ErrorReply:
+    """pydantic's `too_long` for a `list[str]` field of at most `max_length` items."""
+    loc = f"body.{field}"
+    return validation_error(
+        loc,
+        [
+            {
+                "type": "too_long",
+                "loc": loc,
+                "msg": f"List should have at most {max_length} items after validation, not {items}",
+                "input": f"<list of {items} items>",
+                "ctx": {"field_type": "List", "max_length": max_length, "actual_length": items},
+            }
+        ],
+    )
+
+
 def too_long(field: str, items: int, max_length: int) -> ErrorReply:
     """A `str | list[str]` field whose list has more than `max_length` items (pydantic's
     `too_long`; the `str` branch fails too): vLLM's `stop` past VLLM_MAX_STOP_STRINGS."""
@@ -64,6 +93,35 @@ def too_long(field: str, items: int, max_length: int) -> ErrorReply:
             },
         ],
     )
+
+
+def cohere_error(reply: ErrorReply, request_id: str | None) -> ErrorReply:
+    """vLLM's Cohere routes rewrite every OpenAI-style error body into Cohere's `{message,
+    id}` (cohere/api_router.py:106-120 _error_response, and :206-280 its middleware for the
+    errors of the global handlers): the message sanitized, the id the request's
+    `X-Request-Id` (before generation no other is known), left out when there is none.
+    Other bodies (`{"error":"Unauthorized"}`, FastAPI's `{"detail":...}`) pass as they are."""
+    if reply.content_type != JSON:
+        return reply
+    try:
+        error = orjson.loads(reply.body).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return reply
+    if not isinstance(error, dict) or "message" not in error:
+        return reply
+    body: dict[str, object] = {"message": sanitize_message(str(error["message"]))}
+    if request_id is not None:
+        body["id"] = request_id
+    return ErrorReply(reply.status, orjson.dumps(body), reply.content_type, reply.headers)
+
+
+def sanitize_message(message: str) -> str:
+    """serve/exception_handling/utils.py:7-15: addresses, tracebacks and paths left out."""
+    message = re.sub(r" at 0x[0-9a-fA-F]+>", ">", message)
+    message = re.sub(r'\n?\s*File "[^"]+", line \d+, in \S+(\n\s+.*)?', "", message)
+    message = re.sub(r"/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[\w.\-]+)+", "<path>", message)
+    message = re.sub(r"(?:/[\w\-]+)+/[\w\-]+\.\w+", "<path>", message)
+    return message.strip()
 
 
 def unauthorized() -> ErrorReply:

@@ -10,7 +10,8 @@ module decides when they go out, with the same pacers, faults and records as cha
                    opens its content block lazily on the first text it sees
   content(text)    one delta per chunk on the pacer's schedule
   closing(...)     right after the last token: the block/item end events, the usage
-                   and stop events; the last one (message_stop, response.completed)
+                   (which counts the EOS that ends the text: controls.Plan.eos) and
+                   stop events; the last one (message_stop, response.completed)
                    is left out under `x-sim-no-done`
 
 Faults behave as in `stream.py`: `error_event` and `error_string` send the API's
@@ -44,13 +45,14 @@ class EventWire(Protocol):
         ...
 
     def closing(self, sent: int, started: bool) -> list[bytes]:
-        """The events after the last token; `started`: a content block was opened."""
+        """The events after the last of `sent` text tokens; `started`: a content block was
+        opened. The usage adds the plan's EOS."""
         ...
 
     def error(self, message: str) -> bytes: ...
 
     def full(self, sent: int) -> bytes:
-        """The non-streamed JSON body."""
+        """The non-streamed JSON body of `sent` text tokens (the usage adds the EOS)."""
         ...
 
     @property
@@ -78,6 +80,7 @@ async def stream_events(ex: Exchange, plan: Plan, events: EventWire, pacer: Pace
     if sent is None:
         return "fault"
     record.finish_reason = events.finish_reason
+    record.completion_tokens = sent + plan.eos  # the EOS, sent as the closing events
     closing = events.closing(sent, sent > 0)
     if plan.no_done:
         closing = closing[:-1]

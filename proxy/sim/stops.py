@@ -26,6 +26,7 @@ from typing import Any
 
 import orjson
 
+from proxy.sim import errors
 from proxy.sim.tokens import VOCAB, completion_text
 
 
@@ -61,6 +62,35 @@ def read_stops(stop: Any, include: bool) -> Stops | None:
     if not all(strings):
         raise StopError("stop cannot contain an empty string.")
     return Stops(tuple(strings), include)
+
+
+def check_stop_sequences(stop: Any, max_strings: int) -> errors.ErrorReply | None:
+    """The Anthropic and Cohere models' `stop_sequences` as vLLM's pydantic reads them,
+    `Annotated[list[str], Field(max_length=VLLM_MAX_STOP_STRINGS)] | None`
+    (anthropic/protocol.py:224-226, cohere/protocol.py:156-158): the validation handler's
+    400 (in OpenAI's shape on every route; Cohere's middleware then rewrites it), or None.
+    A valid list goes to chat as `stop` (anthropic/serving.py:616, cohere/serving.py:558),
+    where SamplingParams refuses an empty string (read_stops)."""
+    if stop is None:
+        return None
+    loc = "body.stop_sequences"
+    if not isinstance(stop, list):
+        given = errors.error_input(stop)
+        err = {"type": "list_type", "loc": loc, "msg": "Input should be a valid list"}
+        return errors.validation_error(loc, [{**err, "input": given}])
+    if len(stop) > max_strings:
+        return errors.list_too_long("stop_sequences", len(stop), max_strings)
+    bad = [
+        {
+            "type": "string_type",
+            "loc": f"{loc}.{i}",
+            "msg": "Input should be a valid string",
+            "input": errors.error_input(s),
+        }
+        for i, s in enumerate(stop)
+        if not isinstance(s, str)
+    ]
+    return errors.validation_error(str(bad[0]["loc"]), bad) if bad else None
 
 
 def first_stop(stops: Stops, tokens: int, per_step: int, min_tokens: int = 0) -> StopHit | None:

@@ -4,7 +4,8 @@ Streamed chat: the role-only chunk goes out with the headers (time ~0, long befo
 the first token, so a proxy that takes the first chunk for the first token is
 visibly wrong; real vLLM sends it with its first engine output, just before the
 first token); content chunks follow on the pacer's schedule; then the finish chunk
-(right after the last token), the usage chunk if asked for, and `data: [DONE]`.
+(an EOS's one pacer slot after the last text: vLLM decodes the EOS in a step of its own),
+the usage chunk if asked for, and `data: [DONE]`.
 Completions have no role chunk.
 
 Where the finish goes follows vLLM (chat_completion/serving.py and completion/serving.py
@@ -64,13 +65,18 @@ async def stream(ex: Exchange, plan: Plan, sse: StreamChunks, pacer: Pacer) -> O
     fingerprint = None if separate else sse.fingerprint
     # The token limit and a stop string end a generation at a token with text: vLLM
     # sends the finish with it. An EOS is a token of its own without text: its finish
-    # chunk has no text (but what stop strings held back).
+    # chunk has no text (but what stop strings held back), unless it comes in the same
+    # engine step as the last text tokens (several tokens a step), whose chunk then ends.
     hit = plan.stop_hit
-    ends_on_token = (plan.finish_reason == "length" or hit is not None) and plan.output_tokens > 0
+    shares_step = plan.eos_shares_step
+    ends_on_token = (
+        plan.finish_reason == "length" or hit is not None or shares_step
+    ) and plan.output_tokens > 0
     stop_reason = None if hit is None else hit.string
     held = None if plan.stops is None else HeldText(plan.stops, hit, plan.output_tokens)
 
     def finish_usage(i: int, sent: int) -> bytes | None:
+        """The finish chunk's usage; `sent` counts the EOS where it carries one."""
         if usage_every:  # each choice's own count, as every chunk's
             return _usage(plan, sent)
         return _usage(plan, sent * plan.n) if on_last and i == plan.n - 1 else None
@@ -80,6 +86,7 @@ async def stream(ex: Exchange, plan: Plan, sse: StreamChunks, pacer: Pacer) -> O
         ends = ends_on_token and now >= plan.output_tokens
         text = text_json(count, sent) if held is None else held.step(count, sent, ends)
         if ends:
+            now += plan.eos if shares_step else 0
             return [
                 sse.last(
                     text, plan.finish_reason, finish_usage(i, now), fingerprint, i, stop_reason
@@ -96,8 +103,15 @@ async def stream(ex: Exchange, plan: Plan, sse: StreamChunks, pacer: Pacer) -> O
     if sent is None:
         return "fault"
     record.finish_reason = plan.finish_reason
+    if shares_step:
+        sent += plan.eos
+        record.completion_tokens = sent * plan.n
     if not ends_on_token:
+        # The EOS token's chunk: no text of its own (but what stop strings held back),
+        # counted in usage as vLLM counts its token id.
         rest = b"" if held is None else held.rest()
+        sent += plan.eos
+        record.completion_tokens = sent * plan.n
         for i in choices:
             usage = finish_usage(i, sent)
             await ex.write(
@@ -153,21 +167,24 @@ async def paced_content(
             return None
     elif slots == 0:
         await pacer.first()  # an empty completion still ends when its EOS token is due
+    elif plan.eos and not plan.eos_shares_step:
+        await pacer.next()  # the EOS is decoded in an engine step of its own
     return sent
 
 
 async def paced_whole(ex: Exchange, plan: Plan, pacer: Pacer, finish_reason: str | None) -> None:
-    """A non-streamed response's time: every token's slot passes (and its CPU is burnt),
-    then the record says the tokens left, all at once, with the body."""
-    chunks = -(-plan.output_tokens // plan.tokens_per_chunk)
+    """A non-streamed response's time: every token's slot passes (the EOS's too, and their
+    CPU is burnt), then the record says the tokens left, all at once, with the body."""
+    generated = plan.output_tokens + plan.eos
+    chunks = -(-generated // plan.tokens_per_chunk)
     per_chunk = plan.tokens_per_chunk
     await pacer.first()
     for i in range(chunks):
         if i:
             await pacer.next()
-        tokens = min(per_chunk, plan.output_tokens - i * per_chunk)
+        tokens = min(per_chunk, generated - i * per_chunk)
         burn_cpu(plan.cpu_per_token * tokens * plan.n)
-    ex.record.completion_tokens = plan.output_tokens * plan.n
+    ex.record.completion_tokens = (plan.output_tokens + plan.eos) * plan.n
     ex.record.finish_reason = finish_reason
     ex.record.first_token_at = time.monotonic()  # the tokens leave with the body
 
@@ -245,8 +262,8 @@ async def complete(
         plan.model,
         completion_text(plan.output_tokens) if hit is None else hit.text,
         plan.finish_reason,
-        _usage(plan, plan.output_tokens * plan.n),
-        engine_metrics(ex, plan, plan.output_tokens, streamed=False),
+        _usage(plan, (plan.output_tokens + plan.eos) * plan.n),
+        engine_metrics(ex, plan, plan.output_tokens + plan.eos, streamed=False),
         n=plan.n,
         stop_reason=None if hit is None else hit.string,
     )

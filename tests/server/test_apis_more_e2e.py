@@ -21,7 +21,7 @@ import orjson
 import pytest
 
 from proxy.sim import SimApp, SimConfig
-from proxy.sim.generate import token_ids
+from proxy.sim.generate import EOS_ID, token_ids
 from proxy.sim.state import SimRequest
 from tests.scrape import scrape
 from tests.server.conftest import paths
@@ -133,13 +133,13 @@ def test_generate_stream_through_the_proxy(sim: tuple[str, SimApp], proxy: Proxy
         for choice in orjson.loads(line[6:])["choices"]
         for i in choice["token_ids"]
     ]
-    assert ids == token_ids(8)
+    assert ids == [*token_ids(8), EOS_ID]  # the EOS's id too, as vLLM streams it
     assert (m["endpoint"], m["error_type"], m["finish_reason"]) == (
         "/inference/v1/generate",
         None,
         "stop",
     )
-    assert (m["prompt_tokens"], m["output_tokens"], m["token_source"]) == (7, 8, "token_ids")
+    assert (m["prompt_tokens"], m["output_tokens"], m["token_source"]) == (7, 9, "token_ids")
     assert TTFT * 1000 <= m["ttft_ms"] <= client * 1000  # within what the client waited
 
 
@@ -157,9 +157,9 @@ def test_generate_not_streamed_counts_from_usage(
 ) -> None:
     r = httpx.post(proxy.url + "/inference/v1/generate", json=generate_body(False), headers=PROGRAM)
     m = proxy.record(n)
-    assert r.json()["choices"][0]["token_ids"] == token_ids(8)
+    assert r.json()["choices"][0]["token_ids"] == [*token_ids(8), EOS_ID]
     assert sha(r.content) == sent(sim[1]).body_sha256
-    assert (m["prompt_tokens"], m["output_tokens"], m["token_source"]) == (7, 8, "usage")
+    assert (m["prompt_tokens"], m["output_tokens"], m["token_source"]) == (7, 9, "usage")
 
 
 @pytest.mark.parametrize(
@@ -238,7 +238,7 @@ def test_transcription_stream_with_the_openai_sdk(
     )
     assert (m["prompt_tokens"], m["output_tokens"], m["token_source"]) == (
         backend.prompt_tokens,
-        8,
+        9,  # 8 tokens of text and the EOS that ends them
         "usage",
     )
     assert TTFT * 1000 <= m["ttft_ms"] <= proxied * 1000  # within what the client waited
@@ -261,7 +261,7 @@ def test_transcription_stream_events_parse_in_the_sdk(
     from proxy.sim.tokens import completion_text
 
     assert "".join(texts) == completion_text(8)
-    assert proxy.record(n)["output_tokens"] == 8
+    assert proxy.record(n)["output_tokens"] == 9  # the 8 tokens' text and the EOS
 
 
 def test_transcription_with_usage_asked_by_the_client_is_byte_identical(
@@ -272,7 +272,7 @@ def test_transcription_with_usage_asked_by_the_client_is_byte_identical(
     r = httpx.post(proxy.url + "/v1/audio/transcriptions", files=files, data=data, headers=PROGRAM)
     m, backend = proxy.record(n), sent(sim[1])
     assert sha(r.content) == backend.body_sha256 and b'"usage"' in r.content
-    assert (m["output_tokens"], m["token_source"]) == (8, "usage")
+    assert (m["output_tokens"], m["token_source"]) == (9, "usage")  # with the EOS
 
 
 def test_translation_with_the_openai_sdk(sim: tuple[str, SimApp], proxy: Proxy, n: int) -> None:
@@ -365,7 +365,7 @@ def test_cohere_chat_stream_with_the_cohere_sdk(
     assert m["raw_finish_reason"] == "COMPLETE"
     assert (m["prompt_tokens"], m["output_tokens"], m["token_source"]) == (
         backend.prompt_tokens,
-        8,
+        9,  # 8 tokens of text and the EOS that ends them
         "usage",
     )
     # message-start came at ~0; the upper bound is what the client waited, under any load

@@ -78,7 +78,7 @@ def test_anthropic_messages_stream(sim: Running, proxy: ProxyUnderTest) -> None:
     assert text and final.stop_reason == "end_turn"
     assert m.endpoint == "/v1/messages" and m.ok and m.stream
     assert m.ttft is not None and TTFT <= m.ttft <= waited  # message_start came at ~0
-    assert (m.prompt_tokens, m.output_tokens) == (backend.prompt_tokens, 8)
+    assert (m.prompt_tokens, m.output_tokens) == (backend.prompt_tokens, 9)  # and the EOS
     assert (m.finish_reason, m.raw_finish_reason) == ("stop", "end_turn")
     assert requests_total(proxy, "/v1/messages", finish_reason="stop") == TIMED
 
@@ -157,7 +157,7 @@ def test_openai_responses_stream(sim: Running, proxy: ProxyUnderTest) -> None:
     assert events[0].type == "response.created" and events[-1].type == "response.completed"
     assert m.endpoint == "/v1/responses" and m.ok
     assert m.ttft is not None and TTFT <= m.ttft <= waited  # response.created came at ~0
-    assert (m.prompt_tokens, m.output_tokens) == (backend.prompt_tokens, 8)
+    assert (m.prompt_tokens, m.output_tokens) == (backend.prompt_tokens, 9)  # and the EOS
     assert (m.finish_reason, m.raw_finish_reason) == ("stop", "completed")
 
 

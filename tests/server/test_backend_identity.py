@@ -64,7 +64,8 @@ def test_a_dead_backend_is_unknown_and_delays_nothing(
 
 # -- what the identity decides: Ollama's /v1/completions is not asked for usage ----------
 
-COMPLETION = {"model": MODEL, "prompt": "Once upon a time", "stream": True, "max_tokens": 6}
+# max_tokens leaves room for the EOS after the 6 tokens: the stream ends with its finish chunk
+COMPLETION = {"model": MODEL, "prompt": "Once upon a time", "stream": True, "max_tokens": 7}
 ZEROED = {"x-sim-usage-mode": "zeroed", "x-sim-output-tokens": "6", "x-sim-ttft": "0.02"}
 
 

@@ -87,7 +87,8 @@ def test_usage_chunk_the_proxy_asked_for_is_removed(sim: Running, proxy: ProxyUn
     assert b'"usage"' not in received and received.endswith(b"data: [DONE]\n\n")
     proxy.wait_records(1)
     m = proxy.records[0]
-    assert m.token_source is TokenSource.USAGE and m.output_tokens == 16 and m.prompt_tokens
+    # the sim's 16 tokens of text and the EOS after them, which vLLM's usage counts
+    assert m.token_source is TokenSource.USAGE and m.output_tokens == 17 and m.prompt_tokens
 
 
 def test_without_usage_injection_counts_come_from_chunks(
@@ -133,10 +134,11 @@ def test_streamed_response_is_not_buffered(sim: Running, proxy: ProxyUnderTest) 
 
 @pytest.mark.quiet("a timing read within tens of milliseconds", seconds=1)
 def test_role_only_first_chunk_is_not_first_token(sim: Running, proxy: ProxyUnderTest) -> None:
-    # The role chunk at once, the content tokens at 0.25, 0.45, 0.65 and 0.85 s: the first
-    # token is the first content token, told from the role chunk before it and from the
-    # second content token 0.2 s after it. (At 50 tokens/s, with a 30 ms slack, a pause of
-    # the process failed it in CI: TTFT 0.287 s.)
+    # The role chunk at once, the content tokens at 0.25, 0.45, 0.65 and 0.85 s, the EOS
+    # (its finish chunk, no text) at 1.05 s: the first token is the first content token,
+    # told from the role chunk before it and from the second content token 0.2 s after it;
+    # TPOT runs to the EOS, which usage counts (5 tokens, 4 gaps of 0.2 s). (At 50
+    # tokens/s, with a 30 ms slack, a pause of the process failed it in CI: TTFT 0.287 s.)
     httpx.post(
         proxy.url + CHAT,
         json=chat(),
@@ -148,7 +150,7 @@ def test_role_only_first_chunk_is_not_first_token(sim: Running, proxy: ProxyUnde
     assert m.ttft is not None and 0.25 <= m.ttft < 0.45
     assert m.tpot is not None and abs(m.tpot - 0.2) < 0.02
     assert m.decode_tokens_per_second is not None and abs(m.decode_tokens_per_second - 5) < 0.5
-    assert m.output_tokens == 4 and len(m.inter_token_latencies) == 3
+    assert m.output_tokens == 5 and len(m.inter_token_latencies) == 3  # 4 texts, the EOS
     assert m.finish_reason == "stop" and m.error_type is None
 
 

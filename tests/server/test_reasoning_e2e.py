@@ -67,7 +67,7 @@ def test_reasoning_then_answer_is_measured_by_kind(
     sim: Running, proxy: ProxyUnderTest, path: str
 ) -> None:
     m, _ = run(proxy, sim, path, {"x-sim-reasoning-tokens": "6", "x-sim-output-tokens": "4"})
-    assert m.ok and m.output_tokens == 10
+    assert m.ok and m.output_tokens == 11  # and the EOS that ends the answer
     first, last, answer = m.first_reasoning, m.last_reasoning, m.first_answer
     assert first is not None and last is not None and answer is not None
     assert m.ttft == first and first >= TTFT
@@ -75,7 +75,8 @@ def test_reasoning_then_answer_is_measured_by_kind(
     # can only be later still: the last reasoning token is the 6th, the first answer the 7th
     assert first <= last < answer
     assert last >= TTFT + 5 * INTERVAL and answer >= TTFT + 6 * INTERVAL
-    assert m.reasoning_events == 6 and m.answer_tokens == 4
+    # the answer is what usage counts past the reasoning: its 4 tokens and the EOS
+    assert m.reasoning_events == 6 and m.answer_tokens == 5
     # chat and Responses usage carry reasoning_tokens; Messages and Cohere usage do not
     want_source = "events" if path in (MESSAGES, COHERE) else "usage"
     assert (m.reasoning_tokens, m.reasoning_token_source) == (6, want_source)
@@ -86,7 +87,7 @@ def test_reasoning_then_answer_is_measured_by_kind(
     assert sample(proxy, "tokenprobe_reasoning_duration_seconds_count", path) == 1
     assert sample(proxy, "tokenprobe_reasoning_tokens_total", path, source=want_source) == 6
     share = sample(proxy, "tokenprobe_request_answer_token_share_sum", path)
-    assert share == pytest.approx(0.4)
+    assert share == pytest.approx(5 / 11)  # the answer's 4 tokens and the EOS, of 11
 
 
 def test_chat_reasoning_that_usage_counts_as_zero_is_counted_from_the_stream(
@@ -216,7 +217,8 @@ def test_tokens_merged_across_a_phase_boundary_count_as_both_kinds_at_one_instan
     program = {"x-sim-reasoning-tokens": "2", "x-sim-output-tokens": "2",
                "x-sim-tool-calls": "1", "x-sim-merged-boundaries": "1", "x-sim-tps": "10"}  # fmt: skip
     m, raw = run(proxy, sim, path, program)
-    assert m.reasoning_events == 2 and m.output_tokens == 8  # 2 + 2 + the call: 1 + 3 pieces
+    # 2 + 2 + the call: 1 + 3 pieces, and the EOS
+    assert m.reasoning_events == 2 and m.output_tokens == 9
     assert [c.outcome for c in m.tool_calls] == ["complete"] == client_outcomes(path, raw)
     first, last, answer, call = (
         m.first_reasoning,

@@ -132,8 +132,9 @@ def test_spec_decode_counters_equal_the_sums_of_the_objects_the_client_got(proxy
         spec = orjson.loads(usage_event.removeprefix(b"data: "))["metrics"]["speculative_decoding"]
         drafted += spec["num_draft_tokens"]
         accepted += spec["num_accepted_draft_tokens"]
-        assert body.count(b'"delta":{"content":"') == 7 + 1  # 20 tokens in chunks of 3, + finish
-    assert (drafted, accepted) == (3 * 3 * 7, 3 * (20 - 7))
+        # 20 tokens and the EOS in steps of 3: the EOS comes in the 7th, whose chunk ends
+        assert body.count(b'"delta":{"content":"') == 7
+    assert (drafted, accepted) == (3 * 3 * 7, 3 * (21 - 7))
     grew = delta.when("tokenprobe_spec_decode_draft_tokens_total", drafted)
     for name, expected in (
         ("tokenprobe_spec_decode_draft_tokens_total", drafted),
@@ -141,7 +142,7 @@ def test_spec_decode_counters_equal_the_sums_of_the_objects_the_client_got(proxy
     ):
         assert grew(name) == expected
     per_chunk = "tokenprobe_request_output_tokens_per_chunk_sum"
-    assert grew(per_chunk) == pytest.approx(3 * 20 / 7)
+    assert grew(per_chunk) == pytest.approx(3 * 21 / 7)  # 20 tokens and the EOS, 7 chunks
 
 
 def test_the_client_gets_the_finish_chunk_with_its_fingerprint_and_no_usage_chunk(

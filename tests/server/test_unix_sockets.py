@@ -78,10 +78,10 @@ def test_a_stream_and_an_answer_go_through_the_backends_socket(
     streamed, whole = proxy.wait_records(2, exact=True)
     assert text and answer["choices"][0]["message"]["content"]
     assert (streamed.ok, streamed.output_tokens, streamed.token_source) == (
-        True, 8, TokenSource.USAGE,
+        True, 9, TokenSource.USAGE,  # 8 tokens of text and the EOS
     )  # fmt: skip
     assert streamed.ttft is not None and streamed.ttft >= 0.05
-    assert (whole.ok, whole.stream, whole.output_tokens) == (True, False, 8)
+    assert (whole.ok, whole.stream, whole.output_tokens) == (True, False, 9)  # and the EOS
     # The URL gives the Host header and the path; the socket only where it goes.
     assert backend.seen() == [(CHAT, "localhost"), (CHAT, "localhost")]
 
@@ -125,7 +125,7 @@ def test_each_asgi_transport_goes_through_the_socket(
     proxy = start_proxy("http://localhost", upstream_uds=backend.path, upstream_transport=transport)
     assert _chat(proxy) and _chat(proxy)
     first, second = proxy.wait_records(2, exact=True)
-    assert first.ok and second.ok and second.output_tokens == 8
+    assert first.ok and second.ok and second.output_tokens == 9  # 8 tokens and the EOS
     assert len(backend.seen()) == 2
     # and a socket nobody listens on is unreachable on this transport too, named
     missing = str(Path(backend.path).with_name("nobody.sock"))

@@ -74,7 +74,8 @@ def test_stream_is_role_content_finish_usage_done(client: httpx.Client, url: str
     ]
     usage = got.events[-2].json
     assert usage["choices"] == []
-    assert usage["usage"] == {"prompt_tokens": 4, "total_tokens": 12, "completion_tokens": 8}
+    # 8 text tokens and the EOS token that ended them (vLLM counts its token id)
+    assert usage["usage"] == {"prompt_tokens": 4, "total_tokens": 13, "completion_tokens": 9}
     ids = {e.json["id"] for e in got.events[:-1]}
     assert len(ids) == 1 and ids.pop().startswith("chatcmpl-")
     assert got.text() == completion_text(8)
@@ -93,7 +94,7 @@ def test_usage_mode_last_chunk_puts_usage_on_the_finish_chunk(
     got = read_events(client, url, body, {"x-sim-usage-mode": "last_chunk"})
     finish = got.events[-2].json
     assert finish["choices"][0]["finish_reason"] == "stop"
-    assert finish["usage"]["completion_tokens"] == 8
+    assert finish["usage"]["completion_tokens"] == 9  # the text's 8 and the EOS
     assert not any(e.json["choices"] == [] for e in got.events[:-1])
 
 
@@ -107,7 +108,8 @@ def test_continuous_usage_stats_count_up_on_every_chunk(client: httpx.Client, ur
     body = chat(stream_options={"include_usage": True, "continuous_usage_stats": True})
     got = read_events(client, url, body, {"x-sim-output-tokens": "3"})
     counts = [e.json["usage"]["completion_tokens"] for e in got.events[:-1]]
-    assert counts == [0, 1, 2, 3, 3, 3]
+    # role, three tokens, then the EOS's finish chunk and the usage chunk count it too
+    assert counts == [0, 1, 2, 3, 4, 4]
 
 
 def test_cached_tokens_are_reported_in_prompt_tokens_details(
@@ -175,7 +177,7 @@ def test_openai_sdk_sees_role_then_content_then_finish(sdk: openai.OpenAI) -> No
     assert chunks[0].choices[0].delta.content == ""
     assert chunks[-2].choices[0].finish_reason == "stop"
     assert chunks[-1].choices == []
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 9
 
 
 def test_completions_stream_text_choices_without_role_chunk(client: httpx.Client, url: str) -> None:
@@ -262,9 +264,21 @@ def test_max_tokens_below_plan_stops_with_length(
     assert got.events[-2].json["choices"][0]["finish_reason"] == "length"
 
 
-def test_max_tokens_at_or_above_plan_stops_with_stop(client: httpx.Client, url: str) -> None:
-    got = read_events(client, url, chat(max_tokens=8))
-    assert got.events[-2].json["choices"][0]["finish_reason"] == "stop"
+def test_max_tokens_above_plan_stops_with_stop(client: httpx.Client, url: str) -> None:
+    body = chat(max_tokens=9, stream_options={"include_usage": True})
+    got = read_events(client, url, body)
+    assert got.events[-3].json["choices"][0]["finish_reason"] == "stop"
+    assert got.events[-2].json["usage"]["completion_tokens"] == 9
+
+
+def test_max_tokens_at_plan_leaves_no_room_for_the_eos(client: httpx.Client, url: str) -> None:
+    """v1/core/sched/utils.py check_stop: the 8th token reaches max_tokens, so the EOS that
+    would follow is never generated: "length", on the last text token's chunk."""
+    body = chat(max_tokens=8, stream_options={"include_usage": True})
+    got = read_events(client, url, body)
+    assert got.text() == completion_text(8)
+    assert got.events[-3].json["choices"][0]["finish_reason"] == "length"
+    assert got.events[-2].json["usage"]["completion_tokens"] == 8
 
 
 def test_ignore_eos_generates_exactly_max_tokens(client: httpx.Client, url: str) -> None:
@@ -306,7 +320,7 @@ def test_non_streaming_returns_after_all_tokens(client: httpx.Client, url: str) 
             "tool_calls": [],
         }
         assert body["choices"][0]["finish_reason"] == "stop"
-        assert body["usage"] == {"prompt_tokens": 4, "total_tokens": 10, "completion_tokens": 6}
+        assert body["usage"] == {"prompt_tokens": 4, "total_tokens": 11, "completion_tokens": 7}
 
     best_of(3, attempt)
 
@@ -466,7 +480,7 @@ def test_record_holds_request_and_counts_what_was_sent(
     assert record.body == chat()
     assert record.chunks_sent == len(got.events)
     assert record.bytes_sent == len(got.raw)
-    assert record.completion_tokens == 8 and record.prompt_tokens == 4
+    assert record.completion_tokens == 9 and record.prompt_tokens == 4  # the EOS is sent too
     assert app.state.active == 0
 
 

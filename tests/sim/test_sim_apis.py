@@ -34,6 +34,7 @@ from tests.sim.test_sim_support import (
 EARLY = 0.003
 LATE = 0.025
 TOKENS = 8  # planned output of every request unless a test says otherwise
+GENERATED = TOKENS + 1  # and the EOS token that ends it: vLLM's usage counts it
 
 MESSAGES_STREAM = [
     "message_start",
@@ -127,7 +128,7 @@ def test_messages_stream_sends_vllm_events_in_order(
     assert got.first("message_delta").json == {
         "type": "message_delta",
         "delta": {"stop_reason": "end_turn", "stop_sequence": None},
-        "usage": {"input_tokens": record.prompt_tokens, "output_tokens": TOKENS},
+        "usage": {"input_tokens": record.prompt_tokens, "output_tokens": GENERATED},
     }
     assert got.events[-1].json == {"type": "message_stop"}
     assert record.outcome == "completed" and record.finish_reason == "end_turn"
@@ -183,7 +184,7 @@ def test_messages_non_streamed_body(client: httpx.Client, url: str, app: SimApp)
         "content": [{"type": "text", "text": completion_text(TOKENS)}],
         "model": "sim-model",
         "stop_reason": "end_turn",
-        "usage": {"input_tokens": record.prompt_tokens, "output_tokens": TOKENS},
+        "usage": {"input_tokens": record.prompt_tokens, "output_tokens": GENERATED},
     }
 
 
@@ -285,7 +286,7 @@ def test_anthropic_sdk_create_count_tokens_and_errors(url: str, app: SimApp) -> 
     msgs: Any = [{"role": "user", "content": "Hello there, how are you?"}]
     made = sdk.messages.create(model="sim-model", max_tokens=64, messages=msgs)
     assert made.content[0].type == "text" and made.content[0].text == completion_text(TOKENS)
-    assert made.stop_reason == "end_turn" and made.usage.output_tokens == TOKENS
+    assert made.stop_reason == "end_turn" and made.usage.output_tokens == GENERATED
     prompt = last_record(app).prompt_tokens
     counted = sdk.messages.count_tokens(model="sim-model", messages=msgs)
     assert counted.input_tokens == prompt
@@ -324,9 +325,9 @@ def test_responses_stream_sends_vllm_events_with_sequence_numbers(
     assert done["usage"] == {
         "input_tokens": record.prompt_tokens,
         "input_tokens_details": {"cached_tokens": 0},
-        "output_tokens": TOKENS,
+        "output_tokens": GENERATED,
         "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": record.prompt_tokens + TOKENS,
+        "total_tokens": record.prompt_tokens + GENERATED,
     }
     assert record.body_sha256 == hashlib.sha256(got.raw).hexdigest()
 
@@ -395,7 +396,7 @@ def test_openai_sdk_parses_responses_streamed_and_not(url: str, app: SimApp) -> 
     assert kinds == RESPONSES_STREAM
     assert text == completion_text(TOKENS)
     assert final is not None and final.usage is not None
-    assert final.usage.output_tokens == TOKENS
+    assert final.usage.output_tokens == GENERATED
     assert final.usage.input_tokens == last_record(app).prompt_tokens
     made = sdk.responses.create(model="sim-model", input="Hello there", max_output_tokens=4)
     assert made.output_text == completion_text(4)

@@ -160,7 +160,8 @@ def test_n_chat_choices_stream_one_chunk_each_per_step_in_index_order(
         assert [c["finish_reason"] for c in choices] == [None] * 5 + ["stop"]
     usage = chunks[-1]
     assert usage["choices"] == [] and "metrics" not in usage
-    assert usage["usage"] == {"prompt_tokens": 4, "total_tokens": 16, "completion_tokens": 12}
+    # each choice's 4 tokens and its EOS (the token of its finish chunk)
+    assert usage["usage"] == {"prompt_tokens": 4, "total_tokens": 19, "completion_tokens": 15}
     assert got.events[-1].data == b"[DONE]"
 
 
@@ -191,8 +192,9 @@ def test_continuous_usage_counts_each_choices_own_tokens(client: httpx.Client, u
         (e.json["choices"][0]["index"], e.json["usage"]["completion_tokens"])
         for e in got.events[:-2]
     ]
-    assert counts == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2), (0, 2), (1, 2)]
-    assert got.events[-2].json["usage"]["completion_tokens"] == 4
+    # the finish chunks carry each choice's EOS token (in output.token_ids: counted, 684)
+    assert counts == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2), (0, 3), (1, 3)]
+    assert got.events[-2].json["usage"]["completion_tokens"] == 6
 
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
@@ -205,7 +207,8 @@ def test_n_choices_not_streamed_are_a_list_with_the_tokens_summed(url: str, path
     texts = [c["message"]["content"] if path == CHAT else c["text"] for c in answer["choices"]]
     assert [c["index"] for c in answer["choices"]] == [0, 1]
     assert texts == [completion_text(5)] * 2
-    assert answer["usage"]["completion_tokens"] == 10 and "metrics" not in answer
+    # each choice's 5 text tokens and its EOS
+    assert answer["usage"]["completion_tokens"] == 12 and "metrics" not in answer
 
 
 @pytest.mark.quiet("a duration read within a few hundred milliseconds")
@@ -368,10 +371,12 @@ def test_a_stop_string_within_min_tokens_is_not_checked(url: str) -> None:
 
 def test_min_tokens_holds_back_the_eos(url: str) -> None:
     """v1/core/sched/utils.py check_stop: no stop before min_tokens tokens (the EOS is
-    masked too: v1/sample/logits_processor/builtin.py MinTokensLogitsProcessor)."""
+    masked too: v1/sample/logits_processor/builtin.py MinTokensLogitsProcessor), so the
+    EOS comes at the earliest as token 12, after 11 tokens of text."""
     body = completion(stream=False, min_tokens=11)
     answer = httpx.post(url + COMPLETIONS, json=body).json()
-    assert answer["usage"]["completion_tokens"] == 11
+    assert answer["choices"][0]["text"] == completion_text(11)
+    assert answer["usage"]["completion_tokens"] == 12
     assert answer["choices"][0]["finish_reason"] == "stop"
 
 

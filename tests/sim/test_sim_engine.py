@@ -13,6 +13,7 @@ from proxy.core.engine import engine_metrics
 from proxy.sim.app import SimApp, create_sim_app
 from proxy.sim.config import SimConfig
 from proxy.sim.engine import Spec, metrics_json
+from proxy.sim.tokens import completion_text
 from tests.paths import STREAMS
 from tests.servers import ThreadedServer
 
@@ -83,14 +84,17 @@ def test_programmed_speculative_decoding_sends_several_tokens_per_chunk(
     headers = {"x-sim-spec-tokens": "3", "x-sim-acceptance-rate": "1", "x-sim-output-tokens": "10"}
     got = chat(client, url, usage=True, **headers)
     content = [e for e in got if b'"delta":{"content":"' in e and b'"finish_reason":null' in e]
-    assert len(content) == 3  # 4 + 4 + 2 tokens
+    # 4 + 4 tokens, then a step of the last 2 and the EOS, whose chunk carries the finish
+    assert len(content) == 2
+    last = orjson.loads(got[-3].removeprefix(b"data: "))["choices"][0]
+    assert (last["delta"]["content"], last["finish_reason"]) == (completion_text(2, 8), "stop")
     spec = orjson.loads(got[-2].removeprefix(b"data: "))["metrics"]["speculative_decoding"]
     assert (
         spec["num_spec_steps"],
         spec["num_draft_tokens"],
         spec["num_accepted_draft_tokens"],
-    ) == (3, 9, 7)
-    assert spec["acceptance_histogram"] == [0, 1, 0, 2]
+    ) == (3, 9, 8)
+    assert spec["acceptance_histogram"] == [0, 0, 1, 2]
 
 
 def test_the_non_streamed_body_ends_with_the_metrics_object(client: httpx.Client, url: str) -> None:

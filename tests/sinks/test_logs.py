@@ -271,7 +271,7 @@ def test_a_real_request_logs_one_line_that_matches_its_span(observed: Observed) 
     (span,) = observed.spans.get_finished_spans()
     assert obj["trace_id"] == format(span.context.trace_id, "032x")
     assert (obj["status"], obj["finish_reason"], obj["token_source"]) == (200, "stop", "usage")
-    assert obj["output_tokens"] == 16 and obj["ttft_ms"] >= 50.0
+    assert obj["output_tokens"] == 17 and obj["ttft_ms"] >= 50.0  # 16 text tokens and the EOS
 
 
 def test_secrets_in_headers_reach_no_log_span_or_metric(observed: Observed) -> None:

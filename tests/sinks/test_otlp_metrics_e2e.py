@@ -401,7 +401,8 @@ def test_each_worker_exports_its_own_series_under_its_own_instance_id(
     assert sum(total(p, GENAI[0]) for p in newest.values()) == sent
     assert prom["tokenprobe_e2e_request_latency_seconds_count"] == sent
     output = sum(tokens(p, "output") for p in newest.values())
-    assert output == prom["tokenprobe_generation_tokens_total"] == 2 * sent
+    # each answer's 2 text tokens and the EOS that ends it (vLLM's usage counts it)
+    assert output == prom["tokenprobe_generation_tokens_total"] == 3 * sent
 
 
 @pytest.mark.parametrize("workers", [(), ("--workers", "2")], ids=["one", "workers"])
