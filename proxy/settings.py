@@ -434,7 +434,9 @@ class Settings:
     ws_idle_timeout: float = setting(
         _seconds,
         300.0,
-        "Seconds a WebSocket tunnel may carry no byte either way before the proxy closes it.",
+        "Seconds a WebSocket tunnel may carry no byte either way before the proxy closes it, "
+        "counted from the first byte of the upstream's answer (the wait for it is "
+        "`--first-byte-timeout`'s).",
     )
     tokenizer: str | None = setting(
         str,

@@ -1,8 +1,8 @@
 """Per-API-key attribution without the keys: a short salted hash, bounded like models.
 
-The label is the first 12 hex digits of SHA-256(salt + key). With a random per-process
-salt (the default) nobody can test a guessed key against the label; a fixed `--key-salt`
-keeps labels stable across restarts and workers. Only the first MAX_KEYS distinct keys get
+The label is the first 12 hex digits of SHA-256(salt + key). With a random salt (the
+default: drawn at each start, once for all `--workers`) nobody can test a guessed key
+against the label; a fixed `--key-salt` keeps labels stable across restarts too. Only the first MAX_KEYS distinct keys get
 a label of their own; later ones share `other`, so a flood of made-up keys cannot grow the
 number of series. With several workers the bound is theirs together (a `Ledger` of the
 labels, as for --label-header), never MAX_KEYS each.
