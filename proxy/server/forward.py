@@ -23,6 +23,7 @@ from time import perf_counter, time
 from typing import Any
 
 import httpx
+from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE
 
 from proxy.core.errors import Cause, Failure
 from proxy.core.strip import UsageEventStripper
@@ -229,6 +230,11 @@ class Relay:
             exchange.context.sinks.count_upstream_protocol_error(kind)
             raise UpstreamProtocolError(kind, f"the upstream answered status {status}")
         raw = [(k.lower(), v) for k, v in response.headers.raw]
+        if (bad := _bad_header(raw)) is not None:
+            # uvicorn would refuse it inside http.response.start, the response marked
+            # started by then: the client got an empty close, recorded as a 200
+            exchange.context.sinks.count_upstream_protocol_error("malformed")
+            raise UpstreamProtocolError("malformed", f"the upstream sent an invalid header {bad}")
         head = self.rules.response_head(status, raw, perf_counter())
         headers = head.headers
         if status == 304 or status == 204:
@@ -300,6 +306,20 @@ async def _watch_client(receive: Receive, cut: _CancelOnce) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
     cut(Cause.CLIENT_GONE)
+
+
+def _bad_header(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """What is wrong with a response header the server would refuse to write, if any: a
+    control character in a value, a separator or a control character in a name. The
+    patterns are uvicorn's own (httptools_impl.py's HEADER_RE and HEADER_VALUE_RE, which
+    its `send` checks), so the relay refuses exactly what uvicorn would; llhttp refuses
+    the same on the wire (a 502 there too)."""
+    for name, value in headers:
+        if HEADER_RE.search(name):
+            return f"name {name!r}"
+        if HEADER_VALUE_RE.search(value):
+            return f"value in {name.decode('latin-1')!r}"
+    return None
 
 
 async def _send_answer(send: Send, status: int, kind: str, message: str, path: str) -> None:

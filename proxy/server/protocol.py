@@ -28,7 +28,14 @@ ordinary request, answered, and then the connection closes: what the client wrot
 it is never parsed, so never relayed. llhttp (through httptools) reads no body after an
 upgrade request's head, so such a request's body is read by a second parser (`Upgrade`).
 Trailer fields of a chunked body never join the request's headers (they are dropped, as
-most proxies do).
+most proxies do), and are bounded as a head is: llhttp joins a trailer field's value across
+reads as it does a header's, so an endless one would grow without bound at a quadratic
+cost, stalling every connection on the loop. The fields as parsed count against the head's
+cap (--max-header-bytes and HEAD_SLACK), and so do the reads of a body that bring none of
+its data (llhttp tells no chunk's size: such reads are framing, a few bytes, or trailers).
+Over it (or over `max_headers` fields), a 431 and a close, counted as an oversized head is;
+a request whose answer is already going out gets no 431 inside it: the connection closes
+after it, and the request never reaches the upstream (its body never ended).
 
 A request's Host is checked as RFC 9112 §3.2 asks of a server, on both data paths and the
 proxy's own routes: none in an HTTP/1.1 request, more than one, or a value that is no
@@ -158,6 +165,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._head_tail = b""
         self._header_count = 0
         self._refusal: tuple[str, str] | None = None
+        self._trailers = False  # _refusal is for a body's trailers (see _refuse_trailers)
+        self._trailer_bytes = 0  # the fields of a chunked body's trailers, as parsed
+        self._fed = False  # the read being parsed brought body data (on_body)
+        self._dry_bytes = 0  # of a body's reads since the last that brought data
         self._head_timer: asyncio.TimerHandle | None = None
         self._ws = False  # the request whose head was parsed last is a WebSocket handshake
         self._upgrade: Upgrade | None = None  # llhttp stopped at an upgrade request
@@ -231,11 +242,14 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if upgrade is not None:  # nothing after an upgrade request is parsed
             upgrade.more(data)
             return
+        in_body = False
         if self._in_head:
             if self._head_timer is None:  # a kept-alive connection's next head begins
                 self._time_head()
             if not self._count_head(data):
                 return
+        elif self._body_open:
+            in_body, self._fed = True, False
         self._unset_keepalive_if_required()
         try:
             self.parser.feed_data(data)
@@ -243,8 +257,24 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             msg = "Invalid HTTP request received."
             self.logger.warning(msg)
             self.send_400_response(msg)
+            return
         except httptools.HttpParserUpgrade as exc:
             self._upgrade_at(data[exc.args[0] :])
+            return
+        if in_body and not self._fed and self._body_open:
+            self._count_dry(len(data))
+
+    def _count_dry(self, size: int) -> None:
+        """A read of a body that brought none of its data (framing, or the trailers after
+        the last chunk): the reads since the last data are bounded as a head is."""
+        self._dry_bytes += size
+        if self._dry_bytes > self.limits.max_head_bytes:
+            size = self.limits.max_head_bytes - HEAD_SLACK
+            self._refuse_trailers("headers_too_large", f"request trailers over {size} bytes")
+
+    def on_body(self, body: bytes) -> None:
+        self._fed, self._dry_bytes = True, 0
+        super().on_body(body)
 
     def _upgrade_at(self, rest: bytes) -> None:
         """llhttp stopped after a request that asked to upgrade; `rest` came after it."""
@@ -310,7 +340,15 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._header_count += 1
         if self._header_count > self.limits.max_headers:
             self._refusal = ("too_many_headers", f"over {self.limits.max_headers} request headers")
+            self._trailers = not self._in_head
             raise _HeadRefused
+        if not self._in_head:  # a trailer field: dropped, and bounded as the head is
+            self._trailer_bytes += len(name) + len(value) + 4
+            if self._trailer_bytes > self.limits.max_head_bytes:
+                size = self.limits.max_head_bytes - HEAD_SLACK
+                self._refusal = ("headers_too_large", f"request trailers over {size} bytes")
+                self._trailers = True
+                raise _HeadRefused
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
@@ -348,6 +386,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         """The request's head is parsed (both paths call this first at its end)."""
         self._in_head = False
         self._body_open = True
+        self._fed = True  # the read that ended a head is no body read without data
         self._stop_head_timer()
         if (wrong := self._head_wrong()) is not None:  # answered as llhttp's refusals are
             self._bad_head = wrong
@@ -402,6 +441,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def _body_done(self) -> None:
         """The request's message ended (on_message_complete, on both data paths)."""
         self._body_open = False
+        self._trailer_bytes = self._dry_bytes = 0
         if self._rest_timer is not None:
             self._stop_rest_timer()
             self._start_head(timed=False)
@@ -443,7 +483,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         if self._refusal is not None:  # the parser stopped at our callback's exception
             reason, message = self._refusal
-            self._refuse(reason, message)
+            if self._trailers:
+                self._refuse_trailers(reason, message)
+            else:
+                self._refuse(reason, message)
             return
         if self._bad_head is not None:  # the same, for the Host or the TE: malformed
             msg, self._bad_head = self._bad_head, None
@@ -486,6 +529,31 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return
         self._write_error(431, "request_header_fields_too_large", message)
         self.transport.close()
+
+    def _refuse_trailers(self, reason: str, message: str) -> None:
+        """A request's trailers went over the head's limits: its body never ends, so it
+        never goes upstream. A 431 and a close, unless an answer is going out already."""
+        self.on_close(reason)
+        self._body_open = False  # nothing more of it is read
+        self.flow.pause_reading()
+        cycle = self.cycle
+        running = self.running
+        if cycle is None or cycle.response_complete:  # answered early: its answer is out
+            self.transport.close()
+            return
+        if running is cycle and not getattr(cycle, "response_started", False):
+            # (the wire's request has no response_started: it answers whole, complete)
+            self._write_error(431, "request_header_fields_too_large", message)
+            self.transport.close()
+            return
+        # An answer is going out (this request's, or the one before it, which this request
+        # waits behind): it ends, then the connection closes; this request never runs.
+        waiting = next((entry for entry in self.pipeline if entry[0] is cycle), None)
+        if waiting is not None:
+            self.pipeline.remove(waiting)
+        if running is not None:
+            running.keep_alive = False
+        cycle.keep_alive = False
 
     def _write_error(self, status: int, kind: str, message: str) -> None:
         self.transport.write(answer_bytes(status, kind, message, None, close=True))

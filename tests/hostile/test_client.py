@@ -254,6 +254,55 @@ def test_a_chunked_requests_trailer_never_becomes_a_header(
     assert b"smuggled" not in upstream.all_received()
 
 
+def send_trailer(base: str, start: bytes, trailer: bytes, piece: int) -> bytes:
+    """Write `start`, then `trailer` in writes of `piece` bytes, then the blank line that
+    ends it, as long as the proxy takes them; then every byte it answers until it closes
+    (or 2 s of silence). A reset (the proxy closed with bytes unread) ends it early."""
+    host, port = base.removeprefix("http://").rsplit(":", 1)
+    got = bytearray()
+    with socket.create_connection((host, int(port)), timeout=5.0) as sock:
+        try:
+            sock.sendall(start)
+            for at in range(0, len(trailer), piece):
+                sock.sendall(trailer[at : at + piece])
+            sock.sendall(b"\r\n\r\n")
+            sock.settimeout(2.0)
+            while chunk := sock.recv(65536):
+                got += chunk
+        except (ConnectionError, TimeoutError):
+            pass
+    return bytes(got)
+
+
+@pytest.mark.parametrize(
+    ("case", "size", "piece"),
+    [
+        ("one field without end, in pieces", 2**20, 64 * 1024),
+        ("in the same write as the data", 2**20, 2**21),
+        ("a whole field, likely in one read with the data", 100_000, 2**21),
+    ],
+)
+def test_a_chunked_requests_oversized_trailer_is_a_431_and_never_reaches_the_upstream(
+    upstream: RawUpstream, proxy: Proxy, case: str, size: int, piece: int
+) -> None:
+    """Trailers are bounded as the head is (--max-header-bytes and 8 KiB): llhttp joins a
+    trailer value across reads, so a 100 MB one once held the proxy's loop for seconds
+    (its memory growing) and was then relayed with a 200 (a review). Past the bound: a
+    431 and a close, counted as an oversized head; the request never goes upstream."""
+    start = (
+        b"POST /v1/files HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"5\r\nhello\r\n0\r\nX-Trailed: "
+    )
+    with proxy(upstream.url) as base:
+        started = time.monotonic()
+        got = send_trailer(base, start, b"a" * size, piece)
+        assert time.monotonic() - started < 3.0
+        assert got == b"" or got.startswith(b"HTTP/1.1 431"), (case, got[:200])
+        closed = counted(base, "tokenprobe_connections_closed_total", reason="headers_too_large")
+        assert closed == 1, case
+    assert received_bytes(upstream) == 0, case
+
+
 # -- a request answered before its body is in; pipelined requests (review of 2026-12-05) ----
 
 

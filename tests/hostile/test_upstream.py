@@ -46,6 +46,7 @@ from tests.servers import ThreadedServer, stop
 Proxy = Callable[..., AbstractContextManager[str]]
 ERRORS = "tokenprobe_upstream_protocol_errors_total"
 REQUESTS = "tokenprobe_requests_total"
+PASSTHROUGH = "tokenprobe_passthrough_requests_total"
 FIRST = ok(b"first")
 SECOND = ok(b"second")
 EXTRA = ok(b"EXTRA")  # what no request asked for
@@ -83,6 +84,16 @@ def until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
             return True
         time.sleep(0.02)
     return condition()
+
+
+def answer_each_once(response: bytes) -> Callable[[Conn, Request], Awaitable[None]]:
+    """A handler that writes `response` (then reads the connection's next request)."""
+
+    async def answer(conn: Conn, request: Request) -> None:
+        conn.write(response)
+        await conn.drain()
+
+    return answer
 
 
 async def sleep_forever(conn: Conn, request: Request) -> None:
@@ -796,3 +807,68 @@ def test_a_response_head_that_never_ends_is_a_502_at_a_bound(
         got, seconds = ask(base, b"/v1/endless", timeout=15)
     assert got.startswith(b"HTTP/1.1 502"), got[:200]
     assert seconds < 5, seconds
+
+
+def test_a_chunked_responses_oversized_trailer_cuts_the_body_and_closes_the_connection(
+    upstream: RawUpstream, proxy: Proxy, relay: str
+) -> None:
+    """Trailers are bounded as the head is (64 KiB): llhttp joins a trailer value across
+    reads, so a backend's endless one held the wire's loop for seconds, its memory growing
+    (a review). Past the bound the response is malformed: counted, its connection closed
+    (never pooled), and the client's body cut: no last chunk. The ASGI relay's HTTP client
+    bounds a trailer line too (aiohttp: 64 KiB), and breaks the same way, or with a 502
+    when it read that far before the relay sent the head."""
+    closed: list[bool] = []
+
+    async def endless(conn: Conn, request: Request) -> None:
+        conn.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            b"transfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\nX-Trailed: "
+        )
+        try:
+            for _ in range(16):  # 1 MiB
+                conn.write(b"a" * 65536)
+                await conn.drain()
+            conn.write(b"\r\n\r\n")
+            await conn.drain()
+            while await asyncio.wait_for(conn.reader.read(65536), 5):
+                pass
+        except ConnectionError:  # a reset: the proxy closed with our bytes unread
+            pass
+        except TimeoutError:
+            closed.append(False)
+            return
+        closed.append(True)
+
+    upstream.default = by_target({b"/v1/trailed": endless}, SECOND)
+    with proxy(upstream.url) as base:
+        started = time.monotonic()
+        got = exchange(base, get(b"/v1/trailed"), idle=1.0, total=5.0)
+        assert time.monotonic() - started < 3.0
+        if relay == "asgi" and got.startswith(b"HTTP/1.1 502"):
+            pass  # aiohttp read the trailers before the relay sent the head: a 502 then
+        else:
+            assert got.startswith(b"HTTP/1.1 200") and b"hello" in got, got[:300]
+            assert not got.endswith(b"0\r\n\r\n"), got[-100:]  # cut: no last chunk
+        assert until(lambda: errors(base, "malformed") == 1)
+        assert upstream.wait_for(lambda: bool(closed), 5)
+        two, _ = ask(base, b"/v1/next")
+        assert body(two) == b"second", two
+    assert closed == [True]
+    assert upstream.connections == 2  # the next request on a new connection
+
+
+def test_a_control_character_in_a_response_header_value_is_a_502(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """llhttp refuses a control character in a header value (the wire: a 502); the ASGI
+    relay's aiohttp takes it, and uvicorn refused it inside http.response.start with the
+    response marked started: an empty close, recorded as a 200 (a review). Both: a 502,
+    counted as a malformed response."""
+    bad = ok(b"no", extra_headers=b"x-a: o\x01ne\x7f\r\n")
+    upstream.default = by_target({b"/v1/bad-header": answer_each_once(bad)}, SECOND)
+    with proxy(upstream.url) as base:
+        got, _ = ask(base, b"/v1/bad-header")
+        assert got.startswith(b"HTTP/1.1 502"), got
+        assert until(lambda: errors(base, "malformed") == 1)
+        assert until(lambda: counted(base, PASSTHROUGH, code="502") == 1)  # not a 200

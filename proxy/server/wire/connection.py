@@ -155,6 +155,7 @@ class WireProtocol(GuardedHttpToolsProtocol):
     def on_body(self, body: bytes) -> None:
         cycle = self.cycle
         if isinstance(cycle, WireRequest):
+            self._fed, self._dry_bytes = True, 0  # as GuardedHttpToolsProtocol.on_body
             cycle.on_body(body)
         else:
             super().on_body(body)

@@ -24,6 +24,15 @@ response in the same read, or of anything on an idle pooled connection) closes i
 (`UpstreamProtocolError`, counted in `tokenprobe_upstream_protocol_errors_total{kind}`),
 as does a 101 or a head llhttp refuses. None of this runs per chunk: `on_message_begin`
 and `on_headers_complete` run once per message, the settling once per reuse.
+
+A chunked body's trailer section is dropped, and bounded as the head is (MAX_RESPONSE_HEAD):
+llhttp joins a trailer field's value across reads as it does a header's, so an endless one
+would grow without bound at a quadratic cost, stalling every stream on the loop. Over the
+bound the response is malformed: the connection closes and the client's body is cut (no
+last chunk). llhttp tells no chunk's size (its `on_chunk_header` would be one more call per
+chunk), so the bound is on the bytes of consecutive reads that brought no body data, which
+in a well-formed response are only framing (a size line, a CRLF) a few bytes long: per
+body piece one store (`data_at`), per read one comparison, false when the read had data.
 """
 
 from __future__ import annotations
@@ -79,6 +88,9 @@ class UpstreamConnection(asyncio.Protocol):
 
     __slots__ = (
         "chunked",
+        "data_at",
+        "dry_bytes",
+        "dry_since",
         "feed",
         "head_bytes",
         "header_bytes",
@@ -107,6 +119,12 @@ class UpstreamConnection(asyncio.Protocol):
         self.head_bytes = 0  # read of the response head so far
         self.header_bytes = 0  # its headers' names and values, as parsed
         self.in_head = True
+        # The read (its `now`) that last brought body data, or the end of the head; the
+        # bytes of the reads since, which brought none (framing, or trailers), and the
+        # `data_at` they were counted from (see dry).
+        self.data_at = 0.0
+        self.dry_bytes = 0
+        self.dry_since = 0.0
         self.interim = False  # a 1xx head: not the response yet
         self.lost = False
         self.paused = False
@@ -140,14 +158,27 @@ class UpstreamConnection(asyncio.Protocol):
                 # llhttp joins a header's value across reads: an endless one would grow
                 # without bound, at a quadratic cost (nginx: "upstream sent too big header")
                 self.broke(UpstreamProtocolError("malformed", "response head over 64 KiB"))
+        elif self.data_at != self.now and self.request is not None:  # a read without data
+            self.dry(len(data))
 
     def on_body(self, body: bytes) -> None:
+        self.data_at = self.now
         out = body if self.strip is None else self.strip(body)
         if out:
             self.write(frame_chunk(out) if self.chunked else out)
         self.feed(body, self.now)
 
     # -- the rest of a response -------------------------------------------------------
+
+    def dry(self, size: int) -> None:
+        """A read of the body that brought none of its data: framing split across reads
+        (a few bytes), or the trailer section after the last chunk, whose fields llhttp
+        joins as it reads them. The reads since the last data are bounded as a head is."""
+        if self.dry_since != self.data_at:  # data came since the last such read
+            self.dry_since, self.dry_bytes = self.data_at, 0
+        self.dry_bytes += size
+        if self.dry_bytes > MAX_RESPONSE_HEAD:
+            self.broke(UpstreamProtocolError("malformed", "response trailers over 64 KiB"))
 
     def on_message_begin(self) -> None:
         if self.request is None:  # nothing asked for it
@@ -177,14 +208,16 @@ class UpstreamConnection(asyncio.Protocol):
             request.upstream_broke(error)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self.in_head:  # after the head: trailers, which neither data path relays
+        # The same bound on a head that came whole in one read as on one still coming
+        # (data_received): what the client can be sent must not depend on how TCP split
+        # the upstream's bytes. After the head: trailers, which neither data path relays,
+        # under a bound of their own, the same.
+        self.header_bytes += len(name) + len(value) + 4
+        if self.header_bytes > MAX_RESPONSE_HEAD:
+            what = "head" if self.in_head else "trailers"
+            raise UpstreamProtocolError("malformed", f"response {what} over 64 KiB")
+        if self.in_head:
             self.headers.append((name.lower(), value))
-            # The same bound on a head that came whole in one read as on one still coming
-            # (data_received): what the client can be sent must not depend on how TCP
-            # split the upstream's bytes.
-            self.header_bytes += len(name) + len(value) + 4
-            if self.header_bytes > MAX_RESPONSE_HEAD:
-                raise UpstreamProtocolError("malformed", "response head over 64 KiB")
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
@@ -196,6 +229,8 @@ class UpstreamConnection(asyncio.Protocol):
         if not 200 <= status <= 599:  # llhttp reads any three digits: 099, 600, 999
             raise UpstreamProtocolError("malformed", f"status {status} is not an HTTP status")
         self.in_head = False
+        self.header_bytes = 0  # the trailers' count, if any (on_header)
+        self.data_at = self.now  # the head's read is no read without data (dry)
         if self.request is not None:
             self.request.response_head(status, self.headers, self.now)
 
