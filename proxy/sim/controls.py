@@ -164,8 +164,9 @@ class Plan:
     stop_hit: StopHit | None = None
     #: 1 where each choice ends with an EOS token: generated after the text, without text
     #: of its own, and counted in usage as vLLM counts it (its output token ids hold it:
-    #: v1/engine/detokenizer.py:107-128, chat_completion/serving.py:684 and :1151); 0
-    #: where the token limit or a stop string ends it.
+    #: v1/engine/detokenizer.py:107-128, chat_completion/serving.py:684 and :1151), and
+    #: as llama-server (`n_decoded`: proxy/sim/llamacpp.py) and Ollama (`eval_count`:
+    #: proxy/sim/ollama.py) do; 0 where the token limit or a stop string ends it.
     eos: int = 0
 
     @property
@@ -391,11 +392,12 @@ def _plan(
     finish = "stop" if script is None or not script.calls else "tool_calls"
     # The EOS is a token of its own after the text, so it needs room under the limit:
     # a text that fills the limit ends with "length" (v1/core/sched/utils.py check_stop
-    # checks the EOS first, then the limit). The llama-server and Ollama modes model no
-    # EOS token yet (a real llama-server counts one too, in tokens_predicted).
-    eos_room = 0 if llama or rules.ollama else 1
+    # checks the EOS first, then the limit). llama-server alike: process_token's EOG
+    # check comes after its budget check and overrides it (server-context.cpp), so an
+    # EOS as the limit's last token is "eos", a text token there "limit"; and Ollama,
+    # which runs llama-server (llm/llama_server.go: stop_type "limit" is "length").
     # A script (reasoning, tool calls) ends where it ends: ignore_eos does not stretch it.
-    if (body.get("ignore_eos") and script is None) or planned + eos_room > limit:
+    if (body.get("ignore_eos") and script is None) or planned + 1 > limit:
         planned, finish = limit, "length"
     spec = spec_from(
         number(headers, "x-sim-spec-tokens", int, config.spec_tokens, 0),
@@ -410,7 +412,7 @@ def _plan(
     # What ended the generation decides the EOS, whatever finish_reason a header forces,
     # but a forced "length" is a choice cut by its limit, which has none.
     finish_reason = headers.get("x-sim-finish-reason", finish)
-    eos = eos_room if finish != "length" and hit is None and finish_reason != "length" else 0
+    eos = 1 if finish != "length" and hit is None and finish_reason != "length" else 0
 
     options = body.get("stream_options") or {}
     # read as vLLM's pydantic models read it: `1` and "true" ask, "false" does not

@@ -29,6 +29,14 @@ least 1 token", server-context.cpp; the captured repeat: 121 of 122), none for a
 with `"cache_prompt": false`; `prompt_n` the rest.
 The per-token and per-second rates follow server-common.h (decode over `n_gen - 1` steps, 0
 where there is nothing to divide).
+
+The EOS that ends a "stop" answer is a token of its own, decoded in a step of its own, as
+in the vLLM mode (controls.Plan.eos, the same rules: none after a length finish). llama-
+server counts it (server-context.cpp process_token runs for it, `n_decoded` included,
+before the EOG check sets STOP_TYPE_EOS; the real binary with a grammar that forces two
+words then EOS: `completion_tokens` 3, `predicted_n` 3) and sends the finish at its step,
+where `predicted_ms` ends. Its partial has no text: /v1/completions streams it as a chunk
+with `"text": ""`, chat's empty diff sends no chunk.
 """
 
 from __future__ import annotations
@@ -202,6 +210,10 @@ async def stream_llamacpp(
     sent = await paced_content(ex, plan, pacer, content, fire)
     if sent is None:
         return "fault"
+    if plan.eos:  # the EOS token's step (paced_content waited for it)
+        sent = eos_step(ex, plan, clock, sent)
+        if not chat:  # its partial: a chunk of empty text (chat's empty diff sends none)
+            await ex.write(sse.content(b""))
     ex.record.finish_reason = plan.finish_reason
     timings = timings_json(plan, clock, sent)
     usage = usage_json(plan, sent)
@@ -217,11 +229,24 @@ async def stream_llamacpp(
     return outcome
 
 
+def eos_step(ex: Exchange, plan: Plan, clock: Clock, sent: int) -> int:
+    """The EOS token, decoded: llama-server counts it in `n_decoded` (process_token is
+    called for it before the EOG check ends the slot: server-context.cpp), so in
+    `tokens_predicted`, `predicted_n` and `completion_tokens`, and its step is the last
+    one `predicted_ms` runs to. Returns the tokens each choice was predicted."""
+    clock.token()
+    burn_cpu(plan.cpu_per_token * plan.eos * plan.n)
+    sent += plan.eos
+    ex.record.completion_tokens = sent * plan.n
+    return sent
+
+
 async def paced_body(ex: Exchange, plan: Plan, pacer: Pacer) -> Clock:
-    """A non-streamed answer's time: every token's slot passes (its CPU burnt, for every
-    choice), on the clock `timings` is made of; then the record says the tokens left."""
+    """A non-streamed answer's time: every token's slot passes (the EOS's too, its CPU
+    burnt, for every choice), on the clock `timings` is made of; then the record says the
+    tokens left."""
     clock = Clock(ex)
-    per_chunk, n = plan.tokens_per_chunk, plan.output_tokens
+    per_chunk, n = plan.tokens_per_chunk, plan.output_tokens + plan.eos
     await pacer.first()
     clock.token()
     for i in range(-(-n // per_chunk)):
@@ -241,7 +266,7 @@ async def complete_llamacpp(
     """The non-streamed body: every token's slot passes, then usage and timings after id."""
     clock = await paced_body(ex, plan, pacer)
     record, n = ex.record, plan.output_tokens
-    text = completion_text(n)
+    text, predicted = completion_text(n), n + plan.eos
     if chat:
         choice: dict[str, object] = {
             "finish_reason": plan.finish_reason,
@@ -256,9 +281,9 @@ async def complete_llamacpp(
         "model": plan.model,
         "system_fingerprint": BUILD_INFO,
         "object": "chat.completion" if chat else "text_completion",
-        "usage": orjson.Fragment(usage_json(plan, n)),
+        "usage": orjson.Fragment(usage_json(plan, predicted)),
         "id": _llama_id(record.id),
-        "timings": orjson.Fragment(timings_json(plan, clock, n)),
+        "timings": orjson.Fragment(timings_json(plan, clock, predicted)),
     }
     await ex.reply(200, orjson.dumps(body))
     return "completed"

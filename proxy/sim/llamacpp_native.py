@@ -12,8 +12,16 @@ tools/server/server-task.cpp (to_json_non_oaicompat_partial / _final) write them
   object with the whole text in `content`. No `usage`, no id.
 - `stop_type`: "limit" for a `length` finish (n_predict, or the context full), "eos" for
   `stop`; `x-sim-finish-reason` may name any other (word, none) as it is.
+- The EOS that ends a "stop" answer (controls.Plan.eos) is decoded in a step of its own
+  and sent as a partial event of its own, `"content": ""`, `"tokens": [2]` (the EOS id of
+  the captured Llama), `tokens_predicted` counting it (server-context.cpp process_token
+  streams it before the EOG check: the real binary, a grammar forcing " upon upon" then
+  EOS, streams `{"content":"","tokens":[2],...,"tokens_predicted":3}`, then the last
+  object with `tokens_predicted` 3 and `timings.predicted_n` 3); the last object follows
+  at once. No EOS after a length finish.
 - `tokens_evaluated` is the whole prompt (cached tokens included), `tokens_cached` the
-  slot's n_past: the prompt and every generated token but the last.
+  slot's n_past: the prompt and every generated token but the last (the EOS included: 5
+  for that 3-token prompt).
 - `timings` as the chat route's (llamacpp.timings_json), from the simulator's own clock.
 - A list of prompts (a list of texts or of token-id lists; a list of ids is one prompt)
   decodes together, one choice per prompt as `n` does on /v1/completions: `data: null`
@@ -32,7 +40,7 @@ import orjson
 
 from proxy.sim.controls import Plan
 from proxy.sim.exchange import Exchange
-from proxy.sim.llamacpp import Clock, paced_body, timings_json
+from proxy.sim.llamacpp import Clock, eos_step, paced_body, timings_json
 from proxy.sim.pacing import Pacer
 from proxy.sim.state import Outcome
 from proxy.sim.stream import SSE, fire_fault, paced_content
@@ -104,6 +112,8 @@ SETTINGS: dict[str, Any] = {
 }
 #: The id of vocabulary token i (tokens.VOCAB): any fixed ids do.
 TOKEN_ID_BASE = 100
+#: The EOS token's id: the captured Llama's `</s>` (its /detokenize of [1, 2]: "<s></s>").
+EOS_TOKEN_ID = 2
 
 
 def prompts_of(plan: Plan, body: dict[str, Any]) -> list[Any]:
@@ -157,17 +167,26 @@ class NativeWire:
         """A partial event: `text` (escaped for a JSON string) and its `tokens` ids."""
         start = self.predicted[index]
         self.predicted[index] = start + tokens
+        return self._partial(index, text, token_ids(tokens, start))
+
+    def eos(self, index: int) -> bytes:
+        """The EOS token's partial event: no text, its id, counted."""
+        self.predicted[index] += 1
+        return self._partial(index, b"", b"[%d]" % EOS_TOKEN_ID)
+
+    def _partial(self, index: int, text: bytes, ids: bytes) -> bytes:
         return b'data: {"index":%d,"content":"%s","tokens":%s,"stop":false,"id_slot":-1,' % (
             index,
             text,
-            token_ids(tokens, start),
+            ids,
         ) + b'"tokens_predicted":%d,"tokens_evaluated":%d}\n\n' % (
             self.predicted[index],
             self.evaluated[index],
         )
 
     def last(self, index: int, text: str, predicted: int, clock: Clock) -> bytes:
-        """A prompt's last object (without the `data: ` frame)."""
+        """A prompt's last object (without the `data: ` frame); `predicted` counts the EOS
+        where one ended it."""
         plan, evaluated = self._plan, self.evaluated[index]
         if len(self.evaluated) > 1:
             plan = replace(plan, prompt_tokens=evaluated, cached_tokens=None)
@@ -186,7 +205,7 @@ class NativeWire:
                 evaluated,
                 self._settings,
                 self._prompts[index],
-                b"true" if "\n" in completion_text(predicted) else b"false",
+                b"true" if "\n" in completion_text(predicted - plan.eos) else b"false",
                 orjson.dumps(STOP_TYPES.get(reason, reason)),
                 evaluated + max(0, predicted - 1),
                 timings_json(plan, clock, predicted),
@@ -214,6 +233,10 @@ async def stream_native(ex: Exchange, plan: Plan, body: dict[str, Any], pacer: P
     sent = await paced_content(ex, plan, pacer, content, fire)
     if sent is None:
         return "fault"
+    if plan.eos:  # the EOS token's step (paced_content waited for it)
+        sent = eos_step(ex, plan, clock, sent)
+        for i in choices:
+            await ex.write(events.eos(i))
     ex.record.finish_reason = plan.finish_reason
     for i in choices:
         await ex.write(b"data: " + events.last(i, "", sent, clock) + b"\n\n")
@@ -229,6 +252,6 @@ async def complete_native(ex: Exchange, plan: Plan, body: dict[str, Any], pacer:
     events = NativeWire(plan, body)
     n = plan.output_tokens
     text = completion_text(n)
-    lasts = [events.last(i, text, n, clock) for i in range(plan.n)]
+    lasts = [events.last(i, text, n + plan.eos, clock) for i in range(plan.n)]
     await ex.reply(200, lasts[0] if plan.n == 1 else b"[" + b",".join(lasts) + b"]")
     return "completed"

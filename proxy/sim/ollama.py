@@ -12,12 +12,23 @@ charset=utf-8`; errors are `{"error": "..."}`, with an HTTP status before anythi
 written and as a line after; load_duration runs from the handler's start to a loaded
 runner, total_duration to the done line; `/api/version` answers `{"version": "..."}`.
 
+The EOS that ends a "stop" answer is a token of its own, decoded in a step of its own, as
+in the vLLM mode (controls.Plan.eos, the same rules: none after a length finish), and
+`eval_count` counts it: Ollama on a GGUF model runs llama-server and reports its
+`timings` (llm/llama_server.go Completion: EvalCount = Timings.PredictN, EvalDuration =
+Timings.PredictMS; the chat path alike), and llama-server counts the EOS in `predicted_n`
+(proxy/sim/llamacpp.py); Ollama's own Go runner did too (runner/ollamarunner/runner.go:
+`seq.numPredicted++` before its EOS check). The EOS's partial has no text, so no line
+(Completion calls back only for `lsResp.Content != ""`); the done line comes when the
+final event does, at the EOS's step.
+
 Timing: a model that is not loaded (SimConfig.ollama_load_time > 0 and the model not
 used yet, or `x-sim-load-time` on the request) first waits its load time; then the
 programmed TTFT (the prefill) runs, and tokens follow as for every other API. The
 durations the done line reports are the ones this exchange really took, in nanoseconds
 (`time.monotonic_ns`): load_duration = the load wait, prompt_eval_duration = load end to
-the first token, eval_duration = first token to the done line.
+the first token, eval_duration = first token to the done line (the EOS's step, where
+llama-server's predicted_ms ends).
 
 `"think": true` sends the first `x-sim-thinking-tokens` (default 4) tokens of the output
 as `thinking`, the rest as content. Faults are chat's (controls.py FAULTS), in this
@@ -35,7 +46,7 @@ from typing import Any
 import orjson
 
 from proxy.sim import errors
-from proxy.sim.controls import ENDING_FAULTS, Plan, number
+from proxy.sim.controls import ENDING_FAULTS, Plan, burn_cpu, number
 from proxy.sim.exchange import Exchange
 from proxy.sim.pacing import Pacer
 from proxy.sim.state import Outcome
@@ -109,11 +120,14 @@ class OllamaWire:
         return self.line(content, thinking) + b"\n"
 
     def done(self, sent: int, content: str = "", thinking: str = "") -> bytes:
+        """The done line after `sent` text tokens; its eval_count counts the EOS that
+        ended them (Plan.eos), `context` does not (it is the prompt and the text,
+        tokenized again: server/routes.go GenerateHandler, `r.Tokenize(prompt+sb)`)."""
         plan = self.plan
         tail = b'"done":true,"done_reason":%s' % orjson.dumps(plan.finish_reason)
         if not self._chat:  # the prompt's and the response's token ids (not with raw)
             tail += b',"context":%s' % orjson.dumps(list(range(1, plan.prompt_tokens + sent + 1)))
-        return self.line(content, thinking, tail + self.timer.metrics(plan, sent))
+        return self.line(content, thinking, tail + self.timer.metrics(plan, sent + plan.eos))
 
 
 async def stream_ollama(ex: Exchange, plan: Plan, wire: OllamaWire, pacer: Pacer) -> Outcome:
@@ -131,6 +145,10 @@ async def stream_ollama(ex: Exchange, plan: Plan, wire: OllamaWire, pacer: Pacer
     sent = await paced_content(ex, plan, pacer, content, fire)
     if sent is None:
         return "fault"
+    # The EOS's step has passed (paced_content waited for it): no line of its own (its
+    # partial has no text: llm/llama_server.go sends none), the done line at once.
+    burn_cpu(plan.cpu_per_token * plan.eos)
+    ex.record.completion_tokens = sent + plan.eos
     ex.record.finish_reason = plan.finish_reason
     outcome: Outcome = "fault" if ex.record.fault else "completed"
     await ex.end(b"" if plan.no_done else wire.done(sent) + b"\n", outcome)

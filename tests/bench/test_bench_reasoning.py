@@ -93,4 +93,5 @@ def test_a_tokenizer_counts_the_reasoning_too_and_never_overrides_the_engines_co
     llamacpp = ("--header", "x-sim-backend-kind: llamacpp", "--header", "x-sim-output-tokens: 10")
     _bench(sim_url, tmp_path / "e.json", *FLAGS, *no_usage, *llamacpp, "--quiet")
     records = orjson.loads((tmp_path / "e.json").read_bytes())["records"]
-    assert {(r["token_source"], r["output_tokens"]) for r in records} == {("engine", 10)}
+    # llama.cpp's predicted_n: the 10 text tokens and the EOS
+    assert {(r["token_source"], r["output_tokens"]) for r in records} == {("engine", 11)}

@@ -1,5 +1,5 @@
 """Capture the fixtures of tests/fixtures/streams/llamacpp/ from a running llama-server:
-    python tests/llamacpp/capture.py http://127.0.0.1:PORT OUT_DIR
+    python tests/llamacpp/capture.py http://127.0.0.1:PORT OUT_DIR [NAME ...]
 Each file is the response body byte for byte; index.json gives each one's request."""
 
 from __future__ import annotations
@@ -13,6 +13,13 @@ import httpx
 
 CHAT = "/v1/chat/completions"
 LONG = "measure the cache: " + " ".join(f"word{i}" for i in range(40))
+#: A grammar that leaves the model two words, then nothing but its EOS: a "stop" answer
+#: of 2 text tokens and the EOS, which llama-server counts (n_decoded).
+TWO_WORDS = 'root ::= " upon upon"'
+
+
+#: A native completion's common members.
+NATIVE: dict[str, Any] = {"prompt": "once upon", "temperature": 0, "cache_prompt": False}
 
 
 def chat(prompt: str, **extra: Any) -> dict[str, Any]:
@@ -68,15 +75,36 @@ REQUESTS: list[tuple[str, str, dict[str, Any]]] = [
         "/completion",
         {"prompt": "once upon", "n_predict": 5, "temperature": 0, "cache_prompt": False},
     ),
+    # answers that end with the EOS (TWO_WORDS)
+    (
+        "chat_stream_eos.sse",
+        CHAT,
+        chat("hello there", stream=True, cache_prompt=False, grammar=TWO_WORDS),
+    ),
+    ("chat_eos.json", CHAT, chat("hello there", cache_prompt=False, grammar=TWO_WORDS)),
+    (
+        "completions_stream_eos.sse",
+        "/v1/completions",
+        {**NATIVE, "max_tokens": 5, "stream": True, "grammar": TWO_WORDS},
+    ),
+    (
+        "native_completion_eos_stream.sse",
+        "/completion",
+        {**NATIVE, "n_predict": 5, "stream": True, "grammar": TWO_WORDS},
+    ),
+    ("native_completion_eos.json", "/completion", {**NATIVE, "n_predict": 5, "grammar": TWO_WORDS}),
 ]
 
 
-def main(url: str, out: Path) -> None:
+def main(url: str, out: Path, only: set[str] | None = None) -> None:
+    """Capture every request, or those named in `only` (the index keeps the others)."""
     out.mkdir(parents=True, exist_ok=True)
-    index = {}
+    index = json.loads((out / "index.json").read_text())["requests"] if only else {}
     with httpx.Client(timeout=60) as client:
         version = client.get(url + "/props").json().get("build_info")
         for name, path, body in REQUESTS:
+            if only and name not in only:
+                continue
             with client.stream("POST", url + path, json=body) as response:
                 data = b"".join(response.iter_raw())
             (out / name).write_bytes(data)
@@ -86,4 +114,4 @@ def main(url: str, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]))
+    main(sys.argv[1], Path(sys.argv[2]), set(sys.argv[3:]) or None)

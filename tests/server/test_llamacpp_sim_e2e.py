@@ -138,7 +138,8 @@ def test_streams_through_the_proxy_equal_direct(
     assert list(last)[-1] == "timings"  # where llama.cpp writes it: the last member
     if path == CHAT and not usage:  # on the finish chunk, for a client that did not ask
         assert last["choices"][0]["finish_reason"] == "stop" and "usage" not in last
-    assert last["timings"]["predicted_n"] == served(sim, path).completion_tokens == TOKENS
+    # the text tokens and the EOS, which llama-server counts (n_decoded)
+    assert last["timings"]["predicted_n"] == served(sim, path).completion_tokens == TOKENS + 1
 
 
 # -- tokens, the TTFT split and the cache are the simulator's own ----------------------------
@@ -153,7 +154,7 @@ def test_tokens_and_the_engine_part_of_the_split_are_its_timings(
     elapsed = time.monotonic() - began
     m = record(proxy, 1)
     assert m.token_source is TokenSource.USAGE and m.ok
-    assert m.output_tokens == t["predicted_n"] == TOKENS
+    assert m.output_tokens == t["predicted_n"] == TOKENS + 1  # the text and the EOS
     assert m.prompt_tokens == t["prompt_n"] + t["cache_n"] == served(sim).prompt_tokens
     engine = m.engine
     assert engine is not None and engine.queue_time is None  # llama.cpp reports none

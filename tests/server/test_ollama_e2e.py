@@ -25,7 +25,7 @@ from tests.server.conftest import paths
 
 TTFT = 0.1
 LOAD = 0.4
-TOKENS = 8
+TOKENS = 8  # text tokens: each a content line; eval_count counts the EOS after them too
 PROGRAM = {"x-sim-ttft": str(TTFT), "x-sim-tps": "100", "x-sim-output-tokens": str(TOKENS)}
 MESSAGES: Any = [{"role": "user", "content": "Why is the sky blue?"}]
 
@@ -65,7 +65,7 @@ def test_streamed_chat_figures_equal_the_done_line(proxy: ProxyUnderTest, sim: R
     assert (m.endpoint, m.stream, m.ok, m.status_code) == ("/api/chat", True, True, 200)
     assert m.token_source is TokenSource.USAGE
     assert (m.prompt_tokens, m.output_tokens) == (done.prompt_eval_count, done.eval_count)
-    assert m.output_tokens == TOKENS and m.content_events == TOKENS
+    assert m.output_tokens == TOKENS + 1 and m.content_events == TOKENS  # and the EOS
     assert (m.finish_reason, m.raw_finish_reason) == ("stop", "stop")
     assert m.response_model == MODEL
     engine = m.engine
@@ -120,7 +120,7 @@ def test_thinking_comes_before_content_and_is_measured_as_content(
     assert [bool(p.message.thinking) for p in parts[:4]] == [True, True, True, False]
     assert parts[3].message.content
     m = record(proxy)
-    assert m.content_events == TOKENS and m.output_tokens == TOKENS
+    assert m.content_events == TOKENS and m.output_tokens == TOKENS + 1  # and the EOS
 
 
 def test_streamed_generate_figures_and_bytes(proxy: ProxyUnderTest, sim: Running) -> None:
@@ -144,7 +144,7 @@ def test_streamed_generate_with_the_official_client(proxy: ProxyUnderTest) -> No
     m = record(proxy)
     assert (m.endpoint, m.stream, m.ok, m.finish_reason) == ("/api/generate", True, True, "stop")
     assert (m.prompt_tokens, m.output_tokens) == (done.prompt_eval_count, done.eval_count)
-    assert m.output_tokens == TOKENS and m.ttft is not None and m.ttft >= TTFT
+    assert m.output_tokens == TOKENS + 1 and m.ttft is not None and m.ttft >= TTFT  # EOS
     assert m.engine is not None
     assert m.engine.time_to_first_token == seconds(done.prompt_eval_duration)
 
@@ -266,7 +266,7 @@ def test_broken_streams_are_counted_and_relayed_whole(
         assert m.error_message == 'stream ended without a line with "done": true'
         assert m.token_source is TokenSource.CHUNKS  # no done line, no counts
     else:
-        assert m.output_tokens == TOKENS and m.finish_reason == "stop"
+        assert m.output_tokens == TOKENS + 1 and m.finish_reason == "stop"  # and the EOS
     assert m.malformed_events == malformed
     labels = {"model": MODEL, "endpoint": "/api/chat"}
     assert proxy.sample("tokenprobe_malformed_events_total", **labels) == malformed

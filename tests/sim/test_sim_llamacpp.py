@@ -90,7 +90,8 @@ def test_timings_are_what_the_simulator_did(sim: Running) -> None:
     elapsed = time.monotonic() - start
     record = sim.app.state.last()
     t, usage = first["timings"], first["usage"]
-    assert t["predicted_n"] == usage["completion_tokens"] == record.completion_tokens == 6
+    # 6 text tokens and the EOS, which llama-server counts (n_decoded): 7
+    assert t["predicted_n"] == usage["completion_tokens"] == record.completion_tokens == 7
     assert t["prompt_n"] == usage["prompt_tokens"] == record.prompt_tokens and t["cache_n"] == 0
     # The first token is due one TTFT after the request arrived; prompt_ms counts from its
     # routing (queued_at), after the body was read and parsed: a parallel run once stalled
@@ -99,7 +100,7 @@ def test_timings_are_what_the_simulator_did(sim: Running) -> None:
     due = (record.started + TTFT - record.queued_at) * 1000
     assert due - 10 <= t["prompt_ms"] <= elapsed * 1000
     assert t["prompt_per_token_ms"] == pytest.approx(t["prompt_ms"] / t["prompt_n"])
-    assert t["predicted_per_token_ms"] == pytest.approx(t["predicted_ms"] / 5)  # n - 1 steps
+    assert t["predicted_per_token_ms"] == pytest.approx(t["predicted_ms"] / 6)  # n - 1 steps
     # the same prompt again: the prefix cache has all of it, llama.cpp still evaluates one
     again = orjson.loads(
         httpx.post(sim.url + "/v1/chat/completions", json=body, headers=headers).content
@@ -204,7 +205,8 @@ def test_a_passing_fault_keeps_the_stream_and_its_timings(sim: Running) -> None:
     raw = httpx.post(sim.url + "/v1/chat/completions", json=body, headers=headers).content
     assert b"data: {not json\n\n" in raw
     good = raw.replace(b"data: {not json\n\n", b"")
-    assert events(good)[-2]["timings"]["predicted_n"] == 4 and events(good)[-1] == "[DONE]"
+    # 4 text tokens and the EOS
+    assert events(good)[-2]["timings"]["predicted_n"] == 5 and events(good)[-1] == "[DONE]"
 
 
 # Error bytes of the real llama-server that .ci/llama builds (b1-0c1e570, `--ctx-size 512
@@ -317,7 +319,7 @@ def test_n_predict_minus_one_runs_to_eos(sim: Running) -> None:
     body = {"prompt": "once", "n_predict": -1}
     r = httpx.post(sim.url + "/completion", json=body, headers={**FAST, "x-sim-output-tokens": "4"})
     answer = r.json()
-    assert (answer["tokens_predicted"], answer["stop_type"]) == (4, "eos")
+    assert (answer["tokens_predicted"], answer["stop_type"]) == (5, "eos")  # 4 and the EOS
     assert answer["generation_settings"]["n_predict"] == -1
 
 

@@ -33,7 +33,9 @@ def test_chat_stream_lines_in_go_field_order(start_sim: Callable[..., Running]) 
         "load_duration", "prompt_eval_count", "prompt_eval_duration", "eval_count",
         "eval_duration",
     ]  # fmt: skip
-    assert done["done_reason"] == "stop" and done["eval_count"] == 4
+    # 4 content lines; eval_count counts the EOS too (llama-server's predicted_n), which
+    # has no line of its own
+    assert done["done_reason"] == "stop" and done["eval_count"] == 5
     assert all(type(done[k]) is int for k in ("total_duration", "load_duration", "eval_duration"))
     assert str(done["created_at"]).endswith("Z")
 
@@ -49,7 +51,8 @@ def test_not_streamed_is_one_json_object_with_the_whole_text(
     )
     assert r.headers["content-type"] == "application/json; charset=utf-8"
     obj = r.json()
-    assert obj["done"] is True and obj["response"] and obj["eval_count"] == 4
+    # 4 text tokens and the EOS; `context` is the prompt and the text tokenized again
+    assert obj["done"] is True and obj["response"] and obj["eval_count"] == 5
     assert obj["context"] == list(range(1, obj["prompt_eval_count"] + 4 + 1))
     assert obj["prompt_eval_duration"] >= 0.02e9 * 0.9
 
@@ -107,7 +110,7 @@ def test_num_predict_is_capped_and_only_the_prompt_meets_the_context(
     fast = {**FAST, "x-sim-tps": "5000"}
     one = {**CHAT, "stream": False, "options": {"num_predict": 5000}}
     short = httpx.post(sim.url + "/api/chat", json=one, headers=fast)
-    assert short.status_code == 200 and short.json()["eval_count"] == 4
+    assert short.status_code == 200 and short.json()["eval_count"] == 5  # 4 and the EOS
     endless = httpx.post(
         sim.url + "/api/chat",
         json={**CHAT, "stream": False},
