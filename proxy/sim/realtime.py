@@ -5,12 +5,24 @@ Source: vllm-project/vllm vllm/entrypoints/speech_to_text/realtime/connection.py
 nulls included), one text frame each:
 
   on accept        {"type":"session.created","id":"sess-<hex>","created":<s>}
-  session.update   checks `model` (missing: error invalid_event; unknown: model_not_found)
-  ...append        base64 PCM16 16 kHz mono; undecodable or empty: error invalid_audio
-  ...commit        not validated yet: error model_not_validated; `final`: the audio is
-                   over; else starts a generation unless one runs (then it is ignored)
+  session.update   checks `model` (missing or null: error invalid_event; unknown:
+                   model_not_found; empty, "" or any falsy value, is every model: serve/
+                   engine/serving.py:86-88 `if not model_name: return True`)
+  ...append        base64 PCM16 16 kHz mono, decoded as pybase64 decodes without
+                   validation (connection.py:121: characters outside the alphabet, line
+                   breaks included, are dropped); undecodable, empty or an odd number of
+                   bytes (np.frombuffer int16, :123-126): error invalid_audio; `audio` not a
+                   string: pydantic's error, processing_error (:119)
+  ...commit        not validated yet: error model_not_validated; `final` read as pydantic
+                   reads a bool (protocol.py:26, lax: 1, "true", "yes", "on" are true), one
+                   it refuses is a processing_error (:156); final: the audio is over; else
+                   starts a generation unless one runs (then it is ignored)
   not JSON         error invalid_json; JSON but no object: error processing_error (vLLM's
                    `event.get` raises); an unknown type: error unknown_event
+  a binary frame   ends the session: vLLM's `receive_text()` (connection.py:70, outside
+                   the per-event try) raises KeyError (starlette websockets.py:127
+                   `message["text"]`), handle_connection returns without a close frame,
+                   and uvicorn drops the connection: the client sees 1006
 
 A generation is the programmed transcript: token i is `VOCAB[i]`, the first delta at
 commit + ttft, then one every 1/tps, each `{"type":"transcription.delta","delta":...}`;
@@ -32,6 +44,7 @@ import base64
 import binascii
 import json
 import math
+import re
 import time
 import uuid
 from typing import Any
@@ -39,12 +52,61 @@ from typing import Any
 import orjson
 from starlette.types import Receive, Scope, Send
 
+from proxy.core.lax import lax_bool
 from proxy.core.wav import BYTES_PER_SECOND
 from proxy.sim.config import SimConfig
 from proxy.sim.controls import ControlError, number
 from proxy.sim.tokens import VOCAB
 
 WS_FAULTS = frozenset({"error_event", "close_no_done", "malformed", "stall"})
+PROCESSING = "processing_error"
+#: What pybase64 drops from the text it decodes without validation.
+_NOT_BASE64 = re.compile(r"[^A-Za-z0-9+/=]")
+#: pydantic's error pages, as vLLM 0.32's pydantic (2.14) names them.
+_PYDANTIC_ERRORS = "https://errors.pydantic.dev/2.14/v/"
+
+
+def pcm16_bytes(audio: str) -> int | None:
+    """The bytes of PCM16 in `audio`, as vLLM reads an append (connection.py:121-135:
+    pybase64.b64decode without validation, then np.frombuffer as int16), None where it
+    answers invalid_audio: not ASCII, badly padded, empty, or an odd number of bytes.
+    Checked against pybase64 1.5.1 for line-wrapped text (accepted), blanks and other
+    characters outside the alphabet (dropped), excess `=` at the end (dropped), missing
+    padding and data between two padded groups (refused)."""
+    if not audio.isascii():
+        return None
+    text = _NOT_BASE64.sub("", audio)
+    if text.endswith("="):  # excess padding at the end is dropped
+        text = text.rstrip("=")
+        text += "=" * (-len(text) % 4)
+    try:
+        size = len(base64.b64decode(text, validate=True))
+    except (binascii.Error, ValueError):
+        return None
+    return size if size and size % 2 == 0 else None
+
+
+def _pydantic(model: str, field: str, message: str, kind: str, value: Any) -> str:
+    """pydantic's ValidationError text for one field, as vLLM sends it (str(e))."""
+    shown = repr(value)
+    return (
+        f"1 validation error for {model}\n{field}\n  {message} [type={kind}, "
+        f"input_value={shown}, input_type={type(value).__name__}]\n"
+        f"    For further information visit {_PYDANTIC_ERRORS}{kind}"
+    )
+
+
+def _not_a_bool(model: str, value: Any) -> str:
+    if isinstance(value, str | int | float):  # a value of a kind it reads, but not a bool's
+        message = "Input should be a valid boolean, unable to interpret input"
+        return _pydantic(model, "final", message, "bool_parsing", value)
+    return _pydantic(model, "final", "Input should be a valid boolean", "bool_type", value)
+
+
+def _not_a_string(model: str, value: Any, event: dict[str, Any]) -> str:
+    if "audio" not in event:
+        return _pydantic(model, "audio", "Field required", "missing", event)
+    return _pydantic(model, "audio", "Input should be a valid string", "string_type", value)
 
 
 class RealtimeSession:
@@ -87,7 +149,7 @@ class RealtimeSession:
                     return
                 text = message.get("text")
                 if text is None:
-                    continue  # vLLM reads text frames only
+                    return  # vLLM's receive_text() fails on a binary frame: the session ends
                 try:
                     event = json.loads(text)  # vLLM's reader: NaN and Infinity are JSON
                 except json.JSONDecodeError:
@@ -111,26 +173,31 @@ class RealtimeSession:
             model = event.get("model")
             if model is None:
                 await self.error("Missing required field: model", "invalid_event")
-            elif model not in self.config.models:
+            elif model and model not in self.config.models:  # falsy: any model will do
                 await self.error(f"The model `{model}` does not exist.", "model_not_found")
             else:
                 self.validated = True
         elif kind == "input_audio_buffer.append":
-            try:
-                size = len(base64.b64decode(str(event.get("audio", "")), validate=True))
-            except (binascii.Error, ValueError):
-                size = 0
-            if size == 0:
+            audio = event.get("audio")
+            if not isinstance(audio, str):
+                await self.error(_not_a_string("InputAudioBufferAppend", audio, event), PROCESSING)
+                return
+            size = pcm16_bytes(audio)
+            if size is None:
                 await self.error("Invalid audio data", "invalid_audio")
+                return
             self.audio += size
         elif kind == "input_audio_buffer.commit":
+            final = lax_bool(event.get("final", False))
             if not self.validated:
                 await self.error(
                     "Model not validated. Make sure to validate the model by sending a "
                     "session.update event.",
                     "model_not_validated",
                 )
-            elif event.get("final") is True:
+            elif final is None:
+                await self.error(_not_a_bool("InputAudioBufferCommit", event["final"]), PROCESSING)
+            elif final:
                 self.final.set()
             elif self.generation is None or self.generation.done():
                 self.final = asyncio.Event()
