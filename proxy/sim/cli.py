@@ -127,7 +127,11 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "--output-tokens",
         type=int,
         default=env("OUTPUT_TOKENS", int, defaults.output_tokens),
-        help="tokens per answer, unless the request's max_tokens is lower (default: %(default)s)",
+        help=(
+            "text tokens per answer, then the EOS, which usage counts as vLLM does (N "
+            "report N + 1); a request's max_tokens at or below it cuts the answer there, "
+            "without the EOS (default: %(default)s)"
+        ),
     )
     add(
         "--max-model-len",

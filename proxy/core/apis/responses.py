@@ -72,7 +72,7 @@ class Responses(Api):
     operation = "chat"
     end_marker = "response.completed or response.incomplete"
     measures = (
-        "TTFT at the first non-empty output_text, reasoning_text, reasoning_summary_text "
+        "TTFT at the first non-empty output_text, reasoning_text, reasoning_summary_text, "
         "function_call_arguments, code_interpreter_call_code or mcp_call_arguments delta, "
         "or a function_call output_item.added (not "
         "response.created, in_progress or a message item's output_item.added); the first "
