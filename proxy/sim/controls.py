@@ -72,7 +72,9 @@ pacer slot carries one chunk per choice (stream.py).
 
 Stop strings: chat's and completions' `stop` (and `include_stop_str_in_output`) end the
 programmed text where one first completes, with finish_reason "stop" and the string as
-`stop_reason`; streamed text is held back as vLLM holds it (proxy/sim/stops.py).
+`stop_reason`; streamed text is held back as vLLM holds it (proxy/sim/stops.py). Playing
+llama-server, `stop` is its stop words on chat, completions and the native /completion
+(finish_reason "stop", `stop_type` "word"; proxy/sim/llamacpp_words.py).
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ from proxy.core.lax import lax_bool, lax_float, lax_int
 from proxy.sim import errors
 from proxy.sim.config import SimConfig
 from proxy.sim.engine import Spec, spec_from
+from proxy.sim.llamacpp_words import WordError, WordHit, first_word, read_words
 from proxy.sim.stops import (
     StopError,
     StopHit,
@@ -162,6 +165,9 @@ class Plan:
     #: Stop strings (chat and completions), and where one ends the generation, if it does.
     stops: Stops | None = None
     stop_hit: StopHit | None = None
+    #: llama-server's stop words (proxy/sim/llamacpp_words.py), and where one ends it.
+    words: tuple[str, ...] = ()
+    word_hit: WordHit | None = None
     #: 1 where each choice ends with an EOS token: generated after the text, without text
     #: of its own, and counted in usage as vLLM counts it (its output token ids hold it:
     #: v1/engine/detokenizer.py:107-128, chat_completion/serving.py:684 and :1151), and
@@ -307,8 +313,13 @@ def _plan(
         raise ControlError(f"x-sim-backend-kind: unknown value {raw_backend!r}")
     backend: BackendKind = "llamacpp" if raw_backend == "llamacpp" else "vllm"
     llama = backend == "llamacpp" and rules.llamacpp
+    words: tuple[str, ...] = ()
     if llama:
         _llamacpp_n(body.get("n"))
+        try:
+            words = read_words(body.get("stop"))
+        except WordError as exc:
+            raise ControlError(str(exc)) from None
     stop = body.get("stop")
     # pydantic's check (generate/base/protocol.py StopParam), before any other
     if (
@@ -382,7 +393,7 @@ def _plan(
         return min_tokens
     script = script_from(headers)
     if script is not None:
-        choices, stops = 1, None  # a script streams one choice, to its own end
+        choices, stops, words = 1, None, ()  # a script streams one choice, to its own end
     answer = planned
     if script is not None:
         planned = script.tokens(answer)
@@ -409,10 +420,14 @@ def _plan(
     hit = None if stops is None else first_stop(stops, planned, per_chunk, min_tokens)
     if hit is not None:
         planned, finish = hit.tokens, "stop"
+    word = first_word(words, planned) if words else None
+    if word is not None:  # llama-server's finish_reason for STOP_TYPE_WORD
+        planned, finish = word.tokens, "stop"
     # What ended the generation decides the EOS, whatever finish_reason a header forces,
     # but a forced "length" is a choice cut by its limit, which has none.
     finish_reason = headers.get("x-sim-finish-reason", finish)
-    eos = 1 if finish != "length" and hit is None and finish_reason != "length" else 0
+    ended_by_text = hit is not None or word is not None
+    eos = 1 if finish != "length" and not ended_by_text and finish_reason != "length" else 0
 
     options = body.get("stream_options") or {}
     # read as vLLM's pydantic models read it: `1` and "true" ask, "false" does not
@@ -466,6 +481,8 @@ def _plan(
         n=choices,
         stops=stops,
         stop_hit=hit,
+        words=words,
+        word_hit=word,
         eos=eos,
     )
 
@@ -547,6 +564,7 @@ def _llamacpp_native_body(body: dict[str, Any]) -> dict[str, Any]:
         "prompt": body.get("prompt"),
         "max_tokens": limit if type(limit) is int and limit > 0 else None,
         "ignore_eos": body.get("ignore_eos"),
+        "stop": body.get("stop"),
     }
 
 

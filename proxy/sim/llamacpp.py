@@ -37,6 +37,12 @@ before the EOG check sets STOP_TYPE_EOS; the real binary with a grammar that for
 words then EOS: `completion_tokens` 3, `predicted_n` 3) and sends the finish at its step,
 where `predicted_ms` ends. Its partial has no text: /v1/completions streams it as a chunk
 with `"text": ""`, chat's empty diff sends no chunk.
+
+`stop` is llama-server's stop words here, one slot loop for all its routes
+(proxy/sim/llamacpp_words.py): the text is cut before the word, finish_reason "stop"
+(STOP_TYPE_WORD, to_json_oaicompat), no EOS; the chunk of the token that completes it
+carries `timings` as well as the finish; a token whose text is held back streams a chunk
+of empty text on /v1/completions and none on chat; the EOS's partial sends what was held.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ import orjson
 from proxy.sim import wire
 from proxy.sim.controls import Plan, burn_cpu
 from proxy.sim.exchange import Exchange
+from proxy.sim.llamacpp_words import SentText
 from proxy.sim.pacing import Pacer
 from proxy.sim.state import Outcome
 from proxy.sim.stream import SSE, fire_fault, paced_content
@@ -164,13 +171,17 @@ class LlamaWire:
             b'"delta":{"role":"assistant","content":null}}]' + self._tail + b"}\n\n"
         )
 
-    def content(self, text: bytes, usage: bytes | None = None) -> bytes:
-        """A content chunk; `text` is already escaped for the inside of a JSON string."""
+    def content(
+        self, text: bytes, usage: bytes | None = None, timings: bytes | None = None
+    ) -> bytes:
+        """A content chunk; `text` is already escaped for the inside of a JSON string.
+        `timings` last, where the slot had stopped when it was sent (a stop word's)."""
         if self._chat:
             choice = b'{"finish_reason":null,"index":0,"delta":{"content":"%s"}}' % text
         else:
             choice = b'{"text":"%s","index":0,"logprobs":null,"finish_reason":null}' % text
-        return b'data: {"choices":[' + choice + b"]" + self._tail + b"}\n\n"
+        tail = self._tail if timings is None else self._tail + b',"timings":' + timings
+        return b'data: {"choices":[' + choice + b"]" + tail + b"}\n\n"
 
     def finish(self, finish_reason: str, usage: bytes | None, timings: bytes | None) -> bytes:
         reason = orjson.dumps(finish_reason)
@@ -200,9 +211,16 @@ async def stream_llamacpp(
     if chat:
         await ex.write(sse.role())
 
+    words = SentText(plan.words) if plan.words else None
+
     def content(count: int, sent: int) -> list[bytes]:
         clock.token()
-        return [sse.content(text_json(count, sent))]
+        if words is None:
+            return [sse.content(text_json(count, sent))]
+        text = words.step(count, sent)
+        if chat and not text:  # held back by a stop word: chat's empty diff sends nothing
+            return []
+        return [sse.content(text, None, word_timings(plan, clock, sent + count))]
 
     async def fire(fault: str) -> bool:
         return await fire_fault(ex, plan, sse, pacer, fault)
@@ -212,8 +230,11 @@ async def stream_llamacpp(
         return "fault"
     if plan.eos:  # the EOS token's step (paced_content waited for it)
         sent = eos_step(ex, plan, clock, sent)
-        if not chat:  # its partial: a chunk of empty text (chat's empty diff sends none)
-            await ex.write(sse.content(b""))
+        # its partial: what stop words held back, else a chunk of empty text (chat's
+        # empty diff sends none)
+        held = b"" if words is None else words.eos()
+        if held or not chat:
+            await ex.write(sse.content(held))
     ex.record.finish_reason = plan.finish_reason
     timings = timings_json(plan, clock, sent)
     usage = usage_json(plan, sent)
@@ -227,6 +248,14 @@ async def stream_llamacpp(
     outcome: Outcome = "fault" if ex.record.fault else "completed"
     await ex.end(b"" if plan.no_done else wire.DONE, outcome)
     return outcome
+
+
+def word_timings(plan: Plan, clock: Clock, predicted: int) -> bytes | None:
+    """The `timings` of the partial whose token completes a stop word: process_token sets
+    the slot's `stop` before send_partial_response, which then adds them (server-context.cpp;
+    the captures *stop*); none on any other partial."""
+    hit = plan.word_hit
+    return None if hit is None or predicted < hit.tokens else timings_json(plan, clock, predicted)
 
 
 def eos_step(ex: Exchange, plan: Plan, clock: Clock, sent: int) -> int:
@@ -265,8 +294,8 @@ async def complete_llamacpp(
 ) -> Outcome:
     """The non-streamed body: every token's slot passes, then usage and timings after id."""
     clock = await paced_body(ex, plan, pacer)
-    record, n = ex.record, plan.output_tokens
-    text, predicted = completion_text(n), n + plan.eos
+    record, n, hit = ex.record, plan.output_tokens, plan.word_hit
+    text, predicted = completion_text(n) if hit is None else hit.text, n + plan.eos
     if chat:
         choice: dict[str, object] = {
             "finish_reason": plan.finish_reason,

@@ -11,7 +11,8 @@ tools/server/server-task.cpp (to_json_non_oaicompat_partial / _final) write them
   no `[DONE]` (the faults that end a stream send none either). Not streamed: that last
   object with the whole text in `content`. No `usage`, no id.
 - `stop_type`: "limit" for a `length` finish (n_predict, or the context full), "eos" for
-  `stop`; `x-sim-finish-reason` may name any other (word, none) as it is.
+  `stop`, "word" where a stop word ended it (`stopping_word` that word, "" otherwise);
+  `x-sim-finish-reason` may name any other (none) as it is.
 - The EOS that ends a "stop" answer (controls.Plan.eos) is decoded in a step of its own
   and sent as a partial event of its own, `"content": ""`, `"tokens": [2]` (the EOS id of
   the captured Llama), `tokens_predicted` counting it (server-context.cpp process_token
@@ -28,7 +29,15 @@ tools/server/server-task.cpp (to_json_non_oaicompat_partial / _final) write them
   first, then every prompt's event at each step in index order, then each prompt's own
   last object (its own prompt count and timings; its `cache_n` 0). Not streamed, the
   answer is a JSON array of those last objects.
-- Stop words (`stop`) are echoed in `generation_settings` but not simulated.
+- Stop words (`stop`, a string or a list of them) are applied as llama-server applies
+  them (proxy/sim/llamacpp_words.py, the rules of server-context.cpp process_token; the
+  captures native_completion_stop*): text that may be the start of a word is held back,
+  its token's event sent with `"content": ""`; the event of the token that completes a
+  word sends the text before it and carries `timings` (send_partial_response adds them
+  once the slot has stopped), then the last object: `stop_type` "word", `stopping_word`,
+  `tokens_predicted` counting that token and no EOS. The EOS's event sends the text held
+  at the end; n_predict cutting held text loses it in a stream (not streamed, `content`
+  keeps it). `generation_settings.stop` echoes the words read.
 """
 
 from __future__ import annotations
@@ -40,7 +49,8 @@ import orjson
 
 from proxy.sim.controls import Plan
 from proxy.sim.exchange import Exchange
-from proxy.sim.llamacpp import Clock, eos_step, paced_body, timings_json
+from proxy.sim.llamacpp import Clock, eos_step, paced_body, timings_json, word_timings
+from proxy.sim.llamacpp_words import SentText, has_new_line, read_words
 from proxy.sim.pacing import Pacer
 from proxy.sim.state import Outcome
 from proxy.sim.stream import SSE, fire_fault, paced_content
@@ -125,13 +135,12 @@ def prompts_of(plan: Plan, body: dict[str, Any]) -> list[Any]:
 def settings_json(body: dict[str, Any], stream: bool) -> bytes:
     limit = body.get("n_predict", body.get("max_tokens"))
     limit = limit if type(limit) is int else -1
-    stop = body.get("stop")
     temperature = body.get("temperature")
     own = {
         "temperature": float(temperature) if isinstance(temperature, int | float) else None,
         "seed": body.get("seed"),
         "ignore_eos": body.get("ignore_eos"),
-        "stop": [s for s in stop if isinstance(s, str)] if isinstance(stop, list) else None,
+        "stop": list(read_words(body.get("stop"))),
     }
     settings = {**SETTINGS, "max_tokens": limit, "n_predict": limit, "stream": stream}
     settings.update({k: v for k, v in own.items() if v is not None})
@@ -162,40 +171,57 @@ class NativeWire:
         self.predicted = [0] * len(prompts)
 
     def content(
-        self, text: bytes, usage: bytes | None = None, index: int = 0, tokens: int = 0
+        self,
+        text: bytes,
+        usage: bytes | None = None,
+        index: int = 0,
+        tokens: int = 0,
+        clock: Clock | None = None,
     ) -> bytes:
-        """A partial event: `text` (escaped for a JSON string) and its `tokens` ids."""
+        """A partial event: `text` (escaped for a JSON string) and its `tokens` ids; with
+        `clock`, the `timings` of the partial whose token completes a stop word."""
         start = self.predicted[index]
         self.predicted[index] = start + tokens
-        return self._partial(index, text, token_ids(tokens, start))
+        timings = None
+        if clock is not None:
+            timings = word_timings(self._plan_of(index), clock, start + tokens)
+        return self._partial(index, text, token_ids(tokens, start), timings)
 
-    def eos(self, index: int) -> bytes:
-        """The EOS token's partial event: no text, its id, counted."""
+    def eos(self, index: int, text: bytes = b"") -> bytes:
+        """The EOS token's partial event: its id, counted, and no text of its own (but
+        what stop words held back)."""
         self.predicted[index] += 1
-        return self._partial(index, b"", b"[%d]" % EOS_TOKEN_ID)
+        return self._partial(index, text, b"[%d]" % EOS_TOKEN_ID)
 
-    def _partial(self, index: int, text: bytes, ids: bytes) -> bytes:
-        return b'data: {"index":%d,"content":"%s","tokens":%s,"stop":false,"id_slot":-1,' % (
+    def _partial(self, index: int, text: bytes, ids: bytes, timings: bytes | None = None) -> bytes:
+        head = b'data: {"index":%d,"content":"%s","tokens":%s,"stop":false,"id_slot":-1,' % (
             index,
             text,
             ids,
-        ) + b'"tokens_predicted":%d,"tokens_evaluated":%d}\n\n' % (
+        )
+        counts = b'"tokens_predicted":%d,"tokens_evaluated":%d' % (
             self.predicted[index],
             self.evaluated[index],
         )
+        return head + counts + (b"" if timings is None else b',"timings":' + timings) + b"}\n\n"
+
+    def _plan_of(self, index: int) -> Plan:
+        """The plan as prompt `index` sees it: its own prompt count, nothing cached."""
+        if len(self.evaluated) == 1:
+            return self._plan
+        return replace(self._plan, prompt_tokens=self.evaluated[index], cached_tokens=None)
 
     def last(self, index: int, text: str, predicted: int, clock: Clock) -> bytes:
         """A prompt's last object (without the `data: ` frame); `predicted` counts the EOS
         where one ended it."""
-        plan, evaluated = self._plan, self.evaluated[index]
-        if len(self.evaluated) > 1:
-            plan = replace(plan, prompt_tokens=evaluated, cached_tokens=None)
-        reason = plan.finish_reason
+        plan, evaluated = self._plan_of(index), self.evaluated[index]
+        reason, hit = plan.finish_reason, plan.word_hit
+        new_line = has_new_line(plan.words, predicted - plan.eos, plan.eos)
         return (
             b'{"index":%d,"content":%s,"tokens":[],"id_slot":%d,"stop":true,"model":%s,'
             b'"tokens_predicted":%d,"tokens_evaluated":%d,"generation_settings":%s,'
             b'"prompt":%s,"has_new_line":%s,"truncated":false,"stop_type":%s,'
-            b'"stopping_word":"","tokens_cached":%d,"timings":%s}'
+            b'"stopping_word":%s,"tokens_cached":%d,"timings":%s}'
             % (
                 index,
                 orjson.dumps(text),
@@ -205,8 +231,9 @@ class NativeWire:
                 evaluated,
                 self._settings,
                 self._prompts[index],
-                b"true" if "\n" in completion_text(predicted - plan.eos) else b"false",
-                orjson.dumps(STOP_TYPES.get(reason, reason)),
+                b"true" if new_line else b"false",
+                b'"word"' if hit is not None else orjson.dumps(STOP_TYPES.get(reason, reason)),
+                orjson.dumps("" if hit is None else hit.word),
                 evaluated + max(0, predicted - 1),
                 timings_json(plan, clock, predicted),
             )
@@ -222,10 +249,15 @@ async def stream_native(ex: Exchange, plan: Plan, body: dict[str, Any], pacer: P
     if plan.n > 1:
         await ex.write(b"data: null\n\n")
 
+    words = SentText(plan.words) if plan.words else None  # every prompt's text is the same
+
     def content(count: int, sent: int) -> list[bytes]:
         clock.token()
-        text = text_json(count, sent)
-        return [events.content(text, None, i, count) for i in choices]
+        if words is None:
+            text = text_json(count, sent)
+            return [events.content(text, None, i, count) for i in choices]
+        text = words.step(count, sent)
+        return [events.content(text, None, i, count, clock) for i in choices]
 
     async def fire(fault: str) -> bool:
         return await fire_fault(ex, plan, events, pacer, fault)
@@ -235,8 +267,9 @@ async def stream_native(ex: Exchange, plan: Plan, body: dict[str, Any], pacer: P
         return "fault"
     if plan.eos:  # the EOS token's step (paced_content waited for it)
         sent = eos_step(ex, plan, clock, sent)
+        held = b"" if words is None else words.eos()
         for i in choices:
-            await ex.write(events.eos(i))
+            await ex.write(events.eos(i, held))
     ex.record.finish_reason = plan.finish_reason
     for i in choices:
         await ex.write(b"data: " + events.last(i, "", sent, clock) + b"\n\n")
@@ -250,8 +283,8 @@ async def complete_native(ex: Exchange, plan: Plan, body: dict[str, Any], pacer:
     them for a list of prompts)."""
     clock = await paced_body(ex, plan, pacer)
     events = NativeWire(plan, body)
-    n = plan.output_tokens
-    text = completion_text(n)
+    n, hit = plan.output_tokens, plan.word_hit
+    text = completion_text(n) if hit is None else hit.text  # held text kept, as the slot's
     lasts = [events.last(i, text, n + plan.eos, clock) for i in range(plan.n)]
     await ex.reply(200, lasts[0] if plan.n == 1 else b"[" + b",".join(lasts) + b"]")
     return "completed"

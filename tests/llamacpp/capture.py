@@ -16,6 +16,12 @@ LONG = "measure the cache: " + " ".join(f"word{i}" for i in range(40))
 #: A grammar that leaves the model two words, then nothing but its EOS: a "stop" answer
 #: of 2 text tokens and the EOS, which llama-server counts (n_decoded).
 TWO_WORDS = 'root ::= " upon upon"'
+#: Three words for a stop word to cut: " upon" ends with "on", the start of "on u", so the
+#: first token's text is held back; the second completes it (the text sent: " up").
+THREE_WORDS = 'root ::= " upon upon upon"'
+STOP = ["on u"]
+#: Starts that never complete: " upon" ends with "on", so all the text is held until the EOS.
+NEVER = ["on x"]
 
 
 #: A native completion's common members.
@@ -93,6 +99,57 @@ REQUESTS: list[tuple[str, str, dict[str, Any]]] = [
         {**NATIVE, "n_predict": 5, "stream": True, "grammar": TWO_WORDS},
     ),
     ("native_completion_eos.json", "/completion", {**NATIVE, "n_predict": 5, "grammar": TWO_WORDS}),
+    # stop words (proxy/sim/llamacpp_words.py): held back, cut, and what n_predict and EOS do
+    (
+        "native_completion_stop_stream.sse",
+        "/completion",
+        {**NATIVE, "n_predict": 5, "stream": True, "grammar": THREE_WORDS, "stop": STOP},
+    ),
+    (
+        "native_completion_stop.json",
+        "/completion",
+        {**NATIVE, "n_predict": 5, "grammar": THREE_WORDS, "stop": STOP},
+    ),
+    (
+        "native_completion_stop_limit_stream.sse",
+        "/completion",
+        {**NATIVE, "n_predict": 1, "stream": True, "grammar": THREE_WORDS, "stop": STOP},
+    ),
+    (
+        "native_completion_stop_limit.json",
+        "/completion",
+        {**NATIVE, "n_predict": 1, "grammar": THREE_WORDS, "stop": STOP},
+    ),
+    (
+        "native_completion_stop_eos_stream.sse",
+        "/completion",
+        {**NATIVE, "n_predict": 5, "stream": True, "grammar": TWO_WORDS, "stop": NEVER},
+    ),
+    (
+        "completions_stream_stop.sse",
+        "/v1/completions",
+        {**NATIVE, "max_tokens": 5, "stream": True, "grammar": THREE_WORDS, "stop": STOP},
+    ),
+    (
+        "completions_stream_stop_eos.sse",
+        "/v1/completions",
+        {**NATIVE, "max_tokens": 5, "stream": True, "grammar": TWO_WORDS, "stop": NEVER},
+    ),
+    (
+        "chat_stream_stop.sse",
+        CHAT,
+        chat("hello there", stream=True, cache_prompt=False, grammar=THREE_WORDS, stop=STOP),
+    ),
+    (
+        "chat_stream_stop_eos.sse",
+        CHAT,
+        chat("hello there", stream=True, cache_prompt=False, grammar=TWO_WORDS, stop=NEVER),
+    ),
+    (
+        "chat_stop.json",
+        CHAT,
+        chat("hello there", cache_prompt=False, grammar=THREE_WORDS, stop=STOP),
+    ),
 ]
 
 
