@@ -403,6 +403,9 @@ class Cause(Enum):
     UPSTREAM_BROKE = "upstream_broke"  # the upstream client raised
 
 
+#: The record's words for a pipelined request the drain's end dropped before its turn.
+SHUTDOWN_BEFORE_TURN = "the proxy shut down before its turn on the connection; no answer went out"
+
 #: The status the proxy answers with when an upstream failure comes before any header.
 _STATUS_FOR_ERROR = {
     ErrorType.UPSTREAM_UNREACHABLE: 502,

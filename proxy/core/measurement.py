@@ -64,7 +64,8 @@ class ErrorType(enum.StrEnum):
     RATE_LIMIT = "rate_limit"  # 429
     BAD_REQUEST = "bad_request"  # any other 4xx (and requests the proxy itself refuses)
     NOT_FOUND = "not_found"  # 404: unknown model or route
-    UPSTREAM_ERROR = "upstream_error"  # 5xx
+    UPSTREAM_ERROR = "upstream_error"  # 5xx (the proxy's own 503 at shutdown too; status 0
+    # for a pipelined request the drain's end dropped before its turn)
     UPSTREAM_UNREACHABLE = "upstream_unreachable"  # connect failed (not for want of the
     # proxy's own files or ports: that is UPSTREAM_ERROR, proxy/core/errors.py)
     UPSTREAM_TIMEOUT = "upstream_timeout"  # connect, first byte or idle gap timed out

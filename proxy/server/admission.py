@@ -165,13 +165,14 @@ def count_refusal(
     error: ErrorType = ErrorType.BAD_REQUEST,
     message: str | None = None,
 ) -> None:
-    """A refused (or abandoned, `error` client_cancelled) request: a bare record if it
-    was for a measured API, with `message` (the proxy's own answer's), else a
-    passthrough count by route."""
+    """A refused request (or one that never got an answer, `status` 0: its client left, or
+    the drain's end dropped it before its turn): a bare record if it was for a measured
+    API, with `message` (the proxy's own answer's), else a passthrough count by route of
+    one that was answered."""
     if api is not None:
         info, _ = parse_request(api, b"")
         sinks.refused(info, error, status, start, started_at, message)
-    elif error is not ErrorType.CLIENT_CANCELLED:
+    elif status:
         sinks.passthrough(route_template(path), status)
 
 

@@ -37,7 +37,7 @@ from proxy.server.admission import (
     where_to,
 )
 from proxy.server.exchange import Context, IdleTimer
-from proxy.server.protocol import CLIENT_TRANSPORT
+from proxy.server.protocol import ARRIVAL, CLIENT_TRANSPORT
 from proxy.server.rules import ExchangeRules, UpstreamRequest
 from proxy.server.upstream import body_reader, send_upstream
 from proxy.server.upstream_errors import UpstreamProtocolError
@@ -82,23 +82,22 @@ class Forwarder:
         return cls(client=client, sinks=sinks, counter=counter, settings=relay_settings(settings))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        raw_path = scope.get("raw_path") or scope["path"].encode()
-        peer = scope.get("client")
-        rules = ExchangeRules(
-            self.context,
-            scope["method"],
-            where_to(raw_path, scope["query_string"]),
-            raw_path,
-            scope["headers"],
-            perf_counter(),
-            time(),
-            None if peer is None else peer[0],
-        )
+        rules = self._rules(scope)
         if rules.refusal is None:
             try:
                 await _read_body(receive, rules, self.context.settings.body_timeout)
             except ClientGone:
                 rules.abandoned()
+                return
+            except asyncio.CancelledError:
+                # The server's drain time ran out while the body was still coming in (uvicorn
+                # cancels the request's task): the 503 every request not yet answered gets.
+                task = asyncio.current_task()
+                assert task is not None
+                task.uncancel()
+                answer = rules.shut_out().answer
+                assert answer is not None
+                await _send_answer(send, *answer, rules.path, close=True)
                 return
         if rules.refusal is not None:
             refusal = rules.refusal
@@ -110,17 +109,36 @@ class Forwarder:
         url = self.context.upstream.origin + upstream.target
         await Relay(self.client, rules, scope, receive, send).run(url, upstream)
 
-    def abandoned(self, scope: Scope) -> None:
-        """A request pipelined behind the running one whose client left before its turn:
-        uvicorn never starts the app for it (protocol.py tells of it), and the wire
-        records it, so this relay does too: client_cancelled, nothing sent."""
+    def abandoned(self, scope: Scope, dropped: bool = False) -> None:
+        """A request pipelined behind the running one, dropped before its turn: uvicorn
+        never starts the app for it (protocol.py tells of it), and the wire records it,
+        so this relay does too, timed from its arrival as there, nothing sent:
+        client_cancelled when its client left, upstream_error when, `dropped`, the proxy
+        closed the connection at the drain's end."""
+        rules = self._rules(scope)
+        if dropped:
+            rules.dropped()
+        else:
+            rules.abandoned()
+
+    def _rules(self, scope: Scope) -> ExchangeRules:
+        """The request's rules, timed from its arrival: when its head was in (stamped by
+        the server's protocol, so a pipelined request's wait for its turn counts, as on the
+        wire), else now (another ASGI server)."""
         raw_path = scope.get("raw_path") or scope["path"].encode()
-        where = where_to(raw_path, scope["query_string"])
-        now = perf_counter()
-        rules = ExchangeRules(
-            self.context, scope["method"], where, raw_path, scope["headers"], now, time()
+        peer = scope.get("client")
+        arrival = scope.get("extensions", {}).get(ARRIVAL)
+        start, started_at = (perf_counter(), time()) if arrival is None else arrival
+        return ExchangeRules(
+            self.context,
+            scope["method"],
+            where_to(raw_path, scope["query_string"]),
+            raw_path,
+            scope["headers"],
+            start,
+            started_at,
+            None if peer is None else peer[0],
         )
-        rules.abandoned()
 
 
 async def _read_body(receive: Receive, rules: ExchangeRules, timeout: float) -> None:
@@ -280,7 +298,9 @@ class Relay:
         self.cut.done = True
         failure = self.rules.early_end(cause, exc)
         if failure.answer is not None:
-            await _send_answer(self.send, *failure.answer, self.rules.path)
+            # At shutdown the connection closes after it: nothing behind it is started.
+            close = cause is Cause.SHUTDOWN
+            await _send_answer(self.send, *failure.answer, self.rules.path, close=close)
         return failure
 
 
@@ -322,8 +342,14 @@ def _bad_header(headers: list[tuple[bytes, bytes]]) -> str | None:
     return None
 
 
-async def _send_answer(send: Send, status: int, kind: str, message: str, path: str) -> None:
+async def _send_answer(
+    send: Send, status: int, kind: str, message: str, path: str, *, close: bool = False
+) -> None:
+    """The proxy's own answer; `close`: the connection closes after it (the server's
+    drain is over: `connection: close`, which uvicorn honours, as the wire writes it)."""
     headers, body = error_answer(status, kind, message, path)
+    if close:
+        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 

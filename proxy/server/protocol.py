@@ -58,6 +58,7 @@ import asyncio
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from time import perf_counter, time
 from typing import Any
 
 import httptools
@@ -89,9 +90,13 @@ class HeadLimits:
 
 #: The lifespan state key of the served app's HeadGuard (uvicorn's `app_state`).
 HEAD_GUARD = "tokenprobe.head_guard"
-#: The lifespan state key of the call that records a pipelined request whose client left
-#: before its turn (the ASGI relay's Forwarder.abandoned; see connection_lost).
+#: The lifespan state key of the call that records a pipelined request dropped before its
+#: turn: its client left, or the drain's end closed the connection (the ASGI relay's
+#: Forwarder.abandoned; see connection_lost).
 ABANDONED = "tokenprobe.abandoned"
+#: The scope extension holding when the request's head was in, `(perf_counter(), time())`:
+#: a request is timed from there on both paths, a pipelined one's wait for its turn too.
+ARRIVAL = "tokenprobe.arrival"
 #: The scope extension holding the client's transport (see _start_asgi_task).
 CLIENT_TRANSPORT = "tokenprobe.client_transport"
 
@@ -187,6 +192,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         # which the loop bounds by the header timeout (proxy.server.eventloop); a handshake
         # not over by then is counted here, as nothing tells this protocol it ended.
         self._handshake_timer: asyncio.TimerHandle | None = None
+        self.draining = False  # the server's drain began (uvicorn called `shutdown`)
+        self.peer_left = False  # the client sent its end of input
         timeout = self.limits.header_timeout
         if self.config.is_ssl and timeout is not None:
             self._handshake_timer = self.loop.call_later(timeout, self.on_close, "tls_handshake")
@@ -211,10 +218,26 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             running.message_event.set()
         abandoned = self.app_state.get(ABANDONED)
         if abandoned is not None:  # the requests that waited their turn: never started
+            dropped = self.dropped(exc)
             for cycle, _ in self.pipeline:
                 if isinstance(cycle, RequestResponseCycle) and cycle is not running:
-                    abandoned(cycle.scope)
+                    abandoned(cycle.scope, dropped)
         super().connection_lost(exc)
+
+    def dropped(self, exc: Exception | None) -> bool:
+        """Whether the connection closed as the proxy closed it at shutdown, not as the
+        client left: the drain had begun, and the client neither ended nor reset it. The
+        requests waiting their turn on it were dropped by the drain's end (the last
+        response's cut closes the connection), so they are not the client's cancellations."""
+        return self.draining and exc is None and not self.peer_left
+
+    def eof_received(self) -> None:  # None: the transport closes (the client is gone)
+        self.peer_left = True
+        super().eof_received()
+
+    def shutdown(self) -> None:
+        self.draining = True
+        super().shutdown()
 
     def _start_head(self, *, timed: bool = True) -> None:
         """Ready for a request head; `timed`: its time runs from now (a new connection),
@@ -355,6 +378,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._head_done()
         self._ws = self._is_handshake() and self._should_upgrade_to_ws()
         self._body_due = self._upgrade_body()
+        extensions: dict[str, Any] = {ARRIVAL: (perf_counter(), time())}
+        self.scope["extensions"] = extensions
         super().on_headers_complete()
         self.headers = []  # a chunked body's trailers, if any, land here, not in the scope
 

@@ -12,6 +12,7 @@ comes in as an argument, as the observer's does.
 | a piece of the body | `body` | the refusal (413) once it passes --max-body-bytes |
 | the body did not come in --body-timeout | `refuse(BODY_TIMEOUT)` | 408 |
 | a refusal answered, a client gone before its body was in | `refused`, `abandoned` | the record or count |
+| the drain's end before the request went upstream: its body still coming in / pipelined, its turn not come | `shut_out` / `dropped` | the 503 (`Failure.answer`) and its record / a record of no answer (status 0) |
 | the whole body | `admit` | `UpstreamRequest`: the target upstream (the upstream's base path in front), the headers that go, the body (usage asked for) |
 | the upstream's response head | `response_head` | `ClientHead`: the headers the client gets, and whether the body is stripped (only an event stream is) |
 | an early end (client gone, a timeout, a break, shutdown) | `early_end` | a `Failure`: the proxy's answer while no head went out, else drop or end |
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from proxy.core.apis import Api
-from proxy.core.errors import Cause, Failure
+from proxy.core.errors import SHUTDOWN_BEFORE_TURN, Cause, Failure, relay_failure
 from proxy.core.measurement import ErrorType
 from proxy.core.paths import Target
 from proxy.core.strip import UsageEventStripper
@@ -159,6 +160,24 @@ class ExchangeRules:
         if self.stage is Stage.RECEIVING:
             self.stage = Stage.DONE
             self._count(0, ErrorType.CLIENT_CANCELLED)
+
+    def shut_out(self) -> Failure:
+        """The server's drain time ran out while the request's body was still coming in:
+        its `answer` is the proxy's 503, recorded as any request the drain's end finds
+        unanswered (upstream_error)."""
+        failure = relay_failure(Cause.SHUTDOWN, after_headers=False)
+        assert failure.answer is not None
+        self.stage = Stage.DONE
+        self._count(failure.answer[0], failure.error, failure.message)
+        return failure
+
+    def dropped(self) -> None:
+        """Pipelined behind another request, it was dropped with the connection the proxy
+        closed at the drain's end before its turn came: no answer went out (status 0), and
+        the client never left, so upstream_error, not client_cancelled."""
+        if self.stage is Stage.RECEIVING:
+            self.stage = Stage.DONE
+            self._count(0, ErrorType.UPSTREAM_ERROR, SHUTDOWN_BEFORE_TURN)
 
     def _count(self, status: int, error: ErrorType, message: str | None = None) -> None:
         context = self.context

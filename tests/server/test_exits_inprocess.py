@@ -5,9 +5,10 @@ on a raw asyncio socket server here, real sockets between them.
 Each test asserts what the client got, what the upstream saw, and the record; with the
 upstream keep-alive pool (a clean response's connection is reused, an abandoned or broken
 one is closed) and backpressure (a client that does not read stops the proxy reading the
-upstream). What only one path can run stays with that path: the wire's drain cut is marked
-`paths("wire")` here, the ASGI relay's httpx transport (`--upstream-transport`)
-`paths("asgi")`; what only the ASGI interface shows (one send per upstream read, the relay
+upstream). The drain's end (`drain_ends`: what uvicorn's shutdown does once
+--drain-timeout runs out) runs on both paths. What only one path can run stays with that
+path: the wire's own cut (Wire.close alone) is marked `paths("wire")` here, the ASGI relay's
+httpx transport (`--upstream-transport`) `paths("asgi")`; what only the ASGI interface shows (one send per upstream read, the relay
 freed at once, the drain cut as uvicorn cancels the request) is
 tests/server/test_relay_inprocess.py.
 """
@@ -558,6 +559,136 @@ def cut_in_flight(proxy: ProxyUnderTest) -> None:
 
     loop.call_soon_threadsafe(cut)
     assert done.wait(5)
+
+
+# -- the drain's end, on both paths -------------------------------------------------------
+
+
+def drain_ends(proxy: ProxyUnderTest) -> None:
+    """What uvicorn's shutdown does once --drain-timeout has run out, on the server's loop:
+    each connection told of the drain (`shutdown`, at the drain's start in uvicorn), the
+    requests' tasks cancelled (the ASGI relay's), and the lifespan's cut (Wire.close)."""
+    server, loop, wire = proxy.server.server, proxy.server.loop, proxy.app.wire
+    assert loop is not None
+    done = threading.Event()
+
+    def end() -> None:
+        for connection in list(server.server_state.connections):
+            connection.shutdown()
+        for task in server.server_state.tasks:
+            task.cancel(msg="Task cancelled, timeout graceful shutdown exceeded")
+        if wire is not None:
+            wire.close()
+        done.set()
+
+    loop.call_soon_threadsafe(end)
+    assert done.wait(5)
+
+
+def wait_until(ready: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert time.monotonic() < deadline, "never ready"
+        time.sleep(0.01)
+
+
+def a_turn_came(proxy: ProxyUnderTest) -> bool:
+    """A request's head is in and its turn came (the data path runs it)."""
+    connections = list(proxy.server.server.server_state.connections)
+    return any(connection.running is not None for connection in connections)
+
+
+def post_head(length: int) -> bytes:
+    return (
+        b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n" % (CHAT.encode(), length)
+    )
+
+
+def read_to_close(sock: socket.socket) -> bytes:
+    """What the proxy sent until it closed the connection (or said nothing for 5 s)."""
+    sock.settimeout(5)
+    reply = b""
+    try:
+        while part := sock.recv(65536):
+            reply += part
+    except TimeoutError:
+        pass
+    return reply
+
+
+def test_the_drain_end_answers_503_to_a_request_still_sending_its_body(
+    upstream: Callable[[Script], Scripted], start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    """Its answer has not begun by the drain's limit: the 503 any such request gets, its
+    record, and the connection closed. The wire once closed it silently, unrecorded; the
+    ASGI relay let uvicorn's cancellation escape (uvicorn's 500, no record)."""
+    backend = upstream(never)
+    proxy = proxy_in_front(start_proxy, backend.url)
+    port = int(proxy.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(post_head(100) + b'{"model":"')  # 10 of its 100 bytes
+        wait_until(lambda: a_turn_came(proxy))
+        drain_ends(proxy)
+        reply = read_to_close(sock)
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503 "), reply
+    assert b"connection: close" in head.lower()
+    assert orjson.loads(body)["error"]["type"] == "proxy_shutting_down"
+    record = proxy.wait_records(1, exact=True)[0]
+    assert (record.status_code, record.error_type) == (503, ErrorType.UPSTREAM_ERROR)
+    assert backend.connections == 0
+
+
+def running_with_one_pipelined(
+    upstream: Callable[[Script], Scripted], start_proxy: Callable[..., ProxyUnderTest]
+) -> tuple[ProxyUnderTest, socket.socket]:
+    """A stream under way (its first event at the client, then silence) and a second
+    request pipelined behind it that has waited 0.3 s for its turn."""
+    proxy = proxy_in_front(start_proxy, upstream(streaming(EVENTS[0], None)).url)
+    body = orjson.dumps(REQUEST)
+    port = int(proxy.url.rsplit(":", 1)[1])
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall((post_head(len(body)) + body) * 2)
+    seen = b""
+    while EVENTS[0] not in seen:
+        seen += sock.recv(65536)
+    time.sleep(0.3)
+    return proxy, sock
+
+
+def never_answered(proxy: ProxyUnderTest) -> Measurement:
+    """The record of the pipelined request: nothing went out to it (status 0)."""
+    records = proxy.wait_records(2, exact=True)
+    return next(record for record in records if record.status_code == 0)
+
+
+def test_a_pipelined_request_whose_client_left_is_timed_from_its_arrival(
+    upstream: Callable[[Script], Scripted], start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    """Its record's e2e is its wait, as every request's runs from its head. The ASGI relay
+    once timed it from the moment it recorded it (0.1 ms)."""
+    proxy, sock = running_with_one_pipelined(upstream, start_proxy)
+    sock.close()
+    record = never_answered(proxy)
+    assert record.error_type is ErrorType.CLIENT_CANCELLED
+    assert record.e2e >= 0.3, record.e2e
+
+
+def test_a_pipelined_request_the_drain_end_dropped_is_no_client_cancellation(
+    upstream: Callable[[Script], Scripted], start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    """The running stream is cut at the drain's limit and its connection dropped, the
+    request behind it with it: its client never left, so upstream_error (the proxy shut
+    down before its turn), as every request the shutdown leaves unanswered."""
+    proxy, sock = running_with_one_pipelined(upstream, start_proxy)
+    with sock:
+        drain_ends(proxy)
+        read_to_close(sock)
+    record = never_answered(proxy)
+    assert record.error_type is ErrorType.UPSTREAM_ERROR
+    assert record.error_message is not None and "before its turn" in record.error_message
+    assert record.e2e >= 0.3, record.e2e
 
 
 # -- the client leaves -----------------------------------------------------------------

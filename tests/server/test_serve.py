@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -412,6 +413,44 @@ def test_streams_outliving_the_drain_are_cut_counted_and_not_logged_as_crashes(
         assert "Traceback" not in stderr and "Exception in ASGI application" not in stderr
         log = proxy.stdout.read().decode() if proxy.stdout else ""
         assert '"error_type":"stream_truncated"' in log, log
+    finally:
+        stop(proxy)
+
+
+def test_a_request_still_uploading_at_the_drain_end_gets_the_503_and_one_log_line(
+    sim_url: str,
+) -> None:
+    """Its answer had not begun by the drain's limit: the 503 JSON error such a request
+    gets, one access-log line, exit 0, no crash logged. The wire once closed it silently;
+    the ASGI relay let uvicorn's cancellation escape (its 500 and a traceback)."""
+    port = free_port()
+    proxy = spawn(
+        "serve", "--upstream", sim_url, "--port", str(port), "--drain-timeout", "1",
+        "--body-timeout", "30", "--access-log", "json", "--log-level", "warning",
+        stdout=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        wait_http(f"http://127.0.0.1:{port}/healthz")
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                b'content-type: application/json\r\ncontent-length: 100\r\n\r\n{"model":"'
+            )
+            time.sleep(0.3)  # the head is in
+            proxy.send_signal(signal.SIGTERM)
+            reply = b""
+            while part := sock.recv(65536):
+                reply += part
+        assert proxy.wait(15) == 0
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503 "), reply
+        assert json.loads(body)["error"]["type"] == "proxy_shutting_down"
+        stderr = proxy.stderr.read().decode() if proxy.stderr else ""
+        assert "Traceback" not in stderr and "Exception in ASGI application" not in stderr
+        lines = (proxy.stdout.read().decode() if proxy.stdout else "").splitlines()
+        assert len(lines) == 1, lines
+        record = json.loads(lines[0])
+        assert (record["status"], record["error_type"]) == (503, "upstream_error")
     finally:
         stop(proxy)
 

@@ -55,7 +55,8 @@ _WITH_BODY = frozenset({b"POST", b"PUT", b"PATCH"})
 
 class Wire:
     """What every wire connection of a server shares: the exchanges' context, the
-    upstream pool, the control plane's paths, the requests in flight and the tunnels."""
+    upstream pool, the control plane's paths, the requests in flight (`receiving` their
+    body, their turn come; `active` upstream) and the tunnels."""
 
     def __init__(
         self, context: Context, owns: Callable[[str], bool], tunnel_context: object = None
@@ -69,12 +70,18 @@ class Wire:
             context.settings.upstream_ssl,
         )
         self.active: set[WireRequest] = set()
+        self.receiving: set[WireRequest] = set()
         self.connecting: set[asyncio.Task[None]] = set()
         self.tunnels: weakref.WeakSet[Any] = weakref.WeakSet()
         self.tunnel_context = tunnel_context
 
     def close(self) -> None:
-        """The server is stopping and its drain time is over: cut what is still in flight."""
+        """The server is stopping and its drain time is over: cut what is still in flight.
+        A request still receiving its body gets the 503 a request waiting for its answer
+        gets; one pipelined behind another is dropped with the connection (its record is
+        made as the connection closes: WireProtocol.connection_lost)."""
+        for request in list(self.receiving):
+            request.shut_out()
         for request in list(self.active):
             request.cut(Cause.SHUTDOWN)
         for tunnel in list(self.tunnels):
@@ -172,17 +179,19 @@ class WireProtocol(GuardedHttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         # The running request (its upstream request cancelled, so the backend frees its
-        # KV cache), the one parsed last and those waiting behind it.
+        # KV cache), the one parsed last and those waiting behind it (dropped by the
+        # drain's end, or their client gone).
         running, self.running = self.running, None  # both refer back to this protocol
         cycle: Any = self.cycle
+        dropped = self.dropped(exc)
         if isinstance(running, WireRequest) and running is not cycle:
             running.client_gone()
         if isinstance(cycle, WireRequest):
             self.cycle = None  # type: ignore[assignment,unused-ignore]
-            cycle.client_gone()
+            cycle.client_gone(dropped=dropped)
         for waiting, _ in self.pipeline:
             if isinstance(waiting, WireRequest):
-                waiting.client_gone()
+                waiting.client_gone(dropped=dropped)
         super().connection_lost(exc)
 
     def pause_writing(self) -> None:
@@ -314,8 +323,10 @@ class WireRequest(Deadline):
             self._answer_refusal()
         elif self.complete:
             self._send()
-        elif self.expect_100 and not self.transport.is_closing():
-            self.transport.write(_CONTINUE)  # as uvicorn does when an app reads the body
+        else:
+            self.wire.receiving.add(self)  # until it goes upstream or ends (Wire.close)
+            if self.expect_100 and not self.transport.is_closing():
+                self.transport.write(_CONTINUE)  # as uvicorn does when an app reads the body
 
     def on_body(self, body: bytes) -> None:
         if self.rules.body(body) is not None:
@@ -327,6 +338,7 @@ class WireRequest(Deadline):
             self._send()
 
     def _refused(self) -> None:
+        self.wire.receiving.discard(self)
         self.cancel_deadline()  # the rest of its body is the connection's to bound (protocol.py)
         if self.started:
             self._answer_refusal()
@@ -390,6 +402,7 @@ class WireRequest(Deadline):
         exchange = rules.exchange
         assert exchange is not None
         self.stripper = rules.stripper
+        wire.receiving.discard(self)
         wire.active.add(self)
         body = upstream.body
         lines = [
@@ -519,14 +532,33 @@ class WireRequest(Deadline):
         (never pooled), so the backend aborts the generation."""
         self._end_early(cause)
 
-    def client_gone(self) -> None:
+    def client_gone(self, *, dropped: bool = False) -> None:
+        """The connection closed: the client left or, `dropped`, the proxy closed it at
+        the drain's end while this request waited its turn (connection_lost)."""
         if self.rules.exchange is not None:
             self._end_early(Cause.CLIENT_GONE)
             return
         self.cancel_deadline()
+        self.wire.receiving.discard(self)
         if not self.response_complete and self.rules.stage is Stage.RECEIVING:
             self.response_complete = True
-            self.rules.abandoned()
+            if dropped and not self.started:
+                self.rules.dropped()
+            else:
+                self.rules.abandoned()
+
+    def shut_out(self) -> None:
+        """The drain time ran out while its body was still coming in: the proxy's 503
+        (proxy_shutting_down), and the connection closes after it."""
+        self.wire.receiving.discard(self)
+        self.cancel_deadline()
+        if self.response_complete or self.rules.stage is not Stage.RECEIVING:
+            return
+        failure = self.rules.shut_out()
+        assert failure.answer is not None
+        self.keep_alive = False
+        self._answer(*failure.answer)
+        self._response_over()
 
     def _end_early(self, cause: Cause, exc: BaseException | None = None) -> None:
         if self.response_complete or self.rules.exchange is None:
@@ -536,6 +568,8 @@ class WireRequest(Deadline):
             conn.close()
         if cause is Cause.CLIENT_STALLED:  # a close would wait for good on a buffer it
             self.transport.abort()  # never takes
+        elif cause is Cause.SHUTDOWN:  # the 503's connection closes: no request behind it
+            self.keep_alive = False  # starts on a server that is going away
         failure = self.rules.early_end(cause, exc)
         if failure.answer is not None:
             self._answer(*failure.answer)
