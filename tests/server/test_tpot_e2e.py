@@ -37,7 +37,7 @@ ROUTES: dict[str, tuple[str, dict[str, Any], dict[str, str]]] = {
 }
 
 
-@pytest.mark.quiet("TPOT is read within 13% of the programmed step", seconds=1)
+@pytest.mark.quiet("TPOT is read within 20% of the programmed step", seconds=1)
 @pytest.mark.parametrize("route", list(ROUTES))
 def test_tpot_runs_to_the_token_that_ended_the_answer(
     sim: Running, proxy: ProxyUnderTest, route: str
@@ -57,5 +57,6 @@ def test_tpot_runs_to_the_token_that_ended_the_answer(
     assert m.output_tokens == TEXT_TOKENS + 1  # the text and the EOS, the backend's count
     assert m.content_events == TEXT_TOKENS
     # One step a token: ended at the last text read, the span would be 3 steps for 4 gaps
-    # (0.75 of a step); a late first read shortens it, a late finish read lengthens it.
-    assert m.tpot is not None and 0.87 < m.tpot * TPS < 1.2, m.tpot
+    # (0.75 of a step); a late first read shortens it (by 40 ms before this fails), a late
+    # finish read lengthens it.
+    assert m.tpot is not None and 0.8 < m.tpot * TPS < 1.2, m.tpot
