@@ -194,6 +194,7 @@ class StreamObserver:
         self.overhead: float | None = None  # the proxy's own time so far
         self.stream_error: object = None
         self.done = False
+        self.done_read = 0.0  # the read that carried the end marker (once `done`)
         self.malformed_events = 0
         self.response_id: str | None = None
         self.response_model: str | None = None
@@ -392,8 +393,9 @@ class StreamObserver:
             self.engine = facts.engine
         if facts.timings is not None:
             self.timings = facts.timings
-        if facts.end:
+        if facts.end and not self.done:
             self.done = True
+            self.done_read = now
         if facts.response_id is not None and self.response_id is None:
             self.response_id = facts.response_id
             self.response_model = facts.response_model
@@ -440,6 +442,17 @@ class StreamObserver:
         if due > 1 and not all(choice in self.finishes for choice in range(due)):
             return False
         return self.choices.keys() <= self.finishes.keys()
+
+    def answered_at(self) -> float | None:
+        """When a stream that reached its clean end (`_ended`) was whole: the read that
+        carried its end marker, else its last finish (where a finish ends the stream).
+        None for a stream not ended, or no stream. A client that leaves after this left
+        with the whole answer (the OpenAI SDK closes at [DONE], before the terminator)."""
+        if not self.streaming or not self._ended():
+            return None
+        if self.done:
+            return self.done_read
+        return max(self.finish_reads.values(), default=None)
 
     def outcome(self) -> tuple[ErrorType | None, str | None]:
         """The error type (None for success) judged from what was seen, for a response that

@@ -23,6 +23,7 @@ from typing import Any
 from proxy.core.errors import Cause, Failure, relay_failure
 from proxy.core.identity import Backend
 from proxy.core.labels import route_template
+from proxy.core.measurement import ErrorType
 from proxy.core.observe import StreamObserver, bare_record
 from proxy.core.request import RequestInfo
 from proxy.core.secrets import redact
@@ -184,6 +185,12 @@ class MeasuredExchange:
         if observer is None:
             sinks.passthrough(route_template(self.path), self.status)
             return
+        if failure is not None and failure.error is ErrorType.CLIENT_CANCELLED and not failure.drop:
+            # A client that left once the stream was whole (the OpenAI SDK closes at
+            # [DONE], before the terminator) got its answer: ended where it was whole.
+            answered = observer.answered_at()
+            if answered is not None:
+                failure, end = None, answered
         error = None if failure is None else failure.error
         message = None if failure is None else failure.message
         # a count the tokenizer fails is told as stage "tokenizer"; the record stays whole
