@@ -311,7 +311,9 @@ class MessagesScript:
                 "message_delta",
                 {
                     "type": "message_delta",
-                    "delta": {"stop_reason": stop_reason(finish_reason)},
+                    # vLLM 0.32 sets stop_sequence explicitly, so it is always sent
+                    # (anthropic/serving.py message_stream_converter, its stop_delta)
+                    "delta": {"stop_reason": stop_reason(finish_reason), "stop_sequence": None},
                     "usage": usage,
                 },
             )

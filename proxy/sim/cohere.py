@@ -12,9 +12,18 @@ Source: vllm-project/vllm vllm/entrypoints/cohere/serving.py @ 02969a445a77
   content-end    then message-end {"type","id","delta":{"finish_reason", "usage":
                  {"billed_units":{input_tokens,output_tokens},"tokens":{...}[,"cached_tokens"]}}}
 
-finish_reason: stop -> COMPLETE, length -> MAX_TOKENS, tool_calls -> TOOL_CALL, error ->
-ERROR, anything else COMPLETE. A failure mid-stream is a message-end carrying `error` and
-finish_reason ERROR, then [DONE]. Errors before the stream keep vLLM's OpenAI-style body.
+finish_reason (vLLM 0.32's `_map_finish_reason`): stop with the matched stop string in the
+chat choice's `stop_reason` -> STOP_SEQUENCE, else stop -> COMPLETE, length -> MAX_TOKENS,
+tool_calls -> TOOL_CALL, error -> ERROR, anything else COMPLETE. A failure mid-stream is a
+message-end carrying `error` and finish_reason ERROR, then [DONE]. Errors before the stream
+keep vLLM's OpenAI-style body.
+
+`stop_sequences` go to chat as `stop` (`_build_base_chat_completion`), so the text is cut as
+chat cuts it (proxy/sim/stops.py). The stream converter sends only non-empty text (`if
+delta.content:`), so a step whose text is all held back sends no event, and content-start
+comes with the first text sent. Not streamed, an empty text is no content block, and
+`content=content_blocks or None` under `model_dump(exclude_none=True)` (api_router.py)
+leaves the message without `content`.
 """
 
 from __future__ import annotations
@@ -26,7 +35,14 @@ import orjson
 from proxy.sim.controls import Plan
 from proxy.sim.tokens import completion_text
 
-FINISH = {"stop": "COMPLETE", "length": "MAX_TOKENS", "tool_calls": "TOOL_CALL", "error": "ERROR"}
+#: serving.py _FINISH_REASON_MAP (finish_reason -> Cohere's finish_reason).
+FINISH = {
+    "stop": "COMPLETE",
+    "length": "MAX_TOKENS",
+    "tool_calls": "TOOL_CALL",
+    "stop_sequence": "STOP_SEQUENCE",
+    "error": "ERROR",
+}
 DONE = b"data: [DONE]\n\n"
 
 
@@ -42,7 +58,12 @@ class CohereWire:
     def __init__(self, plan: Plan, response_id: str) -> None:
         self._plan = plan
         self._id = orjson.dumps(response_id)
-        self.finish_reason = FINISH.get(plan.finish_reason, "COMPLETE")
+        # _map_finish_reason: vLLM reports EOS and a matched stop string alike as "stop";
+        # the string in stop_reason tells them apart.
+        stopped = plan.finish_reason == "stop" and plan.stop_hit is not None
+        self.finish_reason = (
+            "STOP_SEQUENCE" if stopped else FINISH.get(plan.finish_reason, "COMPLETE")
+        )
 
     def usage(self, output_tokens: int) -> bytes:
         plan = self._plan
@@ -91,13 +112,15 @@ class CohereWire:
         return _data(orjson.dumps(end)) + DONE
 
     def full(self, sent: int) -> bytes:
+        hit = self._plan.stop_hit
+        text = completion_text(sent) if hit is None else hit.text
+        message: dict[str, Any] = {"role": "assistant"}
+        if text:
+            message["content"] = [{"type": "text", "text": text}]
         body: dict[str, Any] = {
             "id": orjson.Fragment(self._id),
             "finish_reason": self.finish_reason,
-            "message": {
-                "role": "assistant",
-                "content": [{"type": "text", "text": completion_text(sent)}] if sent else [],
-            },
+            "message": message,
             "usage": orjson.Fragment(self.usage(sent + self._plan.eos)),
         }
         return orjson.dumps(body)

@@ -70,11 +70,13 @@ Choices: chat's and completions' `n` (read and checked as vLLM does: 1 to
 VLLM_MAX_N_SEQUENCES, and 1 at temperature 0) makes that many choices of the same text. They decode together: each
 pacer slot carries one chunk per choice (stream.py).
 
-Stop strings: chat's and completions' `stop` (and `include_stop_str_in_output`) end the
+Stop strings: chat's and completions' `stop` (and `include_stop_str_in_output`), and the
+Messages and Cohere routes' `stop_sequences` (which vLLM hands to chat as `stop`), end the
 programmed text where one first completes, with finish_reason "stop" and the string as
 `stop_reason`; streamed text is held back as vLLM holds it (proxy/sim/stops.py). Playing
 llama-server, `stop` is its stop words on chat, completions and the native /completion
-(finish_reason "stop", `stop_type` "word"; proxy/sim/llamacpp_words.py).
+(finish_reason "stop", `stop_type` "word"; proxy/sim/llamacpp_words.py), and a full
+context ends the answer as llama-server ends it (`Plan.truncated`).
 """
 
 from __future__ import annotations
@@ -383,8 +385,11 @@ def _plan(
     include_stop = lax_bool(body.get("include_stop_str_in_output")) is True
     try:
         stops = read_stops(body.get("stop"), include_stop) if sampling else None
-        if rules.stop_sequences:  # checked, not applied: the text is not cut on these routes
-            read_stops(body.get("stop_sequences"), False)
+        if rules.stop_sequences:
+            # vLLM 0.32 runs these as chat with `stop=stop_sequences` and the chat
+            # request's default include_stop_str_in_output (False): anthropic/serving.py
+            # _build_base_request, cohere/serving.py _build_base_chat_completion.
+            stops = read_stops(body.get("stop_sequences"), False)
     except StopError as exc:
         return errors.bad_request(str(exc))
     planned = number(headers, "x-sim-output-tokens", int, config.output_tokens, 0)

@@ -14,6 +14,12 @@ module decides when they go out, with the same pacers, faults and records as cha
                    stop events; the last one (message_stop, response.completed)
                    is left out under `x-sim-no-done`
 
+Stop strings (the Messages and Cohere routes' `stop_sequences`, run as chat's `stop`) hold
+text back as chat does (proxy/sim/stops.py HeldText); both converters drop a chat chunk
+whose text is empty, so a step whose text is all held back sends nothing, the content
+block opens with the first text sent, and what is still held when the answer ends goes in
+one last delta (with the finishing token's, or at the EOS's step).
+
 Faults behave as in `stream.py`: `error_event` and `error_string` send the API's
 in-stream error event and end the body; `reset`, `close_no_done`, `stall`,
 `malformed`, `non_utf8` and `huge_event` are the same as on chat.
@@ -28,6 +34,7 @@ from proxy.sim.controls import ENDING_FAULTS, Plan
 from proxy.sim.exchange import Exchange
 from proxy.sim.pacing import Pacer
 from proxy.sim.state import Outcome
+from proxy.sim.stops import HeldText
 from proxy.sim.stream import paced_content, paced_whole
 from proxy.sim.tokens import text_json
 
@@ -67,11 +74,31 @@ async def stream_events(ex: Exchange, plan: Plan, events: EventWire, pacer: Pace
     for data in events.opening():
         await ex.write(data)
 
-    def content(count: int, sent: int) -> list[bytes]:
+    # The token limit and a stop string end the answer at a token with text, as does an
+    # EOS in the last text step: that step's chat chunk carries all that was held back
+    # (as in stream.py; vLLM 0.32, greedy "\n" tokens, `stop_sequences: ["\nX"]`,
+    # max_tokens 4: deltas "\n", "\n", "\n\n").
+    ends_on_token = (
+        plan.finish_reason == "length" or plan.stop_hit is not None or plan.eos_shares_step
+    ) and plan.output_tokens > 0
+    held = None if plan.stops is None else HeldText(plan.stops, plan.stop_hit, plan.output_tokens)
+    started = False
+
+    def delta(text: bytes) -> list[bytes]:
         # vLLM opens the content block lazily, on the first text it sees (built first:
-        # the events are numbered as they are made).
-        opening = events.block_start() if sent == 0 else []
-        return [*opening, events.content(text_json(count, sent))]
+        # the events are numbered as they are made), and sends no delta for empty text.
+        nonlocal started
+        if not text:
+            return []
+        opening = [] if started else events.block_start()
+        started = True
+        return [*opening, events.content(text)]
+
+    def content(count: int, sent: int) -> list[bytes]:
+        if held is None:
+            return delta(text_json(count, sent))
+        ends = ends_on_token and sent + count >= plan.output_tokens
+        return delta(held.step(count, sent, ends))
 
     async def fire(fault: str) -> bool:
         return await _fire(ex, plan, events, pacer, fault)
@@ -79,9 +106,11 @@ async def stream_events(ex: Exchange, plan: Plan, events: EventWire, pacer: Pace
     sent = await paced_content(ex, plan, pacer, content, fire)
     if sent is None:
         return "fault"
+    for data in delta(b"" if held is None else held.rest()):  # the EOS's chunk's text
+        await ex.write(data)
     record.finish_reason = events.finish_reason
     record.completion_tokens = sent + plan.eos  # the EOS, sent as the closing events
-    closing = events.closing(sent, sent > 0)
+    closing = events.closing(sent, started)
     if plan.no_done:
         closing = closing[:-1]
     for data in closing[:-1]:

@@ -15,16 +15,28 @@ usage), and every event is `event: <type>\\ndata: <json>\\n\\n`:
   content_block_start  lazily, just before the first text delta:
                        {"type":"text","text":""} at index 0
   content_block_delta  {"type":"text_delta","text":...} per chunk
-  content_block_stop   then message_delta {delta {stop_reason, stop_sequence: null},
-                       usage {input_tokens,
-                       output_tokens}} from the usage chunk, then message_stop ([DONE])
+  content_block_stop   then message_delta {delta {stop_reason, stop_sequence}, usage
+                       {input_tokens, output_tokens}} from the usage chunk, then
+                       message_stop ([DONE])
 
-stop_reason: vLLM maps finish_reason stop -> end_turn, length -> max_tokens,
-tool_calls -> tool_use, anything else -> null; an `x-sim-finish-reason` that is already
-an Anthropic stop reason (e.g. stop_sequence, refusal) is sent as it is.
+stop_reason (vLLM 0.32's _to_anthropic_stop_reason): finish_reason length -> max_tokens;
+stop (or tool_calls) with the matched stop string in the chat choice's `stop_reason` ->
+stop_sequence, with `stop_sequence` that string (null otherwise: set explicitly, so the
+stream always sends it); stop -> end_turn, tool_calls -> tool_use, anything else -> null.
+An `x-sim-finish-reason` that is already an Anthropic stop reason (e.g. stop_sequence,
+refusal) is sent as it is.
+
+stop_sequences go to chat as `stop` (serving.py _build_base_request), so the text is cut
+as chat cuts it (proxy/sim/stops.py: before the string, held back while one may still
+match, the tokens up to the one completing it counted, no EOS). The converter skips a chat
+chunk whose content is "" (message_stream_converter: `if ... content == "": pass`), so a
+step whose text is all held back sends no event, and the block opens with the first text
+that is sent; an answer the stop cut to nothing opens no block.
 
 Non-streamed: `model_dump(exclude_none=True)` of {id, type: "message", role:
-"assistant", content: [{"type":"text","text"}], model, stop_reason, usage}.
+"assistant", content: [{"type":"text","text"}], model, stop_reason, stop_sequence (where
+set), usage}; an empty text is still one empty text block (messages_full_converter:
+"Anthropic's canonical shape for an empty completion is a single empty text block").
 
 Errors: vLLM's OpenAI-style ErrorResponse rebuilt as {"type":"error","error":{"type":
 <vLLM's type, e.g. "BadRequestError">, "message"}} with the same status. In a stream a
@@ -59,9 +71,13 @@ ANTHROPIC_STOP_REASONS = frozenset(
 PING = b'event: ping\ndata: {"type":"ping"}\n\n'
 
 
-def stop_reason(finish_reason: str) -> str | None:
+def stop_reason(finish_reason: str, stop_string: str | None = None) -> str | None:
+    """serving.py _to_anthropic_stop_reason for an answer without tool_use blocks;
+    `stop_string` is the stop string that ended it, if one did."""
     if finish_reason in ANTHROPIC_STOP_REASONS:
         return finish_reason
+    if finish_reason in ("stop", "tool_calls") and stop_string is not None:
+        return "stop_sequence"
     return STOP_REASONS.get(finish_reason)
 
 
@@ -72,14 +88,17 @@ def _event(name: bytes, data: bytes) -> bytes:
 class MessagesWire:
     """The events (or the body) of one Messages response."""
 
-    __slots__ = ("_id", "_model", "_plan", "_pre", "_stamp", "finish_reason")
+    __slots__ = ("_id", "_model", "_plan", "_pre", "_stamp", "finish_reason", "stop_sequence")
 
     def __init__(self, plan: Plan, response_id: str, stamp: str = "") -> None:
         self._stamp = stamp
         self._plan = plan
         self._id = orjson.dumps(response_id)
         self._model = orjson.dumps(plan.model)
-        self.finish_reason = stop_reason(plan.finish_reason)
+        hit = plan.stop_hit
+        self.finish_reason = stop_reason(plan.finish_reason, None if hit is None else hit.string)
+        matched = self.finish_reason == "stop_sequence"
+        self.stop_sequence = hit.string if hit is not None and matched else None
         self._pre = (
             b'event: content_block_delta\ndata: {"type":"content_block_delta",'
             b'"delta":{"type":"text_delta","text":"'
@@ -131,9 +150,13 @@ class MessagesWire:
         out.append(
             _event(
                 b"message_delta",
-                b'{"type":"message_delta","delta":{"stop_reason":%s,"stop_sequence":null},'
+                b'{"type":"message_delta","delta":{"stop_reason":%s,"stop_sequence":%s},'
                 b'"usage":%s}'
-                % (orjson.dumps(self.finish_reason), self.usage(sent + self._plan.eos)),
+                % (
+                    orjson.dumps(self.finish_reason),
+                    orjson.dumps(self.stop_sequence),
+                    self.usage(sent + self._plan.eos),
+                ),
             )
         )
         out.append(_event(b"message_stop", b'{"type":"message_stop"}'))
@@ -148,15 +171,20 @@ class MessagesWire:
         )
 
     def full(self, sent: int) -> bytes:
+        hit = self._plan.stop_hit
         body: dict[str, Any] = {
             "id": orjson.Fragment(self._id),
             "type": "message",
             "role": "assistant",
-            "content": [{"type": "text", "text": completion_text(sent)}] if sent else [],
+            "content": [
+                {"type": "text", "text": completion_text(sent) if hit is None else hit.text}
+            ],
             "model": self._plan.model,
         }
         if self.finish_reason is not None:
             body["stop_reason"] = self.finish_reason
+        if self.stop_sequence is not None:
+            body["stop_sequence"] = self.stop_sequence
         body["usage"] = orjson.Fragment(self.usage(sent + self._plan.eos))
         return orjson.dumps(body)
 

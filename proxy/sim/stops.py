@@ -1,4 +1,5 @@
-"""vLLM's stop strings, applied to the simulator's programmed text (chat and completions).
+"""vLLM's stop strings, applied to the simulator's programmed text (chat's and completions'
+`stop`, and the Messages and Cohere routes' `stop_sequences`, which vLLM runs as chat's).
 
 Source: vllm/v1/engine/detokenizer.py (BaseIncrementalDetokenizer: `update`,
 `get_next_output_text`, `check_stop_strings`) and vllm/v1/engine/output_processor.py
