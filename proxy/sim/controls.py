@@ -176,6 +176,9 @@ class Plan:
     #: as llama-server (`n_decoded`: proxy/sim/llamacpp.py) and Ollama (`eval_count`:
     #: proxy/sim/ollama.py) do; 0 where the token limit or a stop string ends it.
     eos: int = 0
+    #: llama-server only: the answer's last token (the EOS included) filled the context,
+    #: its native `truncated` (server-context.cpp process_token, without context shift).
+    truncated: bool = False
 
     @property
     def eos_shares_step(self) -> bool:
@@ -428,11 +431,23 @@ def _plan(
     word = first_word(words, planned) if words else None
     if word is not None:  # llama-server's finish_reason for STOP_TYPE_WORD
         planned, finish = word.tokens, "stop"
+        # ... unless that token fills the context: process_token's context check comes
+        # after the stop-word check and sets STOP_TYPE_LIMIT over it ("length" on the
+        # OpenAI routes; `stopping_word` stays). The real binary, --ctx-size 256, a
+        # grammar of 252 " upon" and " once", `stop: ["once"]`: stop_type "limit".
+        if llama and planned >= room:
+            finish = "length"
     # What ended the generation decides the EOS, whatever finish_reason a header forces,
     # but a forced "length" is a choice cut by its limit, which has none.
     finish_reason = headers.get("x-sim-finish-reason", finish)
     ended_by_text = hit is not None or word is not None
     eos = 1 if finish != "length" and not ended_by_text and finish_reason != "length" else 0
+    # llama-server, without context shift (its default: common.h ctx_shift = false), stops
+    # a slot at the token that fills its context, counted, and marks it `truncated`
+    # (server-context.cpp process_token: `slot.prompt.n_tokens() + 1 >= slot.n_ctx`),
+    # whatever else ends it there: an EOS at that token is still STOP_TYPE_EOS, since the
+    # EOG check comes after (the real binary: stop_type "eos", truncated true).
+    truncated = llama and planned + eos >= room
 
     options = body.get("stream_options") or {}
     # read as vLLM's pydantic models read it: `1` and "true" ask, "false" does not
@@ -489,6 +504,7 @@ def _plan(
         words=words,
         word_hit=word,
         eos=eos,
+        truncated=truncated,
     )
 
 

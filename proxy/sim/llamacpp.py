@@ -43,6 +43,15 @@ with `"text": ""`, chat's empty diff sends no chunk.
 (STOP_TYPE_WORD, to_json_oaicompat), no EOS; the chunk of the token that completes it
 carries `timings` as well as the finish; a token whose text is held back streams a chunk
 of empty text on /v1/completions and none on chat; the EOS's partial sends what was held.
+
+The chat role chunk leaves at once, as in the vLLM mode, but llama-server sends it with the
+first token's partial (server-task.cpp to_json_oaicompat_chat: the role delta when
+`n_decoded == 1`, then the text diffs, `timings` on the last of them). Where the first
+token completes a stop word with no text before it, that partial's only chunk is the role
+chunk, and it carries the `timings`: so where the first step completes a word, the role
+chunk waits for it and goes out with its partial (the real binary, a grammar of " upon
+upon upon" with `stop: [" up"]`: the role chunk with `timings`, predicted_n 1, then the
+finish chunk).
 """
 
 from __future__ import annotations
@@ -165,10 +174,13 @@ class LlamaWire:
             self._tail = self._tail_no_id + b',"id":' + self.id_json
         self._choice_post = b"}]"
 
-    def role(self) -> bytes:
+    def role(self, timings: bytes | None = None) -> bytes:
+        """The role chunk; `timings` where it is the last chunk of a partial that ended
+        the slot (a stop word completed by the first token)."""
+        tail = self._tail if timings is None else self._tail + b',"timings":' + timings
         return (
             b'data: {"choices":[{"finish_reason":null,"index":0,'
-            b'"delta":{"role":"assistant","content":null}}]' + self._tail + b"}\n\n"
+            b'"delta":{"role":"assistant","content":null}}]' + tail + b"}\n\n"
         )
 
     def content(
@@ -208,7 +220,10 @@ async def stream_llamacpp(
     clock = Clock(ex)
     sse = LlamaWire(chat, _llama_id(ex.record.id), created, plan.model)
     await ex.start(200, SSE)
-    if chat:
+    hit = plan.word_hit
+    # the first partial ends the slot on a stop word: the role chunk goes with it
+    role_waits = chat and hit is not None and hit.tokens <= plan.tokens_per_chunk
+    if chat and not role_waits:
         await ex.write(sse.role())
 
     words = SentText(plan.words) if plan.words else None
@@ -218,9 +233,11 @@ async def stream_llamacpp(
         if words is None:
             return [sse.content(text_json(count, sent))]
         text = words.step(count, sent)
-        if chat and not text:  # held back by a stop word: chat's empty diff sends nothing
-            return []
-        return [sse.content(text, None, word_timings(plan, clock, sent + count))]
+        timings = word_timings(plan, clock, sent + count)
+        role = role_waits and sent == 0
+        if chat and not text:  # held back or cut: chat's empty diff sends no chunk of its own
+            return [sse.role(timings)] if role else []
+        return [*([sse.role()] if role else []), sse.content(text, None, timings)]
 
     async def fire(fault: str) -> bool:
         return await fire_fault(ex, plan, sse, pacer, fault)

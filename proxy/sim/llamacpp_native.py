@@ -13,6 +13,10 @@ tools/server/server-task.cpp (to_json_non_oaicompat_partial / _final) write them
 - `stop_type`: "limit" for a `length` finish (n_predict, or the context full), "eos" for
   `stop`, "word" where a stop word ended it (`stopping_word` that word, "" otherwise);
   `x-sim-finish-reason` may name any other (none) as it is.
+- `truncated`: true where the answer's last token (the EOS included) filled the context
+  (controls.Plan.truncated; server-context.cpp process_token, without context shift). A
+  stop word completed by that token ends as "limit", `stopping_word` still the word; an
+  EOS there stays "eos" (the real binary at --ctx-size 256: both, `truncated` true).
 - The EOS that ends a "stop" answer (controls.Plan.eos) is decoded in a step of its own
   and sent as a partial event of its own, `"content": ""`, `"tokens": [2]` (the EOS id of
   the captured Llama), `tokens_predicted` counting it (server-context.cpp process_token
@@ -216,11 +220,13 @@ class NativeWire:
         where one ended it."""
         plan, evaluated = self._plan_of(index), self.evaluated[index]
         reason, hit = plan.finish_reason, plan.word_hit
+        # a word whose token filled the context ends as "limit" (controls: "length")
+        word = hit is not None and not plan.truncated
         new_line = has_new_line(plan.words, predicted - plan.eos, plan.eos)
         return (
             b'{"index":%d,"content":%s,"tokens":[],"id_slot":%d,"stop":true,"model":%s,'
             b'"tokens_predicted":%d,"tokens_evaluated":%d,"generation_settings":%s,'
-            b'"prompt":%s,"has_new_line":%s,"truncated":false,"stop_type":%s,'
+            b'"prompt":%s,"has_new_line":%s,"truncated":%s,"stop_type":%s,'
             b'"stopping_word":%s,"tokens_cached":%d,"timings":%s}'
             % (
                 index,
@@ -232,7 +238,8 @@ class NativeWire:
                 self._settings,
                 self._prompts[index],
                 b"true" if new_line else b"false",
-                b'"word"' if hit is not None else orjson.dumps(STOP_TYPES.get(reason, reason)),
+                b"true" if plan.truncated else b"false",
+                b'"word"' if word else orjson.dumps(STOP_TYPES.get(reason, reason)),
                 orjson.dumps("" if hit is None else hit.word),
                 evaluated + max(0, predicted - 1),
                 timings_json(plan, clock, predicted),

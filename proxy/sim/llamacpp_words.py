@@ -29,10 +29,11 @@ tests/fixtures/streams/llamacpp/*stop*, and by hand: the tie, "" and the 400s):
   "Field 'stop': [json.exception.type_error.302] type must be string, but is <type>";
   anything else is no words.
 
-Not modelled: a word completed by the first token with no text before it, on chat (the
-real server then puts `timings` on the role chunk, which it sends with that first
-partial; the simulator's role chunk left at once); and a full context, which overrides
-the word's `stop_type` with "limit" (process_token checks it after the words).
+A word completed by the first token with no text before it, on chat: the real server puts
+`timings` on the role chunk, which it sends with that first partial (proxy/sim/llamacpp.py
+holds the role chunk back for it). A word completed by the token that fills the context
+ends as "limit" (process_token's context check comes after the words; controls.py,
+`Plan.truncated`).
 """
 
 from __future__ import annotations
