@@ -156,7 +156,8 @@ def test_300_vllm_deltas_in_one_read_are_measured(upstream: RawUpstream) -> None
     """vLLM's deltas (`{"type":"transcription.delta","delta":" word"}`, 45 bytes a frame)
     written at once, as a stalled proxy reads them: the utterance is recorded. The guard
     against floods of tiny frames once took any read of 256 frames under 256 bytes for
-    one, and the utterance went unrecorded."""
+    one, and the utterance went unrecorded. (300 frames 50 ms after the 101: within what
+    a direction starts with and earns, proxy/server/tunnel/budget.py.)"""
     n = 300
     deltas = _event(type="transcription.delta", delta=" word") * n
     usage = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3}

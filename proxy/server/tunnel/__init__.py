@@ -15,6 +15,8 @@ them:
                 sealing, the idle timer, the close and its grace; nothing of WebSockets
   watch.py      frames beside the bytes: frame bounds, the API's session fed, the drain's
                 close frames at a frame boundary, measuring failures caught
+  budget.py     how many frames the watch may read: earned with time, so a flood costs
+                a bounded read
   session.py    one tunnel (`take_over`, `TunnelHandle`): its outcome, and its end handed
                 to the sinks (`Sinks.session_ended`: Prometheus, OTLP, the access log)
   context.py    what every tunnel of one server shares (`tunnel_context`)

@@ -4,9 +4,10 @@ Once the upstream switched protocols, every read (after it went on to the other 
 feeds its direction's `FrameBounds`, which notes where frames end and which side sent a
 close frame first; on a path with a WebSocket API (proxy/core/wsseam.py) the direction's
 `FrameReader` also hands its messages to that API's session. Measuring fails in one
-place, `_watch`: the session is no longer watched, a counter says so
+place, `_read`: the session is no longer watched, a counter says so
 (`tokenprobe_measurement_failures_total{stage="ws_frames"|"observe"|"finish"}`), and the
-bytes go on.
+bytes go on. A read carrying more frames than its direction has earned (budget.py: a
+flood, never a real peer) stops the watching the same way, before any is read.
 
 The drain (`drain`, on SIGTERM) writes each side a close frame (1001, going away) once the
 frames towards it are at a boundary, never inside a frame; nothing read afterwards goes
@@ -27,22 +28,13 @@ from proxy.core.wsframes import (
     deflate_params,
 )
 from proxy.core.wsseam import CLOSE_CAUSES, WsSession
+from proxy.server.tunnel.budget import FrameBudget
 from proxy.server.tunnel.pipe import Pipe
 
 log = logging.getLogger("tokenprobe")
 
 GOING_AWAY = 1001
 SHUTDOWN_REASON = "proxy shutting down"
-#: A read of more than TINY_FRAMES frames averaging under TINY_FRAME_BYTES each (a flood of
-#: pings, each 2 to 6 bytes of header and little else) stops the watching: the frame
-#: reader's Python costs some 7 µs a frame, and such a read would hold the event loop for
-#: every stream (256 KiB of 6-byte pings: 0.2 s). Frames the APIs measure are larger: a
-#: vLLM transcription.delta is some 45 bytes (`{"type":"transcription.delta","delta":"
-#: word"}` and its 2-byte header), and hundreds of them come in one read after a stall
-#: of the proxy, which must not cost their utterance its record. (Compressed by
-#: permessage-deflate a delta is some 7 bytes: such a read of them still stops it.)
-TINY_FRAMES = 256
-TINY_FRAME_BYTES = 16
 
 
 class WsWatch:
@@ -61,7 +53,9 @@ class WsWatch:
         self.first_close: bool | None = None  # True: the client sent the first close frame
         self.draining = False
         self._session: WsSession | None = None
-        self._readers: tuple[FrameReader, FrameReader] | None = None  # (client, upstream)
+        self._readers: tuple[FrameReader, FrameReader] | None = None  # (upstream, client)
+        # (upstream, client): the frames each direction may have read; anew in `follow`
+        self._budgets = (FrameBudget(0.0), FrameBudget(0.0))
 
     def start(self, after: bytes) -> None:
         """The upstream switched: `after` is what followed its 101 head in the same read
@@ -83,7 +77,7 @@ class WsWatch:
         try:
             deflate: DeflateParams | None = deflate_params(extensions)
             limit = max_message_bytes
-            self._readers = (FrameReader(True, deflate, limit), FrameReader(False, deflate, limit))
+            self._readers = (FrameReader(False, deflate, limit), FrameReader(True, deflate, limit))
             self._session = open_session()
         except FrameError:
             self._stop_watching("ws_frames")
@@ -92,7 +86,12 @@ class WsWatch:
             log.exception("opening a WebSocket session's measurement failed")
             self._stop_watching("observe")
             return
-        self._watch(False, after, now)
+        self._budgets = (FrameBudget(now), FrameBudget(now))
+        frames = self.upstream_bounds.frames  # all of them in `after`
+        if not self._budgets[False].spend(frames, now):
+            self._over_budget(False, frames)
+        elif after:
+            self._read(self._readers[False], after, now)
 
     def seen(self, from_client: bool, data: bytes, at: float) -> None:
         """A read from one side at `at` (perf_counter, the read's instant)."""
@@ -107,23 +106,33 @@ class WsWatch:
         bounds.feed(data)
         if bounds.closed and self.first_close is None:
             self.first_close = from_client
-        if self._readers is not None:
+        if (readers := self._readers) is not None:
             frames = bounds.frames - frames
-            if frames > TINY_FRAMES and len(data) < frames * TINY_FRAME_BYTES:
-                log.warning("stopped watching a WebSocket session: %d frames in one read", frames)
-                self._stop_watching("ws_frames")
+            # One frame a read costs about what the read costs the pipe: no budget asked.
+            if frames < 2 or self._budgets[from_client].spend(frames, at):
+                self._read(readers[from_client], data, at)
             else:
-                self._watch(from_client, data, at)
+                self._over_budget(from_client, frames)
         if self.draining:
             self._drain_step()
 
-    def _watch(self, from_client: bool, data: bytes, now: float) -> None:
+    def _over_budget(self, from_client: bool, frames: int) -> None:
+        """A read of more frames than its direction earned (budget.py): none is read."""
+        side = "client" if from_client else "upstream"
+        log.warning(
+            "stopped watching a WebSocket session: %d frames in one read from the %s, "
+            "more than its frame budget",
+            frames,
+            side,
+        )
+        self._stop_watching("ws_frames")
+
+    def _read(self, reader: FrameReader, data: bytes, now: float) -> None:
         """The one place measuring a session can fail; it never stops the bytes."""
-        readers, session = self._readers, self._session
-        if readers is None or session is None or not data:
-            return
+        session = self._session
+        assert session is not None  # set and cleared with the readers
         try:
-            for message in readers[0 if from_client else 1].feed(data, now):
+            for message in reader.feed(data, now):
                 session.message(message)
         except FrameError as exc:
             log.warning("stopped watching a WebSocket session: %s", exc)
