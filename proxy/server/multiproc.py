@@ -4,11 +4,20 @@ Every worker writes its values to files in one directory (`PROMETHEUS_MULTIPROC_
 cleared of a previous run's files at start by `serve`); whichever worker answers a
 scrape sums them all. Live gauges of workers that died are dropped at each scrape, or a
 crashed worker's in-flight requests would stay in flight forever.
+
+Who writes there now is the kernel's to say: every process writing metrics to the
+directory holds a shared flock on the directory itself for as long as it lives (the
+kernel drops it when the process ends, however it ends), and a start takes it alone
+before it clears anything (`fresh_metrics_directory`). A pid in a file's name says only
+who wrote it once: the pid of a previous run's worker may belong to any process now (a
+restarted container numbers its processes from 1 again).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import glob
 import json
 import logging
@@ -43,6 +52,7 @@ SessionsLost = Callable[[str, float], None]
 def multiprocess_metrics_app(
     directory: str, lost: Lost | None = None, sessions_lost: SessionsLost | None = None
 ) -> Exposition:
+    writing_to(directory)  # each worker builds its exposition: it writes metrics there
     # The collector describes no names: without this a `name[]` scrape would leave it out.
     scrape_registry = CollectorRegistry(support_collectors_without_names=True)
     scrape_registry.register(WrittenFiles(directory))
@@ -105,30 +115,105 @@ def fresh_metrics_directory(directory: str) -> None:
     """The metrics directory `serve` starts with, made if missing, and cleared of a previous
     run's files (their counters would be summed in): prometheus-client's and the label
     ledgers, nothing else. The directory stays, for it may be a mount point (a Kubernetes
-    emptyDir), which cannot be removed, and other files in it are not ours.
+    emptyDir), which cannot be removed, and other files in it are not ours. This process
+    then holds it as its writer until it ends (`writing_to`).
 
     SettingsError when it cannot be a directory, or when a live process writes metrics
     there: another proxy given the same directory, whose counters clearing would send back
     to 0, and which would report this one's traffic as its own."""
     try:
         os.makedirs(directory, exist_ok=True)
-        if (pid := _live_writer(directory)) is not None:
+        held = os.path.realpath(directory) in _HELD
+        fd = _hold(directory)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            writer = _lock_holder(fd)
+            _let_go(directory, fd, held)
+            who = "another process is" if writer is None else f"process {writer} is"
             raise SettingsError(
-                f"{MULTIPROC_ENV}={directory!r}: process {pid} is writing its metrics there; "
+                f"{MULTIPROC_ENV}={directory!r}: {who} writing its metrics there; "
                 "give each tokenprobe serve a directory of its own"
+            ) from None
+        except OSError as exc:
+            if exc.errno not in _NO_FLOCK:
+                raise
+            # A filesystem without flock (some network ones): the start goes on, unguarded.
+            log.warning(
+                "%s=%r: cannot lock it (%s): a second proxy given it would not be refused",
+                MULTIPROC_ENV,
+                directory,
+                exc.strerror,
             )
+            _clear_run_files(directory)
+            return
         _clear_run_files(directory)
+        # Shared from here, beside the workers'. The change is not atomic (flock(2)): a
+        # second start in that instant would find the directory free.
+        fcntl.flock(fd, fcntl.LOCK_SH)
     except OSError as exc:
         raise SettingsError(f"{MULTIPROC_ENV}={directory!r}: {exc.strerror}") from None
 
 
-def _live_writer(directory: str) -> int | None:
-    """A live process other than this one whose metric files are in `directory` (each
-    file's name ends in its writer's pid), or None."""
-    for name in os.listdir(directory):
-        match = _PID.search(name)
-        if match is not None and (pid := int(match.group(1))) != os.getpid() and _alive(pid):
-            return pid
+#: flock's errors on a filesystem that has none (flock(2): ENOLCK, EOPNOTSUPP; EINVAL
+#: where the file system cannot lock this kind of file).
+_NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS})
+
+
+#: This process's hold on each metrics directory it writes to, by real path: a
+#: descriptor of the directory with a flock on it, open until the process ends.
+_HELD: dict[str, int] = {}
+
+
+def writing_to(directory: str) -> None:
+    """This process writes metrics to `directory` from now on: it holds the directory's
+    flock, shared, until it ends, so that no start clears the files under it (it waits
+    out a start that holds it alone to clear it). Again for the same directory: nothing."""
+    try:
+        fcntl.flock(_hold(directory), fcntl.LOCK_SH)
+    except OSError as exc:
+        if exc.errno not in _NO_FLOCK:
+            raise  # (fresh_metrics_directory has warned: the start went on unguarded)
+
+
+def _hold(directory: str) -> int:
+    """This process's descriptor of `directory`, opened once (not inherited by children:
+    each worker holds its own)."""
+    key = os.path.realpath(directory)
+    fd = _HELD.get(key)
+    if fd is None:
+        fd = _HELD[key] = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    return fd
+
+
+def _let_go(directory: str, fd: int, held: bool) -> None:
+    """After a refused start: a failed change of lock has dropped this process's own
+    (flock(2)), so a directory it wrote to before is held again, shared; one it had not
+    is closed."""
+    if held:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    else:
+        del _HELD[os.path.realpath(directory)]
+        os.close(fd)
+
+
+def _lock_holder(fd: int) -> int | None:
+    """A process other than this one holding a flock on `fd`'s file, from /proc/locks
+    (Linux: `1: FLOCK  ADVISORY  READ  <pid> <major>:<minor>:<inode> 0 EOF`), for the
+    refusal to name; None where that cannot be read (another system, or a holder in
+    another pid namespace: pid 0)."""
+    st = os.fstat(fd)
+    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as locks:
+            for line in locks:
+                fields = line.split()
+                if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == where:
+                    pid = int(fields[4])
+                    if pid not in (0, os.getpid()):
+                        return pid
+    except (OSError, ValueError):
+        pass
     return None
 
 

@@ -1,6 +1,7 @@
 """proxy/server/multiproc.py: a dead worker's in-flight requests, read from its metric
 file, counted once, and neither a file it died writing nor one a worker is creating
-breaks a scrape; the directory a start clears, and the one it refuses."""
+breaks a scrape; the directory a start clears (the one it refuses:
+tests/server/test_multiproc_writer.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ from proxy.server.multiproc import (
     fresh_metrics_directory,
     multiprocess_metrics_app,
 )
-from proxy.settings import SettingsError
 from tests.scrape import Scrape
 from tests.server.conftest import no_proxy
 
@@ -161,20 +161,6 @@ def test_a_start_clears_a_previous_runs_files_and_keeps_the_directory_and_the_re
     monkeypatch.setattr(os, "rmdir", mount_point)
     fresh_metrics_directory(str(directory))
     assert sorted(os.listdir(directory)) == sorted(foreign)
-
-
-def test_a_directory_a_live_process_writes_metrics_to_refuses_the_start_untouched(
-    tmp_path: Path,
-) -> None:
-    """Another proxy given the same directory: clearing it sent that one's counters back
-    to 0, and each then reported the other's traffic. Its writer is named."""
-    alive = os.getppid()  # a live process that is not this one
-    files = [f"counter_{alive}.db", *_PREVIOUS_RUN]
-    for name in files:
-        (tmp_path / name).write_text("x")
-    with pytest.raises(SettingsError, match=rf"PROMETHEUS_MULTIPROC_DIR=.*process {alive} "):
-        fresh_metrics_directory(str(tmp_path))
-    assert sorted(os.listdir(tmp_path)) == sorted(files)
 
 
 def test_this_processs_own_files_and_dead_ones_do_not_refuse_the_start(tmp_path: Path) -> None:
