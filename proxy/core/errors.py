@@ -405,6 +405,38 @@ class Cause(Enum):
 
 #: The record's words for a pipelined request the drain's end dropped before its turn.
 SHUTDOWN_BEFORE_TURN = "the proxy shut down before its turn on the connection; no answer went out"
+#: The record's words for a pipelined request dropped with the connection of an answer cut.
+CUT_BEFORE_TURN = (
+    "the answer before it on the connection was cut (the upstream failed), and the "
+    "connection dropped with it; no answer went out"
+)
+
+#: The early ends that are the upstream's (it broke the response, or went silent in it):
+#: after the response head they drop the client's connection, and the requests
+#: pipelined behind are the upstream's casualties (LostTurn.CUT).
+UPSTREAM_CUTS = frozenset({Cause.UPSTREAM_BROKE, Cause.IDLE_TIMEOUT})
+
+
+class LostTurn(Enum):
+    """Why a request pipelined on a connection never got its turn, decided as the
+    connection closes (GuardedHttpToolsProtocol.lost_turn), the same on both data paths,
+    whatever stage the request was in (its body still coming, or refused at its head).
+    Its record (ExchangeRules.turn_lost) has status 0: nothing went out to it."""
+
+    CLIENT = "client"  # client_cancelled: the client ended or reset the connection, or it
+    # closed by the client's own doing (it asked for the close, stopped reading its answer)
+    DRAIN = "drain"  # upstream_error: the drain's end closed it (SHUTDOWN_BEFORE_TURN)
+    CUT = "cut"  # upstream_error: the answer before it was cut for the upstream's failure,
+    # and the connection dropped so its client sees the break (CUT_BEFORE_TURN)
+
+    def recorded(self) -> tuple[ErrorType, str | None]:
+        """The record's error type and message."""
+        if self is LostTurn.CLIENT:
+            return ErrorType.CLIENT_CANCELLED, None
+        return ErrorType.UPSTREAM_ERROR, (
+            SHUTDOWN_BEFORE_TURN if self is LostTurn.DRAIN else CUT_BEFORE_TURN
+        )
+
 
 #: The status the proxy answers with when an upstream failure comes before any header.
 _STATUS_FOR_ERROR = {
@@ -521,10 +553,14 @@ def error_body(status: int, kind: str, message: str, *, shape: Shape = "openai")
 
 
 __all__ = [
+    "CUT_BEFORE_TURN",
     "MAX_ERROR_BODY",
+    "SHUTDOWN_BEFORE_TURN",
+    "UPSTREAM_CUTS",
     "Cause",
     "ConnectFailed",
     "Failure",
+    "LostTurn",
     "Shape",
     "classify_exception",
     "classify_response",

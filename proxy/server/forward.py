@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE
 
-from proxy.core.errors import Cause, Failure
+from proxy.core.errors import UPSTREAM_CUTS, Cause, Failure, LostTurn
 from proxy.core.strip import UsageEventStripper
 from proxy.core.tokens import TokenCounter
 from proxy.server.admission import (
@@ -37,7 +37,7 @@ from proxy.server.admission import (
     where_to,
 )
 from proxy.server.exchange import Context, IdleTimer
-from proxy.server.protocol import ARRIVAL, CLIENT_TRANSPORT
+from proxy.server.protocol import ANSWER_CUT, ARRIVAL, CLIENT_TRANSPORT, coded_under_chunks
 from proxy.server.rules import ExchangeRules, UpstreamRequest
 from proxy.server.upstream import body_reader, send_upstream
 from proxy.server.upstream_errors import UpstreamProtocolError
@@ -109,17 +109,12 @@ class Forwarder:
         url = self.context.upstream.origin + upstream.target
         await Relay(self.client, rules, scope, receive, send).run(url, upstream)
 
-    def abandoned(self, scope: Scope, dropped: bool = False) -> None:
+    def abandoned(self, scope: Scope, lost: LostTurn = LostTurn.CLIENT) -> None:
         """A request pipelined behind the running one, dropped before its turn: uvicorn
         never starts the app for it (protocol.py tells of it), and the wire records it,
-        so this relay does too, timed from its arrival as there, nothing sent:
-        client_cancelled when its client left, upstream_error when, `dropped`, the proxy
-        closed the connection at the drain's end."""
-        rules = self._rules(scope)
-        if dropped:
-            rules.dropped()
-        else:
-            rules.abandoned()
+        so this relay does too, timed from its arrival as there, nothing sent, by why its
+        turn never came (`lost`), a request refused at its head too."""
+        self._rules(scope).turn_lost(lost)
 
     def _rules(self, scope: Scope) -> ExchangeRules:
         """The request's rules, timed from its arrival: when its head was in (stamped by
@@ -248,11 +243,9 @@ class Relay:
             exchange.context.sinks.count_upstream_protocol_error(kind)
             raise UpstreamProtocolError(kind, f"the upstream answered status {status}")
         raw = [(k.lower(), v) for k, v in response.headers.raw]
-        if (bad := _bad_header(raw)) is not None:
-            # uvicorn would refuse it inside http.response.start, the response marked
-            # started by then: the client got an empty close, recorded as a 200
+        if (bad := _bad_head(raw)) is not None:
             exchange.context.sinks.count_upstream_protocol_error("malformed")
-            raise UpstreamProtocolError("malformed", f"the upstream sent an invalid header {bad}")
+            raise UpstreamProtocolError("malformed", bad)
         head = self.rules.response_head(status, raw, perf_counter())
         headers = head.headers
         if status == 304 or status == 204:
@@ -301,6 +294,8 @@ class Relay:
             # At shutdown the connection closes after it: nothing behind it is started.
             close = cause is Cause.SHUTDOWN
             await _send_answer(self.send, *failure.answer, self.rules.path, close=close)
+        elif failure.drop and cause in UPSTREAM_CUTS:  # for the requests pipelined behind
+            self.scope.setdefault("extensions", {})[ANSWER_CUT] = True  # (protocol.py)
         return failure
 
 
@@ -328,18 +323,26 @@ async def _watch_client(receive: Receive, cut: _CancelOnce) -> None:
     cut(Cause.CLIENT_GONE)
 
 
-def _bad_header(headers: list[tuple[bytes, bytes]]) -> str | None:
-    """What is wrong with a response header the server would refuse to write, if any: a
-    control character in a value, a separator or a control character in a name. The
-    patterns are uvicorn's own (httptools_impl.py's HEADER_RE and HEADER_VALUE_RE, which
-    its `send` checks), so the relay refuses exactly what uvicorn would; llhttp refuses
-    the same on the wire (a 502 there too)."""
+def _bad_head(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """What is wrong with a response head the relay must refuse (a 502), if anything:
+
+    - a header the server would refuse to write: a control character in a value, a
+      separator or a control character in a name. The patterns are uvicorn's own
+      (httptools_impl.py's HEADER_RE and HEADER_VALUE_RE, which its `send` checks), so
+      the relay refuses exactly what uvicorn would, which it would do inside
+      http.response.start, the response marked started by then (the client got an empty
+      close, recorded as a 200); llhttp refuses the same on the wire;
+    - a transfer coding before chunked, which aiohttp de-chunks and hands on still
+      coded, as llhttp does on the wire: the one rule of both (coded_under_chunks)."""
+    coded = False
     for name, value in headers:
         if HEADER_RE.search(name):
-            return f"name {name!r}"
+            return f"the upstream sent an invalid header name {name!r}"
         if HEADER_VALUE_RE.search(value):
-            return f"value in {name.decode('latin-1')!r}"
-    return None
+            return f"the upstream sent an invalid header value in {name.decode('latin-1')!r}"
+        if name == b"transfer-encoding" and value != b"chunked":
+            coded = True
+    return coded_under_chunks(headers) if coded else None
 
 
 async def _send_answer(

@@ -43,7 +43,13 @@ proxy's own routes: none in an HTTP/1.1 request, more than one, or a value that 
 own refusals are answered (nginx and h11 refuse the same). The proxy sends the upstream
 its own Host, but the client's names the proxy in a redirect it rewrites (rules.py). So
 is a Transfer-Encoding other than `chunked` alone (`gzip, chunked`), whose body would
-otherwise go upstream de-chunked but still coded.
+otherwise go upstream de-chunked but still coded; the same rule refuses a response that
+puts a coding under its chunks, on both data paths (`coded_under_chunks`: a 502).
+
+A request pipelined behind another whose turn never comes, the connection closing first,
+is recorded as the connection closes, on both data paths, by why its turn never came
+(`LostTurn`): the client's doing, the drain's end, or an answer before it that the proxy
+cut for the upstream's failure and dropped with the connection.
 
 Each close is counted in `tokenprobe_connections_closed_total{reason}`. The limits and
 that counter are the served app's: uvicorn builds the protocol itself, in every worker,
@@ -65,7 +71,9 @@ import httptools
 from prometheus_client import CollectorRegistry, Counter
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
+from proxy.core.errors import LostTurn
 from proxy.server.admission import answer_bytes
+from proxy.server.headers import Headers
 from proxy.server.tunnel import is_websocket_upgrade
 from proxy.settings import Settings, group
 
@@ -91,9 +99,12 @@ class HeadLimits:
 #: The lifespan state key of the served app's HeadGuard (uvicorn's `app_state`).
 HEAD_GUARD = "tokenprobe.head_guard"
 #: The lifespan state key of the call that records a pipelined request dropped before its
-#: turn: its client left, or the drain's end closed the connection (the ASGI relay's
-#: Forwarder.abandoned; see connection_lost).
+#: turn, with the connection's `LostTurn` (the ASGI relay's Forwarder.abandoned; see
+#: connection_lost).
 ABANDONED = "tokenprobe.abandoned"
+#: The scope extension the ASGI relay sets on a request whose answer it cut for the
+#: upstream's failure (UPSTREAM_CUTS) and whose connection it dropped (see LostTurn).
+ANSWER_CUT = "tokenprobe.answer_cut"
 #: The scope extension holding when the request's head was in, `(perf_counter(), time())`:
 #: a request is timed from there on both paths, a pipelined one's wait for its turn too.
 ARRIVAL = "tokenprobe.arrival"
@@ -135,6 +146,32 @@ class _BadHead(Exception):
 _HOST = re.compile(
     rb"(?:\[[0-9A-Fa-f:.]+(?:%25[A-Za-z0-9._~-]+)?\]|[A-Za-z0-9._~!$&'()*+,;=%-]*)(?::[0-9]*)?"
 )
+
+
+def transfer_codings(value: bytes) -> list[bytes]:
+    """A Transfer-Encoding value's codings, in order, lower case (RFC 9112 §6.1)."""
+    return [coding.strip().lower() for coding in value.split(b",")]
+
+
+def coded_under_chunks(headers: Headers) -> str | None:
+    """Why a response framed by chunks cannot be relayed, if it cannot: a transfer coding
+    applied before `chunked` (`gzip, chunked`, or a second `chunked`). Both data paths
+    de-chunk a body and frame it anew for the client; the coding beneath the chunks would
+    reach it unlabelled (transfer codings are hop by hop, and the proxy asked for none:
+    it sends no TE), so such a response is malformed, a 502, as nginx refuses every
+    coding but `chunked` and as the request side refuses the same (`_head_wrong`). A
+    coding that is last frames nothing (RFC 9112 §6.3, item 4): that body runs to the
+    close, as it came."""
+    codings = [
+        coding
+        for name, value in headers
+        if name == b"transfer-encoding"
+        for coding in transfer_codings(value)
+    ]
+    if len(codings) < 2 or codings[-1] != b"chunked":
+        return None
+    said = b", ".join(codings).decode("latin-1")
+    return f"a transfer coding before chunked (transfer-encoding: {said}): only chunked is taken"
 
 
 def connection_counter(registry: CollectorRegistry) -> Counter:
@@ -193,6 +230,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         # not over by then is counted here, as nothing tells this protocol it ended.
         self._handshake_timer: asyncio.TimerHandle | None = None
         self.draining = False  # the server's drain began (uvicorn called `shutdown`)
+        self.answer_cut = False  # an answer was cut for the upstream's failure (LostTurn.CUT)
         self.peer_left = False  # the client sent its end of input
         timeout = self.limits.header_timeout
         if self.config.is_ssl and timeout is not None:
@@ -217,19 +255,28 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             running.disconnected = True
             running.message_event.set()
         abandoned = self.app_state.get(ABANDONED)
-        if abandoned is not None:  # the requests that waited their turn: never started
-            dropped = self.dropped(exc)
+        if abandoned is not None and self.pipeline:  # waited their turn: never started
+            if isinstance(running, RequestResponseCycle) and running.scope.get(
+                "extensions", {}
+            ).get(ANSWER_CUT):
+                self.answer_cut = True
+            lost = self.lost_turn(exc)
             for cycle, _ in self.pipeline:
                 if isinstance(cycle, RequestResponseCycle) and cycle is not running:
-                    abandoned(cycle.scope, dropped)
+                    abandoned(cycle.scope, lost)
         super().connection_lost(exc)
 
-    def dropped(self, exc: Exception | None) -> bool:
-        """Whether the connection closed as the proxy closed it at shutdown, not as the
-        client left: the drain had begun, and the client neither ended nor reset it. The
-        requests waiting their turn on it were dropped by the drain's end (the last
-        response's cut closes the connection), so they are not the client's cancellations."""
-        return self.draining and exc is None and not self.peer_left
+    def lost_turn(self, exc: Exception | None) -> LostTurn:
+        """Why the requests still waiting their turn as the connection closed never got it.
+        The proxy closed it when the client neither ended nor reset it: at the drain's end,
+        or as it dropped an answer the upstream cut (`answer_cut`); then they are not the
+        client's cancellations. Any other close is the client's (it left, asked for the
+        close, or stopped reading the answer before them)."""
+        if exc is not None or self.peer_left:
+            return LostTurn.CLIENT
+        if self.draining:
+            return LostTurn.DRAIN
+        return LostTurn.CUT if self.answer_cut else LostTurn.CLIENT
 
     def eof_received(self) -> None:  # None: the transport closes (the client is gone)
         self.peer_left = True
@@ -447,7 +494,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             if name == b"host":
                 hosts.append(value)
             elif name == b"transfer-encoding":
-                codings.extend(coding.strip().lower() for coding in value.split(b","))
+                codings.extend(transfer_codings(value))
         if codings and codings != [b"chunked"]:
             # llhttp refuses a last coding other than chunked, and decodes `gzip, chunked`
             # to its chunks: the body would go upstream still gzip-coded, and unlabelled.

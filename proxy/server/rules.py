@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from proxy.core.apis import Api
-from proxy.core.errors import SHUTDOWN_BEFORE_TURN, Cause, Failure, relay_failure
+from proxy.core.errors import Cause, Failure, LostTurn, relay_failure
 from proxy.core.measurement import ErrorType
 from proxy.core.paths import Target
 from proxy.core.strip import UsageEventStripper
@@ -171,13 +171,13 @@ class ExchangeRules:
         self._count(failure.answer[0], failure.error, failure.message)
         return failure
 
-    def dropped(self) -> None:
-        """Pipelined behind another request, it was dropped with the connection the proxy
-        closed at the drain's end before its turn came: no answer went out (status 0), and
-        the client never left, so upstream_error, not client_cancelled."""
-        if self.stage is Stage.RECEIVING:
+    def turn_lost(self, lost: LostTurn) -> None:
+        """Pipelined behind another request, its turn never came: the connection closed
+        first, for the reason `lost` gives. Nothing went out to it (status 0); recorded
+        whether its body was still coming in or it was refused at its head."""
+        if self.stage is Stage.RECEIVING or self.stage is Stage.REFUSED:
             self.stage = Stage.DONE
-            self._count(0, ErrorType.UPSTREAM_ERROR, SHUTDOWN_BEFORE_TURN)
+            self._count(0, *lost.recorded())
 
     def _count(self, status: int, error: ErrorType, message: str | None = None) -> None:
         context = self.context

@@ -872,3 +872,79 @@ def test_a_control_character_in_a_response_header_value_is_a_502(
         assert got.startswith(b"HTTP/1.1 502"), got
         assert until(lambda: errors(base, "malformed") == 1)
         assert until(lambda: counted(base, PASSTHROUGH, code="502") == 1)  # not a 200
+
+
+# -- a coding under the chunks; HEAD on a pooled connection -----------------------------------
+
+
+@pytest.mark.parametrize(
+    "codings",
+    [
+        b"transfer-encoding: gzip, chunked\r\n",
+        b"transfer-encoding: gzip\r\ntransfer-encoding: chunked\r\n",
+        b"transfer-encoding: chunked, chunked\r\n",
+    ],
+    ids=["gzip-chunked", "two-lines", "chunked-twice"],
+)
+def test_a_transfer_coding_before_chunked_is_a_502(
+    upstream: RawUpstream, proxy: Proxy, codings: bytes
+) -> None:
+    """Both paths de-chunked such a body and framed it anew: the client got a 200 whose
+    body was still gzip-coded, with nothing to say so (transfer codings are hop by hop,
+    and the proxy asked for none). Now a malformed response, as nginx takes every coding
+    but chunked and as the request side refuses the same: a 502, counted, and the next
+    request gets its own answer (the wire closes the connection, its body unread)."""
+    coded = zlib.compress(b'{"coded": true}')
+
+    async def coded_chunks(conn: Conn, request: Request) -> None:
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n" + codings + b"\r\n"
+        conn.write(head + b"%x\r\n%b\r\n0\r\n\r\n" % (len(coded), coded))
+        await conn.drain()
+
+    upstream.default = by_target({b"/v1/coded": coded_chunks}, SECOND)
+    with proxy(upstream.url) as base:
+        got, _ = ask(base, b"/v1/coded")
+        assert got.startswith(b"HTTP/1.1 502"), got
+        assert coded not in got
+        assert b"only chunked is taken" in got
+        assert until(lambda: errors(base, "malformed") == 1)
+        assert until(lambda: counted(base, PASSTHROUGH, code="502") == 1)
+        two, _ = ask(base, b"/v1/other")
+        assert body(two) == b"second", two
+
+
+HEAD = b"HEAD /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    "framing",
+    [b"content-length: 42\r\n", b"transfer-encoding: chunked\r\n"],
+    ids=["length", "chunked"],
+)
+def test_two_heads_in_a_row_reuse_one_upstream_connection(
+    upstream: RawUpstream, proxy: Proxy, framing: bytes
+) -> None:
+    """A HEAD's answer ends at its head, whatever its framing says (RFC 9112 §6.3, item
+    1): its connection goes back to the pool. The wire once closed it after every HEAD
+    (llhttp, which cannot be told, would have read the body the framing announced)."""
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n" + framing + b"\r\n"
+
+    async def heads(conn: Conn) -> None:
+        while (request := await conn.read_request()) is not None:
+            conn.write(head if request.line.startswith(b"HEAD ") else ok(b"after"))
+            await conn.drain()
+
+    upstream.default = heads
+    with proxy(upstream.url) as base:
+        host, port = base.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            got = [one_answer(sock, HEAD) for _ in range(2)]
+            after = one_answer(sock, get(b"/v1/after"))
+        for kind in ("extra_bytes", "idle_bytes", "malformed"):
+            assert errors(base, kind) == 0
+    for answer_ in got:
+        assert answer_.startswith(b"HTTP/1.1 200 ") and answer_.endswith(b"\r\n\r\n"), answer_
+        assert answer_.count(b"HTTP/1.1") == 1, answer_
+    assert [r.line for r in upstream.requests][:2] == [HEAD.split(b"\r\n")[0]] * 2
+    assert body(after) == b"after", after  # the next response on it, its own
+    assert upstream.connections == 1

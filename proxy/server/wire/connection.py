@@ -33,7 +33,7 @@ from typing import Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from proxy.core.errors import Cause, Failure
+from proxy.core.errors import UPSTREAM_CUTS, Cause, Failure, LostTurn
 from proxy.core.paths import Target
 from proxy.core.strip import UsageEventStripper
 from proxy.server.admission import BODY_TIMEOUT, Refused, answer_bytes, own_route, where_to
@@ -45,7 +45,13 @@ from proxy.server.protocol import GuardedHttpToolsProtocol
 from proxy.server.rules import ExchangeRules, Stage
 from proxy.server.upstream import RESEND_WITHIN
 from proxy.server.upstream_errors import UpstreamClosed
-from proxy.server.wire.upstream import LAST_CHUNK, Pool, UpstreamConnection, frame_chunk
+from proxy.server.wire.upstream import (
+    LAST_CHUNK,
+    Pool,
+    UpstreamConnection,
+    frame_chunk,
+    reads_to_close,
+)
 
 log = logging.getLogger("tokenprobe")
 
@@ -183,15 +189,15 @@ class WireProtocol(GuardedHttpToolsProtocol):
         # drain's end, or their client gone).
         running, self.running = self.running, None  # both refer back to this protocol
         cycle: Any = self.cycle
-        dropped = self.dropped(exc)
+        lost = self.lost_turn(exc)
         if isinstance(running, WireRequest) and running is not cycle:
             running.client_gone()
         if isinstance(cycle, WireRequest):
             self.cycle = None  # type: ignore[assignment,unused-ignore]
-            cycle.client_gone(dropped=dropped)
+            cycle.client_gone(lost)
         for waiting, _ in self.pipeline:
             if isinstance(waiting, WireRequest):
-                waiting.client_gone(dropped=dropped)
+                waiting.client_gone(lost)
         super().connection_lost(exc)
 
     def pause_writing(self) -> None:
@@ -471,8 +477,8 @@ class WireRequest(Deadline):
         self.transport.write(b"".join(lines))
         exchange.relayed(perf_counter())
         if no_body:
-            if self.head_only:  # llhttp would wait for the body a HEAD response has not
-                self.response_end(now, False)
+            if self.head_only:  # it ends at its head, whatever its framing says
+                self.response_end(now, conn.keeps_alive_at_head())
             return
         conn.write = self.transport.write
         conn.chunked = chunked
@@ -490,7 +496,7 @@ class WireRequest(Deadline):
             self.transport.write(LAST_CHUNK)
         exchange.end_of_stream(now)
         self.upstream = None
-        conn.release(reusable and not self.head_only)
+        conn.release(reusable)
         self._done(None)
 
     def upstream_lost(self, exc: Exception | None) -> None:
@@ -511,7 +517,7 @@ class WireRequest(Deadline):
             self.upstream, self.resend = None, b""
             self._connect_soon(head)
             return
-        if conn is not None and not conn.in_head and exc is None and _reads_to_close(conn):
+        if conn is not None and not conn.in_head and exc is None and reads_to_close(conn.headers):
             # Only a clean close ends such a body (RFC 9112 §6.3, item 8); a reset cut it
             # short (§8), and the client must not get its last chunk: a break, as below.
             self.response_end(perf_counter(), False)
@@ -532,20 +538,25 @@ class WireRequest(Deadline):
         (never pooled), so the backend aborts the generation."""
         self._end_early(cause)
 
-    def client_gone(self, *, dropped: bool = False) -> None:
-        """The connection closed: the client left or, `dropped`, the proxy closed it at
-        the drain's end while this request waited its turn (connection_lost)."""
+    def client_gone(self, lost: LostTurn = LostTurn.CLIENT) -> None:
+        """The connection closed (connection_lost): the client left, or the proxy closed
+        it; for a request still waiting its turn, `lost` says why it never came, and its
+        record says so, one refused at its head too (its refusal never went out)."""
         if self.rules.exchange is not None:
             self._end_early(Cause.CLIENT_GONE)
             return
         self.cancel_deadline()
         self.wire.receiving.discard(self)
-        if not self.response_complete and self.rules.stage is Stage.RECEIVING:
-            self.response_complete = True
-            if dropped and not self.started:
-                self.rules.dropped()
-            else:
+        if self.response_complete:
+            return
+        stage = self.rules.stage
+        if self.started:  # its body was coming in when the client left
+            if stage is Stage.RECEIVING:
+                self.response_complete = True
                 self.rules.abandoned()
+        elif stage is Stage.RECEIVING or stage is Stage.REFUSED:
+            self.response_complete = True
+            self.rules.turn_lost(lost)
 
     def shut_out(self) -> None:
         """The drain time ran out while its body was still coming in: the proxy's 503
@@ -575,6 +586,8 @@ class WireRequest(Deadline):
             self._answer(*failure.answer)
         elif failure.drop or cause is Cause.CLIENT_GONE:
             self.keep_alive = False
+            if failure.drop and cause in UPSTREAM_CUTS:  # for the requests pipelined behind
+                self.proto.answer_cut = True
         self._done(failure)
 
     def _done(self, failure: Failure | None) -> None:
@@ -617,15 +630,3 @@ def _closed_early(conn: UpstreamConnection | None) -> UpstreamClosed:
     else:
         where = "before the end of the response body"
     return UpstreamClosed(f"the upstream closed the connection {where}")
-
-
-def _reads_to_close(conn: UpstreamConnection) -> bool:
-    """A response framed by neither length nor chunks: its body ends with the connection.
-    A Transfer-Encoding whose final coding is not chunked frames nothing either (RFC 9112
-    §6.3, item 4: read until the server closes), as llhttp reads it."""
-    for name, value in conn.headers:
-        if name == b"content-length":
-            return False
-        if name == b"transfer-encoding" and value.rsplit(b",", 1)[-1].strip().lower() == b"chunked":
-            return False
-    return True

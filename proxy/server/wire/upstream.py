@@ -25,6 +25,11 @@ response in the same read, or of anything on an idle pooled connection) closes i
 as does a 101 or a head llhttp refuses. None of this runs per chunk: `on_message_begin`
 and `on_headers_complete` run once per message, the settling once per reuse.
 
+A HEAD request's answer ends at its head whatever its framing says, which llhttp cannot
+be told (httptools has no way to skip a body): the next response on the connection goes
+to a new parser (`ended_at_head`, once per HEAD), and the connection is kept as the head
+says (`keeps_alive_at_head`).
+
 A chunked body's trailer section is dropped, and bounded as the head is (MAX_RESPONSE_HEAD):
 llhttp joins a trailer field's value across reads as it does a header's, so an endless one
 would grow without bound at a quadratic cost, stalling every stream on the loop. Over the
@@ -48,6 +53,7 @@ import httptools
 from proxy.core.upstream_url import UpstreamURL
 from proxy.server.dial import dial
 from proxy.server.headers import Headers
+from proxy.server.protocol import coded_under_chunks
 from proxy.server.upstream import KEEPALIVE_SECONDS
 from proxy.server.upstream_errors import UpstreamProtocolError
 
@@ -79,6 +85,23 @@ def _ignore(chunk: bytes, now: float) -> None:
     pass
 
 
+def _past_the_end(chunk: bytes, now: float) -> None:
+    """Body bytes after a response that ended at its head (see ended_at_head)."""
+    raise UpstreamProtocolError("extra_bytes", "a body after a response to a HEAD request")
+
+
+def reads_to_close(headers: Headers) -> bool:
+    """A response framed by neither length nor chunks: its body ends with the connection.
+    A Transfer-Encoding whose final coding is not chunked frames nothing either (RFC 9112
+    §6.3, item 4: read until the server closes), as llhttp reads it."""
+    for name, value in headers:
+        if name == b"content-length":
+            return False
+        if name == b"transfer-encoding" and value.rsplit(b",", 1)[-1].strip().lower() == b"chunked":
+            return False
+    return True
+
+
 #: The longest response head the wire reads (nginx's proxy_buffer_size is 4 or 8 KiB).
 MAX_RESPONSE_HEAD = 64 * 1024
 
@@ -88,6 +111,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     __slots__ = (
         "chunked",
+        "coded",
         "data_at",
         "dry_bytes",
         "dry_since",
@@ -116,6 +140,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.request: WireRequest | None = None
         self.headers: Headers = []
+        self.coded = False  # a Transfer-Encoding other than `chunked` alone in the head
         self.head_bytes = 0  # read of the response head so far
         self.header_bytes = 0  # its headers' names and values, as parsed
         self.in_head = True
@@ -217,7 +242,10 @@ class UpstreamConnection(asyncio.Protocol):
             what = "head" if self.in_head else "trailers"
             raise UpstreamProtocolError("malformed", f"response {what} over 64 KiB")
         if self.in_head:
-            self.headers.append((name.lower(), value))
+            name = name.lower()
+            if name == b"transfer-encoding" and value != b"chunked":
+                self.coded = True  # judged once the head is in (on_headers_complete)
+            self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
@@ -228,11 +256,17 @@ class UpstreamConnection(asyncio.Protocol):
             return
         if not 200 <= status <= 599:  # llhttp reads any three digits: 099, 600, 999
             raise UpstreamProtocolError("malformed", f"status {status} is not an HTTP status")
+        if self.coded:  # llhttp takes `gzip, chunked` and hands on the chunks, still coded
+            self.coded = False
+            if (coded := coded_under_chunks(self.headers)) is not None:
+                raise UpstreamProtocolError("malformed", coded)
         self.in_head = False
         self.header_bytes = 0  # the trailers' count, if any (on_header)
         self.data_at = self.now  # the head's read is no read without data (dry)
         if self.request is not None:
             self.request.response_head(status, self.headers, self.now)
+            if self.request is None:  # it ended here: a HEAD's answer (release, from
+                self.ended_at_head()  # response_end, let the request go)
 
     def on_message_complete(self) -> None:
         if self.interim:
@@ -249,6 +283,37 @@ class UpstreamConnection(asyncio.Protocol):
         self.pool.forget(self)
         if self.request is not None:
             self.request.upstream_lost(exc)
+
+    def ended_at_head(self) -> None:
+        """The response ended at its head, as a HEAD request's does whatever its framing
+        says (RFC 9112 §6.3, item 1), which llhttp cannot be told: it would go on to read
+        the body that framing announces, and take the next response's bytes for it. The
+        next response goes to a new parser; the rest of this read (nothing, from a sound
+        upstream) to the one that read the head, where a body byte is one no request asked
+        for: the connection breaks (`extra_bytes`), as at a message that begins
+        unasked. Runs once per HEAD, after the request let the connection go (release):
+        a reusable one is not pooled until this read is parsed (_settle)."""
+        self.parser = httptools.HttpResponseParser(self)
+        self.feed = _past_the_end
+
+    def keeps_alive_at_head(self) -> bool:
+        """Whether the connection stays open after a response that ends at its head, as
+        that head says. llhttp's should_keep_alive also says no where the framing would
+        run the body to the close (no length, no chunks), which such a response has not."""
+        parser = self.parser
+        if parser.should_keep_alive():
+            return True
+        if not reads_to_close(self.headers):  # framed: llhttp's no is the head's close
+            return False
+        options = {
+            option.strip().lower()
+            for name, value in self.headers
+            if name == b"connection"
+            for option in value.split(b",")
+        }
+        if parser.get_http_version() == "1.1":
+            return b"close" not in options
+        return b"keep-alive" in options and b"close" not in options
 
     # -- the request's side -----------------------------------------------------------
 
