@@ -45,6 +45,9 @@ Keys, in this order, stable (a key without a value is null in JSON, left out in 
                  never a header's value), null when not tracked
   turn           its turn in that conversation (1: the first request)
   turn_gap_ms    the previous answer's end -> this request's start, for a continuation
+  malformed_events   streamed events that were not a JSON object (as
+                 tokenprobe_malformed_events_total counts them), null when none: a client
+                 that failed on one and left (client_cancelled) saw a broken stream
   labels         with --label-header only: {label: value}, the bounded values the metrics
                  carry (logfmt: labels.team=...)
 
@@ -128,6 +131,7 @@ KEYS = (
     "conversation",
     "turn",
     "turn_gap_ms",
+    "malformed_events",
 )
 
 SESSION_KEYS = ("ts", "arrival", "kind", "endpoint", "status", "outcome", "e2e_ms")
@@ -229,6 +233,7 @@ def log_record(m: Measurement, key: bytes) -> dict[str, Any]:
         "conversation": m.conversation_id,
         "turn": m.turn,
         "turn_gap_ms": _ms(m.turn_gap),
+        "malformed_events": m.malformed_events or None,
     }
 
 

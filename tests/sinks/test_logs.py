@@ -111,6 +111,7 @@ def test_json_values_are_in_ms_with_nulls_for_unknowns() -> None:
         "conversation": None,
         "turn": None,
         "turn_gap_ms": None,
+        "malformed_events": None,
     }
 
 
@@ -137,6 +138,15 @@ def test_a_continuation_logs_its_conversation_turn_and_gap() -> None:
     assert (obj["conversation"], obj["turn"], obj["turn_gap_ms"]) == ("9f86d081884c7d65", 3, 1500.0)
     text = log_lines("text", m)[0]
     assert "conversation=9f86d081884c7d65 turn=3 turn_gap_ms=1500.0" in text
+
+
+def test_a_stream_with_events_that_were_no_json_says_how_many() -> None:
+    """The OpenAI SDK fails on such an event and closes: the line's client_cancelled
+    alone would hide that the backend broke the stream."""
+    m = record(error_type=ErrorType.CLIENT_CANCELLED, malformed_events=2)
+    obj = orjson.loads(log_lines("json", m)[0])
+    assert (obj["error_type"], obj["malformed_events"]) == ("client_cancelled", 2)
+    assert log_lines("text", m)[0].endswith(" malformed_events=2\n")
 
 
 def test_failed_request_logs_its_error_type_and_message() -> None:
