@@ -102,7 +102,7 @@ def drop_dead_workers(
     dead = set()
     for path in glob.glob(os.path.join(directory, "gauge_live*_*.db")):
         match = _PID.search(path)
-        if match is not None and not _alive(pid := int(match.group(1))):
+        if match is not None and _gone(directory, pid := int(match.group(1))):
             dead.add(pid)
     for pid in dead:  # its in-flight values read before its live gauges all go
         if lost is not None or sessions_lost is not None:
@@ -171,9 +171,47 @@ def writing_to(directory: str) -> None:
     out a start that holds it alone to clear it). Again for the same directory: nothing."""
     try:
         fcntl.flock(_hold(directory), fcntl.LOCK_SH)
+        _mark_live(directory)
     except OSError as exc:
         if exc.errno not in _NO_FLOCK:
             raise  # (fresh_metrics_directory has warned: the start went on unguarded)
+
+
+#: A worker's live mark: a file it holds a flock on for as long as it lives, which tells
+#: its end from its pid's reuse (drop_dead_workers).
+LIVE_PREFIX = "tokenprobe-live-"
+#: This process's live marks, by directory's real path: open until the process ends.
+_MARKS: dict[str, int] = {}
+
+
+def _mark_live(directory: str) -> None:
+    key = os.path.realpath(directory)
+    if key not in _MARKS:
+        path = os.path.join(directory, f"{LIVE_PREFIX}{os.getpid()}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a dead namesake's mark: nobody holds it
+        _MARKS[key] = fd
+
+
+def _gone(directory: str, pid: int) -> bool:
+    """Whether the worker that wrote `pid`'s files has ended: its live mark is held by
+    nobody (the kernel dropped the flock as it ended), whatever process has its pid now
+    (a restarted container numbers its processes from 1 again). A writer without a mark
+    (one that never built its exposition, or a filesystem without flock): no process with
+    that pid."""
+    try:
+        fd = os.open(os.path.join(directory, f"{LIVE_PREFIX}{pid}"), os.O_RDONLY)
+    except FileNotFoundError:
+        return not _alive(pid)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False  # held: its writer lives (this process's own mark included)
+    except OSError:
+        return not _alive(pid)
+    finally:
+        os.close(fd)  # (and with it the lock just taken)
+    return True
 
 
 def _hold(directory: str) -> int:
@@ -219,10 +257,14 @@ def _lock_holder(fd: int) -> int | None:
 
 def _clear_run_files(directory: str) -> None:
     """Remove a run's files from `directory`: prometheus-client's (`<kind>_<pid>.db`, a
-    claimed one too) and the label ledgers (proxy/server/ledger.py). Nothing else there
-    is ours."""
+    claimed one too), the label ledgers (proxy/server/ledger.py) and the workers' live
+    marks. Nothing else there is ours."""
     for name in os.listdir(directory):
-        if _PID.search(name) or _CLAIMED.search(name) or name.startswith(LEDGER_PREFIX):
+        if (
+            _PID.search(name)
+            or _CLAIMED.search(name)
+            or name.startswith((LEDGER_PREFIX, LIVE_PREFIX))
+        ):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(directory, name))
 
@@ -244,6 +286,8 @@ def _mark_dead(pid: int, directory: str) -> None:
     for path in glob.glob(os.path.join(directory, f"gauge_live*_{pid}.db")):
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(directory, f"{LIVE_PREFIX}{pid}"))
 
 
 def _count_lost(path: str, lost: Lost | None, sessions_lost: SessionsLost | None) -> None:

@@ -49,6 +49,63 @@ def test_a_dead_workers_requests_in_flight_are_counted_once(tmp_path: Path) -> N
     assert not [name for name in os.listdir(tmp_path) if name.startswith("gauge_live")]
 
 
+#: A worker as `serve --workers` runs one: it builds its exposition (its live mark), writes
+#: an in-flight value, says so, and lives until its stdin closes.
+_LIVING_WORKER = """
+import os, sys
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[1]
+from prometheus_client import CollectorRegistry
+from proxy.server.multiproc import multiprocess_metrics_app
+from proxy.sinks.metrics import Metrics
+multiprocess_metrics_app(sys.argv[1])
+Metrics(CollectorRegistry()).in_flight.labels("llama", "/v1/chat/completions").inc(2)
+print("writing", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_dead_workers_pid_taken_by_another_process_does_not_keep_its_requests_in_flight(
+    tmp_path: Path,
+) -> None:
+    """A worker died and another process got its pid (a restarted container numbers its
+    processes from 1 again): `os.kill(pid, 0)` found that one alive, so the dead worker's
+    in-flight requests stayed in tokenprobe_requests_in_flight for as long as it lived.
+    Its live mark, which no one holds any more, says it ended; a living worker's does not."""
+    living, ended = (_start(_LIVING_WORKER, tmp_path) for _ in range(2))
+    other = subprocess.Popen(["sleep", "60"])  # the pid the ended worker's files name now
+    try:
+        _stop(ended)
+        for name in os.listdir(tmp_path):  # as if `other` had taken the ended one's pid
+            if name.endswith((f"_{ended.pid}.db", f"-live-{ended.pid}")):
+                os.rename(tmp_path / name, tmp_path / name.replace(str(ended.pid), str(other.pid)))
+        lost: list[tuple[str, str, float]] = []
+        drop_dead_workers(str(tmp_path), lambda *found: lost.append(found))
+        assert lost == [("llama", "/v1/chat/completions", 2.0)]  # the ended one's, once
+        live = sorted(name for name in os.listdir(tmp_path) if "live" in name)
+        assert live == [f"gauge_livesum_{living.pid}.db", f"tokenprobe-live-{living.pid}"]
+    finally:
+        other.kill()
+        other.wait()
+        _stop(living)
+
+
+def _start(script: str, directory: Path) -> subprocess.Popen[str]:
+    process = subprocess.Popen(
+        [sys.executable, "-c", script, str(directory)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None and process.stdout.readline() == "writing\n"
+    return process
+
+
+def _stop(process: subprocess.Popen[str]) -> None:
+    assert process.stdin is not None
+    process.stdin.close()
+    assert process.wait(10) == 0
+
+
 def test_a_dead_workers_open_websocket_sessions_are_counted_apart_from_its_requests(
     tmp_path: Path,
 ) -> None:
@@ -137,6 +194,7 @@ _PREVIOUS_RUN = (
     "gauge_livesum_999999999.db",
     "gauge_livesum_999999998.db.999999997.claimed",
     "tokenprobe-admitted-team",
+    "tokenprobe-live-999999999",
 )
 
 
