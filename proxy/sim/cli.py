@@ -197,6 +197,13 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         default=env("STAMP_IN_TEXT", flag, False),
         help='with --stamp: "@<send time ns> " before each text, not a key before it',
     )
+    add(
+        "--early-role",
+        action="store_true",
+        default=env("EARLY_ROLE", flag, defaults.early_role),
+        help="send chat's role-only chunk with the headers, not with the first token as "
+        "vLLM does (x-sim-early-role: 0 per request turns it off)",
+    )
     add("--record-bodies", action="store_true", default=env("RECORD_BODIES", flag, False))
     add(
         "--log-level",
@@ -247,6 +254,7 @@ def parse(
             step_ms=args.step_ms,
             stamp=args.stamp,
             stamp_in_text=args.stamp_in_text,
+            early_role=args.early_role,
             record_bodies=args.record_bodies,
             max_stop_strings=args.max_stop_strings,
             max_n_sequences=args.max_n_sequences,

@@ -51,6 +51,11 @@ class SimConfig:
     #: the chunks of a stream differ only in their text, as vLLM's do (the proxy's
     #: template match then applies, where a stamp key before the text defeats it).
     stamp_in_text: bool = False
+    #: Send chat's role-only chunks with the response headers (t~0), not with the first
+    #: engine output just before the first token, as vLLM does: a shape that shows at once
+    #: a client or proxy that takes the first chunk for the first token. Also per request:
+    #: `x-sim-early-role: 1` (`0` turns it off).
+    early_role: bool = False
     #: Keep a running SHA-256 of every response-body byte in each request's record.
     record_bodies: bool = False
     #: vLLM's `--enable-per-request-metrics`: the `metrics` object on the usage chunk and

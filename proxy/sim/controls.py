@@ -38,6 +38,10 @@ headers (the openai SDK sends them with `extra_headers`) override the config:
                              (as SimConfig.stamp_in_text)
   x-sim-ping: 1              Messages: an `event: ping` right after message_start
                              (Anthropic's API sends one; vLLM does not)
+  x-sim-early-role: 1        chat: the role-only chunks with the headers, at t~0, not
+                             with the first token as vLLM sends them (proxy/sim/stream.py):
+                             the shape that shows a proxy taking the first chunk for the
+                             first token; `0` turns SimConfig.early_role off
   x-sim-reasoning-tokens, x-sim-reasoning-usage, x-sim-tool-calls,
   x-sim-invalid-tool-calls, x-sim-tool-call-argument-bytes, x-sim-merged-boundaries
                              reasoning and tool calls (chat, Messages, Responses, Cohere,
@@ -153,6 +157,8 @@ class Plan:
     #: The limit generation runs under: `max_tokens`, else what the context has left.
     token_limit: int = 0
     ping: bool = False
+    #: Chat's role chunks with the headers, not with the first engine output (stream.py).
+    early_role: bool = False
     incomplete_event: bool = False
     #: Send vLLM's per-request `metrics` object, and the programmed speculative decoding.
     metrics: bool = False
@@ -492,6 +498,7 @@ def _plan(
         max_tokens=max_tokens,
         token_limit=limit,
         ping=_flag(headers, "x-sim-ping"),
+        early_role=_flag(headers, "x-sim-early-role", config.early_role),
         incomplete_event=_flag(headers, "x-sim-incomplete-event"),
         metrics=config.per_request_metrics or _flag(headers, "x-sim-metrics"),
         spec=spec,
@@ -686,8 +693,9 @@ def number(
     return value
 
 
-def _flag(headers: Mapping[str, str], name: str) -> bool:
-    return headers.get(name, "0").lower() in ("1", "true", "yes")
+def _flag(headers: Mapping[str, str], name: str, default: bool = False) -> bool:
+    raw = headers.get(name)
+    return default if raw is None else raw.lower() in ("1", "true", "yes")
 
 
 def burn_cpu(seconds: float) -> None:

@@ -26,6 +26,9 @@ as OpenAI's own API does. An in-stream failure is an `error` event (openai-pytho
 ResponseErrorEvent: code, message, param, sequence_number, type) and the body ends.
 The response object keeps vLLM's field order (protocol.py ResponsesResponse). With
 `stamp`, each text delta starts with `"sent_ns":<time.time_ns()>`, as chat chunks do.
+Item ids are vLLM's `msg_<random_uuid()>` (16 hex digits, vllm/utils/__init__.py), and a
+message item ends with the SDK's `phase` (null), as vLLM 0.32 writes it (its captured
+responses_stream.sse).
 """
 
 from __future__ import annotations
@@ -49,6 +52,23 @@ def _event(name: bytes, data: bytes) -> bytes:
     return b"event: " + name + b"\ndata: " + data + b"\n\n"
 
 
+def random_uuid() -> str:
+    """vLLM's `random_uuid` (vllm/utils/__init__.py): 16 hex digits, the ids' tail."""
+    return f"{uuid.uuid4().int & 0xFFFF_FFFF_FFFF_FFFF:016x}"
+
+
+def output_text(text: str, logprobs: list[Any] | None) -> dict[str, Any]:
+    """An `output_text` content part (openai-python ResponseOutputText, its field order)."""
+    return {"annotations": [], "text": text, "type": "output_text", "logprobs": logprobs}
+
+
+def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    """A message output item (ResponseOutputMessage, its field order; `phase` unset)."""
+    content = [] if text is None else [output_text(text, None)]
+    return {"id": item_id, "content": content, "role": "assistant", "status": status,
+            "type": "message", "phase": None}  # fmt: skip
+
+
 class ResponsesWire:
     """The events (or the body) of one Responses response; numbers events as it goes."""
 
@@ -65,7 +85,7 @@ class ResponsesWire:
         self._body = body
         self._id = response_id
         self._created = created
-        self._item_id = f"msg_{uuid.uuid4().hex}"
+        self._item_id = f"msg_{random_uuid()}"
         self._seq = 0
         self._incomplete = INCOMPLETE.get(plan.finish_reason)
         self.finish_reason: str | None = self._incomplete or "completed"
@@ -82,13 +102,20 @@ class ResponsesWire:
         return seq
 
     def _typed(
-        self, name: str, fields: dict[str, Any], after: dict[str, Any] | None = None
+        self,
+        name: str,
+        fields: dict[str, Any],
+        after: dict[str, Any] | None = None,
+        tail: dict[str, Any] | None = None,
     ) -> bytes:
-        """An event: `fields`, then sequence_number, `after` and type (SDK field order)."""
+        """An event: `fields`, then sequence_number, `after`, type and `tail` (SDK field
+        order)."""
         fields["sequence_number"] = self._next()
         if after:
             fields.update(after)
         fields["type"] = name
+        if tail:
+            fields.update(tail)
         return _event(name.encode(), orjson.dumps(fields))
 
     def usage(self, sent: int) -> dict[str, Any]:
@@ -146,18 +173,7 @@ class ResponsesWire:
         return out
 
     def _message(self, text: str | None, status: str) -> dict[str, Any]:
-        content: list[dict[str, Any]] = (
-            []
-            if text is None
-            else [{"annotations": [], "text": text, "type": "output_text", "logprobs": None}]
-        )
-        return {
-            "id": self._item_id,
-            "content": content,
-            "role": "assistant",
-            "status": status,
-            "type": "message",
-        }
+        return message_item(self._item_id, text, status)
 
     def _final_status(self) -> str:
         return "completed" if self._incomplete is None else "incomplete"
@@ -172,7 +188,7 @@ class ResponsesWire:
         ]
 
     def block_start(self) -> list[bytes]:
-        part = {"annotations": [], "text": "", "type": "output_text", "logprobs": []}
+        part = output_text("", [])
         return [
             self._typed(
                 "response.output_item.added",
@@ -199,12 +215,7 @@ class ResponsesWire:
         output = []
         if started:
             text = completion_text(sent)
-            part: dict[str, Any] = {
-                "annotations": [],
-                "text": text,
-                "type": "output_text",
-                "logprobs": None,
-            }
+            part = output_text(text, None)
             message = self._message(text, "completed")
             output.append(message)
             out += [

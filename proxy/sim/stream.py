@@ -1,12 +1,21 @@
 """Generate one completion as vLLM would: streamed event by event, or all at once.
 
-Streamed chat: the role-only chunk goes out with the headers (time ~0, long before
-the first token, so a proxy that takes the first chunk for the first token is
-visibly wrong; real vLLM sends it with its first engine output, just before the
-first token); content chunks follow on the pacer's schedule; then the finish chunk
-(an EOS's one pacer slot after the last text: vLLM decodes the EOS in a step of its own),
-the usage chunk if asked for, and `data: [DONE]`.
+Streamed chat: the role-only chunk goes out as vLLM 0.32 sends it, with its first engine
+output (chat_completion/serving.py, chat_completion_stream_generator: `first_iteration`,
+the role chunks sent for the first RequestOutput, just before that output's own chunk), so
+at the TTFT, just before the first token's chunk; content chunks follow on the pacer's
+schedule; then the finish chunk (an EOS's one pacer slot after the last text: vLLM
+decodes the EOS in a step of its own), the usage chunk if asked for, and `data: [DONE]`.
 Completions have no role chunk.
+
+The first engine output is whatever the stream says first after the prefill: the first
+token, an empty completion's EOS (the role chunk, then the finish chunk), or a fault's
+event at that slot (vLLM's `error_event` is a GenerationError raised after the role
+chunks went out; the simulator's other injected events are treated alike). A `stall`
+delays it with the token; a stream cut there (`close_no_done`, `reset`) never sent it.
+`x-sim-early-role: 1` (or `tokenprobe sim --early-role`, SimConfig.early_role) sends
+the role chunks with the headers instead, at t~0, long before the first token: not
+vLLM, but the shape that shows at once a proxy taking the first chunk for the first token.
 
 Where the finish goes follows vLLM (chat_completion/serving.py and completion/serving.py
 send `finish_reason` on the chunk of the engine output that ends the choice): a
@@ -15,8 +24,11 @@ content chunk carries the finish and no finish chunk follows; one that ends with
 ("stop" and the rest) ends on a token without text, the finish chunk with empty text.
 
 With `n` > 1 every choice streams on its own (`"index": i`, one choice per chunk): a
-role chunk each, then at every pacer slot (one engine step) a chunk each in index order,
-then a finish each; the usage chunk counts the prompt once and every choice's tokens.
+role chunk each, all of them with the first engine output (vLLM's `first_iteration`
+loop over `range(num_choices)`), then at every pacer slot (one engine step) a chunk each
+in index order, then a finish each; the usage chunk counts the prompt once and every
+choice's tokens. Under continuous usage each role chunk carries the prompt and 0
+completion tokens, as vLLM's does.
 
 Faults fire at the slot where the next content chunk is due, once `fault_after`
 tokens have been sent (after the last token if there are fewer). Ending faults stop
@@ -46,6 +58,9 @@ SSE = b"text/event-stream; charset=utf-8"
 #: Ollama's `&openai.Usage{}` on every completion chunk when usage is asked for.
 ZERO_USAGE = b'{"prompt_tokens":0,"completion_tokens":0,"total_tokens":0}'
 _NON_UTF8 = b"\xff\xfe"
+#: Faults that send no event where they fire: a stall holds the first engine output back,
+#: a cut ends the stream before it.
+SILENT_FAULTS = frozenset({"stall", "close_no_done", "reset"})
 
 
 async def stream(ex: Exchange, plan: Plan, sse: StreamChunks, pacer: Pacer) -> Outcome:
@@ -54,10 +69,20 @@ async def stream(ex: Exchange, plan: Plan, sse: StreamChunks, pacer: Pacer) -> O
     await ex.start(200, SSE)
     usage_every = plan.continuous_usage
     choices = range(plan.n)
+    roles: list[bytes] = []  # one role chunk per choice, all before any token
     if plan.kind == "chat" and isinstance(sse, wire.StreamWire):
         role_usage = _usage(plan, 0) if usage_every else None
-        for i in choices:  # one role chunk per choice, all before any token
-            await ex.write(sse.role(role_usage, i))
+        roles = [sse.role(role_usage, i) for i in choices]
+        if plan.early_role:
+            for data in roles:
+                await ex.write(data)
+            roles = []
+
+    def opening() -> list[bytes]:
+        """The role chunks not yet sent: they go with the first engine output."""
+        nonlocal roles
+        out, roles = roles, []
+        return out
 
     zeroed = plan.include_usage and plan.usage_mode == "zeroed"
     separate = plan.include_usage and plan.usage_mode in ("separate", "zeroed")
@@ -87,16 +112,19 @@ async def stream(ex: Exchange, plan: Plan, sse: StreamChunks, pacer: Pacer) -> O
         text = text_json(count, sent) if held is None else held.step(count, sent, ends)
         if ends:
             now += plan.eos if shares_step else 0
-            return [
+            return opening() + [
                 sse.last(
                     text, plan.finish_reason, finish_usage(i, now), fingerprint, i, stop_reason
                 )
                 for i in choices
             ]
         usage = _usage(plan, now) if usage_every else ZERO_USAGE if zeroed else None
-        return [sse.content(text, usage, i) for i in choices]
+        return opening() + [sse.content(text, usage, i) for i in choices]
 
     async def fire(fault: str) -> bool:
+        if fault not in SILENT_FAULTS:  # an event at the slot: the role chunks go first
+            for data in opening():
+                await ex.write(data)
         return await fire_fault(ex, plan, sse, pacer, fault)
 
     sent = await paced_content(ex, plan, pacer, content, fire)
@@ -112,6 +140,8 @@ async def stream(ex: Exchange, plan: Plan, sse: StreamChunks, pacer: Pacer) -> O
         rest = b"" if held is None else held.rest()
         sent += plan.eos
         record.completion_tokens = sent * plan.n
+        for data in opening():  # an empty completion: its EOS is the first engine output
+            await ex.write(data)
         for i in choices:
             usage = finish_usage(i, sent)
             await ex.write(

@@ -104,19 +104,25 @@ def test_without_usage_injection_counts_come_from_chunks(
 
 def test_streamed_response_is_not_buffered(sim: Running, proxy: ProxyUnderTest) -> None:
     """The first event reaches the client long before the stream ends."""
-    # The simulator sends the role chunk at once and the content tokens at 1.0, 1.1, ...,
-    # 1.4 s, never earlier. A proxy that holds the stream back until the first token (or
-    # the end) delivers its first bytes at 1.0 s or later, with under 0.45 s of stream
-    # left; a streaming one delivers the role chunk with 0.7 s of slack for a loaded
-    # machine, and then at least 0.7 s of stream. The client is built before the clock
-    # starts: its setup is no part of the proxy's delay.
+    # The simulator sends the role chunk at once (x-sim-early-role: vLLM sends it with the
+    # first token, which would leave nothing to tell a held stream by) and the content
+    # tokens at 1.0, 1.1, ..., 1.4 s, never earlier. A proxy that holds the stream back
+    # until the first token (or the end) delivers its first bytes at 1.0 s or later, with
+    # under 0.45 s of stream left; a streaming one delivers the role chunk with 0.7 s of
+    # slack for a loaded machine, and then at least 0.7 s of stream. The client is built
+    # before the clock starts: its setup is no part of the proxy's delay.
     with httpx.Client(timeout=10) as client:
         start = time.perf_counter()
         with client.stream(
             "POST",
             proxy.url + CHAT,
             json=chat(),
-            headers={"x-sim-ttft": "1.0", "x-sim-tps": "10", "x-sim-output-tokens": "5"},
+            headers={
+                "x-sim-ttft": "1.0",
+                "x-sim-tps": "10",
+                "x-sim-output-tokens": "5",
+                "x-sim-early-role": "1",
+            },
         ) as r:
             assert r.headers["x-accel-buffering"] == "no"
             chunks = r.iter_raw()
@@ -134,16 +140,15 @@ def test_streamed_response_is_not_buffered(sim: Running, proxy: ProxyUnderTest) 
 
 @pytest.mark.quiet("a timing read within tens of milliseconds", seconds=1)
 def test_role_only_first_chunk_is_not_first_token(sim: Running, proxy: ProxyUnderTest) -> None:
-    # The role chunk at once, the content tokens at 0.25, 0.45, 0.65 and 0.85 s, the EOS
-    # (its finish chunk, no text) at 1.05 s: the first token is the first content token,
-    # told from the role chunk before it and from the second content token 0.2 s after it;
-    # TPOT runs to the EOS, which usage counts (5 tokens, 4 gaps of 0.2 s). (At 50
-    # tokens/s, with a 30 ms slack, a pause of the process failed it in CI: TTFT 0.287 s.)
-    httpx.post(
-        proxy.url + CHAT,
-        json=chat(),
-        headers={"x-sim-ttft": "0.25", "x-sim-tps": "5", "x-sim-output-tokens": "4"},
-    )
+    # The role chunk at once (x-sim-early-role: vLLM sends it with the first token, where
+    # taking it for the token would go unseen), the content tokens at 0.25, 0.45, 0.65 and
+    # 0.85 s, the EOS (its finish chunk, no text) at 1.05 s: the first token is the first
+    # content token, told from the role chunk before it and from the second content token
+    # 0.2 s after it; TPOT runs to the EOS, which usage counts (5 tokens, 4 gaps of 0.2
+    # s). (At 50 tokens/s, with a 30 ms slack, a pause of the process failed it in CI:
+    # TTFT 0.287 s.)
+    headers = {"x-sim-ttft": "0.25", "x-sim-tps": "5", "x-sim-output-tokens": "4"}
+    httpx.post(proxy.url + CHAT, json=chat(), headers={**headers, "x-sim-early-role": "1"})
     proxy.wait_records(1)
     m = proxy.records[0]
     assert m.ttfb is not None and m.ttfb < 0.1  # headers and the role chunk come at once

@@ -36,8 +36,10 @@ def sdk(url: str) -> openai.OpenAI:
 
 @pytest.mark.quiet("a timing read within tens of milliseconds")
 def test_role_only_chunk_precedes_first_token(client: httpx.Client, url: str, app: SimApp) -> None:
+    # x-sim-early-role: vLLM sends the role chunk with the first token (its default here,
+    # tests/sim/test_sim_role_chunk.py); the control sends it with the headers
     def attempt() -> None:
-        got = read_events(client, url, chat(), {"x-sim-ttft": "0.3"})
+        got = read_events(client, url, chat(), {"x-sim-ttft": "0.3", "x-sim-early-role": "1"})
         role, first_content = got.events[0], got.contents()[0]
         assert role.json["choices"] == [
             {

@@ -190,7 +190,11 @@ def test_disconnect_before_first_token_is_recorded_as_aborted(url: str, app: Sim
     with (
         httpx.Client() as client,
         client.stream(
-            "POST", url + "/v1/chat/completions", json=chat(), headers={"x-sim-ttft": "2"}
+            "POST",
+            url + "/v1/chat/completions",
+            json=chat(),
+            # the role chunk with the headers: vLLM's comes with the first token
+            headers={"x-sim-ttft": "2", "x-sim-early-role": "1"},
         ) as response,
     ):
         first = next(response.iter_lines())
