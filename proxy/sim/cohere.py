@@ -5,7 +5,9 @@ Source: vllm-project/vllm vllm/entrypoints/cohere/serving.py @ 02969a445a77
 `_map_finish_reason`, `_chat_completion_to_v2`). Every event is a bare `data: <json>\\n\\n`
 (`model_dump_json(exclude_none=True)`), the stream ends with `data: [DONE]`:
 
-  message-start  with the headers: {"type","id","delta":{"message":{"role":"assistant"}}}
+  message-start  from the role chunk (`if not state.started`), so with the first engine
+                 output (proxy/sim/events.py first_output; t~0 under x-sim-early-role):
+                 {"type","id","delta":{"message":{"role":"assistant"}}}
   content-start  just before the first text: {"type","index":0,"delta":{"message":
                  {"content":{"type":"text","text":""}}}}
   content-delta  {"type","index":0,"delta":{"message":{"content":{"text":...}}}} per chunk
@@ -74,6 +76,9 @@ class CohereWire:
         return out + b"}"
 
     def opening(self) -> list[bytes]:
+        return []  # message-start waits for the first engine output (first_output)
+
+    def first_output(self) -> list[bytes]:
         return [
             _data(
                 b'{"type":"message-start","id":%s,"delta":{"message":{"role":"assistant"}}}'

@@ -51,7 +51,8 @@ class SimConfig:
     #: the chunks of a stream differ only in their text, as vLLM's do (the proxy's
     #: template match then applies, where a stamp key before the text defeats it).
     stamp_in_text: bool = False
-    #: Send chat's role-only chunks with the response headers (t~0), not with the first
+    #: Send chat's role-only chunks (and Messages' message_start, Cohere's message-start,
+    #: which vLLM builds from them) with the response headers (t~0), not with the first
     #: engine output just before the first token, as vLLM does: a shape that shows at once
     #: a client or proxy that takes the first chunk for the first token. Also per request:
     #: `x-sim-early-role: 1` (`0` turns it off).

@@ -38,8 +38,9 @@ headers (the openai SDK sends them with `extra_headers`) override the config:
                              (as SimConfig.stamp_in_text)
   x-sim-ping: 1              Messages: an `event: ping` right after message_start
                              (Anthropic's API sends one; vLLM does not)
-  x-sim-early-role: 1        chat: the role-only chunks with the headers, at t~0, not
-                             with the first token as vLLM sends them (proxy/sim/stream.py):
+  x-sim-early-role: 1        chat's role-only chunks, Messages' message_start and Cohere's
+                             message-start with the headers, at t~0, not with the first
+                             token as vLLM sends them (proxy/sim/stream.py, events.py):
                              the shape that shows a proxy taking the first chunk for the
                              first token; `0` turns SimConfig.early_role off
   x-sim-reasoning-tokens, x-sim-reasoning-usage, x-sim-tool-calls,
@@ -157,7 +158,8 @@ class Plan:
     #: The limit generation runs under: `max_tokens`, else what the context has left.
     token_limit: int = 0
     ping: bool = False
-    #: Chat's role chunks with the headers, not with the first engine output (stream.py).
+    #: Chat's role chunks, message_start and message-start with the headers, not with the
+    #: first engine output (stream.py, events.py).
     early_role: bool = False
     incomplete_event: bool = False
     #: Send vLLM's per-request `metrics` object, and the programmed speculative decoding.

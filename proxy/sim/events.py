@@ -5,7 +5,19 @@ and OpenAI Responses layers stream named SSE events (`event: <name>\\ndata: <jso
 around the same token schedule. One `EventWire` per request builds the bytes; this
 module decides when they go out, with the same pacers, faults and records as chat:
 
-  opening()        with the headers, at t~0 (message_start / response.created ...)
+  opening()        with the headers, at t~0: Responses' response.created and
+                   response.in_progress (responses/serving.py responses_stream_generator
+                   yields them before it reads the engine's first output)
+  first_output()   with the first engine output (the first token, an empty answer's
+                   EOS, a fault's event at that slot): Messages' message_start (and
+                   x-sim-ping's ping), Cohere's message-start. vLLM builds them from the
+                   chat stream's first chunk, the role chunk, which chat sends with its
+                   first engine output (anthropic/serving.py message_stream_converter,
+                   `first_item`; cohere/serving.py _chat_completion_stream_to_v2,
+                   `state.started`; chat_completion/serving.py `first_iteration`); a
+                   stall delays them, a cut there (close_no_done, reset) never sends them.
+                   `x-sim-early-role: 1` (SimConfig.early_role) sends them with the
+                   headers instead, as it does chat's role chunk
   block_start()    just before the first content delta, in its own write, as vLLM
                    opens its content block lazily on the first text it sees
   content(text)    one delta per chunk on the pacer's schedule
@@ -35,7 +47,7 @@ from proxy.sim.exchange import Exchange
 from proxy.sim.pacing import Pacer
 from proxy.sim.state import Outcome
 from proxy.sim.stops import HeldText
-from proxy.sim.stream import paced_content, paced_whole
+from proxy.sim.stream import SILENT_FAULTS, paced_content, paced_whole
 from proxy.sim.tokens import text_json
 
 SSE = b"text/event-stream; charset=utf-8"
@@ -43,7 +55,13 @@ _NON_UTF8 = b"\xff\xfe"
 
 
 class EventWire(Protocol):
-    def opening(self) -> list[bytes]: ...
+    def opening(self) -> list[bytes]:
+        """The events sent with the headers."""
+        ...
+
+    def first_output(self) -> list[bytes]:
+        """The events sent with the first engine output, before its own."""
+        ...
 
     def block_start(self) -> list[bytes]: ...
 
@@ -71,8 +89,17 @@ class EventWire(Protocol):
 async def stream_events(ex: Exchange, plan: Plan, events: EventWire, pacer: Pacer) -> Outcome:
     record = ex.record
     await ex.start(200, SSE)
-    for data in events.opening():
+    now, held_start = events.opening(), events.first_output()
+    if plan.early_role:
+        now, held_start = now + held_start, []
+    for data in now:
         await ex.write(data)
+
+    def first() -> list[bytes]:
+        """The first-output events not yet sent: they go before whatever is sent next."""
+        nonlocal held_start
+        out, held_start = held_start, []
+        return out
 
     # The token limit and a stop string end the answer at a token with text, as does an
     # EOS in the last text step: that step's chat chunk carries all that was held back
@@ -95,18 +122,24 @@ async def stream_events(ex: Exchange, plan: Plan, events: EventWire, pacer: Pace
         return [*opening, events.content(text)]
 
     def content(count: int, sent: int) -> list[bytes]:
+        # The first step is the first engine output even when its text is all held back:
+        # vLLM's role chunk, hence message_start, goes out with it regardless.
         if held is None:
-            return delta(text_json(count, sent))
+            return first() + delta(text_json(count, sent))
         ends = ends_on_token and sent + count >= plan.output_tokens
-        return delta(held.step(count, sent, ends))
+        return first() + delta(held.step(count, sent, ends))
 
     async def fire(fault: str) -> bool:
+        if fault not in SILENT_FAULTS:  # an event at the slot: the start events go first
+            for data in first():
+                await ex.write(data)
         return await _fire(ex, plan, events, pacer, fault)
 
     sent = await paced_content(ex, plan, pacer, content, fire)
     if sent is None:
         return "fault"
-    for data in delta(b"" if held is None else held.rest()):  # the EOS's chunk's text
+    # An empty answer: its EOS is the first engine output, the start events go with it.
+    for data in first() + delta(b"" if held is None else held.rest()):  # the EOS's text
         await ex.write(data)
     record.finish_reason = events.finish_reason
     record.completion_tokens = sent + plan.eos  # the EOS, sent as the closing events

@@ -8,7 +8,9 @@ pydantic `model_dump_json(exclude_unset=True)`, so only the fields it sets appea
 the model's field order (event: type, message, delta, content_block, index, error,
 usage), and every event is `event: <type>\\ndata: <json>\\n\\n`:
 
-  message_start        with the role chunk (t~0): message {id, type: "message", role:
+  message_start        from the role chunk, so with the first engine output (the first
+                       token, an empty answer's EOS; proxy/sim/events.py first_output;
+                       t~0 under x-sim-early-role): message {id, type: "message", role:
                        "assistant", content: [], model, stop_reason: null,
                        stop_sequence: null, usage {input_tokens, output_tokens: 0}}
                        (vLLM 0.32 sets type and role: its captured messages_stream.sse)
@@ -47,7 +49,7 @@ With `stamp`, each text delta starts with `"sent_ns":<time.time_ns()>`, as chat 
 
 Not vLLM: `cache_read_input_tokens` (Anthropic's field; vLLM's AnthropicUsage has it
 but never fills it) is sent when cached tokens are programmed; `x-sim-ping: 1` adds
-Anthropic's `event: ping` after message_start.
+Anthropic's `event: ping` right after message_start, in the same write.
 """
 
 from __future__ import annotations
@@ -117,6 +119,9 @@ class MessagesWire:
         return out + b"}"
 
     def opening(self) -> list[bytes]:
+        return []  # message_start waits for the first engine output (first_output)
+
+    def first_output(self) -> list[bytes]:
         message = (
             b'{"id":%s,"type":"message","role":"assistant","content":[],"model":%s,'
             b'"stop_reason":null,"stop_sequence":null,"usage":%s}'

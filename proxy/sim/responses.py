@@ -9,7 +9,9 @@ are the openai SDK's pydantic types, written as `event: <type>\\ndata: <json>\\n
 with every field (nulls included) in the SDK's field order (openai-python,
 src/openai/types/responses/*_event.py):
 
-  response.created, response.in_progress   with the headers (t~0), status in_progress
+  response.created, response.in_progress   with the headers (t~0), status in_progress:
+                                           yielded before the engine's first output
+                                           is read, unlike Messages' message_start
   response.output_item.added               lazily, with the first text: the message
   response.content_part.added              item and its empty output_text part
   response.output_text.delta               one per chunk
@@ -186,6 +188,9 @@ class ResponsesWire:
             self._typed("response.created", {"response": initial}),
             self._typed("response.in_progress", {"response": initial}),
         ]
+
+    def first_output(self) -> list[bytes]:
+        return []  # vLLM's Responses stream opens before the engine's first output
 
     def block_start(self) -> list[bytes]:
         part = output_text("", [])

@@ -77,7 +77,9 @@ def test_anthropic_messages_stream(sim: Running, proxy: ProxyUnderTest) -> None:
     m, backend = record(proxy, TIMED), sent(sim)
     assert text and final.stop_reason == "end_turn"
     assert m.endpoint == "/v1/messages" and m.ok and m.stream
-    assert m.ttft is not None and TTFT <= m.ttft <= waited  # message_start came at ~0
+    # the first text delta; message_start came with it, as vLLM sends it (x-sim-early-role
+    # would send it at ~0)
+    assert m.ttft is not None and TTFT <= m.ttft <= waited
     assert (m.prompt_tokens, m.output_tokens) == (backend.prompt_tokens, 9)  # and the EOS
     assert (m.finish_reason, m.raw_finish_reason) == ("stop", "end_turn")
     assert requests_total(proxy, "/v1/messages", finish_reason="stop") == TIMED
