@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -495,28 +496,41 @@ def _cli(*args: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def _process(args: list[str], url: str, log: Path, ready_path: str) -> Iterator[None]:
-    with log.open("wb") as out:
-        process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+def _processes(*started: tuple[list[str], str, Path, str]) -> Iterator[None]:
+    """Each (args, url, log, ready path) started at once, then each waited for until its
+    ready path answers 200; all stopped at the end."""
+    processes = []
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"{args} exited:\n{log.read_text(errors='replace')[-3000:]}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(url + ready_path, timeout=1).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{url}{ready_path} not 200 after 30 s")
-            time.sleep(0.1)
+        for args, _, log, _ in started:
+            with log.open("wb") as out:
+                processes.append(subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT))
+        for process, (args, url, log, ready_path) in zip(processes, started, strict=True):
+            _wait_ready(process, args, url, log, ready_path)
         yield
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=40)  # the proxy drains first
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=40)  # the proxy drains first
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _wait_ready(
+    process: subprocess.Popen[bytes], args: list[str], url: str, log: Path, ready_path: str
+) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"{args} exited:\n{log.read_text(errors='replace')[-3000:]}")
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(url + ready_path, timeout=1).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url}{ready_path} not 200 after 30 s")
+        time.sleep(0.1)
 
 
 def _request(
@@ -586,33 +600,64 @@ def _ollama(client: httpx.Client, proxy: str, model: str) -> None:
 
 
 def _drive_traffic(proxy: str, dead_proxy: str, model: str) -> None:
+    with ThreadPoolExecutor(2) as beside:
+        # The two that wait out a timer, a cold Ollama model's load (1.1 s) and the
+        # first-byte timeout (2 s), each beside the rest, on a client of its own.
+        waiting = [
+            beside.submit(_on_a_client, _ollama, proxy, model),
+            beside.submit(_on_a_client, _timeout, proxy, model),
+        ]
+        with httpx.Client(timeout=30) as client:
+            _conversation(client, proxy, model)
+            for headers, shapes, _ in SCENARIOS.values():
+                chosen = {"all": SHAPES, "stream": [s for s in SHAPES if s[1]], "one": []}
+                for endpoint, stream, usage in chosen[shapes]:
+                    _request(client, proxy, model, endpoint, stream, usage, headers)
+            for _ in range(3):  # the client goes away after the first content of a long answer
+                body = {
+                    "model": model,
+                    "stream": True,
+                    "max_tokens": 2000,
+                    "messages": [{"role": "user", "content": "a long answer please"}],
+                }
+                with client.stream(
+                    "POST",
+                    proxy + "/v1/chat/completions",
+                    json=body,
+                    headers={"x-sim-output-tokens": "2000", "x-sim-tps": "50"},
+                ) as response:
+                    for chunk in response.iter_raw():  # leave after the first content chunk
+                        if b'"delta":{"content"' in chunk:
+                            break
+            client.get(proxy + "/v1/models")  # an unmeasured route, passed through
+            _speech(client, proxy, model)
+            for _ in range(3):
+                client.post(
+                    dead_proxy + "/v1/chat/completions", json={"model": model, "messages": []}
+                )
+        for done in waiting:
+            done.result()
+
+
+def _on_a_client(drive: Callable[[httpx.Client, str, str], None], proxy: str, model: str) -> None:
     with httpx.Client(timeout=30) as client:
-        _conversation(client, proxy, model)
-        _ollama(client, proxy, model)
-        for headers, shapes, _ in SCENARIOS.values():
-            chosen = {"all": SHAPES, "stream": [s for s in SHAPES if s[1]], "one": SHAPES[:1]}
-            for endpoint, stream, usage in chosen[shapes]:
-                _request(client, proxy, model, endpoint, stream, usage, headers)
-        for _ in range(3):  # the client goes away after the first content of a long answer
-            body = {
-                "model": model,
-                "stream": True,
-                "max_tokens": 2000,
-                "messages": [{"role": "user", "content": "a long answer please"}],
-            }
-            with client.stream(
-                "POST",
-                proxy + "/v1/chat/completions",
-                json=body,
-                headers={"x-sim-output-tokens": "2000", "x-sim-tps": "50"},
-            ) as response:
-                for chunk in response.iter_raw():  # leave after the first content chunk
-                    if b'"delta":{"content"' in chunk:
-                        break
-        client.get(proxy + "/v1/models")  # an unmeasured route, passed through
-        _speech(client, proxy, model)
-        for _ in range(3):
-            client.post(dead_proxy + "/v1/chat/completions", json={"model": model, "messages": []})
+        drive(client, proxy, model)
+
+
+def _timeout(client: httpx.Client, proxy: str, model: str) -> None:
+    """The scenarios of one request ("one"): a stall the first-byte timeout ends."""
+    for headers, shapes, _ in SCENARIOS.values():
+        if shapes == "one":
+            _request(client, proxy, model, *SHAPES[0], headers)
+
+
+def _scraped_since(prom: Prometheus, moment: float) -> None:
+    """Both proxies scraped whole since `moment` (time.time()): what they counted before it
+    is in a sample. (A scrape that timed out marks its series stale: it waits for the next.)"""
+    prom.wait_for(
+        f'count(timestamp(up{{job="tokenprobe"}} == 1) > {moment:.3f})',
+        lambda result: bool(result) and float(result[0]["value"][1]) == 2,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -643,7 +688,7 @@ def proxy_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus
         "--prefix-cache",  # cached tokens on the conversation's continuations
         "1000",
     )
-    with _process(sim_args, sim, tmp / "sim.log", "/v1/models"):
+    with _processes((sim_args, sim, tmp / "sim.log", "/v1/models")):
         model = httpx.get(sim + "/v1/models").json()["data"][0]["id"]
         prices = tmp / "prices.yaml"
         prices.write_text(yaml.safe_dump({"models": {model: {"input": 1, "output": 2}}}))
@@ -671,13 +716,11 @@ def proxy_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus
                 "1",
             )
 
+        dead_args = serve(dead_port, f"http://127.0.0.1:{closed_port}")
         with (
-            _process(serve(proxy_port, sim), proxy, tmp / "proxy.log", "/readyz"),
-            _process(
-                serve(dead_port, f"http://127.0.0.1:{closed_port}"),
-                dead,
-                tmp / "dead.log",
-                "/healthz",
+            _processes(
+                (serve(proxy_port, sim), proxy, tmp / "proxy.log", "/readyz"),
+                (dead_args, dead, tmp / "dead.log", "/healthz"),
             ),
             Prometheus(
                 tmp,
@@ -690,10 +733,10 @@ def proxy_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus
         ):
             prom.wait_for('up{job="tokenprobe"} == 1', lambda r: len(r) == 2)
             _drive_traffic(proxy, dead, model)
-            time.sleep(2.5)  # scrapes between the two rounds: rate() needs an increase
+            _scraped_since(prom, time.time())  # between the two rounds: rate() needs an increase
             _drive_traffic(proxy, dead, model)
             prom.wait_for("sum(rate(tokenprobe_requests_total[1m])) > 0")
-            time.sleep(2.5)  # the last requests scraped, the rules evaluated
+            _scraped_since(prom, time.time())  # the last requests (each test waits for the rules)
             yield prom
 
 
