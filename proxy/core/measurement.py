@@ -106,7 +106,9 @@ class Measurement:
     endpoint: str  # the Api's label: its canonical path (proxy/core/apis ENDPOINTS)
     model: str  # the requested model as sent by the client ("" if none)
     stream: bool  # the response was an event stream (what was measured as one)
-    stream_requested: bool  # the client asked for a stream (its request's `stream`)
+    # The client asked for a stream (its request's `stream`); None when the proxy never
+    # read that: refused or left before its body was in, or a body it could not decode.
+    stream_requested: bool | None
     status_code: int  # what the client received (0 if nothing was sent)
     started_at: float  # wall clock (time.time()) at `start`, for logs and traces
     ttfb: float | None

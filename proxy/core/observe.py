@@ -726,7 +726,7 @@ class StreamObserver:
             endpoint=request.endpoint,
             model=request.model,
             stream=self.streaming,
-            stream_requested=request.stream,
+            stream_requested=asked_for_stream(request),
             status_code=status_code,
             started_at=started_at,
             ttfb=None if self.first_byte is None else self.first_byte - self.start,
@@ -901,7 +901,7 @@ def bare_record(
         endpoint=request.endpoint,
         model=request.model,
         stream=request.stream,
-        stream_requested=request.stream,
+        stream_requested=asked_for_stream(request),
         status_code=status_code,
         started_at=started_at,
         ttfb=ttfb,
@@ -923,6 +923,14 @@ def bare_record(
         trace_id=trace_id,
         prefix=prefix_of(request),
     )
+
+
+def asked_for_stream(request: RequestInfo) -> bool | None:
+    """Whether the client asked for a stream; None when no request was read from its body.
+    A request refused at its head (a 413 on its Content-Length) or before its body was all
+    in is recorded with an empty body's reading (admission.count_refusal), and a stream
+    flag the proxy never saw is not `false`; nor is one in a body it could not decode."""
+    return request.stream if request.valid_json else None
 
 
 def exact_output(counts: TokenCounts) -> int | None:
