@@ -8,7 +8,8 @@ crashed worker's in-flight requests would stay in flight forever.
 Who writes there now is the kernel's to say: every process writing metrics to the
 directory holds a shared flock on the directory itself for as long as it lives (the
 kernel drops it when the process ends, however it ends), and a start takes it alone
-before it clears anything (`fresh_metrics_directory`). A pid in a file's name says only
+before it clears anything (`fresh_metrics_directory`), one start at a time
+(`_one_start_at_a_time`). A pid in a file's name says only
 who wrote it once: the pid of a previous run's worker may belong to any process now (a
 restarted container numbers its processes from 1 again).
 """
@@ -23,7 +24,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
@@ -123,36 +124,101 @@ def fresh_metrics_directory(directory: str) -> None:
     to 0, and which would report this one's traffic as its own."""
     try:
         os.makedirs(directory, exist_ok=True)
-        held = os.path.realpath(directory) in _HELD
-        fd = _hold(directory)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            writer = _lock_holder(fd)
-            _let_go(directory, fd, held)
-            who = "another process is" if writer is None else f"process {writer} is"
-            raise SettingsError(
-                f"{MULTIPROC_ENV}={directory!r}: {who} writing its metrics there; "
-                "give each tokenprobe serve a directory of its own"
-            ) from None
-        except OSError as exc:
-            if exc.errno not in _NO_FLOCK:
-                raise
-            # A filesystem without flock (some network ones): the start goes on, unguarded.
-            log.warning(
-                "%s=%r: cannot lock it (%s): a second proxy given it would not be refused",
-                MULTIPROC_ENV,
-                directory,
-                exc.strerror,
-            )
-            _clear_run_files(directory)
-            return
-        _clear_run_files(directory)
-        # Shared from here, beside the workers'. The change is not atomic (flock(2)): a
-        # second start in that instant would find the directory free.
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        with _one_start_at_a_time(directory) as no_flock:
+            if no_flock is None:
+                _take_alone_and_clear(directory)
+            else:
+                _unguarded(directory, no_flock)
     except OSError as exc:
         raise SettingsError(f"{MULTIPROC_ENV}={directory!r}: {exc.strerror}") from None
+
+
+def _take_alone_and_clear(directory: str) -> None:
+    """Clear the directory with its flock held alone, then hold it shared, beside the
+    workers'. Called only inside `_one_start_at_a_time`: the change from alone to shared
+    is not one step (flock(2)), and only the start lock keeps a second start out of it."""
+    held = os.path.realpath(directory) in _HELD
+    fd = _hold(directory)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        writer = _lock_holder(fd)
+        _let_go(directory, fd, held)
+        who = "another process is" if writer is None else f"process {writer} is"
+        raise SettingsError(
+            f"{MULTIPROC_ENV}={directory!r}: {who} writing its metrics there; "
+            "give each tokenprobe serve a directory of its own"
+        ) from None
+    except OSError as exc:
+        if exc.errno not in _NO_FLOCK:
+            raise
+        _unguarded(directory, exc.strerror)
+        return
+    _clear_run_files(directory)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+
+
+def _unguarded(directory: str, why: str | None) -> None:
+    """A filesystem without flock (some network ones): the start goes on, unguarded."""
+    log.warning(
+        "%s=%r: cannot lock it (%s): a second proxy given it would not be refused",
+        MULTIPROC_ENV,
+        directory,
+        why,
+    )
+    _clear_run_files(directory)
+
+
+#: The start lock: a file in the directory that each start holds a flock on, alone, from
+#: before it looks at the directory's flock until it holds that shared. There only while
+#: a start runs.
+START_LOCK = "tokenprobe-starting"
+
+
+@contextlib.contextmanager
+def _one_start_at_a_time(directory: str) -> Iterator[str | None]:
+    """Starts on `directory` one after the other. A start changes the directory's flock
+    from alone to shared in two steps (flock(2): "the existing lock is first removed, and
+    then a new lock is established"): a second start between the two found the directory
+    free, cleared the first's files and wrote beside it, both started. Holding the start
+    lock it waits until the first holds the directory shared, and is refused.
+
+    Yields None, or on a filesystem without flock why it cannot lock. The file goes before
+    its lock does, so a directory between runs holds nothing of ours; a start that waited
+    on a file removed meanwhile takes the one there now (a lock on a removed file keeps
+    out no one)."""
+    path = os.path.join(directory, START_LOCK)
+    while True:
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+            if exc.errno not in _NO_FLOCK:
+                raise
+            yield exc.strerror
+            return
+        if _names(path, fd):
+            break
+        os.close(fd)
+    try:
+        yield None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+        os.close(fd)
+
+
+def _names(path: str, fd: int) -> bool:
+    """Whether `path` is still the file open as `fd` (not removed, nor made anew)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
 
 
 #: flock's errors on a filesystem that has none (flock(2): ENOLCK, EOPNOTSUPP; EINVAL
