@@ -223,7 +223,7 @@ class Tunnel:
     def _opened(self, after: bytes, now: float) -> None:
         """The upstream answered 101: frames from here on, and the client's held bytes go."""
         self.open = True
-        self.watch.start(after)
+        self.watch.start(after, now)
         if self.api is not None:
             self.watch.follow(
                 self.answer.extensions, self.context.max_message_bytes, self._session, after, now

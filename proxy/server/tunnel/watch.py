@@ -7,7 +7,11 @@ close frame first; on a path with a WebSocket API (proxy/core/wsseam.py) the dir
 place, `_read`: the session is no longer watched, a counter says so
 (`tokenprobe_measurement_failures_total{stage="ws_frames"|"observe"|"finish"}`), and the
 bytes go on. A read carrying more frames than its direction has earned (budget.py: a
-flood, never a real peer) stops the watching the same way, before any is read.
+flood, never a real peer) stops the watching the same way, before any is read; so does
+a read carrying more frame headers than its direction may scan (budget.py,
+`scan_budget`), and its direction's frames are no longer followed at all (no close frame
+seen, none put between its frames at the drain), for the scan would cost every frame of
+every read.
 
 The drain (`drain`, on SIGTERM) writes each side a close frame (1001, going away) once the
 frames towards it are at a boundary, never inside a frame; nothing read afterwards goes
@@ -28,7 +32,7 @@ from proxy.core.wsframes import (
     deflate_params,
 )
 from proxy.core.wsseam import CLOSE_CAUSES, WsSession
-from proxy.server.tunnel.budget import FrameBudget
+from proxy.server.tunnel.budget import FrameBudget, scan_budget
 from proxy.server.tunnel.pipe import Pipe
 
 log = logging.getLogger("tokenprobe")
@@ -56,11 +60,14 @@ class WsWatch:
         self._readers: tuple[FrameReader, FrameReader] | None = None  # (upstream, client)
         # (upstream, client): the frames each direction may have read; anew in `follow`
         self._budgets = (FrameBudget(0.0), FrameBudget(0.0))
+        # (upstream, client): the frame headers each direction may scan, full at the start
+        self._scans = (scan_budget(0.0), scan_budget(0.0))
+        self._stopped = False  # the watching stopped, counted
 
-    def start(self, after: bytes) -> None:
+    def start(self, after: bytes, now: float) -> None:
         """The upstream switched: `after` is what followed its 101 head in the same read
         (its first frames, a close among them as likely as any: it closed first then)."""
-        self.upstream_bounds.feed(after)
+        self._scan(False, self.upstream_bounds, after, now)
         if self.upstream_bounds.closed and self.first_close is None:
             self.first_close = False
 
@@ -74,6 +81,8 @@ class WsWatch:
     ) -> None:
         """On a path with a WebSocket API: its session, and a frame reader each way
         (permessage-deflate as the 101's `extensions` agreed)."""
+        if self._stopped:
+            return  # the 101's own read ran out the scan: said and counted
         try:
             deflate: DeflateParams | None = deflate_params(extensions)
             limit = max_message_bytes
@@ -98,15 +107,16 @@ class WsWatch:
         if self.draining and (not from_client) in self.pipe.sealed:
             # The other side has our close frame: nothing went to it. Only this side's
             # answer to its own close frame is looked for.
-            (self.client_bounds if from_client else self.upstream_bounds).feed(data)
+            bounds = self.client_bounds if from_client else self.upstream_bounds
+            self._scan(from_client, bounds, data, at)
             self._drain_step()
             return
         bounds = self.client_bounds if from_client else self.upstream_bounds
         frames = bounds.frames
-        bounds.feed(data)
+        whole = self._scan(from_client, bounds, data, at)
         if bounds.closed and self.first_close is None:
             self.first_close = from_client
-        if (readers := self._readers) is not None:
+        if whole and (readers := self._readers) is not None:
             frames = bounds.frames - frames
             # One frame a read costs about what the read costs the pipe: no budget asked.
             if frames < 2 or self._budgets[from_client].spend(frames, at):
@@ -115,6 +125,33 @@ class WsWatch:
                 self._over_budget(from_client, frames)
         if self.draining:
             self._drain_step()
+
+    def _scan(self, from_client: bool, bounds: FrameBounds, data: bytes, now: float) -> bool:
+        """`bounds` follows `data` as far as the direction's scan budget goes: False when
+        it ran out in this read (the direction's frames are then lost to the tunnel)."""
+        budget = self._scans[from_client]
+        before = bounds.frames
+        # A read of one frame asks nothing, as for the reading: a real stream's usual read.
+        whole = bounds.feed(data, max(1, budget.most(now)))
+        if (scanned := bounds.frames - before) > 1:
+            budget.take(scanned)
+        if not whole:
+            self._scan_ran_out(from_client, scanned)
+        return whole
+
+    def _scan_ran_out(self, from_client: bool, scanned: int) -> None:
+        """A read of more frame headers than its direction may scan: the watching stops,
+        said and counted once a tunnel, as a read over the reading budget's."""
+        if self._stopped:
+            return
+        side = "client" if from_client else "upstream"
+        log.warning(
+            "stopped watching a WebSocket session: more than %d frames in one read from "
+            "the %s, more than its scanning budget; its frames are no longer followed",
+            scanned,
+            side,
+        )
+        self._stop_watching("ws_frames")
 
     def _over_budget(self, from_client: bool, frames: int) -> None:
         """A read of more frames than its direction earned (budget.py): none is read."""
@@ -142,6 +179,7 @@ class WsWatch:
             self._stop_watching("observe")
 
     def _stop_watching(self, stage: str) -> None:
+        self._stopped = True
         self._readers = None
         self._session = None
         self.failed(stage)
