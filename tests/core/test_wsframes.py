@@ -282,6 +282,23 @@ def test_bounds_lose_track_of_what_is_not_frames() -> None:
     assert bounds.lost and not bounds.at_boundary
 
 
+def test_bounds_read_at_most_the_headers_they_may_and_then_are_lost() -> None:
+    """`feed(data, most)`: a read of more frame headers than `most` stops at the first
+    past it and loses the direction (the next header cannot be found again); a read of as
+    many, split anywhere, stays followed."""
+    ping = bytes([0x89, 0x00])  # an empty unmasked ping: a 2-byte frame
+    bounds = FrameBounds()
+    assert bounds.feed(ping * 5, most=5)
+    assert bounds.frames == 5 and bounds.at_boundary
+    assert bounds.feed(ping * 2 + ping[:1], most=3)  # the third header's start only
+    assert bounds.feed(ping[1:], most=1) and bounds.frames == 8 and bounds.at_boundary
+    assert not bounds.feed(ping * 4, most=3)
+    assert bounds.lost and bounds.frames == 11 and not bounds.at_boundary
+    assert bounds.feed(ping) and bounds.frames == 11  # lost: nothing is read any more
+    unlimited = FrameBounds()
+    assert unlimited.feed(ping * 10_000) and unlimited.frames == 10_000
+
+
 def test_the_proxys_close_frames_read_as_close_frames() -> None:
     for masked in (True, False):
         frame = close_frame(1001, "proxy shutting down", masked=masked)

@@ -7,7 +7,15 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.server.tunnel.budget import AT_START, HELD, PER_SECOND, FrameBudget
+from proxy.server.tunnel.budget import (
+    AT_START,
+    HELD,
+    PER_SECOND,
+    SCAN_HELD,
+    SCAN_PER_SECOND,
+    FrameBudget,
+    scan_budget,
+)
 
 
 def test_a_fresh_direction_holds_its_start_and_no_more() -> None:
@@ -23,6 +31,17 @@ def test_a_direction_earns_with_time_up_to_what_it_may_hold() -> None:
     long_after = 3600.0
     assert not budget.spend(int(HELD) + 1, long_after)  # an hour idle: no more than HELD
     assert budget.spend(int(HELD), long_after)
+
+
+def test_the_scan_starts_full_and_earns_up_to_what_it_may_hold() -> None:
+    """The scan's count is known only once read: `most` says how many a read may carry,
+    `take` spends what the read did carry."""
+    budget = scan_budget(0.0)
+    assert budget.most(0.0) == int(SCAN_HELD)
+    budget.take(int(SCAN_HELD))
+    assert budget.most(0.0) == 0
+    assert budget.most(0.01) == int(SCAN_PER_SECOND * 0.01)
+    assert budget.most(3600.0) == int(SCAN_HELD)  # an hour idle: no more than it may hold
 
 
 def test_a_refused_read_takes_nothing() -> None:
