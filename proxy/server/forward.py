@@ -37,7 +37,7 @@ from proxy.server.admission import (
     where_to,
 )
 from proxy.server.exchange import Context, IdleTimer
-from proxy.server.protocol import ANSWER_CUT, ARRIVAL, CLIENT_TRANSPORT, coded_under_chunks
+from proxy.server.protocol import ANSWER_CUT, ARRIVAL, CLIENT_TRANSPORT, refused_codings
 from proxy.server.rules import ExchangeRules, UpstreamRequest
 from proxy.server.upstream import body_reader, send_upstream
 from proxy.server.upstream_errors import UpstreamProtocolError
@@ -332,8 +332,9 @@ def _bad_head(headers: list[tuple[bytes, bytes]]) -> str | None:
       the relay refuses exactly what uvicorn would, which it would do inside
       http.response.start, the response marked started by then (the client got an empty
       close, recorded as a 200); llhttp refuses the same on the wire;
-    - a transfer coding before chunked, which aiohttp de-chunks and hands on still
-      coded, as llhttp does on the wire: the one rule of both (coded_under_chunks)."""
+    - a transfer coding other than chunked alone, whose body aiohttp hands on still
+      coded (de-chunked, or read to the close), as llhttp does on the wire: the one rule
+      of both (refused_codings)."""
     coded = False
     for name, value in headers:
         if HEADER_RE.search(name):
@@ -342,7 +343,7 @@ def _bad_head(headers: list[tuple[bytes, bytes]]) -> str | None:
             return f"the upstream sent an invalid header value in {name.decode('latin-1')!r}"
         if name == b"transfer-encoding" and value != b"chunked":
             coded = True
-    return coded_under_chunks(headers) if coded else None
+    return refused_codings(headers) if coded else None
 
 
 async def _send_answer(

@@ -43,8 +43,9 @@ proxy's own routes: none in an HTTP/1.1 request, more than one, or a value that 
 own refusals are answered (nginx and h11 refuse the same). The proxy sends the upstream
 its own Host, but the client's names the proxy in a redirect it rewrites (rules.py). So
 is a Transfer-Encoding other than `chunked` alone (`gzip, chunked`), whose body would
-otherwise go upstream de-chunked but still coded; the same rule refuses a response that
-puts a coding under its chunks, on both data paths (`coded_under_chunks`: a 502).
+otherwise go upstream de-chunked but still coded; the same rule (`only_chunked`) refuses
+a response with any coding but `chunked` alone, on both data paths (`refused_codings`: a
+502).
 
 A request pipelined behind another whose turn never comes, the connection closing first,
 is recorded as the connection closes, on both data paths, by why its turn never came
@@ -65,7 +66,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from time import perf_counter, time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httptools
 from prometheus_client import CollectorRegistry, Counter
@@ -76,6 +77,9 @@ from proxy.server.admission import answer_bytes
 from proxy.server.headers import Headers
 from proxy.server.tunnel import is_websocket_upgrade
 from proxy.settings import Settings, group
+
+if TYPE_CHECKING:
+    from uvicorn._types import ASGISendEvent  # the type of uvicorn's own send
 
 #: Room for the request line and the header block's framing on top of --max-header-bytes,
 #: which the app checks as the sum of header names and values.
@@ -153,25 +157,35 @@ def transfer_codings(value: bytes) -> list[bytes]:
     return [coding.strip().lower() for coding in value.split(b",")]
 
 
-def coded_under_chunks(headers: Headers) -> str | None:
-    """Why a response framed by chunks cannot be relayed, if it cannot: a transfer coding
-    applied before `chunked` (`gzip, chunked`, or a second `chunked`). Both data paths
-    de-chunk a body and frame it anew for the client; the coding beneath the chunks would
-    reach it unlabelled (transfer codings are hop by hop, and the proxy asked for none:
-    it sends no TE), so such a response is malformed, a 502, as nginx refuses every
-    coding but `chunked` and as the request side refuses the same (`_head_wrong`). A
-    coding that is last frames nothing (RFC 9112 §6.3, item 4): that body runs to the
-    close, as it came."""
+def only_chunked(codings: list[bytes]) -> bool:
+    """Whether a message's transfer codings (`transfer_codings`, over all its
+    Transfer-Encoding lines) are none, or `chunked` alone: the only framing the proxy
+    takes, from a client and from the upstream alike."""
+    return not codings or codings == [b"chunked"]
+
+
+def refused_codings(headers: Headers) -> str | None:
+    """Why a response's transfer codings cannot be relayed, if they cannot: any but
+    `chunked` alone. Under the chunks (`gzip, chunked`, a second `chunked`) both data
+    paths de-chunk the body and frame it anew for the client, the coding beneath still
+    on it; as the last coding (`gzip`, `chunked, gzip`) it frames nothing, so the body
+    runs to the close (RFC 9112 §6.3, item 4), still coded. Either way the client would
+    get the coded bytes unlabelled (transfer codings are hop by hop, and the proxy asked
+    for none: it sends no TE), so such a response is malformed, a 502, as nginx refuses
+    every coding but `chunked` ("upstream sent unknown Transfer-Encoding") and as the
+    request side refuses the same (`_head_wrong`)."""
     codings = [
         coding
         for name, value in headers
         if name == b"transfer-encoding"
         for coding in transfer_codings(value)
     ]
-    if len(codings) < 2 or codings[-1] != b"chunked":
+    if only_chunked(codings):
         return None
     said = b", ".join(codings).decode("latin-1")
-    return f"a transfer coding before chunked (transfer-encoding: {said}): only chunked is taken"
+    return (
+        f"a transfer coding other than chunked (transfer-encoding: {said}): only chunked is taken"
+    )
 
 
 def connection_counter(registry: CollectorRegistry) -> Counter:
@@ -378,6 +392,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             # still takes bytes, and an abort when it stopped (uvicorn's close would wait
             # for good on a write buffer it never takes).
             cycle.scope.setdefault("extensions", {})[CLIENT_TRANSPORT] = self.transport
+            if type(cycle) is RequestResponseCycle and cycle.scope["http_version"] != "1.1":
+                # uvicorn makes every cycle itself (on_headers_complete), of its own class;
+                # only its send changes, before the app has run a line (see UnframedCycle)
+                cycle.__class__ = UnframedCycle
             super()._start_asgi_task(cycle, app)
 
     def _count_head(self, data: bytes) -> bool:
@@ -495,7 +513,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 hosts.append(value)
             elif name == b"transfer-encoding":
                 codings.extend(transfer_codings(value))
-        if codings and codings != [b"chunked"]:
+        if not only_chunked(codings):
             # llhttp refuses a last coding other than chunked, and decodes `gzip, chunked`
             # to its chunks: the body would go upstream still gzip-coded, and unlabelled.
             # (RFC 9112 §6.1 asks a 501; nginx and h11 answer one; a 400 refuses it too.)
@@ -629,6 +647,46 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _write_error(self, status: int, kind: str, message: str) -> None:
         self.transport.write(answer_bytes(status, kind, message, None, close=True))
+
+
+#: What uvicorn is told an unframed body still holds until its last piece (UnframedCycle):
+#: more than any body will.
+_UNBOUNDED = 1 << 62
+
+
+class UnframedCycle(RequestResponseCycle):
+    """The cycle of a request older than HTTP/1.1 (an HTTP/1.0 client): a response of no
+    known length goes unframed, and the connection's close ends it (RFC 9112 §6.3, item
+    8), as the wire, nginx and h11 send it. uvicorn's send frames any response with no
+    Content-Length in chunks, whatever the request's version, and an HTTP/1.0 client
+    cannot read chunks: it would take the sizes for body bytes (RFC 9112 §6.1: a server
+    MUST NOT send Transfer-Encoding in answer to an HTTP/1.0 request). uvicorn's send
+    still writes the head and the body: it is told the body has a length it will not
+    reach, then, with the last piece, that the piece is what is left. Such a request is
+    never kept alive (uvicorn's keep_alive is False for HTTP/1.0), so the close comes."""
+
+    unframed = False  # the response under way goes without framing
+
+    async def send(self, message: ASGISendEvent) -> None:
+        if self.response_started:
+            body = message if message["type"] == "http.response.body" else None
+            if self.unframed and body is not None and not body.get("more_body", False):
+                # the last piece: what is left is this piece, and uvicorn's count ends
+                self.expected_content_length = len(body.get("body", b""))
+        elif message["type"] == "http.response.start":
+            headers = list(message.get("headers", []))
+            lengths = any(name.lower() == b"content-length" for name, _ in headers)
+            if not (
+                lengths
+                or self.scope["method"] == "HEAD"
+                or message["status"] in (204, 304)  # bodiless: uvicorn frames none
+            ):
+                self.unframed, self.keep_alive = True, False
+                self.chunked_encoding = False  # uvicorn adds no framing of its own
+                self.expected_content_length = _UNBOUNDED
+                framed = [(n, v) for n, v in headers if n.lower() != b"transfer-encoding"]
+                message = {**message, "headers": framed}  # no framing said either
+        await super().send(message)
 
 
 class Upgrade:

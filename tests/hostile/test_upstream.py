@@ -649,26 +649,6 @@ def test_a_connection_whose_request_was_still_going_out_when_answered_is_not_reu
     assert upstream.connections == 2
 
 
-def test_a_body_framed_by_a_coding_other_than_chunked_ends_with_the_connection(
-    upstream: RawUpstream, proxy: Proxy
-) -> None:
-    """A Transfer-Encoding whose final coding is not chunked frames nothing: the body runs
-    to the close (RFC 9112 §6.3, item 4), and the client gets it whole, with its end."""
-
-    async def read_to_close(conn: Conn, request: Request) -> None:
-        conn.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\nconnection: close\r\n\r\n")
-        conn.write(b"body-to-close")
-        await conn.drain()
-        conn.writer.close()
-
-    upstream.default = by_target({b"/v1/coded": read_to_close})
-    with proxy(upstream.url) as base:
-        got = exchange(base, get(b"/v1/coded"), idle=1.0)
-        assert [(status, body) for status, _, body in responses(got)] == [(200, b"body-to-close")]
-        assert got.endswith(b"0\r\n\r\n"), got  # its last chunk: not a response cut short
-        assert errors(base, "malformed") == 0
-
-
 def test_a_body_read_to_the_close_that_ends_in_a_reset_is_cut_short_not_whole(
     upstream: RawUpstream, proxy: Proxy
 ) -> None:

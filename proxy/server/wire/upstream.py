@@ -53,7 +53,7 @@ import httptools
 from proxy.core.upstream_url import UpstreamURL
 from proxy.server.dial import dial
 from proxy.server.headers import Headers
-from proxy.server.protocol import coded_under_chunks
+from proxy.server.protocol import refused_codings
 from proxy.server.upstream import KEEPALIVE_SECONDS
 from proxy.server.upstream_errors import UpstreamProtocolError
 
@@ -92,14 +92,9 @@ def _past_the_end(chunk: bytes, now: float) -> None:
 
 def reads_to_close(headers: Headers) -> bool:
     """A response framed by neither length nor chunks: its body ends with the connection.
-    A Transfer-Encoding whose final coding is not chunked frames nothing either (RFC 9112
-    §6.3, item 4: read until the server closes), as llhttp reads it."""
-    for name, value in headers:
-        if name == b"content-length":
-            return False
-        if name == b"transfer-encoding" and value.rsplit(b",", 1)[-1].strip().lower() == b"chunked":
-            return False
-    return True
+    (A Transfer-Encoding here is `chunked` alone: any other is refused at the head,
+    `refused_codings`.)"""
+    return not any(name in (b"content-length", b"transfer-encoding") for name, _ in headers)
 
 
 #: The longest response head the wire reads (nginx's proxy_buffer_size is 4 or 8 KiB).
@@ -256,9 +251,9 @@ class UpstreamConnection(asyncio.Protocol):
             return
         if not 200 <= status <= 599:  # llhttp reads any three digits: 099, 600, 999
             raise UpstreamProtocolError("malformed", f"status {status} is not an HTTP status")
-        if self.coded:  # llhttp takes `gzip, chunked` and hands on the chunks, still coded
-            self.coded = False
-            if (coded := coded_under_chunks(self.headers)) is not None:
+        if self.coded:  # llhttp hands on the body still coded: `gzip, chunked`'s chunks,
+            self.coded = False  # or, for a last coding (`gzip`), the bytes up to the close
+            if (coded := refused_codings(self.headers)) is not None:
                 raise UpstreamProtocolError("malformed", coded)
         self.in_head = False
         self.header_bytes = 0  # the trailers' count, if any (on_header)
