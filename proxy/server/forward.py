@@ -83,6 +83,13 @@ class Forwarder:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         rules = self._rules(scope)
+        # A refusal before the body is read sends no 100 Continue (uvicorn sends it when the
+        # body is first asked for): a client waiting for one may keep its body back for
+        # good (RFC 9110 §10.1.1), so that answer closes the connection, as on the wire.
+        waits = rules.refusal is not None and any(
+            name == b"expect" and value.lower() == b"100-continue"
+            for name, value in scope["headers"]
+        )
         if rules.refusal is None:
             try:
                 await _read_body(receive, rules, self.context.settings.body_timeout)
@@ -101,7 +108,9 @@ class Forwarder:
                 return
         if rules.refusal is not None:
             refusal = rules.refusal
-            await _send_answer(send, refusal.status, refusal.kind, refusal.message, rules.path)
+            await _send_answer(
+                send, refusal.status, refusal.kind, refusal.message, rules.path, close=waits
+            )
             rules.refused()
             return
         # The request is in: the proxy's own time starts (overhead).

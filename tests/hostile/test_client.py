@@ -342,6 +342,28 @@ def test_a_body_refused_while_it_arrives_is_read_to_its_end_then_the_next_reques
     assert [r.target for r in upstream.requests] == [b"/v1/models"]
 
 
+def test_a_client_waiting_for_100_continue_refused_at_its_head_is_told_the_connection_closes(
+    upstream: RawUpstream, proxy: Proxy
+) -> None:
+    """A request refused at its head (a 413 on its Content-Length) while its client waits
+    for a 100 Continue that never comes: the client may keep its body back for good (RFC
+    9110 §10.1.1), so its next request would be read as the rest of this body and go
+    unanswered until --body-timeout. The 413 says `connection: close`, and the connection
+    closes at once (nginx closes after any 413). A client that sends its body without
+    waiting still gets the drain and keeps its connection (the test above)."""
+    head = post_head(300_000).replace(b"\r\n\r\n", b"\r\nExpect: 100-continue\r\n\r\n")
+    with proxy(upstream.url, "--max-body-bytes", "100000", "--body-timeout", "5") as base:
+        started = time.monotonic()
+        got = exchange(base, head, idle=4.0)
+        took = time.monotonic() - started
+        assert [status for status, _, _ in responses(got)] == [413], got
+        assert b"100 Continue" not in got, got
+        head_block = got.split(b"\r\n\r\n", 1)[0].lower()
+        assert b"\r\nconnection: close" in head_block, got
+        assert took < 2.0, took  # closed by the proxy, not by the client's idle wait (4 s)
+    assert upstream.requests == []
+
+
 def test_a_body_refused_and_then_left_unfinished_closes_its_connection_without_a_second_answer(
     upstream: RawUpstream, proxy: Proxy
 ) -> None:

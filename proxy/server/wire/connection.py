@@ -333,6 +333,7 @@ class WireRequest(Deadline):
             self.wire.receiving.add(self)  # until it goes upstream or ends (Wire.close)
             if self.expect_100 and not self.transport.is_closing():
                 self.transport.write(_CONTINUE)  # as uvicorn does when an app reads the body
+            self.expect_100 = False  # answered, or never asked: the body comes
 
     def on_body(self, body: bytes) -> None:
         if self.rules.body(body) is not None:
@@ -394,7 +395,10 @@ class WireRequest(Deadline):
         refusal = rules.refusal
         assert refusal is not None
         rules.refused()
-        if refusal is BODY_TIMEOUT:
+        if refusal is BODY_TIMEOUT or (self.expect_100 and not self.complete):
+            # A client still waiting for its 100 Continue may keep its body back for good
+            # (RFC 9110 §10.1.1): its next request would be read as the rest of this body.
+            # The answer says the connection closes (nginx closes after any 413).
             self.keep_alive = False
         self._answer(refusal.status, refusal.kind, refusal.message)
         self._response_over()
