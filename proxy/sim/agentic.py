@@ -197,7 +197,7 @@ class ChatScript:
             + delta
             + b',"logprobs":null,"finish_reason":'
             + finish
-            + b"}]}\n\n"
+            + b',"token_ids":null}]}\n\n'  # passed as null, as on chat's (wire.py)
         )
 
     def _finish(self, tokens: int) -> bytes:

@@ -544,7 +544,9 @@ def _write_openai(chat: bool) -> Callable[[Planned], Awaitable[Outcome]]:
                 return await llamacpp.complete_llamacpp(ex, plan, chat, job.created, job.pacer)
             return await llamacpp.stream_llamacpp(ex, plan, chat, job.created, job.pacer)
         if not plan.stream:
-            return await complete(ex, plan, job.pacer, ex.record.id, job.created)
+            return await complete(
+                ex, plan, job.pacer, ex.record.id, job.created, job.system_fingerprint
+            )
         sse = StreamWire(
             chat, ex.record.id, job.created, plan.model, job.stamp, job.system_fingerprint
         )

@@ -17,7 +17,8 @@ Source: vllm-project/vllm vllm/entrypoints/cohere/serving.py @ 02969a445a77
 finish_reason (vLLM 0.32's `_map_finish_reason`): stop with the matched stop string in the
 chat choice's `stop_reason` -> STOP_SEQUENCE, else stop -> COMPLETE, length -> MAX_TOKENS,
 tool_calls -> TOOL_CALL, error -> ERROR, anything else COMPLETE. A failure mid-stream is a
-message-end carrying `error` and finish_reason ERROR, then [DONE]. Errors before the stream
+message-end carrying `error` (pydantic's text for chat's error chunk) and finish_reason
+ERROR, in `json.dumps`'s spacing, then [DONE] (CohereWire.error). Errors before the stream
 keep vLLM's OpenAI-style body.
 
 `stop_sequences` go to chat as `stop` (`_build_base_chat_completion`), so the text is cut as
@@ -30,10 +31,12 @@ leaves the message without `content`.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import orjson
 
+from proxy.sim import wire
 from proxy.sim.controls import Plan
 from proxy.sim.tokens import completion_text
 
@@ -112,9 +115,13 @@ class CohereWire:
         out.append(DONE)
         return out
 
-    def error(self, message: str) -> bytes:
-        end = {"type": "message-end", "delta": {"error": message, "finish_reason": "ERROR"}}
-        return _data(orjson.dumps(end)) + DONE
+    def error(self, chat_error: bytes) -> bytes:
+        """message-end with pydantic's text for the chat error chunk, no content-end
+        before it, then [DONE] (cohere/serving.py _chat_completion_stream_to_v2, `except
+        Exception as exc`: `json.dumps` of {"type","delta":{"error":sanitize_message(
+        str(exc)),"finish_reason":"ERROR"}}, so with json's spaces; wire.converted_error)."""
+        delta = {"error": wire.converted_error(chat_error), "finish_reason": "ERROR"}
+        return _data(json.dumps({"type": "message-end", "delta": delta}).encode()) + DONE
 
     def full(self, sent: int) -> bytes:
         hit = self._plan.stop_hit

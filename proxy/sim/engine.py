@@ -47,8 +47,9 @@ def metrics_json(
     spec: Spec | None,
     null_spec: bool,
 ) -> bytes:
-    """The `metrics` object. `null_spec`: write `"speculative_decoding":null` when there
-    is none (vLLM's non-streamed bodies; its usage chunk leaves nulls out)."""
+    """The `metrics` object. `null_spec`: write the nulls, `"speculative_decoding":null`
+    when there is none and the per-step lists' when there is (vLLM's non-streamed bodies
+    are a whole `model_dump()`; its usage chunk is dumped with `exclude_none`)."""
     obj: dict[str, object] = {
         "time_to_first_token_ms": first_token * 1000.0,
         "generation_time_ms": generation * 1000.0,
@@ -66,7 +67,7 @@ def metrics_json(
         histogram[spec.accepted] += full
         if last:
             histogram[last - 1] += 1
-        obj["speculative_decoding"] = {
+        spec_obj: dict[str, object] = {
             "mean_acceptance_length": output_tokens / chunks,
             "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
             "acceptance_histogram": histogram,
@@ -75,6 +76,10 @@ def metrics_json(
             "num_draft_tokens": drafted,
             "num_spec_tokens": spec.tokens,
         }
+        # the per-step lists: filled only when vLLM records them (v1/metrics/stats.py)
+        if null_spec:
+            spec_obj |= {"per_step_accepted": None, "per_step_drafted": None}
+        obj["speculative_decoding"] = spec_obj
     elif null_spec:
         obj["speculative_decoding"] = None
     return orjson.dumps(obj)

@@ -74,7 +74,10 @@ class EventWire(Protocol):
         opened. The usage adds the plan's EOS."""
         ...
 
-    def error(self, message: str) -> bytes: ...
+    def error(self, chat_error: bytes) -> bytes:
+        """The API's in-stream error where vLLM's chat stream, which the API's layer runs,
+        sends `chat_error` (wire.ERROR_EVENT, wire.ERROR_STRING_EVENT)."""
+        ...
 
     def full(self, sent: int) -> bytes:
         """The non-streamed JSON body of `sent` text tokens (the usage adds the EOS)."""
@@ -172,9 +175,9 @@ async def _fire(ex: Exchange, plan: Plan, events: EventWire, pacer: Pacer, fault
         overhead = len(events.content(b""))
         await ex.write(events.content(b"x" * max(0, plan.huge_bytes - overhead)))
     elif fault == "error_event":
-        await ex.end(events.error("Internal server error"), "fault")
+        await ex.end(events.error(wire.ERROR_EVENT), "fault")
     elif fault == "error_string":
-        await ex.end(events.error("upstream generation failed"), "fault")
+        await ex.end(events.error(wire.ERROR_STRING_EVENT), "fault")
     elif fault == "close_no_done":
         await ex.end(b"", "fault")
     # "reset": send nothing more and leave the body unfinished.

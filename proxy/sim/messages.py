@@ -43,7 +43,8 @@ set), usage}; an empty text is still one empty text block (messages_full_convert
 Errors: vLLM's OpenAI-style ErrorResponse rebuilt as {"type":"error","error":{"type":
 <vLLM's type, e.g. "BadRequestError">, "message"}} with the same status. In a stream a
 failure is `event: error` with {"type":"error","error":{"type":"internal_error",...}}
-and the body ends (no message_stop).
+and the body ends (no message_stop); its message is pydantic's text for chat's error
+chunk, which the converter fails to read as a chat chunk (MessagesWire.error).
 
 With `stamp`, each text delta starts with `"sent_ns":<time.time_ns()>`, as chat chunks do.
 
@@ -59,6 +60,7 @@ from typing import Any
 
 import orjson
 
+from proxy.sim import wire
 from proxy.sim.controls import Plan
 from proxy.sim.tokens import completion_text
 from proxy.sim.wire import stamp_text
@@ -167,13 +169,13 @@ class MessagesWire:
         out.append(_event(b"message_stop", b'{"type":"message_stop"}'))
         return out
 
-    def error(self, message: str) -> bytes:
-        return _event(
-            b"error",
-            orjson.dumps(
-                {"type": "error", "error": {"type": "internal_error", "message": message}}
-            ),
-        )
+    def error(self, chat_error: bytes) -> bytes:
+        """`event: error`, pydantic's text for the chat error chunk as its message
+        (wire.converted_error; anthropic/serving.py message_stream_converter, `except
+        Exception`: AnthropicStreamEvent(type="error", error=AnthropicError(type=
+        "internal_error", message=sanitize_message(str(e)))), exclude_unset)."""
+        error = {"type": "internal_error", "message": wire.converted_error(chat_error)}
+        return _event(b"error", orjson.dumps({"type": "error", "error": error}))
 
     def full(self, sent: int) -> bytes:
         hit = self._plan.stop_hit

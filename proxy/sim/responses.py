@@ -42,6 +42,7 @@ from typing import Any
 
 import orjson
 
+from proxy.sim import wire
 from proxy.sim.controls import Plan
 from proxy.sim.tokens import completion_text
 from proxy.sim.wire import stamp_text
@@ -257,7 +258,8 @@ class ResponsesWire:
         out.append(self._typed(name, {"response": final}))
         return out
 
-    def error(self, message: str) -> bytes:
+    def error(self, chat_error: bytes) -> bytes:
+        message = wire.chat_error_message(chat_error)
         fields = {"code": "InternalServerError", "message": message, "param": None}
         return self._typed("error", fields)
 

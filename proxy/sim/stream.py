@@ -71,7 +71,7 @@ async def stream(ex: Exchange, plan: Plan, sse: StreamChunks, pacer: Pacer) -> O
     choices = range(plan.n)
     roles: list[bytes] = []  # one role chunk per choice, all before any token
     if plan.kind == "chat" and isinstance(sse, wire.StreamWire):
-        role_usage = _usage(plan, 0) if usage_every else None
+        role_usage = _every(plan, 0) if usage_every else None
         roles = [sse.role(role_usage, i) for i in choices]
         if plan.early_role:
             for data in roles:
@@ -103,7 +103,7 @@ async def stream(ex: Exchange, plan: Plan, sse: StreamChunks, pacer: Pacer) -> O
     def finish_usage(i: int, sent: int) -> bytes | None:
         """The finish chunk's usage; `sent` counts the EOS where it carries one."""
         if usage_every:  # each choice's own count, as every chunk's
-            return _usage(plan, sent)
+            return _every(plan, sent)
         return _usage(plan, sent * plan.n) if on_last and i == plan.n - 1 else None
 
     def content(count: int, sent: int) -> list[bytes]:
@@ -118,7 +118,7 @@ async def stream(ex: Exchange, plan: Plan, sse: StreamChunks, pacer: Pacer) -> O
                 )
                 for i in choices
             ]
-        usage = _usage(plan, now) if usage_every else ZERO_USAGE if zeroed else None
+        usage = _every(plan, now) if usage_every else ZERO_USAGE if zeroed else None
         return opening() + [sse.content(text, usage, i) for i in choices]
 
     async def fire(fault: str) -> bool:
@@ -280,7 +280,12 @@ async def fire_fault(ex: Exchange, plan: Plan, sse: Chunks, pacer: Pacer, fault:
 
 
 async def complete(
-    ex: Exchange, plan: Plan, pacer: Pacer, response_id: str, created: int
+    ex: Exchange,
+    plan: Plan,
+    pacer: Pacer,
+    response_id: str,
+    created: int,
+    fingerprint: str | None = None,
 ) -> Outcome:
     """The non-streamed response: all tokens' time passes, then one JSON body."""
     hit = plan.stop_hit
@@ -292,10 +297,13 @@ async def complete(
         plan.model,
         completion_text(plan.output_tokens) if hit is None else hit.text,
         plan.finish_reason,
-        _usage(plan, (plan.output_tokens + plan.eos) * plan.n),
+        wire.full_usage_json(
+            plan.prompt_tokens, (plan.output_tokens + plan.eos) * plan.n, plan.cached_tokens
+        ),
         engine_metrics(ex, plan, plan.output_tokens + plan.eos, streamed=False),
         n=plan.n,
         stop_reason=None if hit is None else hit.string,
+        fingerprint=fingerprint,
     )
     await ex.reply(200, body)
     return "completed"
@@ -325,3 +333,8 @@ def engine_metrics(ex: Exchange, plan: Plan, sent: int, streamed: bool) -> bytes
 
 def _usage(plan: Plan, completion_tokens: int) -> bytes:
     return wire.usage_json(plan.prompt_tokens, completion_tokens, plan.cached_tokens)
+
+
+def _every(plan: Plan, completion_tokens: int) -> bytes:
+    """The usage on every chunk under continuous usage (wire.continuous_usage_json)."""
+    return wire.continuous_usage_json(plan.kind == "chat", plan.prompt_tokens, completion_tokens)

@@ -1,18 +1,30 @@
 """The bytes vLLM puts on the wire, built from templates so no chunk needs json.dumps.
 
-Streamed chat chunks (vLLM serializes with `exclude_unset`, so unset `usage` is absent):
+Streamed chunks are vLLM 0.32's pydantic models dumped with `exclude_unset`: a field the
+serving code passes explicitly is written even when null, one it leaves at its default is
+not, and every key goes in the model's field order (openai/chat_completion/protocol.py
+ChatCompletionStreamResponse and ChatCompletionResponseStreamChoice; openai/completion/
+protocol.py CompletionStreamResponse and CompletionResponseStreamChoice; what is passed:
+chat_completion/serving.py chat_completion_stream_generator, completion/serving.py
+completion_stream_generator; checked key by key against the captures in
+tests/fixtures/streams/vllm-0.32). Streamed chat:
 
   role    {"id","object":"chat.completion.chunk","created","model",
            "choices":[{"index":0,"delta":{"role":"assistant","content":""},
-                       "logprobs":null,"finish_reason":null}]}
+                       "logprobs":null,"finish_reason":null}],
+           ["usage":{...},]"prompt_token_ids":null,"prompt_text":null}
   content ... "choices":[{"index":0,"delta":{"content":"<text>"},"logprobs":null,
-                          "finish_reason":null}]
+                          "finish_reason":null,"token_ids":null}]
   finish  ... "choices":[{"index":0,"delta":{"content":""},"logprobs":null,
-                          "finish_reason":"stop","stop_reason":null}]
+                          "finish_reason":"stop","stop_reason":null,"token_ids":null}]
   last    ... "choices":[{"index":0,"delta":{"content":"<text>"},"logprobs":null,
-                          "finish_reason":"length","stop_reason":null}]
+                          "finish_reason":"length","stop_reason":null,"token_ids":null}]
   usage   ... "choices":[],"usage":{"prompt_tokens","total_tokens","completion_tokens"
                                    [,"prompt_tokens_details":{"cached_tokens"}]}
+
+The usage chunk is dumped with `exclude_none` as well (no nulls); a chat chunk's continuous
+usage (`stream_options.continuous_usage_stats`) ends with `"completion_tokens_details":null`,
+which chat passes explicitly and completions do not (`continuous_usage_json`).
 
 `finish` is the chunk of an EOS token (a token with no text); `last` is the chunk of a
 token that ends the generation itself (the token limit: vLLM's finish_reason comes with
@@ -20,8 +32,13 @@ the output that carries it, chat_completion/serving.py, completion/serving.py). 
 `n` > 1 every choice has chunks of its own, `"index":<i>` (`index=`).
 
 Completions use `"object":"text_completion"` and choices `{"index":0,"text":"<text>",
-"logprobs":null,"finish_reason":null,"stop_reason":null}`, with no role chunk.
+"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,
+"token_ids":null}`, with no role chunk.
 Every event is `data: <json>\\n\\n`; the stream ends with `data: [DONE]\\n\\n`.
+
+Non-streamed bodies are the response models' plain `model_dump()` (chat_completion/
+api_router.py, completion/api_router.py: `JSONResponse(content=generator.model_dump())`):
+every field, nulls included, in field order (`full_completion`).
 
 With `stamp` "key", each content chunk starts with `"sent_ns":<time.time_ns()>` as its
 first key, taken just before the write, so a client can measure added latency per chunk;
@@ -31,19 +48,49 @@ chunks differ only in their text, as vLLM's do.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
 import orjson
 
 DONE = b"data: [DONE]\n\n"
-#: vLLM's in-stream error after a generation failure.
+#: vLLM's in-stream error after a generation failure: GenerationError's default message
+#: (vllm/exceptions.py GenerationError) as create_error_response puts it, dumped with
+#: `json.dumps`, hence the spaces (generate/base/serving.py create_streaming_error_response,
+#: _convert_generation_error_to_streaming_response; chat and completions alike).
 ERROR_EVENT = (
-    b'data: {"error":{"message":"Internal server error","type":"InternalServerError",'
-    b'"param":null,"code":500}}\n\n'
+    b'data: {"error": {"message": "Internal server error", "type": "InternalServerError", '
+    b'"param": null, "code": 500}}\n\n'
 )
+#: Not vLLM's: the bare-string error some OpenAI-compatible servers send.
 ERROR_STRING_EVENT = b'data: {"error":"upstream generation failed"}\n\n'
 MALFORMED_EVENT = b"data: {not json\n\n"
+
+
+def chat_error_message(chat_error: bytes) -> str:
+    """The message of a chat stream's error event (ERROR_EVENT, ERROR_STRING_EVENT)."""
+    error = json.loads(chat_error.removeprefix(b"data: "))["error"]
+    return str(error["message"] if isinstance(error, dict) else error)
+
+
+def converted_error(chat_error: bytes) -> str:
+    """What vLLM 0.32's Messages and Cohere layers report when the chat stream they convert
+    sends `chat_error`: they parse every chat chunk as a ChatCompletionStreamResponse, so
+    an error chunk fails pydantic's validation (no `model`, no `choices`) and the
+    ValidationError's text, through sanitize_message, is the message
+    (anthropic/serving.py message_stream_converter and cohere/serving.py
+    _chat_completion_stream_to_v2, each `except Exception as e`). The text is pydantic
+    2.14's (vLLM 0.32's venv): an input's repr over 50 characters is cut to its first 25
+    and last 24 around "..."."""
+    value = repr(json.loads(chat_error.removeprefix(b"data: ")))
+    if len(value) > 50:
+        value = value[:25] + "..." + value[-24:]
+    field = (
+        f"  Field required [type=missing, input_value={value}, input_type=dict]\n"
+        "    For further information visit https://errors.pydantic.dev/2.14/v/missing"
+    )
+    return f"2 validation errors for ChatCompletionStreamResponse\nmodel\n{field}\nchoices\n{field}"
 
 
 #: Where a content chunk carries its send time: "" (nowhere), "key" or "text" (SimConfig).
@@ -74,6 +121,23 @@ def usage_json(prompt_tokens: int, completion_tokens: int, cached_tokens: int | 
     return out + b"}"
 
 
+def continuous_usage_json(chat: bool, prompt_tokens: int, completion_tokens: int) -> bytes:
+    """The usage on every chunk under `continuous_usage_stats`: no prompt details, and chat
+    passes `completion_tokens_details` explicitly, null without a reasoning parser
+    (chat_completion/serving.py, `chunk.usage = UsageInfo(...)`; completion/serving.py
+    passes only the three counts)."""
+    out = usage_json(prompt_tokens, completion_tokens, None)
+    return out[:-1] + b',"completion_tokens_details":null}' if chat else out
+
+
+def full_usage_json(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> bytes:
+    """A non-streamed body's UsageInfo, dumped whole: the details are null when unset."""
+    out = usage_json(prompt_tokens, completion_tokens, cached_tokens)[:-1]
+    if cached_tokens is None:
+        out += b',"prompt_tokens_details":null'
+    return out + b',"completion_tokens_details":null}'
+
+
 class StreamWire:
     """The events of one streamed response. Build once per request; call per chunk."""
 
@@ -81,6 +145,7 @@ class StreamWire:
         "_chat",
         "_head",
         "_head_json",
+        "_ids",
         "_post",
         "_pre",
         "_stamp",
@@ -105,10 +170,14 @@ class StreamWire:
             created,
             orjson.dumps(model),
         )
+        # The ids the choice would carry with `return_token_ids`: passed as null otherwise.
+        self._ids = (
+            b',"token_ids":null}]' if chat else b',"prompt_token_ids":null,"token_ids":null}]'
+        )
         if chat:
-            self._post = b'"},"logprobs":null,"finish_reason":null}]'
+            self._post = b'"},"logprobs":null,"finish_reason":null' + self._ids
         else:
-            self._post = b'","logprobs":null,"finish_reason":null,"stop_reason":null}]'
+            self._post = b'","logprobs":null,"finish_reason":null,"stop_reason":null' + self._ids
         self._chat = chat
         self._head_json = head
         self._head = b"data: {" + head
@@ -122,11 +191,14 @@ class StreamWire:
         return b',"choices":[{"index":%d,' % index + field
 
     def role(self, usage: bytes | None = None, index: int = 0) -> bytes:
+        """The role chunk: no token_ids in its choice, but the prompt's ids and text
+        (null unless `return_token_ids` / `return_prompt_text`) after the usage."""
         return (
             self._head
             + b',"choices":[{"index":%d,"delta":{"role":"assistant","content":""},' % index
             + b'"logprobs":null,"finish_reason":null}]'
-            + _tail(usage, None)
+            + (b"" if usage is None else b',"usage":' + usage)
+            + b',"prompt_token_ids":null,"prompt_text":null}\n\n'
         )
 
     def content(self, text: bytes, usage: bytes | None = None, index: int = 0) -> bytes:
@@ -178,10 +250,11 @@ class StreamWire:
         )
 
     def _finish_post(self, finish_reason: str, stop_reason: str | None) -> bytes:
-        return b'"%s,"logprobs":null,"finish_reason":%s,"stop_reason":%s}]' % (
+        return b'"%s,"logprobs":null,"finish_reason":%s,"stop_reason":%s%s' % (
             b"}" if self._chat else b"",
             orjson.dumps(finish_reason),
             orjson.dumps(stop_reason),
+            self._ids,
         )
 
     def usage(
@@ -217,18 +290,29 @@ def full_completion(
     metrics: bytes | None = None,
     n: int = 1,
     stop_reason: str | None = None,
+    fingerprint: str | None = None,
 ) -> bytes:
-    """A non-streamed chat completion or text completion, as vLLM returns it (with vLLM
-    0.32's per-request `metrics` last, when asked for): `n` choices, each with `text`."""
+    """A non-streamed chat completion or text completion as vLLM 0.32 returns it: `n`
+    choices, each with `text`, every field of the response model in its order, nulls
+    included (`usage` from `full_usage_json`). Chat's message leaves out an empty
+    `tool_calls` (ChatMessage._serialize); the rest are vLLM's fields this simulator has
+    no values for (openai/chat_completion/protocol.py ChatCompletionResponse and
+    ChatCompletionResponseChoice, openai/completion/protocol.py CompletionResponse and
+    CompletionResponseChoice; tests/fixtures/streams/vllm-0.32/chat_nonstream_metrics.json
+    and spec_completions_nonstream.json show them)."""
     choices: list[dict[str, Any]]
     if chat:
+        message = {"role": "assistant", "content": text, "refusal": None, "annotations": None,
+                   "audio": None, "function_call": None, "reasoning": None}  # fmt: skip
         choices = [
             {
                 "index": i,
-                "message": {"role": "assistant", "content": text, "tool_calls": []},
+                "message": message,
                 "logprobs": None,
                 "finish_reason": finish_reason,
                 "stop_reason": stop_reason,
+                "token_ids": None,
+                "routed_experts": None,
             }
             for i in range(n)
         ]
@@ -240,19 +324,28 @@ def full_completion(
                 "logprobs": None,
                 "finish_reason": finish_reason,
                 "stop_reason": stop_reason,
+                "token_ids": None,
                 "prompt_logprobs": None,
+                "prompt_token_ids": None,
+                "routed_experts": None,
             }
             for i in range(n)
         ]
-    body = {
+    body: dict[str, Any] = {
         "id": response_id,
         "object": "chat.completion" if chat else "text_completion",
         "created": created,
         "model": model,
         "choices": choices,
+        "service_tier": None,
+        "system_fingerprint": fingerprint,
         "usage": orjson.Fragment(usage),
-        "prompt_logprobs": None,
     }
-    if metrics is not None:
-        body["metrics"] = orjson.Fragment(metrics)
+    if chat:
+        body |= {"prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None}
+    body |= {
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None if metrics is None else orjson.Fragment(metrics),
+    }
     return orjson.dumps(body)

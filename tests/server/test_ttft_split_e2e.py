@@ -152,7 +152,7 @@ def test_the_client_gets_the_finish_chunk_with_its_fingerprint_and_no_usage_chun
     events = [e for e in body.split(b"\n\n") if e]
     assert b'"choices":[]' not in body and events[-1] == b"data: [DONE]"
     assert events[-2].endswith(
-        b'"finish_reason":"stop","stop_reason":null}],'
+        b'"finish_reason":"stop","stop_reason":null,"token_ids":null}],'
         b'"system_fingerprint":"' + FINGERPRINT.encode() + b'"}'
     )
 

@@ -62,7 +62,8 @@ def test_stream_is_role_content_finish_usage_done(client: httpx.Client, url: str
     got = read_events(client, url, chat(stream_options={"include_usage": True}))
     kinds = [list(e.json) if e.data != b"[DONE]" else "DONE" for e in got.events]
     chunk_keys = ["id", "object", "created", "model", "choices"]
-    assert kinds == [chunk_keys] * 10 + [[*chunk_keys, "usage"], "DONE"]
+    role_keys = [*chunk_keys, "prompt_token_ids", "prompt_text"]  # vLLM 0.32's role chunk
+    assert kinds == [role_keys] + [chunk_keys] * 9 + [[*chunk_keys, "usage"], "DONE"]
     assert got.headers["content-type"] == "text/event-stream; charset=utf-8"
     finish = got.events[-3].json
     assert finish["choices"] == [
@@ -72,6 +73,7 @@ def test_stream_is_role_content_finish_usage_done(client: httpx.Client, url: str
             "logprobs": None,
             "finish_reason": "stop",
             "stop_reason": None,
+            "token_ids": None,
         }
     ]
     usage = got.events[-2].json
@@ -195,6 +197,8 @@ def test_completions_stream_text_choices_without_role_chunk(client: httpx.Client
             "logprobs": None,
             "finish_reason": None,
             "stop_reason": None,
+            "prompt_token_ids": None,
+            "token_ids": None,
         }
     ]
     assert got.events[0].at >= 0.05 - EARLY, "completions have no early role chunk"
@@ -316,13 +320,24 @@ def test_non_streaming_returns_after_all_tokens(client: httpx.Client, url: str) 
         assert 0.1 + 5 / 50 - EARLY <= elapsed <= 0.2 + LATE + 0.01
         body = response.json()
         assert body["object"] == "chat.completion"
+        # vLLM 0.32's ChatMessage: every field but an empty tool_calls (its _serialize)
         assert body["choices"][0]["message"] == {
             "role": "assistant",
             "content": completion_text(6),
-            "tool_calls": [],
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+            "reasoning": None,
         }
         assert body["choices"][0]["finish_reason"] == "stop"
-        assert body["usage"] == {"prompt_tokens": 4, "total_tokens": 11, "completion_tokens": 7}
+        assert body["usage"] == {
+            "prompt_tokens": 4,
+            "total_tokens": 11,
+            "completion_tokens": 7,
+            "prompt_tokens_details": None,
+            "completion_tokens_details": None,
+        }
 
     best_of(3, attempt)
 

@@ -256,10 +256,10 @@ def test_messages_error_event_ends_the_stream_without_message_stop(
     assert got.names()[-1] == "error"
     assert "message_stop" not in got.names()
     assert got.names().count("content_block_delta") == 2
-    assert got.events[-1].json == {
-        "type": "error",
-        "error": {"type": "internal_error", "message": "Internal server error"},
-    }
+    error = got.events[-1].json
+    assert error["type"] == "error" and error["error"]["type"] == "internal_error"
+    # pydantic's text for chat's error chunk (tests/sim/test_sim_vllm_shapes.py pins it)
+    assert error["error"]["message"].startswith("2 validation errors")
     assert last_record(app).outcome == "fault"
 
 

@@ -49,7 +49,9 @@ def test_the_fingerprint_is_on_the_finish_chunk_without_usage(
 ) -> None:
     finish, done = chat(client, url, usage=False)[-2:]
     assert done == b"data: [DONE]"
-    assert finish.endswith(b'"stop_reason":null}],"system_fingerprint":"' + FP.encode() + b'"}')
+    assert finish.endswith(
+        b'"stop_reason":null,"token_ids":null}],"system_fingerprint":"' + FP.encode() + b'"}'
+    )
 
 
 def test_with_usage_the_fingerprint_and_metrics_ride_on_the_usage_chunk(
