@@ -48,6 +48,11 @@ PROBES: tuple[Probe, ...] = (
 )
 #: The closed set of `kind` label values.
 KINDS = frozenset({UNKNOWN, *(p.kind for p in PROBES)})
+#: The backends that serve their model whatever a request's `model` names: llama-server
+#: answers every request as its own model (tools/server/server-context.cpp, the handler
+#: that makes the tasks: `task.params.oaicompat_model = meta->model_name`), and native
+#: /completion takes no model at all (proxy/core/labels.py, `ModelLabels.names_ignored`).
+IGNORES_MODEL_NAMES = frozenset({"llamacpp"})
 
 
 @dataclass(slots=True)

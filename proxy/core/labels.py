@@ -27,21 +27,43 @@ MAX_MODELS = 200
 
 
 class ModelLabels:
+    """A request's model label: the name it sent when vouched for, else `other`; or, in
+    front of a backend that serves its one model whatever a request names
+    (`names_ignored`: llama.cpp's llama-server, which lists one model and never reads a
+    request's `model`; its native /completion has none), that model: the one that
+    answered."""
+
     def __init__(self, allowlist: tuple[str, ...] = ()) -> None:
         self._fixed = frozenset(allowlist[:MAX_MODELS])
         self._known: frozenset[str] = self._fixed
+        self._listed: tuple[str, ...] = ()
+        self._ignores_names = False
+        self._unnamed = OTHER  # the label of a name not vouched for
 
     def update_from_upstream(self, ids: list[str]) -> None:
         """Replace the upstream-listed models (the allowlist always stays)."""
         room = MAX_MODELS - len(self._fixed)
-        self._known = self._fixed | frozenset(ids[: max(room, 0)])
+        self._listed = tuple(ids[: max(room, 0)])
+        self._known = self._fixed | frozenset(self._listed)
+        self._settle()
+
+    def names_ignored(self, ignored: bool) -> None:
+        """Whether the backend serves its model whatever a request names (what it said it
+        is: proxy/core/identity.py); it counts only while it lists exactly one model (a
+        llama-server routing between several reads the name)."""
+        self._ignores_names = ignored
+        self._settle()
+
+    def _settle(self) -> None:
+        one = len(self._listed) == 1 and self._ignores_names
+        self._unnamed = self._listed[0] if one else OTHER
 
     @property
     def known(self) -> frozenset[str]:
         return self._known
 
     def __call__(self, model: str) -> str:
-        return model if model in self._known else OTHER
+        return model if model in self._known else self._unnamed
 
 
 #: The longest attribution label value; longer header values are cut to this.

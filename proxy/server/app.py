@@ -22,6 +22,7 @@ import orjson
 from prometheus_client import CollectorRegistry
 
 from proxy.core.errors import describe
+from proxy.core.identity import IGNORES_MODEL_NAMES
 from proxy.core.tokens import TokenCounter
 from proxy.server.admission import own_route, where_to
 from proxy.server.certwatch import WATCH
@@ -262,6 +263,7 @@ class ProxyApp:
         backend = self.forwarder.context.backend
         backend.kind, backend.version = kind, version
         self.sinks.metrics.set_backend(kind, version)
+        self.sinks.models.names_ignored(kind in IGNORES_MODEL_NAMES)
 
     async def _refresh_models(self, every: float) -> None:
         """The upstream's model list every `every` seconds; after a failed lookup sooner

@@ -91,3 +91,23 @@ def test_route_templates_stay_bounded_for_arbitrary_paths() -> None:
     paths += [f"/{kind}{i}/x" for kind in ("admin", "tokenize", "") for i in range(500)]
     templates = {route_template(p) for p in paths}
     assert templates <= {"/v1/files/{id}", "/v1/other", "/v1/models/{model}", "/other"}
+
+
+def test_a_backend_that_ignores_names_labels_every_unvouched_name_its_one_model() -> None:
+    """llama-server serves its one model whatever a request names (or none, as native
+    /completion): that model answered, and is the label; a listed name stays its own."""
+    labels = ModelLabels(("pinned",))
+    labels.update_from_upstream(["tiny"])
+    assert [labels(""), labels("gpt-4o")] == [OTHER, OTHER]  # until the backend is known
+    labels.names_ignored(True)
+    assert [labels(""), labels("gpt-4o"), labels("tiny"), labels("pinned")] == [
+        "tiny",
+        "tiny",
+        "tiny",
+        "pinned",
+    ]
+    labels.update_from_upstream(["a", "b"])  # routing between models: the name counts
+    assert [labels(""), labels("a")] == [OTHER, "a"]
+    labels.update_from_upstream(["tiny"])
+    labels.names_ignored(False)  # another backend behind the same URL
+    assert labels("") == OTHER

@@ -12,9 +12,11 @@ import httpx
 from proxy.core.measurement import TokenSource
 from proxy.sim.app import create_sim_app
 from proxy.sim.config import SimConfig
+from proxy.sim.llamacpp import BUILD_INFO
 from proxy.sim.ollama import OLLAMA_VERSION
 from proxy.sim.utility import VLLM_VERSION
 from tests.conftest import MODEL, ProxyUnderTest, Running
+from tests.scrape import scrape
 from tests.servers import ThreadedServer
 
 REFRESH = 0.2
@@ -60,6 +62,44 @@ def test_a_dead_backend_is_unknown_and_delays_nothing(
     answered = httpx.get(proxy.url + "/healthz", timeout=5)
     assert answered.status_code == 200 and time.monotonic() - began < 5
     assert backend_info(proxy, "unknown", "unknown") == 1
+
+
+def test_a_llama_servers_requests_are_labelled_with_its_one_model_whatever_they_name(
+    start_sim: Callable[..., Running], start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    """llama-server answers every request as its one model (native /completion names none,
+    a chat may name any): the label is that model, not `other`, once the proxy knows the
+    backend is llama.cpp and lists one model."""
+    proxy = start_proxy(start_sim(backend_kind="llamacpp").url, models_refresh=REFRESH)
+    assert backend_info(proxy, "llamacpp", BUILD_INFO) == 1
+    deadline = time.monotonic() + 10  # and the model list, asked beside the kind
+    while proxy.app.sinks.models("") != MODEL and time.monotonic() < deadline:
+        time.sleep(0.05)
+    program = {"x-sim-output-tokens": "2", "x-sim-ttft": "0.01"}
+    native = httpx.post(
+        proxy.url + "/completion",
+        json={"prompt": "Hi", "n_predict": 2},
+        headers=program,
+        timeout=10,
+    )
+    chat = {"model": "gpt-4o", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    named = httpx.post(proxy.url + "/v1/chat/completions", json=chat, headers=program, timeout=10)
+    assert (native.status_code, named.status_code) == (200, 200)
+    proxy.wait_records(2)
+    metrics = scrape(proxy.url)
+    counts = {
+        (endpoint, model): metrics.total(
+            "tokenprobe_requests_total", endpoint=endpoint, model=model
+        )
+        for endpoint in ("/completion", "/v1/chat/completions")
+        for model in (MODEL, "other")
+    }
+    assert counts == {
+        ("/completion", MODEL): 1,
+        ("/completion", "other"): 0,
+        ("/v1/chat/completions", MODEL): 1,
+        ("/v1/chat/completions", "other"): 0,
+    }
 
 
 # -- what the identity decides: Ollama's /v1/completions is not asked for usage ----------
