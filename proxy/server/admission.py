@@ -16,7 +16,7 @@ HTTP/1.1 bytes.
 from __future__ import annotations
 
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
@@ -133,12 +133,27 @@ def body_too_large(limit: int) -> Refused:
 BODY_TIMEOUT = Refused(408, "request_timeout", "request body not received in time")
 
 
+#: llama-server keeps the bytes of a stream sent with this header and replays them on
+#: `GET /v1/stream?conv_id=<id>&from=N` (tools/server/server-stream.cpp,
+#: server_stream_conv_id_from_headers and server_stream_make_get_handler). A usage chunk
+#: the proxy asked for and took out again would be in that replay though the client never
+#: got it, so a resume at the client's byte count would start inside it.
+RESUMABLE_STREAM = b"x-conversation-id"
+
+
 def admit(
-    api: Api, body: bytes, limits: RelaySettings, backend: str = UNKNOWN
+    api: Api,
+    body: bytes,
+    limits: RelaySettings,
+    backend: str = UNKNOWN,
+    headers: Sequence[tuple[bytes, bytes]] = (),
 ) -> tuple[RequestInfo, bytes, UsageEventStripper | None]:
     """A measured request's info, the body that goes upstream, and the stripper when the
     proxy asked for usage the client did not. `backend`: the upstream's kind, as far as
-    it is known (proxy/core/identity.py); the API may not ask some kinds for usage."""
+    it is known (proxy/core/identity.py); the API may not ask some kinds for usage.
+    `headers`: the client's (lower-case names); a stream the backend may replay
+    (`RESUMABLE_STREAM`) is never asked for usage, whatever the backend, so the replay
+    holds exactly the bytes the client got."""
     info, obj = parse_request(api, body)
     if (
         limits.inject_usage
@@ -147,6 +162,7 @@ def admit(
         and not info.usage_requested
         and obj is not None
         and backend not in api.usage_reshapes
+        and not any(name == RESUMABLE_STREAM for name, _ in headers)
     ):
         asked = api.ask_for_usage(obj, body)
         if asked is not None:  # the client gets the stream it asked for: strip the extra

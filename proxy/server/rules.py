@@ -194,7 +194,7 @@ class ExchangeRules:
         info = None
         if self.api is not None:
             info, body, self.stripper = admit(
-                self.api, body, context.settings, context.backend.kind
+                self.api, body, context.settings, context.backend.kind, self.headers
             )
         exchange = self.exchange = MeasuredExchange(
             context,
