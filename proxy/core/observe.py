@@ -475,6 +475,9 @@ class StreamObserver:
         except orjson.JSONDecodeError:
             self.malformed_events += 1
             return
+        if type(obj) is list:
+            self._parse_answers(obj)
+            return
         if type(obj) is not dict:
             return
         facts = self.api.body(obj, self._collect)
@@ -489,6 +492,23 @@ class StreamObserver:
         self._apply(facts, 0.0)
         if facts.finishes is not None:
             self.finishes.update(facts.finishes)
+
+    def _parse_answers(self, answers: list[Any]) -> None:
+        """A JSON array of answers, one a prompt: llama-server's native `/completion`
+        given a list of prompts, not streamed (server-context.cpp, handle_completions_impl:
+        `arr.push_back(res->to_json())` for each task's result). Each is read as the
+        streamed case reads that prompt's last object: a task under its `index`, the
+        tasks' counts added up, each one's finish its choice's."""
+        for position, answer in enumerate(answers):
+            if type(answer) is not dict:
+                continue
+            facts = self.api.body(answer, self._collect)
+            index = answer.get("index", position)
+            index = index if type(index) is int else position
+            if facts.texts:
+                self._keep(facts.texts, index)
+            facts = replace(facts, texts=None, reasoning=None, finish_choice=index)
+            self._apply(facts, 0.0)
 
     def _body_texts(self, obj: dict[str, Any], facts: Facts) -> Facts:
         """A body's collected texts, and its reasoning (kept for a tokenizer, where usage

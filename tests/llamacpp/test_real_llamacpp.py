@@ -159,6 +159,37 @@ def test_completions_streams_through_the_proxy_are_byte_identical_to_direct(llam
             assert "usage" in last and "timings" in last and last["choices"][0]["finish_reason"]
 
 
+def test_a_resumable_stream_replays_exactly_what_the_client_got(llama: Llama) -> None:
+    """llama-server keeps a stream sent with `X-Conversation-Id` and replays its bytes on
+    `GET /v1/stream?conv_id=<id>&from=N` (server-stream.cpp,
+    server_stream_make_get_handler). The proxy does not ask such a stream for usage: a
+    usage chunk asked for and taken out would still be in the replay, and a resume at the
+    client's byte count would start inside it. The tokens still come from the server's
+    `timings` on the finish chunk."""
+    since = settled(llama)
+    conversation = f"tokenprobe-resume-{time.monotonic_ns()}"
+    body = body_for(PROMPTS[0], False, max_tokens=3)
+    with httpx.Client(timeout=60) as client:
+        with client.stream(
+            "POST", llama.proxy_url + CHAT, json=body, headers={"X-Conversation-Id": conversation}
+        ) as response:
+            assert response.status_code == 200, response.read()
+            got = b"".join(response.iter_raw())
+        replays = [
+            client.get(
+                llama.proxy_url + "/v1/stream", params={"conv_id": conversation, "from": start}
+            )
+            for start in (0, len(got))
+        ]
+    assert b'"usage"' not in got
+    assert [r.status_code for r in replays] == [200, 200]
+    assert replays[0].content == got
+    assert replays[1].content == b""
+    (streamed,) = wait_records(llama, since, 1)  # the replays are passthrough: no record
+    assert (streamed["endpoint"], streamed["output_tokens"]) == (CHAT, 3)
+    assert streamed["prompt_tokens"] == timings_of(got)["prompt_n"] + timings_of(got)["cache_n"]
+
+
 # -- tokens, the TTFT split and the cache are the server's own ------------------------------
 
 
@@ -281,6 +312,35 @@ def test_a_batch_of_prompts_counts_every_tasks_usage(llama: Llama) -> None:
     )
     first = next(c["choices"][0]["index"] for c in chunks if c["choices"][0].get("text"))
     assert record["engine_ttft_ms"] == round(finals[first]["timings"]["prompt_ms"], 3)
+
+
+def test_the_native_completion_of_a_list_of_prompts_is_measured_streamed_or_not(
+    llama: Llama,
+) -> None:
+    """Not streamed, llama-server answers a list of prompts on `/completion` with a JSON
+    array, one last object per prompt (server-context.cpp, handle_completions_impl: "multi-
+    results, non-OAI compat"). It is measured as the stream is: the prompts' counts added
+    up, each prompt's finish its own."""
+    since = settled(llama)
+    native = {"prompt": ["hello there", "the quick brown fox jumps"], "n_predict": 2,
+              "temperature": 0, "cache_prompt": False}  # fmt: skip
+    with httpx.Client(timeout=60) as client:
+        fetch(client, llama.proxy_url + "/completion", {**native, "stream": True})
+        answer = client.post(llama.proxy_url + "/completion", json=native)
+    assert answer.status_code == 200
+    whole = answer.json()
+    assert type(whole) is list and [a["index"] for a in whole] == [0, 1]
+    streamed, answered = wait_records(llama, since, 2)
+    assert (answered["endpoint"], answered["stream"], answered["error_type"]) == (
+        "/completion",
+        False,
+        None,
+    )
+    assert answered["output_tokens"] == sum(a["tokens_predicted"] for a in whole) == 4
+    assert answered["prompt_tokens"] == sum(a["tokens_evaluated"] for a in whole)
+    assert (answered["token_source"], answered["finish_reason"]) == ("engine", "length")
+    for figure in ("output_tokens", "prompt_tokens", "token_source", "finish_reason"):
+        assert answered[figure] == streamed[figure], figure
 
 
 def test_a_repeated_prompt_shows_its_cache_n_as_cached_tokens(llama: Llama) -> None:

@@ -24,8 +24,13 @@ A list of prompts streams `data: null`, then every prompt's events interleaved, 
 with its `index` and its own last object: each prompt is a choice, their counts are
 added up, and the TTFT split is the prompt's whose token came first, as on
 /v1/completions (fixture native_completion_batch_stream.sse). A non-streamed list is
-answered as a JSON array, whose counts are not read. llama-server's other native routes (/infill,
-/embedding, /rerank, /tokenize, /props) are forwarded unmeasured.
+answered as a JSON array of last objects (server-context.cpp, handle_completions_impl): the
+observer reads each as a prompt's (proxy/core/observe.py, `_parse_answers`).
+
+Of llama-server's other routes (tools/server/server.cpp), `/rerank` and `/v1/rerank` are
+measured as vLLM's rerank and `/v1/embeddings` as OpenAI's (proxy/core/apis/pooling.py);
+their other spellings (`/reranking`, `/v1/reranking`, `/embedding`, `/embeddings`),
+`/infill`, `/tokenize` and `/props` are forwarded unmeasured.
 """
 
 from __future__ import annotations
