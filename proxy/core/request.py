@@ -21,7 +21,8 @@ COMPLETIONS = Completions.endpoint
 def parse_request(
     api: Api | str, body: bytes, content_type: bytes = b""
 ) -> tuple[RequestInfo, dict[str, Any] | None]:
-    """The RequestInfo for `body` sent to `api` (an Api, or a path that has one).
+    """The RequestInfo for `body` sent to `api` (an Api, or a path that has one), and the
+    decoded body where the proxy may rewrite it (None where it may not, or it is none).
     `content_type` is the request's header, for APIs whose body is not JSON (a form)."""
     if isinstance(api, str):
         found = api_for(api)
@@ -30,6 +31,12 @@ def parse_request(
         api = found
     obj = api.decode(body, content_type)
     if obj is None:
+        # Read only as the backend's reader would (a BOM, UTF-16, NaN): measured, but no
+        # object handed back, so the body is never rewritten (a usage request spliced into
+        # UTF-16 bytes, or NaN written back as null, would change what the backend reads).
+        lenient = api.decode_leniently(body, content_type) if body else None
+        if lenient is not None:
+            return api.read_request(lenient), None
         info = RequestInfo(api.endpoint, "", False, False, None, None, valid_json=False)
         return info, None
     return api.read_request(obj), obj

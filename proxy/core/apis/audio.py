@@ -54,6 +54,9 @@ class Transcriptions(Chat):
     def decode(self, body: bytes, content_type: bytes) -> dict[str, Any] | None:
         return read_form(body, content_type)
 
+    def decode_leniently(self, body: bytes, content_type: bytes) -> dict[str, Any] | None:
+        return None  # a form or nothing: vLLM's audio routes read no JSON
+
     def read_request(self, obj: dict[str, Any]) -> RequestInfo:
         model = obj.get("model")
         return RequestInfo(

@@ -8,6 +8,7 @@ API knowledge left on the other side. Subclasses override only what differs.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -175,6 +176,19 @@ def json_object(payload: bytes) -> dict[str, Any] | None:
     return obj if type(obj) is dict else None
 
 
+def python_json_object(body: bytes) -> dict[str, Any] | None:
+    """A request body as the backend's own JSON reader takes it, where orjson refused it:
+    vLLM's routes (FastAPI: fastapi/routing.py, `json_body = await request.json()`) read it
+    with starlette's `json.loads(body)` (starlette/requests.py `Request.json`), which on
+    bytes detects a UTF-8 BOM and UTF-16 or UTF-32 (`json.detect_encoding`) and takes
+    `NaN` and `Infinity`. Such a request is served, so it is measured as one."""
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError alike
+        return None
+    return obj if type(obj) is dict else None
+
+
 class Api:
     """The base seam. Class attributes name the API; methods read its wire format."""
 
@@ -217,6 +231,11 @@ class Api:
         """The request body as an object (JSON unless the API says otherwise), or None
         when it is not one (the request is then measured as a malformed one)."""
         return json_object(body)
+
+    def decode_leniently(self, body: bytes, content_type: bytes) -> dict[str, Any] | None:
+        """What `decode` refused, as the backend's reader may still take it
+        (`python_json_object`), or None."""
+        return python_json_object(body)
 
     def read_request(self, obj: dict[str, Any]) -> RequestInfo:
         """The request as RequestInfo; a generative API's options by their chat and
