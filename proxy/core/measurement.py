@@ -88,6 +88,12 @@ class TokenSource(enum.StrEnum):
     NONE = "none"  # nothing to count (error before any output)
 
 
+#: The sources that counted the output's tokens (the chunks' count does not).
+_COUNTED = frozenset(
+    (TokenSource.USAGE, TokenSource.ENGINE, TokenSource.TOKEN_IDS, TokenSource.TOKENIZER)
+)
+
+
 #: Label value for "no error" and "no finish_reason".
 NONE_LABEL = "none"
 
@@ -245,14 +251,14 @@ class Measurement:
         return min(1.0, cached / shared)
 
     def output_tokens_per_chunk(self) -> float | None:
-        """Output tokens per content event of a stream, when the tokens were counted (usage
-        or tokenizer; counting chunks would make it 1 by definition)."""
+        """Output tokens per content event of a stream, when the tokens were counted (usage,
+        the engine's figures, the token ids streamed, or a tokenizer; counting chunks
+        would make it 1 by definition)."""
         if (
             not self.stream
             or not self.content_events
             or self.output_tokens is None
-            or self.token_source
-            not in (TokenSource.USAGE, TokenSource.ENGINE, TokenSource.TOKENIZER)
+            or self.token_source not in _COUNTED
         ):
             return None
         return self.output_tokens / self.content_events

@@ -19,7 +19,7 @@ Keys, in this order, stable (a key without a value is null in JSON, left out in 
                  engine's queue time and TTFT (vLLM per-request metrics) and the rest of
                  the client-seen TTFT (a stream's three sum to ttft_ms, or with a model load
                  load_ms + engine_ttft_ms + outside_engine_ms does; null without them)
-  tokens_per_chunk   output tokens per content event (usage or tokenizer counts)
+  tokens_per_chunk   output tokens per content event (usage, engine, token ids or tokenizer counts)
   spec_draft_tokens, spec_accepted_tokens   speculative decoding, as the engine counted
   proxy_overhead_ms   the proxy's own time (body read -> upstream, head in -> head out)
   stream         whether the client asked for a stream (its request's `stream`, whatever came back)

@@ -469,7 +469,7 @@ class Metrics:
         )
         self.tokens_per_chunk = h(
             "tokenprobe_request_output_tokens_per_chunk",
-            "Per stream: output tokens (usage or tokenizer) / content events, from the first "
+            "Per stream: output tokens (usage, engine, token ids or tokenizer) / content events, from the first "
             "to the last event. Above 1 under speculative decoding or multi-token prediction, "
             "which is why inter-chunk latency is not per-token latency.",
             buckets=TOKENS_PER_CHUNK_BUCKETS,

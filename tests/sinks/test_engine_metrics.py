@@ -122,3 +122,11 @@ def test_proxy_overhead_is_observed_when_the_data_path_reported_it() -> None:
     registry = recorded(measurement(proxy_overhead=0.0004), measurement())
     assert sample(registry, "tokenprobe_proxy_overhead_seconds_sum", L) == 0.0004
     assert sample(registry, "tokenprobe_proxy_overhead_seconds_count", L) == 1
+
+
+def test_streamed_token_ids_make_a_tokens_per_chunk() -> None:
+    """/inference/v1/generate streams its token ids: an exact count, as usage's."""
+    registry = recorded(
+        measurement(token_source=TokenSource.TOKEN_IDS, output_tokens=20, content_events=10)
+    )
+    assert sample(registry, "tokenprobe_request_output_tokens_per_chunk_sum", L) == 2.0

@@ -233,7 +233,7 @@ FIGURES: tuple[tuple[Callable[[Measurement], float | None], Instrument], ...] = 
         Instrument(
             "tokenprobe.output_tokens_per_chunk",
             "{token}",
-            "Per stream: output tokens (usage or tokenizer) / content events; above 1 with "
+            "Per stream: output tokens (usage, engine, token ids or tokenizer) / content events; above 1 with "
             "speculative decoding or multi-token prediction.",
             TOKENS_PER_CHUNK_BUCKETS,
         ),
