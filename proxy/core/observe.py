@@ -213,6 +213,8 @@ class StreamObserver:
         self.last_reasoning: float | None = None
         self.first_tool_call: float | None = None
         self.reasoning_events = 0
+        # a non-streaming body of reasoning alone: no answer's text, no tool call
+        self.reasoned_whole = False
         # the reasoning's texts (of a body's whole answer always, of a stream's collected)
         self._reasoned: Collected | None = None
         self.tools: ToolCalls | None = None
@@ -481,6 +483,8 @@ class StreamObserver:
         if type(obj) is not dict:
             return
         facts = self.api.body(obj, self._collect)
+        if facts.reasoning is not None and facts.calls is None and not self.api.answered(obj):
+            self.reasoned_whole = True
         if facts.texts is not None or facts.reasoning is not None:
             facts = self._body_texts(obj, facts)
         self.response_id = None  # the body's identity wins
@@ -700,8 +704,9 @@ class StreamObserver:
 
     def only_reasoned(self) -> bool:
         """The stream carried reasoning and no answer nor tool call: every token it
-        generated was reasoning (a stream cut off by max_tokens while it reasoned)."""
-        return (
+        generated was reasoning (a stream cut off by max_tokens while it reasoned); or a
+        body did (`reasoned_whole`)."""
+        return self.reasoned_whole or (
             self.reasoning_events > 0 and self.first_answer is None and self.first_tool_call is None
         )
 

@@ -491,6 +491,38 @@ def test_non_streaming_body_gives_usage_finish_reason_and_identity() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("name", "endpoint"),
+    [
+        ("reasoning_only_chat_nonstream.json", CHAT),
+        ("reasoning_only_messages_nonstream.json", "/v1/messages"),
+        ("reasoning_only_responses_nonstream.json", "/v1/responses"),
+    ],
+)
+def test_a_body_of_reasoning_alone_spent_every_output_token_on_it(name: str, endpoint: str) -> None:
+    """Real vLLM 0.32 bodies whose 40 tokens all went to the reasoning, while usage says 0
+    reasoning tokens (or nothing): every output token is reasoning, as for a stream that
+    carried reasoning alone; once a body gave no reasoning count at all."""
+    body = (FIXTURES / "streams" / "vllm-0.32" / name).read_bytes()
+    observer = StreamObserver(request(endpoint, stream=False), start=START)
+    observer.open(200, "application/json", OPENED)
+    observer.feed(body, 100.5)
+    m = finish(observer, 101.0)
+    assert (m.output_tokens, m.reasoning_tokens, m.reasoning_token_source) == (40, 40, "output")
+
+
+def test_a_body_with_an_answer_beside_its_reasoning_is_not_all_reasoning() -> None:
+    body = orjson.loads(
+        (FIXTURES / "streams" / "vllm-0.32" / "reasoning_only_chat_nonstream.json").read_bytes()
+    )
+    body["choices"][0]["message"]["content"] = "An answer."
+    observer = StreamObserver(request(CHAT, stream=False), start=START)
+    observer.open(200, "application/json", OPENED)
+    observer.feed(orjson.dumps(body), 100.5)
+    m = finish(observer, 101.0)
+    assert m.output_tokens == 40 and m.reasoning_token_source != "output"
+
+
 def test_non_streaming_body_without_usage_has_no_counts() -> None:
     body = orjson.dumps({"id": "x", "choices": [{"index": 0, "finish_reason": "stop"}]})
     observer = _body_observer(200, "application/json", body)

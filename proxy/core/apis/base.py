@@ -323,6 +323,13 @@ class Api:
             **identity(obj),
         )
 
+    def answered(self, obj: dict[str, Any]) -> bool:
+        """Whether a non-streaming body carries an answer's text (beside any reasoning and
+        tool calls): a body of reasoning alone spent every output token on it, as a
+        stream of reasoning alone did (observe.py, `only_reasoned`). An API that cannot
+        tell says it did."""
+        return True
+
     def finish_label(self, raw: str) -> str:
         """The closed-set label for a raw finish/stop reason."""
         return raw if raw in FINISH_LABELS else "other"

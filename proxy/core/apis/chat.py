@@ -231,6 +231,18 @@ class OpenAIGeneration(Api):
                 facts.finishes = finishes
         return facts
 
+    def answered(self, obj: dict[str, Any]) -> bool:
+        """A choice's message `content`, or a completion choice's `text`, is not empty."""
+        choices = obj.get("choices")
+        for choice in choices if type(choices) is list else ():
+            if type(choice) is not dict:
+                continue
+            message = choice.get("message")
+            text = message.get("content") if type(message) is dict else choice.get("text")
+            if text:
+                return True
+        return False
+
 
 class Chat(OpenAIGeneration):
     endpoint = "/v1/chat/completions"

@@ -189,6 +189,14 @@ class Messages(Api):
                             keep(facts, text)
         return facts
 
+    def answered(self, obj: dict[str, Any]) -> bool:
+        """A `text` block with text (the reasoning is a `thinking` block of its own)."""
+        content = obj.get("content")
+        return any(
+            type(block) is dict and block.get("type") == "text" and bool(block.get("text"))
+            for block in (content if type(content) is list else ())
+        )
+
     def finish_label(self, raw: str) -> str:
         return STOP_REASONS.get(raw, "other")
 

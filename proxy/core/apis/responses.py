@@ -210,6 +210,17 @@ class Responses(Api):
                 _output_texts(obj.get("output"), facts)
         return facts
 
+    def answered(self, obj: dict[str, Any]) -> bool:
+        """A `message` output item has a part with text (vLLM's reasoning is an item of
+        its own, openai/responses/utils.py build_response_output_items)."""
+        output = obj.get("output")
+        for item in output if type(output) is list else ():
+            if type(item) is dict and item.get("type") == "message":
+                for part in _list(item.get("content")):
+                    if type(part) is dict and part.get("text"):
+                        return True
+        return False
+
     def finish_label(self, raw: str) -> str:
         return FINISH.get(raw, "other")
 
