@@ -17,16 +17,25 @@ src/openai/types/responses/*_event.py):
   response.output_text.delta               one per chunk
   response.output_text.done, response.content_part.done, response.output_item.done
   response.completed                       the whole response with usage {input_tokens,
-                                           input_tokens_details {cached_tokens},
-                                           output_tokens, output_tokens_details
-                                           {reasoning_tokens}, total_tokens}
+                                           input_tokens_details {cached_tokens,
+                                           cache_write_tokens, input_tokens_per_turn [],
+                                           cached_tokens_per_turn []}, output_tokens,
+                                           output_tokens_details {reasoning_tokens,
+                                           tool_output_tokens, output_tokens_per_turn [],
+                                           tool_output_tokens_per_turn []}, total_tokens}
+                                           (protocol.py ResponseUsage; serving.py:879-903)
 
 Cut short by `max_output_tokens` (finish "length"), vLLM still sends
 `response.completed`, with status "incomplete" and incomplete_details {"reason":
 "max_output_tokens"}; `x-sim-incomplete-event: 1` sends `response.incomplete` instead,
 as OpenAI's own API does. An in-stream failure is an `error` event (openai-python
 ResponseErrorEvent: code, message, param, sequence_number, type) and the body ends.
-The response object keeps vLLM's field order (protocol.py ResponsesResponse). With
+The response object keeps vLLM's field order (protocol.py ResponsesResponse): the SDK's
+fields, `metrics` when there are any (dumped whole, nulls included, in the stream too),
+then presence_penalty, frequency_penalty (floats, from the sampling params, as temperature
+and top_p) and four nulls (kv/ec_transfer_params, input/output_messages); tool_choice is
+"none" without tools (ResponsesRequest.check_tool_usage). Checked key by key against the
+capture tests/fixtures/streams/vllm-0.32/responses_stream.sse. With
 `stamp`, each text delta starts with `"sent_ns":<time.time_ns()>`, as chat chunks do.
 Item ids are vLLM's `msg_<random_uuid()>` (16 hex digits, vllm/utils/__init__.py), and a
 message item ends with the SDK's `phase` (null), as vLLM 0.32 writes it (its captured
@@ -70,6 +79,40 @@ def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
     content = [] if text is None else [output_text(text, None)]
     return {"id": item_id, "content": content, "role": "assistant", "status": status,
             "type": "message", "phase": None}  # fmt: skip
+
+
+#: ResponsesResponse's last fields, null unless disaggregated serving or
+#: enable_response_messages sets them (protocol.py).
+_VLLM_NULLS = ("kv_transfer_params", "ec_transfer_params", "input_messages", "output_messages")
+
+
+def _number(body: dict[str, Any], key: str, default: float) -> Any:
+    """A sampling parameter as vLLM reports it, from its SamplingParams: a float."""
+    value = body.get(key)
+    if value is None:
+        return default
+    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+def tool_choice(body: dict[str, Any]) -> Any:
+    """vLLM's ResponsesRequest.check_tool_usage: without tools, "auto" (the default) and
+    "none" are both reported as "none"."""
+    choice = body.get("tool_choice", "auto")
+    if not body.get("tools") and choice in ("auto", "none"):
+        return "none"
+    return choice
+
+
+def whole_metrics(metrics: bytes) -> bytes:
+    """`metrics` as part of a whole model dump, nulls included: the response in
+    `response.completed` is dumped whole, streamed or not (the capture's
+    `"speculative_decoding":null`), unlike a chat usage chunk (exclude_none)."""
+    obj = orjson.loads(metrics)
+    spec = obj.setdefault("speculative_decoding", None)
+    if isinstance(spec, dict):
+        spec.setdefault("per_step_accepted", None)
+        spec.setdefault("per_step_drafted", None)
+    return orjson.dumps(obj)
 
 
 class ResponsesWire:
@@ -122,12 +165,25 @@ class ResponsesWire:
         return _event(name.encode(), orjson.dumps(fields))
 
     def usage(self, sent: int) -> dict[str, Any]:
+        """vLLM's ResponseUsage (protocol.py), as responses_full_generator fills it for
+        one turn: the per-turn lists stay empty (SimpleContext keeps no turn metrics)."""
         plan = self._plan
+        cached = plan.cached_tokens or 0
         return {
             "input_tokens": plan.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": plan.cached_tokens or 0},
+            "input_tokens_details": {
+                "cached_tokens": cached,
+                "cache_write_tokens": wire.cache_writes(plan.prompt_tokens, cached),
+                "input_tokens_per_turn": [],
+                "cached_tokens_per_turn": [],
+            },
             "output_tokens": sent,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {
+                "reasoning_tokens": 0,
+                "tool_output_tokens": 0,
+                "output_tokens_per_turn": [],
+                "tool_output_tokens_per_turn": [],
+            },
             "total_tokens": plan.prompt_tokens + sent,
         }
 
@@ -153,10 +209,10 @@ class ResponsesWire:
             "object": "response",
             "output": output,
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
-            "temperature": body.get("temperature", 1.0),
-            "tool_choice": body.get("tool_choice", "auto"),
+            "temperature": _number(body, "temperature", 1.0),
+            "tool_choice": tool_choice(body),
             "tools": body.get("tools") or [],
-            "top_p": body.get("top_p", 1.0),
+            "top_p": _number(body, "top_p", 1.0),
             "background": bool(body.get("background", False)),
             "max_output_tokens": max_output,
             "max_tool_calls": body.get("max_tool_calls"),
@@ -171,8 +227,12 @@ class ResponsesWire:
             "usage": usage,
             "user": body.get("user"),
         }
-        if metrics is not None:  # after `user`, as vLLM 0.32 writes it
-            out["metrics"] = orjson.Fragment(metrics)
+        if metrics is not None:  # after `user`, left out when None (exclude_if)
+            out["metrics"] = orjson.Fragment(whole_metrics(metrics))
+        # the sampling params' penalties, then what vLLM adds (protocol.py ResponsesResponse)
+        out["presence_penalty"] = _number(body, "presence_penalty", 0.0)
+        out["frequency_penalty"] = _number(body, "frequency_penalty", 0.0)
+        out |= dict.fromkeys(_VLLM_NULLS)
         return out
 
     def _message(self, text: str | None, status: str) -> dict[str, Any]:

@@ -298,7 +298,10 @@ async def complete(
         completion_text(plan.output_tokens) if hit is None else hit.text,
         plan.finish_reason,
         wire.full_usage_json(
-            plan.prompt_tokens, (plan.output_tokens + plan.eos) * plan.n, plan.cached_tokens
+            plan.prompt_tokens,
+            (plan.output_tokens + plan.eos) * plan.n,
+            plan.cached_tokens,
+            _cache_writes(plan),
         ),
         engine_metrics(ex, plan, plan.output_tokens + plan.eos, streamed=False),
         n=plan.n,
@@ -332,7 +335,17 @@ def engine_metrics(ex: Exchange, plan: Plan, sent: int, streamed: bool) -> bytes
 
 
 def _usage(plan: Plan, completion_tokens: int) -> bytes:
-    return wire.usage_json(plan.prompt_tokens, completion_tokens, plan.cached_tokens)
+    return wire.usage_json(
+        plan.prompt_tokens, completion_tokens, plan.cached_tokens, _cache_writes(plan)
+    )
+
+
+def _cache_writes(plan: Plan) -> int | None:
+    """`created_cache_tokens`: only chat sets it (completion/serving.py passes only
+    `cached_tokens` to PromptTokenUsageInfo), and only with the details."""
+    if plan.kind != "chat" or plan.cached_tokens is None:
+        return None
+    return wire.cache_writes(plan.prompt_tokens, plan.cached_tokens)
 
 
 def _every(plan: Plan, completion_tokens: int) -> bytes:

@@ -20,7 +20,8 @@ tests/fixtures/streams/vllm-0.32). Streamed chat:
   last    ... "choices":[{"index":0,"delta":{"content":"<text>"},"logprobs":null,
                           "finish_reason":"length","stop_reason":null,"token_ids":null}]
   usage   ... "choices":[],"usage":{"prompt_tokens","total_tokens","completion_tokens"
-                                   [,"prompt_tokens_details":{"cached_tokens"}]}
+                                   [,"prompt_tokens_details":{"cached_tokens"
+                                                              [,"created_cache_tokens"]}]}
 
 The usage chunk is dumped with `exclude_none` as well (no nulls); a chat chunk's continuous
 usage (`stream_options.continuous_usage_stats`) ends with `"completion_tokens_details":null`,
@@ -109,15 +110,38 @@ def stamp_text(text: bytes) -> bytes:
     return b"@%d " % time.time_ns() + text
 
 
-def usage_json(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> bytes:
-    """vLLM's UsageInfo, in its field order; details only when there is something cached."""
+#: vLLM's default KV block size (vllm/config/cache.py CacheConfig.DEFAULT_BLOCK_SIZE).
+BLOCK = 16
+
+
+def cache_writes(prompt_tokens: int, cached_tokens: int, block: int = BLOCK) -> int:
+    """The prompt tokens a request writes to the prefix cache: its whole blocks less those
+    it found there (v1/metrics/stats.py PrefillStats.finalize, from the scheduler's
+    estimate_cached_tokens, v1/core/kv_cache_manager.py: the full blocks' tokens)."""
+    return max(0, prompt_tokens - prompt_tokens % block - cached_tokens)
+
+
+def usage_json(
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int | None,
+    created_cache_tokens: int | None = None,
+) -> bytes:
+    """vLLM's UsageInfo as a usage chunk dumps it (`exclude_none`), in its field order;
+    details only when there is something cached. vLLM's PromptTokenUsageInfo
+    (serve/engine/protocol.py) is {cached_tokens, created_cache_tokens, multimodal_tokens}:
+    chat sets the first two (chat_completion/serving.py _make_prompt_tokens_details),
+    completions and generate only `cached_tokens` (`created_cache_tokens` None here)."""
     out = b'{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":%d' % (
         prompt_tokens,
         prompt_tokens + completion_tokens,
         completion_tokens,
     )
     if cached_tokens is not None:
-        out += b',"prompt_tokens_details":{"cached_tokens":%d}' % cached_tokens
+        out += b',"prompt_tokens_details":{"cached_tokens":%d' % cached_tokens
+        if created_cache_tokens is not None:
+            out += b',"created_cache_tokens":%d' % created_cache_tokens
+        out += b"}"
     return out + b"}"
 
 
@@ -130,11 +154,23 @@ def continuous_usage_json(chat: bool, prompt_tokens: int, completion_tokens: int
     return out[:-1] + b',"completion_tokens_details":null}' if chat else out
 
 
-def full_usage_json(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> bytes:
-    """A non-streamed body's UsageInfo, dumped whole: the details are null when unset."""
-    out = usage_json(prompt_tokens, completion_tokens, cached_tokens)[:-1]
+def full_usage_json(
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int | None,
+    created_cache_tokens: int | None = None,
+) -> bytes:
+    """A non-streamed body's UsageInfo, dumped whole (`model_dump()`): the details are null
+    when unset, and carry every PromptTokenUsageInfo field, nulls included, when set."""
+    out = usage_json(prompt_tokens, completion_tokens, None)[:-1]
     if cached_tokens is None:
         out += b',"prompt_tokens_details":null'
+    else:
+        created = b"null" if created_cache_tokens is None else b"%d" % created_cache_tokens
+        out += (
+            b',"prompt_tokens_details":{"cached_tokens":%d,"created_cache_tokens":%s,'
+            b'"multimodal_tokens":null}' % (cached_tokens, created)
+        )
     return out + b',"completion_tokens_details":null}'
 
 

@@ -326,9 +326,19 @@ def test_responses_stream_sends_vllm_events_with_sequence_numbers(
     assert done["output"][0]["content"][0]["text"] == text
     assert done["usage"] == {
         "input_tokens": record.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {
+            "cached_tokens": 0,
+            "cache_write_tokens": record.prompt_tokens - record.prompt_tokens % 16,
+            "input_tokens_per_turn": [],
+            "cached_tokens_per_turn": [],
+        },
         "output_tokens": GENERATED,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {
+            "reasoning_tokens": 0,
+            "tool_output_tokens": 0,
+            "output_tokens_per_turn": [],
+            "tool_output_tokens_per_turn": [],
+        },
         "total_tokens": record.prompt_tokens + GENERATED,
     }
     assert record.body_sha256 == hashlib.sha256(got.raw).hexdigest()
@@ -367,7 +377,8 @@ def test_responses_cached_tokens_in_input_tokens_details(client: httpx.Client, u
     got = read_named_events(
         client, url, "/v1/responses", response_body(), {"x-sim-cached-tokens": "1"}
     )
-    assert got.events[-1].json["response"]["usage"]["input_tokens_details"] == {"cached_tokens": 1}
+    details = got.events[-1].json["response"]["usage"]["input_tokens_details"]
+    assert (details["cached_tokens"], details["cache_write_tokens"]) == (1, 0)  # no whole block
 
 
 def test_responses_errors_and_error_event(client: httpx.Client, url: str, app: SimApp) -> None:
@@ -560,13 +571,22 @@ def test_config_knobs_ttft_per_prompt_token_and_cached_tokens() -> None:
         def attempt() -> None:
             got = read_events(c, server.url, body)
             assert 0.2 - EARLY <= got.contents()[0].at <= 0.2 + LATE
-            assert got.events[-2].json["usage"]["prompt_tokens_details"] == {"cached_tokens": 3}
+            usage = got.events[-2].json["usage"]
+            created = usage["prompt_tokens"] - usage["prompt_tokens"] % 16 - 3
+            assert usage["prompt_tokens_details"] == {
+                "cached_tokens": 3,
+                "created_cache_tokens": created,
+            }
 
         best_of(3, attempt)
         short = chat(False, messages=[{"role": "user", "content": "hi"}])  # 1 prompt token
         usage = c.post(server.url + "/v1/chat/completions", json=short).json()["usage"]
         assert usage["prompt_tokens"] == 1
-        assert usage["prompt_tokens_details"] == {"cached_tokens": 1}  # capped at the prompt
+        assert usage["prompt_tokens_details"] == {  # capped at the prompt
+            "cached_tokens": 1,
+            "created_cache_tokens": 0,
+            "multimodal_tokens": None,
+        }
 
 
 def test_cpu_per_token_burns_cpu_per_generated_token(client: httpx.Client, url: str) -> None:
