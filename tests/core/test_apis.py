@@ -127,6 +127,8 @@ def test_every_vllm_route_has_its_api_and_label() -> None:
         "/completion": "/completion",
         "/completions": "/completion",
         "/chat/completions": "/v1/chat/completions",
+        "/reranking": "/rerank",  # the same handler as /rerank
+        "/v1/reranking": "/rerank",
     }
     for path, label in labels.items():
         api = api_for(path)

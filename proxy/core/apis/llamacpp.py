@@ -27,10 +27,11 @@ added up, and the TTFT split is the prompt's whose token came first, as on
 answered as a JSON array of last objects (server-context.cpp, handle_completions_impl): the
 observer reads each as a prompt's (proxy/core/observe.py, `_parse_answers`).
 
-Of llama-server's other routes (tools/server/server.cpp), `/rerank` and `/v1/rerank` are
-measured as vLLM's rerank and `/v1/embeddings` as OpenAI's (proxy/core/apis/pooling.py);
-their other spellings (`/reranking`, `/v1/reranking`, `/embedding`, `/embeddings`),
-`/infill`, `/tokenize` and `/props` are forwarded unmeasured.
+Of llama-server's other routes (tools/server/server.cpp), `/rerank`, `/v1/rerank`,
+`/reranking` and `/v1/reranking` (one handler) are measured as vLLM's rerank and
+`/v1/embeddings` as OpenAI's (proxy/core/apis/pooling.py); `/embedding` and `/embeddings`
+(llama-server's own answer, no OpenAI usage), `/infill`, `/tokenize` and `/props` are
+forwarded unmeasured.
 """
 
 from __future__ import annotations

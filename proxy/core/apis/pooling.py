@@ -56,7 +56,9 @@ class Score(Pooling):
 
 class Rerank(Score):
     endpoint = "/rerank"
-    paths = ("/rerank", "/v1/rerank", "/v2/rerank")
+    # llama-server serves the same rerank handler under two more names (tools/server/
+    # server.cpp: /reranking and /v1/reranking beside /rerank and /v1/rerank)
+    paths = ("/rerank", "/v1/rerank", "/v2/rerank", "/reranking", "/v1/reranking")
     operation = "rerank"
 
 
