@@ -38,6 +38,7 @@ __all__ = [
     "ThreadedServer",
     "default_trust",
     "free_port",
+    "request_body",
     "serve",
     "serve_in_front",
     "spawn",
@@ -291,6 +292,16 @@ def serve_in_front(
             return proxy, url
         stop(proxy)
     raise AssertionError(f"tokenprobe serve in front of {what} did not start")
+
+
+async def request_body(receive: Callable[[], Awaitable[dict[str, Any]]]) -> bytes:
+    """An ASGI test backend's whole request body, from its `receive`."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            return body
 
 
 def echoing(

@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 
 from tests.paths import STREAMS
+from tests.servers import request_body
 
 #: The events of each stream sent with the headers, before the programmed wait.
 OPENING = {"vllm_messages.sse": 3, "vllm_messages_error.sse": 2, "vllm_responses.sse": 4}
@@ -76,12 +77,7 @@ class VllmRoutes:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await request_body(receive)
         method, path = scope["method"], scope["path"]
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
         request = orjson.loads(body) if body and method == "POST" else {}

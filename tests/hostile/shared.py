@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from tests.edge_backend import serving_process
@@ -89,3 +89,13 @@ def counted_when(base: str, name: str, grown_by: float, /, **labels: str) -> Cha
 
 def _taken(base: str) -> Scrape:
     return _TAKEN.get(base, NOTHING)
+
+
+def until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Whether `condition` holds within `timeout` seconds, asked every 20 ms."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()

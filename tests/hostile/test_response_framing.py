@@ -19,22 +19,13 @@ import pytest
 
 from tests.hostile.client import header_names, responses
 from tests.hostile.peers import SSE_BODY, Conn, RawUpstream, Request, by_target, get, ok
-from tests.hostile.shared import counted
+from tests.hostile.shared import counted, until
 
 Proxy = Callable[..., AbstractContextManager[str]]
 MALFORMED = {"kind": "malformed"}
 ERRORS = "tokenprobe_upstream_protocol_errors_total"
 PASSTHROUGH = "tokenprobe_passthrough_requests_total"
 CODED = gzip.compress(b'{"coded": true}')
-
-
-def until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
 
 
 def get_once(target: bytes) -> bytes:

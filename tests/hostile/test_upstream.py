@@ -39,7 +39,7 @@ from tests.hostile.peers import (
     raw_upstream,
     read_response,
 )
-from tests.hostile.shared import counted
+from tests.hostile.shared import counted, until
 from tests.paths import ROOT
 from tests.servers import ThreadedServer, stop
 
@@ -75,15 +75,6 @@ def body(response: bytes) -> bytes:
 
 def errors(base: str, kind: str) -> float:
     return counted(base, ERRORS, kind=kind)
-
-
-def until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
 
 
 def answer_each_once(response: bytes) -> Callable[[Conn, Request], Awaitable[None]]:

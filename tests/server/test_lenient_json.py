@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import MODEL, ProxyUnderTest
 from tests.paths import ROOT
-from tests.servers import ThreadedServer, serve
+from tests.servers import ThreadedServer, request_body, serve
 
 STREAM = (ROOT / "tests/fixtures/streams/vllm-0.32/chat_stream_no_usage.sse").read_bytes()
 TEXT = '{"model": "%s", "stream": true, "messages": [{"role": "user", "content": "hi"}]%s}'
@@ -40,12 +40,7 @@ class Recording:
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:  # type: ignore[type-arg]
         if scope["type"] != "http":
             return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await request_body(receive)
         self.bodies.append(body)
         headers = [(b"content-type", b"text/event-stream")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})

@@ -18,7 +18,7 @@ from proxy.core.measurement import TokenSource
 from tests.conftest import ProxyUnderTest
 from tests.core.test_strip import _llamacpp_pair
 from tests.paths import STREAMS
-from tests.servers import serve
+from tests.servers import request_body, serve
 
 CHAT = "/v1/chat/completions"
 MODEL = "tiny"
@@ -42,12 +42,7 @@ class Upstream:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await request_body(receive)
         if scope["path"] != CHAT:
             await send(
                 {
