@@ -84,12 +84,8 @@ class Forwarder:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         rules = self._rules(scope)
         # A refusal before the body is read sends no 100 Continue (uvicorn sends it when the
-        # body is first asked for): a client waiting for one may keep its body back for
-        # good (RFC 9110 §10.1.1), so that answer closes the connection, as on the wire.
-        waits = rules.refusal is not None and any(
-            name == b"expect" and value.lower() == b"100-continue"
-            for name, value in scope["headers"]
-        )
+        # body is first asked for), so a client that asked for one still waits for it.
+        continue_owed = rules.refusal is not None and _expects_continue(scope)
         if rules.refusal is None:
             try:
                 await _read_body(receive, rules, self.context.settings.body_timeout)
@@ -108,8 +104,9 @@ class Forwarder:
                 return
         if rules.refusal is not None:
             refusal = rules.refusal
+            close = rules.refusal_closes(continue_owed, body_whole=False)
             await _send_answer(
-                send, refusal.status, refusal.kind, refusal.message, rules.path, close=waits
+                send, refusal.status, refusal.kind, refusal.message, rules.path, close=close
             )
             rules.refused()
             return
@@ -143,6 +140,14 @@ class Forwarder:
             started_at,
             None if peer is None else peer[0],
         )
+
+
+def _expects_continue(scope: Scope) -> bool:
+    """The request asked for a 100 Continue, on HTTP/1.1 (an HTTP/1.0 request's
+    expectation is ignored: protocol.py, as on the wire)."""
+    return scope["http_version"] == "1.1" and any(
+        name == b"expect" and value.lower() == b"100-continue" for name, value in scope["headers"]
+    )
 
 
 async def _read_body(receive: Receive, rules: ExchangeRules, timeout: float) -> None:

@@ -11,6 +11,7 @@ comes in as an argument, as the observer's does.
 | the head (method, normalised target, headers) | the constructor | `refusal` (400 a target that cannot be normalised, 431 headers too large, 413 a declared body over --max-body-bytes), the API seam (`api`) |
 | a piece of the body | `body` | the refusal (413) once it passes --max-body-bytes |
 | the body did not come in --body-timeout | `refuse(BODY_TIMEOUT)` | 408 |
+| a refusal's answer goes out | `refusal_closes` | whether the connection closes after it (the body still owed, or a 100 Continue awaited) |
 | a refusal answered, a client gone before its body was in | `refused`, `abandoned` | the record or count |
 | the drain's end before the request went upstream: its body still coming in / pipelined, its turn not come | `shut_out` / `dropped` | the 503 (`Failure.answer`) and its record / a record of no answer (status 0) |
 | the whole body | `admit` | `UpstreamRequest`: the target upstream (the upstream's base path in front), the headers that go, the body (usage asked for) |
@@ -33,6 +34,7 @@ from proxy.core.measurement import ErrorType
 from proxy.core.paths import Target
 from proxy.core.strip import UsageEventStripper
 from proxy.server.admission import (
+    BODY_TIMEOUT,
     Refused,
     admit,
     body_too_large,
@@ -148,6 +150,16 @@ class ExchangeRules:
         """The proxy answers this request itself; nothing goes upstream."""
         self.stage, self.refusal, self.parts = Stage.REFUSED, refusal, []
         return refusal
+
+    def refusal_closes(self, continue_owed: bool, body_whole: bool) -> bool:
+        """Whether the refusal's answer ends the connection. After --body-timeout the rest
+        of the body is still owed. A client still waiting for its 100 Continue
+        (`continue_owed`: it asked, on HTTP/1.1, and none was sent) may keep its body
+        back for good (RFC 9110 §10.1.1). Either way its next request would be read as
+        the rest of this body, so the answer says the connection closes, as nginx's
+        does after any 413. A client that sends its body unasked keeps its connection:
+        the rest is read and dropped."""
+        return self.refusal is BODY_TIMEOUT or (continue_owed and not body_whole)
 
     def refused(self) -> None:
         """The refusal was answered: a bare record for a measured API, else a count."""

@@ -395,10 +395,7 @@ class WireRequest(Deadline):
         refusal = rules.refusal
         assert refusal is not None
         rules.refused()
-        if refusal is BODY_TIMEOUT or (self.expect_100 and not self.complete):
-            # A client still waiting for its 100 Continue may keep its body back for good
-            # (RFC 9110 §10.1.1): its next request would be read as the rest of this body.
-            # The answer says the connection closes (nginx closes after any 413).
+        if rules.refusal_closes(self.expect_100, self.complete):
             self.keep_alive = False
         self._answer(refusal.status, refusal.kind, refusal.message)
         self._response_over()
