@@ -64,6 +64,8 @@ def test_the_first_screen_names_every_measured_api() -> None:
         "/api/generate": "Ollama's chat, generate",
         "/api/embed": "Ollama's chat, generate and embed",
         "/completion": "llama.cpp's native `/completion`",
+        "/v1/chat/completions/batch": "vLLM's batch chat",
+        "/invocations": "SageMaker's `/invocations`",
         "/v1/realtime": "`/v1/realtime`",
     }
     endpoints = sorted([api.endpoint for api in APIS] + [w.endpoint for w in WS_APIS])

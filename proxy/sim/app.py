@@ -48,7 +48,17 @@ from typing import Any
 import orjson
 from starlette.types import Receive, Scope, Send
 
-from proxy.sim import audio, catalog, errors, llamacpp, llamacpp_native, ollama, pooling, utility
+from proxy.sim import (
+    audio,
+    batch_chat,
+    catalog,
+    errors,
+    llamacpp,
+    llamacpp_native,
+    ollama,
+    pooling,
+    utility,
+)
 from proxy.sim.agentic import (
     ChatScript,
     CohereScript,
@@ -190,12 +200,17 @@ class SimApp:
         await ex.reply(200, self._models)
         return "completed"
 
-    async def _generate(self, kind: Kind, ex: Exchange, body: Any, t0: float) -> Outcome:
+    async def _generate(
+        self, kind: Kind, ex: Exchange, body: Any, t0: float, metrics: bool = True
+    ) -> Outcome:
+        """`metrics` False: never the per-request `metrics` object (batch chat's is null)."""
         record = ex.record
         plan = plan_request(kind, body, record.headers, self.config)
         if isinstance(plan, errors.ErrorReply):
             await ex.error(plan)
             return "error"
+        if not metrics and plan.metrics:
+            plan = replace(plan, metrics=False)
         if (
             self.prefix_cache is not None
             and plan.cached_tokens is None
@@ -414,6 +429,16 @@ class SimApp:
         await ex.reply(200, utility.load(self.state.active - 1))
         return "completed"
 
+    async def _batch_chat(self, ex: Exchange, body: Any, t0: float) -> Outcome:
+        """/v1/chat/completions/batch: played as one chat with a choice per conversation
+        (proxy/sim/batch_chat.py)."""
+        chat = batch_chat.as_chat(body)
+        if chat is None:
+            await ex.error(errors.bad_request("messages must be a non-empty list of conversations"))
+            return "error"
+        # vLLM builds no per-request metrics for a batch, even of one (batch_serving.py)
+        return await self._generate("chat", ex, chat, t0, metrics=False)
+
     async def _invocations(self, ex: Exchange, body: Any, t0: float) -> Outcome:
         target = utility.invocation_route(body)
         if target is None:
@@ -614,6 +639,7 @@ _GET, _POST = frozenset({"GET"}), frozenset({"POST"})
 _ROUTES: dict[str, tuple[frozenset[str], Handler]] = {
     "/v1/models": (_GET, SimApp._models_list),
     "/v1/chat/completions": (_POST, _generation("chat")),
+    "/v1/chat/completions/batch": (_POST, SimApp._batch_chat),
     "/v1/completions": (_POST, _generation("completion")),
     "/v1/messages": (_POST, _generation("messages")),
     "/v1/messages/count_tokens": (_POST, SimApp._count_tokens),
@@ -654,6 +680,7 @@ _ROUTES: dict[str, tuple[frozenset[str], Handler]] = {
 # vLLM's id prefixes; its Anthropic layer reuses the chat completion's id.
 _ID_PREFIX = {
     "/v1/chat/completions": "chatcmpl-",
+    "/v1/chat/completions/batch": "chatcmpl-",
     "/v1/completions": "cmpl-",
     "/v1/messages": "chatcmpl-",
     "/v1/responses": "resp_",

@@ -118,6 +118,12 @@ def test_every_vllm_route_has_its_api_and_label() -> None:
         "/v1/audio/translations": "/v1/audio/translations",
         "/cohere/v2/chat": "/cohere/v2/chat",
         "/v2/embed": "/v2/embed",  # vllm/entrypoints/pooling/embed/api_router.py
+        # vllm/entrypoints/openai/chat_completion/batch_serving.py
+        "/v1/chat/completions/batch": "/v1/chat/completions/batch",
+        # SageMaker's (vllm/entrypoints/serve/sagemaker/api_router.py): a body is labelled
+        # with the API that serves it (proxy/core/apis/invocations.py); only a body no API
+        # takes keeps this label
+        "/invocations": "/invocations",
         # Ollama's native API (ollama/ollama server/routes.go)
         "/api/chat": "/api/chat",
         "/api/generate": "/api/generate",

@@ -16,10 +16,12 @@ from proxy.core.apis.base import (
     RequestInfo,
     TokenCounts,
 )
+from proxy.core.apis.batch_chat import BatchChat
 from proxy.core.apis.chat import Chat
 from proxy.core.apis.cohere import CohereChat
 from proxy.core.apis.completions import Completions
 from proxy.core.apis.generate import Generate
+from proxy.core.apis.invocations import Invocations
 from proxy.core.apis.llamacpp import LlamaCompletion
 from proxy.core.apis.messages import Messages
 from proxy.core.apis.ollama import OllamaChat, OllamaEmbed, OllamaGenerate
@@ -46,6 +48,8 @@ APIS: tuple[Api, ...] = (
     OllamaGenerate(),
     OllamaEmbed(),
     LlamaCompletion(),
+    BatchChat(),
+    Invocations(),
 )
 
 _BY_PATH = {path: api for api in APIS for path in api.paths}
