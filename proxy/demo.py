@@ -102,7 +102,7 @@ SCENARIOS = (
     Scenario("cohere chat v2", endpoint="/cohere/v2/chat", headers=(("x-sim-ttft", "0.1"),)),
     # Ollama's native API (NDJSON); the first row loads its model cold.
     Scenario(
-        "ollama chat, model not loaded",
+        "ollama chat, cold load",
         endpoint="/api/chat",
         headers=(("x-sim-ttft", "0.1"), ("x-sim-load-time", "0.5")),
     ),

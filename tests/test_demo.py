@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from proxy.demo import main
+from proxy.demo import SCENARIOS, main
 
 
 def test_a_port_in_use_is_one_line_naming_the_way_out(capsys: pytest.CaptureFixture[str]) -> None:
@@ -19,3 +19,9 @@ def test_a_port_in_use_is_one_line_naming_the_way_out(capsys: pytest.CaptureFixt
         assert main(["--port", str(port)]) == 2
     err = capsys.readouterr().err
     assert err == f"tokenprobe demo: port {port} is in use; pass --port N (0: any free port)\n"
+
+
+def test_every_row_name_fits_its_column() -> None:
+    """The table's first column is 24 wide and cuts a longer name ("ollama chat, model
+    not l" was printed): each scenario's name is whole."""
+    assert [s.name for s in SCENARIOS if len(s.name) > 24] == []
