@@ -112,7 +112,9 @@ def metrics_page() -> str:
             f"| [`{row['name']}`](#{row['name']}) | {row['type']} | {labels} | {row['when']} |\n"
         )
     for row in rows:
-        out.append(f"\n## `{row['name']}` {{#{row['name']}}}\n\n")
+        # A plain heading: GitHub and mkdocs both make its anchor the bare metric name
+        # (lowercase already, backticks dropped, `_` kept); `{#id}` works on mkdocs only.
+        out.append(f"\n## `{row['name']}`\n\n")
         out.append(f"{row['type']}")
         if row["labels"]:
             out.append("; labels " + ", ".join(f"`{label}`" for label in row["labels"]))

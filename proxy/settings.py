@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import ipaddress
 import os
 import re
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
+from proxy.core import extras
 from proxy.core.datafile import parse_data_file
 from proxy.core.pricing import load_prices
 from proxy.core.secrets import SECRET_HEADERS, is_secret_header
@@ -441,7 +441,7 @@ class Settings:
     tokenizer: str | None = setting(
         str,
         None,
-        "Local tokenizer directory for counting when the backend sends no usage (and the prompt of abandoned streams). Needs `pip install 'tokenprobe[tokenizer]'`: without transformers the proxy refuses to start.",
+        "Local tokenizer directory for counting when the backend sends no usage (and the prompt of abandoned streams). Needs the tokenizer extra (`pip install '.[tokenizer]'` in tokenprobe's clone): without transformers the proxy refuses to start.",
     )
     inject_usage: bool = setting(
         _bool,
@@ -878,10 +878,6 @@ def label_pairs(settings: Settings) -> tuple[tuple[str, str], ...]:
     return tuple((p.partition("=")[0], p.partition("=")[2]) for p in settings.label_header)
 
 
-#: What a user installs for --tokenizer (pyproject.toml's `tokenizer` extra).
-TOKENIZER_EXTRA = "pip install 'tokenprobe[tokenizer]'"
-
-
 def require_tokenizer_support(settings: Settings) -> None:
     """--tokenizer without transformers installed cannot be honoured: refuse to start and
     name the extra, instead of running on and counting nothing. Looked up, not imported:
@@ -894,14 +890,10 @@ def require_tokenizer_support(settings: Settings) -> None:
             f"--tokenizer {settings.tokenizer}: no such directory (a local tokenizer "
             "directory, with its tokenizer.json or vocabulary files)"
         )
-    try:
-        found = importlib.util.find_spec("transformers") is not None
-    except (ImportError, ValueError):
-        found = False
-    if not found:
+    if extras.missing("transformers"):
         raise SettingsError(
-            f"--tokenizer {settings.tokenizer}: the tokenizer needs transformers, which is not "
-            f"installed; install the extra: {TOKENIZER_EXTRA}"
+            f"--tokenizer {settings.tokenizer}: "
+            + extras.needs("the tokenizer", "transformers", "tokenizer")
         )
 
 

@@ -40,6 +40,7 @@ PROGRAMS = (
     "pip ",
     "pytest",
     "python ",
+    "python3 ",
     "curl ",
     "docker ",
     "kubectl ",

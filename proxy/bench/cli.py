@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import importlib.util
 import os
 import signal
 import sys
@@ -27,6 +26,7 @@ from proxy.bench.options import Options, OptionsError, parse
 from proxy.bench.progress import Progress
 from proxy.bench.prompts import BUILTIN, PromptError, load_file, synthetic
 from proxy.bench.stats import summarize
+from proxy.core import extras
 from proxy.core.buckets import TTFT_BUCKETS
 from proxy.core.measurement import ErrorType
 from proxy.openfiles import raise_open_file_limit
@@ -160,8 +160,10 @@ def _check_outputs(options: Options) -> None:
     for flag, path in (("--out", options.out), ("--plot", options.plot)):
         if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
             raise OptionsError(f"{flag}: cannot write to {os.path.dirname(os.path.abspath(path))}")
-    if options.plot and importlib.util.find_spec("matplotlib") is None:
-        raise OptionsError("--plot needs matplotlib: pip install 'tokenprobe[plot]'")
+    if options.plot and extras.missing("matplotlib"):
+        raise OptionsError(
+            f"--plot {options.plot}: " + extras.needs("the chart", "matplotlib", "plot")
+        )
 
 
 def _tokenizer(options: Options) -> Any:

@@ -9,6 +9,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from proxy.bench.options import OptionsError
+from proxy.core import extras
 
 T = TypeVar("T")
 
@@ -25,6 +26,10 @@ def tokenizer(path: str | None) -> Any:
     """The tokenizer in directory `path` (None without one); OptionsError when it cannot load."""
     if not path:
         return None
+    if extras.missing("transformers"):  # say which extra, as `tokenprobe serve` does
+        raise OptionsError(
+            f"--tokenizer {path}: " + extras.needs("the tokenizer", "transformers", "tokenizer")
+        )
     # transformers warns on import that PyTorch is missing; a tokenizer needs no PyTorch.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from proxy.core.tokens import load_tokenizer

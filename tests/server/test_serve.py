@@ -490,7 +490,9 @@ def test_serve_refuses_a_tokenizer_it_cannot_load_and_names_the_extra(tmp_path: 
     )
     assert result.returncode == 2
     message = result.stderr.decode()
-    assert "transformers" in message and "pip install 'tokenprobe[tokenizer]'" in message
+    assert (
+        "transformers" in message and "pip install '.[tokenizer]' in tokenprobe's clone" in message
+    )
     assert str(tmp_path) in message
 
 

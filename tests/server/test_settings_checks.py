@@ -231,7 +231,7 @@ def test_a_tokenizer_without_transformers_is_refused_alike(
     with pytest.raises(SettingsError) as in_code:
         build_app(Settings(upstream=UPSTREAM, tokenizer=str(tmp_path)))
     assert str(in_code.value) == on_the_command_line
-    assert "pip install 'tokenprobe[tokenizer]'" in on_the_command_line
+    assert "pip install '.[tokenizer]' in tokenprobe's clone" in on_the_command_line
 
 
 def test_settings_in_code_are_normalised_as_the_command_line_reads_them() -> None:
