@@ -13,6 +13,7 @@ from typing import Any
 from proxy.core.apis import Api, RequestInfo, api_for
 from proxy.core.apis.chat import Chat
 from proxy.core.apis.completions import Completions
+from proxy.core.lenient_json import Refusal
 
 CHAT = Chat.endpoint
 COMPLETIONS = Completions.endpoint
@@ -30,16 +31,18 @@ def parse_request(
             raise ValueError(f"no measured API serves {api!r}")
         api = found
     obj = api.decode(body, content_type)
-    if obj is None:
-        # Read only as the backend's reader would (a BOM, UTF-16, NaN): measured, but no
-        # object handed back, so the body is never rewritten (a usage request spliced into
-        # UTF-16 bytes, or NaN written back as null, would change what the backend reads).
-        lenient = api.decode_leniently(body, content_type) if body else None
+    if isinstance(obj, dict):
+        return api.read_request(obj), obj
+    # Read only as the backend's reader would (a BOM, UTF-16, NaN), and only where its
+    # reader may take what orjson refused (Refusal.lenient): measured, but no object
+    # handed back, so the body is never rewritten (a usage request spliced into UTF-16
+    # bytes, or NaN written back as null, would change what the backend reads).
+    if isinstance(obj, Refusal) and obj.lenient:
+        lenient = api.decode_leniently(body, content_type)
         if lenient is not None:
             return api.read_request(lenient), None
-        info = RequestInfo(api.endpoint, "", False, False, None, None, valid_json=False)
-        return info, None
-    return api.read_request(obj), obj
+    info = RequestInfo(api.endpoint, "", False, False, None, None, valid_json=False)
+    return info, None
 
 
 __all__ = ["CHAT", "COMPLETIONS", "RequestInfo", "parse_request"]

@@ -84,6 +84,7 @@ import orjson
 
 from proxy.core.errors import shown_model
 from proxy.core.fingerprint import keyed
+from proxy.core.lenient_json import clean_surrogates, without_surrogates
 from proxy.core.measurement import NONE_LABEL, Measurement
 from proxy.core.wsrecord import WsSessionRecord
 from proxy.sinks.sink import Labels
@@ -276,7 +277,15 @@ def _one_line(line: str) -> str:
 
 
 def _json_line(rec: dict[str, Any]) -> str:
-    return _one_line(orjson.dumps(rec, option=orjson.OPT_APPEND_NEWLINE).decode())
+    try:
+        line = orjson.dumps(rec, option=orjson.OPT_APPEND_NEWLINE)
+    except orjson.JSONEncodeError:
+        # A string with a lone surrogate, which orjson will not write: one not read by
+        # orjson (request bodies read leniently are cleaned where they are read). The
+        # line is written with U+FFFD for it rather than lost.
+        clean_surrogates(rec)
+        line = orjson.dumps(rec, option=orjson.OPT_APPEND_NEWLINE)
+    return _one_line(line.decode())
 
 
 def _text_line(rec: dict[str, Any]) -> str:
@@ -293,8 +302,10 @@ def _text_line(rec: dict[str, Any]) -> str:
         elif isinstance(value, list):
             text = ",".join(str(v) for v in value)
         elif isinstance(value, str):
-            text = value if value and _PLAIN.issuperset(value) else orjson.dumps(value).decode()
+            plain = value and _PLAIN.issuperset(value)
+            text = value if plain else orjson.dumps(without_surrogates(value)).decode()
         else:
             text = str(value)
         parts.append(f"{key}={text}")
-    return _one_line(" ".join(parts) + "\n")
+    # A lone surrogate elsewhere (a label, a list) would fail the stream's UTF-8 write.
+    return _one_line(without_surrogates(" ".join(parts) + "\n"))

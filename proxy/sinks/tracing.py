@@ -41,6 +41,7 @@ from proxy.core.apis import RequestInfo, api_of
 from proxy.core.apis.base import gen_ai_message
 from proxy.core.conversations import MAX_RESPONSE_ID
 from proxy.core.errors import shown_model
+from proxy.core.lenient_json import without_surrogates
 from proxy.core.measurement import NONE_LABEL, Measurement, TokenSource
 from proxy.settings import SettingsError
 from proxy.sinks import otel_env, semconv
@@ -109,9 +110,9 @@ class Tracing:
             attributes["gen_ai.request.previous_response.id"] = previous
         if self.trace_content:
             attributes.update(_content(info, api.input_messages(info.prompt)))
-        attributes = _int64(attributes)
+        attributes = _encodable(attributes)
         span = self.tracer.start_span(
-            f"{operation} {model}" if model else operation,
+            without_surrogates(f"{operation} {model}") if model else operation,
             context=parent,
             kind=SpanKind.CLIENT,
             attributes=attributes,
@@ -134,7 +135,7 @@ class Tracing:
             span.end()
             return
         start_ns = int(m.started_at * 1e9)
-        span.set_attributes(_int64(_finish_attributes(m, current=self.names.current)))
+        span.set_attributes(_encodable(_finish_attributes(m, current=self.names.current)))
         if m.ttfb is not None:
             span.add_event("first_byte", timestamp=start_ns + int(m.ttfb * 1e9))
         if m.ttft is not None:
@@ -142,7 +143,8 @@ class Tracing:
         if m.first_answer is not None and m.first_answer != m.ttft:  # it reasoned or called
             span.add_event("first_answer_token", timestamp=start_ns + int(m.first_answer * 1e9))
         if m.error_type is not None:
-            span.set_status(Status(StatusCode.ERROR, m.error_message or m.error_type.value))
+            reason = without_surrogates(m.error_message or m.error_type.value)
+            span.set_status(Status(StatusCode.ERROR, reason))
         span.end(end_time=start_ns + int(m.e2e * 1e9))
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
@@ -153,18 +155,42 @@ class Tracing:
         self.provider.shutdown()
 
 
-def _int64(attributes: dict[str, Any]) -> dict[str, Any]:
-    """The attributes OTLP can carry: an integer beyond 64 bits (a client's `seed` of
+def _encodable(attributes: dict[str, Any]) -> dict[str, Any]:
+    """The attributes OTLP can carry. An integer beyond 64 bits (a client's `seed` of
     2**64 - 1, which JSON allows, or a backend's count) is left out here, for the OTLP
     encoder logs a traceback for each such attribute ("Value out of range") before it
-    leaves it out: one a request, as many as a client likes."""
-    if not any(type(v) is int and not _INT64_MIN <= v <= _INT64_MAX for v in attributes.values()):
+    leaves it out: one a request, as many as a client likes. A string with a lone
+    surrogate, which no UTF-8 encoder takes, has it replaced (U+FFFD): request bodies read
+    leniently are cleaned where they are read (proxy/core/lenient_json.py
+    `python_json_object`), this guards any other string not read by orjson. Left as it
+    is, the encoder logs a traceback and leaves the attribute out; in a span's name or
+    status it fails the whole batch, other requests' spans with it. Cheap: a str's
+    `isascii` is O(1)."""
+    if not any(_unencodable(v) for v in attributes.values()):
         return attributes
     return {
-        k: v
+        k: _clean(v)
         for k, v in attributes.items()
         if not (type(v) is int and not _INT64_MIN <= v <= _INT64_MAX)
     }
+
+
+def _unencodable(value: object) -> bool:
+    if type(value) is int:
+        return not _INT64_MIN <= value <= _INT64_MAX
+    if type(value) is str:
+        return without_surrogates(value) is not value
+    if isinstance(value, (list, tuple)):
+        return any(type(v) is str and without_surrogates(v) is not v for v in value)
+    return False
+
+
+def _clean(value: object) -> object:
+    if type(value) is str:
+        return without_surrogates(value)
+    if isinstance(value, (list, tuple)):
+        return [without_surrogates(v) if type(v) is str else v for v in value]
+    return value
 
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1

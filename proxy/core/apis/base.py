@@ -8,7 +8,6 @@ API knowledge left on the other side. Subclasses override only what differs.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -17,6 +16,7 @@ import orjson
 
 from proxy.core.engine import EngineMetrics, engine_metrics
 from proxy.core.lax import lax_bool, lax_float, lax_int
+from proxy.core.lenient_json import Refusal, python_json_object, request_object
 from proxy.core.measurement import NONE_LABEL, TokenSource
 from proxy.core.ndjson import NDJSONDecoder
 from proxy.core.sse import SSEDecoder
@@ -176,19 +176,6 @@ def json_object(payload: bytes) -> dict[str, Any] | None:
     return obj if type(obj) is dict else None
 
 
-def python_json_object(body: bytes) -> dict[str, Any] | None:
-    """A request body as the backend's own JSON reader takes it, where orjson refused it:
-    vLLM's routes (FastAPI: fastapi/routing.py, `json_body = await request.json()`) read it
-    with starlette's `json.loads(body)` (starlette/requests.py `Request.json`), which on
-    bytes detects a UTF-8 BOM and UTF-16 or UTF-32 (`json.detect_encoding`) and takes
-    `NaN` and `Infinity`. Such a request is served, so it is measured as one."""
-    try:
-        obj = json.loads(body)
-    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError alike
-        return None
-    return obj if type(obj) is dict else None
-
-
 class Api:
     """The base seam. Class attributes name the API; methods read its wire format."""
 
@@ -227,10 +214,11 @@ class Api:
 
     # -- the request ------------------------------------------------------------------
 
-    def decode(self, body: bytes, content_type: bytes) -> dict[str, Any] | None:
+    def decode(self, body: bytes, content_type: bytes) -> dict[str, Any] | Refusal | None:
         """The request body as an object (JSON unless the API says otherwise), or None
-        when it is not one (the request is then measured as a malformed one)."""
-        return json_object(body)
+        when it is not one (the request is then measured as a malformed one), or a
+        Refusal saying whether `decode_leniently` may still read it."""
+        return request_object(body)
 
     def decode_leniently(self, body: bytes, content_type: bytes) -> dict[str, Any] | None:
         """What `decode` refused, as the backend's reader may still take it
