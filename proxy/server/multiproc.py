@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import re
+import time
 from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry
@@ -121,7 +122,8 @@ def fresh_metrics_directory(directory: str) -> None:
 
     SettingsError when it cannot be a directory, or when a live process writes metrics
     there: another proxy given the same directory, whose counters clearing would send back
-    to 0, and which would report this one's traffic as its own."""
+    to 0, and which would report this one's traffic as its own; or when another start
+    on it has held the start lock for longer than `START_WAIT`."""
     try:
         os.makedirs(directory, exist_ok=True)
         with _one_start_at_a_time(directory) as no_flock:
@@ -174,6 +176,13 @@ def _unguarded(directory: str, why: str | None) -> None:
 #: a start runs.
 START_LOCK = "tokenprobe-starting"
 
+#: How long a start waits for another's start lock before it is refused. A start holds it
+#: for milliseconds; one that holds it for seconds is stopped (^Z, a debugger) or clearing
+#: a directory of very many files, and waiting on it without a bound left this start hung
+#: and silent for as long. Refused, it names the holder; had it waited, the holder would
+#: most likely have held the directory by then, and refused it all the same.
+START_WAIT = 3.0
+
 
 @contextlib.contextmanager
 def _one_start_at_a_time(directory: str) -> Iterator[str | None]:
@@ -183,15 +192,29 @@ def _one_start_at_a_time(directory: str) -> Iterator[str | None]:
     free, cleared the first's files and wrote beside it, both started. Holding the start
     lock it waits until the first holds the directory shared, and is refused.
 
+    It waits `START_WAIT` at most, trying the lock without blocking, then is refused
+    (SettingsError) naming the process that holds it.
+
     Yields None, or on a filesystem without flock why it cannot lock. The file goes before
     its lock does, so a directory between runs holds nothing of ours; a start that waited
     on a file removed meanwhile takes the one there now (a lock on a removed file keeps
     out no one)."""
     path = os.path.join(directory, START_LOCK)
+    deadline = time.monotonic() + START_WAIT
+    pause = 0.001  # doubled up to 50 ms: a race's loser gets in a millisecond after
     while True:
         fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                holder = _lock_holder(fd)
+                os.close(fd)
+                raise _another_start(directory, holder) from None
+            os.close(fd)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+            continue
         except OSError as exc:
             os.close(fd)
             with contextlib.suppress(FileNotFoundError):
@@ -209,6 +232,15 @@ def _one_start_at_a_time(directory: str) -> Iterator[str | None]:
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)
         os.close(fd)
+
+
+def _another_start(directory: str, holder: int | None) -> SettingsError:
+    who = "another process" if holder is None else f"process {holder}"
+    return SettingsError(
+        f"{MULTIPROC_ENV}={directory!r}: {who} has been starting on it for over "
+        f"{START_WAIT:g} s (it holds {START_LOCK}: stopped, or clearing very many files); "
+        "give each tokenprobe serve a directory of its own"
+    )
 
 
 def _names(path: str, fd: int) -> bool:
