@@ -37,7 +37,12 @@ from proxy.server.admission import (
     where_to,
 )
 from proxy.server.exchange import Context, IdleTimer
-from proxy.server.protocol import ANSWER_CUT, ARRIVAL, CLIENT_TRANSPORT, refused_codings
+from proxy.server.protocol import (
+    ANSWER_CUT,
+    ARRIVAL,
+    CLIENT_TRANSPORT,
+    refused_transfer_encoding,
+)
 from proxy.server.rules import ExchangeRules, UpstreamRequest
 from proxy.server.upstream import body_reader, send_upstream
 from proxy.server.upstream_errors import UpstreamProtocolError
@@ -348,16 +353,16 @@ def _bad_head(headers: list[tuple[bytes, bytes]]) -> str | None:
       close, recorded as a 200); llhttp refuses the same on the wire;
     - a transfer coding other than chunked alone, whose body aiohttp hands on still
       coded (de-chunked, or read to the close), as llhttp does on the wire: the one rule
-      of both (refused_codings)."""
-    coded = False
+      of both (refused_transfer_encoding)."""
+    codings = []  # every Transfer-Encoding line, judged together: two lines `chunked` too
     for name, value in headers:
         if HEADER_RE.search(name):
             return f"the upstream sent an invalid header name {name!r}"
         if HEADER_VALUE_RE.search(value):
             return f"the upstream sent an invalid header value in {name.decode('latin-1')!r}"
-        if name == b"transfer-encoding" and value != b"chunked":
-            coded = True
-    return refused_codings(headers) if coded else None
+        if name == b"transfer-encoding":
+            codings.append(value)
+    return refused_transfer_encoding(codings)
 
 
 async def _send_answer(

@@ -166,26 +166,39 @@ def only_chunked(codings: list[bytes]) -> bool:
 
 def refused_codings(headers: Headers) -> str | None:
     """Why a response's transfer codings cannot be relayed, if they cannot: any but
-    `chunked` alone. Under the chunks (`gzip, chunked`, a second `chunked`) both data
+    `chunked` alone (`refused_transfer_encoding`, over its Transfer-Encoding lines)."""
+    return refused_transfer_encoding(
+        [value for name, value in headers if name == b"transfer-encoding"]
+    )
+
+
+def refused_transfer_encoding(lines: list[bytes]) -> str | None:
+    """Why a response with these Transfer-Encoding lines (its values, in order) cannot be
+    relayed, if it cannot: any coding but `chunked` alone, judged over all lines together,
+    as the request side judges them (`_head_wrong`): two lines `chunked` are `chunked,
+    chunked`, refused alike. Under the chunks (`gzip, chunked`, a second `chunked`) both data
     paths de-chunk the body and frame it anew for the client, the coding beneath still
     on it; as the last coding (`gzip`, `chunked, gzip`) it frames nothing, so the body
     runs to the close (RFC 9112 §6.3, item 4), still coded. Either way the client would
     get the coded bytes unlabelled (transfer codings are hop by hop, and the proxy asked
     for none: it sends no TE), so such a response is malformed, a 502, as nginx refuses
     every coding but `chunked` ("upstream sent unknown Transfer-Encoding") and as the
-    request side refuses the same (`_head_wrong`)."""
-    codings = [
-        coding
-        for name, value in headers
-        if name == b"transfer-encoding"
-        for coding in transfer_codings(value)
-    ]
+    request side refuses the same (`_head_wrong`).
+
+    Both data paths hand every response's lines here; nearly all are one line `chunked`
+    or none, answered before any splitting."""
+    if not lines or lines == _ONE_CHUNKED:
+        return None
+    codings = [coding for value in lines for coding in transfer_codings(value)]
     if only_chunked(codings):
         return None
     said = b", ".join(codings).decode("latin-1")
     return (
         f"a transfer coding other than chunked (transfer-encoding: {said}): only chunked is taken"
     )
+
+
+_ONE_CHUNKED = [b"chunked"]
 
 
 def connection_counter(registry: CollectorRegistry) -> Counter:

@@ -1,6 +1,6 @@
 """How a response's framing reaches the client, on both data paths: the upstream's
 transfer codings (only `chunked` alone is taken, proxy/server/protocol.py
-`refused_codings`), and an HTTP/1.0 client, which gets a body of no known length
+`refused_transfer_encoding`, all Transfer-Encoding lines together), and an HTTP/1.0 client, which gets a body of no known length
 unframed, its end the close (`UnframedCycle` on the ASGI relay; the wire frames by the
 client's version).
 
@@ -56,7 +56,7 @@ def to_the_close(base: str, request: bytes, timeout: float = 10.0) -> tuple[byte
 # -- the upstream's transfer codings ----------------------------------------------------------
 
 
-ONLY_CHUNKED = b"only chunked is taken"  # refused_codings' words
+ONLY_CHUNKED = b"only chunked is taken"  # refused_transfer_encoding's words
 
 
 @pytest.mark.parametrize(
@@ -123,6 +123,39 @@ def test_chunked_alone_in_any_case_is_taken(
         got, _ = to_the_close(base, get_once(b"/v1/chunked"))
         assert [(status, body) for status, _, body in responses(got)] == [(200, b"hello")], got
         assert counted(base, ERRORS, **MALFORMED) == 0
+
+
+@pytest.mark.parametrize(
+    "codings",
+    [
+        b"transfer-encoding: chunked\r\ntransfer-encoding: chunked\r\n",
+        b"transfer-encoding: chunked, chunked\r\n",
+        b"transfer-encoding: Chunked\r\ntransfer-encoding: chunked\r\n",
+    ],
+    ids=["two-lines", "one-line", "two-lines-title"],
+)
+def test_a_second_chunked_is_a_502_on_a_line_of_its_own_too(
+    upstream: RawUpstream, proxy: Proxy, codings: bytes
+) -> None:
+    """A second `chunked` codes the chunks once more (RFC 9112 §6.1 forbids it): both
+    paths de-chunk once and would relay the body still coded by the second, unlabelled. Two lines
+    are one list of codings (RFC 9110 §5.3), so the lines are judged together, as the
+    request side judges them: each line alone was checked, and two lines `chunked` were
+    relayed in a 200 while `chunked, chunked` on one line was a 502."""
+
+    async def chunked_twice(conn: Conn, request: Request) -> None:
+        conn.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n" + codings + b"\r\n")
+        conn.write(b"5\r\nhello\r\n0\r\n\r\n")
+        await conn.drain()
+
+    upstream.default = by_target({b"/v1/twice": chunked_twice}, ok(b"second"))
+    with proxy(upstream.url) as base:
+        got, _ = to_the_close(base, get_once(b"/v1/twice"))
+        assert got.startswith(b"HTTP/1.1 502"), got
+        assert b"hello" not in got and ONLY_CHUNKED in got, got
+        assert until(lambda: counted(base, ERRORS, **MALFORMED) == 1)
+        two, _ = to_the_close(base, get_once(b"/v1/other"))
+        assert [(status, body) for status, _, body in responses(two)] == [(200, b"second")]
 
 
 # -- an HTTP/1.0 client -----------------------------------------------------------------------

@@ -53,7 +53,7 @@ import httptools
 from proxy.core.upstream_url import UpstreamURL
 from proxy.server.dial import dial
 from proxy.server.headers import Headers
-from proxy.server.protocol import refused_codings
+from proxy.server.protocol import refused_transfer_encoding
 from proxy.server.upstream import KEEPALIVE_SECONDS
 from proxy.server.upstream_errors import UpstreamProtocolError
 
@@ -93,7 +93,7 @@ def _past_the_end(chunk: bytes, now: float) -> None:
 def reads_to_close(headers: Headers) -> bool:
     """A response framed by neither length nor chunks: its body ends with the connection.
     (A Transfer-Encoding here is `chunked` alone: any other is refused at the head,
-    `refused_codings`.)"""
+    `refused_transfer_encoding`.)"""
     return not any(name in (b"content-length", b"transfer-encoding") for name, _ in headers)
 
 
@@ -106,7 +106,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     __slots__ = (
         "chunked",
-        "coded",
+        "codings",
         "data_at",
         "dry_bytes",
         "dry_since",
@@ -135,7 +135,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.request: WireRequest | None = None
         self.headers: Headers = []
-        self.coded = False  # a Transfer-Encoding other than `chunked` alone in the head
+        self.codings: list[bytes] = []  # the head's Transfer-Encoding lines, judged together
         self.head_bytes = 0  # read of the response head so far
         self.header_bytes = 0  # its headers' names and values, as parsed
         self.in_head = True
@@ -160,6 +160,7 @@ class UpstreamConnection(asyncio.Protocol):
     def start(self, request: WireRequest, head: bytes) -> None:
         self.request, self.headers, self.in_head, self.interim = request, [], True, False
         self.head_bytes = self.header_bytes = 0
+        self.codings.clear()  # (a head cut short closes its connection: empty already)
         self.now = 0.0  # until a byte of this request's answer arrives (`answered`)
         self.transport.write(head)
 
@@ -238,8 +239,8 @@ class UpstreamConnection(asyncio.Protocol):
             raise UpstreamProtocolError("malformed", f"response {what} over 64 KiB")
         if self.in_head:
             name = name.lower()
-            if name == b"transfer-encoding" and value != b"chunked":
-                self.coded = True  # judged once the head is in (on_headers_complete)
+            if name == b"transfer-encoding":
+                self.codings.append(value)  # judged once the head is in, all lines together
             self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -248,12 +249,16 @@ class UpstreamConnection(asyncio.Protocol):
             raise UpstreamProtocolError("upgrade", "the upstream switched protocols unasked")
         if 100 <= status < 200:  # interim (103 Early Hints...): dropped, as httpx does
             self.interim = True
+            self.codings.clear()  # an interim head's lines frame nothing of the response
             return
         if not 200 <= status <= 599:  # llhttp reads any three digits: 099, 600, 999
             raise UpstreamProtocolError("malformed", f"status {status} is not an HTTP status")
-        if self.coded:  # llhttp hands on the body still coded: `gzip, chunked`'s chunks,
-            self.coded = False  # or, for a last coding (`gzip`), the bytes up to the close
-            if (coded := refused_codings(self.headers)) is not None:
+        if self.codings:  # llhttp hands on the body still coded: `gzip, chunked`'s chunks,
+            # or, for a last coding (`gzip`), the bytes up to the close; two lines
+            # `chunked` are `chunked, chunked`, so each line alone proves nothing
+            coded = refused_transfer_encoding(self.codings)
+            self.codings.clear()
+            if coded is not None:
                 raise UpstreamProtocolError("malformed", coded)
         self.in_head = False
         self.header_bytes = 0  # the trailers' count, if any (on_header)
