@@ -139,6 +139,13 @@ BODY_TIMEOUT = Refused(408, "request_timeout", "request body not received in tim
 #: the proxy asked for and took out again would be in that replay though the client never
 #: got it, so a resume at the client's byte count would start inside it.
 RESUMABLE_STREAM = b"x-conversation-id"
+#: The backend kinds (proxy/core/identity.py) that may replay such a stream: llama-server,
+#: and a backend the proxy does not know, for a `llama-server --api-key` answers its probes
+#: 401 and stays `unknown` (docs/llamacpp.md). No other engine replays by that header
+#: (vLLM 0.32 has no /v1/stream), and there it cost the usage chunk: tokens counted from
+#: the chunks, 8 for vLLM's 33 with speculative decoding. Of the two errors an unknown
+#: backend risks, an undercount is the lesser: a wrong byte offset breaks a client's resume.
+MAY_REPLAY = frozenset({"llamacpp", UNKNOWN})
 
 
 def admit(
@@ -152,8 +159,8 @@ def admit(
     proxy asked for usage the client did not. `backend`: the upstream's kind, as far as
     it is known (proxy/core/identity.py); the API may not ask some kinds for usage.
     `headers`: the client's (lower-case names); a stream the backend may replay
-    (`RESUMABLE_STREAM`) is never asked for usage, whatever the backend, so the replay
-    holds exactly the bytes the client got."""
+    (`RESUMABLE_STREAM`, in front of a backend of `MAY_REPLAY`) is never asked for usage,
+    so the replay holds exactly the bytes the client got."""
     info, obj = parse_request(api, body)
     if (
         limits.inject_usage
@@ -162,7 +169,7 @@ def admit(
         and not info.usage_requested
         and obj is not None
         and backend not in api.usage_reshapes
-        and not any(name == RESUMABLE_STREAM for name, _ in headers)
+        and not (backend in MAY_REPLAY and any(name == RESUMABLE_STREAM for name, _ in headers))
     ):
         asked = api.ask_for_usage(obj, body)
         if asked is not None:  # the client gets the stream it asked for: strip the extra
