@@ -20,6 +20,7 @@ from typing import Any
 from proxy.bench.report import write_json
 from proxy.bench.runs import RunError, SavedRun, differences, load
 from proxy.bench.significance import BY_NAME, FIGURES, MIN_REQUESTS, Change, compare, rows
+from proxy.core import extras
 
 PROG = "tokenprobe bench compare"
 DEFAULT_METRICS = ("ttft_p50", "tpot_p50", "output_tps")
@@ -75,6 +76,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str]) -> int:
     ns = parser().parse_args(list(argv))
     try:
+        if ns.plot and extras.missing("matplotlib"):  # before the runs are read, as bench's
+            raise RunError(f"--plot {ns.plot}: " + extras.needs("the chart", "matplotlib", "plot"))
         metrics = _metrics(ns.metric)
         if len(ns.runs) < 2:
             raise RunError("give at least two runs; the first is the baseline")

@@ -61,3 +61,16 @@ def test_bench_and_serve_say_the_same_of_a_tokenizer_without_transformers(
     )
     said = f"--tokenizer {tmp_path}: "
     assert bench.split(said, 1)[1] == serve.split(said, 1)[1]
+
+
+def test_bench_compare_names_the_extra_its_plot_needs(tmp_path: Path) -> None:
+    """`bench compare --plot` without matplotlib: the same refusal, before any run is read
+    (it was an ImportError's traceback once the table was printed)."""
+    chart = str(tmp_path / "overlay.png")
+    runs = [str(tmp_path / "a.json"), str(tmp_path / "b.json")]
+    status, message = _without("matplotlib", "bench", "compare", *runs, "--plot", chart)
+    assert status == 2
+    assert message.endswith(
+        f"--plot {chart}: the chart needs matplotlib, which is not installed; "
+        "install the extra: pip install '.[plot]' in tokenprobe's clone"
+    )
