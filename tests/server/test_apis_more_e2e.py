@@ -10,6 +10,7 @@ records are read from its JSON access log (one line per request, proxy/sinks/log
 from __future__ import annotations
 
 import hashlib
+import re
 import subprocess
 import threading
 import time
@@ -35,12 +36,12 @@ PROGRAM = {"x-sim-ttft": str(TTFT), "x-sim-tps": "100", "x-sim-output-tokens": "
 class Proxy:
     """A spawned `tokenprobe serve`, its access log's request lines read as they come."""
 
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, *flags: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = spawn(
             "serve", "--upstream", upstream, "--port", str(self.port), "--access-log", "json",
-            stdout=subprocess.PIPE,
+            *flags, stdout=subprocess.PIPE,
         )  # fmt: skip
         self.lines: list[dict[str, Any]] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -95,9 +96,14 @@ def n(proxy: Proxy) -> Iterator[int]:
 
 
 def sent(app: SimApp) -> SimRequest:
-    last = app.state.last()
-    assert last is not None
-    return last  # type: ignore[no-any-return]
+    """The simulator's record of the test's last request: the last POST, not the last
+    record. `tokenprobe serve` asks its upstream GET /v1/models and its identity probes
+    every --models-refresh (60 s by default) on its own, and on a loaded machine a
+    module's proxy lives that long: such a GET that began while the test's request ran
+    would be the last record."""
+    posts = [record for record in app.state.requests() if record.method == "POST"]
+    assert posts, app.state.requests()
+    return posts[-1]
 
 
 def sha(data: bytes) -> str:
@@ -205,28 +211,29 @@ def test_transcription_stream_with_the_openai_sdk(
     import openai
 
     same = {**PROGRAM, "x-request-id": "same-id"}  # the simulator's id comes from it
+    began = int(time.time())
     received, direct = b"", b""
-    for _ in range(3):  # `created` is whole seconds: both must fall in one second
-        # Start at a second's start: the pair (two 0.33 s streams) then fits in it unless
-        # a stall holds it for the rest of the second. Started at any moment instead, a
-        # pair crossed a second's end about every third try (a CI run missed all three).
-        time.sleep(1 - time.time() % 1)
-        for base in (proxy.url, sim[0]):
-            client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
-            started = time.monotonic()
-            with client.audio.transcriptions.with_streaming_response.create(
-                model=MODEL, file=("a.wav", wav(), "audio/wav"), stream=True, extra_headers=same
-            ) as response:
-                got = response.read()
-            waited = time.monotonic() - started
-            if base == proxy.url:
-                received, m, backend, proxied = got, proxy.record(n), sent(sim[1]), waited
-            else:
-                direct = got
-        if received == direct:
-            break
-        n += 1
-    assert received == direct  # byte for byte what the client gets without the proxy
+    for base in (proxy.url, sim[0]):
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        started = time.monotonic()
+        with client.audio.transcriptions.with_streaming_response.create(
+            model=MODEL, file=("a.wav", wav(), "audio/wav"), stream=True, extra_headers=same
+        ) as response:
+            got = response.read()
+        waited = time.monotonic() - started
+        if base == proxy.url:
+            received, m, backend, proxied = got, proxy.record(n), sent(sim[1]), waited
+        else:
+            direct = got
+    # Byte for byte what the client gets without the proxy, but for `created`: the
+    # simulator's clock in whole seconds at each stream's start, so the two streams differ
+    # there when a second ends between them (on a loaded machine, in three tries running).
+    # Each stream's own value is one second of the test's run.
+    created = re.compile(rb'"created":(\d+),')
+    for stream in (received, direct):
+        assert len({int(t) for t in created.findall(stream)}) == 1, stream
+        assert began <= int(created.findall(stream)[0]) <= time.time(), stream
+    assert created.sub(b'"created":0,', received) == created.sub(b'"created":0,', direct)
     # The proxy asked for usage (one more form field) and stripped the usage chunk again.
     assert backend.body is not None and backend.body["stream_options"]["include_usage"] is True
     assert b'"usage"' not in received and received.endswith(b"data: [DONE]\n\n")
@@ -400,6 +407,32 @@ def test_cohere_stream_bytes_and_error_classes(
         m = proxy.record(n + i)
         assert sha(r.content) == sent(sim[1]).body_sha256, headers
         assert (m["endpoint"], m["error_type"]) == ("/cohere/v2/chat", error), headers
+
+
+def test_stream_bytes_and_record_while_the_proxy_asks_its_upstream_on_its_own(
+    sim: tuple[str, SimApp],
+) -> None:
+    # The proxy's own GETs (/v1/models and the identity probes, every --models-refresh)
+    # go to the same upstream while a stream is relayed, here every 50 ms, so several
+    # rounds fall inside it: the client still gets the stream's bytes and the record is
+    # the stream's. (With the default 60 s, one round fell inside a test's request on a
+    # loaded machine, and `sent` took it for the test's.)
+    proxy = Proxy(sim[0], "--models-refresh", "0.05")
+    try:
+        body = {"model": MODEL, "stream": True, "messages": COHERE_MESSAGES}
+        r = httpx.post(proxy.url + "/cohere/v2/chat", json=body, headers=PROGRAM)
+        m, backend = proxy.record(1), sent(sim[1])
+        assert sha(r.content) == backend.body_sha256
+        assert (m["endpoint"], m["error_type"], m["output_tokens"]) == ("/cohere/v2/chat", None, 9)
+        assert backend.finished_at is not None
+        asked = {
+            x.path
+            for x in sim[1].state.requests()
+            if x.method == "GET" and backend.started < x.started < backend.finished_at
+        }
+        assert "/v1/models" in asked  # the rounds did run while the stream did
+    finally:
+        stop(proxy.process)
 
 
 # -- /v1/realtime with a websockets client --------------------------------------------------

@@ -58,6 +58,23 @@ def run(
     return proxy.records[-1], received
 
 
+def instants(m: Measurement) -> list[float]:
+    """Each content event's instant (seconds after start, as ttft) on the proxy's own clock:
+    the TTFT, then one inter-token latency after another (0 where two came in one read).
+
+    Two events tell their order only when they came in two reads: a loaded machine that
+    stalls the proxy (or the simulator) longer than the gap between two tokens hands it
+    both in one read, at one instant. So a test pins each kind's instant to its own
+    event's, which holds however the reads fall, and bounds it below by the simulator's
+    schedule (it sends token i at TTFT + i * gap or later, and a read is later still)."""
+    assert m.ttft is not None
+    out = [m.ttft]
+    for gap in m.inter_token_latencies:
+        out.append(out[-1] + gap)
+    assert len(out) == m.content_events, (len(out), m.content_events)
+    return out
+
+
 def sample(proxy: ProxyUnderTest, name: str, path: str, **labels: str) -> float:
     return proxy.sample(name, model=MODEL, endpoint=path, **labels)
 
@@ -68,12 +85,11 @@ def test_reasoning_then_answer_is_measured_by_kind(
 ) -> None:
     m, _ = run(proxy, sim, path, {"x-sim-reasoning-tokens": "6", "x-sim-output-tokens": "4"})
     assert m.ok and m.output_tokens == 11  # and the EOS that ends the answer
-    first, last, answer = m.first_reasoning, m.last_reasoning, m.first_answer
+    first, last, answer, at = m.first_reasoning, m.last_reasoning, m.first_answer, instants(m)
     assert first is not None and last is not None and answer is not None
     assert m.ttft == first and first >= TTFT
-    # the simulator sends token i at TTFT + i * 20 ms or later, never earlier, and a read
-    # can only be later still: the last reasoning token is the 6th, the first answer the 7th
-    assert first <= last < answer
+    # the last reasoning token is the 6th event, the first answer the 7th (`instants`)
+    assert (first, last, answer) == pytest.approx((at[0], at[5], at[6]), abs=1e-9)
     assert last >= TTFT + 5 * INTERVAL and answer >= TTFT + 6 * INTERVAL
     # the answer is what usage counts past the reasoning: its 4 tokens and the EOS
     assert m.reasoning_events == 6 and m.answer_tokens == 5
@@ -192,18 +208,20 @@ def test_complete_calls_after_reasoning_and_an_answer(
     sim: Running, proxy: ProxyUnderTest, path: str
 ) -> None:
     program = {"x-sim-reasoning-tokens": "2", "x-sim-output-tokens": "1", "x-sim-tool-calls": "2"}
-    # Tokens 200 ms apart, not 20: three instants told apart in order must come in three
-    # reads, and a parallel run once stalled this in-process proxy for 40 ms (and a loaded
-    # machine later for over 100 ms), so that the reasoning and the answer came in one
-    # read, with one timestamp.
-    m, raw = run(proxy, sim, path, {**program, "x-sim-tps": "5"})
+    # Tokens 200 ms apart, not 20, so that the three instants come in three reads and are
+    # told apart on most runs; a stall longer than that (a loaded machine) puts two in one
+    # read, at one instant, which `instants` allows for.
+    gap = 0.2
+    m, raw = run(proxy, sim, path, {**program, "x-sim-tps": str(1 / gap)})
     # a Responses response that made calls is just "completed"
     assert m.finish_reason == ("stop" if path == RESPONSES else "tool_calls")
     assert (
         [c.outcome for c in m.tool_calls] == ["complete", "complete"] == client_outcomes(path, raw)
     )
-    assert m.first_reasoning is not None and m.first_answer is not None
-    assert m.first_tool_call is not None and m.first_reasoning < m.first_answer < m.first_tool_call
+    # the reasoning is events 1 and 2, the answer the 3rd, the first call's opening the 4th
+    kinds, at = (m.first_reasoning, m.first_answer, m.first_tool_call), instants(m)
+    assert kinds == pytest.approx((at[0], at[2], at[3]), abs=1e-9)
+    assert at[2] >= TTFT + 2 * gap and at[3] >= TTFT + 3 * gap
 
 
 @pytest.mark.parametrize("path", APIS)
@@ -213,9 +231,11 @@ def test_tokens_merged_across_a_phase_boundary_count_as_both_kinds_at_one_instan
     # The last reasoning token goes out with the first answer token, the last answer token
     # with the call's opening (x-sim-merged-boundaries: vLLM's server merging two engine
     # steps); chat gets one delta of both kinds, the other APIs two events in one write.
-    # Tokens 100 ms apart, so that the three instants told apart come in three reads.
+    # Tokens 100 ms apart, so that the three instants told apart come in three reads on
+    # most runs (`instants` allows for a stall that puts two in one).
+    gap = 0.1
     program = {"x-sim-reasoning-tokens": "2", "x-sim-output-tokens": "2",
-               "x-sim-tool-calls": "1", "x-sim-merged-boundaries": "1", "x-sim-tps": "10"}  # fmt: skip
+               "x-sim-tool-calls": "1", "x-sim-merged-boundaries": "1", "x-sim-tps": str(1 / gap)}  # fmt: skip
     m, raw = run(proxy, sim, path, program)
     # 2 + 2 + the call: 1 + 3 pieces, and the EOS
     assert m.reasoning_events == 2 and m.output_tokens == 9
@@ -227,13 +247,18 @@ def test_tokens_merged_across_a_phase_boundary_count_as_both_kinds_at_one_instan
         m.first_tool_call,
     )
     assert first is not None and answer is not None and call is not None
-    assert first < answer == last < call
+    assert answer == last  # one write, so one read
+    at = instants(m)
     if path == CHAT:  # six content events: r0, r1 + a0, a1 + the opening, three pieces
         assert len(re.findall(rb'"delta":\{"reasoning":"[^"]*","content":"', raw)) == 1
         assert len(re.findall(rb'"delta":\{"content":"[^"]*","tool_calls":\[\{"id"', raw)) == 1
-        assert m.ttft is not None and len(m.inter_token_latencies) == 5
-        at = [m.ttft + sum(m.inter_token_latencies[:k]) for k in range(6)]
-        assert (first, answer, call) == pytest.approx((at[0], at[1], at[2]), abs=1e-9)
+        assert len(at) == 6 and (first, answer, call) == pytest.approx(tuple(at[:3]), abs=1e-9)
+    else:  # eight: r0, then r1 and a0 in one write, a1 and the opening in one, three pieces
+        assert len(at) == 8
+        assert (first, last, answer, call) == pytest.approx((*at[0:3], at[4]), abs=1e-9)
+    # a merged write goes out at its later token's time (proxy/sim/agentic.py): the first
+    # answer token is the 3rd token, the call's opening the 5th
+    assert answer >= TTFT + 2 * gap and call >= TTFT + 4 * gap
 
 
 def test_megabytes_of_arguments_are_not_kept_and_count_as_unknown(
