@@ -893,7 +893,9 @@ class WsMetrics:
         )
         self.in_flight = Gauge(
             "tokenprobe_websocket_sessions_in_flight",
-            "WebSocket tunnels between the upgrade request's arrival and the close.",
+            "WebSocket tunnels from the handshake going upstream (its turn on the "
+            "connection: one pipelined behind a response is counted once that ends, "
+            "though its duration runs from its arrival) to the close.",
             ("route",),
             registry=registry,
             multiprocess_mode="livesum",

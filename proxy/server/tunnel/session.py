@@ -8,7 +8,8 @@ handshake's head:
    connected (--connect-timeout) and sent the handshake; an unreachable one gets the
    client the proxy's 502/504 (proxy.core.errors.relay_failure), as an HTTP request would;
    so does one that closes before any byte of its answer, or sends none within
-   --first-byte-timeout.
+   --first-byte-timeout of the handshake going upstream (its connect included, as an
+   HTTP request's first-byte wait includes its connect).
 2. Nothing the client sent after its head goes upstream before the upstream's 101: the
    pipe holds the client's bytes, since the upstream might refuse the upgrade and read
    them as a request the proxy never parsed. The upstream's answer goes to the client
@@ -81,12 +82,18 @@ def take_over(
     context: TunnelContext,
     *,
     start: float | None = None,
+    started_at: float | None = None,
 ) -> TunnelHandle:
     """Tunnel this client connection to the upstream. `method`, `request_target` and
     `headers` are the head of a request `is_websocket_upgrade` accepted, as parsed; `rest`
-    what the client sent after it; `start` the perf_counter() of the head's arrival
-    (default: now)."""
-    tunnel = Tunnel(transport, context, start if start is not None else perf_counter())
+    what the client sent after it; `start` and `started_at` the perf_counter() and time()
+    of the head's arrival (default: now), taken as an HTTP request's are: a handshake
+    pipelined behind a slow response is timed from its arrival, not from its turn."""
+    if start is None:
+        start = perf_counter()
+    if started_at is None:  # the same instant on the wall clock
+        started_at = time() - (perf_counter() - start)
+    tunnel = Tunnel(transport, context, start, started_at)
     tunnel.begin(method, request_target, headers, rest)
     return TunnelHandle(tunnel)
 
@@ -94,11 +101,14 @@ def take_over(
 class Tunnel:
     """One WebSocket session: its handshake, its pipe, its watch, and how it ended."""
 
-    def __init__(self, client: asyncio.Transport, context: TunnelContext, start: float) -> None:
+    def __init__(
+        self, client: asyncio.Transport, context: TunnelContext, start: float, started_at: float
+    ) -> None:
         self.loop = asyncio.get_running_loop()
         self.context = context
-        self.start = start
-        self.started_at = time() - (perf_counter() - start)
+        # The head's arrival: the session's duration, its log line's ts and its turns'
+        # wall-clock starts (realtime.py) all count from this one pair.
+        self.start, self.started_at = start, started_at
         self.closed: asyncio.Future[str] = self.loop.create_future()
         self.outcome: str | None = None
         self.route = OTHER_ROUTE
@@ -150,6 +160,12 @@ class Tunnel:
         if rest:
             self.pipe.hold(rest)
         self._connect = self.loop.create_task(self._open_upstream(admitted.request))
+        # --first-byte-timeout runs from here, the connect included, as an HTTP request's
+        # runs from its going upstream (the wire's `_send`, forward.py `send_request`):
+        # a slow connect gets the client the same 504 at the same bound. The idle timer
+        # judges what follows the answer's first byte (`seen`): one from here would cut
+        # a handshake that waits longer than --ws-idle-timeout with a bare close.
+        self._unanswered = self.loop.call_later(self.context.first_byte_timeout, self._no_answer)
 
     async def _open_upstream(self, request: bytes) -> None:
         context = self.context
@@ -177,10 +193,6 @@ class Tunnel:
             transport.close()
             return
         transport.write(request)  # the client stays unread until the 101 (_opened)
-        # --first-byte-timeout judges the wait for the answer, the idle timer what follows
-        # its first byte (`seen`): an idle timer from here would cut a handshake that
-        # waits longer than --ws-idle-timeout with a bare close, never the 504.
-        self._unanswered = self.loop.call_later(context.first_byte_timeout, self._no_answer)
 
     def _hold_answer_head(self, headers: Iterable[tuple[bytes, bytes]]) -> None:
         """The upstream's answer head waits until whole (the pipe's gate), for a
@@ -199,9 +211,9 @@ class Tunnel:
         pipe.gate = gate
 
     def _no_answer(self) -> None:
-        """No byte of the upstream's answer within --first-byte-timeout: the client gets
-        the proxy's 504, as an HTTP request would (once a byte went, the idle timer
-        judges the rest)."""
+        """No byte of the upstream's answer within --first-byte-timeout of the handshake
+        going upstream (still connecting, or sent): the client gets the proxy's 504, as an
+        HTTP request would (once a byte went, the idle timer judges the rest)."""
         if self.ended or self.pipe.relayed:
             return
         failure = relay_failure(

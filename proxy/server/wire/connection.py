@@ -107,6 +107,7 @@ class WireProtocol(GuardedHttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self.wire: Wire | None = None
         self._tunnel: Any = None
+        self._ws_arrival = (0.0, 0.0)  # a handshake head's (perf_counter(), time()): _switch
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -127,6 +128,8 @@ class WireProtocol(GuardedHttpToolsProtocol):
         own = own_route(where, wire.owns)
         self._ws = own is None and self._is_handshake()
         self._body_due = self._upgrade_body()
+        if self._ws:  # stamped as a WireRequest is: the session's time runs from here
+            self._ws_arrival = (perf_counter(), time())
         if self._ws or own is not None:
             # A tunnel (see _switch), or the proxy's own route through uvicorn's cycle
             # (ProxyApp routes it on the same normalised target).
@@ -234,8 +237,16 @@ class WireProtocol(GuardedHttpToolsProtocol):
         scope = self.scope
         self._stop_head_timer()
         self._unset_keepalive_if_required()
+        start, started_at = self._ws_arrival  # not now: its turn may have come late
         tunnel = take_over(
-            self.transport, scope["method"].encode(), self.url, scope["headers"], rest, context
+            self.transport,
+            scope["method"].encode(),
+            self.url,
+            scope["headers"],
+            rest,
+            context,
+            start=start,
+            started_at=started_at,
         )
         self._tunnel = tunnel
         self.wire.tunnels.add(tunnel)
