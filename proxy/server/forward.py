@@ -40,7 +40,11 @@ from proxy.server.exchange import Context, IdleTimer
 from proxy.server.protocol import (
     ANSWER_CUT,
     ARRIVAL,
+    BODY_WHOLE,
     CLIENT_TRANSPORT,
+    HEAD_OVER_BOUND,
+    MAX_RESPONSE_HEAD,
+    header_line_bytes,
     refused_transfer_encoding,
 )
 from proxy.server.rules import ExchangeRules, UpstreamRequest
@@ -109,7 +113,7 @@ class Forwarder:
                 return
         if rules.refusal is not None:
             refusal = rules.refusal
-            close = rules.refusal_closes(continue_owed, body_whole=False)
+            close = rules.refusal_closes(continue_owed, _body_whole(scope))
             await _send_answer(
                 send, refusal.status, refusal.kind, refusal.message, rules.path, close=close
             )
@@ -153,6 +157,13 @@ def _expects_continue(scope: Scope) -> bool:
     return scope["http_version"] == "1.1" and any(
         name == b"expect" and value.lower() == b"100-continue" for name, value in scope["headers"]
     )
+
+
+def _body_whole(scope: Scope) -> bool:
+    """Whether the request's body was all in at its turn, unread: the server's protocol
+    says (BODY_WHOLE); another ASGI server does not, and a refusal is answered as if the
+    body were still owed (the connection closes: the safe answer)."""
+    return scope.get("extensions", {}).get(BODY_WHOLE) is True
 
 
 async def _read_body(receive: Receive, rules: ExchangeRules, timeout: float) -> None:
@@ -353,15 +364,21 @@ def _bad_head(headers: list[tuple[bytes, bytes]]) -> str | None:
       close, recorded as a 200); llhttp refuses the same on the wire;
     - a transfer coding other than chunked alone, whose body aiohttp hands on still
       coded (de-chunked, or read to the close), as llhttp does on the wire: the one rule
-      of both (refused_transfer_encoding)."""
+      of both (refused_transfer_encoding);
+    - a head over the bound both data paths take (MAX_RESPONSE_HEAD), which neither
+      client keeps to: aiohttp bounds a line, httpcore a head at 100 KiB."""
     codings = []  # every Transfer-Encoding line, judged together: two lines `chunked` too
+    size = 0
     for name, value in headers:
+        size += header_line_bytes(name, value)
         if HEADER_RE.search(name):
             return f"the upstream sent an invalid header name {name!r}"
         if HEADER_VALUE_RE.search(value):
             return f"the upstream sent an invalid header value in {name.decode('latin-1')!r}"
         if name == b"transfer-encoding":
             codings.append(value)
+    if size > MAX_RESPONSE_HEAD:
+        return HEAD_OVER_BOUND
     return refused_transfer_encoding(codings)
 
 

@@ -114,6 +114,11 @@ ANSWER_CUT = "tokenprobe.answer_cut"
 ARRIVAL = "tokenprobe.arrival"
 #: The scope extension holding the client's transport (see _start_asgi_task).
 CLIENT_TRANSPORT = "tokenprobe.client_transport"
+#: The scope extension saying whether the request's body was all in (llhttp's
+#: on_message_complete came) when its turn came, stamped then (_start_asgi_task): what a
+#: refusal at its head is answered by (rules.refusal_closes), as the wire's is at its turn
+#: (WireRequest.begin, `complete`). An ASGI app is not told until it reads the body.
+BODY_WHOLE = "tokenprobe.body_whole"
 
 
 @dataclass(frozen=True)
@@ -150,6 +155,23 @@ class _BadHead(Exception):
 _HOST = re.compile(
     rb"(?:\[[0-9A-Fa-f:.]+(?:%25[A-Za-z0-9._~-]+)?\]|[A-Za-z0-9._~!$&'()*+,;=%-]*)(?::[0-9]*)?"
 )
+
+
+#: The largest response head either data path takes, counted as its header lines are:
+#: name and value, with ": " and the CRLF (`header_line_bytes`); nginx's proxy_buffer_size
+#: is 4 or 8 KiB. Over it the response is malformed, a 502: the wire counts as it parses
+#: (proxy/server/wire/upstream.py, which bounds a chunked body's trailers the same); the
+#: ASGI relay once its client parsed the head (forward.py's `_bad_head`), which aiohttp
+#: reads under the same bound a line (upstream_aiohttp.py) and httpcore under 100 KiB in
+#: all (h11's max_incomplete_event_size, httpcore's MAX_INCOMPLETE_EVENT_SIZE, which it
+#: takes no setting for).
+MAX_RESPONSE_HEAD = 64 * 1024
+HEAD_OVER_BOUND = "response head over 64 KiB"
+
+
+def header_line_bytes(name: bytes, value: bytes) -> int:
+    """A header line's share of MAX_RESPONSE_HEAD."""
+    return len(name) + len(value) + 4
 
 
 def transfer_codings(value: bytes) -> list[bytes]:
@@ -404,7 +426,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             # For a client that holds its response up (proxy/server/forward.py): whether it
             # still takes bytes, and an abort when it stopped (uvicorn's close would wait
             # for good on a write buffer it never takes).
-            cycle.scope.setdefault("extensions", {})[CLIENT_TRANSPORT] = self.transport
+            extensions = cycle.scope.setdefault("extensions", {})
+            extensions[CLIENT_TRANSPORT] = self.transport
+            # uvicorn clears `more_body` at the message's end: a request pipelined
+            # behind another may have all of its body in when its turn comes
+            extensions[BODY_WHOLE] = not cycle.more_body
             if type(cycle) is RequestResponseCycle and cycle.scope["http_version"] != "1.1":
                 # uvicorn makes every cycle itself (on_headers_complete), of its own class;
                 # only its send changes, before the app has run a line (see UnframedCycle)

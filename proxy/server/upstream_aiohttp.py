@@ -26,10 +26,11 @@ from httpx_aiohttp.transport import AiohttpResponseStream, AiohttpTransport
 from multidict import CIMultiDict
 
 from proxy.server.dial import httpx_default_tls
+from proxy.server.protocol import MAX_RESPONSE_HEAD
 from proxy.server.upstream_errors import ClosedUnanswered
 
-#: The largest upstream response header line (and value) and the most headers taken.
-RESPONSE_HEADER_BYTES = 64 * 1024
+#: The most upstream response headers taken. A line (and a value) is bounded as a whole
+#: head is, MAX_RESPONSE_HEAD, which the relay checks once the head is parsed (forward.py).
 RESPONSE_HEADERS = 512
 
 
@@ -69,8 +70,8 @@ def aiohttp_transport(
             skip_auto_headers=("Accept-Encoding", "User-Agent", "Accept", "Content-Type"),
             # A response head as the wire and httpx take it: aiohttp's own limits (8190
             # bytes a header line, 128 headers) made a backend's long Link header a 502.
-            max_line_size=RESPONSE_HEADER_BYTES,
-            max_field_size=RESPONSE_HEADER_BYTES,
+            max_line_size=MAX_RESPONSE_HEAD,
+            max_field_size=MAX_RESPONSE_HEAD,
             max_headers=RESPONSE_HEADERS,
         )
         # aiohttp sends an idempotent request again after any disconnect, on a fresh

@@ -33,7 +33,11 @@ says (`keeps_alive_at_head`).
 A chunked body's trailer section is dropped, and bounded as the head is (MAX_RESPONSE_HEAD):
 llhttp joins a trailer field's value across reads as it does a header's, so an endless one
 would grow without bound at a quadratic cost, stalling every stream on the loop. Over the
-bound the response is malformed: the connection closes and the client's body is cut (no
+bound the upstream is malformed (counted, the connection closed, never pooled); the body
+itself came whole if a trailer field did, since trailers follow the last chunk: the client
+then gets its last chunk and the exchange is measured complete, as the ASGI relay, which
+drops trailers unread, delivers it (`trailers_over_bound`). Over the bound before any
+trailer field the bytes may as well be a chunk's endless extensions: the body is cut (no
 last chunk). llhttp tells no chunk's size (its `on_chunk_header` would be one more call per
 chunk), so the bound is on the bytes of consecutive reads that brought no body data, which
 in a well-formed response are only framing (a size line, a CRLF) a few bytes long: per
@@ -53,7 +57,12 @@ import httptools
 from proxy.core.upstream_url import UpstreamURL
 from proxy.server.dial import dial
 from proxy.server.headers import Headers
-from proxy.server.protocol import refused_transfer_encoding
+from proxy.server.protocol import (
+    HEAD_OVER_BOUND,
+    MAX_RESPONSE_HEAD,
+    header_line_bytes,
+    refused_transfer_encoding,
+)
 from proxy.server.upstream import KEEPALIVE_SECONDS
 from proxy.server.upstream_errors import UpstreamProtocolError
 
@@ -95,10 +104,6 @@ def reads_to_close(headers: Headers) -> bool:
     (A Transfer-Encoding here is `chunked` alone: any other is refused at the head,
     `refused_transfer_encoding`.)"""
     return not any(name in (b"content-length", b"transfer-encoding") for name, _ in headers)
-
-
-#: The longest response head the wire reads (nginx's proxy_buffer_size is 4 or 8 KiB).
-MAX_RESPONSE_HEAD = 64 * 1024
 
 
 class UpstreamConnection(asyncio.Protocol):
@@ -178,7 +183,7 @@ class UpstreamConnection(asyncio.Protocol):
             if self.head_bytes > MAX_RESPONSE_HEAD:
                 # llhttp joins a header's value across reads: an endless one would grow
                 # without bound, at a quadratic cost (nginx: "upstream sent too big header")
-                self.broke(UpstreamProtocolError("malformed", "response head over 64 KiB"))
+                self.broke(UpstreamProtocolError("malformed", HEAD_OVER_BOUND))
         elif self.data_at != self.now and self.request is not None:  # a read without data
             self.dry(len(data))
 
@@ -199,7 +204,18 @@ class UpstreamConnection(asyncio.Protocol):
             self.dry_since, self.dry_bytes = self.data_at, 0
         self.dry_bytes += size
         if self.dry_bytes > MAX_RESPONSE_HEAD:
-            self.broke(UpstreamProtocolError("malformed", "response trailers over 64 KiB"))
+            if self.header_bytes:  # a trailer field came, so the last chunk did
+                self.broke(self.trailers_over_bound())
+            else:
+                self.broke(UpstreamProtocolError("malformed", "response framing over 64 KiB"))
+
+    def trailers_over_bound(self) -> UpstreamProtocolError:
+        """Trailers past the bound: the body is whole (they follow the last chunk), so the
+        request ends as at the message's end, on a connection that is not reused; the
+        error returned breaks (and counts) the connection, with no request left on it."""
+        if self.request is not None:
+            self.request.response_end(self.now, False)
+        return UpstreamProtocolError("malformed", "response trailers over 64 KiB")
 
     def on_message_begin(self) -> None:
         if self.request is None:  # nothing asked for it
@@ -233,10 +249,11 @@ class UpstreamConnection(asyncio.Protocol):
         # (data_received): what the client can be sent must not depend on how TCP split
         # the upstream's bytes. After the head: trailers, which neither data path relays,
         # under a bound of their own, the same.
-        self.header_bytes += len(name) + len(value) + 4
+        self.header_bytes += header_line_bytes(name, value)
         if self.header_bytes > MAX_RESPONSE_HEAD:
-            what = "head" if self.in_head else "trailers"
-            raise UpstreamProtocolError("malformed", f"response {what} over 64 KiB")
+            if not self.in_head:
+                raise self.trailers_over_bound()
+            raise UpstreamProtocolError("malformed", HEAD_OVER_BOUND)
         if self.in_head:
             name = name.lower()
             if name == b"transfer-encoding":
