@@ -6,8 +6,10 @@ function replaces ids, `created` stamps and the like, and may assert how many it
 replaced). vLLM's API server also merges the outputs of two engine steps into one chunk
 when it falls behind (v1's RequestOutputCollector): a merged stream has fewer chunks, so
 when a pair's counts differ the side with fewer is asked for again, up to twelve times
-(after the third, a quarter second later: a burst of the machine's other work passes),
-and a pair whose counts never agree fails. Both sides can also be merged once each at
+(after the third, a quarter second later: a burst of the machine's other work passes);
+a pair whose counts never agree is compared as far as a merge keeps the stream
+(`merged_alike`: the role chunk, the joined text and finish reasons, the usage chunks,
+`[DONE]`). Both sides can also be merged once each at
 different steps: then the counts agree and the bytes differ only in where the same text
 was cut, and the pair is asked for again, up to six times. A pair whose joined text or
 finish reasons differ fails at once: that is a difference the proxy made.
@@ -68,6 +70,22 @@ def generated(raw: bytes) -> tuple[str, list[str]]:
     return "".join(text), reasons
 
 
+def merged_alike(direct: bytes, proxied: bytes, normalise: Callable[[bytes, int], bytes]) -> bytes:
+    """Asserts that two streams whose chunk counts differ, vLLM having merged engine steps
+    on one side, carry the same stream but for where chunks were cut: the same role chunk
+    first, the same joined text and finish reasons (`generated`), the same usage chunks
+    (none where the client asked for none: the one the proxy asked for is taken out) and
+    `[DONE]` last, each side normalised with its own count. Returns the proxied body."""
+    want = events(normalise(direct, len(events(direct))))
+    got = events(normalise(proxied, len(events(proxied))))
+    assert got[0] == want[0], (direct, proxied)
+    assert got[-1] == want[-1] == b"data: [DONE]", (direct, proxied)
+    usage = [e for e in want if b'"choices":[]' in e]
+    assert [e for e in got if b'"choices":[]' in e] == usage, (direct, proxied)
+    assert generated(b"\n\n".join(got)) == generated(b"\n\n".join(want)), (direct, proxied)
+    return proxied
+
+
 def compare_pair(
     client: httpx.Client,
     direct_url: str,
@@ -95,7 +113,10 @@ def compare_pair(
             else:
                 proxied = fetch(client, proxied_url, body)
         n = len(events(direct))
-        assert len(events(proxied)) == n, (direct, proxied)
+        if len(events(proxied)) != n:
+            # One side merged on every try (CI, 2026-12-07: twelve direct streams in a
+            # row, a minute into the suite): what a merge keeps is compared instead.
+            return merged_alike(direct, proxied, normalise)
         want, got = normalise(direct, n), normalise(proxied, n)
         if got == want:
             break
