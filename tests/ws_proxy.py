@@ -119,7 +119,7 @@ class TunnelListener:
 
     def shutdown_all(self) -> None:
         assert self.context is not None
-        self.call(self.context.shutdown_all)
+        self.call(self.context.tunnels.shutdown_all)  # the drain Wire.close runs
 
     def open_tunnels(self) -> int:
         assert self.context is not None

@@ -24,7 +24,10 @@ event as vLLM does: the frame with `json.loads` (JSON that is no object fails at
 string, `final` a bool or one of pydantic's words for one, `"true"`, `1`, `"no"`...).
 session.update's `model` is vLLM's to check: a refused one answers model_not_found, a
 taken one nothing, and an utterance is labelled with the last model taken before its
-commit. Any other
+commit. `json.loads` takes a lone surrogate ("\\ud800"), which no UTF-8 encoder takes:
+vLLM's answer that would quote one (a model's model_not_found, an unknown type's
+unknown_event) fails pydantic's serialisation and is a processing_error instead (a
+refusal); the event's strings are read with each one replaced by U+FFFD. Any other
 `error` is a record of its own (`not_found` for model_not_found, else `bad_request`; a
 refused commit opens no utterance); a session that
 ends with an utterance open records it as `stream_truncated`, saying how the session
@@ -43,6 +46,7 @@ from urllib.parse import parse_qsl
 from proxy.core.apis.base import json_object
 from proxy.core.errors import scrub
 from proxy.core.lax import lax_bool
+from proxy.core.lenient_json import clean_surrogates, without_surrogates
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
 from proxy.core.wav import BYTES_PER_SECOND
 from proxy.core.wsbase import WsApi, WsSession
@@ -121,7 +125,11 @@ class RealtimeSession(WsSession):
             if type(event) is not dict:
                 self._refusals.append("event")  # vLLM's `event.get` fails: processing_error
                 return
-            self.malformed -= 1  # JSON to vLLM's reader (NaN, Infinity): an event
+            self.malformed -= 1  # JSON to vLLM's reader (NaN, Infinity, "\ud800"): an event
+            if _answer_quotes_a_surrogate(event):
+                self._refusals.append("event")  # its answer cannot be sent: processing_error
+                return
+            clean_surrogates(event)  # what is read from here on (and recorded) encodes
             obj = event
         kind = obj.get("type")
         u = self.current
@@ -308,6 +316,20 @@ def _as_vllm_reads(data: bytes) -> Any:
 
 
 _NOT_JSON = object()
+
+
+def _answer_quotes_a_surrogate(event: dict[str, Any]) -> bool:
+    """vLLM's answer to this event would quote a lone surrogate: an unknown `type`
+    ("Unknown event type: ..."; no known one holds a surrogate), or a session.update's
+    model (no served name holds one either, so "The model `...` does not exist."). Its
+    ErrorEvent's `model_dump_json()` then raises PydanticSerializationError ("surrogates
+    not allowed"), and handle_connection's `except Exception` answers processing_error
+    (vLLM 0.32 realtime/connection.py:76-78, 115, 163, 280-283)."""
+    kind = event.get("type")
+    if type(kind) is str and without_surrogates(kind) is not kind:
+        return True
+    model = event.get("model") if kind == "session.update" else None
+    return type(model) is str and without_surrogates(model) is not model
 
 
 _ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"

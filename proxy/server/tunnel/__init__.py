@@ -20,13 +20,16 @@ them:
   session.py    one tunnel (`take_over`, `TunnelHandle`): its outcome, and its end handed
                 to the sinks (`Sinks.session_ended`: Prometheus, OTLP, the access log)
   context.py    what every tunnel of one server shares (`tunnel_context`)
+  registry.py   the tunnels open now (`OpenTunnels`), and the drain that reaches them all
 """
 
 from proxy.server.tunnel.context import TunnelContext, tunnel_context
 from proxy.server.tunnel.handshake import is_websocket_upgrade
+from proxy.server.tunnel.registry import OpenTunnels
 from proxy.server.tunnel.session import TunnelHandle, take_over
 
 __all__ = [
+    "OpenTunnels",
     "TunnelContext",
     "TunnelHandle",
     "is_websocket_upgrade",

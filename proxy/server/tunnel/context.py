@@ -5,18 +5,14 @@ from __future__ import annotations
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from proxy.core.secrets import secret_names
 from proxy.core.upstream_url import UpstreamURL
 from proxy.core.wsseam import WsApi, ws_api_for
 from proxy.server.dial import upstream_tls
+from proxy.server.tunnel.registry import OpenTunnels
 from proxy.settings import Settings, group
 from proxy.sinks.dispatch import Sinks
-
-
-class Drainable(Protocol):
-    def shutdown(self) -> None: ...
 
 
 @dataclass(eq=False)
@@ -34,12 +30,8 @@ class TunnelContext:
     apis: Callable[[str], WsApi | None] = ws_api_for
     close_grace: float = 2.0  # seconds a closing side gets to take its last bytes
     ssl_certfile: str | None = None  # the proxy serves https: a redirect to it says so
-    tunnels: set[Drainable] = field(default_factory=set)  # open now, for `shutdown_all`
-
-    def shutdown_all(self) -> None:
-        """Drain every open tunnel (close frames both ways), as on SIGTERM."""
-        for tunnel in list(self.tunnels):
-            tunnel.shutdown()
+    # open now: the one registry the wire's drain and the test listener's go through
+    tunnels: OpenTunnels = field(default_factory=OpenTunnels)
 
 
 def tunnel_context(settings: Settings, sinks: Sinks) -> TunnelContext:

@@ -175,7 +175,11 @@ class Tunnel:
                 dial(self.loop, self.pipe.upstream_protocol, upstream, context.ssl),
                 context.connect_timeout,
             )
-        except (OSError, TimeoutError) as exc:
+        except asyncio.CancelledError:  # ended while connecting (`end`)
+            return
+        except Exception as exc:  # what the wire's HTTP connect catches, answered alike:
+            # an OSError, the timeout, or what the name raises before any socket (a DNS
+            # label over 63 characters: getaddrinfo's idna codec raises UnicodeError).
             if not self.ended:
                 failure = relay_failure(
                     Cause.UPSTREAM_BROKE,
@@ -186,8 +190,6 @@ class Tunnel:
                 assert failure.answer is not None
                 self._answer(*failure.answer)
                 self.end("upstream_unreachable")
-            return
-        except asyncio.CancelledError:
             return
         if self.ended:
             transport.close()

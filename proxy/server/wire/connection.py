@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import weakref
 from collections.abc import Callable
 from time import perf_counter, time
 from typing import Any
@@ -43,6 +42,7 @@ from proxy.server.exchange import Context
 from proxy.server.headers import Headers
 from proxy.server.protocol import GuardedHttpToolsProtocol
 from proxy.server.rules import ExchangeRules, Stage
+from proxy.server.tunnel.registry import OpenTunnels
 from proxy.server.upstream import RESEND_WITHIN
 from proxy.server.upstream_errors import UpstreamClosed
 from proxy.server.wire.upstream import (
@@ -78,7 +78,10 @@ class Wire:
         self.active: set[WireRequest] = set()
         self.receiving: set[WireRequest] = set()
         self.connecting: set[asyncio.Task[None]] = set()
-        self.tunnels: weakref.WeakSet[Any] = weakref.WeakSet()
+        # The tunnels' own registry (each tunnel joins it as it starts and leaves once
+        # counted), so the test listener (tests/ws_proxy.py) drains through this one too.
+        tunnels = getattr(tunnel_context, "tunnels", None)
+        self.tunnels = tunnels if isinstance(tunnels, OpenTunnels) else OpenTunnels()
         self.tunnel_context = tunnel_context
 
     def close(self) -> None:
@@ -90,8 +93,7 @@ class Wire:
             request.shut_out()
         for request in list(self.active):
             request.cut(Cause.SHUTDOWN)
-        for tunnel in list(self.tunnels):
-            tunnel.shutdown()
+        self.tunnels.shutdown_all()
         self.pool.close()
 
 
@@ -248,8 +250,7 @@ class WireProtocol(GuardedHttpToolsProtocol):
             start=start,
             started_at=started_at,
         )
-        self._tunnel = tunnel
-        self.wire.tunnels.add(tunnel)
+        self._tunnel = tunnel  # in wire.tunnels already: the tunnel joined it as it began
         closed = getattr(tunnel, "closed", None)
         if isinstance(closed, asyncio.Future):  # uvicorn's drain waits for the tunnel
             closed.add_done_callback(lambda _: self.connections.discard(self))
