@@ -14,6 +14,7 @@ from __future__ import annotations
 import codecs
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,12 +84,15 @@ def python_json_object(body: bytes) -> dict[str, Any] | None:
         return None
     if type(obj) is not dict:
         return None
-    if "\\u" in text or (not text.isascii() and _LONE_SURROGATE.search(text)):
+    if _SURROGATE_ESCAPE.search(text) or (not text.isascii() and _LONE_SURROGATE.search(text)):
         clean_surrogates(obj)  # an escape, or the decoded bytes of one, may have made one
     return obj
 
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+#: A `\uD800`-`\uDFFF` escape, the only escape that can make a lone surrogate: any `\u`
+#: (Python's json.dumps escapes all non-ASCII) made the walk run, 2.5 s for 24 MiB.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def without_surrogates(text: str) -> str:
@@ -100,8 +104,35 @@ def without_surrogates(text: str) -> str:
 
 
 def clean_surrogates(obj: dict[str, Any] | list[Any]) -> None:
-    """Every string in a JSON value (keys too) `without_surrogates`, in place. A loop,
-    not recursion: json.loads nests as deep as the recursion limit lets it."""
+    """Every string in a JSON value (keys too) `without_surrogates`, in place."""
+    _fix_in_place(obj, _string_fixed)
+
+
+def writable(obj: dict[str, Any] | list[Any]) -> None:
+    """A JSON value made one orjson writes, in place: its strings `without_surrogates`, and
+    integers beyond orjson's range (json.loads keeps any size: `"max_tokens": 1e23`
+    written as digits) as their digits in a string."""
+    _fix_in_place(obj, _writable_value)
+
+
+def _string_fixed(value: Any) -> Any:
+    return without_surrogates(value) if type(value) is str else value
+
+
+def _writable_value(value: Any) -> Any:
+    if type(value) is int and not _ORJSON_MIN <= value <= _ORJSON_MAX:
+        return str(value)
+    return _string_fixed(value)
+
+
+#: The integers orjson writes: signed and unsigned 64-bit.
+_ORJSON_MIN, _ORJSON_MAX = -(2**63), 2**64 - 1
+
+
+def _fix_in_place(obj: dict[str, Any] | list[Any], fix: Callable[[Any], Any]) -> None:
+    """`fix` applied to every value in a JSON value that is not a dict or list, and every
+    key cleaned of lone surrogates, in place. A loop, not recursion: json.loads nests as
+    deep as the recursion limit lets it."""
     stack: list[Any] = [obj]
     while stack:
         item = stack.pop()
@@ -114,12 +145,12 @@ def clean_surrogates(obj: dict[str, Any] | list[Any]) -> None:
         else:
             pairs = enumerate(item)
         for key, value in list(pairs):
-            if type(value) is str:
-                clean = without_surrogates(value)
-                if clean is not value:
-                    item[key] = clean
-            elif type(value) is dict or type(value) is list:
+            if type(value) is dict or type(value) is list:
                 stack.append(value)
+            else:
+                fixed = fix(value)
+                if fixed is not value:
+                    item[key] = fixed
 
 
 __all__ = [
@@ -129,4 +160,5 @@ __all__ = [
     "python_json_object",
     "request_object",
     "without_surrogates",
+    "writable",
 ]

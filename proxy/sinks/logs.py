@@ -84,7 +84,7 @@ import orjson
 
 from proxy.core.errors import shown_model
 from proxy.core.fingerprint import keyed
-from proxy.core.lenient_json import clean_surrogates, without_surrogates
+from proxy.core.lenient_json import without_surrogates, writable
 from proxy.core.measurement import NONE_LABEL, Measurement
 from proxy.core.wsrecord import WsSessionRecord
 from proxy.sinks.sink import Labels
@@ -280,10 +280,11 @@ def _json_line(rec: dict[str, Any]) -> str:
     try:
         line = orjson.dumps(rec, option=orjson.OPT_APPEND_NEWLINE)
     except orjson.JSONEncodeError:
-        # A string with a lone surrogate, which orjson will not write: one not read by
-        # orjson (request bodies read leniently are cleaned where they are read). The
-        # line is written with U+FFFD for it rather than lost.
-        clean_surrogates(rec)
+        # A value orjson will not write, from a request read by json.loads (vLLM's reader,
+        # proxy/core/lenient_json.py): a string with a lone surrogate, an integer beyond
+        # 64 bits (`"max_tokens": 1e23` as digits). The line is written with U+FFFD and
+        # the digits as a string rather than lost.
+        writable(rec)
         line = orjson.dumps(rec, option=orjson.OPT_APPEND_NEWLINE)
     return _one_line(line.decode())
 
