@@ -277,14 +277,8 @@ class Relay:
             exchange.context.sinks.count_upstream_protocol_error("malformed")
             raise UpstreamProtocolError("malformed", bad)
         head = self.rules.response_head(status, raw, perf_counter())
-        headers = head.headers
-        if status == 304 or status == 204:
-            # A bodiless status may carry a Content-Length (a 304's is its representation's,
-            # RFC 9110 §8.6), but uvicorn then waits for that many bytes and drops the
-            # connection when the body ends at none: the next request on it was lost. The
-            # wire keeps it; here it goes, the only header that does.
-            headers = [(k, v) for k, v in headers if k != b"content-length"]
-        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+        # a 304's Content-Length goes as it came: the cycle frames it (protocol.FramedCycle)
+        await self.send({"type": "http.response.start", "status": status, "headers": head.headers})
         exchange.relayed(perf_counter())
         return head.stripper
 

@@ -169,6 +169,14 @@ MAX_RESPONSE_HEAD = 64 * 1024
 HEAD_OVER_BOUND = "response head over 64 KiB"
 
 
+def bodiless(status: int) -> bool:
+    """Whether a final response with this status has no body, whatever its head says (RFC
+    9112 §6.3, item 1): a 204 or a 304. Both data paths frame such a response by this one
+    test, and relay a 304's Content-Length as it came: it is the selected representation's
+    (RFC 9110 §8.6), no body's (a 204 may carry none: rules.py drops it)."""
+    return status == 204 or status == 304
+
+
 def header_line_bytes(name: bytes, value: bytes) -> int:
     """A header line's share of MAX_RESPONSE_HEAD."""
     return len(name) + len(value) + 4
@@ -431,10 +439,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             # uvicorn clears `more_body` at the message's end: a request pipelined
             # behind another may have all of its body in when its turn comes
             extensions[BODY_WHOLE] = not cycle.more_body
-            if type(cycle) is RequestResponseCycle and cycle.scope["http_version"] != "1.1":
+            if type(cycle) is RequestResponseCycle:
                 # uvicorn makes every cycle itself (on_headers_complete), of its own class;
-                # only its send changes, before the app has run a line (see UnframedCycle)
-                cycle.__class__ = UnframedCycle
+                # only its send changes, before the app has run a line (see FramedCycle)
+                older = cycle.scope["http_version"] != "1.1"
+                cycle.__class__ = UnframedCycle if older else FramedCycle
             super()._start_asgi_task(cycle, app)
 
     def _count_head(self, data: bytes) -> bool:
@@ -693,7 +702,29 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 _UNBOUNDED = 1 << 62
 
 
-class UnframedCycle(RequestResponseCycle):
+class FramedCycle(RequestResponseCycle):
+    """uvicorn's cycle, framing a bodiless response (`bodiless`) by its status, as the wire
+    and every HTTP/1.1 peer do. uvicorn's send takes a 304's Content-Length (the
+    representation's, RFC 9110 §8.6) as the length of a body to come, then refuses the
+    empty one that ends the response and drops the connection, losing the request after
+    it; so it is told, once the head is out, that no body is owed, as it tells itself for
+    a HEAD. A body the app sends anyway goes nowhere, as a HEAD's does."""
+
+    no_body = False  # the response under way has none, whatever its head says
+
+    async def send(self, message: ASGISendEvent) -> None:
+        if not self.response_started:
+            await super().send(message)
+            if message["type"] == "http.response.start" and bodiless(message["status"]):
+                self.no_body, self.expected_content_length = True, 0
+        elif self.no_body and message["type"] == "http.response.body":
+            more = message.get("more_body", False)
+            await super().send({"type": "http.response.body", "body": b"", "more_body": more})
+        else:
+            await super().send(message)
+
+
+class UnframedCycle(FramedCycle):
     """The cycle of a request older than HTTP/1.1 (an HTTP/1.0 client): a response of no
     known length goes unframed, and the connection's close ends it (RFC 9112 §6.3, item
     8), as the wire, nginx and h11 send it. uvicorn's send frames any response with no
@@ -718,7 +749,7 @@ class UnframedCycle(RequestResponseCycle):
             if not (
                 lengths
                 or self.scope["method"] == "HEAD"
-                or message["status"] in (204, 304)  # bodiless: uvicorn frames none
+                or bodiless(message["status"])  # no body, no framing
             ):
                 self.unframed, self.keep_alive = True, False
                 self.chunked_encoding = False  # uvicorn adds no framing of its own

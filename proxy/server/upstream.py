@@ -209,12 +209,19 @@ class _GuardedPool(httpcore.AsyncConnectionPool):
 class _GuardedConnection(httpcore.AsyncHTTPConnection):
     """httpcore's connection, raising `ClosedUnanswered` for a request that found it open
     (connected for an earlier request) and that the backend closed cleanly before any
-    byte of the answer: h11 still waits for the response head and holds no byte of one.
-    A 1xx then the close looks the same here (h11 keeps no trace of it); the wire and
-    the aiohttp transport count a 1xx as an answer."""
+    byte of the answer: h11 still waits for the response head, holds no byte of one, and
+    parsed no response for this request, not even a 1xx. A 1xx is an answer, as on the
+    wire and the aiohttp transport: the backend took the request (RFC 9110 §15.2, an
+    interim response on the way to completing it), so it is not sent again. h11 keeps
+    no other trace of a 1xx than `their_http_version`, which it sets for every response
+    it parses and, in a client, reads for nothing: it is cleared as a reused connection
+    takes a request, and still None at the close when none came."""
 
     async def handle_async_request(self, request: httpcore.Request) -> httpcore.Response:
-        reused = self._connection is not None
+        inner = self._connection
+        reused = inner is not None
+        if isinstance(inner, httpcore.AsyncHTTP11Connection):
+            inner._h11_state.their_http_version = None
         try:
             return await super().handle_async_request(request)
         except httpcore.RemoteProtocolError as exc:
@@ -223,6 +230,7 @@ class _GuardedConnection(httpcore.AsyncHTTPConnection):
                 reused
                 and isinstance(inner, httpcore.AsyncHTTP11Connection)
                 and inner._h11_state.their_state is h11.SEND_RESPONSE
+                and inner._h11_state.their_http_version is None  # not even a 1xx came
                 and not inner._h11_state.trailing_data[0]
             ):
                 # httpx passes this on as it is: it is no httpcore error to translate.

@@ -40,7 +40,7 @@ from proxy.server.backlog import Progress
 from proxy.server.deadline import Deadline
 from proxy.server.exchange import Context
 from proxy.server.headers import Headers
-from proxy.server.protocol import GuardedHttpToolsProtocol
+from proxy.server.protocol import GuardedHttpToolsProtocol, bodiless
 from proxy.server.rules import ExchangeRules, Stage
 from proxy.server.tunnel.registry import OpenTunnels
 from proxy.server.upstream import RESEND_WITHIN
@@ -476,7 +476,7 @@ class WireRequest(Deadline):
         head = self.rules.response_head(status, headers, now)
         stripper = self.stripper = head.stripper
         out = head.headers
-        no_body = self.head_only or status in (204, 304)
+        no_body = self.head_only or bodiless(status)
         chunked = not no_body and (stripper is not None or not head.length)
         if chunked and not self.http_11:  # an HTTP/1.0 client: the body ends with the connection
             chunked, self.keep_alive = False, False
