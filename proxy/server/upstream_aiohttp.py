@@ -29,9 +29,12 @@ from proxy.server.dial import httpx_default_tls
 from proxy.server.protocol import MAX_RESPONSE_HEAD
 from proxy.server.upstream_errors import ClosedUnanswered
 
-#: The most upstream response headers taken. A line (and a value) is bounded as a whole
-#: head is, MAX_RESPONSE_HEAD, which the relay checks once the head is parsed (forward.py).
-RESPONSE_HEADERS = 512
+#: The most upstream response header lines taken: as many as fit in MAX_RESPONSE_HEAD,
+#: which the relay checks once the head is parsed (forward.py), as the wire bounds a head
+#: by its bytes alone (a line counts its name and value and 4 more: `header_line_bytes`).
+#: aiohttp's own 128, and 512 after it, refused a 6.5 KiB head of 600 short lines the wire
+#: and httpx take. A line (and a value) is bounded as a whole head is.
+RESPONSE_HEADERS = MAX_RESPONSE_HEAD // 5
 
 
 class _AiohttpClosedUnanswered(ClosedUnanswered, aiohttp.ServerDisconnectedError):
