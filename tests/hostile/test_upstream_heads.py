@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from proxy.server.protocol import MAX_RESPONSE_HEAD, header_line_bytes
 from tests.hostile.client import responses
 from tests.hostile.peers import Conn, RawUpstream, Request, by_target, exchange, get, ok
 from tests.hostile.shared import SharedProxies, counted, until
@@ -186,3 +187,52 @@ def test_a_response_head_is_bounded_alike_on_every_path(
         assert until(lambda: counted(base, ERRORS, kind="malformed") == malformed)
         next_got = exchange(base, get(b"/v1/next"), idle=1.0)
         assert next_got.endswith(b"second"), next_got
+
+
+def head_of_exactly(counted: int) -> tuple[bytes, bytes]:
+    """A 200 whose header lines count exactly `counted` bytes (name, value and 4 each, as
+    both data paths count them), split before its last CRLF: (the head but that CRLF,
+    the CRLF and a 2-byte body)."""
+    lines, used = [b"content-length: 2\r\n"], header_line_bytes(b"content-length", b"2")
+    while counted - used > 1004:
+        lines.append(b"x-h%04d: %b\r\n" % (len(lines), b"v" * (1004 - 11)))
+        used += 1004
+    rest = counted - used - header_line_bytes(b"x-last", b"")  # the last line's value
+    lines.append(b"x-last: %b\r\n" % (b"v" * rest))
+    return b"HTTP/1.1 200 OK\r\n" + b"".join(lines), b"\r\nok"
+
+
+@pytest.mark.parametrize(
+    ("shape", "status"),
+    [("64 KiB split late", 200), ("a 103 of 40 KiB then 30 KiB", 200)],
+)
+def test_a_head_within_the_bound_goes_through_however_it_came(
+    upstream: RawUpstream, path: DataPath, shape: str, status: int
+) -> None:
+    """The wire counted a head still coming by its raw reads, the status line and line
+    ends included: a head of lines counting exactly 64 KiB went through in one write and
+    was a 502 with its last line 0.3 s late, on the wire only. And a 103's lines counted
+    against the final head's bound on the wire only: a 103 of 40 KiB then a 200 of 30 KiB
+    was a 502 there, a 200 on the ASGI relay, whose clients drop the 1xx."""
+
+    async def answer_(conn: Conn, request: Request) -> None:
+        if shape.startswith("64"):
+            head, rest = head_of_exactly(
+                MAX_RESPONSE_HEAD - header_line_bytes(b"content-length", b"2")
+            )
+            conn.write(head)
+            await conn.drain()
+            await asyncio.sleep(0.3)
+            conn.write(rest)
+        else:
+            hints = b"".join(b"link: </%b>\r\n" % (b"a" * 990) for _ in range(40))
+            conn.write(b"HTTP/1.1 103 Early Hints\r\n" + hints + b"\r\n" + head_of(30)[:-2])
+            conn.write(b"ok")
+        await conn.drain()
+
+    upstream.default = by_target({b"/v1/head": answer_}, SECOND)
+    with path.proxy(upstream.url) as base:
+        got = exchange(base, get(b"/v1/head"), idle=1.0, total=10.0)
+        assert got.startswith(b"HTTP/1.1 %d" % status), got[:200]
+        assert got.endswith(b"ok"), got[-200:]
+        assert counted(base, ERRORS, kind="malformed") == 0

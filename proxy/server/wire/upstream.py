@@ -106,6 +106,15 @@ def reads_to_close(headers: Headers) -> bool:
     return not any(name in (b"content-length", b"transfer-encoding") for name, _ in headers)
 
 
+#: The raw bytes of a head that reads have left unfinished, at most. The head's bound is
+#: judged on its parsed lines (`on_header`, `header_line_bytes`), as the ASGI relay judges
+#: it, however TCP split it; this only stops a line that never ends, which llhttp joins
+#: across reads at a quadratic cost. Twice the bound leaves room for the status line,
+#: the line ends and whitespace around values: a head of exactly 64 KiB of lines, whose
+#: last CRLF came 0.3 s later, was a 502 on the wire only (a review).
+_UNFINISHED_HEAD = 2 * MAX_RESPONSE_HEAD
+
+
 class UpstreamConnection(asyncio.Protocol):
     """One keep-alive connection to the backend; carries one exchange at a time."""
 
@@ -180,7 +189,7 @@ class UpstreamConnection(asyncio.Protocol):
             return
         if self.in_head and self.request is not None:  # the read left the head unfinished
             self.head_bytes += len(data)
-            if self.head_bytes > MAX_RESPONSE_HEAD:
+            if self.head_bytes > _UNFINISHED_HEAD:
                 # llhttp joins a header's value across reads: an endless one would grow
                 # without bound, at a quadratic cost (nginx: "upstream sent too big header")
                 self.broke(UpstreamProtocolError("malformed", HEAD_OVER_BOUND))
@@ -267,6 +276,9 @@ class UpstreamConnection(asyncio.Protocol):
         if 100 <= status < 200:  # interim (103 Early Hints...): dropped, as httpx does
             self.interim = True
             self.codings.clear()  # an interim head's lines frame nothing of the response
+            # nor count against the final head's bound, as on the ASGI relay, whose
+            # clients drop a 1xx before its head is judged
+            self.head_bytes = self.header_bytes = 0
             return
         if not 200 <= status <= 599:  # llhttp reads any three digits: 099, 600, 999
             raise UpstreamProtocolError("malformed", f"status {status} is not an HTTP status")
