@@ -7,8 +7,8 @@ Four questions, each answered here and nowhere else:
 - an *exception* from an upstream client (httpx's, aiohttp's, the stdlib's) -> ErrorType
   and a one-line description: `classify_exception`, `describe`;
 - why a *relay stopped* before the body ended (`Cause`: client gone, idle or first-byte
-  timeout, the drain cut by shutdown, the upstream broke) -> what the record says and what
-  the client gets: `relay_failure`.
+  timeout, the drain cut by shutdown, the upstream broke) -> what the record says, what
+  the client gets and how its connection ends (`Ending`): `relay_failure`.
 
 An upstream error body (`classify_response`) is read in three steps, each only when the one
 before did not decide:
@@ -413,7 +413,7 @@ CUT_BEFORE_TURN = (
 
 #: The early ends that are the upstream's (it broke the response, or went silent in it):
 #: after the response head they drop the client's connection, and the requests
-#: pipelined behind are the upstream's casualties (LostTurn.CUT).
+#: pipelined behind are the upstream's casualties (Ending.CUT, LostTurn.CUT).
 UPSTREAM_CUTS = frozenset({Cause.UPSTREAM_BROKE, Cause.IDLE_TIMEOUT})
 
 
@@ -446,19 +446,51 @@ _STATUS_FOR_ERROR = {
 }
 
 
+class Ending(Enum):
+    """How the client's connection ends after a relay's early end: decided once, with the
+    failure (`relay_failure`), and only carried out by each data path (the wire on its
+    transport, the ASGI relay through the messages and exceptions it gives the server)."""
+
+    KEEP = "keep"  # the proxy's answer (a 502 or 504 before any head), and the
+    # connection serves the next request as the client asked
+    CLOSE = "close"  # the proxy's answer says Connection: close and the connection closes
+    # after it: the drain's 503, so nothing behind it starts on a server going away
+    GONE = "gone"  # the client left: nothing to answer, its connection is over
+    DROP = "drop"  # dropped mid-body, never ended cleanly, so the client sees the break
+    # as it would without the proxy (the drain's end cut the response)
+    CUT = "cut"  # dropped as DROP, for the upstream's failure (UPSTREAM_CUTS): the
+    # requests pipelined behind are its casualties (LostTurn.CUT), not the client's
+    ABORT = "abort"  # dropped at once, the bytes not yet sent thrown away: a close would
+    # wait for good on a send buffer the client never takes (CLIENT_STALLED)
+
+
 @dataclass(frozen=True, slots=True)
 class Failure:
-    """What a relay that stopped early records, and what its client gets.
+    """What a relay that stopped early records, what its client gets, and how its
+    connection ends.
 
     Before the response head (`answer` set): the proxy answers with its own error body,
-    `answer` = (status, kind, message). After it: `drop` asks the server to drop the
-    client's connection, so the client sees the break as it would without the proxy. A
-    client that left gets neither."""
+    `answer` = (status, kind, message). After it: `ending` drops the client's connection,
+    so the client sees the break as it would without the proxy. A client that left gets
+    neither."""
 
     error: ErrorType
     message: str
     answer: tuple[int, str, str] | None = None
-    drop: bool = False
+    ending: Ending = Ending.KEEP
+
+    @property
+    def drop(self) -> bool:
+        """The connection is dropped with the response unended (the client sees a break)."""
+        return self.ending in _DROPS
+
+    @property
+    def closes(self) -> bool:
+        """No other request is served on the connection after this one."""
+        return self.ending is not Ending.KEEP
+
+
+_DROPS = frozenset({Ending.DROP, Ending.CUT, Ending.ABORT})
 
 
 def relay_failure(
@@ -468,21 +500,23 @@ def relay_failure(
     exc: BaseException | None = None,
     limit: float = 0.0,
 ) -> Failure:
-    """The one table of a relay's early ends. `limit` is the timeout that ran out, `exc`
-    what the upstream client raised (for UPSTREAM_BROKE)."""
+    """The one table of a relay's early ends: the record's error and message, the client's
+    answer, how its connection ends. `limit` is the timeout that ran out, `exc` what the
+    upstream client raised (for UPSTREAM_BROKE)."""
     if cause is Cause.CLIENT_GONE:
-        return Failure(ErrorType.CLIENT_CANCELLED, "client disconnected")
+        return Failure(ErrorType.CLIENT_CANCELLED, "client disconnected", ending=Ending.GONE)
     if cause is Cause.IDLE_TIMEOUT:
         message = f"no data from the upstream for {limit:g} s"
-        return Failure(ErrorType.UPSTREAM_TIMEOUT, message, drop=True)
+        return Failure(ErrorType.UPSTREAM_TIMEOUT, message, ending=Ending.CUT)
     if cause is Cause.CLIENT_STALLED:
         message = f"the client took no bytes for {limit:g} s (--idle-timeout)"
-        return Failure(ErrorType.CLIENT_CANCELLED, message, drop=True)
+        return Failure(ErrorType.CLIENT_CANCELLED, message, ending=Ending.ABORT)
     if cause is Cause.SHUTDOWN:
         message = "cut off: the proxy shut down before the response ended"
         if after_headers:
-            return Failure(ErrorType.STREAM_TRUNCATED, message, drop=True)
-        return Failure(ErrorType.UPSTREAM_ERROR, message, (503, "proxy_shutting_down", message))
+            return Failure(ErrorType.STREAM_TRUNCATED, message, ending=Ending.DROP)
+        answer = (503, "proxy_shutting_down", message)
+        return Failure(ErrorType.UPSTREAM_ERROR, message, answer, Ending.CLOSE)
     if cause is Cause.FIRST_BYTE_TIMEOUT:
         error, message = (
             ErrorType.UPSTREAM_TIMEOUT,
@@ -492,7 +526,8 @@ def relay_failure(
         assert exc is not None, "an upstream break has an exception"
         error, message = classify_exception(exc, after_headers=after_headers), describe(exc)
     if after_headers:
-        return Failure(error, message, drop=True)
+        ending = Ending.CUT if cause in UPSTREAM_CUTS else Ending.DROP
+        return Failure(error, message, ending=ending)
     status = _STATUS_FOR_ERROR.get(error, 502)
     # The client learns what broke, not where the backend is: the record keeps it all.
     told = _CERT_NAME.sub("the upstream's name", _ADDRESS.sub("", message))
@@ -559,6 +594,7 @@ __all__ = [
     "UPSTREAM_CUTS",
     "Cause",
     "ConnectFailed",
+    "Ending",
     "Failure",
     "LostTurn",
     "Shape",

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE
 
-from proxy.core.errors import UPSTREAM_CUTS, Cause, Failure, LostTurn
+from proxy.core.errors import Cause, Ending, Failure, LostTurn
 from proxy.core.strip import UsageEventStripper
 from proxy.core.tokens import TokenCounter
 from proxy.server.admission import (
@@ -107,9 +107,9 @@ class Forwarder:
                 task = asyncio.current_task()
                 assert task is not None
                 task.uncancel()
-                answer = rules.shut_out().answer
-                assert answer is not None
-                await _send_answer(send, *answer, rules.path, close=True)
+                failure = rules.shut_out()
+                assert failure.answer is not None
+                await _send_answer(send, *failure.answer, rules.path, close=failure.closes)
                 return
         if rules.refusal is not None:
             refusal = rules.refusal
@@ -243,7 +243,7 @@ class Relay:
         await self.exchange.finish(perf_counter(), failure)
         if failure is not None and failure.drop:
             transport = self.scope.get("extensions", {}).get(CLIENT_TRANSPORT)
-            if cut.cause is Cause.CLIENT_STALLED and transport is not None:
+            if failure.ending is Ending.ABORT and transport is not None:
                 transport.abort()  # a close would wait for good on what it never takes
             raise UpstreamBroke(failure.message)
 
@@ -314,11 +314,10 @@ class Relay:
         proxy's own error answer."""
         self.cut.done = True
         failure = self.rules.early_end(cause, exc)
-        if failure.answer is not None:
-            # At shutdown the connection closes after it: nothing behind it is started.
-            close = cause is Cause.SHUTDOWN
+        if failure.answer is not None:  # Connection: close after the drain's 503
+            close = failure.closes
             await _send_answer(self.send, *failure.answer, self.rules.path, close=close)
-        elif failure.drop and cause in UPSTREAM_CUTS:  # for the requests pipelined behind
+        elif failure.ending is Ending.CUT:  # for the requests pipelined behind
             self.scope.setdefault("extensions", {})[ANSWER_CUT] = True  # (protocol.py)
         return failure
 

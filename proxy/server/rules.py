@@ -13,10 +13,24 @@ comes in as an argument, as the observer's does.
 | the body did not come in --body-timeout | `refuse(BODY_TIMEOUT)` | 408 |
 | a refusal's answer goes out | `refusal_closes` | whether the connection closes after it (the body still owed, or a 100 Continue awaited) |
 | a refusal answered, a client gone before its body was in | `refused`, `abandoned` | the record or count |
-| the drain's end before the request went upstream: its body still coming in / pipelined, its turn not come | `shut_out` / `dropped` | the 503 (`Failure.answer`) and its record / a record of no answer (status 0) |
+| the drain's end before the request went upstream: its body still coming in / pipelined, its turn not come | `shut_out` / `turn_lost` | the 503 (`Failure.answer`), `Ending.CLOSE`, and its record / a record of no answer (status 0) |
 | the whole body | `admit` | `UpstreamRequest`: the target upstream (the upstream's base path in front), the headers that go, the body (usage asked for) |
 | the upstream's response head | `response_head` | `ClientHead`: the headers the client gets, and whether the body is stripped (only an event stream is) |
-| an early end (client gone, a timeout, a break, shutdown) | `early_end` | a `Failure`: the proxy's answer while no head went out, else drop or end |
+| an early end (client gone, a timeout, a break, shutdown) | `early_end` | a `Failure`: the proxy's answer while no head went out, and how the connection ends (`Failure.ending`, below) |
+
+How the client's connection ends after an early end is decided with the failure
+(proxy.core.errors.relay_failure) and only carried out by each path: the wire on its
+transport (`WireRequest._end_connection`), the ASGI relay through the answer's
+Connection header, `UpstreamBroke` and the ANSWER_CUT extension (forward.py).
+
+| cause | before the response head | after it |
+|---|---|---|
+| CLIENT_GONE | `GONE`: nothing to answer | `GONE` |
+| FIRST_BYTE_TIMEOUT | `KEEP`: the 504, the connection kept as the client asked | (only before) |
+| UPSTREAM_BROKE | `KEEP`: the 502 or 504 | `CUT`: dropped, the requests pipelined behind lost to the upstream (LostTurn.CUT) |
+| IDLE_TIMEOUT | (only after) | `CUT` |
+| CLIENT_STALLED | (only after) | `ABORT`: closed at once, the unsent bytes thrown away (a close would wait for good on a client that takes none) |
+| SHUTDOWN (and `shut_out`) | `CLOSE`: the 503 says Connection: close | `DROP`: dropped, the client sees the break |
 
 `Stage` names where a request is, so neither path keeps flags whose combinations mean a
 state. What is measured, and the one finish sequence, belong to the `MeasuredExchange`
@@ -175,8 +189,8 @@ class ExchangeRules:
 
     def shut_out(self) -> Failure:
         """The server's drain time ran out while the request's body was still coming in:
-        its `answer` is the proxy's 503, recorded as any request the drain's end finds
-        unanswered (upstream_error)."""
+        its `answer` is the proxy's 503, after which the connection closes (Ending.CLOSE),
+        recorded as any request the drain's end finds unanswered (upstream_error)."""
         failure = relay_failure(Cause.SHUTDOWN, after_headers=False)
         assert failure.answer is not None
         self.stage = Stage.DONE
@@ -273,7 +287,7 @@ class ExchangeRules:
 
     def early_end(self, cause: Cause, exc: BaseException | None = None) -> Failure:
         """The relay stops early. The failure's `answer`, when set, is what the client gets
-        (no response head went out yet); else `drop` says whether to drop its connection."""
+        (no response head went out yet); its `ending`, how the client's connection ends."""
         exchange = self.exchange
         assert exchange is not None, "an early end before the request went upstream"
         failure = exchange.failure(cause, exc)

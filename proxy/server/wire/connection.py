@@ -32,7 +32,7 @@ from typing import Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from proxy.core.errors import UPSTREAM_CUTS, Cause, Failure, LostTurn
+from proxy.core.errors import Cause, Ending, Failure, LostTurn
 from proxy.core.paths import Target
 from proxy.core.strip import UsageEventStripper
 from proxy.server.admission import BODY_TIMEOUT, Refused, answer_bytes, own_route, where_to
@@ -578,10 +578,7 @@ class WireRequest(Deadline):
         self.cancel_deadline()
         if self.response_complete or self.rules.stage is not Stage.RECEIVING:
             return
-        failure = self.rules.shut_out()
-        assert failure.answer is not None
-        self.keep_alive = False
-        self._answer(*failure.answer)
+        self._end_connection(self.rules.shut_out())
         self._response_over()
 
     def _end_early(self, cause: Cause, exc: BaseException | None = None) -> None:
@@ -590,18 +587,22 @@ class WireRequest(Deadline):
         conn, self.upstream = self.upstream, None
         if conn is not None:
             conn.close()
-        if cause is Cause.CLIENT_STALLED:  # a close would wait for good on a buffer it
-            self.transport.abort()  # never takes
-        elif cause is Cause.SHUTDOWN:  # the 503's connection closes: no request behind it
-            self.keep_alive = False  # starts on a server that is going away
         failure = self.rules.early_end(cause, exc)
+        self._end_connection(failure)
+        self._done(failure)
+
+    def _end_connection(self, failure: Failure) -> None:
+        """The client's answer, if any, and the connection's end as the failure decided
+        it (proxy.core.errors.Ending); the close itself comes with `_response_over`."""
+        ending = failure.ending
+        if ending is not Ending.KEEP:
+            self.keep_alive = False  # before the answer, so that it says Connection: close
+            if ending is Ending.ABORT:  # a close would wait for good on what it never takes
+                self.transport.abort()
+            elif ending is Ending.CUT:  # for the requests pipelined behind (protocol.py)
+                self.proto.answer_cut = True
         if failure.answer is not None:
             self._answer(*failure.answer)
-        elif failure.drop or cause is Cause.CLIENT_GONE:
-            self.keep_alive = False
-            if failure.drop and cause in UPSTREAM_CUTS:  # for the requests pipelined behind
-                self.proto.answer_cut = True
-        self._done(failure)
 
     def _done(self, failure: Failure | None) -> None:
         self.cancel_deadline()
