@@ -69,6 +69,11 @@ WAITING = (
     # worker that waits had 170 s left over once the two above shared their proxies well
     "tests/hostile/test_tunnel.py",
     "tests/hostile/test_framing.py",
+    # each of their tests waits out a second of silence (`exchange(..., idle=1.0)`): 46
+    # and 38 s run alone, nearly all of it waiting; listed nowhere, they ran last on the
+    # active workers, and the pure pass took 404 s where it had taken 359
+    "tests/hostile/test_upstream_heads.py",
+    "tests/hostile/test_upstream_more.py",
 )
 
 
@@ -108,6 +113,12 @@ SECONDS = {
     "tests/llamacpp/test_real_llamacpp.py": 25,
     "tests/hostile/test_tunnel.py": 24,
     "tests/server/test_slo_e2e.py": 23,
+    # added 2026-12-07, measured run alone (-n0)
+    "tests/hostile/test_upstream_heads.py": 46,
+    "tests/hostile/test_upstream_more.py": 38,
+    "tests/server/test_ws_arrival.py": 11,
+    "tests/server/test_conversation_id_usage.py": 10,
+    "tests/server/test_invocations_e2e.py": 7,
     # 40 s of tests, listed lower: handed out about 3 minutes in, when its vLLMs, started
     # early and loading below the tests' priority, are up (2.5 minutes; at 2 it waited 40 s)
     "tests/vllm/test_real_vllm.py": 23,
