@@ -18,7 +18,7 @@ from functools import partial
 import pytest
 
 from tests.hostile.peers import RawUpstream, raw_upstream
-from tests.hostile.shared import SharedProxies
+from tests.hostile.shared import DataPath, SharedProxies
 
 
 @pytest.fixture(params=["wire", "asgi"])
@@ -51,3 +51,14 @@ def upstream(shared_upstream: RawUpstream, shared_proxies: SharedProxies) -> Ite
 def proxy(relay: str, shared_proxies: SharedProxies) -> Callable[..., AbstractContextManager[str]]:
     """`with proxy(upstream.url, *flags) as base:` a `tokenprobe serve` on the test's path."""
     return partial(shared_proxies.take, relay)
+
+
+@pytest.fixture(params=["wire", "asgi", "asgi-httpx"])
+def path(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, shared_proxies: SharedProxies
+) -> DataPath:
+    name = str(request.param)
+    relay, _, transport = name.partition("-")
+    monkeypatch.setenv("TOKENPROBE_RELAY", relay)
+    flags = ("--upstream-transport", transport) if transport else ()
+    return DataPath(name, relay, flags, shared_proxies)

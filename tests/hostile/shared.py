@@ -13,6 +13,8 @@ import contextlib
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -80,6 +82,22 @@ class SharedProxies:
         for base in sorted(self._taken_since_idle):
             wait_idle(base, timeout)
         self._taken_since_idle.clear()
+
+
+@dataclass
+class DataPath:
+    """A proxy's data path: the wire, or the ASGI relay on its aiohttp transport (the
+    default) or its httpx one, for the tests a difference between the ASGI relay's two
+    HTTP clients concerns (the `path` fixture; `relay` runs the wire and aiohttp only)."""
+
+    name: str
+    relay: str
+    flags: tuple[str, ...]
+    shared: SharedProxies
+
+    def proxy(self, upstream: str) -> AbstractContextManager[str]:
+        """`with path.proxy(upstream.url) as base:` a proxy on this path."""
+        return self.shared.take(self.relay, upstream, *self.flags)
 
 
 def wait_idle(base: str, timeout: float) -> None:

@@ -12,14 +12,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 
 import pytest
 
 from proxy.server.protocol import MAX_RESPONSE_HEAD, header_line_bytes
 from tests.hostile.client import responses
 from tests.hostile.peers import Conn, RawUpstream, Request, by_target, exchange, get, ok
-from tests.hostile.shared import SharedProxies, counted, until
+from tests.hostile.shared import DataPath, counted, until
 
 Proxy = Callable[..., AbstractContextManager[str]]
 ERRORS = "tokenprobe_upstream_protocol_errors_total"
@@ -34,32 +33,6 @@ STREAMED = (
     b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,'
     b'"delta":{"content":"Hi"},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
 )
-
-
-@dataclass
-class DataPath:
-    """A proxy's data path: the wire, or the ASGI relay on its aiohttp transport (the
-    default) or its httpx one."""
-
-    name: str
-    relay: str
-    flags: tuple[str, ...]
-    shared: SharedProxies
-
-    def proxy(self, upstream: str) -> AbstractContextManager[str]:
-        """`with path.proxy(upstream.url) as base:` a proxy on this path."""
-        return self.shared.take(self.relay, upstream, *self.flags)
-
-
-@pytest.fixture(params=["wire", "asgi", "asgi-httpx"])
-def path(
-    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, shared_proxies: SharedProxies
-) -> DataPath:
-    name = str(request.param)
-    relay, _, transport = name.partition("-")
-    monkeypatch.setenv("TOKENPROBE_RELAY", relay)
-    flags = ("--upstream-transport", transport) if transport else ()
-    return DataPath(name, relay, flags, shared_proxies)
 
 
 def chat_request() -> bytes:

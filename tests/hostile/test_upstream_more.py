@@ -12,43 +12,15 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Awaitable, Callable
-from contextlib import AbstractContextManager
-from dataclasses import dataclass
 
 import pytest
 
 from tests.hostile.client import header_names, responses
 from tests.hostile.peers import Conn, RawUpstream, Request, by_target, exchange, get, ok
-from tests.hostile.shared import SharedProxies, counted, until
+from tests.hostile.shared import DataPath, counted, until
 
 ERRORS = "tokenprobe_upstream_protocol_errors_total"
 SECOND = ok(b"second")
-
-
-@dataclass
-class DataPath:
-    """A proxy's data path: the wire, or the ASGI relay on its aiohttp transport (the
-    default) or its httpx one (as in test_upstream_heads.py)."""
-
-    name: str
-    relay: str
-    flags: tuple[str, ...]
-    shared: SharedProxies
-
-    def proxy(self, upstream: str) -> AbstractContextManager[str]:
-        """`with path.proxy(upstream.url) as base:` a proxy on this path."""
-        return self.shared.take(self.relay, upstream, *self.flags)
-
-
-@pytest.fixture(params=["wire", "asgi", "asgi-httpx"])
-def path(
-    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, shared_proxies: SharedProxies
-) -> DataPath:
-    name = str(request.param)
-    relay, _, transport = name.partition("-")
-    monkeypatch.setenv("TOKENPROBE_RELAY", relay)
-    flags = ("--upstream-transport", transport) if transport else ()
-    return DataPath(name, relay, flags, shared_proxies)
 
 
 Handler = Callable[[Conn, Request], Awaitable[None]]
