@@ -85,6 +85,7 @@ from proxy.sim.messages import count_tokens as messages_count_tokens
 from proxy.sim.pacing import FreePacer, LockstepPacer, Pacer, StepClock
 from proxy.sim.prefix_cache import PrefixCache
 from proxy.sim.realtime import RealtimeSession
+from proxy.sim.request_json import read_json
 from proxy.sim.responses import ResponsesWire
 from proxy.sim.slots import Slots
 from proxy.sim.state import Outcome, SimRequest, SimState
@@ -165,7 +166,7 @@ class SimApp:
             if path in _FORMS:
                 body, bad_body = _parse_form(raw, headers.get("content-type", ""))
             else:
-                body, bad_body = _parse_json(raw)
+                body, bad_body = read_json(raw)
             record.body = body
             outcome = await ex.guard(lambda: self._route(ex, bad_body, t0))
         finally:
@@ -442,10 +443,12 @@ class SimApp:
     async def _invocations(self, ex: Exchange, body: Any, t0: float) -> Outcome:
         target = utility.invocation_route(body)
         if target is None:
+            # vLLM's answer when no request type takes the body (api_router.py), in the
+            # words of a generative model's server
             await ex.error(
                 errors.bad_request(
                     "Cannot find suitable handler for request. Expected one of: "
-                    "messages (chat), prompt (completions), input (embeddings)."
+                    "['ChatCompletionRequest', 'CompletionRequest']"
                 )
             )
             return "error"
@@ -722,16 +725,6 @@ def _parse_form(raw: bytes, content_type: str) -> tuple[Any, str | None]:
         return audio.form_body(raw, content_type), None
     except audio.AudioInputError as exc:
         return None, str(exc)
-
-
-def _parse_json(raw: bytes) -> tuple[Any, str | None]:
-    """(the parsed body or None, why it is not JSON or None)."""
-    if not raw:
-        return None, None
-    try:
-        return orjson.loads(raw), None
-    except orjson.JSONDecodeError as exc:
-        return None, f"JSON decode error: {exc}"
 
 
 def _response_id(path: str, headers: dict[str, str]) -> str:

@@ -114,7 +114,8 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "--prefix-cache-block",
         type=int,
         default=env("PREFIX_CACHE_BLOCK", int, defaults.prefix_cache_block),
-        help="cached tokens come in whole blocks of this many (vLLM's --block-size) "
+        help="cached tokens come in whole blocks of this many (vLLM's --block-size; 128 "
+        "plays vLLM's CPU build) "
         "(default: %(default)s)",
     )
     add(

@@ -35,7 +35,11 @@ class SimConfig:
     #: automatic prefix caching with --enable-prompt-tokens-details); 0 = off. An
     #: x-sim-cached-tokens header or `cached_tokens` wins over it.
     prefix_cache: int = 0
-    #: Cached tokens come in whole blocks of this many tokens (vLLM's --block-size).
+    #: Cached tokens, and the `created_cache_tokens` a chat writes to the cache, come in
+    #: whole blocks of this many tokens (vLLM's --block-size). 16 is vLLM 0.32's default
+    #: (vllm/config/cache.py:72 DEFAULT_BLOCK_SIZE) on GPUs; its CPU build defaults to 128
+    #: (vllm/platforms/cpu.py:292-293, where no --block-size is given and the model has no
+    #: MLA): 128 plays the CPU build that tests/vllm start.
     prefix_cache_block: int = 16
     #: CPU seconds burnt (a busy loop) per generated token, in microseconds, to
     #: emulate a CPU-bound backend sharing cores with the proxy.

@@ -187,6 +187,9 @@ class Plan:
     #: llama-server only: the answer's last token (the EOS included) filled the context,
     #: its native `truncated` (server-context.cpp process_token, without context shift).
     truncated: bool = False
+    #: The KV cache's block size (SimConfig.prefix_cache_block, vLLM's --block-size): what
+    #: a request writes to the prefix cache is counted in whole blocks of it.
+    cache_block: int = 16
 
     @property
     def eos_shares_step(self) -> bool:
@@ -303,12 +306,27 @@ def stall_before_headers(headers: Mapping[str, str]) -> float:
         return 0.0
 
 
+#: vLLM 0.32's answer to a completion without a prompt (completion/protocol.py:591-610,
+#: a VLLMValidationError: its text ends with its parameter, exceptions.py:49-60).
+NO_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)"
+
+
+def _check_prompt_or_embeds(body: dict[str, Any]) -> None:
+    """vLLM's CompletionRequest `validate_prompt_and_prompt_embeds`: a prompt that is
+    missing, null or "", with prompt_embeds missing, null or [], is its 400."""
+    prompt, embeds = body.get("prompt"), body.get("prompt_embeds")
+    if prompt in (None, "") and (embeds is None or embeds == []):
+        raise InvalidBody(errors.bad_request(NO_PROMPT, "prompt"))
+
+
 def _plan(
     kind: Kind, body: Any, headers: Mapping[str, str], config: SimConfig
 ) -> Plan | errors.ErrorReply:
     if not isinstance(body, dict):
         raise ControlError("The request body must be a JSON object.")
     rules = REQUESTS[kind]
+    if rules.prompt_or_embeds and not _plays_llamacpp(kind, headers, config):
+        _check_prompt_or_embeds(body)
     for field in rules.lists:
         if not isinstance(body.get(field), list):
             raise ControlError(f"Field required: {field}")
@@ -480,6 +498,7 @@ def _plan(
         stream=lax_bool(body.get("stream")) is True,
         prompt_tokens=prompt_tokens,
         cached_tokens=None if cached is None else min(prompt_tokens, cached),
+        cache_block=config.prefix_cache_block,
         output_tokens=planned,
         finish_reason=finish_reason,
         ttft=ttft,
@@ -728,12 +747,15 @@ class Request:
     llamacpp: bool = False  # llama-server's errors and limits when the simulator plays it
     sampling: bool = False  # reads vLLM's `n` and `stop` (not when playing llama-server)
     batch: bool = False  # a list of prompts is that many choices (llama-server's /completion)
+    prompt_or_embeds: bool = False  # vLLM's completion: a prompt or prompt_embeds, non-empty
 
 
 #: Each kind's request rules: a new generation API adds its line here.
 REQUESTS: dict[Kind, Request] = {
     "chat": Request(lists=("messages",), llamacpp=True, sampling=True),
-    "completion": Request(required=("prompt",), llamacpp=True, sampling=True),
+    "completion": Request(
+        required=("prompt",), llamacpp=True, sampling=True, prompt_or_embeds=True
+    ),
     "messages": Request(
         lists=("messages",), required=("max_tokens",), anthropic=True, stop_sequences=True
     ),

@@ -19,6 +19,9 @@ nulls included), one text frame each:
                    starts a generation unless one runs (then it is ignored)
   not JSON         error invalid_json; JSON but no object: error processing_error (vLLM's
                    `event.get` raises); an unknown type: error unknown_event
+  a lone surrogate in an answer (the model or type of the event, read from a
+                   "\\ud800" escape): pydantic cannot write it, and the answer is a
+                   processing_error "Error serializing to JSON: UnicodeEncodeError: ..."
   a binary frame   ends the session: vLLM's `receive_text()` (connection.py:70, outside
                    the per-event try) raises KeyError (starlette websockets.py:127
                    `message["text"]`), handle_connection returns without a close frame,
@@ -134,6 +137,14 @@ class RealtimeSession:
         await self._send({"type": "websocket.send", "text": text})
 
     async def error(self, message: str, code: str) -> None:
+        try:
+            message.encode()
+        except UnicodeEncodeError as exc:
+            # A lone surrogate from the client's event (a "\ud800" escape that json.loads
+            # kept) in the answer: pydantic cannot write the error event
+            # (PydanticSerializationError), and vLLM's per-event handler answers that
+            # instead, as a processing_error (connection.py:76-78); the session goes on.
+            message, code = f"Error serializing to JSON: UnicodeEncodeError: {exc}", PROCESSING
         await self.send({"type": "error", "error": message, "code": code})
 
     async def run(self) -> None:

@@ -173,7 +173,9 @@ class ResponsesWire:
             "input_tokens": plan.prompt_tokens,
             "input_tokens_details": {
                 "cached_tokens": cached,
-                "cache_write_tokens": wire.cache_writes(plan.prompt_tokens, cached),
+                "cache_write_tokens": wire.cache_writes(
+                    plan.prompt_tokens, cached, plan.cache_block
+                ),
                 "input_tokens_per_turn": [],
                 "cached_tokens_per_turn": [],
             },

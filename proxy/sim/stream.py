@@ -345,7 +345,7 @@ def _cache_writes(plan: Plan) -> int | None:
     `cached_tokens` to PromptTokenUsageInfo), and only with the details."""
     if plan.kind != "chat" or plan.cached_tokens is None:
         return None
-    return wire.cache_writes(plan.prompt_tokens, plan.cached_tokens)
+    return wire.cache_writes(plan.prompt_tokens, plan.cached_tokens, plan.cache_block)
 
 
 def _every(plan: Plan, completion_tokens: int) -> bytes:

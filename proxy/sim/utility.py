@@ -4,7 +4,7 @@ Sources: vllm-project/vllm, vllm/entrypoints/serve/ (tokenize/protocol.py
 TokenizeResponse {count, max_model_len, tokens, token_strs}, DetokenizeResponse
 {prompt}) and vllm/entrypoints/openai/api_server.py (`GET /version` -> {"version"},
 `GET /load` -> {"server_load"}, `GET|POST /ping` answered as `GET /health`: 200 with
-an empty body, `POST /invocations` dispatched by the body's shape).
+an empty body, `POST /invocations` dispatched by the body's shape as for a generative model).
 
 Token ids here are the simulator's own: prompt token i is `100 + i`; detokenizing id n
 gives the vocabulary word `VOCAB[n % len(VOCAB)]`, so text and ids round-trip in tests.
@@ -46,13 +46,18 @@ def load(active: int) -> bytes:
 
 
 def invocation_route(body: Any) -> str | None:
-    """The route a SageMaker `/invocations` body is served by, as vLLM picks it."""
+    """The route a SageMaker `/invocations` body is served by, as vLLM 0.32 picks it for a
+    generative model (serve/sagemaker/api_router.py `invocations`: the request types of
+    generate/factories.py, ChatCompletionRequest then CompletionRequest, the first one
+    the body validates as serves it). vLLM serves no embeddings for a generative model,
+    so `{"input": ...}` is no embeddings request: it fails ChatCompletionRequest and then
+    CompletionRequest's `validate_prompt_and_prompt_embeds` (completion/protocol.py:591-610),
+    which raises a VLLMValidationError, no pydantic ValidationError: the loop does not go
+    on, and the answer is completions' 400 for a missing prompt. So every object that is
+    no chat goes to completions, which answers that. None: no object (vLLM's answer is
+    Python's own error on it, not played here)."""
     if not isinstance(body, dict):
         return None
-    if "messages" in body:
+    if isinstance(body.get("messages"), list):
         return "/v1/chat/completions"
-    if "prompt" in body:
-        return "/v1/completions"
-    if "input" in body:
-        return "/v1/embeddings"
-    return None
+    return "/v1/completions"

@@ -110,14 +110,11 @@ def stamp_text(text: bytes) -> bytes:
     return b"@%d " % time.time_ns() + text
 
 
-#: vLLM's default KV block size (vllm/config/cache.py CacheConfig.DEFAULT_BLOCK_SIZE).
-BLOCK = 16
-
-
-def cache_writes(prompt_tokens: int, cached_tokens: int, block: int = BLOCK) -> int:
+def cache_writes(prompt_tokens: int, cached_tokens: int, block: int) -> int:
     """The prompt tokens a request writes to the prefix cache: its whole blocks less those
     it found there (v1/metrics/stats.py PrefillStats.finalize, from the scheduler's
-    estimate_cached_tokens, v1/core/kv_cache_manager.py: the full blocks' tokens)."""
+    estimate_cached_tokens, v1/core/kv_cache_manager.py: the full blocks' tokens), in the
+    KV cache's blocks of `block` tokens, the same blocks its cache hits come in."""
     return max(0, prompt_tokens - prompt_tokens % block - cached_tokens)
 
 

@@ -518,7 +518,7 @@ def test_ping_version_health_and_load(client: httpx.Client, url: str) -> None:
     [
         ({"messages": [{"role": "user", "content": "hi"}]}, "chat.completion"),
         ({"prompt": "hi"}, "text_completion"),
-        ({"input": "hi"}, "list"),
+        ({"prompt": "hi", "input": "hi"}, "text_completion"),
     ],
 )
 def test_invocations_dispatch_by_body_shape(
@@ -526,7 +526,35 @@ def test_invocations_dispatch_by_body_shape(
 ) -> None:
     reply = client.post(url + "/invocations", json={"model": "sim-model", **body})
     assert reply.status_code == 200 and reply.json()["object"] == kind
-    assert client.post(url + "/invocations", json={"model": "sim-model"}).status_code == 400
+
+
+#: vLLM 0.32's 400 for a completion without a prompt, seen from the real server
+#: (vllm/entrypoints/openai/completion/protocol.py:591-610).
+NO_PROMPT = {
+    "error": {
+        "message": "Either prompt or prompt_embeds must be provided and non-empty. "
+        "(parameter=prompt)",
+        "type": "BadRequestError",
+        "param": "prompt",
+        "code": 400,
+    }
+}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"input": "hi"}, {}, {"prompt": ""}, {"messages": "hi"}],
+    ids=["input", "nothing", "empty-prompt", "messages-no-list"],
+)
+def test_an_invocation_no_chat_takes_is_answered_as_a_completion_without_a_prompt(
+    client: httpx.Client, url: str, body: dict[str, Any]
+) -> None:
+    """A generative model's server tries ChatCompletionRequest, then CompletionRequest
+    (vllm/entrypoints/generate/factories.py); the latter's check raises a
+    VLLMValidationError that leaves the loop (serve/sagemaker/api_router.py): `input` is
+    no embeddings request there, as the real vLLM 0.32 answered."""
+    reply = client.post(url + "/invocations", json={"model": "sim-model", **body})
+    assert (reply.status_code, reply.json()) == (400, NO_PROMPT)
 
 
 def test_api_key_guards_every_route_but_the_public_ones() -> None:

@@ -150,3 +150,36 @@ def test_a_binary_frame_ends_the_session_without_a_close_frame(url: str) -> None
     outside the per-event try: the session ends, no close frame, the client sees 1006."""
     got = asyncio.run(session(url, VALIDATE, b"\x00\x01", {"type": "bogus"}))
     assert got == [("closed", None)]
+
+
+def serialization_error(text: str) -> str:
+    """pydantic's error for a string with a lone surrogate, as vLLM's ErrorEvent raised it
+    (pydantic 2.14: Python's own UnicodeEncodeError text, checked in vLLM's venv)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        return f"Error serializing to JSON: UnicodeEncodeError: {exc}"
+    raise AssertionError(f"{text!r} encodes")
+
+
+def test_an_answer_holding_a_lone_surrogate_is_a_processing_error(url: str) -> None:
+    """json.loads keeps a "\\ud800" escape as a lone surrogate; the answer naming it cannot
+    be written (ErrorEvent.model_dump_json raises), and vLLM's per-event handler answers
+    that as a processing_error (connection.py:76-78). The session goes on."""
+    got = asyncio.run(
+        session(url, {**VALIDATE, "model": "\ud800x"}, {"type": "\udfff"}, VALIDATE, COMMIT)
+    )
+    assert got[:2] == [
+        {
+            "type": "error",
+            "error": serialization_error("The model `\ud800x` does not exist."),
+            "code": "processing_error",
+        },
+        {
+            "type": "error",
+            "error": serialization_error("Unknown event type: \udfff"),
+            "code": "processing_error",
+        },
+    ]
+    assert "position 11" in got[0]["error"]  # as vLLM 0.32 sent it: the index in the text
+    assert kinds(got[2:]) == ["transcription.delta"] * 2

@@ -405,7 +405,7 @@ def test_every_generation_kind_has_its_request_rules_and_its_writer() -> None:
         ("chat", {"model": "m"}, "Field required: messages"),
         ("cohere", {"messages": "hi"}, "Field required: messages"),
         ("messages", {"messages": []}, "Field required: max_tokens"),
-        ("completion", {}, "Field required: prompt"),
+        ("completion", {}, "Either prompt or prompt_embeds must be provided and non-empty."),
         ("responses", {}, "Field required: input"),
         ("generate", {"token_ids": []}, "Field required: token_ids"),
     ],
