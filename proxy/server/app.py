@@ -122,7 +122,8 @@ class ProxyApp:
             # spelling of /metrics reaches the backend); everything else belongs to the
             # backend, and goes to the relay with no router or middleware in between.
             raw_path = scope.get("raw_path") or scope["path"].encode()
-            where = where_to(raw_path, b"")
+            # parsed once, query and all: the relay's rules take the same target
+            where = where_to(raw_path, scope["query_string"])
             own = own_route(where, self.control.owns)
             if own is not None:
                 if own == "/ui" and raw_path.endswith(b"/"):
@@ -130,7 +131,7 @@ class ProxyApp:
                 await self.control({**scope, "path": own, "raw_path": own.encode()}, receive, send)
             else:
                 assert self.forwarder is not None, "lifespan did not run"
-                await self.forwarder(scope, receive, send)
+                await self.forwarder(scope, receive, send, where)
         elif kind == "lifespan":
             await self._lifespan(scope, receive, send)
 

@@ -26,17 +26,20 @@ import httpx
 from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE
 
 from proxy.core.errors import Cause, Ending, Failure, LostTurn
+from proxy.core.paths import Target
 from proxy.core.strip import UsageEventStripper
 from proxy.core.tokens import TokenCounter
 from proxy.server.admission import (
     BODY_TIMEOUT,
     ClientGone,
+    Refused,
     RelaySettings,
     error_answer,
     relay_settings,
     where_to,
 )
 from proxy.server.exchange import Context, IdleTimer
+from proxy.server.headers import client_address
 from proxy.server.protocol import (
     ANSWER_CUT,
     ARRIVAL,
@@ -90,8 +93,13 @@ class Forwarder:
     ) -> Forwarder:
         return cls(client=client, sinks=sinks, counter=counter, settings=relay_settings(settings))
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        rules = self._rules(scope)
+    async def __call__(
+        self, scope: Scope, receive: Receive, send: Send, where: Target | Refused | None = None
+    ) -> None:
+        """`where`: the request's target as the app normalised it to route it (ProxyApp
+        decides on it whether the request is the proxy's own), so it is parsed once; None
+        to parse it here."""
+        rules = self._rules(scope, where)
         # A refusal before the body is read sends no 100 Continue (uvicorn sends it when the
         # body is first asked for), so a client that asked for one still waits for it.
         continue_owed = rules.refusal is not None and _expects_continue(scope)
@@ -131,23 +139,24 @@ class Forwarder:
         turn never came (`lost`), a request refused at its head too."""
         self._rules(scope).turn_lost(lost)
 
-    def _rules(self, scope: Scope) -> ExchangeRules:
+    def _rules(self, scope: Scope, where: Target | Refused | None = None) -> ExchangeRules:
         """The request's rules, timed from its arrival: when its head was in (stamped by
         the server's protocol, so a pipelined request's wait for its turn counts, as on the
         wire), else now (another ASGI server)."""
         raw_path = scope.get("raw_path") or scope["path"].encode()
-        peer = scope.get("client")
+        if where is None:
+            where = where_to(raw_path, scope["query_string"])
         arrival = scope.get("extensions", {}).get(ARRIVAL)
         start, started_at = (perf_counter(), time()) if arrival is None else arrival
         return ExchangeRules(
             self.context,
             scope["method"],
-            where_to(raw_path, scope["query_string"]),
+            where,
             raw_path,
             scope["headers"],
             start,
             started_at,
-            None if peer is None else peer[0],
+            client_address(scope.get("client")),
         )
 
 

@@ -5,10 +5,10 @@ Hop-by-hop headers (RFC 9110 §7.6.1) and those a Connection header names stop a
 proxy in both directions. `Expect` is dropped: the proxy has read the whole body already
 (it answered the client's 100-continue when it did); passed on, the upstream would wait
 for a 100 of its own. A measured request asks for an uncompressed response, because the
-observer reads the stream. The client's address goes last in X-Forwarded-For
-(`forwarded_for`). An event stream going to the client says
-`x-accel-buffering: no` (unless the upstream said it already: llama-server does), so an
-nginx in front does not buffer it. A WebSocket handshake
+observer reads the stream. The client's address (`client_address`, read alike from every
+path's peer) goes last in X-Forwarded-For (`forwarded_for`). An event stream going to the
+client says `x-accel-buffering: no` (unless the upstream said it already: llama-server
+does), so an nginx in front does not buffer it. A WebSocket handshake
 (proxy/server/tunnel/handshake.py) passes the same policy (`handshake_headers`), keeping only what
 the protocol is made of: Upgrade, Connection and the Sec-WebSocket-* headers.
 """
@@ -77,6 +77,16 @@ def forwarded_for(headers: Headers, client: str) -> Headers:
     return out
 
 
+def client_address(peer: object) -> str | None:
+    """The client's address as X-Forwarded-For names it, from whichever form a data path
+    holds its peer in: uvicorn's `client` (host, port) on the wire, an ASGI scope's
+    `client` (a list or tuple, or None), a transport's `peername` in the tunnel (a
+    4-tuple over IPv6; a str, or nothing, over a Unix socket: no address, None)."""
+    if isinstance(peer, tuple | list) and peer:
+        return str(peer[0])
+    return None
+
+
 def handshake_headers(headers: Headers, client: str | None = None) -> Headers:
     """A WebSocket handshake's (lower-case) request headers as they go upstream: the same
     policy as an HTTP request's (X-Forwarded-For included), then the two hop-by-hop
@@ -119,10 +129,17 @@ def client_headers(headers: Headers, content_type: bytes, *, body_changes: bool)
     return out
 
 
-def redirect_ends(upstream: UpstreamURL, tls: bool, host: bytes) -> tuple[bytes, bytes]:
+def redirect_ends(upstream: UpstreamURL, tls: bool, headers: Headers) -> tuple[bytes, bytes] | None:
     """`redirected`'s two ends: the upstream's scheme://authority and base path, and the
-    proxy's scheme://host as the client named it (its Host; https when the proxy serves
-    TLS). The HTTP relay's and the WebSocket tunnel's alike."""
+    proxy's scheme://host as the client named it in `headers` (its request's, names in
+    lower case as every ASGI server and the wire's llhttp callbacks give them; https when
+    the proxy serves TLS). None when the client named no Host (HTTP/1.0 without one):
+    nothing to point at, the Location goes as it came. The protocol refuses two Hosts
+    (protocol.py `_head_wrong`), so the first is the one. The HTTP relay's and the
+    WebSocket tunnel's alike."""
+    host = next((value for name, value in headers if name == b"host"), None)
+    if host is None:
+        return None
     within = f"{upstream.origin}{upstream.base_path}".encode("ascii")
     return within, (b"https" if tls else b"http") + b"://" + host
 

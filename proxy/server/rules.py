@@ -279,11 +279,9 @@ class ExchangeRules:
 
     def _located(self, headers: Headers) -> Headers:
         """A redirect into the upstream's URL, pointed at the proxy as the client named it."""
-        host = next((value for name, value in self.headers if name == b"host"), None)
-        if host is None:  # nothing to point at (HTTP/1.0 without Host): as it came
-            return headers
         tls = bool(self.context.settings.ssl_certfile)
-        return redirected(headers, *redirect_ends(self.context.upstream, tls, host))
+        ends = redirect_ends(self.context.upstream, tls, self.headers)
+        return headers if ends is None else redirected(headers, *ends)
 
     def early_end(self, cause: Cause, exc: BaseException | None = None) -> Failure:
         """The relay stops early. The failure's `answer`, when set, is what the client gets

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import httptools
 
+from proxy.core.paths import Target
 from proxy.core.upstream_url import UpstreamURL
 from proxy.server.admission import Refused, target
 from proxy.server.headers import handshake_headers, redirected
@@ -88,17 +89,23 @@ def admit(
     raw_headers: Iterable[tuple[bytes, bytes]],
     upstream: UpstreamURL,
     client: str | None = None,
+    where: Target | Refused | None = None,
 ) -> Admitted:
     """The handshake to send upstream for a head `is_websocket_upgrade` accepted, as the
     wire's llhttp parsed it (no second split of the head's bytes); raises `Refused` for a
-    target that cannot be normalised (admission.target, the HTTP relay's one rule). The
-    target is read as the HTTP relay reads it (`httptools.parse_url`): an absolute form's
-    path and query (RFC 9112 §3.2.2), never a fragment."""
-    try:
-        url = httptools.parse_url(request_target)
-    except httptools.HttpParserInvalidURLError:
-        raise Refused(400, "invalid_request_target", "the request target is no URL") from None
-    parsed = target(url.path or b"/", url.query or b"")
+    target that cannot be normalised (admission.target, the HTTP relay's one rule).
+    `where`: the target as the wire normalised it already at the head (parsed once);
+    None to read `request_target` here as the HTTP relay reads it (`httptools.parse_url`):
+    an absolute form's path and query (RFC 9112 §3.2.2), never a fragment."""
+    if where is None:
+        try:
+            url = httptools.parse_url(request_target)
+        except httptools.HttpParserInvalidURLError:
+            raise Refused(400, "invalid_request_target", "the request target is no URL") from None
+        where = target(url.path or b"/", url.query or b"")
+    if isinstance(where, Refused):
+        raise where
+    parsed = where
     headers = [(name.lower(), value) for name, value in raw_headers]
     out = [
         b"%s %s HTTP/1.1\r\nhost: %s\r\n"

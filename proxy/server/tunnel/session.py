@@ -38,12 +38,13 @@ from time import perf_counter, time
 
 from proxy.core.errors import Cause, relay_failure
 from proxy.core.measurement import Measurement
+from proxy.core.paths import Target
 from proxy.core.secrets import redact
 from proxy.core.wsrecord import OTHER_ROUTE, WsSessionRecord
 from proxy.core.wsseam import WsApi, WsSession
 from proxy.server.admission import Refused, answer_bytes
 from proxy.server.dial import dial
-from proxy.server.headers import Headers, redirect_ends
+from proxy.server.headers import Headers, client_address, redirect_ends
 from proxy.server.tunnel.context import TunnelContext
 from proxy.server.tunnel.handshake import AnswerHead, UpstreamAnswer, admit
 from proxy.server.tunnel.pipe import Pipe
@@ -83,18 +84,20 @@ def take_over(
     *,
     start: float | None = None,
     started_at: float | None = None,
+    where: Target | Refused | None = None,
 ) -> TunnelHandle:
     """Tunnel this client connection to the upstream. `method`, `request_target` and
     `headers` are the head of a request `is_websocket_upgrade` accepted, as parsed; `rest`
     what the client sent after it; `start` and `started_at` the perf_counter() and time()
     of the head's arrival (default: now), taken as an HTTP request's are: a handshake
-    pipelined behind a slow response is timed from its arrival, not from its turn."""
+    pipelined behind a slow response is timed from its arrival, not from its turn;
+    `where` the target as the wire normalised it at the head (None: parsed here)."""
     if start is None:
         start = perf_counter()
     if started_at is None:  # the same instant on the wall clock
         started_at = time() - (perf_counter() - start)
     tunnel = Tunnel(transport, context, start, started_at)
-    tunnel.begin(method, request_target, headers, rest)
+    tunnel.begin(method, request_target, headers, rest, where)
     return TunnelHandle(tunnel)
 
 
@@ -136,20 +139,19 @@ class Tunnel:
         request_target: bytes,
         headers: Iterable[tuple[bytes, bytes]],
         rest: bytes,
+        where: Target | Refused | None = None,
     ) -> None:
         sinks = self.context.sinks
-        headers = list(headers)  # read twice: by `admit`, and for the client's Host
         try:
-            peer = self.pipe.client.get_extra_info("peername")
-            client = peer[0] if isinstance(peer, tuple) else None  # None over a socket file
-            admitted = admit(method, request_target, headers, self.context.upstream, client)
+            client = client_address(self.pipe.client.get_extra_info("peername"))
+            admitted = admit(method, request_target, headers, self.context.upstream, client, where)
         except Refused as refusal:
             sinks.session_started(self.route)
             self._answer(refusal.status, refusal.kind, refusal.message)
             self.end(refusal.kind)  # invalid_request_target, HTTP's kind for this target
             return
         self.path, self.query = admitted.path, admitted.query
-        self._hold_answer_head(headers)
+        self._hold_answer_head(admitted.headers)
         self.headers = admitted.headers  # only to redact credentials from records' errors
         self.api = self.context.apis(self.path)
         if self.api is not None:
@@ -196,12 +198,12 @@ class Tunnel:
             return
         transport.write(request)  # the client stays unread until the 101 (_opened)
 
-    def _hold_answer_head(self, headers: Iterable[tuple[bytes, bytes]]) -> None:
+    def _hold_answer_head(self, headers: Headers) -> None:
         """The upstream's answer head waits until whole (the pipe's gate), for a
-        refusal's Location: pointed at the proxy as the client named it."""
-        host = next((value for name, value in headers if name.lower() == b"host"), None)
+        refusal's Location: pointed at the proxy as the client named it (`headers`: the
+        client's, names in lower case)."""
         tls = bool(self.context.ssl_certfile)
-        head = AnswerHead(None if host is None else redirect_ends(self.context.upstream, tls, host))
+        head = AnswerHead(redirect_ends(self.context.upstream, tls, headers))
         pipe = self.pipe
 
         def gate(data: bytes) -> bytes:

@@ -39,7 +39,7 @@ from proxy.server.admission import BODY_TIMEOUT, Refused, answer_bytes, own_rout
 from proxy.server.backlog import Progress
 from proxy.server.deadline import Deadline
 from proxy.server.exchange import Context
-from proxy.server.headers import Headers
+from proxy.server.headers import Headers, client_address
 from proxy.server.protocol import GuardedHttpToolsProtocol, bodiless
 from proxy.server.rules import ExchangeRules, Stage
 from proxy.server.tunnel.registry import OpenTunnels
@@ -109,10 +109,14 @@ class WireProtocol(GuardedHttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self.wire: Wire | None = None
         self._tunnel: Any = None
-        self._ws_arrival = (0.0, 0.0)  # a handshake head's (perf_counter(), time()): _switch
+        # a handshake head's arrival (perf_counter(), time()) and its target as parsed
+        # here, once: _switch hands both to the tunnel
+        self._ws_head: tuple[float, float, Target | Refused] | None = None
+        self.peer_address: str | None = None  # the client's, read once a connection
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.peer_address = client_address(self.client)  # uvicorn's (host, port), or None
         wire = self.app_state.get(WIRE_STATE)
         self.wire = wire if isinstance(wire, Wire) else None  # None: everything to the app
 
@@ -131,7 +135,7 @@ class WireProtocol(GuardedHttpToolsProtocol):
         self._ws = own is None and self._is_handshake()
         self._body_due = self._upgrade_body()
         if self._ws:  # stamped as a WireRequest is: the session's time runs from here
-            self._ws_arrival = (perf_counter(), time())
+            self._ws_head = (perf_counter(), time(), where)
         if self._ws or own is not None:
             # A tunnel (see _switch), or the proxy's own route through uvicorn's cycle
             # (ProxyApp routes it on the same normalised target).
@@ -239,7 +243,8 @@ class WireProtocol(GuardedHttpToolsProtocol):
         scope = self.scope
         self._stop_head_timer()
         self._unset_keepalive_if_required()
-        start, started_at = self._ws_arrival  # not now: its turn may have come late
+        assert self._ws_head is not None
+        start, started_at, where = self._ws_head  # not now: its turn may have come late
         tunnel = take_over(
             self.transport,
             scope["method"].encode(),
@@ -249,6 +254,7 @@ class WireProtocol(GuardedHttpToolsProtocol):
             context,
             start=start,
             started_at=started_at,
+            where=where,
         )
         self._tunnel = tunnel  # in wire.tunnels already: the tunnel joined it as it began
         closed = getattr(tunnel, "closed", None)
@@ -314,7 +320,6 @@ class WireRequest(Deadline):
         # first look of a hold-up (_check), as few requests ever have one.
         self.client_progress: Progress | None = None
         context = wire.context
-        peer = proto.client  # uvicorn's (host, port) of the connection, None over a socket file
         self.rules = ExchangeRules(
             context,
             method.decode("latin-1"),
@@ -323,7 +328,7 @@ class WireRequest(Deadline):
             headers,
             perf_counter(),
             time(),
-            None if peer is None else peer[0],
+            proto.peer_address,
         )
 
     # -- the request ------------------------------------------------------------------
