@@ -119,6 +119,7 @@ SECONDS = {
     "tests/server/test_ws_arrival.py": 11,
     "tests/server/test_conversation_id_usage.py": 10,
     "tests/server/test_invocations_e2e.py": 7,
+    "tests/hostile/test_upstream_faults.py": 12,
     # 40 s of tests, listed lower: handed out about 3 minutes in, when its vLLMs, started
     # early and loading below the tests' priority, are up (2.5 minutes; at 2 it waited 40 s)
     "tests/vllm/test_real_vllm.py": 23,

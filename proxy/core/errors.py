@@ -34,6 +34,7 @@ The real bodies behind every rule, with their sources, are in tests/fixtures/err
 from __future__ import annotations
 
 import errno
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -305,7 +306,67 @@ class ConnectFailed(ConnectionError):
     """Opening a connection to the upstream failed (proxy/server/dial.py), whatever the
     system said (no socket at a Unix socket's path, a name that does not resolve, no
     route): the upstream is unreachable, as httpx's ConnectError and aiohttp's
-    ClientConnectorError say on the ASGI relay. What the system said is its cause."""
+    ClientConnectorError say on the ASGI relay. What the system said is its cause, which
+    `describe` tells, and `where` the address it tried ("host 10.0.0.5:8000"), which every
+    path puts after it (dial, send_upstream) and the client's answer leaves out; None
+    where the system's words name it already (a Unix socket's path)."""
+
+    def __init__(self, message: str, where: str | None = None) -> None:
+        super().__init__(message)
+        self.where = where
+
+
+# -- an upstream fault, told the same way on every path --------------------------------------
+
+#: The one wording of each upstream fault that the data paths meet in their own words:
+#: the wire's parser and pool, the ASGI relay's httpx (h11) and aiohttp transports. Each
+#: path raises the fault in these words (`fault_words`), so the client's answer and the
+#: record read the same whichever path met it; each keeps what helps an operator (the
+#: setting whose limit ran out, the upstream's address, which the client's answer leaves
+#: out: `relay_failure`).
+UPSTREAM_FAULTS: dict[str, str] = {
+    # the transports' own said nothing of it: a cancelled task ("CancelledError:
+    # cancelled before the upstream answered"), anyio's "Cancelled via cancel scope ..."
+    "connect_timeout": "the connect timed out after {limit:g} s (--connect-timeout) to {where}",
+    # llhttp, h11 and aiohttp all read any three digits as a status
+    "not_a_status": "status {status} is not an HTTP status",
+    # a 101 the proxy never asked for (WebSockets are the tunnel's)
+    "unasked_switch": "the upstream switched protocols unasked",
+    # proxy.server.protocol.refused_transfer_encoding's words; `said` is
+    # " (transfer-encoding: gzip, chunked)", empty where h11 refused it unsaid
+    "transfer_coding": "a transfer coding other than chunked{said}: only chunked is taken",
+}
+
+
+def fault_words(fault: str, **details: object) -> str:
+    """The words of `fault` (a key of UPSTREAM_FAULTS) with its details filled in."""
+    return UPSTREAM_FAULTS[fault].format(**details)
+
+
+class Told(Exception):
+    """An upstream fault the proxy raised in its one wording (UPSTREAM_FAULTS): `describe`
+    tells these words, not those of the transport's exception beneath it."""
+
+
+class ConnectTimedOut(Told, TimeoutError):
+    """No connection to the upstream within --connect-timeout, on any path: the wire's
+    `dial` (given the limit), the ASGI relay's `send_upstream` over either transport. A
+    TimeoutError, so it is an upstream_timeout (a 504) as it was."""
+
+    def __init__(self, limit: float, where: str) -> None:
+        super().__init__(fault_words("connect_timeout", limit=limit, where=where))
+
+
+#: The transports' own connect timeouts, by "package.Class" (httpx's is looked past to
+#: httpcore's, its cause; httpx-aiohttp's misnamed one, over a dropped connection, is not
+#: one: `_causes`). aiohttp's is raised for its `connect` and `sock_connect` limits alike,
+#: both --connect-timeout (proxy.server.upstream_aiohttp.send_aiohttp).
+_FOREIGN_CONNECT_TIMEOUTS = frozenset({"httpcore.ConnectTimeout", "aiohttp.ConnectionTimeoutError"})
+
+
+def connect_timed_out(exc: BaseException) -> bool:
+    """Whether an upstream client's exception is its connect timeout running out."""
+    return any(not _FOREIGN_CONNECT_TIMEOUTS.isdisjoint(type_names(type(e))) for e in _causes(exc))
 
 
 _CONNECTS = (ConnectionRefusedError, ConnectFailed)
@@ -364,13 +425,23 @@ def describe(exc: BaseException) -> str:
     Many of these exceptions carry no text (a timeout, a cancellation): then a phrase says
     what happened, rather than the class name twice ("TimeoutError: TimeoutError")."""
     causes = list(_causes(exc))
+    told = next((e for e in causes if isinstance(e, Told)), None)
+    if told is not None:  # the proxy's own words for the fault, whatever lies beneath
+        return f"{type(told).__name__}: {told}"[:300]
     root = causes[-1] if causes else exc
+    failed = next((e for e in causes if isinstance(e, ConnectFailed)), None)
+    where = f" to {failed.where}" if failed is not None and failed.where else ""
     name = type(root).__name__
     text = " ".join(str(root).split())  # one line: aiohttp's payload errors hold newlines
+    if isinstance(root, ConnectionError) and root.errno and root.strerror is not None:
+        # A refused or reset connection in the system's words for its errno, as uvloop
+        # and httpcore give them: asyncio's are "Connect call failed ('10.0.0.5', 8000)"
+        # (aiohttp's connect), for the same refusal.
+        text = " ".join(str(OSError(root.errno, os.strerror(root.errno), root.filename)).split())
     if not text or text == name:
         names = type_names(type(root))
         text = next((phrase for kind, phrase in PHRASES if kind in names), "no detail given")
-    return f"{name}: {text}"[:300]
+    return f"{name}: {text}{where}"[:300]
 
 
 #: Phrases for exceptions without text, by "package.Class", most specific first.
@@ -384,7 +455,11 @@ PHRASES: tuple[tuple[str, str], ...] = (
 
 #: Every foreign name above, for the test that keeps them real.
 FOREIGN_NAMES = (
-    _FOREIGN_TIMEOUTS | _FOREIGN_CONNECTS | {_HTTPX_ERROR} | {name for name, _ in PHRASES}
+    _FOREIGN_TIMEOUTS
+    | _FOREIGN_CONNECTS
+    | _FOREIGN_CONNECT_TIMEOUTS
+    | {_HTTPX_ERROR}
+    | {name for name, _ in PHRASES}
 )
 
 
@@ -592,19 +667,24 @@ __all__ = [
     "MAX_ERROR_BODY",
     "SHUTDOWN_BEFORE_TURN",
     "UPSTREAM_CUTS",
+    "UPSTREAM_FAULTS",
     "Cause",
     "ConnectFailed",
+    "ConnectTimedOut",
     "Ending",
     "Failure",
     "LostTurn",
     "Shape",
+    "Told",
     "classify_exception",
     "classify_response",
     "classify_stream_end",
+    "connect_timed_out",
     "describe",
     "error_body",
     "error_message",
     "error_shape",
+    "fault_words",
     "relay_failure",
     "scrub",
 ]

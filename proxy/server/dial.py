@@ -21,11 +21,11 @@ from typing import Protocol, TypeVar
 
 import httpx
 
-from proxy.core.errors import ConnectFailed
+from proxy.core.errors import ConnectFailed, ConnectTimedOut
 from proxy.core.upstream_url import UpstreamURL
 from proxy.server.certwatch import WATCH
 
-__all__ = ["dial", "httpx_default_tls", "name_the_socket", "upstream_tls"]
+__all__ = ["dial", "httpx_default_tls", "name_the_socket", "upstream_tls", "where"]
 
 P = TypeVar("P", bound=asyncio.BaseProtocol)
 
@@ -87,9 +87,38 @@ async def dial(
     factory: Callable[[], P],
     upstream: UpstreamURL,
     ssl: ssl_module.SSLContext | None,
+    timeout: float | None = None,
 ) -> tuple[asyncio.Transport, P]:
-    """A connection to the upstream, or `ConnectFailed` from what the system said (a
-    timeout stays a TimeoutError: the caller's limit, or the system's, ran out)."""
+    """A connection to the upstream within `timeout` seconds (--connect-timeout), else
+    `ConnectTimedOut`, which names the setting and the address, as every path says it;
+    or `ConnectFailed` from what the system said (the system's own timeout stays a
+    TimeoutError)."""
+    if timeout is None:
+        return await _dial(loop, factory, upstream, ssl)
+    try:
+        async with asyncio.timeout(timeout) as deadline:
+            return await _dial(loop, factory, upstream, ssl)
+    except TimeoutError as exc:
+        if not deadline.expired():
+            raise
+        raise ConnectTimedOut(timeout, where(upstream.host, upstream.port, upstream.uds)) from exc
+
+
+def where(host: str, port: int, uds: str | None = None) -> str:
+    """The address a connect tried, as every path's record names it after a failed or
+    timed-out connect: "host 10.0.0.5:8000", which the client's answer leaves out
+    (proxy.core.errors.relay_failure), or "socket /run/vllm.sock" (--upstream-uds)."""
+    if uds is not None:
+        return f"socket {uds}"
+    return f"host [{host}]:{port}" if ":" in host else f"host {host}:{port}"
+
+
+async def _dial(
+    loop: asyncio.AbstractEventLoop,
+    factory: Callable[[], P],
+    upstream: UpstreamURL,
+    ssl: ssl_module.SSLContext | None,
+) -> tuple[asyncio.Transport, P]:
     try:
         name = upstream.server_name if ssl else None
         if upstream.uds is None:
@@ -103,8 +132,9 @@ async def dial(
         raise
     except OSError as exc:
         if upstream.uds is not None:
-            name_the_socket(exc, upstream.uds)
-        raise ConnectFailed(str(exc)) from exc
+            name_the_socket(exc, upstream.uds)  # which names it: no `where` after
+            raise ConnectFailed(str(exc)) from exc
+        raise ConnectFailed(str(exc), where(upstream.host, upstream.port)) from exc
 
 
 def name_the_socket(exc: BaseException, path: str) -> None:

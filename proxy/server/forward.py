@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE
 
-from proxy.core.errors import Cause, Ending, Failure, LostTurn
+from proxy.core.errors import Cause, Ending, Failure, LostTurn, fault_words
 from proxy.core.paths import Target
 from proxy.core.strip import UsageEventStripper
 from proxy.core.tokens import TokenCounter
@@ -278,9 +278,14 @@ class Relay:
         if not 200 <= status <= 599:
             # a 101 the relay never asked for (both clients drop other 1xx), or three
             # digits that are no HTTP status (099, 600): a 502, as on the wire
-            kind = "upgrade" if 100 <= status < 200 else "malformed"
+            # (send_upstream refuses these itself for the proxy's own client, in these words)
+            kind, said = (
+                ("upgrade", fault_words("unasked_switch"))
+                if 100 <= status < 200
+                else ("malformed", fault_words("not_a_status", status=status))
+            )
             exchange.context.sinks.count_upstream_protocol_error(kind)
-            raise UpstreamProtocolError(kind, f"the upstream answered status {status}")
+            raise UpstreamProtocolError(kind, said)
         raw = [(k.lower(), v) for k, v in response.headers.raw]
         if (bad := _bad_head(raw)) is not None:
             exchange.context.sinks.count_upstream_protocol_error("malformed")

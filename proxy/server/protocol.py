@@ -72,7 +72,7 @@ import httptools
 from prometheus_client import CollectorRegistry, Counter
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-from proxy.core.errors import LostTurn
+from proxy.core.errors import LostTurn, fault_words
 from proxy.server.admission import answer_bytes
 from proxy.server.headers import Headers
 from proxy.server.tunnel import is_websocket_upgrade
@@ -223,9 +223,7 @@ def refused_transfer_encoding(lines: list[bytes]) -> str | None:
     if only_chunked(codings):
         return None
     said = b", ".join(codings).decode("latin-1")
-    return (
-        f"a transfer coding other than chunked (transfer-encoding: {said}): only chunked is taken"
-    )
+    return fault_words("transfer_coding", said=f" (transfer-encoding: {said})")
 
 
 _ONE_CHUNKED = [b"chunked"]

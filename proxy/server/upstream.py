@@ -47,11 +47,20 @@ import h11
 import httpcore
 import httpx
 
-from proxy.server.dial import httpx_default_tls, name_the_socket, upstream_tls
+from proxy.core.errors import (
+    ConnectFailed,
+    ConnectTimedOut,
+    classify_exception,
+    connect_timed_out,
+    fault_words,
+)
+from proxy.core.measurement import ErrorType
+from proxy.server.dial import httpx_default_tls, name_the_socket, upstream_tls, where
 from proxy.server.upstream_errors import ClosedUnanswered, UpstreamProtocolError
 from proxy.settings import Settings
 
 KEEPALIVE_SECONDS = 4.0
+_UNREACHABLE = ErrorType.UPSTREAM_UNREACHABLE
 #: A request that went out on a reused connection goes once more, on a new one, only when
 #: the backend closed that connection unanswered within this many seconds of the send: a
 #: backend closing an idle connection as the request went out does so within a round
@@ -157,9 +166,14 @@ class _GuardedHTTPTransport(httpx.AsyncHTTPTransport):
             response = await super().handle_async_request(request)
         except httpx.RemoteProtocolError as exc:
             text = str(exc)
-            if "disconnected" not in text:  # the backend closing is no protocol error
-                self._count("upgrade" if "SWITCH" in text else "malformed")
-            raise
+            if "disconnected" in text:  # the backend closing is no protocol error
+                raise
+            kind = "upgrade" if "SWITCH" in text else "malformed"
+            self._count(kind)
+            said = _H11_FAULTS.get(text)
+            if said is None:
+                raise
+            raise UpstreamProtocolError(kind, said) from exc  # as the other paths say it
         headers = response.headers
         if "transfer-encoding" in headers and "content-length" in headers:
             self._count("malformed")
@@ -168,6 +182,18 @@ class _GuardedHTTPTransport(httpx.AsyncHTTPTransport):
                 "malformed", "the upstream sent Content-Length and Transfer-Encoding together"
             )
         return response
+
+
+#: h11's words for the faults the other paths refuse in theirs (UPSTREAM_FAULTS):
+#: h11/_state.py ("Received server _SWITCH_UPGRADE event without a pending proposal")
+#: and h11/_headers.py, which keeps no coding it names ("Only Transfer-Encoding: chunked is
+#: supported"), so the codings go untold here.
+_H11_FAULTS = {
+    "Received server _SWITCH_UPGRADE event without a pending proposal": fault_words(
+        "unasked_switch"
+    ),
+    "Only Transfer-Encoding: chunked is supported": fault_words("transfer_coding", said=""),
+}
 
 
 class _GuardedPool(httpcore.AsyncConnectionPool):
@@ -319,15 +345,57 @@ async def send_upstream(
     (`ClosedUnanswered`), goes once more on a new connection, through httpx's transport
     whichever transport sent it first: `body` is the whole body, read before, so it goes
     again byte for byte. The caller's first-byte timeout covers both.
+
+    An upstream fault that the transports tell in their own words is raised in the words
+    every path uses (proxy.core.errors.UPSTREAM_FAULTS), with the address tried, as the
+    wire's `dial` raises it: a connect timeout (`ConnectTimedOut`), an unreachable
+    upstream (`ConnectFailed`), and a status line whose three digits are no final HTTP
+    status (an unasked 101, a 600: `UpstreamProtocolError`, counted).
     """
+    if not isinstance(client, UpstreamClient):
+        request = httpx.Request(method, url, headers=headers, content=body)
+        return await client.send(request, stream=True)
+    try:
+        response = await _send_once_more_if_unanswered(client, method, url, headers, body)
+    except Exception as exc:
+        if client.uds is not None:
+            name_the_socket(exc, client.uds)
+        # in the words every path uses (dial's), and naming where, as dial does
+        if connect_timed_out(exc):
+            limit = client.timeout.connect or 0.0
+            raise ConnectTimedOut(limit, _where(url, client.uds)) from exc
+        if client.uds is None and classify_exception(exc, after_headers=False) is _UNREACHABLE:
+            raise ConnectFailed(str(exc), _where(url, None)) from exc
+        raise
+    status = response.status_code
+    if not 200 <= status <= 599:
+        # aiohttp, as llhttp and h11, reads any three digits as a status, and hands on a 101
+        # it was never asked for (httpx's h11 refuses that itself: _GuardedHTTPTransport)
+        kind, said = (
+            ("upgrade", fault_words("unasked_switch"))
+            if status == 101
+            else ("malformed", fault_words("not_a_status", status=status))
+        )
+        client.count(kind)
+        await response.aclose()
+        raise UpstreamProtocolError(kind, said)
+    return response
+
+
+async def _send_once_more_if_unanswered(
+    client: UpstreamClient,
+    method: str,
+    url: str,
+    headers: list[tuple[bytes, bytes]],
+    body: bytes,
+) -> httpx.Response:
+    """The send, and the one resend of a request that a kept-alive connection closed
+    unanswered (send_upstream's docstring)."""
     # The relay times the gaps between chunks itself (proxy.server.exchange.IdleTimer): a transport's
     # read timeout would cost a timer per chunk, and would also cut the wait for the
     # response headers, which first_byte_timeout governs.
     timeout = {**client.timeout.as_dict(), "read": None}
     sent_at = perf_counter()
-    if not isinstance(client, UpstreamClient):
-        request = httpx.Request(method, url, headers=headers, content=body)
-        return await client.send(request, stream=True)
     transport = client.upstream_transport
     try:
         if client.send_aiohttp is not None:
@@ -342,10 +410,13 @@ async def send_upstream(
         if perf_counter() - sent_at >= RESEND_WITHIN:
             raise
         return await _send_httpx(client.fresh_transport(), method, url, headers, body, timeout)
-    except Exception as exc:
-        if client.uds is not None:
-            name_the_socket(exc, client.uds)
-        raise
+
+
+def _where(url: str, uds: str | None) -> str:
+    """The address a request to `url` was sent to, as `dial` names the wire's."""
+    parsed = httpx.URL(url)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    return where(parsed.host, port, uds)
 
 
 async def _send_httpx(

@@ -4,10 +4,14 @@ for a request is decided in proxy/core/errors.py."""
 
 from __future__ import annotations
 
+from proxy.core.errors import Told
 
-class UpstreamProtocolError(Exception):
+
+class UpstreamProtocolError(Told):
     """The upstream broke HTTP/1.1 on a connection, which is closed; `kind` is its label in
-    tokenprobe_upstream_protocol_errors_total (proxy/sinks/metrics.py)."""
+    tokenprobe_upstream_protocol_errors_total (proxy/sinks/metrics.py). Its message is the
+    proxy's own words for the fault (UPSTREAM_FAULTS, where a path met it in other words),
+    which `describe` tells over the transport's exception beneath, if any (h11's)."""
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)

@@ -343,7 +343,7 @@ def test_error_message_is_taken_from_each_body_shape(fixture: str, want: str) ->
     [
         (
             ConnectionRefusedError(111, "Connect call failed ('10.0.0.5', 8000)"),
-            "upstream: ConnectionRefusedError: [Errno 111] Connect call failed",
+            "upstream: ConnectionRefusedError: [Errno 111] Connection refused",
         ),
         (OSError("Cannot connect to host vllm.internal:8000 ssl:default"), "upstream: OSError: Cannot connect ssl:default"),
         (httpx.ConnectError("refused"), "upstream: ConnectError: refused"),

@@ -173,8 +173,11 @@ class Tunnel:
         context = self.context
         upstream = context.upstream
         try:
-            transport, _ = await asyncio.wait_for(
-                dial(self.loop, self.pipe.upstream_protocol, upstream, context.ssl),
+            transport, _ = await dial(
+                self.loop,
+                self.pipe.upstream_protocol,
+                upstream,
+                context.ssl,
                 context.connect_timeout,
             )
         except asyncio.CancelledError:  # ended while connecting (`end`)

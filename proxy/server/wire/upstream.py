@@ -54,6 +54,7 @@ from typing import Protocol
 
 import httptools
 
+from proxy.core.errors import fault_words
 from proxy.core.upstream_url import UpstreamURL
 from proxy.server.dial import dial
 from proxy.server.headers import Headers
@@ -238,7 +239,7 @@ class UpstreamConnection(asyncio.Protocol):
         if isinstance(cause, UpstreamProtocolError):
             error: BaseException = cause
         elif isinstance(exc, httptools.HttpParserUpgrade):
-            error = UpstreamProtocolError("upgrade", "the upstream switched protocols unasked")
+            error = UpstreamProtocolError("upgrade", fault_words("unasked_switch"))
         elif isinstance(exc, httptools.HttpParserCallbackError):
             error = exc  # the proxy's own code failed in a callback: not the upstream's fault
         elif self.request is None:  # not a message start: bytes no request asked for
@@ -272,7 +273,7 @@ class UpstreamConnection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
         if status == 101:  # the wire never asks for a switch (WebSockets are the tunnel's)
-            raise UpstreamProtocolError("upgrade", "the upstream switched protocols unasked")
+            raise UpstreamProtocolError("upgrade", fault_words("unasked_switch"))
         if 100 <= status < 200:  # interim (103 Early Hints...): dropped, as httpx does
             self.interim = True
             self.codings.clear()  # an interim head's lines frame nothing of the response
@@ -281,7 +282,7 @@ class UpstreamConnection(asyncio.Protocol):
             self.head_bytes = self.header_bytes = 0
             return
         if not 200 <= status <= 599:  # llhttp reads any three digits: 099, 600, 999
-            raise UpstreamProtocolError("malformed", f"status {status} is not an HTTP status")
+            raise UpstreamProtocolError("malformed", fault_words("not_a_status", status=status))
         if self.codings:  # llhttp hands on the body still coded: `gzip, chunked`'s chunks,
             # or, for a last coding (`gzip`), the bytes up to the close; two lines
             # `chunked` are `chunked, chunked`, so each line alone proves nothing
@@ -442,8 +443,9 @@ class Pool:
 
     async def connect(self) -> UpstreamConnection:
         loop = asyncio.get_running_loop()
-        async with asyncio.timeout(self.connect_timeout):
-            _, conn = await dial(loop, lambda: UpstreamConnection(self), self.upstream, self.ssl)
+        _, conn = await dial(
+            loop, lambda: UpstreamConnection(self), self.upstream, self.ssl, self.connect_timeout
+        )
         return conn
 
     def put(self, conn: UpstreamConnection) -> None:

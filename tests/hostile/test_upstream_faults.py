@@ -1,0 +1,152 @@
+"""One upstream fault, told the same way on every data path: the wire, and the ASGI relay
+on its aiohttp and httpx transports each met these in their own words (a connect timeout
+as a cancelled task, a status 600 as "the upstream answered status 600", h11's "Only
+Transfer-Encoding: chunked is supported", asyncio's "Connect call failed"). Each is now
+told in the one wording of proxy.core.errors.UPSTREAM_FAULTS, or, for a refused connect,
+in the system's words for its errno, with the same status and error kind.
+
+Each test runs on the three paths (the `path` fixture), in a real `tokenprobe serve` in
+front of a peer on 127.0.0.1. Shown able to fail: each was run against the tree before.
+"""
+
+from __future__ import annotations
+
+import socket
+import zlib
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.hostile.client import ws_head
+from tests.hostile.peers import Conn, Handler, RawUpstream, Request, by_target
+from tests.hostile.shared import DataPath, SharedProxies, counted, until
+
+REQUESTS = "tokenprobe_requests_total"
+ERRORS = "tokenprobe_upstream_protocol_errors_total"
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def ask(base: str, target: str = "/v1/chat/completions") -> tuple[int, str]:
+    """A measured request: the proxy's status and its error message."""
+    got = httpx.post(base + target, json=CHAT, timeout=30)
+    return got.status_code, str(got.json()["error"]["message"])
+
+
+@pytest.fixture
+def unanswered() -> Iterator[str]:
+    """An upstream address on 127.0.0.1 whose SYNs go unanswered: a listening socket with
+    a backlog of none, filled by connections it never accepts, so the kernel drops the
+    next SYN and the proxy's connect waits for its --connect-timeout."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        fillers = [socket.socket() for _ in range(4)]
+        try:
+            for filler in fillers:
+                filler.setblocking(False)
+                filler.connect_ex(("127.0.0.1", port))  # EINPROGRESS past the first
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            for filler in fillers:
+                filler.close()
+
+
+def test_a_connect_timeout_names_the_setting_on_every_path(unanswered: str, path: DataPath) -> None:
+    """Every path answered "upstream: CancelledError: cancelled before the upstream
+    answered" (httpx: anyio's "Cancelled via cancel scope 7f..."), words that name neither
+    the connect nor the limit that ran out."""
+    flags = (*path.flags, "--connect-timeout", "0.5")
+    with path.shared.take(path.relay, unanswered, *flags) as base:
+        status, message = ask(base)
+        assert status == 504, message
+        assert message == (
+            "upstream: ConnectTimedOut: the connect timed out after 0.5 s (--connect-timeout)"
+        )
+        assert until(lambda: counted(base, REQUESTS, error_type="upstream_timeout") == 1)
+
+
+def test_a_refused_connect_is_told_in_the_systems_words_on_every_path(path: DataPath) -> None:
+    """aiohttp's connect said asyncio's "[Errno 111] Connect call failed" where the wire
+    and httpx said "[Errno 111] Connection refused"."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    with path.proxy(f"http://127.0.0.1:{port}") as base:
+        status, message = ask(base)
+        assert status == 502, message
+        assert message == "upstream: ConnectionRefusedError: [Errno 111] Connection refused"
+        assert until(lambda: counted(base, REQUESTS, error_type="upstream_unreachable") == 1)
+
+
+def answer(response: bytes) -> Handler:
+    """A handler writing `response` in one write."""
+
+    async def handler(conn: Conn, request: Request) -> None:
+        conn.write(response)
+        await conn.drain()
+
+    return handler
+
+
+CODED = zlib.compress(b'{"coded": true}')
+TRANSFER_CODING = "a transfer coding other than chunked{}: only chunked is taken"
+
+
+@pytest.mark.parametrize(
+    ("response", "kind", "said"),
+    [
+        (
+            b"HTTP/1.1 600 Odd\r\ncontent-length: 2\r\n\r\n{}",
+            "malformed",
+            "status 600 is not an HTTP status",
+        ),
+        (
+            b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n",
+            "upgrade",
+            "the upstream switched protocols unasked",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n"
+            + b"%x\r\n%b\r\n0\r\n\r\n" % (len(CODED), CODED),
+            "malformed",
+            TRANSFER_CODING.format(" (transfer-encoding: gzip, chunked)"),
+        ),
+    ],
+    ids=["status-600", "unasked-101", "gzip-chunked"],
+)
+def test_a_broken_response_head_is_told_in_one_wording_on_every_path(
+    upstream: RawUpstream, path: DataPath, response: bytes, kind: str, said: str
+) -> None:
+    """The ASGI relay said "the upstream answered status 600" (and 101) where the wire
+    said the words below, and its httpx transport passed on h11's "RemoteProtocolError:
+    Only Transfer-Encoding: chunked is supported". h11 keeps no coding it refuses, so on
+    httpx the sentence goes without them."""
+    upstream.default = by_target({b"/v1/chat/completions": answer(response)})
+    if path.name == "asgi-httpx" and "transfer-encoding" in said:
+        said = TRANSFER_CODING.format("")
+    with path.proxy(upstream.url) as base:
+        status, message = ask(base)
+        assert status == 502, message
+        assert message == f"upstream: UpstreamProtocolError: {said}"
+        assert until(lambda: counted(base, REQUESTS, error_type="upstream_error") == 1)
+        assert until(lambda: counted(base, ERRORS, kind=kind) == 1)
+
+
+def test_a_websocket_handshakes_connect_timeout_names_the_setting_too(
+    unanswered: str, shared_proxies: SharedProxies
+) -> None:
+    """The tunnel dialled under its own `asyncio.wait_for`, so a handshake whose connect
+    ran out was answered "CancelledError: cancelled before the upstream answered" where an
+    HTTP request on the same wire now names --connect-timeout."""
+    with shared_proxies.take("wire", unanswered, "--connect-timeout", "0.5") as base:
+        host, port = base.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
+            conn.sendall(ws_head())
+            answer = b""
+            while not answer.endswith(b"}") and (got := conn.recv(65536)):
+                answer += got
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 504 "), answer
+        assert b"the connect timed out after 0.5 s (--connect-timeout)" in body, body
