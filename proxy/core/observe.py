@@ -177,6 +177,9 @@ class StreamObserver:
         self.last_token: float | None = None
         self.itl: list[float] = []
         self.content_events = 0
+        # engine outputs that streamed no content (Facts.held): output, no token instant
+        self.held_events = 0
+        self._echoes = request.echo_events  # chat's echo chunks still to come
         self.tokens = 0  # output tokens the events counted exactly (Facts.tokens)
         self.choices: dict[int, _Choice] = {}
         self._zero: _Choice | None = None  # choices[0], for the common event's fast path
@@ -257,7 +260,7 @@ class StreamObserver:
                     facts = template.facts  # the same bytes around a new text: no parse
                 else:
                     facts = event(payload, collect, self.response_id is None)
-                    if self._learn and facts.plain:
+                    if self._learn and facts.plain and not self._echoes:  # (its bytes differ)
                         self._learn = False
                         template = self._template = learn(self.api, payload, facts)
                 if facts is self._fast:  # the common event, inline: one choice, one kind
@@ -329,6 +332,11 @@ class StreamObserver:
             self._keep_reasoning(texts, choice)
 
     def _apply(self, facts: Facts, now: float) -> None:
+        if self._echoes and facts.content is not None:
+            # chat's echo of the prompt's last message, before any generated token: what
+            # else its chunk says (continuous usage, identity) still counts
+            self._echoes -= 1
+            facts = replace(facts, content=None, texts=None, reasoning=None, calls=None)
         if facts.calls is not None:
             tools = self.tools
             for piece in facts.calls:
@@ -368,6 +376,8 @@ class StreamObserver:
                 if template is not None and template.facts is not facts and self._relearns:
                     self._relearns -= 1  # another kind: learn its template once more
                     self._learn = True
+        elif facts.held:
+            self.held_events += 1
         elif facts.malformed:
             self.malformed_events += 1
             return
@@ -618,9 +628,13 @@ class StreamObserver:
         return None
 
     def counts_from_chunks(self) -> TokenCounts:
+        """The engine outputs a stream's events stand for: its content events and those
+        that streamed no content (Facts.held: text held back, an EOS's finish). One event
+        is one engine output, a token where vLLM streams every step (its default
+        --stream-interval 1 and no merged steps), several tokens otherwise: a lower bound."""
         if not self.streaming or not self.api.generative:
             return TokenCounts(None, None, None, TokenSource.NONE)
-        return TokenCounts(None, self.content_events, None, TokenSource.CHUNKS)
+        return TokenCounts(None, self.content_events + self.held_events, None, TokenSource.CHUNKS)
 
     async def finish(
         self,
@@ -877,9 +891,12 @@ class StreamObserver:
         finish comes at that token's step, on a read of its own (vLLM: the EOS is in the
         output token ids, v1/core/sched/utils.py check_stop, and every route counts them;
         llama-server's n_decoded and Ollama's eval_count, runner.go `numPredicted++`
-        before its EOS check, alike). Text counted by a tokenizer or events counted
-        leave that token out, and its read with it: {}. A `length` finish is no token."""
-        if source not in COUNTS_THE_ENDING_TOKEN:
+        before its EOS check, alike). Text counted by a tokenizer leaves that token out,
+        and its read with it: {}; so do content events counted, unless the stream also
+        had events without content (Facts.held: vLLM's EOS chunk is one, and is counted).
+        A `length` finish is no token."""
+        held = source == TokenSource.CHUNKS and self.held_events > 0
+        if source not in COUNTS_THE_ENDING_TOKEN and not held:
             return {}
         # A `length` finish ends no token of its own: it rides on the last one's step
         # (events of its own only where an API splits that step: Messages, Responses).

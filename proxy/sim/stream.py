@@ -6,7 +6,8 @@ the role chunks sent for the first RequestOutput, just before that output's own 
 at the TTFT, just before the first token's chunk; content chunks follow on the pacer's
 schedule; then the finish chunk (an EOS's one pacer slot after the last text: vLLM
 decodes the EOS in a step of its own), the usage chunk if asked for, and `data: [DONE]`.
-Completions have no role chunk.
+Completions have no role chunk. Chat with `echo: true` gives the prompt's last message
+back after the role chunks, one content chunk per choice (`echoed_message`).
 
 The first engine output is whatever the stream says first after the prefill: the first
 token, an empty completion's EOS (the role chunk, then the finish chunk), or a fault's
@@ -43,8 +44,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Any, Protocol
 
+import orjson
+
+from proxy.core.lax import lax_bool
 from proxy.sim import wire
 from proxy.sim.controls import ENDING_FAULTS, Plan, burn_cpu
 from proxy.sim.engine import metrics_json
@@ -73,6 +77,9 @@ async def stream(ex: Exchange, plan: Plan, sse: StreamChunks, pacer: Pacer) -> O
     if plan.kind == "chat" and isinstance(sse, wire.StreamWire):
         role_usage = _every(plan, 0) if usage_every else None
         roles = [sse.role(role_usage, i) for i in choices]
+        echo = echoed_message(ex.record.body)
+        if echo is not None:  # after every role chunk, before any token
+            roles += [sse.echo(echo, role_usage, i) for i in choices]
         if plan.early_role:
             for data in roles:
                 await ex.write(data)
@@ -156,6 +163,26 @@ async def stream(ex: Exchange, plan: Plan, sse: StreamChunks, pacer: Pacer) -> O
     outcome: Outcome = "fault" if record.fault else "completed"
     await ex.end(b"" if plan.no_done else wire.DONE, outcome)
     return outcome
+
+
+def echoed_message(body: Any) -> bytes | None:
+    """The text chat's `echo` streams back, JSON-escaped, or None: the last message's
+    content, when its role is the answer's (`get_chat_request_role`: the last message's own
+    without add_generation_prompt, else "assistant") and it is a non-empty text
+    (chat_completion/serving.py, chat_completion_stream_generator, `if request.echo`)."""
+    if not isinstance(body, dict) or lax_bool(body.get("echo")) is not True:
+        return None
+    messages = body.get("messages")
+    last = messages[-1] if isinstance(messages, list) and messages else None
+    if not isinstance(last, dict):
+        return None
+    content = last.get("content")
+    if not isinstance(content, str) or not content:
+        return None
+    generation_prompt = lax_bool(body.get("add_generation_prompt", True)) is not False
+    if generation_prompt and last.get("role") != "assistant":
+        return None  # vLLM's --response-role, assistant unless set otherwise
+    return orjson.dumps(content)[1:-1]
 
 
 async def paced_content(

@@ -234,6 +234,18 @@ class StreamWire:
             + b',"prompt_token_ids":null,"prompt_text":null}\n\n'
         )
 
+    def echo(self, text: bytes, usage: bytes | None = None, index: int = 0) -> bytes:
+        """Chat's echo of the prompt's last message (`echo: true`), choice `index`'s: a
+        content chunk without `token_ids` (vLLM builds its choice without them,
+        chat_completion/serving.py, `if request.echo`); `text` already escaped."""
+        return (
+            self._head
+            + self._opening(index)
+            + text
+            + b'"},"logprobs":null,"finish_reason":null}]'
+            + _tail(usage, None)
+        )
+
     def content(self, text: bytes, usage: bytes | None = None, index: int = 0) -> bytes:
         """A content chunk; `text` is already escaped for the inside of a JSON string."""
         tail = b"}\n\n" if usage is None else b',"usage":' + usage + b"}\n\n"

@@ -153,10 +153,10 @@ CASES = {
         expected(
             ttft=0.5,
             inter_token_latencies=(0.25, 0.25, 0.25),
-            tpot=0.25,
+            tpot=0.25,  # (101.5, the EOS's finish chunk - 100.5) / (5 chunks - 1)
             decode_tokens_per_second=4.0,
             e2e=1.5,
-            output_tokens=4,
+            output_tokens=5,  # the chunks: 4 with content and the EOS's empty one
             content_events=4,
             finish_reason="stop",
             first_reasoning=0.5,
@@ -166,7 +166,7 @@ CASES = {
             reasoning_tokens=2,  # no usage: one per reasoning event
             reasoning_token_source="events",
             reasoning_tpot=0.25,  # (0.75 - 0.5) / (2 - 1)
-            answer_tpot=0.25,  # (1.25 - 1.0) / (4 output - 2 reasoning - 1)
+            answer_tpot=0.25,  # (1.5, the finish - 1.0) / (5 output - 2 reasoning - 1)
         ),
     ),
     "reasoning_ending_in_the_first_answer_delta": Case(
@@ -177,10 +177,10 @@ CASES = {
         expected(
             ttft=0.5,
             inter_token_latencies=(0.25, 0.25),
-            tpot=0.25,  # (101.0 - 100.5) / (3 content events - 1)
+            tpot=0.25,  # (101.25, the finish - 100.5) / (4 chunks - 1)
             decode_tokens_per_second=4.0,
             e2e=1.25,
-            output_tokens=3,
+            output_tokens=4,  # 3 content events and the EOS's empty finish chunk
             content_events=3,
             finish_reason="stop",
             first_reasoning=0.5,
@@ -190,6 +190,7 @@ CASES = {
             reasoning_tokens=2,
             reasoning_token_source="events",
             reasoning_tpot=0.25,
+            answer_tpot=0.5,  # (101.25, the finish - 100.75) / (4 output - 2 reasoning - 1)
         ),
     ),
     "tool_calls": Case(
@@ -256,10 +257,10 @@ CASES = {
         expected(
             ttft=0.5,
             inter_token_latencies=(0.25,),
-            tpot=0.25,
+            tpot=0.25,  # (101.0, the finish - 100.5) / (3 chunks - 1)
             decode_tokens_per_second=4.0,
             e2e=1.0,
-            output_tokens=2,
+            output_tokens=3,  # "Yes", "." and the EOS's empty finish chunk
             content_events=2,
             finish_reason="stop",
             first_answer=0.5,

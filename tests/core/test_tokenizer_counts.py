@@ -276,7 +276,8 @@ def test_a_tokenizer_that_raises_loses_the_counts_not_the_record(
     body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
     m = _finished(counter.reporting(failed.append), "/v1/chat/completions", body, chunks)
     counter.close()
-    assert (m.token_source, m.output_tokens, m.prompt_tokens) == (TokenSource.CHUNKS, 4, None)
+    # the chunks: 4 with content and the EOS's empty finish chunk
+    assert (m.token_source, m.output_tokens, m.prompt_tokens) == (TokenSource.CHUNKS, 5, None)
     assert (m.ttft, m.tpot) == (0.125, 0.125)
     assert (m.reasoning_tokens, m.reasoning_token_source) == (1, "events")
     assert failed == ["tokenizer", "tokenizer"]  # the counts, then the reasoning's

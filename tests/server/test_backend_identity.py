@@ -125,7 +125,8 @@ def test_an_ollama_is_not_asked_for_completion_usage_so_the_bytes_stay_direct(
     assert "stream_options" not in sent.body  # the request went as the client sent it
     assert hashlib.sha256(got).hexdigest() == sent.body_sha256 and b'"usage"' not in got
     m = proxy.wait_records(1, exact=True)[0]
-    assert m.ok and m.token_source is TokenSource.CHUNKS and m.output_tokens == 6
+    # the chunks: 6 with text and the EOS's finish chunk
+    assert m.ok and m.token_source is TokenSource.CHUNKS and m.output_tokens == 7
 
 
 def test_a_backend_not_known_as_ollama_is_asked_once_then_left_alone(
@@ -150,7 +151,7 @@ def test_a_backend_not_known_as_ollama_is_asked_once_then_left_alone(
     assert hashlib.sha256(second).hexdigest() == sent.body_sha256 and b'"usage"' not in second
     one, two = proxy.wait_records(2, exact=True)
     assert one.token_source is TokenSource.USAGE and two.token_source is TokenSource.CHUNKS
-    assert two.ok and two.output_tokens == 6
+    assert two.ok and two.output_tokens == 7  # the chunks: the EOS's finish chunk too
 
 
 # -- the model list of a backend that comes up after the proxy ----------------------------

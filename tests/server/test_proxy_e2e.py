@@ -99,7 +99,7 @@ def test_without_usage_injection_counts_come_from_chunks(
     assert "stream_options" not in sim.app.state.last().body  # type: ignore[union-attr]
     proxy.wait_records(1)
     assert proxy.records[0].token_source is TokenSource.CHUNKS
-    assert proxy.records[0].output_tokens == 16
+    assert proxy.records[0].output_tokens == 17  # 16 with text and the EOS's finish chunk
 
 
 def test_streamed_response_is_not_buffered(sim: Running, proxy: ProxyUnderTest) -> None:

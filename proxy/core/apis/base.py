@@ -65,6 +65,10 @@ class RequestInfo:
     #: stream has no end marker: llama.cpp's /completion runs a list of prompts one after
     #: another, and a stream cut between two of them has every finish it streamed).
     choices_due: int = 1
+    #: Chat with `echo`: the content events a stream opens with that only give back the
+    #: prompt's last message, one per choice (vLLM streams it as `delta.content` before
+    #: any generated token): no output and no first token; 0 without echo.
+    echo_events: int = 0
     #: The request's chat template options, as vLLM passes them to the template (tools,
     #: add_generation_prompt, continue_final_message, chat_template_kwargs), for a
     #: tokenizer's count of the prompt; None when it has none.
@@ -137,6 +141,12 @@ class Facts:
               extract_reasoning_streaming; Ollama's ChatHandler sets message.thinking and
               message.content from one thinking-parser call, server/routes.go)
 
+    held      an engine output that streamed no content: vLLM sends a chunk for every
+              engine output of a choice, with an empty delta (`"content": ""`, an empty
+              `text`) while it holds the text back (incomplete UTF-8, a pending stop
+              string, a parser's control token) and for the EOS with the finish: counted
+              as output where nothing counts tokens, never a first token
+
     An Api may answer with a shared instance (NOTHING, or a common content event): a
     Facts is read, never changed, by whoever did not create it.
     """
@@ -159,12 +169,14 @@ class Facts:
     calls: tuple[CallPiece, ...] | None = None
     timings: object = None  # llama.cpp's `timings` object as sent (proxy/core/llamacpp.py)
     reasoning: list[str] | None = None
+    held: bool = False
 
 
 #: Shared "nothing here" answer: never mutated, so one instance serves every event.
 NOTHING = Facts()
 MALFORMED = Facts(malformed=True)
 END = Facts(end=True)
+HELD = Facts(held=True)
 
 
 def json_object(payload: bytes) -> dict[str, Any] | None:

@@ -15,11 +15,21 @@ not, and the relay then removes that usage-only chunk (proxy/core/strip.py).
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import orjson
 
-from proxy.core.apis.base import END, MALFORMED, NOTHING, Api, Facts, identity
+from proxy.core.apis.base import (
+    END,
+    HELD,
+    MALFORMED,
+    NOTHING,
+    Api,
+    Facts,
+    RequestInfo,
+    identity,
+)
 from proxy.core.lax import lax_bool, lax_int
 from proxy.core.toolcalls import CallPiece
 
@@ -114,6 +124,7 @@ class OpenAIGeneration(Api):
             # from the b1-0c1e570 build .ci/llama makes): no event, nor a malformed one
             return NOTHING if obj is None else MALFORMED
         kind: str | None = None
+        held = False
         finish: Any = None
         texts: list[str] | None = [] if collect else None
         indices: tuple[int, ...] = _FIRST
@@ -137,6 +148,8 @@ class OpenAIGeneration(Api):
                                 reasoning, more = beside(delta, kind, indices[0])
                                 if more is not None:
                                     calls = more
+                    else:  # no content: the role chunk, or an output vLLM held back
+                        held = self._held(choice)
                     finish = choice.get("finish_reason")
                     if finish is not None:
                         finish_choice = choice.get("index", 0)
@@ -158,13 +171,15 @@ class OpenAIGeneration(Api):
             and calls is None
             and reasoning is None
         ):
-            return NOTHING if kind is None else _CONTENT[kind]
+            if kind is None:
+                return HELD if held else NOTHING
+            return _CONTENT[kind]
         facts = Facts(**identity(obj)) if identify else Facts()
         facts.content, facts.choices, facts.finish = kind, indices, finish
         if finish is not None and type(finish_choice) is int:
             facts.finish_choice = finish_choice
         facts.texts, facts.usage, facts.error = texts or None, usage, error
-        facts.calls, facts.reasoning = calls, reasoning
+        facts.calls, facts.reasoning, facts.held = calls, reasoning, held
         if usage is not None:  # vLLM's per-request metrics ride on the usage chunk only
             facts.engine = obj.get("metrics")
         if usage is not None or finish is not None:
@@ -201,6 +216,11 @@ class OpenAIGeneration(Api):
 
     def _content(self, choice: dict[str, Any], texts: list[str] | None) -> str | None:
         """The kind of content this choice carries (None: none), its text kept in `texts`."""
+        raise NotImplementedError
+
+    def _held(self, choice: dict[str, Any]) -> bool:
+        """A choice without content (`_content` found none) is still an engine output
+        (Facts.held): vLLM skips a choice's step only when it has no delta at all."""
         raise NotImplementedError
 
     def body(self, obj: dict[str, Any], collect: bool) -> Facts:
@@ -272,6 +292,20 @@ class Chat(OpenAIGeneration):
         found = {name: obj[name] for name in _TEMPLATE_OPTIONS if name in obj}
         return found or None
 
+    def read_request(self, obj: dict[str, Any]) -> RequestInfo:
+        """With `echo`, a stream opens (after the role chunks) with the prompt's last
+        message given back as `delta.content`, one chunk per choice, when that message's
+        role is the answer's (`get_chat_request_role`: the last message's own role without
+        add_generation_prompt, else "assistant") and its content is not empty
+        (chat_completion/serving.py, chat_completion_stream_generator, `if request.echo`).
+        Those chunks are no output: `echo_events` says how many to leave out."""
+        info = super().read_request(obj)
+        echo = obj.get("echo")
+        if echo is None or not info.stream or lax_bool(echo) is not True:
+            return info
+        echoes = echo_chunks(obj)
+        return replace(info, echo_events=echoes) if echoes else info
+
     def _content(self, choice: dict[str, Any], texts: list[str] | None) -> str | None:
         delta = choice.get("delta")
         if not delta or type(delta) is not dict:
@@ -279,6 +313,30 @@ class Chat(OpenAIGeneration):
         if texts is None and delta.get("content"):
             return "text"  # the kind; what else the delta holds is for `beside`
         return generated(delta, texts)
+
+    def _held(self, choice: dict[str, Any]) -> bool:
+        """A delta without the role: vLLM streams one for every engine output, empty
+        (`"content": ""`, `"reasoning": ""`, `{}` on a finish) when a token's text is held
+        back or has none (chat_completion/serving.py: a delta's text is `output.text`, ""
+        while the detokenizer holds incomplete UTF-8 or a stop string's prefix; a step is
+        skipped only when its parser gives no delta and it does not finish). The role
+        chunk (`delta: {role, content: ""}`) is no output."""
+        delta = choice.get("delta")
+        return type(delta) is dict and "role" not in delta
+
+
+def echo_chunks(obj: dict[str, Any]) -> int:
+    """How many echo chunks vLLM streams for a chat request with `echo` (Chat.read_request):
+    one per choice, or none."""
+    messages = obj.get("messages")
+    last = messages[-1] if type(messages) is list and messages else None
+    if type(last) is not dict or not last.get("content"):
+        return 0
+    generation_prompt = lax_bool(obj.get("add_generation_prompt", True)) is not False
+    if generation_prompt and last.get("role") != "assistant":
+        return 0  # vLLM's --response-role, assistant unless set otherwise
+    n = lax_int(obj.get("n"))
+    return n if n is not None and n > 0 else 1
 
 
 def generated(message: dict[str, Any], texts: list[str] | None) -> str | None:

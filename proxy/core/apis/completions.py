@@ -77,6 +77,12 @@ class Completions(OpenAIGeneration):
             add_texts(texts, text)
         return "text"
 
+    def _held(self, choice: dict[str, Any]) -> bool:
+        """An empty `text`: vLLM streams one for every engine output whose text it holds
+        back or that has none (completion/serving.py: `delta_text = output.text`, and a
+        step is skipped only when it has no text, no token and no previous token)."""
+        return type(choice.get("text")) is str
+
 
 def batch_of_prompts(prompt: Any) -> bool:
     """More than one prompt: a list of texts or of token-id lists (a list of token ids is
