@@ -239,6 +239,11 @@ _ROUTES = (
     "/get_world_size",
 )
 _ROUTE_SET = frozenset(_ROUTES)
+#: Actions on one item of a route, each a label of its own (`<route>/{id}/<action>`), not
+#: its item's `<route>/{id}`: vLLM 0.32's `POST /v1/responses/{response_id}/cancel`
+#: (entrypoints/openai/responses/api_router.py) stops a background response, which a
+#: retrieval's GET of `/v1/responses/{response_id}` does not.
+_ITEM_ACTIONS = {"/v1/responses": frozenset({"cancel"})}
 _MODEL_ROUTE = re.compile(r"^/v1/models/.+$")  # ids may hold a slash (org/name)
 #: The labels for paths that match no known route.
 OTHER_V1 = "/v1/other"
@@ -254,5 +259,8 @@ def route_template(path: str) -> str:
         return "/v1/models/{model}"
     for route in _ROUTES:
         if path.startswith(route + "/"):
+            action = path[len(route) + 1 :].partition("/")[2]
+            if action in _ITEM_ACTIONS.get(route, ()):
+                return f"{route}/{{id}}/{action}"
             return route + "/{id}"
     return OTHER_V1 if path.startswith("/v1/") else OTHER_ROUTE

@@ -665,6 +665,22 @@ class StreamObserver:
                 ttfb=None if self.first_byte is None else self.first_byte - self.start,
                 trace_id=trace_id,
             )
+        if error_type is ErrorType.CLIENT_CANCELLED and self.request.detached and self.streaming:
+            # A background Response generates on without its reader (vLLM runs it in a
+            # task of its own, responses/serving.py:537-589): its client left only its copy
+            # of the stream, which a GET reads again, with a record of its own and the
+            # usage (apis/responses_resume.py). So no error, no finish yet, and no tokens
+            # here (they would be counted twice), as for the acknowledgement not streamed.
+            self.finish_reason = self.finish_reason or "in_progress"
+            return self.measurement(
+                end=end,
+                started_at=started_at,
+                status_code=status_code,
+                counts=TokenCounts(None, None, None, TokenSource.NONE),
+                error_type=None,
+                error_message=None,
+                trace_id=trace_id,
+            )
         if error_type is None:
             error_type, error_message = self.outcome()
             if error_message is not None and redact is not None:
@@ -850,6 +866,8 @@ class StreamObserver:
         if error is not None:
             return "error"
         raw = self.finish_reason
+        if raw is not None and self.api.finish_label(raw) == NONE_LABEL:
+            return None  # not finished yet (a background Response read on elsewhere)
         return "length" if raw is not None and self.api.finish_label(raw) == "length" else "stop"
 
     def _finish_labels(self) -> tuple[str, ...]:

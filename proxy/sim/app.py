@@ -44,15 +44,19 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
+from urllib.parse import parse_qsl
 
 import orjson
 from starlette.types import Receive, Scope, Send
 
+from proxy.core.lax import lax_bool
 from proxy.sim import (
     audio,
+    background,
     batch_chat,
     catalog,
     errors,
+    label_reads,
     llamacpp,
     llamacpp_native,
     ollama,
@@ -116,6 +120,7 @@ class SimApp:
             else None
         )
         self.loaded_models: set[str] = set()  # Ollama: models loaded by an earlier request
+        self.background = background.BackgroundStore()  # background Responses' events
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -167,6 +172,10 @@ class SimApp:
                 body, bad_body = _parse_form(raw, headers.get("content-type", ""))
             else:
                 body, bad_body = read_json(raw)
+            if not raw and record.method == "GET" and scope["query_string"]:
+                # a GET's arguments are its query (vLLM's retrieval of a Response takes
+                # `stream` and `starting_after` as query parameters)
+                body = dict(parse_qsl(scope["query_string"].decode("latin-1")))
             record.body = body
             outcome = await ex.guard(lambda: self._route(ex, bad_body, t0))
         finally:
@@ -184,7 +193,7 @@ class SimApp:
         ):
             await ex.error(errors.unauthorized())
             return "error"
-        route = _ROUTES.get(record.path)
+        route = _ROUTES.get(record.path) or _item_route(record.path)
         if route is None:
             await ex.error(errors.route_not_found())
             return "error"
@@ -440,6 +449,71 @@ class SimApp:
         # vLLM builds no per-request metrics for a batch, even of one (batch_serving.py)
         return await self._generate("chat", ex, chat, t0, metrics=False)
 
+    async def _label_reads(self, ex: Exchange, body: Any, t0: float) -> Outcome:
+        """/generative_scoring and /v1/systemone: one-token reads, one body after the
+        prefill latency (proxy/sim/label_reads.py)."""
+        record = ex.record
+        scoring = record.path == "/generative_scoring"
+        try:
+            if not isinstance(body, dict):
+                raise pooling.PoolingInputError("The request body must be a JSON object.")
+            reads = (label_reads.scoring_reads if scoring else label_reads.decision_reads)(body)
+        except pooling.PoolingInputError as exc:
+            await ex.error(errors.bad_request(str(exc)))
+            return "error"
+        model = str(body.get("model") or self.config.models[0])
+        record.model, record.prompt_tokens = model, label_reads.prompt_tokens(reads)
+        if model not in self.config.models:
+            await ex.error(errors.model_not_found(model))
+            return "error"
+        ttft = number(record.headers, "x-sim-ttft", float, self.config.ttft, 0.0)
+        delay = t0 + ttft - asyncio.get_running_loop().time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        reply = label_reads.scoring_reply if scoring else label_reads.decision_reply
+        record.first_token_at = time.monotonic()
+        await ex.reply(200, reply(record.id, model, reads))
+        return "completed"
+
+    async def _responses(self, ex: Exchange, body: Any, t0: float) -> Outcome:
+        """/v1/responses; a background stream generates in a task of its own and the POST
+        reads its stored events, so a client that leaves stops only its reading
+        (proxy/sim/background.py)."""
+        if not (
+            isinstance(body, dict)
+            and lax_bool(body.get("background")) is True
+            and lax_bool(body.get("stream")) is True
+        ):
+            return await self._generate("responses", ex, body, t0)
+        stored = self.background.open(ex.record.id)
+        writer = background.StoreExchange(ex.record, self.state, stored)
+        stored.task = asyncio.create_task(
+            background.generate(stored, self._generate("responses", writer, body, t0))
+        )
+        return await background.relay(ex, stored, None)
+
+    async def _retrieve_response(self, ex: Exchange, body: Any, t0: float) -> Outcome:
+        """GET /v1/responses/{id}: a background stream's stored events from
+        `starting_after + 1` with `stream`, else its latest response object."""
+        response_id = ex.record.path.rpartition("/")[2]
+        query = body if isinstance(body, dict) else {}
+        try:
+            stream = background.query_bool(query.get("stream"))
+            after = query.get("starting_after")
+            starting_after = None if after is None else int(after)
+        except ValueError:
+            await ex.error(errors.bad_request("stream must be a bool, starting_after an int"))
+            return "error"
+        stored = self.background.get(response_id)
+        if stored is None:
+            await ex.error(background.not_found(response_id))
+            return "error"
+        ex.record.stream = bool(stream)
+        if stream:
+            return await background.relay(ex, stored, starting_after)
+        await ex.reply(200, orjson.dumps(background.latest_response(stored)))
+        return "completed"
+
     async def _invocations(self, ex: Exchange, body: Any, t0: float) -> Outcome:
         target = utility.invocation_route(body)
         if target is None:
@@ -646,7 +720,7 @@ _ROUTES: dict[str, tuple[frozenset[str], Handler]] = {
     "/v1/completions": (_POST, _generation("completion")),
     "/v1/messages": (_POST, _generation("messages")),
     "/v1/messages/count_tokens": (_POST, SimApp._count_tokens),
-    "/v1/responses": (_POST, _generation("responses")),
+    "/v1/responses": (_POST, SimApp._responses),
     "/v1/embeddings": (_POST, SimApp._embeddings),
     "/inference/v1/generate": (_POST, _generation("generate")),
     "/v1/audio/transcriptions": (_POST, _generation("transcription")),
@@ -672,6 +746,8 @@ _ROUTES: dict[str, tuple[frozenset[str], Handler]] = {
     "/props": (_GET, SimApp._props),
     "/load": (_GET, SimApp._load),
     "/invocations": (_POST, SimApp._invocations),
+    "/generative_scoring": (_POST, SimApp._label_reads),
+    "/v1/systemone": (_POST, SimApp._label_reads),
     "/api/chat": (_POST, _generation("ollama-chat")),
     "/api/generate": (_POST, _generation("ollama-generate")),
     "/api/embed": (_POST, SimApp._ollama_embed),
@@ -679,6 +755,16 @@ _ROUTES: dict[str, tuple[frozenset[str], Handler]] = {
     "/completion": (_POST, SimApp._llamacpp_completion),
     "/completions": (_POST, SimApp._llamacpp_completion),
 }
+
+
+def _item_route(path: str) -> tuple[frozenset[str], Handler] | None:
+    """The route of one stored Response, `/v1/responses/{response_id}` (vLLM's
+    responses/api_router.py retrieve_responses), or None."""
+    parent, _, item = path.rpartition("/")
+    if parent == "/v1/responses" and item:
+        return _GET, SimApp._retrieve_response
+    return None
+
 
 # vLLM's id prefixes; its Anthropic layer reuses the chat completion's id.
 _ID_PREFIX = {

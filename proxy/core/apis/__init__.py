@@ -1,7 +1,8 @@
 """The per-API seams and their registry: adding an API is one module and one line here.
 
 `api_for(path)` answers for a normalised request path (no query); the relay measures a
-POST whose path has an Api and forwards everything else unmeasured. `ENDPOINTS` is the
+POST whose path has an Api, and a GET that `api_for_get` measures (a background Response's
+stream read again), and forwards everything else unmeasured. `ENDPOINTS` is the
 closed set of `endpoint` label values (each Api's canonical path).
 """
 
@@ -22,11 +23,13 @@ from proxy.core.apis.cohere import CohereChat
 from proxy.core.apis.completions import Completions
 from proxy.core.apis.generate import Generate
 from proxy.core.apis.invocations import Invocations
+from proxy.core.apis.label_reads import GenerativeScoring, StructuredDecisions
 from proxy.core.apis.llamacpp import LlamaCompletion
 from proxy.core.apis.messages import Messages
 from proxy.core.apis.ollama import OllamaChat, OllamaEmbed, OllamaGenerate
 from proxy.core.apis.pooling import Classify, CohereEmbed, Embeddings, Pooling, Rerank, Score
 from proxy.core.apis.responses import Responses
+from proxy.core.apis.responses_resume import ResponsesResume, resumed
 
 #: Every measured API, one line each.
 APIS: tuple[Api, ...] = (
@@ -50,9 +53,13 @@ APIS: tuple[Api, ...] = (
     LlamaCompletion(),
     BatchChat(),
     Invocations(),
+    GenerativeScoring(),
+    StructuredDecisions(),
+    ResponsesResume(),
 )
 
-_BY_PATH = {path: api for api in APIS for path in api.paths}
+#: A POST's path; a route of items (`{id}`) is matched by its own test (`api_for_get`).
+_BY_PATH = {path: api for api in APIS for path in api.paths if "{" not in path}
 _BY_ENDPOINT = {api.endpoint: api for api in APIS}
 #: The closed set of `endpoint` label values.
 ENDPOINTS = frozenset(_BY_ENDPOINT)
@@ -61,6 +68,12 @@ ENDPOINTS = frozenset(_BY_ENDPOINT)
 def api_for(path: str) -> Api | None:
     """The Api serving this normalised path, or None (forwarded unmeasured)."""
     return _BY_PATH.get(path)
+
+
+def api_for_get(path: str, query: str) -> Api | None:
+    """The Api measuring a GET of this normalised path and its query, or None: only a
+    stored Response's stream read again (`GET /v1/responses/{id}?stream=true`)."""
+    return _BY_ENDPOINT[ResponsesResume.endpoint] if resumed(path, query) else None
 
 
 def api_under(path: str) -> Api | None:
@@ -89,6 +102,7 @@ __all__ = [
     "RequestInfo",
     "TokenCounts",
     "api_for",
+    "api_for_get",
     "api_of",
     "api_under",
 ]

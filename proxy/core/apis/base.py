@@ -84,6 +84,10 @@ class RequestInfo:
     #: message (what a tokenizer counts and the fingerprint hashes); the span has them as
     #: gen_ai.system_instructions instead.
     system: Any = None
+    #: The backend generates on when the client leaves: a background Response's stream
+    #: (vLLM runs it in a task of its own, openai/responses/serving.py:537-589), which its
+    #: client may read again (proxy/core/apis/responses_resume.py).
+    detached: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ event carries code and message.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from proxy.core.apis.base import (
@@ -33,6 +34,7 @@ from proxy.core.apis.base import (
 )
 from proxy.core.apis.chat import keep
 from proxy.core.chat_prompt import responses_template
+from proxy.core.lax import lax_bool
 from proxy.core.measurement import NONE_LABEL, TokenSource
 from proxy.core.toolcalls import CallPiece
 
@@ -111,7 +113,7 @@ class Responses(Api):
         # instructions apart from the input.
         previous, text = obj.get("previous_response_id"), obj.get("text")
         instructions = obj.get("instructions")
-        return request_info(
+        info = request_info(
             self,
             obj,
             sampling_options(
@@ -120,6 +122,9 @@ class Responses(Api):
             instructions if instructions and isinstance(instructions, str) else None,
             previous if isinstance(previous, str) else None,
         )
+        if info.stream and lax_bool(obj.get("background")) is True:
+            return replace(info, detached=True)
+        return info
 
     def bench_body(
         self, model: str, prompt: Any, max_tokens: int, ignore_eos: bool
