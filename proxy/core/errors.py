@@ -202,22 +202,116 @@ def classify_response(status: int, body: bytes) -> ErrorType | None:
     return ErrorType.BAD_REQUEST if status < 500 else ErrorType.UPSTREAM_ERROR
 
 
+#: The kinds an error is the client's own doing in: an error event inside a stream that
+#: says one of these is recorded as it, as the same words in a 4xx are. Any other (a
+#: server fault: vLLM's 500 InternalServerError or 503 ServiceUnavailableError, an engine
+#: that died, Anthropic's overloaded_error) is stream_error: a failure of the stream.
+_CLIENTS_OWN = frozenset(
+    {
+        ErrorType.AUTH,
+        ErrorType.CONTEXT_LENGTH,
+        ErrorType.RATE_LIMIT,
+        ErrorType.BAD_REQUEST,
+        ErrorType.NOT_FOUND,
+    }
+)
+
+#: An error event's `type` that says the status the event stands in for, where no `code`
+#: carries it: vLLM's (serve/exception_handling/error_response.py create_error_response,
+#: which also puts the status in `code`), OpenAI's and Anthropic's generic ones (Anthropic's
+#: stream `error` events carry no status: docs.claude.com/en/api/errors), llama.cpp's.
+_STATUS_BY_TYPE: dict[str, int] = {
+    "BadRequestError": 400,  # vLLM: a VLLMValidationError, a bad grammar or schema
+    "invalid_request_error": 400,  # OpenAI, Anthropic, llama.cpp
+    "UnprocessableEntityError": 422,  # vLLM
+    "NotFoundError": 404,  # vLLM
+    "InternalServerError": 500,  # vLLM: a GenerationError, an engine that died
+    "ServiceUnavailableError": 503,  # vLLM: a RetryableRequestError
+    "internal_error": 500,  # vLLM's Messages layer, whatever failed (anthropic/serving.py)
+    "api_error": 500,  # Anthropic
+    "server_error": 500,  # llama.cpp, OpenAI
+}
+
+#: OpenAI Responses' `error.code` of a `response.failed` (openai-python
+#: src/openai/types/responses/response_error.py ResponseError.code): all but server_error,
+#: rate_limit_exceeded (in _CODES) and vector_store_timeout are about the request's input.
+_RESPONSES_CLIENT_CODES = frozenset(
+    {
+        "invalid_prompt",
+        "data_residency_mismatch",
+        "bio_policy",
+        "misalignment_policy_violation",
+        "invalid_image",
+        "invalid_image_format",
+        "invalid_base64_image",
+        "invalid_image_url",
+        "image_too_large",
+        "image_too_small",
+        "image_parse_error",
+        "image_content_policy_violation",
+        "invalid_image_mode",
+        "image_file_too_large",
+        "unsupported_image_media_type",
+        "empty_image_file",
+        "failed_to_download_image",
+        "image_file_not_found",
+    }
+)
+
+
+#: The words of vLLM's server failures, which decide over an event's code: before vLLM
+#: classified in-stream errors by their exception (serve/exception_handling/
+#: error_response.py), its streams passed str(e) to create_streaming_error_response,
+#: whose defaults are "BadRequestError" and 400, for a dead engine too. The sentences are
+#: EngineDeadError's (vllm/v1/engine/exceptions.py ENGINE_DEAD_MESSAGE) and the defaults
+#: of GenerationError and RetryableRequestError (vllm/exceptions.py).
+_SERVER_FAILURE = re.compile(
+    r"enginecore encountered an issue|^internal server error$|^request failed; please retry$"
+)
+
+
+def _event_status(error: dict[object, object]) -> int:
+    """The HTTP status an in-stream error object stands in for: its `code` where that is
+    a status (vLLM and llama.cpp put the int there, the same `code` as in their 4xx and
+    5xx bodies), else what its `type` or a Responses code says; 500 when nothing does."""
+    code, kind = error.get("code"), error.get("type")
+    if type(code) is str and code.isdecimal():
+        code = int(code)
+    if type(code) is int and 400 <= code < 600:
+        return code
+    if type(code) is str and code in _RESPONSES_CLIENT_CODES:
+        return 400
+    if type(kind) is str and kind in _STATUS_BY_TYPE:
+        return _STATUS_BY_TYPE[kind]
+    return 500
+
+
 def classify_stream_end(
     stream_error: object, ended: bool, end_marker: str
 ) -> tuple[ErrorType | None, str | None]:
     """A streamed success that reached the end of its body: an error event inside it
-    (vLLM's `data: {"error": ...}` after the 200) is stream_error; a body that stopped
-    before the API's end (`ended` false: no `end_marker`, nor a finish reason where that
-    ends the stream) is stream_truncated. Returns (error type, message), (None, None) if fine.
-    An error event that says the prompt is over the context is context_length, as the same
-    words in a 400 are: vLLM's token-in generate stream refuses a long prompt that way
-    (scale_out/token_in_token_out/serving.py), and it is the client's to fix either way."""
+    (vLLM's `data: {"error": ...}` after the 200, Messages' `event: error`, Responses'
+    `error` and `response.failed`, Cohere's `message-end` with an error) is read as the
+    same error answered with a status would be (`_event_status`, then `classify_response`):
+    the client's own doing (a bad grammar or schema, a 404, a prompt over the context, a
+    rate limit) is that kind, as it is when not streamed: vLLM 0.32 checks a request's
+    structured output only once its stream has begun, and answers a bad one with a 400
+    inside it (generate/base/serving.py create_streaming_error_response), and its
+    token-in generate stream refuses a long prompt so (scale_out/token_in_token_out/
+    serving.py). Any other is stream_error, a server's failure inside the stream. A body
+    that stopped before the API's end (`ended` false: no `end_marker`, nor a finish reason
+    where that ends the stream) is stream_truncated. Returns (error type, message),
+    (None, None) if fine; the record's `stream` says the error came inside a stream."""
     if stream_error is not None:
         wrapped = stream_error if isinstance(stream_error, dict) else {"error": stream_error}
+        inner = wrapped.get("error")
+        error = inner if isinstance(inner, dict) else wrapped
         body = orjson.dumps(wrapped)
-        if classify_response(400, body) is ErrorType.CONTEXT_LENGTH:
-            return ErrorType.CONTEXT_LENGTH, error_message(body)
-        return ErrorType.STREAM_ERROR, error_message(body)
+        message = error_message(body)
+        kind = classify_response(_event_status(error), body)
+        if kind not in _CLIENTS_OWN or _SERVER_FAILURE.search(message.lower()):
+            kind = ErrorType.STREAM_ERROR
+        return kind, message
     if not ended:
         return ErrorType.STREAM_TRUNCATED, f"stream ended without {end_marker}"
     return None, None
@@ -332,6 +426,10 @@ UPSTREAM_FAULTS: dict[str, str] = {
     "not_a_status": "status {status} is not an HTTP status",
     # a 101 the proxy never asked for (WebSockets are the tunnel's)
     "unasked_switch": "the upstream switched protocols unasked",
+    # a clean close (a FIN) that cut the response short; `where` says where: "before
+    # answering", "before the end of the response head", "... body" (the wire's
+    # _closed_early, the aiohttp transport's payload errors)
+    "closed_early": "the upstream closed the connection {where}",
     # proxy.server.protocol.refused_transfer_encoding's words; `said` is
     # " (transfer-encoding: gzip, chunked)", empty where h11 refused it unsaid
     "transfer_coding": "a transfer coding other than chunked{said}: only chunked is taken",
@@ -432,7 +530,11 @@ def describe(exc: BaseException) -> str:
     failed = next((e for e in causes if isinstance(e, ConnectFailed)), None)
     where = f" to {failed.where}" if failed is not None and failed.where else ""
     name = type(root).__name__
-    text = " ".join(str(root).split())  # one line: aiohttp's payload errors hold newlines
+    said = getattr(root, "message", root) if _HTTP_PROCESSING in type_names(type(root)) else root
+    # One line: aiohttp's parser errors hold newlines. Their own words only: str() puts
+    # aiohttp's internal code before them ("400, message: Not enough data to satisfy
+    # content length header."), a status no HTTP peer sent.
+    text = " ".join(str(said).split())
     if isinstance(root, ConnectionError) and root.errno and root.strerror is not None:
         # A refused or reset connection in the system's words for its errno, as uvloop
         # and httpcore give them: asyncio's are "Connect call failed ('10.0.0.5', 8000)"
@@ -453,12 +555,17 @@ PHRASES: tuple[tuple[str, str], ...] = (
     ("httpx.RemoteProtocolError", "the upstream broke the HTTP protocol"),
 )
 
+#: aiohttp's parser errors (aiohttp.http_exceptions: ContentLengthError and
+#: TransferEncodingError for a body cut short, BadHttpMessage, ...): `message` holds their
+#: words, which str() puts after the code aiohttp gives them all ("400, message:").
+_HTTP_PROCESSING = "aiohttp.HttpProcessingError"
+
 #: Every foreign name above, for the test that keeps them real.
 FOREIGN_NAMES = (
     _FOREIGN_TIMEOUTS
     | _FOREIGN_CONNECTS
     | _FOREIGN_CONNECT_TIMEOUTS
-    | {_HTTPX_ERROR}
+    | {_HTTPX_ERROR, _HTTP_PROCESSING}
     | {name for name, _ in PHRASES}
 )
 

@@ -69,7 +69,8 @@ class ErrorType(enum.StrEnum):
     UPSTREAM_UNREACHABLE = "upstream_unreachable"  # connect failed (not for want of the
     # proxy's own files or ports: that is UPSTREAM_ERROR, proxy/core/errors.py)
     UPSTREAM_TIMEOUT = "upstream_timeout"  # connect, first byte or idle gap timed out
-    STREAM_ERROR = "stream_error"  # an `error` object or event inside a 200 stream
+    STREAM_ERROR = "stream_error"  # a server's failure reported inside a 200 stream (a
+    # client's error reported there is its own kind: errors.classify_stream_end)
     STREAM_TRUNCATED = "stream_truncated"  # stream ended without its API's end ([DONE] or a
     # finish_reason, message_stop, response.completed/incomplete)
     CLIENT_CANCELLED = "client_cancelled"  # the client went away first

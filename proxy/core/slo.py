@@ -166,9 +166,10 @@ _AWAITED = frozenset({"ttft", "ttfa"})
 
 
 def _failed(error: str, status: object) -> str:
-    """REFUSED for a 4xx the client caused, or a prompt over the context however it was
-    said (vLLM's generate stream says it in an error event after a 200), else ERROR."""
-    client_side = isinstance(status, int) and 400 <= status < 500
+    """REFUSED for a 4xx the client caused, or a 200 whose stream said the client caused
+    it (errors.classify_stream_end: vLLM checks a grammar or a schema only once its stream
+    began), or a prompt over the context however it was said, else ERROR."""
+    client_side = isinstance(status, int) and (200 <= status < 300 or 400 <= status < 500)
     if error == ErrorType.CONTEXT_LENGTH or (client_side and error in REFUSALS):
         return REFUSED
     return ERROR

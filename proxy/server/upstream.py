@@ -56,7 +56,7 @@ from proxy.core.errors import (
 )
 from proxy.core.measurement import ErrorType
 from proxy.server.dial import httpx_default_tls, name_the_socket, upstream_tls, where
-from proxy.server.upstream_errors import ClosedUnanswered, UpstreamProtocolError
+from proxy.server.upstream_errors import ClosedUnanswered, UpstreamClosed, UpstreamProtocolError
 from proxy.settings import Settings
 
 KEEPALIVE_SECONDS = 4.0
@@ -194,6 +194,11 @@ _H11_FAULTS = {
     ),
     "Only Transfer-Encoding: chunked is supported": fault_words("transfer_coding", said=""),
 }
+
+
+#: httpcore's words for a body a clean close cut short (h11's `ConnectionClosed` before
+#: the body's end, httpcore/_async/http11.py).
+_H11_CUT = "peer closed connection without sending complete message body"
 
 
 class _GuardedPool(httpcore.AsyncConnectionPool):
@@ -458,6 +463,12 @@ def body_reader(response: httpx.Response) -> Callable[[], Awaitable[bytes]]:
     chunks = response.aiter_raw()
 
     async def read() -> bytes:
-        return await anext(chunks, b"")
+        try:
+            return await anext(chunks, b"")
+        except httpx.RemoteProtocolError as exc:
+            if str(exc).startswith(_H11_CUT):  # told as the other paths tell it
+                where = "before the end of the response body"
+                raise UpstreamClosed(fault_words("closed_early", where=where)) from exc
+            raise
 
     return read

@@ -21,13 +21,18 @@ import httpx
 import yarl
 from aiohttp.client_proto import ResponseHandler
 from aiohttp.helpers import _EXC_SENTINEL
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.http_exceptions import ContentLengthError, HttpProcessingError, TransferEncodingError
 from httpx_aiohttp.transport import AiohttpResponseStream, AiohttpTransport
 from multidict import CIMultiDict
 
+from proxy.core.errors import fault_words
 from proxy.server.dial import httpx_default_tls
 from proxy.server.protocol import MAX_RESPONSE_HEAD
-from proxy.server.upstream_errors import ClosedUnanswered
+from proxy.server.upstream_errors import (
+    ClosedUnanswered,
+    UpstreamClosed,
+    UpstreamProtocolError,
+)
 
 #: The most upstream response header lines taken: as many as fit in MAX_RESPONSE_HEAD,
 #: which the relay checks once the head is parsed (forward.py), as the wire bounds a head
@@ -146,8 +151,12 @@ class _GuardedHandler(ResponseHandler):
         if exc is not None and self._to_close and payload is not None and not payload.is_eof():
             # aiohttp ends a body read to the close at any close; only a clean one ends it
             # (RFC 9112 §6.3, item 8), a reset cuts it short (§8), as the wire reads it.
-            payload.set_exception(aiohttp.ClientPayloadError(f"response body cut short: {exc!r}"))
+            cut = aiohttp.ClientPayloadError(f"response body cut short: {exc!r}")
+            cut.__cause__ = exc  # the reset in the system's words, as the wire tells it
+            payload.set_exception(cut)
         super().connection_lost(exc)
+        if payload is not None:
+            _name_the_cut(payload.exception(), exc)
 
     def pooled(self) -> None:
         """The connector put this connection in its pool (from inside the read that ended
@@ -208,7 +217,37 @@ class _GuardedHandler(ResponseHandler):
         payload = self._payload
         super().set_exception(exc, exc_cause)
         if payload is not None and payload.exception() is None and not payload.is_eof():
-            payload.set_exception(aiohttp.ClientPayloadError(f"malformed response body: {exc}"))
+            broken = aiohttp.ClientPayloadError(f"malformed response body: {exc!r}")
+            if isinstance(exc, HttpProcessingError):
+                broken.__cause__ = _malformed(exc)
+            payload.set_exception(broken)
+
+
+def _malformed(exc: HttpProcessingError) -> UpstreamProtocolError:
+    """A body the parser refused, in the wire's words ("malformed response: Invalid
+    character in chunk size", proxy/server/wire/upstream.py): llhttp's reason, the first
+    line of aiohttp's message (its C parser adds the bytes and a caret below,
+    _http_parser.pyx parser_error_from_errno); never str(exc), which opens with
+    aiohttp's internal code, "400, message:", no status any peer sent."""
+    reason = exc.message.partition(":\n")[0].strip() or type(exc).__name__
+    return UpstreamProtocolError("malformed", f"malformed response: {reason}")
+
+
+def _name_the_cut(error: BaseException | None, lost: BaseException | None) -> None:
+    """A body cut short by the connection's end, told as the wire tells it: a clean close
+    as UpstreamClosed in UPSTREAM_FAULTS' words, a reset as the system's reset error.
+    aiohttp gives its payload error the parser's ContentLengthError or
+    TransferEncodingError as the cause ("400, message: Not enough data to satisfy
+    transfer length header.", the reset only in the outer error's text), for either end;
+    the cause is replaced here, on the very exception a waiting reader is about to get,
+    since no reader has run yet (aiohttp's `connection_lost` wakes them with call_soon)."""
+    if isinstance(error, aiohttp.ClientPayloadError) and isinstance(
+        error.__cause__, (ContentLengthError, TransferEncodingError)
+    ):
+        closed = UpstreamClosed(
+            fault_words("closed_early", where="before the end of the response body")
+        )
+        error.__cause__ = lost if lost is not None else closed
 
 
 class _TellsPooled(aiohttp.BaseConnector):

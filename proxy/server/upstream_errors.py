@@ -18,14 +18,15 @@ class UpstreamProtocolError(Told):
         self.kind = kind
 
 
-class UpstreamClosed(ConnectionError):
+class UpstreamClosed(Told, ConnectionError):
     """The upstream closed the connection cleanly (a FIN, no reset) before the response
     ended. The wire raises it, "the upstream closed the connection before ..."; the ASGI
     relay's transports say the same in their own words (httpx's RemoteProtocolError "peer
     closed connection without sending complete message body", aiohttp's
     ContentLengthError). A reset is the system's ConnectionResetError ("Connection reset by
     peer") on every path. A ConnectionError, like a reset, so proxy/core/errors.py gives
-    both the same error kind: only the words tell them apart."""
+    both the same error kind: only the words tell them apart. Told: every path says it in
+    UPSTREAM_FAULTS' words (`closed_early`), over the transport's own beneath."""
 
 
 class ClosedUnanswered(Exception):

@@ -35,6 +35,7 @@ from proxy.core.errors import (
     Failure,
     classify_exception,
     classify_response,
+    classify_stream_end,
     describe,
     error_body,
     error_message,
@@ -306,6 +307,134 @@ def test_classification_never_raises_on_any_json_shape(status: int, tree: object
     assert isinstance(error_message(reply), str)
 
 
+# -- errors inside a stream -----------------------------------------------------------------
+
+#: vLLM 0.32's in-stream errors as its chat and completions streams send them (the
+#: object under "error", which the chat Api hands on): create_error_response in
+#: vllm/entrypoints/serve/exception_handling/error_response.py, through
+#: generate/base/serving.py create_streaming_error_response.
+_VLLM_400 = {
+    "message": "Grammar error: Pointer '/nowhere' does not exist",
+    "type": "BadRequestError",
+    "param": None,
+    "code": 400,
+}
+
+
+@pytest.mark.parametrize(
+    ("error", "want"),
+    [
+        # vLLM: a client's bad grammar, regex or schema (captured from vLLM 0.32)
+        (_VLLM_400, ErrorType.BAD_REQUEST),
+        # vLLM: a VLLMNotFoundError (a LoRA adapter gone), a VLLMUnprocessableEntityError
+        ({**_VLLM_400, "type": "NotFoundError", "code": 404}, ErrorType.NOT_FOUND),
+        ({**_VLLM_400, "type": "UnprocessableEntityError", "code": 422}, ErrorType.BAD_REQUEST),
+        # vLLM: a length check's VLLMValidationError, by its param or its words
+        ({**_VLLM_400, "param": "input_tokens"}, ErrorType.CONTEXT_LENGTH),
+        (
+            {**_VLLM_400, "message": "This model's maximum context length is 256 tokens."},
+            ErrorType.CONTEXT_LENGTH,
+        ),
+        # vLLM: a GenerationError, a dead engine (EngineDeadError's words), a retryable one
+        (
+            {"message": "Internal server error", "type": "InternalServerError", "code": 500},
+            ErrorType.STREAM_ERROR,
+        ),
+        (
+            {
+                "message": "EngineCore encountered an issue. See stack trace (above) for the "
+                "root cause.",
+                "type": "InternalServerError",
+                "param": None,
+                "code": 500,
+            },
+            ErrorType.STREAM_ERROR,
+        ),
+        (
+            {**_VLLM_400, "type": "ServiceUnavailableError", "code": 503},
+            ErrorType.STREAM_ERROR,
+        ),
+        # vLLM before its errors were classified by exception: every in-stream error a
+        # 400 BadRequestError, a dead engine's too (tests/fixtures/streams/vllm_stream_error.sse)
+        (
+            {
+                "object": "error",
+                "message": "EngineCore encountered an issue. See stack trace (above) for the "
+                "root cause.",
+                "type": "BadRequestError",
+                "param": None,
+                "code": 400,
+            },
+            ErrorType.STREAM_ERROR,
+        ),
+        ({**_VLLM_400, "message": "Internal server error"}, ErrorType.STREAM_ERROR),
+        # a code as a string of digits, as some servers write it
+        ({**_VLLM_400, "code": "400"}, ErrorType.BAD_REQUEST),
+        # llama.cpp's error objects (tools/server format_error_response)
+        (
+            {"code": 400, "message": "bad input", "type": "invalid_request_error"},
+            ErrorType.BAD_REQUEST,
+        ),
+        (
+            {"code": 400, "message": "too long", "type": "exceed_context_size_error"},
+            ErrorType.CONTEXT_LENGTH,
+        ),
+        ({"code": 500, "message": "oops", "type": "server_error"}, ErrorType.STREAM_ERROR),
+        # Messages: vLLM's only type (anthropic/serving.py), Anthropic's own
+        (
+            {"type": "error", "error": {"type": "internal_error", "message": "boom"}},
+            ErrorType.STREAM_ERROR,
+        ),
+        (
+            {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}},
+            ErrorType.STREAM_ERROR,
+        ),
+        (
+            {"type": "error", "error": {"type": "rate_limit_error", "message": "slow down"}},
+            ErrorType.RATE_LIMIT,
+        ),
+        (
+            {"type": "error", "error": {"type": "invalid_request_error", "message": "bad"}},
+            ErrorType.BAD_REQUEST,
+        ),
+        # Responses: an `error` event, a response.failed's response.error (openai-python
+        # ResponseErrorEvent, ResponseError)
+        (
+            {"type": "error", "code": "rate_limit_exceeded", "message": "slow", "param": None},
+            ErrorType.RATE_LIMIT,
+        ),
+        ({"code": "server_error", "message": "The server had an error"}, ErrorType.STREAM_ERROR),
+        ({"code": "invalid_prompt", "message": "Invalid prompt"}, ErrorType.BAD_REQUEST),
+        # no code nor type: Cohere's message-end error, Ollama's error line
+        ({"message": "Error converting the stream"}, ErrorType.STREAM_ERROR),
+        ("upstream generation failed", ErrorType.STREAM_ERROR),
+        ("the input length exceeds the context length", ErrorType.CONTEXT_LENGTH),
+    ],
+)
+def test_an_in_stream_error_is_classified_by_what_it_says(error: object, want: ErrorType) -> None:
+    """A client's error inside a 200 stream is the kind it would be answered with a status
+    (vLLM 0.32 checks a structured output's grammar once the stream has begun); a
+    server's failure inside one is stream_error."""
+    got, message = classify_stream_end(error, True, "[DONE]")
+    assert got is want
+    assert message
+
+
+def test_an_in_stream_bad_request_keeps_its_words() -> None:
+    assert classify_stream_end(_VLLM_400, True, "[DONE]") == (
+        ErrorType.BAD_REQUEST,
+        "Grammar error: Pointer '/nowhere' does not exist",
+    )
+
+
+def test_a_stream_without_its_end_is_truncated_and_a_whole_one_fine() -> None:
+    assert classify_stream_end(None, False, "[DONE]") == (
+        ErrorType.STREAM_TRUNCATED,
+        "stream ended without [DONE]",
+    )
+    assert classify_stream_end(None, True, "[DONE]") == (None, None)
+
+
 # -- messages -------------------------------------------------------------------------------
 
 
@@ -543,7 +672,11 @@ def test_every_foreign_exception_name_is_a_real_class() -> None:
     fail here, not silently turn timeouts into upstream_error."""
     for name in FOREIGN_NAMES:
         package, _, cls = name.partition(".")
-        found = getattr(importlib.import_module(package), cls)
+        # aiohttp's parser errors are not exported at its top: they are in http_exceptions
+        module = importlib.import_module(package)
+        found = getattr(module, cls, None) or getattr(
+            importlib.import_module(f"{package}.http_exceptions"), cls
+        )
         assert isinstance(found, type) and issubclass(found, BaseException), name
         assert name in type_names(found)
 
@@ -650,14 +783,26 @@ def test_describe_names_the_root_cause_without_repeating_it() -> None:
 
 
 def test_describe_gives_one_line_for_an_exception_whose_text_has_several() -> None:
-    """aiohttp's payload errors (the ASGI relay's default transport, a body cut short)."""
-    from aiohttp.http_exceptions import ContentLengthError
+    """aiohttp's parser errors (the ASGI relay's default transport): newlines inside."""
+    from aiohttp.http_exceptions import BadHttpMessage
 
-    cut = ContentLengthError("Not enough data to satisfy content length header.")
-    assert "\n" in str(cut)
+    bad = BadHttpMessage("Invalid character in chunk size: b'zz'\n    ^")
+    assert "\n" in str(bad)
+    assert describe(bad) == "BadHttpMessage: Invalid character in chunk size: b'zz' ^"
+
+
+@pytest.mark.parametrize("kind", ["ContentLengthError", "TransferEncodingError", "BadHttpMessage"])
+def test_describe_leaves_out_aiohttps_internal_400(kind: str) -> None:
+    """aiohttp's str() of every parser error opens with its class's `code`, 400 ("400,
+    message: Not enough data to satisfy transfer length header."): no status any peer
+    sent, read as one in a record about a 200 cut short."""
+    from aiohttp import http_exceptions
+
+    cut = getattr(http_exceptions, kind)("Not enough data to satisfy transfer length header.")
+    assert str(cut).startswith("400, message:")
     payload = aiohttp.ClientPayloadError("Response payload is not completed")
     assert describe(_wrapped(payload, cut)) == (
-        "ContentLengthError: 400, message: Not enough data to satisfy content length header."
+        f"{kind}: Not enough data to satisfy transfer length header."
     )
 
 

@@ -35,6 +35,8 @@ LIMITS = slo.parse_slo("ttft=0.5,tpot=0.05,e2e=10")
         ({"error_type": ErrorType.AUTH, "status_code": 500}, "error"),
         # a prompt over the context refused inside a 200 stream (vLLM's generate)
         ({"error_type": ErrorType.CONTEXT_LENGTH, "status_code": 200}, "refused"),
+        # a bad JSON schema that vLLM 0.32 reports inside a 200 stream (errors.classify_stream_end)
+        ({"error_type": ErrorType.BAD_REQUEST, "status_code": 200}, "refused"),
         # A client that left: a miss already known when it left counts as that miss
         # (the worst waits under overload once vanished from attainment); else cancelled.
         ({"error_type": ErrorType.CLIENT_CANCELLED, "ttft": 9.0}, "ttft"),

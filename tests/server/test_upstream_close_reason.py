@@ -3,10 +3,9 @@ FIN) is a close, a reset (an RST) is a reset, on both data paths. The error kind
 stream_truncated either way; only the words differ, and an operator reads them to tell a
 backend that hung up from one whose connection broke.
 
-The ASGI relay runs on httpx's own transport here: aiohttp's (the default) reports either
-end of a short body as ContentLengthError or TransferEncodingError, the reset it notes in
-its outer error's text dropped where the record's message is made (proxy/core/errors.py's
-`describe`, which names the innermost cause).
+The ASGI relay runs on httpx's own transport here; aiohttp's (the default) is told in the
+same words since its payload errors are named by their cause
+(tests/hostile/test_body_cut_words.py).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from typing import Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from proxy.core.errors import Cause, Ending, Failure, LostTurn
+from proxy.core.errors import Cause, Ending, Failure, LostTurn, fault_words
 from proxy.core.paths import Target
 from proxy.core.strip import UsageEventStripper
 from proxy.server.admission import BODY_TIMEOUT, Refused, answer_bytes, own_route, where_to
@@ -648,4 +648,4 @@ def _closed_early(conn: UpstreamConnection | None) -> UpstreamClosed:
         where = "before the end of the response head"
     else:
         where = "before the end of the response body"
-    return UpstreamClosed(f"the upstream closed the connection {where}")
+    return UpstreamClosed(fault_words("closed_early", where=where))
