@@ -26,7 +26,7 @@ from typing import Any
 
 import orjson
 
-from proxy.sim.pooling import PoolingInputError, _score, _text, _tokens
+from proxy.sim.pooling import PoolingInputError, item_text, score_of, texts_tokens
 
 
 def scoring_reads(body: dict[str, Any]) -> list[tuple[str, str]]:
@@ -38,7 +38,7 @@ def scoring_reads(body: dict[str, Any]) -> list[tuple[str, str]]:
         raise PoolingInputError("label_token_ids must contain at least one token ID.")
     if not items:
         raise PoolingInputError("items must contain at least one item.")
-    return [(_text(query), _text(item)) for item in items]
+    return [(item_text(query), item_text(item)) for item in items]
 
 
 def decision_reads(body: dict[str, Any]) -> list[tuple[str, str]]:
@@ -46,11 +46,11 @@ def decision_reads(body: dict[str, Any]) -> list[tuple[str, str]]:
     state, questions = body.get("state"), body.get("questions")
     if state is None or not isinstance(questions, dict) or not questions:
         raise PoolingInputError("Field required: state and questions")
-    return [(_text(state), str(qid)) for qid in questions]
+    return [(item_text(state), str(qid)) for qid in questions]
 
 
 def prompt_tokens(reads: list[tuple[str, str]]) -> int:
-    return sum(_tokens(a, b) for a, b in reads)
+    return sum(texts_tokens(a, b) for a, b in reads)
 
 
 def scoring_reply(request_id: str, model: str, reads: list[tuple[str, str]]) -> bytes:
@@ -62,7 +62,7 @@ def scoring_reply(request_id: str, model: str, reads: list[tuple[str, str]]) -> 
             "created": int(time.time()),
             "model": model,
             "data": [
-                {"index": i, "object": "score", "score": _score(a, b)}
+                {"index": i, "object": "score", "score": score_of(a, b)}
                 for i, (a, b) in enumerate(reads)
             ],
             "usage": {
@@ -78,7 +78,7 @@ def scoring_reply(request_id: str, model: str, reads: list[tuple[str, str]]) -> 
 def decision_reply(request_id: str, model: str, reads: list[tuple[str, str]]) -> bytes:
     answers, diagnostics = {}, {}
     for state, qid in reads:
-        yes = _score(state, qid)
+        yes = score_of(state, qid)
         answers[qid] = {
             "type": "noul",
             "noul": yes,

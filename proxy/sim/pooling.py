@@ -55,7 +55,8 @@ def _items(value: Any) -> list[Any]:
     return value if isinstance(value, list) else [value]
 
 
-def _text(item: Any) -> str:
+def item_text(item: Any) -> str:
+    """An input item's text: a string, a `{"text"}` part, else its JSON."""
     if isinstance(item, str):
         return item
     if isinstance(item, dict) and isinstance(item.get("text"), str):
@@ -63,12 +64,14 @@ def _text(item: Any) -> str:
     return orjson.dumps(item).decode()
 
 
-def _score(*texts: str) -> float:
+def score_of(*texts: str) -> float:
+    """A stable score in [0, 1) for these texts (a hash: the same texts, the same score)."""
     digest = hashlib.sha256("\x00".join(texts).encode()).digest()
     return round(int.from_bytes(digest[:4], "big") / 2**32, 6)
 
 
-def _tokens(*texts: str) -> int:
+def texts_tokens(*texts: str) -> int:
+    """The prompt tokens these texts count, as the simulator counts an input list."""
     return count_prompt_tokens({"input": list(texts)})
 
 
@@ -82,7 +85,7 @@ def _pairs_and_tokens(path: str, body: dict[str, Any]) -> tuple[list[tuple[str, 
         query, documents = body.get("query"), body.get("documents")
         if query is None or documents is None:
             raise PoolingInputError("Field required: query and documents")
-        pairs = [(_text(query), _text(d)) for d in _items(documents)]
+        pairs = [(item_text(query), item_text(d)) for d in _items(documents)]
     elif path.endswith("score"):
         first, second = None, None
         for left, right in _SCORE_PAIRS:
@@ -94,7 +97,7 @@ def _pairs_and_tokens(path: str, body: dict[str, Any]) -> tuple[list[tuple[str, 
         lefts, rights = _items(first), _items(second)
         if len(lefts) == 1:
             lefts = lefts * len(rights)
-        pairs = [(_text(a), _text(b)) for a, b in zip(lefts, rights, strict=False)]
+        pairs = [(item_text(a), item_text(b)) for a, b in zip(lefts, rights, strict=False)]
     else:
         given = body.get("input")
         if given is None:
@@ -104,8 +107,8 @@ def _pairs_and_tokens(path: str, body: dict[str, Any]) -> tuple[list[tuple[str, 
             if isinstance(given, list) and given and not isinstance(given[0], int)
             else [given]
         )
-        return [(_text(i), "") for i in items], count_prompt_tokens(body)
-    return pairs, sum(_tokens(a, b) for a, b in pairs)
+        return [(item_text(i), "") for i in items], count_prompt_tokens(body)
+    return pairs, sum(texts_tokens(a, b) for a, b in pairs)
 
 
 def reply(path: str, response_id: str, model: str, body: dict[str, Any]) -> bytes:
@@ -115,7 +118,7 @@ def reply(path: str, response_id: str, model: str, body: dict[str, Any]) -> byte
     created = int(time.time())
     head: dict[str, Any] = {"id": response_id, "object": "list", "created": created, "model": model}
     if path.endswith("rerank"):
-        scores = [_score(q, doc) for q, doc in pairs]
+        scores = [score_of(q, doc) for q, doc in pairs]
         order = sorted(range(len(pairs)), key=lambda i: -scores[i])
         results = [
             {
@@ -134,12 +137,13 @@ def reply(path: str, response_id: str, model: str, body: dict[str, Any]) -> byte
         )
     if path.endswith("score"):
         data = [
-            {"index": i, "object": "score", "score": _score(a, b)} for i, (a, b) in enumerate(pairs)
+            {"index": i, "object": "score", "score": score_of(a, b)}
+            for i, (a, b) in enumerate(pairs)
         ]
     elif path.endswith("classify"):
         data = []
         for i, (text, _) in enumerate(pairs):
-            p = _score(text)
+            p = score_of(text)
             probs = [round(1 - p, 6), p]
             data.append(
                 {
