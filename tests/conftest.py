@@ -120,6 +120,10 @@ SECONDS = {
     "tests/server/test_conversation_id_usage.py": 10,
     "tests/server/test_invocations_e2e.py": 7,
     "tests/hostile/test_upstream_faults.py": 12,
+    "tests/hostile/test_body_cut_words.py": 8,
+    "tests/server/test_held_chunks_e2e.py": 5,
+    "tests/server/test_background_responses_e2e.py": 5,
+    "tests/hostile/test_in_stream_errors.py": 5,
     # 40 s of tests, listed lower: handed out about 3 minutes in, when its vLLMs, started
     # early and loading below the tests' priority, are up (2.5 minutes; at 2 it waited 40 s)
     "tests/vllm/test_real_vllm.py": 23,

@@ -11,8 +11,9 @@ the close as "ClientPayloadError: response body cut short: ConnectionResetError(
 and a chunk size that is not hex with the same "400, message:" before llhttp's reason,
 which the wire gives as "UpstreamProtocolError: malformed response: <reason>".
 
-Each test runs on the three paths (the `path` fixture), in a real `tokenprobe serve` of
-its own, whose access log (stdout) is the record read, in front of a RawUpstream.
+Each test runs on the three paths (the `path` fixture), in a real `tokenprobe serve` for
+the module and path, whose access log (stdout) is the record read, in front of a
+RawUpstream.
 Shown able to fail: each was run against the tree before.
 """
 
@@ -56,9 +57,28 @@ def answer_and_close(response: bytes) -> Handler:
     return handler
 
 
+class LoggedProxies:
+    """One `tokenprobe serve` per data path for the module, each writing its JSON access
+    log (stdout) to a file of its own: a test reads the record its request added."""
+
+    def __init__(self, stack: contextlib.ExitStack, logs: Path) -> None:
+        self._stack, self._logs = stack, logs
+        self._running: dict[str, tuple[str, Path]] = {}
+
+    def take(self, path: DataPath, upstream: str) -> tuple[str, Path]:
+        """(the proxy's base URL, its access log) on `path` (whose fixture set
+        TOKENPROBE_RELAY) in front of `upstream`."""
+        if path.name not in self._running:
+            log = self._logs / f"access-{path.name}.jsonl"
+            self._running[path.name] = (
+                self._stack.enter_context(_logged(path, upstream, log)),
+                log,
+            )
+        return self._running[path.name]
+
+
 @contextlib.contextmanager
-def logged_proxy(path: DataPath, upstream: str, log: Path) -> Iterator[str]:
-    """A `tokenprobe serve` on `path` writing its JSON access log to `log`."""
+def _logged(path: DataPath, upstream: str, log: Path) -> Iterator[str]:
     port = free_port()
     with log.open("wb") as out:
         process = spawn(
@@ -82,6 +102,22 @@ def logged_proxy(path: DataPath, upstream: str, log: Path) -> Iterator[str]:
             stop(process)
 
 
+@pytest.fixture(scope="module")
+def logged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoggedProxies]:
+    with contextlib.ExitStack() as stack:
+        yield LoggedProxies(stack, tmp_path_factory.mktemp("access-logs"))
+
+
+def one_record(logged: LoggedProxies, path: DataPath, upstream: str) -> dict[str, Any]:
+    """The record of one measured request that the upstream's handler cuts short."""
+    base, log = logged.take(path, upstream)
+    before = len(records(log))
+    with contextlib.suppress(httpx.HTTPError):  # the proxy drops the client: cut short
+        httpx.post(base + "/v1/completions", json={"model": "m", "prompt": "hi"}, timeout=30)
+    assert until(lambda: len(records(log)) == before + 1)
+    return records(log)[-1]
+
+
 def records(log: Path) -> list[dict[str, Any]]:
     lines = log.read_bytes().splitlines()
     return [record for line in lines if b'"endpoint"' in line for record in [orjson.loads(line)]]
@@ -92,15 +128,10 @@ def test_a_body_cut_by_a_clean_close_is_told_in_the_wires_words(
     upstream: RawUpstream,
     path: DataPath,
     framing: str,
-    tmp_path: Path,
+    logged: LoggedProxies,
 ) -> None:
     upstream.default = by_target({b"/v1/completions": answer_and_close(CUT_SHORT[framing])})
-    log = tmp_path / "access.jsonl"
-    with logged_proxy(path, upstream.url, log) as base:
-        with contextlib.suppress(httpx.HTTPError):  # the proxy drops the client: cut short
-            httpx.post(base + "/v1/completions", json={"model": "m", "prompt": "hi"}, timeout=30)
-        assert until(lambda: len(records(log)) == 1)
-    (record,) = records(log)
+    record = one_record(logged, path, upstream.url)
     assert (record["error_type"], record["error"]) == ("stream_truncated", CLOSED)
 
 
@@ -124,16 +155,11 @@ TO_CLOSE = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n0123456789
 
 @pytest.mark.parametrize("framing", [*CUT_SHORT, "to-close"])
 def test_a_body_cut_by_a_reset_is_told_in_the_systems_words(
-    upstream: RawUpstream, path: DataPath, framing: str, tmp_path: Path
+    upstream: RawUpstream, path: DataPath, framing: str, logged: LoggedProxies
 ) -> None:
     response = CUT_SHORT.get(framing, TO_CLOSE)
     upstream.default = by_target({b"/v1/completions": answer_and_reset(response)})
-    log = tmp_path / "access.jsonl"
-    with logged_proxy(path, upstream.url, log) as base:
-        with contextlib.suppress(httpx.HTTPError):
-            httpx.post(base + "/v1/completions", json={"model": "m", "prompt": "hi"}, timeout=30)
-        assert until(lambda: len(records(log)) == 1)
-    (record,) = records(log)
+    record = one_record(logged, path, upstream.url)
     assert (record["error_type"], record["error"]) == ("stream_truncated", RESET)
 
 
@@ -154,7 +180,10 @@ def answer_then_bad_chunk(head: bytes) -> Handler:
 
 
 def test_a_malformed_chunk_mid_body_is_told_in_the_wires_words(
-    upstream: RawUpstream, path: DataPath, tmp_path: Path, request: pytest.FixtureRequest
+    upstream: RawUpstream,
+    path: DataPath,
+    logged: LoggedProxies,
+    request: pytest.FixtureRequest,
 ) -> None:
     """aiohttp's: "ClientPayloadError: malformed response body: 400, message: Invalid
     character in chunk size: b'zz' ^"."""
@@ -162,11 +191,6 @@ def test_a_malformed_chunk_mid_body_is_told_in_the_wires_words(
         reason = "the httpx transport tells it in h11's words (illegal chunk header)"
         request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
     upstream.default = by_target({b"/v1/completions": answer_then_bad_chunk(CUT_SHORT["chunked"])})
-    log = tmp_path / "access.jsonl"
-    with logged_proxy(path, upstream.url, log) as base:
-        with contextlib.suppress(httpx.HTTPError):
-            httpx.post(base + "/v1/completions", json={"model": "m", "prompt": "hi"}, timeout=30)
-        assert until(lambda: len(records(log)) == 1)
-    (record,) = records(log)
+    record = one_record(logged, path, upstream.url)
     said = "UpstreamProtocolError: malformed response: Invalid character in chunk size"
     assert (record["error_type"], record["error"]) == ("stream_truncated", said)
