@@ -37,7 +37,7 @@ ROUTES: dict[str, tuple[str, dict[str, Any], dict[str, str]]] = {
 }
 
 
-@pytest.mark.quiet("TPOT is read within 20% of the programmed step", seconds=1)
+@pytest.mark.quiet("the finish read is told from the last text read a step before", seconds=1)
 @pytest.mark.parametrize("route", list(ROUTES))
 def test_tpot_runs_to_the_token_that_ended_the_answer(
     sim: Running, proxy: ProxyUnderTest, route: str
@@ -56,7 +56,17 @@ def test_tpot_runs_to_the_token_that_ended_the_answer(
     assert m.ok and m.finish_reason == "stop"
     assert m.output_tokens == TEXT_TOKENS + 1  # the text and the EOS, the backend's count
     assert m.content_events == TEXT_TOKENS
-    # One step a token: ended at the last text read, the span would be 3 steps for 4 gaps
-    # (0.75 of a step); a late first read shortens it (by 40 ms before this fails), a late
-    # finish read lengthens it.
-    assert m.tpot is not None and 0.8 < m.tpot * TPS < 1.2, m.tpot
+    # The span runs past the last text read to the finish read: ended at the last text
+    # read, it would be exactly the text reads' own gaps (the ITLs, taken on the same
+    # reads: 3 steps for 4 tokens), to the float's last digit. The finish comes one step
+    # (50 ms) after the last text, on a read of its own (two reads are more than a
+    # microsecond apart) unless a stall of that step joins the two in one read; a bound
+    # of a third of the step failed once in 100 runs under load, one of 1 ms 2 in 200.
+    assert m.tpot is not None
+    finish_gap = m.tpot * TEXT_TOKENS - sum(m.inter_token_latencies)
+    assert finish_gap > 1e-6, (m.tpot, m.inter_token_latencies)
+    # The span is one step a token, within what load can do: the deadlines are absolute,
+    # so only a late first read (shorter) or a late finish read (longer) moves it, by 100
+    # ms of the 200 before this fails. The divisor itself is pinned with synthetic times
+    # (tests/core/test_observe.py); this catches a span in other units or other reads.
+    assert 0.5 < m.tpot * TPS < 1.5, m.tpot
