@@ -344,7 +344,8 @@ class Metrics:
         )
         self.reasoning_tokens_total = c(
             "tokenprobe_reasoning_tokens",
-            "Reasoning tokens of finished streams, by source: usage (the backend's "
+            "Reasoning tokens of finished streams and whole answers, by source: usage (the "
+            "backend's "
             "completion_tokens_details / output_tokens_details reasoning_tokens, when above "
             "0 and not contradicted by the stream's event counts), output (all the output "
             "tokens of a stream that carried reasoning only), tokenizer (--tokenizer over "
@@ -380,7 +381,8 @@ class Metrics:
         )
         self.tool_calls_total = c(
             "tokenprobe_tool_calls",
-            "Tool calls the client received, counted at the stream's end, by outcome: "
+            "Tool calls the client received, counted at the stream's end (a whole answer: from "
+            "its body), by outcome: "
             "truncated (still being written when the stream ended: the last call of a "
             "length finish, or an open call of a stream cut short), unknown (arguments over "
             "1 MiB, not kept), invalid_arguments (not a JSON object), complete.",
@@ -394,12 +396,13 @@ class Metrics:
         )
         self.tool_calls_per_answer = h(
             "tokenprobe_tool_calls_per_answer",
-            "Per stream that made tool calls: how many calls it made.",
+            "Per answer (a stream, or a whole body) that made tool calls: how many calls it made.",
             buckets=CALLS_BUCKETS,
         )
 
     def _record_kinds(self, m: Measurement, key: tuple[str, ...], bound: Any) -> None:
-        """Only streams with reasoning, an answer or tool calls get here."""
+        """Only streams with reasoning, an answer or tool calls get here, and whole answers
+        with calls or reasoning tokens."""
         if m.first_answer is not None:
             bound.ttfa.observe(m.first_answer)
         if m.first_reasoning is not None:
@@ -700,7 +703,14 @@ class Metrics:
             self.child(self.tokens_per_chunk, model_label, m.endpoint).observe(ratio)
         if m.cancelled:
             self._record_cancelled(m, model_label)
-        if (m.stream and m.content_events) or m.without_answer is not None:
+        # a stream's kinds, or a whole answer's calls and reasoning (its body's: the
+        # record has them, docs/reasoning.md "Answers that are not streamed")
+        if (
+            (m.stream and m.content_events)
+            or m.without_answer is not None
+            or m.tool_calls
+            or m.reasoning_tokens
+        ):
             kinds = self._kind_children.get(key)
             if kinds is None:
                 kinds = self._kind_children[key] = _LazyChildren(self._kinds, key)
