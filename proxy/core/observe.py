@@ -179,7 +179,8 @@ class StreamObserver:
         self.content_events = 0
         # engine outputs that streamed no content (Facts.held): output, no token instant
         self.held_events = 0
-        self._echoes = request.echo_events  # chat's echo chunks still to come
+        self.held_finishes: dict[int, float] = {}  # the reads of those that were finishes
+        self._echoes = request.echo_events  # chat's echo chunks that may still come
         self.tokens = 0  # output tokens the events counted exactly (Facts.tokens)
         self.choices: dict[int, _Choice] = {}
         self._zero: _Choice | None = None  # choices[0], for the common event's fast path
@@ -254,13 +255,16 @@ class StreamObserver:
     def feed(self, chunk: bytes, now: float) -> None:
         """A chunk that was just relayed to the client, read from the network at `now`."""
         if self.streaming:
+            if self._echoes:
+                self._feed_awaiting_echo(chunk, now)
+                return
             event, collect, template = self.api.event, self._collect, self._template
             for payload in self._decoder.feed(chunk):
                 if template is not None and template.fits(payload):
                     facts = template.facts  # the same bytes around a new text: no parse
                 else:
                     facts = event(payload, collect, self.response_id is None)
-                    if self._learn and facts.plain and not self._echoes:  # (its bytes differ)
+                    if self._learn and facts.plain:
                         self._learn = False
                         template = self._template = learn(self.api, payload, facts)
                 if facts is self._fast:  # the common event, inline: one choice, one kind
@@ -277,11 +281,34 @@ class StreamObserver:
             self._body.append(chunk)
             self._kept += len(chunk)
 
+    def _feed_awaiting_echo(self, chunk: bytes, now: float) -> None:
+        """`feed` while chat's echo may still come: each event parsed with its text."""
+        for payload in self._decoder.feed(chunk):
+            self._apply(self._event_or_echo(payload), now)
+
+    def _event_or_echo(self, payload: bytes) -> Facts:
+        """An event's facts, where chat's echo (RequestInfo.echo_events) may still come:
+        a content event whose text is the echo's is no output and no first token (what
+        else its chunk says, continuous usage or identity, still counts); the first
+        content event that is not ends the wait, as a backend that does not echo
+        (llama-server, or vLLM for a message it renders empty) streams a token there."""
+        identify = self.response_id is None
+        if not self._echoes:
+            return self.api.event(payload, self._collect, identify)
+        facts = self.api.event(payload, True, identify)
+        if facts.content is None:
+            return facts
+        if facts.content == "text" and "".join(facts.texts or ()) == self.request.echo_text:
+            self._echoes -= 1
+            return replace(facts, content=None, texts=None, reasoning=None, calls=None)
+        self._echoes = 0
+        return facts if self._collect else self.api.event(payload, False, identify)
+
     def end_of_stream(self, now: float) -> None:
         """The upstream body ended cleanly: dispatch a final event that lacked its blank line."""
         if self.streaming:
             for payload in self._decoder.flush():
-                self._apply(self.api.event(payload, self._collect, self.response_id is None), now)
+                self._apply(self._event_or_echo(payload), now)
 
     def fail(self) -> None:
         """Measuring this response broke (the relay caught it): stop and keep what is safe."""
@@ -332,11 +359,6 @@ class StreamObserver:
             self._keep_reasoning(texts, choice)
 
     def _apply(self, facts: Facts, now: float) -> None:
-        if self._echoes and facts.content is not None:
-            # chat's echo of the prompt's last message, before any generated token: what
-            # else its chunk says (continuous usage, identity) still counts
-            self._echoes -= 1
-            facts = replace(facts, content=None, texts=None, reasoning=None, calls=None)
         if facts.calls is not None:
             tools = self.tools
             for piece in facts.calls:
@@ -378,6 +400,8 @@ class StreamObserver:
                     self._learn = True
         elif facts.held:
             self.held_events += 1
+            if facts.finish is not None:
+                self.held_finishes[facts.finish_choice] = now
         elif facts.malformed:
             self.malformed_events += 1
             return
@@ -910,11 +934,13 @@ class StreamObserver:
         output token ids, v1/core/sched/utils.py check_stop, and every route counts them;
         llama-server's n_decoded and Ollama's eval_count, runner.go `numPredicted++`
         before its EOS check, alike). Text counted by a tokenizer leaves that token out,
-        and its read with it: {}; so do content events counted, unless the stream also
-        had events without content (Facts.held: vLLM's EOS chunk is one, and is counted).
-        A `length` finish is no token."""
-        held = source == TokenSource.CHUNKS and self.held_events > 0
-        if source not in COUNTS_THE_ENDING_TOKEN and not held:
+        and its read with it: {}. Chunks counted count a finish only where its chunk was
+        an engine output of its own (Facts.held: vLLM's EOS, or a last token whose text
+        was held back, whatever the reason), and their reads are those. A `length` finish
+        is otherwise no token."""
+        if source == TokenSource.CHUNKS:
+            return self.held_finishes
+        if source not in COUNTS_THE_ENDING_TOKEN:
             return {}
         # A `length` finish ends no token of its own: it rides on the last one's step
         # (events of its own only where an API splits that step: Messages, Responses).

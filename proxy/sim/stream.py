@@ -48,6 +48,7 @@ from typing import Any, Protocol
 
 import orjson
 
+from proxy.core.apis.chat import echo_text
 from proxy.core.lax import lax_bool
 from proxy.sim import wire
 from proxy.sim.controls import ENDING_FAULTS, Plan, burn_cpu
@@ -166,23 +167,14 @@ async def stream(ex: Exchange, plan: Plan, sse: StreamChunks, pacer: Pacer) -> O
 
 
 def echoed_message(body: Any) -> bytes | None:
-    """The text chat's `echo` streams back, JSON-escaped, or None: the last message's
-    content, when its role is the answer's (`get_chat_request_role`: the last message's own
-    without add_generation_prompt, else "assistant") and it is a non-empty text
-    (chat_completion/serving.py, chat_completion_stream_generator, `if request.echo`)."""
+    """The text chat's `echo` streams back, JSON-escaped, or None: vLLM's rule, which the
+    proxy reads by too (proxy/core/apis/chat.py `echo_text`: the last message's content,
+    a list of parts as their non-empty texts joined with "\\n", when its role is the
+    answer's and that text is not empty)."""
     if not isinstance(body, dict) or lax_bool(body.get("echo")) is not True:
         return None
-    messages = body.get("messages")
-    last = messages[-1] if isinstance(messages, list) and messages else None
-    if not isinstance(last, dict):
-        return None
-    content = last.get("content")
-    if not isinstance(content, str) or not content:
-        return None
-    generation_prompt = lax_bool(body.get("add_generation_prompt", True)) is not False
-    if generation_prompt and last.get("role") != "assistant":
-        return None  # vLLM's --response-role, assistant unless set otherwise
-    return orjson.dumps(content)[1:-1]
+    text = echo_text(body)
+    return None if text is None else orjson.dumps(text)[1:-1]
 
 
 async def paced_content(

@@ -133,3 +133,93 @@ def test_a_tokenizer_leaves_chat_echo_out(tmp_path: Path) -> None:
     counter.close()
     assert echoed.token_source is TokenSource.TOKENIZER
     assert echoed.output_tokens == alone.output_tokens
+
+
+def chat_chunk(choice: dict[str, Any]) -> bytes:
+    """A chat chunk of one choice, `data:` framed."""
+    obj = {"id": "x", "object": "chat.completion.chunk", "model": "m", "choices": [choice]}
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+ROLE = chat_chunk({"index": 0, "delta": {"role": "assistant", "content": ""}})
+WORDS = [chat_chunk({"index": 0, "delta": {"content": f" w{i}"}}) for i in range(5)]
+ONE = {"model": "m", "messages": [QUESTION], "stream": True}
+
+
+def test_openai_finish_in_a_chunk_of_its_own_is_no_token() -> None:
+    """OpenAI and llama-server end a choice with `delta: {}` and the finish, no
+    `stop_reason`: the finish of the last token's step, not an engine output of its own
+    (the 5 words at 2/8..6/8 s: TPOT 1/8 s)."""
+    for why in ("stop", "length"):
+        finish = chat_chunk({"index": 0, "delta": {}, "finish_reason": why})
+        _, m = record(CHAT, ONE, [ROLE, *WORDS, finish, b"data: [DONE]\n\n"])
+        assert (m.output_tokens, m.token_source) == (5, TokenSource.CHUNKS), why
+        assert m.tpot == 1 / 8, why
+
+
+def test_keep_alive_empty_deltas_are_no_tokens() -> None:
+    keep_alive = chat_chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": None})
+    stream = [ROLE, *(e for word in WORDS for e in (word, keep_alive)), b"data: [DONE]\n\n"]
+    _, m = record(CHAT, ONE, stream)
+    assert m.output_tokens == 5
+    assert m.tpot == 2 / 8  # the words, a read apart each
+
+
+def test_vllm_finish_without_text_is_the_eos_token() -> None:
+    """vLLM's EOS: `{}` (a parser gave no delta) or `{"content": ""}`, with the finish
+    and `stop_reason` (chat_completion/serving.py); a token of its own, whose read ends
+    TPOT's span: 6 tokens at 2/8..7/8 s."""
+    for delta in ({}, {"content": ""}):
+        eos = chat_chunk({"index": 0, "delta": delta, "logprobs": None,
+                          "finish_reason": "stop", "stop_reason": None, "token_ids": None})  # fmt: skip
+        _, m = record(CHAT, ONE, [ROLE, *WORDS, eos, b"data: [DONE]\n\n"])
+        assert m.output_tokens == 6, delta
+        assert m.tpot == 1 / 8, delta
+
+
+def test_vllm_empty_delta_with_logprobs_is_a_token() -> None:
+    """vLLM sends `{}` without a finish only for a step whose parser gave no delta, when
+    logprobs or token ids were asked for (chat_completion/serving.py, `if delta_message
+    is None`): a token."""
+    control = chat_chunk({"index": 0, "delta": {}, "logprobs": {"content": []},
+                          "finish_reason": None, "token_ids": None})  # fmt: skip
+    _, m = record(CHAT, ONE, [ROLE, control, *WORDS, b"data: [DONE]\n\n"])
+    assert m.output_tokens == 6
+
+
+def test_completions_finish_in_a_chunk_of_its_own_is_no_token() -> None:
+    def chunk(text: str, why: str | None = None) -> bytes:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": why}
+        obj = {"id": "x", "object": "text_completion", "model": "m", "choices": [choice]}
+        return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+    stream = [*(chunk(f" w{i}") for i in range(5)), chunk("", "length"), b"data: [DONE]\n\n"]
+    _, m = record(COMPLETIONS, {"model": "m", "prompt": "hi", "stream": True}, stream)
+    assert (m.output_tokens, m.tpot) == (5, 1 / 8)
+
+
+def echo_request(content: Any) -> dict[str, Any]:
+    messages = [QUESTION, {"role": "assistant", "content": content}]
+    return {"model": "m", "messages": messages, "stream": True, "echo": True}
+
+
+def test_chat_echo_of_a_list_of_parts_is_its_texts_joined() -> None:
+    """vLLM renders a list of parts as their non-empty texts joined with "\\n"
+    (renderers/chat_utils.py, _parse_chat_message_content_parts) and echoes that."""
+    parts = [{"type": "text", "text": "The answer"}, {"type": "text", "text": ""}, "so far"]
+    echo = chat_chunk({"index": 0, "delta": {"content": "The answer\nso far"}})
+    _, m = record(CHAT, echo_request(parts), [ROLE, echo, *WORDS, b"data: [DONE]\n\n"])
+    assert (m.output_tokens, m.content_events) == (5, 5)
+    assert m.ttft == 3 / 8
+
+
+def test_a_first_token_that_is_not_the_echo_ends_the_wait() -> None:
+    """llama-server sends no echo (its first content may even begin with the message it
+    continues), and vLLM none for a message it renders empty: the first content event is
+    the first token."""
+    cases = [("Once upon", " w0"), ("Once upon", "Once upon w0"), ([{"type": "text", "text": ""}], " w0")]  # fmt: skip
+    for content, first in cases:
+        opening = chat_chunk({"index": 0, "delta": {"content": first}})
+        _, m = record(CHAT, echo_request(content), [ROLE, opening, *WORDS[1:], b"data: [DONE]\n\n"])
+        assert (m.output_tokens, m.content_events) == (5, 5), (content, first)
+        assert m.ttft == 2 / 8, (content, first)

@@ -272,7 +272,9 @@ def test_a_tokenizer_that_raises_loses_the_counts_not_the_record(
     reasoned = {"choices": [{"index": 0, "delta": {"reasoning": "hm"}}]}
     chunks = [reasoned] + [{"choices": [{"index": 0, "delta": {"content": w}}]}
                            for w in ("Hello", " big", " world")]  # fmt: skip
-    chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    # vLLM's EOS: the finish, with `stop_reason` (an OpenAI-shaped `{}` finish is no token)
+    eos = {"index": 0, "delta": {}, "finish_reason": "stop", "stop_reason": None}
+    chunks.append({"choices": [eos]})
     body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
     m = _finished(counter.reporting(failed.append), "/v1/chat/completions", body, chunks)
     counter.close()

@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import orjson
+import pytest
 
 from proxy.core.measurement import TokenSource
 from tests.conftest import MODEL, ProxyUnderTest, Running
@@ -26,6 +27,10 @@ MESSAGES: Any = [{"role": "user", "content": "Hello there"}]
 STOP = ["zzzzzzzzzzzzzzzzzzzzzzzz"]
 ECHOED = "The answer so far"
 ECHO: Any = [*MESSAGES, {"role": "assistant", "content": ECHOED}]
+#: vLLM renders a list of parts as their non-empty texts joined with "\n"
+#: (renderers/chat_utils.py, _parse_chat_message_content_parts), and echoes that.
+PARTS: Any = [{"type": "text", "text": "The answer"}, {"type": "text", "text": ""}, "so far"]
+PARTS_ECHOED = "The answer\nso far"
 #: The keys of vLLM 0.32's echo choice, in order (no `token_ids`, which content chunks have):
 #: tests/fixtures/streams/vllm-0.32-held/chat_echo_n2_no_usage.sse
 ECHO_CHOICE = ["index", "delta", "logprobs", "finish_reason"]
@@ -111,3 +116,38 @@ def test_chat_echo_is_no_first_token(sim: Running, proxy: ProxyUnderTest) -> Non
     (m,) = proxy.wait_records(1, exact=True)
     assert m.ok and m.ttft is not None
     assert m.ttft >= 0.3  # the first token is due 0.3 s in; load only makes it later
+
+
+def test_chat_echo_of_a_list_of_parts_is_no_output(sim: Running, proxy: ProxyUnderTest) -> None:
+    messages = [*MESSAGES, {"role": "assistant", "content": PARTS}]
+    body = {"model": MODEL, "messages": messages, "n": 2, "stream": True, "echo": True}
+    truth = backend_count(sim, CHAT, body)
+    stream = events(proxy.url, CHAT, body)
+    echoes = [e for e in stream if e["choices"][0].get("delta", {}).get("content") == PARTS_ECHOED]
+    assert len(echoes) == 2  # the simulator echoes the parts' text, as vLLM does
+    (m,) = proxy.wait_records(1, exact=True)
+    assert m.ok and m.token_source is TokenSource.CHUNKS
+    assert m.content_events == with_content(stream) - 2
+    assert m.output_tokens == truth
+
+
+@pytest.mark.parametrize(
+    ("content", "backend", "n"),
+    [([{"type": "text", "text": ""}], "vllm", 2), (ECHOED, "llamacpp", 1)],
+    ids=["vllm-empty-message", "llamacpp"],  # (llama-server refuses n > 1)
+)
+def test_no_echo_sent_keeps_every_token(
+    sim: Running, proxy: ProxyUnderTest, content: Any, backend: str, n: int
+) -> None:
+    """`echo` asked for, and none sent: vLLM for a message it renders empty, llama-server
+    ever. The first tokens are output, and the first is the first token."""
+    messages = [*MESSAGES, {"role": "assistant", "content": content}]
+    body = {"model": MODEL, "messages": messages, "n": n, "stream": True, "echo": True,
+            "max_tokens": 3}  # fmt: skip
+    # the first token due 0.1 s in, every next one 0.5 s later
+    headers = {"x-sim-backend-kind": backend, "x-sim-ttft": "0.1", "x-sim-tps": "2"}
+    stream = events(proxy.url, CHAT, body, headers)
+    assert not any(ECHOED in str(e) for e in stream)  # no echo came
+    (m,) = proxy.wait_records(1, exact=True)
+    assert m.ok and m.content_events == with_content(stream) == 3 * n
+    assert m.ttft is not None and m.ttft < 0.5  # not the second token's 0.6 s

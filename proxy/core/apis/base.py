@@ -65,10 +65,14 @@ class RequestInfo:
     #: stream has no end marker: llama.cpp's /completion runs a list of prompts one after
     #: another, and a stream cut between two of them has every finish it streamed).
     choices_due: int = 1
-    #: Chat with `echo`: the content events a stream opens with that only give back the
+    #: Chat with `echo`: the content events a stream may open with that only give back the
     #: prompt's last message, one per choice (vLLM streams it as `delta.content` before
     #: any generated token): no output and no first token; 0 without echo.
     echo_events: int = 0
+    #: The text each of those events gives back (proxy/core/apis/chat.py `echo_text`): an
+    #: event is an echo only when its text is this one, as a backend that does not echo
+    #: (llama-server) streams its first token there instead.
+    echo_text: str | None = None
     #: The request's chat template options, as vLLM passes them to the template (tools,
     #: add_generation_prompt, continue_final_message, chat_template_kwargs), for a
     #: tokenizer's count of the prompt; None when it has none.

@@ -293,18 +293,19 @@ class Chat(OpenAIGeneration):
         return found or None
 
     def read_request(self, obj: dict[str, Any]) -> RequestInfo:
-        """With `echo`, a stream opens (after the role chunks) with the prompt's last
-        message given back as `delta.content`, one chunk per choice, when that message's
-        role is the answer's (`get_chat_request_role`: the last message's own role without
-        add_generation_prompt, else "assistant") and its content is not empty
-        (chat_completion/serving.py, chat_completion_stream_generator, `if request.echo`).
-        Those chunks are no output: `echo_events` says how many to leave out."""
+        """With `echo`, vLLM opens a stream (after the role chunks) with the prompt's last
+        message given back as `delta.content`, one chunk per choice (`echo_text`). Those
+        chunks are no output: `echo_events` says how many may come, `echo_text` what
+        each says."""
         info = super().read_request(obj)
         echo = obj.get("echo")
         if echo is None or not info.stream or lax_bool(echo) is not True:
             return info
-        echoes = echo_chunks(obj)
-        return replace(info, echo_events=echoes) if echoes else info
+        text = echo_text(obj)
+        if text is None:
+            return info
+        n = lax_int(obj.get("n"))
+        return replace(info, echo_events=n if n is not None and n > 0 else 1, echo_text=text)
 
     def _content(self, choice: dict[str, Any], texts: list[str] | None) -> str | None:
         delta = choice.get("delta")
@@ -315,28 +316,79 @@ class Chat(OpenAIGeneration):
         return generated(delta, texts)
 
     def _held(self, choice: dict[str, Any]) -> bool:
-        """A delta without the role: vLLM streams one for every engine output, empty
-        (`"content": ""`, `"reasoning": ""`, `{}` on a finish) when a token's text is held
-        back or has none (chat_completion/serving.py: a delta's text is `output.text`, ""
-        while the detokenizer holds incomplete UTF-8 or a stop string's prefix; a step is
-        skipped only when its parser gives no delta and it does not finish). The role
-        chunk (`delta: {role, content: ""}`) is no output."""
+        """vLLM streams a chunk for every engine output of a choice: an empty text
+        (`"content": ""`, `"reasoning": ""`) while the detokenizer holds a token's text
+        back (incomplete UTF-8, a stop string's possible start) or for an EOS, and `{}`
+        where a parser gave no delta, sent only on a finish or with the step's logprobs
+        or token ids (chat_completion/serving.py, chat_completion_stream_generator: the
+        delta's text is `output.text`; `if delta_message is None: ... continue`).
+        Not held: the role chunk; `{}` alone (a keep-alive); and another backend's finish
+        in a chunk of its own (OpenAI's and llama-server's `delta: {}`), which is no
+        token: vLLM's finish always carries `stop_reason`, passed explicitly (`stop_reason=
+        output.stop_reason`, written even when null: tests/fixtures/streams/vllm-0.32-held)."""
         delta = choice.get("delta")
-        return type(delta) is dict and "role" not in delta
+        if type(delta) is not dict or "role" in delta:
+            return False
+        if choice.get("finish_reason") is not None:
+            return "stop_reason" in choice
+        if "" in delta.values():
+            return True
+        return choice.get("logprobs") is not None or type(choice.get("token_ids")) is list
 
 
-def echo_chunks(obj: dict[str, Any]) -> int:
-    """How many echo chunks vLLM streams for a chat request with `echo` (Chat.read_request):
-    one per choice, or none."""
+#: The content parts vLLM takes as text, and the field that holds it (renderers/
+#: chat_utils.py: TEXT_PART_TYPES and MM_PARSER_MAP; `tool_reference` gives its name).
+_TEXT_PARTS = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+    "tool_reference": "name",
+}
+
+
+def echo_text(obj: dict[str, Any]) -> str | None:
+    """The text vLLM's `echo` streams back for a chat request, or None where it sends none:
+    the last message's content as rendered (`message_text`), when its role is the
+    answer's (`get_chat_request_role`: the last message's own role without
+    add_generation_prompt, else "assistant") and that text is not empty
+    (chat_completion/serving.py, chat_completion_stream_generator, `if request.echo`)."""
     messages = obj.get("messages")
     last = messages[-1] if type(messages) is list and messages else None
-    if type(last) is not dict or not last.get("content"):
-        return 0
+    if type(last) is not dict:
+        return None
     generation_prompt = lax_bool(obj.get("add_generation_prompt", True)) is not False
     if generation_prompt and last.get("role") != "assistant":
-        return 0  # vLLM's --response-role, assistant unless set otherwise
-    n = lax_int(obj.get("n"))
-    return n if n is not None and n > 0 else 1
+        return None  # vLLM's --response-role, assistant unless set otherwise
+    return message_text(last.get("content")) or None
+
+
+def message_text(content: Any) -> str | None:
+    """A message's content as vLLM renders it for a template that takes text
+    (renderers/chat_utils.py, _parse_chat_message_content_parts): a string as it is, a
+    list of parts as their texts, empty and missing ones dropped, joined with "\\n"; None
+    for what holds more than text (an image's placeholder is the template's, unknown
+    here)."""
+    if content is None or type(content) is str:
+        return content
+    if type(content) is not list:
+        return None
+    texts = []
+    for part in content:
+        if type(part) is dict:
+            kind = part.get("type")
+            field = _TEXT_PARTS.get(kind) if type(kind) is str else None
+            if field is None or part.get("uuid") is not None:
+                return None  # media (with a uuid, vLLM reads any part as media)
+            part = part.get(field)
+        if part is None:
+            continue  # vLLM skips a text part without its text
+        if type(part) is not str:
+            return None
+        if part:
+            texts.append(part)
+    return "\n".join(texts)
 
 
 def generated(message: dict[str, Any], texts: list[str] | None) -> str | None:

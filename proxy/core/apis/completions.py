@@ -80,8 +80,13 @@ class Completions(OpenAIGeneration):
     def _held(self, choice: dict[str, Any]) -> bool:
         """An empty `text`: vLLM streams one for every engine output whose text it holds
         back or that has none (completion/serving.py: `delta_text = output.text`, and a
-        step is skipped only when it has no text, no token and no previous token)."""
-        return type(choice.get("text")) is str
+        step is skipped only when it has no text, no token and no previous token). A
+        finish with an empty text is vLLM's only with `stop_reason`, which vLLM passes on
+        every chunk (`stop_reason=stop_reason`); OpenAI's and llama-server's finish in a
+        chunk of its own (`"text": ""`, no `stop_reason`) is no token."""
+        if type(choice.get("text")) is not str:
+            return False
+        return choice.get("finish_reason") is None or "stop_reason" in choice
 
 
 def batch_of_prompts(prompt: Any) -> bool:
