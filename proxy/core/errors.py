@@ -422,8 +422,9 @@ UPSTREAM_FAULTS: dict[str, str] = {
     # the transports' own said nothing of it: a cancelled task ("CancelledError:
     # cancelled before the upstream answered"), anyio's "Cancelled via cancel scope ..."
     "connect_timeout": "the connect timed out after {limit:g} s (--connect-timeout) to {where}",
-    # llhttp, h11 and aiohttp all read any three digits as a status
-    "not_a_status": "status {status} is not an HTTP status",
+    # llhttp, h11 and aiohttp all read any three digits as a status, and give it as a
+    # number: written back in three digits, as it came ("099", not "99")
+    "not_a_status": "status {status:03d} is not an HTTP status",
     # a 101 the proxy never asked for (WebSockets are the tunnel's)
     "unasked_switch": "the upstream switched protocols unasked",
     # a clean close (a FIN) that cut the response short; `where` says where: "before
@@ -712,16 +713,22 @@ def relay_failure(
         return Failure(error, message, ending=ending)
     status = _STATUS_FOR_ERROR.get(error, 502)
     # The client learns what broke, not where the backend is: the record keeps it all.
-    told = _CERT_NAME.sub("the upstream's name", _ADDRESS.sub("", message))
+    told = _CERT_NAME.sub("the upstream's name", _ADDRESS.sub("", _FILE.sub(r"\1", message)))
     return Failure(error, message, (status, error.value, f"upstream: {told}"))
 
 
 # The upstream's address in a transport's words: aiohttp's "Cannot connect to host
-# 10.0.0.5:8000 ssl:default [Connect call failed ('10.0.0.5', 8000)]", an IP and port.
+# 10.0.0.5:8000 ssl:default [Connect call failed ('10.0.0.5', 8000)]", an IP and port;
+# the proxy's own " to host 10.0.0.5:8000" and " to socket /run/vllm.sock"
+# (proxy.server.dial.where, last in its words: a path may hold spaces).
 _ADDRESS = re.compile(
-    r" to host \S+|\s*\(\s*'[^']*',\s*\d+(?:,\s*\d+)*\s*\)"
+    r" to host \S+| to socket .+$|\s*\(\s*'[^']*',\s*\d+(?:,\s*\d+)*\s*\)"
     r"|\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b|\[[0-9A-Fa-f:.]+\](?::\d+)?"
 )
+# The file an OSError names after its words, as Python writes it ("[Errno 2] No such
+# file or directory: '/run/vllm.sock'"): a Unix socket's path (proxy.server.dial
+# name_the_socket), where the backend is as much as a host and port are.
+_FILE = re.compile(r"(\[Errno \d+\] [^:'\"\]]*): (?:'[^']*'|\"[^\"]*\")")
 # The name in Python's "Hostname mismatch, certificate is not valid for 'vllm.internal'".
 _CERT_NAME = re.compile(r"(?<=not valid for )'[^']*'")
 

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 #: How a tunnel ended (the sessions counter's `outcome`, a closed set). A session the
 #: upstream accepted ends in one of proxy/core/wsbase.py's CLOSE_CAUSES; one it did not:
 #: refused (the upstream answered the upgrade with another status), upstream_unreachable
-#: (connect failed or timed out), upstream_timeout (no byte of an answer within
-#: --first-byte-timeout), invalid_request_target (the proxy refused the request target,
+#: (the connect failed), upstream_timeout (the connect timed out, or no byte of an answer
+#: came within --first-byte-timeout: the client's 504 says upstream_timeout too),
+#: invalid_request_target (the proxy refused the request target,
 #: the HTTP relay's error kind for the same target). With --workers, worker_died: the
 #: worker that held the session died (killed, out of memory), counted at the next scrape
 #: (proxy/server/multiproc.py) since that worker wrote nothing.
@@ -51,3 +52,7 @@ class WsSessionRecord:
     # What the client got: 101 once the upstream switched, the upstream's refusal status,
     # the proxy's own error status (400, 502, 503, 504), 0 when nothing was sent.
     status: int
+    # Why the proxy answered the handshake itself, in the HTTP record's words for the
+    # same fault (proxy.core.errors.relay_failure's `message`: the address a connect
+    # tried included, which the client's answer leaves out); None when it did not.
+    error: str | None = None

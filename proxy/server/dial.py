@@ -25,7 +25,14 @@ from proxy.core.errors import ConnectFailed, ConnectTimedOut
 from proxy.core.upstream_url import UpstreamURL
 from proxy.server.certwatch import WATCH
 
-__all__ = ["dial", "httpx_default_tls", "name_the_socket", "upstream_tls", "where"]
+__all__ = [
+    "connect_unix",
+    "dial",
+    "httpx_default_tls",
+    "name_the_socket",
+    "upstream_tls",
+    "where",
+]
 
 P = TypeVar("P", bound=asyncio.BaseProtocol)
 
@@ -125,9 +132,7 @@ async def _dial(
             return await loop.create_connection(
                 factory, upstream.host, upstream.port, ssl=ssl, server_hostname=name
             )
-        return await loop.create_unix_connection(
-            factory, upstream.uds, ssl=ssl, server_hostname=name
-        )
+        return await connect_unix(loop, factory, upstream.uds, ssl=ssl, server_hostname=name)
     except TimeoutError:
         raise
     except OSError as exc:
@@ -135,6 +140,39 @@ async def _dial(
             name_the_socket(exc, upstream.uds)  # which names it: no `where` after
             raise ConnectFailed(str(exc)) from exc
         raise ConnectFailed(str(exc), where(upstream.host, upstream.port)) from exc
+
+
+#: The pauses between a Unix socket's connects while its listener's backlog is full: the
+#: first, and the most one grows to (doubling).
+FULL_BACKLOG_PAUSES = (0.005, 0.1)
+
+
+async def connect_unix(
+    loop: asyncio.AbstractEventLoop,
+    factory: Callable[[], P],
+    path: str,
+    ssl: ssl_module.SSLContext | None = None,
+    server_hostname: str | None = None,
+) -> tuple[asyncio.Transport, P]:
+    """A connection to the Unix socket at `path`, waiting while its listener's backlog is
+    full, until the caller's timeout (--connect-timeout) cancels it.
+
+    A full backlog is a listener that is not accepting yet: a TCP connect to one waits
+    (the kernel drops the SYN, the client sends it again) until its timeout, a 504; a
+    non-blocking Unix connect fails at once with EAGAIN (a BlockingIOError), which
+    asyncio passes on, and which told the client 502 upstream_unreachable on the wire and
+    aiohttp where httpx, whose anyio tries again while it waits (anyio's connect_unix),
+    told 504. Tried again here, the three paths and the tunnel give the connect
+    timeout's 504, as for TCP and as a blocking connect would wait."""
+    pause, most = FULL_BACKLOG_PAUSES
+    while True:
+        try:
+            return await loop.create_unix_connection(
+                factory, path, ssl=ssl, server_hostname=server_hostname
+            )
+        except BlockingIOError:
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, most)
 
 
 def name_the_socket(exc: BaseException, path: str) -> None:

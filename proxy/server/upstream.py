@@ -37,15 +37,20 @@ the backend may have taken the request, and a POST must not run twice.
 
 from __future__ import annotations
 
+import re
 import socket
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from time import perf_counter
 from typing import Any
 
+import anyio
+import anyio.abc
 import h11
 import httpcore
+import httpcore._backends.base as httpcore_base
 import httpx
+from httpcore._backends.anyio import AnyIOStream  # what httpcore's AnyIOBackend returns
 
 from proxy.core.errors import (
     ConnectFailed,
@@ -53,9 +58,16 @@ from proxy.core.errors import (
     classify_exception,
     connect_timed_out,
     fault_words,
+    type_names,
 )
 from proxy.core.measurement import ErrorType
-from proxy.server.dial import httpx_default_tls, name_the_socket, upstream_tls, where
+from proxy.server.dial import (
+    FULL_BACKLOG_PAUSES,
+    httpx_default_tls,
+    name_the_socket,
+    upstream_tls,
+    where,
+)
 from proxy.server.upstream_errors import ClosedUnanswered, UpstreamClosed, UpstreamProtocolError
 from proxy.settings import Settings
 
@@ -145,8 +157,49 @@ def guarded_httpx_transport(
         max_keepalive_connections=limits.max_keepalive_connections,
         keepalive_expiry=limits.keepalive_expiry,
         uds=uds,
+        network_backend=None if uds is None else _UnixBackend(),
     )
     return transport
+
+
+class _UnixBackend(httpcore.AnyIOBackend):
+    """httpcore's anyio backend, connecting to the Unix socket of --upstream-uds as every
+    path does (proxy.server.dial.connect_unix): waiting while the listener's backlog is
+    full, a pause at a time. anyio's own connect_unix waits for the socket to be writable
+    after each EAGAIN, which an unconnected Unix socket always is: it tried again at
+    once, over and over, a whole core busy until --connect-timeout ran out."""
+
+    async def connect_unix_socket(
+        self,
+        path: str,
+        timeout: float | None = None,
+        socket_options: Iterable[httpcore_base.SOCKET_OPTION] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
+        raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        raw.setblocking(False)
+        try:  # the errors as httpcore's AnyIOBackend maps them
+            with anyio.fail_after(timeout):
+                pause, most = FULL_BACKLOG_PAUSES
+                while True:
+                    try:
+                        raw.connect(path)  # a Unix connect is done or refused at once
+                        break
+                    except BlockingIOError:
+                        await anyio.sleep(pause)
+                        pause = min(pause * 2, most)
+            for option in socket_options or ():
+                raw.setsockopt(*option)
+            stream = await anyio.abc.UNIXSocketStream.from_socket(raw)
+        except TimeoutError as exc:
+            raw.close()
+            raise httpcore.ConnectTimeout(str(exc)) from exc
+        except OSError as exc:
+            raw.close()
+            raise httpcore.ConnectError(str(exc)) from exc
+        except BaseException:
+            raw.close()
+            raise
+        return AnyIOStream(stream)
 
 
 class _GuardedHTTPTransport(httpx.AsyncHTTPTransport):
@@ -171,6 +224,8 @@ class _GuardedHTTPTransport(httpx.AsyncHTTPTransport):
             kind = "upgrade" if "SWITCH" in text else "malformed"
             self._count(kind)
             said = _H11_FAULTS.get(text)
+            if said is None and (number := _H11_NOT_A_STATUS.fullmatch(text)) is not None:
+                said = fault_words("not_a_status", status=int(number[1]))
             if said is None:
                 raise
             raise UpstreamProtocolError(kind, said) from exc  # as the other paths say it
@@ -195,6 +250,16 @@ _H11_FAULTS = {
     "Only Transfer-Encoding: chunked is supported": fault_words("transfer_coding", said=""),
 }
 
+
+#: h11's words for a status line whose three digits are below 100 (h11/_events.py
+#: InformationalResponse; its reader takes any three digits, h11/_abnf.py status_code).
+_H11_NOT_A_STATUS = re.compile(
+    r"InformationalResponse status_code should be in range \[100, 200\), not (\d+)"
+)
+
+#: httpcore's words for a response that never began: the connection closed cleanly
+#: before any byte of it (httpcore/_async/http11.py `_receive_event`).
+_H11_UNANSWERED = "Server disconnected without sending a response."
 
 #: httpcore's words for a body a clean close cut short (h11's `ConnectionClosed` before
 #: the body's end, httpcore/_async/http11.py).
@@ -371,6 +436,8 @@ async def send_upstream(
             raise ConnectTimedOut(limit, _where(url, client.uds)) from exc
         if client.uds is None and classify_exception(exc, after_headers=False) is _UNREACHABLE:
             raise ConnectFailed(str(exc), _where(url, None)) from exc
+        if _closed_unanswered(exc):  # as the wire's _closed_early says it
+            raise UpstreamClosed(fault_words("closed_early", where="before answering")) from exc
         raise
     status = response.status_code
     if not 200 <= status <= 599:
@@ -415,6 +482,19 @@ async def _send_once_more_if_unanswered(
         if perf_counter() - sent_at >= RESEND_WITHIN:
             raise
         return await _send_httpx(client.fresh_transport(), method, url, headers, body, timeout)
+
+
+def _closed_unanswered(exc: Exception) -> bool:
+    """Whether the upstream closed the connection cleanly before any byte of an answer,
+    in either transport's words: httpcore's `_H11_UNANSWERED`, aiohttp's
+    ServerDisconnectedError whose `message` is its text (no response begun: else the
+    message begun), or a `ClosedUnanswered` not sent again (its class is private)."""
+    if isinstance(exc, ClosedUnanswered):
+        return True
+    if isinstance(exc, httpx.RemoteProtocolError):
+        return str(exc) == _H11_UNANSWERED
+    said = getattr(exc, "message", None)
+    return "aiohttp.ServerDisconnectedError" in type_names(type(exc)) and isinstance(said, str)
 
 
 def _where(url: str, uds: str | None) -> str:

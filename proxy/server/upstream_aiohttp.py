@@ -19,14 +19,16 @@ from typing import Any
 import aiohttp
 import httpx
 import yarl
+from aiohttp.client_exceptions import UnixClientConnectorError
 from aiohttp.client_proto import ResponseHandler
-from aiohttp.helpers import _EXC_SENTINEL
+from aiohttp.client_reqrep import ClientRequest
+from aiohttp.helpers import _EXC_SENTINEL, ceil_timeout
 from aiohttp.http_exceptions import ContentLengthError, HttpProcessingError, TransferEncodingError
 from httpx_aiohttp.transport import AiohttpResponseStream, AiohttpTransport
 from multidict import CIMultiDict
 
 from proxy.core.errors import fault_words
-from proxy.server.dial import httpx_default_tls
+from proxy.server.dial import connect_unix, httpx_default_tls
 from proxy.server.protocol import MAX_RESPONSE_HEAD
 from proxy.server.upstream_errors import (
     ClosedUnanswered,
@@ -265,7 +267,20 @@ class _GuardedConnector(_TellsPooled, aiohttp.TCPConnector):
 
 
 class _GuardedUnixConnector(_TellsPooled, aiohttp.UnixConnector):
-    pass
+    async def _create_connection(
+        self, req: ClientRequest, traces: list[Any], timeout: aiohttp.ClientTimeout
+    ) -> ResponseHandler:
+        # aiohttp's own (3.14 connector.py UnixConnector._create_connection), waiting
+        # while the listener's backlog is full as every path does (dial.connect_unix):
+        # asyncio's connect fails at once there, a 502 where the others time out, a 504.
+        try:
+            async with ceil_timeout(timeout.sock_connect, ceil_threshold=timeout.ceil_threshold):
+                _, proto = await connect_unix(self._loop, self._factory, self._path)
+        except OSError as exc:
+            if exc.errno is None and isinstance(exc, asyncio.TimeoutError):
+                raise
+            raise UnixClientConnectorError(self.path, req.connection_key, exc) from exc
+        return proto
 
 
 async def send_text_headers(

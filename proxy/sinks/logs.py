@@ -61,6 +61,8 @@ request's, its own keys in this order (SESSION_KEYS):
                  the proxy's own error (400, 502, 503, 504), 0 when no status was seen
   outcome        how it ended (tokenprobe_websocket_sessions_total's outcome)
   e2e_ms         the upgrade request's arrival -> the close of both sides, ms
+  error          why the proxy answered the handshake itself (a request line's `error` for
+                 the same fault: the address a failed connect tried), else null
 
 A measured session's turns (a realtime utterance) are request lines of their own.
 
@@ -135,7 +137,7 @@ KEYS = (
     "malformed_events",
 )
 
-SESSION_KEYS = ("ts", "arrival", "kind", "endpoint", "status", "outcome", "e2e_ms")
+SESSION_KEYS = ("ts", "arrival", "kind", "endpoint", "status", "outcome", "e2e_ms", "error")
 SESSION_KIND = "websocket_session"
 
 _PLAIN = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_./:+@")
@@ -248,6 +250,7 @@ def session_record(record: WsSessionRecord) -> dict[str, Any]:
         "status": record.status,
         "outcome": record.outcome,
         "e2e_ms": _ms(record.duration),
+        "error": record.error,
     }
 
 

@@ -11,9 +11,13 @@ front of a peer on 127.0.0.1. Shown able to fail: each was run against the tree 
 
 from __future__ import annotations
 
+import asyncio
+import shutil
 import socket
+import tempfile
 import zlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -103,6 +107,11 @@ TRANSFER_CODING = "a transfer coding other than chunked{}: only chunked is taken
             "status 600 is not an HTTP status",
         ),
         (
+            b"HTTP/1.1 099 Odd\r\ncontent-length: 2\r\n\r\n{}",
+            "malformed",
+            "status 099 is not an HTTP status",
+        ),
+        (
             b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n",
             "upgrade",
             "the upstream switched protocols unasked",
@@ -114,7 +123,7 @@ TRANSFER_CODING = "a transfer coding other than chunked{}: only chunked is taken
             TRANSFER_CODING.format(" (transfer-encoding: gzip, chunked)"),
         ),
     ],
-    ids=["status-600", "unasked-101", "gzip-chunked"],
+    ids=["status-600", "status-099", "unasked-101", "gzip-chunked"],
 )
 def test_a_broken_response_head_is_told_in_one_wording_on_every_path(
     upstream: RawUpstream, path: DataPath, response: bytes, kind: str, said: str
@@ -122,7 +131,9 @@ def test_a_broken_response_head_is_told_in_one_wording_on_every_path(
     """The ASGI relay said "the upstream answered status 600" (and 101) where the wire
     said the words below, and its httpx transport passed on h11's "RemoteProtocolError:
     Only Transfer-Encoding: chunked is supported". h11 keeps no coding it refuses, so on
-    httpx the sentence goes without them."""
+    httpx the sentence goes without them. A 099 was "status 99" on the wire and aiohttp,
+    and h11's "InformationalResponse status_code should be in range [100, 200), not 99"
+    on httpx."""
     upstream.default = by_target({b"/v1/chat/completions": answer(response)})
     if path.name == "asgi-httpx" and "transfer-encoding" in said:
         said = TRANSFER_CODING.format("")
@@ -150,3 +161,89 @@ def test_a_websocket_handshakes_connect_timeout_names_the_setting_too(
         head, _, body = answer.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 504 "), answer
         assert b"the connect timed out after 0.5 s (--connect-timeout)" in body, body
+
+
+@pytest.fixture
+def socket_dir() -> Iterator[Path]:
+    """A folder for Unix sockets, short enough for a socket's path (108 bytes at most)."""
+    folder = Path(tempfile.mkdtemp(prefix="tp-uds-", dir="/tmp"))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_missing_unix_socket_is_not_named_to_the_client(socket_dir: Path, path: DataPath) -> None:
+    """Every path answered "FileNotFoundError: [Errno 2] No such file or directory:
+    '/run/vllm.sock'", where the backend is, which the answer to a refused TCP connect
+    leaves out (its host and port); the record keeps it."""
+    missing = str(socket_dir / "no-such.sock")
+    flags = (*path.flags, "--upstream-uds", missing)
+    with path.shared.take(path.relay, "http://localhost", *flags) as base:
+        status, message = ask(base)
+        assert status == 502, message
+        assert message == "upstream: FileNotFoundError: [Errno 2] No such file or directory"
+        assert until(lambda: counted(base, REQUESTS, error_type="upstream_unreachable") == 1)
+
+
+@pytest.fixture
+def full_unix_socket(socket_dir: Path) -> Iterator[str]:
+    """A listening Unix socket whose backlog is full, filled by connections it never
+    accepts: a connect to it fails at once with EAGAIN (Linux net/unix/af_unix.c
+    unix_stream_connect, a non-blocking socket), where a blocking one would wait."""
+    where = str(socket_dir / "full.sock")
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(where)
+        listener.listen(0)
+        fillers = [socket.socket(socket.AF_UNIX) for _ in range(4)]
+        try:
+            for filler in fillers:
+                filler.setblocking(False)
+                filler.connect_ex(where)  # EAGAIN past the first
+            yield where
+        finally:
+            for filler in fillers:
+                filler.close()
+
+
+def test_a_unix_socket_with_a_full_backlog_is_a_connect_timeout_on_every_path(
+    full_unix_socket: str, path: DataPath
+) -> None:
+    """A listener not accepting yet: the wire and aiohttp answered at once 502
+    "BlockingIOError: [Errno 11] Resource temporarily unavailable: '/run/vllm.sock'", and
+    httpx (whose anyio tries again) 504 "ConnectTimedOut: ... to socket /run/vllm.sock",
+    the path in both. Now each waits, as a TCP connect to a full backlog does, and tells
+    the connect timeout without the path."""
+    flags = (*path.flags, "--upstream-uds", full_unix_socket, "--connect-timeout", "0.5")
+    with path.shared.take(path.relay, "http://localhost", *flags) as base:
+        status, message = ask(base)
+        assert status == 504, message
+        assert message == (
+            "upstream: ConnectTimedOut: the connect timed out after 0.5 s (--connect-timeout)"
+        )
+        assert until(lambda: counted(base, REQUESTS, error_type="upstream_timeout") == 1)
+
+
+def test_a_kept_alive_connection_closed_unanswered_is_told_in_one_wording(
+    upstream: RawUpstream, path: DataPath
+) -> None:
+    """A request on a reused connection that the backend held past RESEND_WITHIN and
+    closed unanswered (so not sent again): the wire said "UpstreamClosed: the upstream
+    closed the connection before answering", aiohttp "_AiohttpClosedUnanswered: Server
+    disconnected" (a private class's name), httpx "RemoteProtocolError: Server
+    disconnected without sending a response."."""
+
+    async def hold_then_close(conn: Conn, request: Request) -> None:
+        await asyncio.sleep(1.2)  # past RESEND_WITHIN (1 s)
+        conn.writer.close()
+
+    upstream.default = by_target({b"/v1/chat/completions": hold_then_close})
+    with path.proxy(upstream.url) as base:
+        first = httpx.post(base + "/v1/completions", json={"model": "m", "prompt": "hi"})
+        assert first.status_code == 200, first.text
+        status, message = ask(base)  # on the connection the first left in the pool
+        assert status == 502, message
+        assert message == (
+            "upstream: UpstreamClosed: the upstream closed the connection before answering"
+        )
+    assert upstream.connections == 1

@@ -79,6 +79,7 @@ def test_a_session_reaches_every_session_sink_and_a_failing_one_is_counted() -> 
         "status": 101,
         "outcome": "closed_by_client",
         "e2e_ms": 1500.0,
+        "error": None,
     }
     assert tuple(orjson.loads(out.getvalue())) == SESSION_KEYS
 

@@ -36,8 +36,8 @@ import logging
 from collections.abc import Iterable
 from time import perf_counter, time
 
-from proxy.core.errors import Cause, relay_failure
-from proxy.core.measurement import Measurement
+from proxy.core.errors import Cause, Failure, relay_failure
+from proxy.core.measurement import ErrorType, Measurement
 from proxy.core.paths import Target
 from proxy.core.secrets import redact
 from proxy.core.wsrecord import OTHER_ROUTE, WsSessionRecord
@@ -123,6 +123,7 @@ class Tunnel:
         self.open = False  # the upstream answered 101
         self.ended = False
         self._status = 0  # the proxy's own answer's status, when it gave one
+        self._error: str | None = None  # and why, for the session's record
         self._connect: asyncio.Task[None] | None = None
         self._unanswered: asyncio.TimerHandle | None = None  # --first-byte-timeout's
         self._answering = False  # a byte of the upstream's answer came: the idle timer runs
@@ -192,9 +193,10 @@ class Tunnel:
                     exc=exc,
                     limit=context.connect_timeout,
                 )
-                assert failure.answer is not None
-                self._answer(*failure.answer)
-                self.end("upstream_unreachable")
+                self._answer_failure(failure)
+                # the outcome the client was told: a connect timeout is its 504
+                timed_out = failure.error is ErrorType.UPSTREAM_TIMEOUT
+                self.end("upstream_timeout" if timed_out else "upstream_unreachable")
             return
         if self.ended:
             transport.close()
@@ -226,9 +228,22 @@ class Tunnel:
         failure = relay_failure(
             Cause.FIRST_BYTE_TIMEOUT, after_headers=False, limit=self.context.first_byte_timeout
         )
+        self._answer_failure(failure)
+        self.end("upstream_timeout")
+
+    def _answer_failure(self, failure: Failure) -> None:
+        """The proxy's answer for an upstream that failed before any byte of its answer,
+        and the record's error, as an HTTP request's record has it (masked, cut)."""
         assert failure.answer is not None
         self._answer(*failure.answer)
-        self.end("upstream_timeout")
+        if self._status:
+            self._error = self._masked(failure.message)
+
+    def _masked(self, text: str) -> str:
+        """`text` with any credential of the request masked (`redact`, which knows a
+        value only whole), then cut to ERROR_TEXT."""
+        secret = self.context.secret_headers
+        return redact(text, self.headers, secret, self.query)[:ERROR_TEXT]
 
     def _answer(self, status: int, kind: str, message: str) -> None:
         """The proxy's own error answer, only while no upstream byte reached the client."""
@@ -264,9 +279,7 @@ class Tunnel:
         error text masked, as the HTTP relay masks a response's (`redact`), and then cut
         to ERROR_TEXT: masked first, since `redact` knows a value only whole."""
         if m.error_message is not None:
-            secret = self.context.secret_headers
-            masked = redact(m.error_message, self.headers, secret, self.query)
-            m.error_message = masked[:ERROR_TEXT]
+            m.error_message = self._masked(m.error_message)
         self.context.sinks.record(m, self.key)
 
     # -- what the pipe hears (pipe.Ends) --------------------------------------------------
@@ -297,8 +310,7 @@ class Tunnel:
                 # certificate, a crash): the client gets what an HTTP request gets.
                 cause = exc or UpstreamClosed("the upstream closed the connection before answering")
                 failure = relay_failure(Cause.UPSTREAM_BROKE, after_headers=False, exc=cause)
-                assert failure.answer is not None
-                self._answer(*failure.answer)
+                self._answer_failure(failure)
         elif self.watch.first_close is not None:
             outcome = "closed_by_client" if self.watch.first_close else "closed_by_upstream"
         else:
@@ -319,9 +331,7 @@ class Tunnel:
             return
         if not self.open:
             if not self.pipe.relayed:
-                failure = relay_failure(Cause.SHUTDOWN, after_headers=False)
-                assert failure.answer is not None
-                self._answer(*failure.answer)
+                self._answer_failure(relay_failure(Cause.SHUTDOWN, after_headers=False))
             self.end("shutdown")
             return
         self.watch.drain()
@@ -350,6 +360,7 @@ class Tunnel:
             duration=now - self.start,
             # what the client got: the upstream's answer once any of it went, else ours
             status=self.answer.status if self.pipe.relayed else self._status,
+            error=None if self.pipe.relayed else self._error,
         )
         self.context.sinks.session_ended(record)
         # Open until counted: whoever sees no tunnel open sees every ended one counted.
