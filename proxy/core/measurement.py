@@ -24,7 +24,8 @@ Derived durations:
   itl    each gap between consecutive content events of the same choice (0 when two
          arrive in one read)
   tpot   (last_token - first_token) / (output_tokens - 1), needs >= 2 output tokens
-  decode_tokens_per_second   (output_tokens - 1) / (last_token - first_token)
+         and a span above 0 (tokens all in one read measured no time: None, not 0)
+  decode_tokens_per_second   (output_tokens - 1) / (last_token - first_token), with tpot
   e2e    end - start
   proxy_overhead   (sent - read) + (relayed - first_byte): the proxy's own time
   engine   the engine's per-request figures (proxy/core/engine.py), when it sent them;
@@ -39,6 +40,7 @@ carrying reasoning, `first_tool_call` the first read carrying a tool call's firs
   reasoning_tpot       reasoning_duration / (reasoning_tokens - 1)
   answer_tpot          (last answer read - first_answer) / (answer tokens - 1), answer
                        tokens = output_tokens - reasoning_tokens, for streams without calls
+                       whose request offered no tools (a tool parser may hold tokens back)
 
 With n > 1 choices, tpot and decode speed are computed per choice, from that choice's own
 first and last token and its share of the output tokens (in proportion to its content

@@ -55,6 +55,13 @@ COUNTS_THE_ENDING_TOKEN = frozenset((TokenSource.USAGE, TokenSource.ENGINE, Toke
 #: How often one stream's template is learnt again when its content kind changes.
 RELEARNS = 4
 
+#: The bytes of one character a detokenizer may still hold back where a text ends: up to 3
+#: of a 4-byte UTF-8 character, each byte a token of a byte-level BPE, counted with no text
+#: (vLLM's DecodeStream step gives no text until the character is whole,
+#: v1/engine/detokenizer.py `_protected_step`, and a finished request's text is what it
+#: gave). Bytes it could not complete before more text come out as U+FFFD, 3 bytes.
+HELD_BYTES = 3
+
 #: Outcomes whose tokens a tokenizer counts: successes, and requests whose client walked
 #: away (no usage arrives; their prompt and partial output are compute nobody received).
 _COUNTED = frozenset({None, ErrorType.CLIENT_CANCELLED})
@@ -759,9 +766,16 @@ class StreamObserver:
     def only_reasoned(self) -> bool:
         """The stream carried reasoning and no answer nor tool call: every token it
         generated was reasoning (a stream cut off by max_tokens while it reasoned); or a
-        body did (`reasoned_whole`)."""
-        return self.reasoned_whole or (
-            self.reasoning_events > 0 and self.first_answer is None and self.first_tool_call is None
+        body did (`reasoned_whole`). Not where the request offered tools: the tokens after
+        the reasoning may have gone into a call the tool parser held back and never sent
+        (`tools_offered`), and the stream alone cannot tell that from reasoning."""
+        if self.reasoned_whole:
+            return True
+        return (
+            self.reasoning_events > 0
+            and self.first_answer is None
+            and self.first_tool_call is None
+            and not self.tools_offered()
         )
 
     def reasoning_from_usage(self) -> tuple[int, str] | None:
@@ -772,10 +786,16 @@ class StreamObserver:
         a template that opens <think> in the prompt reports 0, and a model that writes
         <think> or </think> more than once gets a count the stream contradicts. Each
         streamed event is at least one token, so a count below the reasoning events, or
-        above the output less the other events, is wrong: the stream is counted instead."""
+        above the output less the other events, is wrong: the stream is counted instead.
+        A whole answer has no events; its reasoning text bounds the count instead
+        (`reasoning_ceiling`), and above it usage is wrong: a tokenizer counts the text, or
+        nothing is claimed."""
         usage = self.usage
         found = self.api.reasoning_tokens(usage) if usage else None
         if not found or found < self.reasoning_events:
+            return None
+        ceiling = self.reasoning_ceiling()
+        if ceiling is not None and found > ceiling:
             return None
         counts = self.counts_from_usage()
         output = counts.output if counts is not None else None
@@ -783,6 +803,30 @@ class StreamObserver:
         if output is not None and found > output - others:
             return None
         return found, TokenSource.USAGE.value
+
+    def reasoning_ceiling(self) -> int | None:
+        """The most tokens the reasoning texts kept can stand for (a body's always, a
+        stream's when collected), None when none was kept: each token of a byte-level BPE
+        gives at least one byte of text, and the parser's reasoning is the text between
+        the first <think> and the first </think> (vllm/reasoning/basic_parsers.py,
+        extract_reasoning), any other marker in it kept as text, so N UTF-8 bytes are at
+        most N tokens,
+        plus a character each choice's detokenizer still held at the text's end
+        (HELD_BYTES). A token that gives no text at all (a special token vLLM skips) is
+        the one thing this leaves out."""
+        reasoned = self._reasoned
+        if reasoned is None:
+            return None
+        held = HELD_BYTES * len(reasoned.by_choice())
+        return sum(len(text.encode()) for text in reasoned.texts) + held
+
+    def tools_offered(self) -> bool:
+        """The request offered tools, so a tool parser may have held generated text back:
+        vLLM streams no chunk for a token its parser keeps (a <tool_call> it never turned
+        into a call, chat_completion/serving.py: `delta_message is None` -> `continue`),
+        so tokens the output counts may have reached the client as nothing."""
+        template = self.request.template
+        return bool(template and template.get("tools"))
 
     def measurement(
         self,
@@ -858,8 +902,10 @@ class StreamObserver:
         if tokens is not None:
             reasoning_tpot = self._phase_tpot(tokens, lambda c: c.reasoning)
         # Only a stream that reasoned has an answer phase of its own (else it is `tpot`).
+        # Where tools were offered, the answer's count may hold a call's tokens that never
+        # streamed (`tools_offered`): its time per token would divide by tokens not seen.
         answer = None if tokens is None or counts.output is None else counts.output - tokens
-        if answer is not None and not calls:
+        if answer is not None and not calls and not self.tools_offered():
             ends = self._ending_reads(counts.source)  # the ending token is the answer's
             answer_tpot = self._phase_tpot(answer, lambda c: c.answer, ends)
         return {
@@ -920,7 +966,8 @@ class StreamObserver:
             share = tokens * p.events / total
             if share >= 2:
                 last = max(p.last, ends.get(index, p.last)) if ends else p.last
-                spans.append((last - p.first) / (share - 1))
+                if last > p.first:  # a phase all in one read measured no time per token
+                    spans.append((last - p.first) / (share - 1))
         if not spans:
             return None
         spans.sort()
@@ -953,7 +1000,9 @@ class StreamObserver:
         """(TPOT, decode tokens/s) of the median choice; each choice's share of the output
         tokens is in proportion to its content events (all of them for one choice). A
         choice's span runs from its first content read to its last, or to the read of the
-        token that ended it when `ends` has a later one."""
+        token that ended it when `ends` has a later one. A span of 0 (every token in one
+        read) measured no time: such a choice gives neither figure, as decode speed
+        never had one, rather than a TPOT of 0 that only says the reads were merged."""
         if output is None or not self.choices:
             return None, None
         total = sum(c.events for c in self.choices.values())
@@ -963,7 +1012,9 @@ class StreamObserver:
             if tokens < 2:
                 continue
             span = max(choice.last, ends.get(index, choice.last)) - choice.first
-            speeds.append((span / (tokens - 1), (tokens - 1) / span if span > 0 else None))
+            if span <= 0:
+                continue  # every token in one read: no time per token was measured
+            speeds.append((span / (tokens - 1), (tokens - 1) / span))
         if not speeds:
             return None, None
         speeds.sort(key=lambda s: s[0])
