@@ -1,7 +1,8 @@
 """The Prometheus sink: one Measurement in, a handful of observations out.
 
-Names mirror vLLM's own metrics with the `tokenprobe_` prefix and use vLLM's bucket
-boundaries, so a dashboard can put client-seen and server-side figures side by side.
+Names mirror vLLM's own metrics with the `tokenprobe_` prefix and keep every one of vLLM's
+bucket boundaries (with finer ones where the figures sit: proxy/core/buckets.py), so a
+dashboard can put client-seen and server-side figures side by side.
 Labels come from closed sets only: the model label is bounded by `ModelLabels`, the
 endpoint is one Api's canonical path (proxy/core/apis ENDPOINTS), finish reasons are
 mapped onto FINISH_LABELS by each Api, error types and token sources are enums.
@@ -37,20 +38,54 @@ from proxy.core.buckets import (
 from proxy.core.engine import EngineMetrics
 from proxy.core.measurement import NONE_LABEL, Measurement
 from proxy.core.wsrecord import WS_OUTCOMES, WsSessionRecord
+from proxy.core.wsseam import seam_of
 from proxy.sinks.sink import Labels
 
 LABELS = ("model", "endpoint")
 
-#: (code, finish_reason, error_type) of the outcomes the dashboard counts over its range
-#: (Auth errors, Context-length errors): a pair's series of them exist at 0 from its first
-#: request, since increase() reads nothing of a burst in a series that first appears
-#: already above 0 (a review: 5 context-length errors, counted 0). As vLLM answers them;
-#: another code for one makes its series at its first error, as every other outcome does.
+#: (code, finish_reason, error_type) of the outcomes that alerts, recording rules and panels
+#: rate over: a pair's series of them exist at 0 from its first request, since rate() and
+#: increase() read nothing of a burst in a series that first appears already above 0 (a
+#: review: an upstream outage's 30 502s, first scraped at 30, never fired
+#: TokenprobeUpstreamUnreachable). The codes are those the proxy answers with
+#: (proxy/core/errors.py _STATUS_FOR_ERROR: 502 unreachable, 502 upstream error, 504
+#: timeout) and vLLM's for the rest (400 context length, 401 auth, 404 unknown model, 429
+#: from a gateway, 500 an engine error); another code for one makes its series at its first
+#: error, as every other outcome does. With a pair's success: 11 series for a pooling pair,
+#: 14 for a generative one (GENERATIVE_FIRST_COUNTED); 3 before the outage review.
 FIRST_COUNTED = (
     ("401", NONE_LABEL, "auth"),
     ("403", NONE_LABEL, "auth"),
     ("400", NONE_LABEL, "context_length"),
+    ("400", NONE_LABEL, "bad_request"),
+    ("404", NONE_LABEL, "not_found"),
+    ("429", NONE_LABEL, "rate_limit"),
+    ("500", NONE_LABEL, "upstream_error"),
+    ("502", NONE_LABEL, "upstream_error"),
+    ("502", NONE_LABEL, "upstream_unreachable"),
+    ("504", NONE_LABEL, "upstream_timeout"),
 )
+#: What a generative pair adds: the successes the ratios divide by (stop) and count
+#: (length: the truncation ratio), and the failures inside a 200 stream.
+GENERATIVE_FIRST_COUNTED = (
+    ("200", "stop", NONE_LABEL),
+    ("200", "length", NONE_LABEL),
+    ("200", NONE_LABEL, "stream_error"),
+    ("200", NONE_LABEL, "stream_truncated"),
+)
+#: A non-generative pair's success (an embedding has no finish_reason).
+POOLING_FIRST_COUNTED = (("200", NONE_LABEL, NONE_LABEL),)
+
+
+def first_counted(endpoint: str) -> tuple[tuple[str, str, str], ...]:
+    """The (code, finish_reason, error_type) series a pair of this endpoint starts with at 0
+    (an endpoint no API claims, which records never carry, only the common ones)."""
+    try:
+        generative = seam_of(endpoint).generative
+    except KeyError:
+        return FIRST_COUNTED
+    return FIRST_COUNTED + (GENERATIVE_FIRST_COUNTED if generative else POOLING_FIRST_COUNTED)
+
 
 # TTFT by prompt size and cache. Prompt classes end at common context sizes (1k, 4k, 8k,
 # 32k and 128k tokens): the first holds chat turns, the last long-context work.
@@ -164,15 +199,16 @@ class Metrics:
         self.tpot = h(
             "tokenprobe_request_time_per_output_token_seconds",
             "Per request: (last token time - first token time) / (output tokens - 1); "
-            "streamed requests with at least 2 output tokens (a non-streamed answer arrives "
-            "at once: its tokens have no times); with n > 1 choices, the median choice's.",
+            "streamed requests with at least 2 output tokens over more than one read (a "
+            "non-streamed answer, or a stream that came in one read, has no time between its "
+            "tokens); with n > 1 choices, the median choice's.",
             buckets=TOKEN_LATENCY_BUCKETS,
         )
         self.decode_speed = h(
             "tokenprobe_request_decode_tokens_per_second",
             "Per request single-stream generation speed: (output tokens - 1) / (last token "
-            "time - first token time); streamed requests with at least 2 output tokens. Not "
-            "aggregate throughput.",
+            "time - first token time); streamed requests with at least 2 output tokens over "
+            "more than one read. Not aggregate throughput.",
             buckets=DECODE_SPEED_BUCKETS,
         )
         self.e2e = h(
@@ -200,7 +236,13 @@ class Metrics:
             "Measured requests finished, by HTTP status the client got, finish_reason mapped "
             "onto one closed set across APIs (Anthropic max_tokens and Responses "
             "max_output_tokens are 'length'; 'none' if absent) and error type ('none' on "
-            "success).",
+            "success). A (model, endpoint)'s first request makes the outcomes the shipped "
+            "alerts and rules rate over at 0 (success, truncation, each upstream failure, "
+            "auth, context length, rate limit, not found, bad request), so a later burst is "
+            "all in rate(); what a pair counted before Prometheus first scraped it is not, "
+            "and a failure that goes on is seen from the next scrape. To catch a one-off "
+            "burst in a new pair, alert also on `X > 0 unless X offset 15m` as "
+            "TokenprobeWorkerRequestsLost does.",
             labels=("code", "finish_reason", "error_type"),
         )
         self.prompt_tokens_total = c(
@@ -610,15 +652,15 @@ class Metrics:
 
     def _bound(self, key: tuple[str, ...]) -> SimpleNamespace:
         """The children of one (model, endpoint, *attribution), as attributes named like
-        the metrics (`.ttft`, ...). The first time, the request outcomes that panels count
-        over their range are made too, at 0 (FIRST_COUNTED)."""
+        the metrics (`.ttft`, ...). The first time, the request outcomes that alerts, rules
+        and panels rate over are made too, at 0 (first_counted)."""
         children = self._children.get(key)
         if children is None:
             children = SimpleNamespace(
                 **{name: metric.labels(*key) for name, metric in self._per_pair.items()}
             )
             self._children[key] = children
-            for outcome in FIRST_COUNTED:
+            for outcome in first_counted(key[1]):
                 self.child(self.requests, *key, *outcome)
         return children
 

@@ -58,10 +58,12 @@ TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]  # fmt: skip
 ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                10.0, 20.0, 40.0, 80.0]  # fmt: skip
-# The proxy's: vLLM's with 2.5-40 ms split finer (proxy/core/buckets.py).
-TOKEN_ITL_BUCKETS = sorted({*ITL_BUCKETS, 0.0025, 0.005, 0.0075, 0.015, 0.02, 0.03, 0.04})
 E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
+# The proxy's: vLLM's with finer edges where the figures sit (proxy/core/buckets.py).
+TOKEN_ITL_BUCKETS = sorted({*ITL_BUCKETS, 0.0025, 0.005, 0.0075, 0.015, 0.02, 0.03, 0.04})
+TOKEN_TTFT_BUCKETS = sorted({*TTFT_BUCKETS, 0.15, 0.2, 0.3, 0.4})
+TOKEN_E2E_BUCKETS = sorted({*E2E_BUCKETS, 0.01, 0.025, 0.05, 0.1, 0.2})
 TOKEN_BUCKETS = [m * 10**e for e in range(6) for m in (1, 2, 5)]
 SPEED_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000]
 TTFT_CLASS_BUCKETS = [0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0]
@@ -105,12 +107,12 @@ class ContractExporter:
         def gauge(name: str, labels: list[str]) -> Gauge:
             return Gauge(name, "", labels, registry=r)
 
-        self.ttfb = hist("tokenprobe_time_to_first_byte_seconds", TTFT_BUCKETS)
-        self.ttft = hist("tokenprobe_time_to_first_token_seconds", TTFT_BUCKETS)
+        self.ttfb = hist("tokenprobe_time_to_first_byte_seconds", TOKEN_TTFT_BUCKETS)
+        self.ttft = hist("tokenprobe_time_to_first_token_seconds", TOKEN_TTFT_BUCKETS)
         self.itl = hist("tokenprobe_inter_token_latency_seconds", TOKEN_ITL_BUCKETS)
         self.tpot = hist("tokenprobe_request_time_per_output_token_seconds", TOKEN_ITL_BUCKETS)
         self.speed = hist("tokenprobe_request_decode_tokens_per_second", SPEED_BUCKETS)
-        self.e2e = hist("tokenprobe_e2e_request_latency_seconds", E2E_BUCKETS)
+        self.e2e = hist("tokenprobe_e2e_request_latency_seconds", TOKEN_E2E_BUCKETS)
         self.prompt = hist("tokenprobe_request_prompt_tokens", TOKEN_BUCKETS)
         self.generation = hist("tokenprobe_request_generation_tokens", TOKEN_BUCKETS)
         classes = [*me, "prompt_class", "cache_class"]
@@ -126,6 +128,7 @@ class ContractExporter:
         self.generation_total = counter("tokenprobe_generation_tokens", [*me, "source"])
         self.cached_total = counter("tokenprobe_cached_prompt_tokens", me)
         self.in_flight = gauge("tokenprobe_requests_in_flight", me)
+        self.lost = counter("tokenprobe_requests_lost", me)
         self.failures = counter("tokenprobe_measurement_failures", ["stage"])
         self.passthrough = counter("tokenprobe_passthrough_requests", ["route", "code"])
         self.audio = counter("tokenprobe_audio_input_seconds", me)
@@ -137,12 +140,14 @@ class ContractExporter:
         prices = {m: {"input": 0.5, "cached_input": 0.25, "output": 1.5} for m in MODELS}
         self.cost = CostSink(parse_prices({"models": prices}), r)
         # Where the first token's time goes, speculative decoding, cancelled work, overhead.
-        self.queue = hist("tokenprobe_engine_queue_time_seconds", E2E_BUCKETS, [*me, "stream"])
+        self.queue = hist(
+            "tokenprobe_engine_queue_time_seconds", TOKEN_E2E_BUCKETS, [*me, "stream"]
+        )
         self.engine = hist(
-            "tokenprobe_engine_time_to_first_token_seconds", TTFT_BUCKETS, [*me, "stream"]
+            "tokenprobe_engine_time_to_first_token_seconds", TOKEN_TTFT_BUCKETS, [*me, "stream"]
         )
         self.outside = hist(
-            "tokenprobe_time_to_first_token_outside_engine_seconds", [0.0005, *TTFT_BUCKETS]
+            "tokenprobe_time_to_first_token_outside_engine_seconds", [0.0005, *TOKEN_TTFT_BUCKETS]
         )
         self.per_chunk = hist("tokenprobe_request_output_tokens_per_chunk", PER_CHUNK_BUCKETS)
         self.acceptance = hist("tokenprobe_spec_decode_mean_acceptance_length", PER_CHUNK_BUCKETS)
@@ -153,11 +158,11 @@ class ContractExporter:
         self.overhead = hist("tokenprobe_proxy_overhead_seconds", OVERHEAD_BUCKETS)
         self.loop_lag = hist("tokenprobe_event_loop_lag_seconds", OVERHEAD_BUCKETS, [])
         # issue 26: reasoning, answers, tool calls
-        self.ttfa = hist("tokenprobe_time_to_first_answer_token_seconds", TTFT_BUCKETS)
-        self.ttfr = hist("tokenprobe_time_to_first_reasoning_token_seconds", TTFT_BUCKETS)
-        self.reasoning = hist("tokenprobe_reasoning_duration_seconds", TTFT_BUCKETS)
-        self.ttftc = hist("tokenprobe_time_to_first_tool_call_seconds", TTFT_BUCKETS)
-        self.arguments = hist("tokenprobe_tool_call_arguments_seconds", TTFT_BUCKETS)
+        self.ttfa = hist("tokenprobe_time_to_first_answer_token_seconds", TOKEN_TTFT_BUCKETS)
+        self.ttfr = hist("tokenprobe_time_to_first_reasoning_token_seconds", TOKEN_TTFT_BUCKETS)
+        self.reasoning = hist("tokenprobe_reasoning_duration_seconds", TOKEN_TTFT_BUCKETS)
+        self.ttftc = hist("tokenprobe_time_to_first_tool_call_seconds", TOKEN_TTFT_BUCKETS)
+        self.arguments = hist("tokenprobe_tool_call_arguments_seconds", TOKEN_TTFT_BUCKETS)
         self.calls_per = hist("tokenprobe_tool_calls_per_answer", [1, 2, 3, 4, 6, 8, 16, 32, 64])
         self.share = hist("tokenprobe_request_answer_token_share", SHARE_BUCKETS)
         self.reasoning_tpot = hist(
@@ -171,7 +176,9 @@ class ContractExporter:
         self.tool_calls = counter("tokenprobe_tool_calls", [*me, "outcome"])
         self._conversation_metrics(hist, counter, gauge)
         # Backends (issue 27): Ollama's model load, the backend's identity, broken events.
-        self.engine_load = hist("tokenprobe_engine_load_time_seconds", E2E_BUCKETS, [*me, "stream"])
+        self.engine_load = hist(
+            "tokenprobe_engine_load_time_seconds", TOKEN_E2E_BUCKETS, [*me, "stream"]
+        )
         gauge("tokenprobe_backend_info", ["kind", "version"]).labels("vllm", "0.32.0").set(1)
         self.malformed = counter("tokenprobe_malformed_events", me)
         # A misbehaving backend (issue 32): every kind, one of them seen.
@@ -245,6 +252,7 @@ class ContractExporter:
             **labels, code=code, finish_reason=finish_reason, error_type=error_type
         ).inc()
         self.in_flight.labels(**labels).set(rng.randint(0, 8))
+        self.lost.labels(**labels).inc(1 if n % 97 == 0 else 0)  # a worker died now and then
         self.passthrough.labels(route="/v1/models", code="200").inc()
         if n % 50 == 0:
             self.failures.labels(stage="observe").inc()
@@ -817,3 +825,50 @@ def test_recording_rules_have_data_from_the_proxy(proxy_stack: Prometheus) -> No
         assert not empty, empty
 
     _eventually(check)
+
+
+def _targets_of(title_start: str) -> list[str]:
+    dashboard = load(ROOT / "grafana" / "dashboards" / "tokenprobe.json")
+    return [
+        target["expr"]
+        for panel, target in iter_targets(dashboard)
+        if panel["title"].startswith(title_start)
+    ]
+
+
+def test_the_prefill_rate_panel_draws_no_unknown_prompt_class(proxy_stack: Prometheus) -> None:
+    """A prompt of unknown size counts no prompt tokens: its class drew a line at 0 tok/s
+    (a review). The stack has such first tokens (streams without usage)."""
+    unknown = 'tokenprobe_time_to_first_token_by_prompt_seconds_count{prompt_class="unknown"}'
+    (expr,) = _targets_of("Implied prefill rate by prompt size")
+
+    def check() -> None:
+        assert proxy_stack.query(unknown), "the stack made no first token of unknown prompt size"
+        drawn = {s["metric"].get("prompt_class") for s in proxy_stack.query(substitute(expr))}
+        assert drawn and "unknown" not in drawn, drawn
+
+    _eventually(check)
+
+
+def test_a_worker_death_has_its_panel_with_the_errors(proxy_stack: Prometheus) -> None:
+    """The TokenprobeWorkerRequestsLost alert fired and no panel showed the loss (a review).
+    The panel sits in the outcomes row, and reads the proxy's series (0: nobody died)."""
+    dashboard = load(ROOT / "grafana" / "dashboards" / "tokenprobe.json")
+    rows = sorted(
+        (p["gridPos"]["y"], p["title"]) for p in dashboard["panels"] if p["type"] == "row"
+    )
+    lost = [
+        (panel, target["expr"])
+        for panel, target in iter_targets(dashboard)
+        if "tokenprobe_requests_lost_total" in target["expr"]
+    ]
+    assert lost, "no panel reads tokenprobe_requests_lost_total"
+    for panel, expr in lost:
+        row = [title for y, title in rows if y < panel["gridPos"]["y"]][-1]
+        assert row.startswith("Outcomes"), (panel["title"], row)
+
+        def check(expr: str = expr) -> None:
+            values = finite_values(proxy_stack.query(substitute(expr)))
+            assert values and set(values) == {0.0}, values
+
+        _eventually(check)

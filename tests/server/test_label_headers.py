@@ -14,7 +14,7 @@ import pytest
 
 from proxy.core.labels import MAX_LABEL_CHARS, HeaderLabels, sanitise
 from proxy.settings import SettingsError, parse
-from proxy.sinks.metrics import FIRST_COUNTED
+from proxy.sinks.metrics import first_counted
 from tests.conftest import MODEL, Running
 from tests.otlp_receiver import OtlpReceiver, points
 from tests.scrape import scrape
@@ -91,9 +91,9 @@ def test_300_team_values_stay_bounded_everywhere(
     expected = {*first, "other", "none"}
     assert {s["team"] for s in requests} == expected
     assert {s["team"] for s in latency} == expected
-    # one model, endpoint, status, finish reason; and the outcomes each pair starts with at
-    # 0 (auth, context length: proxy/sinks/metrics.py FIRST_COUNTED)
-    assert len(requests) == len(expected) * (1 + len(FIRST_COUNTED))
+    # the outcomes each pair starts with at 0 (proxy/sinks/metrics.py first_counted), the
+    # one counted (200, stop) among them
+    assert len(requests) == len(expected) * len(first_counted("/v1/chat/completions"))
     found = points(exports[-1])
     duration = [p for p in found if p.metric == "gen_ai.client.inference.duration"]
     assert {p.attributes["team"] for p in duration} == expected

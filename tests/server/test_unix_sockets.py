@@ -189,15 +189,15 @@ def test_the_proxys_own_calls_to_the_backend_use_the_socket(
     _chat(proxy)
     (record,) = proxy.wait_records(1, exact=True)
     assert record.ok
-    labels = [
-        sample.labels
+    samples = [
+        sample
         for metric in proxy.registry.collect()
         for sample in metric.samples
         if sample.name == "tokenprobe_requests_total"
     ]
-    # one series counted; the others a pair starts with are at 0 (metrics.FIRST_COUNTED)
-    assert [label["model"] for label in labels if label["error_type"] == "none"] == [MODEL]
-    assert {label["model"] for label in labels} == {MODEL}
+    # one series counted; the others a pair starts with are at 0 (metrics.first_counted)
+    assert [sample.labels["model"] for sample in samples if sample.value] == [MODEL]
+    assert {sample.labels["model"] for sample in samples} == {MODEL}
 
 
 @pytest.mark.parametrize("left", ["no_file", "stale_file"])

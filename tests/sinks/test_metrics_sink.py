@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.core.apis import FINISH_LABELS
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
-from proxy.sinks.metrics import Metrics, token_buckets
+from proxy.sinks.metrics import FIRST_COUNTED, Metrics, token_buckets
 from proxy.sinks.sink import Labels
 from tests.factories import measurement
 
@@ -156,7 +156,60 @@ def test_the_counted_error_outcomes_exist_at_0_from_a_pairs_first_request(
     assert requests_total(registry, NONE_LABEL, "auth", "401") == 0.0
     assert requests_total(registry, NONE_LABEL, "auth", "403") == 0.0
     assert requests_total(registry, NONE_LABEL, "context_length", "400") == 0.0
-    assert requests_total(registry, NONE_LABEL, "upstream_error", "500") is None  # only those
+    assert requests_total(registry, NONE_LABEL, "upstream_error", "503") is None  # only those
+
+
+@pytest.mark.parametrize(
+    ("code", "error"),
+    [
+        ("502", "upstream_unreachable"),
+        ("504", "upstream_timeout"),
+        ("500", "upstream_error"),
+        ("502", "upstream_error"),
+        ("429", "rate_limit"),
+        ("404", "not_found"),
+        ("400", "bad_request"),
+        ("200", "stream_error"),
+        ("200", "stream_truncated"),
+    ],
+)
+def test_an_outage_counts_into_a_series_that_was_at_0_before_it(
+    registry: CollectorRegistry, metrics: Metrics, code: str, error: str
+) -> None:
+    """The availability alerts and the error-ratio rules rate() these: an outage's 502s in
+    a series first scraped at 30 fired nothing (a review, TokenprobeUpstreamUnreachable)."""
+    metrics.record(stream_record(), Labels(MODEL_LABEL))
+    assert requests_total(registry, NONE_LABEL, error, code) == 0.0
+
+
+def test_a_pair_starts_with_the_successes_the_ratios_divide_by(
+    registry: CollectorRegistry, metrics: Metrics
+) -> None:
+    """A generative pair's stop and length successes (the truncation ratio's numerator and
+    denominator) exist at 0 even when its first request failed; an embedding pair has its
+    finish-less success and none of the stream outcomes."""
+    failed = stream_record(
+        status_code=502,
+        finish_reason=NONE_LABEL,
+        error_type=ErrorType.UPSTREAM_UNREACHABLE,
+    )
+    metrics.record(failed, Labels(MODEL_LABEL))
+    assert requests_total(registry, "stop") == 0.0
+    assert requests_total(registry, "length") == 0.0
+    assert requests_total(registry, NONE_LABEL, "upstream_unreachable", "502") == 1.0
+    embedded = measurement(endpoint="/v1/embeddings", finish_reason=NONE_LABEL, stream=False)
+    metrics.record(embedded, Labels(MODEL_LABEL))
+    embeddings = {"model": MODEL_LABEL, "endpoint": "/v1/embeddings"}
+    samples = [
+        sample
+        for metric in registry.collect()
+        for sample in metric.samples
+        if sample.name == "tokenprobe_requests_total"
+        and sample.labels.items() >= embeddings.items()
+    ]
+    assert len(samples) == len(FIRST_COUNTED) + 1
+    assert {s.labels["finish_reason"] for s in samples} == {NONE_LABEL}
+    assert not {s.labels["error_type"] for s in samples} & {"stream_error", "stream_truncated"}
 
 
 @pytest.mark.parametrize("reason", sorted(FINISH_LABELS))
