@@ -68,7 +68,6 @@ def test_the_first_screen_names_every_measured_api() -> None:
         "/invocations": "SageMaker's `/invocations`",
         "/generative_scoring": "(`/generative_scoring`,",
         "/v1/systemone": "`/v1/systemone`)",
-        "/v1/responses/{id}": "(`/v1/responses/{id}?stream=true`)",
         "/v1/realtime": "`/v1/realtime`",
     }
     endpoints = sorted([api.endpoint for api in APIS] + [w.endpoint for w in WS_APIS])

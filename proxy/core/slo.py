@@ -11,7 +11,9 @@ finished request gets one verdict:
   cancelled  the client went away first (`client_cancelled`) and no miss was known:
              counted apart and left out of attainment, as the bench leaves out the
              requests still in flight when a run stops (guidellm does the same with
-             requests cut off at the end)
+             requests cut off at the end); so is a background Response whose client
+             left its stream: no cancellation (vLLM generates on), but it had not
+             finished, so whether it keeps its promise is not known here
   refused    the backend (or the proxy) refused it with a 4xx for the client's own
              doing: a bad key (`auth`), an unknown model (`not_found`), a prompt over the
              context (`context_length`), other bad parameters (`bad_request`); an `auth`
@@ -133,7 +135,7 @@ def verdict(m: Measurement, limits: Limits) -> str:
         lambda name: BY_NAME[name].read(m),
         limits,
         m.e2e,
-        left=m.cancelled,
+        left=m.cancelled or _generating_on(m.error_type, m.raw_finish_reason),
         unanswered=m.without_answer is not None,
         streamed=m.stream_requested or m.stream,
     )
@@ -154,10 +156,22 @@ def record_verdict(record: Mapping[str, Any], limits: Limits) -> str:
         read,
         limits,
         e2e if isinstance(e2e, int | float) else None,
-        left=error is not None,
+        left=error is not None or _generating_on(error, record.get("raw_finish_reason")),
         unanswered=record.get("without_answer") is not None,
         streamed=record.get("stream_requested", record.get("stream")) is True,
     )
+
+
+#: The raw finish of a response still generating when its record was made: a background
+#: Response whose client left its stream. vLLM generates on in a task of its own
+#: (openai/responses/serving.py:537-589), so the proxy records no error, no finish yet
+#: and no tokens (proxy/core/observe.py `finish`): judged as a client that left.
+_GENERATING_ON = "in_progress"
+
+
+def _generating_on(error: object, raw_finish: object) -> bool:
+    """Whether a record without an error is of a response that had not finished."""
+    return error is None and raw_finish == _GENERATING_ON
 
 
 #: The targets a request that ends without their figure has missed once it waited past

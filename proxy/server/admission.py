@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
-from proxy.core.apis import Api, api_for, api_for_get
+from proxy.core.apis import Api, api_for
 from proxy.core.errors import error_body, error_shape
 from proxy.core.identity import UNKNOWN
 from proxy.core.labels import route_template
@@ -106,13 +106,9 @@ def where_to(raw_path: bytes, query: bytes) -> Target | Refused:
         return refusal
 
 
-def measured_api(method: str, path: str, query: str = "") -> Api | None:
-    """The seam decides: a POST to a path that has an Api is measured, and a GET that
-    reads a background Response's stream again (its `query` says `stream=true`); the rest
-    is not."""
-    if method == "POST":
-        return api_for(path)
-    return api_for_get(path, query) if method == "GET" else None
+def measured_api(method: str, path: str) -> Api | None:
+    """The seam decides: a POST to a path that has an Api is measured, the rest is not."""
+    return api_for(path) if method == "POST" else None
 
 
 def check_head(headers: Headers, limits: RelaySettings) -> None:

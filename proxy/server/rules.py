@@ -141,7 +141,7 @@ class ExchangeRules:
             return
         self.path, self.query = where.path, where.query
         try:
-            self.api = measured_api(method, self.path, self.query)
+            self.api = measured_api(method, self.path)
             check_head(headers, context.settings)
         except Refused as refusal:
             self.refuse(refusal)

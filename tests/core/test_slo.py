@@ -55,6 +55,11 @@ LIMITS = slo.parse_slo("ttft=0.5,tpot=0.05,e2e=10")
             | {"stream": False, "stream_requested": False},
             "e2e",
         ),
+        # A background Response whose client left its stream: no error (vLLM generates
+        # on), no finish yet (raw in_progress): not finished, so judged as a client that left
+        ({"raw_finish_reason": "in_progress", "ttft": 0.1, "tpot": None, "e2e": 0.2}, "cancelled"),
+        ({"raw_finish_reason": "in_progress", "ttft": 0.9, "tpot": None, "e2e": 1.0}, "ttft"),
+        ({"raw_finish_reason": "in_progress", "ttft": None, "tpot": None, "e2e": 0.7}, "ttft"),
     ],
 )
 def test_a_record_and_its_saved_form_get_the_same_verdict(

@@ -2,10 +2,12 @@
 
 vLLM 0.32 generates a `background: true` stream in a task of its own, so a client that
 leaves the POST's stream stops only its reading; `GET /v1/responses/{id}?stream=true
-&starting_after=N` reads the rest, up to `response.completed` with the whole usage
-(vllm/entrypoints/openai/responses/serving.py:537-589, 1070-1131; api_router.py:82-109).
-The GET is measured as a Responses stream under `/v1/responses/{id}`; the POST whose
-client left is no cancellation: no error, no finish yet, no tokens (the GET counts them).
+&starting_after=N` reads the stored events again, up to `response.completed` with the
+whole usage, the same for every reader (vllm/entrypoints/openai/responses/serving.py
+:537-589, 1070-1131; api_router.py:82-109). So the GET is forwarded unmeasured (the proxy
+cannot know which reader counted the response already), and a background response's
+tokens are counted once at most: by its POST read to its end. The POST whose client left
+is no cancellation: no error, no finish yet, no tokens, and no SLO verdict of met.
 """
 
 from __future__ import annotations
@@ -14,16 +16,16 @@ import json
 import re
 import socket
 import time
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import httpx
 
-from proxy.server.admission import measured_api
-from tests.conftest import MODEL, ProxyUnderTest
-from tests.server.conftest import no_proxy
+from tests.conftest import MODEL, ProxyUnderTest, Running
 
 PROGRAM = b"x-sim-output-tokens: 30\r\nx-sim-tps: 60\r\n"
 OUTPUT = 31  # the 30 programmed and the EOS, as vLLM's usage counts them
+HEADERS = {"x-sim-output-tokens": "30", "x-sim-tps": "60"}  # PROGRAM, for httpx
 
 
 def leave_after(url: str, events: int) -> str:
@@ -45,30 +47,66 @@ def leave_after(url: str, events: int) -> str:
     return found.group(1).decode()
 
 
-def test_a_resumed_background_stream_is_measured_as_a_responses_stream(
+def read_whole(url: str) -> str:
+    """POST a background stream and read it to its end; the response's id."""
+    body = {"model": MODEL, "input": "hi", "background": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/responses", json=body, headers=HEADERS) as r:
+        text = "".join(r.iter_text())
+    assert r.status_code == 200 and '"type":"response.completed"' in text
+    found = re.search(r'"id":"(resp_[^"]+)"', text)
+    assert found is not None
+    return found.group(1)
+
+
+def test_a_resumed_stream_is_a_passthrough_that_counts_no_tokens(proxy: ProxyUnderTest) -> None:
+    """Read again whole, read again from an event on, and left by its reader: each GET is
+    forwarded unmeasured and counted by route, as the plain retrieval is; the POST whose
+    client left keeps the only record."""
+    rid = leave_after(proxy.url, 4)
+    with httpx.stream("GET", f"{proxy.url}/v1/responses/{rid}", params={"stream": "true"}) as r:
+        for line in r.iter_lines():
+            if '"response.output_text.delta"' in line:
+                break  # its reader leaves: nothing to cancel, nothing to record
+    replay = httpx.get(f"{proxy.url}/v1/responses/{rid}", params={"stream": "true"})
+    assert replay.status_code == 200 and '"type":"response.completed"' in replay.text
+    after = httpx.get(
+        f"{proxy.url}/v1/responses/{rid}", params={"stream": "1", "starting_after": 3}
+    )
+    assert '"type":"response.completed"' in after.text
+    whole = httpx.get(f"{proxy.url}/v1/responses/{rid}")
+    assert whole.status_code == 200 and whole.json()["status"] == "completed"
+    assert passthrough(proxy, "/v1/responses/{id}", "200", at_least=3) >= 3
+    (post,) = proxy.wait_records(1, exact=True)
+    assert (post.endpoint, post.output_tokens) == ("/v1/responses", None)
+
+
+def test_a_stream_read_to_its_end_then_again_counts_its_tokens_once(
     proxy: ProxyUnderTest,
 ) -> None:
-    rid = leave_after(proxy.url, 4)
-    post = proxy.wait_records(1)[0]
-    resumed = httpx.get(
-        f"{proxy.url}/v1/responses/{rid}", params={"stream": "true", "starting_after": 3}
+    rid = read_whole(proxy.url)
+    for query in ({"stream": "true"}, {"stream": "true", "starting_after": 3}):
+        replay = httpx.get(f"{proxy.url}/v1/responses/{rid}", params=query)
+        assert '"type":"response.completed"' in replay.text
+    assert passthrough(proxy, "/v1/responses/{id}", "200", at_least=2) == 2
+    (post,) = proxy.wait_records(1, exact=True)
+    assert (post.endpoint, post.finish_reason, post.output_tokens) == (
+        "/v1/responses",
+        "stop",
+        OUTPUT,
     )
-    assert resumed.status_code == 200 and '"type":"response.completed"' in resumed.text
-    records = proxy.wait_records(2, exact=True)
-    assert records[0] is post
-    m = records[1]
-    assert (m.endpoint, m.ok, m.stream, m.response_id) == ("/v1/responses/{id}", True, True, rid)
-    assert (m.finish_reason, m.raw_finish_reason) == ("stop", "completed")
-    assert (m.output_tokens, m.token_source.value) == (OUTPUT, "usage")
-    assert m.prompt_tokens is not None and m.ttft is not None and m.content_events > 0
-    name = "tokenprobe_passthrough_requests_total"
-    assert proxy.sample(name, route="/v1/responses/{id}", code="200") == 0
+    assert generation_tokens(proxy) == OUTPUT  # HEAD: 31 more for each GET
+
+
+def generation_tokens(proxy: ProxyUnderTest) -> float:
+    """Every output token /metrics counted, whatever its endpoint, model or source."""
+    name = "tokenprobe_generation_tokens_total"
+    return sum(s.value for m in proxy.registry.collect() for s in m.samples if s.name == name)
 
 
 def test_a_background_streams_client_leaving_is_no_cancellation(proxy: ProxyUnderTest) -> None:
     """The POST's record: its TTFT (the model's own first token), no error, no finish yet
-    (raw `in_progress`, as the acknowledgement not streamed is `queued`), and no tokens,
-    which the GET that reads the rest counts whole (here they would be counted twice)."""
+    (raw `in_progress`, as the acknowledgement not streamed is `queued`), and no tokens:
+    nothing counts them (a GET that reads the rest is a passthrough)."""
     rid = leave_after(proxy.url, 4)
     (m,) = proxy.wait_records(1)
     assert (m.endpoint, m.status_code, m.stream) == ("/v1/responses", 200, True)
@@ -82,27 +120,24 @@ def test_a_background_streams_client_leaving_is_no_cancellation(proxy: ProxyUnde
     httpx.get(f"{proxy.url}/v1/responses/{rid}", params={"stream": "true"})  # let it end
 
 
-def test_a_plain_retrieval_stays_a_passthrough(proxy: ProxyUnderTest) -> None:
-    rid = leave_after(proxy.url, 2)
-    httpx.get(f"{proxy.url}/v1/responses/{rid}", params={"stream": "true"})  # to its end
-    whole = httpx.get(f"{proxy.url}/v1/responses/{rid}")
-    assert whole.status_code == 200 and whole.json()["status"] == "completed"
-    assert passthrough(proxy, "/v1/responses/{id}", "200") == 1  # the plain GET alone
+def test_a_background_stream_its_client_left_is_not_judged_met(
+    sim: Running, start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    """It had not finished: the SLO leaves it out of attainment, as a client that left."""
+    proxy = start_proxy(sim.url, slo="ttft=1,e2e=0.5,tpot=0.5")
+    rid = leave_after(proxy.url, 4)
+    proxy.wait_records(1, exact=True)
+    labels = {"model": MODEL, "endpoint": "/v1/responses"}
+    assert proxy.sample("tokenprobe_slo_requests_total", **labels, result="met") == 0
+    assert proxy.sample("tokenprobe_slo_cancelled_requests_total", **labels) == 1
+    httpx.get(f"{proxy.url}/v1/responses/{rid}", params={"stream": "true"})  # let it end
 
 
-def passthrough(proxy: ProxyUnderTest, route: str, code: str) -> float:
-    """The passthrough count, once there is one: counted just after the last byte went
+def passthrough(proxy: ProxyUnderTest, route: str, code: str, at_least: int = 1) -> float:
+    """The passthrough count, once it is `at_least`: counted just after the last byte went
     out, so the proxy is given a moment (as tests/server/test_proxy_e2e.py does)."""
     name = "tokenprobe_passthrough_requests_total"
     deadline = time.monotonic() + 5
-    while not proxy.sample(name, route=route, code=code) and time.monotonic() < deadline:
+    while proxy.sample(name, route=route, code=code) < at_least and time.monotonic() < deadline:
         time.sleep(0.01)
     return proxy.sample(name, route=route, code=code)
-
-
-@no_proxy
-def test_the_relay_measures_a_get_only_as_a_stream_read_again() -> None:
-    assert measured_api("GET", "/v1/responses/resp_1", "stream=true") is not None
-    assert measured_api("GET", "/v1/responses/resp_1", "") is None
-    assert measured_api("POST", "/v1/responses/resp_1", "stream=true") is None
-    assert measured_api("DELETE", "/v1/responses/resp_1", "stream=true") is None

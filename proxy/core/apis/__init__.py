@@ -1,8 +1,10 @@
 """The per-API seams and their registry: adding an API is one module and one line here.
 
 `api_for(path)` answers for a normalised request path (no query); the relay measures a
-POST whose path has an Api, and a GET that `api_for_get` measures (a background Response's
-stream read again), and forwards everything else unmeasured. `ENDPOINTS` is the
+POST whose path has an Api and forwards everything else unmeasured (every GET too: a
+background Response's stream read again, `GET /v1/responses/{id}?stream=true`, replays
+stored events with the whole usage to every reader, so measuring it would count the
+response again on each read). `ENDPOINTS` is the
 closed set of `endpoint` label values (each Api's canonical path).
 """
 
@@ -29,7 +31,6 @@ from proxy.core.apis.messages import Messages
 from proxy.core.apis.ollama import OllamaChat, OllamaEmbed, OllamaGenerate
 from proxy.core.apis.pooling import Classify, CohereEmbed, Embeddings, Pooling, Rerank, Score
 from proxy.core.apis.responses import Responses
-from proxy.core.apis.responses_resume import ResponsesResume, resumed
 
 #: Every measured API, one line each.
 APIS: tuple[Api, ...] = (
@@ -55,11 +56,9 @@ APIS: tuple[Api, ...] = (
     Invocations(),
     GenerativeScoring(),
     StructuredDecisions(),
-    ResponsesResume(),
 )
 
-#: A POST's path; a route of items (`{id}`) is matched by its own test (`api_for_get`).
-_BY_PATH = {path: api for api in APIS for path in api.paths if "{" not in path}
+_BY_PATH = {path: api for api in APIS for path in api.paths}
 _BY_ENDPOINT = {api.endpoint: api for api in APIS}
 #: The closed set of `endpoint` label values.
 ENDPOINTS = frozenset(_BY_ENDPOINT)
@@ -68,12 +67,6 @@ ENDPOINTS = frozenset(_BY_ENDPOINT)
 def api_for(path: str) -> Api | None:
     """The Api serving this normalised path, or None (forwarded unmeasured)."""
     return _BY_PATH.get(path)
-
-
-def api_for_get(path: str, query: str) -> Api | None:
-    """The Api measuring a GET of this normalised path and its query, or None: only a
-    stored Response's stream read again (`GET /v1/responses/{id}?stream=true`)."""
-    return _BY_ENDPOINT[ResponsesResume.endpoint] if resumed(path, query) else None
 
 
 def api_under(path: str) -> Api | None:
@@ -102,7 +95,6 @@ __all__ = [
     "RequestInfo",
     "TokenCounts",
     "api_for",
-    "api_for_get",
     "api_of",
     "api_under",
 ]

@@ -90,7 +90,8 @@ class RequestInfo:
     system: Any = None
     #: The backend generates on when the client leaves: a background Response's stream
     #: (vLLM runs it in a task of its own, openai/responses/serving.py:537-589), which its
-    #: client may read again (proxy/core/apis/responses_resume.py).
+    #: client may read again with a GET (forwarded unmeasured: every reader gets the whole
+    #: usage again, docs/apis.md).
     detached: bool = False
 
 
