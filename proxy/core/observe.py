@@ -228,6 +228,9 @@ class StreamObserver:
         self.reasoned_whole = False
         # the reasoning's texts (of a body's whole answer always, of a stream's collected)
         self._reasoned: Collected | None = None
+        # some reasoning came without its text (a summary in its place): the texts kept
+        # are not all of it, so they bound no count (`reasoning_ceiling`)
+        self._reasoning_untold = False
         self.tools: ToolCalls | None = None
         self._fast: Facts | None = None  # the shared answer the inline path counts
         self._run = 0  # choice 0's events when the current run began
@@ -364,6 +367,8 @@ class StreamObserver:
         self.reasoning_events += 1
         if texts:
             self._keep_reasoning(texts, choice)
+        elif self._collect:  # collected, yet no text: not the reasoning's (a summary's)
+            self._reasoning_untold = True
 
     def _apply(self, facts: Facts, now: float) -> None:
         if facts.calls is not None:
@@ -579,6 +584,8 @@ class StreamObserver:
                 self._keep(texts, index)
             if reasoning:
                 self._keep_reasoning(reasoning, index)
+            elif reasoning is not None:  # it reasoned, its text not given whole (a summary)
+                self._reasoning_untold = True
         return replace(facts, texts=None, reasoning=None)
 
     def choice_outputs(self) -> list[tuple[list[str], Any]]:
@@ -699,9 +706,10 @@ class StreamObserver:
         if error_type is ErrorType.CLIENT_CANCELLED and self.request.detached and self.streaming:
             # A background Response generates on without its reader (vLLM runs it in a
             # task of its own, responses/serving.py:537-589): its client left only its copy
-            # of the stream, which a GET reads again, with a record of its own and the
-            # usage (apis/responses_resume.py). So no error, no finish yet, and no tokens
-            # here (they would be counted twice), as for the acknowledgement not streamed.
+            # of the stream, which a GET may read again (forwarded unmeasured: every
+            # reader gets the whole usage again). So no error, no finish yet, and no tokens
+            # here: its usage never reaches this reader, as for the acknowledgement not
+            # streamed (docs/apis.md: such a response's tokens are not counted).
             self.finish_reason = self.finish_reason or "in_progress"
             return self.measurement(
                 end=end,
@@ -813,12 +821,28 @@ class StreamObserver:
         most N tokens,
         plus a character each choice's detokenizer still held at the text's end
         (HELD_BYTES). A token that gives no text at all (a special token vLLM skips) is
-        the one thing this leaves out."""
+        the one thing this leaves out.
+
+        Only where the texts are all the reasoning usage counts, else None:
+        - not where some reasoning came without its text (`_reasoning_untold`): a summary
+          (Responses' `summary`, `reasoning_summary_text`) is not the reasoning;
+        - not where the request offered tools or the answer called one: vLLM's harmony
+          parser (gpt-oss) counts as reasoning every token on the analysis channel and
+          every commentary token written to a recipient (vllm/parser/harmony.py,
+          `_is_reasoning_token`), a call's text among them, which goes into the call, not
+          the reasoning; and a call cut short or to a name no tool has leaves no call to
+          see."""
         reasoned = self._reasoned
-        if reasoned is None:
+        if reasoned is None or self._reasoning_untold or self.called_or_offered_tools():
             return None
         held = HELD_BYTES * len(reasoned.by_choice())
         return sum(len(text.encode()) for text in reasoned.texts) + held
+
+    def called_or_offered_tools(self) -> bool:
+        """The answer carried a tool call (or a built-in tool's content), or the request
+        offered tools (`tools_offered`)."""
+        called = self.tools is not None or self.first_tool_call is not None
+        return called or self.tools_offered()
 
     def tools_offered(self) -> bool:
         """The request offered tools, so a tool parser may have held generated text back:

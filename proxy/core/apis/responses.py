@@ -50,6 +50,11 @@ _DELTAS = {
     "response.mcp_call_arguments.delta": "tool",
 }
 _CALL_ARGUMENTS = "response.function_call_arguments.delta"
+#: A summary of the reasoning (OpenAI's `reasoning.summary`; vLLM 0.32 writes none, its
+#: items' `summary` is always [], openai/responses/utils.py): evidence that the model
+#: reasoned, but not the reasoning's text, so its text is kept neither as the reasoning nor
+#: as output (a whole answer's summary parts are neither, `_whole`, `_output_texts`).
+_SUMMARY = "response.reasoning_summary_text.delta"
 _IDENTIFYING = frozenset({"response.created", "response.in_progress"})
 _ENDS = frozenset({"response.completed", "response.incomplete"})
 #: status, or incomplete_details.reason -> finish_reason label (anything else: "other").
@@ -153,7 +158,7 @@ class Responses(Api):
             facts = Facts(content=content)
             if kind == _CALL_ARGUMENTS:  # only tool-call streams pay for this
                 facts.calls = (CallPiece(_index(obj), False, delta),)
-            if collect:
+            if collect and kind != _SUMMARY:
                 keep(facts, delta)
             return facts
         if kind == "response.output_item.added" or kind == "response.output_item.done":
@@ -256,10 +261,21 @@ def _whole(facts: Facts, output: object) -> None:
     """A whole answer's reasoning (for a tokenizer to count) and each function call whole,
     judged as a stream's are: vLLM's non-streaming output is a `reasoning` item (its
     `reasoning_text` parts), a `message`, then a `function_call` item per call with its
-    `arguments` as text (openai/responses/utils.py, build_response_output_items)."""
+    `arguments` as text (openai/responses/utils.py, build_response_output_items).
+
+    The reasoning is given as text only where it is all there: an empty list (it reasoned,
+    none of its text kept) where a reasoning item has a summary in place of its text
+    (OpenAI's shape: a summary is not the reasoning usage counts), or where a built-in
+    tool's item (code interpreter, browser, MCP) holds text a harmony model wrote to a
+    recipient, which vLLM counts as reasoning (vllm/parser/harmony.py,
+    `_is_reasoning_token`) and puts in that item (responses/harmony.py,
+    harmony_to_response_output). Part of the text would bound the count too low
+    (StreamObserver.reasoning_ceiling)."""
     if type(output) is not list:
         return
     calls = []
+    texts: list[str] = []
+    reasoned = untold = False
     for index, item in enumerate(output):
         kind = item.get("type") if type(item) is dict else None
         if kind == "function_call":
@@ -267,12 +283,22 @@ def _whole(facts: Facts, output: object) -> None:
             given = arguments if type(arguments) is str else ""
             calls.append(CallPiece(index, True, given, closes=True))
         elif kind == "reasoning":
-            for part in (*_list(item.get("content")), *_list(item.get("summary"))):
-                text = part.get("text") if type(part) is dict else None
-                if text and type(text) is str:
-                    facts.reasoning = [*(facts.reasoning or ()), text]
+            own, summary = _texts(item.get("content")), _texts(item.get("summary"))
+            reasoned = reasoned or bool(own or summary)
+            untold = untold or bool(summary and not own)
+            texts += own
+        elif kind != "message" and type(kind) is str:
+            untold = True
+    if reasoned:
+        facts.reasoning = [] if untold else texts
     if calls:
         facts.calls = tuple(calls)
+
+
+def _texts(parts: object) -> list[str]:
+    """The texts of a reasoning item's `content` or `summary` parts."""
+    found = (part.get("text") if type(part) is dict else None for part in _list(parts))
+    return [text for text in found if text and type(text) is str]
 
 
 def _list(value: object) -> list[Any]:
