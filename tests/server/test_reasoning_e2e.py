@@ -97,7 +97,10 @@ def test_reasoning_then_answer_is_measured_by_kind(
     want_source = "events" if path in (MESSAGES, COHERE) else "usage"
     assert (m.reasoning_tokens, m.reasoning_token_source) == (6, want_source)
     assert m.without_answer is None and m.tool_calls == ()
-    assert m.reasoning_tpot is not None and m.answer_tpot is not None
+    # Each phase's time per token, unless a loaded machine handed the proxy all of a
+    # phase's tokens in one read: a span of one read measures no time per token (none).
+    assert m.reasoning_tpot is not None or at[0] == at[5], (m.reasoning_tpot, at)
+    assert m.answer_tpot is not None or at[6] == at[-1], (m.answer_tpot, at)
     count = "tokenprobe_time_to_first_answer_token_seconds_count"
     assert sample(proxy, count, path) == 1
     assert sample(proxy, "tokenprobe_reasoning_duration_seconds_count", path) == 1
