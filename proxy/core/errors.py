@@ -536,6 +536,11 @@ def describe(exc: BaseException) -> str:
     # aiohttp's internal code before them ("400, message: Not enough data to satisfy
     # content length header."), a status no HTTP peer sent.
     text = " ".join(str(said).split())
+    begun = not isinstance(getattr(root, "message", ""), str)
+    if begun and _DISCONNECTED in type_names(type(root)):
+        # aiohttp's disconnect error holds the response head it had begun, whose repr is
+        # its internals and the upstream's headers: the phrase below says it instead
+        text = ""
     if isinstance(root, ConnectionError) and root.errno and root.strerror is not None:
         # A refused or reset connection in the system's words for its errno, as uvloop
         # and httpcore give them: asyncio's are "Connect call failed ('10.0.0.5', 8000)"
@@ -547,9 +552,12 @@ def describe(exc: BaseException) -> str:
     return f"{name}: {text}{where}"[:300]
 
 
+#: aiohttp's clean close, whose `message` is its text or the response head it had begun.
+_DISCONNECTED = "aiohttp.ServerDisconnectedError"
+
 #: Phrases for exceptions without text, by "package.Class", most specific first.
 PHRASES: tuple[tuple[str, str], ...] = (
-    ("aiohttp.ServerDisconnectedError", "the upstream closed the connection"),
+    (_DISCONNECTED, "the upstream closed the connection"),
     ("builtins.TimeoutError", "timed out"),
     ("asyncio.CancelledError", "cancelled before the upstream answered"),
     ("builtins.ConnectionResetError", "the upstream reset the connection"),

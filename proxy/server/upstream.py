@@ -68,7 +68,12 @@ from proxy.server.dial import (
     upstream_tls,
     where,
 )
-from proxy.server.upstream_errors import ClosedUnanswered, UpstreamClosed, UpstreamProtocolError
+from proxy.server.upstream_errors import (
+    ClosedInHead,
+    ClosedUnanswered,
+    UpstreamClosed,
+    UpstreamProtocolError,
+)
 from proxy.settings import Settings
 
 KEEPALIVE_SECONDS = 4.0
@@ -90,6 +95,10 @@ AiohttpSend = Callable[
 
 
 class _HttpxClosedUnanswered(ClosedUnanswered, httpx.RemoteProtocolError):
+    pass
+
+
+class _HttpxClosedInHead(ClosedInHead, httpx.RemoteProtocolError):
     pass
 
 
@@ -311,7 +320,11 @@ class _GuardedConnection(httpcore.AsyncHTTPConnection):
     interim response on the way to completing it), so it is not sent again. h11 keeps
     no other trace of a 1xx than `their_http_version`, which it sets for every response
     it parses and, in a client, reads for nothing: it is cleared as a reused connection
-    takes a request, and still None at the close when none came."""
+    takes a request, and still None at the close when none came.
+
+    httpcore says "Server disconnected without sending a response." for any clean close
+    before the end of the final head; one after a byte of it (in h11's buffer) or a 1xx,
+    on any connection, is raised as `ClosedInHead`, as the wire tells it."""
 
     async def handle_async_request(self, request: httpcore.Request) -> httpcore.Response:
         inner = self._connection
@@ -331,6 +344,15 @@ class _GuardedConnection(httpcore.AsyncHTTPConnection):
             ):
                 # httpx passes this on as it is: it is no httpcore error to translate.
                 raise _HttpxClosedUnanswered(str(exc)) from exc
+            if (
+                str(exc) == _H11_UNANSWERED
+                and isinstance(inner, httpcore.AsyncHTTP11Connection)
+                and (
+                    inner._h11_state.their_http_version is not None  # a 1xx came
+                    or inner._h11_state.trailing_data[0]  # the head begun
+                )
+            ):
+                raise _HttpxClosedInHead(str(exc)) from exc
             raise
 
 
@@ -436,7 +458,10 @@ async def send_upstream(
             raise ConnectTimedOut(limit, _where(url, client.uds)) from exc
         if client.uds is None and classify_exception(exc, after_headers=False) is _UNREACHABLE:
             raise ConnectFailed(str(exc), _where(url, None)) from exc
-        if _closed_unanswered(exc):  # as the wire's _closed_early says it
+        if _closed_in_head(exc):  # as the wire's _closed_early says it
+            where = "before the end of the response head"
+            raise UpstreamClosed(fault_words("closed_early", where=where)) from exc
+        if _closed_unanswered(exc):
             raise UpstreamClosed(fault_words("closed_early", where="before answering")) from exc
         raise
     status = response.status_code
@@ -482,6 +507,16 @@ async def _send_once_more_if_unanswered(
         if perf_counter() - sent_at >= RESEND_WITHIN:
             raise
         return await _send_httpx(client.fresh_transport(), method, url, headers, body, timeout)
+
+
+def _closed_in_head(exc: Exception) -> bool:
+    """Whether the upstream closed the connection cleanly inside its answer's head: a
+    `ClosedInHead` from either transport, or aiohttp's ServerDisconnectedError whose
+    `message` is the message begun (a RawResponseMessage: never told to a client)."""
+    if isinstance(exc, ClosedInHead):
+        return True
+    said = getattr(exc, "message", None)
+    return "aiohttp.ServerDisconnectedError" in type_names(type(exc)) and not isinstance(said, str)
 
 
 def _closed_unanswered(exc: Exception) -> bool:

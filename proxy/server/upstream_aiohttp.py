@@ -31,6 +31,7 @@ from proxy.core.errors import fault_words
 from proxy.server.dial import connect_unix, httpx_default_tls
 from proxy.server.protocol import MAX_RESPONSE_HEAD
 from proxy.server.upstream_errors import (
+    ClosedInHead,
     ClosedUnanswered,
     UpstreamClosed,
     UpstreamProtocolError,
@@ -46,6 +47,12 @@ RESPONSE_HEADERS = MAX_RESPONSE_HEAD // 5
 
 class _AiohttpClosedUnanswered(ClosedUnanswered, aiohttp.ServerDisconnectedError):
     pass
+
+
+class _AiohttpClosedInHead(ClosedInHead, aiohttp.ServerDisconnectedError):
+    """Without the unfinished message aiohttp gives its own disconnect error here (a
+    RawResponseMessage's repr: the upstream's headers, about 400 characters of aiohttp's
+    internals), which a client's answer must not carry."""
 
 
 def aiohttp_transport(
@@ -109,7 +116,9 @@ class _GuardedHandler(ResponseHandler):
     A clean close before any byte of the answer on a connection that was pooled before
     (`_reused`) is raised as `ClosedUnanswered`: no message parsed for the request
     (`_heard`, a 1xx included) and none begun (aiohttp's disconnect error then carries its
-    own text, not the unfinished message).
+    own text, not the unfinished message). One after a byte of the answer and before the
+    end of the final head (a message begun, or a 1xx heard) is raised as `ClosedInHead`,
+    on any connection.
 
     With aiohttp's C parser, a malformed body (a chunk size that is not hex) makes the
     protocol close the connection and record the error on itself, but the response's body
@@ -210,8 +219,16 @@ class _GuardedHandler(ResponseHandler):
             and self._state is _BUSY
             and self._reused
             and not self._heard
+            and not self._held_head_bytes()
         ):
             exc = _AiohttpClosedUnanswered()
+        elif (
+            type(exc) is aiohttp.ServerDisconnectedError
+            and self._state is _BUSY
+            and self._finals == 0  # else the head is in: the body's reader is told
+            and (not isinstance(exc.message, str) or self._heard or self._held_head_bytes())
+        ):
+            exc = _AiohttpClosedInHead()
         if isinstance(exc, HttpProcessingError) and not self._faulted:
             # The parser refused what came (aiohttp closed the transport already).
             self._faulted = True
@@ -223,6 +240,14 @@ class _GuardedHandler(ResponseHandler):
             if isinstance(exc, HttpProcessingError):
                 broken.__cause__ = _malformed(exc)
             payload.set_exception(broken)
+
+    def _held_head_bytes(self) -> bool:
+        """Whether the parser held bytes of a head it never finished, as the connection
+        closed (asked only then, before aiohttp drops the parser). aiohttp's pure-Python
+        parser (AIOHTTP_NO_EXTENSIONS) keeps them in `_lines` (its `feed_eof` adds the
+        line cut short) and gives up on a status line cut short, where the C parser,
+        which has no `_lines`, hands on the message begun."""
+        return bool(getattr(self._parser, "_lines", None))
 
 
 def _malformed(exc: HttpProcessingError) -> UpstreamProtocolError:

@@ -34,3 +34,12 @@ class ClosedUnanswered(Exception):
     the request on it: `send_upstream` sends that request once more, on a new connection.
     Raised as the transport's own disconnect error (`_AiohttpClosedUnanswered`,
     `_HttpxClosedUnanswered`), so where it is not caught it means what that error means."""
+
+
+class ClosedInHead(Exception):
+    """The backend closed the connection cleanly after a byte of its answer and before the
+    end of its final response head (a status line and a header, a 1xx and no more), as the
+    wire's `_closed_early` tells it: `send_upstream` raises `UpstreamClosed` in its words
+    ("before the end of the response head"), and never sends the request again (the
+    backend took it). Raised as the transport's own disconnect error
+    (`_AiohttpClosedInHead`, `_HttpxClosedInHead`), as `ClosedUnanswered` is."""

@@ -6,7 +6,8 @@ told in the one wording of proxy.core.errors.UPSTREAM_FAULTS, or, for a refused 
 in the system's words for its errno, with the same status and error kind.
 
 Each test runs on the three paths (the `path` fixture), in a real `tokenprobe serve` in
-front of a peer on 127.0.0.1. Shown able to fail: each was run against the tree before.
+front of a peer on 127.0.0.1, but for those only one path meets (the wire's WebSocket
+tunnel, aiohttp's parsers). Shown able to fail: each was run against the tree before.
 """
 
 from __future__ import annotations
@@ -19,9 +20,15 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import httpx
 import pytest
+from aiohttp import HttpVersion11
+from aiohttp.http_parser import RawResponseMessage
+from multidict import CIMultiDict, CIMultiDictProxy
 
+from proxy.core.errors import describe
+from tests.edge_backend import serving
 from tests.hostile.client import ws_head
 from tests.hostile.peers import Conn, Handler, RawUpstream, Request, by_target
 from tests.hostile.shared import DataPath, SharedProxies, counted, until
@@ -247,3 +254,92 @@ def test_a_kept_alive_connection_closed_unanswered_is_told_in_one_wording(
             "upstream: UpstreamClosed: the upstream closed the connection before answering"
         )
     assert upstream.connections == 1
+
+
+def close_after(response: bytes) -> Handler:
+    """A handler writing `response`, then closing the connection cleanly (a FIN)."""
+
+    async def handler(conn: Conn, request: Request) -> None:
+        conn.write(response)
+        await conn.drain()
+        conn.writer.close()
+
+    return handler
+
+
+HEAD_CUT = (
+    "upstream: UpstreamClosed: the upstream closed the connection"
+    " before the end of the response head"
+)
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n",
+        b"HTTP/1.1 2",
+        b"HTTP/1.1 100 Continue\r\n\r\n",
+    ],
+    ids=["status-and-a-header", "part-of-a-status-line", "a-1xx-alone"],
+)
+def test_a_response_head_cut_short_is_told_in_one_wording_on_every_path(
+    upstream: RawUpstream, path: DataPath, head: bytes
+) -> None:
+    """The wire said "UpstreamClosed: the upstream closed the connection before the end of
+    the response head"; aiohttp "ServerDisconnectedError: <RawResponseMessage(version=...,
+    code=200, reason='OK', headers=<CIMultiDictProxy('Content-Type': ...)>, ...)>", its
+    internals and the upstream's headers (after a 1xx alone, "before answering"); httpx
+    "before answering", though the answer had begun. The backend took the request: it is
+    not sent again."""
+    upstream.default = by_target({b"/v1/chat/completions": close_after(head)})
+    with path.proxy(upstream.url) as base:
+        status, message = ask(base)
+        assert status == 502, message
+        assert message == HEAD_CUT
+        assert until(lambda: counted(base, REQUESTS, error_type="upstream_error") == 1)
+    assert len(upstream.requests) == 1
+
+
+def test_a_response_head_cut_short_on_a_kept_alive_connection_is_not_sent_again(
+    upstream: RawUpstream, path: DataPath
+) -> None:
+    """On a reused connection too (where a close before any byte of the answer sends the
+    request once more): the head had begun, so the backend took it."""
+    cut = close_after(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n")
+    upstream.default = by_target({b"/v1/chat/completions": cut})
+    with path.proxy(upstream.url) as base:
+        first = httpx.post(base + "/v1/completions", json={"model": "m", "prompt": "hi"})
+        assert first.status_code == 200, first.text
+        status, message = ask(base)  # on the connection the first left in the pool
+        assert status == 502, message
+        assert message == HEAD_CUT
+    assert (upstream.connections, len(upstream.requests)) == (1, 2)
+
+
+def test_a_status_line_cut_short_is_a_head_cut_for_aiohttps_pure_python_parser(
+    upstream: RawUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """aiohttp's pure-Python parser (AIOHTTP_NO_EXTENSIONS) gives up on a status line cut
+    short, and its disconnect error said "Server disconnected", as for no answer at all:
+    a kept-alive connection's request went once more, though the backend took it. A proxy
+    of its own: the parser is chosen as aiohttp is imported."""
+    monkeypatch.setenv("TOKENPROBE_RELAY", "asgi")
+    monkeypatch.setenv("AIOHTTP_NO_EXTENSIONS", "1")
+    upstream.default = by_target({b"/v1/chat/completions": close_after(b"HTTP/1.1 2")})
+    with serving(upstream.url, "--upstream-transport", "aiohttp") as base:
+        first = httpx.post(base + "/v1/completions", json={"model": "m", "prompt": "hi"})
+        assert first.status_code == 200, first.text
+        status, message = ask(base)  # on the connection the first left in the pool
+        assert status == 502, message
+        assert message == HEAD_CUT
+    assert (upstream.connections, len(upstream.requests)) == (1, 2)
+
+
+def test_aiohttps_disconnect_error_never_tells_the_head_it_had_begun() -> None:
+    """Its `message` is then aiohttp's RawResponseMessage, whose repr (aiohttp's internals
+    and the upstream's headers) `describe` told; now a phrase, wherever one reaches it."""
+    headers = CIMultiDictProxy(CIMultiDict({"set-cookie": "secret"}))
+    raw = ((b"set-cookie", b"secret"),)
+    begun = RawResponseMessage(HttpVersion11, 200, "OK", headers, raw, True, None, False, False)
+    said = describe(aiohttp.ServerDisconnectedError(begun))
+    assert said == "ServerDisconnectedError: the upstream closed the connection"
