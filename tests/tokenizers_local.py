@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+if TYPE_CHECKING:
+    from proxy.core.tokens import TokenCounter
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -64,3 +69,15 @@ def with_chat_template(directory: Path) -> Path:
     config["chat_template"] = CHAT_TEMPLATE
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return directory
+
+
+def loaded_counter(directory: Path) -> TokenCounter:
+    """A counter with a tiny tokenizer built in `directory`, once it has loaded. (Imported
+    here: tests/vllm_model.py loads this module in the vLLM venv, which has no proxy.)"""
+    from proxy.core.tokens import TokenCounter
+
+    counter = TokenCounter(str(build_tiny_tokenizer(directory)))
+    deadline = time.monotonic() + 30
+    while not counter.ready and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return counter

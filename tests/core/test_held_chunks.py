@@ -11,7 +11,6 @@ output. An empty delta is no first token.
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +19,8 @@ import orjson
 from proxy.core.apis import api_for
 from proxy.core.measurement import Measurement, TokenSource
 from proxy.core.observe import Counter, StreamObserver
-from proxy.core.tokens import TokenCounter
 from tests.paths import FIXTURES
-from tests.tokenizers_local import build_tiny_tokenizer
+from tests.tokenizers_local import loaded_counter
 
 HELD = FIXTURES / "streams" / "vllm-0.32-held"
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -114,14 +112,6 @@ def test_chat_echo_is_no_output_and_no_first_token() -> None:
     assert (m.output_tokens, m.token_source) == (12, TokenSource.CHUNKS)  # vLLM generated 12
     assert m.content_events == sum(map(generated, events))
     assert m.ttft == first_generated(events) > 4 / 8  # after both role and both echo reads
-
-
-def loaded_counter(directory: Path) -> TokenCounter:
-    counter = TokenCounter(str(build_tiny_tokenizer(directory)))
-    deadline = time.monotonic() + 30
-    while not counter.ready and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return counter
 
 
 def test_a_tokenizer_leaves_chat_echo_out(tmp_path: Path) -> None:

@@ -19,18 +19,14 @@ from proxy.core.measurement import Measurement, TokenSource
 from proxy.core.observe import StreamObserver
 from proxy.core.tokens import TokenCounter, count_output, count_request, load_tokenizer
 from tests.conftest import MODEL, ProxyUnderTest, Running
-from tests.tokenizers_local import build_tiny_tokenizer, mistral_tokenizer_dir, with_chat_template
+from tests.tokenizers_local import (
+    build_tiny_tokenizer,
+    loaded_counter,
+    mistral_tokenizer_dir,
+    with_chat_template,
+)
 
 NO_USAGE = {"x-sim-usage-mode": "ignore", "x-sim-output-tokens": "24"}
-
-
-def loaded_counter(directory: Path) -> TokenCounter:
-    """A counter with a tiny tokenizer built in `directory`, once it has loaded."""
-    counter = TokenCounter(str(build_tiny_tokenizer(directory)))
-    deadline = time.monotonic() + 30
-    while not counter.ready and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return counter
 
 
 def streamed_text(raw: bytes) -> str:

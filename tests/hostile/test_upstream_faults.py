@@ -28,6 +28,7 @@ from aiohttp.http_parser import RawResponseMessage
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.core.errors import describe
+from tests.backlog import full_backlog
 from tests.edge_backend import serving
 from tests.hostile.client import ws_head
 from tests.hostile.peers import Conn, Handler, RawUpstream, Request, by_target
@@ -49,19 +50,8 @@ def unanswered() -> Iterator[str]:
     """An upstream address on 127.0.0.1 whose SYNs go unanswered: a listening socket with
     a backlog of none, filled by connections it never accepts, so the kernel drops the
     next SYN and the proxy's connect waits for its --connect-timeout."""
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(0)
-        port = listener.getsockname()[1]
-        fillers = [socket.socket() for _ in range(4)]
-        try:
-            for filler in fillers:
-                filler.setblocking(False)
-                filler.connect_ex(("127.0.0.1", port))  # EINPROGRESS past the first
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            for filler in fillers:
-                filler.close()
+    with full_backlog(("127.0.0.1", 0)) as (host, port):
+        yield f"http://{host}:{port}"
 
 
 def test_a_connect_timeout_names_the_setting_on_every_path(unanswered: str, path: DataPath) -> None:
@@ -198,19 +188,8 @@ def full_unix_socket(socket_dir: Path) -> Iterator[str]:
     """A listening Unix socket whose backlog is full, filled by connections it never
     accepts: a connect to it fails at once with EAGAIN (Linux net/unix/af_unix.c
     unix_stream_connect, a non-blocking socket), where a blocking one would wait."""
-    where = str(socket_dir / "full.sock")
-    with socket.socket(socket.AF_UNIX) as listener:
-        listener.bind(where)
-        listener.listen(0)
-        fillers = [socket.socket(socket.AF_UNIX) for _ in range(4)]
-        try:
-            for filler in fillers:
-                filler.setblocking(False)
-                filler.connect_ex(where)  # EAGAIN past the first
-            yield where
-        finally:
-            for filler in fillers:
-                filler.close()
+    with full_backlog(str(socket_dir / "full.sock"), socket.AF_UNIX) as where:
+        yield str(where)
 
 
 def test_a_unix_socket_with_a_full_backlog_is_a_connect_timeout_on_every_path(

@@ -21,6 +21,7 @@ from proxy.core.upstream_url import UpstreamURL
 from proxy.server.upstream import create_client, send_upstream
 from proxy.server.wire.upstream import Pool
 from proxy.settings import Settings
+from tests.backlog import full_backlog
 from tests.server.conftest import no_proxy
 
 # Each test is parametrized over the three clients itself, and starts no proxy.
@@ -36,21 +37,10 @@ def closed_port() -> int:
 
 
 @pytest.fixture
-def full_backlog() -> Iterator[int]:
+def not_accepting() -> Iterator[int]:
     """A port whose listener takes no more connections: the next SYN goes unanswered."""
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(0)
-        port = int(listener.getsockname()[1])
-        fillers = [socket.socket() for _ in range(4)]
-        for filler in fillers:
-            filler.setblocking(False)
-            filler.connect_ex(("127.0.0.1", port))  # EINPROGRESS past the first
-        try:
-            yield port
-        finally:
-            for filler in fillers:
-                filler.close()
+    with full_backlog(("127.0.0.1", 0)) as (_, port):
+        yield int(port)
 
 
 async def _connect(client: str, port: int) -> BaseException:
@@ -95,12 +85,12 @@ def test_a_refused_connect_is_recorded_with_the_address_tried(client: str) -> No
 
 @pytest.mark.parametrize("client", CLIENTS)
 def test_a_connect_timeout_is_recorded_with_the_setting_and_the_address(
-    client: str, full_backlog: int
+    client: str, not_accepting: int
 ) -> None:
     """Each said "CancelledError: ...", of a task cancelled, whatever ran out."""
-    exc = asyncio.run(_connect(client, full_backlog))
+    exc = asyncio.run(_connect(client, not_accepting))
     assert isinstance(exc, TimeoutError)
     record, answer = told(exc)
     words = "ConnectTimedOut: the connect timed out after 0.3 s (--connect-timeout)"
-    assert record == f"{words} to host 127.0.0.1:{full_backlog}"
+    assert record == f"{words} to host 127.0.0.1:{not_accepting}"
     assert answer == f"upstream: {words}"

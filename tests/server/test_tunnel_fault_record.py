@@ -5,7 +5,6 @@ fault, the address the connect tried included (proxy.core.errors.relay_failure).
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 
@@ -13,6 +12,7 @@ import orjson
 import pytest
 
 from proxy.core.wsrecord import WsSessionRecord
+from tests.backlog import full_backlog
 from tests.hostile.client import responses, ws_head
 from tests.hostile.peers import exchange
 from tests.server.conftest import paths
@@ -25,19 +25,8 @@ pytestmark = paths("wire", why="only the wire tunnels WebSockets")
 def unanswered() -> Iterator[str]:
     """An upstream on 127.0.0.1 whose SYNs go unanswered: a listener with a full
     backlog, so a connect waits for --connect-timeout."""
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(0)
-        port = listener.getsockname()[1]
-        fillers = [socket.socket() for _ in range(4)]
-        try:
-            for filler in fillers:
-                filler.setblocking(False)
-                filler.connect_ex(("127.0.0.1", port))
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            for filler in fillers:
-                filler.close()
+    with full_backlog(("127.0.0.1", 0)) as (host, port):
+        yield f"http://{host}:{port}"
 
 
 def _ended(listener: TunnelListener, timeout: float = 5.0) -> WsSessionRecord:

@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from proxy.server.upstream import guarded_httpx_transport
+from tests.backlog import full_backlog
 from tests.server.conftest import no_proxy
 
 pytestmark = no_proxy
@@ -32,20 +33,9 @@ def full_unix_socket() -> Iterator[str]:
     """A listening Unix socket whose backlog is full, filled by connections it never
     accepts: a non-blocking connect to it fails with EAGAIN."""
     folder = Path(tempfile.mkdtemp(prefix="tp-uds-", dir="/tmp"))  # a socket path is short
-    where = str(folder / "full.sock")
     try:
-        with socket.socket(socket.AF_UNIX) as listener:
-            listener.bind(where)
-            listener.listen(0)
-            fillers = [socket.socket(socket.AF_UNIX) for _ in range(4)]
-            try:
-                for filler in fillers:
-                    filler.setblocking(False)
-                    filler.connect_ex(where)  # EAGAIN past the first
-                yield where
-            finally:
-                for filler in fillers:
-                    filler.close()
+        with full_backlog(str(folder / "full.sock"), socket.AF_UNIX) as where:
+            yield str(where)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
