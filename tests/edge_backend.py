@@ -135,8 +135,13 @@ def serving(upstream: str, *flags: str) -> Iterator[str]:
 
 @contextlib.contextmanager
 def serving_process(
-    upstream: str, *flags: str, stderr: int | IO[bytes] = subprocess.PIPE
+    upstream: str,
+    *flags: str,
+    stderr: int | IO[bytes] = subprocess.PIPE,
+    stdout: int | None = None,  # a file descriptor; None: nowhere
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A `tokenprobe serve` in front of `upstream`, `flags` after the defaults (a flag given
+    again wins: `--access-log json` with `stdout` a file for its records)."""
     port = free_port()
     process = spawn(
         "serve",
@@ -152,6 +157,7 @@ def serving_process(
         "m",
         *flags,
         stderr=stderr,
+        stdout=subprocess.DEVNULL if stdout is None else stdout,
     )
     base = f"http://127.0.0.1:{port}"
     try:

@@ -31,9 +31,9 @@ import httpx
 import orjson
 import pytest
 
+from tests.edge_backend import serving_process
 from tests.hostile.peers import Conn, Handler, RawUpstream, Request, by_target
 from tests.hostile.shared import DataPath, until
-from tests.servers import free_port, spawn, stop, wait_http
 
 RESET = "ConnectionResetError: [Errno 104] Connection reset by peer"
 CLOSED = "UpstreamClosed: the upstream closed the connection before the end of the response body"
@@ -79,27 +79,14 @@ class LoggedProxies:
 
 @contextlib.contextmanager
 def _logged(path: DataPath, upstream: str, log: Path) -> Iterator[str]:
-    port = free_port()
-    with log.open("wb") as out:
-        process = spawn(
-            "serve",
-            "--upstream",
-            upstream,
-            "--port",
-            str(port),
-            "--access-log",
-            "json",
-            "--models-refresh",
-            "0",
-            *path.flags,
-            stdout=out.fileno(),
-        )
-        try:
-            base = f"http://127.0.0.1:{port}"
-            wait_http(base + "/healthz")
-            yield base
-        finally:
-            stop(process)
+    with (
+        log.open("wb") as out,
+        serving_process(upstream, "--access-log", "json", *path.flags, stdout=out.fileno()) as (
+            b,
+            _,
+        ),
+    ):
+        yield b
 
 
 @pytest.fixture(scope="module")
