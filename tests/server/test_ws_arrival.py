@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from tests.backlog import full_backlog
 from tests.server.conftest import paths
 from tests.ws_proxy import ServedProxy, TunnelListener
 
@@ -80,24 +81,6 @@ class SlowThenSwitch:
         self.sock.close()
 
 
-class SlowToAccept:
-    """A listener whose accept queue is full: a connect to it hangs, its SYNs dropped."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(0)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.fillers = [socket.socket() for _ in range(3)]
-        for filler in self.fillers:  # never accepted: they fill the queue
-            filler.setblocking(False)
-            filler.connect_ex(self.sock.getsockname())
-
-    def stop(self) -> None:
-        for one in [*self.fillers, self.sock]:
-            one.close()
-
-
 def _read_until(sock: socket.socket, end: bytes) -> bytes:
     data = b""
     while end not in data:
@@ -123,10 +106,10 @@ def slow_then_switch() -> Iterator[SlowThenSwitch]:
 
 
 @pytest.fixture
-def slow_to_accept() -> Iterator[SlowToAccept]:
-    upstream = SlowToAccept()
-    yield upstream
-    upstream.stop()
+def slow_to_accept() -> Iterator[str]:
+    """An upstream whose accept queue is full: a connect to it hangs, its SYNs dropped."""
+    with full_backlog(("127.0.0.1", 0)) as (host, port):
+        yield f"http://{host}:{port}"
 
 
 def test_a_handshake_pipelined_behind_a_slow_response_is_timed_from_its_arrival(
@@ -151,11 +134,11 @@ def test_a_handshake_pipelined_behind_a_slow_response_is_timed_from_its_arrival(
 
 @pytest.mark.parametrize("kind", ["listener", "serve"])
 def test_a_slow_connect_counts_against_the_first_byte_timeout(
-    kind: str, slow_to_accept: SlowToAccept
+    kind: str, slow_to_accept: str
 ) -> None:
     settings = {"connect_timeout": 10, "first_byte_timeout": 1}
     proxy = (TunnelListener if kind == "listener" else ServedProxy)(
-        slow_to_accept.url, **settings
+        slow_to_accept, **settings
     ).start()
     try:
         with socket.create_connection(("127.0.0.1", proxy.port), timeout=30) as client:
