@@ -29,7 +29,10 @@ HEADERS = {"x-sim-output-tokens": "30", "x-sim-tps": "60"}  # PROGRAM, for httpx
 
 
 def leave_after(url: str, events: int) -> str:
-    """POST a background stream, read `events` events, leave; the response's id."""
+    """POST a background stream, read `events` events and at least its first text delta
+    (so the proxy read the model's first token before the client left: the item and part
+    events come in the same write as it, but a read may end between them), leave; the
+    response's id."""
     body = json.dumps({"model": MODEL, "input": "hi", "background": True, "stream": True})
     where = urlsplit(url)
     with socket.create_connection((where.hostname, where.port)) as s:
@@ -40,8 +43,10 @@ def leave_after(url: str, events: int) -> str:
             + body.encode()
         )
         got = b""
-        while got.count(b"data: ") < events:
-            got += s.recv(65536)
+        while got.count(b"data: ") < events or b'"response.output_text.delta"' not in got:
+            more = s.recv(65536)
+            assert more, got  # the stream ended before its first text
+            got += more
     found = re.search(rb'"id":"(resp_[^"]+)"', got)
     assert found is not None
     return found.group(1).decode()
