@@ -848,7 +848,10 @@ class StreamObserver:
         """The request offered tools, so a tool parser may have held generated text back:
         vLLM streams no chunk for a token its parser keeps (a <tool_call> it never turned
         into a call, chat_completion/serving.py: `delta_message is None` -> `continue`),
-        so tokens the output counts may have reached the client as nothing."""
+        so tokens the output counts may have reached the client as nothing. `tool_choice:
+        "none"` still counts: an engine-based tool parser runs on it and strips the calls
+        it finds (vllm/parser/abstract_parser.py, `_extract_tool_calls` and its streaming
+        twin), so their tokens reach the client as nothing too."""
         template = self.request.template
         return bool(template and template.get("tools"))
 
