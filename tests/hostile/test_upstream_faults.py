@@ -210,6 +210,13 @@ def test_a_unix_socket_with_a_full_backlog_is_a_connect_timeout_on_every_path(
         assert until(lambda: counted(base, REQUESTS, error_type="upstream_timeout") == 1)
 
 
+def ask_on_a_pooled_connection(base: str) -> tuple[int, str]:
+    """`ask` on the upstream connection a first, answered request left in the pool."""
+    first = httpx.post(base + "/v1/completions", json={"model": "m", "prompt": "hi"})
+    assert first.status_code == 200, first.text
+    return ask(base)
+
+
 def test_a_kept_alive_connection_closed_unanswered_is_told_in_one_wording(
     upstream: RawUpstream, path: DataPath
 ) -> None:
@@ -225,9 +232,7 @@ def test_a_kept_alive_connection_closed_unanswered_is_told_in_one_wording(
 
     upstream.default = by_target({b"/v1/chat/completions": hold_then_close})
     with path.proxy(upstream.url) as base:
-        first = httpx.post(base + "/v1/completions", json={"model": "m", "prompt": "hi"})
-        assert first.status_code == 200, first.text
-        status, message = ask(base)  # on the connection the first left in the pool
+        status, message = ask_on_a_pooled_connection(base)
         assert status == 502, message
         assert message == (
             "upstream: UpstreamClosed: the upstream closed the connection before answering"
@@ -287,9 +292,7 @@ def test_a_response_head_cut_short_on_a_kept_alive_connection_is_not_sent_again(
     cut = close_after(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n")
     upstream.default = by_target({b"/v1/chat/completions": cut})
     with path.proxy(upstream.url) as base:
-        first = httpx.post(base + "/v1/completions", json={"model": "m", "prompt": "hi"})
-        assert first.status_code == 200, first.text
-        status, message = ask(base)  # on the connection the first left in the pool
+        status, message = ask_on_a_pooled_connection(base)
         assert status == 502, message
         assert message == HEAD_CUT
     assert (upstream.connections, len(upstream.requests)) == (1, 2)
