@@ -240,6 +240,9 @@ def test_a_session_through_the_proxy_is_on_metrics_in_otlp_and_in_the_access_log
         400,
         "invalid_request_target",
     )
+    # why, in the words the client got, as an upstream failure's session line says it
+    assert bad["error"] == "the request path contains an encoded slash (%2F)"
+    assert "error" not in closed or closed["error"] is None
     assert closed["e2e_ms"] > 0 and closed["arrival"] <= bad["arrival"]
     assert (closed["e2e_ms"] + bad["e2e_ms"]) / 1000 == pytest.approx(prom_sum, abs=1e-5)
     assert SECRET not in orjson.dumps(proxy.lines).decode()

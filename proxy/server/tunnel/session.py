@@ -149,6 +149,8 @@ class Tunnel:
         except Refused as refusal:
             sinks.session_started(self.route)
             self._answer(refusal.status, refusal.kind, refusal.message)
+            if self._status:  # the record says why, as an upstream failure's does
+                self._error = self._masked(refusal.message)
             self.end(refusal.kind)  # invalid_request_target, HTTP's kind for this target
             return
         self.path, self.query = admitted.path, admitted.query
