@@ -28,8 +28,10 @@ finished request gets one verdict:
              a 429 too, since throttling is the service short of capacity
   met        it succeeded and no figure is above its limit
 
-A figure a request does not have cannot miss its target: the TPOT of a one-token answer,
-the TTFT of a non-streamed one. Goodput (DistServe) is met requests per second; the
+A figure a request does not have cannot miss its target (the TPOT of a one-token answer),
+except a first token (or answer) its client waited for: a non-streamed answer's first
+token reaches its client with the whole answer, so its ttft and ttfa are judged by its
+e2e, as a client that left is judged by how long it waited. Goodput (DistServe) is met requests per second; the
 proxy also counts their output tokens, so goodput tokens/s is a `rate()`.
 
 Targets come from `--slo ttft=0.5,tpot=0.05` (seconds), the same text on both sides, and
@@ -59,8 +61,18 @@ class Target:
 #: model waits for (proxy/core/measurement.py `first_answer`); a request with no answer
 #: token (only reasoning, only tool calls) is not judged on it.
 TARGETS: tuple[Target, ...] = (
-    Target("ttft", attrgetter("ttft"), "ttft", "request received -> first content token"),
-    Target("ttfa", attrgetter("ttfa"), "first_answer", "request received -> first answer token"),
+    Target(
+        "ttft",
+        attrgetter("ttft"),
+        "ttft",
+        "request received -> first content token (of a non-streamed answer, its last byte)",
+    ),
+    Target(
+        "ttfa",
+        attrgetter("ttfa"),
+        "first_answer",
+        "request received -> first answer token (of a non-streamed answer, its last byte)",
+    ),
     Target("tpot", attrgetter("tpot"), "tpot", "time per output token after the first"),
     Target("e2e", attrgetter("e2e"), "e2e", "request received -> last byte"),
 )
@@ -200,24 +212,21 @@ def _judged(
 ) -> str:
     """The first target missed; else MET, or CANCELLED for a request the client `left`.
     `unanswered`: it generated, then ended with neither an answer nor a call (reasoning cut
-    by its token limit): the first answer a ttfa target waits for never came. Only a
-    `streamed` request's client waits for a first token: one that left a non-streamed
-    request waited for the whole answer, which e2e judges."""
+    by its token limit): the first answer a ttfa target waits for never came.
+
+    A first token (or answer) a request lacks is judged by how long its client waited for
+    it, e2e: a client that left waited that long without getting it, and a request not
+    `streamed` gets its first token with the whole answer, at its end. Judged by nothing,
+    a non-streamed request would meet a ttft target however slow it was."""
     for name, limit in limits.items():
         value = read(name)
+        if value is None and name in _AWAITED:
+            if name == "ttfa" and unanswered and not left:
+                return name
+            if left or not streamed:
+                value = e2e
         if value is not None and value > limit:
             return name
-        if value is None and name == "ttfa" and unanswered and not left:
-            return name
-        if (
-            left
-            and streamed
-            and value is None
-            and name in _AWAITED
-            and e2e is not None
-            and e2e > limit
-        ):
-            return name  # it left after waiting longer than the limit for that token
     return CANCELLED if left else MET
 
 

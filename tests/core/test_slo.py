@@ -12,6 +12,7 @@ from proxy.core.measurement import ErrorType
 from tests.factories import measurement
 
 LIMITS = slo.parse_slo("ttft=0.5,tpot=0.05,e2e=10")
+NOT_STREAMED = {"stream": False, "stream_requested": False}
 
 
 @pytest.mark.parametrize(
@@ -43,17 +44,19 @@ LIMITS = slo.parse_slo("ttft=0.5,tpot=0.05,e2e=10")
         ({"error_type": ErrorType.CLIENT_CANCELLED, "ttft": None, "e2e": 2.0}, "ttft"),
         ({"error_type": ErrorType.CLIENT_CANCELLED, "ttft": None, "e2e": 0.3}, "cancelled"),
         ({"error_type": ErrorType.CLIENT_CANCELLED, "ttft": 0.4, "e2e": 2.0}, "cancelled"),
-        # A non-streamed request's client waits for the whole answer, never a first token:
-        # leaving it after the ttft limit misses nothing it lacks (e2e judges its wait).
+        # A non-streamed answer's first token reaches its client with the whole answer:
+        # its ttft is judged by its e2e (by nothing, it met a ttft target however slow).
+        ({"ttft": None, "tpot": None, "e2e": 0.4} | NOT_STREAMED, "met"),
+        ({"ttft": None, "tpot": None, "e2e": 0.7} | NOT_STREAMED, "ttft"),
+        ({"ttft": None, "tpot": None, "e2e": 12.0} | NOT_STREAMED, "ttft"),  # the first missed
+        # and a client that left one waited that long for its first token
         (
-            {"error_type": ErrorType.CLIENT_CANCELLED, "ttft": None, "e2e": 2.0}
-            | {"stream": False, "stream_requested": False},
+            {"error_type": ErrorType.CLIENT_CANCELLED, "ttft": None, "e2e": 0.3} | NOT_STREAMED,
             "cancelled",
         ),
         (
-            {"error_type": ErrorType.CLIENT_CANCELLED, "ttft": None, "e2e": 12.0}
-            | {"stream": False, "stream_requested": False},
-            "e2e",
+            {"error_type": ErrorType.CLIENT_CANCELLED, "ttft": None, "e2e": 2.0} | NOT_STREAMED,
+            "ttft",
         ),
         # A background Response whose client left its stream: no error (vLLM generates
         # on), no finish yet (raw in_progress): not finished, so judged as a client that left

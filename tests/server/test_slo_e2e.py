@@ -119,6 +119,31 @@ def test_a_cancelled_stream_is_counted_apart_and_left_out_of_attainment(
         assert proxy.sample("tokenprobe_slo_requests_total", **labels, result=result) == 0
 
 
+@pytest.mark.quiet("a late answer must miss a 0.4 s limit, a quick one meet it", seconds=1)
+def test_a_non_streamed_answers_first_token_is_judged_by_its_end(
+    start_sim: Callable[..., Running], start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    """Its client gets the first token with the whole answer: a ttft target judges its e2e.
+    Judged by nothing, it met a TTFT-only objective however late (tpot is not judged: a
+    non-streamed answer has no first token apart from its last)."""
+    sim = start_sim(output_tokens=4)
+    proxy = start_proxy(sim.url, slo="ttft=0.4,tpot=0.001")
+    body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}
+    with httpx.Client(base_url=proxy.url, timeout=30) as client:
+        for headers in (QUICK, LATE_FIRST_TOKEN, LATE_FIRST_TOKEN):
+            response = client.post("/v1/chat/completions", json=body, headers=headers)
+            assert response.status_code == 200, response.text
+    quick, *_ = proxy.wait_records(3, timeout=20)
+    assert quick.ttft is None and quick.output_tokens  # no first token apart from the body
+    labels = {"model": "sim-model", "endpoint": "/v1/chat/completions"}
+    judged = {
+        result: proxy.sample("tokenprobe_slo_requests_total", **labels, result=result)
+        for result in ("met", "ttft", "tpot")
+    }
+    assert judged == {"met": 1, "ttft": 2, "tpot": 0}
+    assert proxy.sample("tokenprobe_goodput_tokens_total", **labels) == quick.output_tokens
+
+
 def test_requests_refused_for_the_clients_doing_are_not_judged_and_a_429_is_an_error(
     start_sim: Callable[..., Running], start_proxy: Callable[..., ProxyUnderTest]
 ) -> None:
