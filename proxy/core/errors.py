@@ -535,7 +535,7 @@ def describe(exc: BaseException) -> str:
     # One line: aiohttp's parser errors hold newlines. Their own words only: str() puts
     # aiohttp's internal code before them ("400, message: Not enough data to satisfy
     # content length header."), a status no HTTP peer sent.
-    text = " ".join(str(said).split())
+    text = _BYTES_SHOWN.sub("", " ".join(str(said).split()))
     begun = not isinstance(getattr(root, "message", ""), str)
     if begun and _DISCONNECTED in type_names(type(root)):
         # aiohttp's disconnect error holds the response head it had begun, whose repr is
@@ -551,6 +551,11 @@ def describe(exc: BaseException) -> str:
         text = next((phrase for kind, phrase in PHRASES if kind in names), "no detail given")
     return f"{name}: {text}{where}"[:300]
 
+
+#: The bytes a parser quotes after its reason, and all that follows them: h11's "illegal
+#: header line: bytearray(b'...')", aiohttp's "Invalid header token: b'...' ^". They are
+#: the upstream's own header lines (a Set-Cookie, a token), never the client's to see.
+_BYTES_SHOWN = re.compile(r"""\s*:?\s*(?:bytearray\()?\bb['"].*""")
 
 #: aiohttp's clean close, whose `message` is its text or the response head it had begun.
 _DISCONNECTED = "aiohttp.ServerDisconnectedError"

@@ -233,6 +233,11 @@ class _GuardedHandler(ResponseHandler):
             # The parser refused what came (aiohttp closed the transport already).
             self._faulted = True
             self._count("malformed" if self._state is _BUSY else self._unasked())
+            if self._finals == 0:  # in the head: its message holds the upstream's header
+                # bytes (a cookie, a token) and would reach the client and the record
+                told = _malformed(exc)
+                told.__cause__ = exc
+                exc = told
         payload = self._payload
         super().set_exception(exc, exc_cause)
         if payload is not None and payload.exception() is None and not payload.is_eof():
@@ -251,7 +256,7 @@ class _GuardedHandler(ResponseHandler):
 
 
 def _malformed(exc: HttpProcessingError) -> UpstreamProtocolError:
-    """A body the parser refused, in the wire's words ("malformed response: Invalid
+    """A head or body the parser refused, in the wire's words ("malformed response: Invalid
     character in chunk size", proxy/server/wire/upstream.py): llhttp's reason, the first
     line of aiohttp's message (its C parser adds the bytes and a caret below,
     _http_parser.pyx parser_error_from_errno); never str(exc), which opens with

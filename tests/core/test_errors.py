@@ -783,12 +783,18 @@ def test_describe_names_the_root_cause_without_repeating_it() -> None:
 
 
 def test_describe_gives_one_line_for_an_exception_whose_text_has_several() -> None:
-    """aiohttp's parser errors (the ASGI relay's default transport): newlines inside."""
+    """aiohttp's parser errors (the ASGI relay's default transport): newlines inside, and
+    the upstream's bytes they quote left out (a header line holds a cookie, a token)."""
     from aiohttp.http_exceptions import BadHttpMessage
 
     bad = BadHttpMessage("Invalid character in chunk size: b'zz'\n    ^")
     assert "\n" in str(bad)
-    assert describe(bad) == "BadHttpMessage: Invalid character in chunk size: b'zz' ^"
+    assert describe(bad) == "BadHttpMessage: Invalid character in chunk size"
+
+
+def test_describe_leaves_out_the_bytes_h11_quotes() -> None:
+    bad = httpx.RemoteProtocolError("illegal header line: bytearray(b'set-cookie: s=SECRET\\r')")
+    assert describe(bad) == "RemoteProtocolError: illegal header line"
 
 
 @pytest.mark.parametrize("kind", ["ContentLengthError", "TransferEncodingError", "BadHttpMessage"])

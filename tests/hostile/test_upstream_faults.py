@@ -142,6 +142,60 @@ def test_a_broken_response_head_is_told_in_one_wording_on_every_path(
         assert until(lambda: counted(base, ERRORS, kind=kind) == 1)
 
 
+SECRET = b"backend_session=SECRET-UPSTREAM-COOKIE-42"
+#: The words each path tells (llhttp's on the wire and aiohttp's C parser, which is
+#: llhttp too, under UpstreamProtocolError; h11's under httpx's RemoteProtocolError).
+MALFORMED = "UpstreamProtocolError: malformed response: "
+
+
+@pytest.mark.parametrize(
+    ("response", "words"),
+    [
+        (
+            b"HTTP/1.1 200 OK\r\nset-cookie: " + SECRET + b"; HttpOnly\rx: y\r\n"
+            b"content-length: 2\r\n\r\n{}",
+            {
+                "wire": MALFORMED + "Missing expected LF after header value",
+                "asgi": MALFORMED + "Missing expected LF after header value",
+                "asgi-httpx": "RemoteProtocolError: illegal header line",
+            },
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\nx-" + SECRET + b" no colon\r\ncontent-length: 2\r\n\r\n{}",
+            {
+                "wire": MALFORMED + "Invalid header token",
+                "asgi": MALFORMED + "Invalid header token",
+                "asgi-httpx": "RemoteProtocolError: illegal header line",
+            },
+        ),
+        (
+            b"SECRET-UPSTREAM-STATUS-LINE\r\n\r\n",
+            {
+                "wire": MALFORMED + "Expected HTTP/, RTSP/ or ICE/",
+                "asgi": MALFORMED + "Bad status line",
+                "asgi-httpx": "RemoteProtocolError: illegal status line",
+            },
+        ),
+    ],
+    ids=["bare-cr-in-a-value", "no-colon", "no-status-line"],
+)
+def test_a_malformed_response_head_never_tells_the_upstreams_bytes(
+    upstream: RawUpstream, path: DataPath, response: bytes, words: dict[str, str]
+) -> None:
+    """aiohttp's parser error quotes the line it refused, and h11's its bytearray: the
+    ASGI relay put the upstream's Set-Cookie into the client's 502 and the record's error
+    ("BadHttpMessage: Missing expected LF after header value: b'set-cookie:
+    backend_session=...' ^"). The wire told llhttp's reason alone; aiohttp's refusal of a
+    head is now told in the wire's words, and h11's without its bytes."""
+    upstream.default = by_target({b"/v1/chat/completions": answer(response)})
+    with path.proxy(upstream.url) as base:
+        status, message = ask(base)
+        assert status == 502, message
+        assert "SECRET" not in message
+        assert message == f"upstream: {words[path.name]}"
+        assert until(lambda: counted(base, REQUESTS, error_type="upstream_error") == 1)
+
+
 def test_a_websocket_handshakes_connect_timeout_names_the_setting_too(
     unanswered: str, shared_proxies: SharedProxies
 ) -> None:

@@ -197,9 +197,10 @@ def test_the_answer_to_a_broken_upstream_never_quotes_the_callers_credentials(
     start_proxy: Callable[..., ProxyUnderTest],
 ) -> None:
     """An upstream that answers bytes no HTTP parser takes, echoing the request in them:
-    the proxy's 502 says what the upstream client's parser said, which quotes those bytes
-    (the ASGI relay's clients do: `BadStatusLine: b'... Bearer ...'`). The caller's key and
-    its `?key=` are masked there as in the record."""
+    the proxy's 502 says what the upstream client's parser said, which quoted those bytes
+    (the ASGI relay's clients did: `BadStatusLine: b'... Bearer ...'`; no path quotes an
+    upstream's bytes now, tests/hostile/test_upstream_faults.py). The caller's key and its
+    `?key=` are masked there as in the record."""
     import asyncio
 
     from tests.edge_backend import backend
