@@ -13,8 +13,9 @@ the one the proxy decided on. So the proxy works from the raw bytes only, once:
    percent-encoded, so no HTTP client has a reason to re-encode the result.
 
 Refused (`BadTarget`, a 400): what cannot be normalised without guessing how the backend
-would read it: an encoded slash or backslash (`%2F`, `%5C`: one server splits segments
-there, another does not), an encoded NUL (`%00`), a malformed percent sign, a path not
+would read it: an encoded slash or backslash, or a raw backslash (`%2F`, `%5C`, `\\`: one
+server splits segments there, another does not; a raw `\\` encoded as `%5C` would forward
+what the proxy refuses), an encoded NUL (`%00`), a malformed percent sign, a path not
 starting with `/`, and a `..` that would climb above the root.
 
 The query string is forwarded as received; only bytes that cannot go on a request line
@@ -86,6 +87,8 @@ def _normalise_escapes(raw: bytes) -> str:
             out.append(chr(value) if value in _UNRESERVED else "%" + pair.decode().upper())
             i += 3
             continue
+        if byte == 0x5C:  # a raw backslash is read as "/" by some servers, as %5C is
+            raise BadTarget("the request path contains a backslash")
         out.append(chr(byte) if byte in _PATH_SAFE else f"%{byte:02X}")
         i += 1
     return "".join(out)
