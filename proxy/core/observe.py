@@ -159,6 +159,22 @@ class _Phase:
         self.last = now
 
 
+def _engine_counts(engine: EngineMetrics) -> TokenCounts | None:
+    """The counts of an engine's own account: llama.cpp's prompt is prompt_n + cache_n."""
+    if engine.output_tokens is None:
+        return None
+    prompt = engine.prompt_tokens
+    if prompt is not None and engine.cached_tokens is not None:
+        prompt += engine.cached_tokens
+    return TokenCounts(prompt, engine.output_tokens, engine.cached_tokens, TokenSource.ENGINE)
+
+
+def _timings_counts(facts: Facts) -> TokenCounts | None:
+    """One llama.cpp task's counts from its own timings."""
+    engine = timings_metrics(facts.timings) if facts.timings is not None else None
+    return None if engine is None else _engine_counts(engine)
+
+
 class StreamObserver:
     """One per measured request. Not thread-safe; lives on the event loop."""
 
@@ -197,10 +213,11 @@ class StreamObserver:
         self.usage: dict[str, Any] | None = None
         self.engine: object = None  # the engine's `metrics` object as sent
         self.timings: object = None  # llama.cpp's `timings` object as sent
-        # llama.cpp's tasks, by choice: each prompt of a batch (and each choice) is a task
-        # of its own, whose finish chunk carries its own usage and timings
-        # (tools/server/server-task.cpp, server_task_result_cmpl_final::to_json_oaicompat)
+        # llama.cpp's tasks, by choice: each prompt of a batch and each of its n choices is
+        # a task of its own, whose last event carries its own usage and timings: the finish
+        # chunk, or chat's usage chunk right after it (`_task`)
         self.tasks: dict[int, Facts] | None = None
+        self._finished: int | None = None  # the choice of the last finish seen
         self.first_choice = 0  # the choice of the first token
         self.overhead: float | None = None  # the proxy's own time so far
         self.stream_error: object = None
@@ -427,11 +444,11 @@ class StreamObserver:
         if facts.finish is not None:
             self.finish_reason = self.finishes[facts.finish_choice] = facts.finish
             self.finish_reads[facts.finish_choice] = now
+        if facts.timings is not None:
+            self._task(facts)
+        if facts.finish is not None:
+            self._finished = facts.finish_choice
         if facts.usage is not None:
-            if facts.timings is not None and facts.finish is not None:
-                if self.tasks is None:
-                    self.tasks = {}
-                self.tasks[facts.finish_choice] = facts
             self.usage = (
                 facts.usage if self.usage is None else self.api.merge_usage(self.usage, facts.usage)
             )
@@ -447,6 +464,24 @@ class StreamObserver:
         if facts.response_id is not None and self.response_id is None:
             self.response_id = facts.response_id
             self.response_model = facts.response_model
+
+    def _task(self, facts: Facts) -> None:
+        """An event with llama.cpp's `timings`: a task's last, kept under its choice. Each
+        task writes its own (tools/server/server-task.cpp): /v1/completions and the native
+        /completion on the finish chunk with its usage; chat on the finish chunk without
+        usage, and with include_usage on a usage chunk with no choices that it writes right
+        after its finish chunk (to_json_oaicompat_chat_stream, one result's chunks written
+        together), so that one belongs to the finish before it. Without a finish before
+        it, it is the stream's one usage and no task's."""
+        if facts.finish is not None:
+            choice = facts.finish_choice
+        elif facts.usage is not None and self._finished is not None:
+            choice = self._finished
+        else:
+            return
+        if self.tasks is None:
+            self.tasks = {}
+        self.tasks[choice] = facts
 
     def _keep(self, texts: list[str], choice: int) -> None:
         """Generated texts collected, under their choice (the store made at the first)."""
@@ -613,32 +648,58 @@ class StreamObserver:
     def counts_from_usage(self) -> TokenCounts | None:
         tasks = self.tasks
         if tasks is not None and len(tasks) > 1:
-            added = self._tasks_counts(tasks)
+            added = self._tasks_counts(tasks, self._usage_counts)
             if added is not None:
                 return added
         usage = self.usage
         return self.api.counts(usage) if usage else None
 
-    def _tasks_counts(self, tasks: dict[int, Facts]) -> TokenCounts | None:
-        """llama.cpp's tasks' usages added up: each task counted its own prompt (a batch's
-        prompts differ) and its own output. None when one of them counts nothing."""
-        parts = [self.api.counts(facts.usage) for facts in tasks.values() if facts.usage]
-        counted = [p for p in parts if p is not None and p.output is not None]
-        if not counted or len(counted) != len(tasks):
-            return None
-        prompts = [p.prompt for p in counted]
-        cached = [p.cached for p in counted if p.cached is not None]
+    def _usage_counts(self, facts: Facts) -> TokenCounts | None:
+        return self.api.counts(facts.usage) if facts.usage else None
+
+    def _tasks_counts(
+        self, tasks: dict[int, Facts], count: Callable[[Facts], TokenCounts | None]
+    ) -> TokenCounts | None:
+        """llama.cpp's tasks' counts (`count`: from each one's usage, or its timings) added
+        up. Every task counts its own output. The prompt, and its cached tokens, once a
+        prompt: a batch's prompts differ, but the n tasks of one prompt share it, which the
+        server evaluates once and copies to the others' slots (server-context.cpp,
+        copy_state_to, stats included, so each says the whole prompt). Their indices are
+        `prompt * n + choice` (server-queue.cpp, post_tasks), so the first of each n
+        counts it. None when one of them counts nothing."""
+        each = self._choices_asked()
+        counted: list[TokenCounts] = []
+        prompts: dict[int, TokenCounts] = {}
+        for index in sorted(tasks):
+            found = count(tasks[index])
+            if found is None or found.output is None:
+                return None
+            counted.append(found)
+            prompts.setdefault(index // each, found)
+        prompt = [p.prompt for p in prompts.values()]
+        cached = [p.cached for p in prompts.values() if p.cached is not None]
         return TokenCounts(
-            prompt=None if None in prompts else sum(p for p in prompts if p is not None),
+            prompt=None if None in prompt else sum(p for p in prompt if p is not None),
             output=sum(p.output for p in counted if p.output is not None),
             cached=sum(cached) if cached else None,
             source=counted[0].source,  # usage's, or the engine's (llama.cpp's /completion)
         )
 
+    def _choices_asked(self) -> int:
+        """The choices asked of each prompt (`n`, which llama-server reads as n_cmpl)."""
+        options = self.request.options
+        n = options.choices if options is not None else None
+        return n if n is not None and n > 1 else 1
+
     def counts_from_engine(self, counts: TokenCounts | None) -> TokenCounts | None:
         """Usage's counts with the cached tokens from the engine's own account where usage
         has none; without usage, the engine's counts (llama.cpp: the prompt is prompt_n +
-        cache_n, the output predicted_n)."""
+        cache_n, the output predicted_n), every llama.cpp task's added up."""
+        tasks = self.tasks
+        if counts is None and tasks is not None and len(tasks) > 1:
+            added = self._tasks_counts(tasks, _timings_counts)
+            if added is not None:
+                return added
         engine = self._engine()
         if engine is None or (engine.output_tokens is None and engine.cached_tokens is None):
             return counts
@@ -646,12 +707,7 @@ class StreamObserver:
             if counts.cached is None:
                 counts.cached = engine.cached_tokens
             return counts
-        if engine.output_tokens is None:
-            return None
-        prompt = engine.prompt_tokens
-        if prompt is not None and engine.cached_tokens is not None:
-            prompt += engine.cached_tokens
-        return TokenCounts(prompt, engine.output_tokens, engine.cached_tokens, TokenSource.ENGINE)
+        return _engine_counts(engine)
 
     def _engine(self) -> EngineMetrics | None:
         """The engine's figures, from whichever engine's object the response carried."""

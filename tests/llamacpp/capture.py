@@ -150,6 +150,42 @@ REQUESTS: list[tuple[str, str, dict[str, Any]]] = [
         CHAT,
         chat("hello there", cache_prompt=False, grammar=THREE_WORDS, stop=STOP),
     ),
+    # n > 1: a task per choice (`n` is `n_cmpl`), side by side only with a slot each, so
+    # captured from a server started with `--parallel 2` (index.json: server_flags)
+    (
+        "chat_n2_stream_no_usage.sse",
+        CHAT,
+        chat("hello there", n=2, stream=True, cache_prompt=False),
+    ),
+    (
+        "chat_n2_stream_include_usage.sse",
+        CHAT,
+        chat(
+            "hello there",
+            n=2,
+            stream=True,
+            cache_prompt=False,
+            stream_options={"include_usage": True},
+        ),
+    ),
+    ("chat_n2.json", CHAT, chat("hello there", n=2, cache_prompt=False)),
+    (
+        "completions_n2_stream.sse",
+        "/v1/completions",
+        {**NATIVE, "model": "tiny", "max_tokens": 5, "n": 2, "stream": True},
+    ),
+    (
+        "completions_2_prompts_n2_stream.sse",
+        "/v1/completions",
+        {
+            **NATIVE,
+            "model": "tiny",
+            "prompt": ["once upon", "hello there my friend"],
+            "max_tokens": 5,
+            "n": 2,
+            "stream": True,
+        },
+    ),
 ]
 
 
