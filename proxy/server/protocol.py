@@ -47,6 +47,18 @@ otherwise go upstream de-chunked but still coded; the same rule (`only_chunked`)
 a response with any coding but `chunked` alone, on both data paths (`refused_codings`: a
 502).
 
+Requests pipelined behind the one running wait their turn, parsed: at most MAX_WAITING
+on a connection, on both data paths. llhttp parses a whole read at once, and a pipelined
+request parsed is an object waiting (the wire's WireRequest, uvicorn's cycle, a few
+hundred bytes to a few KiB each) for a request head of some 30 bytes: pausing reading
+stops the next read only, so a single read of tiny GETs behind a request the upstream
+holds cost about a hundred times its size. At the bound the parser stops mid-read (a
+callback's exception, as for the head limits) and the connection is parsed no more (what
+follows is read and dropped, so that a client that leaves is seen): the requests waiting
+are answered in order, the last answer says `Connection: close`, and the connection
+closes after it, counted as `too_many_pipelined`. A client that pipelines must be ready
+to send again what a closing connection left unanswered (RFC 9112 §9.3.2).
+
 A request pipelined behind another whose turn never comes, the connection closing first,
 is recorded as the connection closes, on both data paths, by why its turn never came
 (`LostTurn`): the client's doing, the drain's end, or an answer before it that the proxy
@@ -80,6 +92,12 @@ from proxy.settings import Settings, group
 
 if TYPE_CHECKING:
     from uvicorn._types import ASGISendEvent  # the type of uvicorn's own send
+
+#: The most requests a connection may have waiting their turn (parsed, behind the one
+#: running); past it the connection is parsed no further and closes after their answers
+#: (see the module's docstring). Real clients rarely pipeline, and those that do (load
+#: generators) a few deep; 16 keeps a connection's waiting requests to a few dozen KiB.
+MAX_WAITING = 16
 
 #: Room for the request line and the header block's framing on top of --max-header-bytes,
 #: which the app checks as the sum of header names and values.
@@ -146,6 +164,10 @@ class _HeadRefused(Exception):
 
 
 class _BadHead(Exception):
+    pass
+
+
+class _TooManyWaiting(Exception):
     pass
 
 
@@ -243,7 +265,10 @@ def connection_counter(registry: CollectorRegistry) -> Counter:
         "of its accept: closed then, if still in the handshake; one that failed sooner, a client "
         "certificate refused or a client gone, is counted at that same instant), malformed "
         "(bytes the HTTP parser refuses: answered 400, after the answers to the requests "
-        "before them).",
+        "before them); and, after requests reached it, too_many_pipelined (a request "
+        f"pipelined behind {MAX_WAITING} already waiting their turn: it and what follows are "
+        "never parsed; those are answered, the last with Connection: close, then the "
+        "connection closes).",
         ("reason",),
         registry=registry,
     )
@@ -268,7 +293,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._dry_bytes = 0  # of a body's reads since the last that brought data
         self._head_timer: asyncio.TimerHandle | None = None
         self._ws = False  # the request whose head was parsed last is a WebSocket handshake
-        self._upgrade: Upgrade | None = None  # llhttp stopped at an upgrade request
+        # llhttp stopped before the stream's end: at an upgrade request, or at MAX_WAITING
+        # (`Unparsed`); every later read goes here, never to the parser
+        self._diverted: Upgrade | Unparsed | None = None
         self._body_due: bytes | None = None  # that request's framing headers: see Upgrade
         # The request whose response is under way. uvicorn's `cycle` is the request parsed
         # last, which with pipelining is one still waiting: the running one must hear of
@@ -363,9 +390,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._head_timer = None
 
     def data_received(self, data: bytes) -> None:
-        upgrade = self._upgrade
-        if upgrade is not None:  # nothing after an upgrade request is parsed
-            upgrade.more(data)
+        diverted = self._diverted
+        if diverted is not None:  # nothing after an upgrade request (or the stop) is parsed
+            diverted.more(data)
             return
         in_body = False
         if self._in_head:
@@ -379,6 +406,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError:
+            if self._diverted is _UNPARSED:  # stopped by us at MAX_WAITING: no 400 owed
+                return
             msg = "Invalid HTTP request received."
             self.logger.warning(msg)
             self.send_400_response(msg)
@@ -406,10 +435,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if not self._ws:  # an ordinary request: answered, then the connection closes
             if self.cycle is not None:
                 self.cycle.keep_alive = False
-            self._upgrade = Upgrade(self, b"", tunnel=False, framing=self._body_due)
-            self._upgrade.more(rest)
+            upgrade = self._diverted = Upgrade(self, b"", tunnel=False, framing=self._body_due)
+            upgrade.more(rest)
             return
-        upgrade = self._upgrade = Upgrade(self, rest, tunnel=True)
+        upgrade = self._diverted = Upgrade(self, rest, tunnel=True)
         cycle = self.cycle
         if cycle is None or cycle.response_complete:
             upgrade.begin()
@@ -463,12 +492,30 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         return False
 
     def on_message_begin(self) -> None:
+        if len(self.pipeline) >= MAX_WAITING:  # every request before this one is complete
+            self._stop_parsing()
+            raise _TooManyWaiting  # llhttp stops here, mid-read: the rest is never parsed
         self._ws = False
         self._body_due = None
         if not self._in_head:  # a pipelined request: its head is counted from here on
             self._in_head, self._head_bytes, self._header_count = True, 0, 0
             self._head_tail = b""
         super().on_message_begin()
+
+    def _stop_parsing(self) -> None:
+        """MAX_WAITING requests wait their turn and another begins: the connection is
+        parsed no further. Those waiting are answered in order (each begins as the one
+        before ends), the last with `Connection: close`, and the connection closes after
+        it. Reading goes on, each read dropped unparsed (`Unparsed`): a client that
+        leaves is seen at once, and the running request's upstream request cancelled;
+        paused, its close would wait unseen (CLOSE-WAIT) until that request ended."""
+        self.on_close("too_many_pipelined")
+        self._diverted = _UNPARSED
+        last, _ = self.pipeline[0]  # the one parsed last (uvicorn's queue is appended left)
+        last.keep_alive = False
+        self._stop_head_timer()
+        self._in_head = False
+        self.flow.resume_reading()  # (the wire and uvicorn paused it for those waiting)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_count += 1
@@ -812,7 +859,26 @@ class Upgrade:
         self.proto._switch(rest)
 
 
-_REASONS = ("header_timeout", "headers_too_large", "too_many_headers", "tls_handshake", "malformed")
+class Unparsed:
+    """What a connection sends after the proxy stopped parsing it (MAX_WAITING): read, so
+    that the client's close is seen, and dropped unparsed."""
+
+    __slots__ = ()
+
+    def more(self, data: bytes) -> None:
+        pass
+
+
+_UNPARSED = Unparsed()
+
+_REASONS = (
+    "header_timeout",
+    "headers_too_large",
+    "too_many_headers",
+    "tls_handshake",
+    "malformed",
+    "too_many_pipelined",
+)
 
 #: For a connection whose app filled in no HeadGuard: the settings' default limits (the
 #: upstream is a placeholder; head limits do not depend on it), closes not counted.

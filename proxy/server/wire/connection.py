@@ -164,7 +164,8 @@ class WireProtocol(GuardedHttpToolsProtocol):
                 # A second one waiting (or one refused already): nothing more is read
                 # until a turn comes. With one, reading goes on (its body, bounded as any),
                 # so a client that leaves is seen and the running request's upstream
-                # request cancelled at once.
+                # request cancelled at once. What one read brings is parsed whole, so
+                # the waiting are bounded by MAX_WAITING instead (protocol.py).
                 self.flow.pause_reading()
             self.pipeline.appendleft((request, self.app))  # type: ignore[arg-type,unused-ignore]
 
