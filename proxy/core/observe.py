@@ -686,7 +686,7 @@ class StreamObserver:
         )
 
     def _choices_asked(self) -> int:
-        """The choices asked of each prompt (`n`, which llama-server reads as n_cmpl)."""
+        """The choices asked of each prompt (`n_cmpl`, else its fallback `n`)."""
         options = self.request.options
         n = options.choices if options is not None else None
         return n if n is not None and n > 1 else 1

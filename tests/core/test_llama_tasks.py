@@ -209,3 +209,22 @@ def test_a_vllm_n2_stream_counts_its_one_usage() -> None:
             "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     m = replay(CHAT, body, reads)
     assert (m.output_tokens, m.prompt_tokens, m.token_source) == (12, 17, TokenSource.USAGE)
+
+
+@pytest.mark.parametrize(
+    ("asked", "tasks_a_prompt"),
+    [({"n": 2}, 2), ({"n_cmpl": 2}, 2), ({"n": 1, "n_cmpl": 2}, 2)],
+    ids=["n", "n_cmpl", "n_cmpl-over-n"],
+)
+def test_n_cmpl_is_read_before_its_alias_n(asked: dict[str, Any], tasks_a_prompt: int) -> None:
+    """llama-server reads `n` only as `n_cmpl`'s fallback (server-schema.cpp,
+    `add_alias("n")`), and streams alike for either: the prompt is counted once a prompt
+    whichever was sent (it was counted once a task for `n_cmpl`: 8 for 4)."""
+    path, body, reads = captured("completions_n2_stream.sse")
+    chunks = payloads(reads)
+    body = {k: v for k, v in body.items() if k not in ("n", "n_cmpl")} | asked
+    record = replay(path, body, reads)
+    usages = [c["usage"] for c in finals(chunks)]
+    assert len(usages) == tasks_a_prompt
+    assert record.prompt_tokens == usages[0]["prompt_tokens"]
+    assert record.output_tokens == sum(u["completion_tokens"] for u in usages)

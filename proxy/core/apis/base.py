@@ -463,7 +463,7 @@ def finite_float(value: object) -> float | None:
 
 #: Every name `sampling_options` reads, of every API.
 _SAMPLING = frozenset(
-    {"seed", "n", "top_p", "top_k", "frequency_penalty", "presence_penalty", "stop",
+    {"seed", "n", "n_cmpl", "top_p", "top_k", "frequency_penalty", "presence_penalty", "stop",
      "stop_sequences"}
 )  # fmt: skip
 
@@ -485,7 +485,9 @@ def sampling_options(
     get = obj.get
     values = (
         get("seed") if seed else None,
-        get("n") if choices else None,
+        # llama-server's own name first: it reads `n` only as n_cmpl's fallback
+        # (tools/server/server-schema.cpp, `add_alias("n")`); no other server has it
+        (get("n_cmpl", get("n")) if choices else None),
         get("top_p"),
         get("top_k"),
         get("frequency_penalty") if penalties else None,
