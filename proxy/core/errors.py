@@ -531,11 +531,15 @@ def describe(exc: BaseException) -> str:
     failed = next((e for e in causes if isinstance(e, ConnectFailed)), None)
     where = f" to {failed.where}" if failed is not None and failed.where else ""
     name = type(root).__name__
-    said = getattr(root, "message", root) if _HTTP_PROCESSING in type_names(type(root)) else root
+    names = type_names(type(root))
+    parsing = _HTTP_PROCESSING in names
+    said = getattr(root, "message", root) if parsing else root
     # One line: aiohttp's parser errors hold newlines. Their own words only: str() puts
     # aiohttp's internal code before them ("400, message: Not enough data to satisfy
     # content length header."), a status no HTTP peer sent.
-    text = _BYTES_SHOWN.sub("", " ".join(str(said).split()))
+    text = " ".join(str(said).split())
+    if parsing or not names.isdisjoint(_PROTOCOL_ERRORS):
+        text = parser_words(text)
     begun = not isinstance(getattr(root, "message", ""), str)
     if begun and _DISCONNECTED in type_names(type(root)):
         # aiohttp's disconnect error holds the response head it had begun, whose repr is
@@ -547,15 +551,27 @@ def describe(exc: BaseException) -> str:
         # (aiohttp's connect), for the same refusal.
         text = " ".join(str(OSError(root.errno, os.strerror(root.errno), root.filename)).split())
     if not text or text == name:
-        names = type_names(type(root))
         text = next((phrase for kind, phrase in PHRASES if kind in names), "no detail given")
     return f"{name}: {text}{where}"[:300]
 
 
-#: The bytes a parser quotes after its reason, and all that follows them: h11's "illegal
-#: header line: bytearray(b'...')", aiohttp's "Invalid header token: b'...' ^". They are
-#: the upstream's own header lines (a Set-Cookie, a token), never the client's to see.
-_BYTES_SHOWN = re.compile(r"""\s*:?\s*(?:bytearray\()?\bb['"].*""")
+def parser_words(text: str) -> str:
+    """An HTTP parser's refusal without what it quotes of the bytes it refused, and all
+    that follows: h11's "illegal header line: bytearray(b'...')", aiohttp's C parser's
+    "Invalid header token: b'...' ^", its pure-Python parser's "Invalid HTTP header:
+    b'...'" and "Bad status line '...'". Those bytes are the upstream's own header lines
+    (a Set-Cookie, a token), never the client's or the record's to see. Only for parser
+    errors: in other texts a quote after a word is no upstream's bytes (a file's name)."""
+    return _QUOTED.sub("", text)
+
+
+#: Where a parser's quoting begins: a bytes, bytearray or str repr after ": " or " ".
+_QUOTED = re.compile(r"""(?::\s*|\s+)(?:bytearray\()?b?['"].*""")
+
+#: The parsers' protocol errors (h11's, as httpcore and httpx raise them again).
+_PROTOCOL_ERRORS = frozenset(
+    {"h11.RemoteProtocolError", "httpcore.RemoteProtocolError", "httpx.RemoteProtocolError"}
+)
 
 #: aiohttp's clean close, whose `message` is its text or the response head it had begun.
 _DISCONNECTED = "aiohttp.ServerDisconnectedError"
@@ -580,6 +596,7 @@ FOREIGN_NAMES = (
     | _FOREIGN_CONNECTS
     | _FOREIGN_CONNECT_TIMEOUTS
     | {_HTTPX_ERROR, _HTTP_PROCESSING}
+    | _PROTOCOL_ERRORS
     | {name for name, _ in PHRASES}
 )
 
@@ -812,6 +829,7 @@ __all__ = [
     "error_message",
     "error_shape",
     "fault_words",
+    "parser_words",
     "relay_failure",
     "scrub",
 ]

@@ -27,7 +27,7 @@ from aiohttp.http_exceptions import ContentLengthError, HttpProcessingError, Tra
 from httpx_aiohttp.transport import AiohttpResponseStream, AiohttpTransport
 from multidict import CIMultiDict
 
-from proxy.core.errors import fault_words
+from proxy.core.errors import fault_words, parser_words
 from proxy.server.dial import connect_unix, httpx_default_tls
 from proxy.server.protocol import MAX_RESPONSE_HEAD
 from proxy.server.upstream_errors import (
@@ -257,11 +257,12 @@ class _GuardedHandler(ResponseHandler):
 
 def _malformed(exc: HttpProcessingError) -> UpstreamProtocolError:
     """A head or body the parser refused, in the wire's words ("malformed response: Invalid
-    character in chunk size", proxy/server/wire/upstream.py): llhttp's reason, the first
-    line of aiohttp's message (its C parser adds the bytes and a caret below,
-    _http_parser.pyx parser_error_from_errno); never str(exc), which opens with
+    character in chunk size", proxy/server/wire/upstream.py): llhttp's reason, aiohttp's
+    message without the bytes it quotes (`parser_words`: its C parser adds them and a
+    caret, _http_parser.pyx parser_error_from_errno; its pure-Python parser puts them
+    after the reason, "Invalid HTTP header: b'...'"); never str(exc), which opens with
     aiohttp's internal code, "400, message:", no status any peer sent."""
-    reason = exc.message.partition(":\n")[0].strip() or type(exc).__name__
+    reason = parser_words(" ".join(str(exc.message).split())) or type(exc).__name__
     return UpstreamProtocolError("malformed", f"malformed response: {reason}")
 
 

@@ -172,7 +172,7 @@ MALFORMED = "UpstreamProtocolError: malformed response: "
             b"SECRET-UPSTREAM-STATUS-LINE\r\n\r\n",
             {
                 "wire": MALFORMED + "Expected HTTP/, RTSP/ or ICE/",
-                "asgi": MALFORMED + "Bad status line",
+                "asgi": MALFORMED + "Bad status line: Expected HTTP/, RTSP/ or ICE/",
                 "asgi-httpx": "RemoteProtocolError: illegal status line",
             },
         ),
@@ -369,6 +369,31 @@ def test_a_status_line_cut_short_is_a_head_cut_for_aiohttps_pure_python_parser(
         assert status == 502, message
         assert message == HEAD_CUT
     assert (upstream.connections, len(upstream.requests)) == (1, 2)
+
+
+@pytest.mark.parametrize(
+    ("head", "words"),
+    [
+        (b"HTTP/1.1 200 OK\r\nSet-Cookie " + SECRET + b"\r\n", "Invalid HTTP header"),
+        (b"SECRET-UPSTREAM-STATUS-LINE\r\n", "Bad status line"),
+    ],
+    ids=["no-colon", "no-status-line"],
+)
+def test_a_malformed_head_never_tells_the_upstreams_bytes_with_aiohttps_pure_python_parser(
+    upstream: RawUpstream, monkeypatch: pytest.MonkeyPatch, head: bytes, words: str
+) -> None:
+    """Its words put the bytes after the reason on one line ("Invalid HTTP header:
+    b'Set-Cookie session=...'", "Bad status line '...'"), where the C parser puts them on
+    a line of their own: the cookie reached the client's 502 and the record."""
+    monkeypatch.setenv("TOKENPROBE_RELAY", "asgi")
+    monkeypatch.setenv("AIOHTTP_NO_EXTENSIONS", "1")
+    response = head + b"content-length: 2\r\n\r\n{}"
+    upstream.default = by_target({b"/v1/chat/completions": answer(response)})
+    with serving(upstream.url, "--upstream-transport", "aiohttp") as base:
+        status, message = ask(base)
+    assert status == 502, message
+    assert "SECRET" not in message
+    assert message == f"upstream: {MALFORMED}{words}"
 
 
 def test_aiohttps_disconnect_error_never_tells_the_head_it_had_begun() -> None:
