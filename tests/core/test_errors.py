@@ -792,6 +792,12 @@ def test_describe_gives_one_line_for_an_exception_whose_text_has_several() -> No
     assert describe(bad) == "BadHttpMessage: Invalid character in chunk size"
 
 
+def test_describe_cuts_quotes_only_in_a_parsers_words() -> None:
+    """A quote after a word in any other text is no upstream's bytes: kept."""
+    said = ValueError('upstream said {"b": 1}')
+    assert describe(said) == 'ValueError: upstream said {"b": 1}'
+
+
 def test_describe_leaves_out_the_bytes_h11_quotes() -> None:
     bad = httpx.RemoteProtocolError("illegal header line: bytearray(b'set-cookie: s=SECRET\\r')")
     assert describe(bad) == "RemoteProtocolError: illegal header line"
