@@ -104,10 +104,10 @@ SECONDS = {
     "tests/server/test_proxy_e2e.py": 45,
     "tests/server/test_apis_e2e.py": 40,
     "tests/server/test_websockets.py": 38,
-    "tests/server/test_apis_more_e2e.py": 37,
+    "tests/server/test_apis_more_e2e.py": 22,  # 37 with its own demo (now started early)
     "tests/server/test_ttft_split_e2e.py": 36,
     "tests/server/test_open_files.py": 35,
-    "tests/server/test_ollama_e2e.py": 31,
+    "tests/server/test_ollama_e2e.py": 16,  # 31 with its own demo, as above
     "tests/server/test_apis_sim_e2e.py": 30,
     "tests/bench/test_replay.py": 26,
     "tests/llamacpp/test_real_llamacpp.py": 25,
@@ -173,11 +173,14 @@ SECONDS = {
 #: and the function that starts it. In a parallel run the first pytest process calls it as
 #: soon as a worker has collected the module, and the fixture takes what it started
 #: (tests/servers.py, `Early`): the worker that runs the module spends that minute on
-#: other modules. Imported only then.
+#: other modules. Imported only then. A starter that two modules name starts once.
 EARLY = {
     "tests/vllm/test_real_vllm.py": "tests.vllm.conftest:start_base_and_spec",
     "tests/vllm/test_reasoning_vllm.py": "tests.vllm.conftest:start_reasoning",
     "tests/bench/test_benchmark_smoke.py": "tests.bench.test_benchmark_smoke:start_quick_run",
+    # one demo run, 15 s of waiting, whose table both modules read (tests/demo_run.py)
+    "tests/server/test_apis_more_e2e.py": "tests.demo_run:start_demo",
+    "tests/server/test_ollama_e2e.py": "tests.demo_run:start_demo",
 }
 
 EARLY_STARTS = pytest.StashKey[Early]()

@@ -10,7 +10,6 @@ meant to test the compiled build and got the source fails here, not silently.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -19,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from proxy.build import PER_CHUNK_MODULES, compiled_modules, describe, module_names
-from tests.paths import ROOT
 from tests.servers import free_port, spawn, stop, wait_http
+from tests.wheels import build_wheel, pure_wheel
 
 EXPECTED = os.environ.get("TOKENPROBE_EXPECT_BUILD", "pure")
 
@@ -47,26 +46,18 @@ def test_serve_and_version_say_which_build_runs() -> None:
 
 
 @pytest.mark.parametrize("why", ["no C compiler", "TOKENPROBE_PURE=1"])
-def test_a_wheel_without_a_compiler_is_the_pure_source(tmp_path: Path, why: str) -> None:
+def test_a_wheel_without_a_compiler_is_the_pure_source(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, why: str
+) -> None:
     """`pip install .` where nothing can compile still builds: the same source, no
     extension, a wheel for any platform, and a warning that says why."""
-    source = tmp_path / "src"  # a copy: pip builds in the tree it is given
-    shutil.copytree(ROOT / "proxy", source / "proxy", ignore=shutil.ignore_patterns("*.so"))
-    for name in ("pyproject.toml", "setup.py", "README.md"):
-        shutil.copy(ROOT / name, source / name)
-    env = {**os.environ}
     if why == "no C compiler":
-        env["CC"] = "/nonexistent/cc"
+        built = build_wheel(tmp_path, {"CC": "/nonexistent/cc"})
     else:
-        env["TOKENPROBE_PURE"] = "1"
-    built = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v",
-         "-w", str(tmp_path), str(source)],
-        capture_output=True, text=True, env=env, cwd=tmp_path,
-    )  # fmt: skip
-    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
-    assert f"building the pure-Python per-chunk path: {why}" in built.stdout + built.stderr
-    (wheel,) = tmp_path.glob("tokenprobe-*.whl")
+        built = pure_wheel(tmp_path_factory)  # the one tests/server/test_ui.py reads too
+    assert built.returncode == 0, built.output[-6000:]
+    assert f"building the pure-Python per-chunk path: {why}" in built.output
+    (wheel,) = built.wheels()
     assert wheel.name.endswith("-py3-none-any.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert not [name for name in names if name.endswith(".so")]

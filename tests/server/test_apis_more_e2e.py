@@ -24,6 +24,7 @@ import pytest
 from proxy.sim import SimApp, SimConfig
 from proxy.sim.generate import EOS_ID, token_ids
 from proxy.sim.state import SimRequest
+from tests.demo_run import demo_run
 from tests.scrape import scrape
 from tests.server.conftest import paths
 from tests.servers import ThreadedServer, free_port, spawn, stop, wait_http
@@ -573,15 +574,8 @@ def test_realtime_error_and_cut_sessions_are_classified(
 
 
 @paths("wire", why="the demo runs its proxy as serve does, on the wire")
-def test_demo_prints_a_row_for_each_new_api() -> None:
-    import sys
-
-    out = subprocess.run(
-        [sys.executable, "-m", "proxy", "demo", "--port", "0", "--rounds", "1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def test_demo_prints_a_row_for_each_new_api(tmp_path_factory: pytest.TempPathFactory) -> None:
+    out = demo_run(tmp_path_factory)  # the run tests/server/test_ollama_e2e.py reads too
     assert out.returncode == 0, out.stderr
     for endpoint, source in [
         ("/inference/v1/generate", "token_ids"),

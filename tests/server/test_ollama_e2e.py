@@ -9,8 +9,6 @@ client's bytes against the SHA-256 of what the simulator sent.
 from __future__ import annotations
 
 import hashlib
-import subprocess
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +19,7 @@ import pytest
 
 from proxy.core.measurement import ErrorType, Measurement, TokenSource
 from tests.conftest import MODEL, ProxyUnderTest, Running
+from tests.demo_run import demo_run
 from tests.server.conftest import paths
 
 TTFT = 0.1
@@ -279,13 +278,10 @@ def test_broken_streams_are_counted_and_relayed_whole(
 
 
 @paths("wire", why="the demo runs its proxy as serve does, on the wire")
-def test_demo_shows_ollama_rows_with_the_cold_model_load() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "proxy", "demo", "--port", "0", "--rounds", "1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def test_demo_shows_ollama_rows_with_the_cold_model_load(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    out = demo_run(tmp_path_factory)  # the run tests/server/test_apis_more_e2e.py reads too
     assert out.returncode == 0, out.stderr
     rows = {
         endpoint: next(line for line in out.stdout.splitlines() if f" {endpoint} " in line)

@@ -30,10 +30,10 @@ from tests.paths import ROOT
 from tests.scrape import Scrape, Series
 from tests.server.conftest import no_proxy, paths
 from tests.servers import free_port
+from tests.wheels import pure_wheel
 
 CHAT = "/v1/chat/completions"
 CHROMIUM = os.environ.get("TOKENPROBE_TEST_CHROMIUM") or shutil.which("chromium")
-PIP_WHEEL = (sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q")
 SERVE = (sys.executable, "-m", "proxy", "serve", "--access-log", "off", "--model-allowlist", MODEL)
 
 
@@ -92,23 +92,15 @@ def test_ui_moves_with_metrics_to_the_metrics_port(
 
 
 @no_proxy
-def test_a_built_wheel_ships_the_ui_assets(tmp_path: Path) -> None:
+def test_a_built_wheel_ships_the_ui_assets(tmp_path_factory: pytest.TempPathFactory) -> None:
     """`pip install .` (not editable) must carry proxy/ui/static/*: package data.
 
-    Built from a copy of the sources, so the worktree gets no build/ or egg-info."""
+    The wheel tests/test_build.py builds where nothing is compiled (tests/wheels.py), from a
+    copy of the sources, so the worktree gets no build/ or egg-info."""
     pytest.importorskip("wheel", reason="pip install wheel (setuptools builds wheels with it)")
-    source = tmp_path / "src"
-    shutil.copytree(ROOT / "proxy", source / "proxy", ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, source / name)
-    out = subprocess.run(
-        [*PIP_WHEEL, "-w", str(tmp_path), str(source)],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-    )
-    assert out.returncode == 0, out.stderr
-    (wheel,) = tmp_path.glob("tokenprobe-*.whl")
+    built = pure_wheel(tmp_path_factory)
+    assert built.returncode == 0, built.output[-6000:]
+    (wheel,) = built.wheels()
     names = set(zipfile.ZipFile(wheel).namelist())
     shipped = {f"proxy/ui/static/{p.name}" for p in (ROOT / "proxy/ui/static").iterdir()}
     assert shipped <= names, shipped - names
