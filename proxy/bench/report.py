@@ -161,7 +161,7 @@ def _kinds_notes(s: Summary) -> list[str]:
         )
     if s.without_answer:
         notes.append(
-            f"{s.label}: {s.without_answer} streams generated but delivered no answer and "
+            f"{s.label}: {s.without_answer} requests generated but delivered no answer and "
             "no tool call (cut off while reasoning, or a forced call cut before it began)"
         )
     if s.tool_calls:

@@ -1006,10 +1006,16 @@ class StreamObserver:
         }
 
     def _without_answer(self, counts: TokenCounts, error: ErrorType | None) -> str | None:
-        """How a generative stream that generated output but delivered no answer token and
-        no tool call ended (length, stop, error, cancelled); None otherwise."""
-        if not self.streaming or not self.api.generative:
+        """How a generative answer that generated output but delivered no answer token and
+        no tool call ended (length, stop, error, cancelled); None otherwise. A stream's
+        events tell it. A body not streamed tells it when it holds reasoning alone
+        (`reasoned_whole`: vLLM cut by max_tokens inside the reasoning writes no content),
+        by its finish: only a body that arrived whole is parsed, so never error or
+        cancelled."""
+        if not self.api.generative:
             return None
+        if not self.streaming:
+            return self._finished_as() if self.reasoned_whole else None
         if self.first_answer is not None or self.first_tool_call is not None:
             return None
         if not self.content_events and not counts.output:
@@ -1018,6 +1024,11 @@ class StreamObserver:
             return "cancelled"
         if error is not None:
             return "error"
+        return self._finished_as()
+
+    def _finished_as(self) -> str | None:
+        """`without_answer` of an answer that ended cleanly: length where its finish says
+        it was cut by its token limit, else stop; None where it had not finished."""
         raw = self.finish_reason
         if raw is not None and self.api.finish_label(raw) == NONE_LABEL:
             return None  # not finished yet (a background Response read on elsewhere)

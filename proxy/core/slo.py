@@ -11,9 +11,10 @@ finished request gets one verdict:
   cancelled  the client went away first (`client_cancelled`) and no miss was known:
              counted apart and left out of attainment, as the bench leaves out the
              requests still in flight when a run stops (guidellm does the same with
-             requests cut off at the end); so is a background Response whose client
-             left its stream: no cancellation (vLLM generates on), but it had not
-             finished, so whether it keeps its promise is not known here
+             requests cut off at the end); so is a background Response that had not
+             finished when its answer ended: its acknowledgement not streamed
+             (`queued`), or a stream its client left (no cancellation: vLLM generates
+             on); whether it keeps its promise is not known here
   refused    the backend (or the proxy) refused it with a 4xx for the client's own
              doing: a bad key (`auth`), an unknown model (`not_found`), a prompt over the
              context (`context_length`), other bad parameters (`bad_request`); an `auth`
@@ -45,7 +46,8 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
 
-from proxy.core.measurement import ErrorType, Measurement
+from proxy.core.apis.responses import FINISH as RESPONSE_STATUSES
+from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +61,9 @@ class Target:
 #: Every target --slo accepts, in the order a miss is reported (the first one missed
 #: names the result). A new one is one row. `ttfa` is what a chat user of a reasoning
 #: model waits for (proxy/core/measurement.py `first_answer`); a request with no answer
-#: token (only reasoning, only tool calls) is not judged on it.
+#: token is not judged on it where it needed none (it made a tool call, or generated
+#: nothing), and misses it where it generated and ended with neither (`without_answer`:
+#: reasoning cut by its token limit, streamed or not).
 TARGETS: tuple[Target, ...] = (
     Target(
         "ttft",
@@ -149,7 +153,7 @@ def verdict(m: Measurement, limits: Limits) -> str:
         m.e2e,
         left=m.cancelled or _generating_on(m.error_type, m.raw_finish_reason),
         unanswered=m.without_answer is not None,
-        streamed=m.stream_requested or m.stream,
+        streamed=_streamed(m.stream_requested, m.stream),
     )
 
 
@@ -170,20 +174,29 @@ def record_verdict(record: Mapping[str, Any], limits: Limits) -> str:
         e2e if isinstance(e2e, int | float) else None,
         left=error is not None or _generating_on(error, record.get("raw_finish_reason")),
         unanswered=record.get("without_answer") is not None,
-        streamed=record.get("stream_requested", record.get("stream")) is True,
+        streamed=_streamed(record.get("stream_requested"), record.get("stream")),
     )
 
 
-#: The raw finish of a response still generating when its record was made: a background
-#: Response whose client left its stream. vLLM generates on in a task of its own
-#: (openai/responses/serving.py:537-589), so the proxy records no error, no finish yet
-#: and no tokens (proxy/core/observe.py `finish`): judged as a client that left.
-_GENERATING_ON = "in_progress"
+def _streamed(requested: object, measured: object) -> bool:
+    """Whether a request is judged as streamed: it asked for a stream, or its answer was
+    measured as one. One rule for a live record and a saved one, whose fields may be null
+    (`stream_requested` of a request that named no `stream`) or absent (an older run)."""
+    return requested is True or measured is True
+
+
+#: The raw finishes of a response that had not finished when its record was made: the
+#: Responses statuses its seam gives no finish reason (apis/responses.py FINISH). vLLM
+#: answers a `background: true` request not streamed at once, `queued`, and generates in
+#: a task of its own (openai/responses/serving.py:537-590); a background stream whose
+#: client left is recorded `in_progress` (proxy/core/observe.py `finish`). Neither has an
+#: error, a finish or tokens: judged as a client that left.
+_NOT_FINISHED = frozenset(raw for raw, label in RESPONSE_STATUSES.items() if label == NONE_LABEL)
 
 
 def _generating_on(error: object, raw_finish: object) -> bool:
     """Whether a record without an error is of a response that had not finished."""
-    return error is None and raw_finish == _GENERATING_ON
+    return error is None and raw_finish in _NOT_FINISHED
 
 
 #: The targets a request that ends without their figure has missed once it waited past

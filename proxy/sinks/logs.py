@@ -39,8 +39,9 @@ Keys, in this order, stable (a key without a value is null in JSON, left out in 
                  (usage, tokenizer, events)
   tool_calls     the tool calls by outcome ({"complete": 1, "truncated": 1}; logfmt:
                  tool_calls.complete=1), null without calls
-  without_answer how a stream that generated but delivered no answer nor call ended
-                 (length, stop, error, cancelled), null otherwise
+  without_answer how an answer that generated but delivered no answer nor call ended
+                 (length, stop, error, cancelled; a body not streamed: reasoning alone,
+                 length or stop), null otherwise
   conversation   the request's conversation id (a keyed hash, proxy/core/conversations.py:
                  never a header's value), null when not tracked
   turn           its turn in that conversation (1: the first request)

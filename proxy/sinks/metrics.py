@@ -415,10 +415,10 @@ class Metrics:
         )
         self.without_answer = c(
             "tokenprobe_requests_without_answer",
-            "Generative streams that generated output but delivered no answer token and no "
+            "Generative requests that generated output but delivered no answer token and no "
             "tool call to the client (only reasoned, or a forced call cut off before its "
-            "first delta), counted at the stream's end, by how it ended: length, stop, "
-            "error, cancelled.",
+            "first delta; a body not streamed: reasoning alone), counted at the answer's "
+            "end, by how it ended: length, stop, error, cancelled.",
             labels=("reason",),
         )
         self.tool_calls_total = c(

@@ -6,7 +6,9 @@
       is not judged: tokenprobe_requests_total counts it by error_type
   tokenprobe_slo_cancelled_requests_total{model, endpoint, *labels}
       client went away first, no miss known yet: left out of attainment, as the bench
-      leaves them out (one that left after a miss was known counts as that miss)
+      leaves them out (one that left after a miss was known counts as that miss); so is
+      a background Response not finished when its answer ended (`queued`, or a stream
+      its client left: slo.py `_NOT_FINISHED`)
   tokenprobe_goodput_tokens_total{model, endpoint, *labels}
       output tokens of the met requests: rate() is goodput in tokens/s
 
@@ -55,8 +57,9 @@ class SloMetrics:
         self.cancelled = Counter(
             "tokenprobe_slo_cancelled_requests",
             "Generative requests whose client went away before the end (from the proxy "
-            "receiving the request to the disconnect) before any target was known missed: "
-            "left out of SLO attainment.",
+            "receiving the request to the disconnect) before any target was known missed, "
+            "and background Responses not finished when their answer ended (queued, or a "
+            "stream its client left): left out of SLO attainment.",
             labels,
             registry=registry,
         )

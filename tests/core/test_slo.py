@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import asdict
 from typing import Any
 
+import orjson
 import pytest
 
 from proxy.core import slo
-from proxy.core.measurement import ErrorType
+from proxy.core.measurement import ErrorType, Measurement
+from proxy.core.observe import StreamObserver
+from proxy.core.request import CHAT, RequestInfo
 from tests.factories import measurement
+from tests.paths import FIXTURES
 
 LIMITS = slo.parse_slo("ttft=0.5,tpot=0.05,e2e=10")
 NOT_STREAMED = {"stream": False, "stream_requested": False}
+#: A response with nothing generated yet: no finish, no token, no figure but its e2e.
+UNFINISHED = {"finish_reason": "none", "ttft": None, "tpot": None, "output_tokens": None}
 
 
 @pytest.mark.parametrize(
@@ -63,6 +70,18 @@ NOT_STREAMED = {"stream": False, "stream_requested": False}
         ({"raw_finish_reason": "in_progress", "ttft": 0.1, "tpot": None, "e2e": 0.2}, "cancelled"),
         ({"raw_finish_reason": "in_progress", "ttft": 0.9, "tpot": None, "e2e": 1.0}, "ttft"),
         ({"raw_finish_reason": "in_progress", "ttft": None, "tpot": None, "e2e": 0.7}, "ttft"),
+        # Its acknowledgement not streamed: vLLM answers `queued` at once, no output, no
+        # usage, and generates later (openai/responses/serving.py:537-590). Not finished
+        # either, so not met on its few milliseconds: judged as a client that left.
+        ({"raw_finish_reason": "queued", **UNFINISHED, "e2e": 0.004} | NOT_STREAMED, "cancelled"),
+        ({"raw_finish_reason": "queued", **UNFINISHED, "e2e": 0.7} | NOT_STREAMED, "ttft"),
+        # Streamed, whichever field says it: a request that named no `stream`
+        # (stream_requested null) answered with a stream is judged as a stream, saved or not
+        ({"ttft": None, "tpot": None, "e2e": 2.0, "stream": True, "stream_requested": None}, "met"),
+        (
+            {"ttft": None, "tpot": None, "e2e": 2.0, "stream": False, "stream_requested": None},
+            "ttft",
+        ),
     ],
 )
 def test_a_record_and_its_saved_form_get_the_same_verdict(
@@ -95,6 +114,52 @@ def test_the_first_answer_is_a_target_of_its_own(figures: dict[str, Any], expect
     saved = {k: (v.value if isinstance(v, ErrorType) else v) for k, v in asdict(m).items()}
     assert slo.verdict(m, REASONING) == expected
     assert slo.record_verdict(saved, REASONING) == expected
+
+
+def whole_answer(endpoint: str, body: bytes) -> Measurement:
+    """The record of a non-streamed answer, `body`, read as the relay reads it."""
+    observer = StreamObserver(RequestInfo(endpoint, "tiny", False, False, 40, 0.0), start=100.0)
+    observer.open(200, "application/json", 100.5)
+    observer.feed(body, 101.0)
+    observer.end_of_stream(101.0)
+    return asyncio.run(
+        observer.finish(
+            end=101.0, started_at=1.7e9, status_code=200, error_type=None, error_message=None
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "endpoint"),
+    [
+        ("reasoning_only_chat_nonstream.json", CHAT),
+        ("reasoning_only_messages_nonstream.json", "/v1/messages"),
+        ("reasoning_only_responses_nonstream.json", "/v1/responses"),
+    ],
+)
+def test_a_whole_answer_of_reasoning_alone_misses_a_ttfa_target_as_its_stream_does(
+    name: str, endpoint: str
+) -> None:
+    """Real vLLM 0.32 bodies cut by max_tokens inside the reasoning: no content (the
+    reasoning parser finds no end of thinking, vllm/reasoning/basic_parsers.py:170-171).
+    The answer a ttfa target waits for never came: `without_answer` says how it ended, as
+    a stream's does, and the target is missed however quick the body was."""
+    body = (FIXTURES / "streams" / "vllm-0.32" / name).read_bytes()
+    m = whole_answer(endpoint, body)
+    assert (m.stream, m.first_answer, m.without_answer) == (False, None, "length")
+    assert slo.verdict(m, slo.parse_slo("ttfa=5")) == "ttfa"
+    saved = {k: (v.value if isinstance(v, ErrorType) else v) for k, v in asdict(m).items()}
+    assert slo.record_verdict(orjson.loads(orjson.dumps(saved)), slo.parse_slo("ttfa=5")) == "ttfa"
+
+
+def test_a_whole_answer_with_text_beside_its_reasoning_was_answered() -> None:
+    body = orjson.loads(
+        (FIXTURES / "streams" / "vllm-0.32" / "reasoning_only_chat_nonstream.json").read_bytes()
+    )
+    body["choices"][0]["message"]["content"] = "An answer."
+    m = whole_answer(CHAT, orjson.dumps(body))
+    assert m.without_answer is None
+    assert slo.verdict(m, slo.parse_slo("ttfa=5")) == "met"
 
 
 def test_the_text_is_read_in_any_order_and_written_in_the_table_s_order() -> None:

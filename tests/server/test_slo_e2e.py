@@ -7,8 +7,10 @@ across."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -17,8 +19,9 @@ import yaml
 from proxy.core.labels import MAX_MODELS
 from proxy.settings import SettingsError, parse
 from tests.conftest import ProxyUnderTest, Running
+from tests.paths import FIXTURES
 from tests.server.conftest import no_proxy
-from tests.servers import spawn, stop
+from tests.servers import serve, spawn, stop
 
 MODELS = ("fast", "slow")
 QUICK = {"x-sim-ttft": "0", "x-sim-tps": "5000"}
@@ -239,3 +242,72 @@ def test_a_malformed_slo_refuses_to_start_with_a_clear_message(
         stop(process)
     assert process.returncode == 2
     assert says in err.decode()
+
+
+#: A real vLLM 0.32 chat answer, not streamed, cut by max_tokens 40 inside its reasoning:
+#: `content` null (vllm/reasoning/basic_parsers.py:170-171, no end of thinking).
+REASONING_ONLY = FIXTURES / "streams" / "vllm-0.32" / "reasoning_only_chat_nonstream.json"
+#: vLLM's answer to `background: true` not streamed, at once: the response queued, no
+#: output, no usage; it generates later (openai/responses/serving.py:537-590).
+QUEUED = {"id": "resp_1", "object": "response", "created_at": 1796649217, "model": "tiny",
+          "output": [], "status": "queued", "usage": None, "background": True,
+          "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}  # fmt: skip
+
+
+async def vllm_not_streamed(
+    scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]
+) -> None:
+    """The two bodies above, by path: what the simulator does not serve (it reasons and
+    queues background responses only in streams)."""
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    queued = scope["path"] == "/v1/responses"
+    body = json.dumps(QUEUED).encode() if queued else REASONING_ONLY.read_bytes()
+    headers = [(b"content-type", b"application/json")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+@pytest.fixture
+def vllm_bodies() -> Iterator[str]:
+    with serve(vllm_not_streamed) as server:
+        yield server.url
+
+
+def test_a_non_streamed_answer_of_reasoning_alone_misses_its_ttfa_target(
+    vllm_bodies: str, start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    """Its client got no answer, as a stream cut inside its reasoning gives none: a ttfa
+    target is missed however quick the body came (it met it once: no first answer judged
+    by its e2e, well inside the limit)."""
+    proxy = start_proxy(vllm_bodies, model_allowlist=("tiny",), slo="ttfa=30")
+    body = {"model": "tiny", "max_tokens": 40, "messages": [{"role": "user", "content": "hi"}]}
+    response = httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    (m,) = proxy.wait_records(1, timeout=20)
+    assert (m.stream, m.without_answer) == (False, "length")
+    labels = {"model": "tiny", "endpoint": "/v1/chat/completions"}
+    judged = {
+        result: proxy.sample("tokenprobe_slo_requests_total", **labels, result=result)
+        for result in ("met", "ttfa")
+    }
+    assert judged == {"met": 0, "ttfa": 1}
+    assert proxy.sample("tokenprobe_requests_without_answer_total", **labels, reason="length") == 1
+
+
+def test_a_background_acknowledgement_is_not_judged_met(
+    vllm_bodies: str, start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    """`queued` in milliseconds is no kept promise: the response had not begun. Counted
+    apart as a stream of it its client left is, out of attainment and goodput."""
+    proxy = start_proxy(vllm_bodies, model_allowlist=("tiny",), slo="ttft=30")
+    body = {"model": "tiny", "input": "hi", "background": True}
+    response = httpx.post(proxy.url + "/v1/responses", json=body, timeout=30)
+    assert response.status_code == 200 and response.json()["status"] == "queued"
+    (m,) = proxy.wait_records(1, timeout=20)
+    assert m.raw_finish_reason == "queued"
+    labels = {"model": "tiny", "endpoint": "/v1/responses"}
+    assert proxy.sample("tokenprobe_slo_cancelled_requests_total", **labels) == 1
+    assert proxy.sample("tokenprobe_slo_requests_total", **labels, result="met") == 0
