@@ -43,6 +43,7 @@ from enum import Enum
 import orjson
 
 from proxy.core.apis import ErrorShape, api_under
+from proxy.core.apis.ollama import native_route as ollama_route
 from proxy.core.measurement import ErrorType
 
 #: How much of an error body is read for classification and messages.
@@ -785,9 +786,12 @@ _ANTHROPIC_TYPES: dict[int, str] = {
 
 def error_shape(path: str) -> Shape:
     """The error shape clients of `path` parse: what the Api serving it (or a path above
-    it) declares, OpenAI's where none does."""
+    it) declares; Ollama's on its unmeasured native paths (/api/tags, /api/blobs/...: the
+    same clients); OpenAI's elsewhere."""
     api = api_under(path)
-    return api.error_shape if api is not None else "openai"
+    if api is not None:
+        return api.error_shape
+    return "ollama" if ollama_route(path) else "openai"
 
 
 def error_body(status: int, kind: str, message: str, *, shape: Shape = "openai") -> bytes:
@@ -796,7 +800,11 @@ def error_body(status: int, kind: str, message: str, *, shape: Shape = "openai")
     OpenAI shape: {"error": {"message", "type": kind, "param": null, "code": status}}, as vLLM
     writes its own. Anthropic shape: {"type": "error", "error": {"type", "message"}}, the type
     chosen by status as Anthropic does (other 4xx are invalid_request_error, 5xx api_error).
+    Ollama shape: {"error": message}, its StatusError (proxy/core/apis/ollama.py); it has no
+    field for `kind`, the status says it.
     """
+    if shape == "ollama":
+        return orjson.dumps({"error": message})
     if shape == "anthropic":
         fallback = "invalid_request_error" if status < 500 else "api_error"
         error_type = _ANTHROPIC_TYPES.get(status, fallback)

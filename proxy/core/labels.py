@@ -20,6 +20,8 @@ import re
 from functools import lru_cache
 from typing import Protocol
 
+from proxy.core.apis.ollama import NATIVE_ROUTES
+
 OTHER = "other"
 NO_VALUE = "none"
 #: Hard cap on distinct model labels, whatever the upstream lists.
@@ -151,7 +153,7 @@ class HeaderLabels:
         return value if self._admitted[i](value) else OTHER
 
 
-# Routes forwarded without measuring (OpenAI's and vLLM's); anything else collapses to a
+# Routes forwarded without measuring (OpenAI's, vLLM's and Ollama's); anything else collapses to a
 # fixed label, so clients sending random paths cannot grow the number of series.
 _ROUTES = (
     "/v1/models",
@@ -237,6 +239,14 @@ _ROUTES = (
     "/weight_info",
     "/weight_checker",
     "/get_world_size",
+    # Ollama's: the measured three, for their other methods, and the rest of its native
+    # routes (proxy/core/apis/ollama.py NATIVE_ROUTES); a digest under /api/blobs is
+    # `/api/blobs/{id}`, one label for them all. Its `GET /` and `HEAD /` ("Ollama is
+    # running") stay `/other` with every other path outside these.
+    "/api/chat",
+    "/api/generate",
+    "/api/embed",
+    *NATIVE_ROUTES,
 )
 _ROUTE_SET = frozenset(_ROUTES)
 #: Actions on one item of a route, each a label of its own (`<route>/{id}/<action>`), not
@@ -250,7 +260,7 @@ OTHER_V1 = "/v1/other"
 OTHER_ROUTE = "/other"
 
 
-@lru_cache(maxsize=256)  # an unmeasured path is mostly one of a few: about 90 comparisons
+@lru_cache(maxsize=256)  # an unmeasured path is mostly one of a few: about 110 comparisons
 def route_template(path: str) -> str:
     """A bounded route label for an unmeasured path."""
     if path in _ROUTE_SET:

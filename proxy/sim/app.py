@@ -20,8 +20,9 @@
   GET  /props                      llama.cpp's, with build_info (only with SimConfig.backend_kind
                                    llamacpp, which also has no /version: llamacpp.py)
   POST /api/chat /api/generate    Ollama's native API, NDJSON or one body (ollama.py)
-  POST /api/embed                 Ollama's embeddings; GET /api/version its version
-                                  (only with SimConfig.ollama_version: a simulator playing Ollama)
+  POST /api/embed                 Ollama's embeddings; GET /api/version its version, GET|HEAD /
+                                  "Ollama is running" (both only with SimConfig.ollama_version:
+                                  a simulator playing Ollama)
   WS   /v1/realtime                realtime transcription sessions (realtime.py)
   GET  /health                     200, empty body
   GET  /sim/requests               the records as JSON (authorization masked)
@@ -124,7 +125,8 @@ class SimApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            if scope["path"] in _ROUTES or scope["path"].startswith("/v1/"):
+            path = scope["path"]
+            if path in _ROUTES or path.startswith("/v1/") or self._ollama_root_path(path):
                 await self._api(scope, receive, send)
             else:
                 await self._admin(scope, send)
@@ -194,6 +196,8 @@ class SimApp:
             await ex.error(errors.unauthorized())
             return "error"
         route = _ROUTES.get(record.path) or _item_route(record.path)
+        if route is None and self._ollama_root_path(record.path):
+            route = _OLLAMA_ROOT
         if route is None:
             await ex.error(errors.route_not_found())
             return "error"
@@ -234,20 +238,37 @@ class SimApp:
             plan.stream,
             plan.prompt_tokens,
         )
-        if REQUESTS[kind].ollama:
-            t0 = await self._load_model(ex, plan.model)
-        record.queued_at = time.monotonic()
-        if self.slots is None:
-            return await self._run(kind, ex, body, t0, plan)
-        async with self.slots.hold(plan.n):
-            record.scheduled_at = time.monotonic()
-            return await self._run(kind, ex, body, asyncio.get_running_loop().time(), plan)
+        ollama_body = body if REQUESTS[kind].ollama and isinstance(body, dict) else None
+        if ollama_body is not None:
+            unload = ollama.unload_only(ollama_body, chat=kind == "ollama-chat")
+            t0 = await self._load_model(ex, plan.model, loads=not unload)
+        try:
+            record.queued_at = time.monotonic()
+            if self.slots is None:
+                return await self._run(kind, ex, body, t0, plan)
+            async with self.slots.hold(plan.n):
+                record.scheduled_at = time.monotonic()
+                return await self._run(kind, ex, body, asyncio.get_running_loop().time(), plan)
+        finally:
+            if ollama_body is not None and ollama.unloads(ollama_body.get("keep_alive")):
+                # keep_alive 0: the runner expires once its request is done (server/sched.go
+                # processCompleted: refCount 0 and sessionDuration <= 0 go to expiredCh); the
+                # next request loads it again. (Ollama waits for every request on the runner;
+                # the simulator forgets the model at the end of this one.)
+                self.loaded_models.discard(plan.model)
 
-    async def _load_model(self, ex: Exchange, model: str) -> float:
+    async def _load_model(self, ex: Exchange, model: str, loads: bool = True) -> float:
         """Ollama: a model not loaded yet first loads (its load time, `x-sim-load-time` or
-        SimConfig.ollama_load_time); returns the loop time its TTFT then starts from."""
+        SimConfig.ollama_load_time); returns the loop time its TTFT then starts from.
+        `loads` False: an unload request (proxy/sim/ollama.py unload_only) loads nothing and
+        forgets the model at once (server/routes.go: s.sched.expireRunner(m), before any
+        scheduleRunner)."""
         loop = asyncio.get_running_loop()
         record = ex.record
+        if not loads:
+            self.loaded_models.discard(model)
+            record.loaded_at = time.monotonic()
+            return loop.time()
         load = number(record.headers, "x-sim-load-time", float, -1.0, -1.0)
         if load < 0:
             load = 0.0 if model in self.loaded_models else self.config.ollama_load_time
@@ -276,12 +297,15 @@ class SimApp:
             return "error"
         timer = ollama.Timer(int(record.started * 1e9))
         await self._load_model(ex, model)
+        if not texts:  # the model loaded (scheduleRunner comes first), nothing to embed
+            await ex.reply(200, ollama.no_embeddings(model), errors.OLLAMA_JSON)
+            return "completed"
         assert record.loaded_at is not None
         timer.loaded = int(record.loaded_at * 1e9)
         ttft = number(record.headers, "x-sim-ttft", float, self.config.ttft, 0.0)
         await asyncio.sleep(ttft)
         record.first_token_at = time.monotonic()
-        await ex.reply(200, ollama.embed(model, body, timer, tokens), errors.OLLAMA_JSON)
+        await ex.reply(200, ollama.embed(model, texts, timer, tokens), errors.OLLAMA_JSON)
         return "completed"
 
     async def _llamacpp_completion(self, ex: Exchange, body: Any, t0: float) -> Outcome:
@@ -298,6 +322,16 @@ class SimApp:
             await ex.error(errors.route_not_found())
             return "error"
         await ex.reply(200, ollama.version(self.config.ollama_version), errors.OLLAMA_JSON)
+        return "completed"
+
+    def _ollama_root_path(self, path: str) -> bool:
+        """`/` of a simulator playing Ollama; vLLM has no `/` (its 404, any method)."""
+        return path == "/" and self.config.ollama_version is not None
+
+    async def _ollama_root(self, ex: Exchange, body: Any, t0: float) -> Outcome:
+        # Ollama's `GET /` and `HEAD /` (server/routes.go GenerateRoutes: c.String(200,
+        # "Ollama is running")): the Ollama CLI's first request (HEAD /) checks the server.
+        await ex.reply(200, ollama.RUNNING, ollama.TEXT)
         return "completed"
 
     async def _run(self, kind: Kind, ex: Exchange, body: Any, t0: float, plan: Plan) -> Outcome:
@@ -669,10 +703,11 @@ def _write_ollama(chat: bool) -> Callable[[Planned], Awaitable[Outcome]]:
             timer.loaded = int(record.loaded_at * 1e9)
         body = job.body if isinstance(job.body, dict) else {}
         if not body.get("messages" if chat else "prompt"):  # load (or unload) only
-            reason = "unload" if ollama.unloads(body.get("keep_alive")) else "load"
+            reason = "unload" if ollama.unload_only(body, chat) else "load"
             await ex.reply(200, ollama.load_reply(plan.model, reason, chat), errors.OLLAMA_JSON)
             return "completed"
-        wire = ollama.OllamaWire(plan, chat, ollama.thinking_tokens(body, record.headers), timer)
+        thinking = ollama.thinking_tokens(body, record.headers)
+        wire = ollama.OllamaWire(plan, chat, thinking, timer, raw=body.get("raw") is True)
         if not plan.stream:
             return await ollama.complete_ollama(ex, plan, wire, job.pacer)
         return await ollama.stream_ollama(ex, plan, wire, job.pacer)
@@ -755,6 +790,10 @@ _ROUTES: dict[str, tuple[frozenset[str], Handler]] = {
     "/completion": (_POST, SimApp._llamacpp_completion),
     "/completions": (_POST, SimApp._llamacpp_completion),
 }
+
+
+#: `/` of a simulator playing Ollama (SimConfig.ollama_version).
+_OLLAMA_ROOT: tuple[frozenset[str], Handler] = (frozenset({"GET", "HEAD"}), SimApp._ollama_root)
 
 
 def _item_route(path: str) -> tuple[frozenset[str], Handler] | None:

@@ -1,5 +1,5 @@
 """Ollama's native API as it goes on the wire: `/api/chat`, `/api/generate`, `/api/embed`,
-`/api/version`.
+`/api/version`, `/`.
 
 Sources (ollama/ollama @ fb30760): api/types.go gives the field order Go's json.Marshal
 writes (ChatResponse: model, created_at, message{role, content, thinking, tool_calls},
@@ -17,10 +17,10 @@ in the vLLM mode (controls.Plan.eos, the same rules: none after a length finish)
 `eval_count` counts it: Ollama on a GGUF model runs llama-server and reports its
 `timings` (llm/llama_server.go Completion: EvalCount = Timings.PredictN, EvalDuration =
 Timings.PredictMS; the chat path alike), and llama-server counts the EOS in `predicted_n`
-(proxy/sim/llamacpp.py); Ollama's own Go runner did too (runner/ollamarunner/runner.go:
-`seq.numPredicted++` before its EOS check). The EOS's partial has no text, so no line
-(Completion calls back only for `lsResp.Content != ""`); the done line comes when the
-final event does, at the EOS's step.
+(proxy/sim/llamacpp.py). (Ollama's MLX runner does not: x/mlxrunner/pipeline.go checks
+IsEOS before `generated++`; the simulator plays the llama-server runner.) The EOS's partial
+has no text, so no line (Completion calls back only for `lsResp.Content != ""`); the done
+line comes when the final event does, at the EOS's step.
 
 Timing: a model that is not loaded (SimConfig.ollama_load_time > 0 and the model not
 used yet, or `x-sim-load-time` on the request) first waits its load time; then the
@@ -55,6 +55,9 @@ from proxy.sim.tokens import completion_text
 
 NDJSON = b"application/x-ndjson"
 JSON = b"application/json; charset=utf-8"
+TEXT = b"text/plain; charset=utf-8"  # gin's c.String
+#: What `GET /` and `HEAD /` answer (server/routes.go GenerateRoutes).
+RUNNING = b"Ollama is running"
 #: A version for a simulator that plays Ollama (SimConfig.ollama_version, `tokenprobe demo`).
 OLLAMA_VERSION = "0.13.0"
 
@@ -95,11 +98,16 @@ class Timer:
 class OllamaWire:
     """The lines of one /api/chat or /api/generate answer."""
 
-    __slots__ = ("_chat", "_head", "plan", "thinking", "timer")
+    __slots__ = ("_chat", "_context", "_head", "plan", "thinking", "timer")
 
-    def __init__(self, plan: Plan, chat: bool, thinking: int, timer: Timer) -> None:
+    def __init__(
+        self, plan: Plan, chat: bool, thinking: int, timer: Timer, raw: bool = False
+    ) -> None:
         self.plan = plan
         self._chat = chat
+        # generate's done line has the token ids, unless the prompt went raw (server/
+        # routes.go GenerateHandler: `if !req.Raw { ... res.Context = tokens }`)
+        self._context = not chat and not raw
         self._head = b'{"model":%s,"created_at":' % orjson.dumps(plan.model)
         self.thinking = thinking  # output tokens sent as `thinking`
         self.timer = timer
@@ -125,7 +133,7 @@ class OllamaWire:
         tokenized again: server/routes.go GenerateHandler, `r.Tokenize(prompt+sb)`)."""
         plan = self.plan
         tail = b'"done":true,"done_reason":%s' % orjson.dumps(plan.finish_reason)
-        if not self._chat:  # the prompt's and the response's token ids (not with raw)
+        if self._context:  # the prompt's and the response's token ids
             tail += b',"context":%s' % orjson.dumps(list(range(1, plan.prompt_tokens + sent + 1)))
         return self.line(content, thinking, tail + self.timer.metrics(plan, sent + plan.eos))
 
@@ -189,12 +197,19 @@ def thinking_tokens(body: Any, headers: dict[str, str]) -> int:
 
 
 def embed_inputs(body: Any) -> list[str] | None:
-    """/api/embed's `input`, a string or a list of them; None when it is neither."""
-    inputs = body.get("input") if isinstance(body, dict) else None
-    texts: list[Any] = inputs if isinstance(inputs, list) else [inputs]
-    return (
-        [t for t in texts if isinstance(t, str)] if all(isinstance(t, str) for t in texts) else None
-    )
+    """/api/embed's `input`, a string or a list of them; None when it is neither. No input,
+    `""` and `[]` are no texts (server/routes.go EmbedHandler: a string counts only
+    `if len(i) > 0`, a null input is no error), answered by `no_embeddings`."""
+    if not isinstance(body, dict):
+        return None
+    inputs = body.get("input")
+    if inputs is None:
+        return []
+    if isinstance(inputs, str):
+        return [inputs] if inputs else []
+    if isinstance(inputs, list) and all(isinstance(t, str) for t in inputs):
+        return inputs
+    return None
 
 
 def error_reply(status: int, message: str) -> errors.ErrorReply:
@@ -202,11 +217,15 @@ def error_reply(status: int, message: str) -> errors.ErrorReply:
     return errors.ErrorReply(status, orjson.dumps({"error": message}), errors.OLLAMA_JSON)
 
 
-def embed(model: str, body: dict[str, Any], timer: Timer, prompt_tokens: int) -> bytes:
+def no_embeddings(model: str) -> bytes:
+    """EmbedHandler's answer to no texts, once the model is loaded: `api.EmbedResponse{Model,
+    Embeddings: [][]float32{}}`, the durations and the count zero, so absent (omitempty)."""
+    return b'{"model":%s,"embeddings":[]}' % orjson.dumps(model)
+
+
+def embed(model: str, texts: list[str], timer: Timer, prompt_tokens: int) -> bytes:
     """EmbedResponse: one small deterministic vector per input."""
-    inputs = body.get("input")
-    count = len(inputs) if isinstance(inputs, list) else 1
-    vectors = [[round(0.1 * (i + 1), 3), 0.25, -0.5] for i in range(count)]
+    vectors = [[round(0.1 * (i + 1), 3), 0.25, -0.5] for i in range(len(texts))]
     now = time.monotonic_ns()
     return (
         b'{"model":%s,"embeddings":%s,"total_duration":%d,"load_duration":%d,"prompt_eval_count":%d}'
@@ -244,6 +263,13 @@ def unloads(keep_alive: object) -> bool:
     if isinstance(keep_alive, int | float):
         return keep_alive == 0
     return isinstance(keep_alive, str) and _ZERO_DURATION.fullmatch(keep_alive) is not None
+
+
+def unload_only(body: dict[str, Any], chat: bool) -> bool:
+    """An unload request: no prompt (generate) or no messages (chat), keep_alive zero
+    (server/routes.go GenerateHandler `req.Prompt == "" && ... Duration == 0`, ChatHandler
+    `len(req.Messages) == 0 && ...`). It loads nothing."""
+    return not body.get("messages" if chat else "prompt") and unloads(body.get("keep_alive"))
 
 
 def version(configured: str) -> bytes:

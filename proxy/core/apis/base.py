@@ -41,7 +41,7 @@ FINISH_LABELS = frozenset(
 
 
 #: The error body shapes the proxy writes its own errors in (proxy/core/errors.py error_body).
-ErrorShape = Literal["openai", "anthropic"]
+ErrorShape = Literal["openai", "anthropic", "ollama"]
 
 
 @dataclass(frozen=True, slots=True)

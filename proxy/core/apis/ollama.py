@@ -29,6 +29,12 @@ Wire facts (ollama/ollama @ fb30760: docs/api.md, api/types.go, server/routes.go
   "prompt_eval_count"}` (EmbedResponse), never streamed.
 
 Nothing is injected: Ollama always sends its counts, so the request goes as it came.
+
+The proxy's own errors on Ollama's native paths (a 413, 408, 502 or 504 it answers itself,
+measured route or passthrough: NATIVE_ROUTES) are `{"error": "..."}`, Ollama's StatusError (api/types.go:
+its ErrorMessage has the tag `json:"error"`): its clients read that string (api/client.go
+checkError unmarshals into StatusError; the `ollama` Python client's ResponseError takes
+`["error"]`), and an OpenAI-shaped object there reaches them as a dict, not a message.
 """
 
 from __future__ import annotations
@@ -54,6 +60,38 @@ from proxy.core.lax import lax_int
 from proxy.core.measurement import TokenSource
 from proxy.core.toolcalls import CallPiece
 
+#: Ollama's native routes but the three measured here (server/routes.go GenerateRoutes:
+#: every route but `/` and the OpenAI-compatible /v1 ones), and the paths below them:
+#: `/api/blobs/:digest` (ollama create's uploads, HEAD then POST), `/api/user/keys/:key`.
+#: The proxy's own errors there are Ollama's (proxy/core/errors.py error_shape); each is a
+#: route label of its own (proxy/core/labels.py).
+NATIVE_ROUTES = (
+    "/api/embeddings",
+    "/api/tags",
+    "/api/ps",
+    "/api/show",
+    "/api/pull",
+    "/api/push",
+    "/api/create",
+    "/api/copy",
+    "/api/delete",
+    "/api/blobs",
+    "/api/version",
+    "/api/status",
+    "/api/me",
+    "/api/signout",
+    "/api/user/keys",
+    "/api/experimental/web_search",
+    "/api/experimental/web_fetch",
+    "/api/experimental/model-recommendations",
+)
+
+
+def native_route(path: str) -> bool:
+    """Whether `path` is one of NATIVE_ROUTES or below one."""
+    return any(path == route or path.startswith(route + "/") for route in NATIVE_ROUTES)
+
+
 #: Ollama's done_reason values onto the closed finish set; any other is `other`.
 _FINISH = {"stop": "stop", "length": "length"}
 #: Shared answers for a line in the middle of a stream with content, nothing else.
@@ -64,6 +102,7 @@ class OllamaApi(Api):
     """What Ollama's native endpoints share: options, default streaming, counts, errors."""
 
     provider: ClassVar[str] = "ollama"
+    error_shape = "ollama"
     stream_type: ClassVar[str] = "application/x-ndjson"
     ndjson: ClassVar[bool] = True
     end_marker: ClassVar[str] = 'a line with "done": true'
