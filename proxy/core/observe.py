@@ -1073,8 +1073,10 @@ class StreamObserver:
         ids streamed) counts the token that ends a choice, an EOS without text, and the
         finish comes at that token's step, on a read of its own (vLLM: the EOS is in the
         output token ids, v1/core/sched/utils.py check_stop, and every route counts them;
-        llama-server's n_decoded and Ollama's eval_count, runner.go `numPredicted++`
-        before its EOS check, alike). Text counted by a tokenizer leaves that token out,
+        llama-server's n_decoded and, on a GGUF model, Ollama's eval_count (llama-server's
+        predicted_n: ollama llm/llama_server.go:1725), alike; Ollama's MLX runner leaves
+        the EOS out of eval_count, x/mlxrunner/pipeline.go checks IsEOS before
+        generated++, and nothing on the wire says which runner answered). Text counted by a tokenizer leaves that token out,
         and its read with it: {}. Chunks counted count a finish only where its chunk was
         an engine output of its own (Facts.held: vLLM's EOS, or a last token whose text
         was held back, whatever the reason), and their reads are those. A `length` finish
@@ -1092,17 +1094,28 @@ class StreamObserver:
         self, output: int | None, ends: dict[int, float]
     ) -> tuple[float | None, float | None]:
         """(TPOT, decode tokens/s) of the median choice; each choice's share of the output
-        tokens is in proportion to its content events (all of them for one choice). A
-        choice's span runs from its first content read to its last, or to the read of the
-        token that ended it when `ends` has a later one. A span of 0 (every token in one
-        read) measured no time: such a choice gives neither figure, as decode speed
-        never had one, rather than a TPOT of 0 that only says the reads were merged."""
+        tokens is in proportion to its content events (all of them for one choice), or its
+        own count where each choice counted its own (`_own_outputs`). A choice's span runs
+        from its first content read to its last, or to the read of the token that ended it
+        when `ends` has a later one. A span of 0 (every token in one read) measured no
+        time: such a choice gives neither figure, as decode speed never had one, rather
+        than a TPOT of 0 that only says the reads were merged."""
         if output is None or not self.choices:
             return None, None
+        own = self._own_outputs(output)
         total = sum(c.events for c in self.choices.values())
         speeds: list[tuple[float, float | None]] = []
         for index, choice in self.choices.items():
-            tokens = output * choice.events / total
+            if own is None:
+                tokens = output * choice.events / total
+            else:
+                tokens = own[index]
+                # A token that streamed no text (llama-server sends nothing for one that
+                # ends inside a UTF-8 character, and no text for one a stop word may
+                # claim: tools/server/server-context.cpp, process_token) may lie before
+                # the first read or after the last, outside the span: no figure.
+                if choice.events + (index in ends) != tokens:
+                    continue
             if tokens < 2:
                 continue
             span = max(choice.last, ends.get(index, choice.last)) - choice.first
@@ -1113,6 +1126,27 @@ class StreamObserver:
             return None, None
         speeds.sort(key=lambda s: s[0])
         return speeds[(len(speeds) - 1) // 2]  # the lower median: always a real choice
+
+    def _own_outputs(self, output: int) -> dict[int, int] | None:
+        """Each choice's own output tokens, by index, where every choice that streamed is a
+        llama.cpp task whose own account (its usage, else its timings: `_task`) counts it
+        and these add up to the record's `output`; None otherwise (vLLM's n > 1, one
+        choice, a tokenizer's count). A share in proportion to content events would
+        count a token that streamed no event in the other choices' shares."""
+        tasks = self.tasks
+        if tasks is None or len(tasks) < 2 or not self.choices.keys() <= tasks.keys():
+            return None
+        for count in (self._usage_counts, _timings_counts):
+            own: dict[int, int] = {}
+            for index, facts in tasks.items():
+                found = count(facts)
+                if found is None or found.output is None:
+                    break
+                own[index] = found.output
+            else:
+                if sum(own.values()) == output:
+                    return own
+        return None
 
 
 def bare_record(
