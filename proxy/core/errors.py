@@ -566,8 +566,9 @@ def parser_words(text: str) -> str:
     return _QUOTED.sub("", text)
 
 
-#: Where a parser's quoting begins: a bytes, bytearray or str repr after ": " or " ".
-_QUOTED = re.compile(r"""(?::\s*|\s+)(?:bytearray\()?b?['"].*""")
+#: Where a parser's quoting begins: a bytes or bytearray repr after ": " or " ", a str
+#: repr after ": " or aiohttp's "Bad status line " (not h11's "<class '...'>", no bytes).
+_QUOTED = re.compile(r"""(?:(?::\s*|\s+)(?:bytearray\()?b|:\s*|(?<=line)\s+)['"].*""")
 
 #: The parsers' protocol errors (h11's, as httpcore and httpx raise them again).
 _PROTOCOL_ERRORS = frozenset(

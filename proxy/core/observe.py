@@ -1112,9 +1112,11 @@ class StreamObserver:
                 tokens = own[index]
                 # A token that streamed no text (llama-server sends nothing for one that
                 # ends inside a UTF-8 character, and no text for one a stop word may
-                # claim: tools/server/server-context.cpp, process_token) may lie before
-                # the first read or after the last, outside the span: no figure.
-                if choice.events + (index in ends) != tokens:
+                # claim: tools/server/server-context.cpp, process_token) is still one of
+                # its count: in the span, or before its first read or after its last (a
+                # figure short by one step in N-1 at most). More reads than tokens: the
+                # count is not this choice's.
+                if choice.events + (index in ends) > tokens:
                     continue
             if tokens < 2:
                 continue

@@ -798,6 +798,12 @@ def test_describe_cuts_quotes_only_in_a_parsers_words() -> None:
     assert describe(said) == 'ValueError: upstream said {"b": 1}'
 
 
+def test_describe_keeps_the_words_of_h11s_state_errors() -> None:
+    """A class's repr is no upstream's bytes (h11/_state.py's "can't handle event type")."""
+    said = "can't handle event type <class 'h11._events.Response'> when role=CLIENT and state=DONE"
+    assert describe(httpx.RemoteProtocolError(said)) == f"RemoteProtocolError: {said}"
+
+
 def test_describe_leaves_out_the_bytes_h11_quotes() -> None:
     bad = httpx.RemoteProtocolError("illegal header line: bytearray(b'set-cookie: s=SECRET\\r')")
     assert describe(bad) == "RemoteProtocolError: illegal header line"

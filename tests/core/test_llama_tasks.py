@@ -213,8 +213,8 @@ def test_a_vllm_n2_stream_counts_its_one_usage() -> None:
 
 @pytest.mark.parametrize(
     ("asked", "tasks_a_prompt"),
-    [({"n": 2}, 2), ({"n_cmpl": 2}, 2), ({"n": 1, "n_cmpl": 2}, 2)],
-    ids=["n", "n_cmpl", "n_cmpl-over-n"],
+    [({"n": 2}, 2), ({"n_cmpl": 2}, 2), ({"n": 1, "n_cmpl": 2}, 2), ({"n_cmpl": None, "n": 2}, 2)],
+    ids=["n", "n_cmpl", "n_cmpl-over-n", "null-n_cmpl"],
 )
 def test_n_cmpl_is_read_before_its_alias_n(asked: dict[str, Any], tasks_a_prompt: int) -> None:
     """llama-server reads `n` only as `n_cmpl`'s fallback (server-schema.cpp,

@@ -487,7 +487,7 @@ def sampling_options(
         get("seed") if seed else None,
         # llama-server's own name first: it reads `n` only as n_cmpl's fallback
         # (tools/server/server-schema.cpp, `add_alias("n")`); no other server has it
-        (get("n_cmpl", get("n")) if choices else None),
+        ((n if (n := get("n_cmpl")) is not None else get("n")) if choices else None),
         get("top_p"),
         get("top_k"),
         get("frequency_penalty") if penalties else None,
