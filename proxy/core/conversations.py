@@ -7,9 +7,11 @@ A request continues a conversation when, in this order,
   3. its leading messages are exactly all of an earlier request's messages (an agent that
      appends the answer and a tool result and sends again), matched by the cumulative
      message digests of proxy/core/fingerprint.py (`message_chain`); or all its messages
-     are those of a request that failed (its retry). A request that continues by
-     `previous_response_id` sends only its new input items, not its prompt: it is never
-     matched by its messages, nor are they kept for others to match.
+     are those of a request that failed (its retry). A second request continuing the same
+     answered one while the first is in flight is a branch (parallel samples, a fan-out),
+     as it is when sent after the first's answer: it opens a new conversation. A request
+     that continues by `previous_response_id` sends only its new input items, not its
+     prompt: it is never matched by its messages, nor are they kept for others to match.
 Anything else opens a new conversation (turn 1).
 
 The table is updated twice per request, never per chunk: `begin` at its start (which
@@ -32,8 +34,9 @@ distinct across workers, restarts and replicas that share the salt. A named one'
 keyed hash of the header's value, the same in every worker that shares the salt.
 
 Identical openings are indistinguishable without a header: two clients that send the
-very same messages are taken for one (the later one owns the digest). The header (or
-`previous_response_id`) tells them apart.
+very same messages are taken for one (the later one owns the digest: the earlier one's
+next turn joins the later one's conversation, its gap measured from the later one's end).
+The header (or `previous_response_id`) tells them apart.
 """
 
 from __future__ import annotations
@@ -76,7 +79,9 @@ class Conversation:
     digest: bytes | None = None  # the latest answered request's digest of all its messages
     unanswered: bytes | None = None  # the latest one's while in flight, or if it failed
     response_id: str | None = None  # the latest response id
-    prompt_tokens: int | None = None  # the latest ended request's
+    # The latest answered request's (a failed one's are None, and its retry repeats the
+    # answered prompt, not the failed one's).
+    prompt_tokens: int | None = None
     output_tokens: int | None = None
     failed: bool = False  # the latest ended request got no answer
 
@@ -111,6 +116,15 @@ class Closed:
     duration: float  # first request's start -> last request's end
     model_seconds: float  # time inside its requests (their e2e, summed)
     between_seconds: float  # time between them (the turn gaps, summed)
+
+
+def _continued_in_flight(c: Conversation) -> bool:
+    """A request continuing `c`'s latest answered one is in flight: its digest is the
+    unanswered one (set at its start). A request that matches that answered one as well
+    is its sibling, not its successor: a successor's leading messages would be the one in
+    flight's, and it would have matched `unanswered` instead (an agent that sends its next
+    turn before the proxy records the end of the one before)."""
+    return c.in_flight > 0 and c.unanswered is not None
 
 
 def header_refusal(value: bytes) -> str | None:
@@ -193,7 +207,10 @@ class Conversations:
             for digest in reversed(chain[:-1] if complete else chain):
                 conversation = self._by_digest.get(digest)
                 if conversation is not None:
-                    via, shared = MESSAGES, conversation.prompt_tokens
+                    if digest == conversation.digest and _continued_in_flight(conversation):
+                        conversation = None  # a sibling of the one in flight: a branch
+                    else:
+                        via, shared = MESSAGES, conversation.prompt_tokens
                     break
         if conversation is None:
             self._opened += 1
@@ -231,7 +248,8 @@ class Conversations:
         c.in_flight = max(0, c.in_flight - 1)
         c.model_seconds += duration
         c.last_end = now if c.last_end is None else max(c.last_end, now)
-        c.prompt_tokens, c.output_tokens = prompt_tokens, output_tokens
+        if not failed:  # what the next turn, or a retry of a failed one, repeats
+            c.prompt_tokens, c.output_tokens = prompt_tokens, output_tokens
         if self._table.get(c.key) is not c:
             return  # evicted while in flight: nothing more to index
         self._touch(c, now)

@@ -157,9 +157,33 @@ def test_a_retry_of_a_failed_request_stays_in_its_conversation() -> None:
           failed=True)  # fmt: skip
     retry = begin(t, 3.0, rounds[1])  # a 429, say: the agent sends the same messages again
     assert (retry.id, retry.index, retry.via, retry.gap) == (first.id, 3, MESSAGES, 0.5)
+    assert retry.shared_prefix_tokens == 10  # the first's prompt, which it repeats
     end(t, retry, 4.0)
     third = begin(t, 5.0, rounds[2])
     assert (third.id, third.index, third.via) == (first.id, 4, MESSAGES)
+
+
+def test_a_retry_repeats_the_last_answered_prompt_whatever_the_failed_one_reported() -> None:
+    """The failed request's tokens (None: a 429 reports none) had replaced the answered
+    one's, and the retry, header and `previous_response_id` turns after a failure lost the
+    prefix their cached-prompt ratio is measured against."""
+    t = table()
+    rounds = agent_rounds("hi")
+    first = begin(t, 0.0, rounds[0], header=b"s")
+    t.end(first, 1.0, duration=1.0, response_id="resp_1", prompt_tokens=20, output_tokens=7)
+    fail(t, begin(t, 2.0, rounds[1], header=b"s"), 2.1)
+    by_header = begin(t, 3.0, rounds[1], header=b"s")
+    assert (by_header.via, by_header.shared_prefix_tokens) == (HEADER, 20)
+    fail(t, by_header, 3.1)
+    t2 = table()
+    first = begin(t2, 0.0, rounds[0])
+    t2.end(first, 1.0, duration=1.0, response_id="resp_1", prompt_tokens=20, output_tokens=7)
+    fail(t2, begin(t2, 2.0, rounds[1]), 2.1)
+    retry = begin(t2, 3.0, rounds[1])
+    assert (retry.via, retry.shared_prefix_tokens) == (MESSAGES, 20)
+    fail(t2, retry, 3.1)
+    again = t2.begin(4.0, previous_response_id="resp_1")
+    assert (again.via, again.shared_prefix_tokens) == (PREVIOUS_RESPONSE, 27)
 
 
 def test_a_retry_that_trims_the_failed_turn_stays_in_its_conversation() -> None:
@@ -177,7 +201,7 @@ def test_a_retry_that_trims_the_failed_turn_stays_in_its_conversation() -> None:
     cut = [*first_round, call, {"role": "tool", "content": "x [cut]"}]
     retry = begin(t, 3.0, cut)
     assert (retry.id, retry.index, retry.via, retry.gap) == (first.id, 3, MESSAGES, 0.5)
-    assert retry.shared_prefix_tokens is None  # the failed turn's: it reported none
+    assert retry.shared_prefix_tokens == 20  # it repeats the answered prompt, not the failed
     end(t, retry, 4.0)
     # The retry answered: it is the conversation's latest, the next round continues it.
     assert begin(t, 5.0, [*cut, {"role": "user", "content": "go on"}]).index == 4
@@ -211,6 +235,50 @@ def test_a_continuation_that_comes_before_its_requests_end_is_recorded_is_found(
     first = begin(t, 0.0, rounds[0])
     second = begin(t, 1.0, rounds[1])
     assert (second.id, second.via, second.gap) == (first.id, MESSAGES, None)
+
+
+def test_parallel_continuations_of_one_answer_are_branches() -> None:
+    """Two requests that continue the same answered one, at once (parallel samples, a
+    fan-out), are a branch as they are one after the other: the first stays in the
+    conversation, the others open their own. Before, all joined it, and the one that ended
+    last took its digest: the agent's next turn on the other branch opened a new one."""
+    t = table()
+    first_round = [SYSTEM, {"role": "user", "content": "plan"}]
+    first = begin(t, 0.0, first_round)
+    end(t, first, 1.0)
+    answered = [*first_round, {"role": "assistant", "content": "steps"}]
+    short, long, third = (
+        begin(t, 2.0 + i / 100, [*answered, {"role": "user", "content": f"step {i}"}])
+        for i in range(3)
+    )
+    assert (short.id, short.index, short.via) == (first.id, 2, MESSAGES)
+    for branch in (long, third):
+        assert (branch.via, branch.index, branch.gap) == (NEW, 1, None)
+    assert len({first.id, long.id, third.id}) == 3
+    end(t, short, 2.5)
+    end(t, third, 2.6)
+    end(t, long, 4.0)  # the long one ends last
+    on_short = [*answered, {"role": "user", "content": "step 0"}, {"role": "assistant"}]
+    next_turn = begin(t, 5.0, [*on_short, {"role": "user", "content": "go on"}])
+    assert (next_turn.id, next_turn.index, next_turn.gap) == (first.id, 3, 2.5)
+    on_long = [*answered, {"role": "user", "content": "step 1"}, {"role": "assistant"}]
+    assert begin(t, 5.0, [*on_long, {"role": "user", "content": "and"}]).id == long.id
+
+
+def test_a_turn_sent_before_the_one_before_is_recorded_is_no_branch() -> None:
+    """An agent loop sends its next turn as soon as it has the answer; the proxy may
+    record that answer's end later, and a third turn may come before the second's end too:
+    each repeats the one in flight, never a sibling of it."""
+    t = table()
+    rounds = agent_rounds("hi")
+    first = begin(t, 0.0, rounds[0])
+    end(t, first, 1.0)
+    second = begin(t, 2.0, rounds[1])
+    third = begin(t, 3.0, rounds[2])  # the second's end not run yet
+    end(t, second, 3.5)
+    fourth = begin(t, 4.0, [*rounds[2], {"role": "assistant"}, {"role": "tool"}])
+    assert {second.id, third.id, fourth.id} == {first.id}
+    assert (second.index, third.index, fourth.index) == (2, 3, 4)
 
 
 def test_a_conversation_with_a_request_in_flight_is_not_evicted() -> None:
