@@ -429,7 +429,7 @@ class Settings:
     max_event_bytes: int = setting(
         positive_int,
         4 * 1024 * 1024,
-        'Largest SSE event buffered to measure or strip; a larger event is relayed all the same, and that stream goes unmeasured (`tokenprobe_measurement_failures_total{stage="event_too_large"}`).',
+        'Largest SSE event buffered to measure or strip; a larger event is relayed all the same, and that stream goes unmeasured (`tokenprobe_measurement_failures_total{stage="event_too_large"}`). Also the largest WebSocket message read on a measured path (once inflated): a larger one is relayed unread and the session is measured on without it (`stage="ws_message_too_large"`).',
     )
     ws_idle_timeout: float = setting(
         _seconds,

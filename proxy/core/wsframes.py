@@ -10,9 +10,14 @@ message and control frame with the time of the read that completed it.
 Framing is wsproto's (`wsproto.frame_protocol.FrameDecoder`: header, lengths, masking,
 the rules for control frames). Inflating is ours, as a wsproto `Extension`, because
 wsproto's own `PerMessageDeflate` inflates without a bound: a few KiB of deflated zeros
-would become gigabytes in the watcher. Here a message larger than `max_message_bytes`
-(compressed or not) is a `FrameError`, and so is anything wsproto refuses; the tunnel then
-stops watching and the bytes go on flowing.
+would become gigabytes in the watcher. A message larger than `max_message_bytes` (once
+inflated) is not held: its bytes are dropped as they come and, at its end, the reader
+yields a `TOO_LARGE` message in its place (no data) and reads on, so one large message
+(a realtime append of minutes of audio) costs the session that message's content, not the
+rest of its measuring. With context takeover the next message's inflating needs the
+skipped one's output, so it is inflated and thrown away in bounded pieces, up to
+`MAX_SKIPPED_INFLATE_BYTES`; a message inflating past that, and anything wsproto refuses,
+is a `FrameError`: the tunnel then stops watching and the bytes go on flowing.
 
 The negotiated permessage-deflate parameters come from the upstream's 101 response
 (`deflate_params(Sec-WebSocket-Extensions)`): the server's answer is what both ends use.
@@ -43,6 +48,16 @@ KINDS = {
     Opcode.CLOSE: "close",
 }
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+#: WsMessage.kind of a data message over the reader's bound, relayed but not read.
+TOO_LARGE = "too_large"
+#: The most a compressed message is inflated to skip it (context takeover only: without
+#: it nothing of a skipped message is inflated). uvicorn's default `ws_max_size`, which
+#: vLLM's server runs with: it closes the session (1009) on any message inflating past
+#: it, so nothing a real vLLM reads is lost by stopping there, and a deflate bomb costs
+#: at most this much inflating (some 30 ms) before the watching stops.
+MAX_SKIPPED_INFLATE_BYTES = 16 * 1024 * 1024
+#: Inflated bytes produced (and dropped) at a time while skipping: the memory it takes.
+_SKIP_PIECE = 64 * 1024
 
 
 class FrameError(ValueError):
@@ -58,7 +73,7 @@ class WsMessage:
     none, RFC 6455's 1005)."""
 
     from_client: bool
-    kind: str  # "text" | "binary" | "ping" | "pong" | "close"
+    kind: str  # "text" | "binary" | "ping" | "pong" | "close" | TOO_LARGE (data is b"")
     data: bytes
     at: float  # perf_counter() of the read that completed it
     close_code: int | None = None
@@ -114,6 +129,7 @@ class _Inflate(Extension):
             params.client_no_context_takeover if from_client else params.server_no_context_takeover
         )
         self._limit = limit
+        self._most = max(limit, MAX_SKIPPED_INFLATE_BYTES)  # inflated to skip a message
         self._inflater: zlib._Decompress | None = None
         self._control = False  # the frame being read is a control frame (never compressed)
         self._compressed: bool | None = None  # this message's RSV1, kept over its fragments
@@ -155,23 +171,51 @@ class _Inflate(Extension):
         return tail
 
     def _inflate(self, data: bytes) -> bytes | CloseReason:
-        assert self._inflater is not None
+        inflater = self._inflater
+        assert inflater is not None
         room = self._limit - self._out
+        if room < 0:  # the message went over the bound: the reader is skipping it
+            return self._skip(data)
         try:
-            out = self._inflater.decompress(data, room + 1)
+            out = inflater.decompress(data, room + 1)
         except zlib.error:
             return CloseReason.INVALID_FRAME_PAYLOAD_DATA
         self._out += len(out)
-        if self._out > self._limit or self._inflater.unconsumed_tail:
-            return CloseReason.MESSAGE_TOO_BIG
+        if len(out) > room:
+            # One byte over: the reader sees the message pass its bound and skips it.
+            # What zlib still holds (input, or output it had no room for) is skipped too.
+            rest = self._skip(inflater.unconsumed_tail)
+            if isinstance(rest, CloseReason):
+                return rest
         return out
+
+    def _skip(self, data: bytes) -> bytes | CloseReason:
+        """Nothing of a message over the bound; with context takeover its output still
+        feeds the window the next message is inflated against, so it is inflated here,
+        a piece at a time, and dropped."""
+        if self._reset:
+            return b""  # its inflater is dropped at the message's end, unread
+        inflater = self._inflater
+        assert inflater is not None
+        try:
+            while True:
+                out = inflater.decompress(data, _SKIP_PIECE)
+                self._out += len(out)
+                if self._out > self._most:
+                    return CloseReason.MESSAGE_TOO_BIG
+                data = inflater.unconsumed_tail
+                if not data and len(out) < _SKIP_PIECE:
+                    return b""
+        except zlib.error:
+            return CloseReason.INVALID_FRAME_PAYLOAD_DATA
 
 
 class FrameReader:
     """One direction's frames -> messages. `from_client`: frames the client sends (masked).
 
     `feed` returns the messages and control frames completed by `data`, each stamped
-    `now`. After a close frame the direction is over; later bytes are ignored. Raises
+    `now`; a data message over `max_message_bytes` comes as a `TOO_LARGE` one, without
+    its data. After a close frame the direction is over; later bytes are ignored. Raises
     FrameError (and stays broken) on anything it cannot follow."""
 
     def __init__(
@@ -243,8 +287,12 @@ class FrameReader:
         if payload:
             self._size += len(payload)
             if self._size > self._limit:
-                raise FrameError(f"a message over {self._limit} bytes")
+                self._skip(frame_done and fin, now, out)
+                return
         if frame_done and fin:
+            if self._size > self._limit:  # a skipped message's last frame, empty
+                self._skip(True, now, out)
+                return
             kind = KINDS[self._opcode]
             if self._parts:  # the last of several pieces
                 self._parts += payload
@@ -256,6 +304,15 @@ class FrameReader:
             out.append(WsMessage(self.from_client, kind, data, now))
         elif payload:
             self._parts += payload
+
+    def _skip(self, done: bool, now: float, out: list[WsMessage]) -> None:
+        """A piece of a message over the bound: dropped (with what was held of it); at
+        its end, a TOO_LARGE message says one was relayed unread."""
+        if self._parts:
+            self._parts = bytearray()
+        if done:
+            self._opcode, self._size = None, 0
+            out.append(WsMessage(self.from_client, TOO_LARGE, b"", now))
 
     def _control(self, opcode: Opcode, payload: bytes, now: float) -> WsMessage:
         if opcode is not Opcode.CLOSE:

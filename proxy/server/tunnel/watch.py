@@ -6,8 +6,11 @@ close frame first; on a path with a WebSocket API (proxy/core/wsseam.py) the dir
 `FrameReader` also hands its messages to that API's session. Measuring fails in one
 place, `_read`: the session is no longer watched, a counter says so
 (`tokenprobe_measurement_failures_total{stage="ws_frames"|"observe"|"finish"}`), and the
-bytes go on. A read carrying more frames than its direction has earned (budget.py: a
-flood, never a real peer) stops the watching the same way, before any is read; so does
+bytes go on. A data message over the reader's bound (`--max-event-bytes`) is relayed
+unread and the session goes on being watched: each one is counted
+(`stage="ws_message_too_large"`) and said in the log. A read carrying more frames than
+its direction has earned (budget.py: a flood, never a real peer) stops the watching the
+same way, before any is read; so does
 a read carrying more frame headers than its direction may scan (budget.py,
 `scan_budget`), and its direction's frames are no longer followed at all (no close frame
 seen, none put between its frames at the drain), for the scan would cost every frame of
@@ -24,10 +27,12 @@ import logging
 from collections.abc import Callable
 
 from proxy.core.wsframes import (
+    TOO_LARGE,
     DeflateParams,
     FrameBounds,
     FrameError,
     FrameReader,
+    WsMessage,
     close_frame,
     deflate_params,
 )
@@ -63,6 +68,7 @@ class WsWatch:
         # (upstream, client): the frame headers each direction may scan, full at the start
         self._scans = (scan_budget(0.0), scan_budget(0.0))
         self._stopped = False  # the watching stopped, counted
+        self._bound = 0  # the largest message read (`follow`'s max_message_bytes)
 
     def start(self, after: bytes, now: float) -> None:
         """The upstream switched: `after` is what followed its 101 head in the same read
@@ -85,7 +91,7 @@ class WsWatch:
             return  # the 101's own read ran out the scan: said and counted
         try:
             deflate: DeflateParams | None = deflate_params(extensions)
-            limit = max_message_bytes
+            limit = self._bound = max_message_bytes
             self._readers = (FrameReader(False, deflate, limit), FrameReader(True, deflate, limit))
             self._session = open_session()
         except FrameError:
@@ -170,6 +176,8 @@ class WsWatch:
         assert session is not None  # set and cleared with the readers
         try:
             for message in reader.feed(data, now):
+                if message.kind == TOO_LARGE:
+                    self._too_large(message)
                 session.message(message)
         except FrameError as exc:
             log.warning("stopped watching a WebSocket session: %s", exc)
@@ -177,6 +185,19 @@ class WsWatch:
         except Exception:
             log.exception("measuring a WebSocket session failed")
             self._stop_watching("observe")
+
+    def _too_large(self, message: WsMessage) -> None:
+        """A message over the bound went by unread: its content is lost to measuring
+        (a realtime append's audio: that utterance's audio seconds fall short), not the
+        session's. The session sees it too, as a TOO_LARGE message."""
+        side = "client" if message.from_client else "upstream"
+        log.warning(
+            "a WebSocket message from the %s over %d bytes (--max-event-bytes) was relayed "
+            "unread; the session goes on being measured without it",
+            side,
+            self._bound,
+        )
+        self.failed("ws_message_too_large")
 
     def _stop_watching(self, stage: str) -> None:
         self._stopped = True
