@@ -425,7 +425,9 @@ def _plan(
     min_tokens = _min_tokens(body, max_tokens, room) if sampling else 0
     if isinstance(min_tokens, errors.ErrorReply):
         return min_tokens
-    script = script_from(headers)
+    # A script is streamed only (docs/reasoning.md): a body would have ended "tool_calls"
+    # with no call in it, or counted reasoning it never carried.
+    script = script_from(headers) if lax_bool(body.get("stream")) is True else None
     if script is not None:
         choices, stops, words = 1, None, ()  # a script streams one choice, to its own end
     answer = planned

@@ -422,6 +422,22 @@ def test_a_script_cut_by_its_limit_ends_on_its_last_tokens_chunk(
     assert [c["finish_reason"] for c in chunks] == [None, "length"]
 
 
+@pytest.mark.parametrize(
+    "headers",
+    [{"x-sim-tool-calls": "1"}, {"x-sim-reasoning-tokens": "3"}],
+    ids=["calls", "reasoning"],
+)
+def test_a_script_is_for_streams_only(url: str, headers: dict[str, str]) -> None:
+    """docs/reasoning.md: a body answered `finish_reason: "tool_calls"` with no call in it
+    (and counted reasoning it never carried): now the headers leave a body as it was."""
+    r = httpx.post(url + CHAT, json=chat(stream=False), headers=headers)
+    plain = httpx.post(url + CHAT, json=chat(stream=False))
+    choice = r.json()["choices"][0]
+    assert (choice["finish_reason"], choice["message"].get("tool_calls")) == ("stop", None)
+    assert choice["message"] == plain.json()["choices"][0]["message"]
+    assert r.json()["usage"] == plain.json()["usage"]
+
+
 def test_a_script_that_ends_with_tool_calls_finishes_on_a_chunk_of_its_own(
     client: httpx.Client, url: str
 ) -> None:
