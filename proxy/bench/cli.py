@@ -129,16 +129,33 @@ def main(argv: Sequence[str]) -> int:
 
 
 def _parent(options: Options, argv: Sequence[str]) -> int:
-    """--workers N: N worker processes run the load on one clock; this one merges them."""
+    """--workers N: N worker processes run the load on one clock; this one merges them,
+    scrapes --compare-metrics around the whole run (a worker's scrape would set its share
+    of the requests against all the proxy saw), and reports as one process does."""
     from proxy.bench.merge import levels_of
     from proxy.bench.workers import WorkerError, run
 
     try:
+        before = None
+        if options.compare_metrics:
+            before = _run_loop(compare.scrape(options.compare_metrics))
         doc = run([], argv, options.workers)
-    except WorkerError as exc:
+    except (WorkerError, compare.ScrapeError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1
     levels = levels_of([doc])
+    compare_text = None
+    if options.compare_metrics and before is not None and doc["status"] != "interrupted":
+        try:
+            doc["compare"], compare_text = _run_loop(
+                _compared(options.compare_metrics, options, before, levels)
+            )
+        except compare.ScrapeError as exc:
+            doc["problem"] = doc.get("problem") or str(exc)
+        except KeyboardInterrupt:  # the run is over: report it
+            doc["status"] = "interrupted"
+    if doc["status"] == "interrupted":
+        print(f"{PROG}: interrupted; reporting what was measured", file=sys.stderr)
     summaries = [summarize(level, options.slo) for level in levels]
     if any(s.ok for s in summaries):
         print(
@@ -146,12 +163,21 @@ def _parent(options: Options, argv: Sequence[str]) -> int:
                 summaries, options.cost_per_hour, options.currency, open_loop=options.mode == "open"
             )
         )
+    if compare_text:
+        print("\nbench vs proxy (--compare-metrics)\n" + compare_text)
     if doc.get("problem"):
         print(f"{PROG}: error: {doc['problem']}", file=sys.stderr)
     if options.out:
         doc["config"]["workers"] = options.workers
         report.write_json(options.out, doc)
         print(f"{PROG}: wrote {options.out}", file=sys.stderr)
+    if options.plot and summaries:
+        from proxy.bench.plot import draw
+
+        draw(options.plot, levels, summaries)
+        print(f"{PROG}: wrote {options.plot}", file=sys.stderr)
+    if doc["status"] == "interrupted":
+        return 130
     return 0 if any(s.ok for s in summaries) else 1
 
 
@@ -239,20 +265,27 @@ async def _bench(
             )
             problem = report.diagnose(runner.failure, options, served)
         if options.compare_metrics and before is not None and runner.stop_reason != "interrupted":
-            results = [r for level in levels for r in level.results]
-            after = await compare.settled(
-                options.compare_metrics, before, options.endpoint, options.model, len(results)
+            compare_doc, compare_text = await _compared(
+                options.compare_metrics, options, before, levels
             )
-            bench = compare.bench_figures(results, TTFT_BUCKETS)
-            proxy = compare.proxy_figures(before, after, options.endpoint, options.model)
-            compare_doc = compare.as_json(bench, proxy)
-            compare_text = compare.side_by_side(bench, proxy)
     except compare.ScrapeError as exc:
         problem = str(exc)
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
     return Run(levels, lengths, runner.stop_reason, problem, compare_doc, compare_text)
+
+
+async def _compared(
+    url: str, options: Options, before: list[compare.Sample], levels: Sequence[Level]
+) -> tuple[dict[str, Any], str]:
+    """--compare-metrics: the bench's figures against the proxy's over the run, as JSON and
+    as the side-by-side table."""
+    results = [r for level in levels for r in level.results]
+    after = await compare.settled(url, before, options.endpoint, options.model, len(results))
+    bench = compare.bench_figures(results, TTFT_BUCKETS)
+    proxy = compare.proxy_figures(before, after, options.endpoint, options.model)
+    return compare.as_json(bench, proxy), compare.side_by_side(bench, proxy)
 
 
 async def _served_models(options: Options) -> list[str]:

@@ -6,7 +6,10 @@ Every shard ran the same schedule from its own start (the same instant on one ma
 shared schedule's, its latencies were measured on its own machine. The merged level
 holds every shard's records, ordered as one process orders them; its wall time is the
 longest shard's; every figure is recomputed from the records by the same code
-(`stats.summarize`) as a one-process run, so merging is exact.
+(`stats.summarize`) as a one-process run, so merging is exact, and the cost from those.
+The shards' --compare-metrics blocks are left out: each set its share of the requests
+against what the proxy saw of all of them, and no merge can part those (`--workers`
+scrapes once around the whole run instead).
 
 Exit status: 0, or 2 when a file cannot be read or the shards are not of one run.
 """
@@ -24,8 +27,8 @@ import orjson
 
 from proxy.bench.client import Result
 from proxy.bench.load import Level
-from proxy.bench.report import write_json
-from proxy.bench.stats import summarize
+from proxy.bench.report import cost_block, write_json
+from proxy.bench.stats import Summary, summarize
 from proxy.core.engine import EngineMetrics, SpecDecode
 from proxy.core.measurement import ErrorType, Measurement, TokenSource
 from proxy.core.toolcalls import ToolCall
@@ -128,9 +131,22 @@ def merge(docs: Sequence[dict[str, Any]], paths: Sequence[str]) -> dict[str, Any
         "levels": [{"label": lv.label, "loop_lag": lv.loop_lag, "cpu_s": lv.cpu} for lv in levels],
         "records": [record_of(r, lv.label) for lv in levels for r in lv.results],
     }
+    # A shard's cost is its share's (half the tokens in the same wall time: twice the
+    # price); its --compare-metrics block set its share of the requests against every
+    # request the proxy saw, all shards' (a false 2x mismatch): the one is recomputed,
+    # the other cannot be, and --workers scrapes once around the whole run instead.
+    out["cost"] = _cost(first.get("cost"), summaries)
+    out["compare"] = None
     if "replay" in first:
         out["replay"] = {**first["replay"], "shard": None, "shards": len(docs)}
     return out
+
+
+def _cost(shard: Mapping[str, Any] | None, summaries: Sequence[Summary]) -> dict[str, Any] | None:
+    """The cost block of the merged run, from its summaries (the shards' own rate)."""
+    if not shard:
+        return None
+    return cost_block(float(shard["cost_per_hour"]), str(shard["currency"]), summaries)
 
 
 def record_of(result: Result, label: str) -> dict[str, Any]:

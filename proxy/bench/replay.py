@@ -180,6 +180,9 @@ def _parent(ns: argparse.Namespace, argv: Sequence[str], wants: list[Want]) -> i
         doc["config"]["workers"] = ns.workers
         report.write_json(ns.out, doc)
         print(f"{PROG}: wrote {ns.out}", file=sys.stderr)
+    if doc.get("status") == "interrupted":  # what the workers measured, as one process
+        print(f"{PROG}: interrupted; reported what was measured", file=sys.stderr)
+        return 130
     return 0 if any(s.ok for s in summaries) else 1
 
 

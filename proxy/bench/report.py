@@ -262,10 +262,15 @@ def document(
 def _cost(options: Options, summaries: Sequence[Summary]) -> dict[str, Any] | None:
     if options.cost_per_hour is None:
         return None
-    hourly = options.cost_per_hour
+    return cost_block(options.cost_per_hour, options.currency, summaries)
+
+
+def cost_block(hourly: float, currency: str, summaries: Sequence[Summary]) -> dict[str, Any]:
+    """The JSON's `cost`: each level's price per million tokens at `hourly` (a run's, or
+    the merged shards' from their records: bench merge)."""
     return {
         "cost_per_hour": hourly,
-        "currency": options.currency,
+        "currency": currency,
         "per_million_tokens": {
             s.label: {
                 "output": per_million_tokens(hourly, s.output_tokens / s.duration),

@@ -263,6 +263,37 @@ def test_two_workers_replay_every_request_on_one_clock_into_one_run(
     assert all(abs(at - origin - offset) < 0.06 for at, offset in pairs)
 
 
+def test_an_interrupted_replay_on_workers_writes_what_they_measured_and_exits_130(
+    recorded: dict[str, Any], start_sim: StartSim, tmp_path: Path
+) -> None:
+    """As one process does (docs/benchmarking.md): the merged run said `interrupted` and
+    the parent exited 0."""
+    import os
+    import signal
+
+    target = start_sim(ttft=0.01, tokens_per_second=1000)
+    out = tmp_path / "i.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy.bench", "replay", str(recorded["log"]), "--url",
+         target.url + "/v1", "--out", str(out), "--quiet", "--workers", "2", "--speed", "0.05"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, process_group=0,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not any(r.path.startswith("/v1/") for r in target.app.state.requests()):
+            assert time.monotonic() < deadline, "no request replayed"
+            time.sleep(0.05)
+        time.sleep(0.3)  # the first request answered (10 ms to its first token)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, stderr
+    assert orjson.loads(out.read_bytes())["status"] == "interrupted"
+
+
 def test_shards_run_apart_merge_into_one_run_and_other_runs_are_refused(
     recorded: dict[str, Any], start_sim: StartSim, tmp_path: Path
 ) -> None:
