@@ -8,7 +8,9 @@ the load (coordinated omission). How late sends actually were is kept per reques
 Replay (a Schedule): each request at its recorded offset, open loop as well.
 
 A run stops early when the first requests all fail the same way (a wrong key, an
-unknown model, an unreachable URL): more of them would measure nothing.
+unknown model, an unreachable URL): more of them would measure nothing. It stops too when
+the backend stops answering mid-run (it died): a long run of requests that failed before
+any response, each at once, would measure nothing but the bench's own speed.
 """
 
 from __future__ import annotations
@@ -27,11 +29,32 @@ import yarl
 from proxy.bench.client import Call, Result, finalize, headers, measure_wire, needs_tokenizer
 from proxy.bench.options import Options
 from proxy.bench.wire import Pool
+from proxy.core.measurement import ErrorType, Measurement
 
 #: Stop the run when this many first requests all fail with the same error type: the
 #: first ones this process sent, each judged once it ended (a quick 400 that ends before
 #: a slower success sent earlier judges nothing alone).
 FAIL_FAST = 3
+
+#: Stop the run when the backend stopped answering: at least DEAD_REQUESTS requests in a
+#: row, over at least DEAD_SECONDS, each failed before any response came (NO_ANSWER). Both:
+#: a closed loop on a dead port fails thousands a second, so a count alone would stop on a
+#: backend's restart blip; a slow open loop sends a few a second, so a time alone would stop
+#: on a handful. An overloaded but live backend answers (a 429, a 503, a slow or cut-off
+#: stream), and any answer, like any success, starts the count again.
+DEAD_REQUESTS = 50
+DEAD_SECONDS = 2.0
+
+#: Failures before any response: the connection was refused, unreachable, or reset before
+#: the response's head (UPSTREAM_ERROR with no status). Not a timeout: a hung backend fails
+#: no faster than --timeout, so it cannot spin, and queued requests timing out are a
+#: measurement of overload.
+NO_ANSWER = frozenset((ErrorType.UPSTREAM_UNREACHABLE, ErrorType.UPSTREAM_ERROR))
+
+#: In a closed loop, how long a stream waits before its next request while the backend is
+#: not answering: without it the streams resend at once, and a dead port fails tens of
+#: thousands of requests a second (each a record in the JSON) until the rule above stops it.
+NO_ANSWER_BACKOFF = 0.05
 
 
 @dataclass(slots=True)
@@ -113,6 +136,8 @@ class Runner:
         self._judging = True  # until the first success, or failures of different types
         # the first FAIL_FAST requests this process sent, (level, index), and how each ended
         self._first: dict[tuple[int, int], Result | None] = {}
+        self._unanswered = 0  # requests in a row that got no response at all (NO_ANSWER)
+        self._unanswered_since = 0.0  # perf_counter(): when the first of them ended
         self._headers = headers(options)
         self._urls = {options.endpoint: yarl.URL(options.url)}  # parsed once per API
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -180,6 +205,8 @@ class Runner:
                 if index >= n or perf_counter() >= deadline:
                     return
                 await self._one(level, index, perf_counter())
+                if self._unanswered:  # the backend is not answering: don't spin on it
+                    await self._sleep_until(perf_counter() + NO_ANSWER_BACKOFF)
 
         await self._gather(level, [worker(k) for k in streams])
 
@@ -318,6 +345,7 @@ class Runner:
         result = Result(level.index, index, due, sent, m, keep)
         level.results.append(result)
         self._judge(result)
+        self._watch_backend(result)
         if self.on_result is not None:
             self.on_result(level, result)
 
@@ -338,6 +366,21 @@ class Runner:
             self._judging, self.failure = False, None  # mixed failures: no one clear problem
             return
         if None not in self._first.values():  # every one of them ended, failed alike
+            self._stop("failing")
+
+    def _watch_backend(self, result: Result) -> None:
+        """Stop when the backend stopped answering (DEAD_REQUESTS, DEAD_SECONDS); the
+        request that decided it names the problem, as the first failures' would."""
+        if not unanswered(result.m):
+            self._unanswered = 0
+            return
+        now = perf_counter()
+        if not self._unanswered:
+            self._unanswered_since = now
+        self._unanswered += 1
+        if self._unanswered >= DEAD_REQUESTS and now - self._unanswered_since >= DEAD_SECONDS:
+            if not self.stopping:
+                self.failure = result
             self._stop("failing")
 
     # -- tasks ------------------------------------------------------------------------
@@ -368,3 +411,8 @@ class Runner:
         self._cancelled = self._active
         for task in self._tasks:
             task.cancel()
+
+
+def unanswered(m: Measurement) -> bool:
+    """The request failed before any response came (NO_ANSWER, no status)."""
+    return m.status_code == 0 and m.error_type in NO_ANSWER

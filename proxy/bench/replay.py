@@ -9,8 +9,9 @@ Conversations stay conversations: a later turn's prompt repeats all of its earli
 (`follows`). The output is the bench's table, the recorded figures beside the replayed
 ones, and with `--out` the run file `tokenprobe bench compare` reads.
 
-Exit status: 0 when requests succeeded, 1 when none did, 2 for bad flags or nothing to
-replay, 130 when interrupted.
+Exit status: 0 when requests succeeded, 1 when none did or the run stopped as failing (the
+target stopped answering mid-run), 2 for bad flags or nothing to replay, 130 when
+interrupted.
 """
 
 from __future__ import annotations
@@ -183,7 +184,7 @@ def _parent(ns: argparse.Namespace, argv: Sequence[str], wants: list[Want]) -> i
     if doc.get("status") == "interrupted":  # what the workers measured, as one process
         print(f"{PROG}: interrupted; reported what was measured", file=sys.stderr)
         return 130
-    return 0 if any(s.ok for s in summaries) else 1
+    return 0 if any(s.ok for s in summaries) and doc.get("status") != "failing" else 1
 
 
 def _check(ns: argparse.Namespace) -> Shard:
@@ -438,4 +439,4 @@ async def _replay(ns: argparse.Namespace, options: Options, wants: list[Want], s
         print(f"{PROG}: wrote {options.out}", file=sys.stderr)
     if status == "interrupted":
         return 130
-    return 0 if any(s.ok for s in summaries) else 1
+    return 0 if any(s.ok for s in summaries) and status != "failing" else 1

@@ -1,0 +1,123 @@
+"""A backend that dies mid-run stops the bench, naming the problem; one that answers
+errors is measured to the end.
+
+The dead backend is the simulator in its own process, killed once it has served a few
+requests: the bench (its own process too) then fails every request at once, before any
+response. It spun on those: 45,000 `upstream_unreachable` records in 5 s, a 73 MB JSON
+reading `status: complete` (proxy/bench/load.py DEAD_REQUESTS, DEAD_SECONDS).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from proxy.bench.cli import main
+from proxy.bench.load import DEAD_SECONDS
+from proxy.sim import SimConfig, create_sim_app
+from tests.conftest import MODEL
+from tests.servers import ThreadedServer, free_port, spawn, stop, wait_http
+
+LOADS = {"closed": ["--concurrency", "2"], "open": ["--rate", "50"]}
+
+#: Long enough that a bench which never stops on its own is caught by the wait below.
+DURATION = 60.0
+
+
+def answered(url: str) -> int:
+    """How many requests the simulator has answered to the end (its /sim/stats)."""
+    stats = httpx.get(url + "/sim/stats", timeout=2.0).json()
+    return int(stats["total"]) - int(stats["active"])
+
+
+@pytest.mark.parametrize("load", LOADS)
+def test_a_backend_that_dies_mid_run_stops_the_run_as_failing(load: str, tmp_path: Path) -> None:
+    """Killed after a few answers, in either loop: the run stops DEAD_SECONDS or a little
+    more after, as failing, the problem named as the fail-fast rule names it."""
+    port = free_port()
+    sim_url = f"http://127.0.0.1:{port}"
+    sim = spawn("sim", "--host", "127.0.0.1", "--port", str(port), "--ttft", "0.05", "--tps", "200")
+    out = tmp_path / "r.json"
+    bench: subprocess.Popen[bytes] | None = None
+    try:
+        wait_http(sim_url + "/health")
+        bench = subprocess.Popen(
+            [sys.executable, "-m", "proxy.bench", "--url", sim_url + "/v1", "--model", MODEL,
+             "--out", str(out), "--quiet", "--max-tokens", "4", "--duration", str(DURATION),
+             *LOADS[load]],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while answered(sim_url) < 6:  # successes first: the backend dies mid-run
+            assert time.monotonic() < deadline and bench.poll() is None, "the bench never ran"
+            time.sleep(0.05)
+        died = time.monotonic()  # before: the bench's failures all come after it
+        sim.kill()
+        sim.wait(10)
+        try:
+            _, err = bench.communicate(timeout=DEAD_SECONDS + 15)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the bench went on {DEAD_SECONDS + 15:g} s after its backend died")
+        stopped_after = time.monotonic() - died
+    finally:
+        stop(sim)
+        if bench is not None:
+            stop(bench)
+    doc: dict[str, Any] = orjson.loads(out.read_bytes())
+    errors = [r["error_type"] for r in doc["records"]]
+    assert (doc["status"], bench.returncode) == ("failing", 1), err
+    assert doc["problem"].startswith("upstream_unreachable: cannot connect to"), doc["problem"]
+    assert doc["problem"] in err.decode()  # named on stderr in one line too
+    assert errors.count(None) >= 1 and "upstream_unreachable" in errors
+    assert stopped_after >= DEAD_SECONDS  # a restart's blip would not have stopped it
+    # no spinning: a closed loop backs off while nothing answers (it sent tens of
+    # thousands in those seconds), an open loop sends on schedule (50/s here)
+    assert len(errors) < 50 * (stopped_after + 5), len(errors)
+
+
+class ErrorsAfter:
+    """The simulator, which after `answered` requests answers each with `x-sim-error`'s
+    `error` at once (vLLM's own error bodies and statuses, proxy/sim/errors.py)."""
+
+    def __init__(self, app: Any, answered: int, error: str) -> None:
+        self.app, self.answered, self.error = app, answered, error
+        self.seen = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            self.seen += 1
+            if self.seen > self.answered:
+                headers = [*scope["headers"], (b"x-sim-error", self.error.encode())]
+                scope = {**scope, "headers": headers}
+        await self.app(scope, receive, send)
+
+
+@pytest.mark.parametrize("error", ["rate_limit", "server_error"])
+def test_a_backend_answering_errors_after_a_while_is_measured_to_the_end(
+    error: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A 429 or 500 storm is an answer, whatever its number: a live but overloaded
+    backend's, which the run measures (only no answer at all stops it)."""
+    app = ErrorsAfter(create_sim_app(SimConfig(models=(MODEL,), ttft=0.02)), 4, error)
+    server = ThreadedServer(app).start()
+    out = tmp_path / "r.json"
+    duration = DEAD_SECONDS + 1.5
+    try:
+        flags = ["--concurrency", "2", "--duration", f"{duration:g}", "--max-tokens", "4"]
+        rc = main(["--url", server.url + "/v1", "--model", MODEL, "--out", str(out), "--quiet", *flags])  # fmt: skip
+    finally:
+        server.stop()
+    err = capsys.readouterr().err
+    doc: dict[str, Any] = orjson.loads(out.read_bytes())
+    errors = [r["error_type"] for r in doc["records"]]
+    kind = {"rate_limit": "rate_limit", "server_error": "upstream_error"}[error]
+    assert rc == 0 and doc["status"] == "complete" and doc["problem"] is None, err
+    assert errors.count(None) == 4 and errors.count(kind) == len(errors) - 4
+    assert len(errors) > 50  # the storm ran well past the count that stops a dead backend
