@@ -15,8 +15,6 @@ import random
 import tracemalloc
 
 import pytest
-from wsproto.extensions import PerMessageDeflate
-from wsproto.frame_protocol import FrameProtocol
 
 from proxy.core.wsframes import (
     MAX_SKIPPED_INFLATE_BYTES,
@@ -25,18 +23,10 @@ from proxy.core.wsframes import (
     FrameReader,
     deflate_params,
 )
+from tests.core.test_wsframes import _writer
 
 BOUND = 1000
 NO_TAKEOVER = "permessage-deflate; client_no_context_takeover; server_no_context_takeover"
-
-
-def _writer(from_client: bool, extensions: str | None) -> FrameProtocol:
-    exts = []
-    if extensions is not None:
-        pmd = PerMessageDeflate()
-        pmd.finalize(extensions)
-        exts.append(pmd)
-    return FrameProtocol(client=from_client, extensions=exts)
 
 
 def _noise(n: int, seed: int) -> str:
