@@ -19,6 +19,14 @@ skipped one's output, so it is inflated and thrown away in bounded pieces, up to
 `MAX_SKIPPED_INFLATE_BYTES`; a message inflating past that, and anything wsproto refuses,
 is a `FrameError`: the tunnel then stops watching and the bytes go on flowing.
 
+Inflating costs the loop by what it makes, not by what came: 3.9 KB of deflated "a"s is
+4 MB to inflate, some 17 ms of a core with wsproto's copies of it. So `feed` takes the
+most bytes it may inflate (`inflate_most`, the tunnel's budget, earned with time:
+proxy/server/tunnel/budget.py) and inflates piece by piece no further: a read that
+would go past it raises `InflateBudgetSpent` (a `FrameError`) before inflating the piece
+that would, and `inflated` says how much the last `feed` inflated. Uncompressed frames
+never ask.
+
 The negotiated permessage-deflate parameters come from the upstream's 101 response
 (`deflate_params(Sec-WebSocket-Extensions)`): the server's answer is what both ends use.
 """
@@ -62,6 +70,11 @@ _SKIP_PIECE = 64 * 1024
 
 class FrameError(ValueError):
     """The bytes are not WebSocket frames the reader can follow; the message says why."""
+
+
+class InflateBudgetSpent(FrameError):
+    """A read would inflate past what `feed` was allowed (`inflate_most`): the reader
+    stopped before inflating the piece that would, and stays broken."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +147,18 @@ class _Inflate(Extension):
         self._control = False  # the frame being read is a control frame (never compressed)
         self._compressed: bool | None = None  # this message's RSV1, kept over its fragments
         self._out = 0  # inflated bytes of this message so far
+        self.most = -1  # the most this `feed` may inflate (-1: no bound), and so far:
+        self.spent = 0
+
+    def _room(self, want: int) -> int:
+        """`want` bytes of output, or what is left of this read's allowance: a piece of
+        zlib's output is bounded before it is made (0 would mean no bound to zlib)."""
+        if self.most < 0:
+            return want
+        left = self.most - self.spent
+        if left <= 0:
+            raise InflateBudgetSpent(f"inflating past {self.most} bytes in one read")
+        return min(want, left)
 
     def enabled(self) -> bool:
         return True
@@ -176,11 +201,18 @@ class _Inflate(Extension):
         room = self._limit - self._out
         if room < 0:  # the message went over the bound: the reader is skipping it
             return self._skip(data)
+        piece = self._room(room + 1)
         try:
-            out = inflater.decompress(data, room + 1)
+            out = inflater.decompress(data, piece)
         except zlib.error:
             return CloseReason.INVALID_FRAME_PAYLOAD_DATA
         self._out += len(out)
+        self.spent += len(out)
+        if piece <= room and len(out) == piece:
+            # The allowance, not the message's bound, stopped zlib: more may be coming,
+            # and it is not made. (A message ending exactly there is taken for one that
+            # goes on: a read that spends the whole allowance is over it anyway.)
+            raise InflateBudgetSpent(f"inflating past {self.most} bytes in one read")
         if len(out) > room:
             # One byte over: the reader sees the message pass its bound and skips it.
             # What zlib still holds (input, or output it had no room for) is skipped too.
@@ -199,12 +231,14 @@ class _Inflate(Extension):
         assert inflater is not None
         try:
             while True:
-                out = inflater.decompress(data, _SKIP_PIECE)
+                piece = self._room(_SKIP_PIECE)
+                out = inflater.decompress(data, piece)
                 self._out += len(out)
+                self.spent += len(out)
                 if self._out > self._most:
                     return CloseReason.MESSAGE_TOO_BIG
                 data = inflater.unconsumed_tail
-                if not data and len(out) < _SKIP_PIECE:
+                if not data and len(out) < piece:
                     return b""
         except zlib.error:
             return CloseReason.INVALID_FRAME_PAYLOAD_DATA
@@ -215,8 +249,10 @@ class FrameReader:
 
     `feed` returns the messages and control frames completed by `data`, each stamped
     `now`; a data message over `max_message_bytes` comes as a `TOO_LARGE` one, without
-    its data. After a close frame the direction is over; later bytes are ignored. Raises
-    FrameError (and stays broken) on anything it cannot follow."""
+    its data. The text of a message in progress is held, inflated, up to
+    `max_message_bytes`: what an unfinished message can keep a reader holding. After a
+    close frame the direction is over; later bytes are ignored. Raises FrameError (and
+    stays broken) on anything it cannot follow."""
 
     def __init__(
         self,
@@ -226,8 +262,10 @@ class FrameReader:
     ) -> None:
         self.from_client = from_client
         extensions: list[Extension] = []
+        self._inflate: _Inflate | None = None
         if deflate is not None:
-            extensions.append(_Inflate(deflate, from_client, max_message_bytes))
+            self._inflate = _Inflate(deflate, from_client, max_message_bytes)
+            extensions.append(self._inflate)
         # wsproto's `client` is the reading end: frames from the client are read by a server.
         self._decoder = FrameDecoder(client=not from_client, extensions=extensions)
         self._limit = max_message_bytes
@@ -239,9 +277,18 @@ class FrameReader:
         self._closed = False
         self._broken: str | None = None
 
-    def feed(self, data: bytes, now: float) -> list[WsMessage]:
+    @property
+    def inflated(self) -> int:
+        """Bytes the last `feed` inflated (permessage-deflate), whole or not."""
+        return 0 if self._inflate is None else self._inflate.spent
+
+    def feed(self, data: bytes, now: float, inflate_most: int = -1) -> list[WsMessage]:
+        """`inflate_most`: the most bytes this read may inflate (-1: no bound); past it,
+        InflateBudgetSpent, before the piece that would go past is inflated."""
         if self._broken is not None:
             raise FrameError(self._broken)
+        if (inflate := self._inflate) is not None:
+            inflate.most, inflate.spent = inflate_most, 0
         if self._closed or not data:
             return []
         out: list[WsMessage] = []

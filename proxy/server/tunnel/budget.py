@@ -1,4 +1,5 @@
-"""How many frames the WebSocket watch may read one by one: earned with time, per direction.
+"""How many frames the WebSocket watch may read one by one, and how many bytes it may
+inflate: earned with time, per direction.
 
 The frame reader and the API's session cost 5 to 10 µs of Python a frame, and a read
 holds the event loop, every stream's, until the watch has read all of it: 256 KiB of
@@ -34,6 +35,23 @@ not, at some 0.2 to 0.4 µs a header, and 256 KiB of 2-byte frames held the loop
 40 ms a read. A direction whose read carries more headers than it earned
 (`SCAN_PER_SECOND`, at most `SCAN_HELD`) is no longer followed: its bytes go on unread,
 the watching stops, and it is counted as above (watch.py, `_scan_ran_out`).
+
+Inflating (permessage-deflate, which vLLM's uvicorn agrees by default: uvicorn
+config.py, `ws_per_message_deflate=True`) is budgeted apart, in bytes inflated
+(`inflate_budget`): its cost follows what it makes, not what came or how many frames,
+and 3.9 KB of deflated "a"s is a 4 MB message, 17 to 24 ms of the loop inflated and copied
+(3 to 6 ms a MB), one frame a read, which the frame budget never sees. A direction earns
+`INFLATE_PER_SECOND` and holds at most `INFLATE_HELD`, full at the start; the reader
+inflates a read's messages only as far as the direction holds (wsframes.FrameReader,
+`inflate_most`), and a read that would go past it stops the watching, counted
+(`ws_frames`) and said, the bytes relayed as ever. A real peer is far under it: a
+realtime client's audio is base64 PCM16, 64 KB a second at 24 kHz (48 KB of PCM), so
+8 MiB a second is 130 times real time, a recorded file sent as fast as it reads; text
+events are far less; and one message as large as vLLM takes (uvicorn's `ws_max_size`,
+16 MiB, config.py) fits twice in what a direction holds. A bomb stops after at most
+`INFLATE_HELD` plus what the time earned: 32 MiB of "a"s from one read stopped after 90
+ms of a core (measured on the reader alone); earning costs at most 3 to 5% of one (per
+direction of a tunnel).
 """
 
 from __future__ import annotations
@@ -54,6 +72,13 @@ SCAN_PER_SECOND = 20000.0
 #: 2 ms of the loop (0.2 to 0.4 µs a header), four times the reading's `HELD`, so that a
 #: read the reading may take is always scanned whole.
 SCAN_HELD = 4096.0
+
+
+#: Bytes a direction may inflate a second: 130 times a realtime session's audio.
+INFLATE_PER_SECOND = 8.0 * 1024 * 1024
+#: The most a direction holds, and what it starts with: two messages of uvicorn's
+#: `ws_max_size`, some 100 to 200 ms of the loop at 3 to 6 ms a MB.
+INFLATE_HELD = 32.0 * 1024 * 1024
 
 
 class FrameBudget:
@@ -102,3 +127,8 @@ class FrameBudget:
 def scan_budget(now: float) -> FrameBudget:
     """One direction's frame headers to scan, full at the start."""
     return FrameBudget(now, SCAN_PER_SECOND, SCAN_HELD, SCAN_HELD)
+
+
+def inflate_budget(now: float) -> FrameBudget:
+    """One direction's bytes to inflate (permessage-deflate), full at the start."""
+    return FrameBudget(now, INFLATE_PER_SECOND, INFLATE_HELD, INFLATE_HELD)

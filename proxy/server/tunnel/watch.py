@@ -14,7 +14,13 @@ same way, before any is read; so does
 a read carrying more frame headers than its direction may scan (budget.py,
 `scan_budget`), and its direction's frames are no longer followed at all (no close frame
 seen, none put between its frames at the drain), for the scan would cost every frame of
-every read.
+every read. So does a read whose messages would inflate past what its direction may
+inflate (budget.py, `inflate_budget`): the reader stops before inflating further.
+
+After the upstream's close frame the session is over (RFC 6455 §1.4, §5.5.1: the
+upstream takes no data after it): the client's reads from then on are not read, so a
+client's events held until the 101 and released after a 101 that came with a close
+open no utterance the upstream never took.
 
 The drain (`drain`, on SIGTERM) writes each side a close frame (1001, going away) once the
 frames towards it are at a boundary, never inside a frame; nothing read afterwards goes
@@ -32,12 +38,19 @@ from proxy.core.wsframes import (
     FrameBounds,
     FrameError,
     FrameReader,
+    InflateBudgetSpent,
     WsMessage,
     close_frame,
     deflate_params,
 )
 from proxy.core.wsseam import CLOSE_CAUSES, WsSession
-from proxy.server.tunnel.budget import FrameBudget, scan_budget
+from proxy.server.tunnel.budget import (
+    INFLATE_HELD,
+    INFLATE_PER_SECOND,
+    FrameBudget,
+    inflate_budget,
+    scan_budget,
+)
 from proxy.server.tunnel.pipe import Pipe
 
 log = logging.getLogger("tokenprobe")
@@ -60,6 +73,7 @@ class WsWatch:
         self.client_bounds = FrameBounds()
         self.upstream_bounds = FrameBounds()
         self.first_close: bool | None = None  # True: the client sent the first close frame
+        self.upstream_closed = False  # the upstream's close frame went by: the session is over
         self.draining = False
         self._session: WsSession | None = None
         self._readers: tuple[FrameReader, FrameReader] | None = None  # (upstream, client)
@@ -67,6 +81,9 @@ class WsWatch:
         self._budgets = (FrameBudget(0.0), FrameBudget(0.0))
         # (upstream, client): the frame headers each direction may scan, full at the start
         self._scans = (scan_budget(0.0), scan_budget(0.0))
+        # (upstream, client): the bytes each direction may inflate; anew in `follow`, and
+        # only when permessage-deflate was agreed
+        self._inflates: tuple[FrameBudget, FrameBudget] | None = None
         self._stopped = False  # the watching stopped, counted
         self._bound = 0  # the largest message read (`follow`'s max_message_bytes)
 
@@ -74,8 +91,10 @@ class WsWatch:
         """The upstream switched: `after` is what followed its 101 head in the same read
         (its first frames, a close among them as likely as any: it closed first then)."""
         self._scan(False, self.upstream_bounds, after, now)
-        if self.upstream_bounds.closed and self.first_close is None:
-            self.first_close = False
+        if self.upstream_bounds.closed:
+            self.upstream_closed = True
+            if self.first_close is None:
+                self.first_close = False
 
     def follow(
         self,
@@ -102,11 +121,13 @@ class WsWatch:
             self._stop_watching("observe")
             return
         self._budgets = (FrameBudget(now), FrameBudget(now))
+        if deflate is not None:
+            self._inflates = (inflate_budget(now), inflate_budget(now))
         frames = self.upstream_bounds.frames  # all of them in `after`
         if not self._budgets[False].spend(frames, now):
             self._over_budget(False, frames)
         elif after:
-            self._read(self._readers[False], after, now)
+            self._read(False, after, now)
 
     def seen(self, from_client: bool, data: bytes, at: float) -> None:
         """A read from one side at `at` (perf_counter, the read's instant)."""
@@ -120,13 +141,18 @@ class WsWatch:
         bounds = self.client_bounds if from_client else self.upstream_bounds
         frames = bounds.frames
         whole = self._scan(from_client, bounds, data, at)
-        if bounds.closed and self.first_close is None:
-            self.first_close = from_client
-        if whole and (readers := self._readers) is not None:
+        if bounds.closed:
+            if self.first_close is None:
+                self.first_close = from_client
+            if not from_client:
+                self.upstream_closed = True
+        # After the upstream's close nothing the client sends is the session's (its held
+        # events released after a 101 that came with a close among them).
+        if whole and self._readers is not None and not (from_client and self.upstream_closed):
             frames = bounds.frames - frames
             # One frame a read costs about what the read costs the pipe: no budget asked.
             if frames < 2 or self._budgets[from_client].spend(frames, at):
-                self._read(readers[from_client], data, at)
+                self._read(from_client, data, at)
             else:
                 self._over_budget(from_client, frames)
         if self.draining:
@@ -170,15 +196,39 @@ class WsWatch:
         )
         self._stop_watching("ws_frames")
 
-    def _read(self, reader: FrameReader, data: bytes, now: float) -> None:
+    def _over_inflate_budget(self, from_client: bool) -> None:
+        """A read whose messages would inflate past what its direction earned (budget.py,
+        `inflate_budget`): the reader stopped before inflating further."""
+        side = "client" if from_client else "upstream"
+        log.warning(
+            "stopped watching a WebSocket session: the %s's compressed messages inflate "
+            "faster than its inflating budget (%d MiB a second, at most %d at once)",
+            side,
+            INFLATE_PER_SECOND // (1024 * 1024),
+            INFLATE_HELD // (1024 * 1024),
+        )
+        self._stop_watching("ws_frames")
+
+    def _read(self, from_client: bool, data: bytes, now: float) -> None:
         """The one place measuring a session can fail; it never stops the bytes."""
-        session = self._session
-        assert session is not None  # set and cleared with the readers
+        session, readers = self._session, self._readers
+        assert session is not None and readers is not None  # set and cleared together
+        reader = readers[from_client]
         try:
-            for message in reader.feed(data, now):
+            if (inflates := self._inflates) is None:
+                messages = reader.feed(data, now)
+            else:
+                budget = inflates[from_client]
+                try:
+                    messages = reader.feed(data, now, budget.most(now))
+                finally:
+                    budget.take(reader.inflated)
+            for message in messages:
                 if message.kind == TOO_LARGE:
                     self._too_large(message)
                 session.message(message)
+        except InflateBudgetSpent:
+            self._over_inflate_budget(from_client)
         except FrameError as exc:
             log.warning("stopped watching a WebSocket session: %s", exc)
             self._stop_watching("ws_frames")
