@@ -435,8 +435,8 @@ class Settings:
         _seconds,
         300.0,
         "Seconds a WebSocket tunnel may carry no byte either way before the proxy closes it, "
-        "counted from the first byte of the upstream's answer (the wait for it is "
-        "`--first-byte-timeout`'s).",
+        "counted from the upstream's final answer, 1xx heads not included (the wait for it "
+        "is `--first-byte-timeout`'s).",
     )
     tokenizer: str | None = setting(
         str,

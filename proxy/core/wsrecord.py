@@ -18,7 +18,9 @@ from dataclasses import dataclass
 #: (the connect failed), upstream_timeout (the connect timed out, or no byte of an answer
 #: came within --first-byte-timeout: the client's 504 says upstream_timeout too),
 #: invalid_request_target (the proxy refused the request target,
-#: the HTTP relay's error kind for the same target). With --workers, worker_died: the
+#: the HTTP relay's error kind for the same target), upstream_error (the upstream's answer
+#: to the upgrade was bytes HTTP/1.1 refuses: the HTTP relay's 502 and error type). With
+#: --workers, worker_died: the
 #: worker that held the session died (killed, out of memory), counted at the next scrape
 #: (proxy/server/multiproc.py) since that worker wrote nothing.
 WORKER_DIED = "worker_died"
@@ -33,6 +35,7 @@ WS_OUTCOMES = (
     "refused",
     "upstream_unreachable",
     "upstream_timeout",
+    "upstream_error",
     "invalid_request_target",
     WORKER_DIED,
 )

@@ -935,10 +935,11 @@ class WsMetrics:
             "WebSocket upgrade requests the proxy tunnelled (or tried to), counted when the "
             "tunnel ended: from the upgrade request's arrival to the close of both sides, by "
             "route and outcome (who sent the first close frame, who vanished without one, "
-            "idle_timeout (no byte either way for --ws-idle-timeout, from the first byte of "
-            "the upstream's answer), shutdown, refused, upstream_unreachable, upstream_timeout "
-            "(no answer to the handshake within --first-byte-timeout: the client got the "
-            "proxy's 504), invalid_request_target, error; "
+            "idle_timeout (no byte either way for --ws-idle-timeout, from the upstream's final "
+            "answer: 1xx heads do not start it), shutdown, refused, upstream_unreachable, "
+            "upstream_timeout (no final answer to the handshake within --first-byte-timeout: "
+            "the client got the proxy's 504), upstream_error (an answer HTTP/1.1 refuses: the "
+            "client got the proxy's 502), invalid_request_target, error; "
             "with --workers, worker_died: counted at the first scrape after its worker died).",
             ("route", "outcome"),
             registry=registry,

@@ -129,18 +129,29 @@ class AnswerHead:
     `gate`): a refusal's redirect into the upstream's URL then points at the proxy as
     the client named it, as the HTTP relay's does (nginx's `proxy_redirect default`);
     a 101's head and the frames after it go on as they came. An interim (1xx) head goes
-    on at once and the next is held; a head over MAX_ANSWER_HEAD goes on as it is."""
+    on at once and the next is held; a head over MAX_ANSWER_HEAD goes on as it is.
 
-    __slots__ = ("_ends", "_held", "done")
+    Each whole head is read by llhttp before it goes (`HeadJudge`): one it refuses goes
+    nowhere (`fault` says why, and nothing more passes), so the proxy can still answer
+    the client the 502 an HTTP request gets for it; relayed first, its answer would be
+    too late and the client would hold a head no parser takes."""
+
+    __slots__ = ("_ends", "_held", "_judge", "done", "fault")
 
     def __init__(self, ends: tuple[bytes, bytes] | None) -> None:
         """`ends`: `redirected`'s (proxy/server/headers.py `redirect_ends`), None when the
         client named no Host (nothing to point at)."""
         self._ends = ends
         self._held = b""
-        self.done = False  # the final head went on: the gate is no longer needed
+        self._judge = HeadJudge()
+        # The final head went on (or bytes past MAX_ANSWER_HEAD did): the gate is no
+        # longer needed, and the client's answer has begun (1xx heads before it have not).
+        self.done = False
+        self.fault: str | None = None  # a head llhttp refused, in the wire's words
 
     def __call__(self, data: bytes) -> bytes:
+        if self.fault is not None:
+            return b""
         held = self._held + data
         out: list[bytes] = []
         while not self.done:
@@ -152,6 +163,10 @@ class AnswerHead:
                 self._held = held
                 return b"".join(out)
             head, held = held[: end + 4], held[end + 4 :]
+            self.fault = self._judge.judge(head)
+            if self.fault is not None:
+                self._held = b""
+                return b"".join(out)  # the 1xx heads before it, already judged
             status = head[9:12]
             if status[:1] != b"1" or status == b"101":
                 self.done = True
@@ -161,6 +176,39 @@ class AnswerHead:
         self._held = b""
         out.append(held)
         return b"".join(out)
+
+
+class HeadJudge:
+    """llhttp reading the answer's heads only, one after another, before they go to the
+    client: `judge` gives the wire's words for one it refuses ("malformed response:
+    Invalid character in Content-Length", proxy/server/wire/upstream.py `broke`), None
+    for one it takes. What follows the final head is UpstreamAnswer's to read."""
+
+    __slots__ = ("_parser", "_status")
+
+    def __init__(self) -> None:
+        self._status = 0
+        self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
+
+    def judge(self, head: bytes) -> str | None:
+        parser = self._parser
+        if parser is None:  # past a 101: never asked (the gate is gone)
+            return None
+        try:
+            parser.feed_data(head)
+        except httptools.HttpParserUpgrade:
+            self._parser = None
+        except httptools.HttpParserError as exc:
+            self._parser = None
+            # llhttp stops after any 101, an "error" when it came without `Connection:
+            # upgrade`: the switch all the same (UpstreamAnswer.feed reads it so).
+            if self._status != 101:
+                return f"malformed response: {exc}"
+        return None
+
+    def on_headers_complete(self) -> None:
+        parser = self._parser
+        self._status = parser.get_status_code() if parser is not None else 0
 
 
 def _located(head: bytes, ends: tuple[bytes, bytes]) -> bytes:
@@ -178,8 +226,9 @@ class UpstreamAnswer:
     """httptools reading the upstream's answer to the handshake, after its bytes went to
     the client. `feed` returns the bytes after a 101's head once the head is complete
     (the tunnel opens: they are frames); a final status's body ending calls `refused`.
-    Bytes that are not HTTP the proxy can follow stop the reading (they went to the
-    client all the same)."""
+    Bytes that are not HTTP the proxy can follow stop the reading, and `fault` says why
+    in the wire's words: the tunnel ends on them, as the wire closes such a connection
+    (a refused head never reached the client: AnswerHead held it)."""
 
     __slots__ = (
         "_begun",
@@ -189,12 +238,14 @@ class UpstreamAnswer:
         "_parser",
         "_refused",
         "extensions",
+        "fault",
         "status",
     )
 
     def __init__(self, refused: Callable[[], None]) -> None:
         self.status = 0  # the last response head's status (a 1xx is followed by more)
         self.extensions: str | None = None  # a 101's Sec-WebSocket-Extensions
+        self.fault: str | None = None  # bytes llhttp refused, as the wire words them
         self._refused = refused
         self._extensions: list[bytes] = []
         self._head = 0  # bytes read of the current head, -1 once it is complete
@@ -215,7 +266,7 @@ class UpstreamAnswer:
                 offset = exc.args[0] if exc.args else len(data)
                 return data[offset:]
             # an Upgrade header on a final response: not a tunnel
-        except httptools.HttpParserError:
+        except httptools.HttpParserError as exc:
             self._parser = None
             if self.status == 101:
                 # llhttp stops after every 101, but httptools calls that an upgrade only
@@ -223,8 +274,9 @@ class UpstreamAnswer:
                 # the same: it is the switch, as nginx takes any 101, and the tunnel opens
                 # (else the upstream's frames reach the client and the client's never go).
                 return data[self._after_switch(data) :]
-            # Not HTTP the proxy can follow: the client's bytes stay held, and the tunnel
-            # ends when either side closes.
+            # Not HTTP the proxy can follow: its owner ends the tunnel (the client's bytes
+            # stay held: the upstream never switched).
+            self.fault = f"malformed response: {exc}"
             return None
         finally:
             self._carry = (self._carry + data)[-3:]

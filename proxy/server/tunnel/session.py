@@ -7,9 +7,11 @@ handshake's head:
    400 `invalid_request_target`, and the session that outcome. The upstream is
    connected (--connect-timeout) and sent the handshake; an unreachable one gets the
    client the proxy's 502/504 (proxy.core.errors.relay_failure), as an HTTP request would;
-   so does one that closes before any byte of its answer, or sends none within
-   --first-byte-timeout of the handshake going upstream (its connect included, as an
-   HTTP request's first-byte wait includes its connect).
+   so does one that closes before its final answer began, or sends no final answer
+   within --first-byte-timeout of the handshake going upstream (its connect included,
+   as an HTTP request's first-byte wait includes its connect): interim (1xx) heads went
+   to the client as they came, and a 504 after them is still HTTP/1.1, as the HTTP
+   path's 504 is after the 1xx heads it drops.
 2. Nothing the client sent after its head goes upstream before the upstream's 101: the
    pipe holds the client's bytes, since the upstream might refuse the upgrade and read
    them as a request the proxy never parsed. The upstream's answer goes to the client
@@ -17,11 +19,14 @@ handshake's head:
    upstream then points at the proxy, as on HTTP), and everything after it as it
    arrives, read on the side (`UpstreamAnswer`). A 101 opens the tunnel and the held
    bytes go; any other final status (a refusal) reaches the client as sent, body
-   included, and both connections close when its body ends.
+   included, and both connections close when its body ends. An answer llhttp refuses
+   is counted malformed and ends the session (outcome error), as the HTTP relay closes
+   such a connection; a head it refuses is held back, and the client gets the HTTP
+   relay's 502 "malformed response: ..." instead.
 3. Open, every read goes to the other side first, then to the watch (watch.py).
 4. The end: either side's connection ending closes the other at once (pipe.py); so does
-   --ws-idle-timeout with no byte either way, timed from the first byte of the upstream's
-   answer (before it, --first-byte-timeout's 504 is the limit). `TunnelHandle.shutdown`
+   --ws-idle-timeout with no byte either way, timed from the upstream's final answer
+   (before it, --first-byte-timeout's 504 is the limit). `TunnelHandle.shutdown`
    (the drain on SIGTERM) is the watch's close frames both ways, then the close, or after
    close_grace.
 
@@ -49,7 +54,7 @@ from proxy.server.tunnel.context import TunnelContext
 from proxy.server.tunnel.handshake import AnswerHead, UpstreamAnswer, admit
 from proxy.server.tunnel.pipe import Pipe
 from proxy.server.tunnel.watch import WsWatch
-from proxy.server.upstream_errors import UpstreamClosed
+from proxy.server.upstream_errors import UpstreamClosed, UpstreamProtocolError
 
 log = logging.getLogger("tokenprobe")
 
@@ -126,7 +131,8 @@ class Tunnel:
         self._error: str | None = None  # and why, for the session's record
         self._connect: asyncio.Task[None] | None = None
         self._unanswered: asyncio.TimerHandle | None = None  # --first-byte-timeout's
-        self._answering = False  # a byte of the upstream's answer came: the idle timer runs
+        self._answering = False  # the upstream's final answer began: the idle timer runs
+        self._head: AnswerHead | None = None  # the gate on the answer's heads, once admitted
         context.tunnels.add(self)
         self.pipe = Pipe(client, self, context.close_grace)  # the client's reads held
         self.answer = UpstreamAnswer(refused=lambda: self.end("refused"))
@@ -210,7 +216,7 @@ class Tunnel:
         refusal's Location: pointed at the proxy as the client named it (`headers`: the
         client's, names in lower case)."""
         tls = bool(self.context.ssl_certfile)
-        head = AnswerHead(redirect_ends(self.context.upstream, tls, headers))
+        self._head = head = AnswerHead(redirect_ends(self.context.upstream, tls, headers))
         pipe = self.pipe
 
         def gate(data: bytes) -> bytes:
@@ -221,11 +227,17 @@ class Tunnel:
 
         pipe.gate = gate
 
+    def _answered(self) -> bool:
+        """Whether the upstream's final answer began to go to the client (its 1xx heads
+        before it do not count: the proxy's own answer may still follow them)."""
+        return self._head is not None and self._head.done
+
     def _no_answer(self) -> None:
-        """No byte of the upstream's answer within --first-byte-timeout of the handshake
-        going upstream (still connecting, or sent): the client gets the proxy's 504, as an
-        HTTP request would (once a byte went, the idle timer judges the rest)."""
-        if self.ended or self.pipe.relayed:
+        """No final answer from the upstream within --first-byte-timeout of the handshake
+        going upstream (still connecting, sent, or only 1xx heads back): the client gets
+        the proxy's 504, as an HTTP request would, whose wait 1xx heads do not end
+        (once the final answer began, the idle timer judges the rest)."""
+        if self.ended or self._answered():
             return
         failure = relay_failure(
             Cause.FIRST_BYTE_TIMEOUT, after_headers=False, limit=self.context.first_byte_timeout
@@ -248,9 +260,11 @@ class Tunnel:
         return redact(text, self.headers, secret, self.query)[:ERROR_TEXT]
 
     def _answer(self, status: int, kind: str, message: str) -> None:
-        """The proxy's own error answer, only while no upstream byte reached the client."""
+        """The proxy's own error answer, only while the upstream's final answer has not
+        begun to reach the client (1xx heads may have: a final status after them is
+        HTTP/1.1, RFC 9110 §15.2)."""
         client = self.pipe.client
-        if self.pipe.relayed or client.is_closing():
+        if self._answered() or client.is_closing():
             return
         # The HTTP relay's answer and body for this path's API shape; the connection closes.
         client.write(answer_bytes(status, kind, message, self.path, close=True))
@@ -291,12 +305,34 @@ class Tunnel:
             self.watch.seen(from_client, data, at)
             return
         # Before the 101 only the upstream's bytes get here (the client's are held).
-        if not self._answering:  # the answer's first byte: the idle timer judges the rest
+        if not self._answering and self._answered():
+            # The final answer began: the idle timer judges the rest. Not at a 1xx, whose
+            # stream (102 every few seconds) would keep a handshake past the first-byte
+            # limit, which an HTTP request meets all the same.
             self._answering = True
             self.pipe.start_idle(self.context.idle_timeout, self._idle)
         after = self.answer.feed(data)
-        if after is not None:
+        if self.ended:  # a refusal's body ended in this read
+            return
+        head = self._head
+        fault = head.fault if head is not None and head.fault is not None else self.answer.fault
+        if fault is not None:
+            self._malformed(fault)
+        elif after is not None:
             self._opened(after, at)
+
+    def _malformed(self, fault: str) -> None:
+        """The upstream's answer is not HTTP llhttp takes: counted as the wire counts it
+        on HTTP (tokenprobe_upstream_protocol_errors_total{kind="malformed"}), the client
+        answered the HTTP relay's 502 in the same words while none of the final answer
+        went (AnswerHead held a refused head back), and both connections end: nothing
+        after such bytes can be followed, and the client's stay held."""
+        self.context.sinks.count_upstream_protocol_error("malformed")
+        error = UpstreamProtocolError("malformed", fault)
+        failure = relay_failure(Cause.UPSTREAM_BROKE, after_headers=False, exc=error)
+        self._answer_failure(failure)
+        self._error = self._masked(failure.message)  # relayed or not: the record says why
+        self.end("upstream_error")  # the HTTP relay's error type for the same bytes
 
     def lost(self, client_side: bool, exc: Exception | None) -> None:
         if self.ended:
@@ -332,7 +368,7 @@ class Tunnel:
         if self.ended or self.watch.draining:
             return
         if not self.open:
-            if not self.pipe.relayed:
+            if not self._answered():
                 self._answer_failure(relay_failure(Cause.SHUTDOWN, after_headers=False))
             self.end("shutdown")
             return
@@ -360,9 +396,10 @@ class Tunnel:
             outcome=outcome,
             started_at=self.started_at,
             duration=now - self.start,
-            # what the client got: the upstream's answer once any of it went, else ours
-            status=self.answer.status if self.pipe.relayed else self._status,
-            error=None if self.pipe.relayed else self._error,
+            # what the client got: ours when we answered (after 1xx heads, perhaps), else
+            # the upstream's status once any of its answer went
+            status=self._status or (self.answer.status if self.pipe.relayed else 0),
+            error=self._error,  # set with our answer, or for an answer llhttp refused
         )
         self.context.sinks.session_ended(record)
         # Open until counted: whoever sees no tunnel open sees every ended one counted.
