@@ -266,6 +266,8 @@ async def _bench(
                 else []
             )
             problem = report.diagnose(runner.failure, options, served)
+            if runner.dead_mid_run:  # not every request failed: it stopped answering
+                problem = f"the backend stopped answering mid-run, stopped: {problem}"
         if options.compare_metrics and before is not None and runner.stop_reason != "interrupted":
             compare_doc, compare_text = await _compared(
                 options.compare_metrics, options, before, levels

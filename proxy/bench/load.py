@@ -142,6 +142,11 @@ class Runner:
         self._urls = {options.endpoint: yarl.URL(options.url)}  # parsed once per API
         self._tasks: set[asyncio.Task[Any]] = set()
         self._active = 0  # requests begun and not yet recorded
+        # when each request in flight was sent: one sent before a run of unanswered ones
+        # and still going is being answered (a long stream), so the backend is alive
+        self._sent: dict[tuple[int, int], float] = {}
+        self.dead_mid_run = False  # stopped as the backend stopped answering, after answers
+        self._answered = 0  # requests that succeeded
         self._cancelled = 0
         self._stopped = asyncio.Event()
         self._client: Pool | None = None
@@ -332,7 +337,7 @@ class Runner:
             if slots is not None:
                 await slots.acquire()
             try:
-                sent = perf_counter()
+                sent = self._sent[level.index, index] = perf_counter()
                 m, observer = await measure_wire(
                     self._client, url, self._headers, call, due, keep_text
                 )
@@ -341,6 +346,7 @@ class Runner:
                     slots.release()
         finally:
             self._active -= 1
+            self._sent.pop((level.index, index), None)
         keep = observer if keep_text and needs_tokenizer(m) else None
         result = Result(level.index, index, due, sent, m, keep)
         level.results.append(result)
@@ -373,14 +379,18 @@ class Runner:
         request that decided it names the problem, as the first failures' would."""
         if not unanswered(result.m):
             self._unanswered = 0
+            self._answered += result.m.error_type is None
             return
         now = perf_counter()
         if not self._unanswered:
             self._unanswered_since = now
         self._unanswered += 1
         if self._unanswered >= DEAD_REQUESTS and now - self._unanswered_since >= DEAD_SECONDS:
+            if any(at < self._unanswered_since for at in self._sent.values()):
+                return  # a request sent before the run of failures is still being answered
             if not self.stopping:
                 self.failure = result
+                self.dead_mid_run = self._answered > 0
             self._stop("failing")
 
     # -- tasks ------------------------------------------------------------------------

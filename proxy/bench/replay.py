@@ -420,6 +420,8 @@ async def _replay(ns: argparse.Namespace, options: Options, wants: list[Want], s
     problem = None
     if runner.stop_reason == "failing" and runner.failure is not None:
         problem = report.diagnose(runner.failure, options)
+        if runner.dead_mid_run:  # not every request failed: it stopped answering
+            problem = f"the backend stopped answering mid-run, stopped: {problem}"
         status = "failing"
         print(f"{PROG}: error: {problem}", file=sys.stderr)
     if options.out:

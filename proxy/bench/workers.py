@@ -11,12 +11,15 @@ Ctrl-C or SIGTERM stops the run as it stops one process: each worker gets one SI
 writes what it measured and exits, and the parent merges those files into a run marked
 interrupted. The workers run in a process group of their own, so that a terminal's
 Ctrl-C reaches them once, through the parent, never twice (a second SIGINT that lands
-after a worker's run has ended interrupts the writing of its file).
+after a worker's run has ended interrupts the writing of its file); the parent passes a
+closed terminal's SIGHUP on the same way, and a worker gets SIGINT when its parent dies
+(Linux's PR_SET_PDEATHSIG), so none outlives it loading the backend.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import signal
 import subprocess
 import sys
@@ -83,6 +86,7 @@ def run(command: Sequence[str], argv: Sequence[str], count: int) -> dict[str, An
                     stdout=pipe,
                     stderr=pipe,
                     process_group=0,
+                    preexec_fn=_die_with_parent,
                 )
             )
         procs = stop.workers
@@ -127,8 +131,20 @@ def run(command: Sequence[str], argv: Sequence[str], count: int) -> dict[str, An
         return doc
 
 
+def _die_with_parent() -> None:
+    """In a worker before it runs (Linux): SIGINT when its parent dies (PR_SET_PDEATHSIG),
+    so a parent killed outright (SIGKILL, its own crash) leaves no worker loading the
+    backend until its run ends; it writes what it measured and exits, as on Ctrl-C."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGINT, 0, 0, 0)
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
 class _Stop:
-    """The parent's SIGINT and SIGTERM: the first is passed on to every worker as SIGINT."""
+    """The parent's SIGINT, SIGTERM and SIGHUP: the first is passed on to every worker as
+    SIGINT."""
 
     def __init__(self) -> None:
         self.workers: list[subprocess.Popen[bytes]] = []
@@ -150,7 +166,9 @@ class _Stop:
 @contextlib.contextmanager
 def _stops() -> Iterator[_Stop]:
     stop = _Stop()
-    handled = (signal.SIGINT, signal.SIGTERM)
+    # a closed terminal's SIGHUP too: in process groups of their own, the workers hear
+    # nothing of their terminal (a dropped ssh session left them loading the backend)
+    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     try:
         before = [signal.signal(signum, stop) for signum in handled]
     except ValueError:  # not the main thread: signals are not this run's to handle

@@ -73,7 +73,8 @@ def test_a_backend_that_dies_mid_run_stops_the_run_as_failing(load: str, tmp_pat
     doc: dict[str, Any] = orjson.loads(out.read_bytes())
     errors = [r["error_type"] for r in doc["records"]]
     assert (doc["status"], bench.returncode) == ("failing", 1), err
-    assert doc["problem"].startswith("upstream_unreachable: cannot connect to"), doc["problem"]
+    said = "the backend stopped answering mid-run, stopped: upstream_unreachable: cannot connect to"
+    assert doc["problem"].startswith(said), doc["problem"]
     assert doc["problem"] in err.decode()  # named on stderr in one line too
     assert errors.count(None) >= 1 and "upstream_unreachable" in errors
     assert stopped_after >= DEAD_SECONDS  # a restart's blip would not have stopped it
@@ -121,3 +122,85 @@ def test_a_backend_answering_errors_after_a_while_is_measured_to_the_end(
     assert rc == 0 and doc["status"] == "complete" and doc["problem"] is None, err
     assert errors.count(None) == 4 and errors.count(kind) == len(errors) - 4
     assert len(errors) > 50  # the storm ran well past the count that stops a dead backend
+
+
+class _Shedder:
+    """A live backend that sheds load by resetting: it relays at most LIMIT connections to
+    the simulator at once and resets any more before a response (a gateway shedding)."""
+
+    LIMIT = 4
+
+    def __init__(self, upstream_port: int) -> None:
+        import asyncio
+        import contextlib
+        import socket
+        import struct
+        import threading
+
+        self.port = free_port()
+        self.active = 0
+        loop = asyncio.new_event_loop()
+
+        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            try:
+                while data := await r.read(65536):
+                    w.write(data)
+                    await w.drain()
+            except OSError:
+                pass
+            finally:
+                w.close()
+
+        async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            if self.active >= self.LIMIT:
+                await r.read(65536)
+                sock = w.get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                w.transport.abort()  # an RST before any response
+                return
+            self.active += 1
+            try:
+                ur, uw = await asyncio.open_connection("127.0.0.1", upstream_port)
+                await asyncio.gather(pipe(r, uw), pipe(ur, w))
+            finally:
+                self.active -= 1
+
+        async def serve() -> None:
+            server = await asyncio.start_server(handle, "127.0.0.1", self.port)
+            self._server = server
+            with contextlib.suppress(asyncio.CancelledError):  # closed by `close`
+                await server.serve_forever()
+
+        self._loop = loop
+        self._thread = threading.Thread(target=loop.run_until_complete, args=(serve(),))
+        self._thread.daemon = True
+        self._thread.start()
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._server.close)
+
+
+def test_a_backend_that_resets_what_it_sheds_while_it_streams_is_not_stopped(
+    tmp_path: Path,
+) -> None:
+    """Its long streams run on while every request over its limit is reset: those failures
+    come in a row, but a request sent before them is still being answered, so the backend
+    is alive (the run stopped after 2 s, its streams thrown away as cancelled)."""
+    server = ThreadedServer(create_sim_app(SimConfig(ttft=0.01, tokens_per_second=40.0))).start()
+    upstream_port = int(server.url.rsplit(":", 1)[1])
+    shedder = _Shedder(upstream_port)
+    try:
+        time.sleep(0.2)
+        out = tmp_path / "r.json"
+        code = main(
+            ["--url", f"http://127.0.0.1:{shedder.port}/v1", "--model", MODEL, "--rate", "40",
+             "--duration", "3", "--max-tokens", "150", "--quiet", "--out", str(out)]
+        )  # fmt: skip
+    finally:
+        shedder.close()
+        server.stop()
+    doc: dict[str, Any] = orjson.loads(out.read_bytes())
+    assert doc["status"] == "complete", doc.get("problem")
+    assert code == 0
+    errors = [r["error_type"] for r in doc["records"]]
+    assert errors.count(None) >= 1 and errors.count("upstream_error") >= 50

@@ -166,3 +166,24 @@ def test_compare_metrics_sets_the_whole_run_against_the_proxy(
     stdout, doc = finished(url, tmp_path, "--compare-metrics", metrics)
     assert doc["compare"]["bench"]["requests"] == doc["compare"]["proxy"]["requests"] == 12
     assert "bench vs proxy (--compare-metrics)" in stdout
+
+
+@pytest.mark.parametrize("send", [signal.SIGHUP, signal.SIGKILL], ids=["SIGHUP", "SIGKILL"])
+def test_no_worker_outlives_its_parent(sim_url: str, tmp_path: Path, send: int) -> None:
+    """A dropped ssh session (SIGHUP to the parent alone: the workers have a process group
+    of their own) or a parent killed outright: the workers went on loading the backend
+    until their run ended (22 requests in the 8 s after)."""
+    httpx.post(sim_url + "/sim/reset", timeout=5)
+    bench = start_bench(sim_url, tmp_path, *ENDLESS)
+    try:
+        wait_for_completed(sim_url, 8)
+        bench.send_signal(send)
+        bench.wait(15)
+        time.sleep(1.0)  # the workers' last requests end or are cut
+        before = len(httpx.get(sim_url + "/sim/requests", timeout=5).json())
+        time.sleep(1.5)
+        after = len(httpx.get(sim_url + "/sim/requests", timeout=5).json())
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(bench.pid, signal.SIGKILL)
+    assert after == before, f"{after - before} requests after the parent ended"

@@ -46,8 +46,10 @@ inflates a read's messages only as far as the direction holds (wsframes.FrameRea
 `inflate_most`), and a read that would go past it stops the watching, counted
 (`ws_frames`) and said, the bytes relayed as ever. A real peer is far under it: a
 realtime client's audio is base64 PCM16, 64 KB a second at 24 kHz (48 KB of PCM), so
-8 MiB a second is 130 times real time, a recorded file sent as fast as it reads; text
-events are far less; and one message as large as vLLM takes (uvicorn's `ws_max_size`,
+8 MiB a second is 130 times real time; a recorded file sent as fast as the socket takes
+it spends what the direction holds first, and one over about 32 MiB of base64 once
+inflated (some 17 minutes at 16 kHz, 8.7 at 24 kHz, sent at once) stops the watching:
+that session is then not measured (a limit, counted and said); text events are far less; and one message as large as vLLM takes (uvicorn's `ws_max_size`,
 16 MiB, config.py) fits twice in what a direction holds. A bomb stops after at most
 `INFLATE_HELD` plus what the time earned: 32 MiB of "a"s from one read stopped after 90
 ms of a core (measured on the reader alone); earning costs at most 3 to 5% of one (per
