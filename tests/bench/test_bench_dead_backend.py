@@ -132,7 +132,6 @@ class _Shedder:
 
     def __init__(self, upstream_port: int) -> None:
         import asyncio
-        import contextlib
         import socket
         import struct
         import threading
@@ -166,18 +165,27 @@ class _Shedder:
                 self.active -= 1
 
         async def serve() -> None:
+            self._done = asyncio.Event()
             server = await asyncio.start_server(handle, "127.0.0.1", self.port)
-            self._server = server
-            with contextlib.suppress(asyncio.CancelledError):  # closed by `close`
-                await server.serve_forever()
+            ready.set()
+            await self._done.wait()  # set by `close`
+            server.close()
+            pipes = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in pipes:
+                task.cancel()
+            await asyncio.gather(*pipes, return_exceptions=True)  # every pipe ended here
 
+        ready = threading.Event()
         self._loop = loop
         self._thread = threading.Thread(target=loop.run_until_complete, args=(serve(),))
         self._thread.daemon = True
         self._thread.start()
+        ready.wait(5)
 
     def close(self) -> None:
-        self._loop.call_soon_threadsafe(self._server.close)
+        self._loop.call_soon_threadsafe(self._done.set)
+        self._thread.join(10)
+        self._loop.close()
 
 
 def test_a_backend_that_resets_what_it_sheds_while_it_streams_is_not_stopped(
@@ -190,7 +198,6 @@ def test_a_backend_that_resets_what_it_sheds_while_it_streams_is_not_stopped(
     upstream_port = int(server.url.rsplit(":", 1)[1])
     shedder = _Shedder(upstream_port)
     try:
-        time.sleep(0.2)
         out = tmp_path / "r.json"
         code = main(
             ["--url", f"http://127.0.0.1:{shedder.port}/v1", "--model", MODEL, "--rate", "40",
