@@ -1109,7 +1109,7 @@ class StreamObserver:
             if own is None:
                 tokens = output * choice.events / total
             else:
-                tokens = own[index]
+                tokens = float(own[index])  # a float as above: mypyc keeps one representation
                 # A token that streamed no text (llama-server sends nothing for one that
                 # ends inside a UTF-8 character, and no text for one a stop word may
                 # claim: tools/server/server-context.cpp, process_token) is still one of
