@@ -37,7 +37,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.core.apis import Api
+from proxy.core.apis.chat import Chat
+from proxy.core.apis.responses import Responses
 from proxy.core.upstream_url import UpstreamURL
+from proxy.core.wsbase import WsApi
 from proxy.core.wsseam import seam_of
 
 OPT_IN = "OTEL_SEMCONV_STABILITY_OPT_IN"
@@ -92,3 +96,33 @@ def operation_attributes(endpoint: str) -> tuple[tuple[str, str], tuple[str, str
     metrics' attributes."""
     api = seam_of(endpoint)
     return ("gen_ai.operation.name", api.operation), ("gen_ai.provider.name", api.provider)
+
+
+#: `openai.api.type` of the two OpenAI APIs the conventions name a value for
+#: (semantic-conventions-genai docs/gen-ai/openai.md, the OpenAI inference span:
+#: Recommended, well-known values chat_completions and responses; model/openai/registry.yaml
+#: in open-telemetry/semantic-conventions). By the Api's exact type: vLLM's batched chat
+#: (/v1/chat/completions/batch) and the audio APIs subclass Chat but are no OpenAI Chat
+#: Completions request, and the legacy Completions API has no value of its own there (a
+#: custom one made up here could differ from the one the conventions come to name).
+_OPENAI_API_TYPES: dict[type[Api | WsApi], str] = {Chat: "chat_completions", Responses: "responses"}
+
+
+def openai_api_type(api: Api | WsApi) -> str | None:
+    """The span's `openai.api.type` for a request to `api`, None where none applies. The
+    conventions put it on the span only; no metric carries it."""
+    return _OPENAI_API_TYPES.get(type(api))
+
+
+def vouched_model(name: str | None, bounded: str) -> str | None:
+    """A model name as the OTLP metrics' gen_ai.request.model / gen_ai.response.model
+    carry it: the exact name, when the proxy vouches for it (`bounded`, the Prometheus
+    model label made from it by proxy/core/labels.py ModelLabels, is that name: it is on
+    --model-allowlist or the upstream's model list); else None and the attribute is left
+    out. Never the label's `other`, nor the one model a llama-server serves whatever a
+    request names: the conventions want "the exact name of the model requested" (and
+    actually used), and an OTLP backend aggregates by attribute set, so a client's
+    unvouched string (or a backend's echo of it: llama.cpp's server before about b7231,
+    tools/server `oaicompat_model = json_value(data, "model", model_name)`) would be a
+    series each. The label itself is `tokenprobe.model` on every point."""
+    return name if name and name == bounded else None

@@ -95,6 +95,8 @@ class Tracing:
         }
         if model:
             attributes["gen_ai.request.model"] = model
+        if (api_type := semconv.openai_api_type(api)) is not None:
+            attributes["openai.api.type"] = api_type
         if info.stream:
             attributes["gen_ai.request.stream"] = True  # unset means not streaming
         if info.max_tokens is not None:

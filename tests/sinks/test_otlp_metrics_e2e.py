@@ -196,9 +196,13 @@ def check_conventions(
     assert {p.attributes["gen_ai.operation.name"] for p in ok} == {"chat", "text_completion"}
     assert {p.attributes["gen_ai.request.model"] for p in ok} == {MODEL}
     assert {p.attributes["gen_ai.response.model"] for p in ok} == {MODEL}
+    assert {p.attributes["tokenprobe.model"] for p in ok} == {MODEL}
     (failed,) = [p for p in found if p.metric == duration and "error.type" in p.attributes]
     assert failed.attributes["error.type"] == "not_found"
-    assert failed.attributes["gen_ai.request.model"] == "other"  # bounded like the label
+    # "no-such-model" is not vouched for: no gen_ai.request.model (never the label's
+    # "other", which no client requested), the label as tokenprobe.model
+    assert "gen_ai.request.model" not in failed.attributes
+    assert failed.attributes["tokenprobe.model"] == "other"
     if not previous:  # the failure's per-request token points: 0, with its error.type
         for kind in ("input", "output"):
             metric = f"gen_ai.client.inference.operation.{kind}_tokens"

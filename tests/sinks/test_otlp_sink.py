@@ -123,7 +123,8 @@ def test_buckets_counts_and_sums_equal_prometheus_for_the_same_records(name_set:
     )
     (failed,) = [p for p in points if "error.type" in p.attributes]
     assert failed.attributes["error.type"] == "upstream_timeout"
-    assert {p.attributes.get("gen_ai.response.model") for p in points} == {None, "other"}
+    # "x" is no model the proxy vouches for: left out, never the label's "other"
+    assert {p.attributes.get("gen_ai.response.model") for p in points} == {None}
     ok = [p for p in points if "error.type" not in p.attributes]
     assert list(ok[0].explicit_bounds) == list(DURATION_BUCKETS)
     counts = [sum(c) for c in zip(*(p.bucket_counts for p in points), strict=True)]
@@ -424,3 +425,43 @@ def test_non_generative_operations_count_no_output_tokens() -> None:
     assert "gen_ai.client.inference.operation.input_tokens" in metrics
     assert "gen_ai.client.inference.usage.output_tokens" not in metrics
     assert "gen_ai.client.inference.operation.output_tokens" not in metrics
+
+
+def test_model_attributes_carry_exact_vouched_names_and_the_label_apart() -> None:
+    """gen_ai.request.model is the name the client sent and gen_ai.response.model the one
+    the backend answered with, each only when the proxy vouches for it; the bounded label
+    (`other`, or the one model of a llama-server that serves it whatever a request names)
+    is tokenprobe.model, on the in-flight points too. Before, the label went out as
+    gen_ai.request.model (`other`, or the served model as if requested)."""
+    registry = CollectorRegistry()
+    prom = Metrics(registry)
+    models = ModelLabels()
+    models.update_from_upstream(["qwen.gguf"])
+    models.names_ignored(True)  # llama-server: serves qwen.gguf whatever the request names
+    otlp = OtlpMetrics(
+        Collecting(),
+        upstream="http://llama:8080",
+        failures=metric_export_failures(registry),
+        models=models,
+        resource=Resource.create({}),
+        in_flight=prom.in_flight,
+    )
+    prom.in_flight.labels(models("gpt-4"), "/v1/chat/completions").inc()
+    # llama-server echoes the request's name as the response's model
+    otlp.record(measurement(model="gpt-4", response_model="gpt-4"), Labels(models("gpt-4")))
+    named = measurement(model="qwen.gguf", response_model="qwen.gguf", e2e=2.0)
+    otlp.record(named, Labels(models("qwen.gguf")))
+    metrics = by_name(otlp.collect())  # type: ignore[arg-type]
+    duration = metrics["gen_ai.client.inference.duration"].data.data_points
+    attributes = {
+        (
+            p.attributes["tokenprobe.model"],
+            p.attributes.get("gen_ai.request.model"),
+            p.attributes.get("gen_ai.response.model"),
+        )
+        for p in duration
+    }
+    assert attributes == {("qwen.gguf", None, None), ("qwen.gguf", "qwen.gguf", "qwen.gguf")}
+    (flying,) = metrics["tokenprobe.requests.in_flight"].data.data_points
+    assert flying.attributes["tokenprobe.model"] == "qwen.gguf"
+    assert "gen_ai.request.model" not in flying.attributes

@@ -151,6 +151,7 @@ def test_attributes_follow_the_genai_conventions(
         "gen_ai.operation.name": "chat",
         "gen_ai.provider.name": "openai",
         "gen_ai.request.model": "sim-model",
+        "openai.api.type": "chat_completions",
         "gen_ai.request.stream": True,
         "gen_ai.request.max_tokens": 64,
         "gen_ai.request.temperature": 0.7,

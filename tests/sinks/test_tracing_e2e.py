@@ -98,6 +98,35 @@ def test_streamed_request_exports_one_genai_client_span(sim: Running, traced_pro
     assert abs(ttft_ns / 1e9 - attributes["tokenprobe.time_to_first_token"]) < 1e-6
 
 
+def test_openai_api_type_names_the_openai_api_of_each_span(
+    sim: Running, traced_proxy: Traced
+) -> None:
+    """openai.api.type (semantic-conventions-genai docs/gen-ai/openai.md, the OpenAI
+    inference span, Recommended): chat_completions and responses, the values the
+    conventions name; none for an API they name none for (legacy completions) nor for
+    another provider's (Anthropic Messages: "not expected to include openai.*")."""
+    hi = [{"role": "user", "content": "hi"}]
+    requests = {
+        "/v1/chat/completions": {"model": MODEL, "messages": hi},
+        "/v1/responses": {"model": MODEL, "input": "hi"},
+        "/v1/completions": {"model": MODEL, "prompt": "hi"},
+        "/v1/messages": {"model": MODEL, "max_tokens": 8, "messages": hi},
+    }
+    with httpx.Client(base_url=traced_proxy.url, timeout=30) as client:
+        for path, body in requests.items():
+            assert client.post(path, json=body).status_code == 200, path
+    spans = traced_proxy.receiver.wait_for(lambda spans: len(spans) == len(requests))
+    found = {
+        (s.attributes["gen_ai.provider.name"], s.attributes.get("openai.api.type")) for s in spans
+    }
+    assert found == {
+        ("openai", "chat_completions"),
+        ("openai", "responses"),
+        ("openai", None),
+        ("anthropic", None),
+    }
+
+
 def test_the_request_s_sampling_options_reach_the_span_at_its_start(
     traced_proxy: Traced,
 ) -> None:

@@ -32,10 +32,10 @@ time_to_first_chunk is tokenprobe's TTFT: the first read carrying generated cont
 first chunk of the stream (vLLM's role-only chunk, Anthropic's message_start), so it equals
 tokenprobe_time_to_first_token_seconds. time_per_output_chunk is one value per content chunk
 after the first (the inter-token latencies), as the conventions define it. Both only for
-streams. Attributes: gen_ai.operation.name, gen_ai.provider.name, gen_ai.request.model and
-gen_ai.response.model (bounded like the Prometheus model label), server.address,
-server.port, error.type on the duration when the request failed (tokenprobe's closed set of
-error types), and each --label-header label. tokenprobe's own figures follow under
+streams. Attributes: gen_ai.operation.name, gen_ai.provider.name, tokenprobe.model (the
+Prometheus model label), gen_ai.request.model and gen_ai.response.model (the exact names,
+only when vouched for: semconv.vouched_model), server.address, server.port, error.type on
+the duration when the request failed (tokenprobe's closed set of error types), and each --label-header label. tokenprobe's own figures follow under
 tokenprobe.* (the table FIGURES and the counters in `OtlpMetrics._count`), the conversation figures
 too (tokenprobe.conversation.*, tokenprobe.continuation.*: per continuation from its
 record, per conversation when the tracker closes it, `conversations_closed`), and each

@@ -251,11 +251,18 @@ class OtlpMetrics:
         return operation
 
     def _base(self, m: Measurement, labels: Labels, operation: Key) -> Key:
-        key = operation
-        if m.model:
-            key += (("gen_ai.request.model", labels.model),)
-        if m.response_model:
-            key += (("gen_ai.response.model", self._models(m.response_model)),)
+        # The model attributes stay as bounded as the Prometheus label (an OTLP backend
+        # aggregates by attribute set), without putting the label's values where the
+        # conventions want a model's exact name: gen_ai.request.model is the name the
+        # client sent and gen_ai.response.model the name the backend answered with, each
+        # only when vouched for (semconv.vouched_model); the label, `other` included, is
+        # tokenprobe.model, as in Prometheus.
+        key = (*operation, ("tokenprobe.model", labels.model))
+        if (requested := semconv.vouched_model(m.model, labels.model)) is not None:
+            key += (("gen_ai.request.model", requested),)
+        answered = m.response_model
+        if answered and semconv.vouched_model(answered, self._models(answered)) is not None:
+            key += (("gen_ai.response.model", answered),)
         key += self._server
         if self.attribution:
             key += tuple(zip(self.attribution, labels.attribution, strict=True))
@@ -311,9 +318,10 @@ class OtlpMetrics:
         for family in self.in_flight.collect():
             for sample in family.samples:
                 model, endpoint = sample.labels["model"], sample.labels["endpoint"]
+                # Only the label: the gauge keeps no request's own name to vouch for.
                 key: Key = (
                     *semconv.operation_attributes(endpoint),
-                    ("gen_ai.request.model", model),
+                    ("tokenprobe.model", model),
                     *self._server,
                 )
                 values[key] = values.get(key, 0) + sample.value
