@@ -12,13 +12,30 @@ A request continues a conversation when, in this order,
      as it is when sent after the first's answer: it opens a new conversation. A request
      that continues by `previous_response_id` sends only its new input items, not its
      prompt: it is never matched by its messages, nor are they kept for others to match.
+     A branch is judged at its start, and looked at again at its end: if the request in
+     flight that made it one had in fact ended unanswered before it began (its end recorded
+     after this one's start: a trimmed retry sent at once), it is that request's retry and
+     moves into its conversation, when it is still alone in its own.
 Anything else opens a new conversation (turn 1).
+
+A turn is an exchange that happened. A request refused (`end(refused=True)`: the client
+got an error status, 4xx or 5xx, instead of an answer: a 429, a 401, a 400 over the
+context, vLLM's 404 for a `previous_response_id` its store lost, the proxy's 502/504;
+proxy/sinks/conversations.py `refused`) is none: its index goes back to its retry (or,
+when a later request of the conversation already took the next one, it is counted out),
+its gap and time leave the conversation's figures, the last answer and its end stay what
+the next turn continues and measures its gap from, and a conversation that only refused
+requests opened is forgotten. A request that failed after its answer began (a 200 stream
+cut or ending in an error) or that its client left is a turn: the same messages again are
+its retry, in its conversation.
 
 The table is updated twice per request, never per chunk: `begin` at its start (which
 conversation, which turn, the gap since the previous answer ended) and `end` at its end
 (its end, its tokens, its response id). A request's digest is indexed at its start beside
 the last answered one's, and replaces that one only when it gets an answer: after a turn
-that fails, both its retry and a resend that trims it are found. A conversation closes
+that fails, both its retry and a resend that trims it are found. When requests of one
+conversation overlap, the answered one that started last owns the answered digest, its
+tokens and its response id, whichever ends last. A conversation closes
 when it has been idle for `idle` seconds (`sweep`), and its figures come out then: turns,
 duration (first start to last end), the time inside requests and the time between them.
 
@@ -60,8 +77,8 @@ MAX_RESPONSE_ID = 256
 #: Hex digits of an exported conversation id (64 bits).
 ID_HEX = 16
 #: Bytes one conversation holds at most in the table, with its index entries (two digests,
-#: its latest request having failed, and a 256-character response id): 912 measured with
-#: tracemalloc over 10,000 of them (810 with one digest).
+#: its latest request having failed, and a 256-character response id): 928 measured with
+#: tracemalloc over 10,000 of them (826 with one digest).
 ENTRY_BYTES = 1024
 
 
@@ -79,6 +96,8 @@ class Conversation:
     digest: bytes | None = None  # the latest answered request's digest of all its messages
     unanswered: bytes | None = None  # the latest one's while in flight, or if it failed
     response_id: str | None = None  # the latest response id
+    answered_turn: int = 0  # the index of the request `digest` and `response_id` are from
+    refused: int = 0  # requests refused whose index a later request had already taken
     # The latest answered request's (a failed one's are None, and its retry repeats the
     # answered prompt, not the failed one's).
     prompt_tokens: int | None = None
@@ -102,6 +121,11 @@ class Turn:
     gap: float | None  # the previous answer's end -> this request's start (continuations)
     shared_prefix_tokens: int | None  # the earlier request's tokens this prompt repeats
     digest: bytes | None = None  # its digest of all its messages (None: no complete chain)
+    # The `unanswered` digest its own replaced at its start: put back if it is refused.
+    replaced: bytes | None = None
+    # The conversation it would have continued, when a request in flight there made it a
+    # branch: a retry of that request if it turns out to have ended, unanswered, first.
+    branch_of: Conversation | None = None
 
     @property
     def id(self) -> str:
@@ -175,6 +199,7 @@ class Conversations:
             # stored response's): never matched or kept as if they were the whole prompt.
             chain, complete = (), False
         conversation, via, shared = None, NEW, None
+        branch_of = None
         if header:
             key = b"h" + self._hash(header)
             conversation = self._table.get(key)
@@ -208,7 +233,9 @@ class Conversations:
                 conversation = self._by_digest.get(digest)
                 if conversation is not None:
                     if digest == conversation.digest and _continued_in_flight(conversation):
-                        conversation = None  # a sibling of the one in flight: a branch
+                        # A sibling of the one in flight: a branch (unless that one turns
+                        # out to have ended unanswered before this began: `_rejoin`).
+                        branch_of, conversation = conversation, None
                     else:
                         via, shared = MESSAGES, conversation.prompt_tokens
                     break
@@ -224,9 +251,10 @@ class Conversations:
         conversation.in_flight += 1
         self._touch(conversation, now)
         own = chain[-1] if chain and complete else None
+        replaced = conversation.unanswered
         if own is not None:  # found at once (a continuation may come before its end runs)
             self._set_digest(conversation, "unanswered", own)
-        return Turn(conversation, conversation.turns, via, gap, shared, own)
+        return Turn(conversation, conversation.turns, via, gap, shared, own, replaced, branch_of)
 
     def end(
         self,
@@ -238,33 +266,99 @@ class Conversations:
         prompt_tokens: int | None,
         output_tokens: int | None,
         failed: bool = False,
-    ) -> None:
+        refused: bool = False,
+    ) -> Turn:
         """The request of `turn` ended at `now`, after `duration` seconds; `failed`: it
-        got no answer (an error), so the same messages again are its retry. On success its
-        digest replaces the conversation's last answered one; on failure both stay, so an
-        identical retry and one that trims the failed turn are both found."""
+        got no answer (an error), so the same messages again are its retry; `refused`: it
+        got an error status instead of an answer, so it was no turn at all (the module's
+        docstring). On success its digest replaces the conversation's last answered one
+        unless a request that started later already answered; on failure both stay, so an
+        identical retry and one that trims the failed turn are both found. Returns the
+        turn as it stands now: a branch found to be a retry moved into its conversation."""
+        turn = self._rejoin(turn)
         c = turn.conversation
-        c.failed = failed
         c.in_flight = max(0, c.in_flight - 1)
+        if refused:
+            self._refuse(turn, now)
+            return turn
+        c.failed = failed
         c.model_seconds += duration
         c.last_end = now if c.last_end is None else max(c.last_end, now)
-        if not failed:  # what the next turn, or a retry of a failed one, repeats
+        # The latest-started answered request owns the answered slots, whichever ends last.
+        latest = not failed and turn.index >= c.answered_turn
+        if latest:  # what the next turn, or a retry of a failed one, repeats
             c.prompt_tokens, c.output_tokens = prompt_tokens, output_tokens
+            c.answered_turn = turn.index
         if self._table.get(c.key) is not c:
-            return  # evicted while in flight: nothing more to index
+            return turn  # evicted while in flight: nothing more to index
         self._touch(c, now)
         if failed:
             if turn.digest is not None:  # (again: an overlapping request may have taken it)
                 self._set_digest(c, "unanswered", turn.digest)
-        else:
+            return turn
+        if latest:
             self._set_digest(c, "digest", turn.digest)
-            if c.unanswered == turn.digest or not c.in_flight:  # not another one's in flight
-                self._set_digest(c, "unanswered", None)
-        if response_id and len(response_id) <= MAX_RESPONSE_ID:
+        if c.unanswered == turn.digest or not c.in_flight:  # not another one's in flight
+            self._set_digest(c, "unanswered", None)
+        if latest and response_id and len(response_id) <= MAX_RESPONSE_ID:
             if c.response_id is not None and self._by_response.get(c.response_id) is c:
                 del self._by_response[c.response_id]
             c.response_id = response_id
             self._by_response[response_id] = c
+        return turn
+
+    def _refuse(self, turn: Turn, now: float) -> None:
+        """`turn`'s request was refused: no turn. Its index goes back when no later request
+        took one (a retry then gets it), its gap leaves the time between turns, its digest
+        gives the `unanswered` slot back to the one it replaced, and a conversation it
+        alone opened is forgotten. The last answer's end stays the next gap's start."""
+        c = turn.conversation
+        if turn.index == c.turns:
+            c.turns -= 1
+        else:
+            c.refused += 1
+        if turn.gap is not None:
+            c.between_seconds -= turn.gap
+        c.failed = True  # the latest ended request got no answer (`_rejoin` reads it)
+        if self._table.get(c.key) is not c:
+            return
+        c.touched = max(c.touched, now)
+        if c.turns == c.refused and not c.in_flight:
+            self._drop(c)  # no exchange happened in it
+            return
+        if turn.digest is not None and c.unanswered == turn.digest:
+            back = turn.replaced if turn.replaced != c.digest else None
+            self._set_digest(c, "unanswered", back)
+
+    def _rejoin(self, turn: Turn) -> Turn:
+        """`turn` opened a branch because a request of the conversation it continues was in
+        flight; if that conversation has nothing in flight now, its latest request got no
+        answer, and nothing began or ended there since this one started, that request had
+        ended before this began (its end was recorded later): this one is its retry, a
+        turn of that conversation. Moved there when it is still alone in its own."""
+        p, n = turn.branch_of, turn.conversation
+        if (
+            p is None
+            or p.in_flight
+            or not p.failed
+            or p.touched > n.started
+            or n.turns != 1
+            or n.in_flight != 1
+            or self._table.get(p.key) is not p
+            or self._table.get(n.key) is not n
+        ):
+            return turn
+        self._drop(n)
+        gap = None if p.last_end is None else max(0.0, n.started - p.last_end)
+        if gap is not None:
+            p.between_seconds += gap
+        p.turns += 1
+        p.in_flight += 1
+        self._touch(p, n.started)
+        replaced = p.unanswered
+        if turn.digest is not None:
+            self._set_digest(p, "unanswered", turn.digest)
+        return Turn(p, p.turns, MESSAGES, gap, p.prompt_tokens, turn.digest, replaced)
 
     def sweep(self, now: float) -> list[Closed]:
         """Close every conversation idle for `idle` seconds; their figures."""
@@ -279,7 +373,8 @@ class Conversations:
                 continue
             self._drop(c)
             end = c.last_end if c.last_end is not None else c.touched
-            closed.append(Closed(c.turns, end - c.started, c.model_seconds, c.between_seconds))
+            turns = c.turns - c.refused
+            closed.append(Closed(turns, end - c.started, c.model_seconds, c.between_seconds))
         return closed
 
     def _open(self, key: bytes, now: float) -> Conversation:

@@ -11,6 +11,10 @@ the sweep hands each the conversations it closed, after the Prometheus metrics s
 a listener that fails is logged and counted (measurement failures, stage sink), and the
 others still run.
 
+A request the client got an error status for (`refused`) is no turn: its record keeps the
+id of the conversation it addressed, with no turn, no continuation and no gap, and no
+continuation metric counts it.
+
 Times are wall-clock seconds: the record's `started_at`, and `started_at + e2e` for its
 end, so a gap is measured between two instants of the same clock.
 """
@@ -25,7 +29,7 @@ from typing import Protocol, runtime_checkable
 
 from proxy.core.conversations import Closed, Conversations, Turn, header_refusal
 from proxy.core.fingerprint import chain_of
-from proxy.core.measurement import Measurement
+from proxy.core.measurement import ErrorType, Measurement
 from proxy.core.request import RequestInfo
 from proxy.sinks.metrics import Metrics
 from proxy.sinks.sink import Headers
@@ -34,6 +38,15 @@ log = logging.getLogger("tokenprobe")
 
 #: The sweep timer's period is a quarter of the idle time, within these bounds.
 SWEEP_MIN, SWEEP_MAX = 0.05, 10.0
+
+
+def refused(m: Measurement) -> bool:
+    """The client received an error status (4xx, 5xx: the backend's, or the proxy's 502 or
+    504) instead of an answer: nothing was generated for it, no exchange happened. Not a
+    200 stream that failed or was cut (what it generated was relayed: a turn that failed),
+    nor a request the client left before its answer came (status 0, client_cancelled)."""
+    error = m.error_type
+    return error is not None and error is not ErrorType.CLIENT_CANCELLED and m.status_code >= 400
 
 
 @runtime_checkable
@@ -79,7 +92,8 @@ class ConversationTracker:
 
     def end(self, turn: Turn, m: Measurement, model_label: str) -> Measurement:
         """The request of `turn` ended: the table learns it, the record gets its fields."""
-        self.table.end(
+        refusal = refused(m)
+        turn = self.table.end(
             turn,
             m.started_at + m.e2e,
             duration=m.e2e,
@@ -87,14 +101,18 @@ class ConversationTracker:
             prompt_tokens=m.prompt_tokens,
             output_tokens=m.output_tokens,
             failed=not m.ok,
+            refused=refusal,
         )
-        continued = turn.via in ("header", "previous_response", "messages")
+        # A refusal may have forgotten the conversation it alone opened, a retry moved out
+        # of the branch it had opened: the table can shrink at an end too.
+        self.metrics.conversations_open.set(len(self.table))
+        continued = not refusal and turn.via in ("header", "previous_response", "messages")
         # Filled in, not copied: no sink has seen this request's record yet (Measurement).
         m.conversation_id = turn.id
         m.conversation_named = turn.conversation.named
-        m.turn = turn.index
+        m.turn = None if refusal else turn.index
         m.continued_via = turn.via if continued else None
-        m.turn_gap = turn.gap
+        m.turn_gap = turn.gap if continued else None
         m.shared_prefix_tokens = turn.shared_prefix_tokens if continued else None
         if continued:
             metrics = self.metrics

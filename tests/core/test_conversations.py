@@ -494,3 +494,126 @@ def test_a_message_nested_deeper_than_json_writes_still_gets_a_chain() -> None:
     messages = [SYSTEM, {"role": "user", "content": deep}]
     chain, complete = message_chain(messages)
     assert complete and len(chain) == 2 and of_prompt(messages) is not None
+
+
+def refuse(t: Conversations, turn: Turn, now: float) -> Turn:
+    """`turn`'s request got an error status instead of an answer (a 429, a 401, a 404)."""
+    return t.end(turn, now, duration=0.1, response_id=None, prompt_tokens=None,
+                 output_tokens=None, failed=True, refused=True)  # fmt: skip
+
+
+def test_a_refused_request_is_no_turn_and_its_retry_takes_its_place() -> None:
+    """A 429 is no exchange: before, it was turn 2, its retry turn 3, and the retry's gap
+    ran from the refusal, not from the answer it continues."""
+    t = table(idle=10.0)
+    rounds = agent_rounds("hi")
+    first = begin(t, 0.0, rounds[0])
+    end(t, first, 1.0, prompt=20)
+    refuse(t, begin(t, 2.0, rounds[1]), 2.1)
+    retry = begin(t, 3.0, rounds[1])
+    assert (retry.id, retry.index, retry.via, retry.gap) == (first.id, 2, MESSAGES, 2.0)
+    assert retry.shared_prefix_tokens == 20
+    end(t, retry, 4.0)
+    (closed,) = t.sweep(20.0)
+    assert closed.turns == 2
+    assert closed.between_seconds == pytest.approx(2.0)
+    assert closed.model_seconds == pytest.approx(5.0)  # end() gives each `now` seconds
+
+
+def test_a_conversation_only_refused_requests_opened_is_forgotten() -> None:
+    t = table()
+    refuse(t, begin(t, 0.0, agent_rounds("hi")[0]), 0.1)  # a 401
+    refuse(t, t.begin(1.0, header=b"s"), 1.1)
+    refuse(t, t.begin(2.0, previous_response_id="resp_gone"), 2.1)  # unknown to the store
+    assert len(t) == 0 and not t._by_digest and t.sweep(100.0) == []
+    assert t.begin(3.0, header=b"s").index == 1
+
+
+def test_a_refused_retry_of_a_failed_turn_leaves_it_to_retry() -> None:
+    t = table()
+    opening = agent_rounds("hi")[0]
+    first = begin(t, 0.0, opening)
+    fail(t, first, 1.0)  # cut mid-stream: a turn, and the same messages again are its retry
+    again = begin(t, 2.0, opening)
+    assert (again.id, again.index) == (first.id, 2)
+    refuse(t, again, 2.1)
+    third = begin(t, 3.0, opening)
+    assert (third.id, third.index, third.via) == (first.id, 2, MESSAGES)
+
+
+def test_a_refused_request_overlapped_by_a_later_one_is_counted_out() -> None:
+    t = table(idle=10.0)
+    a, b = t.begin(0.0, header=b"s"), t.begin(0.5, header=b"s")
+    refuse(t, a, 0.6)  # b holds index 2: no index goes back, the count leaves a out
+    end(t, b, 1.0)
+    third = t.begin(2.0, header=b"s")
+    assert third.index == 3
+    end(t, third, 3.0)
+    (closed,) = t.sweep(100.0)
+    assert closed.turns == 2
+
+
+@pytest.mark.parametrize("refused", [False, True], ids=["failed", "refused"])
+def test_a_trimmed_retry_sent_before_the_failed_turns_end_is_recorded_stays(
+    refused: bool,
+) -> None:
+    """The client had the failed turn's error at 2.5 and sent the trimmed retry at 2.6;
+    the proxy recorded that end after the retry began, which saw a request in flight and
+    took the retry for a parallel branch: a new conversation."""
+    t = table()
+    first_round = [SYSTEM, {"role": "user", "content": "task"}]
+    call = {"role": "assistant", "content": "", "tool_calls": [{"id": "c1"}]}
+    first = begin(t, 0.0, first_round)
+    end(t, first, 1.0, prompt=20)
+    huge = begin(t, 2.0, [*first_round, call, {"role": "tool", "content": "x" * 10_000}])
+    cut = [*first_round, call, {"role": "tool", "content": "x [cut]"}]
+    retry = begin(t, 2.6, cut)
+    (refuse if refused else fail)(t, huge, 2.5)
+    # A refusal is no turn: the gap runs from the answer before it.
+    index, gap = (2, 1.6) if refused else (3, 0.1)
+    ended = t.end(retry, 4.0, duration=1.4, response_id=None, prompt_tokens=30, output_tokens=5)
+    assert (ended.id, ended.index, ended.via) == (first.id, index, MESSAGES)
+    assert ended.gap == pytest.approx(gap)
+    assert ended.shared_prefix_tokens == 20
+    assert len(t) == 1
+    next_round = begin(t, 5.0, [*cut, {"role": "assistant", "content": "ok"}])
+    assert (next_round.id, next_round.index) == (first.id, index + 1)
+
+
+def test_a_branch_whose_sibling_fails_after_it_began_stays_a_branch() -> None:
+    t = table()
+    first_round = [SYSTEM, {"role": "user", "content": "plan"}]
+    first = begin(t, 0.0, first_round)
+    end(t, first, 1.0)
+    answered = [*first_round, {"role": "assistant", "content": "steps"}]
+    one = begin(t, 2.0, [*answered, {"role": "user", "content": "step 0"}])
+    two = begin(t, 2.1, [*answered, {"role": "user", "content": "step 1"}])
+    fail(t, one, 2.5)  # after the branch began: they ran side by side
+    ended = t.end(two, 3.0, duration=0.9, response_id=None, prompt_tokens=9, output_tokens=1)
+    assert (ended.id, ended.index, ended.via) == (two.id, 1, NEW) and two.id != first.id
+
+
+def test_overlapping_requests_of_one_header_the_later_started_owns_the_answer() -> None:
+    """Before, the one that ended last took the digest, the tokens and the response id."""
+    t = table()
+    short = [{"role": "user", "content": "short"}]
+    a = begin(t, 0.0, [{"role": "user", "content": "long"}], header=b"s")
+    b = begin(t, 0.5, short, header=b"s")
+    t.end(b, 1.0, duration=0.5, response_id="resp_b", prompt_tokens=7, output_tokens=2)
+    t.end(a, 2.0, duration=2.0, response_id="resp_a", prompt_tokens=30, output_tokens=9)
+    after = begin(t, 3.0, [*short, {"role": "assistant"}, {"role": "user"}], header=b"s")
+    assert (after.via, after.shared_prefix_tokens) == (HEADER, 7)
+    assert t.begin(4.0, previous_response_id="resp_b").id == a.id
+
+
+def test_a_turn_recorded_after_the_one_that_continues_it_does_not_take_its_place() -> None:
+    t = table()
+    rounds = agent_rounds("hi")
+    first = begin(t, 0.0, rounds[0])
+    end(t, first, 1.0)
+    second = begin(t, 2.0, rounds[1])
+    third = begin(t, 3.0, rounds[2])  # the second's end not recorded yet
+    end(t, third, 3.5, prompt=40)
+    end(t, second, 4.0, prompt=30)  # recorded last
+    fourth = begin(t, 5.0, [*rounds[2], {"role": "assistant"}, {"role": "tool"}])
+    assert (fourth.id, fourth.index, fourth.shared_prefix_tokens) == (first.id, 4, 40)

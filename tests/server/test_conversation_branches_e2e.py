@@ -39,7 +39,7 @@ def test_a_retry_after_a_rate_limit_gets_its_cached_share_of_the_answered_prompt
     proxy.wait_records(2)
     assert chat(proxy, second).status_code == 200  # the agent's retry
     retry = proxy.wait_records(3)[2]
-    assert (retry.turn, retry.continued_via) == (3, "messages")
+    assert (retry.turn, retry.continued_via) == (2, "messages")  # the 429 was no turn
     assert retry.cached_prompt_tokens  # the simulator served the repeated prefix
     assert retry.shared_prefix_tokens == count_prompt_tokens({"messages": first})
     assert proxy.sample("tokenprobe_continuation_cached_prompt_ratio_count", model=MODEL) == 1

@@ -215,9 +215,54 @@ def test_an_agent_s_retry_after_a_rate_limit_stays_in_its_conversation(
     assert chat(proxy, second, **{"x-sim-error": "rate_limit"}).status_code == 429
     assert chat(proxy, second).status_code == 200  # the same messages again
     records = proxy.wait_records(3)
-    assert [r.turn for r in records] == [1, 2, 3]
+    # The 429 was no exchange: no turn (its record names the conversation it addressed);
+    # its retry is the second turn.
+    assert [r.turn for r in records] == [1, None, 2]
     assert len({r.conversation_id for r in records}) == 1
-    assert records[2].continued_via == "messages"
+    assert (records[1].continued_via, records[2].continued_via) == (None, "messages")
+
+
+def test_a_refused_responses_request_is_no_turn_nor_what_a_later_one_continues(
+    start_sim: Callable[..., Running], start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    """A previous_response_id the backend's store does not know is a 404 (vLLM's
+    entrypoints/openai/responses/serving.py, `_make_not_found_error` when the id is not in
+    its store; the simulator stores none, so the test asks it for the 404), a 429 a refusal
+    too: before, each was a turn, the unknown id opened a conversation of its own, and the
+    continuation after the 429 was turn 3."""
+    sim = start_sim(ttft=0.0, tokens_per_second=5000.0, output_tokens=4)
+    proxy = start_proxy(sim.url)
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-test", max_retries=0)
+    first = client.responses.create(model=MODEL, input="Weather in Oslo?")
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(
+            model=MODEL,
+            input="And Lima?",
+            previous_response_id="resp_evicted",
+            extra_headers={"x-sim-error": "not_found"},
+        )
+    proxy.wait_records(2)
+    # The conversation the unknown id opened was forgotten at its end: the table holds one.
+    assert proxy.sample("tokenprobe_conversations_open") == 1
+    with pytest.raises(openai.RateLimitError):
+        client.responses.create(
+            model=MODEL,
+            input="And Lima?",
+            previous_response_id=first.id,
+            extra_headers={"x-sim-error": "rate_limit"},
+        )
+    client.responses.create(model=MODEL, input="And Lima?", previous_response_id=first.id)
+    (one, unknown, limited, two) = proxy.wait_records(4, exact=True)
+    assert (unknown.status_code, unknown.turn, unknown.continued_via) == (404, None, None)
+    assert (limited.status_code, limited.turn, limited.turn_gap) == (429, None, None)
+    assert limited.conversation_id == one.conversation_id
+    assert (two.conversation_id, two.turn, two.continued_via) == (
+        one.conversation_id,
+        2,
+        "previous_response",
+    )
+    via = "previous_response"
+    assert proxy.sample("tokenprobe_conversation_continuations_total", model=MODEL, via=via) == 1
 
 
 @GAPS(seconds=4)  # IDLE after the last turn before the conversations close

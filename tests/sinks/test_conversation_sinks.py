@@ -7,15 +7,16 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
 from proxy.core.conversations import Closed, Conversations
 from proxy.core.labels import ModelLabels
-from proxy.core.measurement import Measurement
+from proxy.core.measurement import ErrorType, Measurement
 from proxy.core.request import CHAT, RequestInfo
-from proxy.sinks.conversations import ClosedListener, ConversationTracker
+from proxy.sinks.conversations import ClosedListener, ConversationTracker, refused
 from proxy.sinks.dispatch import Sinks
 from proxy.sinks.metrics import Metrics
 from proxy.sinks.sink import Recorder
@@ -156,3 +157,23 @@ def test_a_conversation_the_proxy_recognised_by_itself_is_no_gen_ai_conversation
     spans = exporter.get_finished_spans()
     assert [s.attributes.get("gen_ai.conversation.id") for s in spans] == [None, None]
     assert [s.attributes["tokenprobe.conversation.id"] for s in spans] == [one.conversation_id] * 2
+
+
+@pytest.mark.parametrize(
+    ("status", "error", "is_refused"),
+    [
+        (429, ErrorType.RATE_LIMIT, True),
+        (404, ErrorType.NOT_FOUND, True),  # vLLM's answer to an unknown previous_response_id
+        (401, ErrorType.AUTH, True),
+        (502, ErrorType.UPSTREAM_UNREACHABLE, True),  # the proxy's own
+        (200, ErrorType.STREAM_ERROR, False),  # failed after its answer began: a turn
+        (200, ErrorType.STREAM_TRUNCATED, False),
+        (0, ErrorType.CLIENT_CANCELLED, False),  # the client left: the backend worked on it
+        (499, ErrorType.CLIENT_CANCELLED, False),
+        (200, None, False),
+    ],
+)
+def test_a_request_is_refused_when_the_client_got_an_error_status_instead_of_an_answer(
+    status: int, error: ErrorType | None, is_refused: bool
+) -> None:
+    assert refused(measurement(status_code=status, error_type=error)) is is_refused
