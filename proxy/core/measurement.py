@@ -165,9 +165,11 @@ class Measurement:
     # call: how it ended (length, stop, error, cancelled); None for every other request.
     without_answer: str | None = None
     # The conversation (proxy/core/conversations.py): its id (a keyed hash), this request's
-    # turn (1: its first), how a continuation was recognised (header, previous_response,
-    # messages; None for a first turn), the previous answer's end -> this request's start,
-    # and the tokens of the earlier prompt this one repeats (the shared prefix).
+    # turn (1: its first; None for a request refused with an error status, which is no
+    # turn: proxy/sinks/conversations.py `refused`), how a continuation was recognised
+    # (header, previous_response, messages; None for a first turn), the previous answer's
+    # end -> this request's start, and the tokens of the earlier prompt this one repeats
+    # (the shared prefix).
     conversation_id: str | None = None
     conversation_named: bool = False  # the id stands for the client's (its header)
     turn: int | None = None
