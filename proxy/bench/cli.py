@@ -20,7 +20,7 @@ import aiohttp
 import orjson
 
 from proxy.bench import compare, prefill, report
-from proxy.bench.client import Call, connector, prepare
+from proxy.bench.client import Call, connector, prepare, uncounted_prompts
 from proxy.bench.load import Level, Runner
 from proxy.bench.loop import run_loop, tokenizer
 from proxy.bench.options import Options, OptionsError, parse
@@ -104,6 +104,7 @@ def main(argv: Sequence[str]) -> int:
         print("\nbench vs proxy (--compare-metrics)\n" + run.compare_text)
     if run.problem:
         print(f"{PROG}: error: {run.problem}", file=sys.stderr)
+    _note_uncounted(options, run.levels)
     status = {"interrupted": "interrupted", "failing": "failing"}.get(
         run.stop_reason or "", "complete"
     )
@@ -169,6 +170,7 @@ def _parent(options: Options, argv: Sequence[str]) -> int:
         print("\nbench vs proxy (--compare-metrics)\n" + compare_text)
     if doc.get("problem"):
         print(f"{PROG}: error: {doc['problem']}", file=sys.stderr)
+    _note_uncounted(options, levels)
     if options.out:
         doc["config"]["workers"] = options.workers
         report.write_json(options.out, doc)
@@ -192,6 +194,15 @@ def _check_outputs(options: Options) -> None:
         raise OptionsError(
             f"--plot {options.plot}: " + extras.needs("the chart", "matplotlib", "plot")
         )
+
+
+def _note_uncounted(options: Options, levels: Sequence[Level]) -> None:
+    """A note on stderr when the tokenizer left prompts uncounted (client.uncounted_prompts);
+    a worker of --workers leaves it to the parent, which sees every record."""
+    if options.tokenizer and not options.sync:
+        note = uncounted_prompts((r for level in levels for r in level.results), options.tokenizer)
+        if note:
+            print(f"{PROG}: note: {note}", file=sys.stderr)
 
 
 def _tokenizer(options: Options) -> Any:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+from collections.abc import Iterable
 from dataclasses import dataclass
 from time import perf_counter, time
 from typing import Any
@@ -332,4 +333,28 @@ def finalize(result: Result, tokenizer: Any) -> None:
         error_type=m.error_type,
         error_message=m.error_message,
         reasoning=observer.reasoning(counted),
+    )
+
+
+def uncounted_prompts(results: Iterable[Result], tokenizer: str) -> str | None:
+    """Why successful requests counted by the tokenizer (no usage from the backend) have
+    no prompt tokens, or None when every one has them. Chat messages are counted only
+    through the tokenizer's chat template (count_request, as the proxy's records): the
+    backend tokenized the template's rendering, role markers included, and a count of the
+    texts alone would be labelled `tokenizer` without being that. A tokenizer directory
+    without a template is the usual cause (vLLM refuses chat without one unless started
+    with --chat-template: vllm/renderers/hf.py, "default chat template is no longer
+    allowed"), so say it rather than leave the figure silently empty."""
+    missing = sum(
+        1
+        for r in results
+        if r.m.ok and r.m.token_source is TokenSource.TOKENIZER and r.m.prompt_tokens is None
+    )
+    if not missing:
+        return None
+    return (
+        f"{missing} requests have no prompt tokens: the backend sent no usage and "
+        f"--tokenizer {tokenizer} counts chat messages only through its chat template, "
+        "which it lacks or which refused them (the message texts alone miss the template's "
+        "tokens); give a tokenizer directory with the backend's chat template"
     )

@@ -190,24 +190,32 @@ def render(
 ) -> str:
     blocks = []
     for level in results:
-        header = ["figure", *level.runs]
+        # A later run's cell is three columns, each aligned on its own: the value and the
+        # change right-aligned, the interval or "[n/a: why]" left-aligned. One right-aligned
+        # string of all three moved the value and the change with the interval's width.
+        header = ["figure", level.runs[0]]
+        right = [False, True]
+        for label in level.runs[1:]:
+            header += [label, "", ""]
+            right += [True, True, False]
         table = [header]
         for f in FIGURES:
             if all(level.values[r][f.name] is None for r in level.runs):
                 continue  # goodput without --slo
-            row = [f"{f.title} ({f.unit})"]
-            for label in level.runs:
-                value = _value(level.values[label][f.name], f.scale)
+            row = [f"{f.title} ({f.unit})", _value(level.values[level.runs[0]][f.name], f.scale)]
+            for label in level.runs[1:]:
                 change = level.changes.get(label, {}).get(f.name)
-                row.append(value if change is None else f"{value}  {_change(change)}")
+                pct, interval = ("", "") if change is None else _change_parts(change)
+                row += [_value(level.values[label][f.name], f.scale), pct, interval]
             table.append(row)
         widths = [max(len(row[i]) for row in table) for i in range(len(header))]
         lines = [f"level {level.level} (baseline {level.runs[0]})"]
         for row in table:
             lines.append(
                 "  ".join(
-                    cell.ljust(w) if i == 0 else cell.rjust(w)
-                    for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+                    cell.rjust(w) if r else cell.ljust(w)
+                    for cell, w, r in zip(row, widths, right, strict=True)
+                    if w  # a column empty in every row takes no room
                 ).rstrip()
             )
         blocks.append("\n".join(lines))
@@ -230,8 +238,13 @@ def _value(value: float | None, scale: float) -> str:
 
 
 def _change(c: Change) -> str:
+    return " ".join(part for part in _change_parts(c) if part)
+
+
+def _change_parts(c: Change) -> tuple[str, str]:
+    """A change as (the change, its interval and verdict or why it has none)."""
     if c.change is None:
-        return "(n/a)"
+        return "(n/a)", ""
     share = BY_NAME[c.figure].share
     unit = "pp" if share else "%"
 
@@ -240,9 +253,9 @@ def _change(c: Change) -> str:
 
     if c.low is None or c.high is None:
         why = f": {c.reason}" if c.reason else ""
-        return f"{pct(c.change)}{unit} [n/a{why}]"
+        return f"{pct(c.change)}{unit}", f"[n/a{why}]"
     mark = "" if c.verdict == "same" else f" {c.verdict}"
-    return f"{pct(c.change)}{unit} [{pct(c.low)}, {pct(c.high)}]{mark}"
+    return f"{pct(c.change)}{unit}", f"[{pct(c.low)}, {pct(c.high)}]{mark}"
 
 
 def _level(run: SavedRun, label: str, index: int) -> Any:

@@ -27,7 +27,7 @@ from typing import Any
 import yarl
 
 from proxy.bench.client import Call, Result, finalize, headers, measure_wire, needs_tokenizer
-from proxy.bench.options import Options
+from proxy.bench.options import Options, label
 from proxy.bench.wire import Pool
 from proxy.core.measurement import ErrorType, Measurement
 
@@ -101,10 +101,6 @@ class Schedule:
     #: Per call, None (it goes at its offset) or (position of an earlier call, seconds): it
     #: goes that many seconds after that call's answer ended (a conversation's next turn).
     after: Sequence[tuple[int, float] | None] = ()
-
-
-def label(mode: str, value: float) -> str:
-    return f"c={int(value)}" if mode == "closed" else f"rate={value:g}/s"
 
 
 class Runner:

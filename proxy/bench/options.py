@@ -200,6 +200,16 @@ def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Options:
     seconds("--timeout", ns.timeout)
     if ns.max_concurrency is not None and mode == "closed":
         raise OptionsError("--max-concurrency applies to --rate (open loop) only")
+    if ns.ramp_up and mode == "open":
+        # Poisson arrivals at --rate begin at that rate: no burst of simultaneous first
+        # requests for a ramp to spread, as N closed-loop streams starting at once are.
+        raise OptionsError(
+            "--ramp-up applies to --concurrency (closed loop) only: --rate arrivals start "
+            "at that rate, one at a time (to ramp a rate, sweep it: --rate 1,2,4)"
+        )
+    _distinct("--rate" if mode == "open" else "--concurrency", levels, mode)
+    if input_tokens is not None:
+        _distinct("--input-tokens", input_tokens, None)
     if ns.input_tokens is not None and not ns.tokenizer:
         raise OptionsError("--input-tokens needs --tokenizer to build prompts of exact length")
     if ns.input_tokens is not None and ns.prompts_file:
@@ -281,6 +291,27 @@ def _numbers(flag: str, text: str, kind: type[int] | type[float]) -> tuple[float
     if not values or not all(math.isfinite(v) and v > 0 for v in values):
         raise OptionsError(f"{flag}: values must be finite positive numbers, got {text!r}")
     return values
+
+
+def _distinct(flag: str, values: Sequence[float], mode: str | None) -> None:
+    """Each level once: a level is named by its label in the table, the JSON and
+    `bench compare`, so two runs of one level would be pooled into one row."""
+    seen: dict[str, float] = {}
+    for value in values:
+        name = label(mode, value) if mode is not None else str(value)
+        if name in seen:
+            twice = (
+                f"{value:g} is given twice"
+                if seen[name] == value
+                else f"{seen[name]!r} and {value!r} are both {name}"
+            )
+            raise OptionsError(f"{flag}: {twice}; give each level once")
+        seen[name] = value
+
+
+def label(mode: str, value: float) -> str:
+    """A level's name in the table, the JSON and `bench compare` (load.py uses it)."""
+    return f"c={int(value)}" if mode == "closed" else f"rate={value:g}/s"
 
 
 def seconds(flag: str, value: float) -> float:

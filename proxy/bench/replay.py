@@ -9,9 +9,10 @@ Conversations stay conversations: a later turn's prompt repeats all of its earli
 (`follows`). The output is the bench's table, the recorded figures beside the replayed
 ones, and with `--out` the run file `tokenprobe bench compare` reads.
 
-Exit status: 0 when requests succeeded, 1 when none did or the run stopped as failing (the
-target stopped answering mid-run), 2 for bad flags or nothing to replay, 130 when
-interrupted.
+Exit status, as `tokenprobe bench`'s (cli.py): 0 when requests succeeded, 1 when none did,
+the run stopped as failing (the target stopped answering mid-run), or the target could not
+size the prompts (its /tokenize unreachable or refusing), 2 for bad flags (a --tokenizer
+that does not load included) or nothing to replay, 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ import orjson
 import yarl
 
 from proxy.bench import report
-from proxy.bench.client import Call, headers, masked, session
-from proxy.bench.load import Runner, Schedule
+from proxy.bench.client import Call, headers, masked, session, uncounted_prompts
+from proxy.bench.load import Level, Runner, Schedule
 from proxy.bench.loop import run_loop as _run_loop
 from proxy.bench.loop import tokenizer as load_tokenizer
 from proxy.bench.options import (
@@ -130,6 +131,9 @@ def main(argv: Sequence[str]) -> int:
         wants, skipped = _workload(ns)
         # the flags it reads (--url, --slo, --header) fail here, as one line, not mid-run
         options = _options(ns, wants) if ns.url and wants else None
+        # a bad --tokenizer is a bad flag: refused here, not as a traceback (or a worker's
+        # failure) once the run began
+        tokenizer = load_tokenizer(options.tokenizer) if options is not None else None
     except (OptionsError, TraceError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
@@ -153,7 +157,7 @@ def main(argv: Sequence[str]) -> int:
         return _parent(ns, argv, wants)
     assert options is not None, "--url is given here: an export-only run returned above"
     try:
-        return _run_loop(_replay(ns, options, wants, shard))
+        return _run_loop(_replay(ns, options, wants, shard, tokenizer))
     except KeyboardInterrupt:
         return 130
 
@@ -167,9 +171,9 @@ def _parent(ns: argparse.Namespace, argv: Sequence[str], wants: list[Want]) -> i
         print(f"{PROG}: {len(wants)} requests on {ns.workers} workers", file=sys.stderr)
     try:
         doc = run(["replay"], argv, ns.workers)
-    except WorkerError as exc:
+    except WorkerError as exc:  # e.g. a worker could not reach the target: as bench's
         print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
+        return 1
     except KeyboardInterrupt:
         return 130
     levels = levels_of([doc])
@@ -177,6 +181,7 @@ def _parent(ns: argparse.Namespace, argv: Sequence[str], wants: list[Want]) -> i
     if any(s.ok for s in summaries):
         print(report.table(summaries, open_loop=True))
         print("\nrecorded vs replayed\n" + side_by_side(wants, levels))
+    _note_uncounted(ns, levels)
     if ns.out:
         doc["config"]["workers"] = ns.workers
         report.write_json(ns.out, doc)
@@ -185,6 +190,15 @@ def _parent(ns: argparse.Namespace, argv: Sequence[str], wants: list[Want]) -> i
         print(f"{PROG}: interrupted; reported what was measured", file=sys.stderr)
         return 130
     return 0 if any(s.ok for s in summaries) and doc.get("status") != "failing" else 1
+
+
+def _note_uncounted(ns: argparse.Namespace, levels: Sequence[Level]) -> None:
+    """As bench's: say why prompts counted by --tokenizer have no tokens (a worker of
+    --workers leaves it to the parent)."""
+    if ns.tokenizer and not ns.sync:
+        note = uncounted_prompts((r for level in levels for r in level.results), ns.tokenizer)
+        if note:
+            print(f"{PROG}: note: {note}", file=sys.stderr)
 
 
 def _check(ns: argparse.Namespace) -> Shard:
@@ -330,12 +344,10 @@ def request(want: Want, content: Any, ignore_eos: bool) -> Call:
     return Call(info, orjson.dumps(body))
 
 
-async def _counter(ns: argparse.Namespace, options: Options, model: str, client: Any) -> Any:
+async def _counter(options: Options, tokenizer: Any, model: str, client: Any) -> Any:
     """How the prompts are sized: a local tokenizer, else the target's /tokenize."""
-    if ns.tokenizer:
+    if tokenizer is not None:
         from proxy.core.tokens import count_prompt
-
-        tokenizer = load_tokenizer(options.tokenizer)
 
         async def local(endpoint: str, content: Any) -> int:
             return count_prompt(tokenizer, content) or 0
@@ -362,16 +374,18 @@ async def _counter(ns: argparse.Namespace, options: Options, model: str, client:
     return remote
 
 
-async def _replay(ns: argparse.Namespace, options: Options, wants: list[Want], shard: Shard) -> int:
+async def _replay(
+    ns: argparse.Namespace, options: Options, wants: list[Want], shard: Shard, tokenizer: Any
+) -> int:
     async with session(options) as client:
-        count = await _counter(ns, options, wants[0].model, client)
+        count = await _counter(options, tokenizer, wants[0].model, client)
         builder = Builder(count, ns.seed)
         try:
             await builder.calibrate(wants[0].endpoint)
             contents = await builder.prompts(wants, continues(wants))
-        except SynthError as exc:
+        except SynthError as exc:  # the target's /tokenize: unreachable, or it refused
             print(f"{PROG}: error: {exc}", file=sys.stderr)
-            return 2
+            return 1  # what bench exits when the backend is unreachable or refuses
     if builder.missed:
         print(
             f"{PROG}: warning: {len(builder.missed)} prompts missed their recorded length by "
@@ -391,6 +405,7 @@ async def _replay(ns: argparse.Namespace, options: Options, wants: list[Want], s
     runner = Runner(
         options,
         [calls[i] for i in mine],
+        tokenizer,  # counts the tokens of a target that sends no usage, as bench's does
         on_result=progress.result,
         schedule=schedule,
         start_at=wait_for_start()
@@ -424,6 +439,7 @@ async def _replay(ns: argparse.Namespace, options: Options, wants: list[Want], s
             problem = f"the backend stopped answering mid-run, stopped: {problem}"
         status = "failing"
         print(f"{PROG}: error: {problem}", file=sys.stderr)
+    _note_uncounted(ns, levels)
     if options.out:
         doc = report.document(
             options, levels, summaries, status=status, problem=problem, compare=None,

@@ -42,6 +42,31 @@ def test_bench_refuses_a_non_finite_number_naming_its_flag(
     assert named in one_error(capsys)
 
 
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--concurrency", "1,1"], "--concurrency: 1 is given twice"),
+        (["--concurrency", "4,2,04"], "--concurrency: 4 is given twice"),
+        (["--rate", "5,5.0"], "--rate: 5 is given twice"),
+        (["--rate", "1.0000001,1.0000002"], "are both rate=1/s"),
+        (["--input-tokens", "8,8", "--tokenizer", "/x"], "--input-tokens: 8 is given twice"),
+    ],
+)
+def test_bench_refuses_a_level_given_twice(
+    flags: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Levels are named by their labels (c=1, rate=5/s) in the table, the JSON and `bench
+    compare`: two runs of one level were pooled there into one row."""
+    assert cli.main(["--url", URL, "--model", "m", "--quiet", *flags]) == 2
+    assert said in one_error(capsys)
+
+
+def test_bench_refuses_ramp_up_with_a_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    """--ramp-up spreads the closed loop's streams; with --rate it did nothing, silently."""
+    assert cli.main(["--url", URL, "--model", "m", "--quiet", "--rate", "5", "--ramp-up", "3"]) == 2
+    assert "--ramp-up applies to --concurrency (closed loop) only" in one_error(capsys)
+
+
 @pytest.fixture
 def log(tmp_path: Path) -> Path:
     path = tmp_path / "access.log"
@@ -60,6 +85,7 @@ def log(tmp_path: Path) -> Path:
         (["--url", URL, "--timeout", "0"], "--timeout"),
         (["--url", URL, "--timeout", "nan"], "--timeout"),
         (["--url", URL, "--speed", "inf"], "--speed"),
+        (["--url", URL, "--tokenizer", "/nonexistent"], "--tokenizer"),  # was a traceback
     ],
 )
 def test_replay_refuses_a_bad_flag_in_one_line_naming_it(

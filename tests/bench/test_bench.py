@@ -170,6 +170,31 @@ def test_counts_tokens_without_usage_by_tokenizer_else_chunks(
         assert {(r["output_tokens"], r["token_source"]) for r in doc["records"]} == {(12, "chunks")}
 
 
+@pytest.mark.parametrize("template", [True, False], ids=["chat-template", "no-template"])
+def test_a_tokenizer_counts_chat_prompts_through_its_template_else_says_why_not(
+    start_sim: StartSim, tmp_path: Path, capsys: pytest.CaptureFixture[str], template: bool
+) -> None:
+    """Chat without usage: the prompt is counted as the backend tokenized it, through the
+    chat template; a tokenizer without one counts the output alone, and a note says why
+    the prompt has no tokens (it was silently none, beside token_source "tokenizer")."""
+    from tests.tokenizers_local import with_chat_template
+
+    sim = start_sim(ttft=0.01, tokens_per_second=1000.0)
+    tok = build_tiny_tokenizer(tmp_path / "tok")
+    if template:
+        with_chat_template(tok)
+    flags = ["--header", "x-sim-usage-mode: ignore", "--max-tokens", "4", "--requests", "2"]
+    rc, doc, _, err = bench(capsys, sim.url, tmp_path / "r.json", *flags, "--tokenizer", str(tok))
+    assert rc == 0
+    assert [r["token_source"] for r in doc["records"]] == ["tokenizer", "tokenizer"]
+    prompts = [r["prompt_tokens"] for r in doc["records"]]
+    if template:
+        assert all(n > 0 for n in prompts) and "no prompt tokens" not in err
+    else:
+        assert prompts == [None, None]
+        assert f"note: 2 requests have no prompt tokens: the backend sent no usage and --tokenizer {tok} counts chat messages only through its chat template" in err  # fmt: skip
+
+
 def test_agrees_with_the_proxy_metrics(
     start_sim: StartSim, start_proxy: Callable[..., ProxyUnderTest], tmp_path: Path
 ) -> None:

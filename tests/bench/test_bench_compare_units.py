@@ -3,6 +3,7 @@ a candidate fails the `--fail-if-worse` gate."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import orjson
@@ -87,3 +88,27 @@ def test_the_table_says_why_a_change_has_no_interval(
     slower = run_file(tmp_path / "slower.json", "slower", records(3, 0.2))
     assert main(["compare", base, slower]) == 0
     assert f"[n/a: from 3 requests, an interval needs {MIN_REQUESTS}]" in capsys.readouterr().out
+
+
+def test_the_table_columns_stay_aligned_beside_n_a_and_interval_cells(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """40 requests a run: TTFT p50 has an interval, TTFT p95 "[n/a: ... needs 100]", a
+    longer cell; every run's value, and every change, ends in one column all the same."""
+    base = run_file(tmp_path / "base.json", "base", records(40, 0.1))
+    slower = run_file(tmp_path / "slower.json", "slower", records(40, 0.2))
+    again = run_file(tmp_path / "again.json", "again", records(40, 0.1))
+    assert main(["compare", base, slower, again]) == 0
+    lines = capsys.readouterr().out.split("\n\n")[0].splitlines()[1:]  # header and rows
+    rows_ = [[(m.group(), m.end()) for m in re.finditer(r"\S+(?: \S+)*", line)] for line in lines]
+    header, body = rows_[0], rows_[1:]
+    assert [cell for cell, _ in header] == ["figure", "base", "slower", "again"]
+    # the second run's value under its label, whatever the width of the cells around it
+    assert {row[2][1] for row in body} == {header[2][1]}, lines
+    assert any("[n/a" in cell for row in rows_ for cell, _ in row)
+    assert any(re.match(r"\[[-+]", cell) for row in rows_ for cell, _ in row)
+    for row in body:
+        assert len(row) == 8, row  # figure, base, then value, change, interval per later run
+        # the right edge of each run's value is its header's; the changes share one edge
+        assert [row[i][1] for i in (1, 2, 5)] == [end for _, end in header[1:]], row
+        assert (row[3][1], row[6][1]) == (body[0][3][1], body[0][6][1]), row

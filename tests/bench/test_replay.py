@@ -383,6 +383,49 @@ def test_a_tokenize_refusal_names_no_credential(recorded: dict[str, Any], tmp_pa
     with serve(echoing(said, status=401), lifespan="off") as target:
         proc = replay(recorded["log"], target.url + "/v1", tmp_path / "r.json",
                       "--api-key", "REPLAYKEYLEAK0123", "--header", "x-api-key: REPLAYXLEAK45")  # fmt: skip
-    assert proc.returncode != 0 and "answered HTTP 401" in proc.stderr, proc.stderr
+    assert proc.returncode == 1 and "answered HTTP 401" in proc.stderr, proc.stderr
     assert "Incorrect API key provided" in proc.stderr
     assert "REPLAYKEYLEAK" not in proc.stderr and "REPLAYXLEAK" not in proc.stderr, proc.stderr
+
+
+def mooncake(tmp_path: Path) -> str:
+    trace = tmp_path / "trace.jsonl"
+    lines = [{"timestamp": t, "input_length": 20, "output_length": 4, "hash_ids": [t]} for t in (0, 50)]  # fmt: skip
+    trace.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
+    return str(trace)
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_an_unreachable_target_exits_1_as_bench_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], workers: str
+) -> None:
+    """Exit codes mean one thing in both: 1 a backend that did not answer (replay sizes its
+    prompts with the target's /tokenize first, and exited 2 there, bench's bad flags), 2 a
+    bad flag."""
+    from proxy.bench import cli
+    from proxy.bench import replay as replay_cli
+
+    url = "http://127.0.0.1:9/v1"  # the discard port: connection refused
+    flags = ["--mooncake", mooncake(tmp_path), "--model", MODEL, "--url", url, "--quiet"]
+    assert replay_cli.main([*flags, "--workers", workers]) == 1
+    assert "cannot reach http://127.0.0.1:9/tokenize" in capsys.readouterr().err
+    assert cli.main(["--url", url, "--model", MODEL, "--quiet", "--requests", "3"]) == 1
+
+
+def test_a_tokenizer_counts_what_a_target_without_usage_does_not_send(
+    start_sim: StartSim, tmp_path: Path
+) -> None:
+    """--tokenizer sizes the prompts and, as bench's, counts the tokens of a target that
+    sends no usage: the replay used to count its output by chunks and no prompt at all."""
+    from proxy.bench import replay as replay_cli
+
+    target = start_sim(ttft=0.01, tokens_per_second=1000)
+    out = tmp_path / "r.json"
+    assert replay_cli.main([
+        "--mooncake", mooncake(tmp_path), "--model", MODEL, "--endpoint", "completions",
+        "--url", target.url + "/v1", "--tokenizer", str(tokenizer(tmp_path)),
+        "--header", "x-sim-usage-mode: ignore", "--out", str(out), "--quiet",
+    ]) == 0  # fmt: skip
+    records = orjson.loads(out.read_bytes())["records"]
+    assert [r["token_source"] for r in records] == ["tokenizer", "tokenizer"]
+    assert all(abs(r["prompt_tokens"] - 20) <= 3 for r in records), records
