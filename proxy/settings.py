@@ -438,6 +438,16 @@ class Settings:
         "counted from the upstream's final answer, 1xx heads not included (the wait for it "
         "is `--first-byte-timeout`'s).",
     )
+    ws_max_tunnels: int = setting(
+        positive_int,
+        4096,
+        "Most WebSocket tunnels open at once per worker, a handshake waiting for the "
+        "upstream's answer included; one past it is answered `503` `too_many_websockets` "
+        "with `Retry-After: 1` before anything goes upstream. The default is four times the "
+        "most sequences vLLM runs at once by default (1024 on an H100), so it never sheds a "
+        "session the backend would take; it bounds what a client opening tunnels can hold "
+        "(8,192 descriptors, some 20 KB each idle).",
+    )
     tokenizer: str | None = setting(
         str,
         None,

@@ -19,6 +19,15 @@ skipped one's output, so it is inflated and thrown away in bounded pieces, up to
 `MAX_SKIPPED_INFLATE_BYTES`; a message inflating past that, and anything wsproto refuses,
 is a `FrameError`: the tunnel then stops watching and the bytes go on flowing.
 
+What a reader holds of a message in progress is counted in a `HeldBytes` that every
+reader of a worker shares: the bound per message holds one reader to `max_message_bytes`,
+and the shared one holds them all together (a peer holding a message half-sent in each
+of 40 tunnels held 160 MB). A piece that would take the count past its bound is not
+held: that message is skipped as an oversized one is, and the reader yields an `UNHELD`
+message in its place at once (not at its end: a peer may hold it open for as long). One
+integer moves, only for the pieces held across frames or reads: a message whole in one
+read never touches it.
+
 Inflating costs the loop by what it makes, not by what came: 3.9 KB of deflated "a"s is
 4 MB to inflate, some 17 ms of a core with wsproto's copies of it. So `feed` takes the
 most bytes it may inflate (`inflate_most`, the tunnel's budget, earned with time:
@@ -58,6 +67,10 @@ KINDS = {
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 #: WsMessage.kind of a data message over the reader's bound, relayed but not read.
 TOO_LARGE = "too_large"
+#: WsMessage.kind of a data message relayed but not read because holding it would have
+#: taken the readers' shared count (`HeldBytes`) past its bound; yielded as its skipping
+#: begins, stamped with that read's time.
+UNHELD = "unheld"
 #: The most a compressed message is inflated to skip it (context takeover only: without
 #: it nothing of a skipped message is inflated). uvicorn's default `ws_max_size`, which
 #: vLLM's server runs with: it closes the session (1009) on any message inflating past
@@ -86,7 +99,8 @@ class WsMessage:
     none, RFC 6455's 1005)."""
 
     from_client: bool
-    kind: str  # "text" | "binary" | "ping" | "pong" | "close" | TOO_LARGE (data is b"")
+    # "text" | "binary" | "ping" | "pong" | "close" | TOO_LARGE | UNHELD (data is b"")
+    kind: str
     data: bytes
     at: float  # perf_counter() of the read that completed it
     close_code: int | None = None
@@ -244,23 +258,39 @@ class _Inflate(Extension):
             return CloseReason.INVALID_FRAME_PAYLOAD_DATA
 
 
+class HeldBytes:
+    """The bytes of half-received messages that every reader sharing it holds (`held`),
+    and the most they may (`most`): one per worker, read and moved on one event loop."""
+
+    __slots__ = ("held", "most")
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self.held = 0
+
+
 class FrameReader:
     """One direction's frames -> messages. `from_client`: frames the client sends (masked).
 
     `feed` returns the messages and control frames completed by `data`, each stamped
     `now`; a data message over `max_message_bytes` comes as a `TOO_LARGE` one, without
     its data. The text of a message in progress is held, inflated, up to
-    `max_message_bytes`: what an unfinished message can keep a reader holding. After a
-    close frame the direction is over; later bytes are ignored. Raises FrameError (and
-    stays broken) on anything it cannot follow."""
+    `max_message_bytes`: what an unfinished message can keep a reader holding, and
+    counted in `held` (shared by the readers of every tunnel: a message it has no room
+    for comes as an `UNHELD` one, without its data). After a close frame the direction is
+    over; later bytes are ignored. Raises FrameError (and stays broken) on anything it
+    cannot follow. `release()` gives back what it holds: its owner calls it when it
+    drops the reader."""
 
     def __init__(
         self,
         from_client: bool,
         deflate: DeflateParams | None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        held: HeldBytes | None = None,
     ) -> None:
         self.from_client = from_client
+        self._held = held
         extensions: list[Extension] = []
         self._inflate: _Inflate | None = None
         if deflate is not None:
@@ -274,6 +304,8 @@ class FrameReader:
         # 1-byte fragments held 42 bytes of memory a payload byte, past the bound's count)
         self._parts = bytearray()
         self._size = 0
+        self._counted = 0  # bytes of `_parts` counted in `held`
+        self._unheld = False  # the message in progress found no room in `held`: skipped
         self._closed = False
         self._broken: str | None = None
 
@@ -333,33 +365,56 @@ class FrameReader:
             self._opcode = opcode
         if payload:
             self._size += len(payload)
-            if self._size > self._limit:
+            if self._size > self._limit or self._unheld:
                 self._skip(frame_done and fin, now, out)
                 return
         if frame_done and fin:
-            if self._size > self._limit:  # a skipped message's last frame, empty
+            if self._size > self._limit or self._unheld:  # a skipped message's last frame
                 self._skip(True, now, out)
                 return
             kind = KINDS[self._opcode]
             if self._parts:  # the last of several pieces
                 self._parts += payload
                 data = bytes(self._parts)
-                self._parts = bytearray()
+                self.release()
             else:  # a message in one piece: as it came, no copy
                 data = payload
             self._opcode, self._size = None, 0
             out.append(WsMessage(self.from_client, kind, data, now))
         elif payload:
+            held = self._held
+            if held is not None:
+                if held.held + len(payload) > held.most:  # no room: not this message
+                    # said now, not at its end: a peer may hold it open for as long
+                    self._unheld = True
+                    self.release()
+                    out.append(WsMessage(self.from_client, UNHELD, b"", now))
+                    return
+                held.held += len(payload)
+                self._counted += len(payload)
             self._parts += payload
 
     def _skip(self, done: bool, now: float, out: list[WsMessage]) -> None:
-        """A piece of a message over the bound: dropped (with what was held of it); at
-        its end, a TOO_LARGE message says one was relayed unread."""
+        """A piece of a message over the bound, or one `held` had no room for: dropped
+        (with what was held of it); at its end, a TOO_LARGE message says one was relayed
+        unread (an UNHELD one was said as its skipping began)."""
+        self.release()
+        if done:
+            unheld = self._unheld
+            self._opcode, self._size, self._unheld = None, 0, False
+            if not unheld:
+                out.append(WsMessage(self.from_client, TOO_LARGE, b"", now))
+
+    def release(self) -> None:
+        """Drop what is held of the message in progress, and give back to `held` what
+        was counted in it."""
         if self._parts:
             self._parts = bytearray()
-        if done:
-            self._opcode, self._size = None, 0
-            out.append(WsMessage(self.from_client, TOO_LARGE, b"", now))
+        if self._counted:
+            held = self._held
+            if held is not None:
+                held.held -= self._counted
+            self._counted = 0
 
     def _control(self, opcode: Opcode, payload: bytes, now: float) -> WsMessage:
         if opcode is not Opcode.CLOSE:

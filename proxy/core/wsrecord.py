@@ -19,7 +19,8 @@ from dataclasses import dataclass
 #: came within --first-byte-timeout: the client's 504 says upstream_timeout too),
 #: invalid_request_target (the proxy refused the request target,
 #: the HTTP relay's error kind for the same target), upstream_error (the upstream's answer
-#: to the upgrade was bytes HTTP/1.1 refuses: the HTTP relay's 502 and error type). With
+#: to the upgrade was bytes HTTP/1.1 refuses: the HTTP relay's 502 and error type),
+#: too_many_websockets (--ws-max-tunnels were open: the proxy's 503, nothing upstream). With
 #: --workers, worker_died: the
 #: worker that held the session died (killed, out of memory), counted at the next scrape
 #: (proxy/server/multiproc.py) since that worker wrote nothing.
@@ -37,6 +38,7 @@ WS_OUTCOMES = (
     "upstream_timeout",
     "upstream_error",
     "invalid_request_target",
+    "too_many_websockets",
     WORKER_DIED,
 )
 

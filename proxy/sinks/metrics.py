@@ -939,7 +939,8 @@ class WsMetrics:
             "answer: 1xx heads do not start it), shutdown, refused, upstream_unreachable, "
             "upstream_timeout (no final answer to the handshake within --first-byte-timeout: "
             "the client got the proxy's 504), upstream_error (an answer HTTP/1.1 refuses: the "
-            "client got the proxy's 502), invalid_request_target, error; "
+            "client got the proxy's 502), invalid_request_target, too_many_websockets "
+            "(--ws-max-tunnels were open: the client got the proxy's 503), error; "
             "with --workers, worker_died: counted at the first scrape after its worker died).",
             ("route", "outcome"),
             registry=registry,

@@ -8,11 +8,25 @@ from dataclasses import dataclass, field
 
 from proxy.core.secrets import secret_names
 from proxy.core.upstream_url import UpstreamURL
+from proxy.core.wsframes import HeldBytes
 from proxy.core.wsseam import WsApi, ws_api_for
 from proxy.server.dial import upstream_tls
 from proxy.server.tunnel.registry import OpenTunnels
 from proxy.settings import Settings, group
 from proxy.sinks.dispatch import Sinks
+
+#: The most bytes of half-received messages the frame readers of all a worker's tunnels
+#: hold at once: 16 messages at --max-event-bytes' default. A real peer's message
+#: arrives whole in a read or two (a realtime append is some 64 KB a second of audio),
+#: so only a peer holding messages open reaches it: 40 tunnels each holding a 4 MiB
+#: message half-sent took 160 MB more without it.
+HELD_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+def held_bound(max_message_bytes: int) -> HeldBytes:
+    """The shared count of held bytes, bounded so that one message as large as a reader
+    takes (`max_message_bytes`) always fits when no other is held."""
+    return HeldBytes(max(HELD_MESSAGE_BYTES, max_message_bytes))
 
 
 @dataclass(eq=False)
@@ -32,6 +46,11 @@ class TunnelContext:
     ssl_certfile: str | None = None  # the proxy serves https: a redirect to it says so
     # open now: the one registry the wire's drain and the test listener's go through
     tunnels: OpenTunnels = field(default_factory=OpenTunnels)
+    # --ws-max-tunnels: a handshake that would open one more is answered 503 (session.py)
+    ws_max_tunnels: int = 4096
+    # the bytes every tunnel's frame readers hold of half-received messages, and their
+    # bound (`held_bound`): the watch of a message that would go past it is skipped
+    held: HeldBytes = field(default_factory=lambda: HeldBytes(HELD_MESSAGE_BYTES))
 
 
 def tunnel_context(settings: Settings, sinks: Sinks) -> TunnelContext:
@@ -44,6 +63,7 @@ def tunnel_context(settings: Settings, sinks: Sinks) -> TunnelContext:
         ssl=upstream_tls(settings),
         idle_timeout=settings.ws_idle_timeout,
         max_message_bytes=settings.max_event_bytes,
+        held=held_bound(settings.max_event_bytes),
         sinks=sinks,
         secret_headers=secret_names(settings.secret_headers),
     )

@@ -4,7 +4,9 @@
 handshake's head:
 
 1. The head is admitted (handshake.py `admit`); one that is not gets the HTTP relay's
-   400 `invalid_request_target`, and the session that outcome. The upstream is
+   400 `invalid_request_target`, and the session that outcome. One that would open more
+   tunnels than --ws-max-tunnels (`over_cap`) gets a 503 `too_many_websockets` with
+   `Retry-After`, nothing sent upstream. The upstream is
    connected (--connect-timeout) and sent the handshake; an unreachable one gets the
    client the proxy's 502/504 (proxy.core.errors.relay_failure), as an HTTP request would;
    so does one that closes before its final answer began, or sends no final answer
@@ -60,6 +62,29 @@ log = logging.getLogger("tokenprobe")
 
 #: The most of an upstream's error text a record keeps (after masking: `_record`).
 ERROR_TEXT = 200
+
+#: The error kind of the answer to a handshake past --ws-max-tunnels.
+SHED_KIND = "too_many_websockets"
+#: Its session's outcome (proxy/core/wsrecord.py WS_OUTCOMES): the answer's kind.
+SHED_OUTCOME = SHED_KIND
+#: Seconds its Retry-After says: a session ends at any moment, and a refused handshake
+#: costs the proxy one small answer, nothing upstream.
+RETRY_AFTER = 1
+
+
+def over_cap(context: TunnelContext) -> bool:
+    """More tunnels open than --ws-max-tunnels, this one (registered at its start)
+    included."""
+    return len(context.tunnels) > context.ws_max_tunnels
+
+
+def shed_answer(message: str, path: str) -> bytes:
+    """The proxy's 503 for a handshake past the cap: the HTTP relay's error answer for
+    this path's API shape (`answer_bytes`), with a Retry-After, and the connection
+    closes after it."""
+    answer = answer_bytes(503, SHED_KIND, message, path, close=True)
+    line = answer.index(b"\r\n") + 2  # after the status line
+    return b"%sretry-after: %d\r\n%s" % (answer[:line], RETRY_AFTER, answer[line:])
 
 
 class TunnelHandle:
@@ -160,7 +185,6 @@ class Tunnel:
             self.end(refusal.kind)  # invalid_request_target, HTTP's kind for this target
             return
         self.path, self.query = admitted.path, admitted.query
-        self._hold_answer_head(admitted.headers)
         self.headers = admitted.headers  # only to redact credentials from records' errors
         self.api = self.context.apis(self.path)
         if self.api is not None:
@@ -168,6 +192,10 @@ class Tunnel:
             if sinks.keys is not None:
                 self.key = sinks.keys(admitted.headers)
         sinks.session_started(self.route)
+        if over_cap(self.context):
+            self._shed()
+            return
+        self._hold_answer_head(admitted.headers)
         if rest:
             self.pipe.hold(rest)
         self._connect = self.loop.create_task(self._open_upstream(admitted.request))
@@ -177,6 +205,19 @@ class Tunnel:
         # judges what follows the answer's first byte (`seen`): one from here would cut
         # a handshake that waits longer than --ws-idle-timeout with a bare close.
         self._unanswered = self.loop.call_later(self.context.first_byte_timeout, self._no_answer)
+
+    def _shed(self) -> None:
+        """More tunnels open than --ws-max-tunnels: this one is answered 503 before
+        anything goes upstream, counted (`SHED_OUTCOME`) and said."""
+        limit = self.context.ws_max_tunnels
+        message = f"the proxy has {limit} WebSocket sessions open (--ws-max-tunnels); retry later"
+        client = self.pipe.client
+        if not client.is_closing():
+            client.write(shed_answer(message, self.path))
+            self._status = 503
+        self._error = message
+        self.context.tunnels.shedding(limit)
+        self.end(SHED_OUTCOME)
 
     async def _open_upstream(self, request: bytes) -> None:
         context = self.context
@@ -275,8 +316,14 @@ class Tunnel:
         self.open = True
         self.watch.start(after, now)
         if self.api is not None:
+            context = self.context
             self.watch.follow(
-                self.answer.extensions, self.context.max_message_bytes, self._session, after, now
+                self.answer.extensions,
+                context.max_message_bytes,
+                self._session,
+                after,
+                now,
+                context.held,
             )
         self.pipe.release()
 

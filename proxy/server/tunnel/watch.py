@@ -8,7 +8,10 @@ place, `_read`: the session is no longer watched, a counter says so
 (`tokenprobe_measurement_failures_total{stage="ws_frames"|"observe"|"finish"}`), and the
 bytes go on. A data message over the reader's bound (`--max-event-bytes`) is relayed
 unread and the session goes on being watched: each one is counted
-(`stage="ws_message_too_large"`) and said in the log. A read carrying more frames than
+(`stage="ws_message_too_large"`) and said in the log; so is a message that would take
+what the readers of every tunnel of the worker hold of half-received messages past
+their shared bound (context.py `HELD_MESSAGE_BYTES`: `stage="ws_memory_bound"`, said once
+a tunnel). A read carrying more frames than
 its direction has earned (budget.py: a flood, never a real peer) stops the watching the
 same way, before any is read; so does
 a read carrying more frame headers than its direction may scan (budget.py,
@@ -34,10 +37,12 @@ from collections.abc import Callable
 
 from proxy.core.wsframes import (
     TOO_LARGE,
+    UNHELD,
     DeflateParams,
     FrameBounds,
     FrameError,
     FrameReader,
+    HeldBytes,
     InflateBudgetSpent,
     WsMessage,
     close_frame,
@@ -86,6 +91,7 @@ class WsWatch:
         self._inflates: tuple[FrameBudget, FrameBudget] | None = None
         self._stopped = False  # the watching stopped, counted
         self._bound = 0  # the largest message read (`follow`'s max_message_bytes)
+        self._unheld_said = False  # a message skipped for the shared bound, logged once
 
     def start(self, after: bytes, now: float) -> None:
         """The upstream switched: `after` is what followed its 101 head in the same read
@@ -103,15 +109,20 @@ class WsWatch:
         open_session: Callable[[], WsSession],
         after: bytes,
         now: float,
+        held: HeldBytes | None = None,
     ) -> None:
         """On a path with a WebSocket API: its session, and a frame reader each way
-        (permessage-deflate as the 101's `extensions` agreed)."""
+        (permessage-deflate as the 101's `extensions` agreed), counting what they hold of
+        half-received messages in `held`, the worker's (context.py)."""
         if self._stopped:
             return  # the 101's own read ran out the scan: said and counted
         try:
             deflate: DeflateParams | None = deflate_params(extensions)
             limit = self._bound = max_message_bytes
-            self._readers = (FrameReader(False, deflate, limit), FrameReader(True, deflate, limit))
+            self._readers = (
+                FrameReader(False, deflate, limit, held),
+                FrameReader(True, deflate, limit, held),
+            )
             self._session = open_session()
         except FrameError:
             self._stop_watching("ws_frames")
@@ -226,6 +237,8 @@ class WsWatch:
             for message in messages:
                 if message.kind == TOO_LARGE:
                     self._too_large(message)
+                elif message.kind == UNHELD:
+                    self._unheld(message)
                 session.message(message)
         except InflateBudgetSpent:
             self._over_inflate_budget(from_client)
@@ -249,9 +262,32 @@ class WsWatch:
         )
         self.failed("ws_message_too_large")
 
+    def _unheld(self, message: WsMessage) -> None:
+        """A message relayed unread because the frame readers of every tunnel held as much
+        of half-received messages as the worker allows (context.py `HELD_MESSAGE_BYTES`):
+        its content is lost to measuring, as an oversized one's is. Counted each time,
+        said once a tunnel (a peer holding the bound full could send many)."""
+        self.failed("ws_memory_bound")
+        if self._unheld_said:
+            return
+        self._unheld_said = True
+        log.warning(
+            "a WebSocket message from the %s was relayed unread: the tunnels of this worker "
+            "hold as much of messages still arriving as it allows; the session goes on "
+            "being measured without it",
+            "client" if message.from_client else "upstream",
+        )
+
+    def _drop_readers(self) -> None:
+        """The readers go: what they held of half-received messages is given back."""
+        readers, self._readers = self._readers, None
+        if readers is not None:
+            for reader in readers:
+                reader.release()
+
     def _stop_watching(self, stage: str) -> None:
         self._stopped = True
-        self._readers = None
+        self._drop_readers()
         self._session = None
         self.failed(stage)
 
@@ -292,7 +328,8 @@ class WsWatch:
 
     def close(self, now: float, outcome: str) -> None:
         """The tunnel ended: the session records what is still open, once."""
-        session, self._session, self._readers = self._session, None, None
+        session, self._session = self._session, None
+        self._drop_readers()
         if session is None:
             return
         try:
