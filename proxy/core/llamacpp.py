@@ -26,6 +26,7 @@ it; never per chunk.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from proxy.core.engine import EngineMetrics, SpecDecode
 
@@ -114,3 +115,38 @@ def _spec(obj: dict[str, object], invalid: list[str]) -> SpecDecode | None:
         acceptance_rate=accepted / draft if draft else None,
         steps=None,
     )
+
+
+#: The members of `timings` that count tokens (the rest are times and rates).
+_COUNTS = frozenset({"cache_n", "prompt_n", "predicted_n"})
+
+
+def several_tasks(obj: dict[str, Any]) -> bool:
+    """Whether a non-streamed OpenAI-shaped answer (one with `timings`, which only
+    llama-server writes) merges several tasks: n > 1, or a list of prompts. llama-server
+    runs a task per choice and, not streamed, answers the first task's object with the
+    other tasks' `choices` appended to its own, so its `usage` and `timings` are the first
+    task's alone (tools/server/server-context.cpp, handle_completions_impl, "if multiple
+    results in OAI format, we need to re-format them"; the capture
+    tests/fixtures/streams/llamacpp/chat_n2.json: two choices of 5 tokens, usage 5)."""
+    choices = obj.get("choices")
+    return type(choices) is list and len(choices) > 1
+
+
+def first_task_prompt(usage: object) -> dict[str, Any] | None:
+    """A merged answer's usage (`several_tasks`) less the output's count: the first task's
+    prompt (and its cached tokens), which the n tasks of one prompt share (server-context.cpp
+    copies the evaluated prompt to the children's slots, stats included), is kept as the
+    request's; its `completion_tokens` is one choice's, so the output is counted otherwise
+    (a tokenizer over every choice's text) or not at all."""
+    if type(usage) is not dict:
+        return None
+    return {k: v for k, v in usage.items() if k in ("prompt_tokens", "prompt_tokens_details")}
+
+
+def first_task_times(timings: object) -> object:
+    """A merged answer's `timings` (`several_tasks`) less its counts, which are one task's:
+    its times and rates are still that task's own, the engine's figures of the request."""
+    if type(timings) is not dict:
+        return timings
+    return {k: v for k, v in timings.items() if k not in _COUNTS}

@@ -686,9 +686,10 @@ class StreamObserver:
         )
 
     def _choices_asked(self) -> int:
-        """The choices asked of each prompt (`n_cmpl`, else its fallback `n`)."""
+        """The tasks llama-server runs each prompt (`n_cmpl`, else its fallback `n`, on
+        any route: RequestOptions.llama_choices)."""
         options = self.request.options
-        n = options.choices if options is not None else None
+        n = options.llama_choices if options is not None else None
         return n if n is not None and n > 1 else 1
 
     def counts_from_engine(self, counts: TokenCounts | None) -> TokenCounts | None:

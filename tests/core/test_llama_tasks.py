@@ -11,6 +11,7 @@ each task's usage and timings name the whole prompt."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -19,7 +20,9 @@ import pytest
 from proxy.core.measurement import Measurement, TokenSource
 from proxy.core.observe import StreamObserver
 from proxy.core.request import parse_request
+from proxy.core.tokens import TokenCounter
 from tests.paths import STREAMS
+from tests.tokenizers_local import loaded_counter
 
 START, OPENED, FIRST, STEP = 100.0, 100.125, 100.5, 0.01
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -35,10 +38,13 @@ def payloads(reads: list[bytes]) -> list[Any]:
     return [orjson.loads(r.strip()[6:]) for r in reads if r.strip() != b"data: [DONE]"]
 
 
-def replay(path: str, body: dict[str, Any], reads: list[bytes]) -> Measurement:
-    """The record of `reads` (one every STEP) as the answer to `body`."""
+def replay(
+    path: str, body: dict[str, Any], reads: list[bytes], counter: TokenCounter | None = None
+) -> Measurement:
+    """The record of `reads` (one every STEP) as the answer to `body`, counted by `counter`
+    where usage counts nothing."""
     info, _ = parse_request(path, orjson.dumps(body))
-    observer = StreamObserver(info, start=START)
+    observer = StreamObserver(info, start=START, collect_text=counter is not None)
     streamed = body.get("stream") is True
     observer.open(200, "text/event-stream" if streamed else "application/json", OPENED)
     times = [FIRST + STEP * i for i in range(len(reads))]
@@ -48,7 +54,12 @@ def replay(path: str, body: dict[str, Any], reads: list[bytes]) -> Measurement:
     observer.end_of_stream(end)
     return asyncio.run(
         observer.finish(
-            end=end, started_at=0.0, status_code=200, error_type=None, error_message=None
+            end=end,
+            started_at=0.0,
+            status_code=200,
+            error_type=None,
+            error_message=None,
+            counter=counter,
         )
     )
 
@@ -158,19 +169,48 @@ def test_completions_of_two_prompts_n2_counts_each_prompt_once() -> None:
     assert m.cached_prompt_tokens == 0
 
 
-def test_a_body_keeps_the_first_tasks_usage_and_is_counted_as_it_says() -> None:
-    """Not streamed, llama-server merges the tasks' bodies into the first one's, its usage
-    and timings those of that task alone (server-context.cpp, handle_completions_impl):
-    the record counts what the body says (docs/llamacpp.md)."""
+def test_a_merged_body_claims_no_output_from_its_first_tasks_usage() -> None:
+    """Not streamed, llama-server merges the tasks' answers into the first one's, whose
+    usage and timings count that task alone (server-context.cpp, handle_completions_impl):
+    two choices of 5 tokens say 5. Their prompt is the request's (the tasks share it); the
+    output is not claimed from them (it was: 5, source usage)."""
     path, body, (raw,) = captured("chat_n2.json")
     whole = orjson.loads(raw)
     assert len(whole["choices"]) == 2
+    assert whole["usage"]["completion_tokens"] == whole["timings"]["predicted_n"] == 5
     m = replay(path, body, [raw])
-    assert (m.output_tokens, m.token_source) == (
-        whole["usage"]["completion_tokens"],
+    assert (m.prompt_tokens, m.cached_prompt_tokens) == (11, 0)
+    assert (m.output_tokens, m.token_source) == (None, TokenSource.NONE)
+    assert m.finish_reason == "length"
+
+
+def test_a_merged_body_has_every_choice_counted_by_a_tokenizer(tmp_path: Path) -> None:
+    """With a tokenizer, every choice's text is counted (each alone, added up) and the
+    prompt is the first task's usage: 11 and 2 x the tokens of "]]]]]" (not usage's 5)."""
+    path, body, (raw,) = captured("chat_n2.json")
+    texts = [c["message"]["content"] for c in orjson.loads(raw)["choices"]]
+    transformers = pytest.importorskip("transformers")
+    counter = loaded_counter(tmp_path)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+        expected = sum(len(tokenizer.encode(t, add_special_tokens=False)) for t in texts)
+        m = replay(path, body, [raw], counter)
+    finally:
+        counter.close()
+    assert (m.prompt_tokens, m.cached_prompt_tokens) == (11, 0)
+    assert (m.output_tokens, m.token_source) == (expected, TokenSource.TOKENIZER)
+
+
+def test_one_choice_body_is_counted_by_its_usage() -> None:
+    """One choice is one task: its body's usage is the request's, as it was."""
+    path, body, (raw,) = captured("chat_nonstream.json")
+    m = replay(path, body, [raw])
+    usage = orjson.loads(raw)["usage"]
+    assert (m.prompt_tokens, m.output_tokens, m.token_source) == (
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
         TokenSource.USAGE,
     )
-    assert m.output_tokens == 5
 
 
 def test_timings_on_every_chunk_change_nothing() -> None:

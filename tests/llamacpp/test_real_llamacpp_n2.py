@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from tests.llamacpp.conftest import (
@@ -116,3 +117,25 @@ def test_a_stream_of_two_choices_counts_both_tasks_and_the_prompt_once(
     if extra or path == "/v1/completions":
         assert [u["completion_tokens"] for u in usages] == [MAX_TOKENS, MAX_TOKENS]
         assert record["prompt_tokens"] == usages[0]["prompt_tokens"]  # once, not once a task
+
+
+@pytest.mark.parametrize(
+    ("path", "base"),
+    [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETIONS)],
+    ids=["chat", "completions"],
+)
+def test_a_body_of_two_choices_claims_no_output_from_the_first_tasks_usage(
+    llama2: Llama, path: str, base: dict[str, Any]
+) -> None:
+    """Not streamed, llama-server answers the first task's object with the other task's
+    choice appended (server-context.cpp, handle_completions_impl): its usage and timings
+    count that task alone. The prompt is the request's; the output is not claimed from
+    them (it was: MAX_TOKENS of 2 x MAX_TOKENS generated, source usage)."""
+    body = {**base, "n": 2, "max_tokens": MAX_TOKENS, "temperature": 0, "cache_prompt": False}
+    raw, record, generated = ask(llama2, path, body)
+    answer = orjson.loads(raw)
+    assert len(answer["choices"]) == 2
+    assert generated == 2 * MAX_TOKENS
+    assert answer["usage"]["completion_tokens"] == answer["timings"]["predicted_n"] == MAX_TOKENS
+    assert record["prompt_tokens"] == answer["usage"]["prompt_tokens"]
+    assert (record["output_tokens"], record["token_source"]) == (None, "none")

@@ -17,6 +17,7 @@ import orjson
 from proxy.core.engine import EngineMetrics, engine_metrics
 from proxy.core.lax import lax_bool, lax_float, lax_int
 from proxy.core.lenient_json import Refusal, python_json_object, request_object
+from proxy.core.llamacpp import first_task_prompt, first_task_times, several_tasks
 from proxy.core.measurement import NONE_LABEL, TokenSource
 from proxy.core.ndjson import NDJSONDecoder
 from proxy.core.sse import SSEDecoder
@@ -102,6 +103,10 @@ class RequestOptions:
 
     seed: int | None = None
     choices: int | None = None  # `n`: the candidate completions asked for
+    # llama-server's reading of them, on whichever route: `n_cmpl`, else its alias `n`
+    # (tools/server/server-schema.cpp:62-64, `add_alias("n")`): the tasks it runs a prompt
+    # where it answers, which no other server reads (`sampling_options`)
+    llama_choices: int | None = None
     top_p: float | None = None
     top_k: int | None = None
     frequency_penalty: float | None = None
@@ -232,6 +237,10 @@ class Api:
     #: Backend kinds (proxy/core/identity.py) whose streams change beyond the usage event
     #: when asked for usage: the proxy never asks them for it (the client's bytes would differ).
     usage_reshapes: ClassVar[frozenset[str]] = frozenset()
+    #: The request's choices are llama-server's `n_cmpl` before `n`: an API only llama-server
+    #: serves (its native /completion). Elsewhere `n` is the choices asked for, whatever
+    #: server answers (vLLM ignores `n_cmpl`).
+    reads_n_cmpl: ClassVar[bool] = False
 
     # -- the request ------------------------------------------------------------------
 
@@ -252,7 +261,9 @@ class Api:
         non-generative one's encoding_format and dimensions. An API whose names differ
         reads them itself and calls `request_info`."""
         if self.generative:
-            options = sampling_options(obj, output=obj.get("response_format"))
+            options = sampling_options(
+                obj, output=obj.get("response_format"), n_cmpl=self.reads_n_cmpl
+            )
         else:
             options = embedding_options(obj)
         return request_info(self, obj, options)
@@ -323,14 +334,15 @@ class Api:
         return NOTHING
 
     def body(self, obj: dict[str, Any], collect: bool) -> Facts:
-        """Facts from a non-streaming success body (already parsed)."""
+        """Facts from a non-streaming success body (already parsed). llama-server's answer
+        of several tasks carries the first task's counts alone (`several_tasks`): only its
+        prompt is the request's."""
         usage = obj.get("usage")
-        return Facts(
-            usage=usage if type(usage) is dict else None,
-            engine=obj.get("metrics"),
-            timings=obj.get("timings"),
-            **identity(obj),
-        )
+        usage = usage if type(usage) is dict else None
+        timings = obj.get("timings")
+        if timings is not None and several_tasks(obj):
+            usage, timings = first_task_prompt(usage), first_task_times(timings)
+        return Facts(usage=usage, engine=obj.get("metrics"), timings=timings, **identity(obj))
 
     def answered(self, obj: dict[str, Any]) -> bool:
         """Whether a non-streaming body carries an answer's text (beside any reasoning and
@@ -474,20 +486,27 @@ def sampling_options(
     output: object,
     stop: str = "stop",
     choices: bool = True,
+    n_cmpl: bool = False,
     seed: bool = True,
     penalties: bool = True,
 ) -> RequestOptions | None:
     """The sampling options a request names, by chat's names (seed, n, top_p, top_k,
     frequency_penalty, presence_penalty, stop) less those its API lacks, and the output
-    type of its response format `output`; None when it names none (a few look-ups)."""
+    type of its response format `output`; None when it names none (a few look-ups).
+    `n_cmpl`: the API is llama-server's own, whose choices are `n_cmpl` before `n`;
+    elsewhere they are `n`, and `n_cmpl` only llama-server's reading (`llama_choices`)."""
     if output is None and _SAMPLING.isdisjoint(obj):  # most requests: one pass over its keys
         return None
     get = obj.get
+    n = cmpl = None
+    if choices:
+        n, cmpl = get("n"), get("n_cmpl")
+    # llama-server reads `n` only as n_cmpl's fallback (tools/server/server-schema.cpp:62-64,
+    # `add_alias("n")`), on every route it serves; no other server has it
+    llama = n if cmpl is None else cmpl
     values = (
         get("seed") if seed else None,
-        # llama-server's own name first: it reads `n` only as n_cmpl's fallback
-        # (tools/server/server-schema.cpp, `add_alias("n")`); no other server has it
-        ((n if (n := get("n_cmpl")) is not None else get("n")) if choices else None),
+        llama if n_cmpl else n,
         get("top_p"),
         get("top_k"),
         get("frequency_penalty") if penalties else None,
@@ -500,6 +519,7 @@ def sampling_options(
     return RequestOptions(
         seed=lax_int(values[0]),
         choices=lax_int(values[1]),
+        llama_choices=lax_int(llama),
         top_p=finite_float(values[2]),
         top_k=lax_int(values[3]),
         frequency_penalty=finite_float(values[4]),

@@ -68,6 +68,7 @@ class LlamaCompletion(Api):
     bench_name = "llamacpp-completion"
     provider: ClassVar[str] = "llama.cpp"
     finish_ends_stream = True  # a stream has no end marker: every prompt's stop ends it
+    reads_n_cmpl = True  # llama-server's own API: `n_cmpl`, else `n` (server-schema.cpp:62-64)
     end_marker = 'a "stop": true event for every prompt'
     measures = (
         "TTFT at the first event with non-empty content; TPOT, ITL, decode speed; tokens "
