@@ -763,10 +763,10 @@ class StreamObserver:
         if error_type is ErrorType.CLIENT_CANCELLED and self.request.detached and self.streaming:
             # A background Response generates on without its reader (vLLM runs it in a
             # task of its own, responses/serving.py:537-589): its client left only its copy
-            # of the stream, which a GET may read again (forwarded unmeasured: every
-            # reader gets the whole usage again). So no error, no finish yet, and no tokens
-            # here: its usage never reaches this reader, as for the acknowledgement not
-            # streamed (docs/apis.md: such a response's tokens are not counted).
+            # of the stream, which a GET may read again. So no error, no finish yet, and no
+            # tokens here: its usage never reaches this reader, as for the acknowledgement
+            # not streamed. The first retrieval that sees the response finished counts them
+            # (proxy/core/background.py); one its reader left is this case again.
             self.finish_reason = self.finish_reason or "in_progress"
             return self.measurement(
                 end=end,

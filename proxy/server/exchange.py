@@ -20,10 +20,11 @@ from dataclasses import dataclass, field, replace
 from time import perf_counter
 from typing import Any
 
+from proxy.core.background import Table, late_tokens, left_unfinished, settled
 from proxy.core.errors import Cause, Failure, relay_failure
 from proxy.core.identity import Backend
 from proxy.core.labels import route_template
-from proxy.core.measurement import ErrorType
+from proxy.core.measurement import ErrorType, Measurement
 from proxy.core.observe import StreamObserver, bare_record
 from proxy.core.request import RequestInfo
 from proxy.core.secrets import redact
@@ -35,6 +36,7 @@ from proxy.server.backlog import Progress
 from proxy.server.deadline import Deadline
 from proxy.server.headers import Headers, upstream_headers
 from proxy.sinks.dispatch import RequestScope, Sinks
+from proxy.sinks.sink import Labels
 
 log = logging.getLogger("tokenprobe")
 
@@ -50,6 +52,9 @@ class Context:
     backend: Backend = field(default_factory=Backend)
     #: The one parse of --upstream every data path sends to (base path kept).
     upstream: UpstreamURL = field(init=False)
+    #: This process's background Responses whose tokens a retrieval is to count
+    #: (proxy/core/background.py): one table per worker, shared by both data paths.
+    background: Table[Labels] = field(default_factory=Table)
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -71,6 +76,7 @@ class MeasuredExchange:
         "query",
         "read",
         "request_scope",
+        "retrieves",
         "start",
         "started_at",
         "status",
@@ -87,8 +93,12 @@ class MeasuredExchange:
         read: float | None = None,
         query: str = "",
         client: str | None = None,
+        retrieves: str | None = None,
     ) -> None:
+        """`retrieves`: the id of a background Response whose tokens no answer counted
+        yet, when this is its retrieval (proxy/core/background.py `retrieval`)."""
         self.context, self.path, self.headers = context, path, headers
+        self.retrieves = retrieves
         self.client = client  # its address, for X-Forwarded-For
         self.query = query  # only for redacting credentials it carries from error text
         self.info, self.start, self.started_at = info, start, started_at
@@ -105,7 +115,10 @@ class MeasuredExchange:
             )
         )
         self.measuring = self.observer is not None
-        self.request_scope: RequestScope = context.sinks.begin(info, headers, started_at)
+        # a retrieval is read, never recorded: no in-flight request, span or turn
+        self.request_scope: RequestScope = context.sinks.begin(
+            None if retrieves is not None else info, headers, started_at
+        )
 
     def upstream_headers(self) -> Headers:
         return upstream_headers(
@@ -193,8 +206,9 @@ class MeasuredExchange:
                 failure, end = None, answered
         error = None if failure is None else failure.error
         message = None if failure is None else failure.message
-        # a count the tokenizer fails is told as stage "tokenizer"; the record stays whole
-        counter = self.context.counter
+        # a count the tokenizer fails is told as stage "tokenizer"; the record stays whole;
+        # a retrieval counts its response's usage or nothing
+        counter = None if self.retrieves is not None else self.context.counter
         counting = None if counter is None else counter.reporting(sinks.count_measurement_failure)
         try:
             measurement = await observer.finish(
@@ -221,7 +235,29 @@ class MeasuredExchange:
                 error_message=None if message is None else self.redact(message),
                 trace_id=request_scope.trace_id,
             )
+        if self.retrieves is not None:
+            self._retrieved(measurement, self.retrieves)
+            return
         sinks.end(request_scope, measurement)
+        if left_unfinished(observer.request, measurement):
+            # its tokens are left to the first retrieval that sees the response finished
+            assert measurement.response_id is not None
+            self.context.background.add(
+                measurement.response_id, observer.request, request_scope.labels
+            )
+
+    def _retrieved(self, measurement: Measurement, response_id: str) -> None:
+        """A retrieval's end: a passthrough in every count, as any GET the proxy does not
+        measure; the first that sees its response finished adds the response's tokens
+        with its POST's labels (`Sinks.late_tokens`), and the id is forgotten."""
+        sinks = self.context.sinks
+        sinks.passthrough(route_template(self.path), self.status)
+        if not settled(measurement):
+            return
+        pending = self.context.background.take(response_id)
+        tokens = late_tokens(measurement, response_id)
+        if pending is not None and tokens is not None:
+            sinks.late_tokens(tokens, pending[1])
 
     def finish_soon(self, failure: Failure | None) -> None:
         """`finish` from a callback: at once when it awaits nothing (no tokenizer to

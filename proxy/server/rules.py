@@ -14,7 +14,7 @@ comes in as an argument, as the observer's does.
 | a refusal's answer goes out | `refusal_closes` | whether the connection closes after it (the body still owed, or a 100 Continue awaited) |
 | a refusal answered, a client gone before its body was in | `refused`, `abandoned` | the record or count |
 | the drain's end before the request went upstream: its body still coming in / pipelined, its turn not come | `shut_out` / `turn_lost` | the 503 (`Failure.answer`), `Ending.CLOSE`, and its record / a record of no answer (status 0) |
-| the whole body | `admit` | `UpstreamRequest`: the target upstream (the upstream's base path in front), the headers that go, the body (usage asked for) |
+| the whole body | `admit` | `UpstreamRequest`: the target upstream (the upstream's base path in front), the headers that go, the body (usage asked for); a GET of a background Response whose tokens are still to count is read too (proxy/core/background.py) |
 | the upstream's response head | `response_head` | `ClientHead`: the headers the client gets, and whether the body is stripped (only an event stream is) |
 | an early end (client gone, a timeout, a break, shutdown) | `early_end` | a `Failure`: the proxy's answer while no head went out, and how the connection ends (`Failure.ending`, below) |
 
@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from proxy.core.apis import Api
+from proxy.core.background import retrieval
 from proxy.core.errors import Cause, Failure, LostTurn, relay_failure
 from proxy.core.measurement import ErrorType
 from proxy.core.paths import Target
@@ -218,10 +219,17 @@ class ExchangeRules:
         body = parts[0] if len(parts) == 1 else b"".join(parts)
         self.parts = []
         info = None
+        retrieves = None
         if self.api is not None:
             info, body, self.stripper = admit(
                 self.api, body, context.settings, context.backend.kind, self.headers
             )
+        elif self.method == "GET":
+            # a background Response this process started whose tokens no answer counted
+            # yet: read as its POST's answer would be, to count them once it is finished
+            found = retrieval(context.background, self.path, self.query)
+            if found is not None:
+                info, retrieves = found
         exchange = self.exchange = MeasuredExchange(
             context,
             self.path,
@@ -232,6 +240,7 @@ class ExchangeRules:
             now,
             self.query,
             self.client,
+            retrieves,
         )
         self.stage = Stage.UPSTREAM
         target = context.upstream.target(self.path, self.query)

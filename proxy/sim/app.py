@@ -510,25 +510,33 @@ class SimApp:
         return "completed"
 
     async def _responses(self, ex: Exchange, body: Any, t0: float) -> Outcome:
-        """/v1/responses; a background stream generates in a task of its own and the POST
-        reads its stored events, so a client that leaves stops only its reading
-        (proxy/sim/background.py)."""
-        if not (
-            isinstance(body, dict)
-            and lax_bool(body.get("background")) is True
-            and lax_bool(body.get("stream")) is True
-        ):
+        """/v1/responses; a background response generates in a task of its own
+        (proxy/sim/background.py): streamed, the POST reads its stored events, so a client
+        that leaves stops only its reading; not streamed, the POST answers the response
+        `queued` at once (vLLM's serving.py:537-589)."""
+        if not (isinstance(body, dict) and lax_bool(body.get("background")) is True):
             return await self._generate("responses", ex, body, t0)
-        stored = self.background.open(ex.record.id)
+        plan = plan_request("responses", body, ex.record.headers, self.config)
+        if isinstance(plan, errors.ErrorReply):  # refused before anything is stored
+            await ex.error(plan)
+            return "error"
+        queued = ResponsesWire(plan, body, ex.record.id, int(time.time()))
+        streamed = lax_bool(body.get("stream")) is True
+        stored = self.background.open(ex.record.id, queued.response("queued", [], None), streamed)
         writer = background.StoreExchange(ex.record, self.state, stored)
         stored.task = asyncio.create_task(
             background.generate(stored, self._generate("responses", writer, body, t0))
         )
-        return await background.relay(ex, stored, None)
+        if streamed:
+            return await background.relay(ex, stored, None)
+        ex.record.model, ex.record.stream = plan.model, False
+        await ex.reply(200, orjson.dumps(stored.response))
+        return "completed"
 
     async def _retrieve_response(self, ex: Exchange, body: Any, t0: float) -> Outcome:
         """GET /v1/responses/{id}: a background stream's stored events from
-        `starting_after + 1` with `stream`, else its latest response object."""
+        `starting_after + 1` with `stream`, else the stored response object (`queued`
+        until its generation ended, serving.py:1133-1154)."""
         response_id = ex.record.path.rpartition("/")[2]
         query = body if isinstance(body, dict) else {}
         try:
@@ -545,7 +553,7 @@ class SimApp:
         ex.record.stream = bool(stream)
         if stream:
             return await background.relay(ex, stored, starting_after)
-        await ex.reply(200, orjson.dumps(background.latest_response(stored)))
+        await ex.reply(200, orjson.dumps(stored.response))
         return "completed"
 
     async def _invocations(self, ex: Exchange, body: Any, t0: float) -> Outcome:
@@ -603,6 +611,7 @@ class SimApp:
             elif message["type"] == "lifespan.shutdown":
                 if self.clock is not None:
                     self.clock.close()
+                await self.background.stop()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 

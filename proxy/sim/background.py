@@ -1,22 +1,29 @@
-"""Background Responses, as vLLM 0.32 runs them (`background: true` with `stream: true`),
+"""Background Responses, as vLLM 0.32 runs them (`background: true`, streamed or not),
 and their retrieval, `GET /v1/responses/{id}` (`?stream=true&starting_after=N`).
 
 Facts (vllm/entrypoints/openai/responses/):
-- serving.py:537-589: a background request's generation runs in a task of its own,
-  `_run_background_request_stream` (serving.py:1070-1085), which appends every event of
-  the stream to the response's deque in `event_store`; the POST's answer is
-  `responses_background_stream_generator` reading that deque. A client that leaves stops
-  only its reader (api_router.py `with_cancellation` cancels the handler, not the task):
-  the generation goes on to its end.
+- serving.py:537-589: a background request's generation runs in a task of its own, and
+  the response is stored at once `queued`, with no output and no usage. Not streamed,
+  the POST answers that object at once (serving.py:589) and `_run_background_request`
+  (serving.py:1087-1102) runs `responses_full_generator`, which stores the final
+  response, status and usage (serving.py:928-932); an error stores the queued object's
+  status as `failed`, no usage. Streamed, `_run_background_request_stream`
+  (serving.py:1070-1085) appends every event to the response's deque in `event_store`
+  and the POST's answer is `responses_background_stream_generator` reading that deque;
+  the stream's end stores the final response the same way (serving.py:1408 calls
+  `responses_full_generator`). A client that leaves stops only its reader (api_router.py
+  `with_cancellation` cancels the handler, not the task): the generation goes on.
 - serving.py:1104-1131: a reader starts at `starting_after + 1` (0 without it), yields
   each event and returns after `response.completed`; an id with no events (a response
-  not streamed) raises inside the stream, after the 200: an empty body.
-- serving.py:1133-1154, api_router.py:82-109: `GET /v1/responses/{response_id}` takes
-  `stream` and `starting_after` as query parameters; a stored response not streamed is
-  its JSON; an unknown id is a 404 (`_make_not_found_error`, serving.py:1185-1191).
-The simulator keeps one `Stored` per background stream; its events are the bytes its
-generation writes, one event per write (proxy/sim/events.py), so an event's index in the
-deque is its `sequence_number`.
+  not streamed) raises inside the stream, after the 200 went out (Starlette's
+  StreamingResponse sends its head first): the connection is dropped, no body.
+- serving.py:1133-1154, api_router.py:80-107: `GET /v1/responses/{response_id}` takes
+  `stream` and `starting_after` as query parameters; without `stream` it answers the
+  stored object (`queued` until the generation stored the final one); an unknown id is a
+  404 (`_make_not_found_error`, serving.py:1185-1191).
+The simulator keeps one `Stored` per background response; a stream's events are the bytes
+its generation writes, one event per write (proxy/sim/events.py), so an event's index in
+the deque is its `sequence_number`.
 """
 
 from __future__ import annotations
@@ -34,22 +41,44 @@ from proxy.sim.state import Outcome, SimRequest, SimState
 
 SSE = b"text/event-stream"
 _COMPLETED = b"event: response.completed\n"
+_INCOMPLETE = b"event: response.incomplete\n"
 #: pydantic's words for a query's bool (FastAPI reads `stream: bool | None` with them).
 _TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
 _FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
 
 
 class Stored:
-    """One background response: its events as its generation wrote them (vLLM's deque and
-    its signal), and the head it started with (an error answered before any event)."""
+    """One background response: the stored object (vLLM's `response_store`), a stream's
+    events as its generation wrote them (its deque and signal in `event_store`), and the
+    head the generation started with (an error answered before any event)."""
 
-    def __init__(self) -> None:
+    def __init__(self, queued: dict[str, Any], streamed: bool) -> None:
+        self.response = queued  # what a retrieval without `stream` answers
+        self.streamed = streamed  # it has an event deque (vLLM's event_store)
         self.events: list[bytes] = []
         self.signal = asyncio.Event()
         self.head: tuple[int, bytes] | None = None  # status, content type
-        self.body = b""  # a non-SSE answer's body (the generation's own error)
+        self.body = b""  # a body not streamed (the answer, or the generation's own error)
         self.done = False
         self.task: asyncio.Task[Outcome] | None = None  # kept: a task must be referenced
+
+    def store_final(self) -> None:
+        """The generation ended: the final response stored in place of the queued one
+        (serving.py:928-932), from the stream's `response.completed`/`.incomplete` or the
+        body; a generation that failed without one leaves it `failed` when not streamed
+        (serving.py:1093-1102), `queued` when streamed (nothing stores another)."""
+        if self.streamed:
+            final = final_response(self.events)
+            if final is not None:
+                self.response = final
+            return
+        if self.head is not None and self.head[0] == 200:
+            try:
+                self.response = orjson.loads(self.body)
+                return
+            except orjson.JSONDecodeError:
+                pass
+        self.response = {**self.response, "status": "failed"}
 
 
 class StoreExchange(Exchange):
@@ -105,12 +134,20 @@ class BackgroundStore:
     def __init__(self) -> None:
         self._stored: dict[str, Stored] = {}
 
-    def open(self, response_id: str) -> Stored:
-        stored = self._stored[response_id] = Stored()
+    def open(self, response_id: str, queued: dict[str, Any], streamed: bool) -> Stored:
+        stored = self._stored[response_id] = Stored(queued, streamed)
         return stored
 
     def get(self, response_id: str) -> Stored | None:
         return self._stored.get(response_id)
+
+    async def stop(self) -> None:
+        """The server stops: the generations still running end with it (as vLLM's tasks
+        die with its loop), not left pending on a closed loop."""
+        tasks = [s.task for s in self._stored.values() if s.task is not None and not s.task.done()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def generate(stored: Stored, generation: Coroutine[Any, Any, Outcome]) -> Outcome:
@@ -121,6 +158,7 @@ async def generate(stored: Stored, generation: Coroutine[Any, Any, Outcome]) -> 
         if stored.head is None:  # it failed before a head: vLLM's 500
             message = error_json("background generation failed", "InternalServerError", 500)
             stored.head, stored.body = (500, b"application/json"), message
+        stored.store_final()
         stored.done = True
         stored.signal.set()
 
@@ -128,7 +166,12 @@ async def generate(stored: Stored, generation: Coroutine[Any, Any, Outcome]) -> 
 async def relay(ex: Exchange, stored: Stored, starting_after: int | None) -> Outcome:
     """A reader of the stored events (responses_background_stream_generator): from
     `starting_after + 1` up to `response.completed`, as they come. The generation's own
-    answer when it answered no stream (an error before its first event)."""
+    answer when it answered no stream (an error before its first event). A response not
+    streamed has no events: vLLM's reader raises once its 200 went out, and the server
+    drops the connection (the simulator returns with the body unfinished)."""
+    if not stored.streamed:
+        await ex.start(200, SSE + b"; charset=utf-8")
+        return "error"
     while stored.head is None:
         stored.signal.clear()
         await stored.signal.wait()
@@ -156,10 +199,12 @@ async def relay(ex: Exchange, stored: Stored, starting_after: int | None) -> Out
         await stored.signal.wait()
 
 
-def latest_response(stored: Stored) -> dict[str, Any] | None:
-    """The response object of the last event that carries one (created, in_progress,
-    completed): what a retrieval without `stream` answers here."""
-    for event in reversed(stored.events):
+def final_response(events: list[bytes]) -> dict[str, Any] | None:
+    """The response object of a stream's `response.completed` or `response.incomplete`
+    (what responses_full_generator built and stored), None when it has neither."""
+    for event in reversed(events):
+        if not event.startswith((_COMPLETED, _INCOMPLETE)):
+            continue
         _, _, data = event.partition(b"data: ")
         try:
             obj = orjson.loads(data)

@@ -10,6 +10,10 @@ A WebSocket session takes the same road: `session_started` when its upgrade requ
 admitted (the in-flight gauge), `session_ended` once with its record (proxy/core/
 wsrecord.py), which every `SessionSink` among the sinks gets (Prometheus, OTLP, the access
 log), each failure caught and counted as `end`'s are.
+
+A background Response's tokens, which its POST's record did not have, come later by
+`late_tokens` (proxy/core/background.py): to every `LateTokensSink` (the token counters of
+Prometheus and OTLP, a line of the access log) with the POST's labels.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import replace
 from time import perf_counter, time
 from typing import Any
 
+from proxy.core.background import LateTokens
 from proxy.core.labels import NO_VALUE, HeaderLabels, Ledger, ModelLabels
 from proxy.core.measurement import ErrorType, Measurement
 from proxy.core.observe import bare_record
@@ -28,7 +33,14 @@ from proxy.core.wsrecord import WsSessionRecord
 from proxy.sinks.conversations import ConversationTracker
 from proxy.sinks.keys import KeyLabels
 from proxy.sinks.metrics import Metrics
-from proxy.sinks.sink import Headers, Labels, RequestTracer, SessionSink, Sink
+from proxy.sinks.sink import (
+    Headers,
+    Labels,
+    LateTokensSink,
+    RequestTracer,
+    SessionSink,
+    Sink,
+)
 
 log = logging.getLogger("tokenprobe")
 
@@ -79,6 +91,7 @@ class Sinks:
         self.conversations = conversations
         self.sinks = list(sinks)
         self.session_sinks = [sink for sink in self.sinks if isinstance(sink, SessionSink)]
+        self.late_sinks = [sink for sink in self.sinks if isinstance(sink, LateTokensSink)]
         self.metrics = metrics
         self.models = models
         self.keys = keys
@@ -176,6 +189,15 @@ class Sinks:
         self.metrics.ws.for_route(record.route)[0].dec()
         for sink in self.session_sinks:
             self._safely(sink.session, record)
+
+    def late_tokens(self, tokens: LateTokens, labels: Labels) -> None:
+        """A background Response's tokens, counted when a retrieval first saw it finished
+        (proxy/core/background.py), with its POST's labels: to every sink that counts
+        tokens, and nothing else (the POST had its record, in-flight count and span)."""
+        if len(labels.attribution) != len(self.label_names):
+            labels = replace(labels, attribution=self._no_attribution)
+        for sink in self.late_sinks:
+            self._safely(sink.late_tokens, tokens, labels)
 
     def passthrough(self, route: str, status: int) -> None:
         metrics = self.metrics

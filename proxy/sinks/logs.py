@@ -67,6 +67,24 @@ request's, its own keys in this order (SESSION_KEYS):
 
 A measured session's turns (a realtime utterance) are request lines of their own.
 
+A background Response (`background: true`) whose POST's answer ended before it did (not
+streamed: `queued`; or a stream its client left: `in_progress`) has its tokens counted when
+a retrieval through the same proxy process first sees it finished (proxy/core/
+background.py), and adds one line then (`late_tokens`, LATE_KEYS), after its POST's:
+
+  ts, arrival    when the proxy received the retrieval, as above
+  kind           "background_tokens"
+  model, endpoint   the POST's, as on its line
+  response_id    the response's id (its POST's line has the same)
+  finish_reason, raw_finish_reason   how the response ended (stop, length, error, abort;
+                 the backend's completed, incomplete, failed, cancelled)
+  prompt_tokens, output_tokens, cached_tokens, token_source   the counts added, as a
+                 request's (token_source: usage)
+  reasoning_tokens, reasoning_token_source   as a request's
+  counted_by     the answer that counted them: retrieve (GET /v1/responses/{id}, the
+                 stored object) or retrieve_stream (`?stream=true`, its events replayed)
+  labels         with --label-header only: the POST's, as on its line
+
 Only these values reach the log: no header value (but a --label-header's bounded label),
 no prompt, no completion. The fingerprint tells which requests began alike, never what
 they said: without the salt a guessed prompt cannot be tested against it, and with a
@@ -85,6 +103,7 @@ from typing import Any, TextIO
 
 import orjson
 
+from proxy.core.background import LateTokens
 from proxy.core.errors import shown_model
 from proxy.core.fingerprint import keyed
 from proxy.core.lenient_json import without_surrogates, writable
@@ -140,6 +159,24 @@ KEYS = (
 
 SESSION_KEYS = ("ts", "arrival", "kind", "endpoint", "status", "outcome", "e2e_ms", "error")
 SESSION_KIND = "websocket_session"
+LATE_KEYS = (
+    "ts",
+    "arrival",
+    "kind",
+    "model",
+    "endpoint",
+    "response_id",
+    "finish_reason",
+    "raw_finish_reason",
+    "prompt_tokens",
+    "output_tokens",
+    "cached_tokens",
+    "token_source",
+    "reasoning_tokens",
+    "reasoning_token_source",
+    "counted_by",
+)
+LATE_KIND = "background_tokens"
 
 _PLAIN = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_./:+@")
 
@@ -174,6 +211,14 @@ class AccessLog:
     def session(self, record: WsSessionRecord) -> None:
         """One line per WebSocket session, when its tunnel ends (SESSION_KEYS)."""
         self.stream.write(self.format(session_record(record)))
+        self.stream.flush()
+
+    def late_tokens(self, tokens: LateTokens, labels: Labels) -> None:
+        """One line per background Response counted after its POST (LATE_KEYS)."""
+        rec = late_record(tokens)
+        if self.attribution:
+            rec["labels"] = dict(zip(self.attribution, labels.attribution, strict=True))
+        self.stream.write(self.format(rec))
         self.stream.flush()
 
 
@@ -252,6 +297,27 @@ def session_record(record: WsSessionRecord) -> dict[str, Any]:
         "outcome": record.outcome,
         "e2e_ms": _ms(record.duration),
         "error": record.error,
+    }
+
+
+def late_record(t: LateTokens) -> dict[str, Any]:
+    """The log record of a background Response's tokens, keys as in LATE_KEYS."""
+    return {
+        "ts": iso_utc(t.started_at),
+        "arrival": round(t.started_at, 6),
+        "kind": LATE_KIND,
+        "model": shown_model(t.model),
+        "endpoint": t.endpoint,
+        "response_id": t.response_id,
+        "finish_reason": None if t.finish_reason == NONE_LABEL else t.finish_reason,
+        "raw_finish_reason": t.raw_finish_reason,
+        "prompt_tokens": t.prompt_tokens,
+        "output_tokens": t.output_tokens,
+        "cached_tokens": t.cached_prompt_tokens,
+        "token_source": t.token_source.value,
+        "reasoning_tokens": t.reasoning_tokens,
+        "reasoning_token_source": t.reasoning_token_source,
+        "counted_by": t.counted_by,
     }
 
 

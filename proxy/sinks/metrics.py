@@ -21,6 +21,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
+from proxy.core.background import LateTokens
 from proxy.core.buckets import (
     ACCEPTANCE_LENGTH_BUCKETS,
     DECODE_SPEED_BUCKETS,
@@ -140,6 +141,14 @@ def cache_class(prompt_tokens: int | None, cached_tokens: int | None) -> str:
     return "most" if cached_tokens >= CACHE_MOST * prompt_tokens else "part"
 
 
+#: The token counters' words on background Responses (proxy/core/background.py).
+LATE = (
+    " A background Response (background: true) whose POST's answer ended before it did "
+    "(not streamed, or its client left) is counted when a GET /v1/responses/{id} through "
+    "the same proxy process first sees it finished, with the POST's labels."
+)
+
+
 class Metrics:
     """All of tokenprobe's Prometheus metrics, registered on one registry; a Sink.
 
@@ -247,18 +256,18 @@ class Metrics:
         )
         self.prompt_tokens_total = c(
             "tokenprobe_prompt_tokens",
-            "Prompt tokens of finished requests, by where the count came from.",
+            "Prompt tokens of finished requests, by where the count came from." + LATE,
             labels=("source",),
         )
         self.generation_tokens_total = c(
             "tokenprobe_generation_tokens",
-            "Output tokens of finished requests, by where the count came from.",
+            "Output tokens of finished requests, by where the count came from." + LATE,
             labels=("source",),
         )
         self.cached_prompt_tokens_total = c(
             "tokenprobe_cached_prompt_tokens",
             "Prompt tokens served from the backend's prefix cache "
-            "(usage.prompt_tokens_details.cached_tokens).",
+            "(usage.prompt_tokens_details.cached_tokens)." + LATE,
         )
         self.audio_seconds_total = c(
             "tokenprobe_audio_input_seconds",
@@ -310,7 +319,7 @@ class Metrics:
         )
         self.key_tokens = Counter(
             "tokenprobe_key_tokens",
-            "Prompt and output tokens by API key label (with --key-label hash).",
+            "Prompt and output tokens by API key label (with --key-label hash)." + LATE,
             ("key", "model", "kind"),
             registry=registry,
         )
@@ -392,7 +401,7 @@ class Metrics:
             "0 and not contradicted by the stream's event counts), output (all the output "
             "tokens of a stream that carried reasoning only), tokenizer (--tokenizer over "
             "the reasoning text), events (one per reasoning event). vLLM counts only tokens "
-            "between a generated <think> and </think>.",
+            "between a generated <think> and </think>." + LATE,
             labels=("source",),
         )
         self.answer_share = h(
@@ -757,6 +766,28 @@ class Metrics:
             if kinds is None:
                 kinds = self._kind_children[key] = _LazyChildren(self._kinds, key)
             self._record_kinds(m, key, kinds)
+
+    def late_tokens(self, t: LateTokens, labels: Labels) -> None:
+        """A background Response's tokens, counted after its POST's record: the token
+        counters only, with the POST's labels (no request, histogram or latency)."""
+        model_label = labels.model
+        key = (model_label, t.endpoint, *labels.attribution)
+        source = t.token_source.value
+        if t.prompt_tokens is not None:
+            self.child(self.prompt_tokens_total, *key, source).inc(t.prompt_tokens)
+        if t.output_tokens is not None:
+            self.child(self.generation_tokens_total, *key, source).inc(t.output_tokens)
+        if t.cached_prompt_tokens:
+            self.child(self.cached_prompt_tokens_total, *key).inc(t.cached_prompt_tokens)
+        if t.reasoning_tokens and t.reasoning_token_source is not None:
+            self.reasoning_tokens_total.labels(*key, t.reasoning_token_source).inc(
+                t.reasoning_tokens
+            )
+        if labels.key is not None:
+            if t.prompt_tokens:
+                self.key_tokens.labels(labels.key, model_label, "prompt").inc(t.prompt_tokens)
+            if t.output_tokens:
+                self.key_tokens.labels(labels.key, model_label, "output").inc(t.output_tokens)
 
     def session(self, record: WsSessionRecord) -> None:
         """One WebSocket session ended: its outcome counted, its duration observed (the

@@ -10,6 +10,11 @@ A sink that also reports WebSocket sessions is a `SessionSink` as well: `session
 called once per tunnel when it ends (proxy/core/wsrecord.py); `Sinks` finds those among its
 sinks and catches their failures as it catches `record`'s.
 
+A sink that counts tokens is a `LateTokensSink` too: `late_tokens(tokens, labels)`, called
+when a background Response's tokens are counted after its POST's record (proxy/core/
+background.py: the first retrieval that sees it finished), with the POST's labels; only
+the token counters move (Prometheus, OTLP), and the access log writes a line of its own.
+
 The tracer is the one part with two steps: a span must start when the request does (its
 trace headers go upstream), so it has `start` and `finish` instead of `record`.
 """
@@ -19,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from proxy.core.background import LateTokens
 from proxy.core.measurement import Measurement
 from proxy.core.request import RequestInfo
 from proxy.core.wsrecord import WsSessionRecord
@@ -55,6 +61,13 @@ class SessionSink(Protocol):
         """Consume one finished WebSocket session; on the event loop, like `record`."""
 
 
+@runtime_checkable
+class LateTokensSink(Protocol):
+    def late_tokens(self, tokens: LateTokens, labels: Labels) -> None:
+        """A background Response's tokens, counted after its POST's record with the POST's
+        labels; on the event loop, like `record`."""
+
+
 class RequestTracer(Protocol):
     def start(
         self, info: RequestInfo, headers: Headers, start_time_ns: int | None = None
@@ -74,9 +87,13 @@ class Recorder:
     def __init__(self) -> None:
         self.records: list[Measurement] = []
         self.sessions: list[WsSessionRecord] = []
+        self.late: list[LateTokens] = []
 
     def record(self, measurement: Measurement, labels: Labels) -> None:
         self.records.append(measurement)
 
     def session(self, record: WsSessionRecord) -> None:
         self.sessions.append(record)
+
+    def late_tokens(self, tokens: LateTokens, labels: Labels) -> None:
+        self.late.append(tokens)

@@ -1,17 +1,23 @@
 """Background Responses through the proxy in front of the simulator.
 
-vLLM 0.32 generates a `background: true` stream in a task of its own, so a client that
-leaves the POST's stream stops only its reading; `GET /v1/responses/{id}?stream=true
-&starting_after=N` reads the stored events again, up to `response.completed` with the
-whole usage, the same for every reader (vllm/entrypoints/openai/responses/serving.py
-:537-589, 1070-1131; api_router.py:82-109). So the GET is forwarded unmeasured (the proxy
-cannot know which reader counted the response already), and a background response's
-tokens are counted once at most: by its POST read to its end. The POST whose client left
-is no cancellation: no error, no finish yet, no tokens, and no SLO verdict of met.
+vLLM 0.32 generates a `background: true` response in a task of its own
+(vllm/entrypoints/openai/responses/serving.py:537-589): not streamed, the POST answers at
+once with the response `queued`; streamed, a client that leaves the POST's stream stops
+only its reading. The response is stored: `GET /v1/responses/{id}` answers it (`queued`
+until it is done, then with its usage, serving.py:928-932), and `?stream=true
+&starting_after=N` reads its events again up to `response.completed` with the whole usage
+(serving.py:1104-1131; api_router.py:80-107).
+
+So the POST whose answer ended first keeps its one record without tokens (no error, no
+finish yet, no SLO verdict of met), and the first retrieval through the same proxy that
+sees the response finished adds its tokens to the token counters, with the POST's labels
+(proxy/core/background.py). Every retrieval stays a passthrough by route; a second
+retrieval counts nothing, nor does one of a response this proxy did not start.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import socket
@@ -21,6 +27,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from proxy.sinks.logs import AccessLog
+from proxy.sinks.sink import Recorder
 from tests.conftest import MODEL, ProxyUnderTest, Running
 
 PROGRAM = b"x-sim-output-tokens: 30\r\nx-sim-tps: 60\r\n"
@@ -28,7 +36,7 @@ OUTPUT = 31  # the 30 programmed and the EOS, as vLLM's usage counts them
 HEADERS = {"x-sim-output-tokens": "30", "x-sim-tps": "60"}  # PROGRAM, for httpx
 
 
-def leave_after(url: str, events: int) -> str:
+def leave_after(url: str, events: int, headers: bytes = b"") -> str:
     """POST a background stream, read `events` events and at least its first text delta
     (so the proxy read the model's first token before the client left: the item and part
     events come in the same write as it, but a read may end between them), leave; the
@@ -39,6 +47,7 @@ def leave_after(url: str, events: int) -> str:
         s.sendall(
             b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             + PROGRAM
+            + headers
             + b"Content-Length: %d\r\n\r\n" % len(body)
             + body.encode()
         )
@@ -63,15 +72,19 @@ def read_whole(url: str) -> str:
     return found.group(1)
 
 
-def test_a_resumed_stream_is_a_passthrough_that_counts_no_tokens(proxy: ProxyUnderTest) -> None:
-    """Read again whole, read again from an event on, and left by its reader: each GET is
-    forwarded unmeasured and counted by route, as the plain retrieval is; the POST whose
-    client left keeps the only record."""
-    rid = leave_after(proxy.url, 4)
+def test_a_left_stream_is_counted_once_by_the_first_retrieval_that_sees_it_finished(
+    start_proxy: Callable[..., ProxyUnderTest], sim: Running
+) -> None:
+    """A retrieval its reader left counts nothing; the first read whole counts the usage
+    once, with the POST's labels (its team header, which no GET carries); the retrievals
+    after it count nothing more. Each GET is a passthrough, no request of its own."""
+    late = Recorder()
+    proxy = start_proxy(sim.url, sinks=[late], label_header=("x-team=team",))
+    rid = leave_after(proxy.url, 4, b"x-team: red\r\n")
     with httpx.stream("GET", f"{proxy.url}/v1/responses/{rid}", params={"stream": "true"}) as r:
         for line in r.iter_lines():
             if '"response.output_text.delta"' in line:
-                break  # its reader leaves: nothing to cancel, nothing to record
+                break  # its reader leaves before the end: nothing counted
     replay = httpx.get(f"{proxy.url}/v1/responses/{rid}", params={"stream": "true"})
     assert replay.status_code == 200 and '"type":"response.completed"' in replay.text
     after = httpx.get(
@@ -80,9 +93,73 @@ def test_a_resumed_stream_is_a_passthrough_that_counts_no_tokens(proxy: ProxyUnd
     assert '"type":"response.completed"' in after.text
     whole = httpx.get(f"{proxy.url}/v1/responses/{rid}")
     assert whole.status_code == 200 and whole.json()["status"] == "completed"
-    assert passthrough(proxy, "/v1/responses/{id}", "200", at_least=3) >= 3
+    assert passthrough(proxy, "/v1/responses/{id}", "200", at_least=4) == 4
     (post,) = proxy.wait_records(1, exact=True)
-    assert (post.endpoint, post.output_tokens) == ("/v1/responses", None)
+    assert (post.endpoint, post.output_tokens, post.raw_finish_reason) == (
+        "/v1/responses",
+        None,
+        "in_progress",
+    )
+    (counted,) = late.late
+    assert (counted.response_id, counted.counted_by, counted.output_tokens) == (
+        rid,
+        "retrieve_stream",
+        OUTPUT,
+    )
+    labels = {"model": MODEL, "endpoint": "/v1/responses", "team": "red", "source": "usage"}
+    assert proxy.sample("tokenprobe_generation_tokens_total", **labels) == OUTPUT
+    assert proxy.sample("tokenprobe_prompt_tokens_total", **labels) == counted.prompt_tokens
+    assert generation_tokens(proxy) == OUTPUT
+    assert requests(proxy) == 1  # the POST's
+
+
+def test_a_background_response_not_streamed_is_counted_once_by_polling(
+    start_proxy: Callable[..., ProxyUnderTest], sim: Running
+) -> None:
+    """The POST is answered `queued` at once: its record has no tokens. Polls that find it
+    queued count nothing; the first that finds it completed counts its usage; later ones
+    nothing more. No retrieval is a request: requests_total stays the POST's one."""
+    log = io.StringIO()
+    proxy = start_proxy(sim.url, sinks=[AccessLog("json", stream=log)])
+    body = {"model": MODEL, "input": "hi", "background": True}
+    queued = httpx.post(f"{proxy.url}/v1/responses", json=body, headers=HEADERS)
+    assert queued.status_code == 200 and queued.json()["status"] == "queued"
+    rid = queued.json()["id"]
+    (post,) = proxy.wait_records(1, exact=True)
+    assert (post.raw_finish_reason, post.output_tokens, post.response_id) == ("queued", None, rid)
+    polls = 0
+    deadline = time.monotonic() + 10
+    while (got := httpx.get(f"{proxy.url}/v1/responses/{rid}").json())["status"] == "queued":
+        polls += 1
+        assert generation_tokens(proxy) == 0
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert polls and got["usage"]["output_tokens"] == OUTPUT
+    again = httpx.get(f"{proxy.url}/v1/responses/{rid}")
+    assert again.json()["status"] == "completed"
+    assert passthrough(proxy, "/v1/responses/{id}", "200", at_least=polls + 2) == polls + 2
+    assert generation_tokens(proxy) == OUTPUT
+    assert requests(proxy) == 1
+    lines = [json.loads(line) for line in log.getvalue().splitlines()]
+    assert [line.get("kind") for line in lines] == [None, "background_tokens"]
+    late = lines[1]
+    assert (late["response_id"], late["counted_by"], late["output_tokens"]) == (
+        rid,
+        "retrieve",
+        OUTPUT,
+    )
+    assert (late["finish_reason"], late["token_source"]) == ("stop", "usage")
+
+
+def test_a_retrieval_of_a_response_the_proxy_did_not_start_counts_nothing(
+    sim: Running, proxy: ProxyUnderTest
+) -> None:
+    """Started behind the proxy's back (another worker, another proxy): not counted."""
+    rid = leave_after(sim.url, 4)
+    whole = httpx.get(f"{proxy.url}/v1/responses/{rid}", params={"stream": "true"})
+    assert '"type":"response.completed"' in whole.text
+    assert passthrough(proxy, "/v1/responses/{id}", "200") == 1
+    assert generation_tokens(proxy) == 0
 
 
 def test_a_stream_read_to_its_end_then_again_counts_its_tokens_once(
@@ -102,6 +179,12 @@ def test_a_stream_read_to_its_end_then_again_counts_its_tokens_once(
     assert generation_tokens(proxy) == OUTPUT  # HEAD: 31 more for each GET
 
 
+def requests(proxy: ProxyUnderTest) -> float:
+    """Every measured request /metrics counted."""
+    name = "tokenprobe_requests_total"
+    return sum(s.value for m in proxy.registry.collect() for s in m.samples if s.name == name)
+
+
 def generation_tokens(proxy: ProxyUnderTest) -> float:
     """Every output token /metrics counted, whatever its endpoint, model or source."""
     name = "tokenprobe_generation_tokens_total"
@@ -111,7 +194,7 @@ def generation_tokens(proxy: ProxyUnderTest) -> float:
 def test_a_background_streams_client_leaving_is_no_cancellation(proxy: ProxyUnderTest) -> None:
     """The POST's record: its TTFT (the model's own first token), no error, no finish yet
     (raw `in_progress`, as the acknowledgement not streamed is `queued`), and no tokens:
-    nothing counts them (a GET that reads the rest is a passthrough)."""
+    a retrieval that sees the response finished counts them (above)."""
     rid = leave_after(proxy.url, 4)
     (m,) = proxy.wait_records(1)
     assert (m.endpoint, m.status_code, m.stream) == ("/v1/responses", 200, True)

@@ -257,8 +257,9 @@ QUEUED = {"id": "resp_1", "object": "response", "created_at": 1796649217, "model
 async def vllm_not_streamed(
     scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]
 ) -> None:
-    """The two bodies above, by path: what the simulator does not serve (it reasons and
-    queues background responses only in streams)."""
+    """The two bodies above, by path: a reasoning-only answer not streamed, which the
+    simulator does not serve (it reasons only in streams), and vLLM's own `queued`
+    acknowledgement of a background request."""
     if scope["type"] != "http":
         return
     while (await receive()).get("more_body"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import time
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
@@ -68,11 +69,55 @@ def test_a_background_stream_generates_on_and_is_read_again_after_an_event(url: 
 
 
 def test_a_background_response_is_retrieved_whole_without_stream(url: str) -> None:
+    """The stored object: `queued` (no usage) while it generates, though its stream said
+    `in_progress`, then the final one (serving.py:537-549, 928-932)."""
     rid = leave_after(url, 2)
+    early = httpx.get(f"{url}/v1/responses/{rid}").json()
+    assert (early["id"], early["status"], early["usage"]) == (rid, "queued", None)
     httpx.get(f"{url}/v1/responses/{rid}", params={"stream": "1"})  # to its end
     whole = httpx.get(f"{url}/v1/responses/{rid}")
     assert whole.status_code == 200
     assert (whole.json()["id"], whole.json()["status"]) == (rid, "completed")
+    assert whole.json()["usage"]["output_tokens"] == OUTPUT + 1
+
+
+def post_not_streamed(url: str) -> dict[str, object]:
+    body = {"model": "sim-model", "input": "hi", "background": True}
+    answer = httpx.post(f"{url}/v1/responses", json=body)
+    assert answer.status_code == 200
+    got: dict[str, object] = answer.json()
+    return got
+
+
+def test_a_background_response_not_streamed_is_answered_queued_then_stored_final(
+    url: str,
+) -> None:
+    """vLLM answers at once with the response queued, no output, no usage; the
+    generation stores the final response, which a retrieval then answers."""
+    started = time.monotonic()
+    queued = post_not_streamed(url)
+    assert time.monotonic() - started < (OUTPUT / 100) * 0.8  # before its generation's time
+    assert (queued["status"], queued["usage"], queued["output"]) == ("queued", None, [])
+    assert queued["background"] is True
+    rid = queued["id"]
+    assert httpx.get(f"{url}/v1/responses/{rid}").json()["status"] == "queued"
+    deadline = time.monotonic() + 5
+    while (got := httpx.get(f"{url}/v1/responses/{rid}").json())["status"] == "queued":
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert (got["id"], got["status"]) == (rid, "completed")
+    assert isinstance(got["usage"], dict) and got["usage"]["output_tokens"] == OUTPUT + 1
+
+
+def test_the_events_of_a_response_not_streamed_are_a_dropped_stream(url: str) -> None:
+    """No event deque: vLLM's reader raises after its 200 went out (serving.py:1109-1115),
+    and the connection drops with no body."""
+    rid = post_not_streamed(url)["id"]
+    with httpx.stream("GET", f"{url}/v1/responses/{rid}", params={"stream": "true"}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        with pytest.raises(httpx.RemoteProtocolError):
+            r.read()
 
 
 def test_an_unknown_response_is_vllms_404(url: str) -> None:

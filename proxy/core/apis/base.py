@@ -89,10 +89,11 @@ class RequestInfo:
     #: message (what a tokenizer counts and the fingerprint hashes); the span has them as
     #: gen_ai.system_instructions instead.
     system: Any = None
-    #: The backend generates on when the client leaves: a background Response's stream
-    #: (vLLM runs it in a task of its own, openai/responses/serving.py:537-589), which its
-    #: client may read again with a GET (forwarded unmeasured: every reader gets the whole
-    #: usage again, docs/apis.md).
+    #: The backend generates apart from the answer: a background Response (vLLM runs it
+    #: in a task of its own, openai/responses/serving.py:537-589), streamed or not. An
+    #: answer that ends before the response does (the acknowledgement `queued`, a stream
+    #: its client left) leaves its tokens to the first retrieval that sees it finished
+    #: (proxy/core/background.py).
     detached: bool = False
 
 
@@ -514,7 +515,7 @@ def sampling_options(
         get(stop),
         output,
     )
-    if values.count(None) == len(values):
+    if llama is None and values.count(None) == len(values):
         return None
     return RequestOptions(
         seed=lax_int(values[0]),

@@ -127,7 +127,8 @@ class Responses(Api):
             instructions if instructions and isinstance(instructions, str) else None,
             previous if isinstance(previous, str) else None,
         )
-        if info.stream and lax_bool(obj.get("background")) is True:
+        if lax_bool(obj.get("background")) is True:
+            # streamed or not, vLLM generates in a task of its own (serving.py:537-589)
             return replace(info, detached=True)
         return info
 

@@ -101,29 +101,35 @@ OPERATION_OUTPUT_TOKENS = Instrument(
     "chunks were counted), recorded when the request ends.",
     TOKEN_BUCKETS,
 )
+#: The token counters' words on background Responses (proxy/core/background.py).
+LATE = (
+    " A background Response whose POST's answer ended before it did is counted when a "
+    "retrieval (GET /v1/responses/{id}) through the same proxy process first sees it "
+    "finished."
+)
 USAGE_INPUT = Instrument(
     "gen_ai.client.inference.usage.input_tokens",
     "{token}",
     "Input (prompt) tokens, cached ones included, counted when each request ends (0 with "
-    "modality unknown when no count was had).",
+    "modality unknown when no count was had)." + LATE,
 )
 USAGE_OUTPUT = Instrument(
     "gen_ai.client.inference.usage.output_tokens",
     "{token}",
     "Output tokens, reasoning ones included, counted when each request ends (0 with "
-    "modality unknown when no count was had).",
+    "modality unknown when no count was had)." + LATE,
 )
 USAGE_CACHE_READ = Instrument(
     "gen_ai.client.inference.usage.cache_read.input_tokens",
     "{token}",
-    "Input tokens the backend served from its prefix cache (usage), when each request ends.",
+    "Input tokens the backend served from its prefix cache (usage), when each request ends." + LATE,
 )
 USAGE_REASONING = Instrument(
     "gen_ai.client.inference.usage.reasoning.output_tokens",
     "{token}",
     "Output tokens spent on reasoning, counted when each request ends: the backend's usage, "
     "else the tokenizer's count (the span's tokenprobe.reasoning_token_source and the access "
-    "log's reasoning_token_source say which); not a count of reasoning events.",
+    "log's reasoning_token_source say which); not a count of reasoning events." + LATE,
 )
 UNKNOWN_MODALITY = (("gen_ai.token.modality", "unknown"),)
 
@@ -259,7 +265,7 @@ REQUESTS = Instrument(
 CACHED_TOKENS = Instrument(
     "tokenprobe.usage.cached_input_tokens",
     "{token}",
-    "Prompt tokens served from the backend's prefix cache, from usage.",
+    "Prompt tokens served from the backend's prefix cache, from usage." + LATE,
 )
 
 

@@ -1,5 +1,5 @@
-"""The OTLP metrics sink: records in (`record`, `conversations_closed`, `session`), one
-lock and a few dict updates each; `collect` turns what was recorded into the SDK's
+"""The OTLP metrics sink: records in (`record`, `conversations_closed`, `session`,
+`late_tokens`), one lock and a few dict updates each; `collect` turns what was recorded into the SDK's
 MetricsData, and a daemon thread (`start`) hands that to the exporter every interval.
 """
 
@@ -25,6 +25,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from prometheus_client import Counter, Gauge
 
+from proxy.core.background import LateTokens
 from proxy.core.conversations import Closed
 from proxy.core.measurement import Measurement, TokenSource
 from proxy.core.wsrecord import WsSessionRecord
@@ -127,7 +128,7 @@ class OtlpMetrics:
 
     def record(self, m: Measurement, labels: Labels) -> None:
         operation = self._operation(m.endpoint)
-        base = self._base(m, labels, operation.key)
+        base = self._base(m.model, m.response_model, labels, operation.key)
         error = m.error_type.value if m.error_type is not None else None
         failed = (*base, ("error.type", error)) if error else base
         with self._lock:
@@ -178,6 +179,29 @@ class OtlpMetrics:
         with self._lock:
             self._add(WS_SESSIONS, (*route, ("tokenprobe.websocket.outcome", record.outcome)), 1)
             self._observe(WS_SESSION_DURATION, route, (record.duration,))
+
+    def late_tokens(self, t: LateTokens, labels: Labels) -> None:
+        """A background Response's tokens, counted after its POST's record (proxy/core/
+        background.py), with the POST's labels: the usage counters of the current names
+        and tokenprobe.usage.cached_input_tokens, not the per-request histograms (the
+        previous names' gen_ai.client.token.usage is one: nothing there), nor requests,
+        durations or cost."""
+        operation = self._operation(t.endpoint)
+        base = self._base(t.model, t.response_model, labels, operation.key)
+        usage = base + UNKNOWN_MODALITY
+        with self._lock:
+            if self.names.current:
+                if t.prompt_tokens is not None:
+                    self._add(USAGE_INPUT, usage, t.prompt_tokens)
+                if t.output_tokens is not None and operation.generative:
+                    self._add(USAGE_OUTPUT, usage, t.output_tokens)
+                if t.cached_prompt_tokens is not None:
+                    self._add(USAGE_CACHE_READ, usage, t.cached_prompt_tokens)
+                reasoning = t.reasoning_tokens
+                if reasoning is not None and t.reasoning_token_source != "events":
+                    self._add(USAGE_REASONING, usage, reasoning)
+            if t.cached_prompt_tokens:
+                self._add(CACHED_TOKENS, base, t.cached_prompt_tokens)
 
     def _token_usage(self, m: Measurement, base: Key) -> None:
         """The previous names: one histogram by gen_ai.token.type."""
@@ -250,7 +274,7 @@ class OtlpMetrics:
             )
         return operation
 
-    def _base(self, m: Measurement, labels: Labels, operation: Key) -> Key:
+    def _base(self, model: str, response_model: str | None, labels: Labels, operation: Key) -> Key:
         # The model attributes stay as bounded as the Prometheus label (an OTLP backend
         # aggregates by attribute set), without putting the label's values where the
         # conventions want a model's exact name: gen_ai.request.model is the name the
@@ -258,9 +282,9 @@ class OtlpMetrics:
         # only when vouched for (semconv.vouched_model); the label, `other` included, is
         # tokenprobe.model, as in Prometheus.
         key = (*operation, ("tokenprobe.model", labels.model))
-        if (requested := semconv.vouched_model(m.model, labels.model)) is not None:
+        if (requested := semconv.vouched_model(model, labels.model)) is not None:
             key += (("gen_ai.request.model", requested),)
-        answered = m.response_model
+        answered = response_model
         if answered and semconv.vouched_model(answered, self._models(answered)) is not None:
             key += (("gen_ai.response.model", answered),)
         key += self._server

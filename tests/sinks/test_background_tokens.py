@@ -1,0 +1,116 @@
+"""A background Response's tokens counted after its POST (proxy/core/background.py): the
+table that remembers its POST, and what each sink makes of the late count."""
+
+from __future__ import annotations
+
+import io
+import json
+
+from prometheus_client import CollectorRegistry
+
+from proxy.core.background import LateTokens, Table, retrieval
+from proxy.core.labels import ModelLabels
+from proxy.core.measurement import TokenSource
+from proxy.core.request import RequestInfo
+from proxy.sinks.dispatch import Sinks
+from proxy.sinks.logs import AccessLog
+from proxy.sinks.metrics import Metrics
+from proxy.sinks.semconv import Names
+from proxy.sinks.sink import Labels
+from tests.sinks.test_otlp_sink import Collecting, by_name, sink
+
+INFO = RequestInfo("/v1/responses", "sim-model", False, True, None, None, prompt="hi")
+LATE = LateTokens(
+    response_id="resp_1",
+    endpoint="/v1/responses",
+    model="sim-model",
+    response_model="sim-model",
+    started_at=1_700_000_000.0,
+    prompt_tokens=7,
+    output_tokens=31,
+    cached_prompt_tokens=4,
+    token_source=TokenSource.USAGE,
+    reasoning_tokens=5,
+    reasoning_token_source="usage",
+    finish_reason="stop",
+    raw_finish_reason="completed",
+    counted_by="retrieve",
+)
+
+
+def test_the_table_is_bounded_oldest_first_and_gives_each_id_once() -> None:
+    table: Table[str] = Table(limit=2)
+    for rid in ("resp_a", "resp_b", "resp_c"):
+        table.add(rid, INFO, rid.upper())
+    assert len(table) == 2 and table.get("resp_a") is None  # the oldest forgotten
+    found = table.take("resp_b")
+    assert found is not None and found[1] == "RESP_B"
+    assert found[0].prompt is None  # the prompt stays with the POST's record
+    assert table.take("resp_b") is None  # a second retrieval counts nothing
+
+
+def test_only_a_get_of_a_remembered_id_is_a_retrieval_streamed_as_its_query_says() -> None:
+    table: Table[str] = Table()
+    table.add("resp_a", INFO, "")
+    assert retrieval(table, "/v1/responses/resp_b", "") is None  # never started here
+    assert retrieval(table, "/v1/responses/resp_a/input_items", "") is None
+    plain = retrieval(table, "/v1/responses/resp_a", "")
+    streamed = retrieval(table, "/v1/responses/resp_a", "starting_after=3&stream=True")
+    assert plain is not None and (plain[0].stream, plain[1]) == (False, "resp_a")
+    assert streamed is not None and streamed[0].stream is True
+
+
+def test_prometheus_counts_the_tokens_with_the_posts_labels_and_no_request() -> None:
+    registry = CollectorRegistry()
+    metrics = Metrics(registry, attribution=("team",))
+    log = io.StringIO()
+    sinks = Sinks(
+        [metrics, AccessLog("json", stream=log, attribution=("team",))],
+        metrics=metrics,
+        models=ModelLabels(("sim-model",)),
+        attribution=(("x-team", "team"),),
+    )
+    sinks.late_tokens(LATE, Labels("sim-model", key="k1", attribution=("red",)))
+    labels = {"model": "sim-model", "endpoint": "/v1/responses", "team": "red"}
+    sample = registry.get_sample_value
+    assert sample("tokenprobe_generation_tokens_total", {**labels, "source": "usage"}) == 31
+    assert sample("tokenprobe_prompt_tokens_total", {**labels, "source": "usage"}) == 7
+    assert sample("tokenprobe_cached_prompt_tokens_total", labels) == 4
+    assert sample("tokenprobe_reasoning_tokens_total", {**labels, "source": "usage"}) == 5
+    key = {"key": "k1", "model": "sim-model"}
+    assert sample("tokenprobe_key_tokens_total", {**key, "kind": "output"}) == 31
+    assert sample("tokenprobe_key_requests_total", {**key, "error_type": "none"}) is None
+    for name in ("tokenprobe_requests_total", "tokenprobe_e2e_request_latency_seconds_count"):
+        assert not [s for m in registry.collect() for s in m.samples if s.name == name]
+    (line,) = log.getvalue().splitlines()
+    got = json.loads(line)
+    assert (got["kind"], got["response_id"], got["output_tokens"]) == (
+        "background_tokens",
+        "resp_1",
+        31,
+    )
+    assert (got["counted_by"], got["labels"]) == ("retrieve", {"team": "red"})
+
+
+def test_otlp_adds_the_usage_counters_and_no_per_request_point() -> None:
+    otlp = sink(Collecting(), CollectorRegistry(), names=Names(current=True, previous=True))
+    otlp.late_tokens(LATE, Labels("sim-model"))
+    metrics = by_name(otlp.collect())  # type: ignore[arg-type]
+    values = {
+        name: sum(p.value for p in metrics[name].data.data_points)
+        for name in (
+            "gen_ai.client.inference.usage.input_tokens",
+            "gen_ai.client.inference.usage.output_tokens",
+            "gen_ai.client.inference.usage.cache_read.input_tokens",
+            "gen_ai.client.inference.usage.reasoning.output_tokens",
+            "tokenprobe.usage.cached_input_tokens",
+        )
+    }
+    assert list(values.values()) == [7, 31, 4, 5, 4]
+    for name in (
+        "gen_ai.client.token.usage",
+        "gen_ai.client.inference.operation.output_tokens",
+        "gen_ai.client.inference.duration",
+        "tokenprobe.requests",
+    ):
+        assert name not in metrics
