@@ -91,7 +91,9 @@ def own_route(where: Target | Refused, owns: Callable[[str], bool]) -> str | Non
     """The proxy's own route a request is for, decided on its normalised target
     (`route_key`: `/v1/../metrics`, `//metrics` and `/metrics/` are all /metrics), or None
     when the request is the backend's (a target that cannot be normalised is the relay's
-    to refuse)."""
+    to refuse). `owns` says which keys are the proxy's: while /metrics is served on this
+    port, every key that begins with `/metrics` (`/metrics;x`, `/metricsX`, which a vLLM
+    answers with its exposition: proxy/server/control.py), so none reaches the backend."""
     if isinstance(where, Refused):
         return None
     key = route_key(where.path)

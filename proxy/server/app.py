@@ -2,7 +2,8 @@
 
 Routes: the proxy's own (proxy/server/control.py) are `/healthz` (the process is up),
 `/readyz` (the upstream answers) and `/metrics` and `/ui` while metrics are served on the
-proxy's port (vLLM's own `/metrics` is then shadowed: scrape vLLM directly). Every other
+proxy's port (vLLM's own `/metrics`, and every path its mount answers, `/metrics<any>`, is
+then shadowed: scrape vLLM directly). Every other
 path is forwarded to the backend byte for byte; POSTs to a path with an API seam
 (proxy/core/apis/) are measured. On the wire (proxy/server/wire/) only the control
 paths reach this app; the wire reads its shared state from `wire`. The lifespan owns the
@@ -23,15 +24,16 @@ from prometheus_client import CollectorRegistry
 
 from proxy.core.errors import describe
 from proxy.core.identity import IGNORES_MODEL_NAMES
+from proxy.core.paths import route_key
 from proxy.core.tokens import TokenCounter
-from proxy.server.admission import own_route, where_to
+from proxy.server.admission import Refused, own_route, where_to
 from proxy.server.certwatch import WATCH
-from proxy.server.control import ControlPlane
+from proxy.server.control import ControlPlane, served_as
 from proxy.server.forward import Forwarder, UpstreamBroke
 from proxy.server.heap import freeze_startup_heap
 from proxy.server.identity import keep_asking
 from proxy.server.looplag import LoopLag
-from proxy.server.protocol import ABANDONED, HEAD_GUARD, HeadGuard
+from proxy.server.protocol import ABANDONED, HEAD_GUARD, GuardedHttpToolsProtocol, HeadGuard
 from proxy.server.tunnel import TunnelContext, tunnel_context
 from proxy.server.upstream import create_client
 from proxy.server.wire import WIRE_STATE, Wire
@@ -125,9 +127,8 @@ class ProxyApp:
             # parsed once, query and all: the relay's rules take the same target
             where = where_to(raw_path, scope["query_string"])
             own = own_route(where, self.control.owns)
-            if own is not None:
-                if own == "/ui" and raw_path.endswith(b"/"):
-                    own = "/ui/"  # the live view answers 308 to /ui: its assets are relative
+            if own is not None and not isinstance(where, Refused):
+                own = served_as(own, where.path)  # `/ui/.`: the redirect to /ui
                 await self.control({**scope, "path": own, "raw_path": own.encode()}, receive, send)
             else:
                 assert self.forwarder is not None, "lifespan did not run"
@@ -165,16 +166,30 @@ class ProxyApp:
             freeze_startup_heap()
 
     async def _start_metrics_listener(self, app: ASGIApp, host: str, port: int) -> None:
-        """/metrics on its own address, so it can stay off the network clients reach."""
+        """/metrics on its own address, so it can stay off the network clients reach.
+
+        It shares this process and loop with the relay, so its connections get the relay's
+        limits: the head guard's protocol and limits (proxy/server/protocol.py: a head over
+        --max-header-bytes is cut as it arrives, one not in within --header-timeout is
+        closed), handed to it as the main server's are (`MetricsListener`'s lifespan), the
+        keep-alive timeout, and a bound on the requests served at once. It runs on the
+        main server's loop (made by proxy/server/eventloop.py) and serves no TLS."""
         import uvicorn
 
         config = uvicorn.Config(
-            app,
+            MetricsListener(app, self.head_guard),
             host=host,
             port=port,
-            lifespan="off",
+            http=GuardedHttpToolsProtocol,
+            lifespan="on",  # hands the head guard over (MetricsListener)
             access_log=False,
             log_level="warning",
+            # uvicorn's call_later takes a float, as the main server's options hand it
+            timeout_keep_alive=self.settings.keep_alive_timeout,  # type: ignore[arg-type]
+            limit_concurrency=METRICS_CONCURRENCY,
+            server_header=False,
+            date_header=False,
+            proxy_headers=False,  # nothing here reads the client's address
         )
         server = uvicorn.Server(config)
         server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]  # the main server owns signals
@@ -281,6 +296,46 @@ class ProxyApp:
             else:
                 await asyncio.sleep(min(retry, every))
                 retry *= 2
+
+
+#: The most connections (and requests) the --metrics-port listener serves at once; past
+#: it uvicorn answers 503 (its `limit_concurrency`). A few scrapers and live views use it.
+METRICS_CONCURRENCY = 64
+
+
+class MetricsListener:
+    """The --metrics-port listener's app: the control plane's routes there, matched on the
+    normalised target as on the proxy's port (`//metrics` and `/metrics/` are /metrics,
+    `/ui/.` the redirect to /ui), and a lifespan that hands its server's connections the
+    head guard (`HEAD_GUARD` in uvicorn's `app_state`), as ProxyApp's does the main
+    server's: without one, a connection's limits would be the defaults, not the settings."""
+
+    def __init__(self, routes: ASGIApp, head_guard: HeadGuard) -> None:
+        self.routes = routes
+        self.head_guard = head_guard
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            raw_path = scope.get("raw_path") or scope["path"].encode()
+            where = where_to(raw_path, scope["query_string"])
+            if not isinstance(where, Refused):  # else the routes' 404
+                own = served_as(route_key(where.path), where.path)
+                scope = {**scope, "path": own, "raw_path": own.encode()}
+            await self.routes(scope, receive, send)
+        elif kind == "websocket":  # no route here takes one: a refusal, not an error
+            await send({"type": "websocket.close", "code": 1008})
+        elif kind == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    state = scope.get("state")
+                    if state is not None:
+                        state[HEAD_GUARD] = self.head_guard
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
 
 
 def _tunnel_context(app: ProxyApp) -> TunnelContext:

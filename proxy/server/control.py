@@ -5,6 +5,13 @@ proxy's port. `/metrics` and the live view (`/ui`, `/ui/<asset>`) are there too,
 --metrics-port moves them to a listener of their own, which serves nothing else. Every
 route answers any method, as the hand-written routes did. The relay never goes through
 here: ProxyApp asks `owns(path)` and sends everything else straight to the forwarder.
+
+While /metrics is here, every path that begins with `/metrics` is too: vLLM mounts its
+exposition as `Mount("/metrics", make_asgi_app(...))` with `path_regex =
+re.compile("^/metrics(?P<path>.*)$")` (vllm/entrypoints/serve/instrumentator/metrics.py,
+`attach_router`), so `/metricsX`, `/metrics;x` or `/metrics/x` answer the backend's whole
+exposition. Relayed, they would pass --metrics-token by; the proxy answers them a 404 of
+its own instead (only `/metrics` itself is its exposition).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from proxy.types import ASGIApp, Message, Receive, Scope, Send
 from proxy.ui import live_view
 
 _LIVE_VIEW = "/ui"
+_METRICS = "/metrics"
 
 
 #: The most a readiness probe waits for the upstream's answer head, all in all.
@@ -95,7 +103,7 @@ class ControlPlane:
     def __init__(self, metrics: GuardedMetrics, readiness: Readiness, *, apart: bool) -> None:
         self.readiness = readiness
         observing: list[BaseRoute] = [
-            Route("/metrics", metrics),
+            Route(_METRICS, metrics),
             Route(_LIVE_VIEW, _AnyMethod(live_view)),
             Route(_LIVE_VIEW + "/{asset:path}", _AnyMethod(live_view)),
         ]
@@ -104,18 +112,22 @@ class ControlPlane:
             Route("/readyz", _AnyMethod(self._readyz)),
         ]
         here = probes if apart else [*probes, *observing]
-        self.router = Router(here, redirect_slashes=False)
+        # what the proxy owns and has no route for (`/metricsX`): its 404, never relayed
+        unknown = _error(404, "not_found", "no such route of the proxy's")
+        self.router = Router(here, redirect_slashes=False, default=unknown)
         self.paths = frozenset(
-            ("/healthz", "/readyz") if apart else ("/healthz", "/readyz", "/metrics", _LIVE_VIEW)
+            ("/healthz", "/readyz") if apart else ("/healthz", "/readyz", _METRICS, _LIVE_VIEW)
         )
-        self.prefixes = () if apart else (_LIVE_VIEW + "/",)
+        # /metrics with no slash: the backend's mount serves `/metrics<anything>`
+        self.prefixes = () if apart else (_LIVE_VIEW + "/", _METRICS)
         self.listener: Router | None = None
         if apart:
             elsewhere = _error(404, "not_found", "only /metrics and /ui are served here")
             self.listener = Router(observing, redirect_slashes=False, default=elsewhere)
 
     def owns(self, path: str) -> bool:
-        """Whether a path is the proxy's own; every other one is the backend's."""
+        """Whether a path (a `route_key`) is the proxy's own; every other one is the
+        backend's."""
         return path in self.paths or path.startswith(self.prefixes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -126,6 +138,14 @@ class ControlPlane:
         # has it in their settings).
         ready = await self.readiness()
         return JSONResponse({"ready": ready}, 200 if ready else 503)
+
+
+def served_as(key: str, path: str) -> str:
+    """The route a request for the own route `key` (its `route_key`) is served as, `path`
+    its normalised path. The live view's page asked by any spelling but `/ui` itself
+    (`/ui/`, `/ui/.`, `//ui`) gets the redirect to /ui (the `/ui/` route), for its assets
+    are relative: served at `/ui/.`, `ui/app.js` resolved to /ui/ui/app.js, a 404."""
+    return _LIVE_VIEW + "/" if key == _LIVE_VIEW and path != _LIVE_VIEW else key
 
 
 class _AnyMethod:

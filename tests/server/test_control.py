@@ -45,7 +45,9 @@ def call(
 def test_the_relays_paths_are_not_the_control_planes() -> None:
     plane = control()
     assert all(plane.owns(p) for p in ("/healthz", "/readyz", "/metrics", "/ui", "/ui/app.js"))
-    assert not any(plane.owns(p) for p in ("/v1/chat/completions", "/", "/uix", "/metricsz"))
+    assert not any(plane.owns(p) for p in ("/v1/chat/completions", "/", "/uix", "/healthzz"))
+    # what vLLM's metrics mount answers (`^/metrics(?P<path>.*)$`) is the proxy's too
+    assert all(plane.owns(p) for p in ("/metricsz", "/metrics;x", "/metrics/x"))
 
 
 def test_with_a_metrics_port_only_the_probes_stay_on_the_proxy_port() -> None:
