@@ -1,16 +1,21 @@
 """Reloading TLS files that change, with --enable-ssl-refresh (vLLM's flag of that name):
 a certificate rotated on disk (cert-manager renews a Secret, Kubernetes swaps its files
-in place) reaches new connections without a restart.
+in place), or a CA bundle that gains or loses a CA, reaches new connections without a
+restart.
 
-Every TLS context this process makes from files is registered here as it is made: the
-listener's (`listener_context`, uvicorn's `ssl_context_factory`, which runs in each worker
-process) and each client context of an https:// upstream (proxy.server.dial.upstream_tls).
-The app's lifespan calls `check` every CHECK_SECONDS. When a file's identity (inode,
-size, modification time: a swapped symlink changes it too) differs from the last load,
-the files are loaded into a scratch context first, so a rotation caught half-way (a new
-certificate beside the old key) is left for the next check while the live context keeps
-what it has; then into the live context, which connections already open do not notice
-and new handshakes use. A CA bundle adds its certificates to those the context trusts.
+Every TLS context this process makes from files is a `Reloading` context, registered
+here as it is made: the listener's (`listener_context`, uvicorn's `ssl_context_factory`,
+which runs in each worker process) and the client context of an https:// upstream
+(proxy.server.dial.upstream_tls). The app's lifespan calls `check` every CHECK_SECONDS.
+When a file's identity (inode, size, modification time: a swapped symlink changes it
+too) differs from the last load, a whole new context is made from the files as they are
+now, the way the first was made; if that fails (a rotation caught half-way: a new
+certificate beside the old key) the context in use stays and the files are tried again
+when they change again. Connections already open keep the context they began with.
+
+A new context rather than loading the files into the one in use: OpenSSL's
+load_verify_locations only adds to what a context trusts, so a CA taken out of a bundle
+(one that signed a leaked client certificate) would stay trusted until a restart.
 """
 
 from __future__ import annotations
@@ -18,13 +23,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import ssl
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CHECK_SECONDS", "WATCH", "CertWatch", "listener_context"]
+__all__ = ["CHECK_SECONDS", "WATCH", "CertWatch", "Reloading", "listener_context"]
 
 log = logging.getLogger(__name__)
 
@@ -45,25 +51,67 @@ def _identity(paths: tuple[str, ...]) -> Identity:
     return tuple(found)
 
 
+class Reloading(ssl.SSLContext):
+    """The context handed to uvicorn, asyncio, httpx and aiohttp: every TLS connection
+    they open is made by `wrap_bio` or `wrap_socket` (asyncio's and uvloop's SSL protocol,
+    anyio's TLS stream, a blocking socket), which here use `current`, the context made
+    from the files at the last reload. This one holds no certificate or CA itself.
+
+    Each connection is made by `current` itself, not moved to it during the handshake
+    (an sni_callback setting `ssl_object.context`): a moved connection keeps its first
+    context's session cache and ticket keys, so a client whose CA was taken out of the
+    bundle could still resume a session from before the reload, unchecked."""
+
+    def __new__(cls, current: ssl.SSLContext) -> Reloading:
+        return super().__new__(cls, current.protocol)
+
+    def __init__(self, current: ssl.SSLContext) -> None:
+        self.current = current
+        self._alpn: list[str] | None = None
+
+    def replace(self, fresh: ssl.SSLContext) -> None:
+        """New connections from now on are made by `fresh`."""
+        if self._alpn is not None:
+            fresh.set_alpn_protocols(self._alpn)
+        self.current = fresh
+
+    def set_alpn_protocols(self, alpn_protocols: Iterable[str]) -> None:
+        # httpcore sets its ALPN list on the context it is given before each connect
+        self._alpn = list(alpn_protocols)
+        self.current.set_alpn_protocols(self._alpn)
+
+    def wrap_socket(
+        self,
+        sock: socket.socket,
+        server_side: bool = False,
+        do_handshake_on_connect: bool = True,
+        suppress_ragged_eofs: bool = True,
+        server_hostname: str | bytes | None = None,
+        session: ssl.SSLSession | None = None,
+    ) -> ssl.SSLSocket:
+        return self.current.wrap_socket(
+            sock, server_side, do_handshake_on_connect, suppress_ragged_eofs,
+            server_hostname, session,
+        )  # fmt: skip
+
+    def wrap_bio(
+        self,
+        incoming: ssl.MemoryBIO,
+        outgoing: ssl.MemoryBIO,
+        server_side: bool = False,
+        server_hostname: str | bytes | None = None,
+        session: ssl.SSLSession | None = None,
+    ) -> ssl.SSLObject:
+        return self.current.wrap_bio(incoming, outgoing, server_side, server_hostname, session)
+
+
 @dataclass
 class _Watched:
-    context: weakref.ref[ssl.SSLContext]  # a context nobody uses any more drops out
-    certfile: str | None
-    keyfile: str | None
-    cafile: str | None
-    server: bool  # the listener's: its scratch context is a server's
+    context: weakref.ref[Reloading]  # a context nobody uses any more drops out
+    paths: tuple[str, ...]  # the files `make` reads
+    make: Callable[[], ssl.SSLContext]  # a new context from the files as they are now
     loaded: Identity  # the files' identity at the last load
     failed: Identity | None = None  # the identity a load last failed at (logged once)
-
-    @property
-    def paths(self) -> tuple[str, ...]:
-        return tuple(p for p in (self.certfile, self.keyfile, self.cafile) if p is not None)
-
-    def load_into(self, context: ssl.SSLContext) -> None:
-        if self.certfile is not None:
-            context.load_cert_chain(self.certfile, self.keyfile)
-        if self.cafile is not None:
-            context.load_verify_locations(cafile=self.cafile)
 
 
 class CertWatch:
@@ -72,21 +120,20 @@ class CertWatch:
     def __init__(self) -> None:
         self._watched: list[_Watched] = []
 
-    def add(
-        self,
-        context: ssl.SSLContext,
-        certfile: str | None,
-        keyfile: str | None,
-        cafile: str | None,
-        *,
-        server: bool,
-    ) -> None:
-        if certfile is None and cafile is None:
-            return  # nothing from a file: the system's bundle is not watched
-        watched = _Watched(weakref.ref(context), certfile, keyfile, cafile, server, ())
-        watched.loaded = _identity(watched.paths)
+    def watched(
+        self, make: Callable[[], ssl.SSLContext], paths: tuple[str | None, ...]
+    ) -> ssl.SSLContext:
+        """The context `make` makes, made again when one of `paths` (None: not given)
+        changes; `make`'s own when it reads no file (the system's bundle is not watched)."""
+        files = tuple(p for p in paths if p is not None)
+        loaded = _identity(files)  # before the files are read: a change meanwhile is seen
+        context = make()
+        if not files:
+            return context
+        reloading = Reloading(context)
         self._watched = [w for w in self._watched if w.context() is not None]
-        self._watched.append(watched)
+        self._watched.append(_Watched(weakref.ref(reloading), files, make, loaded))
+        return reloading
 
     def check(self) -> tuple[int, int]:
         """Reload what changed; (contexts reloaded, reloads that failed this time)."""
@@ -99,9 +146,7 @@ class CertWatch:
             if now == watched.loaded or now == watched.failed:
                 continue
             try:
-                protocol = ssl.PROTOCOL_TLS_SERVER if watched.server else ssl.PROTOCOL_TLS_CLIENT
-                watched.load_into(ssl.SSLContext(protocol))  # whole and matching, or nothing
-                watched.load_into(context)
+                fresh = watched.make()  # whole and matching, or nothing
             except (OSError, ssl.SSLError) as exc:
                 watched.failed = now
                 failed += 1
@@ -112,6 +157,7 @@ class CertWatch:
                     exc,
                 )
                 continue
+            context.replace(fresh)
             watched.loaded, watched.failed = now, None
             loaded += 1
             log.info("TLS files reloaded: %s", ", ".join(watched.paths))
@@ -133,7 +179,6 @@ WATCH = CertWatch()
 
 
 def listener_context(config: Any, default: Callable[[], ssl.SSLContext]) -> ssl.SSLContext:
-    """uvicorn's `ssl_context_factory`: its own context, registered for reloads."""
-    context = default()
-    WATCH.add(context, config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs, server=True)
-    return context
+    """uvicorn's `ssl_context_factory`: its own context (`default`, which reads the files
+    and applies --ssl-cert-reqs, --ssl-ciphers and ALPN), made again on each reload."""
+    return WATCH.watched(default, (config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs))

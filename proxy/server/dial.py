@@ -26,6 +26,7 @@ from proxy.core.upstream_url import UpstreamURL
 from proxy.server.certwatch import WATCH
 
 __all__ = [
+    "client_tls",
     "connect_unix",
     "dial",
     "httpx_default_tls",
@@ -72,11 +73,20 @@ def _tls(
     keyfile: str | None,
     openssl_env: tuple[str | None, str | None],  # read by OpenSSL as the context is made
 ) -> ssl_module.SSLContext:
+    # made again when the files change, with --enable-ssl-refresh: a CA taken out of
+    # --upstream-ca-certs is no longer trusted for new connections (proxy/server/certwatch.py)
+    make = functools.partial(client_tls, cafile, certfile, keyfile)
+    return WATCH.watched(make, (cafile, certfile, keyfile))
+
+
+def client_tls(
+    cafile: str | None, certfile: str | None, keyfile: str | None
+) -> ssl_module.SSLContext:
+    """A client context from the files as they are now: `cafile`'s CAs (the system's when
+    None) and the client certificate of `certfile` and `keyfile` when given."""
     context = ssl_module.create_default_context(cafile=cafile)
     if certfile is not None:
         context.load_cert_chain(certfile, keyfile)
-    # reloaded when the files change, with --enable-ssl-refresh
-    WATCH.add(context, certfile, keyfile, cafile, server=False)
     return context
 
 

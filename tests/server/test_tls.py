@@ -34,6 +34,7 @@ from tests.paths import ROOT
 from tests.scrape import Scrape
 from tests.server.conftest import no_proxy, paths
 from tests.server.test_backend_identity import backend_info
+from tests.server.test_certwatch import make_ca, make_leaf
 from tests.servers import ThreadedServer, free_port, spawn, stop, wait_http
 from tests.ws_upstream import EchoUpstream
 
@@ -303,6 +304,70 @@ def test_a_rotated_certificate_reaches_new_connections_with_enable_ssl_refresh(
         stop(process)
     assert 'tokenprobe_tls_reloads_total{outcome="failed"} 1.0' in page
     assert 'tokenprobe_tls_reloads_total{outcome="loaded"} 1.0' in page
+
+
+@paths("wire", why="the listener's TLS is uvicorn's, the same on both data paths")
+def test_a_ca_taken_out_of_ssl_ca_certs_is_refused_after_a_reload(tmp_path: Path) -> None:
+    """--ssl-ca-certs rotated to revoke a CA: the clients it certified are refused on new
+    connections, those of the CA put in its place are served, and a session from before
+    the reload is not resumed (which would skip the check of the client's certificate).
+    OpenSSL only adds a bundle's CAs to a context: each reload makes a new one."""
+    ca1, ca2 = make_ca(tmp_path, "ca1"), make_ca(tmp_path, "ca2")
+    client1 = _shown(make_leaf(tmp_path, "client1", ca1))
+    client2 = _shown(make_leaf(tmp_path, "client2", ca2))
+    bundle = tmp_path / "bundle.pem"
+    shutil.copy(ca1[0], bundle)
+    port = free_port()
+    process = spawn(
+        "serve", "--upstream", "http://127.0.0.1:9", "--port", str(port), "--ssl-certfile",
+        CERT, "--ssl-keyfile", KEY, "--ssl-ca-certs", str(bundle), "--ssl-cert-reqs", "2",
+        "--enable-ssl-refresh", "--access-log", "off", "--models-refresh", "0",
+        "--model-allowlist", MODEL,
+    )  # fmt: skip
+    try:
+        wait_http(f"https://127.0.0.1:{port}/healthz", verify=client1)
+        assert _served(port, client2) == "refused"
+        session = _served(port, client1)
+        assert isinstance(session, ssl.SSLSession)
+        assert _served(port, client1, session) == "resumed"
+        _swap_in(ca2[0], bundle)
+        deadline = time.monotonic() + 10
+        while _served(port, client2) == "refused":
+            assert time.monotonic() < deadline, "the new bundle was never loaded"
+            time.sleep(0.1)
+        assert _served(port, client1) == "refused"
+        assert _served(port, client1, session) == "refused"  # not resumed unchecked
+        page = httpx.get(f"https://127.0.0.1:{port}/metrics", verify=client2, timeout=5).text
+    finally:
+        stop(process)
+    assert 'tokenprobe_tls_reloads_total{outcome="loaded"} 1.0' in page
+
+
+def _shown(client: tuple[str, str]) -> ssl.SSLContext:
+    """The proxy's certificate trusted, and `client`'s shown when asked."""
+    context = ssl.create_default_context(cafile=CERT)
+    context.load_cert_chain(*client)
+    return context
+
+
+def _served(
+    port: int, client: ssl.SSLContext, session: ssl.SSLSession | None = None
+) -> ssl.SSLSession | str:
+    """A GET /healthz on a new connection `client` makes, resuming `session` when given:
+    "refused"; "resumed" when served on `session`; else the new session it was served
+    on (to resume later)."""
+    raw = socket.create_connection(("127.0.0.1", port), timeout=5)
+    try:
+        with client.wrap_socket(raw, server_hostname="127.0.0.1", session=session) as tls:
+            tls.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            head = tls.recv(65536)  # TLS 1.3 refuses a certificate after the handshake
+            while tls.recv(65536):  # the session ticket arrives with the answer
+                pass
+            if not head.startswith(b"HTTP/1.1 200"):
+                return "refused"
+            return "resumed" if tls.session_reused else tls.session
+    except (ssl.SSLError, ConnectionResetError):
+        return "refused"
 
 
 def _swap_in(source: str, path: Path) -> None:
