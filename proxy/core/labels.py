@@ -105,6 +105,11 @@ class Admitted:
         self._values: set[str] = set()
         self.full = False  # every later new value is refused
 
+    def __contains__(self, value: str) -> bool:
+        """Admitted already (here, or by another process as of the ledger's last answer),
+        asking nothing and admitting nothing."""
+        return value in self._values
+
     def __call__(self, value: str) -> bool:
         if value in self._values:
             return True

@@ -115,6 +115,8 @@ class Sinks:
             return RequestScope(None, _UNMEASURED)
         key = self.keys(headers) if self.keys is not None else None
         attribution = self.header_labels(headers) if self.header_labels is not None else ()
+        # A new key's label is a candidate until `end` settles it (proxy/sinks/keys.py):
+        # nothing between reads it (the in-flight gauge and spans carry no key).
         scope = RequestScope(info, Labels(self.models(info.model), key, attribution))
         scope.in_flight = self.metrics.in_flight_of(scope.labels.model, info.endpoint)
         scope.in_flight.inc()
@@ -150,6 +152,12 @@ class Sinks:
         if self.tracer is not None and scope.span is not None:
             self._safely(self.tracer.finish, scope.span, measurement)
         if measurement is not None:
+            key = scope.labels.key
+            if key is not None and self.keys is not None:
+                settled = self.keys.settle(key, measurement)
+                if settled is not key:  # a new key: admitted, or `rejected`/`other`
+                    # for the record and for what comes later (a background's tokens)
+                    scope.labels = replace(scope.labels, key=settled)
             self._record(measurement, scope.labels)
 
     def refused(
@@ -176,7 +184,10 @@ class Sinks:
 
     def record(self, measurement: Measurement, key: str | None = None) -> None:
         """A record made outside the HTTP relay (a WebSocket session's turn): the model
-        label is resolved here; `key` is the session's key label, resolved at its start."""
+        label is resolved here; `key` is what `keys` gave the session at its start,
+        settled here with each turn (the first the upstream answered admits a new key)."""
+        if key is not None and self.keys is not None:
+            key = self.keys.settle(key, measurement)
         self._record(measurement, Labels(self.models(measurement.model), key))
 
     def session_started(self, route: str) -> None:

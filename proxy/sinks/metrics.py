@@ -313,7 +313,10 @@ class Metrics:
         )
         self.key_requests = Counter(
             "tokenprobe_key_requests",
-            "Measured requests by API key label (a short salted hash; with --key-label hash).",
+            "Measured requests by API key label, with --key-label hash: a short salted hash "
+            "for each of the first 100 keys the backend accepted; `rejected` for a key it "
+            "refused (401/403), `other` once those are taken or with no answer, `none` "
+            "without a key.",
             ("key", "model", "error_type"),
             registry=registry,
         )

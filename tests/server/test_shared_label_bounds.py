@@ -17,6 +17,7 @@ from proxy.server.assemble import assemble
 from proxy.server.ledger import FileLedger, ledger_path
 from proxy.settings import Settings
 from proxy.sinks.keys import KeyLabels
+from tests.factories import measurement
 from tests.server.conftest import no_proxy
 
 pytestmark = no_proxy
@@ -104,7 +105,10 @@ def test_api_keys_are_bounded_for_all_workers_together(tmp_path: Path) -> None:
         return KeyLabels("salt", max_keys=2, ledger=FileLedger(ledger_path(str(tmp_path), "key")))
 
     def key(labels: KeyLabels, token: str) -> str:
-        return labels([(b"authorization", f"Bearer {token}".encode())])
+        """The label of a request with `token` the backend accepted."""
+        return labels.settle(
+            labels([(b"authorization", f"Bearer {token}".encode())]), measurement()
+        )
 
     a, b = keys(), keys()
     first = key(a, "sk-1")
@@ -133,6 +137,7 @@ def test_the_proxy_shares_its_bounds_only_in_multiprocess_mode(tmp_path: Path) -
     assert team(resolvers[1], "c") == "other"
     keys = apps[0].sinks.keys
     assert keys is not None
-    assert keys([(b"api-key", b"k1")]) in (tmp_path / "tokenprobe-admitted-key").read_text()
+    label = keys.settle(keys([(b"api-key", b"k1")]), measurement())  # an accepted key
+    assert label in (tmp_path / "tokenprobe-admitted-key").read_text()
     alone = assemble(settings, {}, registry=CollectorRegistry()).sinks.header_labels
     assert alone is not None and [team(alone, v) for v in ("c", "d", "e")] == ["c", "d", "other"]
