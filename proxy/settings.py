@@ -504,7 +504,9 @@ class Settings:
     key_label: str = setting(
         _choice("none", "hash"),
         "none",
-        "`hash`: attribute requests to API keys by a short salted hash.",
+        "`hash`: attribute requests to API keys by a short salted hash; a key gets a label "
+        "of its own (100 at most) only once the backend accepted it (refused keys are "
+        "`rejected`).",
     )
     key_salt: str | None = setting(
         str,
