@@ -133,9 +133,17 @@ def several_tasks(obj: dict[str, Any]) -> bool:
     return type(choices) is list and len(choices) > 1
 
 
+def several_prompts(prompt: object) -> bool:
+    """Whether a Completions request's `prompt` is a list of prompts (texts, or lists of
+    token ids; a list of ints is one prompt of token ids). Not streamed, llama-server
+    answers them merged (`several_tasks`) with the first prompt's usage alone."""
+    return type(prompt) is list and len(prompt) > 1 and type(prompt[0]) is not int
+
+
 def first_task_prompt(usage: object) -> dict[str, Any] | None:
     """A merged answer's usage (`several_tasks`) less the output's count: the first task's
-    prompt (and its cached tokens), which the n tasks of one prompt share (server-context.cpp
+    prompt (and its cached tokens), which the n tasks of one prompt share (for a list of
+    prompts it is the first one's alone: the observer drops it then, `several_prompts`) (server-context.cpp
     copies the evaluated prompt to the children's slots, stats included), is kept as the
     request's; its `completion_tokens` is one choice's, so the output is counted otherwise
     (a tokenizer over every choice's text) or not at all."""

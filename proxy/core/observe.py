@@ -37,7 +37,7 @@ from proxy.core.apis import Api, Facts, RequestInfo, TokenCounts, api_of
 from proxy.core.engine import EngineMetrics
 from proxy.core.errors import classify_response, classify_stream_end, error_message
 from proxy.core.fingerprint import prefix_of
-from proxy.core.llamacpp import timings_metrics
+from proxy.core.llamacpp import several_prompts, timings_metrics
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
 from proxy.core.sse import DEFAULT_MAX_EVENT_BYTES
 from proxy.core.template import EventTemplate, learn
@@ -564,6 +564,10 @@ class StreamObserver:
         if type(obj) is not dict:
             return
         facts = self.api.body(obj, self._collect)
+        if facts.timings is not None and several_prompts(self.request.prompt):
+            # llama-server's merged answer to a list of prompts: its usage is the first
+            # prompt's alone (proxy/core/llamacpp.py several_tasks), no count of the request
+            facts = replace(facts, usage=None)
         if facts.reasoning is not None and facts.calls is None and not self.api.answered(obj):
             self.reasoned_whole = True
         if facts.texts is not None or facts.reasoning is not None:

@@ -201,6 +201,31 @@ def test_a_merged_body_has_every_choice_counted_by_a_tokenizer(tmp_path: Path) -
     assert (m.output_tokens, m.token_source) == (expected, TokenSource.TOKENIZER)
 
 
+def test_a_merged_body_of_a_list_of_prompts_claims_no_prompt_either() -> None:
+    """Two prompts, not streamed: llama-server answers the first task's object with the
+    second's choice appended, so its usage's prompt is the first prompt's alone (the real
+    server: 2 for ["hi", <19 tokens>]). Neither its prompt nor its output is the request's
+    (the prompt was: 2)."""
+    body = {"model": "tiny", "prompt": ["hi", "the quick brown fox jumps"], "max_tokens": 4}
+    merged = {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "model": "tiny",
+        "choices": [
+            {"text": " a b c d", "index": 0, "finish_reason": "length", "logprobs": None},
+            {"text": " e f g h", "index": 1, "finish_reason": "length", "logprobs": None},
+        ],
+        "usage": {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6},
+        "timings": {"prompt_n": 2, "prompt_ms": 1.0, "predicted_n": 4, "predicted_ms": 4.0},
+    }
+    m = replay("/v1/completions", body, [orjson.dumps(merged)])
+    assert (m.prompt_tokens, m.output_tokens, m.token_source) == (None, None, TokenSource.NONE)
+    one = {**body, "prompt": "hi"}  # one prompt: its usage is the request's
+    alone = {**merged, "choices": merged["choices"][:1]}
+    m = replay("/v1/completions", one, [orjson.dumps(alone)])
+    assert (m.prompt_tokens, m.output_tokens, m.token_source) == (2, 4, TokenSource.USAGE)
+
+
 def test_one_choice_body_is_counted_by_its_usage() -> None:
     """One choice is one task: its body's usage is the request's, as it was."""
     path, body, (raw,) = captured("chat_nonstream.json")
