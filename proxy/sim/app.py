@@ -215,11 +215,18 @@ class SimApp:
         return "completed"
 
     async def _generate(
-        self, kind: Kind, ex: Exchange, body: Any, t0: float, metrics: bool = True
+        self,
+        kind: Kind,
+        ex: Exchange,
+        body: Any,
+        t0: float,
+        metrics: bool = True,
+        planned: Plan | None = None,
     ) -> Outcome:
-        """`metrics` False: never the per-request `metrics` object (batch chat's is null)."""
+        """`metrics` False: never the per-request `metrics` object (batch chat's is null);
+        `planned` the request's plan when its route already made it."""
         record = ex.record
-        plan = plan_request(kind, body, record.headers, self.config)
+        plan = plan_request(kind, body, record.headers, self.config) if planned is None else planned
         if isinstance(plan, errors.ErrorReply):
             await ex.error(plan)
             return "error"
@@ -353,6 +360,7 @@ class SimApp:
                 self.config.stamp, self.config.stamp_in_text, record.headers.get("x-sim-stamp", "")
             ),
             system_fingerprint=self.config.system_fingerprint,
+            keep=self.background.keep if kind == "responses" and _kept(body) else None,
         )
         return await _WRITERS[kind](job)
 
@@ -513,13 +521,18 @@ class SimApp:
         """/v1/responses; a background response generates in a task of its own
         (proxy/sim/background.py): streamed, the POST reads its stored events, so a client
         that leaves stops only its reading; not streamed, the POST answers the response
-        `queued` at once (vLLM's serving.py:537-589)."""
-        if not (isinstance(body, dict) and lax_bool(body.get("background")) is True):
-            return await self._generate("responses", ex, body, t0)
+        `queued` at once (vLLM's serving.py:537-589). A `previous_response_id` the store
+        does not hold is a 404 once the request is valid (serving.py:361-367)."""
         plan = plan_request("responses", body, ex.record.headers, self.config)
         if isinstance(plan, errors.ErrorReply):  # refused before anything is stored
             await ex.error(plan)
             return "error"
+        previous = body.get("previous_response_id")  # a plan means a JSON object
+        if isinstance(previous, str) and self.background.get(previous) is None:
+            await ex.error(background.not_found(previous))
+            return "error"
+        if lax_bool(body.get("background")) is not True:
+            return await self._generate("responses", ex, body, t0, planned=plan)
         queued = ResponsesWire(plan, body, ex.record.id, int(time.time()))
         streamed = lax_bool(body.get("stream")) is True
         stored = self.background.open(ex.record.id, queued.response("queued", [], None), streamed)
@@ -627,6 +640,9 @@ class Planned:
     created: int
     stamp: str  # proxy/sim/wire.py STAMPS
     system_fingerprint: str | None
+    #: Where a Responses response is stored once it ends (proxy/sim/background.py), None
+    #: when vLLM would not store it there.
+    keep: Callable[[dict[str, Any]], None] | None = None
 
 
 async def _events(job: Planned, events: MessagesWire | ResponsesWire | CohereWire) -> Outcome:
@@ -652,6 +668,7 @@ async def _write_cohere(job: Planned) -> Outcome:
 async def _write_responses(job: Planned) -> Outcome:
     ex, plan = job.ex, job.plan
     events = ResponsesWire(plan, job.body, ex.record.id, job.created, job.stamp)
+    events.on_final = job.keep
     if plan.metrics:
         events.metrics = lambda sent, streamed: engine_metrics(ex, plan, sent, streamed)
     if plan.script is not None and plan.stream:
@@ -859,6 +876,16 @@ def _parse_form(raw: bytes, content_type: str) -> tuple[Any, str | None]:
         return audio.form_body(raw, content_type), None
     except audio.AudioInputError as exc:
         return None, str(exc)
+
+
+def _kept(body: Any) -> bool:
+    """Whether a Responses request's response is stored when it ends, apart from the
+    background ones (stored from the start, proxy/sim/background.py)."""
+    return (
+        isinstance(body, dict)
+        and lax_bool(body.get("background")) is not True
+        and background.stores(body)
+    )
 
 
 def _response_id(path: str, headers: dict[str, str]) -> str:

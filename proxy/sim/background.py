@@ -21,9 +21,19 @@ Facts (vllm/entrypoints/openai/responses/):
   `stream` and `starting_after` as query parameters; without `stream` it answers the
   stored object (`queued` until the generation stored the final one); an unknown id is a
   404 (`_make_not_found_error`, serving.py:1185-1191).
+- serving.py:361-367: a request's `previous_response_id` is looked up in that store,
+  after the request was validated and before anything is generated; one it does not hold
+  is the same 404. responses_full_generator stores every response whose request has
+  `store` true (the default, protocol.py `store: bool | None = True`), background or
+  not, before its body or its `response.completed` goes out (serving.py:927-932, 1408);
+  one that failed or whose client left is not stored. (vLLM stores nothing unless it
+  runs with VLLM_ENABLE_RESPONSES_API_STORE=1, serving.py:160-171, and refuses
+  `background` without it: the simulator plays a vLLM started with it.)
 The simulator keeps one `Stored` per background response; a stream's events are the bytes
 its generation writes, one event per write (proxy/sim/events.py), so an event's index in
-the deque is its `sequence_number`.
+the deque is its `sequence_number`. A response not in the background is kept whole, with
+no events (vLLM's event_store has none for it), once it ended; the oldest ended ones are
+forgotten past `KEPT` (vLLM forgets none: its FIXME, serving.py:180-183).
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ from typing import Any
 import orjson
 from starlette.types import Message
 
+from proxy.core.lax import lax_bool
 from proxy.sim.errors import ErrorReply, error_json
 from proxy.sim.exchange import Exchange
 from proxy.sim.state import Outcome, SimRequest, SimState
@@ -128,15 +139,44 @@ async def _no_send(message: Message) -> None:
     return None
 
 
+#: How many responses the store holds before it forgets the oldest ended ones: a simulator
+#: that serves a long benchmark must not grow without end, as vLLM's store does.
+KEPT = 4096
+
+
+def stores(body: dict[str, Any]) -> bool:
+    """Whether vLLM stores the response to `body` when it ends: `store` left out or true
+    (null is falsy there, serving.py:927)."""
+    return "store" not in body or lax_bool(body["store"]) is True
+
+
 class BackgroundStore:
-    """vLLM's `event_store`, by response id."""
+    """vLLM's `response_store` and `event_store`, by response id."""
 
     def __init__(self) -> None:
         self._stored: dict[str, Stored] = {}
 
     def open(self, response_id: str, queued: dict[str, Any], streamed: bool) -> Stored:
         stored = self._stored[response_id] = Stored(queued, streamed)
+        self._forget()
         return stored
+
+    def keep(self, response: dict[str, Any]) -> None:
+        """A response not in the background, ended: stored whole, not streamed (no
+        events), so a retrieval answers it and a later request may continue it."""
+        stored = Stored(response, streamed=False)
+        stored.done = True
+        self._stored[response["id"]] = stored
+        self._forget()
+
+    def _forget(self) -> None:
+        """Past KEPT, the oldest ended responses go; a generation still running stays
+        (its task is referenced from its `Stored`)."""
+        while len(self._stored) > KEPT:
+            oldest = next((rid for rid, s in self._stored.items() if s.done), None)
+            if oldest is None:
+                return
+            del self._stored[oldest]
 
     def get(self, response_id: str) -> Stored | None:
         return self._stored.get(response_id)

@@ -81,6 +81,9 @@ def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
             "type": "message", "phase": None}  # fmt: skip
 
 
+#: The statuses of a response still generating: only the final one is stored.
+_OPEN = frozenset({"in_progress", "queued"})
+
 #: ResponsesResponse's last fields, null unless disaggregated serving or
 #: enable_response_messages sets them (protocol.py).
 _VLLM_NULLS = ("kv_transfer_params", "ec_transfer_params", "input_messages", "output_messages")
@@ -141,6 +144,10 @@ class ResponsesWire:
         #: vLLM 0.32's per-request `metrics` for (tokens sent, streamed), when asked for
         #: (proxy/sim/engine.py): in the response of `response.completed` and the body.
         self.metrics: Callable[[int, bool], bytes | None] | None = None
+        #: Where the final response goes as it is built, before its body or its
+        #: `response.completed` is sent, as vLLM stores it (serving.py:927-932); None
+        #: when it is not stored (`store` false, or a background response's own store).
+        self.on_final: Callable[[dict[str, Any]], None] | None = None
 
     def _next(self) -> int:
         seq = self._seq
@@ -235,6 +242,8 @@ class ResponsesWire:
         out["presence_penalty"] = _number(body, "presence_penalty", 0.0)
         out["frequency_penalty"] = _number(body, "frequency_penalty", 0.0)
         out |= dict.fromkeys(_VLLM_NULLS)
+        if self.on_final is not None and status not in _OPEN:
+            self.on_final(out)
         return out
 
     def _message(self, text: str | None, status: str) -> dict[str, Any]:

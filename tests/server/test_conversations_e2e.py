@@ -227,9 +227,9 @@ def test_a_refused_responses_request_is_no_turn_nor_what_a_later_one_continues(
 ) -> None:
     """A previous_response_id the backend's store does not know is a 404 (vLLM's
     entrypoints/openai/responses/serving.py, `_make_not_found_error` when the id is not in
-    its store; the simulator stores none, so the test asks it for the 404), a 429 a refusal
-    too: before, each was a turn, the unknown id opened a conversation of its own, and the
-    continuation after the 429 was turn 3."""
+    its store, as the simulator's), a 429 a refusal too: before, each was a turn, the
+    unknown id opened a conversation of its own, and the continuation after the 429 was
+    turn 3."""
     sim = start_sim(ttft=0.0, tokens_per_second=5000.0, output_tokens=4)
     proxy = start_proxy(sim.url)
     client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-test", max_retries=0)
@@ -239,7 +239,6 @@ def test_a_refused_responses_request_is_no_turn_nor_what_a_later_one_continues(
             model=MODEL,
             input="And Lima?",
             previous_response_id="resp_evicted",
-            extra_headers={"x-sim-error": "not_found"},
         )
     proxy.wait_records(2)
     # The conversation the unknown id opened was forgotten at its end: the table holds one.
