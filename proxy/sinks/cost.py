@@ -15,6 +15,10 @@ Prices are per million tokens, in the table's currency. For one request:
   cached_input  cached_prompt_tokens * cached_input
   output        output_tokens * output
 
+A background Response's tokens, which its POST's record did not have, are priced the same
+way when they are counted (`late_tokens`, proxy/core/background.py: the first retrieval
+that sees it finished), with the model its POST asked for.
+
 Cached prompt tokens are a part of the prompt tokens (OpenAI's
 `usage.prompt_tokens_details.cached_tokens`), so they are billed at the cached price
 only, never also at the input price, and never more of them than the prompt had (a
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from proxy.core.background import LateTokens
 from proxy.core.measurement import Measurement
 from proxy.core.pricing import (  # the table is read in core: the settings check it at start
     PER_TOKENS,
@@ -50,6 +55,7 @@ __all__ = [
     "ModelPrice",
     "PriceTable",
     "export_cost_per_hour",
+    "late_spend",
     "load_prices",
     "parse_prices",
     "spend",
@@ -81,7 +87,8 @@ class CostSink:
         counter = Counter(
             "tokenprobe_cost",
             "Spend on requests, in the price table's currency, from the token counts the "
-            "proxy recorded when each request ended. kind: input (uncached prompt tokens), "
+            "proxy recorded when each request ended (a background Response's when a "
+            "retrieval first saw it finished). kind: input (uncached prompt tokens), "
             "cached_input (cached prompt tokens), output (generated tokens).",
             ["model", "kind"],
             registry=registry,
@@ -95,20 +102,42 @@ class CostSink:
 
     def record(self, m: Measurement, labels: Labels) -> None:
         price = self.prices.get(m.model)
-        if price is None:
-            return
-        for child, amount in zip(self._children[m.model], spend(price, m), strict=True):
+        if price is not None:
+            self._add(m.model, spend(price, m))
+
+    def late_tokens(self, t: LateTokens, labels: Labels) -> None:
+        """A background Response's tokens, counted after its POST's record (a
+        LateTokensSink, proxy/sinks/sink.py): priced as `record` prices a request's."""
+        price = self.prices.get(t.model)
+        if price is not None:
+            self._add(t.model, late_spend(price, t))
+
+    def _add(self, model: str, amounts: tuple[float, float, float]) -> None:
+        for child, amount in zip(self._children[model], amounts, strict=True):
             if amount:
                 child.inc(amount)
 
 
 def spend(price: ModelPrice, m: Measurement) -> tuple[float, float, float]:
     """One request's cost by kind (input, cached_input, output), as the module says."""
-    cached = max(m.cached_prompt_tokens or 0, 0)
-    if m.prompt_tokens is not None:  # a part of the prompt, never more than all of it
-        cached = min(cached, max(m.prompt_tokens, 0))
-    uncached = max(max(m.prompt_tokens or 0, 0) - cached, 0)
-    output = max(m.output_tokens or 0, 0)
+    return spend_tokens(price, m.prompt_tokens, m.cached_prompt_tokens, m.output_tokens)
+
+
+def late_spend(price: ModelPrice, t: LateTokens) -> tuple[float, float, float]:
+    """A background Response's late tokens' cost by kind, as `spend`."""
+    return spend_tokens(price, t.prompt_tokens, t.cached_prompt_tokens, t.output_tokens)
+
+
+def spend_tokens(
+    price: ModelPrice, prompt: int | None, cached_prompt: int | None, output_tokens: int | None
+) -> tuple[float, float, float]:
+    """The cost by kind (input, cached_input, output) of these counts (None: unknown, so
+    nothing), as the module says."""
+    cached = max(cached_prompt or 0, 0)
+    if prompt is not None:  # a part of the prompt, never more than all of it
+        cached = min(cached, max(prompt, 0))
+    uncached = max(max(prompt or 0, 0) - cached, 0)
+    output = max(output_tokens or 0, 0)
     return (
         uncached * price.input / PER_TOKENS,
         cached * price.cached_input / PER_TOKENS,

@@ -6,18 +6,27 @@ from __future__ import annotations
 import io
 import json
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from proxy.core.background import LateTokens, Table, retrieval
 from proxy.core.labels import ModelLabels
 from proxy.core.measurement import TokenSource
 from proxy.core.request import RequestInfo
+from proxy.sinks.cost import CostSink, parse_prices
 from proxy.sinks.dispatch import Sinks
 from proxy.sinks.logs import AccessLog
 from proxy.sinks.metrics import Metrics
 from proxy.sinks.semconv import Names
 from proxy.sinks.sink import Labels
 from tests.sinks.test_otlp_sink import Collecting, by_name, sink
+
+#: Per million tokens: LATE's 3 uncached, 4 cached and 31 output tokens cost 3, 2 and 62
+#: millionths.
+PRICES = parse_prices(
+    {"currency": "EUR", "models": {"sim-model": {"input": 1, "cached_input": 0.5, "output": 2}}}
+)
+LATE_SPEND = {"input": 3e-6, "cached_input": 2e-6, "output": 62e-6}
 
 INFO = RequestInfo("/v1/responses", "sim-model", False, True, None, None, prompt="hi")
 LATE = LateTokens(
@@ -114,3 +123,32 @@ def test_otlp_adds_the_usage_counters_and_no_per_request_point() -> None:
         "tokenprobe.requests",
     ):
         assert name not in metrics
+
+
+def test_the_cost_sink_prices_the_late_tokens_as_a_requests() -> None:
+    """Sinks hands the late count to the cost sink (a LateTokensSink): its prompt, cached
+    and output tokens priced as `spend` prices a request's, by the model the POST named."""
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    sinks = Sinks(
+        [metrics, CostSink(PRICES, registry)],
+        metrics=metrics,
+        models=ModelLabels(("sim-model",)),
+    )
+    sinks.late_tokens(LATE, Labels("sim-model"))
+    got = {
+        kind: registry.get_sample_value(
+            "tokenprobe_cost_total", {"model": "sim-model", "kind": kind}
+        )
+        for kind in LATE_SPEND
+    }
+    assert got == pytest.approx(LATE_SPEND)
+
+
+def test_otlp_prices_the_late_tokens_as_a_requests() -> None:
+    otlp = sink(Collecting(), CollectorRegistry(), prices=PRICES)
+    otlp.late_tokens(LATE, Labels("sim-model"))
+    cost = by_name(otlp.collect())["tokenprobe.cost"]  # type: ignore[arg-type]
+    spend = {p.attributes["tokenprobe.cost.kind"]: p.value for p in cost.data.data_points}
+    assert spend == pytest.approx(LATE_SPEND)
+    assert {p.attributes["tokenprobe.currency"] for p in cost.data.data_points} == {"EUR"}

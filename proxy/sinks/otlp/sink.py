@@ -31,7 +31,7 @@ from proxy.core.measurement import Measurement, TokenSource
 from proxy.core.wsrecord import WsSessionRecord
 from proxy.core.wsseam import seam_of
 from proxy.sinks import semconv
-from proxy.sinks.cost import PRICE_KEYS, PriceTable, spend
+from proxy.sinks.cost import PRICE_KEYS, PriceTable, late_spend, spend
 from proxy.sinks.otlp.instruments import (
     CACHE_MISSES,
     CACHED_RATIO,
@@ -183,9 +183,9 @@ class OtlpMetrics:
     def late_tokens(self, t: LateTokens, labels: Labels) -> None:
         """A background Response's tokens, counted after its POST's record (proxy/core/
         background.py), with the POST's labels: the usage counters of the current names
-        and tokenprobe.usage.cached_input_tokens, not the per-request histograms (the
-        previous names' gen_ai.client.token.usage is one: nothing there), nor requests,
-        durations or cost."""
+        and tokenprobe.usage.cached_input_tokens, and tokenprobe.cost as `_count` adds a
+        request's; not the per-request histograms (the previous names'
+        gen_ai.client.token.usage is one: nothing there), nor requests or durations."""
         operation = self._operation(t.endpoint)
         base = self._base(t.model, t.response_model, labels, operation.key)
         usage = base + UNKNOWN_MODALITY
@@ -202,6 +202,14 @@ class OtlpMetrics:
                     self._add(USAGE_REASONING, usage, reasoning)
             if t.cached_prompt_tokens:
                 self._add(CACHED_TOKENS, base, t.cached_prompt_tokens)
+            if self.prices is None or self._cost is None:
+                return
+            if (price := self.prices.get(t.model)) is not None:  # bounded by the table
+                currency = ("tokenprobe.currency", self.prices.currency)
+                for kind, amount in zip(PRICE_KEYS, late_spend(price, t), strict=True):
+                    if amount:
+                        key = (*base, ("tokenprobe.cost.kind", kind), currency)
+                        self._add(self._cost, key, amount)
 
     def _token_usage(self, m: Measurement, base: Key) -> None:
         """The previous names: one histogram by gen_ai.token.type."""
