@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from contextvars import ContextVar
 from typing import Any
 
 import httpx
@@ -26,7 +27,7 @@ from proxy.core.errors import describe
 from proxy.core.identity import IGNORES_MODEL_NAMES
 from proxy.core.paths import route_key
 from proxy.core.tokens import TokenCounter
-from proxy.server.admission import Refused, own_route, where_to
+from proxy.server.admission import Refused, error_answer, own_route, where_to
 from proxy.server.certwatch import WATCH
 from proxy.server.control import ControlPlane, served_as
 from proxy.server.forward import Forwarder, UpstreamBroke
@@ -69,8 +70,29 @@ class _WebSocketPathOnly(logging.Filter):
         return True
 
 
+#: True in the --metrics-port listener's task, and what it starts (contexts are copied): the
+#: log records logged there are its server's, not the main one's.
+_IN_METRICS_LISTENER: ContextVar[bool] = ContextVar("in_metrics_listener", default=False)
+
+
+class _MetricsListenerQuiet(logging.Filter):
+    """The --metrics-port listener is a second uvicorn server on the main one's logger
+    (`uvicorn.error`, whose level is the process's): its startup and shutdown lines would
+    repeat the main server's, so they are dropped, and what it warns of says whose it is.
+    (A level of its own would be the shared logger's, hiding the main server's lines.)"""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not _IN_METRICS_LISTENER.get():
+            return True
+        if record.levelno < logging.WARNING:
+            return False
+        record.msg = "--metrics-port listener: " + str(record.msg)
+        return True
+
+
 logging.getLogger("uvicorn.error").addFilter(_HideUpstreamBroke())
 logging.getLogger("uvicorn.error").addFilter(_WebSocketPathOnly())
+logging.getLogger("uvicorn.error").addFilter(_MetricsListenerQuiet())
 keep_wire_libraries_quiet()  # no header value nor query from them, at any --log-level
 
 
@@ -183,10 +205,12 @@ class ProxyApp:
             http=GuardedHttpToolsProtocol,
             lifespan="on",  # hands the head guard over (MetricsListener)
             access_log=False,
-            log_level="warning",
+            # neither uvicorn's logging config nor a level: either would be set again on
+            # the loggers the main server shares (a level there hid its INFO lines), and
+            # the main server configured them already; _MetricsListenerQuiet sorts its lines
+            log_config=None,
             # uvicorn's call_later takes a float, as the main server's options hand it
             timeout_keep_alive=self.settings.keep_alive_timeout,  # type: ignore[arg-type]
-            limit_concurrency=METRICS_CONCURRENCY,
             server_header=False,
             date_header=False,
             proxy_headers=False,  # nothing here reads the client's address
@@ -194,11 +218,14 @@ class ProxyApp:
         server = uvicorn.Server(config)
         server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]  # the main server owns signals
         self._metrics_server = server
+        marked = _IN_METRICS_LISTENER.set(True)  # binding logs too ("Uvicorn running on")
         try:  # bound here: uvicorn answers a failed bind with sys.exit, out of a task
             sock = config.bind_socket()  # (a traceback through the event loop, exit 3)
         except SystemExit:  # it logged why (the address in use, ...)
             raise RuntimeError(f"--metrics-port {port}: cannot listen on {host}:{port}") from None
-        self._metrics_task = asyncio.create_task(server.serve(sockets=[sock]))
+        finally:
+            _IN_METRICS_LISTENER.reset(marked)
+        self._metrics_task = asyncio.create_task(_serve_listener(server, sock))
         while not server.started:
             if self._metrics_task.done():
                 self._metrics_task.result()  # raises what failed
@@ -298,8 +325,10 @@ class ProxyApp:
                 retry *= 2
 
 
-#: The most connections (and requests) the --metrics-port listener serves at once; past
-#: it uvicorn answers 503 (its `limit_concurrency`). A few scrapers and live views use it.
+#: The most requests the --metrics-port listener serves at once; past it, a 503
+#: (`MetricsListener`). A few scrapers and live views use it. Requests, not connections:
+#: uvicorn's `limit_concurrency` counts every open connection, so 64 heads left unfinished
+#: (each cut only at --header-timeout, and sent again) kept every scrape at 503.
 METRICS_CONCURRENCY = 64
 
 
@@ -313,16 +342,24 @@ class MetricsListener:
     def __init__(self, routes: ASGIApp, head_guard: HeadGuard) -> None:
         self.routes = routes
         self.head_guard = head_guard
+        self.serving = 0  # requests in `routes` now (METRICS_CONCURRENCY)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
+            if self.serving >= METRICS_CONCURRENCY:
+                await _busy(send)
+                return
             raw_path = scope.get("raw_path") or scope["path"].encode()
             where = where_to(raw_path, scope["query_string"])
             if not isinstance(where, Refused):  # else the routes' 404
                 own = served_as(route_key(where.path), where.path)
                 scope = {**scope, "path": own, "raw_path": own.encode()}
-            await self.routes(scope, receive, send)
+            self.serving += 1
+            try:
+                await self.routes(scope, receive, send)
+            finally:
+                self.serving -= 1
         elif kind == "websocket":  # no route here takes one: a refusal, not an error
             await send({"type": "websocket.close", "code": 1008})
         elif kind == "lifespan":
@@ -336,6 +373,22 @@ class MetricsListener:
                 elif message["type"] == "lifespan.shutdown":
                     await send({"type": "lifespan.shutdown.complete"})
                     return
+
+
+async def _busy(send: Send) -> None:
+    """The listener's answer past METRICS_CONCURRENCY requests at once."""
+    headers, body = error_answer(
+        503, "busy", f"the metrics listener serves {METRICS_CONCURRENCY} requests at once", None
+    )
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _serve_listener(server: Any, sock: Any) -> None:
+    """The listener's server, its task's log records marked as its own (the variable is
+    set in this task's copy of the context only)."""
+    _IN_METRICS_LISTENER.set(True)
+    await server.serve(sockets=[sock])
 
 
 def _tunnel_context(app: ProxyApp) -> TunnelContext:

@@ -70,6 +70,27 @@ def test_a_slow_head_to_the_metrics_port_is_cut_at_the_header_timeout(apart: int
     assert answer.startswith(b"HTTP/1.1 408")
 
 
+@paths("wire", why=LISTENER)
+def test_unfinished_heads_do_not_keep_a_scrape_out(
+    sim: Running, start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    """Connections are not requests: 80 heads left unfinished (more than the listener serves
+    at once) still leave a scrape its answer. With uvicorn's limit_concurrency at 64, every
+    scrape got 503 until --header-timeout cut them."""
+    port = free_port()
+    start_proxy(sim.url, metrics_port=port)  # --header-timeout 10 s: they stay meanwhile
+    held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(80)]
+    try:
+        for sock in held:
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+        time.sleep(0.2)  # every one accepted and read
+        answer = raw_get(port, b"/metrics")
+    finally:
+        for sock in held:
+            sock.close()
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:80]
+
+
 # -- a backend that mounts its metrics as vLLM does -----------------------------------------
 
 
