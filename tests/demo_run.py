@@ -17,18 +17,15 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
-from contextlib import suppress
 from pathlib import Path
 
 import pytest
 
 from tests.run_folder import run_folder
-from tests.servers import Started, started_early
+from tests.servers import Started, started_early, wait_early
 
 COMMAND = ("-m", "proxy", "demo", "--port", "0", "--rounds", "1")
 #: Seconds the demo may take from its start.
@@ -57,14 +54,7 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> subprocess.CompletedPr
     early = started_early(start_demo)
     if early is None:
         return _once(run_folder(tmp_path_factory) / "demo.json")
-    details, (process,) = early
-    out = Path(details["out"])
-    try:
-        returncode = process.wait(max(details["deadline"] - time.time(), 0))
-    except subprocess.TimeoutExpired:
-        with suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        raise
+    out, returncode = wait_early(early)
     read = {name: (out / name).read_text(errors="replace") for name in ("stdout", "stderr")}
     return subprocess.CompletedProcess(COMMAND, returncode, read["stdout"], read["stderr"])
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from tests.scrape import scrape
-from tests.servers import free_port, spawn, stop, wait_http
+from tests.servers import free_port, spawn, started, stop, wait_http
 
 SSE_USAGE_STREAM = (
     b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,'
@@ -169,13 +169,8 @@ def serving_process(
             process.stderr.close()
 
 
-@contextlib.contextmanager
-def backend(**kwargs: object) -> Iterator[RawBackend]:
-    server = RawBackend(**kwargs).start()  # type: ignore[arg-type]
-    try:
-        yield server
-    finally:
-        server.stop()
+def backend(**kwargs: object) -> contextlib.AbstractContextManager[RawBackend]:
+    return started(RawBackend(**kwargs))  # type: ignore[arg-type]
 
 
 def metric(base: str, name: str, **labels: str) -> float:

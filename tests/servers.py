@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol, Self, TypeVar
 
 import httpx
 import uvicorn
@@ -36,14 +37,20 @@ __all__ = [
     "Starter",
     "ThreadedHypercorn",
     "ThreadedServer",
+    "WsLoopThread",
+    "accept_each",
     "default_trust",
     "free_port",
+    "metrics_port_taken",
     "request_body",
     "serve",
     "serve_in_front",
     "spawn",
+    "started",
     "started_early",
     "stop",
+    "stop_group",
+    "wait_early",
     "wait_http",
 ]
 
@@ -179,13 +186,78 @@ class ThreadedHypercorn:
         self.thread.join(timeout=10)
 
 
+class WsLoopThread:
+    """A WebSocket server whose coroutine `_serve` runs on an event loop of its own in a
+    daemon thread, on 127.0.0.1:`port` (free when picked): `start` returns once `_serve`
+    has set `_ready` (it listens). How `_serve` ends is each server's own `stop`."""
+
+    #: Who did not start, in `start`'s error.
+    what = "the WebSocket server"
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}"
+
+    def _run(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.loop.run_until_complete(self._serve())
+        self.loop.close()
+
+    async def _serve(self) -> None:
+        raise NotImplementedError
+
+    def start(self) -> Self:
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError(f"{self.what} did not start")
+        return self
+
+
+class _Startable(Protocol):
+    def start(self) -> Any: ...
+    def stop(self) -> None: ...
+
+
+_S = TypeVar("_S", bound=_Startable)
+
+
 @contextlib.contextmanager
-def serve(app: Any, **config: Any) -> Iterator[ThreadedServer]:
-    server = ThreadedServer(app, **config).start()
+def started(server: _S) -> Iterator[_S]:
+    """`server` started, and stopped when the block ends."""
+    server.start()
     try:
         yield server
     finally:
         server.stop()
+
+
+def serve(app: Any, **config: Any) -> contextlib.AbstractContextManager[ThreadedServer]:
+    return started(ThreadedServer(app, **config))
+
+
+def accept_each(handle: Callable[[socket.socket], None], backlog: int) -> socket.socket:
+    """A socket listening on 127.0.0.1:<ephemeral>, each connection it accepts handed to
+    `handle` in a thread of its own, until the socket is closed."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(backlog)
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return sock
 
 
 # -- `python -m proxy ...` as a real process ---------------------------------------------
@@ -245,6 +317,33 @@ def stop(process: subprocess.Popen[bytes]) -> None:
             process.wait(10)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+def stop_group(process: subprocess.Popen[bytes] | Elsewhere) -> None:
+    """Stops `process` and the process group it leads (its children go with it): SIGTERM,
+    then SIGKILL if it has not ended in 30 s."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+
+
+def metrics_port_taken() -> tuple[int, subprocess.CompletedProcess[str]]:
+    """A `tokenprobe serve` run to its end with its --metrics-port held by another socket:
+    that port, and the process's exit status and output."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "proxy", "serve", "--upstream", "http://127.0.0.1:9",
+             "--port", "0", "--metrics-port", str(port), "--models-refresh", "0"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    return port, out
 
 
 def whole_lines(path: Path) -> list[str]:
@@ -425,6 +524,20 @@ def started_early(starter: Starter) -> tuple[dict[str, Any], list[Elsewhere]] | 
     details = json.loads(found.read_text())
     processes = [Elsewhere(pid, found.parent / f"{pid}.returncode") for pid in details["pids"]]
     return details, processes
+
+
+def wait_early(early: tuple[dict[str, Any], list[Elsewhere]]) -> tuple[Path, int]:
+    """The folder and the exit status of the one process `started_early` found, once it
+    has ended; past the deadline its starter gave, it is killed with its process group
+    and this raises subprocess.TimeoutExpired."""
+    details, (process,) = early
+    try:
+        returncode = process.wait(max(details["deadline"] - time.time(), 0))
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        raise
+    return Path(details["out"]), returncode
 
 
 def _write_whole(path: Path, text: str) -> None:

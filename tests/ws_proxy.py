@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import threading
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -26,7 +25,7 @@ from proxy.sinks.dispatch import Sinks
 from proxy.sinks.metrics import Metrics
 from proxy.sinks.sink import Recorder
 from tests.scrape import page, scrape
-from tests.servers import spawn, stop, wait_http
+from tests.servers import WsLoopThread, spawn, stop, wait_http
 
 
 class _Head(asyncio.Protocol):
@@ -61,10 +60,11 @@ class _Head(asyncio.Protocol):
             self.transport.close()
 
 
-class TunnelListener:
+class TunnelListener(WsLoopThread):
     """take_over behind a plain listener on 127.0.0.1:<free port>."""
 
     kind = "listener"
+    what = "the tunnel listener"
 
     def __init__(
         self,
@@ -72,7 +72,7 @@ class TunnelListener:
         apis: Callable[[str], WsApi | None] | None = None,
         **settings: Any,
     ) -> None:
-        self.port = free_port()
+        super().__init__()
         self.registry = CollectorRegistry()
         metrics = Metrics(self.registry)
         self.recorder = Recorder()
@@ -80,19 +80,7 @@ class TunnelListener:
         self.settings = Settings(upstream=upstream, **settings)
         self.apis = apis
         self.context: TunnelContext | None = None
-        self.loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}"
-
-    def _run(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.loop.run_until_complete(self._serve())
-        self.loop.close()
 
     async def _serve(self) -> None:
         context = tunnel_context(self.settings, self.sinks)
@@ -105,12 +93,6 @@ class TunnelListener:
         self._ready.set()
         await self._stop.wait()
         server.close()
-
-    def start(self) -> TunnelListener:
-        self._thread.start()
-        if not self._ready.wait(10):
-            raise RuntimeError("the tunnel listener did not start")
-        return self
 
     def call(self, fn: Callable[[], Any]) -> None:
         """Run fn on the listener's loop (the tunnels live there)."""

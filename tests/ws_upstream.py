@@ -15,7 +15,6 @@ tests.ws_upstream PORT` runs it alone (the benchmark's WebSocket echo upstream).
 
 from __future__ import annotations
 
-import asyncio
 import sys
 import threading
 import time
@@ -29,7 +28,7 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from proxy.bench.ports import free_port
+from tests.servers import WsLoopThread
 
 REFUSAL_BODY = b'{"error": "no entry for you"}\n'
 
@@ -91,30 +90,20 @@ def _refuse(connection: ServerConnection, request: Request) -> Response | None:
     return None
 
 
-class EchoUpstream:
+class EchoUpstream(WsLoopThread):
     """The echo server on 127.0.0.1:<free port> with its own event loop in a daemon thread.
 
     `record=False` keeps nothing (a benchmark's long run); `options` go to `serve`."""
 
+    what = "the WebSocket echo upstream"
+
     def __init__(self, record: bool = True, uds: str | None = None, **options: Any) -> None:
-        self.port = free_port()
+        super().__init__()
         self.uds = uds  # listen on this Unix socket instead (tests/server/test_unix_sockets.py)
         self.record = record
         self.sessions: list[Session] = []
         self.options = {"max_size": 8 * 1024 * 1024, **options}
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._server: Server | None = None
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}"
-
-    def _run(self) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._loop.run_until_complete(self._serve())
-        self._loop.close()
 
     async def _serve(self) -> None:
         handler = lambda ws: _handler(ws, self.sessions if self.record else None)  # noqa: E731
@@ -133,15 +122,9 @@ class EchoUpstream:
             self._ready.set()
             await server.serve_forever()
 
-    def start(self) -> EchoUpstream:
-        self._thread.start()
-        if not self._ready.wait(10):
-            raise RuntimeError("the WebSocket echo upstream did not start")
-        return self
-
     def stop(self) -> None:
-        if self._loop is not None and self._server is not None:
-            self._loop.call_soon_threadsafe(self._server.close)
+        if self.loop is not None and self._server is not None:
+            self.loop.call_soon_threadsafe(self._server.close)
         self._thread.join(timeout=10)
 
     def wait_sessions(self, n: int, since: int = 0, timeout: float = 10.0) -> list[Session]:

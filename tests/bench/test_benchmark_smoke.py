@@ -10,18 +10,15 @@ these checks runs other modules meanwhile: the run mostly waits (a third of a co
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
-from contextlib import suppress
 from pathlib import Path
 
 import pytest
 
 from tests.paths import ROOT
-from tests.servers import Started, started_early
+from tests.servers import Started, started_early, wait_early
 
 SCRIPT = ROOT / "benchmarks" / "relay.py"
 #: Seconds the run may take from its start.
@@ -86,14 +83,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
         )
         returncode, stderr = run.returncode, run.stderr
     else:
-        details, (process,) = early
-        out = Path(details["out"])
-        try:
-            returncode = process.wait(max(details["deadline"] - time.time(), 0))
-        except subprocess.TimeoutExpired:
-            with suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            raise
+        out, returncode = wait_early(early)
         stderr = (out / "stderr").read_text(errors="replace")
     assert returncode == 0, stderr[-3000:]
     assert (out / "chart.png").stat().st_size > 0

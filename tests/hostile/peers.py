@@ -23,6 +23,8 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
+from tests.servers import started
+
 __all__ = [
     "SSE_BODY",
     "Conn",
@@ -32,6 +34,7 @@ __all__ = [
     "by_target",
     "byte_relay",
     "exchange",
+    "keeping",
     "ok",
     "raw_upstream",
     "read_response",
@@ -149,6 +152,20 @@ def answer_each(response: bytes = b"") -> Script:
         while await conn.read_request() is not None:
             conn.write(answer)
             await conn.drain()
+
+    return script
+
+
+def keeping(answer: bytes, received: bytearray) -> Script:
+    """An upstream that reads one request, answers `answer` (a 101, say), and keeps in
+    `received` every byte the connection sends after it, to its end."""
+
+    async def script(conn: Conn) -> None:
+        await conn.read_request()
+        conn.write(answer)
+        await conn.drain()
+        while chunk := await conn.reader.read(1 << 16):
+            received.extend(chunk)
 
     return script
 
@@ -316,13 +333,8 @@ class RawUpstream:
         return condition()
 
 
-@contextlib.contextmanager
-def raw_upstream(**kwargs: object) -> Iterator[RawUpstream]:
-    server = RawUpstream(**kwargs).start()  # type: ignore[arg-type]
-    try:
-        yield server
-    finally:
-        server.stop()
+def raw_upstream(**kwargs: object) -> contextlib.AbstractContextManager[RawUpstream]:
+    return started(RawUpstream(**kwargs))  # type: ignore[arg-type]
 
 
 # -- the client side ----------------------------------------------------------------------

@@ -12,7 +12,6 @@ why; under CI=true they fail instead, since CI runs `.ci/llama` first.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.servers import access_records, free_port, serve_in_front, stop
+from tests.servers import access_records, free_port, serve_in_front, stop, stop_group
 
 LLAMA_DIR = Path(os.environ.get("TOKENPROBE_LLAMA_DIR", "/opt/llama-server"))
 SERVER = LLAMA_DIR / "bin" / "llama-server"
@@ -107,13 +106,7 @@ def _wait_healthy(llama: Llama, deadline: float) -> bool:
 def _stop(llama: Llama) -> None:
     if llama.proxy is not None:
         stop(llama.proxy)
-    if llama.process.poll() is None:
-        os.killpg(llama.process.pid, signal.SIGTERM)
-        try:
-            llama.process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(llama.process.pid, signal.SIGKILL)
-            llama.process.wait(10)
+    stop_group(llama.process)
 
 
 def _start_proxy(llama: Llama, logs: Path) -> None:

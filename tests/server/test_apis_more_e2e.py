@@ -9,6 +9,7 @@ records are read from its JSON access log (one line per request, proxy/sinks/log
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 import subprocess
@@ -27,7 +28,7 @@ from proxy.sim.state import SimRequest
 from tests.demo_run import demo_run
 from tests.scrape import scrape
 from tests.server.conftest import paths
-from tests.servers import ThreadedServer, free_port, spawn, stop, wait_http
+from tests.servers import free_port, serve, spawn, stop, wait_http
 
 MODEL = "sim-model"
 TTFT = 0.25
@@ -70,14 +71,19 @@ class Proxy:
         return scrape(self.url).total(name, **labels)
 
 
+@contextlib.contextmanager
+def recording_sim() -> Iterator[tuple[str, SimApp]]:
+    """The simulator in this process, its URL and app: it records the bodies it sends
+    (`sent`). Also tests/server/test_realtime_oversize_e2e.py's."""
+    app = SimApp(SimConfig(models=(MODEL,), ttft=0.05, tokens_per_second=200.0, record_bodies=True))
+    with serve(app) as server:
+        yield server.url, app
+
+
 @pytest.fixture(scope="module")
 def sim() -> Iterator[tuple[str, SimApp]]:
-    app = SimApp(SimConfig(models=(MODEL,), ttft=0.05, tokens_per_second=200.0, record_bodies=True))
-    server = ThreadedServer(app).start()
-    try:
-        yield server.url, app
-    finally:
-        server.stop()
+    with recording_sim() as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,9 @@ server, here on every run without one.
 The client's stream is the stream direct whether it asked for usage or not (the proxy asks
 for usage, the simulator then moves `timings` to the usage chunk as llama.cpp does, and the
 proxy puts them back on the finish chunk: proxy/core/strip.py). Two requests differ only in
-their `id`, `created` second and the timings' times and rates (as in
-tests/llamacpp/test_real_llamacpp.py); those are replaced, counted, and the rest compared
-byte for byte. The figures are the simulator's own: tokens equal `predicted_n` and
+their `id`, `created` second and the timings' times and rates; those are replaced and
+counted as tests/llamacpp/test_real_llamacpp.py does (its `normalise`), and the rest
+compared byte for byte. The figures are the simulator's own: tokens equal `predicted_n` and
 `prompt_n + cache_n`, the engine part of the TTFT split is `prompt_ms`, `cache_n` (the
 simulator's prefix cache) is the cached prompt tokens.
 """
@@ -16,35 +16,24 @@ from __future__ import annotations
 
 import hashlib
 import math
-import re
 import time
 from collections.abc import Callable
 from typing import Any
 
 import httpx
-import orjson
 import pytest
 
 from proxy.core.measurement import Measurement, TokenSource
 from proxy.sim.llamacpp import BUILD_INFO
 from proxy.sim.state import SimRequest
 from tests.conftest import MODEL, ProxyUnderTest, Running
+from tests.llamacpp.test_real_llamacpp import TIMED, normalise, timings_of
+from tests.pairs import payloads
 
 TTFT = 0.08
 TOKENS = 6
 PROGRAM = {"x-sim-ttft": str(TTFT), "x-sim-tps": "200", "x-sim-output-tokens": str(TOKENS)}
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-TIMED = (
-    "prompt_ms",
-    "prompt_per_token_ms",
-    "prompt_per_second",
-    "predicted_ms",
-    "predicted_per_token_ms",
-    "predicted_per_second",
-)
-_ID = re.compile(rb'"id":"chatcmpl-[A-Za-z0-9]+"')
-_CREATED = re.compile(rb'"created":\d+')
-_TIMED = re.compile(rb'"(' + "|".join(TIMED).encode() + rb')":[-+0-9.eE]+')
 
 
 @pytest.fixture
@@ -75,29 +64,6 @@ def fetch(url: str, body: Any) -> bytes:
     with httpx.stream("POST", url, json=body, headers=PROGRAM, timeout=30) as r:
         assert r.status_code == 200, r.read()
         return b"".join(r.iter_raw())
-
-
-def payloads(raw: bytes) -> list[Any]:
-    out = []
-    for event in raw.split(b"\n\n"):
-        if event and event != b"data: [DONE]":
-            assert event.startswith(b"data: "), event
-            out.append(orjson.loads(event[len(b"data: ") :]))
-    return out
-
-
-def normalise(raw: bytes) -> tuple[bytes, tuple[int, int, int]]:
-    raw, ids = _ID.subn(b'"id":"chatcmpl-X"', raw)
-    raw, created = _CREATED.subn(b'"created":0', raw)
-    raw, timed = _TIMED.subn(rb'"\1":0', raw)
-    return raw, (ids, created, timed)
-
-
-def timings_of(raw: bytes) -> dict[str, Any]:
-    found = [p["timings"] for p in payloads(raw) if "timings" in p]
-    assert len(found) == 1, raw
-    timings: dict[str, Any] = found[0]
-    return timings
 
 
 def served(sim: Running, path: str = CHAT) -> SimRequest:

@@ -6,12 +6,8 @@ main server's start and shutdown lines), and its own lines would repeat the main
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-
 from tests.server.conftest import no_proxy
-from tests.servers import free_port, spawn, stop, wait_http
+from tests.servers import free_port, metrics_port_taken, spawn, stop, wait_http
 
 
 def serve_log(*flags: str) -> str:
@@ -56,14 +52,6 @@ def test_the_main_server_logs_its_lines_once_and_the_listener_none() -> None:
 @no_proxy
 def test_what_the_listener_logs_says_it_is_the_listener_s() -> None:
     """Its bind failure (an error) is still logged, marked as its own."""
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        out = subprocess.run(
-            [sys.executable, "-m", "proxy", "serve", "--upstream", "http://127.0.0.1:9",
-             "--port", "0", "--metrics-port", str(port), "--models-refresh", "0"],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+    _, out = metrics_port_taken()
     (line,) = [line for line in out.stderr.splitlines() if "Address already in use" in line]
     assert "--metrics-port listener: " in line, out.stderr

@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 import pytest
 
-from proxy.sim import SimApp, SimConfig
+from proxy.sim import SimApp
 from tests.server.conftest import paths
 from tests.server.test_apis_more_e2e import (
     MODEL,
@@ -24,9 +24,10 @@ from tests.server.test_apis_more_e2e import (
     Proxy,
     pcm_b64,
     realtime_url,
+    recording_sim,
     speak,
 )
-from tests.servers import ThreadedServer, stop
+from tests.servers import stop
 
 BOUND = 64 * 1024
 FAILURES = "tokenprobe_measurement_failures_total"
@@ -34,12 +35,8 @@ FAILURES = "tokenprobe_measurement_failures_total"
 
 @pytest.fixture(scope="module")
 def sim() -> Iterator[tuple[str, SimApp]]:
-    app = SimApp(SimConfig(models=(MODEL,), ttft=0.05, tokens_per_second=200.0, record_bodies=True))
-    server = ThreadedServer(app).start()
-    try:
-        yield server.url, app
-    finally:
-        server.stop()
+    with recording_sim() as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

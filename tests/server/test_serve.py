@@ -18,7 +18,7 @@ import pytest
 
 from tests.scrape import Scrape, scrape, wait_for
 from tests.server.conftest import no_proxy, paths
-from tests.servers import free_port, spawn, stop, wait_http
+from tests.servers import free_port, metrics_port_taken, spawn, stop, wait_http
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "sim-model", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
@@ -352,17 +352,7 @@ def test_a_second_proxy_given_the_same_metrics_directory_refuses_to_start(
 def test_a_metrics_port_in_use_is_said_in_a_line_naming_it_without_a_traceback() -> None:
     """As --port in use is: uvicorn's bind failure, then why, exit 3 (the metrics listener's
     sys.exit escaped its task: a traceback through the event loop)."""
-    import socket
-
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        out = subprocess.run(
-            [sys.executable, "-m", "proxy", "serve", "--upstream", "http://127.0.0.1:9",
-             "--port", "0", "--metrics-port", str(port), "--models-refresh", "0"],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+    port, out = metrics_port_taken()
     assert out.returncode == 3, out.stderr
     assert f"--metrics-port {port}: cannot listen on 127.0.0.1:{port}" in out.stderr
     assert "Traceback" not in out.stderr, out.stderr

@@ -29,7 +29,7 @@ from proxy.core.wsseam import WsApi, WsSession
 from proxy.server.tunnel.budget import HELD
 from proxy.sim import SimConfig
 from tests.hostile.client import SWITCH, ws_head
-from tests.hostile.peers import Conn, RawUpstream, raw_upstream
+from tests.hostile.peers import Conn, RawUpstream, keeping, raw_upstream
 from tests.server.conftest import paths
 from tests.sim.test_sim_support import running
 from tests.ws_proxy import TunnelListener
@@ -154,15 +154,7 @@ def test_a_clients_flood_of_16_byte_frames_is_read_only_so_far_and_said(
     hello = b"\x81\x85abcd" + bytes(b ^ k for b, k in zip(b"hello", b"abcda", strict=True))
     flood = CLIENT_PING * FLOOD
     received = bytearray()
-
-    async def script(conn: Conn) -> None:
-        await conn.read_request()
-        conn.write(SWITCH)
-        await conn.drain()
-        while chunk := await conn.reader.read(1 << 16):
-            received.extend(chunk)
-
-    upstream.default = script
+    upstream.default = keeping(SWITCH, received)
     api = _Recording()
     proxy = TunnelListener(upstream.url, apis=lambda path: api).start()
     try:

@@ -26,7 +26,7 @@ import pytest
 
 from proxy.server.tunnel.budget import INFLATE_HELD
 from tests.hostile.client import SWITCH, Switcher, ws_head
-from tests.hostile.peers import Conn, RawUpstream, raw_upstream
+from tests.hostile.peers import RawUpstream, keeping, raw_upstream
 from tests.server.conftest import paths
 from tests.server.test_tunnel_frame_budget import _Recording
 from tests.ws_proxy import TunnelListener
@@ -76,15 +76,7 @@ def test_a_clients_deflate_bomb_is_inflated_only_so_far_and_said(
     count = 300  # 1.17 MB on the wire, 1.2 GB inflated
     flood = bomb * count
     received = bytearray()
-
-    async def script(conn: Conn) -> None:
-        await conn.read_request()
-        conn.write(SWITCH.replace(b"\r\n\r\n", b"\r\n" + DEFLATE + b"\r\n"))
-        await conn.drain()
-        while chunk := await conn.reader.read(1 << 16):
-            received.extend(chunk)
-
-    upstream.default = script
+    upstream.default = keeping(SWITCH.replace(b"\r\n\r\n", b"\r\n" + DEFLATE + b"\r\n"), received)
     api = _Recording()
     proxy = TunnelListener(upstream.url, apis=lambda path: api).start()
     try:

@@ -33,6 +33,7 @@ from proxy.core.request import RequestInfo
 from proxy.core.wsframes import FrameReader, WsMessage, close_frame
 from proxy.core.wsseam import WsApi, WsSession
 from tests.server.conftest import paths
+from tests.servers import accept_each
 from tests.ws_proxy import ServedProxy, TunnelListener
 from tests.ws_upstream import REFUSAL_BODY, EchoUpstream, Session
 
@@ -393,11 +394,8 @@ class RawUpstream:
     def __init__(self) -> None:
         self.routes: dict[bytes, tuple[bytes, After | None]] = {}
         self.conns: dict[bytes, list[RawConn]] = {}
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
+        self.sock = accept_each(self._serve, backlog=64)
         self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
 
     @property
     def url(self) -> str:
@@ -409,14 +407,6 @@ class RawUpstream:
     def wait_conn(self, path: bytes) -> RawConn:
         _wait(lambda: self.conns.get(path), what=f"a connection for {path!r}")
         return self.conns[path][0]
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:

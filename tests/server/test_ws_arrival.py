@@ -12,7 +12,6 @@ after --connect-timeout and then --first-byte-timeout again.
 from __future__ import annotations
 
 import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -20,6 +19,7 @@ import pytest
 
 from tests.backlog import full_backlog
 from tests.server.conftest import paths
+from tests.servers import accept_each
 from tests.ws_proxy import ServedProxy, TunnelListener
 
 pytestmark = paths(
@@ -45,19 +45,8 @@ class SlowThenSwitch:
     """An upstream that answers GET /slow after SLOW seconds and switches a handshake."""
 
     def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
+        self.sock = accept_each(self._serve, backlog=16)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:

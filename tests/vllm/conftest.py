@@ -44,6 +44,7 @@ from tests.servers import (
     serve_in_front,
     started_early,
     stop,
+    stop_group,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -261,13 +262,7 @@ def _signal(pids: list[int], signum: int) -> None:
 def _stop(server: Vllm) -> None:
     if server.proxy is not None:
         stop(server.proxy)
-    if server.process.poll() is None:
-        os.killpg(server.process.pid, signal.SIGTERM)
-        try:
-            server.process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.process.pid, signal.SIGKILL)
-            server.process.wait(10)
+    stop_group(server.process)
 
 
 @dataclass
