@@ -165,6 +165,9 @@ def test_a_stream_in_flight_on_a_worker_that_dies_is_counted_lost(
     proxy = spawn(
         "serve", "--upstream", sim_url, "--port", str(port), "--workers", "2",
         "--access-log", "off", "--label-header", "x-team=team",
+        # the label from the allowlist, not from the model list a worker may not have read
+        # yet when the stream starts (it was `other` then)
+        "--model-allowlist", "sim-model",
         env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "prom")},
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
