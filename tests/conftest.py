@@ -123,7 +123,9 @@ SECONDS = {
     "tests/deploy/test_outage_alert_live.py": 10,
     "tests/hostile/test_body_cut_words.py": 8,
     "tests/server/test_held_chunks_e2e.py": 5,
-    "tests/server/test_background_responses_e2e.py": 5,
+    "tests/server/test_background_responses_e2e.py": 12,  # 7.7 s alone (-n0) since its retrievals
+    # 23 s alone (-n0), 2026-12-07: refused requests' turns added
+    "tests/server/test_conversations_e2e.py": 30,
     "tests/hostile/test_in_stream_errors.py": 5,
     # 40 s of tests, listed lower: handed out when its vLLMs, started early and loading
     # below the tests' priority, are up (2.5 minutes; at 2 it waited 40 s). At 23 its
