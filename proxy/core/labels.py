@@ -110,6 +110,20 @@ class Admitted:
         asking nothing and admitting nothing."""
         return value in self._values
 
+    def known(self, value: str) -> bool:
+        """Admitted already, here or by another process: the ledger is asked, read-only
+        (a limit of 0 admits nothing), when the value is not known here."""
+        if value in self._values:
+            return True
+        if self._ledger is None:
+            return False
+        kept = self._ledger.admit(value, 0)
+        if kept is None:
+            return False
+        self._values = set(kept)
+        self.full = len(self._values) >= self._limit
+        return value in self._values
+
     def __call__(self, value: str) -> bool:
         if value in self._values:
             return True

@@ -26,6 +26,8 @@ OTHER = "other"
 NO_KEY = "none"
 REJECTED = "rejected"
 MAX_KEYS = 100
+#: The statuses that refuse a request's credentials, whatever else its record says.
+_REFUSED = frozenset({401, 403})
 #: A WebSocket session's turn (proxy/core/apis/realtime.py) is recorded with the status
 #: of the upgrade the upstream took: it was answered, with no `ttfb` of its own.
 _SWITCHED = 101
@@ -67,18 +69,28 @@ class KeyLabels:
         error_type="auth" under its own label)."""
         if label in self._admitted or label == NO_KEY:
             return label
-        if m.error_type is ErrorType.AUTH:
-            return REJECTED
+        if m.error_type is ErrorType.AUTH or m.status_code in _REFUSED:
+            # (the status too: a client that left as the 401 came is client_cancelled,
+            # and its made-up key was admitted) A key another worker admitted keeps its
+            # label: the shared ledger is asked, read-only.
+            return label if self._admitted.known(label) else REJECTED
         if m.ttfb is None and m.status_code != _SWITCHED:
             return OTHER  # no answer vouched for the key (unreachable, timed out, cut)
         return label if self._admitted(label) else OTHER
 
 
 def _api_key(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The key the backend checks: `Authorization` wherever it stands (vLLM reads only its
+    Bearer token, vllm/entrypoints/serve/middleware/authenticate.py `verify_token`;
+    llama-server reads it first, tools/server/server-http.cpp), else `x-api-key` or
+    `api-key` (llama-server's fallback when Authorization is absent). Taken in header
+    order, a made-up `x-api-key` sent before a valid `Authorization` was labelled while
+    the backend accepted the request for the other: one valid key admitted any number."""
+    fallback = None
     for name, value in headers:
         if name == b"authorization":
             scheme, _, token = value.partition(b" ")
             return token.strip() if scheme.lower() == b"bearer" and token.strip() else value
-        if name == b"api-key" or name == b"x-api-key":
-            return value
-    return None
+        if fallback is None and (name == b"api-key" or name == b"x-api-key"):
+            fallback = value
+    return fallback

@@ -136,3 +136,40 @@ def test_workers_share_the_places_of_accepted_keys_only(tmp_path: Path) -> None:
     assert label(a, "sk-3", ANSWERED) == "other"
     ledger = (tmp_path / "tokenprobe-admitted-key").read_text()
     assert len(ledger.split()) == 2 and first in ledger and "sk-" not in ledger  # no junk
+
+
+@no_proxy
+def test_a_401_the_client_left_at_still_refuses_its_key() -> None:
+    """A client that closes as the 401's head arrives ends client_cancelled, with a first
+    byte: its made-up key was admitted (about 1 in 150 tries). The status refuses it."""
+    left = measurement(status_code=401, error_type=ErrorType.CLIENT_CANCELLED)
+    keys = KeyLabels("salt")
+    assert label(keys, "made-up", left) == "rejected"
+    assert label(keys, "made-up", ANSWERED) != "rejected"  # it took no place before
+
+
+@no_proxy
+def test_the_key_is_the_one_the_backend_checks_wherever_its_header_stands() -> None:
+    """vLLM checks only Authorization's Bearer token, llama-server Authorization before
+    X-Api-Key: a made-up x-api-key sent first is not the request's key."""
+    keys = KeyLabels("salt")
+    valid = keys.settle(keys(bearer("good")), ANSWERED)
+    both = [(b"x-api-key", b"junk-1"), (b"api-key", b"junk-2"), *bearer("good")]
+    assert keys.settle(keys(both), ANSWERED) == valid
+    alone = keys.settle(keys([(b"x-api-key", b"llama-key")]), ANSWERED)
+    assert alone not in (valid, "none", "other")  # the fallback without Authorization
+
+
+@no_proxy
+def test_a_key_another_worker_admitted_keeps_its_label_when_refused(tmp_path: Path) -> None:
+    """Refused later in a worker that never saw it answered (its backend's key rotated):
+    the shared ledger is asked, so the refusals stay under the key's label there too."""
+
+    def worker() -> KeyLabels:
+        return KeyLabels("salt", max_keys=2, ledger=FileLedger(ledger_path(str(tmp_path), "key")))
+
+    a, b = worker(), worker()
+    first = label(a, "sk-1", ANSWERED)
+    assert label(b, "sk-1", REFUSED) == first
+    assert label(b, "made-up", REFUSED) == "rejected"
+    assert len((tmp_path / "tokenprobe-admitted-key").read_text().split()) == 1  # read only
