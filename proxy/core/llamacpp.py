@@ -135,9 +135,11 @@ def several_tasks(obj: dict[str, Any]) -> bool:
 
 def several_prompts(prompt: object) -> bool:
     """Whether a Completions request's `prompt` is a list of prompts (texts, or lists of
-    token ids; a list of ints is one prompt of token ids). Not streamed, llama-server
-    answers them merged (`several_tasks`) with the first prompt's usage alone."""
-    return type(prompt) is list and len(prompt) > 1 and type(prompt[0]) is not int
+    token ids). An array holding any number is one prompt, texts and ids mixed
+    (tools/server/server-common.cpp tokenize_input_prompts,
+    `json_is_array_and_contains_numbers`). Not streamed, llama-server answers several
+    merged (`several_tasks`) with the first prompt's usage alone."""
+    return type(prompt) is list and len(prompt) > 1 and not any(type(p) is int for p in prompt)
 
 
 def first_task_prompt(usage: object) -> dict[str, Any] | None:

@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 import pytest
 
+from proxy.core.llamacpp import several_prompts
 from proxy.core.measurement import Measurement, TokenSource
 from proxy.core.observe import StreamObserver
 from proxy.core.request import parse_request
@@ -293,3 +294,11 @@ def test_n_cmpl_is_read_before_its_alias_n(asked: dict[str, Any], tasks_a_prompt
     assert len(usages) == tasks_a_prompt
     assert record.prompt_tokens == usages[0]["prompt_tokens"]
     assert record.output_tokens == sum(u["completion_tokens"] for u in usages)
+
+
+def test_an_array_holding_a_number_is_one_prompt() -> None:
+    """llama-server reads an array that holds any number as one prompt, texts and token
+    ids mixed (server-common.cpp, json_is_array_and_contains_numbers): its usage stays."""
+    assert not several_prompts(["hi", 15, 16, 17])
+    assert not several_prompts([15, 16, 17]) and not several_prompts(["one"])
+    assert several_prompts(["hi", "there"]) and several_prompts([[15, 16], [17]])
