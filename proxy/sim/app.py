@@ -32,7 +32,8 @@
 Every API route is recorded in `app.state`; /health and /sim/* are not. As in current
 vLLM (vllm/entrypoints/serve/utils/auth.py or openai/api_server.py, by release:
 AuthenticationMiddleware, PUBLIC_ENDPOINTS), the API key guards every route except
-/health, /ping, /load and /version, and is read from `Authorization: Bearer` only. Generation routes take the x-sim-* controls of
+/health, /ping, /load and /version, and is read from `Authorization: Bearer` only; a
+WebSocket upgrade under /v1 without it is answered an HTTP 401 (`_deny_upgrade`). Generation routes take the x-sim-* controls of
 controls.py; the non-generative ones take x-sim-error, x-sim-ttft (their latency,
 with x-sim-ttft-per-prompt-token) and x-sim-stall-before-headers.
 """
@@ -91,7 +92,7 @@ from proxy.sim.pacing import FreePacer, LockstepPacer, Pacer, StepClock
 from proxy.sim.prefix_cache import PrefixCache
 from proxy.sim.realtime import RealtimeSession
 from proxy.sim.request_json import read_json
-from proxy.sim.responses import ResponsesWire
+from proxy.sim.responses import ResponsesWire, invalid_previous_id
 from proxy.sim.slots import Slots
 from proxy.sim.state import Outcome, SimRequest, SimState
 from proxy.sim.stream import complete, engine_metrics, paced_whole, stream
@@ -136,7 +137,20 @@ class SimApp:
             await self._lifespan(receive, send)
 
     async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["path"] != "/v1/realtime":
+        path: str = scope["path"]
+        if self._auth is not None and path.startswith(_ALWAYS_GUARDED):
+            headers = {
+                k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]
+            }
+            if headers.get("authorization") != self._auth:
+                # vLLM's AuthenticationMiddleware guards upgrades as it guards requests,
+                # before any route: an upgrade under its prefixes without the key gets its
+                # JSONResponse, which starlette sends as the WebSocket Denial Response (an
+                # HTTP 401, {"error":"Unauthorized"}): vllm/entrypoints/serve/middleware/
+                # authenticate.py __call__, checked against vLLM 0.32 under uvicorn.
+                await _deny_upgrade(scope, send, errors.unauthorized())
+                return
+        if path != "/v1/realtime":
             await send({"type": "websocket.close", "code": 1008})  # uvicorn answers 403
             return
         try:
@@ -522,7 +536,12 @@ class SimApp:
         (proxy/sim/background.py): streamed, the POST reads its stored events, so a client
         that leaves stops only its reading; not streamed, the POST answers the response
         `queued` at once (vLLM's serving.py:537-589). A `previous_response_id` the store
-        does not hold is a 404 once the request is valid (serving.py:361-367)."""
+        does not hold is a 404 once the request is valid (serving.py:361-367); one that is
+        not a string is refused with the body (responses.invalid_previous_id)."""
+        refused = invalid_previous_id(body)
+        if refused is not None:
+            await ex.error(refused)
+            return "error"
         plan = plan_request("responses", body, ex.record.headers, self.config)
         if isinstance(plan, errors.ErrorReply):  # refused before anything is stored
             await ex.error(plan)
@@ -627,6 +646,19 @@ class SimApp:
                 await self.background.stop()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+
+async def _deny_upgrade(scope: Scope, send: Send, reply: errors.ErrorReply) -> None:
+    """Refuse a WebSocket upgrade with an HTTP answer (the ASGI WebSocket Denial Response);
+    a server without that extension can only refuse it bare (uvicorn answers 403)."""
+    if "websocket.http.response" not in scope.get("extensions", {}):
+        await send({"type": "websocket.close", "code": 1008})
+        return
+    headers = [(b"content-length", b"%d" % len(reply.body)), (b"content-type", reply.content_type)]
+    await send(
+        {"type": "websocket.http.response.start", "status": reply.status, "headers": headers}
+    )
+    await send({"type": "websocket.http.response.body", "body": reply.body})
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,7 +51,7 @@ from typing import Any
 
 import orjson
 
-from proxy.sim import wire
+from proxy.sim import errors, wire
 from proxy.sim.controls import Plan
 from proxy.sim.tokens import completion_text
 from proxy.sim.wire import stamp_text
@@ -87,6 +87,19 @@ _OPEN = frozenset({"in_progress", "queued"})
 #: ResponsesResponse's last fields, null unless disaggregated serving or
 #: enable_response_messages sets them (protocol.py).
 _VLLM_NULLS = ("kv_transfer_params", "ec_transfer_params", "input_messages", "output_messages")
+
+
+def invalid_previous_id(body: Any) -> errors.ErrorReply | None:
+    """vLLM's 400 for a `previous_response_id` that is neither a string nor null
+    (protocol.py ResponsesRequest: `previous_response_id: str | None`), or None: pydantic
+    refuses the body before anything else runs; checked against vLLM 0.32's validation
+    handler (5 is refused as 'input': '5', a list as '<list of N items>')."""
+    previous = body.get("previous_response_id") if isinstance(body, dict) else None
+    if previous is None or isinstance(previous, str):
+        return None
+    loc = "body.previous_response_id"
+    err = {"type": "string_type", "loc": loc, "msg": "Input should be a valid string"}
+    return errors.validation_error(loc, [{**err, "input": errors.error_input(previous)}])
 
 
 def _number(body: dict[str, Any], key: str, default: float) -> Any:

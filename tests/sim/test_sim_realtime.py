@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from proxy.sim import SimConfig
 from proxy.sim.realtime import pcm16_bytes
@@ -183,3 +183,28 @@ def test_an_answer_holding_a_lone_surrogate_is_a_processing_error(url: str) -> N
     ]
     assert "position 11" in got[0]["error"]  # as vLLM 0.32 sent it: the index in the text
     assert kinds(got[2:]) == ["transcription.delta"] * 2
+
+
+def test_an_upgrade_without_the_key_is_vllms_http_401() -> None:
+    """vLLM's AuthenticationMiddleware guards upgrades under /v1 as it guards requests
+    (serve/middleware/authenticate.py): the handshake gets its 401 JSON answer (checked
+    against vLLM 0.32's middleware under uvicorn); the key itself opens the session."""
+
+    async def handshake(url: str, key: str | None) -> tuple[int, bytes]:
+        headers = {} if key is None else {"authorization": f"Bearer {key}"}
+        try:
+            async with connect(url, additional_headers=headers) as ws:
+                return 101, (await ws.recv()).encode()
+        except InvalidStatus as refused:
+            return refused.response.status_code, bytes(refused.response.body or b"")
+
+    with running(SimConfig(models=("sim-model",), api_key="good")) as (server, app):
+        base = server.url.replace("http://", "ws://")
+        for key in ("made-up", None):
+            got = asyncio.run(handshake(base + "/v1/realtime", key))
+            assert got == (401, b'{"error":"Unauthorized"}'), key
+        assert asyncio.run(handshake(base + "/v1/other", "made-up"))[0] == 401  # before routing
+        assert asyncio.run(handshake(base + "/other", "made-up"))[0] == 403  # not guarded
+        status, first = asyncio.run(handshake(base + "/v1/realtime", "good"))
+        assert (status, json.loads(first)["type"]) == (101, "session.created")
+        assert len(app.realtime_sessions) == 1

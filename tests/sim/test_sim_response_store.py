@@ -95,6 +95,37 @@ def test_a_response_not_stored_is_not_continued(client: httpx.Client) -> None:
         assert client.get(f"/v1/responses/{first['id']}").status_code == 404
 
 
+@pytest.mark.parametrize(
+    ("previous", "shown", "fields"),
+    [
+        (5, "5", {"stream": True}),
+        (["resp_a"], "<list of 1 items>", {"background": True}),
+        (5, "5", {"model": "no-such-model"}),  # pydantic refuses the body before any check
+    ],
+)
+def test_a_previous_response_id_not_a_string_is_vllms_validation_400(
+    client: httpx.Client, previous: Any, shown: str, fields: dict[str, Any]
+) -> None:
+    """ResponsesRequest's `previous_response_id: str | None` (responses/protocol.py): vLLM
+    0.32's validation handler answers this body, checked by running it on the request."""
+    reply = respond(client, previous_response_id=previous, **fields)
+    assert reply.status_code == 400
+    assert reply.headers["content-type"] == "application/json"
+    loc = "body.previous_response_id"
+    error = (
+        f"{{'type': 'string_type', 'loc': '{loc}', 'msg': 'Input should be a valid string', "
+        f"'input': '{shown}'}}"
+    )
+    assert reply.json() == {
+        "error": {
+            "message": f"1 validation error:\n  {error}",
+            "type": "Bad Request",
+            "param": loc,
+            "code": 400,
+        }
+    }
+
+
 def test_a_refused_request_is_refused_before_its_previous_id_is_looked_up(
     client: httpx.Client,
 ) -> None:
