@@ -886,15 +886,15 @@ _ID_PREFIX = {
 }
 
 
-#: Routes vLLM serves without the API key, and the prefixes it always guards.
-_PUBLIC = frozenset({"/health", "/ping", "/load", "/version", "/api/version"})
+#: The prefixes vLLM 0.32 guards with --api-key, and only those: /pooling, /score,
+#: /rerank, /classify, /tokenize, /invocations... answer without the key
+#: (vllm/entrypoints/serve/middleware/authenticate.py GUARDED_PREFIX, checked before any
+#: route; OPTIONS is never guarded).
 _ALWAYS_GUARDED = ("/v1", "/v2", "/inference", "/cohere")
 
 
 def _guarded(path: str) -> bool:
-    if path in _PUBLIC:
-        return False
-    return path in _ROUTES or path.startswith(_ALWAYS_GUARDED)
+    return path.startswith(_ALWAYS_GUARDED)
 
 
 _FORMS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})

@@ -557,15 +557,21 @@ def test_an_invocation_no_chat_takes_is_answered_as_a_completion_without_a_promp
     assert (reply.status_code, reply.json()) == (400, NO_PROMPT)
 
 
-def test_api_key_guards_every_route_but_the_public_ones() -> None:
-    # vLLM's AuthenticationMiddleware: PUBLIC_ENDPOINTS stay open, Bearer only.
+def test_api_key_guards_vllms_prefixes_only() -> None:
+    # vLLM 0.32's AuthenticationMiddleware: the paths under GUARDED_PREFIX ("/v1", "/v2",
+    # "/inference", "/cohere") need the Bearer key, every other route is open
+    # (vllm/entrypoints/serve/middleware/authenticate.py). The simulator guarded every
+    # route it serves, as older vLLMs did.
     with running(SimConfig(api_key="k", ttft=0)) as (server, _), httpx.Client() as c:
-        for path in ("/v1/messages", "/tokenize", "/v2/rerank", "/v1/unknown"):
+        for path in ("/v1/messages", "/v2/rerank", "/v1/unknown"):
             reply = c.post(server.url + path, json=message(False))
             assert reply.status_code == 401 and reply.json() == {"error": "Unauthorized"}
         assert c.post(server.url + "/v1/messages", headers={"x-api-key": "k"}).status_code == 401
         ok = {"authorization": "Bearer k"}
-        assert c.post(server.url + "/tokenize", json={"prompt": "x"}, headers=ok).status_code == 200
+        assert c.post(server.url + "/v1/tokenize", json={"prompt": "x"}).status_code == 401
+        for headers in ({}, ok):  # open with or without a key
+            reply = c.post(server.url + "/tokenize", json={"prompt": "x"}, headers=headers)
+            assert reply.status_code == 200
         for path in ("/version", "/load", "/ping", "/health"):
             assert c.get(server.url + path).status_code == 200
 
