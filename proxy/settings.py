@@ -554,7 +554,8 @@ class Settings:
     drain_timeout: float = setting(
         _seconds,
         30.0,
-        "On SIGTERM: stop accepting, let in-flight streams finish for up to this long, exit 0.",
+        "On SIGTERM or SIGINT (Ctrl-C): stop accepting, let in-flight streams finish for up to "
+        "this long, exit 0.",
     )
     log_level: str = setting(
         _choice("debug", "info", "warning", "error"),

@@ -263,6 +263,12 @@ class ProxyApp:
                 try:
                     await self.startup()
                 except Exception as exc:
+                    # ASGI sends no shutdown after a failed start: end what it began (the
+                    # model-list refresher, its connection half made, was left to the loop's
+                    # close: "coroutine ... was never awaited" after a --metrics-port in use).
+                    # What failed is told below; ending a half-made start may fail too.
+                    with contextlib.suppress(Exception):
+                        await self.shutdown()
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
                     return
                 # Handed to the server's protocols: uvicorn gives each connection this

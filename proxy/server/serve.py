@@ -120,6 +120,8 @@ def main(argv: list[str]) -> int:
         settings = parse(argv, os.environ)  # every check runs here (proxy.settings.validate)
         options = uvicorn_options(settings)
         unix = _bind_unix(settings.uds, options)  # kept open while serving
+        if unix is None:
+            _check_port_free(settings)
         if settings.workers > 1:
             # What each worker's app reads besides the settings, checked once, here: a
             # bad OTEL_* variable refuses the start as it does with one process.
@@ -131,15 +133,56 @@ def main(argv: list[str]) -> int:
     except SettingsError as exc:
         print(f"tokenprobe serve: {exc}", file=sys.stderr)
         return 2
+    except CannotListen as exc:
+        print(f"tokenprobe serve: {exc}", file=sys.stderr)
+        return STARTUP_FAILURE  # uvicorn's status for a bind that fails
     _configure_logging(settings)
     _say_build()
     _open_files()
-    # uvicorn drains on SIGTERM, then re-raises the signal it caught; with a handler in
-    # place that re-raise is a no-op and a clean drain exits 0, as orchestrators expect.
+    # uvicorn drains on SIGTERM and on SIGINT (Ctrl-C), then raises the signal it caught
+    # again; with a handler in place that re-raise is a no-op and a clean drain exits 0, as
+    # orchestrators expect, and as uvicorn's own command exits after Ctrl-C. Raised into
+    # Python's SIGINT handler, it became asyncio's KeyboardInterrupt once the shutdown was
+    # over: a traceback, and the process killed by SIGINT (130 in a shell).
     signal.signal(signal.SIGTERM, lambda *_: None)
+    signal.signal(signal.SIGINT, lambda *_: None)
     uvicorn.Server(uvicorn.Config(app, **options)).run()
     del unix
     return 0
+
+
+class CannotListen(Exception):
+    """--port cannot be listened on; the message names the address and why."""
+
+
+def _check_port_free(settings: Settings) -> None:
+    """Refuses a --port that cannot be bound (in use, privileged), in one line naming the
+    address, before anything starts. uvicorn binds it only once the app has started (one
+    process), so an operator read the app start, then asyncio's words; its worker
+    supervisor said only "[Errno 98] Address already in use". Each address is bound as
+    uvicorn will bind it, then let go (SO_REUSEADDR, as uvicorn's, leaves no wait behind);
+    a port taken in between still fails uvicorn's own bind, as before."""
+    host, port = settings.host, settings.port
+    if port == 0:  # any free port
+        return
+    addresses: list[tuple[socket.AddressFamily, Any]]  # (family, what bind takes)
+    if settings.workers > 1:  # the supervisor binds one socket (uvicorn's Config.bind_socket)
+        addresses = [(socket.AF_INET6 if ":" in host else socket.AF_INET, (host, port))]
+    else:  # asyncio's create_server binds each address the host resolves to, v6 alone
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        addresses = [(family, address) for family, *_, address in found]
+    for family, address in addresses:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and settings.workers == 1:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                where = f"[{address[0]}]" if family == socket.AF_INET6 else address[0]
+                raise CannotListen(
+                    f"--port {port}: cannot listen on {where}:{port} ({exc.strerror})"
+                ) from None
 
 
 def _bind_unix(path: str | None, options: dict[str, Any]) -> socket.socket | None:
