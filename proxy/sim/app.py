@@ -29,13 +29,14 @@
   GET  /sim/stats                  load counters (active, max_active, total, lockstep ticks)
   POST /sim/reset                  forget the records
 
-Every API route is recorded in `app.state`; /health and /sim/* are not. As in current
-vLLM (vllm/entrypoints/serve/utils/auth.py or openai/api_server.py, by release:
-AuthenticationMiddleware, PUBLIC_ENDPOINTS), the API key guards every route except
-/health, /ping, /load and /version, and is read from `Authorization: Bearer` only; a
-WebSocket upgrade under /v1 without it is answered an HTTP 401 (`_deny_upgrade`). Generation routes take the x-sim-* controls of
-controls.py; the non-generative ones take x-sim-error, x-sim-ttft (their latency,
-with x-sim-ttft-per-prompt-token) and x-sim-stall-before-headers.
+Every API route is recorded in `app.state`; /health and /sim/* are not. As in vLLM 0.32
+(vllm/entrypoints/serve/middleware/authenticate.py AuthenticationMiddleware), the API
+keys guard the paths under /v1, /v2, /inference and /cohere, every method but OPTIONS,
+and are read from the Authorization header as vLLM reads it (`ApiKeys`); a WebSocket
+upgrade there without one is answered an HTTP 401 (`_deny_upgrade`). Generation routes
+take the x-sim-* controls of controls.py; the non-generative ones take x-sim-error,
+x-sim-ttft (their latency, with x-sim-ttft-per-prompt-token) and
+x-sim-stall-before-headers.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ class SimApp:
         #: vLLM's --max-num-seqs: a request waits here for its `n` slots (its queue time).
         self.slots = Slots(config.max_num_seqs) if config.max_num_seqs else None
         self._models = catalog.models_list(config)
-        self._auth = None if config.api_key is None else f"Bearer {config.api_key}"
+        keys = config.api_keys()
+        self._keys = ApiKeys(keys) if keys else None  # None: every request passes
         self.realtime_sessions: list[RealtimeSession] = []  # what each one sent, for tests
         self.prefix_cache = (
             PrefixCache(config.prefix_cache, config.prefix_cache_block)
@@ -138,18 +140,14 @@ class SimApp:
 
     async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
-        if self._auth is not None and path.startswith(_ALWAYS_GUARDED):
-            headers = {
-                k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]
-            }
-            if headers.get("authorization") != self._auth:
-                # vLLM's AuthenticationMiddleware guards upgrades as it guards requests,
-                # before any route: an upgrade under its prefixes without the key gets its
-                # JSONResponse, which starlette sends as the WebSocket Denial Response (an
-                # HTTP 401, {"error":"Unauthorized"}): vllm/entrypoints/serve/middleware/
-                # authenticate.py __call__, checked against vLLM 0.32 under uvicorn.
-                await _deny_upgrade(scope, send, errors.unauthorized())
-                return
+        if not self._admits(scope):
+            # vLLM's AuthenticationMiddleware guards upgrades as it guards requests,
+            # before any route: an upgrade under its prefixes without the key gets its
+            # JSONResponse, which starlette sends as the WebSocket Denial Response (an
+            # HTTP 401, {"error":"Unauthorized"}): vllm/entrypoints/serve/middleware/
+            # authenticate.py __call__, checked against vLLM 0.32 under uvicorn.
+            await _deny_upgrade(scope, send, errors.unauthorized())
+            return
         if path != "/v1/realtime":
             await send({"type": "websocket.close", "code": 1008})  # uvicorn answers 403
             return
@@ -160,6 +158,16 @@ class SimApp:
             return
         self.realtime_sessions.append(session)
         await session.run()
+
+    def _admits(self, scope: Scope) -> bool:
+        """Whether vLLM's --api-key lets the request or upgrade through: OPTIONS and paths
+        outside its prefixes always (authenticate.py AuthenticationMiddleware.__call__)."""
+        return (
+            self._keys is None
+            or scope.get("method") == "OPTIONS"
+            or not _guarded(scope["path"])
+            or self._keys.admit(scope["headers"])
+        )
 
     # -- /v1 -----------------------------------------------------------------
 
@@ -193,20 +201,19 @@ class SimApp:
                 # `stream` and `starting_after` as query parameters)
                 body = dict(parse_qsl(scope["query_string"].decode("latin-1")))
             record.body = body
-            outcome = await ex.guard(lambda: self._route(ex, bad_body, t0))
+            admitted = self._admits(scope)
+            outcome = await ex.guard(lambda: self._route(ex, bad_body, t0, admitted))
         finally:
             ex.finish(outcome)  # a no-op when the response already ended
 
-    async def _route(self, ex: Exchange, bad_body: str | None, t0: float) -> Outcome:
+    async def _route(
+        self, ex: Exchange, bad_body: str | None, t0: float, admitted: bool
+    ) -> Outcome:
         record = ex.record
         stall = stall_before_headers(record.headers)
         if stall > 0:
             await asyncio.sleep(stall)
-        if (
-            _guarded(record.path)
-            and self._auth is not None
-            and record.headers.get("authorization") != self._auth
-        ):
+        if not admitted:
             await ex.error(errors.unauthorized())
             return "error"
         route = _ROUTES.get(record.path) or _item_route(record.path)
@@ -895,6 +902,25 @@ _ALWAYS_GUARDED = ("/v1", "/v2", "/inference", "/cohere")
 
 def _guarded(path: str) -> bool:
     return path.startswith(_ALWAYS_GUARDED)
+
+
+class ApiKeys:
+    """vLLM 0.32's check of a request's key, as vllm/entrypoints/serve/middleware/
+    authenticate.py `AuthenticationMiddleware.verify_token` makes it: the first
+    Authorization header, split at its first space; the scheme "bearer" in any case; what
+    follows, spaces included, one of the keys exactly. So `Bearer  key` (two spaces), a tab
+    after the scheme, or the key without its scheme are refused. vLLM compares SHA-256
+    digests of the header's text and of each key (encoded as UTF-8), which are equal just
+    when the two strings are."""
+
+    def __init__(self, keys: tuple[str, ...]) -> None:
+        self._keys = frozenset(keys)
+
+    def admit(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        # starlette's Headers.get: the first header of that name; values read as latin-1
+        value = next((v for k, v in headers if k.lower() == b"authorization"), b"")
+        scheme, _, key = value.decode("latin-1").partition(" ")
+        return scheme.lower() == "bearer" and key in self._keys
 
 
 _FORMS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})

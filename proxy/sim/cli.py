@@ -189,7 +189,15 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="whose wire shapes chat and completions take (llamacpp: llama-server's "
         "timings, /props) (default: %(default)s)",
     )
-    add("--api-key", default=env("API_KEY", str, None))
+    add(
+        "--api-key",
+        nargs="+",  # vLLM's: several keys, any one of them opens; given again, the last wins
+        default=env("API_KEY", lambda raw: [raw], None),
+        help="vLLM's --api-key: requests under /v1, /v2, /inference and /cohere need "
+        "`Authorization: Bearer KEY` with one of these keys (TOKENPROBE_SIM_API_KEY: one "
+        "key). vLLM's VLLM_API_KEY is not read: a shell set up for a real vLLM would lock "
+        "the simulator's tests and demos out",
+    )
     add("--step-ms", type=float, default=env("STEP_MS", float, None), help="lockstep mode")
     add("--stamp", action="store_true", default=env("STAMP", flag, False))
     add(
@@ -227,6 +235,12 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     return parser
 
 
+def api_keys(given: list[str] | None) -> tuple[str, ...] | None:
+    """The keys as vLLM 0.32 takes --api-key's values (vllm/entrypoints/serve/middleware/
+    register.py `init_entrypoints_middleware`), empty ones dropped; None: no key needed."""
+    return tuple(key for key in given or () if key) or None
+
+
 def parse(
     argv: list[str] | None, environ: Mapping[str, str]
 ) -> tuple[SimConfig, argparse.Namespace]:
@@ -244,7 +258,7 @@ def parse(
             prefix_cache_block=args.prefix_cache_block,
             output_tokens=args.output_tokens,
             max_model_len=args.max_model_len,
-            api_key=args.api_key,
+            api_key=api_keys(args.api_key),
             per_request_metrics=args.per_request_metrics,
             max_num_seqs=args.max_num_seqs,
             spec_tokens=args.spec_tokens,

@@ -44,8 +44,11 @@ class SimConfig:
     #: CPU seconds burnt (a busy loop) per generated token, in microseconds, to
     #: emulate a CPU-bound backend sharing cores with the proxy.
     cpu_per_token_us: float = 0.0
-    #: When set, /v1/* requests need `Authorization: Bearer <api_key>` (else vLLM's 401).
-    api_key: str | None = None
+    #: vLLM's --api-key, one key or several: requests under /v1, /v2, /inference and
+    #: /cohere then need `Authorization: Bearer <one of them>` (else vLLM's 401), read as
+    #: vLLM reads it (proxy/sim/app.py `ApiKeys`). Empty keys are dropped, as vLLM drops
+    #: them; None or none left: no key needed.
+    api_key: str | tuple[str, ...] | None = None
     #: Lockstep mode: one global decode step every `step_ms`, like continuous batching;
     #: every active stream gets its next chunk on the same tick. None = free-running.
     step_ms: float | None = None
@@ -96,6 +99,11 @@ class SimConfig:
     #: How many request records `SimState` keeps (oldest dropped), so long benchmarks
     #: do not grow memory without bound.
     max_records: int = 10_000
+
+    def api_keys(self) -> tuple[str, ...]:
+        """The keys a guarded request may bring; () when it needs none."""
+        given = (self.api_key,) if isinstance(self.api_key, str) else self.api_key or ()
+        return tuple(key for key in given if key)
 
     def __post_init__(self) -> None:
         if not self.models:

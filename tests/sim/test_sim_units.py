@@ -322,7 +322,7 @@ def test_cli_reads_environment_and_flags_win() -> None:
     assert parse([], {**environ, "TOKENPROBE_SIM_STAMP_IN_TEXT": "1"})[0].stamp_in_text is True
     assert (args.host, args.port) == ("127.0.0.1", 9000)
     config, _ = parse(["--model", "x", "--model", "y", "--api-key", "k"], environ)
-    assert config.models == ("x", "y") and config.api_key == "k"
+    assert config.models == ("x", "y") and config.api_key == ("k",)  # vLLM's list of keys
 
 
 @pytest.mark.parametrize(
