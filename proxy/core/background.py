@@ -133,6 +133,7 @@ class LateTokens:
     prompt_tokens: int | None
     output_tokens: int | None
     cached_prompt_tokens: int | None
+    cache_write_tokens: int | None  # written to the prefix cache (Measurement's, as it says)
     token_source: TokenSource
     reasoning_tokens: int | None
     reasoning_token_source: str | None
@@ -157,6 +158,7 @@ def late_tokens(m: Measurement, response_id: str) -> LateTokens | None:
         prompt_tokens=m.prompt_tokens,
         output_tokens=m.output_tokens,
         cached_prompt_tokens=m.cached_prompt_tokens,
+        cache_write_tokens=m.cache_write_tokens,
         token_source=m.token_source,
         reasoning_tokens=m.reasoning_tokens,
         reasoning_token_source=m.reasoning_token_source,

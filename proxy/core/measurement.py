@@ -136,6 +136,16 @@ class Measurement:
     error_message: str | None = None  # short, secret-free description
     response_id: str | None = None
     response_model: str | None = None
+    # The backend's `system_fingerprint` as it sent it (OpenAI's chat and completions: vLLM
+    # 0.32 writes it on the terminal chunk, or the usage chunk, and on a whole answer); None
+    # when it sent none.
+    system_fingerprint: str | None = None
+    # Prompt tokens the backend wrote to its prefix cache, among `prompt_tokens`, as usage
+    # says (vLLM 0.32 with --enable-prompt-tokens-details: chat's
+    # prompt_tokens_details.created_cache_tokens, OpenAI's cache_write_tokens there,
+    # Responses' input_tokens_details.cache_write_tokens, Messages'
+    # cache_creation_input_tokens); None when usage does not say (completions never does).
+    cache_write_tokens: int | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     trace_id: str | None = None  # 32 hex digits when the request was traced and sampled

@@ -226,6 +226,9 @@ class StreamObserver:
         self.malformed_events = 0
         self.response_id: str | None = None
         self.response_model: str | None = None
+        # the backend's `system_fingerprint`, from the event that carried usage or a finish
+        # (only those are read for it: nothing per content chunk)
+        self.fingerprint: str | None = None
         self._output: Collected | None = None  # generated texts, collected (collect_text)
         self._decoder = self.api.decoder(max_event_bytes)
         # The stream's repeating content event, once one has been parsed and proven
@@ -444,6 +447,8 @@ class StreamObserver:
         if facts.finish is not None:
             self.finish_reason = self.finishes[facts.finish_choice] = facts.finish
             self.finish_reads[facts.finish_choice] = now
+            if facts.fingerprint is not None:
+                self.fingerprint = facts.fingerprint
         if facts.timings is not None:
             self._task(facts)
         if facts.finish is not None:
@@ -452,6 +457,8 @@ class StreamObserver:
             self.usage = (
                 facts.usage if self.usage is None else self.api.merge_usage(self.usage, facts.usage)
             )
+            if facts.fingerprint is not None:
+                self.fingerprint = facts.fingerprint
         if facts.error is not None:
             self.stream_error = facts.error
         if facts.engine is not None:
@@ -682,11 +689,13 @@ class StreamObserver:
             prompts.setdefault(index // each, found)
         prompt = [p.prompt for p in prompts.values()]
         cached = [p.cached for p in prompts.values() if p.cached is not None]
+        written = [p.cache_write for p in prompts.values() if p.cache_write is not None]
         return TokenCounts(
             prompt=None if None in prompt else sum(p for p in prompt if p is not None),
             output=sum(p.output for p in counted if p.output is not None),
             cached=sum(cached) if cached else None,
             source=counted[0].source,  # usage's, or the engine's (llama.cpp's /completion)
+            cache_write=sum(written) if written else None,
         )
 
     def _choices_asked(self) -> int:
@@ -797,10 +806,11 @@ class StreamObserver:
         if self.usage is not None and counts.source is not TokenSource.USAGE:
             # usage that came before the output's count and no more (a Messages stream cut
             # after message_start): its exact prompt wins over one counted otherwise
-            prompt, cached = self.api.prompt_counts(self.usage)
+            prompt, cached, written = self.api.prompt_counts(self.usage)
             if prompt is not None:
                 counts.prompt = prompt
                 counts.cached = cached if cached is not None else counts.cached
+                counts.cache_write = written if written is not None else counts.cache_write
         self._end_run()
         counted = None
         if self.reasoning_texts and counter is not None and not self.reasoning_from_usage():
@@ -949,6 +959,7 @@ class StreamObserver:
             prompt_tokens=counts.prompt,
             output_tokens=counts.output,
             cached_prompt_tokens=counts.cached,
+            cache_write_tokens=counts.cache_write,
             token_source=counts.source,
             content_events=self.content_events,
             finish_reason=NONE_LABEL if raw is None else self.api.finish_label(raw),
@@ -958,6 +969,7 @@ class StreamObserver:
             error_message=error_message,
             response_id=self.response_id or None,
             response_model=self.response_model,
+            system_fingerprint=self.fingerprint,
             max_tokens=request.max_tokens,
             temperature=request.temperature,
             trace_id=trace_id,

@@ -122,8 +122,15 @@ class RequestOptions:
 class TokenCounts:
     prompt: int | None
     output: int | None
-    cached: int | None
+    cached: int | None  # prompt tokens served from the prefix cache (among `prompt`)
     source: TokenSource
+    # prompt tokens written to the prefix cache (among `prompt`): usage's, never guessed
+    cache_write: int | None = None
+
+
+#: (prompt tokens, cached ones among them, ones written to the cache among them), each
+#: None where usage does not say (`Api.prompt_counts`).
+PromptCounts = tuple[int | None, int | None, int | None]
 
 
 @dataclass(slots=True)
@@ -144,6 +151,10 @@ class Facts:
               read only from the event or body that carries usage
     timings   llama.cpp's `timings` object as sent (proxy/core/llamacpp.py), read only from
               the event that carries usage or a finish reason, or from the body
+    fingerprint  the `system_fingerprint` string as sent (OpenAI's chat and completions),
+              read only from the event that carries usage or a finish reason, or from the
+              body: vLLM 0.32 writes it on the terminal chunk, or with include_usage on the
+              usage chunk (proxy/core/strip.py, MOVED)
     end       the event ends the stream cleanly ([DONE], message_stop, response.completed)
     tokens    output tokens the event carries exactly (token-in/token-out `token_ids`), 0
               when the API does not say
@@ -185,6 +196,7 @@ class Facts:
     timings: object = None  # llama.cpp's `timings` object as sent (proxy/core/llamacpp.py)
     reasoning: list[str] | None = None
     held: bool = False
+    fingerprint: str | None = None
 
 
 #: Shared "nothing here" answer: never mutated, so one instance serves every event.
@@ -343,7 +355,13 @@ class Api:
         timings = obj.get("timings")
         if timings is not None and several_tasks(obj):
             usage, timings = first_task_prompt(usage), first_task_times(timings)
-        return Facts(usage=usage, engine=obj.get("metrics"), timings=timings, **identity(obj))
+        return Facts(
+            usage=usage,
+            engine=obj.get("metrics"),
+            timings=timings,
+            fingerprint=fingerprint(obj),
+            **identity(obj),
+        )
 
     def answered(self, obj: dict[str, Any]) -> bool:
         """Whether a non-streaming body carries an answer's text (beside any reasoning and
@@ -371,16 +389,26 @@ class Api:
         output = usage.get("completion_tokens")
         if type(output) is not int:
             return None
-        prompt, cached = self.prompt_counts(usage)
-        return TokenCounts(prompt=prompt, output=output, cached=cached, source=TokenSource.USAGE)
+        prompt, cached, written = self.prompt_counts(usage)
+        return TokenCounts(prompt, output, cached, TokenSource.USAGE, written)
 
-    def prompt_counts(self, usage: dict[str, Any]) -> tuple[int | None, int | None]:
-        """(prompt tokens, cached ones among them) a usage object reports, with or without
-        the output's count (OpenAI shape)."""
-        prompt = usage.get("prompt_tokens")
+    def prompt_counts(self, usage: dict[str, Any]) -> PromptCounts:
+        """(prompt tokens, cached ones among them, ones written to the cache among them) a
+        usage object reports, with or without the output's count (OpenAI shape). vLLM
+        0.32 with --enable-prompt-tokens-details: `prompt_tokens_details` {cached_tokens,
+        created_cache_tokens, multimodal_tokens} (serve/engine/protocol.py
+        PromptTokenUsageInfo); chat sets `created_cache_tokens`
+        (chat_completion/serving.py, _make_prompt_tokens_details), completions and
+        generate never do (null or absent: None here). OpenAI's own chat names them
+        `cache_write_tokens` (openai-python types/completion_usage.py)."""
+        prompt = as_int(usage.get("prompt_tokens"))
         details = usage.get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if type(details) is dict else None
-        return prompt if type(prompt) is int else None, cached if type(cached) is int else None
+        if type(details) is not dict:
+            return prompt, None, None
+        written = as_int(details.get("created_cache_tokens"))
+        if written is None:
+            written = as_int(details.get("cache_write_tokens"))
+        return prompt, as_int(details.get("cached_tokens")), written
 
 
 def request_info(
@@ -564,6 +592,18 @@ def output_type(value: object) -> str | None:
     if not isinstance(kind, str):
         return None
     return "json" if kind in _JSON_FORMATS else "text"
+
+
+#: The longest `system_fingerprint` kept: vLLM's is `vllm-<version>-<hash>`; a longer one
+#: (a broken or hostile backend's) would go whole into every log line and span.
+MAX_FINGERPRINT = 256
+
+
+def fingerprint(obj: dict[str, Any]) -> str | None:
+    """A response's `system_fingerprint`, None when it has none (or not a string: vLLM's
+    --fingerprint-mode none writes null), or one longer than MAX_FINGERPRINT."""
+    value = obj.get("system_fingerprint")
+    return value if type(value) is str and len(value) <= MAX_FINGERPRINT else None
 
 
 def identity(obj: dict[str, Any]) -> dict[str, Any]:

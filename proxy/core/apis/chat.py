@@ -28,6 +28,7 @@ from proxy.core.apis.base import (
     Api,
     Facts,
     RequestInfo,
+    fingerprint,
     identity,
 )
 from proxy.core.lax import lax_bool, lax_int
@@ -183,9 +184,11 @@ class OpenAIGeneration(Api):
         if usage is not None:  # vLLM's per-request metrics ride on the usage chunk only
             facts.engine = obj.get("metrics")
         if usage is not None or finish is not None:
-            # llama.cpp's timings ride on the last chunk: the usage chunk when usage was
-            # asked for, else the finish chunk (proxy/core/strip.py, MOVED)
+            # llama.cpp's timings and vLLM's system_fingerprint ride on the last chunk: the
+            # usage chunk when usage was asked for, else the finish chunk
+            # (proxy/core/strip.py, MOVED)
             facts.timings = obj.get("timings")
+            facts.fingerprint = fingerprint(obj)
         return facts
 
     def _choices(

@@ -10,7 +10,11 @@ output_tokens 0), per block `content_block_start`, `content_block_delta`s,
 content). An error inside the stream is `{"type": "error", "error": {"type", "message"}}`.
 vLLM maps its finish reasons stop/length/tool_calls to end_turn/max_tokens/tool_use.
 Usage: Anthropic's `input_tokens` excludes cache reads and cache writes
-(`cache_read_input_tokens`, `cache_creation_input_tokens`); the prompt is their sum.
+(`cache_read_input_tokens`, `cache_creation_input_tokens`); the prompt is their sum. vLLM
+0.32 fills both from chat's prompt_tokens_details (--enable-prompt-tokens-details) on
+message_delta and the whole answer, with `input_tokens` = prompt_tokens less both
+(anthropic/serving.py, _build_anthropic_usage); its message_start says the whole prompt
+as `input_tokens` and neither (the first chat chunk's usage has no details).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from proxy.core.apis.base import (
     NOTHING,
     Api,
     Facts,
+    PromptCounts,
     RequestInfo,
     TokenCounts,
     as_int,
@@ -209,13 +214,13 @@ class Messages(Api):
         output = as_int(usage.get("output_tokens"))
         if output is None:
             return None
-        prompt, read = self.prompt_counts(usage)
-        return TokenCounts(prompt=prompt, output=output, cached=read, source=TokenSource.USAGE)
+        prompt, read, written = self.prompt_counts(usage)
+        return TokenCounts(prompt, output, read, TokenSource.USAGE, written)
 
-    def prompt_counts(self, usage: dict[str, Any]) -> tuple[int | None, int | None]:
+    def prompt_counts(self, usage: dict[str, Any]) -> PromptCounts:
         # message_start's usage has them before any output (its output_tokens is dropped)
         parts = [as_int(usage.get(k)) for k in _PROMPT_PARTS]
-        return None if parts[0] is None else sum(p or 0 for p in parts), parts[1]
+        return None if parts[0] is None else sum(p or 0 for p in parts), parts[1], parts[2]
 
 
 def _whole(facts: Facts, content: list[Any]) -> None:

@@ -10,8 +10,8 @@ is the `delta` string of `response.output_text.delta`, `response.reasoning_text.
 `response.reasoning_summary_text.delta` or `response.function_call_arguments.delta`.
 The stream ends with `response.completed` or `response.incomplete` (the response object
 with `status`, `incomplete_details.reason` and `usage`: input_tokens, output_tokens,
-input_tokens_details.cached_tokens) or `response.failed` (`response.error`); an `error`
-event carries code and message.
+input_tokens_details.cached_tokens and .cache_write_tokens) or `response.failed`
+(`response.error`); an `error` event carries code and message.
 """
 
 from __future__ import annotations
@@ -243,13 +243,17 @@ class Responses(Api):
         output = as_int(usage.get("output_tokens"))
         if output is None:
             return None
+        # vLLM 0.32 always writes both details (0 for none): InputTokensDetails
+        # {cached_tokens, cache_write_tokens, ...} (responses/protocol.py, serving.py)
         details = usage.get("input_tokens_details")
-        cached = as_int(details.get("cached_tokens")) if type(details) is dict else None
+        if type(details) is not dict:
+            details = {}
         return TokenCounts(
             prompt=as_int(usage.get("input_tokens")),
             output=output,
-            cached=cached,
+            cached=as_int(details.get("cached_tokens")),
             source=TokenSource.USAGE,
+            cache_write=as_int(details.get("cache_write_tokens")),
         )
 
 
