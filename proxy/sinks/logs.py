@@ -11,6 +11,10 @@ Keys, in this order, stable (a key without a value is null in JSON, left out in 
   finish_reason  the closed-set label (stop, length, tool_calls, ...), null when there was none
   raw_finish_reason  the backend's own value (end_turn, max_output_tokens, ...), null if none
   prompt_tokens, output_tokens, cached_tokens, token_source   counts and where they came from
+  cache_write_tokens   prompt tokens the backend wrote to its prefix cache (usage: chat's
+                 prompt_tokens_details.created_cache_tokens, Responses'
+                 input_tokens_details.cache_write_tokens, Messages'
+                 cache_creation_input_tokens), null when usage does not say
   ttfb_ms, ttft_ms, tpot_ms, e2e_ms   latencies in milliseconds
   decode_tps     single-stream decode speed, tokens per second
   load_ms        the model load before the request could run (Ollama's load_duration),
@@ -32,6 +36,8 @@ Keys, in this order, stable (a key without a value is null in JSON, left out in 
   prompt_chars   characters of the whole prompt, as hashed (JSON of each message, or the text)
   trace_id       the request's trace id when traced and sampled
   response_id    the backend's response id
+  system_fingerprint   the backend's `system_fingerprint` (OpenAI chat and completions; vLLM:
+                 `vllm-<version>-<hash>` by default, null with --fingerprint-mode none)
   error          a short, secret-free description of the error
   ttfa_ms        time to the first answer token (not reasoning nor tool calls), ms
   reasoning_ms   first to last reasoning read, ms (streams that reasoned)
@@ -80,6 +86,7 @@ background.py), and adds one line then (`late_tokens`, LATE_KEYS), after its POS
                  the backend's completed, incomplete, failed, cancelled)
   prompt_tokens, output_tokens, cached_tokens, token_source   the counts added, as a
                  request's (token_source: usage)
+  cache_write_tokens   as a request's
   reasoning_tokens, reasoning_token_source   as a request's
   counted_by     the answer that counted them: retrieve (GET /v1/responses/{id}, the
                  stored object) or retrieve_stream (`?stream=true`, its events replayed)
@@ -124,6 +131,7 @@ KEYS = (
     "output_tokens",
     "cached_tokens",
     "token_source",
+    "cache_write_tokens",
     "ttfb_ms",
     "ttft_ms",
     "tpot_ms",
@@ -140,6 +148,7 @@ KEYS = (
     "stream",
     "trace_id",
     "response_id",
+    "system_fingerprint",
     "error",
     "max_tokens",
     "prefix",
@@ -172,6 +181,7 @@ LATE_KEYS = (
     "output_tokens",
     "cached_tokens",
     "token_source",
+    "cache_write_tokens",
     "reasoning_tokens",
     "reasoning_token_source",
     "counted_by",
@@ -250,6 +260,7 @@ def log_record(m: Measurement, key: bytes) -> dict[str, Any]:
         "output_tokens": m.output_tokens,
         "cached_tokens": m.cached_prompt_tokens,
         "token_source": m.token_source.value,
+        "cache_write_tokens": m.cache_write_tokens,
         "ttfb_ms": _ms(m.ttfb),
         "ttft_ms": _ms(m.ttft),
         "tpot_ms": _ms(m.tpot),
@@ -268,6 +279,7 @@ def log_record(m: Measurement, key: bytes) -> dict[str, Any]:
         "stream": m.stream_requested,
         "trace_id": m.trace_id,
         "response_id": m.response_id,
+        "system_fingerprint": m.system_fingerprint,
         "error": m.error_message,
         "max_tokens": m.max_tokens,
         "prefix": None if prefix is None else keyed(prefix, key),
@@ -315,6 +327,7 @@ def late_record(t: LateTokens) -> dict[str, Any]:
         "output_tokens": t.output_tokens,
         "cached_tokens": t.cached_prompt_tokens,
         "token_source": t.token_source.value,
+        "cache_write_tokens": t.cache_write_tokens,
         "reasoning_tokens": t.reasoning_tokens,
         "reasoning_token_source": t.reasoning_token_source,
         "counted_by": t.counted_by,

@@ -269,6 +269,15 @@ class Metrics:
             "Prompt tokens served from the backend's prefix cache "
             "(usage.prompt_tokens_details.cached_tokens)." + LATE,
         )
+        self.cache_write_prompt_tokens_total = c(
+            "tokenprobe_cache_write_prompt_tokens",
+            "Prompt tokens the backend computed and wrote to its prefix cache, as its usage "
+            "reports them (vLLM with --enable-prompt-tokens-details: chat "
+            "usage.prompt_tokens_details.created_cache_tokens, OpenAI's cache_write_tokens "
+            "there, Responses "
+            "usage.input_tokens_details.cache_write_tokens, Messages "
+            "usage.cache_creation_input_tokens; legacy completions report none)." + LATE,
+        )
         self.audio_seconds_total = c(
             "tokenprobe_audio_input_seconds",
             "Seconds of audio clients sent to be transcribed, counted when each utterance's "
@@ -739,6 +748,8 @@ class Metrics:
             self.child(self.generation_tokens_total, *key, source).inc(m.output_tokens)
         if m.cached_prompt_tokens:
             bound.cached_prompt_tokens_total.inc(m.cached_prompt_tokens)
+        if m.cache_write_tokens:
+            bound.cache_write_prompt_tokens_total.inc(m.cache_write_tokens)
         if m.audio_seconds:
             bound.audio_seconds_total.inc(m.audio_seconds)
         error = m.error_type.value if m.error_type is not None else NONE_LABEL
@@ -782,6 +793,8 @@ class Metrics:
             self.child(self.generation_tokens_total, *key, source).inc(t.output_tokens)
         if t.cached_prompt_tokens:
             self.child(self.cached_prompt_tokens_total, *key).inc(t.cached_prompt_tokens)
+        if t.cache_write_tokens:
+            self.child(self.cache_write_prompt_tokens_total, *key).inc(t.cache_write_tokens)
         if t.reasoning_tokens and t.reasoning_token_source is not None:
             self.reasoning_tokens_total.labels(*key, t.reasoning_token_source).inc(
                 t.reasoning_tokens

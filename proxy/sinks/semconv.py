@@ -10,8 +10,11 @@ are pinned to commits of open-telemetry/semantic-conventions-genai:
       docs/gen-ai/gen-ai-token-metrics.md at 27f82f09c4e797dda0832f0030e3bd3e747e4b9d
       (model/gen-ai/token-metrics.yaml at 066d4a7f356f8600de6f10c42874626ab88692fb):
       counters gen_ai.client.inference.usage.{input_tokens, output_tokens,
-      cache_read.input_tokens, reasoning.output_tokens} by gen_ai.token.modality and
-      histograms gen_ai.client.inference.operation.{input,output}_tokens
+      cache_read.input_tokens, cache_write.input_tokens, reasoning.output_tokens} by
+      gen_ai.token.modality and histograms
+      gen_ai.client.inference.operation.{input,output}_tokens; the span's cache writes
+      are gen_ai.usage.cache_write.input_tokens (gen_ai.usage.cache_creation.input_tokens
+      in the previous set)
   previous
       commit 004902b8cb70aa5ae6ca4ae07132b7daabcd3e10 (docs/gen-ai/gen-ai-metrics.md):
       gen_ai.client.operation.duration, .time_to_first_chunk, .time_per_output_chunk and
@@ -40,6 +43,7 @@ from typing import Any
 from proxy.core.apis import Api
 from proxy.core.apis.chat import Chat
 from proxy.core.apis.responses import Responses
+from proxy.core.measurement import Measurement
 from proxy.core.upstream_url import UpstreamURL
 from proxy.core.wsbase import WsApi
 from proxy.core.wsseam import seam_of
@@ -81,6 +85,20 @@ def optional(record: Any, name: str) -> Any:
 def reasoning_tokens(record: Any) -> int | None:
     value = optional(record, "reasoning_tokens")
     return value if isinstance(value, int) else None
+
+
+def system_fingerprint(record: Measurement) -> str | None:
+    """The span's `openai.response.system_fingerprint`: the backend's, on OpenAI's
+    inference span (docs/gen-ai/openai.md, Recommended), so only where the record's
+    provider is openai: `gen_ai.provider.name` "SHOULD be set consistently
+    with provider-specific attributes" (its note 2). Not on the metrics, whose openai
+    refinement also recommends it: a string the backend writes (any value a custom
+    --fingerprint-value gives vLLM) is no closed set, and an OTLP backend keeps a series
+    for each attribute set."""
+    value = record.system_fingerprint
+    if value is None or seam_of(record.endpoint).provider != "openai":
+        return None
+    return value
 
 
 def server_attributes(upstream: str) -> tuple[tuple[str, str], tuple[str, int]]:

@@ -137,7 +137,9 @@ class Tracing:
             span.end()
             return
         start_ns = int(m.started_at * 1e9)
-        span.set_attributes(_encodable(_finish_attributes(m, current=self.names.current)))
+        names = self.names
+        attributes = _finish_attributes(m, current=names.current, previous=names.previous)
+        span.set_attributes(_encodable(attributes))
         if m.ttfb is not None:
             span.add_event("first_byte", timestamp=start_ns + int(m.ttfb * 1e9))
         if m.ttft is not None:
@@ -241,9 +243,13 @@ def _content(info: RequestInfo, messages: list[dict[str, Any]] | None) -> dict[s
     return attributes
 
 
-def _finish_attributes(m: Measurement, *, current: bool = True) -> dict[str, Any]:
+def _finish_attributes(
+    m: Measurement, *, current: bool = True, previous: bool = False
+) -> dict[str, Any]:
     """The attributes known once the request ended. `current`: also those the current
-    conventions added (ac48b1f9): time to first chunk, reasoning tokens, and "error" among the finish reasons of a stream cut short after one."""
+    conventions added (ac48b1f9): time to first chunk, reasoning tokens, and "error" among the finish reasons of a stream cut short after one.
+    The cache writes go by each set's own name (`current`, `previous`: both with
+    gen_ai_previous/dup)."""
     chunks = m.token_source is TokenSource.CHUNKS
     attributes: dict[str, Any] = {
         "tokenprobe.e2e": m.e2e,
@@ -258,6 +264,12 @@ def _finish_attributes(m: Measurement, *, current: bool = True) -> dict[str, Any
         "gen_ai.usage.output_tokens": None if chunks else m.output_tokens,
         "tokenprobe.output_chunks": m.output_tokens if chunks else None,
         "gen_ai.usage.cache_read.input_tokens": m.cached_prompt_tokens,
+        # Prompt tokens written to the prefix cache: `gen_ai.usage.cache_write.input_tokens`
+        # at ac48b1f9 (docs/gen-ai/client-inference.md, Recommended "when applicable"),
+        # `gen_ai.usage.cache_creation.input_tokens` at 004902b8 (gen-ai-spans.md).
+        "gen_ai.usage.cache_write.input_tokens": m.cache_write_tokens if current else None,
+        "gen_ai.usage.cache_creation.input_tokens": m.cache_write_tokens if previous else None,
+        "openai.response.system_fingerprint": semconv.system_fingerprint(m),
         "http.response.status_code": m.status_code or None,
         "error.type": m.error_type.value if m.error_type is not None else None,
         "tokenprobe.time_to_first_byte": m.ttfb,

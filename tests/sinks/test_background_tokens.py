@@ -38,6 +38,7 @@ LATE = LateTokens(
     prompt_tokens=7,
     output_tokens=31,
     cached_prompt_tokens=4,
+    cache_write_tokens=3,
     token_source=TokenSource.USAGE,
     reasoning_tokens=5,
     reasoning_token_source="usage",
@@ -85,6 +86,7 @@ def test_prometheus_counts_the_tokens_with_the_posts_labels_and_no_request() -> 
     assert sample("tokenprobe_generation_tokens_total", {**labels, "source": "usage"}) == 31
     assert sample("tokenprobe_prompt_tokens_total", {**labels, "source": "usage"}) == 7
     assert sample("tokenprobe_cached_prompt_tokens_total", labels) == 4
+    assert sample("tokenprobe_cache_write_prompt_tokens_total", labels) == 3
     assert sample("tokenprobe_reasoning_tokens_total", {**labels, "source": "usage"}) == 5
     key = {"key": "k1", "model": "sim-model"}
     assert sample("tokenprobe_key_tokens_total", {**key, "kind": "output"}) == 31
@@ -99,6 +101,7 @@ def test_prometheus_counts_the_tokens_with_the_posts_labels_and_no_request() -> 
         31,
     )
     assert (got["counted_by"], got["labels"]) == ("retrieve", {"team": "red"})
+    assert (got["cached_tokens"], got["cache_write_tokens"]) == (4, 3)
 
 
 def test_otlp_adds_the_usage_counters_and_no_per_request_point() -> None:
@@ -111,11 +114,12 @@ def test_otlp_adds_the_usage_counters_and_no_per_request_point() -> None:
             "gen_ai.client.inference.usage.input_tokens",
             "gen_ai.client.inference.usage.output_tokens",
             "gen_ai.client.inference.usage.cache_read.input_tokens",
+            "gen_ai.client.inference.usage.cache_write.input_tokens",
             "gen_ai.client.inference.usage.reasoning.output_tokens",
             "tokenprobe.usage.cached_input_tokens",
         )
     }
-    assert list(values.values()) == [7, 31, 4, 5, 4]
+    assert list(values.values()) == [7, 31, 4, 3, 5, 4]
     for name in (
         "gen_ai.client.token.usage",
         "gen_ai.client.inference.operation.output_tokens",

@@ -81,6 +81,7 @@ def test_json_values_are_in_ms_with_nulls_for_unknowns() -> None:
         "output_tokens": 16,
         "cached_tokens": None,
         "token_source": "usage",
+        "cache_write_tokens": None,
         "ttfb_ms": 10.123,
         "ttft_ms": 50.0,
         "tpot_ms": 5.0,
@@ -97,6 +98,7 @@ def test_json_values_are_in_ms_with_nulls_for_unknowns() -> None:
         "stream": True,
         "trace_id": "4bf92f3577b34da6a3ce929d0e0e4736",
         "response_id": "chatcmpl-1",
+        "system_fingerprint": None,
         "error": None,
         "max_tokens": None,
         "prefix": None,
@@ -113,6 +115,20 @@ def test_json_values_are_in_ms_with_nulls_for_unknowns() -> None:
         "turn_gap_ms": None,
         "malformed_events": None,
     }
+
+
+def test_cache_writes_and_the_system_fingerprint_are_logged_as_the_backend_said_them() -> None:
+    m = record(
+        cached_prompt_tokens=0, cache_write_tokens=128, system_fingerprint="vllm-0.32.0-51eb094b"
+    )
+    obj = orjson.loads(log_lines("json", m)[0])
+    assert (obj["cached_tokens"], obj["cache_write_tokens"]) == (0, 128)
+    assert obj["system_fingerprint"] == "vllm-0.32.0-51eb094b"
+    (text,) = log_lines("text", m)
+    assert " token_source=usage cache_write_tokens=128 ttfb_ms=" in text
+    assert " response_id=chatcmpl-1 system_fingerprint=vllm-0.32.0-51eb094b\n" in text
+    (unsaid,) = log_lines("text", record())
+    assert "cache_write_tokens" not in unsaid and "system_fingerprint" not in unsaid
 
 
 def test_a_reasoning_stream_logs_its_first_answer_reasoning_and_calls() -> None:

@@ -118,6 +118,16 @@ def test_cached_prompt_tokens_are_counted(registry: CollectorRegistry, metrics: 
     assert value(registry, "tokenprobe_cached_prompt_tokens_total") == 8.0
 
 
+def test_cache_write_prompt_tokens_are_counted_beside_the_cached_ones(
+    registry: CollectorRegistry, metrics: Metrics
+) -> None:
+    metrics.record(stream_record(cache_write_tokens=128), Labels(MODEL_LABEL))
+    metrics.record(stream_record(cache_write_tokens=None), Labels(MODEL_LABEL))  # unsaid
+    metrics.record(stream_record(cache_write_tokens=0), Labels(MODEL_LABEL))
+    assert value(registry, "tokenprobe_cache_write_prompt_tokens_total") == 128.0
+    assert value(registry, "tokenprobe_cached_prompt_tokens_total") == 24.0
+
+
 def test_successful_request_is_counted_with_none_error(
     registry: CollectorRegistry, metrics: Metrics
 ) -> None:

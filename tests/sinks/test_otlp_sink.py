@@ -298,6 +298,24 @@ def test_reasoning_tokens_are_counted_once_the_record_carries_them() -> None:
     assert point.value == 9 and point.attributes["gen_ai.token.modality"] == "unknown"
 
 
+def test_cache_writes_are_counted_where_usage_said_them() -> None:
+    """gen_ai.client.inference.usage.cache_write.input_tokens (token-metrics.yaml at
+    066d4a7f), as its cache_read twin: the backend's count, 0 included; nothing for a
+    request whose usage said none (the current names only: the previous have no such
+    counter)."""
+    otlp = sink(Collecting(), CollectorRegistry(), names=Names(current=True, previous=True))
+    otlp.record(measurement(cache_write_tokens=128), Labels("sim-model"))
+    otlp.record(measurement(cache_write_tokens=0), Labels("sim-model"))
+    otlp.record(measurement(), Labels("sim-model"))
+    metrics = by_name(otlp.collect())  # type: ignore[arg-type]
+    (point,) = metrics["gen_ai.client.inference.usage.cache_write.input_tokens"].data.data_points
+    assert point.value == 128 and point.attributes["gen_ai.token.modality"] == "unknown"
+    previous = sink(Collecting(), CollectorRegistry(), names=Names(current=False, previous=True))
+    previous.record(measurement(cache_write_tokens=128), Labels("sim-model"))
+    names = by_name(previous.collect())  # type: ignore[arg-type]
+    assert "gen_ai.client.inference.usage.cache_write.input_tokens" not in names
+
+
 @pytest.mark.parametrize("name_set", NAME_SETS)
 def test_content_chunks_counted_for_want_of_tokens_are_no_token_usage(name_set: str) -> None:
     """Without usage or a tokenizer the output count is the content chunks, which the

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -173,6 +174,51 @@ def test_attributes_follow_the_genai_conventions(
         "tokenprobe.token_source": "usage",
     }
     assert span.status.status_code is StatusCode.UNSET
+
+
+#: The span's cache writes by name set: current (semantic-conventions-genai ac48b1f9,
+#: client-inference.md) and previous (004902b8, gen-ai-spans.md).
+CACHE_WRITE = "gen_ai.usage.cache_write.input_tokens"
+CACHE_CREATION = "gen_ai.usage.cache_creation.input_tokens"
+
+
+@pytest.mark.parametrize(
+    ("names", "keys"),
+    [
+        (Names(), (CACHE_WRITE,)),
+        (Names(current=False, previous=True), (CACHE_CREATION,)),
+        (Names(current=True, previous=True), (CACHE_WRITE, CACHE_CREATION)),
+    ],
+    ids=["current", "previous", "both"],
+)
+def test_cache_writes_go_by_each_name_set_s_own_attribute(
+    exporter: InMemorySpanExporter, names: Names, keys: tuple[str, ...]
+) -> None:
+    tracing = Tracing([SimpleSpanProcessor(exporter)], upstream=UPSTREAM, names=names)
+    span, _, _ = traced(tracing, exporter, measurement=record(cache_write_tokens=128))
+    attributes = dict(span.attributes or {})
+    assert {k: attributes[k] for k in (CACHE_WRITE, CACHE_CREATION) if k in attributes} == (
+        dict.fromkeys(keys, 128)
+    )
+    exporter.clear()
+    unsaid, _, _ = traced(tracing, exporter)  # the backend said nothing: no attribute
+    tracing.shutdown()
+    assert not {CACHE_WRITE, CACHE_CREATION} & set(unsaid.attributes or {})
+
+
+def test_the_system_fingerprint_is_on_openai_spans_only(
+    tracing: Tracing, exporter: InMemorySpanExporter
+) -> None:
+    m = record(system_fingerprint="vllm-0.32.0-51eb094b")
+    span, _, _ = traced(tracing, exporter, measurement=m)
+    assert (span.attributes or {})["openai.response.system_fingerprint"] == "vllm-0.32.0-51eb094b"
+    exporter.clear()
+    messages = replace(m, endpoint="/v1/messages")  # gen_ai.provider.name anthropic
+    span, _, _ = traced(tracing, exporter, info("/v1/messages"), messages)
+    assert "openai.response.system_fingerprint" not in (span.attributes or {})
+    exporter.clear()
+    plain, _, _ = traced(tracing, exporter)
+    assert "openai.response.system_fingerprint" not in (plain.attributes or {})
 
 
 def test_content_chunks_counted_for_want_of_tokens_are_no_token_usage(

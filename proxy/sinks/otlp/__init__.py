@@ -11,6 +11,7 @@ and docs/gen-ai/gen-ai-token-metrics.md at 27f82f09):
   gen_ai.client.inference.time_per_output_chunk s        each gap between content chunks
   gen_ai.client.inference.usage.input_tokens    {token}  counter, by gen_ai.token.modality
   gen_ai.client.inference.usage.output_tokens   {token}  counter (also cache_read.input_tokens,
+                                                         cache_write.input_tokens,
                                                          reasoning.output_tokens)
   gen_ai.client.inference.operation.input_tokens / .output_tokens  {token}  per request,
                                                          failed ones too (0 without usage;

@@ -124,6 +124,14 @@ USAGE_CACHE_READ = Instrument(
     "{token}",
     "Input tokens the backend served from its prefix cache (usage), when each request ends." + LATE,
 )
+USAGE_CACHE_WRITE = Instrument(
+    "gen_ai.client.inference.usage.cache_write.input_tokens",
+    "{token}",
+    "Input tokens the backend wrote to its prefix cache (usage: vLLM chat's "
+    "prompt_tokens_details.created_cache_tokens, Responses' "
+    "input_tokens_details.cache_write_tokens, Messages' cache_creation_input_tokens), "
+    "when each request ends." + LATE,
+)
 USAGE_REASONING = Instrument(
     "gen_ai.client.inference.usage.reasoning.output_tokens",
     "{token}",

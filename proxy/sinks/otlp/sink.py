@@ -54,6 +54,7 @@ from proxy.sinks.otlp.instruments import (
     TURN_GAP,
     UNKNOWN_MODALITY,
     USAGE_CACHE_READ,
+    USAGE_CACHE_WRITE,
     USAGE_INPUT,
     USAGE_OUTPUT,
     USAGE_REASONING,
@@ -183,9 +184,10 @@ class OtlpMetrics:
     def late_tokens(self, t: LateTokens, labels: Labels) -> None:
         """A background Response's tokens, counted after its POST's record (proxy/core/
         background.py), with the POST's labels: the usage counters of the current names
-        and tokenprobe.usage.cached_input_tokens, and tokenprobe.cost as `_count` adds a
-        request's; not the per-request histograms (the previous names'
-        gen_ai.client.token.usage is one: nothing there), nor requests or durations."""
+        (cache reads and writes included) and tokenprobe.usage.cached_input_tokens, and
+        tokenprobe.cost as `_count` adds a request's; not the per-request histograms (the
+        previous names' gen_ai.client.token.usage is one: nothing there), nor requests or
+        durations."""
         operation = self._operation(t.endpoint)
         base = self._base(t.model, t.response_model, labels, operation.key)
         usage = base + UNKNOWN_MODALITY
@@ -197,6 +199,8 @@ class OtlpMetrics:
                     self._add(USAGE_OUTPUT, usage, t.output_tokens)
                 if t.cached_prompt_tokens is not None:
                     self._add(USAGE_CACHE_READ, usage, t.cached_prompt_tokens)
+                if t.cache_write_tokens is not None:
+                    self._add(USAGE_CACHE_WRITE, usage, t.cache_write_tokens)
                 reasoning = t.reasoning_tokens
                 if reasoning is not None and t.reasoning_token_source != "events":
                     self._add(USAGE_REASONING, usage, reasoning)
@@ -235,6 +239,8 @@ class OtlpMetrics:
             self._add(USAGE_OUTPUT, usage, output or 0)
         if m.cached_prompt_tokens is not None:
             self._add(USAGE_CACHE_READ, usage, m.cached_prompt_tokens)
+        if m.cache_write_tokens is not None:
+            self._add(USAGE_CACHE_WRITE, usage, m.cache_write_tokens)
         reasoning = semconv.reasoning_tokens(m)
         if reasoning is not None and m.reasoning_token_source != "events":  # as _output_tokens
             self._add(USAGE_REASONING, usage, reasoning)
