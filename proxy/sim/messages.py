@@ -21,6 +21,16 @@ usage), and every event is `event: <type>\\ndata: <json>\\n\\n`:
                        {input_tokens, output_tokens}} from the usage chunk, then
                        message_stop ([DONE])
 
+Usage is _build_anthropic_usage (anthropic/serving.py) of a chat chunk's usage:
+message_start's from the first chunk's continuous usage, which has no
+prompt_tokens_details, so {input_tokens: the whole prompt, output_tokens: 0}; message_delta's
+and the whole answer's from the final usage, whose details (--enable-prompt-tokens-details:
+here, cached tokens programmed) add `cache_creation_input_tokens` (chat's
+created_cache_tokens, proxy/sim/wire.py cache_writes) and `cache_read_input_tokens`
+(cached_tokens), each taken off `input_tokens` ("Anthropic defines total_input ==
+input_tokens + cache_read + cache_creation"), in AnthropicUsage's field order (input,
+output, cache_creation, cache_read).
+
 stop_reason (vLLM 0.32's _to_anthropic_stop_reason): finish_reason length -> max_tokens;
 stop (or tool_calls) with the matched stop string in the chat choice's `stop_reason` ->
 stop_sequence, with `stop_sequence` that string (null otherwise: set explicitly, so the
@@ -48,9 +58,8 @@ chunk, which the converter fails to read as a chat chunk (MessagesWire.error).
 
 With `stamp`, each text delta starts with `"sent_ns":<time.time_ns()>`, as chat chunks do.
 
-Not vLLM: `cache_read_input_tokens` (Anthropic's field; vLLM's AnthropicUsage has it
-but never fills it) is sent when cached tokens are programmed; `x-sim-ping: 1` adds
-Anthropic's `event: ping` right after message_start, in the same write.
+Not vLLM: `x-sim-ping: 1` adds Anthropic's `event: ping` right after message_start, in
+the same write.
 """
 
 from __future__ import annotations
@@ -109,16 +118,22 @@ class MessagesWire:
         )
 
     def usage(self, output_tokens: int) -> bytes:
+        """The final usage (message_delta, the whole answer): with the details, the cache
+        writes and reads apart from `input_tokens` (the module's docstring)."""
         plan = self._plan
-        # Anthropic's input_tokens excludes the cache reads: the prompt is their sum.
-        cached = plan.cached_tokens or 0
-        out = b'{"input_tokens":%d,"output_tokens":%d' % (
-            plan.prompt_tokens - cached,
-            output_tokens,
+        cached = plan.cached_tokens
+        if cached is None:
+            return b'{"input_tokens":%d,"output_tokens":%d}' % (plan.prompt_tokens, output_tokens)
+        written = wire.cache_writes(plan.prompt_tokens, cached, plan.cache_block)
+        return (
+            b'{"input_tokens":%d,"output_tokens":%d,"cache_creation_input_tokens":%d,'
+            b'"cache_read_input_tokens":%d}'
+            % (max(0, plan.prompt_tokens - cached - written), output_tokens, written, cached)
         )
-        if plan.cached_tokens is not None:
-            out += b',"cache_read_input_tokens":%d' % cached
-        return out + b"}"
+
+    def start_usage(self) -> bytes:
+        """message_start's usage: the first chat chunk's, without details."""
+        return b'{"input_tokens":%d,"output_tokens":0}' % self._plan.prompt_tokens
 
     def opening(self) -> list[bytes]:
         return []  # message_start waits for the first engine output (first_output)
@@ -127,7 +142,7 @@ class MessagesWire:
         message = (
             b'{"id":%s,"type":"message","role":"assistant","content":[],"model":%s,'
             b'"stop_reason":null,"stop_sequence":null,"usage":%s}'
-            % (self._id, self._model, self.usage(0))
+            % (self._id, self._model, self.start_usage())
         )
         start = _event(b"message_start", b'{"type":"message_start","message":%s}' % message)
         return [start, PING] if self._plan.ping else [start]

@@ -190,19 +190,40 @@ def test_messages_non_streamed_body(client: httpx.Client, url: str, app: SimApp)
     }
 
 
-def test_messages_cached_tokens_are_cache_read_input_tokens(client: httpx.Client, url: str) -> None:
-    # Anthropic's input_tokens excludes cache reads: the prompt is input + cache_read.
-    plain = client.post(url + "/v1/messages", json=message(False)).json()["usage"]
+#: AnthropicUsage's fields in its order (vLLM 0.32 anthropic/protocol.py), as dumped.
+CACHED_USAGE = ["input_tokens", "output_tokens", "cache_creation_input_tokens",
+                "cache_read_input_tokens"]  # fmt: skip
+
+
+def test_messages_usage_has_vllm_s_cache_reads_and_writes_apart_from_input(
+    client: httpx.Client, url: str
+) -> None:
+    # vLLM 0.32 _build_anthropic_usage (anthropic/serving.py): with the details, the
+    # final usage's input_tokens is the prompt less the cache reads (cached_tokens) and
+    # writes (chat's created_cache_tokens: whole 16-token blocks not found cached);
+    # message_start's comes from the first chat chunk, whose usage has no details.
+    long = message(messages=[{"role": "user", "content": "Say something, please. " * 8}])
+    plain = client.post(url + "/v1/messages", json={**long, "stream": False}).json()["usage"]
     prompt = plain["input_tokens"]
-    assert prompt > 2 and "cache_read_input_tokens" not in plain
-    got = read_named_events(client, url, "/v1/messages", message(), {"x-sim-cached-tokens": "2"})
+    assert prompt > 32 and list(plain) == ["input_tokens", "output_tokens"]
+    got = read_named_events(client, url, "/v1/messages", long, {"x-sim-cached-tokens": "2"})
     start_usage = got.first("message_start").json["message"]["usage"]
-    assert (start_usage["input_tokens"], start_usage["cache_read_input_tokens"]) == (prompt - 2, 2)
+    assert start_usage == {"input_tokens": prompt, "output_tokens": 0}
+    written = prompt - prompt % 16 - 2
     delta_usage = got.first("message_delta").json["usage"]
-    assert delta_usage["cache_read_input_tokens"] == 2
-    capped = {"x-sim-cached-tokens": "1000"}  # capped at the prompt
-    body = client.post(url + "/v1/messages", json=message(False), headers=capped).json()
-    assert (body["usage"]["input_tokens"], body["usage"]["cache_read_input_tokens"]) == (0, prompt)
+    assert list(delta_usage) == CACHED_USAGE
+    assert delta_usage == {
+        "input_tokens": prompt - written - 2,
+        "output_tokens": GENERATED,
+        "cache_creation_input_tokens": written,
+        "cache_read_input_tokens": 2,
+    }
+    capped = {"x-sim-cached-tokens": "1000"}  # capped at the prompt: nothing left to write
+    body = client.post(url + "/v1/messages", json={**long, "stream": False}, headers=capped)
+    usage = body.json()["usage"]
+    assert list(usage) == CACHED_USAGE
+    assert (usage["input_tokens"], usage["cache_creation_input_tokens"]) == (0, 0)
+    assert usage["cache_read_input_tokens"] == prompt
 
 
 def test_messages_ping_knob_sends_anthropic_ping_after_start(
