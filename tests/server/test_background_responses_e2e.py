@@ -106,6 +106,11 @@ def test_a_left_stream_is_counted_once_by_the_first_retrieval_that_sees_it_finis
         "retrieve_stream",
         OUTPUT,
     )
+    details = whole.json()["usage"]["input_tokens_details"]  # vLLM always writes both
+    assert (counted.cached_prompt_tokens, counted.cache_write_tokens) == (
+        details["cached_tokens"],
+        details["cache_write_tokens"],
+    )
     labels = {"model": MODEL, "endpoint": "/v1/responses", "team": "red", "source": "usage"}
     assert proxy.sample("tokenprobe_generation_tokens_total", **labels) == OUTPUT
     assert proxy.sample("tokenprobe_prompt_tokens_total", **labels) == counted.prompt_tokens
