@@ -28,6 +28,7 @@ from proxy.core.chat_prompt import (
 from proxy.core.lax import lax_bool
 from proxy.core.measurement import TokenSource
 from proxy.core.observe import StreamObserver, TokenCounts
+from proxy.core.request import TokenIds
 
 log = logging.getLogger("tokenprobe")
 
@@ -83,6 +84,8 @@ def count_prompt(
     `tokenizer`; the benchmark's prompt sizing keeps it."""
     if isinstance(prompt, str):
         return len(tokenizer.encode(prompt, add_special_tokens=True))
+    if isinstance(prompt, TokenIds):  # token ids, kept as their count (proxy/core/request.py)
+        return prompt.count
     if not isinstance(prompt, list) or not prompt:
         return None
     if all(type(p) is int for p in prompt):
@@ -95,7 +98,8 @@ def count_prompt(
         texts = [m.get("content") for m in messages]
         text = "\n".join(t for t in texts if isinstance(t, str))
         return len(tokenizer.encode(text, add_special_tokens=True))
-    if all(isinstance(p, str) or (isinstance(p, list) and p and all(type(i) is int for i in p))
+    if all(isinstance(p, (str, TokenIds))
+           or (isinstance(p, list) and p and all(type(i) is int for i in p))
            for p in prompt):  # fmt: skip
         return sum(count_prompt(tokenizer, p) or 0 for p in prompt)
     return None
@@ -165,6 +169,8 @@ def count_echoed(tokenizer: Any, prompts: list[Any]) -> int:
             total += len(tokenizer.encode(prompt, add_special_tokens=False))
         elif isinstance(prompt, list):
             total += len(prompt)
+        elif isinstance(prompt, TokenIds):
+            total += prompt.count
     return total
 
 
