@@ -51,6 +51,11 @@ MAX_KEPT_BODY = 8 * 1024 * 1024
 #: which has no text): the backend's own counts (`StreamObserver._ending_reads`).
 COUNTS_THE_ENDING_TOKEN = frozenset((TokenSource.USAGE, TokenSource.ENGINE, TokenSource.TOKEN_IDS))
 
+#: The token sources that count only what streamed (the chunks, a tokenizer's count of the
+#: texts): a token a parser held back reached the client as nothing, and is not in them
+#: (`StreamObserver._held_uncounted`).
+COUNTS_WHAT_STREAMED = frozenset((TokenSource.CHUNKS, TokenSource.TOKENIZER))
+
 
 #: How often one stream's template is learnt again when its content kind changes.
 RELEARNS = 4
@@ -926,6 +931,21 @@ class StreamObserver:
         template = self.request.template
         return bool(template and template.get("tools"))
 
+    def _held_uncounted(self, source: str) -> bool:
+        """The output count may leave out tokens whose steps its span holds, so TPOT and
+        decode speed would divide by tokens not seen: a tool parser may have held tokens
+        back (`called_or_offered_tools`), and the count is only of what streamed
+        (COUNTS_WHAT_STREAMED). vLLM streams no chunk for a token its parser keeps, with
+        any n (chat_completion/serving.py: `delta_message is None` -> `continue`); a
+        call's markers and name, a `tool_choice` "required" or named call's JSON around
+        its arguments, a `<tool_call>` cut by `length` that never became a call. Against
+        the real vLLM 0.32, n=2 with a required call: 7 chunks for 80 tokens, a TPOT of 27
+        ms where usage's count gave 1.6 ms. A tokenizer's span ends at the last content,
+        but holds the tokens kept between the text and a call or between a call's pieces.
+        The backend's own count holds them all, and its span runs to the read of the
+        finish that ended them (`_ending_reads`)."""
+        return source in COUNTS_WHAT_STREAMED and self.called_or_offered_tools()
+
     def measurement(
         self,
         *,
@@ -939,7 +959,9 @@ class StreamObserver:
         reasoning: tuple[int, str] | None = None,
     ) -> Measurement:
         self._end_run()
-        tpot, tps = self._decode_speed(counts.output, self._ending_reads(counts.source))
+        tpot = tps = None
+        if not self._held_uncounted(counts.source):
+            tpot, tps = self._decode_speed(counts.output, self._ending_reads(counts.source))
         first = self.first_token
         request = self.request
         raw = self.finish_reason
@@ -1093,19 +1115,37 @@ class StreamObserver:
         llama-server's n_decoded and, on a GGUF model, Ollama's eval_count (llama-server's
         predicted_n: ollama llm/llama_server.go:1725), alike; Ollama's MLX runner leaves
         the EOS out of eval_count, x/mlxrunner/pipeline.go checks IsEOS before
-        generated++, and nothing on the wire says which runner answered). Text counted by a tokenizer leaves that token out,
-        and its read with it: {}. Chunks counted count a finish only where its chunk was
-        an engine output of its own (Facts.held: vLLM's EOS, or a last token whose text
-        was held back, whatever the reason), and their reads are those. A `length` finish
-        is otherwise no token."""
+        generated++, and nothing on the wire says which runner answered). Text counted by a
+        tokenizer leaves that token out, and its read with it: {}.
+
+        A `length` finish adds no token: it rides on the step of the last one, which the
+        count holds. That step's read is the finish's where its chunk was an engine output
+        of its own (Facts.held): vLLM skips a step whose parser gives no delta unless it
+        finishes, and then sends the finish with an empty delta (chat_completion/serving.py,
+        `if delta_message is None`; completions' empty `text`), so a last token whose text
+        was held back (a tool parser's unfinished call, a partial character) is read only
+        there, after the last content, however many held tokens came between. Any other
+        `length` finish came with the last content, or in a chunk or event of its own on
+        that content's step (OpenAI's and llama-server's `delta: {}`, Messages'
+        `message_delta`, Responses' last event, whose response says `incomplete`): its
+        read is left out. Messages and Responses drop vLLM's empty deltas before the wire,
+        so theirs cannot say whether the last token's text was held back
+        (docs/measured.md).
+
+        Chunks counted count a finish only where its chunk was such an engine output (vLLM's
+        EOS, or a last token whose text was held back, whatever the reason), and their
+        reads are those."""
+        held = self.held_finishes
         if source == TokenSource.CHUNKS:
-            return self.held_finishes
+            return held
         if source not in COUNTS_THE_ENDING_TOKEN:
             return {}
-        # A `length` finish ends no token of its own: it rides on the last one's step
-        # (events of its own only where an API splits that step: Messages, Responses).
         label, finishes = self.api.finish_label, self.finishes
-        return {i: at for i, at in self.finish_reads.items() if label(finishes[i]) != "length"}
+        return {
+            i: at
+            for i, at in self.finish_reads.items()
+            if i in held or label(finishes[i]) != "length"
+        }
 
     def _decode_speed(
         self, output: int | None, ends: dict[int, float]
