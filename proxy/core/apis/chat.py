@@ -69,9 +69,6 @@ class OpenAIGeneration(Api):
         options = obj.get("stream_options")
         return isinstance(options, dict) and lax_bool(options.get("include_usage")) is True
 
-    def max_tokens(self, obj: dict[str, Any]) -> object:
-        return obj.get("max_completion_tokens", obj.get("max_tokens"))
-
     def ask_for_usage(self, obj: dict[str, Any], body: bytes) -> bytes | None:
         """The body with `stream_options.include_usage: true`, or None where the client's
         stream could not then be given back exactly as it would come direct, or where the
@@ -285,6 +282,14 @@ class Chat(OpenAIGeneration):
 
     def prompt(self, obj: dict[str, Any]) -> Any:
         return obj.get("messages")
+
+    def max_tokens(self, obj: dict[str, Any]) -> object:
+        """The limit vLLM applies: `max_completion_tokens`, unless it is absent or null,
+        then `max_tokens` (chat_completion/protocol.py build_tok_params and serving.py's
+        get_max_tokens call: `max_completion_tokens if ... is not None else max_tokens`),
+        so a null `max_completion_tokens` beside `max_tokens: 5` is a limit of 5."""
+        limit = obj.get("max_completion_tokens")
+        return obj.get("max_tokens") if limit is None else limit
 
     def template(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         """The options vLLM renders and encodes the prompt with, as sent: the chat template's

@@ -36,6 +36,15 @@ class Completions(OpenAIGeneration):
     def prompt(self, obj: dict[str, Any]) -> Any:
         return obj.get("prompt")
 
+    def max_tokens(self, obj: dict[str, Any]) -> object:
+        """`max_tokens` alone: vLLM's CompletionRequest has no `max_completion_tokens`
+        (completion/protocol.py; completion/serving.py limits by `request.max_tokens`) and
+        ignores a field it does not have (serve/engine/protocol.py, OpenAIBaseModel), so
+        chat's rule would log a limit vLLM never applied. A null or absent one is no limit
+        the client asked for (vLLM then applies its default, 16; llama-server none), so
+        none is logged."""
+        return obj.get("max_tokens")
+
     def read_request(self, obj: dict[str, Any]) -> RequestInfo:
         """With `echo`, each choice's text begins with its prompt: vLLM sends
         `prompt_text + output.text` in a choice's first chunk (its whole text when not
