@@ -24,7 +24,10 @@ Derived durations:
   itl    each gap between consecutive content events of the same choice (0 when two
          arrive in one read)
   tpot   (last_token - first_token) / (output_tokens - 1), needs >= 2 output tokens
-         and a span above 0 (tokens all in one read measured no time: None, not 0)
+         and a span above 0 (tokens all in one read measured no time: None, not 0);
+         None where the count is only of what streamed (chunks, a tokenizer) and tools
+         were offered or a call came: a tool parser's held tokens are in the span but not
+         in the count (StreamObserver._held_uncounted)
   decode_tokens_per_second   (output_tokens - 1) / (last_token - first_token), with tpot
   e2e    end - start
   proxy_overhead   (sent - read) + (relayed - first_byte): the proxy's own time
