@@ -23,6 +23,14 @@ next cycle. So both pools are guarded, per connection reuse and never per chunk:
 Each such close is counted by the `count` callback (Sinks.count_upstream_protocol_error):
 tokenprobe_upstream_protocol_errors_total{kind}.
 
+Bytes that come later, once the next request went out on the connection, no guard can tell
+from that request's answer. The answers that by their nature invite a broken server to
+send a body (a HEAD's, a 204, a 304, one after a 1xx) are rare in LLM traffic, so neither
+pool keeps their connection, as the wire keeps none (proxy/server/wire/upstream.py): the
+aiohttp protocol marks it to close as it hands on the message (`_GuardedHandler`), and
+httpcore's connection closes as the response does (`_GuardedHTTP11Connection`), both
+once per response. That close is no protocol error: not counted.
+
 A request goes once more, on a new connection, exactly when the wire's does
 (WireRequest.upstream_lost): the backend closed a reused keep-alive connection as the
 request went out on it, cleanly and before any byte of answer, so it closed an idle
@@ -50,6 +58,8 @@ import h11
 import httpcore
 import httpcore._backends.base as httpcore_base
 import httpx
+from h11._readers import ChunkedReader
+from h11._receivebuffer import ReceiveBuffer
 from httpcore._backends.anyio import AnyIOStream  # what httpcore's AnyIOBackend returns
 
 from proxy.core.errors import (
@@ -298,6 +308,7 @@ class _GuardedPool(httpcore.AsyncConnectionPool):
         # httpcore's own (a pool with no proxy), as the connection that tells a reused
         # one closed unanswered.
         return _GuardedConnection(
+            self._count,
             origin=origin,
             ssl_context=self._ssl_context,
             keepalive_expiry=self._keepalive_expiry,
@@ -324,11 +335,20 @@ class _GuardedConnection(httpcore.AsyncHTTPConnection):
 
     httpcore says "Server disconnected without sending a response." for any clean close
     before the end of the final head; one after a byte of it (in h11's buffer) or a 1xx,
-    on any connection, is raised as `ClosedInHead`, as the wire tells it."""
+    on any connection, is raised as `ClosedInHead`, as the wire tells it.
+
+    Its HTTP/1.1 connection is a `_GuardedHTTP11Connection`, made here as httpcore makes
+    its own (`_open`): the pool asks for no HTTP/2, and offers none in TLS (ALPN)."""
+
+    def __init__(self, count: Callable[[str], None], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._count = count
 
     async def handle_async_request(self, request: httpcore.Request) -> httpcore.Response:
         inner = self._connection
         reused = inner is not None
+        if inner is None:
+            await self._open(request)
         if isinstance(inner, httpcore.AsyncHTTP11Connection):
             inner._h11_state.their_http_version = None
         try:
@@ -354,6 +374,110 @@ class _GuardedConnection(httpcore.AsyncHTTPConnection):
             ):
                 raise _HttpxClosedInHead(str(exc)) from exc
             raise
+
+    async def _open(self, request: httpcore.Request) -> None:
+        """httpcore's own opening of the connection (AsyncHTTPConnection's
+        handle_async_request, HTTP/1.1), with the guarded HTTP/1.1 connection on it."""
+        try:
+            async with self._request_lock:
+                if self._connection is None:
+                    stream = await self._connect(request)
+                    self._connection = _GuardedHTTP11Connection(
+                        self._count,
+                        origin=self._origin,
+                        stream=stream,
+                        keepalive_expiry=self._keepalive_expiry,
+                    )
+        except BaseException:
+            self._connect_failed = True
+            raise
+
+
+class _GuardedHTTP11Connection(httpcore.AsyncHTTP11Connection):
+    """httpcore's HTTP/1.1 connection, which:
+
+    - is not kept after an answer that invites a broken server to send a body (a HEAD's,
+      a 204, a 304, one after a 1xx), as on the other paths: sent late, such a body
+      would be the next request's answer. Decided once per response, at its head; the
+      connection closes when the response does (`_response_closed`);
+    - reads a chunked body with `_CheckedChunkedReader` (installed once per response,
+      at its head, in the place of h11's own, which has read nothing yet)."""
+
+    def __init__(self, count: Callable[[str], None], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._count = count
+        self._invites_a_body = False
+
+    async def handle_async_request(self, request: httpcore.Request) -> httpcore.Response:
+        response = await super().handle_async_request(request)
+        if request.method == b"HEAD" or response.status == 204 or response.status == 304:
+            self._invites_a_body = True
+        h11_state = self._h11_state
+        if type(h11_state._reader) is ChunkedReader:
+            h11_state._reader = _CheckedChunkedReader(self._count)
+        return response
+
+    async def _receive_response_headers(
+        self, request: httpcore.Request
+    ) -> tuple[bytes, int, bytes, list[tuple[bytes, bytes]], bytes]:
+        """httpcore's own (1.0), noting a 1xx before the final head: httpcore drops it,
+        and h11 keeps no trace of one (`_GuardedConnection`)."""
+        timeout = request.extensions.get("timeout", {}).get("read", None)
+        while True:
+            event = await self._receive_event(timeout=timeout)
+            if isinstance(event, h11.Response):
+                break
+            if isinstance(event, h11.InformationalResponse):
+                if event.status_code == 101:
+                    break
+                self._invites_a_body = True
+        trailing_data, _ = self._h11_state.trailing_data
+        return (
+            b"HTTP/" + event.http_version,
+            event.status_code,
+            event.reason,
+            event.headers.raw_items(),
+            trailing_data,
+        )
+
+    async def _response_closed(self) -> None:
+        # the response's end, or its break: the flag is this response's, and spent here
+        invites_a_body, self._invites_a_body = self._invites_a_body, False
+        await super()._response_closed()
+        if invites_a_body and self.is_idle():  # never pooled
+            if self._h11_state.trailing_data[0]:  # read with the answer, after its end,
+                self._count("extra_bytes")  # as the pool's check counts them (_idle_dirt)
+            await self.aclose()
+
+
+class _CheckedChunkedReader(ChunkedReader):
+    """h11's reader of a chunked body, failing at once where h11 would wait: a chunk size
+    line ended by a bare LF (`2\\nok\\n0\\n\\n`; RFC 9112 §7.1 ends it with CRLF, and llhttp
+    and aiohttp refuse it at once). h11 holds such bytes while it waits for a CRLF, which
+    a backend that keeps the connection open never sends: the client held a 200 head
+    until --idle-timeout. Each framing fault, h11's own too (a size that is not hex), is
+    counted `malformed`, as the wire counts it. The check runs only when h11 found
+    nothing to hand on (once per read), on the few bytes of a size line."""
+
+    def __init__(self, count: Callable[[str], None]) -> None:
+        super().__init__()
+        self._count = count
+
+    def __call__(self, buf: ReceiveBuffer) -> h11.Data | h11.EndOfMessage | None:
+        try:
+            event = super().__call__(buf)
+            if (
+                event is None
+                and not self._bytes_in_chunk  # waiting for a size line: no CRLF in buf
+                and not self._bytes_to_discard
+                and not self._reading_trailer
+                and b"\n" in buf._data
+            ):
+                raise h11.RemoteProtocolError("illegal chunk header: a line ended by a bare LF")
+        except h11.ProtocolError:
+            self._count("malformed")
+            raise
+        return event
 
 
 def _idle_dirt(conn: httpcore.AsyncHTTP11Connection) -> str | None:

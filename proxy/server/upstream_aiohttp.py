@@ -120,6 +120,10 @@ class _GuardedHandler(ResponseHandler):
     end of the final head (a message begun, or a 1xx heard) is raised as `ClosedInHead`,
     on any connection.
 
+    A connection whose answer invites a broken server's body (a 1xx's, a 204, a 304, a
+    HEAD's) is never pooled: `feed_data` marks it to close (the module docstring of
+    proxy/server/upstream.py says why).
+
     With aiohttp's C parser, a malformed body (a chunk size that is not hex) makes the
     protocol close the connection and record the error on itself, but the response's body
     stream is never told: a reader waits for the idle timeout and the break is counted as
@@ -146,7 +150,10 @@ class _GuardedHandler(ResponseHandler):
             return
         self._heard = True
         code = data[0].code
-        if code == 101:  # whatever follows is another protocol: never reused
+        if code < 200 or code == 204 or code == 304 or self._skip_payload:
+            # Never reused: whatever follows a 101 is another protocol; the others (a 1xx
+            # and what follows it, a 204, a 304, a HEAD's answer) invite a broken server
+            # to send a body, which sent late would be the next request's answer.
             self._should_close = True
         if code >= 200 or code == 101:
             self._finals += 1

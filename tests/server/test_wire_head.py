@@ -1,12 +1,11 @@
 """A HEAD request's answer on the wire's pooled upstream connections.
 
 Its answer ends at its head whatever its framing says (RFC 9112 §6.3, item 1), which
-llhttp cannot be told: the wire gives the connection a new parser for the next response
-and keeps it as the head says (proxy/server/wire/upstream.py `ended_at_head`,
-`keeps_alive_at_head`). Both data paths reuse the connection after a HEAD answer framed by
-a length or chunks (tests/hostile/test_upstream.py); what is here is the wire's own: an
-answer framed by nothing (the ASGI relay's aiohttp closes that connection), and the
-wire's parser, which reads on after the head within the same read.
+llhttp cannot be told: the wire ends the answer there (proxy/server/wire/upstream.py
+`ended_at_head`) and closes the connection after it, never pooled, on every path (a body a
+broken server sent late would be the next request's answer: docs/hostile-peers.md). What
+is here is the wire's own: an answer framed by nothing, and the wire's parser, which reads
+on after the head within the same read.
 """
 
 from __future__ import annotations
@@ -66,22 +65,23 @@ def errors(proxy: ProxyUnderTest, kind: str) -> float:
 @pytest.mark.parametrize(
     ("head", "connections"),
     [
-        (b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\n", 1),
-        (b"HTTP/1.0 200 OK\r\nconnection: keep-alive\r\n\r\n", 1),
+        (b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\n", 3),
+        (b"HTTP/1.0 200 OK\r\nconnection: keep-alive\r\n\r\n", 3),
         (b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\n", 3),
         (b"HTTP/1.0 200 OK\r\n\r\n", 3),
     ],
     ids=["http-1.1", "http-1.0-keep-alive", "close", "http-1.0"],
 )
-def test_a_head_answer_framed_by_nothing_keeps_its_connection_as_its_head_says(
+def test_a_head_answer_framed_by_nothing_ends_at_its_head_on_a_connection_of_its_own(
     upstream: RawUpstream,
     start_proxy: Callable[..., ProxyUnderTest],
     head: bytes,
     connections: int,
 ) -> None:
-    """No length and no chunks: llhttp would read such a body to the close and calls the
-    connection done; a HEAD's answer has none, so the head's own words decide (HTTP/1.1
-    unless `close`, HTTP/1.0 only with `keep-alive`)."""
+    """No length and no chunks: llhttp would read such a body to the close; a HEAD's
+    answer has none, so it ends at its head, whatever the head says of keeping alive, and
+    its connection closes after it (each of the three requests on a connection of its
+    own)."""
     upstream.default = answering(head)
     proxy = start_proxy(upstream.url)
     got = answers(proxy, HEAD, HEAD, GET)

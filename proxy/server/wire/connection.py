@@ -496,8 +496,10 @@ class WireRequest(Deadline):
         self.transport.write(b"".join(lines))
         exchange.relayed(perf_counter())
         if no_body:
-            if self.head_only:  # it ends at its head, whatever its framing says
-                self.response_end(now, conn.keeps_alive_at_head())
+            if self.head_only:  # it ends at its head, whatever its framing says; its
+                # connection is never pooled: a body a broken server sends after it,
+                # late, would be the next request's answer (UpstreamConnection.release)
+                self.response_end(now, False)
             return
         conn.write = self.transport.write
         conn.chunked = chunked

@@ -25,10 +25,14 @@ response in the same read, or of anything on an idle pooled connection) closes i
 as does a 101 or a head llhttp refuses. None of this runs per chunk: `on_message_begin`
 and `on_headers_complete` run once per message, the settling once per reuse.
 
-A HEAD request's answer ends at its head whatever its framing says, which llhttp cannot
-be told (httptools has no way to skip a body): the next response on the connection goes
-to a new parser (`ended_at_head`, once per HEAD), and the connection is kept as the head
-says (`keeps_alive_at_head`).
+What no proxy can tell apart: bytes an upstream sends late, once the next request went
+out on the reused connection, are that request's answer as far as HTTP/1.1 can say. The
+answers that by their nature invite a broken server to send a body (a HEAD's, whatever its
+framing says; a 204; a 304; one after a 1xx) are rare in LLM traffic, so their connection
+is never pooled: closed after the answer (`release`; a HEAD's request says so, the heads
+of the others set `invites_a_body`, once per message). A HEAD request's answer ends at
+its head, which llhttp cannot be told (httptools has no way to skip a body): the rest of
+that read is no request's (`ended_at_head`).
 
 A chunked body's trailer section is dropped, and bounded as the head is (MAX_RESPONSE_HEAD):
 llhttp joins a trailer field's value across reads as it does a header's, so an endless one
@@ -132,6 +136,7 @@ class UpstreamConnection(asyncio.Protocol):
         "idle_since",
         "in_head",
         "interim",
+        "invites_a_body",
         "lost",
         "now",
         "parser",
@@ -161,6 +166,8 @@ class UpstreamConnection(asyncio.Protocol):
         self.dry_bytes = 0
         self.dry_since = 0.0
         self.interim = False  # a 1xx head: not the response yet
+        # The answer invites a broken server's stray body: never pooled (release)
+        self.invites_a_body = False
         self.lost = False
         self.paused = False
         self.pooled = False  # in the pool's idle list
@@ -174,6 +181,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def start(self, request: WireRequest, head: bytes) -> None:
         self.request, self.headers, self.in_head, self.interim = request, [], True, False
+        self.invites_a_body = False
         self.head_bytes = self.header_bytes = 0
         self.codings.clear()  # (a head cut short closes its connection: empty already)
         self.now = 0.0  # until a byte of this request's answer arrives (`answered`)
@@ -275,7 +283,7 @@ class UpstreamConnection(asyncio.Protocol):
         if status == 101:  # the wire never asks for a switch (WebSockets are the tunnel's)
             raise UpstreamProtocolError("upgrade", fault_words("unasked_switch"))
         if 100 <= status < 200:  # interim (103 Early Hints...): dropped, as httpx does
-            self.interim = True
+            self.interim = self.invites_a_body = True
             self.codings.clear()  # an interim head's lines frame nothing of the response
             # nor count against the final head's bound, as on the ASGI relay, whose
             # clients drop a 1xx before its head is judged
@@ -290,6 +298,8 @@ class UpstreamConnection(asyncio.Protocol):
             self.codings.clear()
             if coded is not None:
                 raise UpstreamProtocolError("malformed", coded)
+        if status == 204 or status == 304:
+            self.invites_a_body = True
         self.in_head = False
         self.header_bytes = 0  # the trailers' count, if any (on_header)
         self.data_at = self.now  # the head's read is no read without data (dry)
@@ -317,33 +327,11 @@ class UpstreamConnection(asyncio.Protocol):
     def ended_at_head(self) -> None:
         """The response ended at its head, as a HEAD request's does whatever its framing
         says (RFC 9112 §6.3, item 1), which llhttp cannot be told: it would go on to read
-        the body that framing announces, and take the next response's bytes for it. The
-        next response goes to a new parser; the rest of this read (nothing, from a sound
-        upstream) to the one that read the head, where a body byte is one no request asked
-        for: the connection breaks (`extra_bytes`), as at a message that begins
-        unasked. Runs once per HEAD, after the request let the connection go (release):
-        a reusable one is not pooled until this read is parsed (_settle)."""
-        self.parser = httptools.HttpResponseParser(self)
+        the body that framing announces. The connection is closed already (a HEAD's
+        answer is never pooled: `release`); the rest of this read (nothing, from a sound
+        upstream) is no request's, and a body byte in it counts as one (`extra_bytes`),
+        as at a message that begins unasked. Runs once per HEAD."""
         self.feed = _past_the_end
-
-    def keeps_alive_at_head(self) -> bool:
-        """Whether the connection stays open after a response that ends at its head, as
-        that head says. llhttp's should_keep_alive also says no where the framing would
-        run the body to the close (no length, no chunks), which such a response has not."""
-        parser = self.parser
-        if parser.should_keep_alive():
-            return True
-        if not reads_to_close(self.headers):  # framed: llhttp's no is the head's close
-            return False
-        options = {
-            option.strip().lower()
-            for name, value in self.headers
-            if name == b"connection"
-            for option in value.split(b",")
-        }
-        if parser.get_http_version() == "1.1":
-            return b"close" not in options
-        return b"keep-alive" in options and b"close" not in options
 
     # -- the request's side -----------------------------------------------------------
 
@@ -373,14 +361,21 @@ class UpstreamConnection(asyncio.Protocol):
     def release(self, reusable: bool) -> None:
         """The response ended. Called from inside this connection's read (the parser's
         `on_message_complete`), so a reusable connection settles before it is pooled:
-        the rest of the read is parsed first, and no request starts on it from here."""
+        the rest of the read is parsed first, and no request starts on it from here.
+        Whether it may be is decided here, once per response."""
         self.detach()
         self.resume()
         # A response that ended while the request was still being written (an early
         # answer, before the backend read the body) leaves the rest of that body on the
         # connection, where a next request would follow it: never reused (nginx keeps
-        # none whose request body was not all sent).
-        if reusable and not self.lost and not self.transport.get_write_buffer_size():
+        # none whose request body was not all sent). Nor one whose answer invites a
+        # broken server's body: sent late, it would be the next request's answer.
+        if (
+            reusable
+            and not self.invites_a_body
+            and not self.lost
+            and not self.transport.get_write_buffer_size()
+        ):
             asyncio.get_running_loop().call_soon(self._settle)
         else:
             self.close()
