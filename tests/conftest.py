@@ -26,7 +26,13 @@ from proxy.sim.app import SimApp, create_sim_app
 from proxy.sim.config import SimConfig
 from proxy.sinks.sink import Recorder, Sink
 from tests import alone, bytecode
-from tests.servers import EARLY_ENV, Early, ThreadedHypercorn, ThreadedServer
+from tests.servers import (
+    EARLY_ENV,
+    Early,
+    ThreadedHypercorn,
+    ThreadedServer,
+    share_the_default_trust,
+)
 
 MODEL = "sim-model"
 
@@ -37,6 +43,7 @@ settings.register_profile("tokenprobe", deadline=None)
 settings.load_profile("tokenprobe")
 
 bytecode.keep_outside_the_tree()
+share_the_default_trust()  # httpx.get and the others: one TLS trust, not one a call
 
 #: The most workers `-n auto` starts (pyproject.toml's addopts): each runs servers of its own.
 MAX_WORKERS = 8

@@ -45,6 +45,7 @@ __all__ = [
     "request_body",
     "serve",
     "serve_in_front",
+    "share_the_default_trust",
     "spawn",
     "started",
     "started_early",
@@ -293,6 +294,38 @@ def default_trust() -> ssl.SSLContext:
 @functools.lru_cache(maxsize=4)
 def _trust(cafile: str | None, capath: str | None) -> ssl.SSLContext:  # the key: what it reads
     return httpx.create_ssl_context()
+
+
+#: httpx's functions that make a client for their one request.
+ONE_REQUEST = ("request", "stream", "get", "options", "head", "post", "put", "patch", "delete")
+
+
+def share_the_default_trust() -> None:
+    """httpx.get, httpx.post and the others of `ONE_REQUEST` take `default_trust()` in
+    this process where a call names no trust of its own (no `verify`, no `trust_env`).
+
+    Each makes a client for its one request and, with it, the default trust read from the
+    whole CA bundle: 20 ms of CPU here, for http:// URLs that never use it. In
+    tests/server, sinks, bench, deploy and sim alone, the tests' own clients made 1,823
+    trusts a run, 1,471 of them in these calls (a proxy's request, a scrape, a poll):
+    tests/server/test_proxy_e2e.py took 5.0 s of CPU, 2.0 s sharing one. A call that
+    names a trust keeps it (a TLS test's CA); the clients the proxy makes in a test's
+    process (the ASGI relay's) are not these."""
+    for name in ONE_REQUEST:
+        function = getattr(httpx, name)
+        if not getattr(function, "shares_the_default_trust", False):
+            setattr(httpx, name, _with_default_trust(function))
+
+
+def _with_default_trust(function: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if "verify" not in kwargs and "trust_env" not in kwargs:
+            kwargs["verify"] = default_trust()
+        return function(*args, **kwargs)
+
+    call.shares_the_default_trust = True  # type: ignore[attr-defined]
+    return call
 
 
 def wait_http(url: str, timeout: float = 20.0, verify: ssl.SSLContext | None = None) -> float:
