@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -119,6 +120,7 @@ def test_serve_starts_fast_without_a_tokenizer(sim_url: str) -> None:
         stop(proxy)
 
 
+@paths("wire", why="the salts are drawn by the supervisor, for whichever relay its workers run")
 def test_two_workers_hash_one_key_and_one_prompt_alike_without_a_salt_given(
     sim_url: str, tmp_path: Path
 ) -> None:
@@ -243,6 +245,7 @@ def test_a_websocket_session_open_on_a_worker_that_dies_is_counted_lost(
         stop(proxy)
 
 
+@paths("wire", why="the workers' counts meet in the metrics directory, whichever relay made them")
 def test_two_workers_report_exact_totals_on_every_scrape(sim_url: str, tmp_path: object) -> None:
     port = free_port()
     proxy = spawn(
@@ -285,6 +288,7 @@ def test_two_workers_report_exact_totals_on_every_scrape(sim_url: str, tmp_path:
         stop(proxy)
 
 
+@paths("wire", why="the metrics directory is made ready at start, before either relay serves")
 def test_one_worker_in_multiprocess_mode_starts_from_a_fresh_directory(
     sim_url: str, tmp_path: Path
 ) -> None:
@@ -541,7 +545,8 @@ print("aiohttp" in sys.modules, "opentelemetry.sdk.trace" in sys.modules)
 """
 
 
-def imported_by(relay: str, traces: str) -> list[str]:
+@functools.cache  # a process each: the two tests below both read the wire's without traces
+def imported_by(relay: str, traces: str) -> tuple[str, ...]:
     """Whether a started app of `relay`, OTEL_TRACES_EXPORTER=`traces`, imported aiohttp
     and the OpenTelemetry tracing SDK."""
     run = subprocess.run(
@@ -552,7 +557,7 @@ def imported_by(relay: str, traces: str) -> list[str]:
         env={k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
     )
     assert run.returncode == 0, run.stderr[-2000:]
-    return run.stdout.split()
+    return tuple(run.stdout.split())
 
 
 @no_proxy

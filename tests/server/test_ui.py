@@ -27,7 +27,7 @@ import pytest
 from proxy.ui import ASSETS
 from tests.conftest import MODEL, ProxyUnderTest, Running
 from tests.paths import ROOT
-from tests.scrape import Scrape, Series
+from tests.scrape import REQUESTS, Scrape, Series
 from tests.server.conftest import no_proxy, paths
 from tests.servers import free_port
 from tests.wheels import pure_wheel
@@ -256,18 +256,34 @@ def _traffic(client: httpx.Client) -> int:
     return sent + 1
 
 
+def metrics_after(client: httpx.Client, requests: int) -> str:
+    """/metrics once it counts `requests` requests, from a render begun after the first
+    that did: every family whole (tests/scrape.py, `_settled`).
+
+    A GET sent once the last request was recorded is not enough: a scrape that arrives
+    while another is rendered shares that render (proxy/server/exposition.py), begun
+    before the record perhaps, and the page polls every 300 ms. The CI once read the
+    second batch without its last request (context_length) so. Renders run one at a
+    time: the one after the first that counted them all began after the last record."""
+    deadline = time.monotonic() + 10
+    while (counted := Scrape.parse(client.get("/metrics").text).total(REQUESTS)) < requests:
+        assert time.monotonic() < deadline, f"/metrics counts {counted:g} of {requests} requests"
+        time.sleep(0.02)
+    return client.get("/metrics").text
+
+
 def test_page_numbers_match_promql_over_the_same_scrapes(
     proxy: ProxyUnderTest, open_page: Callable[[str], Page], tmp_path: Path
 ) -> None:
     with httpx.Client(base_url=proxy.url, timeout=10) as client:
         done = _traffic(client)  # before the page opens: its window must subtract these
         proxy.wait_records(done, timeout=10)
-        before = client.get("/metrics").text
+        before = metrics_after(client, done)
         page = open_page(proxy.url + "/ui?interval=300")
         page.wait_for_scrapes(2)  # the window's oldest scrape is `before`'s state
         done += _traffic(client)
         proxy.wait_records(done, timeout=10)
-        now = client.get("/metrics").text
+        now = metrics_after(client, done)
         seen = page.scrapes()
         page.wait_for_scrapes(seen + 2)  # one whole poll after `now` was taken
 
@@ -396,7 +412,7 @@ def test_page_shows_where_the_first_tokens_time_goes(
         page.wait_for_scrapes(page.scrapes() + 1)
         burst(client)
         proxy.wait_records(3, timeout=10)
-        now = client.get("/metrics").text
+        now = metrics_after(client, 3)
         page.wait_for_scrapes(page.scrapes() + 2)
 
     split = _split(before, now)
@@ -435,6 +451,7 @@ def test_page_asks_for_the_metrics_token_and_keeps_it_in_memory_only(
     assert len(page.errors) == 2
 
 
+@paths("wire", why="the workers' counts meet in the metrics directory, whichever relay made them")
 def test_page_reads_the_aggregated_metrics_of_two_workers(
     sim: Running, open_page: Callable[[str], Page], tmp_path: Path
 ) -> None:
@@ -581,7 +598,7 @@ def test_page_shows_slo_attainment_as_promql_reads_the_counters(
             )
         client.post(CHAT, json=_chat(), headers={"x-sim-error": "rate_limit"})  # an error: a miss
         proxy.wait_records(6, timeout=10)
-        now = client.get("/metrics").text
+        now = metrics_after(client, 6)
         page.wait_for_scrapes(page.scrapes() + 2)
 
     old, new = _series(before, now)
@@ -658,7 +675,7 @@ def test_page_shows_conversations_as_promql_reads_them(
         other += [{"role": "assistant", "content": "Hills."}, {"role": "user", "content": "?"}]
         turn(client, other, **{"x-session-id": "sess-lisbon", "x-sim-cached-tokens": "0"})
         proxy.wait_records(5, timeout=10)
-        now = client.get("/metrics").text
+        now = metrics_after(client, 5)
         page.wait_for_scrapes(page.scrapes() + 2)
 
     seen = _conversations(before, now)
