@@ -45,6 +45,7 @@ __all__ = [
     "request_body",
     "serve",
     "serve_in_front",
+    "serve_with_a_port_taken",
     "share_the_default_trust",
     "spawn",
     "started",
@@ -367,13 +368,22 @@ def stop_group(process: subprocess.Popen[bytes] | Elsewhere) -> None:
 def metrics_port_taken() -> tuple[int, subprocess.CompletedProcess[str]]:
     """A `tokenprobe serve` run to its end with its --metrics-port held by another socket:
     that port, and the process's exit status and output."""
+    return serve_with_a_port_taken(
+        "--port", "0", "--metrics-port", "{port}", "--models-refresh", "0"
+    )
+
+
+def serve_with_a_port_taken(*flags: str) -> tuple[int, subprocess.CompletedProcess[str]]:
+    """A `tokenprobe serve` run to its end with the address `flags` name held by another
+    listening socket: that port, and the process's exit status and output. `flags` holds
+    `{port}` where the port goes."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         out = subprocess.run(
             [sys.executable, "-m", "proxy", "serve", "--upstream", "http://127.0.0.1:9",
-             "--port", "0", "--metrics-port", str(port), "--models-refresh", "0"],
+             *(flag.format(port=port) for flag in flags)],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
     return port, out

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -18,7 +15,7 @@ import pytest
 from uvicorn.config import STARTUP_FAILURE
 
 from tests.server.conftest import no_proxy, paths
-from tests.servers import free_port, spawn, stop_group
+from tests.servers import free_port, serve_with_a_port_taken, spawn, stop_group
 
 #: uvicorn's lines as a server stops, each followed by what varies (a process id).
 SHUTDOWN = (
@@ -81,28 +78,12 @@ def test_ctrl_c_stops_cleanly_as_sigterm_does(sig: signal.Signals, workers: int)
     assert shutdown_lines(log) == expected, log
 
 
-def refused(*flags: str) -> tuple[int, subprocess.CompletedProcess[str]]:
-    """A `tokenprobe serve` run to its end with the address `flags` name held by another
-    listening socket: that port, and the process's exit status and output. `flags` holds
-    `{port}` where the port goes."""
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        out = subprocess.run(
-            [sys.executable, "-m", "proxy", "serve", "--upstream", "http://127.0.0.1:9",
-             *(flag.format(port=port) for flag in flags)],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
-    return port, out
-
-
 @no_proxy
 @pytest.mark.parametrize("workers", ["1", "2"], ids=["one-process", "two-workers"])
 def test_a_port_in_use_is_one_line_naming_the_address(workers: str) -> None:
     """With --workers uvicorn's supervisor said only "[Errno 98] Address already in use";
     one process started the whole app first, then said it in asyncio's words."""
-    port, out = refused("--port", "{port}", "--workers", workers)
+    port, out = serve_with_a_port_taken("--port", "{port}", "--workers", workers)
     assert out.returncode == STARTUP_FAILURE, out.stderr
     line = f"tokenprobe serve: --port {port}: cannot listen on 127.0.0.1:{port} ("
     said = [text for text in out.stderr.splitlines() if "in use" in text.lower()]
@@ -117,7 +98,7 @@ def test_a_metrics_port_in_use_leaves_no_coroutine_never_awaited() -> None:
     begun to the loop's close (the model-list refresher, its connection half made, with
     --models-refresh on as by default): "RuntimeWarning: coroutine
     'connect_tcp.<locals>.try_connect' was never awaited" after the error."""
-    port, out = refused("--port", "0", "--metrics-port", "{port}")
+    port, out = serve_with_a_port_taken("--port", "0", "--metrics-port", "{port}")
     assert out.returncode == STARTUP_FAILURE, out.stderr
     assert f"--metrics-port {port}: cannot listen on 127.0.0.1:{port}" in out.stderr
     assert "never awaited" not in out.stderr and "Traceback" not in out.stderr, out.stderr
