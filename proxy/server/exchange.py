@@ -36,6 +36,7 @@ from proxy.server.backlog import Progress
 from proxy.server.deadline import Deadline
 from proxy.server.headers import Headers, upstream_headers
 from proxy.sinks.dispatch import RequestScope, Sinks
+from proxy.sinks.keys import checks_keys
 from proxy.sinks.sink import Labels
 
 log = logging.getLogger("tokenprobe")
@@ -117,7 +118,10 @@ class MeasuredExchange:
         self.measuring = self.observer is not None
         # a retrieval is read, never recorded: no in-flight request, span or turn
         self.request_scope: RequestScope = context.sinks.begin(
-            None if retrieves is not None else info, headers, started_at
+            None if retrieves is not None else info,
+            headers,
+            started_at,
+            checks_keys(context.backend.kind, path),
         )
 
     def upstream_headers(self) -> Headers:

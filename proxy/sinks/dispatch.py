@@ -109,11 +109,17 @@ class Sinks:
         self._no_attribution = (NO_VALUE,) * len(attribution)
 
     def begin(
-        self, info: RequestInfo | None, headers: Headers, started_at: float = 0.0
+        self,
+        info: RequestInfo | None,
+        headers: Headers,
+        started_at: float = 0.0,
+        keys_checked: bool = True,
     ) -> RequestScope:
+        """`keys_checked`: the backend checks this request's API key (proxy/sinks/keys.py
+        `checks_keys`), so its answer may admit a new key's label."""
         if info is None:
             return RequestScope(None, _UNMEASURED)
-        key = self.keys(headers) if self.keys is not None else None
+        key = self.keys(headers, keys_checked) if self.keys is not None else None
         attribution = self.header_labels(headers) if self.header_labels is not None else ()
         # A new key's label is a candidate until `end` settles it (proxy/sinks/keys.py):
         # nothing between reads it (the in-flight gauge and spans carry no key).

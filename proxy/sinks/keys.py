@@ -6,7 +6,10 @@ against the label; a fixed `--key-salt` keeps labels stable across restarts too.
 
 Only the first MAX_KEYS distinct keys *the backend accepted* get a label of their own:
 anyone who reaches the port can make up keys, so a key takes a place only once a request
-carrying it was answered by the upstream and not refused for its credentials (`settle`).
+carrying it was answered by the upstream and not refused for its credentials (`settle`),
+on a route where the backend checks keys at all (`checks_keys`: vLLM checks only its
+guarded prefixes, so a made-up key on its `/pooling` or `/score` is answered whatever it
+is, and vouches for nothing).
 A request whose new key was refused (401/403, or a body saying the key is bad:
 proxy/core/errors.py) is `rejected`; one that got no answer, or came once the places were
 taken, `other`. A flood of made-up keys therefore neither grows the number of series nor
@@ -31,6 +34,17 @@ _REFUSED = frozenset({401, 403})
 #: A WebSocket session's turn (proxy/core/apis/realtime.py) is recorded with the status
 #: of the upgrade the upstream took: it was answered, with no `ttfb` of its own.
 _SWITCHED = 101
+#: The paths vLLM checks API keys on (vllm/entrypoints/serve/middleware/authenticate.py
+#: GUARDED_PREFIX, 0.32); every other route it answers whatever key came, none too.
+VLLM_GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")
+
+
+def checks_keys(kind: str, path: str) -> bool:
+    """Whether a backend of `kind` (proxy/core/identity.py) checks the API key of a
+    request to `path`, as far as the proxy knows: vLLM only under its guarded prefixes;
+    any other (llama-server checks every route but its public ones, none of them
+    measured: tools/server/server-http.cpp `public_endpoints`), and one not known, yes."""
+    return kind != "vllm" or path.startswith(VLLM_GUARDED_PREFIX)
 
 
 class KeyLabels:
@@ -49,9 +63,11 @@ class KeyLabels:
         # hashing alike): a made-up key is never kept.
         self._labels: dict[bytes, str] = {}
 
-    def __call__(self, headers: list[tuple[bytes, bytes]]) -> str:
+    def __call__(self, headers: list[tuple[bytes, bytes]], checked: bool = True) -> str:
         """`none` without a key; else the key's label, admitted or a candidate: no
-        sink sees a candidate, `settle` turns it into what is recorded."""
+        sink sees a candidate, `settle` turns it into what is recorded. `checked`: the
+        backend checks the key of this request (`checks_keys`); where it does not, a key
+        not admitted yet is `other`, never a candidate."""
         key = _api_key(headers)
         if key is None:
             return NO_KEY
@@ -61,13 +77,15 @@ class KeyLabels:
             label = hashlib.sha256(self._salt + key).hexdigest()[:12]
             if label in self._admitted:
                 self._labels[key] = label
+            elif not checked:
+                return OTHER
         return label
 
     def settle(self, label: str, m: Measurement) -> str:
         """The label `m` is recorded with, `label` being what `__call__` gave its request.
         An admitted label stays, the key's refusals included (a revoked key shows as
         error_type="auth" under its own label)."""
-        if label in self._admitted or label == NO_KEY:
+        if label in self._admitted or label in (NO_KEY, OTHER):
             return label
         if m.error_type is ErrorType.AUTH or m.status_code in _REFUSED:
             # (the status too: a client that left as the 401 came is client_cancelled,

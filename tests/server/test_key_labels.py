@@ -12,11 +12,13 @@ import httpx
 
 from proxy.core.measurement import ErrorType, Measurement, TokenSource
 from proxy.server.ledger import FileLedger, ledger_path
-from proxy.sinks.keys import MAX_KEYS, KeyLabels
+from proxy.sim.utility import VLLM_VERSION
+from proxy.sinks.keys import MAX_KEYS, KeyLabels, checks_keys
 from tests.conftest import MODEL, ProxyUnderTest, Running
 from tests.factories import measurement
 from tests.scrape import Scrape
 from tests.server.conftest import no_proxy, paths
+from tests.server.test_backend_identity import backend_info
 
 CHAT = "/v1/chat/completions"
 ANSWERED = measurement()
@@ -52,6 +54,46 @@ def test_keys_the_backend_refused_take_no_place_from_a_real_one(
     }
     good = hashlib.sha256(b"sgood").hexdigest()[:12]
     assert counts == {("rejected", "auth"): MAX_KEYS + 5, (good, "none"): 1.0}
+
+
+def test_keys_on_routes_vllm_does_not_check_take_no_place_from_a_real_one(
+    start_sim: Callable[..., Running], start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    """vLLM checks keys only under its guarded prefixes (`/v1`, `/v2`, `/inference`,
+    `/cohere`): its `/score` answers a made-up key as any other, so that answer vouches for
+    nothing. 100 such requests took every place, and the real key was `other`."""
+    sim = start_sim(api_key="good", ttft=0.0, output_tokens=2)
+    proxy = start_proxy(sim.url, key_label="hash", key_salt="s", models_refresh=0.2)
+    assert backend_info(proxy, "vllm", VLLM_VERSION) == 1
+    score = {"model": MODEL, "text_1": "a", "text_2": "b"}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with httpx.Client(base_url=proxy.url, timeout=10) as client:
+        for i in range(MAX_KEYS + 5):
+            answered = client.post("/score", json=score, headers=dict(bearer(f"junk{i}")))
+            assert answered.status_code != 401  # not checked: answered as the backend does
+        assert client.post(CHAT, json=body, headers={"authorization": "Bearer good"}).is_success
+        proxy.wait_records(MAX_KEYS + 6)
+        page = Scrape.parse(client.get("/metrics").text)
+    keys = {s.labels["key"] for s in page.series("tokenprobe_key_requests_total")}
+    assert keys == {"other", hashlib.sha256(b"sgood").hexdigest()[:12]}
+
+
+def test_only_vllms_guarded_prefixes_check_keys() -> None:
+    assert checks_keys("vllm", "/v1/chat/completions")
+    assert checks_keys("vllm", "/inference/v1/generate")
+    assert not checks_keys("vllm", "/score")
+    assert not checks_keys("vllm", "/pooling")
+    assert checks_keys("llamacpp", "/completion")  # llama-server checks all but its public
+    assert checks_keys("unknown", "/score")  # not known: as before, the answer vouches
+
+
+def test_a_new_key_where_none_is_checked_is_other_and_admits_nothing() -> None:
+    keys = KeyLabels("s", max_keys=2)
+    assert keys(bearer("junk"), False) == "other"
+    assert keys.settle(keys(bearer("junk"), False), ANSWERED) == "other"
+    first = label(keys, "a", ANSWERED)  # checked routes still admit: both places free
+    assert label(keys, "b", ANSWERED) not in ("other", first)
+    assert keys(bearer("a"), False) == first  # an admitted key keeps its label anywhere
 
 
 @paths("wire", why="the wire tunnels WebSockets; the ASGI app refuses them")
