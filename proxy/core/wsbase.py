@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import ClassVar
 
-from proxy.core.measurement import Measurement
+from proxy.core.measurement import ErrorType, Measurement
 from proxy.core.wsframes import WsMessage
 
 #: WsSession.close causes: how a tunnel ended (also the sessions counter's `outcome`).
@@ -35,6 +35,12 @@ class WsSession:
     def close(self, at: float, cause: str) -> None:
         """The tunnel ended at `at` (perf_counter) for `cause` (one of CLOSE_CAUSES).
         Called once; a session records what is still open here."""
+
+    def refused(self, at: float, status: int, error: ErrorType, message: str) -> None:
+        """The upstream answered the upgrade with an error `status` whose answer ended at
+        `at`, classified `error` (`message`: what its body says): nothing was opened. An
+        API's session records it as the HTTP relay records a refused request, so that a
+        401 to a realtime upgrade counts among the auth errors, under its key."""
 
 
 class WsApi:

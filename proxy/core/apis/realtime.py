@@ -244,6 +244,9 @@ class RealtimeSession(WsSession):
             error = ErrorType.CLIENT_CANCELLED if gone else ErrorType.STREAM_TRUNCATED
             self._finish(u, at, None, error, message)
 
+    def refused(self, at: float, status: int, error: ErrorType, message: str) -> None:
+        self._finish(_Utterance(self.start, 0), at, None, error, message, False, status=status)
+
     def _finish(
         self,
         u: _Utterance,
@@ -253,8 +256,10 @@ class RealtimeSession(WsSession):
         message: str | None,
         utterance: bool = True,
         model: str | None = None,
+        status: int = 101,
     ) -> None:
-        """Record `u`; `model`, when given, is its label, else `_model_of`."""
+        """Record `u`; `model`, when given, is its label, else `_model_of`. `status`: the
+        upgrade's, 101 but for a refused one (`refused`), whose answer is its first byte."""
         if model is None:
             model = self._model_of(u, utterance)
         self.utterances += utterance
@@ -276,9 +281,9 @@ class RealtimeSession(WsSession):
                 model=model,
                 stream=True,
                 stream_requested=True,
-                status_code=101,
+                status_code=status,
                 started_at=self.started_at + (u.commit - self.start),
-                ttfb=None,
+                ttfb=None if status == 101 else end - u.commit,
                 ttft=None if u.first is None else u.first - u.commit,
                 tpot=tpot,
                 decode_tokens_per_second=tps,

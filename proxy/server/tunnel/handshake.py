@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import httptools
 
+from proxy.core.errors import MAX_ERROR_BODY
 from proxy.core.paths import Target
 from proxy.core.upstream_url import UpstreamURL
 from proxy.server.admission import Refused, target
@@ -237,6 +238,7 @@ class UpstreamAnswer:
         "_head",
         "_parser",
         "_refused",
+        "body",
         "extensions",
         "fault",
         "status",
@@ -246,6 +248,9 @@ class UpstreamAnswer:
         self.status = 0  # the last response head's status (a 1xx is followed by more)
         self.extensions: str | None = None  # a 101's Sec-WebSocket-Extensions
         self.fault: str | None = None  # bytes llhttp refused, as the wire words them
+        # A final answer's body, its first MAX_ERROR_BODY bytes: what a refusal says
+        # (proxy/core/errors.py classify_response reads no more of an HTTP error's).
+        self.body = bytearray()
         self._refused = refused
         self._extensions: list[bytes] = []
         self._head = 0  # bytes read of the current head, -1 once it is complete
@@ -322,6 +327,11 @@ class UpstreamAnswer:
     def on_message_begin(self) -> None:
         self._head = 0  # a 1xx is followed by another head
         self._begun = True
+
+    def on_body(self, body: bytes) -> None:
+        room = MAX_ERROR_BODY - len(self.body)
+        if room > 0 and self.status >= 200:
+            self.body += body[:room]
 
     def on_message_complete(self) -> None:
         if self.status >= 200:  # a refusal's body has ended (a 1xx is followed by more)

@@ -43,7 +43,7 @@ import logging
 from collections.abc import Iterable
 from time import perf_counter, time
 
-from proxy.core.errors import Cause, Failure, relay_failure
+from proxy.core.errors import Cause, Failure, classify_response, error_message, relay_failure
 from proxy.core.measurement import ErrorType, Measurement
 from proxy.core.paths import Target
 from proxy.core.secrets import redact
@@ -404,6 +404,20 @@ class Tunnel:
             outcome = "shutdown"
         self.end(outcome)
 
+    def _refused(self, now: float) -> None:
+        """The upstream refused the upgrade with an error: a record, as the HTTP relay
+        makes of a refused request (its error type from the status and the body's words,
+        proxy/core/errors.py), so that a realtime 401 counts among the auth errors."""
+        answer = self.answer
+        body = bytes(answer.body)
+        error = classify_response(answer.status, body) or ErrorType.UPSTREAM_ERROR
+        message = self._masked(error_message(body)) if body else f"HTTP {answer.status}"
+        try:
+            self._session().refused(now, answer.status, error, message)
+        except Exception:
+            log.exception("recording a refused WebSocket upgrade failed")
+            self.context.sinks.count_measurement_failure("finish")
+
     def _idle(self, quiet: float) -> None:
         log.info("closing a WebSocket tunnel idle for %.0f s", quiet)
         self.end("idle_timeout")
@@ -448,6 +462,8 @@ class Tunnel:
             status=self._status or (self.answer.status if self.pipe.relayed else 0),
             error=self._error,  # set with our answer, or for an answer llhttp refused
         )
+        if outcome == "refused" and self.api is not None and self.answer.status >= 400:
+            self._refused(now)
         self.context.sinks.session_ended(record)
         # Open until counted: whoever sees no tunnel open sees every ended one counted.
         self.context.tunnels.discard(self)
