@@ -127,6 +127,7 @@ class ContractExporter:
         self.prompt_total = counter("tokenprobe_prompt_tokens", [*me, "source"])
         self.generation_total = counter("tokenprobe_generation_tokens", [*me, "source"])
         self.cached_total = counter("tokenprobe_cached_prompt_tokens", me)
+        self.cache_write_total = counter("tokenprobe_cache_write_prompt_tokens", me)
         self.in_flight = gauge("tokenprobe_requests_in_flight", me)
         self.lost = counter("tokenprobe_requests_lost", me)
         self.failures = counter("tokenprobe_measurement_failures", ["stage"])
@@ -311,6 +312,7 @@ class ContractExporter:
         self.generation_total.labels(**labels, source=source).inc(output)
         self.goodput.labels(**labels).inc(output // 2)
         self.cached_total.labels(**labels).inc(cached)
+        self.cache_write_total.labels(**labels).inc(rng.randint(0, 4) * 16)
         self.cost.record(
             _measurement(model, endpoint, prompt, output, cached, e2e, finish_reason), Labels(model)
         )
