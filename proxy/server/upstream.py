@@ -457,13 +457,51 @@ class _CheckedChunkedReader(ChunkedReader):
     a backend that keeps the connection open never sends: the client held a 200 head
     until --idle-timeout. Each framing fault, h11's own too (a size that is not hex), is
     counted `malformed`, as the wire counts it. The check runs only when h11 found
-    nothing to hand on (once per read), on the few bytes of a size line."""
+    nothing to hand on (once per read), on the few bytes of a size line.
+
+    It hands on all the data one socket read brought as one piece, however many chunks
+    framed it: h11 hands on a piece per chunk, and the relay times each piece as it gets
+    it (forward.py), a few microseconds apart, so tokens that all came in one read had
+    a TPOT and a decode speed of thousands of tokens a second. The wire stamps each read
+    once (proxy/server/wire/upstream.py), and aiohttp's `readany` hands on all it has
+    read together, so the three paths time a read alike (docs/measured.md). What
+    follows the last of the data (the end of the body, a framing fault) is kept for the
+    next call, so the data goes out first, as before."""
 
     def __init__(self, count: Callable[[str], None]) -> None:
         super().__init__()
         self._count = count
+        self._after: h11.EndOfMessage | h11.ProtocolError | None = None
 
     def __call__(self, buf: ReceiveBuffer) -> h11.Data | h11.EndOfMessage | None:
+        after = self._after
+        if after is not None:
+            self._after = None
+            if isinstance(after, h11.ProtocolError):
+                raise after
+            return after
+        event = self._step(buf)
+        if type(event) is not h11.Data or not buf:
+            return event
+        pieces, last = [event.data], event
+        while buf:  # the rest of the read: more chunks' data, or what ends it
+            try:
+                more = self._step(buf)
+            except h11.ProtocolError as exc:
+                self._after = exc
+                break
+            if not isinstance(more, h11.Data):  # None: the rest needs the next read
+                self._after = more
+                break
+            pieces.append(more.data)
+            last = more
+        if last is event:
+            return event
+        return h11.Data(
+            data=b"".join(pieces), chunk_start=event.chunk_start, chunk_end=last.chunk_end
+        )
+
+    def _step(self, buf: ReceiveBuffer) -> h11.Data | h11.EndOfMessage | None:
         try:
             event = super().__call__(buf)
             if (
