@@ -58,6 +58,13 @@ Events are cut only at blank lines, so the few bytes of an event that a network 
 wait for the rest of it; a client cannot use half an event anyway. Any other event passes
 byte for byte. An event of comment lines alone (`: ping`, which a gateway may write
 anywhere) stays where it is and does not part a terminal chunk from the usage chunk.
+What is held when the stream ends goes out then: at a clean end (`flush`), and when the
+stream breaks off (`at_break`, which keeps back half an event that may be the usage chunk).
+
+A compressed body (a backend or gateway that ignores the proxy's `Accept-Encoding:
+identity`) cannot be read, so the usage chunk the proxy asked for reaches the client:
+the stripper steps aside and the `Injection` stops asking that upstream (`encoded`), so
+it happens once.
 """
 
 from __future__ import annotations
@@ -89,7 +96,7 @@ class Injection:
     usage chunk whose members it could not all place, and tells `on_refuse` (the metric and
     the log line) once."""
 
-    __slots__ = ("on", "on_forced", "on_refuse", "unasked", "unplaced")
+    __slots__ = ("on", "on_encoded", "on_forced", "on_refuse", "unasked", "unplaced")
 
     def __init__(self, on_refuse: Callable[[tuple[str, ...]], None] | None = None) -> None:
         self.on = True
@@ -97,6 +104,7 @@ class Injection:
         self.on_refuse = on_refuse
         self.unasked: set[str] = set()  # the APIs (endpoints) whose usage comes unasked
         self.on_forced: Callable[[str], None] | None = None
+        self.on_encoded: Callable[[], None] | None = None
 
     def asks(self, endpoint: str) -> bool:
         """Whether to ask this upstream for usage on this API."""
@@ -117,6 +125,17 @@ class Injection:
         self.on, self.unplaced = False, unplaced
         if self.on_refuse is not None:
             self.on_refuse(unplaced)
+
+    def encoded(self) -> None:
+        """The upstream compressed an event stream the proxy asked usage of, though the
+        proxy asked for `identity`: nothing can be stripped from a compressed body, so
+        the usage chunk reached the client. Asking stops for good, so that happens once,
+        and `on_encoded` (the metric and the log line) is told once."""
+        if not self.on:
+            return
+        self.on = False
+        if self.on_encoded is not None:
+            self.on_encoded()
 
 
 class UsageEventStripper:
@@ -233,6 +252,13 @@ class UsageEventStripper:
         end = terminal.rfind(b"}")
         return terminal[:end] + "".join(moved).encode() + terminal[end:]
 
+    def encoded(self) -> None:
+        """The body comes compressed (Content-Encoding): the stripper cannot read it, so
+        it steps aside, and its `Injection` stops asking (`Injection.encoded`)."""
+        self.gave_up = True
+        if self._injection is not None:
+            self._injection.encoded()
+
     def _unplaced(self, names: tuple[str, ...]) -> None:
         self.unplaced = names
         if self._injection is not None:
@@ -253,6 +279,25 @@ class UsageEventStripper:
         rest = self._terminal + b"".join(self._parts)
         self._parts, self._pending, self._terminal = [], 0, b""
         return self._rewrite(rest, hold=False) if rest else rest
+
+    def at_break(self) -> bytes:
+        """The stream broke off before its end (the upstream broke or went silent, the
+        drain's end): what is held, for the client to get before its connection drops,
+        as it would have direct. A terminal chunk waiting for the next event is whole
+        and the client's: it goes as it is (what a backend moved onto the usage chunk
+        that never came stays missing). An unfinished event goes too, byte for byte,
+        unless it may be the start of the usage chunk the proxy asked for: one begun
+        right after a terminal chunk, where a backend writes that chunk (vLLM and
+        llama.cpp: before `[DONE]`), or one whose bytes so far show empty choices or a
+        usage object. The stripper cannot tell what such half an event would have been;
+        held back, it costs the client nothing it could read (an SSE client drops an
+        unfinished event at the end of the stream), while sent, it would show the
+        client part of an event it never asked for. Its leading line ends still go."""
+        terminal, partial = self._terminal, b"".join(self._parts)
+        self._parts, self._pending, self._terminal = [], 0, b""
+        if partial and (terminal or _may_be_usage(partial)):
+            partial = _leading_blank_lines(partial)
+        return terminal + partial
 
 
 def _leading_blank_lines(event: bytes) -> bytes:
@@ -350,6 +395,11 @@ def _usage_beside_choices(event: bytes) -> bool:
 def _comments_only(event: bytes) -> bool:
     """An event of SSE comment lines (`:` first) and line ends alone."""
     return all(not line or line.startswith(b":") for line in event.splitlines())
+
+
+def _may_be_usage(partial: bytes) -> bool:
+    """Whether an unfinished event's bytes so far could be the usage-only event's."""
+    return _CHOICES_EMPTY.search(partial) is not None or _USAGE_OBJECT.search(partial) is not None
 
 
 def _is_usage_only(event: bytes) -> bool:

@@ -15,6 +15,7 @@ HTTP/1.1 bytes.
 
 from __future__ import annotations
 
+import logging
 import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ from proxy.server.dial import upstream_tls
 from proxy.server.headers import Headers
 from proxy.settings import Settings, group
 from proxy.sinks.dispatch import Sinks
+
+log = logging.getLogger("tokenprobe")
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +181,18 @@ def admit(
             stripper = UsageEventStripper(limits.max_event_bytes, limits.injection, api.endpoint)
             return info, asked, stripper
     return info, body, None
+
+
+def stops_asking_encoded(sinks: Sinks) -> None:
+    """An upstream compressed a stream the proxy asked usage of (Injection.encoded): the
+    proxy stops asking it, counted as any stop (`tokenprobe_measurement_failures_total
+    {stage="usage_injection"}`) and said once, as the leak it could not prevent."""
+    sinks.count_measurement_failure("usage_injection")
+    log.warning(
+        "the upstream compressed a stream though the proxy asked for Accept-Encoding: "
+        "identity, and a compressed body cannot be stripped: its client got the usage "
+        "chunk the proxy had asked for; the proxy no longer asks this upstream for usage"
+    )
 
 
 def count_refusal(

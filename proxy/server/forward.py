@@ -18,6 +18,8 @@ the generation and frees its KV cache.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 from time import perf_counter, time
 from typing import Any
@@ -36,6 +38,7 @@ from proxy.server.admission import (
     RelaySettings,
     error_answer,
     relay_settings,
+    stops_asking_encoded,
     where_to,
 )
 from proxy.server.exchange import Context, IdleTimer
@@ -81,6 +84,7 @@ class Forwarder:
         self.context = Context(sinks, counter, settings)
         settings.injection.on_refuse = sinks.usage_injection_refused
         settings.injection.on_forced = sinks.usage_comes_unasked
+        settings.injection.on_encoded = functools.partial(stops_asking_encoded, sinks)
 
     @classmethod
     def from_settings(
@@ -205,6 +209,7 @@ class Relay:
         "client",
         "cut",
         "exchange",
+        "held",
         "idle",
         "receive",
         "response",
@@ -229,6 +234,7 @@ class Relay:
         self.cut = _CancelOnce(task)
         self.response: httpx.Response | None = None
         self.idle: IdleTimer | None = None
+        self.held = b""  # what the client still gets after an early end (`fail`)
 
     async def run(self, url: str, upstream: UpstreamRequest) -> None:
         cut = self.cut
@@ -249,6 +255,8 @@ class Relay:
                 self.idle.cancel()
             if self.response is not None:
                 await self.response.aclose()
+        if self.held:  # the upstream is closed first, so the backend stops at once
+            await self._hand_over(self.held)
         await self.exchange.finish(perf_counter(), failure)
         if failure is not None and failure.drop:
             transport = self.scope.get("extensions", {}).get(CLIENT_TRANSPORT)
@@ -331,9 +339,26 @@ class Relay:
         if failure.answer is not None:  # Connection: close after the drain's 503
             close = failure.closes
             await _send_answer(self.send, *failure.answer, self.rules.path, close=close)
-        elif failure.ending is Ending.CUT:  # for the requests pipelined behind
+            return failure
+        if failure.ending is Ending.CUT:  # for the requests pipelined behind
             self.scope.setdefault("extensions", {})[ANSWER_CUT] = True  # (protocol.py)
+        idle = self.idle
+        if idle is not None and idle.waiting is not None:
+            # It stopped while waiting on the upstream, so every chunk read before went
+            # out whole; stopped inside a send (the drain's end), that chunk never went,
+            # and nothing may go after it.
+            self.held = self.rules.held(failure)
         return failure
+
+    async def _hand_over(self, held: bytes) -> None:
+        """What the usage stripper held, to the client before its connection is dropped
+        (ExchangeRules.held). The send waits on the client's flow control as any does,
+        for no longer than a stalled client is given (--idle-timeout), as nothing cuts
+        this relay any more; one that fails (the client left meanwhile) changes nothing,
+        and the record is made all the same."""
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(self.exchange.context.settings.idle_timeout):
+                await self.send({"type": "http.response.body", "body": held, "more_body": True})
 
 
 class _CancelOnce:

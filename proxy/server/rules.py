@@ -17,6 +17,7 @@ comes in as an argument, as the observer's does.
 | the whole body | `admit` | `UpstreamRequest`: the target upstream (the upstream's base path in front), the headers that go, the body (usage asked for); a GET of a background Response whose tokens are still to count is read too (proxy/core/background.py) |
 | the upstream's response head | `response_head` | `ClientHead`: the headers the client gets, and whether the body is stripped (only an event stream is) |
 | an early end (client gone, a timeout, a break, shutdown) | `early_end` | a `Failure`: the proxy's answer while no head went out, and how the connection ends (`Failure.ending`, below) |
+| the connection is dropped mid-body | `held` | what the usage stripper holds that the client still gets, before the drop |
 
 How the client's connection ends after an early end is decided with the failure
 (proxy.core.errors.relay_failure) and only carried out by each path: the wire on its
@@ -44,7 +45,7 @@ from enum import Enum
 
 from proxy.core.apis import Api
 from proxy.core.background import retrieval
-from proxy.core.errors import Cause, Failure, LostTurn, relay_failure
+from proxy.core.errors import Cause, Ending, Failure, LostTurn, relay_failure
 from proxy.core.measurement import ErrorType
 from proxy.core.paths import Target
 from proxy.core.strip import UsageEventStripper
@@ -61,6 +62,8 @@ from proxy.server.exchange import Context, MeasuredExchange
 from proxy.server.headers import Headers, client_headers, redirect_ends, redirected
 
 _EVENT_STREAM = b"text/event-stream"
+#: The endings after which the client still gets what the stripper holds (`held`).
+_HANDS_OVER = frozenset({Ending.DROP, Ending.CUT})
 
 
 class Stage(Enum):
@@ -267,14 +270,21 @@ class ExchangeRules:
             elif name == b"metadata":
                 metadata = value
         exchange.open(status, content_type.decode("latin-1"), now, metadata)
+        streamed = status < 400 and content_type.startswith(_EVENT_STREAM)
         if encoded:
             # Compressed though a measured request asks for identity: the body goes to the
             # client as it comes, and nothing in it can be read (no event to time, no
-            # usage to strip): unmeasured, counted, never judged truncated.
+            # usage to strip): unmeasured, counted, never judged truncated. A stream the
+            # proxy asked usage of then brings the client that usage chunk: asking that
+            # upstream stops (Injection.encoded), so it happens once. Only on a stream:
+            # a gateway that compresses its JSON answers alone (nginx's gzip_types), an
+            # error's say, leaks nothing, and its streams are still asked.
+            if self.stripper is not None and streamed:
+                self.stripper.encoded()
             self.stripper = None
             if exchange.measuring:
                 exchange.observer_failed("encoded")
-        elif not (status < 400 and content_type.startswith(_EVENT_STREAM)):
+        elif not streamed:
             # Only an event stream has a usage event to drop: any other body (a JSON
             # answer to a stream request, an error) passes whole.
             self.stripper = None
@@ -302,3 +312,17 @@ class ExchangeRules:
             exchange.status = failure.answer[0]
         self.stage = Stage.DONE
         return failure
+
+    def held(self, failure: Failure) -> bytes:
+        """After an early end (`early_end`'s failure): the bytes of the body the usage
+        stripper still holds that the client gets, after what it got and before its
+        connection is dropped: a terminal chunk that waited for the usage chunk, and
+        what came of the next event (UsageEventStripper.at_break). Direct, the client
+        gets every byte up to the break; so it does here, less the usage it never
+        asked for. Only for a drop mid-body (Ending.DROP, CUT: the upstream broke or
+        went silent, the drain's end): a client that left takes nothing, and a stalled
+        one's connection is aborted with what it did not take."""
+        stripper = self.stripper
+        if stripper is None or failure.ending not in _HANDS_OVER:
+            return b""
+        return stripper.at_break()

@@ -425,3 +425,64 @@ def test_members_rebuild_the_object_exactly(obj: dict[str, object], compact: boo
     members = _members(b"data: " + text.encode() + b"\n\n")
     assert members is not None and list(members) == list(obj)
     assert "{" + "".join(members.values()) + "}" == text  # each member's exact text, in order
+
+
+# -- a stream that breaks off (at_break) ---------------------------------------------------
+
+
+def broken_off(*chunks: bytes) -> bytes:
+    """What the client gets of a stream that breaks after `chunks`."""
+    stripper = UsageEventStripper()
+    return b"".join(stripper.feed(c) for c in chunks) + stripper.at_break()
+
+
+def test_a_break_right_after_the_finish_chunk_gives_the_client_that_chunk() -> None:
+    finish = VLLM_CHAT.index(b'"finish_reason":"stop"')
+    end = VLLM_CHAT.index(b"\n\n", finish) + 2
+    assert broken_off(VLLM_CHAT[:end]) == VLLM_CHAT[:end]
+
+
+def test_every_break_gives_the_client_a_prefix_holding_every_whole_event_but_usage() -> None:
+    usage = usage_only_event(VLLM_CHAT)
+    usage_at = VLLM_CHAT.index(usage)
+    for i in range(len(VLLM_CHAT) + 1):
+        cut = VLLM_CHAT[:i]
+        out = broken_off(cut)
+        assert VLLM_CHAT_STRIPPED.startswith(out), i
+        whole = cut[: cut.rfind(b"\n\n") + 2] if b"\n\n" in cut else b""
+        assert out.startswith(relay(whole)), i  # every whole event, the finish chunk too
+        assert b'"usage"' not in out, i
+        if not usage_at < i < usage_at + len(usage):  # half an event that is no usage chunk
+            assert out == cut.replace(usage, b""), i  # goes, byte for byte, as direct
+
+
+def test_half_an_event_after_the_finish_chunk_is_held_back_as_the_usage_chunk_may_be() -> None:
+    # Where the usage chunk comes, half an event may be it: held back, its line ends not.
+    assert broken_off(TERMINAL + b'\ndata: {"id":"c","obj') == TERMINAL + b"\n"
+
+
+@pytest.mark.parametrize(
+    "partial",
+    [b'data: {"id":"c","choices":[],"us', b'data: {"id":"c","usage":{"prompt_tokens":1'],
+)
+def test_half_an_event_that_reads_as_the_usage_chunk_is_held_back(partial: bytes) -> None:
+    content = b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+    assert broken_off(content + partial) == content
+
+
+def test_a_break_gives_nothing_twice() -> None:
+    stripper = UsageEventStripper()
+    stripper.feed(TERMINAL)
+    assert stripper.at_break() == TERMINAL
+    assert stripper.at_break() == b"" and stripper.flush() == b""
+
+
+def test_a_compressed_stream_stops_usage_injection_once() -> None:
+    told: list[str] = []
+    injection = Injection()
+    injection.on_encoded = lambda: told.append("encoded")
+    stripper = UsageEventStripper(injection=injection, endpoint="chat")
+    stripper.encoded()
+    assert stripper.gave_up and not injection.asks("chat")
+    UsageEventStripper(injection=injection).encoded()
+    assert told == ["encoded"]

@@ -593,9 +593,15 @@ class WireRequest(Deadline):
         if self.response_complete or self.rules.exchange is None:
             return
         conn, self.upstream = self.upstream, None
+        chunked = conn is not None and conn.chunked  # the close forgets it
         if conn is not None:
             conn.close()
         failure = self.rules.early_end(cause, exc)
+        if (held := self.rules.held(failure)) and not self.transport.is_closing():
+            # What the usage stripper held (a finish chunk that waited for the usage
+            # chunk): after every byte written so far (each read's went out as it was
+            # read) and before the drop, as the client would have had it direct.
+            self.transport.write(frame_chunk(held) if chunked else held)
         self._end_connection(failure)
         self._done(failure)
 
