@@ -12,7 +12,9 @@ Live gauges of processes that died are dropped at each scrape.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
+import functools
 import logging
 import os
 import secrets
@@ -22,6 +24,7 @@ import socket
 import stat
 import sys
 import tempfile
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -105,14 +108,36 @@ class WorkerApp:
     the worker again and again."""
 
     settings: Settings
+    supervisor: int = 0  # the parent's process id: a worker ends with it (`_ends_with`)
 
     def __call__(self) -> ProxyApp:
+        _ends_with(self.supervisor)
         _configure_logging(self.settings)  # a spawned worker starts with none of ours
         try:
             return build_app(self.settings)
         except SettingsError as exc:
             print(f"tokenprobe serve: {exc}", file=sys.stderr, flush=True)
             sys.exit(STARTUP_FAILURE)
+
+
+#: prctl(2)'s option that has the kernel send a signal when the parent dies (linux/prctl.h).
+_PR_SET_PDEATHSIG = 1
+
+
+def _ends_with(supervisor: int) -> None:
+    """This worker drains and exits (SIGTERM) when its supervisor dies, as gunicorn's
+    workers do: killed with SIGKILL (an OOM kill, `kill -9`), it left its workers serving
+    the port with nobody to restart one that died, and a new `serve` on that port refused
+    to start. Linux only (prctl); the supervisor's process id tells a parent gone before
+    this ran. In a container or a systemd unit the workers die with their group anyway."""
+    if not supervisor or not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # no libc to ask: as before
+        return
+    if os.getppid() != supervisor:  # gone already, before the kernel was told
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def main(argv: list[str]) -> int:
@@ -146,9 +171,22 @@ def main(argv: list[str]) -> int:
     # over: a traceback, and the process killed by SIGINT (130 in a shell).
     signal.signal(signal.SIGTERM, lambda *_: None)
     signal.signal(signal.SIGINT, lambda *_: None)
-    uvicorn.Server(uvicorn.Config(app, **options)).run()
+    server = uvicorn.Server(uvicorn.Config(app, **options))
+    signal.signal(signal.SIGHUP, functools.partial(_hang_up, server))
+    server.run()
     del unix
     return 0
+
+
+def _hang_up(server: uvicorn.Server, sig: int, frame: FrameType | None) -> None:
+    """SIGHUP to one process (a closed terminal, `systemctl reload`): it ended the process
+    at once, every stream cut and none recorded, where with --workers uvicorn replaces the
+    workers one by one, each drained. Now it drains as SIGTERM does, then ends the process
+    by SIGHUP as before (uvicorn raises the signal it stopped for again, with the default
+    action restored here), so a supervisor that restarts a service killed by a signal
+    still does. A second SIGHUP during the drain ends it at once."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    server.handle_exit(sig, frame)
 
 
 class CannotListen(Exception):
@@ -266,7 +304,8 @@ def _serve_workers(settings: Settings, options: dict[str, Any]) -> int:
 
 def worker_config(settings: Settings, options: dict[str, Any]) -> uvicorn.Config:
     """uvicorn's configuration of the workers, which carries each its `WorkerApp`."""
-    return uvicorn.Config(WorkerApp(settings), factory=True, workers=settings.workers, **options)
+    app = WorkerApp(settings, os.getpid())
+    return uvicorn.Config(app, factory=True, workers=settings.workers, **options)
 
 
 class _Supervisor(Multiprocess):

@@ -6,14 +6,19 @@ signal goes to the group, as the terminal sends it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
 import threading
 import time
+from collections.abc import Callable, Iterator
 
+import httpx
 import pytest
 from uvicorn.config import STARTUP_FAILURE
 
+from tests.conftest import MODEL, Running
 from tests.server.conftest import no_proxy, paths
 from tests.servers import free_port, serve_with_a_port_taken, spawn, stop_group
 
@@ -27,16 +32,20 @@ SHUTDOWN = (
 )
 
 
-def stopped_by(sig: signal.Signals, workers: int) -> tuple[int, str]:
+@contextlib.contextmanager
+def serving(
+    workers: int, upstream: str = "http://127.0.0.1:9"
+) -> Iterator[tuple[subprocess.Popen[bytes], list[str], int]]:
     """A `tokenprobe serve` with `workers` processes started, every one of them serving,
-    then sent `sig` to its process group: its exit status and its stderr.
+    leading a process group of its own: (the process, its stderr's lines so far, its
+    port). The group is stopped at the end, whatever is left of it.
 
-    /healthz answers once one worker serves; a worker still starting when the signal comes
+    /healthz answers once one worker serves; a worker still starting when a signal comes
     stops otherwise (a worker still importing raises KeyboardInterrupt in multiprocessing's
     start-up), so the log is read until each has said it started."""
     port = free_port()
     proxy = spawn(
-        "serve", "--upstream", "http://127.0.0.1:9", "--port", str(port),
+        "serve", "--upstream", upstream, "--port", str(port),
         "--models-refresh", "0", "--workers", str(workers), preexec_fn=os.setsid,
     )  # fmt: skip
     lines: list[str] = []
@@ -49,12 +58,31 @@ def stopped_by(sig: signal.Signals, workers: int) -> tuple[int, str]:
         while sum("Application startup complete." in line for line in lines) < workers:
             assert proxy.poll() is None and time.monotonic() < deadline, "".join(lines)
             time.sleep(0.05)
-        os.killpg(proxy.pid, sig)
-        proxy.wait(60)  # a drain with nothing in flight: about a second
+        yield proxy, lines, port
     finally:
         stop_group(proxy)
         reader.join(10)
+
+
+def stopped_by(sig: signal.Signals, workers: int) -> tuple[int, str]:
+    """A serving `tokenprobe serve` (`serving`) sent `sig` to its process group: its exit
+    status and its stderr."""
+    with serving(workers) as (proxy, lines, _):
+        os.killpg(proxy.pid, sig)
+        proxy.wait(60)  # a drain with nothing in flight: about a second
     return proxy.returncode, "".join(lines)
+
+
+def group_gone(group: int, timeout: float) -> bool:
+    """Whether every process of `group` has ended within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def shutdown_lines(log: str) -> list[str]:
@@ -76,6 +104,42 @@ def test_ctrl_c_stops_cleanly_as_sigterm_does(sig: signal.Signals, workers: int)
     each += ["Waiting for application shutdown."]
     expected = sorted(each * workers + (["Stopping parent process"] if workers > 1 else []))
     assert shutdown_lines(log) == expected, log
+
+
+@no_proxy
+def test_workers_drain_and_end_when_their_supervisor_is_killed() -> None:
+    """Killed with SIGKILL (an OOM kill, `kill -9`), the supervisor left its workers
+    serving the port, with nobody to restart one that died, and a new `serve` on that
+    port refused to start. Each worker now drains and ends with it, as gunicorn's do."""
+    with serving(2) as (proxy, lines, port):
+        os.kill(proxy.pid, signal.SIGKILL)  # the parent only: its workers stay
+        proxy.wait(10)
+        assert group_gone(proxy.pid, timeout=30), "".join(lines)
+        said = "".join(lines)
+    assert said.count("Finished server process") == 2, said  # each drained, then ended
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5)
+
+
+@paths("wire", why="the signal is serve's, the same for both relays")
+def test_sighup_to_one_process_drains_its_streams_before_it_ends(
+    start_sim: Callable[..., Running],
+) -> None:
+    """SIGHUP (a closed terminal, `systemctl reload`) ended one process at once, every
+    stream cut and none recorded; --workers replaced the workers drained. Now the process
+    drains, then ends by SIGHUP as before (a supervisor still sees a signal's death)."""
+    sim = start_sim(ttft=0.0, tokens_per_second=20.0, output_tokens=30)
+    with serving(1, sim.url) as (proxy, lines, port):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        with httpx.stream("POST", url, json={**body, "max_tokens": 30}, timeout=30) as stream:
+            events = stream.iter_lines()
+            assert next(events).startswith("data:")  # in flight: the signal comes now
+            os.kill(proxy.pid, signal.SIGHUP)
+            rest = list(events)
+        assert proxy.wait(60) == -signal.SIGHUP, "".join(lines)
+    assert "data: [DONE]" in rest, rest  # the whole stream: about 1.5 s after the signal
+    assert "Finished server process" in "".join(lines)
 
 
 @no_proxy
