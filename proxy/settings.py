@@ -548,8 +548,9 @@ class Settings:
     workers: int = setting(
         positive_int,
         1,
-        "Worker processes sharing the port; `/metrics` sums them all. Conversations are "
-        "tracked per worker (see Deployment).",
+        "Worker processes sharing the port; `/metrics` sums them all. Conversations, and "
+        "background Responses' tokens (counted when retrieved through the same worker), "
+        "are tracked per worker (see Deployment).",
     )
     drain_timeout: float = setting(
         _seconds,
