@@ -262,6 +262,32 @@ def accept_each(handle: Callable[[socket.socket], None], backlog: int) -> socket
     return sock
 
 
+def read_request(conn: socket.socket, pending: bytes = b"") -> tuple[bytes, bytes, bytes] | None:
+    """One request with a Content-Length body from a blocking socket, `pending` being what
+    was read of it already: (its head, its body, what came after it); None when the
+    connection ends before a whole head."""
+    while b"\r\n\r\n" not in pending:
+        piece = conn.recv(65536)
+        if not piece:
+            return None
+        pending += piece
+    head, _, rest = pending.partition(b"\r\n\r\n")
+    length = next(
+        (
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        ),
+        0,
+    )
+    while len(rest) < length:
+        piece = conn.recv(65536)
+        if not piece:
+            return None
+        rest += piece
+    return head, rest[:length], rest[length:]
+
+
 # -- `python -m proxy ...` as a real process ---------------------------------------------
 
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.conftest import MODEL, ProxyUnderTest
-from tests.servers import accept_each
+from tests.servers import accept_each, read_request
 
 CHAT = "/v1/chat/completions"
 STREAM = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
@@ -76,21 +76,8 @@ class Compressing:
         with conn:
             conn.settimeout(30)
             received = b""
-            while True:
-                while b"\r\n\r\n" not in received:
-                    piece = conn.recv(65536)
-                    if not piece:
-                        return
-                    received += piece
-                head, _, received = received.partition(b"\r\n\r\n")
-                length = next(
-                    int(line.split(b":")[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length:")
-                )
-                while len(received) < length:
-                    received += conn.recv(65536)
-                body, received = received[:length], received[length:]
+            while (request := read_request(conn, received)) is not None:
+                _, body, received = request
                 options = json.loads(body).get("stream_options") or {}
                 asked = bool(options.get("include_usage"))
                 self.asked.append(asked)

@@ -21,7 +21,7 @@ from h11._receivebuffer import ReceiveBuffer
 from proxy.server.upstream import _CheckedChunkedReader
 from tests.conftest import MODEL, ProxyUnderTest
 from tests.server.conftest import no_proxy, paths
-from tests.servers import accept_each
+from tests.servers import accept_each, read_request
 
 CHAT = "/v1/chat/completions"
 TOKENS = 5
@@ -50,17 +50,8 @@ ANSWER = (
 def _answer_whole(conn: socket.socket) -> None:
     with conn:
         conn.settimeout(30)
-        received = b""
-        while b"\r\n\r\n" not in received:
-            received += conn.recv(65536)
-        head, _, body = received.partition(b"\r\n\r\n")
-        length = next(
-            int(line.split(b":")[1])
-            for line in head.split(b"\r\n")
-            if line.lower().startswith(b"content-length:")
-        )
-        while len(body) < length:
-            body += conn.recv(65536)
+        request = read_request(conn)
+        assert request is not None
         conn.sendall(ANSWER)  # one write
         while conn.recv(65536):  # until the proxy is done with the connection
             pass

@@ -23,7 +23,7 @@ import pytest
 from proxy.core.measurement import ErrorType
 from tests.conftest import MODEL, ProxyUnderTest
 from tests.server.conftest import paths
-from tests.servers import ThreadedServer, accept_each
+from tests.servers import ThreadedServer, accept_each, read_request
 
 
 def event(delta: dict[str, Any], finish: str | None) -> bytes:
@@ -60,17 +60,9 @@ class Upstream:
     def _serve(self, conn: socket.socket) -> None:
         with conn:
             conn.settimeout(30)
-            received = b""
-            while b"\r\n\r\n" not in received:
-                received += conn.recv(65536)
-            head, _, body = received.partition(b"\r\n\r\n")
-            length = next(
-                int(line.split(b":")[1])
-                for line in head.split(b"\r\n")
-                if line.lower().startswith(b"content-length:")
-            )
-            while len(body) < length:
-                body += conn.recv(65536)
+            request = read_request(conn)
+            assert request is not None
+            body = request[1]
             options = json.loads(body).get("stream_options") or {}
             self.asked.append(bool(options.get("include_usage")))
             conn.sendall(HEAD + self.answer)

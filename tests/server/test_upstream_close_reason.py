@@ -25,6 +25,7 @@ import pytest
 
 from proxy.sinks.logs import AccessLog
 from tests.conftest import MODEL, ProxyUnderTest
+from tests.servers import read_request
 
 CHAT = "/v1/chat/completions"
 REQUEST = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
@@ -54,17 +55,8 @@ class CutShort:
         conn, _ = self.listener.accept()
         with conn:
             conn.settimeout(10)
-            received = b""
-            while b"\r\n\r\n" not in received:
-                received += conn.recv(65536)
-            head, _, body = received.partition(b"\r\n\r\n")
-            length = next(
-                int(line.split(b":")[1])
-                for line in head.split(b"\r\n")
-                if line.lower().startswith(b"content-length:")
-            )
-            while len(body) < length:
-                body += conn.recv(65536)
+            request = read_request(conn)
+            assert request is not None
             conn.sendall(self.answer)
             self.cut.wait(10)
             if self.reset:
