@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from tests.edge_backend import serving
@@ -95,6 +95,65 @@ def responses(data: bytes) -> list[tuple[int, bytes, bytes]]:
         if status == 101:
             break  # what follows is not HTTP
     return out
+
+
+def whole(count: int = 1, *, bodiless: bool = False) -> Callable[[bytes], bool]:
+    """For `exchange(done=...)`: whether a raw byte stream holds `count` whole final
+    answers (a 1xx before one is part of it), each framed by its Content-Length or its
+    chunks (the last one, and its trailers), or by its head alone where it has no body (a
+    101, 204 or 304; every one with `bodiless`, for the answers to HEAD requests). One
+    framed otherwise, or not at all (to the close), is never whole: the exchange then
+    ends as it would without `done`."""
+    return lambda data: _whole_answers(data, bodiless) >= count
+
+
+def _whole_answers(data: bytes, bodiless: bool) -> int:
+    count, at = 0, 0
+    while data.startswith(b"HTTP/", at):
+        end = data.find(b"\r\n\r\n", at)
+        if end < 0:
+            return count
+        head, at = data[at:end], end + 4
+        status = head.split(b" ", 2)[1] if head.count(b" ") else b""
+        if not status.isdigit():
+            return count
+        if 100 <= int(status) < 200 and int(status) != 101:
+            continue  # an interim answer: the final one follows
+        request = Request(head, b"")
+        length = request.header(b"content-length")
+        if bodiless or int(status) in (101, 204, 304):
+            pass
+        elif b"chunked" in b",".join(request.header(b"transfer-encoding")).lower():
+            at = _chunks_end(data, at)
+        elif len(length) == 1 and length[0].isdigit():
+            at += int(length[0])
+        else:
+            return count  # to the close
+        if at < 0 or at > len(data):
+            return count
+        count += 1
+        if int(status) == 101:
+            return count  # what follows is not HTTP
+    return count
+
+
+def _chunks_end(data: bytes, at: int) -> int:
+    """Where a chunked body starting at `at` ends, its trailers and blank line included;
+    -1 while it has not (or is not chunked as RFC 9112 §7.1 says)."""
+    while True:
+        line_end = data.find(b"\r\n", at)
+        size = data[at:line_end].split(b";")[0].strip()
+        if line_end < 0 or not size or any(c not in b"0123456789abcdefABCDEF" for c in size):
+            return -1
+        at = line_end + 2
+        if int(size, 16) == 0:
+            break
+        at += int(size, 16) + 2
+        if at > len(data):
+            return -1
+    while (line_end := data.find(b"\r\n", at)) > at:  # the trailers, to the blank line
+        at = line_end + 2
+    return at + 2 if line_end == at else -1
 
 
 def _dechunk(data: bytes) -> tuple[bytes, bytes]:
