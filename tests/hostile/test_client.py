@@ -26,6 +26,7 @@ from tests.hostile.client import (
     received_bytes,
     responses,
     served,
+    whole,
     ws_head,
 )
 from tests.hostile.peers import Conn, RawUpstream, Request, by_target, exchange, get, ok
@@ -49,8 +50,8 @@ def test_the_upstream_gets_the_clients_address_last_in_x_forwarded_for(
     spoofed = b"X-Forwarded-For: 6.6.6.6\r\n"
     with proxy(upstream.url) as base:
         plain = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + spoofed + b"\r\n"
-        assert exchange(base, plain, idle=0.5).startswith(b"HTTP/1.1 200")
-        assert exchange(base, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n", idle=0.5)
+        assert exchange(base, plain, idle=0.5, done=whole()).startswith(b"HTTP/1.1 200")
+        assert exchange(base, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n", idle=0.5, done=whole())
     first, second = upstream.requests
     assert first.header(b"x-forwarded-for") == [b"6.6.6.6, 127.0.0.1"]
     assert second.header(b"x-forwarded-for") == [b"127.0.0.1"]
@@ -195,7 +196,7 @@ def test_a_spelling_of_the_proxys_own_path_is_answered_by_the_proxy(
     and nothing reaches the upstream."""
     upstream, base = shared
     before = received_bytes(upstream)
-    got = exchange(base, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n", idle=1.0)
+    got = exchange(base, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n", idle=1.0, done=whole())
     answers = responses(got)
     assert answers and answers[0][0] == 200 and mark in answers[0][2], got[:300]
     assert received_bytes(upstream) == before
@@ -226,7 +227,7 @@ def test_a_pipelined_get_then_an_upgrade_keeps_the_gets_response(
     upstream.default = Switcher(plain=ok(b'{"first":true}')).script()
     get = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
     with proxy(upstream.url) as base:
-        got = exchange(base, get + ws_head(), idle=1.5)
+        got = exchange(base, get + ws_head(), idle=1.5, done=whole(2))
     answers = responses(got)
     assert len(answers) == 2, got
     assert answers[0][0] == 200 and answers[0][2] == b'{"first":true}'
@@ -247,7 +248,7 @@ def test_a_chunked_requests_trailer_never_becomes_a_header(
     )
     body = b"5\r\nhello\r\n0\r\nX-Trailed: smuggled\r\n\r\n"
     with proxy(upstream.url) as base:
-        got = exchange(base, head + body, idle=1.0)
+        got = exchange(base, head + body, idle=1.0, done=whole())
     assert got.startswith(b"HTTP/1.1 200"), got
     (seen,) = upstream.requests
     assert seen.body == b"hello"
@@ -331,6 +332,7 @@ def test_a_body_refused_while_it_arrives_is_read_to_its_end_then_the_next_reques
             then=b"b" * 220_000 + b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n",
             after=0.8,  # past the header timeout: the rest of a body is no head
             idle=1.5,
+            done=whole(2),
         )
         assert [status for status, _, _ in responses(got)] == [413, 200], got
         # the body all in, and nothing after it: an idle connection, closed as one
@@ -550,13 +552,15 @@ def test_a_pipelined_requests_body_time_runs_from_its_turn(
     Its --body-timeout once ran from its head, while the connection was not read for it."""
 
     async def slow(conn: Conn, request: Request) -> None:
-        await asyncio.sleep(1.2)  # past the body timeout (1 s)
+        await asyncio.sleep(0.8)  # past the body timeout (0.5 s)
         conn.write(ok(b'{"slow":true}'))
         await conn.drain()
 
     upstream.default = by_target({b"/v1/slow": slow})
-    with proxy(upstream.url, "--body-timeout", "1") as base:
-        got = exchange(base, GET_SLOW + post_head(5), then=b"hello", after=0.2, idle=3.0)
+    with proxy(upstream.url, "--body-timeout", "0.5") as base:
+        got = exchange(
+            base, GET_SLOW + post_head(5), then=b"hello", after=0.2, idle=3.0, done=whole(2)
+        )
     assert [status for status, _, _ in responses(got)] == [200, 200], got
     assert [(r.target, r.body) for r in upstream.requests] == [
         (b"/v1/slow", b""),
@@ -571,10 +575,12 @@ GET_SLOW = b"GET /v1/slow HTTP/1.1\r\nHost: x\r\n\r\n"
 
 
 async def slow_answer(conn: Conn, request: Request) -> None:
-    """A 10-byte body in two halves, 1.5 s apart (past the proxies' --header-timeout 1)."""
+    """A 10-byte body in two halves, 1 s apart: past the proxies' --header-timeout 0.5
+    from the bytes the tests send 0.2 s in, so a timer that ran inside the answer fires
+    0.3 s before its end."""
     conn.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nAAAAA")
     await conn.drain()
-    await asyncio.sleep(1.5)
+    await asyncio.sleep(1.0)
     conn.write(b"BBBBB")
     await conn.drain()
 
@@ -605,7 +611,7 @@ def test_a_400_for_bytes_behind_a_running_answer_comes_after_it(
     before it go out whole and in order, then the 400, then the close (RFC 9112 §9.3.2);
     a request whose own body was malformed never reaches the upstream."""
     upstream.default = by_target({b"/v1/slow": slow_answer}, ok(b"next"))
-    with proxy(upstream.url, "--header-timeout", "1") as base:
+    with proxy(upstream.url, "--header-timeout", "0.5") as base:
         got = exchange(base, first, then=then, after=0.2, idle=2.5)
         malformed = counted(base, "tokenprobe_connections_closed_total", reason="malformed")
     read = [(status, None if status == 400 else body) for status, _, body in responses(got)]
@@ -622,7 +628,7 @@ def test_a_head_that_goes_bad_behind_a_running_answer_gets_no_408_inside_it(
     then goes bad: the 400 waits for the running answer, and so must the timer's 408,
     which fired at --header-timeout, inside that answer."""
     upstream.default = by_target({b"/v1/slow": slow_answer}, ok(b"next"))
-    with proxy(upstream.url, "--header-timeout", "1") as base:
+    with proxy(upstream.url, "--header-timeout", "0.5") as base:
         host, port = base.removeprefix("http://").rsplit(":", 1)
         got = bytearray()
         with socket.create_connection((host, int(port)), timeout=10) as sock:

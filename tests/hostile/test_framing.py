@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.hostile.client import received_bytes, served
+from tests.hostile.client import received_bytes, served, whole
 from tests.hostile.peers import RawUpstream, exchange
 
 POST = b"POST /v1/files HTTP/1.1\r\nHost: x\r\n"
@@ -87,7 +87,7 @@ VALID = {
 def test_a_valid_host_reaches_the_upstream(shared: tuple[RawUpstream, str], host: bytes) -> None:
     upstream, base = shared
     before = received_bytes(upstream)
-    got = exchange(base, b"GET /v1/models HTTP/1.1\r\n" + host + b"\r\n\r\n", idle=1.0)
+    got = exchange(base, b"GET /v1/models HTTP/1.1\r\n" + host + b"\r\n\r\n", done=whole())
     assert got.startswith(b"HTTP/1.1 200"), got[:300]
     assert received_bytes(upstream) > before
 

@@ -18,7 +18,7 @@ from contextlib import AbstractContextManager
 import pytest
 
 from proxy.server.protocol import MAX_WAITING
-from tests.hostile.client import responses
+from tests.hostile.client import responses, whole
 from tests.hostile.peers import Conn, RawUpstream, Script, exchange, get, ok
 from tests.hostile.shared import counted
 
@@ -87,7 +87,7 @@ def test_a_flood_pipelined_behind_a_held_request_is_answered_to_the_bound_then_c
     with proxy(upstream.url) as base:
         got, closed = read_until_close(base, pipelined(3000))
         stopped = counted(base, CLOSED, reason="too_many_pipelined")
-        assert exchange(base, get(b"/v1/fresh"), idle=0.5).startswith(b"HTTP/1.1 200")
+        assert exchange(base, get(b"/v1/fresh"), idle=0.5, done=whole()).startswith(b"HTTP/1.1 200")
     answers = responses(got)
     expected = [HELD] + [b"/v1/n/%d" % i for i in range(MAX_WAITING)]
     assert [(status, body) for status, _, body in answers] == [(200, t) for t in expected]

@@ -25,7 +25,7 @@ import pytest
 
 from proxy.sim import SimConfig, create_sim_app
 from tests.edge_backend import serving_process
-from tests.hostile.client import header_names, responses
+from tests.hostile.client import header_names, responses, whole
 from tests.hostile.peers import (
     Conn,
     RawUpstream,
@@ -103,7 +103,7 @@ def serve_two_in_one_read(upstream: RawUpstream) -> None:
 
 
 def pipelined(base: str) -> bytes:
-    return exchange(base, get(b"/v1/first") + get(b"/v1/next"), idle=1.0)
+    return exchange(base, get(b"/v1/first") + get(b"/v1/next"), idle=1.0, done=whole(2))
 
 
 def test_two_responses_in_one_read_never_reach_the_pipelined_request(
@@ -276,7 +276,7 @@ def test_a_well_behaved_upstream_counts_no_protocol_error(
     upstream.default = by_target({}, SECOND)
     with proxy(upstream.url) as base:
         for _ in range(5):
-            got = exchange(base, get(b"/v1/a") + get(b"/v1/b"), idle=0.5)
+            got = exchange(base, get(b"/v1/a") + get(b"/v1/b"), idle=0.5, done=whole(2))
             assert got.count(b"second") == 2
             time.sleep(0.05)  # the connection settles back into the pool
         for kind in ("extra_bytes", "idle_bytes", "malformed", "upgrade"):
@@ -394,7 +394,8 @@ def test_an_absolute_form_target_with_an_empty_path_is_the_root(
     targets = [b"http://llm.example", b"http://llm.example?x=1", b"http://llm.example:80"]
     with proxy(upstream.url + "/tenant-a") as base:
         for target in targets:
-            got = exchange(base, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n", idle=0.5)
+            request = b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+            got = exchange(base, request, idle=0.5, done=whole())
             assert got.startswith(b"HTTP/1.1 200"), (target, got)
     assert [r.target for r in upstream.requests] == [
         b"/tenant-a/",
@@ -540,7 +541,7 @@ def test_a_post_the_backend_held_and_closed_unanswered_is_not_sent_again(
     )
     with proxy(upstream.url) as base:
         # the POST after the GET's answer: on the connection the GET left in the pool
-        got = exchange(base, get(b"/v1/models"), then=post, after=0.3, idle=1.5)
+        got = exchange(base, get(b"/v1/models"), then=post, after=0.3, idle=1.5, done=whole(2))
     assert [status for status, _, _ in responses(got)] == [200, 502], got
     assert [r.target for r in upstream.requests] == [b"/v1/models", b"/v1/completions"]
     assert upstream.connections == 1
@@ -632,7 +633,7 @@ def test_a_connection_whose_request_was_still_going_out_when_answered_is_not_reu
     size = 16 << 20  # more than loopback's socket buffers take in
     post = b"POST /v1/upload HTTP/1.1\r\nHost: x\r\ncontent-length: %d\r\n\r\n" % size
     with proxy(upstream.url) as base:
-        first = exchange(base, post + b"x" * size, idle=1.0)
+        first = exchange(base, post + b"x" * size, idle=1.0, done=whole())
         assert body(first) == b"early", first[:200]
         second, _ = ask(base, b"/v1/second", timeout=5)
         assert body(second) == b"second", second
@@ -704,7 +705,7 @@ def test_a_redirect_into_the_upstream_points_at_the_proxy_as_the_client_named_it
     with proxy(upstream.url + base_path) as base:
         for target, want in asked.items():
             request = b"GET " + target + b" HTTP/1.1\r\nHost: llm.example.com\r\n\r\n"
-            got = exchange(base, request, idle=0.5)
+            got = exchange(base, request, idle=0.5, done=whole())
             ((status, head, _),) = responses(got)
             location = Request(head, b"").header(b"location")
             assert (status, location) == (307, [want]), got
@@ -726,7 +727,7 @@ def test_an_absolute_form_targets_host_is_the_one_a_redirect_names(
     upstream.default = by_target({b"/v1/models/": redirect})
     request = b"GET http://u:p@public.example/v1/models/ HTTP/1.1\r\nHost: internal.example\r\n\r\n"
     with proxy(upstream.url) as base:
-        got = exchange(base, request, idle=0.5)
+        got = exchange(base, request, idle=0.5, done=whole())
     ((status, head, _),) = responses(got)
     location = Request(head, b"").header(b"location")
     assert (status, location) == (307, [b"http://public.example/v1/models"]), got

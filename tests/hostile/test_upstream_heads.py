@@ -16,7 +16,7 @@ from contextlib import AbstractContextManager
 import pytest
 
 from proxy.server.protocol import MAX_RESPONSE_HEAD, header_line_bytes
-from tests.hostile.client import responses
+from tests.hostile.client import responses, whole
 from tests.hostile.peers import Conn, RawUpstream, Request, by_target, exchange, get, ok
 from tests.hostile.shared import DataPath, counted, until
 
@@ -65,14 +65,14 @@ def test_trailers_past_the_bound_after_the_last_chunk_leave_the_body_whole(
 
     upstream.default = by_target({b"/v1/chat/completions": trailed}, SECOND)
     with path.proxy(upstream.url) as base:
-        got = exchange(base, chat_request(), idle=1.0, total=10.0)
+        got = exchange(base, chat_request(), idle=1.0, total=10.0, done=whole())
         assert got.startswith(b"HTTP/1.1 200"), got[:300]
         assert got.endswith(b"0\r\n\r\n"), got[-100:]  # the last chunk: whole
         [(_, _, streamed)] = responses(got)
         assert streamed == STREAMED
         assert until(lambda: counted(base, REQUESTS, code="200", error_type="none") == 1)
         assert counted(base, REQUESTS, error_type="upstream_broke") == 0
-        next_got = exchange(base, get(b"/v1/next"), idle=1.0)
+        next_got = exchange(base, get(b"/v1/next"), idle=1.0, done=whole())
         assert next_got.endswith(b"second"), next_got
         if path.relay == "wire":  # the one path that bounds trailers: a malformed upstream
             assert until(lambda: counted(base, ERRORS, kind="malformed") == 1)
@@ -105,7 +105,7 @@ def test_a_refusal_at_the_head_pipelined_with_its_body_all_in_keeps_the_connecti
     upstream.default = by_target({b"/v1/slow": slow}, SECOND)
     pipelined = get(b"/v1/slow") + refused_at_its_head_expecting_continue(b"{}") + get(b"/v1/x")
     with proxy(upstream.url) as base:
-        got = exchange(base, pipelined, idle=1.5, total=10.0)
+        got = exchange(base, pipelined, idle=1.5, total=10.0, done=whole(3))
     answers = responses(got)
     assert [status for status, _, _ in answers] == [200, 400, 200], got
     assert b"connection: close" not in answers[1][1].lower(), got
@@ -154,11 +154,11 @@ def test_a_response_head_is_bounded_alike_on_every_path(
 
     upstream.default = by_target({b"/v1/big-head": big_head}, SECOND)
     with path.proxy(upstream.url) as base:
-        got = exchange(base, get(b"/v1/big-head"), idle=1.0, total=10.0)
+        got = exchange(base, get(b"/v1/big-head"), idle=1.0, total=10.0, done=whole())
         assert got.startswith(b"HTTP/1.1 %d" % status), got[:200]
         malformed = 0 if status == 200 else 1
         assert until(lambda: counted(base, ERRORS, kind="malformed") == malformed)
-        next_got = exchange(base, get(b"/v1/next"), idle=1.0)
+        next_got = exchange(base, get(b"/v1/next"), idle=1.0, done=whole())
         assert next_got.endswith(b"second"), next_got
 
 
@@ -205,7 +205,7 @@ def test_a_head_within_the_bound_goes_through_however_it_came(
 
     upstream.default = by_target({b"/v1/head": answer_}, SECOND)
     with path.proxy(upstream.url) as base:
-        got = exchange(base, get(b"/v1/head"), idle=1.0, total=10.0)
+        got = exchange(base, get(b"/v1/head"), idle=1.0, total=10.0, done=whole())
         assert got.startswith(b"HTTP/1.1 %d" % status), got[:200]
         assert got.endswith(b"ok"), got[-200:]
         assert counted(base, ERRORS, kind="malformed") == 0

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from tests.hostile.client import header_names, responses
+from tests.hostile.client import header_names, responses, whole
 from tests.hostile.peers import Conn, RawUpstream, Request, by_target, exchange, get, ok
 from tests.hostile.shared import DataPath, counted, until
 
@@ -112,18 +112,19 @@ def test_bytes_past_a_whole_response_in_its_read_leave_the_response_whole(
         {b"/v1/h": answer(response, misbehaved), b"/v1/next": answer(SECOND, after)}
     )
     with path.proxy(upstream.url) as base:
-        got = exchange(base, request_, idle=1.0, total=10.0)
+        got = exchange(base, request_, idle=1.0, total=10.0, done=whole(bodiless=request_ is HEAD))
         if path.name == "asgi":
             assert got.startswith(b"HTTP/1.1 502 "), got
             assert until(lambda: counted(base, ERRORS, kind="malformed") == 1)
         else:
             assert got.startswith(b"HTTP/1.1 %d " % status), got
+            assert got.endswith(b"\r\n\r\n" + body), got  # the stray bytes nowhere
             if request_ is not HEAD:
                 [(_, _, relayed)] = responses(got)
                 assert relayed == body, got
             assert until(lambda: counted(base, ERRORS, kind="extra_bytes") == 1)
             assert counted(base, ERRORS, kind="malformed") == 0
-        next_got = exchange(base, get(b"/v1/next"), idle=1.0)
+        next_got = exchange(base, get(b"/v1/next"), idle=1.0, done=whole())
         assert next_got.endswith(b"second"), next_got
     assert len(misbehaved) == len(after) == 1
     assert misbehaved != after  # the connection that misbehaved was not reused
