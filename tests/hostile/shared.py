@@ -48,7 +48,16 @@ class SharedProxies:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stack.close()
+        # All told to stop before any is waited for: each takes about 0.2 s to shut down,
+        # and one after another a module's proxies held its last test up to 3 s.
+        processes = [process for _, process in self._running.values()]
+        for process in processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(10)
+        self._stack.close()  # what is left: any process still up (stop), the log files
 
     @contextlib.contextmanager
     def take(self, relay: str, upstream: str, *flags: str) -> Iterator[str]:
