@@ -921,7 +921,8 @@ class Metrics:
 #: What `tokenprobe_upstream_protocol_errors_total{kind}` counts, a closed set.
 UPSTREAM_PROTOCOL_ERRORS = {
     "extra_bytes": "bytes after a response's end, before its connection was back in the "
-    "pool (a second response, or part of one, in the read that ended the first)",
+    "pool (a second response, or part of one, in the read that ended the first), or after "
+    "the end of a refused WebSocket handshake's answer",
     "idle_bytes": "bytes on a pooled connection that carried no request",
     "malformed": "a response head or body framing the parser refused (Content-Length and "
     "Transfer-Encoding together, a bad chunk size, a bad status line...)",

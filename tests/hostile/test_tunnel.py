@@ -15,7 +15,7 @@ from contextlib import AbstractContextManager
 
 import pytest
 
-from tests.hostile.client import KEY, SWITCH, Switcher, header_names, responses, ws_head
+from tests.hostile.client import KEY, SWITCH, Switcher, header_names, responses, whole, ws_head
 from tests.hostile.peers import Conn, RawUpstream, exchange
 from tests.hostile.shared import counted, counted_when
 
@@ -56,8 +56,8 @@ def test_the_handshake_passes_the_http_header_policy(upstream: RawUpstream, prox
         b"GET /v1/models HTTP/1.1\r\nHost: proxy.example\r\nConnection: X-Hop\r\n" + hop + b"\r\n"
     )
     with proxy(upstream.url) as base:
-        assert exchange(base, handshake, idle=0.5).startswith(b"HTTP/1.1 101")
-        assert exchange(base, plain, idle=0.5).startswith(b"HTTP/1.1 200")
+        assert exchange(base, handshake, idle=0.5, done=whole()).startswith(b"HTTP/1.1 101")
+        assert exchange(base, plain, idle=0.5, done=whole()).startswith(b"HTTP/1.1 200")
     ws, http = upstream.requests
     assert ws.header(b"sec-websocket-key") == [KEY]
     assert ws.header(b"sec-websocket-version") == [b"13"]
@@ -82,8 +82,8 @@ def test_the_handshake_passes_the_http_header_policy(upstream: RawUpstream, prox
 def test_a_bad_target_gets_the_http_relays_answer(upstream: RawUpstream, proxy: Proxy) -> None:
     upstream.default = Switcher().script()
     with proxy(upstream.url) as base:
-        got = exchange(base, ws_head(b"/v1/a%2Fb"), idle=1.0)
-        plain = exchange(base, b"GET /v1/a%2Fb HTTP/1.1\r\nHost: x\r\n\r\n", idle=1.0)
+        got = exchange(base, ws_head(b"/v1/a%2Fb"), idle=1.0, done=whole())
+        plain = exchange(base, b"GET /v1/a%2Fb HTTP/1.1\r\nHost: x\r\n\r\n", idle=1.0, done=whole())
     ((status, _, body),) = responses(got)
     ((plain_status, _, plain_body),) = responses(plain)
     assert status == plain_status == 400
@@ -94,7 +94,7 @@ def test_a_bad_target_gets_the_http_relays_answer(upstream: RawUpstream, proxy: 
 def test_the_tunnel_keeps_the_upstreams_base_path(upstream: RawUpstream, proxy: Proxy) -> None:
     upstream.default = Switcher(delay=0.0).script()
     with proxy(upstream.url + "/tenant-a") as base:
-        got = exchange(base, ws_head(b"/v1/realtime?model=m"), idle=0.5)
+        got = exchange(base, ws_head(b"/v1/realtime?model=m"), idle=0.5, done=whole())
     assert got.startswith(b"HTTP/1.1 101"), got
     (seen,) = upstream.requests
     assert seen.target == b"/tenant-a/v1/realtime?model=m"
@@ -110,7 +110,7 @@ def test_the_handshakes_target_is_read_as_the_http_relay_reads_it(
     targets = [b"http://proxy.example/v1/realtime?x=1", b"/v1/realtime?x=1#frag"]
     with proxy(upstream.url) as base:
         for target in targets:
-            got = exchange(base, ws_head(target), idle=0.5)
+            got = exchange(base, ws_head(target), idle=0.5, done=whole())
             assert got.startswith(b"HTTP/1.1 101"), (target, got)
     assert [r.target for r in upstream.requests] == [b"/v1/realtime?x=1"] * 2
 
@@ -202,7 +202,8 @@ def test_a_refused_upgrades_redirect_into_the_upstream_points_at_the_proxy(
     upstream.default = Switcher(answer=refusal, delay=0.0).script()
     with proxy(upstream.url) as base:
         got = exchange(base, ws_head(b"/v1/realtime"), idle=2.0)
-    assert got == refusal.replace(own, b"http://proxy.example"), got  # ws_head's Host
+    located = refusal.replace(own, b"http://proxy.example")  # ws_head's Host
+    assert got == located.replace(b"302 Found\r\n", b"302 Found\r\nconnection: close\r\n"), got
 
 
 def test_a_refused_upgrade_closes_the_client_connection(
@@ -217,5 +218,6 @@ def test_a_refused_upgrade_closes_the_client_connection(
         start = time.monotonic()
         got = exchange(base, ws_head(), idle=5.0)
         took = time.monotonic() - start
-    assert got == b"HTTP/1.1 403 Forbidden\r\ncontent-length: 2\r\n\r\nno"
+    # the proxy closes the connection after a refusal, and says so
+    assert got == b"HTTP/1.1 403 Forbidden\r\nconnection: close\r\ncontent-length: 2\r\n\r\nno"
     assert took < 4.0  # closed by the proxy, not by the idle wait

@@ -157,6 +157,9 @@ def test_half_received_messages_are_held_within_the_workers_bound(
     finally:
         for client in clients:
             client.close()
+        # each client's FIN goes upstream, and the tunnel ends at the upstream's answering
+        # close (a round trip): the listener's loop runs until then
+        upstream.wait_for(lambda: proxy.open_tunnels() == 0)
         proxy.stop()
     _wait(lambda: held.held == 0, "every tunnel's given back")
 

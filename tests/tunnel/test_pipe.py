@@ -1,8 +1,9 @@
 """The tunnel's byte pipe (proxy/server/tunnel/pipe.py) on fake transports: no socket, no
 server, no WebSocket; a real event loop for its timers only. What it must do whatever the
 protocol: hold the client until released, forward each read unchanged, pause one side
-while the other's write buffer is full, seal a side that got its last bytes, call an idle
-pipe idle, and cut a side that will not take its last bytes within the grace."""
+while the other's write buffer is full, seal a side that got its last bytes, pass a
+half-close on, call an idle pipe idle, and cut a side that will not take its last bytes
+within the grace."""
 
 from __future__ import annotations
 
@@ -26,11 +27,16 @@ class FakeTransport:
         self.buffered = 0  # what get_write_buffer_size says
         self.write_takes = 0.0  # seconds a write keeps the process (a preemption, say)
         self.written_at: list[float] = []  # perf_counter() as each write returned
+        self.eof_writable = True  # what can_write_eof says (False: a TLS transport's)
+        self.eof_written = False
+        self.tls = False
 
     def set_protocol(self, protocol: Any) -> None:
         self.protocol = protocol
 
     def write(self, data: bytes) -> None:
+        if self.eof_written:  # as asyncio's transports refuse it
+            raise RuntimeError("Cannot call write() after write_eof()")
         self.written += data
         time.sleep(self.write_takes)
         self.written_at.append(time.perf_counter())
@@ -53,7 +59,16 @@ class FakeTransport:
     def get_write_buffer_size(self) -> int:
         return self.buffered
 
+    def can_write_eof(self) -> bool:
+        return self.eof_writable
+
+    def write_eof(self) -> None:
+        assert self.eof_writable
+        self.eof_written = True
+
     def get_extra_info(self, name: str, default: Any = None) -> Any:
+        if name == "sslcontext" and self.tls:
+            return object()
         return default  # no socket: what it owes is its buffer (proxy/server/backlog.py)
 
 
@@ -215,5 +230,91 @@ def test_close_closes_both_and_cuts_a_side_that_keeps_its_bytes_after_the_grace(
         assert upstream.aborted and not client.aborted
         client.protocol.connection_lost(None)
         assert ends.lost == [True]
+
+    run(test)
+
+
+def test_a_fin_goes_on_to_the_other_side_which_may_still_answer() -> None:
+    """A client that sends its last bytes (a close frame) and its FIN: the upstream gets
+    both, and its answer still reaches the client; the upstream's own FIN then ends it."""
+
+    async def test() -> None:
+        pipe, client, upstream, ends = pipe_between()
+        pipe.release()
+        client.protocol.data_received(b"<close>")
+        assert client.protocol.eof_received() is True  # kept open for the answer
+        assert upstream.eof_written and not upstream.closing
+        upstream.protocol.data_received(b"<its close>")
+        assert bytes(client.written) == b"<its close>" and not client.eof_written
+        assert upstream.protocol.eof_received() is False  # both ended: it closes
+        assert ends.lost == []  # (its connection_lost tells the owner)
+
+    run(test)
+
+
+def test_the_upstreams_fin_goes_on_to_the_client_the_same() -> None:
+    async def test() -> None:
+        pipe, client, upstream, _ = pipe_between()
+        pipe.release()
+        assert upstream.protocol.eof_received() is True
+        assert client.eof_written
+        client.protocol.data_received(b"<answer>")
+        assert bytes(upstream.written) == b"<answer>"
+        assert client.protocol.eof_received() is False
+
+    run(test)
+
+
+def test_a_fin_before_the_release_closes_as_before() -> None:
+    """Before the 101 a FIN is an end: a client gone before the answer, or an upstream's
+    refusal whose body ran to the close."""
+
+    async def test() -> None:
+        _, client, upstream, _ = pipe_between()
+        assert client.protocol.eof_received() is False
+        assert upstream.protocol.eof_received() is False
+        assert not client.eof_written and not upstream.eof_written
+
+    run(test)
+
+
+def test_a_tls_sides_fin_closes_it_as_before() -> None:
+    """asyncio's SSL transport closes at the peer's FIN whatever the protocol says (and
+    warns when told to stay open)."""
+
+    async def test() -> None:
+        pipe, client, upstream, _ = pipe_between()
+        pipe.release()
+        client.tls = True
+        assert client.protocol.eof_received() is False
+        assert not upstream.eof_written
+
+    run(test)
+
+
+def test_a_side_that_cannot_take_a_fin_gets_the_grace_then_the_pipe_ends() -> None:
+    async def test() -> None:
+        pipe, client, upstream, ends = pipe_between(grace=0.05)
+        pipe.release()
+        upstream.eof_writable = False  # a TLS upstream
+        assert client.protocol.eof_received() is True
+        upstream.protocol.data_received(b"<its close>")  # within the grace: it goes
+        assert bytes(client.written) == b"<its close>" and ends.lost == []
+        await asyncio.sleep(0.2)
+        assert ends.lost == [True]  # the client's end, after the grace
+
+    run(test)
+
+
+def test_last_bytes_for_a_side_given_a_fin_are_not_written() -> None:
+    """The drain's close frame for a side the other's FIN already went to: asyncio
+    refuses a write after write_eof."""
+
+    async def test() -> None:
+        pipe, client, upstream, _ = pipe_between()
+        pipe.release()
+        client.protocol.eof_received()
+        pipe.write_last(False, b"<going away>")
+        assert bytes(upstream.written) == b"" and False in pipe.sealed
 
     run(test)

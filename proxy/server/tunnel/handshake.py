@@ -8,6 +8,9 @@
   the client's headers pass the HTTP relay's policy (`handshake_headers`: hop-by-hop
   headers, those Connection names and Proxy-Authorization stop here; Sec-WebSocket-Key,
   -Version, -Protocol, -Extensions, Origin... pass as sent).
+- `AnswerHead`: the gate on the upstream's answer until it switches: each head whole
+  and judged by llhttp before it goes (`AnswerReader`), a refusal's body only up to its
+  end (what follows is no answer to anything the client asked).
 - `UpstreamAnswer`: the upstream's response head, read on the side of the bytes that
   already went to the client: its status, a 101's extensions, where the frames begin,
   and the end of a refusal's body.
@@ -129,67 +132,110 @@ class AnswerHead:
     """The upstream's answer to the handshake held until its head is whole (a pipe's
     `gate`): a refusal's redirect into the upstream's URL then points at the proxy as
     the client named it, as the HTTP relay's does (nginx's `proxy_redirect default`);
-    a 101's head and the frames after it go on as they came. An interim (1xx) head goes
-    on at once and the next is held; a head over MAX_ANSWER_HEAD goes on as it is.
+    a 101's head and the frames after it go on as they came (`released`: the gate is no
+    longer needed). An interim (1xx) head goes on at once and the next is held; a head
+    over MAX_ANSWER_HEAD goes on as it is, and what follows it.
 
-    Each whole head is read by llhttp before it goes (`HeadJudge`): one it refuses goes
-    nowhere (`fault` says why, and nothing more passes), so the proxy can still answer
-    the client the 502 an HTTP request gets for it; relayed first, its answer would be
-    too late and the client would hold a head no parser takes."""
+    Each whole head is read by llhttp before it goes (`AnswerReader`): one it refuses
+    goes nowhere (`fault` says why, and nothing more passes), so the proxy can still
+    answer the client the 502 an HTTP request gets for it; relayed first, its answer
+    would be too late and the client would hold a head no parser takes.
 
-    __slots__ = ("_ends", "_held", "_judge", "done", "fault")
+    A refusal (any other final status) goes on as llhttp reads it, as the wire relays an
+    HTTP response: its head as sent but for `connection: close` (the proxy closes the
+    connection after it, whatever the upstream would), then its body up to its end, a
+    chunked one framed anew (its trailers dropped, as both relays drop them). Bytes
+    after that end (a second response in the same read: the answer to a request
+    pipelined behind the handshake, which never went upstream) reach no client:
+    `past_end` is called, once, and its owner counts them as the wire counts bytes after
+    an HTTP response's end (`extra_bytes`). None of this runs after a 101."""
 
-    def __init__(self, ends: tuple[bytes, bytes] | None) -> None:
+    __slots__ = ("_ends", "_held", "_past_end", "_reader", "_told", "done", "fault", "released")
+
+    def __init__(
+        self, ends: tuple[bytes, bytes] | None, past_end: Callable[[], None] = lambda: None
+    ) -> None:
         """`ends`: `redirected`'s (proxy/server/headers.py `redirect_ends`), None when the
-        client named no Host (nothing to point at)."""
+        client named no Host (nothing to point at). `past_end`: bytes came after a
+        refusal's end, and were dropped."""
         self._ends = ends
+        self._past_end = past_end
+        self._told = False  # past_end was called
         self._held = b""
-        self._judge = HeadJudge()
-        # The final head went on (or bytes past MAX_ANSWER_HEAD did): the gate is no
-        # longer needed, and the client's answer has begun (1xx heads before it have not).
+        self._reader = AnswerReader()
+        # The final head went on (or bytes past MAX_ANSWER_HEAD did): the client's answer
+        # has begun (1xx heads before it have not).
         self.done = False
+        # A 101 went on (or bytes past MAX_ANSWER_HEAD did): the rest goes as it comes.
+        self.released = False
         self.fault: str | None = None  # a head llhttp refused, in the wire's words
 
     def __call__(self, data: bytes) -> bytes:
+        if self.released:  # its owner drops a released gate: nothing to hold
+            return data
         if self.fault is not None:
             return b""
+        if self.done:  # a refusal's head went: its body, up to its end
+            return self._body(data)
         held = self._held + data
+        self._held = b""
         out: list[bytes] = []
-        while not self.done:
+        while True:
             end = held.find(b"\r\n\r\n")
             if end < 0:
                 if len(held) > MAX_ANSWER_HEAD:  # UpstreamAnswer ends such a tunnel
-                    self.done = True
-                    break
-                self._held = held
+                    self.done = self.released = True
+                    out.append(held)
+                else:
+                    self._held = held
                 return b"".join(out)
             head, held = held[: end + 4], held[end + 4 :]
-            self.fault = self._judge.judge(head)
+            self.fault = self._reader.judge(head)
             if self.fault is not None:
-                self._held = b""
                 return b"".join(out)  # the 1xx heads before it, already judged
             status = head[9:12]
-            if status[:1] != b"1" or status == b"101":
+            if status == b"101":
+                self.done = self.released = True
+                out += (head, held)
+                return b"".join(out)
+            if status[:1] != b"1":  # a refusal: its head, and its body as far as it came
                 self.done = True
-                if status != b"101" and self._ends is not None:
+                if self._ends is not None:
                     head = _located(head, self._ends)
+                out += (_closing(head), self._body(held))
+                return b"".join(out)
             out.append(head)
-        self._held = b""
-        out.append(held)
-        return b"".join(out)
+
+    def _body(self, data: bytes) -> bytes:
+        reader = self._reader
+        out = reader.body(data)
+        if reader.past_end and not self._told:
+            self._told = True
+            self._past_end()
+        return out
 
 
-class HeadJudge:
-    """llhttp reading the answer's heads only, one after another, before they go to the
-    client: `judge` gives the wire's words for one it refuses ("malformed response:
-    Invalid character in Content-Length", proxy/server/wire/upstream.py `broke`), None
-    for one it takes. What follows the final head is UpstreamAnswer's to read."""
+class _PastTheEnd(Exception):
+    """A message began after the refusal's end: llhttp is stopped there."""
 
-    __slots__ = ("_parser", "_status")
+
+class AnswerReader:
+    """llhttp reading the answer before it goes to the client (AnswerHead's): `judge`
+    reads each head, one after another, and gives the wire's words for one it refuses
+    ("malformed response: Invalid character in Content-Length", proxy/server/wire/
+    upstream.py `broke`), None for one it takes; past a refusal's head, `body` reads
+    its body and gives what of each read goes to the client. After a 101 it reads
+    nothing: the frames are UpstreamAnswer's to find."""
+
+    __slots__ = ("_chunked", "_out", "_parser", "_status", "ended", "past_end")
 
     def __init__(self) -> None:
         self._status = 0
         self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
+        self._out: list[bytes] = []  # what of the read being parsed goes to the client
+        self._chunked = False  # the body is chunked: each piece is framed anew
+        self.ended = False  # the refusal's message ended (llhttp's on_message_complete)
+        self.past_end = False  # and bytes came after its end
 
     def judge(self, head: bytes) -> str | None:
         parser = self._parser
@@ -207,9 +253,61 @@ class HeadJudge:
                 return f"malformed response: {exc}"
         return None
 
+    def body(self, data: bytes) -> bytes:
+        """What of `data`, read past a refusal's head, goes to the client: the body's
+        bytes as llhttp reads them, up to its end (a length's, the last chunk's, or the
+        connection's). Bytes llhttp refuses in the body stop it (UpstreamAnswer, reading
+        the same bytes, ends the tunnel on them); any after the end set `past_end`."""
+        parser = self._parser
+        if parser is None or not data:
+            return b""
+        out: list[bytes] = []
+        self._out = out
+        try:
+            parser.feed_data(data)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade):
+            # past the end: a message that began (on_message_begin stopped it), bytes no
+            # message starts with, or any after a `Connection: close` answer's end
+            self._parser = None
+            self.past_end = self.ended
+        return b"".join(out)
+
+    # -- httptools callbacks --
+
+    def on_message_begin(self) -> None:
+        if self.ended:
+            raise _PastTheEnd
+
     def on_headers_complete(self) -> None:
         parser = self._parser
         self._status = parser.get_status_code() if parser is not None else 0
+
+    def on_chunk_header(self) -> None:
+        self._chunked = True
+
+    def on_body(self, body: bytes) -> None:
+        # framed as the wire frames a client's chunked body (proxy/server/wire/upstream.py
+        # frame_chunk, LAST_CHUNK: not imported, the wire imports the tunnel)
+        self._out.append(b"%x\r\n%b\r\n" % (len(body), body) if self._chunked else body)
+
+    def on_message_complete(self) -> None:
+        if self._status >= 200:  # a 1xx is followed by more
+            self.ended = True
+            if self._chunked:
+                self._out.append(b"0\r\n\r\n")
+
+
+def _closing(head: bytes) -> bytes:
+    """The head with `connection: close` as its first field, unless a Connection field
+    says so already: the proxy closes the connection after a refusal, and a client that
+    pipelined a request behind the handshake learns it was never answered."""
+    lines = head.split(b"\r\n")
+    for line in lines[1:]:
+        name, colon, value = line.partition(b":")
+        if colon and name.strip().lower() == b"connection" and b"close" in _tokens(value):
+            return head
+    first = head.index(b"\r\n") + 2
+    return head[:first] + b"connection: close\r\n" + head[first:]
 
 
 def _located(head: bytes, ends: tuple[bytes, bytes]) -> bytes:

@@ -13,6 +13,15 @@ hears every read after it went on (`Ends.seen`) and each side's end (`Ends.lost`
 - Sealing: `write_last` gives a side its last bytes; nothing read afterwards goes to it.
 - The idle timer: no byte either way for the timeout, and no side taking bytes from its
   write buffer, calls the owner's `idle`.
+- A half-close (`eof`): once the client's bytes flow (`release`), one side ending its
+  sending (TCP FIN) is passed on to the other (`write_eof`), which may still answer: a
+  WebSocket client that sends its close frame and shuts its sending gets the
+  upstream's close frame back, as it would without the proxy. The pipe ends when the
+  other side ends too (its FIN or its close), or `close_grace` after the FIN, whether
+  the other side could be told (TLS: asyncio writes no EOF there) or not. A FIN
+  still closes its side at once, as every FIN did, from a TLS side (asyncio's TLS
+  transport does not stay half-open) and before `release` (before the 101 a FIN is an
+  end: a client gone before the answer, a refusal whose body runs to the close).
 - The end: `close()` closes both sides (buffered bytes are flushed first); a side that
   will not take its last bytes within `close_grace` is aborted.
 """
@@ -59,6 +68,8 @@ class Pipe(Deadline):
         self.gate: Callable[[bytes], bytes] | None = None
         self.closed = False
         self.sealed: set[bool] = set()  # sides `write_last` wrote to (True: the client)
+        self.ended: set[bool] = set()  # sides that sent their FIN and are kept open (`eof`)
+        self._eof_written: set[bool] = set()  # sides given the other's FIN (`write_eof`)
         self._holding = True  # the client's bytes wait for `release`
         self._held: list[bytes] = []
         self._held_bytes = 0
@@ -98,7 +109,8 @@ class Pipe(Deadline):
         """Write a side its last bytes: nothing read afterwards goes to it."""
         transport = self.client if client_side else self.upstream
         assert transport is not None
-        transport.write(data)
+        if client_side not in self._eof_written:  # no write after write_eof
+            transport.write(data)
         self.sealed.add(client_side)
 
     # -- the byte path ------------------------------------------------------------------
@@ -121,6 +133,35 @@ class Pipe(Deadline):
             self.client.write(out)
             self.relayed = True
         self.ends.seen(False, data, at)
+
+    # -- a half-close ----------------------------------------------------------------------
+
+    def eof(self, client_side: bool) -> bool:
+        """One side sent its FIN: whether its transport stays open (what the other side
+        still sends goes to it). The other side is told where its transport can say it,
+        and given `close_grace` to answer and end."""
+        transport = self.client if client_side else self.upstream
+        other_side = not client_side
+        other = self.upstream if client_side else self.client
+        if (
+            self.closed
+            or self._holding  # before the 101: its connection_lost ends the handshake
+            or other is None
+            or other_side in self.ended  # both have ended: the pipe ends
+            or other.is_closing()
+            or _tls(transport)  # asyncio closes a TLS side at its FIN whatever we say
+        ):
+            return False
+        self.ended.add(client_side)
+        if other.can_write_eof():
+            other.write_eof()
+            self._eof_written.add(other_side)
+        # The other side has close_grace to answer and end (a close frame's answer comes
+        # at once): one that ignores the FIN holds the tunnel, and an upstream's
+        # generation for a client gone, no longer than that, as nginx, which ends a
+        # tunnel at either side's FIN, holds it not at all.
+        self.later(lambda: self.ends.lost(client_side, None))
+        return True
 
     # -- flow control -------------------------------------------------------------------
 
@@ -209,6 +250,10 @@ def _no_idle(quiet: float) -> None:
     pass
 
 
+def _tls(transport: asyncio.BaseTransport | None) -> bool:
+    return transport is not None and transport.get_extra_info("sslcontext") is not None
+
+
 class _Side(asyncio.Protocol):
     """One connection of a pipe; everything it hears goes to the pipe."""
 
@@ -229,7 +274,8 @@ class _Side(asyncio.Protocol):
             self.pipe.from_upstream(data)
 
     def eof_received(self) -> bool | None:
-        return None  # the transport closes; connection_lost ends the pipe
+        # False: the transport closes, and connection_lost ends the pipe
+        return self.pipe.eof(self.from_client)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.pipe.ends.lost(self.from_client, exc)

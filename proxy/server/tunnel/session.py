@@ -18,19 +18,24 @@ handshake's head:
    pipe holds the client's bytes, since the upstream might refuse the upgrade and read
    them as a request the proxy never parsed. The upstream's answer goes to the client
    once its head is whole (`AnswerHead`, the pipe's gate: a refusal's redirect into the
-   upstream then points at the proxy, as on HTTP), and everything after it as it
-   arrives, read on the side (`UpstreamAnswer`). A 101 opens the tunnel and the held
-   bytes go; any other final status (a refusal) reaches the client as sent, body
-   included, and both connections close when its body ends. An answer llhttp refuses
-   is counted malformed and ends the session (outcome error), as the HTTP relay closes
-   such a connection; a head it refuses is held back, and the client gets the HTTP
-   relay's 502 "malformed response: ..." instead.
+   upstream then points at the proxy, as on HTTP), read on the side (`UpstreamAnswer`).
+   A 101 opens the tunnel, the frames after it go as they arrive, and the held bytes
+   go; any other final status (a refusal) reaches the client as llhttp reads it, as
+   the wire relays an HTTP response: its head with `connection: close`, its body to its
+   end, and both connections close when its body ends. Bytes after that end (a second
+   response, which a client that pipelined a request behind the handshake would take
+   for its answer) reach no client, counted `extra_bytes` as on HTTP. An answer llhttp
+   refuses is counted malformed and ends the session (outcome error), as the HTTP relay
+   closes such a connection; a head it refuses is held back, and the client gets the
+   HTTP relay's 502 "malformed response: ..." instead.
 3. Open, every read goes to the other side first, then to the watch (watch.py).
-4. The end: either side's connection ending closes the other at once (pipe.py); so does
-   --ws-idle-timeout with no byte either way, timed from the upstream's final answer
-   (before it, --first-byte-timeout's 504 is the limit). `TunnelHandle.shutdown`
-   (the drain on SIGTERM) is the watch's close frames both ways, then the close, or after
-   close_grace.
+4. The end: either side's connection ending closes the other at once (pipe.py); a side
+   that only ends its sending (a TCP half-close: a client's close frame, then its FIN)
+   has it passed on, and the other side's answer still reaches it: the tunnel ends when
+   the other side ends too, or close_grace after the FIN. So does --ws-idle-timeout with no byte either way, timed from the
+   upstream's final answer (before it, --first-byte-timeout's 504 is the limit).
+   `TunnelHandle.shutdown` (the drain on SIGTERM) is the watch's close frames both ways,
+   then the close, or after close_grace.
 
 Each session goes to the sinks twice: `Sinks.session_started` once admitted (in flight),
 `Sinks.session_ended` with its record (proxy/core/wsrecord.py) when it ends.
@@ -257,16 +262,26 @@ class Tunnel:
         refusal's Location: pointed at the proxy as the client named it (`headers`: the
         client's, names in lower case)."""
         tls = bool(self.context.ssl_certfile)
-        self._head = head = AnswerHead(redirect_ends(self.context.upstream, tls, headers))
+        ends = redirect_ends(self.context.upstream, tls, headers)
+        self._head = head = AnswerHead(ends, past_end=self._past_end)
         pipe = self.pipe
 
         def gate(data: bytes) -> bytes:
             out = head(data)
-            if head.done:
-                pipe.gate = None
+            if head.released:  # a 101: the frames go as they come (a refusal's body
+                pipe.gate = None  # stays gated to its end)
             return out
 
         pipe.gate = gate
+
+    def _past_end(self) -> None:
+        """Bytes after the end of the upstream's refusal, in the read that ended it: no
+        answer to anything the client asked (a request it pipelined behind the handshake
+        never went upstream), so they reached no client (AnswerHead dropped them), and
+        are counted as the wire counts such bytes after an HTTP response
+        (tokenprobe_upstream_protocol_errors_total{kind="extra_bytes"}). The tunnel ends
+        at the refusal's end all the same (UpstreamAnswer, in the same read)."""
+        self.context.sinks.count_upstream_protocol_error("extra_bytes")
 
     def _answered(self) -> bool:
         """Whether the upstream's final answer began to go to the client (its 1xx heads
@@ -399,7 +414,10 @@ class Tunnel:
         elif self.watch.first_close is not None:
             outcome = "closed_by_client" if self.watch.first_close else "closed_by_upstream"
         else:
-            outcome = "client_vanished" if client_side else "upstream_vanished"
+            # A side that sent its FIN first (passed on: pipe.py `eof`) went first; the
+            # other closing in answer did not vanish.
+            gone = next(iter(self.pipe.ended), client_side)
+            outcome = "client_vanished" if gone else "upstream_vanished"
         if self.watch.draining:
             outcome = "shutdown"
         self.end(outcome)
