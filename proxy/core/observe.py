@@ -5,7 +5,9 @@ time of that network read, so this module never reads a clock and tests can repl
 recorded streams with synthetic timestamps. It knows no API: each event goes to the
 request's `Api` (proxy/core/apis/), which answers with `Facts` (content or not, finish
 reason, usage, in-stream error, clean end); non-streaming bodies are kept (bounded) and
-handed to the Api once at the end. A stream's repeating content event is recognised
+handed to the Api once at the end. A stream asked for that comes under another label
+(some gateways say application/json) is one when its first bytes open an event stream
+(`_sniff`). A stream's repeating content event is recognised
 from its bytes once one has been parsed and proven (proxy/core/template.py). `finish()`
 is the one sequence that turns what was seen into the record: outcome, then token
 counts from usage, else a tokenizer, else content events.
@@ -66,6 +68,13 @@ RELEARNS = 4
 #: v1/engine/detokenizer.py `_protected_step`, and a finished request's text is what it
 #: gave). Bytes it could not complete before more text come out as U+FFFD, 3 bytes.
 HELD_BYTES = 3
+
+#: How an event stream's body may open: a `data:` or `event:` field (Messages' and
+#: Responses' streams open with `event:`), or a comment, as vLLM's keep-alive (`: keep-alive`,
+#: --sse-keep-alive-interval: vllm/entrypoints/serve/utils/sse_keep_alive.py). No JSON
+#: document begins with any of them.
+SSE_OPENINGS = (b"data:", b"event:", b":")
+_LONGEST_OPENING = max(len(opening) for opening in SSE_OPENINGS)
 
 #: Outcomes whose tokens a tokenizer counts: successes, and requests whose client walked
 #: away (no usage arrives; their prompt and partial output are compute nobody received).
@@ -260,6 +269,13 @@ class StreamObserver:
         self._fast: Facts | None = None  # the shared answer the inline path counts
         self._run = 0  # choice 0's events when the current run began
         self._relearns = RELEARNS if self._learn else 0
+        # A stream asked for that came under another label (`open`): its first non-blank
+        # bytes, until they tell an event stream from a body (`_sniff`).
+        self._sniffing = False
+        self._seen = b""
+        self.relabelled = False  # it was an event stream, measured as one
+        # told once, when it is found to be one (the relay's usage stripping cannot act)
+        self.on_relabelled: Callable[[], None] | None = None
 
     # -- the relay's side -------------------------------------------------------------
 
@@ -277,6 +293,16 @@ class StreamObserver:
         # JSON account (id, model, the vectors' offsets, usage) in a `metadata` header.
         self.binary = content_type.startswith("application/octet-stream")
         self.metadata = metadata if self.binary else None
+        # Some gateways send a stream as `application/json` (or with no type at all): a
+        # stream asked for, on an API whose streams are events, is read as one when its
+        # first bytes open an event stream (`_sniff`). Ollama's lines begin as a JSON body.
+        self._sniffing = (
+            status < 400
+            and not self.streaming
+            and not self.binary
+            and self.request.stream
+            and not self.api.ndjson
+        )
 
     def sent(self, read: float, now: float) -> None:
         """The request, whose body was read at `read`, went to the upstream at `now`."""
@@ -312,9 +338,33 @@ class StreamObserver:
                     zero.events += 1
                 else:
                     self._apply(facts, now)
+        elif self._sniffing:
+            self._sniff(chunk, now)
         elif self._kept < MAX_KEPT_BODY:
             self._body.append(chunk)
             self._kept += len(chunk)
+
+    def _sniff(self, chunk: bytes, now: float) -> None:
+        """`feed` while a stream asked for came under another label, until its first
+        non-blank bytes tell: an event stream opens with a field or a comment
+        (SSE_OPENINGS), which no JSON document begins with; anything else is the body it
+        was labelled. Blanks before them carry nothing to either, and are not kept; the
+        start of an opening split over reads ("da") waits for the next. What was seen is
+        then fed as one read at `now`, the read that told."""
+        seen = self._seen + chunk if self._seen else chunk.lstrip()
+        if not seen:
+            return
+        if seen.startswith(SSE_OPENINGS):
+            self._sniffing, self._seen = False, b""
+            self.streaming = self.relabelled = True
+            if self.on_relabelled is not None:
+                self.on_relabelled()
+        elif len(seen) < _LONGEST_OPENING and any(o.startswith(seen) for o in SSE_OPENINGS):
+            self._seen = seen
+            return
+        else:
+            self._sniffing, self._seen = False, b""
+        self.feed(seen, now)
 
     def _feed_awaiting_echo(self, chunk: bytes, now: float) -> None:
         """`feed` while chat's echo may still come: each event parsed with its text."""
@@ -344,6 +394,10 @@ class StreamObserver:
         if self.streaming:
             for payload in self._decoder.flush():
                 self._apply(self._event_or_echo(payload), now)
+        elif self._seen:  # a body that ended before it told what it was: kept as one
+            self._sniffing = False
+            self.feed(self._seen, now)
+            self._seen = b""
 
     def fail(self) -> None:
         """Measuring this response broke (the relay caught it): stop and keep what is safe."""
