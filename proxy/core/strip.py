@@ -96,7 +96,7 @@ class Injection:
     usage chunk whose members it could not all place, and tells `on_refuse` (the metric and
     the log line) once."""
 
-    __slots__ = ("on", "on_encoded", "on_forced", "on_refuse", "unasked", "unplaced")
+    __slots__ = ("on", "on_forced", "on_leaked", "on_refuse", "unasked", "unplaced")
 
     def __init__(self, on_refuse: Callable[[tuple[str, ...]], None] | None = None) -> None:
         self.on = True
@@ -104,7 +104,7 @@ class Injection:
         self.on_refuse = on_refuse
         self.unasked: set[str] = set()  # the APIs (endpoints) whose usage comes unasked
         self.on_forced: Callable[[str], None] | None = None
-        self.on_encoded: Callable[[], None] | None = None
+        self.on_leaked: Callable[[str], None] | None = None
 
     def asks(self, endpoint: str) -> bool:
         """Whether to ask this upstream for usage on this API."""
@@ -126,16 +126,17 @@ class Injection:
         if self.on_refuse is not None:
             self.on_refuse(unplaced)
 
-    def encoded(self) -> None:
-        """The upstream compressed an event stream the proxy asked usage of, though the
-        proxy asked for `identity`: nothing can be stripped from a compressed body, so
-        the usage chunk reached the client. Asking stops for good, so that happens once,
-        and `on_encoded` (the metric and the log line) is told once."""
+    def leaked(self, how: str) -> None:
+        """A stream the proxy asked usage of came in a form no stripper can read (`how`:
+        compressed though the proxy asked for `identity`, or an event stream under
+        another Content-Type, whose head went out before its body told), so the usage
+        chunk reached the client. Asking stops for good, so that happens once, and
+        `on_leaked` (the metric and the log line) is told once."""
         if not self.on:
             return
         self.on = False
-        if self.on_encoded is not None:
-            self.on_encoded()
+        if self.on_leaked is not None:
+            self.on_leaked(how)
 
 
 class UsageEventStripper:
@@ -254,10 +255,10 @@ class UsageEventStripper:
 
     def encoded(self) -> None:
         """The body comes compressed (Content-Encoding): the stripper cannot read it, so
-        it steps aside, and its `Injection` stops asking (`Injection.encoded`)."""
+        it steps aside, and its `Injection` stops asking (`Injection.leaked`)."""
         self.gave_up = True
         if self._injection is not None:
-            self._injection.encoded()
+            self._injection.leaked("compressed it though the proxy asked for identity")
 
     def _unplaced(self, names: tuple[str, ...]) -> None:
         self.unplaced = names

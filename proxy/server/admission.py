@@ -183,15 +183,17 @@ def admit(
     return info, body, None
 
 
-def stops_asking_encoded(sinks: Sinks) -> None:
-    """An upstream compressed a stream the proxy asked usage of (Injection.encoded): the
-    proxy stops asking it, counted as any stop (`tokenprobe_measurement_failures_total
+def stops_asking(sinks: Sinks, how: str) -> None:
+    """A stream the proxy asked usage of reached its client with that usage chunk
+    (Injection.leaked: compressed, or an event stream under another label): the proxy
+    stops asking that upstream, counted as any stop (`tokenprobe_measurement_failures_total
     {stage="usage_injection"}`) and said once, as the leak it could not prevent."""
     sinks.count_measurement_failure("usage_injection")
     log.warning(
-        "the upstream compressed a stream though the proxy asked for Accept-Encoding: "
-        "identity, and a compressed body cannot be stripped: its client got the usage "
-        "chunk the proxy had asked for; the proxy no longer asks this upstream for usage"
+        "the upstream sent a stream the proxy had asked usage of %s, and only an identity "
+        "body labelled text/event-stream can be stripped: its client got the usage chunk "
+        "the proxy had asked for; the proxy no longer asks this upstream for usage",
+        how,
     )
 
 

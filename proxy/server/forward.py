@@ -38,7 +38,7 @@ from proxy.server.admission import (
     RelaySettings,
     error_answer,
     relay_settings,
-    stops_asking_encoded,
+    stops_asking,
     where_to,
 )
 from proxy.server.exchange import Context, IdleTimer
@@ -84,7 +84,7 @@ class Forwarder:
         self.context = Context(sinks, counter, settings)
         settings.injection.on_refuse = sinks.usage_injection_refused
         settings.injection.on_forced = sinks.usage_comes_unasked
-        settings.injection.on_encoded = functools.partial(stops_asking_encoded, sinks)
+        settings.injection.on_leaked = functools.partial(stops_asking, sinks)
 
     @classmethod
     def from_settings(

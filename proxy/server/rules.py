@@ -40,6 +40,7 @@ that `admit` opens (proxy/server/exchange.py).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from enum import Enum
 
@@ -276,7 +277,7 @@ class ExchangeRules:
             # client as it comes, and nothing in it can be read (no event to time, no
             # usage to strip): unmeasured, counted, never judged truncated. A stream the
             # proxy asked usage of then brings the client that usage chunk: asking that
-            # upstream stops (Injection.encoded), so it happens once. Only on a stream:
+            # upstream stops (Injection.leaked), so it happens once. Only on a stream:
             # a gateway that compresses its JSON answers alone (nginx's gzip_types), an
             # error's say, leaks nothing, and its streams are still asked.
             if self.stripper is not None and streamed:
@@ -286,7 +287,17 @@ class ExchangeRules:
                 exchange.observer_failed("encoded")
         elif not streamed:
             # Only an event stream has a usage event to drop: any other body (a JSON
-            # answer to a stream request, an error) passes whole.
+            # answer to a stream request, an error) passes whole. So does a stream sent
+            # under another label (some gateways say application/json), which the
+            # observer still measures as one (StreamObserver._sniff): this head, its
+            # framing with it, goes out before the body's first bytes say what it is.
+            # Then its client gets the usage chunk the proxy asked for, and asking that
+            # upstream stops (Injection.leaked), as for a compressed stream.
+            if self.stripper is not None and exchange.observer is not None:
+                label = content_type.decode("latin-1") or "no Content-Type"
+                exchange.observer.on_relabelled = functools.partial(
+                    self.context.settings.injection.leaked, f"under {label}"
+                )
             self.stripper = None
         self.stage = Stage.RESPONDING
         out = client_headers(headers, content_type, body_changes=self.stripper is not None)

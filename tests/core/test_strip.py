@@ -480,9 +480,9 @@ def test_a_break_gives_nothing_twice() -> None:
 def test_a_compressed_stream_stops_usage_injection_once() -> None:
     told: list[str] = []
     injection = Injection()
-    injection.on_encoded = lambda: told.append("encoded")
+    injection.on_leaked = told.append
     stripper = UsageEventStripper(injection=injection, endpoint="chat")
     stripper.encoded()
     assert stripper.gave_up and not injection.asks("chat")
     UsageEventStripper(injection=injection).encoded()
-    assert told == ["encoded"]
+    assert told == ["compressed it though the proxy asked for identity"]
