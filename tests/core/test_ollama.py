@@ -263,6 +263,34 @@ def test_observer_measures_an_ndjson_stream_split_anywhere() -> None:
         assert m.engine is not None and m.engine.load_time == 0.001334875
 
 
+@pytest.mark.parametrize(
+    ("bad", "at"),
+    [(b"{not json\n", 1), (b"[1, 2]\n", 0), (b"{not json", 3)],
+    ids=["mid_stream", "first_not_an_object", "last_without_its_lf"],
+)
+def test_a_line_that_is_not_json_is_counted_and_the_stream_goes_on(bad: bytes, at: int) -> None:
+    """As an SSE event that is no JSON object is (tests/core/test_observe.py): skipped,
+    counted in `malformed_events` (tokenprobe_malformed_events_total), and the stream
+    measured on from the next line, wherever two reads split it."""
+    chat = seam("/api/chat")
+    good = [chat_line(content="A"), chat_line(content="B"), line({**DONE, "eval_count": 2})]
+    lines = [g + b"\n" for g in good]
+    stream = b"".join([*lines[:at], bad, *lines[at:]])
+    for cut in range(1, len(stream)):
+        observer = StreamObserver(chat.read_request({"model": "m", "messages": []}), 0.0)
+        observer.open(200, "application/x-ndjson", 0.01)
+        observer.feed(stream[:cut], 0.1)
+        observer.feed(stream[cut:], 0.2)
+        observer.end_of_stream(0.2)
+        m = asyncio.run(
+            observer.finish(
+                end=0.3, started_at=0.0, status_code=200, error_type=None, error_message=None
+            )
+        )
+        got = (m.malformed_events, m.content_events, m.output_tokens, m.finish_reason, m.ok)
+        assert got == (1, 2, 2, "stop", True), cut
+
+
 def test_tool_calls_are_counted_one_per_call_streamed_or_not() -> None:
     """Ollama sends each call whole, its arguments an object (api/types.go ToolCall), one
     line per parsed call with an id of its own (server/routes.go, toolCallId), or all of
