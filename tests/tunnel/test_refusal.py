@@ -6,7 +6,8 @@ The refusal reaches the client as llhttp reads it, up to its end, and says the c
 closes; bytes after that end (a whole second response, which the client would take for
 the answer to its pipelined request, though that request never went upstream) reach no
 client and are counted `extra_bytes`, as on the wire's HTTP path. They once reached it
-byte for byte, uncounted."""
+byte for byte, uncounted. A refusal whose body goes quiet before its end is cut at
+--idle-timeout, as the HTTP relay cuts a response body, not held for --ws-idle-timeout."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from proxy.core.measurement import ErrorType
 from tests.hostile.client import SWITCH, ws_head
 from tests.hostile.peers import Conn, RawUpstream, Script, raw_upstream
 from tests.ws_proxy import TunnelListener
@@ -162,3 +164,93 @@ def test_a_refusal_that_already_says_it_closes_is_not_told_twice(
     upstream.default = answering(refusal)
     got, closed = until_closed(proxy.port, ws_head())
     assert got == refusal and closed, got
+
+
+def test_a_refusal_whose_body_goes_quiet_is_cut_at_the_http_idle_timeout(
+    upstream: RawUpstream,
+) -> None:
+    """A 403 with neither length nor chunks (its body runs to the close) that sends a few
+    bytes and then nothing, keeping its connection open. It is an ordinary response (as
+    nginx, which tunnels only a 101, reads it under proxy_read_timeout): the client gets
+    what came, and at --idle-timeout (1 s here) of silence both connections close, as the
+    HTTP relay cuts a response body that goes quiet. The session is `refused` (status
+    403) and the refusal's record says what the HTTP record says of such a cut:
+    upstream_timeout, "no data from the upstream for 1 s". Both were held until
+    --ws-idle-timeout (300 s), which judges an open tunnel, and the refusal went
+    unrecorded (`idle_timeout`)."""
+    head = b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/json\r\n\r\n"
+    part = b'{"error": {"message": "Invalid API key'  # and then nothing
+    cut: list[float] = []
+
+    async def script(conn: Conn) -> None:
+        await conn.read_request()
+        conn.write(head + part)
+        await conn.drain()
+        sent = time.monotonic()
+        if await conn.wait_closed_by_peer(timeout=30.0):
+            cut.append(time.monotonic() - sent)
+
+    upstream.default = script
+    proxy = TunnelListener(upstream.url, idle_timeout=1.0, ws_idle_timeout=300.0).start()
+    try:
+        started = time.monotonic()
+        got, closed = until_closed(proxy.port, ws_head(), timeout=30.0)
+        took = time.monotonic() - started
+        relayed = head.replace(b"Forbidden\r\n", b"Forbidden\r\nconnection: close\r\n")
+        assert got == relayed + part, got
+        assert closed and 0.9 <= took < 20.0, (closed, took)  # 1 s, far from 300 s
+        _wait(lambda: proxy.open_tunnels() == 0)
+        assert upstream.wait_for(lambda: bool(cut), timeout=10.0), "the upstream was kept"
+        assert proxy.sample(SESSIONS, route="/v1/realtime", outcome="refused") == 1
+        ((session,), (record,)) = proxy.recorder.sessions, proxy.recorder.records
+        assert (session.status, session.error) == (403, "no data from the upstream for 1 s")
+        assert (record.status_code, record.error_type, record.error_message) == (
+            403,
+            ErrorType.UPSTREAM_TIMEOUT,
+            "no data from the upstream for 1 s",
+        )
+    finally:
+        proxy.stop()
+
+
+def test_a_refusal_whose_client_takes_nothing_is_cut_as_the_clients_stall(
+    upstream: RawUpstream,
+) -> None:
+    """The other way a refusal's body goes quiet: the upstream sends 8 MiB and the client
+    reads none of it (the proxy's write buffer to it full, the upstream's reading paused).
+    At --idle-timeout the proxy lets go, as the HTTP relay does of a client that takes
+    nothing (client_cancelled, "the client took no bytes for ..."), not the upstream's
+    timeout: the upstream was not silent. It held both until --ws-idle-timeout."""
+    body = b"x" * (8 << 20)
+    head = b"HTTP/1.1 403 Forbidden\r\nContent-Length: %d\r\n\r\n" % len(body)
+
+    async def script(conn: Conn) -> None:
+        await conn.read_request()
+        conn.write(head + body)
+        try:
+            await conn.drain()
+        except ConnectionError:
+            return
+        await conn.wait_closed_by_peer(timeout=30.0)
+
+    upstream.default = script
+    proxy = TunnelListener(upstream.url, idle_timeout=1.0, ws_idle_timeout=300.0).start()
+    try:
+        with socket.socket() as client:
+            # a small receive window of its own (no autotuning): the client's fills fast
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+            client.settimeout(10)
+            client.connect(("127.0.0.1", proxy.port))
+            client.sendall(ws_head())
+            _wait(lambda: bool(proxy.recorder.sessions), timeout=30.0)  # never read
+        assert proxy.sample(SESSIONS, route="/v1/realtime", outcome="refused") == 1
+        ((session,), (record,)) = proxy.recorder.sessions, proxy.recorder.records
+        words = "the client took no bytes for 1 s (--idle-timeout)"
+        assert (session.status, session.error) == (403, words)
+        assert (record.status_code, record.error_type, record.error_message) == (
+            403,
+            ErrorType.CLIENT_CANCELLED,
+            words,
+        )
+    finally:
+        proxy.stop()

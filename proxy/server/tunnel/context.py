@@ -37,7 +37,10 @@ class TunnelContext:
     ssl: ssl.SSLContext | None  # for an https:// upstream
     connect_timeout: float
     first_byte_timeout: float  # for the answer to the handshake, as for an HTTP request's
-    idle_timeout: float  # --ws-idle-timeout
+    ws_idle_timeout: float  # an open tunnel's silence either way
+    # A refusal's silence before its body's end (an ordinary response, read as the HTTP
+    # relay reads one: --idle-timeout)
+    idle_timeout: float
     max_message_bytes: int  # largest message a FrameReader assembles (--max-event-bytes)
     sinks: Sinks  # each session's start and end, its turns' records, measuring failures
     secret_headers: frozenset[bytes]  # as the HTTP relay's (proxy/server/admission.py)
@@ -61,7 +64,6 @@ def tunnel_context(settings: Settings, sinks: Sinks) -> TunnelContext:
         settings,
         upstream=upstream,
         ssl=upstream_tls(settings),
-        idle_timeout=settings.ws_idle_timeout,
         max_message_bytes=settings.max_event_bytes,
         held=held_bound(settings.max_event_bytes),
         sinks=sinks,

@@ -149,7 +149,9 @@ class Pipe(Deadline):
             or other is None
             or other_side in self.ended  # both have ended: the pipe ends
             or other.is_closing()
-            or _tls(transport)  # asyncio closes a TLS side at its FIN whatever we say
+            # asyncio closes a TLS side at its close_notify (or FIN) whatever we say, and
+            # drops what is written to it after: docs/hostile-peers.md has the source
+            or _tls(transport)
         ):
             return False
         self.ended.add(client_side)
@@ -174,6 +176,11 @@ class Pipe(Deadline):
         else:
             self._full.discard(client_side)
             self._resume(not client_side)
+
+    def holds_up(self, client_side: bool) -> bool:
+        """Whether this side's write buffer is past its high-water mark, the other side's
+        reading paused for it: when the pipe idles so, this side took nothing."""
+        return client_side in self._full
 
     def _pause(self, client_side: bool) -> None:
         if client_side in self._paused:

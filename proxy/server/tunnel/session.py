@@ -22,7 +22,10 @@ handshake's head:
    A 101 opens the tunnel, the frames after it go as they arrive, and the held bytes
    go; any other final status (a refusal) reaches the client as llhttp reads it, as
    the wire relays an HTTP response: its head with `connection: close`, its body to its
-   end, and both connections close when its body ends. Bytes after that end (a second
+   end, and both connections close when its body ends, or when it sends nothing for
+   --idle-timeout before that end, as the HTTP relay cuts a response body that goes
+   quiet (a body with no length ends at that close; the session is still `refused`, and
+   its record has the cut's error, as an HTTP record has). Bytes after that end (a second
    response, which a client that pipelined a request behind the handshake would take
    for its answer) reach no client, counted `extra_bytes` as on HTTP. An answer llhttp
    refuses is counted malformed and ends the session (outcome error), as the HTTP relay
@@ -32,8 +35,10 @@ handshake's head:
 4. The end: either side's connection ending closes the other at once (pipe.py); a side
    that only ends its sending (a TCP half-close: a client's close frame, then its FIN)
    has it passed on, and the other side's answer still reaches it: the tunnel ends when
-   the other side ends too, or close_grace after the FIN. So does --ws-idle-timeout with no byte either way, timed from the
-   upstream's final answer (before it, --first-byte-timeout's 504 is the limit).
+   the other side ends too, or close_grace after the FIN (a TLS side's own close_notify
+   or FIN cannot be kept: asyncio's TLS transport closes at it, pipe.py). So does
+   --ws-idle-timeout with no byte either way, timed from the upstream's 101 (before any
+   final answer, --first-byte-timeout's 504 is the limit; a refusal's, --idle-timeout).
    `TunnelHandle.shutdown` (the drain on SIGTERM) is the watch's close frames both ways,
    then the close, or after close_grace.
 
@@ -48,7 +53,14 @@ import logging
 from collections.abc import Iterable
 from time import perf_counter, time
 
-from proxy.core.errors import Cause, Failure, classify_response, error_message, relay_failure
+from proxy.core.errors import (
+    Cause,
+    Ending,
+    Failure,
+    classify_response,
+    error_message,
+    relay_failure,
+)
 from proxy.core.measurement import ErrorType, Measurement
 from proxy.core.paths import Target
 from proxy.core.secrets import redact
@@ -159,6 +171,7 @@ class Tunnel:
         self.ended = False
         self._status = 0  # the proxy's own answer's status, when it gave one
         self._error: str | None = None  # and why, for the session's record
+        self._cut: Failure | None = None  # a refusal cut before its body's end (`_stalled`)
         self._connect: asyncio.Task[None] | None = None
         self._unanswered: asyncio.TimerHandle | None = None  # --first-byte-timeout's
         self._answering = False  # the upstream's final answer began: the idle timer runs
@@ -372,7 +385,7 @@ class Tunnel:
             # stream (102 every few seconds) would keep a handshake past the first-byte
             # limit, which an HTTP request meets all the same.
             self._answering = True
-            self.pipe.start_idle(self.context.idle_timeout, self._idle)
+            self._time_answer()
         after = self.answer.feed(data)
         if self.ended:  # a refusal's body ended in this read
             return
@@ -382,6 +395,36 @@ class Tunnel:
             self._malformed(fault)
         elif after is not None:
             self._opened(after, at)
+
+    def _time_answer(self) -> None:
+        """The idle timer on the upstream's final answer, which began: a 101 opens a tunnel,
+        judged by --ws-idle-timeout; a refusal is an ordinary response (nginx tunnels only
+        a 101, and reads any other answer under proxy_read_timeout), its body read under
+        --idle-timeout as the HTTP relay reads a response body: one with no length, whose
+        upstream sends some and then nothing, keeping its connection, would otherwise hold
+        both connections for --ws-idle-timeout (300 s)."""
+        head = self._head
+        if head is None or head.released:
+            self.pipe.start_idle(self.context.ws_idle_timeout, self._idle)
+        else:
+            self.pipe.start_idle(self.context.idle_timeout, self._stalled)
+
+    def _stalled(self, quiet: float) -> None:
+        """No byte of a refusal's body either way for --idle-timeout, its end not reached:
+        cut as the HTTP relay cuts a response body (proxy/core/errors.py relay_failure,
+        after the head): the upstream's silence is IDLE_TIMEOUT, a client whose write
+        buffer stayed full took nothing (CLIENT_STALLED: its connection aborted, a close
+        would wait on it). Both connections close; a body that runs to the close ends
+        there. The session is still `refused`, and the refusal's record (`_refused`)
+        carries the cut's error type and words, as the HTTP record of such a response."""
+        client_stalled = self.pipe.holds_up(True)
+        cause = Cause.CLIENT_STALLED if client_stalled else Cause.IDLE_TIMEOUT
+        self._cut = cut = relay_failure(cause, after_headers=True, limit=self.context.idle_timeout)
+        self._error = self._masked(cut.message)
+        log.info("closing a refused WebSocket handshake: %s", cut.message)
+        if cut.ending is Ending.ABORT:
+            self.pipe.client.abort()
+        self.end("refused")
 
     def _malformed(self, fault: str) -> None:
         """The upstream's answer is not HTTP llhttp takes: counted as the wire counts it
@@ -425,11 +468,16 @@ class Tunnel:
     def _refused(self, now: float) -> None:
         """The upstream refused the upgrade with an error: a record, as the HTTP relay
         makes of a refused request (its error type from the status and the body's words,
-        proxy/core/errors.py), so that a realtime 401 counts among the auth errors."""
+        proxy/core/errors.py), so that a realtime 401 counts among the auth errors; or,
+        for one whose body was cut (`_stalled`), the cut's, as the HTTP relay records a
+        response cut mid-body."""
         answer = self.answer
         body = bytes(answer.body)
-        error = classify_response(answer.status, body) or ErrorType.UPSTREAM_ERROR
-        message = self._masked(error_message(body)) if body else f"HTTP {answer.status}"
+        if self._cut is not None:  # its body cut short: the cut's error, as on HTTP
+            error, message = self._cut.error, self._masked(self._cut.message)
+        else:
+            error = classify_response(answer.status, body) or ErrorType.UPSTREAM_ERROR
+            message = self._masked(error_message(body)) if body else f"HTTP {answer.status}"
         try:
             self._session().refused(now, answer.status, error, message)
         except Exception:
