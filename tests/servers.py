@@ -381,14 +381,67 @@ def stop(process: subprocess.Popen[bytes]) -> None:
 
 def stop_group(process: subprocess.Popen[bytes] | Elsewhere) -> None:
     """Stops `process` and the process group it leads (its children go with it): SIGTERM,
-    then SIGKILL if it has not ended in 30 s."""
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
+    then SIGKILL to what is left of the group after 30 s.
+
+    The group is signalled even where its leader has ended: a leader killed with SIGKILL
+    (or one that crashed) leaves its children in the group, and a stop that looked only at
+    the leader left two `serve --workers` workers running after a failed run."""
+    if not _signal_group(process, signal.SIGTERM):
+        if process.poll() is None:  # it runs, so it was started without a group of its own
+            raise ProcessLookupError(f"process {process.pid} leads no process group")
+        return  # the whole group has ended
+    if not _group_ends(process, 30):
+        _signal_group(process, signal.SIGKILL)
+        if not _group_ends(process, 10):
+            raise AssertionError(f"process group {process.pid} outlived SIGKILL by 10 s")
+
+
+def _signal_group(leader: subprocess.Popen[bytes] | Elsewhere, sig: int) -> bool:
+    """`sig` sent to each process of the group `leader` leads (0: none, only the check);
+    False where none is left.
+
+    killpg reaches the members of a group whose leader has ended, as long as one remains
+    (ESRCH only when none does). While one remains, the kernel gives the group's number to
+    no new process: so a process that has the leader's pid once the leader was reaped
+    means the group is gone, and that process's own group is left alone."""
+    if leader.poll() is not None and Path(f"/proc/{leader.pid}").exists():
+        return False
+    try:
+        os.killpg(leader.pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _group_ends(leader: subprocess.Popen[bytes] | Elsewhere, timeout: float) -> bool:
+    """Whether every process of the group `leader` leads has ended within `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while _runs_in(leader):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _runs_in(leader: subprocess.Popen[bytes] | Elsewhere) -> bool:
+    """Whether a process of the group `leader` leads still runs. killpg's signal 0 also
+    finds the ones that have ended and wait to be reaped (a leader until its parent waits
+    for it, which `poll` does for ours; the workers of a killed leader until init reaps
+    them), so what it finds is looked up in /proc, where a zombie's state is Z."""
+    if not _signal_group(leader, 0):
+        return False
+    proc = Path("/proc")
+    if not proc.is_dir():  # no /proc to tell a zombie by: take the group for running
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
         try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(10)
+            text = stat.read_text()
+        except OSError:  # it ended while this looked
+            continue
+        state, _, group = text[text.rfind(")") + 2 :].split()[:3]
+        if int(group) == leader.pid and state != "Z":
+            return True
+    return False
 
 
 def metrics_port_taken() -> tuple[int, subprocess.CompletedProcess[str]]:
@@ -545,17 +598,13 @@ class Early:
         _write_whole(self.folder / f"{process.pid}.returncode", str(process.wait()))
 
     def stop(self) -> None:
-        running = [process for process in self._processes if process.poll() is None]
-        for process in running:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
-        for process in running:
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait(10)
+        """Every group told to stop before any is waited for; a group whose leader has
+        ended is stopped too, for the children it left (`stop_group`)."""
+        stopping = [p for p in self._processes if _signal_group(p, signal.SIGTERM)]
+        for process in stopping:
+            if not _group_ends(process, 30):
+                _signal_group(process, signal.SIGKILL)
+                _group_ends(process, 10)
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
