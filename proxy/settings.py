@@ -435,8 +435,8 @@ class Settings:
         _seconds,
         300.0,
         "Seconds a WebSocket tunnel may carry no byte either way before the proxy closes it, "
-        "counted from the upstream's final answer, 1xx heads not included (the wait for it "
-        "is `--first-byte-timeout`'s).",
+        "counted from the upstream's 101 (the wait for an answer is `--first-byte-timeout`'s; "
+        "a refusal's body, an ordinary response's, is read under `--idle-timeout`).",
     )
     ws_max_tunnels: int = setting(
         positive_int,
@@ -555,8 +555,10 @@ class Settings:
     drain_timeout: float = setting(
         _seconds,
         30.0,
-        "On SIGTERM or SIGINT (Ctrl-C): stop accepting, let in-flight streams finish for up to "
-        "this long, exit 0.",
+        "How long in-flight streams may finish once a signal stops the proxy accepting; "
+        "streams still running then are cut. SIGTERM and SIGINT (Ctrl-C) drain, then exit 0. "
+        "SIGHUP drains a single process, then ends it by SIGHUP; with `--workers` it replaces "
+        "the workers one by one, each drained.",
     )
     log_level: str = setting(
         _choice("debug", "info", "warning", "error"),
