@@ -7,7 +7,9 @@ grow the number of series.
 
 An attribution label (`--label-header x-team=team`) takes a request header's value,
 sanitised and cut short; only the first `max_values` distinct values of each get a label
-of their own, later ones share `other`, and a request without the header is `none`.
+of their own, later ones share `other`, and a request without the header is `none`. A
+value shaped like a credential (a key sent in the wrong header) is `other` too, and takes
+no place: a label is exported everywhere (/metrics, the access log, spans, OTLP).
 
 Processes that sum their metrics (`--workers`) share each bound through a `Ledger`
 (proxy/server/ledger.py), so the first values of all of them together are admitted,
@@ -21,6 +23,7 @@ from functools import lru_cache
 from typing import Protocol
 
 from proxy.core.apis.ollama import NATIVE_ROUTES
+from proxy.core.errors import scrub
 
 OTHER = "other"
 NO_VALUE = "none"
@@ -78,6 +81,30 @@ def sanitise(raw: bytes) -> str:
     """A header value as a label value: at most MAX_LABEL_CHARS of plain characters."""
     text = raw[: MAX_LABEL_CHARS * 4].decode("latin-1").strip()[:MAX_LABEL_CHARS]
     return "".join(c if c in _LABEL_CHARS else "_" for c in text)
+
+
+#: How much of a header value is looked at for a credential: a key that starts within
+#: what the label keeps (MAX_LABEL_CHARS), a JWT's long first part included.
+_SCANNED = MAX_LABEL_CHARS * 16
+#: An Authorization header's value pasted whole: a scheme whose credentials follow it
+#: (`Bearer` is scrub's own), in any case.
+_SCHEME = re.compile(r"(?i:basic|bearer|digest|negotiate)\s+\S")
+#: Every character a label shows as "_" (and "_" itself) as a space, so that the words the
+#: label would join (`Bearer_sk-...`, from "Bearer\x01sk-..." too) are read apart.
+_SPACED = {code: " " for code in range(256) if chr(code) not in _LABEL_CHARS or code == ord("_")}
+
+
+@lru_cache(maxsize=256)  # a label's few values repeat on every request: read each once
+def credential_shaped(raw: bytes) -> bool:
+    """A header value that looks like a credential: one `scrub` masks part of (a bearer
+    token, a provider key's shape, a JWT), as sent or with its words read apart where the
+    label would join them with "_" (`_SPACED`), or a value after an Authorization scheme
+    (`Basic dXNlcjpwYXNz`). Read whole (up to `_SCANNED`), before it is cut short."""
+    text = raw[:_SCANNED].decode("latin-1").strip()
+    if _SCHEME.match(text) or scrub(text) != text:
+        return True
+    spaced = text.translate(_SPACED)
+    return spaced != text and scrub(spaced) != spaced
 
 
 class Ledger(Protocol):
@@ -163,7 +190,7 @@ class HeaderLabels:
         for name, raw in headers:
             i = self._index.get(name)
             if i is not None and values[i] is None:  # the first of repeated headers counts
-                values[i] = self._bounded(i, sanitise(raw))
+                values[i] = OTHER if credential_shaped(raw) else self._bounded(i, sanitise(raw))
         return tuple(NO_VALUE if v is None else v for v in values)
 
     def _bounded(self, i: int, value: str) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.core.labels import MAX_MODELS, OTHER, ModelLabels, route_template
+from proxy.core.labels import MAX_MODELS, OTHER, HeaderLabels, ModelLabels, route_template
 
 
 def test_unknown_model_is_other() -> None:
@@ -111,3 +111,38 @@ def test_a_backend_that_ignores_names_labels_every_unvouched_name_its_one_model(
     labels.update_from_upstream(["tiny"])
     labels.names_ignored(False)  # another backend behind the same URL
     assert labels("") == OTHER
+
+
+# -- attribution values shaped like a credential ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        b"sk-CANARYLABELKEY77abcdef",  # a provider key sent in the label's header
+        b"Bearer sk-CANARYLABELKEY77abcdef",
+        b"bearer CANARYOPAQUETOKEN",  # an opaque bearer token: its scheme says it
+        b"Basic dXNlcjpDQU5BUlk=",  # an Authorization header's value pasted whole
+        b"eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJDQU5BUlkifQ.c2ln",  # a JWT
+        b"Bearer_sk-CANARYLABELKEY77",  # glued by the label's own stand-in for a space
+        b"Bearer\x01CANARYOPAQUETOKEN",  # a character the label shows as "_" between
+        b"sk_live_CANARY123456",  # Stripe's shape
+        b"AKIAIOSFODNN7EXAMPLE",  # an AWS access key id
+        b"team " + b"x" * 40 + b" sk-CANARYPASTTHECUT0123",  # its start within the 64 kept
+        b"x" * 30 + b" eyJ" + b"h" * 300 + b".payload",  # a JWT whose first part is long
+    ],
+)
+def test_a_credential_shaped_value_is_other_and_takes_no_place(value: bytes) -> None:
+    labels = HeaderLabels(("x-team",), max_values=1)
+    assert labels([(b"x-team", value)]) == (OTHER,)
+    # no place taken: the one value allowed is still free for a real team
+    assert labels([(b"x-team", b"red")]) == ("red",)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [b"red", b"team-a", b"data_science", b"risk-assessment", b"sk-short", b"sk_learn_model_v2",
+     b"hf-internal-testing", b"basic", b"Token-ring", b"tenant:42/eu@west"],
+)  # fmt: skip
+def test_ordinary_values_keep_their_label(value: bytes) -> None:
+    assert HeaderLabels(("x-team",), max_values=5)([(b"x-team", value)]) == (value.decode(),)

@@ -189,3 +189,67 @@ def test_a_refused_request_is_counted_with_none_labels_and_no_sink_fails(
         "tokenprobe_measurement_failures_total", {"stage": "sink"}
     )
     assert not failures
+
+
+def test_a_credential_shaped_value_is_other_everywhere(
+    start_sim: Callable[..., Running], tmp_path: Path
+) -> None:
+    """A key sent in the label's header (by mistake, or by a client that sends its key in
+    every header) is exported nowhere: /metrics, OTLP metrics, spans and the access log
+    all say `other`, and the value takes none of the --label-values places."""
+    sim = start_sim(ttft=0.0, tokens_per_second=5000.0, output_tokens=2)
+    keys = [
+        "sk-CANARYLABELKEY77abcdef",
+        "Bearer sk-CANARYLABELKEY78abcdef",
+        "Bearer CANARYOPAQUE79",
+        "Basic Q0FOQVJZQkFTSUM4MDpwYXNz",  # base64 of CANARYBASIC80:pass
+        "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJDQU5BUlk4MSJ9.CANARYJWT81",
+    ]
+    receiver = OtlpReceiver()
+    port = free_port()
+    log_path = tmp_path / "access.log"
+    with serve(receiver) as collector, log_path.open("wb") as log_file:
+        process = spawn(
+            "serve", "--upstream", sim.url, "--port", str(port), "--model-allowlist", MODEL,
+            "--models-refresh", "0", "--label-header", "x-team=team", "--label-values", "1",
+            env={
+                "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url,  # traces and metrics
+                "OTEL_METRICS_EXPORTER": "otlp",
+                "OTEL_METRIC_EXPORT_INTERVAL": "100",
+                "OTEL_BSP_SCHEDULE_DELAY": "50",
+            },
+            stdout=log_file.fileno(),  # the access log
+        )  # fmt: skip
+        base = f"http://127.0.0.1:{port}"
+        try:
+            wait_http(base + "/healthz")
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+            with httpx.Client(base_url=base, timeout=30) as client:
+                for team in [*keys, "red"]:  # the one place is still free for "red"
+                    response = client.post(
+                        "/v1/chat/completions", json=body, headers={"x-team": team}
+                    )
+                    assert response.status_code == 200
+            metrics = httpx.get(base + "/metrics", timeout=30).text
+            requests = series(base, "tokenprobe_requests_total")
+
+            def all_counted(exports: list[Any]) -> bool:
+                found = points(exports[-1]) if exports else []
+                done = sum(p.count for p in found if p.metric == "gen_ai.client.inference.duration")
+                return done >= len(keys) + 1
+
+            exports = receiver.metrics.wait_for(all_counted)
+            spans = receiver.wait_for(lambda s: len(s) >= len(keys) + 1, timeout=30)
+        finally:
+            stop(process)
+    log = log_path.read_text()
+
+    assert {s["team"] for s in requests} == {"other", "red"}
+    duration = [p for p in points(exports[-1]) if p.metric == "gen_ai.client.inference.duration"]
+    assert {p.attributes["team"]: p.count for p in duration} == {"other": len(keys), "red": 1}
+    assert [s.attributes["team"] for s in spans] == ["other"] * len(keys) + ["red"]
+    assert [orjson.loads(line)["labels"]["team"] for line in log.splitlines()] == ["other"] * len(
+        keys
+    ) + ["red"]
+    exported = (metrics, log, repr(spans), repr(exports))
+    assert not [part for part in exported if "CANARY" in part or "Q0FOQVJZ" in part]
