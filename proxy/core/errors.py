@@ -45,6 +45,7 @@ import orjson
 from proxy.core.apis import ErrorShape, api_under
 from proxy.core.apis.ollama import native_route as ollama_route
 from proxy.core.measurement import ErrorType
+from proxy.core.secrets import is_secret_name
 
 #: How much of an error body is read for classification and messages.
 MAX_ERROR_BODY = 64 * 1024
@@ -352,8 +353,95 @@ _SECRET = re.compile(
 
 
 def scrub(text: str) -> str:
-    """Mask things that look like credentials (bearer tokens, provider API keys, JWTs)."""
-    return _SECRET.sub(lambda m: (m.group(1) or "") + "[redacted]", text)
+    """Mask things that look like credentials (bearer tokens, provider API keys, JWTs), and
+    the value of every member named like one (`_secret_members`)."""
+    return _SECRET.sub(lambda m: (m.group(1) or "") + "[redacted]", _secret_members(text))
+
+
+#: A quoted name and what binds a value to it, as an upstream that echoes the request's
+#: body writes it: a JSON member (`"api_key": `), a Python dict's repr (`'api_key': `),
+#: either inside a JSON string that quotes JSON (`\"api_key\": `), or a keyword's repr
+#: (`api_key='...'`, a dataclass's or pydantic model's).
+_MEMBER = re.compile(
+    r"""(\\?["'])([\w.\-]{1,64})\1\s*:\s*"""  # a member, its name quoted
+    r"""|(?<![\w.\-])([\w.\-]{1,64})=(?=["'{\[])"""  # a keyword, its value quoted
+)
+#: A quoted value from its opening quote to its closing one, escapes skipped; to the end of
+#: the text where a cut (MAX_ERROR_BODY) left it open.
+_STRING = {
+    '"': re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?'),
+    "'": re.compile(r"'[^'\\]*(?:\\.[^'\\]*)*'?"),
+}
+#: What an object's or list's end is looked for among: its brackets, and the strings whose
+#: brackets do not count (JSON's, a repr's, and JSON's quoted in a JSON string: `\"...\"`).
+_NESTING = re.compile(
+    r'\\"(?:[^\\]|\\(?!"))*(?:\\")?'
+    r'|"[^"\\]*(?:\\.[^"\\]*)*"?'
+    r"|'[^'\\]*(?:\\.[^'\\]*)*'?"
+    r"|[\[\]{}]"
+)
+#: The scheme before a masked bearer token stays, as `_SECRET` keeps it.
+_SCHEME = re.compile(r"(?i:bearer)\s+")
+
+
+def _secret_members(text: str) -> str:
+    """Mask the value of each member whose name carries credentials by its words
+    (`is_secret_name`: `api_key`, `password`, `x-auth-token`, `credentials`): an upstream
+    that echoes the client's JSON in its error (`bad field in {"api_key": "..."}`) echoes
+    keys of no known shape. A string is masked, and an object or a list that holds one (a
+    `credentials` object, whatever it names); a bare value is not: numbers and flags name
+    no credential, and `max_tokens` and `prompt_tokens` hold counts (the words are the
+    ones of header names: `token` is among them). Most errors name no such word: the text
+    is looked through once for any, then only for members. Each character is read once:
+    a value is skipped once read, so the client's own text, echoed, cannot make it slow."""
+    if not is_secret_name(text.lower()):
+        return text
+    parts: list[str] = []
+    kept = searched = 0
+    while (member := _MEMBER.search(text, searched)) is not None:
+        searched = member.end()
+        name = member.group(2) or member.group(3)
+        if not is_secret_name(name.lower()):
+            continue  # its value is looked through: an object's members are members too
+        end, masked = _value(text, searched)
+        if masked is not None:
+            parts += (text[kept:searched], masked)
+            kept = end
+        searched = end
+    parts.append(text[kept:])
+    return "".join(parts)
+
+
+def _value(text: str, start: int) -> tuple[int, str | None]:
+    """The end of the value that begins at `start`, and what replaces it: a string's quotes
+    around `[redacted]` (a bearer token's scheme kept), an object or a list `[redacted]`
+    whole when it holds a string (an object's names are). None, nothing replaced, for a
+    bare value, whose end is `start` (what follows is read on), and for a list that holds
+    no string (token ids), skipped whole: no member inside it can hold one either."""
+    if text.startswith('\\"', start):  # JSON quoted in a JSON string: its quotes escaped
+        close = text.find('\\"', start + 2)
+        return (len(text) if close < 0 else close + 2), '\\"[redacted]\\"'
+    opening = text[start : start + 1]
+    if opening in _STRING:
+        string = _STRING[opening].match(text, start)
+        end = string.end() if string is not None else len(text)  # it always matches
+        scheme = _SCHEME.match(text, start + 1)
+        kept = scheme.group() if scheme is not None and scheme.end() < end - 1 else ""
+        return end, f"{opening}{kept}[redacted]{opening}"
+    if opening not in ("{", "["):
+        return start, None
+    depth, holds_string = 0, False
+    for token in _NESTING.finditer(text, start):
+        mark = token.group()
+        if mark in ("{", "["):
+            depth += 1
+        elif mark in ("}", "]"):
+            depth -= 1
+        else:
+            holds_string = True
+        if depth == 0:
+            return token.end(), "[redacted]" if holds_string else None
+    return len(text), "[redacted]" if holds_string else None  # left open: cut at the end
 
 
 #: The most of a client's model name a log line or a span shows.

@@ -38,7 +38,12 @@ Keys, in this order, stable (a key without a value is null in JSON, left out in 
   response_id    the backend's response id
   system_fingerprint   the backend's `system_fingerprint` (OpenAI chat and completions; vLLM:
                  `vllm-<version>-<hash>` by default, null with --fingerprint-mode none)
-  error          a short, secret-free description of the error
+  error          a short description of the error: the upstream's own words (its error
+                 body's message, or an error event's), whitespace folded, credentials
+                 masked (key shapes, the caller's header and query values, and the values
+                 of fields named like one: proxy/core/errors.py scrub), at most 300
+                 characters cut at a word's end (a WebSocket session's 200); else the
+                 proxy's own description
   ttfa_ms        time to the first answer token (not reasoning nor tool calls), ms
   reasoning_ms   first to last reasoning read, ms (streams that reasoned)
   reasoning_tokens, reasoning_token_source   reasoning tokens and where the count came from
@@ -93,10 +98,13 @@ background.py), and adds one line then (`late_tokens`, LATE_KEYS), after its POS
   labels         with --label-header only: the POST's, as on its line
 
 Only these values reach the log: no header value (but a --label-header's bounded label),
-no prompt, no completion. The fingerprint tells which requests began alike, never what
-they said: without the salt a guessed prompt cannot be tested against it, and with a
-random salt (the default: drawn once per `serve`, shared by its workers, new at each start)
-hashes compare only within one run's lines.
+no prompt, no completion; but `error` holds what an upstream's error message quotes of the
+request (vLLM's validation errors quote the value they refused, up to 200 characters; some
+backends echo the whole body), within its 300 characters and credentials masked: the
+upstream's words are what tells one error from another. The fingerprint tells which
+requests began alike, never what they said: without the salt a guessed prompt cannot be
+tested against it, and with a random salt (the default: drawn once per `serve`, shared by
+its workers, new at each start) hashes compare only within one run's lines.
 """
 
 from __future__ import annotations
