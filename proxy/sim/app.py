@@ -25,7 +25,7 @@
                                   a simulator playing Ollama)
   WS   /v1/realtime                realtime transcription sessions (realtime.py)
   GET  /health                     200, empty body
-  GET  /sim/requests               the records as JSON (authorization masked)
+  GET  /sim/requests               the records as JSON (credentials masked: SimRequest.to_json)
   GET  /sim/stats                  load counters (active, max_active, total, lockstep ticks)
   POST /sim/reset                  forget the records
 

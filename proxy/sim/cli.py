@@ -14,6 +14,7 @@ from typing import Any
 
 from proxy.sim.app import create_sim_app
 from proxy.sim.config import SimConfig
+from proxy.sim.log_lines import keep_queries_out_of_logs
 
 ENV_PREFIX = "TOKENPROBE_SIM_"
 _TRUE = ("1", "true", "yes", "on")
@@ -284,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     config, args = parse(argv, os.environ)
+    keep_queries_out_of_logs()  # --log-level info logs each WebSocket handshake's line
     uvicorn.run(
         create_sim_app(config),
         host=args.host,

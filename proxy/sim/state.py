@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from proxy.core.secrets import SECRET_PARAMS, is_secret_header, is_secret_name
+
 Outcome = Literal["completed", "aborted", "error", "fault", "in_progress"]
 
 
@@ -58,11 +60,56 @@ class SimRequest:
     body_sha256: str | None = None  # of all body bytes sent; only with record_bodies
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready copy with the credential masked."""
+        """A JSON-ready copy with credentials masked (`MASK`): the value of every header
+        that carries one (`is_secret_header`: authorization, x-api-key, api-key, cookie,
+        x-goog-api-key, ...; not the simulator's own x-sim-* controls, whose names hold
+        `token` for counts), and of every body field named like one (`is_secret_name`:
+        api_key, password, a credentials object, at any depth) that holds text: counts
+        and token ids stay (`max_tokens`, `prompt_token_ids`). A GET's body is its query,
+        whose `?key=`, `?sig=` and `?code=` carry one too (`SECRET_PARAMS`)."""
         out = asdict(self)
-        if "authorization" in self.headers:
-            out["headers"] = {**self.headers, "authorization": "***"}
+        out["headers"] = {
+            name: MASK if _secret_header(name) else value for name, value in self.headers.items()
+        }
+        out["body"] = _masked(out["body"], query=self.method == "GET")
         return out
+
+
+#: What a credential's value shows as in /sim/requests.
+MASK = "***"
+#: The simulator's own request controls (controls.py), never a credential.
+_CONTROLS = "x-sim-"
+
+
+def _secret_header(name: str) -> bool:
+    return is_secret_header(name) and not name.startswith(_CONTROLS)
+
+
+def _masked(value: Any, query: bool = False) -> Any:
+    """`value` with each field named like a credential masked where it holds text;
+    `query`: the top level is a query's parameters, named by the query's rules."""
+    if isinstance(value, dict):
+        return {
+            name: MASK if _secret_field(name, query) and _holds_text(inner) else _masked(inner)
+            for name, inner in value.items()
+        }
+    if isinstance(value, list):
+        return [_masked(item) for item in value]
+    return value
+
+
+def _secret_field(name: object, query: bool) -> bool:
+    lowered = str(name).lower()
+    return is_secret_name(lowered) or (query and lowered in SECRET_PARAMS)
+
+
+def _holds_text(value: Any) -> bool:
+    """A string, or an object or list with one inside (an object's names are)."""
+    if isinstance(value, dict):
+        return bool(value)  # its names are text
+    if isinstance(value, list):
+        return any(_holds_text(item) for item in value)
+    return isinstance(value, str)
 
 
 @dataclass

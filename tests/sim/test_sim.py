@@ -516,6 +516,27 @@ def test_requests_view_masks_authorization_and_reset_clears(client: httpx.Client
     assert client.get(url + "/sim/requests").json() == []
 
 
+def test_requests_view_masks_every_credential_header_query_and_field(
+    client: httpx.Client, url: str
+) -> None:
+    secrets = {
+        "x-api-key": "CANARYF8A",
+        "x-goog-api-key": "CANARYF8B",
+        "cookie": "session=CANARYF8C",
+        "api-key": "CANARYF8D",
+    }
+    client.get(url + "/v1/models?api_key=CANARYF8E&key=CANARYF8F", headers=secrets)
+    body = {**chat(stream=False), "api_key": "CANARYF8G", "credentials": {"pin": "CANARYF8H"}}
+    client.post(url + "/v1/chat/completions", json=body, headers={"x-sim-output-tokens": "3"})
+    view = client.get(url + "/sim/requests").json()
+    assert [record["path"] for record in view] == ["/v1/models", "/v1/chat/completions"]
+    assert all(view[0]["headers"][name] == "***" for name in secrets)
+    assert view[0]["body"] == {"api_key": "***", "key": "***"}
+    assert view[1]["headers"]["x-sim-output-tokens"] == "3"
+    assert view[1]["body"]["messages"] == body["messages"]
+    assert "CANARY" not in json.dumps(view)
+
+
 def test_body_digest_covers_every_byte_sent() -> None:
     with running(SimConfig(ttft=0.01, tokens_per_second=1000, record_bodies=True)) as (server, app):
         with warm_client(server.url) as client:

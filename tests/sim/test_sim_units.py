@@ -391,6 +391,43 @@ def test_record_json_masks_the_authorization_header() -> None:
     assert record().to_json()["headers"] == {"authorization": "***"}
 
 
+def test_record_json_masks_every_credential_and_keeps_controls_and_counts() -> None:
+    headers = {
+        "x-api-key": "CANARY1",
+        "api-key": "CANARY2",
+        "cookie": "session=CANARY3",
+        "x-goog-api-key": "CANARY4",
+        "proxy-authorization": "Basic CANARY5",
+        "x-sim-output-tokens": "40",  # the simulator's own control, not a credential
+        "x-trace": "t1",
+    }
+    body = {
+        "model": "m",
+        "max_tokens": 5,  # a count under a name with `token` in it
+        "prompt_token_ids": [1, 2],
+        "api_key": "CANARY6",
+        "credentials": {"user": "u", "pin": "CANARY7"},
+        "messages": [{"role": "user", "content": "hi", "secret": "CANARY8"}],
+        "code": "print(1)",  # a body's `code` is no query's `?code=`
+    }
+    view = SimRequest("r1", "/v1/x", "POST", headers, body, time.monotonic()).to_json()
+    assert view["headers"] == {
+        **dict.fromkeys(list(headers)[:5], "***"),
+        "x-sim-output-tokens": "40",
+        "x-trace": "t1",
+    }
+    assert view["body"] == {
+        **body,
+        "api_key": "***",
+        "credentials": "***",
+        "messages": [{"role": "user", "content": "hi", "secret": "***"}],
+    }
+    # a GET's body is its query: `?key=`, `?sig=`, `?code=` carry a credential there
+    query = {"api_key": "CANARY9", "key": "CANARY10", "sig": "CANARY11", "code": "CANARY12"}
+    got = SimRequest("r2", "/v1/responses/r", "GET", {}, {**query, "stream": "true"}, 0.0)
+    assert got.to_json()["body"] == {**dict.fromkeys(query, "***"), "stream": "true"}
+
+
 def test_every_generation_kind_has_its_request_rules_and_its_writer() -> None:
     # The tables a new simulated API adds a line to; a kind missing from one would fail
     # only when a request for it arrived.
