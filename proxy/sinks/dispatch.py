@@ -9,7 +9,8 @@ the sinks after it still run.
 A WebSocket session takes the same road: `session_started` when its upgrade request is
 admitted (the in-flight gauge), `session_ended` once with its record (proxy/core/
 wsrecord.py), which every `SessionSink` among the sinks gets (Prometheus, OTLP, the access
-log), each failure caught and counted as `end`'s are.
+log), each failure caught and counted as `end`'s are. Each record its API makes (a
+realtime utterance) comes by `record`, to every sink and, with its span, to the tracer.
 
 A background Response's tokens, which its POST's record did not have, come later by
 `late_tokens` (proxy/core/background.py): to every `LateTokensSink` (the token counters of
@@ -188,13 +189,41 @@ class Sinks:
         )
         self._record(m, Labels(self.models(info.model)))
 
-    def record(self, measurement: Measurement, key: str | None = None) -> None:
+    def record(
+        self, measurement: Measurement, key: str | None = None, headers: Headers | None = None
+    ) -> None:
         """A record made outside the HTTP relay (a WebSocket session's turn): the model
         label is resolved here; `key` is what `keys` gave the session at its start,
-        settled here with each turn (the first the upstream answered admits a new key)."""
+        settled here with each turn (the first the upstream answered admits a new key);
+        `headers` the upgrade request's, whose `traceparent` the turn's span joins."""
         if key is not None and self.keys is not None:
             key = self.keys.settle(key, measurement)
+        if self.tracer is not None:
+            self._trace_whole(self.tracer, measurement, headers or [])
         self._record(measurement, Labels(self.models(measurement.model), key))
+
+    def _trace_whole(self, tracer: RequestTracer, m: Measurement, headers: Headers) -> None:
+        """The CLIENT span of a record that comes whole (a realtime utterance: no request
+        opened it, its session did), made now, once: opened at the record's start and
+        ended at its end (`finish`), as an HTTP request's span is, with its events at their
+        instants, under the client's `traceparent` if the upgrade request had one. Its
+        trace id goes on the record, for the log line and the exemplars. The tracer reads
+        only the trace headers among `headers`: no other value reaches the span."""
+        request = RequestInfo(
+            endpoint=m.endpoint,
+            model=m.model,
+            stream=m.stream,
+            usage_requested=False,
+            max_tokens=m.max_tokens,
+            temperature=m.temperature,
+        )
+        try:
+            span, m.trace_id, _ = tracer.start(request, headers, int(m.started_at * 1e9))
+        except Exception:
+            log.exception("starting a trace span failed")
+            self.count_measurement_failure("trace")
+            return
+        self._safely(tracer.finish, span, m)
 
     def session_started(self, route: str) -> None:
         """A WebSocket upgrade request was admitted: in flight on its route until it ends."""

@@ -56,6 +56,18 @@ BOTH = PREVIOUS + "/dup"
 CURRENT_COMMIT = "ac48b1f9df15fdf281b96cccf15eb707e1fc1868"
 PREVIOUS_COMMIT = "004902b8cb70aa5ae6ca4ae07132b7daabcd3e10"
 
+#: The schema URL of the spans' and the OTLP metrics' scopes and resources, one for both:
+#: the version of the core semantic conventions their attributes from there follow
+#: (`server.address`, `server.port`, `error.type`, `http.response.status_code`, the
+#: resource's `service.*`). The `gen_ai.*` names have no schema of their own to name:
+#: semantic-conventions-genai publishes none yet (its README's "Schema URL" is a TODO),
+#: and no version of the core's after 1.41.0 holds them (they moved out after it). Its
+#: first release, v0.1.0, "Depends on semantic-conventions v1.45.0" (its CHANGELOG.md), so
+#: that is the version named here; a schema-aware backend then translates the core names
+#: from the version they follow, and leaves the `gen_ai.*` ones, which it has no rules
+#: for, as they are.
+SCHEMA_URL = "https://opentelemetry.io/schemas/1.45.0"
+
 
 @dataclass(frozen=True, slots=True)
 class Names:

@@ -37,12 +37,13 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CollectorRegistry
 
-from proxy.core.apis import RequestInfo, api_of
+from proxy.core.apis import Api, RequestInfo
 from proxy.core.apis.base import gen_ai_message
 from proxy.core.conversations import MAX_RESPONSE_ID
 from proxy.core.errors import shown_model
 from proxy.core.lenient_json import without_surrogates
 from proxy.core.measurement import NONE_LABEL, Measurement, TokenSource
+from proxy.core.wsseam import seam_of
 from proxy.settings import SettingsError
 from proxy.sinks import otel_env, semconv
 from proxy.sinks.span_export import CountingBatchProcessor, export_failures, otlp_span_exporter
@@ -68,14 +69,20 @@ class Tracing:
         names: semconv.Names = semconv.DEFAULT,
     ) -> None:
         self.names = names
+        # The OTLP metrics' schema URL on the spans' resource and scope too (proxy/sinks/
+        # semconv.py says why that one). Set on the resource made, not passed to `create`:
+        # there a detector with a schema URL of its own (a third-party one named in
+        # OTEL_EXPERIMENTAL_RESOURCE_DETECTORS) would fail the merge (`Resource.merge`
+        # keeps the old resource then), and the service name would be lost.
+        created = Resource.create({"service.name": service_name})
         # Its own provider: the process-wide global one stays whatever the host app set.
         self.provider = TracerProvider(
             sampler=sampler or ParentBased(ALWAYS_ON),
-            resource=Resource.create({"service.name": service_name}),
+            resource=Resource(created.attributes, semconv.SCHEMA_URL),
         )
         for processor in processors:
             self.provider.add_span_processor(processor)
-        self.tracer = self.provider.get_tracer("tokenprobe")
+        self.tracer = self.provider.get_tracer("tokenprobe", schema_url=semconv.SCHEMA_URL)
         self.trace_content = trace_content
         self.server = dict(semconv.server_attributes(upstream))
 
@@ -86,7 +93,9 @@ class Tracing:
         # An explicit empty context: without a client traceparent the span is a root,
         # whatever happens to be current on this task.
         parent = _PROPAGATOR.extract(carrier, context=Context()) if carrier else Context()
-        api = api_of(info.endpoint)
+        # An HTTP API's, or a WebSocket API's for a record a session made (a realtime
+        # utterance: proxy/sinks/dispatch.py `Sinks.record`), which has no body to trace.
+        api = seam_of(info.endpoint)
         operation = api.operation
         model = shown_model(info.model)
         attributes: dict[str, Any] = {
@@ -110,7 +119,7 @@ class Tracing:
             # secret (semantic-conventions-genai docs/gen-ai/client-inference.md at
             # ac48b1f9, Recommended). Longer than any backend's ids: not traced.
             attributes["gen_ai.request.previous_response.id"] = previous
-        if self.trace_content:
+        if self.trace_content and isinstance(api, Api):
             attributes.update(_content(info, api.input_messages(info.prompt)))
         attributes = _encodable(attributes)
         span = self.tracer.start_span(

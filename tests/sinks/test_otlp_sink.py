@@ -391,6 +391,31 @@ def test_a_failed_request_without_usage_is_a_per_request_point_of_zero() -> None
         assert point.attributes["error.type"] == "upstream_unreachable"
 
 
+def test_a_stream_cut_without_usage_is_an_input_point_of_zero_and_no_output_point() -> None:
+    """A stream cut short without usage (its output a count of content chunks) is a failed
+    inference operation all the same: an input point of 0 with its error.type, as the
+    conventions ask of "each inference operation, including failed ones", "or `0` if the
+    response was not received or did not contain token usage" (semantic-conventions-genai
+    docs/gen-ai/gen-ai-token-metrics.md @ 066d4a7f). Its output stays out: the chunks are
+    no token count, and 0 would say that none came. Before, it had neither point, though
+    tokenprobe.requests counted it among the failures."""
+    otlp = sink(Collecting(), CollectorRegistry())
+    for error in (ErrorType.STREAM_TRUNCATED, ErrorType.CLIENT_CANCELLED):
+        cut = measurement(
+            error_type=error,
+            token_source=TokenSource.CHUNKS,
+            prompt_tokens=None,
+            output_tokens=12,
+            finish_reason="none",
+        )
+        otlp.record(cut, Labels("sim-model"))
+    metrics = by_name(otlp.collect())  # type: ignore[arg-type]
+    points = metrics["gen_ai.client.inference.operation.input_tokens"].data.data_points
+    found = {p.attributes["error.type"]: (p.count, p.sum) for p in points}
+    assert found == {"stream_truncated": (1, 0), "client_cancelled": (1, 0)}
+    assert "gen_ai.client.inference.operation.output_tokens" not in metrics
+
+
 def embedding(**changes: Any) -> Any:
     fields: dict[str, Any] = {
         "endpoint": "/v1/embeddings",

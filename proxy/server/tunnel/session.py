@@ -203,7 +203,7 @@ class Tunnel:
             self.end(refusal.kind)  # invalid_request_target, HTTP's kind for this target
             return
         self.path, self.query = admitted.path, admitted.query
-        self.headers = admitted.headers  # only to redact credentials from records' errors
+        self.headers = admitted.headers  # for records: credentials to redact, a traceparent
         self.api = self.context.apis(self.path)
         if self.api is not None:
             self.route = self.api.endpoint
@@ -371,7 +371,7 @@ class Tunnel:
         to ERROR_TEXT: masked first, since `redact` knows a value only whole."""
         if m.error_message is not None:
             m.error_message = self._masked(m.error_message)
-        self.context.sinks.record(m, self.key)
+        self.context.sinks.record(m, self.key, self.headers)  # a traceparent: its span's parent
 
     # -- what the pipe hears (pipe.Ends) --------------------------------------------------
 

@@ -69,7 +69,8 @@ from proxy.sinks.sink import Labels
 
 log = logging.getLogger("tokenprobe")
 
-SCHEMA_URL = "https://opentelemetry.io/schemas/1.42.0"
+#: The traces' schema URL too, so that both signals say the same (proxy/sinks/semconv.py).
+SCHEMA_URL = semconv.SCHEMA_URL
 
 
 class _Operation(NamedTuple):
@@ -229,7 +230,12 @@ class OtlpMetrics:
         failed ones. The recorded value SHOULD match the token count returned by the
         provider, or `0` if the response was not received or did not contain token usage"
         (docs/gen-ai/gen-ai-token-metrics.md @ 066d4a7f). A count of content chunks is no
-        token count (`_output_tokens`): nothing then. Output only where the API generates;
+        token count (`_output_tokens`): no output point then ("MUST NOT report": 0 would
+        say none came), nor an input point for a request that succeeded without usage (its
+        tokens could not be had); but a failed one (a stream cut short before its usage)
+        has its input point, 0 where its prompt was not counted, as the failed operation it
+        is: 0 is what the conventions ask of one whose response "did not contain token
+        usage", and no chunk count goes into it. Output only where the API generates;
         embeddings have their own input histogram and no output metric
         (docs/gen-ai/client-embeddings.md @ 88eccb15), and it has no error.type."""
         usage = base + UNKNOWN_MODALITY
@@ -249,7 +255,7 @@ class OtlpMetrics:
                 self._observe(EMBEDDINGS_INPUT_TOKENS, base, (m.prompt_tokens,))
             return
         chunks = m.token_source is TokenSource.CHUNKS
-        if m.prompt_tokens is not None or not chunks:
+        if m.prompt_tokens is not None or not chunks or m.error_type is not None:
             self._observe(OPERATION_INPUT_TOKENS, failed, (m.prompt_tokens or 0,))
         if op.generative and not chunks:
             self._observe(OPERATION_OUTPUT_TOKENS, failed, (output or 0,))
