@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.bench.client import Result
 from proxy.bench.stats import quantile
+from proxy.core.secrets import mask_values, masked_url, url_credentials
 
 REQUESTS = "tokenprobe_requests_total"
 GENERATION = "tokenprobe_generation_tokens_total"
@@ -46,6 +47,10 @@ class ScrapeError(RuntimeError):
 
 
 async def scrape(url: str, timeout: float = 10.0) -> list[Sample]:
+    """The samples `url` serves. Its credentials (a /metrics behind `http://u:p@` or
+    `?token=`) are masked in a ScrapeError, which the run file and stderr show, and in the
+    client library's words in it (`mask_values`: aiohttp quotes the URL it refused)."""
+    shown = masked_url(url)
     try:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s,
@@ -53,11 +58,10 @@ async def scrape(url: str, timeout: float = 10.0) -> list[Sample]:
         ):
             text = await r.text()
             if r.status != 200:
-                raise ScrapeError(f"--compare-metrics: {url} answered HTTP {r.status}")
+                raise ScrapeError(f"--compare-metrics: {shown} answered HTTP {r.status}")
     except (aiohttp.ClientError, TimeoutError) as exc:
-        raise ScrapeError(
-            f"--compare-metrics: cannot scrape {url}: {exc or type(exc).__name__}"
-        ) from None
+        said = mask_values(str(exc), url_credentials(url)) or type(exc).__name__
+        raise ScrapeError(f"--compare-metrics: cannot scrape {shown}: {said}") from None
     return [
         (s.name, s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples
     ]

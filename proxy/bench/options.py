@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 
 from proxy.core import slo
 from proxy.core.apis import APIS, Api
+from proxy.core.secrets import masked_url
 from proxy.core.wsseam import WS_APIS, WsApi
 
 #: `--endpoint` choices -> the API's path (the proxy's `endpoint` label): each seam that
@@ -278,7 +279,8 @@ def parse_slo(text: str) -> dict[str, float]:
 def _base_url(value: str) -> str:
     parts = urlsplit(value)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise OptionsError(f"--url: expected an http:// or https:// URL with a host, got {value!r}")
+        shown = masked_url(value)  # its user info and credential parameters
+        raise OptionsError(f"--url: expected an http:// or https:// URL with a host, got {shown!r}")
     return value.rstrip("/").removesuffix("/v1")
 
 

@@ -353,7 +353,10 @@ async def _counter(options: Options, tokenizer: Any, model: str, client: Any) ->
             return count_prompt(tokenizer, content) or 0
 
         return local
-    url = options.base_url + "/tokenize"
+    # Without the URL's user info, as the load's own requests go (proxy/bench/wire.py
+    # sends none): aiohttp refused user info beside --api-key's Authorization, with a
+    # traceback, and the messages below would show its password.
+    url = str(yarl.URL(options.base_url + "/tokenize").with_user(None))
     hdrs = {k: v for k, v in headers(options).items() if k != "Accept"}
 
     async def remote(endpoint: str, content: Any) -> int:

@@ -7,7 +7,6 @@ import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import orjson
 
@@ -17,7 +16,7 @@ from proxy.bench.options import Options
 from proxy.bench.stats import Summary
 from proxy.core.measurement import ErrorType, TokenSource
 from proxy.core.pricing import per_million_tokens
-from proxy.core.secrets import is_secret_header
+from proxy.core.secrets import is_secret_header, masked_url
 
 Cell = Callable[[Summary], str]
 
@@ -236,7 +235,10 @@ def document(
     config["headers"] = [
         [k, "***" if is_secret_header(k.lower()) else v] for k, v in options.headers
     ]
-    config["base_url"] = without_password(options.base_url)
+    # the URLs as shown everywhere (`masked_url`): user info and credential parameters
+    config["base_url"] = masked_url(options.base_url)
+    if options.compare_metrics is not None:  # a /metrics behind auth: `http://u:p@`, `?token=`
+        config["compare_metrics"] = masked_url(options.compare_metrics)
     origin = levels[0].start if levels else 0.0
     return {
         "tool": "tokenprobe bench",
@@ -295,8 +297,8 @@ def diagnose(result: Result, options: Options, served: Sequence[str] = ()) -> st
     kind = m.error_type
     said = " ".join((m.error_message or "").split()) or "no details"
     http = f"HTTP {m.status_code}: " if m.status_code else ""
-    # the URL's password masked, as in the report's config (its user info: --url's)
-    base_url, url = without_password(options.base_url), without_password(options.url)
+    # the URLs masked, as in the report's config (its user info: --url's)
+    base_url, url = masked_url(options.base_url), masked_url(options.url)
     if kind is ErrorType.AUTH:
         hint = (
             "check --api-key or OPENAI_API_KEY"
@@ -320,12 +322,3 @@ def diagnose(result: Result, options: Options, served: Sequence[str] = ()) -> st
         )
     name = kind.value if kind is not None else "error"
     return f"{name}: every request failed the same way ({http}{said})"
-
-
-def without_password(url: str) -> str:
-    """`url` with the password of its user info (http://user:pass@host) masked."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
