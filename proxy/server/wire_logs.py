@@ -4,9 +4,12 @@ The proxy's own lines carry no header value and no query (docs/proxying.md). The
 it runs on log what they see at DEBUG: the `websockets` library, which uvicorn's WebSocket
 protocol hands its `uvicorn.error` logger, writes a handshake's request line (`?api_key=`
 and all) and every header (`authorization: Bearer ...`); httpcore writes each response's
-headers (an upstream's `set-cookie`); httpx writes each request's URL at INFO. So their
-own loggers stop at WARNING, and `uvicorn.error` drops what their code writes through it
-below INFO: --log-level debug is for the proxy's lines and uvicorn's, never the wire's.
+headers (an upstream's `set-cookie`); httpx writes each request's URL at INFO; urllib3,
+under the OTLP/HTTP exporter (through requests), writes each export's request line at
+DEBUG, with the endpoint's `?api-key=`. So their own loggers stop at WARNING, and
+`uvicorn.error` drops what their code writes through it below INFO: --log-level debug is
+for the proxy's lines and uvicorn's, never the wire's. (What the exporters write at
+WARNING and above is masked: proxy/sinks/otel_env.py.)
 """
 
 from __future__ import annotations
@@ -15,8 +18,12 @@ import importlib.util
 import logging
 import os
 
-#: The libraries that read or write the wire (HTTP and WebSocket, either data path).
-WIRE_LIBRARIES = ("websockets", "wsproto", "httpx", "httpcore", "h11", "h2", "hpack", "aiohttp")
+#: The libraries that read or write the wire (HTTP and WebSocket, either data path, and
+#: the OTLP/HTTP exporter's requests and urllib3).
+WIRE_LIBRARIES = (
+    *("websockets", "wsproto", "httpx", "httpcore", "h11", "h2", "hpack", "aiohttp"),
+    *("urllib3", "requests"),
+)
 
 
 def _package_dirs() -> tuple[str, ...]:
