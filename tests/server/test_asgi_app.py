@@ -58,6 +58,37 @@ def test_the_app_factory_relays_and_measures_under_hypercorn(hypercorn_app: str)
     assert first.value == 1.0 and first.labels["model"] == MODEL
 
 
+def test_uvicorns_access_line_keeps_the_path_and_masks_a_key_in_the_query(sim: Running) -> None:
+    """The documented `uvicorn --factory proxy.asgi:create_app` (docs/architecture.md) logs
+    each request line through `uvicorn.access`, with its query: `?api_key=` went to the
+    log as sent. The key's value is masked; the path and the other parameters stay."""
+    port = free_port()
+    env = {
+        "TOKENPROBE_UPSTREAM": sim.url,
+        "TOKENPROBE_MODELS_REFRESH": "0",
+        "TOKENPROBE_MODEL_ALLOWLIST": MODEL,
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "--factory", "proxy.asgi:create_app",
+         "--port", str(port)],
+        env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(base + "/healthz")
+        body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        sent = httpx.post(base + CHAT + "?api_key=ACCESSLEAK1&tenant=a", json=body, timeout=30)
+        assert sent.status_code == 200, sent.text
+        assert httpx.get(base + "/v1/models?key=ACCESSLEAK2", timeout=30).status_code == 200
+    finally:
+        stop(process)
+    assert process.stdout is not None
+    logged = process.stdout.read().decode()
+    assert f'"POST {CHAT}?api_key=***&tenant=a HTTP/1.1" 200' in logged, logged
+    assert '"GET /v1/models?key=*** HTTP/1.1" 200' in logged, logged
+    assert "ACCESSLEAK" not in logged, logged
+
+
 def test_a_websocket_gets_a_clean_refusal_from_the_asgi_app(hypercorn_app: str) -> None:
     url = hypercorn_app.replace("http://", "ws://") + "/v1/realtime"
     with pytest.raises(InvalidStatus) as refused:
