@@ -17,12 +17,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import SplitResult, urlsplit, urlunsplit
 
 from proxy.core import extras
 from proxy.core.datafile import parse_data_file
 from proxy.core.pricing import load_prices
-from proxy.core.secrets import SECRET_HEADERS, is_secret_header
+from proxy.core.secrets import SECRET_HEADERS, is_secret_header, masked_url
 from proxy.core.slo import NAMES as SLO_NAMES
 from proxy.core.slo import Policy, SloError, format_slo, parse_slo, parse_slo_file
 from proxy.core.upstream_url import UpstreamURL
@@ -37,19 +37,28 @@ class SettingsError(ValueError):
     """A setting is missing or has a bad value. The message names it."""
 
 
+def http_url(value: str) -> SplitResult:
+    """`value` split, if it is an http:// or https:// URL with a host and a port that reads:
+    else ValueError saying which (--upstream, the OTLP endpoints). urllib's words on a bad
+    port quote what follows the last `:`, which is a password's end when it holds `/ ? #`
+    (`http://user:pa/ss@host`): with an `@` anywhere, they are left out."""
+    parts = urlsplit(value)
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        raise ValueError("expected an http:// or https:// URL with a host")
+    try:
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError as exc:
+        raise ValueError("bad port" if "@" in value else f"bad port: {exc}") from None
+    return parts
+
+
 def _url(value: str) -> str:
     """An upstream's URL as every part of the proxy reads it: the scheme in lower case
     (`HTTPS://` is TLS everywhere), no trailing `/` nor `/v1` on its path. Credentials in
     it would be shown (/readyz, logs) and sent by some clients only, a query or fragment
     glued to every control-plane URL: both are refused."""
-    parts = urlsplit(value)
+    parts = http_url(value)
     scheme = parts.scheme.lower()
-    if scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError("expected an http:// or https:// URL with a host")
-    try:
-        parts.port  # noqa: B018 - raises on a bad port
-    except ValueError as exc:
-        raise ValueError(f"bad port: {exc}") from None
     if parts.username is not None or parts.password is not None:
         raise ValueError(
             "no credentials in the URL (user:password@): the client's own Authorization "
@@ -656,17 +665,15 @@ def settings_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-# A URL's credentials (`//user:password@`), never echoed in a refusal: it lands in logs.
-_USERINFO = re.compile(r"//[^/?#@]*@")
-
-
 def parse_value(source: str, raw: str, parse: Callable[[str], Any]) -> Any:
     """One value parsed, or SettingsError naming where it came from (a flag or a variable).
-    The OTEL_* variables (proxy/sinks/otel_env.py) are read through this too."""
+    The OTEL_* variables (proxy/sinks/otel_env.py) are read through this too. The refusal
+    lands in logs, so the value is shown as a URL is (`masked_url`: its user info and
+    credential parameters masked), whatever the setting: only a URL holds those."""
     try:
         return parse(raw)
     except ValueError as exc:
-        raise SettingsError(f"{source}={_USERINFO.sub('//***@', raw)!r}: {exc}") from None
+        raise SettingsError(f"{source}={masked_url(raw)!r}: {exc}") from None
 
 
 def number(value: str) -> float:

@@ -92,6 +92,28 @@ def test_an_upstream_with_credentials_a_query_or_a_fragment_is_refused(
         Settings(upstream=raw)
 
 
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        ("http://admin:p@ssLEAK1@vllm:8000", "no credentials in the URL"),
+        # urllib ends the authority at the first `# / ?`, so the password's end read as a
+        # port: its own words quoted it ("... as 'p'"), and the URL went out whole
+        ("http://admin:p#LEAK2@vllm:8000", "bad port"),
+        ("http://admin:LEAK3/x@vllm:8000", "bad port"),
+        ("http://admin:LEAK4?x@vllm:8000", "bad port"),
+        ("admin:LEAK7@vllm:8000", "http:// or https://"),  # no scheme
+    ],
+)
+def test_a_refused_upstream_never_shows_its_password(raw: str, reason: str) -> None:
+    """The refusal is printed at start and lands in logs (journald, a pod's events)."""
+    for given in (lambda: parse(["--upstream", raw], {}), lambda: parse([], {"TOKENPROBE_UPSTREAM": raw})):  # fmt: skip
+        with pytest.raises(SettingsError) as refused:
+            given()
+        said = str(refused.value)
+        assert reason in said and "LEAK" not in said, said
+        assert "'***@vllm:" in said or "//***@vllm:" in said, said
+
+
 def test_an_uppercase_https_upstream_is_tls_for_every_client() -> None:
     """`HTTPS://` built in code: the tunnel once took it for plain http (the wire's pool
     did not), and --upstream-ca-certs was refused for it."""
