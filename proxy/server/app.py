@@ -26,8 +26,8 @@ from prometheus_client import CollectorRegistry
 from proxy.core.errors import describe
 from proxy.core.identity import IGNORES_MODEL_NAMES
 from proxy.core.paths import route_key
-from proxy.core.secrets import masked_query
 from proxy.core.tokens import TokenCounter
+from proxy.core.uvicorn_logs import keep_queries_out_of_logs
 from proxy.server.admission import Refused, error_answer, own_route, where_to
 from proxy.server.certwatch import WATCH
 from proxy.server.control import ControlPlane, served_as
@@ -57,36 +57,6 @@ class _HideUpstreamBroke(logging.Filter):
         return not isinstance(exc, UpstreamBroke)
 
 
-class _WebSocketPathOnly(logging.Filter):
-    """uvicorn logs each WebSocket handshake it answers with its path and query
-    (protocols/websockets/websockets_impl.py: '%s - "WebSocket %s" 403'): a query can carry
-    a key (`?api_key=`), so the line keeps the path alone."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        args = record.args
-        if type(args) is tuple and len(args) >= 2 and '"WebSocket %s"' in str(record.msg):
-            where = args[1]
-            if type(where) is str and "?" in where:
-                record.args = (args[0], where.split("?", 1)[0] + "?[query]", *args[2:])
-        return True
-
-
-class _AccessLineMasked(logging.Filter):
-    """uvicorn's access log (on under `uvicorn --factory proxy.asgi:create_app`; `tokenprobe
-    serve` turns it off) writes each request line with its query
-    (protocols/http/httptools_impl.py and h11_impl.py: '%s - "%s %s HTTP/%s" %d', the path
-    from `get_path_with_query_string`): a query can carry a key (`?api_key=`), so each
-    credential parameter's value is masked (`masked_query`); the path and the other
-    parameters stay, which an operator reads."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        args = record.args
-        if type(args) is tuple and len(args) == 5 and type(args[2]) is str and "?" in args[2]:
-            path, _, query = args[2].partition("?")
-            record.args = (*args[:2], f"{path}?{masked_query(query)}", *args[3:])
-        return True
-
-
 #: True in the --metrics-port listener's task, and what it starts (contexts are copied): the
 #: log records logged there are its server's, not the main one's.
 _IN_METRICS_LISTENER: ContextVar[bool] = ContextVar("in_metrics_listener", default=False)
@@ -108,9 +78,8 @@ class _MetricsListenerQuiet(logging.Filter):
 
 
 logging.getLogger("uvicorn.error").addFilter(_HideUpstreamBroke())
-logging.getLogger("uvicorn.error").addFilter(_WebSocketPathOnly())
 logging.getLogger("uvicorn.error").addFilter(_MetricsListenerQuiet())
-logging.getLogger("uvicorn.access").addFilter(_AccessLineMasked())
+keep_queries_out_of_logs()  # no credential of a query in uvicorn's own lines
 keep_wire_libraries_quiet()  # no header value nor query from them, at any --log-level
 
 

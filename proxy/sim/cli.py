@@ -12,9 +12,9 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from proxy.core.uvicorn_logs import keep_queries_out_of_logs
 from proxy.sim.app import create_sim_app
 from proxy.sim.config import SimConfig
-from proxy.sim.log_lines import keep_queries_out_of_logs
 
 ENV_PREFIX = "TOKENPROBE_SIM_"
 _TRUE = ("1", "true", "yes", "on")

@@ -10,7 +10,7 @@ from pathlib import Path
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from proxy.sim.log_lines import UVICORN_ERROR, WebSocketPathOnly, keep_queries_out_of_logs
+from proxy.core.uvicorn_logs import UVICORN_ERROR, WebSocketPathOnly, keep_queries_out_of_logs
 from tests.servers import free_port, spawn, stop, wait_http
 
 
