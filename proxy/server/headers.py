@@ -51,14 +51,15 @@ def upstream_headers(
     proxy's own trace headers: its span is the client's span's child, so they replace the
     client's and the backend sees exactly one traceparent. `client`: the client's address,
     added to X-Forwarded-For (`forwarded_for`)."""
-    drop = _hop_by_hop(headers)
+    named = _named_by_connection(headers)
+    drop = _REQUEST_DROP | named if named else _REQUEST_DROP
     if trace:
         drop = drop | {name for name, _ in trace} | {b"tracestate"}
     out = [(k, v) for k, v in headers if k not in drop]
     if measured:
         # vLLM does not compress its streams anyway.
         out.append((b"accept-encoding", b"identity"))
-    else:
+    elif b"accept-encoding" not in named:  # named by Connection, it is hop-by-hop
         out.extend((k, v) for k, v in headers if k == b"accept-encoding")
     if trace:
         out.extend(trace)
@@ -92,8 +93,10 @@ def handshake_headers(headers: Headers, client: str | None = None) -> Headers:
     policy as an HTTP request's (X-Forwarded-For included), then the two hop-by-hop
     headers the handshake is made of (RFC 6455 §4.1). A Connection header cannot name the
     Sec-WebSocket-* headers away: without them there is no handshake."""
-    drop = {name for name in _hop_by_hop(headers) if not name.startswith(b"sec-websocket-")}
-    drop.discard(b"accept-encoding")  # dropped above only to go last; here it just stays
+    named = _named_by_connection(headers)
+    drop = {name for name in _REQUEST_DROP | named if not name.startswith(b"sec-websocket-")}
+    if b"accept-encoding" not in named:
+        drop.discard(b"accept-encoding")  # in _REQUEST_DROP only to go last; here it stays
     out = [(k, v) for k, v in headers if k not in drop]
     if client is not None:
         out = forwarded_for(out, client)
@@ -104,23 +107,25 @@ def handshake_headers(headers: Headers, client: str | None = None) -> Headers:
 _HANDSHAKE = ((b"upgrade", b"websocket"), (b"connection", b"Upgrade"))
 
 
-def _hop_by_hop(headers: Headers, always: frozenset[bytes] = _REQUEST_DROP) -> frozenset[bytes]:
-    """The headers that stop at the proxy: `always` (a request's, by default) and those a
-    Connection header names (RFC 9110 §7.6.1: a proxy MUST remove them, both ways)."""
-    drop = always
+def _named_by_connection(headers: Headers) -> frozenset[bytes]:
+    """The (lower-case) names every Connection header lists: they stop at the proxy too
+    (RFC 9110 §7.6.1: a proxy MUST remove them, both ways), whatever they are, so the
+    Accept-Encoding a request's policy adds back as well."""
+    named: frozenset[bytes] = frozenset()
     for name, value in headers:
-        if name == b"connection":  # the headers it names are hop-by-hop too
-            drop = drop | {t.strip().lower() for t in value.split(b",")}
-    return drop
+        if name == b"connection":
+            named = named | {t.strip().lower() for t in value.split(b",")}
+    return named
 
 
 def client_headers(headers: Headers, content_type: bytes, *, body_changes: bool) -> Headers:
     """The upstream's (lower-case) response headers as they go to the client;
     `body_changes` when the proxy strips part of the body (its length no longer holds)."""
-    always = _RESPONSE_DROP_CHANGED if body_changes else HOP_BY_HOP
-    drop = _hop_by_hop(headers, always)
-    if drop is not always and not body_changes:
-        drop = drop - {b"content-length"}  # named by Connection, it still frames the body
+    drop = _RESPONSE_DROP_CHANGED if body_changes else HOP_BY_HOP
+    named = _named_by_connection(headers)
+    if named:
+        drop = drop | (named if body_changes else named - {b"content-length"})
+        # (named by Connection, a Content-Length still frames the body it came with)
     out = [(k, v) for k, v in headers if k not in drop]
     if content_type.startswith(b"text/event-stream") and not any(
         k == b"x-accel-buffering" for k, _ in out
@@ -129,18 +134,20 @@ def client_headers(headers: Headers, content_type: bytes, *, body_changes: bool)
     return out
 
 
-def redirect_ends(upstream: UpstreamURL, tls: bool, headers: Headers) -> tuple[bytes, bytes] | None:
+def redirect_ends(upstream: UpstreamURL, tls: bool, headers: Headers) -> tuple[bytes, bytes]:
     """`redirected`'s two ends: the upstream's scheme://authority and base path, and the
     proxy's scheme://host as the client named it in `headers` (its request's, names in
     lower case as every ASGI server and the wire's llhttp callbacks give them; https when
-    the proxy serves TLS). None when the client named no Host (HTTP/1.0 without one):
-    nothing to point at, the Location goes as it came. The protocol refuses two Hosts
-    (protocol.py `_head_wrong`), so the first is the one. The HTTP relay's and the
-    WebSocket tunnel's alike."""
+    the proxy serves TLS), or b"" when the client named no Host (HTTP/1.0 without one):
+    no name of the proxy's to point at, so the Location becomes a path, which keeps the
+    client on whatever address it came by and never shows it the upstream's. The
+    protocol refuses two Hosts (protocol.py `_head_wrong`), so the first is the one. The
+    HTTP relay's and the WebSocket tunnel's alike (a handshake is HTTP/1.1: it has a
+    Host)."""
     host = next((value for name, value in headers if name == b"host"), None)
-    if host is None:
-        return None
     within = f"{upstream.origin}{upstream.base_path}".encode("ascii")
+    if host is None:
+        return within, b""
     return within, (b"https" if tls else b"http") + b"://" + host
 
 
@@ -150,7 +157,9 @@ def redirected(headers: Headers, upstream: bytes, client: bytes) -> Headers:
     (`client`: the scheme and Host the client used), as nginx's `proxy_redirect default`
     does. A backend builds an absolute redirect from the Host it was sent, the upstream's
     (Starlette's redirect_slashes in vLLM: `http://vllm:8000/v1/models`), which a client
-    may not reach and which would take it around the proxy."""
+    may not reach and which would take it around the proxy. With no `client` (no Host)
+    the rest of the URL becomes a path-absolute reference (RFC 9110 §10.2.2 allows a
+    relative Location)."""
     out: Headers = []
     for name, value in headers:
         if (
@@ -158,6 +167,17 @@ def redirected(headers: Headers, upstream: bytes, client: bytes) -> Headers:
             and value.startswith(upstream)
             and value[len(upstream) : len(upstream) + 1] in (b"", b"/", b"?", b"#")
         ):
-            value = client + value[len(upstream) :]
+            rest = value[len(upstream) :]
+            value = client + rest if client else _as_path(rest)
         out.append((name, value))
     return out
+
+
+def _as_path(rest: bytes) -> bytes:
+    """What follows the upstream's URL in a Location, as a path-absolute reference: `/`
+    for none, and never one that begins with `//`, which a client reads as another host
+    (`//evil.example/x`, a network-path reference): `/.` before it is removed as a dot
+    segment when the client resolves it (RFC 3986 §5.2.4), leaving the path."""
+    if not rest.startswith(b"/"):
+        return b"/" + rest
+    return b"/." + rest if rest.startswith(b"//") else rest

@@ -51,9 +51,14 @@ def test_a_redirect_names_the_host_the_client_named_and_the_proxys_scheme() -> N
     )
 
 
-def test_without_a_host_there_is_nothing_for_a_redirect_to_name() -> None:
-    """HTTP/1.0 without Host: the Location goes as it came, on HTTP and on the tunnel."""
-    assert redirect_ends(UPSTREAM, False, [(b"accept", b"*/*")]) is None
+def test_without_a_host_a_redirect_names_no_host_and_becomes_a_path() -> None:
+    """HTTP/1.0 without Host: no name of the proxy's to put in the Location, which becomes
+    a path (headers.py `redirected`; end to end in
+    tests/server/test_edge_hops_and_redirects.py), never the upstream's own URL."""
+    assert redirect_ends(UPSTREAM, False, [(b"accept", b"*/*")]) == (
+        b"http://10.0.0.5:8000/tenant-a",
+        b"",
+    )
 
 
 HANDSHAKE = [

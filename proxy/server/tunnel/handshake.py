@@ -155,9 +155,9 @@ class AnswerHead:
     def __init__(
         self, ends: tuple[bytes, bytes] | None, past_end: Callable[[], None] = lambda: None
     ) -> None:
-        """`ends`: `redirected`'s (proxy/server/headers.py `redirect_ends`), None when the
-        client named no Host (nothing to point at). `past_end`: bytes came after a
-        refusal's end, and were dropped."""
+        """`ends`: `redirected`'s (proxy/server/headers.py `redirect_ends`), or None to
+        leave a refusal's Location as it came. `past_end`: bytes came after a refusal's
+        end, and were dropped."""
         self._ends = ends
         self._past_end = past_end
         self._told = False  # past_end was called
