@@ -21,6 +21,7 @@ from urllib.parse import SplitResult, urlsplit, urlunsplit
 
 from proxy.core import extras
 from proxy.core.datafile import parse_data_file
+from proxy.core.paths import root_path as _root_path
 from proxy.core.pricing import load_prices
 from proxy.core.secrets import SECRET_HEADERS, is_secret_header, masked_url
 from proxy.core.slo import NAMES as SLO_NAMES
@@ -340,6 +341,11 @@ class Settings:
         _socket_path,
         None,
         "Connect to the upstream through this Unix domain socket (a vLLM started with --uds, as curl's --unix-socket); --upstream still gives the scheme, the Host header and the base path, e.g. `--upstream http://localhost --upstream-uds /run/vllm.sock`.",
+    )
+    root_path: str | None = setting(
+        _root_path,
+        None,
+        "The root path the backend serves its routes under as well as at the root, as vLLM's --root-path (give the same value): a request under it, e.g. `/tenant-a/v1/chat/completions`, is measured as the path after it (`/v1/chat/completions`) and forwarded unchanged; keep it out of --upstream, whose base path goes in front of every request. The proxy's own routes (`/metrics`, `/healthz`...) stay at the root. See docs/proxying.md.",
     )
     enable_ssl_refresh: bool = setting(
         _bool,

@@ -19,14 +19,21 @@ what the proxy refuses), an encoded NUL (`%00`), a malformed percent sign, a pat
 starting with `/`, and a `..` that would climb above the root.
 
 The query string is forwarded as received; only bytes that cannot go on a request line
-raw (controls, space, non-ASCII) are percent-encoded. Empty segments (`//`) are kept, as
-RFC 3986 keeps them.
+raw (controls, space, non-ASCII) are percent-encoded. An empty one (`/v1/models?`) goes
+as none (`request_target` has no `?`): an ASGI server gives the relay `query_string`
+b"" for both (uvicorn's httptools and h11 protocols), so the wire does the same. Empty
+segments (`//`) are kept, as RFC 3986 keeps them.
 
 The proxy's own routes (/healthz, /metrics, ...) are matched on `route_key` of the
 normalised path: empty segments merged and a trailing slash dropped, because many servers
 read a path that way (nginx merges slashes by default, `merge_slashes`; frameworks
 redirect `/x/` to `/x`), so `//metrics` or `/healthz/` must not reach a backend route
 that the proxy's own shadows.
+
+A backend started with a root path (vLLM's --root-path, FastAPI's `root_path`) serves
+every route under it as well as at the root: `under_root` gives the path such a backend
+routes by, which the proxy measures by (--root-path, `root_path` its parse). The path
+forwarded stays the one sent.
 """
 
 from __future__ import annotations
@@ -126,4 +133,39 @@ def route_key(path: str) -> str:
         path = _SLASHES.sub("/", path)
     if path.endswith("/"):
         path = path.rstrip("/") or "/"
+    return path
+
+
+def root_path(value: str) -> str:
+    """--root-path as `under_root` compares it: its escapes normalised as a request
+    path's are, so `/tenant%2Da` and `/tenant-a` are one. Refused: no leading `/`, a
+    query or fragment, a dot segment, `/` alone (no root path: leave it unset), and a
+    trailing `/` (vLLM started with `--root-path /tenant-a/` routes only
+    `/tenant-a//v1/...`: Starlette strips the root path only where a `/` follows it)."""
+    if not value.startswith("/"):
+        raise ValueError("expected a path such as /tenant-a")
+    if "?" in value or "#" in value:
+        raise ValueError("a root path takes no query (?...) or fragment (#...)")
+    try:
+        path = _normalise_escapes(value.encode("utf-8"))
+    except BadTarget as exc:
+        raise ValueError(str(exc).replace("request path", "root path")) from None
+    if {".", ".."} & set(path.split("/")):
+        raise ValueError("a root path takes no dot segments (. or ..)")
+    if path == "/":
+        raise ValueError("`/` is no root path: leave it unset")
+    if path.endswith("/"):
+        raise ValueError(f"no trailing slash: {path.rstrip('/')!r}, as vLLM's --root-path")
+    return path
+
+
+def under_root(path: str, root: str | None) -> str:
+    """A normalised path as a backend served under the root path `root` routes it: what
+    follows `root` where the path starts with it and a `/` comes next, else the path as it
+    is (that backend serves its routes at the root too). Starlette's `get_route_path`,
+    which vLLM's routes go through (`build_app` sets `app.root_path = args.root_path`;
+    FastAPI puts it in the scope), so its API-key middleware's `removeprefix` too
+    (vllm/entrypoints/serve/middleware/authenticate.py)."""
+    if root and path.startswith(root) and path[len(root) : len(root) + 1] == "/":
+        return path[len(root) :]
     return path

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
-from proxy.core.apis import Api, api_for
+from proxy.core.apis import LLAMACPP_PATHS, Api, api_for
 from proxy.core.errors import error_body, error_shape
 from proxy.core.identity import UNKNOWN
 from proxy.core.labels import route_template
@@ -45,6 +45,8 @@ class RelaySettings:
     through settings.group: a field named like a setting is that setting)."""
 
     upstream: str  # base URL, no trailing path
+    # --root-path: a request under it is measured by the path after it (paths.under_root)
+    root_path: str | None
     upstream_uds: str | None  # the Unix socket connections go to, else the URL's host and port
     upstream_ssl: ssl.SSLContext | None  # for an https:// upstream (proxy/server/dial.py)
     inject_usage: bool  # ask a stream for usage when its client did not, and strip it back
@@ -111,9 +113,21 @@ def where_to(raw_path: bytes, query: bytes) -> Target | Refused:
         return refusal
 
 
-def measured_api(method: str, path: str) -> Api | None:
-    """The seam decides: a POST to a path that has an Api is measured, the rest is not."""
-    return api_for(path) if method == "POST" else None
+#: The backend kinds that may be llama-server: it, and a backend the proxy does not know,
+#: for a `llama-server --api-key` answers its probes 401 and stays `unknown`
+#: (docs/llamacpp.md).
+MAY_BE_LLAMACPP = frozenset({"llamacpp", UNKNOWN})
+
+
+def measured_api(method: str, path: str, backend: str = UNKNOWN) -> Api | None:
+    """The seam decides: a POST to a path that has an Api is measured, the rest is not;
+    llama-server's own paths (`LLAMACPP_PATHS`: `/chat/completions`, `/completion`...)
+    only in front of a backend that may be llama-server (`backend`: the upstream's kind,
+    as far as it is known, proxy/core/identity.py). Before the first answer to the
+    proxy's questions, the kind is `unknown`: they are measured."""
+    if method != "POST" or (path in LLAMACPP_PATHS and backend not in MAY_BE_LLAMACPP):
+        return None
+    return api_for(path)
 
 
 def check_head(headers: Headers, limits: RelaySettings) -> None:
@@ -144,13 +158,12 @@ BODY_TIMEOUT = Refused(408, "request_timeout", "request body not received in tim
 #: the proxy asked for and took out again would be in that replay though the client never
 #: got it, so a resume at the client's byte count would start inside it.
 RESUMABLE_STREAM = b"x-conversation-id"
-#: The backend kinds (proxy/core/identity.py) that may replay such a stream: llama-server,
-#: and a backend the proxy does not know, for a `llama-server --api-key` answers its probes
-#: 401 and stays `unknown` (docs/llamacpp.md). No other engine replays by that header
+#: The backend kinds (proxy/core/identity.py) that may replay such a stream: those that
+#: may be llama-server (`MAY_BE_LLAMACPP`). No other engine replays by that header
 #: (vLLM 0.32 has no /v1/stream), and there it cost the usage chunk: tokens counted from
 #: the chunks, 8 for vLLM's 33 with speculative decoding. Of the two errors an unknown
 #: backend risks, an undercount is the lesser: a wrong byte offset breaks a client's resume.
-MAY_REPLAY = frozenset({"llamacpp", UNKNOWN})
+MAY_REPLAY = MAY_BE_LLAMACPP
 
 
 def admit(

@@ -48,7 +48,7 @@ from proxy.core.apis import Api
 from proxy.core.background import retrieval
 from proxy.core.errors import Cause, Ending, Failure, LostTurn, relay_failure
 from proxy.core.measurement import ErrorType
-from proxy.core.paths import Target
+from proxy.core.paths import Target, under_root
 from proxy.core.strip import UsageEventStripper
 from proxy.server.admission import (
     BODY_TIMEOUT,
@@ -109,6 +109,7 @@ class ExchangeRules:
         "path",
         "query",
         "refusal",
+        "route",
         "size",
         "stage",
         "start",
@@ -142,11 +143,15 @@ class ExchangeRules:
         self.stage = Stage.RECEIVING
         if isinstance(where, Refused):
             self.path, self.query = raw_path.decode("latin-1"), ""
+            self.route = self.path
             self.refuse(where)
             return
         self.path, self.query = where.path, where.query
+        # measured, labelled and keyed by the path the backend routes (after --root-path);
+        # forwarded as sent
+        self.route = under_root(self.path, context.settings.root_path)
         try:
-            self.api = measured_api(method, self.path)
+            self.api = measured_api(method, self.route, context.backend.kind)
             check_head(headers, context.settings)
         except Refused as refusal:
             self.refuse(refusal)
@@ -213,7 +218,7 @@ class ExchangeRules:
     def _count(self, status: int, error: ErrorType, message: str | None = None) -> None:
         context = self.context
         count_refusal(
-            context.sinks, self.path, self.api, status, self.start, self.started_at, error, message
+            context.sinks, self.route, self.api, status, self.start, self.started_at, error, message
         )
 
     def admit(self, now: float) -> UpstreamRequest:
@@ -231,12 +236,12 @@ class ExchangeRules:
         elif self.method == "GET":
             # a background Response this process started whose tokens no answer counted
             # yet: read as its POST's answer would be, to count them once it is finished
-            found = retrieval(context.background, self.path, self.query)
+            found = retrieval(context.background, self.route, self.query)
             if found is not None:
                 info, retrieves = found
         exchange = self.exchange = MeasuredExchange(
             context,
-            self.path,
+            self.route,
             self.headers,
             info,
             self.start,
@@ -308,10 +313,10 @@ class ExchangeRules:
         return ClientHead(out, self.stripper, length)
 
     def _located(self, headers: Headers) -> Headers:
-        """A redirect into the upstream's URL, pointed at the proxy as the client named it."""
+        """A redirect into the upstream's URL, pointed at the proxy as the client named it
+        (a path on it when the client named no Host)."""
         tls = bool(self.context.settings.ssl_certfile)
-        ends = redirect_ends(self.context.upstream, tls, self.headers)
-        return headers if ends is None else redirected(headers, *ends)
+        return redirected(headers, *redirect_ends(self.context.upstream, tls, self.headers))
 
     def early_end(self, cause: Cause, exc: BaseException | None = None) -> Failure:
         """The relay stops early. The failure's `answer`, when set, is what the client gets

@@ -20,7 +20,7 @@ from proxy.core.apis.base import (
     TokenCounts,
 )
 from proxy.core.apis.batch_chat import BatchChat
-from proxy.core.apis.chat import Chat
+from proxy.core.apis.chat import WITHOUT_V1, Chat
 from proxy.core.apis.cohere import CohereChat
 from proxy.core.apis.completions import Completions
 from proxy.core.apis.generate import Generate
@@ -59,6 +59,13 @@ APIS: tuple[Api, ...] = (
 )
 
 _BY_PATH = {path: api for api in APIS for path in api.paths}
+#: The paths only llama-server serves (tools/server/server.cpp): its native completion
+#: (`/completion`, and `/completions`, the same handler) and OpenAI's chat without the
+#: /v1. In front of another backend they are a client's wrong path (vLLM 0.32 answers
+#: them 404), which measured would count in chat's error rate and SLO: the relay measures
+#: them only where the backend may be llama-server (proxy/server/admission.py
+#: `measured_api`).
+LLAMACPP_PATHS = frozenset({WITHOUT_V1, *LlamaCompletion.paths})
 _BY_ENDPOINT = {api.endpoint: api for api in APIS}
 #: The closed set of `endpoint` label values.
 ENDPOINTS = frozenset(_BY_ENDPOINT)
@@ -89,6 +96,7 @@ __all__ = [
     "APIS",
     "ENDPOINTS",
     "FINISH_LABELS",
+    "LLAMACPP_PATHS",
     "Api",
     "ErrorShape",
     "Facts",

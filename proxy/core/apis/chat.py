@@ -264,12 +264,18 @@ class OpenAIGeneration(Api):
         return False
 
 
+#: llama-server serves the same handler without the /v1 (tools/server/server.cpp,
+#: `ctx_http.post("/chat/completions", ...)` beside "/v1/chat/completions"); vLLM 0.32 has
+#: no such route (a 404): measured only where the backend may be llama-server
+#: (proxy/core/apis/__init__.py `LLAMACPP_PATHS`).
+WITHOUT_V1 = "/chat/completions"
+
+
 class Chat(OpenAIGeneration):
     endpoint = "/v1/chat/completions"
     bench_name = "chat"
     takes_messages = True
-    # llama-server serves the same handler without the /v1 (tools/server/server.cpp)
-    paths: ClassVar[tuple[str, ...]] = ("/v1/chat/completions", "/chat/completions")
+    paths: ClassVar[tuple[str, ...]] = ("/v1/chat/completions", WITHOUT_V1)
     operation = "chat"
     deltas = True
     text_openings = (b'"delta":{"content":"', b'"delta":{"reasoning":"')

@@ -62,7 +62,9 @@ _TEXT = Facts(content="text", plain=True)
 class LlamaCompletion(Api):
     endpoint = "/completion"
     # `/completions` without the /v1 is this one too, not the OpenAI completion (seen on
-    # b1-0c1e570: it answers the native events; `/chat/completions` is OpenAI's chat)
+    # b1-0c1e570: it answers the native events; `/chat/completions` is OpenAI's chat).
+    # Both are llama-server's own (tools/server/server.cpp; vLLM 0.32 answers them 404):
+    # measured only where the backend may be llama-server (apis/__init__.py LLAMACPP_PATHS).
     paths = ("/completion", "/completions")
     operation = "text_completion"
     bench_name = "llamacpp-completion"

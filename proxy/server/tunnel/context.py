@@ -6,6 +6,7 @@ import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from proxy.core.paths import under_root
 from proxy.core.secrets import secret_names
 from proxy.core.upstream_url import UpstreamURL
 from proxy.core.wsframes import HeldBytes
@@ -68,4 +69,14 @@ def tunnel_context(settings: Settings, sinks: Sinks) -> TunnelContext:
         held=held_bound(settings.max_event_bytes),
         sinks=sinks,
         secret_headers=secret_names(settings.secret_headers),
+        apis=routed(settings.root_path),
     )
+
+
+def routed(root_path: str | None) -> Callable[[str], WsApi | None]:
+    """The WebSocket API of a path as the backend routes it: after --root-path, as the
+    HTTP relay measures (proxy/core/paths.py `under_root`; vLLM's WebSocket routes, its
+    /v1/realtime, go through the same root path as its HTTP ones)."""
+    if root_path is None:
+        return ws_api_for
+    return lambda path: ws_api_for(under_root(path, root_path))
