@@ -145,7 +145,10 @@ def test_done_line_ends_with_counts_finish_and_engine() -> None:
 
 
 def test_absent_counts_on_the_done_line_are_zero_as_go_omits_them() -> None:
-    counts = seam("/api/chat").counts({"done": True, "done_reason": "stop"})
+    # a generation's done line always has total_duration (time.Since(checkpointStart)); one
+    # with no Metrics at all is a load answer (tests/core/test_ollama_load_answers.py)
+    done = {"done": True, "done_reason": "stop", "total_duration": 5}
+    counts = seam("/api/chat").counts(done)
     assert counts is not None and (counts.prompt, counts.output) == (0, 0)
 
 

@@ -385,9 +385,10 @@ class Api:
         return as_int(details.get("reasoning_tokens")) if type(details) is dict else None
 
     def counts(self, usage: dict[str, Any]) -> TokenCounts | None:
-        """Token counts from a usage object (OpenAI shape), None when it has none."""
+        """Token counts from a usage object (OpenAI shape), None when it has none or is a
+        `placeholder`."""
         output = usage.get("completion_tokens")
-        if type(output) is not int:
+        if type(output) is not int or placeholder(usage):
             return None
         prompt, cached, written = self.prompt_counts(usage)
         return TokenCounts(prompt, output, cached, TokenSource.USAGE, written)
@@ -400,7 +401,10 @@ class Api:
         PromptTokenUsageInfo); chat sets `created_cache_tokens`
         (chat_completion/serving.py, _make_prompt_tokens_details), completions and
         generate never do (null or absent: None here). OpenAI's own chat names them
-        `cache_write_tokens` (openai-python types/completion_usage.py)."""
+        `cache_write_tokens` (openai-python types/completion_usage.py). A `placeholder`
+        reports none."""
+        if placeholder(usage):
+            return None, None, None
         prompt = as_int(usage.get("prompt_tokens"))
         details = usage.get("prompt_tokens_details")
         if type(details) is not dict:
@@ -627,3 +631,16 @@ def json_text(value: object) -> str:
 
 def as_int(value: object) -> int | None:
     return value if type(value) is int else None
+
+
+def placeholder(usage: dict[str, Any]) -> bool:
+    """A usage object of 0 prompt and 0 completion tokens: a place kept for a count, not
+    one. No real prompt is 0 tokens (vLLM 0.32 refuses an empty one:
+    vllm/v1/engine/input_processor.py `_validate_prompt_len`, "The decoder prompt cannot
+    be empty"). Ollama's OpenAI layer, asked for include_usage, writes it on every
+    /v1/completions chunk (ollama/ollama @ fb30760 middleware/openai.go
+    CompleteWriter.writeResponse, `c.Usage = &openai.Usage{}`) and the real usage only on
+    a chunk after the last, so a stream cut before that one has no count: it is counted as
+    a stream without usage is. vLLM's continuous_usage_stats chunks carry the real prompt
+    from the first one on."""
+    return as_int(usage.get("prompt_tokens")) == 0 and as_int(usage.get("completion_tokens")) == 0

@@ -94,6 +94,18 @@ def native_route(path: str) -> bool:
 
 #: Ollama's done_reason values onto the closed finish set; any other is `other`.
 _FINISH = {"stop": "stop", "length": "length"}
+#: api/types.go Metrics, and EmbedResponse's share of them: a generation's done object and
+#: an embedding answer have some (total_duration always: time.Since(checkpointStart));
+#: GenerateHandler's and ChatHandler's load and unload answers, and EmbedHandler's answer
+#: to no input, have none (server/routes.go).
+_METRICS = (
+    "total_duration",
+    "load_duration",
+    "prompt_eval_count",
+    "prompt_eval_duration",
+    "eval_count",
+    "eval_duration",
+)
 #: Shared answers for a line in the middle of a stream with content, nothing else.
 _CONTENT = {name: Facts(content=name, plain=True) for name in ("text", "reasoning", "tool")}
 
@@ -216,7 +228,14 @@ class OllamaApi(Api):
         return _FINISH.get(raw, "other")
 
     def counts(self, usage: dict[str, Any]) -> TokenCounts | None:
-        """prompt_eval_count and eval_count of the done object; absent is 0 (omitempty)."""
+        """prompt_eval_count and eval_count of the done object; absent is 0 (omitempty).
+
+        An answer with none of the Metrics (_METRICS) evaluated nothing: the model was only
+        loaded or unloaded (`ollama run`, `ollama stop`: cmd/cmd.go loadOrUnloadModel).
+        It counts no tokens, not 0 of each, and nothing is left for a tokenizer or the
+        chunks to count (TokenSource.NONE): the request is recorded, its tokens are not."""
+        if not any(key in usage for key in _METRICS):
+            return TokenCounts(prompt=None, output=None, cached=None, source=TokenSource.NONE)
         prompt = usage.get("prompt_eval_count", 0)
         output = usage.get("eval_count", 0) if self.generative else None
         if type(prompt) is not int or (self.generative and type(output) is not int):
