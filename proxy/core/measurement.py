@@ -27,12 +27,15 @@ Derived durations:
          and a span above 0 (tokens all in one read measured no time: None, not 0);
          None where the count is only of what streamed (chunks, a tokenizer) and tools
          were offered or a call came: a tool parser's held tokens are in the span but not
-         in the count (StreamObserver._held_uncounted)
+         in the count (StreamObserver._held_uncounted); None where the first content read
+         carried a tool call whole (`whole_call_first`): the call's tokens were decoded
+         before it, outside the span
   decode_tokens_per_second   (output_tokens - 1) / (last_token - first_token), with tpot
   e2e    end - start
   proxy_overhead   (sent - read) + (relayed - first_byte): the proxy's own time
   engine   the engine's per-request figures (proxy/core/engine.py), when it sent them;
-           the TTFT split (queue, engine TTFT, outside the engine) is `ttft_split`
+           the TTFT split (queue, engine TTFT, outside the engine) is `ttft_split`, none
+           where the TTFT holds a whole tool call's decoding (`whole_call_first`)
 
 First tokens by kind (seconds after `start`, as ttft; issue 26): `first_answer` the first
 read carrying answer content (chat `content`, Messages `text_delta`, Responses
@@ -157,6 +160,10 @@ class Measurement:
     # one that streamed content and never finished; () with one choice (finish_reason).
     finish_reasons: tuple[str, ...] = ()
     engine: EngineMetrics | None = None  # the engine's own per-request figures, if sent
+    # The first content read carried a tool call whole (StreamObserver.whole_call_first:
+    # Ollama sends each call once its parser has it). The TTFT holds the call's decoding:
+    # no TPOT or decode speed, and no TTFT split (the engine's own figures stay in `engine`).
+    whole_call_first: bool = False
     proxy_overhead: float | None = None  # seconds of the proxy's own time (see above)
     # The prompt's prefix fingerprint (core/fingerprint.py), unkeyed: only the access log
     # shows it, keyed with the deployment's salt.
@@ -230,18 +237,19 @@ class Measurement:
     def ttft_split(self) -> tuple[float | None, float, float] | None:
         """(queue, engine TTFT, outside the engine), summing to `ttft`, for a stream whose
         engine sent its TTFT (the queue part None when it sends no queue time); None
-        otherwise."""
+        otherwise, and where the TTFT holds a whole tool call's decoding
+        (`whole_call_first`): what is left outside the engine would be that decoding."""
         engine, ttft = self.engine, self.ttft
-        if engine is None or ttft is None or not self.stream:
+        if engine is None or ttft is None or not self.stream or self.whole_call_first:
             return None
         return ttft_split(ttft, engine)
 
     def load_split(self) -> tuple[float, float, float] | None:
         """(model load, engine TTFT, outside the engine), summing to `ttft`, for a stream
         whose engine sent a load time and its TTFT but no queue time (Ollama); None
-        otherwise."""
+        otherwise, and where the TTFT holds a whole tool call's decoding, as `ttft_split`."""
         engine, ttft = self.engine, self.ttft
-        if engine is None or ttft is None or not self.stream:
+        if engine is None or ttft is None or not self.stream or self.whole_call_first:
             return None
         return load_split(ttft, engine)
 

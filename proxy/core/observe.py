@@ -43,7 +43,7 @@ from proxy.core.llamacpp import several_prompts, timings_metrics
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
 from proxy.core.sse import DEFAULT_MAX_EVENT_BYTES
 from proxy.core.template import EventTemplate, learn
-from proxy.core.toolcalls import ToolCall, ToolCalls
+from proxy.core.toolcalls import ToolCall, ToolCalls, is_json_object
 
 #: The most of a non-streaming or error body kept for parsing. Bigger bodies are still
 #: relayed in full; they are only measured from what fits.
@@ -1000,6 +1000,27 @@ class StreamObserver:
         finish that ended them (`_ending_reads`)."""
         return source in COUNTS_WHAT_STREAMED and self.called_or_offered_tools()
 
+    def whole_call_first(self) -> bool:
+        """The read that carried the stream's first content carried a tool call whole: the
+        first call opened there and ended there (its API closed it, or its arguments were a
+        whole JSON object by then). Its tokens were all decoded before that read, so the
+        TTFT holds them, and the span from it to the end holds only what came after: TPOT
+        and decode speed would divide that span by every output token, and the TTFT's part
+        outside the engine would be the call's decoding. Ollama sends each call whole once
+        its parser has it (server/routes.go ChatHandler's toolParser; GenerateHandler on the
+        done line; its /v1 layer one chunk per call, middleware/openai.go); vLLM's tool
+        parsers stream a call's name, then its arguments in pieces on later steps
+        (vllm/tool_parsers/hermes_tool_parser.py), which keep their figures. Judged once,
+        at the end, from the calls kept: nothing per chunk."""
+        tools = self.tools
+        if tools is None or not tools.timed or not tools.order or tools.first != self.first_token:
+            return False
+        call = tools.calls[tools.order[0]]
+        if call.last != call.first:
+            return False
+        parts = call.parts
+        return call.closed or (parts is not None and is_json_object("".join(parts)))
+
     def measurement(
         self,
         *,
@@ -1014,7 +1035,8 @@ class StreamObserver:
     ) -> Measurement:
         self._end_run()
         tpot = tps = None
-        if not self._held_uncounted(counts.source):
+        whole_call = self.whole_call_first()
+        if not self._held_uncounted(counts.source) and not whole_call:
             tpot, tps = self._decode_speed(counts.output, self._ending_reads(counts.source))
         first = self.first_token
         request = self.request
@@ -1050,6 +1072,7 @@ class StreamObserver:
             temperature=request.temperature,
             trace_id=trace_id,
             engine=self._engine(),
+            whole_call_first=whole_call,
             proxy_overhead=self.overhead,
             prefix=prefix_of(request),
             **self._kinds(counts, reasoning, error_type),
