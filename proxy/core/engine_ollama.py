@@ -13,8 +13,9 @@ so on the done object an absent duration is 0. server/routes.go (ChatHandler,
 GenerateHandler) measures them as:
 
   load_duration         checkpointLoaded - checkpointStart: from the handler's start to a
-                        loaded runner (scheduleRunner), so waiting for a runner and loading
-                        the model. Warm, it is a few milliseconds.
+                        loaded runner (scheduleRunner), so waiting for the model to load
+                        (or for another to be evicted) and loading it. Warm, it is a few
+                        milliseconds.
   prompt_eval_duration  the runner's prefill of the prompt tokens it had to evaluate
                         (llm/llama_server.go: Timings.PromptMS, the part not reused from
                         the cache)
@@ -23,7 +24,15 @@ GenerateHandler) measures them as:
 
 So client-seen TTFT = load + prefill + the rest outside the engine (HTTP, templating and
 tokenising in Ollama's front end, the network, the proxy): `engine.load_split`. Ollama
-reports no queue time of its own: a wait for a runner is inside load_duration.
+reports no queue time of its own, and a wait for one of the loaded runner's parallel slots
+is in neither figure: the runner takes a slot (llm/llama_server.go Completion, Chat and
+Embedding: `s.sem.Acquire`, one of numParallel, OLLAMA_NUM_PARALLEL, default 1 in
+envconfig/config.go) after checkpointLoaded and before its prefill, so that wait is outside
+the engine, as llama.cpp's wait for a slot is (proxy/core/llamacpp.py).
+
+A load or unload answer (an empty prompt or no messages: GenerateHandler, ChatHandler) has
+no Metrics at all: no figures (`ollama_engine` answers None) and no counts
+(proxy/core/apis/ollama.py `OllamaApi.counts`).
 
 A value that is not an integer, is negative or is over a day is nonsense, and left out.
 """
