@@ -819,7 +819,7 @@ class Metrics:
             "tokenprobe_engine_load_time_seconds",
             "The engine's own time to have the model loaded before the request could run "
             "(Ollama load_duration: from its handler receiving the request to a loaded "
-            "runner, waiting for one included). Streams: scaled with the engine TTFT when "
+            "runner; a wait for a parallel slot, OLLAMA_NUM_PARALLEL, is not in it). Streams: scaled with the engine TTFT when "
             "both exceed the client-seen TTFT; for them the _sum of this, of "
             'tokenprobe_engine_time_to_first_token_seconds{stream="true"} and of '
             "tokenprobe_time_to_first_token_outside_engine_seconds add up to their TTFT sum. "

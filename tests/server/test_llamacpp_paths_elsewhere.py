@@ -30,7 +30,7 @@ BODIES = {
 
 
 @no_proxy
-@pytest.mark.parametrize("path", sorted(BODIES))
+@pytest.mark.parametrize("path", [*sorted(BODIES), "/reranking", "/v1/reranking"])
 def test_llama_servers_own_paths_are_measured_only_where_the_backend_may_be_it(path: str) -> None:
     assert measured_api("POST", path, "llamacpp") is not None
     assert measured_api("POST", path, "unknown") is not None  # not identified (yet)

@@ -29,7 +29,15 @@ from proxy.core.apis.label_reads import GenerativeScoring, StructuredDecisions
 from proxy.core.apis.llamacpp import LlamaCompletion
 from proxy.core.apis.messages import Messages
 from proxy.core.apis.ollama import OllamaChat, OllamaEmbed, OllamaGenerate
-from proxy.core.apis.pooling import Classify, CohereEmbed, Embeddings, Pooling, Rerank, Score
+from proxy.core.apis.pooling import (
+    RERANKING,
+    Classify,
+    CohereEmbed,
+    Embeddings,
+    Pooling,
+    Rerank,
+    Score,
+)
 from proxy.core.apis.responses import Responses
 
 #: Every measured API, one line each.
@@ -60,12 +68,12 @@ APIS: tuple[Api, ...] = (
 
 _BY_PATH = {path: api for api in APIS for path in api.paths}
 #: The paths only llama-server serves (tools/server/server.cpp): its native completion
-#: (`/completion`, and `/completions`, the same handler) and OpenAI's chat without the
-#: /v1. In front of another backend they are a client's wrong path (vLLM 0.32 answers
+#: (`/completion`, and `/completions`, the same handler), OpenAI's chat without the /v1,
+#: and its rerank's `/reranking` names. In front of another backend they are a client's wrong path (vLLM 0.32 answers
 #: them 404), which measured would count in chat's error rate and SLO: the relay measures
 #: them only where the backend may be llama-server (proxy/server/admission.py
 #: `measured_api`).
-LLAMACPP_PATHS = frozenset({WITHOUT_V1, *LlamaCompletion.paths})
+LLAMACPP_PATHS = frozenset({WITHOUT_V1, *LlamaCompletion.paths, *RERANKING})
 _BY_ENDPOINT = {api.endpoint: api for api in APIS}
 #: The closed set of `endpoint` label values.
 ENDPOINTS = frozenset(_BY_ENDPOINT)

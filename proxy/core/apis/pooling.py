@@ -54,11 +54,16 @@ class Score(Pooling):
         return None
 
 
+#: llama-server serves its rerank handler under two more names (tools/server/server.cpp:
+#: /reranking and /v1/reranking beside /rerank and /v1/rerank); vLLM 0.32 has neither (a
+#: 404): measured only where the backend may be llama-server (apis/__init__.py
+#: `LLAMACPP_PATHS`).
+RERANKING = ("/reranking", "/v1/reranking")
+
+
 class Rerank(Score):
     endpoint = "/rerank"
-    # llama-server serves the same rerank handler under two more names (tools/server/
-    # server.cpp: /reranking and /v1/reranking beside /rerank and /v1/rerank)
-    paths = ("/rerank", "/v1/rerank", "/v2/rerank", "/reranking", "/v1/reranking")
+    paths = ("/rerank", "/v1/rerank", "/v2/rerank", *RERANKING)
     operation = "rerank"
 
 
