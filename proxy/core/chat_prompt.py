@@ -21,6 +21,9 @@ APIs' items into chat messages first:
 Images and audio are left out: their tokens come from the model's processor, which a
 tokenizer does not have. Every function here only reads; it never raises on odd input.
 
+A system message's text that opens with Claude Code's billing header loses that line
+(`without_billing_line`), as vLLM drops it from every system message before the template.
+
 What the template then gets beside the messages is vLLM's too (`template_kwargs`): the
 request's options merged as vLLM merges them, its tools as vLLM dumps them
 (`template_tools_of`), and each assistant tool call's arguments as a dict
@@ -36,6 +39,44 @@ from proxy.core.lax import lax_bool
 
 #: The part types whose `text` is the content's text (OpenAI chat, Responses, Anthropic).
 _TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
+
+#: What Claude Code's attribution line opens with: `x-anthropic-billing-header:
+#: cc_version=...; cc_entrypoint=...; cch=<hex>;`, the first system block of every request,
+#: its `cch` new each time (vllm/renderers/chat_utils.py, _CLAUDE_CODE_BILLING_HEADER).
+BILLING_HEADER = "x-anthropic-billing-header"
+
+
+def without_billing_line(content: Any) -> Any:
+    """A system message's content without Claude Code's billing line, as vLLM gives it to
+    the template (vllm/renderers/chat_utils.py, _strip_claude_code_billing_header, which
+    _parse_chat_message_content runs on every `system` message of chat, of Anthropic
+    Messages once converted, and of the Responses API's messages): each text (the content
+    as a string, a string part or a `text` part; not Responses' `input_text`) that opens
+    with BILLING_HEADER loses its first line, and goes where nothing follows it. Its `cch`
+    changes every request, so a prompt that kept it would be a new prompt every turn: vLLM
+    drops it for its prefix cache, and so must a conversation's digests and a count. The
+    content itself where nothing changes; a new string or list otherwise."""
+    if isinstance(content, str):
+        # vLLM makes a string one text part; none left joins to "" (its parts joined).
+        return content.partition("\n")[2] if content.startswith(BILLING_HEADER) else content
+    if not isinstance(content, list):
+        return content
+    out: list[Any] = []
+    changed = False
+    for part in content:
+        text = part if isinstance(part, str) else _text_part(part)
+        if not (isinstance(text, str) and text.startswith(BILLING_HEADER)):
+            out.append(part)
+            continue
+        changed = True
+        rest = text.partition("\n")[2]
+        if rest:
+            out.append(rest if isinstance(part, str) else {**part, "text": rest})
+    return out if changed else content
+
+
+def _text_part(part: Any) -> Any:
+    return part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None
 
 
 def template_tools(tools: Any, schema: str, kind: str | None = None) -> dict[str, Any] | None:
@@ -120,6 +161,8 @@ def template_messages(prompt: list[Any]) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             output = {"role": "tool", "content": item.get("output")}
             out.append({**output, "tool_call_id": item.get("call_id")})
+        elif item.get("role") == "system":
+            out.extend(_message({**item, "content": without_billing_line(item.get("content"))}))
         elif "role" in item:
             out.extend(_message(item))
     return out

@@ -29,6 +29,8 @@ from typing import Any, Protocol
 
 import orjson
 
+from proxy.core.chat_prompt import without_billing_line
+
 #: At most this many cumulative digests per request.
 DEPTH = 8
 #: Characters per block of a plain-text prompt (completions).
@@ -96,8 +98,14 @@ def _unit(message: dict[str, Any]) -> bytes:
     the model sees the same prompt either way: vLLM's Anthropic content block has no
     `cache_control` (anthropic/protocol.py, AnthropicContentBlock), and for a template
     that takes text it joins a message's text parts with "\n" (renderers/chat_utils.py),
-    so a lone part is its text."""
+    so a lone part is its text. A system message's text loses Claude Code's billing line
+    (chat_prompt.without_billing_line): vLLM drops it, and its `cch` is new each request,
+    so with it every turn of a Claude Code session was a conversation of its own."""
     content = message.get("content")
+    if message.get("role") == "system":
+        content = without_billing_line(content)
+        if content is not message.get("content"):
+            message = {**message, "content": content}
     if type(content) is list and content and all(type(b) is dict for b in content):
         blocks = [{k: v for k, v in b.items() if k != "cache_control"} for b in content]
         only = blocks[0] if len(blocks) == 1 else None

@@ -37,7 +37,7 @@ from proxy.core.apis.base import (
     sampling_options,
 )
 from proxy.core.apis.chat import keep
-from proxy.core.chat_prompt import template_tools
+from proxy.core.chat_prompt import BILLING_HEADER, template_tools
 from proxy.core.measurement import TokenSource
 from proxy.core.toolcalls import CallPiece
 
@@ -105,12 +105,22 @@ class Messages(Api):
     def prompt(self, obj: dict[str, Any]) -> Any:
         """The messages, with `system` as the first: a text, or a list of text blocks (the
         form an agent that sets `cache_control` sends; anthropic-sdk-python
-        MessageCreateParams: `system: Union[str, Iterable[TextBlockParam]]`)."""
+        MessageCreateParams: `system: Union[str, Iterable[TextBlockParam]]`), as vLLM makes
+        it a system message (anthropic/serving.py, _convert_system_message): a text as it
+        is; the blocks' texts joined with nothing between, leaving out those that are no
+        text, are empty, or open with Claude Code's billing header (its first block, whose
+        `cch` is new each request: vLLM drops the whole block); none left, no system
+        message. The chat stage then drops the billing line of a text that opens with it
+        (a `system` string, here kept whole; chat_prompt.without_billing_line, which the
+        digests and the count run on every system message)."""
         messages = obj.get("messages")
         system = obj.get("system")
-        if isinstance(system, list):  # vLLM joins the blocks' texts with nothing between
+        if isinstance(system, list):
+            texts = [
+                b.get("text") for b in system if isinstance(b, dict) and b.get("type") == "text"
+            ]
             system = "".join(
-                b["text"] for b in system if isinstance(b, dict) and isinstance(b.get("text"), str)
+                t for t in texts if isinstance(t, str) and not t.startswith(BILLING_HEADER)
             )
         if system and isinstance(system, str) and isinstance(messages, list):
             return [{"role": "system", "content": system}, *messages]
