@@ -101,7 +101,6 @@ class Conversation:
     # The latest answered request's (a failed one's are None, and its retry repeats the
     # answered prompt, not the failed one's).
     prompt_tokens: int | None = None
-    output_tokens: int | None = None
     failed: bool = False  # the latest ended request got no answer
 
     @property
@@ -209,12 +208,23 @@ class Conversations:
                 via = HEADER
                 if conversation.digest is not None and conversation.digest in chain[:-1]:
                     shared = conversation.prompt_tokens
+                elif previous_response_id and previous_response_id == conversation.response_id:
+                    # A Responses chain under the header (its chain emptied above): what
+                    # it repeats is what the rule below says without the header.
+                    shared = conversation.prompt_tokens
         if conversation is None and previous_response_id:
             conversation = self._by_response.get(previous_response_id)
             if conversation is not None:
                 via = PREVIOUS_RESPONSE
-                if conversation.prompt_tokens is not None:
-                    shared = conversation.prompt_tokens + (conversation.output_tokens or 0)
+                # vLLM rebuilds the prompt from the stored request's messages and, of the
+                # previous output, its message texts only: "We skip the reasoning output",
+                # and function calls are no message either (vllm/entrypoints/openai/
+                # responses/utils.py, construct_input_messages). The previous prompt is
+                # what is repeated: its output tokens (reasoning included) were counted
+                # once, and 512 cached of a 637-token prompt after 1000 reasoning tokens
+                # read 0.31, a miss. The answer's text also repeated is not known apart
+                # from its reasoning and calls: left out (docs/conversations.md).
+                shared = conversation.prompt_tokens
         if conversation is None and complete and chain:
             # The same messages as a request that failed: its retry, in its conversation.
             # (A resend of a request that succeeded is no continuation: a load test that
@@ -264,7 +274,6 @@ class Conversations:
         duration: float,
         response_id: str | None,
         prompt_tokens: int | None,
-        output_tokens: int | None,
         failed: bool = False,
         refused: bool = False,
     ) -> Turn:
@@ -287,7 +296,7 @@ class Conversations:
         # The latest-started answered request owns the answered slots, whichever ends last.
         latest = not failed and turn.index >= c.answered_turn
         if latest:  # what the next turn, or a retry of a failed one, repeats
-            c.prompt_tokens, c.output_tokens = prompt_tokens, output_tokens
+            c.prompt_tokens = prompt_tokens
             c.answered_turn = turn.index
         if self._table.get(c.key) is not c:
             return turn  # evicted while in flight: nothing more to index

@@ -99,7 +99,6 @@ class ConversationTracker:
             duration=m.e2e,
             response_id=m.response_id,
             prompt_tokens=m.prompt_tokens,
-            output_tokens=m.output_tokens,
             failed=not m.ok,
             refused=refusal,
         )

@@ -607,8 +607,9 @@ class Metrics:
         self.continuation_cached_ratio = Histogram(
             "tokenprobe_continuation_cached_prompt_ratio",
             "A continuation's cached prompt tokens as its backend reported them, over the "
-            "tokens of the earlier prompt it repeats (the earlier request's prompt tokens; "
-            "with previous_response_id its prompt and output tokens), at most 1. Only when "
+            "tokens of the earlier prompt it repeats (the earlier request's prompt tokens, with "
+            "previous_response_id too: vLLM puts back only the answer's text), at most 1. "
+            "Only when "
             "the backend reports cached tokens (vLLM: --enable-prompt-tokens-details).",
             ("model",),
             registry=registry,

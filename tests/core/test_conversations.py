@@ -33,19 +33,18 @@ def begin(t: Conversations, now: float, messages: list[dict[str, Any]], **kw: An
     return t.begin(now, chain=chain, complete=complete, **kw)
 
 
-def end(t: Conversations, turn: Turn, now: float, prompt: int = 10, output: int = 5) -> None:
+def end(t: Conversations, turn: Turn, now: float, prompt: int = 10) -> None:
     t.end(
         turn,
         now,
         duration=now - 0.0,
         response_id=None,
         prompt_tokens=prompt,
-        output_tokens=output,
     )
 
 
 def fail(t: Conversations, turn: Turn, now: float) -> None:
-    t.end(turn, now, duration=0.5, response_id=None, prompt_tokens=None, output_tokens=None,
+    t.end(turn, now, duration=0.5, response_id=None, prompt_tokens=None,
           failed=True)  # fmt: skip
 
 
@@ -153,7 +152,7 @@ def test_a_retry_of_a_failed_request_stays_in_its_conversation() -> None:
     first = begin(t, 0.0, rounds[0])
     end(t, first, 1.0)
     second = begin(t, 2.0, rounds[1])
-    t.end(second, 2.5, duration=0.5, response_id=None, prompt_tokens=None, output_tokens=None,
+    t.end(second, 2.5, duration=0.5, response_id=None, prompt_tokens=None,
           failed=True)  # fmt: skip
     retry = begin(t, 3.0, rounds[1])  # a 429, say: the agent sends the same messages again
     assert (retry.id, retry.index, retry.via, retry.gap) == (first.id, 3, MESSAGES, 0.5)
@@ -170,20 +169,20 @@ def test_a_retry_repeats_the_last_answered_prompt_whatever_the_failed_one_report
     t = table()
     rounds = agent_rounds("hi")
     first = begin(t, 0.0, rounds[0], header=b"s")
-    t.end(first, 1.0, duration=1.0, response_id="resp_1", prompt_tokens=20, output_tokens=7)
+    t.end(first, 1.0, duration=1.0, response_id="resp_1", prompt_tokens=20)
     fail(t, begin(t, 2.0, rounds[1], header=b"s"), 2.1)
     by_header = begin(t, 3.0, rounds[1], header=b"s")
     assert (by_header.via, by_header.shared_prefix_tokens) == (HEADER, 20)
     fail(t, by_header, 3.1)
     t2 = table()
     first = begin(t2, 0.0, rounds[0])
-    t2.end(first, 1.0, duration=1.0, response_id="resp_1", prompt_tokens=20, output_tokens=7)
+    t2.end(first, 1.0, duration=1.0, response_id="resp_1", prompt_tokens=20)
     fail(t2, begin(t2, 2.0, rounds[1]), 2.1)
     retry = begin(t2, 3.0, rounds[1])
     assert (retry.via, retry.shared_prefix_tokens) == (MESSAGES, 20)
     fail(t2, retry, 3.1)
     again = t2.begin(4.0, previous_response_id="resp_1")
-    assert (again.via, again.shared_prefix_tokens) == (PREVIOUS_RESPONSE, 27)
+    assert (again.via, again.shared_prefix_tokens) == (PREVIOUS_RESPONSE, 20)
 
 
 def test_a_retry_that_trims_the_failed_turn_stays_in_its_conversation() -> None:
@@ -320,14 +319,14 @@ def test_a_previous_response_id_turns_input_is_never_taken_for_a_whole_prompt() 
     unrelated chat that opens with the same user message joined that conversation."""
     t = table()
     first = begin(t, 0.0, [{"role": "user", "content": "plan a trip"}])
-    t.end(first, 1.0, duration=1.0, response_id="resp_1", prompt_tokens=30, output_tokens=7)
+    t.end(first, 1.0, duration=1.0, response_id="resp_1", prompt_tokens=30)
     going_on = [{"role": "user", "content": "continue"}]
     second = begin(t, 2.0, going_on, previous_response_id="resp_1")
     assert (second.via, second.id) == (PREVIOUS_RESPONSE, first.id)
     fail(t, second, 3.0)  # a failed one neither
     retry = begin(t, 4.0, going_on, previous_response_id="resp_1")
     assert (retry.via, retry.id, retry.index) == (PREVIOUS_RESPONSE, first.id, 3)
-    t.end(retry, 5.0, duration=1.0, response_id="resp_2", prompt_tokens=40, output_tokens=7)
+    t.end(retry, 5.0, duration=1.0, response_id="resp_2", prompt_tokens=40)
     chat = [*going_on, {"role": "assistant", "content": "what?"}, {"role": "user", "content": "x"}]
     other = begin(t, 6.0, chat)
     assert (other.via, other.index) == (NEW, 1) and other.id != first.id
@@ -354,11 +353,39 @@ def test_the_header_wins_and_its_value_is_never_kept() -> None:
 def test_previous_response_id_continues_the_response_it_names() -> None:
     t = table()
     first = t.begin(0.0)
-    t.end(first, 1.0, duration=1.0, response_id="resp_1", prompt_tokens=30, output_tokens=7)
+    t.end(first, 1.0, duration=1.0, response_id="resp_1", prompt_tokens=30)
     second = t.begin(4.0, previous_response_id="resp_1")
     assert (second.via, second.index, second.gap) == (PREVIOUS_RESPONSE, 2, 3.0)
-    assert second.shared_prefix_tokens == 37  # the stored context: prompt and answer
+    assert second.shared_prefix_tokens == 30  # the previous prompt (below)
     assert t.begin(5.0, previous_response_id="resp_unknown").via == NEW
+
+
+def test_a_previous_response_id_turn_repeats_the_previous_prompt_not_its_output() -> None:
+    """vLLM puts the previous output back as its message texts only, without its reasoning
+    or calls (responses/utils.py, construct_input_messages): against vLLM 0.32, 512 cached
+    of a 637-token prompt after 1000 reasoning tokens read 512/1637 = 0.31, a miss."""
+    t = table()
+    first = t.begin(0.0)
+    t.end(first, 1.0, duration=1.0, response_id="resp_1", prompt_tokens=637)
+    second = t.begin(2.0, previous_response_id="resp_1")
+    assert (second.via, second.shared_prefix_tokens) == (PREVIOUS_RESPONSE, 637)
+
+
+def test_a_responses_chain_under_the_header_shares_the_previous_prompt() -> None:
+    """With the header, previous_response_id had emptied the chain the header rule
+    matched: no continuation of a Responses chain got a cached share at all."""
+    t = table()
+    first = t.begin(0.0, header=b"s")
+    t.end(first, 1.0, duration=1.0, response_id="resp_1", prompt_tokens=30)
+    second = t.begin(2.0, header=b"s", previous_response_id="resp_1")
+    assert (second.via, second.id, second.shared_prefix_tokens) == (HEADER, first.id, 30)
+    t.end(second, 3.0, duration=1.0, response_id="resp_2", prompt_tokens=50)
+    # An older response of the conversation: a branch of it, whose prompt is not known.
+    older = t.begin(4.0, header=b"s", previous_response_id="resp_1")
+    assert (older.via, older.shared_prefix_tokens) == (HEADER, None)
+    t.end(older, 5.0, duration=1.0, response_id="resp_3", prompt_tokens=40)
+    latest = t.begin(6.0, header=b"s", previous_response_id="resp_3")
+    assert latest.shared_prefix_tokens == 40
 
 
 def test_an_idle_conversation_closes_with_its_figures() -> None:
@@ -368,7 +395,7 @@ def test_an_idle_conversation_closes_with_its_figures() -> None:
     now = 0.0
     for messages in rounds:
         turn = begin(t, now, messages)
-        t.end(turn, now + 1.0, duration=1.0, response_id=None, prompt_tokens=5, output_tokens=1)
+        t.end(turn, now + 1.0, duration=1.0, response_id=None, prompt_tokens=5)
         turns.append(turn)
         now += 3.0  # 1 s in the model, 2 s in the tool
     assert t.sweep(now + 5.0) == []  # last end 7.0: idle only 5 s
@@ -386,7 +413,7 @@ def test_a_request_in_flight_keeps_its_conversation_open() -> None:
     t = table(idle=1.0)
     turn = t.begin(0.0)
     assert t.sweep(100.0) == []
-    t.end(turn, 100.0, duration=100.0, response_id=None, prompt_tokens=1, output_tokens=1)
+    t.end(turn, 100.0, duration=100.0, response_id=None, prompt_tokens=1)
     assert len(t.sweep(101.0)) == 1
 
 
@@ -436,7 +463,6 @@ def test_one_conversation_holds_at_most_entry_bytes() -> None:
             duration=0.1,
             response_id=f"resp_{i:0>251}",
             prompt_tokens=10**6,
-            output_tokens=10**6,
         )
         # The worst case: its latest request failed, so it keeps that one's digest too.
         again = t.begin(float(i), chain=(i.to_bytes(16, "big"), (i + 10_000).to_bytes(16, "big")))
@@ -498,8 +524,7 @@ def test_a_message_nested_deeper_than_json_writes_still_gets_a_chain() -> None:
 
 def refuse(t: Conversations, turn: Turn, now: float) -> Turn:
     """`turn`'s request got an error status instead of an answer (a 429, a 401, a 404)."""
-    return t.end(turn, now, duration=0.1, response_id=None, prompt_tokens=None,
-                 output_tokens=None, failed=True, refused=True)  # fmt: skip
+    return t.end(turn, now, duration=0.1, response_id=None, prompt_tokens=None, failed=True, refused=True)  # fmt: skip
 
 
 def test_a_refused_request_is_no_turn_and_its_retry_takes_its_place() -> None:
@@ -571,7 +596,7 @@ def test_a_trimmed_retry_sent_before_the_failed_turns_end_is_recorded_stays(
     (refuse if refused else fail)(t, huge, 2.5)
     # A refusal is no turn: the gap runs from the answer before it.
     index, gap = (2, 1.6) if refused else (3, 0.1)
-    ended = t.end(retry, 4.0, duration=1.4, response_id=None, prompt_tokens=30, output_tokens=5)
+    ended = t.end(retry, 4.0, duration=1.4, response_id=None, prompt_tokens=30)
     assert (ended.id, ended.index, ended.via) == (first.id, index, MESSAGES)
     assert ended.gap == pytest.approx(gap)
     assert ended.shared_prefix_tokens == 20
@@ -589,7 +614,7 @@ def test_a_branch_whose_sibling_fails_after_it_began_stays_a_branch() -> None:
     one = begin(t, 2.0, [*answered, {"role": "user", "content": "step 0"}])
     two = begin(t, 2.1, [*answered, {"role": "user", "content": "step 1"}])
     fail(t, one, 2.5)  # after the branch began: they ran side by side
-    ended = t.end(two, 3.0, duration=0.9, response_id=None, prompt_tokens=9, output_tokens=1)
+    ended = t.end(two, 3.0, duration=0.9, response_id=None, prompt_tokens=9)
     assert (ended.id, ended.index, ended.via) == (two.id, 1, NEW) and two.id != first.id
 
 
@@ -599,8 +624,8 @@ def test_overlapping_requests_of_one_header_the_later_started_owns_the_answer() 
     short = [{"role": "user", "content": "short"}]
     a = begin(t, 0.0, [{"role": "user", "content": "long"}], header=b"s")
     b = begin(t, 0.5, short, header=b"s")
-    t.end(b, 1.0, duration=0.5, response_id="resp_b", prompt_tokens=7, output_tokens=2)
-    t.end(a, 2.0, duration=2.0, response_id="resp_a", prompt_tokens=30, output_tokens=9)
+    t.end(b, 1.0, duration=0.5, response_id="resp_b", prompt_tokens=7)
+    t.end(a, 2.0, duration=2.0, response_id="resp_a", prompt_tokens=30)
     after = begin(t, 3.0, [*short, {"role": "assistant"}, {"role": "user"}], header=b"s")
     assert (after.via, after.shared_prefix_tokens) == (HEADER, 7)
     assert t.begin(4.0, previous_response_id="resp_b").id == a.id
