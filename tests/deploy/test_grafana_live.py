@@ -482,7 +482,10 @@ SCENARIOS: dict[str, tuple[dict[str, str], str, str]] = {
     "stream_truncated": ({"x-sim-fault": "close_no_done", "x-sim-fault-after": "2"}, "stream", "stream_truncated"),
     # issue 26: reasoning then an answer, cut off while reasoning (max_tokens 16), calls
     # with invalid arguments, and more calls than max_tokens lets finish (one truncated)
-    "reasoning": ({"x-sim-reasoning-tokens": "6", "x-sim-output-tokens": "4"}, "stream", "none"),
+    # 5 ms a token (not the stack's 0.5): its answer's four tokens in reads of their own,
+    # for the answer-phase TPOT panel, on a loaded machine too (a CI run saw none at 0.5)
+    "reasoning": ({"x-sim-reasoning-tokens": "6", "x-sim-output-tokens": "4",
+                   "x-sim-tps": "200"}, "stream", "none"),
     "reasoning_cut": ({"x-sim-reasoning-tokens": "40"}, "stream", "none"),
     "tool_calls": ({"x-sim-tool-calls": "2", "x-sim-invalid-tool-calls": "1",
                     "x-sim-output-tokens": "0"}, "stream", "none"),
