@@ -763,8 +763,10 @@ class Ending(Enum):
     # as it would without the proxy (the drain's end cut the response)
     CUT = "cut"  # dropped as DROP, for the upstream's failure (UPSTREAM_CUTS): the
     # requests pipelined behind are its casualties (LostTurn.CUT), not the client's
-    ABORT = "abort"  # dropped at once, the bytes not yet sent thrown away: a close would
-    # wait for good on a send buffer the client never takes (CLIENT_STALLED)
+    ABORT = "abort"  # dropped at once with a reset: every byte not yet taken thrown away,
+    # the kernel's send queue too (SO_LINGER 0; an abort alone drops only the transport's
+    # buffer), where a close would wait for good on what the client never takes
+    # (CLIENT_STALLED)
 
 
 @dataclass(frozen=True, slots=True)

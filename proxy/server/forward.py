@@ -41,6 +41,7 @@ from proxy.server.admission import (
     stops_asking,
     where_to,
 )
+from proxy.server.backlog import reset
 from proxy.server.exchange import Context, IdleTimer
 from proxy.server.headers import client_address
 from proxy.server.protocol import (
@@ -261,7 +262,9 @@ class Relay:
         if failure is not None and failure.drop:
             transport = self.scope.get("extensions", {}).get(CLIENT_TRANSPORT)
             if failure.ending is Ending.ABORT and transport is not None:
-                transport.abort()  # a close would wait for good on what it never takes
+                # a close would wait for good on what it never takes, and an abort leave
+                # the kernel's queue to it (proxy/server/backlog.py)
+                reset(transport)
             raise UpstreamBroke(failure.message)
 
     # -- the steps --------------------------------------------------------------------

@@ -71,6 +71,7 @@ from proxy.core.errors import (
     type_names,
 )
 from proxy.core.measurement import ErrorType
+from proxy.server.backlog import drop_at_close, unacknowledged
 from proxy.server.dial import (
     FULL_BACKLOG_PAUSES,
     httpx_default_tls,
@@ -393,6 +394,11 @@ class _GuardedConnection(httpcore.AsyncHTTPConnection):
             raise
 
 
+#: h11's states of the backend's side once its answer came whole (MUST_CLOSE: it said
+#: Connection: close).
+_ANSWERED_WHOLE = (h11.DONE, h11.MUST_CLOSE)
+
+
 class _GuardedHTTP11Connection(httpcore.AsyncHTTP11Connection):
     """httpcore's HTTP/1.1 connection, which:
 
@@ -401,7 +407,12 @@ class _GuardedHTTP11Connection(httpcore.AsyncHTTP11Connection):
       would be the next request's answer. Decided once per response, at its head; the
       connection closes when the response does (`_response_closed`);
     - reads a chunked body with `_CheckedChunkedReader` (installed once per response,
-      at its head, in the place of h11's own, which has read nothing yet)."""
+      at its head, in the place of h11's own, which has read nothing yet);
+    - is reset as it closes before its answer was whole, while the backend still has
+      bytes of the request to take (`aclose`): a request cancelled as its body goes out
+      (its client left, the first byte timed out). anyio's close drops the transport's
+      buffer, but the kernel still sent its queue (about 4 MB on loopback), and the FIN
+      after it, to a backend that may read slowly or never (proxy/server/backlog.py)."""
 
     def __init__(self, count: Callable[[str], None], **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -439,6 +450,14 @@ class _GuardedHTTP11Connection(httpcore.AsyncHTTP11Connection):
             event.headers.raw_items(),
             trailing_data,
         )
+
+    async def aclose(self) -> None:
+        state = self._h11_state
+        if state.their_state not in _ANSWERED_WHOLE:
+            sock = self._network_stream.get_extra_info("socket")
+            if state.our_state is h11.SEND_BODY or unacknowledged(sock):
+                drop_at_close(sock)
+        await super().aclose()
 
     async def _response_closed(self) -> None:
         # the response's end, or its break: the flag is this response's, and spent here

@@ -28,6 +28,7 @@ from httpx_aiohttp.transport import AiohttpResponseStream, AiohttpTransport
 from multidict import CIMultiDict
 
 from proxy.core.errors import fault_words, parser_words
+from proxy.server.backlog import close_or_reset
 from proxy.server.dial import connect_unix, httpx_default_tls
 from proxy.server.protocol import MAX_RESPONSE_HEAD
 from proxy.server.upstream_errors import (
@@ -124,6 +125,13 @@ class _GuardedHandler(ResponseHandler):
     HEAD's) is never pooled: `feed_data` marks it to close (the module docstring of
     proxy/server/upstream.py says why).
 
+    A connection closed before its answer was whole, while the backend still has bytes of
+    the request to take, is reset (`close`): aiohttp writes the whole body at once, and
+    its close would send all of it, and the FIN after it, to a backend that may read
+    slowly or never. A request cancelled as its body goes out (its client left, the
+    first byte timed out) ends so; one answered whole before the backend read its body
+    closes as ever.
+
     With aiohttp's C parser, a malformed body (a chunk size that is not hex) makes the
     protocol close the connection and record the error on itself, but the response's body
     stream is never told: a reader waits for the idle timeout and the break is counted as
@@ -210,6 +218,18 @@ class _GuardedHandler(ResponseHandler):
     def _unasked(self) -> str:
         return "idle_bytes" if self._state is _IDLE else "extra_bytes"
 
+    def close(self) -> None:
+        transport = self.transport
+        if transport is not None and not self._answered_whole():
+            close_or_reset(transport)  # aiohttp's close of it then changes nothing
+        super().close()
+
+    def _answered_whole(self) -> bool:
+        """Whether the current request's answer came whole (its final head, and its body
+        to the end): a connection closed then closes as ever."""
+        payload = self._payload
+        return self._finals > 0 and (payload is None or payload.is_eof())
+
     def fault(self, kind: str) -> None:
         """Close the connection for breaking HTTP/1.1, and count it once."""
         self._should_close = True
@@ -217,7 +237,7 @@ class _GuardedHandler(ResponseHandler):
             self._faulted = True
             self._count(kind)
         if self.transport is not None:
-            self.transport.close()
+            close_or_reset(self.transport)
 
     def set_exception(self, exc: BaseException, exc_cause: BaseException = _EXC_SENTINEL) -> None:
         if (

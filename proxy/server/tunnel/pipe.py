@@ -33,7 +33,7 @@ from collections.abc import Callable
 from time import perf_counter
 from typing import Protocol, cast
 
-from proxy.server.backlog import owed
+from proxy.server.backlog import owed, reset
 from proxy.server.deadline import Deadline
 
 #: Client bytes held before the upstream's 101 beyond which the client is not read.
@@ -250,7 +250,7 @@ class Pipe(Deadline):
         self._grace = None
         for transport in (self.client, self.upstream):
             if transport is not None and transport.get_write_buffer_size():
-                transport.abort()
+                reset(transport)  # the kernel's queue for it dropped too (backlog.py)
 
 
 def _no_idle(quiet: float) -> None:

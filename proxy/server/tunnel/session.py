@@ -67,6 +67,7 @@ from proxy.core.secrets import redact
 from proxy.core.wsrecord import OTHER_ROUTE, WsSessionRecord
 from proxy.core.wsseam import WsApi, WsSession
 from proxy.server.admission import Refused, answer_bytes
+from proxy.server.backlog import reset
 from proxy.server.dial import dial
 from proxy.server.headers import Headers, client_address, redirect_ends
 from proxy.server.tunnel.context import TunnelContext
@@ -423,7 +424,7 @@ class Tunnel:
         self._error = self._masked(cut.message)
         log.info("closing a refused WebSocket handshake: %s", cut.message)
         if cut.ending is Ending.ABORT:
-            self.pipe.client.abort()
+            reset(self.pipe.client)  # as the HTTP relays cut a stalled client (backlog.py)
         self.end("refused")
 
     def _malformed(self, fault: str) -> None:

@@ -36,7 +36,7 @@ from proxy.core.errors import Cause, Ending, Failure, LostTurn, fault_words
 from proxy.core.paths import Target
 from proxy.core.strip import UsageEventStripper
 from proxy.server.admission import BODY_TIMEOUT, Refused, answer_bytes, own_route, where_to
-from proxy.server.backlog import Progress
+from proxy.server.backlog import Progress, reset
 from proxy.server.deadline import Deadline
 from proxy.server.exchange import Context
 from proxy.server.headers import Headers, client_address
@@ -548,15 +548,12 @@ class WireRequest(Deadline):
     def upstream_broke(self, exc: BaseException) -> None:
         self._end_early(Cause.UPSTREAM_BROKE, exc)
 
-    def client_flow(self, *, pause: bool) -> None:
-        flow = self.proto.flow
-        flow.pause_reading() if pause else flow.resume_reading()
-
     # -- early ends -------------------------------------------------------------------
 
     def cut(self, cause: Cause) -> None:
         """Client gone, a timeout, or shutdown: the upstream connection closes at once
-        (never pooled), so the backend aborts the generation."""
+        (never pooled), so the backend aborts the generation; reset, where the backend
+        has not taken all of the request yet (UpstreamConnection.abandon)."""
         self._end_early(cause)
 
     def client_gone(self, lost: LostTurn = LostTurn.CLIENT) -> None:
@@ -595,7 +592,7 @@ class WireRequest(Deadline):
         conn, self.upstream = self.upstream, None
         chunked = conn is not None and conn.chunked  # the close forgets it
         if conn is not None:
-            conn.close()
+            conn.abandon()
         failure = self.rules.early_end(cause, exc)
         if (held := self.rules.held(failure)) and not self.transport.is_closing():
             # What the usage stripper held (a finish chunk that waited for the usage
@@ -611,8 +608,8 @@ class WireRequest(Deadline):
         ending = failure.ending
         if ending is not Ending.KEEP:
             self.keep_alive = False  # before the answer, so that it says Connection: close
-            if ending is Ending.ABORT:  # a close would wait for good on what it never takes
-                self.transport.abort()
+            if ending is Ending.ABORT:  # a close would wait for good on what it never takes,
+                reset(self.transport)  # and an abort leave the kernel's queue (backlog.py)
             elif ending is Ending.CUT:  # for the requests pipelined behind (protocol.py)
                 self.proto.answer_cut = True
         if failure.answer is not None:

@@ -6,7 +6,19 @@ for each body piece, which writes it to the client's transport at once (re-frame
 the client) and then hands it to the exchange with the time of the read. No task, no
 await, no ASGI message per chunk. Backpressure is the transports': a full client buffer
 pauses reading this connection (`pause`/`resume`, driven by the client's
-`pause_writing`/`resume_writing`).
+`pause_writing`/`resume_writing`). The other way holds nothing up: a backend slow to read
+a request body leaves the body in this connection's buffers, and the client is read on
+meanwhile (the wire sends a request only once its whole body is in, so what the client
+sends then is a request pipelined behind, which the pipelining rules bound:
+proxy/server/protocol.py), so a client that leaves is seen at once. It once paused the
+client too: a 16 MiB upload's client, gone after a second, went unseen for 75 s, the
+backend reading the whole body.
+
+A connection given up on before its answer was whole while it still owes the backend
+bytes of the request (the client left, or the first byte timed out, while the body went
+out) is reset (`abandon`, proxy/server/backlog.py's `close_or_reset`), so the backend
+learns of it at once. One closed after a whole answer (an answer before the body was
+read: `release`) closes as ever, the rest of the body sent to a backend that is done.
 
 `Pool` keeps idle connections, newest first, and drops one idle longer than
 `KEEPALIVE_SECONDS` (uvicorn, vLLM's server, closes them after 5 s; reusing one it just
@@ -60,6 +72,7 @@ import httptools
 
 from proxy.core.errors import fault_words
 from proxy.core.upstream_url import UpstreamURL
+from proxy.server.backlog import close_or_reset
 from proxy.server.dial import dial
 from proxy.server.headers import Headers
 from proxy.server.protocol import (
@@ -79,7 +92,6 @@ class WireRequest(Protocol):
     def response_end(self, now: float, reusable: bool) -> None: ...
     def upstream_lost(self, exc: Exception | None) -> None: ...
     def upstream_broke(self, exc: BaseException) -> None: ...
-    def client_flow(self, *, pause: bool) -> None: ...
 
 
 #: Chunked framing (RFC 9112 §7.1), the one writer of it: each piece the client gets of a
@@ -258,7 +270,7 @@ class UpstreamConnection(asyncio.Protocol):
         if isinstance(error, UpstreamProtocolError):
             self.pool.count(error.kind)
         request = self.request
-        self.close()
+        self.abandon()
         if request is not None:
             request.upstream_broke(error)
 
@@ -386,17 +398,18 @@ class UpstreamConnection(asyncio.Protocol):
             self.pool.put(self)
 
     def close(self) -> None:
+        """Closed, after a whole answer (`release`) or idle (the pool)."""
         self.detach()
         if not self.lost:
             self.transport.close()
 
-    def pause_writing(self) -> None:  # the backend reads the request slowly
-        if self.request is not None:
-            self.request.client_flow(pause=True)
-
-    def resume_writing(self) -> None:
-        if self.request is not None:
-            self.request.client_flow(pause=False)
+    def abandon(self) -> None:
+        """Closed before the answer was whole (the client left, a timeout, a break), and
+        reset where the backend has not taken all of the request yet (see the module's
+        docstring): one look at the buffers per connection given up on."""
+        self.detach()
+        if not self.lost and not self.transport.is_closing():
+            close_or_reset(self.transport)
 
 
 def _uncounted(kind: str) -> None:
