@@ -4,8 +4,9 @@ The relay calls `feed(chunk, now)` after each chunk has gone to the client, with
 time of that network read, so this module never reads a clock and tests can replay
 recorded streams with synthetic timestamps. It knows no API: each event goes to the
 request's `Api` (proxy/core/apis/), which answers with `Facts` (content or not, finish
-reason, usage, in-stream error, clean end); non-streaming bodies are kept (bounded) and
-handed to the Api once at the end. A stream asked for that comes under another label
+reason, usage, in-stream error, clean end); non-streaming bodies are kept and handed to the
+Api once at the end, whole up to MAX_KEPT_BODY, else from their two ends
+(proxy/core/json_ends.py). A stream asked for that comes under another label
 (some gateways say application/json) is one when its first bytes open an event stream
 (`_sniff`). A stream's repeating content event is recognised
 from its bytes once one has been parsed and proven (proxy/core/template.py). `finish()`
@@ -39,15 +40,21 @@ from proxy.core.apis import Api, Facts, RequestInfo, TokenCounts, api_of
 from proxy.core.engine import EngineMetrics
 from proxy.core.errors import classify_response, classify_stream_end, error_message
 from proxy.core.fingerprint import prefix_of
+from proxy.core.json_ends import BodyEnds
 from proxy.core.llamacpp import several_prompts, timings_metrics
 from proxy.core.measurement import NONE_LABEL, ErrorType, Measurement, TokenSource
 from proxy.core.sse import DEFAULT_MAX_EVENT_BYTES
 from proxy.core.template import EventTemplate, learn
 from proxy.core.toolcalls import ToolCall, ToolCalls, is_json_object
 
-#: The most of a non-streaming or error body kept for parsing. Bigger bodies are still
-#: relayed in full; they are only measured from what fits.
-MAX_KEPT_BODY = 8 * 1024 * 1024
+#: The most of a non-streaming or error body kept whole for parsing. A larger one is still
+#: relayed in full; only its two ends are kept, and its record is read from them
+#: (proxy/core/json_ends.py): an answer in flight holds 1 MiB at most, not all it is, and
+#: reading it at its end holds the event loop about 1 ms for a megabyte whole, 2 ms for a
+#: larger one's ends (parsing 8 MiB whole took 20). What lies in a larger one's middle is
+#: not read: its texts, reasoning and tool calls, as a streamed call's arguments are not
+#: kept past 1 MiB either (proxy/core/toolcalls.py MAX_ARGUMENT_BYTES).
+MAX_KEPT_BODY = 1024 * 1024
 
 #: The token sources whose output count includes the token that ended a choice (the EOS,
 #: which has no text): the backend's own counts (`StreamObserver._ending_reads`).
@@ -68,6 +75,12 @@ RELEARNS = 4
 #: v1/engine/detokenizer.py `_protected_step`, and a finished request's text is what it
 #: gave). Bytes it could not complete before more text come out as U+FFFD, 3 bytes.
 HELD_BYTES = 3
+
+#: The most tokens a choice's body of reasoning alone spends on anything else: a generated
+#: `<think>`, a `</think>` with nothing after it (vLLM's extract_reasoning then gives null
+#: content, vllm/reasoning/basic_parsers.py) and the EOS. Usage below the output less these
+#: contradicts the body (`StreamObserver.reasoning`).
+WHOLE_NOT_REASONING = 3
 
 #: How an event stream's body may open: a `data:` or `event:` field (Messages' and
 #: Responses' streams open with `event:`), or a comment, as vLLM's keep-alive (`: keep-alive`,
@@ -251,6 +264,10 @@ class StreamObserver:
         self._learn = not collect_text and bool(self.api.text_openings)
         self._body: list[bytes] = []
         self._kept = 0
+        self._ends: BodyEnds | None = None  # a body past MAX_KEPT_BODY: its ends alone
+        # its ends held no member to read: not the body's fault (never malformed), a
+        # limit of the proxy's, which the exchange counts (stage "body_too_large")
+        self.unread_body = False
         # Content kinds (issue 26), instants as `now` was given.
         self.first_answer: float | None = None
         self.last_answer: float | None = None
@@ -258,8 +275,13 @@ class StreamObserver:
         self.last_reasoning: float | None = None
         self.first_tool_call: float | None = None
         self.reasoning_events = 0
+        # reasoning tokens whose text vLLM held back: held outputs (Facts.held_reasoning),
+        # no reasoning events (no text, no instant), yet each one a reasoning token
+        self.held_reasoning = 0
         # a non-streaming body of reasoning alone: no answer's text, no tool call
         self.reasoned_whole = False
+        # a non-streaming body of nothing: no answer's text, no tool call, no reasoning
+        self.empty_whole = False
         # the reasoning's texts (of a body's whole answer always, of a stream's collected)
         self._reasoned: Collected | None = None
         # some reasoning came without its text (a summary in its place): the texts kept
@@ -340,9 +362,15 @@ class StreamObserver:
                     self._apply(facts, now)
         elif self._sniffing:
             self._sniff(chunk, now)
-        elif self._kept < MAX_KEPT_BODY:
+        elif self._kept <= MAX_KEPT_BODY:
             self._body.append(chunk)
             self._kept += len(chunk)
+            if self._kept > MAX_KEPT_BODY:  # once: from here only its ends are kept
+                self._ends, self._body = BodyEnds(self._body), []
+        else:
+            ends = self._ends
+            assert ends is not None  # made as the body passed MAX_KEPT_BODY
+            ends.feed(chunk)
 
     def _sniff(self, chunk: bytes, now: float) -> None:
         """`feed` while a stream asked for came under another label, until its first
@@ -491,6 +519,8 @@ class StreamObserver:
                     self._learn = True
         elif facts.held:
             self.held_events += 1
+            if facts.held_reasoning:
+                self.held_reasoning += 1
             if facts.finish is not None:
                 self.held_finishes[facts.finish_choice] = now
         elif facts.malformed:
@@ -577,7 +607,10 @@ class StreamObserver:
     # -- the end ----------------------------------------------------------------------
 
     def body(self) -> bytes:
-        return b"".join(self._body)
+        """The body kept: all of it, or its head where it passed MAX_KEPT_BODY (as much as
+        an error body is read from: proxy/core/errors.py MAX_ERROR_BODY)."""
+        ends = self._ends
+        return b"".join(self._body) if ends is None else ends.head
 
     def _ended(self) -> bool:
         """The stream reached its API's clean end: its end marker, or where a finish reason
@@ -619,6 +652,9 @@ class StreamObserver:
         the body, or for a binary answer from its `metadata` header (none: nothing known)."""
         if self.binary and self.metadata is None:
             return
+        if self._ends is not None and self.metadata is None:
+            self._parse_ends(self._ends)
+            return
         try:
             obj = orjson.loads(self.body() if self.metadata is None else self.metadata)
         except orjson.JSONDecodeError:
@@ -634,8 +670,11 @@ class StreamObserver:
             # llama-server's merged answer to a list of prompts: its usage is the first
             # prompt's alone (proxy/core/llamacpp.py several_tasks), no count of the request
             facts = replace(facts, usage=None)
-        if facts.reasoning is not None and facts.calls is None and not self.api.answered(obj):
-            self.reasoned_whole = True
+        if facts.calls is None and not self.api.answered(obj):
+            if facts.reasoning is not None:
+                self.reasoned_whole = True
+            else:
+                self.empty_whole = True
         if facts.texts is not None or facts.reasoning is not None:
             facts = self._body_texts(obj, facts)
         self.response_id = None  # the body's identity wins
@@ -645,6 +684,25 @@ class StreamObserver:
             for piece in facts.calls:
                 self.tools.add(piece, 0.0)
         self._apply(facts, 0.0)
+        if facts.finishes is not None:
+            self.finishes.update(facts.finishes)
+
+    def _parse_ends(self, ends: BodyEnds) -> None:
+        """A success too large to keep whole, read from its two ends (proxy/core/
+        json_ends.py): its usage, finish, identity and engine figures, where they lie
+        there. The Api's parser gets what the ends hold, and its texts, reasoning and
+        tool calls are dropped: they are of whatever of the middle an end held, not of
+        the answer. Ends that hold no member are no malformed body: the proxy cut it
+        (`unread_body`)."""
+        obj = ends.read()
+        if obj is None:
+            self.unread_body = True
+            return
+        facts = self.api.body(obj, False)
+        if facts.timings is not None and several_prompts(self.request.prompt):
+            facts = replace(facts, usage=None)  # as `_parse_body` says
+        self.response_id = None  # the body's identity wins
+        self._apply(replace(facts, texts=None, reasoning=None, calls=None), 0.0)
         if facts.finishes is not None:
             self.finishes.update(facts.finishes)
 
@@ -858,7 +916,12 @@ class StreamObserver:
             counts = TokenCounts(
                 self.request.prompt_tokens, self.tokens, None, TokenSource.TOKEN_IDS
             )
-        if counts is None and counter is not None and error_type in _COUNTED:
+        if (
+            counts is None
+            and counter is not None
+            and error_type in _COUNTED
+            and self._ends is None  # a body read from its ends kept no text to count
+        ):
             counts = await counter.count(self)
         if counts is None:
             counts = self.counts_from_chunks()
@@ -891,15 +954,46 @@ class StreamObserver:
         """(reasoning tokens, their source): usage's, where the stream does not contradict
         it; else every output token (`output`, an exact count) when the stream carried
         reasoning and nothing else; else `counted` (a tokenizer's count of the reasoning
-        texts); else the reasoning events; None when there was none."""
+        texts), no more than the exact output leaves it (`_room`: the random model's
+        broken UTF-8 arrives as U+FFFD and re-tokenizes long, 46 for 40 output tokens);
+        else the reasoning events, the held ones included; None when there was none. A
+        body of reasoning alone refuses usage below its output (`_whole_says_more`)."""
         found = self.reasoning_from_usage()
+        if found and output and self._whole_says_more(found[0], output):
+            found = None
         if not found and output and self.only_reasoned():
             found = output, "output"
         if not found and counted:
-            found = counted, TokenSource.TOKENIZER.value
-        if not found and self.reasoning_events:
-            found = self.reasoning_events, "events"
+            room = self._room(output)
+            if room is None or counted <= room:
+                found = counted, TokenSource.TOKENIZER.value
+            elif room > 0:
+                found = room, TokenSource.TOKENIZER.value
+        events = self.reasoning_events + self.held_reasoning
+        if not found and events:
+            found = events, "events"
         return found
+
+    def _whole_says_more(self, reasoning: int, output: int) -> bool:
+        """A body of reasoning alone (`reasoned_whole`) spent its `output` tokens on
+        reasoning but for a `<think>`, a `</think>` and the EOS a choice: a `reasoning`
+        count below that is contradicted. vLLM's non-streaming parser drops the text before
+        a late `<think>` and counts only after it (extract_reasoning and
+        count_reasoning_tokens, vllm/reasoning/basic_parsers.py): usage 4 of 40, where the
+        same generation streamed 24 reasoning events. Not where the request offered tools:
+        the rest may be a call's tokens that left no call (a harmony call's header, not
+        reasoning to vllm/parser/harmony.py; a forced call cut by `length`; a call an
+        engine-based parser strips under `tool_choice: "none"`)."""
+        if not self.reasoned_whole or self.tools_offered():
+            return False
+        return reasoning < output - WHOLE_NOT_REASONING * max(1, len(self.finishes))
+
+    def _room(self, output: int | None) -> int | None:
+        """The most reasoning tokens an output of `output` tokens can hold: less the answer
+        and tool-call events, each at least a token. None when the output is not known."""
+        if output is None:
+            return None
+        return output - (self.content_events - self.reasoning_events)
 
     def only_reasoned(self) -> bool:
         """The stream carried reasoning and no answer nor tool call: every token it
@@ -910,7 +1004,7 @@ class StreamObserver:
         if self.reasoned_whole:
             return True
         return (
-            self.reasoning_events > 0
+            self.reasoning_events + self.held_reasoning > 0
             and self.first_answer is None
             and self.first_tool_call is None
             and not self.tools_offered()
@@ -923,22 +1017,22 @@ class StreamObserver:
         depth, while its parsers stream everything before the first </think> as reasoning:
         a template that opens <think> in the prompt reports 0, and a model that writes
         <think> or </think> more than once gets a count the stream contradicts. Each
-        streamed event is at least one token, so a count below the reasoning events, or
-        above the output less the other events, is wrong: the stream is counted instead.
+        streamed event is at least one token, so a count below the reasoning events (the
+        held ones included: `held_reasoning`), or above the output less the other events
+        (`_room`), is wrong: the stream is counted instead.
         A whole answer has no events; its reasoning text bounds the count instead
         (`reasoning_ceiling`), and above it usage is wrong: a tokenizer counts the text, or
         nothing is claimed."""
         usage = self.usage
         found = self.api.reasoning_tokens(usage) if usage else None
-        if not found or found < self.reasoning_events:
+        if not found or found < self.reasoning_events + self.held_reasoning:
             return None
         ceiling = self.reasoning_ceiling()
         if ceiling is not None and found > ceiling:
             return None
         counts = self.counts_from_usage()
-        output = counts.output if counts is not None else None
-        others = self.content_events - self.reasoning_events  # answer and tool-call events
-        if output is not None and found > output - others:
+        room = self._room(counts.output if counts is not None else None)
+        if room is not None and found > room:
             return None
         return found, TokenSource.USAGE.value
 
@@ -1126,12 +1220,15 @@ class StreamObserver:
         no tool call ended (length, stop, error, cancelled); None otherwise. A stream's
         events tell it. A body not streamed tells it when it holds reasoning alone
         (`reasoned_whole`: vLLM cut by max_tokens inside the reasoning writes no content),
-        by its finish: only a body that arrived whole is parsed, so never error or
-        cancelled."""
+        or nothing at all while its output counts tokens (`empty_whole`: vLLM's answer of
+        one EOS with `tool_choice: "required"`, finish `tool_calls`, no call: its stream
+        is `stop` by its events), by its finish: only a body that arrived whole is parsed,
+        so never error or cancelled."""
         if not self.api.generative:
             return None
         if not self.streaming:
-            return self._finished_as() if self.reasoned_whole else None
+            nothing = self.empty_whole and bool(counts.output)  # it generated, no answer came
+            return self._finished_as() if self.reasoned_whole or nothing else None
         if self.first_answer is not None or self.first_tool_call is not None:
             return None
         if not self.content_events and not counts.output:

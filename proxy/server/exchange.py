@@ -81,6 +81,7 @@ class MeasuredExchange:
         "start",
         "started_at",
         "status",
+        "withheld",
     )
 
     def __init__(
@@ -105,6 +106,10 @@ class MeasuredExchange:
         self.info, self.start, self.started_at = info, start, started_at
         self.read = start if read is None else read  # when the request was all in
         self.status = 0  # what the client got; 0 until a response head went out
+        # The client left while the proxy held back part of the body the observer read
+        # (ExchangeRules.early_end): the observer cannot say that the client's answer was
+        # whole (`finish`).
+        self.withheld = False
         self.observer = (
             None
             if info is None
@@ -202,9 +207,16 @@ class MeasuredExchange:
         if observer is None:
             sinks.passthrough(route_template(self.path), self.status)
             return
-        if failure is not None and failure.error is ErrorType.CLIENT_CANCELLED and not failure.drop:
+        if (
+            failure is not None
+            and failure.error is ErrorType.CLIENT_CANCELLED
+            and not failure.drop
+            and not self.withheld
+        ):
             # A client that left once the stream was whole (the OpenAI SDK closes at
-            # [DONE], before the terminator) got its answer: ended where it was whole.
+            # [DONE], before the terminator) got its answer: ended where it was whole. The
+            # observer reads the upstream's bytes, so only where the client was given all
+            # of them: not where the usage stripper still held the finish chunk.
             answered = observer.answered_at()
             if answered is not None:
                 failure, end = None, answered
@@ -239,6 +251,8 @@ class MeasuredExchange:
                 error_message=None if message is None else self.redact(message),
                 trace_id=request_scope.trace_id,
             )
+        if observer.unread_body:  # an answer too large to keep, whose ends told nothing
+            sinks.count_measurement_failure("body_too_large")
         if self.retrieves is not None:
             self._retrieved(measurement, self.retrieves)
             return

@@ -16,7 +16,7 @@ comes in as an argument, as the observer's does.
 | the drain's end before the request went upstream: its body still coming in / pipelined, its turn not come | `shut_out` / `turn_lost` | the 503 (`Failure.answer`), `Ending.CLOSE`, and its record / a record of no answer (status 0) |
 | the whole body | `admit` | `UpstreamRequest`: the target upstream (the upstream's base path in front), the headers that go, the body (usage asked for); a GET of a background Response whose tokens are still to count is read too (proxy/core/background.py) |
 | the upstream's response head | `response_head` | `ClientHead`: the headers the client gets, and whether the body is stripped (only an event stream is) |
-| an early end (client gone, a timeout, a break, shutdown) | `early_end` | a `Failure`: the proxy's answer while no head went out, and how the connection ends (`Failure.ending`, below) |
+| an early end (client gone, a timeout, a break, shutdown) | `early_end` | a `Failure`: the proxy's answer while no head went out, and how the connection ends (`Failure.ending`, below); a client gone while the usage stripper held an event back did not get all the observer read (`MeasuredExchange.withheld`) |
 | the connection is dropped mid-body | `held` | what the usage stripper holds that the client still gets, before the drop |
 
 How the client's connection ends after an early end is decided with the failure
@@ -41,6 +41,7 @@ that `admit` opens (proxy/server/exchange.py).
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 from enum import Enum
 
@@ -65,6 +66,8 @@ from proxy.server.headers import Headers, client_headers, redirect_ends, redirec
 _EVENT_STREAM = b"text/event-stream"
 #: The endings after which the client still gets what the stripper holds (`held`).
 _HANDS_OVER = frozenset({Ending.DROP, Ending.CUT})
+#: Where an SSE event ends, as the stripper and the decoder cut them (proxy/core/strip.py).
+_EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 
 
 class Stage(Enum):
@@ -326,8 +329,19 @@ class ExchangeRules:
         failure = exchange.failure(cause, exc)
         if failure.answer is not None:
             exchange.status = failure.answer[0]
+        elif failure.ending is Ending.GONE and self._withholds():
+            exchange.withheld = True
         self.stage = Stage.DONE
         return failure
+
+    def _withholds(self) -> bool:
+        """Whether the usage stripper holds a whole event, which the observer has read and
+        the client was never given: a finish chunk that waited for the usage chunk. What
+        it holds is what a client still there would get at a break (`at_break`); a client
+        gone takes nothing, so it is read here once and dropped. Half an event is no
+        part of what the observer read: its decoder holds the same bytes unread."""
+        stripper = self.stripper
+        return stripper is not None and _EVENT_END.search(stripper.at_break()) is not None
 
     def held(self, failure: Failure) -> bytes:
         """After an early end (`early_end`'s failure): the bytes of the body the usage

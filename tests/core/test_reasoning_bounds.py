@@ -61,8 +61,9 @@ def events(name: str) -> list[bytes]:
 def test_a_whole_answer_s_usage_above_what_its_reasoning_text_can_hold_is_not_taken() -> None:
     """vLLM says 21 reasoning tokens for a body whose reasoning is "+" (one byte: one token
     of the parser's, the first `</think>` is the 4th generated token): no count is taken
-    from usage, and without a tokenizer none is claimed. The same generation streamed was
-    logged 1 (events); the body was logged 21 (usage)."""
+    from usage, and without a tokenizer none is claimed. The same generation streamed 2
+    reasoning tokens: the first generated held back (`"reasoning": ""`), then "+" (the
+    `<think>` between them streams nothing); the body was logged 21 (usage)."""
     body = (REASONING / "bias_think_seed5_chat_nonstream.json").read_bytes()
     said = orjson.loads(body)["usage"]["completion_tokens_details"]["reasoning_tokens"]
     m = observe(request(stream=False), [body], "application/json")
@@ -70,7 +71,7 @@ def test_a_whole_answer_s_usage_above_what_its_reasoning_text_can_hold_is_not_ta
     assert (m.output_tokens, m.reasoning_tokens, m.reasoning_token_source) == (40, None, None)
     streamed = observe(request(stream=True), events("bias_think_seed5_chat_stream.sse"),
                        "text/event-stream")  # fmt: skip
-    assert (streamed.reasoning_tokens, streamed.reasoning_token_source) == (1, "events")
+    assert (streamed.reasoning_tokens, streamed.reasoning_token_source) == (2, "events")
 
 
 def test_a_whole_answer_s_usage_within_its_reasoning_text_is_taken() -> None:
@@ -82,14 +83,15 @@ def test_a_whole_answer_s_usage_within_its_reasoning_text_is_taken() -> None:
 
 
 def test_reasoning_then_nothing_is_not_all_output_where_tools_were_offered() -> None:
-    """The real stream: 5 reasoning deltas, a bare `length` finish, usage 60 output tokens.
+    """The real stream: 6 reasoning deltas (the first empty: its text held back), a bare
+    `length` finish, usage 60 output tokens.
     With tools offered, the 53 tokens after `</think>` went into a <tool_call> the hermes
     parser never sent: the record counts the reasoning events (a lower bound), not all 60.
     The same bytes for a request without tools (no parser could hold text) still mean a
     stream cut off while it reasoned."""
     reads = events("tools_seed2_chat_stream.sse")
     m = observe(request(stream=True, tools=TOOLS), reads, "text/event-stream")
-    assert (m.output_tokens, m.reasoning_tokens, m.reasoning_token_source) == (60, 5, "events")
+    assert (m.output_tokens, m.reasoning_tokens, m.reasoning_token_source) == (60, 6, "events")
     assert m.without_answer == "length"
     alone = observe(request(stream=True), reads, "text/event-stream")
     assert (alone.reasoning_tokens, alone.reasoning_token_source) == (60, "output")

@@ -230,3 +230,52 @@ def test_a_client_gone_before_its_body_was_in_is_counted_once_and_a_refused_one_
     refused.abandoned()
     assert refused.stage is Stage.REFUSED
     assert requests(registry, "0", "client_cancelled") == 1
+
+
+def _chunk(choices: str, rest: str = "") -> bytes:
+    return b'data: {"id":"c","object":"chat.completion.chunk","choices":[%s]%s}\n\n' % (
+        choices.encode(),
+        rest.encode(),
+    )
+
+
+HELLO = _chunk('{"index":0,"delta":{"content":"Hello"},"finish_reason":null}')
+FINISH = _chunk('{"index":0,"delta":{},"finish_reason":"stop"}')
+USAGE = _chunk("", ',"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}')
+
+
+def test_a_client_gone_while_the_stripper_holds_the_finish_had_no_whole_answer(
+    registry: CollectorRegistry,
+) -> None:
+    """The observer reads what the upstream sent; the client is given it less what the
+    usage stripper holds. Gone while it held the finish chunk (waiting for the usage
+    chunk), the client never got the finish: cancelled, though the observer saw the stream
+    end. Gone once the finish went out, with half of `[DONE]` held (which the observer has
+    not read either), it had its whole answer."""
+    ctx = context(registry)
+    for sent, given in [
+        (HELLO + FINISH, HELLO),
+        (HELLO + FINISH + USAGE + b"data: [DO", HELLO + FINISH),
+    ]:
+        rules = rules_for(ctx)
+        rules.body(STREAM_BODY)
+        rules.admit(2.0)
+        head = rules.response_head(200, [(b"content-type", b"text/event-stream")], 3.0)
+        assert head.stripper is not None and head.stripper.feed(sent) == given
+        assert rules.exchange is not None
+        rules.exchange.feed(sent, 3.5)
+        rules.exchange.finish_soon(rules.early_end(Cause.CLIENT_GONE))
+    finished = {
+        error: registry.get_sample_value(
+            "tokenprobe_requests_total",
+            {
+                "model": "other",
+                "endpoint": "/v1/chat/completions",
+                "code": "200",
+                "finish_reason": "stop",
+                "error_type": error,
+            },
+        )
+        for error in ("client_cancelled", "none")
+    }
+    assert finished == {"client_cancelled": 1, "none": 1}

@@ -172,6 +172,11 @@ class Facts:
               `text`) while it holds the text back (incomplete UTF-8, a pending stop
               string, a parser's control token) and for the EOS with the finish: counted
               as output where nothing counts tokens, never a first token
+    held_reasoning  a held output that was a reasoning token: vLLM's `"reasoning": ""`
+              delta, its parser still in the reasoning (deepseek_r1's
+              extract_reasoning_streaming returns `DeltaMessage(reasoning=delta_text)` for
+              an empty text), with no finish or `length` (a token cut by the limit); any
+              other finish rides on the EOS, which is output and no reasoning
 
     An Api may answer with a shared instance (NOTHING, or a common content event): a
     Facts is read, never changed, by whoever did not create it.
@@ -196,6 +201,7 @@ class Facts:
     timings: object = None  # llama.cpp's `timings` object as sent (proxy/core/llamacpp.py)
     reasoning: list[str] | None = None
     held: bool = False
+    held_reasoning: bool = False
     fingerprint: str | None = None
 
 
@@ -204,6 +210,7 @@ NOTHING = Facts()
 MALFORMED = Facts(malformed=True)
 END = Facts(end=True)
 HELD = Facts(held=True)
+HELD_REASONING = Facts(held=True, held_reasoning=True)
 
 
 def json_object(payload: bytes) -> dict[str, Any] | None:

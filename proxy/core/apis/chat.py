@@ -23,6 +23,7 @@ import orjson
 from proxy.core.apis.base import (
     END,
     HELD,
+    HELD_REASONING,
     MALFORMED,
     NOTHING,
     Api,
@@ -122,7 +123,7 @@ class OpenAIGeneration(Api):
             # from the b1-0c1e570 build .ci/llama makes): no event, nor a malformed one
             return NOTHING if obj is None else MALFORMED
         kind: str | None = None
-        held = False
+        held: Facts | None = None  # HELD or HELD_REASONING (`_held_as`)
         finish: Any = None
         texts: list[str] | None = [] if collect else None
         indices: tuple[int, ...] = _FIRST
@@ -147,7 +148,7 @@ class OpenAIGeneration(Api):
                                 if more is not None:
                                     calls = more
                     else:  # no content: the role chunk, or an output vLLM held back
-                        held = self._held(choice)
+                        held = self._held_as(choice)
                     finish = choice.get("finish_reason")
                     if finish is not None:
                         finish_choice = choice.get("index", 0)
@@ -170,14 +171,16 @@ class OpenAIGeneration(Api):
             and reasoning is None
         ):
             if kind is None:
-                return HELD if held else NOTHING
+                return NOTHING if held is None else held
             return _CONTENT[kind]
         facts = Facts(**identity(obj)) if identify else Facts()
         facts.content, facts.choices, facts.finish = kind, indices, finish
         if finish is not None and type(finish_choice) is int:
             facts.finish_choice = finish_choice
         facts.texts, facts.usage, facts.error = texts or None, usage, error
-        facts.calls, facts.reasoning, facts.held = calls, reasoning, held
+        facts.calls, facts.reasoning = calls, reasoning
+        if held is not None:
+            facts.held, facts.held_reasoning = True, held.held_reasoning
         if usage is not None:  # vLLM's per-request metrics ride on the usage chunk only
             facts.engine = obj.get("metrics")
         if usage is not None or finish is not None:
@@ -222,6 +225,11 @@ class OpenAIGeneration(Api):
         """A choice without content (`_content` found none) is still an engine output
         (Facts.held): vLLM skips a choice's step only when it has no delta at all."""
         raise NotImplementedError
+
+    def _held_as(self, choice: dict[str, Any]) -> Facts | None:
+        """The shared facts of a choice without content that is a held engine output
+        (`_held`), None when it is none. Chat tells a reasoning token apart."""
+        return HELD if self._held(choice) else None
 
     def body(self, obj: dict[str, Any], collect: bool) -> Facts:
         facts = super().body(obj, collect)
@@ -348,6 +356,22 @@ class Chat(OpenAIGeneration):
         if "" in delta.values():
             return True
         return choice.get("logprobs") is not None or type(choice.get("token_ids")) is list
+
+    def _held_as(self, choice: dict[str, Any]) -> Facts | None:
+        """A held output whose delta is `"reasoning": ""` is a reasoning token
+        (HELD_REASONING): the parser was still in the reasoning, the token's bytes held
+        back (deepseek_r1's extract_reasoning_streaming gives `reasoning=delta_text`, and
+        `output.text` is empty while the detokenizer holds them). Its finish may only be
+        `length` (a token cut by the limit); any other finish rides on the EOS, which is
+        output and no reasoning."""
+        if not self._held(choice):
+            return None
+        delta = choice["delta"]  # a dict: `_held` said so
+        if delta.get("reasoning") == "" or delta.get("reasoning_content") == "":
+            finish = choice.get("finish_reason")
+            if finish is None or finish == "length":
+                return HELD_REASONING
+        return HELD
 
 
 #: The content parts vLLM takes as text, and the field that holds it (renderers/
