@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -28,6 +29,15 @@ COMPLETION = (
     b'"message":{"role":"assistant","content":"Hello"},"finish_reason":"stop"}],'
     b'"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}'
 )
+
+
+def close_frame(code: int, reason: bytes, *, masked: bool) -> bytes:
+    """A WebSocket close frame (RFC 6455 §5.5.1): a client's is masked, with a zero key so
+    that its payload reads as it is."""
+    payload = struct.pack("!H", code) + reason
+    if masked:
+        return bytes((0x88, 0x80 | len(payload))) + b"\0\0\0\0" + payload
+    return bytes((0x88, len(payload))) + payload
 
 
 def ws_head(path: bytes = b"/v1/realtime", *, method: bytes = b"GET", extra: bytes = b"") -> bytes:

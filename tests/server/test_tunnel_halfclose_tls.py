@@ -12,10 +12,9 @@ import asyncio
 import contextlib
 import socket
 import ssl
-import struct
 import time
 
-from tests.hostile.client import SWITCH, ws_head
+from tests.hostile.client import SWITCH, close_frame, ws_head
 from tests.hostile.peers import Conn, ok, raw_upstream
 from tests.server.conftest import paths
 from tests.server.test_tls import CONTEXT, serving_tls
@@ -23,18 +22,11 @@ from tests.server.test_tls import CONTEXT, serving_tls
 pytestmark = paths("wire", why="only the wire tunnels WebSockets (tests/server/test_websockets.py)")
 
 
-def _close(code: int, reason: bytes, *, masked: bool) -> bytes:
-    payload = struct.pack("!H", code) + reason
-    if masked:  # a zero key: the payload as it is
-        return bytes((0x88, 0x80 | len(payload))) + b"\0\0\0\0" + payload
-    return bytes((0x88, len(payload))) + payload
+GOING = close_frame(1001, b"going", masked=False)
+ANSWER = close_frame(1000, b"ok", masked=True)
 
 
-GOING = _close(1001, b"going", masked=False)
-ANSWER = _close(1000, b"ok", masked=True)
-
-
-def test_a_tls_client_told_nothing_of_the_upstreams_fin_still_answers_its_close() -> None:
+def test_a_tls_client_told_nothing_of_the_upstreams_fin_still_answers_itsclose_frame() -> None:
     got_upstream: list[bytes] = []
 
     async def script(conn: Conn) -> None:

@@ -13,26 +13,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import struct
 import time
 from collections.abc import Callable, Iterator
 
 import pytest
 
 from tests.conftest import Running
-from tests.hostile.client import SWITCH, ws_head
+from tests.hostile.client import SWITCH, close_frame, ws_head
 from tests.hostile.peers import Conn, RawUpstream, raw_upstream
 from tests.ws_proxy import TunnelListener
 
 SESSIONS = "tokenprobe_websocket_sessions_total"
-
-
-def _close(code: int, reason: bytes, *, masked: bool) -> bytes:
-    """A close frame; the client's masked with a zero key (its payload as it is)."""
-    payload = struct.pack("!H", code) + reason
-    if masked:
-        return bytes((0x88, 0x80 | len(payload))) + b"\0\0\0\0" + payload
-    return bytes((0x88, len(payload))) + payload
 
 
 def _read_until(sock: socket.socket, end: bytes, timeout: float = 10.0) -> bytes:
@@ -77,7 +68,7 @@ def sim_proxy(sim: Running) -> Iterator[TunnelListener]:
         listener.stop()
 
 
-def test_a_client_that_shuts_its_sending_after_its_close_gets_the_upstreams_close(
+def test_a_client_that_shuts_its_sending_after_its_close_gets_the_upstreamsclose_frame(
     sim_proxy: TunnelListener,
 ) -> None:
     """The simulator's /v1/realtime answers a close frame with its own (1000, "bye", the
@@ -85,10 +76,10 @@ def test_a_client_that_shuts_its_sending_after_its_close_gets_the_upstreams_clos
     with socket.create_connection(("127.0.0.1", sim_proxy.port), timeout=10) as client:
         client.sendall(ws_head())
         _read_until(client, b"session.created")
-        client.sendall(_close(1000, b"bye", masked=True))
+        client.sendall(close_frame(1000, b"bye", masked=True))
         client.shutdown(socket.SHUT_WR)
         rest, fin = _rest(client)
-    assert rest == _close(1000, b"bye", masked=False) and fin, rest
+    assert rest == close_frame(1000, b"bye", masked=False) and fin, rest
     _wait(lambda: sim_proxy.open_tunnels() == 0)
     assert sim_proxy.sample(SESSIONS, route="/v1/realtime", outcome="closed_by_client") == 1
 
@@ -99,17 +90,17 @@ def upstream() -> Iterator[RawUpstream]:
         yield server
 
 
-def test_an_upstream_that_shuts_its_sending_after_its_close_gets_the_clients_close(
+def test_an_upstream_that_shuts_its_sending_after_its_close_gets_the_clientsclose_frame(
     upstream: RawUpstream,
 ) -> None:
     """The same the other way: the upstream's close frame and FIN reach the client as
     they came, and the client's answering close reaches the upstream."""
     got_upstream: list[bytes] = []
-    answer = _close(1000, b"ok", masked=True)
+    answer = close_frame(1000, b"ok", masked=True)
 
     async def script(conn: Conn) -> None:
         await conn.read_request()
-        conn.write(SWITCH + _close(1001, b"going", masked=False))
+        conn.write(SWITCH + close_frame(1001, b"going", masked=False))
         conn.writer.write_eof()
         await conn.drain()
         try:
@@ -123,7 +114,7 @@ def test_an_upstream_that_shuts_its_sending_after_its_close_gets_the_clients_clo
         with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as client:
             client.sendall(ws_head())
             got, fin = _rest(client)
-            assert got == SWITCH + _close(1001, b"going", masked=False) and fin, got
+            assert got == SWITCH + close_frame(1001, b"going", masked=False) and fin, got
             with contextlib.suppress(OSError):  # the proxy once closed at the upstream's FIN
                 client.sendall(answer)
                 client.shutdown(socket.SHUT_WR)

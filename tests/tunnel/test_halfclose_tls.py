@@ -20,23 +20,14 @@ import asyncio
 import contextlib
 import socket
 import ssl
-import struct
 import time
 
-from tests.hostile.client import SWITCH, ws_head
+from tests.hostile.client import SWITCH, close_frame, ws_head
 from tests.hostile.peers import Conn, ok, raw_upstream
 from tests.server.test_tls import CONTEXT, serving_tls
 
-
-def _close(code: int, reason: bytes, *, masked: bool) -> bytes:
-    payload = struct.pack("!H", code) + reason
-    if masked:  # a zero key: the payload as it is
-        return bytes((0x88, 0x80 | len(payload))) + b"\0\0\0\0" + payload
-    return bytes((0x88, len(payload))) + payload
-
-
-BYE = _close(1000, b"bye", masked=True)
-ANSWER = _close(1000, b"bye", masked=False)
+BYE = close_frame(1000, b"bye", masked=True)
+ANSWER = close_frame(1000, b"bye", masked=False)
 
 
 class HalfClosingClient:
