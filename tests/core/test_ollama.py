@@ -13,7 +13,7 @@ from proxy.core.apis.ollama import OllamaApi
 from proxy.core.engine import EngineMetrics, load_split
 from proxy.core.engine_ollama import MAX_NS, ollama_engine
 from proxy.core.identity import KINDS, PROBES, UNKNOWN, identify
-from proxy.core.measurement import ErrorType, TokenSource
+from proxy.core.measurement import ErrorType, Measurement, TokenSource
 from proxy.core.observe import StreamObserver
 
 # The done line of ollama/ollama docs/api.md "Generate a chat completion" (streaming).
@@ -241,8 +241,22 @@ def test_load_split_sums_to_the_ttft_and_scales_when_the_engine_says_more() -> N
 # -- the observer, fed a recorded-shape stream --------------------------------------------
 
 
-def test_observer_measures_an_ndjson_stream_split_anywhere() -> None:
+def chat_in_two_reads(stream: bytes, cut: int) -> Measurement:
+    """The record of an `/api/chat` stream that came in two reads, split at `cut`."""
     chat = seam("/api/chat")
+    observer = StreamObserver(chat.read_request({"model": "m", "messages": []}), 0.0)
+    observer.open(200, "application/x-ndjson", 0.01)
+    observer.feed(stream[:cut], 0.1)
+    observer.feed(stream[cut:], 0.2)
+    observer.end_of_stream(0.2)
+    return asyncio.run(
+        observer.finish(
+            end=0.3, started_at=0.0, status_code=200, error_type=None, error_message=None
+        )
+    )
+
+
+def test_observer_measures_an_ndjson_stream_split_anywhere() -> None:
     stream = b"".join(
         [
             chat_line(content="", thinking="hm") + b"\n",
@@ -252,16 +266,7 @@ def test_observer_measures_an_ndjson_stream_split_anywhere() -> None:
         ]
     )
     for cut in range(1, len(stream), 7):
-        observer = StreamObserver(chat.read_request({"model": "m", "messages": []}), 0.0)
-        observer.open(200, "application/x-ndjson", 0.01)
-        observer.feed(stream[:cut], 0.1)
-        observer.feed(stream[cut:], 0.2)
-        observer.end_of_stream(0.2)
-        m = asyncio.run(
-            observer.finish(
-                end=0.3, started_at=0.0, status_code=200, error_type=None, error_message=None
-            )
-        )
+        m = chat_in_two_reads(stream, cut)
         assert m.ok and m.content_events == 3 and m.output_tokens == 3 and m.prompt_tokens == 26
         assert m.engine is not None and m.engine.load_time == 0.001334875
 
@@ -275,21 +280,11 @@ def test_a_line_that_is_not_json_is_counted_and_the_stream_goes_on(bad: bytes, a
     """As an SSE event that is no JSON object is (tests/core/test_observe.py): skipped,
     counted in `malformed_events` (tokenprobe_malformed_events_total), and the stream
     measured on from the next line, wherever two reads split it."""
-    chat = seam("/api/chat")
     good = [chat_line(content="A"), chat_line(content="B"), line({**DONE, "eval_count": 2})]
     lines = [g + b"\n" for g in good]
     stream = b"".join([*lines[:at], bad, *lines[at:]])
     for cut in range(1, len(stream)):
-        observer = StreamObserver(chat.read_request({"model": "m", "messages": []}), 0.0)
-        observer.open(200, "application/x-ndjson", 0.01)
-        observer.feed(stream[:cut], 0.1)
-        observer.feed(stream[cut:], 0.2)
-        observer.end_of_stream(0.2)
-        m = asyncio.run(
-            observer.finish(
-                end=0.3, started_at=0.0, status_code=200, error_type=None, error_message=None
-            )
-        )
+        m = chat_in_two_reads(stream, cut)
         got = (m.malformed_events, m.content_events, m.output_tokens, m.finish_reason, m.ok)
         assert got == (1, 2, 2, "stop", True), cut
 
