@@ -122,13 +122,13 @@ class Forwarder:
                 task.uncancel()
                 failure = rules.shut_out()
                 assert failure.answer is not None
-                await _send_answer(send, *failure.answer, rules.path, close=failure.closes)
+                await _send_answer(send, *failure.answer, rules.route, close=failure.closes)
                 return
         if rules.refusal is not None:
             refusal = rules.refusal
             close = rules.refusal_closes(continue_owed, _body_whole(scope))
             await _send_answer(
-                send, refusal.status, refusal.kind, refusal.message, rules.path, close=close
+                send, refusal.status, refusal.kind, refusal.message, rules.route, close=close
             )
             rules.refused()
             return
@@ -341,7 +341,7 @@ class Relay:
         failure = self.rules.early_end(cause, exc)
         if failure.answer is not None:  # Connection: close after the drain's 503
             close = failure.closes
-            await _send_answer(self.send, *failure.answer, self.rules.path, close=close)
+            await _send_answer(self.send, *failure.answer, self.rules.route, close=close)
             return failure
         if failure.ending is Ending.CUT:  # for the requests pipelined behind
             self.scope.setdefault("extensions", {})[ANSWER_CUT] = True  # (protocol.py)

@@ -69,6 +69,20 @@ def test_a_request_under_the_root_path_is_measured_as_the_path_after_it_and_forw
         assert orjson.loads(request.body)["stream_options"] == {"include_usage": True}
 
 
+def test_the_proxys_own_answer_under_it_takes_its_apis_error_shape(
+    upstream: RawUpstream, start_proxy: Callable[..., ProxyUnderTest]
+) -> None:
+    """A body over --max-body-bytes to `/tenant-a/v1/messages` gets the Messages API's
+    error shape (`{"type": "error", ...}`), as `/v1/messages` does: the shape is chosen by
+    the route after the root path, not the OpenAI shape of a path no API has."""
+    proxy = start_proxy(upstream.url, root_path=ROOT, max_body_bytes=64)
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x" * 200}]}
+    for path in ("/v1/messages", ROOT + "/v1/messages"):
+        reply = httpx.post(proxy.url + path, json=body, timeout=30)
+        assert reply.status_code == 413, path
+        assert reply.json()["type"] == "error" and "64" in reply.json()["error"]["message"], path
+
+
 @pytest.mark.parametrize("path", [ROOT + "b" + CHAT, ROOT, "/other" + ROOT + CHAT])
 def test_only_a_path_that_starts_with_it_at_a_segments_end_is_under_it(
     upstream: RawUpstream, start_proxy: Callable[..., ProxyUnderTest], path: str

@@ -637,7 +637,7 @@ class WireRequest(Deadline):
                 status,
                 kind,
                 message,
-                self.rules.path,
+                self.rules.route,  # its API's error shape, after --root-path
                 close=not self.keep_alive,
                 head_only=self.head_only,
             )
