@@ -281,6 +281,12 @@ class UsageEventStripper:
         self._parts, self._pending, self._terminal = [], 0, b""
         return self._rewrite(rest, hold=False) if rest else rest
 
+    def withholds(self) -> bool:
+        """Whether a whole event waits here that the client has not been given: a
+        terminal chunk held for the usage chunk after it (what `at_break` hands over
+        first)."""
+        return bool(self._terminal)
+
     def at_break(self) -> bytes:
         """The stream broke off before its end (the upstream broke or went silent, the
         drain's end): what is held, for the client to get before its connection drops,

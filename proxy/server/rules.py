@@ -41,7 +41,6 @@ that `admit` opens (proxy/server/exchange.py).
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import dataclass
 from enum import Enum
 
@@ -66,8 +65,6 @@ from proxy.server.headers import Headers, client_headers, redirect_ends, redirec
 _EVENT_STREAM = b"text/event-stream"
 #: The endings after which the client still gets what the stripper holds (`held`).
 _HANDS_OVER = frozenset({Ending.DROP, Ending.CUT})
-#: Where an SSE event ends, as the stripper and the decoder cut them (proxy/core/strip.py).
-_EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 
 
 class Stage(Enum):
@@ -336,12 +333,11 @@ class ExchangeRules:
 
     def _withholds(self) -> bool:
         """Whether the usage stripper holds a whole event, which the observer has read and
-        the client was never given: a finish chunk that waited for the usage chunk. What
-        it holds is what a client still there would get at a break (`at_break`); a client
-        gone takes nothing, so it is read here once and dropped. Half an event is no
-        part of what the observer read: its decoder holds the same bytes unread."""
+        the client was never given: a finish chunk that waited for the usage chunk
+        (`UsageEventStripper.withholds`). Half an event is no part of what the observer
+        read: its decoder holds the same bytes unread."""
         stripper = self.stripper
-        return stripper is not None and _EVENT_END.search(stripper.at_break()) is not None
+        return stripper is not None and stripper.withholds()
 
     def held(self, failure: Failure) -> bytes:
         """After an early end (`early_end`'s failure): the bytes of the body the usage
