@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -58,10 +59,25 @@ def serving(
         while sum("Application startup complete." in line for line in lines) < workers:
             assert proxy.poll() is None and time.monotonic() < deadline, "".join(lines)
             time.sleep(0.05)
+        # One process says its application started before its port listens (uvicorn's
+        # Server.startup: the lifespan, then the server that listens): a CI run's request
+        # came between the two and was refused. The port answers before anything is sent.
+        while not _listens(port):
+            assert proxy.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.05)
         yield proxy, lines, port
     finally:
         stop_group(proxy)
         reader.join(10)
+
+
+def _listens(port: int) -> bool:
+    """Whether something accepts connections on 127.0.0.1:`port`."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
 
 
 def stopped_by(sig: signal.Signals, workers: int) -> tuple[int, str]:

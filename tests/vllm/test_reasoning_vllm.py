@@ -87,6 +87,10 @@ class Seen:
         self.finishes: dict[int, str] = {}  # by choice
         self.finish: str | None = None  # the last one
         self.usage: dict[str, Any] = {}
+        # Reasoning tokens whose text vLLM held back: `"reasoning": ""` with no finish but
+        # `length` (the parser was still reasoning; an EOS's finish is no reasoning). Each
+        # is a token (R7's return_token_ids truth: 15 deltas with text + 12 such = 27).
+        self.held_reasoning = 0
         for chunk in chunks(raw):
             self.usage = chunk.get("usage") or self.usage
             for choice in chunk.get("choices", []):
@@ -95,6 +99,11 @@ class Seen:
                 self.kinds += kinds
                 if kinds:
                     self.deltas.append(set(kinds))
+                elif delta.get("reasoning") == "" and choice.get("finish_reason") in (
+                    None,
+                    "length",
+                ):
+                    self.held_reasoning += 1
                 for call in delta.get("tool_calls") or []:
                     piece = (call.get("function") or {}).get("arguments") or ""
                     key = (choice["index"], call["index"])
@@ -108,11 +117,11 @@ class Seen:
 
     def reasoning_count(self) -> tuple[int, str]:
         """What the proxy must log: vLLM's count unless the stream contradicts it (each
-        delta is at least one token: no fewer than the reasoning deltas, no more than the
-        output less the other deltas); else all the output if the stream only reasoned,
+        delta is at least one token, a held one too: no fewer than the reasoning deltas,
+        no more than the output less the other deltas); else all the output if the stream only reasoned,
         else one per reasoning delta. A delta may carry reasoning and the answer's first
         text together (the CI saw one): the stream then did not only reason."""
-        reasoning = sum("reasoning" in kinds for kinds in self.deltas)
+        reasoning = sum("reasoning" in kinds for kinds in self.deltas) + self.held_reasoning
         others = sum("reasoning" not in kinds for kinds in self.deltas)
         answered = any(kinds - {"reasoning"} for kinds in self.deltas)
         output = int(self.usage["completion_tokens"])
@@ -194,7 +203,7 @@ def test_reasoning_vllm_reports_as_zero_is_counted_from_the_stream(vllm_reasonin
           f"({line['reasoning_token_source']}), ttft {line['ttft_ms']} ms, ttfa "
           f"{line['ttfa_ms']} ms")  # fmt: skip
     assert (line["reasoning_tokens"], line["reasoning_token_source"]) == (
-        reasoning_events,
+        reasoning_events + seen.held_reasoning,  # the held ones are reasoning tokens too
         "events",
     )
     # both measured, the answer after the reasoning (the same read when the proxy got
@@ -203,7 +212,8 @@ def test_reasoning_vllm_reports_as_zero_is_counted_from_the_stream(vllm_reasonin
     assert line["ttft_ms"] is not None and line["ttfa_ms"] is not None
     assert line["ttfa_ms"] >= line["ttft_ms"] and line["reasoning_ms"] is not None
     changed = delta.after(1)
-    assert changed("tokenprobe_reasoning_tokens_total", source="events") == reasoning_events
+    counted = reasoning_events + seen.held_reasoning
+    assert changed("tokenprobe_reasoning_tokens_total", source="events") == counted
     assert changed("tokenprobe_time_to_first_answer_token_seconds_count") == 1
     assert changed("tokenprobe_time_to_first_reasoning_token_seconds_count") == 1
 
