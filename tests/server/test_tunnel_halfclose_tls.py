@@ -26,7 +26,7 @@ GOING = close_frame(1001, b"going", masked=False)
 ANSWER = close_frame(1000, b"ok", masked=True)
 
 
-def test_a_tls_client_told_nothing_of_the_upstreams_fin_still_answers_itsclose_frame() -> None:
+def test_a_tls_client_told_nothing_of_the_upstreams_fin_still_answers_its_close() -> None:
     got_upstream: list[bytes] = []
 
     async def script(conn: Conn) -> None:

@@ -68,7 +68,7 @@ def sim_proxy(sim: Running) -> Iterator[TunnelListener]:
         listener.stop()
 
 
-def test_a_client_that_shuts_its_sending_after_its_close_gets_the_upstreamsclose_frame(
+def test_a_client_that_shuts_its_sending_after_its_close_gets_the_upstreams_close(
     sim_proxy: TunnelListener,
 ) -> None:
     """The simulator's /v1/realtime answers a close frame with its own (1000, "bye", the
@@ -90,7 +90,7 @@ def upstream() -> Iterator[RawUpstream]:
         yield server
 
 
-def test_an_upstream_that_shuts_its_sending_after_its_close_gets_the_clientsclose_frame(
+def test_an_upstream_that_shuts_its_sending_after_its_close_gets_the_clients_close(
     upstream: RawUpstream,
 ) -> None:
     """The same the other way: the upstream's close frame and FIN reach the client as
